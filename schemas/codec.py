@@ -1,0 +1,75 @@
+"""orjson encoding and decoding of the wire types, and their JSON Schemas."""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import orjson
+from pydantic import BaseModel, TypeAdapter
+
+from schemas.messages import (
+    AuditEvent,
+    Batch,
+    Cancellation,
+    DeadLetter,
+    GenerateRequest,
+    ReplyEvent,
+    WorkerHeartbeat,
+)
+
+M = TypeVar("M", bound=BaseModel)
+
+_REPLY = TypeAdapter(ReplyEvent)
+
+# name -> type; the JSON Schema of each is exported to schemas/json/ and pinned by golden tests.
+WIRE_TYPES: dict[str, Any] = {
+    "GenerateRequest": GenerateRequest,
+    "ReplyEvent": _REPLY,
+    "Cancellation": Cancellation,
+    "Batch": Batch,
+    "WorkerHeartbeat": WorkerHeartbeat,
+    "AuditEvent": AuditEvent,
+    "DeadLetter": DeadLetter,
+}
+
+
+class DecodeError(ValueError):
+    """A message that is not valid JSON or not a valid instance of its wire type."""
+
+
+def encode(message: BaseModel) -> bytes:
+    """Serialise a wire message to JSON bytes (None fields kept, so the shape is stable)."""
+    return orjson.dumps(message.model_dump(mode="json"))
+
+
+def decode(kind: type[M], data: bytes | None) -> M:
+    """Parse bytes into `kind`; raises DecodeError with the reason on any defect."""
+    try:
+        return kind.model_validate(orjson.loads(data or b""))
+    except orjson.JSONDecodeError as exc:
+        raise DecodeError(f"not JSON: {exc}") from exc
+    except ValueError as exc:  # pydantic.ValidationError is a ValueError
+        raise DecodeError(f"invalid {kind.__name__}: {_short(exc)}") from exc
+
+
+def decode_reply(data: bytes | None) -> Any:
+    """Parse a ReplyDelta or ReplyEnd by its `type` field."""
+    try:
+        return _REPLY.validate_python(orjson.loads(data or b""))
+    except orjson.JSONDecodeError as exc:
+        raise DecodeError(f"not JSON: {exc}") from exc
+    except ValueError as exc:
+        raise DecodeError(f"invalid ReplyEvent: {_short(exc)}") from exc
+
+
+def json_schema(name: str) -> dict[str, Any]:
+    """The JSON Schema of one wire type, by name."""
+    kind = WIRE_TYPES[name]
+    if isinstance(kind, TypeAdapter):
+        return kind.json_schema()
+    return kind.model_json_schema()
+
+
+def _short(exc: Exception) -> str:
+    text = str(exc).replace("\n", "; ")
+    return text[:500]

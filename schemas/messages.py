@@ -1,0 +1,224 @@
+"""Wire types of Weir: every message that crosses Kafka.
+
+Each message carries `schema_version`, its correlation ids (request_id, and batch_id where there
+is one) and epoch-millisecond timestamps (`*_ms`) that latencies are computed from. These types are
+the public contract: any Kafka client may produce a GenerateRequest and read the ReplyEvents from
+the reply topic it named. Services convert them to their own state at their edges.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+SCHEMA_VERSION = 1
+
+Priority = Literal["interactive", "bulk"]
+FinishReason = Literal["stop", "length", "cancelled", "timeout", "rejected", "error"]
+CancelReason = Literal["client_disconnect", "user", "deadline", "shutdown"]
+
+
+def now_ms() -> int:
+    """Wall-clock time in epoch milliseconds, the unit of every `*_ms` field."""
+    return int(time.time() * 1000)
+
+
+class _Wire(BaseModel):
+    """Base of wire types: unknown fields are refused so a typo is an error, not a silent default."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    schema_version: int = Field(SCHEMA_VERSION, description="Wire schema version of this message.")
+
+
+class ChatMessage(BaseModel):
+    """One chat turn, as in OpenAI's chat completions."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    role: Literal["system", "user", "assistant"] = Field(description="Who speaks this turn.")
+    content: str = Field(description="The text of the turn.")
+
+
+class GenerateRequest(_Wire):
+    """A request for text generation, published to `weir.requests` keyed by request_id.
+
+    Exactly one of `prompt` and `messages` is set. The request ends in exactly one terminal
+    ReplyEnd on `reply_to`.
+    """
+
+    kind: Literal["generate"] = Field("generate", description="Message kind discriminator.")
+    request_id: str = Field(min_length=1, max_length=128, description="Unique id; deduplicates redeliveries.")
+    model: str = Field(min_length=1, max_length=128, description="Model name from the model repository.")
+    prompt: str | None = Field(None, description="Completion prompt (exclusive with messages).")
+    messages: list[ChatMessage] | None = Field(None, description="Chat turns (exclusive with prompt).")
+    max_tokens: int = Field(64, ge=1, le=32768, description="Most tokens to generate.")
+    temperature: float = Field(1.0, ge=0.0, le=2.0, description="Sampling temperature; 0 is greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 keeps all.")
+    stop: list[str] = Field(default_factory=list, max_length=16, description="Stop strings, not included in output.")
+    seed: int | None = Field(None, description="Sampling seed; derived from request_id when absent.")
+    stream: bool = Field(True, description="Whether the client streams; workers always send deltas.")
+    principal: str = Field("anonymous", description="Who asked (API key owner or JWT subject).")
+    tenant: str = Field("default", description="Tenant the principal belongs to.")
+    priority: Priority = Field("interactive", description="Scheduling lane.")
+    deadline_ms: int = Field(description="Absolute deadline, epoch ms; expired work is dropped.")
+    reply_to: str = Field(min_length=1, max_length=249, description="Topic that receives the ReplyEvents.")
+    created_ms: int = Field(default_factory=now_ms, description="When the request was accepted, epoch ms.")
+
+    @model_validator(mode="after")
+    def _one_input(self) -> GenerateRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("exactly one of prompt and messages must be set")
+        return self
+
+    @property
+    def effective_seed(self) -> int:
+        """The seed sampling uses: the given one, or a stable hash of request_id.
+
+        A stable seed makes a request regenerated after a crash produce the same tokens.
+        """
+        if self.seed is not None:
+            return self.seed
+        return int.from_bytes(hashlib.sha256(self.request_id.encode()).digest()[:8], "big") >> 1
+
+
+class Usage(BaseModel):
+    """Token counts, as in OpenAI's usage object."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prompt_tokens: int = Field(0, ge=0, description="Tokens in the prompt.")
+    completion_tokens: int = Field(0, ge=0, description="Tokens generated.")
+    total_tokens: int = Field(0, ge=0, description="prompt_tokens + completion_tokens.")
+
+
+class ErrorInfo(BaseModel):
+    """Why a request failed or was refused."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    code: str = Field(description="Stable machine-readable code, e.g. 'prompt_too_long'.")
+    message: str = Field(description="Human-readable explanation.")
+
+
+class ReplyDelta(_Wire):
+    """A piece of generated text. `seq` counts from 0 per request; repeats carry the same seq."""
+
+    type: Literal["delta"] = Field("delta", description="Event discriminator.")
+    request_id: str = Field(description="The request this belongs to.")
+    batch_id: str | None = Field(None, description="Batch that carried the request.")
+    seq: int = Field(ge=0, description="Per-request sequence number; drop repeats, detect gaps.")
+    text: str = Field(description="Text added by this event.")
+    token_ids: list[int] = Field(default_factory=list, description="Token ids behind the text.")
+    created_ms: int = Field(default_factory=now_ms, description="When the worker produced it, epoch ms.")
+
+
+class ReplyEnd(_Wire):
+    """The one terminal event of a request. Its `seq` follows the last delta's."""
+
+    type: Literal["end"] = Field("end", description="Event discriminator.")
+    request_id: str = Field(description="The request this ends.")
+    batch_id: str | None = Field(None, description="Batch that carried the request, if it got one.")
+    seq: int = Field(ge=0, description="Per-request sequence number (last).")
+    finish_reason: FinishReason = Field(description="Why the request ended.")
+    usage: Usage = Field(default_factory=Usage, description="Token counts.")
+    error: ErrorInfo | None = Field(None, description="Set when finish_reason is error/rejected/timeout.")
+    model_version: str | None = Field(None, description="name@version of the model that served it.")
+    received_ms: int | None = Field(None, description="When the worker received the request, epoch ms.")
+    first_token_ms: int | None = Field(None, description="When the first token was produced, epoch ms.")
+    created_ms: int = Field(default_factory=now_ms, description="When this event was produced, epoch ms.")
+
+
+ReplyEvent = Annotated[ReplyDelta | ReplyEnd, Field(discriminator="type")]
+
+
+class Cancellation(_Wire):
+    """Cancel a request, on `weir.control` keyed by request_id."""
+
+    kind: Literal["cancel"] = Field("cancel", description="Message kind discriminator.")
+    request_id: str = Field(description="The request to cancel.")
+    reason: CancelReason = Field("user", description="Why it is cancelled.")
+    reply_to: str | None = Field(None, description="Reply topic of the request, when known.")
+    created_ms: int = Field(default_factory=now_ms, description="When the cancel was issued, epoch ms.")
+
+
+class Batch(_Wire):
+    """A batch of requests for one model, from the batcher to `weir.batches.<model>`."""
+
+    batch_id: str = Field(description="Unique batch id.")
+    model: str = Field(description="Model all requests are for.")
+    requests: list[GenerateRequest] = Field(min_length=1, description="Requests, in scheduling order.")
+    batcher_id: str = Field(description="Batcher instance that formed it.")
+    created_ms: int = Field(default_factory=now_ms, description="When the batch closed, epoch ms.")
+
+
+class DeviceInfo(BaseModel):
+    """One compute device of a worker."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["cuda", "cpu"] = Field(description="Device kind.")
+    name: str = Field(description="Device name, e.g. 'NVIDIA H200' or the CPU model.")
+    memory_total_bytes: int = Field(0, ge=0, description="Device memory in bytes.")
+    memory_free_bytes: int = Field(0, ge=0, description="Free device memory in bytes.")
+    utilization_pct: float | None = Field(None, description="Compute utilisation, percent (NVML).")
+
+
+class WorkerHeartbeat(_Wire):
+    """A worker's capacity, on the compacted `weir.workers` keyed by worker_id."""
+
+    worker_id: str = Field(description="Worker instance id.")
+    models: list[str] = Field(description="Models this worker serves.")
+    is_ready: bool = Field(description="True once warmup has run.")
+    num_running: int = Field(ge=0, description="Sequences in the decode loop.")
+    num_waiting: int = Field(ge=0, description="Sequences queued in the worker.")
+    max_num_seqs: int = Field(ge=1, description="Most sequences the worker runs at once.")
+    free_kv_blocks: int = Field(ge=0, description="Free KV-cache blocks.")
+    block_size_tokens: int = Field(ge=1, description="Tokens per KV-cache block.")
+    devices: list[DeviceInfo] = Field(default_factory=list, description="Devices of the worker.")
+    sent_ms: int = Field(default_factory=now_ms, description="When it was sent, epoch ms.")
+
+
+class AuditEvent(_Wire):
+    """What was served, with no raw text: keyed hashes only (DESIGN.md, invariant 7)."""
+
+    event_id: str = Field(description="Idempotency key: one record per event_id.")
+    request_id: str = Field(description="The request audited.")
+    model: str = Field(description="Model name.")
+    model_version: str = Field(description="name@version.")
+    weights_sha256: str = Field(description="sha256 of the weights file(s).")
+    principal: str = Field(description="Who asked.")
+    tenant: str = Field(description="Tenant.")
+    prompt_hmac: str = Field(description="HMAC-SHA256 (hex) of the normalised prompt.")
+    output_hmac: str = Field(description="HMAC-SHA256 (hex) of the normalised output.")
+    hmac_key_id: str = Field(description="Which key made the HMACs.")
+    temperature: float = Field(description="Sampling temperature.")
+    top_p: float = Field(description="Nucleus mass.")
+    top_k: int = Field(description="Top-k.")
+    max_tokens: int = Field(description="Token limit.")
+    seed: int = Field(description="Seed used.")
+    prompt_tokens: int = Field(ge=0, description="Prompt tokens.")
+    completion_tokens: int = Field(ge=0, description="Generated tokens.")
+    finish_reason: FinishReason = Field(description="How it ended.")
+    worker_id: str = Field(description="Worker that served it.")
+    request_created_ms: int = Field(description="When the request was accepted, epoch ms.")
+    received_ms: int = Field(description="When the worker received it, epoch ms.")
+    first_token_ms: int | None = Field(None, description="First token, epoch ms.")
+    finished_ms: int = Field(description="When it finished, epoch ms.")
+
+
+class DeadLetter(_Wire):
+    """A message a consumer could not use, with the reason, on `weir.dlq`."""
+
+    source_topic: str = Field(description="Topic the message came from.")
+    partition: int = Field(description="Its partition.")
+    offset: int = Field(description="Its offset.")
+    key: str | None = Field(None, description="Its key, decoded as UTF-8 with replacement.")
+    value: str = Field(description="Its value, decoded as UTF-8 with replacement (truncated to 64 KiB).")
+    reason: str = Field(description="Why it was refused.")
+    service: str = Field(description="Which service refused it.")
+    created_ms: int = Field(default_factory=now_ms, description="When it was dead-lettered, epoch ms.")

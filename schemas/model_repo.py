@@ -1,0 +1,100 @@
+"""The model repository: one entry per served model, in the spirit of Triton's model config.
+
+A TOML file (default: models.toml at the repository root, or $WEIR_MODEL_REPO) holds a table per
+model:
+
+    [models.weir-tiny-py]
+    path = "models/weir-tiny-py"      # Hugging Face-format directory (relative to the TOML file)
+    engine = "torch"                  # torch | onnx | echo
+    max_batch_size = 16
+    max_wait_ms = 5
+    instances = 1
+    max_model_len = 512
+    warmup = ["def main():"]
+
+Both the batcher (batch bounds) and the worker (what to load) read it. A bad entry is refused at
+load time with a message that names the entry and the field.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+Engine = Literal["torch", "onnx", "echo"]
+
+
+class ModelConfig(BaseModel):
+    """One model entry of the repository."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1, max_length=128, description="Name clients ask for.")
+    path: Path | None = Field(None, description="Model directory; required unless engine is echo.")
+    engine: Engine = Field("torch", description="Which runtime serves it.")
+    version: str = Field("1", description="Version string, reported as name@version.")
+    max_batch_size: int = Field(16, ge=1, le=1024, description="Most requests per batch.")
+    max_wait_ms: int = Field(5, ge=0, le=60_000, description="Longest a request waits for a batch to fill.")
+    instances: int = Field(1, ge=1, le=64, description="Engine instances per worker process.")
+    max_model_len: int = Field(512, ge=16, description="Longest prompt + output in tokens.")
+    max_num_seqs: int = Field(64, ge=1, description="Most sequences running at once in one engine.")
+    default_timeout_s: float = Field(120.0, gt=0, description="Deadline applied when a request sets none.")
+    warmup: list[str] = Field(default_factory=lambda: ["Hello"], description="Prompts run before ready.")
+
+    @field_validator("name")
+    @classmethod
+    def _name_chars(cls, value: str) -> str:
+        if any(ch.isspace() for ch in value):
+            raise ValueError("must not contain whitespace")
+        return value
+
+
+class ModelRepository(BaseModel):
+    """All model entries, by name."""
+
+    model_config = ConfigDict(frozen=True)
+
+    models: dict[str, ModelConfig]
+
+    def get(self, name: str) -> ModelConfig | None:
+        """The entry for `name`, or None when the repository does not serve it."""
+        return self.models.get(name)
+
+
+class ModelRepoError(ValueError):
+    """The model repository file is unusable; the message names the entry and the fix."""
+
+
+def load_model_repo(path: str | Path) -> ModelRepository:
+    """Read and validate a model repository TOML file; raises ModelRepoError naming the bad entry."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise ModelRepoError(f"model repository {path} does not exist; set WEIR_MODEL_REPO") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ModelRepoError(f"model repository {path} is not valid TOML: {exc}") from exc
+    tables = raw.get("models")
+    if not isinstance(tables, dict) or not tables:
+        raise ModelRepoError(f"model repository {path} has no [models.<name>] table")
+    models: dict[str, ModelConfig] = {}
+    for name, table in tables.items():
+        if not isinstance(table, dict):
+            raise ModelRepoError(f"model entry {name!r} in {path} must be a table")
+        try:
+            entry = ModelConfig(name=name, **table)
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+            raise ModelRepoError(f"model entry {name!r} in {path} is invalid: {problems}") from exc
+        except TypeError as exc:
+            raise ModelRepoError(f"model entry {name!r} in {path} is invalid: {exc}") from exc
+        if entry.engine != "echo":
+            if entry.path is None:
+                raise ModelRepoError(f"model entry {name!r} in {path}: engine={entry.engine} needs a path")
+            resolved = entry.path if entry.path.is_absolute() else (path.parent / entry.path).resolve()
+            entry = entry.model_copy(update={"path": resolved})
+        models[name] = entry
+    return ModelRepository(models=models)

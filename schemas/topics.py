@@ -1,0 +1,116 @@
+"""Every Kafka topic name, partition count, topic config and consumer group id of Weir.
+
+This is the one module that names them (DESIGN.md, invariant 2). A service that needs a topic
+or a group asks here; nothing else spells a topic name.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+DEFAULT_PREFIX = "weir"
+
+_TOPIC_CHARS = re.compile(r"[^a-zA-Z0-9._-]")
+
+
+def safe_name(name: str) -> str:
+    """Return `name` with every character Kafka refuses in a topic name replaced by '_'."""
+    return _TOPIC_CHARS.sub("_", name)
+
+
+@dataclass(frozen=True)
+class TopicSpec:
+    """A topic the project creates, with the partition count and configs it needs."""
+
+    name: str
+    num_partitions: int
+    configs: dict[str, str] = field(default_factory=dict)
+
+
+_DELETE_7D = {"cleanup.policy": "delete", "retention.ms": str(7 * 24 * 3600 * 1000)}
+# Compacted topics keep the latest record per key: the last cancel of a request, the last
+# heartbeat of a worker. Short segment/lag settings make compaction actually run on a dev box.
+_COMPACT = {
+    "cleanup.policy": "compact",
+    "segment.ms": str(600_000),
+    "min.compaction.lag.ms": str(60_000),
+    "delete.retention.ms": str(3_600_000),
+}
+_REPLIES = {"cleanup.policy": "delete", "retention.ms": str(24 * 3600 * 1000)}
+
+
+@dataclass(frozen=True)
+class Topics:
+    """Topic names and group ids under one prefix.
+
+    The prefix (default "weir") lets several deployments, or test runs, share one cluster
+    without seeing each other's messages.
+    """
+
+    prefix: str = DEFAULT_PREFIX
+
+    @property
+    def requests(self) -> str:
+        """GenerateRequests from the gateway or any producer; keyed by request_id."""
+        return f"{self.prefix}.requests"
+
+    @property
+    def control(self) -> str:
+        """Cancellations, compacted, keyed by request_id."""
+        return f"{self.prefix}.control"
+
+    @property
+    def workers(self) -> str:
+        """Worker heartbeats, compacted, keyed by worker_id."""
+        return f"{self.prefix}.workers"
+
+    @property
+    def audit(self) -> str:
+        """AuditEvents from workers to the auditor."""
+        return f"{self.prefix}.audit"
+
+    @property
+    def dead_letter(self) -> str:
+        """DeadLetters: messages a consumer could not use, with the reason."""
+        return f"{self.prefix}.dlq"
+
+    def batches(self, model: str) -> str:
+        """Batches of `model` from the batcher to that model's workers."""
+        return f"{self.prefix}.batches.{safe_name(model)}"
+
+    def replies(self, instance: str) -> str:
+        """The reply topic of one reader (a gateway instance, or any client that names one)."""
+        return f"{self.prefix}.replies.{safe_name(instance)}"
+
+    @property
+    def batcher_group(self) -> str:
+        """Consumer group of all batcher replicas."""
+        return f"{self.prefix}.batcher"
+
+    @property
+    def auditor_group(self) -> str:
+        """Consumer group of all auditor replicas."""
+        return f"{self.prefix}.auditor"
+
+    def worker_group(self, model: str) -> str:
+        """Consumer group of the workers of `model`: Kafka spreads its batches among them."""
+        return f"{self.prefix}.worker.{safe_name(model)}"
+
+    def core_specs(self) -> list[TopicSpec]:
+        """The topics that exist independent of the model repository."""
+        return [
+            TopicSpec(self.requests, 8, _DELETE_7D),
+            TopicSpec(self.control, 4, _COMPACT),
+            TopicSpec(self.workers, 1, _COMPACT),
+            TopicSpec(self.audit, 4, _DELETE_7D),
+            TopicSpec(self.dead_letter, 1, _DELETE_7D),
+        ]
+
+    def model_specs(self, model: str) -> list[TopicSpec]:
+        """The topics one model needs."""
+        return [TopicSpec(self.batches(model), 4, _DELETE_7D)]
+
+    def reply_spec(self, instance: str) -> TopicSpec:
+        """A reply topic: one partition keeps one reader's events in order."""
+        return TopicSpec(self.replies(instance), 1, _REPLIES)

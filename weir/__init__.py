@@ -1,0 +1,1 @@
+"""Weir: command line, local launcher and shared Kafka plumbing."""
