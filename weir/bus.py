@@ -1,0 +1,166 @@
+"""Kafka plumbing every service shares: client factories, dead-lettering, offset bookkeeping.
+
+The factories fix the settings that invariant 3 of DESIGN.md depends on: producers are idempotent
+with acks=all; consumers never auto-commit, so a service commits an offset only once the effect of
+that message has been durably produced. OffsetTracker turns out-of-order completions into the
+contiguous offsets that are safe to commit.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from schemas.codec import encode
+from schemas.messages import DeadLetter
+from schemas.topics import DEFAULT_PREFIX, Topics
+
+log = logging.getLogger(__name__)
+
+_MAX_DEAD_VALUE_CHARS = 64 * 1024
+
+
+class BusSettings(BaseSettings):
+    """Kafka settings common to all services (env: WEIR_KAFKA_BOOTSTRAP, WEIR_TOPIC_PREFIX)."""
+
+    model_config = SettingsConfigDict(env_prefix="WEIR_", extra="ignore")
+
+    kafka_bootstrap: str = Field("127.0.0.1:9092", description="Kafka bootstrap servers, comma-separated.")
+    topic_prefix: str = Field(DEFAULT_PREFIX, description="Prefix of every topic and group id.")
+    # aiokafka's default fetch_max_wait_ms is 500 ms: an idle consumer then answers a new record
+    # up to half a second late. Latency-sensitive consumers wait at most this long.
+    fetch_max_wait_ms: int = Field(5, ge=0, description="Longest a fetch waits for data on the broker.")
+
+    @property
+    def topics(self) -> Topics:
+        """Topic names and group ids under this deployment's prefix."""
+        return Topics(self.topic_prefix)
+
+
+def instance_id(service: str) -> str:
+    """A unique id for one replica of a service (nothing assumes a service runs once)."""
+    return f"{service}-{uuid.uuid4().hex[:12]}"
+
+
+def make_producer(settings: BusSettings, client_id: str, linger_ms: int = 0) -> AIOKafkaProducer:
+    """An idempotent producer with acks=all: a send that returns is durably written, once."""
+    return AIOKafkaProducer(
+        bootstrap_servers=settings.kafka_bootstrap,
+        client_id=client_id,
+        acks="all",
+        enable_idempotence=True,
+        linger_ms=linger_ms,
+        request_timeout_ms=30_000,
+        retry_backoff_ms=100,
+    )
+
+
+def make_consumer(
+    settings: BusSettings,
+    *topics: str,
+    client_id: str,
+    group_id: str | None,
+    auto_offset_reset: str = "earliest",
+    max_poll_records: int = 500,
+    session_timeout_ms: int = 10_000,
+) -> AIOKafkaConsumer:
+    """A consumer that never commits by itself; the service commits after its effects are durable."""
+    return AIOKafkaConsumer(
+        *topics,
+        bootstrap_servers=settings.kafka_bootstrap,
+        client_id=client_id,
+        group_id=group_id,
+        enable_auto_commit=False,
+        auto_offset_reset=auto_offset_reset,
+        fetch_max_wait_ms=settings.fetch_max_wait_ms,
+        max_poll_records=max_poll_records,
+        session_timeout_ms=session_timeout_ms,
+        heartbeat_interval_ms=max(1000, session_timeout_ms // 4),
+        isolation_level="read_committed",
+    )
+
+
+def dead_letter_of(record: ConsumerRecord, reason: str, service: str) -> DeadLetter:
+    """The DeadLetter that records why `record` could not be used."""
+    key = record.key.decode("utf-8", "replace") if isinstance(record.key, bytes) else None
+    raw = record.value if isinstance(record.value, bytes) else b""
+    return DeadLetter(
+        source_topic=record.topic,
+        partition=record.partition,
+        offset=record.offset,
+        key=key,
+        value=raw.decode("utf-8", "replace")[:_MAX_DEAD_VALUE_CHARS],
+        reason=reason[:2000],
+        service=service,
+    )
+
+
+async def send_dead_letter(
+    producer: AIOKafkaProducer, topics: Topics, record: ConsumerRecord, reason: str, service: str
+) -> None:
+    """Produce the record's DeadLetter and wait until it is durable; the caller then moves on."""
+    letter = dead_letter_of(record, reason, service)
+    log.warning("dead-lettering %s[%d]@%d: %s", record.topic, record.partition, record.offset, reason)
+    await producer.send_and_wait(topics.dead_letter, encode(letter), key=letter.key.encode() if letter.key else None)
+
+
+@dataclass
+class _PartitionOffsets:
+    # pending: offsets taken but not yet done, in arrival order; done flags parallel to it.
+    pending: deque[list[Any]] = field(default_factory=deque)
+    committed: int = -1  # next offset to read, as last reported committable
+
+
+class OffsetTracker:
+    """Tracks which consumed offsets have their effects durable, per partition.
+
+    Kafka commits a position, not a set: committing N says every offset below N is done. Work
+    finishes out of order (a short request ends before a long one), so the safe position is the
+    lowest offset still in flight. Pure: no I/O, driven by the consumer loop.
+    """
+
+    def __init__(self) -> None:
+        self._parts: dict[TopicPartition, _PartitionOffsets] = {}
+
+    def add(self, tp: TopicPartition, offset: int) -> None:
+        """Record that `offset` of `tp` was taken and its work started."""
+        part = self._parts.setdefault(tp, _PartitionOffsets())
+        part.pending.append([offset, False])
+
+    def done(self, tp: TopicPartition, offset: int) -> None:
+        """Record that the effects of `offset` are durable. Unknown offsets are ignored."""
+        part = self._parts.get(tp)
+        if part is None:
+            return
+        for entry in part.pending:
+            if entry[0] == offset:
+                entry[1] = True
+                return
+
+    def committable(self) -> dict[TopicPartition, int]:
+        """Positions that advanced since the last call: {tp: next offset to read}."""
+        out: dict[TopicPartition, int] = {}
+        for tp, part in self._parts.items():
+            position = None
+            while part.pending and part.pending[0][1]:
+                position = part.pending.popleft()[0] + 1
+            if position is not None and position > part.committed:
+                part.committed = position
+                out[tp] = position
+        return out
+
+    def num_in_flight(self) -> int:
+        """How many taken offsets are not done yet."""
+        return sum(1 for part in self._parts.values() for entry in part.pending if not entry[1])
+
+    def forget(self, partitions: set[TopicPartition] | list[TopicPartition]) -> None:
+        """Drop partitions this consumer no longer owns (after a rebalance)."""
+        for tp in partitions:
+            self._parts.pop(tp, None)
