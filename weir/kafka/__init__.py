@@ -1,0 +1,1 @@
+"""The local Apache Kafka broker (launcher) and topic administration (admin)."""

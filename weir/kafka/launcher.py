@@ -1,0 +1,357 @@
+"""Run a real single-node Apache Kafka broker (KRaft, combined roles) from Maven Central jars.
+
+Layout, all under one data dir (default $WEIR_HOME/kafka/broker-<port>), which survives restarts:
+
+    server.properties   rewritten on every start from BrokerConfig
+    cluster.id          chosen once; storage is formatted once with it
+    logs/               Kafka's log.dirs (topic data and KRaft metadata)
+    kafka.pid, kafka.log
+
+The jars live in $WEIR_HOME/kafka/<version>/lib, resolved once with Maven from weir/kafka/pom.xml.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import fcntl
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from weir.kafka.admin import wait_for_broker
+
+KAFKA_VERSION = "4.4.0"  # keep in step with pom.xml and docker-compose.yml
+HERE = Path(__file__).resolve().parent
+POM = HERE / "pom.xml"
+LOG4J2_CONFIG = HERE / "log4j2.properties"
+HEAP_OPTS = ("-Xms256m", "-Xmx768m")
+JVM_OPTS = ("-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20", "-XX:+ExplicitGCInvokesConcurrent",
+            "-Djava.awt.headless=true")
+MAVEN_COPY = "org.apache.maven.plugins:maven-dependency-plugin:3.8.1:copy-dependencies"
+
+
+class BrokerError(RuntimeError):
+    """The broker could not be resolved, formatted, started or reached; the message says why."""
+
+
+def weir_home() -> Path:
+    """$WEIR_HOME, else <repo>/var for a source checkout, else ~/.cache/weir."""
+    if env := os.environ.get("WEIR_HOME"):
+        return Path(env).expanduser().resolve()
+    repo = HERE.parents[1]
+    if (repo / "pyproject.toml").exists() and os.access(repo, os.W_OK):
+        return repo / "var"
+    return Path.home() / ".cache" / "weir"
+
+
+@dataclass(frozen=True)
+class BrokerConfig:
+    """Where one local broker listens and keeps its data."""
+
+    port: int = 9092
+    controller_port: int = 0  # 0: port + 1
+    host: str = "127.0.0.1"
+    data_dir: Path | None = None  # None: $WEIR_HOME/kafka/broker-<port>
+    version: str = KAFKA_VERSION
+    overrides: dict[str, str] = field(default_factory=dict)  # extra server.properties entries
+
+    def __post_init__(self) -> None:
+        if not self.controller_port:
+            object.__setattr__(self, "controller_port", self.port + 1)
+
+    @classmethod
+    def from_env(cls, **given: object) -> BrokerConfig:
+        """Build from WEIR_KAFKA_PORT, WEIR_KAFKA_CONTROLLER_PORT, WEIR_KAFKA_DATA_DIR; `given` wins."""
+        env = os.environ
+        values: dict[str, object] = {}
+        if "WEIR_KAFKA_PORT" in env:
+            values["port"] = int(env["WEIR_KAFKA_PORT"])
+        if "WEIR_KAFKA_CONTROLLER_PORT" in env:
+            values["controller_port"] = int(env["WEIR_KAFKA_CONTROLLER_PORT"])
+        if "WEIR_KAFKA_DATA_DIR" in env:
+            values["data_dir"] = Path(env["WEIR_KAFKA_DATA_DIR"])
+        values.update({k: v for k, v in given.items() if v is not None})
+        return cls(**values)  # type: ignore[arg-type]
+
+    @property
+    def bootstrap(self) -> str:
+        """host:port for clients."""
+        return f"{self.host}:{self.port}"
+
+    @property
+    def home(self) -> Path:
+        """The data dir, resolved."""
+        return (self.data_dir or weir_home() / "kafka" / f"broker-{self.port}").resolve()
+
+    @property
+    def log_dir(self) -> Path:
+        return self.home / "logs"
+
+    @property
+    def pid_file(self) -> Path:
+        return self.home / "kafka.pid"
+
+    @property
+    def log_file(self) -> Path:
+        return self.home / "kafka.log"
+
+    @property
+    def properties_file(self) -> Path:
+        return self.home / "server.properties"
+
+
+def render_server_properties(cfg: BrokerConfig) -> str:
+    """server.properties for a single node with combined broker+controller roles."""
+    props = {
+        "process.roles": "broker,controller",
+        "node.id": "1",
+        "controller.quorum.voters": f"1@{cfg.host}:{cfg.controller_port}",
+        "listeners": f"PLAINTEXT://{cfg.host}:{cfg.port},CONTROLLER://{cfg.host}:{cfg.controller_port}",
+        "advertised.listeners": f"PLAINTEXT://{cfg.host}:{cfg.port}",
+        "inter.broker.listener.name": "PLAINTEXT",
+        "controller.listener.names": "CONTROLLER",
+        "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
+        "log.dirs": str(cfg.log_dir),
+        # Plain clients may name their own reply topic: let the broker create it on first use.
+        "auto.create.topics.enable": "true",
+        "num.partitions": "1",
+        "default.replication.factor": "1",
+        "min.insync.replicas": "1",
+        "offsets.topic.replication.factor": "1",
+        "offsets.topic.num.partitions": "4",
+        "transaction.state.log.replication.factor": "1",
+        "transaction.state.log.min.isr": "1",
+        "transaction.state.log.num.partitions": "4",
+        "share.coordinator.state.topic.replication.factor": "1",
+        "share.coordinator.state.topic.min.isr": "1",
+        # The default 3000 ms delays every first group join by 3 s.
+        "group.initial.rebalance.delay.ms": "0",
+        # Lets kill tests use short consumer session timeouts (default minimum 6000 ms).
+        "group.min.session.timeout.ms": "1000",
+        # A small machine: few threads, a small compaction buffer (taken from the heap).
+        "num.io.threads": "2",
+        "num.network.threads": "2",
+        "num.recovery.threads.per.data.dir": "1",
+        "background.threads": "4",
+        "log.cleaner.threads": "1",
+        "log.cleaner.dedupe.buffer.size": str(32 * 1024 * 1024),
+    }
+    props.update(cfg.overrides)
+    lines = ["# Written by weir/kafka/launcher.py on every start; edit BrokerConfig instead."]
+    lines += [f"{key}={value}" for key, value in props.items()]
+    return "\n".join(lines) + "\n"
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive flock on `path` (several processes may start or resolve at once)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def lib_dir(version: str = KAFKA_VERSION) -> Path:
+    """Where the jars of `version` are cached."""
+    return weir_home() / "kafka" / version / "lib"
+
+
+def resolve_jars(version: str = KAFKA_VERSION) -> Path:
+    """Copy the broker's runtime jars into lib_dir(version) with Maven, once; returns that dir."""
+    lib = lib_dir(version)
+    done = lib / ".complete"
+    if done.exists():
+        return lib
+    mvn = shutil.which("mvn")
+    if mvn is None:
+        raise BrokerError("mvn not found on PATH; install Maven (apt-get install maven) to fetch Kafka")
+    with _locked(lib.parent / ".resolve.lock"):
+        if done.exists():
+            return lib
+        staging = lib.parent / "lib.partial"
+        shutil.rmtree(staging, ignore_errors=True)
+        cmd = [mvn, "-B", "-q", "-f", str(POM), MAVEN_COPY, "-DincludeScope=runtime",
+               f"-DoutputDirectory={staging}", f"-Dkafka.version={version}"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise BrokerError(f"resolving Kafka {version} jars failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+        shutil.rmtree(lib, ignore_errors=True)
+        staging.rename(lib)
+        done.write_text(f"{version}\n")
+    return lib
+
+
+def _java() -> str:
+    if home := os.environ.get("JAVA_HOME"):
+        return str(Path(home) / "bin" / "java")
+    java = shutil.which("java")
+    if java is None:
+        raise BrokerError("java not found on PATH; install a JDK 17+ (apt-get install openjdk-17-jre-headless)")
+    return java
+
+
+def new_cluster_id() -> str:
+    """A random cluster id in Kafka's Uuid text form (URL-safe base64, no padding)."""
+    while True:
+        text = base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
+        if not text.startswith("-"):  # Kafka never makes ids that look like a CLI flag
+            return text
+
+
+def format_storage(cfg: BrokerConfig, lib: Path) -> None:
+    """Format log.dirs once; an already formatted data dir is left as it is."""
+    if (cfg.log_dir / "meta.properties").exists():
+        return
+    id_file = cfg.home / "cluster.id"
+    if not id_file.exists():
+        id_file.write_text(new_cluster_id() + "\n")
+    cluster_id = id_file.read_text().strip()
+    cmd = [_java(), "-Xmx256m", f"-Dlog4j2.configurationFile={LOG4J2_CONFIG}", "-cp", f"{lib}/*",
+           "kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(cfg.properties_file)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise BrokerError(f"formatting {cfg.log_dir} failed:\n{proc.stdout}{proc.stderr}")
+
+
+def running_pid(cfg: BrokerConfig) -> int | None:
+    """The pid of this data dir's broker when it is alive, else None."""
+    try:
+        pid = int(cfg.pid_file.read_text().strip())
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (FileNotFoundError, ValueError, ProcessLookupError):
+        return None
+    # Guard against a reused pid: it must be a Kafka server on this very properties file.
+    if b"kafka.Kafka" in cmdline and str(cfg.properties_file).encode() in cmdline:
+        return pid
+    return None
+
+
+def port_open(host: str, port: int, timeout_s: float = 0.5) -> bool:
+    """True when something accepts TCP connections on host:port."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def start(cfg: BrokerConfig) -> int:
+    """Start the broker as a detached process (own session) unless it runs already; returns its pid."""
+    with _locked(cfg.home / ".start.lock"):
+        if (pid := running_pid(cfg)) is not None:
+            return pid
+        if port_open(cfg.host, cfg.port) or port_open(cfg.host, cfg.controller_port):
+            raise BrokerError(f"port {cfg.port} or {cfg.controller_port} on {cfg.host} is taken by "
+                              f"another process; stop it or pick other ports")
+        lib = resolve_jars(cfg.version)
+        cfg.properties_file.write_text(render_server_properties(cfg))
+        format_storage(cfg, lib)
+        cmd = [_java(), *HEAP_OPTS, *JVM_OPTS, f"-Dlog4j2.configurationFile={LOG4J2_CONFIG}",
+               "-cp", f"{lib}/*", "kafka.Kafka", str(cfg.properties_file)]
+        with open(cfg.log_file, "ab") as log:
+            proc = subprocess.Popen(cmd, cwd=cfg.home, stdin=subprocess.DEVNULL, stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        cfg.pid_file.write_text(f"{proc.pid}\n")
+        return proc.pid
+
+
+def log_tail(cfg: BrokerConfig, num_bytes: int = 4000) -> str:
+    """The end of the broker's log file, for error messages."""
+    try:
+        data = cfg.log_file.read_bytes()
+    except FileNotFoundError:
+        return ""
+    return data[-num_bytes:].decode(errors="replace")
+
+
+async def wait_ready(cfg: BrokerConfig, timeout_s: float = 60.0) -> None:
+    """Return once the port accepts connections and a metadata request succeeds; else BrokerError."""
+    deadline = time.monotonic() + timeout_s
+    while not port_open(cfg.host, cfg.port):
+        if running_pid(cfg) is None:
+            raise BrokerError(f"the broker exited during startup; end of {cfg.log_file}:\n{log_tail(cfg)}")
+        if time.monotonic() > deadline:
+            raise BrokerError(f"the broker did not open {cfg.bootstrap} within {timeout_s:.0f} s")
+        await asyncio.sleep(0.2)
+    await wait_for_broker(cfg.bootstrap, max(1.0, deadline - time.monotonic()))
+
+
+def stop(cfg: BrokerConfig, timeout_s: float = 30.0) -> bool:
+    """SIGTERM the broker (a clean shutdown), SIGKILL it after `timeout_s`; False if none ran."""
+    pid = running_pid(cfg)
+    if pid is None:
+        cfg.pid_file.unlink(missing_ok=True)
+        return False
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while running_pid(cfg) is not None and _alive(pid):
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            break
+        time.sleep(0.2)
+    while _alive(pid):
+        time.sleep(0.1)
+    cfg.pid_file.unlink(missing_ok=True)
+    return True
+
+
+def _alive(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie; reaps it when it is our child."""
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+@dataclass(frozen=True)
+class BrokerStatus:
+    """What `weir kafka status` prints."""
+
+    bootstrap: str
+    data_dir: Path
+    version: str
+    pid: int | None  # None: not started from this data dir
+    is_port_open: bool
+
+    def describe(self) -> str:
+        """One human line."""
+        if self.pid is not None:
+            state = f"running (pid {self.pid})" if self.is_port_open else f"starting (pid {self.pid})"
+        elif self.is_port_open:
+            state = "port open, but not a broker started from this data dir"
+        else:
+            state = "stopped"
+        return f"kafka {self.version} at {self.bootstrap}: {state}; data dir {self.data_dir}"
+
+
+def status(cfg: BrokerConfig) -> BrokerStatus:
+    """Whether this data dir's broker runs and its port answers."""
+    return BrokerStatus(cfg.bootstrap, cfg.home, cfg.version, running_pid(cfg),
+                        port_open(cfg.host, cfg.port))
+
+
+async def up(cfg: BrokerConfig, timeout_s: float = 90.0) -> BrokerStatus:
+    """Resolve, format, start and wait until ready; a broker already running is reused."""
+    cfg.home.mkdir(parents=True, exist_ok=True)
+    if running_pid(cfg) is None and port_open(cfg.host, cfg.port):
+        # A broker this data dir did not start (another WEIR_HOME, a container): use it as it is.
+        await wait_for_broker(cfg.bootstrap, 10.0)
+        return status(cfg)
+    await asyncio.to_thread(start, cfg)
+    await wait_ready(cfg, timeout_s)
+    return status(cfg)
