@@ -1,0 +1,145 @@
+"""The `weir` command line.
+
+    weir kafka up|down|status     the local Apache Kafka broker (weir/kafka/launcher.py)
+    weir topics create            create a deployment's topics on any cluster
+    weir up | gateway | batcher | worker | auditor | audit | bench
+                                  handed to the owning module's main(argv), imported on use
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import logging
+import os
+import sys
+from pathlib import Path
+
+from schemas.model_repo import ModelRepoError, load_model_repo
+from schemas.topics import DEFAULT_PREFIX, Topics
+
+# Subcommands that other modules implement: name -> (module, help). Each module has main(argv) -> int.
+DELEGATED: dict[str, tuple[str, str]] = {
+    "up": ("weir.launcher", "start Kafka and all four services on this machine"),
+    "gateway": ("services.gateway.app", "run the gateway service"),
+    "batcher": ("services.batcher.app", "run the batcher service"),
+    "worker": ("services.worker.app", "run the worker service"),
+    "auditor": ("services.auditor.app", "run the auditor service"),
+    "audit": ("services.auditor.cli", "query and verify the audit log"),
+    "bench": ("weir.bench", "benchmark a running deployment"),
+}
+
+
+def _add_deployment_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--topic-prefix", default=os.environ.get("WEIR_TOPIC_PREFIX", DEFAULT_PREFIX),
+                        help="topic name prefix (env WEIR_TOPIC_PREFIX; default %(default)s)")
+    parser.add_argument("--model-repo", type=Path, default=Path(os.environ.get("WEIR_MODEL_REPO", "models.toml")),
+                        help="model repository TOML (env WEIR_MODEL_REPO; default %(default)s)")
+
+
+def _add_broker_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--port", type=int, help="client port (env WEIR_KAFKA_PORT; default 9092)")
+    parser.add_argument("--controller-port", type=int,
+                        help="KRaft controller port (env WEIR_KAFKA_CONTROLLER_PORT; default port + 1)")
+    parser.add_argument("--data-dir", type=Path,
+                        help="data dir (env WEIR_KAFKA_DATA_DIR; default $WEIR_HOME/kafka/broker-<port>)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full argument parser; delegated subcommands take their arguments as they are."""
+    parser = argparse.ArgumentParser(prog="weir", description="Weir: LLM inference over Apache Kafka.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    kafka = commands.add_parser("kafka", help="the local Apache Kafka broker (Maven Central jars, KRaft)")
+    kafka_actions = kafka.add_subparsers(dest="action", required=True, metavar="ACTION")
+    kafka_up = kafka_actions.add_parser("up", help="start (if needed), wait until ready, create topics")
+    _add_broker_args(kafka_up)
+    _add_deployment_args(kafka_up)
+    kafka_up.add_argument("--timeout", type=float, default=90.0, help="seconds to wait for readiness")
+    kafka_up.add_argument("--no-topics", action="store_true", help="do not create the deployment's topics")
+    for action, text in (("down", "stop the broker (SIGTERM, then SIGKILL)"), ("status", "is it running?")):
+        _add_broker_args(kafka_actions.add_parser(action, help=text))
+
+    topics = commands.add_parser("topics", help="Kafka topics of a deployment")
+    topic_actions = topics.add_subparsers(dest="action", required=True, metavar="ACTION")
+    create = topic_actions.add_parser("create", help="create the missing topics (idempotent)")
+    create.add_argument("--bootstrap", default=os.environ.get("WEIR_KAFKA_BOOTSTRAP", "127.0.0.1:9092"),
+                        help="Kafka bootstrap servers (env WEIR_KAFKA_BOOTSTRAP; default %(default)s)")
+    create.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the broker")
+    _add_deployment_args(create)
+
+    for name, (_module, text) in DELEGATED.items():
+        commands.add_parser(name, help=text, add_help=False).add_argument("args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def run_delegated(name: str, argv: list[str]) -> int:
+    """Import the module behind `name` and call its main(argv)."""
+    module_name = DELEGATED[name][0]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        print(f"weir {name}: {module_name} is not available ({exc})", file=sys.stderr)
+        return 2
+    return int(module.main(argv) or 0)
+
+
+async def create_topics(bootstrap: str, prefix: str, model_repo: Path, timeout_s: float) -> list[str]:
+    """Wait for the cluster, then create the core topics and those of every model in the repository."""
+    from weir.kafka.admin import deployment_specs, ensure_topics, wait_for_broker
+
+    specs = deployment_specs(Topics(prefix), load_model_repo(model_repo))
+    await wait_for_broker(bootstrap, timeout_s)
+    return await ensure_topics(bootstrap, specs)
+
+
+def _kafka(args: argparse.Namespace) -> int:
+    from weir.kafka import launcher
+
+    cfg = launcher.BrokerConfig.from_env(port=args.port, controller_port=args.controller_port,
+                                         data_dir=args.data_dir)
+    if args.action == "status":
+        state = launcher.status(cfg)
+        print(state.describe())
+        return 0 if state.pid is not None or state.is_port_open else 1
+    if args.action == "down":
+        was_running = launcher.stop(cfg)
+        print(f"kafka at {cfg.bootstrap}: {'stopped' if was_running else 'was not running'}")
+        return 0
+    state = asyncio.run(launcher.up(cfg, args.timeout))
+    print(state.describe())
+    if not args.no_topics:
+        created = asyncio.run(create_topics(cfg.bootstrap, args.topic_prefix, args.model_repo, args.timeout))
+        print(f"topics under prefix {args.topic_prefix!r}: {len(created)} created")
+    print(f"bootstrap servers: {cfg.bootstrap}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `weir` console script; returns the exit code."""
+    argv = sys.argv[1:] if argv is None else argv
+    # Delegated commands get their arguments untouched, --help included.
+    if argv and argv[0] in DELEGATED:
+        return run_delegated(argv[0], argv[1:])
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from aiokafka.errors import KafkaError
+
+    from weir.kafka.launcher import BrokerError
+
+    try:
+        if args.command == "kafka":
+            return _kafka(args)
+        created = asyncio.run(create_topics(args.bootstrap, args.topic_prefix, args.model_repo, args.timeout))
+        print(f"topics under prefix {args.topic_prefix!r} on {args.bootstrap}: {len(created)} created")
+        return 0
+    except (BrokerError, KafkaError, ModelRepoError, TimeoutError) as exc:
+        print(f"weir: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
