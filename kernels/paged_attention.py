@@ -1,0 +1,55 @@
+"""Decode attention over a paged KV cache: one query token per sequence."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.dispatch import use_triton
+
+
+def paged_attention_decode_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of one new token per sequence over its cached context.
+
+    q: [seqs, heads, dim]; k_cache, v_cache: [num_blocks, block_size, kv_heads, dim];
+    block_tables: [seqs, max_blocks] int32 (padding entries may hold any valid block id);
+    context_lens: [seqs] int32, tokens of context including the new one (already written).
+    Returns [seqs, heads, dim] in q's dtype.
+    """
+    num_seqs, num_heads, dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    max_ctx = block_tables.shape[1] * block_size
+    # gather: [seqs, max_blocks, block_size, kv_heads, dim] -> [seqs, max_ctx, kv_heads, dim]
+    keys = k_cache[block_tables.long()].reshape(num_seqs, max_ctx, num_kv_heads, dim).float()
+    values = v_cache[block_tables.long()].reshape(num_seqs, max_ctx, num_kv_heads, dim).float()
+    group = num_heads // num_kv_heads
+    qf = q.float().view(num_seqs, num_kv_heads, group, dim)
+    scores = torch.einsum("skgd,stkd->skgt", qf, keys) * scale  # [seqs, kv_heads, group, max_ctx]
+    positions = torch.arange(max_ctx, device=q.device)
+    mask = positions[None, :] >= context_lens[:, None].long()  # [seqs, max_ctx]
+    scores = scores.masked_fill(mask[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("skgt,stkd->skgd", probs, values)
+    return out.reshape(num_seqs, num_heads, dim).to(q.dtype)
+
+
+def paged_attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Dispatch: Triton on CUDA, the reference elsewhere. Same contract as the reference."""
+    if use_triton(q, k_cache):
+        from kernels.triton_paged_attention import paged_attention_decode_triton
+
+        return paged_attention_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale)
+    return paged_attention_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale)

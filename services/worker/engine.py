@@ -1,0 +1,218 @@
+"""The engine: continuous batching of a causal LM over a paged KV cache.
+
+    plan = scheduler.schedule()        # who runs, on which blocks
+    logits = runner.run(plan)          # one forward over every scheduled token
+    outputs = postprocess(plan, logits)  # sample, detokenize, stop, emit
+
+Synchronous and single-threaded: the worker calls step() from its engine thread, and tests and
+benchmarks call it directly.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from schemas.messages import ErrorInfo, GenerateRequest
+from services.worker.kv_cache import BlockManager, allocate_kv_caches, bytes_per_block
+from services.worker.model import AttentionMetadata, CausalLM, load_model, weights_sha256
+from services.worker.sampler import NonFiniteLogits, sample
+from services.worker.scheduler import Scheduler, StepPlan
+from services.worker.sequence import EngineOutput, Sequence, Status
+from services.worker.tokenizer import IncrementalDetokenizer, ModelTokenizer, TokenizerError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How one engine instance is sized."""
+
+    max_model_len: int = 512
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    block_size: int = 16
+    kv_cache_bytes: int = 256 * 1024 * 1024  # CPU budget; on CUDA a share of free memory is used
+    gpu_memory_fraction: float = 0.85
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"{self.max_num_batched_tokens=} must be >= 1")
+
+
+class Engine:
+    """Serves one model: add requests, step, read outputs."""
+
+    def __init__(self, model_path: str | Path, config: EngineConfig, device: torch.device | None = None) -> None:
+        self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self.config = config
+        self.model: CausalLM = load_model(model_path, self.device, self.dtype)
+        self.tokenizer = ModelTokenizer(model_path)
+        self.weights_sha256 = weights_sha256(Path(model_path))
+        args = self.model.args
+        self.eos_ids = set(args.eos_token_ids)
+        self.max_model_len = min(config.max_model_len, args.max_position_embeddings)
+        per_block = bytes_per_block(args.num_layers, config.block_size, args.num_kv_heads, args.head_dim, self.dtype)
+        num_blocks = self._kv_budget_bytes() // per_block
+        if num_blocks * config.block_size < self.max_model_len:
+            raise ValueError(
+                f"KV cache of {num_blocks} blocks x {config.block_size} tokens cannot hold one sequence of "
+                f"max_model_len={self.max_model_len}; raise kv_cache_bytes or lower max_model_len"
+            )
+        self.kv_caches = allocate_kv_caches(
+            args.num_layers, num_blocks, config.block_size, args.num_kv_heads, args.head_dim, self.dtype, self.device
+        )
+        self.kv_bytes_per_token = per_block // config.block_size
+        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self._seqs: dict[str, Sequence] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        log.info("engine: %s on %s %s, %d KV blocks of %d tokens", model_path, self.device, self.dtype, num_blocks, config.block_size)
+
+    def _kv_budget_bytes(self) -> int:
+        if self.device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(self.device)
+            return int(free * self.config.gpu_memory_fraction)
+        return self.config.kv_cache_bytes
+
+    # -- requests in -------------------------------------------------------------------------
+
+    def add(self, request: GenerateRequest, now_ms: int) -> EngineOutput | None:
+        """Queue a request. Returns its terminal event at once if it is refused, else None."""
+        if request.request_id in self._seqs:
+            return None  # already running: a redelivery, the first copy answers
+        try:
+            prompt_text = self.tokenizer.render(request)
+            prompt_ids = self.tokenizer.encode(prompt_text)
+        except TokenizerError as exc:
+            return _refused(request, now_ms, "error", "tokenizer_error", str(exc))
+        if not prompt_ids:
+            return _refused(request, now_ms, "rejected", "empty_prompt", "the prompt encodes to no tokens")
+        if len(prompt_ids) >= self.max_model_len:
+            return _refused(
+                request, now_ms, "rejected", "prompt_too_long",
+                f"prompt has {len(prompt_ids)} tokens; this model takes at most {self.max_model_len - 1}",
+            )  # fmt: skip
+        if request.deadline_ms <= now_ms:
+            return _refused(request, now_ms, "timeout", "deadline_exceeded", "deadline passed before the model ran")
+        max_tokens = min(request.max_tokens, self.max_model_len - len(prompt_ids))
+        seq = Sequence(request, prompt_text, prompt_ids, max_tokens, now_ms)
+        self._seqs[request.request_id] = seq
+        self._detok[request.request_id] = IncrementalDetokenizer(self.tokenizer)
+        self.scheduler.add(seq)
+        return None
+
+    def cancel(self, request_id: str, now_ms: int) -> EngineOutput | None:
+        """Abort a request and free its KV blocks. Returns its terminal event, or None if unknown."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return None
+        return self._finish(seq, "cancelled", now_ms, ErrorInfo(code="cancelled", message="request was cancelled"))
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def step(self, now_ms: int) -> list[EngineOutput]:
+        """Run one iteration: expire, schedule, forward, sample. Returns the events it made."""
+        outputs = self._expire(now_ms)
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return outputs
+        logits = self._run(plan)
+        self.scheduler.commit(plan)
+        sampling = [c for c in plan.prefills if c.samples] + plan.decodes
+        for chunk, row in zip(sampling, logits, strict=True):
+            outputs.extend(self._postprocess(chunk.seq, row, now_ms))
+        return outputs
+
+    def _expire(self, now_ms: int) -> list[EngineOutput]:
+        expired = [s for s in self._seqs.values() if s.request.deadline_ms <= now_ms]
+        info = ErrorInfo(code="deadline_exceeded", message="the request's deadline passed")
+        return [self._finish(s, "timeout", now_ms, info) for s in expired]
+
+    def _run(self, plan: StepPlan) -> torch.Tensor:
+        bs = self.blocks.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        meta = AttentionMetadata(slot_mapping=torch.empty(0))
+        logit_rows: list[int] = []
+        for chunk in plan.prefills:
+            seq, t0 = chunk.seq, len(ids)
+            ids.extend(seq.token_ids[chunk.start : chunk.end])
+            positions.extend(range(chunk.start, chunk.end))
+            slots.extend(seq.block_table[p // bs] * bs + p % bs for p in range(chunk.start, chunk.end))
+            table = torch.tensor(seq.block_table, dtype=torch.long, device=self.device)
+            meta.prefills.append((t0, len(ids), table, chunk.end))
+            if chunk.samples:
+                logit_rows.append(len(ids) - 1)
+        if plan.decodes:
+            width = max(len(c.seq.block_table) for c in plan.decodes)
+            tables = []
+            for chunk in plan.decodes:
+                seq, p = chunk.seq, chunk.start
+                logit_rows.append(len(ids))
+                ids.append(seq.token_ids[p])
+                positions.append(p)
+                slots.append(seq.block_table[p // bs] * bs + p % bs)
+                tables.append(seq.block_table + [0] * (width - len(seq.block_table)))
+            meta.num_decode_tokens = len(plan.decodes)
+            meta.decode_block_tables = torch.tensor(tables, dtype=torch.int32, device=self.device)
+            meta.decode_context_lens = torch.tensor([c.end for c in plan.decodes], dtype=torch.int32, device=self.device)
+        meta.slot_mapping = torch.tensor(slots, dtype=torch.long, device=self.device)
+        meta.logits_indices = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        return self.model(input_ids, pos, self.kv_caches, meta).cpu()
+
+    def _postprocess(self, seq: Sequence, logits: torch.Tensor, now_ms: int) -> list[EngineOutput]:
+        if seq.status is not Status.RUNNING:
+            return []
+        try:
+            token = sample(logits, seq.request, seq.generator)
+        except NonFiniteLogits as exc:
+            return [self._finish(seq, "error", now_ms, ErrorInfo(code="non_finite_logits", message=str(exc)))]
+        if seq.first_token_ms is None:
+            seq.first_token_ms = now_ms
+        if token in self.eos_ids:
+            return [self._finish(seq, "stop", now_ms)]
+        seq.token_ids.append(token)
+        reason = seq.append_text(self._detok[seq.request_id].step(seq.output_ids))
+        if reason is None and seq.num_output_tokens >= seq.max_tokens:
+            reason = "length"
+        if reason is not None:
+            return [self._finish(seq, reason, now_ms)]
+        delta = seq.take_delta(is_final=False)
+        return [seq.event(delta)] if delta else []
+
+    def _finish(self, seq: Sequence, reason, now_ms: int, error: ErrorInfo | None = None) -> EngineOutput:
+        self.scheduler.remove(seq)
+        self._seqs.pop(seq.request_id, None)
+        self._detok.pop(seq.request_id, None)
+        return seq.final(reason, now_ms, error)
+
+    # -- introspection -----------------------------------------------------------------------
+
+    def stats(self) -> dict[str, float]:
+        """Gauges for heartbeats and /metrics."""
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "free_kv_blocks": self.blocks.num_free,
+            "num_kv_blocks": self.blocks.num_blocks,
+            "prefix_hit_rate": self.blocks.prefix_hit_rate,
+        }
+
+
+def _refused(request: GenerateRequest, now_ms: int, reason, code: str, message: str) -> EngineOutput:
+    return EngineOutput(
+        request.request_id, 0, finish_reason=reason, error=ErrorInfo(code=code, message=message),
+        received_ms=now_ms, finished_ms=now_ms,
+    )  # fmt: skip

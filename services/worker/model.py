@@ -1,0 +1,319 @@
+"""Llama- and Qwen2-style causal LMs over a paged KV cache, loaded from Hugging Face directories.
+
+The forward pass takes a flat list of tokens from many sequences at once (prefill chunks and
+decode tokens mixed), writes their K/V into cache slots, and attends each token over its own
+sequence's context through the block tables. Parameter names follow Hugging Face's, so any
+LlamaForCausalLM / Qwen2ForCausalLM safetensors directory loads; q/k/v and gate/up are fused at
+load time into one matmul each.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import nn
+
+from kernels import apply_rotary, paged_attention_decode, rms_norm, silu_and_mul
+from kernels.rotary import rope_cos_sin
+
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"}
+
+
+class ModelLoadError(RuntimeError):
+    """The model directory cannot be served; the message says which file or key and why."""
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """The subset of a Hugging Face config.json that the architecture needs."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    has_qkv_bias: bool
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+
+    @staticmethod
+    def from_hf_config(config: dict) -> ModelArgs:
+        """Read a config.json dict; raises ModelLoadError naming the missing or unsupported key."""
+        archs = config.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ModelLoadError(f"architectures={archs} unsupported; expected one of {sorted(SUPPORTED_ARCHITECTURES)}")
+        try:
+            hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+            eos = config.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+            return ModelArgs(
+                architecture=arch,
+                vocab_size=int(config["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(config["intermediate_size"]),
+                num_layers=int(config["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(config.get("num_key_value_heads") or heads),
+                head_dim=int(config.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(config.get("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
+                max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+                has_qkv_bias=arch == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False)),
+                eos_token_ids=eos_ids,
+                bos_token_id=config.get("bos_token_id"),
+            )
+        except KeyError as exc:
+            raise ModelLoadError(f"config.json lacks {exc.args[0]!r}") from exc
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each token of a step lives in the KV cache and what it attends to.
+
+    Tokens are laid out as [prefill chunks..., decode tokens...].
+    """
+
+    slot_mapping: torch.Tensor  # [tokens] int64: block_id * block_size + offset
+    # prefill: one entry per sequence chunk: (token_start, token_end, block_table [n] int64, ctx_len)
+    prefills: list[tuple[int, int, torch.Tensor, int]] = field(default_factory=list)
+    num_decode_tokens: int = 0
+    decode_block_tables: torch.Tensor | None = None  # [decodes, max_blocks] int32
+    decode_context_lens: torch.Tensor | None = None  # [decodes] int32
+    # rows of the output to compute logits for (last token of each sequence that samples)
+    logits_indices: torch.Tensor | None = None
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.q_size = args.num_heads * args.head_dim
+        self.kv_size = args.num_kv_heads * args.head_dim
+        self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.has_qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=False)
+        self.scale = args.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        a = self.args
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, a.num_heads, a.head_dim)
+        k = k.view(num_tokens, a.num_kv_heads, a.head_dim)
+        v = v.view(num_tokens, a.num_kv_heads, a.head_dim)
+        q, k = apply_rotary(q, k, positions, cos_sin)
+        k_cache, v_cache = kv  # [num_blocks, block_size, kv_heads, dim]
+        flat_k = k_cache.view(-1, a.num_kv_heads, a.head_dim)
+        flat_v = v_cache.view(-1, a.num_kv_heads, a.head_dim)
+        flat_k[meta.slot_mapping] = k.to(k_cache.dtype)
+        flat_v[meta.slot_mapping] = v.to(v_cache.dtype)
+
+        out = torch.empty_like(q)
+        for start, end, block_table, ctx_len in meta.prefills:
+            out[start:end] = self._prefill_attention(q[start:end], flat_k, flat_v, block_table, ctx_len, k_cache.shape[1])
+        if meta.num_decode_tokens:
+            d0 = num_tokens - meta.num_decode_tokens
+            assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
+            out[d0:] = paged_attention_decode(
+                q[d0:], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale
+            )
+        return self.o_proj(out.view(num_tokens, self.q_size))
+
+    def _prefill_attention(
+        self,
+        q: torch.Tensor,
+        flat_k: torch.Tensor,
+        flat_v: torch.Tensor,
+        block_table: torch.Tensor,
+        ctx_len: int,
+        block_size: int,
+    ) -> torch.Tensor:
+        # q: [chunk, heads, dim] are the last `chunk` positions of a context of ctx_len tokens.
+        a = self.args
+        chunk = q.shape[0]
+        slots = (block_table[:, None] * block_size + torch.arange(block_size, device=q.device)).reshape(-1)[:ctx_len]
+        keys = flat_k[slots].to(q.dtype).transpose(0, 1)  # [kv_heads, ctx, dim]
+        values = flat_v[slots].to(q.dtype).transpose(0, 1)
+        group = a.num_heads // a.num_kv_heads
+        if group > 1:
+            keys = keys.repeat_interleave(group, dim=0)
+            values = values.repeat_interleave(group, dim=0)
+        q_pos = torch.arange(ctx_len - chunk, ctx_len, device=q.device)
+        mask = torch.arange(ctx_len, device=q.device)[None, :] <= q_pos[:, None]  # [chunk, ctx]
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask, scale=self.scale)
+        return out.transpose(0, 1)
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return rms_norm(x, self.weight, self.eps, residual)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.self_attn = Attention(args)
+        self.mlp = MLP(args)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, cos_sin, kv, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class CausalLM(nn.Module):
+    """Decoder-only transformer with HF parameter names (model.*, lm_head)."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.model.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
+        self.model.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer(
+            "cos_sin", rope_cos_sin(args.head_dim, args.max_position_embeddings, args.rope_theta), persistent=False
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions: [tokens]. Returns float32 logits for meta.logits_indices rows."""
+        x = self.model.embed_tokens(input_ids)
+        residual = None
+        for layer, kv in zip(self.model.layers, kv_caches, strict=True):
+            x, residual = layer(x, residual, positions, self.cos_sin, kv, meta)
+        x, _ = self.model.norm(x, residual)
+        if meta.logits_indices is not None:
+            x = x[meta.logits_indices]
+        return self.lm_head(x).float()
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path} has no *.safetensors weights")
+    return files
+
+
+def weights_sha256(path: Path) -> str:
+    """sha256 over the weight files in name order: the identity of the weights in audit records."""
+    digest = hashlib.sha256()
+    for file in _weight_files(path):
+        with file.open("rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def load_model(path: str | Path, device: torch.device, dtype: torch.dtype) -> CausalLM:
+    """Build the model from a HF directory (config.json + safetensors) on `device` in `dtype`."""
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise ModelLoadError(f"{path} has no config.json")
+    args = ModelArgs.from_hf_config(json.loads(config_file.read_text()))
+    with torch.device("meta"):
+        model = CausalLM(args)
+    model = model.to_empty(device=device).to(dtype)
+    if args.tie_word_embeddings:  # to_empty gives each module its own tensor: tie again
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.cos_sin = rope_cos_sin(args.head_dim, args.max_position_embeddings, args.rope_theta, device)
+    params = dict(model.named_parameters())
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    loaded: set[str] = set()
+
+    def put(name: str, tensor: torch.Tensor) -> None:
+        if name not in params:
+            raise ModelLoadError(f"unexpected weight {name!r} in {path}")
+        target = params[name]
+        if target.shape != tensor.shape:
+            raise ModelLoadError(f"weight {name!r}: shape {tuple(tensor.shape)} != expected {tuple(target.shape)}")
+        with torch.no_grad():
+            target.copy_(tensor.to(device=device, dtype=dtype))
+        loaded.add(name)
+
+    fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+             "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}  # fmt: skip
+    for file in _weight_files(path):
+        with safe_open(str(file), framework="pt") as fh:
+            for key in fh.keys():
+                if "rotary_emb.inv_freq" in key or (args.tie_word_embeddings and key == "lm_head.weight"):
+                    continue
+                tensor = fh.get_tensor(key)
+                prefix, _, leaf = key.rpartition(".")  # e.g. model.layers.0.self_attn.q_proj, weight
+                owner, _, proj = prefix.rpartition(".")
+                if proj in fused:
+                    target, part = fused[proj]
+                    group = pending.setdefault(f"{owner}.{target}.{leaf}", {})
+                    group[str(part)] = tensor
+                    size = 3 if target == "qkv_proj" else 2
+                    if len(group) == size:
+                        put(f"{owner}.{target}.{leaf}", torch.cat([group[str(i)] for i in range(size)], dim=0))
+                else:
+                    put(key, tensor)
+    if args.tie_word_embeddings:
+        loaded.add("lm_head.weight")
+    missing = set(params) - loaded
+    if missing:
+        raise ModelLoadError(f"{path} lacks weights: {sorted(missing)[:5]}")
+    return model.eval()

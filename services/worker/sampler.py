@@ -1,0 +1,36 @@
+"""Token sampling: temperature, top-k, top-p, per-request seeded generator."""
+
+from __future__ import annotations
+
+import torch
+
+from schemas.messages import GenerateRequest
+
+
+class NonFiniteLogits(ValueError):
+    """The model produced NaN or inf logits for a request; that request fails, others go on."""
+
+
+def sample(logits: torch.Tensor, request: GenerateRequest, generator: torch.Generator) -> int:
+    """Pick the next token from one row of float32 logits [vocab].
+
+    temperature 0 is greedy. The generator is the request's own, seeded from its seed, so the
+    same request yields the same tokens whatever else shares the batch.
+    """
+    if not torch.isfinite(logits).all():
+        raise NonFiniteLogits("the model produced non-finite logits")
+    if request.temperature == 0.0:
+        return int(torch.argmax(logits))
+    logits = logits / request.temperature
+    if request.top_k > 0 and request.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, request.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if request.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        cumulative = torch.cumsum(sorted_probs, dim=-1)
+        # drop tokens once the mass before them already reaches top_p (the first always stays)
+        drop = (cumulative - sorted_probs) >= request.top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,0 +1,137 @@
+"""A request's state inside the engine, and the events it produces."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from schemas.messages import ErrorInfo, FinishReason, GenerateRequest
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # not started, or preempted and waiting to be recomputed
+    RUNNING = "running"  # holds KV blocks; prefilling or decoding
+    FINISHED = "finished"
+
+
+@dataclass
+class EngineOutput:
+    """One event of one request: a text delta, the end, or both.
+
+    `seq` numbers events per request from 0, deterministically: a request regenerated after a
+    crash produces the same numbers, so a reader drops the repeats.
+    """
+
+    request_id: str
+    seq: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    error: ErrorInfo | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    received_ms: int | None = None
+    first_token_ms: int | None = None
+    finished_ms: int | None = None
+    prompt_text: str | None = None  # on the final event only: for the audit HMACs
+    output_text: str | None = None
+
+    @property
+    def is_final(self) -> bool:
+        """True for the request's terminal event."""
+        return self.finish_reason is not None
+
+
+class Sequence:
+    """Tokens, KV blocks, sampling state and emitted text of one request."""
+
+    def __init__(
+        self, request: GenerateRequest, prompt_text: str, prompt_ids: list[int], max_tokens: int, now_ms: int
+    ) -> None:
+        self.request = request
+        self.request_id = request.request_id
+        self.prompt_text = prompt_text
+        self.token_ids = list(prompt_ids)
+        self.num_prompt_tokens = len(prompt_ids)
+        self.max_tokens = max_tokens
+        self.status = Status.WAITING
+        self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []  # content hashes of the full blocks computed so far
+        self.num_computed = 0  # tokens whose K/V are in the cache
+        self.generator = torch.Generator().manual_seed(request.effective_seed)
+        self.received_ms = now_ms
+        self.first_token_ms: int | None = None
+        self.output_text = ""  # text accepted so far (stop strings excluded)
+        self.num_emitted_chars = 0
+        self.next_seq = 0
+        self.num_emitted_ids = 0
+        self._hold_chars = max((len(s) for s in request.stop), default=1) - 1
+
+    @property
+    def output_ids(self) -> list[int]:
+        """Generated token ids."""
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens whose K/V are not in the cache yet (1 when decoding)."""
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.status is Status.RUNNING and self.num_pending == 1 and self.num_output_tokens > 0
+
+    def append_text(self, delta: str) -> FinishReason | None:
+        """Add decoded text; returns "stop" when a stop string appeared (text cut before it)."""
+        start = max(0, len(self.output_text) - self._hold_chars)
+        self.output_text += delta
+        for stop in self.request.stop:
+            idx = self.output_text.find(stop, start)
+            if idx != -1:
+                self.output_text = self.output_text[:idx]
+                return "stop"
+        return None
+
+    def take_delta(self, is_final: bool) -> str:
+        """Text not yet emitted, holding back what could still become a stop string."""
+        end = len(self.output_text) if is_final else max(self.num_emitted_chars, len(self.output_text) - self._hold_chars)
+        delta = self.output_text[self.num_emitted_chars : end]
+        self.num_emitted_chars = end
+        return delta
+
+    def take_ids(self) -> list[int]:
+        """Output token ids not yet carried by an event."""
+        ids = self.output_ids[self.num_emitted_ids :]
+        self.num_emitted_ids = self.num_output_tokens
+        return ids
+
+    def event(self, text: str) -> EngineOutput:
+        """A delta event with the next sequence number."""
+        out = EngineOutput(self.request_id, self.next_seq, text=text, token_ids=self.take_ids())
+        self.next_seq += 1
+        return out
+
+    def final(self, reason: FinishReason, now_ms: int, error: ErrorInfo | None = None) -> EngineOutput:
+        """The terminal event; carries any held-back text."""
+        self.status = Status.FINISHED
+        return EngineOutput(
+            self.request_id,
+            self.next_seq,
+            text=self.take_delta(is_final=True) if error is None else "",
+            token_ids=self.take_ids(),
+            finish_reason=reason,
+            error=error,
+            prompt_tokens=self.num_prompt_tokens,
+            completion_tokens=self.num_output_tokens,
+            received_ms=self.received_ms,
+            first_token_ms=self.first_token_ms,
+            finished_ms=now_ms,
+            prompt_text=self.prompt_text,
+            output_text=self.output_text,
+        )

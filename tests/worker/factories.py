@@ -1,0 +1,64 @@
+"""Factories for worker tests: tiny random Hugging Face model directories and requests."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from schemas.messages import GenerateRequest, now_ms
+
+_TEXT = [
+    "def add(a, b):\n    return a + b\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+    "import os\nimport sys\nprint(os.path.join('a', 'b'))\n",
+    "for i in range(10):\n    if i % 2 == 0:\n        continue\n",
+] * 20
+_ids = itertools.count()
+
+
+def make_tokenizer(path: Path, vocab_size: int = 300) -> Tokenizer:
+    """A byte-level BPE tokenizer saved as path/tokenizer.json, with <|endoftext|> as id 0."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(_TEXT, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    return tok
+
+
+def make_model_dir(path: Path, arch: str = "llama", seed: int = 0, num_kv_heads: int = 2) -> Path:
+    """A random-weight Llama or Qwen2 directory (config.json, model.safetensors, tokenizer.json)."""
+    import transformers
+
+    path.mkdir(parents=True, exist_ok=True)
+    tok = make_tokenizer(path)
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=num_kv_heads, max_position_embeddings=256,
+        bos_token_id=0, eos_token_id=0, rms_norm_eps=1e-5, rope_theta=10000.0,
+    )  # fmt: skip
+    if arch == "llama":
+        config = transformers.LlamaConfig(**common, tie_word_embeddings=False)
+        model = transformers.LlamaForCausalLM(config)
+    else:
+        config = transformers.Qwen2Config(**common, tie_word_embeddings=True)
+        model = transformers.Qwen2ForCausalLM(config)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def make_request(prompt: str = "def ", **overrides) -> GenerateRequest:
+    """A GenerateRequest with sane defaults; overrides replace any field."""
+    fields = dict(
+        request_id=f"req-{next(_ids)}", model="tiny", prompt=prompt, max_tokens=8, temperature=0.0,
+        deadline_ms=now_ms() + 60_000, reply_to="weir.replies.test",
+    )  # fmt: skip
+    fields.update(overrides)
+    return GenerateRequest(**fields)
