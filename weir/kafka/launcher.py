@@ -232,6 +232,8 @@ def running_pid(cfg: BrokerConfig) -> int | None:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     except (FileNotFoundError, ValueError, ProcessLookupError):
         return None
+    if not cmdline:  # empty for a moment during exec, and for a zombie
+        return pid if _alive(pid) else None
     # Guard against a reused pid: it must be a Kafka server on this very properties file.
     if b"kafka.Kafka" in cmdline and str(cfg.properties_file).encode() in cmdline:
         return pid

@@ -1,0 +1,120 @@
+"""The local Kafka launcher: server.properties generation, and a real second broker end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from pathlib import Path
+
+import pytest
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+
+from schemas.model_repo import load_model_repo
+from schemas.topics import Topics
+from weir.kafka import launcher
+from weir.kafka.admin import deployment_specs, describe_topic_configs, ensure_topics
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _properties(cfg: launcher.BrokerConfig) -> dict[str, str]:
+    lines = launcher.render_server_properties(cfg).splitlines()
+    return dict(line.split("=", 1) for line in lines if line and not line.startswith("#"))
+
+
+def test_server_properties_single_node_kraft(tmp_path: Path) -> None:
+    cfg = launcher.BrokerConfig(port=19092, data_dir=tmp_path)
+    props = _properties(cfg)
+    assert props["process.roles"] == "broker,controller"
+    assert props["listeners"] == "PLAINTEXT://127.0.0.1:19092,CONTROLLER://127.0.0.1:19093"
+    assert props["advertised.listeners"] == "PLAINTEXT://127.0.0.1:19092"
+    assert props["controller.quorum.voters"] == "1@127.0.0.1:19093"
+    assert props["log.dirs"] == str(tmp_path.resolve() / "logs")
+    assert props["auto.create.topics.enable"] == "true" and props["num.partitions"] == "1"
+    assert props["offsets.topic.replication.factor"] == "1"
+    assert props["group.initial.rebalance.delay.ms"] == "0"
+
+
+def test_server_properties_overrides_win(tmp_path: Path) -> None:
+    cfg = launcher.BrokerConfig(data_dir=tmp_path, overrides={"num.partitions": "3", "x.y": "z"})
+    props = _properties(cfg)
+    assert props["num.partitions"] == "3" and props["x.y"] == "z"
+
+
+def test_config_from_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("WEIR_KAFKA_PORT", "29092")
+    monkeypatch.setenv("WEIR_KAFKA_DATA_DIR", str(tmp_path))
+    cfg = launcher.BrokerConfig.from_env()
+    assert (cfg.port, cfg.controller_port, cfg.home) == (29092, 29093, tmp_path.resolve())
+    assert launcher.BrokerConfig.from_env(port=39092, controller_port=None).port == 39092
+
+
+def test_default_data_dir_is_per_port(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("WEIR_HOME", str(tmp_path))
+    assert launcher.BrokerConfig(port=9092).home == tmp_path.resolve() / "kafka" / "broker-9092"
+    assert launcher.lib_dir("4.4.0") == tmp_path.resolve() / "kafka" / "4.4.0" / "lib"
+
+
+def test_cluster_id_looks_like_kafka_uuid() -> None:
+    ids = {launcher.new_cluster_id() for _ in range(50)}
+    assert len(ids) == 50
+    assert all(len(i) == 22 and not i.startswith("-") and "=" not in i for i in ids)
+
+
+def test_deployment_specs_cover_core_and_models() -> None:
+    topics = Topics("t")
+    names = [s.name for s in deployment_specs(topics, load_model_repo(REPO / "models.toml"))]
+    assert names[:5] == [s.name for s in topics.core_specs()]
+    assert topics.batches("echo") in names and topics.batches("weir-tiny-py") in names
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+async def _read_all(bootstrap: str, topic: str) -> list[bytes]:
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    await consumer.start()
+    try:
+        tp = TopicPartition(topic, 0)
+        consumer.assign([tp])
+        await consumer.seek_to_beginning(tp)
+        batch = await consumer.getmany(tp, timeout_ms=5000)
+        return [m.value for m in batch.get(tp, [])]
+    finally:
+        await consumer.stop()
+
+
+@pytest.mark.kafka
+async def test_second_broker_survives_restart(tmp_path: Path) -> None:
+    cfg = launcher.BrokerConfig(port=_free_port(), controller_port=_free_port(), data_dir=tmp_path / "broker")
+    topics = Topics("launchertest")
+    try:
+        await launcher.up(cfg, timeout_s=60)
+        assert launcher.status(cfg).pid is not None
+        specs = deployment_specs(topics, load_model_repo(REPO / "models.toml"))
+        assert len(await ensure_topics(cfg.bootstrap, specs)) == len(specs)
+        assert await ensure_topics(cfg.bootstrap, specs) == []  # idempotent
+        configs = await describe_topic_configs(cfg.bootstrap, [topics.control, topics.requests])
+        assert configs[topics.control]["cleanup.policy"] == "compact"
+        assert configs[topics.requests]["cleanup.policy"] == "delete"
+
+        producer = AIOKafkaProducer(bootstrap_servers=cfg.bootstrap, acks="all", enable_idempotence=True)
+        await producer.start()
+        try:
+            # A reply topic nobody created: the broker auto-creates it with one partition.
+            await producer.send_and_wait(topics.replies("client-1"), b"kept", key=b"r1")
+        finally:
+            await producer.stop()
+        assert await _read_all(cfg.bootstrap, topics.replies("client-1")) == [b"kept"]
+
+        assert await asyncio.to_thread(launcher.stop, cfg)
+        assert launcher.status(cfg).pid is None
+        await launcher.up(cfg, timeout_s=60)  # same data dir: no reformat, data kept
+        assert await _read_all(cfg.bootstrap, topics.replies("client-1")) == [b"kept"]
+        assert await ensure_topics(cfg.bootstrap, specs) == []
+    finally:
+        await asyncio.to_thread(launcher.stop, cfg)
+    assert not launcher.port_open(cfg.host, cfg.port)
