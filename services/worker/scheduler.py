@@ -50,6 +50,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_preemptions = 0
 
     @property
     def num_unfinished(self) -> int:
@@ -131,6 +132,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         # Recompute rather than swap: drop the KV and prefill prompt + output again later.
+        self.num_preemptions += 1
         self.running.remove(seq)
         self._release(seq)
         seq.status = Status.WAITING

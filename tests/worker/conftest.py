@@ -1,0 +1,18 @@
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from factories import make_model_dir  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory) -> Path:
+    return make_model_dir(tmp_path_factory.mktemp("llama") / "m", "llama")
+
+
+@pytest.fixture(scope="session")
+def qwen2_dir(tmp_path_factory) -> Path:
+    return make_model_dir(tmp_path_factory.mktemp("qwen2") / "m", "qwen2")
