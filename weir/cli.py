@@ -105,8 +105,12 @@ def _kafka(args: argparse.Namespace) -> int:
         print(state.describe())
         return 0 if state.pid is not None or state.is_port_open else 1
     if args.action == "down":
-        was_running = launcher.stop(cfg)
-        print(f"kafka at {cfg.bootstrap}: {'stopped' if was_running else 'was not running'}")
+        if launcher.stop(cfg):
+            print(f"kafka at {cfg.bootstrap}: stopped")
+        elif launcher.port_open(cfg.host, cfg.port):
+            print(f"kafka at {cfg.bootstrap}: not started from {cfg.home}; left running")
+        else:
+            print(f"kafka at {cfg.bootstrap}: was not running")
         return 0
     state = asyncio.run(launcher.up(cfg, args.timeout))
     print(state.describe())
