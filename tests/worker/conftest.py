@@ -1,11 +1,8 @@
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from factories import make_model_dir  # noqa: E402
+from .factories import make_model_dir
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from factories import make_request
+
+from .factories import make_request
 
 from services.worker.engine import Engine, EngineConfig
 

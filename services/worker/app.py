@@ -1,0 +1,162 @@
+"""Worker wiring: load engines, warm them up, then serve batches from Kafka until stopped."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+import torch
+
+from schemas.codec import encode
+from schemas.fingerprint import parse_key
+from schemas.messages import GenerateRequest, WorkerHeartbeat, now_ms
+from schemas.model_repo import ModelConfig, ModelRepoError, load_model_repo
+from services.worker.config import WorkerSettings
+from services.worker.echo import EchoEngine
+from services.worker.engine import Engine, EngineConfig
+from services.worker.handlers import ModelServer, consume_cancellations
+from services.worker.hardware import choose_device, detect_devices
+from services.worker.runner import EngineLike, EngineRunner
+from weir.bus import instance_id, make_producer
+from weir.kafka.admin import ensure_topics
+
+log = logging.getLogger("weir.worker")
+
+
+def build_engine(config: ModelConfig, settings: WorkerSettings, device: torch.device) -> EngineLike:
+    """The engine a model entry asks for. Raises on a model that cannot load (process-fatal)."""
+    if config.engine == "echo":
+        return EchoEngine(config.max_model_len, config.max_num_seqs, settings.echo_step_delay_ms / 1000)
+    if config.engine == "onnx":
+        raise ValueError(f"model {config.name!r}: engine 'onnx' serves embeddings only; generation needs 'torch'")
+    engine_config = EngineConfig(
+        max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens, block_size=settings.block_size,
+        kv_cache_bytes=settings.kv_cache_bytes,
+    )  # fmt: skip
+    assert config.path is not None
+    return Engine(config.path, engine_config, device)
+
+
+def warm_up(engine: EngineLike, config: ModelConfig) -> None:
+    """Run the model entry's warmup prompts to completion before the worker reports ready."""
+    for i, prompt in enumerate(config.warmup):
+        request = GenerateRequest(
+            request_id=f"warmup-{i}", model=config.name, prompt=prompt, max_tokens=4, temperature=0.0,
+            deadline_ms=now_ms() + 600_000, reply_to="-",
+        )  # fmt: skip
+        out = engine.add(request, now_ms())
+        if out is not None:
+            raise ValueError(f"model {config.name!r}: warmup prompt {i} refused: {out.error}")
+        while engine.has_work:
+            engine.step(now_ms())
+
+
+class WorkerService:
+    """All model servers of one worker process, its heartbeat and its control-topic reader."""
+
+    def __init__(self, settings: WorkerSettings) -> None:
+        self.settings = settings
+        self.worker_id = instance_id("worker")
+        repo = load_model_repo(settings.model_repo)
+        self.configs = [repo.models[n] for n in settings.model_names(list(repo.models))]
+        self.device = choose_device(settings.device)
+        self.is_ready = False
+        self.servers: list[ModelServer] = []
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        topics = self.settings.topics
+        specs = topics.core_specs() + [s for c in self.configs for s in topics.model_specs(c.name)]
+        await ensure_topics(self.settings.kafka_bootstrap, specs)
+        producer = make_producer(self.settings, self.worker_id)
+        await producer.start()
+        audit_key = parse_key(self.settings.audit_hmac_key)
+        try:
+            for config in self.configs:
+                server = ModelServer(config, [], self.settings, producer, self.worker_id, audit_key)
+                for _ in range(config.instances):
+                    engine = await asyncio.to_thread(build_engine, config, self.settings, self.device)
+                    await asyncio.to_thread(warm_up, engine, config)
+                    server.runners.append(EngineRunner(engine, loop, server.on_outputs))
+                for runner in server.runners:
+                    runner.start()
+                self.servers.append(server)
+            self.is_ready = True
+            log.info("worker %s ready: %s on %s", self.worker_id, [c.name for c in self.configs], self.device)
+            tasks = [asyncio.create_task(self.heartbeat(producer))]
+            tasks.append(asyncio.create_task(consume_cancellations(self.settings, self.servers, producer, self.worker_id)))
+            for server in self.servers:
+                tasks += [asyncio.create_task(server.consume()), asyncio.create_task(server.publish())]
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                task.result()
+        finally:
+            self.is_ready = False
+            for server in self.servers:
+                for runner in server.runners:
+                    runner.stop(1.0)
+            try:
+                await asyncio.wait_for(producer.send_and_wait(topics.workers, encode(self.heartbeat_message()), key=self.worker_id.encode()), 3)
+            except Exception:  # shutting down: the heartbeat simply goes stale
+                pass
+            await producer.stop()
+
+    def heartbeat_message(self) -> WorkerHeartbeat:
+        stats = [r.stats for s in self.servers for r in s.runners]
+        return WorkerHeartbeat(
+            worker_id=self.worker_id, models=[c.name for c in self.configs], is_ready=self.is_ready,
+            num_running=int(sum(s["num_running"] for s in stats)), num_waiting=int(sum(s["num_waiting"] for s in stats)),
+            max_num_seqs=sum(c.max_num_seqs * c.instances for c in self.configs),
+            free_kv_blocks=int(sum(s["free_kv_blocks"] for s in stats)), block_size_tokens=self.settings.block_size,
+            devices=detect_devices(),
+        )  # fmt: skip
+
+    async def heartbeat(self, producer) -> None:
+        topic = self.settings.topics.workers
+        while True:
+            await producer.send_and_wait(topic, encode(self.heartbeat_message()), key=self.worker_id.encode())
+            for server in self.servers:
+                server.forget_old_cancels()
+            await asyncio.sleep(self.settings.heartbeat_interval_ms / 1000)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`weir worker`: serve the model repository's models from Kafka until SIGINT/SIGTERM."""
+    parser = argparse.ArgumentParser(prog="weir worker", description=main.__doc__)
+    parser.add_argument("--models", help="comma-separated models to serve (default: all)")
+    parser.add_argument("--model-repo", help="model repository TOML")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(name)s: %(message)s")
+    overrides = {k: v for k, v in {"models": args.models, "model_repo": args.model_repo}.items() if v}
+    try:
+        settings = WorkerSettings(**overrides)
+        if settings.torch_threads:
+            torch.set_num_threads(settings.torch_threads)
+        service = WorkerService(settings)
+    except (ValueError, ModelRepoError) as exc:
+        print(f"weir worker: {exc}", file=sys.stderr)
+        return 2
+    return _run_until_signal(service.run())
+
+
+def _run_until_signal(coro) -> int:
+    async def runner() -> int:
+        task = asyncio.create_task(coro)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, task.cancel)
+        try:
+            await task
+        except asyncio.CancelledError:
+            return 0
+        return 0
+
+    try:
+        return asyncio.run(runner())
+    except Exception as exc:
+        log.error("worker stopped: %s", exc)
+        return 1

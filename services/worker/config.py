@@ -1,0 +1,32 @@
+"""Worker settings: the only place the worker reads the environment (WEIR_*)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from weir.bus import BusSettings
+
+
+class WorkerSettings(BusSettings):
+    """Settings of one worker process."""
+
+    model_repo: str = Field("models.toml", description="Model repository TOML file.")
+    models: str = Field("", description="Comma-separated models to serve; empty serves every model in the repository.")
+    device: str = Field("auto", description="auto | cpu | cuda.")
+    kv_cache_bytes: int = Field(256 * 1024 * 1024, ge=1 << 20, description="KV-cache budget on the CPU.")
+    block_size: int = Field(16, ge=1, description="Tokens per KV-cache block.")
+    max_num_batched_tokens: int = Field(512, ge=16, description="Token budget of one engine step.")
+    heartbeat_interval_ms: int = Field(1000, ge=100, description="How often capacity is published.")
+    audit_hmac_key: str = Field("weir-dev-audit-key", description="Key of the audit HMACs (hex:... or text).")
+    echo_step_delay_ms: int = Field(0, ge=0, description="Pause per step of the echo model (tests of cancellation).")
+    torch_threads: int = Field(0, ge=0, description="torch intra-op threads; 0 keeps torch's default.")
+
+    def model_names(self, available: list[str]) -> list[str]:
+        """The models this worker serves; raises ValueError naming an unknown one."""
+        if not self.models.strip():
+            return available
+        names = [m.strip() for m in self.models.split(",") if m.strip()]
+        unknown = [m for m in names if m not in available]
+        if unknown:
+            raise ValueError(f"WEIR_MODELS names {unknown}, not in the model repository ({available})")
+        return names

@@ -1,0 +1,297 @@
+"""The worker's Kafka edge: batches in, token deltas, terminal events and audit events out.
+
+A batch's offset is committed only when every request in it has its terminal event durably
+written (acks=all). A worker killed at any moment therefore leaves its unfinished batches
+uncommitted; the consumer group hands them to another worker (or this one, restarted), which
+regenerates them with the same seeds. Readers drop the repeated deltas by sequence number.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
+from aiokafka.errors import CommitFailedError, KafkaError
+
+from schemas.codec import DecodeError, decode, encode
+from schemas.fingerprint import key_id, keyed_hmac
+from schemas.messages import (
+    AuditEvent,
+    Batch,
+    Cancellation,
+    ErrorInfo,
+    GenerateRequest,
+    ReplyDelta,
+    ReplyEnd,
+    Usage,
+    now_ms,
+)
+from schemas.model_repo import ModelConfig
+from schemas.topics import Topics
+from services.worker.runner import EngineRunner
+from services.worker.sequence import EngineOutput
+from weir.bus import BusSettings, OffsetTracker, make_consumer, send_dead_letter
+
+log = logging.getLogger(__name__)
+
+_CANCEL_MEMORY_MS = 15 * 60 * 1000
+
+
+@dataclass
+class InFlight:
+    """A request the worker has taken, and the batch offsets waiting for its end."""
+
+    request: GenerateRequest
+    batch_id: str
+    offsets: list[tuple[TopicPartition, int]] = field(default_factory=list)
+
+
+class ModelServer:
+    """Serves one model: consumes its batch topic in the model's group, runs engine instances."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        runners: list[EngineRunner],
+        settings: BusSettings,
+        producer: AIOKafkaProducer,
+        worker_id: str,
+        audit_key: bytes,
+    ) -> None:
+        self.config = config
+        self.runners = runners
+        self.settings = settings
+        self.topics: Topics = settings.topics
+        self.producer = producer
+        self.worker_id = worker_id
+        self.audit_key = audit_key
+        self.audit_key_id = key_id(audit_key)
+        self.tracker = OffsetTracker()
+        self.in_flight: dict[str, InFlight] = {}
+        self._owner: dict[str, EngineRunner] = {}
+        self._batch_left: dict[tuple[TopicPartition, int], int] = {}
+        self._outputs: asyncio.Queue[list[EngineOutput]] = asyncio.Queue()
+        self.recent_cancels: dict[str, int] = {}
+        self.consumer: AIOKafkaConsumer | None = None
+        self.num_done = 0
+
+    @property
+    def model_version(self) -> str:
+        return f"{self.config.name}@{self.config.version}"
+
+    def on_outputs(self, outputs: list[EngineOutput]) -> None:
+        """Called on the loop by the engine threads."""
+        self._outputs.put_nowait(outputs)
+
+    # -- consuming ----------------------------------------------------------------------------
+
+    async def consume(self) -> None:
+        """Take batches while engines have room; pause the partitions while they do not."""
+        self.consumer = make_consumer(
+            self.settings, client_id=self.worker_id, group_id=self.topics.worker_group(self.config.name),
+            max_poll_records=8, session_timeout_ms=6000,
+        )  # fmt: skip
+        self.consumer.subscribe([self.topics.batches(self.config.name)], listener=_Revoked(self))
+        await self.consumer.start()
+        try:
+            while True:
+                room = self.config.max_num_seqs * len(self.runners) - len(self.in_flight)
+                assigned = self.consumer.assignment()
+                if room <= 0:
+                    self.consumer.pause(*assigned)
+                else:
+                    self.consumer.resume(*assigned)
+                records = await self.consumer.getmany(timeout_ms=100)
+                for tp, batch in records.items():
+                    for record in batch:
+                        await self.on_batch_record(tp, record)
+                await self.commit()
+        finally:
+            await self.consumer.stop()
+
+    async def on_batch_record(self, tp: TopicPartition, record) -> None:
+        self.tracker.add(tp, record.offset)
+        try:
+            batch = decode(Batch, record.value)
+        except DecodeError as exc:
+            await send_dead_letter(self.producer, self.topics, record, str(exc), self.worker_id)
+            self.tracker.done(tp, record.offset)
+            return
+        key = (tp, record.offset)
+        self._batch_left[key] = len(batch.requests)
+        for request in batch.requests:
+            await self.on_request(request, batch.batch_id, key)
+
+    async def on_request(self, request: GenerateRequest, batch_id: str, key: tuple[TopicPartition, int]) -> None:
+        flight = self.in_flight.get(request.request_id)
+        if flight is not None:  # the same request twice (a redelivered batch): one run answers both
+            flight.offsets.append(key)
+            return
+        flight = InFlight(request, batch_id, [key])
+        self.in_flight[request.request_id] = flight
+        now = now_ms()
+        if request.model != self.config.name:
+            info = ErrorInfo(code="wrong_model", message=f"batch for {self.config.name} holds a request for {request.model}")
+            await self.finish_early(flight, "rejected", info)
+        elif request.request_id in self.recent_cancels:
+            await self.finish_early(flight, "cancelled", ErrorInfo(code="cancelled", message="request was cancelled"))
+        elif request.deadline_ms <= now:
+            await self.finish_early(flight, "timeout", ErrorInfo(code="deadline_exceeded", message="deadline passed before the model ran"))
+        else:
+            runner = min(self.runners, key=lambda r: r.num_pending)
+            self._owner[request.request_id] = runner
+            runner.submit(request)
+
+    def on_cancel(self, cancel: Cancellation) -> None:
+        self.recent_cancels[cancel.request_id] = now_ms()
+        runner = self._owner.get(cancel.request_id)
+        if runner is not None:
+            runner.cancel(cancel.request_id)
+
+    # -- producing ----------------------------------------------------------------------------
+
+    async def publish(self) -> None:
+        """Turn engine outputs into reply and audit events, in order, and settle offsets."""
+        while True:
+            outputs = await self._outputs.get()
+            for runner in self.runners:
+                if runner.failure is not None:
+                    raise RuntimeError(f"engine of {self.config.name} failed: {runner.failure!r}")
+            for out in outputs:
+                flight = self.in_flight.get(out.request_id)
+                if flight is None:
+                    continue  # warmup, or a request this worker no longer owns
+                await self.send_output(flight, out)
+
+    async def send_output(self, flight: InFlight, out: EngineOutput) -> None:
+        req = flight.request
+        key = req.request_id.encode()
+        seq = out.seq
+        futures = []
+        if out.text or (out.token_ids and not out.is_final):
+            delta = ReplyDelta(request_id=req.request_id, batch_id=flight.batch_id, seq=seq, text=out.text, token_ids=out.token_ids)
+            futures.append(await self._send(req.reply_to, encode(delta), key))
+            seq += 1
+        if not out.is_final:
+            return
+        end = ReplyEnd(
+            request_id=req.request_id, batch_id=flight.batch_id, seq=seq, finish_reason=out.finish_reason,
+            usage=Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
+                        total_tokens=out.prompt_tokens + out.completion_tokens),
+            error=out.error, model_version=self.model_version, received_ms=out.received_ms,
+            first_token_ms=out.first_token_ms,
+        )  # fmt: skip
+        futures.append(await self._send(req.reply_to, encode(end), key))
+        if out.prompt_text is not None:
+            futures.append(await self._send(self.topics.audit, encode(self.audit_event(flight, out)), key))
+        asyncio.get_running_loop().create_task(self.settle(flight, futures))
+
+    async def _send(self, topic: str, value: bytes, key: bytes) -> asyncio.Future:
+        try:
+            return await self.producer.send(topic, value, key=key)
+        except KafkaError as exc:  # e.g. an invalid reply_to: this request cannot be answered
+            log.error("cannot produce to %s: %r", topic, exc)
+            failed: asyncio.Future = asyncio.get_running_loop().create_future()
+            failed.set_result(None)
+            return failed
+
+    async def finish_early(self, flight: InFlight, reason, error: ErrorInfo) -> None:
+        """End a request that never reached the engine."""
+        out = EngineOutput(flight.request.request_id, 0, finish_reason=reason, error=error, received_ms=now_ms())
+        await self.send_output(flight, out)
+
+    def audit_event(self, flight: InFlight, out: EngineOutput) -> AuditEvent:
+        req = flight.request
+        runner = self._owner.get(req.request_id) or self.runners[0]
+        return AuditEvent(
+            event_id=f"{req.request_id}:{self.model_version}", request_id=req.request_id, model=req.model,
+            model_version=self.model_version, weights_sha256=runner.engine.weights_sha256,
+            principal=req.principal, tenant=req.tenant,
+            prompt_hmac=keyed_hmac(self.audit_key, out.prompt_text or ""),
+            output_hmac=keyed_hmac(self.audit_key, out.output_text or ""), hmac_key_id=self.audit_key_id,
+            temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, max_tokens=req.max_tokens,
+            seed=req.effective_seed, prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
+            finish_reason=out.finish_reason, worker_id=self.worker_id, request_created_ms=req.created_ms,
+            received_ms=out.received_ms or now_ms(), first_token_ms=out.first_token_ms,
+            finished_ms=out.finished_ms or now_ms(),
+        )  # fmt: skip
+
+    async def settle(self, flight: InFlight, futures: list[asyncio.Future]) -> None:
+        """Once the terminal event is durable, the request's batch offsets may be committed."""
+        try:
+            await asyncio.gather(*futures)
+        except KafkaError as exc:
+            log.error("terminal event of %s not written (%r); its batch stays uncommitted", flight.request.request_id, exc)
+            return
+        self.in_flight.pop(flight.request.request_id, None)
+        self._owner.pop(flight.request.request_id, None)
+        self.num_done += 1
+        for key in flight.offsets:
+            left = self._batch_left.get(key)
+            if left is None:
+                continue
+            if left <= 1:
+                del self._batch_left[key]
+                self.tracker.done(*key)
+            else:
+                self._batch_left[key] = left - 1
+
+    async def commit(self) -> None:
+        positions = self.tracker.committable()
+        if not positions or self.consumer is None:
+            return
+        try:
+            await self.consumer.commit(positions)
+        except (CommitFailedError, KafkaError) as exc:
+            log.warning("commit failed (%r); the batches will be redone by their new owner", exc)
+
+    def forget_old_cancels(self) -> None:
+        cutoff = now_ms() - _CANCEL_MEMORY_MS
+        for rid in [r for r, t in self.recent_cancels.items() if t < cutoff]:
+            del self.recent_cancels[rid]
+
+
+class _Revoked(ConsumerRebalanceListener):
+    """On losing partitions: commit what is durable, then forget them (their new owner redoes the rest)."""
+
+    def __init__(self, server: ModelServer) -> None:
+        self.server = server
+
+    async def on_partitions_revoked(self, revoked) -> None:
+        await self.server.commit()
+        self.server.tracker.forget(list(revoked))
+        for key in [k for k in self.server._batch_left if k[0] in revoked]:
+            del self.server._batch_left[key]
+
+    async def on_partitions_assigned(self, assigned) -> None:
+        log.info("assigned %s", sorted(f"{tp.topic}[{tp.partition}]" for tp in assigned))
+
+
+async def consume_cancellations(settings: BusSettings, servers: list[ModelServer], producer, worker_id: str) -> None:
+    """Read the control topic (recent history, then live) and pass cancels to the model servers."""
+    topics = settings.topics
+    consumer = make_consumer(settings, client_id=worker_id, group_id=None, auto_offset_reset="latest")
+    await consumer.start()
+    try:
+        await consumer.topics()  # fetch metadata so the control topic's partitions are known
+        parts = [TopicPartition(topics.control, p) for p in (consumer.partitions_for_topic(topics.control) or {0})]
+        consumer.assign(parts)
+        since = await consumer.offsets_for_times({tp: now_ms() - _CANCEL_MEMORY_MS for tp in parts})
+        for tp in parts:
+            found = since.get(tp)
+            if found is not None:
+                consumer.seek(tp, found.offset)
+            else:
+                await consumer.seek_to_end(tp)
+        async for record in consumer:
+            try:
+                cancel = decode(Cancellation, record.value)
+            except DecodeError as exc:
+                await send_dead_letter(producer, topics, record, str(exc), worker_id)
+                continue
+            for server in servers:
+                server.on_cancel(cancel)
+    finally:
+        await consumer.stop()
