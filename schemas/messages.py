@@ -125,7 +125,7 @@ class ReplyEnd(_Wire):
     batch_id: str | None = Field(None, description="Batch that carried the request, if it got one.")
     seq: int = Field(ge=0, description="Per-request sequence number (last).")
     finish_reason: FinishReason = Field(description="Why the request ended.")
-    usage: Usage = Field(default_factory=Usage, description="Token counts.")
+    usage: Usage = Field(default_factory=lambda: Usage(), description="Token counts.")
     error: ErrorInfo | None = Field(None, description="Set when finish_reason is error/rejected/timeout.")
     model_version: str | None = Field(None, description="name@version of the model that served it.")
     received_ms: int | None = Field(None, description="When the worker received the request, epoch ms.")
