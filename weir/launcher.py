@@ -1,0 +1,169 @@
+"""`weir up`: the local Kafka broker and all four services on one machine, as plain processes.
+
+Also the process supervisor that end-to-end and fault tests use: a Stack starts each service as
+`python -m weir.cli <service>` with its environment, can kill any of them (kill -9 included), and
+stops all of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from schemas.model_repo import ModelRepoError, load_model_repo
+from schemas.topics import DEFAULT_PREFIX, Topics
+
+SERVICES = ("auditor", "worker", "batcher", "gateway")
+
+
+@dataclass
+class Stack:
+    """Weir's services as child processes sharing one environment."""
+
+    env: dict[str, str]
+    log_dir: Path
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    def start(self, name: str, service: str | None = None, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+        """Start `service` (default: `name`) under `name`; its output goes to <log_dir>/<name>.log."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **self.env, **(extra_env or {})}
+        with open(self.log_path(name), "ab") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "weir.cli", service or name], env=env, stdin=subprocess.DEVNULL,
+                stdout=log, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        self.procs[name] = proc
+        return proc
+
+    def log_path(self, name: str) -> Path:
+        return self.log_dir / f"{name}.log"
+
+    def log_tail(self, name: str, num_bytes: int = 3000) -> str:
+        try:
+            return self.log_path(name).read_bytes()[-num_bytes:].decode(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Send `sig` to one service (SIGKILL: the kill -9 of fault tests) and reap it."""
+        proc = self.procs.pop(name)
+        proc.send_signal(sig)
+        proc.wait(30)
+
+    def dead(self) -> list[str]:
+        """Services that exited on their own."""
+        return [name for name, proc in self.procs.items() if proc.poll() is not None]
+
+    def stop_all(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM every service (gateway first, so no new work arrives), SIGKILL the stragglers."""
+        order = sorted(self.procs, key=lambda n: 0 if n.startswith("gateway") else 1)
+        for name in order:
+            if self.procs[name].poll() is None:
+                self.procs[name].send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for name in order:
+            try:
+                self.procs[name].wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.procs[name].kill()
+                self.procs[name].wait()
+        self.procs.clear()
+
+
+def wait_http_ok(url: str, timeout_s: float, stack: Stack | None = None) -> None:
+    """Poll `url` until it answers 200; raises RuntimeError (with the dead service's log) or TimeoutError."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if stack is not None and (dead := stack.dead()):
+            raise RuntimeError(f"{dead[0]} exited during startup:\n{stack.log_tail(dead[0])}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} did not answer 200 within {timeout_s:.0f} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`weir up`: start Kafka and the four services, print where to point a client, stop all on Ctrl-C."""
+    parser = argparse.ArgumentParser(prog="weir up", description=main.__doc__)
+    parser.add_argument("--host", default=os.environ.get("WEIR_GATEWAY_HOST", "127.0.0.1"))
+    parser.add_argument("--port", type=int, default=int(os.environ.get("WEIR_GATEWAY_PORT", "8000")))
+    parser.add_argument("--kafka-port", type=int, default=int(os.environ.get("WEIR_KAFKA_PORT", "9092")))
+    parser.add_argument("--topic-prefix", default=os.environ.get("WEIR_TOPIC_PREFIX", DEFAULT_PREFIX))
+    parser.add_argument("--model-repo", default=os.environ.get("WEIR_MODEL_REPO", "models.toml"))
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait until ready")
+    args = parser.parse_args(argv)
+
+    from weir.kafka import launcher
+    from weir.kafka.admin import deployment_specs, ensure_topics
+
+    try:
+        repo = load_model_repo(args.model_repo)
+    except ModelRepoError as exc:
+        print(f"weir up: {exc}", file=sys.stderr)
+        return 2
+    broker = launcher.BrokerConfig.from_env(port=args.kafka_port)
+    print(f"starting Kafka at {broker.bootstrap} ...", flush=True)
+    was_running = launcher.running_pid(broker) is not None or launcher.port_open(broker.host, broker.port)
+    try:
+        asyncio.run(launcher.up(broker, 120))
+        asyncio.run(ensure_topics(broker.bootstrap, deployment_specs(Topics(args.topic_prefix), repo)))
+    except launcher.BrokerError as exc:
+        print(f"weir up: {exc}", file=sys.stderr)
+        return 1
+    env = {
+        "WEIR_KAFKA_BOOTSTRAP": broker.bootstrap, "WEIR_TOPIC_PREFIX": args.topic_prefix,
+        "WEIR_MODEL_REPO": str(Path(args.model_repo).resolve()), "WEIR_GATEWAY_HOST": args.host,
+        "WEIR_GATEWAY_PORT": str(args.port), "PYTHONUNBUFFERED": "1",
+    }  # fmt: skip
+    stack = Stack(env, launcher.weir_home() / "logs")
+    url = f"http://{args.host}:{args.port}"
+    try:
+        for name in SERVICES:
+            stack.start(name)
+        print(f"starting {', '.join(SERVICES)} (logs in {stack.log_dir}) ...", flush=True)
+        wait_http_ok(f"{url}/readyz", args.timeout, stack)
+        _print_banner(url, broker.bootstrap, Topics(args.topic_prefix), list(repo.models))
+        while not (dead := stack.dead()):
+            time.sleep(0.5)
+        print(f"weir up: {dead[0]} exited:\n{stack.log_tail(dead[0])}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nstopping ...", flush=True)
+        return 0
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"weir up: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not orphan children
+        stack.stop_all()
+        if not was_running:
+            launcher.stop(broker)
+        print("stopped", flush=True)
+
+
+def _print_banner(url: str, bootstrap: str, topics: Topics, models: list[str]) -> None:
+    print(f"""
+Weir is up.
+  OpenAI-compatible API  {url}/v1   (e.g. OPENAI_BASE_URL={url}/v1 OPENAI_API_KEY=local)
+  models                 {', '.join(models)}
+  Kafka                  {bootstrap}
+  requests topic         {topics.requests}
+  reply topics           {topics.replies('<your-id>')}  (name yours in reply_to)
+  control / workers      {topics.control} / {topics.workers}
+  audit / dead letters   {topics.audit} / {topics.dead_letter}
+  batches                {', '.join(topics.batches(m) for m in models)}
+Press Ctrl-C to stop everything.""", flush=True)
