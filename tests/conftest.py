@@ -1,0 +1,32 @@
+"""Test-session setup: the real Kafka broker that Kafka-marked tests run against.
+
+.ci/run (through scripts/test.sh) starts the broker before pytest; when a developer runs pytest
+alone, this starts it (and stops it afterwards) so the tests never silently skip Kafka.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+BOOTSTRAP = os.environ.get("WEIR_KAFKA_BOOTSTRAP", "127.0.0.1:9092")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def kafka_broker(request):
+    """Make sure a broker answers at BOOTSTRAP when any collected test needs Kafka."""
+    needs_kafka = any(item.get_closest_marker("kafka") for item in request.session.items)
+    if not needs_kafka:
+        yield None
+        return
+    from weir.kafka import launcher
+
+    host, port = BOOTSTRAP.rsplit(":", 1)
+    cfg = launcher.BrokerConfig.from_env(port=int(port))
+    started_here = not launcher.port_open(host, int(port))
+    asyncio.run(launcher.up(cfg, 120))
+    yield BOOTSTRAP
+    if started_here:
+        launcher.stop(cfg)
