@@ -1,0 +1,150 @@
+"""Kafka edge of the auditor: decode AuditEvents, append them to the ledger, dead-letter the rest.
+
+Offsets (DESIGN.md, invariant 3): the subscriber uses AckPolicy.NACK_ON_ERROR, so FastStream
+commits the consumer's position only after on_audit_event returned, that is after the SQLite
+commit. A message that cannot be parsed is dead-lettered (and the DeadLetter durably produced)
+before it is acked. A ledger write that fails is nacked: the consumer seeks back and the event is
+redelivered after a pause, never skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sqlite3
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from aiokafka import AIOKafkaProducer, ConsumerRecord
+from faststream import AckPolicy, BaseMiddleware
+from faststream.exceptions import HandlerException, NackMessage
+from faststream.kafka import KafkaBroker
+from faststream.kafka.annotations import KafkaMessage
+from faststream.message import StreamMessage
+
+from schemas.codec import DecodeError, decode
+from schemas.messages import SCHEMA_VERSION, AuditEvent
+from schemas.topics import Topics
+from services.auditor.config import AuditorSettings
+from services.auditor.ledger import Ledger, unstorable_reason
+from weir.bus import send_dead_letter
+
+log = logging.getLogger(__name__)
+
+SERVICE = "auditor"
+
+async def decode_audit_event(msg: StreamMessage[Any]) -> AuditEvent:
+    """FastStream decoder of the audit topic: raw bytes to AuditEvent, or DecodeError with why."""
+    event = decode(AuditEvent, msg.body)
+    if event.schema_version > SCHEMA_VERSION:
+        raise DecodeError(f"schema_version {event.schema_version} is newer than this auditor's {SCHEMA_VERSION}")
+    if (reason := unstorable_reason(event)) is not None:
+        raise DecodeError(f"invalid AuditEvent: {reason}")
+    return event
+
+
+class LedgerWriter:
+    """A Ledger on one dedicated thread, so SQLite's fsync never blocks the event loop."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._executor: ThreadPoolExecutor | None = None
+        self._ledger: Ledger | None = None
+
+    async def open(self) -> None:
+        """Open (creating if needed) the ledger file; called once at startup."""
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger")
+        self._ledger = await self._run(Ledger, self.path)
+
+    async def append(self, event: AuditEvent, partition: int, offset: int) -> bool:
+        """Ledger.append on the ledger thread; True when the event became a new record."""
+        assert self._ledger is not None, "LedgerWriter.open() was not called"
+        return bool(await self._run(self._ledger.append, event, partition, offset))
+
+    async def close(self) -> None:
+        """Close the file and stop the thread; called once at shutdown."""
+        if self._ledger is not None:
+            await self._run(self._ledger.close)
+            self._ledger = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+    async def _run(self, func: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, func, *args)
+
+
+class DeadLetters:
+    """Broker middleware: a message that cannot be parsed goes to the dead-letter topic with why.
+
+    FastStream builds one middleware per message by calling this object. The producer is set at
+    startup (it needs the event loop). Once the DeadLetter is durable the error is swallowed, so
+    the ack policy acks the message and the consumer carries on (DESIGN.md, invariant 6).
+    """
+
+    def __init__(self, topics: Topics) -> None:
+        self.topics = topics
+        self.producer: AIOKafkaProducer | None = None
+
+    def __call__(self, msg: Any, /, *, context: Any) -> _DeadLetterScope:
+        return _DeadLetterScope(msg, context=context, sink=self)
+
+
+class _DeadLetterScope(BaseMiddleware):
+    """The middleware of one message: dead-letters it if parsing or decoding it failed."""
+
+    def __init__(self, msg: Any, /, *, context: Any, sink: DeadLetters) -> None:
+        super().__init__(msg, context=context)
+        self.sink = sink
+        self.reached_handler = False
+
+    async def consume_scope(self, call_next: Any, msg: StreamMessage[Any]) -> Any:
+        # Reached only when parser and decoder succeeded; errors from here on are the handler's.
+        self.reached_handler = True
+        return await call_next(msg)
+
+    async def after_processed(
+        self,
+        exc_type: type[BaseException] | None = None,
+        exc_val: BaseException | None = None,
+        exc_tb: TracebackType | None = None,
+    ) -> bool | None:
+        if not isinstance(exc_val, Exception) or isinstance(exc_val, HandlerException):
+            return False
+        if self.reached_handler and not isinstance(exc_val, DecodeError):
+            return False  # a handler failure: the ack policy nacks it, it is not the message's fault
+        assert self.sink.producer is not None, "the dead-letter producer was not started"
+        reason = str(exc_val) if isinstance(exc_val, DecodeError) else f"unparsable message: {exc_val!r}"
+        await send_dead_letter(self.sink.producer, self.sink.topics, self.msg, reason, SERVICE)
+        return True
+
+
+def register_handlers(broker: KafkaBroker, settings: AuditorSettings, writer: LedgerWriter) -> None:
+    """Subscribe the auditor's consumer group to the audit topic."""
+    topics = settings.topics
+
+    @broker.subscriber(
+        topics.audit,
+        group_id=topics.auditor_group,
+        ack_policy=AckPolicy.NACK_ON_ERROR,
+        decoder=decode_audit_event,
+        auto_offset_reset="earliest",
+        isolation_level="read_committed",
+        title="auditor/audit-events",
+        description="AuditEvents into the hash-chained ledger; commits after the SQLite commit.",
+    )
+    async def on_audit_event(event: AuditEvent, msg: KafkaMessage) -> None:
+        record = msg.raw_message
+        assert isinstance(record, ConsumerRecord), "a batch reached the per-event handler"
+        try:
+            is_new = await writer.append(event, record.partition, record.offset)
+        except Exception as exc:
+            # Never skip an event: pause (no hot loop on a full disk), then seek back to it.
+            log.error("ledger write of event %s failed (%r); redelivering in %.1f s", event.event_id, exc,
+                      settings.audit_retry_backoff_s, exc_info=not isinstance(exc, sqlite3.Error))
+            await asyncio.sleep(settings.audit_retry_backoff_s)
+            raise NackMessage() from exc
+        if not is_new:
+            log.info("event %s is already in the ledger (redelivery); skipped", event.event_id)

@@ -1,0 +1,33 @@
+"""Fixtures of the auditor tests: a private topic prefix per test on the real Kafka broker."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from uuid import uuid4
+
+import pytest
+from aiokafka.admin import AIOKafkaAdminClient
+
+from schemas.topics import Topics
+from weir.kafka.admin import ensure_topics
+
+
+@pytest.fixture(scope="session")
+def bootstrap(kafka_broker: str) -> str:
+    """The broker tests/conftest.py made sure of (WEIR_KAFKA_BOOTSTRAP, default 127.0.0.1:9092)."""
+    return kafka_broker
+
+
+@pytest.fixture
+async def audit_topics(bootstrap: str) -> AsyncIterator[Topics]:
+    """A fresh prefix whose audit and dead-letter topics exist; deleted after the test."""
+    topics = Topics(prefix=f"t{uuid4().hex[:8]}")
+    specs = [spec for spec in topics.core_specs() if spec.name in (topics.audit, topics.dead_letter)]
+    await ensure_topics(bootstrap, specs)
+    yield topics
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        await admin.delete_topics([spec.name for spec in specs])
+    finally:
+        await admin.close()
