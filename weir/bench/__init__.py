@@ -1,0 +1,18 @@
+"""`weir bench ...`: benchmarks that print tables of figures measured side by side in one run."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+BENCHES = {
+    "pipeline": ("weir.bench.pipeline", "in-process engine vs gateway -> Kafka -> batcher -> worker -> gateway"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="weir bench", description="Weir benchmarks.")
+    parser.add_argument("name", choices=sorted(BENCHES), help="which benchmark")
+    args, rest = parser.parse_known_args(argv)
+    module = importlib.import_module(BENCHES[args.name][0])
+    return module.main(rest)
