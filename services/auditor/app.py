@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import sqlite3
 from pathlib import Path
 
 from aiokafka.errors import KafkaError
@@ -40,9 +41,14 @@ def create_app(settings: AuditorSettings) -> FastStream:
     register_handlers(broker, settings, writer)
 
     async def open_ledger_and_producer() -> None:
-        await writer.open()
         producer = make_producer(settings, client_id=f"{client_id}-dlq")
-        await producer.start()
+        try:
+            await producer.start()
+            await writer.open()
+        except BaseException:
+            await producer.stop()
+            await writer.close()
+            raise
         dead_letters.producer = producer
         log.info("auditor %s: ledger %s, consuming %s as group %s", client_id, settings.audit_db,
                  settings.topics.audit, settings.topics.auditor_group)
@@ -75,10 +81,13 @@ def main(argv: list[str]) -> int:
         settings = settings.model_copy(update={"audit_db": args.db})
     try:
         asyncio.run(create_app(settings).run(log_level=logging.INFO))
-    except LedgerError as exc:
-        log.error("auditor cannot use its ledger: %s", exc)
+    except (LedgerError, sqlite3.Error) as exc:
+        log.error("auditor cannot use its ledger %s: %s", settings.audit_db, exc)
         return 2
-    except (KafkaError, OSError) as exc:
+    except KafkaError as exc:
         log.error("auditor cannot reach Kafka at %s: %r; is it up (`weir kafka up`)?", settings.kafka_bootstrap, exc)
+        return 1
+    except OSError as exc:
+        log.error("auditor failed: %s", exc)
         return 1
     return 0
