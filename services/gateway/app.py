@@ -1,0 +1,269 @@
+"""Wiring of the gateway: the FastAPI app (built by `create_app`, never at import) and `main`.
+
+Endpoints: POST /v1/chat/completions, POST /v1/completions (JSON or SSE), WS /v1/stream,
+GET /v1/models, GET /healthz, GET /readyz. Every error leaves through one handler, in OpenAI's
+format. Kafka starts in the lifespan, before the server accepts a connection.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import uvicorn
+from aiokafka.errors import KafkaError
+from fastapi import FastAPI, Request, WebSocket
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from schemas.messages import now_ms
+from schemas.model_repo import ModelRepository, load_model_repo
+from services.gateway.config import GatewaySettings
+from services.gateway.handlers import Exchange, GatewayBus
+from services.gateway.openai_format import (
+    ApiError,
+    ChunkWriter,
+    Kind,
+    error_body,
+    error_type,
+    models_list,
+    parse_body,
+    to_generate_request,
+    validation_error,
+)
+from services.gateway.streaming import EventStreamResponse, WebSocketSession, collect, sse_events
+
+log = logging.getLogger("weir.gateway")
+
+TIMEOUT_HEADER = "x-weir-timeout-s"
+_ID_PREFIX: dict[Kind, str] = {"chat.completions": "chatcmpl-", "completions": "cmpl-"}
+
+
+def create_app(settings: GatewaySettings, repo: ModelRepository | None = None) -> FastAPI:
+    """The gateway app for `settings`; loads the model repository now (a bad one fails here)."""
+    repo = repo if repo is not None else load_model_repo(settings.model_repo)
+    bus = GatewayBus(settings)
+    started_s = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await bus.start()
+        try:
+            yield
+        finally:
+            await bus.stop()
+
+    app = FastAPI(title="Weir gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.settings, app.state.repo, app.state.bus = settings, repo, bus
+    for exc_class in (ApiError, StarletteHTTPException, RequestValidationError, ValidationError, Exception):
+        app.add_exception_handler(exc_class, on_error)
+
+    async def prepare(kind: Kind, raw: bytes, headers: dict[str, str]) -> tuple[Exchange, ChunkWriter]:
+        """Validate a body, publish its GenerateRequest, and return the Exchange and chunk writer."""
+        return await open_exchange(bus, repo, kind, raw, headers, _new_request_id(kind))
+
+    async def complete(kind: Kind, request: Request) -> Response:
+        request_id = request.state.request_id = _new_request_id(kind)
+        raw = await read_body(request, settings.max_body_bytes)
+        exchange, writer = await open_exchange(bus, repo, kind, raw, dict(request.headers), request_id)
+        request.state.is_submitted = True
+        headers = {"x-request-id": request_id}
+        if exchange.request.stream:
+            on_close = lambda: exchange.close("client_disconnect", status=200)  # noqa: E731
+            return EventStreamResponse(sse_events(exchange, writer), on_close, headers)
+        status: int | str = 500
+        try:
+            body = await collect(exchange, kind, writer.created_s, request.receive)
+            if body is None:
+                status = "client_gone"
+                return Response(status_code=499, headers=headers)
+            status = 200
+            return JSONResponse(body, headers=headers)
+        except ApiError as error:
+            status = error.status
+            raise
+        finally:
+            exchange.close("client_disconnect", status=status)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await complete("chat.completions", request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await complete("completions", request)
+
+    @app.websocket("/v1/stream")
+    async def stream(ws: WebSocket) -> None:
+        await WebSocketSession(ws, prepare).run()
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse(models_list(repo, started_s))
+
+    @app.get("/healthz")
+    async def healthz() -> JSONResponse:
+        return JSONResponse({"status": "ok", "gateway_id": bus.gateway_id})
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        is_ready, reason = bus.readiness()
+        live = {model: len(hbs) for model, hbs in bus.fleet.live_by_model(now_ms()).items()}
+        body = {"ready": is_ready, "reason": reason, "gateway_id": bus.gateway_id, "live_workers": live}
+        return JSONResponse(body, status_code=200 if is_ready else 503)
+
+    return app
+
+
+async def open_exchange(
+    bus: GatewayBus, repo: ModelRepository, kind: Kind, raw: bytes, headers: dict[str, str], request_id: str
+) -> tuple[Exchange, ChunkWriter]:
+    """Body → GenerateRequest → published; raises ApiError for anything the client got wrong."""
+    body = parse_body(kind, raw)
+    model = repo.get(body.model)
+    if model is None:
+        raise ApiError(404, f"The model {body.model!r} does not exist", param="model", code="model_not_found")
+    request = to_generate_request(
+        kind,
+        body,
+        model,
+        request_id=request_id,
+        reply_to=bus.reply_topic,
+        now_ms=now_ms(),
+        client_timeout_s=header_timeout_s(headers),
+        max_timeout_s=bus.settings.max_timeout_s,
+    )
+    exchange = await bus.submit(request)
+    writer = ChunkWriter(kind, request_id, model.name, request.created_ms // 1000, body.include_usage)
+    return exchange, writer
+
+
+def header_timeout_s(headers: dict[str, str]) -> float | None:
+    """The client's timeout from X-Weir-Timeout-S, or None; ApiError(400) when it is not > 0."""
+    value = headers.get(TIMEOUT_HEADER)
+    if value is None:
+        return None
+    try:
+        timeout_s = float(value)
+    except ValueError:
+        timeout_s = float("nan")
+    if not timeout_s > 0 or timeout_s == float("inf"):
+        raise ApiError(400, f"X-Weir-Timeout-S must be a positive number of seconds, got {value!r}",
+                       param="X-Weir-Timeout-S", code="invalid_value")
+    return timeout_s
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The request body, or ApiError(413) as soon as it is known to exceed max_bytes."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > max_bytes:
+        raise ApiError(413, f"request body of {length} bytes exceeds the limit of {max_bytes} bytes",
+                       code="request_too_large")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise ApiError(413, f"request body exceeds the limit of {max_bytes} bytes", code="request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def on_error(request: Request, exc: Exception) -> JSONResponse:
+    """The one place errors become responses: OpenAI's {"error": {...}} with a fitting status."""
+    if isinstance(exc, ApiError):
+        status, body = exc.status, exc.body()
+    elif isinstance(exc, StarletteHTTPException):
+        status = exc.status_code
+        code = "not_found" if status == 404 else "method_not_allowed" if status == 405 else None
+        body = error_body(str(exc.detail), error_type(status), None, code)
+    elif isinstance(exc, ValidationError):
+        error = validation_error(exc)
+        status, body = error.status, error.body()
+    elif isinstance(exc, RequestValidationError):
+        status, body = 400, error_body(str(exc.errors()[:1]), "invalid_request_error", None, "invalid_value")
+    else:
+        log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        status, body = 500, error_body("internal error", "server_error", None, "internal_error")
+    headers = {}
+    request_id = getattr(request.state, "request_id", None)
+    if request_id:
+        headers["x-request-id"] = request_id
+    if not getattr(request.state, "is_submitted", False):  # else the Exchange logs the request's end
+        log.info("request_end request_id=%s path=%s status=%d code=%s",
+                 request_id or "-", request.url.path, status, body["error"]["code"])
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _new_request_id(kind: Kind) -> str:
+    return f"{_ID_PREFIX[kind]}{uuid.uuid4().hex}"
+
+
+def main(argv: list[str]) -> int:
+    """`weir gateway [--host H] [--port P] [--model-repo PATH]`: serve until interrupted.
+
+    Returns 0 after a clean shutdown (SIGINT/SIGTERM), 3 when startup failed (Kafka unreachable,
+    bad model repository, port taken).
+    """
+    parser = argparse.ArgumentParser(prog="weir gateway", description="Weir's OpenAI-compatible gateway")
+    parser.add_argument("--host", help="bind address (WEIR_GATEWAY_HOST, default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="TCP port (WEIR_GATEWAY_PORT, default 8000)")
+    parser.add_argument("--model-repo", help="model repository TOML (WEIR_MODEL_REPO)")
+    parser.add_argument("--kafka-bootstrap", help="Kafka bootstrap servers (WEIR_KAFKA_BOOTSTRAP)")
+    args = parser.parse_args(argv)
+    overrides = {
+        key: value
+        for key, value in {
+            "gateway_host": args.host,
+            "gateway_port": args.port,
+            "model_repo": args.model_repo,
+            "kafka_bootstrap": args.kafka_bootstrap,
+        }.items()
+        if value is not None
+    }
+    settings = GatewaySettings(**overrides)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    try:
+        app = create_app(settings)
+    except ValueError as exc:  # ModelRepoError names the entry and the fix
+        log.error("gateway cannot start: %s", exc)
+        return 3
+    config = uvicorn.Config(
+        app, host=settings.gateway_host, port=settings.gateway_port, log_level=settings.log_level.lower(),
+        access_log=False, timeout_graceful_shutdown=10, ws_max_size=settings.max_body_bytes + 1024,
+    )
+    return asyncio.run(_serve(app.state.bus, uvicorn.Server(config)))
+
+
+async def _serve(bus: GatewayBus, server: uvicorn.Server) -> int:
+    # Kafka first, outside uvicorn's lifespan: a broker that is not there is one clear log line
+    # and exit code 3, not a traceback; the lifespan's own start() then finds it started.
+    try:
+        await bus.start()
+    except (KafkaError, OSError, TimeoutError) as exc:
+        log.error("gateway cannot start: Kafka at %s: %s; is Kafka up? (weir kafka up)",
+                  bus.settings.kafka_bootstrap, exc)
+        await bus.stop()
+        return 3
+    # SIGTERM/SIGINT end the server gracefully and main returns 0 (uvicorn's own handling would
+    # re-raise the signal after shutdown, so a supervisor would see death by signal).
+    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, server.handle_exit, sig, None)
+    try:
+        await server.serve()
+    except SystemExit as exc:  # uvicorn exits this way when binding or the lifespan fails
+        log.error("gateway did not start (exit %s)", exc.code)
+        await bus.stop()
+        return 3
+    return 0

@@ -1,0 +1,39 @@
+"""Settings of the gateway: the only place in services/gateway that reads the environment."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+from pydantic_settings import SettingsConfigDict
+
+from weir.bus import BusSettings
+
+
+class GatewaySettings(BusSettings):
+    """Gateway settings (env prefix WEIR_, e.g. WEIR_GATEWAY_PORT, WEIR_MODEL_REPO)."""
+
+    # protected_namespaces=(): `model_repo` is a setting, not a pydantic `model_*` attribute.
+    model_config = SettingsConfigDict(env_prefix="WEIR_", extra="ignore", protected_namespaces=())
+
+    gateway_host: str = Field("127.0.0.1", description="Interface the HTTP server binds.")
+    gateway_port: int = Field(8000, ge=0, le=65535, description="TCP port of the HTTP server; 0 picks one.")
+    gateway_id: str | None = Field(
+        None, description="Instance id (names the reply topic); a fresh one per process when unset."
+    )
+    model_repo: str = Field("models.toml", description="Model repository TOML file (WEIR_MODEL_REPO).")
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest request body accepted; larger is 413.")
+    max_timeout_s: float = Field(600.0, gt=0, description="Cap on any request's timeout, client-set or default.")
+    reply_grace_s: float = Field(
+        2.0, ge=0, description="How long past a request's deadline the gateway waits for its terminal event."
+    )
+    gap_timeout_s: float = Field(
+        5.0, gt=0, description="How long a reply stream waits for a missing seq before skipping the gap."
+    )
+    heartbeat_live_s: float = Field(10.0, gt=0, description="A worker heartbeat younger than this is live.")
+    startup_timeout_s: float = Field(30.0, gt=0, description="How long startup waits for the Kafka broker.")
+    log_level: str = Field("info", description="Log level of the gateway and uvicorn.")
+
+    @model_validator(mode="after")
+    def _check(self) -> GatewaySettings:
+        if not self.model_repo:
+            raise ValueError("model_repo='' must name a TOML file; set WEIR_MODEL_REPO")
+        return self

@@ -1,0 +1,292 @@
+"""Kafka I/O of one gateway instance: the producer, the reply consumer, the heartbeat watcher.
+
+The gateway publishes GenerateRequests and Cancellations, reads only its own reply topic
+(DESIGN.md, invariant 5) and watches worker heartbeats. An Exchange is one request in flight: it
+hands the request's ordered, deduplicated events to the HTTP/WebSocket edge, ends the request at
+its deadline when no terminal comes, and publishes a Cancellation when it is abandoned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.errors import KafkaError
+
+from schemas.codec import DecodeError, decode, decode_reply, encode
+from schemas.messages import (
+    CancelReason,
+    Cancellation,
+    ErrorInfo,
+    GenerateRequest,
+    ReplyDelta,
+    ReplyEnd,
+    WorkerHeartbeat,
+    now_ms,
+)
+from services.gateway.config import GatewaySettings
+from services.gateway.fleet import Fleet
+from services.gateway.openai_format import ApiError
+from services.gateway.replies import ReplyItem, ReplyRouter
+from weir.bus import instance_id, make_consumer, make_producer, send_dead_letter
+from weir.kafka.admin import ensure_topics, wait_for_broker
+
+log = logging.getLogger("weir.gateway")
+
+SERVICE = "gateway"
+_MAX_SEND_WAIT_S = 30.0
+
+
+class GatewayBus:
+    """Kafka clients and background loops of one gateway instance."""
+
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.settings = settings
+        self.topics = settings.topics
+        self.gateway_id = settings.gateway_id or instance_id(SERVICE)
+        self.reply_topic = self.topics.replies(self.gateway_id)
+        self.router = ReplyRouter()
+        self.fleet = Fleet(live_ms=int(settings.heartbeat_live_s * 1000))
+        self.is_producer_started = False
+        self.is_reply_assigned = False
+        self._producer: AIOKafkaProducer | None = None
+        self._replies: AIOKafkaConsumer | None = None
+        self._heartbeats: AIOKafkaConsumer | None = None
+        self._loops: list[asyncio.Task[None]] = []
+        self._publishing: set[asyncio.Task[None]] = set()  # fire-and-forget cancels in flight
+        self._exchanges: dict[str, Exchange] = {}
+        self._is_started = False
+
+    async def start(self) -> None:
+        """Create the topics, start the clients, and return once replies can be read.
+
+        Called before the server accepts a request (by main, and by the app's lifespan), so no
+        reply can be produced before this instance reads its topic. A second call does nothing.
+        """
+        if self._is_started:
+            return
+        self._is_started = True
+        s = self.settings
+        await wait_for_broker(s.kafka_bootstrap, timeout_s=s.startup_timeout_s)
+        await ensure_topics(s.kafka_bootstrap, [*self.topics.core_specs(), self.topics.reply_spec(self.gateway_id)])
+        self._producer = make_producer(s, client_id=self.gateway_id)
+        await self._producer.start()
+        self.is_producer_started = True
+
+        self._replies = make_consumer(s, client_id=f"{self.gateway_id}-replies", group_id=None)
+        tp = TopicPartition(self.reply_topic, 0)
+        await self._replies.start()
+        self._replies.assign([tp])
+        await self._replies.seek_to_end(tp)
+        await self._replies.position(tp)  # resolve the end offset now, not at the first fetch
+        self.is_reply_assigned = True
+
+        self._heartbeats = make_consumer(s, self.topics.workers, client_id=f"{self.gateway_id}-fleet", group_id=None)
+        await self._heartbeats.start()
+        self._loops = [
+            asyncio.create_task(self._run(self._consume_replies), name="gateway-replies"),
+            asyncio.create_task(self._run(self._consume_heartbeats), name="gateway-heartbeats"),
+        ]
+        log.info("gateway %s reads replies from %s", self.gateway_id, self.reply_topic)
+
+    async def stop(self) -> None:
+        """Cancel what is still in flight (reason shutdown), flush publishes, close the clients."""
+        for exchange in list(self._exchanges.values()):
+            exchange.close("shutdown", status="shutdown")
+        if self._publishing:
+            await asyncio.wait(self._publishing, timeout=5.0)
+        for task in self._loops:
+            task.cancel()
+        await asyncio.gather(*self._loops, return_exceptions=True)
+        self.is_reply_assigned = False
+        self.is_producer_started = False
+        for client in (self._replies, self._heartbeats, self._producer):
+            if client is not None:
+                try:
+                    await client.stop()
+                except Exception:  # noqa: BLE001 - closing anyway
+                    log.exception("closing a Kafka client failed")
+
+    def readiness(self) -> tuple[bool, str]:
+        """(ready, reason): producer started, reply consumer assigned, at least one live worker."""
+        if not self.is_producer_started:
+            return False, "producer not started"
+        if not self.is_reply_assigned:
+            return False, "reply consumer not assigned"
+        if any(task.done() for task in self._loops):
+            return False, "a consumer loop has stopped"
+        if not self.fleet.live(now_ms()):
+            return False, "no live worker heartbeat"
+        return True, "ready"
+
+    async def submit(self, request: GenerateRequest) -> Exchange:
+        """Open the request's route, then publish it (keyed by request_id) and wait until durable.
+
+        Raises ApiError(503) when Kafka does not take it; nothing is left registered then.
+        """
+        if self._producer is None or not self.is_producer_started:
+            raise ApiError(503, "the gateway is not connected to Kafka yet", code="unavailable")
+        queue = self.router.register(request.request_id)
+        exchange = Exchange(self, request, queue)
+        self._exchanges[request.request_id] = exchange
+        timeout_s = min(_MAX_SEND_WAIT_S, max(0.1, (request.deadline_ms - now_ms()) / 1000))
+        try:
+            await asyncio.wait_for(
+                self._producer.send_and_wait(self.topics.requests, encode(request), key=request.request_id.encode()),
+                timeout_s,
+            )
+        except (KafkaError, TimeoutError) as exc:
+            # A send that timed out may still land: cancel it so nothing runs for nobody.
+            exchange.close(None if isinstance(exc, KafkaError) else "deadline", status=503)
+            raise ApiError(503, f"the request could not be queued: {exc!r}", code="unavailable") from None
+        except BaseException:
+            exchange.close("client_disconnect", status="cancelled")
+            raise
+        return exchange
+
+    def publish_cancel(self, request_id: str, reason: CancelReason) -> None:
+        """Publish a Cancellation on the control topic without waiting (safe from cancelled code)."""
+        if self._producer is None:
+            return
+        cancel = Cancellation(request_id=request_id, reason=reason, reply_to=self.reply_topic)
+        task = asyncio.get_running_loop().create_task(self._send_cancel(cancel))
+        self._publishing.add(task)
+        task.add_done_callback(self._publishing.discard)
+
+    async def _send_cancel(self, cancel: Cancellation) -> None:
+        assert self._producer is not None
+        try:
+            await self._producer.send_and_wait(self.topics.control, encode(cancel), key=cancel.request_id.encode())
+        except KafkaError as exc:
+            log.warning("cancel of %s not published: %r", cancel.request_id, exc)
+
+    def _forget(self, request_id: str) -> None:
+        self.router.unregister(request_id)
+        self._exchanges.pop(request_id, None)
+
+    async def _run(self, loop_fn: Callable[[], Awaitable[None]]) -> None:
+        # Keeps a consumer loop alive across unexpected errors; a cancel ends it.
+        while True:
+            try:
+                await loop_fn()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the loop must go on (STYLE: per-message failure is data)
+                log.exception("gateway consumer loop failed; restarting in 1 s")
+                await asyncio.sleep(1.0)
+
+    async def _consume_replies(self) -> None:
+        assert self._replies is not None and self._producer is not None
+        while True:
+            batches = await self._replies.getmany(timeout_ms=1000)
+            for records in batches.values():
+                for record in records:
+                    try:
+                        event = decode_reply(record.value)
+                    except DecodeError as exc:
+                        await self._dead_letter(record, str(exc))
+                        continue
+                    self.router.on_event(event)
+
+    async def _dead_letter(self, record: object, reason: str) -> None:
+        assert self._producer is not None
+        try:
+            await send_dead_letter(self._producer, self.topics, record, reason, SERVICE)  # type: ignore[arg-type]
+        except KafkaError:
+            log.exception("dead-lettering failed; dropping the record")
+
+    async def _consume_heartbeats(self) -> None:
+        # Not dead-lettered: every gateway replica reads this topic from the beginning, so each
+        # would letter the same bad heartbeat again on every start. Logged instead.
+        assert self._heartbeats is not None
+        while True:
+            batches = await self._heartbeats.getmany(timeout_ms=1000)
+            for records in batches.values():
+                for record in records:
+                    if record.value is None:  # tombstone: the worker left
+                        if isinstance(record.key, bytes):
+                            self.fleet.forget(record.key.decode("utf-8", "replace"))
+                        continue
+                    try:
+                        self.fleet.observe(decode(WorkerHeartbeat, record.value))
+                    except DecodeError as exc:
+                        log.warning("ignoring heartbeat %s[%d]@%d: %s", record.topic, record.partition, record.offset, exc)
+
+
+class Exchange:
+    """One request in flight: its events in order, its deadline, and what happens when abandoned."""
+
+    def __init__(self, bus: GatewayBus, request: GenerateRequest, queue: asyncio.Queue[ReplyItem]) -> None:
+        self.bus = bus
+        self.request = request
+        self._queue = queue
+        self.end: ReplyEnd | None = None
+        self.first_token_ms: int | None = None
+        self.num_deltas = 0
+        self.is_closed = False
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    async def next_event(self) -> ReplyItem:
+        """The next event in seq order; a ReplyEnd is the last. Never hangs past deadline + grace:
+        then it returns a synthetic timeout ReplyEnd and publishes Cancellation(reason="deadline")."""
+        if self.end is not None:
+            return self.end
+        s = self.bus.settings
+        router = self.bus.router
+        give_up_ms = self.request.deadline_ms + int(s.reply_grace_s * 1000)
+        while True:
+            remaining_s = (give_up_ms - now_ms()) / 1000
+            if remaining_s <= 0:
+                return self._expire()
+            has_gap = router.has_gap(self.request_id)
+            wait_s = min(remaining_s, s.gap_timeout_s) if has_gap else remaining_s
+            try:
+                event = await asyncio.wait_for(self._queue.get(), wait_s)
+            except TimeoutError:
+                if has_gap:
+                    router.skip_gap(self.request_id)
+                continue
+            if isinstance(event, ReplyEnd):
+                self.end = event
+            else:
+                self.num_deltas += 1
+                if self.first_token_ms is None:
+                    self.first_token_ms = now_ms()
+            return event
+
+    def _expire(self) -> ReplyEnd:
+        self.end = ReplyEnd(
+            request_id=self.request_id,
+            seq=self.bus.router.next_seq(self.request_id),
+            finish_reason="timeout",
+            error=ErrorInfo(code="timeout", message="no result before the request's deadline"),
+        )
+        self.bus.publish_cancel(self.request_id, "deadline")
+        return self.end
+
+    def close(self, abandon_reason: CancelReason | None, status: int | str) -> None:
+        """Forget the request; publish a Cancellation when it has not ended (and a reason is given).
+
+        Called exactly when the edge is done with the request: finished, failed, or its client
+        went away. Logs the one line per request.
+        """
+        if self.is_closed:
+            return
+        self.is_closed = True
+        self.bus._forget(self.request_id)
+        outcome = self.end.finish_reason if self.end is not None else (abandon_reason or "abandoned")
+        if self.end is None and abandon_reason is not None:
+            self.bus.publish_cancel(self.request_id, abandon_reason)
+        created = self.request.created_ms
+        ttft = f"{self.first_token_ms - created}" if self.first_token_ms is not None else "-"
+        log.info(
+            "request_end request_id=%s model=%s status=%s outcome=%s ttft_ms=%s total_ms=%d deltas=%d",
+            self.request_id, self.request.model, status, outcome, ttft, now_ms() - created, self.num_deltas,
+        )
+

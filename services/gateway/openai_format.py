@@ -1,0 +1,364 @@
+"""OpenAI's wire format at the gateway's edge: request bodies in, chunks, bodies and errors out.
+
+Pure: no I/O, time passed in. Request bodies are validated strictly from the raw JSON (a string
+where a number belongs is an error, as with OpenAI), unknown OpenAI parameters are ignored, and the
+ones Weir cannot honour (n > 1, logprobs, tools, echo) are refused rather than silently dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from schemas.messages import ChatMessage, GenerateRequest, ReplyDelta, ReplyEnd, Usage
+from schemas.model_repo import ModelConfig, ModelRepository
+
+Kind = Literal["chat.completions", "completions"]
+
+DEFAULT_MAX_TOKENS = 256  # chat default when the body sets none (OpenAI's own is "up to context")
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+# Rejection codes that mean "come back later" (429) rather than "this request is wrong" (400).
+RETRYABLE_REJECTIONS = frozenset(
+    {"rate_limited", "rate_limit_exceeded", "overloaded", "queue_full", "no_capacity", "too_many_requests"}
+)
+
+
+class ApiError(Exception):
+    """An error the client sees in OpenAI's format; raised anywhere, rendered by one handler."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or error_type(status)
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body: {"error": {"message", "type", "param", "code"}}."""
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_type(status: int) -> str:
+    """OpenAI's error `type` for an HTTP status."""
+    if status == 429:
+        return "rate_limit_error"
+    if status >= 500:
+        return "server_error"
+    return "invalid_request_error"
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+# ---------------------------------------------------------------------------------------------
+# Request bodies
+
+
+class _TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["text"]
+    text: str
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[_TextPart] | None = None
+    name: str | None = None
+
+    def to_wire(self) -> ChatMessage:
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+        role = "system" if self.role == "developer" else self.role
+        return ChatMessage(role=role, content=text)
+
+
+class _StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    include_usage: bool = False
+
+
+class _Body(BaseModel):
+    """Fields common to both endpoints. `top_k` and `timeout_s` are Weir extensions."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str = Field(min_length=1, max_length=128)
+    max_tokens: int | None = Field(None, ge=1, le=32768)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    stream: bool | None = False
+    stream_options: _StreamOptions | None = None
+    n: int | None = Field(None, ge=1, le=1)
+    user: str | None = Field(None, max_length=256)
+    timeout_s: float | None = Field(None, gt=0.0)
+    logprobs: bool | int | None = None
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, value: str | list[str] | None) -> str | list[str] | None:
+        strings = [value] if isinstance(value, str) else value or []
+        if len(strings) > 16:
+            raise ValueError("at most 16 stop strings")
+        if any(not s for s in strings):
+            raise ValueError("stop strings must not be empty")
+        return value
+
+    def refuse_unsupported(self) -> None:
+        """Raise ApiError(400) for OpenAI features Weir does not serve."""
+        if self.logprobs not in (None, False, 0):
+            raise ApiError(400, "logprobs are not supported", param="logprobs", code="unsupported_parameter")
+        if self.tools or self.functions:
+            param = "tools" if self.tools else "functions"
+            raise ApiError(400, "tool calling is not supported", param=param, code="unsupported_parameter")
+
+    @property
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionBody(_Body):
+    """POST /v1/chat/completions."""
+
+    messages: list[_Message] = Field(min_length=1, max_length=4096)
+    max_completion_tokens: int | None = Field(None, ge=1, le=32768)
+
+
+class CompletionBody(_Body):
+    """POST /v1/completions. Only a single string prompt is served."""
+
+    prompt: str
+    echo: bool | None = False
+    best_of: int | None = Field(None, ge=1, le=1)
+    suffix: str | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.echo:
+            raise ApiError(400, "echo is not supported", param="echo", code="unsupported_parameter")
+        if self.suffix:
+            raise ApiError(400, "suffix is not supported", param="suffix", code="unsupported_parameter")
+
+
+def parse_body(kind: Kind, raw: bytes | str) -> ChatCompletionBody | CompletionBody:
+    """Validate a raw JSON body for `kind`; raises ApiError(400) naming the first bad field."""
+    model = ChatCompletionBody if kind == "chat.completions" else CompletionBody
+    try:
+        body = model.model_validate_json(raw)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+    body.refuse_unsupported()
+    return body
+
+
+def validation_error(exc: ValidationError) -> ApiError:
+    """The 400 for a pydantic ValidationError of a request body: names the field and the problem."""
+    first = exc.errors(include_url=False)[0]
+    if first["type"] == "json_invalid":
+        return ApiError(400, f"the request body is not valid JSON: {first['msg']}", code="invalid_json")
+    loc = [str(part) for part in first["loc"]]
+    # Union members add their type name to the location (e.g. stop.str); keep only the field path.
+    loc = [part for part in loc if part not in {"str", "list[str]", "list[_TextPart]", "bool", "int"}]
+    param = ".".join(loc) or None
+    if first["type"] == "model_type" and not loc:
+        return ApiError(400, "the request body must be a JSON object", code="invalid_body")
+    if first["type"] == "missing":
+        return ApiError(400, f"missing required parameter: {param!r}", param=param, code="missing_required_parameter")
+    if param in {"n", "best_of"} and first["type"] == "less_than_equal":
+        return ApiError(400, f"only {param}=1 is supported", param=param, code="unsupported_parameter")
+    return ApiError(400, f"invalid value for {param!r}: {first['msg']}", param=param, code="invalid_value")
+
+
+def to_generate_request(
+    kind: Kind,
+    body: ChatCompletionBody | CompletionBody,
+    model: ModelConfig,
+    *,
+    request_id: str,
+    reply_to: str,
+    now_ms: int,
+    client_timeout_s: float | None,
+    max_timeout_s: float,
+) -> GenerateRequest:
+    """The GenerateRequest for a validated body. The deadline is the tightest of the client's
+    timeout (header or body), the model's default_timeout_s and the gateway's cap."""
+    max_tokens = body.max_tokens
+    if isinstance(body, ChatCompletionBody) and body.max_completion_tokens is not None:
+        max_tokens = body.max_completion_tokens
+    if max_tokens is None:
+        default = DEFAULT_MAX_TOKENS if kind == "chat.completions" else DEFAULT_COMPLETION_MAX_TOKENS
+        max_tokens = min(default, model.max_model_len)
+    elif max_tokens > model.max_model_len:
+        param = "max_completion_tokens" if kind == "chat.completions" and body.max_tokens is None else "max_tokens"
+        raise ApiError(
+            400,
+            f"{param}={max_tokens} exceeds the context length of {model.name} ({model.max_model_len} tokens)",
+            param=param,
+            code="context_length_exceeded",
+        )
+    timeouts = [t for t in (client_timeout_s, body.timeout_s) if t is not None]
+    timeout_s = min([*timeouts, model.default_timeout_s, max_timeout_s])
+    return GenerateRequest(
+        request_id=request_id,
+        model=model.name,
+        prompt=body.prompt if isinstance(body, CompletionBody) else None,
+        messages=[m.to_wire() for m in body.messages] if isinstance(body, ChatCompletionBody) else None,
+        max_tokens=max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=body.top_k or 0,
+        stop=body.stop_list,
+        seed=body.seed,
+        stream=bool(body.stream),
+        principal="anonymous",
+        tenant="default",
+        priority="interactive",
+        deadline_ms=now_ms + int(timeout_s * 1000),
+        reply_to=reply_to,
+        created_ms=now_ms,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Responses
+
+
+def terminal_error(end: ReplyEnd) -> ApiError | None:
+    """The client-facing error of a terminal event, or None when it finished (stop, length)."""
+    if end.finish_reason in ("stop", "length"):
+        return None
+    code = end.error.code if end.error else None
+    detail = end.error.message if end.error else None
+    if end.finish_reason == "timeout":
+        return ApiError(504, detail or "the request timed out before it finished", code=code or "timeout")
+    if end.finish_reason == "rejected":
+        status = 429 if code in RETRYABLE_REJECTIONS else 400
+        return ApiError(status, detail or "the request was rejected", code=code or "rejected")
+    if end.finish_reason == "cancelled":
+        return ApiError(503, detail or "the request was cancelled", code=code or "cancelled")
+    return ApiError(500, detail or "the request failed", code=code or "internal_error")
+
+
+class ChunkWriter:
+    """Turns one request's reply events into OpenAI streaming chunks (dicts).
+
+    Chat: chat.completion.chunk objects, the first carrying delta.role="assistant". Completions:
+    text_completion objects. The terminal gives a chunk with finish_reason, then (include_usage)
+    a chunk with empty choices and the usage; with include_usage the others carry "usage": null.
+    """
+
+    def __init__(self, kind: Kind, request_id: str, model: str, created_s: int, include_usage: bool) -> None:
+        self.kind = kind
+        self.request_id = request_id
+        self.model = model
+        self.created_s = created_s
+        self.include_usage = include_usage
+        self._is_first = True
+
+    def on_delta(self, delta: ReplyDelta) -> dict[str, Any]:
+        """The chunk of one delta."""
+        if self.kind == "chat.completions":
+            return self._chunk([self._chat_choice({"content": delta.text}, None)])
+        return self._chunk([{"index": 0, "text": delta.text, "logprobs": None, "finish_reason": None}])
+
+    def on_end(self, end: ReplyEnd) -> list[dict[str, Any]]:
+        """The chunks of a finished (stop/length) terminal: the finish chunk, then usage if asked."""
+        reason = end.finish_reason
+        if self.kind == "chat.completions":
+            chunks = [self._chunk([self._chat_choice({}, reason)], fingerprint=end.model_version)]
+        else:
+            chunks = [self._chunk([{"index": 0, "text": "", "logprobs": None, "finish_reason": reason}])]
+        if self.include_usage:
+            chunks.append(self._chunk([], usage=usage_dict(end.usage)))
+        return chunks
+
+    def _chat_choice(self, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
+        if self._is_first:
+            delta = {"role": "assistant", **delta}
+            self._is_first = False
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+
+    def _chunk(
+        self, choices: list[dict[str, Any]], *, usage: dict[str, int] | None = None, fingerprint: str | None = None
+    ) -> dict[str, Any]:
+        chunk: dict[str, Any] = {
+            "id": self.request_id,
+            "object": "chat.completion.chunk" if self.kind == "chat.completions" else "text_completion",
+            "created": self.created_s,
+            "model": self.model,
+            "system_fingerprint": fingerprint,
+            "choices": choices,
+        }
+        if self.include_usage:
+            chunk["usage"] = usage
+        return chunk
+
+
+def completion_body(
+    kind: Kind, request_id: str, model: str, created_s: int, text: str, end: ReplyEnd
+) -> dict[str, Any]:
+    """The non-streaming body: chat.completion or text_completion, with usage."""
+    if kind == "chat.completions":
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": end.finish_reason,
+        }
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": end.finish_reason}
+        obj = "text_completion"
+    return {
+        "id": request_id,
+        "object": obj,
+        "created": created_s,
+        "model": model,
+        "system_fingerprint": end.model_version,
+        "choices": [choice],
+        "usage": usage_dict(end.usage),
+    }
+
+
+def usage_dict(usage: Usage) -> dict[str, int]:
+    """OpenAI's usage object (total recomputed, so it always adds up)."""
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+    }
+
+
+def models_list(repo: ModelRepository, created_s: int) -> dict[str, Any]:
+    """GET /v1/models: OpenAI's list of model objects."""
+    data = [
+        {"id": name, "object": "model", "created": created_s, "owned_by": "weir", "version": cfg.version}
+        for name, cfg in sorted(repo.models.items())
+    ]
+    return {"object": "list", "data": data}

@@ -1,0 +1,165 @@
+"""A tiny fake worker and a gateway server for the gateway's Kafka tests.
+
+FakeWorker answers GenerateRequests straight from the requests topic (no batcher), by what the
+prompt asks for:
+- default: deltas "Hello", ", ", "world" with seq 0, 1, 1 (a repeat), 2, then ReplyEnd(stop) at 3;
+- "slow": one delta, then waits for a Cancellation and answers ReplyEnd(cancelled);
+- "hang": never answers; "reject": ReplyEnd(rejected, queue_full) at seq 0.
+It also sends a heartbeat every 0.5 s and records every Cancellation on the control topic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import uvicorn
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+from schemas.codec import decode, encode
+from schemas.messages import (
+    Cancellation,
+    ErrorInfo,
+    GenerateRequest,
+    ReplyDelta,
+    ReplyEnd,
+    Usage,
+    WorkerHeartbeat,
+)
+from schemas.topics import Topics
+
+TEXT = ["Hello", ", ", "world"]
+
+
+class FakeWorker:
+    """Answers requests and records cancellations; runs on the test's event loop."""
+
+    def __init__(self, bootstrap: str, topics: Topics) -> None:
+        self.bootstrap = bootstrap
+        self.topics = topics
+        self.worker_id = "fake-worker-1"
+        self.requests: list[GenerateRequest] = []
+        self.cancels: list[Cancellation] = []
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._clients: list[Any] = []
+
+    async def start(self) -> None:
+        self.producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap, acks="all", enable_idempotence=True)
+        await self.producer.start()
+        self._clients.append(self.producer)
+        for topic, on_record in ((self.topics.requests, self._on_request), (self.topics.control, self._on_cancel)):
+            consumer = AIOKafkaConsumer(
+                topic, bootstrap_servers=self.bootstrap, group_id=None, auto_offset_reset="earliest",
+                fetch_max_wait_ms=10,
+            )
+            await consumer.start()
+            self._clients.insert(0, consumer)
+            self._tasks.append(asyncio.create_task(self._consume(consumer, on_record)))
+        self._tasks.append(asyncio.create_task(self._beat()))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for client in self._clients:
+            await client.stop()
+
+    def cancels_of(self, request_id: str) -> list[Cancellation]:
+        return [c for c in self.cancels if c.request_id == request_id]
+
+    async def _consume(self, consumer: AIOKafkaConsumer, on_record: Callable[[bytes], None]) -> None:
+        while True:
+            for records in (await consumer.getmany(timeout_ms=200)).values():
+                for record in records:
+                    on_record(record.value)
+
+    def _on_cancel(self, value: bytes) -> None:
+        self.cancels.append(decode(Cancellation, value))
+
+    def _on_request(self, value: bytes) -> None:
+        request = decode(GenerateRequest, value)
+        self.requests.append(request)
+        self._tasks.append(asyncio.create_task(self._answer(request)))
+
+    async def _answer(self, request: GenerateRequest) -> None:
+        prompt = request.prompt if request.prompt is not None else (request.messages or [])[-1].content
+        rid = request.request_id
+        if "hang" in prompt:
+            return
+        if "reject" in prompt:
+            end = ReplyEnd(request_id=rid, seq=0, finish_reason="rejected",
+                           error=ErrorInfo(code="queue_full", message="too busy"))
+            await self._send(request, end)
+            return
+        if "slow" in prompt:
+            await self._send(request, ReplyDelta(request_id=rid, seq=0, text=TEXT[0]))
+            deadline = time.monotonic() + 20
+            while not self.cancels_of(rid) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            await self._send(request, ReplyEnd(request_id=rid, seq=1, finish_reason="cancelled"))
+            return
+        for seq in (0, 1, 1, 2):  # seq 1 twice: the gateway must drop the repeat
+            await self._send(request, ReplyDelta(request_id=rid, seq=seq, text=TEXT[seq]))
+        end = ReplyEnd(request_id=rid, seq=3, finish_reason="stop", model_version="echo@1",
+                       usage=Usage(prompt_tokens=2, completion_tokens=3, total_tokens=5))
+        await self._send(request, end)
+
+    async def _send(self, request: GenerateRequest, event: ReplyDelta | ReplyEnd) -> None:
+        await self.producer.send_and_wait(request.reply_to, encode(event), key=request.request_id.encode())
+
+    async def _beat(self) -> None:
+        while True:
+            heartbeat = WorkerHeartbeat(
+                worker_id=self.worker_id, models=["echo"], is_ready=True, num_running=0, num_waiting=0,
+                max_num_seqs=8, free_kv_blocks=64, block_size_tokens=16,
+            )
+            await self.producer.send_and_wait(self.topics.workers, encode(heartbeat), key=self.worker_id.encode())
+            await asyncio.sleep(0.5)
+
+
+class GatewayServer:
+    """The gateway app under uvicorn on a free port of 127.0.0.1, inside the test's event loop."""
+
+    def __init__(self, app: Any) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        self.server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]  # leave Ctrl-C to pytest
+        self.task: asyncio.Task[None] | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        self.task = asyncio.create_task(self.server.serve(sockets=[self.sock]))
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if self.task.done() or time.monotonic() > deadline:
+                raise RuntimeError("gateway did not start")
+            await asyncio.sleep(0.05)
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        if self.task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.task
+        self.sock.close()
+
+
+async def eventually(check: Callable[[], Any], timeout_s: float = 10.0) -> Any:
+    """Poll `check` until it returns something truthy; returns it, or fails after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout_s} s")
+        await asyncio.sleep(0.05)

@@ -1,0 +1,68 @@
+"""`weir gateway` (services.gateway.app:main) as a process: serves, stops cleanly, fails clearly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from uuid import uuid4
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CMD = [sys.executable, "-c", "import sys; from services.gateway.app import main; sys.exit(main(sys.argv[1:]))"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "WEIR_TOPIC_PREFIX": f"t{uuid4().hex[:8]}", "PYTHONPATH": str(ROOT), **extra}
+
+
+@pytest.mark.kafka
+def test_main_serves_until_sigterm() -> None:
+    port = free_port()
+    proc = subprocess.Popen([*CMD, "--port", str(port)], cwd=ROOT, env=env(), stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            try:
+                response = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+        assert response.status_code == 503 and response.json()["reason"] == "no live worker heartbeat"
+        models = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()
+        assert "echo" in {m["id"] for m in models["data"]}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 0, stderr
+
+
+def test_main_without_kafka_exits_3_with_a_reason() -> None:
+    proc = subprocess.run(
+        [*CMD, "--port", str(free_port()), "--kafka-bootstrap", f"127.0.0.1:{free_port()}"],
+        cwd=ROOT, env=env(WEIR_STARTUP_TIMEOUT_S="1"), capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 3
+    assert "is Kafka up" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_main_with_a_bad_model_repo_exits_3(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [*CMD, "--model-repo", str(tmp_path / "missing.toml")],
+        cwd=ROOT, env=env(), capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 3 and "WEIR_MODEL_REPO" in proc.stderr
