@@ -171,7 +171,7 @@ async def test_auditor_records_each_event_once_and_dead_letters_the_rest(
 
 
 async def test_offset_is_not_committed_past_an_event_the_ledger_refused(
-    bootstrap: str, audit_topics: Topics, tmp_path: Path
+    bootstrap: str, audit_topics: Topics, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     topics = audit_topics
     db = tmp_path / "audit.sqlite"
@@ -195,7 +195,11 @@ async def test_offset_is_not_committed_past_an_event_the_ledger_refused(
 
     async with create_app(settings):
         await eventually(is_stuck_at_ev5, "every event but ev-5 and those after it in its partition")
-        await asyncio.sleep(1.0)  # several redeliveries of ev-5
+
+        async def is_retried() -> bool:  # ev-5 refused, redelivered and refused again, thrice
+            return caplog.text.count("ledger write of event ev-5 failed") >= 3
+
+        await eventually(is_retried, "three redeliveries of ev-5")
         committed, _ = await committed_and_end(bootstrap, topics)
         assert committed[stuck.partition] <= stuck.offset
         assert num_records(db) == num_before
