@@ -208,16 +208,23 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+class DecoderStack(nn.Module):
+    """Embeddings, decoder layers and the final norm: HF's `model.*` submodule."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
 class CausalLM(nn.Module):
     """Decoder-only transformer with HF parameter names (model.*, lm_head)."""
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
-        self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.model.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
-        self.model.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.model = DecoderStack(args)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

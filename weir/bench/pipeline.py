@@ -143,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     from services.worker.engine import Engine, EngineConfig
 
     results: dict[tuple[str, int], RunResult] = {}
+    assert config.path is not None, f"{args.model} has no path (the echo model is not benchmarked)"
     engine = Engine(config.path, EngineConfig(max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs))
     warm_up(engine, config)
     print(f"model {args.model} on {engine.device}, torch threads {torch.get_num_threads()}", flush=True)
@@ -188,7 +189,7 @@ def _report(results: dict[tuple[str, int], RunResult], levels: list[int]) -> Non
     for c in levels:
         for path in ("a", "b"):
             r = results[(path, c)]
-            rows.append([r.label, c, f"{len(r.ttft_ms)}-{r.num_tokens}", f"{percentile(r.ttft_ms, 50):.1f}",
+            rows.append([r.label, str(c), f"{len(r.ttft_ms)}-{r.num_tokens}", f"{percentile(r.ttft_ms, 50):.1f}",
                          f"{percentile(r.ttft_ms, 95):.1f}", f"{percentile(r.itl_ms, 50):.1f}",
                          f"{percentile(r.itl_ms, 95):.1f}", f"{r.tokens_per_s:.1f}"])  # fmt: skip
     print()
