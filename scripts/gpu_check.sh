@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# On a CUDA machine: run the kernel tests compiled (no Triton interpreter), then time each Triton
+# kernel against its PyTorch reference. Not part of the test suite. Results go to $OUT (if set,
+# else ./gpu_check_out): kernel-tests.txt, kernel-tests.xml, bench.txt, bench_kernels.{json,md},
+# nvidia-smi.txt. Exit status: non-zero if the tests or the bench's correctness checks failed.
+#   bash scripts/gpu_check.sh [--quick]     (--quick: fewer bench sizes, bf16 only)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+unset TRITON_INTERPRET
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+out="${OUT:-/tmp/weir-gpu-check}"
+mkdir -p "$out"
+
+# The repo's venv where it has a CUDA torch, else the machine's python3 (e.g. a bare GPU image).
+py=python3
+if [ -x .venv/bin/python ] && .venv/bin/python -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
+  py=.venv/bin/python
+fi
+nvidia-smi >"$out/nvidia-smi.txt" 2>&1 || true
+if ! "$py" -c "import torch, triton, sys; print('torch', torch.__version__, 'triton', triton.__version__); sys.exit(not torch.cuda.is_available())"; then
+  echo "gpu_check: $py has no CUDA device (or no torch/triton)" >&2
+  exit 2
+fi
+
+"$py" -m pytest -q -p no:cacheprovider tests/kernels -rs --junitxml="$out/kernel-tests.xml" 2>&1 | tee "$out/kernel-tests.txt"
+tests_rc=${PIPESTATUS[0]}
+
+bench_args=(--out "$out")
+if [ "${1:-}" = "--quick" ]; then
+  bench_args+=(--quick --dtype bfloat16)
+else
+  bench_args+=(--dtype bfloat16 --dtype float16)
+fi
+"$py" scripts/bench_kernels.py "${bench_args[@]}" 2>&1 | tee "$out/bench.txt"
+bench_rc=${PIPESTATUS[0]}
+
+echo "gpu_check: kernel tests rc=$tests_rc, bench rc=$bench_rc, results in $out"
+[ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ]

@@ -1,0 +1,1 @@
+"""Kernel tests: each Triton kernel against its PyTorch reference."""
