@@ -29,7 +29,7 @@ def paged_attention_decode_ref(
     keys = k_cache[block_tables.long()].reshape(num_seqs, max_ctx, num_kv_heads, dim).float()
     values = v_cache[block_tables.long()].reshape(num_seqs, max_ctx, num_kv_heads, dim).float()
     group = num_heads // num_kv_heads
-    qf = q.float().view(num_seqs, num_kv_heads, group, dim)
+    qf = q.float().reshape(num_seqs, num_kv_heads, group, dim)
     scores = torch.einsum("skgd,stkd->skgt", qf, keys) * scale  # [seqs, kv_heads, group, max_ctx]
     positions = torch.arange(max_ctx, device=q.device)
     mask = positions[None, :] >= context_lens[:, None].long()  # [seqs, max_ctx]
