@@ -61,6 +61,7 @@ class GenerateRequest(_Wire):
     top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 keeps all.")
     stop: list[str] = Field(default_factory=list, max_length=16, description="Stop strings, not included in output.")
     seed: int | None = Field(None, description="Sampling seed; derived from request_id when absent.")
+    ignore_eos: bool = Field(False, description="Keep generating past end-of-sequence (benchmarks), as in vLLM.")
     stream: bool = Field(True, description="Whether the client streams; workers always send deltas.")
     principal: str = Field("anonymous", description="Who asked (API key owner or JWT subject).")
     tenant: str = Field("default", description="Tenant the principal belongs to.")

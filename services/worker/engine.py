@@ -37,6 +37,7 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_bytes: int = 256 * 1024 * 1024  # CPU budget; on CUDA a share of free memory is used
     gpu_memory_fraction: float = 0.85
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -67,7 +68,7 @@ class Engine:
             args.num_layers, num_blocks, config.block_size, args.num_kv_heads, args.head_dim, self.dtype, self.device
         )
         self.kv_bytes_per_token = per_block // config.block_size
-        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -181,7 +182,7 @@ class Engine:
             return [self._finish(seq, "error", now_ms, ErrorInfo(code="non_finite_logits", message=str(exc)))]
         if seq.first_token_ms is None:
             seq.first_token_ms = now_ms
-        if token in self.eos_ids:
+        if token in self.eos_ids and not seq.request.ignore_eos:
             return [self._finish(seq, "stop", now_ms)]
         seq.token_ids.append(token)
         reason = seq.append_text(self._detok[seq.request_id].step(seq.output_ids))

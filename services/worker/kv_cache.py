@@ -38,10 +38,11 @@ class BlockManager:
     (least recently freed first), so a later request with the same prefix skips its prefill.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"{num_blocks=} and {block_size=} must be >= 1")
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         # free block ids, in the order they should be reused (oldest freed first)
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
@@ -94,7 +95,7 @@ class BlockManager:
         is always left uncached so the model computes logits for the last one.
         """
         bs = self.block_size
-        max_blocks = (len(token_ids) - 1) // bs
+        max_blocks = (len(token_ids) - 1) // bs if self.enable_prefix_caching else 0
         taken: list[int] = []
         hashes: list[bytes] = []
         prev: bytes | None = None
@@ -116,7 +117,7 @@ class BlockManager:
 
     def publish(self, block_id: int, content_hash: bytes) -> None:
         """Make a full block findable by its content hash (first writer wins)."""
-        if content_hash in self._by_hash:
+        if not self.enable_prefix_caching or content_hash in self._by_hash:
             return
         self.blocks[block_id].content_hash = content_hash
         self._by_hash[content_hash] = block_id
