@@ -18,7 +18,7 @@ from services.worker.config import WorkerSettings
 from services.worker.echo import EchoEngine
 from services.worker.engine import Engine, EngineConfig
 from services.worker.handlers import ModelServer, consume_cancellations
-from services.worker.hardware import choose_device, detect_devices
+from services.worker.hardware import choose_device, cpu_threads, detect_devices
 from services.worker.runner import EngineLike, EngineRunner
 from weir.bus import instance_id, make_producer
 from weir.kafka.admin import ensure_topics
@@ -134,8 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {k: v for k, v in {"models": args.models, "model_repo": args.model_repo}.items() if v}
     try:
         settings = WorkerSettings(**overrides)
-        if settings.torch_threads:
-            torch.set_num_threads(settings.torch_threads)
+        torch.set_num_threads(cpu_threads(settings.torch_threads))
         service = WorkerService(settings)
     except (ValueError, ModelRepoError) as exc:
         print(f"weir worker: {exc}", file=sys.stderr)

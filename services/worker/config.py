@@ -19,7 +19,9 @@ class WorkerSettings(BusSettings):
     heartbeat_interval_ms: int = Field(1000, ge=100, description="How often capacity is published.")
     audit_hmac_key: str = Field("weir-dev-audit-key", description="Key of the audit HMACs (hex:... or text).")
     echo_step_delay_ms: int = Field(0, ge=0, description="Pause per step of the echo model (tests of cancellation).")
-    torch_threads: int = Field(0, ge=0, description="torch intra-op threads; 0 keeps torch's default.")
+    torch_threads: int = Field(
+        0, ge=0, description="torch intra-op threads on the CPU; 0: half the cores (the other services need some)."
+    )
 
     def model_names(self, available: list[str]) -> list[str]:
         """The models this worker serves; raises ValueError naming an unknown one."""

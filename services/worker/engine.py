@@ -91,6 +91,12 @@ class Engine:
             prompt_ids = self.tokenizer.encode(prompt_text)
         except TokenizerError as exc:
             return _refused(request, now_ms, "error", "tokenizer_error", str(exc))
+        return self.add_tokens(request, prompt_ids, now_ms, prompt_text)
+
+    def add_tokens(
+        self, request: GenerateRequest, prompt_ids: list[int], now_ms: int, prompt_text: str | None = None
+    ) -> EngineOutput | None:
+        """Queue a request whose prompt is already tokenized (benchmarks, tests)."""
         if not prompt_ids:
             return _refused(request, now_ms, "rejected", "empty_prompt", "the prompt encodes to no tokens")
         if len(prompt_ids) >= self.max_model_len:
@@ -101,7 +107,8 @@ class Engine:
         if request.deadline_ms <= now_ms:
             return _refused(request, now_ms, "timeout", "deadline_exceeded", "deadline passed before the model ran")
         max_tokens = min(request.max_tokens, self.max_model_len - len(prompt_ids))
-        seq = Sequence(request, prompt_text, prompt_ids, max_tokens, now_ms)
+        text = prompt_text if prompt_text is not None else self.tokenizer.decode(prompt_ids)
+        seq = Sequence(request, text, prompt_ids, max_tokens, now_ms)
         self._seqs[request.request_id] = seq
         self._detok[request.request_id] = IncrementalDetokenizer(self.tokenizer)
         self.scheduler.add(seq)

@@ -132,12 +132,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", default="1,16")
     parser.add_argument("--requests-per-lane", type=int, default=6, help="requests = concurrency x this (min 12)")
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: as the worker picks)")
     args = parser.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
     repo = load_model_repo(args.model_repo)
     config = repo.models[args.model]
 
     import torch
+
+    from services.worker.hardware import cpu_threads
+
+    torch.set_num_threads(cpu_threads(args.threads))
 
     from services.worker.app import warm_up
     from services.worker.engine import Engine, EngineConfig
