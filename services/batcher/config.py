@@ -1,0 +1,31 @@
+"""Settings of the batcher: the only place it reads the environment (env prefix WEIR_)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+
+from services.batcher.planner import DEFAULT_MAX_BATCH_BYTES, DEFAULT_MAX_RECENT
+from weir.bus import BusSettings
+
+
+class BatcherSettings(BusSettings):
+    """Batcher settings; each field reads WEIR_<FIELD_NAME>, e.g. WEIR_MODEL_REPO."""
+
+    model_repo: Path = Field(Path("models.toml"), description="Model repository TOML (batch bounds per model).")
+    max_idle_wait_ms: int = Field(
+        100, ge=1, le=10_000,
+        description="Longest one loop round waits for records; bounds cancel and shutdown latency when idle.",
+    )
+    control_lookback_ms: int = Field(
+        15 * 60_000, ge=0,
+        description="On start, read the control topic from this long ago, so cancels that beat their request count.",
+    )
+    max_recent_ids: int = Field(
+        DEFAULT_MAX_RECENT, ge=1, description="Request ids remembered for deduplication after they leave."
+    )
+    max_batch_bytes: int = Field(
+        DEFAULT_MAX_BATCH_BYTES, ge=1024, description="Byte budget of one Batch record (producer limit is 1 MiB)."
+    )
+    max_poll_records: int = Field(500, ge=1, description="Most request records taken per loop round.")

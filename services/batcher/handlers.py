@@ -1,0 +1,242 @@
+"""The batcher's Kafka edge: records in, planner calls, records out, offsets committed.
+
+Every request record taken from the requests topic is entered in the OffsetTracker and marked
+done only once its effect is durable: its Batch (or terminal ReplyEnd, or DeadLetter) has been
+acknowledged by the broker (acks=all, idempotent producer). A request the planner still holds is
+not done, so its partition's committed position stays below it: a batcher killed at any moment
+leaves it to be redone by whichever batcher owns the partition next.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
+from aiokafka.abc import ConsumerRebalanceListener
+from aiokafka.errors import KafkaError
+
+from schemas.codec import DecodeError, decode, encode
+from schemas.messages import Batch, Cancellation, ErrorInfo, FinishReason, GenerateRequest, ReplyEnd
+from schemas.topics import Topics
+from services.batcher.planner import Admission, Planner
+from weir.bus import OffsetTracker, send_dead_letter
+
+log = logging.getLogger(__name__)
+
+SERVICE = "batcher"
+
+
+class BatchPublishError(RuntimeError):
+    """A Batch could not be produced: the batcher stops, and a restart redoes its requests."""
+
+
+@dataclass
+class _Effect:
+    """A produce in flight and the request records it completes once acknowledged."""
+
+    future: asyncio.Future[Any]
+    records: list[ConsumerRecord]
+    kind: Literal["batch", "reply"]
+    topic: str
+
+
+def _tp(record: ConsumerRecord) -> TopicPartition:
+    return TopicPartition(record.topic, record.partition)
+
+
+class BatcherHandlers:
+    """Turns request and control records into planner calls and planner results into records.
+
+    One instance per batcher process, driven by the loop in app.py: on_requests and on_cancels
+    for each fetch, on_tick after them, then settle, which awaits the round's produces and
+    commits what is durable.
+    """
+
+    def __init__(
+        self,
+        topics: Topics,
+        planner: Planner,
+        producer: AIOKafkaProducer,
+        consumer: AIOKafkaConsumer,
+        batcher_id: str,
+    ) -> None:
+        self.topics = topics
+        self.planner = planner
+        self.batcher_id = batcher_id
+        self._producer = producer
+        self._consumer = consumer
+        self._tracker = OffsetTracker()
+        self._held_records: dict[str, ConsumerRecord] = {}  # request_id -> its record, while held
+        self._effects: list[_Effect] = []
+        self._assigned: set[TopicPartition] = set()
+        self._generation = 0  # bumped on each revocation: records fetched before it are stale
+
+    # --- requests ---------------------------------------------------------------------------
+
+    async def on_requests(self, fetched: dict[TopicPartition, list[ConsumerRecord]], now_ms: int) -> None:
+        """Admit one fetch of request records; stops early if a rebalance revokes partitions."""
+        generation = self._generation
+        for tp, records in fetched.items():
+            for record in records:
+                if self._generation != generation or tp not in self._assigned:
+                    break  # stale: the partition's next owner (maybe us again) reads it anew
+                await self.on_request(record, now_ms)
+
+    async def on_request(self, record: ConsumerRecord, now_ms: int) -> None:
+        """Admit one request record: hold it, or end it at once (reject, time out, dead-letter)."""
+        self._tracker.add(_tp(record), record.offset)
+        try:
+            req = decode(GenerateRequest, record.value)
+        except DecodeError as exc:
+            await send_dead_letter(self._producer, self.topics, record, str(exc), SERVICE)
+            self._tracker.done(_tp(record), record.offset)
+            return
+        verdict = self.planner.add(req, now_ms, size_bytes=len(record.value or b""))
+        if verdict is Admission.HELD:
+            self._held_records[req.request_id] = record
+        elif verdict is Admission.DUPLICATE:
+            # The first copy is held (its offset still pending) or already produced.
+            self._tracker.done(_tp(record), record.offset)
+        elif verdict is Admission.UNKNOWN_MODEL:
+            error = ErrorInfo(code="model_not_found", message=f"model {req.model!r} is not served here")
+            await self._end(req, record, "rejected", error)
+        elif verdict is Admission.EXPIRED:
+            error = ErrorInfo(code="deadline_exceeded", message=f"deadline_ms={req.deadline_ms} passed before batching")
+            await self._end(req, record, "timeout", error)
+        elif verdict is Admission.CANCELLED:
+            await self._end(req, record, "cancelled", None)
+
+    # --- control ----------------------------------------------------------------------------
+
+    async def on_cancels(self, fetched: dict[TopicPartition, list[ConsumerRecord]]) -> None:
+        """Apply cancellations from the control topic."""
+        for records in fetched.values():
+            for record in records:
+                await self.on_cancel(record)
+
+    async def on_cancel(self, record: ConsumerRecord) -> None:
+        """Drop the request if held and end it as cancelled; otherwise remember the cancel.
+
+        Every batcher replica reads all of the control topic, so a malformed control record is
+        logged, not dead-lettered (the replicas would each dead-letter it).
+        """
+        try:
+            cancel = decode(Cancellation, record.value)
+        except DecodeError as exc:
+            log.warning("ignoring control record %s[%d]@%d: %s", record.topic, record.partition, record.offset, exc)
+            return
+        req = self.planner.cancel(cancel.request_id)
+        if req is not None:
+            await self._end(req, self._held_records.pop(req.request_id), "cancelled", None)
+
+    # --- planning ---------------------------------------------------------------------------
+
+    async def on_tick(self, now_ms: int) -> None:
+        """Publish the batches due at now_ms and time out the requests that expired while held."""
+        result = self.planner.poll(now_ms)
+        for planned in result.batches:
+            records = [self._held_records.pop(r.request_id) for r in planned.requests]
+            batch = Batch(
+                batch_id=uuid.uuid4().hex, model=planned.model, requests=planned.requests, batcher_id=self.batcher_id
+            )
+            topic = self.topics.batches(planned.model)
+            future = await self._send(topic, encode(batch), batch.batch_id)
+            self._effects.append(_Effect(future, records, "batch", topic))
+        for req in result.expired:
+            error = ErrorInfo(code="deadline_exceeded", message=f"deadline_ms={req.deadline_ms} passed while waiting")
+            await self._end(req, self._held_records.pop(req.request_id), "timeout", error)
+
+    async def _end(
+        self, req: GenerateRequest, record: ConsumerRecord, reason: FinishReason, error: ErrorInfo | None
+    ) -> None:
+        """Produce the request's one terminal event; its record is done once that is durable."""
+        end = ReplyEnd(request_id=req.request_id, seq=0, finish_reason=reason, error=error)
+        future = await self._send(req.reply_to, encode(end), req.request_id)
+        self._effects.append(_Effect(future, [record], "reply", req.reply_to))
+
+    async def _send(self, topic: str, value: bytes, key: str) -> asyncio.Future[Any]:
+        try:
+            return await self._producer.send(topic, value, key=key.encode())
+        except KafkaError as exc:  # e.g. no metadata for the topic: reported when settled
+            failed: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            failed.set_exception(exc)
+            return failed
+
+    # --- offsets ----------------------------------------------------------------------------
+
+    async def settle(self) -> None:
+        """Await the round's produces, mark their records done, commit what is durable.
+
+        A reply that cannot be produced dead-letters its request record (nobody could read the
+        reply). A batch that cannot be produced raises BatchPublishError after the commit: its
+        requests stay uncommitted and are redone after restart.
+        """
+        effects, self._effects = self._effects, []
+        outcomes = await asyncio.gather(*(e.future for e in effects), return_exceptions=True)
+        failure: BaseException | None = None
+        for effect, outcome in zip(effects, outcomes):
+            if isinstance(outcome, BaseException):
+                if effect.kind == "batch":
+                    failure = failure or outcome
+                    log.error("could not produce a batch to %s: %r", effect.topic, outcome)
+                    continue
+                for record in effect.records:
+                    reason = f"could not produce the terminal reply to reply_to={effect.topic!r}: {outcome!r}"
+                    await send_dead_letter(self._producer, self.topics, record, reason, SERVICE)
+            for record in effect.records:
+                self._tracker.done(_tp(record), record.offset)
+        await self.commit()
+        if failure is not None:
+            raise BatchPublishError(f"producing a batch failed ({failure!r}); is the broker reachable?")
+
+    async def commit(self) -> None:
+        """Commit the positions below which every record's effect is durable."""
+        positions = self._tracker.committable()
+        if not positions:
+            return
+        try:
+            await self._consumer.commit(positions)  # type: ignore[arg-type]
+        except KafkaError as exc:  # e.g. a rebalance took the partitions: their next owner redoes them
+            log.warning("commit of %s failed: %r", positions, exc)
+
+    @property
+    def num_in_flight(self) -> int:
+        """Request records taken whose effects are not durable yet (held ones included)."""
+        return self._tracker.num_in_flight()
+
+    # --- rebalances ---------------------------------------------------------------------------
+
+    async def on_assigned(self, partitions: set[TopicPartition]) -> None:
+        """Partitions this batcher now owns; the consumer reads them from their committed positions."""
+        self._assigned |= partitions
+
+    async def on_revoked(self, partitions: set[TopicPartition]) -> None:
+        """Commit what is durable, then forget the partitions and release their held requests:
+        their records will be read again, from the committed position, by their next owner."""
+        self._generation += 1
+        await self.commit()
+        self._assigned -= partitions
+        self._tracker.forget(partitions)
+        for request_id, record in list(self._held_records.items()):
+            if _tp(record) in partitions:
+                self.planner.release(request_id)
+                del self._held_records[request_id]
+
+
+class RebalanceListener(ConsumerRebalanceListener):  # type: ignore[misc]
+    """Forwards the requests consumer's rebalances to BatcherHandlers."""
+
+    def __init__(self, handlers: BatcherHandlers) -> None:
+        self._handlers = handlers
+
+    async def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
+        log.info("partitions revoked: %s", sorted(revoked))
+        await self._handlers.on_revoked(set(revoked))
+
+    async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
+        log.info("partitions assigned: %s", sorted(assigned))
+        await self._handlers.on_assigned(set(assigned))
