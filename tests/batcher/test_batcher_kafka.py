@@ -15,7 +15,7 @@ from services.batcher.config import BatcherSettings
 from weir.kafka.admin import deployment_specs, ensure_topics
 
 from .factories import make_repo, make_request
-from .kafka_helpers import produce, read_until, wait_committed
+from tests.kafka_helpers import produce, read_until, wait_committed
 
 pytestmark = pytest.mark.kafka
 

@@ -17,7 +17,7 @@ from schemas.topics import Topics, TopicSpec
 from weir.kafka.admin import ensure_topics
 
 from .factories import make_request
-from .kafka_helpers import produce, read_until, wait_committed
+from tests.kafka_helpers import produce, read_until, wait_committed
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 

@@ -13,7 +13,7 @@ from schemas.messages import AuditEvent, Batch, Cancellation, DeadLetter, ReplyE
 from schemas.topics import Topics
 from services.worker.app import WorkerService
 from services.worker.config import WorkerSettings
-from tests.batcher.kafka_helpers import produce, read_until, wait_committed
+from tests.kafka_helpers import produce, read_until, wait_committed
 from weir.kafka.admin import ensure_topics
 
 from .factories import make_request

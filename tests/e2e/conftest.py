@@ -1,0 +1,70 @@
+"""The whole pipeline as processes (auditor, worker, batcher, gateway) on the real broker."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from schemas.model_repo import load_model_repo
+from schemas.topics import Topics
+from weir.kafka.admin import deployment_specs, ensure_topics
+from weir.launcher import SERVICES, Stack, wait_http_ok
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+BOOTSTRAP = "127.0.0.1:9092"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Pipeline:
+    stack: Stack
+    topics: Topics
+    base_url: str
+    audit_db: Path
+    bootstrap: str = BOOTSTRAP
+
+    def wait_ready(self, timeout_s: float = 180) -> None:
+        wait_http_ok(f"{self.base_url}/readyz", timeout_s, self.stack)
+
+
+def start_pipeline(tmp: Path, **extra_env: str) -> Pipeline:
+    """A fresh topic prefix and free port, then the four services; waits for /readyz."""
+    topics = Topics(f"e2e{uuid.uuid4().hex[:8]}")
+    model_repo = REPO_ROOT / "models.toml"
+    asyncio.run(ensure_topics(BOOTSTRAP, deployment_specs(topics, load_model_repo(model_repo))))
+    port = free_port()
+    audit_db = tmp / "audit.sqlite"
+    env = {
+        "WEIR_KAFKA_BOOTSTRAP": BOOTSTRAP, "WEIR_TOPIC_PREFIX": topics.prefix, "WEIR_GATEWAY_PORT": str(port),
+        "WEIR_MODEL_REPO": str(model_repo), "WEIR_AUDIT_DB": str(audit_db), "PYTHONUNBUFFERED": "1",
+        **extra_env,
+    }  # fmt: skip
+    stack = Stack(env, tmp / "logs")
+    for name in SERVICES:
+        stack.start(name)
+    pipeline = Pipeline(stack, topics, f"http://127.0.0.1:{port}", audit_db)
+    try:
+        pipeline.wait_ready()
+    except BaseException:
+        for name in SERVICES:
+            print(f"--- {name} ---\n{stack.log_tail(name)}")
+        stack.stop_all()
+        raise
+    return pipeline
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    p = start_pipeline(tmp_path_factory.mktemp("pipeline"))
+    yield p
+    p.stack.stop_all()
