@@ -8,12 +8,14 @@ import orjson
 from pydantic import BaseModel, TypeAdapter
 
 from schemas.messages import (
+    ApiKeyRecord,
     AuditEvent,
     Batch,
     Cancellation,
     DeadLetter,
     GenerateRequest,
     ReplyEvent,
+    UsageRecord,
     WorkerHeartbeat,
 )
 
@@ -30,6 +32,8 @@ WIRE_TYPES: dict[str, Any] = {
     "WorkerHeartbeat": WorkerHeartbeat,
     "AuditEvent": AuditEvent,
     "DeadLetter": DeadLetter,
+    "ApiKeyRecord": ApiKeyRecord,
+    "UsageRecord": UsageRecord,
 }
 
 

@@ -223,3 +223,43 @@ class DeadLetter(_Wire):
     reason: str = Field(description="Why it was refused.")
     service: str = Field(description="Which service refused it.")
     created_ms: int = Field(default_factory=now_ms, description="When it was dead-lettered, epoch ms.")
+
+
+class ApiKeyRecord(_Wire):
+    """An API key of the gateway, on the compacted `weir.keys` keyed by key_id.
+
+    Only a salted hash of the secret travels: sha256(salt || secret). The latest record of a
+    key_id wins; revoking a key writes it again with is_revoked=True. Every gateway instance
+    reads the whole topic into memory and keeps following it.
+    """
+
+    kind: Literal["api_key"] = Field("api_key", description="Message kind discriminator.")
+    key_id: str = Field(min_length=1, max_length=64, description="Public id of the key; names it in revoke and list.")
+    principal: str = Field(min_length=1, max_length=256, description="Who the key belongs to.")
+    tenant: str = Field(min_length=1, max_length=256, description="Tenant the principal belongs to.")
+    models: list[str] = Field(default_factory=list, description="Models the key may use; empty allows every model.")
+    max_requests_per_min: int | None = Field(None, ge=1, description="Requests per minute of this key; None: no limit.")
+    max_tokens_per_min: int | None = Field(
+        None, ge=1, description="Prompt + completion tokens per minute of this key; None: no limit."
+    )
+    salt_hex: str = Field(min_length=16, description="Random per-key salt, hex.")
+    secret_sha256: str = Field(min_length=64, max_length=64, description="sha256(salt || secret), hex.")
+    is_revoked: bool = Field(False, description="True once the key is revoked; it then authenticates nothing.")
+    created_ms: int = Field(default_factory=now_ms, description="When the key was created, epoch ms.")
+    updated_ms: int = Field(default_factory=now_ms, description="When this record was written, epoch ms.")
+
+
+class UsageRecord(_Wire):
+    """Rate-limit consumption one gateway instance admitted, on `weir.usage` keyed by scope.
+
+    Every gateway instance applies the records of the others to its own token buckets, so limits
+    hold across instances (eventually: within the publish interval plus consumer lag).
+    """
+
+    gateway_id: str = Field(description="Gateway instance that admitted the consumption.")
+    scope: str = Field(description="Limited scope, e.g. 'key:<key_id>', 'tenant:<tenant>', 'sub:<principal>'.")
+    num_requests: int = Field(0, ge=0, description="Requests admitted since the previous record of this scope.")
+    num_tokens: int = Field(
+        0, description="Tokens reserved or corrected since the previous record; negative gives tokens back."
+    )
+    sent_ms: int = Field(default_factory=now_ms, description="When it was sent, epoch ms.")

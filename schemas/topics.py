@@ -37,6 +37,8 @@ _COMPACT = {
     "min.compaction.lag.ms": str(60_000),
     "delete.retention.ms": str(3_600_000),
 }
+# Usage records matter for one rate-limit window (a minute); an hour is plenty.
+_USAGE = {"cleanup.policy": "delete", "retention.ms": str(3600 * 1000)}
 _REPLIES = {"cleanup.policy": "delete", "retention.ms": str(24 * 3600 * 1000)}
 
 
@@ -75,6 +77,16 @@ class Topics:
         """DeadLetters: messages a consumer could not use, with the reason."""
         return f"{self.prefix}.dlq"
 
+    @property
+    def keys(self) -> str:
+        """ApiKeyRecords, compacted, keyed by key_id: every gateway reads it whole."""
+        return f"{self.prefix}.keys"
+
+    @property
+    def usage(self) -> str:
+        """UsageRecords: rate-limit consumption each gateway shares with the others."""
+        return f"{self.prefix}.usage"
+
     def batches(self, model: str) -> str:
         """Batches of `model` from the batcher to that model's workers."""
         return f"{self.prefix}.batches.{safe_name(model)}"
@@ -105,6 +117,8 @@ class Topics:
             TopicSpec(self.workers, 1, _COMPACT),
             TopicSpec(self.audit, 4, _DELETE_7D),
             TopicSpec(self.dead_letter, 1, _DELETE_7D),
+            TopicSpec(self.keys, 1, _COMPACT),
+            TopicSpec(self.usage, 1, _USAGE),
         ]
 
     def model_specs(self, model: str) -> list[TopicSpec]:

@@ -17,6 +17,7 @@ TYPES = {
     "GenerateRequest": messages.GenerateRequest, "ReplyDelta": messages.ReplyDelta, "ReplyEnd": messages.ReplyEnd,
     "Cancellation": messages.Cancellation, "Batch": messages.Batch, "WorkerHeartbeat": messages.WorkerHeartbeat,
     "AuditEvent": messages.AuditEvent, "DeadLetter": messages.DeadLetter,
+    "ApiKeyRecord": messages.ApiKeyRecord, "UsageRecord": messages.UsageRecord,
 }  # fmt: skip
 
 
