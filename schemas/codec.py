@@ -8,11 +8,13 @@ import orjson
 from pydantic import BaseModel, TypeAdapter
 
 from schemas.messages import (
+    AnyRequest,
     ApiKeyRecord,
     AuditEvent,
     Batch,
     Cancellation,
     DeadLetter,
+    EmbedRequest,
     GenerateRequest,
     ReplyEvent,
     UsageRecord,
@@ -22,10 +24,13 @@ from schemas.messages import (
 M = TypeVar("M", bound=BaseModel)
 
 _REPLY = TypeAdapter(ReplyEvent)
+_REQUEST: TypeAdapter[GenerateRequest | EmbedRequest] = TypeAdapter(AnyRequest)
 
 # name -> type; the JSON Schema of each is exported to schemas/json/ and pinned by golden tests.
 WIRE_TYPES: dict[str, Any] = {
     "GenerateRequest": GenerateRequest,
+    "EmbedRequest": EmbedRequest,
+    "AnyRequest": _REQUEST,
     "ReplyEvent": _REPLY,
     "Cancellation": Cancellation,
     "Batch": Batch,
@@ -64,6 +69,16 @@ def decode_reply(data: bytes | None) -> Any:
         raise DecodeError(f"not JSON: {exc}") from exc
     except ValueError as exc:
         raise DecodeError(f"invalid ReplyEvent: {_short(exc)}") from exc
+
+
+def decode_request(data: bytes | None) -> GenerateRequest | EmbedRequest:
+    """Parse a record of `weir.requests` by its `kind` field ("generate" when absent, "embed")."""
+    try:
+        return _REQUEST.validate_python(orjson.loads(data or b""))
+    except orjson.JSONDecodeError as exc:
+        raise DecodeError(f"not JSON: {exc}") from exc
+    except ValueError as exc:
+        raise DecodeError(f"invalid request: {_short(exc)}") from exc
 
 
 def json_schema(name: str) -> dict[str, Any]:

@@ -2,23 +2,29 @@
 
 Each message carries `schema_version`, its correlation ids (request_id, and batch_id where there
 is one) and epoch-millisecond timestamps (`*_ms`) that latencies are computed from. These types are
-the public contract: any Kafka client may produce a GenerateRequest and read the ReplyEvents from
-the reply topic it named. Services convert them to their own state at their edges.
+the public contract: any Kafka client may produce a GenerateRequest or an EmbedRequest and read
+the ReplyEvents from the reply topic it named. Services convert them to their own state at their
+edges.
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 SCHEMA_VERSION = 1
 
 Priority = Literal["interactive", "bulk"]
 FinishReason = Literal["stop", "length", "cancelled", "timeout", "rejected", "error"]
 CancelReason = Literal["client_disconnect", "user", "deadline", "shutdown"]
+
+# Most texts in one EmbedRequest. Its ReplyEnd carries one vector per text and must stay below
+# Kafka's 1 MiB record limit: 128 x 384 floats of ~12 JSON bytes is ~600 KB. The gateway splits
+# longer OpenAI inputs (up to 2048) into several EmbedRequests.
+MAX_EMBED_INPUTS = 128
 
 
 def now_ms() -> int:
@@ -87,12 +93,50 @@ class GenerateRequest(_Wire):
         return int.from_bytes(hashlib.sha256(self.request_id.encode()).digest()[:8], "big") >> 1
 
 
+class EmbedRequest(_Wire):
+    """A request for text embeddings, published to `weir.requests` keyed by request_id.
+
+    The request ends in exactly one terminal ReplyEnd on `reply_to`, whose `embeddings` holds one
+    L2-normalised vector per input, in input order. Inputs longer than the model's window are
+    embedded in fragments and pooled.
+    """
+
+    # `kind` has a default for Python callers, but on the wire it is required: a request without
+    # it is read as a GenerateRequest.
+    model_config = ConfigDict(json_schema_extra=lambda schema: schema.setdefault("required", []).insert(0, "kind"))
+
+    kind: Literal["embed"] = Field("embed", description="Message kind discriminator; required on the wire.")
+    request_id: str = Field(min_length=1, max_length=128, description="Unique id; deduplicates redeliveries.")
+    model: str = Field(min_length=1, max_length=128, description="Embedding model name from the model repository.")
+    inputs: list[str] = Field(min_length=1, max_length=MAX_EMBED_INPUTS, description="Texts to embed, in order.")
+    principal: str = Field("anonymous", description="Who asked (API key owner or JWT subject).")
+    tenant: str = Field("default", description="Tenant the principal belongs to.")
+    priority: Priority = Field("interactive", description="Scheduling lane.")
+    deadline_ms: int = Field(description="Absolute deadline, epoch ms; expired work is dropped.")
+    reply_to: str = Field(min_length=1, max_length=249, description="Topic that receives the ReplyEnd.")
+    created_ms: int = Field(default_factory=now_ms, description="When the request was accepted, epoch ms.")
+
+
+def _request_kind(value: Any) -> str:
+    # A GenerateRequest may omit `kind` (it was optional before EmbedRequest existed).
+    if isinstance(value, dict):
+        return str(value.get("kind", "generate"))
+    return str(getattr(value, "kind", "generate"))
+
+
+AnyRequest = Annotated[
+    Annotated[GenerateRequest, Tag("generate")] | Annotated[EmbedRequest, Tag("embed")],
+    Discriminator(_request_kind),
+]
+"""What `weir.requests` carries: a GenerateRequest or an EmbedRequest, told apart by `kind`."""
+
+
 class Usage(BaseModel):
     """Token counts, as in OpenAI's usage object."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    prompt_tokens: int = Field(0, ge=0, description="Tokens in the prompt.")
+    prompt_tokens: int = Field(0, ge=0, description="Tokens in the prompt (all inputs, for embeddings).")
     completion_tokens: int = Field(0, ge=0, description="Tokens generated.")
     total_tokens: int = Field(0, ge=0, description="prompt_tokens + completion_tokens.")
 
@@ -131,6 +175,9 @@ class ReplyEnd(_Wire):
     model_version: str | None = Field(None, description="name@version of the model that served it.")
     received_ms: int | None = Field(None, description="When the worker received the request, epoch ms.")
     first_token_ms: int | None = Field(None, description="When the first token was produced, epoch ms.")
+    embeddings: list[list[float]] | None = Field(
+        None, description="EmbedRequest only: one L2-normalised vector per input, in input order."
+    )
     created_ms: int = Field(default_factory=now_ms, description="When this event was produced, epoch ms.")
 
 
@@ -152,7 +199,7 @@ class Batch(_Wire):
 
     batch_id: str = Field(description="Unique batch id.")
     model: str = Field(description="Model all requests are for.")
-    requests: list[GenerateRequest] = Field(min_length=1, description="Requests, in scheduling order.")
+    requests: list[AnyRequest] = Field(min_length=1, description="Requests, in scheduling order.")
     batcher_id: str = Field(description="Batcher instance that formed it.")
     created_ms: int = Field(default_factory=now_ms, description="When the batch closed, epoch ms.")
 

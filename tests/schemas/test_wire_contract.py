@@ -8,7 +8,7 @@ import orjson
 import pytest
 
 from schemas import messages
-from schemas.codec import DecodeError, decode, decode_reply, encode
+from schemas.codec import DecodeError, decode, decode_reply, decode_request, encode
 from schemas.export import main as export_main
 from schemas.model_repo import ModelRepoError, load_model_repo
 
@@ -18,6 +18,7 @@ TYPES = {
     "Cancellation": messages.Cancellation, "Batch": messages.Batch, "WorkerHeartbeat": messages.WorkerHeartbeat,
     "AuditEvent": messages.AuditEvent, "DeadLetter": messages.DeadLetter,
     "ApiKeyRecord": messages.ApiKeyRecord, "UsageRecord": messages.UsageRecord,
+    "EmbedRequest": messages.EmbedRequest, "ReplyEndEmbeddings": messages.ReplyEnd,
 }  # fmt: skip
 
 
@@ -52,6 +53,32 @@ def test_reply_events_decode_by_type():
 def test_malformed_requests_are_refused_with_a_reason(raw, why):
     with pytest.raises(DecodeError, match=why):
         decode(messages.GenerateRequest, raw)
+
+
+def test_requests_decode_by_kind_and_kind_defaults_to_generate():
+    generate = orjson.loads((GOLDEN / "GenerateRequest.json").read_bytes())
+    assert isinstance(decode_request(orjson.dumps(generate)), messages.GenerateRequest)
+    del generate["kind"]  # clients written before EmbedRequest existed send no kind
+    assert isinstance(decode_request(orjson.dumps(generate)), messages.GenerateRequest)
+    embed = decode_request((GOLDEN / "EmbedRequest.json").read_bytes())
+    assert isinstance(embed, messages.EmbedRequest) and embed.inputs == ["The quick brown fox", "jumps over the lazy dog"]
+    batch = decode(messages.Batch, (GOLDEN / "Batch.json").read_bytes())
+    assert [r.kind for r in batch.requests] == ["generate", "embed"]
+
+
+@pytest.mark.parametrize(
+    "change, why",
+    [
+        ({"kind": "classify"}, "does not match any of the expected tags"),
+        ({"inputs": []}, "inputs"),
+        ({"inputs": ["x"] * (messages.MAX_EMBED_INPUTS + 1)}, "inputs"),
+        ({"prompt": "x"}, "prompt"),
+    ],
+)
+def test_malformed_embed_requests_are_refused_with_a_reason(change, why):
+    raw = orjson.loads((GOLDEN / "EmbedRequest.json").read_bytes()) | change
+    with pytest.raises(DecodeError, match=why):
+        decode_request(orjson.dumps(raw))
 
 
 def test_seed_is_derived_stably_from_request_id():
