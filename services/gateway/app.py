@@ -28,6 +28,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from schemas.messages import now_ms
 from schemas.model_repo import ModelRepository, load_model_repo
 from services.gateway.config import GatewaySettings
+from services.gateway.guard import Guard
+from services.gateway.openapi_doc import install_openapi
 from services.gateway.handlers import Exchange, GatewayBus
 from services.gateway.openai_format import (
     ApiError,
@@ -52,29 +54,33 @@ def create_app(settings: GatewaySettings, repo: ModelRepository | None = None) -
     """The gateway app for `settings`; loads the model repository now (a bad one fails here)."""
     repo = repo if repo is not None else load_model_repo(settings.model_repo)
     bus = GatewayBus(settings)
+    guard = Guard(settings, bus)
     started_s = int(time.time())
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await bus.start()
         try:
+            await guard.start()
             yield
         finally:
+            await guard.stop()
             await bus.stop()
 
     app = FastAPI(title="Weir gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.settings, app.state.repo, app.state.bus = settings, repo, bus
+    app.state.settings, app.state.repo, app.state.bus, app.state.guard = settings, repo, bus, guard
+    guard.install(app)
     for exc_class in (ApiError, StarletteHTTPException, RequestValidationError, ValidationError, Exception):
         app.add_exception_handler(exc_class, on_error)
 
     async def prepare(kind: Kind, raw: bytes, headers: dict[str, str]) -> tuple[Exchange, ChunkWriter]:
         """Validate a body, publish its GenerateRequest, and return the Exchange and chunk writer."""
-        return await open_exchange(bus, repo, kind, raw, headers, _new_request_id(kind))
+        return await open_exchange(bus, guard, repo, kind, raw, headers, _new_request_id(kind))
 
     async def complete(kind: Kind, request: Request) -> Response:
         request_id = request.state.request_id = _new_request_id(kind)
         raw = await read_body(request, settings.max_body_bytes)
-        exchange, writer = await open_exchange(bus, repo, kind, raw, dict(request.headers), request_id)
+        exchange, writer = await open_exchange(bus, guard, repo, kind, raw, dict(request.headers), request_id)
         request.state.is_submitted = True
         headers = {"x-request-id": request_id}
         if exchange.request.stream:
@@ -107,8 +113,11 @@ def create_app(settings: GatewaySettings, repo: ModelRepository | None = None) -
         await WebSocketSession(ws, prepare).run()
 
     @app.get("/v1/models")
-    async def models() -> JSONResponse:
-        return JSONResponse(models_list(repo, started_s))
+    async def models(request: Request) -> JSONResponse:
+        identity = guard.authenticate(dict(request.headers))
+        listed = models_list(repo, started_s)
+        listed["data"] = [m for m in listed["data"] if identity.may_use(m["id"])]
+        return JSONResponse(listed)
 
     @app.get("/healthz")
     async def healthz() -> JSONResponse:
@@ -121,17 +130,27 @@ def create_app(settings: GatewaySettings, repo: ModelRepository | None = None) -
         body = {"ready": is_ready, "reason": reason, "gateway_id": bus.gateway_id, "live_workers": live}
         return JSONResponse(body, status_code=200 if is_ready else 503)
 
+    install_openapi(app)
     return app
 
 
 async def open_exchange(
-    bus: GatewayBus, repo: ModelRepository, kind: Kind, raw: bytes, headers: dict[str, str], request_id: str
+    bus: GatewayBus,
+    guard: Guard,
+    repo: ModelRepository,
+    kind: Kind,
+    raw: bytes,
+    headers: dict[str, str],
+    request_id: str,
 ) -> tuple[Exchange, ChunkWriter]:
-    """Body → GenerateRequest → published; raises ApiError for anything the client got wrong."""
+    """Credentials → body → GenerateRequest → guard → published; raises ApiError for anything the
+    client got wrong or may not do."""
+    identity = guard.authenticate(headers)
     body = parse_body(kind, raw)
     model = repo.get(body.model)
     if model is None:
         raise ApiError(404, f"The model {body.model!r} does not exist", param="model", code="model_not_found")
+    guard.authorize(identity, model.name)
     request = to_generate_request(
         kind,
         body,
@@ -142,7 +161,13 @@ async def open_exchange(
         client_timeout_s=header_timeout_s(headers),
         max_timeout_s=bus.settings.max_timeout_s,
     )
-    exchange = await bus.submit(request)
+    request, admitted = await guard.admit(identity, body, model, request, headers)
+    try:
+        exchange = await bus.submit(request)
+    except BaseException:
+        admitted.release(None)
+        raise
+    admitted.attach(exchange)
     writer = ChunkWriter(kind, request_id, model.name, request.created_ms // 1000, body.include_usage)
     return exchange, writer
 
@@ -194,7 +219,7 @@ async def on_error(request: Request, exc: Exception) -> JSONResponse:
     else:
         log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
         status, body = 500, error_body("internal error", "server_error", None, "internal_error")
-    headers = {}
+    headers = dict(getattr(exc, "headers", None) or {})  # Retry-After, WWW-Authenticate
     request_id = getattr(request.state, "request_id", None)
     if request_id:
         headers["x-request-id"] = request_id

@@ -5,10 +5,11 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from services.gateway.guard_settings import GuardSettings
 from weir.bus import BusSettings
 
 
-class GatewaySettings(BusSettings):
+class GatewaySettings(BusSettings, GuardSettings):
     """Gateway settings (env prefix WEIR_, e.g. WEIR_GATEWAY_PORT, WEIR_MODEL_REPO)."""
 
     # protected_namespaces=(): `model_repo` is a setting, not a pydantic `model_*` attribute.

@@ -58,6 +58,7 @@ class GatewayBus:
         self._publishing: set[asyncio.Task[None]] = set()  # fire-and-forget cancels in flight
         self._exchanges: dict[str, Exchange] = {}
         self._is_started = False
+        self.on_cancel: list[Callable[[CancelReason], None]] = []  # called per published cancel (metrics)
 
     async def start(self) -> None:
         """Create the topics, start the clients, and return once replies can be read.
@@ -150,6 +151,8 @@ class GatewayBus:
         """Publish a Cancellation on the control topic without waiting (safe from cancelled code)."""
         if self._producer is None:
             return
+        for hook in self.on_cancel:
+            hook(reason)
         cancel = Cancellation(request_id=request_id, reason=reason, reply_to=self.reply_topic)
         task = asyncio.get_running_loop().create_task(self._send_cancel(cancel))
         self._publishing.add(task)
@@ -227,6 +230,7 @@ class Exchange:
         self.first_token_ms: int | None = None
         self.num_deltas = 0
         self.is_closed = False
+        self.on_close: list[Callable[[Exchange], None]] = []  # called once when closed (the guard's release)
 
     @property
     def request_id(self) -> str:
@@ -280,6 +284,11 @@ class Exchange:
             return
         self.is_closed = True
         self.bus._forget(self.request_id)
+        for hook in self.on_close:
+            try:
+                hook(self)
+            except Exception:  # noqa: BLE001 - closing must finish
+                log.exception("an on_close hook of %s failed", self.request_id)
         outcome = self.end.finish_reason if self.end is not None else (abandon_reason or "abandoned")
         if self.end is None and abandon_reason is not None:
             self.bus.publish_cancel(self.request_id, abandon_reason)

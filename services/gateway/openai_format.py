@@ -102,7 +102,7 @@ class _Body(BaseModel):
     max_tokens: int | None = Field(None, ge=1, le=32768)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0)
+    top_k: int | None = Field(None, ge=0, le=1 << 20)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     stream: bool | None = False

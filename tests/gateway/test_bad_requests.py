@@ -23,7 +23,9 @@ GOOD = {"model": "echo", "messages": [{"role": "user", "content": "hi"}]}
 
 @pytest.fixture(scope="module")
 async def client() -> AsyncIterator[httpx.AsyncClient]:
-    settings = GatewaySettings(model_repo=str(REPO_TOML), max_body_bytes=4096, kafka_bootstrap="127.0.0.1:1")
+    settings = GatewaySettings(
+        model_repo=str(REPO_TOML), max_body_bytes=4096, kafka_bootstrap="127.0.0.1:1", auth_mode="open"
+    )
     app = create_app(settings)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client:
         yield client

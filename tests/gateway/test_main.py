@@ -25,7 +25,8 @@ def free_port() -> int:
 
 
 def env(**extra: str) -> dict[str, str]:
-    return {**os.environ, "WEIR_TOPIC_PREFIX": f"t{uuid4().hex[:8]}", "PYTHONPATH": str(ROOT), **extra}
+    return {**os.environ, "WEIR_TOPIC_PREFIX": f"t{uuid4().hex[:8]}", "PYTHONPATH": str(ROOT),
+            "WEIR_AUTH_MODE": "open", **extra}
 
 
 @pytest.mark.kafka

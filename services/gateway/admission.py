@@ -1,0 +1,64 @@
+"""Admission control of one gateway instance: bounded in-flight lanes and a breaker per model.
+
+- In flight: at most max_in_flight[lane] requests per (model, lane) are open in this instance;
+  one more is refused with 429 (queue_full) rather than queued behind them.
+- Breaker: a model none of whose workers has a live heartbeat is "open": its requests are refused
+  at once with 503 (model_unavailable) instead of waiting for a deadline nobody will meet. It
+  closes by itself with the next live heartbeat.
+- Overload: when every live worker of the model has num_waiting >= ratio * max_num_seqs, the
+  request is refused with 429 (overloaded) and a short Retry-After.
+
+Pure: the live heartbeats come in as an argument.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from schemas.messages import Priority, WorkerHeartbeat
+from services.gateway.auth import GuardError
+
+OVERLOAD_RETRY_AFTER_S = 1
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """One admitted request's place in its lane; give it back with Admission.release."""
+
+    model: str
+    lane: Priority
+
+
+class Admission:
+    """In-flight counts per (model, lane) and the breaker state per model."""
+
+    def __init__(self, max_in_flight: dict[Priority, int], overload_ratio: float, is_breaker_enabled: bool) -> None:
+        self.max_in_flight = max_in_flight
+        self.overload_ratio = overload_ratio
+        self.is_breaker_enabled = is_breaker_enabled
+        self.in_flight: Counter[tuple[str, Priority]] = Counter()
+        self.open_breakers: set[str] = set()
+
+    def admit(self, model: str, lane: Priority, live: list[WorkerHeartbeat]) -> Ticket:
+        """A Ticket, or GuardError 503 (breaker open) / 429 (lane full, workers overloaded)."""
+        if self.is_breaker_enabled:
+            if not live:
+                self.open_breakers.add(model)
+                raise GuardError(503, f"no worker of {model!r} is live; try again later", param="model",
+                                 code="model_unavailable", headers={"retry-after": "5"})  # fmt: skip
+            self.open_breakers.discard(model)
+        if live and all(hb.num_waiting >= self.overload_ratio * hb.max_num_seqs for hb in live):
+            raise GuardError(429, f"every worker of {model!r} is overloaded; retry shortly", code="overloaded",
+                             headers={"retry-after": str(OVERLOAD_RETRY_AFTER_S)})  # fmt: skip
+        limit = self.max_in_flight[lane]
+        if self.in_flight[(model, lane)] >= limit:
+            raise GuardError(429, f"{limit} {lane} requests for {model!r} are already in flight at this gateway",
+                             code="queue_full", headers={"retry-after": "1"})  # fmt: skip
+        self.in_flight[(model, lane)] += 1
+        return Ticket(model, lane)
+
+    def release(self, ticket: Ticket) -> None:
+        """Give a ticket back (exactly once per admitted request)."""
+        key = (ticket.model, ticket.lane)
+        self.in_flight[key] = max(0, self.in_flight[key] - 1)

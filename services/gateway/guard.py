@@ -1,0 +1,231 @@
+"""The gateway's guard: what a request passes between its body and Kafka, and what it gives back.
+
+In order: authenticate (401), the model exists (404, in app.py), authorise the model (403),
+validate against the model (400), admission control (503 breaker, 429 overload or full lane),
+rate limits per credential and per tenant (429 with Retry-After). An admitted request holds an
+in-flight ticket and a token reservation; when its Exchange closes, the ticket is released and
+the reservation is corrected by the usage of the terminal event, locally and for the peers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
+
+from fastapi import FastAPI
+from fastapi.responses import Response
+
+from schemas.messages import GenerateRequest, Priority, ReplyEnd, now_ms
+from schemas.model_repo import ModelConfig
+from services.gateway.admission import Admission, Ticket
+from services.gateway.auth import Authenticator, GuardError, Identity, KeyStore
+from services.gateway.config import GatewaySettings
+from services.gateway.limits import Charge, RateLimited, RateLimiter, ScopeLimits
+from services.gateway.metrics import CONTENT_TYPE, GatewayMetrics, ResponseCounter
+from services.gateway.openai_format import ApiError, ChatCompletionBody, CompletionBody
+from services.gateway.peers import PeerSync
+from services.gateway.validation import TokenCounter, check_request
+
+if TYPE_CHECKING:
+    from services.gateway.handlers import Exchange, GatewayBus
+
+log = logging.getLogger("weir.gateway")
+
+PRIORITY_HEADER = "x-weir-priority"
+_THREAD_COUNT_CHARS = 32_768  # prompts longer than this are tokenized off the event loop
+
+
+@dataclass
+class Admitted:
+    """An admitted request: its identity, lane ticket and token reservation, until it ends."""
+
+    guard: Guard
+    identity: Identity
+    ticket: Ticket
+    charges: list[Charge]
+    reserved_tokens: int
+    is_released: bool = False
+
+    def attach(self, exchange: Exchange) -> None:
+        """Release when the exchange closes (however it ends)."""
+        exchange.on_close.append(lambda ex: self.release(ex.end))
+
+    def release(self, end: ReplyEnd | None) -> None:
+        """Give the ticket back and correct the reservation by the terminal's usage (exactly once).
+
+        Without a terminal (the client left first) the reservation stands: the worker may have
+        generated up to max_tokens before the cancel reached it.
+        """
+        if self.is_released:
+            return
+        self.is_released = True
+        self.guard.on_released(self, end)
+
+
+class Guard:
+    """Authentication, validation, admission and rate limits of one gateway instance."""
+
+    def __init__(self, settings: GatewaySettings, bus: GatewayBus, clock: Callable[[], float] = time.monotonic) -> None:
+        self.settings = settings
+        self.bus = bus
+        self.clock = clock
+        self.keys = KeyStore()
+        self.auth = Authenticator(settings, self.keys)
+        self.limiter = RateLimiter(self.limits_of)
+        self.admission = Admission(
+            {"interactive": settings.max_in_flight_interactive, "bulk": settings.max_in_flight_bulk},
+            settings.overload_waiting_ratio,
+            settings.is_breaker_enabled,
+        )
+        self.counter = TokenCounter()
+        self.peers = PeerSync(settings, bus.gateway_id, self.keys, self.limiter, clock)
+        self.metrics = GatewayMetrics(lambda: bus.fleet.live(now_ms()), lambda: self.admission.open_breakers)
+        bus.on_cancel.append(lambda reason: self.metrics.cancellations.add(1, {"reason": reason}))
+
+    async def start(self) -> None:
+        """Start sharing keys and usage with the other instances (after the bus has started)."""
+        await self.peers.start()
+
+    async def stop(self) -> None:
+        await self.peers.stop()
+
+    def install(self, app: FastAPI) -> None:
+        """Add GET /metrics and the response counter to `app`."""
+        app.add_middleware(ResponseCounter, metrics=self.metrics)
+
+        @app.get("/metrics", include_in_schema=True, tags=["operations"], summary="Prometheus metrics")
+        async def metrics() -> Response:
+            return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+    def authenticate(self, headers: dict[str, str]) -> Identity:
+        """The caller's Identity; 401 (counted) when credentials are missing or invalid."""
+        try:
+            return self.auth.authenticate(headers)
+        except ApiError as error:
+            self.metrics.auth_failures.add(1, {"code": error.code or "unknown"})
+            raise
+
+    def authorize(self, identity: Identity, model: str) -> None:
+        """403 (counted) when `identity` may not use `model`."""
+        try:
+            self.auth.authorize(identity, model)
+        except ApiError as error:
+            self.metrics.auth_failures.add(1, {"code": error.code or "unknown"})
+            raise
+
+    async def admit(
+        self,
+        identity: Identity,
+        body: ChatCompletionBody | CompletionBody,
+        model: ModelConfig,
+        request: GenerateRequest,
+        headers: dict[str, str],
+    ) -> tuple[GenerateRequest, Admitted]:
+        """Validate, admit and charge a request; returns it with identity and lane set, and the
+        Admitted to attach to its Exchange (or release if publishing fails)."""
+        lane = priority_of(headers)
+        prompt_tokens = await self._count_prompt(model, body)
+        request = check_request(
+            body, request, model, prompt_tokens,
+            max_input_tokens=self.settings.max_input_tokens, max_stop_sequences=self.settings.max_stop_sequences,
+        )  # fmt: skip
+        try:
+            ticket = self.admission.admit(model.name, lane, self.bus.fleet.live_by_model(now_ms()).get(model.name, []))
+        except ApiError as error:
+            self.metrics.admission_rejected.add(1, {"model": model.name, "code": error.code or "unknown"})
+            raise
+        reserved = prompt_tokens + request.max_tokens
+        charges = self._charges(identity, reserved)
+        try:
+            self.limiter.admit(charges, self.clock())
+        except RateLimited as limited:
+            self.admission.release(ticket)
+            self.metrics.rate_limited.add(1, {"scope": limited.scope.split(":")[0], "limit": limited.kind})
+            raise rate_limit_error(limited) from None
+        for charge in charges:
+            self.peers.record(charge.scope, 1, charge.num_tokens)
+        self.metrics.in_flight.add(1, {"model": model.name, "lane": lane})
+        request = request.model_copy(
+            update={"principal": identity.principal, "tenant": identity.tenant, "priority": lane}
+        )
+        return request, Admitted(self, identity, ticket, charges, reserved)
+
+    def on_released(self, admitted: Admitted, end: ReplyEnd | None) -> None:
+        """Called once per admitted request when it ends or could not be published."""
+        self.admission.release(admitted.ticket)
+        self.metrics.in_flight.add(-1, {"model": admitted.ticket.model, "lane": admitted.ticket.lane})
+        if end is None:
+            return
+        correction = end.usage.prompt_tokens + end.usage.completion_tokens - admitted.reserved_tokens
+        if correction == 0:
+            return
+        now_s = self.clock()
+        for charge in admitted.charges:
+            if charge.limits.max_tokens_per_min is not None:
+                self.limiter.debit(charge.scope, 0, correction, now_s, charge.limits)
+                self.peers.record(charge.scope, 0, correction)
+
+    def limits_of(self, scope: str) -> ScopeLimits | None:
+        """The limits of a scope another instance reported (key records, tenant and JWT settings)."""
+        kind, _, name = scope.partition(":")
+        if kind == "key":
+            record = self.keys.get(name)
+            if record is None:
+                return None
+            return ScopeLimits(record.max_requests_per_min, record.max_tokens_per_min)
+        if kind == "tenant":
+            return self.tenant_limits(name)
+        if kind == "sub":
+            s = self.settings
+            return ScopeLimits(s.jwt_max_requests_per_min, s.jwt_max_tokens_per_min)
+        return None
+
+    def tenant_limits(self, tenant: str) -> ScopeLimits:
+        """The configured limits of `tenant` (its entry, else the "*" entry, else none)."""
+        limits = self.settings.tenant_limits
+        entry = limits.get(tenant) or limits.get("*")
+        if entry is None:
+            return ScopeLimits()
+        return ScopeLimits(entry.max_requests_per_min, entry.max_tokens_per_min)
+
+    def _charges(self, identity: Identity, reserved_tokens: int) -> list[Charge]:
+        own = ScopeLimits(identity.max_requests_per_min, identity.max_tokens_per_min)
+        return [
+            Charge(identity.scope, own, reserved_tokens),
+            Charge(f"tenant:{identity.tenant}", self.tenant_limits(identity.tenant), reserved_tokens),
+        ]
+
+    async def _count_prompt(self, model: ModelConfig, body: ChatCompletionBody | CompletionBody) -> int:
+        size = len(body.prompt) if isinstance(body, CompletionBody) else sum(
+            len(m.to_wire().content) for m in body.messages
+        )
+        if size > _THREAD_COUNT_CHARS:
+            return await asyncio.to_thread(self.counter.count_prompt, model, body)
+        return self.counter.count_prompt(model, body)
+
+
+def priority_of(headers: dict[str, str]) -> Priority:
+    """The lane from X-Weir-Priority (interactive by default); 400 for anything else."""
+    value = headers.get(PRIORITY_HEADER, "interactive").strip().lower()
+    if value not in ("interactive", "bulk"):
+        raise ApiError(400, f"X-Weir-Priority must be interactive or bulk, got {value!r}",
+                       param="X-Weir-Priority", code="invalid_value")  # fmt: skip
+    return cast(Priority, value)
+
+
+def rate_limit_error(limited: RateLimited) -> GuardError:
+    """429 in OpenAI's format with Retry-After in whole seconds (the openai client: RateLimitError)."""
+    if limited.is_too_large:
+        message = (f"Request too large for {limited.scope}: it needs more than the {limited.limit} "
+                   f"{limited.kind} per minute allowed; lower max_tokens or the prompt")  # fmt: skip
+        retry_after = 60
+    else:
+        retry_after = max(1, math.ceil(limited.retry_after_s))
+        message = (f"Rate limit reached for {limited.scope}: {limited.limit} {limited.kind} per minute. "
+                   f"Please try again in {retry_after} s.")  # fmt: skip
+    return GuardError(429, message, code="rate_limit_exceeded", headers={"retry-after": str(retry_after)})

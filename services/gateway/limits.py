@@ -1,0 +1,155 @@
+"""Rate limits: token buckets per scope (an API key, a JWT subject, a tenant), requests and tokens.
+
+A bucket holds up to `limit` units and refills at limit/60 per second, so a limit per minute
+allows a burst of the whole minute and then the steady rate. Admission takes one request and a
+token reservation (prompt estimate + max_tokens) from every bucket of the request at once, or
+from none. Later the reservation is corrected by the usage the terminal event reports, and the
+consumption other gateway instances report is debited here too: buckets may go below zero (a
+debt that refill pays back), so what others admitted delays what this instance admits.
+
+Pure: time comes in as `now_s` (monotonic seconds); no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+LimitKind = Literal["requests", "tokens"]
+SECONDS_PER_WINDOW = 60.0
+
+
+@dataclass(frozen=True)
+class ScopeLimits:
+    """The per-minute limits of one scope; None is no limit."""
+
+    max_requests_per_min: int | None = None
+    max_tokens_per_min: int | None = None
+
+    def of(self, kind: LimitKind) -> int | None:
+        return self.max_requests_per_min if kind == "requests" else self.max_tokens_per_min
+
+
+class TokenBucket:
+    """`level` units available, at most `capacity`, refilled at capacity/60 per second."""
+
+    def __init__(self, capacity: int, now_s: float) -> None:
+        self.capacity = capacity
+        self.level = float(capacity)
+        self.updated_s = now_s
+
+    @property
+    def rate_per_s(self) -> float:
+        return self.capacity / SECONDS_PER_WINDOW
+
+    def refill(self, now_s: float) -> None:
+        """Add what accrued since the last update, up to capacity."""
+        if now_s > self.updated_s:
+            self.level = min(self.capacity, self.level + (now_s - self.updated_s) * self.rate_per_s)
+            self.updated_s = now_s
+
+    def resize(self, capacity: int) -> None:
+        """Follow a changed limit, keeping what was consumed."""
+        self.level -= self.capacity - capacity
+        self.capacity = capacity
+        self.level = min(self.level, capacity)
+
+    def wait_s(self, cost: int, now_s: float) -> float:
+        """Seconds until `cost` units are available (0 now; inf when cost exceeds capacity)."""
+        self.refill(now_s)
+        if cost > self.capacity:
+            return math.inf
+        return max(0.0, (cost - self.level) / self.rate_per_s)
+
+    def debit(self, amount: float, now_s: float) -> None:
+        """Take `amount` (negative gives back), going below zero if need be."""
+        self.refill(now_s)
+        self.level = min(self.capacity, self.level - amount)
+
+
+@dataclass(frozen=True)
+class Charge:
+    """What one request costs one scope."""
+
+    scope: str
+    limits: ScopeLimits
+    num_tokens: int
+
+
+class RateLimited(Exception):
+    """Admission refused: which scope and limit, and how long until it would pass."""
+
+    def __init__(self, scope: str, kind: LimitKind, limit: int, retry_after_s: float) -> None:
+        super().__init__(f"{scope}: {limit} {kind} per minute")
+        self.scope = scope
+        self.kind = kind
+        self.limit = limit
+        self.retry_after_s = retry_after_s
+
+    @property
+    def is_too_large(self) -> bool:
+        """The request alone exceeds the limit: waiting does not help."""
+        return math.isinf(self.retry_after_s)
+
+
+class RateLimiter:
+    """Buckets by (scope, kind). `limits_of` resolves the limits of a scope that another instance
+    reported and this one has not charged yet (None: not limited here)."""
+
+    def __init__(self, limits_of: Callable[[str], ScopeLimits | None] | None = None) -> None:
+        self._buckets: dict[tuple[str, LimitKind], TokenBucket] = {}
+        self._limits_of = limits_of or (lambda scope: None)
+
+    def admit(self, charges: list[Charge], now_s: float) -> None:
+        """Take one request and `num_tokens` from every limited bucket of `charges`, or raise
+        RateLimited for the one that must wait longest and take nothing."""
+        worst: RateLimited | None = None
+        for charge in charges:
+            for kind, cost in (("requests", 1), ("tokens", charge.num_tokens)):
+                bucket = self._bucket(charge.scope, kind, charge.limits, now_s)  # type: ignore[arg-type]
+                if bucket is None:
+                    continue
+                wait_s = bucket.wait_s(cost, now_s)
+                if wait_s > 0 and (worst is None or wait_s > worst.retry_after_s):
+                    worst = RateLimited(charge.scope, kind, bucket.capacity, wait_s)  # type: ignore[arg-type]
+        if worst is not None:
+            raise worst
+        for charge in charges:
+            self.debit(charge.scope, 1, charge.num_tokens, now_s, charge.limits)
+
+    def debit(
+        self, scope: str, num_requests: int, num_tokens: int, now_s: float, limits: ScopeLimits | None = None
+    ) -> None:
+        """Apply consumption to a scope's buckets: a correction of this instance (negative tokens
+        give back) or what another instance admitted. Unlimited scopes are ignored."""
+        for kind, amount in (("requests", num_requests), ("tokens", num_tokens)):
+            if not amount:
+                continue
+            bucket = self._buckets.get((scope, kind))  # type: ignore[arg-type]
+            if bucket is None:  # first news of this scope here: its limits decide whether it is limited
+                limits = limits or self._limits_of(scope)
+                bucket = self._bucket(scope, kind, limits, now_s) if limits else None  # type: ignore[arg-type]
+            if bucket is not None:
+                bucket.debit(amount, now_s)
+
+    def level(self, scope: str, kind: LimitKind, now_s: float) -> float | None:
+        """Units available now in a bucket, or None when it does not exist."""
+        bucket = self._buckets.get((scope, kind))
+        if bucket is None:
+            return None
+        bucket.refill(now_s)
+        return bucket.level
+
+    def _bucket(self, scope: str, kind: LimitKind, limits: ScopeLimits, now_s: float) -> TokenBucket | None:
+        limit = limits.of(kind)
+        if limit is None:
+            return None
+        bucket = self._buckets.get((scope, kind))
+        if bucket is None:
+            bucket = self._buckets[(scope, kind)] = TokenBucket(limit, now_s)
+        elif bucket.capacity != limit:
+            bucket.refill(now_s)
+            bucket.resize(limit)
+        return bucket

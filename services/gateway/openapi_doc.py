@@ -1,0 +1,266 @@
+"""GET /openapi.json: every endpoint with its request and response schemas, auth and errors.
+
+The completion endpoints read their bodies themselves (strict parsing, OpenAI's error format), so
+FastAPI cannot infer them: this module documents them from the same pydantic types the gateway
+parses with, adds the response types, the bearer security scheme (API key or JWT; none in open
+mode), and the error responses each endpoint really gives, all with OpenAI's error schema.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel, Field
+
+from services.gateway.openai_format import ChatCompletionBody, CompletionBody
+
+REF = "#/components/schemas/{model}"
+
+
+class ErrorObject(BaseModel):
+    message: str = Field(description="Human-readable explanation.")
+    type: str = Field(description="invalid_request_error (4xx), rate_limit_error (429) or server_error (5xx).")
+    param: str | None = Field(description="The request field or header at fault, when there is one.")
+    code: str | None = Field(description="Stable machine-readable code, e.g. invalid_api_key, rate_limit_exceeded.")
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body; every error of the gateway has it."""
+
+    error: ErrorObject
+
+
+class UsageOut(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None
+    finish_reason: Literal["stop", "length"]
+
+
+class ChatCompletion(BaseModel):
+    """Body of a stream=false chat completion."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    system_fingerprint: str | None
+    choices: list[ChatChoice]
+    usage: UsageOut
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None
+    finish_reason: Literal["stop", "length"]
+
+
+class Completion(BaseModel):
+    """Body of a stream=false completion."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    system_fingerprint: str | None
+    choices: list[CompletionChoice]
+    usage: UsageOut
+
+
+class ModelObject(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    version: str
+
+
+class ModelList(BaseModel):
+    """The models the caller may use."""
+
+    object: Literal["list"]
+    data: list[ModelObject]
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+    gateway_id: str
+
+
+class Readiness(BaseModel):
+    ready: bool
+    reason: str
+    gateway_id: str
+    live_workers: dict[str, int] = Field(description="Workers with a live heartbeat, per model.")
+
+
+_MODELS: list[type[BaseModel]] = [
+    ErrorResponse, ChatCompletion, Completion, ModelList, Health, Readiness, ChatCompletionBody, CompletionBody,
+]  # fmt: skip
+
+_ERRORS: dict[int, str] = {
+    400: "Invalid body, parameter or header (param names it); context length exceeded.",
+    401: "Missing, invalid, revoked or expired API key or JWT.",
+    403: "The credential may not use this model.",
+    404: "Unknown model.",
+    413: "Body larger than WEIR_MAX_BODY_BYTES.",
+    429: "Rate limit (per key or tenant), full in-flight lane, overloaded workers, or a retryable rejection.",
+    503: "No live worker for the model (breaker open), or Kafka did not take the request.",
+    504: "No result before the request's deadline.",
+}
+
+_SSE = "An SSE stream (stream=true): `id: <seq>` and `data: <chunk JSON>` events, ending with `data: [DONE]`."
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": REF.format(model=name)}
+
+
+def _header(description: str, schema_type: str = "string") -> dict[str, Any]:
+    return {"description": description, "schema": {"type": schema_type}}
+
+
+def _error(status: int) -> dict[str, Any]:
+    response: dict[str, Any] = {
+        "description": _ERRORS[status],
+        "content": {"application/json": {"schema": _ref("ErrorResponse")}},
+        "headers": {"x-request-id": _header("Id of the request, when one was assigned.")},
+    }
+    if status in (429, 503):
+        response["headers"]["retry-after"] = _header("Seconds to wait before retrying.", "integer")
+    if status == 401:
+        response["headers"]["www-authenticate"] = _header("Bearer challenge.")
+    return response
+
+
+def _completion_operation(body: str, result: str, example: dict[str, Any], summary: str) -> dict[str, Any]:
+    return {
+        "summary": summary,
+        "parameters": [
+            {"name": "X-Weir-Timeout-S", "in": "header", "required": False,
+             "description": "Timeout in seconds; lowers the model's default_timeout_s, never raises it.",
+             "schema": {"type": "number", "exclusiveMinimum": 0}},
+            {"name": "X-Weir-Priority", "in": "header", "required": False,
+             "description": "Scheduling lane.", "schema": {"type": "string", "enum": ["interactive", "bulk"]}},
+        ],  # fmt: skip
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": _ref(body), "example": example}},
+        },
+        "responses": {
+            "200": {
+                "description": "The result; an SSE stream when stream=true.",
+                "headers": {"x-request-id": _header("Id of the request (also on Kafka and in every chunk).")},
+                "content": {
+                    "application/json": {"schema": _ref(result)},
+                    "text/event-stream": {"schema": {"type": "string", "description": _SSE}},
+                },
+            },
+            **{str(status): _error(status) for status in _ERRORS},
+        },
+    }
+
+
+def _json_ok(name: str, description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": _ref(name)}}}
+
+
+def _operations() -> dict[tuple[str, str], dict[str, Any]]:
+    chat_example = {"model": "echo", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16}
+    completion_example = {"model": "echo", "prompt": "Hello", "max_tokens": 16}
+    return {
+        ("post", "/v1/chat/completions"): _completion_operation(
+            "ChatCompletionBody", "ChatCompletion", chat_example, "Chat completion (OpenAI-compatible)"
+        ),
+        ("post", "/v1/completions"): _completion_operation(
+            "CompletionBody", "Completion", completion_example, "Completion (OpenAI-compatible)"
+        ),
+        ("get", "/v1/models"): {
+            "summary": "Models the caller may use",
+            "responses": {"200": _json_ok("ModelList", "OpenAI's model list.")},
+        },
+        ("get", "/healthz"): {
+            "summary": "Liveness", "security": [],
+            "responses": {"200": _json_ok("Health", "The process runs.")},
+        },
+        ("get", "/readyz"): {
+            "summary": "Readiness", "security": [],
+            "responses": {
+                "200": _json_ok("Readiness", "Kafka connected and a worker live."),
+                "503": _json_ok("Readiness", "Not ready; reason says why."),
+            },
+        },
+        ("get", "/metrics"): {
+            "summary": "Prometheus metrics", "security": [],
+            "responses": {"200": {"description": "Prometheus text format 0.0.4.",
+                                  "content": {"text/plain": {"schema": {"type": "string"}}}}},
+        },
+    }  # fmt: skip
+
+
+def build_openapi(app: FastAPI, is_open: bool) -> dict[str, Any]:
+    """The OpenAPI document of `app`: FastAPI's, completed with bodies, responses, auth, errors."""
+    schema = get_openapi(
+        title=app.title,
+        version="1",
+        description=(
+            "Weir's OpenAI-compatible gateway. Authenticate with `Authorization: Bearer <API key or JWT>`"
+            + (" (this instance runs in open mode: no credentials needed)." if is_open else ".")
+            + " Streaming over WebSocket: GET /v1/stream (not describable in OpenAPI; see docs/gateway.md)."
+        ),
+        routes=app.routes,
+    )
+    components = schema.setdefault("components", {})
+    schemas = components.setdefault("schemas", {})
+    for model in _MODELS:
+        model_schema = model.model_json_schema(ref_template=REF)
+        schemas.update(model_schema.pop("$defs", {}))
+        schemas[model.__name__] = model_schema
+    components["securitySchemes"] = {
+        "bearer": {"type": "http", "scheme": "bearer", "bearerFormat": "API key (weir_<key_id>_<secret>) or JWT"}
+    }
+    security: list[dict[str, list[str]]] = [{}] if is_open else [{"bearer": []}]
+    known = _operations()
+    for path, item in schema.get("paths", {}).items():
+        for method, operation in item.items():
+            spec = known.get((method, path))
+            if spec is not None:
+                operation.update(spec)
+            if path.startswith("/v1/"):
+                operation["security"] = security
+                responses = operation.setdefault("responses", {})
+                responses.pop("422", None)  # the gateway answers 400, never FastAPI's 422
+                statuses = [401] if path == "/v1/models" else list(_ERRORS)
+                for status in statuses:
+                    if not (is_open and status in (401, 403)):
+                        responses.setdefault(str(status), _error(status))
+                if is_open:
+                    responses.pop("401", None)
+                    responses.pop("403", None)
+    return schema
+
+
+def install_openapi(app: FastAPI) -> None:
+    """Serve build_openapi's document at /openapi.json (built once, on first request)."""
+    is_open = app.state.settings.auth_mode == "open"
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = build_openapi(app, is_open)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

@@ -1,0 +1,104 @@
+"""Checks of a parsed body against the model it names: prompt tokens, context length, stops.
+
+Prompt tokens are counted with the model's tokenizer.json (the `tokenizers` package) when the
+model entry has a path that holds one, and estimated otherwise (4 UTF-8 bytes a token, rounded
+up, never fewer than the whitespace-separated words). Chat prompts count each message's text plus
+a few tokens per message for the chat template. The count is what a rate limit reserves, so an
+estimate that errs a little high is the safe side.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from schemas.messages import GenerateRequest
+from schemas.model_repo import ModelConfig
+from services.gateway.openai_format import ApiError, ChatCompletionBody, CompletionBody
+
+log = logging.getLogger("weir.gateway")
+
+TOKENS_PER_MESSAGE = 4  # role markers and separators a chat template adds around each turn
+_BYTES_PER_TOKEN = 4
+
+
+class TokenCounter:
+    """Counts prompt tokens per model; tokenizers load once, on first use."""
+
+    def __init__(self) -> None:
+        self._tokenizers: dict[str, Tokenizer | None] = {}
+
+    def tokenizer(self, model: ModelConfig) -> Tokenizer | None:
+        """The model's tokenizer, or None when it has no tokenizer.json (then counts are estimates)."""
+        if model.name not in self._tokenizers:
+            tokenizer = None
+            file = Path(model.path) / "tokenizer.json" if model.path is not None else None
+            if file is not None and file.is_file():
+                try:
+                    tokenizer = Tokenizer.from_file(str(file))
+                except Exception as exc:  # noqa: BLE001 - tokenizers raises plain Exceptions
+                    log.warning("cannot load %s (%s); estimating %s's token counts", file, exc, model.name)
+            self._tokenizers[model.name] = tokenizer
+        return self._tokenizers[model.name]
+
+    def count(self, model: ModelConfig, text: str) -> int:
+        """Tokens of `text` for `model` (special tokens not added)."""
+        tokenizer = self.tokenizer(model)
+        if tokenizer is not None:
+            return len(tokenizer.encode(text, add_special_tokens=False).ids)
+        return estimate_tokens(text)
+
+    def count_prompt(self, model: ModelConfig, body: ChatCompletionBody | CompletionBody) -> int:
+        """Prompt tokens of a body: the prompt, or every message plus the per-message overhead."""
+        if isinstance(body, CompletionBody):
+            return self.count(model, body.prompt)
+        texts = [m.to_wire().content for m in body.messages]
+        return sum(self.count(model, t) for t in texts) + TOKENS_PER_MESSAGE * len(texts)
+
+
+def estimate_tokens(text: str) -> int:
+    """A tokenizer-free estimate: ceil(bytes / 4), at least the number of words."""
+    return max(math.ceil(len(text.encode()) / _BYTES_PER_TOKEN), len(text.split()))
+
+
+def check_request(
+    body: ChatCompletionBody | CompletionBody,
+    request: GenerateRequest,
+    model: ModelConfig,
+    prompt_tokens: int,
+    *,
+    max_input_tokens: int | None,
+    max_stop_sequences: int,
+) -> GenerateRequest:
+    """The request, with a defaulted max_tokens fitted into the context; 400 naming the field when
+    the prompt is too long, prompt + max_tokens exceeds max_model_len, or there are too many stops."""
+    prompt_param = "prompt" if isinstance(body, CompletionBody) else "messages"
+    if len(request.stop) > max_stop_sequences:
+        raise ApiError(400, f"at most {max_stop_sequences} stop sequences are allowed, got {len(request.stop)}",
+                       param="stop", code="invalid_value")  # fmt: skip
+    cap = model.max_model_len - 1  # at least one token must remain for the output
+    if max_input_tokens is not None:
+        cap = min(cap, max_input_tokens)
+    if prompt_tokens > cap:
+        raise ApiError(400, f"the prompt has {prompt_tokens} tokens; {model.name} accepts at most {cap}",
+                       param=prompt_param, code="context_length_exceeded")  # fmt: skip
+    room = model.max_model_len - prompt_tokens
+    if request.max_tokens <= room:
+        return request
+    is_explicit = body.max_tokens is not None or (
+        isinstance(body, ChatCompletionBody) and body.max_completion_tokens is not None
+    )
+    if not is_explicit:  # a default is fitted, not refused
+        return request.model_copy(update={"max_tokens": room})
+    is_completion_param = isinstance(body, ChatCompletionBody) and body.max_completion_tokens is not None
+    param = "max_completion_tokens" if is_completion_param else "max_tokens"
+    raise ApiError(
+        400,
+        f"prompt ({prompt_tokens} tokens) + {param} ({request.max_tokens}) exceeds the context length of "
+        f"{model.name} ({model.max_model_len} tokens)",
+        param=param,
+        code="context_length_exceeded",
+    )
