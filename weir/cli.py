@@ -2,7 +2,7 @@
 
     weir kafka up|down|status     the local Apache Kafka broker (weir/kafka/launcher.py)
     weir topics create            create a deployment's topics on any cluster
-    weir up | gateway | batcher | worker | auditor | audit | bench
+    weir up | gateway | batcher | worker | auditor | audit | keys | bench
                                   handed to the owning module's main(argv), imported on use
 """
 
@@ -27,6 +27,7 @@ DELEGATED: dict[str, tuple[str, str]] = {
     "worker": ("services.worker.app", "run the worker service"),
     "auditor": ("services.auditor.app", "run the auditor service"),
     "audit": ("services.auditor.cli", "query and verify the audit log"),
+    "keys": ("services.gateway.keys_cli", "create, revoke and list the gateway's API keys"),
     "bench": ("weir.bench", "benchmark a running deployment"),
 }
 

@@ -105,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--topic-prefix", default=os.environ.get("WEIR_TOPIC_PREFIX", DEFAULT_PREFIX))
     parser.add_argument("--model-repo", default=os.environ.get("WEIR_MODEL_REPO", "models.toml"))
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait until ready")
+    parser.add_argument("--auth", choices=("open", "required"), default="open",
+                        help="gateway auth mode: open (no credentials, local use; default) or required "
+                        "(API keys from `weir keys create`, or JWTs with WEIR_JWT_KEYS)")
     args = parser.parse_args(argv)
 
     from weir.kafka import launcher
@@ -127,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     env = {
         "WEIR_KAFKA_BOOTSTRAP": broker.bootstrap, "WEIR_TOPIC_PREFIX": args.topic_prefix,
         "WEIR_MODEL_REPO": str(Path(args.model_repo).resolve()), "WEIR_GATEWAY_HOST": args.host,
-        "WEIR_GATEWAY_PORT": str(args.port), "PYTHONUNBUFFERED": "1",
+        "WEIR_GATEWAY_PORT": str(args.port), "WEIR_AUTH_MODE": args.auth, "PYTHONUNBUFFERED": "1",
     }  # fmt: skip
     stack = Stack(env, launcher.weir_home() / "logs")
     url = f"http://{args.host}:{args.port}"
@@ -135,8 +138,9 @@ def main(argv: list[str] | None = None) -> int:
         for name in SERVICES:
             stack.start(name)
         print(f"starting {', '.join(SERVICES)} (logs in {stack.log_dir}) ...", flush=True)
+        print(f"gateway auth mode: {args.auth} (WEIR_AUTH_MODE={args.auth})", flush=True)
         wait_http_ok(f"{url}/readyz", args.timeout, stack)
-        _print_banner(url, broker.bootstrap, Topics(args.topic_prefix), list(repo.models))
+        _print_banner(url, broker.bootstrap, Topics(args.topic_prefix), list(repo.models), args.auth)
         while not (dead := stack.dead()):
             time.sleep(0.5)
         print(f"weir up: {dead[0]} exited:\n{stack.log_tail(dead[0])}", file=sys.stderr)
@@ -155,10 +159,15 @@ def main(argv: list[str] | None = None) -> int:
         print("stopped", flush=True)
 
 
-def _print_banner(url: str, bootstrap: str, topics: Topics, models: list[str]) -> None:
+def _print_banner(url: str, bootstrap: str, topics: Topics, models: list[str], auth: str) -> None:
+    if auth == "open":
+        auth_line = "OPEN: WEIR_AUTH_MODE=open, no API key needed (local use only; --auth required to change)"
+    else:
+        auth_line = "required: create a key with `weir keys create --principal P --tenant T`"
     print(f"""
 Weir is up.
   OpenAI-compatible API  {url}/v1   (e.g. OPENAI_BASE_URL={url}/v1 OPENAI_API_KEY=local)
+  gateway auth           {auth_line}
   models                 {', '.join(models)}
   Kafka                  {bootstrap}
   requests topic         {topics.requests}

@@ -127,10 +127,8 @@ class PeerSync:
         await asyncio.gather(*sends)
 
     async def _assign(self, consumer: AIOKafkaConsumer, topic: str) -> list[TopicPartition]:
-        partitions = consumer.partitions_for_topic(topic) or set()
-        if not partitions:
-            await consumer._client.force_metadata_update()  # noqa: SLF001 - freshly created topic
-            partitions = consumer.partitions_for_topic(topic) or {0}
+        await consumer.topics()  # fetch the metadata of the topics GatewayBus just created
+        partitions = consumer.partitions_for_topic(topic) or {0}
         tps = [TopicPartition(topic, p) for p in sorted(partitions)]
         consumer.assign(tps)
         return tps

@@ -47,7 +47,7 @@ def start_pipeline(tmp: Path, **extra_env: str) -> Pipeline:
     env = {
         "WEIR_KAFKA_BOOTSTRAP": BOOTSTRAP, "WEIR_TOPIC_PREFIX": topics.prefix, "WEIR_GATEWAY_PORT": str(port),
         "WEIR_MODEL_REPO": str(model_repo), "WEIR_AUDIT_DB": str(audit_db), "PYTHONUNBUFFERED": "1",
-        **extra_env,
+        "WEIR_AUTH_MODE": "open", **extra_env,
     }  # fmt: skip
     stack = Stack(env, tmp / "logs")
     for name in SERVICES:
