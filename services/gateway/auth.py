@@ -103,14 +103,21 @@ class KeyStore:
         self._records: dict[str, ApiKeyRecord] = {}
 
     def observe(self, record: ApiKeyRecord) -> None:
-        """Keep a record unless a newer one of that key is known (replays are harmless)."""
+        """Keep a record unless a newer one of that key is known. Revocation is final: a replayed
+        or reordered older record never brings a revoked key back."""
         known = self._records.get(record.key_id)
-        if known is None or record.updated_ms >= known.updated_ms:
+        if known is not None and known.is_revoked and not record.is_revoked:
+            return
+        if known is None or record.updated_ms >= known.updated_ms or record.is_revoked:
             self._records[record.key_id] = record
 
     def get(self, key_id: str) -> ApiKeyRecord | None:
         """The latest record of `key_id`, revoked or not."""
         return self._records.get(key_id)
+
+    def records(self) -> list[ApiKeyRecord]:
+        """Every key's latest record, oldest key first."""
+        return sorted(self._records.values(), key=lambda r: r.created_ms)
 
     def __len__(self) -> int:
         return len(self._records)

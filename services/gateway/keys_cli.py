@@ -23,7 +23,7 @@ from aiokafka.errors import KafkaError
 
 from schemas.codec import DecodeError, decode, encode
 from schemas.messages import ApiKeyRecord
-from services.gateway.auth import new_api_key, revoked
+from services.gateway.auth import KeyStore, new_api_key, revoked
 from weir.bus import BusSettings, make_producer
 from weir.kafka.admin import ensure_topics, wait_for_broker
 
@@ -47,10 +47,10 @@ async def read_keys(settings: BusSettings) -> dict[str, ApiKeyRecord]:
     await wait_for_broker(settings.kafka_bootstrap, timeout_s=15)
     consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap, group_id=None, enable_auto_commit=False)
     await consumer.start()
-    records: dict[str, ApiKeyRecord] = {}
+    store = KeyStore()
     try:
         if settings.topics.keys not in await consumer.topics():  # also refreshes the metadata
-            return records
+            return {}
         partitions = consumer.partitions_for_topic(settings.topics.keys) or {0}
         tps = [TopicPartition(settings.topics.keys, p) for p in sorted(partitions)]
         consumer.assign(tps)
@@ -60,15 +60,12 @@ async def read_keys(settings: BusSettings) -> dict[str, ApiKeyRecord]:
             for batch in (await consumer.getmany(timeout_ms=500)).values():
                 for message in batch:
                     try:
-                        record = decode(ApiKeyRecord, message.value)
+                        store.observe(decode(ApiKeyRecord, message.value))
                     except DecodeError:
                         continue
-                    known = records.get(record.key_id)
-                    if known is None or record.updated_ms >= known.updated_ms:
-                        records[record.key_id] = record
     finally:
         await consumer.stop()
-    return records
+    return {record.key_id: record for record in store.records()}
 
 
 async def create_key(

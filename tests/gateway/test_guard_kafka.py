@@ -1,0 +1,225 @@
+"""The guard against the real broker, through the official openai client, with two gateway instances.
+
+Keys are made and revoked with `weir keys` (its functions and main), travel on the keys topic,
+and limits are shared on the usage topic: what one instance admits, the other refuses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+from uuid import uuid4
+
+import httpx
+import jwt
+import openai
+import orjson
+import pytest
+from cryptography.hazmat.primitives.asymmetric import rsa
+
+from schemas.topics import Topics
+from services.gateway.app import create_app
+from services.gateway.config import GatewaySettings
+from services.gateway.keys_cli import create_key, main as keys_main, read_keys
+from weir.kafka.admin import ensure_topics
+
+from .conftest import REPO_TOML, _delete_topics
+from .fakes import FakeWorker, GatewayServer, eventually
+
+pytestmark = pytest.mark.kafka
+
+HS_SECRET = b"guard-test-secret-0123456789abcdef"
+HELLO = [{"role": "user", "content": "hi"}]
+
+
+@dataclass
+class Guarded:
+    bootstrap: str
+    topics: Topics
+    a: GatewayServer
+    b: GatewayServer
+    worker: FakeWorker
+    rsa_key: rsa.RSAPrivateKey
+
+    async def key(self, principal: str, tenant: str, **kw: Any) -> str:
+        settings = GatewaySettings(kafka_bootstrap=self.bootstrap, topic_prefix=self.topics.prefix)
+        key, record = await create_key(settings, principal, tenant, **kw)
+        for server in (self.a, self.b):  # wait until both instances know it
+            await eventually(lambda s=server: s.server.config.app.state.guard.keys.get(record.key_id))  # type: ignore[attr-defined]
+        return key
+
+
+def client(server: GatewayServer, api_key: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key=api_key, max_retries=0, timeout=20)
+
+
+def jwt_for(key: Any, alg: str, kid: str, **claims: Any) -> str:
+    body = {"sub": "svc", "tenant": "jwt-tenant", "iss": "weir-tests", "exp": int(time.time()) + 60, **claims}
+    return jwt.encode(body, key, algorithm=alg, headers={"kid": kid})
+
+
+@pytest.fixture(scope="module")
+async def guarded(gateway_bootstrap: str) -> AsyncIterator[Guarded]:
+    topics = Topics(prefix=f"t{uuid4().hex[:8]}")
+    await ensure_topics(gateway_bootstrap, topics.core_specs())
+    rsa_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    public = jwt.algorithms.RSAAlgorithm.to_jwk(rsa_key.public_key(), as_dict=True)
+    k = base64.urlsafe_b64encode(HS_SECRET).rstrip(b"=").decode()
+    jwks = {"keys": [{"kty": "oct", "k": k, "kid": "hs", "alg": "HS256"}, {**public, "kid": "rs", "alg": "RS256"}]}
+    settings = dict(
+        kafka_bootstrap=gateway_bootstrap, topic_prefix=topics.prefix, model_repo=str(REPO_TOML),
+        reply_grace_s=0.2, gap_timeout_s=1.0, auth_mode="required", jwt_keys=orjson.dumps(jwks).decode(),
+        jwt_issuer="weir-tests", tenant_limits={"flood": {"max_requests_per_min": 5}}, usage_flush_ms=50,
+    )  # fmt: skip
+    a = GatewayServer(create_app(GatewaySettings(**settings)))  # type: ignore[arg-type]
+    b = GatewayServer(create_app(GatewaySettings(**settings)))  # type: ignore[arg-type]
+    worker = FakeWorker(gateway_bootstrap, topics)
+    await a.start()
+    await b.start()
+    await worker.start()
+    try:
+        async with httpx.AsyncClient() as http:
+            for server in (a, b):
+                await eventually(lambda s=server: s.server.config.app.state.bus.readiness()[0])  # type: ignore[attr-defined]
+        yield Guarded(gateway_bootstrap, topics, a, b, worker, rsa_key)
+    finally:
+        await worker.stop()
+        await a.stop()
+        await b.stop()
+        await _delete_topics(gateway_bootstrap, topics.prefix)
+
+
+async def test_a_valid_key_streams_and_identifies_the_request(guarded: Guarded) -> None:
+    key = await guarded.key("alice", "acme")
+    stream = await client(guarded.a, key).chat.completions.create(model="echo", messages=HELLO, stream=True)
+    chunks = [chunk async for chunk in stream]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hello, world"
+    request = next(r for r in guarded.worker.requests if r.request_id == chunks[0].id)
+    assert (request.principal, request.tenant) == ("alice", "acme")
+    models = await client(guarded.b, key).models.list()
+    assert {m.id for m in models.data} >= {"echo"}
+
+
+async def test_missing_or_invalid_credentials_are_authentication_errors(guarded: Guarded) -> None:
+    for bad in ("sk-not-a-weir-key", "weir_000000000000_nope", "a.b.c"):
+        with pytest.raises(openai.AuthenticationError) as refused:
+            await client(guarded.a, bad).chat.completions.create(model="echo", messages=HELLO)
+        assert refused.value.status_code == 401
+    async with httpx.AsyncClient(base_url=guarded.a.base_url) as http:
+        response = await http.post("/v1/chat/completions", json={"model": "echo", "messages": HELLO})
+        models = await http.get("/v1/models")
+    assert response.status_code == 401 and response.json()["error"]["code"] == "missing_api_key"
+    assert response.headers["www-authenticate"].startswith("Bearer") and models.status_code == 401
+
+
+async def test_a_key_revoked_with_the_cli_stops_working_on_every_instance(guarded: Guarded) -> None:
+    key = await guarded.key("bob", "acme")
+    await client(guarded.b, key).chat.completions.create(model="echo", messages=HELLO)
+    key_id = key.split("_")[1]
+    argv = ["--kafka-bootstrap", guarded.bootstrap, "--topic-prefix", guarded.topics.prefix, "revoke", key_id]
+    assert await asyncio.to_thread(keys_main, argv) == 0
+    for server in (guarded.a, guarded.b):
+        await eventually(lambda s=server: s.server.config.app.state.guard.keys.get(key_id).is_revoked)  # type: ignore[attr-defined]
+        with pytest.raises(openai.AuthenticationError) as refused:
+            await client(server, key).chat.completions.create(model="echo", messages=HELLO)
+        assert refused.value.code == "revoked_api_key"
+    listed = await read_keys(GatewaySettings(kafka_bootstrap=guarded.bootstrap, topic_prefix=guarded.topics.prefix))
+    assert listed[key_id].is_revoked and listed[key_id].principal == "bob"
+
+
+async def test_a_model_the_key_may_not_use_is_permission_denied(guarded: Guarded) -> None:
+    key = await guarded.key("carol", "acme", models=["weir-tiny-py"])
+    with pytest.raises(openai.PermissionDeniedError) as denied:
+        await client(guarded.a, key).chat.completions.create(model="echo", messages=HELLO)
+    assert denied.value.code == "model_not_allowed"
+    assert [m.id for m in (await client(guarded.a, key).models.list()).data] == ["weir-tiny-py"]
+
+
+async def test_a_burst_past_rpm_is_a_rate_limit_error_with_retry_after(guarded: Guarded) -> None:
+    key = await guarded.key("dave", "acme", max_requests_per_min=3)
+    for _ in range(3):
+        await client(guarded.a, key).completions.create(model="echo", prompt="hi")
+    with pytest.raises(openai.RateLimitError) as limited:
+        await client(guarded.a, key).completions.create(model="echo", prompt="hi")
+    assert limited.value.code == "rate_limit_exceeded"
+    assert 1 <= int(limited.value.response.headers["retry-after"]) <= 20
+
+
+async def test_tokens_are_reserved_then_given_back_from_the_usage(guarded: Guarded) -> None:
+    key = await guarded.key("erin", "acme", max_tokens_per_min=100)
+    llm = client(guarded.a, key)
+    for _ in range(3):  # each reserves ~60 tokens but the worker reports 5: the rest comes back
+        await llm.completions.create(model="echo", prompt="hi", max_tokens=60)
+    with pytest.raises(openai.RateLimitError) as too_large:
+        await llm.completions.create(model="echo", prompt="hi", max_tokens=200)
+    assert "Request too large" in too_large.value.message
+
+
+async def test_limits_hold_across_two_gateway_instances(guarded: Guarded) -> None:
+    key = await guarded.key("frank", "acme", max_requests_per_min=4)
+    for _ in range(4):
+        await client(guarded.a, key).completions.create(model="echo", prompt="hi")
+    guard_b = guarded.b.server.config.app.state.guard  # type: ignore[attr-defined]
+    scope = f"key:{key.split('_')[1]}"
+    await eventually(lambda: (guard_b.limiter.level(scope, "requests", guard_b.clock()) or 99) < 1)
+    with pytest.raises(openai.RateLimitError):
+        await client(guarded.b, key).completions.create(model="echo", prompt="hi")
+
+
+async def test_jwts_hs256_and_rs256_are_accepted_and_expired_ones_refused(guarded: Guarded) -> None:
+    hs = jwt_for(HS_SECRET, "HS256", "hs", sub="svc-hs")
+    rs = jwt_for(guarded.rsa_key, "RS256", "rs", sub="svc-rs", tenant="beta", models=["echo"])
+    for token, principal, tenant in ((hs, "svc-hs", "jwt-tenant"), (rs, "svc-rs", "beta")):
+        chat = await client(guarded.a, token).chat.completions.create(model="echo", messages=HELLO)
+        request = next(r for r in guarded.worker.requests if r.request_id == chat.id)
+        assert (request.principal, request.tenant) == (principal, tenant)
+    expired = jwt_for(guarded.rsa_key, "RS256", "rs", exp=int(time.time()) - 3600)
+    with pytest.raises(openai.AuthenticationError) as refused:
+        await client(guarded.a, expired).chat.completions.create(model="echo", messages=HELLO)
+    assert refused.value.code == "token_expired"
+
+
+async def test_a_flooding_tenant_is_limited_while_another_keeps_going(guarded: Guarded) -> None:
+    flood_keys = [await guarded.key(f"flooder-{i}", "flood") for i in range(2)]
+    calm_key = await guarded.key("calm", "calm")
+
+    async def call(server: GatewayServer, key: str) -> int:
+        try:
+            await client(server, key).completions.create(model="echo", prompt="hi")
+            return 200
+        except openai.RateLimitError:
+            return 429
+
+    async def round_of(num_flood: int, num_calm: int) -> tuple[list[int], list[int]]:
+        flood = [call((guarded.a, guarded.b)[i % 2], flood_keys[i % 2]) for i in range(num_flood)]
+        calm = [call((guarded.a, guarded.b)[i % 2], calm_key) for i in range(num_calm)]
+        results = await asyncio.gather(*flood, *calm)
+        return results[:num_flood], results[num_flood:]
+
+    # All at once: each instance admits at most the tenant's 5 before it hears of the other's.
+    flood_results, calm_results = await round_of(16, 8)
+    assert calm_results == [200] * 8
+    assert 5 <= flood_results.count(200) <= 10 and flood_results.count(429) >= 6
+    await asyncio.sleep(0.5)  # a few usage flushes: now both instances know the whole consumption
+    flood_results, calm_results = await round_of(8, 8)
+    assert flood_results == [429] * 8 and calm_results == [200] * 8
+
+
+async def test_metrics_count_what_happened(guarded: Guarded) -> None:
+    key = await guarded.key("gina", "acme")
+    async with httpx.AsyncClient(base_url=guarded.a.base_url, timeout=20) as http:
+        headers = {"authorization": f"Bearer {key}", "x-weir-timeout-s": "0.3"}
+        hang = await http.post("/v1/completions", json={"model": "echo", "prompt": "hang"}, headers=headers)
+        assert hang.status_code == 504
+        text = (await http.get("/metrics")).text
+    assert 'weir_gateway_requests_total{route="/v1/completions",status="504"} 1' in text
+    assert 'weir_gateway_cancellations_total{reason="deadline"}' in text
+    assert 'weir_gateway_rate_limited_total{limit="requests",scope="key"}' in text
+    assert 'weir_workers_live{model="echo"} 1' in text
+    assert 'weir_worker_free_kv_blocks{worker="fake-worker-1"} 64' in text
+    assert 'weir_gateway_in_flight{lane="interactive",model="echo"} 0' in text
+    assert "# TYPE weir_gateway_requests_total counter" in text

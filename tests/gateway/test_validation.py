@@ -1,0 +1,98 @@
+"""Validation against the model: prompt tokens (tokenizer.json or estimate), context, stops, deadlines."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from schemas.model_repo import ModelConfig
+from services.gateway.openai_format import ApiError, parse_body, to_generate_request
+from services.gateway.validation import TOKENS_PER_MESSAGE, TokenCounter, check_request, estimate_tokens
+
+
+@pytest.fixture(scope="module")
+def word_model(tmp_path_factory: pytest.TempPathFactory) -> ModelConfig:
+    """A model directory whose tokenizer.json splits on whitespace: one token per word."""
+    path = tmp_path_factory.mktemp("wordmodel")
+    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate("hello world one two three".split())}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(path / "tokenizer.json"))
+    return ModelConfig(name="words", path=Path(path), max_model_len=32, default_timeout_s=30)
+
+
+ECHO = ModelConfig(name="echo", engine="echo", max_model_len=64, default_timeout_s=120)
+
+
+def request_of(kind: str, body: bytes, model: ModelConfig, timeout_s: float | None = None):  # type: ignore[no-untyped-def]
+    parsed = parse_body(kind, body)  # type: ignore[arg-type]
+    request = to_generate_request(kind, parsed, model, request_id="r", reply_to="t", now_ms=1_000,  # type: ignore[arg-type]
+                                  client_timeout_s=timeout_s, max_timeout_s=600)  # fmt: skip
+    return parsed, request
+
+
+def test_counts_with_the_models_tokenizer(word_model: ModelConfig) -> None:
+    counter = TokenCounter()
+    assert counter.tokenizer(word_model) is not None
+    assert counter.count(word_model, "hello world one") == 3
+    body, _ = request_of("chat.completions", b'{"model": "words", "messages": [{"role": "user", "content": "one two"}]}',
+                         word_model)  # fmt: skip
+    assert counter.count_prompt(word_model, body) == 2 + TOKENS_PER_MESSAGE
+
+
+def test_estimates_without_a_tokenizer() -> None:
+    assert TokenCounter().tokenizer(ECHO) is None
+    assert TokenCounter().count(ECHO, "x" * 40) == estimate_tokens("x" * 40) == 10
+    assert estimate_tokens("a b c d e f") == 6  # never fewer than the words
+
+
+def test_prompt_too_long_names_the_prompt(word_model: ModelConfig) -> None:
+    prompt = " ".join(["hello"] * 40)
+    body, request = request_of("completions", f'{{"model": "words", "prompt": "{prompt}"}}'.encode(), word_model)
+    with pytest.raises(ApiError) as error:
+        check_request(body, request, word_model, TokenCounter().count_prompt(word_model, body),
+                      max_input_tokens=None, max_stop_sequences=4)  # fmt: skip
+    assert (error.value.status, error.value.param, error.value.code) == (400, "prompt", "context_length_exceeded")
+    with pytest.raises(ApiError) as capped:
+        check_request(body, request, word_model, 10, max_input_tokens=5, max_stop_sequences=4)
+    assert capped.value.param == "prompt"
+
+
+def test_prompt_plus_max_tokens_must_fit_and_a_default_is_fitted(word_model: ModelConfig) -> None:
+    explicit, request = request_of("completions", b'{"model": "words", "prompt": "x", "max_tokens": 30}', word_model)
+    with pytest.raises(ApiError) as error:
+        check_request(explicit, request, word_model, 10, max_input_tokens=None, max_stop_sequences=4)
+    assert (error.value.param, error.value.code) == ("max_tokens", "context_length_exceeded")
+    chat, request = request_of(
+        "chat.completions", b'{"model": "words", "messages": [{"role": "user", "content": "x"}], '
+        b'"max_completion_tokens": 30}', word_model)  # fmt: skip
+    with pytest.raises(ApiError) as chat_error:
+        check_request(chat, request, word_model, 10, max_input_tokens=None, max_stop_sequences=4)
+    assert chat_error.value.param == "max_completion_tokens"
+    default, request = request_of("completions", b'{"model": "words", "prompt": "x"}', word_model)
+    assert request.max_tokens == 16
+    fitted = check_request(default, request, word_model, 20, max_input_tokens=None, max_stop_sequences=4)
+    assert fitted.max_tokens == 12
+
+
+def test_too_many_stop_sequences_name_stop() -> None:
+    body, request = request_of("completions", b'{"model": "echo", "prompt": "x", "stop": ["a", "b", "c"]}', ECHO)
+    with pytest.raises(ApiError) as error:
+        check_request(body, request, ECHO, 1, max_input_tokens=None, max_stop_sequences=2)
+    assert (error.value.status, error.value.param) == (400, "stop")
+
+
+def test_a_client_timeout_lowers_the_deadline_never_raises_it() -> None:
+    body = b'{"model": "echo", "prompt": "x", "timeout_s": 5000}'
+    _, request = request_of("completions", body, ECHO)
+    assert request.deadline_ms - request.created_ms == 120_000  # the model's default wins
+    _, request = request_of("completions", body, ECHO, timeout_s=2.5)
+    assert request.deadline_ms - request.created_ms == 2_500
+
+
+def test_out_of_range_top_k_is_400() -> None:
+    with pytest.raises(ApiError) as error:
+        parse_body("completions", b'{"model": "echo", "prompt": "x", "top_k": 100000000000000000000000}')
+    assert error.value.param == "top_k"
