@@ -72,7 +72,7 @@ class GatewayMetrics:
         for resource_metrics in data.resource_metrics if data else []:
             for scope_metrics in resource_metrics.scope_metrics:
                 for metric in scope_metrics.metrics:
-                    lines.extend(_render_metric(metric.name, metric.description, metric.data))
+                    lines.extend(_render_metric(metric.name, metric.description or "", metric.data))
         return "\n".join(lines) + "\n"
 
     def shutdown(self) -> None:
