@@ -223,3 +223,40 @@ async def test_metrics_count_what_happened(guarded: Guarded) -> None:
     assert 'weir_worker_free_kv_blocks{worker="fake-worker-1"} 64' in text
     assert 'weir_gateway_in_flight{lane="interactive",model="echo"} 0' in text
     assert "# TYPE weir_gateway_requests_total counter" in text
+
+
+async def test_keys_cli_creates_a_working_key_and_lists_it_without_secrets(
+    guarded: Guarded, capsys: pytest.CaptureFixture[str]
+) -> None:
+    common = ["--kafka-bootstrap", guarded.bootstrap, "--topic-prefix", guarded.topics.prefix]
+    argv = [*common, "create", "--principal", "hana", "--tenant", "acme", "--models", "echo", "--rpm", "50"]
+    assert await asyncio.to_thread(keys_main, argv) == 0
+    out = capsys.readouterr().out
+    key = out.split("store it now): ")[1].strip()
+    key_id = key.split("_")[1]
+    await eventually(lambda: guarded.a.server.config.app.state.guard.keys.get(key_id))  # type: ignore[attr-defined]
+    chat = await client(guarded.a, key).chat.completions.create(model="echo", messages=HELLO)
+    assert chat.choices[0].message.content == "Hello, world"
+    assert await asyncio.to_thread(keys_main, [*common, "list"]) == 0
+    listing = capsys.readouterr().out
+    row = next(line for line in listing.splitlines() if line.startswith(key_id))
+    assert "hana" in row and "active" in row and key.split("_", 2)[2] not in listing
+    assert await asyncio.to_thread(keys_main, [*common, "revoke", "000000000000"]) == 2
+
+
+async def test_the_websocket_needs_credentials_too(guarded: Guarded) -> None:
+    from websockets.asyncio.client import connect
+
+    url = guarded.a.base_url.replace("http", "ws") + "/v1/stream"
+    frame = orjson.dumps({"type": "completions", "body": {"model": "echo", "prompt": "hi"}}).decode()
+    async with connect(url) as ws:
+        await ws.send(frame)
+        error = orjson.loads(await ws.recv())
+    assert error["type"] == "error" and error["error"]["code"] == "missing_api_key"
+    key = await guarded.key("ivan", "acme")
+    async with connect(url, additional_headers={"authorization": f"Bearer {key}"}) as ws:
+        await ws.send(frame)
+        frames = [orjson.loads(await ws.recv())]
+        while frames[-1].get("type") not in ("done", "error"):
+            frames.append(orjson.loads(await ws.recv()))
+    assert frames[-1] == {"type": "done"}
