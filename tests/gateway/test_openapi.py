@@ -135,6 +135,7 @@ def live_gateway() -> Iterator[ThreadedGateway]:
 
 
 @pytest.mark.kafka
+@pytest.mark.filterwarnings("ignore:Do not use the `random` module")  # from inside schemathesis' strategies
 def test_the_gateway_conforms_to_its_openapi_document(live_gateway: ThreadedGateway) -> None:
     import schemathesis
     from hypothesis import HealthCheck, Phase, given, settings as hypothesis_settings
