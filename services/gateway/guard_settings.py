@@ -60,7 +60,9 @@ class GuardSettings(BaseSettings):
     usage_replay_s: float = Field(
         60.0, ge=0, description="At startup, usage records this recent are applied (one limit window)."
     )
-    keys_catch_up_s: float = Field(10.0, ge=0, description="How long startup waits to read the keys topic to its end.")
+    keys_catch_up_s: float = Field(
+        10.0, ge=0, description="How long startup waits to read the keys topic and recent usage to their ends."
+    )
     max_in_flight_interactive: int = Field(
         256, ge=1, description="Interactive requests in flight per model in this instance; more is 429."
     )

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
@@ -71,7 +71,7 @@ class PeerSync:
         await self._keys_consumer.start()
         key_parts = await self._assign(self._keys_consumer, self.topics.keys)
         await self._keys_consumer.seek_to_beginning(*key_parts)
-        await self._catch_up_keys(key_parts)
+        await self._catch_up(self._keys_consumer, key_parts, self._read_keys)
 
         self._usage_consumer = make_consumer(s, client_id=f"{self.gateway_id}-usage", group_id=None)
         await self._usage_consumer.start()
@@ -85,6 +85,7 @@ class PeerSync:
                 await self._usage_consumer.seek_to_end(tp)
             else:
                 self._usage_consumer.seek(tp, found.offset)
+        await self._catch_up(self._usage_consumer, usage_parts, self._read_usage)
         self._loops = [
             asyncio.create_task(self._forever(self._follow_keys), name="gateway-keys"),
             asyncio.create_task(self._forever(self._follow_usage), name="gateway-usage-in"),
@@ -133,15 +134,17 @@ class PeerSync:
         consumer.assign(tps)
         return tps
 
-    async def _catch_up_keys(self, tps: list[TopicPartition]) -> None:
-        assert self._keys_consumer is not None
-        ends = await self._keys_consumer.end_offsets(tps)
+    async def _catch_up(
+        self, consumer: AIOKafkaConsumer, tps: list[TopicPartition], read: Callable[[int], Awaitable[None]]
+    ) -> None:
+        # Before serving: apply everything up to the end offsets of now (bounded by keys_catch_up_s).
+        ends = await consumer.end_offsets(tps)
         deadline = self.clock() + self.settings.keys_catch_up_s
-        while [tp for tp, end in ends.items() if await self._keys_consumer.position(tp) < end]:
+        while [tp for tp, end in ends.items() if await consumer.position(tp) < end]:
             if self.clock() > deadline:
-                log.warning("keys topic not read to its end within %.0f s; going on", self.settings.keys_catch_up_s)
+                log.warning("%s not read to its end within %.0f s; going on", tps[0].topic, self.settings.keys_catch_up_s)
                 return
-            await self._read_keys(timeout_ms=200)
+            await read(200)
 
     async def _follow_keys(self) -> None:
         while True:
@@ -160,20 +163,23 @@ class PeerSync:
                     log.warning("ignoring key record %s@%d: %s", record.topic, record.offset, exc)
 
     async def _follow_usage(self) -> None:
-        assert self._usage_consumer is not None
         while True:
-            batches = await self._usage_consumer.getmany(timeout_ms=1000)
-            for records in batches.values():
-                for record in records:
-                    try:
-                        usage = decode(UsageRecord, record.value)
-                    except DecodeError as exc:
-                        log.warning("ignoring usage record %s@%d: %s", record.topic, record.offset, exc)
-                        continue
-                    if usage.gateway_id == self.gateway_id and usage.sent_ms >= self.started_ms:
-                        continue  # this process applied it when it admitted it
-                    self.limiter.debit(usage.scope, usage.num_requests, usage.num_tokens, self.clock())
-                    self.num_usage_applied += 1
+            await self._read_usage(1000)
+
+    async def _read_usage(self, timeout_ms: int) -> None:
+        assert self._usage_consumer is not None
+        batches = await self._usage_consumer.getmany(timeout_ms=timeout_ms)
+        for records in batches.values():
+            for record in records:
+                try:
+                    usage = decode(UsageRecord, record.value)
+                except DecodeError as exc:
+                    log.warning("ignoring usage record %s@%d: %s", record.topic, record.offset, exc)
+                    continue
+                if usage.gateway_id == self.gateway_id and usage.sent_ms >= self.started_ms:
+                    continue  # this process applied it when it admitted it
+                self.limiter.debit(usage.scope, usage.num_requests, usage.num_tokens, self.clock())
+                self.num_usage_applied += 1
 
     async def _flush_loop(self) -> None:
         while True:

@@ -44,6 +44,7 @@ class Guarded:
     b: GatewayServer
     worker: FakeWorker
     rsa_key: rsa.RSAPrivateKey
+    settings: dict[str, Any]
 
     async def key(self, principal: str, tenant: str, **kw: Any) -> str:
         settings = GatewaySettings(kafka_bootstrap=self.bootstrap, topic_prefix=self.topics.prefix)
@@ -85,7 +86,7 @@ async def guarded(gateway_bootstrap: str) -> AsyncIterator[Guarded]:
         async with httpx.AsyncClient() as http:
             for server in (a, b):
                 await eventually(lambda s=server: s.server.config.app.state.bus.readiness()[0])  # type: ignore[attr-defined]
-        yield Guarded(gateway_bootstrap, topics, a, b, worker, rsa_key)
+        yield Guarded(gateway_bootstrap, topics, a, b, worker, rsa_key, settings)
     finally:
         await worker.stop()
         await a.stop()
@@ -168,6 +169,14 @@ async def test_limits_hold_across_two_gateway_instances(guarded: Guarded) -> Non
     await eventually(lambda: (guard_b.limiter.level(scope, "requests", guard_b.clock()) or 99) < 1)
     with pytest.raises(openai.RateLimitError):
         await client(guarded.b, key).completions.create(model="echo", prompt="hi")
+    # An instance that starts now replays the last minute of usage: it hands out no fresh minute.
+    late = GatewayServer(create_app(GatewaySettings(**guarded.settings)))
+    await late.start()
+    try:
+        with pytest.raises(openai.RateLimitError):
+            await client(late, key).completions.create(model="echo", prompt="hi")
+    finally:
+        await late.stop()
 
 
 async def test_jwts_hs256_and_rs256_are_accepted_and_expired_ones_refused(guarded: Guarded) -> None:
