@@ -110,7 +110,8 @@ async def run_http(base_url: str, model: str, concurrency: int, n: int, max_toke
             nonlocal total
             while queue:
                 prompt, seed = queue.pop()
-                total += await _one_http(client, model, prompt, seed, max_tokens, ttft, itl)
+                tokens = await _one_http(client, model, prompt, seed, max_tokens, ttft, itl)
+                total += tokens  # not `total += await ...`: that reads total before the await
 
         start = time.perf_counter()
         await asyncio.gather(*(lane() for _ in range(concurrency)))
@@ -172,7 +173,8 @@ async def _pipeline_runs(args, levels: list[int]) -> dict[tuple[str, int], RunRe
     await ensure_topics(broker.bootstrap, deployment_specs(topics, load_model_repo(args.model_repo)))
     port = _free_port()
     env = {"WEIR_KAFKA_BOOTSTRAP": broker.bootstrap, "WEIR_TOPIC_PREFIX": topics.prefix, "WEIR_GATEWAY_PORT": str(port),
-           "WEIR_MODEL_REPO": str(Path(args.model_repo).resolve()), "WEIR_MODELS": args.model}  # fmt: skip
+           "WEIR_MODEL_REPO": str(Path(args.model_repo).resolve()), "WEIR_MODELS": args.model,
+           "WEIR_AUTH_MODE": "open"}  # fmt: skip
     stack = Stack(env, Path(tempfile.mkdtemp(prefix="weir-bench-")))
     results = {}
     try:
