@@ -257,6 +257,22 @@ class AuditEvent(_Wire):
     received_ms: int = Field(description="When the worker received it, epoch ms.")
     first_token_ms: int | None = Field(None, description="First token, epoch ms.")
     finished_ms: int = Field(description="When it finished, epoch ms.")
+    prompt_simhash: str | None = Field(
+        None, pattern="^[0-9a-f]{16}$",
+        description="64-bit SimHash (16 hex) of the prompt's embedding: near-identical texts differ in few bits.",
+    )
+    output_simhash: str | None = Field(
+        None, pattern="^[0-9a-f]{16}$", description="64-bit SimHash (16 hex) of the output's embedding."
+    )
+    fingerprint_model: str | None = Field(
+        None, description="Embedding model and projection the SimHashes were made with; None: no SimHash."
+    )
+    mean_token_entropy: float | None = Field(
+        None, ge=0, description="Mean entropy (nats) of the sampling distribution over the generated tokens."
+    )
+    watermark_z: float | None = Field(
+        None, description="z-score of the tenant's green-list watermark over the output tokens; None: not watermarked."
+    )
 
 
 class DeadLetter(_Wire):
@@ -310,3 +326,94 @@ class UsageRecord(_Wire):
         0, description="Tokens reserved or corrected since the previous record; negative gives tokens back."
     )
     sent_ms: int = Field(default_factory=now_ms, description="When it was sent, epoch ms.")
+
+
+BatchStatus = Literal["validating", "in_progress", "finalizing", "completed", "failed", "cancelling", "cancelled", "expired"]
+BatchEndpoint = Literal["/v1/chat/completions", "/v1/completions"]
+
+# Statuses after which a batch job never changes again.
+TERMINAL_BATCH_STATUSES: frozenset[str] = frozenset({"completed", "failed", "cancelled", "expired"})
+
+# Bytes of file content per FileChunk: well below Kafka's 1 MiB record limit once JSON-escaped.
+MAX_FILE_CHUNK_BYTES = 256 * 1024
+
+
+class FileChunk(_Wire):
+    """One piece of an uploaded or produced file, on `weir.files` keyed by file_id.
+
+    A file is its chunks 0..num_chunks-1 joined in index order; it exists once all are read. A
+    file written again under the same id (a job runner that restarted) has identical chunks.
+    """
+
+    file_id: str = Field(min_length=1, max_length=128, description="File id, e.g. 'file-<hex>'.")
+    index: int = Field(ge=0, description="Position of this chunk, from 0.")
+    num_chunks: int = Field(ge=1, description="How many chunks the file has.")
+    filename: str = Field(max_length=512, description="Name the file was uploaded or produced under.")
+    purpose: str = Field(description="OpenAI file purpose: 'batch' (input) or 'batch_output'.")
+    num_bytes: int = Field(ge=0, description="Size of the whole file in bytes.")
+    data: str = Field(description="UTF-8 text of this chunk.")
+    created_ms: int = Field(default_factory=now_ms, description="When the file was created, epoch ms.")
+
+
+class RequestCounts(BaseModel):
+    """Progress of a batch job, as in OpenAI's request_counts."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    total: int = Field(0, ge=0, description="Requests in the input file.")
+    completed: int = Field(0, ge=0, description="Requests that ended with a response.")
+    failed: int = Field(0, ge=0, description="Requests that ended with an error.")
+
+
+class BatchLineError(BaseModel):
+    """Why a batch failed validation, as in OpenAI's batch errors.data[]."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    code: str = Field(description="Machine-readable code, e.g. 'invalid_json', 'duplicate_custom_id'.")
+    message: str = Field(description="Human-readable explanation.")
+    line: int | None = Field(None, description="1-based line of the input file, when one is at fault.")
+    param: str | None = Field(None, description="The field at fault, when one is.")
+
+
+class BatchJob(_Wire):
+    """The state of one batch job, on the compacted `weir.jobs` keyed by job_id: the latest wins.
+
+    The gateway writes the first record (validating); from then on only the job runner that owns
+    the job's partition of `weir.job_commands` writes it.
+    """
+
+    job_id: str = Field(min_length=1, max_length=64, description="Batch id, e.g. 'batch_<hex>'.")
+    status: BatchStatus = Field(description="OpenAI batch status.")
+    endpoint: BatchEndpoint = Field(description="Endpoint every line of the input file calls.")
+    input_file_id: str = Field(description="File holding the JSONL requests.")
+    completion_window: str = Field("24h", description="Time the job may take; only '24h'.")
+    metadata: dict[str, str] | None = Field(None, description="Up to 16 caller key-value pairs.")
+    principal: str = Field("anonymous", description="Who created the job.")
+    tenant: str = Field("default", description="Tenant of the principal.")
+    request_counts: RequestCounts = Field(default_factory=lambda: RequestCounts(), description="Progress.")
+    output_file_id: str | None = Field(None, description="File of successful results, once finished.")
+    error_file_id: str | None = Field(None, description="File of failed requests, once finished (if any).")
+    errors: list[BatchLineError] = Field(default_factory=list, description="Why validation failed.")
+    created_ms: int = Field(default_factory=now_ms, description="When the job was created, epoch ms.")
+    expires_ms: int = Field(description="When the job expires (created + completion window), epoch ms.")
+    in_progress_ms: int | None = Field(None, description="When validation passed, epoch ms.")
+    finalizing_ms: int | None = Field(None, description="When every request had ended, epoch ms.")
+    completed_ms: int | None = Field(None, description="When it completed, epoch ms.")
+    failed_ms: int | None = Field(None, description="When validation failed, epoch ms.")
+    cancelling_ms: int | None = Field(None, description="When a cancel was received, epoch ms.")
+    cancelled_ms: int | None = Field(None, description="When it was cancelled, epoch ms.")
+    expired_ms: int | None = Field(None, description="When it expired, epoch ms.")
+    updated_ms: int = Field(default_factory=now_ms, description="When this record was written, epoch ms.")
+
+
+class JobCommand(_Wire):
+    """An order for the job runners, on `weir.job_commands` keyed by job_id.
+
+    Runners share the topic in one consumer group, so the owner of a job's partition runs it.
+    """
+
+    kind: Literal["job_command"] = Field("job_command", description="Message kind discriminator.")
+    job_id: str = Field(min_length=1, max_length=64, description="The job ordered.")
+    action: Literal["run", "cancel"] = Field(description="Start (or resume) the job, or cancel it.")
+    created_ms: int = Field(default_factory=now_ms, description="When the command was issued, epoch ms.")
