@@ -12,10 +12,13 @@ from schemas.messages import (
     ApiKeyRecord,
     AuditEvent,
     Batch,
+    BatchJob,
     Cancellation,
     DeadLetter,
     EmbedRequest,
+    FileChunk,
     GenerateRequest,
+    JobCommand,
     ReplyEvent,
     UsageRecord,
     WorkerHeartbeat,
@@ -39,6 +42,9 @@ WIRE_TYPES: dict[str, Any] = {
     "DeadLetter": DeadLetter,
     "ApiKeyRecord": ApiKeyRecord,
     "UsageRecord": UsageRecord,
+    "FileChunk": FileChunk,
+    "BatchJob": BatchJob,
+    "JobCommand": JobCommand,
 }
 
 

@@ -40,6 +40,8 @@ _COMPACT = {
 # Usage records matter for one rate-limit window (a minute); an hour is plenty.
 _USAGE = {"cleanup.policy": "delete", "retention.ms": str(3600 * 1000)}
 _REPLIES = {"cleanup.policy": "delete", "retention.ms": str(24 * 3600 * 1000)}
+# Batch files and job commands outlive a job's 24 h window: a week, like the requests.
+_FILES = {"cleanup.policy": "delete", "retention.ms": str(7 * 24 * 3600 * 1000), "max.message.bytes": str(2 * 1024 * 1024)}
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,30 @@ class Topics:
         """UsageRecords: rate-limit consumption each gateway shares with the others."""
         return f"{self.prefix}.usage"
 
+    @property
+    def files(self) -> str:
+        """FileChunks of batch input and output files, keyed by file_id."""
+        return f"{self.prefix}.files"
+
+    @property
+    def jobs(self) -> str:
+        """BatchJob records, compacted, keyed by job_id: the latest state of every batch job."""
+        return f"{self.prefix}.jobs"
+
+    @property
+    def job_commands(self) -> str:
+        """JobCommands (run, cancel) keyed by job_id; the owner of a partition runs its jobs."""
+        return f"{self.prefix}.job_commands"
+
+    def job_replies(self, job_id: str) -> str:
+        """The reply topic of one batch job: every ReplyEvent of its requests, kept a week."""
+        return f"{self.prefix}.replies.job.{safe_name(job_id)}"
+
+    @property
+    def job_runner_group(self) -> str:
+        """Consumer group of the job runners (in the batcher processes) on job_commands."""
+        return f"{self.prefix}.jobrunner"
+
     def batches(self, model: str) -> str:
         """Batches of `model` from the batcher to that model's workers."""
         return f"{self.prefix}.batches.{safe_name(model)}"
@@ -119,11 +145,18 @@ class Topics:
             TopicSpec(self.dead_letter, 1, _DELETE_7D),
             TopicSpec(self.keys, 1, _COMPACT),
             TopicSpec(self.usage, 1, _USAGE),
+            TopicSpec(self.files, 4, _FILES),
+            TopicSpec(self.jobs, 1, _COMPACT),
+            TopicSpec(self.job_commands, 4, _DELETE_7D),
         ]
 
     def model_specs(self, model: str) -> list[TopicSpec]:
         """The topics one model needs."""
         return [TopicSpec(self.batches(model), 4, _DELETE_7D)]
+
+    def job_reply_spec(self, job_id: str) -> TopicSpec:
+        """A batch job's reply topic: one partition, kept as long as the files (a week)."""
+        return TopicSpec(self.job_replies(job_id), 1, _DELETE_7D)
 
     def reply_spec(self, instance: str) -> TopicSpec:
         """A reply topic: one partition keeps one reader's events in order."""

@@ -19,6 +19,7 @@ TYPES = {
     "AuditEvent": messages.AuditEvent, "DeadLetter": messages.DeadLetter,
     "ApiKeyRecord": messages.ApiKeyRecord, "UsageRecord": messages.UsageRecord,
     "EmbedRequest": messages.EmbedRequest, "ReplyEndEmbeddings": messages.ReplyEnd,
+    "FileChunk": messages.FileChunk, "BatchJob": messages.BatchJob, "JobCommand": messages.JobCommand,
 }  # fmt: skip
 
 
