@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from kernels.dispatch import use_triton
 
@@ -25,18 +26,17 @@ def paged_attention_decode_ref(
     num_seqs, num_heads, dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     max_ctx = block_tables.shape[1] * block_size
-    # gather: [seqs, max_blocks, block_size, kv_heads, dim] -> [seqs, max_ctx, kv_heads, dim]
-    keys = k_cache[block_tables.long()].reshape(num_seqs, max_ctx, num_kv_heads, dim).float()
-    values = v_cache[block_tables.long()].reshape(num_seqs, max_ctx, num_kv_heads, dim).float()
-    group = num_heads // num_kv_heads
-    qf = q.float().reshape(num_seqs, num_kv_heads, group, dim)
-    scores = torch.einsum("skgd,stkd->skgt", qf, keys) * scale  # [seqs, kv_heads, group, max_ctx]
+    # gather: [seqs, max_blocks, block_size, kv_heads, dim] -> [seqs, kv_heads, max_ctx, dim]
+    tables = block_tables.long()
+    keys = k_cache[tables].reshape(num_seqs, max_ctx, num_kv_heads, dim).transpose(1, 2).float()
+    values = v_cache[tables].reshape(num_seqs, max_ctx, num_kv_heads, dim).transpose(1, 2).float()
     positions = torch.arange(max_ctx, device=q.device)
-    mask = positions[None, :] >= context_lens[:, None].long()  # [seqs, max_ctx]
-    scores = scores.masked_fill(mask[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("skgt,stkd->skgd", probs, values)
-    return out.reshape(num_seqs, num_heads, dim).to(q.dtype)
+    mask = (positions[None, :] < context_lens[:, None].long())[:, None, None, :]  # [seqs, 1, 1, max_ctx]
+    # SDPA with GQA: query head h reads kv head h // (heads / kv_heads), as in the model.
+    out = F.scaled_dot_product_attention(
+        q.float().unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=num_heads != num_kv_heads
+    )
+    return out.squeeze(2).to(q.dtype)
 
 
 def paged_attention_decode(

@@ -14,7 +14,7 @@ class WorkerSettings(BusSettings):
     models: str = Field("", description="Comma-separated models to serve; empty serves every model in the repository.")
     device: str = Field("auto", description="auto | cpu | cuda.")
     kv_cache_bytes: int = Field(256 * 1024 * 1024, ge=1 << 20, description="KV-cache budget on the CPU.")
-    block_size: int = Field(16, ge=1, description="Tokens per KV-cache block.")
+    block_size: int = Field(8, ge=1, description="Tokens per KV-cache block (8 keeps the last-block waste small).")
     max_num_batched_tokens: int = Field(512, ge=16, description="Token budget of one engine step.")
     heartbeat_interval_ms: int = Field(1000, ge=100, description="How often capacity is published.")
     audit_hmac_key: str = Field("weir-dev-audit-key", description="Key of the audit HMACs (hex:... or text).")

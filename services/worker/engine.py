@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from schemas.messages import ErrorInfo, GenerateRequest
+from schemas.messages import EmbedRequest, ErrorInfo, GenerateRequest
 from services.worker.kv_cache import BlockManager, allocate_kv_caches, bytes_per_block
 from services.worker.model import AttentionMetadata, CausalLM, load_model, weights_sha256
 from services.worker.sampler import NonFiniteLogits, sample
@@ -34,7 +34,7 @@ class EngineConfig:
     max_model_len: int = 512
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
-    block_size: int = 16
+    block_size: int = 8
     kv_cache_bytes: int = 256 * 1024 * 1024  # CPU budget; on CUDA a share of free memory is used
     gpu_memory_fraction: float = 0.85
     enable_prefix_caching: bool = True
@@ -82,8 +82,11 @@ class Engine:
 
     # -- requests in -------------------------------------------------------------------------
 
-    def add(self, request: GenerateRequest, now_ms: int) -> EngineOutput | None:
+    def add(self, request: GenerateRequest | EmbedRequest, now_ms: int) -> EngineOutput | None:
         """Queue a request. Returns its terminal event at once if it is refused, else None."""
+        if not isinstance(request, GenerateRequest):
+            message = "this model generates text; embeddings need an embedding model"
+            return _refused(request, now_ms, "rejected", "unsupported_request_kind", message)
         if request.request_id in self._seqs:
             return None  # already running: a redelivery, the first copy answers
         try:
@@ -219,7 +222,7 @@ class Engine:
         }
 
 
-def _refused(request: GenerateRequest, now_ms: int, reason, code: str, message: str) -> EngineOutput:
+def _refused(request: GenerateRequest | EmbedRequest, now_ms: int, reason, code: str, message: str) -> EngineOutput:
     return EngineOutput(
         request.request_id, 0, finish_reason=reason, error=ErrorInfo(code=code, message=message),
         received_ms=now_ms, finished_ms=now_ms,
