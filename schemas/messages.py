@@ -227,6 +227,11 @@ class WorkerHeartbeat(_Wire):
     max_num_seqs: int = Field(ge=1, description="Most sequences the worker runs at once.")
     free_kv_blocks: int = Field(ge=0, description="Free KV-cache blocks.")
     block_size_tokens: int = Field(ge=1, description="Tokens per KV-cache block.")
+    partitions: dict[str, list[int]] = Field(
+        default_factory=dict,
+        description="Per model, the partitions of its batch topic this worker owns now (its consumer group's "
+        "assignment); the batcher routes batches to them.",
+    )
     devices: list[DeviceInfo] = Field(default_factory=list, description="Devices of the worker.")
     sent_ms: int = Field(default_factory=now_ms, description="When it was sent, epoch ms.")
 
