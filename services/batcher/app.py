@@ -23,6 +23,7 @@ from aiokafka.errors import KafkaError
 from schemas.messages import now_ms
 from schemas.model_repo import ModelRepoError, ModelRepository, load_model_repo
 from services.batcher.config import BatcherSettings
+from services.batcher.jobs import JobRunner
 from services.batcher.handlers import BatcherHandlers, BatchPublishError, RebalanceListener
 from services.batcher.planner import Planner
 from weir.bus import instance_id, make_consumer, make_producer
@@ -104,7 +105,9 @@ async def _run(settings: BatcherSettings, repo: ModelRepository) -> int:
         loop.add_signal_handler(signum, stop.set)
     try:
         await ensure_topics(settings.kafka_bootstrap, deployment_specs(settings.topics, repo))
-        await BatcherApp(settings, repo).run(stop)
+        app = BatcherApp(settings, repo)
+        # The batch job runner shares the process (and its fate: kill -9 stops both; see jobs.py).
+        await asyncio.gather(app.run(stop), JobRunner(settings, repo, app.batcher_id).run(stop))
     except BatchPublishError as exc:
         log.error("%s", exc)
         return 1

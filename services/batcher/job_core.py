@@ -1,0 +1,297 @@
+"""Batch jobs, the pure part: input-file parsing, the job state machine, result collection and
+the output/error files in OpenAI's Batch API formats. No I/O; time is passed in.
+
+A job's input is a JSONL file whose lines are {custom_id, method: "POST", url, body}. A line the
+runner cannot even identify (not JSON, no custom_id, a repeated custom_id, another url) fails
+the whole job in validation, as OpenAI does; a line whose *body* is wrong (unknown model, a bad
+parameter) is answered in the error file with status 400 and the job goes on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from pydantic import ValidationError
+
+from schemas.messages import (
+    TERMINAL_BATCH_STATUSES,
+    BatchJob,
+    BatchLineError,
+    ChatMessage,
+    GenerateRequest,
+    ReplyDelta,
+    ReplyEnd,
+    RequestCounts,
+)
+from schemas.model_repo import ModelRepository
+
+MAX_BATCH_LINES = 50_000
+MAX_VALIDATION_ERRORS = 100
+
+# Legal moves of a job's status; anything else is a bug in the runner.
+TRANSITIONS: dict[str, frozenset[str]] = {
+    "validating": frozenset({"in_progress", "failed", "cancelling", "expired"}),
+    "in_progress": frozenset({"finalizing", "cancelling", "expired"}),
+    "finalizing": frozenset({"completed", "cancelling"}),
+    "cancelling": frozenset({"cancelled"}),
+}
+_STAMP = {
+    "in_progress": "in_progress_ms", "finalizing": "finalizing_ms", "completed": "completed_ms",
+    "failed": "failed_ms", "cancelling": "cancelling_ms", "cancelled": "cancelled_ms", "expired": "expired_ms",
+}  # fmt: skip
+
+
+class IllegalTransition(ValueError):
+    """A status change the batch state machine does not allow."""
+
+
+def transition(job: BatchJob, status: str, now_ms: int, **changes: Any) -> BatchJob:
+    """`job` moved to `status` at `now_ms` (its *_ms stamp set), with `changes`; raises
+    IllegalTransition for a move TRANSITIONS does not list."""
+    if status != job.status and status not in TRANSITIONS.get(job.status, frozenset()):
+        raise IllegalTransition(f"batch {job.job_id}: {job.status} -> {status} is not allowed")
+    update = {"status": status, "updated_ms": now_ms, **changes}
+    if status != job.status:
+        update[_STAMP[status]] = now_ms
+    return job.model_copy(update=update)
+
+
+def is_terminal(job: BatchJob) -> bool:
+    """True once the job can never change again."""
+    return job.status in TERMINAL_BATCH_STATUSES
+
+
+def request_id_of(job_id: str, custom_id: str) -> str:
+    """The deterministic request id of one line: a resubmission after a restart reuses it, so the
+    batcher, the worker and the result collector all see the same request."""
+    return f"{job_id}.{hashlib.sha256(custom_id.encode()).hexdigest()[:24]}"
+
+
+def output_file_id(job_id: str) -> str:
+    """Id of a job's output file; fixed, so a runner that restarts while writing rewrites the same file."""
+    return f"file-{job_id}-output"
+
+
+def error_file_id(job_id: str) -> str:
+    """Id of a job's error file (see output_file_id)."""
+    return f"file-{job_id}-errors"
+
+
+@dataclass(frozen=True)
+class JobLine:
+    """One usable line of the input file: its request, or why its body is refused (then error set)."""
+
+    line: int
+    custom_id: str
+    request_id: str
+    model: str
+    request: GenerateRequest | None
+    error: BatchLineError | None = None
+
+
+@dataclass
+class ParsedInput:
+    """The lines of an input file, or the reasons it fails validation (then `errors` is not empty)."""
+
+    lines: list[JobLine] = field(default_factory=list)
+    errors: list[BatchLineError] = field(default_factory=list)
+
+
+def parse_input(text: str, job: BatchJob, repo: ModelRepository, reply_to: str) -> ParsedInput:
+    """Parse and check the JSONL input of `job`; each request goes to the bulk lane, to `reply_to`,
+    with the job's expiry as its deadline. Pure and deterministic: a restart parses the same."""
+    parsed = ParsedInput()
+    seen: set[str] = set()
+    rows = [(n, raw) for n, raw in enumerate(text.splitlines(), start=1) if raw.strip()]
+    if not rows:
+        parsed.errors.append(BatchLineError(code="empty_file", message="the input file has no requests"))
+    if len(rows) > MAX_BATCH_LINES:
+        parsed.errors.append(BatchLineError(code="too_many_requests",
+                                            message=f"{len(rows)} lines; at most {MAX_BATCH_LINES} per batch"))
+        return parsed
+    for number, raw in rows:
+        error = _check_envelope(number, raw, job.endpoint, seen)
+        if isinstance(error, BatchLineError):
+            if len(parsed.errors) < MAX_VALIDATION_ERRORS:
+                parsed.errors.append(error)
+            continue
+        parsed.lines.append(_to_line(number, error, job, repo, reply_to))
+    return parsed
+
+
+def _check_envelope(number: int, raw: str, endpoint: str, seen: set[str]) -> dict[str, Any] | BatchLineError:
+    try:
+        row = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        return BatchLineError(code="invalid_json", message=f"line {number} is not JSON: {exc}", line=number)
+    if not isinstance(row, dict):
+        return BatchLineError(code="invalid_request", message="a line must be a JSON object", line=number)
+    custom_id = row.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        return BatchLineError(code="missing_custom_id", message="custom_id must be a non-empty string",
+                              line=number, param="custom_id")
+    if custom_id in seen:
+        return BatchLineError(code="duplicate_custom_id", message=f"custom_id {custom_id!r} repeats an earlier line",
+                              line=number, param="custom_id")
+    seen.add(custom_id)
+    if row.get("method", "POST") != "POST":
+        return BatchLineError(code="invalid_method", message="method must be POST", line=number, param="method")
+    if row.get("url") != endpoint:
+        return BatchLineError(code="mismatched_url", message=f"url {row.get('url')!r} differs from the batch's "
+                              f"endpoint {endpoint!r}", line=number, param="url")
+    if not isinstance(row.get("body"), dict):
+        return BatchLineError(code="invalid_request", message="body must be a JSON object", line=number, param="body")
+    return row
+
+
+def _to_line(number: int, row: dict[str, Any], job: BatchJob, repo: ModelRepository, reply_to: str) -> JobLine:
+    custom_id, body = row["custom_id"], row["body"]
+    request_id = request_id_of(job.job_id, custom_id)
+    model = body.get("model")
+    def refused(code: str, message: str, param: str | None = None) -> JobLine:  # noqa: E306
+        info = BatchLineError(code=code, message=message, line=number, param=param)
+        return JobLine(number, custom_id, request_id, str(model), None, info)
+    if not isinstance(model, str) or repo.get(model) is None:
+        return refused("model_not_found", f"The model {model!r} does not exist", "model")
+    if body.get("stream"):
+        return refused("invalid_value", "stream is not supported in a batch", "stream")
+    if body.get("n", 1) != 1:
+        return refused("invalid_value", "only n=1 is supported", "n")
+    stop = body.get("stop") or []
+    fields: dict[str, Any] = {
+        "request_id": request_id, "model": model, "priority": "bulk", "deadline_ms": job.expires_ms,
+        "reply_to": reply_to, "stream": False, "principal": job.principal, "tenant": job.tenant,
+        "created_ms": job.created_ms, "stop": [stop] if isinstance(stop, str) else stop,
+    }  # fmt: skip
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    for name, value in (("max_tokens", max_tokens), ("temperature", body.get("temperature")),
+                        ("top_p", body.get("top_p")), ("seed", body.get("seed")), ("top_k", body.get("top_k"))):
+        if value is not None:
+            fields[name] = value
+    if job.endpoint == "/v1/chat/completions":
+        fields["messages"] = body.get("messages")
+        if not isinstance(fields["messages"], list) or not fields["messages"]:
+            return refused("invalid_value", "messages must be a non-empty list", "messages")
+    else:
+        prompt = body.get("prompt")
+        fields["prompt"] = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 else prompt
+        if not isinstance(fields["prompt"], str):
+            return refused("invalid_value", "prompt must be a string", "prompt")
+    try:
+        if "messages" in fields:
+            fields["messages"] = [ChatMessage.model_validate(m) for m in fields["messages"]]
+        return JobLine(number, custom_id, request_id, model, GenerateRequest(**fields))
+    except (ValidationError, TypeError) as exc:
+        first = exc.errors()[0] if isinstance(exc, ValidationError) else {"msg": str(exc), "loc": ()}
+        param = ".".join(str(p) for p in first.get("loc", ())) or None
+        return refused("invalid_value", str(first.get("msg")), param)
+
+
+@dataclass
+class _Result:
+    text: list[str] = field(default_factory=list)
+    last_seq: int = -1
+    end: ReplyEnd | None = None
+
+
+class JobResults:
+    """What the job's reply topic says so far: text and terminal event per request.
+
+    Events may repeat (at-least-once delivery, or a request submitted again after a restart):
+    events whose seq is not above the last kept are dropped, and the first ReplyEnd wins.
+    """
+
+    def __init__(self, lines: list[JobLine]) -> None:
+        self.lines = lines
+        self._by_request = {line.request_id: line for line in lines}
+        self._results: dict[str, _Result] = {}
+
+    def add(self, event: ReplyDelta | ReplyEnd) -> bool:
+        """Apply one reply event; returns True when it ended a request for the first time."""
+        if event.request_id not in self._by_request:
+            return False
+        result = self._results.setdefault(event.request_id, _Result())
+        if result.end is not None or event.seq <= result.last_seq:
+            return False
+        result.last_seq = event.seq
+        if isinstance(event, ReplyEnd):
+            result.end = event
+            return True
+        result.text.append(event.text)
+        return False
+
+    def is_ended(self, request_id: str) -> bool:
+        """True once the request's terminal event was read (or its line was refused)."""
+        line = self._by_request[request_id]
+        result = self._results.get(request_id)
+        return line.error is not None or (result is not None and result.end is not None)
+
+    def pending(self) -> list[JobLine]:
+        """Lines still waiting for a terminal event, in file order."""
+        return [line for line in self.lines if not self.is_ended(line.request_id)]
+
+    def counts(self) -> RequestCounts:
+        """OpenAI's request_counts: completed are responses, failed are errors."""
+        completed = failed = 0
+        for line in self.lines:
+            if not self.is_ended(line.request_id):
+                continue
+            end = self._results[line.request_id].end if line.error is None else None
+            if end is not None and end.finish_reason in ("stop", "length"):
+                completed += 1
+            else:
+                failed += 1
+        return RequestCounts(total=len(self.lines), completed=completed, failed=failed)
+
+    def files(self, endpoint: str, unfinished_code: str | None = None) -> tuple[str, str]:
+        """(output JSONL, error JSONL) in file order, one line per custom_id. Lines not ended get
+        an error line with `unfinished_code` (cancelled or expired jobs), or are left out."""
+        out: list[bytes] = []
+        errors: list[bytes] = []
+        for line in self.lines:
+            result = self._results.get(line.request_id)
+            if line.error is not None:
+                errors.append(_error_line(line, 400, {"error": line.error.model_dump(mode="json")}))
+            elif result is None or result.end is None:
+                if unfinished_code is not None:
+                    info = {"code": unfinished_code, "message": f"the request did not run: the batch was {unfinished_code.split('_')[-1]}"}
+                    errors.append(orjson.dumps({"id": f"batch_req_{line.request_id}", "custom_id": line.custom_id,
+                                                "response": None, "error": info}))
+            elif result.end.finish_reason in ("stop", "length"):
+                body = response_body(endpoint, line, "".join(result.text), result.end)
+                out.append(orjson.dumps({"id": f"batch_req_{line.request_id}", "custom_id": line.custom_id,
+                                         "response": {"status_code": 200, "request_id": line.request_id, "body": body},
+                                         "error": None}))
+            else:
+                end = result.end
+                info = end.error.model_dump(mode="json") if end.error else {"code": end.finish_reason, "message": end.finish_reason}
+                status = {"timeout": 408, "rejected": 400, "cancelled": 499}.get(end.finish_reason, 500)
+                errors.append(_error_line(line, status, {"error": {**info, "type": "invalid_request_error" if status < 500 else "server_error"}}))
+        return _jsonl(out), _jsonl(errors)
+
+
+def _error_line(line: JobLine, status: int, body: dict[str, Any]) -> bytes:
+    return orjson.dumps({"id": f"batch_req_{line.request_id}", "custom_id": line.custom_id,
+                         "response": {"status_code": status, "request_id": line.request_id, "body": body},
+                         "error": None})
+
+
+def _jsonl(rows: list[bytes]) -> str:
+    return "".join(row.decode() + "\n" for row in rows)
+
+
+def response_body(endpoint: str, line: JobLine, text: str, end: ReplyEnd) -> dict[str, Any]:
+    """The body the synchronous endpoint would have answered: a chat.completion or text_completion."""
+    usage = end.usage.model_dump(mode="json")
+    created = end.created_ms // 1000
+    if endpoint == "/v1/chat/completions":
+        choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
+                  "logprobs": None, "finish_reason": end.finish_reason}
+        return {"id": f"chatcmpl-{line.request_id}", "object": "chat.completion", "created": created,
+                "model": line.model, "choices": [choice], "usage": usage}
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": end.finish_reason}
+    return {"id": f"cmpl-{line.request_id}", "object": "text_completion", "created": created,
+            "model": line.model, "choices": [choice], "usage": usage}

@@ -1,0 +1,142 @@
+"""Batch jobs, pure part: input parsing, the state machine, result collection, output files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+import pytest
+
+from schemas.messages import BatchJob, ErrorInfo, ReplyDelta, ReplyEnd, Usage
+from schemas.model_repo import load_model_repo
+from services.batcher.job_core import (
+    IllegalTransition,
+    JobResults,
+    parse_input,
+    request_id_of,
+    transition,
+)
+from weir.files import FileIndex, chunk_file
+
+REPO = load_model_repo(Path(__file__).parents[2] / "models.toml")
+T0 = 1_767_225_600_000
+
+
+def make_job(endpoint: str = "/v1/chat/completions", status: str = "validating") -> BatchJob:
+    return BatchJob(job_id="batch_1", status=status, endpoint=endpoint, input_file_id="file-1",  # type: ignore[arg-type]
+                    created_ms=T0, expires_ms=T0 + 86_400_000, updated_ms=T0)
+
+
+def chat_line(custom_id: str, content: str = "hello", **body: object) -> str:
+    return orjson.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+                         "body": {"model": "echo", "messages": [{"role": "user", "content": content}], **body}}).decode()
+
+
+def test_lines_become_bulk_requests_with_deterministic_ids():
+    text = "\n".join([chat_line("a", max_tokens=7, temperature=0), chat_line("b"), ""])
+    parsed = parse_input(text, make_job(), REPO, "weir.replies.job.batch_1")
+    assert parsed.errors == []
+    first = parsed.lines[0].request
+    assert first is not None and first.priority == "bulk" and first.max_tokens == 7 and first.temperature == 0
+    assert first.reply_to == "weir.replies.job.batch_1" and first.deadline_ms == T0 + 86_400_000
+    assert first.request_id == request_id_of("batch_1", "a") != request_id_of("batch_1", "b")
+    assert parse_input(text, make_job(), REPO, "r").lines[0].request_id == first.request_id  # a restart parses the same
+
+
+@pytest.mark.parametrize(
+    "bad, code",
+    [
+        ("{not json", "invalid_json"),
+        ('{"method": "POST", "url": "/v1/chat/completions", "body": {}}', "missing_custom_id"),
+        (chat_line("a"), "duplicate_custom_id"),
+        ('{"custom_id": "z", "method": "POST", "url": "/v1/completions", "body": {}}', "mismatched_url"),
+        ('{"custom_id": "z", "method": "GET", "url": "/v1/chat/completions", "body": {}}', "invalid_method"),
+    ],
+)
+def test_unidentifiable_lines_fail_validation_with_a_reason_and_line(bad, code):
+    parsed = parse_input(chat_line("a") + "\n" + bad + "\n", make_job(), REPO, "r")
+    assert [(e.code, e.line) for e in parsed.errors] == [(code, 2)]
+
+
+def test_empty_file_fails_validation():
+    assert [e.code for e in parse_input("\n\n", make_job(), REPO, "r").errors] == ["empty_file"]
+
+
+def test_bad_bodies_go_to_the_error_file_and_the_job_goes_on():
+    text = "\n".join([chat_line("ok"), chat_line("m", model="nope"), chat_line("t", temperature=9)])
+    parsed = parse_input(text, make_job(), REPO, "r")
+    assert parsed.errors == []
+    assert [(ln.custom_id, ln.error.code if ln.error else None) for ln in parsed.lines] == [
+        ("ok", None), ("m", "model_not_found"), ("t", "invalid_value")]
+    results = JobResults(parsed.lines)
+    assert [ln.custom_id for ln in results.pending()] == ["ok"]
+    assert results.counts().model_dump() == {"total": 3, "completed": 0, "failed": 2}
+    _out, errors = results.files("/v1/chat/completions")
+    rows = [orjson.loads(r) for r in errors.splitlines()]
+    assert [(r["custom_id"], r["response"]["status_code"]) for r in rows] == [("m", 400), ("t", 400)]
+    assert rows[1]["response"]["body"]["error"]["param"] == "temperature"
+
+
+def test_results_drop_repeats_and_write_each_custom_id_once():
+    parsed = parse_input("\n".join(chat_line(c, c) for c in "abc"), make_job(), REPO, "r")
+    results = JobResults(parsed.lines)
+    ra, rb, rc = (ln.request_id for ln in parsed.lines)
+    events = [ReplyDelta(request_id=ra, seq=0, text="a"), ReplyEnd(request_id=ra, seq=1, finish_reason="stop",
+              usage=Usage(prompt_tokens=1, completion_tokens=1, total_tokens=2)),
+              # regenerated after a crash: the same events again, and a second end
+              ReplyDelta(request_id=ra, seq=0, text="a"), ReplyEnd(request_id=ra, seq=1, finish_reason="stop"),
+              ReplyEnd(request_id=rb, seq=0, finish_reason="rejected", error=ErrorInfo(code="x", message="y")),
+              ReplyEnd(request_id="someone-else", seq=0, finish_reason="stop")]  # fmt: skip
+    assert [results.add(e) for e in events] == [False, True, False, False, True, False]
+    assert [ln.request_id for ln in results.pending()] == [rc]
+    assert results.counts().model_dump() == {"total": 3, "completed": 1, "failed": 1}
+    out, errors = results.files("/v1/chat/completions", unfinished_code="batch_cancelled")
+    out_rows = [orjson.loads(r) for r in out.splitlines()]
+    assert [r["custom_id"] for r in out_rows] == ["a"]
+    body = out_rows[0]["response"]["body"]
+    assert body["object"] == "chat.completion" and body["choices"][0]["message"]["content"] == "a"
+    assert body["usage"]["total_tokens"] == 2 and out_rows[0]["response"]["status_code"] == 200
+    err_rows = [orjson.loads(r) for r in errors.splitlines()]
+    assert [(r["custom_id"], (r["error"] or {}).get("code")) for r in err_rows] == [("b", None), ("c", "batch_cancelled")]
+    assert out == results.files("/v1/chat/completions", unfinished_code="batch_cancelled")[0]  # deterministic
+
+
+def test_completions_endpoint_takes_prompts_and_answers_text_completions():
+    line = orjson.dumps({"custom_id": "p", "url": "/v1/completions", "body": {"model": "echo", "prompt": ["x y"]}}).decode()
+    parsed = parse_input(line, make_job("/v1/completions"), REPO, "r")
+    assert parsed.lines[0].request is not None and parsed.lines[0].request.prompt == "x y"
+    results = JobResults(parsed.lines)
+    results.add(ReplyDelta(request_id=parsed.lines[0].request_id, seq=0, text="x y"))
+    results.add(ReplyEnd(request_id=parsed.lines[0].request_id, seq=1, finish_reason="length"))
+    body = orjson.loads(results.files("/v1/completions")[0])["response"]["body"]
+    assert body["object"] == "text_completion" and body["choices"][0]["text"] == "x y"
+
+
+def test_state_machine_allows_only_openai_moves_and_stamps_times():
+    job = transition(make_job(), "in_progress", T0 + 5)
+    assert job.in_progress_ms == T0 + 5 and job.updated_ms == T0 + 5
+    job = transition(transition(job, "finalizing", T0 + 6), "completed", T0 + 7, output_file_id="f")
+    assert (job.status, job.completed_ms, job.output_file_id) == ("completed", T0 + 7, "f")
+    for status in ("in_progress", "cancelling", "failed"):
+        with pytest.raises(IllegalTransition):
+            transition(job, status, T0 + 8)
+    cancelled = transition(transition(make_job(status="in_progress"), "cancelling", T0 + 1), "cancelled", T0 + 2)
+    assert (cancelled.cancelling_ms, cancelled.cancelled_ms) == (T0 + 1, T0 + 2)
+    with pytest.raises(IllegalTransition):
+        transition(make_job(status="in_progress"), "failed", T0)
+    with pytest.raises(IllegalTransition):
+        transition(make_job(), "completed", T0)
+
+
+def test_files_chunk_on_character_boundaries_and_reassemble():
+    data = ("é" * 10 + "\n").encode() * 30
+    chunks = chunk_file("file-x", "x.jsonl", "batch", data, T0, max_chunk_bytes=7)
+    assert len(chunks) > 40 and all(len(c.data.encode()) <= 7 for c in chunks)
+    index = FileIndex()
+    for chunk in reversed(chunks[1:]):
+        index.add(chunk)
+    assert index.get("file-x") is None  # incomplete
+    index.add(chunks[0])
+    index.add(chunks[3])  # a repeat
+    stored = index.get("file-x")
+    assert stored is not None and stored.content() == data and stored.first.num_bytes == len(data)
