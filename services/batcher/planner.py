@@ -1,7 +1,7 @@
 """The batching planner: admission and scheduling of requests into per-model batches.
 
 Pure and synchronous: no I/O, no clock of its own, no sleeps. The caller passes `now_ms` (epoch
-milliseconds, the unit of GenerateRequest.deadline_ms) to every call that depends on time, so the
+milliseconds, the unit of deadline_ms) to every call that depends on time, so the
 planner is tested with explicit time and driven by the batcher's Kafka loop in production.
 
 Per model a lane holds waiting requests. A lane closes a batch when it holds max_batch_size
@@ -20,11 +20,15 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from schemas.messages import GenerateRequest
+from schemas.messages import EmbedRequest, GenerateRequest
 from schemas.model_repo import ModelConfig, ModelRepository
 
 # Lower ranks are scheduled first.
 PRIORITY_RANK: dict[str, int] = {"interactive": 0, "bulk": 1}
+
+# Both kinds of request are planned alike, from the fields they share (request_id, model,
+# priority, deadline_ms): an EmbedRequest counts as one request, however many inputs it holds.
+Request = GenerateRequest | EmbedRequest
 
 # aiokafka's producer refuses records over 1 MiB (max_request_size); a Batch is kept below that.
 DEFAULT_MAX_BATCH_BYTES = 900 * 1024
@@ -46,7 +50,7 @@ class PlannedBatch:
     """Requests of one model that leave together, in scheduling order."""
 
     model: str
-    requests: list[GenerateRequest]
+    requests: list[Request]
 
 
 @dataclass(frozen=True)
@@ -54,7 +58,7 @@ class PlanResult:
     """What one `Planner.poll` decided: batches to publish and requests that timed out."""
 
     batches: list[PlannedBatch] = field(default_factory=list)
-    expired: list[GenerateRequest] = field(default_factory=list)
+    expired: list[Request] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -84,7 +88,7 @@ class BatchPolicy:
 class _Held:
     """A waiting request: the wire message plus the planner's state about it."""
 
-    request: GenerateRequest
+    request: Request
     arrived_ms: int
     arrival: int  # arrival counter: breaks ties so order is stable
     size_bytes: int
@@ -138,11 +142,11 @@ class _Lane:
         first_deadline = min(h.request.deadline_ms for h in self.held.values())
         return min(self.oldest_arrived_ms() + self.policy.max_wait_ms, first_deadline)
 
-    def drop_expired(self, now_ms: int) -> list[GenerateRequest]:
+    def drop_expired(self, now_ms: int) -> list[Request]:
         gone = [rid for rid, h in self.held.items() if h.request.deadline_ms <= now_ms]
         return [self.held.pop(rid).request for rid in gone]
 
-    def take_batch(self) -> list[GenerateRequest]:
+    def take_batch(self) -> list[Request]:
         """Remove and return the next batch: the first requests in scheduling order that fit."""
         chosen: list[_Held] = []
         num_bytes = 0
@@ -187,7 +191,7 @@ class Planner:
         """Whether `request_id` waits in a lane."""
         return request_id in self._lane_of
 
-    def add(self, req: GenerateRequest, now_ms: int, *, size_bytes: int = 0) -> Admission:
+    def add(self, req: Request, now_ms: int, *, size_bytes: int = 0) -> Admission:
         """Admit a request that arrived at now_ms; returns the verdict (see Admission).
 
         size_bytes is its encoded size, counted against the batch byte budget.
@@ -209,7 +213,7 @@ class Planner:
         self._lane_of[rid] = req.model
         return Admission.HELD
 
-    def _verdict(self, req: GenerateRequest, now_ms: int) -> Admission:
+    def _verdict(self, req: Request, now_ms: int) -> Admission:
         if req.request_id in self._cancelled_early:
             self._cancelled_early.discard(req.request_id)
             return Admission.CANCELLED
@@ -219,7 +223,7 @@ class Planner:
             return Admission.EXPIRED
         return Admission.HELD
 
-    def cancel(self, request_id: str) -> GenerateRequest | None:
+    def cancel(self, request_id: str) -> Request | None:
         """Drop a held request and return it (the caller ends it as cancelled); else None.
 
         A cancel for a request not seen yet is remembered, so the request is refused on arrival.
@@ -232,12 +236,12 @@ class Planner:
             self._cancelled_early.add(request_id)
         return req
 
-    def release(self, request_id: str) -> GenerateRequest | None:
+    def release(self, request_id: str) -> Request | None:
         """Drop a held request without any verdict, because its record will be delivered again
         (its partition moved to another batcher). Returns it, or None when not held."""
         return self._remove(request_id)
 
-    def _remove(self, request_id: str) -> GenerateRequest | None:
+    def _remove(self, request_id: str) -> Request | None:
         model = self._lane_of.pop(request_id, None)
         if model is None:
             return None

@@ -1,7 +1,7 @@
 """Wiring of the gateway: the FastAPI app (built by `create_app`, never at import) and `main`.
 
-Endpoints: POST /v1/chat/completions, POST /v1/completions (JSON or SSE), WS /v1/stream,
-GET /v1/models, GET /healthz, GET /readyz. Every error leaves through one handler, in OpenAI's
+Endpoints: POST /v1/chat/completions, POST /v1/completions (JSON or SSE), POST /v1/embeddings,
+WS /v1/stream, GET /v1/models, GET /healthz, GET /readyz. Every error leaves through one handler, in OpenAI's
 format. Kafka starts in the lifespan, before the server accepts a connection.
 """
 
@@ -17,6 +17,7 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import orjson
 import uvicorn
 from aiokafka.errors import KafkaError
 from fastapi import FastAPI, Request, WebSocket
@@ -25,7 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from schemas.messages import now_ms
+from schemas.messages import GenerateRequest, ReplyEnd, Usage, now_ms
 from schemas.model_repo import ModelRepository, load_model_repo
 from services.gateway.config import GatewaySettings
 from services.gateway.guard import Guard
@@ -35,14 +36,18 @@ from services.gateway.openai_format import (
     ApiError,
     ChunkWriter,
     Kind,
+    embedding_body,
     error_body,
     error_type,
     models_list,
     parse_body,
+    parse_embedding_body,
+    refuse_embedding_model,
+    to_embed_requests,
     to_generate_request,
     validation_error,
 )
-from services.gateway.streaming import EventStreamResponse, WebSocketSession, collect, sse_events
+from services.gateway.streaming import EventStreamResponse, WebSocketSession, collect, collect_ends, sse_events
 
 log = logging.getLogger("weir.gateway")
 
@@ -83,7 +88,7 @@ def create_app(settings: GatewaySettings, repo: ModelRepository | None = None) -
         exchange, writer = await open_exchange(bus, guard, repo, kind, raw, dict(request.headers), request_id)
         request.state.is_submitted = True
         headers = {"x-request-id": request_id}
-        if exchange.request.stream:
+        if isinstance(exchange.request, GenerateRequest) and exchange.request.stream:
             on_close = lambda: exchange.close("client_disconnect", status=200)  # noqa: E731
             return EventStreamResponse(sse_events(exchange, writer), on_close, headers)
         status: int | str = 500
@@ -107,6 +112,47 @@ def create_app(settings: GatewaySettings, repo: ModelRepository | None = None) -
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await complete("completions", request)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        request_id = request.state.request_id = f"embd-{uuid.uuid4().hex}"
+        raw = await read_body(request, settings.max_body_bytes)
+        headers = dict(request.headers)
+        identity = guard.authenticate(headers)
+        body = parse_embedding_body(raw)
+        model = repo.get(body.model)
+        if model is None:
+            raise ApiError(404, f"The model {body.model!r} does not exist", param="model", code="model_not_found")
+        guard.authorize(identity, model.name)
+        embeds = to_embed_requests(
+            body, model, request_id=request_id, reply_to=bus.reply_topic, now_ms=now_ms(),
+            client_timeout_s=header_timeout_s(headers), max_timeout_s=settings.max_timeout_s,
+            principal=identity.principal, tenant=identity.tenant,
+        )  # fmt: skip
+        lane, admitted = await guard.admit_embedding(identity, model, body.inputs, headers)
+        exchanges: list[Exchange] = []
+        status: int | str = 500
+        usage: ReplyEnd | None = None  # what the reservation is corrected by, once every part ended
+        try:
+            for embed in embeds:  # more than one when the input exceeds what one reply can carry
+                exchanges.append(await bus.submit(embed.model_copy(update={"priority": lane})))
+                request.state.is_submitted = True
+            ends = await collect_ends(exchanges, request.receive)
+            if ends is None:
+                status = "client_gone"
+                return Response(status_code=499, headers={"x-request-id": request_id})
+            num_tokens = sum(end.usage.prompt_tokens for end in ends)
+            usage = ReplyEnd(request_id=request_id, seq=0, finish_reason="stop", usage=Usage(prompt_tokens=num_tokens))
+            status = 200
+            content = orjson.dumps(embedding_body(model.name, ends, body.encoding_format))
+            return Response(content, media_type="application/json", headers={"x-request-id": request_id})
+        except ApiError as error:
+            status = error.status
+            raise
+        finally:
+            for exchange in exchanges:
+                exchange.close("client_disconnect", status=status)
+            admitted.release(usage)
 
     @app.websocket("/v1/stream")
     async def stream(ws: WebSocket) -> None:
@@ -151,6 +197,7 @@ async def open_exchange(
     if model is None:
         raise ApiError(404, f"The model {body.model!r} does not exist", param="model", code="model_not_found")
     guard.authorize(identity, model.name)
+    refuse_embedding_model(model)
     request = to_generate_request(
         kind,
         body,

@@ -134,13 +134,35 @@ class Guard:
             body, request, model, prompt_tokens,
             max_input_tokens=self.settings.max_input_tokens, max_stop_sequences=self.settings.max_stop_sequences,
         )  # fmt: skip
+        admitted = self.reserve(identity, model.name, lane, prompt_tokens + request.max_tokens)
+        request = request.model_copy(
+            update={"principal": identity.principal, "tenant": identity.tenant, "priority": lane}
+        )
+        return request, admitted
+
+    async def admit_embedding(
+        self, identity: Identity, model: ModelConfig, inputs: list[str], headers: dict[str, str]
+    ) -> tuple[Priority, Admitted]:
+        """Admit and charge a /v1/embeddings body (its input tokens, estimated when the gateway has
+        no tokenizer for the model); returns its lane and the Admitted to release when it ends."""
+        lane = priority_of(headers)
+        if sum(map(len, inputs)) > _THREAD_COUNT_CHARS:
+            num_tokens = await asyncio.to_thread(self._count_inputs, model, inputs)
+        else:
+            num_tokens = self._count_inputs(model, inputs)
+        return lane, self.reserve(identity, model.name, lane, num_tokens)
+
+    def _count_inputs(self, model: ModelConfig, inputs: list[str]) -> int:
+        return sum(self.counter.count(model, text) + 2 for text in inputs)  # + [CLS] and [SEP]
+
+    def reserve(self, identity: Identity, model: str, lane: Priority, reserved_tokens: int) -> Admitted:
+        """Take a lane ticket and charge the rate limits for reserved_tokens; ApiError 503/429."""
         try:
-            ticket = self.admission.admit(model.name, lane, self.bus.fleet.live_by_model(now_ms()).get(model.name, []))
+            ticket = self.admission.admit(model, lane, self.bus.fleet.live_by_model(now_ms()).get(model, []))
         except ApiError as error:
-            self.metrics.admission_rejected.add(1, {"model": model.name, "code": error.code or "unknown"})
+            self.metrics.admission_rejected.add(1, {"model": model, "code": error.code or "unknown"})
             raise
-        reserved = prompt_tokens + request.max_tokens
-        charges = self._charges(identity, reserved)
+        charges = self._charges(identity, reserved_tokens)
         try:
             self.limiter.admit(charges, self.clock())
         except RateLimited as limited:
@@ -149,11 +171,8 @@ class Guard:
             raise rate_limit_error(limited) from None
         for charge in charges:
             self.peers.record(charge.scope, 1, charge.num_tokens)
-        self.metrics.in_flight.add(1, {"model": model.name, "lane": lane})
-        request = request.model_copy(
-            update={"principal": identity.principal, "tenant": identity.tenant, "priority": lane}
-        )
-        return request, Admitted(self, identity, ticket, charges, reserved)
+        self.metrics.in_flight.add(1, {"model": model, "lane": lane})
+        return Admitted(self, identity, ticket, charges, reserved_tokens)
 
     def on_released(self, admitted: Admitted, end: ReplyEnd | None) -> None:
         """Called once per admitted request when it ends or could not be published."""

@@ -19,6 +19,7 @@ from schemas.codec import DecodeError, decode, decode_reply, encode
 from schemas.messages import (
     CancelReason,
     Cancellation,
+    EmbedRequest,
     ErrorInfo,
     GenerateRequest,
     ReplyDelta,
@@ -122,7 +123,7 @@ class GatewayBus:
             return False, "no live worker heartbeat"
         return True, "ready"
 
-    async def submit(self, request: GenerateRequest) -> Exchange:
+    async def submit(self, request: GenerateRequest | EmbedRequest) -> Exchange:
         """Open the request's route, then publish it (keyed by request_id) and wait until durable.
 
         Raises ApiError(503) when Kafka does not take it; nothing is left registered then.
@@ -222,7 +223,9 @@ class GatewayBus:
 class Exchange:
     """One request in flight: its events in order, its deadline, and what happens when abandoned."""
 
-    def __init__(self, bus: GatewayBus, request: GenerateRequest, queue: asyncio.Queue[ReplyItem]) -> None:
+    def __init__(
+        self, bus: GatewayBus, request: GenerateRequest | EmbedRequest, queue: asyncio.Queue[ReplyItem]
+    ) -> None:
         self.bus = bus
         self.request = request
         self._queue = queue

@@ -7,17 +7,29 @@ ones Weir cannot honour (n > 1, logprobs, tools, echo) are refused rather than s
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import base64
+import struct
+from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from schemas.messages import ChatMessage, GenerateRequest, ReplyDelta, ReplyEnd, Usage
+from schemas.messages import (
+    MAX_EMBED_INPUTS,
+    ChatMessage,
+    EmbedRequest,
+    GenerateRequest,
+    Priority,
+    ReplyDelta,
+    ReplyEnd,
+    Usage,
+)
 from schemas.model_repo import ModelConfig, ModelRepository
 
 Kind = Literal["chat.completions", "completions"]
 
 DEFAULT_MAX_TOKENS = 256  # chat default when the body sets none (OpenAI's own is "up to context")
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit of inputs per /v1/embeddings request
 
 # Rejection codes that mean "come back later" (429) rather than "this request is wrong" (400).
 RETRYABLE_REJECTIONS = frozenset(
@@ -243,6 +255,106 @@ def to_generate_request(
         reply_to=reply_to,
         created_ms=now_ms,
     )
+
+
+def refuse_embedding_model(model: ModelConfig) -> None:
+    """ApiError(400) when a completions endpoint names an embedding model."""
+    if model.engine == "onnx":
+        raise ApiError(400, f"{model.name} is an embedding model; use /v1/embeddings",
+                       param="model", code="unsupported_model")  # fmt: skip
+
+
+class EmbeddingBody(BaseModel):
+    """POST /v1/embeddings. Text inputs only; `timeout_s` is a Weir extension."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str = Field(min_length=1, max_length=128)
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] | None = None
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = Field(None, max_length=256)
+    timeout_s: float | None = Field(None, gt=0.0)
+
+    @property
+    def inputs(self) -> list[str]:
+        """The texts, in order (a single string is a list of one)."""
+        return [self.input] if isinstance(self.input, str) else cast(list[str], self.input)
+
+
+def parse_embedding_body(raw: bytes | str) -> EmbeddingBody:
+    """Validate a raw /v1/embeddings body; ApiError(400) naming `input` for what Weir cannot embed."""
+    try:
+        body = EmbeddingBody.model_validate_json(raw)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+    texts = body.input if isinstance(body.input, list) else [body.input]
+    if any(not isinstance(t, str) for t in texts):
+        raise ApiError(400, "token-id arrays are not supported as input; send the text",
+                       param="input", code="unsupported_parameter")  # fmt: skip
+    if not texts:
+        raise ApiError(400, "input must hold at least one string", param="input", code="invalid_value")
+    if len(texts) > MAX_EMBEDDING_INPUTS:
+        raise ApiError(400, f"input holds {len(texts)} strings; at most {MAX_EMBEDDING_INPUTS} are allowed",
+                       param="input", code="invalid_value")  # fmt: skip
+    if any(not t for t in texts):
+        raise ApiError(400, "input must not contain empty strings", param="input", code="invalid_value")
+    return body
+
+
+def to_embed_requests(
+    body: EmbeddingBody,
+    model: ModelConfig,
+    *,
+    request_id: str,
+    reply_to: str,
+    now_ms: int,
+    client_timeout_s: float | None,
+    max_timeout_s: float,
+    principal: str = "anonymous",
+    tenant: str = "default",
+    priority: Priority = "interactive",
+) -> list[EmbedRequest]:
+    """The EmbedRequests of a validated body: MAX_EMBED_INPUTS inputs each (ids request_id-0, -1,
+    ... when there are several), with the deadline chosen as for completions. ApiError(400) when the
+    model does not embed or `dimensions` is not the model's."""
+    if model.engine != "onnx":
+        raise ApiError(400, f"{model.name} is not an embedding model", param="model", code="unsupported_model")
+    if body.dimensions is not None and body.dimensions != model.dimensions:
+        made = f"{model.dimensions}-dimensional embeddings" if model.dimensions else "embeddings of a fixed size"
+        raise ApiError(400, f"{model.name} makes {made}; dimensions={body.dimensions} is not supported",
+                       param="dimensions", code="invalid_value")  # fmt: skip
+    timeouts = [t for t in (client_timeout_s, body.timeout_s) if t is not None]
+    timeout_s = min([*timeouts, model.default_timeout_s, max_timeout_s])
+    texts = body.inputs
+    chunks = [texts[i : i + MAX_EMBED_INPUTS] for i in range(0, len(texts), MAX_EMBED_INPUTS)]
+    return [
+        EmbedRequest(
+            request_id=request_id if len(chunks) == 1 else f"{request_id}-{i}", model=model.name, inputs=chunk,
+            principal=principal, tenant=tenant, priority=priority, deadline_ms=now_ms + int(timeout_s * 1000),
+            reply_to=reply_to, created_ms=now_ms,
+        )  # fmt: skip
+        for i, chunk in enumerate(chunks)
+    ]
+
+
+def embedding_body(model: str, ends: list[ReplyEnd], encoding_format: str | None) -> dict[str, Any]:
+    """OpenAI's embedding list from the terminal events of a body's EmbedRequests, in order.
+
+    base64 is the float32 little-endian bytes of each vector, as OpenAI sends it.
+    """
+    vectors = [vector for end in ends for vector in end.embeddings or []]
+    if encoding_format == "base64":
+        encoded: list[Any] = [base64.b64encode(struct.pack(f"<{len(v)}f", *v)).decode() for v in vectors]
+    else:
+        encoded = vectors
+    num_tokens = sum(end.usage.prompt_tokens for end in ends)
+    return {
+        "object": "list",
+        "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(encoded)],
+        "model": model,
+        "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
+    }
 
 
 # ---------------------------------------------------------------------------------------------

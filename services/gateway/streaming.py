@@ -20,7 +20,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocket, WebSocketState
 
-from schemas.messages import ReplyDelta
+from schemas.messages import ReplyDelta, ReplyEnd
 from services.gateway.handlers import Exchange
 from services.gateway.openai_format import ApiError, ChunkWriter, Kind, completion_body, terminal_error
 
@@ -126,6 +126,39 @@ async def collect(exchange: Exchange, kind: Kind, created_s: int, receive: Recei
     if not result.done() or result.cancelled():
         return None
     return result.result()
+
+
+async def collect_ends(exchanges: list[Exchange], receive: Receive) -> list[ReplyEnd] | None:
+    """Wait for the terminal event of every exchange (an embedding has no deltas); returns them in
+    order, or None when the client left first (the caller then closes the Exchanges).
+
+    Raises ApiError for the first error terminal, without waiting for the others.
+    """
+
+    async def end_of(exchange: Exchange) -> ReplyEnd:
+        while not isinstance(event := await exchange.next_event(), ReplyEnd):
+            pass
+        error = terminal_error(event)
+        if error is not None:
+            raise error
+        return event
+
+    ends = [asyncio.ensure_future(end_of(e)) for e in exchanges]
+    gone = asyncio.ensure_future(wait_for_disconnect(receive))
+    try:
+        waiting = set(ends)
+        while waiting:
+            done, _ = await asyncio.wait(waiting | {gone}, return_when=asyncio.FIRST_COMPLETED)
+            if gone in done:
+                return None
+            for finished in done:
+                finished.result()  # raises an error terminal's ApiError
+            waiting -= done
+    finally:
+        gone.cancel()
+        for task in ends:
+            task.cancel()
+    return [task.result() for task in ends]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,13 +12,15 @@ import torch
 
 from schemas.codec import encode
 from schemas.fingerprint import parse_key
-from schemas.messages import GenerateRequest, WorkerHeartbeat, now_ms
+from schemas.messages import EmbedRequest, GenerateRequest, WorkerHeartbeat, now_ms
 from schemas.model_repo import ModelConfig, ModelRepoError, load_model_repo
 from services.worker.config import WorkerSettings
 from services.worker.echo import EchoEngine
+from services.worker.embedder import EmbeddingEngine
 from services.worker.engine import Engine, EngineConfig
 from services.worker.handlers import ModelServer, consume_cancellations
 from services.worker.hardware import choose_device, cpu_threads, detect_devices
+from services.worker.onnx_export import ensure_export
 from services.worker.runner import EngineLike, EngineRunner
 from weir.bus import instance_id, make_producer
 from weir.kafka.admin import ensure_topics
@@ -30,8 +32,12 @@ def build_engine(config: ModelConfig, settings: WorkerSettings, device: torch.de
     """The engine a model entry asks for. Raises on a model that cannot load (process-fatal)."""
     if config.engine == "echo":
         return EchoEngine(config.max_model_len, config.max_num_seqs, settings.echo_step_delay_ms / 1000)
-    if config.engine == "onnx":
-        raise ValueError(f"model {config.name!r}: engine 'onnx' serves embeddings only; generation needs 'torch'")
+    if config.engine == "onnx":  # an embedding model; exported from its source package on first use
+        return EmbeddingEngine(
+            ensure_export(config), max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
+            use_cuda=device.type == "cuda", num_threads=cpu_threads(settings.torch_threads),
+            dimensions=config.dimensions,
+        )  # fmt: skip
     engine_config = EngineConfig(
         max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens, block_size=settings.block_size,
@@ -43,11 +49,18 @@ def build_engine(config: ModelConfig, settings: WorkerSettings, device: torch.de
 
 def warm_up(engine: EngineLike, config: ModelConfig) -> None:
     """Run the model entry's warmup prompts to completion before the worker reports ready."""
-    for i, prompt in enumerate(config.warmup):
-        request = GenerateRequest(
-            request_id=f"warmup-{i}", model=config.name, prompt=prompt, max_tokens=4, temperature=0.0,
-            deadline_ms=now_ms() + 600_000, reply_to="-",
-        )  # fmt: skip
+    deadline_ms = now_ms() + 600_000
+    requests: list[GenerateRequest | EmbedRequest]
+    if config.engine == "onnx":  # an embedding model embeds them, in one request
+        requests = [EmbedRequest(request_id="warmup-0", model=config.name, inputs=config.warmup,
+                                 deadline_ms=deadline_ms, reply_to="-")] if config.warmup else []  # fmt: skip
+    else:
+        requests = [
+            GenerateRequest(request_id=f"warmup-{i}", model=config.name, prompt=prompt, max_tokens=4,
+                            temperature=0.0, deadline_ms=deadline_ms, reply_to="-")  # fmt: skip
+            for i, prompt in enumerate(config.warmup)
+        ]
+    for i, request in enumerate(requests):
         out = engine.add(request, now_ms())
         if out is not None:
             raise ValueError(f"model {config.name!r}: warmup prompt {i} refused: {out.error}")

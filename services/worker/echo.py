@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 import time
 
-from schemas.messages import ErrorInfo, GenerateRequest
+from schemas.messages import EmbedRequest, ErrorInfo, GenerateRequest
 from services.worker.sequence import EngineOutput
 
 _PIECES = re.compile(r"\s*\S+|\s+")
@@ -37,8 +37,11 @@ class EchoEngine:
         self.step_delay_s = step_delay_s  # pacing, so a test can cancel mid-stream
         self._active: dict[str, _Echo] = {}
 
-    def add(self, request: GenerateRequest, now_ms: int) -> EngineOutput | None:
+    def add(self, request: GenerateRequest | EmbedRequest, now_ms: int) -> EngineOutput | None:
         """Queue a request; returns a terminal event at once if it is refused."""
+        if not isinstance(request, GenerateRequest):
+            info = ErrorInfo(code="unsupported_request_kind", message="the echo model generates text, not embeddings")
+            return EngineOutput(request.request_id, 0, finish_reason="rejected", error=info, received_ms=now_ms, finished_ms=now_ms)
         if request.request_id in self._active:
             return None
         text = request.prompt if request.prompt is not None else "\n".join(m.content for m in request.messages or [])

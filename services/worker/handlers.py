@@ -21,6 +21,7 @@ from schemas.messages import (
     AuditEvent,
     Batch,
     Cancellation,
+    EmbedRequest,
     ErrorInfo,
     GenerateRequest,
     ReplyDelta,
@@ -43,7 +44,7 @@ _CANCEL_MEMORY_MS = 15 * 60 * 1000
 class InFlight:
     """A request the worker has taken, and the batch offsets waiting for its end."""
 
-    request: GenerateRequest
+    request: GenerateRequest | EmbedRequest
     batch_id: str
     offsets: list[tuple[TopicPartition, int]] = field(default_factory=list)
 
@@ -124,7 +125,9 @@ class ModelServer:
         for request in batch.requests:
             await self.on_request(request, batch.batch_id, key)
 
-    async def on_request(self, request: GenerateRequest, batch_id: str, key: tuple[TopicPartition, int]) -> None:
+    async def on_request(
+        self, request: GenerateRequest | EmbedRequest, batch_id: str, key: tuple[TopicPartition, int]
+    ) -> None:
         flight = self.in_flight.get(request.request_id)
         if flight is not None:  # the same request twice (a redelivered batch): one run answers both
             flight.offsets.append(key)
@@ -135,6 +138,8 @@ class ModelServer:
         if request.model != self.config.name:
             info = ErrorInfo(code="wrong_model", message=f"batch for {self.config.name} holds a request for {request.model}")
             await self.finish_early(flight, "rejected", info)
+        elif (request.kind == "embed") != (self.config.engine == "onnx"):
+            await self.finish_early(flight, "rejected", self.unsupported_kind(request))
         elif request.request_id in self.recent_cancels:
             await self.finish_early(flight, "cancelled", ErrorInfo(code="cancelled", message="request was cancelled"))
         elif request.deadline_ms <= now:
@@ -143,6 +148,14 @@ class ModelServer:
             runner = min(self.runners, key=lambda r: r.num_pending)
             self._owner[request.request_id] = runner
             runner.submit(request)
+
+    def unsupported_kind(self, request: GenerateRequest | EmbedRequest) -> ErrorInfo:
+        """Why this model cannot serve a request of that kind."""
+        if request.kind == "embed":
+            message = f"model {self.config.name} generates text; embeddings need an embedding model (engine onnx)"
+        else:
+            message = f"model {self.config.name} is an embedding model; it serves EmbedRequests (kind=embed) only"
+        return ErrorInfo(code="unsupported_request_kind", message=message)
 
     def on_cancel(self, cancel: Cancellation) -> None:
         self.recent_cancels[cancel.request_id] = now_ms()
@@ -181,7 +194,7 @@ class ModelServer:
             usage=Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
                         total_tokens=out.prompt_tokens + out.completion_tokens),
             error=out.error, model_version=self.model_version, received_ms=out.received_ms,
-            first_token_ms=out.first_token_ms,
+            first_token_ms=out.first_token_ms, embeddings=out.embeddings,
         )  # fmt: skip
         futures.append(await self._send(req.reply_to, encode(end), key))
         if out.prompt_text is not None:
@@ -205,14 +218,18 @@ class ModelServer:
     def audit_event(self, flight: InFlight, out: EngineOutput) -> AuditEvent:
         req = flight.request
         runner = self._owner.get(req.request_id) or self.runners[0]
+        if isinstance(req, GenerateRequest):
+            temperature, top_p, top_k, max_tokens, seed = req.temperature, req.top_p, req.top_k, req.max_tokens, req.effective_seed
+        else:  # an embedding samples nothing
+            temperature, top_p, top_k, max_tokens, seed = 0.0, 1.0, 0, 0, 0
         return AuditEvent(
             event_id=f"{req.request_id}:{self.model_version}", request_id=req.request_id, model=req.model,
             model_version=self.model_version, weights_sha256=runner.engine.weights_sha256,
             principal=req.principal, tenant=req.tenant,
             prompt_hmac=keyed_hmac(self.audit_key, out.prompt_text or ""),
             output_hmac=keyed_hmac(self.audit_key, out.output_text or ""), hmac_key_id=self.audit_key_id,
-            temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, max_tokens=req.max_tokens,
-            seed=req.effective_seed, prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
+            temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
+            seed=seed, prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
             finish_reason=out.finish_reason, worker_id=self.worker_id, request_created_ms=req.created_ms,
             received_ms=out.received_ms or now_ms(), first_token_ms=out.first_token_ms,
             finished_ms=out.finished_ms or now_ms(),

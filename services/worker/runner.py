@@ -14,18 +14,21 @@ import threading
 from collections.abc import Callable
 from typing import Protocol
 
-from schemas.messages import GenerateRequest, now_ms
+from schemas.messages import EmbedRequest, GenerateRequest, now_ms
 from services.worker.sequence import EngineOutput
 
 log = logging.getLogger(__name__)
 
 
 class EngineLike(Protocol):
-    """What the runner needs of an engine (Engine and EchoEngine both fit)."""
+    """What the runner needs of an engine (Engine, EchoEngine and EmbeddingEngine all fit).
+
+    add refuses, with a terminal event, a request of a kind the engine does not serve.
+    """
 
     weights_sha256: str
 
-    def add(self, request: GenerateRequest, now_ms: int) -> EngineOutput | None: ...
+    def add(self, request: GenerateRequest | EmbedRequest, now_ms: int) -> EngineOutput | None: ...
     def cancel(self, request_id: str, now_ms: int) -> EngineOutput | None: ...
     def step(self, now_ms: int) -> list[EngineOutput]: ...
     def stats(self) -> dict[str, float]: ...
@@ -51,7 +54,7 @@ class EngineRunner:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, request: GenerateRequest) -> None:
+    def submit(self, request: GenerateRequest | EmbedRequest) -> None:
         """Queue a request for the engine (thread-safe, never blocks)."""
         self.num_pending += 1
         self._inbox.put(("add", request))

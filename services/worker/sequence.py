@@ -37,6 +37,7 @@ class EngineOutput:
     finished_ms: int | None = None
     prompt_text: str | None = None  # on the final event only: for the audit HMACs
     output_text: str | None = None
+    embeddings: list[list[float]] | None = None  # EmbedRequest's final event: one vector per input
 
     @property
     def is_final(self) -> bool:

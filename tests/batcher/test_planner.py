@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from schemas.messages import EmbedRequest
 from services.batcher.planner import Admission, Planner
 
 from .factories import T0_MS, make_repo, make_request
@@ -163,3 +164,16 @@ def test_every_request_leaves_exactly_once() -> None:
     left += [r.request_id for b in result.batches for r in b.requests] + [r.request_id for r in result.expired]
     assert sorted(left) == sorted(added)
     assert planner.num_held == 0
+
+
+def test_embed_requests_are_planned_like_generate_requests() -> None:
+    planner = Planner(make_repo(a=(3, 1000)))
+    generate = make_request("a")
+    embed = EmbedRequest(request_id="e1", model="a", inputs=["x", "y"], deadline_ms=T0_MS + 60_000, reply_to="t")
+    late = EmbedRequest(request_id="e2", model="a", inputs=["z"], deadline_ms=T0_MS + 10, reply_to="t")
+    assert [planner.add(r, T0_MS) for r in (generate, embed, embed, late)] == [
+        Admission.HELD, Admission.HELD, Admission.DUPLICATE, Admission.HELD,
+    ]  # fmt: skip
+    result = planner.poll(T0_MS + 10)
+    assert [r.request_id for r in result.expired] == ["e2"] and result.batches == []
+    assert [ids(b) for b in planner.poll(T0_MS + 1000).batches] == [[generate.request_id, "e1"]]

