@@ -62,7 +62,7 @@ async def test_worker_serves_batches_cancels_and_dead_letters(tmp_path, llama_di
 
         tiny = [make_request("def add(a, b):", model="tiny", reply_to=replies, max_tokens=6) for _ in range(5)]
         echo = make_request("one two three four", model="echo", reply_to=replies, max_tokens=100)
-        slow = make_request("word " * 400, model="echo", reply_to=replies, max_tokens=1000)
+        slow = make_request("word " * 1500, model="echo", reply_to=replies, max_tokens=2000)  # ~30 s unless cancelled
         batches = [Batch(batch_id="b1", model="tiny", requests=tiny, batcher_id="test"),
                    Batch(batch_id="b2", model="echo", requests=[echo, slow], batcher_id="test")]  # fmt: skip
         await produce(BOOTSTRAP, topics.batches("tiny"), [("b1", encode(batches[0])), ("bad", b"{not json")])
