@@ -95,3 +95,36 @@ async def test_kill_9_of_the_batcher_loses_no_request(tmp_path):
         assert_each_ends_once(log)
     finally:
         pipeline.stack.stop_all()
+
+
+async def test_a_flood_of_long_requests_on_a_small_kv_cache_ends_every_request(tmp_path):
+    """30 long requests against a KV cache that holds ~2 of them: preemption, never an OOM crash."""
+    from schemas.codec import decode_reply
+    from schemas.messages import GenerateRequest, ReplyEnd, now_ms
+    from tests.kafka_helpers import produce, read_until
+
+    pipeline = await asyncio.to_thread(start_pipeline, tmp_path, WEIR_KV_CACHE_BYTES=str(4 << 20))
+    try:
+        reply_to = pipeline.topics.replies("flood")
+        requests = [
+            GenerateRequest(request_id=f"flood-{i}", model=MODEL, prompt=f"class Handler{i}:\n    def ", max_tokens=300,
+                            temperature=0.8, seed=i, ignore_eos=True, deadline_ms=now_ms() + 240_000, reply_to=reply_to)
+            for i in range(30)
+        ]  # fmt: skip
+        await produce(pipeline.bootstrap, pipeline.topics.requests, requests)
+
+        def ends(records) -> dict[str, ReplyEnd]:
+            found = {}
+            for r in records:
+                event = decode_reply(r.value)
+                if isinstance(event, ReplyEnd):
+                    found[event.request_id] = event
+            return found
+
+        records = await read_until(pipeline.bootstrap, [reply_to], lambda rs: len(ends(rs)) == len(requests), 240)
+        done = ends(records)
+        assert len(done) == len(requests)
+        assert {e.finish_reason for e in done.values()} == {"length"}, {e.request_id: e.error for e in done.values()}
+        assert pipeline.stack.dead() == [], "a service died under the flood"
+    finally:
+        pipeline.stack.stop_all()
