@@ -22,6 +22,7 @@ from services.worker.handlers import ModelServer, consume_cancellations
 from services.worker.hardware import choose_device, cpu_threads, detect_devices
 from services.worker.onnx_export import ensure_export
 from services.worker.runner import EngineLike, EngineRunner
+from services.worker.watermark import Watermarker
 from weir.bus import instance_id, make_producer
 from weir.kafka.admin import ensure_topics
 
@@ -44,7 +45,7 @@ def build_engine(config: ModelConfig, settings: WorkerSettings, device: torch.de
         kv_cache_bytes=settings.kv_cache_bytes,
     )  # fmt: skip
     assert config.path is not None
-    return Engine(config.path, engine_config, device)
+    return Engine(config.path, engine_config, device, Watermarker(settings.watermarks()))
 
 
 def warm_up(engine: EngineLike, config: ModelConfig) -> None:

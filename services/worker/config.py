@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
+from schemas.watermark import WatermarkConfig, parse_tenants
 from weir.bus import BusSettings
 
 
@@ -19,6 +20,9 @@ class WorkerSettings(BusSettings):
     heartbeat_interval_ms: int = Field(1000, ge=100, description="How often capacity is published.")
     audit_hmac_key: str = Field("weir-dev-audit-key", description="Key of the audit HMACs (hex:... or text).")
     echo_step_delay_ms: int = Field(0, ge=0, description="Pause per step of the echo model (tests of cancellation).")
+    watermark_tenants: str = Field(
+        "", description='Green-list watermark per tenant, JSON {tenant: {"gamma", "delta", "key"}}; empty: off.'
+    )
     torch_threads: int = Field(
         0, ge=0, description="torch intra-op threads on the CPU; 0: half the cores (the other services need some)."
     )
@@ -32,3 +36,7 @@ class WorkerSettings(BusSettings):
         if unknown:
             raise ValueError(f"WEIR_MODELS names {unknown}, not in the model repository ({available})")
         return names
+
+    def watermarks(self) -> dict[str, WatermarkConfig]:
+        """The tenants' watermarks (WEIR_WATERMARK_TENANTS); ValueError naming the setting."""
+        return parse_tenants(self.watermark_tenants)

@@ -19,10 +19,11 @@ import torch
 from schemas.messages import EmbedRequest, ErrorInfo, GenerateRequest
 from services.worker.kv_cache import BlockManager, allocate_kv_caches, bytes_per_block
 from services.worker.model import AttentionMetadata, CausalLM, load_model, weights_sha256
-from services.worker.sampler import NonFiniteLogits, sample
+from services.worker.sampler import NonFiniteLogits, sample, token_entropy
 from services.worker.scheduler import Scheduler, StepPlan
 from services.worker.sequence import EngineOutput, Sequence, Status
 from services.worker.tokenizer import IncrementalDetokenizer, ModelTokenizer, TokenizerError
+from services.worker.watermark import Watermarker
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +48,14 @@ class EngineConfig:
 class Engine:
     """Serves one model: add requests, step, read outputs."""
 
-    def __init__(self, model_path: str | Path, config: EngineConfig, device: torch.device | None = None) -> None:
+    def __init__(
+        self, model_path: str | Path, config: EngineConfig, device: torch.device | None = None,
+        watermarker: Watermarker | None = None,
+    ) -> None:  # fmt: skip
         self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         self.config = config
+        self.watermarker = watermarker or Watermarker({})
         self.model: CausalLM = load_model(model_path, self.device, self.dtype)
         self.tokenizer = ModelTokenizer(model_path)
         self.weights_sha256 = weights_sha256(Path(model_path))
@@ -186,10 +191,13 @@ class Engine:
     def _postprocess(self, seq: Sequence, logits: torch.Tensor, now_ms: int) -> list[EngineOutput]:
         if seq.status is not Status.RUNNING:
             return []
+        bias = self.watermarker.bias(seq.request.tenant, seq.token_ids[-1], logits.shape[-1])
         try:
-            token = sample(logits, seq.request, seq.generator)
+            token = sample(logits, seq.request, seq.generator, bias)
         except NonFiniteLogits as exc:
             return [self._finish(seq, "error", now_ms, ErrorInfo(code="non_finite_logits", message=str(exc)))]
+        seq.entropy_sum += token_entropy(logits)
+        seq.num_sampled += 1
         if seq.first_token_ms is None:
             seq.first_token_ms = now_ms
         if token in self.eos_ids and not seq.request.ignore_eos:
@@ -207,7 +215,9 @@ class Engine:
         self.scheduler.remove(seq)
         self._seqs.pop(seq.request_id, None)
         self._detok.pop(seq.request_id, None)
-        return seq.final(reason, now_ms, error)
+        out = seq.final(reason, now_ms, error)
+        out.watermark_z = self.watermarker.z_score(seq.request.tenant, seq.output_ids)
+        return out
 
     # -- introspection -----------------------------------------------------------------------
 

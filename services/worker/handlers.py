@@ -233,6 +233,7 @@ class ModelServer:
             finish_reason=out.finish_reason, worker_id=self.worker_id, request_created_ms=req.created_ms,
             received_ms=out.received_ms or now_ms(), first_token_ms=out.first_token_ms,
             finished_ms=out.finished_ms or now_ms(),
+            mean_token_entropy=out.mean_token_entropy, watermark_z=out.watermark_z,
         )  # fmt: skip
 
     async def settle(self, flight: InFlight, futures: list[asyncio.Future]) -> None:

@@ -1,4 +1,4 @@
-"""Token sampling: temperature, top-k, top-p, per-request seeded generator."""
+"""Token sampling: temperature, top-k, top-p, per-request seeded generator, watermark bias."""
 
 from __future__ import annotations
 
@@ -11,17 +11,23 @@ class NonFiniteLogits(ValueError):
     """The model produced NaN or inf logits for a request; that request fails, others go on."""
 
 
-def sample(logits: torch.Tensor, request: GenerateRequest, generator: torch.Generator) -> int:
+def sample(
+    logits: torch.Tensor, request: GenerateRequest, generator: torch.Generator, bias: torch.Tensor | None = None
+) -> int:
     """Pick the next token from one row of float32 logits [vocab].
 
     temperature 0 is greedy. The generator is the request's own, seeded from its seed, so the
-    same request yields the same tokens whatever else shares the batch.
+    same request yields the same tokens whatever else shares the batch. `bias` [vocab] (the
+    watermark's delta on green tokens) is added after the temperature, so delta is the shift in
+    log-probability whatever the temperature; it is deterministic too, so tokens stay so.
     """
     if not torch.isfinite(logits).all():
         raise NonFiniteLogits("the model produced non-finite logits")
     if request.temperature == 0.0:
-        return int(torch.argmax(logits))
+        return int(torch.argmax(logits if bias is None else logits + bias))
     logits = logits / request.temperature
+    if bias is not None:
+        logits = logits + bias
     if request.top_k > 0 and request.top_k < logits.shape[-1]:
         kth = torch.topk(logits, request.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -34,3 +40,10 @@ def sample(logits: torch.Tensor, request: GenerateRequest, generator: torch.Gene
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def token_entropy(logits: torch.Tensor) -> float:
+    """Entropy (nats) of softmax(logits) over [vocab]: the model's own uncertainty at this step,
+    before temperature, truncation and watermark (a health signal of the model, not of sampling)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return float(-(logp.exp() * logp).sum())

@@ -37,6 +37,8 @@ class EngineOutput:
     finished_ms: int | None = None
     prompt_text: str | None = None  # on the final event only: for the audit HMACs
     output_text: str | None = None
+    mean_token_entropy: float | None = None  # final event: mean entropy (nats) of the sampled steps
+    watermark_z: float | None = None  # final event: the tenant's watermark z over the output, if any
     embeddings: list[list[float]] | None = None  # EmbedRequest's final event: one vector per input
 
     @property
@@ -68,6 +70,8 @@ class Sequence:
         self.num_emitted_chars = 0
         self.next_seq = 0
         self.num_emitted_ids = 0
+        self.entropy_sum = 0.0  # sum over sampled steps of the model's token entropy (nats)
+        self.num_sampled = 0
         self._hold_chars = max((len(s) for s in request.stop), default=1) - 1
 
     @property
@@ -135,4 +139,5 @@ class Sequence:
             finished_ms=now_ms,
             prompt_text=self.prompt_text,
             output_text=self.output_text,
+            mean_token_entropy=self.entropy_sum / self.num_sampled if self.num_sampled else None,
         )
