@@ -232,6 +232,11 @@ class WorkerHeartbeat(_Wire):
         description="Per model, the partitions of its batch topic this worker owns now (its consumer group's "
         "assignment); the batcher routes batches to them.",
     )
+    next_offsets: dict[str, dict[int, int]] = Field(
+        default_factory=dict,
+        description="Per model, per owned partition, the offset of the next batch the worker will read: batches "
+        "below it are already counted in free_kv_blocks, so the batcher stops counting them against its room.",
+    )
     devices: list[DeviceInfo] = Field(default_factory=list, description="Devices of the worker.")
     sent_ms: int = Field(default_factory=now_ms, description="When it was sent, epoch ms.")
 
