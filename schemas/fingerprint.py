@@ -73,3 +73,48 @@ def parse_key(value: str) -> bytes:
         except ValueError as exc:
             raise ValueError(f"WEIR_AUDIT_HMAC_KEY starts with 'hex:' but is not hex: {exc}") from exc
     return value.encode("utf-8")
+
+
+# -- semantic fingerprints ------------------------------------------------------------------------
+#
+# simhash(text) = sign bits of H^T (P^T e), where e is the L2-normalised all-MiniLM-L6-v2 embedding
+# of the text (384-d, as /v1/embeddings returns it), P [384, 128] a fixed random projection and
+# H [128, 64] 64 random hyperplanes, both standard normal from numpy's PCG64 seeded with
+# SIMHASH_SEED. Texts whose embeddings are at angle theta differ in about 64 * theta / pi bits, so
+# near-identical texts land within a few bits. Bit i of the 64-bit value is hyperplane i; written
+# as 16 lowercase hex digits. Changing any of this changes FINGERPRINT_MODEL.
+
+SIMHASH_SEED = 20240601
+SIMHASH_PROJECTION_DIMS = 128
+SIMHASH_BITS = 64
+FINGERPRINT_MODEL = f"all-MiniLM-L6-v2/rp{SIMHASH_PROJECTION_DIMS}-s{SIMHASH_SEED}/simhash{SIMHASH_BITS}"
+
+
+def _simhash_planes(dims: int):  # -> (P [dims, 128], H [128, 64]) float64
+    import numpy as np
+
+    rng = np.random.Generator(np.random.PCG64(SIMHASH_SEED))
+    projection = rng.standard_normal((dims, SIMHASH_PROJECTION_DIMS)) / SIMHASH_PROJECTION_DIMS**0.5
+    planes = rng.standard_normal((SIMHASH_PROJECTION_DIMS, SIMHASH_BITS))
+    return projection, planes
+
+
+def simhashes(embeddings) -> list[str]:  # embeddings: [n, dims] array-like of float
+    """The 64-bit SimHash (16 hex digits) of each embedding row.
+
+    Called by the worker's fingerprint batcher for each finished request's prompt and output,
+    and by the auditor's lookup for the asked text.
+    """
+    import numpy as np
+
+    vectors = np.asarray(embeddings, dtype=np.float64)
+    projection, planes = _simhash_planes(vectors.shape[1])
+    bits = (vectors @ projection @ planes) > 0  # [n, 64]
+    weights = np.left_shift(np.uint64(1), np.arange(SIMHASH_BITS, dtype=np.uint64))
+    values = (bits.astype(np.uint64) * weights).sum(axis=1, dtype=np.uint64)
+    return [f"{int(v):016x}" for v in values]
+
+
+def hamming_distance(a: str, b: str) -> int:
+    """How many of the 64 bits differ between two SimHashes."""
+    return (int(a, 16) ^ int(b, 16)).bit_count()

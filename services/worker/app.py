@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import signal
 import sys
@@ -18,6 +19,7 @@ from services.worker.config import WorkerSettings
 from services.worker.echo import EchoEngine
 from services.worker.embedder import EmbeddingEngine
 from services.worker.engine import Engine, EngineConfig
+from services.worker.fingerprints import FingerprintBatcher, build_fingerprinter
 from services.worker.handlers import ModelServer, consume_cancellations
 from services.worker.hardware import choose_device, cpu_threads, detect_devices
 from services.worker.onnx_export import ensure_export
@@ -75,11 +77,12 @@ class WorkerService:
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
         self.worker_id = instance_id("worker")
-        repo = load_model_repo(settings.model_repo)
+        repo = self.repo = load_model_repo(settings.model_repo)
         self.configs = [repo.models[n] for n in settings.model_names(list(repo.models))]
         self.device = choose_device(settings.device)
         self.is_ready = False
         self.servers: list[ModelServer] = []
+        self._assignment_changed = asyncio.Event()  # a heartbeat goes out at once when set
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -89,9 +92,12 @@ class WorkerService:
         producer = make_producer(self.settings, self.worker_id)
         await producer.start()
         audit_key = parse_key(self.settings.audit_hmac_key)
+        fingerprinter = await asyncio.to_thread(build_fingerprinter, self.settings.audit_fingerprint_model, self.repo)
+        fingerprints = FingerprintBatcher(fingerprinter) if fingerprinter is not None else None
         try:
             for config in self.configs:
-                server = ModelServer(config, [], self.settings, producer, self.worker_id, audit_key)
+                server = ModelServer(config, [], self.settings, producer, self.worker_id, audit_key, fingerprints)
+                server.on_assignment = self._assignment_changed.set
                 for _ in range(config.instances):
                     engine = await asyncio.to_thread(build_engine, config, self.settings, self.device)
                     await asyncio.to_thread(warm_up, engine, config)
@@ -102,6 +108,8 @@ class WorkerService:
             self.is_ready = True
             log.info("worker %s ready: %s on %s", self.worker_id, [c.name for c in self.configs], self.device)
             tasks = [asyncio.create_task(self.heartbeat(producer))]
+            if fingerprints is not None:
+                tasks.append(asyncio.create_task(fingerprints.run()))
             tasks.append(asyncio.create_task(consume_cancellations(self.settings, self.servers, producer, self.worker_id)))
             for server in self.servers:
                 tasks += [asyncio.create_task(server.consume()), asyncio.create_task(server.publish())]
@@ -121,11 +129,13 @@ class WorkerService:
 
     def heartbeat_message(self) -> WorkerHeartbeat:
         stats = [r.stats for s in self.servers for r in s.runners]
+        owned = {s.config.name: s.owned_partitions() for s in self.servers}
         return WorkerHeartbeat(
             worker_id=self.worker_id, models=[c.name for c in self.configs], is_ready=self.is_ready,
             num_running=int(sum(s["num_running"] for s in stats)), num_waiting=int(sum(s["num_waiting"] for s in stats)),
             max_num_seqs=sum(c.max_num_seqs * c.instances for c in self.configs),
             free_kv_blocks=int(sum(s["free_kv_blocks"] for s in stats)), block_size_tokens=self.settings.block_size,
+            partitions={m: p for m, (p, _) in owned.items()}, next_offsets={m: o for m, (_, o) in owned.items()},
             devices=detect_devices(),
         )  # fmt: skip
 
@@ -135,7 +145,9 @@ class WorkerService:
             await producer.send_and_wait(topic, encode(self.heartbeat_message()), key=self.worker_id.encode())
             for server in self.servers:
                 server.forget_old_cancels()
-            await asyncio.sleep(self.settings.heartbeat_interval_ms / 1000)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._assignment_changed.wait(), self.settings.heartbeat_interval_ms / 1000)
+            self._assignment_changed.clear()
 
 
 def main(argv: list[str] | None = None) -> int:

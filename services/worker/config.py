@@ -20,6 +20,9 @@ class WorkerSettings(BusSettings):
     heartbeat_interval_ms: int = Field(1000, ge=100, description="How often capacity is published.")
     audit_hmac_key: str = Field("weir-dev-audit-key", description="Key of the audit HMACs (hex:... or text).")
     echo_step_delay_ms: int = Field(0, ge=0, description="Pause per step of the echo model (tests of cancellation).")
+    audit_fingerprint_model: str = Field(
+        "all-MiniLM-L6-v2", description="Onnx embedding model of the AuditEvents' SimHashes; empty: none."
+    )
     watermark_tenants: str = Field(
         "", description='Green-list watermark per tenant, JSON {tenant: {"gamma", "delta", "key"}}; empty: off.'
     )

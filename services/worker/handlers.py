@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
@@ -31,6 +32,7 @@ from schemas.messages import (
 )
 from schemas.model_repo import ModelConfig
 from schemas.topics import Topics
+from services.worker.fingerprints import FingerprintBatcher
 from services.worker.runner import EngineRunner
 from services.worker.sequence import EngineOutput
 from weir.bus import BusSettings, OffsetTracker, make_consumer, send_dead_letter
@@ -60,6 +62,7 @@ class ModelServer:
         producer: AIOKafkaProducer,
         worker_id: str,
         audit_key: bytes,
+        fingerprints: FingerprintBatcher | None = None,
     ) -> None:
         self.config = config
         self.runners = runners
@@ -69,6 +72,7 @@ class ModelServer:
         self.worker_id = worker_id
         self.audit_key = audit_key
         self.audit_key_id = key_id(audit_key)
+        self.fingerprints = fingerprints
         self.tracker = OffsetTracker()
         self.in_flight: dict[str, InFlight] = {}
         self._owner: dict[str, EngineRunner] = {}
@@ -77,6 +81,8 @@ class ModelServer:
         self.recent_cancels: dict[str, int] = {}
         self.consumer: AIOKafkaConsumer | None = None
         self.num_done = 0
+        self.next_offsets: dict[int, int] = {}  # owned partition -> next batch offset read (heartbeats)
+        self.on_assignment: Callable[[], None] | None = None  # called when Kafka assigns partitions
 
     @property
     def model_version(self) -> str:
@@ -112,8 +118,15 @@ class ModelServer:
         finally:
             await self.consumer.stop()
 
+    def owned_partitions(self) -> tuple[list[int], dict[int, int]]:
+        """The batch-topic partitions this server owns now, and the next offset it reads in each:
+        what heartbeats advertise, so the batcher routes batches here and knows what was read."""
+        owned = sorted(tp.partition for tp in self.consumer.assignment()) if self.consumer is not None else []
+        return owned, {p: self.next_offsets[p] for p in owned if p in self.next_offsets}
+
     async def on_batch_record(self, tp: TopicPartition, record) -> None:
         self.tracker.add(tp, record.offset)
+        self.next_offsets[tp.partition] = record.offset + 1
         try:
             batch = decode(Batch, record.value)
         except DecodeError as exc:
@@ -198,8 +211,29 @@ class ModelServer:
         )  # fmt: skip
         futures.append(await self._send(req.reply_to, encode(end), key))
         if out.prompt_text is not None:
-            futures.append(await self._send(self.topics.audit, encode(self.audit_event(flight, out)), key))
+            futures.append(await self.send_audit(flight, out, key))
         asyncio.get_running_loop().create_task(self.settle(flight, futures))
+
+    async def send_audit(self, flight: InFlight, out: EngineOutput, key: bytes) -> asyncio.Future:
+        """Produce the request's AuditEvent; with a fingerprint batcher, once its SimHashes are in.
+
+        Returns a future of the durable write, which settle() waits for before the batch offset
+        may be committed (a crash before it redoes the request, and so the AuditEvent).
+        """
+        if self.fingerprints is None:
+            return await self._send(self.topics.audit, encode(self.audit_event(flight, out)), key)
+
+        async def fingerprint_then_send() -> object:
+            event = self.audit_event(flight, out)
+            try:
+                prompt_sh, output_sh = await self.fingerprints.simhash(out.prompt_text or "", out.output_text or "")
+                event = event.model_copy(update={"prompt_simhash": prompt_sh, "output_simhash": output_sh,
+                                                 "fingerprint_model": self.fingerprints.model})
+            except Exception as exc:  # noqa: BLE001 - the HMACs still go out
+                log.warning("fingerprinting %s failed (%r); its AuditEvent has no SimHash", flight.request.request_id, exc)
+            return await (await self._send(self.topics.audit, encode(event), key))
+
+        return asyncio.get_running_loop().create_task(fingerprint_then_send())
 
     async def _send(self, topic: str, value: bytes, key: bytes) -> asyncio.Future:
         try:
@@ -285,6 +319,10 @@ class _Revoked(ConsumerRebalanceListener):
 
     async def on_partitions_assigned(self, assigned) -> None:
         log.info("assigned %s", sorted(f"{tp.topic}[{tp.partition}]" for tp in assigned))
+        for partition in set(self.server.next_offsets) - {tp.partition for tp in assigned}:
+            del self.server.next_offsets[partition]
+        if self.server.on_assignment is not None:
+            self.server.on_assignment()  # tell the batchers at once, not at the next heartbeat
 
 
 async def consume_cancellations(settings: BusSettings, servers: list[ModelServer], producer, worker_id: str) -> None:
