@@ -31,9 +31,10 @@ import tomllib
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, ValidationError, field_validator
 
 Engine = Literal["torch", "onnx", "echo"]
+LanePolicy = Literal["strict", "weighted"]
 
 
 class ModelConfig(BaseModel):
@@ -56,6 +57,19 @@ class ModelConfig(BaseModel):
         None, description="engine onnx: Python package shipping the Hugging Face model that is exported to `path`."
     )
     dimensions: int | None = Field(None, ge=1, description="engine onnx: embedding size, checked when the model loads.")
+    lane_policy: LanePolicy = Field(
+        "strict",
+        description="How the batcher serves the interactive and bulk lanes: strict (interactive always first) "
+        "or weighted (bulk gets bulk_weight of the tokens while both wait).",
+    )
+    bulk_weight: float = Field(
+        0.25, gt=0, le=1, description="lane_policy weighted: bulk lane's weight against interactive's 1.0."
+    )
+    tenant_weights: dict[str, PositiveFloat] = Field(
+        default_factory=dict,
+        description="Fair-queuing weight per tenant within a lane (absent tenants weigh 1.0): a tenant of "
+        "weight 2 gets twice the tokens of a tenant of weight 1 while both wait.",
+    )
 
     @field_validator("name")
     @classmethod

@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass, field
 
 DEFAULT_PREFIX = "weir"
+BATCH_PARTITIONS = 16  # partitions of each model's batch topic: the most workers one model can use
 
 _TOPIC_CHARS = re.compile(r"[^a-zA-Z0-9._-]")
 
@@ -152,7 +153,9 @@ class Topics:
 
     def model_specs(self, model: str) -> list[TopicSpec]:
         """The topics one model needs."""
-        return [TopicSpec(self.batches(model), 4, _DELETE_7D)]
+        # 16 partitions: up to 16 workers of a model each own one, and the batcher routes a batch
+        # to a partition its chosen worker owns (WorkerHeartbeat.partitions).
+        return [TopicSpec(self.batches(model), BATCH_PARTITIONS, _DELETE_7D)]
 
     def job_reply_spec(self, job_id: str) -> TopicSpec:
         """A batch job's reply topic: one partition, kept as long as the files (a week)."""

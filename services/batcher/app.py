@@ -3,7 +3,8 @@
     weir batcher [--bootstrap HOST:PORT] [--topic-prefix P] [--model-repo models.toml]
 
 One loop round: wait for request records (at most until the planner's next wakeup), admit them,
-apply cancellations, close the batches that are due, await every produce of the round and commit
+apply cancellations, take worker heartbeats into the router, close the batches that are due (each
+routed to a worker's partition), await every produce of the round and commit
 what is durable. Shutdown (SIGTERM/SIGINT) finishes the round, commits, and closes: held requests
 are not flushed, they are redone by the partitions' next owner.
 """
@@ -26,6 +27,7 @@ from services.batcher.config import BatcherSettings
 from services.batcher.jobs import JobRunner
 from services.batcher.handlers import BatcherHandlers, BatchPublishError, RebalanceListener
 from services.batcher.planner import Planner
+from services.batcher.routing import Router
 from weir.bus import instance_id, make_consumer, make_producer
 from weir.kafka.admin import deployment_specs, ensure_topics
 
@@ -49,19 +51,27 @@ class BatcherApp:
         self.control = make_consumer(
             settings, client_id=f"{self.batcher_id}-control", group_id=None, auto_offset_reset="latest"
         )
+        # Heartbeats: every replica reads the whole compacted workers topic, from the beginning.
+        self.workers = make_consumer(
+            settings, client_id=f"{self.batcher_id}-workers", group_id=None, auto_offset_reset="earliest"
+        )
         self.planner = Planner(repo, max_recent=settings.max_recent_ids, max_batch_bytes=settings.max_batch_bytes)
-        self.handlers = BatcherHandlers(topics, self.planner, self.producer, self.requests, self.batcher_id)
+        self.router = Router(worker_timeout_ms=settings.worker_timeout_ms, prefix_chars=settings.prefix_affinity_chars)
+        self.handlers = BatcherHandlers(
+            topics, self.planner, self.producer, self.requests, self.batcher_id, router=self.router
+        )
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until `stop` is set; raises BatchPublishError when a batch cannot be produced."""
         topics = self.settings.topics
         started: list[Any] = []
         try:
-            for client in (self.producer, self.requests, self.control):
+            for client in (self.producer, self.requests, self.control, self.workers):
                 await client.start()
                 started.append(client)
             partitions = await self.producer.partitions_for(topics.control)  # waits for metadata
             await _follow_control(self.control, topics.control, partitions, self.settings.control_lookback_ms)
+            await self._read_heartbeats_to_end()
             self.requests.subscribe([topics.requests], listener=RebalanceListener(self.handlers))
             log.info("batcher %s reading %s", self.batcher_id, topics.requests)
             while not stop.is_set():
@@ -81,8 +91,23 @@ class BatcherApp:
         fetched = await self.requests.getmany(timeout_ms=timeout_ms)
         await self.handlers.on_requests(fetched, now_ms())
         await self.handlers.on_cancels(await self.control.getmany(timeout_ms=0))
+        self.handlers.on_heartbeats(await self.workers.getmany(timeout_ms=0))
         await self.handlers.on_tick(now_ms())
         await self.handlers.settle()
+
+
+    async def _read_heartbeats_to_end(self) -> None:
+        """Assign the workers topic from the beginning and read it up to its current end, so the
+        first batches are routed with the whole live-worker table."""
+        topic = self.settings.topics.workers
+        tps = [TopicPartition(topic, p) for p in sorted(await self.producer.partitions_for(topic))]
+        self.workers.assign(tps)
+        await self.workers.seek_to_beginning(*tps)
+        ends = await self.workers.end_offsets(tps)
+        for tp, end in ends.items():
+            while await self.workers.position(tp) < end:
+                self.handlers.on_heartbeats(await self.workers.getmany(tp, timeout_ms=200))
+        log.info("batcher %s knows %d worker heartbeats", self.batcher_id, self.router.num_workers)
 
 
 async def _follow_control(control: AIOKafkaConsumer, topic: str, partitions: set[int], lookback_ms: int) -> None:

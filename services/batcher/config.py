@@ -7,6 +7,7 @@ from pathlib import Path
 from pydantic import Field
 
 from services.batcher.planner import DEFAULT_MAX_BATCH_BYTES, DEFAULT_MAX_RECENT
+from services.batcher.routing import DEFAULT_PREFIX_CHARS
 from weir.bus import BusSettings
 
 
@@ -29,3 +30,12 @@ class BatcherSettings(BusSettings):
         DEFAULT_MAX_BATCH_BYTES, ge=1024, description="Byte budget of one Batch record (producer limit is 1 MiB)."
     )
     max_poll_records: int = Field(500, ge=1, description="Most request records taken per loop round.")
+    worker_timeout_ms: int = Field(
+        3000, ge=100,
+        description="A worker whose latest heartbeat is older than this gets no batches (3 x the workers' "
+        "heartbeat interval).",
+    )
+    prefix_affinity_chars: int = Field(
+        DEFAULT_PREFIX_CHARS, ge=1,
+        description="Leading characters of a prompt (or a chat's system message) hashed to pick its worker.",
+    )

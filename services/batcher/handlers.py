@@ -20,9 +20,19 @@ from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.errors import KafkaError
 
 from schemas.codec import DecodeError, decode, decode_request, encode
-from schemas.messages import Batch, Cancellation, EmbedRequest, ErrorInfo, FinishReason, GenerateRequest, ReplyEnd
+from schemas.messages import (
+    Batch,
+    Cancellation,
+    EmbedRequest,
+    ErrorInfo,
+    FinishReason,
+    GenerateRequest,
+    ReplyEnd,
+    WorkerHeartbeat,
+)
 from schemas.topics import Topics
-from services.batcher.planner import Admission, Planner
+from services.batcher.planner import Admission, Planner, Reservation
+from services.batcher.routing import Router
 from weir.bus import OffsetTracker, send_dead_letter
 
 log = logging.getLogger(__name__)
@@ -42,6 +52,7 @@ class _Effect:
     records: list[ConsumerRecord]
     kind: Literal["batch", "reply"]
     topic: str
+    reservation: Reservation | None = None  # a routed batch's room, counted until its worker reads it
 
 
 def _tp(record: ConsumerRecord) -> TopicPartition:
@@ -63,9 +74,12 @@ class BatcherHandlers:
         producer: AIOKafkaProducer,
         consumer: AIOKafkaConsumer,
         batcher_id: str,
+        router: Router | None = None,
     ) -> None:
         self.topics = topics
         self.planner = planner
+        self.router = router
+        self._unrouted_models: set[str] = set()  # logged once: no heartbeat names them
         self.batcher_id = batcher_id
         self._producer = producer
         self._consumer = consumer
@@ -133,19 +147,40 @@ class BatcherHandlers:
         if req is not None:
             await self._end(req, self._held_records.pop(req.request_id), "cancelled", None)
 
+    # --- heartbeats --------------------------------------------------------------------------
+
+    def on_heartbeats(self, fetched: dict[TopicPartition, list[ConsumerRecord]]) -> None:
+        """Update the live-worker table from worker heartbeats (the compacted workers topic)."""
+        if self.router is None:
+            return
+        for records in fetched.values():
+            for record in records:
+                if record.value is None:
+                    continue  # a tombstone: compaction's deletion marker
+                try:
+                    self.router.on_heartbeat(decode(WorkerHeartbeat, record.value))
+                except DecodeError as exc:  # every batcher reads it whole: log, do not dead-letter
+                    log.warning("ignoring heartbeat record %s@%d: %s", record.topic, record.offset, exc)
+
     # --- planning ---------------------------------------------------------------------------
 
     async def on_tick(self, now_ms: int) -> None:
         """Publish the batches due at now_ms and time out the requests that expired while held."""
-        result = self.planner.poll(now_ms)
+        result = self.planner.poll(now_ms, self.router)
         for planned in result.batches:
             records = [self._held_records.pop(r.request_id) for r in planned.requests]
             batch = Batch(
                 batch_id=uuid.uuid4().hex, model=planned.model, requests=planned.requests, batcher_id=self.batcher_id
             )
             topic = self.topics.batches(planned.model)
-            future = await self._send(topic, encode(batch), batch.batch_id)
-            self._effects.append(_Effect(future, records, "batch", topic))
+            partition = planned.slot.partition
+            if partition is None and self.router is not None and planned.model not in self._unrouted_models:
+                self._unrouted_models.add(planned.model)
+                log.warning("no worker heartbeat names model %s: its batches go keyed, unrouted", planned.model)
+            elif partition is not None:
+                self._unrouted_models.discard(planned.model)
+            future = await self._send(topic, encode(batch), batch.batch_id, partition)
+            self._effects.append(_Effect(future, records, "batch", topic, planned.reservation))
         for req in result.expired:
             error = ErrorInfo(code="deadline_exceeded", message=f"deadline_ms={req.deadline_ms} passed while waiting")
             await self._end(req, self._held_records.pop(req.request_id), "timeout", error)
@@ -158,9 +193,9 @@ class BatcherHandlers:
         future = await self._send(req.reply_to, encode(end), req.request_id)
         self._effects.append(_Effect(future, [record], "reply", req.reply_to))
 
-    async def _send(self, topic: str, value: bytes, key: str) -> asyncio.Future[Any]:
+    async def _send(self, topic: str, value: bytes, key: str, partition: int | None = None) -> asyncio.Future[Any]:
         try:
-            return await self._producer.send(topic, value, key=key.encode())
+            return await self._producer.send(topic, value, key=key.encode(), partition=partition)
         except KafkaError as exc:  # e.g. no metadata for the topic: reported when settled
             failed: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
             failed.set_exception(exc)
@@ -187,6 +222,8 @@ class BatcherHandlers:
                 for record in effect.records:
                     reason = f"could not produce the terminal reply to reply_to={effect.topic!r}: {outcome!r}"
                     await send_dead_letter(self._producer, self.topics, record, reason, SERVICE)
+            elif effect.reservation is not None:
+                effect.reservation.offset = outcome.offset  # the worker's read position will pass it
             for record in effect.records:
                 self._tracker.done(_tp(record), record.offset)
         await self.commit()

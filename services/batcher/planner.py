@@ -4,24 +4,29 @@ Pure and synchronous: no I/O, no clock of its own, no sleeps. The caller passes 
 milliseconds, the unit of deadline_ms) to every call that depends on time, so the
 planner is tested with explicit time and driven by the batcher's Kafka loop in production.
 
-Per model a lane holds waiting requests. A lane closes a batch when it holds max_batch_size
-requests, or when its oldest request has waited max_wait_ms (both from the model repository).
-Within a lane, requests are ordered by priority (interactive before bulk), then earliest deadline,
-then arrival. Expired requests are dropped and reported, never batched.
+Per model a ModelQueue (queues.py) holds the waiting requests and decides the order they leave
+in: priority lanes (strict or weighted), weighted fair queuing per tenant on token cost, earliest
+deadline first within a tenant. Expired requests are dropped and reported, never batched.
 
-Extension points: BatchPolicy.fits is where a token budget goes; _Held.sort_key is where weighted
-fair queuing per tenant goes (a virtual finish time instead of the deadline); PlannedBatch is
-where a routing target (a worker chosen from heartbeats) goes.
+A model's batch closes when it holds max_batch_size requests, when its oldest request has waited
+max_wait_ms, or when the tokens it holds reach the room of the worker it would go to. Where a
+batch goes is asked of a `Placement` (routing.py: live workers from heartbeats, prefix affinity)
+for the request that leaves next; the batch then takes requests in order while they fit that
+room, max_batch_size and the byte budget. When no worker has room the model's requests stay held
+(their deadlines still expire them) until a heartbeat brings room.
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Protocol
 
 from schemas.messages import EmbedRequest, GenerateRequest
 from schemas.model_repo import ModelConfig, ModelRepository
+from services.batcher.queues import Held, ModelQueue
 
 # Lower ranks are scheduled first.
 PRIORITY_RANK: dict[str, int] = {"interactive": 0, "bulk": 1}
@@ -29,6 +34,14 @@ PRIORITY_RANK: dict[str, int] = {"interactive": 0, "bulk": 1}
 # Both kinds of request are planned alike, from the fields they share (request_id, model,
 # priority, deadline_ms): an EmbedRequest counts as one request, however many inputs it holds.
 Request = GenerateRequest | EmbedRequest
+
+# Prompt tokens are estimated from characters (about 4 per token for English and code), per
+# chat turn plus a few tokens of template.
+CHARS_PER_TOKEN = 4
+TOKENS_PER_TURN = 4
+# Engines whose "KV blocks" are request slots (echo, onnx: see their stats()) advertise one block
+# per request; a request to them costs one block of the worker's default size.
+SLOT_COST_TOKENS = 16
 
 # aiokafka's producer refuses records over 1 MiB (max_request_size); a Batch is kept below that.
 DEFAULT_MAX_BATCH_BYTES = 900 * 1024
@@ -45,12 +58,72 @@ class Admission(StrEnum):
     CANCELLED = "cancelled"  # a cancellation for it arrived first: end it as cancelled
 
 
+def cost_tokens(req: Request, config: ModelConfig) -> int:
+    """What `req` is expected to hold in a worker's KV cache, in tokens: its prompt (estimated
+    from characters) plus max_tokens, at most the model's max_model_len. Requests to engines
+    without a KV cache (echo, onnx) cost one slot."""
+    if config.engine != "torch" or isinstance(req, EmbedRequest):
+        return SLOT_COST_TOKENS
+    if req.prompt is not None:
+        prompt_tokens = math.ceil(len(req.prompt) / CHARS_PER_TOKEN)
+    else:
+        turns = req.messages or []
+        prompt_tokens = sum(math.ceil(len(m.content) / CHARS_PER_TOKEN) + TOKENS_PER_TURN for m in turns)
+    return max(1, min(prompt_tokens + req.max_tokens, config.max_model_len))
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where a batch goes: a worker's partition and the tokens it has room for.
+
+    worker_id/partition None: no heartbeat names the model, produce keyed (Kafka picks the
+    partition); room_tokens None: no token bound.
+    """
+
+    worker_id: str | None = None
+    partition: int | None = None
+    room_tokens: int | None = None
+
+
+UNBOUNDED = Slot()
+
+
+@dataclass
+class Reservation:
+    """Tokens planned for a worker, counted against its room until one of its heartbeats shows
+    it has read the batch (`next_offsets` past `offset`, set once Kafka acknowledged the batch)."""
+
+    worker_id: str
+    model: str
+    partition: int
+    num_tokens: int
+    planned_ms: int
+    offset: int | None = None
+
+
+class Placement(Protocol):
+    """Chooses a worker for the next batch of a model (routing.Router in production)."""
+
+    def place(self, model: str, head: Request, cost_tokens: int, now_ms: int) -> Slot | None:
+        """The slot for a batch led by `head` (which costs cost_tokens), or None when no live
+        worker has room for it now."""
+        ...
+
+    def record(self, model: str, slot: Slot, num_tokens: int, now_ms: int) -> Reservation | None:
+        """A batch of num_tokens was planned for `slot` at now_ms: count it against its room.
+        Returns the reservation (whose offset the caller sets once the batch is produced)."""
+        ...
+
+
 @dataclass(frozen=True)
 class PlannedBatch:
-    """Requests of one model that leave together, in scheduling order."""
+    """Requests of one model that leave together, in scheduling order, and where they go."""
 
     model: str
     requests: list[Request]
+    slot: Slot = UNBOUNDED
+    num_tokens: int = 0
+    reservation: Reservation | None = None
 
 
 @dataclass(frozen=True)
@@ -74,27 +147,18 @@ class BatchPolicy:
         """The policy of a model repository entry."""
         return cls(config.max_batch_size, config.max_wait_ms, max_batch_bytes)
 
-    def fits(self, num_requests: int, num_bytes: int, held: _Held) -> bool:
-        """Whether `held` may join a batch that already has num_requests using num_bytes.
+    def fits(self, num_requests: int, num_bytes: int, num_tokens: int, held: Held, room_tokens: int | None) -> bool:
+        """Whether `held` may join a batch that already has num_requests using num_bytes and
+        num_tokens, for a worker with room_tokens of room (None: unbounded).
 
-        The first request always fits, so an oversized one still leaves (alone).
+        The first request always fits the byte budget, so an oversized one still leaves (alone);
+        the token room is never exceeded (the placement only offers a slot the head fits).
         """
+        if room_tokens is not None and num_tokens + held.cost_tokens > room_tokens:
+            return False
         if num_requests == 0:
             return True
         return num_requests < self.max_batch_size and num_bytes + held.size_bytes <= self.max_batch_bytes
-
-
-@dataclass
-class _Held:
-    """A waiting request: the wire message plus the planner's state about it."""
-
-    request: Request
-    arrived_ms: int
-    arrival: int  # arrival counter: breaks ties so order is stable
-    size_bytes: int
-
-    def sort_key(self) -> tuple[int, int, int]:
-        return (PRIORITY_RANK[self.request.priority], self.request.deadline_ms, self.arrival)
 
 
 class _RecentIds:
@@ -118,46 +182,59 @@ class _RecentIds:
 
 
 class _Lane:
-    """One model's waiting requests."""
+    """One model's waiting requests (a ModelQueue) and its batch bounds."""
 
-    def __init__(self, policy: BatchPolicy) -> None:
+    def __init__(self, config: ModelConfig, policy: BatchPolicy) -> None:
+        self.config = config
         self.policy = policy
-        self.held: dict[str, _Held] = {}
+        self.queue = ModelQueue(config)
+        self.is_blocked = False  # the last poll found no worker with room
 
-    def is_due(self, now_ms: int) -> bool:
-        """Whether a batch closes now: the lane is full, or its oldest request waited enough."""
+    @property
+    def held(self) -> dict[str, Held]:
+        return self.queue.held
+
+    def is_due(self, now_ms: int, room_tokens: int | None) -> bool:
+        """Whether a batch closes now: the lane is full, its oldest request waited enough, or
+        it holds as many tokens as the chosen worker has room for."""
         if not self.held:
             return False
         if len(self.held) >= self.policy.max_batch_size:
             return True
-        return now_ms - self.oldest_arrived_ms() >= self.policy.max_wait_ms
-
-    def oldest_arrived_ms(self) -> int:
-        return min(h.arrived_ms for h in self.held.values())
+        if room_tokens is not None and self.queue.num_tokens >= room_tokens:
+            return True
+        return now_ms - self.queue.oldest_arrived_ms() >= self.policy.max_wait_ms
 
     def next_due_ms(self, now_ms: int) -> int:
-        """The earliest time this lane needs a poll: a batch closes or a deadline passes."""
+        """The earliest time this lane needs a poll: a batch closes or a deadline passes.
+
+        A blocked lane (no worker had room) waits for its first deadline; the batcher polls
+        again on every round anyway, after reading heartbeats.
+        """
+        first_deadline = self.queue.first_deadline_ms()
+        if self.is_blocked:
+            return first_deadline
         if len(self.held) >= self.policy.max_batch_size:
             return now_ms
-        first_deadline = min(h.request.deadline_ms for h in self.held.values())
-        return min(self.oldest_arrived_ms() + self.policy.max_wait_ms, first_deadline)
+        return min(self.queue.oldest_arrived_ms() + self.policy.max_wait_ms, first_deadline)
 
     def drop_expired(self, now_ms: int) -> list[Request]:
         gone = [rid for rid, h in self.held.items() if h.request.deadline_ms <= now_ms]
-        return [self.held.pop(rid).request for rid in gone]
+        return [self.queue.remove(rid).request for rid in gone]  # type: ignore[union-attr]
 
-    def take_batch(self) -> list[Request]:
-        """Remove and return the next batch: the first requests in scheduling order that fit."""
-        chosen: list[_Held] = []
-        num_bytes = 0
-        for held in sorted(self.held.values(), key=_Held.sort_key):
-            if not self.policy.fits(len(chosen), num_bytes, held):
+    def take_batch(self, room_tokens: int | None) -> tuple[list[Request], int]:
+        """Remove and return the next batch and its tokens: requests in scheduling order while
+        they fit."""
+        chosen: list[Request] = []
+        num_bytes = num_tokens = 0
+        while (head := self.queue.peek()) is not None:
+            if not self.policy.fits(len(chosen), num_bytes, num_tokens, head, room_tokens):
                 break
-            chosen.append(held)
+            held = self.queue.pop()
+            chosen.append(held.request)
             num_bytes += held.size_bytes
-        for held in chosen:
-            del self.held[held.request.request_id]
-        return [h.request for h in chosen]
+            num_tokens += held.cost_tokens
+        return chosen, num_tokens
 
 
 class Planner:
@@ -191,6 +268,10 @@ class Planner:
         """Whether `request_id` waits in a lane."""
         return request_id in self._lane_of
 
+    def blocked_models(self) -> list[str]:
+        """Models whose requests wait because no worker had room at the last poll."""
+        return [model for model, lane in self._lanes.items() if lane.is_blocked and lane.held]
+
     def add(self, req: Request, now_ms: int, *, size_bytes: int = 0) -> Admission:
         """Admit a request that arrived at now_ms; returns the verdict (see Admission).
 
@@ -203,13 +284,13 @@ class Planner:
         if verdict is not Admission.HELD:
             self._recent.add(rid)
             return verdict
+        config = self._repo.get(req.model)
+        assert config is not None  # _verdict checked it
         lane = self._lanes.get(req.model)
         if lane is None:
-            config = self._repo.get(req.model)
-            assert config is not None  # _verdict checked it
-            lane = self._lanes[req.model] = _Lane(BatchPolicy.of(config, self._max_batch_bytes))
+            lane = self._lanes[req.model] = _Lane(config, BatchPolicy.of(config, self._max_batch_bytes))
         self._num_arrivals += 1
-        lane.held[rid] = _Held(req, now_ms, self._num_arrivals, size_bytes)
+        lane.queue.add(Held(req, now_ms, self._num_arrivals, size_bytes, cost_tokens(req, config)))
         self._lane_of[rid] = req.model
         return Admission.HELD
 
@@ -245,19 +326,21 @@ class Planner:
         model = self._lane_of.pop(request_id, None)
         if model is None:
             return None
-        return self._lanes[model].held.pop(request_id).request
+        held = self._lanes[model].queue.remove(request_id)
+        assert held is not None
+        return held.request
 
-    def poll(self, now_ms: int) -> PlanResult:
+    def poll(self, now_ms: int, placement: Placement | None = None) -> PlanResult:
         """Close every batch that is due at now_ms and drop expired requests.
 
-        Called whenever next_wakeup_ms comes, and after new requests arrive. Batches are returned
-        in scheduling order (by their first request).
+        Called whenever next_wakeup_ms comes, and after new requests arrive or heartbeats change
+        the workers' room. Without a placement batches are unbounded in tokens and unrouted.
+        Batches are returned in scheduling order (by their first request).
         """
         result = PlanResult()
         for model, lane in self._lanes.items():
             result.expired.extend(lane.drop_expired(now_ms))
-            while lane.is_due(now_ms):
-                result.batches.append(PlannedBatch(model, lane.take_batch()))
+            result.batches.extend(self._close_batches(model, lane, now_ms, placement))
         result.batches.sort(key=lambda b: (PRIORITY_RANK[b.requests[0].priority], b.requests[0].deadline_ms))
         for req in result.expired:
             self._finish(req.request_id)
@@ -265,6 +348,24 @@ class Planner:
             for req in batch.requests:
                 self._finish(req.request_id)
         return result
+
+    def _close_batches(self, model: str, lane: _Lane, now_ms: int, placement: Placement | None) -> list[PlannedBatch]:
+        batches: list[PlannedBatch] = []
+        lane.is_blocked = False
+        while (head := lane.queue.peek()) is not None:
+            slot = UNBOUNDED if placement is None else placement.place(model, head.request, head.cost_tokens, now_ms)
+            if slot is None:
+                lane.is_blocked = True
+                break
+            if not lane.is_due(now_ms, slot.room_tokens):
+                break
+            requests, num_tokens = lane.take_batch(slot.room_tokens)
+            if not requests:  # the placement offered less room than the head needs
+                lane.is_blocked = True
+                break
+            reservation = None if placement is None else placement.record(model, slot, num_tokens, now_ms)
+            batches.append(PlannedBatch(model, requests, slot, num_tokens, reservation))
+        return batches
 
     def _finish(self, request_id: str) -> None:
         del self._lane_of[request_id]

@@ -4,19 +4,21 @@ from __future__ import annotations
 
 from itertools import count
 
-from schemas.messages import GenerateRequest
+from schemas.messages import GenerateRequest, WorkerHeartbeat
 from schemas.model_repo import ModelConfig, ModelRepository
 
 T0_MS = 1_700_000_000_000  # a fixed "now" in epoch ms
 _ids = count()
 
 
-def make_repo(**bounds: tuple[int, int]) -> ModelRepository:
-    """A repository of echo models: make_repo(a=(max_batch_size, max_wait_ms), ...)."""
+def make_repo(*configs: ModelConfig, **bounds: tuple[int, int]) -> ModelRepository:
+    """A repository of echo models: make_repo(a=(max_batch_size, max_wait_ms), ...), plus any
+    entries given whole."""
     models = {
         name: ModelConfig(name=name, engine="echo", max_batch_size=size, max_wait_ms=wait)
         for name, (size, wait) in bounds.items()
     }
+    models.update({c.name: c for c in configs})
     return ModelRepository(models=models)
 
 
@@ -39,3 +41,45 @@ def make_request(
         reply_to=reply_to,
         created_ms=T0_MS,
     )
+
+
+def make_config(name: str = "a", **fields: object) -> ModelConfig:
+    """A model entry with any fields set, e.g. make_config(lane_policy="weighted")."""
+    fields.setdefault("engine", "torch")
+    fields.setdefault("path", "/models/none")
+    return ModelConfig(name=name, **fields)  # type: ignore[arg-type]
+
+
+def make_tenant_request(
+    tenant: str,
+    model: str = "a",
+    *,
+    priority: str = "interactive",
+    deadline_ms: int = T0_MS + 60_000,
+    prompt: str = "x" * 40,
+    max_tokens: int = 10,
+) -> GenerateRequest:
+    """A request of one tenant; with the defaults it costs 20 tokens (40 chars / 4 + 10)."""
+    return GenerateRequest(
+        request_id=f"{tenant}-{next(_ids)}", model=model, prompt=prompt, max_tokens=max_tokens, tenant=tenant,
+        priority=priority, deadline_ms=deadline_ms, reply_to="weir.replies.test", created_ms=T0_MS,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+def make_heartbeat(
+    worker_id: str,
+    partitions: dict[str, list[int]],
+    *,
+    free_kv_blocks: int = 100,
+    block_size_tokens: int = 16,
+    sent_ms: int = T0_MS,
+    is_ready: bool = True,
+    next_offsets: dict[str, dict[int, int]] | None = None,
+) -> WorkerHeartbeat:
+    """A worker's heartbeat: room is free_kv_blocks x block_size_tokens tokens. Without
+    next_offsets the router counts batches planned after sent_ms against it."""
+    return WorkerHeartbeat(
+        worker_id=worker_id, models=list(partitions), is_ready=is_ready, num_running=0, num_waiting=0,
+        max_num_seqs=64, free_kv_blocks=free_kv_blocks, block_size_tokens=block_size_tokens,
+        partitions=partitions, sent_ms=sent_ms, next_offsets=next_offsets or {},
+    )  # fmt: skip

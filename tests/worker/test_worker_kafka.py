@@ -10,7 +10,7 @@ import pytest
 
 from schemas.codec import decode, decode_reply, encode
 from schemas.messages import AuditEvent, Batch, Cancellation, DeadLetter, ReplyEnd, WorkerHeartbeat
-from schemas.topics import Topics
+from schemas.topics import BATCH_PARTITIONS, Topics
 from services.worker.app import WorkerService
 from services.worker.config import WorkerSettings
 from tests.kafka_helpers import produce, read_until, wait_committed
@@ -32,6 +32,7 @@ warmup = ["def "]
 
 [models.echo]
 engine = "echo"
+max_model_len = 4096
 """)
     return repo
 
@@ -94,6 +95,15 @@ async def test_worker_serves_batches_cancels_and_dead_letters(tmp_path, llama_di
 
         lag = await wait_committed(BOOTSTRAP, topics.worker_group("tiny"), topics.batches("tiny"))
         assert all(c == e for c, e in lag.values()), lag
+
+        # Heartbeats tell the batcher which batch partitions this worker owns (all: it is alone in
+        # the group) and how far it has read them (two records of the tiny topic: b1 and "bad").
+        def read_both(hb: WorkerHeartbeat) -> bool:
+            return sum(hb.next_offsets.get("tiny", {}).values()) == 2
+
+        beats = await read_until(BOOTSTRAP, [topics.workers], lambda rs: any(read_both(decode(WorkerHeartbeat, r.value)) for r in rs))
+        latest = [hb for hb in (decode(WorkerHeartbeat, r.value) for r in beats) if read_both(hb)][-1]
+        assert latest.partitions["tiny"] == latest.partitions["echo"] == list(range(BATCH_PARTITIONS))
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

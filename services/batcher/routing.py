@@ -1,0 +1,161 @@
+"""Routing: which worker, and which of its partitions, a batch goes to. Pure; time passed in.
+
+The batcher reads every WorkerHeartbeat (the compacted workers topic, from the beginning) into a
+`Router`. A worker is routable for a model when its latest heartbeat is ready, names the model,
+lists partitions of the model's batch topic that it owns, and is younger than
+`worker_timeout_ms` (by its `sent_ms`). Its room is what the heartbeat advertises
+(free_kv_blocks x block_size_tokens) less the tokens of the batches planned for it that the
+worker had not read when it sent the heartbeat: a reservation is dropped once a heartbeat's
+`next_offsets` for its partition passes the batch's offset, or the partition is no longer the
+worker's (its next owner reads it). A heartbeat without `next_offsets` for the model drops the
+reservations planned before its `sent_ms`.
+
+Prefix affinity: the head request's prefix (a chat's system message, else the first
+`prefix_chars` characters of its text) is hashed over the model's live workers by rendezvous
+hashing, so requests sharing a prefix go to the worker that has it cached, and only the prefixes
+of a worker that leaves move. When that worker has no room for the head, the batch goes to the
+live worker with the most room instead; when none has room for the head, an idle worker (nothing
+running, waiting or planned) takes it alone, so an underestimated room never stalls a model. A model that no heartbeat has ever named is routed
+without a partition (UNBOUNDED: keyed, Kafka picks), so a deployment without heartbeats still
+works; one whose workers are all stale or full is held.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+from schemas.messages import EmbedRequest, GenerateRequest, WorkerHeartbeat
+from services.batcher.planner import UNBOUNDED, Reservation, Slot
+
+Request = GenerateRequest | EmbedRequest
+
+DEFAULT_PREFIX_CHARS = 256
+
+
+def prefix_key(req: Request, max_chars: int = DEFAULT_PREFIX_CHARS) -> str:
+    """The part of a request that decides its affinity: the system message of a chat, else the
+    first max_chars characters of its text."""
+    if isinstance(req, EmbedRequest):
+        return req.inputs[0][:max_chars]
+    if req.messages is not None:
+        system = [m.content for m in req.messages if m.role == "system"]
+        if system:
+            return system[0][:max_chars]
+        return req.messages[0].content[:max_chars] if req.messages else ""
+    return (req.prompt or "")[:max_chars]
+
+
+def _score(key: str, worker_id: str) -> int:
+    """Rendezvous weight of a worker for a key: the highest one wins."""
+    return int.from_bytes(hashlib.blake2b(f"{worker_id}\0{key}".encode(), digest_size=8).digest(), "big")
+
+
+@dataclass
+class _Worker:
+    """The latest heartbeat of one worker and what was planned for it since."""
+
+    heartbeat: WorkerHeartbeat
+    planned: list[Reservation] = field(default_factory=list)  # not yet read by the worker
+
+    def room_tokens(self) -> int:
+        hb = self.heartbeat
+        return hb.free_kv_blocks * hb.block_size_tokens - sum(r.num_tokens for r in self.planned)
+
+    def is_idle(self) -> bool:
+        """Nothing runs or waits on the worker, and nothing planned for it is unread."""
+        hb = self.heartbeat
+        return hb.num_running == 0 and hb.num_waiting == 0 and not self.planned
+
+    def is_reflected(self, r: Reservation) -> bool:
+        """Whether the current heartbeat already counts reservation r (or r is not this worker's)."""
+        hb = self.heartbeat
+        next_offsets = hb.next_offsets.get(r.model)
+        if next_offsets is None:  # a worker that reports no read positions: go by time
+            return r.planned_ms <= hb.sent_ms
+        if r.offset is None:  # not acknowledged by Kafka yet: the worker cannot have read it
+            return False
+        if r.partition not in hb.partitions.get(r.model, []):
+            return True  # the partition moved: its next owner reads the batch
+        return next_offsets.get(r.partition, 0) > r.offset
+
+    def is_live(self, model: str, now_ms: int, timeout_ms: int) -> bool:
+        hb = self.heartbeat
+        return hb.is_ready and model in hb.models and bool(hb.partitions.get(model)) and now_ms - hb.sent_ms <= timeout_ms
+
+
+class Router:
+    """The live-worker table of one batcher, and the choice of a slot for each batch.
+
+    Implements planner.Placement. Each batcher replica counts only the batches it sent itself.
+    """
+
+    def __init__(self, *, worker_timeout_ms: int, prefix_chars: int = DEFAULT_PREFIX_CHARS) -> None:
+        self.worker_timeout_ms = worker_timeout_ms
+        self.prefix_chars = prefix_chars
+        self._workers: dict[str, _Worker] = {}
+
+    def on_heartbeat(self, hb: WorkerHeartbeat) -> None:
+        """Take a worker's heartbeat, unless a newer one of it is known already."""
+        worker = self._workers.get(hb.worker_id)
+        if worker is None:
+            self._workers[hb.worker_id] = _Worker(hb)
+            return
+        if hb.sent_ms < worker.heartbeat.sent_ms:
+            return
+        worker.heartbeat = hb
+        worker.planned = [r for r in worker.planned if not worker.is_reflected(r)]
+
+    @property
+    def num_workers(self) -> int:
+        """Workers with a heartbeat in the table, live or not."""
+        return len(self._workers)
+
+    def knows(self, model: str) -> bool:
+        """Whether any heartbeat, live or not, has named `model`."""
+        return any(model in w.heartbeat.models for w in self._workers.values())
+
+    def live_workers(self, model: str, now_ms: int) -> list[str]:
+        """Ids of the workers that may receive batches of `model` now."""
+        return sorted(wid for wid, w in self._workers.items() if w.is_live(model, now_ms, self.worker_timeout_ms))
+
+    def room_tokens(self, worker_id: str) -> int:
+        """The room left on a worker, in tokens (may be negative after a stale heartbeat)."""
+        return self._workers[worker_id].room_tokens()
+
+    def place(self, model: str, head: Request, cost_tokens: int, now_ms: int) -> Slot | None:
+        """The slot for a batch led by `head`: its prefix's worker when it has room for the head,
+        else the live worker with the most room; None when none has room (the batch waits)."""
+        if not self.knows(model):
+            return UNBOUNDED
+        live = self.live_workers(model, now_ms)
+        if not live:
+            return None
+        key = prefix_key(head, self.prefix_chars)
+        preferred = max(live, key=lambda wid: _score(key, wid))
+        if self.room_tokens(preferred) >= cost_tokens:
+            chosen = preferred
+        else:
+            chosen = max(live, key=lambda wid: (self.room_tokens(wid), wid))
+            if self.room_tokens(chosen) < cost_tokens:
+                idle = [wid for wid in live if self._workers[wid].is_idle()]
+                if not idle:
+                    return None
+                # Progress over precision: an idle worker takes the head alone even when its
+                # estimate exceeds the advertised room (its engine preempts or refuses it).
+                chosen = max(idle, key=lambda wid: _score(key, wid))
+                return self._slot(model, chosen, key, cost_tokens)
+        return self._slot(model, chosen, key, self.room_tokens(chosen))
+
+    def _slot(self, model: str, worker_id: str, key: str, room_tokens: int) -> Slot:
+        partitions = sorted(self._workers[worker_id].heartbeat.partitions[model])
+        return Slot(worker_id, partitions[_score(key, model) % len(partitions)], room_tokens)
+
+    def record(self, model: str, slot: Slot, num_tokens: int, now_ms: int) -> Reservation | None:
+        """Count a batch planned for slot's worker at now_ms against its room; returns the
+        reservation, whose offset the batcher sets once Kafka acknowledged the batch."""
+        if slot.worker_id is None or slot.partition is None or slot.worker_id not in self._workers:
+            return None
+        reservation = Reservation(slot.worker_id, model, slot.partition, num_tokens, now_ms)
+        self._workers[slot.worker_id].planned.append(reservation)
+        return reservation
