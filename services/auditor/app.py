@@ -4,24 +4,30 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import sqlite3
 from pathlib import Path
 
 from aiokafka.errors import KafkaError
 from faststream import FastStream
+from pydantic import SecretStr
 from faststream.kafka import KafkaBroker
 
 from services.auditor.config import AuditorSettings
 from services.auditor.handlers import DeadLetters, LedgerWriter, register_handlers
-from services.auditor.ledger import LedgerError
+from services.auditor.api import create_api
+from services.auditor.health import HealthMetrics
+from services.auditor.ledger import Ledger, LedgerError
+from services.auditor.watermark import WatermarkDetector
 from weir.bus import instance_id, make_producer
 
 log = logging.getLogger(__name__)
 
 
-def create_app(settings: AuditorSettings) -> FastStream:
-    """The auditor app: one consumer of the audit topic, a ledger, a dead-letter producer.
+def create_app(settings: AuditorSettings, health: HealthMetrics | None = None) -> FastStream:
+    """The auditor app: one consumer of the audit topic, a ledger, a dead-letter producer, and a
+    timer that writes the quiet chains' checkpoints. New records feed `health` (the /metrics).
 
     Nothing connects until the app starts (`await app.run()`, or `async with app:` in tests).
     """
@@ -37,8 +43,17 @@ def create_app(settings: AuditorSettings) -> FastStream:
         allow_auto_create_topics=False,
         log_level=logging.DEBUG,  # per-message "Received"/"Processed" lines
     )
-    writer = LedgerWriter(settings.audit_db)
-    register_handlers(broker, settings, writer)
+    writer = LedgerWriter(settings)
+    register_handlers(broker, settings, writer, health)
+    timers: list[asyncio.Task[None]] = []
+
+    async def checkpoint_quiet_chains() -> None:
+        while True:
+            await asyncio.sleep(min(settings.audit_checkpoint_every_s, 5.0))
+            try:
+                await writer.checkpoint_due()
+            except Exception as exc:  # noqa: BLE001 - retried at the next tick; appends go on
+                log.warning("checkpoint failed (%r); retrying at the next tick", exc)
 
     async def open_ledger_and_producer() -> None:
         producer = make_producer(settings, client_id=f"{client_id}-dlq")
@@ -50,11 +65,17 @@ def create_app(settings: AuditorSettings) -> FastStream:
             await writer.close()
             raise
         dead_letters.producer = producer
-        log.info("auditor %s: ledger %s, consuming %s as group %s", client_id, settings.audit_db,
+        timers.append(asyncio.get_running_loop().create_task(checkpoint_quiet_chains()))
+        log.info("auditor %s: ledger %s, consuming %s as group %s", client_id, writer.name,
                  settings.topics.audit, settings.topics.auditor_group)
 
     async def close_ledger_and_producer() -> None:
         # After the broker stopped: no handler is running any more.
+        for timer in timers:
+            timer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await timer
+        timers.clear()
         if dead_letters.producer is not None:
             await dead_letters.producer.stop()
             dead_letters.producer = None
@@ -63,10 +84,40 @@ def create_app(settings: AuditorSettings) -> FastStream:
     return FastStream(broker, on_startup=[open_ledger_and_producer], after_shutdown=[close_ledger_and_producer])
 
 
+async def serve(settings: AuditorSettings) -> None:
+    """The Kafka app and, unless its port is 0, the HTTP API (lookup, watermark, /metrics)."""
+    import uvicorn
+
+    from services.auditor.fingerprints import simhash_function
+    from schemas.watermark import parse_tenants
+
+    health = HealthMetrics()
+    app = create_app(settings, health)
+    if settings.audit_api_port == 0:
+        await app.run(log_level=logging.INFO)
+        return
+    target = settings.ledger_target()
+    detector = WatermarkDetector(settings.model_repo, parse_tenants(settings.watermark_tenants))
+    api = create_api(settings, lambda: Ledger(target, readonly=True), health, detector, simhash_function())
+    server = uvicorn.Server(uvicorn.Config(api, host=settings.audit_api_host, port=settings.audit_api_port,
+                                           log_level="warning", lifespan="off"))
+    server.install_signal_handlers = lambda: None  # FastStream handles SIGINT/SIGTERM
+    api_task = asyncio.get_running_loop().create_task(server.serve())
+    log.info("auditor API on http://%s:%d (POST /v1/audit/lookup, /v1/audit/watermark; GET /metrics)",
+             settings.audit_api_host, settings.audit_api_port)
+    try:
+        await app.run(log_level=logging.INFO)
+    finally:
+        server.should_exit = True
+        await api_task
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Arguments of `weir auditor`; everything else comes from the environment (config.py)."""
     parser = argparse.ArgumentParser(prog="weir auditor", description="Run the auditor service.")
     parser.add_argument("--db", type=Path, help="ledger SQLite file (env WEIR_AUDIT_DB; default var/audit.sqlite)")
+    parser.add_argument("--dsn", help="ledger PostgreSQL DSN (env WEIR_AUDIT_DSN); replaces --db")
+    parser.add_argument("--port", type=int, help="HTTP API port (env WEIR_AUDIT_API_PORT; default 8100; 0: off)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log each message")
     return parser
 
@@ -77,10 +128,10 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = AuditorSettings()
-    if args.db is not None:
-        settings = settings.model_copy(update={"audit_db": args.db})
+    updates = {"audit_db": args.db, "audit_dsn": SecretStr(args.dsn) if args.dsn else None, "audit_api_port": args.port}
+    settings = settings.model_copy(update={k: v for k, v in updates.items() if v is not None})
     try:
-        asyncio.run(create_app(settings).run(log_level=logging.INFO))
+        asyncio.run(serve(settings))
     except (LedgerError, sqlite3.Error) as exc:
         log.error("auditor cannot use its ledger %s: %s", settings.audit_db, exc)
         return 2

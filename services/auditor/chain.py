@@ -1,18 +1,25 @@
 """The hash chain of the audit log: how a record is hashed, and how a chain is checked.
 
-A record is the canonical JSON (orjson, sorted keys, no whitespace) of
+There is one chain per partition of the audit topic (chain_id = the partition number). A record
+is the canonical JSON (orjson, sorted keys, no whitespace) of
 
     {"event": <AuditEvent as JSON>,
-     "ledger": {"seq": n, "kafka_partition": p, "kafka_offset": o, "appended_ms": t}}
+     "ledger": {"chain_id": c, "seq": n, "kafka_partition": p, "kafka_offset": o, "appended_ms": t}}
 
 and record_hash = sha256(prev_hash || canonical_json), where prev_hash is the record_hash of
-record n-1 (GENESIS_HASH for n = 1), over bytes: the 64 hex digits of prev_hash followed by the
-JSON, both UTF-8. The seq is inside the hashed JSON, so moving a record, or renumbering around a
-deleted or inserted one, shows up even when the seq column is rewritten to look contiguous.
+record n-1 of the same chain (GENESIS_HASH for n = 1), over bytes: the 64 hex digits of prev_hash
+followed by the JSON, both UTF-8. The chain and seq are inside the hashed JSON, so moving a
+record, or renumbering around a deleted or inserted one, shows up even when the columns are
+rewritten to look contiguous.
+
+Every so many records or seconds a chain gets a checkpoint: the Merkle root (RFC 6962 shape) of
+the record hashes since the previous checkpoint, itself hash-chained to the previous checkpoint.
 
 What a chain alone cannot show: a forger who rewrites a record and rehashes every record after
-it, or who appends well-formed records at the end, or who deletes the newest records. Against
-those, keep the head hash (VerifyReport.head_hash) somewhere the ledger's owner cannot write.
+it, or who appends well-formed records at the end, or who deletes the newest records.
+Checkpoints catch the first and the last for the records they cover, as long as they are not
+rewritten too; against a forger who rewrites everything, keep the checkpoint hashes (or the head
+hashes `verify` prints) somewhere the ledger's owner cannot write.
 """
 
 from __future__ import annotations
@@ -29,13 +36,44 @@ GENESIS_HASH = "0" * 64
 Tamper = Literal["edited", "deleted", "inserted", "reordered"]
 
 
-def canonical_record(event: dict[str, Any], seq: int, partition: int, offset: int, appended_ms: int) -> str:
-    """The canonical JSON text of one record (the bytes its hash is taken over, as str)."""
-    record = {
-        "event": event,
-        "ledger": {"seq": seq, "kafka_partition": partition, "kafka_offset": offset, "appended_ms": appended_ms},
-    }
-    return orjson.dumps(record, option=orjson.OPT_SORT_KEYS).decode("utf-8")
+def canonical_record(
+    event: dict[str, Any], seq: int, partition: int, offset: int, appended_ms: int, chain_id: int | None = None
+) -> str:
+    """The canonical JSON text of one record (the bytes its hash is taken over, as str).
+
+    `chain_id` defaults to the partition: one chain per audit-topic partition.
+    """
+    ledger = {"chain_id": partition if chain_id is None else chain_id, "seq": seq,
+              "kafka_partition": partition, "kafka_offset": offset, "appended_ms": appended_ms}
+    return orjson.dumps({"event": event, "ledger": ledger}, option=orjson.OPT_SORT_KEYS).decode("utf-8")
+
+
+def canonical_checkpoint(
+    chain_id: int, num: int, first_seq: int, last_seq: int, merkle_root: str, last_record_hash: str, created_ms: int
+) -> str:
+    """The canonical JSON text of one checkpoint of a chain (hashed like a record)."""
+    checkpoint = {"chain_id": chain_id, "num": num, "first_seq": first_seq, "last_seq": last_seq,
+                  "merkle_root": merkle_root, "last_record_hash": last_record_hash, "created_ms": created_ms}
+    return orjson.dumps({"checkpoint": checkpoint}, option=orjson.OPT_SORT_KEYS).decode("utf-8")
+
+
+def merkle_root(record_hashes: list[str]) -> str:
+    """Merkle tree hash (RFC 6962, section 2.1) over the record hashes (hex), as 64 hex digits.
+
+    leaf = sha256(0x00 || bytes(record_hash)), node = sha256(0x01 || left || right), the left
+    subtree holding the largest power of two below n leaves. Empty list: sha256 of nothing.
+    """
+    leaves = [hashlib.sha256(b"\x00" + bytes.fromhex(h)).digest() for h in record_hashes]
+    return _merkle(leaves).hex()
+
+
+def _merkle(nodes: list[bytes]) -> bytes:
+    if not nodes:
+        return hashlib.sha256(b"").digest()
+    if len(nodes) == 1:
+        return nodes[0]
+    split = 1 << ((len(nodes) - 1).bit_length() - 1)
+    return hashlib.sha256(b"\x01" + _merkle(nodes[:split]) + _merkle(nodes[split:])).digest()
 
 
 def chain_hash(prev_hash: str, canonical_json: str) -> str:
@@ -61,7 +99,7 @@ class ChainRow:
 
 @dataclass(frozen=True)
 class VerifyReport:
-    """The outcome of walking the chain: intact, or the first broken record and what is wrong."""
+    """The outcome of walking one chain: intact, or the first broken record (or checkpoint)."""
 
     num_records: int
     head_hash: str
@@ -69,6 +107,9 @@ class VerifyReport:
     broken_event_id: str | None = None
     kind: Tamper | None = None
     reason: str | None = None
+    chain_id: int = 0
+    num_checkpoints: int = 0
+    broken_checkpoint: int | None = None  # set when a checkpoint, not a record, is what is broken
 
     @property
     def is_ok(self) -> bool:
@@ -76,10 +117,46 @@ class VerifyReport:
         return self.kind is None
 
     def describe(self) -> str:
-        """One line for a person: 'OK: N records, chain intact' or 'BROKEN at record seq=K ...'."""
+        """One line for a person: 'chain C: OK ...' or 'BROKEN chain=C at record seq=K ...'."""
         if self.is_ok:
-            return f"OK: {self.num_records} records, chain intact (head {self.head_hash})"
-        return f"BROKEN at record seq={self.broken_seq} (event_id={self.broken_event_id}): {self.kind}: {self.reason}"
+            return (f"chain {self.chain_id}: {self.num_records} records, {self.num_checkpoints} checkpoints, "
+                    f"intact (head {self.head_hash})")
+        if self.broken_checkpoint is not None:
+            return f"BROKEN chain={self.chain_id} at checkpoint {self.broken_checkpoint}: {self.kind}: {self.reason}"
+        return (f"BROKEN chain={self.chain_id} at record seq={self.broken_seq} (event_id={self.broken_event_id}): "
+                f"{self.kind}: {self.reason}")
+
+
+@dataclass(frozen=True)
+class LedgerReport:
+    """The outcome of verifying every chain of a ledger."""
+
+    chains: list[VerifyReport]
+
+    @property
+    def is_ok(self) -> bool:
+        """True when every chain is intact."""
+        return all(chain.is_ok for chain in self.chains)
+
+    @property
+    def num_records(self) -> int:
+        return sum(chain.num_records for chain in self.chains)
+
+    @property
+    def broken(self) -> list[VerifyReport]:
+        """The broken chains, each with its first broken record or checkpoint."""
+        return [chain for chain in self.chains if not chain.is_ok]
+
+    def chain(self, chain_id: int) -> VerifyReport:
+        """The report of one chain (KeyError when the ledger has no such chain)."""
+        return next(c for c in self.chains if c.chain_id == chain_id)
+
+    def describe(self) -> str:
+        """Lines for a person: a summary ('OK: ...' or 'BROKEN: ...'), then one line per chain."""
+        num_checkpoints = sum(chain.num_checkpoints for chain in self.chains)
+        summary = f"{self.num_records} records in {len(self.chains)} chains, {num_checkpoints} checkpoints"
+        first = f"OK: {summary}, all intact" if self.is_ok else f"BROKEN: {len(self.broken)} chain(s) of {summary}"
+        return "\n".join([first, *(chain.describe() for chain in self.chains)])
 
 
 # Given a hashed seq, where is the record chained under it now: (seq column, event_id), or None.
@@ -167,3 +244,69 @@ def _broken_link(
     return prev, "edited", (
         f"its record_hash is not the one seq={cur.seq} was chained to: it was rewritten and rehashed"
     )
+
+
+@dataclass(frozen=True)
+class CheckpointRow:
+    """One stored checkpoint of a chain as verification sees it (columns as stored)."""
+
+    num: int
+    first_seq: int
+    last_seq: int
+    merkle_root: str
+    last_record_hash: str
+    created_ms: int
+    canonical_json: str
+    prev_hash: str
+    checkpoint_hash: str
+
+
+# (checkpoint num, kind, reason, broken record seq or None) of the first broken checkpoint.
+CheckpointProblem = tuple[int, Tamper, str, "int | None"]
+
+
+def verify_checkpoints(chain_id: int, checkpoints: list[CheckpointRow], record_hashes: list[str]) -> CheckpointProblem | None:
+    """Check a chain's checkpoints (in num order) against its record hashes (seq 1..n, already verified).
+
+    Pure. Each checkpoint must hash to itself, link to the previous one, start where the previous
+    one ended, cover records that exist, and hold their Merkle root.
+    """
+    expected_prev, expected_first = GENESIS_HASH, 1
+    for position, cp in enumerate(checkpoints, start=1):
+        problem = _checkpoint_problem(chain_id, cp, position, expected_prev, expected_first, record_hashes)
+        if problem is not None:
+            return problem
+        expected_prev, expected_first = cp.checkpoint_hash, cp.last_seq + 1
+    return None
+
+
+def _checkpoint_problem(
+    chain_id: int, cp: CheckpointRow, position: int, expected_prev: str, expected_first: int, record_hashes: list[str]
+) -> CheckpointProblem | None:
+    if not all(isinstance(v, str) for v in (cp.canonical_json, cp.prev_hash, cp.checkpoint_hash)):
+        return cp.num, "edited", "its canonical_json or hashes are not text", None
+    if chain_hash(cp.prev_hash, cp.canonical_json) != cp.checkpoint_hash:
+        return cp.num, "edited", "checkpoint_hash does not match its content (content or hash edited)", None
+    stored = canonical_checkpoint(chain_id, cp.num, cp.first_seq, cp.last_seq, cp.merkle_root, cp.last_record_hash,
+                                  cp.created_ms)
+    if stored != cp.canonical_json:
+        return cp.num, "edited", "a column differs from the hashed checkpoint", None
+    if cp.num != position:
+        kind: Tamper = "deleted" if cp.num > position else "reordered"
+        return cp.num, kind, f"it sits at position {position} of the chain's checkpoints", None
+    if cp.prev_hash != expected_prev:
+        return cp.num, "inserted", "its prev_hash is not the hash of the checkpoint before it (forged or rewritten)", None
+    if cp.first_seq != expected_first:
+        return cp.num, "edited", f"it starts at seq={cp.first_seq}; the previous checkpoint ended at seq={expected_first - 1}", None
+    if cp.last_seq > len(record_hashes):
+        return cp.num, "deleted", (
+            f"it covers seq={cp.first_seq}..{cp.last_seq} but the chain ends at seq={len(record_hashes)}: "
+            "the newest records were deleted"
+        ), len(record_hashes) + 1
+    root = merkle_root(record_hashes[cp.first_seq - 1 : cp.last_seq])
+    if root != cp.merkle_root or record_hashes[cp.last_seq - 1] != cp.last_record_hash:
+        return cp.num, "edited", (
+            f"the records seq={cp.first_seq}..{cp.last_seq} no longer hash to its Merkle root: one of them was "
+            "rewritten and the chain rehashed from there on"
+        ), cp.first_seq
+    return None

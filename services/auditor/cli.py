@@ -1,40 +1,69 @@
-"""`weir audit`: check and read the audit ledger (a file; no Kafka needed).
+"""`weir audit`: check, read and search the audit ledger (a file or database; no Kafka needed).
 
-    weir audit verify [--db PATH]                 exit 0: "OK: N records, chain intact"
-                                                  exit 1: "BROKEN at record seq=K (event_id=...): reason"
-    weir audit show [--db PATH] [--limit N] [--json]
+    weir audit verify [--db PATH | --dsn DSN]       exit 0: "OK: N records in C chains, K checkpoints, all intact"
+                                                    exit 1: "BROKEN ..." and a line per chain naming the record
+    weir audit show [--db PATH | --dsn DSN] [--limit N] [--json]
+    weir audit lookup --text TEXT [--db PATH | --dsn DSN] [--key KEY] [--max-distance BITS] [--json]
+    weir audit watermark --text TEXT (--tenant T | --key KEY [--gamma G]) [--model NAME] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
+from pydantic import SecretStr
+
+from schemas.fingerprint import parse_key
+from schemas.watermark import parse_tenants
 from services.auditor.config import AuditorSettings
 from services.auditor.ledger import Ledger, LedgerError
+from services.auditor.lookup import DEFAULT_MAX_DISTANCE, lookup
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Arguments of `weir audit`."""
-    parser = argparse.ArgumentParser(prog="weir audit", description="Check and read the audit ledger.")
+    parser = argparse.ArgumentParser(prog="weir audit", description="Check, read and search the audit ledger.")
     actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
-    verify = actions.add_parser("verify", help="walk the hash chain; exit 1 at the first broken record")
+    verify = actions.add_parser("verify", help="walk every chain and checkpoint; exit 1 if one is broken")
     show = actions.add_parser("show", help="print the newest records")
-    for sub in (verify, show):
+    find = actions.add_parser("lookup", help="records whose prompt or output is this text, exactly or nearly")
+    mark = actions.add_parser("watermark", help="z-score and p-value of a tenant's watermark in a text")
+    for sub in (verify, show, find):
         sub.add_argument("--db", type=Path, help="ledger SQLite file (env WEIR_AUDIT_DB; default var/audit.sqlite)")
+        sub.add_argument("--dsn", help="ledger PostgreSQL DSN (env WEIR_AUDIT_DSN); replaces --db")
     show.add_argument("--limit", type=int, default=20, help="how many of the newest records (default %(default)s)")
     show.add_argument("--json", action="store_true", help="print each record's hashed canonical JSON")
+    find.add_argument("--text", required=True, help="the text asked about")
+    find.add_argument("--key", help="fingerprint key, 'hex:...' or text (default env WEIR_AUDIT_HMAC_KEY)")
+    find.add_argument("--max-distance", type=int, default=DEFAULT_MAX_DISTANCE,
+                      help="most SimHash bits a semantic match differs by (default %(default)s)")
+    find.add_argument("--exact", action="store_true", help="exact matches only (no embedding model needed)")
+    find.add_argument("--json", action="store_true", help="one JSON object per match")
+    mark.add_argument("--text", required=True, help="the text to test")
+    mark.add_argument("--tenant", help="tenant whose watermark to test for (env WEIR_WATERMARK_TENANTS)")
+    mark.add_argument("--key", help="or the watermark key itself, 'hex:...' or text")
+    mark.add_argument("--gamma", type=float, help="green fraction with --key (default 0.25)")
+    mark.add_argument("--model", help="model whose tokenizer to use (default: the repository's first)")
+    mark.add_argument("--json", action="store_true")
     return parser
 
 
 def main(argv: list[str]) -> int:
-    """Run one `weir audit` action; returns the exit status (0 ok, 1 broken chain, 2 unusable file)."""
+    """Run one `weir audit` action; returns the exit status (0 ok, 1 broken chain, 2 unusable input)."""
     args = build_parser().parse_args(argv)
-    path = args.db if args.db is not None else AuditorSettings().audit_db
+    settings = AuditorSettings()
+    if args.action == "watermark":
+        return _watermark(args, settings)
+    if getattr(args, "dsn", None):
+        settings = settings.model_copy(update={"audit_dsn": SecretStr(args.dsn)})
+    elif args.db is not None:
+        settings = settings.model_copy(update={"audit_dsn": None, "audit_db": args.db})
     try:
-        ledger = Ledger(path, readonly=True)
+        ledger = Ledger(settings.ledger_target(), readonly=True)
     except LedgerError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -43,16 +72,62 @@ def main(argv: list[str]) -> int:
             report = ledger.verify()
             print(report.describe())
             return 0 if report.is_ok else 1
+        if args.action == "lookup":
+            return _lookup(args, settings, ledger)
         for record in ledger.records(limit=max(args.limit, 0)):
             print(record["canonical_json"] if args.json else _line(record))
+    return 0
+
+
+def _lookup(args: argparse.Namespace, settings: AuditorSettings, ledger: Ledger) -> int:
+    try:
+        key = parse_key(args.key) if args.key else settings.hmac_key()
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    simhash = None
+    if not args.exact:
+        from services.auditor.fingerprints import simhash_function
+
+        simhash = simhash_function(settings.model_repo)(args.text)
+        if simhash is None:
+            print("note: no fingerprint model here; exact matches only", file=sys.stderr)
+    matches = lookup(ledger, key, args.text, simhash=simhash, max_distance=args.max_distance)
+    for m in matches:
+        if args.json:
+            print(json.dumps(m.as_dict()))
+        else:
+            finished = datetime.fromtimestamp(m.finished_ms / 1000, UTC)
+            print(f"{m.match:<8} {m.field:<6} distance={m.distance:<2} chain={m.chain_id} seq={m.seq} "
+                  f"{finished:%Y-%m-%d %H:%M:%S}Z req={m.request_id} {m.model_version} {m.principal}@{m.tenant}")
+    if not args.json:
+        print(f"{len(matches)} match(es)")
+    return 0
+
+
+def _watermark(args: argparse.Namespace, settings: AuditorSettings) -> int:
+    from services.auditor.watermark import WatermarkDetector
+
+    try:
+        detector = WatermarkDetector(settings.model_repo, parse_tenants(settings.watermark_tenants))
+        found = detector.detect(args.text, tenant=args.tenant, key=parse_key(args.key) if args.key else None,
+                                gamma=args.gamma, model=args.model)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(found.as_dict()))
+    else:
+        print(f"z={found.z_score:.2f} p={found.p_value:.3g} green={found.num_green}/{found.num_scored} scored "
+              f"of {found.num_tokens} tokens")
     return 0
 
 
 def _line(record: dict[str, object]) -> str:
     appended = datetime.fromtimestamp(int(record["appended_ms"]) / 1000, UTC)  # type: ignore[call-overload]
     return (
-        f"{record['seq']:>6} {appended:%Y-%m-%d %H:%M:%S}Z {record['event_id']} req={record['request_id']} "
-        f"{record['model_version']} {record['principal']}@{record['tenant']} {record['finish_reason']} "
-        f"tokens={record['prompt_tokens']}+{record['completion_tokens']} "
+        f"{record['chain_id']:>3}:{record['seq']:<6} {appended:%Y-%m-%d %H:%M:%S}Z {record['event_id']} "
+        f"req={record['request_id']} {record['model_version']} {record['principal']}@{record['tenant']} "
+        f"{record['finish_reason']} tokens={record['prompt_tokens']}+{record['completion_tokens']} "
         f"prompt={str(record['prompt_hmac'])[:12]} output={str(record['output_hmac'])[:12]}"
     )

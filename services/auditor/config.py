@@ -11,8 +11,8 @@ from weir.bus import BusSettings
 
 
 class AuditorSettings(BusSettings):
-    """Kafka settings plus where the ledger lives (env WEIR_AUDIT_DB, WEIR_AUDIT_HMAC_KEY,
-    WEIR_AUDIT_RETRY_BACKOFF_S)."""
+    """Kafka settings plus where the ledger lives and how it is served (env WEIR_AUDIT_*,
+    WEIR_WATERMARK_TENANTS, WEIR_MODEL_REPO)."""
 
     audit_db: Path = Field(Path("var/audit.sqlite"), description="SQLite file of the hash-chained audit log.")
     audit_hmac_key: SecretStr | None = Field(
@@ -23,6 +23,28 @@ class AuditorSettings(BusSettings):
     audit_retry_backoff_s: float = Field(
         1.0, ge=0, description="Wait before an event whose ledger write failed is redelivered."
     )
+    audit_dsn: SecretStr | None = Field(
+        None, description="PostgreSQL DSN (postgresql://...) of the ledger; when set it replaces WEIR_AUDIT_DB."
+    )
+    audit_checkpoint_every_records: int = Field(1000, ge=1, description="A chain's Merkle checkpoint every N records.")
+    audit_checkpoint_every_s: float = Field(
+        60.0, gt=0, description="... or T seconds after its oldest uncheckpointed record, whichever comes first."
+    )
+    audit_api_host: str = Field("127.0.0.1", description="Bind address of the auditor's HTTP API (lookup, /metrics).")
+    audit_api_port: int = Field(8100, ge=0, le=65535, description="Port of the auditor's HTTP API; 0 turns it off.")
+    audit_admin_token: SecretStr | None = Field(
+        None, description="Bearer token of POST /v1/audit/*; unset: those endpoints answer 503."
+    )
+    watermark_tenants: str = Field(
+        "", description='Watermark keys per tenant, JSON {tenant: {"gamma", "delta", "key"}} (as the workers).'
+    )
+    model_repo: str = Field("models.toml", description="Model repository: where the watermark detector finds tokenizers.")
+
+    def ledger_target(self) -> str | Path:
+        """Where the ledger is: the PostgreSQL DSN when set, else the SQLite file."""
+        if self.audit_dsn is not None and self.audit_dsn.get_secret_value():
+            return self.audit_dsn.get_secret_value()
+        return self.audit_db
 
     def hmac_key(self) -> bytes:
         """The fingerprint key as bytes; ValueError naming the setting when it is not set."""

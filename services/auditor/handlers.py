@@ -13,7 +13,6 @@ import asyncio
 import logging
 import sqlite3
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -28,6 +27,7 @@ from schemas.codec import DecodeError, decode
 from schemas.messages import SCHEMA_VERSION, AuditEvent
 from schemas.topics import Topics
 from services.auditor.config import AuditorSettings
+from services.auditor.health import HealthMetrics
 from services.auditor.ledger import Ledger, unstorable_reason
 from weir.bus import send_dead_letter
 
@@ -48,15 +48,27 @@ async def decode_audit_event(msg: StreamMessage[Any]) -> AuditEvent:
 class LedgerWriter:
     """A Ledger on one dedicated thread, so SQLite's fsync never blocks the event loop."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, settings: AuditorSettings) -> None:
+        self.target = settings.ledger_target()
+        self._options = dict(checkpoint_every_records=settings.audit_checkpoint_every_records,
+                             checkpoint_every_s=settings.audit_checkpoint_every_s)
         self._executor: ThreadPoolExecutor | None = None
         self._ledger: Ledger | None = None
 
+    @property
+    def name(self) -> str:
+        """The ledger's file, or database (without credentials), for log lines."""
+        return str(self.target).split("@")[-1]
+
     async def open(self) -> None:
-        """Open (creating if needed) the ledger file; called once at startup."""
+        """Open (creating if needed) the ledger; called once at startup."""
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger")
-        self._ledger = await self._run(Ledger, self.path)
+        self._ledger = await self._run(lambda: Ledger(self.target, **self._options))
+
+    async def checkpoint_due(self) -> int:
+        """Ledger.checkpoint_due on the ledger thread (called on a timer)."""
+        assert self._ledger is not None, "LedgerWriter.open() was not called"
+        return int(await self._run(self._ledger.checkpoint_due))
 
     async def append(self, event: AuditEvent, partition: int, offset: int) -> bool:
         """Ledger.append on the ledger thread; True when the event became a new record."""
@@ -121,8 +133,10 @@ class _DeadLetterScope(BaseMiddleware):
         return True
 
 
-def register_handlers(broker: KafkaBroker, settings: AuditorSettings, writer: LedgerWriter) -> None:
-    """Subscribe the auditor's consumer group to the audit topic."""
+def register_handlers(
+    broker: KafkaBroker, settings: AuditorSettings, writer: LedgerWriter, health: HealthMetrics | None = None
+) -> None:
+    """Subscribe the auditor's consumer group to the audit topic; new records feed `health`."""
     topics = settings.topics
 
     @broker.subscriber(
@@ -148,3 +162,5 @@ def register_handlers(broker: KafkaBroker, settings: AuditorSettings, writer: Le
             raise NackMessage() from exc
         if not is_new:
             log.info("event %s is already in the ledger (redelivery); skipped", event.event_id)
+        elif health is not None:
+            health.observe(event)

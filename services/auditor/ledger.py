@@ -1,16 +1,8 @@
-"""The audit ledger: an append-only, hash-chained SQLite table of AuditEvents.
+"""The audit ledger: one hash chain per audit-topic partition, with Merkle checkpoints.
 
-Pure core of the auditor: no Kafka, no event loop. Each record keeps the event's fields as
-columns (for queries), the canonical JSON they were hashed from, its Kafka origin, and its place
-in the chain (seq, prev_hash, record_hash; see chain.py). Records hold only what AuditEvent
-holds: keyed hashes of texts, never the texts (DESIGN.md, invariant 7).
-
-Appending is idempotent by event_id, so an event redelivered after a crash or a rebalance does
-not become a second record. Triggers refuse UPDATE and DELETE, but verify() does not trust them:
-whoever holds the file can drop them, and verify() finds what they then changed.
-
-Threading: one Ledger is used by one thread at a time (the auditor runs it on a dedicated
-single-thread executor); the connection is opened with check_same_thread=False for that.
+SQLite by default (one file), PostgreSQL when given a DSN (postgresql://...). Both sit behind the
+same Ledger class; only the few statements that differ go through the store (`_SqliteStore`,
+`_PgStore`). See services/auditor/chain.py for how records and checkpoints are hashed.
 """
 
 from __future__ import annotations
@@ -19,7 +11,8 @@ import logging
 import sqlite3
 import types
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
@@ -30,24 +23,37 @@ from schemas.messages import now_ms as wall_clock_ms
 from services.auditor.chain import (
     GENESIS_HASH,
     ChainRow,
+    CheckpointRow,
+    LedgerReport,
     VerifyReport,
+    canonical_checkpoint,
     canonical_record,
     chain_hash,
+    merkle_root,
     verify_chain,
+    verify_checkpoints,
 )
 
 log = logging.getLogger(__name__)
 
 TABLE = "audit_log"
-_LEDGER_COLUMNS = ("kafka_partition", "kafka_offset", "appended_ms")
+CHECKPOINTS = "audit_checkpoints"
+_LEDGER_COLUMNS = ("chain_id", "kafka_partition", "kafka_offset", "appended_ms")
+_CHECKPOINT_COLUMNS = ("chain_id", "num", "first_seq", "last_seq", "merkle_root", "last_record_hash", "created_ms",
+                       "canonical_json", "prev_hash", "checkpoint_hash")
+Dialect = Literal["sqlite", "postgresql"]
+_SQL_TYPES: dict[Dialect, dict[type, str]] = {
+    "sqlite": {int: "INTEGER", float: "REAL", str: "TEXT", bool: "INTEGER"},
+    "postgresql": {int: "BIGINT", float: "DOUBLE PRECISION", str: "TEXT", bool: "BOOLEAN"},
+}
 
 
 class LedgerError(RuntimeError):
-    """The ledger file cannot be used as it is; the message says why and what to do."""
+    """The ledger cannot be used as it is; the message says why and what to do."""
 
 
-def _sql_type(annotation: Any) -> tuple[str, bool]:
-    """(SQLite type, nullable) of one AuditEvent field annotation."""
+def _py_type(annotation: Any) -> tuple[type, bool]:
+    """(Python scalar type, nullable) of one AuditEvent field annotation."""
     args = get_args(annotation)
     nullable = False
     if get_origin(annotation) in (Union, types.UnionType):
@@ -56,57 +62,76 @@ def _sql_type(annotation: Any) -> tuple[str, bool]:
         args = get_args(annotation)
     if get_origin(annotation) is Literal:
         annotation = type(args[0])
-    sql = {int: "INTEGER", float: "REAL", str: "TEXT", bool: "INTEGER"}.get(annotation)
-    if sql is None:
-        raise TypeError(f"AuditEvent field type {annotation!r} has no SQLite column type")
-    return sql, nullable
+    if annotation not in _SQL_TYPES["sqlite"]:
+        raise TypeError(f"AuditEvent field type {annotation!r} has no SQL column type")
+    return annotation, nullable
 
 
-# (name, SQLite type, nullable) of every AuditEvent field, in declaration order.
-EVENT_COLUMNS: list[tuple[str, str, bool]] = [
-    (name, *_sql_type(field.annotation)) for name, field in AuditEvent.model_fields.items()
+# (name, Python type, nullable) of every AuditEvent field, in declaration order.
+EVENT_FIELDS: list[tuple[str, type, bool]] = [
+    (name, *_py_type(field.annotation)) for name, field in AuditEvent.model_fields.items()
 ]
-_EVENT_NAMES = [name for name, _, _ in EVENT_COLUMNS]
-ALL_COLUMNS = ["seq", *_EVENT_NAMES, *_LEDGER_COLUMNS, "canonical_json", "prev_hash", "record_hash"]
+_EVENT_NAMES = [name for name, _, _ in EVENT_FIELDS]
+ALL_COLUMNS = ["chain_id", "seq", *_EVENT_NAMES, *_LEDGER_COLUMNS[1:], "canonical_json", "prev_hash", "record_hash"]
 assert len(set(ALL_COLUMNS)) == len(ALL_COLUMNS), "an AuditEvent field collides with a ledger column"
 
 
-def _table_sql() -> str:
+def _tables_sql(dialect: Dialect) -> list[str]:
+    types_ = _SQL_TYPES[dialect]
+    integer = types_[int]
     event_cols = ",\n  ".join(
-        f"{name} {sql}{'' if nullable else ' NOT NULL'}{' UNIQUE' if name == 'event_id' else ''}"
-        for name, sql, nullable in EVENT_COLUMNS
+        f"{name} {types_[py]}{'' if nullable else ' NOT NULL'}{' UNIQUE' if name == 'event_id' else ''}"
+        for name, py, nullable in EVENT_FIELDS
     )
-    return f"""
+    return [f"""
 CREATE TABLE IF NOT EXISTS {TABLE} (
-  seq INTEGER PRIMARY KEY,
+  chain_id {integer} NOT NULL,
+  seq {integer} NOT NULL,
   {event_cols},
-  kafka_partition INTEGER NOT NULL,
-  kafka_offset INTEGER NOT NULL,
-  appended_ms INTEGER NOT NULL,
+  kafka_partition {integer} NOT NULL,
+  kafka_offset {integer} NOT NULL,
+  appended_ms {integer} NOT NULL,
   canonical_json TEXT NOT NULL,
   prev_hash TEXT NOT NULL,
-  record_hash TEXT NOT NULL
-);
-"""
+  record_hash TEXT NOT NULL,
+  PRIMARY KEY (chain_id, seq)
+)""", f"""
+CREATE TABLE IF NOT EXISTS {CHECKPOINTS} (
+  chain_id {integer} NOT NULL,
+  num {integer} NOT NULL,
+  first_seq {integer} NOT NULL,
+  last_seq {integer} NOT NULL,
+  merkle_root TEXT NOT NULL,
+  last_record_hash TEXT NOT NULL,
+  created_ms {integer} NOT NULL,
+  canonical_json TEXT NOT NULL,
+  prev_hash TEXT NOT NULL,
+  checkpoint_hash TEXT NOT NULL,
+  PRIMARY KEY (chain_id, num)
+)"""]
 
 
-# Indexes for lookups by fingerprint or request; triggers that make the table append-only.
-_EXTRAS_SQL = f"""
-CREATE INDEX IF NOT EXISTS {TABLE}_prompt_hmac ON {TABLE}(prompt_hmac);
-CREATE INDEX IF NOT EXISTS {TABLE}_output_hmac ON {TABLE}(output_hmac);
-CREATE INDEX IF NOT EXISTS {TABLE}_request_id ON {TABLE}(request_id);
-CREATE TRIGGER IF NOT EXISTS {TABLE}_no_update BEFORE UPDATE ON {TABLE}
-BEGIN SELECT RAISE(ABORT, '{TABLE} is append-only'); END;
-CREATE TRIGGER IF NOT EXISTS {TABLE}_no_delete BEFORE DELETE ON {TABLE}
-BEGIN SELECT RAISE(ABORT, '{TABLE} is append-only'); END;
-"""
+def _extras_sql(dialect: Dialect) -> list[str]:
+    """Indexes for lookups by fingerprint or request; triggers that make both tables append-only."""
+    sql = [f"CREATE INDEX IF NOT EXISTS {TABLE}_{c} ON {TABLE}({c})" for c in ("prompt_hmac", "output_hmac", "request_id")]
+    for table in (TABLE, CHECKPOINTS):
+        if dialect == "sqlite":
+            sql += [f"CREATE TRIGGER IF NOT EXISTS {table}_no_{op.lower()} BEFORE {op} ON {table} "
+                    f"BEGIN SELECT RAISE(ABORT, '{table} is append-only'); END" for op in ("UPDATE", "DELETE")]
+        else:
+            sql.append(f"CREATE OR REPLACE TRIGGER {table}_append_only BEFORE UPDATE OR DELETE ON {table} "
+                       "FOR EACH ROW EXECUTE FUNCTION weir_append_only()")
+    if dialect == "postgresql":
+        sql.insert(0, "CREATE OR REPLACE FUNCTION weir_append_only() RETURNS trigger LANGUAGE plpgsql AS "
+                      "$$ BEGIN RAISE EXCEPTION '% is append-only', TG_TABLE_NAME; END $$")
+    return sql
 
 
 _INT64 = range(-(2**63), 2**63)
 
 
 def unstorable_reason(event: AuditEvent) -> str | None:
-    """Why `event` cannot become a record (an integer past SQLite's 64 bits), or None.
+    """Why `event` cannot become a record (an integer past 64 bits), or None.
 
     The auditor's decoder asks this so such an event is dead-lettered instead of retried forever.
     """
@@ -116,40 +141,58 @@ def unstorable_reason(event: AuditEvent) -> str | None:
     return None
 
 
-class Ledger:
-    """The hash-chained audit log in one SQLite file.
+def is_dsn(target: str | Path) -> bool:
+    """True when `target` names a PostgreSQL database rather than a SQLite file."""
+    return isinstance(target, str) and target.startswith(("postgresql://", "postgres://"))
 
-    `Ledger(path)` creates the file and table when missing; `Ledger(path, readonly=True)` opens
-    an existing file for reading only (verify, show) and raises LedgerError if there is none.
+
+class Ledger:
+    """The hash-chained audit log: one chain per audit-topic partition, with Merkle checkpoints.
+
+    `target` is a SQLite file path, or a PostgreSQL DSN (postgresql://...). `Ledger(target)`
+    creates the tables when missing; `readonly=True` opens an existing ledger for reading only
+    (verify, show, lookup) and raises LedgerError if there is none. A chain gets a checkpoint once
+    `checkpoint_every_records` records follow the last one, or at the first append (or
+    `checkpoint_due` call) `checkpoint_every_s` after its oldest uncheckpointed record.
     """
 
-    def __init__(self, path: str | Path, *, readonly: bool = False) -> None:
-        self.path = Path(path)
-        if readonly:
-            if not self.path.is_file():
-                raise LedgerError(f"no audit ledger at {self.path}; pass --db or set WEIR_AUDIT_DB")
-            uri = f"{self.path.resolve().as_uri()}?mode=ro"
-            self._conn = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False)
-        else:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-            # WAL lets `weir audit verify` read while the auditor writes; synchronous=FULL makes a
-            # returned append durable, which the Kafka offset commit that follows relies on.
-            self._conn.execute("PRAGMA journal_mode=WAL")
-            self._conn.execute("PRAGMA synchronous=FULL")
-            self._conn.execute(_table_sql())
-        self._conn.execute("PRAGMA busy_timeout=10000")
+    def __init__(
+        self,
+        target: str | Path,
+        *,
+        readonly: bool = False,
+        checkpoint_every_records: int = 1000,
+        checkpoint_every_s: float = 60.0,
+    ) -> None:
+        if checkpoint_every_records < 1:
+            raise ValueError(f"{checkpoint_every_records=} must be >= 1")
+        self.checkpoint_every_records = checkpoint_every_records
+        self.checkpoint_every_ms = int(checkpoint_every_s * 1000)
+        self._store: _SqliteStore | _PgStore = (
+            _PgStore(str(target), readonly) if is_dsn(target) else _SqliteStore(Path(target), readonly)
+        )
+        self.name = self._store.name
         try:
+            if not readonly:
+                for sql in _tables_sql(self._store.dialect):
+                    self._store.execute(sql)
             self._check_columns()
-        except LedgerError:
-            self._conn.close()
+            if not readonly:
+                for sql in _extras_sql(self._store.dialect):
+                    self._store.execute(sql)
+        except BaseException:
+            self._store.close()
             raise
-        if not readonly:
-            self._conn.executescript(_EXTRAS_SQL)
+
+    @property
+    def path(self) -> Path:
+        """The SQLite file (tests and tools that open it raw)."""
+        assert isinstance(self._store, _SqliteStore)
+        return self._store.path
 
     def close(self) -> None:
-        """Close the file; the Ledger is unusable afterwards."""
-        self._conn.close()
+        """Close the connection; the Ledger is unusable afterwards."""
+        self._store.close()
 
     def __enter__(self) -> Ledger:
         return self
@@ -157,97 +200,182 @@ class Ledger:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    # -- appending ------------------------------------------------------------------------------
+
     def append(self, event: AuditEvent, partition: int, offset: int, *, now_ms: int | None = None) -> bool:
-        """Add `event` as the next record, durably; returns False when its event_id is already in.
+        """Add `event` as the next record of its partition's chain, durably; False when its event_id is in.
 
         Called once per consumed AuditEvent, before its offset is committed. `partition` and
-        `offset` say where in the audit topic it came from; `now_ms` is the append time (epoch ms,
-        default now). A repeat with different content keeps the first record and logs a warning.
+        `offset` say where in the audit topic it came from (the partition is the chain);
+        `now_ms` is the append time (epoch ms, default now). A repeat with different content keeps
+        the first record and logs a warning. Writes the chain's checkpoint when one is due.
         Raises ValueError, touching nothing, for an event unstorable_reason refuses.
         """
         if (reason := unstorable_reason(event)) is not None:
             raise ValueError(f"event {event.event_id} cannot be stored: {reason}")
         appended_ms = wall_clock_ms() if now_ms is None else now_ms
         event_json = event.model_dump(mode="json")
-        with self._transaction():
-            existing = self._conn.execute(
-                f"SELECT seq, canonical_json FROM {TABLE} WHERE event_id = ?", (event.event_id,)
+        chain_id = partition
+        with self._store.transaction(chain_id):
+            existing = self._store.execute(
+                f"SELECT chain_id, seq, canonical_json FROM {TABLE} WHERE event_id = ?", (event.event_id,)
             ).fetchone()
             if existing is not None:
-                if orjson.loads(existing[1]).get("event") != event_json:
-                    log.warning("event_id %s re-sent with different content; kept record seq=%d",
-                                event.event_id, existing[0])
+                if orjson.loads(existing[2]).get("event") != event_json:
+                    log.warning("event_id %s re-sent with different content; kept record chain=%d seq=%d",
+                                event.event_id, existing[0], existing[1])
                 return False
-            tip = self._conn.execute(f"SELECT seq, record_hash FROM {TABLE} ORDER BY seq DESC LIMIT 1").fetchone()
+            tip = self._store.execute(
+                f"SELECT seq, record_hash FROM {TABLE} WHERE chain_id = ? ORDER BY seq DESC LIMIT 1", (chain_id,)
+            ).fetchone()
             seq, prev_hash = (tip[0] + 1, tip[1]) if tip else (1, GENESIS_HASH)
-            canonical = canonical_record(event_json, seq, partition, offset, appended_ms)
-            values = [seq, *(event_json[name] for name in _EVENT_NAMES), partition, offset, appended_ms,
+            canonical = canonical_record(event_json, seq, partition, offset, appended_ms, chain_id)
+            values = [chain_id, seq, *(event_json[name] for name in _EVENT_NAMES), partition, offset, appended_ms,
                       canonical, prev_hash, chain_hash(prev_hash, canonical)]
             marks = ", ".join("?" * len(values))
-            self._conn.execute(f"INSERT INTO {TABLE} ({', '.join(ALL_COLUMNS)}) VALUES ({marks})", values)
+            self._store.execute(f"INSERT INTO {TABLE} ({', '.join(ALL_COLUMNS)}) VALUES ({marks})", values)
+            self._checkpoint_if_due(chain_id, appended_ms)
         return True
 
-    def num_records(self) -> int:
-        """How many records the table holds."""
-        return int(self._conn.execute(f"SELECT count(*) FROM {TABLE}").fetchone()[0])
+    def checkpoint_due(self, now_ms: int | None = None) -> int:
+        """Checkpoint every chain whose oldest uncheckpointed record is `checkpoint_every_s` old.
 
-    def records(self, limit: int | None = None) -> list[dict[str, Any]]:
-        """The newest `limit` records (all when None), oldest first, as {column: value}."""
-        sql = f"SELECT * FROM {TABLE} ORDER BY seq DESC"
-        cursor = self._conn.execute(sql + (" LIMIT ?" if limit is not None else ""),
-                                    (limit,) if limit is not None else ())
-        names = [d[0] for d in cursor.description]
-        return [dict(zip(names, row, strict=True)) for row in reversed(cursor.fetchall())]
+        Called periodically by the auditor (quiet chains get their checkpoint too). Returns how
+        many checkpoints it wrote.
+        """
+        now = wall_clock_ms() if now_ms is None else now_ms
+        written = 0
+        for chain_id in self.chain_ids():
+            with self._store.transaction(chain_id):
+                written += self._checkpoint_if_due(chain_id, now)
+        return written
 
-    def verify(self) -> VerifyReport:
-        """Walk the whole chain; the report names the first broken record, if any."""
-        with self._snapshot():
-            return verify_chain(self._chain_rows(), self.num_records(), self._locate)
-
-    @contextmanager
-    def _transaction(self) -> Iterator[None]:
-        # IMMEDIATE takes the write lock up front: reading the tip and inserting after it is atomic
-        # even if a second process (a misconfigured second auditor) writes the same file.
-        self._conn.execute("BEGIN IMMEDIATE")
-        try:
-            yield
-        except BaseException:
-            self._conn.execute("ROLLBACK")
-            raise
-        self._conn.execute("COMMIT")
-
-    @contextmanager
-    def _snapshot(self) -> Iterator[None]:
-        # One read transaction: verify sees a consistent table while the auditor appends.
-        self._conn.execute("BEGIN")
-        try:
-            yield
-        finally:
-            self._conn.execute("COMMIT")
-
-    def _chain_rows(self) -> Iterator[ChainRow]:
-        cursor = self._conn.execute(f"SELECT {', '.join(ALL_COLUMNS)} FROM {TABLE} ORDER BY seq")
-        for values in cursor:
-            yield _chain_row(dict(zip(ALL_COLUMNS, values, strict=True)))
-
-    def _locate(self, hashed_seq: int) -> tuple[int, str] | None:
-        row = self._conn.execute(
-            f"SELECT seq, event_id FROM {TABLE} WHERE CASE WHEN json_valid(canonical_json) "
-            "THEN json_extract(canonical_json, '$.ledger.seq') END = ? LIMIT 1",
-            (hashed_seq,),
+    def _checkpoint_if_due(self, chain_id: int, now_ms: int) -> bool:
+        last = self._store.execute(
+            f"SELECT num, last_seq, checkpoint_hash FROM {CHECKPOINTS} WHERE chain_id = ? ORDER BY num DESC LIMIT 1",
+            (chain_id,),
         ).fetchone()
-        return (int(row[0]), str(row[1])) if row else None
+        num, last_seq, prev_hash = (last[0] + 1, last[1], last[2]) if last else (1, 0, GENESIS_HASH)
+        pending = self._store.execute(
+            f"SELECT seq, record_hash, appended_ms FROM {TABLE} WHERE chain_id = ? AND seq > ? ORDER BY seq",
+            (chain_id, last_seq),
+        ).fetchall()
+        if not pending:
+            return False
+        if len(pending) < self.checkpoint_every_records and now_ms - pending[0][2] < self.checkpoint_every_ms:
+            return False
+        first_seq, end_seq, end_hash = pending[0][0], pending[-1][0], pending[-1][1]
+        root = merkle_root([row[1] for row in pending])
+        canonical = canonical_checkpoint(chain_id, num, first_seq, end_seq, root, end_hash, now_ms)
+        values = [chain_id, num, first_seq, end_seq, root, end_hash, now_ms, canonical, prev_hash,
+                  chain_hash(prev_hash, canonical)]
+        self._store.execute(
+            f"INSERT INTO {CHECKPOINTS} ({', '.join(_CHECKPOINT_COLUMNS)}) VALUES ({', '.join('?' * len(values))})",
+            values,
+        )
+        return True
+
+    # -- reading --------------------------------------------------------------------------------
+
+    def num_records(self) -> int:
+        """How many records the ledger holds, all chains together."""
+        return int(self._store.execute(f"SELECT count(*) FROM {TABLE}").fetchone()[0])
+
+    def chain_ids(self) -> list[int]:
+        """The chains that have records or checkpoints, ascending."""
+        rows = self._store.execute(
+            f"SELECT chain_id FROM {TABLE} UNION SELECT chain_id FROM {CHECKPOINTS} ORDER BY chain_id"
+        ).fetchall()
+        return [int(r[0]) for r in rows]
+
+    def records(self, limit: int | None = None, chain_id: int | None = None) -> list[dict[str, Any]]:
+        """The newest `limit` records (all when None), of one chain or all, oldest first, as {column: value}.
+
+        Across chains "newest" is by appended_ms, then chain and seq.
+        """
+        where, params = ("WHERE chain_id = ?", [chain_id]) if chain_id is not None else ("", [])
+        sql = f"SELECT {', '.join(ALL_COLUMNS)} FROM {TABLE} {where} ORDER BY appended_ms DESC, chain_id DESC, seq DESC"
+        if limit is not None:
+            sql += " LIMIT ?"
+            params.append(limit)
+        rows = self._store.execute(sql, params).fetchall()
+        return [dict(zip(ALL_COLUMNS, row, strict=True)) for row in reversed(rows)]
+
+    def checkpoints(self, chain_id: int) -> list[CheckpointRow]:
+        """The checkpoints of one chain, in num order."""
+        cols = _CHECKPOINT_COLUMNS[1:]
+        rows = self._store.execute(
+            f"SELECT {', '.join(cols)} FROM {CHECKPOINTS} WHERE chain_id = ? ORDER BY num", (chain_id,)
+        ).fetchall()
+        return [CheckpointRow(**dict(zip(cols, row, strict=True))) for row in rows]
+
+    def find_by_hmac(self, hmacs: list[str]) -> list[dict[str, Any]]:
+        """Records whose prompt_hmac or output_hmac is one of `hmacs`, oldest first."""
+        if not hmacs:
+            return []
+        marks = ", ".join("?" * len(hmacs))
+        rows = self._store.execute(
+            f"SELECT {', '.join(ALL_COLUMNS)} FROM {TABLE} WHERE prompt_hmac IN ({marks}) OR output_hmac IN ({marks}) "
+            "ORDER BY appended_ms, chain_id, seq", [*hmacs, *hmacs],
+        ).fetchall()  # fmt: skip
+        return [dict(zip(ALL_COLUMNS, row, strict=True)) for row in rows]
+
+    def iter_simhashes(self) -> Iterator[tuple[int, int, str | None, str | None]]:
+        """(chain_id, seq, prompt_simhash, output_simhash) of every record that has a SimHash."""
+        cursor = self._store.execute(
+            f"SELECT chain_id, seq, prompt_simhash, output_simhash FROM {TABLE} "
+            "WHERE prompt_simhash IS NOT NULL OR output_simhash IS NOT NULL"
+        )
+        for row in cursor.fetchall():
+            yield int(row[0]), int(row[1]), row[2], row[3]
+
+    def record(self, chain_id: int, seq: int) -> dict[str, Any] | None:
+        """One record by its place, or None."""
+        row = self._store.execute(
+            f"SELECT {', '.join(ALL_COLUMNS)} FROM {TABLE} WHERE chain_id = ? AND seq = ?", (chain_id, seq)
+        ).fetchone()
+        return dict(zip(ALL_COLUMNS, row, strict=True)) if row else None
+
+    # -- verifying ------------------------------------------------------------------------------
+
+    def verify(self) -> LedgerReport:
+        """Walk every chain and its checkpoints; the report names each chain's first broken record."""
+        with self._store.snapshot():
+            return LedgerReport([self.verify_chain(chain_id) for chain_id in self.chain_ids()])
+
+    def verify_chain(self, chain_id: int) -> VerifyReport:
+        """Walk one chain, then its checkpoints against the record hashes."""
+        rows = [_chain_row(r) for r in self.records(chain_id=chain_id)]
+        rows.sort(key=lambda r: r.seq)
+        checkpoints = self.checkpoints(chain_id)
+        report = verify_chain(rows, len(rows), lambda hashed: _locate(rows, hashed))
+        report = replace(report, chain_id=chain_id, num_checkpoints=len(checkpoints))
+        if not report.is_ok:
+            return report
+        problem = verify_checkpoints(chain_id, checkpoints, [r.record_hash for r in rows])
+        if problem is None:
+            return report
+        num, kind, reason, seq = problem
+        event_id = next((r.event_id for r in rows if r.seq == seq), None)
+        return replace(report, kind=kind, reason=reason, broken_checkpoint=num, broken_seq=seq,
+                       broken_event_id=event_id)
 
     def _check_columns(self) -> None:
-        found = [row[1] for row in self._conn.execute(f"PRAGMA table_info({TABLE})")]
-        if not found:
-            raise LedgerError(f"{self.path} has no {TABLE} table; is it an audit ledger?")
-        if sorted(found) != sorted(ALL_COLUMNS):
-            differ = sorted(set(found) ^ set(ALL_COLUMNS))
-            raise LedgerError(
-                f"{self.path} was written for another AuditEvent schema (columns {differ} differ); "
-                "verify it with the auditor version that wrote it, then start a new WEIR_AUDIT_DB"
-            )
+        for table, expected in ((TABLE, ALL_COLUMNS), (CHECKPOINTS, list(_CHECKPOINT_COLUMNS))):
+            found = self._store.columns(table)
+            if not found:
+                raise LedgerError(f"{self.name} has no {table} table; is it an audit ledger?")
+            if sorted(found) != sorted(expected):
+                differ = sorted(set(found) ^ set(expected))
+                raise LedgerError(
+                    f"{self.name} was written for another AuditEvent schema (columns {differ} differ); "
+                    "verify it with the auditor version that wrote it, then start a new WEIR_AUDIT_DB"
+                )
+
+
+def _locate(rows: list[ChainRow], hashed_seq: int) -> tuple[int, str] | None:
+    """Where the record chained as `hashed_seq` sits now: (seq column, event_id), or None."""
+    return next(((r.seq, r.event_id) for r in rows if r.hashed_seq == hashed_seq), None)
 
 
 def _chain_row(row: dict[str, Any]) -> ChainRow:
@@ -274,3 +402,108 @@ def _chain_row(row: dict[str, Any]) -> ChainRow:
             return ChainRow(hashed_seq=hashed_seq, problem=f"column {name}={row[name]!r} differs from the "
                             f"hashed record ({ledger.get(name)!r})", **base)
     return ChainRow(hashed_seq=hashed_seq, **base)
+
+
+class _SqliteStore:
+    """One SQLite file. Appends take the file's write lock (BEGIN IMMEDIATE)."""
+
+    dialect: Dialect = "sqlite"
+
+    def __init__(self, path: Path, readonly: bool) -> None:
+        self.path = path
+        self.name = str(path)
+        if readonly:
+            if not path.is_file():
+                raise LedgerError(f"no audit ledger at {path}; pass --db or set WEIR_AUDIT_DB")
+            uri = f"{path.resolve().as_uri()}?mode=ro"
+            self._conn = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False)
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+            # WAL lets `weir audit verify` read while the auditor writes; synchronous=FULL makes a
+            # returned append durable, which the Kafka offset commit that follows relies on.
+            self._conn.execute("PRAGMA journal_mode=WAL")
+            self._conn.execute("PRAGMA synchronous=FULL")
+        self._conn.execute("PRAGMA busy_timeout=10000")
+
+    def execute(self, sql: str, params: Any = ()) -> sqlite3.Cursor:
+        return self._conn.execute(sql, params)
+
+    def columns(self, table: str) -> list[str]:
+        return [row[1] for row in self._conn.execute(f"PRAGMA table_info({table})")]
+
+    @contextmanager
+    def transaction(self, chain_id: int) -> Iterator[None]:
+        # IMMEDIATE takes the write lock up front: reading the tip and inserting after it is atomic
+        # even if a second process (a second auditor replica) writes the same file.
+        self._conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            self._conn.execute("ROLLBACK")
+            raise
+        self._conn.execute("COMMIT")
+
+    @contextmanager
+    def snapshot(self) -> Iterator[None]:
+        # One read transaction: verify sees a consistent ledger while the auditor appends.
+        self._conn.execute("BEGIN")
+        try:
+            yield
+        finally:
+            self._conn.execute("COMMIT")
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+class _PgStore:
+    """A PostgreSQL database (psycopg 3). Appends to one chain serialise on an advisory lock per chain."""
+
+    dialect: Dialect = "postgresql"
+    _LOCK_SPACE = 0x57E1  # first key of pg_advisory_xact_lock(int, int): Weir's audit chains
+
+    def __init__(self, dsn: str, readonly: bool) -> None:
+        try:
+            import psycopg
+        except ImportError as exc:  # pragma: no cover - psycopg is a dependency
+            raise LedgerError("WEIR_AUDIT_DSN needs psycopg: pip install 'psycopg[binary]'") from exc
+        self._errors = psycopg.errors
+        self.name = dsn.split("@")[-1]  # no password in messages
+        try:
+            self._conn = psycopg.connect(dsn, autocommit=True)
+        except psycopg.Error as exc:
+            raise LedgerError(f"cannot connect to the audit database {self.name}: {exc}") from exc
+        if readonly:
+            self._conn.execute("SET default_transaction_read_only = on")
+        self._conn.execute("SET client_min_messages = warning")
+
+    def execute(self, sql: str, params: Any = ()) -> Any:
+        if params:
+            sql = sql.replace("?", "%s")
+        return self._conn.execute(sql, params or None)
+
+    def columns(self, table: str) -> list[str]:
+        rows = self._conn.execute(
+            "SELECT column_name FROM information_schema.columns WHERE table_schema = current_schema() "
+            "AND table_name = %s", (table,)
+        ).fetchall()  # fmt: skip
+        return [r[0] for r in rows]
+
+    def transaction(self, chain_id: int) -> AbstractContextManager[None]:
+        return self._locked(chain_id)
+
+    @contextmanager
+    def _locked(self, chain_id: int) -> Iterator[None]:
+        with self._conn.transaction():
+            self._conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", (self._LOCK_SPACE, chain_id))
+            yield
+
+    @contextmanager
+    def snapshot(self) -> Iterator[None]:
+        with self._conn.transaction():
+            self._conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+            yield
+
+    def close(self) -> None:
+        self._conn.close()
