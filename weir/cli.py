@@ -2,7 +2,7 @@
 
     weir kafka up|down|status     the local Apache Kafka broker (weir/kafka/launcher.py)
     weir topics create            create a deployment's topics on any cluster
-    weir up | gateway | batcher | worker | auditor | audit | keys | bench
+    weir up | gateway | batcher | worker | auditor | audit | keys | bench | batch | replay
                                   handed to the owning module's main(argv), imported on use
 """
 
@@ -29,6 +29,8 @@ DELEGATED: dict[str, tuple[str, str]] = {
     "audit": ("services.auditor.cli", "query and verify the audit log"),
     "keys": ("services.gateway.keys_cli", "create, revoke and list the gateway's API keys"),
     "bench": ("weir.bench", "benchmark a running deployment"),
+    "batch": ("weir.batch_cli", "submit an OpenAI-format batch file and download its results"),
+    "replay": ("weir.replay", "rerun recorded requests on another model and diff the outputs"),
 }
 
 

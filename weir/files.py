@@ -108,12 +108,24 @@ async def read_file(settings: BusSettings, file_id: str, timeout_s: float, clien
         await consumer.stop()
 
 
+async def is_behind(consumer: AIOKafkaConsumer, ends: dict[TopicPartition, int]) -> bool:
+    """True while the consumer's position on some partition is below its end offset in `ends`."""
+    for tp, end in ends.items():
+        if await consumer.position(tp) < end:
+            return True
+    return False
+
+
 async def partitions_of(consumer: AIOKafkaConsumer, topic: str) -> set[int]:
-    """The partitions of `topic` (fetching metadata); RuntimeError if it does not exist."""
+    """The partitions of `topic`, from fresh metadata; RuntimeError if it does not exist.
+
+    (AIOKafkaConsumer.topics() fetches metadata but does not keep it, so partitions_for_topic
+    stays empty for a topic it neither subscribes nor is assigned; the fetched metadata is read.)
+    """
     for _ in range(50):
-        if topic in await consumer.topics():  # refreshes metadata
-            partitions = consumer.partitions_for_topic(topic)
-            if partitions:
-                return partitions
+        metadata = await consumer._client.fetch_all_metadata()  # noqa: SLF001 - see above
+        partitions = metadata.partitions_for_topic(topic)
+        if partitions:
+            return set(partitions)
         await asyncio.sleep(0.1)
     raise RuntimeError(f"topic {topic} does not exist; run weir topics create")

@@ -34,7 +34,7 @@ from services.batcher.job_core import (
     transition,
 )
 from weir.bus import BusSettings, OffsetTracker, make_consumer, make_producer
-from weir.files import chunk_file, partitions_of, read_file, write_file
+from weir.files import is_behind, chunk_file, partitions_of, read_file, write_file
 from weir.kafka.admin import ensure_topics
 
 log = logging.getLogger("weir.batcher.jobs")
@@ -156,7 +156,7 @@ class JobRunner:
         self.table.assign(tps)
         await self.table.seek_to_beginning(*tps)
         ends = await self.table.end_offsets(tps)
-        while any(await self.table.position(tp) < ends[tp] for tp in tps):
+        while await is_behind(self.table, ends):
             self._apply_table(await self.table.getmany(timeout_ms=200))
 
     async def _follow_table(self) -> None:

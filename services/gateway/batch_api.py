@@ -30,7 +30,7 @@ from services.gateway.config import GatewaySettings
 from services.gateway.guard import Guard
 from services.gateway.openai_format import ApiError
 from weir.bus import instance_id, make_consumer, make_producer
-from weir.files import FileIndex, chunk_file, partitions_of, write_file
+from weir.files import is_behind, FileIndex, chunk_file, partitions_of, write_file
 
 log = logging.getLogger("weir.gateway.batches")
 
@@ -63,7 +63,7 @@ class BatchStore:
         self.follower.assign(tps)
         await self.follower.seek_to_beginning(*tps)
         ends = await self.follower.end_offsets(tps)
-        while any(await self.follower.position(tp) < ends[tp] for tp in tps):
+        while await is_behind(self.follower, ends):
             self._apply(await self.follower.getmany(timeout_ms=200))
         self._task = asyncio.create_task(self._follow())
 
