@@ -1,8 +1,9 @@
 """Wiring of the gateway: the FastAPI app (built by `create_app`, never at import) and `main`.
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (JSON or SSE), POST /v1/embeddings,
-WS /v1/stream, GET /v1/models, GET /healthz, GET /readyz. Every error leaves through one handler, in OpenAI's
-format. Kafka starts in the lifespan, before the server accepts a connection.
+WS /v1/stream, GET /v1/models, GET /healthz, GET /readyz, and OpenAI's Files and Batch APIs
+(batch_api.py). Every error leaves through one handler, in OpenAI's format. Kafka starts in the
+lifespan, before the server accepts a connection.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from schemas.messages import GenerateRequest, ReplyEnd, Usage, now_ms
 from schemas.model_repo import ModelRepository, load_model_repo
+from services.gateway.batch_api import install_batch_api
 from services.gateway.config import GatewaySettings
 from services.gateway.guard import Guard
 from services.gateway.openapi_doc import install_openapi
@@ -75,6 +77,7 @@ def create_app(settings: GatewaySettings, repo: ModelRepository | None = None) -
     app = FastAPI(title="Weir gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.settings, app.state.repo, app.state.bus, app.state.guard = settings, repo, bus, guard
     guard.install(app)
+    app.state.batches = install_batch_api(app, settings, guard)
     for exc_class in (ApiError, StarletteHTTPException, RequestValidationError, ValidationError, Exception):
         app.add_exception_handler(exc_class, on_error)
 
