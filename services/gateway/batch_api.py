@@ -149,7 +149,8 @@ def parse_multipart(content_type: str, body: bytes) -> tuple[dict[str, str], tup
     upload: tuple[str, bytes] | None = None
     for part in message.iter_parts():  # type: ignore[attr-defined]
         name = part.get_param("name", header="content-disposition")
-        data = part.get_payload(decode=True) or b""
+        payload = part.get_payload(decode=True)
+        data = payload if isinstance(payload, bytes) else b""
         if name == "file":
             upload = (part.get_filename() or "upload.jsonl", data)
         elif isinstance(name, str):
