@@ -20,6 +20,7 @@ from email.parser import BytesParser
 from email.policy import HTTP
 from typing import Any
 
+import orjson
 from aiokafka import TopicPartition
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -158,6 +159,20 @@ def parse_multipart(content_type: str, body: bytes) -> tuple[dict[str, str], tup
     return fields, upload
 
 
+def models_in(content: bytes) -> set[str]:
+    """The models the lines of a batch input file name (lines that do not parse are the runner's to refuse)."""
+    models: set[str] = set()
+    for raw in content.splitlines():
+        try:
+            row = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            continue
+        body = row.get("body") if isinstance(row, dict) else None
+        if isinstance(body, dict) and isinstance(body.get("model"), str):
+            models.add(body["model"])
+    return models
+
+
 def install_batch_api(app: FastAPI, settings: GatewaySettings, guard: Guard) -> BatchStore:
     """Add the Files and Batch endpoints to `app`; the store starts and stops with the app."""
     store = BatchStore(settings)
@@ -224,7 +239,8 @@ def install_batch_api(app: FastAPI, settings: GatewaySettings, guard: Guard) -> 
         metadata = body.get("metadata")
         if metadata is not None and (not isinstance(metadata, dict) or len(metadata) > 16):
             raise ApiError(400, "metadata is at most 16 string pairs", param="metadata", code="invalid_value")
-        stored(str(body.get("input_file_id")))
+        for model in models_in(stored(str(body.get("input_file_id"))).content()):
+            guard.authorize(identity, model)  # a key limited to some models stays limited in a batch
         created = now_ms()
         job = BatchJob(job_id=f"batch_{uuid.uuid4().hex}", status="validating", endpoint=body["endpoint"],
                        input_file_id=body["input_file_id"], completion_window=window,
@@ -234,23 +250,24 @@ def install_batch_api(app: FastAPI, settings: GatewaySettings, guard: Guard) -> 
         await store.create_job(job)
         return JSONResponse(batch_object(job))
 
-    def job_of(batch_id: str) -> BatchJob:
+    def job_of(batch_id: str, tenant: str) -> BatchJob:
         job = store.jobs.get(batch_id)
-        if job is None:
+        if job is None or job.tenant != tenant:  # another tenant's batch does not exist for the caller
             raise ApiError(404, f"No batch found with id '{batch_id}'", param="batch_id", code="not_found")
         return job
 
     @app.get("/v1/batches/{batch_id}", tags=["batch"], summary="A batch")
     async def get_batch(batch_id: str, request: Request) -> JSONResponse:
-        guard.authenticate(dict(request.headers))
-        return JSONResponse(batch_object(job_of(batch_id)))
+        identity = guard.authenticate(dict(request.headers))
+        return JSONResponse(batch_object(job_of(batch_id, identity.tenant)))
 
     @app.get("/v1/batches", tags=["batch"], summary="List batches, newest first")
     async def list_batches(request: Request, limit: int = 20, after: str | None = None) -> JSONResponse:
-        guard.authenticate(dict(request.headers))
+        identity = guard.authenticate(dict(request.headers))
         if not 1 <= limit <= 100:
             raise ApiError(400, "limit must be between 1 and 100", param="limit", code="invalid_value")
-        jobs = sorted(store.jobs.values(), key=lambda j: (j.created_ms, j.job_id), reverse=True)
+        mine = (j for j in store.jobs.values() if j.tenant == identity.tenant)
+        jobs = sorted(mine, key=lambda j: (j.created_ms, j.job_id), reverse=True)
         if after is not None:
             ids = [j.job_id for j in jobs]
             jobs = jobs[ids.index(after) + 1:] if after in ids else []
@@ -261,8 +278,8 @@ def install_batch_api(app: FastAPI, settings: GatewaySettings, guard: Guard) -> 
 
     @app.post("/v1/batches/{batch_id}/cancel", tags=["batch"], summary="Cancel a batch")
     async def cancel_batch(batch_id: str, request: Request) -> JSONResponse:
-        guard.authenticate(dict(request.headers))
-        job = job_of(batch_id)
+        identity = guard.authenticate(dict(request.headers))
+        job = job_of(batch_id, identity.tenant)
         if job.status in ("validating", "in_progress", "finalizing"):
             await store.command(batch_id, "cancel")
             # The runner writes the record; the caller sees what it will read next.
