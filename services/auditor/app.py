@@ -101,7 +101,7 @@ async def serve(settings: AuditorSettings) -> None:
     api = create_api(settings, lambda: Ledger(target, readonly=True), health, detector, simhash_function())
     server = uvicorn.Server(uvicorn.Config(api, host=settings.audit_api_host, port=settings.audit_api_port,
                                            log_level="warning", lifespan="off"))
-    server.install_signal_handlers = lambda: None  # FastStream handles SIGINT/SIGTERM
+    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]  # FastStream handles SIGINT/SIGTERM
     api_task = asyncio.get_running_loop().create_task(server.serve())
     log.info("auditor API on http://%s:%d (POST /v1/audit/lookup, /v1/audit/watermark; GET /metrics)",
              settings.audit_api_host, settings.audit_api_port)

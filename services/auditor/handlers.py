@@ -50,8 +50,8 @@ class LedgerWriter:
 
     def __init__(self, settings: AuditorSettings) -> None:
         self.target = settings.ledger_target()
-        self._options = dict(checkpoint_every_records=settings.audit_checkpoint_every_records,
-                             checkpoint_every_s=settings.audit_checkpoint_every_s)
+        self._every_records = settings.audit_checkpoint_every_records
+        self._every_s = settings.audit_checkpoint_every_s
         self._executor: ThreadPoolExecutor | None = None
         self._ledger: Ledger | None = None
 
@@ -63,7 +63,8 @@ class LedgerWriter:
     async def open(self) -> None:
         """Open (creating if needed) the ledger; called once at startup."""
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger")
-        self._ledger = await self._run(lambda: Ledger(self.target, **self._options))
+        self._ledger = await self._run(lambda: Ledger(self.target, checkpoint_every_records=self._every_records,
+                                                      checkpoint_every_s=self._every_s))
 
     async def checkpoint_due(self) -> int:
         """Ledger.checkpoint_due on the ledger thread (called on a timer)."""

@@ -78,9 +78,9 @@ def lookup(
                 if distance <= max_distance:
                     near.append((distance, chain_id, seq, field))
         for distance, chain_id, seq, field in sorted(near)[: max(limit - len(matches), 0)]:
-            record = ledger.record(chain_id, seq)
-            if record is not None:
-                matches.append(_match(record, field, "semantic", distance))  # type: ignore[arg-type]
+            found = ledger.record(chain_id, seq)
+            if found is not None:
+                matches.append(_match(found, field, "semantic", distance))  # type: ignore[arg-type]
     return matches[:limit]
 
 

@@ -156,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
 
     repo = load_model_repo(args.model_repo)
     config = repo.models["weir-tiny-py"]
+    assert config.path is not None
     mark = WatermarkConfig(gamma=0.25, delta=2.0, key=b"bench-watermark-key")
     engine = Engine(config.path, EngineConfig(), torch.device("cpu"), Watermarker({"marked": mark}))
     generate(engine, "warmup", 8)
@@ -165,37 +166,37 @@ def main(argv: list[str] | None = None) -> int:
     if fingerprinter is None:
         print("\n(no fingerprint model: all-MiniLM-L6-v2 cannot load here; fingerprint table skipped)")
     else:
-        outs = list(plain.values())
+        finished = list(plain.values())
         fingerprinter.simhash(["warm up"])
         alone = []
-        for out in outs:
+        for out in finished:
             started = time.perf_counter()
             fingerprinter.simhash([out.prompt_text or "", out.output_text or ""])
             alone.append((time.perf_counter() - started) * 1000)
         started = time.perf_counter()
-        fingerprinter.simhash([t for out in outs for t in (out.prompt_text or "", out.output_text or "")])
-        batched = (time.perf_counter() - started) * 1000 / len(outs)
-        gen_ms = [(out.finished_ms or 0) - (out.received_ms or 0) for out in outs]
-        print(f"\nFingerprinting vs generation ({len(outs)} requests of {args.max_tokens} tokens, generated together "
+        fingerprinter.simhash([t for out in finished for t in (out.prompt_text or "", out.output_text or "")])
+        batched = (time.perf_counter() - started) * 1000 / len(finished)
+        gen_ms = [(out.finished_ms or 0) - (out.received_ms or 0) for out in finished]
+        print(f"\nFingerprinting vs generation ({len(finished)} requests of {args.max_tokens} tokens, generated together "
               "in one continuous batch; fingerprints on one thread)")
         print_table([
             ["generation time per request (ms)", f"{statistics.mean(gen_ms):.0f}", "100%"],
             ["fingerprint, one request alone (ms)", f"{statistics.mean(alone):.1f}",
              f"{100 * statistics.mean(alone) / statistics.mean(gen_ms):.1f}%"],
-            [f"fingerprint, batched {len(outs)} (ms per request)", f"{batched:.1f}",
+            [f"fingerprint, batched {len(finished)} (ms per request)", f"{batched:.1f}",
              f"{100 * batched / statistics.mean(gen_ms):.1f}%"],
         ], ["", "ms", "of generation"])  # fmt: skip
 
     import transformers
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(config.path, dtype=torch.float32).eval()
-    rows = []
-    for name, outs, tenant_mark in (("plain", plain, None), ("watermarked (gamma .25, delta 2)", marked, mark)):
+    table = []
+    for name, outs in (("plain", plain), ("watermarked (gamma .25, delta 2)", marked)):
         ppl = [perplexity(hf, engine.tokenizer, PROMPTS[int(rid.split("-")[1])], out.token_ids)
                for rid, out in sorted(outs.items())]
         zs = [detect(mark, engine.tokenizer.encode(out.output_text or "")).z_score for out in outs.values()]
-        rows.append([name, f"{statistics.mean(ppl):.2f}", f"{statistics.mean(zs):.2f}", f"{min(zs):.2f}"])
+        table.append([name, f"{statistics.mean(ppl):.2f}", f"{statistics.mean(zs):.2f}", f"{min(zs):.2f}"])
     print(f"\nWatermark: {len(PROMPTS)} outputs of {args.max_tokens} tokens each, temperature 1; perplexity under the "
           "unwatermarked model; z of the re-tokenized text")
-    print_table(rows, ["outputs", "perplexity", "mean z", "min z"])
+    print_table(table, ["outputs", "perplexity", "mean z", "min z"])
     return 0
