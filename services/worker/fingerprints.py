@@ -38,8 +38,21 @@ class TextFingerprinter:
         self.num_texts = 0
 
     def simhash(self, texts: list[str]) -> list[str]:
-        """The SimHash of each text, in order (empty texts included)."""
+        """The SimHash of each text, in order (empty texts included).
+
+        Texts run in groups of similar length: a session call pads to its longest text, and a
+        batch mixes short prompts with long outputs.
+        """
         started = time.perf_counter()
+        result: list[str] = [""] * len(texts)
+        for group in _length_groups(texts):
+            for index, value in zip(group, self._simhash_group([texts[i] for i in group]), strict=True):
+                result[index] = value
+        self.busy_s += time.perf_counter() - started
+        self.num_texts += len(texts)
+        return result
+
+    def _simhash_group(self, texts: list[str]) -> list[str]:
         result: list[str] = []
         for start in range(0, len(texts), MAX_EMBED_INPUTS):
             chunk = texts[start : start + MAX_EMBED_INPUTS]
@@ -51,9 +64,18 @@ class TextFingerprinter:
             if final.embeddings is None:
                 raise RuntimeError(f"fingerprint embedding failed: {final.error}")
             result += simhashes(final.embeddings)
-        self.busy_s += time.perf_counter() - started
-        self.num_texts += len(texts)
         return result
+
+
+def _length_groups(texts: list[str]) -> list[list[int]]:
+    """Indices of `texts` by length, cut where a text is over twice (+64 chars) the group's shortest."""
+    groups: list[list[int]] = []
+    for index in sorted(range(len(texts)), key=lambda i: len(texts[i])):
+        if groups and len(texts[index]) <= 2 * len(texts[groups[-1][0]]) + 64:
+            groups[-1].append(index)
+        else:
+            groups.append([index])
+    return groups
 
 
 class FingerprintBatcher:
