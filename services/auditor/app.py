@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import socket
 import sqlite3
 from pathlib import Path
 
@@ -99,12 +100,18 @@ async def serve(settings: AuditorSettings) -> None:
     target = settings.ledger_target()
     detector = WatermarkDetector(settings.model_repo, parse_tenants(settings.watermark_tenants))
     api = create_api(settings, lambda: Ledger(target, readonly=True), health, detector, simhash_function())
-    server = uvicorn.Server(uvicorn.Config(api, host=settings.audit_api_host, port=settings.audit_api_port,
-                                           log_level="warning", lifespan="off"))
+    where = f"{settings.audit_api_host}:{settings.audit_api_port}"
+    try:  # bound here, so a taken port is one log line, not the end of ingestion
+        sock = socket.create_server((settings.audit_api_host, settings.audit_api_port))
+    except OSError as exc:
+        log.error("auditor API cannot listen on %s (%s); ingesting without it. Set WEIR_AUDIT_API_PORT "
+                  "(0 turns the API off)", where, exc)
+        await app.run(log_level=logging.INFO)
+        return
+    server = uvicorn.Server(uvicorn.Config(api, log_level="warning", lifespan="off"))
     server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]  # FastStream handles SIGINT/SIGTERM
-    api_task = asyncio.get_running_loop().create_task(server.serve())
-    log.info("auditor API on http://%s:%d (POST /v1/audit/lookup, /v1/audit/watermark; GET /metrics)",
-             settings.audit_api_host, settings.audit_api_port)
+    api_task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
+    log.info("auditor API on http://%s (POST /v1/audit/lookup, /v1/audit/watermark; GET /metrics)", where)
     try:
         await app.run(log_level=logging.INFO)
     finally:
