@@ -208,6 +208,7 @@ class JobResults:
         self.lines = lines
         self._by_request = {line.request_id: line for line in lines}
         self._results: dict[str, _Result] = {}
+        self.num_pending = sum(1 for line in lines if line.error is None)
 
     def add(self, event: ReplyDelta | ReplyEnd) -> bool:
         """Apply one reply event; returns True when it ended a request for the first time."""
@@ -219,6 +220,7 @@ class JobResults:
         result.last_seq = event.seq
         if isinstance(event, ReplyEnd):
             result.end = event
+            self.num_pending -= 1
             return True
         result.text.append(event.text)
         return False

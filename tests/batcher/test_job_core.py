@@ -88,7 +88,7 @@ def test_results_drop_repeats_and_write_each_custom_id_once():
               ReplyEnd(request_id=rb, seq=0, finish_reason="rejected", error=ErrorInfo(code="x", message="y")),
               ReplyEnd(request_id="someone-else", seq=0, finish_reason="stop")]  # fmt: skip
     assert [results.add(e) for e in events] == [False, True, False, False, True, False]
-    assert [ln.request_id for ln in results.pending()] == [rc]
+    assert [ln.request_id for ln in results.pending()] == [rc] and results.num_pending == 1
     assert results.counts().model_dump() == {"total": 3, "completed": 1, "failed": 1}
     out, errors = results.files("/v1/chat/completions", unfinished_code="batch_cancelled")
     out_rows = [orjson.loads(r) for r in out.splitlines()]

@@ -104,7 +104,9 @@ def test_openai_client_runs_a_batch_beside_interactive_requests(pipeline, client
     elapsed = time.monotonic() - started
     stop.set()
     thread.join(60)
-    print(f"batch of {NUM_LINES} echo requests: {elapsed:.1f}s; {len(interactive)} interactive requests beside it")
+    latencies = sorted(s for _text, s in interactive)
+    print(f"batch of {NUM_LINES} echo requests: {elapsed:.1f}s; {len(interactive)} interactive requests beside it,"
+          f" latency p50 {latencies[len(latencies) // 2]:.2f}s max {latencies[-1]:.2f}s" if latencies else "")
     assert batch.status == "completed", batch
     assert "in_progress" in seen
     assert batch.request_counts.total == batch.request_counts.completed == NUM_LINES
