@@ -183,6 +183,20 @@ def test_replay_of_a_job_on_the_echo_model_matches(pipeline):
     assert all(r["original_text"] == r["new_text"] == r["prompt"].split(": ", 1)[1] for r in rows[:-1])
 
 
+def test_a_restarted_gateway_rebuilds_files_and_batches_from_kafka(pipeline, client):
+    job = getattr(pipeline, "batch_job", None)
+    if job is None:
+        pytest.skip("needs the batch of the first test")
+    before = client.files.content(job.output_file_id).content
+    pipeline.stack.kill("gateway")
+    pipeline.stack.start("gateway")
+    pipeline.wait_ready()
+    again = client.batches.retrieve(job.id)
+    assert (again.status, again.request_counts, again.output_file_id) == ("completed", job.request_counts, job.output_file_id)
+    assert client.files.content(job.output_file_id).content == before
+    assert client.files.retrieve(job.input_file_id).bytes > 0
+
+
 def test_weir_batch_submit_and_weir_replay_by_time_window(pipeline, tmp_path):
     path = write_input(tmp_path / "cli.jsonl", 20, "cli")
     since = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(time.time() - 1))
