@@ -80,6 +80,7 @@ class BatcherHandlers:
         self.planner = planner
         self.router = router
         self._unrouted_models: set[str] = set()  # logged once: no heartbeat names them
+        self._blocked_models: set[str] = set()  # held for lack of room, logged on change
         self.batcher_id = batcher_id
         self._producer = producer
         self._consumer = consumer
@@ -167,6 +168,13 @@ class BatcherHandlers:
     async def on_tick(self, now_ms: int) -> None:
         """Publish the batches due at now_ms and time out the requests that expired while held."""
         result = self.planner.poll(now_ms, self.router)
+        blocked = set(self.planner.blocked_models())
+        for model in blocked - self._blocked_models:
+            live = self.router.live_workers(model, now_ms) if self.router is not None else []
+            log.info("holding model %s: no live worker has room (live: %s)", model, live)
+        for model in self._blocked_models - blocked:
+            log.info("model %s: a worker has room again", model)
+        self._blocked_models = blocked
         for planned in result.batches:
             records = [self._held_records.pop(r.request_id) for r in planned.requests]
             batch = Batch(

@@ -93,7 +93,11 @@ class Scheduler:
                 seq.num_computed = len(seq.block_table) * self.blocks.block_size
             take = min(seq.num_pending, budget)
             if not self.blocks.can_allocate(self.blocks.blocks_needed(seq.num_computed + take) - len(seq.block_table)):
-                break  # wait for running sequences to free blocks; never preempt for a newcomer
+                # Wait for running sequences to free blocks; never preempt for a newcomer. Give back
+                # the prefix blocks just matched: waiting sequences that pin cached blocks can
+                # starve every running one of blocks until nothing runs at all.
+                self._release(seq)
+                break
             self._grow(seq, seq.num_computed + take)
             self.waiting.popleft()
             seq.status = Status.RUNNING
