@@ -246,6 +246,7 @@ class JobExecution:
         last_progress = time.monotonic()
         counts = results.counts()
         lines = results.lines
+        window = self._window(results)
         next_index = 0  # lines are submitted in file order; all before next_index were looked at
         in_flight: set[str] = set()
         while True:
@@ -257,7 +258,7 @@ class JobExecution:
                 return "done"
             in_flight = {r for r in in_flight if not results.is_ended(r)}
             sends = []
-            while next_index < len(lines) and len(in_flight) < self.runner.max_in_flight:
+            while next_index < len(lines) and len(in_flight) < window:
                 line = lines[next_index]
                 next_index += 1
                 if line.request is None or results.is_ended(line.request_id):
@@ -275,6 +276,17 @@ class JobExecution:
                     counts = results.counts()
                     self.job = await self.runner.save(self.job.model_copy(update={"request_counts": counts,
                                                                                   "updated_ms": now_ms()}))
+
+    def _window(self, results: JobResults) -> int:
+        """Most requests in flight: MAX_IN_FLIGHT, and at most half the sequences the job's models
+        run at once, so a bulk job leaves the workers room for interactive requests (workers have
+        no lanes: what they hold, they run in arrival order)."""
+        window = self.runner.max_in_flight
+        for name in {line.model for line in results.lines if line.request is not None}:
+            model = self.runner.repo.get(name)
+            if model is not None:
+                window = min(window, max(1, model.max_num_seqs * model.instances // 2))
+        return window
 
     async def _cancel(self, results: JobResults, replies: AIOKafkaConsumer) -> None:
         self.job = await self.runner.save(transition(self.job, "cancelling", now_ms(), request_counts=results.counts()))
