@@ -13,7 +13,7 @@ from .conftest import start_pipeline
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 MODEL = "weir-tiny-py"
-NUM_REQUESTS = 24
+NUM_REQUESTS = 30
 
 
 async def stream_one(client: httpx.AsyncClient, i: int, first_token: asyncio.Event, log: dict, delay_s: float) -> None:
@@ -44,14 +44,14 @@ async def stream_one(client: httpx.AsyncClient, i: int, first_token: asyncio.Eve
 
 
 async def run_flood_and_kill(pipeline, victim: str, stagger_s: float) -> dict:
-    """NUM_REQUESTS streams, the i-th starting after i * stagger_s; kill -9 `victim` one second
+    """NUM_REQUESTS streams, the i-th starting after i * stagger_s; kill -9 `victim` half a second
     after the first token, restart it a second later, and wait for every stream to end."""
     log: dict = {}
     started = asyncio.Event()
     async with httpx.AsyncClient(base_url=pipeline.base_url, timeout=300, limits=httpx.Limits(max_connections=64)) as client:
         tasks = [asyncio.create_task(stream_one(client, i, started, log, i * stagger_s)) for i in range(NUM_REQUESTS)]
         await asyncio.wait_for(started.wait(), 120)
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(0.5)
         in_flight = NUM_REQUESTS - len(log)
         pipeline.stack.kill(victim)  # SIGKILL: no shutdown code runs
         killed_at = time.monotonic()
