@@ -175,7 +175,9 @@ async def _pipeline_runs(args, levels: list[int]) -> dict[tuple[str, int], RunRe
     env = {"WEIR_KAFKA_BOOTSTRAP": broker.bootstrap, "WEIR_TOPIC_PREFIX": topics.prefix, "WEIR_GATEWAY_PORT": str(port),
            "WEIR_MODEL_REPO": str(Path(args.model_repo).resolve()), "WEIR_MODELS": args.model,
            "WEIR_AUTH_MODE": "open"}  # fmt: skip
-    stack = Stack(env, Path(tempfile.mkdtemp(prefix="weir-bench-")))
+    scratch = Path(tempfile.mkdtemp(prefix="weir-bench-"))
+    env |= {"WEIR_AUDIT_DB": str(scratch / "audit.sqlite"), "WEIR_AUDIT_API_PORT": "0"}
+    stack = Stack(env, scratch)
     results = {}
     try:
         for name in ("auditor", "worker", "batcher", "gateway"):
