@@ -171,7 +171,7 @@ Weir is up.
   models                 {', '.join(models)}
   Kafka                  {bootstrap}
   requests topic         {topics.requests}
-  reply topics           {topics.replies('<your-id>')}  (name yours in reply_to)
+  reply topics           {topics.prefix}.replies.<your-id>  (name yours in reply_to)
   control / workers      {topics.control} / {topics.workers}
   audit / dead letters   {topics.audit} / {topics.dead_letter}
   batches                {', '.join(topics.batches(m) for m in models)}
