@@ -148,7 +148,7 @@ class LlamaArgs:
     num_hidden_layers: int = 4
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
-    max_position_embeddings: int = 512
+    max_position_embeddings: int = 1024
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     tie_word_embeddings: bool = True
@@ -365,7 +365,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--max-position-embeddings", type=int, default=512)
+    p.add_argument("--max-position-embeddings", type=int, default=1024)
     p.add_argument("--seq-len", type=int, default=256, help="training context length")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--steps", type=int, default=1000)
