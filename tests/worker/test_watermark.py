@@ -2,8 +2,9 @@
 
 Evidence the issue asks for: watermarked texts of >= 200 tokens score z > 4 after the text is
 re-tokenized (as the auditor's detector does); unwatermarked texts do not; the false-positive
-rate at z > 4 over 1,000 unwatermarked 200-token sequences (uniform random token ids, seeded) is
-<= 1%; the watermark keeps a request's tokens deterministic.
+rate at z > 4 is <= 1% over 1,000 unwatermarked 200-token sequences, both uniform random token ids
+and windows of human-written text (the Python standard library's source); the watermark keeps a
+request's tokens deterministic.
 """
 
 from __future__ import annotations
@@ -82,6 +83,25 @@ def test_false_positive_rate_over_1000_random_sequences() -> None:
     print(f"FPR at z>4 over 1000 random 200-token sequences: {fpr:.3%}; mean z {zs.mean():.3f}, max {zs.max():.2f}")
     assert fpr <= 0.01
     assert abs(float(zs.mean())) < 0.2  # the null is centred: gamma is the green fraction
+
+
+def test_false_positive_rate_over_1000_human_written_texts(engine: Engine) -> None:
+    """1,000 windows of 200 tokens of the Python standard library's own source: real text that no
+    watermark touched (and repetitive, a harder null than random tokens)."""
+    import sysconfig
+
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    windows: list[list[int]] = []
+    for file in files:
+        ids = engine.tokenizer.encode(file.read_text(errors="replace"))
+        windows += [ids[i : i + 200] for i in range(0, len(ids) - 200, 200)][:10]
+        if len(windows) >= 1000:
+            break
+    assert len(windows) >= 1000
+    zs = np.array([detect(CONFIG, w).z_score for w in windows[:1000]])
+    fpr = float((zs > 4).mean())
+    print(f"FPR at z>4 over 1000 stdlib 200-token windows: {fpr:.3%}; mean z {zs.mean():.3f}, max {zs.max():.2f}")
+    assert fpr <= 0.01
 
 
 def test_green_list_is_a_gamma_fraction_and_membership_agrees() -> None:
