@@ -59,32 +59,27 @@ def encode(message: BaseModel) -> bytes:
 
 def decode(kind: type[M], data: bytes | None) -> M:
     """Parse bytes into `kind`; raises DecodeError with the reason on any defect."""
-    try:
-        return kind.model_validate(orjson.loads(data or b""))
-    except orjson.JSONDecodeError as exc:
-        raise DecodeError(f"not JSON: {exc}") from exc
-    except ValueError as exc:  # pydantic.ValidationError is a ValueError
-        raise DecodeError(f"invalid {kind.__name__}: {_short(exc)}") from exc
+    return _validated(kind.model_validate, kind.__name__, data)
 
 
 def decode_reply(data: bytes | None) -> Any:
     """Parse a ReplyDelta or ReplyEnd by its `type` field."""
-    try:
-        return _REPLY.validate_python(orjson.loads(data or b""))
-    except orjson.JSONDecodeError as exc:
-        raise DecodeError(f"not JSON: {exc}") from exc
-    except ValueError as exc:
-        raise DecodeError(f"invalid ReplyEvent: {_short(exc)}") from exc
+    return _validated(_REPLY.validate_python, "ReplyEvent", data)
 
 
 def decode_request(data: bytes | None) -> GenerateRequest | EmbedRequest:
     """Parse a record of `weir.requests` by its `kind` field ("generate" when absent, "embed")."""
+    return _validated(_REQUEST.validate_python, "request", data)
+
+
+def _validated(validate: Any, what: str, data: bytes | None) -> Any:
+    """validate(parsed JSON), with every defect turned into a DecodeError that says what and why."""
     try:
-        return _REQUEST.validate_python(orjson.loads(data or b""))
+        return validate(orjson.loads(data or b""))
     except orjson.JSONDecodeError as exc:
         raise DecodeError(f"not JSON: {exc}") from exc
-    except ValueError as exc:
-        raise DecodeError(f"invalid request: {_short(exc)}") from exc
+    except ValueError as exc:  # pydantic.ValidationError is a ValueError
+        raise DecodeError(f"invalid {what}: {_short(exc)}") from exc
 
 
 def json_schema(name: str) -> dict[str, Any]:

@@ -220,15 +220,16 @@ class ModelServer:
         Returns a future of the durable write, which settle() waits for before the batch offset
         may be committed (a crash before it redoes the request, and so the AuditEvent).
         """
-        if self.fingerprints is None:
+        fingerprints = self.fingerprints
+        if fingerprints is None:
             return await self._send(self.topics.audit, encode(self.audit_event(flight, out)), key)
 
         async def fingerprint_then_send() -> object:
             event = self.audit_event(flight, out)
             try:
-                prompt_sh, output_sh = await self.fingerprints.simhash(out.prompt_text or "", out.output_text or "")
+                prompt_sh, output_sh = await fingerprints.simhash(out.prompt_text or "", out.output_text or "")
                 event = event.model_copy(update={"prompt_simhash": prompt_sh, "output_simhash": output_sh,
-                                                 "fingerprint_model": self.fingerprints.model})
+                                                 "fingerprint_model": fingerprints.model})
             except Exception as exc:  # noqa: BLE001 - the HMACs still go out
                 log.warning("fingerprinting %s failed (%r); its AuditEvent has no SimHash", flight.request.request_id, exc)
             return await (await self._send(self.topics.audit, encode(event), key))
