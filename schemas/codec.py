@@ -11,6 +11,7 @@ from schemas.messages import (
     AnyRequest,
     ApiKeyRecord,
     AuditEvent,
+    AuditRecord,
     Batch,
     BatchJob,
     Cancellation,
@@ -20,6 +21,7 @@ from schemas.messages import (
     GenerateRequest,
     JobCommand,
     ReplyEvent,
+    ReviewFlag,
     UsageRecord,
     WorkerHeartbeat,
 )
@@ -28,6 +30,7 @@ M = TypeVar("M", bound=BaseModel)
 
 _REPLY = TypeAdapter(ReplyEvent)
 _REQUEST: TypeAdapter[GenerateRequest | EmbedRequest] = TypeAdapter(AnyRequest)
+_AUDIT_RECORD: TypeAdapter[AuditEvent | ReviewFlag] = TypeAdapter(AuditRecord)
 
 # name -> type; the JSON Schema of each is exported to schemas/json/ and pinned by golden tests.
 WIRE_TYPES: dict[str, Any] = {
@@ -39,6 +42,8 @@ WIRE_TYPES: dict[str, Any] = {
     "Batch": Batch,
     "WorkerHeartbeat": WorkerHeartbeat,
     "AuditEvent": AuditEvent,
+    "ReviewFlag": ReviewFlag,
+    "AuditRecord": _AUDIT_RECORD,
     "DeadLetter": DeadLetter,
     "ApiKeyRecord": ApiKeyRecord,
     "UsageRecord": UsageRecord,
@@ -70,6 +75,11 @@ def decode_reply(data: bytes | None) -> Any:
 def decode_request(data: bytes | None) -> GenerateRequest | EmbedRequest:
     """Parse a record of `weir.requests` by its `kind` field ("generate" when absent, "embed")."""
     return _validated(_REQUEST.validate_python, "request", data)
+
+
+def decode_audit_record(data: bytes | None) -> AuditEvent | ReviewFlag:
+    """Parse a record of `weir.audit` by its `kind` field (AuditEvent when absent, "review_flag")."""
+    return _validated(_AUDIT_RECORD.validate_python, "audit record", data)
 
 
 def _validated(validate: Any, what: str, data: bytes | None) -> Any:

@@ -285,6 +285,55 @@ class AuditEvent(_Wire):
     )
 
 
+class ReviewFlag(_Wire):
+    """A principal flagged for human review by a gateway's input guard, on `weir.audit` keyed by principal.
+
+    A gateway publishes one when a principal reaches its threshold of high-risk detections within
+    `window_s` (e.g. 5 prompt-injection detections in an hour). Like AuditEvent it holds no raw
+    text (DESIGN.md, invariant 7): only counts, times and the names of the rules that fired.
+    """
+
+    # `kind` has a default for Python callers, but on the wire it is required: an audit record
+    # without it is read as an AuditEvent.
+    model_config = ConfigDict(json_schema_extra=lambda schema: schema.setdefault("required", []).insert(0, "kind"))
+
+    kind: Literal["review_flag"] = Field("review_flag", description="Message kind discriminator; required on the wire.")
+    flag_id: str = Field(min_length=1, max_length=128, description="Idempotency key: one ledger record per flag_id.")
+    principal: str = Field(min_length=1, max_length=256, description="Who is flagged (API key owner or JWT subject).")
+    tenant: str = Field(min_length=1, max_length=256, description="Tenant the principal belongs to.")
+    reason: Literal["prompt_injection"] = Field(description="What the detections were of.")
+    num_detections: int = Field(ge=1, description="High-risk detections of the principal within the window.")
+    window_s: int = Field(ge=1, description="Length of the sliding window the detections were counted in, seconds.")
+    first_detection_ms: int = Field(description="First detection counted, epoch ms.")
+    last_detection_ms: int = Field(description="Last detection counted (the one that raised the flag), epoch ms.")
+    rules: list[str] = Field(
+        default_factory=list, max_length=64,
+        description="Names of the detector rules that fired in the window (rule names, never prompt text).",
+    )
+    gateway_id: str = Field(min_length=1, description="Gateway instance that raised the flag.")
+    created_ms: int = Field(default_factory=now_ms, description="When the flag was raised, epoch ms.")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ReviewFlag:
+        if self.last_detection_ms < self.first_detection_ms:
+            raise ValueError(f"{self.last_detection_ms=} must be >= {self.first_detection_ms=}")
+        return self
+
+
+def _audit_kind(value: Any) -> str:
+    # AuditEvent has no `kind` field (its records predate ReviewFlag): absent means an AuditEvent.
+    if isinstance(value, dict):
+        return str(value.get("kind", "audit_event"))
+    return str(getattr(value, "kind", "audit_event"))
+
+
+AuditRecord = Annotated[
+    Annotated[AuditEvent, Tag("audit_event")] | Annotated[ReviewFlag, Tag("review_flag")],
+    Discriminator(_audit_kind),
+]
+"""What `weir.audit` carries: an AuditEvent (no `kind`) or a ReviewFlag (`"kind": "review_flag"`)."""
+
+
 class DeadLetter(_Wire):
     """A message a consumer could not use, with the reason, on `weir.dlq`."""
 

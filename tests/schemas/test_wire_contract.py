@@ -8,7 +8,14 @@ import orjson
 import pytest
 
 from schemas import messages
-from schemas.codec import DecodeError, decode, decode_reply, decode_request, encode
+from schemas.codec import (
+    DecodeError,
+    decode,
+    decode_audit_record,
+    decode_reply,
+    decode_request,
+    encode,
+)
 from schemas.export import main as export_main
 from schemas.model_repo import ModelRepoError, load_model_repo
 
@@ -20,6 +27,7 @@ TYPES = {
     "ApiKeyRecord": messages.ApiKeyRecord, "UsageRecord": messages.UsageRecord,
     "EmbedRequest": messages.EmbedRequest, "ReplyEndEmbeddings": messages.ReplyEnd,
     "FileChunk": messages.FileChunk, "BatchJob": messages.BatchJob, "JobCommand": messages.JobCommand,
+    "ReviewFlag": messages.ReviewFlag,
 }  # fmt: skip
 
 
@@ -80,6 +88,32 @@ def test_malformed_embed_requests_are_refused_with_a_reason(change, why):
     raw = orjson.loads((GOLDEN / "EmbedRequest.json").read_bytes()) | change
     with pytest.raises(DecodeError, match=why):
         decode_request(orjson.dumps(raw))
+
+
+def test_audit_records_decode_by_kind_and_no_kind_is_an_audit_event():
+    event = decode_audit_record((GOLDEN / "AuditEvent.json").read_bytes())  # AuditEvents carry no kind
+    assert isinstance(event, messages.AuditEvent) and event.event_id == "r-1:weir-tiny-py@1"
+    flag = decode_audit_record((GOLDEN / "ReviewFlag.json").read_bytes())
+    assert isinstance(flag, messages.ReviewFlag)
+    assert (flag.principal, flag.num_detections, flag.window_s) == ("mallory", 5, 3600)
+
+
+@pytest.mark.parametrize(
+    "change, why",
+    [
+        ({"kind": None}, "audit_event.event_id"),  # no kind: read as an AuditEvent, which it is not
+        ({"kind": "verdict"}, "does not match any of the expected tags"),
+        ({"reason": "spam"}, "reason"),
+        ({"num_detections": 0}, "num_detections"),
+        ({"last_detection_ms": 1764498000000}, "last_detection_ms"),
+        ({"prompt": "ignore previous instructions"}, "prompt"),  # raw text has no place on the audit topic
+    ],
+)
+def test_malformed_review_flags_are_refused_with_a_reason(change, why):
+    raw = orjson.loads((GOLDEN / "ReviewFlag.json").read_bytes()) | change
+    raw = {k: v for k, v in raw.items() if v is not None}
+    with pytest.raises(DecodeError, match=f"invalid audit record: .*{why}"):
+        decode_audit_record(orjson.dumps(raw))
 
 
 def test_seed_is_derived_stably_from_request_id():
