@@ -2,11 +2,12 @@
 
     POST /v1/audit/lookup     {"text", "hmac_key"?, "max_distance"?, "limit"?}   bearer admin token
     POST /v1/audit/watermark  {"text", "tenant"? | "key"?, "gamma"?, "model"?}    bearer admin token
+    GET  /v1/audit/reviews    ?principal=&limit=: the newest review flags              bearer admin token
     GET  /metrics             Prometheus text: health signals of the audit stream
 
 The auditor is the only service that holds the ledger, so it serves these (DESIGN.md: services
 talk over Kafka; this is an operator's endpoint, bound to 127.0.0.1 by default). The token is
-WEIR_AUDIT_ADMIN_TOKEN; when it is unset the POST endpoints answer 503.
+WEIR_AUDIT_ADMIN_TOKEN; when it is unset those endpoints answer 503.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import hmac
 from collections.abc import Callable
 from typing import Any
 
-from fastapi import Depends, FastAPI, HTTPException, Request
+import orjson
+from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, Field
 
@@ -91,8 +93,27 @@ def create_api(
             raise HTTPException(400, str(exc)) from exc
         return found.as_dict()
 
+    @api.get("/v1/audit/reviews", dependencies=[Depends(require_admin)])
+    def get_reviews(
+        principal: str | None = Query(None, description="Only this principal's flags."),
+        limit: int = Query(100, ge=1, le=1000, description="Most flags returned, the newest."),
+    ) -> dict[str, Any]:
+        try:
+            with open_ledger() as ledger:
+                rows = ledger.review_flags.rows(limit=limit, principal=principal)
+        except LedgerError as exc:
+            raise HTTPException(503, str(exc)) from exc
+        return {"flags": [_flag_json(row) for row in rows]}
+
     @api.get("/metrics", response_class=PlainTextResponse)
     def get_metrics() -> PlainTextResponse:
         return PlainTextResponse(health.render(), media_type="text/plain; version=0.0.4")
 
     return api
+
+
+def _flag_json(row: dict[str, Any]) -> dict[str, Any]:
+    """A stored review flag for the API: the ReviewFlag's fields, then where the ledger holds it."""
+    record = orjson.loads(row["canonical_json"])
+    return {**record["review_flag"], "chain_id": row["chain_id"], "seq": row["seq"],
+            "appended_ms": row["appended_ms"], "record_hash": row["record_hash"]}

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import orjson
@@ -34,6 +34,8 @@ import orjson
 GENESIS_HASH = "0" * 64
 
 Tamper = Literal["edited", "deleted", "inserted", "reordered"]
+# Which log a chain belongs to: the AuditEvents' (audit_log) or the ReviewFlags' (review_flags).
+Log = Literal["audit", "review_flags"]
 
 
 def canonical_record(
@@ -110,6 +112,7 @@ class VerifyReport:
     chain_id: int = 0
     num_checkpoints: int = 0
     broken_checkpoint: int | None = None  # set when a checkpoint, not a record, is what is broken
+    log: Log = "audit"  # review_flags: broken_event_id is the flag_id
 
     @property
     def is_ok(self) -> bool:
@@ -118,6 +121,11 @@ class VerifyReport:
 
     def describe(self) -> str:
         """One line for a person: 'chain C: OK ...' or 'BROKEN chain=C at record seq=K ...'."""
+        if self.log == "review_flags":
+            if self.is_ok:
+                return f"review flags chain {self.chain_id}: {self.num_records} flags, intact (head {self.head_hash})"
+            return (f"BROKEN review flags chain={self.chain_id} at flag seq={self.broken_seq} "
+                    f"(flag_id={self.broken_event_id}): {self.kind}: {self.reason}")
         if self.is_ok:
             return (f"chain {self.chain_id}: {self.num_records} records, {self.num_checkpoints} checkpoints, "
                     f"intact (head {self.head_hash})")
@@ -129,23 +137,28 @@ class VerifyReport:
 
 @dataclass(frozen=True)
 class LedgerReport:
-    """The outcome of verifying every chain of a ledger."""
+    """The outcome of verifying every chain of a ledger: the AuditEvents' and the ReviewFlags'."""
 
     chains: list[VerifyReport]
+    flag_chains: list[VerifyReport] = field(default_factory=list)
 
     @property
     def is_ok(self) -> bool:
-        """True when every chain is intact."""
-        return all(chain.is_ok for chain in self.chains)
+        """True when every chain, of records and of review flags, is intact."""
+        return all(chain.is_ok for chain in [*self.chains, *self.flag_chains])
 
     @property
     def num_records(self) -> int:
         return sum(chain.num_records for chain in self.chains)
 
     @property
+    def num_flags(self) -> int:
+        return sum(chain.num_records for chain in self.flag_chains)
+
+    @property
     def broken(self) -> list[VerifyReport]:
-        """The broken chains, each with its first broken record or checkpoint."""
-        return [chain for chain in self.chains if not chain.is_ok]
+        """The broken chains (audit ones first), each with its first broken record or checkpoint."""
+        return [chain for chain in [*self.chains, *self.flag_chains] if not chain.is_ok]
 
     def chain(self, chain_id: int) -> VerifyReport:
         """The report of one chain (KeyError when the ledger has no such chain)."""
@@ -156,7 +169,9 @@ class LedgerReport:
         num_checkpoints = sum(chain.num_checkpoints for chain in self.chains)
         summary = f"{self.num_records} records in {len(self.chains)} chains, {num_checkpoints} checkpoints"
         first = f"OK: {summary}, all intact" if self.is_ok else f"BROKEN: {len(self.broken)} chain(s) of {summary}"
-        return "\n".join([first, *(chain.describe() for chain in self.chains)])
+        if self.flag_chains:  # ledgers without review flags print as before
+            first += f"; {self.num_flags} review flags in {len(self.flag_chains)} chains"
+        return "\n".join([first, *(chain.describe() for chain in [*self.chains, *self.flag_chains])])
 
 
 # Given a hashed seq, where is the record chained under it now: (seq column, event_id), or None.

@@ -3,6 +3,7 @@
     weir audit verify [--db PATH | --dsn DSN]       exit 0: "OK: N records in C chains, K checkpoints, all intact"
                                                     exit 1: "BROKEN ..." and a line per chain naming the record
     weir audit show [--db PATH | --dsn DSN] [--limit N] [--json]
+    weir audit reviews [--db PATH | --dsn DSN] [--principal P] [--limit N] [--json]
     weir audit lookup --text TEXT [--db PATH | --dsn DSN] [--key KEY] [--max-distance BITS] [--json]
     weir audit watermark --text TEXT (--tenant T | --key KEY [--gamma G]) [--model NAME] [--json]
 """
@@ -30,13 +31,17 @@ def build_parser() -> argparse.ArgumentParser:
     actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     verify = actions.add_parser("verify", help="walk every chain and checkpoint; exit 1 if one is broken")
     show = actions.add_parser("show", help="print the newest records")
+    reviews = actions.add_parser("reviews", help="print the newest review flags (principals to review)")
     find = actions.add_parser("lookup", help="records whose prompt or output is this text, exactly or nearly")
     mark = actions.add_parser("watermark", help="z-score and p-value of a tenant's watermark in a text")
-    for sub in (verify, show, find):
+    for sub in (verify, show, reviews, find):
         sub.add_argument("--db", type=Path, help="ledger SQLite file (env WEIR_AUDIT_DB; default var/audit.sqlite)")
         sub.add_argument("--dsn", help="ledger PostgreSQL DSN (env WEIR_AUDIT_DSN); replaces --db")
     show.add_argument("--limit", type=int, default=20, help="how many of the newest records (default %(default)s)")
     show.add_argument("--json", action="store_true", help="print each record's hashed canonical JSON")
+    reviews.add_argument("--principal", help="only this principal's flags")
+    reviews.add_argument("--limit", type=int, default=20, help="how many of the newest flags (default %(default)s)")
+    reviews.add_argument("--json", action="store_true", help="print each flag's hashed canonical JSON")
     find.add_argument("--text", required=True, help="the text asked about")
     find.add_argument("--key", help="fingerprint key, 'hex:...' or text (default env WEIR_AUDIT_HMAC_KEY)")
     find.add_argument("--max-distance", type=int, default=DEFAULT_MAX_DISTANCE,
@@ -74,6 +79,10 @@ def main(argv: list[str]) -> int:
             return 0 if report.is_ok else 1
         if args.action == "lookup":
             return _lookup(args, settings, ledger)
+        if args.action == "reviews":
+            for flag in ledger.review_flags.rows(limit=max(args.limit, 0), principal=args.principal):
+                print(flag["canonical_json"] if args.json else _flag_line(flag))
+            return 0
         for record in ledger.records(limit=max(args.limit, 0)):
             print(record["canonical_json"] if args.json else _line(record))
     return 0
@@ -130,4 +139,15 @@ def _line(record: dict[str, object]) -> str:
         f"req={record['request_id']} {record['model_version']} {record['principal']}@{record['tenant']} "
         f"{record['finish_reason']} tokens={record['prompt_tokens']}+{record['completion_tokens']} "
         f"prompt={str(record['prompt_hmac'])[:12]} output={str(record['output_hmac'])[:12]}"
+    )
+
+
+def _flag_line(flag: dict[str, object]) -> str:
+    """One review flag: when it was raised, who, how many detections in what window, which rules."""
+    created = datetime.fromtimestamp(int(flag["created_ms"]) / 1000, UTC)  # type: ignore[call-overload]
+    rules = ",".join(json.loads(str(flag["rules"]))) or "-"
+    return (
+        f"{created:%Y-%m-%d %H:%M:%S}Z {flag['principal']}@{flag['tenant']} {flag['reason']} "
+        f"detections={flag['num_detections']} window={flag['window_s']}s rules={rules} "
+        f"gateway={flag['gateway_id']} flag={flag['flag_id']} chain={flag['chain_id']} seq={flag['seq']}"
     )

@@ -1,7 +1,9 @@
-"""Kafka edge of the auditor: decode AuditEvents, append them to the ledger, dead-letter the rest.
+"""Kafka edge of the auditor: decode audit records, append them to the ledger, dead-letter the rest.
 
-Offsets (DESIGN.md, invariant 3): the subscriber uses AckPolicy.NACK_ON_ERROR, so FastStream
-commits the consumer's position only after on_audit_event returned, that is after the SQLite
+The audit topic carries AuditEvents (from workers) and ReviewFlags (from gateways' input guards),
+told apart by `kind` (schemas.codec.decode_audit_record); both go into the ledger, each into its
+own hash chains. Offsets (DESIGN.md, invariant 3): the subscriber uses AckPolicy.NACK_ON_ERROR,
+so FastStream commits the consumer's position only after on_audit_record returned, that is after the SQLite
 commit. A message that cannot be parsed is dead-lettered (and the DeadLetter durably produced)
 before it is acked. A ledger write that fails is nacked: the consumer seeks back and the event is
 redelivered after a pause, never skipped.
@@ -23,8 +25,8 @@ from faststream.kafka import KafkaBroker
 from faststream.kafka.annotations import KafkaMessage
 from faststream.message import StreamMessage
 
-from schemas.codec import DecodeError, decode
-from schemas.messages import SCHEMA_VERSION, AuditEvent
+from schemas.codec import DecodeError, decode_audit_record
+from schemas.messages import SCHEMA_VERSION, AuditEvent, ReviewFlag
 from schemas.topics import Topics
 from services.auditor.config import AuditorSettings
 from services.auditor.health import HealthMetrics
@@ -35,14 +37,15 @@ log = logging.getLogger(__name__)
 
 SERVICE = "auditor"
 
-async def decode_audit_event(msg: StreamMessage[Any]) -> AuditEvent:
-    """FastStream decoder of the audit topic: raw bytes to AuditEvent, or DecodeError with why."""
-    event = decode(AuditEvent, msg.body)
-    if event.schema_version > SCHEMA_VERSION:
-        raise DecodeError(f"schema_version {event.schema_version} is newer than this auditor's {SCHEMA_VERSION}")
-    if (reason := unstorable_reason(event)) is not None:
-        raise DecodeError(f"invalid AuditEvent: {reason}")
-    return event
+async def decode_audit_message(msg: StreamMessage[Any]) -> AuditEvent | ReviewFlag:
+    """FastStream decoder of the audit topic: raw bytes to AuditEvent or ReviewFlag (by `kind`), or
+    DecodeError with why."""
+    record = decode_audit_record(msg.body)
+    if record.schema_version > SCHEMA_VERSION:
+        raise DecodeError(f"schema_version {record.schema_version} is newer than this auditor's {SCHEMA_VERSION}")
+    if (reason := unstorable_reason(record)) is not None:
+        raise DecodeError(f"invalid {type(record).__name__}: {reason}")
+    return record
 
 
 class LedgerWriter:
@@ -75,6 +78,11 @@ class LedgerWriter:
         """Ledger.append on the ledger thread; True when the event became a new record."""
         assert self._ledger is not None, "LedgerWriter.open() was not called"
         return bool(await self._run(self._ledger.append, event, partition, offset))
+
+    async def append_flag(self, flag: ReviewFlag, partition: int, offset: int) -> bool:
+        """Ledger.append_flag on the ledger thread; True when the flag became a new record."""
+        assert self._ledger is not None, "LedgerWriter.open() was not called"
+        return bool(await self._run(self._ledger.append_flag, flag, partition, offset))
 
     async def close(self) -> None:
         """Close the file and stop the thread; called once at shutdown."""
@@ -144,24 +152,31 @@ def register_handlers(
         topics.audit,
         group_id=topics.auditor_group,
         ack_policy=AckPolicy.NACK_ON_ERROR,
-        decoder=decode_audit_event,
+        decoder=decode_audit_message,
         auto_offset_reset="earliest",
         isolation_level="read_committed",
-        title="auditor/audit-events",
-        description="AuditEvents into the hash-chained ledger; commits after the SQLite commit.",
+        title="auditor/audit-records",
+        description="AuditEvents and ReviewFlags into the hash-chained ledger; commits after the SQLite commit.",
     )
-    async def on_audit_event(event: AuditEvent, msg: KafkaMessage) -> None:
+    async def on_audit_record(event: AuditEvent | ReviewFlag, msg: KafkaMessage) -> None:
         record = msg.raw_message
         assert isinstance(record, ConsumerRecord), "a batch reached the per-event handler"
+        what = f"event {event.event_id}" if isinstance(event, AuditEvent) else f"review flag {event.flag_id}"
         try:
-            is_new = await writer.append(event, record.partition, record.offset)
+            if isinstance(event, AuditEvent):
+                is_new = await writer.append(event, record.partition, record.offset)
+            else:
+                is_new = await writer.append_flag(event, record.partition, record.offset)
         except Exception as exc:
-            # Never skip an event: pause (no hot loop on a full disk), then seek back to it.
-            log.error("ledger write of event %s failed (%r); redelivering in %.1f s", event.event_id, exc,
+            # Never skip a record: pause (no hot loop on a full disk), then seek back to it.
+            log.error("ledger write of %s failed (%r); redelivering in %.1f s", what, exc,
                       settings.audit_retry_backoff_s, exc_info=not isinstance(exc, sqlite3.Error))
             await asyncio.sleep(settings.audit_retry_backoff_s)
             raise NackMessage() from exc
         if not is_new:
-            log.info("event %s is already in the ledger (redelivery); skipped", event.event_id)
+            log.info("%s is already in the ledger (redelivery); skipped", what)
         elif health is not None:
-            health.observe(event)
+            if isinstance(event, AuditEvent):
+                health.observe(event)
+            else:
+                health.observe_flag(event)

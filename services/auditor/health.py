@@ -2,8 +2,9 @@
 
 Per model: output entropy (the workers' per-request mean token entropy), watermark strength (mean
 z-score of watermarked outputs) and the request mix (by tenant and finish reason). A model whose
-entropy collapses or whose watermark z drops shows it here first. Counted over the events this
-auditor appended since it started (a redelivered event counts once).
+entropy collapses or whose watermark z drops shows it here first. Also the review flags raised by
+the gateways' input guards, by tenant and reason. Counted over the records this auditor appended
+since it started (a redelivered event or flag counts once).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from schemas.messages import AuditEvent
+from schemas.messages import AuditEvent, ReviewFlag
 
 
 @dataclass
@@ -33,6 +34,7 @@ class HealthMetrics:
         self.watermark_z: dict[str, _Mean] = defaultdict(_Mean)
         self.completion_tokens: dict[str, int] = defaultdict(int)
         self.num_events = 0
+        self.review_flags: dict[tuple[str, str], int] = defaultdict(int)  # (tenant, reason) -> count
 
     def observe(self, event: AuditEvent) -> None:
         """Count one appended AuditEvent (called by the auditor's handler on the event loop)."""
@@ -43,6 +45,10 @@ class HealthMetrics:
             self.entropy[event.model_version].add(event.mean_token_entropy)
         if event.watermark_z is not None:
             self.watermark_z[event.model_version].add(event.watermark_z)
+
+    def observe_flag(self, flag: ReviewFlag) -> None:
+        """Count one appended ReviewFlag (called by the auditor's handler on the event loop)."""
+        self.review_flags[(flag.tenant, flag.reason)] += 1
 
     def render(self) -> str:
         """The Prometheus text exposition (version 0.0.4) of every aggregate."""
@@ -59,6 +65,10 @@ class HealthMetrics:
                   "# TYPE weir_audit_completion_tokens_total counter"]
         lines += [f"weir_audit_completion_tokens_total{{{_labels(model=m)}}} {n}"
                   for m, n in sorted(self.completion_tokens.items())]
+        lines += ["# HELP weir_audit_review_flags_total Principals flagged for review, by tenant and reason.",
+                  "# TYPE weir_audit_review_flags_total counter"]
+        lines += [f"weir_audit_review_flags_total{{{_labels(tenant=t, reason=r)}}} {n}"
+                  for (t, r), n in sorted(self.review_flags.items())]
         for name, table, help_ in (
             ("weir_audit_output_entropy_nats", self.entropy, "Mean per-request token entropy of outputs (nats)."),
             ("weir_audit_watermark_z", self.watermark_z, "Mean watermark z-score of watermarked outputs."),

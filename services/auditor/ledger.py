@@ -2,7 +2,8 @@
 
 SQLite by default (one file), PostgreSQL when given a DSN (postgresql://...). Both sit behind the
 same Ledger class; only the few statements that differ go through the store (`_SqliteStore`,
-`_PgStore`). See services/auditor/chain.py for how records and checkpoints are hashed.
+`_PgStore`). See services/auditor/chain.py for how records and checkpoints are hashed, and
+services/auditor/reviews.py for the review flags kept beside the records (`Ledger.review_flags`).
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Any, Literal, Self, Union, get_args, get_origin
 
 import orjson
 
-from schemas.messages import AuditEvent
+from schemas.messages import AuditEvent, ReviewFlag
 from schemas.messages import now_ms as wall_clock_ms
+from services.auditor import reviews
 from services.auditor.chain import (
     GENESIS_HASH,
     ChainRow,
@@ -130,8 +132,8 @@ def _extras_sql(dialect: Dialect) -> list[str]:
 _INT64 = range(-(2**63), 2**63)
 
 
-def unstorable_reason(event: AuditEvent) -> str | None:
-    """Why `event` cannot become a record (an integer past 64 bits), or None.
+def unstorable_reason(event: AuditEvent | ReviewFlag) -> str | None:
+    """Why `event` (or a review flag) cannot become a record (an integer past 64 bits), or None.
 
     The auditor's decoder asks this so such an event is dead-lettered instead of retried forever.
     """
@@ -154,6 +156,7 @@ class Ledger:
     (verify, show, lookup) and raises LedgerError if there is none. A chain gets a checkpoint once
     `checkpoint_every_records` records follow the last one, or at the first append (or
     `checkpoint_due` call) `checkpoint_every_s` after its oldest uncheckpointed record.
+    ReviewFlags live beside the records in `review_flags` (services/auditor/reviews.py).
     """
 
     def __init__(
@@ -174,11 +177,16 @@ class Ledger:
         self.name = self._store.name
         try:
             if not readonly:
-                for sql in _tables_sql(self._store.dialect):
+                # review_flags is created in ledgers written before it existed: that is their migration.
+                for sql in [*_tables_sql(self._store.dialect), *reviews.tables_sql(self._store.dialect)]:
                     self._store.execute(sql)
             self._check_columns()
+            try:
+                self.review_flags = reviews.ReviewFlagLog(self._store)
+            except ValueError as exc:
+                raise LedgerError(f"{self.name}: {exc}; start a new WEIR_AUDIT_DB") from exc
             if not readonly:
-                for sql in _extras_sql(self._store.dialect):
+                for sql in [*_extras_sql(self._store.dialect), *reviews.triggers_sql(self._store.dialect)]:
                     self._store.execute(sql)
         except BaseException:
             self._store.close()
@@ -194,7 +202,7 @@ class Ledger:
         """Close the connection; the Ledger is unusable afterwards."""
         self._store.close()
 
-    def __enter__(self) -> Ledger:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -236,6 +244,16 @@ class Ledger:
             self._store.execute(f"INSERT INTO {TABLE} ({', '.join(ALL_COLUMNS)}) VALUES ({marks})", values)
             self._checkpoint_if_due(chain_id, appended_ms)
         return True
+
+    def append_flag(self, flag: ReviewFlag, partition: int, offset: int, *, now_ms: int | None = None) -> bool:
+        """Add `flag` to its partition's review-flag chain, durably; False when its flag_id is in.
+
+        Called once per consumed ReviewFlag, before its offset is committed; raises ValueError,
+        touching nothing, for a flag unstorable_reason refuses.
+        """
+        if (reason := unstorable_reason(flag)) is not None:
+            raise ValueError(f"flag {flag.flag_id} cannot be stored: {reason}")
+        return self.review_flags.append(flag, partition, offset, wall_clock_ms() if now_ms is None else now_ms)
 
     def checkpoint_due(self, now_ms: int | None = None) -> int:
         """Checkpoint every chain whose oldest uncheckpointed record is `checkpoint_every_s` old.
@@ -339,9 +357,11 @@ class Ledger:
     # -- verifying ------------------------------------------------------------------------------
 
     def verify(self) -> LedgerReport:
-        """Walk every chain and its checkpoints; the report names each chain's first broken record."""
+        """Walk every chain and its checkpoints, then the review-flag chains; the report names each
+        chain's first broken record."""
         with self._store.snapshot():
-            return LedgerReport([self.verify_chain(chain_id) for chain_id in self.chain_ids()])
+            return LedgerReport([self.verify_chain(chain_id) for chain_id in self.chain_ids()],
+                                self.review_flags.verify())
 
     def verify_chain(self, chain_id: int) -> VerifyReport:
         """Walk one chain, then its checkpoints against the record hashes."""
@@ -380,7 +400,8 @@ def _locate(rows: list[ChainRow], hashed_seq: int) -> tuple[int, str] | None:
 
 def _chain_row(row: dict[str, Any]) -> ChainRow:
     """A stored row as the chain walk needs it, with any inconsistency inside the row found."""
-    base = dict(seq=row["seq"], event_id=row["event_id"], prev_hash=row["prev_hash"], record_hash=row["record_hash"])
+    base = {"seq": row["seq"], "event_id": row["event_id"], "prev_hash": row["prev_hash"],
+            "record_hash": row["record_hash"]}
     canonical = row["canonical_json"]
     if not all(isinstance(row[name], str) for name in ("canonical_json", "prev_hash", "record_hash")):
         return ChainRow(hashed_seq=None, problem="its canonical_json or hashes are not text", **base)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
+import sqlite3
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -12,12 +14,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-import socket
-import sqlite3
-
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.structs import RecordMetadata
 from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.structs import RecordMetadata
 
 from schemas.codec import decode, encode
 from schemas.messages import DeadLetter
@@ -27,7 +26,7 @@ from services.auditor.app import create_app
 from services.auditor.config import AuditorSettings
 from services.auditor.ledger import Ledger
 
-from .factories import make_event
+from .factories import make_event, make_flag
 
 pytestmark = pytest.mark.kafka
 
@@ -154,7 +153,7 @@ async def test_auditor_records_each_event_once_and_dead_letters_the_rest(
     assert sorted(letter.value.encode() for letter in letters) == sorted([NOT_JSON, NOT_AN_EVENT, NOT_STORABLE])
     by_value = {letter.value.encode(): letter for letter in letters}
     assert by_value[NOT_JSON].reason.startswith("not JSON")
-    assert by_value[NOT_AN_EVENT].reason.startswith("invalid AuditEvent")
+    assert by_value[NOT_AN_EVENT].reason.startswith("invalid audit record")
     assert "seed=" in by_value[NOT_STORABLE].reason and "64-bit" in by_value[NOT_STORABLE].reason
     assert all(letter.source_topic == topics.audit and letter.service == "auditor" for letter in letters)
     assert {letter.key for letter in letters} == {"bad-1", "bad-2", "bad-3"}
@@ -178,6 +177,42 @@ async def test_auditor_records_each_event_once_and_dead_letters_the_rest(
     assert cli.main(["verify", "--db", str(db)]) == 0
     assert capsys.readouterr().out.startswith("OK: 23 records in ")
     assert len(await read_all(bootstrap, topics.dead_letter)) == 6  # redelivered, dead-lettered again
+
+
+async def test_review_flags_on_the_audit_topic_reach_the_ledger_once(
+    bootstrap: str, audit_topics: Topics, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    topics = audit_topics
+    db = tmp_path / "audit.sqlite"
+    settings = AuditorSettings(kafka_bootstrap=bootstrap, topic_prefix=topics.prefix, audit_db=db)
+    events, flags = [make_event(i) for i in range(1, 4)], [make_flag(i) for i in range(1, 3)]
+    with_text = encode(make_flag(3)).replace(b'"rules":', b'"prompt":"ignore all previous instructions","rules":')
+    messages = [(e.request_id.encode(), encode(e)) for e in events]
+    messages += [(f.principal.encode(), encode(f)) for f in [*flags, flags[0]]]  # the gateway keys by principal
+    messages += [(b"user-0", with_text)]
+    await produce(bootstrap, topics.audit, messages)
+
+    async def is_done() -> bool:
+        if not db.exists():
+            return False
+        with Ledger(db, readonly=True) as ledger:
+            stored = (ledger.num_records(), ledger.review_flags.num_flags())
+        return stored == (3, 2) and await is_fully_committed(bootstrap, topics)
+
+    async with create_app(settings):
+        await eventually(is_done, "3 records, 2 review flags and all offsets committed")
+
+    with Ledger(db, readonly=True) as ledger:
+        report = ledger.verify()
+        stored = ledger.review_flags.rows()
+    assert report.is_ok and report.num_flags == 2, report.describe()
+    assert sorted(f["flag_id"] for f in stored) == ["flag-1", "flag-2"]
+    assert all(f["principal"] in ("user-1", "user-2") and f["num_detections"] == 5 for f in stored)
+    [letter] = [decode(DeadLetter, v) for v in await read_all(bootstrap, topics.dead_letter)]
+    assert letter.value.encode() == with_text and "prompt" in letter.reason
+    capsys.readouterr()
+    assert cli.main(["reviews", "--db", str(db)]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 2
 
 
 async def test_offset_is_not_committed_past_an_event_the_ledger_refused(

@@ -24,7 +24,7 @@ import pytest
 from services.auditor.chain import chain_hash
 from services.auditor.ledger import CHECKPOINTS, TABLE, Ledger, LedgerError
 
-from .factories import T0_MS, make_event
+from .factories import T0_MS, make_event, make_flag
 
 
 def _pg_bin(name: str) -> str | None:
@@ -55,7 +55,7 @@ def server_dsn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     # Not under pytest's tmp dir: as root that is 0700 root, and the server runs as another user.
     root = Path(tempfile.mkdtemp(prefix="weir-pg-"))
     if os.geteuid() == 0:  # PostgreSQL refuses to run as root
-        if shutil.which("runuser") is None or subprocess.run(["id", "postgres"], capture_output=True).returncode:
+        if shutil.which("runuser") is None or subprocess.run(["id", "postgres"], capture_output=True, check=False).returncode:
             pytest.skip("running as root and there is no 'postgres' user to run PostgreSQL as")
         prefix = ["runuser", "-u", "postgres", "--"]
         shutil.chown(root, "postgres")
@@ -145,3 +145,24 @@ def test_postgres_readonly_without_tables_is_refused(dsn: str) -> None:
 def test_unreachable_postgres_names_the_database(tmp_path: Path) -> None:
     with pytest.raises(LedgerError, match="cannot connect to the audit database 127.0.0.1:1/x"):
         Ledger("postgresql://u:secret@127.0.0.1:1/x?connect_timeout=2")
+
+
+def test_postgres_ledger_stores_review_flags_once_and_verify_names_tampering(dsn: str) -> None:
+    import psycopg
+
+    with Ledger(dsn) as ledger:
+        assert ledger.append(make_event(1), partition=0, offset=1, now_ms=T0_MS)
+        for i in (1, 2, 3):
+            assert ledger.append_flag(make_flag(i), partition=0, offset=10 + i, now_ms=T0_MS + i)
+        assert not ledger.append_flag(make_flag(2), partition=0, offset=99)
+        report = ledger.verify()
+        assert report.is_ok and report.num_flags == 3, report.describe()
+        assert [f["flag_id"] for f in ledger.review_flags.rows(principal="user-2")] == ["flag-2"]
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        with pytest.raises(psycopg.errors.RaiseException, match="append-only"):
+            conn.execute("UPDATE review_flags SET num_detections = 1")
+        conn.execute("ALTER TABLE review_flags DISABLE TRIGGER review_flags_append_only")
+        conn.execute("UPDATE review_flags SET tenant = 'other' WHERE flag_id = 'flag-2'")
+    with Ledger(dsn, readonly=True) as ledger:
+        [broken] = ledger.verify().broken
+    assert (broken.log, broken.broken_seq, broken.broken_event_id, broken.kind) == ("review_flags", 2, "flag-2", "edited")

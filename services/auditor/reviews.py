@@ -1,0 +1,207 @@
+"""Review flags in the ledger: the `review_flags` table, one hash chain per audit-topic partition.
+
+A ReviewFlag (a gateway asking a human to review a principal) arrives on the audit topic beside
+the AuditEvents. It is stored apart from them, so audit_log and its checkpoints keep the layout
+(and the hashes) they had before flags existed, and a ledger written before them gets the table
+added when an auditor opens it for writing. A flag record is hashed like an audit record
+(services/auditor/chain.py), under its own key:
+
+    canonical_json = orjson(sorted keys) of
+        {"review_flag": <ReviewFlag JSON>,
+         "ledger": {"chain_id", "seq", "kafka_partition", "kafka_offset", "appended_ms"}}
+    record_hash    = sha256(prev_hash || canonical_json), prev_hash of seq 1 = 64 zeros
+
+Flags are rare (at most one per principal per window), so their chains get no Merkle checkpoints:
+deleting the newest flags, or rewriting flags and rehashing every one after them, is caught only
+against a head hash kept elsewhere (`weir audit verify` prints one per flag chain).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import Any, Literal, Protocol
+
+import orjson
+
+from schemas.messages import ReviewFlag
+from services.auditor.chain import (
+    GENESIS_HASH,
+    ChainRow,
+    VerifyReport,
+    chain_hash,
+    verify_chain,
+)
+
+log = logging.getLogger(__name__)
+
+FLAGS = "review_flags"
+# Column type of every ReviewFlag field; `rules` is stored as its JSON text.
+_FLAG_TYPES: dict[str, type] = {
+    "schema_version": int, "kind": str, "flag_id": str, "principal": str, "tenant": str, "reason": str,
+    "num_detections": int, "window_s": int, "first_detection_ms": int, "last_detection_ms": int, "rules": str,
+    "gateway_id": str, "created_ms": int,
+}  # fmt: skip
+assert list(_FLAG_TYPES) == list(ReviewFlag.model_fields), "ReviewFlag changed: update the review_flags columns"
+_LEDGER_COLUMNS = ("chain_id", "seq", "kafka_partition", "kafka_offset", "appended_ms")
+FLAG_COLUMNS = ["chain_id", "seq", *_FLAG_TYPES, *_LEDGER_COLUMNS[2:], "canonical_json", "prev_hash", "record_hash"]
+_SQL = {"sqlite": {int: "INTEGER", str: "TEXT"}, "postgresql": {int: "BIGINT", str: "TEXT"}}
+
+
+class Store(Protocol):
+    """What of the ledger's store (SQLite or PostgreSQL, services/auditor/ledger.py) flags use."""
+
+    dialect: Literal["sqlite", "postgresql"]
+
+    def execute(self, sql: str, params: Any = ()) -> Any: ...
+    def columns(self, table: str) -> list[str]: ...
+    def transaction(self, chain_id: int) -> Any: ...
+
+
+def tables_sql(dialect: Literal["sqlite", "postgresql"]) -> list[str]:
+    """CREATE statements of the flags table and its principal index (idempotent)."""
+    types = _SQL[dialect]
+    cols = ",\n  ".join(f"{name} {types[py]} NOT NULL{' UNIQUE' if name == 'flag_id' else ''}"
+                        for name, py in _FLAG_TYPES.items())
+    integer = types[int]
+    return [f"""
+CREATE TABLE IF NOT EXISTS {FLAGS} (
+  chain_id {integer} NOT NULL,
+  seq {integer} NOT NULL,
+  {cols},
+  kafka_partition {integer} NOT NULL,
+  kafka_offset {integer} NOT NULL,
+  appended_ms {integer} NOT NULL,
+  canonical_json TEXT NOT NULL,
+  prev_hash TEXT NOT NULL,
+  record_hash TEXT NOT NULL,
+  PRIMARY KEY (chain_id, seq)
+)""", f"CREATE INDEX IF NOT EXISTS {FLAGS}_principal ON {FLAGS}(principal)"]
+
+
+def triggers_sql(dialect: Literal["sqlite", "postgresql"]) -> list[str]:
+    """Triggers that make the flags table append-only (on PostgreSQL, the ledger's weir_append_only())."""
+    if dialect == "sqlite":
+        return [(f"CREATE TRIGGER IF NOT EXISTS {FLAGS}_no_{op.lower()} BEFORE {op} ON {FLAGS} "
+                 f"BEGIN SELECT RAISE(ABORT, '{FLAGS} is append-only'); END") for op in ("UPDATE", "DELETE")]
+    return [(f"CREATE OR REPLACE TRIGGER {FLAGS}_append_only BEFORE UPDATE OR DELETE ON {FLAGS} "
+             "FOR EACH ROW EXECUTE FUNCTION weir_append_only()")]
+
+
+def canonical_flag_record(flag: dict[str, Any], seq: int, partition: int, offset: int, appended_ms: int) -> str:
+    """The canonical JSON text of one flag record (the bytes its hash is taken over, as str)."""
+    ledger = {"chain_id": partition, "seq": seq, "kafka_partition": partition, "kafka_offset": offset,
+              "appended_ms": appended_ms}
+    return orjson.dumps({"review_flag": flag, "ledger": ledger}, option=orjson.OPT_SORT_KEYS).decode("utf-8")
+
+
+def _columns_of(flag: dict[str, Any]) -> dict[str, Any]:
+    """Column values of a ReviewFlag's JSON: the fields, with `rules` as JSON text."""
+    return {name: orjson.dumps(flag.get(name)).decode() if name == "rules" else flag.get(name) for name in _FLAG_TYPES}
+
+
+class ReviewFlagLog:
+    """The review flags of one ledger. `is_present` is False for a ledger, opened read-only, that
+    was written before review flags existed: it then has no flags, and verifies as before."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        found = store.columns(FLAGS)
+        self.is_present = bool(found)
+        if found and sorted(found) != sorted(FLAG_COLUMNS):
+            differ = sorted(set(found) ^ set(FLAG_COLUMNS))
+            raise ValueError(f"its {FLAGS} table was written for another ReviewFlag schema (columns {differ} differ)")
+
+    def append(self, flag: ReviewFlag, partition: int, offset: int, appended_ms: int) -> bool:
+        """Add `flag` as the next record of its partition's flag chain, durably; False when its flag_id is in.
+
+        Called once per consumed ReviewFlag, before its offset is committed. A repeat with
+        different content keeps the first record and logs a warning.
+        """
+        flag_json = flag.model_dump(mode="json")
+        with self._store.transaction(partition):
+            existing = self._store.execute(
+                f"SELECT chain_id, seq, canonical_json FROM {FLAGS} WHERE flag_id = ?", (flag.flag_id,)
+            ).fetchone()
+            if existing is not None:
+                if orjson.loads(existing[2]).get("review_flag") != flag_json:
+                    log.warning("flag_id %s re-sent with different content; kept record chain=%d seq=%d",
+                                flag.flag_id, existing[0], existing[1])
+                return False
+            tip = self._store.execute(
+                f"SELECT seq, record_hash FROM {FLAGS} WHERE chain_id = ? ORDER BY seq DESC LIMIT 1", (partition,)
+            ).fetchone()
+            seq, prev_hash = (tip[0] + 1, tip[1]) if tip else (1, GENESIS_HASH)
+            canonical = canonical_flag_record(flag_json, seq, partition, offset, appended_ms)
+            values = {"chain_id": partition, "seq": seq, **_columns_of(flag_json), "kafka_partition": partition,
+                      "kafka_offset": offset, "appended_ms": appended_ms, "canonical_json": canonical,
+                      "prev_hash": prev_hash, "record_hash": chain_hash(prev_hash, canonical)}
+            self._store.execute(f"INSERT INTO {FLAGS} ({', '.join(FLAG_COLUMNS)}) "
+                                f"VALUES ({', '.join('?' * len(FLAG_COLUMNS))})", [values[c] for c in FLAG_COLUMNS])
+        return True
+
+    def rows(self, limit: int | None = None, principal: str | None = None,
+             chain_id: int | None = None) -> list[dict[str, Any]]:
+        """The newest `limit` flag records (all when None), oldest first, as {column: value}.
+
+        Filtered by principal and/or chain when given; `rules` is the stored JSON text.
+        """
+        if not self.is_present:
+            return []
+        where = [(f"{name} = ?", value) for name, value in (("principal", principal), ("chain_id", chain_id))
+                 if value is not None]
+        params: list[Any] = [value for _, value in where]
+        sql = f"SELECT {', '.join(FLAG_COLUMNS)} FROM {FLAGS}"
+        if where:
+            sql += " WHERE " + " AND ".join(clause for clause, _ in where)
+        sql += " ORDER BY appended_ms DESC, chain_id DESC, seq DESC"
+        if limit is not None:
+            sql += " LIMIT ?"
+            params.append(limit)
+        rows = self._store.execute(sql, params).fetchall()
+        return [dict(zip(FLAG_COLUMNS, row, strict=True)) for row in reversed(rows)]
+
+    def num_flags(self) -> int:
+        """How many flags the ledger holds, all chains together."""
+        if not self.is_present:
+            return 0
+        return int(self._store.execute(f"SELECT count(*) FROM {FLAGS}").fetchone()[0])
+
+    def verify(self) -> list[VerifyReport]:
+        """Walk every flag chain (called inside the ledger's read snapshot), ascending chain_id."""
+        if not self.is_present:
+            return []
+        ids = [int(r[0]) for r in self._store.execute(f"SELECT DISTINCT chain_id FROM {FLAGS} ORDER BY chain_id")]
+        return [self._verify_chain(chain_id) for chain_id in ids]
+
+    def _verify_chain(self, chain_id: int) -> VerifyReport:
+        rows = sorted((_chain_row(r) for r in self.rows(chain_id=chain_id)), key=lambda r: r.seq)
+
+        def locate(hashed_seq: int) -> tuple[int, str] | None:
+            return next(((r.seq, r.event_id) for r in rows if r.hashed_seq == hashed_seq), None)
+
+        return replace(verify_chain(rows, len(rows), locate), chain_id=chain_id, log="review_flags")
+
+
+def _chain_row(row: dict[str, Any]) -> ChainRow:
+    """A stored flag as the chain walk needs it, with any inconsistency inside the row found."""
+    base = {"seq": row["seq"], "event_id": row["flag_id"], "prev_hash": row["prev_hash"],
+            "record_hash": row["record_hash"]}
+    canonical = row["canonical_json"]
+    if not all(isinstance(row[name], str) for name in ("canonical_json", "prev_hash", "record_hash")):
+        return ChainRow(hashed_seq=None, problem="its canonical_json or hashes are not text", **base)
+    if chain_hash(row["prev_hash"], canonical) != row["record_hash"]:
+        return ChainRow(hashed_seq=None, problem="record_hash does not match its content (content or hash edited)",
+                        **base)
+    try:
+        record = orjson.loads(canonical)
+        flag, ledger = record["review_flag"], record["ledger"]
+        hashed_seq = int(ledger["seq"])
+        hashed = {**_columns_of(flag), **{name: ledger.get(name) for name in _LEDGER_COLUMNS}}
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
+        return ChainRow(hashed_seq=None, problem="its canonical_json is not a review flag record", **base)
+    for name, value in hashed.items():
+        if name != "seq" and row[name] != value:
+            return ChainRow(hashed_seq=hashed_seq, problem=f"column {name}={row[name]!r} differs from the "
+                            f"hashed record ({value!r})", **base)
+    return ChainRow(hashed_seq=hashed_seq, **base)
