@@ -49,6 +49,8 @@ from services.gateway.openai_format import (
     to_generate_request,
     validation_error,
 )
+from services.gateway.output_guard import OutputGuard
+from services.gateway.resume import ResumableStreams, StreamEntry, resume_grace_s
 from services.gateway.streaming import EventStreamResponse, WebSocketSession, collect, collect_ends, sse_events
 
 log = logging.getLogger("weir.gateway")
@@ -62,6 +64,11 @@ def create_app(settings: GatewaySettings, repo: ModelRepository | None = None) -
     repo = repo if repo is not None else load_model_repo(settings.model_repo)
     bus = GatewayBus(settings)
     guard = Guard(settings, bus)
+    output_guard = OutputGuard(
+        settings.output_guard == "redact", settings.output_holdback_chars,
+        on_redacted=lambda n: guard.metrics.redactions.add(n),
+    )  # fmt: skip
+    streams = ResumableStreams(settings.resume_keep_s, settings.max_resumable_streams)
     started_s = int(time.time())
 
     @asynccontextmanager
@@ -81,22 +88,46 @@ def create_app(settings: GatewaySettings, repo: ModelRepository | None = None) -
     for exc_class in (ApiError, StarletteHTTPException, RequestValidationError, ValidationError, Exception):
         app.add_exception_handler(exc_class, on_error)
 
-    async def prepare(kind: Kind, raw: bytes, headers: dict[str, str]) -> tuple[Exchange, ChunkWriter]:
-        """Validate a body, publish its GenerateRequest, and return the Exchange and chunk writer."""
-        return await open_exchange(bus, guard, repo, kind, raw, headers, _new_request_id(kind))
+    def grace_of(headers: dict[str, str]) -> float:
+        return resume_grace_s(headers, settings.resume_grace_s, settings.max_resume_grace_s)
+
+    async def prepare(kind: Kind, raw: bytes, headers: dict[str, str]) -> StreamEntry:
+        """Validate a body, publish its GenerateRequest, and register the stream (WebSocket)."""
+        grace_s = grace_of(headers)
+        exchange, writer = await open_exchange(bus, guard, repo, kind, raw, headers, _new_request_id(kind))
+        return streams.add(exchange, writer.fresh, grace_s)
+
+    def resume(request_id: str, headers: dict[str, str]) -> StreamEntry:
+        """A reader reconnects to a resumable stream of the same principal."""
+        entry = streams.attach(request_id, guard.authenticate(headers).principal)
+        guard.metrics.streams_resumed.add(1)
+        return entry
+
+    def event_stream(entry: StreamEntry, after_seq: int, headers: dict[str, str]) -> EventStreamResponse:
+        text_filter = output_guard.stream()
+
+        def on_close() -> None:
+            if after_seq < 0:
+                output_guard.count(text_filter.num_redacted)
+            entry.leave()
+
+        headers = {**headers, "x-request-id": entry.request_id, "x-weir-gateway": bus.gateway_id}
+        if entry.is_resumable:
+            headers["x-weir-resume-url"] = f"/v1/streams/{entry.request_id}"
+        return EventStreamResponse(sse_events(entry.exchange, entry.new_writer(), text_filter, after_seq), on_close, headers)
 
     async def complete(kind: Kind, request: Request) -> Response:
         request_id = request.state.request_id = _new_request_id(kind)
         raw = await read_body(request, settings.max_body_bytes)
+        grace_s = grace_of(dict(request.headers))
         exchange, writer = await open_exchange(bus, guard, repo, kind, raw, dict(request.headers), request_id)
         request.state.is_submitted = True
         headers = {"x-request-id": request_id}
         if isinstance(exchange.request, GenerateRequest) and exchange.request.stream:
-            on_close = lambda: exchange.close("client_disconnect", status=200)  # noqa: E731
-            return EventStreamResponse(sse_events(exchange, writer), on_close, headers)
+            return event_stream(streams.add(exchange, writer.fresh, grace_s), -1, {})
         status: int | str = 500
         try:
-            body = await collect(exchange, kind, writer.created_s, request.receive)
+            body = await collect(exchange, kind, writer.created_s, request.receive, output_guard.text)
             if body is None:
                 status = "client_gone"
                 return Response(status_code=499, headers=headers)
@@ -159,7 +190,17 @@ def create_app(settings: GatewaySettings, repo: ModelRepository | None = None) -
 
     @app.websocket("/v1/stream")
     async def stream(ws: WebSocket) -> None:
-        await WebSocketSession(ws, prepare).run()
+        await WebSocketSession(ws, prepare, resume, output_guard).run()
+
+    @app.get("/v1/streams/{request_id}")
+    async def resume_stream(request_id: str, request: Request) -> Response:
+        entry = resume(request_id, dict(request.headers))
+        try:
+            after_seq = last_event_id(request)
+        except ApiError:
+            entry.leave()
+            raise
+        return event_stream(entry, after_seq, {})
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
@@ -220,6 +261,17 @@ async def open_exchange(
     admitted.attach(exchange)
     writer = ChunkWriter(kind, request_id, model.name, request.created_ms // 1000, body.include_usage)
     return exchange, writer
+
+
+def last_event_id(request: Request) -> int:
+    """The seq a reconnecting SSE client saw last: Last-Event-ID (or ?last_event_id=); -1: none."""
+    value = request.headers.get("last-event-id") or request.query_params.get("last_event_id")
+    if value is None or value == "":
+        return -1
+    if not value.lstrip("-").isdigit() or int(value) < -1:
+        raise ApiError(400, f"Last-Event-ID must be the id of an event of this stream, got {value!r}",
+                       param="Last-Event-ID", code="invalid_value")
+    return int(value)
 
 
 def header_timeout_s(headers: dict[str, str]) -> float | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
@@ -28,6 +30,21 @@ class GatewaySettings(BusSettings, GuardSettings):
     )
     gap_timeout_s: float = Field(
         5.0, gt=0, description="How long a reply stream waits for a missing seq before skipping the gap."
+    )
+    resume_grace_s: float = Field(
+        0.0, ge=0, description="How long a stream whose client left stays resumable before it is cancelled, for "
+        "requests that do not set X-Weir-Resume-Grace-S; 0: cancel at once (a disconnect stops the worker).",
+    )
+    max_resume_grace_s: float = Field(300.0, ge=0, description="Largest X-Weir-Resume-Grace-S a client may ask.")
+    resume_keep_s: float = Field(
+        60.0, ge=0, description="How long a finished resumable stream can still be read again (a client that missed its tail)."
+    )
+    max_resumable_streams: int = Field(10_000, ge=1, description="Resumable streams kept per instance; the oldest unread go first.")
+    output_guard: Literal["redact", "off"] = Field(
+        "redact", description="redact: personal data in outputs (ID and bank card numbers, phones, e-mails) becomes [REDACTED]."
+    )
+    output_holdback_chars: int = Field(
+        64, ge=1, description="The output guard's hold-back window: the most text it holds while a match may be forming."
     )
     heartbeat_live_s: float = Field(10.0, gt=0, description="A worker heartbeat younger than this is live.")
     startup_timeout_s: float = Field(30.0, gt=0, description="How long startup waits for the Kafka broker.")

@@ -230,6 +230,9 @@ class Exchange:
         self.request = request
         self._queue = queue
         self.end: ReplyEnd | None = None
+        self.history: list[ReplyItem] = []  # every event handed out, in order
+        self._getter: asyncio.Task[ReplyItem] | None = None  # a queue.get() that outlives a cancelled reader
+        self._reading = asyncio.Lock()
         self.first_token_ms: int | None = None
         self.num_deltas = 0
         self.is_closed = False
@@ -240,10 +243,27 @@ class Exchange:
         return self.request.request_id
 
     async def next_event(self) -> ReplyItem:
-        """The next event in seq order; a ReplyEnd is the last. Never hangs past deadline + grace:
-        then it returns a synthetic timeout ReplyEnd and publishes Cancellation(reason="deadline")."""
-        if self.end is not None:
-            return self.end
+        """The next event in seq order for the one reader of this request; a ReplyEnd is the last.
+        Never hangs past deadline + grace: then it returns a synthetic timeout ReplyEnd and
+        publishes Cancellation(reason="deadline")."""
+        return await self.event_at(len(self.history))
+
+    async def event_at(self, index: int) -> ReplyItem:
+        """The index-th event of the request (0-based), waiting for it; past the end, the terminal.
+
+        Every event handed out stays in `history`, so any number of readers (a client that
+        reconnects, while its old connection has not noticed it is gone) each read the whole
+        stream from any point; a cancelled wait loses nothing.
+        """
+        while index >= len(self.history):
+            if self.end is not None:
+                return self.end
+            async with self._reading:
+                if index >= len(self.history) and self.end is None:
+                    self._take(await self._read_next())
+        return self.history[index]
+
+    async def _read_next(self) -> ReplyItem:
         s = self.bus.settings
         router = self.bus.router
         give_up_ms = self.request.deadline_ms + int(s.reply_grace_s * 1000)
@@ -253,19 +273,35 @@ class Exchange:
                 return self._expire()
             has_gap = router.has_gap(self.request_id)
             wait_s = min(remaining_s, s.gap_timeout_s) if has_gap else remaining_s
-            try:
-                event = await asyncio.wait_for(self._queue.get(), wait_s)
-            except TimeoutError:
+            if self._getter is None:
+                self._getter = asyncio.ensure_future(self._queue.get())
+            # asyncio.wait neither cancels the getter on timeout nor when this reader is cancelled:
+            # an event taken off the queue is always kept.
+            done, _ = await asyncio.wait({self._getter}, timeout=wait_s)
+            if not done:
                 if has_gap:
                     router.skip_gap(self.request_id)
                 continue
-            if isinstance(event, ReplyEnd):
-                self.end = event
-            else:
-                self.num_deltas += 1
-                if self.first_token_ms is None:
-                    self.first_token_ms = now_ms()
+            event = self._getter.result()
+            self._getter = None
             return event
+
+    def drain(self) -> None:
+        """Move the events already queued into `history` without waiting (for a stream nobody reads)."""
+        if self._getter is not None and self._getter.done():
+            self._take(self._getter.result())
+            self._getter = None
+        while self._getter is None and self.end is None and not self._queue.empty():
+            self._take(self._queue.get_nowait())
+
+    def _take(self, event: ReplyItem) -> None:
+        if isinstance(event, ReplyEnd):
+            self.end = event
+        else:
+            self.num_deltas += 1
+            if self.first_token_ms is None:
+                self.first_token_ms = now_ms()
+        self.history.append(event)
 
     def _expire(self) -> ReplyEnd:
         self.end = ReplyEnd(
@@ -286,6 +322,8 @@ class Exchange:
         if self.is_closed:
             return
         self.is_closed = True
+        if self._getter is not None:
+            self._getter.cancel()
         self.bus._forget(self.request_id)
         for hook in self.on_close:
             try:

@@ -3,7 +3,8 @@
 The instruments live on a MeterProvider of this app (not the global one) with an in-memory pull
 reader; a scrape collects it and renders the exposition format (text/plain; version=0.0.4).
 Counters of this gateway: requests by route and status, cancellations by reason, rate-limit and
-admission rejections, authentication failures; in flight per model and lane. Observed from the
+admission rejections, authentication failures, output redactions, input-guard detections,
+resumed streams; in flight per model and lane. Observed from the
 latest worker heartbeats at scrape time: live workers per model, open breakers, and per worker
 its free KV blocks, running/waiting sequences and each device's name, memory and utilisation.
 """
@@ -39,6 +40,15 @@ class GatewayMetrics:
         )
         self.cancellations = meter.create_counter(
             "weir_gateway_cancellations", description="Cancellations this gateway published, by reason."
+        )
+        self.redactions = meter.create_counter(
+            "weir_gateway_redactions", description="Spans of personal data the output guard replaced."
+        )
+        self.input_guard = meter.create_counter(
+            "weir_gateway_input_guard", description="Prompts the input guard rated medium or high risk, by level and action."
+        )
+        self.streams_resumed = meter.create_counter(
+            "weir_gateway_streams_resumed", description="Readers that reconnected to a resumable stream."
         )
         self.rate_limited = meter.create_counter(
             "weir_gateway_rate_limited", description="Requests refused by a rate limit, by scope kind and limit."

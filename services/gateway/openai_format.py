@@ -19,7 +19,6 @@ from schemas.messages import (
     EmbedRequest,
     GenerateRequest,
     Priority,
-    ReplyDelta,
     ReplyEnd,
     Usage,
 )
@@ -393,11 +392,15 @@ class ChunkWriter:
         self.include_usage = include_usage
         self._is_first = True
 
-    def on_delta(self, delta: ReplyDelta) -> dict[str, Any]:
-        """The chunk of one delta."""
+    def fresh(self) -> ChunkWriter:
+        """A new writer of the same stream, for a reader that renders it again from its start."""
+        return ChunkWriter(self.kind, self.request_id, self.model, self.created_s, self.include_usage)
+
+    def on_text(self, text: str) -> dict[str, Any]:
+        """The chunk of a piece of output text (one delta's, or what the output guard released)."""
         if self.kind == "chat.completions":
-            return self._chunk([self._chat_choice({"content": delta.text}, None)])
-        return self._chunk([{"index": 0, "text": delta.text, "logprobs": None, "finish_reason": None}])
+            return self._chunk([self._chat_choice({"content": text}, None)])
+        return self._chunk([{"index": 0, "text": text, "logprobs": None, "finish_reason": None}])
 
     def on_end(self, end: ReplyEnd) -> list[dict[str, Any]]:
         """The chunks of a finished (stop/length) terminal: the finish chunk, then usage if asked."""

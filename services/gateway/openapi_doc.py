@@ -115,13 +115,15 @@ _MODELS: list[type[BaseModel]] = [
 _ERRORS: dict[int, str] = {
     400: "Invalid body, parameter or header (param names it); context length exceeded.",
     401: "Missing, invalid, revoked or expired API key or JWT.",
-    403: "The credential may not use this model.",
-    404: "Unknown model.",
+    403: "The credential may not use this model (or read another principal's stream).",
+    404: "Unknown model; or (GET /v1/streams) no resumable stream with that id on this instance.",
     413: "Body larger than WEIR_MAX_BODY_BYTES.",
     429: "Rate limit (per key or tenant), full in-flight lane, overloaded workers, or a retryable rejection.",
     503: "No live worker for the model (breaker open), or Kafka did not take the request.",
     504: "No result before the request's deadline.",
 }
+
+_STATUSES: dict[str, list[int]] = {"/v1/models": [401], "/v1/streams/{request_id}": [400, 401, 403, 404]}
 
 _SSE = "An SSE stream (stream=true): `id: <seq>` and `data: <chunk JSON>` events, ending with `data: [DONE]`."
 
@@ -156,6 +158,10 @@ def _completion_operation(body: str, result: str, example: dict[str, Any], summa
              "schema": {"type": "number", "exclusiveMinimum": 0}},
             {"name": "X-Weir-Priority", "in": "header", "required": False,
              "description": "Scheduling lane.", "schema": {"type": "string", "enum": ["interactive", "bulk"]}},
+            {"name": "X-Weir-Resume-Grace-S", "in": "header", "required": False,
+             "description": "Makes a stream resumable: after a dropped connection it runs on for this many "
+                            "seconds, readable again at GET /v1/streams/{request_id}; 0: cancel at once.",
+             "schema": {"type": "number", "minimum": 0}},
         ],  # fmt: skip
         "requestBody": {
             "required": True,
@@ -164,7 +170,10 @@ def _completion_operation(body: str, result: str, example: dict[str, Any], summa
         "responses": {
             "200": {
                 "description": "The result; an SSE stream when stream=true.",
-                "headers": {"x-request-id": _header("Id of the request (also on Kafka and in every chunk).")},
+                "headers": {
+                    "x-request-id": _header("Id of the request (also on Kafka and in every chunk)."),
+                    "x-weir-resume-url": _header("Where a resumable stream can be read again (stream=true only)."),
+                },
                 "content": {
                     "application/json": {"schema": _ref(result)},
                     "text/event-stream": {"schema": {"type": "string", "description": _SSE}},
@@ -189,6 +198,21 @@ def _operations() -> dict[tuple[str, str], dict[str, Any]]:
         ("post", "/v1/completions"): _completion_operation(
             "CompletionBody", "Completion", completion_example, "Completion (OpenAI-compatible)"
         ),
+        ("get", "/v1/streams/{request_id}"): {
+            "summary": "Read a resumable stream again (SSE reconnect)",
+            "parameters": [
+                {"name": "request_id", "in": "path", "required": True, "schema": {"type": "string"},
+                 "description": "x-request-id of a stream asked with X-Weir-Resume-Grace-S."},
+                {"name": "Last-Event-ID", "in": "header", "required": False, "schema": {"type": "string"},
+                 "description": "The id of the last event received; the stream goes on after it."},
+                {"name": "last_event_id", "in": "query", "required": False, "schema": {"type": "string"},
+                 "description": "Same as Last-Event-ID, for clients that cannot set headers."},
+            ],
+            "responses": {
+                "200": {"description": "The events after Last-Event-ID, live until `data: [DONE]`.",
+                        "content": {"text/event-stream": {"schema": {"type": "string", "description": _SSE}}}},
+            },
+        },
         ("get", "/v1/models"): {
             "summary": "Models the caller may use",
             "responses": {"200": _json_ok("ModelList", "OpenAI's model list.")},
@@ -244,7 +268,7 @@ def build_openapi(app: FastAPI, is_open: bool) -> dict[str, Any]:
                 operation["security"] = security
                 responses = operation.setdefault("responses", {})
                 responses.pop("422", None)  # the gateway answers 400, never FastAPI's 422
-                statuses = [401] if path == "/v1/models" else list(_ERRORS)
+                statuses = _STATUSES.get(path, list(_ERRORS))
                 for status in statuses:
                     if not (is_open and status in (401, 403)):
                         responses.setdefault(str(status), _error(status))

@@ -2,8 +2,10 @@
 
 SSE events are `id: <seq>` + `data: <chunk JSON>`; the events after the terminal (finish chunk,
 usage chunk, `[DONE]`) repeat the terminal's seq, so Last-Event-ID always names the last reply
-event the client saw. A client that goes away before the terminal makes the Exchange publish
-Cancellation(reason="client_disconnect"); one that finished publishes nothing.
+event the client saw, and GET /v1/streams/{id} with it sends what came after. Text goes through
+the output guard (output_guard.py) on its way out. A client that goes away before the terminal
+leaves the stream (resume.py): it is cancelled at once (Cancellation(reason="client_disconnect"))
+or, when asked with a resume grace, held for a reconnect; one that finished publishes nothing.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from starlette.websockets import WebSocket, WebSocketState
 from schemas.messages import ReplyDelta, ReplyEnd
 from services.gateway.handlers import Exchange
 from services.gateway.openai_format import ApiError, ChunkWriter, Kind, completion_body, terminal_error
+from services.gateway.output_guard import OutputGuard, TextFilter
+from services.gateway.resume import RESUME_GRACE_HEADER, StreamEntry
 
 log = logging.getLogger("weir.gateway")
 
@@ -35,22 +39,48 @@ def sse_event(seq: int, data: dict[str, Any] | str) -> bytes:
     return b"id: %d\ndata: %s\n\n" % (seq, payload)
 
 
-async def sse_events(exchange: Exchange, writer: ChunkWriter) -> AsyncIterator[bytes]:
-    """The SSE byte stream of a request, ending with `data: [DONE]`. An error terminal becomes a
-    `data: {"error": {...}}` event (what the openai client raises as APIError) before [DONE]."""
+Frame = dict[str, Any] | ApiError  # a chunk, or the error of an error terminal
+
+
+async def frames(exchange: Exchange, writer: ChunkWriter, text_filter: TextFilter) -> AsyncIterator[tuple[int, Frame]]:
+    """The frames of a stream from its start, each with the seq of the event that released it.
+
+    Deterministic in the events: a reader that reconnects renders the same frames again (fresh
+    writer and filter) and skips those it already had. Text the output guard holds back goes
+    out with a later delta or, at the end, before the terminal's chunks; a delta that releases
+    no text gives no frame.
+    """
+    index = 0
     while True:
-        event = await exchange.next_event()
+        event = await exchange.event_at(index)
+        index += 1
         if isinstance(event, ReplyDelta):
-            yield sse_event(event.seq, writer.on_delta(event))
+            text = text_filter.feed(event.text)
+            if text:
+                yield event.seq, writer.on_text(text)
             continue
+        if rest := text_filter.flush():
+            yield event.seq, writer.on_text(rest)
         error = terminal_error(event)
         if error is not None:
-            yield sse_event(event.seq, error.body())
-        else:
-            for chunk in writer.on_end(event):
-                yield sse_event(event.seq, chunk)
-        yield sse_event(event.seq, "[DONE]")
+            yield event.seq, error
+            return
+        for chunk in writer.on_end(event):
+            yield event.seq, chunk
         return
+
+
+async def sse_events(
+    exchange: Exchange, writer: ChunkWriter, text_filter: TextFilter, after_seq: int = -1
+) -> AsyncIterator[bytes]:
+    """The SSE byte stream of a request, ending with `data: [DONE]`; only the events after
+    `after_seq` (a reconnecting client's Last-Event-ID). An error terminal becomes a
+    `data: {"error": {...}}` event (what the openai client raises as APIError) before [DONE]."""
+    seq = after_seq
+    async for seq, frame in frames(exchange, writer, text_filter):
+        if seq > after_seq:
+            yield sse_event(seq, frame.body() if isinstance(frame, ApiError) else frame)
+    yield sse_event(max(seq, after_seq), "[DONE]")
 
 
 async def wait_for_disconnect(receive: Receive) -> None:
@@ -97,9 +127,12 @@ class EventStreamResponse(StreamingResponse):
             self._on_close()
 
 
-async def collect(exchange: Exchange, kind: Kind, created_s: int, receive: Receive) -> dict[str, Any] | None:
-    """Wait for the whole result of a stream=false request; returns the OpenAI body, or None when
-    the client left first (its caller then closes the Exchange with client_disconnect).
+async def collect(
+    exchange: Exchange, kind: Kind, created_s: int, receive: Receive, guard_text: Callable[[str], str]
+) -> dict[str, Any] | None:
+    """Wait for the whole result of a stream=false request; returns the OpenAI body (its text
+    passed through `guard_text`), or None when the client left first (its caller then closes the
+    Exchange with client_disconnect).
 
     Raises ApiError for an error terminal.
     """
@@ -114,7 +147,8 @@ async def collect(exchange: Exchange, kind: Kind, created_s: int, receive: Recei
             error = terminal_error(event)
             if error is not None:
                 raise error
-            return completion_body(kind, exchange.request_id, exchange.request.model, created_s, "".join(parts), event)
+            text = guard_text("".join(parts))
+            return completion_body(kind, exchange.request_id, exchange.request.model, created_s, text, event)
 
     result = asyncio.ensure_future(gather_text())
     gone = asyncio.ensure_future(wait_for_disconnect(receive))
@@ -164,27 +198,32 @@ async def collect_ends(exchanges: list[Exchange], receive: Receive) -> list[Repl
 # ---------------------------------------------------------------------------------------------
 # WebSocket: /v1/stream
 
-Prepare = Callable[[Kind, bytes, dict[str, str]], Awaitable[tuple[Exchange, ChunkWriter]]]
+Prepare = Callable[[Kind, bytes, dict[str, str]], Awaitable[StreamEntry]]
+Resume = Callable[[str, dict[str, str]], StreamEntry]
 
 
 class WebSocketSession:
     """One /v1/stream socket: requests run one at a time; frames are JSON text.
 
-    Client → server: {"type": "chat.completions" | "completions", "body": {...}} and {"type": "cancel"}.
-    Server → client: the chunk objects of SSE, then {"type": "done"}; {"type": "error", "error":
-    {...}} for a refused request or an error terminal; {"type": "cancelled", "request_id"} after a
-    cancel. The socket stays open for the next request.
+    Client → server: {"type": "chat.completions" | "completions", "body": {...}, "resume_grace_s":
+    optional}; {"type": "cancel"}; {"type": "resume", "request_id": ..., "offset": N} to read a
+    resumable request again after its first N chunk frames. Server → client: the chunk objects of
+    SSE, then {"type": "done"}; {"type": "error", "error": {...}} for a refused request or an error
+    terminal; {"type": "cancelled", "request_id"} after a cancel. The socket stays open for the
+    next request.
     """
 
-    def __init__(self, ws: WebSocket, prepare: Prepare) -> None:
+    def __init__(self, ws: WebSocket, prepare: Prepare, resume: Resume, output_guard: OutputGuard) -> None:
         self.ws = ws
         self.prepare = prepare
+        self.resume = resume
+        self.output_guard = output_guard
         self._send_lock = asyncio.Lock()
-        self._exchange: Exchange | None = None
+        self._entry: StreamEntry | None = None  # the stream this socket reads, until it detaches
         self._pump: asyncio.Task[None] | None = None
 
     async def run(self) -> None:
-        """Serve frames until the client closes; an open request is then cancelled."""
+        """Serve frames until the client closes; an open request is then left (held when resumable)."""
         await self.ws.accept()
         try:
             while True:
@@ -193,10 +232,11 @@ class WebSocketSession:
                     break
                 await self.on_frame(message.get("text"), message.get("bytes"))
         finally:
-            await self._abandon("client_disconnect")
+            await self._stop_pump()
+            self._detach()
 
     async def on_frame(self, text: str | None, data: bytes | None) -> None:
-        """Handle one client frame: a request, a cancel, or something to refuse."""
+        """Handle one client frame: a request, a cancel, a resume, or something to refuse."""
         try:
             frame = orjson.loads(text if text is not None else data or b"")
         except orjson.JSONDecodeError:
@@ -204,49 +244,63 @@ class WebSocketSession:
         kind = frame.get("type") if isinstance(frame, dict) else None
         if kind == "cancel":
             return await self.on_cancel()
-        if kind not in ("chat.completions", "completions"):
-            message = 'frame type must be "chat.completions", "completions" or "cancel"'
+        if kind not in ("chat.completions", "completions", "resume"):
+            message = 'frame type must be "chat.completions", "completions", "resume" or "cancel"'
             return await self.send_error(ApiError(400, message, param="type", code="invalid_frame"))
         if self._pump is not None and not self._pump.done():
             return await self.send_error(ApiError(409, "a request is already running on this socket", code="busy"))
+        headers = dict(self.ws.headers)
         try:
-            exchange, writer = await self.prepare(kind, orjson.dumps(frame.get("body")), dict(self.ws.headers))
+            if kind == "resume":
+                request_id, offset = _resume_frame(frame)
+                entry = self.resume(request_id, headers)
+            else:
+                if "resume_grace_s" in frame:
+                    headers[RESUME_GRACE_HEADER] = str(frame["resume_grace_s"])
+                entry, offset = await self.prepare(kind, orjson.dumps(frame.get("body")), headers), 0
         except ApiError as error:
             return await self.send_error(error)
-        self._exchange = exchange
-        self._pump = asyncio.create_task(self._stream(exchange, writer))
+        self._entry = entry
+        self._pump = asyncio.create_task(self._stream(entry, offset))
 
     async def on_cancel(self) -> None:
         """Publish Cancellation(reason="user") for the running request and acknowledge it."""
-        exchange = self._exchange
-        if exchange is None or exchange.is_closed:
+        entry = self._entry
+        if entry is None or entry.exchange.is_closed:
             return await self.send({"type": "cancelled", "request_id": None})
-        await self._abandon("user")
-        await self.send({"type": "cancelled", "request_id": exchange.request_id})
+        await self._stop_pump()
+        self._entry = None
+        entry.cancel("user")
+        await self.send({"type": "cancelled", "request_id": entry.request_id})
 
-    async def _stream(self, exchange: Exchange, writer: ChunkWriter) -> None:
-        while True:
-            event = await exchange.next_event()
-            if isinstance(event, ReplyDelta):
-                await self.send(writer.on_delta(event))
+    async def _stream(self, entry: StreamEntry, offset: int) -> None:
+        # offset: the chunk frames this client already has (a resume); they are rendered, not sent.
+        text_filter = self.output_guard.stream()
+        num_frames = 0
+        async for _, frame in frames(entry.exchange, entry.new_writer(), text_filter):
+            num_frames += 1
+            if num_frames <= offset:
                 continue
-            error = terminal_error(event)
-            if error is not None:
-                await self.send_error(error)
-            else:
-                for chunk in writer.on_end(event):
-                    await self.send(chunk)
-                await self.send({"type": "done"})
-            exchange.close(None, status="ws")
-            return
+            if isinstance(frame, ApiError):
+                await self.send_error(frame)
+                break
+            await self.send(frame)
+        else:
+            await self.send({"type": "done"})
+        if offset == 0:
+            self.output_guard.count(text_filter.num_redacted)
+        self._detach()
 
-    async def _abandon(self, reason: str) -> None:
+    async def _stop_pump(self) -> None:
         if self._pump is not None and not self._pump.done():
             self._pump.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._pump
-        if self._exchange is not None:
-            self._exchange.close(reason, status="ws")  # type: ignore[arg-type]
+
+    def _detach(self) -> None:
+        if self._entry is not None:
+            entry, self._entry = self._entry, None
+            entry.leave()
 
     async def send(self, frame: dict[str, Any]) -> None:
         """Send one JSON text frame (serialised: the pump and the reader both send)."""
@@ -257,3 +311,13 @@ class WebSocketSession:
     async def send_error(self, error: ApiError) -> None:
         """Send {"type": "error", "error": {...OpenAI error...}}."""
         await self.send({"type": "error", **error.body()})
+
+
+def _resume_frame(frame: dict[str, Any]) -> tuple[str, int]:
+    request_id, offset = frame.get("request_id"), frame.get("offset", 0)
+    if not isinstance(request_id, str) or not request_id:
+        raise ApiError(400, "a resume frame needs the request_id of the stream", param="request_id", code="invalid_value")
+    if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+        raise ApiError(400, "offset must be the number of chunk frames already received (>= 0)",
+                       param="offset", code="invalid_value")
+    return request_id, offset

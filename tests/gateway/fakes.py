@@ -3,8 +3,11 @@
 FakeWorker answers GenerateRequests straight from the requests topic (no batcher), by what the
 prompt asks for:
 - default: deltas "Hello", ", ", "world" with seq 0, 1, 1 (a repeat), 2, then ReplyEnd(stop) at 3;
-- "slow": one delta, then waits for a Cancellation and answers ReplyEnd(cancelled);
-- "hang": never answers; "reject": ReplyEnd(rejected, queue_full) at seq 0.
+- "slow": one delta ("Hello "), then waits for a Cancellation and answers ReplyEnd(cancelled);
+- "hang": never answers; "reject": ReplyEnd(rejected, queue_full) at seq 0;
+- "drip": deltas "t0 " .. "t19 " every 50 ms, then ReplyEnd(stop); a Cancellation ends it early
+  (ReplyEnd(cancelled)); `generated[request_id]` counts the deltas it produced;
+- "pii": PII_DELTAS, personal data split across deltas, then ReplyEnd(stop).
 It also sends a heartbeat every 0.5 s and records every Cancellation on the control topic.
 """
 
@@ -33,6 +36,10 @@ from schemas.messages import (
 from schemas.topics import Topics
 
 TEXT = ["Hello", ", ", "world"]
+DRIP = [f"t{i} " for i in range(20)]
+# An identity number (check digit X), a Luhn-valid card, a phone and an e-mail, cut mid-number.
+PII_DELTAS = ["My ID is 1101", "0519491231", "002X, card 4111 ", "1111 1111", " 1111, call +86 138", "1234 5678 or mail li.wei",
+              "@example", ".com now."]  # fmt: skip
 
 
 class FakeWorker:
@@ -44,6 +51,7 @@ class FakeWorker:
         self.worker_id = "fake-worker-1"
         self.requests: list[GenerateRequest] = []
         self.cancels: list[Cancellation] = []
+        self.generated: dict[str, int] = {}
         self._tasks: list[asyncio.Task[Any]] = []
         self._clients: list[Any] = []
 
@@ -96,17 +104,31 @@ class FakeWorker:
             await self._send(request, end)
             return
         if "slow" in prompt:
-            await self._send(request, ReplyDelta(request_id=rid, seq=0, text=TEXT[0]))
+            await self._send(request, ReplyDelta(request_id=rid, seq=0, text="Hello "))  # a whole word: not held back
             deadline = time.monotonic() + 20
             while not self.cancels_of(rid) and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             await self._send(request, ReplyEnd(request_id=rid, seq=1, finish_reason="cancelled"))
             return
+        if "drip" in prompt or "pii" in prompt:
+            return await self._stream(request, DRIP if "drip" in prompt else PII_DELTAS, 0.05 if "drip" in prompt else 0)
         for seq in (0, 1, 1, 2):  # seq 1 twice: the gateway must drop the repeat
             await self._send(request, ReplyDelta(request_id=rid, seq=seq, text=TEXT[seq]))
         end = ReplyEnd(request_id=rid, seq=3, finish_reason="stop", model_version="echo@1",
                        usage=Usage(prompt_tokens=2, completion_tokens=3, total_tokens=5))
         await self._send(request, end)
+
+    async def _stream(self, request: GenerateRequest, texts: list[str], interval_s: float) -> None:
+        rid = request.request_id
+        for seq, text in enumerate(texts):
+            if self.cancels_of(rid):
+                await self._send(request, ReplyEnd(request_id=rid, seq=seq, finish_reason="cancelled"))
+                return
+            await self._send(request, ReplyDelta(request_id=rid, seq=seq, text=text))
+            self.generated[rid] = self.generated.get(rid, 0) + 1
+            await asyncio.sleep(interval_s)
+        usage = Usage(prompt_tokens=1, completion_tokens=len(texts), total_tokens=1 + len(texts))
+        await self._send(request, ReplyEnd(request_id=rid, seq=len(texts), finish_reason="stop", usage=usage))
 
     async def _send(self, request: GenerateRequest, event: ReplyDelta | ReplyEnd) -> None:
         await self.producer.send_and_wait(request.reply_to, encode(event), key=request.request_id.encode())

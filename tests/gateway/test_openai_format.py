@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from schemas.messages import ErrorInfo, ReplyDelta, ReplyEnd, Usage
+from schemas.messages import ErrorInfo, ReplyEnd, Usage
 from schemas.model_repo import ModelConfig, ModelRepository
 from services.gateway.openai_format import (
     ApiError,
@@ -103,8 +103,8 @@ def test_completion_prompt_must_be_a_string() -> None:
 
 def test_chat_chunks_role_first_then_finish_then_usage() -> None:
     writer = ChunkWriter("chat.completions", "chatcmpl-1", "echo", 1700, include_usage=True)
-    first = writer.on_delta(ReplyDelta(request_id="chatcmpl-1", seq=0, text="He"))
-    second = writer.on_delta(ReplyDelta(request_id="chatcmpl-1", seq=1, text="llo"))
+    first = writer.on_text("He")
+    second = writer.on_text("llo")
     end = ReplyEnd(request_id="chatcmpl-1", seq=2, finish_reason="length", model_version="echo@1",
                    usage=Usage(prompt_tokens=3, completion_tokens=2, total_tokens=5))
     finish, usage = writer.on_end(end)
@@ -118,7 +118,7 @@ def test_chat_chunks_role_first_then_finish_then_usage() -> None:
 
 def test_completion_chunks_without_usage() -> None:
     writer = ChunkWriter("completions", "cmpl-1", "echo", 1700, include_usage=False)
-    chunk = writer.on_delta(ReplyDelta(request_id="cmpl-1", seq=0, text="x"))
+    chunk = writer.on_text("x")
     assert chunk["object"] == "text_completion" and chunk["choices"][0]["text"] == "x" and "usage" not in chunk
     chunks = writer.on_end(ReplyEnd(request_id="cmpl-1", seq=1, finish_reason="stop"))
     assert len(chunks) == 1 and chunks[0]["choices"][0]["finish_reason"] == "stop"

@@ -33,7 +33,8 @@ from .fakes import FakeWorker, GatewayServer
 REPO_TOML = Path(__file__).resolve().parents[2] / "models.toml"
 SECRET = b"openapi-test-secret-0123456789abcdef"
 JWKS = {"keys": [{"kty": "oct", "k": "b3BlbmFwaS10ZXN0LXNlY3JldC0wMTIzNDU2Nzg5YWJjZGVm", "kid": "t", "alg": "HS256"}]}
-FUZZED = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/healthz", "/readyz", "/metrics"}
+FUZZED = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/streams/{request_id}", "/healthz", "/readyz",
+          "/metrics"}  # fmt: skip
 
 
 def settings(**extra: Any) -> GatewaySettings:

@@ -1,0 +1,172 @@
+"""Resumable streams: a client that loses its connection reconnects and gets what it missed.
+
+Every streamed request is registered here while a client reads it. A request asked with a resume
+grace (X-Weir-Resume-Grace-S, or the deployment's WEIR_RESUME_GRACE_S) outlives its connection:
+when its last reader leaves before the end, it keeps running for the grace period, its events
+accumulating in the Exchange's history, and a reader that comes back in time (SSE Last-Event-ID
+on GET /v1/streams/{id}, or a WebSocket resume frame) reads the rest from where it stopped; no
+token is generated twice. Only when nobody came back does the gateway publish
+Cancellation(client_disconnect) (or deadline, if that passed first). A request without a grace
+is cancelled as soon as its reader leaves, as before: a disconnect stops the worker at once.
+
+A finished resumable stream stays readable for keep_s (a client that missed only the tail). The
+store holds at most max_streams entries; past that the oldest ones without a reader are dropped
+(a held request among them is cancelled). State is per gateway instance: a client resumes at the
+instance that served it (the x-weir-gateway response header names it for sticky routing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from schemas.messages import CancelReason, now_ms
+from services.gateway.handlers import Exchange
+from services.gateway.openai_format import ApiError, ChunkWriter
+
+RESUME_GRACE_HEADER = "x-weir-resume-grace-s"
+
+
+def resume_grace_s(headers: dict[str, str], default_s: float, max_s: float) -> float:
+    """The request's resume grace: X-Weir-Resume-Grace-S (0 to max_s), else the deployment's
+    default; ApiError(400) naming the header when it is not a number in range."""
+    value = headers.get(RESUME_GRACE_HEADER)
+    if value is None:
+        return default_s
+    try:
+        grace_s = float(value)
+    except ValueError:
+        grace_s = float("nan")
+    if not 0 <= grace_s <= max_s:
+        raise ApiError(400, f"X-Weir-Resume-Grace-S must be a number of seconds from 0 to {max_s:g}, got {value!r}",
+                       param="X-Weir-Resume-Grace-S", code="invalid_value")
+    return grace_s
+
+
+@dataclass
+class StreamEntry:
+    """One registered stream: its Exchange, who may read it, how to render it again."""
+
+    store: ResumableStreams
+    exchange: Exchange
+    new_writer: Callable[[], ChunkWriter]  # a fresh writer: a reader renders the stream from its start
+    grace_s: float
+    num_readers: int = 1
+    kept_until_s: float | None = None  # set once finished: readable until then
+    timer: asyncio.TimerHandle | None = field(default=None, repr=False)
+
+    @property
+    def request_id(self) -> str:
+        return self.exchange.request_id
+
+    @property
+    def is_resumable(self) -> bool:
+        return self.grace_s > 0
+
+    def leave(self) -> None:
+        """One reader is done with the stream (finished, or its connection dropped)."""
+        self.store.detach(self)
+
+    def cancel(self, reason: CancelReason) -> None:
+        """End the request now for every reader (an explicit cancel); it can no longer be resumed."""
+        self.store.forget(self)
+        self.exchange.close(reason, status="cancelled")
+
+
+class ResumableStreams:
+    """The streams of one gateway instance that a client may read again."""
+
+    def __init__(self, keep_s: float, max_streams: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.keep_s = keep_s
+        self.max_streams = max_streams
+        self.clock = clock
+        self._entries: OrderedDict[str, StreamEntry] = OrderedDict()
+        self.num_resumed = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def add(self, exchange: Exchange, new_writer: Callable[[], ChunkWriter], grace_s: float) -> StreamEntry:
+        """Register a stream that one reader starts reading now; returns its entry."""
+        entry = StreamEntry(self, exchange, new_writer, grace_s)
+        if entry.is_resumable:
+            self._prune()
+            self._entries[entry.request_id] = entry
+        return entry
+
+    def attach(self, request_id: str, principal: str) -> StreamEntry:
+        """A reader comes back: the entry of `request_id`, now with one more reader.
+
+        Raises ApiError 404 when no resumable stream has that id here (unknown, never resumable,
+        expired, or served by another instance) and 403 when it belongs to another principal.
+        """
+        self._prune()
+        entry = self._entries.get(request_id)
+        if entry is None or (entry.exchange.is_closed and entry.exchange.end is None):
+            raise ApiError(
+                404, f"no resumable stream {request_id!r} on this gateway (unknown, not resumable, or expired)",
+                param="request_id", code="stream_not_found",
+            )  # fmt: skip
+        if entry.exchange.request.principal != principal:
+            raise ApiError(403, f"stream {request_id!r} belongs to another principal", code="permission_denied")
+        if entry.timer is not None:
+            entry.timer.cancel()
+            entry.timer = None
+        entry.num_readers += 1
+        self.num_resumed += 1
+        return entry
+
+    def detach(self, entry: StreamEntry) -> None:
+        """A reader left (finished, or its connection dropped). The last one to leave a stream that
+        has not ended either cancels it (no grace) or holds it for the grace period."""
+        entry.num_readers -= 1
+        if entry.num_readers > 0:
+            return
+        exchange = entry.exchange
+        exchange.drain()
+        if exchange.end is not None:
+            exchange.close(None, status="ended")
+            entry.kept_until_s = self.clock() + self.keep_s
+            return
+        if not entry.is_resumable:
+            exchange.close("client_disconnect", status="client_gone")
+            return
+        to_deadline_s = (exchange.request.deadline_ms - now_ms()) / 1000
+        delay_s = max(0.0, min(entry.grace_s, to_deadline_s))
+        entry.timer = asyncio.get_running_loop().call_later(delay_s, self._give_up, entry)
+
+    def forget(self, entry: StreamEntry) -> None:
+        """Drop the entry (after an explicit cancel): it can no longer be resumed."""
+        if entry.timer is not None:
+            entry.timer.cancel()
+        self._entries.pop(entry.request_id, None)
+
+    def _give_up(self, entry: StreamEntry) -> None:
+        # Nobody came back within the grace: end the request like any abandoned one.
+        entry.timer = None
+        if entry.num_readers > 0:
+            return
+        exchange = entry.exchange
+        exchange.drain()
+        if exchange.end is not None:
+            exchange.close(None, status="ended")
+            entry.kept_until_s = self.clock() + self.keep_s
+            return
+        is_late = now_ms() >= exchange.request.deadline_ms
+        exchange.close("deadline" if is_late else "client_disconnect", status="client_gone")
+        self._entries.pop(entry.request_id, None)
+
+    def _prune(self) -> None:
+        now_s = self.clock()
+        for request_id, entry in list(self._entries.items()):
+            if entry.kept_until_s is not None and entry.kept_until_s <= now_s:
+                del self._entries[request_id]
+        for request_id, entry in list(self._entries.items()):
+            if len(self._entries) < self.max_streams:
+                return
+            if entry.num_readers == 0:  # oldest first (insertion order)
+                self.forget(entry)
+                entry.exchange.close("client_disconnect", status="evicted")

@@ -1,0 +1,149 @@
+"""Resumable streams and the output guard against the real broker, with the fake worker.
+
+What a client checks: a stream asked with a resume grace survives a dropped connection (SSE
+Last-Event-ID, WebSocket resume offset) with every token exactly once and none generated twice;
+one that nobody resumes is cancelled after its grace; personal data split across deltas reaches
+no client, streamed or not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import orjson
+import pytest
+from websockets.asyncio.client import connect
+
+from .conftest import Stack
+from .fakes import DRIP, eventually
+
+pytestmark = pytest.mark.kafka
+
+DRIP_BODY = {"model": "echo", "prompt": "drip", "stream": True}
+PII_REDACTED = "My ID is [REDACTED], card [REDACTED], call [REDACTED] or mail [REDACTED] now."
+
+
+@pytest.fixture(autouse=True)
+async def worker_is_live(stack: Stack) -> None:
+    async with httpx.AsyncClient(base_url=stack.base_url) as client:
+        for _ in range(200):
+            if (await client.get("/readyz")).status_code == 200:
+                return
+            await asyncio.sleep(0.05)
+    raise AssertionError("the gateway saw no live worker within 10 s")
+
+
+async def read_sse(response: httpx.Response, max_deltas: int | None = None) -> tuple[list[str], int]:
+    """(texts, last event id) of an SSE response, stopping after max_deltas text events."""
+    texts: list[str] = []
+    last_id = -1
+    async for line in response.aiter_lines():
+        if line.startswith("id: "):
+            last_id = int(line[4:])
+        elif line.startswith("data: ") and line != "data: [DONE]":
+            choices = orjson.loads(line[6:])["choices"]
+            if choices and choices[0]["text"]:
+                texts.append(choices[0]["text"])
+                if max_deltas is not None and len(texts) == max_deltas:
+                    break
+    return texts, last_id
+
+
+def parse_events(raw: bytes) -> list[tuple[int, str]]:
+    """(id, text) of each text event of an SSE body."""
+    events = []
+    for block in raw.decode().strip().split("\n\n"):
+        fields = dict(line.split(": ", 1) for line in block.splitlines())
+        if fields["data"] != "[DONE]" and (choices := orjson.loads(fields["data"])["choices"]) and choices[0]["text"]:
+            events.append((int(fields["id"]), choices[0]["text"]))
+    return events
+
+
+async def test_an_sse_client_resumes_with_last_event_id_and_nothing_is_regenerated(stack: Stack) -> None:
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=20) as client:
+        headers = {"x-weir-resume-grace-s": "10"}
+        async with client.stream("POST", "/v1/completions", json=DRIP_BODY, headers=headers) as response:
+            request_id = response.headers["x-request-id"]
+            assert response.headers["x-weir-resume-url"] == f"/v1/streams/{request_id}"
+            before, last_id = await read_sse(response, max_deltas=3)
+        # The connection is gone; generation goes on while the client is away.
+        await asyncio.sleep(0.3)
+        async with client.stream("GET", f"/v1/streams/{request_id}", headers={"last-event-id": str(last_id)}) as again:
+            assert again.status_code == 200
+            after, _ = await read_sse(again)
+    assert before + after == DRIP
+    assert stack.worker.generated[request_id] == len(DRIP)
+    assert [r.request_id for r in stack.worker.requests].count(request_id) == 1
+    assert stack.worker.cancels_of(request_id) == []
+
+
+async def test_a_finished_stream_can_be_read_again_from_any_event(stack: Stack) -> None:
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=20) as client:
+        headers = {"x-weir-resume-grace-s": "5"}
+        async with client.stream("POST", "/v1/completions", json=DRIP_BODY, headers=headers) as response:
+            request_id = response.headers["x-request-id"]
+            everything = parse_events(await response.aread())
+        tail = await client.get(f"/v1/streams/{request_id}", params={"last_event_id": "16"})
+    assert "".join(text for _, text in everything) == "".join(DRIP)
+    assert parse_events(tail.content) == [(seq, text) for seq, text in everything if seq > 16]
+
+
+async def test_a_stream_nobody_resumes_is_cancelled_after_its_grace(stack: Stack) -> None:
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=20) as client:
+        headers = {"x-weir-resume-grace-s": "0.3"}
+        async with client.stream("POST", "/v1/completions", json=DRIP_BODY, headers=headers) as response:
+            request_id = response.headers["x-request-id"]
+            await read_sse(response, max_deltas=1)
+        cancels = await eventually(lambda: stack.worker.cancels_of(request_id))
+        assert [c.reason for c in cancels] == ["client_disconnect"]
+        assert stack.worker.generated[request_id] < len(DRIP)
+        gone = await client.get(f"/v1/streams/{request_id}")
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "stream_not_found"
+
+
+async def test_without_a_grace_a_disconnect_stops_the_worker_and_cannot_be_resumed(stack: Stack) -> None:
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=20) as client:
+        async with client.stream("POST", "/v1/completions", json=DRIP_BODY) as response:
+            request_id = response.headers["x-request-id"]
+            assert "x-weir-resume-url" not in response.headers
+            await read_sse(response, max_deltas=1)
+        cancels = await eventually(lambda: stack.worker.cancels_of(request_id))
+        assert [c.reason for c in cancels] == ["client_disconnect"]
+        gone = await client.get(f"/v1/streams/{request_id}", headers={"last-event-id": "0"})
+        bad = await client.post("/v1/completions", json=DRIP_BODY, headers={"x-weir-resume-grace-s": "forever"})
+    assert gone.status_code == 404
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "X-Weir-Resume-Grace-S"
+
+
+async def test_a_websocket_client_resumes_with_an_offset(stack: Stack) -> None:
+    url = stack.base_url.replace("http", "ws") + "/v1/stream"
+    request = {"type": "completions", "body": {"model": "echo", "prompt": "drip"}, "resume_grace_s": 10}
+    async with connect(url) as ws:
+        await ws.send(orjson.dumps(request).decode())
+        first = [orjson.loads(await ws.recv()) for _ in range(4)]
+    request_id = first[0]["id"]
+    await asyncio.sleep(0.3)
+    async with connect(url) as ws:
+        await ws.send(orjson.dumps({"type": "resume", "request_id": request_id, "offset": 4}).decode())
+        rest = []
+        while not rest or rest[-1].get("type") not in ("done", "error"):
+            rest.append(orjson.loads(await ws.recv()))
+    assert rest[-1] == {"type": "done"}
+    texts = [frame["choices"][0]["text"] for frame in first + rest[:-1]]
+    assert [t for t in texts if t] == DRIP
+    assert stack.worker.generated[request_id] == len(DRIP) and stack.worker.cancels_of(request_id) == []
+
+
+async def test_personal_data_split_across_deltas_is_redacted_streamed_or_not(stack: Stack) -> None:
+    client = openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="x", max_retries=0, timeout=20)
+    stream = await client.completions.create(model="echo", prompt="pii", stream=True)
+    streamed = "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
+    whole = await client.completions.create(model="echo", prompt="pii")
+    chat = await client.chat.completions.create(model="echo", messages=[{"role": "user", "content": "pii"}])
+    assert streamed == whole.choices[0].text == chat.choices[0].message.content == PII_REDACTED
+    async with httpx.AsyncClient(base_url=stack.base_url) as http:
+        metrics = (await http.get("/metrics")).text
+    line = next(line for line in metrics.splitlines() if line.startswith("weir_gateway_redactions_total"))
+    assert float(line.split()[-1]) >= 12  # four spans in each of the three outputs
