@@ -34,7 +34,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, ValidationError, field_validator
 
 Engine = Literal["torch", "onnx", "echo"]
-LanePolicy = Literal["strict", "weighted"]
+LanePolicy = Literal["strict", "weighted", "fifo"]
 
 
 class ModelConfig(BaseModel):
@@ -59,8 +59,9 @@ class ModelConfig(BaseModel):
     dimensions: int | None = Field(None, ge=1, description="engine onnx: embedding size, checked when the model loads.")
     lane_policy: LanePolicy = Field(
         "strict",
-        description="How the batcher serves the interactive and bulk lanes: strict (interactive always first) "
-        "or weighted (bulk gets bulk_weight of the tokens while both wait).",
+        description="How the batcher serves the interactive and bulk lanes: strict (interactive always first), "
+        "weighted (bulk gets bulk_weight of the tokens while both wait) or fifo (one queue in arrival order, "
+        "ignoring priority, tenant and deadline: the baseline of a plain Kafka consumer).",
     )
     bulk_weight: float = Field(
         0.25, gt=0, le=1, description="lane_policy weighted: bulk lane's weight against interactive's 1.0."

@@ -6,7 +6,8 @@ planner is tested with explicit time and driven by the batcher's Kafka loop in p
 
 Per model a ModelQueue (queues.py) holds the waiting requests and decides the order they leave
 in: priority lanes (strict or weighted), weighted fair queuing per tenant on token cost, earliest
-deadline first within a tenant. Expired requests are dropped and reported, never batched.
+deadline first within a tenant; or, with lane_policy "fifo", arrival order alone. Expired requests
+are dropped and reported, never batched.
 
 A model's batch closes when it holds max_batch_size requests, when its oldest request has waited
 max_wait_ms, or when the tokens it holds reach the room of the worker it would go to. Where a
@@ -338,10 +339,17 @@ class Planner:
         Batches are returned in scheduling order (by their first request).
         """
         result = PlanResult()
+        keyed: list[tuple[tuple[int, int], PlannedBatch]] = []
         for model, lane in self._lanes.items():
             result.expired.extend(lane.drop_expired(now_ms))
-            result.batches.extend(self._close_batches(model, lane, now_ms, placement))
-        result.batches.sort(key=lambda b: (PRIORITY_RANK[b.requests[0].priority], b.requests[0].deadline_ms))
+            batches = self._close_batches(model, lane, now_ms, placement)
+            for batch in batches:
+                # A fifo model's batches all take the key of its first one, so the stable sort
+                # keeps them in arrival order.
+                head = (batches[0] if lane.queue.is_fifo else batch).requests[0]
+                keyed.append(((PRIORITY_RANK[head.priority], head.deadline_ms), batch))
+        keyed.sort(key=lambda kb: kb[0])
+        result.batches.extend(batch for _, batch in keyed)
         for req in result.expired:
             self._finish(req.request_id)
         for batch in result.batches:

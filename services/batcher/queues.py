@@ -17,6 +17,10 @@ The next request is chosen in three steps:
    tenant only delays the others by one request each turn.
 3. Request, within the tenant: earliest deadline first, then arrival.
 
+`fifo` skips all three: one queue in arrival order, whatever the priority, tenant or deadline
+(expired requests are still dropped by the planner). It is the order a plain Kafka consumer
+gives, kept as the baseline the lanes are measured against (`weir bench batcher`).
+
 Costs are in tokens (`cost_tokens`): the estimate of what the request will hold in a worker's
 KV cache, see `planner.cost_tokens`.
 """
@@ -97,6 +101,7 @@ class ModelQueue:
 
     def __init__(self, config: ModelConfig) -> None:
         self.config = config
+        self.is_fifo = config.lane_policy == "fifo"  # arrival order only: no lanes, tenants or EDF
         self.held: dict[str, Held] = {}  # insertion order = arrival order
         self.num_tokens = 0  # sum of cost_tokens of held requests
         self._tenants: dict[str, dict[str, _TenantQueue]] = {lane: {} for lane in LANES}
@@ -108,6 +113,8 @@ class ModelQueue:
         req = held.request
         self.held[req.request_id] = held
         self.num_tokens += held.cost_tokens
+        if self.is_fifo:
+            return
         lane = self._lane_share[req.priority]
         lane.on_add(self._model_vtime)
         tenants = self._tenants[req.priority]
@@ -122,6 +129,8 @@ class ModelQueue:
         held = self.held.pop(request_id, None)
         if held is not None:
             self.num_tokens -= held.cost_tokens
+            if self.is_fifo:
+                return held
             req = held.request
             self._lane_share[req.priority].num_waiting -= 1
             self._tenants[req.priority][req.tenant].share.num_waiting -= 1
@@ -135,11 +144,18 @@ class ModelQueue:
 
     def peek(self) -> Held | None:
         """The request that would leave next, or None when empty."""
+        if self.is_fifo:
+            return next(iter(self.held.values()), None)
         choice = self._choose()
         return choice.held if choice else None
 
     def pop(self) -> Held:
         """Remove and return the next request; advances the fair-queuing clocks."""
+        if self.is_fifo:
+            assert self.held, "pop from an empty ModelQueue"
+            held = self.remove(next(iter(self.held)))
+            assert held is not None
+            return held
         choice = self._choose()
         assert choice is not None, "pop from an empty ModelQueue"
         self._lane_share[choice.lane].on_pop(choice.lane_finish)

@@ -5,8 +5,11 @@ Pure planner and router, explicit time, no broker.
 
 from __future__ import annotations
 
+import pytest
+
 from schemas.messages import ChatMessage, EmbedRequest, GenerateRequest
-from services.batcher.planner import SLOT_COST_TOKENS, Planner, PlannedBatch, Slot, cost_tokens
+from schemas.model_repo import ModelRepoError, load_model_repo
+from services.batcher.planner import SLOT_COST_TOKENS, PlannedBatch, Planner, Slot, cost_tokens
 from services.batcher.routing import Router
 
 from .factories import T0_MS, make_config, make_heartbeat, make_repo, make_request, make_tenant_request
@@ -86,6 +89,69 @@ def test_strict_bulk_waits_while_interactive_holds_anything() -> None:
         planner.add(make_tenant_request("t"), T0_MS)
     order = [r.priority for b in planner.poll(T0_MS).batches for r in b.requests]
     assert order == ["interactive"] * 10 + ["bulk"] * 10
+
+
+def _flood_then_interactive(lane_policy: str) -> tuple[list[str], GenerateRequest]:
+    """20 bulk requests at T0, one interactive at T0+5, a worker with room for 4 requests per
+    refill: returns the order requests leave in over five refills, and the interactive one."""
+    planner = Planner(make_repo(make_config(max_batch_size=4, max_wait_ms=10, lane_policy=lane_policy)))
+    placement = FixedRoom(80)  # four requests of 20 tokens
+    for _ in range(20):
+        planner.add(make_tenant_request("jobs", priority="bulk"), T0_MS)
+    order = [r.request_id for b in planner.poll(T0_MS, placement).batches for r in b.requests]
+    interactive = make_tenant_request("user", deadline_ms=T0_MS + 1_000)
+    planner.add(interactive, T0_MS + 5)
+    for refill_ms in (T0_MS + 100, T0_MS + 200, T0_MS + 300, T0_MS + 400, T0_MS + 500):
+        placement.room_tokens = 80  # a heartbeat: the worker finished what it had
+        order += [r.request_id for b in planner.poll(refill_ms, placement).batches for r in b.requests]
+    return order, interactive
+
+
+def test_fifo_serves_a_bulk_flood_before_a_later_interactive_request() -> None:
+    order, interactive = _flood_then_interactive("fifo")
+    assert len(order) == 21
+    assert order.index(interactive.request_id) == 20  # behind all 20 bulk, 5 refills later
+
+
+def test_strict_serves_a_later_interactive_request_at_the_next_room() -> None:
+    order, interactive = _flood_then_interactive("strict")
+    assert len(order) == 21
+    assert order.index(interactive.request_id) == 4  # first of the first refill after it came
+
+
+def test_fifo_ignores_priority_tenant_and_deadline_but_still_expires() -> None:
+    planner = Planner(make_repo(make_config(max_batch_size=3, max_wait_ms=0, lane_policy="fifo")))
+    bulk = make_tenant_request("A", priority="bulk", deadline_ms=T0_MS + 9_000)
+    flood = [make_tenant_request("A", deadline_ms=T0_MS + 8_000) for _ in range(3)]
+    urgent = make_tenant_request("B", deadline_ms=T0_MS + 1_000)
+    short = make_tenant_request("C", deadline_ms=T0_MS + 8)
+    for i, req in enumerate([bulk, *flood, urgent, short]):
+        planner.add(req, T0_MS + i)
+    result = planner.poll(T0_MS + 10)
+    assert result.expired == [short]
+    assert [r.request_id for b in result.batches for r in b.requests] == [
+        r.request_id for r in [bulk, *flood, urgent]
+    ]  # arrival order, batches published in that order too
+
+
+def test_lane_policy_fifo_is_read_from_the_model_repository_and_others_refused(tmp_path) -> None:
+    repo = tmp_path / "models.toml"
+    repo.write_text('[models.a]\nengine = "echo"\nlane_policy = "fifo"\n')
+    assert load_model_repo(repo).models["a"].lane_policy == "fifo"
+    repo.write_text('[models.a]\nengine = "echo"\nlane_policy = "arrival"\n')
+    with pytest.raises(ModelRepoError, match="lane_policy"):
+        load_model_repo(repo)
+
+
+def test_fifo_cancel_and_release_leave_the_rest_in_order() -> None:
+    planner = Planner(make_repo(make_config(max_batch_size=10, max_wait_ms=0, lane_policy="fifo")))
+    reqs = [make_tenant_request("t") for _ in range(4)]
+    for req in reqs:
+        planner.add(req, T0_MS)
+    assert planner.cancel(reqs[1].request_id) == reqs[1]
+    assert planner.release(reqs[2].request_id) == reqs[2]
+    [batch] = planner.poll(T0_MS).batches
+    assert batch.requests == [reqs[0], reqs[3]] and planner.num_held == 0
 
 
 # --- fairness ----------------------------------------------------------------------------------
