@@ -8,6 +8,7 @@ import importlib
 BENCHES = {
     "pipeline": ("weir.bench.pipeline", "in-process engine vs gateway -> Kafka -> batcher -> worker -> gateway"),
     "engine": ("weir.bench.engine", "Weir's engine vs transformers generate(), one at a time and static batches"),
+    "batcher": ("weir.bench.batcher", "interactive TTFT during a bulk job, fifo vs lanes; batch fill; job throughput"),
     "audit": ("weir.bench.audit", "auditor ingestion rate, fingerprint cost vs generation time, watermark z and perplexity"),
 }
 
