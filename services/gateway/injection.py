@@ -1,0 +1,329 @@
+"""The gateway's input guard core: a prompt-injection detector (rules + a small classifier) and a
+per-principal risk tracker. Pure and synchronous: no I/O after the weights load, time passed in.
+
+Detection, in order:
+
+1. Normalise: NFKC (fullwidth and other compatibility forms fold to ASCII), casefold, zero-width
+   and soft-hyphen characters stripped, whitespace runs collapsed to one space. A second "compact"
+   view keeps letters only, after a minimal leetspeak map (0->o, 1->i, 3->e, 4->a, 5->s, 7->t,
+   @->a, $->s), so "i g n o r e  p r e v i o u s", "1gn0re" and "ignore.previous" read as words
+   run together; a few phrase rules run on it.
+2. Rules: named, precompiled regexes over the whole normalised text (``RULES``). Every pattern is
+   a bounded alternation or a bounded gap (``.{0,N}``), so matching is linear in the text length.
+   "strong" rules are phrasings with next to no innocent use; "weak" ones are signals that also
+   occur innocently (a jailbreak question, a note addressed to an AI).
+3. Classifier: logistic regression over signed, hashed features (2**15 buckets): word unigrams and
+   bigrams and char 3-5-grams of the normalised text, L2-normalised. It sees at most the first and
+   last ``_CLASSIFIER_EDGE_CHARS`` characters, so its cost is bounded whatever the input size.
+
+Levels: high if any strong rule fires or score >= 0.9; medium if a weak rule fires or
+score >= 0.5; low otherwise.
+
+Weights: ``injection_model.json`` next to this module (float16, base64), made by
+
+    python scripts/train_injection_classifier.py --seed 0
+
+Held-out metrics printed by that command (test templates, paraphrases and stdlib files disjoint
+from training; 1,400 injections, 2,100 benign texts). Classifier alone, score >= 0.5: precision
+0.994, recall 0.611, F1 0.757, false positive rate 0.002. Whole detector, level >= medium:
+precision 0.995, recall 0.734, FPR 0.002 (the rules were reviewed against hold-out misses, so
+this figure is the less independent one). Latency (``python -m weir.bench.injection``, 3,000
+prompts of 20-8,000 chars, 2 cores shared with other jobs): p50 0.9 ms, p99 21.7 ms wall /
+9.7 ms thread CPU; an uncontended 8k-char prompt costs ~8 ms (rules ~4, classifier ~4).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import re
+import unicodedata
+import zlib
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+RiskLevel = Literal["low", "medium", "high"]
+
+DEFAULT_MODEL_PATH = Path(__file__).with_name("injection_model.json")
+NUM_BUCKETS_LOG2 = 15
+NUM_BUCKETS = 1 << NUM_BUCKETS_LOG2
+HIGH_SCORE = 0.9
+MEDIUM_SCORE = 0.5
+_CLASSIFIER_EDGE_CHARS = 4096  # the classifier sees the first and last 4k normalised chars
+_WORD_WEIGHT = 2.0  # words are ~6x rarer than char n-grams; weigh them up so they count
+_MAX_EVENTS_PER_PRINCIPAL = 1024  # RiskTracker keeps at most this many timestamps per principal
+
+_ZERO_WIDTH = dict.fromkeys(map(ord, "\u00ad\u180e\u200b\u200c\u200d\u200e\u200f\u2060\u2061\u2062\u2063\u2064\ufeff"))
+_LEET = str.maketrans({"0": "o", "1": "i", "3": "e", "4": "a", "5": "s", "7": "t", "@": "a", "$": "s"})
+_WHITESPACE = re.compile(r"\s+")
+_NON_LETTER = re.compile(r"[^a-z\u4e00-\u9fff]+")
+_WORD = re.compile(r"\w+")
+
+
+def normalise(text: str) -> str:
+    """NFKC, casefolded, zero-width characters stripped, whitespace collapsed, stripped."""
+    text = unicodedata.normalize("NFKC", text.translate(_ZERO_WIDTH)).casefold()
+    return _WHITESPACE.sub(" ", text).strip()
+
+
+def compact(normalised: str) -> str:
+    """Letters only, after the leetspeak map: the view that undoes letter spacing and punctuation."""
+    return _NON_LETTER.sub("", normalised.translate(_LEET))
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A named regex; `is_strong` rules alone make a detection high risk. `on_compact` rules run on
+    the letters-only view instead of the normalised text."""
+
+    name: str
+    is_strong: bool
+    pattern: re.Pattern[str]
+    on_compact: bool = False
+
+
+def _rule(name: str, is_strong: bool, *alternatives: str, on_compact: bool = False) -> Rule:
+    return Rule(name, is_strong, re.compile("|".join(f"(?:{a})" for a in alternatives)), on_compact)
+
+
+_NOT_NEGATED = r"(?<!don't )(?<!do not )(?<!never )(?<!not )"
+_EARLIER = r"(?:previous|prior|above|earlier|preceding|initial|original|foregoing|system|old)"
+_ORDERS = r"(?:instructions?|prompts?|directions?|directives?|rules|guidelines|guidance|commands?|orders)"
+_SECRETS = (r"(?:api[ _-]?keys?|secret(?: key)?s?|credentials|passwords?(?! reset| manager| policy| field| hash)|"
+            r"access tokens?|auth tokens?|bearer tokens?|env(?:ironment)? var(?:iable)?s|private keys?|ssh keys?|"
+            r"\.env file|/etc/passwd|id_rsa|aws_secret_access_key|session cookies?)")
+
+RULES: tuple[Rule, ...] = (
+    _rule("ignore_previous_instructions", True,
+          rf"{_NOT_NEGATED}\b(?:ignore|disregard|forget|override|bypass|discard|drop|abandon)\b "
+          rf"(?:(?:all|any|of|the|your|these|those|every|everything|and) ){{0,4}}(?:{_EARLIER} )?{_ORDERS}",
+          rf"{_NOT_NEGATED}\b(?:ignore|disregard|forget)\b (?:all |everything |anything )"
+          r"(?:above|before|previous|prior|you (?:were|have been) (?:told|given))",
+          r"忽略(?:之前|以上|上面|前面|先前|所有|你的)(?:的)?(?:所有)?(?:的)?(?:指令|指示|说明|提示|规则|命令)",
+          r"无视(?:之前|以上|上面|前面|所有)(?:的)?(?:所有)?(?:的)?(?:指令|指示|规则|命令)",
+          r"(?:以前|前|上記|これまで)の(?:指示|命令|指令)を無視",
+          r"\bignora (?:todas )?(?:las )?instrucciones (?:anteriores|previas)",
+          r"\bignore[zr]? (?:toutes )?(?:les )?instructions (?:précédentes|precedentes|ci-dessus)",
+          rf"\b{_EARLIER} {_ORDERS} (?:are|is|have been|has been) (?:now )?(?:cancell?ed|void|revoked|obsolete|"
+          r"no longer (?:valid|in effect|apply|applicable))",
+          r"\bignoriere (?:alle )?(?:vorherigen|bisherigen|obigen) (?:anweisungen|instruktionen|befehle)"),
+    _rule("ignore_previous_instructions", True,
+          r"(?<!dont)(?<!donot)(?<!never)(?:ignore|disregard|forget)(?:all|any)?(?:of)?(?:the|your)?"
+          r"(?:previous|prior|above|earlier|preceding)(?:instructions|prompts|directions|rules)",
+          on_compact=True),
+    _rule("system_prompt_exfiltration", True,
+          r"\b(?:reveal|print|show|repeat|output|display|dump|leak|recite|echo|spell out|write out|tell|give|"
+          r"disclose|share|paste|copy|return|translate)\b (?:(?:me|us|back|all|exactly|verbatim|word for word|of|"
+          r"out|everything in) ){0,3}(?:your|the|this conversation's|the hidden|the secret) "
+          r"(?:system prompt|system message|initial prompt|original prompt|hidden (?:instructions|prompt|rules)|"
+          r"secret instructions|initial instructions|original instructions|pre-?prompt|developer (?:instructions|message)|"
+          r"instructions (?:you were given|above|before this))",
+          r"\bwhat (?:is|are|was|were) your (?:exact |full |original |initial |hidden )?"
+          r"(?:system prompt|instructions|initial instructions|rules you were given)",
+          r"\brepeat (?:the |all )?(?:words|text|everything) (?:above|before this)",
+          r"(?:显示|输出|告诉我|打印|泄露|重复)(?:你的)?(?:系统提示词?|初始指令|隐藏指令)"),
+    _rule("system_prompt_exfiltration", True,
+          r"(?:reveal|print|show|repeat|output|display|dump|leak)(?:me|us)?(?:your|the)"
+          r"(?:systemprompt|hiddeninstructions|initialinstructions|secretinstructions)",
+          on_compact=True),
+    _rule("fake_delimiters", True,
+          r"<\|im_start\|>|<\|im_end\|>|<\|system\|>|<\|user\|>|<\|assistant\|>|<\|endoftext\|>|<\|eot_id\|>",
+          r"<\|start_header_id\|>|\[/?inst\]|<</?sys>>|</s>",
+          r"#{2,} ?(?:system|instructions?|new instructions|admin|developer)(?: message| prompt| override)? ?:",
+          r"\[(?:system|admin|developer)(?: message| override| prompt)?\]",
+          r"(?:^|[\"'] |\bend of (?:user )?(?:input|message|document)\b.{0,20}?)system ?: ?"),
+    _rule("secret_exfiltration", True,
+          rf"\b(?:send|forward|email|post|upload|exfiltrate|transmit|leak|reveal|print|output|dump|list|share|"
+          rf"disclose|give me|tell me|include)\b (?:(?:me|us|all|of|out|back) ){{0,2}}(?:your|all|the|any) "
+          rf"(?:stored |saved |internal |system |server(?:'s)? |user(?:s'|'s)? |admin |secret )?{_SECRETS}"
+          r"(?!(?: reset| manager| policy| securely| safely| in (?:python|bash|a|my)))",
+          rf"\b(?:send|forward|email|post|upload|exfiltrate|transmit)\b.{{0,60}}?{_SECRETS}.{{0,40}}?"
+          r"\b(?:to|at) (?:https?://|[\w.-]+@|attacker|the following (?:address|url|email))"),
+    _rule("do_anything_now", True,
+          r"\bdo anything now\b",
+          r"\b(?:not|never|no longer) (?:bound|restricted|limited|constrained) by (?:any |the |your )?"
+          r"(?:rules|guidelines|policies|restrictions|filters|openai|anthropic|content policy)",
+          r"\bwithout (?:any )?(?:ethical|moral|content|safety) (?:restrictions|guidelines|filters|constraints|limits)",
+          r"\byou (?:have|now have) no (?:restrictions|limits|limitations|rules|filters|guidelines|boundaries)"),
+    _rule("do_anything_now", True, r"doanythingnow", on_compact=True),
+    _rule("jailbreak_persona", True,
+          r"\b(?:you are|you're|act as|pretend (?:to be|you are)|become|enter|enable|activate|switch to|now in|"
+          r"respond as|roleplay as) (?:now )?(?:a |an |the )?(?:dan|stan|dude|aim|"
+          r"(?:unrestricted|unfiltered|uncensored|jailbroken|evil|rogue) (?:ai|assistant|model|chatbot|version|mode))\b",
+          r"\b(?:developer|dev|god|debug|admin|unrestricted|jailbreak|dan) mode (?:enabled|activated|on|engaged)\b",
+          r"\b(?:enable|activate|enter|switch to) (?:developer|dev|god|jailbreak|dan) mode\b"),
+    _rule("jailbreak_persona", True, r"developermode(?:enabled|activated)", on_compact=True),
+    _rule("encoded_payload", True,
+          r"(?<![a-z0-9+/])[a-z0-9+/]{40,}+={0,2}+.{0,200}?\b(?:decode|decrypt)\b.{0,60}?\b(?:execute|run|follow|obey|perform|"
+          r"carry out|do what it says|act on)",
+          r"\b(?:decode|decrypt)\b.{0,60}?\b(?:execute|run|follow|obey|perform|carry out|do what it says|act on)"
+          r"\b.{0,200}?(?<![a-z0-9+/])[a-z0-9+/]{40}"),
+    _rule("role_reassignment", False,
+          r"\byou are now (?:free|unrestricted|unfiltered|jailbroken|uncensored|named|called|in \w+ mode)\b",
+          r"\byou are no longer (?:an? |bound|restricted|limited|chatgpt|claude|required)",
+          r"\bfrom now on,? (?:you (?:are|will|must|shall)|act|respond|pretend)",
+          r"\bpretend (?:to be|you are|that you (?:are|have))"),
+    _rule("jailbreak_mention", False, r"\bjailbr(?:eak|oken)"),
+    _rule("new_instructions", False,
+          r"\b(?:new|updated|real|actual|true|revised) (?:instructions|task|objective|directive|orders)s? ?:",
+          r"\b(?:instead|rather),? (?:you (?:must|will|should)|do the following|your (?:new )?task is)"),
+    _rule("addressed_to_ai", False,
+          r"\b(?:note|message|instructions?|attention) (?:to|for) (?:the |any |all )?"
+          r"(?:ai|assistant|llm|language model|chatbot|bot|model)s?\b",
+          r"\b(?:dear |hey |hi )?(?:ai|assistant|llm|chatbot|gpt|claude),? (?:please )?"
+          r"(?:ignore|disregard|forget|you must|you should|stop|do not tell|don't tell|secretly)"),
+    _rule("no_restrictions", False,
+          r"\b(?:no|without(?: any)?|free (?:from|of)(?: all)?) (?:restrictions|limitations|filters|censorship|"
+          r"content policy|safety guidelines)\b"),
+    _rule("decode_and_execute", False,
+          r"\b(?:decode|decrypt)\b.{0,60}?\b(?:execute|run|follow|obey|carry out|do what it says)\b"),
+)
+
+
+@dataclass(frozen=True)
+class Detection:
+    """One text's verdict: the classifier's probability, the combined level and the rules that fired."""
+
+    score: float  # classifier probability of injection, 0..1
+    level: RiskLevel
+    rules: tuple[str, ...]  # names of the rules that fired, in RULES order, each once
+
+    @property
+    def is_high_risk(self) -> bool:
+        return self.level == "high"
+
+
+class HashedFeatures:
+    """Signed feature hashing into NUM_BUCKETS buckets; shared by the detector and the trainer."""
+
+    _P = np.uint64(1_000_003)
+    _MIX = np.uint64(0x9E3779B97F4A7C15)
+    _SHIFT = np.uint64(64 - NUM_BUCKETS_LOG2)
+    _SIGN_SHIFT = np.uint64(17)
+
+    def sparse(self, normalised: str) -> tuple[np.ndarray, np.ndarray]:
+        """(buckets int64 [n], signed values float64 [n]) for every n-gram occurrence (duplicates kept)."""
+        text = _cap(normalised)
+        hashes = [self._char_ngrams(text)]
+        weights = [np.ones(len(hashes[0]))]
+        words = _WORD.findall(text)
+        if words:
+            # word hashes: [num_words] uint64; bigram hashes combine neighbours
+            w = np.array([zlib.crc32(x.encode()) for x in words], dtype=np.uint64) + np.uint64(1 << 40)
+            hashes += [w, w[:-1] * self._P + w[1:] + np.uint64(2 << 40)]
+            weights += [np.full(len(w), _WORD_WEIGHT), np.full(len(w) - 1, _WORD_WEIGHT)]
+        mixed = np.concatenate(hashes) * self._MIX
+        signs = ((mixed >> self._SIGN_SHIFT) & np.uint64(1)).astype(np.float64) * 2.0 - 1.0
+        return (mixed >> self._SHIFT).astype(np.int64), signs * np.concatenate(weights)
+
+    def dense(self, normalised: str) -> np.ndarray:
+        """The L2-normalised feature vector: float64 [NUM_BUCKETS]."""
+        buckets, values = self.sparse(normalised)
+        vec = np.bincount(buckets, weights=values, minlength=NUM_BUCKETS)
+        norm = float(np.sqrt(vec @ vec))
+        return vec / norm if norm else vec
+
+    def _char_ngrams(self, text: str) -> np.ndarray:
+        # codes: [len] uint64 code points of " text "; hN: [len - N + 1] polynomial hashes of N-grams
+        codes = np.frombuffer(f" {text} ".encode("utf-32-le"), dtype=np.uint32).astype(np.uint64)
+        if len(codes) < 3:
+            return np.zeros(0, dtype=np.uint64)
+        h3 = (codes[:-2] * self._P + codes[1:-1]) * self._P + codes[2:]
+        h4 = h3[:-1] * self._P + codes[3:]
+        h5 = h4[:-1] * self._P + codes[4:]
+        return np.concatenate([h3 + np.uint64(3), h4 + np.uint64(4), h5 + np.uint64(5)])
+
+
+def _cap(text: str) -> str:
+    if len(text) <= 2 * _CLASSIFIER_EDGE_CHARS:
+        return text
+    return f"{text[:_CLASSIFIER_EDGE_CHARS]} {text[-_CLASSIFIER_EDGE_CHARS:]}"
+
+
+def load_weights(path: Path) -> tuple[np.ndarray, float]:
+    """(weights float32 [NUM_BUCKETS], bias) from the JSON the training script writes."""
+    data = json.loads(path.read_text())
+    if data["num_buckets"] != NUM_BUCKETS:
+        raise ValueError(f"{path}: num_buckets={data['num_buckets']} but the detector hashes into {NUM_BUCKETS}; "
+                         "retrain with scripts/train_injection_classifier.py")
+    weights = np.frombuffer(base64.b64decode(data["weights_f16"]), dtype="<f2").astype(np.float32)
+    if weights.shape != (NUM_BUCKETS,):
+        raise ValueError(f"{path}: {weights.shape=} must be ({NUM_BUCKETS},)")
+    return weights, float(data["bias"])
+
+
+class InjectionDetector:
+    """Rules plus a hashed-feature logistic regression; `detect` is pure and safe to share across threads."""
+
+    def __init__(self, model_path: Path | None = None) -> None:
+        self._weights, self._bias = load_weights(model_path or DEFAULT_MODEL_PATH)
+        self._features = HashedFeatures()
+
+    def score(self, normalised: str) -> float:
+        """The classifier's probability of injection for already-normalised text."""
+        logit = float(self._features.dense(normalised) @ self._weights) + self._bias
+        return 1.0 / (1.0 + math.exp(-max(-60.0, min(60.0, logit))))
+
+    def detect(self, text: str) -> Detection:
+        """The verdict on one prompt; cost linear in len(text), classifier part bounded."""
+        normalised = normalise(text)
+        squeezed = compact(normalised)
+        fired = [r for r in RULES if r.pattern.search(squeezed if r.on_compact else normalised)]
+        names = tuple(dict.fromkeys(r.name for r in fired))
+        score = self.score(normalised)
+        if any(r.is_strong for r in fired) or score >= HIGH_SCORE:
+            level: RiskLevel = "high"
+        elif fired or score >= MEDIUM_SCORE:
+            level = "medium"
+        else:
+            level = "low"
+        return Detection(score=score, level=level, rules=names)
+
+
+class RiskTracker:
+    """High-risk detections per principal within a sliding window; says when a principal crosses the review threshold."""
+
+    def __init__(self, threshold: int = 5, window_s: float = 3600.0, max_principals: int = 100_000) -> None:
+        if threshold < 1 or window_s <= 0 or max_principals < 1:
+            raise ValueError(f"{threshold=} and {max_principals=} must be >= 1 and {window_s=} > 0")
+        self.threshold = threshold
+        self.window_s = window_s
+        self.max_principals = max_principals
+        # principal -> timestamps (s) inside the window, oldest first; dict order = least recently recorded first
+        self._events: OrderedDict[str, deque[float]] = OrderedDict()
+        self._is_flagged: dict[str, bool] = {}
+
+    def record(self, principal: str, now_s: float) -> bool:
+        """Count one high-risk detection; True exactly once when the principal reaches `threshold` within the window (then not again until its count has fallen below the threshold and reached it again)."""
+        events = self._events.pop(principal, None)
+        if events is None:
+            events = deque(maxlen=max(self.threshold, _MAX_EVENTS_PER_PRINCIPAL))
+        self._events[principal] = events
+        self._expire(principal, events, now_s)
+        events.append(now_s)
+        while len(self._events) > self.max_principals:
+            evicted, _ = self._events.popitem(last=False)
+            self._is_flagged.pop(evicted, None)
+        if len(events) >= self.threshold and not self._is_flagged.get(principal, False):
+            self._is_flagged[principal] = True
+            return True
+        return False
+
+    def count(self, principal: str, now_s: float) -> int:
+        """High-risk detections of `principal` within the window ending at now_s (saturates at 1,024)."""
+        events = self._events.get(principal)
+        if events is None:
+            return 0
+        self._expire(principal, events, now_s)
+        return len(events)
+
+    def _expire(self, principal: str, events: deque[float], now_s: float) -> None:
+        while events and events[0] <= now_s - self.window_s:
+            events.popleft()
+        if len(events) < self.threshold:
+            self._is_flagged.pop(principal, None)
