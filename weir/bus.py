@@ -8,6 +8,7 @@ contiguous offsets that are safe to commit.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from collections import deque
@@ -166,3 +167,18 @@ class OffsetTracker:
         """Drop partitions this consumer no longer owns (after a rebalance)."""
         for tp in partitions:
             self._parts.pop(tp, None)
+
+
+async def partitions_of(consumer: AIOKafkaConsumer, topic: str) -> set[int]:
+    """The partitions of `topic`, from fresh metadata; RuntimeError if it does not exist.
+
+    (AIOKafkaConsumer.topics() fetches metadata but does not keep it, so partitions_for_topic
+    stays empty for a topic it neither subscribes nor is assigned; the fetched metadata is read.)
+    """
+    for _ in range(50):
+        metadata = await consumer._client.fetch_all_metadata()  # noqa: SLF001 - see above
+        partitions = metadata.partitions_for_topic(topic)
+        if partitions:
+            return set(partitions)
+        await asyncio.sleep(0.1)
+    raise RuntimeError(f"topic {topic} does not exist; were the deployment's topics created? (weir up creates them)")

@@ -15,7 +15,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from schemas.codec import DecodeError, decode, encode
 from schemas.messages import MAX_FILE_CHUNK_BYTES, FileChunk
-from weir.bus import BusSettings, make_consumer
+from weir.bus import BusSettings, make_consumer, partitions_of
 
 
 def chunk_file(file_id: str, filename: str, purpose: str, data: bytes, created_ms: int,
@@ -116,16 +116,3 @@ async def is_behind(consumer: AIOKafkaConsumer, ends: dict[TopicPartition, int])
     return False
 
 
-async def partitions_of(consumer: AIOKafkaConsumer, topic: str) -> set[int]:
-    """The partitions of `topic`, from fresh metadata; RuntimeError if it does not exist.
-
-    (AIOKafkaConsumer.topics() fetches metadata but does not keep it, so partitions_for_topic
-    stays empty for a topic it neither subscribes nor is assigned; the fetched metadata is read.)
-    """
-    for _ in range(50):
-        metadata = await consumer._client.fetch_all_metadata()  # noqa: SLF001 - see above
-        partitions = metadata.partitions_for_topic(topic)
-        if partitions:
-            return set(partitions)
-        await asyncio.sleep(0.1)
-    raise RuntimeError(f"topic {topic} does not exist; run weir topics create")

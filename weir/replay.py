@@ -31,7 +31,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from schemas.codec import DecodeError, decode_reply, decode_request, encode
 from schemas.messages import GenerateRequest, ReplyEnd, now_ms
 from weir.bus import BusSettings, make_consumer, make_producer
-from weir.files import partitions_of
+from weir.bus import partitions_of
 from weir.kafka.admin import ensure_topics
 
 

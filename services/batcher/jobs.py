@@ -35,7 +35,8 @@ from services.batcher.job_core import (
     transition,
 )
 from weir.bus import BusSettings, OffsetTracker, make_consumer, make_producer
-from weir.files import is_behind, chunk_file, partitions_of, read_file, write_file
+from weir.bus import partitions_of
+from weir.files import is_behind, chunk_file, read_file, write_file
 from weir.kafka.admin import ensure_topics
 
 log = logging.getLogger("weir.batcher.jobs")

@@ -31,7 +31,8 @@ from services.gateway.config import GatewaySettings
 from services.gateway.guard import Guard
 from services.gateway.openai_format import ApiError
 from weir.bus import instance_id, make_consumer, make_producer
-from weir.files import is_behind, FileIndex, chunk_file, partitions_of, write_file
+from weir.bus import partitions_of
+from weir.files import is_behind, FileIndex, chunk_file, write_file
 
 log = logging.getLogger("weir.gateway.batches")
 

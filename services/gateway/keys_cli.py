@@ -24,7 +24,7 @@ from aiokafka.errors import KafkaError
 from schemas.codec import DecodeError, decode, encode
 from schemas.messages import ApiKeyRecord
 from services.gateway.auth import KeyStore, new_api_key, revoked
-from weir.bus import BusSettings, make_producer
+from weir.bus import BusSettings, make_producer, partitions_of
 from weir.kafka.admin import ensure_topics, wait_for_broker
 
 
@@ -51,8 +51,7 @@ async def read_keys(settings: BusSettings) -> dict[str, ApiKeyRecord]:
     try:
         if settings.topics.keys not in await consumer.topics():  # also refreshes the metadata
             return {}
-        partitions = consumer.partitions_for_topic(settings.topics.keys) or {0}
-        tps = [TopicPartition(settings.topics.keys, p) for p in sorted(partitions)]
+        tps = [TopicPartition(settings.topics.keys, p) for p in sorted(await partitions_of(consumer, settings.topics.keys))]
         consumer.assign(tps)
         await consumer.seek_to_beginning(*tps)
         ends = await consumer.end_offsets(tps)

@@ -24,7 +24,7 @@ from schemas.messages import ApiKeyRecord, UsageRecord, now_ms
 from services.gateway.auth import KeyStore
 from services.gateway.config import GatewaySettings
 from services.gateway.limits import RateLimiter
-from weir.bus import make_consumer, make_producer
+from weir.bus import make_consumer, make_producer, partitions_of
 
 log = logging.getLogger("weir.gateway")
 
@@ -128,9 +128,7 @@ class PeerSync:
         await asyncio.gather(*sends)
 
     async def _assign(self, consumer: AIOKafkaConsumer, topic: str) -> list[TopicPartition]:
-        await consumer.topics()  # fetch the metadata of the topics GatewayBus just created
-        partitions = consumer.partitions_for_topic(topic) or {0}
-        tps = [TopicPartition(topic, p) for p in sorted(partitions)]
+        tps = [TopicPartition(topic, p) for p in sorted(await partitions_of(consumer, topic))]
         consumer.assign(tps)
         return tps
 

@@ -20,7 +20,7 @@ from services.worker.echo import EchoEngine
 from services.worker.embedder import EmbeddingEngine
 from services.worker.engine import Engine, EngineConfig
 from services.worker.fingerprints import FingerprintBatcher, build_fingerprinter
-from services.worker.handlers import ModelServer, consume_cancellations
+from services.worker.handlers import ModelServer, consume_cancellations, open_cancellations
 from services.worker.hardware import choose_device, cpu_threads, detect_devices
 from services.worker.onnx_export import ensure_export
 from services.worker.runner import EngineLike, EngineRunner
@@ -105,12 +105,15 @@ class WorkerService:
                 for runner in server.runners:
                     runner.start()
                 self.servers.append(server)
+            cancellations = await open_cancellations(self.settings, self.worker_id)
             self.is_ready = True
             log.info("worker %s ready: %s on %s", self.worker_id, [c.name for c in self.configs], self.device)
             tasks = [asyncio.create_task(self.heartbeat(producer))]
             if fingerprints is not None:
                 tasks.append(asyncio.create_task(fingerprints.run()))
-            tasks.append(asyncio.create_task(consume_cancellations(self.settings, self.servers, producer, self.worker_id)))
+            tasks.append(asyncio.create_task(
+                consume_cancellations(cancellations, self.settings, self.servers, producer, self.worker_id)
+            ))
             for server in self.servers:
                 tasks += [asyncio.create_task(server.consume()), asyncio.create_task(server.publish())]
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)

@@ -35,7 +35,7 @@ from schemas.topics import Topics
 from services.worker.fingerprints import FingerprintBatcher
 from services.worker.runner import EngineRunner
 from services.worker.sequence import EngineOutput
-from weir.bus import BusSettings, OffsetTracker, make_consumer, send_dead_letter
+from weir.bus import BusSettings, OffsetTracker, make_consumer, partitions_of, send_dead_letter
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +174,7 @@ class ModelServer:
         self.recent_cancels[cancel.request_id] = now_ms()
         runner = self._owner.get(cancel.request_id)
         if runner is not None:
+            log.info("cancel request_id=%s reason=%s: aborting it", cancel.request_id, cancel.reason)
             runner.cancel(cancel.request_id)
 
     # -- producing ----------------------------------------------------------------------------
@@ -326,22 +327,38 @@ class _Revoked(ConsumerRebalanceListener):
             self.server.on_assignment()  # tell the batchers at once, not at the next heartbeat
 
 
-async def consume_cancellations(settings: BusSettings, servers: list[ModelServer], producer, worker_id: str) -> None:
-    """Read the control topic (recent history, then live) and pass cancels to the model servers."""
+async def open_cancellations(settings: BusSettings, worker_id: str) -> AIOKafkaConsumer:
+    """A consumer of every partition of the control topic, positioned at the recent history.
+
+    Called before the worker says it is ready, so no cancel published after that can be missed:
+    the end offsets are read before the lookback is searched, and a partition with nothing recent
+    starts at that end offset (not at a lazily resolved "latest", which would skip whatever was
+    produced in between).
+    """
     topics = settings.topics
-    consumer = make_consumer(settings, client_id=worker_id, group_id=None, auto_offset_reset="latest")
+    consumer = make_consumer(settings, client_id=worker_id, group_id=None, auto_offset_reset="earliest")
     await consumer.start()
     try:
-        await consumer.topics()  # fetch metadata so the control topic's partitions are known
-        parts = [TopicPartition(topics.control, p) for p in (consumer.partitions_for_topic(topics.control) or {0})]
+        # Every partition: a Cancellation lands on the partition of its request_id's hash.
+        parts = [TopicPartition(topics.control, p) for p in sorted(await partitions_of(consumer, topics.control))]
         consumer.assign(parts)
+        ends = await consumer.end_offsets(parts)
         since = await consumer.offsets_for_times({tp: now_ms() - _CANCEL_MEMORY_MS for tp in parts})
         for tp in parts:
             found = since.get(tp)
-            if found is not None:
-                consumer.seek(tp, found.offset)
-            else:
-                await consumer.seek_to_end(tp)
+            consumer.seek(tp, found.offset if found is not None else ends[tp])
+    except BaseException:
+        await consumer.stop()
+        raise
+    return consumer
+
+
+async def consume_cancellations(
+    consumer: AIOKafkaConsumer, settings: BusSettings, servers: list[ModelServer], producer, worker_id: str
+) -> None:
+    """Pass the cancels of the control topic (from open_cancellations) to the model servers."""
+    topics = settings.topics
+    try:
         async for record in consumer:
             try:
                 cancel = decode(Cancellation, record.value)
