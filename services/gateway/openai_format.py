@@ -105,7 +105,8 @@ class _StreamOptions(BaseModel):
 
 
 class _Body(BaseModel):
-    """Fields common to both endpoints. `top_k` and `timeout_s` are Weir extensions."""
+    """Fields common to both endpoints. `top_k`, `ignore_eos` and `timeout_s` are Weir extensions
+    (`top_k` and `ignore_eos` as in vLLM's OpenAI server)."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
 
@@ -114,6 +115,7 @@ class _Body(BaseModel):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0, le=1 << 20)
+    ignore_eos: bool | None = Field(None, description="Keep generating past end-of-sequence until max_tokens.")
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     stream: bool | None = False
@@ -246,6 +248,7 @@ def to_generate_request(
         top_k=body.top_k or 0,
         stop=body.stop_list,
         seed=body.seed,
+        ignore_eos=bool(body.ignore_eos),
         stream=bool(body.stream),
         principal="anonymous",
         tenant="default",
