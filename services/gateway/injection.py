@@ -3,13 +3,17 @@ per-principal risk tracker. Pure and synchronous: no I/O after the weights load,
 
 Detection, in order:
 
-1. Normalise: NFKC (fullwidth and other compatibility forms fold to ASCII), casefold, zero-width
+1. Normalise (ASCII input skips NFKC and the zero-width map, which cannot change it): NFKC (fullwidth and other compatibility forms fold to ASCII), casefold, zero-width
    and soft-hyphen characters stripped, whitespace runs collapsed to one space. A second "compact"
    view keeps letters only, after a minimal leetspeak map (0->o, 1->i, 3->e, 4->a, 5->s, 7->t,
    @->a, $->s), so "i g n o r e  p r e v i o u s", "1gn0re" and "ignore.previous" read as words
    run together; a few phrase rules run on it.
-2. Rules: named, precompiled regexes over the whole normalised text (``RULES``). Every pattern is
-   a bounded alternation or a bounded gap (``.{0,N}``), so matching is linear in the text length.
+2. Rules: named, precompiled regexes (``RULES``). Every pattern is a bounded alternation or a
+   bounded gap (``.{0,N}``), so each rule has a longest match (``max_chars``, checked at import),
+   and lists literal keywords one of which every match contains. A rule's regex runs only on the
+   windows of +-max_chars around its keyword occurrences (``str.find``, merged), never on text
+   where it cannot match: the whole text is still covered, so an instruction buried in the middle
+   of a 100k-char document is found, and the answer is the same as searching the whole text.
    "strong" rules are phrasings with next to no innocent use; "weak" ones are signals that also
    occur innocently (a jailbreak question, a note addressed to an AI).
 3. Classifier: logistic regression over signed, hashed features (2**15 buckets): word unigrams and
@@ -27,9 +31,10 @@ Held-out metrics printed by that command (test templates, paraphrases and stdlib
 from training; 1,400 injections, 2,100 benign texts). Classifier alone, score >= 0.5: precision
 0.994, recall 0.611, F1 0.757, false positive rate 0.002. Whole detector, level >= medium:
 precision 0.995, recall 0.734, FPR 0.002 (the rules were reviewed against hold-out misses, so
-this figure is the less independent one). Latency (``python -m weir.bench.injection``, 3,000
-prompts of 20-8,000 chars, 2 cores shared with other jobs): p50 0.9 ms, p99 21.7 ms wall /
-9.7 ms thread CPU; an uncontended 8k-char prompt costs ~8 ms (rules ~4, classifier ~4).
+this figure is the less independent one). Latency (``weir bench injection``, 3,000 prompts of 20-8,021 chars plus 20 of 100k, 2 cores shared
+with other jobs), thread CPU: p50 0.30 ms, p95 1.5 ms, p99 2.0 ms (was p50 0.93, p99 9.7); 8k-char
+prompts p50 1.4 ms; 100k-char documents ~13 ms (classifier ~1 ms, capped; rules and normalising
+linear in the length).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import base64
 import json
 import math
 import re
+import re._parser as re_parser  # getwidth(): the longest match a rule can make
 import unicodedata
 import zlib
 from collections import OrderedDict, deque
@@ -56,10 +62,14 @@ HIGH_SCORE = 0.9
 MEDIUM_SCORE = 0.5
 _CLASSIFIER_EDGE_CHARS = 4096  # the classifier sees the first and last 4k normalised chars
 _WORD_WEIGHT = 2.0  # words are ~6x rarer than char n-grams; weigh them up so they count
+_MAX_RULE_CHARS = 1024  # every rule's longest match; bounds the window scanned around a keyword
+_LOOKAHEAD_MARGIN = 64  # chars past a window's end, so look-aheads and \b there see real text
 _MAX_EVENTS_PER_PRINCIPAL = 1024  # RiskTracker keeps at most this many timestamps per principal
 
 _ZERO_WIDTH = dict.fromkeys(map(ord, "\u00ad\u180e\u200b\u200c\u200d\u200e\u200f\u2060\u2061\u2062\u2063\u2064\ufeff"))
 _LEET = str.maketrans({"0": "o", "1": "i", "3": "e", "4": "a", "5": "s", "7": "t", "@": "a", "$": "s"})
+# ASCII text: the leetspeak map plus every other non-letter deleted, in one translate
+_LEET_ASCII_LETTERS = str.maketrans({chr(c): _LEET.get(c, chr(c) if chr(c).isalpha() else None) for c in range(128)})
 _WHITESPACE = re.compile(r"\s+")
 _NON_LETTER = re.compile(r"[^a-z\u4e00-\u9fff]+")
 _WORD = re.compile(r"\w+")
@@ -67,28 +77,77 @@ _WORD = re.compile(r"\w+")
 
 def normalise(text: str) -> str:
     """NFKC, casefolded, zero-width characters stripped, whitespace collapsed, stripped."""
+    if text.isascii():  # nothing for NFKC or the zero-width map to do; casefold is lower on ASCII
+        return _WHITESPACE.sub(" ", text.lower()).strip()
     text = unicodedata.normalize("NFKC", text.translate(_ZERO_WIDTH)).casefold()
     return _WHITESPACE.sub(" ", text).strip()
 
 
 def compact(normalised: str) -> str:
     """Letters only, after the leetspeak map: the view that undoes letter spacing and punctuation."""
+    if normalised.isascii():
+        return normalised.translate(_LEET_ASCII_LETTERS)
     return _NON_LETTER.sub("", normalised.translate(_LEET))
 
 
 @dataclass(frozen=True)
 class Rule:
     """A named regex; `is_strong` rules alone make a detection high risk. `on_compact` rules run on
-    the letters-only view instead of the normalised text."""
+    the letters-only view instead of the normalised text. Every match contains one of `keywords`
+    and spans at most `max_chars`, so the regex only runs near keyword occurrences (``_search``)."""
 
     name: str
     is_strong: bool
     pattern: re.Pattern[str]
+    keywords: tuple[str, ...]
+    max_chars: int
     on_compact: bool = False
 
+    def search(self, text: str) -> bool:
+        """Whether the pattern matches anywhere in `text`; the same answer as pattern.search(text)."""
+        return _search(self.pattern, text, self.keywords, self.max_chars)
 
-def _rule(name: str, is_strong: bool, *alternatives: str, on_compact: bool = False) -> Rule:
-    return Rule(name, is_strong, re.compile("|".join(f"(?:{a})" for a in alternatives)), on_compact)
+
+def _rule(name: str, is_strong: bool, keywords: tuple[str, ...], *alternatives: str, on_compact: bool = False) -> Rule:
+    pattern = re.compile("|".join(f"(?:{a})" for a in alternatives))
+    max_chars = int(re_parser.parse(pattern.pattern).getwidth()[1])
+    if max_chars > _MAX_RULE_CHARS:
+        raise ValueError(f"rule {name!r}: {max_chars=} must be <= {_MAX_RULE_CHARS}; bound every repeat")
+    return Rule(name, is_strong, pattern, keywords, max_chars, on_compact)
+
+
+def _search(pattern: re.Pattern[str], text: str, keywords: tuple[str, ...], max_chars: int) -> bool:
+    # A match containing a keyword at i lies in [i - max_chars, i + len(kw) + max_chars]. One hit stands
+    # for every hit of the same keyword in [i, i + step), so each keyword costs <= len/step finds.
+    step = max_chars
+    spans: list[tuple[int, int]] = []
+    for keyword in keywords:
+        i = text.find(keyword)
+        while i >= 0:
+            spans.append((max(0, i - max_chars), i + step + len(keyword) + max_chars))
+            i = text.find(keyword, i + step)
+    if not spans:
+        return False
+    spans.sort()
+    start, end = spans[0]
+    for span_start, span_end in spans[1:]:
+        if span_start > end:
+            if _search_window(pattern, text, start, end):
+                return True
+            start = span_start
+        end = max(end, span_end)
+    return _search_window(pattern, text, start, end)
+
+
+def _search_window(pattern: re.Pattern[str], text: str, start: int, end: int) -> bool:
+    # pos keeps look-behinds and \b exact (they see text before it); endpos cuts the string, so a
+    # match near the cut is confirmed on the whole text before it counts.
+    end = min(len(text), end + _LOOKAHEAD_MARGIN)
+    while (match := pattern.search(text, start, end)) is not None:
+        if end == len(text) or pattern.match(text, match.start()):
+            return True
+        start = match.start() + 1
+    return False
 
 
 _NOT_NEGATED = r"(?<!don't )(?<!do not )(?<!never )(?<!not )"
@@ -99,7 +158,8 @@ _SECRETS = (r"(?:api[ _-]?keys?|secret(?: key)?s?|credentials|passwords?(?! rese
             r"\.env file|/etc/passwd|id_rsa|aws_secret_access_key|session cookies?)")
 
 RULES: tuple[Rule, ...] = (
-    _rule("ignore_previous_instructions", True,
+    _rule("ignore_previous_instructions", True, ("ignor", "disregard", "forget", "override", "bypass", "discard", "drop", "abandon", "cancel", "void", "revoked",
+           "obsolete", "no longer", "忽略", "无视", "無視"),
           rf"{_NOT_NEGATED}\b(?:ignore|disregard|forget|override|bypass|discard|drop|abandon)\b "
           rf"(?:(?:all|any|of|the|your|these|those|every|everything|and) ){{0,4}}(?:{_EARLIER} )?{_ORDERS}",
           rf"{_NOT_NEGATED}\b(?:ignore|disregard|forget)\b (?:all |everything |anything )"
@@ -112,11 +172,12 @@ RULES: tuple[Rule, ...] = (
           rf"\b{_EARLIER} {_ORDERS} (?:are|is|have been|has been) (?:now )?(?:cancell?ed|void|revoked|obsolete|"
           r"no longer (?:valid|in effect|apply|applicable))",
           r"\bignoriere (?:alle )?(?:vorherigen|bisherigen|obigen) (?:anweisungen|instruktionen|befehle)"),
-    _rule("ignore_previous_instructions", True,
+    _rule("ignore_previous_instructions", True, ("ignore", "disregard", "forget"),
           r"(?<!dont)(?<!donot)(?<!never)(?:ignore|disregard|forget)(?:all|any)?(?:of)?(?:the|your)?"
           r"(?:previous|prior|above|earlier|preceding)(?:instructions|prompts|directions|rules)",
           on_compact=True),
-    _rule("system_prompt_exfiltration", True,
+    _rule("system_prompt_exfiltration", True, ("prompt", "system message", "hidden", "instructions", "developer", "rules you were given", "repeat",
+           "系统提示", "初始指令", "隐藏指令"),
           r"\b(?:reveal|print|show|repeat|output|display|dump|leak|recite|echo|spell out|write out|tell|give|"
           r"disclose|share|paste|copy|return|translate)\b (?:(?:me|us|back|all|exactly|verbatim|word for word|of|"
           r"out|everything in) ){0,3}(?:your|the|this conversation's|the hidden|the secret) "
@@ -127,60 +188,61 @@ RULES: tuple[Rule, ...] = (
           r"(?:system prompt|instructions|initial instructions|rules you were given)",
           r"\brepeat (?:the |all )?(?:words|text|everything) (?:above|before this)",
           r"(?:显示|输出|告诉我|打印|泄露|重复)(?:你的)?(?:系统提示词?|初始指令|隐藏指令)"),
-    _rule("system_prompt_exfiltration", True,
+    _rule("system_prompt_exfiltration", True, ("systemprompt", "instructions"),
           r"(?:reveal|print|show|repeat|output|display|dump|leak)(?:me|us)?(?:your|the)"
           r"(?:systemprompt|hiddeninstructions|initialinstructions|secretinstructions)",
           on_compact=True),
-    _rule("fake_delimiters", True,
+    _rule("fake_delimiters", True, ("<|", "inst]", "sys>>", "</s>", "##", "[system", "[admin", "[developer", "system:", "system :"),
           r"<\|im_start\|>|<\|im_end\|>|<\|system\|>|<\|user\|>|<\|assistant\|>|<\|endoftext\|>|<\|eot_id\|>",
           r"<\|start_header_id\|>|\[/?inst\]|<</?sys>>|</s>",
-          r"#{2,} ?(?:system|instructions?|new instructions|admin|developer)(?: message| prompt| override)? ?:",
+          r"#{2} ?(?:system|instructions?|new instructions|admin|developer)(?: message| prompt| override)? ?:",
           r"\[(?:system|admin|developer)(?: message| override| prompt)?\]",
           r"(?:^|[\"'] |\bend of (?:user )?(?:input|message|document)\b.{0,20}?)system ?: ?"),
-    _rule("secret_exfiltration", True,
+    _rule("secret_exfiltration", True, ("api", "secret", "credentials", "password", "token", "env", "private key", "ssh key", "passwd", "id_rsa", "cookie"),
           rf"\b(?:send|forward|email|post|upload|exfiltrate|transmit|leak|reveal|print|output|dump|list|share|"
           rf"disclose|give me|tell me|include)\b (?:(?:me|us|all|of|out|back) ){{0,2}}(?:your|all|the|any) "
           rf"(?:stored |saved |internal |system |server(?:'s)? |user(?:s'|'s)? |admin |secret )?{_SECRETS}"
           r"(?!(?: reset| manager| policy| securely| safely| in (?:python|bash|a|my)))",
           rf"\b(?:send|forward|email|post|upload|exfiltrate|transmit)\b.{{0,60}}?{_SECRETS}.{{0,40}}?"
-          r"\b(?:to|at) (?:https?://|[\w.-]+@|attacker|the following (?:address|url|email))"),
-    _rule("do_anything_now", True,
+          r"\b(?:to|at) (?:https?://|[\w.-]{1,64}@|attacker|the following (?:address|url|email))"),
+    _rule("do_anything_now", True, ("do anything now", "bound", "restricted", "limited", "constrained", "without", "have no"),
           r"\bdo anything now\b",
           r"\b(?:not|never|no longer) (?:bound|restricted|limited|constrained) by (?:any |the |your )?"
           r"(?:rules|guidelines|policies|restrictions|filters|openai|anthropic|content policy)",
           r"\bwithout (?:any )?(?:ethical|moral|content|safety) (?:restrictions|guidelines|filters|constraints|limits)",
           r"\byou (?:have|now have) no (?:restrictions|limits|limitations|rules|filters|guidelines|boundaries)"),
-    _rule("do_anything_now", True, r"doanythingnow", on_compact=True),
-    _rule("jailbreak_persona", True,
+    _rule("do_anything_now", True, ("doanythingnow",), r"doanythingnow", on_compact=True),
+    _rule("jailbreak_persona", True, ("dan", "stan", "dude", "aim", "unrestricted", "unfiltered", "uncensored", "jailbroken", "evil", "rogue", "mode"),
           r"\b(?:you are|you're|act as|pretend (?:to be|you are)|become|enter|enable|activate|switch to|now in|"
           r"respond as|roleplay as) (?:now )?(?:a |an |the )?(?:dan|stan|dude|aim|"
           r"(?:unrestricted|unfiltered|uncensored|jailbroken|evil|rogue) (?:ai|assistant|model|chatbot|version|mode))\b",
           r"\b(?:developer|dev|god|debug|admin|unrestricted|jailbreak|dan) mode (?:enabled|activated|on|engaged)\b",
           r"\b(?:enable|activate|enter|switch to) (?:developer|dev|god|jailbreak|dan) mode\b"),
-    _rule("jailbreak_persona", True, r"developermode(?:enabled|activated)", on_compact=True),
-    _rule("encoded_payload", True,
-          r"(?<![a-z0-9+/])[a-z0-9+/]{40,}+={0,2}+.{0,200}?\b(?:decode|decrypt)\b.{0,60}?\b(?:execute|run|follow|obey|perform|"
+    _rule("jailbreak_persona", True, ("developermode",), r"developermode(?:enabled|activated)", on_compact=True),
+    _rule("encoded_payload", True, ("decode", "decrypt"),
+          r"[a-z0-9+/]{40}(?![a-z0-9+/])={0,2}+.{0,200}?\b(?:decode|decrypt)\b.{0,60}?\b(?:execute|run|follow|obey|perform|"
           r"carry out|do what it says|act on)",
           r"\b(?:decode|decrypt)\b.{0,60}?\b(?:execute|run|follow|obey|perform|carry out|do what it says|act on)"
           r"\b.{0,200}?(?<![a-z0-9+/])[a-z0-9+/]{40}"),
-    _rule("role_reassignment", False,
-          r"\byou are now (?:free|unrestricted|unfiltered|jailbroken|uncensored|named|called|in \w+ mode)\b",
+    _rule("role_reassignment", False, ("you are", "from now on", "pretend"),
+          r"\byou are now (?:free|unrestricted|unfiltered|jailbroken|uncensored|named|called|in \w{1,40} mode)\b",
           r"\byou are no longer (?:an? |bound|restricted|limited|chatgpt|claude|required)",
           r"\bfrom now on,? (?:you (?:are|will|must|shall)|act|respond|pretend)",
           r"\bpretend (?:to be|you are|that you (?:are|have))"),
-    _rule("jailbreak_mention", False, r"\bjailbr(?:eak|oken)"),
-    _rule("new_instructions", False,
+    _rule("jailbreak_mention", False, ("jailbr",), r"\bjailbr(?:eak|oken)"),
+    _rule("new_instructions", False, ("instructions", "task", "objective", "directive", "orders", "instead", "rather"),
           r"\b(?:new|updated|real|actual|true|revised) (?:instructions|task|objective|directive|orders)s? ?:",
           r"\b(?:instead|rather),? (?:you (?:must|will|should)|do the following|your (?:new )?task is)"),
-    _rule("addressed_to_ai", False,
+    _rule("addressed_to_ai", False, ("note", "message", "instruction", "attention", "ignore", "disregard", "forget", "you must", "you should", "stop",
+           "tell", "secretly"),
           r"\b(?:note|message|instructions?|attention) (?:to|for) (?:the |any |all )?"
           r"(?:ai|assistant|llm|language model|chatbot|bot|model)s?\b",
           r"\b(?:dear |hey |hi )?(?:ai|assistant|llm|chatbot|gpt|claude),? (?:please )?"
           r"(?:ignore|disregard|forget|you must|you should|stop|do not tell|don't tell|secretly)"),
-    _rule("no_restrictions", False,
+    _rule("no_restrictions", False, ("restrictions", "limitations", "filters", "censorship", "content policy", "safety guidelines"),
           r"\b(?:no|without(?: any)?|free (?:from|of)(?: all)?) (?:restrictions|limitations|filters|censorship|"
           r"content policy|safety guidelines)\b"),
-    _rule("decode_and_execute", False,
+    _rule("decode_and_execute", False, ("decode", "decrypt"),
           r"\b(?:decode|decrypt)\b.{0,60}?\b(?:execute|run|follow|obey|carry out|do what it says)\b"),
 )
 
@@ -273,7 +335,7 @@ class InjectionDetector:
         """The verdict on one prompt; cost linear in len(text), classifier part bounded."""
         normalised = normalise(text)
         squeezed = compact(normalised)
-        fired = [r for r in RULES if r.pattern.search(squeezed if r.on_compact else normalised)]
+        fired = [r for r in RULES if r.search(squeezed if r.on_compact else normalised)]
         names = tuple(dict.fromkeys(r.name for r in fired))
         score = self.score(normalised)
         if any(r.is_strong for r in fired) or score >= HIGH_SCORE:
@@ -321,6 +383,14 @@ class RiskTracker:
             return 0
         self._expire(principal, events, now_s)
         return len(events)
+
+    def times(self, principal: str, now_s: float) -> list[float]:
+        """The times (s) of `principal`'s high-risk detections within the window, oldest first."""
+        events = self._events.get(principal)
+        if events is None:
+            return []
+        self._expire(principal, events, now_s)
+        return list(events)
 
     def _expire(self, principal: str, events: deque[float], now_s: float) -> None:
         while events and events[0] <= now_s - self.window_s:

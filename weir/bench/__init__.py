@@ -10,6 +10,7 @@ BENCHES = {
     "engine": ("weir.bench.engine", "Weir's engine vs transformers generate(), one at a time and static batches"),
     "batcher": ("weir.bench.batcher", "interactive TTFT during a bulk job, fifo vs lanes; batch fill; job throughput"),
     "audit": ("weir.bench.audit", "auditor ingestion rate, fingerprint cost vs generation time, watermark z and perplexity"),
+    "injection": ("weir.bench.injection", "prompt-injection detector latency: wall and thread CPU p50/p95/p99/max by length"),
 }
 
 
