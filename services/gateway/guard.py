@@ -1,7 +1,8 @@
 """The gateway's guard: what a request passes between its body and Kafka, and what it gives back.
 
 In order: authenticate (401), the model exists (404, in app.py), authorise the model (403),
-validate against the model (400), admission control (503 breaker, 429 overload or full lane),
+validate against the model (400), the input guard (400 when the tenant blocks a likely prompt
+injection; input_guard.py), admission control (503 breaker, 429 overload or full lane),
 rate limits per credential and per tenant (429 with Retry-After). An admitted request holds an
 in-flight ticket and a token reservation; when its Exchange closes, the ticket is released and
 the reservation is corrected by the usage of the terminal event, locally and for the peers.
@@ -25,6 +26,7 @@ from schemas.model_repo import ModelConfig
 from services.gateway.admission import Admission, Ticket
 from services.gateway.auth import Authenticator, GuardError, Identity, KeyStore
 from services.gateway.config import GatewaySettings
+from services.gateway.input_guard import InputGuard
 from services.gateway.limits import Charge, RateLimited, RateLimiter, ScopeLimits
 from services.gateway.metrics import CONTENT_TYPE, GatewayMetrics, ResponseCounter
 from services.gateway.openai_format import ApiError, ChatCompletionBody, CompletionBody
@@ -86,6 +88,10 @@ class Guard:
         self.peers = PeerSync(settings, bus.gateway_id, self.keys, self.limiter, clock)
         self.metrics = GatewayMetrics(lambda: bus.fleet.live(now_ms()), lambda: self.admission.open_breakers)
         bus.on_cancel.append(lambda reason: self.metrics.cancellations.add(1, {"reason": reason}))
+        self.input_guard = InputGuard(
+            settings, bus.gateway_id, bus.publish_review_flag,
+            on_detection=lambda d, action: self.metrics.input_guard.add(1, {"level": d.level, "action": action}),
+        )  # fmt: skip
 
     async def start(self) -> None:
         """Start sharing keys and usage with the other instances (after the bus has started)."""
@@ -134,6 +140,7 @@ class Guard:
             body, request, model, prompt_tokens,
             max_input_tokens=self.settings.max_input_tokens, max_stop_sequences=self.settings.max_stop_sequences,
         )  # fmt: skip
+        await self.input_guard.check(identity.principal, identity.tenant, body)
         admitted = self.reserve(identity, model.name, lane, prompt_tokens + request.max_tokens)
         request = request.model_copy(
             update={"principal": identity.principal, "tenant": identity.tenant, "priority": lane}

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 AuthMode = Literal["required", "open"]
+InputGuardAction = Literal["block", "flag"]
 
 
 class TenantLimits(BaseModel):
@@ -75,3 +76,17 @@ class GuardSettings(BaseSettings):
     )
     max_input_tokens: int | None = Field(None, ge=1, description="Cap on prompt tokens below the model's max_model_len.")
     max_stop_sequences: int = Field(16, ge=0, le=16, description="Most stop strings a request may set.")
+    input_guard: Literal["on", "off"] = Field(
+        "on", description="on: every prompt is screened for prompt injection (rules + classifier) before Kafka."
+    )
+    input_guard_action: InputGuardAction = Field(
+        "flag", description="What a high-risk prompt gets, for tenants not in input_guard_tenant_actions: "
+        "block (400 prompt_injection_detected) or flag (served; counted, logged, and towards a review).",
+    )
+    input_guard_tenant_actions: dict[str, InputGuardAction] = Field(
+        default_factory=dict, description='Per-tenant action as JSON, e.g. {"acme": "block", "lab": "flag"}.'
+    )
+    review_threshold: int = Field(
+        5, ge=1, description="High-risk detections of one principal within review_window_s that flag it for review."
+    )
+    review_window_s: float = Field(3600.0, gt=0, description="The sliding window of review_threshold, seconds.")

@@ -24,6 +24,7 @@ from schemas.messages import (
     GenerateRequest,
     ReplyDelta,
     ReplyEnd,
+    ReviewFlag,
     WorkerHeartbeat,
     now_ms,
 )
@@ -155,16 +156,26 @@ class GatewayBus:
         for hook in self.on_cancel:
             hook(reason)
         cancel = Cancellation(request_id=request_id, reason=reason, reply_to=self.reply_topic)
-        task = asyncio.get_running_loop().create_task(self._send_cancel(cancel))
+        self._publish_later(self.topics.control, encode(cancel), request_id, f"cancel of {request_id}")
+
+    def publish_review_flag(self, flag: ReviewFlag) -> None:
+        """Publish a ReviewFlag on the audit topic (keyed by principal) without waiting."""
+        if self._producer is None:
+            return
+        self._publish_later(self.topics.audit, encode(flag), flag.principal, f"review flag of {flag.principal}")
+
+    def _publish_later(self, topic: str, value: bytes, key: str, what: str) -> None:
+        # Fire and forget, but tracked: stop() waits for what is still being published.
+        task = asyncio.get_running_loop().create_task(self._send(topic, value, key, what))
         self._publishing.add(task)
         task.add_done_callback(self._publishing.discard)
 
-    async def _send_cancel(self, cancel: Cancellation) -> None:
+    async def _send(self, topic: str, value: bytes, key: str, what: str) -> None:
         assert self._producer is not None
         try:
-            await self._producer.send_and_wait(self.topics.control, encode(cancel), key=cancel.request_id.encode())
+            await self._producer.send_and_wait(topic, value, key=key.encode())
         except KafkaError as exc:
-            log.warning("cancel of %s not published: %r", cancel.request_id, exc)
+            log.warning("%s not published: %r", what, exc)
 
     def _forget(self, request_id: str) -> None:
         self.router.unregister(request_id)
