@@ -9,6 +9,7 @@ BENCHES = {
     "pipeline": ("weir.bench.pipeline", "in-process engine vs gateway -> Kafka -> batcher -> worker -> gateway"),
     "engine": ("weir.bench.engine", "Weir's engine vs transformers generate(), one at a time and static batches"),
     "batcher": ("weir.bench.batcher", "interactive TTFT during a bulk job, fifo vs lanes; batch fill; job throughput"),
+    "gateway": ("weir.bench.gateway", "gateway's added latency and streams held vs a bare uvicorn SSE endpoint"),
     "audit": ("weir.bench.audit", "auditor ingestion rate, fingerprint cost vs generation time, watermark z and perplexity"),
     "injection": ("weir.bench.injection", "prompt-injection detector latency: wall and thread CPU p50/p95/p99/max by length"),
 }
