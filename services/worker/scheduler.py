@@ -4,6 +4,11 @@ Each step has a token budget shared by decodes (one token each) and prefill chun
 sequences decode first; what budget remains prefills waiting prompts in chunks, so a long prompt
 never stalls the streams already running. When blocks run out the newest running sequence is
 preempted: its blocks are freed and it is recomputed later. Pure: no tensors, no clock.
+
+Priority: the waiting queue is ordered by lane (interactive before bulk), first come first
+served within a lane. An interactive sequence that finds no free slot or no blocks preempts the
+newest running bulk sequence (recomputed later), so a bulk flood the worker already holds never
+keeps an interactive request waiting for its first token; bulk never preempts interactive.
 """
 
 from __future__ import annotations
@@ -57,9 +62,12 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def add(self, seq: Sequence) -> None:
-        """Queue a new sequence."""
+        """Queue a new sequence: after every waiting one of its lane or a more urgent one."""
         seq.status = Status.WAITING
-        self.waiting.append(seq)
+        index = len(self.waiting)
+        while index > 0 and self.waiting[index - 1].rank > seq.rank:
+            index -= 1
+        self.waiting.insert(index, seq)
 
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out (finished, cancelled, failed) and free its blocks."""
@@ -86,24 +94,35 @@ class Scheduler:
             (plan.decodes if seq.is_decoding else plan.prefills).append(chunk)
             budget -= take
         # 2. admit waiting sequences while budget, sequence slots and blocks allow
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
+            if len(self.running) >= self.max_num_seqs:
+                freed = self._preempt_lower(seq, plan)
+                if freed is None:
+                    break
+                budget += freed
             if not seq.block_table:
                 seq.block_table, seq.block_hashes = self.blocks.match_prefix(seq.token_ids)
                 seq.num_computed = len(seq.block_table) * self.blocks.block_size
             take = min(seq.num_pending, budget)
-            if not self.blocks.can_allocate(self.blocks.blocks_needed(seq.num_computed + take) - len(seq.block_table)):
-                # Wait for running sequences to free blocks; never preempt for a newcomer. Give back
-                # the prefix blocks just matched: waiting sequences that pin cached blocks can
-                # starve every running one of blocks until nothing runs at all.
-                self._release(seq)
-                break
-            self._grow(seq, seq.num_computed + take)
-            self.waiting.popleft()
-            seq.status = Status.RUNNING
-            self.running.append(seq)
-            plan.prefills.append(ScheduledChunk(seq, seq.num_computed, seq.num_computed + take))
-            budget -= take
+            while not self.blocks.can_allocate(self.blocks.blocks_needed(seq.num_computed + take) - len(seq.block_table)):
+                freed = self._preempt_lower(seq, plan)
+                if freed is None:
+                    break
+                budget += freed
+            else:
+                self._grow(seq, seq.num_computed + take)
+                self.waiting.popleft()
+                seq.status = Status.RUNNING
+                self.running.append(seq)
+                plan.prefills.append(ScheduledChunk(seq, seq.num_computed, seq.num_computed + take))
+                budget -= take
+                continue
+            # Wait for running sequences to free blocks; never preempt for a newcomer of the same
+            # lane. Give back the prefix blocks just matched: waiting sequences that pin cached
+            # blocks can starve every running one of blocks until nothing runs at all.
+            self._release(seq)
+            break
         return plan
 
     def commit(self, plan: StepPlan) -> None:
@@ -130,6 +149,21 @@ class Scheduler:
         self._grow(seq, num_tokens)
         return True
 
+    def _preempt_lower(self, seq: Sequence, plan: StepPlan) -> int | None:
+        """Preempt the newest running sequence of a lower lane than `seq`, taking its chunk out
+        of `plan`; returns the budget tokens that frees, or None when there is none to preempt."""
+        victim = next((r for r in reversed(self.running) if r.rank > seq.rank), None)
+        if victim is None:
+            return None
+        freed = 0
+        for chunks in (plan.prefills, plan.decodes):
+            for chunk in [c for c in chunks if c.seq is victim]:
+                chunks.remove(chunk)
+                freed += chunk.end - chunk.start
+        self._preempt(victim)
+        plan.preempted.append(victim)
+        return freed
+
     def _grow(self, seq: Sequence, num_tokens: int) -> None:
         while len(seq.block_table) < self.blocks.blocks_needed(num_tokens):
             seq.block_table.append(self.blocks.allocate())
@@ -140,7 +174,10 @@ class Scheduler:
         self.running.remove(seq)
         self._release(seq)
         seq.status = Status.WAITING
-        self.waiting.appendleft(seq)
+        index = 0  # first of its lane: it was admitted before every waiting one of its lane
+        while index < len(self.waiting) and self.waiting[index].rank < seq.rank:
+            index += 1
+        self.waiting.insert(index, seq)
 
     def _release(self, seq: Sequence) -> None:
         self.blocks.free(seq.block_table)

@@ -55,6 +55,7 @@ class Sequence:
     ) -> None:
         self.request = request
         self.request_id = request.request_id
+        self.rank = 0 if request.priority == "interactive" else 1  # scheduling lane: lower runs first
         self.prompt_text = prompt_text
         self.token_ids = list(prompt_ids)
         self.num_prompt_tokens = len(prompt_ids)

@@ -40,3 +40,65 @@ def test_waiting_sequences_pin_no_cached_blocks_so_a_flood_never_stalls() -> Non
     assert drive(scheduler, [(0, s) for s in seqs]) == 30
     assert scheduler.num_unfinished == 0 and scheduler.num_preemptions > 0
     assert scheduler.blocks.num_free == 128
+
+
+def seq_of(request_id: str, priority: str, prompt_len: int = 8, max_tokens: int = 50) -> Sequence:
+    first = 1000 * (sum(map(ord, request_id)) % 97)  # distinct prompts: no prefix is shared
+    prompt = list(range(first, first + prompt_len))
+    return Sequence(make_request(request_id=request_id, priority=priority), "p", prompt, max_tokens, 0)
+
+
+def step(scheduler: Scheduler) -> None:
+    """Run one planned step: commit it and append a made-up token to every sequence that samples."""
+    plan = scheduler.schedule()
+    scheduler.commit(plan)
+    for chunk in plan.prefills + plan.decodes:
+        if chunk.samples:
+            chunk.seq.token_ids.append(7)
+
+
+def test_interactive_sequences_wait_ahead_of_bulk_ones() -> None:
+    scheduler = Scheduler(BlockManager(64, 8), max_num_seqs=8, max_num_batched_tokens=512)
+    for seq in (seq_of("b1", "bulk"), seq_of("b2", "bulk"), seq_of("i1", "interactive"), seq_of("b3", "bulk"),
+                seq_of("i2", "interactive")):  # fmt: skip
+        scheduler.add(seq)
+    assert [s.request_id for s in scheduler.waiting] == ["i1", "i2", "b1", "b2", "b3"]
+
+
+def test_an_interactive_newcomer_preempts_the_newest_bulk_sequence_when_slots_are_full() -> None:
+    scheduler = Scheduler(BlockManager(64, 8), max_num_seqs=2, max_num_batched_tokens=512)
+    bulk = [seq_of("b1", "bulk"), seq_of("b2", "bulk")]
+    for seq in bulk:
+        scheduler.add(seq)
+    step(scheduler)
+    scheduler.add(seq_of("i1", "interactive"))
+    plan = scheduler.schedule()
+    assert [c.seq.request_id for c in plan.prefills] == ["i1"]
+    assert [c.seq.request_id for c in plan.decodes] == ["b1"]  # b2's planned decode was taken out
+    assert [s.request_id for s in plan.preempted] == ["b2"]
+    assert [s.request_id for s in scheduler.running] == ["b1", "i1"]
+    assert [s.request_id for s in scheduler.waiting] == ["b2"] and bulk[1].block_table == []
+
+
+def test_an_interactive_newcomer_preempts_bulk_for_blocks_but_bulk_never_preempts_interactive() -> None:
+    # 6 blocks of 8 tokens; after one step i1 holds 2 blocks and b1 holds 3.
+    scheduler = Scheduler(BlockManager(6, 8), max_num_seqs=8, max_num_batched_tokens=512)
+    scheduler.add(seq_of("i1", "interactive", prompt_len=8))
+    scheduler.add(seq_of("b1", "bulk", prompt_len=23))
+    step(scheduler)
+    scheduler.add(seq_of("i2", "interactive", prompt_len=12))  # needs 2 blocks, 1 is free
+    plan = scheduler.schedule()
+    assert [s.request_id for s in plan.preempted] == ["b1"]
+    assert [c.seq.request_id for c in plan.prefills] == ["i2"]
+    scheduler.commit(plan)
+    scheduler.add(seq_of("b2", "bulk", prompt_len=24))
+    plan = scheduler.schedule()  # neither bulk sequence fits beside i1 and i2: they wait
+    assert plan.preempted == [] and [s.request_id for s in scheduler.running] == ["i1", "i2"]
+    assert [s.request_id for s in scheduler.waiting] == ["b1", "b2"]
+
+
+def test_a_mixed_flood_on_a_small_cache_ends_every_sequence() -> None:
+    scheduler = Scheduler(BlockManager(128, 8), max_num_seqs=16, max_num_batched_tokens=256)
+    arrivals = [(i * 3, seq_of(f"s{i}", "interactive" if i % 3 == 0 else "bulk", prompt_len=8 + i % 5, max_tokens=200))
+                for i in range(40)]  # fmt: skip
+    assert drive(scheduler, arrivals) == 40
