@@ -61,7 +61,9 @@ class ModelConfig(BaseModel):
         "strict",
         description="How the batcher serves the interactive and bulk lanes: strict (interactive always first), "
         "weighted (bulk gets bulk_weight of the tokens while both wait) or fifo (one queue in arrival order, "
-        "ignoring priority, tenant and deadline: the baseline of a plain Kafka consumer).",
+        "ignoring priority, tenant and deadline: the baseline of a plain Kafka consumer). Under strict and "
+        "weighted the worker's scheduler also runs interactive sequences first (preempting bulk ones); under "
+        "fifo it is one queue too.",
     )
     bulk_weight: float = Field(
         0.25, gt=0, le=1, description="lane_policy weighted: bulk lane's weight against interactive's 1.0."

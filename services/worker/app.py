@@ -44,7 +44,7 @@ def build_engine(config: ModelConfig, settings: WorkerSettings, device: torch.de
     engine_config = EngineConfig(
         max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens, block_size=settings.block_size,
-        kv_cache_bytes=settings.kv_cache_bytes,
+        kv_cache_bytes=settings.kv_cache_bytes, is_prioritized=config.lane_policy != "fifo",
     )  # fmt: skip
     assert config.path is not None
     return Engine(config.path, engine_config, device, Watermarker(settings.watermarks()))

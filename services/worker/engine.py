@@ -39,6 +39,7 @@ class EngineConfig:
     kv_cache_bytes: int = 256 * 1024 * 1024  # CPU budget; on CUDA a share of free memory is used
     gpu_memory_fraction: float = 0.85
     enable_prefix_caching: bool = True
+    is_prioritized: bool = True  # interactive before bulk (the model's lane_policy is not "fifo")
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -74,7 +75,9 @@ class Engine:
         )
         self.kv_bytes_per_token = per_block // config.block_size
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.blocks, config.max_num_seqs, config.max_num_batched_tokens, is_prioritized=config.is_prioritized
+        )
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         log.info("engine: %s on %s %s, %d KV blocks of %d tokens", model_path, self.device, self.dtype, num_blocks, config.block_size)

@@ -9,6 +9,7 @@ Priority: the waiting queue is ordered by lane (interactive before bulk), first 
 served within a lane. An interactive sequence that finds no free slot or no blocks preempts the
 newest running bulk sequence (recomputed later), so a bulk flood the worker already holds never
 keeps an interactive request waiting for its first token; bulk never preempts interactive.
+With is_prioritized=False (a model whose lane_policy is "fifo") every sequence is one lane.
 """
 
 from __future__ import annotations
@@ -49,8 +50,11 @@ class StepPlan:
 class Scheduler:
     """Waiting and running queues over one BlockManager."""
 
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, is_prioritized: bool = True
+    ) -> None:
         self.blocks = blocks
+        self.is_prioritized = is_prioritized
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -64,6 +68,8 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence: after every waiting one of its lane or a more urgent one."""
         seq.status = Status.WAITING
+        if not self.is_prioritized:
+            seq.rank = 0
         index = len(self.waiting)
         while index > 0 and self.waiting[index - 1].rank > seq.rank:
             index -= 1

@@ -102,3 +102,12 @@ def test_a_mixed_flood_on_a_small_cache_ends_every_sequence() -> None:
     arrivals = [(i * 3, seq_of(f"s{i}", "interactive" if i % 3 == 0 else "bulk", prompt_len=8 + i % 5, max_tokens=200))
                 for i in range(40)]  # fmt: skip
     assert drive(scheduler, arrivals) == 40
+
+
+def test_without_priorities_every_sequence_is_one_lane() -> None:
+    scheduler = Scheduler(BlockManager(64, 8), max_num_seqs=1, max_num_batched_tokens=512, is_prioritized=False)
+    for seq in (seq_of("b1", "bulk"), seq_of("i1", "interactive")):
+        scheduler.add(seq)
+    assert [s.request_id for s in scheduler.waiting] == ["b1", "i1"]
+    step(scheduler)
+    assert scheduler.schedule().preempted == [] and [s.request_id for s in scheduler.running] == ["b1"]
