@@ -99,6 +99,41 @@ class ChainRow:
     problem: str | None = None
 
 
+def stored_row(
+    row: dict[str, Any], id_column: str, what: str, hashed_columns: Callable[[dict[str, Any]], dict[str, Any]]
+) -> ChainRow:
+    """A stored row (of the audit log or the review flags) as the chain walk needs it, with any
+    inconsistency inside the row found.
+
+    `hashed_columns` maps the parsed canonical record to the column values it fixes; it raises
+    KeyError/TypeError/ValueError/AttributeError when the JSON is not such a record (`what`).
+    """
+    base = {"seq": row["seq"], "event_id": row[id_column], "prev_hash": row["prev_hash"],
+            "record_hash": row["record_hash"]}  # fmt: skip
+    canonical = row["canonical_json"]
+    if not all(isinstance(row[name], str) for name in ("canonical_json", "prev_hash", "record_hash")):
+        return ChainRow(hashed_seq=None, problem="its canonical_json or hashes are not text", **base)
+    if chain_hash(row["prev_hash"], canonical) != row["record_hash"]:
+        return ChainRow(hashed_seq=None, problem="record_hash does not match its content (content or hash edited)",
+                        **base)  # fmt: skip
+    try:
+        record = orjson.loads(canonical)
+        hashed_seq = int(record["ledger"]["seq"])
+        hashed = hashed_columns(record)
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
+        return ChainRow(hashed_seq=None, problem=f"its canonical_json is not {what}", **base)
+    for name, value in hashed.items():
+        if row[name] != value:
+            return ChainRow(hashed_seq=hashed_seq, problem=f"column {name}={row[name]!r} differs from the "
+                            f"hashed record ({value!r})", **base)  # fmt: skip
+    return ChainRow(hashed_seq=hashed_seq, **base)
+
+
+def locate_in(rows: list[ChainRow], hashed_seq: int) -> tuple[int, str] | None:
+    """Where the record chained as `hashed_seq` sits now: (seq column, event_id), or None."""
+    return next(((r.seq, r.event_id) for r in rows if r.hashed_seq == hashed_seq), None)
+
+
 @dataclass(frozen=True)
 class VerifyReport:
     """The outcome of walking one chain: intact, or the first broken record (or checkpoint)."""

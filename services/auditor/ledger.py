@@ -31,6 +31,8 @@ from services.auditor.chain import (
     canonical_checkpoint,
     canonical_record,
     chain_hash,
+    locate_in,
+    stored_row,
     merkle_root,
     verify_chain,
     verify_checkpoints,
@@ -368,7 +370,7 @@ class Ledger:
         rows = [_chain_row(r) for r in self.records(chain_id=chain_id)]
         rows.sort(key=lambda r: r.seq)
         checkpoints = self.checkpoints(chain_id)
-        report = verify_chain(rows, len(rows), lambda hashed: _locate(rows, hashed))
+        report = verify_chain(rows, len(rows), lambda hashed: locate_in(rows, hashed))
         report = replace(report, chain_id=chain_id, num_checkpoints=len(checkpoints))
         if not report.is_ok:
             return report
@@ -393,36 +395,12 @@ class Ledger:
                 )
 
 
-def _locate(rows: list[ChainRow], hashed_seq: int) -> tuple[int, str] | None:
-    """Where the record chained as `hashed_seq` sits now: (seq column, event_id), or None."""
-    return next(((r.seq, r.event_id) for r in rows if r.hashed_seq == hashed_seq), None)
-
-
 def _chain_row(row: dict[str, Any]) -> ChainRow:
-    """A stored row as the chain walk needs it, with any inconsistency inside the row found."""
-    base = {"seq": row["seq"], "event_id": row["event_id"], "prev_hash": row["prev_hash"],
-            "record_hash": row["record_hash"]}
-    canonical = row["canonical_json"]
-    if not all(isinstance(row[name], str) for name in ("canonical_json", "prev_hash", "record_hash")):
-        return ChainRow(hashed_seq=None, problem="its canonical_json or hashes are not text", **base)
-    if chain_hash(row["prev_hash"], canonical) != row["record_hash"]:
-        return ChainRow(hashed_seq=None, problem="record_hash does not match its content (content or hash edited)",
-                        **base)
-    try:
-        record = orjson.loads(canonical)
+    def hashed_columns(record: dict[str, Any]) -> dict[str, Any]:
         event, ledger = record["event"], record["ledger"]
-        hashed_seq = int(ledger["seq"])
-    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
-        return ChainRow(hashed_seq=None, problem="its canonical_json is not a ledger record", **base)
-    for name in _EVENT_NAMES:
-        if row[name] != event.get(name):
-            return ChainRow(hashed_seq=hashed_seq, problem=f"column {name}={row[name]!r} differs from the "
-                            f"hashed record ({event.get(name)!r})", **base)
-    for name in _LEDGER_COLUMNS:
-        if row[name] != ledger.get(name):
-            return ChainRow(hashed_seq=hashed_seq, problem=f"column {name}={row[name]!r} differs from the "
-                            f"hashed record ({ledger.get(name)!r})", **base)
-    return ChainRow(hashed_seq=hashed_seq, **base)
+        return {**{name: event.get(name) for name in _EVENT_NAMES}, **{name: ledger.get(name) for name in _LEDGER_COLUMNS}}
+
+    return stored_row(row, "event_id", "a ledger record", hashed_columns)
 
 
 class _SqliteStore:

@@ -30,6 +30,8 @@ from services.auditor.chain import (
     ChainRow,
     VerifyReport,
     chain_hash,
+    locate_in,
+    stored_row,
     verify_chain,
 )
 
@@ -176,32 +178,13 @@ class ReviewFlagLog:
 
     def _verify_chain(self, chain_id: int) -> VerifyReport:
         rows = sorted((_chain_row(r) for r in self.rows(chain_id=chain_id)), key=lambda r: r.seq)
-
-        def locate(hashed_seq: int) -> tuple[int, str] | None:
-            return next(((r.seq, r.event_id) for r in rows if r.hashed_seq == hashed_seq), None)
-
-        return replace(verify_chain(rows, len(rows), locate), chain_id=chain_id, log="review_flags")
+        return replace(verify_chain(rows, len(rows), lambda hashed: locate_in(rows, hashed)), chain_id=chain_id,
+                       log="review_flags")  # fmt: skip
 
 
 def _chain_row(row: dict[str, Any]) -> ChainRow:
-    """A stored flag as the chain walk needs it, with any inconsistency inside the row found."""
-    base = {"seq": row["seq"], "event_id": row["flag_id"], "prev_hash": row["prev_hash"],
-            "record_hash": row["record_hash"]}
-    canonical = row["canonical_json"]
-    if not all(isinstance(row[name], str) for name in ("canonical_json", "prev_hash", "record_hash")):
-        return ChainRow(hashed_seq=None, problem="its canonical_json or hashes are not text", **base)
-    if chain_hash(row["prev_hash"], canonical) != row["record_hash"]:
-        return ChainRow(hashed_seq=None, problem="record_hash does not match its content (content or hash edited)",
-                        **base)
-    try:
-        record = orjson.loads(canonical)
-        flag, ledger = record["review_flag"], record["ledger"]
-        hashed_seq = int(ledger["seq"])
-        hashed = {**_columns_of(flag), **{name: ledger.get(name) for name in _LEDGER_COLUMNS}}
-    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
-        return ChainRow(hashed_seq=None, problem="its canonical_json is not a review flag record", **base)
-    for name, value in hashed.items():
-        if name != "seq" and row[name] != value:
-            return ChainRow(hashed_seq=hashed_seq, problem=f"column {name}={row[name]!r} differs from the "
-                            f"hashed record ({value!r})", **base)
-    return ChainRow(hashed_seq=hashed_seq, **base)
+    def hashed_columns(record: dict[str, Any]) -> dict[str, Any]:
+        ledger = record["ledger"]
+        return {**_columns_of(record["review_flag"]), **{name: ledger.get(name) for name in _LEDGER_COLUMNS if name != "seq"}}
+
+    return stored_row(row, "flag_id", "a review flag record", hashed_columns)

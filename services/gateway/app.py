@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import math
 import signal
 import time
 import uuid
@@ -41,6 +42,7 @@ from services.gateway.openai_format import (
     embedding_body,
     error_body,
     error_type,
+    header_seconds,
     models_list,
     parse_body,
     parse_embedding_body,
@@ -55,7 +57,6 @@ from services.gateway.streaming import EventStreamResponse, WebSocketSession, co
 
 log = logging.getLogger("weir.gateway")
 
-TIMEOUT_HEADER = "x-weir-timeout-s"
 _ID_PREFIX: dict[Kind, str] = {"chat.completions": "chatcmpl-", "completions": "cmpl-"}
 
 
@@ -276,17 +277,7 @@ def last_event_id(request: Request) -> int:
 
 def header_timeout_s(headers: dict[str, str]) -> float | None:
     """The client's timeout from X-Weir-Timeout-S, or None; ApiError(400) when it is not > 0."""
-    value = headers.get(TIMEOUT_HEADER)
-    if value is None:
-        return None
-    try:
-        timeout_s = float(value)
-    except ValueError:
-        timeout_s = float("nan")
-    if not timeout_s > 0 or timeout_s == float("inf"):
-        raise ApiError(400, f"X-Weir-Timeout-S must be a positive number of seconds, got {value!r}",
-                       param="X-Weir-Timeout-S", code="invalid_value")
-    return timeout_s
+    return header_seconds(headers, "X-Weir-Timeout-S", lambda s: 0 < s < math.inf, "greater than 0")
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:

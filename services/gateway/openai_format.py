@@ -8,7 +8,9 @@ ones Weir cannot honour (n > 1, logprobs, tools, echo) are refused rather than s
 from __future__ import annotations
 
 import base64
+import math
 import struct
+from collections.abc import Callable
 from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -480,3 +482,19 @@ def models_list(repo: ModelRepository, created_s: int) -> dict[str, Any]:
         for name, cfg in sorted(repo.models.items())
     ]
     return {"object": "list", "data": data}
+
+
+def header_seconds(headers: dict[str, str], name: str, is_valid: Callable[[float], bool], expected: str) -> float | None:
+    """A number of seconds from header `name` (None when absent); ApiError(400) naming the header
+    when it is not a number or `is_valid` refuses it (`expected` says what is wanted)."""
+    value = headers.get(name.lower())
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not is_valid(seconds):
+        raise ApiError(400, f"{name} must be a number of seconds {expected}, got {value!r}", param=name,
+                       code="invalid_value")  # fmt: skip
+    return seconds

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from schemas.messages import CancelReason, now_ms
 from services.gateway.handlers import Exchange
-from services.gateway.openai_format import ApiError, ChunkWriter
+from services.gateway.openai_format import ApiError, ChunkWriter, header_seconds
 
 RESUME_GRACE_HEADER = "x-weir-resume-grace-s"
 
@@ -33,17 +33,8 @@ RESUME_GRACE_HEADER = "x-weir-resume-grace-s"
 def resume_grace_s(headers: dict[str, str], default_s: float, max_s: float) -> float:
     """The request's resume grace: X-Weir-Resume-Grace-S (0 to max_s), else the deployment's
     default; ApiError(400) naming the header when it is not a number in range."""
-    value = headers.get(RESUME_GRACE_HEADER)
-    if value is None:
-        return default_s
-    try:
-        grace_s = float(value)
-    except ValueError:
-        grace_s = float("nan")
-    if not 0 <= grace_s <= max_s:
-        raise ApiError(400, f"X-Weir-Resume-Grace-S must be a number of seconds from 0 to {max_s:g}, got {value!r}",
-                       param="X-Weir-Resume-Grace-S", code="invalid_value")
-    return grace_s
+    grace_s = header_seconds(headers, "X-Weir-Resume-Grace-S", lambda s: 0 <= s <= max_s, f"from 0 to {max_s:g}")
+    return default_s if grace_s is None else grace_s
 
 
 @dataclass
@@ -123,14 +114,9 @@ class ResumableStreams:
         """A reader left (finished, or its connection dropped). The last one to leave a stream that
         has not ended either cancels it (no grace) or holds it for the grace period."""
         entry.num_readers -= 1
-        if entry.num_readers > 0:
+        if entry.num_readers > 0 or self._close_if_ended(entry):
             return
         exchange = entry.exchange
-        exchange.drain()
-        if exchange.end is not None:
-            exchange.close(None, status="ended")
-            entry.kept_until_s = self.clock() + self.keep_s
-            return
         if not entry.is_resumable:
             exchange.close("client_disconnect", status="client_gone")
             return
@@ -147,17 +133,21 @@ class ResumableStreams:
     def _give_up(self, entry: StreamEntry) -> None:
         # Nobody came back within the grace: end the request like any abandoned one.
         entry.timer = None
-        if entry.num_readers > 0:
+        if entry.num_readers > 0 or self._close_if_ended(entry):
             return
-        exchange = entry.exchange
-        exchange.drain()
-        if exchange.end is not None:
-            exchange.close(None, status="ended")
-            entry.kept_until_s = self.clock() + self.keep_s
-            return
-        is_late = now_ms() >= exchange.request.deadline_ms
-        exchange.close("deadline" if is_late else "client_disconnect", status="client_gone")
+        is_late = now_ms() >= entry.exchange.request.deadline_ms
+        entry.exchange.close("deadline" if is_late else "client_disconnect", status="client_gone")
         self._entries.pop(entry.request_id, None)
+
+    def _close_if_ended(self, entry: StreamEntry) -> bool:
+        # A stream nobody reads that has its terminal (maybe still queued) closes without a cancel
+        # and stays readable for keep_s.
+        entry.exchange.drain()
+        if entry.exchange.end is None:
+            return False
+        entry.exchange.close(None, status="ended")
+        entry.kept_until_s = self.clock() + self.keep_s
+        return True
 
     def _prune(self) -> None:
         now_s = self.clock()
