@@ -24,19 +24,26 @@ def paged_attention_decode_ref(
     Returns [seqs, heads, dim] in q's dtype.
     """
     num_seqs, num_heads, dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_blocks, block_size, num_kv_heads = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
     max_ctx = block_tables.shape[1] * block_size
-    # gather: [seqs, max_blocks, block_size, kv_heads, dim] -> [seqs, kv_heads, max_ctx, dim]
-    tables = block_tables.long()
-    keys = k_cache[tables].reshape(num_seqs, max_ctx, num_kv_heads, dim).transpose(1, 2).float()
-    values = v_cache[tables].reshape(num_seqs, max_ctx, num_kv_heads, dim).transpose(1, 2).float()
+    # gather whole blocks as rows of the flat cache (index_select copies 4 KiB rows, ~3x faster
+    # than advanced indexing): [seqs * max_blocks, block_size * kv_heads * dim]
+    # -> [seqs, kv_heads, max_ctx, dim]
+    rows = block_tables.reshape(-1).long()
+    keys = k_cache.reshape(num_blocks, -1).index_select(0, rows)
+    values = v_cache.reshape(num_blocks, -1).index_select(0, rows)
+    keys = keys.view(num_seqs, max_ctx, num_kv_heads, dim).transpose(1, 2).float()
+    values = values.view(num_seqs, max_ctx, num_kv_heads, dim).transpose(1, 2).float()
     positions = torch.arange(max_ctx, device=q.device)
-    mask = (positions[None, :] < context_lens[:, None].long())[:, None, None, :]  # [seqs, 1, 1, max_ctx]
-    # SDPA with GQA: query head h reads kv head h // (heads / kv_heads), as in the model.
-    out = F.scaled_dot_product_attention(
-        q.float().unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=num_heads != num_kv_heads
-    )
-    return out.squeeze(2).to(q.dtype)
+    # additive mask [seqs, 1, 1, max_ctx]: 0 over the context, -inf over padding
+    mask = torch.zeros(num_seqs, 1, 1, max_ctx, device=q.device)
+    mask.masked_fill_((positions[None, :] >= context_lens[:, None].long())[:, None, None, :], float("-inf"))
+    # GQA as a query length: the `group` query heads of kv head h are rows of one SDPA query
+    # [seqs, kv_heads, group, dim], so no K/V head is repeated (query head h reads kv head h // group).
+    out = F.scaled_dot_product_attention(q.float().reshape(num_seqs, num_kv_heads, group, dim), keys, values,
+                                         attn_mask=mask, scale=scale)  # fmt: skip
+    return out.reshape(num_seqs, num_heads, dim).to(q.dtype)
 
 
 def paged_attention_decode(

@@ -19,7 +19,7 @@ import torch
 from schemas.messages import EmbedRequest, ErrorInfo, GenerateRequest
 from services.worker.kv_cache import BlockManager, allocate_kv_caches, bytes_per_block
 from services.worker.model import AttentionMetadata, CausalLM, load_model, weights_sha256
-from services.worker.sampler import NonFiniteLogits, sample, token_entropy
+from services.worker.sampler import sample_batch
 from services.worker.scheduler import Scheduler, StepPlan
 from services.worker.sequence import EngineOutput, Sequence, Status
 from services.worker.tokenizer import IncrementalDetokenizer, ModelTokenizer, TokenizerError
@@ -146,9 +146,12 @@ class Engine:
             return outputs
         logits = self._run(plan)
         self.scheduler.commit(plan)
-        sampling = [c for c in plan.prefills if c.samples] + plan.decodes
-        for chunk, row in zip(sampling, logits, strict=True):
-            outputs.extend(self._postprocess(chunk.seq, row, now_ms))
+        seqs = [c.seq for c in plan.prefills if c.samples] + [c.seq for c in plan.decodes]
+        vocab_size = logits.shape[-1]
+        biases = [self.watermarker.bias(s.request.tenant, s.token_ids[-1], vocab_size) for s in seqs]
+        tokens, entropies = sample_batch(logits, [s.request for s in seqs], [s.generator for s in seqs], biases)
+        for seq, token, entropy in zip(seqs, tokens, entropies, strict=True):
+            outputs.extend(self._postprocess(seq, token, entropy, now_ms))
         return outputs
 
     def _expire(self, now_ms: int) -> list[EngineOutput]:
@@ -191,15 +194,14 @@ class Engine:
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         return self.model(input_ids, pos, self.kv_caches, meta).cpu()
 
-    def _postprocess(self, seq: Sequence, logits: torch.Tensor, now_ms: int) -> list[EngineOutput]:
+    def _postprocess(self, seq: Sequence, token: int | None, entropy: float, now_ms: int) -> list[EngineOutput]:
+        """Take one sampled token (None: the row's logits were not finite) into `seq`."""
         if seq.status is not Status.RUNNING:
             return []
-        bias = self.watermarker.bias(seq.request.tenant, seq.token_ids[-1], logits.shape[-1])
-        try:
-            token = sample(logits, seq.request, seq.generator, bias)
-        except NonFiniteLogits as exc:
-            return [self._finish(seq, "error", now_ms, ErrorInfo(code="non_finite_logits", message=str(exc)))]
-        seq.entropy_sum += token_entropy(logits)
+        if token is None:
+            info = ErrorInfo(code="non_finite_logits", message="the model produced non-finite logits")
+            return [self._finish(seq, "error", now_ms, info)]
+        seq.entropy_sum += entropy
         seq.num_sampled += 1
         if seq.first_token_ms is None:
             seq.first_token_ms = now_ms

@@ -126,8 +126,8 @@ class Attention(nn.Module):
         k_cache, v_cache = kv  # [num_blocks, block_size, kv_heads, dim]
         flat_k = k_cache.view(-1, a.num_kv_heads, a.head_dim)
         flat_v = v_cache.view(-1, a.num_kv_heads, a.head_dim)
-        flat_k[meta.slot_mapping] = k.to(k_cache.dtype)
-        flat_v[meta.slot_mapping] = v.to(v_cache.dtype)
+        flat_k.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+        flat_v.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
 
         out = torch.empty_like(q)
         for start, end, block_table, ctx_len in meta.prefills:
@@ -153,15 +153,13 @@ class Attention(nn.Module):
         a = self.args
         chunk = q.shape[0]
         slots = (block_table[:, None] * block_size + torch.arange(block_size, device=q.device)).reshape(-1)[:ctx_len]
-        keys = flat_k[slots].to(q.dtype).transpose(0, 1)  # [kv_heads, ctx, dim]
-        values = flat_v[slots].to(q.dtype).transpose(0, 1)
-        group = a.num_heads // a.num_kv_heads
-        if group > 1:
-            keys = keys.repeat_interleave(group, dim=0)
-            values = values.repeat_interleave(group, dim=0)
+        keys = flat_k.index_select(0, slots).to(q.dtype).transpose(0, 1)  # [kv_heads, ctx, dim]
+        values = flat_v.index_select(0, slots).to(q.dtype).transpose(0, 1)
         q_pos = torch.arange(ctx_len - chunk, ctx_len, device=q.device)
         mask = torch.arange(ctx_len, device=q.device)[None, :] <= q_pos[:, None]  # [chunk, ctx]
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask, scale=self.scale)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), keys, values, attn_mask=mask, scale=self.scale, enable_gqa=a.num_heads != a.num_kv_heads
+        )  # query head h reads kv head h // (heads / kv_heads), as HF's repeat_kv
         return out.transpose(0, 1)
 
 

@@ -42,8 +42,41 @@ def sample(
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def sample_batch(
+    logits: torch.Tensor,
+    requests: list[GenerateRequest],
+    generators: list[torch.Generator],
+    biases: list[torch.Tensor | None],
+) -> tuple[list[int | None], list[float]]:
+    """Next tokens and model entropies of a step's rows: logits [rows, vocab] float32.
+
+    Returns (tokens, entropies), one per row; a row's token is None when its logits are not
+    finite (that request fails). The checks and the entropy run once over the batch, greedy rows
+    without a bias take one batched argmax; only rows that draw at random (or carry a watermark
+    bias) go through `sample`, each with its own generator, so a request's tokens do not depend
+    on what shares its batch.
+    """
+    finite = torch.isfinite(logits).all(dim=-1).tolist()
+    entropies = token_entropies(logits).tolist()
+    argmax = torch.argmax(logits, dim=-1).tolist()
+    tokens: list[int | None] = []
+    for row, (request, generator, bias) in enumerate(zip(requests, generators, biases, strict=True)):
+        if not finite[row]:
+            tokens.append(None)
+        elif request.temperature == 0.0 and bias is None:
+            tokens.append(argmax[row])
+        else:
+            tokens.append(sample(logits[row], request, generator, bias))
+    return tokens, entropies
+
+
+def token_entropies(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy (nats) of softmax over the last dim of `logits` [..., vocab]: token_entropy, batched."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(dim=-1)
+
+
 def token_entropy(logits: torch.Tensor) -> float:
     """Entropy (nats) of softmax(logits) over [vocab]: the model's own uncertainty at this step,
     before temperature, truncation and watermark (a health signal of the model, not of sampling)."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return float(-(logp.exp() * logp).sum())
+    return float(token_entropies(logits))

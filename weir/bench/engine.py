@@ -161,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-repo", default="models.toml")
     parser.add_argument("--concurrency", default="1,8,32,64")
     parser.add_argument("--system-prompt-tokens", type=int, default=512)
+    parser.add_argument("--systems", default="a,b,c", help="which of (a), (b), (c) to run, e.g. b,c")
+    parser.add_argument("--no-prefix", action="store_true", help="skip the shared-system-prompt TTFT part")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: as the worker picks)")
     args = parser.parse_args(argv)
@@ -178,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine(config.path, engine_config)
     hf = transformers.AutoModelForCausalLM.from_pretrained(config.path, dtype=torch.float32).eval()
     levels = [int(c) for c in args.concurrency.split(",")]
+    systems = set(args.systems.split(","))
     print(f"model {args.model}: {sum(p.numel() for p in hf.parameters()) / 1e6:.1f}M parameters, "
           f"torch threads {torch.get_num_threads()}, device {engine.device}", flush=True)  # fmt: skip
     header = ["system", "conc", "tokens/s", "TTFT p50 ms", "TTFT p95 ms", "ITL p50 ms", "ITL p95 ms", "KV waste %"]
@@ -185,22 +188,32 @@ def main(argv: list[str] | None = None) -> int:
     with torch.inference_mode():
         for c in levels:
             jobs = make_jobs(engine.tokenizer, c, args.seed + c, config.max_model_len)
-            a = run_hf_sequential(hf, jobs)
-            b, b_waste = run_hf_static(hf, jobs)
-            e, e_waste = run_engine(engine, jobs, args.model)
-            for r, waste in ((a, None), (b, b_waste), (e, e_waste)):
+            runs: dict[str, tuple[RunResult, float | None]] = {}
+            if "a" in systems:
+                runs["a"] = (run_hf_sequential(hf, jobs), None)
+            if "b" in systems:
+                runs["b"] = run_hf_static(hf, jobs)
+            if "c" in systems:
+                runs["c"] = run_engine(engine, jobs, args.model)
+            for r, waste in runs.values():
                 rows.append([r.label, str(c), f"{r.tokens_per_s:.0f}", f"{percentile(r.ttft_ms, 50):.0f}",
                              f"{percentile(r.ttft_ms, 95):.0f}", f"{percentile(r.itl_ms, 50):.1f}",
                              f"{percentile(r.itl_ms, 95):.1f}", "-" if waste is None else f"{waste:.1f}"])  # fmt: skip
-            ratios.append((c, e.tokens_per_s / a.tokens_per_s, e.tokens_per_s / b.tokens_per_s))
+            if "c" in runs:
+                tps = {k: r.tokens_per_s for k, (r, _) in runs.items()}
+                ratios.append((c, tps["c"] / tps["a"] if "a" in tps else None, tps["c"] / tps["b"] if "b" in tps else None))
             print(f"  concurrency {c} done", flush=True)
     print()
     print_table(rows, header)
     print(f"\nKV bytes per token: {engine.kv_bytes_per_token} (theoretical minimum: 2 x layers x kv_heads x head_dim x "
           f"dtype size); block size {engine.blocks.block_size}")  # fmt: skip
     for c, ra, rb in ratios:
-        print(f"concurrency {c:>2}: Weir = {ra:.1f}x (a) one-at-a-time, {rb:.2f}x (b) static batches")
+        vs_a = "-" if ra is None else f"{ra:.1f}x"
+        vs_b = "-" if rb is None else f"{rb:.2f}x"
+        print(f"concurrency {c:>2}: Weir = {vs_a} (a) one-at-a-time, {vs_b} (b) static batches")
     print("targets at 32: >= 5x (a), >= 1.5x (b); KV waste < 5%")
+    if args.no_prefix:
+        return 0
 
     n = 6
     cached = Engine(config.path, engine_config)
