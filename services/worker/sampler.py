@@ -56,7 +56,11 @@ def sample_batch(
     bias) go through `sample`, each with its own generator, so a request's tokens do not depend
     on what shares its batch.
     """
-    finite = torch.isfinite(logits).all(dim=-1).tolist()
+    # a finite row sum means every logit is finite (NaN and inf propagate): one cheap reduction,
+    # and the element-wise check only for the rows it flags
+    finite = torch.isfinite(logits.sum(dim=-1)).tolist()
+    for row in [r for r, ok in enumerate(finite) if not ok]:
+        finite[row] = bool(torch.isfinite(logits[row]).all())
     entropies = token_entropies(logits).tolist()
     argmax = torch.argmax(logits, dim=-1).tolist()
     tokens: list[int | None] = []
