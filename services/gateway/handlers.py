@@ -275,6 +275,8 @@ class Exchange:
         return self.history[index]
 
     async def _read_next(self) -> ReplyItem:
+        if self._getter is None and not self._queue.empty():
+            return self._queue.get_nowait()  # already here: no waiter task, no timer (the hot path under load)
         s = self.bus.settings
         router = self.bus.router
         give_up_ms = self.request.deadline_ms + int(s.reply_grace_s * 1000)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import socket
 import tempfile
 import time
@@ -119,6 +120,27 @@ async def run_http(base_url: str, model: str, concurrency: int, n: int, max_toke
     return RunResult("gateway->Kafka->worker", concurrency, ttft, itl, total, wall)
 
 
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def cpu_seconds(pid: int, tid: int | None = None) -> float:
+    """User + system CPU seconds of a process (or one of its threads) so far; 0.0 once it is gone."""
+    path = f"/proc/{pid}/task/{tid}/stat" if tid is not None else f"/proc/{pid}/stat"
+    try:
+        fields = open(path).read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _TICKS_PER_S  # utime, stime (fields 14, 15)
+
+
+def cpu_snapshot(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds of each named process, and of the worker's event-loop thread (its main thread)."""
+    snap = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    if "worker" in pids:
+        snap["worker loop"] = cpu_seconds(pids["worker"], pids["worker"])
+    return snap
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -157,12 +179,16 @@ def main(argv: list[str] | None = None) -> int:
         results[("a", c)] = run_inprocess(engine, args.model, c, max(12, c * args.requests_per_lane), args.max_tokens)
     del engine
 
-    results.update(asyncio.run(_pipeline_runs(args, levels)))
-    _report(results, levels)
+    pipeline_results, cpu = asyncio.run(_pipeline_runs(args, levels))
+    results.update(pipeline_results)
+    _report(results, levels, cpu)
     return 0
 
 
-async def _pipeline_runs(args, levels: list[int]) -> dict[tuple[str, int], RunResult]:
+async def _pipeline_runs(
+    args, levels: list[int]
+) -> tuple[dict[tuple[str, int], RunResult], dict[int, dict[str, float]]]:
+    """(b) at each level, and the CPU seconds each process used during each level's run."""
     from weir.kafka import launcher
     from weir.kafka.admin import deployment_specs, ensure_topics
     from weir.launcher import Stack, wait_http_ok
@@ -183,20 +209,30 @@ async def _pipeline_runs(args, levels: list[int]) -> dict[tuple[str, int], RunRe
             "WEIR_AUDIT_FINGERPRINT_MODEL": ""}  # fmt: skip
     stack = Stack(env, scratch)
     results = {}
+    cpu: dict[int, dict[str, float]] = {}
     try:
         for name in ("auditor", "worker", "batcher", "gateway"):
             stack.start(name)
         base = f"http://127.0.0.1:{port}"
         await asyncio.to_thread(wait_http_ok, f"{base}/readyz", 300, stack)
         await run_http(base, args.model, 2, 4, args.max_tokens)  # warm the path
+        pids = {name: proc.pid for name, proc in stack.procs.items()} | {"bench client": os.getpid()}
+        if (broker_pid := launcher.running_pid(broker)) is not None:
+            pids["broker"] = broker_pid
         for c in levels:
-            results[("b", c)] = await run_http(base, args.model, c, max(12, c * args.requests_per_lane), args.max_tokens)
+            before = cpu_snapshot(pids)
+            result = await run_http(base, args.model, c, max(12, c * args.requests_per_lane), args.max_tokens)
+            after = cpu_snapshot(pids)
+            results[("b", c)] = result
+            cpu[c] = {name: after[name] - before[name] for name in before}
     finally:
         stack.stop_all()
-    return results
+    return results, cpu
 
 
-def _report(results: dict[tuple[str, int], RunResult], levels: list[int]) -> None:
+def _report(
+    results: dict[tuple[str, int], RunResult], levels: list[int], cpu: dict[int, dict[str, float]]
+) -> None:
     header = ["path", "conc", "reqs-tokens", "TTFT p50 ms", "TTFT p95 ms", "ITL p50 ms", "ITL p95 ms", "tokens/s"]
     rows = []
     for c in levels:
@@ -213,5 +249,9 @@ def _report(results: dict[tuple[str, int], RunResult], levels: list[int]) -> Non
         added = percentile(b.ttft_ms, 50) - percentile(a.ttft_ms, 50)
         ratio = b.tokens_per_s / a.tokens_per_s if a.tokens_per_s else float("nan")
         print(f"concurrency {c:>3}: Kafka path adds {added:+.1f} ms to p50 TTFT; keeps {ratio:.0%} of in-process tokens/s")
+    for c in levels:
+        b = results[("b", c)]
+        print(f"concurrency {c:>3}: CPU during (b), cores (ms per token): " + ", ".join(
+            f"{name} {used / b.wall_s:.2f} ({1000 * used / max(1, b.num_tokens):.2f})" for name, used in cpu[c].items()))
     print("targets: <= +10 ms p50 TTFT at concurrency 1; >= 80% of in-process tokens/s at concurrency 16")
     print("(b) runs without audit fingerprints (see `weir bench audit` for their cost)")
