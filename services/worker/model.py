@@ -92,8 +92,9 @@ class AttentionMetadata:
     # prefill: one entry per sequence chunk: (token_start, token_end, block_table [n] int64, ctx_len)
     prefills: list[tuple[int, int, torch.Tensor, int]] = field(default_factory=list)
     num_decode_tokens: int = 0
-    decode_block_tables: torch.Tensor | None = None  # [decodes, max_blocks] int32
-    decode_context_lens: torch.Tensor | None = None  # [decodes] int32
+    # decodes in groups attended by one call each: (first decode row, end row, block_tables
+    # [rows, max_blocks] int32, context_lens [rows] int32); rows count from the first decode token
+    decode_groups: list[tuple[int, int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     # rows of the output to compute logits for (last token of each sequence that samples)
     logits_indices: torch.Tensor | None = None
 
@@ -132,11 +133,10 @@ class Attention(nn.Module):
         out = torch.empty_like(q)
         for start, end, block_table, ctx_len in meta.prefills:
             out[start:end] = self._prefill_attention(q[start:end], flat_k, flat_v, block_table, ctx_len, k_cache.shape[1])
-        if meta.num_decode_tokens:
-            d0 = num_tokens - meta.num_decode_tokens
-            assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
-            out[d0:] = paged_attention_decode(
-                q[d0:], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale
+        d0 = num_tokens - meta.num_decode_tokens
+        for start, end, block_tables, context_lens in meta.decode_groups:
+            out[d0 + start : d0 + end] = paged_attention_decode(
+                q[d0 + start : d0 + end], k_cache, v_cache, block_tables, context_lens, self.scale
             )
         return self.o_proj(out.view(num_tokens, self.q_size))
 

@@ -150,3 +150,31 @@ def test_non_finite_logits_fail_only_that_request(llama_dir, monkeypatch):
     outs = run_all(engine)
     assert outs[bad.request_id][-1].error.code == "non_finite_logits"
     assert outs[good.request_id][-1].finish_reason in ("length", "stop")
+
+
+def test_decode_groups_by_width_give_same_tokens(llama_dir, monkeypatch):
+    """On the CPU decodes are attended in groups of similar block-table widths; any grouping
+    yields the tokens of one padded group."""
+    import services.worker.engine as engine_module
+
+    prompts = ["def add(a, b):\n    return a + b\n" * 4, "x", "import os\n" * 6, "class Point:\n    def"]
+    results, num_groups = [], []
+    for min_saving in (10**9, 1):
+        monkeypatch.setattr(engine_module, "DECODE_GROUP_MIN_SAVING_BLOCKS", min_saving)
+        engine = Engine(llama_dir, EngineConfig(max_model_len=128, block_size=4, kv_cache_bytes=4 << 20))
+        engine.eos_ids = set()
+        real_model = engine.model
+        seen: list[int] = []
+
+        def spy(ids, pos, kv, meta, real_model=real_model, seen=seen):
+            seen.append(len(meta.decode_groups))
+            return real_model(ids, pos, kv, meta)
+
+        monkeypatch.setattr(engine, "model", spy)
+        reqs = [make_request(p, request_id=f"r{i}", max_tokens=12) for i, p in enumerate(prompts)]
+        for r in reqs:
+            engine.add(r, 0)
+        results.append({rid: output_ids(ev) for rid, ev in run_all(engine).items()})
+        num_groups.append(max(seen))
+    assert results[0] == results[1]
+    assert num_groups == [1, max(num_groups)] and num_groups[1] > 1
