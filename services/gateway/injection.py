@@ -328,7 +328,15 @@ class InjectionDetector:
 
     def score(self, normalised: str) -> float:
         """The classifier's probability of injection for already-normalised text."""
-        logit = float(self._features.dense(normalised) @ self._weights) + self._bias
+        # The same as dense(normalised) @ weights, over the non-zero buckets only and without BLAS:
+        # OpenBLAS ran the 32k-long dot products on a helper thread that then busy-waited, ten
+        # times the CPU of the arithmetic (0.21 vs 2.6 ms per prompt in the gateway).
+        buckets, values = self._features.sparse(normalised)
+        vec = np.bincount(buckets, weights=values, minlength=NUM_BUCKETS)
+        hit = np.flatnonzero(vec)
+        active = vec[hit]
+        norm = math.sqrt(float(np.sum(active * active)))
+        logit = (float(np.sum(active * self._weights[hit])) / norm if norm else 0.0) + self._bias
         return 1.0 / (1.0 + math.exp(-max(-60.0, min(60.0, logit))))
 
     def detect(self, text: str) -> Detection:
