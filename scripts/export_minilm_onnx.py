@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from schemas.model_repo import load_model_repo  # noqa: E402
-from services.worker.onnx_export import (  # noqa: E402
+from weir.embedding.onnx_export import (  # noqa: E402
     MANIFEST,
     default_export_dir,
     export_onnx,

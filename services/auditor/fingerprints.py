@@ -1,9 +1,9 @@
 """SimHash of an asked text, for semantic lookups: the same model and projection as the workers.
 
 The embedding must match the workers' bit for bit in method (same ONNX export, tokenizer,
-fragmenting and pooling), so this reuses the worker's TextFingerprinter rather than a second
-copy. That is the one import across services in the auditor, loaded lazily and only for lookups;
-moving the embedding runtime into a shared package would remove it.
+fragmenting and pooling), so this uses the TextFingerprinter the workers use, from the shared
+weir/embedding package, rather than a second copy. It is imported lazily, on the first lookup:
+onnxruntime, torch and the model are a startup cost the auditor only pays when asked.
 """
 
 from __future__ import annotations
@@ -12,6 +12,10 @@ import logging
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the module itself loads on the first lookup
+    from weir.embedding.fingerprints import TextFingerprinter
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +26,7 @@ def simhash_function(model_repo: str | Path = "models.toml", model_name: str = "
     The model loads on the first call; calls are serialised (one onnxruntime session).
     """
     lock = threading.Lock()
-    state: dict[str, object] = {}
+    state: dict[str, TextFingerprinter | None] = {}
 
     def simhash_of(text: str) -> str | None:
         with lock:
@@ -31,15 +35,15 @@ def simhash_function(model_repo: str | Path = "models.toml", model_name: str = "
             fingerprinter = state["fingerprinter"]
             if fingerprinter is None:
                 return None
-            return fingerprinter.simhash([text])[0]  # type: ignore[attr-defined]
+            return fingerprinter.simhash([text])[0]
 
     return simhash_of
 
 
-def _load(model_repo: str | Path, model_name: str) -> object | None:
+def _load(model_repo: str | Path, model_name: str) -> TextFingerprinter | None:
     try:
         from schemas.model_repo import load_model_repo
-        from services.worker.fingerprints import build_fingerprinter
+        from weir.embedding.fingerprints import build_fingerprinter
 
         return build_fingerprinter(model_name, load_model_repo(model_repo))
     except Exception as exc:  # noqa: BLE001 - semantic lookups are optional

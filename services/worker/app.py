@@ -19,13 +19,14 @@ from services.worker.config import WorkerSettings
 from services.worker.echo import EchoEngine
 from services.worker.embedder import EmbeddingEngine
 from services.worker.engine import Engine, EngineConfig
-from services.worker.fingerprints import FingerprintBatcher, build_fingerprinter
+from services.worker.fingerprints import FingerprintBatcher
 from services.worker.handlers import ModelServer, consume_cancellations, open_cancellations
 from services.worker.hardware import choose_device, cpu_threads, detect_devices
-from services.worker.onnx_export import ensure_export
 from services.worker.runner import EngineLike, EngineRunner
 from services.worker.watermark import Watermarker
 from weir.bus import instance_id, make_producer
+from weir.embedding.fingerprints import build_fingerprinter
+from weir.embedding.onnx_export import ensure_export
 from weir.kafka.admin import ensure_topics
 
 log = logging.getLogger("weir.worker")

@@ -5,40 +5,26 @@
                    longest), then pool: fragments -> inputs -> L2-normalised vectors
 
 Same contract as Engine and EchoEngine (add, cancel, step, has_work, stats, weights_sha256), so the
-worker's EngineRunner drives it on its own thread.
-
-Fragments: an input of n tokens (special tokens aside) becomes ceil(n / (window - 2)) fragments
-of near-equal size, each wrapped in [CLS] ... [SEP], so none exceeds the window (512 tokens for
-MiniLM, from config.json max_position_embeddings). The graph mean-pools each fragment over its
-attention mask; the fragments of one input are averaged weighted by their token counts (which is
-the mean over all their tokens), then L2-normalised.
+worker's EngineRunner drives it on its own thread. The embedding math (tokenizer, fragments,
+session, pooling) is weir/embedding/embedder.py's SentenceEmbedder, shared with the audit
+fingerprints; this module is the serving edge: request queue, round-robin batches, cancels and
+deadlines.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
-import orjson
-from tokenizers import Tokenizer
 
 from schemas.messages import EmbedRequest, ErrorInfo, FinishReason, GenerateRequest
-from services.worker.onnx_export import MANIFEST, file_sha256
 from services.worker.sequence import EngineOutput
+from weir.embedding.embedder import DEFAULT_MAX_BATCH_FRAGMENTS, SentenceEmbedder, as_json_floats, pool
 
 log = logging.getLogger(__name__)
-
-DEFAULT_MAX_BATCH_FRAGMENTS = 64
-# Padded tokens per session call. On a GPU a big call is cheap and bounds attention memory; on
-# the CPU the cost is per token anyway, and a smaller call keeps a step (during which cancels and
-# deadlines wait) short.
-DEFAULT_MAX_BATCH_TOKENS = {"CUDAExecutionProvider": 16384, "CPUExecutionProvider": 4096}
 
 
 @dataclass
@@ -51,31 +37,6 @@ class _Job:
     sums: np.ndarray  # [num_inputs, dim] float64: token-count-weighted sum of fragment means
     num_tokens: np.ndarray  # [num_inputs] tokens embedded so far per input
     total_tokens: int = 0
-
-
-def open_session(onnx_path: Path, use_cuda: bool, num_threads: int = 0) -> ort.InferenceSession:
-    """An onnxruntime session on CUDA when asked, offered and loadable; on the CPU otherwise."""
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = num_threads
-    options.inter_op_num_threads = 1
-    # Idle pool threads would spin on a CPU shared with the broker and the other services.
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    if use_cuda and "CUDAExecutionProvider" in ort.get_available_providers():
-        try:
-            session = ort.InferenceSession(str(onnx_path), options, providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
-            if session.get_providers()[0] == "CUDAExecutionProvider":
-                return session
-            log.warning("onnxruntime did not take the CUDA provider; embedding on the CPU")
-        except Exception as exc:  # noqa: BLE001 - a CUDA/cuDNN library mismatch: the CPU still works
-            log.warning("onnxruntime's CUDA provider failed to load (%s); embedding on the CPU", exc)
-    return ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
-
-
-def split_fragments(ids: list[int], max_tokens: int) -> list[list[int]]:
-    """Split token ids into the fewest near-equal pieces of at most max_tokens (one, empty, for [])."""
-    num = max(1, math.ceil(len(ids) / max_tokens))
-    size = math.ceil(len(ids) / num) if ids else 0
-    return [ids[i * size : (i + 1) * size] for i in range(num)]
 
 
 class EmbeddingEngine:
@@ -94,38 +55,31 @@ class EmbeddingEngine:
         dimensions: int | None = None,
         max_fragment_tokens: int | None = None,
     ) -> None:
-        model_dir = Path(model_dir)
-        config = json.loads((model_dir / "config.json").read_text())
-        # Tokens per fragment, [CLS] and [SEP] included: the model's window, or less when asked.
-        self.window = min(int(config["max_position_embeddings"]), max_fragment_tokens or 1 << 30)
-        if self.window < 3:
-            raise ValueError(f"{max_fragment_tokens=} must leave room for a token between [CLS] and [SEP]")
-        self.dimensions = int(config["hidden_size"])
+        self.embedder = SentenceEmbedder(model_dir, use_cuda=use_cuda, num_threads=num_threads,
+                                         max_fragment_tokens=max_fragment_tokens)  # fmt: skip
+        self.window = self.embedder.window
+        self.dimensions = self.embedder.dimensions
         if dimensions is not None and dimensions != self.dimensions:
             raise ValueError(f"{dimensions=} in the model repository, but {model_dir} makes {self.dimensions}-d vectors")
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_batch_fragments = max_batch_fragments
-        self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-        self.tokenizer.no_truncation()  # tokenizer.json ships truncation and padding at 128
-        self.tokenizer.no_padding()
-        self.cls_id, self.sep_id, self.pad_id = (self._token_id(t) for t in ("[CLS]", "[SEP]", "[PAD]"))
-        self.session = open_session(model_dir / "model.onnx", use_cuda, num_threads)
-        self.provider = self.session.get_providers()[0]
-        self.max_batch_tokens = max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS.get(self.provider, 4096)
+        self.tokenizer = self.embedder.tokenizer
+        self.provider = self.embedder.provider
+        self.max_batch_tokens = max_batch_tokens or self.embedder.default_max_batch_tokens
         if self.max_batch_tokens < self.window:
             raise ValueError(f"max_batch_tokens={self.max_batch_tokens} must be >= the window ({self.window} tokens)")
-        self.weights_sha256 = _onnx_sha256(model_dir)
+        self.weights_sha256 = self.embedder.weights_sha256
         self._jobs: dict[str, _Job] = {}  # insertion order = arrival order, for round-robin
-        self.num_session_calls = 0
-        self.num_fragments_run = 0
         log.info("embedding engine: %s on %s, %d-d, window %d", model_dir, self.provider, self.dimensions, self.window)
 
-    def _token_id(self, token: str) -> int:
-        found = self.tokenizer.token_to_id(token)
-        if found is None:
-            raise ValueError(f"the tokenizer has no {token} token; the onnx engine serves BERT-style encoders")
-        return found
+    @property
+    def num_session_calls(self) -> int:
+        return self.embedder.num_session_calls
+
+    @property
+    def num_fragments_run(self) -> int:
+        return self.embedder.num_fragments_run
 
     # -- requests in -------------------------------------------------------------------------
 
@@ -138,16 +92,14 @@ class EmbeddingEngine:
             return None  # a redelivery while the first copy runs: that one answers
         if request.deadline_ms <= now_ms:
             return _refused(rid, now_ms, "timeout", "deadline_exceeded", "deadline passed before the model ran")
-        body = self.window - 2  # room for [CLS] and [SEP]
         job = _Job(request, now_ms, deque(), np.zeros((len(request.inputs), self.dimensions)), np.zeros(len(request.inputs)))
-        for index, encoding in enumerate(self.tokenizer.encode_batch(request.inputs, add_special_tokens=False)):
-            ids = encoding.ids
-            fragments = split_fragments(ids, body)
-            num_tokens = len(ids) + 2 * len(fragments)
+        for index, ids in enumerate(self.embedder.encode(request.inputs)):
+            fragments = self.embedder.fragment(ids)  # each with [CLS] and [SEP]
+            num_tokens = sum(len(fragment) for fragment in fragments)
             if num_tokens > self.max_model_len:
                 message = f"input {index} has {num_tokens} tokens; this model takes at most {self.max_model_len}"
                 return _refused(rid, now_ms, "rejected", "input_too_long", message)
-            job.pending.extend((index, [self.cls_id, *piece, self.sep_id]) for piece in fragments)
+            job.pending.extend((index, fragment) for fragment in fragments)
             job.total_tokens += num_tokens
         self._jobs[rid] = job
         return None
@@ -171,7 +123,7 @@ class EmbeddingEngine:
         batch = self._take_batch()
         if not batch:
             return outputs
-        vectors = self._run([ids for _, _, ids in batch])  # [len(batch), dim]
+        vectors = self.embedder.run([ids for _, _, ids in batch])  # [len(batch), dim]
         for (job, index, ids), vector in zip(batch, vectors, strict=True):
             job.sums[index] += len(ids) * vector.astype(np.float64)
             job.num_tokens[index] += len(ids)
@@ -201,18 +153,6 @@ class EmbeddingEngine:
                     break
         return batch
 
-    def _run(self, fragments: list[list[int]]) -> np.ndarray:
-        """One session call: fragments padded to the longest; returns their mean-pooled states."""
-        width = max(len(ids) for ids in fragments)
-        input_ids = np.full((len(fragments), width), self.pad_id, dtype=np.int64)
-        mask = np.zeros((len(fragments), width), dtype=np.int64)
-        for row, ids in enumerate(fragments):
-            input_ids[row, : len(ids)] = ids
-            mask[row, : len(ids)] = 1
-        self.num_session_calls += 1
-        self.num_fragments_run += len(fragments)
-        return self.session.run(["sentence_embedding"], {"input_ids": input_ids, "attention_mask": mask})[0]
-
     def _expire(self, now_ms: int) -> list[EngineOutput]:
         expired = [j for j in self._jobs.values() if j.request.deadline_ms <= now_ms]
         info = ErrorInfo(code="deadline_exceeded", message="the request's deadline passed")
@@ -223,10 +163,7 @@ class EmbeddingEngine:
     def _final(self, job: _Job, reason: FinishReason, now_ms: int, error: ErrorInfo | None = None) -> EngineOutput:
         vectors = None
         if reason == "stop":
-            pooled = job.sums / job.num_tokens[:, None]
-            pooled /= np.linalg.norm(pooled, axis=1, keepdims=True).clip(min=1e-12)
-            # float32 values, written with float32's shortest decimals (~12 JSON bytes each)
-            vectors = orjson.loads(orjson.dumps(pooled.astype(np.float32), option=orjson.OPT_SERIALIZE_NUMPY))
+            vectors = as_json_floats(pool(job.sums, job.num_tokens))
         return EngineOutput(
             job.request.request_id, 0, finish_reason=reason, error=error, prompt_tokens=job.total_tokens,
             received_ms=job.received_ms, finished_ms=now_ms, prompt_text="\n".join(job.request.inputs),
@@ -243,13 +180,6 @@ class EmbeddingEngine:
             "prefix_hit_rate": 0.0, "num_session_calls": self.num_session_calls,
             "num_fragments_run": self.num_fragments_run,
         }  # fmt: skip
-
-
-def _onnx_sha256(model_dir: Path) -> str:
-    try:
-        return str(json.loads((model_dir / MANIFEST).read_text())["onnx_sha256"])
-    except (OSError, ValueError, KeyError):
-        return file_sha256(model_dir / "model.onnx")
 
 
 def _refused(request_id: str, now_ms: int, reason: FinishReason, code: str, message: str) -> EngineOutput:

@@ -3,79 +3,18 @@
 The worker holds the text, so it fingerprints it (DESIGN.md, invariant 7: text never leaves it).
 A finished request's terminal reply goes out at once; its AuditEvent waits for the
 FingerprintBatcher, which gathers the prompts and outputs of the requests that finished within a
-few milliseconds, embeds them in one call of the all-MiniLM-L6-v2 EmbeddingEngine (the same
-ONNX export and onnxruntime session code as /v1/embeddings) on its own thread, and turns each
-embedding into a 64-bit SimHash (schemas/fingerprint.py). The batch offset is committed only
-after the AuditEvent is durable, as before.
+few milliseconds and hands them, on its own thread, to the TextFingerprinter
+(weir/embedding/fingerprints.py: all-MiniLM-L6-v2 through the same ONNX export and embedding code
+as /v1/embeddings, then a 64-bit SimHash from schemas/fingerprint.py; the auditor's lookups use the
+same one). The batch offset is committed only after the AuditEvent is durable, as before.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
-import logging
-import time
 from concurrent.futures import ThreadPoolExecutor
 
-from schemas.fingerprint import FINGERPRINT_MODEL, simhashes
-from schemas.messages import MAX_EMBED_INPUTS, EmbedRequest, now_ms
-from schemas.model_repo import ModelRepository
-from services.worker.embedder import EmbeddingEngine
-from services.worker.onnx_export import ensure_export
-
-log = logging.getLogger(__name__)
-
-
-class TextFingerprinter:
-    """Texts -> SimHashes through an EmbeddingEngine; synchronous (the batcher's thread calls it)."""
-
-    model = FINGERPRINT_MODEL
-
-    def __init__(self, engine: EmbeddingEngine) -> None:
-        self.engine = engine
-        self._ids = itertools.count()
-        self.busy_s = 0.0  # seconds spent fingerprinting, for the benchmark
-        self.num_texts = 0
-
-    def simhash(self, texts: list[str]) -> list[str]:
-        """The SimHash of each text, in order (empty texts included).
-
-        Texts run in groups of similar length: a session call pads to its longest text, and a
-        batch mixes short prompts with long outputs.
-        """
-        started = time.perf_counter()
-        result: list[str] = [""] * len(texts)
-        for group in _length_groups(texts):
-            for index, value in zip(group, self._simhash_group([texts[i] for i in group]), strict=True):
-                result[index] = value
-        self.busy_s += time.perf_counter() - started
-        self.num_texts += len(texts)
-        return result
-
-    def _simhash_group(self, texts: list[str]) -> list[str]:
-        result: list[str] = []
-        for start in range(0, len(texts), MAX_EMBED_INPUTS):
-            chunk = texts[start : start + MAX_EMBED_INPUTS]
-            request = EmbedRequest(request_id=f"fingerprint-{next(self._ids)}", model="fingerprint", inputs=chunk,
-                                   deadline_ms=now_ms() + 3_600_000, reply_to="-")  # fmt: skip
-            final = self.engine.add(request, now_ms())
-            while final is None:
-                final = next((o for o in self.engine.step(now_ms()) if o.is_final), None)
-            if final.embeddings is None:
-                raise RuntimeError(f"fingerprint embedding failed: {final.error}")
-            result += simhashes(final.embeddings)
-        return result
-
-
-def _length_groups(texts: list[str]) -> list[list[int]]:
-    """Indices of `texts` by length, cut where a text is over twice (+64 chars) the group's shortest."""
-    groups: list[list[int]] = []
-    for index in sorted(range(len(texts)), key=lambda i: len(texts[i])):
-        if groups and len(texts[index]) <= 2 * len(texts[groups[-1][0]]) + 64:
-            groups[-1].append(index)
-        else:
-            groups.append([index])
-    return groups
+from weir.embedding.fingerprints import TextFingerprinter
 
 
 class FingerprintBatcher:
@@ -119,20 +58,3 @@ class FingerprintBatcher:
                 if not future.done():
                     future.set_result(hashes[start : start + len(item)])
                 start += len(item)
-
-
-def build_fingerprinter(model_name: str, repo: ModelRepository, num_threads: int = 1) -> TextFingerprinter | None:
-    """The fingerprinter over the repository's `model_name` (an onnx embedding model), or None
-    (with one log line saying why) when it is switched off or cannot load."""
-    if not model_name:
-        return None
-    config = repo.models.get(model_name)
-    if config is None or config.engine != "onnx":
-        log.warning("no onnx model %r in the model repository: AuditEvents carry no SimHash", model_name)
-        return None
-    try:
-        engine = EmbeddingEngine(ensure_export(config), max_model_len=config.max_model_len, num_threads=num_threads)
-    except Exception as exc:  # noqa: BLE001 - fingerprints are optional; the HMACs still go out
-        log.warning("fingerprint model %s cannot load (%s): AuditEvents carry no SimHash", model_name, exc)
-        return None
-    return TextFingerprinter(engine)

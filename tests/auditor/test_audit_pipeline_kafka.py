@@ -20,9 +20,9 @@ from services.auditor.ledger import Ledger
 from services.auditor.lookup import lookup
 from services.worker.app import WorkerService
 from services.worker.config import WorkerSettings
-from services.worker.fingerprints import build_fingerprinter
 from tests.kafka_helpers import produce, read_until
 from tests.worker.factories import make_model_dir, make_request
+from weir.embedding.fingerprints import build_fingerprinter
 from weir.kafka.admin import ensure_topics
 
 pytestmark = pytest.mark.kafka

