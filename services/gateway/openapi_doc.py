@@ -113,7 +113,8 @@ _MODELS: list[type[BaseModel]] = [
 ]  # fmt: skip
 
 _ERRORS: dict[int, str] = {
-    400: "Invalid body, parameter or header (param names it); context length exceeded.",
+    400: "Invalid body, parameter or header (param names it); context length exceeded; a prompt the input "
+         "guard blocks for its tenant (prompt_injection_detected).",
     401: "Missing, invalid, revoked or expired API key or JWT.",
     403: "The credential may not use this model (or read another principal's stream).",
     404: "Unknown model; or (GET /v1/streams) no resumable stream with that id on this instance.",
