@@ -17,11 +17,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal, Self, Union, get_args, get_origin
 
-import orjson
-
 from schemas.messages import AuditEvent, ReviewFlag
 from schemas.messages import now_ms as wall_clock_ms
 from services.auditor import reviews
+from services.auditor.chain_store import next_link
 from services.auditor.chain import (
     GENESIS_HASH,
     ChainRow,
@@ -227,18 +226,10 @@ class Ledger:
         event_json = event.model_dump(mode="json")
         chain_id = partition
         with self._store.transaction(chain_id):
-            existing = self._store.execute(
-                f"SELECT chain_id, seq, canonical_json FROM {TABLE} WHERE event_id = ?", (event.event_id,)
-            ).fetchone()
-            if existing is not None:
-                if orjson.loads(existing[2]).get("event") != event_json:
-                    log.warning("event_id %s re-sent with different content; kept record chain=%d seq=%d",
-                                event.event_id, existing[0], existing[1])
+            link = next_link(self._store, TABLE, "event_id", event.event_id, "event", event_json, chain_id)
+            if link is None:
                 return False
-            tip = self._store.execute(
-                f"SELECT seq, record_hash FROM {TABLE} WHERE chain_id = ? ORDER BY seq DESC LIMIT 1", (chain_id,)
-            ).fetchone()
-            seq, prev_hash = (tip[0] + 1, tip[1]) if tip else (1, GENESIS_HASH)
+            seq, prev_hash = link
             canonical = canonical_record(event_json, seq, partition, offset, appended_ms, chain_id)
             values = [chain_id, seq, *(event_json[name] for name in _EVENT_NAMES), partition, offset, appended_ms,
                       canonical, prev_hash, chain_hash(prev_hash, canonical)]

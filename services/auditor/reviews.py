@@ -18,15 +18,13 @@ against a head hash kept elsewhere (`weir audit verify` prints one per flag chai
 
 from __future__ import annotations
 
-import logging
 from dataclasses import replace
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import orjson
 
 from schemas.messages import ReviewFlag
 from services.auditor.chain import (
-    GENESIS_HASH,
     ChainRow,
     VerifyReport,
     chain_hash,
@@ -34,8 +32,8 @@ from services.auditor.chain import (
     stored_row,
     verify_chain,
 )
+from services.auditor.chain_store import Store, next_link
 
-log = logging.getLogger(__name__)
 
 FLAGS = "review_flags"
 # Column type of every ReviewFlag field; `rules` is stored as its JSON text.
@@ -48,16 +46,6 @@ assert list(_FLAG_TYPES) == list(ReviewFlag.model_fields), "ReviewFlag changed: 
 _LEDGER_COLUMNS = ("chain_id", "seq", "kafka_partition", "kafka_offset", "appended_ms")
 FLAG_COLUMNS = ["chain_id", "seq", *_FLAG_TYPES, *_LEDGER_COLUMNS[2:], "canonical_json", "prev_hash", "record_hash"]
 _SQL = {"sqlite": {int: "INTEGER", str: "TEXT"}, "postgresql": {int: "BIGINT", str: "TEXT"}}
-
-
-class Store(Protocol):
-    """What of the ledger's store (SQLite or PostgreSQL, services/auditor/ledger.py) flags use."""
-
-    dialect: Literal["sqlite", "postgresql"]
-
-    def execute(self, sql: str, params: Any = ()) -> Any: ...
-    def columns(self, table: str) -> list[str]: ...
-    def transaction(self, chain_id: int) -> Any: ...
 
 
 def tables_sql(dialect: Literal["sqlite", "postgresql"]) -> list[str]:
@@ -122,18 +110,10 @@ class ReviewFlagLog:
         """
         flag_json = flag.model_dump(mode="json")
         with self._store.transaction(partition):
-            existing = self._store.execute(
-                f"SELECT chain_id, seq, canonical_json FROM {FLAGS} WHERE flag_id = ?", (flag.flag_id,)
-            ).fetchone()
-            if existing is not None:
-                if orjson.loads(existing[2]).get("review_flag") != flag_json:
-                    log.warning("flag_id %s re-sent with different content; kept record chain=%d seq=%d",
-                                flag.flag_id, existing[0], existing[1])
+            link = next_link(self._store, FLAGS, "flag_id", flag.flag_id, "review_flag", flag_json, partition)
+            if link is None:
                 return False
-            tip = self._store.execute(
-                f"SELECT seq, record_hash FROM {FLAGS} WHERE chain_id = ? ORDER BY seq DESC LIMIT 1", (partition,)
-            ).fetchone()
-            seq, prev_hash = (tip[0] + 1, tip[1]) if tip else (1, GENESIS_HASH)
+            seq, prev_hash = link
             canonical = canonical_flag_record(flag_json, seq, partition, offset, appended_ms)
             values = {"chain_id": partition, "seq": seq, **_columns_of(flag_json), "kafka_partition": partition,
                       "kafka_offset": offset, "appended_ms": appended_ms, "canonical_json": canonical,
