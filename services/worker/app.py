@@ -22,8 +22,9 @@ from services.worker.engine import Engine, EngineConfig
 from services.worker.fingerprints import FingerprintBatcher
 from services.worker.handlers import ModelServer, consume_cancellations, open_cancellations
 from services.worker.hardware import choose_device, cpu_threads, detect_devices
-from services.worker.runner import EngineLike, EngineRunner
+from services.worker.runner import EngineHost, EngineLike, EngineProcess, EngineRunner
 from services.worker.watermark import Watermarker
+from weir import aio
 from weir.bus import instance_id, make_producer
 from weir.embedding.fingerprints import build_fingerprinter
 from weir.embedding.onnx_export import ensure_export
@@ -86,7 +87,6 @@ class WorkerService:
         self._assignment_changed = asyncio.Event()  # a heartbeat goes out at once when set
 
     async def run(self) -> None:
-        loop = asyncio.get_running_loop()
         topics = self.settings.topics
         specs = topics.core_specs() + [s for c in self.configs for s in topics.model_specs(c.name)]
         await ensure_topics(self.settings.kafka_bootstrap, specs)
@@ -100,9 +100,7 @@ class WorkerService:
                 server = ModelServer(config, [], self.settings, producer, self.worker_id, audit_key, fingerprints)
                 server.on_assignment = self._assignment_changed.set
                 for _ in range(config.instances):
-                    engine = await asyncio.to_thread(build_engine, config, self.settings, self.device)
-                    await asyncio.to_thread(warm_up, engine, config)
-                    server.runners.append(EngineRunner(engine, loop, server.on_outputs))
+                    server.runners.append(await self.open_engine(config, server.on_outputs))
                 for runner in server.runners:
                     runner.start()
                 self.servers.append(server)
@@ -130,6 +128,20 @@ class WorkerService:
             except Exception:  # shutting down: the heartbeat simply goes stale
                 pass
             await producer.stop()
+
+    async def open_engine(self, config: ModelConfig, on_outputs) -> EngineHost:
+        """One engine instance of `config`, built and warmed up, in the host the settings ask for."""
+        if self.settings.engine_isolation == "process" and config.engine != "echo":
+            process = EngineProcess(config, self.settings, str(self.device), asyncio.get_running_loop(), on_outputs)
+            try:
+                await process.open()
+            except BaseException:
+                process.stop(1.0)
+                raise
+            return process
+        engine = await asyncio.to_thread(build_engine, config, self.settings, self.device)
+        await asyncio.to_thread(warm_up, engine, config)
+        return EngineRunner(engine, asyncio.get_running_loop(), on_outputs)
 
     def heartbeat_message(self) -> WorkerHeartbeat:
         stats = [r.stats for s in self.servers for r in s.runners]
@@ -185,7 +197,7 @@ def _run_until_signal(coro) -> int:
         return 0
 
     try:
-        return asyncio.run(runner())
+        return aio.run(runner())
     except Exception as exc:
         log.error("worker stopped: %s", exc)
         return 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from schemas.watermark import WatermarkConfig, parse_tenants
@@ -25,6 +27,11 @@ class WorkerSettings(BusSettings):
     )
     watermark_tenants: str = Field(
         "", description='Green-list watermark per tenant, JSON {tenant: {"gamma", "delta", "key"}}; empty: off.'
+    )
+    engine_isolation: Literal["process", "thread"] = Field(
+        "process",
+        description="process: each engine runs in a child process (no GIL shared with the Kafka loop); "
+        "thread: on a thread of the worker. The echo engine, which computes nothing, always runs on a thread.",
     )
     torch_threads: int = Field(
         0, ge=0, description="torch intra-op threads on the CPU; 0: half the cores (the other services need some)."

@@ -33,7 +33,7 @@ from schemas.messages import (
 from schemas.model_repo import ModelConfig
 from schemas.topics import Topics
 from services.worker.fingerprints import FingerprintBatcher
-from services.worker.runner import EngineRunner
+from services.worker.runner import EngineHost
 from services.worker.sequence import EngineOutput
 from weir.bus import BusSettings, OffsetTracker, make_consumer, partitions_of, send_dead_letter
 
@@ -57,7 +57,7 @@ class ModelServer:
     def __init__(
         self,
         config: ModelConfig,
-        runners: list[EngineRunner],
+        runners: list[EngineHost],
         settings: BusSettings,
         producer: AIOKafkaProducer,
         worker_id: str,
@@ -75,7 +75,7 @@ class ModelServer:
         self.fingerprints = fingerprints
         self.tracker = OffsetTracker()
         self.in_flight: dict[str, InFlight] = {}
-        self._owner: dict[str, EngineRunner] = {}
+        self._owner: dict[str, EngineHost] = {}
         self._batch_left: dict[tuple[TopicPartition, int], int] = {}
         self._outputs: asyncio.Queue[list[EngineOutput]] = asyncio.Queue()
         self.recent_cancels: dict[str, int] = {}
@@ -260,7 +260,7 @@ class ModelServer:
             temperature, top_p, top_k, max_tokens, seed = 0.0, 1.0, 0, 0, 0
         return AuditEvent(
             event_id=f"{req.request_id}:{self.model_version}", request_id=req.request_id, model=req.model,
-            model_version=self.model_version, weights_sha256=runner.engine.weights_sha256,
+            model_version=self.model_version, weights_sha256=runner.weights_sha256,
             principal=req.principal, tenant=req.tenant,
             prompt_hmac=keyed_hmac(self.audit_key, out.prompt_text or ""),
             output_hmac=keyed_hmac(self.audit_key, out.output_text or ""), hmac_key_id=self.audit_key_id,
