@@ -21,7 +21,6 @@ from services.auditor.api import create_api
 from services.auditor.health import HealthMetrics
 from services.auditor.ledger import Ledger, LedgerError
 from services.auditor.watermark import WatermarkDetector
-from weir import aio
 from weir.bus import instance_id, make_producer
 
 log = logging.getLogger(__name__)
@@ -139,7 +138,7 @@ def main(argv: list[str]) -> int:
     updates = {"audit_db": args.db, "audit_dsn": SecretStr(args.dsn) if args.dsn else None, "audit_api_port": args.port}
     settings = settings.model_copy(update={k: v for k, v in updates.items() if v is not None})
     try:
-        aio.run(serve(settings))
+        asyncio.run(serve(settings))
     except (LedgerError, sqlite3.Error) as exc:
         log.error("auditor cannot use its ledger %s: %s", settings.audit_db, exc)
         return 2

@@ -28,7 +28,6 @@ from services.batcher.jobs import JobRunner
 from services.batcher.handlers import BatcherHandlers, BatchPublishError, RebalanceListener
 from services.batcher.planner import Planner
 from services.batcher.routing import Router
-from weir import aio
 from weir.bus import instance_id, make_consumer, make_producer
 from weir.kafka.admin import deployment_specs, ensure_topics
 
@@ -172,7 +171,7 @@ def main(argv: list[str]) -> int:
     except ModelRepoError as exc:
         log.error("%s", exc)
         return 2
-    return aio.run(_run(settings, repo))
+    return asyncio.run(_run(settings, repo))
 
 
 if __name__ == "__main__":

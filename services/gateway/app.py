@@ -54,7 +54,6 @@ from services.gateway.openai_format import (
 from services.gateway.output_guard import OutputGuard
 from services.gateway.resume import ResumableStreams, StreamEntry, resume_grace_s
 from services.gateway.streaming import EventStreamResponse, WebSocketSession, collect, collect_ends, sse_events
-from weir import aio
 
 log = logging.getLogger("weir.gateway")
 
@@ -360,7 +359,7 @@ def main(argv: list[str]) -> int:
         app, host=settings.gateway_host, port=settings.gateway_port, log_level=settings.log_level.lower(),
         access_log=False, timeout_graceful_shutdown=10, ws_max_size=settings.max_body_bytes + 1024,
     )
-    return aio.run(_serve(app.state.bus, uvicorn.Server(config)))
+    return asyncio.run(_serve(app.state.bus, uvicorn.Server(config)))
 
 
 async def _serve(bus: GatewayBus, server: uvicorn.Server) -> int:

@@ -24,7 +24,6 @@ from services.worker.handlers import ModelServer, consume_cancellations, open_ca
 from services.worker.hardware import choose_device, cpu_threads, detect_devices
 from services.worker.runner import EngineHost, EngineLike, EngineProcess, EngineRunner
 from services.worker.watermark import Watermarker
-from weir import aio
 from weir.bus import instance_id, make_producer
 from weir.embedding.fingerprints import build_fingerprinter
 from weir.embedding.onnx_export import ensure_export
@@ -197,7 +196,7 @@ def _run_until_signal(coro) -> int:
         return 0
 
     try:
-        return aio.run(runner())
+        return asyncio.run(runner())
     except Exception as exc:
         log.error("worker stopped: %s", exc)
         return 1
