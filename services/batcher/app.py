@@ -58,7 +58,8 @@ class BatcherApp:
         self.planner = Planner(repo, max_recent=settings.max_recent_ids, max_batch_bytes=settings.max_batch_bytes)
         self.router = Router(worker_timeout_ms=settings.worker_timeout_ms, prefix_chars=settings.prefix_affinity_chars)
         self.handlers = BatcherHandlers(
-            topics, self.planner, self.producer, self.requests, self.batcher_id, router=self.router
+            topics, self.planner, self.producer, self.requests, self.batcher_id, router=self.router,
+            commit_interval_ms=settings.commit_interval_ms,
         )
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -76,6 +77,7 @@ class BatcherApp:
             log.info("batcher %s reading %s", self.batcher_id, topics.requests)
             while not stop.is_set():
                 await self.step()
+            await self.handlers.commit()  # a clean stop leaves nothing durable uncommitted
         finally:
             # Only durable effects were committed; what is held is redone by the next owner.
             for client in reversed(started):

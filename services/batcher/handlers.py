@@ -33,7 +33,7 @@ from schemas.messages import (
 from schemas.topics import Topics
 from services.batcher.planner import Admission, Planner, Reservation
 from services.batcher.routing import Router
-from weir.bus import OffsetTracker, send_dead_letter
+from weir.bus import CommitPacer, OffsetTracker, send_dead_letter
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,7 @@ class BatcherHandlers:
         consumer: AIOKafkaConsumer,
         batcher_id: str,
         router: Router | None = None,
+        commit_interval_ms: int = 0,
     ) -> None:
         self.topics = topics
         self.planner = planner
@@ -85,6 +86,7 @@ class BatcherHandlers:
         self._producer = producer
         self._consumer = consumer
         self._tracker = OffsetTracker()
+        self._commits = CommitPacer(commit_interval_ms)
         self._held_records: dict[str, ConsumerRecord] = {}  # request_id -> its record, while held
         self._effects: list[_Effect] = []
         self._assigned: set[TopicPartition] = set()
@@ -212,7 +214,8 @@ class BatcherHandlers:
     # --- offsets ----------------------------------------------------------------------------
 
     async def settle(self) -> None:
-        """Await the round's produces, mark their records done, commit what is durable.
+        """Await the round's produces, mark their records done, commit what is durable (at most
+        once per commit interval; the next round after it, idle or not, commits the rest).
 
         A reply that cannot be produced dead-letters its request record (nobody could read the
         reply). A batch that cannot be produced raises BatchPublishError after the commit: its
@@ -234,7 +237,8 @@ class BatcherHandlers:
                 effect.reservation.offset = outcome.offset  # the worker's read position will pass it
             for record in effect.records:
                 self._tracker.done(_tp(record), record.offset)
-        await self.commit()
+        if failure is not None or self._commits.is_due():
+            await self.commit()
         if failure is not None:
             raise BatchPublishError(f"producing a batch failed ({failure!r}); is the broker reachable?")
 

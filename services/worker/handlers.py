@@ -35,7 +35,7 @@ from schemas.topics import Topics
 from services.worker.fingerprints import FingerprintBatcher
 from services.worker.runner import EngineHost
 from services.worker.sequence import EngineOutput
-from weir.bus import BusSettings, OffsetTracker, make_consumer, partitions_of, send_dead_letter
+from weir.bus import BusSettings, CommitPacer, OffsetTracker, make_consumer, partitions_of, send_dead_letter
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,7 @@ class ModelServer:
         self.audit_key_id = key_id(audit_key)
         self.fingerprints = fingerprints
         self.tracker = OffsetTracker()
+        self._commits = CommitPacer(settings.commit_interval_ms)
         self.in_flight: dict[str, InFlight] = {}
         self._owner: dict[str, EngineHost] = {}
         self._batch_left: dict[tuple[TopicPartition, int], int] = {}
@@ -114,8 +115,13 @@ class ModelServer:
                 for tp, batch in records.items():
                     for record in batch:
                         await self.on_batch_record(tp, record)
-                await self.commit()
+                if self._commits.is_due():
+                    await self.commit()
         finally:
+            try:  # what is durable now, so a clean stop leaves nothing to redo
+                await asyncio.wait_for(self.commit(), 3.0)
+            except (TimeoutError, KafkaError):
+                pass
             await self.consumer.stop()
 
     def owned_partitions(self) -> tuple[list[int], dict[int, int]]:
