@@ -21,45 +21,23 @@ def kafka_broker(request):
     if not needs_kafka:
         yield None
         return
-    from weir.kafka import launcher
+    from weir.kafka import admin, launcher
 
     host, port = BOOTSTRAP.rsplit(":", 1)
     cfg = launcher.BrokerConfig.from_env(port=int(port))
     started_here = not launcher.port_open(host, int(port))
     asyncio.run(launcher.up(cfg, 120))
-    before = set(asyncio.run(_list_topics(BOOTSTRAP)))
+    before = set(asyncio.run(admin.list_topic_names(BOOTSTRAP)))
     yield BOOTSTRAP
     # Tests create their topics under private prefixes. Left behind, they pile up in a developer's
     # broker run after run (18,000 partitions after a few days here, and a broker that then took
     # over two minutes to start), so the session deletes what it created: every topic that is new
     # since it began, except the default deployment's and Kafka's own.
-    created = sorted(t for t in set(asyncio.run(_list_topics(BOOTSTRAP))) - before if not t.startswith(("weir.", "__")))
-    asyncio.run(_delete_topics(BOOTSTRAP, created))
+    created = set(asyncio.run(admin.list_topic_names(BOOTSTRAP))) - before
+    asyncio.run(admin.delete_topics(BOOTSTRAP, sorted(t for t in created if not t.startswith(("weir.", "__")))))
     if started_here:
         launcher.stop(cfg)
 
-
-async def _list_topics(bootstrap: str) -> list[str]:
-    from aiokafka.admin import AIOKafkaAdminClient
-
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        return list(await admin.list_topics())
-    finally:
-        await admin.close()
-
-
-async def _delete_topics(bootstrap: str, names: list[str]) -> None:
-    from aiokafka.admin import AIOKafkaAdminClient
-
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=60_000)
-    await admin.start()
-    try:
-        for i in range(0, len(names), 200):
-            await admin.delete_topics(names[i : i + 200], timeout_ms=60_000)
-    finally:
-        await admin.close()
 
 
 @pytest.fixture(scope="module")

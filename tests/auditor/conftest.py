@@ -6,10 +6,9 @@ from collections.abc import AsyncIterator
 from uuid import uuid4
 
 import pytest
-from aiokafka.admin import AIOKafkaAdminClient
 
 from schemas.topics import Topics
-from weir.kafka.admin import ensure_topics
+from weir.kafka.admin import delete_topics, ensure_topics
 
 
 @pytest.fixture(scope="session")
@@ -25,9 +24,4 @@ async def audit_topics(bootstrap: str) -> AsyncIterator[Topics]:
     specs = [spec for spec in topics.core_specs() if spec.name in (topics.audit, topics.dead_letter)]
     await ensure_topics(bootstrap, specs)
     yield topics
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        await admin.delete_topics([spec.name for spec in specs])
-    finally:
-        await admin.close()
+    await delete_topics(bootstrap, [spec.name for spec in specs])

@@ -10,13 +10,12 @@ from uuid import uuid4
 
 import httpx
 import pytest
-from aiokafka.admin import AIOKafkaAdminClient
 
 from schemas.topics import Topics
 from services.gateway.app import create_app
 from services.gateway.config import GatewaySettings
 from .fakes import FakeWorker, GatewayServer, eventually
-from weir.kafka.admin import ensure_topics, wait_for_broker
+from weir.kafka.admin import delete_prefixed_topics, ensure_topics, wait_for_broker
 
 REPO_TOML = Path(__file__).resolve().parents[2] / "models.toml"
 
@@ -73,17 +72,7 @@ async def stack(gateway_bootstrap: str) -> AsyncIterator[Stack]:
     finally:
         await worker.stop()
         await server.stop()
-        await _delete_topics(gateway_bootstrap, topics.prefix)
+        await delete_prefixed_topics(gateway_bootstrap, topics.prefix)
 
-
-async def _delete_topics(bootstrap: str, prefix: str) -> None:
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        names = [t for t in await admin.list_topics() if t.startswith(f"{prefix}.")]
-        if names:
-            await admin.delete_topics(names)
-    finally:
-        await admin.close()
 
 

@@ -28,9 +28,9 @@ from schemas.topics import Topics
 from services.gateway.app import create_app
 from services.gateway.config import GatewaySettings
 from services.gateway.keys_cli import create_key, main as keys_main, read_keys
-from weir.kafka.admin import ensure_topics
+from weir.kafka.admin import delete_prefixed_topics, ensure_topics
 
-from .conftest import REPO_TOML, _delete_topics
+from .conftest import REPO_TOML
 from .fakes import FakeWorker, GatewayServer, eventually
 
 pytestmark = pytest.mark.kafka
@@ -95,7 +95,7 @@ async def guarded(gateway_bootstrap: str) -> AsyncIterator[Guarded]:
         await worker.stop()
         await a.stop()
         await b.stop()
-        await _delete_topics(gateway_bootstrap, topics.prefix)
+        await delete_prefixed_topics(gateway_bootstrap, topics.prefix)
 
 
 async def test_a_valid_key_streams_and_identifies_the_request(guarded: Guarded) -> None:

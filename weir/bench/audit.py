@@ -65,12 +65,11 @@ def ingest_core(n: int) -> float:
 async def ingest_kafka(bootstrap: str, n: int) -> float:
     """Events/s from the first event appended to the last, through the auditor app (one fsync each)."""
     from aiokafka import AIOKafkaProducer
-    from aiokafka.admin import AIOKafkaAdminClient
 
     from services.auditor.app import create_app
     from services.auditor.config import AuditorSettings
     from services.auditor.ledger import Ledger
-    from weir.kafka.admin import ensure_topics
+    from weir.kafka.admin import delete_topics, ensure_topics
 
     topics = Topics(prefix=f"bench{uuid.uuid4().hex[:8]}")
     specs = [s for s in topics.core_specs() if s.name in (topics.audit, topics.dead_letter)]
@@ -96,12 +95,7 @@ async def ingest_kafka(bootstrap: str, n: int) -> float:
                             break
         # from the first append to the last: the consumer group's join time is not ingestion
         elapsed = max(max(appended) - min(appended), 1) / 1000
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        await admin.delete_topics([s.name for s in specs])
-    finally:
-        await admin.close()
+    await delete_topics(bootstrap, [s.name for s in specs])
     return n / elapsed
 
 

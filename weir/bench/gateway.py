@@ -394,9 +394,8 @@ def raise_open_files_limit() -> int:
 
 
 async def _bench(args: argparse.Namespace, open_files: int) -> int:
-    from aiokafka.admin import AIOKafkaAdminClient
 
-    from weir.kafka.admin import ensure_topics, wait_for_broker
+    from weir.kafka.admin import delete_prefixed_topics, ensure_topics, wait_for_broker
     from weir.launcher import Stack, wait_http_ok
 
     bootstrap = os.environ.get("WEIR_KAFKA_BOOTSTRAP", "127.0.0.1:9092")
@@ -437,14 +436,7 @@ async def _bench(args: argparse.Namespace, open_files: int) -> int:
         stack.stop_all()
         baseline.stop()
         await responder.stop()
-        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-        await admin.start()
-        try:
-            names = [t for t in await admin.list_topics() if t.startswith(f"{topics.prefix}.")]
-            if names:
-                await admin.delete_topics(names)
-        finally:
-            await admin.close()
+        await delete_prefixed_topics(bootstrap, topics.prefix)
     _report(latency, holds, args)
     return 0
 

@@ -79,53 +79,55 @@ def run_inprocess(engine, model: str, concurrency: int, n: int, max_tokens: int)
     return RunResult("in-process engine", concurrency, ttft, itl, num_tokens, time.perf_counter() - start)
 
 
+class StreamTiming:
+    """What one streamed completion measured: TTFT, the gaps between its text chunks, its tokens."""
+
+    def __init__(self, ttft: list[float], itl: list[float]) -> None:
+        self.ttft, self.itl = ttft, itl
+        self.start = time.perf_counter()
+        self.last: float | None = None
+        self.tokens = 0
+
+    def on_data(self, data: bytes | str) -> None:
+        """One SSE `data:` payload."""
+        if data in (b"[DONE]", "[DONE]"):
+            return
+        chunk = orjson.loads(data)
+        if chunk.get("usage"):
+            self.tokens = chunk["usage"]["completion_tokens"]
+        if any(c.get("text") for c in chunk.get("choices", [])):
+            t = time.perf_counter()
+            if self.last is None:
+                self.ttft.append((t - self.start) * 1000)
+            else:
+                self.itl.append((t - self.last) * 1000)
+            self.last = t
+
+
+def _stream_body(model: str, prompt: str, seed: int, max_tokens: int) -> dict:
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.8, "seed": seed,
+            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+
+
 async def _one_http(client: httpx.AsyncClient, model: str, prompt: str, seed: int, max_tokens: int,
                     ttft: list[float], itl: list[float]) -> int:  # fmt: skip
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.8, "seed": seed,
-            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
-    start = time.perf_counter()
-    last: float | None = None
-    tokens = 0
-    async with client.stream("POST", "/v1/completions", json=body) as resp:
+    """One streamed completion through httpx (the batcher bench's clients)."""
+    timing = StreamTiming(ttft, itl)
+    async with client.stream("POST", "/v1/completions", json=_stream_body(model, prompt, seed, max_tokens)) as resp:
         resp.raise_for_status()
         async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = orjson.loads(line[6:])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            if any(c.get("text") for c in chunk.get("choices", [])):
-                t = time.perf_counter()
-                if last is None:
-                    ttft.append((t - start) * 1000)
-                else:
-                    itl.append((t - last) * 1000)
-                last = t
-    return tokens
+            if line.startswith("data: "):
+                timing.on_data(line[6:])
+    return timing.tokens
 
 
 async def _one_sse(connection: SseConnection, model: str, prompt: str, seed: int, max_tokens: int,
                    ttft: list[float], itl: list[float]) -> int:  # fmt: skip
-    """One streamed completion over `connection`; records TTFT and gaps between text chunks."""
-    body = orjson.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.8, "seed": seed,
-                         "stream": True, "stream_options": {"include_usage": True}})  # fmt: skip
-    start = time.perf_counter()
-    last: float | None = None
-    tokens = 0
-    async for data in connection.post_events("/v1/completions", body):
-        if data == b"[DONE]":
-            continue
-        chunk = orjson.loads(data)
-        if chunk.get("usage"):
-            tokens = chunk["usage"]["completion_tokens"]
-        if any(c.get("text") for c in chunk.get("choices", [])):
-            t = time.perf_counter()
-            if last is None:
-                ttft.append((t - start) * 1000)
-            else:
-                itl.append((t - last) * 1000)
-            last = t
-    return tokens
+    """One streamed completion over a lean keep-alive connection."""
+    timing = StreamTiming(ttft, itl)
+    async for data in connection.post_events("/v1/completions", orjson.dumps(_stream_body(model, prompt, seed, max_tokens))):
+        timing.on_data(data)
+    return timing.tokens
 
 
 async def run_http(base_url: str, model: str, concurrency: int, n: int, max_tokens: int) -> RunResult:
@@ -228,7 +230,7 @@ async def _runs(args, levels: list[int], config):
     from services.worker.engine import Engine, EngineConfig
     from services.worker.hardware import cpu_threads
     from weir.kafka import launcher
-    from weir.kafka.admin import deployment_specs, ensure_topics
+    from weir.kafka.admin import delete_prefixed_topics, deployment_specs, ensure_topics
     from weir.launcher import Stack, wait_http_ok
 
     torch.set_num_threads(cpu_threads(args.threads))
@@ -291,21 +293,9 @@ async def _runs(args, levels: list[int], config):
                     ratios.setdefault((path, c), []).append(round_results[path].tokens_per_s / round_results["a"].tokens_per_s)
     finally:
         stack.stop_all()
-        await _delete_topics(broker.bootstrap, topics.prefix)
+        await delete_prefixed_topics(broker.bootstrap, topics.prefix)
     return results, cpu, ratios
 
-
-async def _delete_topics(bootstrap: str, prefix: str) -> None:
-    from aiokafka.admin import AIOKafkaAdminClient
-
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        names = [t for t in await admin.list_topics() if t.startswith(f"{prefix}.")]
-        if names:
-            await admin.delete_topics(names)
-    finally:
-        await admin.close()
 
 
 def _pooled(runs: list[RunResult]) -> RunResult:

@@ -74,6 +74,34 @@ async def ensure_topics(bootstrap: str, specs: list[TopicSpec], replication_fact
         await admin.close()
 
 
+async def list_topic_names(bootstrap: str) -> list[str]:
+    """Every topic of the cluster."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        return list(await admin.list_topics())
+    finally:
+        await admin.close()
+
+
+async def delete_topics(bootstrap: str, names: list[str]) -> None:
+    """Delete `names` (in requests of 200 topics); topics already gone are no error."""
+    if not names:
+        return
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=60_000)
+    await admin.start()
+    try:
+        for i in range(0, len(names), 200):
+            await admin.delete_topics(names[i : i + 200], timeout_ms=60_000)
+    finally:
+        await admin.close()
+
+
+async def delete_prefixed_topics(bootstrap: str, prefix: str) -> None:
+    """Delete every topic of the deployment under `prefix` (benchmarks and tests clean up with it)."""
+    await delete_topics(bootstrap, [t for t in await list_topic_names(bootstrap) if t.startswith(f"{prefix}.")])
+
+
 async def describe_topic_configs(bootstrap: str, names: list[str]) -> dict[str, dict[str, str]]:
     """The effective configs of each topic in `names`, as {topic: {key: value}}."""
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
