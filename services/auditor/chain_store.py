@@ -23,6 +23,24 @@ class Store(Protocol):
     def transaction(self, chain_id: int) -> Any: ...
 
 
+def chained_table_sql(table: str, integer: str, columns: str) -> str:
+    """CREATE TABLE of one hash-chained record table: the chain position, the record's own
+    `columns`, where it was read from Kafka, and its canonical form and hash link."""
+    return f"""
+CREATE TABLE IF NOT EXISTS {table} (
+  chain_id {integer} NOT NULL,
+  seq {integer} NOT NULL,
+  {columns},
+  kafka_partition {integer} NOT NULL,
+  kafka_offset {integer} NOT NULL,
+  appended_ms {integer} NOT NULL,
+  canonical_json TEXT NOT NULL,
+  prev_hash TEXT NOT NULL,
+  record_hash TEXT NOT NULL,
+  PRIMARY KEY (chain_id, seq)
+)"""
+
+
 def next_link(
     store: Store, table: str, id_column: str, id_value: str, key: str, payload: dict[str, Any], chain_id: int
 ) -> tuple[int, str] | None:

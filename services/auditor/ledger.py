@@ -20,7 +20,7 @@ from typing import Any, Literal, Self, Union, get_args, get_origin
 from schemas.messages import AuditEvent, ReviewFlag
 from schemas.messages import now_ms as wall_clock_ms
 from services.auditor import reviews
-from services.auditor.chain_store import next_link
+from services.auditor.chain_store import chained_table_sql, next_link
 from services.auditor.chain import (
     GENESIS_HASH,
     ChainRow,
@@ -86,19 +86,7 @@ def _tables_sql(dialect: Dialect) -> list[str]:
         f"{name} {types_[py]}{'' if nullable else ' NOT NULL'}{' UNIQUE' if name == 'event_id' else ''}"
         for name, py, nullable in EVENT_FIELDS
     )
-    return [f"""
-CREATE TABLE IF NOT EXISTS {TABLE} (
-  chain_id {integer} NOT NULL,
-  seq {integer} NOT NULL,
-  {event_cols},
-  kafka_partition {integer} NOT NULL,
-  kafka_offset {integer} NOT NULL,
-  appended_ms {integer} NOT NULL,
-  canonical_json TEXT NOT NULL,
-  prev_hash TEXT NOT NULL,
-  record_hash TEXT NOT NULL,
-  PRIMARY KEY (chain_id, seq)
-)""", f"""
+    return [chained_table_sql(TABLE, integer, event_cols), f"""
 CREATE TABLE IF NOT EXISTS {CHECKPOINTS} (
   chain_id {integer} NOT NULL,
   num {integer} NOT NULL,

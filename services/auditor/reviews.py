@@ -32,7 +32,7 @@ from services.auditor.chain import (
     stored_row,
     verify_chain,
 )
-from services.auditor.chain_store import Store, next_link
+from services.auditor.chain_store import Store, chained_table_sql, next_link
 
 
 FLAGS = "review_flags"
@@ -53,20 +53,7 @@ def tables_sql(dialect: Literal["sqlite", "postgresql"]) -> list[str]:
     types = _SQL[dialect]
     cols = ",\n  ".join(f"{name} {types[py]} NOT NULL{' UNIQUE' if name == 'flag_id' else ''}"
                         for name, py in _FLAG_TYPES.items())
-    integer = types[int]
-    return [f"""
-CREATE TABLE IF NOT EXISTS {FLAGS} (
-  chain_id {integer} NOT NULL,
-  seq {integer} NOT NULL,
-  {cols},
-  kafka_partition {integer} NOT NULL,
-  kafka_offset {integer} NOT NULL,
-  appended_ms {integer} NOT NULL,
-  canonical_json TEXT NOT NULL,
-  prev_hash TEXT NOT NULL,
-  record_hash TEXT NOT NULL,
-  PRIMARY KEY (chain_id, seq)
-)""", f"CREATE INDEX IF NOT EXISTS {FLAGS}_principal ON {FLAGS}(principal)"]
+    return [chained_table_sql(FLAGS, types[int], cols), f"CREATE INDEX IF NOT EXISTS {FLAGS}_principal ON {FLAGS}(principal)"]
 
 
 def triggers_sql(dialect: Literal["sqlite", "postgresql"]) -> list[str]:
