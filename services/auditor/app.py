@@ -16,7 +16,7 @@ from pydantic import SecretStr
 from faststream.kafka import KafkaBroker
 
 from services.auditor.config import AuditorSettings
-from services.auditor.handlers import DeadLetters, LedgerWriter, register_handlers
+from services.auditor.handlers import AuditBatches, DeadLetters, LedgerWriter, register_handlers
 from services.auditor.api import create_api
 from services.auditor.health import HealthMetrics
 from services.auditor.ledger import Ledger, LedgerError
@@ -37,15 +37,14 @@ def create_app(settings: AuditorSettings, health: HealthMetrics | None = None) -
     broker = KafkaBroker(
         settings.kafka_bootstrap,
         client_id=client_id,
-        middlewares=[dead_letters],
         # The auditor produces only dead letters, through weir.bus's idempotent acks=all producer;
         # topics are created by `weir kafka up` / `weir topics create` with their specs.
         consumer_only=True,
         allow_auto_create_topics=False,
-        log_level=logging.DEBUG,  # per-message "Received"/"Processed" lines
+        log_level=logging.DEBUG,  # per-batch "Received"/"Processed" lines
     )
     writer = LedgerWriter(settings)
-    register_handlers(broker, settings, writer, health)
+    register_handlers(broker, settings, AuditBatches(settings, writer, dead_letters, health))
     timers: list[asyncio.Task[None]] = []
 
     async def checkpoint_quiet_chains() -> None:

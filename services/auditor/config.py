@@ -26,6 +26,10 @@ class AuditorSettings(BusSettings):
     audit_dsn: SecretStr | None = Field(
         None, description="PostgreSQL DSN (postgresql://...) of the ledger; when set it replaces WEIR_AUDIT_DB."
     )
+    audit_batch_max_records: int = Field(
+        500, ge=1, le=10_000,
+        description="Most audit-topic records appended in one group commit (one fsync per chain, one offset commit).",
+    )
     audit_checkpoint_every_records: int = Field(1000, ge=1, description="A chain's Merkle checkpoint every N records.")
     audit_checkpoint_every_s: float = Field(
         60.0, gt=0, description="... or T seconds after its oldest uncheckpointed record, whichever comes first."

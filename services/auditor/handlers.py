@@ -2,11 +2,10 @@
 
 The audit topic carries AuditEvents (from workers) and ReviewFlags (from gateways' input guards),
 told apart by `kind` (schemas.codec.decode_audit_record); both go into the ledger, each into its
-own hash chains. Offsets (DESIGN.md, invariant 3): the subscriber uses AckPolicy.NACK_ON_ERROR,
-so FastStream commits the consumer's position only after on_audit_record returned, that is after the SQLite
-commit. A message that cannot be parsed is dead-lettered (and the DeadLetter durably produced)
-before it is acked. A ledger write that fails is nacked: the consumer seeks back and the event is
-redelivered after a pause, never skipped.
+own hash chains. Records are taken a fetched batch at a time and each batch is one group commit
+(AuditBatches): the SQLite commit first, then the offsets (DESIGN.md, invariant 3). A record that
+is no audit record is dead-lettered, durably, before its offset is committed. A ledger write that
+fails is read again after a pause, never skipped.
 """
 
 from __future__ import annotations
@@ -14,33 +13,32 @@ from __future__ import annotations
 import asyncio
 import logging
 import sqlite3
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from types import TracebackType
+from dataclasses import replace
 from typing import Any
 
-from aiokafka import AIOKafkaProducer, ConsumerRecord
-from faststream import AckPolicy, BaseMiddleware
-from faststream.exceptions import HandlerException, NackMessage
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
+from faststream import AckPolicy
 from faststream.kafka import KafkaBroker
 from faststream.kafka.annotations import KafkaMessage
-from faststream.message import StreamMessage
 
 from schemas.codec import DecodeError, decode_audit_record
 from schemas.messages import SCHEMA_VERSION, AuditEvent, ReviewFlag
 from schemas.topics import Topics
 from services.auditor.config import AuditorSettings
 from services.auditor.health import HealthMetrics
-from services.auditor.ledger import Ledger, unstorable_reason
+from services.auditor.ledger import BatchOutcome, Ledger, unstorable_reason
 from weir.bus import send_dead_letter
 
 log = logging.getLogger(__name__)
 
 SERVICE = "auditor"
 
-async def decode_audit_message(msg: StreamMessage[Any]) -> AuditEvent | ReviewFlag:
-    """FastStream decoder of the audit topic: raw bytes to AuditEvent or ReviewFlag (by `kind`), or
-    DecodeError with why."""
-    record = decode_audit_record(msg.body)
+def decode_audit_value(value: bytes | None) -> AuditEvent | ReviewFlag:
+    """One audit-topic record's value to an AuditEvent or ReviewFlag (by `kind`), or DecodeError
+    with why."""
+    record = decode_audit_record(value or b"")
     if record.schema_version > SCHEMA_VERSION:
         raise DecodeError(f"schema_version {record.schema_version} is newer than this auditor's {SCHEMA_VERSION}")
     if (reason := unstorable_reason(record)) is not None:
@@ -84,6 +82,12 @@ class LedgerWriter:
         assert self._ledger is not None, "LedgerWriter.open() was not called"
         return bool(await self._run(self._ledger.append_flag, flag, partition, offset))
 
+    async def append_batch(self, items: list[tuple[AuditEvent | ReviewFlag, int, int]]) -> BatchOutcome:
+        """Ledger.append_batch on the ledger thread: one group commit of a consumed batch."""
+        assert self._ledger is not None, "LedgerWriter.open() was not called"
+        outcome: BatchOutcome = await self._run(self._ledger.append_batch, items)
+        return outcome
+
     async def close(self) -> None:
         """Close the file and stop the thread; called once at shutdown."""
         if self._ledger is not None:
@@ -98,85 +102,138 @@ class LedgerWriter:
 
 
 class DeadLetters:
-    """Broker middleware: a message that cannot be parsed goes to the dead-letter topic with why.
-
-    FastStream builds one middleware per message by calling this object. The producer is set at
-    startup (it needs the event loop). Once the DeadLetter is durable the error is swallowed, so
-    the ack policy acks the message and the consumer carries on (DESIGN.md, invariant 6).
-    """
+    """Where records that are no audit record go: the dead-letter topic, with why (DESIGN.md,
+    invariant 6). The producer is set at startup (it needs the event loop)."""
 
     def __init__(self, topics: Topics) -> None:
         self.topics = topics
         self.producer: AIOKafkaProducer | None = None
 
-    def __call__(self, msg: Any, /, *, context: Any) -> _DeadLetterScope:
-        return _DeadLetterScope(msg, context=context, sink=self)
+    async def send(self, record: ConsumerRecord, reason: str) -> None:
+        """Produce the record's DeadLetter and wait until it is durable."""
+        assert self.producer is not None, "the dead-letter producer was not started"
+        await send_dead_letter(self.producer, self.topics, record, reason, SERVICE)
 
 
-class _DeadLetterScope(BaseMiddleware):
-    """The middleware of one message: dead-letters it if parsing or decoding it failed."""
+async def parse_records(records: tuple[ConsumerRecord, ...], parse_batch: Callable[..., Awaitable[Any]]) -> Any:
+    """FastStream's batch parser, fed records whose header values are valid UTF-8: it decodes them
+    strictly, and one binary header would otherwise fail the whole batch before the handler, which
+    reads only the records' values, sees it."""
+    def readable(record: ConsumerRecord) -> ConsumerRecord:
+        try:
+            for _, value in record.headers:
+                value.decode()
+            return record
+        except UnicodeDecodeError:
+            return replace(record, headers=tuple((k, v.decode(errors="replace").encode()) for k, v in record.headers))
 
-    def __init__(self, msg: Any, /, *, context: Any, sink: DeadLetters) -> None:
-        super().__init__(msg, context=context)
-        self.sink = sink
-        self.reached_handler = False
-
-    async def consume_scope(self, call_next: Any, msg: StreamMessage[Any]) -> Any:
-        # Reached only when parser and decoder succeeded; errors from here on are the handler's.
-        self.reached_handler = True
-        return await call_next(msg)
-
-    async def after_processed(
-        self,
-        exc_type: type[BaseException] | None = None,
-        exc_val: BaseException | None = None,
-        exc_tb: TracebackType | None = None,
-    ) -> bool | None:
-        if not isinstance(exc_val, Exception) or isinstance(exc_val, HandlerException):
-            return False
-        if self.reached_handler and not isinstance(exc_val, DecodeError):
-            return False  # a handler failure: the ack policy nacks it, it is not the message's fault
-        assert self.sink.producer is not None, "the dead-letter producer was not started"
-        reason = str(exc_val) if isinstance(exc_val, DecodeError) else f"unparsable message: {exc_val!r}"
-        await send_dead_letter(self.sink.producer, self.sink.topics, self.msg, reason, SERVICE)
-        return True
+    return await parse_batch(tuple(readable(record) for record in records))
 
 
-def register_handlers(
-    broker: KafkaBroker, settings: AuditorSettings, writer: LedgerWriter, health: HealthMetrics | None = None
-) -> None:
-    """Subscribe the auditor's consumer group to the audit topic; new records feed `health`."""
-    topics = settings.topics
+class AuditBatches:
+    """The audit topic's handler: each consumed batch is one group commit into the ledger.
+
+    A batch is what the consumer has fetched, at most audit_batch_max_records: under load batches
+    grow by themselves, when idle a batch is one record. Ledger.append_batch writes it with one
+    transaction, and so one fsync, per chain; then one offset commit covers it. Offsets (DESIGN.md,
+    invariant 3) are committed by hand, each partition only up to its first record the ledger
+    refused: the consumer seeks back to it, and it is read again after audit_retry_backoff_s, never
+    skipped. Records that are no audit record are dead-lettered, durably, before their offsets are
+    committed. Anything else that fails rewinds the whole batch.
+    """
+
+    def __init__(self, settings: AuditorSettings, writer: LedgerWriter, dead_letters: DeadLetters,
+                 health: HealthMetrics | None = None) -> None:
+        self.settings = settings
+        self.writer = writer
+        self.dead_letters = dead_letters
+        self.health = health
+
+    async def handle(self, batch: tuple[ConsumerRecord, ...], consumer: AIOKafkaConsumer) -> None:
+        try:
+            refused_at = await self._ingest(batch)
+            if not refused_at:
+                await consumer.commit()  # every position: past this batch, and of the partitions idle
+            else:
+                ends: dict[TopicPartition, int] = {}
+                for record in batch:
+                    tp = TopicPartition(record.topic, record.partition)
+                    ends[tp] = refused_at.get(record.partition, max(ends.get(tp, 0), record.offset + 1))
+                for tp, offset in ends.items():
+                    if tp.partition in refused_at:
+                        consumer.seek(tp, offset)
+                await consumer.commit(ends)
+        except Exception as exc:  # noqa: BLE001 - per-batch failure is data: read it again
+            log.error("audit batch of %d records failed (%r); reading it again in %.1f s",
+                      len(batch), exc, self.settings.audit_retry_backoff_s, exc_info=True)
+            _rewind(consumer, batch)
+            refused_at = {-1: -1}
+        if refused_at:  # a pause: no hot loop on a full disk or a broker that is away
+            await asyncio.sleep(self.settings.audit_retry_backoff_s)
+
+    async def _ingest(self, batch: tuple[ConsumerRecord, ...]) -> dict[int, int]:
+        """Store and dead-letter the batch; returns {partition: offset of its first record not stored}."""
+        items: list[tuple[AuditEvent | ReviewFlag, int, int]] = []
+        unreadable: list[tuple[ConsumerRecord, str]] = []
+        for record in batch:
+            try:
+                items.append((decode_audit_value(record.value), record.partition, record.offset))
+            except DecodeError as bad:
+                unreadable.append((record, str(bad)))
+        outcome = await self.writer.append_batch(items)
+        refused_at = {}
+        for partition, (index, exc) in outcome.failed.items():
+            refused_at[partition] = items[index][2]
+            log.error("ledger write of %s failed (%r); redelivering in %.1f s", _name(items[index][0]), exc,
+                      self.settings.audit_retry_backoff_s, exc_info=not isinstance(exc, (sqlite3.Error, ValueError)))
+        for record, reason in unreadable:
+            if record.offset < refused_at.get(record.partition, record.offset + 1):  # later ones come again
+                await self.dead_letters.send(record, reason)
+        for index, is_new in outcome.is_new.items():
+            event = items[index][0]
+            if not is_new:
+                log.info("%s is already in the ledger (redelivery); skipped", _name(event))
+            elif self.health is not None:
+                if isinstance(event, AuditEvent):
+                    self.health.observe(event)
+                else:
+                    self.health.observe_flag(event)
+        return refused_at
+
+
+def _name(record: AuditEvent | ReviewFlag) -> str:
+    return f"event {record.event_id}" if isinstance(record, AuditEvent) else f"review flag {record.flag_id}"
+
+
+def _rewind(consumer: AIOKafkaConsumer, batch: tuple[ConsumerRecord, ...]) -> None:
+    """Seek each partition of `batch` still assigned back to its first record in it."""
+    first: dict[TopicPartition, int] = {}
+    for record in batch:
+        tp = TopicPartition(record.topic, record.partition)
+        first[tp] = min(first.get(tp, record.offset), record.offset)
+    assigned = consumer.assignment()
+    for tp, offset in first.items():
+        if tp in assigned:
+            consumer.seek(tp, offset)
+
+
+def register_handlers(broker: KafkaBroker, settings: AuditorSettings, batches: AuditBatches) -> None:
+    """Subscribe the auditor's consumer group to the audit topic, a batch at a time."""
 
     @broker.subscriber(
-        topics.audit,
-        group_id=topics.auditor_group,
-        ack_policy=AckPolicy.NACK_ON_ERROR,
-        decoder=decode_audit_message,
+        settings.topics.audit,
+        group_id=settings.topics.auditor_group,
+        batch=True,
+        max_records=settings.audit_batch_max_records,
+        batch_timeout_ms=500,
+        ack_policy=AckPolicy.MANUAL,  # AuditBatches commits, partition by partition
+        parser=parse_records,
+        decoder=lambda msg: msg.raw_message,
         auto_offset_reset="earliest",
         isolation_level="read_committed",
         title="auditor/audit-records",
-        description="AuditEvents and ReviewFlags into the hash-chained ledger; commits after the SQLite commit.",
+        description="AuditEvents and ReviewFlags into the hash-chained ledger, one group commit per batch; "
+                    "offsets committed after the SQLite commit.",
     )
-    async def on_audit_record(event: AuditEvent | ReviewFlag, msg: KafkaMessage) -> None:
-        record = msg.raw_message
-        assert isinstance(record, ConsumerRecord), "a batch reached the per-event handler"
-        what = f"event {event.event_id}" if isinstance(event, AuditEvent) else f"review flag {event.flag_id}"
-        try:
-            if isinstance(event, AuditEvent):
-                is_new = await writer.append(event, record.partition, record.offset)
-            else:
-                is_new = await writer.append_flag(event, record.partition, record.offset)
-        except Exception as exc:
-            # Never skip a record: pause (no hot loop on a full disk), then seek back to it.
-            log.error("ledger write of %s failed (%r); redelivering in %.1f s", what, exc,
-                      settings.audit_retry_backoff_s, exc_info=not isinstance(exc, sqlite3.Error))
-            await asyncio.sleep(settings.audit_retry_backoff_s)
-            raise NackMessage() from exc
-        if not is_new:
-            log.info("%s is already in the ledger (redelivery); skipped", what)
-        elif health is not None:
-            if isinstance(event, AuditEvent):
-                health.observe(event)
-            else:
-                health.observe_flag(event)
+    async def on_audit_records(records: Any, msg: KafkaMessage) -> None:
+        await batches.handle(msg.raw_message, msg.consumer)  # type: ignore[arg-type]

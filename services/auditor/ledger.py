@@ -11,9 +11,9 @@ from __future__ import annotations
 import logging
 import sqlite3
 import types
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, Self, Union, get_args, get_origin
 
@@ -53,6 +53,15 @@ _SQL_TYPES: dict[Dialect, dict[type, str]] = {
 
 class LedgerError(RuntimeError):
     """The ledger cannot be used as it is; the message says why and what to do."""
+
+
+@dataclass
+class BatchOutcome:
+    """What Ledger.append_batch did: `is_new[i]` for each item i stored (False: it was in already,
+    a redelivery), and per chain whose append failed, (index of the first item not stored, why)."""
+
+    is_new: dict[int, bool] = field(default_factory=dict)
+    failed: dict[int, tuple[int, Exception]] = field(default_factory=dict)
 
 
 def _py_type(annotation: Any) -> tuple[type, bool]:
@@ -202,39 +211,91 @@ class Ledger:
     def append(self, event: AuditEvent, partition: int, offset: int, *, now_ms: int | None = None) -> bool:
         """Add `event` as the next record of its partition's chain, durably; False when its event_id is in.
 
-        Called once per consumed AuditEvent, before its offset is committed. `partition` and
-        `offset` say where in the audit topic it came from (the partition is the chain);
-        `now_ms` is the append time (epoch ms, default now). A repeat with different content keeps
-        the first record and logs a warning. Writes the chain's checkpoint when one is due.
-        Raises ValueError, touching nothing, for an event unstorable_reason refuses.
+        `partition` and `offset` say where in the audit topic it came from (the partition is the
+        chain); `now_ms` is the append time (epoch ms, default now). A repeat with different
+        content keeps the first record and logs a warning. Writes the chain's checkpoint when one
+        is due. Raises ValueError, touching nothing, for an event unstorable_reason refuses.
         """
-        if (reason := unstorable_reason(event)) is not None:
-            raise ValueError(f"event {event.event_id} cannot be stored: {reason}")
         appended_ms = wall_clock_ms() if now_ms is None else now_ms
-        event_json = event.model_dump(mode="json")
-        chain_id = partition
-        with self._store.transaction(chain_id):
-            link = next_link(self._store, TABLE, "event_id", event.event_id, "event", event_json, chain_id)
-            if link is None:
-                return False
-            seq, prev_hash = link
-            canonical = canonical_record(event_json, seq, partition, offset, appended_ms, chain_id)
-            values = [chain_id, seq, *(event_json[name] for name in _EVENT_NAMES), partition, offset, appended_ms,
-                      canonical, prev_hash, chain_hash(prev_hash, canonical)]
-            marks = ", ".join("?" * len(values))
-            self._store.execute(f"INSERT INTO {TABLE} ({', '.join(ALL_COLUMNS)}) VALUES ({marks})", values)
-            self._checkpoint_if_due(chain_id, appended_ms)
-        return True
+        with self._store.transaction(partition):
+            is_new = self._insert(event, partition, offset, appended_ms)
+            if is_new:
+                self._checkpoint_if_due(partition, appended_ms)
+        return is_new
 
     def append_flag(self, flag: ReviewFlag, partition: int, offset: int, *, now_ms: int | None = None) -> bool:
         """Add `flag` to its partition's review-flag chain, durably; False when its flag_id is in.
 
-        Called once per consumed ReviewFlag, before its offset is committed; raises ValueError,
-        touching nothing, for a flag unstorable_reason refuses.
+        Raises ValueError, touching nothing, for a flag unstorable_reason refuses.
         """
         if (reason := unstorable_reason(flag)) is not None:
             raise ValueError(f"flag {flag.flag_id} cannot be stored: {reason}")
         return self.review_flags.append(flag, partition, offset, wall_clock_ms() if now_ms is None else now_ms)
+
+    def append_batch(
+        self, items: Sequence[tuple[AuditEvent | ReviewFlag, int, int]], *, now_ms: int | None = None
+    ) -> BatchOutcome:
+        """Append a consumed batch of (event or flag, partition, offset), in order and durably, with
+        one transaction, and so one fsync, per chain: the auditor's group commit.
+
+        Where a chain's transaction fails, its items are appended again one per transaction, in
+        order, up to the first that fails: that one and those after it in its chain are not
+        stored, and `failed` names it. The other chains are unaffected.
+        """
+        appended_ms = wall_clock_ms() if now_ms is None else now_ms
+        outcome = BatchOutcome()
+        chains: dict[int, list[int]] = {}
+        for index, (_, partition, _) in enumerate(items):
+            chains.setdefault(partition, []).append(index)
+        for chain_id, indexes in chains.items():
+            try:
+                self._append_group(items, indexes, chain_id, appended_ms, outcome)
+                continue
+            except Exception as exc:  # noqa: BLE001 - which item failed is found below
+                if len(indexes) == 1:
+                    outcome.failed[chain_id] = (indexes[0], exc)
+                    continue
+            for index in indexes:
+                try:
+                    self._append_group(items, [index], chain_id, appended_ms, outcome)
+                except Exception as exc:  # noqa: BLE001 - reported; the caller redelivers from here
+                    outcome.failed[chain_id] = (index, exc)
+                    break
+        return outcome
+
+    def _append_group(self, items: Sequence[tuple[AuditEvent | ReviewFlag, int, int]], indexes: list[int],
+                      chain_id: int, appended_ms: int, outcome: BatchOutcome) -> None:
+        """Append items[indexes] of one chain in one transaction; their is_new only once it committed."""
+        is_new = {}
+        with self._store.transaction(chain_id):
+            for index in indexes:
+                record, partition, offset = items[index]
+                if isinstance(record, ReviewFlag):
+                    if (reason := unstorable_reason(record)) is not None:
+                        raise ValueError(f"flag {record.flag_id} cannot be stored: {reason}")
+                    is_new[index] = self.review_flags.insert(record, partition, offset, appended_ms)
+                else:
+                    is_new[index] = self._insert(record, partition, offset, appended_ms)
+            if any(is_new.values()):
+                self._checkpoint_if_due(chain_id, appended_ms)
+        outcome.is_new.update(is_new)
+
+    def _insert(self, event: AuditEvent, partition: int, offset: int, appended_ms: int) -> bool:
+        """append() inside a transaction of the chain `partition` that the caller holds."""
+        if (reason := unstorable_reason(event)) is not None:
+            raise ValueError(f"event {event.event_id} cannot be stored: {reason}")
+        event_json = event.model_dump(mode="json")
+        chain_id = partition
+        link = next_link(self._store, TABLE, "event_id", event.event_id, "event", event_json, chain_id)
+        if link is None:
+            return False
+        seq, prev_hash = link
+        canonical = canonical_record(event_json, seq, partition, offset, appended_ms, chain_id)
+        values = [chain_id, seq, *(event_json[name] for name in _EVENT_NAMES), partition, offset, appended_ms,
+                  canonical, prev_hash, chain_hash(prev_hash, canonical)]
+        marks = ", ".join("?" * len(values))
+        self._store.execute(f"INSERT INTO {TABLE} ({', '.join(ALL_COLUMNS)}) VALUES ({marks})", values)
+        return True
 
     def checkpoint_due(self, now_ms: int | None = None) -> int:
         """Checkpoint every chain whose oldest uncheckpointed record is `checkpoint_every_s` old.
@@ -255,14 +316,23 @@ class Ledger:
             (chain_id,),
         ).fetchone()
         num, last_seq, prev_hash = (last[0] + 1, last[1], last[2]) if last else (1, 0, GENESIS_HASH)
+        # Seqs are contiguous, so the tip and the first pending record say whether one is due, in
+        # two primary-key lookups, before the pending rows are read.
+        tip = self._store.execute(
+            f"SELECT seq FROM {TABLE} WHERE chain_id = ? ORDER BY seq DESC LIMIT 1", (chain_id,)
+        ).fetchone()
+        if tip is None or tip[0] <= last_seq:
+            return False
+        if tip[0] - last_seq < self.checkpoint_every_records:
+            first = self._store.execute(
+                f"SELECT appended_ms FROM {TABLE} WHERE chain_id = ? AND seq = ?", (chain_id, last_seq + 1)
+            ).fetchone()
+            if now_ms - first[0] < self.checkpoint_every_ms:
+                return False
         pending = self._store.execute(
-            f"SELECT seq, record_hash, appended_ms FROM {TABLE} WHERE chain_id = ? AND seq > ? ORDER BY seq",
+            f"SELECT seq, record_hash FROM {TABLE} WHERE chain_id = ? AND seq > ? ORDER BY seq",
             (chain_id, last_seq),
         ).fetchall()
-        if not pending:
-            return False
-        if len(pending) < self.checkpoint_every_records and now_ms - pending[0][2] < self.checkpoint_every_ms:
-            return False
         first_seq, end_seq, end_hash = pending[0][0], pending[-1][0], pending[-1][1]
         root = merkle_root([row[1] for row in pending])
         canonical = canonical_checkpoint(chain_id, num, first_seq, end_seq, root, end_hash, now_ms)

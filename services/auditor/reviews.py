@@ -95,18 +95,22 @@ class ReviewFlagLog:
         Called once per consumed ReviewFlag, before its offset is committed. A repeat with
         different content keeps the first record and logs a warning.
         """
-        flag_json = flag.model_dump(mode="json")
         with self._store.transaction(partition):
-            link = next_link(self._store, FLAGS, "flag_id", flag.flag_id, "review_flag", flag_json, partition)
-            if link is None:
-                return False
-            seq, prev_hash = link
-            canonical = canonical_flag_record(flag_json, seq, partition, offset, appended_ms)
-            values = {"chain_id": partition, "seq": seq, **_columns_of(flag_json), "kafka_partition": partition,
-                      "kafka_offset": offset, "appended_ms": appended_ms, "canonical_json": canonical,
-                      "prev_hash": prev_hash, "record_hash": chain_hash(prev_hash, canonical)}
-            self._store.execute(f"INSERT INTO {FLAGS} ({', '.join(FLAG_COLUMNS)}) "
-                                f"VALUES ({', '.join('?' * len(FLAG_COLUMNS))})", [values[c] for c in FLAG_COLUMNS])
+            return self.insert(flag, partition, offset, appended_ms)
+
+    def insert(self, flag: ReviewFlag, partition: int, offset: int, appended_ms: int) -> bool:
+        """append() inside a transaction of the chain `partition` that the caller holds."""
+        flag_json = flag.model_dump(mode="json")
+        link = next_link(self._store, FLAGS, "flag_id", flag.flag_id, "review_flag", flag_json, partition)
+        if link is None:
+            return False
+        seq, prev_hash = link
+        canonical = canonical_flag_record(flag_json, seq, partition, offset, appended_ms)
+        values = {"chain_id": partition, "seq": seq, **_columns_of(flag_json), "kafka_partition": partition,
+                  "kafka_offset": offset, "appended_ms": appended_ms, "canonical_json": canonical,
+                  "prev_hash": prev_hash, "record_hash": chain_hash(prev_hash, canonical)}
+        self._store.execute(f"INSERT INTO {FLAGS} ({', '.join(FLAG_COLUMNS)}) "
+                            f"VALUES ({', '.join('?' * len(FLAG_COLUMNS))})", [values[c] for c in FLAG_COLUMNS])
         return True
 
     def rows(self, limit: int | None = None, principal: str | None = None,

@@ -13,7 +13,7 @@ import pytest
 from services.auditor.chain import GENESIS_HASH, canonical_record, chain_hash, merkle_root
 from services.auditor.ledger import ALL_COLUMNS, CHECKPOINTS, TABLE, Ledger, LedgerError, unstorable_reason
 
-from .factories import T0_MS, make_event
+from .factories import T0_MS, make_event, make_flag
 
 NUM = 10  # records in chain 0 (partition 0); chain 1 holds three more
 EVERY = 4  # checkpoint every 4 records: chain 0 has checkpoints over seq 1..4 and 5..8
@@ -352,3 +352,47 @@ def test_well_formed_forged_tail_changes_only_the_head(db: Path, raw: sqlite3.Co
     insert_forged(raw, NUM + 1, head)
     report = verify(db)
     assert report.is_ok and report.chain(0).head_hash != head
+
+
+def test_append_batch_is_one_commit_per_chain(tmp_path: Path) -> None:
+    path = tmp_path / "audit.sqlite"
+    items = [(make_event(i), i % 2, 100 + i) for i in range(1, 9)] + [(make_flag(1), 0, 200)]
+    items.append((make_event(3), 1, 300))  # a redelivery within the batch
+    with open_ledger(path) as ledger:
+        statements: list[str] = []
+        ledger._store._conn.set_trace_callback(statements.append)  # type: ignore[union-attr]
+        outcome = ledger.append_batch(items, now_ms=T0_MS)
+        assert statements.count("COMMIT") == 2  # one fsync per chain, not per record
+        assert outcome.failed == {}
+        assert outcome.is_new == {i: i != len(items) - 1 for i in range(len(items))}
+        assert [r["event_id"] for r in ledger.records(chain_id=0)] == ["ev-2", "ev-4", "ev-6", "ev-8"]
+        assert [r["event_id"] for r in ledger.records(chain_id=1)] == ["ev-1", "ev-3", "ev-5", "ev-7"]
+        assert ledger.review_flags.num_flags() == 1
+        assert [(c.first_seq, c.last_seq) for c in ledger.checkpoints(0)] == [(1, 4)]
+    assert verify(path).is_ok
+
+
+def test_append_batch_stops_a_chain_at_its_refused_record(tmp_path: Path) -> None:
+    path = tmp_path / "audit.sqlite"
+    open_ledger(path).close()
+    raw = sqlite3.connect(path, isolation_level=None)
+    raw.execute(f"CREATE TRIGGER refuse_ev6 BEFORE INSERT ON {TABLE} WHEN NEW.event_id = 'ev-6' "
+                "BEGIN SELECT RAISE(ABORT, 'injected failure'); END")
+    items = [(make_event(i), i % 2, 100 + i) for i in range(1, 9)] + [(make_flag(1), 0, 200)]
+    with open_ledger(path) as ledger:
+        outcome = ledger.append_batch(items, now_ms=T0_MS)
+        index, exc = outcome.failed[0]
+        assert list(outcome.failed) == [0] and items[index][0].event_id == "ev-6"
+        assert "injected failure" in str(exc)
+        # Chain 0 holds what came before ev-6; chain 1 was not held back by it.
+        assert [r["event_id"] for r in ledger.records(chain_id=0)] == ["ev-2", "ev-4"]
+        assert [r["event_id"] for r in ledger.records(chain_id=1)] == ["ev-1", "ev-3", "ev-5", "ev-7"]
+        assert ledger.review_flags.num_flags() == 0
+        assert sorted(outcome.is_new) == [0, 1, 2, 3, 4, 6]  # ev-1 .. ev-5, ev-7
+        raw.execute("DROP TRIGGER refuse_ev6")
+        outcome = ledger.append_batch(items, now_ms=T0_MS + 1)  # redelivered from ev-6 on, and more
+        assert outcome.failed == {}
+        assert [r["event_id"] for r in ledger.records(chain_id=0)] == ["ev-2", "ev-4", "ev-6", "ev-8"]
+        assert ledger.review_flags.num_flags() == 1
+    raw.close()
+    assert verify(path).is_ok

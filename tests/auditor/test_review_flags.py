@@ -3,12 +3,10 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 
 import orjson
 import pytest
@@ -20,7 +18,7 @@ from schemas.messages import ReviewFlag
 from services.auditor import cli
 from services.auditor.api import create_api
 from services.auditor.config import AuditorSettings
-from services.auditor.handlers import decode_audit_message
+from services.auditor.handlers import decode_audit_value
 from services.auditor.health import HealthMetrics
 from services.auditor.ledger import Ledger, LedgerError
 from services.auditor.reviews import FLAGS
@@ -162,7 +160,7 @@ def test_flag_past_64_bit_integers_is_refused_untouched(db: Path) -> None:
 
 
 def decode_body(body: bytes):
-    return asyncio.run(decode_audit_message(SimpleNamespace(body=body)))  # type: ignore[arg-type]
+    return decode_audit_value(body)
 
 
 def test_audit_topic_decoder_tells_flags_from_events_and_refuses_the_malformed() -> None:
@@ -177,7 +175,7 @@ def test_audit_topic_decoder_tells_flags_from_events_and_refuses_the_malformed()
         (encode(make_flag(1)).replace(b'"schema_version":1', b'"schema_version":2'), "newer than this auditor"),
         (encode(make_flag(1, num_detections=2**63)), "invalid ReviewFlag: num_detections="),
     ]:
-        with pytest.raises(DecodeError, match=why):  # the auditor's middleware dead-letters a DecodeError
+        with pytest.raises(DecodeError, match=why):  # the auditor dead-letters a DecodeError
             decode_body(bad)
 
 
