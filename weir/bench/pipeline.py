@@ -29,6 +29,7 @@ import orjson
 from schemas.messages import GenerateRequest, now_ms
 from schemas.model_repo import load_model_repo
 from schemas.topics import Topics
+from weir.bench.hops import ClientMark, hop_rows, read_stamps
 from weir.bench.sse_client import SseConnection
 from weir.bench.stats import RunResult, percentile, print_table
 
@@ -82,9 +83,10 @@ def run_inprocess(engine, model: str, concurrency: int, n: int, max_tokens: int)
 class StreamTiming:
     """What one streamed completion measured: TTFT, the gaps between its text chunks, its tokens."""
 
-    def __init__(self, ttft: list[float], itl: list[float]) -> None:
-        self.ttft, self.itl = ttft, itl
+    def __init__(self, ttft: list[float], itl: list[float], marks: list[ClientMark] | None = None) -> None:
+        self.ttft, self.itl, self.marks = ttft, itl, marks
         self.start = time.perf_counter()
+        self.start_wall_ms = time.time() * 1000
         self.last: float | None = None
         self.tokens = 0
 
@@ -99,6 +101,8 @@ class StreamTiming:
             t = time.perf_counter()
             if self.last is None:
                 self.ttft.append((t - self.start) * 1000)
+                if self.marks is not None:
+                    self.marks.append(ClientMark(chunk["id"], self.start_wall_ms, time.time() * 1000))
             else:
                 self.itl.append((t - self.last) * 1000)
             self.last = t
@@ -122,16 +126,18 @@ async def _one_http(client: httpx.AsyncClient, model: str, prompt: str, seed: in
 
 
 async def _one_sse(connection: SseConnection, model: str, prompt: str, seed: int, max_tokens: int,
-                   ttft: list[float], itl: list[float]) -> int:  # fmt: skip
+                   ttft: list[float], itl: list[float], marks: list[ClientMark] | None) -> int:  # fmt: skip
     """One streamed completion over a lean keep-alive connection."""
-    timing = StreamTiming(ttft, itl)
+    timing = StreamTiming(ttft, itl, marks)
     async for data in connection.post_events("/v1/completions", orjson.dumps(_stream_body(model, prompt, seed, max_tokens))):
         timing.on_data(data)
     return timing.tokens
 
 
-async def run_http(base_url: str, model: str, concurrency: int, n: int, max_tokens: int) -> RunResult:
-    """Closed loop over the gateway's SSE API: one keep-alive connection per lane."""
+async def run_http(base_url: str, model: str, concurrency: int, n: int, max_tokens: int,
+                   marks: list[ClientMark] | None = None) -> RunResult:
+    """Closed loop over the gateway's SSE API: one keep-alive connection per lane; each request's
+    wall-clock send and first-text times go to `marks` when given."""
     queue = workload(n)
     queue.reverse()
     ttft: list[float] = []
@@ -147,7 +153,7 @@ async def run_http(base_url: str, model: str, concurrency: int, n: int, max_toke
         try:
             while queue:
                 prompt, seed = queue.pop()
-                tokens = await _one_sse(connection, model, prompt, seed, max_tokens, ttft, itl)
+                tokens = await _one_sse(connection, model, prompt, seed, max_tokens, ttft, itl, marks)
                 total += tokens  # not `total += await ...`: that reads total before the await
         finally:
             await connection.close()
@@ -217,8 +223,12 @@ def main(argv: list[str] | None = None) -> int:
     repo = load_model_repo(args.model_repo)
     config = repo.models[args.model]
     assert config.path is not None, f"{args.model} has no path (the echo model is not benchmarked)"
-    results, cpu, ratios = asyncio.run(_runs(args, levels, config))
+    results, cpu, ratios, (hops, num_hopped) = asyncio.run(_runs(args, levels, config))
     _report(results, levels, cpu, ratios, args.rounds)
+    if hops:
+        print(f"\nWhere TTFT goes on the Kafka path, concurrency 1, output guard off ({num_hopped} requests; "
+              "Kafka record timestamps, 1 ms resolution, so means; see weir/bench/hops.py):")
+        print_table(hops, ["hop", "mean ms", "p50 ms"])
     return 0
 
 
@@ -230,7 +240,7 @@ async def _runs(args, levels: list[int], config):
     from services.worker.engine import Engine, EngineConfig
     from services.worker.hardware import cpu_threads
     from weir.kafka import launcher
-    from weir.kafka.admin import delete_prefixed_topics, deployment_specs, ensure_topics
+    from weir.kafka.admin import delete_prefixed_topics, deployment_specs, ensure_topics, list_topic_names
     from weir.launcher import Stack, wait_http_ok
 
     torch.set_num_threads(cpu_threads(args.threads))
@@ -252,6 +262,8 @@ async def _runs(args, levels: list[int], config):
     results: dict[tuple[str, int], list[RunResult]] = {}
     cpu: dict[tuple[str, int], dict[str, float]] = {}
     ratios: dict[tuple[str, int], list[float]] = {}
+    hop_marks: list[ClientMark] = []
+    hops: tuple[list[list[str]], int] = ([], 0)
     try:
         for name in ("auditor", "worker", "batcher"):
             stack.start(name)
@@ -269,10 +281,10 @@ async def _runs(args, levels: list[int], config):
         if (broker_pid := launcher.running_pid(broker)) is not None:
             pids["broker"] = [broker_pid]
 
-        async def one(path: str, c: int, n: int) -> RunResult:
+        async def one(path: str, c: int, n: int, marks: list[ClientMark] | None = None) -> RunResult:
             if path == "a":
                 return await asyncio.to_thread(run_inprocess, engine, args.model, c, n, args.max_tokens)
-            return await run_http(bases[path], args.model, c, n, args.max_tokens)
+            return await run_http(bases[path], args.model, c, n, args.max_tokens, marks)
 
         for c in levels:
             n = max(12, c * args.requests_per_lane)
@@ -283,7 +295,10 @@ async def _runs(args, levels: list[int], config):
                 round_results = {}
                 for path in order:
                     before = cpu_snapshot(pids)
-                    round_results[path] = result = await one(path, c, n)
+                    # The hop breakdown follows the guard-off path at concurrency 1: there the first
+                    # delta with text is the first text the client sees.
+                    marks = hop_marks if (path, c) == ("g", 1) else None
+                    round_results[path] = result = await one(path, c, n, marks)
                     after = cpu_snapshot(pids)
                     results.setdefault((path, c), []).append(result)
                     used = cpu.setdefault((path, c), {})
@@ -291,10 +306,14 @@ async def _runs(args, levels: list[int], config):
                         used[name] = used.get(name, 0.0) + after[name] - before[name]
                 for path in ("b", "g"):
                     ratios.setdefault((path, c), []).append(round_results[path].tokens_per_s / round_results["a"].tokens_per_s)
+        if hop_marks:
+            names = [topics.requests, topics.batches(args.model)]
+            names += [t for t in await list_topic_names(broker.bootstrap) if t.startswith(f"{topics.prefix}.replies.")]
+            hops = hop_rows(hop_marks, await read_stamps(broker.bootstrap, names))
     finally:
         stack.stop_all()
         await delete_prefixed_topics(broker.bootstrap, topics.prefix)
-    return results, cpu, ratios
+    return results, cpu, ratios, hops
 
 
 
