@@ -236,9 +236,9 @@ async def _runs(args, levels: list[int], config):
     """Start the stack, load the engine here, then at each level warm up and run the rounds."""
     import torch
 
-    from services.worker.app import warm_up
-    from services.worker.engine import Engine, EngineConfig
-    from services.worker.hardware import cpu_threads
+    from services.worker.app import build_engine, warm_up
+    from services.worker.config import WorkerSettings
+    from services.worker.hardware import choose_device, cpu_threads
     from weir.kafka import launcher
     from weir.kafka.admin import delete_prefixed_topics, deployment_specs, ensure_topics, list_topic_names
     from weir.launcher import Stack, wait_http_ok
@@ -269,12 +269,15 @@ async def _runs(args, levels: list[int], config):
             stack.start(name)
         stack.start("gateway", extra_env={"WEIR_GATEWAY_PORT": str(ports["b"])})
         stack.start("gateway-noguard", "gateway", {"WEIR_GATEWAY_PORT": str(ports["g"]), "WEIR_OUTPUT_GUARD": "off"})
-        engine = Engine(config.path, EngineConfig(max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs))
+        # The worker's own engine: built by the worker's code from the same model entry and settings.
+        settings = WorkerSettings()
+        device = choose_device(settings.device)
+        engine = build_engine(config, settings, device)
         warm_up(engine, config)
         bases = {path: f"http://127.0.0.1:{port}" for path, port in ports.items()}
         for base in bases.values():
             await asyncio.to_thread(wait_http_ok, f"{base}/readyz", 300, stack)
-        print(f"model {args.model} on {engine.device}, torch threads {torch.get_num_threads()}; "
+        print(f"model {args.model} on {device}, torch threads {torch.get_num_threads()}; "
               f"{args.rounds} rounds per concurrency, paths in alternating order", flush=True)  # fmt: skip
         pids = {name: [proc.pid] for name, proc in stack.procs.items()} | {"bench client": [os.getpid()]}
         pids["worker"] += children_of(stack.procs["worker"].pid)  # its engine process
