@@ -41,8 +41,14 @@ class FingerprintBatcher:
             batch = [await self._queue.get()]
             deadline = loop.time() + self.max_wait_s
             while sum(len(t) for t, _ in batch) < self.max_texts:
+                if not self._queue.empty():  # already here: joins even past the deadline (a stalled loop)
+                    batch.append(self._queue.get_nowait())
+                    continue
+                remaining_s = deadline - loop.time()
+                if remaining_s <= 0:
+                    break
                 try:
-                    batch.append(await asyncio.wait_for(self._queue.get(), max(deadline - loop.time(), 0)))
+                    batch.append(await asyncio.wait_for(self._queue.get(), remaining_s))
                 except TimeoutError:
                     break
             texts = [text for item, _ in batch for text in item]
