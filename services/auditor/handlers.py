@@ -116,16 +116,23 @@ class DeadLetters:
 
 
 async def parse_records(records: tuple[ConsumerRecord, ...], parse_batch: Callable[..., Awaitable[Any]]) -> Any:
-    """FastStream's batch parser, fed records whose header values are valid UTF-8: it decodes them
-    strictly, and one binary header would otherwise fail the whole batch before the handler, which
-    reads only the records' values, sees it."""
-    def readable(record: ConsumerRecord) -> ConsumerRecord:
+    """FastStream's batch parser, fed records whose header values are UTF-8 text: it decodes them
+    strictly, so one binary or null header value would fail the whole batch before the handler,
+    which reads only the records' values, sees it."""
+    def is_text(value: bytes | None) -> bool:
+        if value is None:
+            return False
         try:
-            for _, value in record.headers:
-                value.decode()
-            return record
+            value.decode()
         except UnicodeDecodeError:
-            return replace(record, headers=tuple((k, v.decode(errors="replace").encode()) for k, v in record.headers))
+            return False
+        return True
+
+    def readable(record: ConsumerRecord) -> ConsumerRecord:
+        if all(is_text(value) for _, value in record.headers):
+            return record
+        headers = tuple((key, (value or b"").decode(errors="replace").encode()) for key, value in record.headers)
+        return replace(record, headers=headers)
 
     return await parse_batch(tuple(readable(record) for record in records))
 
@@ -152,6 +159,7 @@ class AuditBatches:
     async def handle(self, batch: tuple[ConsumerRecord, ...], consumer: AIOKafkaConsumer) -> None:
         try:
             refused_at = await self._ingest(batch)
+            is_retrying = bool(refused_at)
             if not refused_at:
                 await consumer.commit()  # every position: past this batch, and of the partitions idle
             else:
@@ -167,8 +175,8 @@ class AuditBatches:
             log.error("audit batch of %d records failed (%r); reading it again in %.1f s",
                       len(batch), exc, self.settings.audit_retry_backoff_s, exc_info=True)
             _rewind(consumer, batch)
-            refused_at = {-1: -1}
-        if refused_at:  # a pause: no hot loop on a full disk or a broker that is away
+            is_retrying = True
+        if is_retrying:  # a pause: no hot loop on a full disk or a broker that is away
             await asyncio.sleep(self.settings.audit_retry_backoff_s)
 
     async def _ingest(self, batch: tuple[ConsumerRecord, ...]) -> dict[int, int]:

@@ -228,9 +228,8 @@ class Ledger:
 
         Raises ValueError, touching nothing, for a flag unstorable_reason refuses.
         """
-        if (reason := unstorable_reason(flag)) is not None:
-            raise ValueError(f"flag {flag.flag_id} cannot be stored: {reason}")
-        return self.review_flags.append(flag, partition, offset, wall_clock_ms() if now_ms is None else now_ms)
+        with self._store.transaction(partition):
+            return self._insert_flag(flag, partition, offset, wall_clock_ms() if now_ms is None else now_ms)
 
     def append_batch(
         self, items: Sequence[tuple[AuditEvent | ReviewFlag, int, int]], *, now_ms: int | None = None
@@ -271,14 +270,18 @@ class Ledger:
             for index in indexes:
                 record, partition, offset = items[index]
                 if isinstance(record, ReviewFlag):
-                    if (reason := unstorable_reason(record)) is not None:
-                        raise ValueError(f"flag {record.flag_id} cannot be stored: {reason}")
-                    is_new[index] = self.review_flags.insert(record, partition, offset, appended_ms)
+                    is_new[index] = self._insert_flag(record, partition, offset, appended_ms)
                 else:
                     is_new[index] = self._insert(record, partition, offset, appended_ms)
             if any(is_new.values()):
                 self._checkpoint_if_due(chain_id, appended_ms)
         outcome.is_new.update(is_new)
+
+    def _insert_flag(self, flag: ReviewFlag, partition: int, offset: int, appended_ms: int) -> bool:
+        """append_flag() inside a transaction of the chain `partition` that the caller holds."""
+        if (reason := unstorable_reason(flag)) is not None:
+            raise ValueError(f"flag {flag.flag_id} cannot be stored: {reason}")
+        return self.review_flags.insert(flag, partition, offset, appended_ms)
 
     def _insert(self, event: AuditEvent, partition: int, offset: int, appended_ms: int) -> bool:
         """append() inside a transaction of the chain `partition` that the caller holds."""

@@ -89,17 +89,13 @@ class ReviewFlagLog:
             differ = sorted(set(found) ^ set(FLAG_COLUMNS))
             raise ValueError(f"its {FLAGS} table was written for another ReviewFlag schema (columns {differ} differ)")
 
-    def append(self, flag: ReviewFlag, partition: int, offset: int, appended_ms: int) -> bool:
-        """Add `flag` as the next record of its partition's flag chain, durably; False when its flag_id is in.
-
-        Called once per consumed ReviewFlag, before its offset is committed. A repeat with
-        different content keeps the first record and logs a warning.
-        """
-        with self._store.transaction(partition):
-            return self.insert(flag, partition, offset, appended_ms)
-
     def insert(self, flag: ReviewFlag, partition: int, offset: int, appended_ms: int) -> bool:
-        """append() inside a transaction of the chain `partition` that the caller holds."""
+        """Add `flag` as the next record of its partition's flag chain; False when its flag_id is in.
+
+        Called inside a transaction of the chain `partition` that the caller (the Ledger) holds,
+        before the flag's offset is committed. A repeat with different content keeps the first
+        record and logs a warning.
+        """
         flag_json = flag.model_dump(mode="json")
         link = next_link(self._store, FLAGS, "flag_id", flag.flag_id, "review_flag", flag_json, partition)
         if link is None:

@@ -256,15 +256,15 @@ async def test_offset_is_not_committed_past_an_event_the_ledger_refused(
         assert ledger.verify().is_ok
 
 
-async def test_a_binary_header_does_not_hold_back_its_batch(bootstrap: str, audit_topics: Topics, tmp_path: Path) -> None:
-    # FastStream decodes header values as UTF-8; one that is not must not fail the batch it is in.
+async def test_binary_and_null_headers_do_not_hold_back_their_batch(bootstrap: str, audit_topics: Topics, tmp_path: Path) -> None:
+    # FastStream decodes header values as UTF-8; one that is not (or null) must not fail its batch.
     topics = audit_topics
     settings = AuditorSettings(kafka_bootstrap=bootstrap, topic_prefix=topics.prefix, audit_db=tmp_path / "a.sqlite")
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", enable_idempotence=True)
     await producer.start()
     try:
         for i in range(1, 7):
-            headers = [("trace", b"\xff\xfe binary")] if i % 3 == 0 else []
+            headers = [("trace", b"\xff\xfe binary")] if i % 3 == 0 else [("empty", None)] if i == 4 else []
             await producer.send(topics.audit, encode(make_event(i)), key=b"one-partition", headers=headers)
         await producer.flush()
     finally:
