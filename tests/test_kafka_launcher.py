@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from schemas.model_repo import load_model_repo
 from schemas.topics import Topics
 from weir.kafka import launcher
+from weir.launcher import free_ports
 from weir.kafka.admin import deployment_specs, describe_topic_configs, ensure_topics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -69,12 +69,6 @@ def test_deployment_specs_cover_core_and_models() -> None:
     assert topics.batches("echo") in names and topics.batches("weir-tiny-py") in names
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 async def _read_all(bootstrap: str, topic: str) -> list[bytes]:
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
     await consumer.start()
@@ -90,7 +84,8 @@ async def _read_all(bootstrap: str, topic: str) -> list[bytes]:
 
 @pytest.mark.kafka
 async def test_second_broker_survives_restart(tmp_path: Path) -> None:
-    cfg = launcher.BrokerConfig(port=_free_port(), controller_port=_free_port(), data_dir=tmp_path / "broker")
+    port, controller_port = free_ports(2)  # distinct: Kafka refuses two listeners on one port
+    cfg = launcher.BrokerConfig(port=port, controller_port=controller_port, data_dir=tmp_path / "broker")
     topics = Topics("launchertest")
     try:
         await launcher.up(cfg, timeout_s=60)

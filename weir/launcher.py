@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -23,6 +25,16 @@ from schemas.model_repo import ModelRepoError, load_model_repo
 from schemas.topics import DEFAULT_PREFIX, Topics
 
 SERVICES = ("auditor", "worker", "batcher", "gateway")
+
+
+def free_ports(n: int = 1) -> list[int]:
+    """n distinct free TCP ports on 127.0.0.1. Every socket stays bound until all are picked:
+    two one-port picks in a row may get the same port back."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in socks]
 
 
 @dataclass

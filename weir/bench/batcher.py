@@ -39,7 +39,7 @@ from schemas.messages import Batch
 from schemas.model_repo import ModelConfig, load_model_repo
 from schemas.topics import BATCH_PARTITIONS, Topics
 from services.batcher.planner import cost_tokens
-from weir.bench.pipeline import PROMPTS, _free_port, _one_http, run_http, workload
+from weir.bench.pipeline import PROMPTS, _one_http, run_http, workload
 from weir.bench.stats import RunResult, percentile, print_table
 
 POLICIES = ("fifo", "strict")
@@ -92,13 +92,13 @@ async def deployment(repo_path: Path, model: str, env: dict[str, str]) -> AsyncI
     """Worker, batcher and gateway on a fresh topic prefix; yields (base URL, topics, bootstrap)."""
     from weir.kafka import launcher
     from weir.kafka.admin import deployment_specs, ensure_topics
-    from weir.launcher import Stack, wait_http_ok
+    from weir.launcher import Stack, free_ports, wait_http_ok
 
     broker = launcher.BrokerConfig.from_env()
     await launcher.up(broker, 120)
     topics = Topics(f"benchb{uuid.uuid4().hex[:6]}")
     await ensure_topics(broker.bootstrap, deployment_specs(topics, load_model_repo(repo_path)))
-    port = _free_port()
+    (port,) = free_ports(1)
     scratch = Path(tempfile.mkdtemp(prefix="weir-bench-batcher-"))
     env = {"WEIR_KAFKA_BOOTSTRAP": broker.bootstrap, "WEIR_TOPIC_PREFIX": topics.prefix, "WEIR_GATEWAY_PORT": str(port),
            "WEIR_MODEL_REPO": str(repo_path), "WEIR_MODELS": model, "WEIR_AUTH_MODE": "open",

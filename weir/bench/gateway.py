@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import os
 import resource
-import socket
 import subprocess
 import sys
 import tempfile
@@ -377,12 +376,6 @@ class Responder:
         self.reader.cancel()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def raise_open_files_limit() -> int:
     """Soft RLIMIT_NOFILE up to the hard limit (children inherit it); returns the new soft limit."""
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -396,7 +389,7 @@ def raise_open_files_limit() -> int:
 async def _bench(args: argparse.Namespace, open_files: int) -> int:
 
     from weir.kafka.admin import delete_prefixed_topics, ensure_topics, wait_for_broker
-    from weir.launcher import Stack, wait_http_ok
+    from weir.launcher import Stack, free_ports, wait_http_ok
 
     bootstrap = os.environ.get("WEIR_KAFKA_BOOTSTRAP", "127.0.0.1:9092")
     await wait_for_broker(bootstrap, timeout_s=10)
@@ -405,7 +398,7 @@ async def _bench(args: argparse.Namespace, open_files: int) -> int:
     scratch = Path(tempfile.mkdtemp(prefix="weir-bench-gateway-"))
     (scratch / "models.toml").write_text(ECHO_REPO)
     max_in_flight = args.streams + 64
-    gw_port, base_port = _free_port(), _free_port()
+    gw_port, base_port = free_ports(2)
     env = {"WEIR_KAFKA_BOOTSTRAP": bootstrap, "WEIR_TOPIC_PREFIX": topics.prefix, "WEIR_GATEWAY_PORT": str(gw_port),
            "WEIR_MODEL_REPO": str(scratch / "models.toml"), "WEIR_AUTH_MODE": "open",
            "WEIR_MAX_IN_FLIGHT_INTERACTIVE": str(max_in_flight)}  # fmt: skip

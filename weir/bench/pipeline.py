@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -195,12 +194,6 @@ def cpu_snapshot(pids: dict[str, list[int]]) -> dict[str, float]:
     return {name: sum(cpu_seconds(pid) for pid in group) for name, group in pids.items()}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # (b) twice: through a gateway as deployed by default, and through one with the output guard off.
 # The guard holds back the trailing word of the text until it cannot be the start of an e-mail
 # address or number to redact (docs/gateway.md), which delays the first visible token by about one
@@ -241,14 +234,14 @@ async def _runs(args, levels: list[int], config):
     from services.worker.hardware import choose_device, cpu_threads
     from weir.kafka import launcher
     from weir.kafka.admin import delete_prefixed_topics, deployment_specs, ensure_topics, list_topic_names
-    from weir.launcher import Stack, wait_http_ok
+    from weir.launcher import Stack, free_ports, wait_http_ok
 
     torch.set_num_threads(cpu_threads(args.threads))
     broker = launcher.BrokerConfig.from_env()
     await launcher.up(broker, 120)
     topics = Topics(f"bench{uuid.uuid4().hex[:6]}")
     await ensure_topics(broker.bootstrap, deployment_specs(topics, load_model_repo(args.model_repo)))
-    ports = {"b": _free_port(), "g": _free_port()}
+    ports = dict(zip("bg", free_ports(2)))
     env = {"WEIR_KAFKA_BOOTSTRAP": broker.bootstrap, "WEIR_TOPIC_PREFIX": topics.prefix,
            "WEIR_MODEL_REPO": str(Path(args.model_repo).resolve()), "WEIR_MODELS": args.model,
            "WEIR_AUTH_MODE": "open"}  # fmt: skip
