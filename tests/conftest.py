@@ -39,7 +39,6 @@ def kafka_broker(request):
         launcher.stop(cfg)
 
 
-
 @pytest.fixture(scope="module")
 def fingerprinter():
     """The audit TextFingerprinter (all-MiniLM-L6-v2 exported once into $WEIR_HOME/models);

@@ -72,16 +72,6 @@ class LedgerWriter:
         assert self._ledger is not None, "LedgerWriter.open() was not called"
         return int(await self._run(self._ledger.checkpoint_due))
 
-    async def append(self, event: AuditEvent, partition: int, offset: int) -> bool:
-        """Ledger.append on the ledger thread; True when the event became a new record."""
-        assert self._ledger is not None, "LedgerWriter.open() was not called"
-        return bool(await self._run(self._ledger.append, event, partition, offset))
-
-    async def append_flag(self, flag: ReviewFlag, partition: int, offset: int) -> bool:
-        """Ledger.append_flag on the ledger thread; True when the flag became a new record."""
-        assert self._ledger is not None, "LedgerWriter.open() was not called"
-        return bool(await self._run(self._ledger.append_flag, flag, partition, offset))
-
     async def append_batch(self, items: list[tuple[AuditEvent | ReviewFlag, int, int]]) -> BatchOutcome:
         """Ledger.append_batch on the ledger thread: one group commit of a consumed batch."""
         assert self._ledger is not None, "LedgerWriter.open() was not called"

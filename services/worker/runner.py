@@ -51,7 +51,7 @@ class EngineLike(Protocol):
 
 
 class CommandQueue(Protocol):
-    """Where an engine loop reads its commands: queue.Queue, or multiprocessing's Queue."""
+    """Where an engine loop reads its commands: a queue.Queue (thread), or _Inbox (child process)."""
 
     def get(self, block: bool = True) -> tuple[str, object]: ...
 
@@ -86,8 +86,38 @@ def _apply_commands(engine: EngineLike, commands: CommandQueue, outputs: list[En
             outputs.append(out)
 
 
-class EngineRunner:
-    """One engine, one thread of this process. Outputs are handed to `on_outputs` on the event loop.
+class _Host:
+    """What a ModelServer sees of an engine, wherever it runs: submit and cancel from the event
+    loop (never blocking), outputs handed to `on_outputs` on the loop, the engine's last stats,
+    the requests in it, and a failure once it died."""
+
+    def __init__(self, on_outputs: Callable[[list[EngineOutput]], None], weights_sha256: str,
+                 stats: dict[str, float]) -> None:  # fmt: skip
+        self._on_outputs = on_outputs
+        self.weights_sha256 = weights_sha256
+        self.stats = stats
+        self.num_pending = 0  # requests submitted and not finished (read on the loop)
+        self.failure: BaseException | None = None
+
+    def submit(self, request: GenerateRequest | EmbedRequest) -> None:
+        """Queue a request for the engine."""
+        self.num_pending += 1
+        self._send(("add", request))
+
+    def cancel(self, request_id: str) -> None:
+        """Ask the engine to abort a request."""
+        self._send(("cancel", request_id))
+
+    def _send(self, command: tuple[str, object]) -> None:
+        raise NotImplementedError
+
+    def _deliver(self, outputs: list[EngineOutput]) -> None:
+        self.num_pending -= sum(1 for o in outputs if o.is_final)
+        self._on_outputs(outputs)
+
+
+class EngineRunner(_Host):
+    """One engine, one thread of this process.
 
     The engine's Python (scheduling, sampling, detokenizing) and the event loop's then share one
     GIL; EngineProcess avoids that for engines with real work.
@@ -96,31 +126,21 @@ class EngineRunner:
     def __init__(
         self, engine: EngineLike, loop: asyncio.AbstractEventLoop, on_outputs: Callable[[list[EngineOutput]], None]
     ) -> None:
+        super().__init__(on_outputs, engine.weights_sha256, engine.stats())
         self.engine = engine
-        self.weights_sha256 = engine.weights_sha256
         self._loop = loop
-        self._on_outputs = on_outputs
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
-        self.num_pending = 0  # requests submitted and not finished (read by the loop thread)
-        self.stats: dict[str, float] = engine.stats()
-        self.failure: BaseException | None = None
 
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, request: GenerateRequest | EmbedRequest) -> None:
-        """Queue a request for the engine (thread-safe, never blocks)."""
-        self.num_pending += 1
-        self._inbox.put(("add", request))
-
-    def cancel(self, request_id: str) -> None:
-        """Ask the engine to abort a request (thread-safe)."""
-        self._inbox.put(("cancel", request_id))
-
     def stop(self, timeout_s: float = 5.0) -> None:
-        self._inbox.put(("stop", None))
+        self._send(("stop", None))
         self._thread.join(timeout_s)
+
+    def _send(self, command: tuple[str, object]) -> None:
+        self._inbox.put(command)  # thread-safe, never blocks
 
     def _run(self) -> None:
         try:
@@ -135,12 +155,8 @@ class EngineRunner:
         if outputs:
             self._loop.call_soon_threadsafe(self._deliver, outputs)
 
-    def _deliver(self, outputs: list[EngineOutput]) -> None:
-        self.num_pending -= sum(1 for o in outputs if o.is_final)
-        self._on_outputs(outputs)
 
-
-class EngineProcess:
+class EngineProcess(_Host):
     """One engine in a child process of its own, spoken to over two pipes.
 
     A model step is mostly torch (which drops the GIL) but also Python: scheduling, sampling,
@@ -163,20 +179,16 @@ class EngineProcess:
         self, config: ModelConfig, settings: WorkerSettings, device: str, loop: asyncio.AbstractEventLoop,
         on_outputs: Callable[[list[EngineOutput]], None],
     ) -> None:  # fmt: skip
+        super().__init__(on_outputs, "", {})  # the hash and stats come with the child's "ready"
         self._config = config
         self._settings = settings
         self._device = device
         self._loop = loop
-        self._on_outputs = on_outputs
         self._process: multiprocessing.process.BaseProcess | None = None
         self._commands: asyncio.WriteTransport | None = None
         self._ready: asyncio.Future[tuple] = loop.create_future()
         self._is_stopping = False
         self.name = config.name
-        self.weights_sha256 = ""
-        self.num_pending = 0
-        self.stats: dict[str, float] = {}
-        self.failure: BaseException | None = None
 
     async def open(self) -> None:
         """Spawn the child and return once its engine is built and warmed up.
@@ -205,14 +217,6 @@ class EngineProcess:
     def start(self) -> None:
         """Nothing to start: events are read by the loop since open()."""
 
-    def submit(self, request: GenerateRequest | EmbedRequest) -> None:
-        """Queue a request for the engine (never blocks: the pipe transport buffers)."""
-        self.num_pending += 1
-        self._send(("add", request))
-
-    def cancel(self, request_id: str) -> None:
-        self._send(("cancel", request_id))
-
     def stop(self, timeout_s: float = 5.0) -> None:
         self._is_stopping = True
         if self._process is None:
@@ -226,6 +230,7 @@ class EngineProcess:
             self._process.join(1.0)
 
     def _send(self, command: tuple[str, object]) -> None:
+        # Never blocks: the pipe transport buffers.
         if self._commands is None or self._commands.is_closing():
             return  # stopping, or the child is gone (failure says so)
         payload = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
@@ -254,10 +259,6 @@ class EngineProcess:
         log.error("%s", exc)
         self.failure = exc
         self._deliver([])  # publish() sees the failure and stops the worker
-
-    def _deliver(self, outputs: list[EngineOutput]) -> None:
-        self.num_pending -= sum(1 for o in outputs if o.is_final)
-        self._on_outputs(outputs)
 
 
 class _FrameReader(asyncio.Protocol):

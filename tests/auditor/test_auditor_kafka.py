@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import sqlite3
 import sys
 import time
@@ -25,6 +24,7 @@ from services.auditor import cli
 from services.auditor.app import create_app
 from services.auditor.config import AuditorSettings
 from services.auditor.ledger import Ledger
+from weir.launcher import free_ports
 
 from .factories import make_event, make_flag
 
@@ -106,12 +106,6 @@ async def rewind_group(bootstrap: str, topics: Topics) -> None:
         await consumer.commit({tp: 0 for tp in tps})
     finally:
         await consumer.stop()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def num_records(db: Path) -> int:
@@ -276,7 +270,7 @@ async def test_binary_and_null_headers_do_not_hold_back_their_batch(bootstrap: s
 async def test_main_runs_until_sigterm(bootstrap: str, audit_topics: Topics, tmp_path: Path) -> None:
     db = tmp_path / "audit.sqlite"
     await produce(bootstrap, audit_topics.audit, [(b"k", encode(make_event(i))) for i in range(1, 4)])
-    port = free_port()
+    (port,) = free_ports(1)
     env = {**os.environ, "WEIR_KAFKA_BOOTSTRAP": bootstrap, "WEIR_TOPIC_PREFIX": audit_topics.prefix,
            "WEIR_AUDIT_API_PORT": str(port)}
     proc = await asyncio.create_subprocess_exec(

@@ -11,7 +11,6 @@ from __future__ import annotations
 import glob
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -23,6 +22,7 @@ import pytest
 
 from services.auditor.chain import chain_hash
 from services.auditor.ledger import CHECKPOINTS, TABLE, Ledger, LedgerError
+from weir.launcher import free_ports
 
 from .factories import T0_MS, make_event, make_flag
 
@@ -33,12 +33,6 @@ def _pg_bin(name: str) -> str | None:
         return found
     versions = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"))
     return versions[-1] if versions else None
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +56,7 @@ def server_dsn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     data = root / "data"
     subprocess.run([*prefix, initdb, "-D", str(data), "-U", "weir", "--auth=trust", "-E", "UTF8", "--no-sync"],
                    check=True, capture_output=True)
-    port = _free_port()
+    (port,) = free_ports(1)
     proc = subprocess.Popen([*prefix, postgres, "-D", str(data), "-k", str(root), "-p", str(port),
                              "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

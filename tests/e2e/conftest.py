@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,16 +12,10 @@ import pytest
 from schemas.model_repo import load_model_repo
 from schemas.topics import Topics
 from weir.kafka.admin import deployment_specs, ensure_topics
-from weir.launcher import SERVICES, Stack, wait_http_ok
+from weir.launcher import SERVICES, Stack, free_ports, wait_http_ok
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BOOTSTRAP = "127.0.0.1:9092"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -42,7 +35,7 @@ def start_pipeline(tmp: Path, **extra_env: str) -> Pipeline:
     topics = Topics(f"e2e{uuid.uuid4().hex[:8]}")
     model_repo = REPO_ROOT / "models.toml"
     asyncio.run(ensure_topics(BOOTSTRAP, deployment_specs(topics, load_model_repo(model_repo))))
-    port = free_port()
+    (port,) = free_ports(1)
     audit_db = tmp / "audit.sqlite"
     env = {
         "WEIR_KAFKA_BOOTSTRAP": BOOTSTRAP, "WEIR_TOPIC_PREFIX": topics.prefix, "WEIR_GATEWAY_PORT": str(port),

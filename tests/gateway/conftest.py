@@ -73,6 +73,3 @@ async def stack(gateway_bootstrap: str) -> AsyncIterator[Stack]:
         await worker.stop()
         await server.stop()
         await delete_prefixed_topics(gateway_bootstrap, topics.prefix)
-
-
-

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,14 +13,10 @@ from uuid import uuid4
 import httpx
 import pytest
 
+from weir.launcher import free_ports
+
 ROOT = Path(__file__).resolve().parents[2]
 CMD = [sys.executable, "-c", "import sys; from services.gateway.app import main; sys.exit(main(sys.argv[1:]))"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def env(**extra: str) -> dict[str, str]:
@@ -31,7 +26,7 @@ def env(**extra: str) -> dict[str, str]:
 
 @pytest.mark.kafka
 def test_main_serves_until_sigterm() -> None:
-    port = free_port()
+    (port,) = free_ports(1)
     proc = subprocess.Popen([*CMD, "--port", str(port)], cwd=ROOT, env=env(), stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
@@ -53,8 +48,9 @@ def test_main_serves_until_sigterm() -> None:
 
 
 def test_main_without_kafka_exits_3_with_a_reason() -> None:
+    port, dead_port = free_ports(2)  # distinct: the gateway's, and one where no Kafka listens
     proc = subprocess.run(
-        [*CMD, "--port", str(free_port()), "--kafka-bootstrap", f"127.0.0.1:{free_port()}"],
+        [*CMD, "--port", str(port), "--kafka-bootstrap", f"127.0.0.1:{dead_port}"],
         cwd=ROOT, env=env(WEIR_STARTUP_TIMEOUT_S="1"), capture_output=True, text=True, timeout=60,
     )
     assert proc.returncode == 3

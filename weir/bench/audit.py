@@ -101,8 +101,9 @@ async def ingest_kafka(bootstrap: str, n: int) -> float:
         # From the start of the first batch's append to the start of the last one's (a batch's
         # records share its appended_ms), over the records before the last batch: the consumer
         # group's join time is not ingestion.
-        elapsed = max(max(appended) - min(appended), 1) / 1000
-        num_before_last = sum(1 for ms in appended if ms < max(appended))
+        last_ms = max(appended)
+        elapsed = max(last_ms - min(appended), 1) / 1000
+        num_before_last = sum(1 for ms in appended if ms < last_ms)
     await delete_topics(bootstrap, [s.name for s in specs])
     return num_before_last / elapsed if num_before_last else float("nan")
 

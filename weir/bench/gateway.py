@@ -387,7 +387,6 @@ def raise_open_files_limit() -> int:
 
 
 async def _bench(args: argparse.Namespace, open_files: int) -> int:
-
     from weir.kafka.admin import delete_prefixed_topics, ensure_topics, wait_for_broker
     from weir.launcher import Stack, free_ports, wait_http_ok
 

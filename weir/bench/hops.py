@@ -76,16 +76,15 @@ def _take(value: dict, timestamp_ms: int, stamps: dict[str, dict[str, float]]) -
 def hop_rows(marks: list[ClientMark], stamps: dict[str, dict[str, float]]) -> tuple[list[list[str]], int]:
     """Table rows (hop, mean ms, p50 ms) and how many requests had every timestamp."""
     spans: list[list[float]] = [[] for _ in HOPS]
-    num = 0
     for mark in marks:
         s = stamps.get(mark.request_id, {})
         if not all(k in s for k in ("request", "batch", "received", "delta")):
             continue
-        num += 1
         points = [mark.sent_ms, s["request"], s["batch"], s["received"], s["delta"], mark.first_text_ms]
         for i, (start, end) in enumerate(zip(points, points[1:])):
             spans[i].append(end - start)
     rows = [[hop, f"{statistics.mean(v):.1f}", f"{percentile(v, 50):.1f}"] for hop, v in zip(HOPS, spans) if v]
+    num = len(spans[0])
     if num:
         total = [sum(hop[i] for hop in spans) for i in range(num)]
         rows.append(["total (client TTFT)", f"{statistics.mean(total):.1f}", f"{percentile(total, 50):.1f}"])

@@ -166,11 +166,10 @@ async def run_http(base_url: str, model: str, concurrency: int, n: int, max_toke
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def cpu_seconds(pid: int, tid: int | None = None) -> float:
-    """User + system CPU seconds of a process (or one of its threads) so far; 0.0 once it is gone."""
-    path = f"/proc/{pid}/task/{tid}/stat" if tid is not None else f"/proc/{pid}/stat"
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far; 0.0 once it is gone."""
     try:
-        fields = open(path).read().rsplit(")", 1)[1].split()
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / _TICKS_PER_S  # utime, stime (fields 14, 15)
@@ -310,7 +309,6 @@ async def _runs(args, levels: list[int], config):
         stack.stop_all()
         await delete_prefixed_topics(broker.bootstrap, topics.prefix)
     return results, cpu, ratios, hops
-
 
 
 def _pooled(runs: list[RunResult]) -> RunResult:
