@@ -94,6 +94,7 @@ class WorkerService:
         audit_key = parse_key(self.settings.audit_hmac_key)
         fingerprinter = await asyncio.to_thread(build_fingerprinter, self.settings.audit_fingerprint_model, self.repo)
         fingerprints = FingerprintBatcher(fingerprinter) if fingerprinter is not None else None
+        tasks: list[asyncio.Task] = []
         try:
             for config in self.configs:
                 server = ModelServer(config, [], self.settings, producer, self.worker_id, audit_key, fingerprints)
@@ -106,7 +107,7 @@ class WorkerService:
             cancellations = await open_cancellations(self.settings, self.worker_id)
             self.is_ready = True
             log.info("worker %s ready: %s on %s", self.worker_id, [c.name for c in self.configs], self.device)
-            tasks = [asyncio.create_task(self.heartbeat(producer))]
+            tasks.append(asyncio.create_task(self.heartbeat(producer)))
             if fingerprints is not None:
                 tasks.append(asyncio.create_task(fingerprints.run()))
             tasks.append(asyncio.create_task(
@@ -119,6 +120,12 @@ class WorkerService:
                 task.result()
         finally:
             self.is_ready = False
+            # Stop the loops now, while the Kafka clients' own tasks still run: left to asyncio.run's
+            # teardown, which cancels those too, each consumer's LeaveGroup got no answer read and
+            # a SIGTERM took 44 s (the request timeout), leaving its partitions to the session timeout.
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             for server in self.servers:
                 for runner in server.runners:
                     runner.stop(1.0)
