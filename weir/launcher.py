@@ -1,5 +1,8 @@
 """`weir up`: the local Kafka broker and all four services on one machine, as plain processes.
 
+A service that exits by itself (a kill -9, a crash) is restarted, as docker-compose.yml's
+`restart: unless-stopped` does (weir/supervision.py); Ctrl-C, SIGTERM or SIGHUP stops everything.
+
 Also the process supervisor that end-to-end and fault tests use: a Stack starts each service as
 `python -m weir.cli <service>` with its environment, can kill any of them (kill -9 included), and
 stops all of them.
@@ -23,6 +26,7 @@ from pathlib import Path
 
 from schemas.model_repo import ModelRepoError, load_model_repo
 from schemas.topics import DEFAULT_PREFIX, Topics
+from weir.supervision import Supervisor, describe_exit
 
 SERVICES = ("auditor", "worker", "batcher", "gateway")
 
@@ -117,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--topic-prefix", default=os.environ.get("WEIR_TOPIC_PREFIX", DEFAULT_PREFIX))
     parser.add_argument("--model-repo", default=os.environ.get("WEIR_MODEL_REPO", "models.toml"))
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait until ready")
+    parser.add_argument("--log-dir", type=Path, default=os.environ.get("WEIR_LOG_DIR"),
+                        help="where each service's log goes (env WEIR_LOG_DIR; default $WEIR_HOME/logs)")
     parser.add_argument("--auth", choices=("open", "required"), default="open",
                         help="gateway auth mode: open (no credentials, local use; default) or required "
                         "(API keys from `weir keys create`, or JWTs with WEIR_JWT_KEYS)")
@@ -144,19 +150,22 @@ def main(argv: list[str] | None = None) -> int:
         "WEIR_MODEL_REPO": str(Path(args.model_repo).resolve()), "WEIR_GATEWAY_HOST": args.host,
         "WEIR_GATEWAY_PORT": str(args.port), "WEIR_AUTH_MODE": args.auth, "PYTHONUNBUFFERED": "1",
     }  # fmt: skip
-    stack = Stack(env, launcher.weir_home() / "logs")
+    stack = Stack(env, Path(args.log_dir) if args.log_dir else launcher.weir_home() / "logs")
     url = f"http://{args.host}:{args.port}"
+    supervisor = Supervisor()
+    # SIGTERM (kill, systemd, docker) and SIGHUP (a closed terminal) stop everything as Ctrl-C does;
+    # by default they ended this process alone and left the four services running.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupt)
     try:
         for name in SERVICES:
             stack.start(name)
+            supervisor.on_start(name, time.monotonic())
         print(f"starting {', '.join(SERVICES)} (logs in {stack.log_dir}) ...", flush=True)
         print(f"gateway auth mode: {args.auth} (WEIR_AUTH_MODE={args.auth})", flush=True)
-        wait_http_ok(f"{url}/readyz", args.timeout, stack)
-        _print_banner(url, broker.bootstrap, Topics(args.topic_prefix), list(repo.models), args.auth)
-        while not (dead := stack.dead()):
-            time.sleep(0.5)
-        print(f"weir up: {dead[0]} exited:\n{stack.log_tail(dead[0])}", file=sys.stderr)
-        return 1
+        wait_http_ok(f"{url}/readyz", args.timeout, stack)  # a service dying here is a setup error: no restart
+        _print_banner(url, broker.bootstrap, Topics(args.topic_prefix), list(repo.models), args.auth, stack)
+        return supervise(stack, supervisor)
     except KeyboardInterrupt:
         print("\nstopping ...", flush=True)
         return 0
@@ -164,14 +173,45 @@ def main(argv: list[str] | None = None) -> int:
         print(f"weir up: {exc}", file=sys.stderr)
         return 1
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not orphan children
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C must not orphan children
         stack.stop_all()
         if not was_running:
             launcher.stop(broker)
         print("stopped", flush=True)
 
 
-def _print_banner(url: str, bootstrap: str, topics: Topics, models: list[str], auth: str) -> None:
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def supervise(stack: Stack, supervisor: Supervisor, poll_s: float = 0.5) -> int:
+    """Restart every service that exits, as the supervisor allows, until one exits too often in a
+    row (returns 1, with its log) or this process is interrupted (KeyboardInterrupt)."""
+    due: dict[str, float] = {}  # service -> when to start it again
+    while True:
+        now = time.monotonic()
+        for name in stack.dead():
+            proc = stack.procs.pop(name)
+            delay = supervisor.on_exit(name, now)
+            how = describe_exit(proc.returncode)
+            if delay is None:
+                print(f"weir up: {name} exited ({how}), {supervisor.num_quick_exits(name)} times in a row "
+                      f"within {supervisor.policy.healthy_after_s:.0f} s of starting; giving up. Its log "
+                      f"({stack.log_path(name)}) ends:\n{stack.log_tail(name)}", file=sys.stderr, flush=True)  # fmt: skip
+                return 1
+            print(f"weir up: {name} exited ({how}); restarting it" + (f" in {delay:.0f} s" if delay else ""), flush=True)
+            due[name] = now + delay
+        for name, at in list(due.items()):
+            if now >= at:
+                del due[name]
+                proc = stack.start(name)
+                supervisor.on_start(name, now)
+                print(f"weir up: {name} restarted (pid {proc.pid})", flush=True)
+        time.sleep(poll_s)
+
+
+def _print_banner(url: str, bootstrap: str, topics: Topics, models: list[str], auth: str, stack: Stack) -> None:
     if auth == "open":
         auth_line = "OPEN: WEIR_AUTH_MODE=open, no API key needed (local use only; --auth required to change)"
     else:
@@ -187,4 +227,6 @@ Weir is up.
   control / workers      {topics.control} / {topics.workers}
   audit / dead letters   {topics.audit} / {topics.dead_letter}
   batches                {', '.join(topics.batches(m) for m in models)}
+  processes              {', '.join(f"{name} {proc.pid}" for name, proc in stack.procs.items())}
+                         (one that dies is restarted; logs in {stack.log_dir})
 Press Ctrl-C to stop everything.""", flush=True)

@@ -1,0 +1,112 @@
+"""`weir up` itself, as a user runs it: a kill -9 of its worker under load is restarted and loses
+no request; SIGTERM stops every process it started."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from weir.kafka.admin import delete_prefixed_topics
+from weir.launcher import free_ports
+
+from .conftest import BOOTSTRAP, REPO_ROOT
+from .test_faults import NUM_REQUESTS, assert_each_ends_once, stream_one
+
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+
+
+@dataclass
+class Up:
+    """A running `weir up` and what its output said."""
+
+    proc: subprocess.Popen
+    out: Path
+    base_url: str
+
+    def text(self) -> str:
+        return self.out.read_text(errors="replace")
+
+    def wait_for(self, pattern: str, timeout_s: float) -> re.Match[str]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if found := re.search(pattern, self.text()):
+                return found
+            assert self.proc.poll() is None, f"weir up exited:\n{self.text()}"
+            time.sleep(0.3)
+        raise AssertionError(f"no {pattern!r} within {timeout_s} s:\n{self.text()}")
+
+    def pids(self) -> dict[str, int]:
+        """The service pids of the banner's processes line."""
+        line = self.wait_for(r"processes +(.*)", 5).group(1)
+        return {name: int(pid) for name, pid in re.findall(r"(\w+) (\d+)", line)}
+
+
+def is_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def weir_up(tmp_path):
+    prefix = f"e2eup{uuid.uuid4().hex[:8]}"
+    (port,) = free_ports(1)
+    out = tmp_path / "weir-up.out"
+    env = {**os.environ, "WEIR_AUDIT_DB": str(tmp_path / "audit.sqlite"), "PYTHONUNBUFFERED": "1"}
+    with open(out, "wb") as handle:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "weir.cli", "up", "--port", str(port), "--topic-prefix", prefix,
+             "--log-dir", str(tmp_path / "logs"), "--model-repo", str(REPO_ROOT / "models.toml")],
+            cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL, stdout=handle, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    up = Up(proc, out, f"http://127.0.0.1:{port}")
+    try:
+        up.wait_for(r"Weir is up\.", 300)
+        yield up
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        asyncio.run(delete_prefixed_topics(BOOTSTRAP, prefix))
+
+
+async def test_weir_up_restarts_a_killed_worker_and_every_stream_ends_once(weir_up: Up) -> None:
+    pids = weir_up.pids()
+    assert set(pids) == {"auditor", "worker", "batcher", "gateway"}
+    log: dict = {}
+    started = asyncio.Event()
+    async with httpx.AsyncClient(base_url=weir_up.base_url, timeout=300, limits=httpx.Limits(max_connections=64)) as client:
+        tasks = [asyncio.create_task(stream_one(client, i, started, log, 0.0)) for i in range(NUM_REQUESTS)]
+        await asyncio.wait_for(started.wait(), 120)
+        await asyncio.sleep(0.5)
+        in_flight = NUM_REQUESTS - len(log)
+        os.kill(pids["worker"], signal.SIGKILL)  # nobody restarts it but weir up
+        await asyncio.wait_for(asyncio.gather(*tasks), 300)
+    assert in_flight >= 20
+    restarted = await asyncio.to_thread(weir_up.wait_for, r"worker restarted \(pid (\d+)\)", 5)
+    assert "worker exited (killed by SIGKILL); restarting it" in weir_up.text()
+    await assert_each_ends_once(weir_up, log)
+    assert weir_up.proc.poll() is None, "weir up stopped instead of restarting the worker"
+
+    # SIGTERM (what kill, systemd and docker send) stops all of it, the restarted worker too
+    services = [*pids.values(), int(restarted.group(1))]
+    weir_up.proc.send_signal(signal.SIGTERM)
+    assert weir_up.proc.wait(60) == 0
+    assert "stopped" in weir_up.text()
+    assert [pid for pid in services if is_alive(pid)] == [], "weir up left services running"
