@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any, TypeVar
 
 import orjson
@@ -75,6 +76,28 @@ def decode_reply(data: bytes | None) -> Any:
 def decode_request(data: bytes | None) -> GenerateRequest | EmbedRequest:
     """Parse a record of `weir.requests` by its `kind` field ("generate" when absent, "embed")."""
     return _validated(_REQUEST.validate_python, "request", data)
+
+
+_TOPIC_NAME = re.compile(r"[A-Za-z0-9._-]{1,249}")
+
+
+def reply_address(data: bytes | None) -> tuple[str, str] | None:
+    """(request_id, reply_to) of a request record that failed validation, when both can be read:
+    a JSON object whose `request_id` is a string of 1-128 characters and whose `reply_to` is a
+    legal Kafka topic name. Enough to tell its producer why with a ReplyEnd (`rejected`), rather
+    than leave it waiting for an answer that never comes; None when the record names neither."""
+    try:
+        obj = orjson.loads(data or b"")
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict):
+        return None
+    request_id, reply_to = obj.get("request_id"), obj.get("reply_to")
+    if not isinstance(request_id, str) or not 1 <= len(request_id) <= 128:
+        return None
+    if not isinstance(reply_to, str) or not _TOPIC_NAME.fullmatch(reply_to) or reply_to in (".", ".."):
+        return None
+    return request_id, reply_to
 
 
 def decode_audit_record(data: bytes | None) -> AuditEvent | ReviewFlag:

@@ -19,7 +19,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPa
 from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.errors import KafkaError
 
-from schemas.codec import DecodeError, decode, decode_request, encode
+from schemas.codec import DecodeError, decode, decode_request, encode, reply_address
 from schemas.messages import (
     Batch,
     Cancellation,
@@ -110,7 +110,14 @@ class BatcherHandlers:
             req = decode_request(record.value)  # a GenerateRequest or an EmbedRequest, by kind
         except DecodeError as exc:
             await send_dead_letter(self._producer, self.topics, record, str(exc), SERVICE)
-            self._tracker.done(_tp(record), record.offset)
+            if (address := reply_address(record.value)) is None:
+                self._tracker.done(_tp(record), record.offset)
+            else:  # it says who waits for it: end it there too (invariant 3), with the reason
+                request_id, reply_to = address
+                end = ReplyEnd(request_id=request_id, seq=0, finish_reason="rejected",
+                               error=ErrorInfo(code="invalid_request", message=str(exc)))  # fmt: skip
+                future = await self._send(reply_to, encode(end), request_id)
+                self._effects.append(_Effect(future, [record], "reply", reply_to))
             return
         verdict = self.planner.add(req, now_ms, size_bytes=len(record.value or b""))
         if verdict is Admission.HELD:

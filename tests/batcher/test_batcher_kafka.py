@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 
+import orjson
 import pytest
 
 from schemas.codec import decode, decode_reply, encode
@@ -57,6 +58,10 @@ async def test_batches_replies_dead_letters_and_commits(batcher_bootstrap: str, 
     held = make_request("slow", reply_to=reply_to, deadline_ms=now + 60_000)  # waits 60 s: cancelled first
     await produce(bootstrap, topics.requests, [*a_reqs, a_reqs[0], *b_reqs, unknown, expired, held])
     await produce(bootstrap, topics.requests, [("bad-1", b'{"request_id": "bad-1", "model": ')])
+    # valid JSON, invalid request, but it says where its producer waits: answered there too
+    invalid = {"request_id": "bad-2", "model": "a", "prompt": "x", "max_tokens": -5, "deadline_ms": now + 60_000,
+               "reply_to": reply_to}  # fmt: skip
+    await produce(bootstrap, topics.requests, [("bad-2", orjson.dumps(invalid))])
 
     app = BatcherApp(settings_for(bootstrap, topics), repo)
     stop, task = await start(app)
@@ -68,8 +73,8 @@ async def test_batches_replies_dead_letters_and_commits(batcher_bootstrap: str, 
         await wait_until(lambda: app.planner.is_held(held.request_id), task)
         cancel = Cancellation(request_id=held.request_id, reply_to=reply_to)
         await produce(bootstrap, topics.control, [(held.request_id, encode(cancel))])
-        replies = await read_until(bootstrap, [reply_to], lambda rs: len(rs) >= 3)
-        dead = await read_until(bootstrap, [topics.dead_letter], lambda rs: len(rs) >= 1)
+        replies = await read_until(bootstrap, [reply_to], lambda rs: len(rs) >= 4)
+        dead = await read_until(bootstrap, [topics.dead_letter], lambda rs: len(rs) >= 2)
         lag = await wait_committed(bootstrap, topics.batcher_group, topics.requests)
     finally:
         stop.set()
@@ -85,16 +90,20 @@ async def test_batches_replies_dead_letters_and_commits(batcher_bootstrap: str, 
         assert batch.batcher_id == app.batcher_id
 
     ends = {e.request_id: e for e in map(decode_reply, (r.value for r in replies))}
-    assert set(ends) == {unknown.request_id, expired.request_id, held.request_id}
+    assert set(ends) == {unknown.request_id, expired.request_id, held.request_id, "bad-2"}
     rejected, timed_out = ends[unknown.request_id], ends[expired.request_id]
     assert (rejected.finish_reason, rejected.error.code) == ("rejected", "model_not_found")
     assert (timed_out.finish_reason, timed_out.error.code) == ("timeout", "deadline_exceeded")
     assert ends[held.request_id].finish_reason == "cancelled"
+    assert (ends["bad-2"].finish_reason, ends["bad-2"].error.code) == ("rejected", "invalid_request")
+    assert "max_tokens" in ends["bad-2"].error.message
     assert all(e.seq == 0 and e.type == "end" for e in ends.values())
 
-    [letter] = [decode(DeadLetter, r.value) for r in dead]
-    assert (letter.source_topic, letter.key, letter.service) == (topics.requests, "bad-1", "batcher")
-    assert "not JSON" in letter.reason
+    letters = {letter.key: letter for letter in (decode(DeadLetter, r.value) for r in dead)}
+    assert set(letters) == {"bad-1", "bad-2"}
+    assert (letters["bad-1"].source_topic, letters["bad-1"].service) == (topics.requests, "batcher")
+    assert "not JSON" in letters["bad-1"].reason
+    assert "invalid request" in letters["bad-2"].reason and "max_tokens" in letters["bad-2"].reason
 
     assert lag and all(committed == end for committed, end in lag.values()), lag
 

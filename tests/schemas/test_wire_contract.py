@@ -15,6 +15,7 @@ from schemas.codec import (
     decode_reply,
     decode_request,
     encode,
+    reply_address,
 )
 from schemas.export import main as export_main
 from schemas.model_repo import ModelRepoError, load_model_repo
@@ -138,3 +139,24 @@ def test_model_repository_refuses_a_bad_entry_by_name(tmp_path):
 def test_the_shipped_model_repository_loads():
     repo = load_model_repo(Path(__file__).parents[2] / "models.toml")
     assert "weir-tiny-py" in repo.models
+
+
+@pytest.mark.parametrize(
+    ("raw", "address"),
+    [
+        (b'{"request_id": "r1", "reply_to": "app.replies", "max_tokens": -5}', ("r1", "app.replies")),
+        (b'{"request_id": "r1", "reply_to": "weir.replies.kcat"}', ("r1", "weir.replies.kcat")),
+        (b'{"request_id": "r1"}', None),  # no reply_to: nobody to tell
+        (b'{"request_id": "r1", "reply_to": "no spaces allowed"}', None),
+        (b'{"request_id": "r1", "reply_to": ".."}', None),
+        (b'{"request_id": "r1", "reply_to": "' + b"t" * 250 + b'"}', None),
+        (b'{"request_id": 7, "reply_to": "app.replies"}', None),
+        (b'{"request_id": "", "reply_to": "app.replies"}', None),
+        (b'{"request_id": "' + b"r" * 129 + b'", "reply_to": "app.replies"}', None),
+        (b'["request_id", "reply_to"]', None),
+        (b"not json", None),
+        (None, None),
+    ],
+)
+def test_reply_address_of_an_invalid_request(raw, address):
+    assert reply_address(raw) == address
