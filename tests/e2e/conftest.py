@@ -30,22 +30,22 @@ class Pipeline:
         wait_http_ok(f"{self.base_url}/readyz", timeout_s, self.stack)
 
 
-def start_pipeline(tmp: Path, **extra_env: str) -> Pipeline:
-    """A fresh topic prefix and free port, then the four services; waits for /readyz."""
+def start_pipeline(tmp: Path, bootstrap: str = BOOTSTRAP, **extra_env: str) -> Pipeline:
+    """A fresh topic prefix and free port, then the four services on `bootstrap`; waits for /readyz."""
     topics = Topics(f"e2e{uuid.uuid4().hex[:8]}")
     model_repo = REPO_ROOT / "models.toml"
-    asyncio.run(ensure_topics(BOOTSTRAP, deployment_specs(topics, load_model_repo(model_repo))))
+    asyncio.run(ensure_topics(bootstrap, deployment_specs(topics, load_model_repo(model_repo))))
     (port,) = free_ports(1)
     audit_db = tmp / "audit.sqlite"
     env = {
-        "WEIR_KAFKA_BOOTSTRAP": BOOTSTRAP, "WEIR_TOPIC_PREFIX": topics.prefix, "WEIR_GATEWAY_PORT": str(port),
+        "WEIR_KAFKA_BOOTSTRAP": bootstrap, "WEIR_TOPIC_PREFIX": topics.prefix, "WEIR_GATEWAY_PORT": str(port),
         "WEIR_MODEL_REPO": str(model_repo), "WEIR_AUDIT_DB": str(audit_db), "PYTHONUNBUFFERED": "1",
         "WEIR_AUTH_MODE": "open", **extra_env,
     }  # fmt: skip
     stack = Stack(env, tmp / "logs")
     for name in SERVICES:
         stack.start(name)
-    pipeline = Pipeline(stack, topics, f"http://127.0.0.1:{port}", audit_db)
+    pipeline = Pipeline(stack, topics, f"http://127.0.0.1:{port}", audit_db, bootstrap)
     try:
         pipeline.wait_ready()
     except BaseException:
