@@ -4,9 +4,11 @@ docker-compose.yml runs every service with `restart: unless-stopped`; `weir up` 
 its plain processes, so a kill -9 of the worker or the batcher under load is what DESIGN.md's
 invariant 3 promises: the service comes back, rejoins its consumer group, and redoes what it
 had not committed. The policy is Kubernetes' CrashLoopBackOff in small: the first restart at once,
-then a doubling delay; a run that stayed up long enough starts the count over; a service that
-keeps dying gives up, so a broken model or setting is reported instead of retried forever. Pure:
-the caller passes the times.
+then a doubling delay up to a cap; a run that stayed up long enough starts the count over. Like
+Docker's and Kubernetes' policies it never gives up by default: a service that dies while the
+broker is away for minutes must come back when the broker does (a broken model or setting is
+caught before that, while `weir up` waits for the stack to be ready, and is not retried). A limit
+can be set. Pure: the caller passes the times.
 """
 
 from __future__ import annotations
@@ -23,10 +25,10 @@ class RestartPolicy:
     base_delay_s: float = 1.0  # the second restart in a row waits this, then it doubles
     max_delay_s: float = 30.0
     healthy_after_s: float = 60.0  # up this long: the next exit counts as the first again
-    max_restarts: int = 5  # restarts in a row (each exiting before healthy_after_s) before giving up
+    max_restarts: int | None = None  # restarts in a row (each before healthy_after_s) before giving up
 
     def __post_init__(self) -> None:
-        if self.max_restarts < 0:
+        if self.max_restarts is not None and self.max_restarts < 0:
             raise ValueError(f"{self.max_restarts=} must be >= 0")
         if not 0 <= self.base_delay_s <= self.max_delay_s:
             raise ValueError(f"need 0 <= {self.base_delay_s=} <= {self.max_delay_s=}")
@@ -55,13 +57,13 @@ class Supervisor:
 
     def on_exit(self, name: str, now_s: float) -> float | None:
         """Called when `name` exited unasked. Returns seconds to wait before restarting it, or
-        None when it has exited too often in a row (the caller gives up and says why)."""
+        None when it has exited more than max_restarts times in a row (the caller gives up)."""
         record = self._records.setdefault(name, _Record(now_s))
         if now_s - record.started_at_s >= self.policy.healthy_after_s:
             record.num_quick_exits = 0
         record.num_quick_exits += 1
         n = record.num_quick_exits
-        if n > self.policy.max_restarts:
+        if self.policy.max_restarts is not None and n > self.policy.max_restarts:
             return None
         if n == 1:
             return self.policy.first_delay_s

@@ -21,7 +21,17 @@ def test_first_exit_restarts_at_once_then_the_delay_doubles_up_to_the_cap() -> N
     assert delays == [0, 1, 2, 4, 4, 4]
 
 
-def test_a_service_that_keeps_dying_is_given_up() -> None:
+def test_by_default_a_crash_loop_is_retried_forever_at_the_capped_delay() -> None:
+    sup = Supervisor()
+    sup.on_start("batcher", 0.0)
+    delays = []
+    for t in range(1, 101):
+        delays.append(sup.on_exit("batcher", float(t)))
+        sup.on_start("batcher", float(t))
+    assert None not in delays and delays[-1] == sup.policy.max_delay_s
+
+
+def test_with_a_limit_a_service_that_keeps_dying_is_given_up() -> None:
     sup = Supervisor(RestartPolicy(max_restarts=2))
     sup.on_start("batcher", 0.0)
     assert sup.on_exit("batcher", 1.0) is not None
