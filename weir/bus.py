@@ -44,6 +44,11 @@ class BusSettings(BaseSettings):
     commit_interval_ms: int = Field(
         200, ge=0, description="Shortest time between two offset commits of one consumer (0: commit at every chance)."
     )
+    # aiokafka expires a record that found no broker for this long: its send fails. Past it, a
+    # broker outage is visible to the services, which redo or refuse what they could not write.
+    producer_request_timeout_ms: int = Field(
+        30_000, ge=1000, description="How long a produce may wait for the broker before it fails."
+    )
 
     @property
     def topics(self) -> Topics:
@@ -64,7 +69,7 @@ def make_producer(settings: BusSettings, client_id: str, linger_ms: int = 0) -> 
         acks="all",
         enable_idempotence=True,
         linger_ms=linger_ms,
-        request_timeout_ms=30_000,
+        request_timeout_ms=settings.producer_request_timeout_ms,
         retry_backoff_ms=100,
     )
 

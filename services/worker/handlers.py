@@ -3,7 +3,9 @@
 A batch's offset is committed only when every request in it has its terminal event durably
 written (acks=all). A worker killed at any moment therefore leaves its unfinished batches
 uncommitted; the consumer group hands them to another worker (or this one, restarted), which
-regenerates them with the same seeds. Readers drop the repeated deltas by sequence number.
+regenerates them with the same seeds. Readers drop the repeated deltas by sequence number. A run
+whose events cannot be written (the broker is away) is stopped and run again here once writes
+may succeed (delivery.py), the same way.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from schemas.messages import (
 )
 from schemas.model_repo import ModelConfig
 from schemas.topics import Topics
+from services.worker.delivery import RedoPolicy, Writer, is_outage
 from services.worker.fingerprints import FingerprintBatcher
 from services.worker.runner import EngineHost
 from services.worker.sequence import EngineOutput
@@ -49,6 +52,9 @@ class InFlight:
     request: GenerateRequest | EmbedRequest
     batch_id: str
     offsets: list[tuple[TopicPartition, int]] = field(default_factory=list)
+    futures: list[asyncio.Future] = field(default_factory=list)  # every write of the current run
+    failure: BaseException | None = None  # the first write of the current run that failed
+    num_redos: int = 0
 
 
 class ModelServer:
@@ -63,12 +69,16 @@ class ModelServer:
         worker_id: str,
         audit_key: bytes,
         fingerprints: FingerprintBatcher | None = None,
+        redo_policy: RedoPolicy | None = None,
     ) -> None:
         self.config = config
         self.runners = runners
         self.settings = settings
         self.topics: Topics = settings.topics
         self.producer = producer
+        self.writer = Writer(producer)
+        self.redo_policy = redo_policy or RedoPolicy()
+        self._tasks: set[asyncio.Task] = set()  # settles and redos in flight (the loop keeps weak references)
         self.worker_id = worker_id
         self.audit_key = audit_key
         self.audit_key_id = key_id(audit_key)
@@ -153,6 +163,11 @@ class ModelServer:
             return
         flight = InFlight(request, batch_id, [key])
         self.in_flight[request.request_id] = flight
+        await self.start(flight)
+
+    async def start(self, flight: InFlight) -> None:
+        """Run a request taken from a batch (again, after a run that could not be written)."""
+        request = flight.request
         now = now_ms()
         if request.model != self.config.name:
             info = ErrorInfo(code="wrong_model", message=f"batch for {self.config.name} holds a request for {request.model}")
@@ -199,13 +214,16 @@ class ModelServer:
                 await self.send_output(flight, out)
 
     async def send_output(self, flight: InFlight, out: EngineOutput) -> None:
+        if flight.failure is not None:  # this run is broken: write nothing more of it
+            if out.is_final:
+                self.redo_later(flight, flight.failure)
+            return
         req = flight.request
         key = req.request_id.encode()
         seq = out.seq
-        futures = []
         if out.text or (out.token_ids and not out.is_final):
             delta = ReplyDelta(request_id=req.request_id, batch_id=flight.batch_id, seq=seq, text=out.text, token_ids=out.token_ids)
-            futures.append(await self._send(req.reply_to, encode(delta), key))
+            self._watch(flight, await self._send(req.reply_to, encode(delta), key))
             seq += 1
         if not out.is_final:
             return
@@ -216,10 +234,10 @@ class ModelServer:
             error=out.error, model_version=self.model_version, received_ms=out.received_ms,
             first_token_ms=out.first_token_ms, embeddings=out.embeddings,
         )  # fmt: skip
-        futures.append(await self._send(req.reply_to, encode(end), key))
+        self._watch(flight, await self._send(req.reply_to, encode(end), key))
         if out.prompt_text is not None:
-            futures.append(await self.send_audit(flight, out, key))
-        asyncio.get_running_loop().create_task(self.settle(flight, futures))
+            self._watch(flight, await self.send_audit(flight, out, key))
+        self._spawn(self.settle(flight))
 
     async def send_audit(self, flight: InFlight, out: EngineOutput, key: bytes) -> asyncio.Future:
         """Produce the request's AuditEvent; with a fingerprint batcher, once its SimHashes are in.
@@ -244,13 +262,51 @@ class ModelServer:
         return asyncio.get_running_loop().create_task(fingerprint_then_send())
 
     async def _send(self, topic: str, value: bytes, key: bytes) -> asyncio.Future:
-        try:
-            return await self.producer.send(topic, value, key=key)
-        except KafkaError as exc:  # e.g. an invalid reply_to: this request cannot be answered
-            log.error("cannot produce to %s: %r", topic, exc)
-            failed: asyncio.Future = asyncio.get_running_loop().create_future()
-            failed.set_result(None)
-            return failed
+        return await self.writer.send(topic, value, key)
+
+    def _watch(self, flight: InFlight, future: asyncio.Future) -> None:
+        """Count a write of the flight's current run; the first that fails stops the run."""
+        flight.futures.append(future)
+
+        def on_done(done: asyncio.Future) -> None:
+            exc = None if done.cancelled() else done.exception()
+            if exc is None or flight.failure is not None or flight.futures is not futures:
+                return  # written, already broken, or a write of an earlier run
+            flight.failure = exc
+            log.warning("request %s: a write to %s failed (%r); stopping this run", flight.request.request_id,
+                        flight.request.reply_to, exc)  # fmt: skip
+            runner = self._owner.get(flight.request.request_id)
+            if runner is not None:
+                runner.cancel(flight.request.request_id)  # its final output then comes to send_output
+
+        futures = flight.futures
+        future.add_done_callback(on_done)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def redo_later(self, flight: InFlight, failure: BaseException) -> None:
+        """After a run that could not be written: run the request again from the start (readers
+        drop the seqs they have), or give up on it when that cannot help."""
+        req = flight.request
+        delay_s = self.redo_policy.next_try_s(failure, flight.num_redos, req.deadline_ms, now_ms())
+        if delay_s is None:
+            why = "its deadline passed long ago" if is_outage(failure) else "its reply topic refuses it"
+            log.error("request %s cannot be answered on %s (%r; %s); giving up on it", req.request_id, req.reply_to, failure, why)
+            self._forget(flight)
+            return
+        log.info("request %s: running it again in %.1f s (redo %d)", req.request_id, delay_s, flight.num_redos + 1)
+        flight.num_redos += 1
+
+        async def redo() -> None:
+            await asyncio.sleep(delay_s)
+            if self.in_flight.get(req.request_id) is flight:  # not ended meanwhile (a rebalance redo here)
+                flight.futures, flight.failure = [], None
+                await self.start(flight)
+
+        self._spawn(redo())
 
     async def finish_early(self, flight: InFlight, reason, error: ErrorInfo) -> None:
         """End a request that never reached the engine."""
@@ -278,12 +334,19 @@ class ModelServer:
             mean_token_entropy=out.mean_token_entropy, watermark_z=out.watermark_z,
         )  # fmt: skip
 
-    async def settle(self, flight: InFlight, futures: list[asyncio.Future]) -> None:
-        """Once the terminal event is durable, the request's batch offsets may be committed."""
-        try:
-            await asyncio.gather(*futures)
-        except KafkaError as exc:
-            log.error("terminal event of %s not written (%r); its batch stays uncommitted", flight.request.request_id, exc)
+    async def settle(self, flight: InFlight) -> None:
+        """Once every write of the run is durable, the request's batch offsets may be committed;
+        a run with a write that failed is run again instead (its batch stays uncommitted)."""
+        results = await asyncio.gather(*flight.futures, return_exceptions=True)
+        failure = flight.failure or next((r for r in results if isinstance(r, BaseException)), None)
+        if failure is not None:
+            self.redo_later(flight, failure)
+            return
+        self._forget(flight)
+
+    def _forget(self, flight: InFlight) -> None:
+        """The request is done here: mark its batch offsets done once every request of the batch is."""
+        if self.in_flight.get(flight.request.request_id) is not flight:
             return
         self.in_flight.pop(flight.request.request_id, None)
         self._owner.pop(flight.request.request_id, None)

@@ -19,13 +19,22 @@ from .test_faults import NUM_REQUESTS, assert_each_ends_once, stream_one
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
 
-async def test_a_broker_killed_and_restarted_mid_stream_loses_no_request(tmp_path) -> None:
+@pytest.mark.parametrize(
+    "delivery_timeout_ms",
+    [
+        30_000,  # the default: the outage (~15 s here) is shorter, and the producers' retries cover it
+        3_000,  # shorter than the outage: sends fail, and the services must redo what they lost
+    ],
+)
+async def test_a_broker_killed_and_restarted_mid_stream_loses_no_request(tmp_path, delivery_timeout_ms: int) -> None:
     port, controller_port = free_ports(2)
     broker = launcher.BrokerConfig(port=port, controller_port=controller_port, data_dir=tmp_path / "broker")
     await launcher.up(broker, timeout_s=120)
     pipeline = None
     try:
-        pipeline = await asyncio.to_thread(start_pipeline, tmp_path, broker.bootstrap)
+        pipeline = await asyncio.to_thread(
+            start_pipeline, tmp_path, broker.bootstrap, WEIR_PRODUCER_REQUEST_TIMEOUT_MS=str(delivery_timeout_ms)
+        )
         log: dict = {}
         started = asyncio.Event()
         async with httpx.AsyncClient(base_url=pipeline.base_url, timeout=300, limits=httpx.Limits(max_connections=64)) as client:

@@ -1,0 +1,75 @@
+"""delivery.py: when a run that could not be written runs again, and the fail-fast writer."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from aiokafka.errors import InvalidTopicError, KafkaConnectionError, KafkaTimeoutError, NotLeaderForPartitionError
+
+from services.worker.delivery import RedoPolicy, Writer, is_outage
+
+
+def test_outages_are_told_from_refusals() -> None:
+    assert is_outage(KafkaTimeoutError()) and is_outage(KafkaConnectionError()) and is_outage(NotLeaderForPartitionError())
+    assert not is_outage(InvalidTopicError()) and not is_outage(ValueError())
+
+
+def test_redo_backs_off_and_gives_up_past_the_deadline_grace_or_on_a_refusal() -> None:
+    policy = RedoPolicy(first_delay_s=0.5, max_delay_s=4, grace_after_deadline_s=60)
+    deadline = 100_000
+    assert [policy.next_try_s(KafkaTimeoutError(), n, deadline, 0) for n in range(6)] == [0.5, 1, 2, 4, 4, 4]
+    assert policy.next_try_s(KafkaTimeoutError(), 0, deadline, deadline + 59_000) == 0.5  # to write its timeout
+    assert policy.next_try_s(KafkaTimeoutError(), 0, deadline, deadline + 61_000) is None
+    assert policy.next_try_s(InvalidTopicError(), 0, deadline, 0) is None
+
+
+class FakeProducer:
+    """send() as aiokafka's: returns the future of the write; `fail_with` makes send() raise."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, bytes]] = []
+        self.fail_with: BaseException | None = None
+        self.futures: list[asyncio.Future] = []
+
+    async def send(self, topic: str, value: bytes, key: bytes) -> asyncio.Future:
+        if self.fail_with is not None:
+            raise self.fail_with
+        self.sent.append((topic, value))
+        future = asyncio.get_running_loop().create_future()
+        self.futures.append(future)
+        return future
+
+
+async def test_writer_fails_fast_during_an_outage_and_probes_once_a_second() -> None:
+    now = [0.0]
+    producer = FakeProducer()
+    writer = Writer(producer, probe_interval_s=1.0, clock=lambda: now[0])  # type: ignore[arg-type]
+    producer.fail_with = KafkaTimeoutError()
+    with pytest.raises(KafkaTimeoutError):
+        await (await writer.send("t", b"1", b"k"))
+    assert writer.is_down
+    producer.fail_with = None
+    now[0] = 0.5  # within the probe interval: not tried
+    with pytest.raises(KafkaConnectionError):
+        await (await writer.send("t", b"2", b"k"))
+    assert producer.sent == []
+    now[0] = 1.1  # the probe
+    future = await writer.send("t", b"3", b"k")
+    assert producer.sent == [("t", b"3")]
+    producer.futures[0].set_result("metadata")
+    assert await future == "metadata"
+    await asyncio.sleep(0)  # the done-callback
+    assert not writer.is_down
+
+
+async def test_a_refused_topic_does_not_stop_the_writes_to_others() -> None:
+    producer = FakeProducer()
+    writer = Writer(producer)  # type: ignore[arg-type]
+    producer.fail_with = InvalidTopicError()
+    with pytest.raises(InvalidTopicError):
+        await (await writer.send("bad topic", b"1", b"k"))
+    assert not writer.is_down
+    producer.fail_with = None
+    await writer.send("good", b"2", b"k")
+    assert producer.sent == [("good", b"2")]
