@@ -51,6 +51,29 @@ def failed_future(exc: BaseException) -> asyncio.Future:
     return future
 
 
+def failure_of(future: asyncio.Future) -> BaseException | None:
+    """The exception of a future that is done and failed (retrieved, so asyncio does not warn of
+    it); None while it is pending or when it succeeded."""
+    if not future.done():
+        return None
+    if future.cancelled():
+        return asyncio.CancelledError("the write was cancelled")
+    return future.exception()
+
+
+async def first_failure(futures: list[asyncio.Future]) -> BaseException | None:
+    """Wait for every future; the first failure among them in order, or None when all succeeded.
+    Every failure is retrieved."""
+    pending = [f for f in futures if not f.done()]
+    if pending:
+        await asyncio.wait(pending)
+    first = None
+    for future in futures:
+        exc = failure_of(future)
+        first = first or exc
+    return first
+
+
 class Writer:
     """The worker's producer, failing fast while the broker is away.
 

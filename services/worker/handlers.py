@@ -34,7 +34,7 @@ from schemas.messages import (
 )
 from schemas.model_repo import ModelConfig
 from schemas.topics import Topics
-from services.worker.delivery import RedoPolicy, Writer, is_outage
+from services.worker.delivery import RedoPolicy, Writer, failure_of, first_failure, is_outage
 from services.worker.fingerprints import FingerprintBatcher
 from services.worker.runner import EngineHost
 from services.worker.sequence import EngineOutput
@@ -223,7 +223,7 @@ class ModelServer:
         seq = out.seq
         if out.text or (out.token_ids and not out.is_final):
             delta = ReplyDelta(request_id=req.request_id, batch_id=flight.batch_id, seq=seq, text=out.text, token_ids=out.token_ids)
-            self._watch(flight, await self._send(req.reply_to, encode(delta), key))
+            self._note(flight, await self._send(req.reply_to, encode(delta), key))
             seq += 1
         if not out.is_final:
             return
@@ -234,9 +234,9 @@ class ModelServer:
             error=out.error, model_version=self.model_version, received_ms=out.received_ms,
             first_token_ms=out.first_token_ms, embeddings=out.embeddings,
         )  # fmt: skip
-        self._watch(flight, await self._send(req.reply_to, encode(end), key))
+        self._note(flight, await self._send(req.reply_to, encode(end), key))
         if out.prompt_text is not None:
-            self._watch(flight, await self.send_audit(flight, out, key))
+            self._note(flight, await self.send_audit(flight, out, key))
         self._spawn(self.settle(flight))
 
     async def send_audit(self, flight: InFlight, out: EngineOutput, key: bytes) -> asyncio.Future:
@@ -264,23 +264,26 @@ class ModelServer:
     async def _send(self, topic: str, value: bytes, key: bytes) -> asyncio.Future:
         return await self.writer.send(topic, value, key)
 
-    def _watch(self, flight: InFlight, future: asyncio.Future) -> None:
-        """Count a write of the flight's current run; the first that fails stops the run."""
-        flight.futures.append(future)
-
-        def on_done(done: asyncio.Future) -> None:
-            exc = None if done.cancelled() else done.exception()
-            if exc is None or flight.failure is not None or flight.futures is not futures:
-                return  # written, already broken, or a write of an earlier run
-            flight.failure = exc
-            log.warning("request %s: a write to %s failed (%r); stopping this run", flight.request.request_id,
-                        flight.request.reply_to, exc)  # fmt: skip
-            runner = self._owner.get(flight.request.request_id)
-            if runner is not None:
-                runner.cancel(flight.request.request_id)  # its final output then comes to send_output
-
+    def _note(self, flight: InFlight, future: asyncio.Future) -> None:
+        """Count a write of the flight's current run. A write that failed stops the run: seen here
+        when the writer refused it at once (the broker is away), or as the run's previous write
+        (one event late); settle() looks at every write at the end. No callback per write: this
+        runs for every token."""
         futures = flight.futures
-        future.add_done_callback(on_done)
+        previous = futures[-1] if futures else None
+        futures.append(future)
+        if flight.failure is None:
+            exc = failure_of(future) or (failure_of(previous) if previous is not None else None)
+            if exc is not None:
+                self._break(flight, exc)
+
+    def _break(self, flight: InFlight, exc: BaseException) -> None:
+        flight.failure = exc
+        rid = flight.request.request_id
+        log.warning("request %s: a write to %s failed (%r); stopping this run", rid, flight.request.reply_to, exc)
+        runner = self._owner.get(rid)
+        if runner is not None:
+            runner.cancel(rid)  # its final output then comes to send_output, which redoes it
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -303,6 +306,7 @@ class ModelServer:
         async def redo() -> None:
             await asyncio.sleep(delay_s)
             if self.in_flight.get(req.request_id) is flight:  # not ended meanwhile (a rebalance redo here)
+                self._spawn(first_failure(flight.futures))  # collects the broken run's failures (no warnings)
                 flight.futures, flight.failure = [], None
                 await self.start(flight)
 
@@ -337,8 +341,8 @@ class ModelServer:
     async def settle(self, flight: InFlight) -> None:
         """Once every write of the run is durable, the request's batch offsets may be committed;
         a run with a write that failed is run again instead (its batch stays uncommitted)."""
-        results = await asyncio.gather(*flight.futures, return_exceptions=True)
-        failure = flight.failure or next((r for r in results if isinstance(r, BaseException)), None)
+        failure = await first_failure(flight.futures)
+        failure = flight.failure or failure
         if failure is not None:
             self.redo_later(flight, failure)
             return

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 from aiokafka.errors import InvalidTopicError, KafkaConnectionError, KafkaTimeoutError, NotLeaderForPartitionError
 
-from services.worker.delivery import RedoPolicy, Writer, is_outage
+from services.worker.delivery import RedoPolicy, Writer, failure_of, first_failure, is_outage
 
 
 def test_outages_are_told_from_refusals() -> None:
@@ -73,3 +73,16 @@ async def test_a_refused_topic_does_not_stop_the_writes_to_others() -> None:
     producer.fail_with = None
     await writer.send("good", b"2", b"k")
     assert producer.sent == [("good", b"2")]
+
+
+async def test_first_failure_waits_for_every_write_and_names_the_first_that_failed() -> None:
+    loop = asyncio.get_running_loop()
+    ok, late, failed = loop.create_future(), loop.create_future(), loop.create_future()
+    ok.set_result(1)
+    failed.set_exception(KafkaTimeoutError())
+    loop.call_later(0.01, late.set_exception, NotLeaderForPartitionError())
+    exc = await first_failure([ok, late, failed])
+    assert isinstance(exc, NotLeaderForPartitionError)  # in order, not in time
+    assert late.done() and failure_of(failed) is not None
+    assert await first_failure([ok]) is None
+    assert failure_of(loop.create_future()) is None  # pending
