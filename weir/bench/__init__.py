@@ -11,6 +11,7 @@ BENCHES = {
     "batcher": ("weir.bench.batcher", "interactive TTFT during a bulk job, fifo vs lanes; batch fill; job throughput"),
     "gateway": ("weir.bench.gateway", "gateway's added latency and streams held vs a bare uvicorn SSE endpoint"),
     "audit": ("weir.bench.audit", "auditor ingestion rate, fingerprint cost vs generation time, watermark z and perplexity"),
+    "hop": ("weir.bench.hop", "one Kafka hop between two processes, split at the sockets, beside loopback TCP"),
     "injection": ("weir.bench.injection", "prompt-injection detector latency: wall and thread CPU p50/p95/p99/max by length"),
 }
 
