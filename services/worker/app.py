@@ -10,6 +10,7 @@ import signal
 import sys
 
 import torch
+from aiokafka.errors import KafkaError
 
 from schemas.codec import encode
 from schemas.fingerprint import parse_key
@@ -164,7 +165,10 @@ class WorkerService:
     async def heartbeat(self, producer) -> None:
         topic = self.settings.topics.workers
         while True:
-            await producer.send_and_wait(topic, encode(self.heartbeat_message()), key=self.worker_id.encode())
+            try:
+                await producer.send_and_wait(topic, encode(self.heartbeat_message()), key=self.worker_id.encode())
+            except KafkaError as exc:  # the broker is away: batchers see this worker again with the next one
+                log.warning("heartbeat not written (%r)", exc)
             for server in self.servers:
                 server.forget_old_cancels()
             with contextlib.suppress(TimeoutError):
