@@ -113,11 +113,8 @@ class BatcherHandlers:
             if (address := reply_address(record.value)) is None:
                 self._tracker.done(_tp(record), record.offset)
             else:  # it says who waits for it: end it there too (invariant 3), with the reason
-                request_id, reply_to = address
-                end = ReplyEnd(request_id=request_id, seq=0, finish_reason="rejected",
-                               error=ErrorInfo(code="invalid_request", message=str(exc)))  # fmt: skip
-                future = await self._send(reply_to, encode(end), request_id)
-                self._effects.append(_Effect(future, [record], "reply", reply_to))
+                error = ErrorInfo(code="invalid_request", message=str(exc))
+                await self._end_at(*address, record, "rejected", error)
             return
         verdict = self.planner.add(req, now_ms, size_bytes=len(record.value or b""))
         if verdict is Admission.HELD:
@@ -206,9 +203,14 @@ class BatcherHandlers:
         self, req: GenerateRequest | EmbedRequest, record: ConsumerRecord, reason: FinishReason, error: ErrorInfo | None
     ) -> None:
         """Produce the request's one terminal event; its record is done once that is durable."""
-        end = ReplyEnd(request_id=req.request_id, seq=0, finish_reason=reason, error=error)
-        future = await self._send(req.reply_to, encode(end), req.request_id)
-        self._effects.append(_Effect(future, [record], "reply", req.reply_to))
+        await self._end_at(req.request_id, req.reply_to, record, reason, error)
+
+    async def _end_at(
+        self, request_id: str, reply_to: str, record: ConsumerRecord, reason: FinishReason, error: ErrorInfo | None
+    ) -> None:
+        end = ReplyEnd(request_id=request_id, seq=0, finish_reason=reason, error=error)
+        future = await self._send(reply_to, encode(end), request_id)
+        self._effects.append(_Effect(future, [record], "reply", reply_to))
 
     async def _send(self, topic: str, value: bytes, key: str, partition: int | None = None) -> asyncio.Future[Any]:
         try:

@@ -89,7 +89,6 @@ class Writer:
         self.probe_interval_s = probe_interval_s
         self._clock = clock
         self._skip_until: float | None = None  # while in the future, sends are failed untried
-        self.num_failed = 0
 
     @property
     def is_down(self) -> bool:
@@ -117,4 +116,3 @@ class Writer:
             self._skip_until = None
         elif is_outage(exc):
             self._skip_until = self._clock() + self.probe_interval_s
-            self.num_failed += 1
