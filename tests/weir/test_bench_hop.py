@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio.selector_events
 import re
 
 import pytest
@@ -12,7 +13,10 @@ pytestmark = pytest.mark.kafka
 
 
 def test_bench_hop_measures_every_row(capsys) -> None:
-    assert hop.main(["--count", "30", "--gap-ms", "2"]) == 0
+    transport = getattr(asyncio.selector_events, "_SelectorSocketTransport")
+    before = (transport.write, transport._read_ready)
+    assert hop.main(["--count", "30", "--gap-ms", "2", "--warmup", "50"]) == 0
+    assert (transport.write, transport._read_ready) == before  # this process's event loop as it was
     out = capsys.readouterr().out
     rows = re.findall(r"^(.+?)\s{2,}(\d+\.\d\d)\s+(\d+\.\d\d)\s+(\d+)\s*$", out, re.M)
     assert len(rows) == 6, out

@@ -20,9 +20,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import asyncio.selector_events
+import contextlib
 import multiprocessing
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 from weir.bench.stats import percentile, print_table
@@ -30,8 +32,10 @@ from weir.bench.stats import percentile, print_table
 _stamps: dict[str, list[float]] = {"write": [], "read": []}
 
 
-def _stamp_socket_io() -> None:
-    """Record the time of every socket write and every readable socket in this process."""
+@contextlib.contextmanager
+def stamped_socket_io() -> Iterator[None]:
+    """Record the time of every socket write and every readable socket in this process, until
+    the block ends (then the event loop's transport is as it was, and the stamps are gone)."""
     transport: Any = getattr(asyncio.selector_events, "_SelectorSocketTransport")  # CPython internal
     write, read_ready = transport.write, transport._read_ready
 
@@ -44,6 +48,12 @@ def _stamp_socket_io() -> None:
         read_ready(self)
 
     transport.write, transport._read_ready = stamped_write, stamped_read_ready
+    try:
+        yield
+    finally:
+        transport.write, transport._read_ready = write, read_ready
+        for stamps in _stamps.values():
+            stamps.clear()
 
 
 # -- loopback TCP ---------------------------------------------------------------------------------
@@ -93,7 +103,6 @@ async def _tcp_one_way_ms(count: int, gap_s: float) -> list[float]:
 
 def _kafka_sink(bootstrap: str, topic: str, ready, results) -> None:
     """The consumer process: for each record, (its index, socket readable at, returned at)."""
-    _stamp_socket_io()
 
     async def consume() -> None:
         from weir.bus import BusSettings, make_consumer
@@ -118,15 +127,15 @@ def _kafka_sink(bootstrap: str, topic: str, ready, results) -> None:
             await consumer.stop()
         results.put(out)
 
-    asyncio.run(consume())
+    with stamped_socket_io():
+        asyncio.run(consume())
 
 
-async def _kafka_hops(bootstrap: str, count: int, gap_s: float) -> dict[str, list[float]]:
+async def _kafka_hops(bootstrap: str, count: int, gap_s: float, num_warmup: int) -> dict[str, list[float]]:
     from weir.bus import BusSettings, make_producer
     from weir.kafka.admin import delete_prefixed_topics, ensure_topics
     from schemas.topics import TopicSpec
 
-    _stamp_socket_io()
     prefix = f"benchhop{uuid.uuid4().hex[:6]}"
     topic = f"{prefix}.hop"
     await ensure_topics(bootstrap, [TopicSpec(topic, 1)])
@@ -139,16 +148,20 @@ async def _kafka_hops(bootstrap: str, count: int, gap_s: float) -> dict[str, lis
     try:
         await asyncio.to_thread(ready.wait, 60)
         await asyncio.sleep(0.5)
+        for _ in range(num_warmup):  # back to back, not measured: a broker just started runs cold (JIT)
+            await (await producer.send(topic, f"-1 {time.perf_counter()!r}".encode()))
         sent_at, written_at, acked_at = [], [], []
-        for i in range(count):
-            _stamps["write"].clear()
-            start = time.perf_counter()
-            future = await producer.send(topic, f"{i} {start!r}".encode())
-            await future
-            acked_at.append(time.perf_counter())
-            sent_at.append(start)
-            written_at.append(next((t for t in _stamps["write"] if t >= start), float("nan")))
-            await asyncio.sleep(gap_s)
+        with stamped_socket_io():
+            for i in range(count):
+                _stamps["write"].clear()
+                start = time.perf_counter()
+                future = await producer.send(topic, f"{i} {start!r}".encode())
+                await future
+                acked_at.append(time.perf_counter())
+                sent_at.append(start)
+                written_at.append(next((t for t in _stamps["write"] if t >= start), float("nan")))
+                _stamps["read"].clear()  # the acks' reads: not used here
+                await asyncio.sleep(gap_s)
         await producer.send_and_wait(topic, b"stop")
         received = await asyncio.to_thread(results.get, True, 60)
     finally:
@@ -157,7 +170,7 @@ async def _kafka_hops(bootstrap: str, count: int, gap_s: float) -> dict[str, lis
         if child.is_alive():
             child.kill()
         await delete_prefixed_topics(bootstrap, prefix)
-    by_index = {i: (readable, returned) for i, readable, returned in received}
+    by_index = {i: (readable, returned) for i, readable, returned in received if i >= 0}
     hops: dict[str, list[float]] = {"hop": [], "producer": [], "broker": [], "consumer": [], "ack": []}
     for i, (sent, written, acked) in enumerate(zip(sent_at, written_at, acked_at, strict=True)):
         if i not in by_index:
@@ -177,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bootstrap", default="127.0.0.1:9092")
     parser.add_argument("--count", type=int, default=300, help="messages per path (the first 10%% are dropped)")
     parser.add_argument("--gap-ms", type=float, default=15.0, help="idle time between two messages")
+    parser.add_argument("--warmup", type=int, default=2000, help="Kafka messages sent back to back first, not measured")
     args = parser.parse_args(argv)
     from weir.kafka import launcher
 
@@ -185,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(launcher.up(broker, 120))
     gap_s, skip = args.gap_ms / 1000, args.count // 10
     tcp = asyncio.run(_tcp_one_way_ms(args.count, gap_s))[skip:]
-    hops = {k: v[skip:] for k, v in asyncio.run(_kafka_hops(args.bootstrap, args.count, gap_s)).items()}
+    hops = {k: v[skip:] for k, v in asyncio.run(_kafka_hops(args.bootstrap, args.count, gap_s, args.warmup)).items()}
     labels = [
         ("loopback TCP message, asyncio, two processes", tcp),
         ("one Kafka hop, aiokafka with weir.bus settings", hops["hop"]),
