@@ -6,7 +6,7 @@ import re
 from typing import Any, TypeVar
 
 import orjson
-from pydantic import BaseModel, TypeAdapter
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from schemas.messages import (
     AnyRequest,
@@ -65,17 +65,17 @@ def encode(message: BaseModel) -> bytes:
 
 def decode(kind: type[M], data: bytes | None) -> M:
     """Parse bytes into `kind`; raises DecodeError with the reason on any defect."""
-    return _validated(kind.model_validate, kind.__name__, data)
+    return _validated(kind.model_validate_json, kind.__name__, data)
 
 
 def decode_reply(data: bytes | None) -> Any:
     """Parse a ReplyDelta or ReplyEnd by its `type` field."""
-    return _validated(_REPLY.validate_python, "ReplyEvent", data)
+    return _validated(_REPLY.validate_json, "ReplyEvent", data)
 
 
 def decode_request(data: bytes | None) -> GenerateRequest | EmbedRequest:
     """Parse a record of `weir.requests` by its `kind` field ("generate" when absent, "embed")."""
-    return _validated(_REQUEST.validate_python, "request", data)
+    return _validated(_REQUEST.validate_json, "request", data)
 
 
 _TOPIC_NAME = re.compile(r"[A-Za-z0-9._-]{1,249}")
@@ -102,17 +102,68 @@ def reply_address(data: bytes | None) -> tuple[str, str] | None:
 
 def decode_audit_record(data: bytes | None) -> AuditEvent | ReviewFlag:
     """Parse a record of `weir.audit` by its `kind` field (AuditEvent when absent, "review_flag")."""
-    return _validated(_AUDIT_RECORD.validate_python, "audit record", data)
+    return _validated(_AUDIT_RECORD.validate_json, "audit record", data)
 
 
 def _validated(validate: Any, what: str, data: bytes | None) -> Any:
-    """validate(parsed JSON), with every defect turned into a DecodeError that says what and why."""
+    """validate(JSON bytes) in strict mode, as the exported JSON Schemas say (no "8" for an
+    integer), with every defect turned into a DecodeError that a person can read."""
     try:
-        return validate(orjson.loads(data or b""))
-    except orjson.JSONDecodeError as exc:
-        raise DecodeError(f"not JSON: {exc}") from exc
-    except ValueError as exc:  # pydantic.ValidationError is a ValueError
+        return validate(data or b"", strict=True)
+    except ValidationError as exc:
+        if exc.errors()[0]["type"] == "json_invalid":
+            raise DecodeError(f"not JSON: {exc.errors()[0]['msg']}") from exc
+        raise DecodeError(f"invalid {what}: {describe_errors(exc)}") from exc
+    except ValueError as exc:
         raise DecodeError(f"invalid {what}: {_short(exc)}") from exc
+
+
+# pydantic error type -> what the field expected, in words
+_EXPECTED = {
+    "int_type": "expected an integer", "int_parsing": "expected an integer", "int_from_float": "expected an integer",
+    "float_type": "expected a number", "float_parsing": "expected a number", "string_type": "expected a string",
+    "bool_type": "expected true or false", "bool_parsing": "expected true or false", "dict_type": "expected an object",
+    "model_type": "expected an object", "model_attributes_type": "expected an object",
+    "list_type": "expected an array", "tuple_type": "expected an array", "none_required": "expected null",
+}  # fmt: skip
+_MAX_ERRORS_SHOWN = 5
+
+
+def describe_errors(exc: ValidationError) -> str:
+    """Each defect as `field: what was wrong, got <the value as JSON>`, joined by "; " (at most
+    five, then how many more); e.g. `max_tokens: expected an integer, got "8"`."""
+    parts = [_describe(error) for error in exc.errors()]
+    shown = "; ".join(parts[:_MAX_ERRORS_SHOWN])
+    if len(parts) > _MAX_ERRORS_SHOWN:
+        shown += f"; and {len(parts) - _MAX_ERRORS_SHOWN} more"
+    return shown
+
+
+def _describe(error: Any) -> str:
+    # A tagged union's loc starts with the tag ("generate", "embed"): not a field name.
+    loc = [str(part) for part in error["loc"] if not (isinstance(part, str) and part in _UNION_TAGS)]
+    where = ".".join(loc) or "the record"
+    kind = error["type"]
+    if kind == "missing":
+        return f"{where}: required, missing"
+    if kind == "extra_forbidden":
+        return f"{where}: not a field of this message"
+    if kind in _EXPECTED:
+        said = _EXPECTED[kind]
+    else:
+        said = str(error["msg"]).replace("Value error, ", "").replace("Input should be", "must be")
+    return f"{where}: {said}, got {_json_excerpt(error.get('input'))}"
+
+
+_UNION_TAGS = {"generate", "embed", "audit_event", "review_flag", "delta", "end"}
+
+
+def _json_excerpt(value: Any, max_chars: int = 80) -> str:
+    try:
+        text = orjson.dumps(value).decode()
+    except TypeError:
+        text = repr(value)
+    return text if len(text) <= max_chars else text[: max_chars - 3] + "..."
 
 
 def json_schema(name: str) -> dict[str, Any]:

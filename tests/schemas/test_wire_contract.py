@@ -102,7 +102,7 @@ def test_audit_records_decode_by_kind_and_no_kind_is_an_audit_event():
 @pytest.mark.parametrize(
     "change, why",
     [
-        ({"kind": None}, "audit_event.event_id"),  # no kind: read as an AuditEvent, which it is not
+        ({"kind": None}, "event_id: required, missing"),  # no kind: read as an AuditEvent, which it is not
         ({"kind": "verdict"}, "does not match any of the expected tags"),
         ({"reason": "spam"}, "reason"),
         ({"num_detections": 0}, "num_detections"),
