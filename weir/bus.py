@@ -50,6 +50,8 @@ class BusSettings(BaseSettings):
         30_000, ge=1000, description="How long a produce may wait for the broker before it fails."
     )
 
+    http_host: str = Field("127.0.0.1", description="Address of the service's HTTP endpoint (/healthz, /readyz, /metrics).")
+
     @property
     def topics(self) -> Topics:
         """Topic names and group ids under this deployment's prefix."""
@@ -74,6 +76,19 @@ def make_producer(settings: BusSettings, client_id: str, linger_ms: int = 0) -> 
     )
 
 
+def consumer_settings(settings: BusSettings, max_poll_records: int = 500, session_timeout_ms: int = 10_000) -> dict[str, Any]:
+    """The fetch, session and isolation settings of every consumer of Weir, aiokafka's or FastStream's
+    (the auditor's subscriber takes the same): no auto-commit, committed reads only."""
+    return {
+        "enable_auto_commit": False,
+        "fetch_max_wait_ms": settings.fetch_max_wait_ms,
+        "max_poll_records": max_poll_records,
+        "session_timeout_ms": session_timeout_ms,
+        "heartbeat_interval_ms": max(1000, session_timeout_ms // 4),
+        "isolation_level": "read_committed",
+    }
+
+
 def make_consumer(
     settings: BusSettings,
     *topics: str,
@@ -89,13 +104,8 @@ def make_consumer(
         bootstrap_servers=settings.kafka_bootstrap,
         client_id=client_id,
         group_id=group_id,
-        enable_auto_commit=False,
         auto_offset_reset=auto_offset_reset,
-        fetch_max_wait_ms=settings.fetch_max_wait_ms,
-        max_poll_records=max_poll_records,
-        session_timeout_ms=session_timeout_ms,
-        heartbeat_interval_ms=max(1000, session_timeout_ms // 4),
-        isolation_level="read_committed",
+        **consumer_settings(settings, max_poll_records, session_timeout_ms),
     )
 
 

@@ -1,12 +1,13 @@
-"""Batcher wiring: Kafka clients from settings, the one asyncio loop, signals, and `main`.
+"""Batcher wiring: Kafka clients from settings, the one asyncio loop, and `main`.
 
-    weir batcher [--bootstrap HOST:PORT] [--topic-prefix P] [--model-repo models.toml]
+    weir batcher [--bootstrap HOST:PORT] [--topic-prefix P] [--model-repo models.toml] [--http-port N]
 
 One loop round: wait for request records (at most until the planner's next wakeup), admit them,
 apply cancellations, take worker heartbeats into the router, close the batches that are due (each
 routed to a worker's partition), await every produce of the round and commit
 what is durable. Shutdown (SIGTERM/SIGINT) finishes the round, commits, and closes: held requests
-are not flushed, they are redone by the partitions' next owner.
+are not flushed, they are redone by the partitions' next owner. Started, stopped and served
+(/healthz, /readyz, /metrics) by weir/service.py like every service.
 """
 
 from __future__ import annotations
@@ -14,24 +15,25 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 import sys
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.errors import KafkaError
+from starlette.types import ASGIApp
 
 from schemas.messages import now_ms
 from schemas.model_repo import ModelRepoError, ModelRepository, load_model_repo
 from services.batcher.config import BatcherSettings
+from services.batcher.handlers import BatcherHandlers, RebalanceListener
 from services.batcher.jobs import JobRunner
-from services.batcher.handlers import BatcherHandlers, BatchPublishError, RebalanceListener
 from services.batcher.planner import Planner
 from services.batcher.routing import Router
 from weir.bus import instance_id, make_consumer, make_producer
 from weir.kafka.admin import deployment_specs, ensure_topics
+from weir.metrics import ServiceMetrics
+from weir.service import ConfigError, bus_overrides, ops_app, run_service, service_parser
 
-log = logging.getLogger("weir.batcher")
+log = logging.getLogger(__name__)
 
 
 class BatcherApp:
@@ -61,28 +63,45 @@ class BatcherApp:
             topics, self.planner, self.producer, self.requests, self.batcher_id, router=self.router,
             commit_interval_ms=settings.commit_interval_ms,
         )
+        self._started: list[Any] = []
+        self.is_reading = False
+
+    async def start(self) -> None:
+        """Start the Kafka clients, follow the control topic, read the live-worker table, subscribe."""
+        topics = self.settings.topics
+        for client in (self.producer, self.requests, self.control, self.workers):
+            await client.start()
+            self._started.append(client)
+        partitions = await self.producer.partitions_for(topics.control)  # waits for metadata
+        await _follow_control(self.control, topics.control, partitions, self.settings.control_lookback_ms)
+        await self._read_heartbeats_to_end()
+        self.requests.subscribe([topics.requests], listener=RebalanceListener(self.handlers))
+        log.info("batcher %s reading %s", self.batcher_id, topics.requests)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until `stop` is set; raises BatchPublishError when a batch cannot be produced."""
-        topics = self.settings.topics
-        started: list[Any] = []
+        self.is_reading = True
         try:
-            for client in (self.producer, self.requests, self.control, self.workers):
-                await client.start()
-                started.append(client)
-            partitions = await self.producer.partitions_for(topics.control)  # waits for metadata
-            await _follow_control(self.control, topics.control, partitions, self.settings.control_lookback_ms)
-            await self._read_heartbeats_to_end()
-            self.requests.subscribe([topics.requests], listener=RebalanceListener(self.handlers))
-            log.info("batcher %s reading %s", self.batcher_id, topics.requests)
             while not stop.is_set():
                 await self.step()
             await self.handlers.commit()  # a clean stop leaves nothing durable uncommitted
         finally:
-            # Only durable effects were committed; what is held is redone by the next owner.
-            for client in reversed(started):
-                await client.stop()
-            log.info("batcher %s stopped, %d requests uncommitted", self.batcher_id, self.handlers.num_in_flight)
+            self.is_reading = False
+
+    async def serve(self, stop: asyncio.Event) -> None:
+        """start, run until `stop`, close: the whole life of a batcher embedded in another program."""
+        try:
+            await self.start()
+            await self.run(stop)
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        """Stop the clients. Only durable effects were committed; what is held is redone by the next owner."""
+        for client in reversed(self._started):
+            await client.stop()
+        self._started.clear()
+        log.info("batcher %s stopped, %d requests uncommitted", self.batcher_id, self.handlers.num_in_flight)
 
     async def step(self) -> None:
         """One loop round; sleeps at most until the planner's next wakeup or the next record."""
@@ -125,55 +144,74 @@ async def _follow_control(control: AIOKafkaConsumer, topic: str, partitions: set
             control.seek(tp, found.offset)
 
 
-async def _run(settings: BatcherSettings, repo: ModelRepository) -> int:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    try:
-        await ensure_topics(settings.kafka_bootstrap, deployment_specs(settings.topics, repo))
-        app = BatcherApp(settings, repo)
-        # The batch job runner shares the process (and its fate: kill -9 stops both; see jobs.py).
-        await asyncio.gather(app.run(stop), JobRunner(settings, repo, app.batcher_id).run(stop))
-    except BatchPublishError as exc:
-        log.error("%s", exc)
-        return 1
-    except (KafkaError, OSError, RuntimeError) as exc:
-        log.error("batcher cannot run: %r; check WEIR_KAFKA_BOOTSTRAP=%s", exc, settings.kafka_bootstrap)
-        return 1
-    return 0
+class BatcherService:
+    """The batcher process: one BatcherApp and the batch job runner that shares its fate (a kill -9
+    stops both; see jobs.py), driven by weir/service.py."""
+
+    name = "batcher"
+
+    def __init__(self, settings: BatcherSettings, repo: ModelRepository) -> None:
+        self.settings = settings
+        self.repo = repo
+        self.app = BatcherApp(settings, repo)
+        self.jobs = JobRunner(settings, repo, self.app.batcher_id)
+        self.metrics = _metrics(self.app)
+
+    async def start(self) -> None:
+        await ensure_topics(self.settings.kafka_bootstrap, deployment_specs(self.settings.topics, self.repo))
+        await self.app.start()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await asyncio.gather(self.app.run(stop), self.jobs.run(stop))
+
+    async def close(self) -> None:
+        await self.app.close()
+        self.metrics.shutdown()
+
+    def readiness(self) -> tuple[bool, dict[str, Any]]:
+        """Ready while the loop reads requests."""
+        body = {"batcher_id": self.app.batcher_id, "live_workers": self.app.router.num_workers}
+        return self.app.is_reading, {**body, "reason": None if self.app.is_reading else "starting or stopping"}
+
+    def http_app(self) -> ASGIApp:
+        return ops_app(self.readiness, self.metrics.render)
+
+
+def _metrics(app: BatcherApp) -> ServiceMetrics:
+    """Gauges read from the batcher's state at scrape time."""
+    metrics = ServiceMetrics("batcher")
+    metrics.gauge("weir_batcher_requests_held", "Requests held by the planner, waiting for their batch.",
+                  lambda: [(app.planner.num_held, {})])
+    metrics.gauge("weir_batcher_requests_uncommitted", "Request records whose effect is not yet durable.",
+                  lambda: [(app.handlers.num_in_flight, {})])
+    metrics.gauge("weir_batcher_live_workers", "Workers with a live heartbeat in the router's table.",
+                  lambda: [(app.router.num_workers, {})])
+    metrics.gauge("weir_batcher_models_blocked", "1 per model held back because no live worker has room.",
+                  lambda: [(1, {"model": m}) for m in app.planner.blocked_models()])
+    return metrics
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command line of `weir batcher`; flags override WEIR_* environment settings."""
-    parser = argparse.ArgumentParser(prog="weir batcher", description="Run the batcher service.")
-    parser.add_argument("--bootstrap", help="Kafka bootstrap servers (WEIR_KAFKA_BOOTSTRAP)")
-    parser.add_argument("--topic-prefix", help="prefix of topics and groups (WEIR_TOPIC_PREFIX)")
-    parser.add_argument("--model-repo", help="model repository TOML (WEIR_MODEL_REPO)")
-    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    """The command line of `weir batcher`: the common service flags (weir/service.py) and its own."""
+    parser = service_parser("batcher", "Run the batcher service.", 8110, "WEIR_BATCHER_HTTP_PORT")
+    parser.add_argument("--model-repo", help="model repository TOML (env WEIR_MODEL_REPO)")
     return parser
 
 
-def main(argv: list[str]) -> int:
-    """Run the batcher until SIGTERM/SIGINT; returns the process exit status."""
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    overrides = {
-        key: value
-        for key, value in (
-            ("kafka_bootstrap", args.bootstrap),
-            ("topic_prefix", args.topic_prefix),
-            ("model_repo", args.model_repo),
-        )
-        if value is not None
-    }
-    settings = BatcherSettings(**overrides)
+def build(args: argparse.Namespace) -> tuple[BatcherService, str, int]:
+    """The service from flags over WEIR_* settings; a bad model repository is a ConfigError."""
+    overrides = {**bus_overrides(args), "model_repo": args.model_repo, "batcher_http_port": args.http_port}
+    settings = BatcherSettings(**{k: v for k, v in overrides.items() if v is not None})
     try:
         repo = load_model_repo(settings.model_repo)
     except ModelRepoError as exc:
-        log.error("%s", exc)
-        return 2
-    return asyncio.run(_run(settings, repo))
+        raise ConfigError(str(exc)) from exc
+    return BatcherService(settings, repo), settings.http_host, settings.batcher_http_port
+
+
+def main(argv: list[str]) -> int:
+    """Run the batcher until SIGTERM/SIGINT; returns the process exit status (weir/service.py)."""
+    return run_service("batcher", argv, build_parser(), build)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ async def wait_until(is_true, task: asyncio.Task[None], timeout_s: float = 20) -
 
 async def start(app: BatcherApp) -> tuple[asyncio.Event, asyncio.Task[None]]:
     stop = asyncio.Event()
-    return stop, asyncio.create_task(app.run(stop))
+    return stop, asyncio.create_task(app.serve(stop))
 
 
 async def test_batches_replies_dead_letters_and_commits(batcher_bootstrap: str, fresh_topics: Topics) -> None:

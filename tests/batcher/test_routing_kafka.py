@@ -130,7 +130,7 @@ async def test_batches_follow_heartbeats_room_prefixes_and_liveness(batcher_boot
         await until(lambda: bool(w1.assignment()) and bool(w2.assignment())
                     and len(w1.assignment()) + len(w2.assignment()) == BATCH_PARTITIONS, tasks, 40)  # fmt: skip
         await asyncio.sleep(2 * HEARTBEAT_S)
-        tasks.append(asyncio.create_task(app.run(stop)))
+        tasks.append(asyncio.create_task(app.serve(stop)))
 
         def both() -> set[str]:
             return w1.request_ids | w2.request_ids

@@ -53,7 +53,7 @@ async def pipeline():
     assert any(decode(WorkerHeartbeat, r.value).is_ready for r in beats), "the worker never became ready"
     stop = asyncio.Event()
     batcher_settings = BatcherSettings(**common)
-    tasks.append(asyncio.create_task(BatcherApp(batcher_settings, load_model_repo(REPO_TOML)).run(stop)))
+    tasks.append(asyncio.create_task(BatcherApp(batcher_settings, load_model_repo(REPO_TOML)).serve(stop)))
     server = GatewayServer(create_app(GatewaySettings(**common, auth_mode="open")))
     await server.start()
     async with httpx.AsyncClient(base_url=server.base_url) as http:
