@@ -1,12 +1,12 @@
-"""The auditor's HTTP API: lookups and watermark tests for the key holder, and /metrics.
+"""The auditor's HTTP API: lookups and watermark tests for the key holder.
 
     POST /v1/audit/lookup     {"text", "hmac_key"?, "max_distance"?, "limit"?}   bearer admin token
     POST /v1/audit/watermark  {"text", "tenant"? | "key"?, "gamma"?, "model"?}    bearer admin token
     GET  /v1/audit/reviews    ?principal=&limit=: the newest review flags              bearer admin token
-    GET  /metrics             Prometheus text: health signals of the audit stream
 
-The auditor is the only service that holds the ledger, so it serves these (DESIGN.md: services
-talk over Kafka; this is an operator's endpoint, bound to 127.0.0.1 by default). The token is
+The auditor is the only service that holds the ledger, so it serves these (docs/design.md,
+invariant 1: services talk over Kafka; this is an operator's endpoint, bound to 127.0.0.1 by
+default), on its service port beside /healthz, /readyz and /metrics (app.py). The token is
 WEIR_AUDIT_ADMIN_TOKEN; when it is unset those endpoints answer 503.
 """
 
@@ -18,12 +18,10 @@ from typing import Any
 
 import orjson
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
-from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, Field
 
 from schemas.fingerprint import parse_key
 from services.auditor.config import AuditorSettings
-from services.auditor.health import HealthMetrics
 from services.auditor.ledger import Ledger, LedgerError
 from services.auditor.lookup import DEFAULT_MAX_DISTANCE, lookup
 from services.auditor.watermark import WatermarkDetector
@@ -53,7 +51,6 @@ class WatermarkRequest(BaseModel):
 def create_api(
     settings: AuditorSettings,
     open_ledger: Callable[[], Ledger],
-    health: HealthMetrics,
     detector: WatermarkDetector,
     simhash_of: Callable[[str], str | None] | None = None,
 ) -> FastAPI:
@@ -104,10 +101,6 @@ def create_api(
         except LedgerError as exc:
             raise HTTPException(503, str(exc)) from exc
         return {"flags": [_flag_json(row) for row in rows]}
-
-    @api.get("/metrics", response_class=PlainTextResponse)
-    def get_metrics() -> PlainTextResponse:
-        return PlainTextResponse(health.render(), media_type="text/plain; version=0.0.4")
 
     return api
 

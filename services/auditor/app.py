@@ -1,4 +1,7 @@
-"""Wiring of the auditor: a FastStream app built from settings (`weir auditor` runs main)."""
+"""Wiring of the auditor: a FastStream app built from settings, run by weir/service.py.
+
+`weir auditor` serves /healthz, /readyz, /metrics and the lookup API (api.py) on its port.
+"""
 
 from __future__ import annotations
 
@@ -6,45 +9,46 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import socket
 import sqlite3
 from pathlib import Path
+from typing import Any
 
-from aiokafka.errors import KafkaError
 from faststream import FastStream
-from pydantic import SecretStr
 from faststream.kafka import KafkaBroker
+from pydantic import SecretStr
+from starlette.types import ASGIApp
 
+from services.auditor.api import create_api
 from services.auditor.config import AuditorSettings
 from services.auditor.handlers import AuditBatches, DeadLetters, LedgerWriter, register_handlers
-from services.auditor.api import create_api
 from services.auditor.health import HealthMetrics
 from services.auditor.ledger import Ledger, LedgerError
 from services.auditor.watermark import WatermarkDetector
-from weir.bus import instance_id, make_producer
+from weir.bus import instance_id
+from weir.service import ConfigError, bus_overrides, ops_app, run_service, service_parser
 
 log = logging.getLogger(__name__)
 
 
 def create_app(settings: AuditorSettings, health: HealthMetrics | None = None) -> FastStream:
-    """The auditor app: one consumer of the audit topic, a ledger, a dead-letter producer, and a
-    timer that writes the quiet chains' checkpoints. New records feed `health` (the /metrics).
+    """The auditor app: one consumer group on the audit topic, a ledger, dead letters published
+    through the same broker, and a timer that writes the quiet chains' checkpoints. New records
+    feed `health` (the /metrics).
 
-    Nothing connects until the app starts (`await app.run()`, or `async with app:` in tests).
+    Nothing connects until the app starts (`await app.start()`, or `async with app:` in tests).
     """
     client_id = instance_id("auditor")
-    dead_letters = DeadLetters(settings.topics)
     broker = KafkaBroker(
         settings.kafka_bootstrap,
         client_id=client_id,
-        # The auditor produces only dead letters, through weir.bus's idempotent acks=all producer;
-        # topics are created by `weir kafka up` / `weir topics create` with their specs.
-        consumer_only=True,
-        allow_auto_create_topics=False,
+        acks="all",  # dead letters are durable before their record's offset is committed
+        enable_idempotence=True,
+        request_timeout_ms=settings.producer_request_timeout_ms,
+        allow_auto_create_topics=False,  # topics are created by `weir kafka up` / `weir topics create`
         log_level=logging.DEBUG,  # per-batch "Received"/"Processed" lines
     )
     writer = LedgerWriter(settings)
-    register_handlers(broker, settings, AuditBatches(settings, writer, dead_letters, health))
+    register_handlers(broker, settings, AuditBatches(settings, writer, DeadLetters(settings.topics, broker), health))
     timers: list[asyncio.Task[None]] = []
 
     async def checkpoint_quiet_chains() -> None:
@@ -55,96 +59,79 @@ def create_app(settings: AuditorSettings, health: HealthMetrics | None = None) -
             except Exception as exc:  # noqa: BLE001 - retried at the next tick; appends go on
                 log.warning("checkpoint failed (%r); retrying at the next tick", exc)
 
-    async def open_ledger_and_producer() -> None:
-        producer = make_producer(settings, client_id=f"{client_id}-dlq")
-        try:
-            await producer.start()
-            await writer.open()
-        except BaseException:
-            await producer.stop()
-            await writer.close()
-            raise
-        dead_letters.producer = producer
+    async def open_ledger() -> None:
+        await writer.open()
         timers.append(asyncio.get_running_loop().create_task(checkpoint_quiet_chains()))
         log.info("auditor %s: ledger %s, consuming %s as group %s", client_id, writer.name,
                  settings.topics.audit, settings.topics.auditor_group)
 
-    async def close_ledger_and_producer() -> None:
+    async def close_ledger() -> None:
         # After the broker stopped: no handler is running any more.
         for timer in timers:
             timer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await timer
         timers.clear()
-        if dead_letters.producer is not None:
-            await dead_letters.producer.stop()
-            dead_letters.producer = None
         await writer.close()
 
-    return FastStream(broker, on_startup=[open_ledger_and_producer], after_shutdown=[close_ledger_and_producer])
+    return FastStream(broker, on_startup=[open_ledger], after_shutdown=[close_ledger])
 
 
-async def serve(settings: AuditorSettings) -> None:
-    """The Kafka app and, unless its port is 0, the HTTP API (lookup, watermark, /metrics)."""
-    import uvicorn
+class AuditorService:
+    """The auditor process: the FastStream app (its lifespan: ledger, broker) and the HTTP API."""
 
-    from services.auditor.fingerprints import simhash_function
-    from schemas.watermark import parse_tenants
+    name = "auditor"
 
-    health = HealthMetrics()
-    app = create_app(settings, health)
-    if settings.audit_api_port == 0:
-        await app.run(log_level=logging.INFO)
-        return
-    target = settings.ledger_target()
-    detector = WatermarkDetector(settings.model_repo, parse_tenants(settings.watermark_tenants))
-    api = create_api(settings, lambda: Ledger(target, readonly=True), health, detector, simhash_function())
-    where = f"{settings.audit_api_host}:{settings.audit_api_port}"
-    try:  # bound here, so a taken port is one log line, not the end of ingestion
-        sock = socket.create_server((settings.audit_api_host, settings.audit_api_port))
-    except OSError as exc:
-        log.error("auditor API cannot listen on %s (%s); ingesting without it. Set WEIR_AUDIT_API_PORT "
-                  "(0 turns the API off)", where, exc)
-        await app.run(log_level=logging.INFO)
-        return
-    server = uvicorn.Server(uvicorn.Config(api, log_level="warning", lifespan="off"))
-    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]  # FastStream handles SIGINT/SIGTERM
-    api_task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
-    log.info("auditor API on http://%s (POST /v1/audit/lookup, /v1/audit/watermark; GET /metrics)", where)
-    try:
-        await app.run(log_level=logging.INFO)
-    finally:
-        server.should_exit = True
-        await api_task
+    def __init__(self, settings: AuditorSettings) -> None:
+        from schemas.watermark import parse_tenants
+        from services.auditor.fingerprints import simhash_function
+
+        self.settings = settings
+        self.health = HealthMetrics()
+        self.app = create_app(settings, self.health)
+        self.is_started = False
+        target = settings.ledger_target()
+        detector = WatermarkDetector(settings.model_repo, parse_tenants(settings.watermark_tenants))
+        self.api = create_api(settings, lambda: Ledger(target, readonly=True), detector, simhash_function())
+
+    async def start(self) -> None:
+        try:
+            await self.app.start()
+        except (LedgerError, sqlite3.Error) as exc:
+            raise ConfigError(f"cannot use its ledger {self.settings.audit_db}: {exc}") from exc
+        self.is_started = True
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await stop.wait()  # FastStream's subscriber does the work
+
+    async def close(self) -> None:
+        if self.is_started:
+            self.is_started = False
+            await self.app.stop()
+
+    def readiness(self) -> tuple[bool, dict[str, Any]]:
+        return self.is_started, {"reason": None if self.is_started else "starting or stopping"}
+
+    def http_app(self) -> ASGIApp:
+        return ops_app(self.readiness, self.health.render, mount=self.api)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Arguments of `weir auditor`; everything else comes from the environment (config.py)."""
-    parser = argparse.ArgumentParser(prog="weir auditor", description="Run the auditor service.")
+    """Arguments of `weir auditor`: the common service flags (weir/service.py) and its own."""
+    parser = service_parser("auditor", "Run the auditor service.", 8100, "WEIR_AUDIT_API_PORT")
     parser.add_argument("--db", type=Path, help="ledger SQLite file (env WEIR_AUDIT_DB; default var/audit.sqlite)")
     parser.add_argument("--dsn", help="ledger PostgreSQL DSN (env WEIR_AUDIT_DSN); replaces --db")
-    parser.add_argument("--port", type=int, help="HTTP API port (env WEIR_AUDIT_API_PORT; default 8100; 0: off)")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log each message")
+    parser.add_argument("--port", type=int, dest="http_port", help="alias of --http-port")
     return parser
 
 
+def build(args: argparse.Namespace) -> tuple[AuditorService, str, int]:
+    updates = {**bus_overrides(args), "audit_db": args.db, "audit_dsn": SecretStr(args.dsn) if args.dsn else None,
+               "audit_api_port": args.http_port}
+    settings = AuditorSettings(**{k: v for k, v in updates.items() if v is not None})
+    return AuditorService(settings), settings.http_host, settings.audit_api_port
+
+
 def main(argv: list[str]) -> int:
-    """Run the auditor until SIGINT/SIGTERM; returns the process exit status."""
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    settings = AuditorSettings()
-    updates = {"audit_db": args.db, "audit_dsn": SecretStr(args.dsn) if args.dsn else None, "audit_api_port": args.port}
-    settings = settings.model_copy(update={k: v for k, v in updates.items() if v is not None})
-    try:
-        asyncio.run(serve(settings))
-    except (LedgerError, sqlite3.Error) as exc:
-        log.error("auditor cannot use its ledger %s: %s", settings.audit_db, exc)
-        return 2
-    except KafkaError as exc:
-        log.error("auditor cannot reach Kafka at %s: %r; is it up (`weir kafka up`)?", settings.kafka_bootstrap, exc)
-        return 1
-    except OSError as exc:
-        log.error("auditor failed: %s", exc)
-        return 1
-    return 0
+    """Run the auditor until SIGINT/SIGTERM; returns the process exit status (weir/service.py)."""
+    return run_service("auditor", argv, build_parser(), build)

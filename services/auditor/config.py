@@ -34,8 +34,9 @@ class AuditorSettings(BusSettings):
     audit_checkpoint_every_s: float = Field(
         60.0, gt=0, description="... or T seconds after its oldest uncheckpointed record, whichever comes first."
     )
-    audit_api_host: str = Field("127.0.0.1", description="Bind address of the auditor's HTTP API (lookup, /metrics).")
-    audit_api_port: int = Field(8100, ge=0, le=65535, description="Port of the auditor's HTTP API; 0 turns it off.")
+    audit_api_port: int = Field(
+        8100, ge=0, le=65535, description="Port of /healthz, /readyz, /metrics and the lookup API (0: any free port)."
+    )
     audit_admin_token: SecretStr | None = Field(
         None, description="Bearer token of POST /v1/audit/*; unset: those endpoints answer 503."
     )

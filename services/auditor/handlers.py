@@ -3,9 +3,16 @@
 The audit topic carries AuditEvents (from workers) and ReviewFlags (from gateways' input guards),
 told apart by `kind` (schemas.codec.decode_audit_record); both go into the ledger, each into its
 own hash chains. Records are taken a fetched batch at a time and each batch is one group commit
-(AuditBatches): the SQLite commit first, then the offsets (DESIGN.md, invariant 3). A record that
-is no audit record is dead-lettered, durably, before its offset is committed. A ledger write that
-fails is read again after a pause, never skipped.
+(AuditBatches): the SQLite commit first, then the offsets (docs/design.md, invariant 3). A record
+that is no audit record is dead-lettered, durably, before its offset is committed. A ledger write
+that fails is read again after a pause, never skipped.
+
+FastStream as FastStream: the subscriber's decoder turns each fetched batch into typed AuditItems
+(the handler never parses bytes), dead letters go out through the broker's own publisher, and
+acknowledgement is FastStream's: `msg.ack()` commits a batch that is stored whole. Only when the
+ledger refuses a record does the handler commit by itself, partition by partition, because
+FastStream's `nack()` rewinds every partition of the batch and one refused record would then hold
+back every other chain (docs/design.md, "FastStream and raw aiokafka").
 """
 
 from __future__ import annotations
@@ -15,10 +22,10 @@ import logging
 import sqlite3
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
+from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from faststream import AckPolicy
 from faststream.kafka import KafkaBroker
 from faststream.kafka.annotations import KafkaMessage
@@ -29,7 +36,8 @@ from schemas.topics import Topics
 from services.auditor.config import AuditorSettings
 from services.auditor.health import HealthMetrics
 from services.auditor.ledger import BatchOutcome, Ledger, unstorable_reason
-from weir.bus import send_dead_letter
+from schemas.codec import encode
+from weir.bus import consumer_settings, dead_letter_of
 
 log = logging.getLogger(__name__)
 
@@ -92,17 +100,39 @@ class LedgerWriter:
 
 
 class DeadLetters:
-    """Where records that are no audit record go: the dead-letter topic, with why (DESIGN.md,
-    invariant 6). The producer is set at startup (it needs the event loop)."""
+    """Where records that are no audit record go: the dead-letter topic, with why (docs/design.md,
+    invariant 6), published through the auditor's KafkaBroker (idempotent, acks=all)."""
 
-    def __init__(self, topics: Topics) -> None:
+    def __init__(self, topics: Topics, broker: KafkaBroker) -> None:
         self.topics = topics
-        self.producer: AIOKafkaProducer | None = None
+        self.broker = broker
 
     async def send(self, record: ConsumerRecord, reason: str) -> None:
-        """Produce the record's DeadLetter and wait until it is durable."""
-        assert self.producer is not None, "the dead-letter producer was not started"
-        await send_dead_letter(self.producer, self.topics, record, reason, SERVICE)
+        """Publish the record's DeadLetter and wait until it is durable."""
+        letter = dead_letter_of(record, reason, SERVICE)
+        log.warning("dead-lettering %s[%d]@%d: %s", record.topic, record.partition, record.offset, reason)
+        key = letter.key.encode() if letter.key else None
+        await self.broker.publish(encode(letter), topic=self.topics.dead_letter, key=key)
+
+
+@dataclass(frozen=True)
+class AuditItem:
+    """One record of the audit topic, decoded: its AuditEvent or ReviewFlag, or why it is none."""
+
+    record: ConsumerRecord
+    message: AuditEvent | ReviewFlag | None
+    reason: str | None = None
+
+
+async def decode_items(msg: KafkaMessage) -> list[AuditItem]:
+    """The subscriber's decoder: a fetched batch as typed AuditItems, one per record."""
+    items = []
+    for record in msg.raw_message:  # type: ignore[union-attr]
+        try:
+            items.append(AuditItem(record, decode_audit_value(record.value)))
+        except DecodeError as bad:
+            items.append(AuditItem(record, None, str(bad)))
+    return items
 
 
 async def parse_records(records: tuple[ConsumerRecord, ...], parse_batch: Callable[..., Awaitable[Any]]) -> Any:
@@ -146,64 +176,61 @@ class AuditBatches:
         self.dead_letters = dead_letters
         self.health = health
 
-    async def handle(self, batch: tuple[ConsumerRecord, ...], consumer: AIOKafkaConsumer) -> None:
+    async def handle(self, items: list[AuditItem], msg: KafkaMessage) -> None:
+        """Store one fetched batch, then acknowledge it (whole, or up to each refused record)."""
         try:
-            refused_at = await self._ingest(batch)
-            is_retrying = bool(refused_at)
+            refused_at = await self._ingest(items)
             if not refused_at:
-                await consumer.commit()  # every position: past this batch, and of the partitions idle
-            else:
-                ends: dict[TopicPartition, int] = {}
-                for record in batch:
-                    tp = TopicPartition(record.topic, record.partition)
-                    ends[tp] = refused_at.get(record.partition, max(ends.get(tp, 0), record.offset + 1))
-                for tp, offset in ends.items():
-                    if tp.partition in refused_at:
-                        consumer.seek(tp, offset)
-                await consumer.commit(ends)
+                await msg.ack()  # FastStream's ack: commit every position, past this batch
+                return
+            ends: dict[TopicPartition, int] = {}
+            for item in items:
+                record = item.record
+                tp = TopicPartition(record.topic, record.partition)
+                ends[tp] = refused_at.get(record.partition, max(ends.get(tp, 0), record.offset + 1))
+            for tp, offset in ends.items():
+                if tp.partition in refused_at:
+                    msg.consumer.seek(tp, offset)
+            await msg.consumer.commit(ends)  # type: ignore[call-arg]  # per partition: see the module doc
         except Exception as exc:  # noqa: BLE001 - per-batch failure is data: read it again
             log.error("audit batch of %d records failed (%r); reading it again in %.1f s",
-                      len(batch), exc, self.settings.audit_retry_backoff_s, exc_info=True)
-            _rewind(consumer, batch)
-            is_retrying = True
-        if is_retrying:  # a pause: no hot loop on a full disk or a broker that is away
-            await asyncio.sleep(self.settings.audit_retry_backoff_s)
+                      len(items), exc, self.settings.audit_retry_backoff_s, exc_info=True)
+            _rewind(msg.consumer, [item.record for item in items])  # type: ignore[arg-type]
+        # A pause before the retry: no hot loop on a full disk or a broker that is away.
+        await asyncio.sleep(self.settings.audit_retry_backoff_s)
 
-    async def _ingest(self, batch: tuple[ConsumerRecord, ...]) -> dict[int, int]:
+    async def _ingest(self, items: list[AuditItem]) -> dict[int, int]:
         """Store and dead-letter the batch; returns {partition: offset of its first record not stored}."""
-        items: list[tuple[AuditEvent | ReviewFlag, int, int]] = []
-        unreadable: list[tuple[ConsumerRecord, str]] = []
-        for record in batch:
-            try:
-                items.append((decode_audit_value(record.value), record.partition, record.offset))
-            except DecodeError as bad:
-                unreadable.append((record, str(bad)))
-        outcome = await self.writer.append_batch(items)
+        stored = [(item.message, item.record.partition, item.record.offset) for item in items if item.message is not None]
+        outcome = await self.writer.append_batch(stored)
         refused_at = {}
         for partition, (index, exc) in outcome.failed.items():
-            refused_at[partition] = items[index][2]
-            log.error("ledger write of %s failed (%r); redelivering in %.1f s", _name(items[index][0]), exc,
+            refused_at[partition] = stored[index][2]
+            log.error("ledger write of %s failed (%r); redelivering in %.1f s", _name(stored[index][0]), exc,
                       self.settings.audit_retry_backoff_s, exc_info=not isinstance(exc, (sqlite3.Error, ValueError)))
-        for record, reason in unreadable:
-            if record.offset < refused_at.get(record.partition, record.offset + 1):  # later ones come again
-                await self.dead_letters.send(record, reason)
+        for item in items:
+            record = item.record
+            if item.reason is not None and record.offset < refused_at.get(record.partition, record.offset + 1):
+                await self.dead_letters.send(record, item.reason)  # later ones come again
         for index, is_new in outcome.is_new.items():
-            event = items[index][0]
-            if not is_new:
-                log.info("%s is already in the ledger (redelivery); skipped", _name(event))
-            elif self.health is not None:
-                if isinstance(event, AuditEvent):
-                    self.health.observe(event)
-                else:
-                    self.health.observe_flag(event)
+            self._observe(stored[index][0], is_new)
         return refused_at
+
+    def _observe(self, message: AuditEvent | ReviewFlag, is_new: bool) -> None:
+        if not is_new:
+            log.info("%s is already in the ledger (redelivery); skipped", _name(message))
+        elif self.health is not None:
+            if isinstance(message, AuditEvent):
+                self.health.observe(message)
+            else:
+                self.health.observe_flag(message)
 
 
 def _name(record: AuditEvent | ReviewFlag) -> str:
     return f"event {record.event_id}" if isinstance(record, AuditEvent) else f"review flag {record.flag_id}"
 
 
-def _rewind(consumer: AIOKafkaConsumer, batch: tuple[ConsumerRecord, ...]) -> None:
+def _rewind(consumer: AIOKafkaConsumer, batch: list[ConsumerRecord]) -> None:
     """Seek each partition of `batch` still assigned back to its first record in it."""
     first: dict[TopicPartition, int] = {}
     for record in batch:
@@ -216,22 +243,25 @@ def _rewind(consumer: AIOKafkaConsumer, batch: tuple[ConsumerRecord, ...]) -> No
 
 
 def register_handlers(broker: KafkaBroker, settings: AuditorSettings, batches: AuditBatches) -> None:
-    """Subscribe the auditor's consumer group to the audit topic, a batch at a time."""
+    """Subscribe the auditor's consumer group to the audit topic, a batch at a time, with the fetch
+    and session settings of every Weir consumer (weir.bus.consumer_settings)."""
+    fetch = consumer_settings(settings, max_poll_records=settings.audit_batch_max_records)
+    fetch.pop("enable_auto_commit")  # FastStream derives it from the ack policy: off for MANUAL
 
     @broker.subscriber(
         settings.topics.audit,
         group_id=settings.topics.auditor_group,
         batch=True,
         max_records=settings.audit_batch_max_records,
-        batch_timeout_ms=500,
-        ack_policy=AckPolicy.MANUAL,  # AuditBatches commits, partition by partition
+        batch_timeout_ms=settings.fetch_max_wait_ms,
+        ack_policy=AckPolicy.MANUAL,  # AuditBatches acks after the ledger's commit (see the module doc)
         parser=parse_records,
-        decoder=lambda msg: msg.raw_message,
+        decoder=decode_items,
         auto_offset_reset="earliest",
-        isolation_level="read_committed",
         title="auditor/audit-records",
         description="AuditEvents and ReviewFlags into the hash-chained ledger, one group commit per batch; "
                     "offsets committed after the SQLite commit.",
+        **fetch,
     )
-    async def on_audit_records(records: Any, msg: KafkaMessage) -> None:
-        await batches.handle(msg.raw_message, msg.consumer)  # type: ignore[arg-type]
+    async def on_audit_records(items: list[AuditItem], msg: KafkaMessage) -> None:
+        await batches.handle(items, msg)

@@ -13,6 +13,7 @@ from pydantic import SecretStr
 from schemas.watermark import WatermarkConfig, green_mask
 from services.auditor import cli
 from services.auditor.api import create_api
+from weir.service import ops_app
 from services.auditor.config import AuditorSettings
 from services.auditor.health import HealthMetrics
 from services.auditor.ledger import Ledger
@@ -65,8 +66,8 @@ def client(db: Path) -> TestClient:
         for record in ledger.records():
             health.observe(make_event(int(record["event_id"].split("-")[1]), mean_token_entropy=2.0, watermark_z=6.0))
     detector = WatermarkDetector(settings.model_repo, {"acme": WATERMARK})
-    api = create_api(settings, lambda: Ledger(db, readonly=True), health, detector, lambda text: ASKED)
-    return TestClient(api)
+    api = create_api(settings, lambda: Ledger(db, readonly=True), detector, lambda text: ASKED)
+    return TestClient(ops_app(lambda: (True, {}), health.render, mount=api))
 
 
 def test_lookup_api_needs_the_admin_token(client: TestClient) -> None:

@@ -17,6 +17,7 @@ from schemas.codec import DecodeError, encode
 from schemas.messages import ReviewFlag
 from services.auditor import cli
 from services.auditor.api import create_api
+from weir.service import ops_app
 from services.auditor.config import AuditorSettings
 from services.auditor.handlers import decode_audit_value
 from services.auditor.health import HealthMetrics
@@ -204,8 +205,8 @@ def test_reviews_api_needs_the_token_and_lists_flags(db: Path, tmp_path: Path) -
                                model_repo=str(Path(__file__).resolve().parents[2] / "models.toml"))
     health = HealthMetrics()
     health.observe_flag(make_flag(1))
-    api = create_api(settings, lambda: Ledger(db, readonly=True), health, WatermarkDetector(settings.model_repo, {}))
-    client = TestClient(api)
+    api = create_api(settings, lambda: Ledger(db, readonly=True), WatermarkDetector(settings.model_repo, {}))
+    client = TestClient(ops_app(lambda: (True, {}), health.render, mount=api))
     assert client.get("/v1/audit/reviews").status_code == 401
     auth = {"authorization": f"Bearer {TOKEN}"}
     flags = client.get("/v1/audit/reviews", params={"principal": "user-1"}, headers=auth).json()["flags"]

@@ -1,0 +1,49 @@
+"""The auditor's FastStream handler without a broker: FastStream's TestKafkaBroker feeds it.
+
+Unit tests of one handler (decode, append, dead-letter, acknowledge); the same paths, and the
+per-partition commit after a refused record (which FastStream's in-memory consumer cannot do),
+run against the real broker in test_auditor_kafka.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+from faststream import TestApp
+from faststream.kafka import TestKafkaBroker
+
+from schemas.codec import encode
+from schemas.messages import DeadLetter
+from schemas.topics import Topics
+from services.auditor.app import create_app
+from services.auditor.config import AuditorSettings
+from services.auditor.ledger import Ledger
+from tests.auditor.factories import make_event, make_flag
+
+
+def settings_for(tmp_path: Path) -> AuditorSettings:
+    return AuditorSettings(topic_prefix="unit", audit_db=tmp_path / "audit.sqlite", audit_retry_backoff_s=0.01)
+
+
+async def test_events_and_flags_are_stored_once_and_the_rest_dead_lettered(tmp_path: Path) -> None:
+    settings = settings_for(tmp_path)
+    topics = Topics("unit")
+    app = create_app(settings)
+    letters: list[DeadLetter] = []
+
+    @app.broker.subscriber(topics.dead_letter)
+    async def on_dead_letter(letter: DeadLetter) -> None:  # FastStream decodes it into the wire type
+        letters.append(letter)
+
+    event, flag = make_event(1), make_flag(1)
+    async with TestKafkaBroker(app.broker) as broker, TestApp(app):
+        await broker.publish_batch(encode(event), encode(flag), b'{"event_id": ', encode(event), topic=topics.audit)
+        await broker.publish(orjson.dumps({**orjson.loads(encode(event)), "max_tokens": "8"}), topic=topics.audit)
+    with Ledger(settings.audit_db, readonly=True) as ledger:
+        assert [r["event_id"] for r in ledger.records()] == [event.event_id]  # the repeat is stored once
+        assert [f["flag_id"] for f in ledger.review_flags.rows()] == [flag.flag_id]
+        assert ledger.verify().is_ok
+    assert [letter.reason.split(":")[0] for letter in letters] == ["not JSON", "invalid audit record"]
+    assert letters[0].value == '{"event_id": ' and letters[0].service == "auditor"
+    assert letters[1].reason.endswith('max_tokens: expected an integer, got "8"')
