@@ -1,0 +1,144 @@
+"""The shared service runner (weir/service.py): exit codes, signals, the ops endpoint, logging.
+
+A tiny service (below) runs under `run_service` in a child process, so signals and exit codes are
+the real ones. No broker: its start raises what a missing broker raises when asked to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiokafka.errors import KafkaConnectionError
+
+from weir.launcher import free_ports
+from weir.service import EXIT_BROKER, EXIT_CONFIG, EXIT_FAILED, EXIT_OK, ConfigError, ops_app, run_service, service_parser
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class TinyService:
+    name = "tiny"
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.is_running = False
+
+    async def start(self) -> None:
+        if self.mode == "no-broker":
+            raise KafkaConnectionError("Unable to bootstrap from [('127.0.0.1', 1)]")
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self.is_running = True
+        if self.mode == "crash":
+            raise RuntimeError("the model's device is gone")
+        await stop.wait()
+        if self.mode == "stubborn":
+            await asyncio.sleep(3600)  # ignores the stop: the runner cancels it after stop_timeout_s
+
+    async def close(self) -> None:
+        print("closed", file=sys.stderr, flush=True)
+
+    def http_app(self) -> Any:
+        return ops_app(lambda: (self.is_running, {"mode": self.mode}), lambda: "tiny_up 1\n")
+
+
+def main(argv: list[str]) -> int:
+    parser = service_parser("tiny", "a test service", 0, "WEIR_TINY_PORT")
+    parser.add_argument("--mode", default="ok")
+
+    def build(args: Any) -> tuple[TinyService, str, int]:
+        if args.mode == "bad-config":
+            raise ConfigError("max_tokens=0 must be >= 1")
+        return TinyService(args.mode), "127.0.0.1", args.http_port or 0
+
+    return run_service("tiny", argv, parser, build, stop_timeout_s=1.0)
+
+
+def spawn(*argv: str) -> subprocess.Popen[str]:
+    code = "import sys; from tests.weir.test_service import main; sys.exit(main(sys.argv[1:]))"
+    return subprocess.Popen([sys.executable, "-c", code, *argv], cwd=REPO, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def wait_for(url: str, proc: subprocess.Popen[str]) -> tuple[int, str]:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[1]
+        try:
+            return get(url)
+        except OSError:
+            time.sleep(0.1)
+    pytest.fail(f"{url} never answered")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_serves_ops_endpoint_then_stops_cleanly_on_a_signal(sig: signal.Signals) -> None:
+    (port,) = free_ports(1)
+    proc = spawn("--http-port", str(port), "--log-format", "json")
+    base = f"http://127.0.0.1:{port}"
+    status, body = wait_for(f"{base}/readyz", proc)
+    while status == 503:  # served from before run() starts: not ready yet, and says so
+        assert json.loads(body) == {"ready": False, "mode": "ok"}
+        status, body = get(f"{base}/readyz")
+    assert (status, json.loads(body)) == (200, {"ready": True, "mode": "ok"})
+    assert get(f"{base}/healthz") == (200, '{"status":"ok"}')
+    assert get(f"{base}/metrics")[1] == "tiny_up 1\n"
+    proc.send_signal(sig)
+    _, stderr = proc.communicate(timeout=20)
+    assert proc.returncode == EXIT_OK, stderr
+    lines = [json.loads(line) for line in stderr.splitlines() if line.startswith("{")]
+    assert {"service": "tiny", "level": "INFO"}.items() <= lines[-1].items(), lines
+    assert any(line["msg"] == f"{sig.name}: stopping" for line in lines)
+    assert "Traceback" not in stderr and "closed" in stderr
+
+
+@pytest.mark.parametrize(
+    "argv, code, said",
+    [
+        (["--mode", "bad-config"], EXIT_CONFIG, "max_tokens=0 must be >= 1"),
+        (["--mode", "no-broker"], EXIT_BROKER, "is it up (`weir kafka up`)"),
+        (["--mode", "crash"], EXIT_FAILED, "the model's device is gone"),
+        (["--log-level", "LOUD"], EXIT_CONFIG, "log level 'LOUD'"),
+    ],
+)
+def test_exit_codes_say_what_went_wrong(argv: list[str], code: int, said: str) -> None:
+    proc = spawn(*argv)
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == code, stderr
+    assert said in stderr
+
+
+def test_a_taken_port_is_a_configuration_error() -> None:
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        proc = spawn("--http-port", str(taken.getsockname()[1]))
+        _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == EXIT_CONFIG and "set --http-port" in stderr, stderr
+
+
+def test_a_service_that_ignores_stop_is_cancelled_within_the_bound() -> None:
+    (port,) = free_ports(1)
+    proc = spawn("--mode", "stubborn", "--http-port", str(port))
+    wait_for(f"http://127.0.0.1:{port}/healthz", proc)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=20)
+    assert proc.returncode == EXIT_OK and "did not stop within 1 s; cancelling" in stderr, stderr
