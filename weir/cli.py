@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--bootstrap", default=os.environ.get("WEIR_KAFKA_BOOTSTRAP", "127.0.0.1:9092"),
                         help="Kafka bootstrap servers (env WEIR_KAFKA_BOOTSTRAP; default %(default)s)")
     create.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the broker")
+    create.add_argument("--reply", action="append", default=[], metavar="ID",
+                        help="also create the reply topic <prefix>.replies.ID for a client of your own (repeatable)")
     _add_deployment_args(create)
 
     for name, (_module, text) in DELEGATED.items():
@@ -89,11 +91,15 @@ def run_delegated(name: str, argv: list[str]) -> int:
     return int(module.main(argv) or 0)
 
 
-async def create_topics(bootstrap: str, prefix: str, model_repo: Path, timeout_s: float) -> list[str]:
-    """Wait for the cluster, then create the core topics and those of every model in the repository."""
+async def create_topics(
+    bootstrap: str, prefix: str, model_repo: Path, timeout_s: float, replies: list[str] | None = None
+) -> list[str]:
+    """Wait for the cluster, then create the core topics, those of every model in the repository,
+    and the reply topics named in `replies`."""
     from weir.kafka.admin import deployment_specs, ensure_topics, wait_for_broker
 
-    specs = deployment_specs(Topics(prefix), load_model_repo(model_repo))
+    topics = Topics(prefix)
+    specs = deployment_specs(topics, load_model_repo(model_repo)) + [topics.reply_spec(r) for r in replies or []]
     await wait_for_broker(bootstrap, timeout_s)
     return await ensure_topics(bootstrap, specs)
 
@@ -140,8 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "kafka":
             return _kafka(args)
-        created = asyncio.run(create_topics(args.bootstrap, args.topic_prefix, args.model_repo, args.timeout))
+        created = asyncio.run(create_topics(args.bootstrap, args.topic_prefix, args.model_repo, args.timeout, args.reply))
         print(f"topics under prefix {args.topic_prefix!r} on {args.bootstrap}: {len(created)} created")
+        for reply in args.reply:
+            print(f"reply topic {Topics(args.topic_prefix).replies(reply)} is there: name it in reply_to")
         return 0
     except (BrokerError, KafkaError, ModelRepoError, TimeoutError) as exc:
         print(f"weir: error: {exc}", file=sys.stderr)

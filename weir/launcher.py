@@ -29,6 +29,10 @@ from schemas.topics import DEFAULT_PREFIX, Topics
 from weir.supervision import Supervisor, describe_exit
 
 SERVICES = ("auditor", "worker", "batcher", "gateway")
+# Each service's HTTP port (/healthz, /readyz, /metrics; the gateway's is its API) and its setting.
+HTTP_PORT_ENV = {"gateway": "WEIR_GATEWAY_PORT", "auditor": "WEIR_AUDIT_API_PORT",
+                 "batcher": "WEIR_BATCHER_HTTP_PORT", "worker": "WEIR_WORKER_HTTP_PORT"}
+DEFAULT_HTTP_PORTS = {"gateway": 8000, "auditor": 8100, "batcher": 8110, "worker": 8120}
 
 
 def free_ports(n: int = 1) -> list[int]:
@@ -48,11 +52,18 @@ class Stack:
     env: dict[str, str]
     log_dir: Path
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    http_ports: dict[str, int] = field(default_factory=dict)  # name -> its HTTP port, kept across restarts
 
     def start(self, name: str, service: str | None = None, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
-        """Start `service` (default: `name`) under `name`; its output goes to <log_dir>/<name>.log."""
+        """Start `service` (default: `name`) under `name`; its output goes to <log_dir>/<name>.log.
+        Its HTTP port is the one `env` or `extra_env` names, else a free one (see `url`)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **self.env, **(extra_env or {})}
+        port_env = HTTP_PORT_ENV[service or name]
+        if name not in self.http_ports:
+            given = {**self.env, **(extra_env or {})}.get(port_env)
+            self.http_ports[name] = int(given) if given else free_ports(1)[0]
+        env[port_env] = str(self.http_ports[name])
         with open(self.log_path(name), "ab") as log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "weir.cli", service or name], env=env, stdin=subprocess.DEVNULL,
@@ -60,6 +71,10 @@ class Stack:
             )  # fmt: skip
         self.procs[name] = proc
         return proc
+
+    def url(self, name: str) -> str:
+        """http://host:port of a started service (its /healthz, /readyz, /metrics)."""
+        return f"http://127.0.0.1:{self.http_ports[name]}"
 
     def log_path(self, name: str) -> Path:
         return self.log_dir / f"{name}.log"
@@ -150,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         "WEIR_MODEL_REPO": str(Path(args.model_repo).resolve()), "WEIR_GATEWAY_HOST": args.host,
         "WEIR_GATEWAY_PORT": str(args.port), "WEIR_AUTH_MODE": args.auth, "PYTHONUNBUFFERED": "1",
     }  # fmt: skip
+    ports = service_ports(args.port)
+    env |= {HTTP_PORT_ENV[name]: str(port) for name, port in ports.items() if name != "gateway"}
     stack = Stack(env, Path(args.log_dir) if args.log_dir else launcher.weir_home() / "logs")
     url = f"http://{args.host}:{args.port}"
     supervisor = Supervisor()
@@ -163,7 +180,9 @@ def main(argv: list[str] | None = None) -> int:
             supervisor.on_start(name, time.monotonic())
         print(f"starting {', '.join(SERVICES)} (logs in {stack.log_dir}) ...", flush=True)
         print(f"gateway auth mode: {args.auth} (WEIR_AUTH_MODE={args.auth})", flush=True)
-        wait_http_ok(f"{url}/readyz", args.timeout, stack)  # a service dying here is a setup error: no restart
+        deadline = time.monotonic() + args.timeout
+        for name in SERVICES:  # a service dying here is a setup error: no restart
+            wait_http_ok(f"{stack.url(name)}/readyz", max(1.0, deadline - time.monotonic()), stack)
         _print_banner(url, broker.bootstrap, Topics(args.topic_prefix), list(repo.models), args.auth, stack)
         return supervise(stack, supervisor)
     except KeyboardInterrupt:
@@ -179,6 +198,29 @@ def main(argv: list[str] | None = None) -> int:
         if not was_running:
             launcher.stop(broker)
         print("stopped", flush=True)
+
+
+def service_ports(gateway_port: int) -> dict[str, int]:
+    """The HTTP port of each service: its default where that is free and not the gateway's, else
+    any free port (so `weir up --port 8100` and a second deployment never collide)."""
+    ports = {"gateway": gateway_port}
+    for name in SERVICES:
+        if name == "gateway":
+            continue
+        port = DEFAULT_HTTP_PORTS[name]
+        if port in ports.values() or port_taken(port):
+            port = next(p for p in free_ports(4) if p not in ports.values())
+        ports[name] = port
+    return ports
+
+
+def port_taken(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -216,6 +258,7 @@ def _print_banner(url: str, bootstrap: str, topics: Topics, models: list[str], a
         auth_line = "OPEN: WEIR_AUTH_MODE=open, no API key needed (local use only; --auth required to change)"
     else:
         auth_line = "required: create a key with `weir keys create --principal P --tenant T`"
+    services = "\n".join(f"    {name:<9} {proc.pid:<8} {stack.url(name)}" for name, proc in stack.procs.items())
     print(f"""
 Weir is up.
   OpenAI-compatible API  {url}/v1   (e.g. OPENAI_BASE_URL={url}/v1 OPENAI_API_KEY=local)
@@ -227,6 +270,7 @@ Weir is up.
   control / workers      {topics.control} / {topics.workers}
   audit / dead letters   {topics.audit} / {topics.dead_letter}
   batches                {', '.join(topics.batches(m) for m in models)}
-  processes              {', '.join(f"{name} {proc.pid}" for name, proc in stack.procs.items())}
+  services (pid, /healthz /readyz /metrics)
+{services}
                          (one that dies is restarted; logs in {stack.log_dir})
 Press Ctrl-C to stop everything.""", flush=True)
