@@ -41,3 +41,12 @@ def test_each_service_runs_its_weir_subcommand_after_topic_init() -> None:
 def test_compose_cluster_id_is_a_kafka_uuid() -> None:
     cluster_id = _compose()["services"]["kafka"]["environment"]["CLUSTER_ID"]
     assert len(cluster_id) == 22 and not cluster_id.startswith("-")
+
+
+def test_each_service_is_healthy_when_its_own_readyz_says_so() -> None:
+    from weir.launcher import DEFAULT_HTTP_PORTS
+
+    services = _compose()["services"]
+    for name in WEIR_SERVICES:
+        check = " ".join(services[name]["healthcheck"]["test"])
+        assert f"http://127.0.0.1:{DEFAULT_HTTP_PORTS[name]}/readyz" in check, name
