@@ -23,6 +23,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from schemas.model_repo import ModelRepoError, load_model_repo
 from schemas.topics import DEFAULT_PREFIX, Topics
@@ -127,8 +128,7 @@ def wait_http_ok(url: str, timeout_s: float, stack: Stack | None = None) -> None
     raise TimeoutError(f"{url} did not answer 200 within {timeout_s:.0f} s")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`weir up`: start Kafka and the four services, print where to point a client, stop all on Ctrl-C."""
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="weir up", description=main.__doc__)
     parser.add_argument("--host", default=os.environ.get("WEIR_GATEWAY_HOST", "127.0.0.1"))
     parser.add_argument("--port", type=int, default=int(os.environ.get("WEIR_GATEWAY_PORT", "8000")))
@@ -141,10 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--auth", choices=("open", "required"), default="open",
                         help="gateway auth mode: open (no credentials, local use; default) or required "
                         "(API keys from `weir keys create`, or JWTs with WEIR_JWT_KEYS)")
-    args = parser.parse_args(argv)
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
+    """`weir up`: start Kafka and the four services, print where to point a client, stop all on Ctrl-C."""
+    args = build_parser().parse_args(argv)
     from weir.kafka import launcher
-    from weir.kafka.admin import deployment_specs, ensure_topics
 
     try:
         repo = load_model_repo(args.model_repo)
@@ -152,38 +155,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"weir up: {exc}", file=sys.stderr)
         return 2
     broker = launcher.BrokerConfig.from_env(port=args.kafka_port)
-    print(f"starting Kafka at {broker.bootstrap} ...", flush=True)
     was_running = launcher.running_pid(broker) is not None or launcher.port_open(broker.host, broker.port)
     try:
-        asyncio.run(launcher.up(broker, 120))
-        asyncio.run(ensure_topics(broker.bootstrap, deployment_specs(Topics(args.topic_prefix), repo)))
+        start_broker(broker, Topics(args.topic_prefix), repo)
     except launcher.BrokerError as exc:
         print(f"weir up: {exc}", file=sys.stderr)
         return 1
-    env = {
-        "WEIR_KAFKA_BOOTSTRAP": broker.bootstrap, "WEIR_TOPIC_PREFIX": args.topic_prefix,
-        "WEIR_MODEL_REPO": str(Path(args.model_repo).resolve()), "WEIR_GATEWAY_HOST": args.host,
-        "WEIR_GATEWAY_PORT": str(args.port), "WEIR_AUTH_MODE": args.auth, "PYTHONUNBUFFERED": "1",
-    }  # fmt: skip
-    ports = service_ports(args.port)
-    env |= {HTTP_PORT_ENV[name]: str(port) for name, port in ports.items() if name != "gateway"}
-    stack = Stack(env, Path(args.log_dir) if args.log_dir else launcher.weir_home() / "logs")
-    url = f"http://{args.host}:{args.port}"
-    supervisor = Supervisor()
+    stack = Stack(service_env(args, broker.bootstrap), Path(args.log_dir) if args.log_dir else launcher.weir_home() / "logs")
     # SIGTERM (kill, systemd, docker) and SIGHUP (a closed terminal) stop everything as Ctrl-C does;
     # by default they ended this process alone and left the four services running.
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _interrupt)
     try:
-        for name in SERVICES:
-            stack.start(name)
-            supervisor.on_start(name, time.monotonic())
-        print(f"starting {', '.join(SERVICES)} (logs in {stack.log_dir}) ...", flush=True)
-        print(f"gateway auth mode: {args.auth} (WEIR_AUTH_MODE={args.auth})", flush=True)
-        deadline = time.monotonic() + args.timeout
-        for name in SERVICES:  # a service dying here is a setup error: no restart
-            wait_http_ok(f"{stack.url(name)}/readyz", max(1.0, deadline - time.monotonic()), stack)
-        _print_banner(url, broker.bootstrap, Topics(args.topic_prefix), list(repo.models), args.auth, stack)
+        supervisor = start_stack(stack, args.auth, args.timeout)
+        _print_banner(f"http://{args.host}:{args.port}", broker.bootstrap, Topics(args.topic_prefix),
+                      list(repo.models), args.auth, stack)  # fmt: skip
         return supervise(stack, supervisor)
     except KeyboardInterrupt:
         print("\nstopping ...", flush=True)
@@ -198,6 +184,41 @@ def main(argv: list[str] | None = None) -> int:
         if not was_running:
             launcher.stop(broker)
         print("stopped", flush=True)
+
+
+def start_broker(broker: Any, topics: Topics, repo: Any) -> None:
+    """Start the local broker (or find it running) and create the deployment's topics."""
+    from weir.kafka import launcher
+    from weir.kafka.admin import deployment_specs, ensure_topics
+
+    print(f"starting Kafka at {broker.bootstrap} ...", flush=True)
+    asyncio.run(launcher.up(broker, 120))
+    asyncio.run(ensure_topics(broker.bootstrap, deployment_specs(topics, repo)))
+
+
+def service_env(args: argparse.Namespace, bootstrap: str) -> dict[str, str]:
+    """The environment every service of `weir up` shares, each service's HTTP port included."""
+    env = {
+        "WEIR_KAFKA_BOOTSTRAP": bootstrap, "WEIR_TOPIC_PREFIX": args.topic_prefix,
+        "WEIR_MODEL_REPO": str(Path(args.model_repo).resolve()), "WEIR_GATEWAY_HOST": args.host,
+        "WEIR_AUTH_MODE": args.auth, "PYTHONUNBUFFERED": "1",
+    }  # fmt: skip
+    return env | {HTTP_PORT_ENV[name]: str(port) for name, port in service_ports(args.port).items()}
+
+
+def start_stack(stack: Stack, auth: str, timeout_s: float) -> Supervisor:
+    """Start the four services and wait until each /readyz answers 200; a service that dies
+    meanwhile is a setup error (RuntimeError with its log), not restarted."""
+    supervisor = Supervisor()
+    for name in SERVICES:
+        stack.start(name)
+        supervisor.on_start(name, time.monotonic())
+    print(f"starting {', '.join(SERVICES)} (logs in {stack.log_dir}) ...", flush=True)
+    print(f"gateway auth mode: {auth} (WEIR_AUTH_MODE={auth})", flush=True)
+    deadline = time.monotonic() + timeout_s
+    for name in SERVICES:
+        wait_http_ok(f"{stack.url(name)}/readyz", max(1.0, deadline - time.monotonic()), stack)
+    return supervisor
 
 
 def service_ports(gateway_port: int) -> dict[str, int]:

@@ -39,7 +39,7 @@ from weir.bus import partitions_of
 from weir.files import is_behind, chunk_file, read_file, write_file
 from weir.kafka.admin import ensure_topics
 
-log = logging.getLogger("weir.batcher.jobs")
+log = logging.getLogger(__name__)
 
 # Requests of one job submitted and not yet ended: keeps the bulk lane fed without filling the
 # workers' queues ahead of interactive requests (with 256, echo-model interactive latency doubled).
