@@ -62,6 +62,8 @@ async def test_batches_replies_dead_letters_and_commits(batcher_bootstrap: str, 
     invalid = {"request_id": "bad-2", "model": "a", "prompt": "x", "max_tokens": -5, "deadline_ms": now + 60_000,
                "reply_to": reply_to}  # fmt: skip
     await produce(bootstrap, topics.requests, [("bad-2", orjson.dumps(invalid))])
+    # the JSON Schema says integer: a string is refused, not coerced (strict validation at the edge)
+    await produce(bootstrap, topics.requests, [("bad-3", orjson.dumps({**invalid, "request_id": "bad-3", "max_tokens": "8"}))])
 
     app = BatcherApp(settings_for(bootstrap, topics), repo)
     stop, task = await start(app)
@@ -73,8 +75,8 @@ async def test_batches_replies_dead_letters_and_commits(batcher_bootstrap: str, 
         await wait_until(lambda: app.planner.is_held(held.request_id), task)
         cancel = Cancellation(request_id=held.request_id, reply_to=reply_to)
         await produce(bootstrap, topics.control, [(held.request_id, encode(cancel))])
-        replies = await read_until(bootstrap, [reply_to], lambda rs: len(rs) >= 4)
-        dead = await read_until(bootstrap, [topics.dead_letter], lambda rs: len(rs) >= 2)
+        replies = await read_until(bootstrap, [reply_to], lambda rs: len(rs) >= 5)
+        dead = await read_until(bootstrap, [topics.dead_letter], lambda rs: len(rs) >= 3)
         lag = await wait_committed(bootstrap, topics.batcher_group, topics.requests)
     finally:
         stop.set()
@@ -90,7 +92,7 @@ async def test_batches_replies_dead_letters_and_commits(batcher_bootstrap: str, 
         assert batch.batcher_id == app.batcher_id
 
     ends = {e.request_id: e for e in map(decode_reply, (r.value for r in replies))}
-    assert set(ends) == {unknown.request_id, expired.request_id, held.request_id, "bad-2"}
+    assert set(ends) == {unknown.request_id, expired.request_id, held.request_id, "bad-2", "bad-3"}
     rejected, timed_out = ends[unknown.request_id], ends[expired.request_id]
     assert (rejected.finish_reason, rejected.error.code) == ("rejected", "model_not_found")
     assert (timed_out.finish_reason, timed_out.error.code) == ("timeout", "deadline_exceeded")
@@ -100,10 +102,12 @@ async def test_batches_replies_dead_letters_and_commits(batcher_bootstrap: str, 
     assert all(e.seq == 0 and e.type == "end" for e in ends.values())
 
     letters = {letter.key: letter for letter in (decode(DeadLetter, r.value) for r in dead)}
-    assert set(letters) == {"bad-1", "bad-2"}
+    assert set(letters) == {"bad-1", "bad-2", "bad-3"}
     assert (letters["bad-1"].source_topic, letters["bad-1"].service) == (topics.requests, "batcher")
     assert "not JSON" in letters["bad-1"].reason
-    assert "invalid request" in letters["bad-2"].reason and "max_tokens" in letters["bad-2"].reason
+    assert letters["bad-2"].reason == "invalid request: max_tokens: must be greater than or equal to 1, got -5"
+    assert letters["bad-3"].reason == 'invalid request: max_tokens: expected an integer, got "8"'
+    assert ends["bad-3"].error.message == letters["bad-3"].reason
 
     assert lag and all(committed == end for committed, end in lag.values()), lag
 

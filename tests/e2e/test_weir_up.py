@@ -46,10 +46,14 @@ class Up:
             time.sleep(0.3)
         raise AssertionError(f"no {pattern!r} within {timeout_s} s:\n{self.text()}")
 
+    def services(self) -> dict[str, tuple[int, str]]:
+        """Each service's pid and URL, from the banner's services lines."""
+        self.wait_for(r"services \(pid", 5)
+        found = re.findall(r"^ +(auditor|worker|batcher|gateway) +(\d+) +(http://\S+)$", self.text(), re.M)
+        return {name: (int(pid), url) for name, pid, url in found}
+
     def pids(self) -> dict[str, int]:
-        """The service pids of the banner's processes line."""
-        line = self.wait_for(r"processes +(.*)", 5).group(1)
-        return {name: int(pid) for name, pid in re.findall(r"(\w+) (\d+)", line)}
+        return {name: pid for name, (pid, _) in self.services().items()}
 
 
 def is_alive(pid: int) -> bool:
@@ -86,9 +90,15 @@ def weir_up(tmp_path):
         asyncio.run(delete_prefixed_topics(BOOTSTRAP, prefix))
 
 
-async def test_weir_up_restarts_a_killed_worker_and_every_stream_ends_once(weir_up: Up) -> None:
+async def test_weir_up_restarts_a_killed_worker_and_every_stream_ends_once(weir_up: Up, tmp_path: Path) -> None:
     pids = weir_up.pids()
     assert set(pids) == {"auditor", "worker", "batcher", "gateway"}
+    async with httpx.AsyncClient(timeout=10) as client:  # every service's printed URL answers
+        for name, (_, url) in weir_up.services().items():
+            assert (await client.get(f"{url}/healthz")).status_code == 200, name
+            assert (await client.get(f"{url}/readyz")).json()["ready"] is True, name
+            metrics = await client.get(f"{url}/metrics")
+            assert metrics.status_code == 200 and "# TYPE" in metrics.text, name
     log: dict = {}
     started = asyncio.Event()
     async with httpx.AsyncClient(base_url=weir_up.base_url, timeout=300, limits=httpx.Limits(max_connections=64)) as client:
@@ -110,3 +120,5 @@ async def test_weir_up_restarts_a_killed_worker_and_every_stream_ends_once(weir_
     assert weir_up.proc.wait(60) == 0
     assert "stopped" in weir_up.text()
     assert [pid for pid in services if is_alive(pid)] == [], "weir up left services running"
+    for log in (tmp_path / "logs").glob("*.log"):  # a clean stop writes no traceback
+        assert "Traceback" not in log.read_text(errors="replace"), log.read_text(errors="replace")[-3000:]
