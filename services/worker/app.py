@@ -17,14 +17,11 @@ from schemas.fingerprint import parse_key
 from schemas.messages import EmbedRequest, GenerateRequest, WorkerHeartbeat, now_ms
 from schemas.model_repo import ModelConfig, ModelRepoError, load_model_repo
 from services.worker.config import WorkerSettings
-from services.worker.echo import EchoEngine
-from services.worker.embedder import EmbeddingEngine
-from services.worker.engine import Engine, EngineConfig
+from services.worker.engine import EchoEngine, EmbeddingEngine, Engine, EngineConfig, EngineLike, Watermarker
 from services.worker.fingerprints import FingerprintBatcher
 from services.worker.handlers import ModelServer, consume_cancellations, open_cancellations
 from services.worker.hardware import choose_device, cpu_threads, detect_devices
-from services.worker.runner import EngineHost, EngineLike, EngineProcess, EngineRunner
-from services.worker.watermark import Watermarker
+from services.worker.runner import EngineHost, EngineProcess, EngineRunner
 from weir.bus import instance_id, make_producer
 from weir.embedding.fingerprints import build_fingerprinter
 from weir.embedding.onnx_export import ensure_export

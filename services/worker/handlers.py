@@ -37,7 +37,7 @@ from schemas.topics import Topics
 from services.worker.delivery import RedoPolicy, Writer, failure_of, first_failure, is_outage
 from services.worker.fingerprints import FingerprintBatcher
 from services.worker.runner import EngineHost
-from services.worker.sequence import EngineOutput
+from services.worker.engine import EngineOutput
 from weir.bus import BusSettings, CommitPacer, OffsetTracker, make_consumer, partitions_of, send_dead_letter
 
 log = logging.getLogger(__name__)
