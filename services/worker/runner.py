@@ -294,7 +294,7 @@ def serve_engine(
     try:
         import torch
 
-        from services.worker.app import build_engine, warm_up
+        from services.worker.engine_factory import build_engine, warm_up
         from services.worker.hardware import cpu_threads
 
         torch.set_num_threads(cpu_threads(settings.torch_threads))
