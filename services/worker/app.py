@@ -14,63 +14,19 @@ from aiokafka.errors import KafkaError
 
 from schemas.codec import encode
 from schemas.fingerprint import parse_key
-from schemas.messages import EmbedRequest, GenerateRequest, WorkerHeartbeat, now_ms
+from schemas.messages import WorkerHeartbeat
 from schemas.model_repo import ModelConfig, ModelRepoError, load_model_repo
 from services.worker.config import WorkerSettings
-from services.worker.echo import EchoEngine
-from services.worker.embedder import EmbeddingEngine
-from services.worker.engine import Engine, EngineConfig
+from services.worker.engine_factory import build_engine, warm_up
 from services.worker.fingerprints import FingerprintBatcher
 from services.worker.handlers import ModelServer, consume_cancellations, open_cancellations
 from services.worker.hardware import choose_device, cpu_threads, detect_devices
-from services.worker.runner import EngineHost, EngineLike, EngineProcess, EngineRunner
-from services.worker.watermark import Watermarker
+from services.worker.runner import EngineHost, EngineProcess, EngineRunner
 from weir.bus import instance_id, make_producer
 from weir.embedding.fingerprints import build_fingerprinter
-from weir.embedding.onnx_export import ensure_export
 from weir.kafka.admin import ensure_topics
 
 log = logging.getLogger("weir.worker")
-
-
-def build_engine(config: ModelConfig, settings: WorkerSettings, device: torch.device) -> EngineLike:
-    """The engine a model entry asks for. Raises on a model that cannot load (process-fatal)."""
-    if config.engine == "echo":
-        return EchoEngine(config.max_model_len, config.max_num_seqs, settings.echo_step_delay_ms / 1000)
-    if config.engine == "onnx":  # an embedding model; exported from its source package on first use
-        return EmbeddingEngine(
-            ensure_export(config), max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
-            use_cuda=device.type == "cuda", num_threads=cpu_threads(settings.torch_threads),
-            dimensions=config.dimensions,
-        )  # fmt: skip
-    engine_config = EngineConfig(
-        max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=settings.max_num_batched_tokens, block_size=settings.block_size,
-        kv_cache_bytes=settings.kv_cache_bytes, is_prioritized=config.lane_policy != "fifo",
-    )  # fmt: skip
-    assert config.path is not None
-    return Engine(config.path, engine_config, device, Watermarker(settings.watermarks()))
-
-
-def warm_up(engine: EngineLike, config: ModelConfig) -> None:
-    """Run the model entry's warmup prompts to completion before the worker reports ready."""
-    deadline_ms = now_ms() + 600_000
-    requests: list[GenerateRequest | EmbedRequest]
-    if config.engine == "onnx":  # an embedding model embeds them, in one request
-        requests = [EmbedRequest(request_id="warmup-0", model=config.name, inputs=config.warmup,
-                                 deadline_ms=deadline_ms, reply_to="-")] if config.warmup else []  # fmt: skip
-    else:
-        requests = [
-            GenerateRequest(request_id=f"warmup-{i}", model=config.name, prompt=prompt, max_tokens=4,
-                            temperature=0.0, deadline_ms=deadline_ms, reply_to="-")  # fmt: skip
-            for i, prompt in enumerate(config.warmup)
-        ]
-    for i, request in enumerate(requests):
-        out = engine.add(request, now_ms())
-        if out is not None:
-            raise ValueError(f"model {config.name!r}: warmup prompt {i} refused: {out.error}")
-        while engine.has_work:
-            engine.step(now_ms())
 
 
 class WorkerService:

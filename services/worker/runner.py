@@ -25,29 +25,13 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Protocol
 
 from schemas.messages import EmbedRequest, GenerateRequest, now_ms
-from services.worker.sequence import EngineOutput
+from services.worker.engine import EngineLike, EngineOutput
 
 if TYPE_CHECKING:
     from schemas.model_repo import ModelConfig
     from services.worker.config import WorkerSettings
 
 log = logging.getLogger(__name__)
-
-
-class EngineLike(Protocol):
-    """What the runner needs of an engine (Engine, EchoEngine and EmbeddingEngine all fit).
-
-    add refuses, with a terminal event, a request of a kind the engine does not serve.
-    """
-
-    weights_sha256: str
-
-    def add(self, request: GenerateRequest | EmbedRequest, now_ms: int) -> EngineOutput | None: ...
-    def cancel(self, request_id: str, now_ms: int) -> EngineOutput | None: ...
-    def step(self, now_ms: int) -> list[EngineOutput]: ...
-    def stats(self) -> dict[str, float]: ...
-    @property
-    def has_work(self) -> bool: ...
 
 
 class CommandQueue(Protocol):
@@ -310,7 +294,7 @@ def serve_engine(
     try:
         import torch
 
-        from services.worker.app import build_engine, warm_up
+        from services.worker.engine_factory import build_engine, warm_up
         from services.worker.hardware import cpu_threads
 
         torch.set_num_threads(cpu_threads(settings.torch_threads))

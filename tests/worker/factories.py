@@ -1,4 +1,5 @@
-"""Factories for worker tests: tiny random Hugging Face model directories and requests."""
+"""Factories for worker tests: tiny random Hugging Face model directories, requests, model entries
+and engine outputs."""
 
 from __future__ import annotations
 
@@ -8,7 +9,11 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from schemas.messages import GenerateRequest, now_ms
+from schemas.messages import EmbedRequest, GenerateRequest, now_ms
+from schemas.model_repo import ModelConfig
+from services.worker.engine import EngineOutput
+
+T0_MS = 1_700_000_000_000  # a fixed "now" in epoch ms, for the pure cores
 
 _TEXT = [
     "def add(a, b):\n    return a + b\n",
@@ -62,3 +67,25 @@ def make_request(prompt: str = "def ", **overrides) -> GenerateRequest:
     )  # fmt: skip
     fields.update(overrides)
     return GenerateRequest(**fields)
+
+
+def make_embed_request(*inputs: str, **overrides) -> EmbedRequest:
+    """An EmbedRequest for the model "minilm"; overrides replace any field."""
+    fields = dict(
+        request_id=f"emb-{next(_ids)}", model="minilm", inputs=list(inputs) or ["hello"],
+        deadline_ms=T0_MS + 60_000, reply_to="weir.replies.test", created_ms=T0_MS,
+    )  # fmt: skip
+    fields.update(overrides)
+    return EmbedRequest(**fields)
+
+
+def make_model_config(name: str = "tiny", **overrides) -> ModelConfig:
+    """A model repository entry (engine torch unless overridden)."""
+    fields: dict = dict(name=name, path=f"/models/{name}")
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def make_output(request_id: str, seq: int = 0, **overrides) -> EngineOutput:
+    """An engine output of `request_id`; give finish_reason to make it final."""
+    return EngineOutput(request_id, seq, **overrides)

@@ -15,7 +15,7 @@ import pytest
 
 from schemas.messages import EmbedRequest, now_ms
 from schemas.model_repo import load_model_repo
-from services.worker.embedder import EmbeddingEngine
+from services.worker.engine.embedding_engine import EmbeddingEngine
 from weir.embedding.embedder import SentenceEmbedder, as_json_floats
 
 from .factories import make_request

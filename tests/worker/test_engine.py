@@ -155,7 +155,7 @@ def test_non_finite_logits_fail_only_that_request(llama_dir, monkeypatch):
 def test_decode_groups_by_width_give_same_tokens(llama_dir, monkeypatch):
     """On the CPU decodes are attended in groups of similar block-table widths; any grouping
     yields the tokens of one padded group."""
-    import services.worker.engine as engine_module
+    import services.worker.engine.llm_engine as engine_module
 
     prompts = ["def add(a, b):\n    return a + b\n" * 4, "x", "import os\n" * 6, "class Point:\n    def"]
     results, num_groups = [], []

@@ -20,7 +20,7 @@ import pytest
 from schemas.model_repo import ModelConfig, load_model_repo
 from services.worker.config import WorkerSettings
 from services.worker.runner import EngineProcess
-from services.worker.sequence import EngineOutput
+from services.worker.engine import EngineOutput
 
 from .factories import make_request
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import random
 
-from services.worker.kv_cache import BlockManager
-from services.worker.scheduler import Scheduler
-from services.worker.sequence import Sequence
+from services.worker.engine.kv_cache import BlockManager
+from services.worker.engine.scheduler import Scheduler
+from services.worker.engine.sequence import Sequence
 
 from .factories import make_request
 

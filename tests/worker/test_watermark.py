@@ -18,8 +18,8 @@ import torch
 from schemas.messages import GenerateRequest, now_ms
 from schemas.watermark import WatermarkConfig, detect, green_mask, is_green, parse_tenants
 from services.worker.engine import Engine, EngineConfig
-from services.worker.sampler import sample
-from services.worker.watermark import Watermarker
+from services.worker.engine.sampler import sample
+from services.worker.engine.watermark import Watermarker
 
 MODEL = Path(__file__).resolve().parents[2] / "models" / "weir-tiny-py"
 CONFIG = WatermarkConfig(gamma=0.25, delta=2.0, key=b"acme-watermark-key")

@@ -4,11 +4,11 @@
     step()         one session call over the queued fragments of every request (padded to the
                    longest), then pool: fragments -> inputs -> L2-normalised vectors
 
-Same contract as Engine and EchoEngine (add, cancel, step, has_work, stats, weights_sha256), so the
-worker's EngineRunner drives it on its own thread. The embedding math (tokenizer, fragments,
-session, pooling) is weir/embedding/embedder.py's SentenceEmbedder, shared with the audit
-fingerprints; this module is the serving edge: request queue, round-robin batches, cancels and
-deadlines.
+Same contract as Engine and EchoEngine (contract.py: add, cancel, step, has_work, stats,
+weights_sha256), so the worker's runner (services/worker/runner.py) drives it like any engine. The
+embedding math (tokenizer, fragments, session, pooling) is weir/embedding/embedder.py's
+SentenceEmbedder, shared with the audit fingerprints; this module is what serving adds to it:
+request queue, round-robin batches, cancels and deadlines.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from schemas.messages import EmbedRequest, ErrorInfo, FinishReason, GenerateRequest
-from services.worker.sequence import EngineOutput
+from services.worker.engine.sequence import EngineOutput
 from weir.embedding.embedder import DEFAULT_MAX_BATCH_FRAGMENTS, SentenceEmbedder, as_json_floats, pool
 
 log = logging.getLogger(__name__)

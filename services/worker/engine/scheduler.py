@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from services.worker.kv_cache import BlockManager, chain_hash
-from services.worker.sequence import Sequence, Status
+from services.worker.engine.kv_cache import BlockManager, chain_hash
+from services.worker.engine.sequence import Sequence, Status
 
 
 @dataclass

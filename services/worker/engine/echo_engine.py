@@ -10,7 +10,7 @@ import re
 import time
 
 from schemas.messages import EmbedRequest, ErrorInfo, GenerateRequest
-from services.worker.sequence import EngineOutput
+from services.worker.engine.sequence import EngineOutput
 
 _PIECES = re.compile(r"\s*\S+|\s+")
 

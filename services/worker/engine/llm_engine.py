@@ -1,11 +1,16 @@
 """The engine: continuous batching of a causal LM over a paged KV cache.
 
-    plan = scheduler.schedule()        # who runs, on which blocks
-    logits = runner.run(plan)          # one forward over every scheduled token
-    outputs = postprocess(plan, logits)  # sample, detokenize, stop, emit
+One step() is:
 
-Synchronous and single-threaded: the worker calls step() from its engine thread, and tests and
-benchmarks call it directly.
+    outputs = self._expire(now_ms)           # end the sequences whose deadline passed
+    plan = self.scheduler.schedule()         # who runs, on which blocks
+    logits = self._run(plan)                 # one model forward over every scheduled token
+    self.scheduler.commit(plan)              # the plan's tokens are in the KV cache now
+    tokens = sample_batch(logits, ...)       # one token per sampling row (watermark biases added)
+    outputs += self._postprocess(seq, ...)   # per sequence: detokenize, stop, emit
+
+Synchronous and single-threaded: the worker's runner (services/worker/runner.py) calls step()
+from its engine thread or child process, and tests and benchmarks call it directly.
 """
 
 from __future__ import annotations
@@ -17,13 +22,13 @@ from pathlib import Path
 import torch
 
 from schemas.messages import EmbedRequest, ErrorInfo, GenerateRequest
-from services.worker.kv_cache import BlockManager, allocate_kv_caches, bytes_per_block
-from services.worker.model import AttentionMetadata, CausalLM, load_model, weights_sha256
-from services.worker.sampler import sample_batch
-from services.worker.scheduler import Scheduler, StepPlan
-from services.worker.sequence import EngineOutput, Sequence, Status
-from services.worker.tokenizer import IncrementalDetokenizer, ModelTokenizer, TokenizerError
-from services.worker.watermark import Watermarker
+from services.worker.engine.kv_cache import BlockManager, allocate_kv_caches, bytes_per_block
+from services.worker.engine.model import AttentionMetadata, CausalLM, load_model, weights_sha256
+from services.worker.engine.sampler import sample_batch
+from services.worker.engine.scheduler import Scheduler, StepPlan
+from services.worker.engine.sequence import EngineOutput, Sequence, Status
+from services.worker.engine.tokenizer import IncrementalDetokenizer, ModelTokenizer, TokenizerError
+from services.worker.engine.watermark import Watermarker
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,65 @@
+"""What an engine output becomes on the wire: reply events for the requester, an AuditEvent for
+the auditor. Pure: the time and the keys come in as arguments.
+"""
+
+from __future__ import annotations
+
+from schemas.fingerprint import key_id, keyed_hmac
+from schemas.messages import AuditEvent, EmbedRequest, GenerateRequest, ReplyDelta, ReplyEnd, Usage
+from schemas.model_repo import ModelConfig
+from services.worker.engine import EngineOutput
+
+
+def model_version(config: ModelConfig) -> str:
+    """The name@version that replies and audit events report."""
+    return f"{config.name}@{config.version}"
+
+
+def reply_events(
+    request: GenerateRequest | EmbedRequest, batch_id: str, out: EngineOutput, version: str
+) -> list[ReplyDelta | ReplyEnd]:
+    """The reply events of one engine output, in order: a delta when it carries text (or, before
+    the end, tokens), then on the final output the ReplyEnd, numbered after the delta."""
+    events: list[ReplyDelta | ReplyEnd] = []
+    seq = out.seq
+    if out.text or (out.token_ids and not out.is_final):
+        events.append(ReplyDelta(request_id=request.request_id, batch_id=batch_id, seq=seq, text=out.text,
+                                 token_ids=out.token_ids))  # fmt: skip
+        seq += 1
+    if out.is_final:
+        events.append(ReplyEnd(
+            request_id=request.request_id, batch_id=batch_id, seq=seq, finish_reason=out.finish_reason,
+            usage=Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
+                        total_tokens=out.prompt_tokens + out.completion_tokens),
+            error=out.error, model_version=version, received_ms=out.received_ms,
+            first_token_ms=out.first_token_ms, embeddings=out.embeddings,
+        ))  # fmt: skip
+    return events
+
+
+def audit_event(
+    request: GenerateRequest | EmbedRequest, out: EngineOutput, config: ModelConfig, *,
+    weights_sha256: str, worker_id: str, audit_key: bytes, now_ms: int,
+) -> AuditEvent:  # fmt: skip
+    """The AuditEvent of a request's final output: what was served, with keyed HMACs of the
+    prompt and output text instead of the text. `now_ms` stands in for the times the output
+    lacks (a request refused before the engine saw it). Without SimHashes (see Publisher)."""
+    if isinstance(request, GenerateRequest):
+        temperature, top_p, top_k, max_tokens, seed = (
+            request.temperature, request.top_p, request.top_k, request.max_tokens, request.effective_seed
+        )  # fmt: skip
+    else:  # an embedding samples nothing
+        temperature, top_p, top_k, max_tokens, seed = 0.0, 1.0, 0, 0, 0
+    version = model_version(config)
+    return AuditEvent(
+        event_id=f"{request.request_id}:{version}", request_id=request.request_id, model=request.model,
+        model_version=version, weights_sha256=weights_sha256, principal=request.principal, tenant=request.tenant,
+        prompt_hmac=keyed_hmac(audit_key, out.prompt_text or ""),
+        output_hmac=keyed_hmac(audit_key, out.output_text or ""), hmac_key_id=key_id(audit_key),
+        temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
+        seed=seed, prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
+        finish_reason=out.finish_reason, worker_id=worker_id, request_created_ms=request.created_ms,
+        received_ms=out.received_ms or now_ms, first_token_ms=out.first_token_ms,
+        finished_ms=out.finished_ms or now_ms,
+        mean_token_entropy=out.mean_token_entropy, watermark_z=out.watermark_z,
+    )  # fmt: skip

@@ -1,0 +1,146 @@
+"""Writes each run of a request (its deltas, its end, its audit event) and settles it.
+
+A run is settled once every write of it is durable: the request is then done (Intake.forget),
+and its batch offset may be committed. A run with a write that failed (the broker away past the
+producer's timeout, a reply topic that refuses the record) is stopped in the engine and run
+again from seq 0 after a backoff (delivery.py), or given up on when that cannot help.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Coroutine
+
+from schemas.codec import encode
+from schemas.messages import now_ms
+from schemas.model_repo import ModelConfig
+from services.worker.delivery import RedoPolicy, Writer, failure_of, first_failure, is_outage
+from services.worker.engine import EngineOutput
+from services.worker.events import audit_event, model_version, reply_events
+from services.worker.fingerprints import FingerprintBatcher
+from services.worker.intake import InFlight, Intake
+from services.worker.runner import EngineHost
+
+log = logging.getLogger(__name__)
+
+
+class Publisher:
+    """One model server's writes: reply events to each request's reply topic, audit events to
+    the audit topic (with SimHashes when a fingerprint batcher is given)."""
+
+    def __init__(
+        self, config: ModelConfig, writer: Writer, audit_topic: str, intake: Intake, runners: list[EngineHost],
+        restart: Callable[[InFlight], Awaitable[None]], *, worker_id: str, audit_key: bytes,
+        fingerprints: FingerprintBatcher | None = None, redo_policy: RedoPolicy | None = None,
+    ) -> None:  # fmt: skip
+        self.config = config
+        self.version = model_version(config)
+        self.writer = writer
+        self.audit_topic = audit_topic
+        self.intake = intake
+        self.runners = runners  # the server's engine hosts (filled in after construction)
+        self._restart = restart  # runs a flight again (ModelServer.start)
+        self.worker_id = worker_id
+        self.audit_key = audit_key
+        self.fingerprints = fingerprints
+        self.redo_policy = redo_policy or RedoPolicy()
+        self._tasks: set[asyncio.Task] = set()  # settles and redos in flight (the loop keeps weak references)
+
+    async def send_output(self, flight: InFlight, out: EngineOutput) -> None:
+        """Write the events of one engine output; on the final one, settle the run."""
+        if flight.failure is not None:  # this run is broken: write nothing more of it
+            if out.is_final:
+                self.redo_later(flight, flight.failure)
+            return
+        req = flight.request
+        key = req.request_id.encode()
+        for event in reply_events(req, flight.batch_id, out, self.version):
+            self._note(flight, await self.writer.send(req.reply_to, encode(event), key))
+        if not out.is_final:
+            return
+        if out.prompt_text is not None:
+            self._note(flight, await self.send_audit(flight, out, key))
+        self._spawn(self.settle(flight))
+
+    async def send_audit(self, flight: InFlight, out: EngineOutput, key: bytes) -> asyncio.Future:
+        """Produce the request's AuditEvent; with a fingerprint batcher, once its SimHashes are in.
+
+        Returns a future of the durable write, which settle() waits for before the batch offset
+        may be committed (a crash before it redoes the request, and so the AuditEvent).
+        """
+        host = flight.host or self.runners[0]
+        event = audit_event(flight.request, out, self.config, weights_sha256=host.weights_sha256,
+                            worker_id=self.worker_id, audit_key=self.audit_key, now_ms=now_ms())  # fmt: skip
+        fingerprints = self.fingerprints
+        if fingerprints is None:
+            return await self.writer.send(self.audit_topic, encode(event), key)
+
+        async def fingerprint_then_send() -> object:
+            fingerprinted = event
+            try:
+                prompt_sh, output_sh = await fingerprints.simhash(out.prompt_text or "", out.output_text or "")
+                fingerprinted = event.model_copy(update={"prompt_simhash": prompt_sh, "output_simhash": output_sh,
+                                                         "fingerprint_model": fingerprints.model})  # fmt: skip
+            except Exception as exc:  # noqa: BLE001 - the HMACs still go out
+                log.warning("fingerprinting %s failed (%r); its AuditEvent has no SimHash", flight.request.request_id, exc)
+            return await (await self.writer.send(self.audit_topic, encode(fingerprinted), key))
+
+        return asyncio.get_running_loop().create_task(fingerprint_then_send())
+
+    def _note(self, flight: InFlight, future: asyncio.Future) -> None:
+        """Count a write of the flight's current run. A write that failed stops the run: seen here
+        when the writer refused it at once (the broker is away), or as the run's previous write
+        (one event late); settle() looks at every write at the end. No callback per write: this
+        runs for every token."""
+        futures = flight.futures
+        previous = futures[-1] if futures else None
+        futures.append(future)
+        if flight.failure is None:
+            exc = failure_of(future) or (failure_of(previous) if previous is not None else None)
+            if exc is not None:
+                self._break(flight, exc)
+
+    def _break(self, flight: InFlight, exc: BaseException) -> None:
+        flight.failure = exc
+        rid = flight.request.request_id
+        log.warning("request %s: a write to %s failed (%r); stopping this run", rid, flight.request.reply_to, exc)
+        if flight.host is not None:
+            flight.host.cancel(rid)  # its final output then comes to send_output, which redoes it
+
+    async def settle(self, flight: InFlight) -> None:
+        """Once every write of the run is durable, the request's batch offsets may be committed;
+        a run with a write that failed is run again instead (its batch stays uncommitted)."""
+        failure = await first_failure(flight.futures)
+        failure = flight.failure or failure
+        if failure is not None:
+            self.redo_later(flight, failure)
+            return
+        self.intake.forget(flight)
+
+    def redo_later(self, flight: InFlight, failure: BaseException) -> None:
+        """After a run that could not be written: run the request again from the start (readers
+        drop the seqs they have), or give up on it when that cannot help."""
+        req = flight.request
+        delay_s = self.redo_policy.next_try_s(failure, flight.num_redos, req.deadline_ms, now_ms())
+        if delay_s is None:
+            why = "its deadline passed long ago" if is_outage(failure) else "its reply topic refuses it"
+            log.error("request %s cannot be answered on %s (%r; %s); giving up on it", req.request_id, req.reply_to, failure, why)
+            self.intake.forget(flight)
+            return
+        log.info("request %s: running it again in %.1f s (redo %d)", req.request_id, delay_s, flight.num_redos + 1)
+        flight.num_redos += 1
+
+        async def redo() -> None:
+            await asyncio.sleep(delay_s)
+            if self.intake.is_current(flight):  # not ended meanwhile (a rebalance redo here)
+                self._spawn(first_failure(flight.futures))  # collects the broken run's failures (no warnings)
+                flight.futures, flight.failure = [], None
+                await self._restart(flight)
+
+        self._spawn(redo())
+
+    def _spawn(self, coro: Coroutine) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)

@@ -1,0 +1,83 @@
+"""What an engine output becomes on the wire: reply events and the AuditEvent. Pure, no broker."""
+
+from __future__ import annotations
+
+from schemas.codec import encode
+from schemas.fingerprint import key_id, keyed_hmac
+from schemas.messages import ErrorInfo, ReplyDelta, ReplyEnd
+from services.worker.events import audit_event, model_version, reply_events
+
+from .factories import T0_MS, make_embed_request, make_model_config, make_output, make_request
+
+KEY = b"k" * 32
+TINY = make_model_config("tiny", version="3")
+
+
+def test_model_version_is_name_at_version() -> None:
+    assert model_version(TINY) == "tiny@3"
+
+
+def test_a_text_delta_is_one_reply_delta_with_the_outputs_seq() -> None:
+    request = make_request(model="tiny")
+    [delta] = reply_events(request, "b1", make_output(request.request_id, 4, text=" add", token_ids=[7]), "tiny@3")
+    assert isinstance(delta, ReplyDelta)
+    assert (delta.request_id, delta.batch_id, delta.seq, delta.text, delta.token_ids) == (request.request_id, "b1", 4, " add", [7])
+
+
+def test_tokens_without_text_still_make_a_delta_before_the_end() -> None:
+    request = make_request(model="tiny")
+    [delta] = reply_events(request, "b1", make_output(request.request_id, 2, token_ids=[9]), "tiny@3")
+    assert isinstance(delta, ReplyDelta) and delta.text == "" and delta.token_ids == [9]
+    assert reply_events(request, "b1", make_output(request.request_id, 2), "tiny@3") == []
+
+
+def test_a_final_output_with_text_is_a_delta_then_the_end_numbered_after_it() -> None:
+    request = make_request(model="tiny")
+    out = make_output(request.request_id, 5, text="!", token_ids=[3], finish_reason="stop", prompt_tokens=4,
+                      completion_tokens=6, received_ms=T0_MS, first_token_ms=T0_MS + 10)  # fmt: skip
+    delta, end = reply_events(request, "b1", out, "tiny@3")
+    assert isinstance(delta, ReplyDelta) and isinstance(end, ReplyEnd)
+    assert (delta.seq, end.seq) == (5, 6)
+    assert end.finish_reason == "stop" and end.model_version == "tiny@3" and end.batch_id == "b1"
+    assert (end.usage.prompt_tokens, end.usage.completion_tokens, end.usage.total_tokens) == (4, 6, 10)
+    assert (end.received_ms, end.first_token_ms) == (T0_MS, T0_MS + 10)
+
+
+def test_a_final_output_without_text_is_the_end_alone_with_its_error_or_vectors() -> None:
+    request = make_embed_request("a", "b")
+    out = make_output(request.request_id, 0, token_ids=[1], finish_reason="stop", embeddings=[[1.0], [0.0]])
+    [end] = reply_events(request, "b2", out, "minilm@1")
+    assert isinstance(end, ReplyEnd) and end.seq == 0 and end.embeddings == [[1.0], [0.0]]
+    late = ErrorInfo(code="deadline_exceeded", message="deadline passed before the model ran")
+    [end] = reply_events(request, "b2", make_output(request.request_id, 0, finish_reason="timeout", error=late), "minilm@1")
+    assert isinstance(end, ReplyEnd) and end.finish_reason == "timeout" and end.error == late
+
+
+def test_the_audit_event_holds_keyed_hmacs_and_the_sampling_not_the_text() -> None:
+    request = make_request("def secret():", model="tiny", temperature=0.7, top_p=0.9, top_k=40, max_tokens=12,
+                           seed=123, principal="alice", tenant="acme", created_ms=T0_MS)  # fmt: skip
+    out = make_output(request.request_id, 3, finish_reason="length", prompt_tokens=4, completion_tokens=12,
+                      received_ms=T0_MS + 2, first_token_ms=T0_MS + 9, finished_ms=T0_MS + 40,
+                      prompt_text="def secret():", output_text=" return 42", mean_token_entropy=1.5,
+                      watermark_z=0.25)  # fmt: skip
+    event = audit_event(request, out, TINY, weights_sha256="ab" * 32, worker_id="w1", audit_key=KEY, now_ms=T0_MS + 99)
+    assert event.event_id == f"{request.request_id}:tiny@3" and event.model_version == "tiny@3"
+    assert (event.prompt_hmac, event.output_hmac) == (keyed_hmac(KEY, "def secret():"), keyed_hmac(KEY, " return 42"))
+    assert event.hmac_key_id == key_id(KEY)
+    assert (event.temperature, event.top_p, event.top_k, event.max_tokens, event.seed) == (0.7, 0.9, 40, 12, 123)
+    assert (event.principal, event.tenant, event.worker_id, event.weights_sha256) == ("alice", "acme", "w1", "ab" * 32)
+    assert (event.request_created_ms, event.received_ms, event.first_token_ms, event.finished_ms) == (
+        T0_MS, T0_MS + 2, T0_MS + 9, T0_MS + 40)  # fmt: skip
+    assert (event.mean_token_entropy, event.watermark_z, event.finish_reason) == (1.5, 0.25, "length")
+    assert event.prompt_simhash is None and event.fingerprint_model is None
+    assert b"secret" not in encode(event) and b"return 42" not in encode(event)
+
+
+def test_an_audit_event_takes_now_for_missing_times_and_zeros_for_an_embedding() -> None:
+    request = make_embed_request("x", model="minilm")
+    out = make_output(request.request_id, 0, finish_reason="rejected", prompt_text="", output_text="")
+    event = audit_event(request, out, make_model_config("minilm", engine="onnx"), weights_sha256="0" * 64,
+                        worker_id="w1", audit_key=KEY, now_ms=T0_MS + 5)  # fmt: skip
+    assert (event.received_ms, event.finished_ms, event.first_token_ms) == (T0_MS + 5, T0_MS + 5, None)
+    assert (event.temperature, event.top_p, event.top_k, event.max_tokens, event.seed) == (0.0, 1.0, 0, 0, 0)
+    assert event.model_version == "minilm@1"
