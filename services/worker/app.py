@@ -1,4 +1,8 @@
-"""Worker wiring: load engines, warm them up, then serve batches from Kafka until stopped."""
+"""Worker wiring: load engines, warm them up, then serve batches from Kafka until stopped.
+
+Started, stopped and served (/healthz, /readyz, /metrics) by weir/service.py like every service;
+/readyz answers 503 while the models load and warm up.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +10,12 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import signal
-import sys
+from typing import Any
 
 import torch
+from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
+from starlette.types import ASGIApp
 
 from schemas.codec import encode
 from schemas.fingerprint import parse_key
@@ -25,8 +30,10 @@ from services.worker.runner import EngineHost, EngineProcess, EngineRunner
 from weir.bus import instance_id, make_producer
 from weir.embedding.fingerprints import build_fingerprinter
 from weir.kafka.admin import ensure_topics
+from weir.metrics import ServiceMetrics
+from weir.service import ConfigError, bus_overrides, ops_app, run_service, service_parser
 
-log = logging.getLogger("weir.worker")
+log = logging.getLogger(__name__)
 
 
 class WorkerService:
@@ -41,39 +48,34 @@ class WorkerService:
         self.is_ready = False
         self.servers: list[ModelServer] = []
         self._assignment_changed = asyncio.Event()  # a heartbeat goes out at once when set
+        self.producer: AIOKafkaProducer | None = None
+        self.fingerprints: FingerprintBatcher | None = None
+        self.metrics = self._metrics()
 
-    async def run(self) -> None:
+    async def start(self) -> None:
+        """Create the topics, start the producer, build the fingerprinter (the models load in run)."""
         topics = self.settings.topics
         specs = topics.core_specs() + [s for c in self.configs for s in topics.model_specs(c.name)]
         await ensure_topics(self.settings.kafka_bootstrap, specs)
-        producer = make_producer(self.settings, self.worker_id)
-        await producer.start()
-        audit_key = parse_key(self.settings.audit_hmac_key)
+        self.producer = make_producer(self.settings, self.worker_id)
+        await self.producer.start()
         fingerprinter = await asyncio.to_thread(build_fingerprinter, self.settings.audit_fingerprint_model, self.repo)
-        fingerprints = FingerprintBatcher(fingerprinter) if fingerprinter is not None else None
+        self.fingerprints = FingerprintBatcher(fingerprinter) if fingerprinter is not None else None
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Load and warm up every engine, then serve until `stop` is set or a loop fails."""
+        assert self.producer is not None, "start() first"
         tasks: list[asyncio.Task] = []
         try:
-            for config in self.configs:
-                server = ModelServer(config, [], self.settings, producer, self.worker_id, audit_key, fingerprints)
-                server.on_assignment = self._assignment_changed.set
-                for _ in range(config.instances):
-                    server.runners.append(await self.open_engine(config, server.on_outputs))
-                for runner in server.runners:
-                    runner.start()
-                self.servers.append(server)
+            await self.open_servers(self.producer)
             cancellations = await open_cancellations(self.settings, self.worker_id)
             self.is_ready = True
             log.info("worker %s ready: %s on %s", self.worker_id, [c.name for c in self.configs], self.device)
-            tasks.append(asyncio.create_task(self.heartbeat(producer)))
-            if fingerprints is not None:
-                tasks.append(asyncio.create_task(fingerprints.run()))
-            tasks.append(asyncio.create_task(
-                consume_cancellations(cancellations, self.settings, self.servers, producer, self.worker_id)
-            ))
-            for server in self.servers:
-                tasks += [asyncio.create_task(server.consume()), asyncio.create_task(server.publish())]
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-            for task in done:
+            tasks = self.loops(self.producer, cancellations)
+            stopped = asyncio.create_task(stop.wait())
+            done, _ = await asyncio.wait([*tasks, stopped], return_when=asyncio.FIRST_COMPLETED)
+            stopped.cancel()
+            for task in done - {stopped}:
                 task.result()
         finally:
             self.is_ready = False
@@ -86,11 +88,71 @@ class WorkerService:
             for server in self.servers:
                 for runner in server.runners:
                     runner.stop(1.0)
-            try:
-                await asyncio.wait_for(producer.send_and_wait(topics.workers, encode(self.heartbeat_message()), key=self.worker_id.encode()), 3)
-            except Exception:  # shutting down: the heartbeat simply goes stale
-                pass
-            await producer.stop()
+            with contextlib.suppress(Exception):  # shutting down: else the heartbeat simply goes stale
+                await asyncio.wait_for(self.send_heartbeat(self.producer), 3)
+
+    async def close(self) -> None:
+        if self.producer is not None:
+            await self.producer.stop()
+            self.producer = None
+        self.metrics.shutdown()
+
+    async def serve(self, stop: asyncio.Event | None = None) -> None:
+        """start, run until `stop` (or cancellation), close: a worker embedded in another program."""
+        try:
+            await self.start()
+            await self.run(stop or asyncio.Event())
+        finally:
+            await self.close()
+
+    async def open_servers(self, producer: AIOKafkaProducer) -> None:
+        """One ModelServer per model, each with its engine instances built, warmed up and started."""
+        audit_key = parse_key(self.settings.audit_hmac_key)
+        for config in self.configs:
+            server = ModelServer(config, [], self.settings, producer, self.worker_id, audit_key, self.fingerprints)
+            server.on_assignment = self._assignment_changed.set
+            self.servers.append(server)
+            for _ in range(config.instances):
+                server.runners.append(await self.open_engine(config, server.on_outputs))
+            for runner in server.runners:
+                runner.start()
+
+    def loops(self, producer: AIOKafkaProducer, cancellations: Any) -> list[asyncio.Task]:
+        """The worker's loops: heartbeats, fingerprints, cancellations, each server's consume and publish."""
+        tasks = [asyncio.create_task(self.heartbeat(producer))]
+        if self.fingerprints is not None:
+            tasks.append(asyncio.create_task(self.fingerprints.run()))
+        tasks.append(asyncio.create_task(
+            consume_cancellations(cancellations, self.settings, self.servers, producer, self.worker_id)
+        ))  # fmt: skip
+        for server in self.servers:
+            tasks += [asyncio.create_task(server.consume()), asyncio.create_task(server.publish())]
+        return tasks
+
+    def readiness(self) -> tuple[bool, dict[str, Any]]:
+        """Ready once every engine is warmed up and the loops run."""
+        body = {"worker_id": self.worker_id, "models": [c.name for c in self.configs], "device": str(self.device)}
+        return self.is_ready, {**body, "reason": None if self.is_ready else "loading and warming up the models"}
+
+    def http_app(self) -> ASGIApp:
+        return ops_app(self.readiness, self.metrics.render)
+
+    def _metrics(self) -> ServiceMetrics:
+        """Per model, summed over its engine instances, read at scrape time from the engines' stats."""
+        metrics = ServiceMetrics("worker")
+
+        def per_model(stat: str) -> Any:
+            def observe() -> list[tuple[float, dict[str, str]]]:
+                return [(sum(r.stats.get(stat, 0) for r in s.runners), {"model": s.config.name}) for s in self.servers]
+
+            return observe
+
+        metrics.gauge("weir_worker_ready", "1 once every engine is warmed up and serving.", lambda: [(int(self.is_ready), {})])
+        for stat, text in (("num_running", "Sequences in the engines' decode loop."),
+                           ("num_waiting", "Sequences queued in the engines."),
+                           ("free_kv_blocks", "Free KV-cache blocks.")):  # fmt: skip
+            metrics.gauge(f"weir_worker_{stat}", text, per_model(stat))
+        return metrics
 
     async def open_engine(self, config: ModelConfig, on_outputs) -> EngineHost:
         """One engine instance of `config`, built and warmed up, in the host the settings ask for."""
@@ -118,11 +180,14 @@ class WorkerService:
             devices=detect_devices(),
         )  # fmt: skip
 
-    async def heartbeat(self, producer) -> None:
-        topic = self.settings.topics.workers
+    async def send_heartbeat(self, producer: AIOKafkaProducer) -> None:
+        await producer.send_and_wait(self.settings.topics.workers, encode(self.heartbeat_message()),
+                                     key=self.worker_id.encode())  # fmt: skip
+
+    async def heartbeat(self, producer: AIOKafkaProducer) -> None:
         while True:
             try:
-                await producer.send_and_wait(topic, encode(self.heartbeat_message()), key=self.worker_id.encode())
+                await self.send_heartbeat(producer)
             except KafkaError as exc:  # the broker is away: batchers see this worker again with the next one
                 log.warning("heartbeat not written (%r)", exc)
             for server in self.servers:
@@ -132,38 +197,26 @@ class WorkerService:
             self._assignment_changed.clear()
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """`weir worker`'s flags: the common service flags (weir/service.py) and its own."""
+    parser = service_parser("worker", "Serve the model repository's models from Kafka.", 8120, "WEIR_WORKER_HTTP_PORT")
+    parser.add_argument("--models", help="comma-separated models to serve (env WEIR_MODELS; default: all)")
+    parser.add_argument("--model-repo", help="model repository TOML (env WEIR_MODEL_REPO)")
+    return parser
+
+
+def build(args: argparse.Namespace) -> tuple[WorkerService, str, int]:
+    """The service from flags over WEIR_* settings; a bad setting or model entry is a ConfigError."""
+    overrides = {**bus_overrides(args), "models": args.models, "model_repo": args.model_repo,
+                 "worker_http_port": args.http_port}
+    try:
+        settings = WorkerSettings(**{k: v for k, v in overrides.items() if v is not None})
+        torch.set_num_threads(cpu_threads(settings.torch_threads))
+        return WorkerService(settings), settings.http_host, settings.worker_http_port
+    except ModelRepoError as exc:
+        raise ConfigError(str(exc)) from exc
+
+
 def main(argv: list[str] | None = None) -> int:
     """`weir worker`: serve the model repository's models from Kafka until SIGINT/SIGTERM."""
-    parser = argparse.ArgumentParser(prog="weir worker", description=main.__doc__)
-    parser.add_argument("--models", help="comma-separated models to serve (default: all)")
-    parser.add_argument("--model-repo", help="model repository TOML")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(name)s: %(message)s")
-    overrides = {k: v for k, v in {"models": args.models, "model_repo": args.model_repo}.items() if v}
-    try:
-        settings = WorkerSettings(**overrides)
-        torch.set_num_threads(cpu_threads(settings.torch_threads))
-        service = WorkerService(settings)
-    except (ValueError, ModelRepoError) as exc:
-        print(f"weir worker: {exc}", file=sys.stderr)
-        return 2
-    return _run_until_signal(service.run())
-
-
-def _run_until_signal(coro) -> int:
-    async def runner() -> int:
-        task = asyncio.create_task(coro)
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, task.cancel)
-        try:
-            await task
-        except asyncio.CancelledError:
-            return 0
-        return 0
-
-    try:
-        return asyncio.run(runner())
-    except Exception as exc:
-        log.error("worker stopped: %s", exc)
-        return 1
+    return run_service("worker", argv, build_parser(), build)

@@ -14,6 +14,7 @@ class WorkerSettings(BusSettings):
     """Settings of one worker process."""
 
     model_repo: str = Field("models.toml", description="Model repository TOML file.")
+    worker_http_port: int = Field(8120, ge=0, le=65535, description="Port of /healthz, /readyz, /metrics (0: any free port).")
     models: str = Field("", description="Comma-separated models to serve; empty serves every model in the repository.")
     device: str = Field("auto", description="auto | cpu | cuda.")
     kv_cache_bytes: int = Field(256 * 1024 * 1024, ge=1 << 20, description="KV-cache budget on the CPU.")

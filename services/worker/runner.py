@@ -290,6 +290,9 @@ def serve_engine(
 ) -> None:  # fmt: skip
     """The engine child's main: build, warm up, say ready, then drive the engine until stopped."""
     _die_with_parent(parent_pid)
+    # A Ctrl-C in a terminal reaches the whole process group: the worker stops this child through
+    # the pipe, so the child ignores it rather than die with a KeyboardInterrupt traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s engine[{config.name}] %(levelname)s %(name)s: %(message)s")
     try:
         import torch

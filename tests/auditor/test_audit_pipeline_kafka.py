@@ -60,7 +60,7 @@ async def test_worker_fingerprints_reach_the_ledger_and_lookups_find_them(bootst
     requests = [make_request(f"def f{i}(x):", model="tiny", reply_to=replies, max_tokens=48, temperature=1.0,
                              ignore_eos=True, tenant="acme" if i % 2 else "default") for i in range(4)]  # fmt: skip
     service = WorkerService(worker)
-    task = asyncio.create_task(service.run())
+    task = asyncio.create_task(service.serve())
     try:
         await produce(bootstrap, topics.batches("tiny"),
                       [("b1", encode(Batch(batch_id="b1", model="tiny", requests=requests, batcher_id="t")))])

@@ -48,7 +48,7 @@ async def pipeline():
     await ensure_topics(BOOTSTRAP, deployment_specs(topics, load_model_repo(REPO_TOML)))
     common = dict(kafka_bootstrap=BOOTSTRAP, topic_prefix=topics.prefix, model_repo=str(REPO_TOML))
     worker = WorkerService(WorkerSettings(**common, models=f"{MODEL},echo", torch_threads=1, heartbeat_interval_ms=300))
-    tasks = [asyncio.create_task(worker.run())]
+    tasks = [asyncio.create_task(worker.serve())]
     beats = await read_until(BOOTSTRAP, [topics.workers], lambda rs: any(decode(WorkerHeartbeat, r.value).is_ready for r in rs), 120)
     assert any(decode(WorkerHeartbeat, r.value).is_ready for r in beats), "the worker never became ready"
     stop = asyncio.Event()

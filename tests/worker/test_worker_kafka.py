@@ -56,7 +56,7 @@ async def test_worker_serves_batches_cancels_and_dead_letters(tmp_path, llama_di
     await ensure_topics(BOOTSTRAP, [*topics.core_specs(), *topics.model_specs("tiny"), *topics.model_specs("echo"),
                                     topics.reply_spec("test")])  # fmt: skip
     service = WorkerService(settings)
-    task = asyncio.create_task(service.run())
+    task = asyncio.create_task(service.serve())
     try:
         beats = await read_until(BOOTSTRAP, [topics.workers], lambda rs: any(decode(WorkerHeartbeat, r.value).is_ready for r in rs))
         assert any(decode(WorkerHeartbeat, r.value).is_ready for r in beats), "worker never became ready"
