@@ -5,7 +5,7 @@ recomputes them from a text someone asks about ("was this text served?"). Both s
 therefore normalise exactly the same way; changing `normalise` changes every fingerprint, so
 bump NORMALISATION_VERSION when it does.
 
-Raw text never leaves the process that holds it: only `keyed_hmac(key, text)` does (DESIGN.md,
+Raw text never leaves the process that holds it: only `keyed_hmac(key, text)` does (docs/design.md,
 invariant 7). The key makes the hash useless for dictionary attacks by anyone without it;
 `key_id` names the key in the log without revealing it, so a lookup knows which key to use.
 """

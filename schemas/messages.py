@@ -242,7 +242,7 @@ class WorkerHeartbeat(_Wire):
 
 
 class AuditEvent(_Wire):
-    """What was served, with no raw text: keyed hashes only (DESIGN.md, invariant 7)."""
+    """What was served, with no raw text: keyed hashes only (docs/design.md, invariant 7)."""
 
     event_id: str = Field(description="Idempotency key: one record per event_id.")
     request_id: str = Field(description="The request audited.")
@@ -290,7 +290,7 @@ class ReviewFlag(_Wire):
 
     A gateway publishes one when a principal reaches its threshold of high-risk detections within
     `window_s` (e.g. 5 prompt-injection detections in an hour). Like AuditEvent it holds no raw
-    text (DESIGN.md, invariant 7): only counts, times and the names of the rules that fired.
+    text (docs/design.md, invariant 7): only counts, times and the names of the rules that fired.
     """
 
     # `kind` has a default for Python callers, but on the wire it is required: an audit record

@@ -1,6 +1,6 @@
 """Every Kafka topic name, partition count, topic config and consumer group id of Weir.
 
-This is the one module that names them (DESIGN.md, invariant 2). A service that needs a topic
+This is the one module that names them (docs/design.md, invariant 2). A service that needs a topic
 or a group asks here; nothing else spells a topic name.
 """
 

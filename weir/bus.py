@@ -1,6 +1,6 @@
 """Kafka plumbing every service shares: client factories, dead-lettering, offset bookkeeping.
 
-The factories fix the settings that invariant 3 of DESIGN.md depends on: producers are idempotent
+The factories fix the settings that invariant 3 of docs/design.md depends on: producers are idempotent
 with acks=all; consumers never auto-commit, so a service commits an offset only once the effect of
 that message has been durably produced. OffsetTracker turns out-of-order completions into the
 contiguous offsets that are safe to commit.
@@ -195,7 +195,7 @@ class CommitPacer:
     client about a millisecond of CPU each on this project's 2-core test machine, and the worker
     and the batcher made one per finished request. Spacing them never commits an effect that is not
     durable (the positions come from OffsetTracker either way); it only widens what a crash makes
-    the next owner redo, which readers drop by sequence number (DESIGN.md, invariant 3). The Java
+    the next owner redo, which readers drop by sequence number (docs/design.md, invariant 3). The Java
     consumer's auto-commit default is 5 s.
     """
 

@@ -1,7 +1,7 @@
 """When `weir up` restarts a service that exited by itself.
 
 docker-compose.yml runs every service with `restart: unless-stopped`; `weir up` does the same for
-its plain processes, so a kill -9 of the worker or the batcher under load is what DESIGN.md's
+its plain processes, so a kill -9 of the worker or the batcher under load is what docs/design.md's
 invariant 3 promises: the service comes back, rejoins its consumer group, and redoes what it
 had not committed. The policy is Kubernetes' CrashLoopBackOff in small: the first restart at once,
 then a doubling delay up to a cap; a run that stayed up long enough starts the count over. Like

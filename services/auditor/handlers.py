@@ -162,7 +162,7 @@ class AuditBatches:
 
     A batch is what the consumer has fetched, at most audit_batch_max_records: under load batches
     grow by themselves, when idle a batch is one record. Ledger.append_batch writes it with one
-    transaction, and so one fsync, per chain; then one offset commit covers it. Offsets (DESIGN.md,
+    transaction, and so one fsync, per chain; then one offset commit covers it. Offsets (docs/design.md,
     invariant 3) are committed by hand, each partition only up to its first record the ledger
     refused: the consumer seeks back to it, and it is read again after audit_retry_backoff_s, never
     skipped. Records that are no audit record are dead-lettered, durably, before their offsets are

@@ -3,7 +3,7 @@
 Every event of a run (its deltas, its terminal, its AuditEvent) is one produce. When any of them
 fails, the run is broken: its reader would see a gap, or never its terminal. The worker then stops
 that run in the engine and runs the request again from the start a little later, with the same
-seed (DESIGN.md, invariant 3): readers drop the seqs they already have. RedoPolicy (pure) says
+seed (docs/design.md, invariant 3): readers drop the seqs they already have. RedoPolicy (pure) says
 when, or that it is no use. Writer fails sends at once while the broker is known to be away,
 rather than let each one wait out aiokafka's request timeout (for metadata, or for room in a full
 batch) on the loop that publishes every other request's tokens.

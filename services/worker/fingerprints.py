@@ -1,6 +1,6 @@
 """Semantic fingerprints of finished requests, computed off the serving hot path, in batches.
 
-The worker holds the text, so it fingerprints it (DESIGN.md, invariant 7: text never leaves it).
+The worker holds the text, so it fingerprints it (docs/design.md, invariant 7: text never leaves it).
 A finished request's terminal reply goes out at once; its AuditEvent waits for the
 FingerprintBatcher, which gathers the prompts and outputs of the requests that finished within a
 few milliseconds and hands them, on its own thread, to the TextFingerprinter
