@@ -214,6 +214,9 @@ async def _drive(service: Service, sock: socket.socket, stop_timeout_s: float) -
     except BrokerUnreachable as exc:
         log.error("%s cannot start: %s", service.name, exc)
         return EXIT_BROKER
+    except Exception as exc:  # noqa: BLE001 - a start that failed otherwise: one line, and a restart
+        log.error("%s failed to start: %r", service.name, exc, exc_info=not isinstance(exc, OSError))
+        return EXIT_FAILED
     finally:
         await http.stop()
         with contextlib.suppress(Exception):

@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 class WorkerService:
     """All model servers of one worker process, its heartbeat and its control-topic reader."""
 
+    name = "worker"
+
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
         self.worker_id = instance_id("worker")
