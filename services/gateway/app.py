@@ -32,7 +32,7 @@ from schemas.messages import GenerateRequest, ReplyEnd, Usage, now_ms
 from schemas.model_repo import ModelRepository, load_model_repo
 from services.gateway.batch_api import install_batch_api
 from services.gateway.config import GatewaySettings
-from services.gateway.guard import Guard
+from services.gateway.guard.gate import Guard
 from services.gateway.openapi_doc import install_openapi
 from services.gateway.handlers import Exchange, GatewayBus
 from services.gateway.openai_format import (
@@ -51,7 +51,7 @@ from services.gateway.openai_format import (
     to_generate_request,
     validation_error,
 )
-from services.gateway.output_guard import OutputGuard
+from services.gateway.guard.output_guard import OutputGuard
 from services.gateway.resume import ResumableStreams, StreamEntry, resume_grace_s
 from services.gateway.streaming import EventStreamResponse, WebSocketSession, collect, collect_ends, sse_events
 

@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, Response
 from schemas.codec import DecodeError, decode, encode
 from schemas.messages import BatchJob, FileChunk, JobCommand, now_ms
 from services.gateway.config import GatewaySettings
-from services.gateway.guard import Guard
+from services.gateway.guard.gate import Guard
 from services.gateway.openai_format import ApiError
 from weir.bus import instance_id, make_consumer, make_producer
 from weir.bus import partitions_of

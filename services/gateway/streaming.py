@@ -3,7 +3,7 @@
 SSE events are `id: <seq>` + `data: <chunk JSON>`; the events after the terminal (finish chunk,
 usage chunk, `[DONE]`) repeat the terminal's seq, so Last-Event-ID always names the last reply
 event the client saw, and GET /v1/streams/{id} with it sends what came after. Text goes through
-the output guard (output_guard.py) on its way out. A client that goes away before the terminal
+the output guard (guard/output_guard.py) on its way out. A client that goes away before the terminal
 leaves the stream (resume.py): it is cancelled at once (Cancellation(reason="client_disconnect"))
 or, when asked with a resume grace, held for a reconnect; one that finished publishes nothing.
 """
@@ -25,7 +25,7 @@ from starlette.websockets import WebSocket, WebSocketState
 from schemas.messages import ReplyDelta, ReplyEnd
 from services.gateway.handlers import Exchange
 from services.gateway.openai_format import ApiError, ChunkWriter, Kind, completion_body, terminal_error
-from services.gateway.output_guard import OutputGuard, TextFilter
+from services.gateway.guard.output_guard import OutputGuard, TextFilter
 from services.gateway.resume import RESUME_GRACE_HEADER, StreamEntry
 
 log = logging.getLogger("weir.gateway")
