@@ -1,6 +1,6 @@
 """The gateway's guard: what a request passes between its body and Kafka, and what it gives back.
 
-In order: authenticate (401), the model exists (404, in app.py), authorise the model (403),
+In order: authenticate (401), the model exists (404, in routes/), authorise the model (403),
 validate against the model (400), the input guard (400 when the tenant blocks a likely prompt
 injection; input_guard.py), admission control (503 breaker, 429 overload or full lane),
 rate limits per credential and per tenant (429 with Retry-After). An admitted request holds an
@@ -18,9 +18,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
-from fastapi import FastAPI
-from fastapi.responses import Response
-
 from schemas.messages import CancelReason, GenerateRequest, Priority, ReplyEnd, ReviewFlag, now_ms
 from schemas.model_repo import ModelConfig
 from services.gateway.guard.admission import Admission, Ticket
@@ -29,7 +26,7 @@ from services.gateway.config import GatewaySettings
 from services.gateway.fleet import Fleet
 from services.gateway.guard.input_guard import InputGuard
 from services.gateway.guard.limits import Charge, RateLimited, RateLimiter, ScopeLimits
-from services.gateway.metrics import CONTENT_TYPE, GatewayMetrics, ResponseCounter
+from services.gateway.metrics import GatewayMetrics
 from services.gateway.openai_format import ApiError, ChatCompletionBody, CompletionBody
 from services.gateway.guard.peers import PeerSync
 from services.gateway.guard.validation import TokenCounter, check_request
@@ -115,14 +112,6 @@ class Guard:
 
     async def stop(self) -> None:
         await self.peers.stop()
-
-    def install(self, app: FastAPI) -> None:
-        """Add GET /metrics and the response counter to `app`."""
-        app.add_middleware(ResponseCounter, metrics=self.metrics)
-
-        @app.get("/metrics", include_in_schema=True, tags=["operations"], summary="Prometheus metrics")
-        async def metrics() -> Response:
-            return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
     def authenticate(self, headers: dict[str, str]) -> Identity:
         """The caller's Identity; 401 (counted) when credentials are missing or invalid."""
