@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from services.gateway.guard_settings import GuardSettings
+from services.gateway.guard.settings import GuardSettings
 from weir.bus import BusSettings
 
 

@@ -23,7 +23,7 @@ from aiokafka.errors import KafkaError
 
 from schemas.codec import DecodeError, decode, encode
 from schemas.messages import ApiKeyRecord
-from services.gateway.auth import KeyStore, new_api_key, revoked
+from services.gateway.guard.auth import KeyStore, new_api_key, revoked
 from weir.bus import BusSettings, make_producer, partitions_of
 from weir.kafka.admin import ensure_topics, wait_for_broker
 

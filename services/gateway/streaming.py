@@ -3,9 +3,10 @@
 SSE events are `id: <seq>` + `data: <chunk JSON>`; the events after the terminal (finish chunk,
 usage chunk, `[DONE]`) repeat the terminal's seq, so Last-Event-ID always names the last reply
 event the client saw, and GET /v1/streams/{id} with it sends what came after. Text goes through
-the output guard (output_guard.py) on its way out. A client that goes away before the terminal
-leaves the stream (resume.py): it is cancelled at once (Cancellation(reason="client_disconnect"))
-or, when asked with a resume grace, held for a reconnect; one that finished publishes nothing.
+the output guard (guard/output_guard.py) on its way out. A client that goes away before the
+terminal leaves the stream (resume.py): it is cancelled at once
+(Cancellation(reason="client_disconnect")) or, when asked with a resume grace, held for a
+reconnect; one that finished publishes nothing.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from starlette.websockets import WebSocket, WebSocketState
 from schemas.messages import ReplyDelta, ReplyEnd
 from services.gateway.handlers import Exchange
 from services.gateway.openai_format import ApiError, ChunkWriter, Kind, completion_body, terminal_error
-from services.gateway.output_guard import OutputGuard, TextFilter
+from services.gateway.guard.output_guard import OutputGuard, TextFilter
 from services.gateway.resume import RESUME_GRACE_HEADER, StreamEntry
 
 log = logging.getLogger("weir.gateway")
@@ -125,6 +126,32 @@ class EventStreamResponse(StreamingResponse):
             with anyio.CancelScope(shield=True):
                 await self._body.aclose()  # type: ignore[attr-defined]
             self._on_close()
+
+
+def event_stream(entry: StreamEntry, after_seq: int, output_guard: OutputGuard, gateway_id: str) -> EventStreamResponse:
+    """The SSE response of a registered stream from after `after_seq` (-1: its first reader).
+
+    The first reader counts the redactions of its text filter when it closes; every reader
+    leaves the entry then (a resumable one is held for a reconnect)."""
+    text_filter = output_guard.stream()
+
+    def on_close() -> None:
+        if after_seq < 0:
+            output_guard.count(text_filter.num_redacted)
+        entry.leave()
+
+    headers = stream_headers(entry.request_id, gateway_id, entry.is_resumable)
+    events = sse_events(entry.exchange, entry.new_writer(), text_filter, after_seq)
+    return EventStreamResponse(events, on_close, headers)
+
+
+def stream_headers(request_id: str, gateway_id: str, is_resumable: bool) -> dict[str, str]:
+    """Headers of an SSE response: the request and gateway it belongs to, and where a resumable
+    stream is read again (GET /v1/streams/{request_id})."""
+    headers = {"x-request-id": request_id, "x-weir-gateway": gateway_id}
+    if is_resumable:
+        headers["x-weir-resume-url"] = f"/v1/streams/{request_id}"
+    return headers
 
 
 async def collect(

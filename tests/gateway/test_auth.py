@@ -11,7 +11,7 @@ import orjson
 import pytest
 from cryptography.hazmat.primitives.asymmetric import rsa
 
-from services.gateway.auth import (
+from services.gateway.guard.auth import (
     Authenticator,
     GuardError,
     KeyStore,
@@ -21,7 +21,7 @@ from services.gateway.auth import (
     revoked,
     split_api_key,
 )
-from services.gateway.guard_settings import GuardSettings
+from services.gateway.guard.settings import GuardSettings
 
 HS_SECRET = b"a-test-secret-of-at-least-32-bytes!!"
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from services.gateway.injection import (
+from services.gateway.guard.injection import (
     DEFAULT_MODEL_PATH,
     NUM_BUCKETS,
     InjectionDetector,

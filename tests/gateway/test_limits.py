@@ -7,9 +7,9 @@ import math
 import pytest
 
 from schemas.messages import WorkerHeartbeat
-from services.gateway.admission import Admission
-from services.gateway.auth import GuardError
-from services.gateway.limits import Charge, RateLimited, RateLimiter, ScopeLimits, TokenBucket
+from services.gateway.guard.admission import Admission
+from services.gateway.guard.auth import GuardError
+from services.gateway.guard.limits import Charge, RateLimited, RateLimiter, ScopeLimits, TokenBucket
 
 KEY = ScopeLimits(max_requests_per_min=3, max_tokens_per_min=600)
 TENANT = ScopeLimits(max_requests_per_min=5)

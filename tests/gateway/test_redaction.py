@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from services.gateway.redaction import MAX_PATTERN_CHARS, REDACTED, Redactor, redact
+from services.gateway.guard.redaction import MAX_PATTERN_CHARS, REDACTED, Redactor, redact
 
 ID = "11010519491231002X"
 PII = [

@@ -9,7 +9,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from schemas.model_repo import ModelConfig
 from services.gateway.openai_format import ApiError, parse_body, to_generate_request
-from services.gateway.validation import TOKENS_PER_MESSAGE, TokenCounter, check_request, estimate_tokens
+from services.gateway.guard.validation import TOKENS_PER_MESSAGE, TokenCounter, check_request, estimate_tokens
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ import jwt
 import orjson
 
 from schemas.messages import ApiKeyRecord, now_ms
-from services.gateway.guard_settings import GuardSettings
+from services.gateway.guard.settings import GuardSettings
 from services.gateway.openai_format import ApiError
 
 KEY_PREFIX = "weir_"

@@ -26,8 +26,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from schemas.messages import ReviewFlag
-from services.gateway.guard_settings import GuardSettings, InputGuardAction
-from services.gateway.injection import Detection, InjectionDetector, RiskTracker
+from services.gateway.guard.settings import GuardSettings, InputGuardAction
+from services.gateway.guard.injection import Detection, InjectionDetector, RiskTracker
 from services.gateway.openai_format import ApiError, ChatCompletionBody, CompletionBody
 
 log = logging.getLogger("weir.gateway")

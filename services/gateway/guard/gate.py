@@ -1,6 +1,6 @@
 """The gateway's guard: what a request passes between its body and Kafka, and what it gives back.
 
-In order: authenticate (401), the model exists (404, in app.py), authorise the model (403),
+In order: authenticate (401), the model exists (404, in routes/), authorise the model (403),
 validate against the model (400), the input guard (400 when the tenant blocks a likely prompt
 injection; input_guard.py), admission control (503 breaker, 429 overload or full lane),
 rate limits per credential and per tenant (429 with Retry-After). An admitted request holds an
@@ -16,30 +16,43 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import Any, Protocol, cast
 
-from fastapi import FastAPI
-from fastapi.responses import Response
-
-from schemas.messages import GenerateRequest, Priority, ReplyEnd, now_ms
+from schemas.messages import CancelReason, GenerateRequest, Priority, ReplyEnd, ReviewFlag, now_ms
 from schemas.model_repo import ModelConfig
-from services.gateway.admission import Admission, Ticket
-from services.gateway.auth import Authenticator, GuardError, Identity, KeyStore
+from services.gateway.guard.admission import Admission, Ticket
+from services.gateway.guard.auth import Authenticator, GuardError, Identity, KeyStore
 from services.gateway.config import GatewaySettings
-from services.gateway.input_guard import InputGuard
-from services.gateway.limits import Charge, RateLimited, RateLimiter, ScopeLimits
-from services.gateway.metrics import CONTENT_TYPE, GatewayMetrics, ResponseCounter
+from services.gateway.fleet import Fleet
+from services.gateway.guard.input_guard import InputGuard
+from services.gateway.guard.limits import Charge, RateLimited, RateLimiter, ScopeLimits
+from services.gateway.metrics import GatewayMetrics
 from services.gateway.openai_format import ApiError, ChatCompletionBody, CompletionBody
-from services.gateway.peers import PeerSync
-from services.gateway.validation import TokenCounter, check_request
-
-if TYPE_CHECKING:
-    from services.gateway.handlers import Exchange, GatewayBus
+from services.gateway.guard.peers import PeerSync
+from services.gateway.guard.validation import TokenCounter, check_request
 
 log = logging.getLogger("weir.gateway")
 
 PRIORITY_HEADER = "x-weir-priority"
 _THREAD_COUNT_CHARS = 32_768  # prompts longer than this are tokenized off the event loop
+
+
+class GuardBus(Protocol):
+    """What the guard uses of the gateway's bus (handlers.GatewayBus, a floor above the guard)."""
+
+    gateway_id: str
+    fleet: Fleet
+    on_cancel: list[Callable[[CancelReason], None]]
+
+    def publish_review_flag(self, flag: ReviewFlag) -> None:
+        """Publish an input guard's review flag (fire and forget)."""
+
+
+class ClosingExchange(Protocol):
+    """What Admitted.attach uses of an Exchange (handlers.Exchange): its terminal and close hooks."""
+
+    end: ReplyEnd | None
+    on_close: list[Callable[[Any], None]]
 
 
 @dataclass
@@ -53,7 +66,7 @@ class Admitted:
     reserved_tokens: int
     is_released: bool = False
 
-    def attach(self, exchange: Exchange) -> None:
+    def attach(self, exchange: ClosingExchange) -> None:
         """Release when the exchange closes (however it ends)."""
         exchange.on_close.append(lambda ex: self.release(ex.end))
 
@@ -72,7 +85,7 @@ class Admitted:
 class Guard:
     """Authentication, validation, admission and rate limits of one gateway instance."""
 
-    def __init__(self, settings: GatewaySettings, bus: GatewayBus, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, settings: GatewaySettings, bus: GuardBus, clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
         self.bus = bus
         self.clock = clock
@@ -99,14 +112,6 @@ class Guard:
 
     async def stop(self) -> None:
         await self.peers.stop()
-
-    def install(self, app: FastAPI) -> None:
-        """Add GET /metrics and the response counter to `app`."""
-        app.add_middleware(ResponseCounter, metrics=self.metrics)
-
-        @app.get("/metrics", include_in_schema=True, tags=["operations"], summary="Prometheus metrics")
-        async def metrics() -> Response:
-            return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
     def authenticate(self, headers: dict[str, str]) -> Identity:
         """The caller's Identity; 401 (counted) when credentials are missing or invalid."""

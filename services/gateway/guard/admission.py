@@ -17,7 +17,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from schemas.messages import Priority, WorkerHeartbeat
-from services.gateway.auth import GuardError
+from services.gateway.guard.auth import GuardError
 
 OVERLOAD_RETRY_AFTER_S = 1
 

@@ -21,9 +21,9 @@ from aiokafka.errors import KafkaError
 
 from schemas.codec import DecodeError, decode, encode
 from schemas.messages import ApiKeyRecord, UsageRecord, now_ms
-from services.gateway.auth import KeyStore
+from services.gateway.guard.auth import KeyStore
 from services.gateway.config import GatewaySettings
-from services.gateway.limits import RateLimiter
+from services.gateway.guard.limits import RateLimiter
 from weir.bus import make_consumer, make_producer, partitions_of
 
 log = logging.getLogger("weir.gateway")

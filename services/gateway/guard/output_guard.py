@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from services.gateway.redaction import Redactor, redact
+from services.gateway.guard.redaction import Redactor, redact
 
 
 class TextFilter(Protocol):

@@ -1,0 +1,104 @@
+"""POST /v1/chat/completions and POST /v1/completions: one JSON body, or SSE when stream=true.
+
+A request is opened (open_exchange: credentials, body, guard, published) and then answered
+whole (collect) or streamed (streaming.event_stream, resumable with a grace).
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from schemas.messages import GenerateRequest, now_ms
+from services.gateway.handlers import Exchange
+from services.gateway.openai_format import (
+    ApiError,
+    ChunkWriter,
+    Kind,
+    parse_body,
+    refuse_embedding_model,
+    to_generate_request,
+)
+from services.gateway.routes.parts import GatewayParts
+from services.gateway.routes.reading import header_timeout_s, read_body
+from services.gateway.streaming import collect, event_stream
+
+ID_PREFIX: dict[Kind, str] = {"chat.completions": "chatcmpl-", "completions": "cmpl-"}
+
+
+def add_completion_routes(router: APIRouter, parts: GatewayParts) -> None:
+    """Add the two completion endpoints to `router` (the app's)."""
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await complete(parts, "chat.completions", request)
+
+    @router.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await complete(parts, "completions", request)
+
+
+async def complete(parts: GatewayParts, kind: Kind, request: Request) -> Response:
+    """Open the request, then stream it (stream=true) or answer with the whole result."""
+    request_id = request.state.request_id = new_request_id(kind)
+    raw = await read_body(request, parts.settings.max_body_bytes)
+    headers = dict(request.headers)
+    grace_s = parts.grace_s(headers)
+    exchange, writer = await open_exchange(parts, kind, raw, headers, request_id)
+    request.state.is_submitted = True
+    if isinstance(exchange.request, GenerateRequest) and exchange.request.stream:
+        entry = parts.streams.add(exchange, writer.fresh, grace_s)
+        return event_stream(entry, -1, parts.output_guard, parts.bus.gateway_id)
+    return await answer(parts, kind, request, exchange, writer)
+
+
+async def answer(
+    parts: GatewayParts, kind: Kind, request: Request, exchange: Exchange, writer: ChunkWriter
+) -> Response:
+    """The whole result of a stream=false request as one JSON body; 499 when the client left first."""
+    headers = {"x-request-id": exchange.request_id}
+    status: int | str = 500
+    try:
+        body = await collect(exchange, kind, writer.created_s, request.receive, parts.output_guard.text)
+        if body is None:
+            status = "client_gone"
+            return Response(status_code=499, headers=headers)
+        status = 200
+        return JSONResponse(body, headers=headers)
+    except ApiError as error:
+        status = error.status
+        raise
+    finally:
+        exchange.close("client_disconnect", status=status)
+
+
+async def open_exchange(
+    parts: GatewayParts, kind: Kind, raw: bytes, headers: dict[str, str], request_id: str
+) -> tuple[Exchange, ChunkWriter]:
+    """Credentials → body → GenerateRequest → guard → published; raises ApiError for anything the
+    client got wrong or may not do."""
+    identity = parts.guard.authenticate(headers)
+    body = parse_body(kind, raw)
+    model = parts.model(body.model)
+    parts.guard.authorize(identity, model.name)
+    refuse_embedding_model(model)
+    request = to_generate_request(
+        kind, body, model, request_id=request_id, reply_to=parts.bus.reply_topic, now_ms=now_ms(),
+        client_timeout_s=header_timeout_s(headers), max_timeout_s=parts.settings.max_timeout_s,
+    )  # fmt: skip
+    request, admitted = await parts.guard.admit(identity, body, model, request, headers)
+    try:
+        exchange = await parts.bus.submit(request)
+    except BaseException:
+        admitted.release(None)
+        raise
+    admitted.attach(exchange)
+    writer = ChunkWriter(kind, request_id, model.name, request.created_ms // 1000, body.include_usage)
+    return exchange, writer
+
+
+def new_request_id(kind: Kind) -> str:
+    """A fresh request id with OpenAI's prefix for its kind (chatcmpl-, cmpl-)."""
+    return f"{ID_PREFIX[kind]}{uuid.uuid4().hex}"

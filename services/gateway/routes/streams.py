@@ -1,0 +1,58 @@
+"""Streams a client reads over time: WS /v1/stream, and GET /v1/streams/{request_id}, which reads
+a resumable SSE stream again from the Last-Event-ID the client saw (docs/gateway.md)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+from fastapi import APIRouter, Request, WebSocket
+from fastapi.responses import Response
+
+from services.gateway.openai_format import ApiError, Kind
+from services.gateway.resume import StreamEntry
+from services.gateway.routes.completions import new_request_id, open_exchange
+from services.gateway.routes.parts import GatewayParts
+from services.gateway.streaming import WebSocketSession, event_stream
+
+
+def add_stream_routes(router: APIRouter, parts: GatewayParts) -> None:
+    """Add the WebSocket endpoint and the SSE resume endpoint to `router` (the app's)."""
+
+    @router.websocket("/v1/stream")
+    async def stream(ws: WebSocket) -> None:
+        await WebSocketSession(ws, partial(prepare, parts), partial(resume, parts), parts.output_guard).run()
+
+    @router.get("/v1/streams/{request_id}")
+    async def resume_stream(request_id: str, request: Request) -> Response:
+        entry = resume(parts, request_id, dict(request.headers))
+        try:
+            value = request.headers.get("last-event-id") or request.query_params.get("last_event_id")
+            after_seq = last_event_id(value)
+        except ApiError:
+            entry.leave()
+            raise
+        return event_stream(entry, after_seq, parts.output_guard, parts.bus.gateway_id)
+
+
+async def prepare(parts: GatewayParts, kind: Kind, raw: bytes, headers: dict[str, str]) -> StreamEntry:
+    """Validate a body, publish its GenerateRequest, and register the stream (WebSocket)."""
+    grace_s = parts.grace_s(headers)
+    exchange, writer = await open_exchange(parts, kind, raw, headers, new_request_id(kind))
+    return parts.streams.add(exchange, writer.fresh, grace_s)
+
+
+def resume(parts: GatewayParts, request_id: str, headers: dict[str, str]) -> StreamEntry:
+    """A reader reconnects to a resumable stream of the same principal."""
+    entry = parts.streams.attach(request_id, parts.guard.authenticate(headers).principal)
+    parts.guard.metrics.streams_resumed.add(1)
+    return entry
+
+
+def last_event_id(value: str | None) -> int:
+    """The seq a reconnecting SSE client saw last, from Last-Event-ID (or ?last_event_id=); -1: none."""
+    if value is None or value == "":
+        return -1
+    if not value.lstrip("-").isdigit() or int(value) < -1:
+        raise ApiError(400, f"Last-Event-ID must be the id of an event of this stream, got {value!r}",
+                       param="Last-Event-ID", code="invalid_value")
+    return int(value)
