@@ -197,7 +197,7 @@ async def _drive(service: Service, sock: socket.socket, stop_timeout_s: float) -
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
-    http = HttpServer(service.http_app(), sock)
+    http = HttpServer(service.http_app(), sock, getattr(service, "http_options", {}))
     try:
         try:
             await _start(service, stop)
@@ -241,7 +241,7 @@ async def _start(service: Service, stop: asyncio.Event) -> None:
     try:
         start.result()
     except (KafkaConnectionError, KafkaError, TimeoutError) as exc:
-        raise BrokerUnreachable(f"Kafka did not answer ({exc!r}); is it up (`weir kafka up`) and is "
+        raise BrokerUnreachable(f"Kafka did not answer ({exc!r}); is Kafka up (`weir kafka up`), and is "
                                 "--bootstrap / WEIR_KAFKA_BOOTSTRAP right?") from exc
 
 
@@ -270,11 +270,13 @@ async def _until_done(run_task: asyncio.Task[None], stop: asyncio.Event, stop_ti
 class HttpServer:
     """uvicorn on an already bound socket, without its own signal handling (the runner's)."""
 
-    def __init__(self, app: ASGIApp, sock: socket.socket) -> None:
+    def __init__(self, app: ASGIApp, sock: socket.socket, options: dict[str, Any]) -> None:
         import uvicorn
 
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
-                                timeout_graceful_shutdown=5, ws_max_size=64 * 1024 * 1024)
+        # A service may set other uvicorn options in its `http_options` (the gateway: its WebSocket
+        # frame limit and a longer graceful shutdown for open streams).
+        config = uvicorn.Config(app, **{"log_level": "warning", "access_log": False, "lifespan": "on",
+                                        "timeout_graceful_shutdown": 5, **options})
         self.server = uvicorn.Server(config)
         self.server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
         self.sock = sock

@@ -12,18 +12,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
-import signal
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-import uvicorn
-from aiokafka.errors import KafkaError
 from fastapi import FastAPI
 
-from schemas.model_repo import ModelRepository, load_model_repo
+from schemas.model_repo import ModelRepoError, ModelRepository, load_model_repo
 from services.gateway.batch_store import BatchStore
 from services.gateway.config import GatewaySettings
 from services.gateway.guard.gate import Guard
@@ -39,8 +35,9 @@ from services.gateway.routes.errors import HANDLED, on_error
 from services.gateway.routes.operations import add_metrics_routes, add_operation_routes
 from services.gateway.routes.parts import GatewayParts
 from services.gateway.routes.streams import add_stream_routes
+from weir.service import ConfigError, bus_overrides, run_service, service_parser
 
-log = logging.getLogger("weir.gateway")
+log = logging.getLogger(__name__)
 
 
 def create_app(settings: GatewaySettings, repo: ModelRepository | None = None) -> FastAPI:
@@ -96,62 +93,54 @@ async def running(parts: GatewayParts, batches: BatchStore) -> AsyncIterator[Non
         await parts.bus.stop()
 
 
+class GatewayService:
+    """The gateway process for weir/service.py: Kafka first (a broker that is not there is exit 3,
+    not a traceback), then the app on its port, whose lifespan (`running`) finds the bus started."""
+
+    name = "gateway"
+
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.app = create_app(settings)
+        self.bus: GatewayBus = self.app.state.bus
+        # Streams outlive a short graceful shutdown; a WebSocket frame may carry a whole body.
+        self.http_options = {"timeout_graceful_shutdown": 10, "ws_max_size": settings.max_body_bytes + 1024}
+
+    async def start(self) -> None:
+        await self.bus.start()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await stop.wait()  # uvicorn serves the app; the runner stops it after this returns
+
+    async def close(self) -> None:
+        await self.bus.stop()  # idempotent: the lifespan stopped it already when the app started
+
+    def http_app(self) -> FastAPI:
+        return self.app
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """`weir gateway`'s flags: the common service flags (weir/service.py) and its own."""
+    parser = service_parser("gateway", "Weir's OpenAI-compatible gateway.", 8000, "WEIR_GATEWAY_PORT")
+    parser.add_argument("--host", dest="http_host", help="alias of --http-host (env WEIR_GATEWAY_HOST)")
+    parser.add_argument("--port", dest="http_port", type=int, help="alias of --http-port")
+    parser.add_argument("--model-repo", help="model repository TOML (env WEIR_MODEL_REPO)")
+    parser.add_argument("--kafka-bootstrap", dest="bootstrap", help="alias of --bootstrap")
+    return parser
+
+
+def build(args: argparse.Namespace) -> tuple[GatewayService, str, int]:
+    """The service from flags over WEIR_* settings; a bad model repository is a ConfigError."""
+    given = bus_overrides(args)
+    overrides = {"kafka_bootstrap": given.get("kafka_bootstrap"), "topic_prefix": given.get("topic_prefix"),
+                 "gateway_host": given.get("http_host"), "gateway_port": args.http_port,
+                 "model_repo": args.model_repo, "log_level": args.log_level.lower()}
+    settings = GatewaySettings(**{k: v for k, v in overrides.items() if v is not None})
+    try:
+        return GatewayService(settings), settings.gateway_host, settings.gateway_port
+    except ModelRepoError as exc:
+        raise ConfigError(str(exc)) from exc
+
+
 def main(argv: list[str]) -> int:
-    """`weir gateway [--host H] [--port P] [--model-repo PATH]`: serve until interrupted.
-
-    Returns 0 after a clean shutdown (SIGINT/SIGTERM), 3 when startup failed (Kafka unreachable,
-    bad model repository, port taken).
-    """
-    parser = argparse.ArgumentParser(prog="weir gateway", description="Weir's OpenAI-compatible gateway")
-    parser.add_argument("--host", help="bind address (WEIR_GATEWAY_HOST, default 127.0.0.1)")
-    parser.add_argument("--port", type=int, help="TCP port (WEIR_GATEWAY_PORT, default 8000)")
-    parser.add_argument("--model-repo", help="model repository TOML (WEIR_MODEL_REPO)")
-    parser.add_argument("--kafka-bootstrap", help="Kafka bootstrap servers (WEIR_KAFKA_BOOTSTRAP)")
-    args = parser.parse_args(argv)
-    overrides = {
-        key: value
-        for key, value in {
-            "gateway_host": args.host,
-            "gateway_port": args.port,
-            "model_repo": args.model_repo,
-            "kafka_bootstrap": args.kafka_bootstrap,
-        }.items()
-        if value is not None
-    }
-    settings = GatewaySettings(**overrides)
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    try:
-        app = create_app(settings)
-    except ValueError as exc:  # ModelRepoError names the entry and the fix
-        log.error("gateway cannot start: %s", exc)
-        return 3
-    config = uvicorn.Config(
-        app, host=settings.gateway_host, port=settings.gateway_port, log_level=settings.log_level.lower(),
-        access_log=False, timeout_graceful_shutdown=10, ws_max_size=settings.max_body_bytes + 1024,
-    )
-    return asyncio.run(_serve(app.state.bus, uvicorn.Server(config)))
-
-
-async def _serve(bus: GatewayBus, server: uvicorn.Server) -> int:
-    # Kafka first, outside uvicorn's lifespan: a broker that is not there is one clear log line
-    # and exit code 3, not a traceback; the lifespan's own start() then finds it started.
-    try:
-        await bus.start()
-    except (KafkaError, OSError, TimeoutError) as exc:
-        log.error("gateway cannot start: Kafka at %s: %s; is Kafka up? (weir kafka up)",
-                  bus.settings.kafka_bootstrap, exc)
-        await bus.stop()
-        return 3
-    # SIGTERM/SIGINT end the server gracefully and main returns 0 (uvicorn's own handling would
-    # re-raise the signal after shutdown, so a supervisor would see death by signal).
-    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, server.handle_exit, sig, None)
-    try:
-        await server.serve()
-    except SystemExit as exc:  # uvicorn exits this way when binding or the lifespan fails
-        log.error("gateway did not start (exit %s)", exc.code)
-        await bus.stop()
-        return 3
-    return 0
+    """`weir gateway`: serve until SIGINT/SIGTERM; exit codes as every service's (weir/service.py)."""
+    return run_service("gateway", argv, build_parser(), build)

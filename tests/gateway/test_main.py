@@ -57,9 +57,9 @@ def test_main_without_kafka_exits_3_with_a_reason() -> None:
     assert "is Kafka up" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_main_with_a_bad_model_repo_exits_3(tmp_path: Path) -> None:
+def test_main_with_a_bad_model_repo_exits_2(tmp_path: Path) -> None:
     proc = subprocess.run(
         [*CMD, "--model-repo", str(tmp_path / "missing.toml")],
         cwd=ROOT, env=env(), capture_output=True, text=True, timeout=60,
     )
-    assert proc.returncode == 3 and "WEIR_MODEL_REPO" in proc.stderr
+    assert proc.returncode == 2 and "WEIR_MODEL_REPO" in proc.stderr

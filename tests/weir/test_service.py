@@ -114,7 +114,7 @@ def test_serves_ops_endpoint_then_stops_cleanly_on_a_signal(sig: signal.Signals)
     "argv, code, said",
     [
         (["--mode", "bad-config"], EXIT_CONFIG, "max_tokens=0 must be >= 1"),
-        (["--mode", "no-broker"], EXIT_BROKER, "is it up (`weir kafka up`)"),
+        (["--mode", "no-broker"], EXIT_BROKER, "is Kafka up (`weir kafka up`)"),
         (["--mode", "crash"], EXIT_FAILED, "the model's device is gone"),
         (["--log-level", "LOUD"], EXIT_CONFIG, "log level 'LOUD'"),
     ],
