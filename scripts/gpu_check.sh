@@ -31,12 +31,12 @@ if [ "${1:-}" = "--quick" ]; then
 else
   bench_args+=(--dtype bfloat16 --dtype float16)
 fi
-"$py" scripts/bench_kernels.py "${bench_args[@]}" 2>&1 | tee "$out/bench.txt"
+"$py" -m bench kernels "${bench_args[@]}" 2>&1 | tee "$out/bench.txt"
 bench_rc=${PIPESTATUS[0]}
 
 # The engine on a 1B-class Llama (random bf16 weights): batch-1 tokens/s against the bandwidth
 # bound, batch-64 throughput against transformers' generate().
-"$py" scripts/gpu_bench_llama.py --out "$out" 2>&1 | tee "$out/gpu_bench_llama.txt"
+"$py" -m bench gpu-llama --out "$out" 2>&1 | tee "$out/gpu_bench_llama.txt"
 llama_rc=${PIPESTATUS[0]}
 
 echo "gpu_check: kernel tests rc=$tests_rc, bench rc=$bench_rc, llama rc=$llama_rc, results in $out"

@@ -22,12 +22,12 @@ from pathlib import Path
 
 import torch
 
+from bench.stats import print_table
 from schemas.codec import encode
 from schemas.messages import GenerateRequest, now_ms
 from schemas.model_repo import load_model_repo
 from schemas.topics import Topics
 from schemas.watermark import WatermarkConfig, detect
-from weir.bench.stats import print_table
 
 PROMPTS = ["def main():", "import os\n", "class Stack:\n", "# parse the arguments\n", "def add(a, b):\n",
            "for i in range(10):\n", "with open(path) as f:\n", "try:\n"]

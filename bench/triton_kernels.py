@@ -1,6 +1,6 @@
 """Time each Triton kernel against its PyTorch reference at serving-like sizes (CUDA only).
 
-    python scripts/bench_kernels.py [--out DIR] [--dtype bfloat16] [--quick]
+    python -m bench kernels [--out DIR] [--dtype bfloat16] [--quick]     (or: weir bench kernels ...)
 
 Prints a table and writes bench_kernels.json and bench_kernels.md to --out (default $OUT, else
 /tmp/weir-bench). Every timed case is also checked against the reference (max abs error and a
@@ -19,8 +19,6 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (3e-3, 3e-3), torch.bfloat16: (2.5e-2, 2.5e-2)}
 
@@ -127,17 +125,18 @@ def cases(dtype: torch.dtype, quick: bool):
             torch.cuda.empty_cache()
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="weir bench kernels", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/weir-bench")
     ap.add_argument("--dtype", action="append", choices=["float32", "float16", "bfloat16"])
     ap.add_argument("--quick", action="store_true", help="fewer sizes")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        print("bench_kernels: no CUDA device; nothing to time", file=sys.stderr)
+        print("weir bench kernels: no CUDA device; nothing to time", file=sys.stderr)
         return 2
     if os.environ.get("TRITON_INTERPRET") == "1":
-        print("bench_kernels: unset TRITON_INTERPRET to time compiled kernels", file=sys.stderr)
+        print("weir bench kernels: unset TRITON_INTERPRET to time compiled kernels", file=sys.stderr)
         return 2
     import triton
 

@@ -1,6 +1,6 @@
 """GPU benchmark of Weir's engine on a 1B-class Llama with random weights, in bf16.
 
-Run on a CUDA machine (scripts/gpu_check.sh calls it). Reports:
+Run on a CUDA machine: `python -m bench gpu-llama [--out DIR]` (scripts/gpu_check.sh runs it). Reports:
   - decode tokens/s at batch 1 against the memory-bandwidth bound (every step reads all weights
     and the KV cache once, so bound = bandwidth / bytes read per token), as a fraction;
   - throughput at batch 64 against transformers' generate() on a static batch of the same 64.
@@ -19,10 +19,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from schemas.messages import GenerateRequest, now_ms  # noqa: E402
-from services.worker.engine import Engine, EngineConfig  # noqa: E402
+from schemas.messages import GenerateRequest, now_ms
+from services.worker.engine import Engine, EngineConfig
 
 # H200 HBM3e: 4.8 TB/s peak (NVIDIA datasheet); override with --bandwidth-gbs for other parts.
 DEFAULT_BANDWIDTH_GBS = 4800.0
@@ -82,13 +80,13 @@ def hf_static(path: Path, batch: int, prompt_len: int, max_tokens: int) -> float
     return batch * max_tokens / (time.perf_counter() - start)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="weir bench gpu-llama", description=__doc__)
     parser.add_argument("--out", type=Path, default=Path("/tmp/weir-gpu-check"))
     parser.add_argument("--bandwidth-gbs", type=float, default=DEFAULT_BANDWIDTH_GBS)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=128)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     path = Path(tempfile.mkdtemp()) / "llama-1b"
     build_model(path)

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
+from bench.stats import RunResult, percentile, print_table
 from schemas.messages import GenerateRequest, now_ms
 from schemas.model_repo import load_model_repo
-from weir.bench.stats import RunResult, percentile, print_table
 
 
 @dataclass(frozen=True)

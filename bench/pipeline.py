@@ -25,12 +25,12 @@ from pathlib import Path
 import httpx
 import orjson
 
+from bench.sse_client import SseConnection
+from bench.stats import RunResult, percentile, print_table
+from bench.ttft_breakdown import ClientMark, hop_rows, read_stamps
 from schemas.messages import GenerateRequest, now_ms
 from schemas.model_repo import load_model_repo
 from schemas.topics import Topics
-from weir.bench.hops import ClientMark, hop_rows, read_stamps
-from weir.bench.sse_client import SseConnection
-from weir.bench.stats import RunResult, percentile, print_table
 
 PROMPTS = [
     "def main():\n", "import os\nimport sys\n", "class Parser:\n    def __init__(self", "for key, value in ",
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     _report(results, levels, cpu, ratios, args.rounds)
     if hops:
         print(f"\nWhere TTFT goes on the Kafka path, concurrency 1, output guard off ({num_hopped} requests; "
-              "Kafka record timestamps, 1 ms resolution, so means; see weir/bench/hops.py):")
+              "Kafka record timestamps, 1 ms resolution, so means; see bench/ttft_breakdown.py):")
         print_table(hops, ["hop", "mean ms", "p50 ms"])
     return 0
 

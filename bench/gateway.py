@@ -34,8 +34,8 @@ from typing import Any
 import httpx
 import orjson
 
+from bench.stats import percentile, print_table
 from schemas.topics import Topics
-from weir.bench.stats import percentile, print_table
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing in tall green trees".split()
 ECHO_REPO = '[models.echo]\nengine = "echo"\nversion = "1"\nmax_batch_size = 32\nmax_wait_ms = 0\nmax_model_len = 2048\n'
@@ -312,7 +312,7 @@ class BaselineServer:
 
     def __init__(self, port: int) -> None:
         self.base_url = f"http://127.0.0.1:{port}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "weir.bench.gateway", "--role", "baseline", "--port",
+        self.proc = subprocess.Popen([sys.executable, "-m", "bench.gateway", "--role", "baseline", "--port",
                                       str(port)], stdin=subprocess.DEVNULL)  # fmt: skip
 
     async def held(self) -> int:
@@ -332,7 +332,7 @@ class Responder:
     """The responder process; held()/release() over its stdin and stdout."""
 
     def __init__(self, bootstrap: str, prefix: str, hold_target: int) -> None:
-        self.args = [sys.executable, "-m", "weir.bench.gateway", "--role", "responder", "--bootstrap", bootstrap,
+        self.args = [sys.executable, "-m", "bench.gateway", "--role", "responder", "--bootstrap", bootstrap,
                      "--prefix", prefix, "--streams", str(hold_target)]  # fmt: skip
         self.num_held = 0
         self.num_released = -1
