@@ -35,8 +35,8 @@ class Job:
 
 def corpus_text() -> str:
     """Source text present on every machine: this repository's own Python files."""
-    root = Path(__file__).resolve().parents[2]
-    files = sorted(p for d in ("services", "schemas", "weir") for p in (root / d).rglob("*.py"))
+    root = Path(__file__).resolve().parents[1]
+    files = sorted(p for d in ("services", "schemas", "weir", "bench") for p in (root / d).rglob("*.py"))
     return "\n".join(p.read_text() for p in files)
 
 
