@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# On a CUDA machine: run the kernel tests compiled (no Triton interpreter), then time each Triton
-# kernel against its PyTorch reference. Not part of the test suite. Results go to $OUT (if set,
-# else ./gpu_check_out): kernel-tests.txt, kernel-tests.xml, bench.txt, bench_kernels.{json,md},
-# nvidia-smi.txt. Exit status: non-zero if the tests or the bench's correctness checks failed.
-#   bash scripts/gpu_check.sh [--quick]     (--quick: fewer bench sizes, bf16 only)
+# On a CUDA machine: run the kernel tests compiled (no Triton interpreter), time each Triton kernel
+# against its PyTorch reference (python -m bench kernels), then the engine on a 1B-class Llama
+# (python -m bench gpu-llama). Not part of the test suite. Results go to $OUT if it is set, else
+# /tmp/weir-gpu-check: kernel-tests.txt, kernel-tests.xml, bench.txt, bench_kernels.{json,md},
+# gpu_bench_llama.{txt,json,md}, nvidia-smi.txt. Exit status: non-zero if the tests, the kernel
+# bench's correctness checks or the Llama bench failed.
+#   bash scripts/gpu_check.sh [--quick]     (--quick: fewer kernel bench sizes, bf16 only)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 unset TRITON_INTERPRET
