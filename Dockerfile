@@ -13,6 +13,7 @@ COPY schemas ./schemas
 COPY kernels ./kernels
 COPY services ./services
 COPY weir ./weir
+COPY bench ./bench
 RUN pip install ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} .
 
 # The model repository and its models; WEIR_MODEL_REPO points here.

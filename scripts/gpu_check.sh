@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# On a CUDA machine: run the kernel tests compiled (no Triton interpreter), then time each Triton
-# kernel against its PyTorch reference. Not part of the test suite. Results go to $OUT (if set,
-# else ./gpu_check_out): kernel-tests.txt, kernel-tests.xml, bench.txt, bench_kernels.{json,md},
-# nvidia-smi.txt. Exit status: non-zero if the tests or the bench's correctness checks failed.
-#   bash scripts/gpu_check.sh [--quick]     (--quick: fewer bench sizes, bf16 only)
+# On a CUDA machine: run the kernel tests compiled (no Triton interpreter), time each Triton kernel
+# against its PyTorch reference (python -m bench kernels), then the engine on a 1B-class Llama
+# (python -m bench gpu-llama). Not part of the test suite. Results go to $OUT if it is set, else
+# /tmp/weir-gpu-check: kernel-tests.txt, kernel-tests.xml, bench.txt, bench_kernels.{json,md},
+# gpu_bench_llama.{txt,json,md}, nvidia-smi.txt. Exit status: non-zero if the tests, the kernel
+# bench's correctness checks or the Llama bench failed.
+#   bash scripts/gpu_check.sh [--quick]     (--quick: fewer kernel bench sizes, bf16 only)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 unset TRITON_INTERPRET
@@ -31,12 +33,12 @@ if [ "${1:-}" = "--quick" ]; then
 else
   bench_args+=(--dtype bfloat16 --dtype float16)
 fi
-"$py" scripts/bench_kernels.py "${bench_args[@]}" 2>&1 | tee "$out/bench.txt"
+"$py" -m bench kernels "${bench_args[@]}" 2>&1 | tee "$out/bench.txt"
 bench_rc=${PIPESTATUS[0]}
 
 # The engine on a 1B-class Llama (random bf16 weights): batch-1 tokens/s against the bandwidth
 # bound, batch-64 throughput against transformers' generate().
-"$py" scripts/gpu_bench_llama.py --out "$out" 2>&1 | tee "$out/gpu_bench_llama.txt"
+"$py" -m bench gpu-llama --out "$out" 2>&1 | tee "$out/gpu_bench_llama.txt"
 llama_rc=${PIPESTATUS[0]}
 
 echo "gpu_check: kernel tests rc=$tests_rc, bench rc=$bench_rc, llama rc=$llama_rc, results in $out"

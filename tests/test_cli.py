@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
@@ -21,10 +23,29 @@ def test_delegated_command_gets_its_arguments_untouched(monkeypatch: pytest.Monk
 
 
 def test_missing_delegated_module_fails_only_when_invoked(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
-    monkeypatch.setitem(cli.DELEGATED, "bench", ("weir.no_such_module", "benchmark"))
-    assert cli.main(["bench"]) == 2
+    monkeypatch.setitem(cli.DELEGATED, "replay", ("weir.no_such_module", "rerun recorded requests"))
+    assert cli.main(["replay"]) == 2
     assert "weir.no_such_module" in capsys.readouterr().err
     assert cli.build_parser().parse_args(["kafka", "status"]).action == "status"
+
+
+def test_bench_runs_as_its_own_program_with_its_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[str, list[str]]] = []
+    monkeypatch.setattr(cli.os, "execv", lambda path, args: calls.append((path, args)))
+    cli.main(["bench", "hop", "--count", "3", "--help"])
+    assert calls == [(sys.executable, [sys.executable, "-m", "bench", "hop", "--count", "3", "--help"])]
+    assert "bench" not in cli.DELEGATED  # weir/ never imports bench/: a process boundary, not an import
+
+
+def test_weir_bench_help_lists_the_benches() -> None:
+    from bench import BENCHES
+
+    repo = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-m", "weir.cli", "bench", "--help"], cwd=repo, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: weir bench")
+    assert all(name in done.stdout for name in BENCHES)
 
 
 def test_kafka_up_flags() -> None:

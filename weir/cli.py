@@ -2,8 +2,10 @@
 
     weir kafka up|down|status     the local Apache Kafka broker (weir/kafka/launcher.py)
     weir topics create            create a deployment's topics on any cluster
-    weir up | gateway | batcher | worker | auditor | audit | keys | bench | batch | replay
+    weir up | gateway | batcher | worker | auditor | audit | keys | batch | replay
                                   handed to the owning module's main(argv), imported on use
+    weir bench NAME ...           runs `python -m bench NAME ...` as its own program (the bench/
+                                  package sits above weir/, which never imports it)
 """
 
 from __future__ import annotations
@@ -28,9 +30,14 @@ DELEGATED: dict[str, tuple[str, str]] = {
     "auditor": ("services.auditor.app", "run the auditor service"),
     "audit": ("services.auditor.cli", "query and verify the audit log"),
     "keys": ("services.gateway.keys_cli", "create, revoke and list the gateway's API keys"),
-    "bench": ("weir.bench", "benchmark a running deployment"),
     "batch": ("weir.batch_cli", "submit an OpenAI-format batch file and download its results"),
     "replay": ("weir.replay", "rerun recorded requests on another model and diff the outputs"),
+}
+
+# Subcommands that are separate programs: name -> (the `python -m` module, help). Their process
+# replaces this one, so exit status and signals are theirs; nothing here imports them.
+PROGRAMS: dict[str, tuple[str, str]] = {
+    "bench": ("bench", "benchmark a running deployment"),
 }
 
 
@@ -75,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also create the reply topic <prefix>.replies.ID for a client of your own (repeatable)")
     _add_deployment_args(create)
 
-    for name, (_module, text) in DELEGATED.items():
+    for name, (_module, text) in {**DELEGATED, **PROGRAMS}.items():
         commands.add_parser(name, help=text, add_help=False).add_argument("args", nargs=argparse.REMAINDER)
     return parser
 
@@ -89,6 +96,19 @@ def run_delegated(name: str, argv: list[str]) -> int:
         print(f"weir {name}: {module_name} is not available ({exc})", file=sys.stderr)
         return 2
     return int(module.main(argv) or 0)
+
+
+def exec_program(name: str, argv: list[str]) -> int:
+    """Replace this process with `python -m <module> ARGV` for `name`; returns only if exec fails."""
+    command = [sys.executable, "-m", PROGRAMS[name][0], *argv]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execv(sys.executable, command)
+    except OSError as exc:
+        print(f"weir {name}: cannot run {' '.join(command[:3])} ({exc})", file=sys.stderr)
+        return 2
+    return 0  # not reached: execv returns only by raising (or where a test stands in for it)
 
 
 async def create_topics(
@@ -133,9 +153,11 @@ def _kafka(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `weir` console script; returns the exit code."""
     argv = sys.argv[1:] if argv is None else argv
-    # Delegated commands get their arguments untouched, --help included.
+    # Delegated commands and programs get their arguments untouched, --help included.
     if argv and argv[0] in DELEGATED:
         return run_delegated(argv[0], argv[1:])
+    if argv and argv[0] in PROGRAMS:
+        return exec_program(argv[0], argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from weir.bench.sse_client import HttpError, SseConnection
+from bench.sse_client import HttpError, SseConnection
 
 
 async def serve(responses: list[list[bytes]]):

@@ -34,13 +34,13 @@ from pathlib import Path
 import httpx
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
+from bench.pipeline import PROMPTS, _one_http, run_http, workload
+from bench.stats import RunResult, percentile, print_table
 from schemas.codec import decode
 from schemas.messages import Batch
 from schemas.model_repo import ModelConfig, load_model_repo
 from schemas.topics import BATCH_PARTITIONS, Topics
 from services.batcher.planner import cost_tokens
-from weir.bench.pipeline import PROMPTS, _one_http, run_http, workload
-from weir.bench.stats import RunResult, percentile, print_table
 
 POLICIES = ("fifo", "strict")
 PRIORITY_HEADER = "x-weir-priority"  # the gateway's lane header (HTTP API; services/gateway/guard.py)

@@ -27,7 +27,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from weir.bench.stats import percentile, print_table
+from bench.stats import percentile, print_table
 
 _stamps: dict[str, list[float]] = {"write": [], "read": []}
 

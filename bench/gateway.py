@@ -29,13 +29,16 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import orjson
 
+from bench.stats import percentile, print_table
 from schemas.topics import Topics
-from weir.bench.stats import percentile, print_table
+
+if TYPE_CHECKING:
+    from schemas.messages import GenerateRequest
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing in tall green trees".split()
 ECHO_REPO = '[models.echo]\nengine = "echo"\nversion = "1"\nmax_batch_size = 32\nmax_wait_ms = 0\nmax_model_len = 2048\n'
@@ -127,29 +130,56 @@ async def respond(bootstrap: str, prefix: str, hold_target: int) -> None:
     Held requests are answered, all together, when "release" comes on stdin; "held <n>" lines on
     stdout say how many are held.
     """
-    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+    responder = ModelFreeWorker(bootstrap, prefix, hold_target)
+    await responder.producer.start()
+    await responder.consumer.start()
+    background = [asyncio.create_task(responder.beat()), asyncio.create_task(responder.consume())]
+    print("ready", flush=True)
+    try:
+        while (line := await asyncio.to_thread(sys.stdin.readline)) and line.strip() != "quit":
+            if line.strip() == "release":
+                batch, responder.held[:] = list(responder.held), []
+                await responder.answer(batch)
+                print(f"released {len(batch)}", flush=True)
+    finally:
+        for task in background + list(responder.tasks):
+            task.cancel()
+        await asyncio.gather(*background, *responder.tasks, return_exceptions=True)
+        await responder.consumer.stop()
+        await responder.producer.stop()
 
-    from schemas.codec import decode, encode
-    from schemas.messages import GenerateRequest, ReplyDelta, ReplyEnd, Usage, WorkerHeartbeat
 
-    topics = Topics(prefix)
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", enable_idempotence=True)
-    consumer = AIOKafkaConsumer(topics.requests, bootstrap_servers=bootstrap, group_id=None,
-                                auto_offset_reset="earliest")  # fmt: skip
-    await producer.start()
-    await consumer.start()
-    held: list[GenerateRequest] = []
+class ModelFreeWorker:
+    """A worker with no model on the gateway's topics: heartbeats as a live `echo` worker, answers
+    each request with one ReplyDelta per word then ReplyEnd(stop), or holds it ("hold" prompts)."""
 
-    async def beat() -> None:
+    def __init__(self, bootstrap: str, prefix: str, hold_target: int) -> None:
+        from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+        self.topics = Topics(prefix)
+        self.hold_target = hold_target
+        self.producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", enable_idempotence=True)
+        self.consumer = AIOKafkaConsumer(self.topics.requests, bootstrap_servers=bootstrap, group_id=None,
+                                         auto_offset_reset="earliest")  # fmt: skip
+        self.held: list[GenerateRequest] = []
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    async def beat(self) -> None:
+        from schemas.codec import encode
+        from schemas.messages import WorkerHeartbeat
+
         while True:
             heartbeat = WorkerHeartbeat(worker_id="bench-responder", models=["echo"], is_ready=True, num_running=0,
-                                        num_waiting=0, max_num_seqs=hold_target + 64, free_kv_blocks=1 << 20,
+                                        num_waiting=0, max_num_seqs=self.hold_target + 64, free_kv_blocks=1 << 20,
                                         block_size_tokens=16)  # fmt: skip
-            await producer.send_and_wait(topics.workers, encode(heartbeat), key=b"bench-responder")
+            await self.producer.send_and_wait(self.topics.workers, encode(heartbeat), key=b"bench-responder")
             await asyncio.sleep(0.5)
 
-    async def answer(requests: list[GenerateRequest]) -> None:
+    async def answer(self, requests: list[GenerateRequest]) -> None:
         """Step through the requests together: every request's delta k before any request's k+1."""
+        from schemas.codec import encode
+        from schemas.messages import ReplyDelta, ReplyEnd, Usage
+
         texts = {r.request_id: reply_words(r.prompt or "", r.max_tokens) for r in requests}
         futures = []
         for seq in range(max((len(t) for t in texts.values()), default=0) + 1):
@@ -162,36 +192,23 @@ async def respond(bootstrap: str, prefix: str, hold_target: int) -> None:
                     event = ReplyEnd(request_id=r.request_id, seq=seq, finish_reason="stop", usage=usage)
                 else:
                     continue
-                futures.append(await producer.send(r.reply_to, encode(event), key=r.request_id.encode()))
+                futures.append(await self.producer.send(r.reply_to, encode(event), key=r.request_id.encode()))
         await asyncio.gather(*futures)
 
-    async def consume() -> None:
+    async def consume(self) -> None:
+        from schemas.codec import decode
+        from schemas.messages import GenerateRequest
+
         while True:
-            for records in (await consumer.getmany(timeout_ms=500)).values():
+            for records in (await self.consumer.getmany(timeout_ms=500)).values():
                 for record in records:
                     request = decode(GenerateRequest, record.value)
                     if (request.prompt or "").startswith("hold"):
-                        held.append(request)
-                        print(f"held {len(held)}", flush=True)
+                        self.held.append(request)
+                        print(f"held {len(self.held)}", flush=True)
                     else:
-                        tasks.add(asyncio.create_task(answer([request])))
-                        tasks.difference_update([t for t in tasks if t.done()])
-
-    tasks: set[asyncio.Task[None]] = set()
-    background = [asyncio.create_task(beat()), asyncio.create_task(consume())]
-    print("ready", flush=True)
-    try:
-        while (line := await asyncio.to_thread(sys.stdin.readline)) and line.strip() != "quit":
-            if line.strip() == "release":
-                batch, held[:] = list(held), []
-                await answer(batch)
-                print(f"released {len(batch)}", flush=True)
-    finally:
-        for task in background + list(tasks):
-            task.cancel()
-        await asyncio.gather(*background, *tasks, return_exceptions=True)
-        await consumer.stop()
-        await producer.stop()
+                        self.tasks.add(asyncio.create_task(self.answer([request])))
+                        self.tasks.difference_update([t for t in self.tasks if t.done()])
 
 
 # ---------------------------------------------------------------- the client (same for both)
@@ -312,7 +329,7 @@ class BaselineServer:
 
     def __init__(self, port: int) -> None:
         self.base_url = f"http://127.0.0.1:{port}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "weir.bench.gateway", "--role", "baseline", "--port",
+        self.proc = subprocess.Popen([sys.executable, "-m", "bench.gateway", "--role", "baseline", "--port",
                                       str(port)], stdin=subprocess.DEVNULL)  # fmt: skip
 
     async def held(self) -> int:
@@ -332,7 +349,7 @@ class Responder:
     """The responder process; held()/release() over its stdin and stdout."""
 
     def __init__(self, bootstrap: str, prefix: str, hold_target: int) -> None:
-        self.args = [sys.executable, "-m", "weir.bench.gateway", "--role", "responder", "--bootstrap", bootstrap,
+        self.args = [sys.executable, "-m", "bench.gateway", "--role", "responder", "--bootstrap", bootstrap,
                      "--prefix", prefix, "--streams", str(hold_target)]  # fmt: skip
         self.num_held = 0
         self.num_released = -1

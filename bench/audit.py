@@ -22,12 +22,12 @@ from pathlib import Path
 
 import torch
 
+from bench.stats import print_table
 from schemas.codec import encode
 from schemas.messages import GenerateRequest, now_ms
 from schemas.model_repo import load_model_repo
 from schemas.topics import Topics
 from schemas.watermark import WatermarkConfig, detect
-from weir.bench.stats import print_table
 
 PROMPTS = ["def main():", "import os\n", "class Stack:\n", "# parse the arguments\n", "def add(a, b):\n",
            "for i in range(10):\n", "with open(path) as f:\n", "try:\n"]
@@ -146,13 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-repo", default="models.toml")
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, (torch.get_num_threads() or 2) // 2))
-
-    rows = [["ledger core, append per event (one fsync each)", f"{ingest_core(args.events, 1):,.0f}"],
-            ["ledger core, append_batch of 100 (one fsync per chain)", f"{ingest_core(args.events, 100):,.0f}"]]
-    if not args.no_kafka:
-        rows.append(["Kafka -> auditor -> ledger", f"{asyncio.run(ingest_kafka(args.bootstrap, args.events)):,.0f}"])
-    print(f"\nIngestion of {args.events} AuditEvents (4 partitions = 4 chains, checkpoint every 100 records)")
-    print_table(rows, ["path", "events/s"])
+    print_ingestion(args.events, None if args.no_kafka else args.bootstrap)
 
     from services.worker.engine import Engine, EngineConfig
     from services.worker.watermark import Watermarker
@@ -170,37 +164,57 @@ def main(argv: list[str] | None = None) -> int:
     if fingerprinter is None:
         print("\n(no fingerprint model: all-MiniLM-L6-v2 cannot load here; fingerprint table skipped)")
     else:
-        finished = list(plain.values())
-        fingerprinter.simhash(["warm up"])
-        alone = []
-        for out in finished:
-            started = time.perf_counter()
-            fingerprinter.simhash([out.prompt_text or "", out.output_text or ""])
-            alone.append((time.perf_counter() - started) * 1000)
-        started = time.perf_counter()
-        fingerprinter.simhash([t for out in finished for t in (out.prompt_text or "", out.output_text or "")])
-        batched = (time.perf_counter() - started) * 1000 / len(finished)
-        gen_ms = [(out.finished_ms or 0) - (out.received_ms or 0) for out in finished]
-        print(f"\nFingerprinting vs generation ({len(finished)} requests of {args.max_tokens} tokens, generated together "
-              "in one continuous batch; fingerprints on one thread)")
-        print_table([
-            ["generation time per request (ms)", f"{statistics.mean(gen_ms):.0f}", "100%"],
-            ["fingerprint, one request alone (ms)", f"{statistics.mean(alone):.1f}",
-             f"{100 * statistics.mean(alone) / statistics.mean(gen_ms):.1f}%"],
-            [f"fingerprint, batched {len(finished)} (ms per request)", f"{batched:.1f}",
-             f"{100 * batched / statistics.mean(gen_ms):.1f}%"],
-        ], ["", "ms", "of generation"])  # fmt: skip
+        print_fingerprint_cost(fingerprinter, list(plain.values()), args.max_tokens)
+    print_watermark_quality(config.path, engine.tokenizer, mark, {"plain": plain, "watermarked (gamma .25, delta 2)": marked},
+                            args.max_tokens)  # fmt: skip
+    return 0
 
+
+def print_ingestion(num_events: int, bootstrap: str | None) -> None:
+    """Events/s into the ledger: its core alone, per event and in batches, and through Kafka unless bootstrap is None."""
+    rows = [["ledger core, append per event (one fsync each)", f"{ingest_core(num_events, 1):,.0f}"],
+            ["ledger core, append_batch of 100 (one fsync per chain)", f"{ingest_core(num_events, 100):,.0f}"]]
+    if bootstrap is not None:
+        rows.append(["Kafka -> auditor -> ledger", f"{asyncio.run(ingest_kafka(bootstrap, num_events)):,.0f}"])
+    print(f"\nIngestion of {num_events} AuditEvents (4 partitions = 4 chains, checkpoint every 100 records)")
+    print_table(rows, ["path", "events/s"])
+
+
+def print_fingerprint_cost(fingerprinter, finished: list, max_tokens: int) -> None:
+    """Fingerprint cost per request, alone and batched, against the time generating that request took."""
+    fingerprinter.simhash(["warm up"])
+    alone = []
+    for out in finished:
+        started = time.perf_counter()
+        fingerprinter.simhash([out.prompt_text or "", out.output_text or ""])
+        alone.append((time.perf_counter() - started) * 1000)
+    started = time.perf_counter()
+    fingerprinter.simhash([t for out in finished for t in (out.prompt_text or "", out.output_text or "")])
+    batched = (time.perf_counter() - started) * 1000 / len(finished)
+    gen_ms = [(out.finished_ms or 0) - (out.received_ms or 0) for out in finished]
+    print(f"\nFingerprinting vs generation ({len(finished)} requests of {max_tokens} tokens, generated together "
+          "in one continuous batch; fingerprints on one thread)")
+    print_table([
+        ["generation time per request (ms)", f"{statistics.mean(gen_ms):.0f}", "100%"],
+        ["fingerprint, one request alone (ms)", f"{statistics.mean(alone):.1f}",
+         f"{100 * statistics.mean(alone) / statistics.mean(gen_ms):.1f}%"],
+        [f"fingerprint, batched {len(finished)} (ms per request)", f"{batched:.1f}",
+         f"{100 * batched / statistics.mean(gen_ms):.1f}%"],
+    ], ["", "ms", "of generation"])  # fmt: skip
+
+
+def print_watermark_quality(model_path: Path, tokenizer, mark: WatermarkConfig, outputs: dict[str, dict],
+                            max_tokens: int) -> None:  # fmt: skip
+    """Per set of outputs: perplexity under the unwatermarked model, mean and least watermark z."""
     import transformers
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(config.path, dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     table = []
-    for name, outs in (("plain", plain), ("watermarked (gamma .25, delta 2)", marked)):
-        ppl = [perplexity(hf, engine.tokenizer, PROMPTS[int(rid.split("-")[1])], out.token_ids)
+    for name, outs in outputs.items():
+        ppl = [perplexity(hf, tokenizer, PROMPTS[int(rid.split("-")[1])], out.token_ids)
                for rid, out in sorted(outs.items())]
-        zs = [detect(mark, engine.tokenizer.encode(out.output_text or "")).z_score for out in outs.values()]
+        zs = [detect(mark, tokenizer.encode(out.output_text or "")).z_score for out in outs.values()]
         table.append([name, f"{statistics.mean(ppl):.2f}", f"{statistics.mean(zs):.2f}", f"{min(zs):.2f}"])
-    print(f"\nWatermark: {len(PROMPTS)} outputs of {args.max_tokens} tokens each, temperature 1; perplexity under the "
+    print(f"\nWatermark: {len(PROMPTS)} outputs of {max_tokens} tokens each, temperature 1; perplexity under the "
           "unwatermarked model; z of the re-tokenized text")
     print_table(table, ["outputs", "perplexity", "mean z", "min z"])
-    return 0

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import orjson
 
+from bench.ttft_breakdown import HOPS, ClientMark, _take, hop_rows
 from schemas.codec import encode
 from schemas.messages import Batch, GenerateRequest, ReplyDelta, ReplyEnd, Usage
-from weir.bench.hops import HOPS, ClientMark, _take, hop_rows
 
 
 def request(rid: str) -> GenerateRequest:

@@ -1,6 +1,6 @@
 """GPU benchmark of Weir's engine on a 1B-class Llama with random weights, in bf16.
 
-Run on a CUDA machine (scripts/gpu_check.sh calls it). Reports:
+Run on a CUDA machine: `python -m bench gpu-llama [--out DIR]` (scripts/gpu_check.sh runs it). Reports:
   - decode tokens/s at batch 1 against the memory-bandwidth bound (every step reads all weights
     and the KV cache once, so bound = bandwidth / bytes read per token), as a fraction;
   - throughput at batch 64 against transformers' generate() on a static batch of the same 64.
@@ -19,10 +19,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from schemas.messages import GenerateRequest, now_ms  # noqa: E402
-from services.worker.engine import Engine, EngineConfig  # noqa: E402
+from schemas.messages import GenerateRequest, now_ms
+from services.worker.engine import Engine, EngineConfig
 
 # H200 HBM3e: 4.8 TB/s peak (NVIDIA datasheet); override with --bandwidth-gbs for other parts.
 DEFAULT_BANDWIDTH_GBS = 4800.0
@@ -33,13 +31,14 @@ def build_model(path: Path) -> None:
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    config = transformers.LlamaConfig(
+    # rope_theta and torch_dtype: names every supported transformers takes (5.x maps them; its stubs do not)
+    config = transformers.LlamaConfig(  # type: ignore[call-arg]
         vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
         num_key_value_heads=8, max_position_embeddings=4096, rope_theta=500000.0, tie_word_embeddings=True,
         bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16",
     )  # fmt: skip
     with torch.device("cuda"):
-        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)  # type: ignore[arg-type]
     model.save_pretrained(path, safe_serialization=True)
     vocab = {f"<{i}>": i for i in range(32000)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<0>"))
@@ -72,7 +71,7 @@ def engine_run(engine: Engine, batch: int, prompt_len: int, max_tokens: int) -> 
 def hf_static(path: Path, batch: int, prompt_len: int, max_tokens: int) -> float:
     import transformers
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()  # type: ignore[call-arg]
     ids = torch.randint(3, 32000, (batch, prompt_len), device="cuda")
     hf.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
     torch.cuda.synchronize()
@@ -82,13 +81,13 @@ def hf_static(path: Path, batch: int, prompt_len: int, max_tokens: int) -> float
     return batch * max_tokens / (time.perf_counter() - start)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="weir bench gpu-llama", description=__doc__)
     parser.add_argument("--out", type=Path, default=Path("/tmp/weir-gpu-check"))
     parser.add_argument("--bandwidth-gbs", type=float, default=DEFAULT_BANDWIDTH_GBS)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=128)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     path = Path(tempfile.mkdtemp()) / "llama-1b"
     build_model(path)

@@ -20,17 +20,19 @@ import statistics
 import tempfile
 import time
 import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import orjson
 
+from bench.sse_client import SseConnection
+from bench.stats import RunResult, percentile, print_table
+from bench.ttft_breakdown import ClientMark, hop_rows, read_stamps
 from schemas.messages import GenerateRequest, now_ms
 from schemas.model_repo import load_model_repo
 from schemas.topics import Topics
-from weir.bench.hops import ClientMark, hop_rows, read_stamps
-from weir.bench.sse_client import SseConnection
-from weir.bench.stats import RunResult, percentile, print_table
 
 PROMPTS = [
     "def main():\n", "import os\nimport sys\n", "class Parser:\n    def __init__(self", "for key, value in ",
@@ -219,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     _report(results, levels, cpu, ratios, args.rounds)
     if hops:
         print(f"\nWhere TTFT goes on the Kafka path, concurrency 1, output guard off ({num_hopped} requests; "
-              "Kafka record timestamps, 1 ms resolution, so means; see weir/bench/hops.py):")
+              "Kafka record timestamps, 1 ms resolution, so means; see bench/ttft_breakdown.py):")
         print_table(hops, ["hop", "mean ms", "p50 ms"])
     return 0
 
@@ -232,7 +234,7 @@ async def _runs(args, levels: list[int], config):
     from services.worker.config import WorkerSettings
     from services.worker.hardware import choose_device, cpu_threads
     from weir.kafka import launcher
-    from weir.kafka.admin import delete_prefixed_topics, deployment_specs, ensure_topics, list_topic_names
+    from weir.kafka.admin import delete_prefixed_topics, deployment_specs, ensure_topics
     from weir.launcher import Stack, free_ports, wait_http_ok
 
     torch.set_num_threads(cpu_threads(args.threads))
@@ -241,26 +243,12 @@ async def _runs(args, levels: list[int], config):
     topics = Topics(f"bench{uuid.uuid4().hex[:6]}")
     await ensure_topics(broker.bootstrap, deployment_specs(topics, load_model_repo(args.model_repo)))
     ports = dict(zip("bg", free_ports(2)))
-    env = {"WEIR_KAFKA_BOOTSTRAP": broker.bootstrap, "WEIR_TOPIC_PREFIX": topics.prefix,
-           "WEIR_MODEL_REPO": str(Path(args.model_repo).resolve()), "WEIR_MODELS": args.model,
-           "WEIR_AUTH_MODE": "open"}  # fmt: skip
     scratch = Path(tempfile.mkdtemp(prefix="weir-bench-"))
-    # Audit fingerprints (MiniLM embeddings of every prompt and output) share the worker's CPU;
-    # they are measured by `weir bench audit`, and left out here so (b) differs from (a) only by
-    # the Kafka path.
-    env |= {"WEIR_AUDIT_DB": str(scratch / "audit.sqlite"), "WEIR_AUDIT_API_PORT": "0",
-            "WEIR_AUDIT_FINGERPRINT_MODEL": ""}  # fmt: skip
-    stack = Stack(env, scratch)
-    results: dict[tuple[str, int], list[RunResult]] = {}
-    cpu: dict[tuple[str, int], dict[str, float]] = {}
-    ratios: dict[tuple[str, int], list[float]] = {}
-    hop_marks: list[ClientMark] = []
+    stack = Stack(_stack_env(args, broker.bootstrap, topics, scratch), scratch)
+    tally = _Tally()
     hops: tuple[list[list[str]], int] = ([], 0)
     try:
-        for name in ("auditor", "worker", "batcher"):
-            stack.start(name)
-        stack.start("gateway", extra_env={"WEIR_GATEWAY_PORT": str(ports["b"])})
-        stack.start("gateway-noguard", "gateway", {"WEIR_GATEWAY_PORT": str(ports["g"]), "WEIR_OUTPUT_GUARD": "off"})
+        _start_services(stack, ports)
         # The worker's own engine: built by the worker's code from the same model entry and settings.
         settings = WorkerSettings()
         device = choose_device(settings.device)
@@ -271,10 +259,7 @@ async def _runs(args, levels: list[int], config):
             await asyncio.to_thread(wait_http_ok, f"{base}/readyz", 300, stack)
         print(f"model {args.model} on {device}, torch threads {torch.get_num_threads()}; "
               f"{args.rounds} rounds per concurrency, paths in alternating order", flush=True)  # fmt: skip
-        pids = {name: [proc.pid] for name, proc in stack.procs.items()} | {"bench client": [os.getpid()]}
-        pids["worker"] += children_of(stack.procs["worker"].pid)  # its engine process
-        if (broker_pid := launcher.running_pid(broker)) is not None:
-            pids["broker"] = [broker_pid]
+        pids = _process_groups(stack, broker)
 
         async def one(path: str, c: int, n: int, marks: list[ClientMark] | None = None) -> RunResult:
             if path == "a":
@@ -282,33 +267,95 @@ async def _runs(args, levels: list[int], config):
             return await run_http(bases[path], args.model, c, n, args.max_tokens, marks)
 
         for c in levels:
-            n = max(12, c * args.requests_per_lane)
-            for path in PATHS:  # warm-up: JIT in the broker, caches everywhere
-                await one(path, c, n)
-            for r in range(args.rounds):
-                order = list(PATHS) if r % 2 == 0 else list(reversed(PATHS))
-                round_results = {}
-                for path in order:
-                    before = cpu_snapshot(pids)
-                    # The hop breakdown follows the guard-off path at concurrency 1: there the first
-                    # delta with text is the first text the client sees.
-                    marks = hop_marks if (path, c) == ("g", 1) else None
-                    round_results[path] = result = await one(path, c, n, marks)
-                    after = cpu_snapshot(pids)
-                    results.setdefault((path, c), []).append(result)
-                    used = cpu.setdefault((path, c), {})
-                    for name in before:
-                        used[name] = used.get(name, 0.0) + after[name] - before[name]
-                for path in ("b", "g"):
-                    ratios.setdefault((path, c), []).append(round_results[path].tokens_per_s / round_results["a"].tokens_per_s)
-        if hop_marks:
-            names = [topics.requests, topics.batches(args.model)]
-            names += [t for t in await list_topic_names(broker.bootstrap) if t.startswith(f"{topics.prefix}.replies.")]
-            hops = hop_rows(hop_marks, await read_stamps(broker.bootstrap, names))
+            await _run_level(one, c, max(12, c * args.requests_per_lane), args.rounds, pids, tally)
+        if tally.hop_marks:
+            hops = await _hop_breakdown(broker.bootstrap, topics, args.model, tally.hop_marks)
     finally:
         stack.stop_all()
         await delete_prefixed_topics(broker.bootstrap, topics.prefix)
-    return results, cpu, ratios, hops
+    return tally.results, tally.cpu, tally.ratios, hops
+
+
+@dataclass
+class _Tally:
+    """What the rounds measured: runs and CPU per (path, concurrency), tokens/s ratios, hop marks."""
+
+    results: dict[tuple[str, int], list[RunResult]] = field(default_factory=dict)
+    cpu: dict[tuple[str, int], dict[str, float]] = field(default_factory=dict)
+    ratios: dict[tuple[str, int], list[float]] = field(default_factory=dict)
+    hop_marks: list[ClientMark] = field(default_factory=list)
+
+
+def _stack_env(args, bootstrap: str, topics: Topics, scratch: Path) -> dict[str, str]:
+    """The services' environment: this run's broker, topics and model, open auth, a scratch audit log."""
+    env = {"WEIR_KAFKA_BOOTSTRAP": bootstrap, "WEIR_TOPIC_PREFIX": topics.prefix,
+           "WEIR_MODEL_REPO": str(Path(args.model_repo).resolve()), "WEIR_MODELS": args.model,
+           "WEIR_AUTH_MODE": "open"}  # fmt: skip
+    # Audit fingerprints (MiniLM embeddings of every prompt and output) share the worker's CPU;
+    # they are measured by `weir bench audit`, and left out here so (b) differs from (a) only by
+    # the Kafka path.
+    env |= {"WEIR_AUDIT_DB": str(scratch / "audit.sqlite"), "WEIR_AUDIT_API_PORT": "0",
+            "WEIR_AUDIT_FINGERPRINT_MODEL": ""}  # fmt: skip
+    return env
+
+
+def _start_services(stack, ports: dict[str, int]) -> None:
+    """Auditor, worker, batcher, and two gateways: (b) as deployed by default, (g) output guard off."""
+    for name in ("auditor", "worker", "batcher"):
+        stack.start(name)
+    stack.start("gateway", extra_env={"WEIR_GATEWAY_PORT": str(ports["b"])})
+    stack.start("gateway-noguard", "gateway", {"WEIR_GATEWAY_PORT": str(ports["g"]), "WEIR_OUTPUT_GUARD": "off"})
+
+
+def _process_groups(stack, broker) -> dict[str, list[int]]:
+    """The processes whose CPU is counted, by name: each service (the worker with its engine
+    process), this client, and the broker when it runs on this machine."""
+    from weir.kafka import launcher
+
+    pids = {name: [proc.pid] for name, proc in stack.procs.items()} | {"bench client": [os.getpid()]}
+    pids["worker"] += children_of(stack.procs["worker"].pid)  # its engine process
+    if (broker_pid := launcher.running_pid(broker)) is not None:
+        pids["broker"] = [broker_pid]
+    return pids
+
+
+async def _run_level(one: Callable[..., Awaitable[RunResult]], c: int, n: int, rounds: int,
+                     pids: dict[str, list[int]], tally: _Tally) -> None:  # fmt: skip
+    """At one concurrency: an unmeasured warm-up run of every path, then the rounds, in alternating order."""
+    for path in PATHS:  # warm-up: JIT in the broker, caches everywhere
+        await one(path, c, n)
+    for r in range(rounds):
+        order = list(PATHS) if r % 2 == 0 else list(reversed(PATHS))
+        round_results = {}
+        for path in order:
+            round_results[path] = await _measured(one, path, c, n, pids, tally)
+        for path in ("b", "g"):
+            tally.ratios.setdefault((path, c), []).append(round_results[path].tokens_per_s / round_results["a"].tokens_per_s)
+
+
+async def _measured(one: Callable[..., Awaitable[RunResult]], path: str, c: int, n: int,
+                    pids: dict[str, list[int]], tally: _Tally) -> RunResult:  # fmt: skip
+    """One run of one path; its result and the CPU each process group used meanwhile go to the tally."""
+    before = cpu_snapshot(pids)
+    # The hop breakdown follows the guard-off path at concurrency 1: there the first
+    # delta with text is the first text the client sees.
+    marks = tally.hop_marks if (path, c) == ("g", 1) else None
+    result = await one(path, c, n, marks)
+    after = cpu_snapshot(pids)
+    tally.results.setdefault((path, c), []).append(result)
+    used = tally.cpu.setdefault((path, c), {})
+    for name in before:
+        used[name] = used.get(name, 0.0) + after[name] - before[name]
+    return result
+
+
+async def _hop_breakdown(bootstrap: str, topics: Topics, model: str, marks: list[ClientMark]) -> tuple[list[list[str]], int]:
+    """Where TTFT went, hop by hop, from the records this run left on its request, batch and reply topics."""
+    from weir.kafka.admin import list_topic_names
+
+    names = [topics.requests, topics.batches(model)]
+    names += [t for t in await list_topic_names(bootstrap) if t.startswith(f"{topics.prefix}.replies.")]
+    return hop_rows(marks, await read_stamps(bootstrap, names))
 
 
 def _pooled(runs: list[RunResult]) -> RunResult:

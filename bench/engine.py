@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
+from bench.stats import RunResult, percentile, print_table
 from schemas.messages import GenerateRequest, now_ms
 from schemas.model_repo import load_model_repo
-from weir.bench.stats import RunResult, percentile, print_table
 
 
 @dataclass(frozen=True)
@@ -35,8 +35,8 @@ class Job:
 
 def corpus_text() -> str:
     """Source text present on every machine: this repository's own Python files."""
-    root = Path(__file__).resolve().parents[2]
-    files = sorted(p for d in ("services", "schemas", "weir") for p in (root / d).rglob("*.py"))
+    root = Path(__file__).resolve().parents[1]
+    files = sorted(p for d in ("services", "schemas", "weir", "bench") for p in (root / d).rglob("*.py"))
     return "\n".join(p.read_text() for p in files)
 
 
@@ -183,26 +183,51 @@ def main(argv: list[str] | None = None) -> int:
     systems = set(args.systems.split(","))
     print(f"model {args.model}: {sum(p.numel() for p in hf.parameters()) / 1e6:.1f}M parameters, "
           f"torch threads {torch.get_num_threads()}, device {engine.device}", flush=True)  # fmt: skip
-    header = ["system", "conc", "tokens/s", "TTFT p50 ms", "TTFT p95 ms", "ITL p50 ms", "ITL p95 ms", "KV waste %"]
     rows, ratios = [], []
     with torch.inference_mode():
         for c in levels:
             jobs = make_jobs(engine.tokenizer, c, args.seed + c, config.max_model_len)
-            runs: dict[str, tuple[RunResult, float | None]] = {}
-            if "a" in systems:
-                runs["a"] = (run_hf_sequential(hf, jobs), None)
-            if "b" in systems:
-                runs["b"] = run_hf_static(hf, jobs)
-            if "c" in systems:
-                runs["c"] = run_engine(engine, jobs, args.model)
-            for r, waste in runs.values():
-                rows.append([r.label, str(c), f"{r.tokens_per_s:.0f}", f"{percentile(r.ttft_ms, 50):.0f}",
-                             f"{percentile(r.ttft_ms, 95):.0f}", f"{percentile(r.itl_ms, 50):.1f}",
-                             f"{percentile(r.itl_ms, 95):.1f}", "-" if waste is None else f"{waste:.1f}"])  # fmt: skip
-            if "c" in runs:
-                tps = {k: r.tokens_per_s for k, (r, _) in runs.items()}
-                ratios.append((c, tps["c"] / tps["a"] if "a" in tps else None, tps["c"] / tps["b"] if "b" in tps else None))
+            level_rows, ratio = compare_at(c, systems, jobs, hf, engine, args.model)
+            rows += level_rows
+            if ratio is not None:
+                ratios.append(ratio)
             print(f"  concurrency {c} done", flush=True)
+    print_throughput(rows, ratios, engine)
+    if args.no_prefix:
+        return 0
+
+    cached = Engine(config.path, engine_config)
+    uncached = Engine(config.path, EngineConfig(**{**engine_config.__dict__, "enable_prefix_caching": False}))
+    print_prefix_caching(cached, uncached, args.model, args.system_prompt_tokens)
+    return 0
+
+
+Ratio = tuple[int, float | None, float | None]  # (concurrency, Weir / (a), Weir / (b))
+
+
+def compare_at(c: int, systems: set[str], jobs, hf, engine, model: str) -> tuple[list[list[str]], Ratio | None]:
+    """Run the chosen systems on one concurrency's jobs: their table rows, and Weir's tokens/s ratios when (c) ran."""
+    runs: dict[str, tuple[RunResult, float | None]] = {}
+    if "a" in systems:
+        runs["a"] = (run_hf_sequential(hf, jobs), None)
+    if "b" in systems:
+        runs["b"] = run_hf_static(hf, jobs)
+    if "c" in systems:
+        runs["c"] = run_engine(engine, jobs, model)
+    rows = []
+    for r, waste in runs.values():
+        rows.append([r.label, str(c), f"{r.tokens_per_s:.0f}", f"{percentile(r.ttft_ms, 50):.0f}",
+                     f"{percentile(r.ttft_ms, 95):.0f}", f"{percentile(r.itl_ms, 50):.1f}",
+                     f"{percentile(r.itl_ms, 95):.1f}", "-" if waste is None else f"{waste:.1f}"])  # fmt: skip
+    if "c" not in runs:
+        return rows, None
+    tps = {k: r.tokens_per_s for k, (r, _) in runs.items()}
+    return rows, (c, tps["c"] / tps["a"] if "a" in tps else None, tps["c"] / tps["b"] if "b" in tps else None)
+
+
+def print_throughput(rows: list[list[str]], ratios: list[Ratio], engine) -> None:
+    """The systems' table, the engine's KV layout, and Weir's speedups against the targets."""
+    header = ["system", "conc", "tokens/s", "TTFT p50 ms", "TTFT p95 ms", "ITL p50 ms", "ITL p95 ms", "KV waste %"]
     print()
     print_table(rows, header)
     print(f"\nKV bytes per token: {engine.kv_bytes_per_token} (theoretical minimum: 2 x layers x kv_heads x head_dim x "
@@ -212,15 +237,13 @@ def main(argv: list[str] | None = None) -> int:
         vs_b = "-" if rb is None else f"{rb:.2f}x"
         print(f"concurrency {c:>2}: Weir = {vs_a} (a) one-at-a-time, {vs_b} (b) static batches")
     print("targets at 32: >= 5x (a), >= 1.5x (b); KV waste < 5%")
-    if args.no_prefix:
-        return 0
 
+
+def print_prefix_caching(cached, uncached, model: str, system_prompt_tokens: int) -> None:
+    """TTFT p50 of requests sharing a system prompt, prefix caching on against off, and the hit rate."""
     n = 6
-    cached = Engine(config.path, engine_config)
-    uncached = Engine(config.path, EngineConfig(**{**engine_config.__dict__, "enable_prefix_caching": False}))
-    with_cache = prefix_ttft(cached, cached.tokenizer, args.model, args.system_prompt_tokens, n)
-    without = prefix_ttft(uncached, uncached.tokenizer, args.model, args.system_prompt_tokens, n)
+    with_cache = prefix_ttft(cached, cached.tokenizer, model, system_prompt_tokens, n)
+    without = prefix_ttft(uncached, uncached.tokenizer, model, system_prompt_tokens, n)
     p_with, p_without = percentile(with_cache, 50), percentile(without, 50)
-    print(f"\nshared {args.system_prompt_tokens}-token system prompt, TTFT p50: prefix caching on {p_with:.1f} ms, "
+    print(f"\nshared {system_prompt_tokens}-token system prompt, TTFT p50: prefix caching on {p_with:.1f} ms, "
           f"off {p_without:.1f} ms ({p_without / p_with:.1f}x; target >= 2x); hit rate {cached.blocks.prefix_hit_rate:.0%}")  # fmt: skip
-    return 0

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import orjson
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from weir.bench.stats import percentile
+from bench.stats import percentile
 from weir.bus import partitions_of
 
 HOPS = (

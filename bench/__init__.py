@@ -1,0 +1,33 @@
+"""Weir's benchmarks: `python -m bench NAME ...` (or `weir bench NAME ...`, which runs it).
+
+Each bench prints tables of figures measured side by side in one run; docs/benchmarks.md has the
+latest figures and the command behind each. This package is the top floor: it may import
+services/, weir/, schemas/ and kernels/, and none of those imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+BENCHES = {
+    "pipeline": ("bench.pipeline", "in-process engine vs gateway -> Kafka -> batcher -> worker -> gateway"),
+    "engine": ("bench.engine", "Weir's engine vs transformers generate(), one at a time and static batches"),
+    "batcher": ("bench.batcher", "interactive TTFT during a bulk job, fifo vs lanes; batch fill; job throughput"),
+    "gateway": ("bench.gateway", "gateway's added latency and streams held vs a bare uvicorn SSE endpoint"),
+    "audit": ("bench.audit", "auditor ingestion rate, fingerprint cost vs generation time, watermark z and perplexity"),
+    "hop": ("bench.kafka_hop", "one Kafka hop between two processes, split at the sockets, beside loopback TCP"),
+    "injection": ("bench.injection", "prompt-injection detector latency: wall and thread CPU p50/p95/p99/max by length"),
+    "kernels": ("bench.triton_kernels", "CUDA: each Triton kernel against its PyTorch reference, timed and checked"),
+    "gpu-llama": ("bench.gpu_llama", "CUDA: the engine on a 1B-class Llama, batch-1 vs bandwidth bound, batch 64 vs HF"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    listing = "\n".join(f"  {name:10} {text}" for name, (_module, text) in BENCHES.items())
+    parser = argparse.ArgumentParser(prog="weir bench", description="Weir benchmarks.", epilog="benchmarks:\n" + listing,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("name", choices=sorted(BENCHES), help="which benchmark")
+    args, rest = parser.parse_known_args(argv)
+    module = importlib.import_module(BENCHES[args.name][0])
+    return module.main(rest)
