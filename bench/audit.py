@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     print_ingestion(args.events, None if args.no_kafka else args.bootstrap)
 
     from services.worker.engine import Engine, EngineConfig
-    from services.worker.watermark import Watermarker
+    from services.worker.engine.watermark import Watermarker
     from weir.embedding.fingerprints import build_fingerprinter
 
     repo = load_model_repo(args.model_repo)

@@ -43,7 +43,7 @@ from schemas.topics import BATCH_PARTITIONS, Topics
 from services.batcher.planner import cost_tokens
 
 POLICIES = ("fifo", "strict")
-PRIORITY_HEADER = "x-weir-priority"  # the gateway's lane header (HTTP API; services/gateway/guard.py)
+PRIORITY_HEADER = "x-weir-priority"  # the gateway's lane header (HTTP API; services/gateway/guard/gate.py)
 
 
 @dataclass

@@ -230,7 +230,7 @@ async def _runs(args, levels: list[int], config):
     """Start the stack, load the engine here, then at each level warm up and run the rounds."""
     import torch
 
-    from services.worker.app import build_engine, warm_up
+    from services.worker.engine_factory import build_engine, warm_up
     from services.worker.config import WorkerSettings
     from services.worker.hardware import choose_device, cpu_threads
     from weir.kafka import launcher

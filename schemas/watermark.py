@@ -3,7 +3,7 @@
 At each generation step the vocabulary is split by a key and the previous token: a token t is
 green when mix(seed(key, prev), t) < gamma * 2^64, so a fraction gamma of the vocabulary is green,
 a different fraction at every step and unpredictable without the key. The worker adds `delta` to
-the green logits before sampling (services/worker/sampler.py); the detector counts green tokens in
+the green logits before sampling (services/worker/engine/sampler.py); the detector counts green tokens in
 a text and computes the one-proportion z-score against gamma:
 
     z = (num_green - gamma * T) / sqrt(T * gamma * (1 - gamma)),   p = P(N(0,1) > z)

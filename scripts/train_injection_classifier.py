@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Train the gateway's prompt-injection classifier (services/gateway/injection_model.json).
+"""Train the gateway's prompt-injection classifier (services/gateway/guard/injection_model.json).
 
 Nothing is downloaded: the script builds its own data set, deterministically from --seed.
 
@@ -32,7 +32,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.gateway.injection import (
+from services.gateway.guard.injection import (
     DEFAULT_MODEL_PATH,
     NUM_BUCKETS,
     HashedFeatures,

@@ -2,7 +2,7 @@
 
 Each service holds one `ServiceMetrics`: its own MeterProvider (not the global one, so tests can
 build several apps in one process) with an in-memory pull reader; a scrape collects it and
-renders the text exposition format (METRICS_CONTENT_TYPE in weir/service.py).
+renders the text exposition format (CONTENT_TYPE).
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from typing import Any
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import Gauge, InMemoryMetricReader, Sum
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # what /metrics answers with
 
 Observe = Callable[[CallbackOptions], Iterable[Observation]]
 

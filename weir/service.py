@@ -39,12 +39,12 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.types import ASGIApp
 
+from weir.metrics import CONTENT_TYPE
+
 EXIT_OK = 0  # stopped by SIGTERM/SIGINT, cleanly
 EXIT_FAILED = 1  # failed while running (its log says why); supervisors restart it
 EXIT_CONFIG = 2  # a setting, flag, model repository, ledger or port that cannot work: fix, then start
 EXIT_BROKER = 3  # the Kafka cluster could not be reached at start
-
-METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ def ops_app(
         return JSONResponse({"ready": is_ready, **body}, status_code=200 if is_ready else 503)
 
     async def render_metrics(_: Request) -> Response:
-        return PlainTextResponse(metrics(), media_type=METRICS_CONTENT_TYPE)
+        return PlainTextResponse(metrics(), media_type=CONTENT_TYPE)
 
     routes: list[BaseRoute] = [
         Route("/healthz", healthz), Route("/readyz", readyz), Route("/metrics", render_metrics),

@@ -24,7 +24,7 @@ from weir.bus import instance_id, make_consumer, make_producer
 from weir.bus import partitions_of
 from weir.files import is_behind, FileIndex, chunk_file, write_file
 
-log = logging.getLogger("weir.gateway.batches")
+log = logging.getLogger(__name__)
 
 
 class BatchStore:

@@ -1,7 +1,7 @@
 """Kafka I/O of one gateway instance: the producer, the reply consumer, the heartbeat watcher.
 
 The gateway publishes GenerateRequests and Cancellations, reads only its own reply topic
-(DESIGN.md, invariant 5) and watches worker heartbeats. An Exchange is one request in flight: it
+(docs/design.md, invariant 5) and watches worker heartbeats. An Exchange is one request in flight: it
 hands the request's ordered, deduplicated events to the HTTP/WebSocket edge, ends the request at
 its deadline when no terminal comes, and publishes a Cancellation when it is abandoned.
 """
@@ -35,7 +35,7 @@ from services.gateway.replies import ReplyItem, ReplyRouter
 from weir.bus import instance_id, make_consumer, make_producer, send_dead_letter
 from weir.kafka.admin import ensure_topics, wait_for_broker
 
-log = logging.getLogger("weir.gateway")
+log = logging.getLogger(__name__)
 
 SERVICE = "gateway"
 _MAX_SEND_WAIT_S = 30.0

@@ -1,7 +1,7 @@
 """The gateway's metrics: OpenTelemetry SDK instruments, scraped as Prometheus text at GET /metrics.
 
-The instruments live on a MeterProvider of this app (not the global one) with an in-memory pull
-reader; a scrape collects it and renders the exposition format (text/plain; version=0.0.4).
+The instruments live on this app's own MeterProvider (weir/metrics.py, shared by every service);
+a scrape collects it and renders the exposition format (text/plain; version=0.0.4).
 Counters of this gateway: requests by route and status, cancellations by reason, rate-limit and
 admission rejections, authentication failures, output redactions, input-guard detections,
 resumed streams; in flight per model and lane. Observed from the
@@ -11,18 +11,13 @@ its free KV blocks, running/waiting sequences and each device's name, memory and
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
-from typing import Any
 
 from opentelemetry.metrics import CallbackOptions, Observation
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import Gauge, InMemoryMetricReader, Sum
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from schemas.messages import WorkerHeartbeat
-
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+from weir.metrics import ServiceMetrics
 
 
 class GatewayMetrics:
@@ -31,9 +26,8 @@ class GatewayMetrics:
     def __init__(self, live_workers: Callable[[], list[WorkerHeartbeat]], open_breakers: Callable[[], set[str]]) -> None:
         self._live_workers = live_workers
         self._open_breakers = open_breakers
-        self.reader = InMemoryMetricReader()
-        self.provider = MeterProvider(metric_readers=[self.reader])
-        meter = self.provider.get_meter("weir.gateway")
+        self.service = ServiceMetrics("gateway")
+        meter = self.service.meter
         self.requests = meter.create_counter("weir_gateway_requests", description="HTTP responses by route and status.")
         self.in_flight = meter.create_up_down_counter(
             "weir_gateway_in_flight", description="Requests published and not yet ended, per model and lane."
@@ -77,16 +71,10 @@ class GatewayMetrics:
 
     def render(self) -> str:
         """Collect every instrument and render the Prometheus text exposition format."""
-        lines: list[str] = []
-        data = self.reader.get_metrics_data()
-        for resource_metrics in data.resource_metrics if data else []:
-            for scope_metrics in resource_metrics.scope_metrics:
-                for metric in scope_metrics.metrics:
-                    lines.extend(_render_metric(metric.name, metric.description or "", metric.data))
-        return "\n".join(lines) + "\n"
+        return self.service.render()
 
     def shutdown(self) -> None:
-        self.provider.shutdown()
+        self.service.shutdown()
 
     def _observe_live(self, _: CallbackOptions) -> Iterable[Observation]:
         counts: dict[str, int] = {}
@@ -116,45 +104,6 @@ class GatewayMetrics:
             return out
 
         return observe
-
-
-def _render_metric(name: str, description: str, data: Any) -> list[str]:
-    if isinstance(data, Sum):
-        kind = "counter" if data.is_monotonic else "gauge"
-        sample = f"{name}_total" if data.is_monotonic else name
-    elif isinstance(data, Gauge):
-        kind, sample = "gauge", name
-    else:  # histograms are not used by the gateway
-        return []
-    lines = [f"# HELP {sample} {_escape_help(description)}", f"# TYPE {sample} {kind}"]
-    for point in data.data_points:
-        lines.append(f"{sample}{_labels(point.attributes or {})} {_number(point.value)}")
-    return lines
-
-
-def _labels(attributes: Any) -> str:
-    if not attributes:
-        return ""
-    parts = [f'{key}="{_escape_label(str(value))}"' for key, value in sorted(attributes.items())]
-    return "{" + ",".join(parts) + "}"
-
-
-def _escape_label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _escape_help(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n")
-
-
-def _number(value: float) -> str:
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "NaN"
-        if math.isinf(value):
-            return "+Inf" if value > 0 else "-Inf"
-        return repr(value)
-    return str(value)
 
 
 class ResponseCounter:

@@ -1,6 +1,6 @@
 """ReplyRouter: hands each request's reply events to the one waiter of that request, in seq order.
 
-Delivery is at-least-once (DESIGN.md, invariant 3): a worker that restarts resends seqs the reader
+Delivery is at-least-once (docs/design.md, invariant 3): a worker that restarts resends seqs the reader
 already has, and a redone request can interleave with its first try. Per request the router
 keeps the next expected seq, drops any seq already delivered or buffered, buffers seqs that
 arrive early, and ends the request at the first terminal it delivers. No I/O: the reply consumer

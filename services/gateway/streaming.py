@@ -29,7 +29,7 @@ from services.gateway.openai_format import ApiError, ChunkWriter, Kind, completi
 from services.gateway.guard.output_guard import OutputGuard, TextFilter
 from services.gateway.resume import RESUME_GRACE_HEADER, StreamEntry
 
-log = logging.getLogger("weir.gateway")
+log = logging.getLogger(__name__)
 
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 

@@ -31,7 +31,7 @@ from services.gateway.openai_format import ApiError, ChatCompletionBody, Complet
 from services.gateway.guard.peers import PeerSync
 from services.gateway.guard.validation import TokenCounter, check_request
 
-log = logging.getLogger("weir.gateway")
+log = logging.getLogger(__name__)
 
 PRIORITY_HEADER = "x-weir-priority"
 _THREAD_COUNT_CHARS = 32_768  # prompts longer than this are tokenized off the event loop

@@ -30,7 +30,7 @@ from services.gateway.guard.settings import GuardSettings, InputGuardAction
 from services.gateway.guard.injection import Detection, InjectionDetector, RiskTracker
 from services.gateway.openai_format import ApiError, ChatCompletionBody, CompletionBody
 
-log = logging.getLogger("weir.gateway")
+log = logging.getLogger(__name__)
 
 _THREAD_CHARS = 16_384  # longer prompts are screened off the event loop
 _MAX_RULE_SETS = 100_000  # principals whose rule names are remembered until their flag

@@ -1,6 +1,6 @@
 """What gateway instances share through Kafka: API key records and rate-limit usage.
 
-No shared database (DESIGN.md, invariant 1): every instance
+No shared database (docs/design.md, invariant 1): every instance
 - reads the compacted keys topic from the beginning (no group) into its KeyStore, and keeps
   following it, so a key created or revoked by `weir keys` reaches every instance;
 - publishes what it admitted, per limited scope, as UsageRecords on the usage topic every
@@ -26,7 +26,7 @@ from services.gateway.config import GatewaySettings
 from services.gateway.guard.limits import RateLimiter
 from weir.bus import make_consumer, make_producer, partitions_of
 
-log = logging.getLogger("weir.gateway")
+log = logging.getLogger(__name__)
 
 
 class PeerSync:

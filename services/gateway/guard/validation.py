@@ -19,7 +19,7 @@ from schemas.messages import GenerateRequest
 from schemas.model_repo import ModelConfig
 from services.gateway.openai_format import ApiError, ChatCompletionBody, CompletionBody
 
-log = logging.getLogger("weir.gateway")
+log = logging.getLogger(__name__)
 
 TOKENS_PER_MESSAGE = 4  # role markers and separators a chat template adds around each turn
 _BYTES_PER_TOKEN = 4

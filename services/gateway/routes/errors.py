@@ -13,7 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.gateway.openai_format import ApiError, error_body, error_type, validation_error
 
-log = logging.getLogger("weir.gateway")
+log = logging.getLogger(__name__)
 
 # What create_app routes to on_error: the gateway's own errors, the framework's, and anything else.
 HANDLED = (ApiError, StarletteHTTPException, RequestValidationError, ValidationError, Exception)

@@ -9,7 +9,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from schemas.messages import WorkerHeartbeat, now_ms
-from services.gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from services.gateway.metrics import GatewayMetrics
+from weir.metrics import CONTENT_TYPE
 from services.gateway.openai_format import models_list
 from services.gateway.routes.parts import GatewayParts
 
