@@ -31,7 +31,7 @@ from tests.kafka_helpers import produce, read_until
 from weir.kafka.admin import deployment_specs, ensure_topics
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
-BOOTSTRAP = "127.0.0.1:9092"
+from tests.conftest import BOOTSTRAP  # noqa: E402 - WEIR_KAFKA_BOOTSTRAP, else 127.0.0.1:9092
 REPO_TOML = Path(__file__).resolve().parents[2] / "models.toml"
 MODEL = "all-MiniLM-L6-v2"
 LONG_TEXT = "Kafka carries every message between the services of the pipeline. " * 60  # ~660 tokens

@@ -19,7 +19,7 @@ from weir.kafka.admin import ensure_topics
 from .factories import make_request
 
 pytestmark = pytest.mark.kafka
-BOOTSTRAP = "127.0.0.1:9092"
+from tests.conftest import BOOTSTRAP  # noqa: E402 - WEIR_KAFKA_BOOTSTRAP, else 127.0.0.1:9092
 
 
 def write_repo(tmp: Path, model_dir: Path) -> Path:
