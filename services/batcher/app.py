@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import logging
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -146,48 +147,59 @@ async def _follow_control(control: AIOKafkaConsumer, topic: str, partitions: set
 
 class BatcherService:
     """The batcher process: one BatcherApp and the batch job runner that shares its fate (a kill -9
-    stops both; see jobs.py), driven by weir/service.py."""
+    stops both; see jobs.py), driven by weir/service.py. Its Kafka clients are made in `start`, on
+    the event loop (aiokafka needs a running loop)."""
 
     name = "batcher"
 
     def __init__(self, settings: BatcherSettings, repo: ModelRepository) -> None:
         self.settings = settings
         self.repo = repo
-        self.app = BatcherApp(settings, repo)
-        self.jobs = JobRunner(settings, repo, self.app.batcher_id)
-        self.metrics = _metrics(self.app)
+        self.app: BatcherApp | None = None
+        self.jobs: JobRunner | None = None
+        self.metrics = _metrics(lambda: self.app)
 
     async def start(self) -> None:
         await ensure_topics(self.settings.kafka_bootstrap, deployment_specs(self.settings.topics, self.repo))
+        self.app = BatcherApp(self.settings, self.repo)
+        self.jobs = JobRunner(self.settings, self.repo, self.app.batcher_id)
         await self.app.start()
 
     async def run(self, stop: asyncio.Event) -> None:
+        assert self.app is not None and self.jobs is not None, "start() first"
         await asyncio.gather(self.app.run(stop), self.jobs.run(stop))
 
     async def close(self) -> None:
-        await self.app.close()
+        if self.app is not None:
+            await self.app.close()
         self.metrics.shutdown()
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
         """Ready while the loop reads requests."""
-        body = {"batcher_id": self.app.batcher_id, "live_workers": self.app.router.num_workers}
-        return self.app.is_reading, {**body, "reason": None if self.app.is_reading else "starting or stopping"}
+        app = self.app
+        if app is None or not app.is_reading:
+            return False, {"reason": "starting or stopping"}
+        return True, {"batcher_id": app.batcher_id, "live_workers": app.router.num_workers, "reason": None}
 
     def http_app(self) -> ASGIApp:
         return ops_app(self.readiness, self.metrics.render)
 
 
-def _metrics(app: BatcherApp) -> ServiceMetrics:
-    """Gauges read from the batcher's state at scrape time."""
+def _metrics(current: Callable[[], BatcherApp | None]) -> ServiceMetrics:
+    """Gauges read from the batcher's state at scrape time (none before it started)."""
     metrics = ServiceMetrics("batcher")
-    metrics.gauge("weir_batcher_requests_held", "Requests held by the planner, waiting for their batch.",
-                  lambda: [(app.planner.num_held, {})])
-    metrics.gauge("weir_batcher_requests_uncommitted", "Request records whose effect is not yet durable.",
-                  lambda: [(app.handlers.num_in_flight, {})])
-    metrics.gauge("weir_batcher_live_workers", "Workers with a live heartbeat in the router's table.",
-                  lambda: [(app.router.num_workers, {})])
-    metrics.gauge("weir_batcher_models_blocked", "1 per model held back because no live worker has room.",
-                  lambda: [(1, {"model": m}) for m in app.planner.blocked_models()])
+
+    def gauge(name: str, text: str, read: Callable[[BatcherApp], list[tuple[float, dict[str, str]]]]) -> None:
+        metrics.gauge(name, text, lambda: read(app) if (app := current()) is not None else [])
+
+    gauge("weir_batcher_requests_held", "Requests held by the planner, waiting for their batch.",
+          lambda app: [(app.planner.num_held, {})])
+    gauge("weir_batcher_requests_uncommitted", "Request records whose effect is not yet durable.",
+          lambda app: [(app.handlers.num_in_flight, {})])
+    gauge("weir_batcher_live_workers", "Workers with a live heartbeat in the router's table.",
+          lambda app: [(app.router.num_workers, {})])
+    gauge("weir_batcher_models_blocked", "1 per model held back because no live worker has room.",
+          lambda app: [(1, {"model": m}) for m in app.planner.blocked_models()])
     return metrics
 
 
