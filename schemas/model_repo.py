@@ -152,4 +152,3 @@ def _resolve_paths(entry: ModelConfig, repo_file: Path) -> ModelConfig:
     if entry.engine == "torch" and entry.source is not None and entry.source.endswith(".gguf"):
         update["source"] = str((repo_file.parent / entry.source).resolve())
     return entry.model_copy(update=update)
-    return ModelRepository(models=models)

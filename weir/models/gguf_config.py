@@ -109,7 +109,8 @@ def rope_scaling(gguf: GGUFFile, spec: ArchSpec, head_dim: int) -> dict[str, Any
 
 
 # Llama 3.1/3.2's published llama3 RoPE parameters, besides the factor (which the tensor gives).
-_LLAMA3_CANDIDATES = [{"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}]
+# (low_freq_factor, high_freq_factor, original_max_position_embeddings)
+_LLAMA3_CANDIDATES: list[tuple[float, float, int]] = [(1.0, 4.0, 8192)]
 
 
 def llama3_factors(head_dim: int, theta: float, factor: float, low: float, high: float, old_len: int) -> np.ndarray:
@@ -126,9 +127,9 @@ def _llama3_scaling(gguf: GGUFFile, head_dim: int) -> dict[str, Any]:
     stored = dequantize(tensor.raw, tensor.ggml_type, tensor.shape).astype(np.float64).reshape(-1)
     theta = _f32(gguf.get(f"{gguf.require('general.architecture')}.rope.freq_base", 10000.0))
     factor = float(stored.max())
-    for params in _LLAMA3_CANDIDATES:
-        want = llama3_factors(head_dim, theta, factor, params["low_freq_factor"], params["high_freq_factor"],
-                              params["original_max_position_embeddings"])  # fmt: skip
+    for low, high, old_len in _LLAMA3_CANDIDATES:
+        want = llama3_factors(head_dim, theta, factor, low, high, old_len)
         if want.shape == stored.shape and np.allclose(want, stored, rtol=1e-4):
-            return {"rope_type": "llama3", "factor": _f32(factor), **params}
+            return {"rope_type": "llama3", "factor": _f32(factor), "low_freq_factor": low, "high_freq_factor": high,
+                    "original_max_position_embeddings": old_len}  # fmt: skip
     raise GGUFError(f"{gguf.path}: its rope_freqs tensor matches no known llama3 RoPE scaling; not imported")
