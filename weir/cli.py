@@ -2,7 +2,7 @@
 
     weir kafka up|down|status     the local Apache Kafka broker (weir/kafka/launcher.py)
     weir topics create            create a deployment's topics on any cluster
-    weir up | gateway | batcher | worker | auditor | audit | keys | batch | replay
+    weir up | gateway | batcher | worker | auditor | audit | keys | batch | replay | models
                                   handed to the owning module's main(argv), imported on use
     weir bench NAME ...           runs `python -m bench NAME ...` as its own program (the bench/
                                   package sits above weir/, which never imports it)
@@ -32,6 +32,7 @@ DELEGATED: dict[str, tuple[str, str]] = {
     "keys": ("services.gateway.keys_cli", "create, revoke and list the gateway's API keys"),
     "batch": ("weir.batch_cli", "submit an OpenAI-format batch file and download its results"),
     "replay": ("weir.replay", "rerun recorded requests on another model and diff the outputs"),
+    "models": ("weir.models.cli", "import a GGUF file as a model directory; prepare a repository's GGUF models"),
 }
 
 # Subcommands that are separate programs: name -> (the `python -m` module, help). Their process

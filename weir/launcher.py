@@ -27,6 +27,8 @@ from typing import Any
 
 from schemas.model_repo import ModelRepoError, load_model_repo
 from schemas.topics import DEFAULT_PREFIX, Topics
+from weir.models.gguf_file import GGUFError
+from weir.models.sources import prepare_models
 from weir.supervision import Supervisor, describe_exit
 
 SERVICES = ("auditor", "worker", "batcher", "gateway")
@@ -151,9 +153,13 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         repo = load_model_repo(args.model_repo)
-    except ModelRepoError as exc:
+        prepare_gguf_models(repo, os.environ.get("WEIR_MODELS", ""))
+    except (ModelRepoError, GGUFError, OSError) as exc:  # a bad entry, or a GGUF source that cannot be imported
         print(f"weir up: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C during an import: its temporary directory is already removed
+        print("\nstopped", flush=True)
+        return 0
     broker = launcher.BrokerConfig.from_env(port=args.kafka_port)
     was_running = launcher.running_pid(broker) is not None or launcher.port_open(broker.host, broker.port)
     try:
@@ -184,6 +190,13 @@ def main(argv: list[str] | None = None) -> int:
         if not was_running:
             launcher.stop(broker)
         print("stopped", flush=True)
+
+
+def prepare_gguf_models(repo: Any, selection: str) -> None:
+    """Import the GGUF source of each model the worker will serve (WEIR_MODELS, else all) once,
+    before the services start, so the worker finds it ready; an import done before is reused."""
+    names = [n.strip() for n in selection.split(",") if n.strip()] or list(repo.models)
+    prepare_models(repo, [n for n in names if n in repo.models], lambda line: print(line, flush=True))
 
 
 def start_broker(broker: Any, topics: Topics, repo: Any) -> None:

@@ -7,6 +7,8 @@ worker's settings, so it lives at the edge, beside them; the engines themselves 
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from schemas.messages import EmbedRequest, GenerateRequest, now_ms
@@ -15,6 +17,9 @@ from services.worker.config import WorkerSettings
 from services.worker.engine import EchoEngine, EmbeddingEngine, Engine, EngineConfig, EngineLike, Watermarker
 from services.worker.hardware import cpu_threads
 from weir.embedding.onnx_export import ensure_export
+from weir.models.sources import ensure_model_dir
+
+log = logging.getLogger(__name__)
 
 
 def build_engine(config: ModelConfig, settings: WorkerSettings, device: torch.device) -> EngineLike:
@@ -32,8 +37,9 @@ def build_engine(config: ModelConfig, settings: WorkerSettings, device: torch.de
         max_num_batched_tokens=settings.max_num_batched_tokens, block_size=settings.block_size,
         kv_cache_bytes=settings.kv_cache_bytes, is_prioritized=config.lane_policy != "fifo",
     )  # fmt: skip
-    assert config.path is not None
-    return Engine(config.path, engine_config, device, Watermarker(settings.watermarks()))
+    # A GGUF source is imported on first use (weir up has usually done it already) and reused after.
+    model_dir = ensure_model_dir(config, lambda line: log.info("model %s: %s", config.name, line))
+    return Engine(model_dir, engine_config, device, Watermarker(settings.watermarks()))
 
 
 def warm_up(engine: EngineLike, config: ModelConfig) -> None:

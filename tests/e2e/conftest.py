@@ -17,6 +17,12 @@ from weir.launcher import SERVICES, Stack, free_ports, wait_http_ok
 REPO_ROOT = Path(__file__).resolve().parents[2]
 from tests.conftest import BOOTSTRAP  # noqa: E402 - WEIR_KAFKA_BOOTSTRAP, else 127.0.0.1:9092
 
+# The worker of these tests serves every model of models.toml but those imported from a GGUF file
+# (SmolLM2: a 540 MB import and a slower model); weir-tiny-py is the fast model of the suite.
+TEST_MODELS = ",".join(
+    name for name, c in load_model_repo(REPO_ROOT / "models.toml").models.items() if not (c.engine == "torch" and c.source)
+)
+
 
 @dataclass
 class Pipeline:
@@ -40,7 +46,7 @@ def start_pipeline(tmp: Path, bootstrap: str = BOOTSTRAP, **extra_env: str) -> P
     env = {
         "WEIR_KAFKA_BOOTSTRAP": bootstrap, "WEIR_TOPIC_PREFIX": topics.prefix, "WEIR_GATEWAY_PORT": str(port),
         "WEIR_MODEL_REPO": str(model_repo), "WEIR_AUDIT_DB": str(audit_db), "PYTHONUNBUFFERED": "1",
-        "WEIR_AUTH_MODE": "open", **extra_env,
+        "WEIR_AUTH_MODE": "open", "WEIR_MODELS": TEST_MODELS, **extra_env,
     }  # fmt: skip
     stack = Stack(env, tmp / "logs")
     for name in SERVICES:

@@ -20,7 +20,7 @@ import pytest
 from weir.kafka.admin import delete_prefixed_topics
 from weir.launcher import free_ports
 
-from .conftest import BOOTSTRAP, REPO_ROOT
+from .conftest import BOOTSTRAP, REPO_ROOT, TEST_MODELS
 from .test_faults import NUM_REQUESTS, assert_each_ends_once, stream_one
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
@@ -69,7 +69,7 @@ def weir_up(tmp_path):
     prefix = f"e2eup{uuid.uuid4().hex[:8]}"
     (port,) = free_ports(1)
     out = tmp_path / "weir-up.out"
-    env = {**os.environ, "WEIR_AUDIT_DB": str(tmp_path / "audit.sqlite"), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "WEIR_AUDIT_DB": str(tmp_path / "audit.sqlite"), "PYTHONUNBUFFERED": "1", "WEIR_MODELS": TEST_MODELS}
     with open(out, "wb") as handle:
         proc = subprocess.Popen(
             [sys.executable, "-m", "weir.cli", "up", "--port", str(port), "--topic-prefix", prefix,

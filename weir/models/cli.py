@@ -1,0 +1,82 @@
+"""`weir models`: GGUF files into model directories Weir serves.
+
+    weir models import-gguf FILE --name NAME [--out DIR] [--dtype float32|bfloat16|float16] [--force]
+    weir models prepare [--model-repo models.toml] [--models a,b]
+
+import-gguf writes a Hugging Face directory (default $WEIR_HOME/models/NAME) and prints the
+models.toml entry that serves it; prepare imports every GGUF `source` of a model repository ahead
+of time (`weir up` does this itself before it starts the services). Exit status 0, or 2 with one
+line naming the file and the problem.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from schemas.model_repo import ModelRepoError, load_model_repo
+from weir.models.gguf_import import import_gguf
+from weir.models.safetensors_writer import DTYPES
+from weir.models.sources import default_model_dir, prepare_models
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="weir models", description="GGUF files into model directories Weir serves.")
+    actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    imp = actions.add_parser("import-gguf", help="import a GGUF file as a Hugging Face model directory")
+    imp.add_argument("file", type=Path, help="the .gguf file")
+    imp.add_argument("--name", required=True, help="the model's name (its models.toml entry)")
+    imp.add_argument("--out", type=Path, help="output directory (default $WEIR_HOME/models/NAME)")
+    imp.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                     help="dtype of model.safetensors (default %(default)s: the dequantized values exactly)")
+    imp.add_argument("--force", action="store_true", help="import again even if OUT holds this import")
+    prep = actions.add_parser("prepare", help="import every GGUF source of a model repository (once)")
+    prep.add_argument("--model-repo", type=Path, default=Path(os.environ.get("WEIR_MODEL_REPO", "models.toml")),
+                      help="model repository TOML (env WEIR_MODEL_REPO; default %(default)s)")
+    prep.add_argument("--models", default="", help="comma-separated entries (default: all)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `weir models`; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        if args.action == "import-gguf":
+            return _import(args)
+        return _prepare(args)
+    except (ValueError, OSError) as exc:  # GGUFError, ModelRepoError, a missing file, a full disk
+        print(f"weir models {args.action}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _progress(line: str) -> None:
+    print(line, flush=True)
+
+
+def _import(args: argparse.Namespace) -> int:
+    if not args.name.strip() or any(ch.isspace() or ch == "/" for ch in args.name):
+        raise ValueError(f"--name {args.name!r} must be a non-empty name without spaces or '/'")
+    out = (args.out or default_model_dir(args.name)).resolve()
+    import_gguf(args.file, out, source=str(args.file.resolve()), dtype=args.dtype, force=args.force, progress=_progress)
+    print(f"""
+{out} is ready. To serve it, add to your models.toml (WEIR_MODEL_REPO):
+
+[models.{args.name}]
+path = "{out}"
+engine = "torch"
+max_model_len = 2048
+""")
+    return 0
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    repo = load_model_repo(args.model_repo)
+    names = [n.strip() for n in args.models.split(",") if n.strip()] or list(repo.models)
+    unknown = [n for n in names if n not in repo.models]
+    if unknown:
+        raise ModelRepoError(f"--models names {unknown}, not in {args.model_repo} ({list(repo.models)})")
+    done = prepare_models(repo, names, _progress)
+    print(f"{len(done)} GGUF model(s) ready" + "".join(f"\n  {p}" for p in done))
+    return 0
