@@ -10,10 +10,11 @@ edges.
 from __future__ import annotations
 
 import hashlib
+import re
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, WithJsonSchema, model_validator
 
 SCHEMA_VERSION = 1
 
@@ -25,6 +26,35 @@ CancelReason = Literal["client_disconnect", "user", "deadline", "shutdown"]
 # Kafka's 1 MiB record limit: 128 x 384 floats of ~12 JSON bytes is ~600 KB. The gateway splits
 # longer OpenAI inputs (up to 2048) into several EmbedRequests.
 MAX_EMBED_INPUTS = 128
+
+# OpenAI's limits: penalties in [-2, 2]; at most 300 logit_bias entries, each in [-100, 100].
+MAX_PENALTY = 2.0
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 300
+_TOKEN_ID = re.compile(r"0|[1-9][0-9]{0,9}")
+
+
+def _check_logit_bias(bias: dict[str, float]) -> dict[str, float]:
+    """Keys are token ids written as decimal strings (JSON object keys), values within +-100."""
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise ValueError(f"at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(bias)}")
+    for key, value in bias.items():
+        if not _TOKEN_ID.fullmatch(key):
+            raise ValueError(f"key {key!r} is not a token id (a decimal integer such as \"1234\")")
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise ValueError(f"the bias of token {key} is {value:g}; biases lie in [-100, 100]")
+    return bias
+
+
+LogitBias = Annotated[
+    dict[str, float],
+    AfterValidator(_check_logit_bias),
+    WithJsonSchema({
+        "type": "object", "maxProperties": MAX_LOGIT_BIAS_ENTRIES, "propertyNames": {"pattern": f"^({_TOKEN_ID.pattern})$"},
+        "additionalProperties": {"type": "number", "minimum": -MAX_LOGIT_BIAS, "maximum": MAX_LOGIT_BIAS},
+    }),
+]  # fmt: skip
+"""OpenAI's logit_bias: token id (a decimal string, as JSON keys are) -> bias added to its logit."""
 
 
 def now_ms() -> int:
@@ -65,6 +95,19 @@ class GenerateRequest(_Wire):
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="Sampling temperature; 0 is greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 keeps all.")
+    presence_penalty: float = Field(
+        0.0, ge=-MAX_PENALTY, le=MAX_PENALTY,
+        description="OpenAI's presence penalty: subtracted once from the logit of every token the output holds so far.",
+    )
+    frequency_penalty: float = Field(
+        0.0, ge=-MAX_PENALTY, le=MAX_PENALTY,
+        description="OpenAI's frequency penalty: subtracted from a token's logit once per time the output holds it.",
+    )
+    logit_bias: LogitBias | None = Field(
+        None,
+        description="Token id (decimal string) -> bias in [-100, 100] added to its logit before sampling, at most "
+        "300 entries; -100 bans a token, +100 all but forces it. Ids outside the model's vocabulary are rejected.",
+    )
     stop: list[str] = Field(default_factory=list, max_length=16, description="Stop strings, not included in output.")
     seed: int | None = Field(None, description="Sampling seed; derived from request_id when absent.")
     ignore_eos: bool = Field(False, description="Keep generating past end-of-sequence (benchmarks), as in vLLM.")

@@ -4,7 +4,8 @@ the output/error files in OpenAI's Batch API formats. No I/O; time is passed in.
 A job's input is a JSONL file whose lines are {custom_id, method: "POST", url, body}. A line the
 runner cannot even identify (not JSON, no custom_id, a repeated custom_id, another url) fails
 the whole job in validation, as OpenAI does; a line whose *body* is wrong (unknown model, a bad
-parameter) is answered in the error file with status 400 and the job goes on.
+parameter) is answered in the error file with status 400 and the job goes on. Bodies are checked
+as the gateway checks them (schemas/openai_bodies.py): what its endpoint refuses, a line refuses.
 """
 
 from __future__ import annotations
@@ -20,14 +21,15 @@ from schemas.messages import (
     TERMINAL_BATCH_STATUSES,
     BatchJob,
     BatchLineError,
-    ChatMessage,
     GenerateRequest,
     ReplyDelta,
     ReplyEnd,
     RequestCounts,
 )
 from schemas.model_repo import ModelRepository
+from schemas.openai_bodies import BodyError, ChatCompletionBody, Kind, parse_body
 
+ENDPOINT_KINDS: dict[str, Kind] = {"/v1/chat/completions": "chat.completions", "/v1/completions": "completions"}
 MAX_BATCH_LINES = 50_000
 MAX_VALIDATION_ERRORS = 100
 
@@ -156,36 +158,33 @@ def _to_line(number: int, row: dict[str, Any], job: BatchJob, repo: ModelReposit
         return JobLine(number, custom_id, request_id, str(model), None, info)
     if not isinstance(model, str) or repo.get(model) is None:
         return refused("model_not_found", f"The model {model!r} does not exist", "model")
-    if body.get("stream"):
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        body = {**body, "prompt": prompt[0]}  # a batch line may wrap its one prompt in a list
+    try:  # the same checks as the gateway's endpoint: every parameter honoured or refused by name
+        parsed = parse_body(ENDPOINT_KINDS[job.endpoint], orjson.dumps(body))
+    except BodyError as exc:
+        return refused(exc.code, exc.message, exc.param)
+    if parsed.stream:
         return refused("invalid_value", "stream is not supported in a batch", "stream")
-    if body.get("n", 1) != 1:
-        return refused("invalid_value", "only n=1 is supported", "n")
-    stop = body.get("stop") or []
+    if parsed.timeout_s is not None:
+        return refused("unsupported_parameter", "timeout_s is not supported in a batch: the batch's completion "
+                       "window is every line's deadline", "timeout_s")  # fmt: skip
     fields: dict[str, Any] = {
         "request_id": request_id, "model": model, "priority": "bulk", "deadline_ms": job.expires_ms,
         "reply_to": reply_to, "stream": False, "principal": job.principal, "tenant": job.tenant,
-        "created_ms": job.created_ms, "stop": [stop] if isinstance(stop, str) else stop,
+        "created_ms": job.created_ms, **parsed.sampling_fields(),
     }  # fmt: skip
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    for name, value in (("max_tokens", max_tokens), ("temperature", body.get("temperature")),
-                        ("top_p", body.get("top_p")), ("seed", body.get("seed")), ("top_k", body.get("top_k"))):
-        if value is not None:
-            fields[name] = value
-    if job.endpoint == "/v1/chat/completions":
-        fields["messages"] = body.get("messages")
-        if not isinstance(fields["messages"], list) or not fields["messages"]:
-            return refused("invalid_value", "messages must be a non-empty list", "messages")
+    if parsed.max_new_tokens is not None:
+        fields["max_tokens"] = parsed.max_new_tokens
+    if isinstance(parsed, ChatCompletionBody):
+        fields["messages"] = [m.to_wire() for m in parsed.messages]
     else:
-        prompt = body.get("prompt")
-        fields["prompt"] = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 else prompt
-        if not isinstance(fields["prompt"], str):
-            return refused("invalid_value", "prompt must be a string", "prompt")
+        fields["prompt"] = parsed.prompt
     try:
-        if "messages" in fields:
-            fields["messages"] = [ChatMessage.model_validate(m) for m in fields["messages"]]
         return JobLine(number, custom_id, request_id, model, GenerateRequest(**fields))
-    except (ValidationError, TypeError) as exc:
-        first = exc.errors()[0] if isinstance(exc, ValidationError) else {"msg": str(exc), "loc": ()}
+    except ValidationError as exc:
+        first = exc.errors()[0]
         param = ".".join(str(p) for p in first.get("loc", ())) or None
         return refused("invalid_value", str(first.get("msg")), param)
 

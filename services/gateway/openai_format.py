@@ -1,8 +1,8 @@
 """OpenAI's wire format at the gateway's edge: request bodies in, chunks, bodies and errors out.
 
-Pure: no I/O, time passed in. Request bodies are validated strictly from the raw JSON (a string
-where a number belongs is an error, as with OpenAI), unknown OpenAI parameters are ignored, and the
-ones Weir cannot honour (n > 1, logprobs, tools, echo) are refused rather than silently dropped.
+Pure: no I/O, time passed in. Request bodies are schemas/openai_bodies.py's (shared with the
+batch job runner): validated strictly from the raw JSON, every OpenAI parameter honoured or
+refused with a 400 naming it, unknown parameters refused; here their errors become ApiErrors.
 """
 
 from __future__ import annotations
@@ -13,20 +13,13 @@ import struct
 from collections.abc import Callable
 from typing import Any, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from schemas.messages import (
-    MAX_EMBED_INPUTS,
-    ChatMessage,
-    EmbedRequest,
-    GenerateRequest,
-    Priority,
-    ReplyEnd,
-    Usage,
-)
+from schemas import openai_bodies
+from schemas.messages import MAX_EMBED_INPUTS, EmbedRequest, GenerateRequest, Priority, ReplyEnd, Usage
 from schemas.model_repo import ModelConfig, ModelRepository
-
-Kind = Literal["chat.completions", "completions"]
+# the body types are imported from here by the gateway's other modules
+from schemas.openai_bodies import BodyError, ChatCompletionBody, CompletionBody, Kind, body_error
 
 DEFAULT_MAX_TOKENS = 256  # chat default when the body sets none (OpenAI's own is "up to context")
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -36,6 +29,9 @@ MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit of inputs per /v1/embeddings reque
 RETRYABLE_REJECTIONS = frozenset(
     {"rate_limited", "rate_limit_exceeded", "overloaded", "queue_full", "no_capacity", "too_many_requests"}
 )
+
+# Rejection codes of a worker that name the request parameter at fault.
+PARAM_OF_REJECTION = {"invalid_logit_bias": "logit_bias"}
 
 
 class ApiError(Exception):
@@ -77,137 +73,25 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
 
 
 # ---------------------------------------------------------------------------------------------
-# Request bodies
-
-
-class _TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    type: Literal["text"]
-    text: str
-
-
-class _Message(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[_TextPart] | None = None
-    name: str | None = None
-
-    def to_wire(self) -> ChatMessage:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
-        role = "system" if self.role == "developer" else self.role
-        return ChatMessage(role=role, content=text)
-
-
-class _StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    include_usage: bool = False
-
-
-class _Body(BaseModel):
-    """Fields common to both endpoints. `top_k`, `ignore_eos` and `timeout_s` are Weir extensions
-    (`top_k` and `ignore_eos` as in vLLM's OpenAI server)."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    model: str = Field(min_length=1, max_length=128)
-    max_tokens: int | None = Field(None, ge=1, le=32768)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0, le=1 << 20)
-    ignore_eos: bool | None = Field(None, description="Keep generating past end-of-sequence until max_tokens.")
-    stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
-    stream: bool | None = False
-    stream_options: _StreamOptions | None = None
-    n: int | None = Field(None, ge=1, le=1)
-    user: str | None = Field(None, max_length=256)
-    timeout_s: float | None = Field(None, gt=0.0)
-    logprobs: bool | int | None = None
-    tools: list[Any] | None = None
-    functions: list[Any] | None = None
-
-    @field_validator("stop")
-    @classmethod
-    def _stop_strings(cls, value: str | list[str] | None) -> str | list[str] | None:
-        strings = [value] if isinstance(value, str) else value or []
-        if len(strings) > 16:
-            raise ValueError("at most 16 stop strings")
-        if any(not s for s in strings):
-            raise ValueError("stop strings must not be empty")
-        return value
-
-    def refuse_unsupported(self) -> None:
-        """Raise ApiError(400) for OpenAI features Weir does not serve."""
-        if self.logprobs not in (None, False, 0):
-            raise ApiError(400, "logprobs are not supported", param="logprobs", code="unsupported_parameter")
-        if self.tools or self.functions:
-            param = "tools" if self.tools else "functions"
-            raise ApiError(400, "tool calling is not supported", param=param, code="unsupported_parameter")
-
-    @property
-    def stop_list(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
-
-    @property
-    def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
-
-
-class ChatCompletionBody(_Body):
-    """POST /v1/chat/completions."""
-
-    messages: list[_Message] = Field(min_length=1, max_length=4096)
-    max_completion_tokens: int | None = Field(None, ge=1, le=32768)
-
-
-class CompletionBody(_Body):
-    """POST /v1/completions. Only a single string prompt is served."""
-
-    prompt: str
-    echo: bool | None = False
-    best_of: int | None = Field(None, ge=1, le=1)
-    suffix: str | None = None
-
-    def refuse_unsupported(self) -> None:
-        super().refuse_unsupported()
-        if self.echo:
-            raise ApiError(400, "echo is not supported", param="echo", code="unsupported_parameter")
-        if self.suffix:
-            raise ApiError(400, "suffix is not supported", param="suffix", code="unsupported_parameter")
+# Request bodies (schemas/openai_bodies.py: shared with the batch job runner)
 
 
 def parse_body(kind: Kind, raw: bytes | str) -> ChatCompletionBody | CompletionBody:
-    """Validate a raw JSON body for `kind`; raises ApiError(400) naming the first bad field."""
-    model = ChatCompletionBody if kind == "chat.completions" else CompletionBody
+    """Validate a raw JSON body for `kind`; raises ApiError(400) naming the first bad parameter."""
     try:
-        body = model.model_validate_json(raw)
-    except ValidationError as exc:
-        raise validation_error(exc) from None
-    body.refuse_unsupported()
-    return body
+        return openai_bodies.parse_body(kind, raw)
+    except BodyError as exc:
+        raise api_error(exc) from None
 
 
 def validation_error(exc: ValidationError) -> ApiError:
     """The 400 for a pydantic ValidationError of a request body: names the field and the problem."""
-    first = exc.errors(include_url=False)[0]
-    if first["type"] == "json_invalid":
-        return ApiError(400, f"the request body is not valid JSON: {first['msg']}", code="invalid_json")
-    loc = [str(part) for part in first["loc"]]
-    # Union members add their type name to the location (e.g. stop.str); keep only the field path.
-    loc = [part for part in loc if part not in {"str", "list[str]", "list[_TextPart]", "bool", "int"}]
-    param = ".".join(loc) or None
-    if first["type"] == "model_type" and not loc:
-        return ApiError(400, "the request body must be a JSON object", code="invalid_body")
-    if first["type"] == "missing":
-        return ApiError(400, f"missing required parameter: {param!r}", param=param, code="missing_required_parameter")
-    if param in {"n", "best_of"} and first["type"] == "less_than_equal":
-        return ApiError(400, f"only {param}=1 is supported", param=param, code="unsupported_parameter")
-    return ApiError(400, f"invalid value for {param!r}: {first['msg']}", param=param, code="invalid_value")
+    return api_error(body_error(exc))
+
+
+def api_error(exc: BodyError) -> ApiError:
+    """The 400 of a refused body."""
+    return ApiError(400, exc.message, param=exc.param, code=exc.code)
 
 
 def to_generate_request(
@@ -223,9 +107,7 @@ def to_generate_request(
 ) -> GenerateRequest:
     """The GenerateRequest for a validated body. The deadline is the tightest of the client's
     timeout (header or body), the model's default_timeout_s and the gateway's cap."""
-    max_tokens = body.max_tokens
-    if isinstance(body, ChatCompletionBody) and body.max_completion_tokens is not None:
-        max_tokens = body.max_completion_tokens
+    max_tokens = body.max_new_tokens
     if max_tokens is None:
         default = DEFAULT_MAX_TOKENS if kind == "chat.completions" else DEFAULT_COMPLETION_MAX_TOKENS
         max_tokens = min(default, model.max_model_len)
@@ -245,12 +127,7 @@ def to_generate_request(
         prompt=body.prompt if isinstance(body, CompletionBody) else None,
         messages=[m.to_wire() for m in body.messages] if isinstance(body, ChatCompletionBody) else None,
         max_tokens=max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=body.top_k or 0,
-        stop=body.stop_list,
-        seed=body.seed,
-        ignore_eos=bool(body.ignore_eos),
+        **body.sampling_fields(),
         stream=bool(body.stream),
         principal="anonymous",
         tenant="default",
@@ -269,9 +146,10 @@ def refuse_embedding_model(model: ModelConfig) -> None:
 
 
 class EmbeddingBody(BaseModel):
-    """POST /v1/embeddings. Text inputs only; `timeout_s` is a Weir extension."""
+    """POST /v1/embeddings. Text inputs only; `timeout_s` is a Weir extension; another parameter
+    is refused (400 unknown_parameter), not ignored."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str = Field(min_length=1, max_length=128)
     input: str | list[str] | list[int] | list[list[int]]
@@ -375,7 +253,8 @@ def terminal_error(end: ReplyEnd) -> ApiError | None:
         return ApiError(504, detail or "the request timed out before it finished", code=code or "timeout")
     if end.finish_reason == "rejected":
         status = 429 if code in RETRYABLE_REJECTIONS else 400
-        return ApiError(status, detail or "the request was rejected", code=code or "rejected")
+        param = PARAM_OF_REJECTION.get(code or "")
+        return ApiError(status, detail or "the request was rejected", code=code or "rejected", param=param)
     if end.finish_reason == "cancelled":
         return ApiError(503, detail or "the request was cancelled", code=code or "cancelled")
     return ApiError(500, detail or "the request failed", code=code or "internal_error")

@@ -77,6 +77,42 @@ def test_bad_bodies_go_to_the_error_file_and_the_job_goes_on():
     assert rows[1]["response"]["body"]["error"]["param"] == "temperature"
 
 
+def test_lines_carry_penalties_and_logit_bias():
+    parsed = parse_input(chat_line("p", presence_penalty=0.5, frequency_penalty=-1, logit_bias={"3": -100}),
+                         make_job(), REPO, "r")  # fmt: skip
+    request = parsed.lines[0].request
+    assert request is not None
+    assert (request.presence_penalty, request.frequency_penalty, request.logit_bias) == (0.5, -1.0, {"3": -100.0})
+
+
+@pytest.mark.parametrize(
+    ("body", "code", "param"),
+    [
+        ({"presence_penalty": 5}, "invalid_value", "presence_penalty"),
+        ({"frequency_penalty": "1"}, "invalid_value", "frequency_penalty"),
+        ({"logit_bias": {"x": 1}}, "invalid_value", "logit_bias"),
+        ({"response_format": {"type": "json_object"}}, "unsupported_parameter", "response_format"),
+        ({"logprobs": True}, "unsupported_parameter", "logprobs"),
+        ({"tools": [{"type": "function"}]}, "unsupported_parameter", "tools"),
+        ({"repetition_penalty": 1.1}, "unknown_parameter", "repetition_penalty"),
+        ({"timeout_s": 5}, "unsupported_parameter", "timeout_s"),
+        ({"n": 2}, "unsupported_parameter", "n"),
+    ],
+)
+def test_a_line_refuses_what_the_gateway_refuses_naming_the_parameter(body, code, param):
+    parsed = parse_input(chat_line("ok") + "\n" + chat_line("bad", **body), make_job(), REPO, "r")
+    assert parsed.errors == [] and parsed.lines[0].error is None
+    error = parsed.lines[1].error
+    assert error is not None and (error.code, error.param, error.line) == (code, param, 2)
+
+
+def test_a_completions_line_may_wrap_its_prompt_in_a_list():
+    line = orjson.dumps({"custom_id": "c", "method": "POST", "url": "/v1/completions",
+                         "body": {"model": "echo", "prompt": ["x"], "user": "u"}}).decode()
+    request = parse_input(line, make_job("/v1/completions"), REPO, "r").lines[0].request
+    assert request is not None and request.prompt == "x"
+
+
 def test_results_drop_repeats_and_write_each_custom_id_once():
     parsed = parse_input("\n".join(chat_line(c, c) for c in "abc"), make_job(), REPO, "r")
     results = JobResults(parsed.lines)

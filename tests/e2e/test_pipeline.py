@@ -9,6 +9,7 @@ import uuid
 
 import httpx
 import openai
+import orjson
 import pytest
 
 from schemas.codec import decode, decode_reply, encode
@@ -81,6 +82,44 @@ async def test_unknown_model_on_kafka_is_rejected_with_a_reason(pipeline):
     records = await read_until(pipeline.bootstrap, [reply_to], lambda rs: len(rs) >= 1, 30)
     end = decode_reply(records[0].value)
     assert end.finish_reason == "rejected" and end.error.code == "model_not_found"
+
+
+def test_penalties_through_the_openai_client_change_the_output_and_bad_values_are_400(pipeline):
+    client = openai.OpenAI(base_url=f"{pipeline.base_url}/v1", api_key="local", max_retries=0)
+    ask = dict(model=MODEL, prompt="import os\n", max_tokens=32, temperature=0.0)
+    plain = client.completions.create(**ask).choices[0].text  # type: ignore[call-overload]
+    penalised = client.completions.create(**ask, presence_penalty=2.0).choices[0].text  # type: ignore[call-overload]
+    # greedy weir-tiny-py repeats "from distutils.errors import DistutilsOptionError"; the penalty breaks the loop
+    assert plain.strip() and penalised.strip() and penalised != plain
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "def main():"}],
+                                          max_tokens=6, temperature=0.0, logit_bias={"42": 100})  # fmt: skip
+    assert chat.usage is not None and chat.usage.completion_tokens == 6  # token 42 forced: no end-of-turn
+    for bad, param in [({"presence_penalty": 5}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
+                       ({"logit_bias": {"99999999": -100}}, "logit_bias")]:  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.completions.create(**ask, **bad)  # type: ignore[call-overload]
+        assert caught.value.param == param
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                       response_format={"type": "json_object"})  # fmt: skip
+    assert (caught.value.param, caught.value.code) == ("response_format", "unsupported_parameter")
+
+
+async def test_a_raw_request_with_a_bad_penalty_is_dead_lettered_with_a_readable_reason(pipeline):
+    topics = pipeline.topics
+    reply_to = topics.replies(f"raw-{uuid.uuid4().hex[:6]}")
+    request_id = f"pen-{uuid.uuid4().hex}"
+    raw = orjson.dumps({"request_id": request_id, "model": MODEL, "prompt": "x", "presence_penalty": 5,
+                        "deadline_ms": now_ms() + 60_000, "reply_to": reply_to})  # fmt: skip
+    await produce(pipeline.bootstrap, topics.requests, [(request_id, raw)])
+    letters = await read_until(
+        pipeline.bootstrap, [topics.dead_letter], lambda rs: any(r.key == request_id.encode() for r in rs), 30
+    )
+    letter = next(decode(DeadLetter, r.value) for r in letters if r.key == request_id.encode())
+    assert "presence_penalty: must be less than or equal to 2, got 5" in letter.reason
+    records = await read_until(pipeline.bootstrap, [reply_to], lambda rs: len(rs) >= 1, 30)
+    end = decode_reply(records[0].value)
+    assert end.finish_reason == "rejected" and "presence_penalty" in end.error.message
 
 
 @pytest.mark.parametrize(

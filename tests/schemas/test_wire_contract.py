@@ -65,6 +65,36 @@ def test_malformed_requests_are_refused_with_a_reason(raw, why):
         decode(messages.GenerateRequest, raw)
 
 
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        ({"presence_penalty": 5}, "presence_penalty: must be less than or equal to 2, got 5"),
+        ({"frequency_penalty": -2.5}, "frequency_penalty: must be greater than or equal to -2, got -2.5"),
+        ({"frequency_penalty": "1"}, 'frequency_penalty: expected a number, got "1"'),
+        ({"logit_bias": {"a": 1}}, """logit_bias: key 'a' is not a token id (a decimal integer such as "1234")"""),
+        ({"logit_bias": {"3": 101}}, "logit_bias: the bias of token 3 is 101; biases lie in [-100, 100]"),
+        ({"logit_bias": {"3": "1"}}, 'logit_bias.3: expected a number, got "1"'),
+        ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias: at most 300 entries, got 301"),
+    ],
+)
+def test_bad_sampling_penalties_are_refused_with_a_readable_reason(change, reason):
+    raw = orjson.loads((GOLDEN / "GenerateRequest.json").read_bytes()) | change
+    with pytest.raises(DecodeError) as caught:
+        decode_request(orjson.dumps(raw))
+    assert str(caught.value).startswith(f"invalid request: {reason}")
+
+
+def test_penalties_default_to_none_and_bias_keys_stay_token_id_strings():
+    raw = orjson.loads((GOLDEN / "GenerateRequest.json").read_bytes())
+    request = decode(messages.GenerateRequest, orjson.dumps(raw))
+    assert (request.presence_penalty, request.frequency_penalty) == (0.5, 0.25)
+    assert request.logit_bias == {"7": -100.0, "42": 2.5}
+    for name in ("presence_penalty", "frequency_penalty", "logit_bias"):
+        del raw[name]
+    plain = decode(messages.GenerateRequest, orjson.dumps(raw))
+    assert (plain.presence_penalty, plain.frequency_penalty, plain.logit_bias) == (0.0, 0.0, None)
+
+
 def test_requests_decode_by_kind_and_kind_defaults_to_generate():
     generate = orjson.loads((GOLDEN / "GenerateRequest.json").read_bytes())
     assert isinstance(decode_request(orjson.dumps(generate)), messages.GenerateRequest)

@@ -6,7 +6,7 @@ One step() is:
     plan = self.scheduler.schedule()         # who runs, on which blocks
     logits = self._run(plan)                 # one model forward over every scheduled token
     self.scheduler.commit(plan)              # the plan's tokens are in the KV cache now
-    tokens = sample_batch(logits, ...)       # one token per sampling row (watermark biases added)
+    tokens = sample_batch(logits, ...)       # one token per sampling row (penalties, logit_bias, watermark)
     outputs += self._postprocess(seq, ...)   # per sequence: detokenize, stop, emit
 
 Synchronous and single-threaded: the worker's runner (services/worker/runner.py) calls step()
@@ -122,6 +122,13 @@ class Engine:
             )  # fmt: skip
         if request.deadline_ms <= now_ms:
             return _refused(request, now_ms, "timeout", "deadline_exceeded", "deadline passed before the model ran")
+        outside = [k for k in request.logit_bias or {} if int(k) >= self.model.args.vocab_size]
+        if outside:
+            return _refused(
+                request, now_ms, "rejected", "invalid_logit_bias",
+                f"logit_bias names token id {outside[0]}, outside the vocabulary of {request.model} "
+                f"(token ids 0 to {self.model.args.vocab_size - 1})",
+            )  # fmt: skip
         max_tokens = min(request.max_tokens, self.max_model_len - len(prompt_ids))
         text = prompt_text if prompt_text is not None else self.tokenizer.decode(prompt_ids)
         seq = Sequence(request, text, prompt_ids, max_tokens, now_ms)
@@ -158,7 +165,10 @@ class Engine:
         seqs = [c.seq for c in plan.prefills if c.samples] + [c.seq for c in plan.decodes]
         vocab_size = logits.shape[-1]
         biases = [self.watermarker.bias(s.request.tenant, s.token_ids[-1], vocab_size) for s in seqs]
-        tokens, entropies = sample_batch(logits, [s.request for s in seqs], [s.generator for s in seqs], biases)
+        histories = [s.output_ids if s.is_penalised else [] for s in seqs]  # only penalties read them
+        tokens, entropies = sample_batch(
+            logits, [s.request for s in seqs], [s.generator for s in seqs], biases, histories, [s.token_bias for s in seqs]
+        )
         for seq, token, entropy in zip(seqs, tokens, entropies, strict=True):
             outputs.extend(self._postprocess(seq, token, entropy, now_ms))
         return outputs

@@ -1,6 +1,15 @@
-"""Token sampling: temperature, top-k, top-p, per-request seeded generator, watermark bias."""
+"""Token sampling: penalties and logit bias, temperature, top-k, top-p, per-request seeded
+generator, watermark bias.
+
+The order, as in vLLM's sampler: OpenAI's logit_bias and presence/frequency penalties change the
+raw logits (so greedy rows honour them too), then temperature, watermark bias, top-k and top-p.
+"""
 
 from __future__ import annotations
+
+import array
+import itertools
+from dataclasses import dataclass
 
 import torch
 
@@ -14,7 +23,8 @@ class NonFiniteLogits(ValueError):
 def sample(
     logits: torch.Tensor, request: GenerateRequest, generator: torch.Generator, bias: torch.Tensor | None = None
 ) -> int:
-    """Pick the next token from one row of float32 logits [vocab].
+    """Pick the next token from one row of float32 logits [vocab], penalties and logit_bias
+    already applied (adjust_logits).
 
     temperature 0 is greedy. The generator is the request's own, seeded from its seed, so the
     same request yields the same tokens whatever else shares the batch. `bias` [vocab] (the
@@ -47,14 +57,19 @@ def sample_batch(
     requests: list[GenerateRequest],
     generators: list[torch.Generator],
     biases: list[torch.Tensor | None],
+    output_ids: list[list[int]] | None = None,
+    token_biases: list[TokenBias | None] | None = None,
 ) -> tuple[list[int | None], list[float]]:
-    """Next tokens and model entropies of a step's rows: logits [rows, vocab] float32.
+    """Next tokens and model entropies of a step's rows: logits [rows, vocab] float32, which it
+    changes (penalties and logit_bias are added in place).
 
     Returns (tokens, entropies), one per row; a row's token is None when its logits are not
-    finite (that request fails). The checks and the entropy run once over the batch, greedy rows
-    without a bias take one batched argmax; only rows that draw at random (or carry a watermark
-    bias) go through `sample`, each with its own generator, so a request's tokens do not depend
-    on what shares its batch.
+    finite (that request fails). `output_ids` (each row's generated tokens so far) and
+    `token_biases` (each row's logit_bias) feed `adjust_logits`; the entropy is the model's own,
+    before them. The checks, the entropy, the penalties and the bias run once over the batch,
+    greedy rows without a watermark bias take one batched argmax; only rows that draw at random
+    (or carry a watermark bias) go through `sample`, each with its own generator, so a request's
+    tokens do not depend on what shares its batch.
     """
     # a finite row sum means every logit is finite (NaN and inf propagate): one cheap reduction,
     # and the element-wise check only for the rows it flags
@@ -62,6 +77,7 @@ def sample_batch(
     for row in [r for r, ok in enumerate(finite) if not ok]:
         finite[row] = bool(torch.isfinite(logits[row]).all())
     entropies = token_entropies(logits).tolist()
+    logits = adjust_logits(logits, requests, output_ids, token_biases)
     argmax = torch.argmax(logits, dim=-1).tolist()
     tokens: list[int | None] = []
     for row, (request, generator, bias) in enumerate(zip(requests, generators, biases, strict=True)):
@@ -72,6 +88,78 @@ def sample_batch(
         else:
             tokens.append(sample(logits[row], request, generator, bias))
     return tokens, entropies
+
+
+@dataclass(frozen=True)
+class TokenBias:
+    """One request's logit_bias as tensors: token ids [n] int64 and their biases [n] float32."""
+
+    ids: torch.Tensor
+    values: torch.Tensor
+
+    @classmethod
+    def of(cls, logit_bias: dict[str, float] | None) -> TokenBias | None:
+        """The tensors of a request's logit_bias (keys are token ids as strings); None when empty."""
+        if not logit_bias:
+            return None
+        ids = torch.tensor([int(k) for k in logit_bias], dtype=torch.long)
+        return cls(ids, torch.tensor(list(logit_bias.values()), dtype=torch.float32))
+
+
+def has_penalties(request: GenerateRequest) -> bool:
+    """True when the request's presence or frequency penalty is not 0."""
+    return request.presence_penalty != 0.0 or request.frequency_penalty != 0.0
+
+
+@torch.inference_mode()  # the model's logits are inference tensors: changed in place only in this mode
+def adjust_logits(
+    logits: torch.Tensor,
+    requests: list[GenerateRequest],
+    output_ids: list[list[int]] | None,
+    token_biases: list[TokenBias | None] | None,
+) -> torch.Tensor:
+    """logits [rows, vocab] float32 with OpenAI's penalties and logit_bias applied to each row, in
+    place (the step's logits are not read again; the entropy is taken before).
+
+    For row r and token j, with c[j] the count of j in output_ids[r] (the tokens generated so
+    far, not the prompt: OpenAI's definition, and vLLM's):
+        logits[r, j] += bias[r][j] - c[j] * frequency_penalty[r] - (c[j] > 0) * presence_penalty[r]
+    Batched and sparse: only the (row, token) cells a row generated or biases change, so a step
+    costs O(tokens generated) whatever the vocabulary.
+    """
+    if not logits.is_contiguous():
+        logits = logits.contiguous()
+    cells = logits.view(-1)  # cell of (row, token): row * vocab + token
+    vocab_size = logits.shape[-1]
+    penalised = [r for r, req in enumerate(requests) if output_ids and output_ids[r] and has_penalties(req)]
+    if output_ids and penalised:
+        lengths = torch.tensor([len(output_ids[r]) for r in penalised])
+        flat = torch.frombuffer(array.array("q", itertools.chain.from_iterable(output_ids[r] for r in penalised)),
+                                dtype=torch.long)  # fmt: skip
+        keys = torch.tensor(penalised).index_select(0, segment_ids(lengths)) * vocab_size + flat
+        keys, counts = torch.unique(keys, return_counts=True)  # each generated (row, token) once, c[j] times
+        row = keys // vocab_size
+        frequency = torch.tensor([req.frequency_penalty for req in requests]).index_select(0, row)
+        presence = torch.tensor([req.presence_penalty for req in requests]).index_select(0, row)
+        cells.index_add_(0, keys, -(counts.float() * frequency + presence))
+    biased = [(r, bias) for r, bias in enumerate(token_biases or []) if bias is not None]
+    if biased:
+        sizes = torch.tensor([len(bias.ids) for _, bias in biased])
+        keys = torch.tensor([r for r, _ in biased]).index_select(0, segment_ids(sizes)) * vocab_size
+        keys += torch.cat([bias.ids for _, bias in biased])  # a request's ids are distinct (dict keys)
+        cells.index_add_(0, keys, torch.cat([bias.values for _, bias in biased]))
+    return logits
+
+
+def segment_ids(lengths: torch.Tensor) -> torch.Tensor:
+    """[sum(lengths)] int64: i repeated lengths[i] times, every length >= 1.
+
+    Like torch.repeat_interleave, which measured 10-50x slower on the CPU for a few dozen
+    segments. (Likewise index_select rather than tensor[index]: aten::index took ~12 ms for 16k
+    indices on a loaded 2-core machine, index_select 0.02 ms.)"""
+    marks = torch.zeros(int(lengths.sum()), dtype=torch.long)
+    marks.index_fill_(0, lengths.cumsum(0)[:-1], 1)
+    return marks.cumsum(0)
 
 
 def token_entropies(logits: torch.Tensor) -> torch.Tensor:

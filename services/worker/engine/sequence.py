@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from schemas.messages import ErrorInfo, FinishReason, GenerateRequest
+from services.worker.engine.sampler import TokenBias, has_penalties
 
 
 class Status(enum.Enum):
@@ -65,6 +66,8 @@ class Sequence:
         self.block_hashes: list[bytes] = []  # content hashes of the full blocks computed so far
         self.num_computed = 0  # tokens whose K/V are in the cache
         self.generator = torch.Generator().manual_seed(request.effective_seed)
+        self.token_bias = TokenBias.of(request.logit_bias)  # built once, added at every step
+        self.is_penalised = has_penalties(request)
         self.received_ms = now_ms
         self.first_token_ms: int | None = None
         self.output_text = ""  # text accepted so far (stop strings excluded)
