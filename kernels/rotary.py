@@ -8,10 +8,18 @@ from kernels.dispatch import use_triton
 
 
 def rope_cos_sin(head_dim: int, max_positions: int, theta: float, device: torch.device | str = "cpu") -> torch.Tensor:
-    """cos_sin cache: [max_positions, head_dim] = [cos(half) | sin(half)] in float32."""
+    """cos_sin cache of plain RoPE: [max_positions, head_dim] = [cos(half) | sin(half)] in float32."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
-    t = torch.arange(max_positions, dtype=torch.float32, device=device)
-    freqs = torch.outer(t, inv_freq)  # [positions, head_dim / 2]
+    return cos_sin_rows(torch.arange(max_positions, device=device), inv_freq)
+
+
+def cos_sin_rows(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rows of a cos_sin table: [n, 2 * half] = [cos | sin] float32 of positions[j] * inv_freq.
+
+    positions: [n]; inv_freq: [half] (one set for all rows) or [n, half] (one per row, as dynamic
+    NTK scaling gives). Scaled RoPE variants differ only in inv_freq (services/worker/engine/rope.py).
+    """
+    freqs = positions.float()[:, None] * inv_freq  # [n, half]
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
 
 

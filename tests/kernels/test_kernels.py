@@ -155,6 +155,34 @@ def test_rotary_int32_positions():
     close(k_out, k_ref)
 
 
+SCALINGS = {
+    "linear": {"type": "linear", "factor": 2.0},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("rope_type", sorted(SCALINGS))
+def test_rotary_scaled_tables(rope_type):
+    """The tables of scaled RoPE (per-token rows for dynamic NTK) take the same kernel path."""
+    from services.worker.engine.rope import RopeScaling, RotaryEmbedding
+
+    max_pos = 128 if rope_type == "llama3" else 64  # linear and dynamic serve 2 x 64 positions
+    config = {"max_position_embeddings": max_pos, "rope_theta": 500_000.0, "rope_scaling": SCALINGS[rope_type]}
+    rotary = RotaryEmbedding(RopeScaling.from_hf_config(config), 128, DEVICE)
+    g = gen(11)
+    positions = torch.tensor([0, 5, 63, 64, 90, 127, 3], device=DEVICE)
+    seq_lens = torch.tensor([100, 100, 100, 100, 91, 128, 40], device=DEVICE) if rope_type == "dynamic" else None
+    rows, table = rotary.select(positions, seq_lens)
+    q = randn(7, 4, 128, dtype=torch.float32, g=g)
+    k = randn(7, 2, 128, dtype=torch.float32, g=g)
+    q_out, k_out = apply_rotary_triton(q, k, rows, table)
+    q_ref, k_ref = apply_rotary_ref(q, k, rows, table)
+    close(q_out, q_ref)
+    close(k_out, k_ref)
+
+
 # --- Paged attention decode -----------------------------------------------------------------------
 
 

@@ -4,6 +4,7 @@ and engine outputs."""
 from __future__ import annotations
 
 import itertools
+import json
 from pathlib import Path
 
 import torch
@@ -24,8 +25,9 @@ _TEXT = [
 _ids = itertools.count()
 
 
-def make_tokenizer(path: Path, vocab_size: int = 300) -> Tokenizer:
-    """A byte-level BPE tokenizer saved as path/tokenizer.json, with <|endoftext|> as id 0."""
+def make_tokenizer(path: Path, vocab_size: int = 300, special_tokens: tuple[str, ...] = ()) -> Tokenizer:
+    """A byte-level BPE tokenizer saved as path/tokenizer.json, with <|endoftext|> as id 0 and
+    `special_tokens` added after the vocabulary."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -33,22 +35,30 @@ def make_tokenizer(path: Path, vocab_size: int = 300) -> Tokenizer:
         vocab_size=vocab_size, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
     tok.train_from_iterator(_TEXT, trainer)
+    tok.add_special_tokens(list(special_tokens))
     tok.save(str(path / "tokenizer.json"))
     return tok
 
 
-def make_model_dir(path: Path, arch: str = "llama", seed: int = 0, num_kv_heads: int = 2) -> Path:
-    """A random-weight Llama or Qwen2 directory (config.json, model.safetensors, tokenizer.json)."""
+def make_model_dir(
+    path: Path, arch: str = "llama", seed: int = 0, num_kv_heads: int = 2, special_tokens: tuple[str, ...] = (),
+    **config_overrides,
+) -> Path:  # fmt: skip
+    """A random-weight Llama or Qwen2 directory (config.json, model.safetensors, tokenizer.json).
+
+    config_overrides replace LlamaConfig/Qwen2Config arguments (rope_scaling, max_position_embeddings...).
+    """
     import transformers
 
     path.mkdir(parents=True, exist_ok=True)
-    tok = make_tokenizer(path)
+    tok = make_tokenizer(path, special_tokens=special_tokens)
     torch.manual_seed(seed)
     common = dict(
         vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=num_kv_heads, max_position_embeddings=256,
         bos_token_id=0, eos_token_id=0, rms_norm_eps=1e-5, rope_theta=10000.0,
     )  # fmt: skip
+    common.update(config_overrides)
     if arch == "llama":
         config = transformers.LlamaConfig(**common, tie_word_embeddings=False)
         model = transformers.LlamaForCausalLM(config)
@@ -56,6 +66,16 @@ def make_model_dir(path: Path, arch: str = "llama", seed: int = 0, num_kv_heads:
         config = transformers.Qwen2Config(**common, tie_word_embeddings=True)
         model = transformers.Qwen2ForCausalLM(config)
     model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def write_tokenizer_config(path: Path, chat_template: str | None = None, **special_tokens: str) -> Path:
+    """path/tokenizer_config.json for a fast tokenizer, with a chat template and named special tokens."""
+    config: dict = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
+    config.update(special_tokens)
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     return path
 
 

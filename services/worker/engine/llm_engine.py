@@ -66,8 +66,9 @@ class Engine:
         self.tokenizer = ModelTokenizer(model_path)
         self.weights_sha256 = weights_sha256(Path(model_path))
         args = self.model.args
+        self.rotary = self.model.rotary
         self.eos_ids = set(args.eos_token_ids)
-        self.max_model_len = min(config.max_model_len, args.max_position_embeddings)
+        self.max_model_len = min(config.max_model_len, args.max_context_len)
         per_block = bytes_per_block(args.num_layers, config.block_size, args.num_kv_heads, args.head_dim, self.dtype)
         num_blocks = self._kv_budget_bytes() // per_block
         if num_blocks * config.block_size < self.max_model_len:
@@ -79,7 +80,9 @@ class Engine:
             args.num_layers, num_blocks, config.block_size, args.num_kv_heads, args.head_dim, self.dtype, self.device
         )
         self.kv_bytes_per_token = per_block // config.block_size
-        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        # dynamic NTK rotates a prompt's keys for the prompt's length: no sharing between prompts
+        is_prefix_caching = config.enable_prefix_caching and not args.rope.is_length_dependent
+        self.blocks = BlockManager(num_blocks, config.block_size, is_prefix_caching)
         self.scheduler = Scheduler(
             self.blocks, config.max_num_seqs, config.max_num_batched_tokens, is_prioritized=config.is_prioritized
         )
@@ -212,11 +215,23 @@ class Engine:
                     start, end, torch.tensor(tables, dtype=torch.int32, device=self.device),
                     torch.tensor(lens, dtype=torch.int32, device=self.device),
                 ))  # fmt: skip
+        meta.rope_seq_lens = self._rope_seq_lens(plan)
         meta.slot_mapping = torch.tensor(slots, dtype=torch.long, device=self.device)
         meta.logits_indices = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         return self.model(input_ids, pos, self.kv_caches, meta).cpu()
+
+    def _rope_seq_lens(self, plan: StepPlan) -> torch.Tensor | None:
+        """Per token, the sequence length its rotation is for, when the model's RoPE needs it:
+        a prompt token the prompt's length, a generated token its position + 1 (engine/rope.py)."""
+        if not self.rotary.rope.is_length_dependent:
+            return None
+        chunks = [*plan.prefills, *plan.decodes]  # the token order of _run
+        lens = [max(c.seq.num_prompt_tokens, p + 1) for c in chunks for p in range(c.start, c.end)]
+        if not self.rotary.needs_seq_lens(max(lens, default=0)):
+            return None
+        return torch.tensor(lens, dtype=torch.long, device=self.device)
 
     def _postprocess(self, seq: Sequence, token: int | None, entropy: float, now_ms: int) -> list[EngineOutput]:
         """Take one sampled token (None: the row's logits were not finite) into `seq`."""

@@ -20,7 +20,7 @@ from safetensors import safe_open
 from torch import nn
 
 from kernels import apply_rotary, paged_attention_decode, rms_norm, silu_and_mul
-from kernels.rotary import rope_cos_sin
+from services.worker.engine.rope import RopeConfigError, RopeScaling, RotaryEmbedding
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"}
 
@@ -42,7 +42,7 @@ class ModelArgs:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope_theta: float
+    rope: RopeScaling
     max_position_embeddings: int
     tie_word_embeddings: bool
     has_qkv_bias: bool
@@ -60,6 +60,7 @@ class ModelArgs:
             hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
             eos = config.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+            rope = RopeScaling.from_hf_config(config)
             return ModelArgs(
                 architecture=arch,
                 vocab_size=int(config["vocab_size"]),
@@ -70,7 +71,7 @@ class ModelArgs:
                 num_kv_heads=int(config.get("num_key_value_heads") or heads),
                 head_dim=int(config.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(config.get("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
+                rope=rope,
                 max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
                 has_qkv_bias=arch == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False)),
@@ -79,6 +80,13 @@ class ModelArgs:
             )
         except KeyError as exc:
             raise ModelLoadError(f"config.json lacks {exc.args[0]!r}") from exc
+        except RopeConfigError as exc:
+            raise ModelLoadError(f"config.json: {exc}") from exc
+
+    @property
+    def max_context_len(self) -> int:
+        """Most positions a sequence may take (RoPE scaling may stretch max_position_embeddings)."""
+        return self.rope.max_context_len
 
 
 @dataclass
@@ -97,6 +105,9 @@ class AttentionMetadata:
     decode_groups: list[tuple[int, int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     # rows of the output to compute logits for (last token of each sequence that samples)
     logits_indices: torch.Tensor | None = None
+    # [tokens] int64: the sequence length each token's rotation is for; set only when the
+    # model's RoPE depends on it (dynamic NTK past max_position_embeddings), see engine/rope.py
+    rope_seq_lens: torch.Tensor | None = None
 
 
 class Attention(nn.Module):
@@ -219,16 +230,14 @@ class DecoderStack(nn.Module):
 class CausalLM(nn.Module):
     """Decoder-only transformer with HF parameter names (model.*, lm_head)."""
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.args = args
+        self.rotary = rotary  # cos/sin of every position, on the model's device
         self.model = DecoderStack(args)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.register_buffer(
-            "cos_sin", rope_cos_sin(args.head_dim, args.max_position_embeddings, args.rope_theta), persistent=False
-        )
 
     @torch.inference_mode()
     def forward(
@@ -241,8 +250,9 @@ class CausalLM(nn.Module):
         """input_ids, positions: [tokens]. Returns float32 logits for meta.logits_indices rows."""
         x = self.model.embed_tokens(input_ids)
         residual = None
+        rows, cos_sin = self.rotary.select(positions, meta.rope_seq_lens)
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, positions, self.cos_sin, kv, meta)
+            x, residual = layer(x, residual, rows, cos_sin, kv, meta)
         x, _ = self.model.norm(x, residual)
         if meta.logits_indices is not None:
             x = x[meta.logits_indices]
@@ -277,12 +287,12 @@ def load_model(path: str | Path, device: torch.device, dtype: torch.dtype) -> Ca
     if not config_file.exists():
         raise ModelLoadError(f"{path} has no config.json")
     args = ModelArgs.from_hf_config(json.loads(config_file.read_text()))
+    rotary = RotaryEmbedding(args.rope, args.head_dim, device)
     with torch.device("meta"):
-        model = CausalLM(args)
+        model = CausalLM(args, rotary)
     model = model.to_empty(device=device).to(dtype)
     if args.tie_word_embeddings:  # to_empty gives each module its own tensor: tie again
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.cos_sin = rope_cos_sin(args.head_dim, args.max_position_embeddings, args.rope_theta, device)
     params = dict(model.named_parameters())
     pending: dict[str, dict[str, torch.Tensor]] = {}
     loaded: set[str] = set()
