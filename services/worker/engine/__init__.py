@@ -9,8 +9,10 @@ an engine directly. The worker's edge (services/worker/runner.py) runs one besid
       scheduler.py       which sequences run each step, within a token budget
       kv_cache.py        the block manager (prefix caching) and the per-layer KV tensors
       model.py           the Llama/Qwen2 model, loaded from a Hugging Face directory
+      rope.py            RoPE variants of config.json (default, linear, dynamic, llama3)
       sampler.py         batched sampling from each request's own generator
-      tokenizer.py       chat templates, encoding, incremental detokenizing
+      tokenizer.py       encoding, incremental detokenizing, special and stop tokens
+      chat_template.py   the model's Jinja chat template, sandboxed as transformers renders it
       watermark.py       the per-tenant green-list bias and its detector
     echo_engine.py       EchoEngine: streams the prompt back (engine = "echo")
     embedding_engine.py  EmbeddingEngine: ONNX sentence embeddings (engine = "onnx")

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from schemas.messages import EmbedRequest, ErrorInfo, GenerateRequest
+from services.worker.engine.chat_template import ChatTemplateError
 from services.worker.engine.kv_cache import BlockManager, allocate_kv_caches, bytes_per_block
 from services.worker.engine.model import AttentionMetadata, CausalLM, load_model, weights_sha256
 from services.worker.engine.sampler import sample_batch
@@ -67,7 +68,9 @@ class Engine:
         self.weights_sha256 = weights_sha256(Path(model_path))
         args = self.model.args
         self.rotary = self.model.rotary
-        self.eos_ids = set(args.eos_token_ids)
+        # ids that end generation: config/generation_config eos, the tokenizer's eos and the chat
+        # template's end-of-turn token (<|im_end|>, <|eot_id|>) when it is a special token
+        self.eos_ids = set(args.eos_token_ids) | self.tokenizer.stop_token_ids
         self.max_model_len = min(config.max_model_len, args.max_context_len)
         per_block = bytes_per_block(args.num_layers, config.block_size, args.num_kv_heads, args.head_dim, self.dtype)
         num_blocks = self._kv_budget_bytes() // per_block
@@ -108,6 +111,8 @@ class Engine:
         try:
             prompt_text = self.tokenizer.render(request)
             prompt_ids = self.tokenizer.encode(prompt_text)
+        except ChatTemplateError as exc:  # the template refused this chat (e.g. a role order): the client's to fix
+            return _refused(request, now_ms, "rejected", "chat_template_error", str(exc))
         except TokenizerError as exc:
             return _refused(request, now_ms, "error", "tokenizer_error", str(exc))
         return self.add_tokens(request, prompt_ids, now_ms, prompt_text)

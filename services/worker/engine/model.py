@@ -50,16 +50,19 @@ class ModelArgs:
     bos_token_id: int | None
 
     @staticmethod
-    def from_hf_config(config: dict) -> ModelArgs:
-        """Read a config.json dict; raises ModelLoadError naming the missing or unsupported key."""
+    def from_hf_config(config: dict, generation_config: dict | None = None) -> ModelArgs:
+        """Read a config.json dict; raises ModelLoadError naming the missing or unsupported key.
+
+        End-of-sequence ids are config.json's and generation_config.json's together (a chat model
+        lists its end-of-turn token there, e.g. Llama 3's <|eot_id|>).
+        """
         archs = config.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ModelLoadError(f"architectures={archs} unsupported; expected one of {sorted(SUPPORTED_ARCHITECTURES)}")
         try:
             hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
-            eos = config.get("eos_token_id")
-            eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+            eos_ids = _token_ids(config.get("eos_token_id")) + _token_ids((generation_config or {}).get("eos_token_id"))
             rope = RopeScaling.from_hf_config(config)
             return ModelArgs(
                 architecture=arch,
@@ -75,7 +78,7 @@ class ModelArgs:
                 max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
                 has_qkv_bias=arch == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False)),
-                eos_token_ids=eos_ids,
+                eos_token_ids=tuple(dict.fromkeys(eos_ids)),
                 bos_token_id=config.get("bos_token_id"),
             )
         except KeyError as exc:
@@ -87,6 +90,13 @@ class ModelArgs:
     def max_context_len(self) -> int:
         """Most positions a sequence may take (RoPE scaling may stretch max_position_embeddings)."""
         return self.rope.max_context_len
+
+
+def _token_ids(value: int | list[int] | None) -> tuple[int, ...]:
+    """An eos_token_id entry (an int, a list of ints or null) as a tuple."""
+    if value is None:
+        return ()
+    return tuple(int(v) for v in value) if isinstance(value, list) else (int(value),)
 
 
 @dataclass
@@ -286,7 +296,9 @@ def load_model(path: str | Path, device: torch.device, dtype: torch.dtype) -> Ca
     config_file = path / "config.json"
     if not config_file.exists():
         raise ModelLoadError(f"{path} has no config.json")
-    args = ModelArgs.from_hf_config(json.loads(config_file.read_text()))
+    generation_file = path / "generation_config.json"
+    generation_config = json.loads(generation_file.read_text()) if generation_file.exists() else None
+    args = ModelArgs.from_hf_config(json.loads(config_file.read_text()), generation_config)
     rotary = RotaryEmbedding(args.rope, args.head_dim, device)
     with torch.device("meta"):
         model = CausalLM(args, rotary)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import jinja2
 from tokenizers import Tokenizer
 
 from schemas.messages import ChatMessage, GenerateRequest
+from services.worker.engine.chat_template import ChatTemplate, ChatTemplateError
 
 
 class TokenizerError(ValueError):
@@ -16,7 +16,7 @@ class TokenizerError(ValueError):
 
 
 class ModelTokenizer:
-    """tokenizer.json plus the chat template and special tokens of tokenizer_config.json."""
+    """tokenizer.json, plus the chat template and special tokens of tokenizer_config.json."""
 
     def __init__(self, path: str | Path) -> None:
         path = Path(path)
@@ -24,13 +24,28 @@ class ModelTokenizer:
         if not file.exists():
             raise FileNotFoundError(f"{path} has no tokenizer.json")
         self._tok = Tokenizer.from_file(str(file))
-        config_file = path / "tokenizer_config.json"
-        config = json.loads(config_file.read_text()) if config_file.exists() else {}
-        self.bos_token = _token_text(config.get("bos_token"))
-        self.eos_token = _token_text(config.get("eos_token"))
-        template = config.get("chat_template")
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
-        self._template = env.from_string(template) if isinstance(template, str) else None
+        config = _read_json(path / "tokenizer_config.json")
+        self.special_tokens = _special_tokens(config, _read_json(path / "special_tokens_map.json"))
+        self.bos_token = self.special_tokens.get("bos_token")
+        self.eos_token = self.special_tokens.get("eos_token")
+        source, origin = _template_source(path, config)
+        try:
+            self._template = ChatTemplate(source, self.special_tokens) if source is not None else None
+        except ChatTemplateError as exc:
+            raise ChatTemplateError(f"{origin}: {exc}") from exc
+        self.end_of_turn = self._end_of_turn()
+
+    def _end_of_turn(self) -> str | None:
+        if self._template is None:
+            return None
+        specials = [t.content for t in self._tok.get_added_tokens_decoder().values() if t.special]
+        return self._template.end_of_turn(specials)
+
+    @property
+    def stop_token_ids(self) -> set[int]:
+        """Ids that end a generation: the eos token and the chat template's end-of-turn token."""
+        ids = {self.token_id(self.eos_token), self.token_id(self.end_of_turn)}
+        return {i for i in ids if i is not None}
 
     @property
     def vocab_size(self) -> int:
@@ -59,18 +74,53 @@ class ModelTokenizer:
         return self.render_chat(request.messages or [])
 
     def render_chat(self, messages: list[ChatMessage]) -> str:
-        """Chat turns as text, through the model's chat template when it has one."""
-        turns = [m.model_dump() for m in messages]
+        """Chat turns as text, through the model's chat template when it has one.
+
+        Raises ChatTemplateError when the template refuses the chat. Every field a message has on
+        the wire reaches the template (None fields dropped, as transformers drops them).
+        """
+        turns = [m.model_dump(exclude_none=True) for m in messages]
         if self._template is not None:
-            try:
-                return self._template.render(
-                    messages=turns, add_generation_prompt=True, bos_token=self.bos_token or "", eos_token=self.eos_token or ""
-                )
-            except jinja2.TemplateError as exc:
-                raise TokenizerError(f"chat template failed: {exc}") from exc
+            return self._template.render(turns, add_generation_prompt=True)
         # No template (a base model): a plain transcript that ends where the assistant speaks.
         lines = [f"{t['role']}: {t['content']}" for t in turns]
         return "\n".join(lines) + "\nassistant:"
+
+
+def _read_json(file: Path) -> dict:
+    return json.loads(file.read_text()) if file.exists() else {}
+
+
+def _special_tokens(config: dict, special_tokens_map: dict) -> dict[str, str]:
+    """The special tokens transformers passes a chat template: every `*_token` entry of
+    tokenizer_config.json (special_tokens_map.json's override them when the config has no
+    added_tokens_decoder, as transformers' legacy loading does) and extra_special_tokens given by name."""
+    entries = dict(config)
+    if "added_tokens_decoder" not in config:
+        entries.update(special_tokens_map)
+    extra = entries.get("extra_special_tokens")
+    if isinstance(extra, dict):
+        entries = {**extra, **entries}
+    tokens = {k: _token_text(v) for k, v in entries.items() if k.endswith("_token")}
+    return {k: v for k, v in tokens.items() if v is not None}
+
+
+def _template_source(path: Path, config: dict) -> tuple[str | None, str]:
+    """The chat template and where it came from: chat_template.jinja wins over tokenizer_config.json
+    (as in transformers); a list of named templates there gives the one named "default"."""
+    jinja_file = path / "chat_template.jinja"
+    if jinja_file.exists():
+        return jinja_file.read_text(encoding="utf-8"), str(jinja_file)
+    origin = str(path / "tokenizer_config.json")
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        if "default" not in named:
+            raise ChatTemplateError(f"{origin}: chat templates {sorted(map(str, named))} include none named 'default'")
+        template = named["default"]
+    if template is not None and not isinstance(template, str):
+        raise ChatTemplateError(f"{origin}: chat_template must be a string, got {type(template).__name__}")
+    return template, origin
 
 
 def _token_text(value: object) -> str | None:

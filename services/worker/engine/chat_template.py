@@ -1,0 +1,147 @@
+"""A model's Jinja chat template, rendered as transformers' apply_chat_template renders it.
+
+Templates come with model directories, often from the Hub: they are untrusted code. They run in
+Jinja's ImmutableSandboxedEnvironment with the options, globals and filters transformers gives them
+(transformers.utils.chat_template_utils._compile_jinja_template): trim_blocks, lstrip_blocks, the
+loopcontrols extension, `raise_exception`, `strftime_now`, a `tojson` that does not escape HTML,
+and the restricted `dict` and `namespace`. The variables are transformers' too: `messages`,
+`tools` and `documents` (None: the wire has neither), `add_generation_prompt` and every named
+special token of the tokenizer (`bos_token`, `eos_token`, ...). So Weir's prompt is the text
+`tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)` gives.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from datetime import datetime
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+class ChatTemplateError(ValueError):
+    """The template cannot be compiled (at load) or refused to render a chat (that request only)."""
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` renders its body (transformers tracks assistant
+    token indices with it for training; serving only needs the text)."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.CallBlock:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        block = jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body)
+        block.set_lineno(lineno)
+        return block
+
+    def _body(self, caller) -> str:  # type: ignore[no-untyped-def]
+        return caller()
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: object, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
+    # transformers' override: Jinja's own tojson escapes HTML characters, and takes fewer options
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+class _TemplateDict:
+    """`dict(...)` without attribute access to the type (transformers' TemplateDict)."""
+
+    def __call__(self, *args, **kwargs) -> dict:  # type: ignore[no-untyped-def]
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args, **kwargs) -> dict:  # type: ignore[no-untyped-def]
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    """`namespace(...)` that refuses underscore-prefixed names (transformers' TemplateNamespace)."""
+
+    def __init__(*args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        self, args = args[0], args[1:]  # Jinja's signature trick, so that namespace(self=...) works
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: object) -> None:
+        _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check_name(name: object) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"a chat template cannot set {name!r} on a namespace")
+
+
+def compile_template(source: str) -> jinja2.Template:
+    """The template in transformers' sandbox; raises ChatTemplateError on a syntax error."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = _TemplateDict()
+    env.globals["namespace"] = _TemplateNamespace
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ChatTemplateError(f"chat template does not compile: {exc} (line {exc.lineno})") from exc
+
+
+# A conversation whose assistant turn is followed by what ends a turn (user, assistant, user: the
+# order every template accepts); its words are ones no template rewrites.
+_PROBE_ASSISTANT = "weirprobeassistant"
+_PROBE = [
+    {"role": "user", "content": "weirprobeuser"},
+    {"role": "assistant", "content": _PROBE_ASSISTANT},
+    {"role": "user", "content": "weirprobeuser"},
+]
+
+
+class ChatTemplate:
+    """One model's chat template with the special tokens it is rendered with."""
+
+    def __init__(self, source: str, special_tokens: dict[str, str]) -> None:
+        self._template = compile_template(source)
+        self.special_tokens = dict(special_tokens)  # bos_token, eos_token, ... -> text
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The chat as prompt text. Raises ChatTemplateError when the template refuses it
+        (raise_exception, e.g. a role order it does not take) or fails on it."""
+        try:
+            return self._template.render(
+                messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
+                **self.special_tokens,
+            )  # fmt: skip
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(f"the model's chat template refused this chat: {exc}") from exc
+        except Exception as exc:  # a template is code: a TypeError in it ends this request only
+            raise ChatTemplateError(f"the model's chat template failed on this chat: {type(exc).__name__}: {exc}") from exc
+
+    def end_of_turn(self, special_texts: Iterable[str]) -> str | None:
+        """The special token the template closes an assistant turn with (ChatML's <|im_end|>,
+        Llama 3's <|eot_id|>, Mistral's </s>), or None when it closes it with none."""
+        try:
+            text = self.render(_PROBE, add_generation_prompt=False)
+        except ChatTemplateError:
+            return None
+        end = text.find(_PROBE_ASSISTANT)
+        if end < 0:
+            return None
+        after = text[end + len(_PROBE_ASSISTANT) :].lstrip()
+        matches = [s for s in special_texts if s and after.startswith(s)]
+        return max(matches, key=len, default=None)
