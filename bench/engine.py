@@ -174,11 +174,15 @@ def main(argv: list[str] | None = None) -> int:
 
     from services.worker.engine import Engine, EngineConfig
 
+    from weir.models.sources import ensure_model_dir
+
     config = load_model_repo(args.model_repo).models[args.model]
-    assert config.path is not None, "benchmark a model with weights, not the echo model"
+    if config.engine != "torch":
+        parser.error(f"model {args.model!r} has engine {config.engine!r}: benchmark a torch model with weights")
+    path = ensure_model_dir(config, progress=lambda line: print(line, flush=True))  # a GGUF source is imported once
     engine_config = EngineConfig(max_model_len=config.max_model_len, max_num_seqs=max(64, config.max_num_seqs))
-    engine = Engine(config.path, engine_config)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(config.path, dtype=torch.float32).eval()
+    engine = Engine(path, engine_config)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     levels = [int(c) for c in args.concurrency.split(",")]
     systems = set(args.systems.split(","))
     print(f"model {args.model}: {sum(p.numel() for p in hf.parameters()) / 1e6:.1f}M parameters, "
@@ -196,8 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_prefix:
         return 0
 
-    cached = Engine(config.path, engine_config)
-    uncached = Engine(config.path, EngineConfig(**{**engine_config.__dict__, "enable_prefix_caching": False}))
+    cached = Engine(path, engine_config)
+    uncached = Engine(path, EngineConfig(**{**engine_config.__dict__, "enable_prefix_caching": False}))
     print_prefix_caching(cached, uncached, args.model, args.system_prompt_tokens)
     return 0
 
