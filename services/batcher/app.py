@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import logging
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -153,41 +154,54 @@ class BatcherService:
     def __init__(self, settings: BatcherSettings, repo: ModelRepository) -> None:
         self.settings = settings
         self.repo = repo
-        self.app = BatcherApp(settings, repo)
-        self.jobs = JobRunner(settings, repo, self.app.batcher_id)
-        self.metrics = _metrics(self.app)
+        self.batcher_id = instance_id("batcher")
+        # Built in start(): aiokafka's clients must be created inside the running event loop, and
+        # build() runs before there is one (it raised "should be created within an async function").
+        self.app: BatcherApp | None = None
+        self.jobs: JobRunner | None = None
+        self.metrics = _metrics(self)
 
     async def start(self) -> None:
         await ensure_topics(self.settings.kafka_bootstrap, deployment_specs(self.settings.topics, self.repo))
+        self.app = BatcherApp(self.settings, self.repo, self.batcher_id)
+        self.jobs = JobRunner(self.settings, self.repo, self.batcher_id)
         await self.app.start()
 
     async def run(self, stop: asyncio.Event) -> None:
+        assert self.app is not None and self.jobs is not None, "start() first"
         await asyncio.gather(self.app.run(stop), self.jobs.run(stop))
 
     async def close(self) -> None:
-        await self.app.close()
+        if self.app is not None:
+            await self.app.close()
         self.metrics.shutdown()
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
         """Ready while the loop reads requests."""
-        body = {"batcher_id": self.app.batcher_id, "live_workers": self.app.router.num_workers}
+        if self.app is None:
+            return False, {"batcher_id": self.batcher_id, "reason": "connecting to Kafka"}
+        body = {"batcher_id": self.batcher_id, "live_workers": self.app.router.num_workers}
         return self.app.is_reading, {**body, "reason": None if self.app.is_reading else "starting or stopping"}
 
     def http_app(self) -> ASGIApp:
         return ops_app(self.readiness, self.metrics.render)
 
 
-def _metrics(app: BatcherApp) -> ServiceMetrics:
-    """Gauges read from the batcher's state at scrape time."""
+def _metrics(service: BatcherService) -> ServiceMetrics:
+    """Gauges read from the batcher's state at scrape time (none before it started)."""
     metrics = ServiceMetrics("batcher")
+
+    def read(value: Callable[[BatcherApp], float]) -> Callable[[], list[tuple[float, dict[str, str]]]]:
+        return lambda: [] if service.app is None else [(value(service.app), {})]
+
     metrics.gauge("weir_batcher_requests_held", "Requests held by the planner, waiting for their batch.",
-                  lambda: [(app.planner.num_held, {})])
+                  read(lambda app: app.planner.num_held))
     metrics.gauge("weir_batcher_requests_uncommitted", "Request records whose effect is not yet durable.",
-                  lambda: [(app.handlers.num_in_flight, {})])
+                  read(lambda app: app.handlers.num_in_flight))
     metrics.gauge("weir_batcher_live_workers", "Workers with a live heartbeat in the router's table.",
-                  lambda: [(app.router.num_workers, {})])
+                  read(lambda app: app.router.num_workers))
     metrics.gauge("weir_batcher_models_blocked", "1 per model held back because no live worker has room.",
-                  lambda: [(1, {"model": m}) for m in app.planner.blocked_models()])
+                  lambda: [] if service.app is None else [(1, {"model": m}) for m in service.app.planner.blocked_models()])
     return metrics
 
 
