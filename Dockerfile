@@ -8,13 +8,16 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
 WORKDIR /app
-COPY pyproject.toml README.md ./
+# constraints.txt pins every dependency to the versions the test suite passed with (as scripts/setup.sh).
+COPY pyproject.toml README.md constraints.txt ./
 COPY schemas ./schemas
 COPY kernels ./kernels
 COPY services ./services
 COPY weir ./weir
 COPY bench ./bench
-RUN pip install ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} .
+# Every runtime data file is package data of the wheel (pyproject.toml); tests/test_wheel.py builds
+# the wheel from these same COPYs and starts a gateway from it.
+RUN pip install -c constraints.txt ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} .
 
 # The model repository and its models; WEIR_MODEL_REPO points here.
 COPY models.toml ./
