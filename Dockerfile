@@ -24,6 +24,8 @@ COPY models.toml ./
 COPY models ./models
 ENV WEIR_MODEL_REPO=/app/models.toml
 
-RUN useradd --create-home --uid 1000 weir && mkdir -p /data && chown weir /data
+# /var/lib/weir: $WEIR_HOME in docker-compose.yml (a volume takes this folder's owner, so the
+# services can make the audit key there).
+RUN useradd --create-home --uid 1000 weir && mkdir -p /data /var/lib/weir && chown weir /data /var/lib/weir
 USER weir
 CMD ["weir", "--help"]

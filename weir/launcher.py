@@ -27,6 +27,8 @@ from typing import Any
 
 from schemas.model_repo import ModelRepoError, load_model_repo
 from schemas.topics import DEFAULT_PREFIX, Topics
+from weir.audit_key import AuditKeyError, ensure_key_file, key_file, read_key_file
+from weir.home import weir_home
 from weir.supervision import Supervisor, describe_exit
 
 SERVICES = ("auditor", "worker", "batcher", "gateway")
@@ -154,6 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     except ModelRepoError as exc:
         print(f"weir up: {exc}", file=sys.stderr)
         return 2
+    try:
+        print(prepare_audit_key(), flush=True)
+    except AuditKeyError as exc:
+        print(f"weir up: {exc}", file=sys.stderr)
+        return 2
     broker = launcher.BrokerConfig.from_env(port=args.kafka_port)
     was_running = launcher.running_pid(broker) is not None or launcher.port_open(broker.host, broker.port)
     try:
@@ -161,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     except launcher.BrokerError as exc:
         print(f"weir up: {exc}", file=sys.stderr)
         return 1
-    stack = Stack(service_env(args, broker.bootstrap), Path(args.log_dir) if args.log_dir else launcher.weir_home() / "logs")
+    stack = Stack(service_env(args, broker.bootstrap), Path(args.log_dir) if args.log_dir else weir_home() / "logs")
     # SIGTERM (kill, systemd, docker) and SIGHUP (a closed terminal) stop everything as Ctrl-C does;
     # by default they ended this process alone and left the four services running.
     for sig in (signal.SIGTERM, signal.SIGHUP):
@@ -186,6 +193,17 @@ def main(argv: list[str] | None = None) -> int:
         print("stopped", flush=True)
 
 
+def prepare_audit_key() -> str:
+    """Make sure the deployment's audit key exists before any service starts (so they all read
+    one key); returns the line that says where it is."""
+    if os.environ.get("WEIR_AUDIT_HMAC_KEY"):
+        return "audit key: WEIR_AUDIT_HMAC_KEY, from the environment"
+    path = key_file()
+    made = ensure_key_file(path)
+    read_key_file(path)  # unsafe or malformed: refused now, with the fix, rather than by each service
+    return f"audit key: {path} ({'made now' if made else 'kept'}; workers, auditor and `weir audit lookup` use it)"
+
+
 def start_broker(broker: Any, topics: Topics, repo: Any) -> None:
     """Start the local broker (or find it running) and create the deployment's topics."""
     from weir.kafka import launcher
@@ -201,7 +219,7 @@ def service_env(args: argparse.Namespace, bootstrap: str) -> dict[str, str]:
     env = {
         "WEIR_KAFKA_BOOTSTRAP": bootstrap, "WEIR_TOPIC_PREFIX": args.topic_prefix,
         "WEIR_MODEL_REPO": str(Path(args.model_repo).resolve()), "WEIR_GATEWAY_HOST": args.host,
-        "WEIR_AUTH_MODE": args.auth, "PYTHONUNBUFFERED": "1",
+        "WEIR_AUTH_MODE": args.auth, "PYTHONUNBUFFERED": "1", "WEIR_HOME": str(weir_home()),
     }  # fmt: skip
     return env | {HTTP_PORT_ENV[name]: str(port) for name, port in service_ports(args.port).items()}
 

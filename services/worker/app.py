@@ -18,7 +18,6 @@ from aiokafka.errors import KafkaError
 from starlette.types import ASGIApp
 
 from schemas.codec import encode
-from schemas.fingerprint import parse_key
 from schemas.messages import WorkerHeartbeat
 from schemas.model_repo import ModelConfig, ModelRepoError, load_model_repo
 from services.worker.config import WorkerSettings
@@ -47,6 +46,7 @@ class WorkerService:
         repo = self.repo = load_model_repo(settings.model_repo)
         self.configs = [repo.models[n] for n in settings.model_names(list(repo.models))]
         self.device = choose_device(settings.device)
+        self.audit_key = settings.hmac_key()  # read (or made) now: a bad key file is a configuration error
         self.is_ready = False
         self.servers: list[ModelServer] = []
         self._assignment_changed = asyncio.Event()  # a heartbeat goes out at once when set
@@ -109,7 +109,7 @@ class WorkerService:
 
     async def open_servers(self, producer: AIOKafkaProducer) -> None:
         """One ModelServer per model, each with its engine instances built, warmed up and started."""
-        audit_key = parse_key(self.settings.audit_hmac_key)
+        audit_key = self.audit_key
         for config in self.configs:
             server = ModelServer(config, [], self.settings, producer, self.worker_id, audit_key, self.fingerprints)
             server.on_assignment = self._assignment_changed.set

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from schemas.model_repo import ModelConfig
-from weir.kafka.launcher import weir_home
+from weir.home import weir_home
 
 log = logging.getLogger(__name__)
 

@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from weir.home import weir_home
 from weir.kafka.admin import wait_for_broker
 
 KAFKA_VERSION = "4.4.0"  # keep in step with pom.xml and docker-compose.yml
@@ -41,16 +42,6 @@ MAVEN_COPY = "org.apache.maven.plugins:maven-dependency-plugin:3.8.1:copy-depend
 
 class BrokerError(RuntimeError):
     """The broker could not be resolved, formatted, started or reached; the message says why."""
-
-
-def weir_home() -> Path:
-    """$WEIR_HOME, else <repo>/var for a source checkout, else ~/.cache/weir."""
-    if env := os.environ.get("WEIR_HOME"):
-        return Path(env).expanduser().resolve()
-    repo = HERE.parents[1]
-    if (repo / "pyproject.toml").exists() and os.access(repo, os.W_OK):
-        return repo / "var"
-    return Path.home() / ".cache" / "weir"
 
 
 @dataclass(frozen=True)
