@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from weir.home import weir_home
+from weir.kafka import class_cache
 from weir.kafka.admin import wait_for_broker
 
 KAFKA_VERSION = "4.4.0"  # keep in step with pom.xml and docker-compose.yml
@@ -159,6 +160,11 @@ def lib_dir(version: str = KAFKA_VERSION) -> Path:
     return weir_home() / "kafka" / version / "lib"
 
 
+def jars_resolved(version: str = KAFKA_VERSION) -> bool:
+    """True once resolve_jars(version) has run here (no Maven needed)."""
+    return (lib_dir(version) / ".complete").exists()
+
+
 def resolve_jars(version: str = KAFKA_VERSION) -> Path:
     """Copy the broker's runtime jars into lib_dir(version) with Maven, once; returns that dir."""
     lib = lib_dir(version)
@@ -251,8 +257,9 @@ def start(cfg: BrokerConfig) -> int:
         lib = resolve_jars(cfg.version)
         cfg.properties_file.write_text(render_server_properties(cfg))
         format_storage(cfg, lib)
-        cmd = [_java(), *HEAP_OPTS, *JVM_OPTS, f"-Dlog4j2.configurationFile={LOG4J2_CONFIG}",
-               "-cp", f"{lib}/*", "kafka.Kafka", str(cfg.properties_file)]
+        java = _java()
+        cmd = [java, *HEAP_OPTS, *JVM_OPTS, *class_cache.jvm_options(cfg.home, lib, java),
+               f"-Dlog4j2.configurationFile={LOG4J2_CONFIG}", "-cp", f"{lib}/*", "kafka.Kafka", str(cfg.properties_file)]
         with open(cfg.log_file, "ab") as log:
             proc = subprocess.Popen(cmd, cwd=cfg.home, stdin=subprocess.DEVNULL, stdout=log,
                                     stderr=subprocess.STDOUT, start_new_session=True)
@@ -289,14 +296,18 @@ def stop(cfg: BrokerConfig, timeout_s: float = 30.0) -> bool:
         return False
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
+    is_killed = False
     while running_pid(cfg) is not None and _alive(pid):
         if time.monotonic() > deadline:
             os.kill(pid, signal.SIGKILL)
+            is_killed = True
             break
         time.sleep(0.2)
     while _alive(pid):
         time.sleep(0.1)
     cfg.pid_file.unlink(missing_ok=True)
+    with contextlib.suppress(BrokerError):  # no java any more: nothing was dumped by one either
+        class_cache.keep_archive(cfg.home, lib_dir(cfg.version), _java(), is_clean_exit=not is_killed)
     return True
 
 
