@@ -29,7 +29,7 @@ from services.batcher.handlers import BatcherHandlers, RebalanceListener
 from services.batcher.jobs import JobRunner
 from services.batcher.planner import Planner
 from services.batcher.routing import Router
-from weir.bus import instance_id, make_consumer, make_producer
+from weir.bus import instance_id, make_consumer, make_producer, wait_for_cluster
 from weir.kafka.admin import deployment_specs, ensure_topics
 from weir.metrics import ServiceMetrics
 from weir.service import ConfigError, bus_overrides, ops_app, run_service, service_parser
@@ -162,6 +162,7 @@ class BatcherService:
         self.metrics = _metrics(self)
 
     async def start(self) -> None:
+        await wait_for_cluster(self.settings)
         await ensure_topics(self.settings.kafka_bootstrap, deployment_specs(self.settings.topics, self.repo))
         self.app = BatcherApp(self.settings, self.repo, self.batcher_id)
         self.jobs = JobRunner(self.settings, self.repo, self.batcher_id)

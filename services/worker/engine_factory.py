@@ -14,7 +14,7 @@ from schemas.model_repo import ModelConfig
 from services.worker.config import WorkerSettings
 from services.worker.engine import EchoEngine, EmbeddingEngine, Engine, EngineConfig, EngineLike, Watermarker
 from services.worker.hardware import cpu_threads
-from weir.embedding.onnx_export import ensure_export
+from weir.embedding.onnx_export import ensure_export, needs_export
 
 
 def build_engine(config: ModelConfig, settings: WorkerSettings, device: torch.device) -> EngineLike:
@@ -34,6 +34,13 @@ def build_engine(config: ModelConfig, settings: WorkerSettings, device: torch.de
     )  # fmt: skip
     assert config.path is not None
     return Engine(config.path, engine_config, device, Watermarker(settings.watermarks()))
+
+
+def build_step(config: ModelConfig) -> str:
+    """What build_engine is about to do for `config`, in words (the worker's /readyz says it)."""
+    if config.engine == "onnx" and needs_export(config):
+        return "exporting it to ONNX (first start only), then loading it"
+    return "loading the weights"
 
 
 def warm_up(engine: EngineLike, config: ModelConfig) -> None:
