@@ -36,8 +36,12 @@ HERE = Path(__file__).resolve().parent
 POM = HERE / "pom.xml"
 LOG4J2_CONFIG = HERE / "log4j2.properties"
 HEAP_OPTS = ("-Xms256m", "-Xmx768m")
+# TieredStopAtLevel=1: C1-compiled code only. C2 spent half of the broker's start compiling on a
+# 2-core box: from launch to its port open 8.9 CPU s and 8.6-11.1 s without, 4.6-4.9 CPU s and
+# 5.2-5.4 s with; and a hop a minute after start (`weir bench hop`, same box and load) was 5.1-5.9
+# ms p50 without (C2 still compiling), 4.2 ms with. docs/kafka.md, "Start-up".
 JVM_OPTS = ("-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20", "-XX:+ExplicitGCInvokesConcurrent",
-            "-Djava.awt.headless=true")
+            "-XX:TieredStopAtLevel=1", "-Djava.awt.headless=true")
 MAVEN_COPY = "org.apache.maven.plugins:maven-dependency-plugin:3.8.1:copy-dependencies"
 
 
