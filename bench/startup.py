@@ -3,7 +3,7 @@
 Runs `weir up` as a user does (its own broker on a port of its own, the four services, the
 repository's models) `--runs` times in a row on the same $WEIR_HOME, so after the first start the
 Kafka jars, the broker's formatted storage and the ONNX export are cached: the second and later
-starts are what a user waits for every day. Each start is stopped with SIGINT once it is up.
+starts are what a user waits for every day. Each start is stopped with SIGTERM (as Ctrl-C) once it is up.
 
 For each start it prints the seconds from launch to the banner and when each line of `weir up`'s
 own output appeared (its progress lines say which phase ended when), then the median over the
@@ -37,11 +37,11 @@ class StartRun:
     returncode: int | None = None
 
 
-def launch(cmd: list[str], env: dict[str, str], timeout_s: float) -> StartRun:
-    """Run `cmd` until it prints READY_LINE (or exits, or `timeout_s`), then SIGINT it and wait."""
+def launch(cmd: list[str], env: dict[str, str], timeout_s: float, cwd: Path | None = None) -> StartRun:
+    """Run `cmd` until it prints READY_LINE (or exits, or `timeout_s`), then stop it and wait."""
     started = time.monotonic()
-    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, bufsize=1)  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)  # fmt: skip
     run = StartRun(ready_s=None)
     ready = threading.Event()
 
@@ -58,11 +58,13 @@ def launch(cmd: list[str], env: dict[str, str], timeout_s: float) -> StartRun:
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     ready.wait(timeout_s)
-    proc.send_signal(signal.SIGINT)
+    # SIGTERM, which `weir up` handles as Ctrl-C: a SIGINT is ignored by a program started in the
+    # background of a non-interactive shell (it inherits SIG_IGN, and Python then keeps it).
+    proc.send_signal(signal.SIGTERM)
     try:
-        run.returncode = proc.wait(60)
+        run.returncode = proc.wait(120)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        os.killpg(proc.pid, signal.SIGKILL)  # weir up and the services it started (its own session)
         run.returncode = proc.wait()
     reader.join(5)
     return run
@@ -78,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model-repo", default=os.environ.get("WEIR_MODEL_REPO", "models.toml"))
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds one start may take")
     parser.add_argument("--show-lines", action="store_true", help="print every start's timed output lines")
+    parser.add_argument("--checkout", type=Path,
+                        help="run the `weir up` of another checkout of Weir (a before/after comparison)")
     return parser
 
 
@@ -86,9 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     cmd = [sys.executable, "-m", "weir.cli", "up", "--kafka-port", str(args.kafka_port), "--port", str(args.port),
            "--model-repo", args.model_repo, "--timeout", str(args.timeout)]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if args.checkout is not None:
+        env["PYTHONPATH"] = str(args.checkout.resolve())
     runs: list[StartRun] = []
     for index in range(args.runs + 1):
-        run = launch(cmd, env, args.timeout)
+        run = launch(cmd, env, args.timeout, cwd=args.checkout)
         runs.append(run)
         label = "first" if index == 0 else f"run {index}"
         print(f"{label}: " + (f"up in {run.ready_s:.1f} s" if run.ready_s is not None
