@@ -211,7 +211,11 @@ class DecoderStack(nn.Module):
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        # _weight: no random init, the weights are loaded. On the meta device (load_model) that init,
+        # normal_(), is a Python decomposition whose first call imports torch._dynamo: 2.5-3 CPU s
+        # of every engine process's start.
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size,
+                                         _weight=torch.empty(args.vocab_size, args.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
