@@ -16,6 +16,7 @@ BENCHES = {
     "batcher": ("bench.batcher", "interactive TTFT during a bulk job, fifo vs lanes; batch fill; job throughput"),
     "gateway": ("bench.gateway", "gateway's added latency and streams held vs a bare uvicorn SSE endpoint"),
     "audit": ("bench.audit", "auditor ingestion rate, fingerprint cost vs generation time, watermark z and perplexity"),
+    "startup": ("bench.startup", "`weir up` start after start: seconds until ready, and when each phase ended"),
     "hop": ("bench.kafka_hop", "one Kafka hop between two processes, split at the sockets, beside loopback TCP"),
     "injection": ("bench.injection", "prompt-injection detector latency: wall and thread CPU p50/p95/p99/max by length"),
     "kernels": ("bench.triton_kernels", "CUDA: each Triton kernel against its PyTorch reference, timed and checked"),

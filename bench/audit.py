@@ -37,7 +37,9 @@ def make_events(n: int):
     from schemas.fingerprint import key_id, keyed_hmac
     from schemas.messages import AuditEvent
 
-    key = b"bench-key"
+    from services.auditor.config import AuditorSettings
+
+    key = AuditorSettings().hmac_key()  # the deployment's key, as its workers use it
     return [AuditEvent(
         event_id=f"bench-{i}", request_id=f"req-{i}", model="weir-tiny-py", model_version="weir-tiny-py@1",
         weights_sha256="ab" * 32, principal="bench", tenant="default", prompt_hmac=keyed_hmac(key, f"p{i}"),

@@ -50,3 +50,16 @@ def test_each_service_is_healthy_when_its_own_readyz_says_so() -> None:
     for name in WEIR_SERVICES:
         check = " ".join(services[name]["healthcheck"]["test"])
         assert f"http://127.0.0.1:{DEFAULT_HTTP_PORTS[name]}/readyz" in check, name
+
+
+def test_compose_holds_no_audit_key_and_shares_the_generated_one() -> None:
+    """The audit key is made once into $WEIR_HOME on a volume the services share (docs/auditor.md);
+    no key is written in the compose file."""
+    compose_text = (REPO / "docker-compose.yml").read_text()
+    assert "WEIR_AUDIT_HMAC_KEY" not in compose_text
+    services = _compose()["services"]
+    for name in WEIR_SERVICES:
+        home = services[name]["environment"]["WEIR_HOME"]
+        assert f"weir-home:{home}" in services[name]["volumes"], name
+    dockerfile = (REPO / "Dockerfile").read_text()
+    assert f"chown weir /data {home}" in dockerfile  # the volume takes the folder's owner

@@ -10,7 +10,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from schemas.model_repo import load_model_repo
 from schemas.topics import Topics
-from weir.kafka import launcher
+from weir.kafka import class_cache, launcher
 from weir.launcher import free_ports
 from weir.kafka.admin import deployment_specs, describe_topic_configs, ensure_topics
 
@@ -108,9 +108,33 @@ async def test_second_broker_survives_restart(tmp_path: Path) -> None:
 
         assert await asyncio.to_thread(launcher.stop, cfg)
         assert launcher.status(cfg).pid is None
+        archive = class_cache.archive_path(launcher.lib_dir(), launcher._java())
+        assert archive.is_file()  # the class archive this broker (or an earlier one) wrote on a clean stop
         await launcher.up(cfg, timeout_s=60)  # same data dir: no reformat, data kept
+        cmdline = Path(f"/proc/{launcher.running_pid(cfg)}/cmdline").read_bytes().split(b"\0")
+        assert f"-XX:SharedArchiveFile={archive}".encode() in cmdline  # and the restart maps it
         assert await _read_all(cfg.bootstrap, topics.replies("client-1")) == [b"kept"]
         assert await ensure_topics(cfg.bootstrap, specs) == []
     finally:
         await asyncio.to_thread(launcher.stop, cfg)
     assert not launcher.port_open(cfg.host, cfg.port)
+
+
+def test_a_class_archive_is_kept_only_after_a_clean_exit(tmp_path: Path) -> None:
+    lib, data, java = tmp_path / "4.4.0" / "lib", tmp_path / "broker", tmp_path / "java"
+    lib.mkdir(parents=True)
+    data.mkdir()
+    java.write_text("a JVM")
+    partial = data / class_cache.ARCHIVE_PARTIAL
+    assert class_cache.jvm_options(data, lib, str(java))[0] == f"-XX:ArchiveClassesAtExit={partial}"
+    partial.write_bytes(b"half a dump")
+    class_cache.keep_archive(data, lib, str(java), is_clean_exit=False)  # SIGKILLed: maybe cut short
+    archive = class_cache.archive_path(lib, str(java))
+    assert not partial.exists() and not archive.exists()
+    partial.write_bytes(b"a whole dump")
+    class_cache.keep_archive(data, lib, str(java), is_clean_exit=True)
+    assert archive.parent == lib.parent and archive.read_bytes() == b"a whole dump" and not partial.exists()
+    assert class_cache.jvm_options(data, lib, str(java))[0] == f"-XX:SharedArchiveFile={archive}"
+    other = tmp_path / "java-21"
+    other.write_text("another JVM")  # an archive is only valid for the JVM that made it
+    assert class_cache.jvm_options(data, lib, str(other))[0].startswith("-XX:ArchiveClassesAtExit=")

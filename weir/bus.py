@@ -23,6 +23,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from schemas.codec import encode
 from schemas.messages import DeadLetter
 from schemas.topics import DEFAULT_PREFIX, Topics
+from weir.kafka.admin import wait_for_broker
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +51,27 @@ class BusSettings(BaseSettings):
         30_000, ge=1000, description="How long a produce may wait for the broker before it fails."
     )
 
+    # `weir up` starts the services while its broker boots (their imports and model loading
+    # overlap the JVM's start) and sets this to its own start-up timeout.
+    kafka_wait_s: float = Field(
+        0.0, ge=0, description="How long a service waits at start for the Kafka cluster to answer (0: not at all; "
+        "it exits 3 when the first connection fails).",
+    )
+
     http_host: str = Field("127.0.0.1", description="Address of the service's HTTP endpoint (/healthz, /readyz, /metrics).")
 
     @property
     def topics(self) -> Topics:
         """Topic names and group ids under this deployment's prefix."""
         return Topics(self.topic_prefix)
+
+
+async def wait_for_cluster(settings: BusSettings) -> None:
+    """Return once the cluster answers, waiting up to settings.kafka_wait_s (TimeoutError after
+    that: the service exits 3); at once when that is 0. Called first by every service's start."""
+    if settings.kafka_wait_s > 0:
+        log.info("waiting up to %.0f s for the Kafka cluster at %s", settings.kafka_wait_s, settings.kafka_bootstrap)
+        await wait_for_broker(settings.kafka_bootstrap, settings.kafka_wait_s)
 
 
 def instance_id(service: str) -> str:

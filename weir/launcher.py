@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -29,6 +30,9 @@ from schemas.model_repo import ModelRepoError, load_model_repo
 from schemas.topics import DEFAULT_PREFIX, Topics
 from weir.models.gguf_file import GGUFError
 from weir.models.sources import prepare_models
+from weir.audit_key import AuditKeyError, ensure_key_file, key_file, read_key_file
+from weir.home import weir_home
+from weir.readiness import Probe, ReadinessBoard, probe, wait_all_ready
 from weir.supervision import Supervisor, describe_exit
 
 SERVICES = ("auditor", "worker", "batcher", "gateway")
@@ -149,12 +153,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """`weir up`: start Kafka and the four services, print where to point a client, stop all on Ctrl-C."""
     args = build_parser().parse_args(argv)
+    began_s = time.monotonic()
     from weir.kafka import launcher
 
     try:
         repo = load_model_repo(args.model_repo)
         prepare_gguf_models(repo, os.environ.get("WEIR_MODELS", ""))
-    except (ModelRepoError, GGUFError, OSError) as exc:  # a bad entry, or a GGUF source that cannot be imported
+        print(prepare_audit_key(), flush=True)
+    except (ModelRepoError, GGUFError, OSError, AuditKeyError) as exc:  # a bad entry, key or GGUF source
         print(f"weir up: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C during an import: its temporary directory is already removed
@@ -163,24 +169,29 @@ def main(argv: list[str] | None = None) -> int:
     broker = launcher.BrokerConfig.from_env(port=args.kafka_port)
     was_running = launcher.running_pid(broker) is not None or launcher.port_open(broker.host, broker.port)
     try:
-        start_broker(broker, Topics(args.topic_prefix), repo)
+        spawn_broker(broker)
     except launcher.BrokerError as exc:
         print(f"weir up: {exc}", file=sys.stderr)
         return 1
-    stack = Stack(service_env(args, broker.bootstrap), Path(args.log_dir) if args.log_dir else launcher.weir_home() / "logs")
+    stack = Stack(service_env(args, broker.bootstrap), Path(args.log_dir) if args.log_dir else weir_home() / "logs")
     # SIGTERM (kill, systemd, docker) and SIGHUP (a closed terminal) stop everything as Ctrl-C does;
     # by default they ended this process alone and left the four services running.
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _interrupt)
     try:
-        supervisor = start_stack(stack, args.auth, args.timeout)
+        deadline_s = began_s + args.timeout
+        supervisor = start_stack(stack, args.auth)
+        kafka = BrokerReadiness(broker, Topics(args.topic_prefix), repo, deadline_s)
+        board = ReadinessBoard(["kafka", *SERVICES], began_s)
+        wait_all_ready(board, lambda name: kafka.probe() if name == "kafka" else probe(f"{stack.url(name)}/readyz"),
+                       stack.dead, stack.log_tail, deadline_s, _say)  # fmt: skip
         _print_banner(f"http://{args.host}:{args.port}", broker.bootstrap, Topics(args.topic_prefix),
-                      list(repo.models), args.auth, stack)  # fmt: skip
+                      list(repo.models), args.auth, stack, time.monotonic() - began_s)  # fmt: skip
         return supervise(stack, supervisor)
     except KeyboardInterrupt:
         print("\nstopping ...", flush=True)
         return 0
-    except (RuntimeError, TimeoutError) as exc:
+    except (RuntimeError, TimeoutError) as exc:  # launcher.BrokerError is a RuntimeError
         print(f"weir up: {exc}", file=sys.stderr)
         return 1
     finally:
@@ -196,41 +207,90 @@ def prepare_gguf_models(repo: Any, selection: str) -> None:
     """Import the GGUF source of each model the worker will serve (WEIR_MODELS, else all) once,
     before the services start, so the worker finds it ready; an import done before is reused."""
     names = [n.strip() for n in selection.split(",") if n.strip()] or list(repo.models)
-    prepare_models(repo, [n for n in names if n in repo.models], lambda line: print(line, flush=True))
+    prepare_models(repo, [n for n in names if n in repo.models], _say)
 
 
-def start_broker(broker: Any, topics: Topics, repo: Any) -> None:
-    """Start the local broker (or find it running) and create the deployment's topics."""
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
+def prepare_audit_key() -> str:
+    """Make sure the deployment's audit key exists before any service starts (so they all read
+    one key); returns the line that says where it is."""
+    if os.environ.get("WEIR_AUDIT_HMAC_KEY"):
+        return "audit key: WEIR_AUDIT_HMAC_KEY, from the environment"
+    path = key_file()
+    made = ensure_key_file(path)
+    read_key_file(path)  # unsafe or malformed: refused now, with the fix, rather than by each service
+    return f"audit key: {path} ({'made now' if made else 'kept'}; workers, auditor and `weir audit lookup` use it)"
+
+
+def spawn_broker(broker: Any) -> None:
+    """Start the local broker's JVM without waiting for it (or find one running): the services
+    start while it boots, and wait for it themselves (WEIR_KAFKA_WAIT_S)."""
     from weir.kafka import launcher
-    from weir.kafka.admin import deployment_specs, ensure_topics
 
-    print(f"starting Kafka at {broker.bootstrap} ...", flush=True)
-    asyncio.run(launcher.up(broker, 120))
-    asyncio.run(ensure_topics(broker.bootstrap, deployment_specs(topics, repo)))
+    broker.home.mkdir(parents=True, exist_ok=True)
+    if launcher.running_pid(broker) is None and launcher.port_open(broker.host, broker.port):
+        _say(f"Kafka: using the broker that answers at {broker.bootstrap}")
+        return
+    if not launcher.jars_resolved(broker.version):
+        _say(f"Kafka: resolving the {broker.version} jars with Maven into {launcher.lib_dir(broker.version)} "
+             "(first start only; a minute or two) ...")  # fmt: skip
+        launcher.resolve_jars(broker.version)
+    _say(f"Kafka: starting the broker at {broker.bootstrap} (data in {broker.home}) ...")
+    launcher.start(broker)
+
+
+class BrokerReadiness:
+    """Waits, on a thread of its own, until the broker answers, then creates the deployment's
+    topics (idempotent); `probe` says how far it got, as a service's /readyz would."""
+
+    def __init__(self, broker: Any, topics: Topics, repo: Any, deadline_s: float) -> None:
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(broker, topics, repo, deadline_s), daemon=True)
+        self._thread.start()
+
+    def probe(self) -> Probe:
+        """Ready once the topics exist; re-raises what went wrong (a BrokerError is a RuntimeError)."""
+        if self._thread.is_alive():
+            return Probe(False, "the broker is booting (JVM, then its KRaft controller and broker)")
+        if self._error is not None:
+            raise self._error
+        return Probe(True, "ready")
+
+    def _run(self, broker: Any, topics: Topics, repo: Any, deadline_s: float) -> None:
+        from weir.kafka import launcher
+        from weir.kafka.admin import deployment_specs, ensure_topics
+
+        try:
+            if launcher.running_pid(broker) is not None:
+                asyncio.run(launcher.wait_ready(broker, max(1.0, deadline_s - time.monotonic())))
+            asyncio.run(ensure_topics(broker.bootstrap, deployment_specs(topics, repo)))
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread by probe()
+            self._error = exc
 
 
 def service_env(args: argparse.Namespace, bootstrap: str) -> dict[str, str]:
-    """The environment every service of `weir up` shares, each service's HTTP port included."""
+    """The environment every service of `weir up` shares, each service's HTTP port included.
+    They start while the broker boots, so each waits for it up to the start-up timeout."""
     env = {
         "WEIR_KAFKA_BOOTSTRAP": bootstrap, "WEIR_TOPIC_PREFIX": args.topic_prefix,
         "WEIR_MODEL_REPO": str(Path(args.model_repo).resolve()), "WEIR_GATEWAY_HOST": args.host,
-        "WEIR_AUTH_MODE": args.auth, "PYTHONUNBUFFERED": "1",
+        "WEIR_AUTH_MODE": args.auth, "PYTHONUNBUFFERED": "1", "WEIR_HOME": str(weir_home()),
+        "WEIR_KAFKA_WAIT_S": str(args.timeout),
     }  # fmt: skip
     return env | {HTTP_PORT_ENV[name]: str(port) for name, port in service_ports(args.port).items()}
 
 
-def start_stack(stack: Stack, auth: str, timeout_s: float) -> Supervisor:
-    """Start the four services and wait until each /readyz answers 200; a service that dies
-    meanwhile is a setup error (RuntimeError with its log), not restarted."""
+def start_stack(stack: Stack, auth: str) -> Supervisor:
+    """Start the four services (their readiness is awaited by the caller; one that dies meanwhile
+    is a setup error, not restarted)."""
     supervisor = Supervisor()
     for name in SERVICES:
         stack.start(name)
         supervisor.on_start(name, time.monotonic())
-    print(f"starting {', '.join(SERVICES)} (logs in {stack.log_dir}) ...", flush=True)
-    print(f"gateway auth mode: {auth} (WEIR_AUTH_MODE={auth})", flush=True)
-    deadline = time.monotonic() + timeout_s
-    for name in SERVICES:
-        wait_http_ok(f"{stack.url(name)}/readyz", max(1.0, deadline - time.monotonic()), stack)
+    _say(f"starting {', '.join(SERVICES)} (logs in {stack.log_dir}); gateway auth mode: {auth} (WEIR_AUTH_MODE={auth}) ...")
     return supervisor
 
 
@@ -287,7 +347,8 @@ def supervise(stack: Stack, supervisor: Supervisor, poll_s: float = 0.5) -> int:
         time.sleep(poll_s)
 
 
-def _print_banner(url: str, bootstrap: str, topics: Topics, models: list[str], auth: str, stack: Stack) -> None:
+def _print_banner(url: str, bootstrap: str, topics: Topics, models: list[str], auth: str, stack: Stack,
+                  took_s: float) -> None:
     if auth == "open":
         auth_line = "OPEN: WEIR_AUTH_MODE=open, no API key needed (local use only; --auth required to change)"
     else:
@@ -307,4 +368,4 @@ Weir is up.
   services (pid, /healthz /readyz /metrics)
 {services}
                          (one that dies is restarted; logs in {stack.log_dir})
-Press Ctrl-C to stop everything.""", flush=True)
+Started in {took_s:.1f} s. Press Ctrl-C to stop everything.""", flush=True)

@@ -24,7 +24,7 @@ from services.auditor.handlers import AuditBatches, DeadLetters, LedgerWriter, r
 from services.auditor.health import HealthMetrics
 from services.auditor.ledger import Ledger, LedgerError
 from services.auditor.watermark import WatermarkDetector
-from weir.bus import instance_id
+from weir.bus import instance_id, wait_for_cluster
 from weir.service import ConfigError, bus_overrides, ops_app, run_service, service_parser
 
 log = logging.getLogger(__name__)
@@ -95,6 +95,7 @@ class AuditorService:
         self.api = create_api(settings, lambda: Ledger(target, readonly=True), detector, simhash_function())
 
     async def start(self) -> None:
+        await wait_for_cluster(self.settings)
         try:
             await self.app.start()
         except (LedgerError, sqlite3.Error) as exc:

@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     reviews.add_argument("--limit", type=int, default=20, help="how many of the newest flags (default %(default)s)")
     reviews.add_argument("--json", action="store_true", help="print each flag's hashed canonical JSON")
     find.add_argument("--text", required=True, help="the text asked about")
-    find.add_argument("--key", help="fingerprint key, 'hex:...' or text (default env WEIR_AUDIT_HMAC_KEY)")
+    find.add_argument("--key", help="fingerprint key, 'hex:...' or text (default: env WEIR_AUDIT_HMAC_KEY, else "
+                      "the deployment's $WEIR_HOME/secrets/audit-hmac.key)")
     find.add_argument("--max-distance", type=int, default=DEFAULT_MAX_DISTANCE,
                       help="most SimHash bits a semantic match differs by (default %(default)s)")
     find.add_argument("--exact", action="store_true", help="exact matches only (no embedding model needed)")
@@ -90,7 +91,7 @@ def main(argv: list[str]) -> int:
 
 def _lookup(args: argparse.Namespace, settings: AuditorSettings, ledger: Ledger) -> int:
     try:
-        key = parse_key(args.key) if args.key else settings.hmac_key()
+        key = parse_key(args.key) if args.key else settings.hmac_key(create=False)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from pydantic import Field, SecretStr
 
-from schemas.fingerprint import parse_key
+from weir.audit_key import resolve_audit_key
 from weir.bus import BusSettings
 
 
@@ -17,8 +17,8 @@ class AuditorSettings(BusSettings):
     audit_db: Path = Field(Path("var/audit.sqlite"), description="SQLite file of the hash-chained audit log.")
     audit_hmac_key: SecretStr | None = Field(
         None,
-        description="Key the workers' fingerprints are made with ('hex:<digits>' or UTF-8 text); "
-        "only lookups of a text need it, appending and verifying do not.",
+        description="Key the workers' fingerprints are made with ('hex:<digits>' or UTF-8 text); unset: the "
+        "deployment's key file, $WEIR_HOME/secrets/audit-hmac.key. Only lookups of a text need it.",
     )
     audit_retry_backoff_s: float = Field(
         1.0, ge=0, description="Wait before an event whose ledger write failed is redelivered."
@@ -51,8 +51,8 @@ class AuditorSettings(BusSettings):
             return self.audit_dsn.get_secret_value()
         return self.audit_db
 
-    def hmac_key(self) -> bytes:
-        """The fingerprint key as bytes; ValueError naming the setting when it is not set."""
-        if self.audit_hmac_key is None or not self.audit_hmac_key.get_secret_value():
-            raise ValueError("WEIR_AUDIT_HMAC_KEY is not set; set it to the workers' fingerprint key")
-        return parse_key(self.audit_hmac_key.get_secret_value())
+    def hmac_key(self, create: bool = True) -> bytes:
+        """The fingerprint key as bytes: WEIR_AUDIT_HMAC_KEY, else the deployment's key file (made
+        first when `create`; `weir audit lookup` passes False). AuditKeyError (a ValueError) says why not."""
+        setting = self.audit_hmac_key.get_secret_value() if self.audit_hmac_key is not None else None
+        return resolve_audit_key(setting, create=create)

@@ -29,7 +29,7 @@ from services.batcher.handlers import BatcherHandlers, RebalanceListener
 from services.batcher.jobs import JobRunner
 from services.batcher.planner import Planner
 from services.batcher.routing import Router
-from weir.bus import instance_id, make_consumer, make_producer
+from weir.bus import instance_id, make_consumer, make_producer, wait_for_cluster
 from weir.kafka.admin import deployment_specs, ensure_topics
 from weir.metrics import ServiceMetrics
 from weir.service import ConfigError, bus_overrides, ops_app, run_service, service_parser
@@ -147,22 +147,25 @@ async def _follow_control(control: AIOKafkaConsumer, topic: str, partitions: set
 
 class BatcherService:
     """The batcher process: one BatcherApp and the batch job runner that shares its fate (a kill -9
-    stops both; see jobs.py), driven by weir/service.py. Its Kafka clients are made in `start`, on
-    the event loop (aiokafka needs a running loop)."""
+    stops both; see jobs.py), driven by weir/service.py."""
 
     name = "batcher"
 
     def __init__(self, settings: BatcherSettings, repo: ModelRepository) -> None:
         self.settings = settings
         self.repo = repo
+        self.batcher_id = instance_id("batcher")
+        # Built in start(): aiokafka's clients must be created inside the running event loop, and
+        # build() runs before there is one (it raised "should be created within an async function").
         self.app: BatcherApp | None = None
         self.jobs: JobRunner | None = None
-        self.metrics = _metrics(lambda: self.app)
+        self.metrics = _metrics(self)
 
     async def start(self) -> None:
+        await wait_for_cluster(self.settings)
         await ensure_topics(self.settings.kafka_bootstrap, deployment_specs(self.settings.topics, self.repo))
-        self.app = BatcherApp(self.settings, self.repo)
-        self.jobs = JobRunner(self.settings, self.repo, self.app.batcher_id)
+        self.app = BatcherApp(self.settings, self.repo, self.batcher_id)
+        self.jobs = JobRunner(self.settings, self.repo, self.batcher_id)
         await self.app.start()
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -176,30 +179,30 @@ class BatcherService:
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
         """Ready while the loop reads requests."""
-        app = self.app
-        if app is None or not app.is_reading:
-            return False, {"reason": "starting or stopping"}
-        return True, {"batcher_id": app.batcher_id, "live_workers": app.router.num_workers, "reason": None}
+        if self.app is None:
+            return False, {"batcher_id": self.batcher_id, "reason": "connecting to Kafka"}
+        body = {"batcher_id": self.batcher_id, "live_workers": self.app.router.num_workers}
+        return self.app.is_reading, {**body, "reason": None if self.app.is_reading else "starting or stopping"}
 
     def http_app(self) -> ASGIApp:
         return ops_app(self.readiness, self.metrics.render)
 
 
-def _metrics(current: Callable[[], BatcherApp | None]) -> ServiceMetrics:
+def _metrics(service: BatcherService) -> ServiceMetrics:
     """Gauges read from the batcher's state at scrape time (none before it started)."""
     metrics = ServiceMetrics("batcher")
 
-    def gauge(name: str, text: str, read: Callable[[BatcherApp], list[tuple[float, dict[str, str]]]]) -> None:
-        metrics.gauge(name, text, lambda: read(app) if (app := current()) is not None else [])
+    def read(value: Callable[[BatcherApp], float]) -> Callable[[], list[tuple[float, dict[str, str]]]]:
+        return lambda: [] if service.app is None else [(value(service.app), {})]
 
-    gauge("weir_batcher_requests_held", "Requests held by the planner, waiting for their batch.",
-          lambda app: [(app.planner.num_held, {})])
-    gauge("weir_batcher_requests_uncommitted", "Request records whose effect is not yet durable.",
-          lambda app: [(app.handlers.num_in_flight, {})])
-    gauge("weir_batcher_live_workers", "Workers with a live heartbeat in the router's table.",
-          lambda app: [(app.router.num_workers, {})])
-    gauge("weir_batcher_models_blocked", "1 per model held back because no live worker has room.",
-          lambda app: [(1, {"model": m}) for m in app.planner.blocked_models()])
+    metrics.gauge("weir_batcher_requests_held", "Requests held by the planner, waiting for their batch.",
+                  read(lambda app: app.planner.num_held))
+    metrics.gauge("weir_batcher_requests_uncommitted", "Request records whose effect is not yet durable.",
+                  read(lambda app: app.handlers.num_in_flight))
+    metrics.gauge("weir_batcher_live_workers", "Workers with a live heartbeat in the router's table.",
+                  read(lambda app: app.router.num_workers))
+    metrics.gauge("weir_batcher_models_blocked", "1 per model held back because no live worker has room.",
+                  lambda: [] if service.app is None else [(1, {"model": m}) for m in service.app.planner.blocked_models()])
     return metrics
 
 

@@ -72,7 +72,7 @@ class GatewayBus:
             return
         self._is_started = True
         s = self.settings
-        await wait_for_broker(s.kafka_bootstrap, timeout_s=s.startup_timeout_s)
+        await wait_for_broker(s.kafka_bootstrap, timeout_s=max(s.startup_timeout_s, s.kafka_wait_s))
         await ensure_topics(s.kafka_bootstrap, [*self.topics.core_specs(), self.topics.reply_spec(self.gateway_id)])
         self._producer = make_producer(s, client_id=self.gateway_id)
         await self._producer.start()

@@ -18,7 +18,6 @@ from aiokafka.errors import KafkaError
 from starlette.types import ASGIApp
 
 from schemas.codec import encode
-from schemas.fingerprint import parse_key
 from schemas.messages import WorkerHeartbeat
 from schemas.model_repo import ModelConfig, ModelRepoError, load_model_repo
 from services.worker.config import WorkerSettings
@@ -26,8 +25,9 @@ from services.worker.engine_factory import build_engine, warm_up
 from services.worker.fingerprints import FingerprintBatcher
 from services.worker.handlers import ModelServer, consume_cancellations, open_cancellations
 from services.worker.hardware import choose_device, cpu_threads, detect_devices
+from services.worker.loading import EngineLoader
 from services.worker.runner import EngineHost, EngineProcess, EngineRunner
-from weir.bus import instance_id, make_producer
+from weir.bus import instance_id, make_producer, wait_for_cluster
 from weir.embedding.fingerprints import build_fingerprinter
 from weir.kafka.admin import ensure_topics
 from weir.metrics import ServiceMetrics
@@ -47,15 +47,20 @@ class WorkerService:
         repo = self.repo = load_model_repo(settings.model_repo)
         self.configs = [repo.models[n] for n in settings.model_names(list(repo.models))]
         self.device = choose_device(settings.device)
+        self.audit_key = settings.hmac_key()  # read (or made) now: a bad key file is a configuration error
         self.is_ready = False
         self.servers: list[ModelServer] = []
         self._assignment_changed = asyncio.Event()  # a heartbeat goes out at once when set
         self.producer: AIOKafkaProducer | None = None
         self.fingerprints: FingerprintBatcher | None = None
         self.metrics = self._metrics()
+        self.loader = EngineLoader(self.configs, self.open_engine)
 
     async def start(self) -> None:
-        """Create the topics, start the producer, build the fingerprinter (the models load in run)."""
+        """Begin loading the engines, then create the topics, start the producer and build the
+        fingerprinter while they load (run() waits for them)."""
+        self.loader.start()
+        await wait_for_cluster(self.settings)
         topics = self.settings.topics
         specs = topics.core_specs() + [s for c in self.configs for s in topics.model_specs(c.name)]
         await ensure_topics(self.settings.kafka_bootstrap, specs)
@@ -65,11 +70,11 @@ class WorkerService:
         self.fingerprints = FingerprintBatcher(fingerprinter) if fingerprinter is not None else None
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Load and warm up every engine, then serve until `stop` is set or a loop fails."""
+        """Wait for every engine to be built and warmed up, then serve until `stop` is set or a loop fails."""
         assert self.producer is not None, "start() first"
         tasks: list[asyncio.Task] = []
         try:
-            await self.open_servers(self.producer)
+            self.open_servers(self.producer, await self.loader.wait())
             cancellations = await open_cancellations(self.settings, self.worker_id)
             self.is_ready = True
             log.info("worker %s ready: %s on %s", self.worker_id, [c.name for c in self.configs], self.device)
@@ -94,6 +99,8 @@ class WorkerService:
                 await asyncio.wait_for(self.send_heartbeat(self.producer), 3)
 
     async def close(self) -> None:
+        if not self.servers:  # stopped before serving (Kafka away, a model that cannot load, a signal)
+            await self.loader.discard()
         if self.producer is not None:
             await self.producer.stop()
             self.producer = None
@@ -107,15 +114,14 @@ class WorkerService:
         finally:
             await self.close()
 
-    async def open_servers(self, producer: AIOKafkaProducer) -> None:
-        """One ModelServer per model, each with its engine instances built, warmed up and started."""
-        audit_key = parse_key(self.settings.audit_hmac_key)
+    def open_servers(self, producer: AIOKafkaProducer, hosts: dict[str, list[EngineHost]]) -> None:
+        """One ModelServer per model over its opened engine instances, which start stepping now."""
         for config in self.configs:
-            server = ModelServer(config, [], self.settings, producer, self.worker_id, audit_key, self.fingerprints)
+            server = ModelServer(config, hosts[config.name], self.settings, producer, self.worker_id, self.audit_key,
+                                 self.fingerprints)  # fmt: skip
             server.on_assignment = self._assignment_changed.set
+            self.loader.deliver_to(config.name, server.on_outputs)
             self.servers.append(server)
-            for _ in range(config.instances):
-                server.runners.append(await self.open_engine(config, server.on_outputs))
             for runner in server.runners:
                 runner.start()
 
@@ -134,7 +140,11 @@ class WorkerService:
     def readiness(self) -> tuple[bool, dict[str, Any]]:
         """Ready once every engine is warmed up and the loops run."""
         body = {"worker_id": self.worker_id, "models": [c.name for c in self.configs], "device": str(self.device)}
-        return self.is_ready, {**body, "reason": None if self.is_ready else "loading and warming up the models"}
+        if self.is_ready:
+            return True, {**body, "reason": None}
+        loading = self.loader.describe()
+        reason = f"loading the models: {loading}" if loading else "starting the model servers"
+        return False, {**body, "reason": reason}
 
     def http_app(self) -> ASGIApp:
         return ops_app(self.readiness, self.metrics.render)
@@ -156,10 +166,12 @@ class WorkerService:
             metrics.gauge(f"weir_worker_{stat}", text, per_model(stat))
         return metrics
 
-    async def open_engine(self, config: ModelConfig, on_outputs) -> EngineHost:
-        """One engine instance of `config`, built and warmed up, in the host the settings ask for."""
+    async def open_engine(self, config: ModelConfig, on_outputs, on_status=None) -> EngineHost:
+        """One engine instance of `config`, built and warmed up, in the host the settings ask for;
+        `on_status` hears what an engine process is doing while it loads."""
         if self.settings.engine_isolation == "process" and config.engine != "echo":
-            process = EngineProcess(config, self.settings, str(self.device), asyncio.get_running_loop(), on_outputs)
+            process = EngineProcess(config, self.settings, str(self.device), asyncio.get_running_loop(), on_outputs,
+                                    on_status)  # fmt: skip
             try:
                 await process.open()
             except BaseException:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 
 from schemas.watermark import WatermarkConfig, parse_tenants
+from weir.audit_key import resolve_audit_key
 from weir.bus import BusSettings
 
 
@@ -21,7 +22,10 @@ class WorkerSettings(BusSettings):
     block_size: int = Field(8, ge=1, description="Tokens per KV-cache block (8 keeps the last-block waste small).")
     max_num_batched_tokens: int = Field(512, ge=16, description="Token budget of one engine step.")
     heartbeat_interval_ms: int = Field(1000, ge=100, description="How often capacity is published.")
-    audit_hmac_key: str = Field("weir-dev-audit-key", description="Key of the audit HMACs (hex:... or text).")
+    audit_hmac_key: SecretStr | None = Field(
+        None, description="Key of the audit HMACs ('hex:<digits>' or text); unset: the deployment's key file, "
+        "$WEIR_HOME/secrets/audit-hmac.key, made on first start (weir/audit_key.py).",
+    )
     echo_step_delay_ms: int = Field(0, ge=0, description="Pause per step of the echo model (tests of cancellation).")
     audit_fingerprint_model: str = Field(
         "all-MiniLM-L6-v2", description="Onnx embedding model of the AuditEvents' SimHashes; empty: none."
@@ -47,6 +51,12 @@ class WorkerSettings(BusSettings):
         if unknown:
             raise ValueError(f"WEIR_MODELS names {unknown}, not in the model repository ({available})")
         return names
+
+    def hmac_key(self) -> bytes:
+        """The audit key's bytes (made on first use when it comes from the key file); AuditKeyError
+        (a ValueError naming the file and the fix) when the key file is unsafe or malformed."""
+        setting = self.audit_hmac_key.get_secret_value() if self.audit_hmac_key is not None else None
+        return resolve_audit_key(setting, create=True)
 
     def watermarks(self) -> dict[str, WatermarkConfig]:
         """The tenants' watermarks (WEIR_WATERMARK_TENANTS); ValueError naming the setting."""

@@ -16,7 +16,7 @@ from schemas.model_repo import ModelConfig
 from services.worker.config import WorkerSettings
 from services.worker.engine import EchoEngine, EmbeddingEngine, Engine, EngineConfig, EngineLike, Watermarker
 from services.worker.hardware import cpu_threads
-from weir.embedding.onnx_export import ensure_export
+from weir.embedding.onnx_export import ensure_export, needs_export
 from weir.models.sources import ensure_model_dir
 
 log = logging.getLogger(__name__)
@@ -40,6 +40,13 @@ def build_engine(config: ModelConfig, settings: WorkerSettings, device: torch.de
     # A GGUF source is imported on first use (weir up has usually done it already) and reused after.
     model_dir = ensure_model_dir(config, lambda line: log.info("model %s: %s", config.name, line))
     return Engine(model_dir, engine_config, device, Watermarker(settings.watermarks()))
+
+
+def build_step(config: ModelConfig) -> str:
+    """What build_engine is about to do for `config`, in words (the worker's /readyz says it)."""
+    if config.engine == "onnx" and needs_export(config):
+        return "exporting it to ONNX (first start only), then loading it"
+    return "loading the weights"
 
 
 def warm_up(engine: EngineLike, config: ModelConfig) -> None:

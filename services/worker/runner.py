@@ -161,9 +161,10 @@ class EngineProcess(_Host):
 
     def __init__(
         self, config: ModelConfig, settings: WorkerSettings, device: str, loop: asyncio.AbstractEventLoop,
-        on_outputs: Callable[[list[EngineOutput]], None],
+        on_outputs: Callable[[list[EngineOutput]], None], on_status: Callable[[str], None] | None = None,
     ) -> None:  # fmt: skip
         super().__init__(on_outputs, "", {})  # the hash and stats come with the child's "ready"
+        self._on_status = on_status  # what the child is doing while it loads (the worker's /readyz)
         self._config = config
         self._settings = settings
         self._device = device
@@ -222,7 +223,10 @@ class EngineProcess(_Host):
 
     def _on_event(self, event: tuple) -> None:
         kind, *rest = event
-        if kind == "out":
+        if kind == "status":
+            if self._on_status is not None:
+                self._on_status(rest[0])
+        elif kind == "out":
             outputs, self.stats = rest
             if outputs:
                 self._deliver(outputs)
@@ -297,11 +301,13 @@ def serve_engine(
     try:
         import torch
 
-        from services.worker.engine_factory import build_engine, warm_up
+        from services.worker.engine_factory import build_engine, build_step, warm_up
         from services.worker.hardware import cpu_threads
 
         torch.set_num_threads(cpu_threads(settings.torch_threads))
+        events.send(("status", build_step(config)))
         engine = build_engine(config, settings, torch.device(device))
+        events.send(("status", "warming up"))
         warm_up(engine, config)
     except Exception as exc:  # noqa: BLE001 - reported to the worker, which refuses to start
         events.send(("error", f"{type(exc).__name__}: {exc}"))

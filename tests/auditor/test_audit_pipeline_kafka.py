@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from schemas.codec import decode, encode
-from schemas.fingerprint import FINGERPRINT_MODEL, hamming_distance, parse_key
+from schemas.fingerprint import FINGERPRINT_MODEL, hamming_distance
 from schemas.messages import AuditEvent, Batch
 from schemas.model_repo import load_model_repo
 from services.auditor.app import create_app
@@ -89,7 +89,7 @@ async def test_worker_fingerprints_reach_the_ledger_and_lookups_find_them(bootst
                 with Ledger(db, readonly=True) as ledger:
                     if ledger.num_records() == 4:
                         break
-    key = parse_key(worker.audit_hmac_key)
+    key = worker.hmac_key()
     fingerprinter = build_fingerprinter("all-MiniLM-L6-v2", load_model_repo(REPO / "models.toml"))
     assert fingerprinter is not None
     prompt = requests[0].prompt or ""

@@ -31,7 +31,8 @@ import numpy as np
 import torch
 
 from schemas.model_repo import ModelConfig
-from weir.kafka.launcher import weir_home
+from weir.digests import file_sha256  # cached by file identity: checked at every start
+from weir.home import weir_home
 
 log = logging.getLogger(__name__)
 
@@ -74,15 +75,6 @@ def source_sha256(src: Path) -> str:
     for file in sorted(src.glob("*.safetensors")) + [src / name for name in _COPIED]:
         digest.update(file.name.encode() + b"\0")
         digest.update(file_sha256(file).encode())
-    return digest.hexdigest()
-
-
-def file_sha256(path: Path) -> str:
-    """sha256 (hex) of a file's bytes."""
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
     return digest.hexdigest()
 
 
@@ -179,6 +171,15 @@ def _check_export(model: MeanPooled, onnx_path: Path) -> None:
 def default_export_dir(name: str) -> Path:
     """Where a model entry without a `path` is exported: $WEIR_HOME/models/<name>-onnx."""
     return weir_home() / "models" / f"{name}-onnx"
+
+
+def needs_export(config: ModelConfig) -> bool:
+    """True when ensure_export(config) would export (no current export of its source yet)."""
+    if config.source is None:
+        return False
+    out = config.path or default_export_dir(config.name)
+    manifest = read_manifest(out)
+    return manifest is None or manifest.get("source_sha256") != source_sha256(package_model_dir(config.source))
 
 
 def ensure_export(config: ModelConfig) -> Path:

@@ -27,6 +27,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from weir.home import weir_home
+from weir.kafka import class_cache
 from weir.kafka.admin import wait_for_broker
 
 KAFKA_VERSION = "4.4.0"  # keep in step with pom.xml and docker-compose.yml
@@ -34,23 +36,17 @@ HERE = Path(__file__).resolve().parent
 POM = HERE / "pom.xml"
 LOG4J2_CONFIG = HERE / "log4j2.properties"
 HEAP_OPTS = ("-Xms256m", "-Xmx768m")
+# TieredStopAtLevel=1: C1-compiled code only. C2 spent half of the broker's start compiling on a
+# 2-core box: from launch to its port open 8.9 CPU s and 8.6-11.1 s without, 4.6-4.9 CPU s and
+# 5.2-5.4 s with; and a hop a minute after start (`weir bench hop`, same box and load) was 5.1-5.9
+# ms p50 without (C2 still compiling), 4.2 ms with. docs/kafka.md, "Start-up".
 JVM_OPTS = ("-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20", "-XX:+ExplicitGCInvokesConcurrent",
-            "-Djava.awt.headless=true")
+            "-XX:TieredStopAtLevel=1", "-Djava.awt.headless=true")
 MAVEN_COPY = "org.apache.maven.plugins:maven-dependency-plugin:3.8.1:copy-dependencies"
 
 
 class BrokerError(RuntimeError):
     """The broker could not be resolved, formatted, started or reached; the message says why."""
-
-
-def weir_home() -> Path:
-    """$WEIR_HOME, else <repo>/var for a source checkout, else ~/.cache/weir."""
-    if env := os.environ.get("WEIR_HOME"):
-        return Path(env).expanduser().resolve()
-    repo = HERE.parents[1]
-    if (repo / "pyproject.toml").exists() and os.access(repo, os.W_OK):
-        return repo / "var"
-    return Path.home() / ".cache" / "weir"
 
 
 @dataclass(frozen=True)
@@ -168,6 +164,11 @@ def lib_dir(version: str = KAFKA_VERSION) -> Path:
     return weir_home() / "kafka" / version / "lib"
 
 
+def jars_resolved(version: str = KAFKA_VERSION) -> bool:
+    """True once resolve_jars(version) has run here (no Maven needed)."""
+    return (lib_dir(version) / ".complete").exists()
+
+
 def resolve_jars(version: str = KAFKA_VERSION) -> Path:
     """Copy the broker's runtime jars into lib_dir(version) with Maven, once; returns that dir."""
     lib = lib_dir(version)
@@ -260,8 +261,9 @@ def start(cfg: BrokerConfig) -> int:
         lib = resolve_jars(cfg.version)
         cfg.properties_file.write_text(render_server_properties(cfg))
         format_storage(cfg, lib)
-        cmd = [_java(), *HEAP_OPTS, *JVM_OPTS, f"-Dlog4j2.configurationFile={LOG4J2_CONFIG}",
-               "-cp", f"{lib}/*", "kafka.Kafka", str(cfg.properties_file)]
+        java = _java()
+        cmd = [java, *HEAP_OPTS, *JVM_OPTS, *class_cache.jvm_options(cfg.home, lib, java),
+               f"-Dlog4j2.configurationFile={LOG4J2_CONFIG}", "-cp", f"{lib}/*", "kafka.Kafka", str(cfg.properties_file)]
         with open(cfg.log_file, "ab") as log:
             proc = subprocess.Popen(cmd, cwd=cfg.home, stdin=subprocess.DEVNULL, stdout=log,
                                     stderr=subprocess.STDOUT, start_new_session=True)
@@ -298,14 +300,18 @@ def stop(cfg: BrokerConfig, timeout_s: float = 30.0) -> bool:
         return False
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
+    is_killed = False
     while running_pid(cfg) is not None and _alive(pid):
         if time.monotonic() > deadline:
             os.kill(pid, signal.SIGKILL)
+            is_killed = True
             break
         time.sleep(0.2)
     while _alive(pid):
         time.sleep(0.1)
     cfg.pid_file.unlink(missing_ok=True)
+    with contextlib.suppress(BrokerError):  # no java any more: nothing was dumped by one either
+        class_cache.keep_archive(cfg.home, lib_dir(cfg.version), _java(), is_clean_exit=not is_killed)
     return True
 
 

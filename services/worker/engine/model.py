@@ -9,7 +9,6 @@ load time into one matmul each.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +20,7 @@ from torch import nn
 
 from kernels import apply_rotary, paged_attention_decode, rms_norm, silu_and_mul
 from services.worker.engine.rope import RopeConfigError, RopeScaling, RotaryEmbedding
+from weir.digests import cached_sha256
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"}
 
@@ -232,7 +232,11 @@ class DecoderStack(nn.Module):
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        # _weight: no random init, the weights are loaded. On the meta device (load_model) that init,
+        # normal_(), is a Python decomposition whose first call imports torch._dynamo: 2.5-3 CPU s
+        # of every engine process's start.
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size,
+                                         _weight=torch.empty(args.vocab_size, args.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
@@ -281,13 +285,9 @@ def _weight_files(path: Path) -> list[Path]:
 
 
 def weights_sha256(path: Path) -> str:
-    """sha256 over the weight files in name order: the identity of the weights in audit records."""
-    digest = hashlib.sha256()
-    for file in _weight_files(path):
-        with file.open("rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                digest.update(chunk)
-    return digest.hexdigest()
+    """sha256 over the weight files in name order: the identity of the weights in audit records.
+    Remembered per file identity (weir/digests.py): every start asked it again of the same bytes."""
+    return cached_sha256(_weight_files(path))
 
 
 def load_model(path: str | Path, device: torch.device, dtype: torch.dtype) -> CausalLM:
