@@ -175,8 +175,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     stack = Stack(service_env(args, broker.bootstrap), Path(args.log_dir) if args.log_dir else weir_home() / "logs")
     # SIGTERM (kill, systemd, docker) and SIGHUP (a closed terminal) stop everything as Ctrl-C does;
-    # by default they ended this process alone and left the four services running.
-    for sig in (signal.SIGTERM, signal.SIGHUP):
+    # by default they ended this process alone and left the four services running. SIGINT too, even
+    # where it was inherited ignored (a shell's background job): a Ctrl-C to the process group
+    # stops the services themselves, and this process must stop with them, not restart them.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _interrupt)
     try:
         deadline_s = began_s + args.timeout

@@ -228,10 +228,19 @@ class StartAborted(Exception):
 
 
 async def _start(service: Service, stop: asyncio.Event) -> None:
-    """service.start(), unless a signal comes first; Kafka errors become BrokerUnreachable."""
-    start = asyncio.create_task(service.start())
-    stopped = asyncio.create_task(stop.wait())
-    await asyncio.wait({start, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    """service.start(), unless a signal comes first; Kafka errors become BrokerUnreachable.
+
+    aiokafka logs every retry at ERROR while a broker boots (`weir up` starts the services beside
+    it): start is quiet, and a start that fails says why in one line of its own."""
+    kafka_log = logging.getLogger("aiokafka")
+    level = kafka_log.level
+    kafka_log.setLevel(logging.CRITICAL)
+    try:
+        start = asyncio.create_task(service.start())
+        stopped = asyncio.create_task(stop.wait())
+        await asyncio.wait({start, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        kafka_log.setLevel(level)
     stopped.cancel()
     if not start.done():
         start.cancel()
