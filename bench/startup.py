@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.stats import print_table
+from weir.kafka.launcher import port_open
 
 READY_LINE = "Weir is up."
 
@@ -94,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
         env["PYTHONPATH"] = str(args.checkout.resolve())
     runs: list[StartRun] = []
     for index in range(args.runs + 1):
+        if port_open("127.0.0.1", args.kafka_port):  # `weir up` would reuse it: no broker start timed
+            print(f"a broker already answers at port {args.kafka_port} (one a killed `weir up` left?): stop it "
+                  f"with `weir kafka down --port {args.kafka_port}` so that every start boots its own")  # fmt: skip
+            return 1
         run = launch(cmd, env, args.timeout, cwd=args.checkout)
         runs.append(run)
         label = "first" if index == 0 else f"run {index}"

@@ -281,6 +281,9 @@ def service_env(args: argparse.Namespace, bootstrap: str) -> dict[str, str]:
         "WEIR_MODEL_REPO": str(Path(args.model_repo).resolve()), "WEIR_GATEWAY_HOST": args.host,
         "WEIR_AUTH_MODE": args.auth, "PYTHONUNBUFFERED": "1", "WEIR_HOME": str(weir_home()),
         "WEIR_KAFKA_WAIT_S": str(args.timeout),
+        # One reply topic for this deployment's gateway, start after start: with a fresh id per
+        # process every `weir up` left a topic behind, and each one lengthens every broker start.
+        "WEIR_GATEWAY_ID": f"gateway-up-{args.port}",
     }  # fmt: skip
     return env | {HTTP_PORT_ENV[name]: str(port) for name, port in service_ports(args.port).items()}
 

@@ -55,10 +55,11 @@ class WorkerService:
         self.fingerprints: FingerprintBatcher | None = None
         self.metrics = self._metrics()
         self.loader = EngineLoader(self.configs, self.open_engine)
+        self.is_building_fingerprinter = False
 
     async def start(self) -> None:
-        """Begin loading the engines, then create the topics, start the producer and build the
-        fingerprinter while they load (run() waits for them)."""
+        """Begin loading the engines, then create the topics and start the producer while they
+        load (run() waits for them, its /readyz saying how far they got)."""
         self.loader.start()
         await wait_for_cluster(self.settings)
         topics = self.settings.topics
@@ -66,15 +67,23 @@ class WorkerService:
         await ensure_topics(self.settings.kafka_bootstrap, specs)
         self.producer = make_producer(self.settings, self.worker_id)
         await self.producer.start()
-        fingerprinter = await asyncio.to_thread(build_fingerprinter, self.settings.audit_fingerprint_model, self.repo)
-        self.fingerprints = FingerprintBatcher(fingerprinter) if fingerprinter is not None else None
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Wait for every engine to be built and warmed up, then serve until `stop` is set or a loop fails."""
+        """Build the fingerprinter while the engines finish loading, then serve until `stop` is set
+        or a loop fails."""
         assert self.producer is not None, "start() first"
         tasks: list[asyncio.Task] = []
         try:
-            self.open_servers(self.producer, await self.loader.wait())
+            # A first start exports the fingerprint model to ONNX here (or waits for the engine
+            # process that does): after the HTTP port opened, so /readyz can say so meanwhile.
+            self.is_building_fingerprinter = True
+            fingerprinter, hosts = await asyncio.gather(
+                asyncio.to_thread(build_fingerprinter, self.settings.audit_fingerprint_model, self.repo),
+                self.loader.wait(),
+            )  # fmt: skip
+            self.is_building_fingerprinter = False
+            self.fingerprints = FingerprintBatcher(fingerprinter) if fingerprinter is not None else None
+            self.open_servers(self.producer, hosts)
             cancellations = await open_cancellations(self.settings, self.worker_id)
             self.is_ready = True
             log.info("worker %s ready: %s on %s", self.worker_id, [c.name for c in self.configs], self.device)
@@ -143,7 +152,12 @@ class WorkerService:
         if self.is_ready:
             return True, {**body, "reason": None}
         loading = self.loader.describe()
-        reason = f"loading the models: {loading}" if loading else "starting the model servers"
+        if loading:
+            reason = f"loading the models: {loading}"
+        elif self.is_building_fingerprinter:
+            reason = f"building the audit fingerprinter ({self.settings.audit_fingerprint_model}, ONNX)"
+        else:
+            reason = "starting the model servers"
         return False, {**body, "reason": reason}
 
     def http_app(self) -> ASGIApp:

@@ -18,6 +18,7 @@ second worker exporting at the same time) never sees half an export.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib
 import json
@@ -95,10 +96,26 @@ def export_onnx(src: Path, out: Path, *, source: str | None = None, opset: int =
     Returns `out`. Raises RuntimeError when the exported graph disagrees with PyTorch.
     """
     digest = source_sha256(src)
-    manifest = read_manifest(out)
-    if not force and manifest is not None and manifest.get("source_sha256") == digest:
+    if not force and _is_current(out, digest):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
+    # One export at a time per target: the worker's fingerprinter and its embedding engine's
+    # process both ask at a first start, and each exported it (a minute of CPU, twice). The second
+    # waits here, then finds the first one's export current.
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not force and _is_current(out, digest):
+            return out
+        _export_into(src, out, source, digest, opset)
+    return out
+
+
+def _is_current(out: Path, digest: str) -> bool:
+    manifest = read_manifest(out)
+    return manifest is not None and manifest.get("source_sha256") == digest
+
+
+def _export_into(src: Path, out: Path, source: str | None, digest: str, opset: int) -> None:
     tmp = out.parent / f".{out.name}.{os.getpid()}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -115,7 +132,6 @@ def export_onnx(src: Path, out: Path, *, source: str | None = None, opset: int =
         _swap_in(tmp, out, digest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return out
 
 
 def _swap_in(tmp: Path, out: Path, digest: str) -> None:
@@ -177,9 +193,7 @@ def needs_export(config: ModelConfig) -> bool:
     """True when ensure_export(config) would export (no current export of its source yet)."""
     if config.source is None:
         return False
-    out = config.path or default_export_dir(config.name)
-    manifest = read_manifest(out)
-    return manifest is None or manifest.get("source_sha256") != source_sha256(package_model_dir(config.source))
+    return not _is_current(config.path or default_export_dir(config.name), source_sha256(package_model_dir(config.source)))
 
 
 def ensure_export(config: ModelConfig) -> Path:
