@@ -18,12 +18,10 @@ second worker exporting at the same time) never sees half an export.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import importlib
 import json
 import logging
-import os
 import shutil
 import warnings
 from pathlib import Path
@@ -32,6 +30,7 @@ import numpy as np
 import torch
 
 from schemas.model_repo import ModelConfig
+from weir.built_dirs import build_into, exclusive
 from weir.digests import file_sha256  # cached by file identity: checked at every start
 from weir.home import weir_home
 
@@ -98,15 +97,10 @@ def export_onnx(src: Path, out: Path, *, source: str | None = None, opset: int =
     digest = source_sha256(src)
     if not force and _is_current(out, digest):
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # One export at a time per target: the worker's fingerprinter and its embedding engine's
-    # process both ask at a first start, and each exported it (a minute of CPU, twice). The second
-    # waits here, then finds the first one's export current.
-    with open(out.parent / f".{out.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with exclusive(out):  # one export per target at a time (weir/built_dirs.py)
         if not force and _is_current(out, digest):
             return out
-        _export_into(src, out, source, digest, opset)
+        build_into(out, lambda tmp: _export_into(src, tmp, source, digest, opset), lambda done: _is_current(done, digest))
     return out
 
 
@@ -115,37 +109,17 @@ def _is_current(out: Path, digest: str) -> bool:
     return manifest is not None and manifest.get("source_sha256") == digest
 
 
-def _export_into(src: Path, out: Path, source: str | None, digest: str, opset: int) -> None:
-    tmp = out.parent / f".{out.name}.{os.getpid()}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        log.info("exporting %s to ONNX in %s", src, out)
-        _export_graph(src, tmp / "model.onnx", opset)
-        for name in _COPIED:
-            shutil.copyfile(src / name, tmp / name)
-        record = {
-            "source": source or str(src), "source_sha256": digest, "onnx_sha256": file_sha256(tmp / "model.onnx"),
-            "opset": opset, "torch": torch.__version__, "pooling": "mean", "normalised": False,
-        }  # fmt: skip
-        (tmp / MANIFEST).write_text(json.dumps(record, indent=2) + "\n")
-        _swap_in(tmp, out, digest)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+def _export_into(src: Path, tmp: Path, source: str | None, digest: str, opset: int) -> None:
+    log.info("exporting %s to ONNX", src)
+    _export_graph(src, tmp / "model.onnx", opset)
+    for name in _COPIED:
+        shutil.copyfile(src / name, tmp / name)
+    record = {
+        "source": source or str(src), "source_sha256": digest, "onnx_sha256": file_sha256(tmp / "model.onnx"),
+        "opset": opset, "torch": torch.__version__, "pooling": "mean", "normalised": False,
+    }  # fmt: skip
+    (tmp / MANIFEST).write_text(json.dumps(record, indent=2) + "\n")
 
-
-def _swap_in(tmp: Path, out: Path, digest: str) -> None:
-    old = out.parent / f".{out.name}.{os.getpid()}.old"
-    if out.exists():
-        os.replace(out, old)  # a stale export: moved aside, then removed
-    try:
-        os.replace(tmp, out)
-    except OSError:
-        # Another process put its export in place first; it is as good as ours if current.
-        current = read_manifest(out)
-        if current is None or current.get("source_sha256") != digest:
-            raise
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def _export_graph(src: Path, onnx_path: Path, opset: int) -> None:

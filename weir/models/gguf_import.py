@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -33,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from weir.built_dirs import build_into, exclusive
 from weir.models.dequant import UnsupportedQuantization, dequantize, type_name
 from weir.models.gguf_config import ArchSpec, arch_spec, hf_config
 from weir.models.gguf_file import GGUFError, GGUFFile, GGUFTensor, read_gguf
@@ -96,22 +95,23 @@ def import_gguf(
         raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
     progress(f"hashing {src} ...")
     digest = _source_sha256(src)
-    manifest = read_manifest(out)
-    if not force and manifest is not None and (manifest.get("source_sha256"), manifest.get("dtype")) == (digest, dtype):
+    if not force and _is_current(out, digest, dtype):
         progress(f"{out} already holds this import (source sha256 {digest[:12]}); reused")
         return out
     if out.exists() and not (out / MANIFEST).exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not a Weir import (no {MANIFEST}); choose another --out")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.{os.getpid()}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        _write_import(src, tmp, source or str(src), digest, dtype, progress)
-        _swap_in(tmp, out, digest)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with exclusive(out):
+        if not force and _is_current(out, digest, dtype):  # another process imported it meanwhile
+            progress(f"{out} was imported meanwhile by another process; reused")
+            return out
+        build_into(out, lambda tmp: _write_import(src, tmp, source or str(src), digest, dtype, progress),
+                   lambda done: _is_current(done, digest, dtype))  # fmt: skip
     return out
+
+
+def _is_current(out: Path, digest: str, dtype: str) -> bool:
+    manifest = read_manifest(out)
+    return manifest is not None and (manifest.get("source_sha256"), manifest.get("dtype")) == (digest, dtype)
 
 
 def _source_sha256(src: Path) -> str:
@@ -220,17 +220,3 @@ def unpermute_rows(weights: np.ndarray, num_heads: int) -> np.ndarray:
     if head_dim * num_heads != rows or head_dim % 2:
         raise GGUFError(f"cannot unpermute {rows} rows into {num_heads} heads of an even size")
     return weights.reshape(num_heads, head_dim // 2, 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
-
-
-def _swap_in(tmp: Path, out: Path, digest: str) -> None:
-    old = out.parent / f".{out.name}.{os.getpid()}.old"
-    if out.exists():
-        os.replace(out, old)  # a stale import (or an empty dir): moved aside, then removed
-    try:
-        os.replace(tmp, out)
-    except OSError:
-        # Another process put its import in place first; it is as good as ours if current.
-        current = read_manifest(out)
-        if current is None or current.get("source_sha256") != digest:
-            raise
-    shutil.rmtree(old, ignore_errors=True)
