@@ -16,3 +16,12 @@ def weir_home() -> Path:
     if (REPO / "pyproject.toml").exists() and os.access(REPO, os.W_OK):
         return REPO / "var"
     return Path.home() / ".cache" / "weir"
+
+
+def served_model_dir(name: str, path: Path | None, source: str | None) -> Path | None:
+    """The Hugging Face directory a torch model entry is served from: its `path`, else where its
+    GGUF `source` is imported ($WEIR_HOME/models/<name>, made by weir/models/sources.py on first
+    use), else None. It may not exist yet."""
+    if path is not None:
+        return Path(path)
+    return weir_home() / "models" / name if source is not None else None

@@ -96,3 +96,18 @@ def test_out_of_range_top_k_is_400() -> None:
     with pytest.raises(ApiError) as error:
         parse_body("completions", b'{"model": "echo", "prompt": "x", "top_k": 100000000000000000000000}')
     assert error.value.param == "top_k"
+
+
+def test_a_gguf_sourced_model_counts_with_its_import_once_it_exists(
+    word_model: ModelConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An entry with a `source` and no `path` is served from $WEIR_HOME/models/<name>: estimated
+    until the import is there, then counted with its tokenizer."""
+    monkeypatch.setenv("WEIR_HOME", str(tmp_path))
+    sourced = ModelConfig(name="words", source="llm-words", max_model_len=32, default_timeout_s=30)
+    counter = TokenCounter()
+    assert counter.tokenizer(sourced) is None
+    assert counter.count(sourced, "hello world one two three") == estimate_tokens("hello world one two three")
+    (tmp_path / "models" / "words").mkdir(parents=True)
+    (tmp_path / "models" / "words" / "tokenizer.json").write_bytes((word_model.path / "tokenizer.json").read_bytes())
+    assert counter.count(sourced, "hello world one two three") == 5

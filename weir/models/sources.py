@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from schemas.model_repo import ModelConfig, ModelRepository
-from weir.kafka.launcher import weir_home
+from weir.home import served_model_dir
 from weir.models.gguf_import import import_gguf
 
 
@@ -51,7 +51,9 @@ def gguf_file(source: str) -> Path:
 
 def default_model_dir(name: str) -> Path:
     """Where a GGUF-sourced entry without a `path` is imported: $WEIR_HOME/models/<name>."""
-    return weir_home() / "models" / name
+    found = served_model_dir(name, None, source=name)
+    assert found is not None
+    return found
 
 
 def ensure_model_dir(config: ModelConfig, progress: Callable[[str], None] | None = None) -> Path:

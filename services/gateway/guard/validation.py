@@ -1,7 +1,7 @@
 """Checks of a parsed body against the model it names: prompt tokens, context length, stops.
 
 Prompt tokens are counted with the model's tokenizer.json (the `tokenizers` package) when the
-model entry has a path that holds one, and estimated otherwise (4 UTF-8 bytes a token, rounded
+model has one (its `path`, or the import of its GGUF `source`), and estimated otherwise (4 UTF-8 bytes a token, rounded
 up, never fewer than the whitespace-separated words). Chat prompts count each message's text plus
 a few tokens per message for the chat template. The count is what a rate limit reserves, so an
 estimate that errs a little high is the safe side.
@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import logging
 import math
-from pathlib import Path
 
 from tokenizers import Tokenizer
 
 from schemas.messages import GenerateRequest
 from schemas.model_repo import ModelConfig
+from weir.home import served_model_dir
 from services.gateway.openai_format import ApiError, ChatCompletionBody, CompletionBody
 
 log = logging.getLogger(__name__)
@@ -33,16 +33,22 @@ class TokenCounter:
 
     def tokenizer(self, model: ModelConfig) -> Tokenizer | None:
         """The model's tokenizer, or None when it has no tokenizer.json (then counts are estimates)."""
-        if model.name not in self._tokenizers:
-            tokenizer = None
-            file = Path(model.path) / "tokenizer.json" if model.path is not None else None
-            if file is not None and file.is_file():
-                try:
-                    tokenizer = Tokenizer.from_file(str(file))
-                except Exception as exc:  # noqa: BLE001 - tokenizers raises plain Exceptions
-                    log.warning("cannot load %s (%s); estimating %s's token counts", file, exc, model.name)
-            self._tokenizers[model.name] = tokenizer
-        return self._tokenizers[model.name]
+        if model.name in self._tokenizers:
+            return self._tokenizers[model.name]
+        # a GGUF-sourced entry's tokenizer is in its import, once weir up or the worker made it; until
+        # then counts are estimates and the next request looks again
+        served = served_model_dir(model.name, model.path, model.source)
+        file = served / "tokenizer.json" if served is not None else None
+        if file is not None and not file.is_file() and model.source is not None:
+            return None
+        tokenizer = None
+        if file is not None and file.is_file():
+            try:
+                tokenizer = Tokenizer.from_file(str(file))
+            except Exception as exc:  # noqa: BLE001 - tokenizers raises plain Exceptions
+                log.warning("cannot load %s (%s); estimating %s's token counts", file, exc, model.name)
+        self._tokenizers[model.name] = tokenizer
+        return tokenizer
 
     def count(self, model: ModelConfig, text: str) -> int:
         """Tokens of `text` for `model` (special tokens not added)."""
