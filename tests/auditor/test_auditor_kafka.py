@@ -157,7 +157,7 @@ async def test_auditor_records_each_event_once_and_dead_letters_the_rest(
     assert {letter.key for letter in letters} == {"bad-1", "bad-2", "bad-3"}
 
     capsys.readouterr()  # drop FastStream's log lines
-    assert cli.main(["verify", "--db", str(db)]) == 0
+    assert await asyncio.to_thread(cli.main, ["verify", "--db", str(db), "--bootstrap", bootstrap, "--topic-prefix", topics.prefix]) == 0
     out = capsys.readouterr().out
     num_chains = len({r["kafka_partition"] for r in records})
     assert out.startswith(f"OK: 20 records in {num_chains} chains, "), out
@@ -172,7 +172,7 @@ async def test_auditor_records_each_event_once_and_dead_letters_the_rest(
     await produce(bootstrap, topics.audit, [(e.request_id.encode(), encode(e)) for e in more])
     await run_until(settings, bootstrap, topics, expected_records=23)
     capsys.readouterr()
-    assert cli.main(["verify", "--db", str(db)]) == 0
+    assert await asyncio.to_thread(cli.main, ["verify", "--db", str(db), "--bootstrap", bootstrap, "--topic-prefix", topics.prefix]) == 0
     assert capsys.readouterr().out.startswith("OK: 23 records in ")
     assert len(await read_all(bootstrap, topics.dead_letter)) == 6  # redelivered, dead-lettered again
 
