@@ -21,7 +21,7 @@ from typing import Any, Literal, Self, Union, get_args, get_origin
 from schemas.messages import AuditAnchor, AuditEvent, ReviewFlag
 from schemas.messages import now_ms as wall_clock_ms
 from services.auditor import reviews
-from services.auditor.anchors import AnchorRecord, AnchorReport, ChainState, anchor_of, check_anchors
+from services.auditor.anchors import AnchorRecord, AnchorReport, ChainKey, ChainState, anchor_of, check_anchors
 from services.auditor.chain_store import (
     CHECKPOINT_COLUMNS,
     ChainTables,
@@ -431,9 +431,10 @@ class Ledger:
         with self._store.snapshot():
             report = LedgerReport([self.verify_chain(chain_id) for chain_id in self.chain_ids()],
                                   self.review_flags.verify(key))
-            states = {("audit", c.chain_id): ChainState(self.checkpoints(c.chain_id), c.num_records) for c in report.chains}
-            states |= {("review_flags", c.chain_id): ChainState(self.checkpoints(c.chain_id, "review_flags"), c.num_records)
-                       for c in report.flag_chains}  # fmt: skip
+            states: dict[ChainKey, ChainState] = {
+                (c.log, c.chain_id): ChainState(self.checkpoints(c.chain_id, c.log), c.num_records)
+                for c in [*report.chains, *report.flag_chains]
+            }
         return report, check_anchors(topic, anchors, key, states)
 
     def verify_chain(self, chain_id: int) -> VerifyReport:
