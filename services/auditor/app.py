@@ -25,6 +25,7 @@ from services.auditor.health import HealthMetrics
 from services.auditor.ledger import Ledger, LedgerError
 from services.auditor.watermark import WatermarkDetector
 from weir.bus import instance_id, wait_for_cluster
+from weir.kafka.admin import ensure_topics
 from weir.service import ConfigError, bus_overrides, ops_app, run_service, service_parser
 
 log = logging.getLogger(__name__)
@@ -99,6 +100,10 @@ class AuditorService:
 
     async def start(self) -> None:
         await wait_for_cluster(self.settings)
+        # Its anchor topic (created with the others; here too for a deployment made before it
+        # existed): publishing to a missing topic would stall each batch that writes a checkpoint.
+        topics = self.settings.topics
+        await ensure_topics(self.settings.kafka_bootstrap, [s for s in topics.core_specs() if s.name == topics.audit_anchors])
         try:
             await self.app.start()
         except (LedgerError, sqlite3.Error) as exc:

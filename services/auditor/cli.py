@@ -105,6 +105,10 @@ def main(argv: list[str]) -> int:
 def _verify(args: argparse.Namespace, settings: AuditorSettings) -> int:
     """The ledger's chains and checkpoints (their MACs), then, unless --no-anchor, the ledger
     against the anchors in Kafka, read first (docs/design.md, "The audit chain")."""
+    if args.no_anchor and (args.bootstrap or args.topic_prefix):
+        print("error: --bootstrap and --topic-prefix say where the anchors are, and --no-anchor skips them",
+              file=sys.stderr)
+        return 2
     updates = {"kafka_bootstrap": args.bootstrap, "topic_prefix": args.topic_prefix}
     settings = settings.model_copy(update={k: v for k, v in updates.items() if v is not None})
     try:

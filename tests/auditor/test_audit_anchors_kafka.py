@@ -166,6 +166,8 @@ async def test_verify_without_kafka_exits_2_and_says_how_to_skip(tmp_path: Path,
     assert "cannot read the anchors" in capsys.readouterr().err
     assert cli.main(["verify", "--db", str(db), "--no-anchor"]) == 0
     assert "ANCHORS NOT CHECKED (--no-anchor)" in capsys.readouterr().out
+    assert cli.main(["verify", "--db", str(db), "--no-anchor", "--topic-prefix", "p"]) == 2
+    assert "--no-anchor skips them" in capsys.readouterr().err
 
 
 async def test_verify_refuses_a_missing_anchor_topic(bootstrap: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
