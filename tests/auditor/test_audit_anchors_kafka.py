@@ -19,6 +19,7 @@ from services.auditor.app import create_app
 from services.auditor.chain import checkpoint_mac
 from services.auditor.config import AuditorSettings
 from services.auditor.ledger import Ledger
+from weir.kafka.admin import describe_topic_configs
 
 from .factories import make_event, make_flag
 from .tamper import ATTACKER_KEY, cut_tail, open_raw, rewrite_chain
@@ -93,6 +94,8 @@ async def test_verify_checks_the_ledger_against_its_kafka_anchors(
     topics, db = audit_topics, ledger_with_anchors
     with Ledger(db, readonly=True) as ledger:
         [partition] = ledger.chain_ids()
+    config = (await describe_topic_configs(bootstrap, [topics.audit_anchors]))[topics.audit_anchors]
+    assert (config["cleanup.policy"], config["retention.ms"]) == ("delete", "-1")  # kept for good, not compacted
 
     status, out = await verify(db, bootstrap, topics, capsys)
     assert status == 0, out
