@@ -75,7 +75,8 @@ def resolve_checkpoint_key(setting: str | None, *, create: bool, home: Path | No
     if setting:
         key = parse_key(setting)
         if len(key) < 16:
-            raise AuditKeyError("WEIR_AUDIT_CHECKPOINT_KEY is shorter than 16 bytes; use 32 random bytes as hex:<64 digits>")
+            raise AuditKeyError("WEIR_AUDIT_CHECKPOINT_KEY is shorter than 16 bytes; "
+                                "use 32 random bytes as hex:<64 digits>")
         return key
     path = checkpoint_key_file(home)
     if create:

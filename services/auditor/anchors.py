@@ -100,7 +100,9 @@ class AnchorReport:
         return "\n".join([first, *self.problems, *self.lines])
 
 
-def check_anchors(topic: str, records: Iterable[AnchorRecord], key: bytes, chains: dict[ChainKey, ChainState]) -> AnchorReport:
+def check_anchors(
+    topic: str, records: Iterable[AnchorRecord], key: bytes, chains: dict[ChainKey, ChainState]
+) -> AnchorReport:
     """Check the database's chains (`chains`) against the records of the anchor topic. Pure."""
     report = AnchorReport(topic)
     anchored: dict[ChainKey, list[AuditAnchor]] = {}
@@ -169,8 +171,8 @@ async def read_anchor_records(bootstrap: str, topic: str, timeout_s: float = 30.
             end = await consumer.end_offsets(tps)
             records: list[AnchorRecord] = []
             while [tp for tp in tps if await consumer.position(tp) < end[tp]]:
-                for batch in (await consumer.getmany(*tps, timeout_ms=1000)).values():
-                    records += [AnchorRecord(r.offset, r.value) for r in batch if r.offset < end[TopicPartition(topic, r.partition)]]
+                for tp, batch in (await consumer.getmany(*tps, timeout_ms=1000)).items():
+                    records += [AnchorRecord(r.offset, r.value) for r in batch if r.offset < end[tp]]
             return sorted(records, key=lambda r: r.offset)
     finally:
         await consumer.stop()

@@ -103,7 +103,8 @@ class AuditorService:
         # Its anchor topic (created with the others; here too for a deployment made before it
         # existed): publishing to a missing topic would stall each batch that writes a checkpoint.
         topics = self.settings.topics
-        await ensure_topics(self.settings.kafka_bootstrap, [s for s in topics.core_specs() if s.name == topics.audit_anchors])
+        anchor_specs = [spec for spec in topics.core_specs() if spec.name == topics.audit_anchors]
+        await ensure_topics(self.settings.kafka_bootstrap, anchor_specs)
         try:
             await self.app.start()
         except (LedgerError, sqlite3.Error) as exc:

@@ -121,7 +121,8 @@ def _verify(args: argparse.Namespace, settings: AuditorSettings) -> int:
         if args.no_anchor:
             report = ledger.verify()
             print(report.describe())
-            print("ANCHORS NOT CHECKED (--no-anchor): a truncated tail, or a rewrite by the key's holder, would not show")
+            print("ANCHORS NOT CHECKED (--no-anchor): a truncated tail, or a rewrite by the key's holder, "
+                  "would not show")
             return 0 if report.is_ok else 1
         topic = settings.topics.audit_anchors
         try:

@@ -380,12 +380,14 @@ class Ledger:
 
     def latest_anchors(self) -> list[AuditAnchor]:
         """The newest checkpoint of every chain, of records and of flags, as the AuditAnchors the
-        auditor publishes (each one vouches for every checkpoint before it, through prev_hash)."""
-        anchors = [anchor_of("audit", chain_id, cp) for chain_id, cp in latest_checkpoints(self._store, CHECKPOINTS).items()]
+        auditor publishes (each one vouches for every checkpoint before it, through prev_hash).
+        A chain whose newest checkpoint has no MAC (written before checkpoints were keyed) has
+        none until its next checkpoint."""
+        tables: list[tuple[Log, str]] = [("audit", CHECKPOINTS)]
         if self.review_flags.has_checkpoints:
-            anchors += [anchor_of("review_flags", chain_id, cp)
-                        for chain_id, cp in latest_checkpoints(self._store, reviews.FLAG_CHECKPOINTS).items()]
-        return anchors
+            tables.append(("review_flags", reviews.FLAG_CHECKPOINTS))
+        return [anchor_of(log, chain_id, cp) for log, table in tables
+                for chain_id, cp in latest_checkpoints(self._store, table).items() if cp.mac is not None]
 
     def find_by_hmac(self, hmacs: list[str]) -> list[dict[str, Any]]:
         """Records whose prompt_hmac or output_hmac is one of `hmacs`, oldest first."""

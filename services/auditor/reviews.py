@@ -66,7 +66,8 @@ def tables_sql(dialect: Literal["sqlite", "postgresql"]) -> list[str]:
     types = _SQL[dialect]
     cols = ",\n  ".join(f"{name} {types[py]} NOT NULL{' UNIQUE' if name == 'flag_id' else ''}"
                         for name, py in _FLAG_TYPES.items())
-    return [chained_table_sql(FLAGS, types[int], cols), f"CREATE INDEX IF NOT EXISTS {FLAGS}_principal ON {FLAGS}(principal)",
+    return [chained_table_sql(FLAGS, types[int], cols),
+            f"CREATE INDEX IF NOT EXISTS {FLAGS}_principal ON {FLAGS}(principal)",
             checkpoint_table_sql(FLAG_CHECKPOINTS, types[int])]
 
 

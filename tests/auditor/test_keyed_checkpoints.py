@@ -188,7 +188,9 @@ def test_a_ledger_whose_checkpoints_predate_macs_is_migrated_and_named(tmp_path:
     with pytest.raises(LedgerError, match="mac"):
         Ledger(path, readonly=True)
     with Ledger(path, checkpoint_every_records=2, checkpoint_every_s=3600, checkpoint_key=KEY) as ledger:
+        assert ledger.latest_anchors() == []  # an unkeyed checkpoint cannot be anchored
         ledger.append(make_event(4), partition=0, offset=4)  # the next checkpoint is keyed
+        assert [(a.num, a.last_seq) for a in ledger.latest_anchors()] == [(2, 4)]
         report = ledger.verify()
         assert [cp.mac is None for cp in ledger.checkpoints(0)] == [True, False]
     [broken] = report.broken
