@@ -79,7 +79,7 @@ async def ingest_kafka(bootstrap: str, n: int) -> float:
     from weir.kafka.admin import delete_topics, ensure_topics
 
     topics = Topics(prefix=f"bench{uuid.uuid4().hex[:8]}")
-    specs = [s for s in topics.core_specs() if s.name in (topics.audit, topics.dead_letter)]
+    specs = [s for s in topics.core_specs() if s.name in (topics.audit, topics.audit_anchors, topics.dead_letter)]
     await ensure_topics(bootstrap, specs)
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", enable_idempotence=True, linger_ms=5)
     await producer.start()

@@ -11,6 +11,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from schemas.messages import (
     AnyRequest,
     ApiKeyRecord,
+    AuditAnchor,
     AuditEvent,
     AuditRecord,
     Batch,
@@ -45,6 +46,7 @@ WIRE_TYPES: dict[str, Any] = {
     "AuditEvent": AuditEvent,
     "ReviewFlag": ReviewFlag,
     "AuditRecord": _AUDIT_RECORD,
+    "AuditAnchor": AuditAnchor,
     "DeadLetter": DeadLetter,
     "ApiKeyRecord": ApiKeyRecord,
     "UsageRecord": UsageRecord,

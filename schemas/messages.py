@@ -377,6 +377,33 @@ AuditRecord = Annotated[
 """What `weir.audit` carries: an AuditEvent (no `kind`) or a ReviewFlag (`"kind": "review_flag"`)."""
 
 
+_HASH = r"^[0-9a-f]{64}$"
+
+
+class AuditAnchor(_Wire):
+    """A keyed checkpoint of one chain of the audit ledger, on `weir.audit.anchors` keyed by
+    "<log>/<chain_id>": what `weir audit verify` checks the ledger's database against.
+
+    The auditor publishes one as it writes each checkpoint (docs/design.md, "The audit chain";
+    services/auditor/anchors.py). `checkpoint_hash` = sha256(prev_hash || canonical checkpoint
+    JSON of the fields above it), and `mac` = HMAC-SHA256 under the deployment's checkpoint key of
+    that hash with the log and chain: whoever lacks the key cannot make an anchor that verifies.
+    """
+
+    kind: Literal["audit_anchor"] = Field("audit_anchor", description="Message kind.")
+    log: Literal["audit", "review_flags"] = Field(description="Which chains: the AuditEvents' or the ReviewFlags'.")
+    chain_id: int = Field(ge=0, description="The chain (the audit-topic partition its records came from).")
+    num: int = Field(ge=1, description="The checkpoint's number in its chain, from 1.")
+    first_seq: int = Field(ge=1, description="First record (seq) the checkpoint covers.")
+    last_seq: int = Field(ge=1, description="Last record (seq) it covers: how long the chain was when it was made.")
+    merkle_root: str = Field(pattern=_HASH, description="RFC 6962 Merkle root of the record hashes first_seq..last_seq.")
+    last_record_hash: str = Field(pattern=_HASH, description="record_hash of last_seq: the chain's head.")
+    created_ms: int = Field(description="When the checkpoint was made, epoch ms.")
+    prev_hash: str = Field(pattern=_HASH, description="checkpoint_hash of checkpoint num-1 (64 zeros for num 1).")
+    checkpoint_hash: str = Field(pattern=_HASH, description="sha256(prev_hash || canonical checkpoint JSON).")
+    mac: str = Field(pattern=_HASH, description="HMAC-SHA256 of the checkpoint under the deployment's checkpoint key.")
+
+
 class DeadLetter(_Wire):
     """A message a consumer could not use, with the reason, on `weir.dlq`."""
 

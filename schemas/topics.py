@@ -42,6 +42,9 @@ _COMPACT = {
 _USAGE = {"cleanup.policy": "delete", "retention.ms": str(3600 * 1000)}
 _REPLIES = {"cleanup.policy": "delete", "retention.ms": str(24 * 3600 * 1000)}
 # Batch files and job commands outlive a job's 24 h window: a week, like the requests.
+# Audit anchors are kept for good: `weir audit verify` checks the whole ledger against them.
+# Not compacted, so a record written over an anchor's key (a forgery, a tombstone) hides nothing.
+_ANCHORS = {"cleanup.policy": "delete", "retention.ms": "-1", "retention.bytes": "-1"}
 _FILES = {"cleanup.policy": "delete", "retention.ms": str(7 * 24 * 3600 * 1000), "max.message.bytes": str(2 * 1024 * 1024)}
 
 
@@ -74,6 +77,12 @@ class Topics:
     def audit(self) -> str:
         """AuditEvents from workers to the auditor."""
         return f"{self.prefix}.audit"
+
+    @property
+    def audit_anchors(self) -> str:
+        """AuditAnchors: the auditor's keyed checkpoints of its ledger, keyed by "<log>/<chain_id>",
+        kept for good (docs/design.md, "The audit chain")."""
+        return f"{self.prefix}.audit.anchors"
 
     @property
     def dead_letter(self) -> str:
@@ -143,6 +152,7 @@ class Topics:
             TopicSpec(self.control, 4, _COMPACT),
             TopicSpec(self.workers, 1, _COMPACT),
             TopicSpec(self.audit, 4, _DELETE_7D),
+            TopicSpec(self.audit_anchors, 1, _ANCHORS),
             TopicSpec(self.dead_letter, 1, _DELETE_7D),
             TopicSpec(self.keys, 1, _COMPACT),
             TopicSpec(self.usage, 1, _USAGE),

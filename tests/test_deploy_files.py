@@ -57,6 +57,7 @@ def test_compose_holds_no_audit_key_and_shares_the_generated_one() -> None:
     no key is written in the compose file."""
     compose_text = (REPO / "docker-compose.yml").read_text()
     assert "WEIR_AUDIT_HMAC_KEY" not in compose_text
+    assert "WEIR_AUDIT_CHECKPOINT_KEY" not in compose_text  # the auditor's checkpoint key: the same volume
     services = _compose()["services"]
     for name in WEIR_SERVICES:
         home = services[name]["environment"]["WEIR_HOME"]

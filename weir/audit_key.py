@@ -1,4 +1,4 @@
-"""The audit HMAC key of a deployment: one random key per $WEIR_HOME, made once, never in the code.
+"""The audit keys of a deployment: random keys per $WEIR_HOME, made once, never in the code.
 
 Workers key the prompt and output hashes of every AuditEvent with it; the auditor and
 `weir audit lookup` need the same key to find a text's records. When WEIR_AUDIT_HMAC_KEY is not
@@ -12,6 +12,14 @@ atomically (written to a private temporary file, then hard-linked into place, wh
 the file exists), so processes that start together agree on one key, and it is never
 overwritten. A file another user could read or write, or one that does not hold a 32-byte hex
 key, is refused with a message saying how to fix it.
+
+The auditor's checkpoint key is made and kept the same way, apart from the fingerprint key:
+
+    $WEIR_HOME/secrets/audit-checkpoint.key    (or WEIR_AUDIT_CHECKPOINT_KEY)
+
+It keys the MAC of every ledger checkpoint and Kafka anchor (services/auditor/anchors.py); only
+the auditor and `weir audit verify` read it, so a worker that holds the fingerprint key cannot
+forge checkpoints. `weir audit verify` never makes one (a fresh key would vouch for nothing).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from weir.home import weir_home
 
 KEY_BYTES = 32
 KEY_FILE = Path("secrets") / "audit-hmac.key"  # under $WEIR_HOME
+CHECKPOINT_KEY_FILE = Path("secrets") / "audit-checkpoint.key"  # under $WEIR_HOME
 
 
 class AuditKeyError(ValueError):
@@ -53,6 +62,32 @@ def resolve_audit_key(setting: str | None, *, create: bool, home: Path | None = 
             "deployment's, or WEIR_AUDIT_HMAC_KEY to its key)"
         )
     return read_key_file(path)
+
+
+def checkpoint_key_file(home: Path | None = None) -> Path:
+    """Where the deployment's checkpoint key lives: $WEIR_HOME/secrets/audit-checkpoint.key."""
+    return (home if home is not None else weir_home()) / CHECKPOINT_KEY_FILE
+
+
+def resolve_checkpoint_key(setting: str | None, *, create: bool, home: Path | None = None) -> bytes:
+    """The checkpoint key bytes: WEIR_AUDIT_CHECKPOINT_KEY's value (`setting`) when given, else the
+    key file, made first when `create` (the auditor, `weir up`). Raises AuditKeyError."""
+    if setting:
+        key = parse_key(setting)
+        if len(key) < 16:
+            raise AuditKeyError("WEIR_AUDIT_CHECKPOINT_KEY is shorter than 16 bytes; "
+                                "use 32 random bytes as hex:<64 digits>")
+        return key
+    path = checkpoint_key_file(home)
+    if create:
+        ensure_key_file(path)
+    elif not path.exists():
+        raise AuditKeyError(
+            f"no checkpoint key: WEIR_AUDIT_CHECKPOINT_KEY is not set and {path} does not exist (the auditor of "
+            "this deployment makes it on its first start, as `weir up` does; set WEIR_HOME to that deployment's, "
+            "or WEIR_AUDIT_CHECKPOINT_KEY to its key)"
+        )
+    return read_key_file(path, "checkpoint key")
 
 
 def ensure_key_file(path: Path) -> bool:
@@ -85,25 +120,26 @@ def ensure_key_file(path: Path) -> bool:
     return True
 
 
-def read_key_file(path: Path) -> bytes:
-    """The 32 key bytes of `path`, after checking that only its owner (this user) can use it."""
+def read_key_file(path: Path, what: str = "audit key") -> bytes:
+    """The 32 key bytes of `path`, after checking that only its owner (this user) can use it;
+    `what` names the key in the messages."""
     try:
         info = path.stat()
         folder = path.parent.stat()
         text = path.read_text(encoding="ascii").strip()
     except (OSError, UnicodeDecodeError) as exc:
-        raise AuditKeyError(f"cannot read the audit key {path}: {exc}") from exc
+        raise AuditKeyError(f"cannot read the {what} {path}: {exc}") from exc
     if info.st_uid != os.getuid():
-        raise AuditKeyError(f"the audit key {path} belongs to uid {info.st_uid}, not to this user "
+        raise AuditKeyError(f"the {what} {path} belongs to uid {info.st_uid}, not to this user "
                             f"(uid {os.getuid()}); run as its owner, or `chown` it")  # fmt: skip
     if stat.S_IMODE(info.st_mode) & 0o077:
-        raise AuditKeyError(f"the audit key {path} has mode {stat.S_IMODE(info.st_mode):04o}: others can read "
+        raise AuditKeyError(f"the {what} {path} has mode {stat.S_IMODE(info.st_mode):04o}: others can read "
                             f"it; run `chmod 600 {path}`")  # fmt: skip
     if stat.S_IMODE(folder.st_mode) & 0o022:
-        raise AuditKeyError(f"the folder of the audit key, {path.parent}, is writable by others (mode "
+        raise AuditKeyError(f"the folder of the {what}, {path.parent}, is writable by others (mode "
                             f"{stat.S_IMODE(folder.st_mode):04o}); run `chmod 700 {path.parent}`")  # fmt: skip
     if len(text) != 2 * KEY_BYTES or any(c not in "0123456789abcdefABCDEF" for c in text):
-        raise AuditKeyError(f"the audit key {path} is not {2 * KEY_BYTES} hex digits (a {KEY_BYTES}-byte key); "
+        raise AuditKeyError(f"the {what} {path} is not {2 * KEY_BYTES} hex digits (a {KEY_BYTES}-byte key); "
                             "restore it from a backup (records made with a key match only that key), or "
                             "delete it to have a new one made")  # fmt: skip
     return bytes.fromhex(text)

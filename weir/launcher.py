@@ -30,7 +30,7 @@ from schemas.model_repo import ModelRepoError, load_model_repo
 from schemas.topics import DEFAULT_PREFIX, Topics
 from weir.models.gguf_file import GGUFError
 from weir.models.sources import prepare_models
-from weir.audit_key import AuditKeyError, ensure_key_file, key_file, read_key_file
+from weir.audit_key import AuditKeyError, checkpoint_key_file, ensure_key_file, key_file, read_key_file
 from weir.home import weir_home
 from weir.readiness import Probe, ReadinessBoard, probe, wait_all_ready
 from weir.supervision import Supervisor, describe_exit
@@ -217,14 +217,22 @@ def _say(line: str) -> None:
 
 
 def prepare_audit_key() -> str:
-    """Make sure the deployment's audit key exists before any service starts (so they all read
-    one key); returns the line that says where it is."""
-    if os.environ.get("WEIR_AUDIT_HMAC_KEY"):
-        return "audit key: WEIR_AUDIT_HMAC_KEY, from the environment"
-    path = key_file()
-    made = ensure_key_file(path)
-    read_key_file(path)  # unsafe or malformed: refused now, with the fix, rather than by each service
-    return f"audit key: {path} ({'made now' if made else 'kept'}; workers, auditor and `weir audit lookup` use it)"
+    """Make sure the deployment's audit keys exist before any service starts (so they all read
+    one key): the fingerprint key and the auditor's checkpoint key; returns the lines that say
+    where they are."""
+    lines = []
+    for variable, path, users in (
+        ("WEIR_AUDIT_HMAC_KEY", key_file(), "workers, auditor and `weir audit lookup` use it"),
+        ("WEIR_AUDIT_CHECKPOINT_KEY", checkpoint_key_file(), "the auditor and `weir audit verify` use it"),
+    ):
+        what = "audit key" if variable == "WEIR_AUDIT_HMAC_KEY" else "checkpoint key"
+        if os.environ.get(variable):
+            lines.append(f"{what}: {variable}, from the environment")
+            continue
+        made = ensure_key_file(path)
+        read_key_file(path, what)  # unsafe or malformed: refused now, with the fix, rather than by each service
+        lines.append(f"{what}: {path} ({'made now' if made else 'kept'}; {users})")
+    return "\n".join(lines)
 
 
 def spawn_broker(broker: Any) -> None:

@@ -20,20 +20,21 @@ from starlette.types import ASGIApp
 
 from services.auditor.api import create_api
 from services.auditor.config import AuditorSettings
-from services.auditor.handlers import AuditBatches, DeadLetters, LedgerWriter, register_handlers
+from services.auditor.handlers import AnchorPublisher, AuditBatches, DeadLetters, LedgerWriter, register_handlers
 from services.auditor.health import HealthMetrics
 from services.auditor.ledger import Ledger, LedgerError
 from services.auditor.watermark import WatermarkDetector
 from weir.bus import instance_id, wait_for_cluster
+from weir.kafka.admin import ensure_topics
 from weir.service import ConfigError, bus_overrides, ops_app, run_service, service_parser
 
 log = logging.getLogger(__name__)
 
 
 def create_app(settings: AuditorSettings, health: HealthMetrics | None = None) -> FastStream:
-    """The auditor app: one consumer group on the audit topic, a ledger, dead letters published
-    through the same broker, and a timer that writes the quiet chains' checkpoints. New records
-    feed `health` (the /metrics).
+    """The auditor app: one consumer group on the audit topic, a ledger, dead letters and
+    checkpoint anchors published through the same broker, and a timer that writes the quiet
+    chains' checkpoints and publishes any anchor not yet out. New records feed `health` (the /metrics).
 
     Nothing connects until the app starts (`await app.start()`, or `async with app:` in tests).
     """
@@ -48,7 +49,9 @@ def create_app(settings: AuditorSettings, health: HealthMetrics | None = None) -
         log_level=logging.DEBUG,  # per-batch "Received"/"Processed" lines
     )
     writer = LedgerWriter(settings)
-    register_handlers(broker, settings, AuditBatches(settings, writer, DeadLetters(settings.topics, broker), health))
+    anchors = AnchorPublisher(settings.topics, broker, writer)
+    register_handlers(broker, settings,
+                      AuditBatches(settings, writer, DeadLetters(settings.topics, broker), health, anchors))
     timers: list[asyncio.Task[None]] = []
 
     async def checkpoint_quiet_chains() -> None:
@@ -56,8 +59,9 @@ def create_app(settings: AuditorSettings, health: HealthMetrics | None = None) -
             await asyncio.sleep(min(settings.audit_checkpoint_every_s, 5.0))
             try:
                 await writer.checkpoint_due()
+                await anchors.publish_new()
             except Exception as exc:  # noqa: BLE001 - retried at the next tick; appends go on
-                log.warning("checkpoint failed (%r); retrying at the next tick", exc)
+                log.warning("checkpoint or anchor failed (%r); retrying at the next tick", exc)
 
     async def open_ledger() -> None:
         await writer.open()
@@ -96,6 +100,11 @@ class AuditorService:
 
     async def start(self) -> None:
         await wait_for_cluster(self.settings)
+        # Its anchor topic (created with the others; here too for a deployment made before it
+        # existed): publishing to a missing topic would stall each batch that writes a checkpoint.
+        topics = self.settings.topics
+        anchor_specs = [spec for spec in topics.core_specs() if spec.name == topics.audit_anchors]
+        await ensure_topics(self.settings.kafka_bootstrap, anchor_specs)
         try:
             await self.app.start()
         except (LedgerError, sqlite3.Error) as exc:

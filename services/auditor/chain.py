@@ -15,16 +15,20 @@ rewritten to look contiguous.
 Every so many records or seconds a chain gets a checkpoint: the Merkle root (RFC 6962 shape) of
 the record hashes since the previous checkpoint, itself hash-chained to the previous checkpoint.
 
+Each checkpoint also carries a MAC (checkpoint_mac) under the deployment's checkpoint key, and
+the auditor publishes it to Kafka as an AuditAnchor (services/auditor/anchors.py).
+
 What a chain alone cannot show: a forger who rewrites a record and rehashes every record after
 it, or who appends well-formed records at the end, or who deletes the newest records.
-Checkpoints catch the first and the last for the records they cover, as long as they are not
-rewritten too; against a forger who rewrites everything, keep the checkpoint hashes (or the head
-hashes `verify` prints) somewhere the ledger's owner cannot write.
+Checkpoints catch the first and the last for the records they cover; recomputing them needs the
+checkpoint key (their MACs), and deleting the newest ones shows against the anchors in Kafka
+(docs/design.md, "The audit chain").
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -33,7 +37,7 @@ import orjson
 
 GENESIS_HASH = "0" * 64
 
-Tamper = Literal["edited", "deleted", "inserted", "reordered"]
+Tamper = Literal["edited", "deleted", "inserted", "reordered", "forged"]
 # Which log a chain belongs to: the AuditEvents' (audit_log) or the ReviewFlags' (review_flags).
 Log = Literal["audit", "review_flags"]
 
@@ -57,6 +61,27 @@ def canonical_checkpoint(
     checkpoint = {"chain_id": chain_id, "num": num, "first_seq": first_seq, "last_seq": last_seq,
                   "merkle_root": merkle_root, "last_record_hash": last_record_hash, "created_ms": created_ms}
     return orjson.dumps({"checkpoint": checkpoint}, option=orjson.OPT_SORT_KEYS).decode("utf-8")
+
+
+_MAC_CONTEXT = b"weir.audit.checkpoint.v1"
+
+
+def checkpoint_mac(key: bytes, log: Log, chain_id: int, checkpoint_hash: str) -> str:
+    """HMAC-SHA256 (64 hex digits) of one checkpoint under the deployment's checkpoint key.
+
+    It covers the checkpoint_hash, which covers the checkpoint's canonical JSON (chain, number,
+    covered seqs, Merkle root, head record hash, time) and, through prev_hash, every checkpoint
+    before it; the log and chain are in the message too, so a MAC cannot be moved to another chain.
+    """
+    message = b"\n".join([_MAC_CONTEXT, log.encode(), str(chain_id).encode(), checkpoint_hash.encode()])
+    return hmac.new(key, message, hashlib.sha256).hexdigest()
+
+
+def mac_matches(key: bytes, log: Log, chain_id: int, checkpoint_hash: str, mac: object) -> bool:
+    """True when `mac` is the checkpoint's MAC under `key` (compared in constant time)."""
+    if not isinstance(mac, str):
+        return False
+    return hmac.compare_digest(checkpoint_mac(key, log, chain_id, checkpoint_hash), mac)
 
 
 def merkle_root(record_hashes: list[str]) -> str:
@@ -158,7 +183,11 @@ class VerifyReport:
         """One line for a person: 'chain C: OK ...' or 'BROKEN chain=C at record seq=K ...'."""
         if self.log == "review_flags":
             if self.is_ok:
-                return f"review flags chain {self.chain_id}: {self.num_records} flags, intact (head {self.head_hash})"
+                return (f"review flags chain {self.chain_id}: {self.num_records} flags, {self.num_checkpoints} "
+                        f"checkpoints, intact (head {self.head_hash})")
+            if self.broken_checkpoint is not None:
+                return (f"BROKEN review flags chain={self.chain_id} at checkpoint {self.broken_checkpoint}: "
+                        f"{self.kind}: {self.reason}")
             return (f"BROKEN review flags chain={self.chain_id} at flag seq={self.broken_seq} "
                     f"(flag_id={self.broken_event_id}): {self.kind}: {self.reason}")
         if self.is_ok:
@@ -309,21 +338,29 @@ class CheckpointRow:
     canonical_json: str
     prev_hash: str
     checkpoint_hash: str
+    mac: str | None = None  # None: written before checkpoints were keyed (or its MAC removed)
 
 
 # (checkpoint num, kind, reason, broken record seq or None) of the first broken checkpoint.
 CheckpointProblem = tuple[int, Tamper, str, "int | None"]
 
 
-def verify_checkpoints(chain_id: int, checkpoints: list[CheckpointRow], record_hashes: list[str]) -> CheckpointProblem | None:
+def verify_checkpoints(
+    chain_id: int, checkpoints: list[CheckpointRow], record_hashes: list[str], key: bytes, log: Log = "audit"
+) -> CheckpointProblem | None:
     """Check a chain's checkpoints (in num order) against its record hashes (seq 1..n, already verified).
 
-    Pure. Each checkpoint must hash to itself, link to the previous one, start where the previous
-    one ended, cover records that exist, and hold their Merkle root.
+    Pure. Each checkpoint must hash to itself, carry its MAC under the checkpoint `key`, link to
+    the previous one, start where the previous one ended, cover records that exist, and hold
+    their Merkle root.
     """
     expected_prev, expected_first = GENESIS_HASH, 1
     for position, cp in enumerate(checkpoints, start=1):
         problem = _checkpoint_problem(chain_id, cp, position, expected_prev, expected_first, record_hashes)
+        if problem is None and not mac_matches(key, log, chain_id, cp.checkpoint_hash, cp.mac):
+            why = "it carries no MAC (written before checkpoints were keyed, or its MAC removed)" if cp.mac is None \
+                else "its MAC does not match the checkpoint key: it was made or rewritten without the key"
+            problem = cp.num, "forged", why, cp.first_seq
         if problem is not None:
             return problem
         expected_prev, expected_first = cp.checkpoint_hash, cp.last_seq + 1

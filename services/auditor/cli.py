@@ -1,7 +1,13 @@
-"""`weir audit`: check, read and search the audit ledger (a file or database; no Kafka needed).
+"""`weir audit`: check, read and search the audit ledger (a file or database).
 
-    weir audit verify [--db PATH | --dsn DSN]       exit 0: "OK: N records in C chains, K checkpoints, all intact"
-                                                    exit 1: "BROKEN ..." and a line per chain naming the record
+    weir audit verify [--db PATH | --dsn DSN] [--bootstrap B] [--topic-prefix P] [--no-anchor]
+                                                    exit 0: "OK: N records in C chains, K checkpoints, all intact"
+                                                            and "ANCHORS OK: ..." (the ledger matches Kafka's anchors)
+                                                    exit 1: "BROKEN ..." / "ANCHORS BROKEN ..." naming what
+                                                    exit 2: no ledger, no checkpoint key, or Kafka unreadable
+
+Only verify reads Kafka: the anchor topic (services/auditor/anchors.py), with the checkpoint key
+($WEIR_HOME/secrets/audit-checkpoint.key or WEIR_AUDIT_CHECKPOINT_KEY).
     weir audit show [--db PATH | --dsn DSN] [--limit N] [--json]
     weir audit reviews [--db PATH | --dsn DSN] [--principal P] [--limit N] [--json]
     weir audit lookup --text TEXT [--db PATH | --dsn DSN] [--key KEY] [--max-distance BITS] [--json]
@@ -11,6 +17,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 from datetime import UTC, datetime
@@ -20,6 +27,7 @@ from pydantic import SecretStr
 
 from schemas.fingerprint import parse_key
 from schemas.watermark import parse_tenants
+from services.auditor.anchors import read_anchor_records
 from services.auditor.config import AuditorSettings
 from services.auditor.ledger import Ledger, LedgerError
 from services.auditor.lookup import DEFAULT_MAX_DISTANCE, lookup
@@ -29,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     """Arguments of `weir audit`."""
     parser = argparse.ArgumentParser(prog="weir audit", description="Check, read and search the audit ledger.")
     actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
-    verify = actions.add_parser("verify", help="walk every chain and checkpoint; exit 1 if one is broken")
+    verify = actions.add_parser("verify", help="walk every chain and checkpoint, check them against Kafka's "
+                                "anchors; exit 1 if one is broken")
     show = actions.add_parser("show", help="print the newest records")
     reviews = actions.add_parser("reviews", help="print the newest review flags (principals to review)")
     find = actions.add_parser("lookup", help="records whose prompt or output is this text, exactly or nearly")
@@ -37,6 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
     for sub in (verify, show, reviews, find):
         sub.add_argument("--db", type=Path, help="ledger SQLite file (env WEIR_AUDIT_DB; default var/audit.sqlite)")
         sub.add_argument("--dsn", help="ledger PostgreSQL DSN (env WEIR_AUDIT_DSN); replaces --db")
+    verify.add_argument("--bootstrap", help="Kafka bootstrap servers of the anchors (env WEIR_KAFKA_BOOTSTRAP)")
+    verify.add_argument("--topic-prefix", help="the deployment's topic prefix (env WEIR_TOPIC_PREFIX)")
+    verify.add_argument("--anchor-timeout", type=float, default=30.0,
+                        help="seconds to wait for Kafka (default %(default)s)")
+    verify.add_argument("--no-anchor", action="store_true",
+                        help="check the database alone: a truncated tail, or a rewrite with the key, go unseen")
     show.add_argument("--limit", type=int, default=20, help="how many of the newest records (default %(default)s)")
     show.add_argument("--json", action="store_true", help="print each record's hashed canonical JSON")
     reviews.add_argument("--principal", help="only this principal's flags")
@@ -68,16 +83,14 @@ def main(argv: list[str]) -> int:
         settings = settings.model_copy(update={"audit_dsn": SecretStr(args.dsn)})
     elif args.db is not None:
         settings = settings.model_copy(update={"audit_dsn": None, "audit_db": args.db})
+    if args.action == "verify":
+        return _verify(args, settings)
     try:
         ledger = Ledger(settings.ledger_target(), readonly=True)
     except LedgerError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     with ledger:
-        if args.action == "verify":
-            report = ledger.verify()
-            print(report.describe())
-            return 0 if report.is_ok else 1
         if args.action == "lookup":
             return _lookup(args, settings, ledger)
         if args.action == "reviews":
@@ -87,6 +100,41 @@ def main(argv: list[str]) -> int:
         for record in ledger.records(limit=max(args.limit, 0)):
             print(record["canonical_json"] if args.json else _line(record))
     return 0
+
+
+def _verify(args: argparse.Namespace, settings: AuditorSettings) -> int:
+    """The ledger's chains and checkpoints (their MACs), then, unless --no-anchor, the ledger
+    against the anchors in Kafka, read first (docs/design.md, "The audit chain")."""
+    if args.no_anchor and (args.bootstrap or args.topic_prefix):
+        print("error: --bootstrap and --topic-prefix say where the anchors are, and --no-anchor skips them",
+              file=sys.stderr)
+        return 2
+    updates = {"kafka_bootstrap": args.bootstrap, "topic_prefix": args.topic_prefix}
+    settings = settings.model_copy(update={k: v for k, v in updates.items() if v is not None})
+    try:
+        key = settings.checkpoint_key(create=False)
+        ledger = Ledger(settings.ledger_target(), readonly=True, checkpoint_key=key)
+    except (ValueError, LedgerError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    with ledger:
+        if args.no_anchor:
+            report = ledger.verify()
+            print(report.describe())
+            print("ANCHORS NOT CHECKED (--no-anchor): a truncated tail, or a rewrite by the key's holder, "
+                  "would not show")
+            return 0 if report.is_ok else 1
+        topic = settings.topics.audit_anchors
+        try:
+            records = asyncio.run(read_anchor_records(settings.kafka_bootstrap, topic, args.anchor_timeout))
+        except Exception as exc:  # noqa: BLE001 - any failure to read Kafka is "cannot check"
+            print(f"error: cannot read the anchors ({topic}) from Kafka at {settings.kafka_bootstrap}: "
+                  f"{exc or type(exc).__name__}; --no-anchor checks the database alone", file=sys.stderr)
+            return 2
+        report, anchors = ledger.verify_with_anchors(topic, records)
+    print(report.describe())
+    print(anchors.describe())
+    return 0 if report.is_ok and anchors.is_ok else 1
 
 
 def _lookup(args: argparse.Namespace, settings: AuditorSettings, ledger: Ledger) -> int:

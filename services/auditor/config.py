@@ -6,7 +6,7 @@ from pathlib import Path
 
 from pydantic import Field, SecretStr
 
-from weir.audit_key import resolve_audit_key
+from weir.audit_key import resolve_audit_key, resolve_checkpoint_key
 from weir.bus import BusSettings
 
 
@@ -19,6 +19,11 @@ class AuditorSettings(BusSettings):
         None,
         description="Key the workers' fingerprints are made with ('hex:<digits>' or UTF-8 text); unset: the "
         "deployment's key file, $WEIR_HOME/secrets/audit-hmac.key. Only lookups of a text need it.",
+    )
+    audit_checkpoint_key: SecretStr | None = Field(
+        None,
+        description="Key of the checkpoints' and Kafka anchors' MACs ('hex:<digits>', 16+ bytes); unset: the "
+        "deployment's key file, $WEIR_HOME/secrets/audit-checkpoint.key, made at the auditor's first start.",
     )
     audit_retry_backoff_s: float = Field(
         1.0, ge=0, description="Wait before an event whose ledger write failed is redelivered."
@@ -56,3 +61,9 @@ class AuditorSettings(BusSettings):
         first when `create`; `weir audit lookup` passes False). AuditKeyError (a ValueError) says why not."""
         setting = self.audit_hmac_key.get_secret_value() if self.audit_hmac_key is not None else None
         return resolve_audit_key(setting, create=create)
+
+    def checkpoint_key(self, create: bool = True) -> bytes:
+        """The checkpoint key as bytes: WEIR_AUDIT_CHECKPOINT_KEY, else the deployment's key file
+        (made first when `create`; `weir audit verify` passes False). AuditKeyError (a ValueError) says why not."""
+        setting = self.audit_checkpoint_key.get_secret_value() if self.audit_checkpoint_key is not None else None
+        return resolve_checkpoint_key(setting, create=create)

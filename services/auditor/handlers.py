@@ -13,6 +13,10 @@ acknowledgement is FastStream's: `msg.ack()` commits a batch that is stored whol
 ledger refuses a record does the handler commit by itself, partition by partition, because
 FastStream's `nack()` rewinds every partition of the batch and one refused record would then hold
 back every other chain (docs/design.md, "FastStream and raw aiokafka").
+
+Each checkpoint the ledger writes is published to the anchor topic (AnchorPublisher;
+services/auditor/anchors.py) right after the batch that made it, and again by the app's timer
+until one publish succeeds (docs/design.md, "The audit chain").
 """
 
 from __future__ import annotations
@@ -31,8 +35,9 @@ from faststream.kafka import KafkaBroker
 from faststream.kafka.annotations import KafkaMessage
 
 from schemas.codec import DecodeError, decode_audit_record
-from schemas.messages import SCHEMA_VERSION, AuditEvent, ReviewFlag
+from schemas.messages import SCHEMA_VERSION, AuditAnchor, AuditEvent, ReviewFlag
 from schemas.topics import Topics
+from services.auditor.anchors import anchor_key
 from services.auditor.config import AuditorSettings
 from services.auditor.health import HealthMetrics
 from services.auditor.ledger import BatchOutcome, Ledger, unstorable_reason
@@ -59,6 +64,7 @@ class LedgerWriter:
 
     def __init__(self, settings: AuditorSettings) -> None:
         self.target = settings.ledger_target()
+        self._key = settings.checkpoint_key()  # made at the first start; a bad key file is a configuration error
         self._every_records = settings.audit_checkpoint_every_records
         self._every_s = settings.audit_checkpoint_every_s
         self._executor: ThreadPoolExecutor | None = None
@@ -73,12 +79,18 @@ class LedgerWriter:
         """Open (creating if needed) the ledger; called once at startup."""
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger")
         self._ledger = await self._run(lambda: Ledger(self.target, checkpoint_every_records=self._every_records,
-                                                      checkpoint_every_s=self._every_s))
+                                                      checkpoint_every_s=self._every_s, checkpoint_key=self._key))
 
     async def checkpoint_due(self) -> int:
         """Ledger.checkpoint_due on the ledger thread (called on a timer)."""
         assert self._ledger is not None, "LedgerWriter.open() was not called"
         return int(await self._run(self._ledger.checkpoint_due))
+
+    async def latest_anchors(self) -> list[AuditAnchor]:
+        """Ledger.latest_anchors on the ledger thread: the newest checkpoint of every chain."""
+        assert self._ledger is not None, "LedgerWriter.open() was not called"
+        anchors: list[AuditAnchor] = await self._run(self._ledger.latest_anchors)
+        return anchors
 
     async def append_batch(self, items: list[tuple[AuditEvent | ReviewFlag, int, int]]) -> BatchOutcome:
         """Ledger.append_batch on the ledger thread: one group commit of a consumed batch."""
@@ -113,6 +125,30 @@ class DeadLetters:
         log.warning("dead-lettering %s[%d]@%d: %s", record.topic, record.partition, record.offset, reason)
         key = letter.key.encode() if letter.key else None
         await self.broker.publish(encode(letter), topic=self.topics.dead_letter, key=key)
+
+
+class AnchorPublisher:
+    """Publishes the ledger's newest checkpoints to the anchor topic, each chain's once, through
+    the auditor's KafkaBroker (idempotent, acks=all). A publish that fails is tried again at the
+    next call: the newest checkpoint of a chain vouches for all before it."""
+
+    def __init__(self, topics: Topics, broker: KafkaBroker, writer: LedgerWriter) -> None:
+        self.topic = topics.audit_anchors
+        self.broker = broker
+        self.writer = writer
+        self.published: dict[tuple[str, int], int] = {}  # (log, chain_id) -> newest checkpoint num published
+
+    async def publish_new(self) -> int:
+        """Publish every chain's newest checkpoint that is not published yet; returns how many."""
+        sent = 0
+        for anchor in await self.writer.latest_anchors():
+            chain = (anchor.log, anchor.chain_id)
+            if self.published.get(chain, 0) >= anchor.num:
+                continue
+            await self.broker.publish(encode(anchor), topic=self.topic, key=anchor_key(anchor))
+            self.published[chain] = anchor.num
+            sent += 1
+        return sent
 
 
 @dataclass(frozen=True)
@@ -170,11 +206,12 @@ class AuditBatches:
     """
 
     def __init__(self, settings: AuditorSettings, writer: LedgerWriter, dead_letters: DeadLetters,
-                 health: HealthMetrics | None = None) -> None:
+                 health: HealthMetrics | None = None, anchors: AnchorPublisher | None = None) -> None:
         self.settings = settings
         self.writer = writer
         self.dead_letters = dead_letters
         self.health = health
+        self.anchors = anchors
 
     async def handle(self, items: list[AuditItem], msg: KafkaMessage) -> None:
         """Store one fetched batch, then acknowledge it (whole, or up to each refused record)."""
@@ -214,6 +251,11 @@ class AuditBatches:
                 await self.dead_letters.send(record, item.reason)  # later ones come again
         for index, is_new in outcome.is_new.items():
             self._observe(stored[index][0], is_new)
+        if outcome.num_checkpoints and self.anchors is not None:
+            try:
+                await self.anchors.publish_new()
+            except Exception as exc:  # noqa: BLE001 - the records are stored; the app's timer publishes again
+                log.warning("publishing the new checkpoints' anchors failed (%r); the timer tries again", exc)
         return refused_at
 
     def _observe(self, message: AuditEvent | ReviewFlag, is_new: bool) -> None:

@@ -2,8 +2,9 @@
 
 SQLite by default (one file), PostgreSQL when given a DSN (postgresql://...). Both sit behind the
 same Ledger class; only the few statements that differ go through the store (`_SqliteStore`,
-`_PgStore`). See services/auditor/chain.py for how records and checkpoints are hashed, and
-services/auditor/reviews.py for the review flags kept beside the records (`Ledger.review_flags`).
+`_PgStore`). See services/auditor/chain.py for how records and checkpoints are hashed and keyed,
+services/auditor/reviews.py for the review flags kept beside the records (`Ledger.review_flags`),
+and services/auditor/anchors.py for the checkpoints' anchors in Kafka.
 """
 
 from __future__ import annotations
@@ -17,33 +18,43 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, Self, Union, get_args, get_origin
 
-from schemas.messages import AuditEvent, ReviewFlag
+from schemas.messages import AuditAnchor, AuditEvent, ReviewFlag
 from schemas.messages import now_ms as wall_clock_ms
 from services.auditor import reviews
-from services.auditor.chain_store import chained_table_sql, next_link
+from services.auditor.anchors import AnchorRecord, AnchorReport, ChainKey, ChainState, anchor_of, check_anchors
+from services.auditor.chain_store import (
+    CHECKPOINT_COLUMNS,
+    ChainTables,
+    CheckpointPolicy,
+    add_mac_column,
+    chained_table_sql,
+    checkpoint_if_due,
+    checkpoint_table_sql,
+    latest_checkpoints,
+    next_link,
+    read_checkpoints,
+)
 from services.auditor.chain import (
-    GENESIS_HASH,
     ChainRow,
     CheckpointRow,
     LedgerReport,
+    Log,
     VerifyReport,
-    canonical_checkpoint,
     canonical_record,
     chain_hash,
     locate_in,
     stored_row,
-    merkle_root,
     verify_chain,
     verify_checkpoints,
 )
+from weir.audit_key import AuditKeyError, resolve_checkpoint_key
 
 log = logging.getLogger(__name__)
 
 TABLE = "audit_log"
 CHECKPOINTS = "audit_checkpoints"
 _LEDGER_COLUMNS = ("chain_id", "kafka_partition", "kafka_offset", "appended_ms")
-_CHECKPOINT_COLUMNS = ("chain_id", "num", "first_seq", "last_seq", "merkle_root", "last_record_hash", "created_ms",
-                       "canonical_json", "prev_hash", "checkpoint_hash")
+AUDIT_TABLES = ChainTables("audit", TABLE, CHECKPOINTS)
 Dialect = Literal["sqlite", "postgresql"]
 _SQL_TYPES: dict[Dialect, dict[type, str]] = {
     "sqlite": {int: "INTEGER", float: "REAL", str: "TEXT", bool: "INTEGER"},
@@ -62,6 +73,7 @@ class BatchOutcome:
 
     is_new: dict[int, bool] = field(default_factory=dict)
     failed: dict[int, tuple[int, Exception]] = field(default_factory=dict)
+    num_checkpoints: int = 0  # checkpoints written (of records and of flags): their anchors are due
 
 
 def _py_type(annotation: Any) -> tuple[type, bool]:
@@ -95,20 +107,7 @@ def _tables_sql(dialect: Dialect) -> list[str]:
         f"{name} {types_[py]}{'' if nullable else ' NOT NULL'}{' UNIQUE' if name == 'event_id' else ''}"
         for name, py, nullable in EVENT_FIELDS
     )
-    return [chained_table_sql(TABLE, integer, event_cols), f"""
-CREATE TABLE IF NOT EXISTS {CHECKPOINTS} (
-  chain_id {integer} NOT NULL,
-  num {integer} NOT NULL,
-  first_seq {integer} NOT NULL,
-  last_seq {integer} NOT NULL,
-  merkle_root TEXT NOT NULL,
-  last_record_hash TEXT NOT NULL,
-  created_ms {integer} NOT NULL,
-  canonical_json TEXT NOT NULL,
-  prev_hash TEXT NOT NULL,
-  checkpoint_hash TEXT NOT NULL,
-  PRIMARY KEY (chain_id, num)
-)"""]
+    return [chained_table_sql(TABLE, integer, event_cols), checkpoint_table_sql(CHECKPOINTS, integer)]
 
 
 def _extras_sql(dialect: Dialect) -> list[str]:
@@ -153,8 +152,12 @@ class Ledger:
     creates the tables when missing; `readonly=True` opens an existing ledger for reading only
     (verify, show, lookup) and raises LedgerError if there is none. A chain gets a checkpoint once
     `checkpoint_every_records` records follow the last one, or at the first append (or
-    `checkpoint_due` call) `checkpoint_every_s` after its oldest uncheckpointed record.
-    ReviewFlags live beside the records in `review_flags` (services/auditor/reviews.py).
+    `checkpoint_due` call) `checkpoint_every_s` after its oldest uncheckpointed record; the review
+    flags' chains (`review_flags`, services/auditor/reviews.py) the same way.
+
+    `checkpoint_key` makes and checks the checkpoints' MACs; None: the deployment's key file
+    ($WEIR_HOME/secrets/audit-checkpoint.key), made when a writable ledger opens, and read when
+    a read-only one verifies (weir/audit_key.py).
     """
 
     def __init__(
@@ -164,11 +167,15 @@ class Ledger:
         readonly: bool = False,
         checkpoint_every_records: int = 1000,
         checkpoint_every_s: float = 60.0,
+        checkpoint_key: bytes | None = None,
     ) -> None:
         if checkpoint_every_records < 1:
             raise ValueError(f"{checkpoint_every_records=} must be >= 1")
         self.checkpoint_every_records = checkpoint_every_records
         self.checkpoint_every_ms = int(checkpoint_every_s * 1000)
+        if checkpoint_key is None and not readonly:
+            checkpoint_key = resolve_checkpoint_key(None, create=True)
+        self._key = checkpoint_key
         self._store: _SqliteStore | _PgStore = (
             _PgStore(str(target), readonly) if is_dsn(target) else _SqliteStore(Path(target), readonly)
         )
@@ -178,6 +185,7 @@ class Ledger:
                 # review_flags is created in ledgers written before it existed: that is their migration.
                 for sql in [*_tables_sql(self._store.dialect), *reviews.tables_sql(self._store.dialect)]:
                     self._store.execute(sql)
+                add_mac_column(self._store, CHECKPOINTS)  # a ledger written before checkpoints were keyed
             self._check_columns()
             try:
                 self.review_flags = reviews.ReviewFlagLog(self._store)
@@ -189,6 +197,21 @@ class Ledger:
         except BaseException:
             self._store.close()
             raise
+
+    @property
+    def _policy(self) -> CheckpointPolicy:
+        assert self._key is not None, "a writable Ledger has its checkpoint key"
+        return CheckpointPolicy(self.checkpoint_every_records, self.checkpoint_every_ms, self._key)
+
+    def checkpoint_key(self) -> bytes:
+        """The key the checkpoints' MACs are checked with: the one given, else the deployment's
+        key file (never made here). LedgerError when there is none."""
+        if self._key is None:
+            try:
+                self._key = resolve_checkpoint_key(None, create=False)
+            except AuditKeyError as exc:
+                raise LedgerError(str(exc)) from exc
+        return self._key
 
     @property
     def path(self) -> Path:
@@ -228,8 +251,12 @@ class Ledger:
 
         Raises ValueError, touching nothing, for a flag unstorable_reason refuses.
         """
+        appended_ms = wall_clock_ms() if now_ms is None else now_ms
         with self._store.transaction(partition):
-            return self._insert_flag(flag, partition, offset, wall_clock_ms() if now_ms is None else now_ms)
+            is_new = self._insert_flag(flag, partition, offset, appended_ms)
+            if is_new:
+                self._checkpoint_if_due(partition, appended_ms)
+        return is_new
 
     def append_batch(
         self, items: Sequence[tuple[AuditEvent | ReviewFlag, int, int]], *, now_ms: int | None = None
@@ -273,9 +300,9 @@ class Ledger:
                     is_new[index] = self._insert_flag(record, partition, offset, appended_ms)
                 else:
                     is_new[index] = self._insert(record, partition, offset, appended_ms)
-            if any(is_new.values()):
-                self._checkpoint_if_due(chain_id, appended_ms)
+            num_checkpoints = self._checkpoint_if_due(chain_id, appended_ms) if any(is_new.values()) else 0
         outcome.is_new.update(is_new)
+        outcome.num_checkpoints += num_checkpoints
 
     def _insert_flag(self, flag: ReviewFlag, partition: int, offset: int, appended_ms: int) -> bool:
         """append_flag() inside a transaction of the chain `partition` that the caller holds."""
@@ -301,51 +328,23 @@ class Ledger:
         return True
 
     def checkpoint_due(self, now_ms: int | None = None) -> int:
-        """Checkpoint every chain whose oldest uncheckpointed record is `checkpoint_every_s` old.
+        """Checkpoint every chain (of records, of flags) whose oldest uncheckpointed record is
+        `checkpoint_every_s` old.
 
         Called periodically by the auditor (quiet chains get their checkpoint too). Returns how
         many checkpoints it wrote.
         """
         now = wall_clock_ms() if now_ms is None else now_ms
         written = 0
-        for chain_id in self.chain_ids():
+        for chain_id in sorted({*self.chain_ids(), *self.review_flags.chain_ids()}):
             with self._store.transaction(chain_id):
                 written += self._checkpoint_if_due(chain_id, now)
         return written
 
-    def _checkpoint_if_due(self, chain_id: int, now_ms: int) -> bool:
-        last = self._store.execute(
-            f"SELECT num, last_seq, checkpoint_hash FROM {CHECKPOINTS} WHERE chain_id = ? ORDER BY num DESC LIMIT 1",
-            (chain_id,),
-        ).fetchone()
-        num, last_seq, prev_hash = (last[0] + 1, last[1], last[2]) if last else (1, 0, GENESIS_HASH)
-        # Seqs are contiguous, so the tip and the first pending record say whether one is due, in
-        # two primary-key lookups, before the pending rows are read.
-        tip = self._store.execute(
-            f"SELECT seq FROM {TABLE} WHERE chain_id = ? ORDER BY seq DESC LIMIT 1", (chain_id,)
-        ).fetchone()
-        if tip is None or tip[0] <= last_seq:
-            return False
-        if tip[0] - last_seq < self.checkpoint_every_records:
-            first = self._store.execute(
-                f"SELECT appended_ms FROM {TABLE} WHERE chain_id = ? AND seq = ?", (chain_id, last_seq + 1)
-            ).fetchone()
-            if now_ms - first[0] < self.checkpoint_every_ms:
-                return False
-        pending = self._store.execute(
-            f"SELECT seq, record_hash FROM {TABLE} WHERE chain_id = ? AND seq > ? ORDER BY seq",
-            (chain_id, last_seq),
-        ).fetchall()
-        first_seq, end_seq, end_hash = pending[0][0], pending[-1][0], pending[-1][1]
-        root = merkle_root([row[1] for row in pending])
-        canonical = canonical_checkpoint(chain_id, num, first_seq, end_seq, root, end_hash, now_ms)
-        values = [chain_id, num, first_seq, end_seq, root, end_hash, now_ms, canonical, prev_hash,
-                  chain_hash(prev_hash, canonical)]
-        self._store.execute(
-            f"INSERT INTO {CHECKPOINTS} ({', '.join(_CHECKPOINT_COLUMNS)}) VALUES ({', '.join('?' * len(values))})",
-            values,
-        )
-        return True
+    def _checkpoint_if_due(self, chain_id: int, now_ms: int) -> int:
+        """The checkpoints due of the chain's records and of its flags, inside its transaction."""
+        tables = [AUDIT_TABLES, *([reviews.FLAG_TABLES] if self.review_flags.has_checkpoints else [])]
+        return sum(checkpoint_if_due(self._store, t, chain_id, now_ms, self._policy) for t in tables)
 
     # -- reading --------------------------------------------------------------------------------
 
@@ -373,13 +372,22 @@ class Ledger:
         rows = self._store.execute(sql, params).fetchall()
         return [dict(zip(ALL_COLUMNS, row, strict=True)) for row in reversed(rows)]
 
-    def checkpoints(self, chain_id: int) -> list[CheckpointRow]:
-        """The checkpoints of one chain, in num order."""
-        cols = _CHECKPOINT_COLUMNS[1:]
-        rows = self._store.execute(
-            f"SELECT {', '.join(cols)} FROM {CHECKPOINTS} WHERE chain_id = ? ORDER BY num", (chain_id,)
-        ).fetchall()
-        return [CheckpointRow(**dict(zip(cols, row, strict=True))) for row in rows]
+    def checkpoints(self, chain_id: int, log: Log = "audit") -> list[CheckpointRow]:
+        """The checkpoints of one chain of records (or of flags), in num order."""
+        if log == "review_flags":
+            return self.review_flags.checkpoints(chain_id)
+        return read_checkpoints(self._store, CHECKPOINTS, chain_id)
+
+    def latest_anchors(self) -> list[AuditAnchor]:
+        """The newest checkpoint of every chain, of records and of flags, as the AuditAnchors the
+        auditor publishes (each one vouches for every checkpoint before it, through prev_hash).
+        A chain whose newest checkpoint has no MAC (written before checkpoints were keyed) has
+        none until its next checkpoint."""
+        tables: list[tuple[Log, str]] = [("audit", CHECKPOINTS)]
+        if self.review_flags.has_checkpoints:
+            tables.append(("review_flags", reviews.FLAG_CHECKPOINTS))
+        return [anchor_of(log, chain_id, cp) for log, table in tables
+                for chain_id, cp in latest_checkpoints(self._store, table).items() if cp.mac is not None]
 
     def find_by_hmac(self, hmacs: list[str]) -> list[dict[str, Any]]:
         """Records whose prompt_hmac or output_hmac is one of `hmacs`, oldest first."""
@@ -413,9 +421,23 @@ class Ledger:
     def verify(self) -> LedgerReport:
         """Walk every chain and its checkpoints, then the review-flag chains; the report names each
         chain's first broken record."""
+        key = self.checkpoint_key()
         with self._store.snapshot():
             return LedgerReport([self.verify_chain(chain_id) for chain_id in self.chain_ids()],
-                                self.review_flags.verify())
+                                self.review_flags.verify(key))
+
+    def verify_with_anchors(self, topic: str, anchors: list[AnchorRecord]) -> tuple[LedgerReport, AnchorReport]:
+        """verify(), and the chains against the records of the anchor topic (read before this
+        call: every anchor then names a checkpoint already committed), in one read snapshot."""
+        key = self.checkpoint_key()
+        with self._store.snapshot():
+            report = LedgerReport([self.verify_chain(chain_id) for chain_id in self.chain_ids()],
+                                  self.review_flags.verify(key))
+            states: dict[ChainKey, ChainState] = {
+                (c.log, c.chain_id): ChainState(self.checkpoints(c.chain_id, c.log), c.num_records)
+                for c in [*report.chains, *report.flag_chains]
+            }
+        return report, check_anchors(topic, anchors, key, states)
 
     def verify_chain(self, chain_id: int) -> VerifyReport:
         """Walk one chain, then its checkpoints against the record hashes."""
@@ -426,7 +448,7 @@ class Ledger:
         report = replace(report, chain_id=chain_id, num_checkpoints=len(checkpoints))
         if not report.is_ok:
             return report
-        problem = verify_checkpoints(chain_id, checkpoints, [r.record_hash for r in rows])
+        problem = verify_checkpoints(chain_id, checkpoints, [r.record_hash for r in rows], self.checkpoint_key())
         if problem is None:
             return report
         num, kind, reason, seq = problem
@@ -435,7 +457,7 @@ class Ledger:
                        broken_event_id=event_id)
 
     def _check_columns(self) -> None:
-        for table, expected in ((TABLE, ALL_COLUMNS), (CHECKPOINTS, list(_CHECKPOINT_COLUMNS))):
+        for table, expected in ((TABLE, ALL_COLUMNS), (CHECKPOINTS, list(CHECKPOINT_COLUMNS))):
             found = self._store.columns(table)
             if not found:
                 raise LedgerError(f"{self.name} has no {table} table; is it an audit ledger?")

@@ -11,9 +11,10 @@ added when an auditor opens it for writing. A flag record is hashed like an audi
          "ledger": {"chain_id", "seq", "kafka_partition", "kafka_offset", "appended_ms"}}
     record_hash    = sha256(prev_hash || canonical_json), prev_hash of seq 1 = 64 zeros
 
-Flags are rare (at most one per principal per window), so their chains get no Merkle checkpoints:
-deleting the newest flags, or rewriting flags and rehashing every one after them, is caught only
-against a head hash kept elsewhere (`weir audit verify` prints one per flag chain).
+Flag chains get keyed checkpoints like the record chains, in `review_flag_checkpoints` (same
+columns and policy, their MACs and Kafka anchors under the log name "review_flags";
+services/auditor/chain_store.py): deleting the newest flags, or rewriting flags and rehashing
+every one after them, is caught by the checkpoints and by their anchors in Kafka.
 """
 
 from __future__ import annotations
@@ -26,16 +27,28 @@ import orjson
 from schemas.messages import ReviewFlag
 from services.auditor.chain import (
     ChainRow,
+    CheckpointRow,
     VerifyReport,
     chain_hash,
     locate_in,
     stored_row,
     verify_chain,
+    verify_checkpoints,
 )
-from services.auditor.chain_store import Store, chained_table_sql, next_link
+from services.auditor.chain_store import (
+    CHECKPOINT_COLUMNS,
+    ChainTables,
+    Store,
+    chained_table_sql,
+    checkpoint_table_sql,
+    next_link,
+    read_checkpoints,
+)
 
 
 FLAGS = "review_flags"
+FLAG_CHECKPOINTS = "review_flag_checkpoints"
+FLAG_TABLES = ChainTables("review_flags", FLAGS, FLAG_CHECKPOINTS)
 # Column type of every ReviewFlag field; `rules` is stored as its JSON text.
 _FLAG_TYPES: dict[str, type] = {
     "schema_version": int, "kind": str, "flag_id": str, "principal": str, "tenant": str, "reason": str,
@@ -53,16 +66,20 @@ def tables_sql(dialect: Literal["sqlite", "postgresql"]) -> list[str]:
     types = _SQL[dialect]
     cols = ",\n  ".join(f"{name} {types[py]} NOT NULL{' UNIQUE' if name == 'flag_id' else ''}"
                         for name, py in _FLAG_TYPES.items())
-    return [chained_table_sql(FLAGS, types[int], cols), f"CREATE INDEX IF NOT EXISTS {FLAGS}_principal ON {FLAGS}(principal)"]
+    return [chained_table_sql(FLAGS, types[int], cols),
+            f"CREATE INDEX IF NOT EXISTS {FLAGS}_principal ON {FLAGS}(principal)",
+            checkpoint_table_sql(FLAG_CHECKPOINTS, types[int])]
 
 
 def triggers_sql(dialect: Literal["sqlite", "postgresql"]) -> list[str]:
-    """Triggers that make the flags table append-only (on PostgreSQL, the ledger's weir_append_only())."""
+    """Triggers that make the flags and their checkpoints append-only (on PostgreSQL, the ledger's
+    weir_append_only())."""
     if dialect == "sqlite":
-        return [(f"CREATE TRIGGER IF NOT EXISTS {FLAGS}_no_{op.lower()} BEFORE {op} ON {FLAGS} "
-                 f"BEGIN SELECT RAISE(ABORT, '{FLAGS} is append-only'); END") for op in ("UPDATE", "DELETE")]
-    return [(f"CREATE OR REPLACE TRIGGER {FLAGS}_append_only BEFORE UPDATE OR DELETE ON {FLAGS} "
-             "FOR EACH ROW EXECUTE FUNCTION weir_append_only()")]
+        return [(f"CREATE TRIGGER IF NOT EXISTS {table}_no_{op.lower()} BEFORE {op} ON {table} "
+                 f"BEGIN SELECT RAISE(ABORT, '{table} is append-only'); END")
+                for table in (FLAGS, FLAG_CHECKPOINTS) for op in ("UPDATE", "DELETE")]
+    return [(f"CREATE OR REPLACE TRIGGER {table}_append_only BEFORE UPDATE OR DELETE ON {table} "
+             "FOR EACH ROW EXECUTE FUNCTION weir_append_only()") for table in (FLAGS, FLAG_CHECKPOINTS)]
 
 
 def canonical_flag_record(flag: dict[str, Any], seq: int, partition: int, offset: int, appended_ms: int) -> str:
@@ -79,7 +96,8 @@ def _columns_of(flag: dict[str, Any]) -> dict[str, Any]:
 
 class ReviewFlagLog:
     """The review flags of one ledger. `is_present` is False for a ledger, opened read-only, that
-    was written before review flags existed: it then has no flags, and verifies as before."""
+    was written before review flags existed: it then has no flags, and verifies as before;
+    `has_checkpoints` likewise for one written before flag chains had checkpoints."""
 
     def __init__(self, store: Store) -> None:
         self._store = store
@@ -88,6 +106,11 @@ class ReviewFlagLog:
         if found and sorted(found) != sorted(FLAG_COLUMNS):
             differ = sorted(set(found) ^ set(FLAG_COLUMNS))
             raise ValueError(f"its {FLAGS} table was written for another ReviewFlag schema (columns {differ} differ)")
+        found = store.columns(FLAG_CHECKPOINTS)
+        self.has_checkpoints = bool(found)
+        if found and sorted(found) != sorted(CHECKPOINT_COLUMNS):
+            differ = sorted(set(found) ^ set(CHECKPOINT_COLUMNS))
+            raise ValueError(f"its {FLAG_CHECKPOINTS} table has other columns ({differ} differ)")
 
     def insert(self, flag: ReviewFlag, partition: int, offset: int, appended_ms: int) -> bool:
         """Add `flag` as the next record of its partition's flag chain; False when its flag_id is in.
@@ -136,17 +159,38 @@ class ReviewFlagLog:
             return 0
         return int(self._store.execute(f"SELECT count(*) FROM {FLAGS}").fetchone()[0])
 
-    def verify(self) -> list[VerifyReport]:
-        """Walk every flag chain (called inside the ledger's read snapshot), ascending chain_id."""
+    def chain_ids(self) -> list[int]:
+        """The flag chains that have flags or checkpoints, ascending."""
         if not self.is_present:
             return []
-        ids = [int(r[0]) for r in self._store.execute(f"SELECT DISTINCT chain_id FROM {FLAGS} ORDER BY chain_id")]
-        return [self._verify_chain(chain_id) for chain_id in ids]
+        sql = f"SELECT chain_id FROM {FLAGS}"
+        if self.has_checkpoints:
+            sql += f" UNION SELECT chain_id FROM {FLAG_CHECKPOINTS}"
+        return [int(r[0]) for r in self._store.execute(sql + " ORDER BY chain_id")]
 
-    def _verify_chain(self, chain_id: int) -> VerifyReport:
+    def checkpoints(self, chain_id: int) -> list[CheckpointRow]:
+        """The checkpoints of one flag chain, in num order."""
+        return read_checkpoints(self._store, FLAG_CHECKPOINTS, chain_id) if self.has_checkpoints else []
+
+    def verify(self, key: bytes) -> list[VerifyReport]:
+        """Walk every flag chain and its checkpoints (MACs under the checkpoint `key`), ascending
+        chain_id; called inside the ledger's read snapshot."""
+        return [self._verify_chain(chain_id, key) for chain_id in self.chain_ids()]
+
+    def _verify_chain(self, chain_id: int, key: bytes) -> VerifyReport:
         rows = sorted((_chain_row(r) for r in self.rows(chain_id=chain_id)), key=lambda r: r.seq)
-        return replace(verify_chain(rows, len(rows), lambda hashed: locate_in(rows, hashed)), chain_id=chain_id,
-                       log="review_flags")  # fmt: skip
+        checkpoints = self.checkpoints(chain_id)
+        report = replace(verify_chain(rows, len(rows), lambda hashed: locate_in(rows, hashed)), chain_id=chain_id,
+                         log="review_flags", num_checkpoints=len(checkpoints))  # fmt: skip
+        if not report.is_ok:
+            return report
+        problem = verify_checkpoints(chain_id, checkpoints, [r.record_hash for r in rows], key, "review_flags")
+        if problem is None:
+            return report
+        num, kind, reason, seq = problem
+        flag_id = next((r.event_id for r in rows if r.seq == seq), None)
+        return replace(report, kind=kind, reason=reason.replace("records", "flags"), broken_checkpoint=num,
+                       broken_seq=seq, broken_event_id=flag_id)
 
 
 def _chain_row(row: dict[str, Any]) -> ChainRow:

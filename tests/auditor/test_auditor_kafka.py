@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from uuid import uuid4
 
 import httpx
 import pytest
@@ -24,6 +25,7 @@ from services.auditor import cli
 from services.auditor.app import create_app
 from services.auditor.config import AuditorSettings
 from services.auditor.ledger import Ledger, LedgerError
+from weir.kafka.admin import delete_prefixed_topics, ensure_topics, list_topic_names
 from weir.launcher import free_ports
 
 from .factories import make_event, make_flag
@@ -157,7 +159,7 @@ async def test_auditor_records_each_event_once_and_dead_letters_the_rest(
     assert {letter.key for letter in letters} == {"bad-1", "bad-2", "bad-3"}
 
     capsys.readouterr()  # drop FastStream's log lines
-    assert cli.main(["verify", "--db", str(db)]) == 0
+    assert await asyncio.to_thread(cli.main, ["verify", "--db", str(db), "--bootstrap", bootstrap, "--topic-prefix", topics.prefix]) == 0
     out = capsys.readouterr().out
     num_chains = len({r["kafka_partition"] for r in records})
     assert out.startswith(f"OK: 20 records in {num_chains} chains, "), out
@@ -172,7 +174,7 @@ async def test_auditor_records_each_event_once_and_dead_letters_the_rest(
     await produce(bootstrap, topics.audit, [(e.request_id.encode(), encode(e)) for e in more])
     await run_until(settings, bootstrap, topics, expected_records=23)
     capsys.readouterr()
-    assert cli.main(["verify", "--db", str(db)]) == 0
+    assert await asyncio.to_thread(cli.main, ["verify", "--db", str(db), "--bootstrap", bootstrap, "--topic-prefix", topics.prefix]) == 0
     assert capsys.readouterr().out.startswith("OK: 23 records in ")
     assert len(await read_all(bootstrap, topics.dead_letter)) == 6  # redelivered, dead-lettered again
 
@@ -271,7 +273,19 @@ async def test_binary_and_null_headers_do_not_hold_back_their_batch(bootstrap: s
     assert await read_all(bootstrap, topics.dead_letter) == []
 
 
-async def test_main_runs_until_sigterm(bootstrap: str, audit_topics: Topics, tmp_path: Path) -> None:
+async def test_main_runs_until_sigterm(bootstrap: str, tmp_path: Path) -> None:
+    # A deployment made before the anchor topic existed: `weir auditor` creates it.
+    audit_topics = Topics(prefix=f"t{uuid4().hex[:8]}")
+    await ensure_topics(bootstrap, [s for s in audit_topics.core_specs() if s.name in (audit_topics.audit,
+                                                                                       audit_topics.dead_letter)])
+    try:
+        await _run_main_until_sigterm(bootstrap, audit_topics, tmp_path)
+        assert audit_topics.audit_anchors in await list_topic_names(bootstrap)
+    finally:
+        await delete_prefixed_topics(bootstrap, audit_topics.prefix)
+
+
+async def _run_main_until_sigterm(bootstrap: str, audit_topics: Topics, tmp_path: Path) -> None:
     db = tmp_path / "audit.sqlite"
     await produce(bootstrap, audit_topics.audit, [(b"k", encode(make_event(i))) for i in range(1, 4)])
     (port,) = free_ports(1)

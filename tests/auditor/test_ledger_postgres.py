@@ -160,3 +160,36 @@ def test_postgres_ledger_stores_review_flags_once_and_verify_names_tampering(dsn
     with Ledger(dsn, readonly=True) as ledger:
         [broken] = ledger.verify().broken
     assert (broken.log, broken.broken_seq, broken.broken_event_id, broken.kind) == ("review_flags", 2, "flag-2", "edited")
+
+
+def test_postgres_checkpoints_are_keyed_anchored_and_migrated(dsn: str) -> None:
+    """Flag checkpoints, MACs and anchors on PostgreSQL; a checkpoints table without the mac column
+    (the previous auditor's) gets it when opened for writing."""
+    import psycopg
+
+    from schemas.codec import encode
+    from services.auditor.anchors import AnchorRecord
+
+    key = b"k" * 32
+    with Ledger(dsn, checkpoint_every_records=2, checkpoint_every_s=3600, checkpoint_key=key) as ledger:
+        for i in range(1, 5):
+            ledger.append(make_event(i), partition=0, offset=i, now_ms=T0_MS + i)
+            ledger.append_flag(make_flag(i), partition=0, offset=10 + i, now_ms=T0_MS + i)
+        anchors = [AnchorRecord(n, encode(a)) for n, a in enumerate(ledger.latest_anchors())]
+        assert sorted((a.log, a.num, a.last_seq) for a in ledger.latest_anchors()) == [
+            ("audit", 2, 4), ("review_flags", 2, 4)]
+    with Ledger(dsn, readonly=True, checkpoint_key=key) as ledger:
+        report, anchored = ledger.verify_with_anchors("t.audit.anchors", anchors)
+    assert report.is_ok and anchored.is_ok, report.describe() + anchored.describe()
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("ALTER TABLE review_flag_checkpoints DISABLE TRIGGER USER")
+        conn.execute("ALTER TABLE review_flags DISABLE TRIGGER USER")
+        conn.execute("DELETE FROM review_flag_checkpoints WHERE num = 2")
+        conn.execute("DELETE FROM review_flags WHERE seq > 2")
+        conn.execute(f"ALTER TABLE {CHECKPOINTS} DISABLE TRIGGER USER")
+        conn.execute(f"ALTER TABLE {CHECKPOINTS} DROP COLUMN mac")
+    with Ledger(dsn, checkpoint_every_records=2, checkpoint_every_s=3600, checkpoint_key=key) as ledger:
+        assert all(cp.mac is None for cp in ledger.checkpoints(0))  # migrated: the column is back, empty
+        report, anchored = ledger.verify_with_anchors("t.audit.anchors", anchors)
+    assert [(b.log, b.broken_checkpoint, b.kind) for b in report.broken] == [("audit", 1, "forged")]
+    assert [p.split(":")[0] for p in anchored.problems] == ["TRUNCATED review flags chain 0"]

@@ -161,7 +161,8 @@ async def test_every_served_request_is_in_a_verifiable_audit_log_without_raw_tex
             break
         await asyncio.sleep(0.2)
     assert done.id in show.stdout
-    verify = subprocess.run([sys.executable, "-m", "weir.cli", "audit", "verify", "--db", str(pipeline.audit_db)],
+    verify = subprocess.run([sys.executable, "-m", "weir.cli", "audit", "verify", "--db", str(pipeline.audit_db),
+                             "--bootstrap", pipeline.bootstrap, "--topic-prefix", pipeline.topics.prefix],
                             capture_output=True, text=True)  # fmt: skip
     assert verify.returncode == 0 and verify.stdout.startswith("OK"), verify.stdout + verify.stderr
     assert secret.encode() not in pipeline.audit_db.read_bytes()

@@ -120,3 +120,27 @@ def test_audit_lookup_without_a_key_says_where_it_looked(tmp_path: Path) -> None
     assert found.returncode == 2
     assert f"{home}/secrets/audit-hmac.key does not exist" in found.stderr
     assert not (home / "secrets").exists()  # a lookup never makes a key: a fresh one would match nothing
+
+
+def test_weir_up_makes_both_keys_before_the_services_start(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from weir.audit_key import checkpoint_key_file
+    from weir.launcher import prepare_audit_key
+
+    monkeypatch.delenv("WEIR_AUDIT_CHECKPOINT_KEY", raising=False)
+    lines = prepare_audit_key().splitlines()
+    assert lines == [f"audit key: {key_file()} (made now; workers, auditor and `weir audit lookup` use it)",
+                     f"checkpoint key: {checkpoint_key_file()} (made now; the auditor and `weir audit verify` use it)"]
+    assert stat.S_IMODE(checkpoint_key_file().stat().st_mode) == 0o600
+    assert checkpoint_key_file().read_text() != key_file().read_text()
+    assert AuditorSettings().checkpoint_key(create=False) == bytes.fromhex(checkpoint_key_file().read_text())
+    assert "(kept;" in prepare_audit_key().splitlines()[1]
+    monkeypatch.setenv("WEIR_AUDIT_CHECKPOINT_KEY", "hex:" + "22" * 32)
+    assert prepare_audit_key().splitlines()[1] == "checkpoint key: WEIR_AUDIT_CHECKPOINT_KEY, from the environment"
+    assert AuditorSettings().checkpoint_key(create=False) == b"\x22" * 32
+
+
+def test_no_default_checkpoint_key_is_left_in_the_settings(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("WEIR_AUDIT_CHECKPOINT_KEY", raising=False)
+    assert AuditorSettings().audit_checkpoint_key is None
+    with pytest.raises(AuditKeyError, match="no checkpoint key"):
+        AuditorSettings().checkpoint_key(create=False)
