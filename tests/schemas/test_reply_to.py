@@ -88,3 +88,4 @@ def test_topic_name_rule_matches_kafkas():
     assert topic_name_problem("a" * 250) is not None
     assert topic_name_problem("...") is None  # only "." and ".." are reserved
     assert topic_name_problem("_-.") is None
+
