@@ -143,9 +143,13 @@ class TopicWriter:
         finally:
             del self._queued[topic]
 
-    async def _look_up(self, topic: str) -> KafkaError | None:
+    async def _look_up(self, topic: str, *, explaining: bool = False) -> KafkaError | None:
         """None once the producer has `topic`'s partitions; else why its sends fail: TopicRefused
-        when the broker says the topic refuses writes, a connection error when none answers."""
+        when the broker says the topic refuses writes (or, for a topic not seen yet, when it never
+        became available), a connection error when no broker answers.
+
+        `explaining` a failed write to a known topic: a broker that does not answer at once, or a
+        topic that stays without a leader, is the outage the failure said it was (no TopicRefused)."""
         deadline = self._clock() + self.lookup_timeout_s
         last: BaseException | None = None
         answered = False
@@ -155,9 +159,13 @@ class TopicWriter:
             try:
                 if node_id is None:
                     raise KafkaConnectionError("no broker known")
-                response = await client.send(node_id, MetadataRequest([topic], allow_auto_topic_creation=self.auto_create))
+                request = MetadataRequest([topic], allow_auto_topic_creation=self.auto_create)
+                # A broker that does not answer holds a request for the client's whole timeout (30 s).
+                response = await asyncio.wait_for(client.send(node_id, request), max(0.1, deadline - self._clock()))
             except (KafkaError, asyncio.TimeoutError) as exc:
                 last = exc
+                if explaining and not answered:
+                    break
                 await asyncio.sleep(0.2)
                 continue
             answered = True
@@ -176,7 +184,9 @@ class TopicWriter:
                 return self._refuse(topic, _WHY[error])
             last = error()  # LeaderNotAvailable while it is created, or another passing error
             await asyncio.sleep(0.1)
-        if answered:
+        if isinstance(last, UnknownTopicOrPartitionError):  # asked to create it, the broker did not
+            return self._refuse(topic, _WHY[UnknownTopicOrPartitionError])
+        if answered and not explaining:
             return self._refuse(topic, f"not available after {self.lookup_timeout_s:g} s ({last!r})")
         return KafkaConnectionError(f"no broker answered a lookup of topic {topic!r} ({last!r})")
 
@@ -215,8 +225,8 @@ class TopicWriter:
     async def _explain(self, topic: str, exc: BaseException, outer: asyncio.Future) -> None:
         """A write to a known topic failed with a retriable error (it timed out): a topic that
         the broker now says refuses writes makes it a TopicRefused; else it stays an outage."""
-        try:
-            found = await self._look_up(topic)
+        try:  # a broker that does not answer at once is the outage the failure said it was
+            found = await self._look_up(topic, explaining=True)
         except Exception:  # noqa: BLE001 - keep the original failure
             found = None
         if isinstance(found, TopicRefused):
