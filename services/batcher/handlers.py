@@ -62,6 +62,12 @@ def _tp(record: ConsumerRecord) -> TopicPartition:
     return TopicPartition(record.topic, record.partition)
 
 
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    """Take a forgotten produce's outcome, so asyncio does not warn that nobody did."""
+    if not future.cancelled():
+        future.exception()
+
+
 class BatcherHandlers:
     """Turns request and control records into planner calls and planner results into records.
 
@@ -224,7 +230,7 @@ class BatcherHandlers:
         self._effects.append(_Effect(future, [record], "reply", reply_to))
 
     async def _send(
-        self, topic: str, value: bytes, key: str, partition: int | None = None, via: Any = None
+        self, topic: str, value: bytes, key: str, partition: int | None = None, via: TopicWriter | None = None
     ) -> asyncio.Future[Any]:
         """Produce through the producer, or `via` a TopicWriter (reply topics: one that refuses
         writes fails its own sends, never waits the loop out)."""
@@ -320,6 +326,10 @@ class BatcherHandlers:
         await self.commit()
         self._assigned -= partitions
         self._tracker.forget(partitions)
+        # Replies left to a later round (settle) of these records: their next owner redoes them.
+        for effect in [e for e in self._effects if any(_tp(r) in partitions for r in e.records)]:
+            self._effects.remove(effect)
+            effect.future.add_done_callback(_retrieve)
         for request_id, record in list(self._held_records.items()):
             if _tp(record) in partitions:
                 self.planner.release(request_id)

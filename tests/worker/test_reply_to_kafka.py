@@ -36,15 +36,14 @@ from tests.conftest import BOOTSTRAP  # noqa: E402 - WEIR_KAFKA_BOOTSTRAP, else 
 PROMPTLY_S = 15.0  # each normal request takes well under a second here; a stall took 27-64 s
 
 
-@pytest.fixture(scope="module")
-async def pipeline(tmp_path_factory):
-    """A worker (echo) and a batcher on a fresh prefix, neither allowed to create reply topics."""
-    tmp = tmp_path_factory.mktemp("replyto")
+async def start_pipeline(tmp: Path, auto_create: bool):
+    """A worker (echo) and a batcher on a fresh prefix; yields (topics, the worker)."""
     repo = tmp / "models.toml"
     repo.write_text('[models.echo]\nengine = "echo"\nmax_model_len = 4096\n')
     topics = Topics(f"t{uuid.uuid4().hex[:8]}")
     await ensure_topics(BOOTSTRAP, [*deployment_specs(topics, load_model_repo(repo)), topics.reply_spec("good")])
-    common = dict(kafka_bootstrap=BOOTSTRAP, topic_prefix=topics.prefix, model_repo=str(repo), reply_topic_auto_create=False)
+    common = dict(kafka_bootstrap=BOOTSTRAP, topic_prefix=topics.prefix, model_repo=str(repo),
+                  reply_topic_auto_create=auto_create)  # fmt: skip
     worker = WorkerService(WorkerSettings(**common, audit_fingerprint_model="", heartbeat_interval_ms=300))
     tasks = [asyncio.create_task(worker.serve())]
     stop = asyncio.Event()
@@ -57,6 +56,20 @@ async def pipeline(tmp_path_factory):
         stop.set()
         tasks[0].cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@pytest.fixture(scope="module")
+async def pipeline(tmp_path_factory):
+    """Neither the worker nor the batcher may create a reply topic (WEIR_REPLY_TOPIC_AUTO_CREATE=false)."""
+    async for started in start_pipeline(tmp_path_factory.mktemp("replyto"), auto_create=False):
+        yield started
+
+
+@pytest.fixture(scope="module")
+async def creating_pipeline(tmp_path_factory):
+    """The default: the worker and the batcher ask the broker to create a missing reply topic."""
+    async for started in start_pipeline(tmp_path_factory.mktemp("replyto-create"), auto_create=True):
+        yield started
 
 
 def raw_request(request_id: str, reply_to: str, model: str = "echo") -> tuple[str, bytes]:
@@ -176,4 +189,45 @@ async def test_worker_dead_letters_a_batch_request_with_a_refused_reply_to(pipel
     keys = await read_until(BOOTSTRAP, [topics.keys], lambda rs: False, timeout_s=2)
     assert keys == []
     lag = await wait_committed(BOOTSTRAP, topics.worker_group("echo"), topics.batches("echo"))
+    assert all(c == e for c, e in lag.values()), lag
+
+
+async def test_a_reply_topic_that_never_appears_holds_up_nobody(creating_pipeline):
+    """A legal reply topic the broker will not create: `<prefix>.replies.a_b` collides with an
+    existing `<prefix>.replies.a.b` ('.' and '_' are one character to Kafka's metrics). Asked to
+    create it, the broker answers "unknown topic" for ever: the writers wait for it (10 s) in the
+    background, then drop what named it, while the other requests go on."""
+    topics, worker = creating_pipeline
+    good = topics.replies("good")
+    await ensure_topics(BOOTSTRAP, [topics.reply_spec("a.b")])
+    never = topics.replies("a_b")
+    assert topics.reply_to_problem(never) is None
+    run = raw_request(f"never-{uuid.uuid4().hex[:6]}", never)  # the worker waits for its topic
+    end_here = raw_request(f"never-nomodel-{uuid.uuid4().hex[:6]}", never, model="no-such-model")  # the batcher does
+    normal = [raw_request(f"ok-{i}-{uuid.uuid4().hex[:6]}", good) for i in range(10)]
+    dropped_before = worker.servers[0].publisher.num_dropped
+
+    started = time.monotonic()
+    await produce(BOOTSTRAP, topics.requests, [end_here, run, *normal])
+    want = {rid for rid, _ in normal}
+    arrivals: dict[str, float] = {}
+
+    def all_ended(rs) -> bool:
+        for rid in ends_of(rs):
+            arrivals.setdefault(rid, time.monotonic() - started)
+        return want <= set(arrivals)
+
+    await read_until(BOOTSTRAP, [good], all_ended, timeout_s=30)
+    assert want <= set(arrivals), f"normal requests unanswered: {sorted(want - set(arrivals))}"
+    slowest = max(arrivals[rid] for rid in want)
+    assert slowest < 6, f"a normal request took {slowest:.1f} s, behind the 10 s wait for {never}: {arrivals}"
+
+    letters = await read_until(BOOTSTRAP, [topics.dead_letter], lambda rs: any(r.key == end_here[0].encode() for r in rs), 30)
+    [letter] = [decode(DeadLetter, r.value) for r in letters if r.key == end_here[0].encode()]
+    assert "could not produce the terminal reply" in letter.reason and "refuses writes" in letter.reason
+    deadline = time.monotonic() + 20
+    while worker.servers[0].publisher.num_dropped < dropped_before + 1 and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+    assert worker.servers[0].publisher.num_dropped == dropped_before + 1
+    lag = await wait_committed(BOOTSTRAP, topics.batcher_group, topics.requests)
     assert all(c == e for c, e in lag.values()), lag
