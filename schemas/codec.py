@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from typing import Any, TypeVar
 
 import orjson
@@ -27,6 +26,7 @@ from schemas.messages import (
     UsageRecord,
     WorkerHeartbeat,
 )
+from schemas.topics import Topics
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -80,14 +80,12 @@ def decode_request(data: bytes | None) -> GenerateRequest | EmbedRequest:
     return _validated(_REQUEST.validate_json, "request", data)
 
 
-_TOPIC_NAME = re.compile(r"[A-Za-z0-9._-]{1,249}")
-
-
-def reply_address(data: bytes | None) -> tuple[str, str] | None:
+def reply_address(data: bytes | None, topics: Topics) -> tuple[str, str] | None:
     """(request_id, reply_to) of a request record that failed validation, when both can be read:
     a JSON object whose `request_id` is a string of 1-128 characters and whose `reply_to` is a
-    legal Kafka topic name. Enough to tell its producer why with a ReplyEnd (`rejected`), rather
-    than leave it waiting for an answer that never comes; None when the record names neither."""
+    reply topic of the deployment of `topics` (Topics.reply_to_problem). Enough to tell its
+    producer why with a ReplyEnd (`rejected`), rather than leave it waiting for an answer that
+    never comes; None when the record names neither, or names a topic no reply may go to."""
     try:
         obj = orjson.loads(data or b"")
     except orjson.JSONDecodeError:
@@ -97,7 +95,7 @@ def reply_address(data: bytes | None) -> tuple[str, str] | None:
     request_id, reply_to = obj.get("request_id"), obj.get("reply_to")
     if not isinstance(request_id, str) or not 1 <= len(request_id) <= 128:
         return None
-    if not isinstance(reply_to, str) or not _TOPIC_NAME.fullmatch(reply_to) or reply_to in (".", ".."):
+    if topics.reply_to_problem(reply_to) is not None:
         return None
     return request_id, reply_to
 

@@ -13,11 +13,30 @@ DEFAULT_PREFIX = "weir"
 BATCH_PARTITIONS = 16  # partitions of each model's batch topic: the most workers one model can use
 
 _TOPIC_CHARS = re.compile(r"[^a-zA-Z0-9._-]")
+_TOPIC_NAME = re.compile(r"[a-zA-Z0-9._-]{1,249}")  # Kafka's rule for a topic name (and not "." or "..")
+MAX_TOPIC_CHARS = 249
 
 
 def safe_name(name: str) -> str:
     """Return `name` with every character Kafka refuses in a topic name replaced by '_'."""
     return _TOPIC_CHARS.sub("_", name)
+
+
+def topic_name_problem(name: object) -> str | None:
+    """Why `name` is not a legal Kafka topic name (1-249 characters of ASCII letters, digits, '.',
+    '_' and '-', not "." or ".."), or None when it is one."""
+    if not isinstance(name, str):
+        return f"a topic name is a string, got {type(name).__name__}"
+    if not name:
+        return "a topic name cannot be empty"
+    if len(name) > MAX_TOPIC_CHARS:
+        return f"a topic name has at most {MAX_TOPIC_CHARS} characters, this one has {len(name)}"
+    if not _TOPIC_NAME.fullmatch(name):
+        bad = sorted({c for c in name if not _TOPIC_NAME.fullmatch(c)})
+        return f"a topic name holds only ASCII letters, digits, '.', '_' and '-', not {''.join(bad)!r}"
+    if name in (".", ".."):
+        return f"{name!r} is not a legal topic name"
+    return None
 
 
 @dataclass(frozen=True)
@@ -171,6 +190,36 @@ class Topics:
         """A batch job's reply topic: one partition, kept as long as the files (a week)."""
         return TopicSpec(self.job_replies(job_id), 1, _DELETE_7D)
 
+    @property
+    def reply_namespace(self) -> str:
+        """What every reply topic of this deployment starts with: `replies()` and `job_replies()`
+        make names under it, and a request's `reply_to` must name one (reply_to_problem)."""
+        return f"{self.prefix}.replies."
+
+    def reply_to_problem(self, reply_to: object) -> str | None:
+        """Why a request may not name `reply_to` as its reply topic, or None when it may.
+
+        The one rule every service applies to a request's `reply_to` where the record enters
+        (docs/design.md, "Reply topics"): a legal Kafka topic name, under this deployment's
+        reply namespace (`<prefix>.replies.<name>`), never one of its internal topics. Anything
+        else could stall the writer (a name the broker refuses) or write replies into a topic
+        other services trust (keys, usage, control, audit, the dead-letter topic).
+        """
+        problem = topic_name_problem(reply_to)
+        if problem is not None:
+            return f"reply_to {_excerpt(reply_to)} is not a legal Kafka topic name: {problem}"
+        assert isinstance(reply_to, str)
+        namespace = self.reply_namespace  # no internal topic is under it (tests/schemas/test_reply_to.py)
+        if not reply_to.startswith(namespace) or len(reply_to) == len(namespace):
+            return (f"reply_to {reply_to!r} is not one of this deployment's reply topics: it must be "
+                    f"{namespace}<name> (weir topics create --reply <name> makes one)")  # fmt: skip
+        return None
+
     def reply_spec(self, instance: str) -> TopicSpec:
         """A reply topic: one partition keeps one reader's events in order."""
         return TopicSpec(self.replies(instance), 1, _REPLIES)
+
+
+def _excerpt(value: object, max_chars: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= max_chars else text[: max_chars - 3] + "..."

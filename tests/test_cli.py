@@ -51,3 +51,8 @@ def test_weir_bench_help_lists_the_benches() -> None:
 def test_kafka_up_flags() -> None:
     args = cli.build_parser().parse_args(["kafka", "up", "--port", "19092", "--topic-prefix", "t", "--no-topics"])
     assert (args.port, args.controller_port, args.topic_prefix, args.no_topics) == (19092, None, "t", True)
+
+
+def test_topics_create_refuses_a_reply_id_whose_topic_requests_may_not_name(capsys) -> None:
+    assert cli.main(["topics", "create", "--bootstrap", "127.0.0.1:1", "--reply", "r" * 240]) == 2
+    assert "at most 249 characters" in capsys.readouterr().err

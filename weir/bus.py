@@ -58,6 +58,13 @@ class BusSettings(BaseSettings):
         "it exits 3 when the first connection fails).",
     )
 
+    # A reply topic is named by whoever produced the request (docs/design.md, "Reply topics").
+    reply_topic_auto_create: bool = Field(
+        True, description="Whether the worker and the batcher ask the broker to create a reply topic that does not "
+        "exist yet (it does so only where auto.create.topics.enable is true); false: a request whose reply topic "
+        "does not exist is dropped, unanswered, and the reply topics must be made first (weir topics create --reply).",
+    )
+
     http_host: str = Field("127.0.0.1", description="Address of the service's HTTP endpoint (/healthz, /readyz, /metrics).")
 
     @property

@@ -169,10 +169,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "kafka":
             return _kafka(args)
+        topics = Topics(args.topic_prefix)
+        for reply in args.reply:  # the rule the services apply to reply_to (docs/design.md, "Reply topics")
+            if (problem := topics.reply_to_problem(topics.replies(reply))) is not None:
+                print(f"weir: error: --reply {reply[:40]!r}: {problem}", file=sys.stderr)
+                return 2
         created = asyncio.run(create_topics(args.bootstrap, args.topic_prefix, args.model_repo, args.timeout, args.reply))
         print(f"topics under prefix {args.topic_prefix!r} on {args.bootstrap}: {len(created)} created")
         for reply in args.reply:
-            print(f"reply topic {Topics(args.topic_prefix).replies(reply)} is there: name it in reply_to")
+            print(f"reply topic {topics.replies(reply)} is there: name it in reply_to")
         return 0
     except (BrokerError, KafkaError, ModelRepoError, TimeoutError) as exc:
         print(f"weir: error: {exc}", file=sys.stderr)

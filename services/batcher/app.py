@@ -62,7 +62,7 @@ class BatcherApp:
         self.router = Router(worker_timeout_ms=settings.worker_timeout_ms, prefix_chars=settings.prefix_affinity_chars)
         self.handlers = BatcherHandlers(
             topics, self.planner, self.producer, self.requests, self.batcher_id, router=self.router,
-            commit_interval_ms=settings.commit_interval_ms,
+            commit_interval_ms=settings.commit_interval_ms, reply_auto_create=settings.reply_topic_auto_create,
         )
         self._started: list[Any] = []
         self.is_reading = False

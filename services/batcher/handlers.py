@@ -34,10 +34,12 @@ from schemas.topics import Topics
 from services.batcher.planner import Admission, Planner, Reservation
 from services.batcher.routing import Router
 from weir.bus import CommitPacer, OffsetTracker, send_dead_letter
+from weir.reply_topics import TopicWriter
 
 log = logging.getLogger(__name__)
 
 SERVICE = "batcher"
+_REPLY_WAIT_S = 0.5  # how long a round waits for its own terminal replies before it moves on
 
 
 class BatchPublishError(RuntimeError):
@@ -53,10 +55,17 @@ class _Effect:
     kind: Literal["batch", "reply"]
     topic: str
     reservation: Reservation | None = None  # a routed batch's room, counted until its worker reads it
+    waited: bool = False  # a reply settle() waited for once already: collected when done, not waited for
 
 
 def _tp(record: ConsumerRecord) -> TopicPartition:
     return TopicPartition(record.topic, record.partition)
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    """Take a forgotten produce's outcome, so asyncio does not warn that nobody did."""
+    if not future.cancelled():
+        future.exception()
 
 
 class BatcherHandlers:
@@ -76,6 +85,7 @@ class BatcherHandlers:
         batcher_id: str,
         router: Router | None = None,
         commit_interval_ms: int = 0,
+        reply_auto_create: bool = True,
     ) -> None:
         self.topics = topics
         self.planner = planner
@@ -84,6 +94,8 @@ class BatcherHandlers:
         self._blocked_models: set[str] = set()  # held for lack of room, logged on change
         self.batcher_id = batcher_id
         self._producer = producer
+        # Reply topics are named by clients and may refuse writes (BusSettings.reply_topic_auto_create).
+        self._replies = TopicWriter(producer, auto_create=reply_auto_create)
         self._consumer = consumer
         self._tracker = OffsetTracker()
         self._commits = CommitPacer(commit_interval_ms)
@@ -110,11 +122,16 @@ class BatcherHandlers:
             req = decode_request(record.value)  # a GenerateRequest or an EmbedRequest, by kind
         except DecodeError as exc:
             await send_dead_letter(self._producer, self.topics, record, str(exc), SERVICE)
-            if (address := reply_address(record.value)) is None:
+            if (address := reply_address(record.value, self.topics)) is None:
                 self._tracker.done(_tp(record), record.offset)
             else:  # it says who waits for it: end it there too (invariant 3), with the reason
                 error = ErrorInfo(code="invalid_request", message=str(exc))
                 await self._end_at(*address, record, "rejected", error)
+            return
+        if (problem := self.topics.reply_to_problem(req.reply_to)) is not None:
+            # No reply: the topic it names is not one a reply may go to (docs/design.md, "Reply topics").
+            await send_dead_letter(self._producer, self.topics, record, f"{problem}; no reply was written", SERVICE)
+            self._tracker.done(_tp(record), record.offset)
             return
         verdict = self.planner.add(req, now_ms, size_bytes=len(record.value or b""))
         if verdict is Admission.HELD:
@@ -209,11 +226,17 @@ class BatcherHandlers:
         self, request_id: str, reply_to: str, record: ConsumerRecord, reason: FinishReason, error: ErrorInfo | None
     ) -> None:
         end = ReplyEnd(request_id=request_id, seq=0, finish_reason=reason, error=error)
-        future = await self._send(reply_to, encode(end), request_id)
+        future = await self._send(reply_to, encode(end), request_id, via=self._replies)
         self._effects.append(_Effect(future, [record], "reply", reply_to))
 
-    async def _send(self, topic: str, value: bytes, key: str, partition: int | None = None) -> asyncio.Future[Any]:
+    async def _send(
+        self, topic: str, value: bytes, key: str, partition: int | None = None, via: TopicWriter | None = None
+    ) -> asyncio.Future[Any]:
+        """Produce through the producer, or `via` a TopicWriter (reply topics: one that refuses
+        writes fails its own sends, never waits the loop out)."""
         try:
+            if via is not None:
+                return await via.send(topic, value, key.encode(), partition)
             return await self._producer.send(topic, value, key=key.encode(), partition=partition)
         except KafkaError as exc:  # e.g. no metadata for the topic: reported when settled
             failed: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
@@ -227,10 +250,12 @@ class BatcherHandlers:
         once per commit interval; the next round after it, idle or not, commits the rest).
 
         A reply that cannot be produced dead-letters its request record (nobody could read the
-        reply). A batch that cannot be produced raises BatchPublishError after the commit: its
-        requests stay uncommitted and are redone after restart.
+        reply). A reply still waiting for its topic (TopicWriter looks a new one up) is left to a
+        later round, so a reply topic that is slow to appear, or refuses writes, holds up no
+        other request. A batch that cannot be produced raises BatchPublishError after the commit:
+        its requests stay uncommitted and are redone after restart.
         """
-        effects, self._effects = self._effects, []
+        effects = await self._due_effects()
         outcomes = await asyncio.gather(*(e.future for e in effects), return_exceptions=True)
         failure: BaseException | None = None
         for effect, outcome in zip(effects, outcomes):
@@ -250,6 +275,28 @@ class BatcherHandlers:
             await self.commit()
         if failure is not None:
             raise BatchPublishError(f"producing a batch failed ({failure!r}); is the broker reachable?")
+
+    async def _due_effects(self) -> list[_Effect]:
+        """The round's effects to settle now; the replies that are not done yet stay in _effects.
+
+        A reply waits for its topic while TopicWriter looks a new one up (up to its lookup
+        timeout), and a write to a topic deleted meanwhile hangs until the producer's request
+        timeout: settling them here would hold every other request's batch behind them. A reply
+        is waited for once, briefly (a healthy one is acknowledged in milliseconds), and then
+        only collected when done, in a later round.
+        """
+        effects, self._effects = self._effects, []
+        fresh = [e.future for e in effects if e.kind == "reply" and not e.waited and not self._replies.is_looking_up(e.topic)]
+        if pending := [f for f in fresh if not f.done()]:
+            await asyncio.wait(pending, timeout=_REPLY_WAIT_S)
+        due: list[_Effect] = []
+        for effect in effects:
+            if effect.kind == "reply" and not effect.future.done():
+                effect.waited = True
+                self._effects.append(effect)
+            else:
+                due.append(effect)
+        return due
 
     async def commit(self) -> None:
         """Commit the positions below which every record's effect is durable."""
@@ -279,6 +326,10 @@ class BatcherHandlers:
         await self.commit()
         self._assigned -= partitions
         self._tracker.forget(partitions)
+        # Replies left to a later round (settle) of these records: their next owner redoes them.
+        for effect in [e for e in self._effects if any(_tp(r) in partitions for r in e.records)]:
+            self._effects.remove(effect)
+            effect.future.add_done_callback(_retrieve)
         for request_id, record in list(self._held_records.items()):
             if _tp(record) in partitions:
                 self.planner.release(request_id)

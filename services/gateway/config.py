@@ -54,4 +54,8 @@ class GatewaySettings(BusSettings, GuardSettings):
     def _check(self) -> GatewaySettings:
         if not self.model_repo:
             raise ValueError("model_repo='' must name a TOML file; set WEIR_MODEL_REPO")
+        if self.gateway_id is not None:  # its reply topic must pass the workers' check of reply_to
+            problem = self.topics.reply_to_problem(self.topics.replies(self.gateway_id))
+            if problem is not None:
+                raise ValueError(f"gateway_id={self.gateway_id[:80]!r} (WEIR_GATEWAY_ID) cannot name a reply topic: {problem}")
         return self

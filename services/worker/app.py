@@ -178,6 +178,12 @@ class WorkerService:
                            ("num_waiting", "Sequences queued in the engines."),
                            ("free_kv_blocks", "Free KV-cache blocks.")):  # fmt: skip
             metrics.gauge(f"weir_worker_{stat}", text, per_model(stat))
+        metrics.gauge("weir_worker_requests_dropped", "Requests given up on since start: their reply topic refused "
+                      "writes (or they were a minute past their deadline); none of them was answered.",
+                      lambda: [(s.publisher.num_dropped, {"model": s.config.name}) for s in self.servers])  # fmt: skip
+        metrics.gauge("weir_worker_invalid_reply_to", "Requests dead-lettered since start for a reply_to that is not "
+                      "one of the deployment's reply topics.",
+                      lambda: [(s.num_invalid_reply_to, {"model": s.config.name}) for s in self.servers])  # fmt: skip
         return metrics
 
     async def open_engine(self, config: ModelConfig, on_outputs, on_status=None) -> EngineHost:

@@ -19,10 +19,12 @@ from dataclasses import dataclass
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaConnectionError, KafkaError, KafkaTimeoutError
 
+from weir.reply_topics import TopicWriter, failed_future
+
 
 def is_outage(exc: BaseException) -> bool:
     """True for a failure a later try can fix (no broker, no leader, a timeout); False for one
-    about the record or its topic (an invalid name, too large, not authorised)."""
+    about the record or its topic (an invalid name, too large, not authorised: TopicRefused)."""
     return isinstance(exc, KafkaTimeoutError) or bool(getattr(exc, "retriable", False))
 
 
@@ -42,13 +44,6 @@ class RedoPolicy:
         if not is_outage(failure) or now_ms > deadline_ms + self.grace_after_deadline_s * 1000:
             return None
         return min(self.max_delay_s, self.first_delay_s * 2**num_redos)
-
-
-def failed_future(exc: BaseException) -> asyncio.Future:
-    """A future that already failed with `exc` (the result of a send that was not made)."""
-    future: asyncio.Future = asyncio.get_running_loop().create_future()
-    future.set_exception(exc)
-    return future
 
 
 def failure_of(future: asyncio.Future) -> BaseException | None:
@@ -83,9 +78,13 @@ class Writer:
     """
 
     def __init__(
-        self, producer: AIOKafkaProducer, probe_interval_s: float = 1.0, clock: Callable[[], float] = time.monotonic
-    ) -> None:
+        self, producer: AIOKafkaProducer, probe_interval_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
+        *, auto_create: bool = True,
+    ) -> None:  # fmt: skip
         self.producer = producer
+        # A reply topic that refuses writes fails only its own sends; `auto_create`: whether a
+        # reply topic that does not exist is created (BusSettings.reply_topic_auto_create).
+        self.topics = TopicWriter(producer, auto_create=auto_create)
         self.probe_interval_s = probe_interval_s
         self._clock = clock
         self._skip_until: float | None = None  # while in the future, sends are failed untried
@@ -100,7 +99,7 @@ class Writer:
         if self._skip_until is not None and self._clock() < self._skip_until:
             return failed_future(KafkaConnectionError("not tried: the broker did not take a write in the last second"))
         try:
-            future = await self.producer.send(topic, value, key=key)
+            future = await self.topics.send(topic, value, key)
         except KafkaError as exc:
             self._on_result(exc)
             return failed_future(exc)

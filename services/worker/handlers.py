@@ -65,13 +65,15 @@ class ModelServer:
         self.producer = producer
         self.worker_id = worker_id
         self.intake = Intake()
+        writer = Writer(producer, auto_create=settings.reply_topic_auto_create)
         self.publisher = Publisher(
-            config, Writer(producer), self.topics.audit, self.intake, runners, self.start,
+            config, writer, self.topics.audit, self.intake, runners, self.start,
             worker_id=worker_id, audit_key=audit_key, fingerprints=fingerprints, redo_policy=redo_policy,
         )  # fmt: skip
         self._commits = CommitPacer(settings.commit_interval_ms)
         self._outputs: asyncio.Queue[list[EngineOutput]] = asyncio.Queue()
         self.recent_cancels: dict[str, int] = {}  # request_id -> when its cancel was read
+        self.num_invalid_reply_to = 0  # requests dead-lettered for their reply_to, since start
         self.consumer: AIOKafkaConsumer | None = None
         self.on_assignment: Callable[[], None] | None = None  # called when Kafka assigns partitions
 
@@ -126,8 +128,21 @@ class ModelServer:
             self.intake.skip_record(tp, record.offset)
             return
         key: RecordKey = (tp, record.offset)
-        self.intake.add_batch(key, len(batch.requests))
+        runnable = []
         for request in batch.requests:
+            problem = self.topics.reply_to_problem(request.reply_to)
+            if problem is None:
+                runnable.append(request)
+                continue
+            # Never run, never answered: no reply may go where it says (docs/design.md, "Reply topics").
+            self.num_invalid_reply_to += 1
+            reason = f"request {request.request_id!r} of batch {batch.batch_id!r}: {problem}; it was not run, no reply was written"
+            await send_dead_letter(self.producer, self.topics, record, reason, self.worker_id)
+        if not runnable:
+            self.intake.skip_record(tp, record.offset)
+            return
+        self.intake.add_batch(key, len(runnable))
+        for request in runnable:
             await self.on_request(request, batch.batch_id, key)
 
     async def on_request(self, request: GenerateRequest | EmbedRequest, batch_id: str, key: RecordKey) -> None:

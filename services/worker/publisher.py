@@ -3,7 +3,9 @@
 A run is settled once every write of it is durable: the request is then done (Intake.forget),
 and its batch offset may be committed. A run with a write that failed (the broker away past the
 producer's timeout, a reply topic that refuses the record) is stopped in the engine and run
-again from seq 0 after a backoff (delivery.py), or given up on when that cannot help.
+again from seq 0 after a backoff (delivery.py), or given up on when that cannot help: a reply
+topic that refuses writes (weir/reply_topics.py: TopicRefused) fails only the requests that
+named it (docs/design.md, "Reply topics").
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class Publisher:
         self.fingerprints = fingerprints
         self.redo_policy = redo_policy or RedoPolicy()
         self._tasks: set[asyncio.Task] = set()  # settles and redos in flight (the loop keeps weak references)
+        self.num_dropped = 0  # requests given up on: their reply topic refused writes, or far past their deadline
 
     async def send_output(self, flight: InFlight, out: EngineOutput) -> None:
         """Write the events of one engine output; on the final one, settle the run."""
@@ -126,6 +129,8 @@ class Publisher:
         if delay_s is None:
             why = "its deadline passed long ago" if is_outage(failure) else "its reply topic refuses it"
             log.error("request %s cannot be answered on %s (%r; %s); giving up on it", req.request_id, req.reply_to, failure, why)
+            self.num_dropped += 1
+            self._spawn(first_failure(flight.futures))  # collects its other writes' failures (no warnings)
             self.intake.forget(flight)
             return
         log.info("request %s: running it again in %.1f s (redo %d)", req.request_id, delay_s, flight.num_redos + 1)

@@ -94,11 +94,11 @@ class FakeWorker:
             await self.producer.stop()
 
 
-def chat(system: str, user: str, model: str) -> GenerateRequest:
+def chat(system: str, user: str, model: str, topics: Topics) -> GenerateRequest:
     return GenerateRequest(
         request_id=f"{user}-{time.monotonic_ns()}", model=model, max_tokens=10, deadline_ms=now_ms() + 120_000,
         messages=[ChatMessage(role="system", content=system), ChatMessage(role="user", content=user)],
-        reply_to="unused-replies",
+        reply_to=topics.replies("unused"),  # a reply topic of the deployment, or the batcher refuses it
     )  # fmt: skip
 
 
@@ -136,14 +136,14 @@ async def test_batches_follow_heartbeats_room_prefixes_and_liveness(batcher_boot
             return w1.request_ids | w2.request_ids
 
         # 1. A shared system prompt sticks to one worker.
-        shared = [chat("You are Weir's test assistant. Answer briefly.", f"q{i}", "m") for i in range(8)]
+        shared = [chat("You are Weir's test assistant. Answer briefly.", f"q{i}", "m", topics) for i in range(8)]
         await produce(bootstrap, topics.requests, shared)
         await until(lambda: both() >= {r.request_id for r in shared}, tasks)
         owners = {w.worker_id for w in (w1, w2) for r in shared if r.request_id in w.request_ids}
         assert len(owners) == 1
 
         # 2. Room for 3 requests left on w1, for 5 on w2; 20 are sent.
-        flood = [chat(f"flood system {i:02d}", f"f{i:02d}", "m") for i in range(20)]
+        flood = [chat(f"flood system {i:02d}", f"f{i:02d}", "m", topics) for i in range(20)]
         cost = cost_tokens(flood[0], config)
         assert {cost_tokens(r, config) for r in flood} == {cost}
         w1.capacity_tokens, w2.capacity_tokens = w1.used_tokens + 3 * cost + cost // 2, w2.used_tokens + 5 * cost
@@ -166,7 +166,7 @@ async def test_batches_follow_heartbeats_room_prefixes_and_liveness(batcher_boot
         got1 = set(w1.request_ids)
         late = []
         while len(late) < 6:
-            req = chat(f"late system {len(late)} {time.monotonic_ns()}", f"l{len(late)}", "m")
+            req = chat(f"late system {len(late)} {time.monotonic_ns()}", f"l{len(late)}", "m", topics)
             if max((w1.worker_id, w2.worker_id), key=lambda w: _score(prefix_key(req), w)) == w1.worker_id:
                 late.append(req)
         await produce(bootstrap, topics.requests, late)

@@ -19,6 +19,7 @@ from schemas.codec import (
 )
 from schemas.export import main as export_main
 from schemas.model_repo import ModelRepoError, load_model_repo
+from schemas.topics import Topics
 
 GOLDEN = Path(__file__).parent / "golden"
 TYPES = {
@@ -174,19 +175,21 @@ def test_the_shipped_model_repository_loads():
 @pytest.mark.parametrize(
     ("raw", "address"),
     [
-        (b'{"request_id": "r1", "reply_to": "app.replies", "max_tokens": -5}', ("r1", "app.replies")),
+        (b'{"request_id": "r1", "reply_to": "weir.replies.app", "max_tokens": -5}', ("r1", "weir.replies.app")),
+        (b'{"request_id": "r1", "reply_to": "app.replies"}', None),  # not this deployment's reply topic
+        (b'{"request_id": "r1", "reply_to": "weir.keys"}', None),  # an internal topic
         (b'{"request_id": "r1", "reply_to": "weir.replies.kcat"}', ("r1", "weir.replies.kcat")),
         (b'{"request_id": "r1"}', None),  # no reply_to: nobody to tell
         (b'{"request_id": "r1", "reply_to": "no spaces allowed"}', None),
         (b'{"request_id": "r1", "reply_to": ".."}', None),
-        (b'{"request_id": "r1", "reply_to": "' + b"t" * 250 + b'"}', None),
-        (b'{"request_id": 7, "reply_to": "app.replies"}', None),
-        (b'{"request_id": "", "reply_to": "app.replies"}', None),
-        (b'{"request_id": "' + b"r" * 129 + b'", "reply_to": "app.replies"}', None),
+        (b'{"request_id": "r1", "reply_to": "weir.replies.' + b"t" * 237 + b'"}', None),
+        (b'{"request_id": 7, "reply_to": "weir.replies.app"}', None),
+        (b'{"request_id": "", "reply_to": "weir.replies.app"}', None),
+        (b'{"request_id": "' + b"r" * 129 + b'", "reply_to": "weir.replies.app"}', None),
         (b'["request_id", "reply_to"]', None),
         (b"not json", None),
         (None, None),
     ],
 )
 def test_reply_address_of_an_invalid_request(raw, address):
-    assert reply_address(raw) == address
+    assert reply_address(raw, Topics()) == address

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 from aiokafka.errors import InvalidTopicError, KafkaConnectionError, KafkaTimeoutError, NotLeaderForPartitionError
@@ -31,8 +32,10 @@ class FakeProducer:
         self.sent: list[tuple[str, bytes]] = []
         self.fail_with: BaseException | None = None
         self.futures: list[asyncio.Future] = []
+        # The producer's metadata: every topic known (TopicWriter then sends at once).
+        self.client = SimpleNamespace(cluster=SimpleNamespace(partitions_for_topic=lambda topic: {0}))
 
-    async def send(self, topic: str, value: bytes, key: bytes) -> asyncio.Future:
+    async def send(self, topic: str, value: bytes, key: bytes, partition: int | None = None) -> asyncio.Future:
         if self.fail_with is not None:
             raise self.fail_with
         self.sent.append((topic, value))
