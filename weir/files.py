@@ -11,7 +11,7 @@ import asyncio
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO
+from typing import IO, Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
@@ -39,7 +39,9 @@ def chunk_file(header: FileHeader, data: bytes, max_chunk_bytes: int = MAX_FILE_
     return [_chunk(header, i, len(spans), len(data), data[start:end]) for i, (start, end) in enumerate(spans)]
 
 
-def chunk_spans(peek: Callable[[int], bytes], size: int, max_chunk_bytes: int = MAX_FILE_CHUNK_BYTES) -> list[tuple[int, int]]:
+def chunk_spans(
+    peek: Callable[[int], bytes], size: int, max_chunk_bytes: int = MAX_FILE_CHUNK_BYTES
+) -> list[tuple[int, int]]:
     """[start, end) of each chunk of a `size`-byte UTF-8 file whose bytes from an offset `peek`
     shows (at least one): at most max_chunk_bytes (>= 4) each, never inside a character."""
     spans: list[tuple[int, int]] = []
@@ -59,7 +61,7 @@ def _chunk(header: FileHeader, index: int, num_chunks: int, num_bytes: int, piec
                      num_bytes=num_bytes, data=piece.decode("utf-8"), created_ms=header.created_ms)  # fmt: skip
 
 
-async def write_spooled(producer: AIOKafkaProducer, topic: str, header: FileHeader, file: BinaryIO, size: int,
+async def write_spooled(producer: AIOKafkaProducer, topic: str, header: FileHeader, file: IO[bytes], size: int,
                         on_chunk: Callable[[FileChunk], None], max_in_flight: int = 4) -> FileChunk:
     """Produce a `size`-byte UTF-8 file from a seekable binary file, a chunk at a time with at most
     `max_in_flight` chunks unacknowledged, so it is never whole in this function's memory; each

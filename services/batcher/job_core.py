@@ -116,8 +116,8 @@ def parse_input(content: bytes, job: BatchJob, repo: ModelRepository, reply_to: 
     for number, raw in iter_lines([content]):
         num_rows += 1
         if num_rows > MAX_BATCH_LINES:
-            parsed.errors.append(BatchLineError(code="too_many_requests",
-                                                message=f"more than {MAX_BATCH_LINES} lines; at most {MAX_BATCH_LINES} per batch"))
+            message = f"more than {MAX_BATCH_LINES} lines; at most {MAX_BATCH_LINES} per batch"
+            parsed.errors.append(BatchLineError(code="too_many_requests", message=message))
             return parsed
         try:
             envelope = parse_envelope(number, raw, seen, job.endpoint)

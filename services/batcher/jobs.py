@@ -303,8 +303,8 @@ class JobExecution:
         if self.job.planned_output_file_id is None or self.job.planned_error_file_id is None:
             # Random ids, recorded before any file is written: a runner that restarts while writing
             # rewrites the same files, and no one can derive them from the batch id.
-            self.job = await self.runner.save(self.job.model_copy(update={
-                "planned_output_file_id": new_file_id(), "planned_error_file_id": new_file_id(), "updated_ms": now_ms()}))
+            planned = {"planned_output_file_id": new_file_id(), "planned_error_file_id": new_file_id()}
+            self.job = await self.runner.save(self.job.model_copy(update={**planned, "updated_ms": now_ms()}))
         job = self.job
         assert job.planned_output_file_id is not None and job.planned_error_file_id is not None
         output, errors = results.files(job.endpoint, unfinished_code)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
+from pydantic import ValidationError
 
 from schemas.batch_lines import (
     ENDPOINT_KINDS,
@@ -137,6 +138,10 @@ def _check_line(envelope: Envelope, rules: LineRules) -> int:
                                 max_stop_sequences=rules.max_stop_sequences)  # fmt: skip
     except ApiError as exc:
         raise LineError(envelope.line, exc.code or "invalid_value", exc.message, exc.param) from None
+    except ValidationError as exc:  # a value the wire type refuses
+        first = exc.errors(include_url=False)[0]
+        param = ".".join(str(part) for part in first["loc"]) or None
+        raise LineError(envelope.line, "invalid_value", str(first["msg"]), param) from None
     return prompt_tokens + request.max_tokens
 
 

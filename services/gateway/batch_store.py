@@ -1,9 +1,9 @@
 """The gateway's store of OpenAI's Files and Batch APIs, over Kafka only (the routes:
 routes/batches.py; the objects and checks: batch_format.py).
 
-Uploads become FileChunks on `weir.files`, each carrying its owner (tenant, principal); a new batch becomes its first BatchJob record on the
-compacted `weir.jobs` and a "run" JobCommand on `weir.job_commands`, which the batcher's job runner
-executes. Every gateway reads both topics whole and keeps following them, so any instance answers
+Uploads become FileChunks on `weir.files`, each carrying its owner (tenant, principal); a new
+batch becomes its first BatchJob record on the compacted `weir.jobs` and a "run" JobCommand on
+`weir.job_commands`, which the batcher's job runner executes. Every gateway reads both topics whole and keeps following them, so any instance answers
 for any file or batch; an instance sees its own writes at once.
 """
 

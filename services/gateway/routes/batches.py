@@ -114,7 +114,8 @@ def add_batch_routes(router: APIRouter, store: BatchStore, parts: GatewayParts) 
         summary = await asyncio.to_thread(check_batch_lines, stored.pieces(), line_rules(parts, identity),
                                           body["endpoint"])  # fmt: skip
         s = parts.settings
-        check_batch_quota(store.jobs.values(), identity, summary, s.batch_max_queued_requests, s.batch_max_queued_tokens)
+        quota = (s.batch_max_queued_requests, s.batch_max_queued_tokens)
+        check_batch_quota(store.jobs.values(), identity, summary, *quota)
         job = new_batch_job(body, new_id("batch_"), identity, summary, now_ms())
         await store.create_job(job)
         return JSONResponse(batch_object(job))
