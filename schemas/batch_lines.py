@@ -80,7 +80,7 @@ def parse_envelope(number: int, raw: bytes, seen: set[str], endpoint: str | None
     except UnicodeDecodeError:
         raise LineError(number, "invalid_file", "the line is not UTF-8") from None
     except orjson.JSONDecodeError as exc:
-        raise LineError(number, "invalid_json", f"the line is not JSON: {exc}") from None
+        raise LineError(number, "invalid_json", f"the line is not JSON: {exc.msg} at character {exc.pos + 1}") from None
     if not isinstance(row, dict):
         raise LineError(number, "invalid_request", "a line must be a JSON object")
     custom_id = row.get("custom_id")

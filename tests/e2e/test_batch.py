@@ -146,7 +146,9 @@ def test_a_file_with_a_bad_line_is_refused_at_upload_naming_the_line(client, tmp
     path.write_bytes(good + b"\n{oops\n" + good + b"\n")
     with pytest.raises(BadRequestError) as caught:
         client.files.create(file=open(path, "rb"), purpose="batch")
-    assert caught.value.code == "invalid_json" and caught.value.message.startswith("line 2: "), caught.value.message
+    error = caught.value.body
+    assert isinstance(error, dict) and error["code"] == "invalid_json", error
+    assert error["message"].startswith("line 2: the line is not JSON"), error
 
 
 def test_cancel_stops_a_job_and_keeps_what_finished(pipeline, client, tmp_path):
