@@ -94,9 +94,13 @@ class _Parser:
         self.field_value = bytearray()
 
     def feed(self, piece: bytes) -> None:
+        if self.state == "done":
+            return  # an epilogue is ignored, as RFC 2046 says, and not kept
         self.buffer += piece
         while self._step():
             pass
+        if self.state != "data" and len(self.buffer) > 2 * MAX_HEADER_BYTES:
+            raise ApiError(400, "malformed multipart body", code="invalid_value")
 
     def finish(self) -> None:
         if self.state != "done":

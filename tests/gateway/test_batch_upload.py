@@ -183,3 +183,21 @@ def test_the_gateway_and_the_batcher_count_the_same_lines():
     assert summary.num_requests == len(parsed.lines) == len(odd) + 1
     assert [ln.line for ln in parsed.lines][-1] == len(odd) + 2  # the blank line still counts for numbers
     assert len(data.decode().splitlines()) > len(parsed.lines)  # str.splitlines would have seen more
+
+
+async def test_nothing_after_the_closing_boundary_or_between_parts_piles_up():
+    ctype, body = multipart({"file": ("a.jsonl", b"x")}, {"purpose": "batch"})
+    epilogue = body + b"e" * (512 << 10)
+    tracemalloc.start()
+    try:
+        upload = await receive_upload(ctype, None, pieces(epilogue, 4096), 1 << 20)
+        _size, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    upload.close()
+    assert upload.fields == {"purpose": "batch"} and peak < 128 << 10, peak
+    boundary = ctype.split("boundary=")[1]
+    garbage = f"--{boundary}".encode() + b"x" * (1 << 20)  # a boundary line that never ends
+    with pytest.raises(ApiError) as caught:
+        await receive_upload(ctype, None, pieces(garbage, 4096), 1 << 20)
+    assert caught.value.status == 400
