@@ -118,6 +118,9 @@ async def test_files_and_batches_are_their_owners_alone(tenants: Tenants) -> Non
             assert (await http.get("/v1/batches")).json()["data"] == []
             assert (await http.get("/v1/batches", params={"after": batch.id})).json()["data"] == []
     assert (await ann.batches.retrieve(batch.id)).status == "validating"  # the others' cancel did nothing
+    async with t.http(t.ann) as http:  # no one deletes a file yet, its owner included (docs/batch.md)
+        assert (await http.delete(f"/v1/files/{uploaded.id}")).status_code == 405
+    assert (await ann.files.content(uploaded.id)).content == content
 
 
 async def test_an_output_file_is_its_batchs_owners_and_passes_the_output_guard(tenants: Tenants) -> None:
