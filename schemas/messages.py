@@ -479,6 +479,8 @@ class FileChunk(_Wire):
     num_chunks: int = Field(ge=1, description="How many chunks the file has.")
     filename: str = Field(max_length=512, description="Name the file was uploaded or produced under.")
     purpose: str = Field(description="OpenAI file purpose: 'batch' (input) or 'batch_output'.")
+    tenant: str = Field(min_length=1, description="Tenant of the owner: the uploader, or the batch's owner.")
+    principal: str = Field(min_length=1, description="Principal of the owner; only the owner may read the file.")
     num_bytes: int = Field(ge=0, description="Size of the whole file in bytes.")
     data: str = Field(description="UTF-8 text of this chunk.")
     created_ms: int = Field(default_factory=now_ms, description="When the file was created, epoch ms.")
@@ -524,6 +526,11 @@ class BatchJob(_Wire):
     output_file_id: str | None = Field(None, description="File of successful results, once finished.")
     error_file_id: str | None = Field(None, description="File of failed requests, once finished (if any).")
     errors: list[BatchLineError] = Field(default_factory=list, description="Why validation failed.")
+    queued_tokens: int = Field(0, ge=0, description="Tokens its requests may use (prompts + max_tokens), "
+                               "counted against its owner's batch quota while it is live.")
+    planned_output_file_id: str | None = Field(None, description="Random id the runner will write the output "
+                                               "file under (recorded before writing, so a restart reuses it).")
+    planned_error_file_id: str | None = Field(None, description="Random id of the error file (see above).")
     created_ms: int = Field(default_factory=now_ms, description="When the job was created, epoch ms.")
     expires_ms: int = Field(description="When the job expires (created + completion window), epoch ms.")
     in_progress_ms: int | None = Field(None, description="When validation passed, epoch ms.")

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import IO, Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
@@ -18,24 +20,70 @@ from schemas.messages import MAX_FILE_CHUNK_BYTES, FileChunk
 from weir.bus import BusSettings, make_consumer, partitions_of
 
 
-def chunk_file(file_id: str, filename: str, purpose: str, data: bytes, created_ms: int,
-               max_chunk_bytes: int = MAX_FILE_CHUNK_BYTES) -> list[FileChunk]:
+@dataclass(frozen=True)
+class FileHeader:
+    """What every chunk of a file repeats: its id, name, purpose and owner (tenant, principal)."""
+
+    file_id: str
+    filename: str
+    purpose: str
+    tenant: str
+    principal: str
+    created_ms: int
+
+
+def chunk_file(header: FileHeader, data: bytes, max_chunk_bytes: int = MAX_FILE_CHUNK_BYTES) -> list[FileChunk]:
     """The FileChunks of UTF-8 `data` (raises UnicodeDecodeError otherwise); no chunk splits a character."""
     data.decode("utf-8")
-    pieces: list[bytes] = []
+    spans = chunk_spans(lambda at: data[at : at + 4], len(data), max_chunk_bytes)
+    return [_chunk(header, i, len(spans), len(data), data[start:end]) for i, (start, end) in enumerate(spans)]
+
+
+def chunk_spans(
+    peek: Callable[[int], bytes], size: int, max_chunk_bytes: int = MAX_FILE_CHUNK_BYTES
+) -> list[tuple[int, int]]:
+    """[start, end) of each chunk of a `size`-byte UTF-8 file whose bytes from an offset `peek`
+    shows (at least one): at most max_chunk_bytes (>= 4) each, never inside a character."""
+    spans: list[tuple[int, int]] = []
     start = 0
-    while start < len(data):
-        end = min(start + max_chunk_bytes, len(data))
-        while end < len(data) and (data[end] & 0xC0) == 0x80:  # inside a multi-byte character
+    while start < size:
+        end = min(start + max_chunk_bytes, size)
+        while end < size and (peek(end)[0] & 0xC0) == 0x80:  # inside a multi-byte character
             end -= 1
-        pieces.append(data[start:end])
+        spans.append((start, end))
         start = end
-    pieces = pieces or [b""]
-    return [
-        FileChunk(file_id=file_id, index=i, num_chunks=len(pieces), filename=filename, purpose=purpose,
-                  num_bytes=len(data), data=piece.decode("utf-8"), created_ms=created_ms)
-        for i, piece in enumerate(pieces)
-    ]
+    return spans or [(0, 0)]
+
+
+def _chunk(header: FileHeader, index: int, num_chunks: int, num_bytes: int, piece: bytes) -> FileChunk:
+    return FileChunk(file_id=header.file_id, index=index, num_chunks=num_chunks, filename=header.filename,
+                     purpose=header.purpose, tenant=header.tenant, principal=header.principal,
+                     num_bytes=num_bytes, data=piece.decode("utf-8"), created_ms=header.created_ms)  # fmt: skip
+
+
+async def write_spooled(producer: AIOKafkaProducer, topic: str, header: FileHeader, file: IO[bytes], size: int,
+                        on_chunk: Callable[[FileChunk], None], max_in_flight: int = 4) -> FileChunk:
+    """Produce a `size`-byte UTF-8 file from a seekable binary file, a chunk at a time with at most
+    `max_in_flight` chunks unacknowledged, so it is never whole in this function's memory; each
+    chunk goes to `on_chunk` once produced. Returns the first chunk (the file's metadata). Raises
+    UnicodeDecodeError for a file that is not UTF-8."""
+    def peek(at: int) -> bytes:  # noqa: E306
+        file.seek(at)
+        return file.read(4)
+    spans = chunk_spans(peek, size)
+    pending: list[asyncio.Future[Any]] = []
+    first: FileChunk | None = None
+    for i, (start, end) in enumerate(spans):
+        file.seek(start)
+        chunk = _chunk(header, i, len(spans), size, file.read(end - start))
+        pending.append(await producer.send(topic, encode(chunk), key=header.file_id.encode()))
+        on_chunk(chunk)
+        first = first or chunk
+        if len(pending) >= max_in_flight:
+            await pending.pop(0)
+    await asyncio.gather(*pending)
+    assert first is not None  # chunk_spans gives at least one span
+    return first
 
 
 @dataclass
@@ -53,6 +101,14 @@ class StoredFile:
     def content(self) -> bytes:
         """The whole file; call only when complete."""
         return "".join(self.chunks[i] for i in range(self.first.num_chunks)).encode("utf-8")
+
+    def pieces(self) -> Iterator[bytes]:
+        """The file's bytes chunk by chunk; call only when complete."""
+        return (self.chunks[i].encode("utf-8") for i in range(self.first.num_chunks))
+
+    def is_owned_by(self, tenant: str, principal: str) -> bool:
+        """True when (tenant, principal) owns the file (docs/design.md, "Batch files")."""
+        return (self.first.tenant, self.first.principal) == (tenant, principal)
 
 
 class FileIndex:
@@ -73,6 +129,10 @@ class FileIndex:
         stored = self.files.get(file_id)
         return stored if stored is not None and stored.is_complete else None
 
+    def complete(self) -> Iterator[StoredFile]:
+        """Every complete file."""
+        return (stored for stored in self.files.values() if stored.is_complete)
+
 
 async def write_file(producer: AIOKafkaProducer, topic: str, chunks: list[FileChunk]) -> None:
     """Produce every chunk of a file and wait until all are durable."""
@@ -80,7 +140,7 @@ async def write_file(producer: AIOKafkaProducer, topic: str, chunks: list[FileCh
     await asyncio.gather(*futures)
 
 
-async def read_file(settings: BusSettings, file_id: str, timeout_s: float, client_id: str) -> bytes | None:
+async def read_file(settings: BusSettings, file_id: str, timeout_s: float, client_id: str) -> StoredFile | None:
     """Read the files topic from the start until `file_id` is complete; None if it is not there
     within `timeout_s` (an id no one wrote, or a writer that has not finished yet)."""
     topic = settings.topics.files
@@ -102,7 +162,7 @@ async def read_file(settings: BusSettings, file_id: str, timeout_s: float, clien
                             continue
             found = index.get(file_id)
             if found is not None:
-                return found.content()
+                return found
         return None
     finally:
         await consumer.stop()

@@ -1,16 +1,18 @@
 """Batch jobs, the pure part: input-file parsing, the job state machine, result collection and
 the output/error files in OpenAI's Batch API formats. No I/O; time is passed in.
 
-A job's input is a JSONL file whose lines are {custom_id, method: "POST", url, body}. A line the
-runner cannot even identify (not JSON, no custom_id, a repeated custom_id, another url) fails
-the whole job in validation, as OpenAI does; a line whose *body* is wrong (unknown model, a bad
-parameter) is answered in the error file with status 400 and the job goes on. Bodies are checked
-as the gateway checks them (schemas/openai_bodies.py): what its endpoint refuses, a line refuses.
+A job's input is a JSONL file whose lines are {custom_id, method: "POST", url, body}, split and
+parsed by the gateway's own code (schemas/batch_lines.py), which refused any bad line before the
+file was stored. Checked again here: a line the runner cannot even identify (not JSON, no
+custom_id, a repeated custom_id, another url) fails the whole job in validation, as OpenAI does;
+a line whose *body* is wrong (a model removed since the upload, a bad parameter) is answered in
+the error file with status 400 and the job goes on.
 """
 
 from __future__ import annotations
 
 import hashlib
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,11 +28,16 @@ from schemas.messages import (
     ReplyEnd,
     RequestCounts,
 )
+from schemas.batch_lines import (
+    MAX_BATCH_LINES,
+    Envelope,
+    LineError,
+    iter_lines,
+    parse_envelope,
+    parse_line_body,
+)
 from schemas.model_repo import ModelRepository
-from schemas.openai_bodies import BodyError, ChatCompletionBody, Kind, parse_body
-
-ENDPOINT_KINDS: dict[str, Kind] = {"/v1/chat/completions": "chat.completions", "/v1/completions": "completions"}
-MAX_BATCH_LINES = 50_000
+from schemas.openai_bodies import ChatCompletionBody
 MAX_VALIDATION_ERRORS = 100
 
 # Legal moves of a job's status; anything else is a bug in the runner.
@@ -72,14 +79,11 @@ def request_id_of(job_id: str, custom_id: str) -> str:
     return f"{job_id}.{hashlib.sha256(custom_id.encode()).hexdigest()[:24]}"
 
 
-def output_file_id(job_id: str) -> str:
-    """Id of a job's output file; fixed, so a runner that restarts while writing rewrites the same file."""
-    return f"file-{job_id}-output"
-
-
-def error_file_id(job_id: str) -> str:
-    """Id of a job's error file (see output_file_id)."""
-    return f"file-{job_id}-errors"
+def new_file_id() -> str:
+    """A fresh, unguessable file id for a job's output or error file: nothing about it follows
+    from the job id (docs/design.md, "Batch files"). The runner records the ids it will use in the
+    job record before writing, so one that restarts while writing rewrites the same files."""
+    return f"file-{secrets.token_hex(16)}"
 
 
 @dataclass(frozen=True)
@@ -102,74 +106,44 @@ class ParsedInput:
     errors: list[BatchLineError] = field(default_factory=list)
 
 
-def parse_input(text: str, job: BatchJob, repo: ModelRepository, reply_to: str) -> ParsedInput:
-    """Parse and check the JSONL input of `job`; each request goes to the bulk lane, to `reply_to`,
-    with the job's expiry as its deadline. Pure and deterministic: a restart parses the same."""
+def parse_input(content: bytes, job: BatchJob, repo: ModelRepository, reply_to: str) -> ParsedInput:
+    """Parse and check the JSONL input of `job` with the gateway's own splitter and parser
+    (schemas/batch_lines.py); each request goes to the bulk lane, to `reply_to`, with the job's
+    expiry as its deadline. Pure and deterministic: a restart parses the same."""
     parsed = ParsedInput()
     seen: set[str] = set()
-    rows = [(n, raw) for n, raw in enumerate(text.splitlines(), start=1) if raw.strip()]
-    if not rows:
-        parsed.errors.append(BatchLineError(code="empty_file", message="the input file has no requests"))
-    if len(rows) > MAX_BATCH_LINES:
-        parsed.errors.append(BatchLineError(code="too_many_requests",
-                                            message=f"{len(rows)} lines; at most {MAX_BATCH_LINES} per batch"))
-        return parsed
-    for number, raw in rows:
-        error = _check_envelope(number, raw, job.endpoint, seen)
-        if isinstance(error, BatchLineError):
+    num_rows = 0
+    for number, raw in iter_lines([content]):
+        num_rows += 1
+        if num_rows > MAX_BATCH_LINES:
+            message = f"more than {MAX_BATCH_LINES} lines; at most {MAX_BATCH_LINES} per batch"
+            parsed.errors.append(BatchLineError(code="too_many_requests", message=message))
+            return parsed
+        try:
+            envelope = parse_envelope(number, raw, seen, job.endpoint)
+        except LineError as exc:
             if len(parsed.errors) < MAX_VALIDATION_ERRORS:
-                parsed.errors.append(error)
+                parsed.errors.append(BatchLineError(code=exc.code, message=str(exc), line=exc.line, param=exc.param))
             continue
-        parsed.lines.append(_to_line(number, error, job, repo, reply_to))
+        parsed.lines.append(_to_line(envelope, job, repo, reply_to))
+    if num_rows == 0:
+        parsed.errors.append(BatchLineError(code="empty_file", message="the input file has no requests"))
     return parsed
 
 
-def _check_envelope(number: int, raw: str, endpoint: str, seen: set[str]) -> dict[str, Any] | BatchLineError:
-    try:
-        row = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        return BatchLineError(code="invalid_json", message=f"line {number} is not JSON: {exc}", line=number)
-    if not isinstance(row, dict):
-        return BatchLineError(code="invalid_request", message="a line must be a JSON object", line=number)
-    custom_id = row.get("custom_id")
-    if not isinstance(custom_id, str) or not custom_id:
-        return BatchLineError(code="missing_custom_id", message="custom_id must be a non-empty string",
-                              line=number, param="custom_id")
-    if custom_id in seen:
-        return BatchLineError(code="duplicate_custom_id", message=f"custom_id {custom_id!r} repeats an earlier line",
-                              line=number, param="custom_id")
-    seen.add(custom_id)
-    if row.get("method", "POST") != "POST":
-        return BatchLineError(code="invalid_method", message="method must be POST", line=number, param="method")
-    if row.get("url") != endpoint:
-        return BatchLineError(code="mismatched_url", message=f"url {row.get('url')!r} differs from the batch's "
-                              f"endpoint {endpoint!r}", line=number, param="url")
-    if not isinstance(row.get("body"), dict):
-        return BatchLineError(code="invalid_request", message="body must be a JSON object", line=number, param="body")
-    return row
-
-
-def _to_line(number: int, row: dict[str, Any], job: BatchJob, repo: ModelRepository, reply_to: str) -> JobLine:
-    custom_id, body = row["custom_id"], row["body"]
+def _to_line(envelope: Envelope, job: BatchJob, repo: ModelRepository, reply_to: str) -> JobLine:
+    number, custom_id = envelope.line, envelope.custom_id
     request_id = request_id_of(job.job_id, custom_id)
-    model = body.get("model")
+    model = envelope.body.get("model")
     def refused(code: str, message: str, param: str | None = None) -> JobLine:  # noqa: E306
         info = BatchLineError(code=code, message=message, line=number, param=param)
         return JobLine(number, custom_id, request_id, str(model), None, info)
     if not isinstance(model, str) or repo.get(model) is None:
         return refused("model_not_found", f"The model {model!r} does not exist", "model")
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1:
-        body = {**body, "prompt": prompt[0]}  # a batch line may wrap its one prompt in a list
     try:  # the same checks as the gateway's endpoint: every parameter honoured or refused by name
-        parsed = parse_body(ENDPOINT_KINDS[job.endpoint], orjson.dumps(body))
-    except BodyError as exc:
+        parsed = parse_line_body(envelope)
+    except LineError as exc:
         return refused(exc.code, exc.message, exc.param)
-    if parsed.stream:
-        return refused("invalid_value", "stream is not supported in a batch", "stream")
-    if parsed.timeout_s is not None:
-        return refused("unsupported_parameter", "timeout_s is not supported in a batch: the batch's completion "
-                       "window is every line's deadline", "timeout_s")  # fmt: skip
     fields: dict[str, Any] = {
         "request_id": request_id, "model": model, "priority": "bulk", "deadline_ms": job.expires_ms,
         "reply_to": reply_to, "stream": False, "principal": job.principal, "tenant": job.tenant,

@@ -9,8 +9,9 @@ Where the state lives (all in Kafka):
 - `weir.replies.job.<job_id>`: the ReplyEvents of the job's requests. A resumed job reads it from
   the start, so it knows which lines already ended, and submits only the others (same
   deterministic request_id; a repeated answer is dropped by seq, the first ReplyEnd wins).
-- `weir.files`: the input file and, at the end, the output and error files (fixed ids, identical
-  content if written twice), so each custom_id appears exactly once.
+- `weir.files`: the input file (its owner must be the job's) and, at the end, the output and
+  error files (random ids recorded in the job record before writing, identical content if
+  written twice), so each custom_id appears exactly once.
 """
 
 from __future__ import annotations
@@ -28,15 +29,14 @@ from schemas.messages import BatchJob, BatchLineError, Cancellation, JobCommand,
 from schemas.model_repo import ModelRepository
 from services.batcher.job_core import (
     JobResults,
-    error_file_id,
     is_terminal,
-    output_file_id,
+    new_file_id,
     parse_input,
     transition,
 )
 from weir.bus import BusSettings, OffsetTracker, make_consumer, make_producer
 from weir.bus import partitions_of
-from weir.files import is_behind, chunk_file, read_file, write_file
+from weir.files import FileHeader, chunk_file, is_behind, read_file, write_file
 from weir.kafka.admin import ensure_topics
 
 log = logging.getLogger(__name__)
@@ -206,14 +206,12 @@ class JobExecution:
     async def run(self) -> None:
         """Drive the job to completed, failed, cancelled or expired."""
         job = self.job
-        content = await read_file(self.runner.settings, job.input_file_id, 30.0, f"{self.runner.runner_id}-files")
-        if content is None:
+        stored = await read_file(self.runner.settings, job.input_file_id, 30.0, f"{self.runner.runner_id}-files")
+        # Another owner's file does not exist for this job (docs/design.md, "Batch files"): the
+        # gateway checked it, and a job record written straight to Kafka is checked here again.
+        if stored is None or not stored.is_owned_by(job.tenant, job.principal) or stored.first.purpose != "batch":
             return await self._fail(BatchLineError(code="file_not_found", message=f"no file {job.input_file_id!r}"))
-        try:
-            text = content.decode("utf-8")
-        except UnicodeDecodeError:
-            return await self._fail(BatchLineError(code="invalid_file", message="the input file is not UTF-8"))
-        parsed = parse_input(text, job, self.runner.repo, self.reply_topic)
+        parsed = parse_input(stored.content(), job, self.runner.repo, self.reply_topic)
         if parsed.errors:
             return await self._fail(*parsed.errors)
         results = JobResults(parsed.lines)
@@ -302,16 +300,23 @@ class JobExecution:
         await self._finish(results, "cancelled", "batch_cancelled")
 
     async def _finish(self, results: JobResults, status: str, unfinished_code: str | None) -> None:
+        if self.job.planned_output_file_id is None or self.job.planned_error_file_id is None:
+            # Random ids, recorded before any file is written: a runner that restarts while writing
+            # rewrites the same files, and no one can derive them from the batch id.
+            planned = {"planned_output_file_id": new_file_id(), "planned_error_file_id": new_file_id()}
+            self.job = await self.runner.save(self.job.model_copy(update={**planned, "updated_ms": now_ms()}))
         job = self.job
+        assert job.planned_output_file_id is not None and job.planned_error_file_id is not None
         output, errors = results.files(job.endpoint, unfinished_code)
         changes: dict[str, Any] = {"request_counts": results.counts()}
         created_ms = job.finalizing_ms or job.cancelling_ms or now_ms()
-        for file_id, name, text in ((output_file_id(job.job_id), "output", output),
-                                    (error_file_id(job.job_id), "errors", errors)):
+        for file_id, name, text in ((job.planned_output_file_id, "output", output),
+                                    (job.planned_error_file_id, "errors", errors)):
             if not text:
                 continue
-            chunks = chunk_file(file_id, f"{job.job_id}_{name}.jsonl", "batch_output", text.encode(), created_ms)
-            await write_file(self.producer, self.topics.files, chunks)
+            header = FileHeader(file_id, f"{job.job_id}_{name}.jsonl", "batch_output", job.tenant, job.principal,
+                                created_ms)  # the batch's owner owns its results
+            await write_file(self.producer, self.topics.files, chunk_file(header, text.encode()))
             changes["output_file_id" if name == "output" else "error_file_id"] = file_id
         self.job = await self.runner.save(transition(job, status, now_ms(), **changes))
         counts = self.job.request_counts

@@ -53,8 +53,8 @@ def create_app(settings: GatewaySettings, repo: ModelRepository | None = None) -
     # Routes go on the app's own router, not include_router: in FastAPI 0.165 an included router
     # is one lazy entry of app.routes, and tests/gateway/test_openapi.py walks app.routes.
     add_metrics_routes(app.router, parts.guard.metrics)
-    add_file_routes(app.router, batches, parts.guard)
-    add_batch_routes(app.router, batches, parts.guard)
+    add_file_routes(app.router, batches, parts)
+    add_batch_routes(app.router, batches, parts)
     for add_routes in (add_completion_routes, add_embedding_routes, add_stream_routes, add_operation_routes):
         add_routes(app.router, parts)
     for exc_class in HANDLED:

@@ -1,24 +1,38 @@
 """OpenAI's Files and Batch API formats, pure: the objects returned, and the checks of what a
-client sends (an upload, a new batch, a page of batches). Every refusal is an ApiError in
-OpenAI's format; the routes (routes/batches.py) read the request and the store, and call these.
+client sends (an upload and every line of it, a new batch and its owner's quota, a page of files
+or batches). Every refusal is an ApiError in OpenAI's format; the routes (routes/batches.py) read
+the request and the store, and call these. Files and batches are their owner's alone
+(docs/design.md, "Batch files").
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from email.parser import BytesParser
-from email.policy import HTTP
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
+from pydantic import ValidationError
 
-from schemas.messages import BatchJob, FileChunk
-from services.gateway.openai_format import ApiError
+from schemas.batch_lines import (
+    ENDPOINT_KINDS,
+    MAX_BATCH_LINES,
+    Envelope,
+    LineError,
+    iter_lines,
+    parse_envelope,
+    parse_line_body,
+)
+from schemas.messages import TERMINAL_BATCH_STATUSES, BatchJob, FileChunk, RequestCounts, now_ms
+from schemas.model_repo import ModelRepository
+from services.gateway.batch_upload import Upload
+from services.gateway.guard.auth import Identity
+from services.gateway.guard.validation import TokenCounter, check_request
+from services.gateway.openai_format import ApiError, refuse_embedding_model, to_generate_request
 
-MAX_FILE_BYTES = 64 << 20
 MAX_METADATA_PAIRS = 16
 COMPLETION_WINDOW_MS = {"24h": 24 * 3600 * 1000}
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+ENDPOINTS = tuple(ENDPOINT_KINDS)
 CANCELLABLE = ("validating", "in_progress", "finalizing")  # statuses a cancel command still changes
 
 
@@ -45,57 +59,100 @@ def batch_object(job: BatchJob) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def parse_multipart(content_type: str, body: bytes) -> tuple[dict[str, str], tuple[str, bytes] | None]:
-    """(form fields, (filename, bytes) of the `file` part or None) of a multipart/form-data body."""
-    if not content_type.startswith("multipart/form-data"):
-        raise ApiError(400, "POST /v1/files takes multipart/form-data", code="invalid_value")
-    message = BytesParser(policy=HTTP).parsebytes(b"Content-Type: " + content_type.encode() + b"\r\n\r\n" + body)
-    fields: dict[str, str] = {}
-    upload: tuple[str, bytes] | None = None
-    for part in message.iter_parts():  # type: ignore[attr-defined]
-        name = part.get_param("name", header="content-disposition")
-        payload = part.get_payload(decode=True)
-        data = payload if isinstance(payload, bytes) else b""
-        if name == "file":
-            upload = (part.get_filename() or "upload.jsonl", data)
-        elif isinstance(name, str):
-            fields[name] = data.decode("utf-8", "replace")
-    return fields, upload
-
-
-def batch_upload(content_type: str, body: bytes) -> tuple[str, bytes]:
-    """(filename, bytes) of a POST /v1/files body; ApiError 413 when too large, 400 when it is not
-    multipart, its purpose is not 'batch' or it has no `file` part."""
-    if len(body) > MAX_FILE_BYTES:
-        raise ApiError(413, f"files are limited to {MAX_FILE_BYTES} bytes", code="request_too_large")
-    fields, upload = parse_multipart(content_type, body)
-    if fields.get("purpose") != "batch":
-        raise ApiError(400, "purpose must be 'batch'", param="purpose", code="invalid_value")
-    if upload is None:
+def check_purpose(upload: Upload) -> None:
+    """ApiError 400 unless the upload is a batch input file: purpose 'batch' (the only purpose
+    Weir stores) and a `file` part."""
+    purpose = upload.fields.get("purpose")
+    if purpose is None:
+        raise ApiError(400, "purpose is required; Weir stores batch input files: purpose 'batch'", param="purpose",
+                       code="missing_required_parameter")  # fmt: skip
+    if purpose != "batch":
+        raise ApiError(400, f"purpose {purpose!r} is not supported; Weir stores batch input files only (purpose "
+                       "'batch')", param="purpose", code="invalid_value")  # fmt: skip
+    if upload.file is None:
         raise ApiError(400, "a 'file' part is required", param="file", code="invalid_value")
-    return upload
 
 
-def models_in(content: bytes) -> set[str]:
-    """The models the lines of a batch input file name (lines that do not parse are the runner's to refuse)."""
-    models: set[str] = set()
-    for raw in content.splitlines():
+@dataclass(frozen=True)
+class LineRules:
+    """What a batch line is checked against at the gateway: the models, the caller, and the
+    limits the online endpoint applies (docs/design.md, "Batch files")."""
+
+    repo: ModelRepository
+    identity: Identity
+    counter: TokenCounter
+    max_input_tokens: int | None
+    max_stop_sequences: int
+    max_timeout_s: float
+    reply_to: str  # a reply topic for the trial GenerateRequest of each line; nothing is sent
+
+
+@dataclass(frozen=True)
+class FileSummary:
+    """What a checked batch file asks for: its requests, and the tokens the online endpoint would
+    reserve for them (prompt tokens + max_tokens), which the batch quota counts."""
+
+    num_requests: int
+    num_tokens: int
+
+
+def check_batch_lines(pieces: Iterable[bytes], rules: LineRules, endpoint: str | None = None) -> FileSummary:
+    """Check every line of a batch file given as byte pieces, with the batcher's own splitter and
+    parser (schemas/batch_lines.py): the envelope (and url == `endpoint` when given), the body as
+    its endpoint checks it over HTTP, the model known, allowed to the caller and not an embedding
+    model, the prompt within the context. ApiError 400 naming the first bad line; CPU-bound, so
+    a route runs it off the event loop."""
+    seen: set[str] = set()
+    num_requests = num_tokens = 0
+    for number, raw in iter_lines(pieces):
+        num_requests += 1
+        if num_requests > MAX_BATCH_LINES:
+            raise ApiError(400, f"the file has more than {MAX_BATCH_LINES} requests, the most a batch takes",
+                           param="file", code="too_many_requests")  # fmt: skip
         try:
-            row = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            continue
-        body = row.get("body") if isinstance(row, dict) else None
-        if isinstance(body, dict) and isinstance(body.get("model"), str):
-            models.add(body["model"])
-    return models
+            num_tokens += _check_line(parse_envelope(number, raw, seen, endpoint), rules)
+        except LineError as exc:
+            raise ApiError(400, f"line {exc.line}: {exc.message}", param=exc.param, code=exc.code) from None
+    if num_requests == 0:
+        raise ApiError(400, "the file has no requests", param="file", code="empty_file")
+    return FileSummary(num_requests, num_tokens)
+
+
+def _check_line(envelope: Envelope, rules: LineRules) -> int:
+    """The tokens line `envelope` reserves; LineError when the online endpoint would refuse it."""
+    body = parse_line_body(envelope)
+    model = rules.repo.get(body.model)
+    if model is None:
+        raise LineError(envelope.line, "model_not_found", f"The model {body.model!r} does not exist", "model")
+    if not rules.identity.may_use(model.name):
+        raise LineError(envelope.line, "model_not_allowed", f"{rules.identity.principal} may not use the model "
+                        f"{model.name!r}", "model")  # fmt: skip
+    try:
+        refuse_embedding_model(model)
+        request = to_generate_request(
+            ENDPOINT_KINDS[envelope.url], body, model, request_id="batch-line-check", reply_to=rules.reply_to,
+            now_ms=now_ms(), client_timeout_s=None, max_timeout_s=rules.max_timeout_s,
+        )  # fmt: skip
+        prompt_tokens = rules.counter.count_prompt(model, body)
+        request = check_request(body, request, model, prompt_tokens, max_input_tokens=rules.max_input_tokens,
+                                max_stop_sequences=rules.max_stop_sequences)  # fmt: skip
+    except ApiError as exc:
+        raise LineError(envelope.line, exc.code or "invalid_value", exc.message, exc.param) from None
+    except ValidationError as exc:  # a value the wire type refuses
+        first = exc.errors(include_url=False)[0]
+        param = ".".join(str(part) for part in first["loc"]) or None
+        raise LineError(envelope.line, "invalid_value", str(first["msg"]), param) from None
+    return prompt_tokens + request.max_tokens
 
 
 def check_batch_body(body: Any) -> dict[str, Any]:
     """The parsed JSON of POST /v1/batches, checked: a JSON object with a known endpoint, the one
-    completion window and at most 16 metadata pairs; ApiError 400 otherwise. The input file is
-    the caller's to look up."""
+    completion window, an input_file_id and at most 16 metadata pairs; ApiError 400 otherwise.
+    The input file is the caller's to look up."""
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object", code="invalid_value")
+    if not isinstance(body.get("input_file_id"), str) or not body["input_file_id"]:
+        raise ApiError(400, "input_file_id must be a file id", param="input_file_id", code="invalid_value")
     if body.get("endpoint") not in ENDPOINTS:
         raise ApiError(400, f"endpoint must be one of {list(ENDPOINTS)}", param="endpoint", code="invalid_value")
     if body.get("completion_window") not in COMPLETION_WINDOW_MS:
@@ -106,24 +163,51 @@ def check_batch_body(body: Any) -> dict[str, Any]:
     return body
 
 
-def new_batch_job(body: dict[str, Any], job_id: str, principal: str, tenant: str, created_ms: int) -> BatchJob:
-    """The first record of a batch from a body check_batch_body accepted: validating, due by the
-    end of its completion window."""
+def new_batch_job(body: dict[str, Any], job_id: str, identity: Identity, summary: FileSummary,
+                  created_ms: int) -> BatchJob:
+    """The first record of a batch from a body check_batch_body accepted, owned by `identity`:
+    validating, due by the end of its completion window, its requests and tokens counted."""
     window = body["completion_window"]
     metadata = body.get("metadata")
     return BatchJob(job_id=job_id, status="validating", endpoint=body["endpoint"],
                     input_file_id=body["input_file_id"], completion_window=window,
                     metadata={str(k): str(v) for k, v in metadata.items()} if metadata else None,
-                    principal=principal, tenant=tenant, created_ms=created_ms,
+                    principal=identity.principal, tenant=identity.tenant, created_ms=created_ms,
+                    request_counts=RequestCounts(total=summary.num_requests), queued_tokens=summary.num_tokens,
                     expires_ms=created_ms + COMPLETION_WINDOW_MS[window], updated_ms=created_ms)  # fmt: skip
 
 
-def batch_page(jobs: Iterable[BatchJob], tenant: str, limit: int, after: str | None) -> dict[str, Any]:
-    """GET /v1/batches: the tenant's batches newest first, `limit` of them after the batch `after`
-    (none when `after` is unknown); ApiError 400 unless 1 <= limit <= 100."""
+def is_owned_by(job: BatchJob, identity: Identity) -> bool:
+    """True when `identity`'s (tenant, principal) owns the batch (docs/design.md, "Batch files")."""
+    return (job.tenant, job.principal) == (identity.tenant, identity.principal)
+
+
+def check_batch_quota(jobs: Iterable[BatchJob], identity: Identity, summary: FileSummary,
+                      max_requests: int, max_tokens: int) -> None:
+    """ApiError 429 when the new batch `summary` would take its owner's live batches past the
+    batch quota: `max_requests` and `max_tokens`, and for a credential with per-minute limits at
+    most what those allow over a completion window (docs/batch.md, "Batch quota")."""
+    window_min = COMPLETION_WINDOW_MS["24h"] // 60_000
+    if identity.max_requests_per_min is not None:
+        max_requests = min(max_requests, identity.max_requests_per_min * window_min)
+    if identity.max_tokens_per_min is not None:
+        max_tokens = min(max_tokens, identity.max_tokens_per_min * window_min)
+    live = [j for j in jobs if is_owned_by(j, identity) and j.status not in TERMINAL_BATCH_STATUSES]
+    queued_requests = sum(j.request_counts.total for j in live) + summary.num_requests
+    queued_tokens = sum(j.queued_tokens for j in live) + summary.num_tokens
+    for kind, queued, limit in (("requests", queued_requests, max_requests), ("tokens", queued_tokens, max_tokens)):
+        if queued > limit:
+            raise ApiError(429, f"Batch quota exceeded for {identity.principal}: live batches would hold {queued} "
+                           f"{kind}, the quota is {limit}; wait for a batch to finish or split the file",
+                           code="batch_quota_exceeded")  # fmt: skip
+
+
+def batch_page(jobs: Iterable[BatchJob], identity: Identity, limit: int, after: str | None) -> dict[str, Any]:
+    """GET /v1/batches: the caller's own batches newest first, `limit` of them after the batch
+    `after` (none when `after` is unknown); ApiError 400 unless 1 <= limit <= 100."""
     if not 1 <= limit <= 100:
         raise ApiError(400, "limit must be between 1 and 100", param="limit", code="invalid_value")
-    mine = sorted((j for j in jobs if j.tenant == tenant), key=lambda j: (j.created_ms, j.job_id), reverse=True)
+    mine = sorted((j for j in jobs if is_owned_by(j, identity)), key=lambda j: (j.created_ms, j.job_id), reverse=True)
     if after is not None:
         ids = [j.job_id for j in mine]
         mine = mine[ids.index(after) + 1:] if after in ids else []
@@ -131,3 +215,45 @@ def batch_page(jobs: Iterable[BatchJob], tenant: str, limit: int, after: str | N
     return {"object": "list", "data": [batch_object(j) for j in page],
             "first_id": page[0].job_id if page else None,
             "last_id": page[-1].job_id if page else None, "has_more": len(mine) > limit}  # fmt: skip
+
+
+def file_page(files: Iterable[FileChunk], identity: Identity, purpose: str | None, limit: int, order: str,
+              after: str | None) -> dict[str, Any]:
+    """GET /v1/files: the caller's own files (of `purpose` when given), by created_at in `order`,
+    `limit` of them after the file `after`; ApiError 400 for a limit outside 1..10000 or another order."""
+    if not 1 <= limit <= 10_000:
+        raise ApiError(400, "limit must be between 1 and 10000", param="limit", code="invalid_value")
+    if order not in ("asc", "desc"):
+        raise ApiError(400, "order must be 'asc' or 'desc'", param="order", code="invalid_value")
+    mine = sorted((f for f in files if (f.tenant, f.principal) == (identity.tenant, identity.principal)
+                   and (purpose is None or f.purpose == purpose)),
+                  key=lambda f: (f.created_ms, f.file_id), reverse=order == "desc")  # fmt: skip
+    if after is not None:
+        ids = [f.file_id for f in mine]
+        mine = mine[ids.index(after) + 1 :] if after in ids else []
+    page = mine[:limit]
+    return {"object": "list", "data": [file_object(f) for f in page],
+            "first_id": page[0].file_id if page else None,
+            "last_id": page[-1].file_id if page else None, "has_more": len(mine) > limit}  # fmt: skip
+
+
+def redact_result_line(raw: bytes, redact: Callable[[str], str]) -> bytes:
+    """One line of a batch output or error file with the model's text in its response body
+    (choices[].message.content, choices[].text) passed through `redact`, the output guard's
+    function for a whole online response; other lines, and the rest of the line, as they were."""
+    try:
+        row = orjson.loads(raw)
+        choices = row["response"]["body"]["choices"]
+    except (orjson.JSONDecodeError, TypeError, KeyError):
+        return raw
+    if not isinstance(choices, list):
+        return raw
+    for choice in choices:
+        if not isinstance(choice, dict):
+            continue
+        message = choice.get("message")
+        if isinstance(message, dict) and isinstance(message.get("content"), str):
+            message["content"] = redact(message["content"])
+        if isinstance(choice.get("text"), str):
+            choice["text"] = redact(choice["text"])
+    return orjson.dumps(row)

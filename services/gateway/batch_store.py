@@ -1,9 +1,9 @@
 """The gateway's store of OpenAI's Files and Batch APIs, over Kafka only (the routes:
 routes/batches.py; the objects and checks: batch_format.py).
 
-Uploads become FileChunks on `weir.files`; a new batch becomes its first BatchJob record on the
-compacted `weir.jobs` and a "run" JobCommand on `weir.job_commands`, which the batcher's job runner
-executes. Every gateway reads both topics whole and keeps following them, so any instance answers
+Uploads become FileChunks on `weir.files`, each carrying its owner (tenant, principal); a new
+batch becomes its first BatchJob record on the compacted `weir.jobs` and a "run" JobCommand on
+`weir.job_commands`, which the batcher's job runner executes. Every gateway reads both topics whole and keeps following them, so any instance answers
 for any file or batch; an instance sees its own writes at once.
 """
 
@@ -12,19 +12,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import uuid
+import secrets
 from typing import Any
 
 from aiokafka import TopicPartition
 
 from schemas.codec import DecodeError, decode, encode
 from schemas.messages import BatchJob, FileChunk, JobCommand, now_ms
+from services.gateway.batch_upload import Upload
 from services.gateway.config import GatewaySettings
+from services.gateway.guard.auth import Identity
 from weir.bus import instance_id, make_consumer, make_producer
 from weir.bus import partitions_of
-from weir.files import is_behind, FileIndex, chunk_file, write_file
+from weir.files import FileHeader, FileIndex, is_behind, write_spooled
 
 log = logging.getLogger(__name__)
+
+
+def new_id(prefix: str) -> str:
+    """A fresh id no one can guess: `prefix` and 128 random bits (docs/design.md, "Batch files")."""
+    return f"{prefix}{secrets.token_hex(16)}"
 
 
 class BatchStore:
@@ -87,13 +94,12 @@ class BatchStore:
         if known is None or job.updated_ms >= known.updated_ms:
             self.jobs[job.job_id] = job
 
-    async def put_file(self, filename: str, purpose: str, data: bytes) -> FileChunk:
-        """Store a file; returns its first chunk (the file's metadata)."""
-        chunks = chunk_file(f"file-{uuid.uuid4().hex}", filename, purpose, data, now_ms())
-        await write_file(self.producer, self.topics.files, chunks)
-        for chunk in chunks:
-            self.files.add(chunk)
-        return chunks[0]
+    async def put_upload(self, upload: Upload, identity: Identity) -> FileChunk:
+        """Store a checked upload as a batch input file owned by `identity`, under a fresh random
+        id, a chunk at a time from its spooled file; returns its first chunk (the file's metadata)."""
+        assert upload.file is not None
+        header = FileHeader(new_id("file-"), upload.filename, "batch", identity.tenant, identity.principal, now_ms())
+        return await write_spooled(self.producer, self.topics.files, header, upload.file, upload.size, self.files.add)
 
     async def create_job(self, job: BatchJob) -> None:
         """Write the job's first record, then the command that makes a runner take it."""

@@ -25,6 +25,11 @@ class GatewaySettings(BusSettings, GuardSettings):
     model_repo: str = Field("models.toml", description="Model repository TOML file (WEIR_MODEL_REPO).")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest request body accepted; larger is 413.")
     max_timeout_s: float = Field(600.0, gt=0, description="Cap on any request's timeout, client-set or default.")
+    batch_max_file_bytes: int = Field(64 << 20, ge=1024, description="Largest batch input file; larger is 413.")
+    batch_max_queued_requests: int = Field(
+        100_000, ge=1, description="Batch quota: requests a principal may have in live batches (docs/batch.md).")
+    batch_max_queued_tokens: int = Field(
+        100_000_000, ge=1, description="Batch quota: tokens (prompts + max_tokens) a principal may have in live batches.")
     reply_grace_s: float = Field(
         2.0, ge=0, description="How long past a request's deadline the gateway waits for its terminal event."
     )

@@ -12,14 +12,19 @@ from schemas.model_repo import load_model_repo
 from services.batcher.job_core import (
     IllegalTransition,
     JobResults,
-    parse_input,
+    new_file_id,
     request_id_of,
     transition,
 )
-from weir.files import FileIndex, chunk_file
+from services.batcher.job_core import parse_input as parse_input_bytes
+from weir.files import FileHeader, FileIndex, chunk_file
 
 REPO = load_model_repo(Path(__file__).parents[2] / "models.toml")
 T0 = 1_767_225_600_000
+
+
+def parse_input(text: str, *args: object):  # the runner parses the file's bytes
+    return parse_input_bytes(text.encode(), *args)  # type: ignore[arg-type]
 
 
 def make_job(endpoint: str = "/v1/chat/completions", status: str = "validating") -> BatchJob:
@@ -166,7 +171,7 @@ def test_state_machine_allows_only_openai_moves_and_stamps_times():
 
 def test_files_chunk_on_character_boundaries_and_reassemble():
     data = ("é" * 10 + "\n").encode() * 30
-    chunks = chunk_file("file-x", "x.jsonl", "batch", data, T0, max_chunk_bytes=7)
+    chunks = chunk_file(FileHeader("file-x", "x.jsonl", "batch", "acme", "ann", T0), data, max_chunk_bytes=7)
     assert len(chunks) > 40 and all(len(c.data.encode()) <= 7 for c in chunks)
     index = FileIndex()
     for chunk in reversed(chunks[1:]):
@@ -176,3 +181,22 @@ def test_files_chunk_on_character_boundaries_and_reassemble():
     index.add(chunks[3])  # a repeat
     stored = index.get("file-x")
     assert stored is not None and stored.content() == data and stored.first.num_bytes == len(data)
+    assert b"".join(stored.pieces()) == data
+    assert stored.is_owned_by("acme", "ann") and not stored.is_owned_by("acme", "bob")
+    assert not stored.is_owned_by("other", "ann")
+
+
+def test_result_file_ids_are_random_not_derived_from_the_batch():
+    ids = {new_file_id() for _ in range(100)}
+    assert len(ids) == 100 and all(i.startswith("file-") and len(i) == len("file-") + 32 for i in ids)
+    assert not any("batch" in i for i in ids)
+
+
+def test_lines_are_split_at_newline_only_and_other_separators_stay_in_the_line():
+    # U+2028 inside a JSON string: one line whose text holds it, not a second, smuggled line.
+    smuggled = chat_line("a", "x\u2028" + chat_line("b"))
+    parsed = parse_input(smuggled + "\r\n" + chat_line("c") + "\n", make_job(), REPO, "r")
+    assert parsed.errors == [] and [ln.custom_id for ln in parsed.lines] == ["a", "c"]
+    # U+2028 between two lines is no line break: the line is not JSON and fails validation.
+    between = chat_line("a") + "\u2028" + chat_line("b", model="weir-tiny-py")
+    assert [(e.code, e.line) for e in parse_input(between, make_job(), REPO, "r").errors] == [("invalid_json", 1)]

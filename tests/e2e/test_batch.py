@@ -1,6 +1,6 @@
 """OpenAI's Batch API end to end: the official openai client against the four services as
 processes; interactive requests beside a bulk job; kill -9 of the batcher mid-job; cancel; a
-file that fails validation; `weir replay` of a job; `weir batch submit`."""
+file refused at upload; `weir replay` of a job; `weir batch submit`."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import orjson
 import pytest
-from openai import OpenAI
+from openai import BadRequestError, OpenAI
 
 from weir.replay import replay
 
@@ -139,16 +139,16 @@ def test_kill_9_of_the_batcher_mid_job_loses_and_duplicates_nothing(pipeline, cl
     assert_all_echoed(output_rows(client, done.output_file_id), n, "k")
 
 
-def test_a_file_with_a_bad_line_fails_validation_with_the_reason(client, tmp_path):
+def test_a_file_with_a_bad_line_is_refused_at_upload_naming_the_line(client, tmp_path):
     path = tmp_path / "bad.jsonl"
     good = orjson.dumps({"custom_id": "x", "method": "POST", "url": "/v1/chat/completions",
                          "body": {"model": "echo", "messages": [{"role": "user", "content": "hi"}]}})
     path.write_bytes(good + b"\n{oops\n" + good + b"\n")
-    uploaded = client.files.create(file=open(path, "rb"), purpose="batch")
-    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
-    done = wait_done(client, batch.id, 60)
-    assert done.status == "failed"
-    assert [(e.code, e.line) for e in done.errors.data] == [("invalid_json", 2), ("duplicate_custom_id", 3)]
+    with pytest.raises(BadRequestError) as caught:
+        client.files.create(file=open(path, "rb"), purpose="batch")
+    error = caught.value.body
+    assert isinstance(error, dict) and error["code"] == "invalid_json", error
+    assert error["message"].startswith("line 2: the line is not JSON"), error
 
 
 def test_cancel_stops_a_job_and_keeps_what_finished(pipeline, client, tmp_path):
