@@ -116,15 +116,15 @@ _ERRORS: dict[int, str] = {
     400: "Invalid body, parameter or header (param names it); context length exceeded; a prompt the input "
          "guard blocks for its tenant (prompt_injection_detected).",
     401: "Missing, invalid, revoked or expired API key or JWT.",
-    403: "The credential may not use this model (or read another principal's stream).",
-    404: "Unknown model; or (GET /v1/streams) no resumable stream with that id on this instance.",
+    403: "The credential may not use this model.",
+    404: "Unknown model; or (GET /v1/streams) no resumable stream of the caller with that id on this instance.",
     413: "Body larger than WEIR_MAX_BODY_BYTES.",
     429: "Rate limit (per key or tenant), full in-flight lane, overloaded workers, or a retryable rejection.",
     503: "No live worker for the model (breaker open), or Kafka did not take the request.",
     504: "No result before the request's deadline.",
 }
 
-_STATUSES: dict[str, list[int]] = {"/v1/models": [401], "/v1/streams/{request_id}": [400, 401, 403, 404]}
+_STATUSES: dict[str, list[int]] = {"/v1/models": [401], "/v1/streams/{request_id}": [400, 401, 404]}
 
 _SSE = "An SSE stream (stream=true): `id: <seq>` and `data: <chunk JSON>` events, ending with `data: [DONE]`."
 

@@ -37,13 +37,14 @@ def add_stream_routes(router: APIRouter, parts: GatewayParts) -> None:
 async def prepare(parts: GatewayParts, kind: Kind, raw: bytes, headers: dict[str, str]) -> StreamEntry:
     """Validate a body, publish its GenerateRequest, and register the stream (WebSocket)."""
     grace_s = parts.grace_s(headers)
-    exchange, writer = await open_exchange(parts, kind, raw, headers, new_request_id(kind))
-    return parts.streams.add(exchange, writer.fresh, grace_s)
+    exchange, writer, owner = await open_exchange(parts, kind, raw, headers, new_request_id(kind))
+    return parts.streams.add(exchange, writer.fresh, grace_s, owner)
 
 
 def resume(parts: GatewayParts, request_id: str, headers: dict[str, str]) -> StreamEntry:
-    """A reader reconnects to a resumable stream of the same principal."""
-    entry = parts.streams.attach(request_id, parts.guard.authenticate(headers).principal)
+    """A reader reconnects to a resumable stream of its own: same tenant, kind of credential and
+    principal (docs/design.md, "Ownership"); anyone else's is a 404."""
+    entry = parts.streams.attach(request_id, parts.guard.authenticate(headers).owner)
     parts.guard.metrics.streams_resumed.add(1)
     return entry
 
