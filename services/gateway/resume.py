@@ -32,9 +32,9 @@ RESUME_GRACE_HEADER = "x-weir-resume-grace-s"
 
 
 def resume_grace_s(headers: dict[str, str], default_s: float, max_s: float) -> float:
-    """The request's resume grace: X-Weir-Resume-Grace-S (0 to max_s), else the deployment's
-    default; ApiError(400) naming the header when it is not a number in range."""
-    grace_s = header_seconds(headers, "X-Weir-Resume-Grace-S", lambda s: 0 <= s <= max_s, f"from 0 to {max_s:g}")
+    """The request's resume grace: X-Weir-Resume-Grace-S (0, or 0.001 to max_s), else the
+    deployment's default; ApiError(400) naming the header when it is not a number in range."""
+    grace_s = header_seconds(headers, "X-Weir-Resume-Grace-S", max_s, may_be_zero=True)
     return default_s if grace_s is None else grace_s
 
 

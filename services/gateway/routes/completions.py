@@ -85,9 +85,10 @@ async def open_exchange(
     model = parts.model(body.model)
     parts.guard.authorize(identity, model.name)
     refuse_embedding_model(model)
+    max_timeout_s = parts.settings.max_timeout_s
     request = to_generate_request(
         kind, body, model, request_id=request_id, reply_to=parts.bus.reply_topic, now_ms=now_ms(),
-        client_timeout_s=header_timeout_s(headers), max_timeout_s=parts.settings.max_timeout_s,
+        client_timeout_s=header_timeout_s(headers, max_timeout_s), max_timeout_s=max_timeout_s,
     )  # fmt: skip
     request, admitted = await parts.guard.admit(identity, body, model, request, headers)
     try:
