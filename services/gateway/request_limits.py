@@ -97,9 +97,10 @@ class RequestLimits:
             if scope["type"] == "http" and not _content_type(headers).startswith(b"multipart/"):
                 receive = await self._checked_body(headers, receive)
         except ApiError as error:
-            if scope["type"] == "websocket":  # refused before the handshake: the client sees an HTTP 403
-                return await send({"type": "websocket.close", "code": 1008, "reason": error.message[:120]})
-            return await _send_error(send, error)
+            if scope["type"] == "http" or "websocket.http.response" in scope.get("extensions", {}):
+                return await _send_error(send, error, scope["type"])
+            # A server without the denial-response extension: refused before the handshake (HTTP 403).
+            return await send({"type": "websocket.close", "code": 1008, "reason": error.message[:120]})
         await self.app(scope, receive, send)
 
     async def _checked_body(self, headers: list[tuple[bytes, bytes]], receive: Receive) -> Receive:
@@ -142,11 +143,13 @@ def _replay(body: bytes, receive: Receive, first: Message | None = None) -> Rece
     return replayed
 
 
-async def _send_error(send: Send, error: ApiError) -> None:
+async def _send_error(send: Send, error: ApiError, scope_type: str = "http") -> None:
+    """The error as an HTTP response (of a WebSocket handshake too: ASGI's denial response)."""
+    prefix = "http" if scope_type == "http" else "websocket.http"
     content = orjson.dumps(error.body())
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(content)).encode())]
-    await send({"type": "http.response.start", "status": error.status, "headers": headers})
-    await send({"type": "http.response.body", "body": content})
+    await send({"type": f"{prefix}.response.start", "status": error.status, "headers": headers})
+    await send({"type": f"{prefix}.response.body", "body": content})
 
 
 LINGER_S = 1.0  # how long a refused connection still reads (and drops) what the client sends

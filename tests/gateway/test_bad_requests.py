@@ -258,3 +258,26 @@ async def test_the_server_refuses_heads_too_large_to_buffer_over_a_real_socket()
             assert (status, error["code"]) == (431, "request_header_fields_too_large")
             assert error["message"].startswith(refused_by)
         assert (await served.exchange(head(b"x-ok: " + b"v" * 20_000)))[0] == 200  # under the limits
+        upgrade = (b"GET /v1/stream HTTP/1.1\r\nhost: gw\r\nupgrade: websocket\r\nconnection: Upgrade\r\n"
+                   b"sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\nsec-websocket-version: 13\r\n")  # fmt: skip
+        status, body = await served.exchange(upgrade + b"".join(b"x-h%d: v\r\n" % i for i in range(110)) + b"\r\n")
+        assert (status, orjson.loads(body)["error"]["code"]) == (431, "request_header_fields_too_large")
+
+
+def test_a_websocket_request_frame_meets_the_body_limits() -> None:
+    from starlette.testclient import TestClient
+
+    settings = GatewaySettings(model_repo=str(REPO_TOML), max_body_bytes=4096, kafka_bootstrap="127.0.0.1:1",
+                               auth_mode="open")  # fmt: skip
+    client = TestClient(create_app(settings))  # no lifespan: refused before anything is published
+    with client.websocket_connect("/v1/stream") as ws:
+        too_deep = orjson.loads(b'{"model": "echo", "messages": ' + deep(200) + b"}")
+        ws.send_text(orjson.dumps({"type": "chat.completions", "body": too_deep}).decode())
+        assert ws.receive_json()["error"]["code"] == "json_too_deep"
+        too_large = {**GOOD, "messages": [{"role": "user", "content": "x" * 5000}]}
+        ws.send_text(orjson.dumps({"type": "chat.completions", "body": too_large}).decode())
+        assert ws.receive_json()["error"]["code"] == "request_too_large"
+        ws.send_text(orjson.dumps({"type": "chat.completions", "body": GOOD,
+                                   "resume_grace_s": "5e-324"}).decode())  # fmt: skip
+        error = ws.receive_json()["error"]
+        assert (error["code"], error["param"]) == ("invalid_value", "X-Weir-Resume-Grace-S")
