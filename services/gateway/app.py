@@ -53,6 +53,7 @@ def create_app(settings: GatewaySettings, repo: ModelRepository | None = None) -
     app.add_middleware(
         RequestLimits, max_headers=settings.max_headers, max_header_bytes=settings.max_header_bytes,
         max_body_bytes=settings.max_body_bytes, max_json_depth=settings.max_json_depth,
+        upload_paths=frozenset({"/v1/files"}),  # multipart, up to batch_format.MAX_FILE_BYTES
     )  # fmt: skip
     app.add_middleware(ResponseCounter, metrics=parts.guard.metrics)  # outermost: counts the limits' refusals too
     # Routes go on the app's own router, not include_router: in FastAPI 0.165 an included router

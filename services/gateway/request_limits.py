@@ -3,7 +3,7 @@ or costs the gateway more than its limits allow (docs/design.md, invariant 6).
 
 - `RequestLimits`, an ASGI middleware around every route: 431 for a request with more than
   `max_headers` headers or more than `max_header_bytes` of them (names and values); and for a body
-  that is not a multipart upload: 413 past `max_body_bytes`, 400 `json_too_deep` when it nests JSON
+  that is not a multipart upload to an upload route (POST /v1/files): 413 past `max_body_bytes`, 400 `json_too_deep` when it nests JSON
   arrays and objects deeper than `max_json_depth`. Such a body is read here (it is at most
   max_body_bytes) and handed to the route as it came, so every JSON endpoint, whichever parser it
   uses, gets the same limits.
@@ -82,9 +82,11 @@ class RequestLimits:
     """The ASGI middleware of the header, body size and JSON depth limits (module docstring)."""
 
     def __init__(
-        self, app: ASGIApp, *, max_headers: int, max_header_bytes: int, max_body_bytes: int, max_json_depth: int
+        self, app: ASGIApp, *, max_headers: int, max_header_bytes: int, max_body_bytes: int, max_json_depth: int,
+        upload_paths: frozenset[str],
     ) -> None:
         self.app = app
+        self.upload_paths = upload_paths
         self.max_headers, self.max_header_bytes = max_headers, max_header_bytes
         self.max_body_bytes, self.max_json_depth = max_body_bytes, max_json_depth
 
@@ -94,7 +96,7 @@ class RequestLimits:
         headers = scope["headers"]
         try:
             check_headers(headers, self.max_headers, self.max_header_bytes)
-            if scope["type"] == "http" and not _content_type(headers).startswith(b"multipart/"):
+            if scope["type"] == "http" and not self._is_upload(scope):
                 receive = await self._checked_body(headers, receive)
         except ApiError as error:
             if scope["type"] == "http" or "websocket.http.response" in scope.get("extensions", {}):
@@ -102,6 +104,10 @@ class RequestLimits:
             # A server without the denial-response extension: refused before the handshake (HTTP 403).
             return await send({"type": "websocket.close", "code": 1008, "reason": error.message[:120]})
         await self.app(scope, receive, send)
+
+    def _is_upload(self, scope: Scope) -> bool:
+        """A multipart body to an upload route: its route limits and checks it (not JSON)."""
+        return scope["path"] in self.upload_paths and _content_type(scope["headers"]).startswith(b"multipart/")
 
     async def _checked_body(self, headers: list[tuple[bytes, bytes]], receive: Receive) -> Receive:
         """Read the body (413 past the limit), check its JSON depth, and return a `receive` that

@@ -136,6 +136,13 @@ async def test_every_post_route_answers_400_to_json_nested_too_deep(client: http
             assert_openai_error(response, 400, "json_too_deep")
 
 
+async def test_a_multipart_content_type_does_not_get_a_json_body_past_the_limits(client: httpx.AsyncClient) -> None:
+    headers = {"content-type": "multipart/form-data; boundary=x"}  # only an upload route takes multipart
+    for path in ("/v1/batches", CHAT):
+        response = await client.post(path, content=b'{"input_file_id": ' + deep(2000) + b"}", headers=headers)
+        assert_openai_error(response, 400, "json_too_deep")
+
+
 async def test_json_as_deep_as_the_limit_reaches_the_route(client: httpx.AsyncClient) -> None:
     nested = b'{"model": "echo", "messages": [{"role": "user", "content": "hi"}], "stop": ' + deep(63) + b"}"
     assert_openai_error(await client.post(CHAT, content=nested), 400, "invalid_value", "stop")  # the route's refusal
