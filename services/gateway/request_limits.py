@@ -26,7 +26,7 @@ from services.gateway.openai_format import ApiError, error_body
 
 _BRACKETS = b"[]{}"
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in _BRACKETS)
-_OPENS = bytes.maketrans(b"{}", b"[]")
+_STEPS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")  # an opening bracket: +1 as int8, a closing one: -1
 _HEADERS_TOO_LARGE = "request_header_fields_too_large"
 
 
@@ -38,11 +38,10 @@ def json_depth(raw: bytes) -> int:
     # Drop escaped backslashes, then escaped quotes: every `"` left opens or closes a string.
     unescaped = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
     outside = b"".join(unescaped.split(b'"')[::2])  # the text between strings
-    brackets = outside.translate(_OPENS, _NOT_BRACKETS)  # only "[" and "]" left
-    if not brackets:
+    steps = outside.translate(_STEPS, _NOT_BRACKETS)  # only the brackets, as +1 and -1
+    if not steps:
         return 0
-    steps = np.where(np.frombuffer(brackets, dtype=np.uint8) == ord("["), 1, -1)
-    return int(np.cumsum(steps, dtype=np.int64).max())
+    return max(0, int(np.cumsum(np.frombuffer(steps, dtype=np.int8), dtype=np.int32).max()))
 
 
 def check_json_depth(raw: bytes, max_depth: int) -> None:
