@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import math
 import struct
-from collections.abc import Callable
 from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError

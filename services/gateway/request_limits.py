@@ -3,10 +3,10 @@ or costs the gateway more than its limits allow (docs/design.md, invariant 6).
 
 - `RequestLimits`, an ASGI middleware around every route: 431 for a request with more than
   `max_headers` headers or more than `max_header_bytes` of them (names and values); and for a body
-  that is not a multipart upload to an upload route (POST /v1/files): 413 past `max_body_bytes`, 400 `json_too_deep` when it nests JSON
-  arrays and objects deeper than `max_json_depth`. Such a body is read here (it is at most
-  max_body_bytes) and handed to the route as it came, so every JSON endpoint, whichever parser it
-  uses, gets the same limits.
+  that is not a multipart upload to an upload route (POST /v1/files): 413 past `max_body_bytes`,
+  400 `json_too_deep` when it nests JSON arrays and objects deeper than `max_json_depth`. Such a
+  body is read here (it is at most max_body_bytes) and handed to the route as it came, so every
+  JSON endpoint, whichever parser it uses, gets the same limits.
 - `head_limited_protocol`, the HTTP protocol the gateway's uvicorn runs: uvicorn's httptools
   protocol, which refuses with 431 and closes the connection a request head still incomplete past
   a bound, so the server never buffers an unbounded head (llhttp itself has no such limit).

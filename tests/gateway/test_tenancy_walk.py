@@ -46,7 +46,7 @@ REPO_TOML = Path(__file__).resolve().parents[2] / "models.toml"
 SECRET = b"tenancy-walk-secret-0123456789abcdef"
 JWKS = {"keys": [{"kty": "oct", "k": jwt.utils.base64url_encode(SECRET).decode(), "kid": "w", "alg": "HS256"}]}
 CHAT = {"model": "echo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
-JSON_OK = range(200, 300)
+SUCCESS = range(200, 300)
 
 
 def bearer_jwt(sub: str, tenant: str) -> dict[str, str]:
@@ -136,20 +136,25 @@ def probes(base_url: str) -> dict[tuple[str, str], Probe]:
     def files(suffix: str) -> Call:
         return lambda client, auth, made: file_reads(suffix, client, auth, made)
 
+    completion = {"model": "echo", "prompt": "hi", "max_tokens": 8}
+    embedding = {"model": "all-MiniLM-L6-v2", "input": "hi"}
     return {
-        ("POST", "/v1/chat/completions"): Probe(False, one(lambda c, a, m: c.post("/v1/chat/completions", headers=a, json=CHAT))),
-        ("POST", "/v1/completions"): Probe(False, one(
-            lambda c, a, m: c.post("/v1/completions", headers=a, json={"model": "echo", "prompt": "hi", "max_tokens": 8}))),
-        ("POST", "/v1/embeddings"): Probe(False, one(
-            lambda c, a, m: c.post("/v1/embeddings", headers=a, json={"model": "all-MiniLM-L6-v2", "input": m.stream_id}))),
-        ("GET", "/v1/streams/{request_id}"): Probe(True, one(lambda c, a, m: c.get(f"/v1/streams/{m.stream_id}", headers=a))),
+        ("POST", "/v1/chat/completions"): Probe(False, one(lambda c, a, m: c.post("/v1/chat/completions", headers=a,
+                                                                                  json=CHAT))),
+        ("POST", "/v1/completions"): Probe(False, one(lambda c, a, m: c.post("/v1/completions", headers=a,
+                                                                             json=completion))),
+        ("POST", "/v1/embeddings"): Probe(False, one(lambda c, a, m: c.post("/v1/embeddings", headers=a,
+                                                                            json=embedding))),
+        ("GET", "/v1/streams/{request_id}"): Probe(True, one(lambda c, a, m: c.get(f"/v1/streams/{m.stream_id}",
+                                                                                   headers=a))),
         ("WS", "/v1/stream"): Probe(True, one(lambda c, a, m: ws_resume(base_url, a, m.stream_id))),
         ("POST", "/v1/files"): Probe(False, one(lambda c, a, m: upload(c, a, b'{"custom_id": "mine"}\n'))),
         ("GET", "/v1/files/{file_id}"): Probe(True, files("")),
         ("GET", "/v1/files/{file_id}/content"): Probe(True, files("/content")),
         ("POST", "/v1/batches"): Probe(True, one(lambda c, a, m: new_batch(c, a, m.file_id))),
         ("GET", "/v1/batches"): Probe(False, batch_lists),
-        ("GET", "/v1/batches/{batch_id}"): Probe(True, one(lambda c, a, m: c.get(f"/v1/batches/{m.batch_id}", headers=a))),
+        ("GET", "/v1/batches/{batch_id}"): Probe(True, one(lambda c, a, m: c.get(f"/v1/batches/{m.batch_id}",
+                                                                                 headers=a))),
         ("POST", "/v1/batches/{batch_id}/cancel"): Probe(True, one(
             lambda c, a, m: c.post(f"/v1/batches/{m.batch_id}/cancel", headers=a))),
         ("GET", "/v1/models"): Probe(False, one(lambda c, a, m: c.get("/v1/models", headers=a))),
@@ -287,10 +292,10 @@ async def test_no_route_answers_another_owner_with_2xx(walk: Walk) -> None:
                 answers = await probe.call(client, auth, made)
                 for answer in answers:
                     status, code = status_and_code(answer)
-                    leaked = made.leaked_in(text_of(answer)) if status in JSON_OK else []
+                    leaked = made.leaked_in(text_of(answer)) if status in SUCCESS else []
                     if leaked:
                         refused.append(f"{route} as {who}: {status} shows A's {leaked}")
-                    if probe.refers and status in JSON_OK:
+                    if probe.refers and status in SUCCESS:
                         refused.append(f"{route} as {who}: {status} on A's resource")
                 if probe.refers:  # the same answer as for an id nobody has: 404
                     unknown = [status_and_code(a) for a in await probe.call(client, auth, unknown_ids(made))]
@@ -300,6 +305,6 @@ async def test_no_route_answers_another_owner_with_2xx(walk: Walk) -> None:
         for (method, path), probe in sorted(probes(walk.base_url).items(), key=lambda kv: "cancel" in kv[0][1]):
             if probe.refers:  # the owner itself is served (the cancel last: it changes the batch)
                 for answer in await probe.call(client, walk.owner, made):
-                    if status_and_code(answer)[0] not in JSON_OK:
+                    if status_and_code(answer)[0] not in SUCCESS:
                         refused.append(f"{method} {path} as A itself: {status_and_code(answer)}")
     assert not refused, "\n".join(refused)
