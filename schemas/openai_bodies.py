@@ -68,8 +68,17 @@ class _Message(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[_TextPart] | None = None
+    content: str | list[_TextPart]
     name: str | None = Field(None, description="Not supported: participant names are refused.")
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content_given(cls, value: Any) -> Any:
+        # OpenAI allows null content only for an assistant message with tool_calls, which Weir
+        # does not serve (tools are refused): every message carries its text.
+        if value is None:
+            raise ValueError("content must be a string or a list of text parts, not null")
+        return value
 
     def to_wire(self) -> ChatMessage:
         text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
@@ -104,7 +113,7 @@ class _Body(BaseModel):
     stream_options: _StreamOptions | None = None
     n: int | None = Field(None, ge=1, le=1)
     user: str | None = Field(None, max_length=256, description=_UNUSED)
-    timeout_s: float | None = Field(None, gt=0.0)
+    timeout_s: float | None = Field(None, ge=0.001, description="Seconds; a deadline is in whole milliseconds.")
     logprobs: Any = _REFUSED
 
     @field_validator("stop")

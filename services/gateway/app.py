@@ -27,6 +27,7 @@ from services.gateway.guard.output_guard import OutputGuard
 from services.gateway.handlers import GatewayBus
 from services.gateway.metrics import ResponseCounter
 from services.gateway.openapi_doc import install_openapi
+from services.gateway.request_limits import RequestLimits, head_limited_protocol
 from services.gateway.resume import ResumableStreams
 from services.gateway.routes.batches import add_batch_routes, add_file_routes
 from services.gateway.routes.completions import add_completion_routes
@@ -49,7 +50,12 @@ def create_app(settings: GatewaySettings, repo: ModelRepository | None = None) -
     )  # fmt: skip
     app.state.settings, app.state.repo, app.state.bus, app.state.guard = settings, parts.repo, parts.bus, parts.guard
     app.state.batches = batches
-    app.add_middleware(ResponseCounter, metrics=parts.guard.metrics)
+    app.add_middleware(
+        RequestLimits, max_headers=settings.max_headers, max_header_bytes=settings.max_header_bytes,
+        max_body_bytes=settings.max_body_bytes, max_json_depth=settings.max_json_depth,
+        upload_paths=frozenset({"/v1/files"}),  # multipart, up to batch_format.MAX_FILE_BYTES
+    )  # fmt: skip
+    app.add_middleware(ResponseCounter, metrics=parts.guard.metrics)  # outermost: counts the limits' refusals too
     # Routes go on the app's own router, not include_router: in FastAPI 0.165 an included router
     # is one lazy entry of app.routes, and tests/gateway/test_openapi.py walks app.routes.
     add_metrics_routes(app.router, parts.guard.metrics)
@@ -102,8 +108,13 @@ class GatewayService:
     def __init__(self, settings: GatewaySettings) -> None:
         self.app = create_app(settings)
         self.bus: GatewayBus = self.app.state.bus
-        # Streams outlive a short graceful shutdown; a WebSocket frame may carry a whole body.
-        self.http_options = {"timeout_graceful_shutdown": 10, "ws_max_size": settings.max_body_bytes + 1024}
+        # Streams outlive a short graceful shutdown; a WebSocket frame may carry a whole body; a
+        # request head is refused (431) once past what the header limits allow with room for the
+        # request line (request_limits.py).
+        self.http_options = {
+            "timeout_graceful_shutdown": 10, "ws_max_size": settings.max_body_bytes + 1024,
+            "http": head_limited_protocol(max_head_bytes(settings)),
+        }  # fmt: skip
 
     async def start(self) -> None:
         await self.bus.start()
@@ -116,6 +127,12 @@ class GatewayService:
 
     def http_app(self) -> FastAPI:
         return self.app
+
+
+def max_head_bytes(settings: GatewaySettings) -> int:
+    """The most bytes of a request head the server buffers: the headers the middleware allows,
+    each with its ": " and CRLF, and 16 KiB for the request line."""
+    return settings.max_header_bytes + 4 * settings.max_headers + (16 << 10)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -24,6 +24,13 @@ class GatewaySettings(BusSettings, GuardSettings):
     )
     model_repo: str = Field("models.toml", description="Model repository TOML file (WEIR_MODEL_REPO).")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest request body accepted; larger is 413.")
+    max_json_depth: int = Field(
+        64, ge=2, le=512, description="Deepest nesting of JSON arrays and objects in a body; deeper is 400."
+    )
+    max_headers: int = Field(100, ge=16, description="Most headers one request may carry; more is 431.")
+    max_header_bytes: int = Field(
+        32 << 10, ge=4096, description="Most bytes of header names and values in one request; more is 431."
+    )
     max_timeout_s: float = Field(600.0, gt=0, description="Cap on any request's timeout, client-set or default.")
     batch_max_file_bytes: int = Field(64 << 20, ge=1024, description="Largest batch input file; larger is 413.")
     batch_max_queued_requests: int = Field(

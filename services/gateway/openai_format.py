@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import math
 import struct
-from collections.abc import Callable
 from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -156,7 +155,7 @@ class EmbeddingBody(BaseModel):
     encoding_format: Literal["float", "base64"] | None = None
     dimensions: int | None = Field(None, ge=1)
     user: str | None = Field(None, max_length=256)
-    timeout_s: float | None = Field(None, gt=0.0)
+    timeout_s: float | None = Field(None, ge=0.001)
 
     @property
     def inputs(self) -> list[str]:
@@ -363,17 +362,23 @@ def models_list(repo: ModelRepository, created_s: int) -> dict[str, Any]:
     return {"object": "list", "data": data}
 
 
-def header_seconds(headers: dict[str, str], name: str, is_valid: Callable[[float], bool], expected: str) -> float | None:
-    """A number of seconds from header `name` (None when absent); ApiError(400) naming the header
-    when it is not a number or `is_valid` refuses it (`expected` says what is wanted)."""
+MIN_HEADER_SECONDS = 0.001  # the finest duration a header may give: a deadline is in whole milliseconds
+
+
+def header_seconds(headers: dict[str, str], name: str, max_s: float, *, may_be_zero: bool) -> float | None:
+    """A number of seconds from header `name` (None when absent): a finite decimal from 0.001
+    (or exactly 0 when may_be_zero) to max_s; anything else (not a number, NaN, inf, negative,
+    finer than a millisecond, larger than max_s) is ApiError(400) naming the header."""
     value = headers.get(name.lower())
     if value is None:
         return None
     try:
-        seconds = float(value)
+        seconds = float(value) if len(value) <= 32 else math.nan
     except ValueError:
         seconds = math.nan
-    if not is_valid(seconds):
-        raise ApiError(400, f"{name} must be a number of seconds {expected}, got {value!r}", param=name,
-                       code="invalid_value")  # fmt: skip
+    is_zero = may_be_zero and seconds == 0
+    if not (is_zero or MIN_HEADER_SECONDS <= seconds <= max_s):  # NaN compares false: refused too
+        lowest = "0 or from 0.001" if may_be_zero else "from 0.001"
+        raise ApiError(400, f"{name} must be a number of seconds {lowest} to {max_s:g}, got {value[:40]!r}",
+                       param=name, code="invalid_value")  # fmt: skip
     return seconds

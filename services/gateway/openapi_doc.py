@@ -113,18 +113,20 @@ _MODELS: list[type[BaseModel]] = [
 ]  # fmt: skip
 
 _ERRORS: dict[int, str] = {
-    400: "Invalid body, parameter or header (param names it); context length exceeded; a prompt the input "
-         "guard blocks for its tenant (prompt_injection_detected).",
+    400: "Invalid body, parameter or header (param names it); JSON nested deeper than WEIR_MAX_JSON_DEPTH "
+         "(json_too_deep); context length exceeded; a prompt the input guard blocks for its tenant "
+         "(prompt_injection_detected).",
     401: "Missing, invalid, revoked or expired API key or JWT.",
-    403: "The credential may not use this model (or read another principal's stream).",
-    404: "Unknown model; or (GET /v1/streams) no resumable stream with that id on this instance.",
+    403: "The credential may not use this model.",
+    404: "Unknown model; or (GET /v1/streams) no resumable stream of the caller with that id on this instance.",
     413: "Body larger than WEIR_MAX_BODY_BYTES.",
+    431: "More headers than WEIR_MAX_HEADERS, or more bytes of them than WEIR_MAX_HEADER_BYTES.",
     429: "Rate limit (per key or tenant), full in-flight lane, overloaded workers, or a retryable rejection.",
     503: "No live worker for the model (breaker open), or Kafka did not take the request.",
     504: "No result before the request's deadline.",
 }
 
-_STATUSES: dict[str, list[int]] = {"/v1/models": [401], "/v1/streams/{request_id}": [400, 401, 403, 404]}
+_STATUSES: dict[str, list[int]] = {"/v1/models": [401, 431], "/v1/streams/{request_id}": [400, 401, 404, 431]}
 
 _SSE = "An SSE stream (stream=true): `id: <seq>` and `data: <chunk JSON>` events, ending with `data: [DONE]`."
 
@@ -155,13 +157,15 @@ def _completion_operation(body: str, result: str, example: dict[str, Any], summa
         "summary": summary,
         "parameters": [
             {"name": "X-Weir-Timeout-S", "in": "header", "required": False,
-             "description": "Timeout in seconds; lowers the model's default_timeout_s, never raises it.",
-             "schema": {"type": "number", "exclusiveMinimum": 0}},
+             "description": "Timeout in seconds, from 0.001 to WEIR_MAX_TIMEOUT_S (600 by default); lowers the "
+                            "model's default_timeout_s, never raises it.",
+             "schema": {"type": "number", "minimum": 0.001}},
             {"name": "X-Weir-Priority", "in": "header", "required": False,
              "description": "Scheduling lane.", "schema": {"type": "string", "enum": ["interactive", "bulk"]}},
             {"name": "X-Weir-Resume-Grace-S", "in": "header", "required": False,
              "description": "Makes a stream resumable: after a dropped connection it runs on for this many "
-                            "seconds, readable again at GET /v1/streams/{request_id}; 0: cancel at once.",
+                            "seconds (0, or 0.001 to WEIR_MAX_RESUME_GRACE_S), readable again at "
+                            "GET /v1/streams/{request_id}; 0: cancel at once.",
              "schema": {"type": "number", "minimum": 0}},
         ],  # fmt: skip
         "requestBody": {

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from schemas.messages import CancelReason, now_ms
+from services.gateway.guard.auth import Owner
 from services.gateway.handlers import Exchange
 from services.gateway.openai_format import ApiError, ChunkWriter, header_seconds
 
@@ -31,9 +32,9 @@ RESUME_GRACE_HEADER = "x-weir-resume-grace-s"
 
 
 def resume_grace_s(headers: dict[str, str], default_s: float, max_s: float) -> float:
-    """The request's resume grace: X-Weir-Resume-Grace-S (0 to max_s), else the deployment's
-    default; ApiError(400) naming the header when it is not a number in range."""
-    grace_s = header_seconds(headers, "X-Weir-Resume-Grace-S", lambda s: 0 <= s <= max_s, f"from 0 to {max_s:g}")
+    """The request's resume grace: X-Weir-Resume-Grace-S (0, or 0.001 to max_s), else the
+    deployment's default; ApiError(400) naming the header when it is not a number in range."""
+    grace_s = header_seconds(headers, "X-Weir-Resume-Grace-S", max_s, may_be_zero=True)
     return default_s if grace_s is None else grace_s
 
 
@@ -45,6 +46,7 @@ class StreamEntry:
     exchange: Exchange
     new_writer: Callable[[], ChunkWriter]  # a fresh writer: a reader renders the stream from its start
     grace_s: float
+    owner: Owner  # only the same owner reads it again (docs/design.md, "Ownership")
     num_readers: int = 1
     kept_until_s: float | None = None  # set once finished: readable until then
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
@@ -80,29 +82,30 @@ class ResumableStreams:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def add(self, exchange: Exchange, new_writer: Callable[[], ChunkWriter], grace_s: float) -> StreamEntry:
-        """Register a stream that one reader starts reading now; returns its entry."""
-        entry = StreamEntry(self, exchange, new_writer, grace_s)
+    def add(
+        self, exchange: Exchange, new_writer: Callable[[], ChunkWriter], grace_s: float, owner: Owner
+    ) -> StreamEntry:
+        """Register a stream of `owner` that one reader starts reading now; returns its entry."""
+        entry = StreamEntry(self, exchange, new_writer, grace_s, owner)
         if entry.is_resumable:
             self._prune()
             self._entries[entry.request_id] = entry
         return entry
 
-    def attach(self, request_id: str, principal: str) -> StreamEntry:
+    def attach(self, request_id: str, owner: Owner) -> StreamEntry:
         """A reader comes back: the entry of `request_id`, now with one more reader.
 
-        Raises ApiError 404 when no resumable stream has that id here (unknown, never resumable,
-        expired, or served by another instance) and 403 when it belongs to another principal.
+        Raises ApiError 404 when no resumable stream of `owner` has that id here: unknown, never
+        resumable, expired, served by another instance, or another owner's (docs/design.md,
+        "Ownership": the answer does not tell that it exists).
         """
         self._prune()
         entry = self._entries.get(request_id)
-        if entry is None or (entry.exchange.is_closed and entry.exchange.end is None):
+        if entry is None or entry.owner != owner or (entry.exchange.is_closed and entry.exchange.end is None):
             raise ApiError(
                 404, f"no resumable stream {request_id!r} on this gateway (unknown, not resumable, or expired)",
                 param="request_id", code="stream_not_found",
             )  # fmt: skip
-        if entry.exchange.request.principal != principal:
-            raise ApiError(403, f"stream {request_id!r} belongs to another principal", code="permission_denied")
         if entry.timer is not None:
             entry.timer.cancel()
             entry.timer = None

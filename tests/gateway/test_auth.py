@@ -15,6 +15,7 @@ from services.gateway.guard.auth import (
     Authenticator,
     GuardError,
     KeyStore,
+    Owner,
     hash_secret,
     load_jwks,
     new_api_key,
@@ -163,3 +164,19 @@ def test_a_model_outside_the_identity_is_403() -> None:
     with pytest.raises(GuardError) as refused:
         Authenticator.authorize(store.verify(key), "echo")
     assert (refused.value.status, refused.value.code, refused.value.param) == (403, "model_not_allowed", "model")
+
+
+def test_an_owner_is_tenant_kind_of_credential_and_principal(rsa_key: rsa.RSAPrivateKey) -> None:
+    auth = auth_of(rsa_key)
+    key, record = new_api_key("svc-a", "acme")
+    other_key, other_record = new_api_key("svc-a", "acme")  # a second key of the same principal
+    for each in (record, other_record):
+        auth.keys.observe(each)
+    by_key = auth.authenticate(bearer(key)).owner
+    assert by_key == Owner("acme", "key", "svc-a") == auth.authenticate(bearer(other_key)).owner
+    by_jwt = auth.authenticate(bearer(token(HS_SECRET, "HS256", "hs"))).owner  # sub svc-a, tenant acme
+    assert by_jwt == Owner("acme", "jwt", "svc-a") != by_key
+    other_tenant = auth.authenticate(bearer(token(rsa_key, "RS256", "rs", sub="svc-a", tenant="beta"))).owner
+    assert other_tenant == Owner("beta", "jwt", "svc-a") != by_jwt
+    open_auth = Authenticator(GuardSettings(auth_mode="open"), KeyStore())
+    assert open_auth.authenticate({}).owner == Owner("default", "open", "anonymous")

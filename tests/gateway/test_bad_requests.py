@@ -6,14 +6,18 @@ request that got past validation would fail with 503 (not connected), never with
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
 import orjson
 import pytest
+import uvicorn
 
-from services.gateway.app import create_app
+from services.gateway.app import GatewayService, create_app
 from services.gateway.config import GatewaySettings
 
 REPO_TOML = Path(__file__).resolve().parents[2] / "models.toml"
@@ -113,3 +117,174 @@ async def test_models_and_health_need_no_kafka(client: httpx.AsyncClient) -> Non
     assert (await client.get("/healthz")).status_code == 200
     ready = await client.get("/readyz")
     assert ready.status_code == 503 and ready.json()["reason"] == "producer not started"
+
+
+def deep(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+async def test_every_post_route_answers_400_to_json_nested_too_deep(client: httpx.AsyncClient) -> None:
+    # Python's json (POST /v1/batches reads with it) fails past ~1000 levels: a 500 before the limit.
+    doc = (await client.get("/openapi.json")).json()
+    posts = [path for path, item in doc["paths"].items() if "post" in item]
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/batches"} <= set(posts)
+    for depth in (65, 2000):
+        body = b'{"model": "echo", "messages": ' + deep(depth) + b"}"
+        for path in posts:
+            url = path.replace("{batch_id}", "batch_x").replace("{file_id}", "file-x")
+            response = await client.post(url, content=body, headers={"content-type": "application/json"})
+            assert_openai_error(response, 400, "json_too_deep")
+
+
+async def test_a_multipart_content_type_does_not_get_a_json_body_past_the_limits(client: httpx.AsyncClient) -> None:
+    headers = {"content-type": "multipart/form-data; boundary=x"}  # only an upload route takes multipart
+    for path in ("/v1/batches", CHAT):
+        response = await client.post(path, content=b'{"input_file_id": ' + deep(2000) + b"}", headers=headers)
+        assert_openai_error(response, 400, "json_too_deep")
+
+
+async def test_json_as_deep_as_the_limit_reaches_the_route(client: httpx.AsyncClient) -> None:
+    nested = b'{"model": "echo", "messages": [{"role": "user", "content": "hi"}], "stop": ' + deep(63) + b"}"
+    assert_openai_error(await client.post(CHAT, content=nested), 400, "invalid_value", "stop")  # the route's refusal
+    in_a_string = orjson.dumps({**GOOD, "messages": [{"role": "user", "content": "[{" * 1000}]})
+    assert (await client.post(CHAT, content=in_a_string)).status_code == 503  # valid: brackets in text do not count
+
+
+async def test_the_body_limit_holds_on_every_json_route(client: httpx.AsyncClient) -> None:
+    big = orjson.dumps({"input_file_id": "file-x", "endpoint": CHAT, "completion_window": "24h",
+                        "metadata": {"k": "x" * 5000}})  # fmt: skip
+    assert_openai_error(await client.post("/v1/batches", content=big), 413, "request_too_large")
+
+
+@pytest.mark.parametrize("headers", [
+    {f"x-h{i}": "v" for i in range(5000)},  # too many
+    {f"x-h{i}": "v" for i in range(101)},
+    {"x-big": "v" * (1 << 20)},  # too large
+    {"x-big": "v" * (33 << 10)},
+])  # fmt: skip
+async def test_too_many_or_too_large_headers_are_431(client: httpx.AsyncClient, headers: dict[str, str]) -> None:
+    for method, path in (("GET", "/v1/models"), ("POST", CHAT), ("GET", "/healthz")):
+        response = await client.request(method, path, json=GOOD, headers=headers)
+        assert_openai_error(response, 431, "request_header_fields_too_large")
+
+
+@pytest.mark.parametrize(
+    "value", ["5e-324", "0.0009", "0", "-0", "-1", "nan", "NaN", "inf", "-inf", "Infinity", "1e309", "601", "1e300",
+              "0x10", "", "1" * 40, "５".encode()],
+)  # fmt: skip
+async def test_a_timeout_header_out_of_range_is_400_naming_it(client: httpx.AsyncClient, value: str | bytes) -> None:
+    response = await client.post(CHAT, json=GOOD, headers={"x-weir-timeout-s": value})
+    assert_openai_error(response, 400, "invalid_value", "X-Weir-Timeout-S")
+
+
+@pytest.mark.parametrize("value", ["5e-324", "-0.5", "nan", "inf", "301", "1e400"])
+async def test_a_resume_grace_header_out_of_range_is_400_naming_it(client: httpx.AsyncClient, value: str) -> None:
+    response = await client.post(CHAT, json={**GOOD, "stream": True}, headers={"x-weir-resume-grace-s": value})
+    assert_openai_error(response, 400, "invalid_value", "X-Weir-Resume-Grace-S")
+
+
+async def test_numeric_headers_in_range_are_taken(client: httpx.AsyncClient) -> None:
+    headers = {"x-weir-timeout-s": "0.001", "x-weir-resume-grace-s": "0"}
+    assert (await client.post(CHAT, json=GOOD, headers=headers)).status_code == 503  # past validation: no Kafka
+    headers = {"x-weir-timeout-s": "600", "x-weir-resume-grace-s": "300"}
+    assert (await client.post(CHAT, json=GOOD, headers=headers)).status_code == 503
+
+
+@pytest.mark.parametrize("role", ["user", "system", "developer", "assistant"])
+async def test_a_message_without_content_is_400(client: httpx.AsyncClient, role: str) -> None:
+    # OpenAI allows null content only for an assistant message with tool_calls, which Weir refuses.
+    null = {**GOOD, "messages": [{"role": role, "content": None}, {"role": "user", "content": "hi"}]}
+    assert_openai_error(await client.post(CHAT, json=null), 400, "invalid_value", "messages.0.content")
+    missing = {**GOOD, "messages": [{"role": role}, {"role": "user", "content": "hi"}]}
+    assert_openai_error(await client.post(CHAT, json=missing), 400, "missing_required_parameter", "messages.0.content")
+
+
+async def test_a_body_timeout_finer_than_a_millisecond_is_400(client: httpx.AsyncClient) -> None:
+    assert_openai_error(await client.post(CHAT, json={**GOOD, "timeout_s": 5e-324}), 400, "invalid_value", "timeout_s")
+
+
+class Served:
+    """The gateway app under uvicorn with the gateway's own server options (GatewayService's
+    http_options: the head-limited protocol), on a real socket; no lifespan: no Kafka."""
+
+    def __init__(self) -> None:
+        settings = GatewaySettings(model_repo=str(REPO_TOML), kafka_bootstrap="127.0.0.1:1", auth_mode="open")
+        service = GatewayService(settings)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        config = uvicorn.Config(service.app, log_level="warning", lifespan="off", **service.http_options)
+        self.server = uvicorn.Server(config)
+        self.server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
+
+    async def __aenter__(self) -> Served:
+        self.task = asyncio.create_task(self.server.serve(sockets=[self.sock]))
+        while not self.server.started:
+            assert not self.task.done()
+            await asyncio.sleep(0.02)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        await self.task
+        self.sock.close()
+
+    async def exchange(self, head: bytes) -> tuple[int, bytes]:
+        """Send one raw request head; (status, body) of the answer."""
+        reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+        try:
+            writer.write(head)
+            with contextlib.suppress(ConnectionError):
+                await writer.drain()
+            status_line = await reader.readline()
+            headers = {}
+            while (line := await reader.readline()) not in (b"\r\n", b""):
+                name, _, value = line.decode().partition(":")
+                headers[name.strip().lower()] = value.strip()
+            body = await reader.readexactly(int(headers["content-length"]))
+            return int(status_line.split()[1]), body
+        finally:
+            writer.close()
+
+
+def head(*headers: bytes) -> bytes:
+    return b"GET /healthz HTTP/1.1\r\nhost: gw\r\n" + b"".join(h + b"\r\n" for h in headers) + b"\r\n"
+
+
+async def test_the_server_refuses_heads_too_large_to_buffer_over_a_real_socket() -> None:
+    async with Served() as served:
+        assert (await served.exchange(head()))[0] == 200
+        huge = head(b"x-big: " + b"v" * (1 << 20))  # refused by the server before the head is whole
+        # ~60 KiB, likely read in one chunk (which the server does not count): then the middleware's
+        many = head(*[b"x-h%d: v" % i for i in range(5000)])
+        some = head(*[b"x-h%d: v" % i for i in range(200)])  # a small head, refused by the middleware
+        for raw, refused_by in ((huge, "the request head exceeds"), (many, "the request h"),
+                                (some, "the request has 201 headers")):  # fmt: skip
+            status, body = await served.exchange(raw)
+            error = orjson.loads(body)["error"]
+            assert (status, error["code"]) == (431, "request_header_fields_too_large")
+            assert error["message"].startswith(refused_by)
+        assert (await served.exchange(head(b"x-ok: " + b"v" * 20_000)))[0] == 200  # under the limits
+        upgrade = (b"GET /v1/stream HTTP/1.1\r\nhost: gw\r\nupgrade: websocket\r\nconnection: Upgrade\r\n"
+                   b"sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\nsec-websocket-version: 13\r\n")  # fmt: skip
+        status, body = await served.exchange(upgrade + b"".join(b"x-h%d: v\r\n" % i for i in range(110)) + b"\r\n")
+        assert (status, orjson.loads(body)["error"]["code"]) == (431, "request_header_fields_too_large")
+
+
+def test_a_websocket_request_frame_meets_the_body_limits() -> None:
+    from starlette.testclient import TestClient
+
+    settings = GatewaySettings(model_repo=str(REPO_TOML), max_body_bytes=4096, kafka_bootstrap="127.0.0.1:1",
+                               auth_mode="open")  # fmt: skip
+    client = TestClient(create_app(settings))  # no lifespan: refused before anything is published
+    with client.websocket_connect("/v1/stream") as ws:
+        too_deep = orjson.loads(b'{"model": "echo", "messages": ' + deep(200) + b"}")
+        ws.send_text(orjson.dumps({"type": "chat.completions", "body": too_deep}).decode())
+        assert ws.receive_json()["error"]["code"] == "json_too_deep"
+        too_large = {**GOOD, "messages": [{"role": "user", "content": "x" * 5000}]}
+        ws.send_text(orjson.dumps({"type": "chat.completions", "body": too_large}).decode())
+        assert ws.receive_json()["error"]["code"] == "request_too_large"
+        ws.send_text(orjson.dumps({"type": "chat.completions", "body": GOOD,
+                                   "resume_grace_s": "5e-324"}).decode())  # fmt: skip
+        error = ws.receive_json()["error"]
+        assert (error["code"], error["param"]) == ("invalid_value", "X-Weir-Resume-Grace-S")

@@ -63,7 +63,7 @@ def test_every_http_route_is_documented_with_auth_and_errors() -> None:
             "$ref": "#/components/schemas/ErrorResponse"}  # fmt: skip
     assert "retry-after" in chat["responses"]["429"]["headers"]
     assert doc["paths"]["/healthz"]["get"]["security"] == []
-    assert set(doc["paths"]["/v1/models"]["get"]["responses"]) == {"200", "401"}
+    assert set(doc["paths"]["/v1/models"]["get"]["responses"]) == {"200", "401", "431"}
     error = doc["components"]["schemas"]["ErrorObject"]
     assert set(error["required"]) == {"message", "type", "param", "code"}
 

@@ -136,7 +136,7 @@ async def test_a_parameter_openai_does_not_have_is_refused_by_name(client, endpo
 async def test_message_names_and_unknown_message_fields_are_refused(client):
     named = {"messages": [{"role": "user", "content": "hi", "name": "alice"}]}
     assert_refused(await post(client, "chat", **named), "messages.0.name", "unsupported_parameter")
-    calls = {"messages": [{"role": "assistant", "content": None, "tool_calls": []}]}
+    calls = {"messages": [{"role": "assistant", "content": "", "tool_calls": []}]}
     assert_refused(await post(client, "chat", **calls), "messages.0.tool_calls", "unknown_parameter")
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from schemas.messages import GenerateRequest, ReplyDelta, ReplyEnd, now_ms
 from services.gateway.config import GatewaySettings
+from services.gateway.guard.auth import Owner
 from services.gateway.handlers import Exchange, GatewayBus
 from services.gateway.openai_format import ApiError, ChunkWriter
 from services.gateway.guard.output_guard import PassThrough
@@ -25,15 +26,18 @@ def make_bus() -> tuple[GatewayBus, list[tuple[str, str]]]:
     return bus, published
 
 
+ANN = Owner("acme", "key", "ann")
+
+
 def open_stream(
-    bus: GatewayBus, streams: ResumableStreams, grace_s: float, principal: str = "ann", timeout_ms: int = 10_000
+    bus: GatewayBus, streams: ResumableStreams, grace_s: float, owner: Owner = ANN, timeout_ms: int = 10_000
 ) -> StreamEntry:
     request = GenerateRequest(request_id="r1", model="echo", prompt="hi", deadline_ms=now_ms() + timeout_ms,
-                              reply_to=bus.reply_topic, principal=principal, stream=True)
+                              reply_to=bus.reply_topic, principal=owner.principal, tenant=owner.tenant, stream=True)
     exchange = Exchange(bus, request, bus.router.register("r1"))
     bus._exchanges["r1"] = exchange
     writer = ChunkWriter("completions", "r1", "echo", 0, include_usage=False)
-    return streams.add(exchange, writer.fresh, grace_s)
+    return streams.add(exchange, writer.fresh, grace_s, owner)
 
 
 def send(bus: GatewayBus, *texts: str, end_seq: int | None = None) -> None:
@@ -63,14 +67,14 @@ async def test_a_reader_that_comes_back_within_the_grace_gets_the_rest_and_nothi
     entry.leave()  # the connection dropped
     send(bus, "c", "d", end_seq=4)  # generation goes on meanwhile
     await asyncio.sleep(0)
-    again = streams.attach("r1", "ann")
+    again = streams.attach("r1", ANN)
     raw = b"".join([chunk async for chunk in sse_events(again.exchange, again.new_writer(), PassThrough(), after_seq=1)])
     again.leave()
     events = [block.split("\n") for block in raw.decode().strip().split("\n\n")]
     assert [e[0] for e in events] == ["id: 2", "id: 3", "id: 4", "id: 4"]
     assert '"text":"c"' in events[0][1] and '"text":"d"' in events[1][1] and events[-1][1] == "data: [DONE]"
     assert published == [] and entry.exchange.is_closed
-    assert streams.attach("r1", "ann").exchange.end is not None  # kept a while after its end
+    assert streams.attach("r1", ANN).exchange.end is not None  # kept a while after its end
 
 
 async def test_nobody_coming_back_cancels_after_the_grace() -> None:
@@ -84,7 +88,7 @@ async def test_nobody_coming_back_cancels_after_the_grace() -> None:
     await asyncio.sleep(0.15)
     assert published == [("r1", "client_disconnect")]
     with pytest.raises(ApiError) as gone:
-        streams.attach("r1", "ann")
+        streams.attach("r1", ANN)
     assert gone.value.status == 404 and gone.value.code == "stream_not_found"
 
 
@@ -95,7 +99,7 @@ async def test_without_a_grace_a_leaving_reader_cancels_at_once_and_cannot_resum
     entry.leave()
     assert published == [("r1", "client_disconnect")]
     with pytest.raises(ApiError) as gone:
-        streams.attach("r1", "ann")
+        streams.attach("r1", ANN)
     assert gone.value.status == 404
 
 
@@ -107,19 +111,33 @@ async def test_a_stream_that_ended_while_nobody_read_it_closes_without_a_cancel(
     send(bus, "a", end_seq=1)
     await asyncio.sleep(0.15)
     assert published == [] and entry.exchange.is_closed
-    again = streams.attach("r1", "ann")
+    again = streams.attach("r1", ANN)
     assert await read_texts(again, 1) == [(0, "a")]
 
 
-async def test_another_principal_may_not_resume() -> None:
+@pytest.mark.parametrize(
+    "intruder",
+    [
+        Owner("acme", "key", "bob"),  # another principal of the same tenant
+        Owner("globex", "key", "ann"),  # the same principal's name in another tenant
+        Owner("acme", "jwt", "ann"),  # a JWT whose subject is the key's principal
+        Owner("globex", "jwt", "ann"),  # ... of another tenant (the case)
+        Owner("acme", "open", "ann"),
+    ],
+)
+async def test_only_the_owner_resumes_and_anyone_else_gets_the_404_of_an_unknown_stream(intruder: Owner) -> None:
     bus, _ = make_bus()
     streams = ResumableStreams(keep_s=60, max_streams=10)
-    entry = open_stream(bus, streams, grace_s=5, principal="ann")
+    entry = open_stream(bus, streams, grace_s=5, owner=ANN)
     entry.leave()
     with pytest.raises(ApiError) as refused:
-        streams.attach("r1", "bob")
-    assert refused.value.status == 403
-    streams.attach("r1", "ann").cancel("user")
+        streams.attach("r1", intruder)
+    with pytest.raises(ApiError) as unknown:
+        streams.attach("r2", intruder)
+    assert (refused.value.status, refused.value.code) == (404, "stream_not_found")
+    assert refused.value.message.replace("r1", "r2") == unknown.value.message  # nothing tells that r1 exists
+    assert entry.num_readers == 0  # the refused reader was not counted
+    streams.attach("r1", ANN).cancel("user")
 
 
 async def test_an_explicit_cancel_ends_it_for_good() -> None:
@@ -129,7 +147,7 @@ async def test_an_explicit_cancel_ends_it_for_good() -> None:
     entry.cancel("user")
     assert published == [("r1", "user")]
     with pytest.raises(ApiError):
-        streams.attach("r1", "ann")
+        streams.attach("r1", ANN)
 
 
 async def test_past_max_streams_the_oldest_unread_one_is_dropped_and_cancelled() -> None:
@@ -140,7 +158,7 @@ async def test_past_max_streams_the_oldest_unread_one_is_dropped_and_cancelled()
     request = GenerateRequest(request_id="r2", model="echo", prompt="hi", deadline_ms=now_ms() + 10_000,
                               reply_to=bus.reply_topic, stream=True)
     second = Exchange(bus, request, bus.router.register("r2"))
-    streams.add(second, ChunkWriter("completions", "r2", "echo", 0, include_usage=False).fresh, 5)
+    streams.add(second, ChunkWriter("completions", "r2", "echo", 0, include_usage=False).fresh, 5, ANN)
     assert published == [("r1", "client_disconnect")] and len(streams) == 1
 
 

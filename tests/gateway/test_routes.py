@@ -27,7 +27,7 @@ def test_last_event_id_is_the_seq_the_client_saw_or_minus_one(value, seq):
     assert last_event_id(value) == seq
 
 
-@pytest.mark.parametrize("value", ["x", "1.5", "-2", " 3"])
+@pytest.mark.parametrize("value", ["x", "1.5", "-2", " 3", "--1", "+1", "\u00b2", "1" * 19, "9" * 5000])
 def test_a_last_event_id_that_is_no_event_id_is_a_400_naming_the_header(value):
     with pytest.raises(ApiError) as caught:
         last_event_id(value)

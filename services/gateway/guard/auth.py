@@ -42,6 +42,20 @@ def unauthorized(message: str, code: str) -> GuardError:
 
 
 @dataclass(frozen=True)
+class Owner:
+    """Who owns a resource (a stream, a file, a batch): docs/design.md, "Ownership". Two
+    identities own the same things only when tenant, kind of credential and principal all match:
+    a JWT whose subject names an API key's principal is someone else, in any tenant."""
+
+    tenant: str
+    credential: str  # "key" (API key), "jwt" (bearer token) or "open" (open mode: one anonymous owner)
+    principal: str
+
+
+_CREDENTIAL_OF_SCOPE = {"key": "key", "sub": "jwt", "open": "open"}
+
+
+@dataclass(frozen=True)
 class Identity:
     """Who a request is from, and what it may do."""
 
@@ -55,6 +69,11 @@ class Identity:
     def may_use(self, model: str) -> bool:
         """True when this identity may call `model`."""
         return self.models is None or model in self.models
+
+    @property
+    def owner(self) -> Owner:
+        """The owner of what this identity creates; only the same owner may read it again."""
+        return Owner(self.tenant, _CREDENTIAL_OF_SCOPE[self.scope.partition(":")[0]], self.principal)
 
 
 def hash_secret(salt_hex: str, secret: str) -> str:

@@ -12,6 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from schemas.messages import GenerateRequest, now_ms
+from services.gateway.guard.auth import Owner
 from services.gateway.handlers import Exchange
 from services.gateway.openai_format import (
     ApiError,
@@ -46,10 +47,10 @@ async def complete(parts: GatewayParts, kind: Kind, request: Request) -> Respons
     raw = await read_body(request, parts.settings.max_body_bytes)
     headers = dict(request.headers)
     grace_s = parts.grace_s(headers)
-    exchange, writer = await open_exchange(parts, kind, raw, headers, request_id)
+    exchange, writer, owner = await open_exchange(parts, kind, raw, headers, request_id)
     request.state.is_submitted = True
     if isinstance(exchange.request, GenerateRequest) and exchange.request.stream:
-        entry = parts.streams.add(exchange, writer.fresh, grace_s)
+        entry = parts.streams.add(exchange, writer.fresh, grace_s, owner)
         return event_stream(entry, -1, parts.output_guard, parts.bus.gateway_id)
     return await answer(parts, kind, request, exchange, writer)
 
@@ -76,17 +77,18 @@ async def answer(
 
 async def open_exchange(
     parts: GatewayParts, kind: Kind, raw: bytes, headers: dict[str, str], request_id: str
-) -> tuple[Exchange, ChunkWriter]:
+) -> tuple[Exchange, ChunkWriter, Owner]:
     """Credentials → body → GenerateRequest → guard → published; raises ApiError for anything the
-    client got wrong or may not do."""
+    client got wrong or may not do. Returns the caller's Owner with it: who may resume the stream."""
     identity = parts.guard.authenticate(headers)
     body = parse_body(kind, raw)
     model = parts.model(body.model)
     parts.guard.authorize(identity, model.name)
     refuse_embedding_model(model)
+    max_timeout_s = parts.settings.max_timeout_s
     request = to_generate_request(
         kind, body, model, request_id=request_id, reply_to=parts.bus.reply_topic, now_ms=now_ms(),
-        client_timeout_s=header_timeout_s(headers), max_timeout_s=parts.settings.max_timeout_s,
+        client_timeout_s=header_timeout_s(headers, max_timeout_s), max_timeout_s=max_timeout_s,
     )  # fmt: skip
     request, admitted = await parts.guard.admit(identity, body, model, request, headers)
     try:
@@ -96,7 +98,7 @@ async def open_exchange(
         raise
     admitted.attach(exchange)
     writer = ChunkWriter(kind, request_id, model.name, request.created_ms // 1000, body.include_usage)
-    return exchange, writer
+    return exchange, writer, identity.owner
 
 
 def new_request_id(kind: Kind) -> str:

@@ -34,9 +34,10 @@ async def embed(parts: GatewayParts, request: Request) -> Response:
     body = parse_embedding_body(raw)
     model = parts.model(body.model)
     parts.guard.authorize(identity, model.name)
+    max_timeout_s = parts.settings.max_timeout_s
     embeds = to_embed_requests(
         body, model, request_id=request_id, reply_to=parts.bus.reply_topic, now_ms=now_ms(),
-        client_timeout_s=header_timeout_s(headers), max_timeout_s=parts.settings.max_timeout_s,
+        client_timeout_s=header_timeout_s(headers, max_timeout_s), max_timeout_s=max_timeout_s,
         principal=identity.principal, tenant=identity.tenant,
     )  # fmt: skip
     lane, admitted = await parts.guard.admit_embedding(identity, model, body.inputs, headers)

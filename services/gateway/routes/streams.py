@@ -3,16 +3,21 @@ a resumable SSE stream again from the Last-Event-ID the client saw (docs/gateway
 
 from __future__ import annotations
 
+import re
 from functools import partial
 
 from fastapi import APIRouter, Request, WebSocket
 from fastapi.responses import Response
 
 from services.gateway.openai_format import ApiError, Kind
+from services.gateway.request_limits import check_json_depth
 from services.gateway.resume import StreamEntry
 from services.gateway.routes.completions import new_request_id, open_exchange
 from services.gateway.routes.parts import GatewayParts
 from services.gateway.streaming import WebSocketSession, event_stream
+
+
+_EVENT_ID = re.compile(r"-1|[0-9]{1,18}")
 
 
 def add_stream_routes(router: APIRouter, parts: GatewayParts) -> None:
@@ -35,15 +40,21 @@ def add_stream_routes(router: APIRouter, parts: GatewayParts) -> None:
 
 
 async def prepare(parts: GatewayParts, kind: Kind, raw: bytes, headers: dict[str, str]) -> StreamEntry:
-    """Validate a body, publish its GenerateRequest, and register the stream (WebSocket)."""
+    """Validate a body, publish its GenerateRequest, and register the stream (WebSocket). The
+    body meets the limits of an HTTP body (request_limits.py)."""
+    if len(raw) > parts.settings.max_body_bytes:
+        raise ApiError(413, f"request body exceeds the limit of {parts.settings.max_body_bytes} bytes",
+                       code="request_too_large")  # fmt: skip
+    check_json_depth(raw, parts.settings.max_json_depth)
     grace_s = parts.grace_s(headers)
-    exchange, writer = await open_exchange(parts, kind, raw, headers, new_request_id(kind))
-    return parts.streams.add(exchange, writer.fresh, grace_s)
+    exchange, writer, owner = await open_exchange(parts, kind, raw, headers, new_request_id(kind))
+    return parts.streams.add(exchange, writer.fresh, grace_s, owner)
 
 
 def resume(parts: GatewayParts, request_id: str, headers: dict[str, str]) -> StreamEntry:
-    """A reader reconnects to a resumable stream of the same principal."""
-    entry = parts.streams.attach(request_id, parts.guard.authenticate(headers).principal)
+    """A reader reconnects to a resumable stream of its own: same tenant, kind of credential and
+    principal (docs/design.md, "Ownership"); anyone else's is a 404."""
+    entry = parts.streams.attach(request_id, parts.guard.authenticate(headers).owner)
     parts.guard.metrics.streams_resumed.add(1)
     return entry
 
@@ -52,7 +63,7 @@ def last_event_id(value: str | None) -> int:
     """The seq a reconnecting SSE client saw last, from Last-Event-ID (or ?last_event_id=); -1: none."""
     if value is None or value == "":
         return -1
-    if not value.lstrip("-").isdigit() or int(value) < -1:
-        raise ApiError(400, f"Last-Event-ID must be the id of an event of this stream, got {value!r}",
+    if not _EVENT_ID.fullmatch(value):  # ASCII digits only, and few enough for a seq (int64)
+        raise ApiError(400, f"Last-Event-ID must be the id of an event of this stream, got {value[:40]!r}",
                        param="Last-Event-ID", code="invalid_value")
     return int(value)
