@@ -336,3 +336,32 @@ async def test_a_real_worker_serves_with_its_own_principal(
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+def test_weir_up_secure_gives_each_service_its_own_principal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from weir import launcher as up
+
+    monkeypatch.delenv("WEIR_KAFKA_SECURITY", raising=False)
+    assert up.build_parser().parse_args([]).secure is False  # `weir up` stays simple by default
+    assert up.build_parser().parse_args(["--secure"]).secure is True
+    monkeypatch.setenv("WEIR_KAFKA_SECURITY", "sasl")
+    assert up.build_parser().parse_args([]).secure is True
+    broker = launcher.BrokerConfig(data_dir=tmp_path, secure=True, secrets_dir=tmp_path / "secrets")
+    envs = up.service_principals(broker)
+    assert set(envs) == set(up.SERVICES)
+    for name, env in envs.items():
+        assert env == {"WEIR_KAFKA_SECURITY": "sasl", "WEIR_KAFKA_USER": name,
+                       "WEIR_KAFKA_PASSWORD_FILE": str(tmp_path / "secrets" / f"{name}.password")}  # fmt: skip
+    # Each start of a service, a restart included, gets its own login on top of the shared settings.
+    started: list[dict[str, str]] = []
+
+    class Recorded:
+        def __init__(self, argv: list[str], env: dict[str, str], **_: object) -> None:
+            started.append(env)
+
+    monkeypatch.setattr(up.subprocess, "Popen", Recorded)
+    stack = up.Stack({"WEIR_TOPIC_PREFIX": "shared"}, tmp_path / "logs", own_env=envs)
+    for name in ("worker", "gateway", "worker"):
+        stack.start(name)
+    assert [env["WEIR_KAFKA_USER"] for env in started] == ["worker", "gateway", "worker"]
+    assert all(env["WEIR_TOPIC_PREFIX"] == "shared" and env["WEIR_KAFKA_SECURITY"] == "sasl" for env in started)

@@ -399,7 +399,7 @@ Weir is up.
   models                 {', '.join(models)}
   Kafka                  {kafka_line}
   requests topic         {topics.requests}
-  reply topics           {topics.replies("<your-id>")}  (name yours in reply_to{"; secure: <your-id> = client.<anything>" if broker.secure else ""})
+  reply topics           {topics.replies("")}<your-id>  (name yours in reply_to{"; secure: <your-id> = client.<anything>" if broker.secure else ""})
   control / workers      {topics.control} / {topics.workers}
   audit / dead letters   {topics.audit} / {topics.dead_letter}
   batches                {', '.join(topics.batches(m) for m in models)}
