@@ -3,6 +3,7 @@
     weir kafka up|down|status     the local Apache Kafka broker (weir/kafka/launcher.py); --secure:
                                   SASL/SCRAM and ACLs (weir/kafka/security.py)
     weir kafka user add NAME      an outside producer's principal on a secure broker
+    weir kafka secrets            make a secure deployment's passwords (docker-compose.secure.yml)
     weir topics create            create a deployment's topics on any cluster
     weir up | gateway | batcher | worker | auditor | audit | keys | batch | replay | models
                                   handed to the owning module's main(argv), imported on use
@@ -81,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "WEIR_KAFKA_SECURITY=sasl); docs/kafka.md, 'Secure mode'")
     for action, text in (("down", "stop the broker (SIGTERM, then SIGKILL)"), ("status", "is it running?")):
         _add_broker_args(kafka_actions.add_parser(action, help=text))
+    kafka_actions.add_parser("secrets", help="make the passwords of a secure deployment's principals into "
+                             "$WEIR_HOME/secrets/kafka (once; existing ones are kept)")
     user = kafka_actions.add_parser("user", help="principals of a secure broker")
     user_actions = user.add_subparsers(dest="user_action", required=True, metavar="ACTION")
     user_add = user_actions.add_parser("add", help="make (or keep) NAME's password and give it an outside "
@@ -97,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the broker")
     create.add_argument("--reply", action="append", default=[], metavar="ID",
                         help="also create the reply topic <prefix>.replies.ID for a client of your own (repeatable)")
+    create.add_argument("--acls", action="store_true",
+                        help="on a secure cluster, also give the services and `client` their ACLs for this prefix "
+                        "(log in as admin: WEIR_KAFKA_SECURITY=sasl WEIR_KAFKA_USER=admin)")
     _add_deployment_args(create)
 
     for name, (_module, text) in {**DELEGATED, **PROGRAMS}.items():
@@ -157,6 +163,12 @@ async def add_user(cfg: BrokerConfig, name: str, prefix: str) -> Path:
 def _kafka(args: argparse.Namespace) -> int:
     from weir.kafka import launcher, security
 
+    if args.action == "secrets":
+        users = [security.ADMIN, security.CONTROLLER, *security.SERVICES, security.DEFAULT_CLIENT]
+        for user in users:
+            security.ensure_password(user, security.secrets_dir())
+        print(f"passwords of {', '.join(users)}: in {security.secrets_dir()} (0600)")
+        return 0
     # Users exist on a secure broker only: `user add` speaks to it as one (its admin's login).
     is_secure = args.action == "user" or (args.action == "up" and args.secure)
     cfg = launcher.BrokerConfig.from_env(port=args.port, controller_port=args.controller_port,
@@ -217,6 +229,17 @@ def main(argv: list[str] | None = None) -> int:
             return _kafka(args)
         created = asyncio.run(create_topics(args.bootstrap, args.topic_prefix, args.model_repo, args.timeout, args.reply))
         print(f"topics under prefix {args.topic_prefix!r} on {args.bootstrap}: {len(created)} created")
+        if args.acls:
+            from weir.kafka.admin import grant_deployment_acls
+            from weir.kafka.security import client_options_from_env
+
+            options = client_options_from_env()
+            if options.get("sasl_plain_username") != "admin":
+                print("weir: error: --acls needs the admin login (WEIR_KAFKA_SECURITY=sasl WEIR_KAFKA_USER=admin)",
+                      file=sys.stderr)  # fmt: skip
+                return 2
+            count = asyncio.run(grant_deployment_acls(args.bootstrap, Topics(args.topic_prefix), options))
+            print(f"ACLs for prefix {args.topic_prefix!r}: {count} bindings")
         for reply in args.reply:
             print(f"reply topic {Topics(args.topic_prefix).replies(reply)} is there: name it in reply_to")
         return 0
