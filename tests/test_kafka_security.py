@@ -365,3 +365,19 @@ def test_weir_up_secure_gives_each_service_its_own_principal(tmp_path: Path, mon
         stack.start(name)
     assert [env["WEIR_KAFKA_USER"] for env in started] == ["worker", "gateway", "worker"]
     assert all(env["WEIR_TOPIC_PREFIX"] == "shared" and env["WEIR_KAFKA_SECURITY"] == "sasl" for env in started)
+
+
+def test_weir_kafka_secrets_makes_every_principals_password_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    from weir import cli
+
+    monkeypatch.setenv("WEIR_HOME", str(tmp_path))
+    assert cli.main(["kafka", "secrets"]) == 0
+    folder = tmp_path / "secrets" / "kafka"
+    users = ["admin", "controller", "gateway", "batcher", "worker", "auditor", "client"]
+    before = {user: security.password_path(user, folder).read_text() for user in users}
+    assert all(stat.S_IMODE(security.password_path(u, folder).stat().st_mode) == 0o600 for u in users)
+    assert len(set(before.values())) == len(users)  # one random password each
+    assert cli.main(["kafka", "secrets"]) == 0  # kept, not remade
+    assert {user: security.password_path(user, folder).read_text() for user in users} == before
+    assert str(folder) in capsys.readouterr().out
