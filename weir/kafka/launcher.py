@@ -354,9 +354,10 @@ def start(cfg: BrokerConfig) -> int:
             raise BrokerError(f"port {cfg.port} or {cfg.controller_port} on {cfg.host} is taken by "
                               f"another process; stop it or pick other ports")
         lib = resolve_jars(cfg.version)
-        users = broker_users(cfg) if cfg.secure else {}
-        passwords = users | ({security.CONTROLLER: security.ensure_password(security.CONTROLLER, cfg.secrets)}
-                             if cfg.secure else {})  # fmt: skip
+        users, passwords = {}, {}  # a secure broker's principals, and its own logins besides
+        if cfg.secure:
+            users = broker_users(cfg)
+            passwords = {**users, security.CONTROLLER: security.ensure_password(security.CONTROLLER, cfg.secrets)}
         _write_private(cfg.properties_file, render_server_properties(cfg, passwords))
         format_storage(cfg, lib, users)
         java = _java()
