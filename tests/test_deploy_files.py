@@ -64,3 +64,47 @@ def test_compose_holds_no_audit_key_and_shares_the_generated_one() -> None:
         assert f"weir-home:{home}" in services[name]["volumes"], name
     dockerfile = (REPO / "Dockerfile").read_text()
     assert f"chown weir /data {home}" in dockerfile  # the volume takes the folder's owner
+
+
+def _compose_secure_services() -> dict:
+    return yaml.safe_load((REPO / "docker-compose.secure.yml").read_text())["services"]
+
+
+def test_secure_compose_logs_each_service_in_as_its_own_principal() -> None:
+    from weir.kafka import security
+
+    base, secure = _compose()["services"], _compose_secure_services()
+    assert "WEIR_KAFKA_USER" not in (REPO / "docker-compose.yml").read_text()  # the default stays open
+    assert tuple(security.SERVICES) == WEIR_SERVICES
+    for name in WEIR_SERVICES:
+        assert name in base
+        assert secure[name]["environment"] == {"WEIR_KAFKA_SECURITY": "sasl", "WEIR_KAFKA_USER": name}
+    init = secure["topic-init"]
+    assert init["command"][:3] == ["weir", "topics", "create"] and "--acls" in init["command"]
+    assert init["environment"]["WEIR_KAFKA_USER"] == security.ADMIN
+    assert secure["kafka-secrets"]["command"] == ["weir", "kafka", "secrets"]
+    assert secure["kafka"]["depends_on"]["kafka-secrets"]["condition"] == "service_completed_successfully"
+    assert "./scripts/secure-kafka.sh:/opt/weir/secure-kafka.sh:ro" in secure["kafka"]["volumes"]
+    assert secure["kafka"]["command"] == ["bash", "/opt/weir/secure-kafka.sh"]
+    for text in ((REPO / "docker-compose.yml").read_text(), (REPO / "docker-compose.secure.yml").read_text()):
+        assert "password=" not in text.replace(" ", "")  # passwords are made per deployment, never written here
+
+
+def test_secure_broker_script_matches_the_launchers_secure_settings() -> None:
+    """scripts/secure-kafka.sh (the compose broker) sets what `weir kafka up --secure` sets, and
+    bootstraps the same principals."""
+    from weir.kafka import security
+
+    script = (REPO / "scripts" / "secure-kafka.sh").read_text()
+    cfg = launcher.BrokerConfig(secure=True)
+    props = launcher._secure_properties(cfg, {security.ADMIN: "A", security.CONTROLLER: "C"})
+    for key, value in props.items():
+        if key in ("listeners", "advertised.listeners", "listener.security.protocol.map"):
+            assert f"{key}=" in script  # its own addresses, plus the host's EXTERNAL listener
+            continue
+        expected = value.replace('"A"', '"$admin"').replace('"C"', '"$controller"')
+        expected = expected.replace("org.apache.kafka.common.security.scram.ScramLoginModule", "$scram")
+        expected = expected.replace("org.apache.kafka.common.security.plain.PlainLoginModule", "$plain")
+        assert f"{key}={expected}\n" in script, key
+    users = [security.ADMIN, *security.SERVICES, security.DEFAULT_CLIENT]
+    assert f"for user in {' '.join(users)}; do\n      printf" in script

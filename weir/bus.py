@@ -2,7 +2,9 @@
 
 The factories fix the settings that invariant 3 of docs/design.md depends on: producers are idempotent
 with acks=all; consumers never auto-commit, so a service commits an offset only once the effect of
-that message has been durably produced. OffsetTracker turns out-of-order completions into the
+that message has been durably produced. On a secure deployment they log in as the service's own
+principal (WEIR_KAFKA_SECURITY=sasl, WEIR_KAFKA_USER, WEIR_KAFKA_PASSWORD_FILE; docs/design.md,
+"The Kafka trust boundary"). OffsetTracker turns out-of-order completions into the
 contiguous offsets that are safe to commit.
 """
 
@@ -14,7 +16,8 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from pydantic import Field
@@ -24,6 +27,7 @@ from schemas.codec import encode
 from schemas.messages import DeadLetter
 from schemas.topics import DEFAULT_PREFIX, Topics
 from weir.kafka.admin import wait_for_broker
+from weir.kafka.security import client_credentials
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +71,36 @@ class BusSettings(BaseSettings):
 
     http_host: str = Field("127.0.0.1", description="Address of the service's HTTP endpoint (/healthz, /readyz, /metrics).")
 
+    # Secure mode (weir/kafka/security.py): the principal this process logs in as.
+    kafka_security: Literal["plaintext", "sasl"] = Field(
+        "plaintext", description="plaintext: no credentials (the default local broker); sasl: SASL/SCRAM-SHA-512 "
+        "as kafka_user (a secure broker: `weir kafka up --secure`).",
+    )
+    kafka_user: str | None = Field(None, description="The Kafka principal with kafka_security=sasl (gateway, "
+                                   "batcher, worker, auditor, admin, or one from `weir kafka user add`).")
+    kafka_password_file: Path | None = Field(
+        None, description="Its password file (mode 0600); default $WEIR_HOME/secrets/kafka/<kafka_user>.password."
+    )
+
     @property
     def topics(self) -> Topics:
         """Topic names and group ids under this deployment's prefix."""
         return Topics(self.topic_prefix)
+
+    def kafka_options(self) -> dict[str, Any]:
+        """aiokafka's security keyword arguments for this principal ({} for plaintext); raises
+        KafkaSecurityError (a ValueError) for inconsistent settings or an unusable password file."""
+        creds = client_credentials(self.kafka_security, self.kafka_user, self.kafka_password_file)
+        return creds.client_options() if creds else {}
+
+    def faststream_security(self) -> Any:
+        """The same login as FastStream's KafkaBroker takes it (None for plaintext)."""
+        creds = client_credentials(self.kafka_security, self.kafka_user, self.kafka_password_file)
+        if creds is None:
+            return None
+        from faststream.security import SASLScram512
+
+        return SASLScram512(creds.user, creds.password, use_ssl=False)
 
 
 async def wait_for_cluster(settings: BusSettings) -> None:
@@ -78,7 +108,7 @@ async def wait_for_cluster(settings: BusSettings) -> None:
     that: the service exits 3); at once when that is 0. Called first by every service's start."""
     if settings.kafka_wait_s > 0:
         log.info("waiting up to %.0f s for the Kafka cluster at %s", settings.kafka_wait_s, settings.kafka_bootstrap)
-        await wait_for_broker(settings.kafka_bootstrap, settings.kafka_wait_s)
+        await wait_for_broker(settings.kafka_bootstrap, settings.kafka_wait_s, settings.kafka_options())
 
 
 def instance_id(service: str) -> str:
@@ -96,6 +126,7 @@ def make_producer(settings: BusSettings, client_id: str, linger_ms: int = 0) -> 
         linger_ms=linger_ms,
         request_timeout_ms=settings.producer_request_timeout_ms,
         retry_backoff_ms=100,
+        **settings.kafka_options(),
     )
 
 
@@ -129,6 +160,7 @@ def make_consumer(
         group_id=group_id,
         auto_offset_reset=auto_offset_reset,
         **consumer_settings(settings, max_poll_records, session_timeout_ms),
+        **settings.kafka_options(),
     )
 
 

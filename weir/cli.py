@@ -1,6 +1,9 @@
 """The `weir` command line.
 
-    weir kafka up|down|status     the local Apache Kafka broker (weir/kafka/launcher.py)
+    weir kafka up|down|status     the local Apache Kafka broker (weir/kafka/launcher.py); --secure:
+                                  SASL/SCRAM and ACLs (weir/kafka/security.py)
+    weir kafka user add NAME      an outside producer's principal on a secure broker
+    weir kafka secrets            make a secure deployment's passwords (docker-compose.secure.yml)
     weir topics create            create a deployment's topics on any cluster
     weir up | gateway | batcher | worker | auditor | audit | keys | batch | replay | models
                                   handed to the owning module's main(argv), imported on use
@@ -17,9 +20,13 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from schemas.model_repo import ModelRepoError, load_model_repo
 from schemas.topics import DEFAULT_PREFIX, Topics
+
+if TYPE_CHECKING:
+    from weir.kafka.launcher import BrokerConfig
 
 # Subcommands that other modules implement: name -> (module, help). Each module has main(argv) -> int.
 DELEGATED: dict[str, tuple[str, str]] = {
@@ -70,8 +77,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_deployment_args(kafka_up)
     kafka_up.add_argument("--timeout", type=float, default=90.0, help="seconds to wait for readiness")
     kafka_up.add_argument("--no-topics", action="store_true", help="do not create the deployment's topics")
+    kafka_up.add_argument("--secure", action="store_true", default=os.environ.get("WEIR_KAFKA_SECURITY") == "sasl",
+                          help="SASL/SCRAM-SHA-512 and ACLs, deny by default (default: on when "
+                          "WEIR_KAFKA_SECURITY=sasl); docs/kafka.md, 'Secure mode'")
     for action, text in (("down", "stop the broker (SIGTERM, then SIGKILL)"), ("status", "is it running?")):
         _add_broker_args(kafka_actions.add_parser(action, help=text))
+    kafka_actions.add_parser("secrets", help="make the passwords of a secure deployment's principals into "
+                             "$WEIR_HOME/secrets/kafka (once; existing ones are kept)")
+    user = kafka_actions.add_parser("user", help="principals of a secure broker")
+    user_actions = user.add_subparsers(dest="user_action", required=True, metavar="ACTION")
+    user_add = user_actions.add_parser("add", help="make (or keep) NAME's password and give it an outside "
+                                       "producer's ACLs: write requests, read its own replies")
+    user_add.add_argument("name", help="the user (its reply topics: <prefix>.replies.NAME.<anything>)")
+    _add_broker_args(user_add)
+    _add_deployment_args(user_add)
 
     topics = commands.add_parser("topics", help="Kafka topics of a deployment")
     topic_actions = topics.add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -81,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the broker")
     create.add_argument("--reply", action="append", default=[], metavar="ID",
                         help="also create the reply topic <prefix>.replies.ID for a client of your own (repeatable)")
+    create.add_argument("--acls", action="store_true",
+                        help="on a secure cluster, also give the services and `client` their ACLs for this prefix "
+                        "(log in as admin: WEIR_KAFKA_SECURITY=sasl WEIR_KAFKA_USER=admin)")
     _add_deployment_args(create)
 
     for name, (_module, text) in {**DELEGATED, **PROGRAMS}.items():
@@ -113,23 +135,50 @@ def exec_program(name: str, argv: list[str]) -> int:
 
 
 async def create_topics(
-    bootstrap: str, prefix: str, model_repo: Path, timeout_s: float, replies: list[str] | None = None
+    bootstrap: str, prefix: str, model_repo: Path, timeout_s: float, replies: list[str] | None = None,
+    options: dict[str, str] | None = None,
 ) -> list[str]:
     """Wait for the cluster, then create the core topics, those of every model in the repository,
-    and the reply topics named in `replies`."""
+    and the reply topics named in `replies` (as `options`' principal, else the environment's)."""
     from weir.kafka.admin import deployment_specs, ensure_topics, wait_for_broker
 
     topics = Topics(prefix)
     specs = deployment_specs(topics, load_model_repo(model_repo)) + [topics.reply_spec(r) for r in replies or []]
-    await wait_for_broker(bootstrap, timeout_s)
-    return await ensure_topics(bootstrap, specs)
+    await wait_for_broker(bootstrap, timeout_s, options)
+    return await ensure_topics(bootstrap, specs, options=options)
+
+
+async def add_user(cfg: BrokerConfig, name: str, prefix: str) -> Path:
+    """`weir kafka user add`: NAME's password file (made once), its SCRAM credential, its ACLs."""
+    from weir.kafka import security
+    from weir.kafka.admin import add_client_user
+
+    security.check_user_name(name)
+    options = cfg.admin_options()
+    password = security.ensure_password(name, cfg.secrets)
+    await add_client_user(cfg.bootstrap, Topics(prefix), name, password, options)
+    return security.password_path(name, cfg.secrets)
 
 
 def _kafka(args: argparse.Namespace) -> int:
-    from weir.kafka import launcher
+    from weir.kafka import launcher, security
 
+    if args.action == "secrets":
+        users = [security.ADMIN, security.CONTROLLER, *security.SERVICES, security.DEFAULT_CLIENT]
+        for user in users:
+            security.ensure_password(user, security.secrets_dir())
+        print(f"passwords of {', '.join(users)}: in {security.secrets_dir()} (0600)")
+        return 0
+    # Users exist on a secure broker only: `user add` speaks to it as one (its admin's login).
+    is_secure = args.action == "user" or (args.action == "up" and args.secure)
     cfg = launcher.BrokerConfig.from_env(port=args.port, controller_port=args.controller_port,
-                                         data_dir=args.data_dir)
+                                         data_dir=args.data_dir, secure=is_secure)
+    if args.action == "user":
+        path = asyncio.run(add_user(cfg, args.name, args.topic_prefix))
+        print(f"user {args.name}: password in {path}; it may write {Topics(args.topic_prefix).requests} and read "
+              f"{security.client_reply_prefix(Topics(args.topic_prefix), args.name)}*")
+        print(f"connect with WEIR_KAFKA_SECURITY=sasl WEIR_KAFKA_USER={args.name} WEIR_KAFKA_PASSWORD_FILE={path}")
+        return 0
     if args.action == "status":
         state = launcher.status(cfg)
         print(state.describe())
@@ -145,8 +194,16 @@ def _kafka(args: argparse.Namespace) -> int:
     state = asyncio.run(launcher.up(cfg, args.timeout))
     print(state.describe())
     if not args.no_topics:
-        created = asyncio.run(create_topics(cfg.bootstrap, args.topic_prefix, args.model_repo, args.timeout))
+        created = asyncio.run(create_topics(cfg.bootstrap, args.topic_prefix, args.model_repo, args.timeout,
+                                            options=cfg.admin_options()))  # fmt: skip
         print(f"topics under prefix {args.topic_prefix!r}: {len(created)} created")
+    if cfg.secure:
+        from weir.kafka.admin import grant_deployment_acls
+
+        count = asyncio.run(grant_deployment_acls(cfg.bootstrap, Topics(args.topic_prefix), cfg.admin_options()))
+        print(f"secure: SASL_PLAINTEXT/{security.MECHANISM} on {cfg.host} (no TLS), deny by default; {count} ACL "
+              f"bindings for prefix {args.topic_prefix!r}; passwords in {cfg.secrets}")
+        print(f"connect with WEIR_KAFKA_SECURITY=sasl WEIR_KAFKA_USER=<{'|'.join(security.SERVICES)}|client|admin>")
     print(f"bootstrap servers: {cfg.bootstrap}")
     return 0
 
@@ -165,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     from aiokafka.errors import KafkaError
 
     from weir.kafka.launcher import BrokerError
+    from weir.kafka.security import KafkaSecurityError
 
     try:
         if args.command == "kafka":
@@ -176,10 +234,21 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
         created = asyncio.run(create_topics(args.bootstrap, args.topic_prefix, args.model_repo, args.timeout, args.reply))
         print(f"topics under prefix {args.topic_prefix!r} on {args.bootstrap}: {len(created)} created")
+        if args.acls:
+            from weir.kafka.admin import grant_deployment_acls
+            from weir.kafka.security import client_options_from_env
+
+            options = client_options_from_env()
+            if options.get("sasl_plain_username") != "admin":
+                print("weir: error: --acls needs the admin login (WEIR_KAFKA_SECURITY=sasl WEIR_KAFKA_USER=admin)",
+                      file=sys.stderr)  # fmt: skip
+                return 2
+            count = asyncio.run(grant_deployment_acls(args.bootstrap, Topics(args.topic_prefix), options))
+            print(f"ACLs for prefix {args.topic_prefix!r}: {count} bindings")
         for reply in args.reply:
             print(f"reply topic {topics.replies(reply)} is there: name it in reply_to")
         return 0
-    except (BrokerError, KafkaError, ModelRepoError, TimeoutError) as exc:
+    except (BrokerError, KafkaError, ModelRepoError, TimeoutError, KafkaSecurityError) as exc:
         print(f"weir: error: {exc}", file=sys.stderr)
         return 1
 

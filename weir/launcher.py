@@ -60,12 +60,14 @@ class Stack:
     log_dir: Path
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     http_ports: dict[str, int] = field(default_factory=dict)  # name -> its HTTP port, kept across restarts
+    # name -> settings of that service alone (its Kafka principal), kept across restarts
+    own_env: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def start(self, name: str, service: str | None = None, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
         """Start `service` (default: `name`) under `name`; its output goes to <log_dir>/<name>.log.
         Its HTTP port is the one `env` or `extra_env` names, else a free one (see `url`)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **self.env, **(extra_env or {})}
+        env = {**os.environ, **self.env, **self.own_env.get(name, {}), **(extra_env or {})}
         port_env = HTTP_PORT_ENV[service or name]
         if name not in self.http_ports:
             given = {**self.env, **(extra_env or {})}.get(port_env)
@@ -147,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--auth", choices=("open", "required"), default="open",
                         help="gateway auth mode: open (no credentials, local use; default) or required "
                         "(API keys from `weir keys create`, or JWTs with WEIR_JWT_KEYS)")
+    parser.add_argument("--secure", action="store_true", default=os.environ.get("WEIR_KAFKA_SECURITY") == "sasl",
+                        help="Kafka with SASL/SCRAM and ACLs: each service logs in as its own principal "
+                        "(default: on when WEIR_KAFKA_SECURITY=sasl); docs/kafka.md, 'Secure mode'")
     return parser
 
 
@@ -166,14 +171,15 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C during an import: its temporary directory is already removed
         print("\nstopped", flush=True)
         return 0
-    broker = launcher.BrokerConfig.from_env(port=args.kafka_port)
+    broker = launcher.BrokerConfig.from_env(port=args.kafka_port, secure=args.secure)
     was_running = launcher.running_pid(broker) is not None or launcher.port_open(broker.host, broker.port)
     try:
         spawn_broker(broker)
     except launcher.BrokerError as exc:
         print(f"weir up: {exc}", file=sys.stderr)
         return 1
-    stack = Stack(service_env(args, broker.bootstrap), Path(args.log_dir) if args.log_dir else weir_home() / "logs")
+    stack = Stack(service_env(args, broker.bootstrap), Path(args.log_dir) if args.log_dir else weir_home() / "logs",
+                  own_env=service_principals(broker) if broker.secure else {})  # fmt: skip
     # SIGTERM (kill, systemd, docker) and SIGHUP (a closed terminal) stop everything as Ctrl-C does;
     # by default they ended this process alone and left the four services running. SIGINT too, even
     # where it was inherited ignored (a shell's background job): a Ctrl-C to the process group
@@ -182,12 +188,15 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, _interrupt)
     try:
         deadline_s = began_s + args.timeout
-        supervisor = start_stack(stack, args.auth)
         kafka = BrokerReadiness(broker, Topics(args.topic_prefix), repo, deadline_s)
+        if broker.secure:  # the services' ACLs must exist before they connect: no overlap here
+            _say("Kafka (secure): waiting for the broker, then creating the topics and each service's ACLs ...")
+            kafka.wait(deadline_s)
+        supervisor = start_stack(stack, args.auth)
         board = ReadinessBoard(["kafka", *SERVICES], began_s)
         wait_all_ready(board, lambda name: kafka.probe() if name == "kafka" else probe(f"{stack.url(name)}/readyz"),
                        stack.dead, stack.log_tail, deadline_s, _say)  # fmt: skip
-        _print_banner(f"http://{args.host}:{args.port}", broker.bootstrap, Topics(args.topic_prefix),
+        _print_banner(f"http://{args.host}:{args.port}", broker, Topics(args.topic_prefix),
                       list(repo.models), args.auth, stack, time.monotonic() - began_s)  # fmt: skip
         return supervise(stack, supervisor)
     except KeyboardInterrupt:
@@ -261,6 +270,12 @@ class BrokerReadiness:
         self._thread = threading.Thread(target=self._run, args=(broker, topics, repo, deadline_s), daemon=True)
         self._thread.start()
 
+    def wait(self, deadline_s: float) -> None:
+        """Block until the topics (and a secure broker's ACLs) exist; raises what went wrong."""
+        self._thread.join(max(0.0, deadline_s - time.monotonic()))
+        if not self.probe().is_ready:
+            raise TimeoutError("the Kafka broker was not ready (topics, ACLs) within the start-up timeout")
+
     def probe(self) -> Probe:
         """Ready once the topics exist; re-raises what went wrong (a BrokerError is a RuntimeError)."""
         if self._thread.is_alive():
@@ -271,12 +286,15 @@ class BrokerReadiness:
 
     def _run(self, broker: Any, topics: Topics, repo: Any, deadline_s: float) -> None:
         from weir.kafka import launcher
-        from weir.kafka.admin import deployment_specs, ensure_topics
+        from weir.kafka.admin import deployment_specs, ensure_topics, grant_deployment_acls
 
         try:
             if launcher.running_pid(broker) is not None:
                 asyncio.run(launcher.wait_ready(broker, max(1.0, deadline_s - time.monotonic())))
-            asyncio.run(ensure_topics(broker.bootstrap, deployment_specs(topics, repo)))
+            options = broker.admin_options()  # {}: a plaintext broker
+            asyncio.run(ensure_topics(broker.bootstrap, deployment_specs(topics, repo), options=options))
+            if broker.secure:
+                asyncio.run(grant_deployment_acls(broker.bootstrap, topics, options))
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread by probe()
             self._error = exc
 
@@ -294,6 +312,16 @@ def service_env(args: argparse.Namespace, bootstrap: str) -> dict[str, str]:
         "WEIR_GATEWAY_ID": f"gateway-up-{args.port}",
     }  # fmt: skip
     return env | {HTTP_PORT_ENV[name]: str(port) for name, port in service_ports(args.port).items()}
+
+
+def service_principals(broker: Any) -> dict[str, dict[str, str]]:
+    """Each service's own Kafka login on a secure broker: its principal and password file (made by
+    the broker's start, weir/kafka/launcher.py)."""
+    from weir.kafka import security
+
+    return {name: {"WEIR_KAFKA_SECURITY": "sasl", "WEIR_KAFKA_USER": name,
+                   "WEIR_KAFKA_PASSWORD_FILE": str(security.password_path(name, broker.secrets))}
+            for name in SERVICES}  # fmt: skip
 
 
 def start_stack(stack: Stack, auth: str) -> Supervisor:
@@ -360,21 +388,26 @@ def supervise(stack: Stack, supervisor: Supervisor, poll_s: float = 0.5) -> int:
         time.sleep(poll_s)
 
 
-def _print_banner(url: str, bootstrap: str, topics: Topics, models: list[str], auth: str, stack: Stack,
+def _print_banner(url: str, broker: Any, topics: Topics, models: list[str], auth: str, stack: Stack,
                   took_s: float) -> None:
     if auth == "open":
         auth_line = "OPEN: WEIR_AUTH_MODE=open, no API key needed (local use only; --auth required to change)"
     else:
         auth_line = "required: create a key with `weir keys create --principal P --tenant T`"
     services = "\n".join(f"    {name:<9} {proc.pid:<8} {stack.url(name)}" for name, proc in stack.procs.items())
+    if broker.secure:
+        kafka_line = (f"{broker.bootstrap}  SASL/SCRAM-SHA-512 + ACLs; log in as `client` (WEIR_KAFKA_SECURITY=sasl "
+                      f"WEIR_KAFKA_USER=client; passwords in {broker.secrets})")
+    else:
+        kafka_line = f"{broker.bootstrap}  (no authentication: local use; --secure to change)"
     print(f"""
 Weir is up.
   OpenAI-compatible API  {url}/v1   (e.g. OPENAI_BASE_URL={url}/v1 OPENAI_API_KEY=local)
   gateway auth           {auth_line}
   models                 {', '.join(models)}
-  Kafka                  {bootstrap}
+  Kafka                  {kafka_line}
   requests topic         {topics.requests}
-  reply topics           {topics.prefix}.replies.<your-id>  (name yours in reply_to)
+  reply topics           {topics.replies("")}<your-id>  (name yours in reply_to{"; secure: <your-id> = client.<anything>" if broker.secure else ""})
   control / workers      {topics.control} / {topics.workers}
   audit / dead letters   {topics.audit} / {topics.dead_letter}
   batches                {', '.join(topics.batches(m) for m in models)}

@@ -46,6 +46,7 @@ def create_app(settings: AuditorSettings, health: HealthMetrics | None = None) -
         enable_idempotence=True,
         request_timeout_ms=settings.producer_request_timeout_ms,
         allow_auto_create_topics=False,  # topics are created by `weir kafka up` / `weir topics create`
+        security=settings.faststream_security(),  # its own principal on a secure deployment
         log_level=logging.DEBUG,  # per-batch "Received"/"Processed" lines
     )
     writer = LedgerWriter(settings)

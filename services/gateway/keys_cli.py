@@ -45,7 +45,8 @@ async def publish_record(settings: BusSettings, record: ApiKeyRecord) -> None:
 async def read_keys(settings: BusSettings) -> dict[str, ApiKeyRecord]:
     """The latest record of every key_id: the keys topic read from its beginning to its end."""
     await wait_for_broker(settings.kafka_bootstrap, timeout_s=15)
-    consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap, group_id=None, enable_auto_commit=False)
+    consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap, group_id=None, enable_auto_commit=False,
+                                **settings.kafka_options())
     await consumer.start()
     store = KeyStore()
     try:

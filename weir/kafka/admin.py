@@ -1,21 +1,48 @@
-"""Topic administration against any Kafka cluster: wait for it, create Weir's topics, read configs."""
+"""Administration against any Kafka cluster: wait for it, create Weir's topics, read configs; on a
+secure cluster, add SCRAM users and ACLs (weir/kafka/security.py).
+
+Every function connects with `options` (aiokafka's security keyword arguments) when given, else
+with those of the environment (WEIR_KAFKA_SECURITY, WEIR_KAFKA_USER, WEIR_KAFKA_PASSWORD_FILE), so
+each service and CLI that calls them honours the deployment's credentials.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from typing import Any
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import KafkaError, for_code
+from aiokafka.protocol.admin import CreateAclsRequest
+from aiokafka.protocol.api import Request, RequestStruct, Response
+from aiokafka.protocol.types import CompactArray, CompactBytes, CompactString, Int8, Int16, Int32, Schema, TaggedFields
 
 from schemas.model_repo import ModelRepository
 from schemas.topics import Topics, TopicSpec
+from weir.kafka.security import (
+    DEFAULT_CLIENT,
+    Grant,
+    acl_creations,
+    client_grants,
+    client_options_from_env,
+    new_salt,
+    salted_password,
+    service_grants,
+)
 
 log = logging.getLogger(__name__)
 
 TOPIC_ALREADY_EXISTS = 36  # Kafka protocol error code
+SCRAM_SHA_512 = 2  # ScramMechanism's code in AlterUserScramCredentials
+
+
+def _admin(bootstrap: str, options: dict[str, Any] | None, **kwargs: Any) -> AIOKafkaAdminClient:
+    """An admin client of `bootstrap` with `options`, else the environment's credentials."""
+    security = client_options_from_env() if options is None else options
+    return AIOKafkaAdminClient(bootstrap_servers=bootstrap, **kwargs, **security)
 
 
 def deployment_specs(topics: Topics, repo: ModelRepository) -> list[TopicSpec]:
@@ -26,12 +53,12 @@ def deployment_specs(topics: Topics, repo: ModelRepository) -> list[TopicSpec]:
     return specs
 
 
-async def wait_for_broker(bootstrap: str, timeout_s: float = 30.0) -> None:
+async def wait_for_broker(bootstrap: str, timeout_s: float = 30.0, options: dict[str, Any] | None = None) -> None:
     """Return once a metadata request to `bootstrap` lists at least one broker; else TimeoutError."""
     deadline = time.monotonic() + timeout_s
     last_error: Exception | None = None
     while time.monotonic() < deadline:
-        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=5000)
+        admin = _admin(bootstrap, options, request_timeout_ms=5000)
         try:
             await admin.start()
             cluster = await admin.describe_cluster()
@@ -45,13 +72,15 @@ async def wait_for_broker(bootstrap: str, timeout_s: float = 30.0) -> None:
     raise TimeoutError(f"no Kafka broker answered at {bootstrap} within {timeout_s:.0f} s ({last_error!r})")
 
 
-async def ensure_topics(bootstrap: str, specs: list[TopicSpec], replication_factor: int = 1) -> list[str]:
+async def ensure_topics(
+    bootstrap: str, specs: list[TopicSpec], replication_factor: int = 1, options: dict[str, Any] | None = None
+) -> list[str]:
     """Create the topics of `specs` that do not exist yet; returns the names it created.
 
     Idempotent: existing topics are left as they are (partitions and configs unchanged), and a
     topic another process creates at the same moment counts as existing.
     """
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    admin = _admin(bootstrap, options)
     await admin.start()
     try:
         existing = set(await admin.list_topics())
@@ -74,9 +103,9 @@ async def ensure_topics(bootstrap: str, specs: list[TopicSpec], replication_fact
         await admin.close()
 
 
-async def list_topic_names(bootstrap: str) -> list[str]:
+async def list_topic_names(bootstrap: str, options: dict[str, Any] | None = None) -> list[str]:
     """Every topic of the cluster."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    admin = _admin(bootstrap, options)
     await admin.start()
     try:
         return list(await admin.list_topics())
@@ -84,11 +113,11 @@ async def list_topic_names(bootstrap: str) -> list[str]:
         await admin.close()
 
 
-async def delete_topics(bootstrap: str, names: list[str]) -> None:
+async def delete_topics(bootstrap: str, names: list[str], options: dict[str, Any] | None = None) -> None:
     """Delete `names` (in requests of 200 topics); topics already gone are no error."""
     if not names:
         return
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=60_000)
+    admin = _admin(bootstrap, options, request_timeout_ms=60_000)
     await admin.start()
     try:
         for i in range(0, len(names), 200):
@@ -102,9 +131,11 @@ async def delete_prefixed_topics(bootstrap: str, prefix: str) -> None:
     await delete_topics(bootstrap, [t for t in await list_topic_names(bootstrap) if t.startswith(f"{prefix}.")])
 
 
-async def describe_topic_configs(bootstrap: str, names: list[str]) -> dict[str, dict[str, str]]:
+async def describe_topic_configs(
+    bootstrap: str, names: list[str], options: dict[str, Any] | None = None
+) -> dict[str, dict[str, str]]:
     """The effective configs of each topic in `names`, as {topic: {key: value}}."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    admin = _admin(bootstrap, options)
     await admin.start()
     try:
         responses = await admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, n) for n in names])
@@ -117,3 +148,86 @@ async def describe_topic_configs(bootstrap: str, names: list[str]) -> dict[str, 
                 raise for_code(code)(f"describing configs of {name!r} failed: {message}")
             configs[name] = {entry[0]: entry[1] for entry in entries}
     return configs
+
+
+async def create_acls(bootstrap: str, grants: list[Grant], options: dict[str, Any] | None = None) -> int:
+    """Create the ALLOW ACLs of `grants` (an ACL that exists already is no error: idempotent);
+    returns how many bindings were sent. Needs a super user's `options` on a secure cluster."""
+    creations = acl_creations(grants)
+    admin = _admin(bootstrap, options)
+    await admin.start()
+    try:
+        for creation in creations:
+            response = await admin._send_request(CreateAclsRequest(*creation))  # noqa: SLF001 - aiokafka has no create_acls
+            for code, message in response.creation_responses:
+                if code != 0:
+                    raise for_code(code)(f"creating the ACL {creation} failed: {message}")
+    finally:
+        await admin.close()
+    return len(creations)
+
+
+class _AlterUserScramCredentialsResponse_v0(Response):
+    API_KEY = 51
+    API_VERSION = 0
+    SCHEMA = Schema(
+        ("throttle_time_ms", Int32),
+        ("results", CompactArray(("user", CompactString("utf-8")), ("error_code", Int16),
+                                 ("error_message", CompactString("utf-8")), ("tags", TaggedFields))),
+        ("tags", TaggedFields),
+    )  # fmt: skip
+
+
+class _AlterUserScramCredentialsRequest_v0(RequestStruct):
+    FLEXIBLE_VERSION = True
+    API_KEY = 51
+    API_VERSION = 0
+    RESPONSE_TYPE = _AlterUserScramCredentialsResponse_v0
+    SCHEMA = Schema(
+        ("deletions", CompactArray(("name", CompactString("utf-8")), ("mechanism", Int8), ("tags", TaggedFields))),
+        ("upsertions", CompactArray(("name", CompactString("utf-8")), ("mechanism", Int8), ("iterations", Int32),
+                                    ("salt", CompactBytes), ("salted_password", CompactBytes), ("tags", TaggedFields))),
+        ("tags", TaggedFields),
+    )  # fmt: skip
+
+
+class AlterUserScramCredentialsRequest(Request[_AlterUserScramCredentialsRequest_v0]):
+    """KIP-554's AlterUserScramCredentials (API key 51), which aiokafka does not wrap: upsert one
+    user's SCRAM-SHA-512 credential. The client salts and hashes; the password never travels."""
+
+    API_KEY = 51
+
+    def __init__(self, user: str, password: str, iterations: int) -> None:
+        salt = new_salt()
+        self._upsertion = (user, SCRAM_SHA_512, iterations, salt, salted_password(password, salt, iterations), {})
+
+    def build(self, request_struct_class: type[_AlterUserScramCredentialsRequest_v0]) -> _AlterUserScramCredentialsRequest_v0:
+        return request_struct_class([], [self._upsertion], {})
+
+
+async def upsert_scram_user(
+    bootstrap: str, user: str, password: str, options: dict[str, Any] | None = None, iterations: int = 8192
+) -> None:
+    """Create `user` with `password` (SCRAM-SHA-512), or change its password; needs a super user."""
+    admin = _admin(bootstrap, options)
+    await admin.start()
+    try:
+        response = await admin._send_to_controller(AlterUserScramCredentialsRequest(user, password, iterations))  # noqa: SLF001
+        for name, code, message, _tags in response.results:
+            if code != 0:
+                raise for_code(code)(f"setting the SCRAM credential of {name!r} failed: {message}")
+    finally:
+        await admin.close()
+
+
+async def grant_deployment_acls(bootstrap: str, topics: Topics, options: dict[str, Any]) -> int:
+    """Give the services and the default outside producer (`client`) their ACLs for `topics` on a
+    secure cluster (idempotent; `options`: a super user's); returns how many bindings that is."""
+    return await create_acls(bootstrap, service_grants(topics) + client_grants(topics, DEFAULT_CLIENT), options)
+
+
+async def add_client_user(bootstrap: str, topics: Topics, user: str, password: str, options: dict[str, Any]) -> None:
+    """`weir kafka user add`: `user`'s SCRAM credential and an outside producer's ACLs for `topics`."""
+    grants = client_grants(topics, user)  # checks the name first
+    await upsert_scram_user(bootstrap, user, password, options)
+    await create_acls(bootstrap, grants, options)

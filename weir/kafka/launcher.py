@@ -6,6 +6,13 @@ Layout, all under one data dir (default $WEIR_HOME/kafka/broker-<port>), which s
     cluster.id          chosen once; storage is formatted once with it
     logs/               Kafka's log.dirs (topic data and KRaft metadata)
     kafka.pid, kafka.log
+    security            "plaintext" or "sasl": how the storage was formatted (secure mode below)
+
+A secure broker (BrokerConfig.secure, `weir kafka up --secure`) takes clients on SASL_PLAINTEXT
+with SCRAM-SHA-512 only, authorizes every request with Kafka's StandardAuthorizer (no ACL: denied),
+and is formatted with the SCRAM credentials of the deployment's principals, whose passwords are
+made once into $WEIR_HOME/secrets/kafka (weir/kafka/security.py; docs/kafka.md, "Secure mode").
+A data dir keeps the mode it was formatted with: starting it in the other mode is refused.
 
 The jars live in $WEIR_HOME/kafka/<version>/lib, resolved once with Maven from weir/kafka/pom.xml.
 """
@@ -29,6 +36,7 @@ from pathlib import Path
 
 from weir.home import weir_home
 from weir.kafka import class_cache
+from weir.kafka import security
 from weir.kafka.admin import wait_for_broker
 
 KAFKA_VERSION = "4.4.0"  # keep in step with pom.xml and docker-compose.yml
@@ -59,6 +67,8 @@ class BrokerConfig:
     data_dir: Path | None = None  # None: $WEIR_HOME/kafka/broker-<port>
     version: str = KAFKA_VERSION
     overrides: dict[str, str] = field(default_factory=dict)  # extra server.properties entries
+    secure: bool = False  # SASL/SCRAM and ACLs (module docstring)
+    secrets_dir: Path | None = None  # None: $WEIR_HOME/secrets/kafka
 
     def __post_init__(self) -> None:
         if not self.controller_port:
@@ -104,9 +114,33 @@ class BrokerConfig:
     def properties_file(self) -> Path:
         return self.home / "server.properties"
 
+    @property
+    def security_file(self) -> Path:
+        return self.home / "security"
 
-def render_server_properties(cfg: BrokerConfig) -> str:
-    """server.properties for a single node with combined broker+controller roles."""
+    @property
+    def secrets(self) -> Path:
+        """Where the principals' password files are."""
+        return (self.secrets_dir or security.secrets_dir()).resolve()
+
+    def admin_options(self) -> dict[str, str]:
+        """aiokafka keyword arguments of this broker's super user ({} for a plaintext broker);
+        KafkaSecurityError when its password file is not there (start() makes it)."""
+        if not self.secure:
+            return {}
+        password = security.read_password(security.password_path(security.ADMIN, self.secrets))
+        return security.Credentials(security.ADMIN, password).client_options()
+
+
+def broker_users(cfg: BrokerConfig) -> dict[str, str]:
+    """{user: password} of the principals a secure broker is formatted with (each made once)."""
+    users = [security.ADMIN, *security.SERVICES, security.DEFAULT_CLIENT]
+    return {user: security.ensure_password(user, cfg.secrets) for user in users}
+
+
+def render_server_properties(cfg: BrokerConfig, passwords: dict[str, str] | None = None) -> str:
+    """server.properties for a single node with combined broker+controller roles; a secure one
+    needs the `passwords` of security.ADMIN and security.CONTROLLER."""
     props = {
         "process.roles": "broker,controller",
         "node.id": "1",
@@ -141,10 +175,43 @@ def render_server_properties(cfg: BrokerConfig) -> str:
         "log.cleaner.threads": "1",
         "log.cleaner.dedupe.buffer.size": str(32 * 1024 * 1024),
     }
+    if cfg.secure:
+        if not passwords or not {security.ADMIN, security.CONTROLLER} <= passwords.keys():
+            raise ValueError("a secure broker's properties need the admin and controller passwords")
+        props.update(_secure_properties(cfg, passwords))
     props.update(cfg.overrides)
     lines = ["# Written by weir/kafka/launcher.py on every start; edit BrokerConfig instead."]
     lines += [f"{key}={value}" for key, value in props.items()]
     return "\n".join(lines) + "\n"
+
+
+def _secure_properties(cfg: BrokerConfig, passwords: dict[str, str]) -> dict[str, str]:
+    """SASL_PLAINTEXT with SCRAM-SHA-512 for clients and the broker itself (its super user `admin`);
+    SASL/PLAIN with a static login for the KRaft controller listener (SCRAM credentials live in the
+    metadata that listener serves, so KRaft cannot use SCRAM there); StandardAuthorizer, deny by
+    default. No TLS: the listeners are on cfg.host (loopback by default), where nobody can read
+    the traffic; a broker reachable from other machines needs SASL_SSL (docs/kafka.md)."""
+    admin, controller = passwords[security.ADMIN], passwords[security.CONTROLLER]
+    scram = "org.apache.kafka.common.security.scram.ScramLoginModule"
+    plain = "org.apache.kafka.common.security.plain.PlainLoginModule"
+    return {
+        "listeners": f"SASL_PLAINTEXT://{cfg.host}:{cfg.port},CONTROLLER://{cfg.host}:{cfg.controller_port}",
+        "advertised.listeners": f"SASL_PLAINTEXT://{cfg.host}:{cfg.port}",
+        "inter.broker.listener.name": "SASL_PLAINTEXT",
+        "listener.security.protocol.map": "CONTROLLER:SASL_PLAINTEXT,SASL_PLAINTEXT:SASL_PLAINTEXT",
+        "sasl.enabled.mechanisms": security.MECHANISM,
+        "sasl.mechanism.inter.broker.protocol": security.MECHANISM,
+        "listener.name.sasl_plaintext.scram-sha-512.sasl.jaas.config":
+            f'{scram} required username="{security.ADMIN}" password="{admin}";',
+        "sasl.mechanism.controller.protocol": "PLAIN",
+        "listener.name.controller.sasl.enabled.mechanisms": "PLAIN",
+        "listener.name.controller.plain.sasl.jaas.config":
+            f'{plain} required username="{security.CONTROLLER}" password="{controller}" '
+            f'user_{security.CONTROLLER}="{controller}";',
+        "authorizer.class.name": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
+        "allow.everyone.if.no.acl.found": "false",
+        "super.users": f"User:{security.ADMIN};User:{security.CONTROLLER}",
+    }  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -211,19 +278,47 @@ def new_cluster_id() -> str:
             return text
 
 
-def format_storage(cfg: BrokerConfig, lib: Path) -> None:
-    """Format log.dirs once; an already formatted data dir is left as it is."""
+def format_storage(cfg: BrokerConfig, lib: Path, scram_users: dict[str, str] | None = None) -> None:
+    """Format log.dirs once, with the SCRAM credentials of `scram_users` ({user: password}) for a
+    secure broker; an already formatted data dir is left as it is, but must be in cfg's mode."""
+    mode = "sasl" if cfg.secure else "plaintext"
     if (cfg.log_dir / "meta.properties").exists():
+        formatted = cfg.security_file.read_text().strip() if cfg.security_file.exists() else "plaintext"
+        if formatted != mode:
+            raise BrokerError(f"{cfg.home} was formatted as a {formatted} broker, and cannot be started as a "
+                              f"{mode} one (its users and ACLs would be {'lost' if formatted == 'sasl' else 'missing'}); "
+                              "use another --data-dir, or delete this one")  # fmt: skip
         return
     id_file = cfg.home / "cluster.id"
     if not id_file.exists():
         id_file.write_text(new_cluster_id() + "\n")
     cluster_id = id_file.read_text().strip()
-    cmd = [_java(), "-Xmx256m", f"-Dlog4j2.configurationFile={LOG4J2_CONFIG}", "-cp", f"{lib}/*",
-           "kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(cfg.properties_file)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    args = ["kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(cfg.properties_file)]
+    for user, password in (scram_users or {}).items():
+        args += ["--add-scram", f"{security.MECHANISM}=[name={user},password={password}]"]
+    # The arguments go in a private @argfile, so no password shows in the process list.
+    argfile = cfg.home / ".format.args"
+    argfile.unlink(missing_ok=True)
+    fd = os.open(argfile, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write("\n".join(f'"{arg}"' for arg in args) + "\n")
+    try:
+        # (-cp stays outside: the launcher expands no class-path wildcard read from an @argfile)
+        cmd = [_java(), "-Xmx256m", f"-Dlog4j2.configurationFile={LOG4J2_CONFIG}", "-cp", f"{lib}/*", f"@{argfile}"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+    finally:
+        argfile.unlink(missing_ok=True)
     if proc.returncode != 0:
         raise BrokerError(f"formatting {cfg.log_dir} failed:\n{proc.stdout}{proc.stderr}")
+    cfg.security_file.write_text(mode + "\n")
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write `path` readable by this user only (a secure broker's properties hold passwords)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_CREAT
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
 
 
 def running_pid(cfg: BrokerConfig) -> int | None:
@@ -259,8 +354,12 @@ def start(cfg: BrokerConfig) -> int:
             raise BrokerError(f"port {cfg.port} or {cfg.controller_port} on {cfg.host} is taken by "
                               f"another process; stop it or pick other ports")
         lib = resolve_jars(cfg.version)
-        cfg.properties_file.write_text(render_server_properties(cfg))
-        format_storage(cfg, lib)
+        users, passwords = {}, {}  # a secure broker's principals, and its own logins besides
+        if cfg.secure:
+            users = broker_users(cfg)
+            passwords = {**users, security.CONTROLLER: security.ensure_password(security.CONTROLLER, cfg.secrets)}
+        _write_private(cfg.properties_file, render_server_properties(cfg, passwords))
+        format_storage(cfg, lib, users)
         java = _java()
         cmd = [java, *HEAP_OPTS, *JVM_OPTS, *class_cache.jvm_options(cfg.home, lib, java),
                f"-Dlog4j2.configurationFile={LOG4J2_CONFIG}", "-cp", f"{lib}/*", "kafka.Kafka", str(cfg.properties_file)]
@@ -289,7 +388,7 @@ async def wait_ready(cfg: BrokerConfig, timeout_s: float = 60.0) -> None:
         if time.monotonic() > deadline:
             raise BrokerError(f"the broker did not open {cfg.bootstrap} within {timeout_s:.0f} s")
         await asyncio.sleep(0.2)
-    await wait_for_broker(cfg.bootstrap, max(1.0, deadline - time.monotonic()))
+    await wait_for_broker(cfg.bootstrap, max(1.0, deadline - time.monotonic()), cfg.admin_options())
 
 
 def stop(cfg: BrokerConfig, timeout_s: float = 30.0) -> bool:
@@ -358,7 +457,7 @@ async def up(cfg: BrokerConfig, timeout_s: float = 90.0) -> BrokerStatus:
     cfg.home.mkdir(parents=True, exist_ok=True)
     if running_pid(cfg) is None and port_open(cfg.host, cfg.port):
         # A broker this data dir did not start (another WEIR_HOME, a container): use it as it is.
-        await wait_for_broker(cfg.bootstrap, 10.0)
+        await wait_for_broker(cfg.bootstrap, 10.0, cfg.admin_options())
         return status(cfg)
     await asyncio.to_thread(start, cfg)
     await wait_ready(cfg, timeout_s)
