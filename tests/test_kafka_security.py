@@ -121,6 +121,7 @@ def test_the_acl_plan_keeps_each_topic_to_its_writers() -> None:
     assert _writers(grants, t.audit) == {"gateway", "worker"}
     assert _writers(grants, t.dead_letter) == {"gateway", "batcher", "worker", "auditor"}
     assert _writers(grants, t.workers) == {"worker"}
+    assert _writers(grants, t.audit_anchors) == {"auditor"}  # the anchor of the audit chain
     assert _writers(grants, t.batches("echo")) == {"batcher"}
     assert _writers(grants, t.replies("client.r1")) == _writers(grants, t.replies("gateway-1")) == {"worker"}
     readers = {g.user for g in grants if "read" in g.operations and t.replies("alice.r1").startswith(g.name)
@@ -212,6 +213,7 @@ PROTECTED = {  # topic -> why no outside producer may write it
     "keys": TOPICS.keys,  # forge an API key
     "usage": TOPICS.usage,  # lock a key out with one usage record
     "audit": TOPICS.audit,  # forge audit events
+    "audit_anchors": TOPICS.audit_anchors,  # forge an anchor of the audit chain
     "dead_letter": TOPICS.dead_letter,
     "workers": TOPICS.workers,  # fake a worker
     "batches": TOPICS.batches("echo"),  # bypass the batcher
@@ -251,8 +253,9 @@ async def test_the_client_principal_writes_requests_only(secure_broker: launcher
 @pytest.mark.kafka
 @pytest.mark.timeout(120)
 async def test_services_cannot_write_what_is_not_theirs(secure_broker: launcher.BrokerConfig) -> None:
-    for user, topics in {"worker": [TOPICS.keys, TOPICS.usage, TOPICS.control, TOPICS.requests],
-                         "batcher": [TOPICS.keys, TOPICS.usage, TOPICS.audit, TOPICS.replies("client.r1")],
+    for user, topics in {"worker": [TOPICS.keys, TOPICS.usage, TOPICS.control, TOPICS.requests, TOPICS.audit_anchors],
+                         "batcher": [TOPICS.keys, TOPICS.usage, TOPICS.audit, TOPICS.replies("client.r1"),
+                                     TOPICS.audit_anchors],
                          "auditor": [TOPICS.keys, TOPICS.usage, TOPICS.audit, TOPICS.control]}.items():  # fmt: skip
         for topic in topics:
             with pytest.raises(TopicAuthorizationFailedError):

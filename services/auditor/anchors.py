@@ -33,6 +33,7 @@ from schemas.codec import DecodeError, decode
 from schemas.messages import AuditAnchor
 from services.auditor.chain import CheckpointRow, Log, canonical_checkpoint, chain_hash, mac_matches
 from weir.bus import partitions_of
+from weir.kafka.security import client_options_from_env
 
 ChainKey = tuple[Log, int]  # (log, chain_id)
 _LABEL: dict[str, str] = {"audit": "audit chain", "review_flags": "review flags chain"}
@@ -160,7 +161,8 @@ async def read_anchor_records(bootstrap: str, topic: str, timeout_s: float = 30.
     """Every record of the anchor topic, oldest first. TimeoutError when the cluster does not
     answer in `timeout_s`; RuntimeError when the topic does not exist."""
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False,
-                                isolation_level="read_committed", request_timeout_ms=int(timeout_s * 1000))  # fmt: skip
+                                isolation_level="read_committed", request_timeout_ms=int(timeout_s * 1000),
+                                **client_options_from_env())  # fmt: skip  # a secure deployment's login
     try:
         async with asyncio.timeout(timeout_s):
             await consumer.start()

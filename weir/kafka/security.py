@@ -172,7 +172,7 @@ def _grants(user: str, resource: str, pattern: str, operations: tuple[str, ...],
 
 
 # Reply-topic prefixes, built with Topics' own naming (docs/design.md, invariant 2):
-# replies("") is "<prefix>.replies.", the namespace of every reply topic.
+# Topics.reply_namespace is "<prefix>.replies.", the namespace of every reply topic.
 def gateway_reply_prefix(topics: Topics) -> str:
     """Gateway reply topics: <prefix>.replies.gateway-<id> (its WEIR_GATEWAY_ID must start `gateway-`)."""
     return topics.replies("gateway-")
@@ -211,11 +211,13 @@ def service_grants(topics: Topics) -> list[Grant]:
     # inside the reply namespace), audit events and heartbeats.
     grants += _grants("worker", "topic", "prefixed", ("read",), [t.batches("")])
     grants += _grants("worker", "topic", "literal", ("read",), [t.control])
-    grants += _grants("worker", "topic", "prefixed", ("write",), [t.replies("")])
+    grants += _grants("worker", "topic", "prefixed", ("write",), [t.reply_namespace])
     grants += _grants("worker", "topic", "literal", ("write",), [t.audit, t.workers, t.dead_letter])
     grants += _grants("worker", "group", "prefixed", ("read",), [t.worker_group("")])
-    # auditor: reads the audit topic as its group; dead-letters what it cannot use.
+    # auditor: reads the audit topic as its group; dead-letters what it cannot use; publishes its
+    # checkpoints to the anchor topic (creating it when missing) and reads them back to verify.
     grants += _grants("auditor", "topic", "literal", ("read",), [t.audit])
+    grants += _grants("auditor", "topic", "literal", ("read", "write", "create"), [t.audit_anchors])
     grants += _grants("auditor", "topic", "literal", ("write",), [t.dead_letter])
     grants += _grants("auditor", "group", "literal", ("read",), [t.auditor_group])
     return grants
