@@ -21,6 +21,7 @@ SCHEMA_VERSION = 1
 Priority = Literal["interactive", "bulk"]
 FinishReason = Literal["stop", "length", "cancelled", "timeout", "rejected", "error"]
 CancelReason = Literal["client_disconnect", "user", "deadline", "shutdown"]
+CredentialKind = Literal["key", "jwt", "open"]  # an owner's kind of credential (docs/design.md, "Ownership")
 
 # Most texts in one EmbedRequest. Its ReplyEnd carries one vector per text and must stay below
 # Kafka's 1 MiB record limit: 128 x 384 floats of ~12 JSON bytes is ~600 KB. The gateway splits
@@ -480,7 +481,10 @@ class FileChunk(_Wire):
     filename: str = Field(max_length=512, description="Name the file was uploaded or produced under.")
     purpose: str = Field(description="OpenAI file purpose: 'batch' (input) or 'batch_output'.")
     tenant: str = Field(min_length=1, description="Tenant of the owner: the uploader, or the batch's owner.")
-    principal: str = Field(min_length=1, description="Principal of the owner; only the owner may read the file.")
+    credential: CredentialKind = Field(description="Kind of credential of the owner: 'key' (API key), 'jwt' "
+                                       "(bearer token) or 'open' (open mode).")
+    principal: str = Field(min_length=1, description="Principal of the owner; only the owner (tenant, credential "
+                           "kind, principal) may read the file.")
     num_bytes: int = Field(ge=0, description="Size of the whole file in bytes.")
     data: str = Field(description="UTF-8 text of this chunk.")
     created_ms: int = Field(default_factory=now_ms, description="When the file was created, epoch ms.")
@@ -522,6 +526,8 @@ class BatchJob(_Wire):
     metadata: dict[str, str] | None = Field(None, description="Up to 16 caller key-value pairs.")
     principal: str = Field("anonymous", description="Who created the job.")
     tenant: str = Field("default", description="Tenant of the principal.")
+    credential: CredentialKind = Field("open", description="Kind of credential it was created with: 'key', 'jwt' "
+                                       "or 'open'; with tenant and principal, the job's owner.")
     request_counts: RequestCounts = Field(default_factory=lambda: RequestCounts(), description="Progress.")
     output_file_id: str | None = Field(None, description="File of successful results, once finished.")
     error_file_id: str | None = Field(None, description="File of failed requests, once finished (if any).")

@@ -28,6 +28,7 @@ class FileHeader:
     filename: str
     purpose: str
     tenant: str
+    credential: str  # with tenant and principal, the owner (docs/design.md, "Ownership")
     principal: str
     created_ms: int
 
@@ -57,7 +58,7 @@ def chunk_spans(
 
 def _chunk(header: FileHeader, index: int, num_chunks: int, num_bytes: int, piece: bytes) -> FileChunk:
     return FileChunk(file_id=header.file_id, index=index, num_chunks=num_chunks, filename=header.filename,
-                     purpose=header.purpose, tenant=header.tenant, principal=header.principal,
+                     purpose=header.purpose, tenant=header.tenant, credential=header.credential, principal=header.principal,
                      num_bytes=num_bytes, data=piece.decode("utf-8"), created_ms=header.created_ms)  # fmt: skip
 
 
@@ -106,9 +107,9 @@ class StoredFile:
         """The file's bytes chunk by chunk; call only when complete."""
         return (self.chunks[i].encode("utf-8") for i in range(self.first.num_chunks))
 
-    def is_owned_by(self, tenant: str, principal: str) -> bool:
-        """True when (tenant, principal) owns the file (docs/design.md, "Batch files")."""
-        return (self.first.tenant, self.first.principal) == (tenant, principal)
+    def is_owned_by(self, tenant: str, credential: str, principal: str) -> bool:
+        """True when (tenant, credential kind, principal) owns the file (docs/design.md, "Ownership")."""
+        return (self.first.tenant, self.first.credential, self.first.principal) == (tenant, credential, principal)
 
 
 class FileIndex:

@@ -209,7 +209,7 @@ class JobExecution:
         stored = await read_file(self.runner.settings, job.input_file_id, 30.0, f"{self.runner.runner_id}-files")
         # Another owner's file does not exist for this job (docs/design.md, "Batch files"): the
         # gateway checked it, and a job record written straight to Kafka is checked here again.
-        if stored is None or not stored.is_owned_by(job.tenant, job.principal) or stored.first.purpose != "batch":
+        if stored is None or not stored.is_owned_by(job.tenant, job.credential, job.principal) or stored.first.purpose != "batch":
             return await self._fail(BatchLineError(code="file_not_found", message=f"no file {job.input_file_id!r}"))
         parsed = parse_input(stored.content(), job, self.runner.repo, self.reply_topic)
         if parsed.errors:
@@ -314,8 +314,8 @@ class JobExecution:
                                     (job.planned_error_file_id, "errors", errors)):
             if not text:
                 continue
-            header = FileHeader(file_id, f"{job.job_id}_{name}.jsonl", "batch_output", job.tenant, job.principal,
-                                created_ms)  # the batch's owner owns its results
+            header = FileHeader(file_id, f"{job.job_id}_{name}.jsonl", "batch_output", job.tenant, job.credential,
+                                job.principal, created_ms)  # the batch's owner owns its results
             await write_file(self.producer, self.topics.files, chunk_file(header, text.encode()))
             changes["output_file_id" if name == "output" else "error_file_id"] = file_id
         self.job = await self.runner.save(transition(job, status, now_ms(), **changes))

@@ -26,7 +26,7 @@ from schemas.batch_lines import (
 from schemas.messages import TERMINAL_BATCH_STATUSES, BatchJob, FileChunk, RequestCounts, now_ms
 from schemas.model_repo import ModelRepository
 from services.gateway.batch_upload import Upload
-from services.gateway.guard.auth import Identity
+from services.gateway.guard.auth import Identity, Owner
 from services.gateway.guard.validation import TokenCounter, check_request
 from services.gateway.openai_format import ApiError, refuse_embedding_model, to_generate_request
 
@@ -172,14 +172,16 @@ def new_batch_job(body: dict[str, Any], job_id: str, identity: Identity, summary
     return BatchJob(job_id=job_id, status="validating", endpoint=body["endpoint"],
                     input_file_id=body["input_file_id"], completion_window=window,
                     metadata={str(k): str(v) for k, v in metadata.items()} if metadata else None,
-                    principal=identity.principal, tenant=identity.tenant, created_ms=created_ms,
+                    principal=identity.principal, tenant=identity.tenant, credential=identity.owner.credential,
+                    created_ms=created_ms,
                     request_counts=RequestCounts(total=summary.num_requests), queued_tokens=summary.num_tokens,
                     expires_ms=created_ms + COMPLETION_WINDOW_MS[window], updated_ms=created_ms)  # fmt: skip
 
 
 def is_owned_by(job: BatchJob, identity: Identity) -> bool:
-    """True when `identity`'s (tenant, principal) owns the batch (docs/design.md, "Batch files")."""
-    return (job.tenant, job.principal) == (identity.tenant, identity.principal)
+    """True when `identity` owns the batch: same tenant, kind of credential and principal
+    (docs/design.md, "Ownership" and "Batch files")."""
+    return Owner(job.tenant, job.credential, job.principal) == identity.owner
 
 
 def check_batch_quota(jobs: Iterable[BatchJob], identity: Identity, summary: FileSummary,
@@ -225,7 +227,7 @@ def file_page(files: Iterable[FileChunk], identity: Identity, purpose: str | Non
         raise ApiError(400, "limit must be between 1 and 10000", param="limit", code="invalid_value")
     if order not in ("asc", "desc"):
         raise ApiError(400, "order must be 'asc' or 'desc'", param="order", code="invalid_value")
-    mine = sorted((f for f in files if (f.tenant, f.principal) == (identity.tenant, identity.principal)
+    mine = sorted((f for f in files if Owner(f.tenant, f.credential, f.principal) == identity.owner
                    and (purpose is None or f.purpose == purpose)),
                   key=lambda f: (f.created_ms, f.file_id), reverse=order == "desc")  # fmt: skip
     if after is not None:

@@ -98,7 +98,9 @@ class BatchStore:
         """Store a checked upload as a batch input file owned by `identity`, under a fresh random
         id, a chunk at a time from its spooled file; returns its first chunk (the file's metadata)."""
         assert upload.file is not None
-        header = FileHeader(new_id("file-"), upload.filename, "batch", identity.tenant, identity.principal, now_ms())
+        owner = identity.owner
+        header = FileHeader(new_id("file-"), upload.filename, "batch", owner.tenant, owner.credential, owner.principal,
+                            now_ms())  # fmt: skip
         return await write_spooled(self.producer, self.topics.files, header, upload.file, upload.size, self.files.add)
 
     async def create_job(self, job: BatchJob) -> None:

@@ -171,7 +171,7 @@ def test_state_machine_allows_only_openai_moves_and_stamps_times():
 
 def test_files_chunk_on_character_boundaries_and_reassemble():
     data = ("é" * 10 + "\n").encode() * 30
-    chunks = chunk_file(FileHeader("file-x", "x.jsonl", "batch", "acme", "ann", T0), data, max_chunk_bytes=7)
+    chunks = chunk_file(FileHeader("file-x", "x.jsonl", "batch", "acme", "key", "ann", T0), data, max_chunk_bytes=7)
     assert len(chunks) > 40 and all(len(c.data.encode()) <= 7 for c in chunks)
     index = FileIndex()
     for chunk in reversed(chunks[1:]):
@@ -182,8 +182,9 @@ def test_files_chunk_on_character_boundaries_and_reassemble():
     stored = index.get("file-x")
     assert stored is not None and stored.content() == data and stored.first.num_bytes == len(data)
     assert b"".join(stored.pieces()) == data
-    assert stored.is_owned_by("acme", "ann") and not stored.is_owned_by("acme", "bob")
-    assert not stored.is_owned_by("other", "ann")
+    assert stored.is_owned_by("acme", "key", "ann") and not stored.is_owned_by("acme", "key", "bob")
+    assert not stored.is_owned_by("acme", "jwt", "ann")  # a JWT whose subject is ann is someone else
+    assert not stored.is_owned_by("other", "key", "ann")
 
 
 def test_result_file_ids_are_random_not_derived_from_the_batch():

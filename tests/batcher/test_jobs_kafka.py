@@ -49,20 +49,20 @@ async def test_a_job_runs_only_its_owners_file_and_its_results_get_random_ids(ba
     producer = make_producer(settings, client_id="test-gateway")
     await producer.start()
     try:
-        async def submit(job_id: str, file_id: str, owner: tuple[str, str]) -> None:
+        async def submit(job_id: str, file_id: str, owner: tuple[str, str, str]) -> None:
             header = FileHeader(file_id, "in.jsonl", "batch", *owner, now_ms())
             await write_file(producer, topics.files, chunk_file(header, LINES))
             job = BatchJob(job_id=job_id, status="validating", endpoint="/v1/chat/completions", input_file_id=file_id,
-                           tenant="acme", principal="ann", expires_ms=now_ms() + 86_400_000)  # fmt: skip
+                           tenant="acme", credential="key", principal="ann", expires_ms=now_ms() + 86_400_000)  # fmt: skip
             await producer.send_and_wait(topics.jobs, encode(job), key=job_id.encode())
             await producer.send_and_wait(topics.job_commands, encode(JobCommand(job_id=job_id, action="run")),
                                          key=job_id.encode())
 
-        await submit("batch_theirs", "file-theirs", ("evil", "eve"))  # a job record naming another's file
+        await submit("batch_theirs", "file-theirs", ("evil", "key", "eve"))  # a job record naming another's file
         failed = await wait_for(runner, "batch_theirs", "failed")
         assert [e.code for e in failed.errors] == ["file_not_found"]
 
-        await submit("batch_mine", "file-mine", ("acme", "ann"))
+        await submit("batch_mine", "file-mine", ("acme", "key", "ann"))
         await wait_for(runner, "batch_mine", "in_progress")
         await producer.send_and_wait(topics.job_commands, encode(JobCommand(job_id="batch_mine", action="cancel")),
                                      key=b"batch_mine")
@@ -71,7 +71,7 @@ async def test_a_job_runs_only_its_owners_file_and_its_results_get_random_ids(ba
         assert re.fullmatch(r"file-[0-9a-f]{32}", done.error_file_id) and "mine" not in done.error_file_id
         assert done.planned_output_file_id != done.planned_error_file_id and done.output_file_id is None
         stored = await read_file(settings, done.error_file_id, 30, "test-reader")
-        assert stored is not None and stored.is_owned_by("acme", "ann") and stored.first.purpose == "batch_output"
+        assert stored is not None and stored.is_owned_by("acme", "key", "ann") and stored.first.purpose == "batch_output"
         rows = [orjson.loads(x) for x in stored.content().splitlines()]
         assert [(r["custom_id"], r["error"]["code"]) for r in rows] == [(f"c{i}", "batch_cancelled") for i in range(3)]
     finally:

@@ -38,7 +38,7 @@ def test_batch_and_file_objects_validate_as_the_openai_client_types():
     batch = Batch.model_validate(batch_object(job))
     assert (batch.status, batch.failed_at, batch.errors.data[0].line) == ("failed", T0 // 1000 + 1, 2)
     assert batch.request_counts.total == 2 and batch.metadata == {"k": "v"}
-    first = chunk_file(FileHeader("file-1", "in.jsonl", "batch", "acme", "ann", T0), b"x\n")[0]
+    first = chunk_file(FileHeader("file-1", "in.jsonl", "batch", "acme", "key", "ann", T0), b"x\n")[0]
     assert FileObject.model_validate(file_object(first)).bytes == 2
 
 
@@ -72,7 +72,8 @@ def test_a_new_batch_is_validating_and_due_by_the_end_of_its_window():
 def job(job_id: str, tenant: str, created_ms: int, principal: str = "ann", **fields: object) -> BatchJob:
     fields = {"status": "validating", **fields}
     return BatchJob(job_id=job_id, endpoint="/v1/completions", input_file_id="file-1",  # type: ignore[arg-type]
-                    tenant=tenant, principal=principal, created_ms=created_ms, expires_ms=created_ms + 86_400_000,
+                    tenant=tenant, credential="key", principal=principal, created_ms=created_ms,
+                    expires_ms=created_ms + 86_400_000,
                     updated_ms=created_ms, **fields)
 
 
@@ -98,10 +99,12 @@ def test_a_page_limit_outside_1_to_100_is_a_400(limit):
 
 
 def test_a_page_of_files_is_the_owners_only():
-    def first(file_id: str, tenant: str, principal: str, created_ms: int, purpose: str = "batch") -> object:
-        return chunk_file(FileHeader(file_id, "f.jsonl", purpose, tenant, principal, created_ms), b"x\n")[0]
+    def first(file_id: str, tenant: str, principal: str, created_ms: int, purpose: str = "batch",
+              credential: str = "key") -> object:  # fmt: skip
+        return chunk_file(FileHeader(file_id, "f.jsonl", purpose, tenant, credential, principal, created_ms), b"x\n")[0]
     files = [first("f1", "acme", "ann", T0), first("f2", "acme", "bob", T0 + 1), first("f3", "other", "ann", T0 + 2),
-             first("f4", "acme", "ann", T0 + 3, "batch_output")]
+             first("f4", "acme", "ann", T0 + 3, "batch_output"),
+             first("f5", "acme", "ann", T0 + 4, credential="jwt")]  # a JWT whose subject is ann: someone else
     page = file_page(files, ANN, None, 10, "desc", None)  # type: ignore[arg-type]
     assert [f["id"] for f in page["data"]] == ["f4", "f1"] and page["has_more"] is False
     assert [f["id"] for f in file_page(files, ANN, "batch", 10, "asc", None)["data"]] == ["f1"]  # type: ignore[arg-type]

@@ -129,7 +129,7 @@ async def test_an_output_file_is_its_batchs_owners_and_passes_the_output_guard(t
     body = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "write to ann@example.com"}}]}
     row = {"id": "batch_req_1", "custom_id": "a", "response": {"status_code": 200, "request_id": "r", "body": body},
            "error": None}  # fmt: skip
-    header = FileHeader(file_id, "b_output.jsonl", "batch_output", "acme", "ann", now_ms())
+    header = FileHeader(file_id, "b_output.jsonl", "batch_output", "acme", "key", "ann", now_ms())
     producer = make_producer(t.settings, client_id="test-runner")
     await producer.start()
     try:  # written as the batcher's job runner writes a result file

@@ -133,6 +133,11 @@ def probes(base_url: str) -> dict[tuple[str, str], Probe]:
         return [await client.get("/v1/batches", headers=auth, params=params)
                 for params in ({}, {"after": made.batch_id}, {"limit": 100})]  # fmt: skip
 
+    async def file_lists(client: httpx.AsyncClient, auth: dict[str, str], made: Resources) -> list[Any]:
+        return [await client.get("/v1/files", headers=auth, params=params)
+                for params in ({}, {"after": made.file_id}, {"purpose": "batch"}, {"purpose": "batch_output"},
+                               {"order": "asc", "limit": 10_000})]  # fmt: skip
+
     def files(suffix: str) -> Call:
         return lambda client, auth, made: file_reads(suffix, client, auth, made)
 
@@ -149,6 +154,7 @@ def probes(base_url: str) -> dict[tuple[str, str], Probe]:
                                                                                    headers=a))),
         ("WS", "/v1/stream"): Probe(True, one(lambda c, a, m: ws_resume(base_url, a, m.stream_id))),
         ("POST", "/v1/files"): Probe(False, one(lambda c, a, m: upload(c, a, b'{"custom_id": "mine"}\n'))),
+        ("GET", "/v1/files"): Probe(False, file_lists),
         ("GET", "/v1/files/{file_id}"): Probe(True, files("")),
         ("GET", "/v1/files/{file_id}/content"): Probe(True, files("/content")),
         ("POST", "/v1/batches"): Probe(True, one(lambda c, a, m: new_batch(c, a, m.file_id))),

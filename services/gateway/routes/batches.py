@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterator
+from dataclasses import astuple
 from typing import IO
 
 from fastapi import APIRouter, Request
@@ -152,7 +153,7 @@ def owned_file(store: BatchStore, file_id: str, identity: Identity) -> StoredFil
     """The stored file `file_id` of `identity`; ApiError 404 when there is none, or it is someone
     else's (which does not exist for the caller)."""
     found = store.files.get(file_id)
-    if found is None or not found.is_owned_by(identity.tenant, identity.principal):
+    if found is None or not found.is_owned_by(*astuple(identity.owner)):
         raise ApiError(404, f"No such File object: {file_id}", param="id", code="not_found")
     return found
 
