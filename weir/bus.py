@@ -273,10 +273,15 @@ async def partitions_of(consumer: AIOKafkaConsumer, topic: str) -> set[int]:
     (AIOKafkaConsumer.topics() fetches metadata but does not keep it, so partitions_for_topic
     stays empty for a topic it neither subscribes nor is assigned; the fetched metadata is read.)
     """
-    for _ in range(50):
+    # A topic created a moment ago may take a few rounds to appear; bounded in time, not rounds:
+    # on a busy broker with many topics one round of all the metadata takes a second or more.
+    deadline = asyncio.get_running_loop().time() + 5.0
+    while True:
         metadata = await consumer._client.fetch_all_metadata()  # noqa: SLF001 - see above
         partitions = metadata.partitions_for_topic(topic)
         if partitions:
             return set(partitions)
+        if asyncio.get_running_loop().time() > deadline:
+            break
         await asyncio.sleep(0.1)
     raise RuntimeError(f"topic {topic} does not exist; were the deployment's topics created? (weir up creates them)")
