@@ -43,22 +43,34 @@ full window); O(len(held) + len(delta)) per call, the regexes compiled once at i
 from __future__ import annotations
 
 import re
+import re._parser as re_parser  # getwidth(): the longest match a detector can make
 from collections.abc import Callable
 from datetime import date
 from typing import NamedTuple
 
+from services.gateway.guard.normalize import fold_map
+
 REDACTED = "[REDACTED]"
-MAX_PATTERN_CHARS = 64  # the longest span any detector can match (the e-mail word bound)
+MAX_PATTERN_CHARS = 160  # the longest span any detector can match, plus its look-ahead (checked below)
+MAX_INVISIBLE_RUN = 32  # invisible characters in one place that still join (more: a break)
 
 _EMAIL_CHARS = r"A-Za-z0-9._%+\-"
-_SOFT_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._%+-@()")
-_BEFORE_SPACE = frozenset("0123456789)")  # a space inside a match always sits between these...
+_ALNUM = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789")
+_SOFT_CHARS = _ALNUM | frozenset("._%+-@()[]{}<>")  # every char but " " that a match may contain
+_BEFORE_SPACE = frozenset("0123456789)")  # a space inside a number always sits between these...
 _AFTER_SPACE = frozenset("0123456789(")  # ...and these
+_OPENING = frozenset("[({<")
+_CLOSING = frozenset("])}>")
+_MARKERS = frozenset(("at", "dot", "@"))  # spelled-out "@" and "." between spaces
+_MARKER_PREFIXES = frozenset(("", "a", "at", "d", "do", "dot", "@"))
 _ID_WEIGHTS = (7, 9, 10, 5, 8, 4, 2, 1, 6, 3, 7, 9, 10, 5, 8, 4, 2)
 _ID_CHECK_CHARS = "10X98765432"
+_SEPARATORS = re.compile(r"[ .-]")
 
 
 def _is_valid_id(span: str) -> bool:
+    if len(span) != 18:
+        return False
     total = sum(int(c) * w for c, w in zip(span, _ID_WEIGHTS))
     if _ID_CHECK_CHARS[total % 11] != span[17].upper():
         return False
@@ -72,55 +84,107 @@ def _is_valid_id(span: str) -> bool:
     return True
 
 
-def _is_luhn_card(span: str) -> bool:
-    digits = [int(c) for c in span if c.isdigit()]
+def _id_length(span: str) -> int:
+    return len(span) if _is_valid_id(_SEPARATORS.sub("", span)) else 0
+
+
+def _is_luhn(digits: str) -> bool:
     if not 13 <= len(digits) <= 19:
         return False
     total = 0
-    for k, d in enumerate(reversed(digits)):
+    for k, c in enumerate(reversed(digits)):
+        d = int(c)
         if k % 2 == 1:
             d = d * 2 - 9 if d > 4 else d * 2
         total += d
     return total % 10 == 0
 
 
-def _has_e164_length(span: str) -> bool:
-    return 8 <= sum(c.isdigit() for c in span) <= 15
+def _card_length(span: str) -> int:
+    """The longest Luhn-valid card the span starts with: the whole run, or its first 3-5 groups
+    (a card followed by one more group of the same shape, "4111 1111 1111 1111 123", is a card)."""
+    if span.isdigit():
+        return len(span) if _is_luhn(span) else 0
+    sep = next(c for c in span if not c.isdigit())
+    groups = span.split(sep)
+    for k in range(len(groups), 2, -1):
+        if _is_luhn("".join(groups[:k])):
+            return len(sep.join(groups[:k]))
+    return 0
 
 
-def _any(span: str) -> bool:
-    return True
+def _e164_length(span: str) -> int:
+    return len(span) if 8 <= sum(c.isdigit() for c in span) <= 15 else 0
+
+
+def _whole(span: str) -> int:
+    return len(span)
+
+
+def _spelled_length(span: str) -> int:
+    """Spelled-out addresses need a marker that is not plain "@" / "." (those are the plain
+    e-mail detector's, with its own word bound)."""
+    return len(span) if any(c in " []{}()<>" for c in span) else 0
 
 
 class _Detector(NamedTuple):
     rx: re.Pattern[str]
-    is_valid: Callable[[str], bool]
+    length: Callable[[str], int]  # length of the valid span the match starts with; 0: none
+    lookahead: int = 1  # chars its pattern reads past the end of a match
+    max_chars: int | None = None  # its longest match when a look-ahead, not the pattern, bounds it
 
 
-# Every pattern looks at most 1 char behind its start and 1 char past its end (see the docstring).
+def _bracketed(inner: str) -> str:
+    return rf" ?(?:\[(?:{inner})\]|\((?:{inner})\)|\{{(?:{inner})\}}|<(?:{inner})>) ?"
+
+
+_ATOM = r"[A-Za-z0-9_%+-](?:[A-Za-z0-9._%+-]{0,18}[A-Za-z0-9_%+-])?"
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,18}[A-Za-z0-9])?"
+_B_AT, _B_DOT = _bracketed("at|@"), _bracketed(r"dot|\.")
+_TLDS = r"(?:com|net|org|edu|gov|mil|info|biz|io|ai|dev|app|cn|uk|de|fr|jp|ru|ca|au|nl|es|ch|se|br|kr|hk|tw|sg|eu)"
+_END = r"(?![A-Za-z0-9-])(?!\.[A-Za-z0-9])"
+_LOCAL = rf"(?<![A-Za-z0-9._%+\-]){_ATOM}(?:(?:{_B_DOT}| dot ){_ATOM})?"
+# after "@", " @ " or a bracketed [at]: any dots; a final spelled " dot " needs a listed TLD
+_SPELLED_AT = (
+    rf"{_LOCAL}(?:{_B_AT}| @ |@){_LABEL}(?:(?:\.|{_B_DOT}| dot ){_LABEL}){{0,2}}"
+    rf"(?:(?:\.|{_B_DOT})[A-Za-z]{{2,12}}| dot {_TLDS}){_END}"
+)
+# after a bare " at ": spelled dots only, so "look at example.com" stays prose
+_BARE_AT = rf"{_LOCAL} at {_LABEL}(?:(?:{_B_DOT}| dot ){_LABEL}){{0,2}}(?:{_B_DOT}[A-Za-z]{{2,12}}| dot {_TLDS}){_END}"
+
+# Every pattern looks at most 1 char behind its start and `lookahead` chars past its end.
 _DETECTORS = (
-    _Detector(re.compile(r"(?<![0-9])[1-9][0-9]{16}[0-9Xx](?![0-9])"), _is_valid_id),
+    _Detector(
+        re.compile(
+            r"(?<![0-9])[1-9](?:[0-9]{16}[0-9Xx]"
+            r"|[0-9]{5}(?P<a>[ .-])[0-9]{8}(?P=a)[0-9]{3}[0-9Xx]"
+            r"|[0-9]{5}(?P<b>[ .-])[0-9]{4}(?P=b)[0-9]{4}(?P=b)[0-9]{3}[0-9Xx]"
+            r"|[0-9]{2}(?P<c>[ .-])[0-9]{3}(?P=c)[0-9]{4}(?P=c)[0-9]{4}(?P=c)[0-9]{3}[0-9Xx]"
+            r"|[0-9]{3}(?P<d>[ .-])[0-9]{4}(?P=d)[0-9]{4}(?P=d)[0-9]{4}(?P=d)[0-9][0-9Xx])(?![0-9])"
+        ),
+        _id_length,
+    ),
     _Detector(
         re.compile(
             r"(?<![0-9])(?:[2-6][0-9]{12,18}"
-            r"|[2-6][0-9]{3}(?P<s>[ -])[0-9]{3,6}(?:(?P=s)[0-9]{3,6}){1,3})(?![0-9])"
+            r"|[2-6][0-9]{3}(?P<s>[ .-])[0-9]{3,6}(?:(?P=s)[0-9]{3,6}){1,3})(?![0-9])"
         ),
-        _is_luhn_card,
+        _card_length,
     ),
-    _Detector(re.compile(r"(?<![0-9])(?:(?:\+|00)86[ -]?)?1[3-9][0-9](?:[ -]?[0-9]{4}){2}(?![0-9])"), _any),
+    _Detector(re.compile(r"(?<![0-9])(?:(?:\+|00)86[ -]?)?1[3-9][0-9](?:[ -]?[0-9]{4}){2}(?![0-9])"), _whole),
     _Detector(
         re.compile(
             r"(?<![0-9A-Za-z+])\+[1-9][0-9]{0,2}"
             r"(?:[0-9]{7,12}|(?:[ .-]?\([0-9]{1,4}\)|[ .-][0-9]{1,8}){2,5})(?![0-9])"
         ),
-        _has_e164_length,
+        _e164_length,
     ),
     _Detector(
         re.compile(
             r"(?<![0-9])(?:1[ .-])?(?:\([2-9][0-9]{2}\)[ .-]?[2-9][0-9]{2}[ .-][0-9]{4}"
             r"|[2-9][0-9]{2}(?P<s>[ .-])[2-9][0-9]{2}(?P=s)[0-9]{4})(?![0-9])"
         ),
-        _any,
+        _whole,
     ),
     _Detector(
         re.compile(
@@ -128,60 +192,141 @@ _DETECTORS = (
             rf"[{_EMAIL_CHARS}]{{1,62}}@(?:[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?\.)+"
             r"[A-Za-z]{2,24}(?![A-Za-z0-9-])"
         ),
-        _any,
+        _whole,
+        max_chars=64,
     ),
+    _Detector(re.compile(_SPELLED_AT, re.IGNORECASE | re.ASCII), _spelled_length, lookahead=2),
+    _Detector(re.compile(_BARE_AT, re.IGNORECASE | re.ASCII), _whole, lookahead=2),
 )
+
+
+def _check_widths() -> None:
+    """Every detector's longest match plus its look-ahead fits in MAX_PATTERN_CHARS."""
+    for d in _DETECTORS:
+        width = d.max_chars or int(re_parser.parse(d.rx.pattern, d.rx.flags).getwidth()[1])
+        if width + d.lookahead > MAX_PATTERN_CHARS:
+            raise ValueError(f"{d.rx.pattern[:40]!r}... matches up to {width} chars; raise {MAX_PATTERN_CHARS=}")
+
+
+_check_widths()
 
 
 def _next_match(detector: _Detector, text: str, pos: int, stop: int) -> tuple[int, int] | None:
     """The first valid match of detector starting in [pos, stop), or None."""
     while (m := detector.rx.search(text, pos)) is not None and m.start() < stop:
-        if detector.is_valid(m.group()):
-            return m.span()
+        if length := detector.length(m.group()):
+            return m.start(), m.start() + length
         pos = m.start() + 1
     return None
 
 
-def _find_spans(text: str, pos: int, stop: int) -> list[tuple[int, int]]:
-    """Non-overlapping PII spans starting in [pos, stop): leftmost first, the longest at a tie."""
+class _View(NamedTuple):
+    """The normalised text matched on: `lo` chars of context (the last char already emitted, for
+    look-behinds), then the view of the held raw text; origin maps view[lo + k] to its raw index."""
+
+    text: str
+    lo: int
+    origin: list[int] | None  # None: view[lo:] is the raw text itself
+
+    def raw(self, k: int) -> int:
+        """Raw index of the char view[k] (k >= lo) came from."""
+        return k - self.lo if self.origin is None else self.origin[k - self.lo]
+
+    def is_boundary(self, k: int) -> bool:
+        """Whether k falls between the views of two raw chars (not inside one char's expansion)."""
+        return self.origin is None or k <= self.lo or k >= len(self.text) or self.raw(k) != self.raw(k - 1)
+
+    def snap_up(self, k: int) -> int:
+        while not self.is_boundary(k):
+            k += 1
+        return k
+
+    def snap_down(self, k: int) -> int:
+        while not self.is_boundary(k):
+            k -= 1
+        return k
+
+
+def _view(context: str, raw: str) -> _View:
+    text, origin = fold_map(raw, MAX_INVISIBLE_RUN)
+    return _View(context + text, len(context), origin)
+
+
+def _find_spans(view: _View, pos: int, stop: int) -> list[tuple[int, int]]:
+    """Non-overlapping PII spans starting in [pos, stop): leftmost first, the longest at a tie;
+    each ends on a raw char boundary (a span covers whole raw chars)."""
+    text = view.text
     found = [_next_match(d, text, pos, stop) for d in _DETECTORS]
     spans: list[tuple[int, int]] = []
     while candidates := [s for s in found if s is not None]:
         start, end = min(candidates, key=lambda s: (s[0], -s[1]))
+        end = view.snap_up(end)
         spans.append((start, end))
-        found = [
-            s if s is None or s[0] >= end else _next_match(d, text, end, stop) for d, s in zip(_DETECTORS, found)
-        ]
+        found = [s if s is None or s[0] >= end else _next_match(d, text, end, stop) for d, s in zip(_DETECTORS, found)]
     return spans
 
 
-def _replace(text: str, pos: int, end: int, spans: list[tuple[int, int]]) -> str:
+def _replace(raw: str, view: _View, spans: list[tuple[int, int]], raw_end: int) -> str:
+    """raw[:raw_end] with each span's raw chars replaced by REDACTED."""
     parts: list[str] = []
-    i = pos
+    i = 0
     for start, stop in spans:
-        parts += (text[i:start], REDACTED)
-        i = stop
-    parts.append(text[i:end])
+        raw_start, raw_stop = view.raw(start), view.raw(stop - 1) + 1
+        parts += (raw[i:raw_start], REDACTED)
+        i = raw_stop
+    parts.append(raw[i:raw_end])
     return "".join(parts)
 
 
 def redact(text: str) -> tuple[str, int]:
     """Whole-text redaction (non-streaming bodies): the redacted text and the number of spans replaced."""
-    spans = _find_spans(text, 0, len(text))
-    return _replace(text, 0, len(text), spans), len(spans)
+    view = _view("", text)
+    spans = _find_spans(view, 0, len(view.text))
+    return _replace(text, view, spans, len(text)), len(spans)
+
+
+def _space_may_join(text: str, b: int) -> bool:
+    """Whether the space text[b] may be inside a match: in a number, or next to a spelled-out
+    marker (" at ", " dot ", " @ ", " [at] ", "(dot) "...), or next to a word that may become one."""
+    n = len(text)
+    before = text[b - 1] if b > 0 else ""
+    after = text[b + 1] if b + 1 < n else ""
+    if before in _BEFORE_SPACE and (not after or after in _AFTER_SPACE):
+        return True
+    if after in _OPENING or before in _CLOSING:
+        return True
+    j = text.find(" ", b + 1)
+    token_after = text[b + 1 : j if j >= 0 else n].lower()
+    if token_after in (_MARKERS if j >= 0 else _MARKER_PREFIXES):
+        return True
+    i = text.rfind(" ", 0, b)
+    token_before = text[i + 1 : b].lower()
+    return token_before in _MARKERS or (i < 0 and token_before.endswith(("at", "dot", "@")))
+
+
+def _last_cut_end(text: str, lo: int) -> int:
+    """Index just past the last char of text[lo:] that no match can contain; lo if none."""
+    for b in range(len(text) - 1, lo - 1, -1):
+        ch = text[b]
+        if ch == " ":
+            if not _space_may_join(text, b):
+                return b + 1
+        elif ch not in _SOFT_CHARS:
+            return b + 1
+    return lo
 
 
 class Redactor:
     """Redacts one stream. feed() returns the text safe to emit now; flush() the rest at the end."""
 
-    def __init__(self, max_holdback_chars: int = 64) -> None:
+    def __init__(self, max_holdback_chars: int = MAX_PATTERN_CHARS) -> None:
         if max_holdback_chars < MAX_PATTERN_CHARS:
             raise ValueError(
                 f"{max_holdback_chars=} must be >= {MAX_PATTERN_CHARS=}, the longest span a detector matches"
             )
         self.max_holdback_chars = max_holdback_chars
-        self._raw = ""  # the last emitted char (lookbehind context), then the held text; unredacted
-        self._held_from = 0  # index in _raw where the held text begins (0 or 1)
+        self._context = ""  # the view of the last emitted char (look-behind context)
+        self._raw = ""  # the held text, as received
         self._num_redacted = 0
 
     @property
@@ -191,41 +336,35 @@ class Redactor:
 
     @property
     def held(self) -> str:
-        """Text received but not emitted yet (at most max_holdback_chars)."""
-        return self._raw[self._held_from :]
+        """Text received but not emitted yet (its normalised view is at most max_holdback_chars)."""
+        return self._raw
 
     def feed(self, text: str) -> str:
         """Adds a delta; returns the redacted text that is final now (may be "")."""
         self._raw += text
-        end = self._last_cut_end()
-        if len(self._raw) - end > self.max_holdback_chars:
-            end = len(self._raw) - MAX_PATTERN_CHARS  # every start before it is decided
-        return self._emit(end) if end > self._held_from else ""
+        view = _view(self._context, self._raw)
+        end = _last_cut_end(view.text, view.lo)
+        if len(view.text) - end > self.max_holdback_chars:
+            end = len(view.text) - MAX_PATTERN_CHARS  # every start before it is decided
+        end = view.snap_down(end)
+        return self._emit(view, end) if end > view.lo else ""
 
     def flush(self) -> str:
         """Ends the stream: returns the held rest, redacted."""
-        out = self._emit(len(self._raw))
-        self._raw, self._held_from = "", 0
+        view = _view(self._context, self._raw)
+        out = self._emit(view, len(view.text)) if self._raw else ""
+        self._context, self._raw = "", ""
         return out
 
-    def _last_cut_end(self) -> int:
-        """Index just past the last char of the held text that no match can contain."""
-        raw, n = self._raw, len(self._raw)
-        for b in range(n - 1, self._held_from - 1, -1):
-            ch = raw[b]
-            if ch == " ":
-                if b == 0 or raw[b - 1] not in _BEFORE_SPACE or (b + 1 < n and raw[b + 1] not in _AFTER_SPACE):
-                    return b + 1
-            elif ch not in _SOFT_CHARS:
-                return b + 1
-        return self._held_from
-
-    def _emit(self, stop: int) -> str:
-        """Redacts and emits the held text from matches starting before stop; keeps one char of context."""
-        spans = _find_spans(self._raw, self._held_from, stop)
+    def _emit(self, view: _View, stop: int) -> str:
+        """Redacts and emits the held text up to view index stop (a raw boundary), and every match
+        starting before it; keeps the last emitted view char as context."""
+        spans = _find_spans(view, view.lo, stop)
         end = max(stop, spans[-1][1]) if spans else stop
-        out = _replace(self._raw, self._held_from, end, spans)
+        raw_end = view.raw(end) if end < len(view.text) else len(self._raw)
+        out = _replace(self._raw, view, spans, raw_end)
         self._num_redacted += len(spans)
-        if end > 0:
-            self._raw, self._held_from = self._raw[end - 1 :], 1
+        if end > view.lo:
+            self._context = view.text[end - 1]
+        self._raw = self._raw[raw_end:]
         return out
