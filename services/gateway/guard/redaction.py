@@ -51,7 +51,7 @@ from typing import NamedTuple
 from services.gateway.guard.normalize import fold_map
 
 REDACTED = "[REDACTED]"
-MAX_PATTERN_CHARS = 160  # the longest span any detector can match, plus its look-ahead (checked below)
+MAX_PATTERN_CHARS = 192  # the longest span any detector can match, plus its look-ahead (checked below)
 MAX_INVISIBLE_RUN = 32  # invisible characters in one place that still join (more: a break)
 
 _EMAIL_CHARS = r"A-Za-z0-9._%+\-"
@@ -138,8 +138,8 @@ def _bracketed(inner: str) -> str:
     return rf" ?(?:\[(?:{inner})\]|\((?:{inner})\)|\{{(?:{inner})\}}|<(?:{inner})>) ?"
 
 
-_ATOM = r"[A-Za-z0-9_%+-](?:[A-Za-z0-9._%+-]{0,18}[A-Za-z0-9_%+-])?"
-_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,18}[A-Za-z0-9])?"
+_ATOM = r"[A-Za-z0-9_%+-](?:[A-Za-z0-9._%+-]{0,30}[A-Za-z0-9_%+-])?"
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,22}[A-Za-z0-9])?"
 _B_AT, _B_DOT = _bracketed("at|@"), _bracketed(r"dot|\.")
 _TLDS = r"(?:com|net|org|edu|gov|mil|info|biz|io|ai|dev|app|cn|uk|de|fr|jp|ru|ca|au|nl|es|ch|se|br|kr|hk|tw|sg|eu)"
 _END = r"(?![A-Za-z0-9-])(?!\.[A-Za-z0-9])"
