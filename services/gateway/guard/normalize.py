@@ -82,7 +82,18 @@ class _FoldTable(dict[int, str]):
         return view
 
 
+class _UnevenTable(dict[int, str]):
+    """str.translate's table that keeps only the chars whose view is not exactly one char."""
+
+    def __missing__(self, code: int) -> str:
+        kept = "" if len(_FOLD[code]) == 1 else chr(code)
+        if len(self) < _MAX_CACHED:
+            self[code] = kept
+        return kept
+
+
 _FOLD = _FoldTable({c: chr(c) for c in range(128)})
+_UNEVEN = _UnevenTable({c: "" for c in range(128)})
 
 
 def fold(text: str) -> str:
@@ -94,7 +105,7 @@ def fold(text: str) -> str:
 
 def fold_map(text: str, max_invisible_run: int | None = None) -> tuple[str, list[int] | None]:
     """(view, origin): origin[k] is the index in `text` of the character view[k] came from; None
-    when nothing changed (the view is `text`, every index maps to itself).
+    when every character maps to exactly one (then view[k] came from text[k]).
 
     With max_invisible_run, a run of more invisible characters than that in one place becomes one
     BREAK in the view (at the run's first index) instead of nothing: the redactor's bound on how
@@ -102,15 +113,15 @@ def fold_map(text: str, max_invisible_run: int | None = None) -> tuple[str, list
     """
     if text.isascii():
         return text, None
+    if not text.translate(_UNEVEN):  # one char for one: positions do not move
+        return text.translate(_FOLD), None
     parts: list[str] = []
     origin: list[int] = []
     table = _FOLD
-    is_changed = False
     run_start, run_len = 0, 0
     for i, ch in enumerate(text):
         view = table[ord(ch)]
         if not view:
-            is_changed = True
             if run_len == 0:
                 run_start = i
             run_len += 1
@@ -119,8 +130,6 @@ def fold_map(text: str, max_invisible_run: int | None = None) -> tuple[str, list
             parts.append(BREAK)
             origin.append(run_start)
         run_len = 0
-        if view != ch:
-            is_changed = True
         parts.append(view)
         if len(view) == 1:
             origin.append(i)
@@ -129,6 +138,4 @@ def fold_map(text: str, max_invisible_run: int | None = None) -> tuple[str, list
     if max_invisible_run is not None and run_len > max_invisible_run:
         parts.append(BREAK)
         origin.append(run_start)
-    if not is_changed:
-        return text, None
     return "".join(parts), origin

@@ -57,6 +57,7 @@ MAX_INVISIBLE_RUN = 32  # invisible characters in one place that still join (mor
 _EMAIL_CHARS = r"A-Za-z0-9._%+\-"
 _ALNUM = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789")
 _SOFT_CHARS = _ALNUM | frozenset("._%+-@()[]{}<>")  # every char but " " that a match may contain
+_SOFT_OR_SPACE = "".join(sorted(_SOFT_CHARS)) + " "
 _BEFORE_SPACE = frozenset("0123456789)")  # a space inside a number always sits between these...
 _AFTER_SPACE = frozenset("0123456789(")  # ...and these
 _OPENING = frozenset("[({<")
@@ -130,6 +131,7 @@ def _spelled_length(span: str) -> int:
 class _Detector(NamedTuple):
     rx: re.Pattern[str]
     length: Callable[[str], int]  # length of the valid span the match starts with; 0: none
+    hint: re.Pattern[str]  # every match contains a match of this (cheap) pattern
     lookahead: int = 1  # chars its pattern reads past the end of a match
     max_chars: int | None = None  # its longest match when a look-ahead, not the pattern, bounds it
 
@@ -152,6 +154,10 @@ _SPELLED_AT = (
 # after a bare " at ": spelled dots only, so "look at example.com" stays prose
 _BARE_AT = rf"{_LOCAL} at {_LABEL}(?:(?:{_B_DOT}| dot ){_LABEL}){{0,2}}(?:{_B_DOT}[A-Za-z]{{2,12}}| dot {_TLDS}){_END}"
 
+_DIGIT, _PLUS, _AT_SIGN = re.compile("[0-9]"), re.compile(r"\+"), re.compile("@")
+_SPELLED_HINT, _BARE_HINT = re.compile(r"[@\[({<]"), re.compile(" at ", re.IGNORECASE | re.ASCII)
+_ANY_HINT = re.compile(r"[0-9+@\[({<]| at ", re.IGNORECASE | re.ASCII)  # one of the hints above
+
 # Every pattern looks at most 1 char behind its start and `lookahead` chars past its end.
 _DETECTORS = (
     _Detector(
@@ -163,6 +169,7 @@ _DETECTORS = (
             r"|[0-9]{3}(?P<d>[ .-])[0-9]{4}(?P=d)[0-9]{4}(?P=d)[0-9]{4}(?P=d)[0-9][0-9Xx])(?![0-9])"
         ),
         _id_length,
+        _DIGIT,
     ),
     _Detector(
         re.compile(
@@ -170,14 +177,16 @@ _DETECTORS = (
             r"|[2-6][0-9]{3}(?P<s>[ .-])[0-9]{3,6}(?:(?P=s)[0-9]{3,6}){1,3})(?![0-9])"
         ),
         _card_length,
+        _DIGIT,
     ),
-    _Detector(re.compile(r"(?<![0-9])(?:(?:\+|00)86[ -]?)?1[3-9][0-9](?:[ -]?[0-9]{4}){2}(?![0-9])"), _whole),
+    _Detector(re.compile(r"(?<![0-9])(?:(?:\+|00)86[ -]?)?1[3-9][0-9](?:[ -]?[0-9]{4}){2}(?![0-9])"), _whole, _DIGIT),
     _Detector(
         re.compile(
             r"(?<![0-9A-Za-z+])\+[1-9][0-9]{0,2}"
             r"(?:[0-9]{7,12}|(?:[ .-]?\([0-9]{1,4}\)|[ .-][0-9]{1,8}){2,5})(?![0-9])"
         ),
         _e164_length,
+        _PLUS,
     ),
     _Detector(
         re.compile(
@@ -185,6 +194,7 @@ _DETECTORS = (
             r"|[2-9][0-9]{2}(?P<s>[ .-])[2-9][0-9]{2}(?P=s)[0-9]{4})(?![0-9])"
         ),
         _whole,
+        _DIGIT,
     ),
     _Detector(
         re.compile(
@@ -193,10 +203,11 @@ _DETECTORS = (
             r"[A-Za-z]{2,24}(?![A-Za-z0-9-])"
         ),
         _whole,
+        _AT_SIGN,
         max_chars=64,
     ),
-    _Detector(re.compile(_SPELLED_AT, re.IGNORECASE | re.ASCII), _spelled_length, lookahead=2),
-    _Detector(re.compile(_BARE_AT, re.IGNORECASE | re.ASCII), _whole, lookahead=2),
+    _Detector(re.compile(_SPELLED_AT, re.IGNORECASE | re.ASCII), _spelled_length, _SPELLED_HINT, lookahead=2),
+    _Detector(re.compile(_BARE_AT, re.IGNORECASE | re.ASCII), _whole, _BARE_HINT, lookahead=2),
 )
 
 
@@ -213,6 +224,8 @@ _check_widths()
 
 def _next_match(detector: _Detector, text: str, pos: int, stop: int) -> tuple[int, int] | None:
     """The first valid match of detector starting in [pos, stop), or None."""
+    if not detector.hint.search(text, pos):
+        return None
     while (m := detector.rx.search(text, pos)) is not None and m.start() < stop:
         if length := detector.length(m.group()):
             return m.start(), m.start() + length
@@ -256,6 +269,8 @@ def _find_spans(view: _View, pos: int, stop: int) -> list[tuple[int, int]]:
     """Non-overlapping PII spans starting in [pos, stop): leftmost first, the longest at a tie;
     each ends on a raw char boundary (a span covers whole raw chars)."""
     text = view.text
+    if not _ANY_HINT.search(text, pos):  # most prose: no detector can match
+        return []
     found = [_next_match(d, text, pos, stop) for d in _DETECTORS]
     spans: list[tuple[int, int]] = []
     while candidates := [s for s in found if s is not None]:
@@ -306,14 +321,13 @@ def _space_may_join(text: str, b: int) -> bool:
 
 def _last_cut_end(text: str, lo: int) -> int:
     """Index just past the last char of text[lo:] that no match can contain; lo if none."""
-    for b in range(len(text) - 1, lo - 1, -1):
-        ch = text[b]
-        if ch == " ":
-            if not _space_may_join(text, b):
-                return b + 1
-        elif ch not in _SOFT_CHARS:
+    hard_end = max(len(text.rstrip(_SOFT_OR_SPACE)), lo)  # just past the last char no match contains
+    b = text.rfind(" ", hard_end)
+    while b >= 0:  # spaces after it: each may or may not join what is around it
+        if not _space_may_join(text, b):
             return b + 1
-    return lo
+        b = text.rfind(" ", hard_end, b)
+    return hard_end
 
 
 class Redactor:
