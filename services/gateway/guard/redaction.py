@@ -1,13 +1,24 @@
 """Streaming PII redaction of a model's output: each detected span becomes the literal "[REDACTED]".
 
+Matching runs on the normalised view of the text (normalize.py: invisible characters removed,
+NFKC, look-alike letters folded; docs/design.md, "Guards match a normalised view"), and each span
+found there is mapped back to the original characters it came from: those are replaced, and every
+other character leaves byte-identical. So full-width digits ("４１１１"), no-break or ideographic
+spaces between groups, zero-width characters inside a number or an address, and Cyrillic or
+Greek letters in an address are caught like their plain forms.
+
 What is detected (every number on digit-run boundaries: never preceded or followed by a digit, so
 no part of a longer digit run is taken; the whole span, separators included, is replaced):
 
-- Chinese resident ID: 18 chars, `[1-9]` + 16 digits + check char (digit or X/x). Redacted only if
-  the ISO 7064 MOD 11-2 check char is right and chars 7-14 are a real date YYYYMMDD, 1900-2099.
+- Chinese resident ID: 18 chars, `[1-9]` + 16 digits + check char (digit or X/x), in one run or in
+  groups 6-8-4, 6-4-4-4, 3-3-4-4-4 or 4-4-4-4-2 joined by one consistent separator (space, dot,
+  hyphen): "110105 19491231 002X". Redacted only if the ISO 7064 MOD 11-2 check char is right and
+  chars 7-14 are a real date YYYYMMDD, 1900-2099.
 - Bank card: 13-19 digits starting with 2-6 (the issuer ranges of Visa, Mastercard, Amex, JCB,
   UnionPay, Discover), either one run or groups of 4 then 3-6 digits (3 to 5 groups) joined by one
-  consistent separator, space or hyphen: "4111 1111 1111 1111", "3782-822463-10005". Luhn-valid only.
+  consistent separator, space, dot or hyphen: "4111 1111 1111 1111", "4111.1111.1111.1111",
+  "3782-822463-10005". Luhn-valid only; when the groups run on ("4111 1111 1111 1111 123", a CVV
+  after the card), the longest Luhn-valid run of the first 3-5 groups is the card.
 - Phone, three shapes only, so that years, counts, versions and constants pass:
   - CN mobile `1[3-9]d d{4} d{4}`, groups joined by nothing, one space or one hyphen, with an
     optional "+86"/"0086" prefix: "13812345678", "+86 138 1234 5678", "0086-138-1234-5678".
@@ -18,26 +29,45 @@ no part of a longer digit run is taken; the whole span, separators included, is 
     (space, dot, hyphen): "415-555-0132", "415.555.0132". Area code and exchange start with 2-9.
 - E-mail: local@domain.tld, local part `[A-Za-z0-9._%+-]`, dot-separated domain labels, a 2-24
   letter TLD; it must start a word of e-mail characters that is at most 64 chars long.
+- Spelled-out e-mail (case-insensitive): "@" written as "[at]", "(at)", "{at}", "<at>", "[@]"
+  (spaces around allowed), " @ " or a bare " at "; "." as "[dot]", "(dot)", "[.]", "(.)" or a
+  bare " dot ": "alice at example dot com", "alice [at] example [dot] com", "alice(at)example(dot)com",
+  "alice@example[.]com". A local part of up to 32 chars (and one spelled " dot " in it), up to 3
+  labels of up to 24 chars and a TLD. A bare " dot " must end in a common TLD (com, net, org, io,
+  cn, uk...), and after a bare " at " the dots must be spelled out too, so "look at example.com"
+  and "look at the dot in the corner" stay prose; "works at google dot com" is redacted (it reads
+  as an address, and is one).
 
 Streaming. Redactor keeps the not-yet-emitted text and, after each feed, emits the longest prefix
 that is final: no match could start in it and still change with text yet to come. A match is at
-most MAX_PATTERN_CHARS long and its detectors look one char behind and one char ahead, so whether
-a match starts at position i is decided by text[i-1 : i+MAX_PATTERN_CHARS+1]. A "cut" is a char no
-match can contain: anything outside `[A-Za-z0-9._%+@()-]` and space, or a space that is not between
-a digit/")" and a digit/"(" (a space after a letter, or one followed by a letter, ends any match).
-Everything up to the last cut is final and is emitted at once; the trailing candidate run after it
-(a word that may become an e-mail, digits and separators that may become an ID, card or phone)
-is held. Prose therefore flows with at most one word of delay.
+most MAX_PATTERN_CHARS long in the view (its look-ahead included) and its detectors look one char
+behind, so whether a match starts at view position i is decided by view[i-1 : i+MAX_PATTERN_CHARS].
+A "cut" is a view char no match can contain: anything outside `[A-Za-z0-9._%+@()[]{}<>-]` and
+space, or a space that is neither inside a number (between a digit/")" and a digit/"(") nor next
+to a spelled-out marker (the word before or after it is "at", "dot" or "@", or begins or ends
+with a bracket, or is the unfinished last word and may still become one). Everything up to the
+last cut is final and is emitted at once; the trailing candidate run after it (a word that may
+become an e-mail, digits and separators that may become an ID, card or phone, a phrase around
+"at"/"dot") is held. Prose therefore flows with at most one word of delay, two or three around
+the words "at" and "dot". The view is computed char by char, so the view of the held text is the
+held part of the whole text's view; the redactor keeps the last emitted view char as look-behind
+context, and never cuts inside the view of one original char.
 
-Hold-back bound: when the held run grows past max_holdback_chars (>= MAX_PATTERN_CHARS), every
+Hold-back bound: when the held view grows past max_holdback_chars (>= MAX_PATTERN_CHARS), every
 start before its last MAX_PATTERN_CHARS chars is decided too, so that part is emitted, with the
-complete matches it holds redacted. The held text never exceeds max_holdback_chars.
+complete matches it holds redacted. The held view never exceeds max_holdback_chars (plus the rest
+of one char whose NFKC form is several chars). Invisible characters take no room in the view, so
+a run of more than MAX_INVISIBLE_RUN of them in one place counts as a break (a cut): what is held
+stays bounded, and a value padded with that many invisible characters in one place is not caught.
 
-Guarantee: for any split of a text into deltas, "".join(feed(d) ...) + flush() == redact(text)[0].
+Guarantee: for any split of a text into deltas, "".join(feed(d) ...) + flush() == redact(text)[0]
+(tests/gateway/test_redaction.py, test_redaction_variants.py: property tests with hypothesis).
 
-Cost (timeit, 10k feeds of short tokens, Python 3.11 on the shared dev box): ~7 us a feed() for
-prose, ~7 us for tokens building cards and phones, ~17 us at worst (one endless word, held at the
-full window); O(len(held) + len(delta)) per call, the regexes compiled once at import.
+Cost (timeit, 10k feeds of short tokens, Python 3.11 on the shared 2-core dev box, noisy): ~27 us a
+feed() for prose (was ~19 us before normalising, on the same run), ~31 us for tokens building
+cards (was ~22), ~14 us for Chinese text (was ~12), ~31 us for one endless word held at the full
+window (was ~90); a region with no digit, "+", "@", bracket or " at " skips every detector.
+O(len(held) + len(delta)) per call, the regexes compiled once at import.
 """
 
 from __future__ import annotations
