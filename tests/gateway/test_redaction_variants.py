@@ -19,6 +19,8 @@ from services.gateway.guard.redaction import MAX_INVISIBLE_RUN, MAX_PATTERN_CHAR
 PROPERTY = settings(max_examples=200, deadline=None)
 INVISIBLE = "\u200b\u200c\u200d\u2060\ufeff\u00ad\u200e\u200f\u202a\u202c\u2066\u2069\u180e\u034f\ufe0f"
 FULL_WIDTH_DIGITS = str.maketrans("0123456789", "０１２３４５６７８９")
+ARABIC_INDIC_DIGITS = str.maketrans("0123456789", "٠١٢٣٤٥٦٧٨٩")
+DEVANAGARI_DIGITS = str.maketrans("0123456789", "०१२३४५६७८९")
 LOOKALIKES = {"a": "а", "e": "е", "o": "о", "p": "р", "c": "с", "x": "х", "y": "у", "i": "і", "s": "ѕ", "j": "ј"}
 ID_WEIGHTS = (7, 9, 10, 5, 8, 4, 2, 1, 6, 3, 7, 9, 10, 5, 8, 4, 2)
 
@@ -47,12 +49,22 @@ def cards(draw: st.DrawFn) -> str:
     digits = luhn_complete(body)
     if shape is None:
         return digits
-    sep = draw(st.sampled_from([" ", "-", ".", "\u00a0", "\u3000"]))  # NBSP and ideographic space: NFKC " "
     groups, i = [], 0
     for size in shape:
         groups.append(digits[i : i + size])
         i += size
-    return sep.join(groups)
+    return join_groups(draw, groups)
+
+
+# NBSP, ideographic and thin spaces are " " after NFKC, the en dash and minus sign "-"
+GAPS = [" ", "-", ".", "  ", " - ", "\u00a0", "\u3000", "\u2009", "\u2013", "\u2212"]
+
+
+def join_groups(draw: st.DrawFn, groups: list[str]) -> str:
+    """Groups joined by one gap, or (sometimes) by a different gap each."""
+    if draw(st.booleans()):
+        return draw(st.sampled_from(GAPS)).join(groups)
+    return groups[0] + "".join(draw(st.sampled_from(GAPS)) + g for g in groups[1:])
 
 
 @st.composite
@@ -64,17 +76,16 @@ def resident_ids(draw: st.DrawFn) -> str:
     if number.endswith("X") and draw(st.booleans()):
         number = number[:-1] + "x"
     shape = draw(st.sampled_from([(18,), (6, 8, 4), (6, 4, 4, 4), (3, 3, 4, 4, 4), (4, 4, 4, 4, 2)]))
-    sep = draw(st.sampled_from([" ", "-", ".", "\u3000"]))
     groups, i = [], 0
     for size in shape:
         groups.append(number[i : i + size])
         i += size
-    return sep.join(groups)
+    return join_groups(draw, groups)
 
 
 WORD = st.text("abcdefghijklmnopqrstuvwxyz0123456789", min_size=1, max_size=12).filter(lambda w: w[0].isalpha())
 COMMON_TLDS = ["com", "net", "org", "io", "cn", "uk", "de", "info"]
-BRACKETS = ["[{}]", "({})", "{{{}}}", "<{}>", " [{}] ", " ({}) "]
+BRACKETS = ["[{}]", "({})", "{{{}}}", "<{}>", " [{}] ", " ({}) ", "[ {} ]", " ( {} ) "]
 
 
 @st.composite
@@ -96,7 +107,7 @@ def emails(draw: st.DrawFn) -> str:
         at, dots = "@", [draw(st.sampled_from(["[.]", "(.)", "[dot]"])) for _ in labels[1:]]
     else:
         at = draw(st.sampled_from(["[at]", "(at)", " @ ", "@"]))
-        dots = [draw(st.sampled_from([".", " dot ", "[dot]"])) for _ in labels[1:]]
+        dots = [draw(st.sampled_from([".", " dot ", "[dot]", " . "])) for _ in labels[1:]]
         if at == "@" and set(dots) == {"."}:
             dots[-1] = " dot "
     domain = labels[0] + "".join(d + label for d, label in zip(dots, labels[1:]))
@@ -108,8 +119,11 @@ def emails(draw: st.DrawFn) -> str:
 def disguised(draw: st.DrawFn, values: st.SearchStrategy[str]) -> str:
     """A value with invisible characters inside it, full-width digits and letters, look-alike letters."""
     value = draw(values)
-    if draw(st.booleans()):
-        value = value.translate(FULL_WIDTH_DIGITS)
+    digits = draw(st.sampled_from([None, FULL_WIDTH_DIGITS, ARABIC_INDIC_DIGITS, DEVANAGARI_DIGITS]))
+    if digits is not None:
+        value = value.translate(digits)
+    if draw(st.booleans()):  # keycaps: "4" + VS16 + COMBINING ENCLOSING KEYCAP
+        value = "".join(c + "\ufe0f\u20e3" if c.isdigit() and draw(st.booleans()) else c for c in value)
     if draw(st.booleans()):
         value = "".join(
             chr(ord(c) + 0xFEE0) if c.isascii() and c.isalnum() and draw(st.booleans()) else c for c in value
@@ -217,6 +231,12 @@ def test_any_split_streams_like_whole_text_and_holds_at_most_the_window(pieces: 
         ("卡号４１１１ １１１１ １１１１ １１１１。", f"卡号{REDACTED}。"),
         ("card 4111.1111.1111.1111, exp 12/29", f"card {REDACTED}, exp 12/29"),
         ("card 4111 1111 1111 1111 123", f"card {REDACTED} 123"),  # a CVV after the card
+        ("card 4111 1111-1111.1111 now", f"card {REDACTED} now"),  # mixed separators
+        ("card ٤١١١ ١١١١ ١١١١ ١١١١", f"card {REDACTED}"),  # Arabic-Indic digits
+        ("card 4111–1111–1111–1111", f"card {REDACTED}"),  # en dashes
+        ("card 4\ufe0f\u20e31\ufe0f\u20e31\ufe0f\u20e31\ufe0f\u20e3 1111 1111 1111", f"card {REDACTED}"),  # keycaps
+        ("alice @ example . com", REDACTED),
+        ("alice [ at ] example [ dot ] com", REDACTED),
         ("mail al\u200bice@exam\u200dple.com!", f"mail {REDACTED}!"),
         ("write to alice at example dot com today", f"write to {REDACTED} today"),
         ("write to alice [at] example [dot] com", f"write to {REDACTED}"),
@@ -230,6 +250,7 @@ def test_any_split_streams_like_whole_text_and_holds_at_most_the_window(pieces: 
         ("look at the dot in the corner", "look at the dot in the corner"),
         ("meet at 10.30 at the station", "meet at 10.30 at the station"),
         ("it costs $4,111.11 in 2026", "it costs $4,111.11 in 2026"),
+        ("from 2020 - 2024, pages 1990-1995 and 12 - 13", "from 2020 - 2024, pages 1990-1995 and 12 - 13"),
     ],
 )
 def test_examples_of_the_variants(text: str, expected: str) -> None:
@@ -242,9 +263,9 @@ def test_a_spelled_out_address_in_prose_is_a_known_false_positive() -> None:
     assert redact("she works at google dot com") == (f"she {REDACTED}", 1)
 
 
-def test_redaction_keeps_invisible_characters_outside_the_span() -> None:
-    text = "x \u200b4111 1111 1111 1111\u200b y"
-    assert redact(text) == (f"x \u200b{REDACTED}\u200b y", 1)
+def test_invisible_characters_before_a_value_stay_and_those_after_it_go_with_it() -> None:
+    text = "x \u200b4111 1111 1111 1111\u200b\u20e3 y"
+    assert redact(text) == (f"x \u200b{REDACTED} y", 1)
 
 
 def test_a_long_run_of_invisible_characters_breaks_a_match_and_bounds_what_is_held() -> None:

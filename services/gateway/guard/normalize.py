@@ -10,11 +10,14 @@ Each character of the input becomes zero or more characters of the view, by itse
    Unicode Character Database, DerivedCoreProperties.txt, listed in ``_DEFAULT_IGNORABLE``).
 2. NFKC of that one character: full-width digits and letters become ASCII ("４" -> "4", "＠" ->
    "@"), no-break and ideographic spaces become " ", mathematical letters their plain letter.
+   Digits of other scripts become ASCII digits ("٤١١١" -> "4111", by their Unicode decimal
+   value), and enclosing or overlaid marks (keycaps "4\ufe0f\u20e3", strike-throughs) are removed.
 3. Look-alike letters become the Latin letter they look like (``CONFUSABLES``): the Cyrillic,
    Greek, Armenian and Latin-extension letters that Unicode's confusables.txt (UTS #39, security
    data, https://www.unicode.org/Public/security/latest/confusables.txt) maps to one ASCII letter.
    The target keeps the source's case (confusables.txt maps the I-like capitals to "l", because
    "I" and "l" are confusable with each other; here Cyrillic "І" and Greek "Ι" become "I").
+   Dashes (U+2010-U+2013, U+2043, U+2212) become "-".
 
 Because every character is mapped alone, the view of a concatenation is the concatenation of the
 views: a stream's view grows delta by delta, and a span found in the view maps back to the
@@ -54,7 +57,16 @@ CONFUSABLES: dict[str, str] = {
     "Ս": "U", "Տ": "S", "Օ": "O", "հ": "h", "ո": "n", "ռ": "n", "ս": "u", "ց": "g", "օ": "o",
     # Latin letters that are not ASCII but read as one
     "ı": "i", "ȷ": "j", "ɑ": "a", "ɡ": "g", "ɩ": "i", "ɪ": "i", "ʏ": "y", "ʋ": "u",
+    # dashes and the minus sign (NFKC leaves them; confusables.txt maps them to "-")
+    "\u2010": "-", "\u2012": "-", "\u2013": "-", "\u2043": "-", "\u2212": "-",
 }  # fmt: skip
+
+# Marks drawn around or through the character before them: keycaps ("4\ufe0f\u20e3"), circles,
+# strike-throughs ("4\u0336"); they hide nothing a reader cannot see through, so they go too.
+_DECORATIONS = frozenset(
+    [chr(c) for c in range(0x0334, 0x0339)] + [chr(c) for c in range(0x20DD, 0x20E5)]
+    + ["\u0488", "\u0489", "\u20e9", "\u20ea", "\u20ee", "\u20ef", "\ua670", "\ua671", "\ua672"]
+)
 
 BREAK = "\x00"  # what fold_map puts for a run of invisible characters longer than asked
 _MAX_CACHED = 65_536  # distinct non-ASCII code points remembered; more are computed each time
@@ -64,12 +76,20 @@ def _is_ignorable(code: int) -> bool:
     return any(lo <= code <= hi for lo, hi in _DEFAULT_IGNORABLE)
 
 
+def _fold_one(c: str) -> str:
+    if _is_ignorable(ord(c)) or c in _DECORATIONS:
+        return ""
+    if c in CONFUSABLES:
+        return CONFUSABLES[c]
+    digit = unicodedata.decimal(c, None)  # a digit of another script ("٤", "४"): its ASCII digit
+    return str(digit) if digit is not None and not c.isascii() else c
+
+
 def fold_char(ch: str) -> str:
-    """The view of one character: "" (invisible), its NFKC form with look-alike letters folded."""
+    """The view of one character: "" (invisible), or its NFKC form with look-alikes folded."""
     if _is_ignorable(ord(ch)):
         return ""
-    nfkc = unicodedata.normalize("NFKC", ch)
-    return "".join(CONFUSABLES.get(c, c) for c in nfkc if not _is_ignorable(ord(c)))
+    return "".join(_fold_one(c) for c in unicodedata.normalize("NFKC", ch))
 
 
 class _FoldTable(dict[int, str]):

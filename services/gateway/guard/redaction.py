@@ -3,22 +3,24 @@
 Matching runs on the normalised view of the text (normalize.py: invisible characters removed,
 NFKC, look-alike letters folded; docs/design.md, "Guards match a normalised view"), and each span
 found there is mapped back to the original characters it came from: those are replaced, and every
-other character leaves byte-identical. So full-width digits ("４１１１"), no-break or ideographic
-spaces between groups, zero-width characters inside a number or an address, and Cyrillic or
-Greek letters in an address are caught like their plain forms.
+other character leaves byte-identical (invisible characters and marks right after a value go
+with it). So full-width digits ("４１１１") and digits of other scripts ("٤١١١"), keycaps, no-break,
+thin or ideographic spaces and en dashes between groups, zero-width characters inside a number or
+an address, and Cyrillic or Greek letters in an address are caught like their plain forms.
 
 What is detected (every number on digit-run boundaries: never preceded or followed by a digit, so
 no part of a longer digit run is taken; the whole span, separators included, is replaced):
 
 - Chinese resident ID: 18 chars, `[1-9]` + 16 digits + check char (digit or X/x), in one run or in
-  groups 6-8-4, 6-4-4-4, 3-3-4-4-4 or 4-4-4-4-2 joined by one consistent separator (space, dot,
-  hyphen): "110105 19491231 002X". Redacted only if the ISO 7064 MOD 11-2 check char is right and
-  chars 7-14 are a real date YYYYMMDD, 1900-2099.
+  groups 6-8-4, 6-4-4-4, 3-3-4-4-4 or 4-4-4-4-2, each gap one or two spaces, a dot or a hyphen
+  (spaces around it allowed): "110105 19491231 002X". Redacted only if the ISO 7064 MOD 11-2 check
+  char is right and chars 7-14 are a real date YYYYMMDD, 1900-2099.
 - Bank card: 13-19 digits starting with 2-6 (the issuer ranges of Visa, Mastercard, Amex, JCB,
-  UnionPay, Discover), either one run or groups of 4 then 3-6 digits (3 to 5 groups) joined by one
-  consistent separator, space, dot or hyphen: "4111 1111 1111 1111", "4111.1111.1111.1111",
-  "3782-822463-10005". Luhn-valid only; when the groups run on ("4111 1111 1111 1111 123", a CVV
-  after the card), the longest Luhn-valid run of the first 3-5 groups is the card.
+  UnionPay, Discover), either one run or groups of 4 then 3-6 digits (3 to 5 groups), each gap one
+  or two spaces, a dot or a hyphen (spaces around it allowed; gaps may differ): "4111 1111 1111
+  1111", "4111.1111.1111.1111", "4111 - 1111 - 1111 - 1111", "3782-822463-10005". Luhn-valid only;
+  when the groups run on ("4111 1111 1111 1111 123", a CVV after the card), the longest
+  Luhn-valid run of the first 3-5 groups is the card.
 - Phone, three shapes only, so that years, counts, versions and constants pass:
   - CN mobile `1[3-9]d d{4} d{4}`, groups joined by nothing, one space or one hyphen, with an
     optional "+86"/"0086" prefix: "13812345678", "+86 138 1234 5678", "0086-138-1234-5678".
@@ -30,8 +32,8 @@ no part of a longer digit run is taken; the whole span, separators included, is 
 - E-mail: local@domain.tld, local part `[A-Za-z0-9._%+-]`, dot-separated domain labels, a 2-24
   letter TLD; it must start a word of e-mail characters that is at most 64 chars long.
 - Spelled-out e-mail (case-insensitive): "@" written as "[at]", "(at)", "{at}", "<at>", "[@]"
-  (spaces around allowed), " @ " or a bare " at "; "." as "[dot]", "(dot)", "[.]", "(.)" or a
-  bare " dot ": "alice at example dot com", "alice [at] example [dot] com", "alice(at)example(dot)com",
+  (spaces around and inside allowed), " @ " or a bare " at "; "." as "[dot]", "(dot)", "[.]",
+  "(.)", " . " or a bare " dot ": "alice at example dot com", "alice [at] example [dot] com", "alice(at)example(dot)com",
   "alice@example[.]com". A local part of up to 32 chars (and one spelled " dot " in it), up to 3
   labels of up to 24 chars and a TLD. A bare " dot " must end in a common TLD (com, net, org, io,
   cn, uk...), and after a bare " at " the dots must be spelled out too, so "look at example.com"
@@ -43,9 +45,9 @@ that is final: no match could start in it and still change with text yet to come
 most MAX_PATTERN_CHARS long in the view (its look-ahead included) and its detectors look one char
 behind, so whether a match starts at view position i is decided by view[i-1 : i+MAX_PATTERN_CHARS].
 A "cut" is a view char no match can contain: anything outside `[A-Za-z0-9._%+@()[]{}<>-]` and
-space, or a space that is neither inside a number (between a digit/")" and a digit/"(") nor next
-to a spelled-out marker (the word before or after it is "at", "dot" or "@", or begins or ends
-with a bracket, or is the unfinished last word and may still become one). Everything up to the
+space, or a space that is neither inside a number (between two of digit, ")", "(", "-", ".",
+space) nor next to a spelled-out marker (a bracket, or the word before or after it is "at", "dot",
+"@" or ".", or is the unfinished last word and may still become one). Everything up to the
 last cut is final and is emitted at once; the trailing candidate run after it (a word that may
 become an e-mail, digits and separators that may become an ID, card or phone, a phrase around
 "at"/"dot") is held. Prose therefore flows with at most one word of delay, two or three around
@@ -81,22 +83,24 @@ from typing import NamedTuple
 from services.gateway.guard.normalize import fold_map
 
 REDACTED = "[REDACTED]"
-MAX_PATTERN_CHARS = 192  # the longest span any detector can match, plus its look-ahead (checked below)
+MAX_PATTERN_CHARS = 200  # the longest span any detector can match, plus its look-ahead (checked below)
 MAX_INVISIBLE_RUN = 32  # invisible characters in one place that still join (more: a break)
 
 _EMAIL_CHARS = r"A-Za-z0-9._%+\-"
 _ALNUM = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789")
 _SOFT_CHARS = _ALNUM | frozenset("._%+-@()[]{}<>")  # every char but " " that a match may contain
 _SOFT_OR_SPACE = "".join(sorted(_SOFT_CHARS)) + " "
-_BEFORE_SPACE = frozenset("0123456789)")  # a space inside a number always sits between these...
-_AFTER_SPACE = frozenset("0123456789(")  # ...and these
+_BEFORE_SPACE = frozenset("0123456789)-. ")  # a space inside a number always sits between these...
+_AFTER_SPACE = frozenset("0123456789(-. ")  # ...and these
 _OPENING = frozenset("[({<")
 _CLOSING = frozenset("])}>")
-_MARKERS = frozenset(("at", "dot", "@"))  # spelled-out "@" and "." between spaces
-_MARKER_PREFIXES = frozenset(("", "a", "at", "d", "do", "dot", "@"))
+_MARKERS = frozenset(("at", "dot", "@", "."))  # spelled-out "@" and "." between spaces
+_MARKER_PREFIXES = frozenset(("", "a", "at", "d", "do", "dot", "@", "."))
 _ID_WEIGHTS = (7, 9, 10, 5, 8, 4, 2, 1, 6, 3, 7, 9, 10, 5, 8, 4, 2)
 _ID_CHECK_CHARS = "10X98765432"
-_SEPARATORS = re.compile(r"[ .-]")
+_NOT_ID_CHARS = re.compile(r"[^0-9Xx]")
+_DIGIT_RUN = re.compile(r"[0-9]+")
+_GAP = r"(?: ?[.-] ?| {1,2})"  # between two groups of digits: ".", "-", " - ", one or two spaces
 
 
 def _is_valid_id(span: str) -> bool:
@@ -116,7 +120,7 @@ def _is_valid_id(span: str) -> bool:
 
 
 def _id_length(span: str) -> int:
-    return len(span) if _is_valid_id(_SEPARATORS.sub("", span)) else 0
+    return len(span) if _is_valid_id(_NOT_ID_CHARS.sub("", span)) else 0
 
 
 def _is_luhn(digits: str) -> bool:
@@ -133,14 +137,13 @@ def _is_luhn(digits: str) -> bool:
 
 def _card_length(span: str) -> int:
     """The longest Luhn-valid card the span starts with: the whole run, or its first 3-5 groups
-    (a card followed by one more group of the same shape, "4111 1111 1111 1111 123", is a card)."""
-    if span.isdigit():
+    (a card followed by one more group, "4111 1111 1111 1111 123", is a card)."""
+    groups = list(_DIGIT_RUN.finditer(span))
+    if len(groups) == 1:
         return len(span) if _is_luhn(span) else 0
-    sep = next(c for c in span if not c.isdigit())
-    groups = span.split(sep)
     for k in range(len(groups), 2, -1):
-        if _is_luhn("".join(groups[:k])):
-            return len(sep.join(groups[:k]))
+        if _is_luhn("".join(g.group() for g in groups[:k])):
+            return groups[k - 1].end()
     return 0
 
 
@@ -167,7 +170,8 @@ class _Detector(NamedTuple):
 
 
 def _bracketed(inner: str) -> str:
-    return rf" ?(?:\[(?:{inner})\]|\((?:{inner})\)|\{{(?:{inner})\}}|<(?:{inner})>) ?"
+    inner = rf" ?(?:{inner}) ?"
+    return rf" ?(?:\[{inner}\]|\({inner}\)|\{{{inner}\}}|<{inner}>) ?"
 
 
 _ATOM = r"[A-Za-z0-9_%+-](?:[A-Za-z0-9._%+-]{0,30}[A-Za-z0-9_%+-])?"
@@ -178,8 +182,8 @@ _END = r"(?![A-Za-z0-9-])(?!\.[A-Za-z0-9])"
 _LOCAL = rf"(?<![A-Za-z0-9._%+\-]){_ATOM}(?:(?:{_B_DOT}| dot ){_ATOM})?"
 # after "@", " @ " or a bracketed [at]: any dots; a final spelled " dot " needs a listed TLD
 _SPELLED_AT = (
-    rf"{_LOCAL}(?:{_B_AT}| @ |@){_LABEL}(?:(?:\.|{_B_DOT}| dot ){_LABEL}){{0,2}}"
-    rf"(?:(?:\.|{_B_DOT})[A-Za-z]{{2,12}}| dot {_TLDS}){_END}"
+    rf"{_LOCAL}(?:{_B_AT}| @ |@){_LABEL}(?:(?:\.| \. |{_B_DOT}| dot ){_LABEL}){{0,2}}"
+    rf"(?:(?:\.| \. |{_B_DOT})[A-Za-z]{{2,12}}| dot {_TLDS}){_END}"
 )
 # after a bare " at ": spelled dots only, so "look at example.com" stays prose
 _BARE_AT = rf"{_LOCAL} at {_LABEL}(?:(?:{_B_DOT}| dot ){_LABEL}){{0,2}}(?:{_B_DOT}[A-Za-z]{{2,12}}| dot {_TLDS}){_END}"
@@ -192,19 +196,19 @@ _ANY_HINT = re.compile(r"[0-9+@\[({<]| at ", re.IGNORECASE | re.ASCII)  # one of
 _DETECTORS = (
     _Detector(
         re.compile(
-            r"(?<![0-9])[1-9](?:[0-9]{16}[0-9Xx]"
-            r"|[0-9]{5}(?P<a>[ .-])[0-9]{8}(?P=a)[0-9]{3}[0-9Xx]"
-            r"|[0-9]{5}(?P<b>[ .-])[0-9]{4}(?P=b)[0-9]{4}(?P=b)[0-9]{3}[0-9Xx]"
-            r"|[0-9]{2}(?P<c>[ .-])[0-9]{3}(?P=c)[0-9]{4}(?P=c)[0-9]{4}(?P=c)[0-9]{3}[0-9Xx]"
-            r"|[0-9]{3}(?P<d>[ .-])[0-9]{4}(?P=d)[0-9]{4}(?P=d)[0-9]{4}(?P=d)[0-9][0-9Xx])(?![0-9])"
+            rf"(?<![0-9])[1-9](?:[0-9]{{16}}[0-9Xx]"
+            rf"|[0-9]{{5}}{_GAP}[0-9]{{8}}{_GAP}[0-9]{{3}}[0-9Xx]"
+            rf"|[0-9]{{5}}{_GAP}[0-9]{{4}}{_GAP}[0-9]{{4}}{_GAP}[0-9]{{3}}[0-9Xx]"
+            rf"|[0-9]{{2}}{_GAP}[0-9]{{3}}{_GAP}[0-9]{{4}}{_GAP}[0-9]{{4}}{_GAP}[0-9]{{3}}[0-9Xx]"
+            rf"|[0-9]{{3}}{_GAP}[0-9]{{4}}{_GAP}[0-9]{{4}}{_GAP}[0-9]{{4}}{_GAP}[0-9][0-9Xx])(?![0-9])"
         ),
         _id_length,
         _DIGIT,
     ),
     _Detector(
         re.compile(
-            r"(?<![0-9])(?:[2-6][0-9]{12,18}"
-            r"|[2-6][0-9]{3}(?P<s>[ .-])[0-9]{3,6}(?:(?P=s)[0-9]{3,6}){1,3})(?![0-9])"
+            rf"(?<![0-9])(?:[2-6][0-9]{{12,18}}"
+            rf"|[2-6][0-9]{{3}}{_GAP}[0-9]{{3,6}}(?:{_GAP}[0-9]{{3,6}}){{1,3}})(?![0-9])"
         ),
         _card_length,
         _DIGIT,
@@ -312,11 +316,14 @@ def _find_spans(view: _View, pos: int, stop: int) -> list[tuple[int, int]]:
 
 
 def _replace(raw: str, view: _View, spans: list[tuple[int, int]], raw_end: int) -> str:
-    """raw[:raw_end] with each span's raw chars replaced by REDACTED."""
+    """raw[:raw_end] with each span's raw chars replaced by REDACTED: from the char of its first
+    view char up to the char of the view char after it (so invisible characters and marks right
+    after a value go with it; a span that ends the view ends the text, flush or whole text)."""
     parts: list[str] = []
     i = 0
     for start, stop in spans:
-        raw_start, raw_stop = view.raw(start), view.raw(stop - 1) + 1
+        raw_start = view.raw(start)
+        raw_stop = view.raw(stop) if stop < len(view.text) else len(raw)
         parts += (raw[i:raw_start], REDACTED)
         i = raw_stop
     parts.append(raw[i:raw_end])
@@ -338,7 +345,7 @@ def _space_may_join(text: str, b: int) -> bool:
     after = text[b + 1] if b + 1 < n else ""
     if before in _BEFORE_SPACE and (not after or after in _AFTER_SPACE):
         return True
-    if after in _OPENING or before in _CLOSING:
+    if after in _OPENING or before in _CLOSING or before in _OPENING or after in _CLOSING:
         return True
     j = text.find(" ", b + 1)
     token_after = text[b + 1 : j if j >= 0 else n].lower()
