@@ -22,8 +22,9 @@ no part of a longer digit run is taken; the whole span, separators included, is 
   when the groups run on ("4111 1111 1111 1111 123", a CVV after the card), the longest
   Luhn-valid run of the first 3-5 groups is the card.
 - Phone, three shapes only, so that years, counts, versions and constants pass:
-  - CN mobile `1[3-9]d d{4} d{4}`, groups joined by nothing, one space or one hyphen, with an
-    optional "+86"/"0086" prefix: "13812345678", "+86 138 1234 5678", "0086-138-1234-5678".
+  - CN mobile `1[3-9]d d{4} d{4}`, groups joined by nothing or one consistent space, dot or
+    hyphen, with an optional "+86"/"0086" prefix: "13812345678", "+86 138 1234 5678",
+    "0086-138-1234-5678", "138.1234.5678".
   - International: "+" country code (1-3 digits), then 2-5 groups of 1-8 digits each after a space,
     dot or hyphen, or in parentheses; or the compact "+" and 8-15 digits; 8-15 digits in all (E.164):
     "+1 415-555-0132", "+44 20 7946 0958", "+1 (415) 555-0132", "+14155550132".
@@ -213,7 +214,11 @@ _DETECTORS = (
         _card_length,
         _DIGIT,
     ),
-    _Detector(re.compile(r"(?<![0-9])(?:(?:\+|00)86[ -]?)?1[3-9][0-9](?:[ -]?[0-9]{4}){2}(?![0-9])"), _whole, _DIGIT),
+    _Detector(
+        re.compile(r"(?<![0-9])(?:(?:\+|00)86[ .-]?)?1[3-9][0-9](?P<m>[ .-]?)[0-9]{4}(?P=m)[0-9]{4}(?![0-9])"),
+        _whole,
+        _DIGIT,
+    ),
     _Detector(
         re.compile(
             r"(?<![0-9A-Za-z+])\+[1-9][0-9]{0,2}"
