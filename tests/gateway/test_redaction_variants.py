@@ -131,8 +131,9 @@ def disguised(draw: st.DrawFn, values: st.SearchStrategy[str]) -> str:
     if draw(st.booleans()):
         value = "".join(LOOKALIKES[c] if c in LOOKALIKES and draw(st.booleans()) else c for c in value)
     chars = list(value)
-    for _ in range(draw(st.integers(0, 4))):
-        k = draw(st.integers(1, len(chars) - 1))  # strictly inside: never before the first or after the last
+    # strictly inside (never before the first char or after the last), at most 3 in one place, so
+    # with a keycap's 2 no place has more than MAX_INVISIBLE_RUN
+    for k in draw(st.lists(st.integers(1, len(chars) - 1), unique=True, max_size=4)):
         chars[k] = draw(st.text(INVISIBLE, min_size=1, max_size=3)) + chars[k]
     return "".join(chars)
 

@@ -85,7 +85,8 @@ from services.gateway.guard.normalize import fold_map
 
 REDACTED = "[REDACTED]"
 MAX_PATTERN_CHARS = 200  # the longest span any detector can match, plus its look-ahead (checked below)
-MAX_INVISIBLE_RUN = 32  # invisible characters in one place that still join (more: a break)
+MAX_INVISIBLE_RUN = 8  # invisible characters in one place that still join (more: a break)
+_FEW_STARTS = 8  # below this many start positions, _next_match tries each instead of searching
 
 _EMAIL_CHARS = r"A-Za-z0-9._%+\-"
 _ALNUM = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789")
@@ -264,6 +265,11 @@ _check_widths()
 def _next_match(detector: _Detector, text: str, pos: int, stop: int) -> tuple[int, int] | None:
     """The first valid match of detector starting in [pos, stop), or None."""
     if not detector.hint.search(text, pos):
+        return None
+    if stop - pos <= _FEW_STARTS:  # try each start rather than search the rest of the text
+        for start in range(pos, stop):
+            if (m := detector.rx.match(text, start)) is not None and (length := detector.length(m.group())):
+                return start, start + length
         return None
     while (m := detector.rx.search(text, pos)) is not None and m.start() < stop:
         if length := detector.length(m.group()):
