@@ -285,3 +285,23 @@ def test_fold_and_fold_map_agree_and_map_back() -> None:
     assert view == fold(text) == "Apple 42 file I"
     assert origin is not None and [text[i] for i in origin][:3] == ["Ａ", "р", "p"]
     assert fold("plain ascii") == "plain ascii" and fold_map("plain ascii") == ("plain ascii", None)
+
+
+# Pieces that stress the char-by-char view: expansions ("½" is "1⁄2", "㈠" is "(一)", "ﷺ" 18 chars),
+# invisible runs on both sides of the break bound, marks, look-alikes, digits, markers and separators.
+TRICKY = st.sampled_from([
+    "½", "㈠", "ﷺ", "ﬁ", "№", "\u200b", "\u200b" * MAX_INVISIBLE_RUN, "\u200b" * (MAX_INVISIBLE_RUN + 1), "\u20e3",
+    "4", "1", "0", "４", "٤", " ", "  ", "-", ".", " - ", "@", "＠", " at ", " dot ", "[at]", "(dot)", "[", ")", "com",
+    "а", "x", "alice", "4111 1111 1111 1111", "11010519491231002X", "\n", ",", "+1 ", "(415) ",
+])  # fmt: skip
+
+
+@PROPERTY
+@given(pieces=st.lists(TRICKY, min_size=1, max_size=40), data=st.data())
+def test_any_split_of_tricky_text_streams_like_whole_text(pieces: list[str], data: st.DataObject) -> None:
+    text = "".join(pieces)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=12)))
+    deltas = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)])]
+    redactor = Redactor()
+    out = "".join(redactor.feed(d) for d in deltas) + redactor.flush()
+    assert out == redact(text)[0]
