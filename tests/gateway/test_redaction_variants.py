@@ -75,7 +75,8 @@ def resident_ids(draw: st.DrawFn) -> str:
     number = id_complete(region + born + draw(st.text("0123456789", min_size=3, max_size=3)))
     if number.endswith("X") and draw(st.booleans()):
         number = number[:-1] + "x"
-    shape = draw(st.sampled_from([(18,), (6, 8, 4), (6, 4, 4, 4), (3, 3, 4, 4, 4), (4, 4, 4, 4, 2)]))
+    shape = draw(st.sampled_from([(18,), (6, 8, 4), (6, 4, 4, 4), (3, 3, 4, 4, 4), (4, 4, 4, 4, 2), (6, 6, 6),
+                                  (2, 4, 4, 4, 4), (3,) * 6]))  # fmt: skip
     groups, i = [], 0
     for size in shape:
         groups.append(number[i : i + size])
@@ -229,6 +230,8 @@ def test_any_split_streams_like_whole_text_and_holds_at_most_the_window(pieces: 
     [
         ("ID 110105 19491231 002X.", f"ID {REDACTED}."),
         ("ID 110105-19491231-002x ok", f"ID {REDACTED} ok"),
+        ("ID 110105 194912 31002X", f"ID {REDACTED}"),
+        ("ID 110105 19491231 0021 and 7", "ID 110105 19491231 0021 and 7"),  # wrong check digit
         ("卡号４１１１ １１１１ １１１１ １１１１。", f"卡号{REDACTED}。"),
         ("card 4111.1111.1111.1111, exp 12/29", f"card {REDACTED}, exp 12/29"),
         ("card 4111 1111 1111 1111 123", f"card {REDACTED} 123"),  # a CVV after the card

@@ -12,9 +12,10 @@ What is detected (every number on digit-run boundaries: never preceded or follow
 no part of a longer digit run is taken; the whole span, separators included, is replaced):
 
 - Chinese resident ID: 18 chars, `[1-9]` + 16 digits + check char (digit or X/x), in one run or in
-  groups 6-8-4, 6-4-4-4, 3-3-4-4-4 or 4-4-4-4-2, each gap one or two spaces, a dot or a hyphen
-  (spaces around it allowed): "110105 19491231 002X". Redacted only if the ISO 7064 MOD 11-2 check
-  char is right and chars 7-14 are a real date YYYYMMDD, 1900-2099.
+  2 to 9 groups of 1-8 (6-8-4 "110105 19491231 002X", 6-4-4-4, 4-4-4-4-2...), each gap one or two
+  spaces, a dot or a hyphen (spaces around it allowed); when the groups run on, the first groups
+  that hold exactly 18 chars. Redacted only if the ISO 7064 MOD 11-2 check char is right and chars
+  7-14 are a real date YYYYMMDD, 1900-2099.
 - Bank card: 13-19 digits starting with 2-6 (the issuer ranges of Visa, Mastercard, Amex, JCB,
   UnionPay, Discover), either one run or groups of 4 then 3-6 digits (3 to 5 groups), each gap one
   or two spaces, a dot or a hyphen (spaces around it allowed; gaps may differ): "4111 1111 1111
@@ -107,11 +108,12 @@ _ID_WEIGHTS = (7, 9, 10, 5, 8, 4, 2, 1, 6, 3, 7, 9, 10, 5, 8, 4, 2)
 _ID_CHECK_CHARS = "10X98765432"
 _NOT_ID_CHARS = re.compile(r"[^0-9Xx]")
 _DIGIT_RUN = re.compile(r"[0-9]+")
+_ID_GROUP = re.compile(r"[0-9]+[Xx]?")
 _GAP = r"(?: ?[.-] ?| {1,2})"  # between two groups of digits: ".", "-", " - ", one or two spaces
 
 
 def _is_valid_id(span: str) -> bool:
-    if len(span) != 18:
+    if len(span) != 18 or not span[:17].isdigit():
         return False
     total = sum(int(c) * w for c, w in zip(span, _ID_WEIGHTS))
     if _ID_CHECK_CHARS[total % 11] != span[17].upper():
@@ -127,7 +129,14 @@ def _is_valid_id(span: str) -> bool:
 
 
 def _id_length(span: str) -> int:
-    return len(span) if _is_valid_id(_NOT_ID_CHARS.sub("", span)) else 0
+    """The span, or its first groups, when they hold exactly 18 ID chars that check out."""
+    num_chars = 0
+    for group in _ID_GROUP.finditer(span):
+        num_chars += len(group.group())
+        if num_chars >= 18:
+            prefix = span[: group.end()]
+            return len(prefix) if num_chars == 18 and _is_valid_id(_NOT_ID_CHARS.sub("", prefix)) else 0
+    return 0
 
 
 def _is_luhn(digits: str) -> bool:
@@ -203,11 +212,7 @@ _ANY_HINT = re.compile(r"[0-9+@\[({<]| at ", re.IGNORECASE | re.ASCII)  # one of
 _DETECTORS = (
     _Detector(
         re.compile(
-            rf"(?<![0-9])[1-9](?:[0-9]{{16}}[0-9Xx]"
-            rf"|[0-9]{{5}}{_GAP}[0-9]{{8}}{_GAP}[0-9]{{3}}[0-9Xx]"
-            rf"|[0-9]{{5}}{_GAP}[0-9]{{4}}{_GAP}[0-9]{{4}}{_GAP}[0-9]{{3}}[0-9Xx]"
-            rf"|[0-9]{{2}}{_GAP}[0-9]{{3}}{_GAP}[0-9]{{4}}{_GAP}[0-9]{{4}}{_GAP}[0-9]{{3}}[0-9Xx]"
-            rf"|[0-9]{{3}}{_GAP}[0-9]{{4}}{_GAP}[0-9]{{4}}{_GAP}[0-9]{{4}}{_GAP}[0-9][0-9Xx])(?![0-9])"
+            rf"(?<![0-9])[1-9](?:[0-9]{{16}}[0-9Xx]|[0-9]{{0,7}}(?:{_GAP}[0-9]{{1,8}}){{1,8}}[Xx]?)(?![0-9])"
         ),
         _id_length,
         _DIGIT,
