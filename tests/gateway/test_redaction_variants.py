@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.gateway.guard.normalize import fold, fold_map
+from services.gateway.guard.normalize import FoldBuffer, fold, fold_map
 from services.gateway.guard.redaction import MAX_INVISIBLE_RUN, MAX_PATTERN_CHARS, REDACTED, Redactor, redact
 
 PROPERTY = settings(max_examples=200, deadline=None)
@@ -308,3 +308,20 @@ def test_any_split_of_tricky_text_streams_like_whole_text(pieces: list[str], dat
     redactor = Redactor()
     out = "".join(redactor.feed(d) for d in deltas) + redactor.flush()
     assert out == redact(text)[0]
+
+
+@PROPERTY
+@given(pieces=st.lists(TRICKY, min_size=1, max_size=30), data=st.data())
+def test_the_fold_buffer_is_fold_map_of_what_it_holds(pieces: list[str], data: st.DataObject) -> None:
+    buffer = FoldBuffer(MAX_INVISIBLE_RUN)
+    for piece in pieces:
+        buffer.append(piece)
+        view, origin = fold_map(buffer.raw, MAX_INVISIBLE_RUN)
+        assert buffer.view == view
+        assert (buffer.origin or list(range(len(buffer.view)))) == (origin or list(range(len(view))))
+        if buffer.view and data.draw(st.booleans()):  # drop up to a view char, as the redactor does
+            k = data.draw(st.integers(0, len(buffer.view)))
+            while 0 < k < len(buffer.view) and buffer.origin and buffer.origin[k] == buffer.origin[k - 1]:
+                k -= 1  # never inside one char's expansion
+            raw_end = len(buffer.raw) if k == len(buffer.view) else (buffer.origin[k] if buffer.origin else k)
+            buffer.drop(k, raw_end)

@@ -159,3 +159,62 @@ def fold_map(text: str, max_invisible_run: int | None = None) -> tuple[str, list
         parts.append(BREAK)
         origin.append(run_start)
     return "".join(parts), origin
+
+
+class FoldBuffer:
+    """The view of a text that grows at its end and is consumed from its start (a stream's held
+    text): always what fold_map(raw, max_invisible_run) gives, kept up to date per delta instead
+    of recomputed, so a feed costs its delta, not everything held."""
+
+    def __init__(self, max_invisible_run: int) -> None:
+        self.max_invisible_run = max_invisible_run
+        self.raw = ""
+        self.view = ""
+        self.origin: list[int] | None = None  # as fold_map's: None while each char maps to one
+        self._run_start = 0  # the trailing run of invisible characters of raw: where it starts...
+        self._run_len = 0  # ...and how long it is (0: raw does not end with one)
+
+    def append(self, delta: str) -> None:
+        """Adds text at the end."""
+        if not delta:
+            return
+        base = len(self.raw)
+        self.raw += delta
+        if delta.isascii() or not delta.translate(_UNEVEN):  # one char for one: no invisible ones
+            if self.origin is not None:
+                self.origin.extend(range(base, base + len(delta)))
+            self.view += delta if delta.isascii() else delta.translate(_FOLD)
+            self._run_len = 0
+            return
+        origin = self.origin if self.origin is not None else list(range(len(self.view)))
+        parts: list[str] = []
+        for i, ch in enumerate(delta, base):
+            view = _FOLD[ord(ch)]
+            if not view:
+                if self._run_len == 0:
+                    self._run_start = i
+                self._run_len += 1
+                if self._run_len == self.max_invisible_run + 1:  # where fold_map puts its BREAK
+                    parts.append(BREAK)
+                    origin.append(self._run_start)
+                continue
+            self._run_len = 0
+            parts.append(view)
+            if len(view) == 1:
+                origin.append(i)
+            else:
+                origin.extend([i] * len(view))
+        self.view += "".join(parts)
+        self.origin = origin
+
+    def drop(self, view_end: int, raw_end: int) -> None:
+        """Forgets view[:view_end] and raw[:raw_end]: raw_end is where view[view_end] comes from
+        (or the end of raw, when view_end is the end of the view)."""
+        self.raw = self.raw[raw_end:]
+        self.view = self.view[view_end:]
+        if self.origin is not None:
+            self.origin = [o - raw_end for o in self.origin[view_end:]] if self.raw else None
+        if self._run_len:
+            self._run_start -= raw_end
+            if self._run_start < 0:  # the run left with the dropped text (it was all dropped)
+                self._run_len = 0

@@ -87,7 +87,7 @@ from collections.abc import Callable
 from datetime import date
 from typing import NamedTuple
 
-from services.gateway.guard.normalize import fold_map
+from services.gateway.guard.normalize import FoldBuffer, fold_map
 
 REDACTED = "[REDACTED]"
 MAX_PATTERN_CHARS = 200  # the longest span any detector can match, plus its look-ahead (checked below)
@@ -398,7 +398,7 @@ class Redactor:
             )
         self.max_holdback_chars = max_holdback_chars
         self._context = ""  # the view of the last emitted char (look-behind context)
-        self._raw = ""  # the held text, as received
+        self._held = FoldBuffer(MAX_INVISIBLE_RUN)  # the held text, as received, and its view
         self._num_redacted = 0
 
     @property
@@ -409,12 +409,12 @@ class Redactor:
     @property
     def held(self) -> str:
         """Text received but not emitted yet (its normalised view is at most max_holdback_chars)."""
-        return self._raw
+        return self._held.raw
 
     def feed(self, text: str) -> str:
         """Adds a delta; returns the redacted text that is final now (may be "")."""
-        self._raw += text
-        view = _view(self._context, self._raw)
+        self._held.append(text)
+        view = self._view()
         end = _last_cut_end(view.text, view.lo)
         if len(view.text) - end > self.max_holdback_chars:
             end = len(view.text) - MAX_PATTERN_CHARS  # every start before it is decided
@@ -423,20 +423,24 @@ class Redactor:
 
     def flush(self) -> str:
         """Ends the stream: returns the held rest, redacted."""
-        view = _view(self._context, self._raw)
-        out = self._emit(view, len(view.text)) if self._raw else ""
-        self._context, self._raw = "", ""
+        view = self._view()
+        out = self._emit(view, len(view.text)) if self._held.raw else ""
+        self._context, self._held = "", FoldBuffer(MAX_INVISIBLE_RUN)
         return out
+
+    def _view(self) -> _View:
+        return _View(self._context + self._held.view, len(self._context), self._held.origin)
 
     def _emit(self, view: _View, stop: int) -> str:
         """Redacts and emits the held text up to view index stop (a raw boundary), and every match
         starting before it; keeps the last emitted view char as context."""
+        raw = self._held.raw
         spans = _find_spans(view, view.lo, stop)
         end = max(stop, spans[-1][1]) if spans else stop
-        raw_end = view.raw(end) if end < len(view.text) else len(self._raw)
-        out = _replace(self._raw, view, spans, raw_end)
+        raw_end = view.raw(end) if end < len(view.text) else len(raw)
+        out = _replace(raw, view, spans, raw_end)
         self._num_redacted += len(spans)
         if end > view.lo:
             self._context = view.text[end - 1]
-        self._raw = self._raw[raw_end:]
+        self._held.drop(end - view.lo, raw_end)
         return out
