@@ -67,15 +67,15 @@ stays bounded, and a value padded with that many invisible characters in one pla
 Guarantee: for any split of a text into deltas, "".join(feed(d) ...) + flush() == redact(text)[0]
 (tests/gateway/test_redaction.py, test_redaction_variants.py: property tests with hypothesis).
 
-Cost (timeit, 10k feeds of short tokens, Python 3.11 on the shared 2-core dev box at load ~10,
-old and new code in the same run; absolute figures are inflated by the load, this docstring's
-figure for prose on a quieter day was ~7 us before normalising): prose 26 us a feed()
-(was 16 before normalising), tokens building cards 67 (was 33), Chinese 19 (was 14), one endless
-word held at the full window 36 (was 114); whole-text redact() of 227k chars of prose 196 ms (was
-231), of 40k Chinese chars 43 ms (was 41). A region with no digit, "+", "@", bracket or " at "
-skips every detector; ASCII, and text whose chars each fold to one char, skip the per-char map.
-Worst case: each delta a digit and MAX_INVISIBLE_RUN invisible characters, so that the held raw
-text is 9x its view, about 1.8 ms a feed at that load.
+Cost (thread CPU, min of 9 runs of 10k-20k feeds of short tokens, Python 3.11 on the shared 2-core
+dev box, old and new code in the same run; /tmp scripts, not committed): prose ~7 us a feed()
+(was ~4 before normalising), tokens building cards 12-20 us (was 5-8), Chinese ~6 us (was ~5-6),
+one endless word held at the full window ~10 us (was 20-29); whole-text redact() of 227k chars of
+prose ~46 ms (was 68-79), of 40k Chinese chars 9-10 ms (was 8-13). A region with no digit, "+",
+"@", bracket or " at " skips every detector; the held text's view is kept per delta
+(normalize.FoldBuffer), ASCII and one-for-one text without a per-char loop. Worst case seen: a
+phrase of "at"/"dot" words held at the full window, ~0.2 ms a feed (wall, loaded box); each delta
+a digit and 8 invisible characters, ~45 us.
 O(len(held) + len(delta)) per call, the regexes compiled once at import.
 """
 
