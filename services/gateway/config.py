@@ -56,7 +56,7 @@ class GatewaySettings(BusSettings, GuardSettings):
         "redact", description="redact: personal data in outputs (ID and bank card numbers, phones, e-mails) becomes [REDACTED]."
     )
     output_holdback_chars: int = Field(
-        64, ge=1, description="The output guard's hold-back window: the most text it holds while a match may be forming."
+        200, ge=1, description="The output guard's hold-back window: the most text it holds while a match may be forming."
     )
     heartbeat_live_s: float = Field(10.0, gt=0, description="A worker heartbeat younger than this is live.")
     startup_timeout_s: float = Field(30.0, gt=0, description="How long startup waits for the Kafka broker.")

@@ -7,7 +7,8 @@ prompt asks for:
 - "hang": never answers; "reject": ReplyEnd(rejected, queue_full) at seq 0;
 - "drip": deltas "t0 " .. "t19 " every 50 ms, then ReplyEnd(stop); a Cancellation ends it early
   (ReplyEnd(cancelled)); `generated[request_id]` counts the deltas it produced;
-- "pii": PII_DELTAS, personal data split across deltas, then ReplyEnd(stop).
+- "pii": PII_DELTAS, personal data split across deltas, then ReplyEnd(stop);
+- "variants": VARIANT_DELTAS, the same in disguise (groups, full-width, zero-width, spelled out).
 It also sends a heartbeat every 0.5 s and records every Cancellation on the control topic.
 """
 
@@ -40,6 +41,9 @@ DRIP = [f"t{i} " for i in range(20)]
 # An identity number (check digit X), a Luhn-valid card, a phone and an e-mail, cut mid-number.
 PII_DELTAS = ["My ID is 1101", "0519491231", "002X, card 4111 ", "1111 1111", " 1111, call +86 138", "1234 5678 or mail li.wei",
               "@example", ".com now."]  # fmt: skip
+# An ID in groups, a full-width card, an e-mail with a zero-width space and one spelled out, bracketed.
+VARIANT_DELTAS = ["ID 110105 1949", "1231 002X, card ４１１１ １１", "１１ １１１１ １１１１, mail al\u200bice", " at exam",
+                  "ple dot com, or bob [at] ", "example [dot] org now."]  # fmt: skip
 
 
 class FakeWorker:
@@ -110,6 +114,8 @@ class FakeWorker:
                 await asyncio.sleep(0.05)
             await self._send(request, ReplyEnd(request_id=rid, seq=1, finish_reason="cancelled"))
             return
+        if "variants" in prompt:
+            return await self._stream(request, VARIANT_DELTAS, 0)
         if "drip" in prompt or "pii" in prompt:
             return await self._stream(request, DRIP if "drip" in prompt else PII_DELTAS, 0.05 if "drip" in prompt else 0)
         for seq in (0, 1, 1, 2):  # seq 1 twice: the gateway must drop the repeat

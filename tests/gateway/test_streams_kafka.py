@@ -23,6 +23,7 @@ pytestmark = pytest.mark.kafka
 
 DRIP_BODY = {"model": "echo", "prompt": "drip", "stream": True}
 PII_REDACTED = "My ID is [REDACTED], card [REDACTED], call [REDACTED] or mail [REDACTED] now."
+VARIANTS_REDACTED = "ID [REDACTED], card [REDACTED], mail [REDACTED], or [REDACTED] now."
 
 
 @pytest.fixture(autouse=True)
@@ -147,3 +148,13 @@ async def test_personal_data_split_across_deltas_is_redacted_streamed_or_not(sta
         metrics = (await http.get("/metrics")).text
     line = next(line for line in metrics.splitlines() if line.startswith("weir_gateway_redactions_total"))
     assert float(line.split()[-1]) >= 12  # four spans in each of the three outputs
+
+
+async def test_disguised_personal_data_is_redacted_streamed_or_not(stack: Stack) -> None:
+    # an ID in groups, a full-width card, "al<ZWSP>ice at example dot com", "bob [at] example [dot] org"
+    client = openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="x", max_retries=0, timeout=20)
+    stream = await client.completions.create(model="echo", prompt="variants", stream=True)
+    streamed = "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
+    whole = await client.completions.create(model="echo", prompt="variants")
+    chat = await client.chat.completions.create(model="echo", messages=[{"role": "user", "content": "variants"}])
+    assert streamed == whole.choices[0].text == chat.choices[0].message.content == VARIANTS_REDACTED

@@ -10,6 +10,7 @@ its text passes on the way back.
     limits.py        token buckets per credential and tenant (429, Retry-After)
     peers.py         keys and rate-limit usage shared with the other gateway instances over Kafka
     output_guard.py  personal data redacted from replies, across token boundaries (redaction.py)
+    normalize.py     the view both guards match on: NFKC, invisible characters out, look-alikes folded
     settings.py      GuardSettings, a mixin of GatewaySettings
 
 A lower floor than the routes and the bus: nothing here imports app.py, routes/, handlers.py or

@@ -3,8 +3,11 @@ per-principal risk tracker. Pure and synchronous: no I/O after the weights load,
 
 Detection, in order:
 
-1. Normalise (ASCII input skips NFKC and the zero-width map, which cannot change it): NFKC (fullwidth and other compatibility forms fold to ASCII), casefold, zero-width
-   and soft-hyphen characters stripped, whitespace runs collapsed to one space. A second "compact"
+1. Normalise (ASCII input skips what cannot change it): ``normalize.fold`` (invisible format
+   characters such as zero-width spaces, soft hyphens and bidi controls removed; NFKC, so
+   fullwidth and other compatibility forms become ASCII; Cyrillic, Greek and other look-alike
+   letters folded to the Latin letter they look like, so "іgnоrе" with Cyrillic і/о/е reads
+   "ignore"), casefold, whitespace runs collapsed to one space. A second "compact"
    view keeps letters only, after a minimal leetspeak map (0->o, 1->i, 3->e, 4->a, 5->s, 7->t,
    @->a, $->s), so "i g n o r e  p r e v i o u s", "1gn0re" and "ignore.previous" read as words
    run together; a few phrase rules run on it.
@@ -53,6 +56,8 @@ from typing import Literal
 
 import numpy as np
 
+from services.gateway.guard.normalize import fold
+
 RiskLevel = Literal["low", "medium", "high"]
 
 DEFAULT_MODEL_PATH = Path(__file__).with_name("injection_model.json")
@@ -66,7 +71,6 @@ _MAX_RULE_CHARS = 1024  # every rule's longest match; bounds the window scanned 
 _LOOKAHEAD_MARGIN = 64  # chars past a window's end, so look-aheads and \b there see real text
 _MAX_EVENTS_PER_PRINCIPAL = 1024  # RiskTracker keeps at most this many timestamps per principal
 
-_ZERO_WIDTH = dict.fromkeys(map(ord, "\u00ad\u180e\u200b\u200c\u200d\u200e\u200f\u2060\u2061\u2062\u2063\u2064\ufeff"))
 _LEET = str.maketrans({"0": "o", "1": "i", "3": "e", "4": "a", "5": "s", "7": "t", "@": "a", "$": "s"})
 # ASCII text: the leetspeak map plus every other non-letter deleted, in one translate
 _LEET_ASCII_LETTERS = str.maketrans({chr(c): _LEET.get(c, chr(c) if chr(c).isalpha() else None) for c in range(128)})
@@ -76,10 +80,13 @@ _WORD = re.compile(r"\w+")
 
 
 def normalise(text: str) -> str:
-    """NFKC, casefolded, zero-width characters stripped, whitespace collapsed, stripped."""
-    if text.isascii():  # nothing for NFKC or the zero-width map to do; casefold is lower on ASCII
+    """normalize.fold (invisible characters out, NFKC, look-alike letters to Latin), composed,
+    casefolded, whitespace collapsed, stripped."""
+    if text.isascii():  # nothing for fold to do; casefold is lower on ASCII
         return _WHITESPACE.sub(" ", text.lower()).strip()
-    text = unicodedata.normalize("NFKC", text.translate(_ZERO_WIDTH)).casefold()
+    # fold maps char by char: NFKC of the whole composes what it leaves apart ("e" + U+0301), and
+    # casefold can make a look-alike ("Σ" -> "σ"), so fold once more
+    text = fold(unicodedata.normalize("NFKC", fold(text)).casefold())
     return _WHITESPACE.sub(" ", text).strip()
 
 

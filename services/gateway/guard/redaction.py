@@ -1,16 +1,31 @@
 """Streaming PII redaction of a model's output: each detected span becomes the literal "[REDACTED]".
 
+Matching runs on the normalised view of the text (normalize.py: invisible characters removed,
+NFKC, look-alike letters folded; docs/design.md, "Guards match a normalised view"), and each span
+found there is mapped back to the original characters it came from: those are replaced, and every
+other character leaves byte-identical (invisible characters and marks right after a value go
+with it). So full-width digits ("４１１１") and digits of other scripts ("٤١١١"), keycaps, no-break,
+thin or ideographic spaces and en dashes between groups, zero-width characters inside a number or
+an address, and Cyrillic or Greek letters in an address are caught like their plain forms.
+
 What is detected (every number on digit-run boundaries: never preceded or followed by a digit, so
 no part of a longer digit run is taken; the whole span, separators included, is replaced):
 
-- Chinese resident ID: 18 chars, `[1-9]` + 16 digits + check char (digit or X/x). Redacted only if
-  the ISO 7064 MOD 11-2 check char is right and chars 7-14 are a real date YYYYMMDD, 1900-2099.
+- Chinese resident ID: 18 chars, `[1-9]` + 16 digits + check char (digit or X/x), in one run or in
+  2 to 9 groups of 1-8 (6-8-4 "110105 19491231 002X", 6-4-4-4, 4-4-4-4-2...), each gap one or two
+  spaces, a dot or a hyphen (spaces around it allowed); when the groups run on, the first groups
+  that hold exactly 18 chars. Redacted only if the ISO 7064 MOD 11-2 check char is right and chars
+  7-14 are a real date YYYYMMDD, 1900-2099.
 - Bank card: 13-19 digits starting with 2-6 (the issuer ranges of Visa, Mastercard, Amex, JCB,
-  UnionPay, Discover), either one run or groups of 4 then 3-6 digits (3 to 5 groups) joined by one
-  consistent separator, space or hyphen: "4111 1111 1111 1111", "3782-822463-10005". Luhn-valid only.
+  UnionPay, Discover), either one run or groups of 4 then 3-6 digits (3 to 5 groups), each gap one
+  or two spaces, a dot or a hyphen (spaces around it allowed; gaps may differ): "4111 1111 1111
+  1111", "4111.1111.1111.1111", "4111 - 1111 - 1111 - 1111", "3782-822463-10005". Luhn-valid only;
+  when the groups run on ("4111 1111 1111 1111 123", a CVV after the card), the longest
+  Luhn-valid run of the first 3-5 groups is the card.
 - Phone, three shapes only, so that years, counts, versions and constants pass:
-  - CN mobile `1[3-9]d d{4} d{4}`, groups joined by nothing, one space or one hyphen, with an
-    optional "+86"/"0086" prefix: "13812345678", "+86 138 1234 5678", "0086-138-1234-5678".
+  - CN mobile `1[3-9]d d{4} d{4}`, groups joined by nothing or one consistent space, dot or
+    hyphen, with an optional "+86"/"0086" prefix: "13812345678", "+86 138 1234 5678",
+    "0086-138-1234-5678", "138.1234.5678".
   - International: "+" country code (1-3 digits), then 2-5 groups of 1-8 digits each after a space,
     dot or hyphen, or in parentheses; or the compact "+" and 8-15 digits; 8-15 digits in all (E.164):
     "+1 415-555-0132", "+44 20 7946 0958", "+1 (415) 555-0132", "+14155550132".
@@ -18,47 +33,88 @@ no part of a longer digit run is taken; the whole span, separators included, is 
     (space, dot, hyphen): "415-555-0132", "415.555.0132". Area code and exchange start with 2-9.
 - E-mail: local@domain.tld, local part `[A-Za-z0-9._%+-]`, dot-separated domain labels, a 2-24
   letter TLD; it must start a word of e-mail characters that is at most 64 chars long.
+- Spelled-out e-mail (case-insensitive): "@" written as "[at]", "(at)", "{at}", "<at>", "[@]"
+  (spaces around and inside allowed), " @ " or a bare " at "; "." as "[dot]", "(dot)", "[.]",
+  "(.)", " . " or a bare " dot ": "alice at example dot com", "alice [at] example [dot] com", "alice(at)example(dot)com",
+  "alice@example[.]com". A local part of up to 32 chars (and one spelled " dot " in it), up to 3
+  labels of up to 24 chars and a TLD. A bare " dot " must end in a common TLD (com, net, org, io,
+  cn, uk...), and after a bare " at " the dots must be spelled out too, so "look at example.com"
+  and "look at the dot in the corner" stay prose; "works at google dot com" is redacted (it reads
+  as an address, and is one).
 
 Streaming. Redactor keeps the not-yet-emitted text and, after each feed, emits the longest prefix
 that is final: no match could start in it and still change with text yet to come. A match is at
-most MAX_PATTERN_CHARS long and its detectors look one char behind and one char ahead, so whether
-a match starts at position i is decided by text[i-1 : i+MAX_PATTERN_CHARS+1]. A "cut" is a char no
-match can contain: anything outside `[A-Za-z0-9._%+@()-]` and space, or a space that is not between
-a digit/")" and a digit/"(" (a space after a letter, or one followed by a letter, ends any match).
-Everything up to the last cut is final and is emitted at once; the trailing candidate run after it
-(a word that may become an e-mail, digits and separators that may become an ID, card or phone)
-is held. Prose therefore flows with at most one word of delay.
+most MAX_PATTERN_CHARS long in the view (its look-ahead included) and its detectors look one char
+behind, so whether a match starts at view position i is decided by view[i-1 : i+MAX_PATTERN_CHARS].
+A "cut" is a view char no match can contain: anything outside `[A-Za-z0-9._%+@()[]{}<>-]` and
+space, or a space that is neither inside a number (between two of digit, ")", "(", "-", ".",
+space) nor next to a spelled-out marker (a bracket, or the word before or after it is "at", "dot",
+"@" or ".", or is the unfinished last word and may still become one). Everything up to the
+last cut is final and is emitted at once; the trailing candidate run after it (a word that may
+become an e-mail, digits and separators that may become an ID, card or phone, a phrase around
+"at"/"dot") is held. Prose therefore flows with at most one word of delay, two or three around
+the words "at" and "dot". The view is computed char by char, so the view of the held text is the
+held part of the whole text's view; the redactor keeps the last emitted view char as look-behind
+context, and never cuts inside the view of one original char.
 
-Hold-back bound: when the held run grows past max_holdback_chars (>= MAX_PATTERN_CHARS), every
+Hold-back bound: when the held view grows past max_holdback_chars (>= MAX_PATTERN_CHARS), every
 start before its last MAX_PATTERN_CHARS chars is decided too, so that part is emitted, with the
-complete matches it holds redacted. The held text never exceeds max_holdback_chars.
+complete matches it holds redacted. The held view never exceeds max_holdback_chars (plus the rest
+of one char whose NFKC form is several chars). Invisible characters take no room in the view, so
+a run of more than MAX_INVISIBLE_RUN of them in one place counts as a break (a cut): what is held
+stays bounded, and a value padded with that many invisible characters in one place is not caught.
 
-Guarantee: for any split of a text into deltas, "".join(feed(d) ...) + flush() == redact(text)[0].
+Guarantee: for any split of a text into deltas, "".join(feed(d) ...) + flush() == redact(text)[0]
+(tests/gateway/test_redaction.py, test_redaction_variants.py: property tests with hypothesis).
 
-Cost (timeit, 10k feeds of short tokens, Python 3.11 on the shared dev box): ~7 us a feed() for
-prose, ~7 us for tokens building cards and phones, ~17 us at worst (one endless word, held at the
-full window); O(len(held) + len(delta)) per call, the regexes compiled once at import.
+Cost (thread CPU, min of 9 runs of 10k-20k feeds of short tokens, Python 3.11 on the shared 2-core
+dev box, old and new code in the same run; /tmp scripts, not committed): prose ~7 us a feed()
+(was ~4 before normalising), tokens building cards 12-20 us (was 5-8), Chinese ~6 us (was ~5-6),
+one endless word held at the full window ~10 us (was 20-29); whole-text redact() of 227k chars of
+prose ~46 ms (was 68-79), of 40k Chinese chars 9-10 ms (was 8-13). A region with no digit, "+",
+"@", bracket or " at " skips every detector; the held text's view is kept per delta
+(normalize.FoldBuffer), ASCII and one-for-one text without a per-char loop. Worst case seen: a
+phrase of "at"/"dot" words held at the full window, ~0.2 ms a feed (wall, loaded box); each delta
+a digit and 8 invisible characters, ~45 us.
+O(len(held) + len(delta)) per call, the regexes compiled once at import.
 """
 
 from __future__ import annotations
 
 import re
+import re._parser as re_parser  # getwidth(): the longest match a detector can make
 from collections.abc import Callable
 from datetime import date
 from typing import NamedTuple
 
+from services.gateway.guard.normalize import FoldBuffer, fold_map
+
 REDACTED = "[REDACTED]"
-MAX_PATTERN_CHARS = 64  # the longest span any detector can match (the e-mail word bound)
+MAX_PATTERN_CHARS = 200  # the longest span any detector can match, plus its look-ahead (checked below)
+MAX_INVISIBLE_RUN = 8  # invisible characters in one place that still join (more: a break)
+_FEW_STARTS = 8  # below this many start positions, _next_match tries each instead of searching
 
 _EMAIL_CHARS = r"A-Za-z0-9._%+\-"
-_SOFT_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._%+-@()")
-_BEFORE_SPACE = frozenset("0123456789)")  # a space inside a match always sits between these...
-_AFTER_SPACE = frozenset("0123456789(")  # ...and these
+_ALNUM = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789")
+_SOFT_CHARS = _ALNUM | frozenset("._%+-@()[]{}<>")  # every char but " " that a match may contain
+_SOFT_OR_SPACE = "".join(sorted(_SOFT_CHARS)) + " "
+_BEFORE_SPACE = frozenset("0123456789)-. ")  # a space inside a number always sits between these...
+_AFTER_SPACE = frozenset("0123456789(-. ")  # ...and these
+_OPENING = frozenset("[({<")
+_CLOSING = frozenset("])}>")
+_MARKERS = frozenset(("at", "dot", "@", "."))  # spelled-out "@" and "." between spaces
+_MARKER_PREFIXES = frozenset(("", "a", "at", "d", "do", "dot", "@", "."))
 _ID_WEIGHTS = (7, 9, 10, 5, 8, 4, 2, 1, 6, 3, 7, 9, 10, 5, 8, 4, 2)
 _ID_CHECK_CHARS = "10X98765432"
+_NOT_ID_CHARS = re.compile(r"[^0-9Xx]")
+_DIGIT_RUN = re.compile(r"[0-9]+")
+_ID_GROUP = re.compile(r"[0-9]+[Xx]?")
+_GAP = r"(?: ?[.-] ?| {1,2})"  # between two groups of digits: ".", "-", " - ", one or two spaces
 
 
 def _is_valid_id(span: str) -> bool:
+    if len(span) != 18 or not span[:17].isdigit():
+        return False
     total = sum(int(c) * w for c, w in zip(span, _ID_WEIGHTS))
     if _ID_CHECK_CHARS[total % 11] != span[17].upper():
         return False
@@ -72,55 +128,123 @@ def _is_valid_id(span: str) -> bool:
     return True
 
 
-def _is_luhn_card(span: str) -> bool:
-    digits = [int(c) for c in span if c.isdigit()]
+def _id_length(span: str) -> int:
+    """The span, or its first groups, when they hold exactly 18 ID chars that check out."""
+    num_chars = 0
+    for group in _ID_GROUP.finditer(span):
+        num_chars += len(group.group())
+        if num_chars >= 18:
+            prefix = span[: group.end()]
+            return len(prefix) if num_chars == 18 and _is_valid_id(_NOT_ID_CHARS.sub("", prefix)) else 0
+    return 0
+
+
+def _is_luhn(digits: str) -> bool:
     if not 13 <= len(digits) <= 19:
         return False
     total = 0
-    for k, d in enumerate(reversed(digits)):
+    for k, c in enumerate(reversed(digits)):
+        d = int(c)
         if k % 2 == 1:
             d = d * 2 - 9 if d > 4 else d * 2
         total += d
     return total % 10 == 0
 
 
-def _has_e164_length(span: str) -> bool:
-    return 8 <= sum(c.isdigit() for c in span) <= 15
+def _card_length(span: str) -> int:
+    """The longest Luhn-valid card the span starts with: the whole run, or its first 3-5 groups
+    (a card followed by one more group, "4111 1111 1111 1111 123", is a card)."""
+    groups = list(_DIGIT_RUN.finditer(span))
+    if len(groups) == 1:
+        return len(span) if _is_luhn(span) else 0
+    for k in range(len(groups), 2, -1):
+        if _is_luhn("".join(g.group() for g in groups[:k])):
+            return groups[k - 1].end()
+    return 0
 
 
-def _any(span: str) -> bool:
-    return True
+def _e164_length(span: str) -> int:
+    return len(span) if 8 <= sum(c.isdigit() for c in span) <= 15 else 0
+
+
+def _whole(span: str) -> int:
+    return len(span)
+
+
+def _spelled_length(span: str) -> int:
+    """Spelled-out addresses need a marker that is not plain "@" / "." (those are the plain
+    e-mail detector's, with its own word bound)."""
+    return len(span) if any(c in " []{}()<>" for c in span) else 0
 
 
 class _Detector(NamedTuple):
     rx: re.Pattern[str]
-    is_valid: Callable[[str], bool]
+    length: Callable[[str], int]  # length of the valid span the match starts with; 0: none
+    hint: re.Pattern[str]  # every match contains a match of this (cheap) pattern
+    lookahead: int = 1  # chars its pattern reads past the end of a match
+    max_chars: int | None = None  # its longest match when a look-ahead, not the pattern, bounds it
 
 
-# Every pattern looks at most 1 char behind its start and 1 char past its end (see the docstring).
+def _bracketed(inner: str) -> str:
+    inner = rf" ?(?:{inner}) ?"
+    return rf" ?(?:\[{inner}\]|\({inner}\)|\{{{inner}\}}|<{inner}>) ?"
+
+
+_ATOM = r"[A-Za-z0-9_%+-](?:[A-Za-z0-9._%+-]{0,30}[A-Za-z0-9_%+-])?"
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,22}[A-Za-z0-9])?"
+_B_AT, _B_DOT = _bracketed("at|@"), _bracketed(r"dot|\.")
+_TLDS = r"(?:com|net|org|edu|gov|mil|info|biz|io|ai|dev|app|cn|uk|de|fr|jp|ru|ca|au|nl|es|ch|se|br|kr|hk|tw|sg|eu)"
+_END = r"(?![A-Za-z0-9-])(?!\.[A-Za-z0-9])"
+_LOCAL = rf"(?<![A-Za-z0-9._%+\-]){_ATOM}(?:(?:{_B_DOT}| dot ){_ATOM})?"
+# after "@", " @ " or a bracketed [at]: any dots; a final spelled " dot " needs a listed TLD
+_SPELLED_AT = (
+    rf"{_LOCAL}(?:{_B_AT}| @ |@){_LABEL}(?:(?:\.| \. |{_B_DOT}| dot ){_LABEL}){{0,2}}"
+    rf"(?:(?:\.| \. |{_B_DOT})[A-Za-z]{{2,12}}| dot {_TLDS}){_END}"
+)
+# after a bare " at ": spelled dots only, so "look at example.com" stays prose
+_BARE_AT = rf"{_LOCAL} at {_LABEL}(?:(?:{_B_DOT}| dot ){_LABEL}){{0,2}}(?:{_B_DOT}[A-Za-z]{{2,12}}| dot {_TLDS}){_END}"
+
+_DIGIT, _PLUS, _AT_SIGN = re.compile("[0-9]"), re.compile(r"\+"), re.compile("@")
+_SPELLED_HINT, _BARE_HINT = re.compile(r"[@\[({<]"), re.compile(" at ", re.IGNORECASE | re.ASCII)
+_ANY_HINT = re.compile(r"[0-9+@\[({<]| at ", re.IGNORECASE | re.ASCII)  # one of the hints above
+
+# Every pattern looks at most 1 char behind its start and `lookahead` chars past its end.
 _DETECTORS = (
-    _Detector(re.compile(r"(?<![0-9])[1-9][0-9]{16}[0-9Xx](?![0-9])"), _is_valid_id),
     _Detector(
         re.compile(
-            r"(?<![0-9])(?:[2-6][0-9]{12,18}"
-            r"|[2-6][0-9]{3}(?P<s>[ -])[0-9]{3,6}(?:(?P=s)[0-9]{3,6}){1,3})(?![0-9])"
+            rf"(?<![0-9])[1-9](?:[0-9]{{16}}[0-9Xx]|[0-9]{{0,7}}(?:{_GAP}[0-9]{{1,8}}){{1,8}}[Xx]?)(?![0-9])"
         ),
-        _is_luhn_card,
+        _id_length,
+        _DIGIT,
     ),
-    _Detector(re.compile(r"(?<![0-9])(?:(?:\+|00)86[ -]?)?1[3-9][0-9](?:[ -]?[0-9]{4}){2}(?![0-9])"), _any),
+    _Detector(
+        re.compile(
+            rf"(?<![0-9])(?:[2-6][0-9]{{12,18}}"
+            rf"|[2-6][0-9]{{3}}{_GAP}[0-9]{{3,6}}(?:{_GAP}[0-9]{{3,6}}){{1,3}})(?![0-9])"
+        ),
+        _card_length,
+        _DIGIT,
+    ),
+    _Detector(
+        re.compile(r"(?<![0-9])(?:(?:\+|00)86[ .-]?)?1[3-9][0-9](?P<m>[ .-]?)[0-9]{4}(?P=m)[0-9]{4}(?![0-9])"),
+        _whole,
+        _DIGIT,
+    ),
     _Detector(
         re.compile(
             r"(?<![0-9A-Za-z+])\+[1-9][0-9]{0,2}"
             r"(?:[0-9]{7,12}|(?:[ .-]?\([0-9]{1,4}\)|[ .-][0-9]{1,8}){2,5})(?![0-9])"
         ),
-        _has_e164_length,
+        _e164_length,
+        _PLUS,
     ),
     _Detector(
         re.compile(
             r"(?<![0-9])(?:1[ .-])?(?:\([2-9][0-9]{2}\)[ .-]?[2-9][0-9]{2}[ .-][0-9]{4}"
             r"|[2-9][0-9]{2}(?P<s>[ .-])[2-9][0-9]{2}(?P=s)[0-9]{4})(?![0-9])"
         ),
-        _any,
+        _whole,
+        _DIGIT,
     ),
     _Detector(
         re.compile(
@@ -128,60 +252,153 @@ _DETECTORS = (
             rf"[{_EMAIL_CHARS}]{{1,62}}@(?:[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?\.)+"
             r"[A-Za-z]{2,24}(?![A-Za-z0-9-])"
         ),
-        _any,
+        _whole,
+        _AT_SIGN,
+        max_chars=64,
     ),
+    _Detector(re.compile(_SPELLED_AT, re.IGNORECASE | re.ASCII), _spelled_length, _SPELLED_HINT, lookahead=2),
+    _Detector(re.compile(_BARE_AT, re.IGNORECASE | re.ASCII), _whole, _BARE_HINT, lookahead=2),
 )
+
+
+def _check_widths() -> None:
+    """Every detector's longest match plus its look-ahead fits in MAX_PATTERN_CHARS."""
+    for d in _DETECTORS:
+        width = d.max_chars or int(re_parser.parse(d.rx.pattern, d.rx.flags).getwidth()[1])
+        if width + d.lookahead > MAX_PATTERN_CHARS:
+            raise ValueError(f"{d.rx.pattern[:40]!r}... matches up to {width} chars; raise {MAX_PATTERN_CHARS=}")
+
+
+_check_widths()
 
 
 def _next_match(detector: _Detector, text: str, pos: int, stop: int) -> tuple[int, int] | None:
     """The first valid match of detector starting in [pos, stop), or None."""
+    if not detector.hint.search(text, pos):
+        return None
+    if stop - pos <= _FEW_STARTS:  # try each start rather than search the rest of the text
+        for start in range(pos, stop):
+            if (m := detector.rx.match(text, start)) is not None and (length := detector.length(m.group())):
+                return start, start + length
+        return None
     while (m := detector.rx.search(text, pos)) is not None and m.start() < stop:
-        if detector.is_valid(m.group()):
-            return m.span()
+        if length := detector.length(m.group()):
+            return m.start(), m.start() + length
         pos = m.start() + 1
     return None
 
 
-def _find_spans(text: str, pos: int, stop: int) -> list[tuple[int, int]]:
-    """Non-overlapping PII spans starting in [pos, stop): leftmost first, the longest at a tie."""
+class _View(NamedTuple):
+    """The normalised text matched on: `lo` chars of context (the last char already emitted, for
+    look-behinds), then the view of the held raw text; origin maps view[lo + k] to its raw index."""
+
+    text: str
+    lo: int
+    origin: list[int] | None  # None: view[lo:] is the raw text itself
+
+    def raw(self, k: int) -> int:
+        """Raw index of the char view[k] (k >= lo) came from."""
+        return k - self.lo if self.origin is None else self.origin[k - self.lo]
+
+    def is_boundary(self, k: int) -> bool:
+        """Whether k falls between the views of two raw chars (not inside one char's expansion)."""
+        return self.origin is None or k <= self.lo or k >= len(self.text) or self.raw(k) != self.raw(k - 1)
+
+    def snap_up(self, k: int) -> int:
+        while not self.is_boundary(k):
+            k += 1
+        return k
+
+    def snap_down(self, k: int) -> int:
+        while not self.is_boundary(k):
+            k -= 1
+        return k
+
+
+def _view(context: str, raw: str) -> _View:
+    text, origin = fold_map(raw, MAX_INVISIBLE_RUN)
+    return _View(context + text, len(context), origin)
+
+
+def _find_spans(view: _View, pos: int, stop: int) -> list[tuple[int, int]]:
+    """Non-overlapping PII spans starting in [pos, stop): leftmost first, the longest at a tie;
+    each ends on a raw char boundary (a span covers whole raw chars)."""
+    text = view.text
+    if not _ANY_HINT.search(text, pos):  # most prose: no detector can match
+        return []
     found = [_next_match(d, text, pos, stop) for d in _DETECTORS]
     spans: list[tuple[int, int]] = []
     while candidates := [s for s in found if s is not None]:
         start, end = min(candidates, key=lambda s: (s[0], -s[1]))
+        end = view.snap_up(end)
         spans.append((start, end))
-        found = [
-            s if s is None or s[0] >= end else _next_match(d, text, end, stop) for d, s in zip(_DETECTORS, found)
-        ]
+        found = [s if s is None or s[0] >= end else _next_match(d, text, end, stop) for d, s in zip(_DETECTORS, found)]
     return spans
 
 
-def _replace(text: str, pos: int, end: int, spans: list[tuple[int, int]]) -> str:
+def _replace(raw: str, view: _View, spans: list[tuple[int, int]], raw_end: int) -> str:
+    """raw[:raw_end] with each span's raw chars replaced by REDACTED: from the char of its first
+    view char up to the char of the view char after it (so invisible characters and marks right
+    after a value go with it; a span that ends the view ends the text, flush or whole text)."""
     parts: list[str] = []
-    i = pos
+    i = 0
     for start, stop in spans:
-        parts += (text[i:start], REDACTED)
-        i = stop
-    parts.append(text[i:end])
+        raw_start = view.raw(start)
+        raw_stop = view.raw(stop) if stop < len(view.text) else len(raw)
+        parts += (raw[i:raw_start], REDACTED)
+        i = raw_stop
+    parts.append(raw[i:raw_end])
     return "".join(parts)
 
 
 def redact(text: str) -> tuple[str, int]:
     """Whole-text redaction (non-streaming bodies): the redacted text and the number of spans replaced."""
-    spans = _find_spans(text, 0, len(text))
-    return _replace(text, 0, len(text), spans), len(spans)
+    view = _view("", text)
+    spans = _find_spans(view, 0, len(view.text))
+    return _replace(text, view, spans, len(text)), len(spans)
+
+
+def _space_may_join(text: str, b: int) -> bool:
+    """Whether the space text[b] may be inside a match: in a number, or next to a spelled-out
+    marker (" at ", " dot ", " @ ", " [at] ", "(dot) "...), or next to a word that may become one."""
+    n = len(text)
+    before = text[b - 1] if b > 0 else ""
+    after = text[b + 1] if b + 1 < n else ""
+    if before in _BEFORE_SPACE and (not after or after in _AFTER_SPACE):
+        return True
+    if after in _OPENING or before in _CLOSING or before in _OPENING or after in _CLOSING:
+        return True
+    j = text.find(" ", b + 1)
+    token_after = text[b + 1 : j if j >= 0 else n].lower()
+    if token_after in (_MARKERS if j >= 0 else _MARKER_PREFIXES):
+        return True
+    i = text.rfind(" ", 0, b)
+    token_before = text[i + 1 : b].lower()
+    return token_before in _MARKERS or (i < 0 and token_before.endswith(("at", "dot", "@")))
+
+
+def _last_cut_end(text: str, lo: int) -> int:
+    """Index just past the last char of text[lo:] that no match can contain; lo if none."""
+    hard_end = max(len(text.rstrip(_SOFT_OR_SPACE)), lo)  # just past the last char no match contains
+    b = text.rfind(" ", hard_end)
+    while b >= 0:  # spaces after it: each may or may not join what is around it
+        if not _space_may_join(text, b):
+            return b + 1
+        b = text.rfind(" ", hard_end, b)
+    return hard_end
 
 
 class Redactor:
     """Redacts one stream. feed() returns the text safe to emit now; flush() the rest at the end."""
 
-    def __init__(self, max_holdback_chars: int = 64) -> None:
+    def __init__(self, max_holdback_chars: int = MAX_PATTERN_CHARS) -> None:
         if max_holdback_chars < MAX_PATTERN_CHARS:
             raise ValueError(
                 f"{max_holdback_chars=} must be >= {MAX_PATTERN_CHARS=}, the longest span a detector matches"
             )
         self.max_holdback_chars = max_holdback_chars
-        self._raw = ""  # the last emitted char (lookbehind context), then the held text; unredacted
-        self._held_from = 0  # index in _raw where the held text begins (0 or 1)
+        self._context = ""  # the view of the last emitted char (look-behind context)
+        self._held = FoldBuffer(MAX_INVISIBLE_RUN)  # the held text, as received, and its view
         self._num_redacted = 0
 
     @property
@@ -191,41 +408,39 @@ class Redactor:
 
     @property
     def held(self) -> str:
-        """Text received but not emitted yet (at most max_holdback_chars)."""
-        return self._raw[self._held_from :]
+        """Text received but not emitted yet (its normalised view is at most max_holdback_chars)."""
+        return self._held.raw
 
     def feed(self, text: str) -> str:
         """Adds a delta; returns the redacted text that is final now (may be "")."""
-        self._raw += text
-        end = self._last_cut_end()
-        if len(self._raw) - end > self.max_holdback_chars:
-            end = len(self._raw) - MAX_PATTERN_CHARS  # every start before it is decided
-        return self._emit(end) if end > self._held_from else ""
+        self._held.append(text)
+        view = self._view()
+        end = _last_cut_end(view.text, view.lo)
+        if len(view.text) - end > self.max_holdback_chars:
+            end = len(view.text) - MAX_PATTERN_CHARS  # every start before it is decided
+        end = view.snap_down(end)
+        return self._emit(view, end) if end > view.lo else ""
 
     def flush(self) -> str:
         """Ends the stream: returns the held rest, redacted."""
-        out = self._emit(len(self._raw))
-        self._raw, self._held_from = "", 0
+        view = self._view()
+        out = self._emit(view, len(view.text)) if self._held.raw else ""
+        self._context, self._held = "", FoldBuffer(MAX_INVISIBLE_RUN)
         return out
 
-    def _last_cut_end(self) -> int:
-        """Index just past the last char of the held text that no match can contain."""
-        raw, n = self._raw, len(self._raw)
-        for b in range(n - 1, self._held_from - 1, -1):
-            ch = raw[b]
-            if ch == " ":
-                if b == 0 or raw[b - 1] not in _BEFORE_SPACE or (b + 1 < n and raw[b + 1] not in _AFTER_SPACE):
-                    return b + 1
-            elif ch not in _SOFT_CHARS:
-                return b + 1
-        return self._held_from
+    def _view(self) -> _View:
+        return _View(self._context + self._held.view, len(self._context), self._held.origin)
 
-    def _emit(self, stop: int) -> str:
-        """Redacts and emits the held text from matches starting before stop; keeps one char of context."""
-        spans = _find_spans(self._raw, self._held_from, stop)
+    def _emit(self, view: _View, stop: int) -> str:
+        """Redacts and emits the held text up to view index stop (a raw boundary), and every match
+        starting before it; keeps the last emitted view char as context."""
+        raw = self._held.raw
+        spans = _find_spans(view, view.lo, stop)
         end = max(stop, spans[-1][1]) if spans else stop
-        out = _replace(self._raw, self._held_from, end, spans)
+        raw_end = view.raw(end) if end < len(view.text) else len(raw)
+        out = _replace(raw, view, spans, raw_end)
         self._num_redacted += len(spans)
-        if end > 0:
-            self._raw, self._held_from = self._raw[end - 1 :], 1
+        if end > view.lo:
+            self._context = view.text[end - 1]
+        self._held.drop(end - view.lo, raw_end)
         return out
