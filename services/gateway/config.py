@@ -25,7 +25,8 @@ class GatewaySettings(BusSettings, GuardSettings):
     model_repo: str = Field("models.toml", description="Model repository TOML file (WEIR_MODEL_REPO).")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest request body accepted; larger is 413.")
     max_json_depth: int = Field(
-        64, ge=2, le=512, description="Deepest nesting of JSON arrays and objects in a body; deeper is 400."
+        64, ge=2, le=200,  # the gateway re-encodes bodies with orjson, which stops at 254 levels
+        description="Deepest nesting of JSON arrays and objects in a body; deeper is 400."
     )
     max_headers: int = Field(100, ge=16, description="Most headers one request may carry; more is 431.")
     max_header_bytes: int = Field(

@@ -240,9 +240,11 @@ class WebSocketSession:
     next request.
     """
 
-    def __init__(self, ws: WebSocket, prepare: Prepare, resume: Resume, output_guard: OutputGuard) -> None:
+    def __init__(self, ws: WebSocket, prepare: Prepare, resume: Resume, output_guard: OutputGuard,
+                 check_frame: Callable[[bytes], None]) -> None:  # fmt: skip
         self.ws = ws
         self.prepare = prepare
+        self.check_frame = check_frame
         self.resume = resume
         self.output_guard = output_guard
         self._send_lock = asyncio.Lock()
@@ -264,8 +266,12 @@ class WebSocketSession:
 
     async def on_frame(self, text: str | None, data: bytes | None) -> None:
         """Handle one client frame: a request, a cancel, a resume, or something to refuse."""
+        raw = text.encode() if text is not None else data or b""
         try:
-            frame = orjson.loads(text if text is not None else data or b"")
+            self.check_frame(raw)  # before parsing: a frame nested past orjson's limits would raise
+            frame = orjson.loads(raw)
+        except ApiError as error:
+            return await self.send_error(error)
         except orjson.JSONDecodeError:
             return await self.send_error(ApiError(400, "frames must be JSON objects", code="invalid_json"))
         kind = frame.get("type") if isinstance(frame, dict) else None

@@ -288,3 +288,11 @@ def test_a_websocket_request_frame_meets_the_body_limits() -> None:
                                    "resume_grace_s": "5e-324"}).decode())  # fmt: skip
         error = ws.receive_json()["error"]
         assert (error["code"], error["param"]) == ("invalid_value", "X-Weir-Resume-Grace-S")
+        # Deeper than orjson re-encodes (254 levels) or decodes (1024): refused before parsing, and
+        # the socket stays usable (it crashed the handler, with no close frame)
+        for depth in (260, 1100):
+            body = b'{"type": "chat.completions", "body": {"model": "echo", "x": ' + deep(depth) + b"}}"
+            ws.send_text(body.decode())
+            assert ws.receive_json()["error"]["code"] == "json_too_deep"
+        ws.send_text(b'{"type": "nope"}'.decode())
+        assert ws.receive_json()["error"]["code"] == "invalid_frame"

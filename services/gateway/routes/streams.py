@@ -25,7 +25,8 @@ def add_stream_routes(router: APIRouter, parts: GatewayParts) -> None:
 
     @router.websocket("/v1/stream")
     async def stream(ws: WebSocket) -> None:
-        await WebSocketSession(ws, partial(prepare, parts), partial(resume, parts), parts.output_guard).run()
+        await WebSocketSession(ws, partial(prepare, parts), partial(resume, parts), parts.output_guard,
+                               partial(check_frame, parts)).run()  # fmt: skip
 
     @router.get("/v1/streams/{request_id}")
     async def resume_stream(request_id: str, request: Request) -> Response:
@@ -37,6 +38,14 @@ def add_stream_routes(router: APIRouter, parts: GatewayParts) -> None:
             entry.leave()
             raise
         return event_stream(entry, after_seq, parts.output_guard, parts.bus.gateway_id)
+
+
+def check_frame(parts: GatewayParts, raw: bytes) -> None:
+    """ApiError unless a WebSocket frame meets an HTTP body's limits (request_limits.py); its body
+    sits one level inside the frame object."""
+    if len(raw) > parts.settings.max_body_bytes:
+        raise ApiError(413, f"frame exceeds the limit of {parts.settings.max_body_bytes} bytes", code="request_too_large")
+    check_json_depth(raw, parts.settings.max_json_depth + 1)
 
 
 async def prepare(parts: GatewayParts, kind: Kind, raw: bytes, headers: dict[str, str]) -> StreamEntry:
