@@ -22,6 +22,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -165,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         repo = load_model_repo(args.model_repo)
         prepare_gguf_models(repo, os.environ.get("WEIR_MODELS", ""))
         print(prepare_audit_key(), flush=True)
-    except (ModelRepoError, GGUFError, OSError, AuditKeyError) as exc:  # a bad entry, key or GGUF source
+        ports = service_ports(args.port)
+    except (ModelRepoError, GGUFError, OSError, AuditKeyError, ValueError) as exc:  # a bad entry, key, GGUF source or port
         print(f"weir up: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C during an import: its temporary directory is already removed
@@ -178,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     except launcher.BrokerError as exc:
         print(f"weir up: {exc}", file=sys.stderr)
         return 1
-    stack = Stack(service_env(args, broker.bootstrap), Path(args.log_dir) if args.log_dir else weir_home() / "logs",
+    stack = Stack(service_env(args, broker.bootstrap, ports), Path(args.log_dir) if args.log_dir else weir_home() / "logs",
                   own_env=service_principals(broker) if broker.secure else {})  # fmt: skip
     # SIGTERM (kill, systemd, docker) and SIGHUP (a closed terminal) stop everything as Ctrl-C does;
     # by default they ended this process alone and left the four services running. SIGINT too, even
@@ -299,7 +301,7 @@ class BrokerReadiness:
             self._error = exc
 
 
-def service_env(args: argparse.Namespace, bootstrap: str) -> dict[str, str]:
+def service_env(args: argparse.Namespace, bootstrap: str, ports: dict[str, int]) -> dict[str, str]:
     """The environment every service of `weir up` shares, each service's HTTP port included.
     They start while the broker boots, so each waits for it up to the start-up timeout."""
     env = {
@@ -311,7 +313,7 @@ def service_env(args: argparse.Namespace, bootstrap: str) -> dict[str, str]:
         # process every `weir up` left a topic behind, and each one lengthens every broker start.
         "WEIR_GATEWAY_ID": f"gateway-up-{args.port}",
     }  # fmt: skip
-    return env | {HTTP_PORT_ENV[name]: str(port) for name, port in service_ports(args.port).items()}
+    return env | {HTTP_PORT_ENV[name]: str(port) for name, port in ports.items()}
 
 
 def service_principals(broker: Any) -> dict[str, dict[str, str]]:
@@ -335,18 +337,32 @@ def start_stack(stack: Stack, auth: str) -> Supervisor:
     return supervisor
 
 
-def service_ports(gateway_port: int) -> dict[str, int]:
-    """The HTTP port of each service: its default where that is free and not the gateway's, else
-    any free port (so `weir up --port 8100` and a second deployment never collide)."""
+def service_ports(gateway_port: int, env: Mapping[str, str] | None = None) -> dict[str, int]:
+    """The HTTP port of each service: the one its variable names (HTTP_PORT_ENV, as the README
+    says) when set, else its default where that is free and not the gateway's, else any free port
+    (so `weir up --port 8100` and a second deployment never collide). Raises ValueError for a
+    variable that is not a port, or one that names a port another service has."""
+    env = os.environ if env is None else env
     ports = {"gateway": gateway_port}
     for name in SERVICES:
         if name == "gateway":
             continue
+        if chosen := env.get(HTTP_PORT_ENV[name], "").strip():
+            if not chosen.isdigit() or not 0 < int(chosen) < 65536:
+                raise ValueError(f"{HTTP_PORT_ENV[name]}={chosen!r} is not a TCP port")
+            if int(chosen) in ports.values():
+                raise ValueError(f"{HTTP_PORT_ENV[name]}={chosen} is the port of another service")
+            ports[name] = int(chosen)
+            continue
         port = DEFAULT_HTTP_PORTS[name]
-        if port in ports.values() or port_taken(port):
-            port = next(p for p in free_ports(4) if p not in ports.values())
+        if port in ports.values() or port_taken(port) or port in _chosen_ports(env):
+            port = next(p for p in free_ports(4) if p not in ports.values() and p not in _chosen_ports(env))
         ports[name] = port
     return ports
+
+
+def _chosen_ports(env: Mapping[str, str]) -> set[int]:
+    return {int(v) for name, var in HTTP_PORT_ENV.items() if name != "gateway" and (v := env.get(var, "").strip()).isdigit()}
 
 
 def port_taken(port: int) -> bool:
