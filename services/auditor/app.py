@@ -130,7 +130,7 @@ class AuditorService:
 def build_parser() -> argparse.ArgumentParser:
     """Arguments of `weir auditor`: the common service flags (weir/service.py) and its own."""
     parser = service_parser("auditor", "Run the auditor service.", 8100, "WEIR_AUDIT_API_PORT")
-    parser.add_argument("--db", type=Path, help="ledger SQLite file (env WEIR_AUDIT_DB; default var/audit.sqlite)")
+    parser.add_argument("--db", type=Path, help="ledger SQLite file (env WEIR_AUDIT_DB; default $WEIR_HOME/audit.sqlite)")
     parser.add_argument("--dsn", help="ledger PostgreSQL DSN (env WEIR_AUDIT_DSN); replaces --db")
     parser.add_argument("--port", type=int, dest="http_port", help="alias of --http-port")
     return parser

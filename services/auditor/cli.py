@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     find = actions.add_parser("lookup", help="records whose prompt or output is this text, exactly or nearly")
     mark = actions.add_parser("watermark", help="z-score and p-value of a tenant's watermark in a text")
     for sub in (verify, show, reviews, find):
-        sub.add_argument("--db", type=Path, help="ledger SQLite file (env WEIR_AUDIT_DB; default var/audit.sqlite)")
+        sub.add_argument("--db", type=Path, help="ledger SQLite file (env WEIR_AUDIT_DB; default $WEIR_HOME/audit.sqlite)")
         sub.add_argument("--dsn", help="ledger PostgreSQL DSN (env WEIR_AUDIT_DSN); replaces --db")
     verify.add_argument("--bootstrap", help="Kafka bootstrap servers of the anchors (env WEIR_KAFKA_BOOTSTRAP)")
     verify.add_argument("--topic-prefix", help="the deployment's topic prefix (env WEIR_TOPIC_PREFIX)")

@@ -7,6 +7,7 @@ from pathlib import Path
 from pydantic import Field, SecretStr
 
 from weir.audit_key import resolve_audit_key, resolve_checkpoint_key
+from weir.home import weir_home
 from weir.bus import BusSettings
 
 
@@ -14,7 +15,11 @@ class AuditorSettings(BusSettings):
     """Kafka settings plus where the ledger lives and how it is served (env WEIR_AUDIT_*,
     WEIR_WATERMARK_TENANTS, WEIR_MODEL_REPO)."""
 
-    audit_db: Path = Field(Path("var/audit.sqlite"), description="SQLite file of the hash-chained audit log.")
+    audit_db: Path = Field(
+        default_factory=lambda: weir_home() / "audit.sqlite",
+        description="SQLite file of the hash-chained audit log; default $WEIR_HOME/audit.sqlite, beside the "
+        "deployment's keys (var/audit.sqlite in a checkout).",
+    )
     audit_hmac_key: SecretStr | None = Field(
         None,
         description="Key the workers' fingerprints are made with ('hex:<digits>' or UTF-8 text); unset: the "

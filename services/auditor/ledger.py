@@ -10,6 +10,7 @@ and services/auditor/anchors.py for the checkpoints' anchors in Kafka.
 from __future__ import annotations
 
 import logging
+import os
 import sqlite3
 import types
 from collections.abc import Iterator, Sequence
@@ -492,6 +493,8 @@ class _SqliteStore:
             self._conn = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False)
         else:
             path.parent.mkdir(parents=True, exist_ok=True)
+            if not path.exists():  # readable by its owner only (SQLite gives its -wal and -shm the same mode)
+                os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
             self._conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
             # WAL lets `weir audit verify` read while the auditor writes; synchronous=FULL makes a
             # returned append durable, which the Kafka offset commit that follows relies on.

@@ -396,3 +396,17 @@ def test_append_batch_stops_a_chain_at_its_refused_record(tmp_path: Path) -> Non
         assert ledger.review_flags.num_flags() == 1
     raw.close()
     assert verify(path).is_ok
+
+
+def test_a_new_ledger_file_is_readable_by_its_owner_only(tmp_path: Path) -> None:
+    path = tmp_path / "fresh" / "audit.sqlite"
+    Ledger(path).close()
+    assert path.stat().st_mode & 0o777 == 0o600
+
+
+def test_the_default_ledger_lives_in_weir_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.auditor.config import AuditorSettings
+
+    monkeypatch.setenv("WEIR_HOME", str(tmp_path))
+    monkeypatch.delenv("WEIR_AUDIT_DB", raising=False)
+    assert AuditorSettings().audit_db == tmp_path / "audit.sqlite"
