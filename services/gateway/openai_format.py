@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import math
+import re
 import struct
 from typing import Any, Literal, cast
 
@@ -363,6 +364,7 @@ def models_list(repo: ModelRepository, created_s: int) -> dict[str, Any]:
 
 
 MIN_HEADER_SECONDS = 0.001  # the finest duration a header may give: a deadline is in whole milliseconds
+_DECIMAL = re.compile(r"[0-9]+(\.[0-9]*)?|\.[0-9]+", re.ASCII)
 
 
 def header_seconds(headers: dict[str, str], name: str, max_s: float, *, may_be_zero: bool) -> float | None:
@@ -372,10 +374,8 @@ def header_seconds(headers: dict[str, str], name: str, max_s: float, *, may_be_z
     value = headers.get(name.lower())
     if value is None:
         return None
-    try:
-        seconds = float(value) if len(value) <= 32 else math.nan
-    except ValueError:
-        seconds = math.nan
+    # a plain decimal (HTTP has no use for float()'s "1_0", " 5", "nan" or "1e3" spellings)
+    seconds = float(value) if len(value) <= 32 and _DECIMAL.fullmatch(value) else math.nan
     is_zero = may_be_zero and seconds == 0
     if not (is_zero or MIN_HEADER_SECONDS <= seconds <= max_s):  # NaN compares false: refused too
         lowest = "0 or from 0.001" if may_be_zero else "from 0.001"

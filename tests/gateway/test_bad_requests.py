@@ -170,7 +170,7 @@ async def test_too_many_or_too_large_headers_are_431(client: httpx.AsyncClient, 
 
 @pytest.mark.parametrize(
     "value", ["5e-324", "0.0009", "0", "-0", "-1", "nan", "NaN", "inf", "-inf", "Infinity", "1e309", "601", "1e300",
-              "0x10", "", "1" * 40, "５".encode()],
+              "0x10", "", "1" * 40, "５".encode(), "1_0", " 5", "5 ", "+5", "1e1", "5,5"],
 )  # fmt: skip
 async def test_a_timeout_header_out_of_range_is_400_naming_it(client: httpx.AsyncClient, value: str | bytes) -> None:
     response = await client.post(CHAT, json=GOOD, headers={"x-weir-timeout-s": value})
@@ -187,6 +187,8 @@ async def test_numeric_headers_in_range_are_taken(client: httpx.AsyncClient) -> 
     headers = {"x-weir-timeout-s": "0.001", "x-weir-resume-grace-s": "0"}
     assert (await client.post(CHAT, json=GOOD, headers=headers)).status_code == 503  # past validation: no Kafka
     headers = {"x-weir-timeout-s": "600", "x-weir-resume-grace-s": "300"}
+    assert (await client.post(CHAT, json=GOOD, headers=headers)).status_code == 503
+    headers = {"x-weir-timeout-s": "2.5", "x-weir-resume-grace-s": ".5"}
     assert (await client.post(CHAT, json=GOOD, headers=headers)).status_code == 503
 
 
