@@ -15,6 +15,9 @@ BATCH_PARTITIONS = 16  # partitions of each model's batch topic: the most worker
 _TOPIC_CHARS = re.compile(r"[^a-zA-Z0-9._-]")
 _TOPIC_NAME = re.compile(r"[a-zA-Z0-9._-]{1,249}")  # Kafka's rule for a topic name (and not "." or "..")
 MAX_TOPIC_CHARS = 249
+# An outside producer's name as a request-topic suffix: a Kafka user name Weir makes (no dot;
+# weir/kafka/security.py, check_user_name, holds the same rule).
+_PRODUCER_SUFFIX = r"\.[a-z0-9][a-z0-9_-]{0,62}"
 
 
 def safe_name(name: str) -> str:
@@ -145,6 +148,50 @@ class Topics:
     def batches(self, model: str) -> str:
         """Batches of `model` from the batcher to that model's workers."""
         return f"{self.prefix}.batches.{safe_name(model)}"
+
+    def producer_requests(self, producer: str) -> str:
+        """The request topic of one outside producer (a Kafka user of a secure deployment, see
+        weir/kafka/security.py): only that user may write it, and the batcher binds every request
+        read there to it (schemas/producers.py; docs/design.md, "The Kafka trust boundary")."""
+        return f"{self.requests}.{safe_name(producer)}"
+
+    def producer_requests_spec(self, producer: str) -> TopicSpec:
+        """An outside producer's request topic: the partitions and configs of the requests topic."""
+        return TopicSpec(self.producer_requests(producer), 8, _DELETE_7D)
+
+    @property
+    def requests_pattern(self) -> str:
+        """The regular expression of every topic the batcher reads requests from: the requests
+        topic and each outside producer's (`<prefix>.requests.<user>`, a user name has no dot)."""
+        return f"^{re.escape(self.requests)}({_PRODUCER_SUFFIX})?$"
+
+    def producer_of(self, topic: str) -> str | None:
+        """The outside producer whose request topic `topic` is; None for the requests topic itself.
+        ValueError for any other topic (requests_pattern does not match it)."""
+        if topic == self.requests:
+            return None
+        if not re.fullmatch(self.requests_pattern, topic):
+            raise ValueError(f"{topic!r} is not a request topic of the deployment {self.prefix!r}")
+        return topic[len(self.requests) + 1 :]
+
+    def producer_replies(self, producer: str) -> str:
+        """The prefix of an outside producer's reply topics: <prefix>.replies.<user>. (the dot ends
+        it, so no user's prefix holds another's)."""
+        return self.replies(f"{producer}.")
+
+    def request_source_problem(self, topic: str, reply_to: str) -> str | None:
+        """Why a request read from `topic` may not name `reply_to`, or None when it may: a request
+        on an outside producer's own topic names one of that producer's reply topics (under
+        producer_replies), never another reader's. Requests on the requests topic itself, which only
+        trusted principals write in secure mode, are checked by reply_to_problem alone."""
+        producer = self.producer_of(topic)
+        if producer is None:
+            return None
+        prefix = self.producer_replies(producer)
+        if reply_to.startswith(prefix) and len(reply_to) > len(prefix):
+            return None
+        return (f"reply_to {reply_to!r} is not a reply topic of {producer!r}, whose request topic {topic} this "
+                f"record came from: it must be {prefix}<name>")  # fmt: skip
 
     def replies(self, instance: str) -> str:
         """The reply topic of one reader (a gateway instance, or any client that names one)."""

@@ -116,7 +116,13 @@ def test_the_acl_plan_keeps_each_topic_to_its_writers() -> None:
     t = TOPICS
     grants = security.service_grants(t) + security.client_grants(t, "client") + security.client_grants(t, "alice")
     assert _writers(grants, t.keys) == _writers(grants, t.usage) == {"gateway"}
-    assert _writers(grants, t.requests) == {"gateway", "batcher", "client", "alice"}
+    assert _writers(grants, t.requests) == {"gateway", "batcher"}  # outside producers write their own
+    assert _writers(grants, t.producer_requests("client")) == {"client"}
+    assert _writers(grants, t.producer_requests("alice")) == {"alice"}
+    assert _writers(grants, t.producer_requests("bob")) == set()
+    request_readers = {g.user for g in grants if "read" in g.operations and g.resource == "topic"
+                       and t.producer_requests("alice").startswith(g.name)}  # fmt: skip
+    assert request_readers == {"batcher"}
     assert _writers(grants, t.control) == {"gateway", "batcher"}
     assert _writers(grants, t.audit) == {"gateway", "worker"}
     assert _writers(grants, t.dead_letter) == {"gateway", "batcher", "worker", "auditor"}
@@ -209,6 +215,8 @@ async def _read_until(cfg: launcher.BrokerConfig, user: str, topic: str, task: a
 
 
 PROTECTED = {  # topic -> why no outside producer may write it
+    "requests": TOPICS.requests,  # requests there are taken as they say (principal, tenant, reply_to)
+    "another_producers_requests": TOPICS.producer_requests("bob"),  # be served as bob
     "control": TOPICS.control,  # cancel anyone's request
     "keys": TOPICS.keys,  # forge an API key
     "usage": TOPICS.usage,  # lock a key out with one usage record
@@ -240,7 +248,7 @@ async def test_a_client_without_credentials_cannot_even_connect(secure_broker: l
 @pytest.mark.timeout(120)
 async def test_the_client_principal_writes_requests_only(secure_broker: launcher.BrokerConfig) -> None:
     client = _login(secure_broker, "client")
-    await _produce(secure_broker, client, TOPICS.requests, b"a request")
+    await _produce(secure_broker, client, TOPICS.producer_requests("client"), b"a request")
     refused = []
     for name, topic in PROTECTED.items():
         try:
@@ -285,7 +293,7 @@ async def test_an_added_user_reads_its_own_replies_and_nobody_elses(secure_broke
     await ensure_topics(cfg.bootstrap, [TOPICS.reply_spec("alice.r1"), TOPICS.reply_spec("client.r1")],
                         options=cfg.admin_options())  # fmt: skip
     alice, client, worker = _login(cfg, "alice"), _login(cfg, "client"), _login(cfg, "worker")
-    await _produce(cfg, alice, TOPICS.requests, b"alice's request")
+    await _produce(cfg, alice, TOPICS.producer_requests("alice"), b"alice's request")  # made by `user add`
     await _produce(cfg, worker, TOPICS.replies("alice.r1"), b"alice's reply")
     await _produce(cfg, worker, TOPICS.replies("client.r1"), b"client's reply")
     assert await _read_all(cfg, alice, TOPICS.replies("alice.r1")) == [b"alice's reply"]
@@ -337,6 +345,79 @@ async def test_a_real_worker_serves_with_its_own_principal(
         keys = await _read_all(cfg, _login(cfg, "gateway"), TOPICS.keys)
         assert not [v for v in keys if forged.request_id.encode() in v]
     finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+@pytest.mark.kafka
+@pytest.mark.timeout(240)
+async def test_a_producers_requests_are_served_as_that_producer_and_reply_only_to_it(
+    secure_broker: launcher.BrokerConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real batcher (principal `batcher`) and worker (`worker`): `client` names principal alice
+    and tenant acme on its own request topic and is served as client/kafka (the reply in its own
+    topic, the audit event's owner); a request of its naming bob's reply topic is dead-lettered
+    and nothing is written to bob's topic (docs/design.md, "The Kafka trust boundary")."""
+    from schemas.messages import DeadLetter
+    from schemas.producers import PRODUCER_TENANT
+    from services.batcher.app import BatcherApp
+    from services.batcher.config import BatcherSettings
+    from services.worker.app import WorkerService
+    from services.worker.config import WorkerSettings
+    from tests.worker.factories import make_request
+
+    cfg = secure_broker
+    monkeypatch.setenv("WEIR_HOME", str(tmp_path))  # the worker's audit key
+    for name, value in {"WEIR_KAFKA_SECURITY": "sasl", "WEIR_KAFKA_USER": "worker",
+                        "WEIR_KAFKA_PASSWORD_FILE": str(security.password_path("worker", cfg.secrets))}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)  # the worker's admin calls read the environment
+    repo = tmp_path / "models.toml"
+    repo.write_text('[models.echo]\nengine = "echo"\nmax_model_len = 4096\n')
+    password = security.ensure_password("bob", cfg.secrets)
+    await add_client_user(cfg.bootstrap, TOPICS, "bob", password, cfg.admin_options())
+    await ensure_topics(cfg.bootstrap, [TOPICS.reply_spec("client.p1"), TOPICS.reply_spec("bob.x")],
+                        options=cfg.admin_options())  # fmt: skip
+    worker = WorkerService(WorkerSettings(kafka_bootstrap=cfg.bootstrap, topic_prefix=TOPICS.prefix,
+                                          model_repo=str(repo), audit_fingerprint_model="", heartbeat_interval_ms=200))  # fmt: skip
+    batcher = BatcherApp(BatcherSettings(kafka_bootstrap=cfg.bootstrap, topic_prefix=TOPICS.prefix, model_repo=repo,
+                                         kafka_security="sasl", kafka_user="batcher",
+                                         kafka_password_file=security.password_path("batcher", cfg.secrets)),
+                         load_model_repo(repo))  # fmt: skip
+    stop = asyncio.Event()
+
+    async def serve_both() -> None:
+        await asyncio.gather(worker.serve(), batcher.serve(stop))
+
+    task = asyncio.create_task(serve_both())
+    client = _login(cfg, "client")
+    try:
+        forged = make_request("one two", model="echo", reply_to=TOPICS.replies("bob.x"), max_tokens=20)
+        claimed = make_request("three four", model="echo", reply_to=TOPICS.replies("client.p1"), max_tokens=20,
+                               principal="alice", tenant="acme")  # fmt: skip
+        await _produce(cfg, client, TOPICS.producer_requests("client"), encode(forged))
+        await _produce(cfg, client, TOPICS.producer_requests("client"), encode(claimed))
+        replies = await _read_until(cfg, "client", TOPICS.replies("client.p1"), task,
+                                    lambda vs: any(isinstance(decode_reply(v), ReplyEnd) for v in vs))  # fmt: skip
+        assert "".join(e.text for e in map(decode_reply, replies) if e.type == "delta") == "three four"
+        audit = await _read_until(cfg, "auditor", TOPICS.audit, task,
+                                  lambda vs: claimed.request_id in {decode(AuditEvent, v).request_id for v in vs})  # fmt: skip
+        event = next(e for e in map(lambda v: decode(AuditEvent, v), audit) if e.request_id == claimed.request_id)
+        assert (event.principal, event.tenant) == ("client", PRODUCER_TENANT)
+        admin = cfg.admin_options()
+
+        async def dead_letters_of_forged() -> list[DeadLetter]:
+            letters = [decode(DeadLetter, v) for v in await _read_all(cfg, admin, TOPICS.dead_letter)]
+            return [d for d in letters if forged.request_id in d.value]
+
+        async with asyncio.timeout(60):
+            while not (dead := await dead_letters_of_forged()):
+                assert not task.done(), task.exception()
+                await asyncio.sleep(0.5)
+        assert dead[0].source_topic == TOPICS.producer_requests("client")
+        assert "is not a reply topic of 'client'" in dead[0].reason and "no reply was written" in dead[0].reason
+        assert await _read_all(cfg, admin, TOPICS.replies("bob.x")) == []
+    finally:
+        stop.set()
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
 

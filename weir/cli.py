@@ -86,9 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
                              "$WEIR_HOME/secrets/kafka (once; existing ones are kept)")
     user = kafka_actions.add_parser("user", help="principals of a secure broker")
     user_actions = user.add_subparsers(dest="user_action", required=True, metavar="ACTION")
-    user_add = user_actions.add_parser("add", help="make (or keep) NAME's password and give it an outside "
-                                       "producer's ACLs: write requests, read its own replies")
-    user_add.add_argument("name", help="the user (its reply topics: <prefix>.replies.NAME.<anything>)")
+    user_add = user_actions.add_parser("add", help="make (or keep) NAME's password, its own request topic "
+                                       "<prefix>.requests.NAME and an outside producer's ACLs: write that topic "
+                                       "only, read its own replies. Requests there are served as principal NAME, "
+                                       "tenant `kafka`, and must name a reply topic of NAME's")
+    user_add.add_argument("name", help="the user (its requests: <prefix>.requests.NAME; its reply topics: "
+                          "<prefix>.replies.NAME.<anything>)")
     _add_broker_args(user_add)
     _add_deployment_args(user_add)
 
@@ -149,7 +152,8 @@ async def create_topics(
 
 
 async def add_user(cfg: BrokerConfig, name: str, prefix: str) -> Path:
-    """`weir kafka user add`: NAME's password file (made once), its SCRAM credential, its ACLs."""
+    """`weir kafka user add`: NAME's password file (made once), its SCRAM credential, its request
+    topic, its ACLs."""
     from weir.kafka import security
     from weir.kafka.admin import add_client_user
 
@@ -175,8 +179,9 @@ def _kafka(args: argparse.Namespace) -> int:
                                          data_dir=args.data_dir, secure=is_secure)
     if args.action == "user":
         path = asyncio.run(add_user(cfg, args.name, args.topic_prefix))
-        print(f"user {args.name}: password in {path}; it may write {Topics(args.topic_prefix).requests} and read "
-              f"{security.client_reply_prefix(Topics(args.topic_prefix), args.name)}*")
+        topics = Topics(args.topic_prefix)
+        print(f"user {args.name}: password in {path}; it may write {topics.producer_requests(args.name)} (served "
+              f"as principal {args.name}) and read {security.client_reply_prefix(topics, args.name)}*")
         print(f"connect with WEIR_KAFKA_SECURITY=sasl WEIR_KAFKA_USER={args.name} WEIR_KAFKA_PASSWORD_FILE={path}")
         return 0
     if args.action == "status":

@@ -416,13 +416,15 @@ def _print_banner(url: str, broker: Any, topics: Topics, models: list[str], auth
                       f"WEIR_KAFKA_USER=client; passwords in {broker.secrets})")
     else:
         kafka_line = f"{broker.bootstrap}  (no authentication: local use; --secure to change)"
+    # Secure: `client` writes only its own request topic, and is served as principal `client`.
+    requests_line = f"{topics.producer_requests('client')}  (as client)" if broker.secure else topics.requests
     print(f"""
 Weir is up.
   OpenAI-compatible API  {url}/v1   (e.g. OPENAI_BASE_URL={url}/v1 OPENAI_API_KEY=local)
   gateway auth           {auth_line}
   models                 {', '.join(models)}
   Kafka                  {kafka_line}
-  requests topic         {topics.requests}
+  requests topic         {requests_line}
   reply topics           {topics.replies("")}<your-id>  (name yours in reply_to{"; secure: <your-id> = client.<anything>" if broker.secure else ""})
   control / workers      {topics.control} / {topics.workers}
   audit / dead letters   {topics.audit} / {topics.dead_letter}

@@ -76,8 +76,11 @@ class BatcherApp:
         partitions = await self.producer.partitions_for(topics.control)  # waits for metadata
         await _follow_control(self.control, topics.control, partitions, self.settings.control_lookback_ms)
         await self._read_heartbeats_to_end()
-        self.requests.subscribe([topics.requests], listener=RebalanceListener(self.handlers))
-        log.info("batcher %s reading %s", self.batcher_id, topics.requests)
+        # The requests topic and every outside producer's own (<prefix>.requests.<user>): a topic
+        # made later (`weir kafka user add`) joins at the consumer's next metadata refresh
+        # (aiokafka's metadata_max_age_ms, 5 minutes), from its earliest record.
+        self.requests.subscribe(pattern=topics.requests_pattern, listener=RebalanceListener(self.handlers))
+        log.info("batcher %s reading %s", self.batcher_id, topics.requests_pattern)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until `stop` is set; raises BatchPublishError when a batch cannot be produced."""

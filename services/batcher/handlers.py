@@ -30,6 +30,7 @@ from schemas.messages import (
     ReplyEnd,
     WorkerHeartbeat,
 )
+from schemas.producers import ProducerBindingError, bind_to_producer
 from schemas.topics import Topics
 from services.batcher.planner import Admission, Planner, Reservation
 from services.batcher.routing import Router
@@ -122,7 +123,8 @@ class BatcherHandlers:
             req = decode_request(record.value)  # a GenerateRequest or an EmbedRequest, by kind
         except DecodeError as exc:
             await send_dead_letter(self._producer, self.topics, record, str(exc), SERVICE)
-            if (address := reply_address(record.value, self.topics)) is None:
+            address = reply_address(record.value, self.topics)
+            if address is None or self.topics.request_source_problem(record.topic, address[1]) is not None:
                 self._tracker.done(_tp(record), record.offset)
             else:  # it says who waits for it: end it there too (invariant 3), with the reason
                 error = ErrorInfo(code="invalid_request", message=str(exc))
@@ -131,6 +133,12 @@ class BatcherHandlers:
         if (problem := self.topics.reply_to_problem(req.reply_to)) is not None:
             # No reply: the topic it names is not one a reply may go to (docs/design.md, "Reply topics").
             await send_dead_letter(self._producer, self.topics, record, f"{problem}; no reply was written", SERVICE)
+            self._tracker.done(_tp(record), record.offset)
+            return
+        try:  # an outside producer's request is its own (docs/design.md, "The Kafka trust boundary")
+            req = bind_to_producer(self.topics, record.topic, req)
+        except ProducerBindingError as exc:
+            await send_dead_letter(self._producer, self.topics, record, f"{exc}; no reply was written", SERVICE)
             self._tracker.done(_tp(record), record.offset)
             return
         verdict = self.planner.add(req, now_ms, size_bytes=len(record.value or b""))

@@ -222,12 +222,16 @@ async def upsert_scram_user(
 
 async def grant_deployment_acls(bootstrap: str, topics: Topics, options: dict[str, Any]) -> int:
     """Give the services and the default outside producer (`client`) their ACLs for `topics` on a
-    secure cluster (idempotent; `options`: a super user's); returns how many bindings that is."""
+    secure cluster, and make `client`'s own request topic (idempotent; `options`: a super user's);
+    returns how many bindings that is."""
+    await ensure_topics(bootstrap, [topics.producer_requests_spec(DEFAULT_CLIENT)], options=options)
     return await create_acls(bootstrap, service_grants(topics) + client_grants(topics, DEFAULT_CLIENT), options)
 
 
 async def add_client_user(bootstrap: str, topics: Topics, user: str, password: str, options: dict[str, Any]) -> None:
-    """`weir kafka user add`: `user`'s SCRAM credential and an outside producer's ACLs for `topics`."""
+    """`weir kafka user add`: `user`'s SCRAM credential, its own request topic
+    (<prefix>.requests.<user>) and an outside producer's ACLs for `topics`."""
     grants = client_grants(topics, user)  # checks the name first
     await upsert_scram_user(bootstrap, user, password, options)
+    await ensure_topics(bootstrap, [topics.producer_requests_spec(user)], options=options)
     await create_acls(bootstrap, grants, options)

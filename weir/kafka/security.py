@@ -180,7 +180,7 @@ def gateway_reply_prefix(topics: Topics) -> str:
 
 def client_reply_prefix(topics: Topics, user: str) -> str:
     """An outside producer's reply topics (and consumer groups): <prefix>.replies.<user>.<anything>."""
-    return topics.replies(f"{user}.")
+    return topics.producer_replies(user)
 
 
 def service_grants(topics: Topics) -> list[Grant]:
@@ -206,6 +206,8 @@ def service_grants(topics: Topics) -> list[Grant]:
     grants += _grants("batcher", "topic", "literal", ("write",), [t.requests, t.control, t.jobs, t.files, t.dead_letter])
     grants += _grants("batcher", "topic", "prefixed", ("write",), [t.batches("")])
     grants += _grants("batcher", "topic", "prefixed", ("read", "create"), [t.job_replies("")])
+    # ... and every outside producer's own request topic (<prefix>.requests.<user>): read by pattern.
+    grants += _grants("batcher", "topic", "prefixed", ("read", "describe"), [t.producer_requests("")])
     grants += _grants("batcher", "group", "literal", ("read",), [t.batcher_group, t.job_runner_group])
     # worker: reads its model's batches and cancels; writes replies (to whoever reply_to names,
     # inside the reply namespace), audit events and heartbeats.
@@ -224,13 +226,14 @@ def service_grants(topics: Topics) -> list[Grant]:
 
 
 def client_grants(topics: Topics, user: str) -> list[Grant]:
-    """An outside producer: writes requests; reads, creates and names only its own reply topics
-    (and consumer groups) under client_reply_prefix. Nothing else: no control, keys, usage,
-    audit, dead letters, nor anyone else's replies."""
+    """An outside producer: writes its own request topic only (<prefix>.requests.<user>, where the
+    batcher binds each request to it: schemas/producers.py), not the shared requests topic; reads,
+    creates and names only its own reply topics (and consumer groups) under client_reply_prefix.
+    Nothing else: no control, keys, usage, audit, dead letters, nor anyone else's replies."""
     check_user_name(user)
     prefix = client_reply_prefix(topics, user)
     return [
-        Grant(user, "topic", topics.requests, "literal", ("write", "describe")),
+        Grant(user, "topic", topics.producer_requests(user), "literal", ("write", "describe")),
         Grant(user, "topic", prefix, "prefixed", ("read", "create", "describe")),
         Grant(user, "group", prefix, "prefixed", ("read",)),
     ]
