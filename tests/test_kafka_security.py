@@ -129,7 +129,8 @@ def test_the_acl_plan_keeps_each_topic_to_its_writers() -> None:
     assert _writers(grants, t.workers) == {"worker"}
     assert _writers(grants, t.audit_anchors) == {"auditor"}  # the anchor of the audit chain
     assert _writers(grants, t.batches("echo")) == {"batcher"}
-    assert _writers(grants, t.replies("client.r1")) == _writers(grants, t.replies("gateway-1")) == {"worker"}
+    # workers write replies; the batcher the terminal reply of a request it ends itself
+    assert _writers(grants, t.replies("client.r1")) == _writers(grants, t.replies("gateway-1")) == {"worker", "batcher"}
     readers = {g.user for g in grants if "read" in g.operations and t.replies("alice.r1").startswith(g.name)
                and g.resource == "topic"}  # fmt: skip
     assert readers == {"alice"}  # the worker writes replies and reads none
@@ -229,7 +230,7 @@ PROTECTED = {  # topic -> why no outside producer may write it
     "another_client_replies": TOPICS.replies("alice.r1"),  # inject deltas into another's stream
     "gateway_replies": TOPICS.replies("gateway-up-8000"),
     "job_replies": TOPICS.job_replies("batch_1"),
-    "own_replies": TOPICS.replies("client.r1"),  # only workers write replies, even to one's own
+    "own_replies": TOPICS.replies("client.r1"),  # only services write replies, even to one's own
 }
 
 
@@ -262,7 +263,7 @@ async def test_the_client_principal_writes_requests_only(secure_broker: launcher
 @pytest.mark.timeout(120)
 async def test_services_cannot_write_what_is_not_theirs(secure_broker: launcher.BrokerConfig) -> None:
     for user, topics in {"worker": [TOPICS.keys, TOPICS.usage, TOPICS.control, TOPICS.requests, TOPICS.audit_anchors],
-                         "batcher": [TOPICS.keys, TOPICS.usage, TOPICS.audit, TOPICS.replies("client.r1"),
+                         "batcher": [TOPICS.keys, TOPICS.usage, TOPICS.audit, TOPICS.workers,
                                      TOPICS.audit_anchors],
                          "auditor": [TOPICS.keys, TOPICS.usage, TOPICS.audit, TOPICS.control]}.items():  # fmt: skip
         for topic in topics:

@@ -200,11 +200,12 @@ def service_grants(topics: Topics) -> list[Grant]:
     grants += _grants("gateway", "topic", "literal", ("read",), [t.keys, t.usage, t.workers, t.files, t.jobs])
     grants += _grants("gateway", "topic", "prefixed", ("read", "create"), [gateway_reply_prefix(t)])
     # batcher: reads requests, cancels, heartbeats; runs batch jobs (their commands, table, files
-    # and reply topics) whose lines are requests; writes each model's batches.
+    # and reply topics) whose lines are requests; writes each model's batches, and the terminal
+    # reply of a request it ends itself (unknown model, expired, cancelled before a batch).
     grants += _grants("batcher", "topic", "literal", ("read",),
                       [t.requests, t.control, t.workers, t.job_commands, t.jobs, t.files])
     grants += _grants("batcher", "topic", "literal", ("write",), [t.requests, t.control, t.jobs, t.files, t.dead_letter])
-    grants += _grants("batcher", "topic", "prefixed", ("write",), [t.batches("")])
+    grants += _grants("batcher", "topic", "prefixed", ("write",), [t.batches(""), t.reply_namespace])
     grants += _grants("batcher", "topic", "prefixed", ("read", "create"), [t.job_replies("")])
     # ... and every outside producer's own request topic (<prefix>.requests.<user>): read by pattern.
     grants += _grants("batcher", "topic", "prefixed", ("read", "describe"), [t.producer_requests("")])
