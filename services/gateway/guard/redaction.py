@@ -54,7 +54,7 @@ last cut is final and is emitted at once; the trailing candidate run after it (a
 become an e-mail, digits and separators that may become an ID, card or phone, a phrase around
 "at"/"dot") is held. Prose therefore flows with at most one word of delay, two or three around
 the words "at" and "dot". The view is computed char by char, so the view of the held text is the
-held part of the whole text's view; the redactor keeps the last emitted view char as look-behind
+held part of the whole text's view; the redactor keeps the last two emitted view chars as look-behind
 context, and never cuts inside the view of one original char.
 
 Hold-back bound: when the held view grows past max_holdback_chars (>= MAX_PATTERN_CHARS), every
@@ -96,7 +96,8 @@ _FEW_STARTS = 8  # below this many start positions, _next_match tries each inste
 
 _EMAIL_CHARS = r"A-Za-z0-9._%+\-"
 _ALNUM = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789")
-_SOFT_CHARS = _ALNUM | frozenset("._%+-@()[]{}<>")  # every char but " " that a match may contain
+_SOFT_CHARS = _ALNUM | frozenset("._%+-@()[]{}<>/&#;\u3002")
+_SPACED_CHARS = _ALNUM | frozenset("._%+-@")  # the one-char tokens of "a l i c e @ e x a m p l e . c o m"  # every char but " " that a match may contain
 _SOFT_OR_SPACE = "".join(sorted(_SOFT_CHARS)) + " "
 _BEFORE_SPACE = frozenset("0123456789)-. ")  # a space inside a number always sits between these...
 _AFTER_SPACE = frozenset("0123456789(-. ")  # ...and these
@@ -110,6 +111,7 @@ _NOT_ID_CHARS = re.compile(r"[^0-9Xx]")
 _DIGIT_RUN = re.compile(r"[0-9]+")
 _ID_GROUP = re.compile(r"[0-9]+[Xx]?")
 _GAP = r"(?: ?[.-] ?| {1,2})"  # between two groups of digits: ".", "-", " - ", one or two spaces
+_CARD_GAP = r"(?: ?[.-] ?| {1,2}|[/_])"  # a card's groups may also be joined by "/" or "_"
 
 
 def _is_valid_id(span: str) -> bool:
@@ -157,7 +159,7 @@ def _card_length(span: str) -> int:
     groups = list(_DIGIT_RUN.finditer(span))
     if len(groups) == 1:
         return len(span) if _is_luhn(span) else 0
-    for k in range(len(groups), 2, -1):
+    for k in range(len(groups), 1, -1):  # 2 groups: only the 8-8 shape holds 13 digits
         if _is_luhn("".join(g.group() for g in groups[:k])):
             return groups[k - 1].end()
     return 0
@@ -169,6 +171,15 @@ def _e164_length(span: str) -> int:
 
 def _whole(span: str) -> int:
     return len(span)
+
+
+def _spaced_card_length(span: str) -> int:
+    return len(span) if _is_luhn(span.replace(" ", "")) else 0
+
+
+def _encoded_length(span: str) -> int:
+    """An encoded address needs an encoded "@" or "." (plain ones are the plain detector's)."""
+    return len(span) if _ENCODED_HINT.search(span) else 0
 
 
 def _spelled_length(span: str) -> int:
@@ -191,6 +202,9 @@ def _bracketed(inner: str) -> str:
 
 
 _ATOM = r"[A-Za-z0-9_%+-](?:[A-Za-z0-9._%+-]{0,30}[A-Za-z0-9_%+-])?"
+# a label of the plain detector; "。" (U+3002, and U+FF61 after NFKC) is a dot between labels,
+# but before a final label only when that is a common TLD: "alice@example.com。Thanks" ends at "com"
+_DOMAIN_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
 _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,22}[A-Za-z0-9])?"
 _B_AT, _B_DOT = _bracketed("at|@"), _bracketed(r"dot|\.")
 _TLDS = r"(?:com|net|org|edu|gov|mil|info|biz|io|ai|dev|app|cn|uk|de|fr|jp|ru|ca|au|nl|es|ch|se|br|kr|hk|tw|sg|eu)"
@@ -204,11 +218,28 @@ _SPELLED_AT = (
 # after a bare " at ": spelled dots only, so "look at example.com" stays prose
 _BARE_AT = rf"{_LOCAL} at {_LABEL}(?:(?:{_B_DOT}| dot ){_LABEL}){{0,2}}(?:{_B_DOT}[A-Za-z]{{2,12}}| dot {_TLDS}){_END}"
 
+# "@" and "." percent-encoded or as HTML character references: "alice%40example.com",
+# "alice&#64;example.com", "alice&#x40;example&#46;com", "alice&commat;example&period;com"
+_ENC_AT = r"(?:@|%40|&#0{0,3}64;|&#x0{0,3}40;|&commat;)"
+_ENC_DOT = r"(?:\.|%2e|&#0{0,3}46;|&#x0{0,3}2e;|&period;)"
+_ENCODED = (
+    rf"(?<![A-Za-z0-9._%+\-@&#;])[A-Za-z0-9._%+\-]{{1,32}}{_ENC_AT}"
+    rf"{_LABEL}(?:{_ENC_DOT}{_LABEL}){{0,2}}{_ENC_DOT}[A-Za-z]{{2,12}}(?![A-Za-z0-9-])(?!{_ENC_DOT}[A-Za-z0-9])"
+)
+# every char spaced out: "a l i c e @ e x a m p l e . c o m"; each token is one char, the first
+# not after another such char, the last not before a letter or digit, nor a lone one after a space
+_SPACED = (
+    r"(?<![A-Za-z0-9._%+\-@])[A-Za-z0-9](?: [A-Za-z0-9._%+\-]){0,19} @ "
+    r"[A-Za-z0-9](?: [A-Za-z0-9-]){0,15}(?: \. [A-Za-z0-9](?: [A-Za-z0-9-]){0,15}){0,2}"
+    r" \. [A-Za-z](?: [A-Za-z]){1,5}(?![A-Za-z0-9])(?! [A-Za-z0-9](?![A-Za-z0-9]))"
+)
+
 _DIGIT, _PLUS, _AT_SIGN = re.compile("[0-9]"), re.compile(r"\+"), re.compile("@")
 _SPELLED_HINT, _BARE_HINT = re.compile(r"[@\[({<]"), re.compile(" at ", re.IGNORECASE | re.ASCII)
-_ANY_HINT = re.compile(r"[0-9+@\[({<]| at ", re.IGNORECASE | re.ASCII)  # one of the hints above
+_ENCODED_HINT, _SPACED_HINT = re.compile(r"%40|%2e|&", re.IGNORECASE), re.compile(" @ ")
+_ANY_HINT = re.compile(r"[0-9+@\[({<&]| at |%2e", re.IGNORECASE | re.ASCII)  # one of the hints above
 
-# Every pattern looks at most 1 char behind its start and `lookahead` chars past its end.
+# Every pattern looks at most 2 chars behind its start and `lookahead` chars past its end.
 _DETECTORS = (
     _Detector(
         re.compile(
@@ -220,10 +251,17 @@ _DETECTORS = (
     _Detector(
         re.compile(
             rf"(?<![0-9])(?:[2-6][0-9]{{12,18}}"
-            rf"|[2-6][0-9]{{3}}{_GAP}[0-9]{{3,6}}(?:{_GAP}[0-9]{{3,6}}){{1,3}})(?![0-9])"
+            rf"|[2-6][0-9]{{3}}{_CARD_GAP}[0-9]{{3,6}}(?:{_CARD_GAP}[0-9]{{3,6}}){{1,3}}"
+            rf"|[2-6][0-9]{{7}}{_CARD_GAP}[0-9]{{5,11}})(?![0-9])"  # 8-8: "41111111 11111111"
         ),
         _card_length,
         _DIGIT,
+    ),
+    _Detector(  # every digit spaced: exactly 13-19 single digits, not part of a longer run
+        re.compile(r"(?<![0-9])(?<![0-9] )[2-6](?: [0-9]){12,18}(?![0-9])(?! [0-9])"),
+        _spaced_card_length,
+        _DIGIT,
+        lookahead=2,
     ),
     _Detector(
         re.compile(r"(?<![0-9])(?:(?:\+|00)86[ .-]?)?1[3-9][0-9](?P<m>[ .-]?)[0-9]{4}(?P=m)[0-9]{4}(?![0-9])"),
@@ -248,9 +286,9 @@ _DETECTORS = (
     ),
     _Detector(
         re.compile(
-            rf"(?<![{_EMAIL_CHARS}@])(?=[{_EMAIL_CHARS}@]{{6,64}}(?![{_EMAIL_CHARS}@]))"
-            rf"[{_EMAIL_CHARS}]{{1,62}}@(?:[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?\.)+"
-            r"[A-Za-z]{2,24}(?![A-Za-z0-9-])"
+            rf"(?<![{_EMAIL_CHARS}@\u3002])(?=[{_EMAIL_CHARS}@\u3002]{{6,64}}(?![{_EMAIL_CHARS}@\u3002]))"
+            rf"[{_EMAIL_CHARS}]{{1,62}}@(?:{_DOMAIN_LABEL}[.\u3002])*{_DOMAIN_LABEL}"
+            rf"(?:\.[A-Za-z]{{2,24}}|\u3002{_TLDS})(?![A-Za-z0-9-])"
         ),
         _whole,
         _AT_SIGN,
@@ -258,6 +296,8 @@ _DETECTORS = (
     ),
     _Detector(re.compile(_SPELLED_AT, re.IGNORECASE | re.ASCII), _spelled_length, _SPELLED_HINT, lookahead=2),
     _Detector(re.compile(_BARE_AT, re.IGNORECASE | re.ASCII), _whole, _BARE_HINT, lookahead=2),
+    _Detector(re.compile(_ENCODED, re.IGNORECASE | re.ASCII), _encoded_length, _ENCODED_HINT, lookahead=12),
+    _Detector(re.compile(_SPACED, re.IGNORECASE | re.ASCII), _whole, _SPACED_HINT, lookahead=3),
 )
 
 
@@ -289,8 +329,8 @@ def _next_match(detector: _Detector, text: str, pos: int, stop: int) -> tuple[in
 
 
 class _View(NamedTuple):
-    """The normalised text matched on: `lo` chars of context (the last char already emitted, for
-    look-behinds), then the view of the held raw text; origin maps view[lo + k] to its raw index."""
+    """The normalised text matched on: `lo` chars of context (the last two chars already emitted,
+    for look-behinds), then the view of the held raw text; origin maps view[lo + k] to its raw index."""
 
     text: str
     lo: int
@@ -368,6 +408,8 @@ def _space_may_join(text: str, b: int) -> bool:
         return True
     if after in _OPENING or before in _CLOSING or before in _OPENING or after in _CLOSING:
         return True
+    if _between_spaced_chars(text, b):  # "a l i c e @ ..."
+        return True
     j = text.find(" ", b + 1)
     token_after = text[b + 1 : j if j >= 0 else n].lower()
     if token_after in (_MARKERS if j >= 0 else _MARKER_PREFIXES):
@@ -375,6 +417,18 @@ def _space_may_join(text: str, b: int) -> bool:
     i = text.rfind(" ", 0, b)
     token_before = text[i + 1 : b].lower()
     return token_before in _MARKERS or (i < 0 and token_before.endswith(("at", "dot", "@")))
+
+
+def _between_spaced_chars(text: str, b: int) -> bool:
+    """Whether the space text[b] may join two one-char tokens of a spaced-out address (_SPACED):
+    the char before it is not after another token char, the one after it not before a letter or
+    digit (or the text ends there: not known yet)."""
+    n = len(text)
+    if b < 1 or b + 1 >= n:
+        return True
+    if text[b - 1] not in _SPACED_CHARS or text[b + 1] not in _SPACED_CHARS:
+        return False
+    return (b < 2 or text[b - 2] not in _SPACED_CHARS) and (b + 2 >= n or text[b + 2] not in _ALNUM)
 
 
 def _last_cut_end(text: str, lo: int) -> int:
@@ -397,7 +451,7 @@ class Redactor:
                 f"{max_holdback_chars=} must be >= {MAX_PATTERN_CHARS=}, the longest span a detector matches"
             )
         self.max_holdback_chars = max_holdback_chars
-        self._context = ""  # the view of the last emitted char (look-behind context)
+        self._context = ""  # the view of the last two emitted chars (look-behind context)
         self._held = FoldBuffer(MAX_INVISIBLE_RUN)  # the held text, as received, and its view
         self._num_redacted = 0
 
@@ -433,7 +487,7 @@ class Redactor:
 
     def _emit(self, view: _View, stop: int) -> str:
         """Redacts and emits the held text up to view index stop (a raw boundary), and every match
-        starting before it; keeps the last emitted view char as context."""
+        starting before it; keeps the last two emitted view chars as context."""
         raw = self._held.raw
         spans = _find_spans(view, view.lo, stop)
         end = max(stop, spans[-1][1]) if spans else stop
@@ -441,6 +495,6 @@ class Redactor:
         out = _replace(raw, view, spans, raw_end)
         self._num_redacted += len(spans)
         if end > view.lo:
-            self._context = view.text[end - 1]
+            self._context = view.text[max(0, end - 2) : end]
         self._held.drop(end - view.lo, raw_end)
         return out
