@@ -391,3 +391,11 @@ def test_a_spaced_digit_run_longer_than_the_window_streams_like_whole_text(windo
             redactor = Redactor(window)
             out = "".join(redactor.feed(text[i : i + size]) for i in range(0, len(text), size)) + redactor.flush()
             assert out == expected, (lead, size)
+
+
+def test_spaced_out_prose_without_an_at_sign_is_not_held_to_the_window() -> None:
+    # one-char words may join into "a l i c e @ ...", but only with an "@" near enough
+    redactor = Redactor()
+    out = [redactor.feed(c) for c in "s p e l l e d o u t " * 30]
+    assert len(redactor.held) <= 2 * 20 + 2
+    assert "".join(out) + redactor.flush() == "s p e l l e d o u t " * 30

@@ -19,7 +19,10 @@ no part of a longer digit run is taken; the whole span, separators included, is 
 - Bank card: 13-19 digits starting with 2-6 (the issuer ranges of Visa, Mastercard, Amex, JCB,
   UnionPay, Discover), either one run or groups of 4 then 3-6 digits (3 to 5 groups), each gap one
   or two spaces, a dot or a hyphen (spaces around it allowed; gaps may differ): "4111 1111 1111
-  1111", "4111.1111.1111.1111", "4111 - 1111 - 1111 - 1111", "3782-822463-10005". Luhn-valid only;
+  1111", "4111.1111.1111.1111", "4111 - 1111 - 1111 - 1111", "3782-822463-10005"; "/" and "_"
+  also join a card's groups ("4111/1111/1111/1111"); or two halves, 8 then 5-11 digits ("41111111
+  11111111"); or every digit spaced out ("4 1 1 1 ... 1": exactly 13-19 single digits joined by one
+  space, not inside a longer such run: it looks two chars behind). Luhn-valid only;
   when the groups run on ("4111 1111 1111 1111 123", a CVV after the card), the longest
   Luhn-valid run of the first 3-5 groups is the card.
 - Phone, three shapes only, so that years, counts, versions and constants pass:
@@ -32,7 +35,15 @@ no part of a longer digit run is taken; the whole span, separators included, is 
   - NANP without "+": optional "1 ", then "(415) 555-0132", or 3-3-4 with one consistent separator
     (space, dot, hyphen): "415-555-0132", "415.555.0132". Area code and exchange start with 2-9.
 - E-mail: local@domain.tld, local part `[A-Za-z0-9._%+-]`, dot-separated domain labels, a 2-24
-  letter TLD; it must start a word of e-mail characters that is at most 64 chars long.
+  letter TLD; it must start a word of e-mail characters that is at most 64 chars long. The
+  ideographic full stop "。" (U+FF61 is one after NFKC) separates labels too, but before the TLD
+  only when that is a common one, so "alice@example.com。Thanks" ends at "com".
+- Encoded e-mail: "@" as "%40", "&#64;", "&#x40;", "&commat;" and "." as "%2e", "&#46;",
+  "&#x2e;", "&period;" (case-insensitive, leading zeros allowed): "alice%40example.com",
+  "alice&#64;example&#46;com"; local part up to 32 chars, up to 3 labels and a TLD.
+- Spaced-out e-mail: every char a token of its own, one space between: "a l i c e @ e x a m p l e
+  . c o m"; local part up to 20 chars, up to 3 labels of up to 16 and a 2-6 letter TLD; the run
+  starts after no e-mail char and ends before no letter, digit or lone char after a space.
 - Spelled-out e-mail (case-insensitive): "@" written as "[at]", "(at)", "{at}", "<at>", "[@]"
   (spaces around and inside allowed), " @ " or a bare " at "; "." as "[dot]", "(dot)", "[.]",
   "(.)", " . " or a bare " dot ": "alice at example dot com", "alice [at] example [dot] com", "alice(at)example(dot)com",
@@ -44,12 +55,14 @@ no part of a longer digit run is taken; the whole span, separators included, is 
 
 Streaming. Redactor keeps the not-yet-emitted text and, after each feed, emits the longest prefix
 that is final: no match could start in it and still change with text yet to come. A match is at
-most MAX_PATTERN_CHARS long in the view (its look-ahead included) and its detectors look one char
-behind, so whether a match starts at view position i is decided by view[i-1 : i+MAX_PATTERN_CHARS].
-A "cut" is a view char no match can contain: anything outside `[A-Za-z0-9._%+@()[]{}<>-]` and
-space, or a space that is neither inside a number (between two of digit, ")", "(", "-", ".",
-space) nor next to a spelled-out marker (a bracket, or the word before or after it is "at", "dot",
-"@" or ".", or is the unfinished last word and may still become one). Everything up to the
+most MAX_PATTERN_CHARS long in the view (its look-ahead included) and its detectors look at most
+two chars behind, so whether a match starts at view position i is decided by
+view[i-2 : i+MAX_PATTERN_CHARS]. A "cut" is a view char no match can contain: anything outside
+`[A-Za-z0-9._%+@()[]{}<>/&#;。-]` and space, or a space that is neither inside a number (between
+two of digit, ")", "(", "-", ".", space) nor next to a spelled-out marker (a bracket, or the word
+before or after it is "at", "dot", "@" or ".", or is the unfinished last word and may still become
+one) nor between two one-char tokens of a spaced-out address ("a l i c e", with an "@" near enough
+or the text not known far enough yet). Everything up to the
 last cut is final and is emitted at once; the trailing candidate run after it (a word that may
 become an e-mail, digits and separators that may become an ID, card or phone, a phrase around
 "at"/"dot") is held. Prose therefore flows with at most one word of delay, two or three around
@@ -75,7 +88,11 @@ prose ~46 ms (was 68-79), of 40k Chinese chars 9-10 ms (was 8-13). A region with
 "@", bracket or " at " skips every detector; the held text's view is kept per delta
 (normalize.FoldBuffer), ASCII and one-for-one text without a per-char loop. Worst case seen: a
 phrase of "at"/"dot" words held at the full window, ~0.2 ms a feed (wall, loaded box); each delta
-a digit and 8 invisible characters, ~45 us.
+a digit and 8 invisible characters, ~45 us. With the slash/underscore/8-8/spaced cards, encoded
+and spaced-out addresses (same box, same method, 5 runs each, interleaved; loaded by a CI run, so
++-40%): prose 7-12 us (old code 7-12), card tokens 13-20 us (11-16), Chinese 5-9 us (4-7),
+one-char words "s p e l l e d" 38 us (8; held up to 42 chars while an "@" may still come),
+whole-text of 340k chars of prose 105-130 ms (61-117).
 O(len(held) + len(delta)) per call, the regexes compiled once at import.
 """
 
@@ -233,9 +250,14 @@ _SPACED = (
     r"[A-Za-z0-9](?: [A-Za-z0-9-]){0,15}(?: \. [A-Za-z0-9](?: [A-Za-z0-9-]){0,15}){0,2}"
     r" \. [A-Za-z](?: [A-Za-z]){1,5}(?![A-Za-z0-9])(?! [A-Za-z0-9](?![A-Za-z0-9]))"
 )
+# a space inside a _SPACED match has its "@" at most this far after it (20 local tokens)...
+_SPACED_AT_AFTER = 2 * 20
+# ...or at most this far before it (" " + a 31-char label + 2 more of " . " and 31 + " . " and 11)
+_SPACED_AT_BEFORE = 1 + 31 + 2 * 34 + 14
 
 _DIGIT, _PLUS, _AT_SIGN = re.compile("[0-9]"), re.compile(r"\+"), re.compile("@")
 _SPELLED_HINT, _BARE_HINT = re.compile(r"[@\[({<]"), re.compile(" at ", re.IGNORECASE | re.ASCII)
+_SPACED_DIGITS_HINT = re.compile("[2-6] [0-9] [0-9] [0-9] ")
 _ENCODED_HINT, _SPACED_HINT = re.compile(r"%40|%2e|&", re.IGNORECASE), re.compile(" @ ")
 _ANY_HINT = re.compile(r"[0-9+@\[({<&]| at |%2e", re.IGNORECASE | re.ASCII)  # one of the hints above
 
@@ -260,7 +282,7 @@ _DETECTORS = (
     _Detector(  # every digit spaced: exactly 13-19 single digits, not part of a longer run
         re.compile(r"(?<![0-9])(?<![0-9] )[2-6](?: [0-9]){12,18}(?![0-9])(?! [0-9])"),
         _spaced_card_length,
-        _DIGIT,
+        _SPACED_DIGITS_HINT,
         lookahead=2,
     ),
     _Detector(
@@ -428,7 +450,14 @@ def _between_spaced_chars(text: str, b: int) -> bool:
         return True
     if text[b - 1] not in _SPACED_CHARS or text[b + 1] not in _SPACED_CHARS:
         return False
-    return (b < 2 or text[b - 2] not in _SPACED_CHARS) and (b + 2 >= n or text[b + 2] not in _ALNUM)
+    if not ((b < 2 or text[b - 2] not in _SPACED_CHARS) and (b + 2 >= n or text[b + 2] not in _ALNUM)):
+        return False
+    # spaced-out prose with no "@" near enough ("s p e l l e d"): not an address
+    return (
+        b + _SPACED_AT_AFTER >= n
+        or text.find("@", b, b + _SPACED_AT_AFTER + 1) >= 0
+        or text.rfind("@", max(0, b - _SPACED_AT_BEFORE), b) >= 0
+    )
 
 
 def _last_cut_end(text: str, lo: int) -> int:
