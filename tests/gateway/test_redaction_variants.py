@@ -22,6 +22,7 @@ FULL_WIDTH_DIGITS = str.maketrans("0123456789", "０１２３４５６７８９"
 ARABIC_INDIC_DIGITS = str.maketrans("0123456789", "٠١٢٣٤٥٦٧٨٩")
 DEVANAGARI_DIGITS = str.maketrans("0123456789", "०१२३४५६७८९")
 LOOKALIKES = {"a": "а", "e": "е", "o": "о", "p": "р", "c": "с", "x": "х", "y": "у", "i": "і", "s": "ѕ", "j": "ј"}
+COMBINING_MARKS = ["\u0301", "\u0300", "\u0308", "\u0302", "\u0303", "\u0327", "\u0323"]
 ID_WEIGHTS = (7, 9, 10, 5, 8, 4, 2, 1, 6, 3, 7, 9, 10, 5, 8, 4, 2)
 
 
@@ -129,7 +130,8 @@ def emails(draw: st.DrawFn) -> str:
 
 @st.composite
 def disguised(draw: st.DrawFn, values: st.SearchStrategy[str]) -> str:
-    """A value with invisible characters inside it, full-width digits and letters, look-alike letters."""
+    """A value with invisible characters inside it, full-width digits and letters, look-alike letters,
+    combining marks on letters."""
     value = draw(values)
     digits = draw(st.sampled_from([None, FULL_WIDTH_DIGITS, ARABIC_INDIC_DIGITS, DEVANAGARI_DIGITS]))
     if digits is not None:
@@ -142,6 +144,9 @@ def disguised(draw: st.DrawFn, values: st.SearchStrategy[str]) -> str:
         )  # full-width letters and digits
     if draw(st.booleans()):
         value = "".join(LOOKALIKES[c] if c in LOOKALIKES and draw(st.booleans()) else c for c in value)
+    if draw(st.booleans()):  # combining marks on letters: "a\u0301" reads "a"
+        marks = st.sampled_from(COMBINING_MARKS)
+        value = "".join(c + draw(marks) if c.isalpha() and draw(st.booleans()) else c for c in value)
     chars = list(value)
     # strictly inside (never before the first char or after the last), at most 3 in one place, so
     # with a keycap's 2 no place has more than MAX_INVISIBLE_RUN
