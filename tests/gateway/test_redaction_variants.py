@@ -148,9 +148,10 @@ def disguised(draw: st.DrawFn, values: st.SearchStrategy[str]) -> str:
         marks = st.sampled_from(COMBINING_MARKS)
         value = "".join(c + draw(marks) if c.isalpha() and draw(st.booleans()) else c for c in value)
     chars = list(value)
-    # strictly inside (never before the first char or after the last), at most 3 in one place, so
-    # with a keycap's 2 no place has more than MAX_INVISIBLE_RUN
-    for k in draw(st.lists(st.integers(1, len(chars) - 1), unique=True, max_size=4)):
+    # strictly inside (never before the first char or after the last), before a visible char, at
+    # most 3 in one place, so with a keycap's 2 no place has more than MAX_INVISIBLE_RUN
+    visible = [k for k in range(1, len(chars)) if fold(chars[k])]
+    for k in draw(st.lists(st.sampled_from(visible), unique=True, max_size=4)) if visible else []:
         chars[k] = draw(st.text(INVISIBLE, min_size=1, max_size=3)) + chars[k]
     return "".join(chars)
 
