@@ -22,6 +22,7 @@ FULL_WIDTH_DIGITS = str.maketrans("0123456789", "０１２３４５６７８９"
 ARABIC_INDIC_DIGITS = str.maketrans("0123456789", "٠١٢٣٤٥٦٧٨٩")
 DEVANAGARI_DIGITS = str.maketrans("0123456789", "०१२३४५६७८९")
 LOOKALIKES = {"a": "а", "e": "е", "o": "о", "p": "р", "c": "с", "x": "х", "y": "у", "i": "і", "s": "ѕ", "j": "ј"}
+COMBINING_MARKS = ["\u0301", "\u0300", "\u0308", "\u0302", "\u0303", "\u0327", "\u0323"]
 ID_WEIGHTS = (7, 9, 10, 5, 8, 4, 2, 1, 6, 3, 7, 9, 10, 5, 8, 4, 2)
 
 
@@ -43,28 +44,31 @@ def id_complete(body: str) -> str:
 @st.composite
 def cards(draw: st.DrawFn) -> str:
     """A Luhn-valid card number, written in one of the ways people write them."""
-    shape = draw(st.sampled_from([(4, 4, 4, 4), (4, 6, 5), (4, 6, 4), (4, 4, 4, 4, 3), None]))
-    length = sum(shape) if shape else draw(st.integers(13, 19))
+    shape = draw(st.sampled_from([(4, 4, 4, 4), (4, 6, 5), (4, 6, 4), (4, 4, 4, 4, 3), (8, 8), None, "spaced"]))
+    length = sum(shape) if isinstance(shape, tuple) else draw(st.integers(13, 19))
     body = draw(st.sampled_from("23456")) + draw(st.text("0123456789", min_size=length - 2, max_size=length - 2))
     digits = luhn_complete(body)
     if shape is None:
         return digits
+    if shape == "spaced":  # every digit spaced out
+        return " ".join(digits)
     groups, i = [], 0
     for size in shape:
         groups.append(digits[i : i + size])
         i += size
-    return join_groups(draw, groups)
+    return join_groups(draw, groups, CARD_GAPS)
 
 
 # NBSP, ideographic and thin spaces are " " after NFKC, the en dash and minus sign "-"
 GAPS = [" ", "-", ".", "  ", " - ", "\u00a0", "\u3000", "\u2009", "\u2013", "\u2212"]
+CARD_GAPS = [*GAPS, "/", "_"]  # cards only: "4111/1111/1111/1111", "4111_1111_1111_1111"
 
 
-def join_groups(draw: st.DrawFn, groups: list[str]) -> str:
+def join_groups(draw: st.DrawFn, groups: list[str], gaps: list[str] = GAPS) -> str:
     """Groups joined by one gap, or (sometimes) by a different gap each."""
     if draw(st.booleans()):
-        return draw(st.sampled_from(GAPS)).join(groups)
-    return groups[0] + "".join(draw(st.sampled_from(GAPS)) + g for g in groups[1:])
+        return draw(st.sampled_from(gaps)).join(groups)
+    return groups[0] + "".join(draw(st.sampled_from(gaps)) + g for g in groups[1:])
 
 
 @st.composite
@@ -91,12 +95,20 @@ BRACKETS = ["[{}]", "({})", "{{{}}}", "<{}>", " [{}] ", " ({}) ", "[ {} ]", " ( 
 
 @st.composite
 def emails(draw: st.DrawFn) -> str:
-    """An e-mail address, plain or spelled out: "@"/"[at]"/"(at)"/" at ", "."/"[dot]"/" dot "."""
+    """An e-mail address, plain or spelled out: "@"/"[at]"/"(at)"/" at ", "."/"[dot]"/" dot ",
+    percent-encoded or HTML character references, every char spaced out, ideographic full stops."""
     local = draw(WORD) + draw(st.sampled_from(["", ".", "_", "+"])) + draw(WORD) if draw(st.booleans()) else draw(WORD)
     labels = draw(st.lists(WORD, min_size=1, max_size=2)) + [draw(st.sampled_from(COMMON_TLDS))]
-    form = draw(st.sampled_from(["plain", "bracketed", "bare", "defanged", "mixed"]))
+    form = draw(st.sampled_from(["plain", "bracketed", "bare", "defanged", "mixed", "encoded", "spaced", "ideographic"]))
+    if form == "spaced":  # "a l i c e @ e x a m p l e . c o m"
+        return " ".join(draw(WORD) + "@" + ".".join(labels))
     if form == "plain":
         at, dots = "@", ["."] * (len(labels) - 1)
+    elif form == "ideographic":  # "alice@example。com": U+3002, U+FF61, U+FE52 as the dots
+        at, dots = "@", [draw(st.sampled_from([".", "\u3002", "\uff61", "\ufe52"])) for _ in labels[1:]]
+    elif form == "encoded":  # "alice%40example.com", "alice&#64;example.com", "alice&commat;..."
+        at = draw(st.sampled_from(["%40", "&#64;", "&#064;", "&#x40;", "&commat;"]))
+        dots = [draw(st.sampled_from([".", "%2e", "%2E", "&#46;", "&#x2e;", "&period;"])) for _ in labels[1:]]
     elif form == "bracketed":
         pattern = draw(st.sampled_from(BRACKETS))
         at = pattern.format(draw(st.sampled_from(["at", "AT", "At", "@"])))
@@ -113,12 +125,13 @@ def emails(draw: st.DrawFn) -> str:
             dots[-1] = " dot "
     domain = labels[0] + "".join(d + label for d, label in zip(dots, labels[1:]))
     address = local + at + domain
-    return address.upper() if draw(st.booleans()) and form != "plain" else address
+    return address.upper() if draw(st.booleans()) and form not in ("plain", "ideographic") else address
 
 
 @st.composite
 def disguised(draw: st.DrawFn, values: st.SearchStrategy[str]) -> str:
-    """A value with invisible characters inside it, full-width digits and letters, look-alike letters."""
+    """A value with invisible characters inside it, full-width digits and letters, look-alike letters,
+    combining marks on letters."""
     value = draw(values)
     digits = draw(st.sampled_from([None, FULL_WIDTH_DIGITS, ARABIC_INDIC_DIGITS, DEVANAGARI_DIGITS]))
     if digits is not None:
@@ -131,10 +144,14 @@ def disguised(draw: st.DrawFn, values: st.SearchStrategy[str]) -> str:
         )  # full-width letters and digits
     if draw(st.booleans()):
         value = "".join(LOOKALIKES[c] if c in LOOKALIKES and draw(st.booleans()) else c for c in value)
+    if draw(st.booleans()):  # combining marks on letters: "a\u0301" reads "a"
+        marks = st.sampled_from(COMBINING_MARKS)
+        value = "".join(c + draw(marks) if c.isalpha() and draw(st.booleans()) else c for c in value)
     chars = list(value)
-    # strictly inside (never before the first char or after the last), at most 3 in one place, so
-    # with a keycap's 2 no place has more than MAX_INVISIBLE_RUN
-    for k in draw(st.lists(st.integers(1, len(chars) - 1), unique=True, max_size=4)):
+    # strictly inside (never before the first char or after the last), before a visible char, at
+    # most 3 in one place, so with a keycap's 2 no place has more than MAX_INVISIBLE_RUN
+    visible = [k for k in range(1, len(chars)) if fold(chars[k])]
+    for k in draw(st.lists(st.sampled_from(visible), unique=True, max_size=4)) if visible else []:
         chars[k] = draw(st.text(INVISIBLE, min_size=1, max_size=3)) + chars[k]
     return "".join(chars)
 
@@ -168,8 +185,10 @@ def test_disguised_pii_is_redacted_in_any_split_of_a_stream(before: str, value: 
 PROSE_WORDS = (
     "the a an of to in on is it at dot me us so no be we model said that this look meet home "
     "price year version page table dollars percent items users at dot com-like net-zero org-chart "
-    "Привет мир как дела отчёт готов 你好 世界 模型 价格 年 Ελλάδα καλημέρα"
-).split()
+    "Привет мир как дела отчёт готов 你好 世界 模型 价格 年 Ελλάδα καλημέρα "
+    "a/b src/app/main.py snake_case_id user_id_2 R&amp;D Q&A &lt;b&gt; x; #3 50%; 你好。 好的。Yes "
+    "c a f é ｡ café naïve"
+).split() + ["a l l", "s p a c e d o u t", "a l i c e", "x @ y"]
 NUMBERS = st.one_of(
     st.integers(1900, 2100).map(str),  # years
     st.integers(0, 99_999).map(lambda n: f"${n // 100}.{n % 100:02d}"),  # prices
@@ -179,6 +198,8 @@ NUMBERS = st.one_of(
     st.tuples(st.integers(0, 23), st.integers(0, 59)).map(lambda t: "%02d:%02d" % t),
     st.integers(0, 1000).map(lambda n: f"{n}%"),
     st.integers(0, 10**6).map(lambda n: f"{n / 1000:.3f}"),
+    st.dates(date(1970, 1, 1), date(2099, 12, 31)).map(lambda d: d.strftime("%Y/%m/%d")),  # slashed dates
+    st.tuples(st.integers(1, 9), st.integers(2, 16)).map(lambda f: "%d/%d" % f),  # fractions
 )
 TOKEN = st.one_of(
     st.sampled_from(PROSE_WORDS),
@@ -249,6 +270,39 @@ def test_any_split_streams_like_whole_text_and_holds_at_most_the_window(pieces: 
         ("alice@example[.]com", REDACTED),
         ("аlice@ехample.com", REDACTED),  # Cyrillic а, е, х
         ("mail: ａｌｉｃｅ＠ｅｘａｍｐｌｅ．ｃｏｍ", f"mail: {REDACTED}"),
+        # slash and underscore separators, 8-8 groups, every digit spaced
+        ("card 4111/1111/1111/1111.", f"card {REDACTED}."),
+        ("card 4111_1111_1111_1111 ok", f"card {REDACTED} ok"),
+        ("card 41111111 11111111, exp 12/29", f"card {REDACTED}, exp 12/29"),
+        ("card 4 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 thanks", f"card {REDACTED} thanks"),
+        ("(4 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)", f"({REDACTED})"),
+        # ideographic full stops inside an address, not after it
+        ("alice@example。com", REDACTED),
+        ("alice@example｡com", REDACTED),
+        ("alice@example﹒com", REDACTED),
+        ("邮箱alice@mail。example。com。谢谢", f"邮箱{REDACTED}。谢谢"),
+        ("mail alice@example.com。Thanks", f"mail {REDACTED}。Thanks"),
+        # every char spaced out
+        ("a l i c e @ e x a m p l e . c o m", REDACTED),
+        ("mail: j o h n . s m i t h @ m a i l . e x a m p l e . c o . u k!", f"mail: {REDACTED}!"),
+        ("(a l i c e @ e x a m p l e . c o m).", f"({REDACTED})."),
+        # percent-encoded and HTML character references
+        ("alice%40example.com", REDACTED),
+        ("mailto:alice%40example%2Ecom now", f"mailto:{REDACTED} now"),
+        ("<a>alice&#64;example.com</a>", f"<a>{REDACTED}</a>"),
+        ("alice&#x40;example.com", REDACTED),
+        ("alice&commat;example&period;com", REDACTED),
+        ("alice&#064;example&#46;co&#x2E;uk", REDACTED),
+        # combining marks are not in the view
+        ("al\u0301ice@exa\u0300mple.com", REDACTED),
+        # left alone: fractions, paths, identifiers, entities, spaced words, slashed dates
+        ("add 1/2 cup, see a/b and src/app/main.py", "add 1/2 cup, see a/b and src/app/main.py"),
+        ("on 2024/11/30 set user_id_2 = 4111_2024; R&amp;D &lt;b&gt; x; y",
+         "on 2024/11/30 set user_id_2 = 4111_2024; R&amp;D &lt;b&gt; x; y"),
+        ("a l l of it, s p a c e d, I a m a t h o m e", "a l l of it, s p a c e d, I a m a t h o m e"),
+        ("1 2 3 4 5 6 7 8 9 1 0 1 1 1 2 1 3", "1 2 3 4 5 6 7 8 9 1 0 1 1 1 2 1 3"),  # not 2-6 first
+        ("scores 5 5 5 5 5 5 5 5 5 5 5 5 5 5 5 5 5 5 5 5 5", "scores 5 5 5 5 5 5 5 5 5 5 5 5 5 5 5 5 5 5 5 5 5"),
+        ("50% off, 100%40 items", "50% off, 100%40 items"),
         # left alone: prose that mentions a site, "at" and "dot" as words, numbers
         ("look at example.com for details", "look at example.com for details"),
         ("look at the dot in the corner", "look at the dot in the corner"),
@@ -296,6 +350,8 @@ TRICKY = st.sampled_from([
     "½", "㈠", "ﷺ", "ﬁ", "№", "\u200b", "\u200b" * MAX_INVISIBLE_RUN, "\u200b" * (MAX_INVISIBLE_RUN + 1), "\u20e3",
     "4", "1", "0", "４", "٤", " ", "  ", "-", ".", " - ", "@", "＠", " at ", " dot ", "[at]", "(dot)", "[", ")", "com",
     "а", "x", "alice", "4111 1111 1111 1111", "11010519491231002X", "\n", ",", "+1 ", "(415) ",
+    "/", "_", "&", "#", ";", "%40", "&#64;", "&commat;", "。", "e\u0301", "a ", " l", "e . c o m", " @ ",
+    "a l i c e @ e x a m p l e . c o m", "4 1 1 1 ", "41111111 ", "4111/1111/",
 ])  # fmt: skip
 
 
@@ -325,3 +381,27 @@ def test_the_fold_buffer_is_fold_map_of_what_it_holds(pieces: list[str], data: s
                 k -= 1  # never inside one char's expansion
             raw_end = len(buffer.raw) if k == len(buffer.view) else (buffer.origin[k] if buffer.origin else k)
             buffer.drop(k, raw_end)
+
+
+@pytest.mark.parametrize("window", [MAX_PATTERN_CHARS, MAX_PATTERN_CHARS + 1, MAX_PATTERN_CHARS + 7])
+def test_a_spaced_digit_run_longer_than_the_window_streams_like_whole_text(window: int) -> None:
+    # the spaced-card pattern looks two chars behind ("1 " before "4": part of a longer run, no
+    # card); forced emits cut such a run anywhere, so the redactor keeps two chars of context
+    card = "4 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1"
+    for lead in range(0, 4):
+        # " y y y ...": one-char tokens joined by spaces, no cut, so the held text is cut by force
+        text = "x " + "1 " * (110 + lead) + card + " y" * MAX_PATTERN_CHARS + ". " + card
+        expected = "x " + "1 " * (110 + lead) + card + " y" * MAX_PATTERN_CHARS + ". " + REDACTED
+        assert redact(text) == (expected, 1)
+        for size in (1, 2, 3):
+            redactor = Redactor(window)
+            out = "".join(redactor.feed(text[i : i + size]) for i in range(0, len(text), size)) + redactor.flush()
+            assert out == expected, (lead, size)
+
+
+def test_spaced_out_prose_without_an_at_sign_is_not_held_to_the_window() -> None:
+    # one-char words may join into "a l i c e @ ...", but only with an "@" near enough
+    redactor = Redactor()
+    out = [redactor.feed(c) for c in "s p e l l e d o u t " * 30]
+    assert len(redactor.held) <= 2 * 20 + 2
+    assert "".join(out) + redactor.flush() == "s p e l l e d o u t " * 30

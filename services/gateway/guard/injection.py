@@ -6,8 +6,9 @@ Detection, in order:
 1. Normalise (ASCII input skips what cannot change it): ``normalize.fold`` (invisible format
    characters such as zero-width spaces, soft hyphens and bidi controls removed; NFKC, so
    fullwidth and other compatibility forms become ASCII; Cyrillic, Greek and other look-alike
-   letters folded to the Latin letter they look like, so "іgnоrе" with Cyrillic і/о/е reads
-   "ignore"), casefold, whitespace runs collapsed to one space. A second "compact"
+   letters and small capitals folded to the Latin letter they look like, so "іgnоrе" with
+   Cyrillic і/о/е and "ɪɢɴᴏʀᴇ" read "ignore"; combining marks removed, so "ignore\u0301" and
+   "ïgnörë" do too), casefold, whitespace runs collapsed to one space. A second "compact"
    view keeps letters only, after a minimal leetspeak map (0->o, 1->i, 3->e, 4->a, 5->s, 7->t,
    @->a, $->s), so "i g n o r e  p r e v i o u s", "1gn0re" and "ignore.previous" read as words
    run together; a few phrase rules run on it.

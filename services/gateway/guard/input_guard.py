@@ -3,7 +3,8 @@
 Every completion prompt (a completion's prompt; a chat's messages, all roles but the assistant's)
 goes through the InjectionDetector (injection.py: rules + a hashed-feature classifier, CPU,
 about a millisecond), which reads the prompt through normalize.fold first (invisible characters
-out, NFKC, Cyrillic/Greek look-alike letters folded to Latin). What follows depends on the level and the tenant's action
+out, NFKC, combining marks out, Cyrillic/Greek look-alikes and small capitals folded to Latin).
+What follows depends on the level and the tenant's action
 (WEIR_INPUT_GUARD_ACTION, WEIR_INPUT_GUARD_TENANT_ACTIONS):
 
 - high risk, action block: 400 prompt_injection_detected, nothing published;

@@ -12,12 +12,16 @@ Each character of the input becomes zero or more characters of the view, by itse
    "@"), no-break and ideographic spaces become " ", mathematical letters their plain letter.
    Digits of other scripts become ASCII digits ("٤١١١" -> "4111", by their Unicode decimal
    value), and enclosing or overlaid marks (keycaps "4\ufe0f\u20e3", strike-throughs) are removed.
+   Combining marks (category Mn) are removed, alone or inside a precomposed letter (its NFD):
+   "e\u0301" and "é" both read "e", so an accent put on a letter hides nothing.
 3. Look-alike letters become the Latin letter they look like (``CONFUSABLES``): the Cyrillic,
    Greek, Armenian and Latin-extension letters that Unicode's confusables.txt (UTS #39, security
    data, https://www.unicode.org/Public/security/latest/confusables.txt) maps to one ASCII letter.
    The target keeps the source's case (confusables.txt maps the I-like capitals to "l", because
    "I" and "l" are confusable with each other; here Cyrillic "І" and Greek "Ι" become "I").
-   Dashes (U+2010-U+2013, U+2043, U+2212) become "-".
+   Small capitals ("ɪɢɴᴏʀᴇ") become the lower-case letter. Dashes (U+2010-U+2013, U+2043, U+2212)
+   become "-". (The ideographic full stop "。" stays: the e-mail detector reads it as a dot only
+   inside an address, redaction.py.)
 
 Because every character is mapped alone, the view of a concatenation is the concatenation of the
 views: a stream's view grows delta by delta, and a span found in the view maps back to the
@@ -57,6 +61,10 @@ CONFUSABLES: dict[str, str] = {
     "Ս": "U", "Տ": "S", "Օ": "O", "հ": "h", "ո": "n", "ռ": "n", "ս": "u", "ց": "g", "օ": "o",
     # Latin letters that are not ASCII but read as one
     "ı": "i", "ȷ": "j", "ɑ": "a", "ɡ": "g", "ɩ": "i", "ɪ": "i", "ʏ": "y", "ʋ": "u",
+    # small capitals (Latin Extensions, Phonetic Extensions): read as the lower-case letter
+    "ᴀ": "a", "ʙ": "b", "ᴄ": "c", "ᴅ": "d", "ᴇ": "e", "ꜰ": "f", "ɢ": "g", "ʜ": "h", "ᴊ": "j",
+    "ᴋ": "k", "ʟ": "l", "ᴍ": "m", "ɴ": "n", "ᴏ": "o", "ᴘ": "p", "ꞯ": "q", "ʀ": "r", "ꜱ": "s",
+    "ᴛ": "t", "ᴜ": "u", "ᴠ": "v", "ᴡ": "w", "ᴢ": "z",
     # dashes and the minus sign (NFKC leaves them; confusables.txt maps them to "-")
     "\u2010": "-", "\u2012": "-", "\u2013": "-", "\u2043": "-", "\u2212": "-",
 }  # fmt: skip
@@ -76,11 +84,21 @@ def _is_ignorable(code: int) -> bool:
     return any(lo <= code <= hi for lo, hi in _DEFAULT_IGNORABLE)
 
 
+def _without_marks(c: str) -> str:
+    """c without its combining marks (category Mn, after NFD), recomposed: "é" -> "e"."""
+    parts = unicodedata.normalize("NFD", c)
+    if len(parts) == 1:
+        return c
+    return unicodedata.normalize("NFC", "".join(p for p in parts if unicodedata.category(p) != "Mn"))
+
+
 def _fold_one(c: str) -> str:
-    if _is_ignorable(ord(c)) or c in _DECORATIONS:
+    if _is_ignorable(ord(c)) or c in _DECORATIONS or unicodedata.category(c) == "Mn":
         return ""
     if c in CONFUSABLES:
         return CONFUSABLES[c]
+    if (base := _without_marks(c)) != c:  # "é" -> "e", Cyrillic "ё" -> "е" -> "e"
+        return "".join(_fold_one(b) for b in base)
     digit = unicodedata.decimal(c, None)  # a digit of another script ("٤", "४"): its ASCII digit
     return str(digit) if digit is not None and not c.isascii() else c
 

@@ -19,7 +19,10 @@ no part of a longer digit run is taken; the whole span, separators included, is 
 - Bank card: 13-19 digits starting with 2-6 (the issuer ranges of Visa, Mastercard, Amex, JCB,
   UnionPay, Discover), either one run or groups of 4 then 3-6 digits (3 to 5 groups), each gap one
   or two spaces, a dot or a hyphen (spaces around it allowed; gaps may differ): "4111 1111 1111
-  1111", "4111.1111.1111.1111", "4111 - 1111 - 1111 - 1111", "3782-822463-10005". Luhn-valid only;
+  1111", "4111.1111.1111.1111", "4111 - 1111 - 1111 - 1111", "3782-822463-10005"; "/" and "_"
+  also join a card's groups ("4111/1111/1111/1111"); or two halves, 8 then 5-11 digits ("41111111
+  11111111"); or every digit spaced out ("4 1 1 1 ... 1": exactly 13-19 single digits joined by one
+  space, not inside a longer such run: it looks two chars behind). Luhn-valid only;
   when the groups run on ("4111 1111 1111 1111 123", a CVV after the card), the longest
   Luhn-valid run of the first 3-5 groups is the card.
 - Phone, three shapes only, so that years, counts, versions and constants pass:
@@ -32,7 +35,15 @@ no part of a longer digit run is taken; the whole span, separators included, is 
   - NANP without "+": optional "1 ", then "(415) 555-0132", or 3-3-4 with one consistent separator
     (space, dot, hyphen): "415-555-0132", "415.555.0132". Area code and exchange start with 2-9.
 - E-mail: local@domain.tld, local part `[A-Za-z0-9._%+-]`, dot-separated domain labels, a 2-24
-  letter TLD; it must start a word of e-mail characters that is at most 64 chars long.
+  letter TLD; it must start a word of e-mail characters that is at most 64 chars long. The
+  ideographic full stop "。" (U+FF61 is one after NFKC) separates labels too, but before the TLD
+  only when that is a common one, so "alice@example.com。Thanks" ends at "com".
+- Encoded e-mail: "@" as "%40", "&#64;", "&#x40;", "&commat;" and "." as "%2e", "&#46;",
+  "&#x2e;", "&period;" (case-insensitive, leading zeros allowed): "alice%40example.com",
+  "alice&#64;example&#46;com"; local part up to 32 chars, up to 3 labels and a TLD.
+- Spaced-out e-mail: every char a token of its own, one space between: "a l i c e @ e x a m p l e
+  . c o m"; local part up to 20 chars, up to 3 labels of up to 16 and a 2-6 letter TLD; the run
+  starts after no e-mail char and ends before no letter, digit or lone char after a space.
 - Spelled-out e-mail (case-insensitive): "@" written as "[at]", "(at)", "{at}", "<at>", "[@]"
   (spaces around and inside allowed), " @ " or a bare " at "; "." as "[dot]", "(dot)", "[.]",
   "(.)", " . " or a bare " dot ": "alice at example dot com", "alice [at] example [dot] com", "alice(at)example(dot)com",
@@ -44,17 +55,19 @@ no part of a longer digit run is taken; the whole span, separators included, is 
 
 Streaming. Redactor keeps the not-yet-emitted text and, after each feed, emits the longest prefix
 that is final: no match could start in it and still change with text yet to come. A match is at
-most MAX_PATTERN_CHARS long in the view (its look-ahead included) and its detectors look one char
-behind, so whether a match starts at view position i is decided by view[i-1 : i+MAX_PATTERN_CHARS].
-A "cut" is a view char no match can contain: anything outside `[A-Za-z0-9._%+@()[]{}<>-]` and
-space, or a space that is neither inside a number (between two of digit, ")", "(", "-", ".",
-space) nor next to a spelled-out marker (a bracket, or the word before or after it is "at", "dot",
-"@" or ".", or is the unfinished last word and may still become one). Everything up to the
+most MAX_PATTERN_CHARS long in the view (its look-ahead included) and its detectors look at most
+two chars behind, so whether a match starts at view position i is decided by
+view[i-2 : i+MAX_PATTERN_CHARS]. A "cut" is a view char no match can contain: anything outside
+`[A-Za-z0-9._%+@()[]{}<>/&#;。-]` and space, or a space that is neither inside a number (between
+two of digit, ")", "(", "-", ".", space) nor next to a spelled-out marker (a bracket, or the word
+before or after it is "at", "dot", "@" or ".", or is the unfinished last word and may still become
+one) nor between two one-char tokens of a spaced-out address ("a l i c e", with an "@" near enough
+or the text not known far enough yet). Everything up to the
 last cut is final and is emitted at once; the trailing candidate run after it (a word that may
 become an e-mail, digits and separators that may become an ID, card or phone, a phrase around
 "at"/"dot") is held. Prose therefore flows with at most one word of delay, two or three around
 the words "at" and "dot". The view is computed char by char, so the view of the held text is the
-held part of the whole text's view; the redactor keeps the last emitted view char as look-behind
+held part of the whole text's view; the redactor keeps the last two emitted view chars as look-behind
 context, and never cuts inside the view of one original char.
 
 Hold-back bound: when the held view grows past max_holdback_chars (>= MAX_PATTERN_CHARS), every
@@ -75,7 +88,11 @@ prose ~46 ms (was 68-79), of 40k Chinese chars 9-10 ms (was 8-13). A region with
 "@", bracket or " at " skips every detector; the held text's view is kept per delta
 (normalize.FoldBuffer), ASCII and one-for-one text without a per-char loop. Worst case seen: a
 phrase of "at"/"dot" words held at the full window, ~0.2 ms a feed (wall, loaded box); each delta
-a digit and 8 invisible characters, ~45 us.
+a digit and 8 invisible characters, ~45 us. With the slash/underscore/8-8/spaced cards, encoded
+and spaced-out addresses (same box, same method, 5 runs each, interleaved; loaded by a CI run, so
++-40%): prose 7-12 us (old code 7-12), card tokens 13-20 us (11-16), Chinese 5-9 us (4-7),
+one-char words "s p e l l e d" 38 us (8; held up to 42 chars while an "@" may still come),
+whole-text of 340k chars of prose 105-130 ms (61-117).
 O(len(held) + len(delta)) per call, the regexes compiled once at import.
 """
 
@@ -96,7 +113,8 @@ _FEW_STARTS = 8  # below this many start positions, _next_match tries each inste
 
 _EMAIL_CHARS = r"A-Za-z0-9._%+\-"
 _ALNUM = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789")
-_SOFT_CHARS = _ALNUM | frozenset("._%+-@()[]{}<>")  # every char but " " that a match may contain
+_SOFT_CHARS = _ALNUM | frozenset("._%+-@()[]{}<>/&#;\u3002")
+_SPACED_CHARS = _ALNUM | frozenset("._%+-@")  # the one-char tokens of "a l i c e @ e x a m p l e . c o m"  # every char but " " that a match may contain
 _SOFT_OR_SPACE = "".join(sorted(_SOFT_CHARS)) + " "
 _BEFORE_SPACE = frozenset("0123456789)-. ")  # a space inside a number always sits between these...
 _AFTER_SPACE = frozenset("0123456789(-. ")  # ...and these
@@ -110,6 +128,7 @@ _NOT_ID_CHARS = re.compile(r"[^0-9Xx]")
 _DIGIT_RUN = re.compile(r"[0-9]+")
 _ID_GROUP = re.compile(r"[0-9]+[Xx]?")
 _GAP = r"(?: ?[.-] ?| {1,2})"  # between two groups of digits: ".", "-", " - ", one or two spaces
+_CARD_GAP = r"(?: ?[.-] ?| {1,2}|[/_])"  # a card's groups may also be joined by "/" or "_"
 
 
 def _is_valid_id(span: str) -> bool:
@@ -157,7 +176,7 @@ def _card_length(span: str) -> int:
     groups = list(_DIGIT_RUN.finditer(span))
     if len(groups) == 1:
         return len(span) if _is_luhn(span) else 0
-    for k in range(len(groups), 2, -1):
+    for k in range(len(groups), 1, -1):  # 2 groups: only the 8-8 shape holds 13 digits
         if _is_luhn("".join(g.group() for g in groups[:k])):
             return groups[k - 1].end()
     return 0
@@ -169,6 +188,15 @@ def _e164_length(span: str) -> int:
 
 def _whole(span: str) -> int:
     return len(span)
+
+
+def _spaced_card_length(span: str) -> int:
+    return len(span) if _is_luhn(span.replace(" ", "")) else 0
+
+
+def _encoded_length(span: str) -> int:
+    """An encoded address needs an encoded "@" or "." (plain ones are the plain detector's)."""
+    return len(span) if _ENCODED_HINT.search(span) else 0
 
 
 def _spelled_length(span: str) -> int:
@@ -191,6 +219,9 @@ def _bracketed(inner: str) -> str:
 
 
 _ATOM = r"[A-Za-z0-9_%+-](?:[A-Za-z0-9._%+-]{0,30}[A-Za-z0-9_%+-])?"
+# a label of the plain detector; "。" (U+3002, and U+FF61 after NFKC) is a dot between labels,
+# but before a final label only when that is a common TLD: "alice@example.com。Thanks" ends at "com"
+_DOMAIN_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
 _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,22}[A-Za-z0-9])?"
 _B_AT, _B_DOT = _bracketed("at|@"), _bracketed(r"dot|\.")
 _TLDS = r"(?:com|net|org|edu|gov|mil|info|biz|io|ai|dev|app|cn|uk|de|fr|jp|ru|ca|au|nl|es|ch|se|br|kr|hk|tw|sg|eu)"
@@ -204,11 +235,33 @@ _SPELLED_AT = (
 # after a bare " at ": spelled dots only, so "look at example.com" stays prose
 _BARE_AT = rf"{_LOCAL} at {_LABEL}(?:(?:{_B_DOT}| dot ){_LABEL}){{0,2}}(?:{_B_DOT}[A-Za-z]{{2,12}}| dot {_TLDS}){_END}"
 
+# "@" and "." percent-encoded or as HTML character references: "alice%40example.com",
+# "alice&#64;example.com", "alice&#x40;example&#46;com", "alice&commat;example&period;com"
+_ENC_AT = r"(?:@|%40|&#0{0,3}64;|&#x0{0,3}40;|&commat;)"
+_ENC_DOT = r"(?:\.|%2e|&#0{0,3}46;|&#x0{0,3}2e;|&period;)"
+_ENCODED = (
+    rf"(?<![A-Za-z0-9._%+\-@&#;])[A-Za-z0-9._%+\-]{{1,32}}{_ENC_AT}"
+    rf"{_LABEL}(?:{_ENC_DOT}{_LABEL}){{0,2}}{_ENC_DOT}[A-Za-z]{{2,12}}(?![A-Za-z0-9-])(?!{_ENC_DOT}[A-Za-z0-9])"
+)
+# every char spaced out: "a l i c e @ e x a m p l e . c o m"; each token is one char, the first
+# not after another such char, the last not before a letter or digit, nor a lone one after a space
+_SPACED = (
+    r"(?<![A-Za-z0-9._%+\-@])[A-Za-z0-9](?: [A-Za-z0-9._%+\-]){0,19} @ "
+    r"[A-Za-z0-9](?: [A-Za-z0-9-]){0,15}(?: \. [A-Za-z0-9](?: [A-Za-z0-9-]){0,15}){0,2}"
+    r" \. [A-Za-z](?: [A-Za-z]){1,5}(?![A-Za-z0-9])(?! [A-Za-z0-9](?![A-Za-z0-9]))"
+)
+# a space inside a _SPACED match has its "@" at most this far after it (20 local tokens)...
+_SPACED_AT_AFTER = 2 * 20
+# ...or at most this far before it (" " + a 31-char label + 2 more of " . " and 31 + " . " and 11)
+_SPACED_AT_BEFORE = 1 + 31 + 2 * 34 + 14
+
 _DIGIT, _PLUS, _AT_SIGN = re.compile("[0-9]"), re.compile(r"\+"), re.compile("@")
 _SPELLED_HINT, _BARE_HINT = re.compile(r"[@\[({<]"), re.compile(" at ", re.IGNORECASE | re.ASCII)
-_ANY_HINT = re.compile(r"[0-9+@\[({<]| at ", re.IGNORECASE | re.ASCII)  # one of the hints above
+_SPACED_DIGITS_HINT = re.compile("[2-6] [0-9] [0-9] [0-9] ")
+_ENCODED_HINT, _SPACED_HINT = re.compile(r"%40|%2e|&", re.IGNORECASE), re.compile(" @ ")
+_ANY_HINT = re.compile(r"[0-9+@\[({<&]| at |%2e", re.IGNORECASE | re.ASCII)  # one of the hints above
 
-# Every pattern looks at most 1 char behind its start and `lookahead` chars past its end.
+# Every pattern looks at most 2 chars behind its start and `lookahead` chars past its end.
 _DETECTORS = (
     _Detector(
         re.compile(
@@ -220,10 +273,17 @@ _DETECTORS = (
     _Detector(
         re.compile(
             rf"(?<![0-9])(?:[2-6][0-9]{{12,18}}"
-            rf"|[2-6][0-9]{{3}}{_GAP}[0-9]{{3,6}}(?:{_GAP}[0-9]{{3,6}}){{1,3}})(?![0-9])"
+            rf"|[2-6][0-9]{{3}}{_CARD_GAP}[0-9]{{3,6}}(?:{_CARD_GAP}[0-9]{{3,6}}){{1,3}}"
+            rf"|[2-6][0-9]{{7}}{_CARD_GAP}[0-9]{{5,11}})(?![0-9])"  # 8-8: "41111111 11111111"
         ),
         _card_length,
         _DIGIT,
+    ),
+    _Detector(  # every digit spaced: exactly 13-19 single digits, not part of a longer run
+        re.compile(r"(?<![0-9])(?<![0-9] )[2-6](?: [0-9]){12,18}(?![0-9])(?! [0-9])"),
+        _spaced_card_length,
+        _SPACED_DIGITS_HINT,
+        lookahead=2,
     ),
     _Detector(
         re.compile(r"(?<![0-9])(?:(?:\+|00)86[ .-]?)?1[3-9][0-9](?P<m>[ .-]?)[0-9]{4}(?P=m)[0-9]{4}(?![0-9])"),
@@ -248,9 +308,9 @@ _DETECTORS = (
     ),
     _Detector(
         re.compile(
-            rf"(?<![{_EMAIL_CHARS}@])(?=[{_EMAIL_CHARS}@]{{6,64}}(?![{_EMAIL_CHARS}@]))"
-            rf"[{_EMAIL_CHARS}]{{1,62}}@(?:[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?\.)+"
-            r"[A-Za-z]{2,24}(?![A-Za-z0-9-])"
+            rf"(?<![{_EMAIL_CHARS}@\u3002])(?=[{_EMAIL_CHARS}@\u3002]{{6,64}}(?![{_EMAIL_CHARS}@\u3002]))"
+            rf"[{_EMAIL_CHARS}]{{1,62}}@(?:{_DOMAIN_LABEL}[.\u3002])*{_DOMAIN_LABEL}"
+            rf"(?:\.[A-Za-z]{{2,24}}|\u3002{_TLDS})(?![A-Za-z0-9-])"
         ),
         _whole,
         _AT_SIGN,
@@ -258,6 +318,8 @@ _DETECTORS = (
     ),
     _Detector(re.compile(_SPELLED_AT, re.IGNORECASE | re.ASCII), _spelled_length, _SPELLED_HINT, lookahead=2),
     _Detector(re.compile(_BARE_AT, re.IGNORECASE | re.ASCII), _whole, _BARE_HINT, lookahead=2),
+    _Detector(re.compile(_ENCODED, re.IGNORECASE | re.ASCII), _encoded_length, _ENCODED_HINT, lookahead=12),
+    _Detector(re.compile(_SPACED, re.IGNORECASE | re.ASCII), _whole, _SPACED_HINT, lookahead=3),
 )
 
 
@@ -289,8 +351,8 @@ def _next_match(detector: _Detector, text: str, pos: int, stop: int) -> tuple[in
 
 
 class _View(NamedTuple):
-    """The normalised text matched on: `lo` chars of context (the last char already emitted, for
-    look-behinds), then the view of the held raw text; origin maps view[lo + k] to its raw index."""
+    """The normalised text matched on: `lo` chars of context (the last two chars already emitted,
+    for look-behinds), then the view of the held raw text; origin maps view[lo + k] to its raw index."""
 
     text: str
     lo: int
@@ -368,6 +430,8 @@ def _space_may_join(text: str, b: int) -> bool:
         return True
     if after in _OPENING or before in _CLOSING or before in _OPENING or after in _CLOSING:
         return True
+    if _between_spaced_chars(text, b):  # "a l i c e @ ..."
+        return True
     j = text.find(" ", b + 1)
     token_after = text[b + 1 : j if j >= 0 else n].lower()
     if token_after in (_MARKERS if j >= 0 else _MARKER_PREFIXES):
@@ -375,6 +439,25 @@ def _space_may_join(text: str, b: int) -> bool:
     i = text.rfind(" ", 0, b)
     token_before = text[i + 1 : b].lower()
     return token_before in _MARKERS or (i < 0 and token_before.endswith(("at", "dot", "@")))
+
+
+def _between_spaced_chars(text: str, b: int) -> bool:
+    """Whether the space text[b] may join two one-char tokens of a spaced-out address (_SPACED):
+    the char before it is not after another token char, the one after it not before a letter or
+    digit (or the text ends there: not known yet)."""
+    n = len(text)
+    if b < 1 or b + 1 >= n:
+        return True
+    if text[b - 1] not in _SPACED_CHARS or text[b + 1] not in _SPACED_CHARS:
+        return False
+    if not ((b < 2 or text[b - 2] not in _SPACED_CHARS) and (b + 2 >= n or text[b + 2] not in _ALNUM)):
+        return False
+    # spaced-out prose with no "@" near enough ("s p e l l e d"): not an address
+    return (
+        b + _SPACED_AT_AFTER >= n
+        or text.find("@", b, b + _SPACED_AT_AFTER + 1) >= 0
+        or text.rfind("@", max(0, b - _SPACED_AT_BEFORE), b) >= 0
+    )
 
 
 def _last_cut_end(text: str, lo: int) -> int:
@@ -397,7 +480,7 @@ class Redactor:
                 f"{max_holdback_chars=} must be >= {MAX_PATTERN_CHARS=}, the longest span a detector matches"
             )
         self.max_holdback_chars = max_holdback_chars
-        self._context = ""  # the view of the last emitted char (look-behind context)
+        self._context = ""  # the view of the last two emitted chars (look-behind context)
         self._held = FoldBuffer(MAX_INVISIBLE_RUN)  # the held text, as received, and its view
         self._num_redacted = 0
 
@@ -433,7 +516,7 @@ class Redactor:
 
     def _emit(self, view: _View, stop: int) -> str:
         """Redacts and emits the held text up to view index stop (a raw boundary), and every match
-        starting before it; keeps the last emitted view char as context."""
+        starting before it; keeps the last two emitted view chars as context."""
         raw = self._held.raw
         spans = _find_spans(view, view.lo, stop)
         end = max(stop, spans[-1][1]) if spans else stop
@@ -441,6 +524,6 @@ class Redactor:
         out = _replace(raw, view, spans, raw_end)
         self._num_redacted += len(spans)
         if end > view.lo:
-            self._context = view.text[end - 1]
+            self._context = view.text[max(0, end - 2) : end]
         self._held.drop(end - view.lo, raw_end)
         return out
