@@ -267,15 +267,16 @@ class CommitPacer:
         return True
 
 
-async def partitions_of(consumer: AIOKafkaConsumer, topic: str) -> set[int]:
+async def partitions_of(consumer: AIOKafkaConsumer, topic: str, wait_s: float = 30.0) -> set[int]:
     """The partitions of `topic`, from fresh metadata; RuntimeError if it does not exist.
 
     (AIOKafkaConsumer.topics() fetches metadata but does not keep it, so partitions_for_topic
     stays empty for a topic it neither subscribes nor is assigned; the fetched metadata is read.)
     """
-    # A topic created a moment ago may take a few rounds to appear; bounded in time, not rounds:
-    # on a busy broker with many topics one round of all the metadata takes a second or more.
-    deadline = asyncio.get_running_loop().time() + 5.0
+    # A topic created a moment ago may take a while to appear (seconds on a loaded machine: a
+    # service started beside `weir topics create`); bounded in time (`wait_s`), not in rounds,
+    # since one round of all the metadata takes a second or more on a busy broker.
+    deadline = asyncio.get_running_loop().time() + wait_s
     while True:
         metadata = await consumer._client.fetch_all_metadata()  # noqa: SLF001 - see above
         partitions = metadata.partitions_for_topic(topic)

@@ -3,7 +3,7 @@
 FakeWorker answers GenerateRequests straight from the requests topic (no batcher), by what the
 prompt asks for:
 - default: deltas "Hello", ", ", "world" with seq 0, 1, 1 (a repeat), 2, then ReplyEnd(stop) at 3;
-- "slow": one delta ("Hello "), then waits for a Cancellation and answers ReplyEnd(cancelled);
+- "slow": one delta ("Hello, "), then waits for a Cancellation and answers ReplyEnd(cancelled);
 - "hang": never answers; "reject": ReplyEnd(rejected, queue_full) at seq 0;
 - "drip": deltas "t0 " .. "t19 " every 50 ms, then ReplyEnd(stop); a Cancellation ends it early
   (ReplyEnd(cancelled)); `generated[request_id]` counts the deltas it produced;
@@ -108,7 +108,9 @@ class FakeWorker:
             await self._send(request, end)
             return
         if "slow" in prompt:
-            await self._send(request, ReplyDelta(request_id=rid, seq=0, text="Hello "))  # a whole word: not held back
+            # "Hello," leaves at once; the output guard holds the trailing space (and a bare trailing
+            # word) until the next delta shows it does not start a spelled-out address (" at ...")
+            await self._send(request, ReplyDelta(request_id=rid, seq=0, text="Hello, "))
             deadline = time.monotonic() + 20
             while not self.cancels_of(rid) and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)

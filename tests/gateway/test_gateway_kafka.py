@@ -95,13 +95,16 @@ async def test_sse_wire_shape(stack: Stack) -> None:
     assert response.headers["content-type"].startswith("text/event-stream")
     request_id = response.headers["x-request-id"]
     events = parse_sse(response.text)
-    # The output guard holds a trailing word until it cannot become an e-mail address: "Hello"
-    # leaves with the delta ", " (seq 1), "world" with the terminal (seq 3).
-    assert [e["id"] for e in events] == ["1", "3", "3", "3"]
+    # The output guard holds a trailing word until it cannot become an e-mail address, and a
+    # trailing space until the next word shows it is not " at" or " dot" (redaction.py): "Hello,"
+    # leaves with the delta ", " (seq 1), the space with "world" (seq 2), "world" with the
+    # terminal (seq 3).
+    assert [e["id"] for e in events] == ["1", "2", "3", "3", "3"], events
     assert events[-1]["data"] == "[DONE]"
     first = orjson.loads(events[0]["data"])
-    assert first["id"] == request_id and first["choices"][0]["delta"] == {"role": "assistant", "content": "Hello, "}
-    assert orjson.loads(events[1]["data"])["choices"][0]["delta"] == {"content": "world"}
+    assert first["id"] == request_id and first["choices"][0]["delta"] == {"role": "assistant", "content": "Hello,"}
+    assert [orjson.loads(e["data"])["choices"][0]["delta"] for e in events[1:3]] == [{"content": " "},
+                                                                                     {"content": "world"}]
 
 
 async def test_errors_keep_openai_format(stack: Stack) -> None:
@@ -181,7 +184,7 @@ async def test_websocket_streams_and_cancels(stack: Stack) -> None:
 
         await ws.send('{"type": "completions", "body": {"model": "echo", "prompt": "slow"}}')
         first = orjson.loads(await ws.recv())
-        assert first["object"] == "text_completion" and first["choices"][0]["text"] == "Hello "
+        assert first["object"] == "text_completion" and first["choices"][0]["text"] == "Hello,"
         await ws.send('{"type": "cancel"}')
         assert orjson.loads(await ws.recv()) == {"type": "cancelled", "request_id": first["id"]}
         cancels = await eventually(lambda: stack.worker.cancels_of(first["id"]))
