@@ -99,6 +99,22 @@ def replies_in(records) -> list:
     return found
 
 
+async def produce_and_time(topic: str, records, reply_topic: str, want: set[str], timeout_s: float):
+    """Produce `records`, then read `reply_topic` until every request of `want` has ended: the
+    replies read, and each wanted request's seconds from the produce to its end."""
+    started = time.monotonic()
+    await produce(BOOTSTRAP, topic, records)
+    arrivals: dict[str, float] = {}
+
+    def all_ended(rs) -> bool:
+        for rid in ends_of(rs):
+            arrivals.setdefault(rid, time.monotonic() - started)
+        return want <= set(arrivals)
+
+    replies = await read_until(BOOTSTRAP, [reply_topic], all_ended, timeout_s=timeout_s)
+    assert want <= set(arrivals), f"normal requests unanswered: {sorted(want - set(arrivals))}"
+    return replies, arrivals
+
 async def test_bad_reply_to_records_harm_nobody_else(pipeline):
     topics, worker = pipeline
     good, missing = topics.replies("good"), topics.replies(f"nobody-{uuid.uuid4().hex[:6]}")
@@ -111,18 +127,8 @@ async def test_bad_reply_to_records_harm_nobody_else(pipeline):
     normal = [raw_request(f"ok-{i}-{uuid.uuid4().hex[:6]}", good) for i in range(10)]
     records = [*bad[:4], dropped, *normal[:5], unknown_model, *bad[4:], *normal[5:]]
 
-    started = time.monotonic()
-    await produce(BOOTSTRAP, topics.requests, records)
     want = {rid for rid, _ in normal}
-    arrivals: dict[str, float] = {}
-
-    def all_ended(rs) -> bool:
-        for rid in ends_of(rs):
-            arrivals.setdefault(rid, time.monotonic() - started)
-        return want <= set(arrivals)
-
-    replies = await read_until(BOOTSTRAP, [good], all_ended, timeout_s=PROMPTLY_S + 15)
-    assert want <= set(arrivals), f"normal requests unanswered: {sorted(want - set(arrivals))}"
+    replies, arrivals = await produce_and_time(topics.requests, records, good, want, PROMPTLY_S + 15)
     slowest = max(arrivals[rid] for rid in want)
     assert slowest < PROMPTLY_S, f"a normal request took {slowest:.1f} s: {arrivals}"
     ends = ends_of(replies)
@@ -207,18 +213,8 @@ async def test_a_reply_topic_that_never_appears_holds_up_nobody(creating_pipelin
     normal = [raw_request(f"ok-{i}-{uuid.uuid4().hex[:6]}", good) for i in range(10)]
     dropped_before = worker.servers[0].publisher.num_dropped
 
-    started = time.monotonic()
-    await produce(BOOTSTRAP, topics.requests, [end_here, run, *normal])
     want = {rid for rid, _ in normal}
-    arrivals: dict[str, float] = {}
-
-    def all_ended(rs) -> bool:
-        for rid in ends_of(rs):
-            arrivals.setdefault(rid, time.monotonic() - started)
-        return want <= set(arrivals)
-
-    await read_until(BOOTSTRAP, [good], all_ended, timeout_s=30)
-    assert want <= set(arrivals), f"normal requests unanswered: {sorted(want - set(arrivals))}"
+    _, arrivals = await produce_and_time(topics.requests, [end_here, run, *normal], good, want, 30)
     slowest = max(arrivals[rid] for rid in want)
     assert slowest < 6, f"a normal request took {slowest:.1f} s, behind the 10 s wait for {never}: {arrivals}"
 
