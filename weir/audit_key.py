@@ -52,16 +52,8 @@ def resolve_audit_key(setting: str | None, *, create: bool, home: Path | None = 
     made first when `create` (services, `weir up`). Raises AuditKeyError."""
     if setting:
         return parse_key(setting)
-    path = key_file(home)
-    if create:
-        ensure_key_file(path)
-    elif not path.exists():
-        raise AuditKeyError(
-            f"no audit key: WEIR_AUDIT_HMAC_KEY is not set and {path} does not exist (the workers of "
-            "this deployment make it on their first start, as `weir up` does; or set WEIR_HOME to that "
-            "deployment's, or WEIR_AUDIT_HMAC_KEY to its key)"
-        )
-    return read_key_file(path)
+    return _key_from_file(key_file(home), create, "audit key", "WEIR_AUDIT_HMAC_KEY",
+                          "the workers of this deployment make it")  # fmt: skip
 
 
 def checkpoint_key_file(home: Path | None = None) -> Path:
@@ -78,16 +70,20 @@ def resolve_checkpoint_key(setting: str | None, *, create: bool, home: Path | No
             raise AuditKeyError("WEIR_AUDIT_CHECKPOINT_KEY is shorter than 16 bytes; "
                                 "use 32 random bytes as hex:<64 digits>")
         return key
-    path = checkpoint_key_file(home)
+    return _key_from_file(checkpoint_key_file(home), create, "checkpoint key", "WEIR_AUDIT_CHECKPOINT_KEY",
+                          "the auditor of this deployment makes it")  # fmt: skip
+
+
+def _key_from_file(path: Path, create: bool, what: str, variable: str, who_makes_it: str) -> bytes:
+    """The key in `path`, made first when `create`; AuditKeyError saying the fix when it is missing."""
     if create:
         ensure_key_file(path)
     elif not path.exists():
         raise AuditKeyError(
-            f"no checkpoint key: WEIR_AUDIT_CHECKPOINT_KEY is not set and {path} does not exist (the auditor of "
-            "this deployment makes it on its first start, as `weir up` does; set WEIR_HOME to that deployment's, "
-            "or WEIR_AUDIT_CHECKPOINT_KEY to its key)"
+            f"no {what}: {variable} is not set and {path} does not exist ({who_makes_it} on its first start, "
+            f"as `weir up` does; or set WEIR_HOME to that deployment's, or {variable} to its key)"
         )
-    return read_key_file(path, "checkpoint key")
+    return read_key_file(path, what)
 
 
 def ensure_key_file(path: Path) -> bool:
