@@ -98,33 +98,20 @@ def wait_all_ready(
     # Side by side: a service binds its port before it connects to Kafka, so until it serves, a
     # probe of it waits for its whole timeout; one after another they hid the others for seconds.
     with ThreadPoolExecutor(max_workers=len(board.names), thread_name_prefix="readyz") as pool:
-        while not _poll_once(board, probe_of, dead, log_tail, deadline_s, say, pool):
+        while True:
+            if exited := dead():
+                raise RuntimeError(f"{exited[0]} exited during startup:\n{log_tail(exited[0])}")
+            waiting = board.waiting_for()
+            answers = list(pool.map(probe_of, waiting))
+            now = time.monotonic()
+            for name, found in zip(waiting, answers, strict=True):
+                for line in board.update(name, found, now):
+                    say(line)
+            if board.is_all_ready:
+                return
+            if (still_waiting := board.waiting_line(now)) is not None:
+                say(still_waiting)
+            if now > deadline_s:
+                still = ", ".join(f"{n} ({board.reasons.get(n, NOT_ANSWERING)})" for n in board.waiting_for())
+                raise TimeoutError(f"not ready in time: {still}")
             time.sleep(poll_s)
-
-
-def _poll_once(
-    board: ReadinessBoard,
-    probe_of: Callable[[str], Probe],
-    dead: Callable[[], list[str]],
-    log_tail: Callable[[str], str],
-    deadline_s: float,
-    say: Callable[[str], None],
-    pool: ThreadPoolExecutor,
-) -> bool:
-    """One round of wait_all_ready; True once everything is ready."""
-    if exited := dead():
-        raise RuntimeError(f"{exited[0]} exited during startup:\n{log_tail(exited[0])}")
-    waiting = board.waiting_for()
-    answers = list(pool.map(probe_of, waiting))
-    now = time.monotonic()
-    for name, found in zip(waiting, answers, strict=True):
-        for line in board.update(name, found, now):
-            say(line)
-    if board.is_all_ready:
-        return True
-    if (still_waiting := board.waiting_line(now)) is not None:
-        say(still_waiting)
-    if now > deadline_s:
-        still = ", ".join(f"{n} ({board.reasons.get(n, NOT_ANSWERING)})" for n in board.waiting_for())
-        raise TimeoutError(f"not ready in time: {still}")
-    return False
