@@ -26,12 +26,14 @@ from schemas.messages import (
     UsageRecord,
     WorkerHeartbeat,
 )
+from schemas.registry import ModelHealthEvent, ModelRoute, ModelVersionRecord, RegistryRecord
 from schemas.topics import Topics
 
 M = TypeVar("M", bound=BaseModel)
 
 _REPLY = TypeAdapter(ReplyEvent)
 _REQUEST: TypeAdapter[GenerateRequest | EmbedRequest] = TypeAdapter(AnyRequest)
+_REGISTRY_RECORD: TypeAdapter[RegistryRecord] = TypeAdapter(RegistryRecord)
 _AUDIT_RECORD: TypeAdapter[AuditEvent | ReviewFlag] = TypeAdapter(AuditRecord)
 
 # name -> type; the JSON Schema of each is exported to schemas/json/ and pinned by golden tests.
@@ -53,6 +55,10 @@ WIRE_TYPES: dict[str, Any] = {
     "FileChunk": FileChunk,
     "BatchJob": BatchJob,
     "JobCommand": JobCommand,
+    "ModelVersionRecord": ModelVersionRecord,
+    "ModelRoute": ModelRoute,
+    "RegistryRecord": _REGISTRY_RECORD,
+    "ModelHealthEvent": ModelHealthEvent,
 }
 
 
@@ -103,6 +109,11 @@ def reply_address(data: bytes | None, topics: Topics) -> tuple[str, str] | None:
 def decode_audit_record(data: bytes | None) -> AuditEvent | ReviewFlag:
     """Parse a record of `weir.audit` by its `kind` field (AuditEvent when absent, "review_flag")."""
     return _validated(_AUDIT_RECORD.validate_json, "audit record", data)
+
+
+def decode_registry_record(data: bytes | None) -> ModelVersionRecord | ModelRoute:
+    """Parse a record of the model registry topic by its `kind` field ("version" or "route")."""
+    return _validated(_REGISTRY_RECORD.validate_json, "registry record", data)
 
 
 def _validated(validate: Any, what: str, data: bytes | None) -> Any:

@@ -260,6 +260,31 @@ class DeviceInfo(BaseModel):
     utilization_pct: float | None = Field(None, description="Compute utilisation, percent (NVML).")
 
 
+VersionState = Literal[
+    "verifying",  # checking every file against the manifest
+    "loading",  # building the engine
+    "golden",  # running its golden requests
+    "ready",  # serving: the batcher may route to it
+    "draining",  # no new batches; finishing what runs, then unloaded
+    "unhealthy",  # a golden check departed from the expected output: out of routing, being reloaded
+    "failed",  # could not be verified or loaded (reason says why); requests for it are refused
+    "refused",  # does not fit the worker's memory budget; the worker keeps serving what it has
+]
+
+
+class VersionStatus(BaseModel):
+    """One version on one worker, as its heartbeat reports it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    state: VersionState
+    reason: str | None = Field(None, max_length=2048, description="Why failed, refused or unhealthy.")
+    digest: str = Field("", description="ModelManifest.digest() of the version loaded.")
+    budget_bytes: int = Field(0, ge=0, description="The memory slice it was given.")
+    used_bytes: int = Field(0, ge=0, description="Memory it takes now (weights + KV cache).")
+    golden_checked_ms: int | None = Field(None, description="When its goldens last ran, epoch ms.")
+
+
 class WorkerHeartbeat(_Wire):
     """A worker's capacity, on the compacted `weir.workers` keyed by worker_id."""
 
@@ -282,6 +307,11 @@ class WorkerHeartbeat(_Wire):
         "below it are already counted in free_kv_blocks, so the batcher stops counting them against its room.",
     )
     devices: list[DeviceInfo] = Field(default_factory=list, description="Devices of the worker.")
+    versions: dict[str, VersionStatus] = Field(
+        default_factory=dict,
+        description="Per model version (name@version) the worker holds or tried to: its state (only 'ready' ones "
+        "are routed to), memory slice and reason (docs/design.md, \"The model registry\").",
+    )
     sent_ms: int = Field(default_factory=now_ms, description="When it was sent, epoch ms.")
 
 

@@ -38,12 +38,14 @@ load time with a message that names the entry and the field.
 
 from __future__ import annotations
 
+import re
 import tomllib
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, ValidationError, field_validator
 
+VERSION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 Engine = Literal["torch", "onnx", "echo"]
 LanePolicy = Literal["strict", "weighted", "fifo"]
 
@@ -91,9 +93,21 @@ class ModelConfig(BaseModel):
     @field_validator("name")
     @classmethod
     def _name_chars(cls, value: str) -> str:
-        if any(ch.isspace() for ch in value):
-            raise ValueError("must not contain whitespace")
+        if any(ch.isspace() for ch in value) or "@" in value:
+            raise ValueError("must not contain whitespace or '@' (name@version names one version)")
         return value
+
+    @field_validator("version")
+    @classmethod
+    def _version_chars(cls, value: str) -> str:
+        if not VERSION_RE.fullmatch(value):
+            raise ValueError("must be 1-64 characters of letters, digits, '.', '_' and '-', starting with a letter or digit")
+        return value
+
+    @property
+    def served_id(self) -> str:
+        """name@version: the one version this entry serves (schemas/registry.py)."""
+        return f"{self.name}@{self.version}"
 
 
 class ModelRepository(BaseModel):

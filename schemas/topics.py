@@ -6,6 +6,7 @@ or a group asks here; nothing else spells a topic name.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass, field
 
@@ -23,6 +24,16 @@ _PRODUCER_SUFFIX = r"\.[a-z0-9][a-z0-9_-]{0,62}"
 def safe_name(name: str) -> str:
     """Return `name` with every character Kafka refuses in a topic name replaced by '_'."""
     return _TOPIC_CHARS.sub("_", name)
+
+
+def _served_suffix(model: str) -> str:
+    """'<safe name>.<safe version>.<8 hex of blake2b(model)>' for 'name@version'; the safe name
+    alone for a bare name. Empty for '' (the prefix every such topic starts with: ACLs grant it)."""
+    name, at, version = model.rpartition("@")
+    if not at:
+        return safe_name(model)
+    digest = hashlib.blake2b(model.encode(), digest_size=4).hexdigest()
+    return f"{safe_name(name)}.{safe_name(version)}.{digest}"
 
 
 def topic_name_problem(name: object) -> str | None:
@@ -146,8 +157,20 @@ class Topics:
         return f"{self.prefix}.jobrunner"
 
     def batches(self, model: str) -> str:
-        """Batches of `model` from the batcher to that model's workers."""
-        return f"{self.prefix}.batches.{safe_name(model)}"
+        """Batches of one model version (`name@version`, schemas/registry.py) from the batcher to
+        the workers that serve it. The name is readable and, through a short hash of the exact
+        served id, unique: 'a_b@1' and 'a.b@1' (same safe_name) never share a topic."""
+        return f"{self.prefix}.batches.{_served_suffix(model)}"
+
+    @property
+    def models(self) -> str:
+        """The model registry (compacted): versions, manifests, routes (schemas/registry.py)."""
+        return f"{self.prefix}.models"
+
+    @property
+    def model_health(self) -> str:
+        """What happened to model versions on workers: loads, failures, golden checks, rollbacks."""
+        return f"{self.prefix}.models.health"
 
     def producer_requests(self, producer: str) -> str:
         """The request topic of one outside producer (a Kafka user of a secure deployment, see
@@ -208,8 +231,9 @@ class Topics:
         return f"{self.prefix}.auditor"
 
     def worker_group(self, model: str) -> str:
-        """Consumer group of the workers of `model`: Kafka spreads its batches among them."""
-        return f"{self.prefix}.worker.{safe_name(model)}"
+        """Consumer group of the workers of one model version (`name@version`): Kafka spreads its
+        batches among them."""
+        return f"{self.prefix}.worker.{_served_suffix(model)}"
 
     def core_specs(self) -> list[TopicSpec]:
         """The topics that exist independent of the model repository."""
@@ -225,6 +249,8 @@ class Topics:
             TopicSpec(self.files, 4, _FILES),
             TopicSpec(self.jobs, 1, _COMPACT),
             TopicSpec(self.job_commands, 4, _DELETE_7D),
+            TopicSpec(self.models, 1, _COMPACT),
+            TopicSpec(self.model_health, 1, _DELETE_7D),
         ]
 
     def model_specs(self, model: str) -> list[TopicSpec]:

@@ -7,7 +7,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from schemas import messages
+from schemas import messages, registry
 from schemas.codec import (
     DecodeError,
     decode,
@@ -29,7 +29,8 @@ TYPES = {
     "ApiKeyRecord": messages.ApiKeyRecord, "UsageRecord": messages.UsageRecord,
     "EmbedRequest": messages.EmbedRequest, "ReplyEndEmbeddings": messages.ReplyEnd,
     "FileChunk": messages.FileChunk, "BatchJob": messages.BatchJob, "JobCommand": messages.JobCommand,
-    "ReviewFlag": messages.ReviewFlag,
+    "ReviewFlag": messages.ReviewFlag, "ModelVersionRecord": registry.ModelVersionRecord,
+    "ModelRoute": registry.ModelRoute, "ModelHealthEvent": registry.ModelHealthEvent,
 }  # fmt: skip
 
 

@@ -1,0 +1,261 @@
+"""The model registry's wire types and its pure state: versions, manifests, routes, health.
+
+A model *version* is `name@version` (docs/design.md, invariant 10). The registry's state is the
+compacted topic `<prefix>.models` (Topics.models), one record per key:
+
+    version:<name>@<version>   ModelVersionRecord: its manifest (sha256 and size of every file,
+                               engine, format, where it is stored, how it is served), an optional
+                               Ed25519 signature, its golden requests, and what the operators
+                               want of it (desired: loaded, unloaded, retired)
+    route:<name>               ModelRoute: which version of the name serves requests that do not
+                               pin one (`model: "name"`), and the one before it (for rollback)
+
+A null value (tombstone) deletes a key. There is no other database: every service folds the topic
+from its beginning into a `RegistryState` and keeps following it. What workers *do* with a version
+(verifying, loading, ready, failed, unhealthy, draining) is not registry state: each worker says it
+for itself in its heartbeat (WorkerHeartbeat.versions) and, for events, on `<prefix>.models.health`.
+
+`models.toml` seeds a local deployment: each of its entries is a version registered as loaded
+and, when its name has no route yet, the name's default (weir/registry.py: seed_records).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Annotated, Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from schemas.messages import VersionState, VersionStatus, _Wire, now_ms
+from schemas.model_repo import VERSION_RE, ModelConfig
+
+VERSION_KEY = "version:"
+ROUTE_KEY = "route:"
+
+Desired = Literal["loaded", "unloaded", "retired"]
+
+
+def served_id(name: str, version: str) -> str:
+    """`name@version`: how replies, heartbeats, audit records and batches name a model version."""
+    return f"{name}@{version}"
+
+
+def split_ref(ref: str) -> tuple[str, str | None]:
+    """('name', 'version') of `name@version`, ('name', None) of a bare name. A name never holds '@'
+    (schemas/model_repo.py refuses it), so the last '@' splits."""
+    name, at, version = ref.rpartition("@")
+    return (name, version) if at else (ref, None)
+
+
+def version_problem(version: object) -> str | None:
+    """Why `version` cannot be a model version string, or None when it can."""
+    if not isinstance(version, str) or not VERSION_RE.fullmatch(version):
+        return (f"version {version!r} must be 1-64 characters of letters, digits, '.', '_' and '-', "
+                "starting with a letter or digit")  # fmt: skip
+    return None
+
+
+class ManifestFile(BaseModel):
+    """One file of a model version: its path inside the model directory, sha256 and size."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    path: str = Field(min_length=1, max_length=1024, description="Relative POSIX path inside the model directory.")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="sha256 of the file's bytes, hex.")
+    size_bytes: int = Field(ge=0, description="Size of the file in bytes.")
+
+    @field_validator("path")
+    @classmethod
+    def _relative(cls, value: str) -> str:
+        parts = value.split("/")
+        if value.startswith("/") or "\\" in value or any(p in ("", ".", "..") for p in parts):
+            raise ValueError("must be a relative path inside the model directory, without '.', '..' or '\\'")
+        return value
+
+
+class ModelManifest(BaseModel):
+    """What a version is: every file with its digest, how it runs, where it is stored.
+
+    `serving` holds the model repository entry's fields (schemas/model_repo.py: ModelConfig,
+    without name, version and path): engine, batch bounds, max_model_len, warmup... `location`
+    is the directory that holds the files on the workers' storage. The manifest's own digest
+    (`digest()`, over its canonical JSON) is what a signature signs and what
+    `x-weir-model-version` shows a prefix of.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1, max_length=128, description="Model name.")
+    version: str = Field(description="Version string.")
+    format: Literal["safetensors", "onnx", "echo", "package"] = Field(description="How the weights are stored.")
+    location: str = Field(description="Directory holding the files ('' for engine echo).")
+    files: list[ManifestFile] = Field(default_factory=list, description="Every file, sorted by path.")
+    serving: dict = Field(default_factory=dict, description="ModelConfig fields besides name, version, path.")
+    created_ms: int = Field(default_factory=now_ms, description="When it was packed, epoch ms.")
+
+    @field_validator("version")
+    @classmethod
+    def _version(cls, value: str) -> str:
+        problem = version_problem(value)
+        if problem:
+            raise ValueError(problem)
+        return value
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if "@" in value or any(ch.isspace() for ch in value):
+            raise ValueError("must not contain '@' or whitespace")
+        return value
+
+    def canonical(self) -> bytes:
+        """The bytes a signature covers: sorted-key JSON of every field."""
+        return orjson.dumps(self.model_dump(mode="json"), option=orjson.OPT_SORT_KEYS)
+
+    def digest(self) -> str:
+        """sha256 (hex) of canonical(): the identity of this exact version."""
+        return hashlib.sha256(self.canonical()).hexdigest()
+
+    @property
+    def served_id(self) -> str:
+        return served_id(self.name, self.version)
+
+    def config(self) -> ModelConfig:
+        """The model repository entry this manifest serves (path = location)."""
+        extra = {"path": self.location} if self.location else {}
+        return ModelConfig(name=self.name, version=self.version, **extra, **self.serving)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size_bytes for f in self.files)
+
+
+class ManifestSignature(BaseModel):
+    """An Ed25519 signature over ModelManifest.canonical(), by the key `key_id` names."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    algorithm: Literal["ed25519"] = "ed25519"
+    key_id: str = Field(min_length=1, max_length=128, description="Which trusted public key verifies it.")
+    signature_hex: str = Field(pattern=r"^[0-9a-f]{128}$", description="The 64-byte signature, hex.")
+
+
+class GoldenCase(BaseModel):
+    """A golden request and its expected output, recorded at push with greedy decoding."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["generate", "embed"] = "generate"
+    prompt: str = Field(min_length=1, max_length=4096, description="The prompt (or the text to embed).")
+    max_tokens: int = Field(8, ge=1, le=256, description="generate: tokens to produce (greedy).")
+    expected_token_ids: list[int] = Field(default_factory=list, description="generate: the expected tokens.")
+    expected_vector: list[float] = Field(default_factory=list, description="embed: the expected vector.")
+    min_cosine: float = Field(0.999, gt=0, le=1, description="embed: least cosine similarity that passes.")
+
+
+class ModelVersionRecord(_Wire):
+    """Registry record `version:<name>@<version>`."""
+
+    kind: Literal["version"] = "version"
+    manifest: ModelManifest = Field(description="The version's identity and files.")
+    signature: ManifestSignature | None = Field(None, description="Ed25519 signature of the manifest, if signed.")
+    goldens: list[GoldenCase] = Field(default_factory=list, description="Golden requests with expected outputs.")
+    desired: Desired = Field("loaded", description="What operators want: loaded, unloaded, or retired (never again).")
+    budget_bytes: int | None = Field(
+        None, ge=0, description="Memory the version may take on a worker (weights + KV cache); None: the worker's default."
+    )
+    registered_by: str = Field("", max_length=256, description="Who registered or last changed it.")
+    updated_ms: int = Field(default_factory=now_ms, description="When this record was written, epoch ms.")
+
+    @property
+    def served_id(self) -> str:
+        return self.manifest.served_id
+
+    @property
+    def key(self) -> str:
+        return VERSION_KEY + self.served_id
+
+
+class ModelRoute(_Wire):
+    """Registry record `route:<name>`: the version that serves a bare `name`."""
+
+    kind: Literal["route"] = "route"
+    name: str = Field(min_length=1, max_length=128, description="Model name.")
+    default_version: str = Field(description="The version requests for the bare name go to.")
+    previous_version: str | None = Field(None, description="The default before the last promotion (rollback target).")
+    reason: str = Field("", max_length=1024, description="Why it was last changed (promote, rollback: golden failed...).")
+    updated_ms: int = Field(default_factory=now_ms, description="When this record was written, epoch ms.")
+
+    @property
+    def key(self) -> str:
+        return ROUTE_KEY + self.name
+
+
+class ModelHealthEvent(_Wire):
+    """On `<prefix>.models.health`: something happened to a version on a worker."""
+
+    worker_id: str = Field(description="The worker.")
+    model: str = Field(description="name@version.")
+    event: Literal["loaded", "load_failed", "refused", "golden_failed", "golden_passed", "reloaded", "unloaded",
+                   "rolled_back"] = Field(description="What happened.")  # fmt: skip
+    detail: str = Field("", max_length=4096, description="The reason, for a person.")
+    created_ms: int = Field(default_factory=now_ms, description="When, epoch ms.")
+
+
+RegistryRecord = Annotated[ModelVersionRecord | ModelRoute, Field(discriminator="kind")]
+
+
+class RegistryState:
+    """The registry folded from its topic: versions by served id, routes by name. Pure."""
+
+    def __init__(self) -> None:
+        self.versions: dict[str, ModelVersionRecord] = {}
+        self.routes: dict[str, ModelRoute] = {}
+
+    def apply(self, key: str, record: ModelVersionRecord | ModelRoute | None) -> None:
+        """Take one record (None: a tombstone of `key`)."""
+        if key.startswith(VERSION_KEY):
+            if record is None:
+                self.versions.pop(key[len(VERSION_KEY) :], None)
+            elif isinstance(record, ModelVersionRecord) and record.key == key:
+                self.versions[record.served_id] = record
+        elif key.startswith(ROUTE_KEY):
+            if record is None:
+                self.routes.pop(key[len(ROUTE_KEY) :], None)
+            elif isinstance(record, ModelRoute) and record.key == key:
+                self.routes[record.name] = record
+
+    def names(self) -> list[str]:
+        return sorted({r.manifest.name for r in self.versions.values()} | set(self.routes))
+
+    def versions_of(self, name: str) -> list[ModelVersionRecord]:
+        return sorted((r for r in self.versions.values() if r.manifest.name == name), key=lambda r: r.updated_ms)
+
+    def default_version(self, name: str) -> str | None:
+        """The version a bare `name` goes to: its route's default, when that version is registered
+        and not retired; None otherwise."""
+        route = self.routes.get(name)
+        if route is None:
+            return None
+        record = self.versions.get(served_id(name, route.default_version))
+        return route.default_version if record is not None and record.desired != "retired" else None
+
+    def resolve(self, ref: str) -> tuple[ModelVersionRecord | None, str | None]:
+        """(the version record `ref` names, None) or (None, why not). `ref` is `name` (its default
+        version) or `name@version` (that version, pinned)."""
+        name, version = split_ref(ref)
+        if version is None:
+            version = self.default_version(name)
+            if version is None:
+                return None, f"model {name!r} has no default version in the registry"
+        record = self.versions.get(served_id(name, version))
+        if record is None:
+            return None, f"model version {served_id(name, version)!r} is not registered"
+        if record.desired != "loaded":
+            return None, f"model version {record.served_id!r} is {record.desired}"
+        return record, None
+
+    def wanted_loaded(self) -> list[ModelVersionRecord]:
+        """Every version operators want loaded."""
+        return [r for r in self.versions.values() if r.desired == "loaded"]

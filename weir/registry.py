@@ -1,0 +1,117 @@
+"""Following and writing the model registry (the compacted `<prefix>.models`, schemas/registry.py).
+
+Every service that needs to know the models (the gateway: what exists and its bounds; the
+batcher: where a name's requests go; the worker: what to load) runs a RegistryFollower: it reads
+the topic from its beginning to its end before the service serves, then keeps following it, and
+calls `on_change` after every change, on the loop. A record that is not a valid registry record
+is skipped with a log line (the topic is written by `weir models` and the seeders; docs/design.md,
+invariant 6): it changes nothing.
+
+`seed_records` turns a models.toml into the records that register its entries: the local
+deployment's registry seeds itself from the file (docs/design.md, "The model registry").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Iterable
+
+from aiokafka import TopicPartition
+
+from schemas.codec import decode_registry_record, encode
+from schemas.model_repo import ModelRepository
+from schemas.registry import ModelRoute, ModelVersionRecord, RegistryState
+from weir.bus import BusSettings, make_consumer, make_producer, partitions_of
+
+log = logging.getLogger(__name__)
+
+class RegistryFollower:
+    """The registry's state, read to the end at start() and followed until stop()."""
+
+    def __init__(self, settings: BusSettings, client_id: str, on_change: Callable[[], None] | None = None) -> None:
+        self.settings = settings
+        self.client_id = client_id
+        self.state = RegistryState()
+        self.on_change = on_change
+        self._consumer = None
+        self._task: asyncio.Task[None] | None = None
+        self.num_skipped = 0  # records that were not registry records
+
+    async def start(self) -> None:
+        topic = self.settings.topics.models
+        self._consumer = make_consumer(self.settings, client_id=self.client_id, group_id=None)
+        await self._consumer.start()
+        tps = [TopicPartition(topic, p) for p in sorted(await partitions_of(self._consumer, topic))]
+        self._consumer.assign(tps)
+        await self._consumer.seek_to_beginning(*tps)
+        ends = await self._consumer.end_offsets(tps)
+        while any([await self._consumer.position(tp) < end for tp, end in ends.items()]):
+            self._apply(await self._consumer.getmany(timeout_ms=200))
+        self._task = asyncio.create_task(self._follow(), name="registry-follower")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._consumer is not None:
+            await self._consumer.stop()
+
+    async def _follow(self) -> None:
+        while True:
+            self._apply(await self._consumer.getmany(timeout_ms=500))
+
+    def _apply(self, batches: dict) -> None:
+        changed = False
+        for records in batches.values():
+            for message in records:
+                key = message.key.decode(errors="replace") if message.key else ""
+                if message.value is None:
+                    self.state.apply(key, None)
+                    changed = True
+                    continue
+                try:
+                    record = decode_registry_record(message.value)
+                except ValueError as exc:
+                    self.num_skipped += 1
+                    log.warning("registry record at %s/%d skipped: %s", message.topic, message.offset, exc)
+                    continue
+                if record.key != key:
+                    self.num_skipped += 1
+                    log.warning("registry record at %s/%d skipped: its key %r is not %r", message.topic,
+                                message.offset, key, record.key)  # fmt: skip
+                    continue
+                self.state.apply(key, record)
+                changed = True
+        if changed and self.on_change is not None:
+            self.on_change()
+
+
+async def publish(settings: BusSettings, records: Iterable[ModelVersionRecord | ModelRoute], client_id: str = "weir-models") -> None:
+    """Write registry records (acks=all), each under its key."""
+    producer = make_producer(settings, client_id)
+    await producer.start()
+    try:
+        for record in records:
+            await producer.send_and_wait(settings.topics.models, encode(record), key=record.key.encode())
+    finally:
+        await producer.stop()
+
+
+def seed_records(repo: ModelRepository, state: RegistryState, registered_by: str = "models.toml") -> list[ModelVersionRecord | ModelRoute]:
+    """The records that register `repo`'s entries not yet in `state`: each as a loaded version
+    (packed from its directory, which must exist: build GGUF imports and ONNX exports first),
+    and a route to it for each name without one. An entry whose version is registered already is
+    left as the registry has it (a registry version is immutable: a changed directory is a new
+    version, `weir models push`)."""
+    from weir.models.manifest import pack  # hashes files: only where seeding happens
+
+    out: list[ModelVersionRecord | ModelRoute] = []
+    for config in repo.models.values():
+        if config.served_id not in state.versions:
+            out.append(ModelVersionRecord(manifest=pack(config), desired="loaded", registered_by=registered_by))
+        if config.name not in state.routes:
+            out.append(ModelRoute(name=config.name, default_version=config.version, reason=f"seeded from {registered_by}"))
+    return out
