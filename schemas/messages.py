@@ -280,6 +280,7 @@ class VersionStatus(BaseModel):
     state: VersionState
     reason: str | None = Field(None, max_length=2048, description="Why failed, refused or unhealthy.")
     digest: str = Field("", description="ModelManifest.digest() of the version loaded.")
+    engine: str = Field("", max_length=128, description="The runtime chosen for it, e.g. 'torch-cuda+triton', 'torch-cpu', 'onnxruntime-cpu'.")
     budget_bytes: int = Field(0, ge=0, description="The memory slice it was given.")
     used_bytes: int = Field(0, ge=0, description="Memory it takes now (weights + KV cache).")
     golden_checked_ms: int | None = Field(None, description="When its goldens last ran, epoch ms.")

@@ -28,7 +28,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from schemas.messages import VersionState, VersionStatus, _Wire, now_ms
-from schemas.model_repo import VERSION_RE, ModelConfig
+from schemas.model_repo import VERSION_RE, ModelConfig, ModelRepository
 
 VERSION_KEY = "version:"
 ROUTE_KEY = "route:"
@@ -207,11 +207,18 @@ RegistryRecord = Annotated[ModelVersionRecord | ModelRoute, Field(discriminator=
 
 
 class RegistryState:
-    """The registry folded from its topic: versions by served id, routes by name. Pure."""
+    """The registry folded from its topic: versions by served id, routes by name. Pure.
 
-    def __init__(self) -> None:
+    `seed` (a models.toml) fills in what the topic does not hold yet: a name without a route goes
+    to its entry's version, and that version, when unregistered, is served as the entry says. So
+    a service knows its file's models before the registry has been seeded, and a registered
+    version or route always wins over the file.
+    """
+
+    def __init__(self, seed: ModelRepository | None = None) -> None:
         self.versions: dict[str, ModelVersionRecord] = {}
         self.routes: dict[str, ModelRoute] = {}
+        self.seed: dict[str, ModelConfig] = dict(seed.models) if seed is not None else {}
 
     def apply(self, key: str, record: ModelVersionRecord | ModelRoute | None) -> None:
         """Take one record (None: a tombstone of `key`)."""
@@ -227,35 +234,54 @@ class RegistryState:
                 self.routes[record.name] = record
 
     def names(self) -> list[str]:
-        return sorted({r.manifest.name for r in self.versions.values()} | set(self.routes))
+        """Every model name the registry or the seed knows."""
+        return sorted({r.manifest.name for r in self.versions.values()} | set(self.routes) | set(self.seed))
 
     def versions_of(self, name: str) -> list[ModelVersionRecord]:
+        """The registered versions of `name`, oldest record first."""
         return sorted((r for r in self.versions.values() if r.manifest.name == name), key=lambda r: r.updated_ms)
 
     def default_version(self, name: str) -> str | None:
-        """The version a bare `name` goes to: its route's default, when that version is registered
-        and not retired; None otherwise."""
+        """The version a bare `name` goes to: its route's default, else its seed entry's version."""
         route = self.routes.get(name)
-        if route is None:
-            return None
-        record = self.versions.get(served_id(name, route.default_version))
-        return route.default_version if record is not None and record.desired != "retired" else None
+        if route is not None:
+            return route.default_version
+        seeded = self.seed.get(name)
+        return seeded.version if seeded is not None else None
 
-    def resolve(self, ref: str) -> tuple[ModelVersionRecord | None, str | None]:
-        """(the version record `ref` names, None) or (None, why not). `ref` is `name` (its default
-        version) or `name@version` (that version, pinned)."""
+    def config_of(self, sid: str) -> ModelConfig | None:
+        """How version `sid` (name@version) is served: its manifest's settings, else its seed entry's."""
+        record = self.versions.get(sid)
+        if record is not None:
+            return record.manifest.config()
+        name, version = split_ref(sid)
+        seeded = self.seed.get(name)
+        return seeded if seeded is not None and seeded.version == version else None
+
+    def resolve(self, ref: str) -> tuple[ModelConfig | None, str | None]:
+        """(the config of the version `ref` names, None) or (None, why not). `ref` is `name` (its
+        default version) or `name@version` (that version, pinned)."""
         name, version = split_ref(ref)
         if version is None:
             version = self.default_version(name)
             if version is None:
-                return None, f"model {name!r} has no default version in the registry"
-        record = self.versions.get(served_id(name, version))
-        if record is None:
-            return None, f"model version {served_id(name, version)!r} is not registered"
-        if record.desired != "loaded":
-            return None, f"model version {record.served_id!r} is {record.desired}"
-        return record, None
+                return None, f"model {name!r} does not exist"
+        sid = served_id(name, version)
+        record = self.versions.get(sid)
+        if record is not None and record.desired == "retired":
+            return None, f"model version {sid!r} is retired"
+        config = self.config_of(sid)
+        if config is None:
+            return None, f"model version {sid!r} is not registered"
+        return config, None
+
+    def servable(self) -> dict[str, ModelConfig]:
+        """Every version requests may name (not retired), by served id: registered ones and the seed's."""
+        out = {sid: r.manifest.config() for sid, r in self.versions.items() if r.desired != "retired"}
+        for config in self.seed.values():
+            out.setdefault(config.served_id, config)
+        return out
 
     def wanted_loaded(self) -> list[ModelVersionRecord]:
-        """Every version operators want loaded."""
+        """Every registered version operators want loaded."""
         return [r for r in self.versions.values() if r.desired == "loaded"]
