@@ -22,7 +22,8 @@ from aiokafka import TopicPartition
 
 from schemas.codec import decode_registry_record, encode
 from schemas.model_repo import ModelRepository
-from schemas.registry import ModelRoute, ModelVersionRecord, RegistryState
+from schemas.messages import now_ms
+from schemas.registry import Desired, ModelRoute, ModelVersionRecord, RegistryState, served_id, split_ref
 from weir.bus import BusSettings, make_consumer, make_producer, partitions_of
 
 log = logging.getLogger(__name__)
@@ -30,10 +31,13 @@ log = logging.getLogger(__name__)
 class RegistryFollower:
     """The registry's state, read to the end at start() and followed until stop()."""
 
-    def __init__(self, settings: BusSettings, client_id: str, on_change: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, settings: BusSettings, client_id: str, on_change: Callable[[], None] | None = None,
+        seed: ModelRepository | None = None,
+    ) -> None:
         self.settings = settings
         self.client_id = client_id
-        self.state = RegistryState()
+        self.state = RegistryState(seed)
         self.on_change = on_change
         self._consumer = None
         self._task: asyncio.Task[None] | None = None
@@ -115,3 +119,92 @@ def seed_records(repo: ModelRepository, state: RegistryState, registered_by: str
         if config.name not in state.routes:
             out.append(ModelRoute(name=config.name, default_version=config.version, reason=f"seeded from {registered_by}"))
     return out
+
+
+class RegistryError(ValueError):
+    """An operation the registry's state does not allow; the message says why and what to do."""
+
+
+def _version(state: RegistryState, sid: str) -> ModelVersionRecord:
+    name, version = split_ref(sid)
+    if version is None:
+        raise RegistryError(f"{sid!r} names no version: use name@version")
+    record = state.versions.get(sid)
+    if record is None:
+        raise RegistryError(f"model version {sid!r} is not registered (weir models push, or seed it from models.toml)")
+    return record
+
+
+def set_desired(state: RegistryState, sid: str, desired: Desired, by: str) -> list[ModelVersionRecord | ModelRoute]:
+    """The record that asks workers to load, unload or retire `sid`. A retired version stays
+    retired; the default version of a name cannot be unloaded or retired (promote another first)."""
+    record = _version(state, sid)
+    if record.desired == "retired" and desired != "retired":
+        raise RegistryError(f"{sid} is retired; push it again under a new version")
+    name, version = split_ref(sid)
+    if desired != "loaded" and state.default_version(name) == version:
+        raise RegistryError(f"{sid} is the default version of {name!r}; promote another version first")
+    return [record.model_copy(update={"desired": desired, "registered_by": by, "updated_ms": now_ms()})]
+
+
+def promote(state: RegistryState, sid: str, by: str, reason: str = "promote") -> list[ModelVersionRecord | ModelRoute]:
+    """Make `sid` the default of its name: the route first (new requests go there at once), then
+    the previous default asked to unload (workers drain it: docs/design.md, "The model registry")."""
+    record = _version(state, sid)
+    if record.desired != "loaded":
+        raise RegistryError(f"{sid} is {record.desired}; load it first (weir models load {sid})")
+    name, version = split_ref(sid)
+    previous = state.default_version(name)
+    if previous == version:
+        raise RegistryError(f"{sid} is already the default version of {name!r}")
+    out: list[ModelVersionRecord | ModelRoute] = [
+        ModelRoute(name=name, default_version=version, previous_version=previous, reason=f"{reason} by {by}")
+    ]
+    old = state.versions.get(served_id(name, previous)) if previous is not None else None
+    if old is not None and old.desired == "loaded":
+        out.append(old.model_copy(update={"desired": "unloaded", "registered_by": by, "updated_ms": now_ms()}))
+    return out
+
+
+def rollback(state: RegistryState, sid: str, why: str, by: str) -> list[ModelVersionRecord | ModelRoute]:
+    """Undo the promotion of `sid`, the default of its name: the previous default loaded again and
+    routed to, `sid` unloaded. [] when `sid` is not the default or there is nothing to roll back to."""
+    name, version = split_ref(sid)
+    route = state.routes.get(name)
+    if version is None or route is None or route.default_version != version or route.previous_version is None:
+        return []
+    back = served_id(name, route.previous_version)
+    previous = state.versions.get(back)
+    if previous is None or previous.desired == "retired":
+        return []
+    out: list[ModelVersionRecord | ModelRoute] = []
+    if previous.desired != "loaded":
+        out.append(previous.model_copy(update={"desired": "loaded", "registered_by": by, "updated_ms": now_ms()}))
+    out.append(ModelRoute(name=name, default_version=route.previous_version, previous_version=version,
+                          reason=f"rollback of {sid}: {why}"[:1024]))  # fmt: skip
+    failed = state.versions.get(sid)
+    if failed is not None and failed.desired == "loaded":
+        out.append(failed.model_copy(update={"desired": "unloaded", "registered_by": by, "updated_ms": now_ms()}))
+    return out
+
+
+def register(state: RegistryState, record: ModelVersionRecord) -> list[ModelVersionRecord | ModelRoute]:
+    """The records that register a new version: itself, and a route to it when its name has none.
+    A version is immutable: the same name@version with another manifest is refused."""
+    known = state.versions.get(record.served_id)
+    if known is not None and known.manifest.digest() != record.manifest.digest():
+        raise RegistryError(f"{record.served_id} is registered with other files (manifest "
+                            f"{known.manifest.digest()[:12]}); push it as a new version")  # fmt: skip
+    out: list[ModelVersionRecord | ModelRoute] = [record]
+    name = record.manifest.name
+    if name not in state.routes and state.default_version(name) is None:
+        out.append(ModelRoute(name=name, default_version=record.manifest.version, reason=f"first version, by {record.registered_by}"))
+    return out
+
+
+async def read_registry(settings: BusSettings, seed: ModelRepository | None = None) -> RegistryState:
+    """The registry read once from its beginning to its end (for the CLI)."""
+    follower = RegistryFollower(settings, client_id="weir-models", seed=seed)
+    await follower.start()
+    await follower.stop()
+    return follower.state
