@@ -20,6 +20,7 @@ BENCHES = {
     "hop": ("bench.kafka_hop", "one Kafka hop between two processes, split at the sockets, beside loopback TCP"),
     "injection": ("bench.injection", "prompt-injection detector latency: wall and thread CPU p50/p95/p99/max by length"),
     "kernels": ("bench.triton_kernels", "CUDA: each Triton kernel against its PyTorch reference, timed and checked"),
+    "swap": ("bench.swap", "a new model version pushed, loaded and promoted while 32 streams run: failures, TTFT, time to serve"),
     "gpu-llama": ("bench.gpu_llama", "CUDA: the engine on a 1B-class Llama, batch-1 vs bandwidth bound, batch 64 vs HF"),
 }
 
