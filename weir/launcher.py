@@ -428,7 +428,8 @@ Weir is up.
   reply topics           {topics.replies("")}<your-id>  (name yours in reply_to{"; secure: <your-id> = client.<anything>" if broker.secure else ""})
   control / workers      {topics.control} / {topics.workers}
   audit / dead letters   {topics.audit} / {topics.dead_letter}
-  batches                {', '.join(topics.batches(m) for m in models)}
+  model registry         {topics.models}  (weir models list | push | promote; health: {topics.model_health})
+  batches                {topics.batches("")}<name>.<version>.<hash>  (one topic per model version)
   services (pid, /healthz /readyz /metrics)
 {services}
                          (one that dies is restarted; logs in {stack.log_dir})
