@@ -89,7 +89,8 @@ class GenerateRequest(_Wire):
 
     kind: Literal["generate"] = Field("generate", description="Message kind discriminator.")
     request_id: str = Field(min_length=1, max_length=128, description="Unique id; deduplicates redeliveries.")
-    model: str = Field(min_length=1, max_length=128, description="Model name from the model repository.")
+    model: str = Field(min_length=1, max_length=193, description="Model name, or name@version to pin one version "
+                       "(a name has at most 128 characters, a version 64; docs/design.md, \"The model registry\").")
     prompt: str | None = Field(None, description="Completion prompt (exclusive with messages).")
     messages: list[ChatMessage] | None = Field(None, description="Chat turns (exclusive with prompt).")
     max_tokens: int = Field(64, ge=1, le=32768, description="Most tokens to generate.")
@@ -151,7 +152,7 @@ class EmbedRequest(_Wire):
 
     kind: Literal["embed"] = Field("embed", description="Message kind discriminator; required on the wire.")
     request_id: str = Field(min_length=1, max_length=128, description="Unique id; deduplicates redeliveries.")
-    model: str = Field(min_length=1, max_length=128, description="Embedding model name from the model repository.")
+    model: str = Field(min_length=1, max_length=193, description="Embedding model name, or name@version to pin one version.")
     inputs: list[str] = Field(min_length=1, max_length=MAX_EMBED_INPUTS, description="Texts to embed, in order.")
     principal: str = Field("anonymous", description="Who asked (API key owner or JWT subject).")
     tenant: str = Field("default", description="Tenant the principal belongs to.")
@@ -242,7 +243,7 @@ class Batch(_Wire):
     """A batch of requests for one model, from the batcher to `weir.batches.<model>`."""
 
     batch_id: str = Field(description="Unique batch id.")
-    model: str = Field(description="Model all requests are for.")
+    model: str = Field(description="The model version (name@version) all requests are for.")
     requests: list[AnyRequest] = Field(min_length=1, description="Requests, in scheduling order.")
     batcher_id: str = Field(description="Batcher instance that formed it.")
     created_ms: int = Field(default_factory=now_ms, description="When the batch closed, epoch ms.")
