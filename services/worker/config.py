@@ -38,6 +38,13 @@ class WorkerSettings(BusSettings):
         description="process: each engine runs in a child process (no GIL shared with the Kafka loop); "
         "thread: on a thread of the worker. The echo engine, which computes nothing, always runs on a thread.",
     )
+    model_trusted_keys: str = Field(
+        "", description="Directory of the Ed25519 public keys (*.pub PEM) whose manifest signatures the worker "
+        "trusts (weir/models/signing.py); empty: none.",
+    )
+    require_signed_models: bool = Field(
+        False, description="Refuse to load a model version whose manifest is not signed by a trusted key."
+    )
     torch_threads: int = Field(
         0, ge=0, description="torch intra-op threads on the CPU; 0: half the cores (the other services need some)."
     )
