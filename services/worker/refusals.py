@@ -29,8 +29,8 @@ def refusal(
     `cancelled` holds the request ids cancelled lately. Checked in this order, the first that
     applies wins: another model's request, the wrong kind for this model, cancelled, expired.
     """
-    if request.model != config.name:
-        message = f"batch for {config.name} holds a request for {request.model}"
+    if request.model not in (config.name, config.served_id):  # a bare name: the batcher resolved it to this version
+        message = f"batch for {config.served_id} holds a request for {request.model}"
         return Refusal("rejected", ErrorInfo(code="wrong_model", message=message))
     if (request.kind == "embed") != (config.engine == "onnx"):
         return Refusal("rejected", unsupported_kind(request, config))
