@@ -38,6 +38,10 @@ class WorkerSettings(BusSettings):
         description="process: each engine runs in a child process (no GIL shared with the Kafka loop); "
         "thread: on a thread of the worker. The echo engine, which computes nothing, always runs on a thread.",
     )
+    fault_hooks: bool = Field(
+        False, description="Allow the fault hook that corrupts a loaded engine's weights in memory (tests and demos "
+        "of the golden canaries); off in production.",
+    )
     torch_threads: int = Field(
         0, ge=0, description="torch intra-op threads on the CPU; 0: half the cores (the other services need some)."
     )
