@@ -32,7 +32,8 @@ from services.worker.config import WorkerSettings
 from services.worker.engine_factory import build_engine, warm_up
 from services.worker.fingerprints import FingerprintBatcher
 from services.worker.handlers import ModelServer, consume_cancellations, open_cancellations
-from services.worker.hardware import DeviceProbe, choose_device, cpu_device, cpu_threads, estimate_bytes
+from services.worker.hardware import DeviceProbe, choose_device, cpu_device, cpu_threads
+from services.worker.memory import estimate_bytes
 from services.worker.runner import EngineHost, EngineProcess, EngineRunner
 from services.worker.versions import VersionManager
 from weir.bus import instance_id, make_producer, wait_for_cluster
@@ -223,7 +224,7 @@ class WorkerService:
         await self.fingerprints.run()
 
     async def _estimate(self, config: ModelConfig) -> int:
-        return await asyncio.to_thread(estimate_bytes, config, self.settings)
+        return await asyncio.to_thread(estimate_bytes, config, self.settings, self.device)
 
     async def _budget(self) -> int:
         """WEIR_WORKER_MEMORY_BYTES, else WEIR_WORKER_MEMORY_FRACTION of the memory of the device
@@ -342,7 +343,7 @@ class WorkerService:
             return process
         engine = await asyncio.to_thread(build_engine, config, self.settings, self.device)
         await asyncio.to_thread(warm_up, engine, config)
-        return EngineRunner(engine, asyncio.get_running_loop(), on_outputs)
+        return EngineRunner(engine, asyncio.get_running_loop(), on_outputs, fault_hooks=self.settings.fault_hooks)
 
     # -- heartbeats -----------------------------------------------------------------------------
 

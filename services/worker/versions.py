@@ -112,16 +112,11 @@ class Version:
         return self.record.goldens if self.record is not None else []
 
     def status(self) -> VersionStatus:
-        engine = getattr(self.hosts[0], "engine_label", "") if self.hosts else ""
-        used = sum(_used_bytes(h) for h in self.hosts)
+        engine = self.hosts[0].engine_label if self.hosts else ""
+        used = sum(h.used_bytes() for h in self.hosts)
         return VersionStatus(state=self.state, reason=self.reason, digest=self.digest, engine=engine,
                              budget_bytes=self.budget_bytes, used_bytes=used,
                              golden_checked_ms=self.golden_checked_ms)  # fmt: skip
-
-
-def _used_bytes(host: EngineHost) -> int:
-    used = getattr(host, "used_bytes", None)
-    return int(used()) if callable(used) else 0
 
 
 class VersionManager:
@@ -368,7 +363,10 @@ class VersionManager:
             return None
         try:
             for host in hosts:
-                problem = await host.check_goldens(version.goldens)
+                try:
+                    problem = await host.check_goldens(version.goldens)
+                except RuntimeError as exc:  # the engine died meanwhile (its server's loop stops the worker)
+                    problem = f"the golden check could not run: {exc}"
                 if problem is not None:
                     return problem
             return None
