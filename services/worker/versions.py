@@ -335,7 +335,10 @@ class VersionManager:
         record = version.record
         if record is not None and record.budget_bytes is not None:
             return record.budget_bytes
-        return await self._estimate(config)
+        try:
+            return await self._estimate(config)
+        except (OSError, ValueError) as exc:  # weights not where the manifest says
+            raise _Stop("failed", f"cannot estimate its memory: {exc}", "load_failed") from exc
 
     async def _load(self, version: Version, config: ModelConfig) -> None:
         """loading: every engine instance opened and warmed up; golden: its goldens pass on each."""

@@ -54,3 +54,9 @@ def test_the_first_rule_that_applies_wins() -> None:
     wrong_everything = make_embed_request(model="other", deadline_ms=T0_MS - 1)
     refused = refusal(wrong_everything, TINY, T0_MS, {wrong_everything.request_id})
     assert refused is not None and refused.error.code == "wrong_model"  # the model before anything else
+
+
+def test_a_request_may_name_the_version_it_was_resolved_to() -> None:
+    assert refusal(make_request(model="tiny@1", deadline_ms=T0_MS + 1), TINY, T0_MS, set()) is None
+    refused = refusal(make_request(model="tiny@2", deadline_ms=T0_MS + 1), TINY, T0_MS, set())
+    assert refused is not None and refused.error.code == "wrong_model" and "tiny@1" in refused.error.message
