@@ -351,6 +351,8 @@ class VersionManager:
         except (ValueError, OSError, RuntimeError) as exc:
             await loader.discard()
             raise _Stop("failed", f"cannot load: {exc}", "load_failed") from exc
+        for host in version.hosts:
+            host.start()  # its engine loop runs now: goldens go through it (no request does before ready)
         self._set(version, "golden", None)
         problem = await self._run_goldens(version, version.hosts)
         if problem is not None:
@@ -383,8 +385,6 @@ class VersionManager:
         version.loader.deliver_to(config.name, server.on_outputs)
         version.server = server
         self.servers.append(server)
-        for runner in server.runners:
-            runner.start()
         version.serving = [self._spawn(server.consume(), fatal=True), self._spawn(server.publish(), fatal=True)]
         self._set(version, "ready", None)
 
