@@ -28,6 +28,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from aiokafka.errors import KafkaError
+
 from schemas.messages import VersionState, VersionStatus, now_ms
 from schemas.model_repo import ModelConfig
 from schemas.registry import GoldenCase, ModelManifest, ModelVersionRecord, RegistryState, split_ref
@@ -215,7 +217,8 @@ class VersionManager:
             version.server.is_taking = False  # what runs finishes; nothing new starts on these weights
         self._set(version, "unhealthy", problem)
         await self.port.emit(version.sid, "golden_failed", problem)
-        await self._roll_back_if_fresh(version, problem)
+        if await self._roll_back_if_fresh(version, problem):
+            return  # unwanted now: it drains, out of routing, when the registry change comes back
         if not version.is_stopping:
             version.job = self._spawn(self._reload(version))
 
@@ -269,6 +272,7 @@ class VersionManager:
 
     async def _unwant(self, version: Version) -> None:
         """A version no longer wanted: stop its job; drain its server when it has one; drop it."""
+        was_loaded = version.server is not None or bool(version.hosts)
         job = version.job
         if job is not None and not job.done() and job is not asyncio.current_task():
             job.cancel()
@@ -279,7 +283,6 @@ class VersionManager:
         if version.loader is not None:
             await version.loader.discard()
         _stop_hosts(version.hosts)
-        was_loaded = bool(version.hosts) or version.state == "draining"
         del self.versions[version.sid]
         self.port.changed()
         if was_loaded:
@@ -409,21 +412,27 @@ class VersionManager:
         self._set(version, stop.state, stop.reason)
         await self.port.emit(version.sid, stop.event, stop.reason)
 
-    async def _roll_back_if_fresh(self, version: Version, why: str) -> None:
+    async def _roll_back_if_fresh(self, version: Version, why: str) -> bool:
         """shared protocol 5: the default version of its name, promoted within
-        WEIR_ROLLBACK_WINDOW_S, failing its goldens is rolled back (weir.registry.rollback)."""
+        WEIR_ROLLBACK_WINDOW_S, failing its goldens is rolled back (weir.registry.rollback: the
+        previous default loaded and routed to again, this one unloaded). True when it was."""
         state = self.port.registry_state()
         route = state.routes.get(version.name)
         if route is None or route.default_version != version.version:
-            return
+            return False
         if now_ms() - route.updated_ms > self.settings.rollback_window_s * 1000:
-            return
+            return False
         records = rollback(state, version.sid, why, by=f"worker {self.port.worker_id}")
         if not records:
-            return
-        await self.port.write_registry(records)
+            return False
+        try:
+            await self.port.write_registry(records)
+        except (KafkaError, OSError, TimeoutError) as exc:  # the broker away: reloaded instead, like any departure
+            log.error("rollback of %s not written (%r)", version.sid, exc)
+            return False
         await self.port.emit(version.sid, "rolled_back", f"default of {version.name} back to "
                              f"{route.previous_version}: {why}")  # fmt: skip
+        return True
 
     def _set(self, version: Version, state: VersionState, reason: str | None) -> None:
         version.state, version.reason = state, reason

@@ -223,3 +223,35 @@ async def test_the_fault_hook_is_not_found_unless_fault_hooks_are_on(tmp_path):
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=service.http_app()), base_url="http://w") as http:
         answer = await http.post("/faults/corrupt-weights", params={"model": "echo@1"})
     assert answer.status_code == 404 and "WEIR_FAULT_HOOKS" in answer.json()["error"]["message"]
+
+
+async def test_a_fresh_default_failing_its_goldens_is_rolled_back(tmp_path, llama_dir):
+    settings = worker_settings(tmp_path, models="tiny", fault_hooks=True, golden_interval_s=1.0)
+    topics = settings.topics
+    one = ModelConfig(name="tiny", version="1", engine="torch", path=llama_dir, max_model_len=128, warmup=["def "])
+    two = one.model_copy(update={"version": "2"})
+    goldens = await asyncio.to_thread(record_goldens, two, ["def add(a, b):"], 6, WorkerSettings(device="cpu"))
+    await ensure_topics(BOOTSTRAP, settings.topics.core_specs())
+    await publish(settings, register(await read_registry(settings), ModelVersionRecord(manifest=pack(one))))
+    await publish(settings, [ModelVersionRecord(manifest=pack(two), goldens=goldens)])
+    service, task = await start(settings)
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=service.http_app()), base_url="http://worker")
+    try:
+        await wait_beat(topics, lambda hb: state_of(hb, "tiny@1") == state_of(hb, "tiny@2") == "ready")
+        await publish(settings, promote(await read_registry(settings), "tiny@2", by="test"))
+        await wait_beat(topics, lambda hb: "tiny@1" not in hb.versions and state_of(hb, "tiny@2") == "ready")
+
+        assert (await http.post("/faults/corrupt-weights", params={"model": "tiny@2"})).status_code == 200
+        back = await wait_beat(topics, lambda hb: state_of(hb, "tiny@1") == "ready" and "tiny@2" not in hb.versions, 60)
+        assert back.models == ["tiny@1"]
+        state = await read_registry(settings)
+        route = state.routes["tiny"]
+        assert (route.default_version, route.previous_version) == ("1", "2") and route.reason.startswith("rollback of tiny@2")
+        assert state.versions["tiny@2"].desired == "unloaded" and state.versions["tiny@1"].desired == "loaded"
+        events = await health_events(topics, lambda es: ("tiny@2", "unloaded") in {(e.model, e.event) for e in es})
+        tiny2 = [e.event for e in events if e.model == "tiny@2"]
+        assert tiny2 == ["loaded", "golden_failed", "rolled_back", "unloaded"]
+    finally:
+        await http.aclose()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
