@@ -335,8 +335,8 @@ async def test_a_real_worker_serves_with_its_own_principal(
     try:
         good = make_request("one two three", model="echo", reply_to=TOPICS.replies("client.w1"), max_tokens=50)
         forged = make_request("four five", model="echo", reply_to=TOPICS.keys, max_tokens=50)
-        batch = Batch(batch_id="b1", model="echo", requests=[forged, good], batcher_id="test")
-        await _produce(cfg, _login(cfg, "batcher"), TOPICS.batches("echo"), encode(batch))
+        batch = Batch(batch_id="b1", model="echo@1", requests=[forged, good], batcher_id="test")
+        await _produce(cfg, _login(cfg, "batcher"), TOPICS.batches("echo@1"), encode(batch))
         replies = await _read_until(cfg, "client", TOPICS.replies("client.w1"), task,
                                     lambda vs: any(isinstance(decode_reply(v), ReplyEnd) for v in vs))  # fmt: skip
         assert "".join(e.text for e in map(decode_reply, replies) if e.type == "delta") == "one two three"
