@@ -46,10 +46,11 @@ def _admin(bootstrap: str, options: dict[str, Any] | None, **kwargs: Any) -> AIO
 
 
 def deployment_specs(topics: Topics, repo: ModelRepository) -> list[TopicSpec]:
-    """Every topic one deployment needs: the core topics plus each served model's own."""
+    """Every topic one deployment needs: the core topics plus each models.toml version's own
+    (topics are per name@version; the versions pushed later get theirs when loaded)."""
     specs = topics.core_specs()
-    for name in repo.models:
-        specs += topics.model_specs(name)
+    for config in repo.models.values():
+        specs += topics.model_specs(config.served_id)
     return specs
 
 
