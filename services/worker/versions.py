@@ -237,7 +237,8 @@ class VersionManager:
 
     async def _bring_up(self, version: Version) -> None:
         """verifying -> (budget) -> loading -> golden -> ready, or failed / refused."""
-        try:
+
+        async def steps() -> None:
             config = await self._verify(version)
             need = version.need_bytes = await self._need(version, config)
             if not self.fits(need):
@@ -245,11 +246,10 @@ class VersionManager:
                 raise _Stop("refused", f"needs {need} bytes, {free} of {self.budget_total} free on this worker", "refused")
             version.budget_bytes = need
             await self._load(version, config)
-        except _Stop as stop:
-            await self._fail(version, stop)
-            return
-        await self._serve(version, config)
-        await self.port.emit(version.sid, "loaded", f"digest {version.digest[:12]}, {version.budget_bytes} bytes")
+            await self._serve(version, config)
+
+        if await self._attempt(version, steps()):
+            await self.port.emit(version.sid, "loaded", f"digest {version.digest[:12]}, {version.budget_bytes} bytes")
 
     async def _reload(self, version: Version) -> None:
         """An unhealthy version: finish what runs (no new batches), close its server and engines,
@@ -261,20 +261,33 @@ class VersionManager:
                 await asyncio.sleep(0.05)
         await asyncio.shield(self._close_server(version))
         version.reloads += 1
-        try:
+
+        async def steps() -> None:
             config = await self._verify(version)
             await self._load(version, config)
+            await self._serve(version, config)
+
+        if await self._attempt(version, steps()):
+            await self.port.emit(version.sid, "reloaded", f"reload {version.reloads}: goldens pass again")
+
+    async def _attempt(self, version: Version, steps: Awaitable[None]) -> bool:
+        """Run the steps of a (re)load; any failure ends the version failed (or refused) with its
+        reason, its engines stopped: never half-loaded, never stuck in a state that settles nothing."""
+        try:
+            await steps
+            return True
         except _Stop as stop:
             await self._fail(version, stop)
-            return
-        await self._serve(version, config)
-        await self.port.emit(version.sid, "reloaded", f"reload {version.reloads}: goldens pass again")
+        except Exception as exc:  # noqa: BLE001 - the broker away while making its server, a bug
+            log.exception("model version %s could not be brought up", version.sid)
+            await self._fail(version, _Stop("failed", f"{type(exc).__name__}: {exc}", "load_failed"))
+        return False
 
     async def _unwant(self, version: Version) -> None:
         """A version no longer wanted: stop its job; drain its server when it has one; drop it."""
         was_loaded = version.server is not None or bool(version.hosts)
         job = version.job
-        if job is not None and not job.done() and job is not asyncio.current_task():
+        if job is not None and not job.done():
             job.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await job
@@ -351,7 +364,7 @@ class VersionManager:
         loader.start()
         try:
             version.hosts = (await loader.wait())[config.name]
-        except (ValueError, OSError, RuntimeError) as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever the engine raised while it loaded, in its words
             await loader.discard()
             raise _Stop("failed", f"cannot load: {exc}", "load_failed") from exc
         for host in version.hosts:
@@ -406,6 +419,7 @@ class VersionManager:
 
     async def _fail(self, version: Version, stop: _Stop) -> None:
         log.warning("model version %s %s: %s", version.sid, stop.state, stop.reason)
+        await self._close_server(version)
         if version.loader is not None:
             await version.loader.discard()
         version.budget_bytes = 0
