@@ -49,7 +49,7 @@ import tomllib
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, ValidationError, field_validator, model_validator
 
 VERSION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 Engine = Literal["auto", "torch", "onnx", "echo"]
@@ -109,6 +109,26 @@ class ModelConfig(BaseModel):
         if not VERSION_RE.fullmatch(value):
             raise ValueError("must be 1-64 characters of letters, digits, '.', '_' and '-', starting with a letter or digit")
         return value
+
+    @model_validator(mode="after")
+    def _auto_from_files(self) -> ModelConfig:
+        """engine="auto" made concrete at once when the files tell without a guess: an absolute
+        `path` holding model.onnx (onnx) or config.json (torch), or a .gguf `source` (torch). So a
+        config built in code for files on disk (a manifest's, a test's) names its engine like one
+        from load_model_repo; an entry that cannot tell yet stays "auto" (resolve_engine decides)."""
+        if self.engine != "auto":
+            return self
+        engine = None
+        if self.path is not None and self.path.is_absolute():
+            if (self.path / "model.onnx").is_file():
+                engine = "onnx"
+            elif (self.path / "config.json").is_file():
+                engine = "torch"
+        elif self.path is None and self.source is not None and self.source.endswith(".gguf"):
+            engine = "torch"
+        if engine is not None:
+            object.__setattr__(self, "engine", engine)  # frozen: set once, while validating
+        return self
 
     @property
     def served_id(self) -> str:

@@ -25,6 +25,8 @@ from schemas.registry import GoldenCase
 from services.worker.config import WorkerSettings
 from services.worker.engine import EmbeddingEngine, EngineLike, EngineOutput
 from services.worker.engine.contract import GOLDEN_ID_PREFIX
+from services.worker.engine_factory import build_engine
+from services.worker.hardware import choose_device
 
 GOLDEN_SEED = 0  # greedy decoding ignores it; fixed so that nothing in a golden depends on its id
 GOLDEN_TENANT = "\x1fweir-golden"  # no deployment's watermark tenant: goldens are never watermarked
@@ -167,25 +169,28 @@ def run_goldens(
     if on_other is None and engine.has_work:
         raise ValueError("the engine has other requests running: pass on_other to receive their outputs")
     check = GoldenCheck(engine, cases)
+    _step_until_done(engine, check, on_other)
+    return check.problem()
+
+
+def _step_until_done(
+    engine: EngineLike, check: GoldenCheck, on_other: Callable[[list[EngineOutput]], None] | None
+) -> None:  # fmt: skip
     while not check.is_done:
         if not engine.has_work:
             raise RuntimeError("the engine went idle before the golden requests finished")
         rest = check.take(engine.step(now_ms()))
         if rest and on_other is not None:
             on_other(rest)
-    return check.problem()
 
 
 def record_goldens(
     config: ModelConfig, prompts: list[str] | None = None, max_tokens: int = 8, settings: WorkerSettings | None = None
 ) -> list[GoldenCase]:
     """Build `config`'s engine in this process (on the CPU unless `settings` say otherwise), run
-    each prompt greedily and return the cases: token ids, or vectors for an embedding model."""
-    import torch
-
-    from services.worker.engine_factory import build_engine
-    from services.worker.hardware import choose_device
-
+    each prompt greedily and return the cases: up to `max_tokens` token ids each (fewer when the
+    model ends its answer), or for an embedding model (which makes no tokens) its vector.
+    ValueError when a prompt does not complete."""
     settings = settings or WorkerSettings(device="cpu")
     prompts = list(config.warmup) if prompts is None else prompts
     if not prompts:
@@ -196,9 +201,7 @@ def record_goldens(
     else:
         cases = [GoldenCase(prompt=p, max_tokens=max_tokens) for p in prompts]
     check = GoldenCheck(engine, cases)
-    with torch.inference_mode():
-        while not check.is_done:
-            check.take(engine.step(now_ms()))
+    _step_until_done(engine, check, None)
     if check.failures:
         raise ValueError(f"model {config.name!r}: a golden prompt did not complete: {next(iter(check.failures.values()))}")
     return [_recorded(case, check.token_ids[i], check.vectors.get(i)) for i, case in enumerate(cases)]

@@ -89,8 +89,7 @@ def _apply_commands(
         elif kind == "cancel":
             out = engine.cancel(arg, now_ms())  # type: ignore[arg-type]
         elif kind == "golden":
-            token, cases = arg  # type: ignore[misc]
-            goldens.start(token, cases)
+            goldens.start(*arg)  # type: ignore[misc]  # (token, cases)
         elif kind == "corrupt":
             _corrupt(engine, arg, answer)  # type: ignore[arg-type]
         if out is not None:
