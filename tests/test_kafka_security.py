@@ -112,6 +112,12 @@ def _writers(grants: list[security.Grant], topic: str) -> set[str]:
             and (g.name == topic if g.pattern == "literal" else topic.startswith(g.name))}  # fmt: skip
 
 
+def _readers(grants: list[security.Grant], topic: str) -> set[str]:
+    """Users that some grant lets read `topic`."""
+    return {g.user for g in grants if "read" in g.operations and g.resource == "topic"
+            and (g.name == topic if g.pattern == "literal" else topic.startswith(g.name))}  # fmt: skip
+
+
 def test_the_acl_plan_keeps_each_topic_to_its_writers() -> None:
     t = TOPICS
     grants = security.service_grants(t) + security.client_grants(t, "client") + security.client_grants(t, "alice")
@@ -134,6 +140,13 @@ def test_the_acl_plan_keeps_each_topic_to_its_writers() -> None:
     readers = {g.user for g in grants if "read" in g.operations and t.replies("alice.r1").startswith(g.name)
                and g.resource == "topic"}  # fmt: skip
     assert readers == {"alice"}  # the worker writes replies and reads none
+    # the model registry: written by the gateway's admin API (and `weir models` as gateway) and by
+    # a worker's rollback; health events by workers only (docs/design.md, "The model registry")
+    assert _writers(grants, t.models) == {"gateway", "worker"}
+    assert _writers(grants, t.model_health) == {"worker"}
+    assert _readers(grants, t.models) == {"gateway", "batcher", "worker"}
+    assert _readers(grants, t.model_health) == {"gateway", "batcher"}
+    assert "gateway" in _readers(grants, t.workers)  # `weir models list` reads the heartbeats
 
 
 # --- against a secure broker --------------------------------------------------------------------
