@@ -240,15 +240,26 @@ async def _goldens(args: argparse.Namespace, config: ModelConfig, record_goldens
     return list(await cases if inspect.isawaitable(cases) else cases)
 
 
+def _check_new(state: RegistryState, manifest: ModelManifest) -> None:
+    """Refuse to push a version again with the same files and settings (only its packing time
+    differs, so register() would call them other files): a registered version is immutable, and
+    this push's goldens, budget or signature would not replace the registered ones."""
+    known = state.versions.get(manifest.served_id)
+    if known is not None and known.manifest.model_copy(update={"created_ms": manifest.created_ms}) == manifest:
+        raise registry.RegistryError(f"{manifest.served_id} is registered already with these files and settings "
+                                     f"(manifest {known.manifest.digest()[:12]}); push a new version to change it")
+
+
 async def _push(settings: BusSettings, args: argparse.Namespace, record_goldens: RecordGoldens | None) -> int:
     if args.budget_bytes is not None and args.budget_bytes < 1:
         raise ArgumentError("--budget-bytes must be >= 1")
     config, manifest, signature, out = _pack(args)
     verify_files(manifest, config.path)  # the files as they are now, after packing: nothing moved under us
+    state = await registry.read_registry(settings)
+    _check_new(state, manifest)  # before the goldens, which run the model
     goldens = await _goldens(args, config, record_goldens)
     record = ModelVersionRecord(manifest=manifest, signature=signature, goldens=goldens, desired="loaded",
                                 budget_bytes=args.budget_bytes, registered_by=_by())  # fmt: skip
-    state = await registry.read_registry(settings)
     records = registry.register(state, record)
     await registry.publish(settings, records)
     print(_describe_pack(manifest, signature, out))
