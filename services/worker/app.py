@@ -200,7 +200,7 @@ class WorkerService:
             return process
         engine = await asyncio.to_thread(build_engine, config, self.settings, self.device)
         await asyncio.to_thread(warm_up, engine, config)
-        return EngineRunner(engine, asyncio.get_running_loop(), on_outputs)
+        return EngineRunner(engine, asyncio.get_running_loop(), on_outputs, fault_hooks=self.settings.fault_hooks)
 
     def heartbeat_message(self) -> WorkerHeartbeat:
         stats = [r.stats for s in self.servers for r in s.runners]

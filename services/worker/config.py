@@ -45,6 +45,10 @@ class WorkerSettings(BusSettings):
     require_signed_models: bool = Field(
         False, description="Refuse to load a model version whose manifest is not signed by a trusted key."
     )
+    fault_hooks: bool = Field(
+        False, description="Allow the fault hook that corrupts a loaded engine's weights in memory (tests and demos "
+        "of the golden canaries); off in production.",
+    )
     torch_threads: int = Field(
         0, ge=0, description="torch intra-op threads on the CPU; 0: half the cores (the other services need some)."
     )
