@@ -73,6 +73,17 @@ def test_pack_writes_next_to_the_directory_by_default_and_signs(model_dir: Path,
     assert signature_problem(record, load_trusted_keys(tmp_path), required=True) is None
 
 
+def test_engine_auto_is_resolved_from_the_directory(model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "a.json"
+    assert cli.main(["pack", str(model_dir), "--name", "m", "--version", "1", "--out", str(out)]) == 0
+    manifest, _ = read_manifest_file(out)
+    assert (manifest.serving["engine"], manifest.format) == ("torch", "safetensors")
+    (model_dir / "model.onnx").write_bytes(b"onnx")
+    assert cli.main(["pack", str(model_dir), "--name", "m", "--version", "1", "--out", str(out)]) == 0
+    manifest, _ = read_manifest_file(out)
+    assert (manifest.serving["engine"], manifest.format) == ("onnx", "onnx")
+
+
 def test_a_malformed_manifest_file_is_refused_naming_it(tmp_path: Path) -> None:
     bad = tmp_path / "x.manifest.json"
     bad.write_text('{"manifest": {"name": "m"}}')
@@ -84,7 +95,7 @@ def test_a_malformed_manifest_file_is_refused_naming_it(tmp_path: Path) -> None:
     "argv, message",
     [
         (["pack", "DIR", "--name", "m", "--version", "1", "--engine", "echo"], "engine echo has no files"),
-        (["pack", "--name", "m", "--version", "1"], "engine torch needs the model directory"),
+        (["pack", "--name", "m", "--version", "1"], "engine auto needs the model directory"),
         (["pack", "DIR", "--name", "m", "--version", "bad version"], "version"),
         (["pack", "DIR", "--name", "nope", "--version", "1", "--from-toml", "models.toml"], "has no entry"),
         (["pack", "DIR", "--name", "m", "--version", "1", "--max-model-len", "1"], "max_model_len"),

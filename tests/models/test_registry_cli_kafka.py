@@ -153,6 +153,15 @@ def test_push_records_the_goldens_it_is_given(prefix: str, tiny: Path, capsys) -
     assert "tiny@4" not in asyncio.run(read_registry(_settings(prefix))).versions
 
 
+def test_push_records_real_goldens_with_the_workers_engine(prefix: str, tiny: Path, capsys) -> None:
+    """The console script's push (weir/cli.py -> services/worker/models_cli.py) runs the model."""
+    assert weir(prefix, "push", str(tiny), "--name", "tiny", "--version", "g", "--goldens", "def main():",
+                "--golden-max-tokens", "3", "--out", str(tiny.parent / "real.json")) == 0  # fmt: skip
+    assert "1 goldens" in capsys.readouterr().out
+    (golden,) = asyncio.run(read_registry(_settings(prefix))).versions["tiny@g"].goldens
+    assert golden.prompt == "def main():" and golden.kind == "generate" and len(golden.expected_token_ids) == 3
+
+
 def test_promote_needs_a_live_worker_with_the_version_ready(prefix: str, tiny: Path, capsys) -> None:
     assert _push(prefix, tiny, "1") == 0 and _push(prefix, tiny, "2") == 0
     workers = Topics(prefix).workers

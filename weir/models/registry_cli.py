@@ -39,7 +39,7 @@ from aiokafka.errors import KafkaError
 
 from schemas.codec import DecodeError, decode
 from schemas.messages import VersionStatus, WorkerHeartbeat, now_ms
-from schemas.model_repo import Engine, ModelConfig, ModelRepository, load_model_repo
+from schemas.model_repo import Engine, ModelConfig, ModelRepository, detect_engine, load_model_repo
 from schemas.registry import GoldenCase, ManifestSignature, ModelManifest, ModelVersionRecord, RegistryState, split_ref
 from weir import registry
 from weir.bus import BusSettings, make_consumer, partitions_of
@@ -101,7 +101,8 @@ def _pack_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", type=Path, nargs="?", help="the model directory (none for engine echo)")
     parser.add_argument("--name", required=True, help="model name")
     parser.add_argument("--version", required=True, help="version string (letters, digits, '.', '_', '-')")
-    parser.add_argument("--engine", choices=get_args(Engine), help="runtime (default: the --from-toml entry's, else torch)")
+    parser.add_argument("--engine", choices=get_args(Engine), help="runtime (default: the --from-toml entry's, else auto: onnx for a directory holding "
+                        "model.onnx, else torch)")
     parser.add_argument("--from-toml", type=Path, help="take the serving settings from this models.toml's entry --name")
     parser.add_argument("--max-model-len", type=int, help="longest prompt + output in tokens")
     parser.add_argument("--max-batch-size", type=int, help="most requests per batch")
@@ -172,7 +173,9 @@ def _config(args: argparse.Namespace) -> ModelConfig:
     for field in ("engine", "max_model_len", "max_batch_size", "max_num_seqs"):
         if getattr(args, field) is not None:
             base[field] = getattr(args, field)
-    engine = base.get("engine", "torch")
+    engine = base.get("engine", "auto")
+    if engine == "auto" and args.dir is not None:  # as load_model_repo resolves it: the manifest names the runtime
+        engine = base["engine"] = detect_engine(args.dir, None)
     if engine == "echo" and args.dir is not None:
         raise ArgumentError("engine echo has no files: give no DIR")
     if engine != "echo" and args.dir is None:
