@@ -131,9 +131,9 @@ def test_signatures_valid_unknown_tampered_and_unsigned(model_dir: Path, tmp_pat
     assert signature_problem(signed, trusted, required=True) is None
     assert signature_problem(signed, trusted, required=False) is None
 
-    stranger = ModelVersionRecord(manifest=manifest, signature=sign(manifest, tmp_path / "other.key"))
-    problem = signature_problem(stranger, trusted, required=False)
-    assert problem == f"signed by unknown key {stranger.signature.key_id}"
+    other = sign(manifest, tmp_path / "other.key")
+    stranger = ModelVersionRecord(manifest=manifest, signature=other)
+    assert signature_problem(stranger, trusted, required=False) == f"signed by unknown key {other.key_id}"
 
     changed = manifest.model_copy(update={"serving": {**manifest.serving, "max_model_len": 16}})
     tampered = ModelVersionRecord(manifest=changed, signature=signed.signature)

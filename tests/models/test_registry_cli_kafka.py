@@ -90,6 +90,7 @@ def test_push_list_show_and_desired_states(prefix: str, tiny: Path, tmp_path: Pa
     assert weir(prefix, "push", str(tiny), "--name", "tiny", "--version", "2", "--no-goldens",
                 "--sign-key", str(tmp_path / "k.key"), "--out", str(tmp_path / "t2.json")) == 0  # fmt: skip
     manifest, signature = read_manifest_file(tmp_path / "t2.json")
+    assert signature is not None
 
     listing = _json(capsys, prefix, "list")
     (model,) = listing["models"]
@@ -142,7 +143,7 @@ def test_push_records_the_goldens_it_is_given(prefix: str, tiny: Path, capsys) -
             "--topic-prefix", prefix]  # fmt: skip
     assert models_cli.main(argv, record_goldens=recorder) == 0
     ((config, prompts, max_tokens),) = calls
-    assert config.served_id == "tiny@3" and Path(config.path) == tiny.resolve()
+    assert config.served_id == "tiny@3" and config.path == tiny.resolve()
     assert (prompts, max_tokens) == (["def f():", "x = "], 4)
     record = asyncio.run(read_registry(_settings(prefix))).versions["tiny@3"]
     assert [g.prompt for g in record.goldens] == ["def f():", "x = "]

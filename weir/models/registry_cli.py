@@ -40,7 +40,7 @@ from aiokafka.errors import KafkaError
 from schemas.codec import DecodeError, decode
 from schemas.messages import VersionStatus, WorkerHeartbeat, now_ms
 from schemas.model_repo import Engine, ModelConfig, ModelRepository, detect_engine, load_model_repo
-from schemas.registry import GoldenCase, ManifestSignature, ModelManifest, ModelVersionRecord, RegistryState, split_ref
+from schemas.registry import Desired, GoldenCase, ManifestSignature, ModelManifest, ModelVersionRecord, RegistryState, split_ref
 from weir import registry
 from weir.bus import BusSettings, make_consumer, partitions_of
 from weir.kafka.admin import ensure_topics, wait_for_broker
@@ -398,19 +398,22 @@ async def _show(settings: BusSettings, args: argparse.Namespace, _record: Record
     if not records:
         raise registry.RegistryError(f"{args.ref!r} is not registered (weir models list)")
     route = view.state.routes.get(name)
-    out = {"name": name, "route": route.model_dump(mode="json") if route else None,
-           "versions": [_version_json(view, r) for r in records]}  # fmt: skip
+    versions = [_version_json(view, r) for r in records]
     if args.json:
-        print(orjson.dumps(out).decode())
+        route_json = route.model_dump(mode="json") if route else None
+        print(orjson.dumps({"name": name, "route": route_json, "versions": versions}).decode())
         return 0
     print(f"{name}: default {route.default_version} (previous {route.previous_version or '-'}; {route.reason})"
           if route else f"{name}: no route")  # fmt: skip
-    print("\n".join(_version_text(v) for v in out["versions"]))
+    print("\n".join(_version_text(v) for v in versions))
     return 0
 
 
+_DESIRED: dict[str, Desired] = {"load": "loaded", "unload": "unloaded", "retire": "retired"}
+
+
 async def _set_desired(settings: BusSettings, args: argparse.Namespace, _record: RecordGoldens | None) -> int:
-    desired = {"load": "loaded", "unload": "unloaded", "retire": "retired"}[args.action]
+    desired: Desired = _DESIRED[args.action]
     state = await registry.read_registry(settings)
     await registry.publish(settings, registry.set_desired(state, args.ref, desired, _by()))
     print(f"{args.ref}: desired {desired}")
@@ -425,8 +428,9 @@ async def _promote(settings: BusSettings, args: argparse.Namespace, _record: Rec
         raise registry.RegistryError(f"no live worker has {args.ref} ready{seen}; load it and wait, or use --force")
     records = registry.promote(view.state, args.ref, _by())
     await registry.publish(settings, records)
+    unloaded = [r.served_id for r in records if isinstance(r, ModelVersionRecord)]
     print(f"{args.ref} is the default of {split_ref(args.ref)[0]!r}"
-          + (f"; {records[1].served_id} asked to unload (workers drain it)" if len(records) > 1 else ""))  # fmt: skip
+          + "".join(f"; {sid} asked to unload (workers drain it)" for sid in unloaded))  # fmt: skip
     return 0
 
 
