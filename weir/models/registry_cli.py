@@ -144,16 +144,25 @@ def _settings(args: argparse.Namespace) -> BusSettings:
 
 async def _with_deadline(settings: BusSettings, args: argparse.Namespace, action: Any) -> int:
     """Wait for the broker (--timeout), make sure the registry's and heartbeats' topics exist, then
-    run `action`, bounded too: an unreachable or stuck cluster is an error, never a hang."""
+    run `action`, bounded too: an unreachable or stuck cluster is an error, never a hang. (push
+    bounds its Kafka steps itself: recording goldens in between may take minutes.)"""
     try:
         await wait_for_broker(settings.kafka_bootstrap, args.timeout, settings.kafka_options())
         wanted = {settings.topics.models, settings.topics.workers}
         await ensure_topics(settings.kafka_bootstrap, [s for s in settings.topics.core_specs() if s.name in wanted],
                             options=settings.kafka_options())  # fmt: skip
-        return await asyncio.wait_for(action, timeout=args.timeout + 60)
+        return await (action if args.action == "push" else _bounded(args, action))
     finally:
         if inspect.iscoroutine(action) and inspect.getcoroutinestate(action) == inspect.CORO_CREATED:
             action.close()  # the broker never answered: the action never started
+
+
+async def _bounded(args: argparse.Namespace, step: Any) -> Any:
+    """`step` (Kafka work), or TimeoutError once it takes longer than --timeout plus a minute."""
+    try:
+        return await asyncio.wait_for(step, timeout=args.timeout + 60)
+    except TimeoutError:
+        raise TimeoutError(f"Kafka did not finish within {args.timeout + 60:.0f} s") from None
 
 
 def _by() -> str:
@@ -258,13 +267,15 @@ async def _push(settings: BusSettings, args: argparse.Namespace, record_goldens:
         raise ArgumentError("--budget-bytes must be >= 1")
     config, manifest, signature, out = _pack(args)
     verify_files(manifest, config.path)  # the files as they are now, after packing: nothing moved under us
-    state = await registry.read_registry(settings)
+    state = await _bounded(args, registry.read_registry(settings))
     _check_new(state, manifest)  # before the goldens, which run the model
     goldens = await _goldens(args, config, record_goldens)
+    if goldens:  # that took a while: register against the registry as it is now
+        state = await _bounded(args, registry.read_registry(settings))
     record = ModelVersionRecord(manifest=manifest, signature=signature, goldens=goldens, desired="loaded",
                                 budget_bytes=args.budget_bytes, registered_by=_by())  # fmt: skip
     records = registry.register(state, record)
-    await registry.publish(settings, records)
+    await _bounded(args, registry.publish(settings, records))
     print(_describe_pack(manifest, signature, out))
     print(f"registered {manifest.served_id} (desired loaded, {len(goldens)} goldens)"
           + ("; it is the default of its name" if len(records) > 1 else f"; promote it with `weir models promote "
