@@ -210,18 +210,30 @@ def test_forged_registry_records_are_skipped_by_list(prefix: str, tiny: Path, ca
     assert "4 malformed registry record(s) skipped" in capsys.readouterr().out
 
 
-def test_seed_registers_entries_whose_directories_exist(prefix: str, tiny: Path, tmp_path: Path, capsys) -> None:
+def test_seed_registers_entries_whose_directories_exist(
+    prefix: str, tiny: Path, tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WEIR_HOME", str(tmp_path / "home"))
     repo = tmp_path / "models.toml"
     repo.write_text(f'[models.tiny]\npath = "{tiny}"\nversion = "5"\n\n[models.echo]\nengine = "echo"\n\n'
-                    f'[models.gone]\npath = "{tmp_path / "nowhere"}"\n')  # fmt: skip
+                    f'[models.gone]\npath = "{tmp_path / "nowhere"}"\n\n'
+                    f'[models.gguf]\nengine = "torch"\nsource = "{tmp_path / "x.gguf"}"\n')  # fmt: skip
     assert weir(prefix, "seed", "--model-repo", str(repo)) == 0
     out = capsys.readouterr().out
     assert "registered tiny@5" in out and "registered echo@1" in out
-    assert f"skipped gone: directory {tmp_path / 'nowhere'} does not exist" in out
+    assert f"skipped gone: directory {tmp_path / 'nowhere'} does not exist\n" in out
+    # a GGUF source not imported yet: its directory under WEIR_HOME is missing
+    assert "skipped gguf: directory " in out and "models/gguf does not exist; build it first (weir models prepare)" in out
     state = asyncio.run(read_registry(_settings(prefix)))
     assert set(state.versions) == {"tiny@5", "echo@1"} and state.routes["tiny"].default_version == "5"
+    imported = tmp_path / "home" / "models" / "gguf"  # as `weir models prepare` would leave it
+    imported.mkdir(parents=True)
+    (imported / "model.safetensors").write_bytes(b"w" * 32)
     assert weir(prefix, "seed", "--model-repo", str(repo)) == 0
-    assert "kept tiny@5: already registered" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "kept tiny@5: already registered" in out and "registered gguf@1" in out
+    gguf = asyncio.run(read_registry(_settings(prefix))).versions["gguf@1"].manifest
+    assert gguf.location == str(imported.resolve()) and [f.path for f in gguf.files] == ["model.safetensors"]
 
 
 def test_an_unreachable_broker_is_one_line_and_exit_2(capsys) -> None:

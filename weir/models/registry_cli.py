@@ -43,6 +43,7 @@ from schemas.model_repo import Engine, ModelConfig, ModelRepository, detect_engi
 from schemas.registry import Desired, GoldenCase, ManifestSignature, ModelManifest, ModelVersionRecord, RegistryState, split_ref
 from weir import registry
 from weir.bus import BusSettings, make_consumer, partitions_of
+from weir.home import served_model_dir
 from weir.kafka.admin import ensure_topics, wait_for_broker
 from weir.models.manifest import manifest_file_name, pack, verify_files, write_manifest_file
 from weir.models.signing import generate_keypair, sign
@@ -445,20 +446,35 @@ async def _promote(settings: BusSettings, args: argparse.Namespace, _record: Rec
     return 0
 
 
-def _missing_dir(config: ModelConfig) -> str | None:
-    """Why `config`'s files cannot be packed now, or None."""
+def _served_dir(config: ModelConfig) -> Path | None:
+    """Where `config`'s files are served from: its path, else where its source is built (a GGUF
+    import, weir/home.py; an ONNX export, weir/embedding/onnx_export.py). None for echo."""
     if config.engine == "echo":
         return None
-    if config.path is None or not Path(config.path).is_dir():
-        build = "weir models prepare" if config.source and config.engine == "torch" else "weir up builds it"
-        return f"directory {config.path} does not exist ({build} first)"
-    return None
+    if config.path is None and config.engine == "onnx":
+        from weir.embedding.onnx_export import default_export_dir  # loads torch: only for such an entry
+
+        return default_export_dir(config.name)
+    return served_model_dir(config.name, config.path, config.source)
+
+
+def _seedable(repo: ModelRepository) -> tuple[ModelRepository, dict[str, str]]:
+    """The entries whose files exist (each with its directory as `path`), and why each other is skipped."""
+    ready: dict[str, ModelConfig] = {}
+    skipped: dict[str, str] = {}
+    for name, config in repo.models.items():
+        where = _served_dir(config)
+        if where is not None and not where.is_dir():
+            build = "" if config.source is None else " (weir models prepare)" if config.engine == "torch" else " (weir up)"
+            skipped[name] = f"directory {where} does not exist; build it first{build}" if build else \
+                f"directory {where} does not exist"
+        else:
+            ready[name] = config if where is None else config.model_copy(update={"path": where})
+    return ModelRepository(models=ready), skipped
 
 
 async def _seed(settings: BusSettings, args: argparse.Namespace, _record: RecordGoldens | None) -> int:
-    repo = load_model_repo(args.model_repo)
-    skipped = {name: why for name, c in repo.models.items() if (why := _missing_dir(c)) is not None}
-    ready = ModelRepository(models={n: c for n, c in repo.models.items() if n not in skipped})
+    ready, skipped = _seedable(load_model_repo(args.model_repo))
     state = await registry.read_registry(settings)
     records = registry.seed_records(ready, state, registered_by=str(args.model_repo))
     await registry.publish(settings, records)
