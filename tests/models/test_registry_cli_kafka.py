@@ -176,7 +176,7 @@ def test_promote_needs_a_live_worker_with_the_version_ready(prefix: str, tiny: P
     assert "live workers report: w1:loading" in capsys.readouterr().err
 
     listing = _json(capsys, prefix, "list")
-    assert listing["live_workers"] == ["w1"]
+    assert listing["live_workers"] == ["w1"] and listing["skipped_heartbeats"] == 1
     by_version = {v["version"]: v["workers"] for v in listing["models"][0]["versions"]}
     assert by_version["1"]["w1"]["state"] == "ready" and by_version["2"]["w1"]["state"] == "loading"
 

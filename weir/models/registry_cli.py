@@ -74,12 +74,12 @@ def add_actions(actions: argparse._SubParsersAction) -> None:
     push.add_argument("--budget-bytes", type=int, help="memory the version may take on a worker (default: the worker's)")
     _kafka_args(push)
     listing = actions.add_parser("list", help="every model: default version, versions, desired and live state")
-    _kafka_args(listing)
+    _kafka_args(listing, live=True)
     listing.add_argument("--json", action="store_true", help="one JSON object")
     show = actions.add_parser("show", help="one name's versions, or one version: manifest, signature, workers")
     show.add_argument("ref", help="NAME or NAME@VERSION")
     show.add_argument("--json", action="store_true", help="one JSON object")
-    _kafka_args(show)
+    _kafka_args(show, live=True)
     for action, text in (("load", "ask the workers to load a version"), ("unload", "ask the workers to drain and "
                          "unload a version"), ("retire", "unload a version for good (requests for it are refused)")):  # fmt: skip
         parser = actions.add_parser(action, help=text)
@@ -88,7 +88,7 @@ def add_actions(actions: argparse._SubParsersAction) -> None:
     promote = actions.add_parser("promote", help="make a version its name's default (new requests go to it at once)")
     promote.add_argument("ref", help="NAME@VERSION")
     promote.add_argument("--force", action="store_true", help="promote even if no live worker has it ready")
-    _kafka_args(promote)
+    _kafka_args(promote, live=True)
     seed = actions.add_parser("seed", help="register a models.toml's entries whose directories exist")
     seed.add_argument("--model-repo", type=Path, default=Path(os.environ.get("WEIR_MODEL_REPO", "models.toml")),
                       help="model repository TOML (env WEIR_MODEL_REPO; default %(default)s)")
@@ -112,12 +112,14 @@ def _pack_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, help="manifest file (default: DIR/../NAME@VERSION.manifest.json)")
 
 
-def _kafka_args(parser: argparse.ArgumentParser) -> None:
+def _kafka_args(parser: argparse.ArgumentParser, live: bool = False) -> None:
+    """Where the deployment is; `live`: the action reads the workers' heartbeats too."""
     parser.add_argument("--bootstrap", help="Kafka bootstrap servers (env WEIR_KAFKA_BOOTSTRAP)")
     parser.add_argument("--topic-prefix", help="topic prefix of the deployment (env WEIR_TOPIC_PREFIX)")
     parser.add_argument("--timeout", type=float, default=15.0, help="seconds to wait for Kafka (default %(default)s)")
-    parser.add_argument("--live-ms", type=int, default=3000,
-                        help="a worker is live when its latest heartbeat is this recent (default %(default)s)")
+    if live:  # the batcher's worker_timeout_ms: 3 heartbeat intervals
+        parser.add_argument("--live-ms", type=int, default=3000,
+                            help="a worker is live when its latest heartbeat is this recent (default %(default)s)")
 
 
 # --- the actions ---------------------------------------------------------------------------------
@@ -316,9 +318,11 @@ async def read_heartbeats(settings: BusSettings) -> tuple[dict[str, WorkerHeartb
 class _View:
     """The registry and the live workers, read once."""
 
-    def __init__(self, state: RegistryState, skipped: int, heartbeats: dict[str, WorkerHeartbeat], live_ms: int) -> None:
+    def __init__(self, state: RegistryState, skipped: int, heartbeats: dict[str, WorkerHeartbeat],
+                 bad_heartbeats: int, live_ms: int) -> None:  # fmt: skip
         self.state = state
         self.skipped = skipped
+        self.bad_heartbeats = bad_heartbeats
         now = now_ms()
         self.live = {w: hb for w, hb in sorted(heartbeats.items()) if now - hb.sent_ms <= live_ms}
 
@@ -328,11 +332,13 @@ class _View:
 
 
 async def _view(settings: BusSettings, args: argparse.Namespace) -> _View:
+    if args.live_ms < 1:
+        raise ArgumentError("--live-ms must be >= 1")
     follower = registry.RegistryFollower(settings, client_id="weir-models")
     await follower.start()
     await follower.stop()
-    heartbeats, _bad = await read_heartbeats(settings)
-    return _View(follower.state, follower.num_skipped, heartbeats, args.live_ms)
+    heartbeats, bad = await read_heartbeats(settings)
+    return _View(follower.state, follower.num_skipped, heartbeats, bad, args.live_ms)
 
 
 def _table(headers: list[str], rows: list[list[str]]) -> str:
@@ -353,7 +359,8 @@ def _list_json(view: _View) -> dict[str, Any]:
                                                                 view.statuses(r.served_id).items()}}
                     for r in view.state.versions_of(name)]  # fmt: skip
         models.append({"name": name, "default_version": view.state.default_version(name), "versions": versions})
-    return {"models": models, "live_workers": list(view.live), "skipped_records": view.skipped}
+    return {"models": models, "live_workers": list(view.live), "skipped_records": view.skipped,
+            "skipped_heartbeats": view.bad_heartbeats}
 
 
 async def _list(settings: BusSettings, args: argparse.Namespace, _record: RecordGoldens | None) -> int:
