@@ -100,6 +100,9 @@ def test_a_malformed_manifest_file_is_refused_naming_it(tmp_path: Path) -> None:
         (["pack", "DIR", "--name", "nope", "--version", "1", "--from-toml", "models.toml"], "has no entry"),
         (["pack", "DIR", "--name", "m", "--version", "1", "--max-model-len", "1"], "max_model_len"),
         (["keygen", "--private", "DIR", "--public", "DIR/k.pub"], "exists; refusing to overwrite"),
+        (["pack", "DIR", "--name", "m"], "the following arguments are required: --version"),
+        (["promote", "m@1", "--live-ms"], "--live-ms: expected one argument"),
+        (["load", "m@1", "--live-ms", "5"], "unrecognized arguments: --live-ms 5"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(model_dir: Path, capsys, argv: list[str], message: str) -> None:

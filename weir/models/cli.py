@@ -16,6 +16,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from schemas.model_repo import ModelRepoError, load_model_repo
 from weir.models import registry_cli
@@ -24,8 +25,16 @@ from weir.models.safetensors_writer import DTYPES
 from weir.models.sources import default_model_dir, prepare_models
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """A bad argument is one line, `weir models ACTION: error: ...`, exit status 2, like every
+    other error of `weir models` (the usage is in --help)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="weir models", description="GGUF files into model directories Weir serves; "
+    parser = _OneLineParser(prog="weir models", description="GGUF files into model directories Weir serves; "
                                      "the model registry (docs/design.md, 'The model registry').")
     actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     imp = actions.add_parser("import-gguf", help="import a GGUF file as a Hugging Face model directory")
@@ -46,7 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None, record_goldens: registry_cli.RecordGoldens | None = None) -> int:
     """Entry point of `weir models`; returns the exit status. `record_goldens` is how `push`
     records golden outputs (services/worker/models_cli.py passes the worker's)."""
-    args = build_parser().parse_args(argv)
+    try:
+        args, unknown = build_parser().parse_known_args(argv)
+    except SystemExit as exc:  # --help (0) or a bad argument (2, its line printed)
+        return int(exc.code or 0)
+    if unknown:  # named with the action it was given to, like the other bad arguments
+        print(f"weir models {args.action}: error: unrecognized arguments: {' '.join(unknown)}", file=sys.stderr)
+        return 2
     if args.action in registry_cli.REGISTRY_ACTIONS:
         return registry_cli.run(args, record_goldens)
     try:
