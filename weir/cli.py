@@ -39,7 +39,8 @@ DELEGATED: dict[str, tuple[str, str]] = {
     "keys": ("services.gateway.keys_cli", "create, revoke and list the gateway's API keys"),
     "batch": ("weir.batch_cli", "submit an OpenAI-format batch file and download its results"),
     "replay": ("weir.replay", "rerun recorded requests on another model and diff the outputs"),
-    "models": ("weir.models.cli", "import a GGUF file as a model directory; prepare a repository's GGUF models"),
+    "models": ("services.worker.models_cli", "the model registry (pack, push, list, show, load, unload, retire, "
+               "promote, seed, keygen); import a GGUF file as a model directory"),
 }
 
 # Subcommands that are separate programs: name -> (the `python -m` module, help). Their process

@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         wait_all_ready(board, lambda name: kafka.probe() if name == "kafka" else probe(f"{stack.url(name)}/readyz"),
                        stack.dead, stack.log_tail, deadline_s, _say)  # fmt: skip
         _print_banner(f"http://{args.host}:{args.port}", broker, Topics(args.topic_prefix),
-                      list(repo.models), args.auth, stack, time.monotonic() - began_s)  # fmt: skip
+                      [c.served_id for c in repo.models.values()], args.auth, stack, time.monotonic() - began_s)  # fmt: skip
         return supervise(stack, supervisor)
     except KeyboardInterrupt:
         print("\nstopping ...", flush=True)

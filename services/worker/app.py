@@ -1,7 +1,9 @@
-"""Worker wiring: load engines, warm them up, then serve batches from Kafka until stopped.
+"""Worker wiring: follow the model registry, bring up the versions it wants here, serve their
+batches from Kafka until stopped.
 
 Started, stopped and served (/healthz, /readyz, /metrics) by weir/service.py like every service;
-/readyz answers 503 while the models load and warm up.
+/readyz answers 503 until every version the worker should hold is ready, failed or refused.
+The versions' lifecycle is versions.py's (docs/design.md, "The model registry").
 """
 
 from __future__ import annotations
@@ -10,34 +12,47 @@ import argparse
 import asyncio
 import contextlib
 import logging
-from typing import Any
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, get_args
 
 import torch
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 from starlette.types import ASGIApp
 
 from schemas.codec import encode
-from schemas.messages import WorkerHeartbeat
-from schemas.model_repo import ModelConfig, ModelRepoError, load_model_repo
+from schemas.messages import DeviceInfo, VersionState, WorkerHeartbeat
+from schemas.model_repo import ModelConfig, ModelRepoError, ModelRepository, load_model_repo
+from schemas.registry import ModelHealthEvent, ModelManifest, ModelVersionRecord, RegistryState
 from services.worker.config import WorkerSettings
 from services.worker.engine_factory import build_engine, warm_up
 from services.worker.fingerprints import FingerprintBatcher
 from services.worker.handlers import ModelServer, consume_cancellations, open_cancellations
-from services.worker.hardware import choose_device, cpu_threads, detect_devices
-from services.worker.loading import EngineLoader
+from services.worker.hardware import DeviceProbe, choose_device, cpu_device, cpu_threads
+from services.worker.memory import estimate_bytes
 from services.worker.runner import EngineHost, EngineProcess, EngineRunner
+from services.worker.versions import VersionManager
 from weir.bus import instance_id, make_producer, wait_for_cluster
 from weir.embedding.fingerprints import build_fingerprinter
+from weir.embedding.onnx_export import ensure_export
 from weir.kafka.admin import ensure_topics
 from weir.metrics import ServiceMetrics
+from weir.models.manifest import pack
+from weir.models.signing import SigningError, load_trusted_keys
+from weir.models.sources import ensure_model_dir
+from weir.registry import RegistryFollower, publish, seed_records
 from weir.service import ConfigError, bus_overrides, ops_app, run_service, service_parser
 
 log = logging.getLogger(__name__)
 
 
 class WorkerService:
-    """All model servers of one worker process, its heartbeat and its control-topic reader."""
+    """One worker process: follows the model registry, holds the versions it should (versions.py),
+    and sends its heartbeat; its control-topic reader passes cancels to every model server."""
 
     name = "worker"
 
@@ -45,74 +60,79 @@ class WorkerService:
         self.settings = settings
         self.worker_id = instance_id("worker")
         repo = self.repo = load_model_repo(settings.model_repo)
-        self.configs = [repo.models[n] for n in settings.model_names(list(repo.models))]
+        # The models.toml entries this worker serves: registered by it when the registry lacks them.
+        self.seeds = [c for name, c in repo.models.items() if settings.serves(name)]
         self.device = choose_device(settings.device)
         self.audit_key = settings.hmac_key()  # read (or made) now: a bad key file is a configuration error
+        self.trusted_keys = load_trusted_keys(Path(settings.model_trusted_keys)) if settings.model_trusted_keys else {}
         self.is_ready = False
-        self.servers: list[ModelServer] = []
+        self.is_serving = False  # the loops run
         self._assignment_changed = asyncio.Event()  # a heartbeat goes out at once when set
         self.producer: AIOKafkaProducer | None = None
+        self.registry: RegistryFollower | None = None
+        self.versions: VersionManager | None = None
         self.fingerprints: FingerprintBatcher | None = None
+        self._fingerprinter: asyncio.Task | None = None
+        self.devices = DeviceProbe()
         self.metrics = self._metrics()
-        self.loader = EngineLoader(self.configs, self.open_engine)
-        self.is_building_fingerprinter = False
+
+    @property
+    def servers(self) -> list[ModelServer]:
+        return self.versions.servers if self.versions is not None else []
 
     async def start(self) -> None:
-        """Begin loading the engines, then create the topics and start the producer while they
-        load (run() waits for them, its /readyz saying how far they got)."""
-        self.loader.start()
+        """Connect, create the topics and start the producer (run() then follows the registry)."""
         await wait_for_cluster(self.settings)
-        topics = self.settings.topics
-        specs = topics.core_specs() + [s for c in self.configs for s in topics.model_specs(c.name)]
-        await ensure_topics(self.settings.kafka_bootstrap, specs)
+        await ensure_topics(self.settings.kafka_bootstrap, self.settings.topics.core_specs())
         self.producer = make_producer(self.settings, self.worker_id)
         await self.producer.start()
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Build the fingerprinter while the engines finish loading, then serve until `stop` is set
-        or a loop fails."""
+        """Read the registry, bring up the versions it wants here, then serve and follow it until
+        `stop` is set or a loop fails."""
         assert self.producer is not None, "start() first"
         tasks: list[asyncio.Task] = []
         try:
-            # A first start exports the fingerprint model to ONNX here (or waits for the engine
-            # process that does): after the HTTP port opened, so /readyz can say so meanwhile.
-            self.is_building_fingerprinter = True
-            fingerprinter, hosts = await asyncio.gather(
-                asyncio.to_thread(build_fingerprinter, self.settings.audit_fingerprint_model, self.repo),
-                self.loader.wait(),
-            )  # fmt: skip
-            self.is_building_fingerprinter = False
-            self.fingerprints = FingerprintBatcher(fingerprinter) if fingerprinter is not None else None
-            self.open_servers(self.producer, hosts)
+            # A first start exports the fingerprint model to ONNX here: after the HTTP port opened,
+            # so /readyz can say so meanwhile. Servers wait for it (make_server), engines load meanwhile.
+            self._fingerprinter = asyncio.create_task(asyncio.to_thread(
+                build_fingerprinter, self.settings.audit_fingerprint_model, self.repo))  # fmt: skip
+            self._fingerprinter.add_done_callback(self._on_fingerprinter)  # before make_server's await wakes
+            self.versions = VersionManager(self.settings, self, await self._budget(), self.trusted_keys, self._estimate)
             cancellations = await open_cancellations(self.settings, self.worker_id)
-            self.is_ready = True
-            log.info("worker %s ready: %s on %s", self.worker_id, [c.name for c in self.configs], self.device)
+            self.registry = RegistryFollower(self.settings, self.worker_id, self._on_registry, seed=self.repo)
+            await self.registry.start()
+            self.versions.reconcile(self.wanted())
             tasks = self.loops(self.producer, cancellations)
+            self.is_serving = True
+            self.changed()
             stopped = asyncio.create_task(stop.wait())
             done, _ = await asyncio.wait([*tasks, stopped], return_when=asyncio.FIRST_COMPLETED)
             stopped.cancel()
             for task in done - {stopped}:
                 task.result()
         finally:
-            self.is_ready = False
+            self.is_ready = self.is_serving = False
             # Stop the loops now, while the Kafka clients' own tasks still run: left to asyncio.run's
             # teardown, which cancels those too, each consumer's LeaveGroup got no answer read and
             # a SIGTERM took 44 s (the request timeout), leaving its partitions to the session timeout.
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            for server in self.servers:
-                for runner in server.runners:
-                    runner.stop(1.0)
+            if self.registry is not None:
+                await self.registry.stop()
+            if self.versions is not None:
+                await self.versions.close()
+            if self._fingerprinter is not None:
+                self._fingerprinter.cancel()
             with contextlib.suppress(Exception):  # shutting down: else the heartbeat simply goes stale
                 await asyncio.wait_for(self.send_heartbeat(self.producer), 3)
 
     async def close(self) -> None:
-        if not self.servers:  # stopped before serving (Kafka away, a model that cannot load, a signal)
-            await self.loader.discard()
         if self.producer is not None:
             await self.producer.stop()
             self.producer = None
+        self.devices.close()
         self.metrics.shutdown()
 
     async def serve(self, stop: asyncio.Event | None = None) -> None:
@@ -123,67 +143,190 @@ class WorkerService:
         finally:
             await self.close()
 
-    def open_servers(self, producer: AIOKafkaProducer, hosts: dict[str, list[EngineHost]]) -> None:
-        """One ModelServer per model over its opened engine instances, which start stepping now."""
-        for config in self.configs:
-            server = ModelServer(config, hosts[config.name], self.settings, producer, self.worker_id, self.audit_key,
-                                 self.fingerprints)  # fmt: skip
-            server.on_assignment = self._assignment_changed.set
-            self.loader.deliver_to(config.name, server.on_outputs)
-            self.servers.append(server)
-            for runner in server.runners:
-                runner.start()
+    # -- the registry ---------------------------------------------------------------------------
+
+    def wanted(self) -> dict[str, ModelVersionRecord | ModelConfig]:
+        """The versions this worker should hold now: every registered version operators want loaded
+        of a name it serves, and its models.toml entries the registry does not hold yet (it
+        registers them as it loads them)."""
+        assert self.registry is not None
+        state = self.registry.state
+        out: dict[str, ModelVersionRecord | ModelConfig] = {
+            r.served_id: r for r in state.wanted_loaded() if self.settings.serves(r.manifest.name)
+        }
+        for config in self.seeds:
+            if config.served_id not in state.versions:
+                out[config.served_id] = config
+        return out
+
+    def _on_registry(self) -> None:
+        if self.versions is not None:
+            self.versions.reconcile(self.wanted())
+
+    async def seed_manifest(self, config: ModelConfig) -> ModelManifest:
+        """A models.toml entry's directory built (GGUF import, ONNX export: weir/models/sources.py),
+        packed, and registered with its route when the registry still lacks them (weir.registry.
+        seed_records: several workers may do it at once; a version's files are the same for all)."""
+        assert self.registry is not None
+        built = await asyncio.to_thread(built_entry, config)
+        single = ModelRepository(models={config.name: built})
+        records = await asyncio.to_thread(seed_records, single, self.registry.state, f"models.toml ({self.worker_id})")
+        if records:
+            await publish(self.settings, records, client_id=self.worker_id)
+        packed = [r.manifest for r in records if isinstance(r, ModelVersionRecord)]
+        return packed[0] if packed else await asyncio.to_thread(pack, built)
+
+    async def write_registry(self, records: list) -> None:
+        await publish(self.settings, records, client_id=self.worker_id)
+
+    def registry_state(self) -> RegistryState:
+        assert self.registry is not None
+        return self.registry.state
+
+    async def emit(self, sid: str, event: str, detail: str) -> None:
+        """A ModelHealthEvent on Topics.model_health; lost with a log line when the broker is away."""
+        assert self.producer is not None
+        message = ModelHealthEvent(worker_id=self.worker_id, model=sid, event=event, detail=detail[:4096])
+        try:
+            await self.producer.send_and_wait(self.settings.topics.model_health, encode(message), key=sid.encode())
+        except KafkaError as exc:
+            log.warning("health event %s of %s not written (%r)", event, sid, exc)
+
+    def changed(self) -> None:
+        """A version changed state: heartbeat now; the worker is ready once all it should hold settled."""
+        if not self.is_ready and self.is_serving and self.versions is not None and self.versions.is_settled():
+            self.is_ready = True
+            log.info("worker %s ready: %s on %s", self.worker_id, self.versions.describe(), self.device)
+        self._assignment_changed.set()
+
+    # -- engines and servers --------------------------------------------------------------------
+
+    async def make_server(self, config: ModelConfig, hosts: list[EngineHost]) -> ModelServer:
+        """A ModelServer of version `config` over its opened engines; its batch topic exists."""
+        assert self.producer is not None and self._fingerprinter is not None
+        await asyncio.shield(self._fingerprinter)  # its AuditEvents carry SimHashes from the first one
+        await ensure_topics(self.settings.kafka_bootstrap, self.settings.topics.model_specs(config.served_id))
+        server = ModelServer(config, hosts, self.settings, self.producer, self.worker_id, self.audit_key,
+                             self.fingerprints)  # fmt: skip
+        server.on_assignment = self._assignment_changed.set
+        return server
+
+    def _on_fingerprinter(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is None and task.result() is not None:
+            self.fingerprints = FingerprintBatcher(task.result())
+
+    async def fingerprint(self) -> None:
+        """Batch the AuditEvents' SimHashes once the fingerprinter is built (forever: off is no end)."""
+        assert self._fingerprinter is not None
+        await asyncio.shield(self._fingerprinter)
+        if self.fingerprints is None:
+            await asyncio.Event().wait()
+        await self.fingerprints.run()
+
+    async def _estimate(self, config: ModelConfig) -> int:
+        return await asyncio.to_thread(estimate_bytes, config, self.settings, self.device)
+
+    async def _budget(self) -> int:
+        """WEIR_WORKER_MEMORY_BYTES, else WEIR_WORKER_MEMORY_FRACTION of the memory of the device
+        the engines run on (the GPU's, else the machine's)."""
+        if self.settings.worker_memory_bytes:
+            return self.settings.worker_memory_bytes
+        devices = await self.devices.devices()
+        kind = "cuda" if self.device.type == "cuda" else "cpu"
+        total = next((d.memory_total_bytes for d in devices if d.kind == kind), 0)
+        if total <= 0:
+            total = cpu_device().memory_total_bytes
+        return int(total * self.settings.worker_memory_fraction)
 
     def loops(self, producer: AIOKafkaProducer, cancellations: Any) -> list[asyncio.Task]:
-        """The worker's loops: heartbeats, fingerprints, cancellations, each server's consume and publish."""
-        tasks = [asyncio.create_task(self.heartbeat(producer))]
-        if self.fingerprints is not None:
-            tasks.append(asyncio.create_task(self.fingerprints.run()))
-        tasks.append(asyncio.create_task(
-            consume_cancellations(cancellations, self.settings, self.servers, producer, self.worker_id)
-        ))  # fmt: skip
-        for server in self.servers:
-            tasks += [asyncio.create_task(server.consume()), asyncio.create_task(server.publish())]
-        return tasks
+        """The worker's loops: heartbeats, fingerprints, cancellations, the versions' golden checks
+        (each ready version's consume and publish loops are the version manager's)."""
+        assert self.versions is not None
+        return [
+            asyncio.create_task(self.heartbeat(producer)),
+            asyncio.create_task(self.fingerprint()),
+            asyncio.create_task(consume_cancellations(cancellations, self.settings, self.servers, producer, self.worker_id)),
+            asyncio.create_task(self.versions.run()),
+        ]  # fmt: skip
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
-        """Ready once every engine is warmed up and the loops run."""
-        body = {"worker_id": self.worker_id, "models": [c.name for c in self.configs], "device": str(self.device)}
+        """Ready once every version it should hold is ready, failed or refused (the body says which)."""
+        versions = self.versions.describe() if self.versions is not None else {}
+        body = {"worker_id": self.worker_id, "versions": versions, "device": str(self.device)}
         if self.is_ready:
             return True, {**body, "reason": None}
-        loading = self.loader.describe()
-        if loading:
-            reason = f"loading the models: {loading}"
-        elif self.is_building_fingerprinter:
+        if self.versions is None or self.registry is None:
+            reason = "reading the model registry"
+        elif self._fingerprinter is not None and not self._fingerprinter.done() and self.versions.is_settled():
             reason = f"building the audit fingerprinter ({self.settings.audit_fingerprint_model}, ONNX)"
         else:
-            reason = "starting the model servers"
+            reason = "bringing up the model versions: " + "; ".join(f"{k}: {v}" for k, v in versions.items())
         return False, {**body, "reason": reason}
 
     def http_app(self) -> ASGIApp:
-        return ops_app(self.readiness, self.metrics.render)
+        return ops_app(self.readiness, self.metrics.render, [Route("/faults/corrupt-weights", self.corrupt_weights,
+                                                                   methods=["POST"])])  # fmt: skip
+
+    async def corrupt_weights(self, request: Request) -> Response:
+        """POST /faults/corrupt-weights?model=<name@version>: the fault hook (WEIR_FAULT_HOOKS only)
+        that corrupts every engine instance of a version in memory, for tests and demos of the
+        golden checks. 404 when the hooks are off or the version is not loaded here."""
+        if not self.settings.fault_hooks:
+            return _error(404, "fault hooks are off (WEIR_FAULT_HOOKS=false)", "not_found")
+        sid = request.query_params.get("model", "")
+        hosts = self.versions.hosts_of(sid) if self.versions is not None else []
+        if not hosts:
+            return _error(404, f"model version {sid!r} is not loaded on this worker", "model_not_found")
+        for host in hosts:
+            await host.corrupt_weights()
+        return JSONResponse({"model": sid, "corrupted_instances": len(hosts)})
 
     def _metrics(self) -> ServiceMetrics:
-        """Per model, summed over its engine instances, read at scrape time from the engines' stats."""
+        """Per version (label model=name@version), summed over its engine instances, read at scrape
+        time from the engines' stats and the version manager."""
         metrics = ServiceMetrics("worker")
 
         def per_model(stat: str) -> Any:
             def observe() -> list[tuple[float, dict[str, str]]]:
-                return [(sum(r.stats.get(stat, 0) for r in s.runners), {"model": s.config.name}) for s in self.servers]
+                return [(sum(r.stats.get(stat, 0) for r in s.runners), {"model": s.sid}) for s in self.servers]
 
             return observe
 
-        metrics.gauge("weir_worker_ready", "1 once every engine is warmed up and serving.", lambda: [(int(self.is_ready), {})])
+        def per_version(read: Callable[[Any], float]) -> Any:
+            def observe() -> list[tuple[float, dict[str, str]]]:
+                held = self.versions.versions.values() if self.versions is not None else []
+                return [(read(v), {"model": v.sid}) for v in held]
+
+            return observe
+
+        metrics.gauge("weir_worker_ready", "1 once every version it should hold is ready, failed or refused.",
+                      lambda: [(int(self.is_ready), {})])  # fmt: skip
         for stat, text in (("num_running", "Sequences in the engines' decode loop."),
                            ("num_waiting", "Sequences queued in the engines."),
                            ("free_kv_blocks", "Free KV-cache blocks.")):  # fmt: skip
             metrics.gauge(f"weir_worker_{stat}", text, per_model(stat))
         metrics.gauge("weir_worker_requests_dropped", "Requests given up on since start: their reply topic refused "
                       "writes (or they were a minute past their deadline); none of them was answered.",
-                      lambda: [(s.publisher.num_dropped, {"model": s.config.name}) for s in self.servers])  # fmt: skip
+                      lambda: [(s.publisher.num_dropped, {"model": s.sid}) for s in self.servers])  # fmt: skip
         metrics.gauge("weir_worker_invalid_reply_to", "Requests dead-lettered since start for a reply_to that is not "
                       "one of the deployment's reply topics.",
-                      lambda: [(s.num_invalid_reply_to, {"model": s.config.name}) for s in self.servers])  # fmt: skip
+                      lambda: [(s.num_invalid_reply_to, {"model": s.sid}) for s in self.servers])  # fmt: skip
+        metrics.gauge("weir_worker_forged_batches", "Batches dead-lettered since start for naming another version "
+                      "than their topic's.", lambda: [(s.num_forged, {"model": s.sid}) for s in self.servers])  # fmt: skip
+
+        def states() -> list[tuple[float, dict[str, str]]]:
+            held = self.versions.versions.values() if self.versions is not None else []
+            return [(int(v.state == s), {"model": v.sid, "state": s}) for v in held for s in get_args(VersionState)]
+
+        metrics.gauge("weir_worker_version_state", "1 for the state each version is in on this worker.", states)
+        metrics.gauge("weir_worker_version_budget_bytes", "Memory slice given to each version (0: none yet, or refused).",
+                      per_version(lambda v: v.budget_bytes))  # fmt: skip
+        metrics.gauge("weir_worker_golden_failures", "Golden checks of each version that departed from the recorded "
+                      "outputs, since start.", per_version(lambda v: v.golden_failures))  # fmt: skip
+        metrics.gauge("weir_worker_version_reloads", "Reloads of each version from verified weights after a golden "
+                      "failure, since start.", per_version(lambda v: v.reloads))  # fmt: skip
+        metrics.gauge("weir_worker_memory_budget_bytes", "Memory all versions of this worker may take.",
+                      lambda: [(self.versions.budget_total if self.versions is not None else 0, {})])  # fmt: skip
         return metrics
 
     async def open_engine(self, config: ModelConfig, on_outputs, on_status=None) -> EngineHost:
@@ -200,26 +343,35 @@ class WorkerService:
             return process
         engine = await asyncio.to_thread(build_engine, config, self.settings, self.device)
         await asyncio.to_thread(warm_up, engine, config)
-        return EngineRunner(engine, asyncio.get_running_loop(), on_outputs)
+        return EngineRunner(engine, asyncio.get_running_loop(), on_outputs, fault_hooks=self.settings.fault_hooks)
 
-    def heartbeat_message(self) -> WorkerHeartbeat:
-        stats = [r.stats for s in self.servers for r in s.runners]
-        owned = {s.config.name: s.owned_partitions() for s in self.servers}
+    # -- heartbeats -----------------------------------------------------------------------------
+
+    def heartbeat_message(self, devices: list[DeviceInfo]) -> WorkerHeartbeat:
+        """shared protocol 1: `models` = the ready versions; partitions and next offsets of ready and
+        draining ones (batches still reach a draining version); every version held or tried."""
+        held = self.versions
+        ready = held.ready() if held is not None else []
+        routed = held.routed() if held is not None else []
+        stats = [r.stats for v in routed for r in v.hosts]
+        owned = {v.sid: v.server.owned_partitions() for v in routed if v.server is not None}
         return WorkerHeartbeat(
-            worker_id=self.worker_id, models=[c.name for c in self.configs], is_ready=self.is_ready,
-            num_running=int(sum(s["num_running"] for s in stats)), num_waiting=int(sum(s["num_waiting"] for s in stats)),
-            max_num_seqs=sum(c.max_num_seqs * c.instances for c in self.configs),
-            free_kv_blocks=int(sum(s["free_kv_blocks"] for s in stats)), block_size_tokens=self.settings.block_size,
+            worker_id=self.worker_id, models=[v.sid for v in ready], is_ready=self.is_ready,
+            num_running=int(sum(s.get("num_running", 0) for s in stats)),
+            num_waiting=int(sum(s.get("num_waiting", 0) for s in stats)),
+            max_num_seqs=max(1, sum(v.server.config.max_num_seqs * len(v.hosts) for v in ready if v.server is not None)),
+            free_kv_blocks=int(sum(s.get("free_kv_blocks", 0) for s in stats)), block_size_tokens=self.settings.block_size,
             partitions={m: p for m, (p, _) in owned.items()}, next_offsets={m: o for m, (_, o) in owned.items()},
-            devices=detect_devices(),
+            devices=devices, versions=held.statuses() if held is not None else {},
         )  # fmt: skip
 
     async def send_heartbeat(self, producer: AIOKafkaProducer) -> None:
-        await producer.send_and_wait(self.settings.topics.workers, encode(self.heartbeat_message()),
-                                     key=self.worker_id.encode())  # fmt: skip
+        message = self.heartbeat_message(await self.devices.devices())
+        await producer.send_and_wait(self.settings.topics.workers, encode(message), key=self.worker_id.encode())
 
     async def heartbeat(self, producer: AIOKafkaProducer) -> None:
         while True:
+            self._assignment_changed.clear()
             try:
                 await self.send_heartbeat(producer)
             except KafkaError as exc:  # the broker is away: batchers see this worker again with the next one
@@ -228,7 +380,21 @@ class WorkerService:
                 server.forget_old_cancels()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._assignment_changed.wait(), self.settings.heartbeat_interval_ms / 1000)
-            self._assignment_changed.clear()
+
+
+def _error(status: int, message: str, code: str) -> JSONResponse:
+    """An error body in OpenAI's format."""
+    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "code": code}}, status_code=status)
+
+
+def built_entry(config: ModelConfig) -> ModelConfig:
+    """A models.toml entry with `path` set to the directory it is served from, built first when
+    Weir makes it (a GGUF source imported, an ONNX package exported); an echo entry as it is."""
+    if config.engine == "echo":
+        return config
+    if config.engine == "onnx":
+        return config.model_copy(update={"path": ensure_export(config)})
+    return config.model_copy(update={"path": ensure_model_dir(config)})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -247,7 +413,7 @@ def build(args: argparse.Namespace) -> tuple[WorkerService, str, int]:
         settings = WorkerSettings(**{k: v for k, v in overrides.items() if v is not None})
         torch.set_num_threads(cpu_threads(settings.torch_threads))
         return WorkerService(settings), settings.http_host, settings.worker_http_port
-    except ModelRepoError as exc:
+    except (ModelRepoError, SigningError) as exc:  # a bad models.toml, a trusted key that is not one
         raise ConfigError(str(exc)) from exc
 
 

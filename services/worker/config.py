@@ -38,19 +38,43 @@ class WorkerSettings(BusSettings):
         description="process: each engine runs in a child process (no GIL shared with the Kafka loop); "
         "thread: on a thread of the worker. The echo engine, which computes nothing, always runs on a thread.",
     )
+    model_trusted_keys: str = Field(
+        "", description="Directory of the Ed25519 public keys (*.pub PEM) whose manifest signatures the worker "
+        "trusts (weir/models/signing.py); empty: none.",
+    )
+    require_signed_models: bool = Field(
+        False, description="Refuse to load a model version whose manifest is not signed by a trusted key."
+    )
+    fault_hooks: bool = Field(
+        False, description="Allow the fault hook that corrupts a loaded engine's weights in memory (tests and demos "
+        "of the golden canaries); off in production.",
+    )
     torch_threads: int = Field(
         0, ge=0, description="torch intra-op threads on the CPU; 0: half the cores (the other services need some)."
     )
+    worker_memory_bytes: int = Field(
+        0, ge=0, description="Memory the model versions of this worker may take in all (weights + KV caches); "
+        "0: worker_memory_fraction of the device's memory. A version that does not fit is refused.",
+    )
+    worker_memory_fraction: float = Field(
+        0.95, gt=0, le=1, description="With worker_memory_bytes 0: the share of the device's memory (GPU, else RAM) "
+        "the model versions may take. High, because a torch engine on CUDA sizes its KV cache to 85% of the free "
+        "memory (services/worker/memory.py counts it): a lower share would refuse the first version.",
+    )
+    drain_quiet_ms: int = Field(
+        2000, ge=0, description="A version being unloaded keeps reading its batch topic until nothing ran and no "
+        "batch came for this long (docs/design.md, \"The model registry\").",
+    )
+    golden_interval_s: float = Field(
+        60.0, ge=0, description="How often each ready version's golden requests run again; 0: only at load."
+    )
+    rollback_window_s: float = Field(
+        600.0, ge=0, description="A default version promoted this recently is rolled back when its goldens fail.",
+    )
 
-    def model_names(self, available: list[str]) -> list[str]:
-        """The models this worker serves; raises ValueError naming an unknown one."""
-        if not self.models.strip():
-            return available
-        names = [m.strip() for m in self.models.split(",") if m.strip()]
-        unknown = [m for m in names if m not in available]
-        if unknown:
-            raise ValueError(f"WEIR_MODELS names {unknown}, not in the model repository ({available})")
-        return names
+    def serves(self, name: str) -> bool:
+        """Whether this worker serves model `name` (WEIR_MODELS, or every name when it is empty)."""
+        return not self.models.strip() or name in {m.strip() for m in self.models.split(",")}
 
     def hmac_key(self) -> bytes:
         """The audit key's bytes (made on first use when it comes from the key file); AuditKeyError

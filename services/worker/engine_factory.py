@@ -12,10 +12,10 @@ import logging
 import torch
 
 from schemas.messages import EmbedRequest, GenerateRequest, now_ms
-from schemas.model_repo import ModelConfig
+from schemas.model_repo import ModelConfig, detect_engine
 from services.worker.config import WorkerSettings
 from services.worker.engine import EchoEngine, EmbeddingEngine, Engine, EngineConfig, EngineLike, Watermarker
-from services.worker.hardware import cpu_threads
+from services.worker.hardware import cpu_threads, resolve_engine
 from weir.embedding.onnx_export import ensure_export, needs_export
 from weir.models.sources import ensure_model_dir
 
@@ -23,7 +23,10 @@ log = logging.getLogger(__name__)
 
 
 def build_engine(config: ModelConfig, settings: WorkerSettings, device: torch.device) -> EngineLike:
-    """The engine a model entry asks for. Raises on a model that cannot load (process-fatal)."""
+    """The engine a model entry asks for (engine="auto" resolved for `device`: resolve_engine).
+    Raises on a model that cannot load (process-fatal)."""
+    if config.engine == "auto":
+        config = config.model_copy(update={"engine": resolve_engine(config, device)[0]})
     if config.engine == "echo":
         return EchoEngine(config.max_model_len, config.max_num_seqs, settings.echo_step_delay_ms / 1000)
     if config.engine == "onnx":  # an embedding model; exported from its source package on first use
@@ -44,7 +47,8 @@ def build_engine(config: ModelConfig, settings: WorkerSettings, device: torch.de
 
 def build_step(config: ModelConfig) -> str:
     """What build_engine is about to do for `config`, in words (the worker's /readyz says it)."""
-    if config.engine == "onnx" and needs_export(config):
+    engine = detect_engine(config.path, config.source) if config.engine == "auto" else config.engine
+    if engine == "onnx" and needs_export(config):
         return "exporting it to ONNX (first start only), then loading it"
     return "loading the weights"
 
@@ -53,7 +57,7 @@ def warm_up(engine: EngineLike, config: ModelConfig) -> None:
     """Run the model entry's warmup prompts to completion before the worker reports ready."""
     deadline_ms = now_ms() + 600_000
     requests: list[GenerateRequest | EmbedRequest]
-    if config.engine == "onnx":  # an embedding model embeds them, in one request
+    if isinstance(engine, EmbeddingEngine):  # an embedding model embeds them, in one request
         requests = [EmbedRequest(request_id="warmup-0", model=config.name, inputs=config.warmup,
                                  deadline_ms=deadline_ms, reply_to="-")] if config.warmup else []  # fmt: skip
     else:

@@ -40,7 +40,8 @@ _CANCEL_MEMORY_MS = 15 * 60 * 1000
 
 
 class ModelServer:
-    """Serves one model: consumes its batch topic in the model's group, runs engine instances.
+    """Serves one model version: consumes its batch topic (Topics.batches(name@version)) in the
+    version's group, runs engine instances (docs/design.md, "The model registry").
 
     Wiring: Intake keeps the account of taken requests and batch offsets, refusal() ends what
     must not reach the model, the least busy engine host runs the rest, and Publisher writes
@@ -76,6 +77,10 @@ class ModelServer:
         self.num_invalid_reply_to = 0  # requests dead-lettered for their reply_to, since start
         self.consumer: AIOKafkaConsumer | None = None
         self.on_assignment: Callable[[], None] | None = None  # called when Kafka assigns partitions
+        self.sid = config.served_id
+        self.last_read_ms = now_ms()  # when a batch record was last read (draining waits for quiet)
+        self.is_taking = True  # False: take no new batches (an unhealthy version finishes what runs)
+        self.num_forged = 0  # batches dead-lettered for naming another version than their topic's
 
     def on_outputs(self, outputs: list[EngineOutput]) -> None:
         """Called on the loop by the engine threads."""
@@ -86,16 +91,16 @@ class ModelServer:
     async def consume(self) -> None:
         """Take batches while engines have room; pause the partitions while they do not."""
         self.consumer = make_consumer(
-            self.settings, client_id=self.worker_id, group_id=self.topics.worker_group(self.config.name),
+            self.settings, client_id=self.worker_id, group_id=self.topics.worker_group(self.sid),
             max_poll_records=8, session_timeout_ms=6000,
         )  # fmt: skip
-        self.consumer.subscribe([self.topics.batches(self.config.name)], listener=_Revoked(self))
+        self.consumer.subscribe([self.topics.batches(self.sid)], listener=_Revoked(self))
         await self.consumer.start()
         try:
             while True:
                 room = self.config.max_num_seqs * len(self.runners) - len(self.intake.in_flight)
                 assigned = self.consumer.assignment()
-                if room <= 0:
+                if room <= 0 or not self.is_taking:
                     self.consumer.pause(*assigned)
                 else:
                     self.consumer.resume(*assigned)
@@ -121,10 +126,17 @@ class ModelServer:
 
     async def on_batch_record(self, tp: TopicPartition, record) -> None:
         self.intake.add_record(tp, record.offset)
+        self.last_read_ms = now_ms()
         try:
             batch = decode(Batch, record.value)
         except DecodeError as exc:
             await send_dead_letter(self.producer, self.topics, record, str(exc), self.worker_id)
+            self.intake.skip_record(tp, record.offset)
+            return
+        if batch.model != self.sid:  # forged, or misrouted: never served by another version (invariant 10)
+            self.num_forged += 1
+            reason = f"batch {batch.batch_id!r} names model {batch.model!r} on the batch topic of {self.sid}; not run"
+            await send_dead_letter(self.producer, self.topics, record, reason, self.worker_id)
             self.intake.skip_record(tp, record.offset)
             return
         key: RecordKey = (tp, record.offset)
@@ -183,7 +195,7 @@ class ModelServer:
             outputs = await self._outputs.get()
             for runner in self.runners:
                 if runner.failure is not None:
-                    raise RuntimeError(f"engine of {self.config.name} failed: {runner.failure!r}")
+                    raise RuntimeError(f"engine of {self.sid} failed: {runner.failure!r}")
             for out in outputs:
                 flight = self.intake.in_flight.get(out.request_id)
                 if flight is None:

@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 from schemas.messages import EmbedRequest, ErrorInfo, FinishReason, GenerateRequest
 from schemas.model_repo import ModelConfig
+from services.worker.engine.contract import GOLDEN_ID_PREFIX
 
 
 class Refusal(NamedTuple):
@@ -27,10 +28,14 @@ def refusal(
     """Why `request` ends before `config`'s model runs it, or None when it may run.
 
     `cancelled` holds the request ids cancelled lately. Checked in this order, the first that
-    applies wins: another model's request, the wrong kind for this model, cancelled, expired.
+    applies wins: an id reserved for the worker's golden canaries, another model's request, the
+    wrong kind for this model, cancelled, expired.
     """
-    if request.model != config.name:
-        message = f"batch for {config.name} holds a request for {request.model}"
+    if request.request_id.startswith(GOLDEN_ID_PREFIX):
+        message = f"request ids starting with {GOLDEN_ID_PREFIX!r} are reserved for the worker's golden checks"
+        return Refusal("rejected", ErrorInfo(code="reserved_request_id", message=message))
+    if request.model not in (config.name, config.served_id):  # a bare name: the batcher resolved it to this version
+        message = f"batch for {config.served_id} holds a request for {request.model}"
         return Refusal("rejected", ErrorInfo(code="wrong_model", message=message))
     if (request.kind == "embed") != (config.engine == "onnx"):
         return Refusal("rejected", unsupported_kind(request, config))

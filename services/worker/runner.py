@@ -3,13 +3,15 @@
 The model step is CPU/GPU-bound and must never block the asyncio loop that keeps the Kafka
 clients alive (heartbeats, fetches, commits). EngineProcess runs it in a child process (the
 default), EngineRunner on a thread of the worker (the echo engine, and WEIR_ENGINE_ISOLATION=thread).
-Both drive the engine with the same loop (drive).
+Both drive the engine with the same loop (drive), which also runs golden checks between steps
+(services/worker/goldens.py) and the fault hook (services/worker/faults.py) when asked.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ctypes
+import itertools
 import logging
 import multiprocessing
 import os
@@ -25,7 +27,12 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Protocol
 
 from schemas.messages import EmbedRequest, GenerateRequest, now_ms
+from schemas.registry import GoldenCase
 from services.worker.engine import EngineLike, EngineOutput
+from services.worker.faults import FaultHookError, corrupt
+from services.worker.goldens import GoldenChecks
+from services.worker.hardware import engine_label
+from services.worker.memory import engine_used_bytes
 
 if TYPE_CHECKING:
     from schemas.model_repo import ModelConfig
@@ -40,19 +47,33 @@ class CommandQueue(Protocol):
     def get(self, block: bool = True) -> tuple[str, object]: ...
 
 
-def drive(engine: EngineLike, commands: CommandQueue, emit: Callable[[list[EngineOutput], dict[str, float]], None]) -> None:
+Answer = Callable[[int, bool, object], None]  # (token of the question, ok, result or error message)
+
+
+def drive(
+    engine: EngineLike, commands: CommandQueue, emit: Callable[[list[EngineOutput], dict[str, float]], None],
+    answer: Answer,
+) -> None:  # fmt: skip
     """The engine loop: apply every queued command (waiting for one while there is nothing to
-    do), step, and emit the step's outputs with the engine's stats. Returns on a stop command."""
+    do), step, and emit the step's outputs with the engine's stats. Returns on a stop command.
+
+    Golden checks step beside the clients' sequences (each sequence samples from its own
+    generator, so they change no client's tokens); their outputs are taken out before emit, so
+    they never reach a reply topic, and `answer` hears each check's result."""
+    goldens = GoldenChecks(engine, answer)
     while True:
         outputs: list[EngineOutput] = []
-        if not _apply_commands(engine, commands, outputs, wait=not engine.has_work):
+        if not _apply_commands(engine, commands, outputs, goldens, answer, wait=not engine.has_work):
             return
         if engine.has_work:
             outputs.extend(engine.step(now_ms()))
-        emit(outputs, engine.stats())
+        emit(goldens.take(outputs), engine.stats())
 
 
-def _apply_commands(engine: EngineLike, commands: CommandQueue, outputs: list[EngineOutput], wait: bool) -> bool:
+def _apply_commands(
+    engine: EngineLike, commands: CommandQueue, outputs: list[EngineOutput], goldens: GoldenChecks, answer: Answer,
+    wait: bool,
+) -> bool:  # fmt: skip
     """Apply every queued command; with `wait`, first block until one comes. False on stop."""
     while True:
         try:
@@ -60,28 +81,96 @@ def _apply_commands(engine: EngineLike, commands: CommandQueue, outputs: list[En
         except queue.Empty:
             return True
         wait = False
+        out = None
         if kind == "stop":
             return False
         if kind == "add":
             out = engine.add(arg, now_ms())  # type: ignore[arg-type]
-        else:
+        elif kind == "cancel":
             out = engine.cancel(arg, now_ms())  # type: ignore[arg-type]
+        elif kind == "golden":
+            goldens.start(*arg)  # type: ignore[misc]  # (token, cases)
+        elif kind == "corrupt":
+            _corrupt(engine, arg, answer)  # type: ignore[arg-type]
         if out is not None:
             outputs.append(out)
+
+
+def _corrupt(engine: EngineLike, token: int, answer: Answer) -> None:
+    try:
+        answer(token, True, corrupt(engine))
+    except FaultHookError as exc:
+        answer(token, False, str(exc))
 
 
 class _Host:
     """What a ModelServer sees of an engine, wherever it runs: submit and cancel from the event
     loop (never blocking), outputs handed to `on_outputs` on the loop, the engine's last stats,
-    the requests in it, and a failure once it died."""
+    the requests in it, and a failure once it died. Golden checks and the fault hook are asked
+    of the engine's own loop and answered on the event loop.
+
+    `engine_label` is the runtime actually in use ('torch-cpu', 'onnxruntime-cuda'...: what
+    heartbeats report as VersionStatus.engine), `used_bytes()` the memory the engine holds."""
 
     def __init__(self, on_outputs: Callable[[list[EngineOutput]], None], weights_sha256: str,
-                 stats: dict[str, float]) -> None:  # fmt: skip
+                 stats: dict[str, float], fault_hooks: bool) -> None:  # fmt: skip
         self._on_outputs = on_outputs
         self.weights_sha256 = weights_sha256
         self.stats = stats
         self.num_pending = 0  # requests submitted and not finished (read on the loop)
         self.failure: BaseException | None = None
+        self.engine_label = ""
+        self._used_bytes = 0
+        self.fault_hooks = fault_hooks
+        self._tokens = itertools.count()
+        self._questions: dict[int, asyncio.Future[tuple[bool, object]]] = {}
+
+    def used_bytes(self) -> int:
+        """Bytes the engine holds: weights as loaded plus its KV cache (services/worker/memory.py)."""
+        return self._used_bytes
+
+    async def check_goldens(self, cases: list[GoldenCase]) -> str | None:
+        """Run `cases` in the engine, between its steps, while it keeps serving: the first
+        problem (naming the case, expected vs got), or None when every case passed."""
+        if not cases:
+            return None
+        problem = await self._ask("golden", cases)
+        assert problem is None or isinstance(problem, str)
+        return problem
+
+    async def corrupt_weights(self) -> None:
+        """The fault hook: perturb the engine's weights in memory (services/worker/faults.py).
+        FaultHookError unless WorkerSettings.fault_hooks (WEIR_FAULT_HOOKS) is set."""
+        if not self.fault_hooks:
+            raise FaultHookError("fault hooks are off: set WEIR_FAULT_HOOKS=1 to allow corrupting weights")
+        done = await self._ask("corrupt", None)
+        log.warning("fault hook: %s", done)
+
+    async def _ask(self, kind: str, arg: object) -> object:
+        if self.failure is not None:
+            raise RuntimeError(f"the engine has failed: {self.failure}")
+        token = next(self._tokens)
+        future = asyncio.get_running_loop().create_future()
+        self._questions[token] = future
+        self._send((kind, (token, arg) if kind == "golden" else token))
+        try:
+            ok, value = await future
+        finally:
+            self._questions.pop(token, None)
+        if not ok:
+            raise FaultHookError(str(value)) if kind == "corrupt" else RuntimeError(str(value))
+        return value
+
+    def _on_answer(self, token: int, ok: bool, value: object) -> None:
+        future = self._questions.get(token)
+        if future is not None and not future.done():
+            future.set_result((ok, value))
+
+    def _fail_questions(self, why: str | None = None) -> None:
+        """End every question in flight: the engine that would answer is gone."""
+        for future in self._questions.values():
+            if not future.done():
+                future.set_exception(RuntimeError(why or f"the engine has failed: {self.failure}"))
 
     def submit(self, request: GenerateRequest | EmbedRequest) -> None:
         """Queue a request for the engine."""
@@ -108,10 +197,13 @@ class EngineRunner(_Host):
     """
 
     def __init__(
-        self, engine: EngineLike, loop: asyncio.AbstractEventLoop, on_outputs: Callable[[list[EngineOutput]], None]
-    ) -> None:
-        super().__init__(on_outputs, engine.weights_sha256, engine.stats())
+        self, engine: EngineLike, loop: asyncio.AbstractEventLoop, on_outputs: Callable[[list[EngineOutput]], None],
+        fault_hooks: bool = False,
+    ) -> None:  # fmt: skip
+        super().__init__(on_outputs, engine.weights_sha256, engine.stats(), fault_hooks)
         self.engine = engine
+        self.engine_label = engine_label(engine)
+        self._used_bytes = engine_used_bytes(engine)
         self._loop = loop
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -122,17 +214,22 @@ class EngineRunner(_Host):
     def stop(self, timeout_s: float = 5.0) -> None:
         self._send(("stop", None))
         self._thread.join(timeout_s)
+        self._fail_questions("the engine was stopped")
 
     def _send(self, command: tuple[str, object]) -> None:
         self._inbox.put(command)  # thread-safe, never blocks
 
     def _run(self) -> None:
         try:
-            drive(self.engine, self._inbox, self._emit)
+            drive(self.engine, self._inbox, self._emit, self._answer)
         except BaseException as exc:  # device lost, or a bug: the process must not go on half-alive
             log.exception("engine thread died")
             self.failure = exc
+            self._loop.call_soon_threadsafe(self._fail_questions)
             self._loop.call_soon_threadsafe(self._deliver, [])
+
+    def _answer(self, token: int, ok: bool, value: object) -> None:
+        self._loop.call_soon_threadsafe(self._on_answer, token, ok, value)
 
     def _emit(self, outputs: list[EngineOutput], stats: dict[str, float]) -> None:
         self.stats = stats
@@ -163,7 +260,7 @@ class EngineProcess(_Host):
         self, config: ModelConfig, settings: WorkerSettings, device: str, loop: asyncio.AbstractEventLoop,
         on_outputs: Callable[[list[EngineOutput]], None], on_status: Callable[[str], None] | None = None,
     ) -> None:  # fmt: skip
-        super().__init__(on_outputs, "", {})  # the hash and stats come with the child's "ready"
+        super().__init__(on_outputs, "", {}, settings.fault_hooks)  # the rest comes with the child's "ready"
         self._on_status = on_status  # what the child is doing while it loads (the worker's /readyz)
         self._config = config
         self._settings = settings
@@ -197,13 +294,14 @@ class EngineProcess(_Host):
         kind, *rest = await self._ready
         if kind != "ready":
             raise ValueError(rest[0])
-        self.weights_sha256, self.stats = rest
+        self.weights_sha256, self.stats, self.engine_label, self._used_bytes = rest
 
     def start(self) -> None:
         """Nothing to start: events are read by the loop since open()."""
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._is_stopping = True
+        self._fail_questions("the engine was stopped")
         if self._process is None:
             return
         if self._commands is not None and self._process.is_alive():
@@ -230,6 +328,8 @@ class EngineProcess(_Host):
             outputs, self.stats = rest
             if outputs:
                 self._deliver(outputs)
+        elif kind == "answer":
+            self._on_answer(*rest)
         elif not self._ready.done():
             self._ready.set_result(event)  # ("ready", ...) or ("error", message) while loading
         elif kind == "error":
@@ -246,6 +346,7 @@ class EngineProcess(_Host):
     def _fail(self, exc: BaseException) -> None:
         log.error("%s", exc)
         self.failure = exc
+        self._fail_questions()
         self._deliver([])  # publish() sees the failure and stops the worker
 
 
@@ -302,7 +403,8 @@ def serve_engine(
         import torch
 
         from services.worker.engine_factory import build_engine, build_step, warm_up
-        from services.worker.hardware import cpu_threads
+        from services.worker.hardware import cpu_threads, engine_label
+        from services.worker.memory import engine_used_bytes
 
         torch.set_num_threads(cpu_threads(settings.torch_threads))
         events.send(("status", build_step(config)))
@@ -312,9 +414,10 @@ def serve_engine(
     except Exception as exc:  # noqa: BLE001 - reported to the worker, which refuses to start
         events.send(("error", f"{type(exc).__name__}: {exc}"))
         return
-    events.send(("ready", engine.weights_sha256, engine.stats()))
+    events.send(("ready", engine.weights_sha256, engine.stats(), engine_label(engine), engine_used_bytes(engine)))
     try:
-        drive(engine, _Inbox(commands), lambda outputs, stats: events.send(("out", outputs, stats)))
+        drive(engine, _Inbox(commands), lambda outputs, stats: events.send(("out", outputs, stats)),
+              lambda token, ok, value: events.send(("answer", token, ok, value)))  # fmt: skip
     except BaseException:  # device lost, or a bug: the worker stops rather than go on half-alive
         events.send(("error", traceback.format_exc(limit=8)))
         raise

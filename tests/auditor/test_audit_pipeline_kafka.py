@@ -56,14 +56,14 @@ async def test_worker_fingerprints_reach_the_ledger_and_lookups_find_them(bootst
                             models="tiny", watermark_tenants=WATERMARKS, heartbeat_interval_ms=200)  # fmt: skip
     topics = worker.topics
     replies = topics.replies("test")
-    await ensure_topics(bootstrap, [*topics.core_specs(), *topics.model_specs("tiny"), topics.reply_spec("test")])
+    await ensure_topics(bootstrap, [*topics.core_specs(), *topics.model_specs("tiny@1"), topics.reply_spec("test")])
     requests = [make_request(f"def f{i}(x):", model="tiny", reply_to=replies, max_tokens=48, temperature=1.0,
                              ignore_eos=True, tenant="acme" if i % 2 else "default") for i in range(4)]  # fmt: skip
     service = WorkerService(worker)
     task = asyncio.create_task(service.serve())
     try:
-        await produce(bootstrap, topics.batches("tiny"),
-                      [("b1", encode(Batch(batch_id="b1", model="tiny", requests=requests, batcher_id="t")))])
+        await produce(bootstrap, topics.batches("tiny@1"),
+                      [("b1", encode(Batch(batch_id="b1", model="tiny@1", requests=requests, batcher_id="t")))])
         records = await read_until(bootstrap, [topics.audit], lambda rs: len(rs) >= 4, timeout_s=120)
     finally:
         task.cancel()

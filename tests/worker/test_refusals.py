@@ -54,3 +54,17 @@ def test_the_first_rule_that_applies_wins() -> None:
     wrong_everything = make_embed_request(model="other", deadline_ms=T0_MS - 1)
     refused = refusal(wrong_everything, TINY, T0_MS, {wrong_everything.request_id})
     assert refused is not None and refused.error.code == "wrong_model"  # the model before anything else
+
+
+def test_a_request_may_name_the_version_it_was_resolved_to() -> None:
+    assert refusal(make_request(model="tiny@1", deadline_ms=T0_MS + 1), TINY, T0_MS, set()) is None
+    refused = refusal(make_request(model="tiny@2", deadline_ms=T0_MS + 1), TINY, T0_MS, set())
+    assert refused is not None and refused.error.code == "wrong_model" and "tiny@1" in refused.error.message
+
+
+def test_a_client_request_under_the_golden_prefix_is_refused() -> None:
+    from services.worker.engine.contract import GOLDEN_ID_PREFIX
+
+    request = make_request(request_id=f"{GOLDEN_ID_PREFIX}0-0")
+    refused = refusal(request, make_model_config(), T0_MS, set())
+    assert refused is not None and refused.error.code == "reserved_request_id"

@@ -85,7 +85,7 @@ def ends_of(records) -> dict[str, ReplyEnd]:
 
 def internal_topics(topics: Topics) -> list[str]:
     return [topics.requests, topics.keys, topics.usage, topics.audit, topics.control, topics.dead_letter,
-            topics.workers, topics.files, topics.jobs, topics.job_commands, topics.batches("echo")]  # fmt: skip
+            topics.workers, topics.files, topics.jobs, topics.job_commands, topics.batches("echo@1")]  # fmt: skip
 
 
 def replies_in(records) -> list:
@@ -169,7 +169,7 @@ async def test_bad_reply_to_records_harm_nobody_else(pipeline):
     # Nothing is left hanging: both groups commit past every record.
     lag = await wait_committed(BOOTSTRAP, topics.batcher_group, topics.requests)
     assert all(c == e for c, e in lag.values()), lag
-    lag = await wait_committed(BOOTSTRAP, topics.worker_group("echo"), topics.batches("echo"))
+    lag = await wait_committed(BOOTSTRAP, topics.worker_group("echo@1"), topics.batches("echo@1"))
     assert all(c == e for c, e in lag.values()), lag
 
 
@@ -180,9 +180,9 @@ async def test_worker_dead_letters_a_batch_request_with_a_refused_reply_to(pipel
     ok = make_request("a b c", model="echo", reply_to=good, max_tokens=8)
     to_keys = make_request("a b c", model="echo", reply_to=topics.keys, max_tokens=8)
     illegal = make_request("a b c", model="echo", reply_to="bad topic!", max_tokens=8)
-    batch = Batch(batch_id=f"b-{uuid.uuid4().hex[:6]}", model="echo", requests=[to_keys, ok, illegal], batcher_id="test")
+    batch = Batch(batch_id=f"b-{uuid.uuid4().hex[:6]}", model="echo@1", requests=[to_keys, ok, illegal], batcher_id="test")
     before = worker.servers[0].num_invalid_reply_to
-    await produce(BOOTSTRAP, topics.batches("echo"), [(batch.batch_id, encode(batch))])
+    await produce(BOOTSTRAP, topics.batches("echo@1"), [(batch.batch_id, encode(batch))])
 
     replies = await read_until(BOOTSTRAP, [good], lambda rs: ok.request_id in ends_of(rs), timeout_s=PROMPTLY_S)
     assert ok.request_id in ends_of(replies)
@@ -194,7 +194,7 @@ async def test_worker_dead_letters_a_batch_request_with_a_refused_reply_to(pipel
     assert worker.servers[0].num_invalid_reply_to == before + 2
     keys = await read_until(BOOTSTRAP, [topics.keys], lambda rs: False, timeout_s=2)
     assert keys == []
-    lag = await wait_committed(BOOTSTRAP, topics.worker_group("echo"), topics.batches("echo"))
+    lag = await wait_committed(BOOTSTRAP, topics.worker_group("echo@1"), topics.batches("echo@1"))
     assert all(c == e for c, e in lag.values()), lag
 
 

@@ -53,8 +53,7 @@ async def test_worker_serves_batches_cancels_and_dead_letters(tmp_path, llama_di
         echo_step_delay_ms=20, heartbeat_interval_ms=200,
     )  # fmt: skip
     replies = topics.replies("test")
-    await ensure_topics(BOOTSTRAP, [*topics.core_specs(), *topics.model_specs("tiny"), *topics.model_specs("echo"),
-                                    topics.reply_spec("test")])  # fmt: skip
+    await ensure_topics(BOOTSTRAP, [*topics.core_specs(), topics.reply_spec("test")])
     service = WorkerService(settings)
     task = asyncio.create_task(service.serve())
     try:
@@ -64,10 +63,12 @@ async def test_worker_serves_batches_cancels_and_dead_letters(tmp_path, llama_di
         tiny = [make_request("def add(a, b):", model="tiny", reply_to=replies, max_tokens=6) for _ in range(5)]
         echo = make_request("one two three four", model="echo", reply_to=replies, max_tokens=100)
         slow = make_request("word " * 1500, model="echo", reply_to=replies, max_tokens=2000)  # ~30 s unless cancelled
-        batches = [Batch(batch_id="b1", model="tiny", requests=tiny, batcher_id="test"),
-                   Batch(batch_id="b2", model="echo", requests=[echo, slow], batcher_id="test")]  # fmt: skip
-        await produce(BOOTSTRAP, topics.batches("tiny"), [("b1", encode(batches[0])), ("bad", b"{not json")])
-        await produce(BOOTSTRAP, topics.batches("echo"), [("b2", encode(batches[1]))])
+        batches = [Batch(batch_id="b1", model="tiny@1", requests=tiny, batcher_id="test"),
+                   Batch(batch_id="b2", model="echo@1", requests=[echo, slow], batcher_id="test")]  # fmt: skip
+        await produce(BOOTSTRAP, topics.batches("tiny@1"), [("b1", encode(batches[0])), ("bad", b"{not json")])
+        forged = Batch(batch_id="b3", model="tiny@1", requests=[make_request("x", model="tiny", reply_to=replies)],
+                       batcher_id="test")  # on echo@1's topic: never run by echo@1 (invariant 10)
+        await produce(BOOTSTRAP, topics.batches("echo@1"), [("b2", encode(batches[1])), ("b3", encode(forged))])
         await asyncio.sleep(0.5)
         await produce(BOOTSTRAP, topics.control, [(slow.request_id, encode(Cancellation(request_id=slow.request_id)))])
 
@@ -89,21 +90,25 @@ async def test_worker_serves_batches_cancels_and_dead_letters(tmp_path, llama_di
         assert {e.request_id for e in events} == want
         assert all("def add" not in r.value.decode() for r in audit), "raw prompt leaked into the audit topic"
 
-        dead = await read_until(BOOTSTRAP, [topics.dead_letter], lambda rs: len(rs) >= 1)
-        letter = decode(DeadLetter, dead[0].value)
-        assert letter.source_topic == topics.batches("tiny") and "not JSON" in letter.reason
+        dead = await read_until(BOOTSTRAP, [topics.dead_letter], lambda rs: len(rs) >= 2)
+        letters = {decode(DeadLetter, r.value).source_topic: decode(DeadLetter, r.value) for r in dead}
+        assert "not JSON" in letters[topics.batches("tiny@1")].reason
+        assert "names model 'tiny@1' on the batch topic of echo@1" in letters[topics.batches("echo@1")].reason
+        assert forged.requests[0].request_id not in ends
 
-        lag = await wait_committed(BOOTSTRAP, topics.worker_group("tiny"), topics.batches("tiny"))
+        lag = await wait_committed(BOOTSTRAP, topics.worker_group("tiny@1"), topics.batches("tiny@1"))
         assert all(c == e for c, e in lag.values()), lag
 
         # Heartbeats tell the batcher which batch partitions this worker owns (all: it is alone in
         # the group) and how far it has read them (two records of the tiny topic: b1 and "bad").
         def read_both(hb: WorkerHeartbeat) -> bool:
-            return sum(hb.next_offsets.get("tiny", {}).values()) == 2
+            return sum(hb.next_offsets.get("tiny@1", {}).values()) == 2
 
         beats = await read_until(BOOTSTRAP, [topics.workers], lambda rs: any(read_both(decode(WorkerHeartbeat, r.value)) for r in rs))
         latest = [hb for hb in (decode(WorkerHeartbeat, r.value) for r in beats) if read_both(hb)][-1]
-        assert latest.partitions["tiny"] == latest.partitions["echo"] == list(range(BATCH_PARTITIONS))
+        assert latest.partitions["tiny@1"] == latest.partitions["echo@1"] == list(range(BATCH_PARTITIONS))
+        assert sorted(latest.models) == ["echo@1", "tiny@1"]
+        assert {sid: s.state for sid, s in latest.versions.items()} == {"echo@1": "ready", "tiny@1": "ready"}
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

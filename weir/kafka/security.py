@@ -223,6 +223,16 @@ def service_grants(topics: Topics) -> list[Grant]:
     grants += _grants("auditor", "topic", "literal", ("read", "write", "create"), [t.audit_anchors])
     grants += _grants("auditor", "topic", "literal", ("write",), [t.dead_letter])
     grants += _grants("auditor", "group", "literal", ("read",), [t.auditor_group])
+    # The model registry (docs/design.md, "The model registry"): every service but the auditor
+    # follows it (assigned partitions, no group); the gateway's admin API writes it and so does a
+    # worker rolling back a promotion whose goldens fail. Workers report health events, which the
+    # gateway and the batcher read. `weir models` runs as the admin (super user), as `weir keys`.
+    grants += _grants("worker", "topic", "literal", ("read", "write"), [t.models])
+    grants += _grants("gateway", "topic", "literal", ("read", "write"), [t.models])
+    grants += _grants("batcher", "topic", "literal", ("read",), [t.models])
+    grants += _grants("worker", "topic", "literal", ("write",), [t.model_health])
+    grants += _grants("gateway", "topic", "literal", ("read",), [t.model_health])
+    grants += _grants("batcher", "topic", "literal", ("read",), [t.model_health])
     return grants
 
 

@@ -9,17 +9,25 @@ change, and ctime cannot be set back).
 For a version whose files come from somewhere Weir builds them (a GGUF `source` imported into a
 directory, an ONNX export of a package), the directory is built first (weir/models/sources.py)
 and then packed: the manifest is of what the worker will load.
+
+`weir models pack` writes a manifest file, `<name>@<version>.manifest.json` (next to the model
+directory by default). A file with that suffix is never part of a model: packing and verifying
+leave it out, so a manifest written inside the directory it describes changes nothing.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import orjson
+from pydantic import ValidationError
+
 from schemas.model_repo import ModelConfig
-from schemas.registry import ManifestFile, ModelManifest
+from schemas.registry import ManifestFile, ManifestSignature, ModelManifest
 from weir.digests import file_sha256
 
 _SKIPPED = {".lock", ".weir-import.lock"}  # build locks (weir/built_dirs.py), not part of the model
+MANIFEST_SUFFIX = ".manifest.json"  # manifest files (`weir models pack`), never part of the model
 
 
 class ManifestError(ValueError):
@@ -34,14 +42,20 @@ def _format(config: ModelConfig) -> str:
     return "safetensors"
 
 
+def _is_not_model(rel: Path) -> bool:
+    """A build lock, a manifest file, or a hidden (staging) file or folder."""
+    return rel.name in _SKIPPED or rel.name.endswith(MANIFEST_SUFFIX) or any(p.startswith(".") for p in rel.parts)
+
+
 def model_files(directory: Path) -> list[Path]:
-    """Every regular file under `directory`, sorted, without build locks and hidden staging files."""
+    """Every regular file under `directory`, sorted, without build locks, manifest files and
+    hidden staging files."""
     files = []
     for path in sorted(directory.rglob("*")):
         rel = path.relative_to(directory)
         if path.is_symlink():
             raise ManifestError(f"{path}: a symbolic link; a model directory holds plain files only")
-        if not path.is_file() or path.name in _SKIPPED or any(part.startswith(".") for part in rel.parts):
+        if not path.is_file() or _is_not_model(rel):
             continue
         files.append(path)
     return files
@@ -88,3 +102,27 @@ def verify_files(manifest: ModelManifest, directory: Path | None = None) -> None
     extra = [p.relative_to(where).as_posix() for p in model_files(where) if p.relative_to(where).as_posix() not in listed]
     if extra:
         raise ManifestError(f"{manifest.served_id}: {extra[0]} in {where} is not in the manifest")
+
+
+def manifest_file_name(manifest: ModelManifest) -> str:
+    """`<name>@<version>.manifest.json`."""
+    return manifest.served_id + MANIFEST_SUFFIX
+
+
+def write_manifest_file(path: Path, manifest: ModelManifest, signature: ManifestSignature | None) -> None:
+    """Write `{"manifest": ..., "signature": ...}` (indented JSON) to `path`."""
+    body = {"manifest": manifest.model_dump(mode="json"), "signature": signature.model_dump(mode="json") if signature else None}
+    Path(path).write_bytes(orjson.dumps(body, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS) + b"\n")
+
+
+def read_manifest_file(path: Path) -> tuple[ModelManifest, ManifestSignature | None]:
+    """The manifest and signature a manifest file holds; ManifestError naming the file."""
+    try:
+        body = orjson.loads(Path(path).read_bytes())
+        if not isinstance(body, dict) or set(body) != {"manifest", "signature"}:
+            raise ValueError('expected an object with the keys "manifest" and "signature"')
+        manifest = ModelManifest.model_validate(body["manifest"])
+        signature = ManifestSignature.model_validate(body["signature"]) if body["signature"] is not None else None
+    except (OSError, ValueError, ValidationError) as exc:  # orjson.JSONDecodeError is a ValueError
+        raise ManifestError(f"{path}: not a manifest file ({exc})") from exc
+    return manifest, signature

@@ -12,6 +12,10 @@ from typing import Protocol
 from schemas.messages import EmbedRequest, GenerateRequest
 from services.worker.engine.sequence import EngineOutput
 
+# Request ids the worker keeps for itself (golden canaries, services/worker/goldens.py): a client
+# request under it is refused (services/worker/refusals.py), so the two can never clash in an engine.
+GOLDEN_ID_PREFIX = "\x1fgolden:"
+
 
 class EngineLike(Protocol):
     """What the runner needs of an engine (Engine, EchoEngine and EmbeddingEngine all fit).

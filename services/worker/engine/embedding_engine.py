@@ -55,6 +55,7 @@ class EmbeddingEngine:
         dimensions: int | None = None,
         max_fragment_tokens: int | None = None,
     ) -> None:
+        self.model_dir = Path(model_dir)
         self.embedder = SentenceEmbedder(model_dir, use_cuda=use_cuda, num_threads=num_threads,
                                          max_fragment_tokens=max_fragment_tokens)  # fmt: skip
         self.window = self.embedder.window
@@ -71,6 +72,8 @@ class EmbeddingEngine:
             raise ValueError(f"max_batch_tokens={self.max_batch_tokens} must be >= the window ({self.window} tokens)")
         self.weights_sha256 = self.embedder.weights_sha256
         self._jobs: dict[str, _Job] = {}  # insertion order = arrival order, for round-robin
+        # The fault hook (services/worker/faults.py): added to every fragment's vector when set.
+        self.output_noise: np.ndarray | None = None
         log.info("embedding engine: %s on %s, %d-d, window %d", model_dir, self.provider, self.dimensions, self.window)
 
     @property
@@ -124,6 +127,8 @@ class EmbeddingEngine:
         if not batch:
             return outputs
         vectors = self.embedder.run([ids for _, _, ids in batch])  # [len(batch), dim]
+        if self.output_noise is not None:
+            vectors = vectors + self.output_noise
         for (job, index, ids), vector in zip(batch, vectors, strict=True):
             job.sums[index] += len(ids) * vector.astype(np.float64)
             job.num_tokens[index] += len(ids)

@@ -1,0 +1,257 @@
+"""The worker follows the registry, against the real broker: hot load, drain, verification, budget,
+goldens (services/worker/versions.py; docs/design.md, "The model registry")."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+
+from schemas.codec import decode, decode_reply, encode
+from schemas.messages import Batch, ReplyDelta, ReplyEnd, WorkerHeartbeat
+from schemas.model_repo import ModelConfig
+from schemas.registry import ModelHealthEvent, ModelVersionRecord
+from schemas.topics import Topics
+from services.worker.app import WorkerService
+from services.worker.config import WorkerSettings
+from services.worker.goldens import record_goldens
+from tests.kafka_helpers import produce, read_until, wait_committed
+from weir.kafka.admin import ensure_topics
+from weir.models.manifest import pack
+from weir.registry import promote, publish, read_registry, register
+
+from .factories import make_request
+
+pytestmark = pytest.mark.kafka
+from tests.conftest import BOOTSTRAP  # noqa: E402 - WEIR_KAFKA_BOOTSTRAP, else 127.0.0.1:9092
+
+ECHO_REPO = """
+[models.echo]
+engine = "echo"
+max_model_len = 4096
+"""
+
+
+def worker_settings(tmp_path: Path, **overrides) -> WorkerSettings:
+    repo = tmp_path / "models.toml"
+    repo.write_text(ECHO_REPO)
+    fields = dict(kafka_bootstrap=BOOTSTRAP, topic_prefix=f"t{uuid.uuid4().hex[:8]}", model_repo=str(repo),
+                  heartbeat_interval_ms=200, audit_fingerprint_model="", engine_isolation="thread", drain_quiet_ms=500)  # fmt: skip
+    fields.update(overrides)
+    return WorkerSettings(**fields)
+
+
+async def wait_beat(topics: Topics, is_it: Callable[[WorkerHeartbeat], bool], timeout_s: float = 60) -> WorkerHeartbeat:
+    """The first heartbeat for which is_it() holds (read from the topic's start)."""
+
+    def beats(records) -> list[WorkerHeartbeat]:
+        return [hb for hb in (decode(WorkerHeartbeat, r.value) for r in records) if is_it(hb)]
+
+    records = await read_until(BOOTSTRAP, [topics.workers], lambda rs: bool(beats(rs)), timeout_s)
+    found = beats(records)
+    assert found, f"no such heartbeat came; the last: {decode(WorkerHeartbeat, records[-1].value) if records else None}"
+    return found[0]
+
+
+def state_of(hb: WorkerHeartbeat, sid: str) -> str | None:
+    status = hb.versions.get(sid)
+    return status.state if status is not None else None
+
+
+def ends_of(records) -> dict[str, ReplyEnd]:
+    return {e.request_id: e for e in (decode_reply(r.value) for r in records) if isinstance(e, ReplyEnd)}
+
+
+async def health_events(topics: Topics, is_done: Callable[[list[ModelHealthEvent]], bool]) -> list[ModelHealthEvent]:
+    def events(records) -> list[ModelHealthEvent]:
+        return [decode(ModelHealthEvent, r.value) for r in records]
+
+    return events(await read_until(BOOTSTRAP, [topics.model_health], lambda rs: is_done(events(rs)), 30))
+
+
+async def serve_text(topics: Topics, batch_id: str, replies: str) -> str:
+    """What tiny@1 answers to a greedy prompt (its ReplyEnd naming tiny@1)."""
+    request = make_request("def add(a, b):", model="tiny", reply_to=replies, max_tokens=6, temperature=0.0)
+    batch = Batch(batch_id=batch_id, model="tiny@1", requests=[request], batcher_id="test")
+    await produce(BOOTSTRAP, topics.batches("tiny@1"), [(batch_id, encode(batch))])
+    records = await read_until(BOOTSTRAP, [replies], lambda rs: request.request_id in ends_of(rs), 60)
+    end = ends_of(records)[request.request_id]
+    assert end.model_version == "tiny@1" and end.error is None and end.usage.completion_tokens > 0
+    return "".join(e.text for e in (decode_reply(r.value) for r in records)
+                   if isinstance(e, ReplyDelta) and e.request_id == request.request_id)  # fmt: skip
+
+
+async def start(settings: WorkerSettings) -> tuple[WorkerService, asyncio.Task]:
+    await ensure_topics(BOOTSTRAP, [*settings.topics.core_specs(), settings.topics.reply_spec("test")])
+    service = WorkerService(settings)
+    return service, asyncio.create_task(service.serve())
+
+
+async def test_a_pushed_version_is_served_and_the_old_one_drains_without_cutting_a_request(tmp_path):
+    settings = worker_settings(tmp_path, echo_step_delay_ms=20)
+    topics, replies = settings.topics, settings.topics.replies("test")
+    service, task = await start(settings)
+    try:
+        await wait_beat(topics, lambda hb: state_of(hb, "echo@1") == "ready" and hb.is_ready)
+        state = await read_registry(settings)
+        assert state.versions["echo@1"].desired == "loaded" and state.routes["echo"].default_version == "1"  # seeded
+
+        v2 = ModelConfig(name="echo", version="2", engine="echo", max_model_len=4096)
+        await publish(settings, register(state, ModelVersionRecord(manifest=pack(v2), registered_by="test")))
+        beat = await wait_beat(topics, lambda hb: state_of(hb, "echo@2") == "ready")
+        assert sorted(beat.models) == ["echo@1", "echo@2"] and "echo@2" in beat.partitions
+        quick = make_request("one two", model="echo@2", reply_to=replies, max_tokens=8)
+        await produce(BOOTSTRAP, topics.batches("echo@2"),
+                      [("b2", encode(Batch(batch_id="b2", model="echo@2", requests=[quick], batcher_id="test")))])  # fmt: skip
+        records = await read_until(BOOTSTRAP, [replies], lambda rs: quick.request_id in ends_of(rs))
+        assert ends_of(records)[quick.request_id].model_version == "echo@2"
+
+        # A long request runs on echo@1 when echo@2 is promoted (echo@1 asked to unload): it finishes.
+        slow = make_request("word " * 150, model="echo", reply_to=replies, max_tokens=400)  # ~3 s at 20 ms a step
+        await produce(BOOTSTRAP, topics.batches("echo@1"),
+                      [("b1", encode(Batch(batch_id="b1", model="echo@1", requests=[slow], batcher_id="test")))])  # fmt: skip
+        await read_until(BOOTSTRAP, [replies], lambda rs: any(decode_reply(r.value).request_id == slow.request_id for r in rs))
+        await publish(settings, promote(await read_registry(settings), "echo@2", by="test"))
+        draining = await wait_beat(topics, lambda hb: state_of(hb, "echo@1") == "draining", 30)
+        assert "echo@1" in draining.partitions and "echo@1" not in draining.models
+
+        records = await read_until(BOOTSTRAP, [replies], lambda rs: slow.request_id in ends_of(rs), 60)
+        end = [r for r in records if isinstance(e := decode_reply(r.value), ReplyEnd) and e.request_id == slow.request_id][0]
+        finished = decode_reply(end.value)
+        assert finished.error is None and finished.finish_reason == "stop" and finished.model_version == "echo@1"
+        text = "".join(e.text for e in (decode_reply(r.value) for r in records)
+                       if isinstance(e, ReplyDelta) and e.request_id == slow.request_id)  # fmt: skip
+        assert text.split() == ["word"] * 150  # not cut
+
+        gone = await wait_beat(topics, lambda hb: "echo@1" not in hb.versions and state_of(hb, "echo@2") == "ready", 30)
+        assert gone.sent_ms >= end.timestamp and gone.models == ["echo@2"] and "echo@1" not in gone.partitions
+        lag = await wait_committed(BOOTSTRAP, topics.worker_group("echo@1"), topics.batches("echo@1"))
+        assert all(c == e for c, e in lag.values()), lag
+        events = await health_events(topics, lambda es: any(e.event == "unloaded" for e in es))
+        assert [(e.model, e.event) for e in events] == [("echo@1", "loaded"), ("echo@2", "loaded"), ("echo@1", "unloaded")]
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_changed_file_fails_its_version_and_one_too_big_is_refused_while_the_others_serve(tmp_path, llama_dir):
+    copy = shutil.copytree(llama_dir, tmp_path / "tiny-2")
+    tiny = ModelConfig(name="tiny", version="2", engine="torch", path=copy, max_model_len=128, warmup=["def "])
+    manifest = pack(tiny)
+    weights = copy / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit of one weight, after packing
+    weights.write_bytes(bytes(data))
+    big = ModelConfig(name="echo", version="3", engine="echo", max_model_len=4096)
+
+    settings = worker_settings(tmp_path, worker_memory_bytes=1_000_000)
+    topics, replies = settings.topics, settings.topics.replies("test")
+    service, task = await start(settings)
+    try:
+        await wait_beat(topics, lambda hb: state_of(hb, "echo@1") == "ready")
+        state = await read_registry(settings)
+        await publish(settings, [*register(state, ModelVersionRecord(manifest=manifest)),
+                                 ModelVersionRecord(manifest=pack(big), budget_bytes=5_000_000)])  # fmt: skip
+        beat = await wait_beat(topics, lambda hb: state_of(hb, "tiny@2") == "failed" and state_of(hb, "echo@3") == "refused")
+        failed, refused = beat.versions["tiny@2"], beat.versions["echo@3"]
+        assert "model.safetensors" in (failed.reason or "") and "changed since the version was packed" in (failed.reason or "")
+        assert refused.reason == "needs 5000000 bytes, 1000000 of 1000000 free on this worker"
+        assert beat.models == ["echo@1"] and set(beat.partitions) == {"echo@1"} and beat.is_ready
+
+        # echo@1 keeps serving; a batch on tiny@2's topic is read by no one.
+        await ensure_topics(BOOTSTRAP, topics.model_specs("tiny@2"))
+        never = make_request("def ", model="tiny@2", reply_to=replies, max_tokens=4)
+        served = make_request("still here", model="echo@1", reply_to=replies, max_tokens=8)
+        await produce(BOOTSTRAP, topics.batches("tiny@2"),
+                      [("t", encode(Batch(batch_id="t", model="tiny@2", requests=[never], batcher_id="test")))])  # fmt: skip
+        await produce(BOOTSTRAP, topics.batches("echo@1"),
+                      [("e", encode(Batch(batch_id="e", model="echo@1", requests=[served], batcher_id="test")))])  # fmt: skip
+        await read_until(BOOTSTRAP, [replies], lambda rs: served.request_id in ends_of(rs))
+        await asyncio.sleep(2)
+        assert never.request_id not in ends_of(await read_until(BOOTSTRAP, [replies], lambda rs: False, timeout_s=1))
+        events = await health_events(topics, lambda es: {"load_failed", "refused"} <= {e.event for e in es})
+        assert {(e.model, e.event) for e in events} >= {("tiny@2", "load_failed"), ("echo@3", "refused")}
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_corrupted_weights_fail_the_periodic_goldens_and_the_version_is_reloaded(tmp_path, llama_dir):
+    config = ModelConfig(name="tiny", version="1", engine="torch", path=llama_dir, max_model_len=128, warmup=["def "])
+    goldens = await asyncio.to_thread(record_goldens, config, ["def add(a, b):"], 6, WorkerSettings(device="cpu"))
+    settings = worker_settings(tmp_path, models="tiny", fault_hooks=True, golden_interval_s=1.0)
+    topics, replies = settings.topics, settings.topics.replies("test")
+    await ensure_topics(BOOTSTRAP, settings.topics.core_specs())
+    state = await read_registry(settings)
+    await publish(settings, register(state, ModelVersionRecord(manifest=pack(config), goldens=goldens)))
+    service, task = await start(settings)
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=service.http_app()), base_url="http://worker")
+    try:
+        ready = await wait_beat(topics, lambda hb: state_of(hb, "tiny@1") == "ready")
+        assert ready.versions["tiny@1"].golden_checked_ms is not None and ready.versions["tiny@1"].engine == "torch-cpu"
+        before = await serve_text(topics, "before", replies)
+        assert before
+        missing = await http.post("/faults/corrupt-weights", params={"model": "tiny@9"})
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+        hit = await http.post("/faults/corrupt-weights", params={"model": "tiny@1"})
+        assert hit.status_code == 200 and hit.json() == {"model": "tiny@1", "corrupted_instances": 1}
+
+        unhealthy = await wait_beat(topics, lambda hb: state_of(hb, "tiny@1") == "unhealthy", 30)
+        assert "tiny@1" not in unhealthy.models and "tiny@1" not in unhealthy.partitions
+        events = await health_events(topics, lambda es: any(e.event == "reloaded" for e in es))
+        assert [e.event for e in events] == ["loaded", "golden_failed", "reloaded"]
+        await wait_beat(topics, lambda hb: hb.sent_ms > events[-1].created_ms and state_of(hb, "tiny@1") == "ready")
+        metrics = (await http.get("/metrics")).text
+        assert 'weir_worker_version_reloads{model="tiny@1"} 1' in metrics
+        assert 'weir_worker_golden_failures{model="tiny@1"} 1' in metrics
+
+        # Served again, from verified weights: as before the corruption.
+        assert await serve_text(topics, "after", replies) == before
+    finally:
+        await http.aclose()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_the_fault_hook_is_not_found_unless_fault_hooks_are_on(tmp_path):
+    service = WorkerService(worker_settings(tmp_path))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=service.http_app()), base_url="http://w") as http:
+        answer = await http.post("/faults/corrupt-weights", params={"model": "echo@1"})
+    assert answer.status_code == 404 and "WEIR_FAULT_HOOKS" in answer.json()["error"]["message"]
+
+
+async def test_a_fresh_default_failing_its_goldens_is_rolled_back(tmp_path, llama_dir):
+    settings = worker_settings(tmp_path, models="tiny", fault_hooks=True, golden_interval_s=1.0)
+    topics = settings.topics
+    one = ModelConfig(name="tiny", version="1", engine="torch", path=llama_dir, max_model_len=128, warmup=["def "])
+    two = one.model_copy(update={"version": "2"})
+    goldens = await asyncio.to_thread(record_goldens, two, ["def add(a, b):"], 6, WorkerSettings(device="cpu"))
+    await ensure_topics(BOOTSTRAP, settings.topics.core_specs())
+    await publish(settings, register(await read_registry(settings), ModelVersionRecord(manifest=pack(one))))
+    await publish(settings, [ModelVersionRecord(manifest=pack(two), goldens=goldens)])
+    service, task = await start(settings)
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=service.http_app()), base_url="http://worker")
+    try:
+        await wait_beat(topics, lambda hb: state_of(hb, "tiny@1") == state_of(hb, "tiny@2") == "ready")
+        await publish(settings, promote(await read_registry(settings), "tiny@2", by="test"))
+        await wait_beat(topics, lambda hb: "tiny@1" not in hb.versions and state_of(hb, "tiny@2") == "ready")
+
+        assert (await http.post("/faults/corrupt-weights", params={"model": "tiny@2"})).status_code == 200
+        back = await wait_beat(topics, lambda hb: state_of(hb, "tiny@1") == "ready" and "tiny@2" not in hb.versions, 60)
+        assert back.models == ["tiny@1"]
+        state = await read_registry(settings)
+        route = state.routes["tiny"]
+        assert (route.default_version, route.previous_version) == ("1", "2") and route.reason.startswith("rollback of tiny@2")
+        assert state.versions["tiny@2"].desired == "unloaded" and state.versions["tiny@1"].desired == "loaded"
+        events = await health_events(topics, lambda es: ("tiny@2", "unloaded") in {(e.model, e.event) for e in es})
+        tiny2 = [e.event for e in events if e.model == "tiny@2"]
+        assert tiny2 == ["loaded", "golden_failed", "rolled_back", "unloaded"]
+    finally:
+        await http.aclose()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
