@@ -7,6 +7,7 @@ from itertools import count
 from schemas.messages import GenerateRequest, VersionStatus, WorkerHeartbeat
 from schemas.model_repo import ModelConfig, ModelRepository
 from schemas.registry import RegistryState
+from schemas.topics import Topics, TopicSpec
 
 T0_MS = 1_700_000_000_000  # a fixed "now" in epoch ms
 _ids = count()
@@ -26,6 +27,11 @@ def make_repo(*configs: ModelConfig, **bounds: tuple[int, int]) -> ModelReposito
 def make_models(*configs: ModelConfig, **bounds: tuple[int, int]) -> RegistryState:
     """A registry state seeded by make_repo(...): each entry's name resolves to `name@1`."""
     return RegistryState(make_repo(*configs, **bounds))
+
+
+def version_specs(topics: Topics, repo: ModelRepository) -> list[TopicSpec]:
+    """The core topics and the batch topic of each entry's version (name@version), as a deployment has them."""
+    return topics.core_specs() + [spec for c in repo.models.values() for spec in topics.model_specs(c.served_id)]
 
 
 def make_request(
