@@ -22,7 +22,7 @@ from schemas.codec import decode_reply, encode
 from schemas.messages import ReplyEnd
 from schemas.registry import ModelManifest, ModelRoute, ModelVersionRecord
 from schemas.topics import Topics
-from services.batcher.app import BatcherApp
+from services.batcher.app import BatcherApp, BatcherService
 from services.batcher.config import BatcherSettings
 from weir.kafka.admin import ensure_topics, list_topic_names
 from weir.registry import promote, publish, read_registry, register
@@ -137,6 +137,17 @@ async def test_requests_follow_versions_promotions_and_failures(batcher_bootstra
         await produce(bootstrap, topics.requests, last)
         await until(lambda: v2.request_ids >= {r.request_id for r in last}, tasks)
         assert not v1.request_ids & {r.request_id for r in last}
+
+        # 6. /metrics shows it per version.
+        service = BatcherService(settings, repo)
+        service.app = app
+        text = service.metrics.render()
+        service.metrics.shutdown()
+        for line in ('weir_batcher_requests_unservable{model="m@3"} 2', "weir_batcher_registry_skipped 3",
+                     'weir_batcher_routable_workers{model="m@2",state="ready"} 1', "weir_batcher_registry_versions 3",
+                     'weir_batcher_routable_workers{model="m@1",state="draining"} 1',
+                     'weir_batcher_routable_workers{model="m@3",state="ready"} 0'):  # fmt: skip
+            assert line in text.splitlines(), (line, text)
     finally:
         stop.set()
         for task in tasks:
