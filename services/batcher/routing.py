@@ -21,10 +21,11 @@ Prefix affinity: the head request's prefix (a chat's system message, else the fi
 hashing, so requests sharing a prefix go to the worker that has it cached, and only the prefixes
 of a worker that leaves move. When that worker has no room for the head, the batch goes to the
 live worker with the most room instead; when none has room for the head, an idle worker (nothing
-running, waiting or planned) takes it alone, so an underestimated room never stalls a model. A model that no heartbeat has ever named is routed
-without a partition (UNBOUNDED: keyed, Kafka picks), so a deployment without heartbeats still
-works (its batches wait in the sid's topic for a worker whose version becomes ready, and so joins
-the sid's group); one whose workers are all stale, full or still loading is held.
+running, waiting or planned) takes it alone, so an underestimated room never stalls a model. A version that no heartbeat has
+ever named, where no heartbeat reports `versions` (no worker yet, or only workers from before the
+registry), is routed without a partition (UNBOUNDED: keyed, Kafka picks), so a deployment without
+heartbeats still works; otherwise a version no worker has ready or draining (stale, full, still
+loading, or loaded nowhere) is held.
 """
 
 from __future__ import annotations
@@ -128,8 +129,11 @@ class Router:
         return len(self._workers)
 
     def knows(self, sid: str) -> bool:
-        """Whether any heartbeat, live or not, has named version `sid`."""
-        return any(sid in w.heartbeat.versions or sid in w.heartbeat.models for w in self._workers.values())
+        """Whether heartbeats decide where `sid` goes: one (live or not) names it, or one reports
+        `versions` at all. Workers that report versions announce each one they serve, so a
+        version none of them reports ready is held (by the batcher, until its deadline), never
+        sent to a topic that nobody may read again (a version drained everywhere)."""
+        return any(w.heartbeat.versions or sid in w.heartbeat.models for w in self._workers.values())
 
     def live_workers(self, sid: str, now_ms: int, state: str = "ready") -> list[str]:
         """Ids of the workers whose fresh heartbeat has `sid` in `state` and owns partitions of it."""

@@ -43,9 +43,13 @@ def test_only_ready_fresh_workers_owning_partitions_of_the_model_are_live() -> N
 
 
 def test_a_model_no_heartbeat_names_is_routed_keyed_but_one_with_only_dead_workers_waits() -> None:
-    router = router_with(make_heartbeat("w1", {"a@1": [0]}, sent_ms=T0_MS))
-    head = make_tenant_request("t", model="z")
-    assert router.place("z@1", head, 20, T0_MS) == UNBOUNDED
+    old = make_heartbeat("old", {"a": [0]}, sent_ms=T0_MS).model_copy(update={"versions": {}})  # before the registry
+    head = make_tenant_request("t", model="z@1")
+    assert router_with().place("z@1", head, 20, T0_MS) == UNBOUNDED  # no worker yet
+    assert router_with(old).place("z@1", head, 20, T0_MS) == UNBOUNDED
+    # Workers that report versions announce what they serve: a version none reports is held.
+    router = router_with(old, make_heartbeat("w1", {"a@1": [0]}, sent_ms=T0_MS))
+    assert router.place("z@1", head, 20, T0_MS) is None
     assert router.place("a@1", make_tenant_request("t"), 20, T0_MS + 10 * TIMEOUT_MS) is None
 
 
