@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.errors import KafkaError
 from starlette.types import ASGIApp
 
 from schemas.messages import now_ms
@@ -36,8 +37,8 @@ from services.batcher.planner import Planner
 from services.batcher.routing import Router
 from weir.bus import instance_id, make_consumer, make_producer, wait_for_cluster
 from weir.kafka.admin import ensure_topics
-from weir.registry import RegistryFollower
 from weir.metrics import ServiceMetrics
+from weir.registry import RegistryFollower
 from weir.service import ConfigError, bus_overrides, ops_app, run_service, service_parser
 
 log = logging.getLogger(__name__)
@@ -135,7 +136,6 @@ class BatcherApp:
         await self.handlers.on_tick(now_ms())
         await self.handlers.settle()
 
-
     def _on_registry_change(self) -> None:
         """A registry record changed the state: make the batch topics of new versions (once each),
         so a version registered while the batcher runs is routable without a restart."""
@@ -158,7 +158,7 @@ class BatcherApp:
         topics = self.settings.topics
         try:
             made = await ensure_topics(self.settings.kafka_bootstrap, [s for sid in new for s in topics.model_specs(sid)])
-        except Exception as exc:  # the broker is down or refuses: the next change retries
+        except (KafkaError, OSError) as exc:  # the broker is down or refuses: the next change retries
             self._version_topics.difference_update(new)
             log.warning("could not create the batch topics of %s: %r", new, exc)
             return

@@ -150,9 +150,9 @@ class BatcherHandlers:
             # The first copy is held (its offset still pending) or already produced.
             self._tracker.done(_tp(record), record.offset)
         elif verdict is Admission.UNKNOWN_MODEL:  # unknown name, unregistered or retired version, malformed ref
-            _, why = self.planner.resolve(req.model)
+            _, why = self.planner.resolve(req.model)  # no await since add(): the same registry state
             self.num_unresolved += 1
-            error = ErrorInfo(code="model_not_found", message=f"{why}; it is not served here")
+            error = ErrorInfo(code="model_not_found", message=why or f"model {req.model!r} is not served here")
             await self._end(req, record, "rejected", error)
         elif verdict is Admission.EXPIRED:
             error = ErrorInfo(code="deadline_exceeded", message=f"deadline_ms={req.deadline_ms} passed before batching")

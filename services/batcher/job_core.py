@@ -150,7 +150,7 @@ def _to_line(envelope: Envelope, job: BatchJob, models: RegistryState, reply_to:
         return refused("model_not_found", f"The model {model!r} does not exist", "model")
     config, why = resolve_ref(models, model)
     if config is None:
-        return refused("model_not_found", f"The model {model!r} is not served: {why}", "model")
+        return refused("model_not_found", why or f"The model {model!r} does not exist", "model")
     model = config.served_id
     try:  # the same checks as the gateway's endpoint: every parameter honoured or refused by name
         parsed = parse_line_body(envelope)
