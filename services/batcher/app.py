@@ -2,6 +2,11 @@
 
     weir batcher [--bootstrap HOST:PORT] [--topic-prefix P] [--model-repo models.toml] [--http-port N]
 
+The batcher follows the model registry (weir/registry.py: RegistryFollower, seeded by its
+models.toml): requests are resolved and pinned to a version (`name@version`) on arrival, batched
+per version, and sent to that version's batch topic, which the batcher creates when the version
+is registered (docs/design.md, "The model registry").
+
 One loop round: wait for request records (at most until the planner's next wakeup), admit them,
 apply cancellations, take worker heartbeats into the router, close the batches that are due (each
 routed to a worker's partition), await every produce of the round and commit
@@ -20,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.errors import KafkaError
 from starlette.types import ASGIApp
 
 from schemas.messages import now_ms
@@ -30,8 +36,9 @@ from services.batcher.jobs import JobRunner
 from services.batcher.planner import Planner
 from services.batcher.routing import Router
 from weir.bus import instance_id, make_consumer, make_producer, wait_for_cluster
-from weir.kafka.admin import deployment_specs, ensure_topics
+from weir.kafka.admin import ensure_topics
 from weir.metrics import ServiceMetrics
+from weir.registry import RegistryFollower
 from weir.service import ConfigError, bus_overrides, ops_app, run_service, service_parser
 
 log = logging.getLogger(__name__)
@@ -58,7 +65,10 @@ class BatcherApp:
         self.workers = make_consumer(
             settings, client_id=f"{self.batcher_id}-workers", group_id=None, auto_offset_reset="earliest"
         )
-        self.planner = Planner(repo, max_recent=settings.max_recent_ids, max_batch_bytes=settings.max_batch_bytes)
+        self.registry = RegistryFollower(settings, f"{self.batcher_id}-registry", self._on_registry_change, seed=repo)
+        self._version_topics: set[str] = set()  # sids whose batch topic exists or is being made
+        self._topic_tasks: set[asyncio.Task[None]] = set()
+        self.planner = Planner(self.registry.state, max_recent=settings.max_recent_ids, max_batch_bytes=settings.max_batch_bytes)
         self.router = Router(worker_timeout_ms=settings.worker_timeout_ms, prefix_chars=settings.prefix_affinity_chars)
         self.handlers = BatcherHandlers(
             topics, self.planner, self.producer, self.requests, self.batcher_id, router=self.router,
@@ -68,8 +78,12 @@ class BatcherApp:
         self.is_reading = False
 
     async def start(self) -> None:
-        """Start the Kafka clients, follow the control topic, read the live-worker table, subscribe."""
+        """Read the registry and make its versions' topics, start the Kafka clients, follow the
+        control topic, read the live-worker table, subscribe."""
         topics = self.settings.topics
+        await self.registry.start()
+        self._started.append(self.registry)
+        await self._ensure_version_topics()
         for client in (self.producer, self.requests, self.control, self.workers):
             await client.start()
             self._started.append(client)
@@ -102,6 +116,8 @@ class BatcherApp:
 
     async def close(self) -> None:
         """Stop the clients. Only durable effects were committed; what is held is redone by the next owner."""
+        for task in list(self._topic_tasks):
+            task.cancel()
         for client in reversed(self._started):
             await client.stop()
         self._started.clear()
@@ -120,6 +136,34 @@ class BatcherApp:
         await self.handlers.on_tick(now_ms())
         await self.handlers.settle()
 
+    def _on_registry_change(self) -> None:
+        """A registry record changed the state: make the batch topics of new versions (once each),
+        so a version registered while the batcher runs is routable without a restart."""
+        if not self._started or not self._new_versions():
+            return
+        task = asyncio.create_task(self._ensure_version_topics(), name="version-topics")
+        self._topic_tasks.add(task)
+        task.add_done_callback(self._topic_tasks.discard)
+
+    def _new_versions(self) -> list[str]:
+        return sorted(set(self.registry.state.servable()) - self._version_topics)
+
+    async def _ensure_version_topics(self) -> None:
+        """Create the batch topic of every servable version not made yet; a failure is logged and
+        retried at the next registry change (its batches wait for the topic's metadata meanwhile)."""
+        new = self._new_versions()
+        if not new:
+            return
+        self._version_topics.update(new)
+        topics = self.settings.topics
+        try:
+            made = await ensure_topics(self.settings.kafka_bootstrap, [s for sid in new for s in topics.model_specs(sid)])
+        except (KafkaError, OSError) as exc:  # the broker is down or refuses: the next change retries
+            self._version_topics.difference_update(new)
+            log.warning("could not create the batch topics of %s: %r", new, exc)
+            return
+        if made:
+            log.info("batch topics created for new model versions: %s", made)
 
     async def _read_heartbeats_to_end(self) -> None:
         """Assign the workers topic from the beginning and read it up to its current end, so the
@@ -166,9 +210,11 @@ class BatcherService:
 
     async def start(self) -> None:
         await wait_for_cluster(self.settings)
-        await ensure_topics(self.settings.kafka_bootstrap, deployment_specs(self.settings.topics, self.repo))
+        # The core topics (the registry's among them); each version's batch topic is made by the
+        # app once it has read the registry.
+        await ensure_topics(self.settings.kafka_bootstrap, self.settings.topics.core_specs())
         self.app = BatcherApp(self.settings, self.repo, self.batcher_id)
-        self.jobs = JobRunner(self.settings, self.repo, self.batcher_id)
+        self.jobs = JobRunner(self.settings, self.app.registry.state, self.batcher_id)
         await self.app.start()
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -204,9 +250,27 @@ def _metrics(service: BatcherService) -> ServiceMetrics:
                   read(lambda app: app.handlers.num_in_flight))
     metrics.gauge("weir_batcher_live_workers", "Workers with a live heartbeat in the router's table.",
                   read(lambda app: app.router.num_workers))
-    metrics.gauge("weir_batcher_models_blocked", "1 per model held back because no live worker has room.",
+    metrics.gauge("weir_batcher_models_blocked", "1 per model version held back because no live worker has room.",
                   lambda: [] if service.app is None else [(1, {"model": m}) for m in service.app.planner.blocked_models()])
+    metrics.gauge("weir_batcher_routable_workers", "Live workers per model version with it ready, or draining.",
+                  lambda: [] if service.app is None else _routable(service.app))
+    metrics.gauge("weir_batcher_requests_unresolved", "Requests rejected since start: their model did not resolve "
+                  "to a servable version (unknown, unregistered, retired, malformed).",
+                  read(lambda app: app.handlers.num_unresolved))
+    metrics.gauge("weir_batcher_requests_unservable", "Requests rejected since start per model version: every live "
+                  "worker reporting it had it failed or refused.",
+                  lambda: [] if service.app is None else [(n, {"model": sid}) for sid, n in service.app.handlers.num_unservable.items()])
+    metrics.gauge("weir_batcher_registry_versions", "Model versions the batcher may route (registered or seeded, not retired).",
+                  read(lambda app: len(app.registry.state.servable())))
+    metrics.gauge("weir_batcher_registry_skipped", "Registry records skipped since start: not a valid registry record.",
+                  read(lambda app: app.registry.num_skipped))
     return metrics
+
+
+def _routable(app: BatcherApp) -> list[tuple[float, dict[str, str]]]:
+    now = now_ms()
+    return [(len(app.router.live_workers(sid, now, state)), {"model": sid, "state": state})
+            for sid in app.registry.state.servable() for state in ("ready", "draining")]  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:

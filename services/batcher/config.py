@@ -15,7 +15,9 @@ class BatcherSettings(BusSettings):
     """Batcher settings; each field reads WEIR_<FIELD_NAME>, e.g. WEIR_MODEL_REPO."""
 
     batcher_http_port: int = Field(8110, ge=0, le=65535, description="Port of /healthz, /readyz, /metrics (0: any free port).")
-    model_repo: Path = Field(Path("models.toml"), description="Model repository TOML (batch bounds per model).")
+    model_repo: Path = Field(
+        Path("models.toml"), description="Model repository TOML: seeds the model registry with the versions it does not hold yet."
+    )
     max_idle_wait_ms: int = Field(
         100, ge=1, le=10_000,
         description="Longest one loop round waits for records; bounds cancel and shutdown latency when idle.",

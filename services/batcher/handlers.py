@@ -93,6 +93,8 @@ class BatcherHandlers:
         self.router = router
         self._unrouted_models: set[str] = set()  # logged once: no heartbeat names them
         self._blocked_models: set[str] = set()  # held for lack of room, logged on change
+        self.num_unresolved = 0  # requests rejected since start: their model did not resolve
+        self.num_unservable: dict[str, int] = {}  # per sid: requests rejected since start, version failed everywhere
         self.batcher_id = batcher_id
         self._producer = producer
         # Reply topics are named by clients and may refuse writes (BusSettings.reply_topic_auto_create).
@@ -147,8 +149,10 @@ class BatcherHandlers:
         elif verdict is Admission.DUPLICATE:
             # The first copy is held (its offset still pending) or already produced.
             self._tracker.done(_tp(record), record.offset)
-        elif verdict is Admission.UNKNOWN_MODEL:
-            error = ErrorInfo(code="model_not_found", message=f"model {req.model!r} is not served here")
+        elif verdict is Admission.UNKNOWN_MODEL:  # unknown name, unregistered or retired version, malformed ref
+            _, why = self.planner.resolve(req.model)  # no await since add(): the same registry state
+            self.num_unresolved += 1
+            error = ErrorInfo(code="model_not_found", message=why or f"model {req.model!r} is not served here")
             await self._end(req, record, "rejected", error)
         elif verdict is Admission.EXPIRED:
             error = ErrorInfo(code="deadline_exceeded", message=f"deadline_ms={req.deadline_ms} passed before batching")
@@ -197,7 +201,9 @@ class BatcherHandlers:
     # --- planning ---------------------------------------------------------------------------
 
     async def on_tick(self, now_ms: int) -> None:
-        """Publish the batches due at now_ms and time out the requests that expired while held."""
+        """Reject the requests of versions no worker can serve, publish the batches due at now_ms
+        and time out the requests that expired while held."""
+        await self._reject_unservable(now_ms)
         result = self.planner.poll(now_ms, self.router)
         blocked = set(self.planner.blocked_models())
         for model in blocked - self._blocked_models:
@@ -223,6 +229,23 @@ class BatcherHandlers:
         for req in result.expired:
             error = ErrorInfo(code="deadline_exceeded", message=f"deadline_ms={req.deadline_ms} passed while waiting")
             await self._end(req, self._held_records.pop(req.request_id), "timeout", error)
+
+    async def _reject_unservable(self, now_ms: int) -> None:
+        """End at once, as rejected, the held requests of each version that every live worker
+        reporting it failed or refused (routing.Router.version_problem): none would be served
+        before its deadline, and the client learns why (e.g. a file that did not verify)."""
+        if self.router is None:
+            return
+        for sid in self.planner.held_models():
+            problem = self.router.version_problem(sid, now_ms)
+            if problem is None:
+                continue
+            dropped = self.planner.drop_model(sid)
+            log.warning("rejecting %d held requests of %s: %s", len(dropped), sid, problem)
+            self.num_unservable[sid] = self.num_unservable.get(sid, 0) + len(dropped)
+            for req in dropped:
+                error = ErrorInfo(code="model_unavailable", message=problem)
+                await self._end(req, self._held_records.pop(req.request_id), "rejected", error)
 
     async def _end(
         self, req: GenerateRequest | EmbedRequest, record: ConsumerRecord, reason: FinishReason, error: ErrorInfo | None

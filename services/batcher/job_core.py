@@ -7,6 +7,11 @@ file was stored. Checked again here: a line the runner cannot even identify (not
 custom_id, a repeated custom_id, another url) fails the whole job in validation, as OpenAI does;
 a line whose *body* is wrong (a model removed since the upload, a bad parameter) is answered in
 the error file with status 400 and the job goes on.
+
+A line's `model` resolves like an interactive request's (planner.resolve_ref against the followed
+model registry): a bare name goes to its default version and the line's request is pinned to that
+`name@version`; an unknown name, an unregistered or retired version or a malformed ref is refused
+in the error file. The output names the version that answered (ReplyEnd.model_version).
 """
 
 from __future__ import annotations
@@ -36,8 +41,9 @@ from schemas.batch_lines import (
     parse_envelope,
     parse_line_body,
 )
-from schemas.model_repo import ModelRepository
+from schemas.registry import RegistryState
 from schemas.openai_bodies import ChatCompletionBody
+from services.batcher.planner import resolve_ref
 MAX_VALIDATION_ERRORS = 100
 
 # Legal moves of a job's status; anything else is a bug in the runner.
@@ -106,10 +112,12 @@ class ParsedInput:
     errors: list[BatchLineError] = field(default_factory=list)
 
 
-def parse_input(content: bytes, job: BatchJob, repo: ModelRepository, reply_to: str) -> ParsedInput:
+def parse_input(content: bytes, job: BatchJob, models: RegistryState, reply_to: str) -> ParsedInput:
     """Parse and check the JSONL input of `job` with the gateway's own splitter and parser
     (schemas/batch_lines.py); each request goes to the bulk lane, to `reply_to`, with the job's
-    expiry as its deadline. Pure and deterministic: a restart parses the same."""
+    expiry as its deadline, pinned to the version its model resolves to in `models`. Pure and
+    deterministic: a restart parses the same, unless the registry changed meanwhile (then the
+    lines not answered yet go where a new request would)."""
     parsed = ParsedInput()
     seen: set[str] = set()
     num_rows = 0
@@ -125,21 +133,25 @@ def parse_input(content: bytes, job: BatchJob, repo: ModelRepository, reply_to: 
             if len(parsed.errors) < MAX_VALIDATION_ERRORS:
                 parsed.errors.append(BatchLineError(code=exc.code, message=str(exc), line=exc.line, param=exc.param))
             continue
-        parsed.lines.append(_to_line(envelope, job, repo, reply_to))
+        parsed.lines.append(_to_line(envelope, job, models, reply_to))
     if num_rows == 0:
         parsed.errors.append(BatchLineError(code="empty_file", message="the input file has no requests"))
     return parsed
 
 
-def _to_line(envelope: Envelope, job: BatchJob, repo: ModelRepository, reply_to: str) -> JobLine:
+def _to_line(envelope: Envelope, job: BatchJob, models: RegistryState, reply_to: str) -> JobLine:
     number, custom_id = envelope.line, envelope.custom_id
     request_id = request_id_of(job.job_id, custom_id)
     model = envelope.body.get("model")
     def refused(code: str, message: str, param: str | None = None) -> JobLine:  # noqa: E306
         info = BatchLineError(code=code, message=message, line=number, param=param)
         return JobLine(number, custom_id, request_id, str(model), None, info)
-    if not isinstance(model, str) or repo.get(model) is None:
+    if not isinstance(model, str):
         return refused("model_not_found", f"The model {model!r} does not exist", "model")
+    config, why = resolve_ref(models, model)
+    if config is None:
+        return refused("model_not_found", why or f"The model {model!r} does not exist", "model")
+    model = config.served_id
     try:  # the same checks as the gateway's endpoint: every parameter honoured or refused by name
         parsed = parse_line_body(envelope)
     except LineError as exc:
@@ -266,7 +278,7 @@ def response_body(endpoint: str, line: JobLine, text: str, end: ReplyEnd) -> dic
         choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
                   "logprobs": None, "finish_reason": end.finish_reason}
         return {"id": f"chatcmpl-{line.request_id}", "object": "chat.completion", "created": created,
-                "model": line.model, "choices": [choice], "usage": usage}
+                "model": end.model_version or line.model, "choices": [choice], "usage": usage}
     choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": end.finish_reason}
     return {"id": f"cmpl-{line.request_id}", "object": "text_completion", "created": created,
-            "model": line.model, "choices": [choice], "usage": usage}
+            "model": end.model_version or line.model, "choices": [choice], "usage": usage}

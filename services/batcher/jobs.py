@@ -26,7 +26,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListen
 
 from schemas.codec import DecodeError, decode, decode_reply, encode
 from schemas.messages import BatchJob, BatchLineError, Cancellation, JobCommand, ReplyDelta, ReplyEnd, now_ms
-from schemas.model_repo import ModelRepository
+from schemas.registry import RegistryState
 from services.batcher.job_core import (
     JobResults,
     is_terminal,
@@ -51,9 +51,10 @@ CANCEL_GRACE_S = 10.0
 class JobRunner:
     """Runs the batch jobs whose job_commands partitions this process owns."""
 
-    def __init__(self, settings: BusSettings, repo: ModelRepository, runner_id: str,
+    def __init__(self, settings: BusSettings, models: RegistryState, runner_id: str,
                  max_in_flight: int = MAX_IN_FLIGHT) -> None:
-        self.settings, self.repo, self.runner_id = settings, repo, runner_id
+        # The batcher's followed registry state: job lines resolve as its requests do.
+        self.settings, self.models, self.runner_id = settings, models, runner_id
         self.max_in_flight = max_in_flight
         self.topics = settings.topics
         self.producer = make_producer(settings, client_id=f"{runner_id}-jobs", linger_ms=5)
@@ -211,7 +212,7 @@ class JobExecution:
         # gateway checked it, and a job record written straight to Kafka is checked here again.
         if stored is None or not stored.is_owned_by(job.tenant, job.credential, job.principal) or stored.first.purpose != "batch":
             return await self._fail(BatchLineError(code="file_not_found", message=f"no file {job.input_file_id!r}"))
-        parsed = parse_input(stored.content(), job, self.runner.repo, self.reply_topic)
+        parsed = parse_input(stored.content(), job, self.runner.models, self.reply_topic)
         if parsed.errors:
             return await self._fail(*parsed.errors)
         results = JobResults(parsed.lines)
@@ -281,8 +282,8 @@ class JobExecution:
         run at once, so a bulk job leaves the workers room for interactive requests (workers have
         no lanes: what they hold, they run in arrival order)."""
         window = self.runner.max_in_flight
-        for name in {line.model for line in results.lines if line.request is not None}:
-            model = self.runner.repo.get(name)
+        for sid in {line.model for line in results.lines if line.request is not None}:
+            model = self.runner.models.config_of(sid)
             if model is not None:
                 window = min(window, max(1, model.max_num_seqs * model.instances // 2))
         return window

@@ -4,7 +4,14 @@ Pure and synchronous: no I/O, no clock of its own, no sleeps. The caller passes 
 milliseconds, the unit of deadline_ms) to every call that depends on time, so the
 planner is tested with explicit time and driven by the batcher's Kafka loop in production.
 
-Per model a ModelQueue (queues.py) holds the waiting requests and decides the order they leave
+Models are planned by version: a request's `model` (a bare name or `name@version`) is resolved
+against the model registry (schemas/registry.py: RegistryState, followed by the batcher) when it
+is admitted, and the request is pinned to that version (its `model` becomes the sid,
+`name@version`), so it keeps that version whatever is promoted while it waits, and one request is
+never served by a mix of versions (docs/design.md, invariant 10). A version's batch bounds are its
+manifest's.
+
+Per version a ModelQueue (queues.py) holds the waiting requests and decides the order they leave
 in: priority lanes (strict or weighted), weighted fair queuing per tenant on token cost, earliest
 deadline first within a tenant; or, with lane_policy "fifo", arrival order alone. Expired requests
 are dropped and reported, never batched.
@@ -26,7 +33,8 @@ from enum import StrEnum
 from typing import Protocol
 
 from schemas.messages import EmbedRequest, GenerateRequest
-from schemas.model_repo import ModelConfig, ModelRepository
+from schemas.model_repo import ModelConfig
+from schemas.registry import RegistryState, split_ref, version_problem
 from services.batcher.queues import Held, ModelQueue
 
 # Lower ranks are scheduled first.
@@ -54,9 +62,21 @@ class Admission(StrEnum):
 
     HELD = "held"  # waiting in its model's lane; it leaves in a batch, expired, or cancelled
     DUPLICATE = "duplicate"  # its request_id is held or was finished recently: ignore the record
-    UNKNOWN_MODEL = "unknown_model"  # the model repository does not serve its model: reject it
+    UNKNOWN_MODEL = "unknown_model"  # its model does not resolve to a servable version: reject it
     EXPIRED = "expired"  # its deadline had passed on arrival: time it out
     CANCELLED = "cancelled"  # a cancellation for it arrived first: end it as cancelled
+
+
+def resolve_ref(models: RegistryState, ref: str) -> tuple[ModelConfig | None, str | None]:
+    """(the config of the version `ref` names, None) or (None, why not), like
+    RegistryState.resolve, but a malformed ref (`name@`, `@1`, a version with spaces) is named as
+    such instead of as an unregistered version."""
+    name, version = split_ref(ref)
+    if not name:
+        return None, f"model {ref!r} names no model: send 'name' or 'name@version'"
+    if version is not None and (problem := version_problem(version)) is not None:
+        return None, f"model {ref!r} is not 'name@version': {problem}"
+    return models.resolve(ref)
 
 
 def cost_tokens(req: Request, config: ModelConfig) -> int:
@@ -247,15 +267,15 @@ class Planner:
 
     def __init__(
         self,
-        repo: ModelRepository,
+        models: RegistryState,
         *,
         max_recent: int = DEFAULT_MAX_RECENT,
         max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
     ) -> None:
-        self._repo = repo
+        self.models = models  # followed by the caller: versions registered later resolve too
         self._max_batch_bytes = max_batch_bytes
         self._lanes: dict[str, _Lane] = {}
-        self._lane_of: dict[str, str] = {}  # request_id -> model, for held requests
+        self._lane_of: dict[str, str] = {}  # request_id -> sid, for held requests
         self._recent = _RecentIds(max_recent)  # finished here: batched, expired, rejected, cancelled
         self._cancelled_early = _RecentIds(max_recent)  # cancels that arrived before their request
         self._num_arrivals = 0
@@ -270,40 +290,62 @@ class Planner:
         return request_id in self._lane_of
 
     def blocked_models(self) -> list[str]:
-        """Models whose requests wait because no worker had room at the last poll."""
+        """Versions (sids) whose requests wait because no worker had room at the last poll."""
         return [model for model, lane in self._lanes.items() if lane.is_blocked and lane.held]
 
+    def held_models(self) -> list[str]:
+        """Versions (sids) that have requests waiting."""
+        return [model for model, lane in self._lanes.items() if lane.held]
+
+    def resolve(self, ref: str) -> tuple[ModelConfig | None, str | None]:
+        """The version `ref` resolves to now, or why it does not (resolve_ref)."""
+        return resolve_ref(self.models, ref)
+
     def add(self, req: Request, now_ms: int, *, size_bytes: int = 0) -> Admission:
-        """Admit a request that arrived at now_ms; returns the verdict (see Admission).
+        """Admit a request that arrived at now_ms; returns the verdict (see Admission). A held
+        request is pinned: it waits, and leaves, with `model` set to the sid it resolved to.
 
         size_bytes is its encoded size, counted against the batch byte budget.
         """
         rid = req.request_id
         if rid in self._lane_of or rid in self._recent:
             return Admission.DUPLICATE
-        verdict = self._verdict(req, now_ms)
+        verdict, config = self._verdict(req, now_ms)
         if verdict is not Admission.HELD:
             self._recent.add(rid)
             return verdict
-        config = self._repo.get(req.model)
-        assert config is not None  # _verdict checked it
-        lane = self._lanes.get(req.model)
+        assert config is not None  # _verdict resolved it
+        sid = config.served_id
+        if req.model != sid:
+            req = req.model_copy(update={"model": sid})
+        lane = self._lanes.get(sid)
         if lane is None:
-            lane = self._lanes[req.model] = _Lane(config, BatchPolicy.of(config, self._max_batch_bytes))
+            lane = self._lanes[sid] = _Lane(config, BatchPolicy.of(config, self._max_batch_bytes))
         self._num_arrivals += 1
         lane.queue.add(Held(req, now_ms, self._num_arrivals, size_bytes, cost_tokens(req, config)))
-        self._lane_of[rid] = req.model
+        self._lane_of[rid] = sid
         return Admission.HELD
 
-    def _verdict(self, req: Request, now_ms: int) -> Admission:
+    def _verdict(self, req: Request, now_ms: int) -> tuple[Admission, ModelConfig | None]:
         if req.request_id in self._cancelled_early:
             self._cancelled_early.discard(req.request_id)
-            return Admission.CANCELLED
-        if self._repo.get(req.model) is None:
-            return Admission.UNKNOWN_MODEL
+            return Admission.CANCELLED, None
+        config, _ = self.resolve(req.model)
+        if config is None:
+            return Admission.UNKNOWN_MODEL, None
         if req.deadline_ms <= now_ms:
-            return Admission.EXPIRED
-        return Admission.HELD
+            return Admission.EXPIRED, config
+        return Admission.HELD, config
+
+    def drop_model(self, sid: str) -> list[Request]:
+        """Remove every held request of version `sid` and return them: the caller ends them
+        (its version cannot be served). They count as finished here, like batched ones."""
+        lane = self._lanes.get(sid)
+        gone = [] if lane is None else list(lane.held)
+        out = [self._remove(rid) for rid in gone]
+        for rid in gone:
+            self._recent.add(rid)
+        return [req for req in out if req is not None]
 
     def cancel(self, request_id: str) -> Request | None:
         """Drop a held request and return it (the caller ends it as cancelled); else None.

@@ -1,9 +1,15 @@
 """Routing: which worker, and which of its partitions, a batch goes to. Pure; time passed in.
 
 The batcher reads every WorkerHeartbeat (the compacted workers topic, from the beginning) into a
-`Router`. A worker is routable for a model when its latest heartbeat is ready, names the model,
-lists partitions of the model's batch topic that it owns, and is younger than
-`worker_timeout_ms` (by its `sent_ms`). Its room is what the heartbeat advertises
+`Router`. Models are routed by version, `name@version` (a "sid"; docs/design.md, invariant 10):
+a worker is routable for a sid when its latest heartbeat reports `versions[sid].state == "ready"`,
+lists partitions of the sid's batch topic that it owns, and is younger than `worker_timeout_ms`
+(by its `sent_ms`). When no worker has the sid ready, one that has it "draining" (its version was
+unloaded or replaced by a promotion, and it still reads its topic) takes the requests pinned to
+it. A heartbeat without `versions` (a worker from before the registry) is routable for no sid:
+such a worker reads a bare-name topic the batcher no longer writes. `version_problem` says when a
+sid cannot be served at all (failed or refused on every live worker that reports it); the
+batcher rejects its requests instead of holding them to their deadline. Its room is what the heartbeat advertises
 (free_kv_blocks x block_size_tokens) less the tokens of the batches planned for it that the
 worker had not read when it sent the heartbeat: a reservation is dropped once a heartbeat's
 `next_offsets` for its partition passes the batch's offset, or the partition is no longer the
@@ -15,9 +21,11 @@ Prefix affinity: the head request's prefix (a chat's system message, else the fi
 hashing, so requests sharing a prefix go to the worker that has it cached, and only the prefixes
 of a worker that leaves move. When that worker has no room for the head, the batch goes to the
 live worker with the most room instead; when none has room for the head, an idle worker (nothing
-running, waiting or planned) takes it alone, so an underestimated room never stalls a model. A model that no heartbeat has ever named is routed
-without a partition (UNBOUNDED: keyed, Kafka picks), so a deployment without heartbeats still
-works; one whose workers are all stale or full is held.
+running, waiting or planned) takes it alone, so an underestimated room never stalls a model. A version that no heartbeat has
+ever named, where no heartbeat reports `versions` (no worker yet, or only workers from before the
+registry), is routed without a partition (UNBOUNDED: keyed, Kafka picks), so a deployment without
+heartbeats still works; otherwise a version no worker has ready or draining (stale, full, still
+loading, or loaded nowhere) is held.
 """
 
 from __future__ import annotations
@@ -79,9 +87,18 @@ class _Worker:
             return True  # the partition moved: its next owner reads the batch
         return next_offsets.get(r.partition, 0) > r.offset
 
-    def is_live(self, model: str, now_ms: int, timeout_ms: int) -> bool:
+    def is_fresh(self, now_ms: int, timeout_ms: int) -> bool:
+        return now_ms - self.heartbeat.sent_ms <= timeout_ms
+
+    def state_of(self, sid: str) -> str | None:
+        """What the heartbeat says version `sid` does on this worker (None: it does not report it)."""
+        status = self.heartbeat.versions.get(sid)
+        return None if status is None else status.state
+
+    def is_live(self, sid: str, now_ms: int, timeout_ms: int, state: str = "ready") -> bool:
+        """Fresh, reports `sid` in `state`, and owns partitions of its topic."""
         hb = self.heartbeat
-        return hb.is_ready and model in hb.models and bool(hb.partitions.get(model)) and now_ms - hb.sent_ms <= timeout_ms
+        return self.state_of(sid) == state and bool(hb.partitions.get(sid)) and self.is_fresh(now_ms, timeout_ms)
 
 
 class Router:
@@ -111,24 +128,48 @@ class Router:
         """Workers with a heartbeat in the table, live or not."""
         return len(self._workers)
 
-    def knows(self, model: str) -> bool:
-        """Whether any heartbeat, live or not, has named `model`."""
-        return any(model in w.heartbeat.models for w in self._workers.values())
+    def knows(self, sid: str) -> bool:
+        """Whether heartbeats decide where `sid` goes: one (live or not) names it, or one reports
+        `versions` at all. Workers that report versions announce each one they serve, so a
+        version none of them reports ready is held (by the batcher, until its deadline), never
+        sent to a topic that nobody may read again (a version drained everywhere)."""
+        return any(w.heartbeat.versions or sid in w.heartbeat.models for w in self._workers.values())
 
-    def live_workers(self, model: str, now_ms: int) -> list[str]:
-        """Ids of the workers that may receive batches of `model` now."""
-        return sorted(wid for wid, w in self._workers.items() if w.is_live(model, now_ms, self.worker_timeout_ms))
+    def live_workers(self, sid: str, now_ms: int, state: str = "ready") -> list[str]:
+        """Ids of the workers whose fresh heartbeat has `sid` in `state` and owns partitions of it."""
+        timeout = self.worker_timeout_ms
+        return sorted(wid for wid, w in self._workers.items() if w.is_live(sid, now_ms, timeout, state))
+
+    def routable_workers(self, sid: str, now_ms: int) -> list[str]:
+        """The workers batches of `sid` may go to now: those that have it ready, else those
+        draining it (requests pinned to a version just before a promotion moved its name on)."""
+        return self.live_workers(sid, now_ms) or self.live_workers(sid, now_ms, "draining")
+
+    def version_problem(self, sid: str, now_ms: int) -> str | None:
+        """Why `sid` cannot be served, or None: every fresh heartbeat that reports it says failed
+        or refused (at least one does), and none has it ready or draining. The reason names each
+        worker and what it said, so the client learns why (e.g. a file that did not verify)."""
+        said: list[str] = []
+        for wid, worker in sorted(self._workers.items()):
+            state = worker.state_of(sid)
+            if state is None or not worker.is_fresh(now_ms, self.worker_timeout_ms):
+                continue
+            if state not in ("failed", "refused"):
+                return None  # loading, ready, draining...: it may yet be served
+            said.append(f"{state} on {wid}: {worker.heartbeat.versions[sid].reason or 'no reason given'}")
+        return f"model version {sid!r} cannot be served: " + "; ".join(said) if said else None
 
     def room_tokens(self, worker_id: str) -> int:
         """The room left on a worker, in tokens (may be negative after a stale heartbeat)."""
         return self._workers[worker_id].room_tokens()
 
     def place(self, model: str, head: Request, cost_tokens: int, now_ms: int) -> Slot | None:
-        """The slot for a batch led by `head`: its prefix's worker when it has room for the head,
-        else the live worker with the most room; None when none has room (the batch waits)."""
+        """The slot for a batch of version `model` (a sid) led by `head`: its prefix's worker when
+        it has room for the head, else the routable worker with the most room; None when none has
+        room (the batch waits)."""
         if not self.knows(model):
             return UNBOUNDED
-        live = self.live_workers(model, now_ms)
+        live = self.routable_workers(model, now_ms)
         if not live:
             return None
         key = prefix_key(head, self.prefix_chars)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from itertools import count
 
-from schemas.messages import GenerateRequest, WorkerHeartbeat
+from schemas.messages import GenerateRequest, VersionStatus, WorkerHeartbeat
 from schemas.model_repo import ModelConfig, ModelRepository
+from schemas.registry import RegistryState
+from schemas.topics import Topics, TopicSpec
 
 T0_MS = 1_700_000_000_000  # a fixed "now" in epoch ms
 _ids = count()
@@ -22,8 +24,18 @@ def make_repo(*configs: ModelConfig, **bounds: tuple[int, int]) -> ModelReposito
     return ModelRepository(models=models)
 
 
+def make_models(*configs: ModelConfig, **bounds: tuple[int, int]) -> RegistryState:
+    """A registry state seeded by make_repo(...): each entry's name resolves to `name@1`."""
+    return RegistryState(make_repo(*configs, **bounds))
+
+
+def version_specs(topics: Topics, repo: ModelRepository) -> list[TopicSpec]:
+    """The core topics and the batch topic of each entry's version (name@version), as a deployment has them."""
+    return topics.core_specs() + [spec for c in repo.models.values() for spec in topics.model_specs(c.served_id)]
+
+
 def make_request(
-    model: str = "a",
+    model: str = "a@1",
     *,
     request_id: str | None = None,
     deadline_ms: int = T0_MS + 60_000,
@@ -52,7 +64,7 @@ def make_config(name: str = "a", **fields: object) -> ModelConfig:
 
 def make_tenant_request(
     tenant: str,
-    model: str = "a",
+    model: str = "a@1",
     *,
     priority: str = "interactive",
     deadline_ms: int = T0_MS + 60_000,
@@ -75,11 +87,18 @@ def make_heartbeat(
     sent_ms: int = T0_MS,
     is_ready: bool = True,
     next_offsets: dict[str, dict[int, int]] | None = None,
+    states: dict[str, str] | None = None,
+    reasons: dict[str, str] | None = None,
 ) -> WorkerHeartbeat:
-    """A worker's heartbeat: room is free_kv_blocks x block_size_tokens tokens. Without
-    next_offsets the router counts batches planned after sent_ms against it."""
+    """A worker's heartbeat: `partitions` keyed by sid (name@version), each version "ready"
+    unless `states` says otherwise (only ready ones are in `models`, as workers report them).
+    Room is free_kv_blocks x block_size_tokens tokens. Without next_offsets the router counts
+    batches planned after sent_ms against it."""
+    states = {**{sid: "ready" for sid in partitions}, **(states or {})}
+    reasons = reasons or {}
     return WorkerHeartbeat(
-        worker_id=worker_id, models=list(partitions), is_ready=is_ready, num_running=0, num_waiting=0,
-        max_num_seqs=64, free_kv_blocks=free_kv_blocks, block_size_tokens=block_size_tokens,
-        partitions=partitions, sent_ms=sent_ms, next_offsets=next_offsets or {},
+        worker_id=worker_id, models=[sid for sid, state in states.items() if state == "ready"], is_ready=is_ready,
+        num_running=0, num_waiting=0, max_num_seqs=64, free_kv_blocks=free_kv_blocks,
+        block_size_tokens=block_size_tokens, partitions=partitions, sent_ms=sent_ms, next_offsets=next_offsets or {},
+        versions={sid: VersionStatus(state=state, reason=reasons.get(sid)) for sid, state in states.items()},  # type: ignore[arg-type]
     )  # fmt: skip

@@ -13,9 +13,9 @@ from schemas.messages import Batch, Cancellation, DeadLetter, GenerateRequest, n
 from schemas.topics import Topics
 from services.batcher.app import BatcherApp
 from services.batcher.config import BatcherSettings
-from weir.kafka.admin import deployment_specs, ensure_topics
+from weir.kafka.admin import ensure_topics
 
-from .factories import make_repo, make_request
+from .factories import make_repo, make_request, version_specs
 from tests.kafka_helpers import produce, read_until, wait_committed
 
 pytestmark = pytest.mark.kafka
@@ -48,15 +48,17 @@ async def test_batches_replies_dead_letters_and_commits(batcher_bootstrap: str, 
     bootstrap, topics = batcher_bootstrap, fresh_topics
     repo = make_repo(a=(4, 30), b=(3, 30), slow=(10, 60_000))
     reply_to = topics.replies("test")
-    await ensure_topics(bootstrap, deployment_specs(topics, repo) + [topics.reply_spec("test")])
+    await ensure_topics(bootstrap, version_specs(topics, repo) + [topics.reply_spec("test")])
 
     now = now_ms()
     a_reqs = [make_request("a", reply_to=reply_to, deadline_ms=now + 60_000) for _ in range(10)]
     b_reqs = [make_request("b", reply_to=reply_to, deadline_ms=now + 60_000, priority="bulk") for _ in range(7)]
     unknown = make_request("nope", reply_to=reply_to, deadline_ms=now + 60_000)
+    # refs that are not name@version: each rejected with the reason, the loop carries on
+    malformed = [make_request(ref, reply_to=reply_to, deadline_ms=now + 60_000) for ref in ("a@", "@1", "a@bad version!", "a@9")]
     expired = make_request("a", reply_to=reply_to, deadline_ms=now - 1_000)
     held = make_request("slow", reply_to=reply_to, deadline_ms=now + 60_000)  # waits 60 s: cancelled first
-    await produce(bootstrap, topics.requests, [*a_reqs, a_reqs[0], *b_reqs, unknown, expired, held])
+    await produce(bootstrap, topics.requests, [*a_reqs, a_reqs[0], *malformed, *b_reqs, unknown, expired, held])
     await produce(bootstrap, topics.requests, [("bad-1", b'{"request_id": "bad-1", "model": ')])
     # valid JSON, invalid request, but it says where its producer waits: answered there too
     invalid = {"request_id": "bad-2", "model": "a", "prompt": "x", "max_tokens": -5, "deadline_ms": now + 60_000,
@@ -70,12 +72,12 @@ async def test_batches_replies_dead_letters_and_commits(batcher_bootstrap: str, 
     try:
         want = {r.request_id for r in a_reqs + b_reqs}
         batches = await read_until(
-            bootstrap, [topics.batches("a"), topics.batches("b")], lambda rs: set(batched_ids(rs)) >= want
+            bootstrap, [topics.batches("a@1"), topics.batches("b@1")], lambda rs: set(batched_ids(rs)) >= want
         )
         await wait_until(lambda: app.planner.is_held(held.request_id), task)
         cancel = Cancellation(request_id=held.request_id, reply_to=reply_to)
         await produce(bootstrap, topics.control, [(held.request_id, encode(cancel))])
-        replies = await read_until(bootstrap, [reply_to], lambda rs: len(rs) >= 5)
+        replies = await read_until(bootstrap, [reply_to], lambda rs: len(rs) >= 9)
         dead = await read_until(bootstrap, [topics.dead_letter], lambda rs: len(rs) >= 3)
         lag = await wait_committed(bootstrap, topics.batcher_group, topics.requests)
     finally:
@@ -88,11 +90,16 @@ async def test_batches_replies_dead_letters_and_commits(batcher_bootstrap: str, 
         batch = decode(Batch, record.value)
         assert record.topic == topics.batches(batch.model)
         assert record.key == batch.batch_id.encode()
-        assert 1 <= len(batch.requests) <= repo.models[batch.model].max_batch_size
+        assert 1 <= len(batch.requests) <= repo.models[batch.model.removesuffix("@1")].max_batch_size
         assert batch.batcher_id == app.batcher_id
+        assert batch.model in ("a@1", "b@1") and all(r.model == batch.model for r in batch.requests)  # pinned
 
     ends = {e.request_id: e for e in map(decode_reply, (r.value for r in replies))}
-    assert set(ends) == {unknown.request_id, expired.request_id, held.request_id, "bad-2", "bad-3"}
+    assert set(ends) == {unknown.request_id, expired.request_id, held.request_id, "bad-2", "bad-3"} | {r.request_id for r in malformed}
+    why = {r.model: ends[r.request_id].error for r in malformed}
+    assert all(e is not None and e.code == "model_not_found" for e in why.values())
+    assert "is not 'name@version'" in why["a@"].message and "names no model" in why["@1"].message  # type: ignore[union-attr]
+    assert "is not 'name@version'" in why["a@bad version!"].message and "'a@9' is not registered" in why["a@9"].message  # type: ignore[union-attr]
     rejected, timed_out = ends[unknown.request_id], ends[expired.request_id]
     assert (rejected.finish_reason, rejected.error.code) == ("rejected", "model_not_found")
     assert (timed_out.finish_reason, timed_out.error.code) == ("timeout", "deadline_exceeded")
@@ -118,7 +125,7 @@ async def test_requests_held_by_a_dead_batcher_are_batched_by_the_next(
     bootstrap, topics = batcher_bootstrap, fresh_topics
     patient = make_repo(a=(100, 60_000))  # holds everything for a minute
     eager = make_repo(a=(2, 10))
-    await ensure_topics(bootstrap, deployment_specs(topics, eager) + [topics.reply_spec("test")])
+    await ensure_topics(bootstrap, version_specs(topics, eager) + [topics.reply_spec("test")])
     reqs = [make_request("a", reply_to=topics.replies("test"), deadline_ms=now_ms() + 60_000) for _ in range(6)]
     await produce(bootstrap, topics.requests, reqs)
 
@@ -133,7 +140,7 @@ async def test_requests_held_by_a_dead_batcher_are_batched_by_the_next(
     stop, task = await start(second)
     try:
         want = {r.request_id for r in reqs}
-        batches = await read_until(bootstrap, [topics.batches("a")], lambda rs: set(batched_ids(rs)) >= want)
+        batches = await read_until(bootstrap, [topics.batches("a@1")], lambda rs: set(batched_ids(rs)) >= want)
         lag = await wait_committed(bootstrap, topics.batcher_group, topics.requests)
     finally:
         stop.set()
@@ -147,7 +154,7 @@ async def test_a_rebalance_releases_held_requests_to_their_new_owner(
 ) -> None:
     bootstrap, topics = batcher_bootstrap, fresh_topics
     patient, eager = make_repo(a=(100, 60_000)), make_repo(a=(3, 10))
-    await ensure_topics(bootstrap, deployment_specs(topics, eager) + [topics.reply_spec("test")])
+    await ensure_topics(bootstrap, version_specs(topics, eager) + [topics.reply_spec("test")])
     reqs = [make_request("a", reply_to=topics.replies("test"), deadline_ms=now_ms() + 60_000) for _ in range(16)]
     await produce(bootstrap, topics.requests, reqs)
 
@@ -163,7 +170,7 @@ async def test_a_rebalance_releases_held_requests_to_their_new_owner(
         stop_first.set()  # now the second owns everything, the first's held requests included
         await first_task
         want = {r.request_id for r in reqs}
-        batches = await read_until(bootstrap, [topics.batches("a")], lambda rs: set(batched_ids(rs)) >= want)
+        batches = await read_until(bootstrap, [topics.batches("a@1")], lambda rs: set(batched_ids(rs)) >= want)
         lag = await wait_committed(bootstrap, topics.batcher_group, topics.requests)
     finally:
         stop_first.set()

@@ -43,7 +43,7 @@ async def test_kill_9_while_holding_loses_nothing(batcher_bootstrap: str, fresh_
     reply_to = topics.replies("test")
     # One request partition, so the reply to the last record proves every earlier one was read.
     specs = [TopicSpec(topics.requests, 1), TopicSpec(topics.control, 1), TopicSpec(topics.dead_letter, 1),
-             TopicSpec(topics.batches("a"), 1), topics.reply_spec("test")]
+             TopicSpec(topics.batches("a@1"), 1), topics.reply_spec("test")]
     await ensure_topics(bootstrap, specs)
     reqs = [make_request("a", reply_to=reply_to, deadline_ms=now_ms() + 120_000) for _ in range(6)]
     marker = make_request("not-served", reply_to=reply_to, deadline_ms=now_ms() + 120_000)
@@ -66,7 +66,7 @@ async def test_kill_9_while_holding_loses_nothing(batcher_bootstrap: str, fresh_
         def batched(records) -> list[str]:
             return [r.request_id for rec in records for r in decode(Batch, rec.value).requests]
 
-        batches = await read_until(bootstrap, [topics.batches("a")], lambda rs: set(batched(rs)) >= want, 60)
+        batches = await read_until(bootstrap, [topics.batches("a@1")], lambda rs: set(batched(rs)) >= want, 60)
         assert Counter(batched(batches)) == Counter(want), log.read_text()
         lag = await wait_committed(bootstrap, topics.batcher_group, topics.requests)
         assert lag == {0: (7, 7)}, log.read_text()

@@ -9,6 +9,7 @@ import pytest
 
 from schemas.messages import BatchJob, ErrorInfo, ReplyDelta, ReplyEnd, Usage
 from schemas.model_repo import load_model_repo
+from schemas.registry import RegistryState
 from services.batcher.job_core import (
     IllegalTransition,
     JobResults,
@@ -19,7 +20,7 @@ from services.batcher.job_core import (
 from services.batcher.job_core import parse_input as parse_input_bytes
 from weir.files import FileHeader, FileIndex, chunk_file
 
-REPO = load_model_repo(Path(__file__).parents[2] / "models.toml")
+REPO = RegistryState(load_model_repo(Path(__file__).parents[2] / "models.toml"))  # the seed: echo -> echo@1
 T0 = 1_767_225_600_000
 
 
@@ -201,3 +202,22 @@ def test_lines_are_split_at_newline_only_and_other_separators_stay_in_the_line()
     # U+2028 between two lines is no line break: the line is not JSON and fails validation.
     between = chat_line("a") + "\u2028" + chat_line("b", model="weir-tiny-py")
     assert [(e.code, e.line) for e in parse_input(between, make_job(), REPO, "r").errors] == [("invalid_json", 1)]
+
+
+def test_lines_resolve_like_requests_pinned_to_a_version_and_the_output_names_the_one_that_answered():
+    text = "\n".join([chat_line("bare"), chat_line("pin", model="echo@1"), chat_line("unreg", model="echo@9"),
+                      chat_line("empty", model="echo@"), chat_line("noname", model="@1"),
+                      chat_line("spaces", model="echo@bad version!")])  # fmt: skip
+    parsed = parse_input(text, make_job(), REPO, "r")
+    assert parsed.errors == []
+    lines = {ln.custom_id: ln for ln in parsed.lines}
+    assert lines["bare"].request is not None and lines["bare"].request.model == lines["bare"].model == "echo@1"
+    assert lines["pin"].request is not None and lines["pin"].request.model == "echo@1"
+    refused = {cid: ln.error.message for cid, ln in lines.items() if ln.error is not None and ln.error.code == "model_not_found"}
+    assert set(refused) == {"unreg", "empty", "noname", "spaces"}
+    assert "'echo@9' is not registered" in refused["unreg"] and "names no model" in refused["noname"]
+    assert "is not 'name@version'" in refused["empty"] and "is not 'name@version'" in refused["spaces"]
+    results = JobResults([lines["bare"]])
+    results.add(ReplyEnd(request_id=lines["bare"].request_id, seq=0, finish_reason="stop", model_version="echo@1"))
+    out, _ = results.files("/v1/chat/completions")
+    assert orjson.loads(out.splitlines()[0])["response"]["body"]["model"] == "echo@1"

@@ -14,6 +14,7 @@ import pytest
 from schemas.codec import encode
 from schemas.messages import BatchJob, JobCommand, now_ms
 from schemas.model_repo import load_model_repo
+from schemas.registry import RegistryState
 from services.batcher import jobs
 from services.batcher.jobs import JobRunner
 from weir.bus import BusSettings, make_producer
@@ -43,7 +44,7 @@ async def test_a_job_runs_only_its_owners_file_and_its_results_get_random_ids(ba
     topics = fresh_topics
     await ensure_topics(batcher_bootstrap, topics.core_specs())
     settings = BusSettings(kafka_bootstrap=batcher_bootstrap, topic_prefix=topics.prefix)
-    runner = JobRunner(settings, REPO, "test-runner")
+    runner = JobRunner(settings, RegistryState(REPO), "test-runner")
     stop = asyncio.Event()
     running = asyncio.create_task(runner.run(stop))
     producer = make_producer(settings, client_id="test-gateway")

@@ -1,8 +1,9 @@
 """Routing from heartbeats against the real broker: two fake workers of one model.
 
-Each fake worker is test code that consumes the model's batch topic in the model's consumer group
-(so Kafka assigns it partitions) and publishes WorkerHeartbeats with that assignment and its
-room, which shrinks by what it received (it never finishes anything). The batcher must send each
+Each fake worker is test code that consumes one version's batch topic (`name@version`) in that
+version's consumer group (so Kafka assigns it partitions) and publishes WorkerHeartbeats with that
+assignment, the version's state and its room, which shrinks by what it received (it never
+finishes anything). The batcher must send each
 batch to a partition of a worker with room, never more than that worker advertised, keep a shared
 prefix on one worker, and stop sending to a worker whose heartbeats stop.
 """
@@ -18,16 +19,16 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from schemas.codec import decode, encode
-from schemas.messages import Batch, ChatMessage, GenerateRequest, WorkerHeartbeat, now_ms
+from schemas.messages import Batch, ChatMessage, GenerateRequest, VersionStatus, WorkerHeartbeat, now_ms
 from schemas.model_repo import ModelConfig
 from schemas.topics import BATCH_PARTITIONS, Topics
 from services.batcher.app import BatcherApp
 from services.batcher.config import BatcherSettings
 from services.batcher.planner import cost_tokens
 from services.batcher.routing import _score, prefix_key
-from weir.kafka.admin import deployment_specs, ensure_topics
+from weir.kafka.admin import ensure_topics
 
-from .factories import make_config, make_repo
+from .factories import make_config, make_repo, version_specs
 from tests.kafka_helpers import produce
 
 pytestmark = pytest.mark.kafka
@@ -38,19 +39,24 @@ TIMEOUT_MS = 1500
 
 
 class FakeWorker:
-    """Consumes batches in the model's group; heartbeats its assignment and remaining room."""
+    """Consumes batches of one version in its group; heartbeats its assignment, the version's
+    `state` (and `reason`) and its remaining room. With consume=False it only reports (a worker
+    whose load failed or was refused never joins the version's group)."""
 
-    def __init__(self, bootstrap: str, topics: Topics, config: ModelConfig, worker_id: str, capacity_tokens: int) -> None:
+    def __init__(self, bootstrap: str, topics: Topics, config: ModelConfig, worker_id: str, capacity_tokens: int,
+                 *, state: str = "ready", reason: str | None = None, consume: bool = True) -> None:  # fmt: skip
         self.topics, self.config, self.worker_id = topics, config, worker_id
+        self.sid = config.served_id
         self.capacity_tokens = capacity_tokens
+        self.state, self.reason = state, reason
         self.is_beating = True
         self.received: list[tuple[int, Batch]] = []  # (partition, batch)
         self.advertised: set[int] = set()  # every partition it ever advertised
         self.next_offsets: dict[int, int] = {}  # partition -> next offset it reads
         self.consumer = AIOKafkaConsumer(
-            topics.batches(config.name), bootstrap_servers=bootstrap, group_id=topics.worker_group(config.name),
+            topics.batches(self.sid), bootstrap_servers=bootstrap, group_id=topics.worker_group(self.sid),
             auto_offset_reset="earliest", client_id=worker_id, fetch_max_wait_ms=50,
-        )  # fmt: skip
+        ) if consume else None  # fmt: skip
         self.producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", enable_idempotence=True)
 
     @property
@@ -62,35 +68,42 @@ class FakeWorker:
         return {r.request_id for _, b in self.received for r in b.requests}
 
     def assignment(self) -> list[int]:
-        return sorted(tp.partition for tp in self.consumer.assignment())
+        return [] if self.consumer is None else sorted(tp.partition for tp in self.consumer.assignment())
 
     def heartbeat(self) -> WorkerHeartbeat:
         free_blocks = max(0, self.capacity_tokens - self.used_tokens) // BLOCK
         partitions = self.assignment()
         self.advertised |= set(partitions)
+        serving = self.state in ("ready", "draining")  # heartbeats list partitions of these only
         return WorkerHeartbeat(
-            worker_id=self.worker_id, models=[self.config.name], is_ready=True, num_running=len(self.request_ids), num_waiting=0,
-            max_num_seqs=64, free_kv_blocks=free_blocks, block_size_tokens=BLOCK,
-            partitions={self.config.name: partitions},
-            next_offsets={self.config.name: {p: o for p, o in self.next_offsets.items() if p in partitions}},
+            worker_id=self.worker_id, models=[self.sid] if self.state == "ready" else [], is_ready=True,
+            num_running=len(self.request_ids), num_waiting=0, max_num_seqs=64, free_kv_blocks=free_blocks,
+            block_size_tokens=BLOCK, partitions={self.sid: partitions} if serving else {},
+            next_offsets={self.sid: {p: o for p, o in self.next_offsets.items() if p in partitions}} if serving else {},
+            versions={self.sid: VersionStatus(state=self.state, reason=self.reason)},  # type: ignore[arg-type]
         )  # fmt: skip
 
     async def run(self) -> None:
-        await self.consumer.start()
+        if self.consumer is not None:
+            await self.consumer.start()
         await self.producer.start()
         try:
             next_beat = 0.0
             while True:
-                for tp, records in (await self.consumer.getmany(timeout_ms=50)).items():
+                fetched = {} if self.consumer is None else await self.consumer.getmany(timeout_ms=50)
+                if self.consumer is None:
+                    await asyncio.sleep(0.05)
+                for tp, records in fetched.items():
                     self.received += [(tp.partition, decode(Batch, r.value)) for r in records]
                     self.next_offsets[tp.partition] = records[-1].offset + 1
-                if self.is_beating and time.monotonic() >= next_beat and self.consumer.assignment():
+                if self.is_beating and time.monotonic() >= next_beat and (self.assignment() or self.consumer is None):
                     await self.producer.send_and_wait(
                         self.topics.workers, encode(self.heartbeat()), key=self.worker_id.encode()
                     )
                     next_beat = time.monotonic() + HEARTBEAT_S
         finally:
-            await self.consumer.stop()
+            if self.consumer is not None:
+                await self.consumer.stop()
             await self.producer.stop()
 
 
@@ -116,7 +129,7 @@ async def test_batches_follow_heartbeats_room_prefixes_and_liveness(batcher_boot
     bootstrap, topics = batcher_bootstrap, fresh_topics
     config = make_config("m", max_batch_size=4, max_wait_ms=20)
     repo = make_repo(config)
-    await ensure_topics(bootstrap, deployment_specs(topics, repo))
+    await ensure_topics(bootstrap, version_specs(topics, repo))
     w1 = FakeWorker(bootstrap, topics, config, f"w1-{topics.prefix}", capacity_tokens=2000)
     w2 = FakeWorker(bootstrap, topics, config, f"w2-{topics.prefix}", capacity_tokens=2000)
     settings = BatcherSettings(
@@ -136,7 +149,7 @@ async def test_batches_follow_heartbeats_room_prefixes_and_liveness(batcher_boot
             return w1.request_ids | w2.request_ids
 
         # 1. A shared system prompt sticks to one worker.
-        shared = [chat("You are Weir's test assistant. Answer briefly.", f"q{i}", "m", topics) for i in range(8)]
+        shared = [chat("You are Weir's test assistant. Answer briefly.", f"q{i}", "m", topics) for i in range(8)]  # m -> m@1
         await produce(bootstrap, topics.requests, shared)
         await until(lambda: both() >= {r.request_id for r in shared}, tasks)
         owners = {w.worker_id for w in (w1, w2) for r in shared if r.request_id in w.request_ids}
@@ -154,7 +167,7 @@ async def test_batches_follow_heartbeats_room_prefixes_and_liveness(batcher_boot
         await asyncio.sleep(4 * HEARTBEAT_S)  # nothing more may come: both are full
         assert (len(w1.request_ids) - before1, len(w2.request_ids) - before2) == (3, 5)
         assert w1.used_tokens <= w1.capacity_tokens and w2.used_tokens <= w2.capacity_tokens
-        assert app.planner.num_held == 12 and app.planner.blocked_models() == ["m"]
+        assert app.planner.num_held == 12 and app.planner.blocked_models() == ["m@1"]
 
         # 3. Room again: the held requests leave. Then w1's heartbeats stop: it gets nothing more,
         # even for prefixes whose affinity is w1.

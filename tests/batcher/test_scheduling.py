@@ -12,7 +12,7 @@ from schemas.model_repo import ModelRepoError, load_model_repo
 from services.batcher.planner import SLOT_COST_TOKENS, PlannedBatch, Planner, Slot, cost_tokens
 from services.batcher.routing import Router
 
-from .factories import T0_MS, make_config, make_heartbeat, make_repo, make_request, make_tenant_request
+from .factories import T0_MS, make_config, make_heartbeat, make_models, make_request, make_tenant_request
 
 
 def tenants(batch: PlannedBatch) -> list[str]:
@@ -58,7 +58,7 @@ def test_cost_is_prompt_estimate_plus_max_tokens_capped_at_max_model_len() -> No
 
 
 def test_strict_lanes_serve_interactive_first_then_earliest_deadline() -> None:
-    planner = Planner(make_repo(make_config(max_batch_size=4, max_wait_ms=0)))
+    planner = Planner(make_models(make_config(max_batch_size=4, max_wait_ms=0)))
     bulk = [make_tenant_request("t", priority="bulk", deadline_ms=T0_MS + 10) for _ in range(4)]
     late = make_tenant_request("t", deadline_ms=T0_MS + 9_000)
     early = make_tenant_request("t", deadline_ms=T0_MS + 1_000)
@@ -72,7 +72,7 @@ def test_strict_lanes_serve_interactive_first_then_earliest_deadline() -> None:
 
 def test_weighted_lanes_give_bulk_its_share_of_tokens() -> None:
     config = make_config(max_batch_size=10, max_wait_ms=0, lane_policy="weighted", bulk_weight=0.25)
-    planner = Planner(make_repo(config))
+    planner = Planner(make_models(config))
     for _ in range(40):
         planner.add(make_tenant_request("t"), T0_MS)
         planner.add(make_tenant_request("t", priority="bulk"), T0_MS)
@@ -83,7 +83,7 @@ def test_weighted_lanes_give_bulk_its_share_of_tokens() -> None:
 
 
 def test_strict_bulk_waits_while_interactive_holds_anything() -> None:
-    planner = Planner(make_repo(make_config(max_batch_size=5, max_wait_ms=0)))
+    planner = Planner(make_models(make_config(max_batch_size=5, max_wait_ms=0)))
     for _ in range(10):
         planner.add(make_tenant_request("t", priority="bulk"), T0_MS)
         planner.add(make_tenant_request("t"), T0_MS)
@@ -94,7 +94,7 @@ def test_strict_bulk_waits_while_interactive_holds_anything() -> None:
 def _flood_then_interactive(lane_policy: str) -> tuple[list[str], GenerateRequest]:
     """20 bulk requests at T0, one interactive at T0+5, a worker with room for 4 requests per
     refill: returns the order requests leave in over five refills, and the interactive one."""
-    planner = Planner(make_repo(make_config(max_batch_size=4, max_wait_ms=10, lane_policy=lane_policy)))
+    planner = Planner(make_models(make_config(max_batch_size=4, max_wait_ms=10, lane_policy=lane_policy)))
     placement = FixedRoom(80)  # four requests of 20 tokens
     for _ in range(20):
         planner.add(make_tenant_request("jobs", priority="bulk"), T0_MS)
@@ -120,7 +120,7 @@ def test_strict_serves_a_later_interactive_request_at_the_next_room() -> None:
 
 
 def test_fifo_ignores_priority_tenant_and_deadline_but_still_expires() -> None:
-    planner = Planner(make_repo(make_config(max_batch_size=3, max_wait_ms=0, lane_policy="fifo")))
+    planner = Planner(make_models(make_config(max_batch_size=3, max_wait_ms=0, lane_policy="fifo")))
     bulk = make_tenant_request("A", priority="bulk", deadline_ms=T0_MS + 9_000)
     flood = [make_tenant_request("A", deadline_ms=T0_MS + 8_000) for _ in range(3)]
     urgent = make_tenant_request("B", deadline_ms=T0_MS + 1_000)
@@ -144,7 +144,7 @@ def test_lane_policy_fifo_is_read_from_the_model_repository_and_others_refused(t
 
 
 def test_fifo_cancel_and_release_leave_the_rest_in_order() -> None:
-    planner = Planner(make_repo(make_config(max_batch_size=10, max_wait_ms=0, lane_policy="fifo")))
+    planner = Planner(make_models(make_config(max_batch_size=10, max_wait_ms=0, lane_policy="fifo")))
     reqs = [make_tenant_request("t") for _ in range(4)]
     for req in reqs:
         planner.add(req, T0_MS)
@@ -158,7 +158,7 @@ def test_fifo_cancel_and_release_leave_the_rest_in_order() -> None:
 
 
 def test_a_flood_from_one_tenant_does_not_starve_another() -> None:
-    planner = Planner(make_repo(make_config(max_batch_size=8, max_wait_ms=0)))
+    planner = Planner(make_models(make_config(max_batch_size=8, max_wait_ms=0)))
     flood = [make_tenant_request("A") for _ in range(200)]
     for req in flood:
         planner.add(req, T0_MS)
@@ -173,7 +173,7 @@ def test_a_flood_from_one_tenant_does_not_starve_another() -> None:
 
 def test_tenant_weights_share_tokens_by_weight() -> None:
     config = make_config(max_batch_size=12, max_wait_ms=0, tenant_weights={"gold": 3.0})
-    planner = Planner(make_repo(config))
+    planner = Planner(make_models(config))
     for _ in range(30):
         planner.add(make_tenant_request("gold"), T0_MS)
         planner.add(make_tenant_request("free"), T0_MS)
@@ -182,7 +182,7 @@ def test_tenant_weights_share_tokens_by_weight() -> None:
 
 
 def test_fairness_counts_tokens_not_requests() -> None:
-    planner = Planner(make_repo(make_config(max_batch_size=10, max_wait_ms=0)))
+    planner = Planner(make_models(make_config(max_batch_size=10, max_wait_ms=0)))
     for _ in range(10):  # each costs 100 tokens
         planner.add(make_tenant_request("big", prompt="x" * 360, max_tokens=10), T0_MS)
         planner.add(make_tenant_request("small", prompt="x" * 40, max_tokens=10), T0_MS)  # 20 tokens
@@ -191,7 +191,7 @@ def test_fairness_counts_tokens_not_requests() -> None:
 
 
 def test_an_idle_tenant_banks_no_credit() -> None:
-    planner = Planner(make_repo(make_config(max_batch_size=4, max_wait_ms=0)))
+    planner = Planner(make_models(make_config(max_batch_size=4, max_wait_ms=0)))
     for _ in range(40):
         planner.add(make_tenant_request("A"), T0_MS)
     assert len(planner.poll(T0_MS).batches) == 10  # A alone: served for a while, nobody else waits
@@ -205,7 +205,7 @@ def test_an_idle_tenant_banks_no_credit() -> None:
 
 
 def test_earliest_deadline_first_within_a_tenant() -> None:
-    planner = Planner(make_repo(make_config(max_batch_size=3, max_wait_ms=0)))
+    planner = Planner(make_models(make_config(max_batch_size=3, max_wait_ms=0)))
     deadlines = [T0_MS + d for d in (5_000, 1_000, 3_000)]
     reqs = [make_tenant_request("t", deadline_ms=d) for d in deadlines]
     for req in reqs:
@@ -218,7 +218,7 @@ def test_earliest_deadline_first_within_a_tenant() -> None:
 
 
 def test_a_batch_closes_when_its_tokens_reach_the_workers_room() -> None:
-    planner = Planner(make_repo(make_config(max_batch_size=100, max_wait_ms=60_000)))
+    planner = Planner(make_models(make_config(max_batch_size=100, max_wait_ms=60_000)))
     placement = FixedRoom(100)  # five requests of 20 tokens
     for _ in range(4):
         planner.add(make_tenant_request("t"), T0_MS)
@@ -231,14 +231,14 @@ def test_a_batch_closes_when_its_tokens_reach_the_workers_room() -> None:
 
 
 def test_no_room_holds_requests_until_room_comes_and_deadlines_still_expire() -> None:
-    planner = Planner(make_repo(make_config(max_batch_size=4, max_wait_ms=0)))
+    planner = Planner(make_models(make_config(max_batch_size=4, max_wait_ms=0)))
     placement = FixedRoom(10)  # less than one request
     short = make_tenant_request("t", deadline_ms=T0_MS + 50)
     long = make_tenant_request("t", deadline_ms=T0_MS + 60_000)
     planner.add(short, T0_MS)
     planner.add(long, T0_MS)
     assert planner.poll(T0_MS, placement).batches == []
-    assert planner.blocked_models() == ["a"]
+    assert planner.blocked_models() == ["a@1"]
     assert planner.next_wakeup_ms(T0_MS) == T0_MS + 50  # not "now": nothing to do until room or a deadline
     result = planner.poll(T0_MS + 50, placement)
     assert result.expired == [short] and result.batches == []
@@ -249,9 +249,9 @@ def test_no_room_holds_requests_until_room_comes_and_deadlines_still_expire() ->
 
 def test_batches_never_exceed_the_room_of_their_worker() -> None:
     router = Router(worker_timeout_ms=3_000)
-    router.on_heartbeat(make_heartbeat("w1", {"a": [0]}, free_kv_blocks=5, sent_ms=T0_MS))  # 80 tokens
-    router.on_heartbeat(make_heartbeat("w2", {"a": [1]}, free_kv_blocks=10, sent_ms=T0_MS))  # 160 tokens
-    planner = Planner(make_repo(make_config(max_batch_size=100, max_wait_ms=0)))
+    router.on_heartbeat(make_heartbeat("w1", {"a@1": [0]}, free_kv_blocks=5, sent_ms=T0_MS))  # 80 tokens
+    router.on_heartbeat(make_heartbeat("w2", {"a@1": [1]}, free_kv_blocks=10, sent_ms=T0_MS))  # 160 tokens
+    planner = Planner(make_models(make_config(max_batch_size=100, max_wait_ms=0)))
     for i in range(30):
         planner.add(make_tenant_request("t", prompt=f"{i:02d}" * 20), T0_MS)  # 20 tokens each
     batches = planner.poll(T0_MS + 10, router).batches
@@ -260,8 +260,8 @@ def test_batches_never_exceed_the_room_of_their_worker() -> None:
         assert batch.slot.worker_id is not None
         sent[batch.slot.worker_id] = sent.get(batch.slot.worker_id, 0) + batch.num_tokens
     assert sent == {"w1": 80, "w2": 160}  # full, never over
-    assert planner.num_held == 30 - 12 and planner.blocked_models() == ["a"]
+    assert planner.num_held == 30 - 12 and planner.blocked_models() == ["a@1"]
     # A newer heartbeat carries the worker's state again: room for another 4 requests.
-    router.on_heartbeat(make_heartbeat("w1", {"a": [0]}, free_kv_blocks=5, sent_ms=T0_MS + 20))
+    router.on_heartbeat(make_heartbeat("w1", {"a@1": [0]}, free_kv_blocks=5, sent_ms=T0_MS + 20))
     more = planner.poll(T0_MS + 20, router).batches
     assert [(b.slot.worker_id, len(b.requests)) for b in more] == [("w1", 4)]

@@ -13,6 +13,7 @@ import orjson
 import pytest
 
 from schemas.model_repo import load_model_repo
+from schemas.registry import RegistryState
 from services.batcher.job_core import parse_input
 from schemas.messages import BatchJob
 from services.gateway.batch_format import LineRules, check_batch_lines, check_purpose
@@ -178,7 +179,7 @@ def test_the_gateway_and_the_batcher_count_the_same_lines():
     summary = check_batch_lines([data], rules())
     job = BatchJob(job_id="batch_1", status="validating", endpoint="/v1/chat/completions", input_file_id="f",
                    created_ms=0, expires_ms=86_400_000, updated_ms=0)  # fmt: skip
-    parsed = parse_input(data, job, REPO, "r")
+    parsed = parse_input(data, job, RegistryState(REPO), "r")
     assert parsed.errors == [] and all(ln.error is None for ln in parsed.lines)
     assert summary.num_requests == len(parsed.lines) == len(odd) + 1
     assert [ln.line for ln in parsed.lines][-1] == len(odd) + 2  # the blank line still counts for numbers

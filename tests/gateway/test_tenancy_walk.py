@@ -32,6 +32,7 @@ from starlette.routing import WebSocketRoute
 from websockets.asyncio.client import connect
 
 from schemas.model_repo import load_model_repo
+from schemas.registry import RegistryState
 from schemas.topics import Topics
 from services.batcher.jobs import JobRunner
 from services.gateway.app import create_app
@@ -203,7 +204,7 @@ async def walk(gateway_bootstrap: str) -> AsyncIterator[Walk]:
     assert routes_of(app) == set(probes("http://gw"))  # the walk below covers every route
     server = GatewayServer(app)
     worker = FakeWorker(gateway_bootstrap, topics)
-    runner = JobRunner(settings, load_model_repo(str(REPO_TOML)), "walk-runner")
+    runner = JobRunner(settings, RegistryState(load_model_repo(str(REPO_TOML))), "walk-runner")
     stop = asyncio.Event()
     running = None
     keys = {name: new_api_key(principal, tenant) for name, principal, tenant in

@@ -206,6 +206,9 @@ def service_grants(topics: Topics) -> list[Grant]:
                       [t.requests, t.control, t.workers, t.job_commands, t.jobs, t.files])
     grants += _grants("batcher", "topic", "literal", ("write",), [t.requests, t.control, t.jobs, t.files, t.dead_letter])
     grants += _grants("batcher", "topic", "prefixed", ("write",), [t.batches(""), t.reply_namespace])
+    # ... follows the model registry, and makes the batch topic of each version registered.
+    grants += _grants("batcher", "topic", "literal", ("read",), [t.models])
+    grants += _grants("batcher", "topic", "prefixed", ("create",), [t.batches("")])
     grants += _grants("batcher", "topic", "prefixed", ("read", "create"), [t.job_replies("")])
     # ... and every outside producer's own request topic (<prefix>.requests.<user>): read by pattern.
     grants += _grants("batcher", "topic", "prefixed", ("read", "describe"), [t.producer_requests("")])
