@@ -27,8 +27,8 @@ from aiokafka import AIOKafkaProducer
 from pydantic import SecretStr
 from websockets.asyncio.client import connect
 
-from schemas.codec import encode
-from schemas.messages import VersionStatus
+from schemas.codec import decode_request, encode
+from schemas.messages import EmbedRequest, ReplyEnd, Usage, VersionStatus
 from schemas.model_repo import ModelConfig
 from schemas.registry import ModelRoute, ModelVersionRecord
 from schemas.topics import Topics
@@ -48,6 +48,18 @@ TOKEN = "registry-admin-token-0123"
 ADMIN = {"authorization": f"Bearer {TOKEN}"}
 CHAT = {"model": "echo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 READY = VersionStatus(state="ready", engine="echo")
+
+
+class EmbeddingWorker(FakeWorker):
+    """The fake worker, also answering EmbedRequests: one 2-dimensional vector per input."""
+
+    def _on_request(self, value: bytes) -> None:
+        request = decode_request(value)
+        if not isinstance(request, EmbedRequest):
+            return super()._on_request(value)
+        end = ReplyEnd(request_id=request.request_id, seq=0, finish_reason="stop", model_version=request.model,
+                       embeddings=[[0.6, 0.8] for _ in request.inputs], usage=Usage(prompt_tokens=len(request.inputs)))
+        self._tasks.append(asyncio.create_task(self._send(request, end)))  # type: ignore[arg-type]
 
 
 @dataclass
@@ -77,7 +89,7 @@ async def gateway(gateway_bootstrap: str) -> AsyncIterator[Gateway]:
     )  # fmt: skip
     app = create_app(settings)
     server = GatewayServer(app)
-    worker = FakeWorker(gateway_bootstrap, topics)
+    worker = EmbeddingWorker(gateway_bootstrap, topics)
     try:
         await server.start()
         await worker.start()
@@ -132,6 +144,18 @@ async def test_a_registry_record_changes_what_the_gateway_resolves_within_a_seco
             frames.append(orjson.loads(await asyncio.wait_for(ws.recv(), 10)))
     assert frames[0]["weir_model_version"] == tag and frames[0]["model"] == "echo@2"
     assert all("weir_model_version" not in frame for frame in frames[1:])  # the first frame only
+
+
+async def test_an_embedding_names_its_version(gateway: Gateway) -> None:
+    minilm = echo_version("1").manifest.model_copy(update={"name": "all-MiniLM-L6-v2"})  # only its digest matters
+    gateway.worker.versions = {"echo@1": READY, "all-MiniLM-L6-v2@1": VersionStatus(state="ready", digest=minilm.digest())}
+    await eventually(lambda: gateway.app.state.bus.fleet.serving("all-MiniLM-L6-v2@1", int(time.time() * 1000)), 10)
+    async with httpx.AsyncClient(base_url=gateway.server.base_url, timeout=30) as client:
+        answer = await client.post("/v1/embeddings", json={"model": "all-MiniLM-L6-v2", "input": ["a", "b"]})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["model"] == "all-MiniLM-L6-v2@1"
+    # no registry record of it here: the digest the worker reports for what it loaded
+    assert answer.headers["x-weir-model-version"] == f"all-MiniLM-L6-v2@1:{minilm.digest()[:12]}"
 
 
 async def test_models_lists_what_the_worker_reports_ready(gateway: Gateway) -> None:
