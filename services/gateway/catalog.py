@@ -175,10 +175,10 @@ class Catalog:
     def registered(self, name: str, version: object) -> str:
         """The served id of a registered version named by an admin call; 400 for a bad name or
         version, 404 (model_not_found) for one the registry does not hold."""
-        problem = ref_problem(name) if "@" not in name else "the path names a model, without @version"
-        if problem is None:
-            problem = version_problem(version)
-        if problem is not None:
+        name_problem = ref_problem(name) if "@" not in name else "the path names a model, without @version"
+        if name_problem is not None:
+            raise ApiError(400, f"model {name[:200]!r}: {name_problem}", param="name", code="invalid_value")
+        if (problem := version_problem(version)) is not None:
             raise ApiError(400, problem, param="version", code="invalid_value")
         sid = served_id(name, str(version))
         if sid not in self.state.versions:

@@ -150,11 +150,12 @@ _ERRORS: dict[int, str] = {
          "(prompt_injection_detected).",
     401: "Missing, invalid, revoked or expired API key or JWT.",
     403: "The credential may not use this model.",
-    404: "Unknown model; or (GET /v1/streams) no resumable stream of the caller with that id on this instance.",
+    404: "Unknown model, or a version of it (name@version) that is not registered or is retired; or (GET "
+         "/v1/streams) no resumable stream of the caller with that id on this instance.",
     413: "Body larger than WEIR_MAX_BODY_BYTES.",
     431: "More headers than WEIR_MAX_HEADERS, or more bytes of them than WEIR_MAX_HEADER_BYTES.",
     429: "Rate limit (per key or tenant), full in-flight lane, overloaded workers, or a retryable rejection.",
-    503: "No live worker for the model (breaker open), or Kafka did not take the request.",
+    503: "No live worker serves the model version (breaker open), or Kafka did not take the request.",
     504: "No result before the request's deadline.",
 }
 

@@ -79,6 +79,7 @@ def require_admin(parts: GatewayParts, headers: dict[str, str]) -> str:
         if hmac.compare_digest(given.strip().encode(), token.get_secret_value().encode()):
             return f"gateway admin API ({parts.bus.gateway_id})"
     identity = parts.guard.authenticate(headers)  # 401 when missing or invalid
+    parts.guard.metrics.auth_failures.add(1, {"code": "admin_required"})
     unset = "" if token is not None else ", which this gateway does not set"
     raise GuardError(403, f"{identity.principal} may not administer models: the admin API takes the gateway's "
                      f"admin token (WEIR_GATEWAY_ADMIN_TOKEN{unset})", code="admin_required")  # fmt: skip
