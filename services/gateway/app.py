@@ -3,7 +3,7 @@
 Endpoints, one routes/ module per concern: POST /v1/chat/completions, POST /v1/completions (JSON
 or SSE; completions.py), POST /v1/embeddings (embeddings.py), WS /v1/stream and GET
 /v1/streams/{id} (streams.py), OpenAI's Files and Batch APIs (batches.py), GET /v1/models,
-/healthz, /readyz, /metrics (operations.py). Every error leaves through one handler
+/healthz, /readyz, /metrics (operations.py), the model admin API under /v2/repository (admin.py). Every error leaves through one handler
 (routes/errors.py), in OpenAI's format. Kafka starts in the lifespan, before the server accepts a
 connection; create_app owns the lifespan of everything that starts and stops with the app.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -21,6 +22,7 @@ from fastapi import FastAPI
 
 from schemas.model_repo import ModelRepoError, ModelRepository, load_model_repo
 from services.gateway.batch_store import BatchStore
+from services.gateway.catalog import Catalog
 from services.gateway.config import GatewaySettings
 from services.gateway.guard.gate import Guard
 from services.gateway.guard.output_guard import OutputGuard
@@ -29,6 +31,7 @@ from services.gateway.metrics import ResponseCounter
 from services.gateway.openapi_doc import install_openapi
 from services.gateway.request_limits import RequestLimits, head_limited_protocol
 from services.gateway.resume import ResumableStreams
+from services.gateway.routes.admin import add_admin_routes
 from services.gateway.routes.batches import add_batch_routes, add_file_routes
 from services.gateway.routes.completions import add_completion_routes
 from services.gateway.routes.embeddings import add_embedding_routes
@@ -42,13 +45,14 @@ log = logging.getLogger(__name__)
 
 
 def create_app(settings: GatewaySettings, repo: ModelRepository | None = None) -> FastAPI:
-    """The gateway app for `settings`; loads the model repository now (a bad one fails here)."""
+    """The gateway app for `settings`; loads the model repository now (a bad one fails here): it
+    seeds the registry the app follows while it runs (catalog.py)."""
     parts = build_parts(settings, repo)
     batches = BatchStore(settings)
     app = FastAPI(
         title="Weir gateway", lifespan=lambda _: running(parts, batches), docs_url=None, redoc_url=None
     )  # fmt: skip
-    app.state.settings, app.state.repo, app.state.bus, app.state.guard = settings, parts.repo, parts.bus, parts.guard
+    app.state.settings, app.state.catalog, app.state.bus, app.state.guard = settings, parts.catalog, parts.bus, parts.guard
     app.state.batches = batches
     app.add_middleware(
         RequestLimits, max_headers=settings.max_headers, max_header_bytes=settings.max_header_bytes,
@@ -61,7 +65,8 @@ def create_app(settings: GatewaySettings, repo: ModelRepository | None = None) -
     add_metrics_routes(app.router, parts.guard.metrics)
     add_file_routes(app.router, batches, parts)
     add_batch_routes(app.router, batches, parts)
-    for add_routes in (add_completion_routes, add_embedding_routes, add_stream_routes, add_operation_routes):
+    for add_routes in (add_completion_routes, add_embedding_routes, add_stream_routes, add_operation_routes,
+                       add_admin_routes):
         add_routes(app.router, parts)
     for exc_class in HANDLED:
         app.add_exception_handler(exc_class, on_error)
@@ -70,33 +75,29 @@ def create_app(settings: GatewaySettings, repo: ModelRepository | None = None) -
 
 
 def build_parts(settings: GatewaySettings, repo: ModelRepository | None) -> GatewayParts:
-    """The bus, guards and stream registry one app's routes share (Kafka clients start later)."""
+    """The bus, catalog, guards and stream registry one app's routes share (Kafka clients start later)."""
     repo = repo if repo is not None else load_model_repo(settings.model_repo)
     bus = GatewayBus(settings)
+    catalog = Catalog.following(settings, f"{bus.gateway_id}-registry", repo, bus.fleet)
     guard = Guard(settings, bus)
     output_guard = OutputGuard(
         settings.output_guard == "redact", settings.output_holdback_chars,
         on_redacted=lambda n: guard.metrics.redactions.add(n),
     )  # fmt: skip
     streams = ResumableStreams(settings.resume_keep_s, settings.max_resumable_streams)
-    return GatewayParts(settings, repo, bus, guard, output_guard, streams, started_s=int(time.time()))
+    return GatewayParts(settings, catalog, bus, guard, output_guard, streams, started_s=int(time.time()))
 
 
 @asynccontextmanager
 async def running(parts: GatewayParts, batches: BatchStore) -> AsyncIterator[None]:
-    """The app's lifespan: the bus, then the guard's peer sync, then the batch store start; they
-    stop in reverse order, however the app ends."""
-    await parts.bus.start()
-    try:
-        await parts.guard.start()
-        await batches.start()
-        try:
-            yield
-        finally:
-            await batches.stop()
-    finally:
-        await parts.guard.stop()
-        await parts.bus.stop()
+    """The app's lifespan: the bus, then the registry (read to its end before a request is served),
+    the guard's peer sync, then the batch store start; they stop in reverse order, however the app
+    ends."""
+    async with contextlib.AsyncExitStack() as started:
+        for part in (parts.bus, parts.catalog, parts.guard, batches):
+            await part.start()
+            started.push_async_callback(part.stop)
+        yield
 
 
 class GatewayService:

@@ -24,7 +24,7 @@ from schemas.batch_lines import (
     parse_line_body,
 )
 from schemas.messages import TERMINAL_BATCH_STATUSES, BatchJob, FileChunk, RequestCounts, now_ms
-from schemas.model_repo import ModelRepository
+from schemas.model_repo import ModelConfig
 from services.gateway.batch_upload import Upload
 from services.gateway.guard.auth import Identity, Owner
 from services.gateway.guard.validation import TokenCounter, check_request
@@ -78,7 +78,7 @@ class LineRules:
     """What a batch line is checked against at the gateway: the models, the caller, and the
     limits the online endpoint applies (docs/design.md, "Batch files")."""
 
-    repo: ModelRepository
+    resolve: Callable[[str], ModelConfig]  # a line's `model` to its version (catalog.py); ApiError 400/404
     identity: Identity
     counter: TokenCounter
     max_input_tokens: int | None
@@ -121,12 +121,13 @@ def check_batch_lines(pieces: Iterable[bytes], rules: LineRules, endpoint: str |
 def _check_line(envelope: Envelope, rules: LineRules) -> int:
     """The tokens line `envelope` reserves; LineError when the online endpoint would refuse it."""
     body = parse_line_body(envelope)
-    model = rules.repo.get(body.model)
-    if model is None:
-        raise LineError(envelope.line, "model_not_found", f"The model {body.model!r} does not exist", "model")
-    if not rules.identity.may_use(model.name):
+    try:
+        model = rules.resolve(body.model)
+    except ApiError as exc:
+        raise LineError(envelope.line, exc.code or "model_not_found", exc.message, "model") from None
+    if not rules.identity.may_use(model.served_id):
         raise LineError(envelope.line, "model_not_allowed", f"{rules.identity.principal} may not use the model "
-                        f"{model.name!r}", "model")  # fmt: skip
+                        f"{model.served_id!r}", "model")  # fmt: skip
     try:
         refuse_embedding_model(model)
         request = to_generate_request(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.gateway.guard.settings import GuardSettings
@@ -23,6 +23,9 @@ class GatewaySettings(BusSettings, GuardSettings):
         None, description="Instance id (names the reply topic); a fresh one per process when unset."
     )
     model_repo: str = Field("models.toml", description="Model repository TOML file (WEIR_MODEL_REPO).")
+    gateway_admin_token: SecretStr | None = Field(
+        None, description="Bearer token of the model admin API (/v2/repository/...); unset: every call is 403."
+    )
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest request body accepted; larger is 413.")
     max_json_depth: int = Field(
         64, ge=2, le=200,  # the gateway re-encodes bodies with orjson, which stops at 254 levels

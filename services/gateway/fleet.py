@@ -1,12 +1,18 @@
-"""Fleet: the latest heartbeat of every worker, and which of them are live, per model.
+"""Fleet: the latest heartbeat of every worker, and which of them are live, per model version.
 
-Readiness asks it whether any worker is live; admission control will ask it how much room a
-model has. Pure: heartbeats and `now_ms` come in as arguments.
+Readiness asks it whether any worker is live; admission control asks it which live workers serve
+a version; GET /v1/models and the admin index ask what state each version is in on each worker
+(WorkerHeartbeat.versions, docs/design.md "The model registry"). Pure: heartbeats and `now_ms`
+come in as arguments.
 """
 
 from __future__ import annotations
 
-from schemas.messages import WorkerHeartbeat
+from schemas.messages import VersionStatus, WorkerHeartbeat
+
+# The states a worker still answers a version's requests in: ready, and draining (requests pinned
+# just before a promotion finish there; shared16 protocol 3).
+SERVING_STATES = frozenset({"ready", "draining"})
 
 
 class Fleet:
@@ -37,6 +43,25 @@ class Fleet:
             for model in hb.models:
                 out.setdefault(model, []).append(hb)
         return out
+
+    def serving(self, sid: str, now_ms: int) -> list[WorkerHeartbeat]:
+        """Live heartbeats of the workers that answer version `sid` (name@version): ready, or
+        draining it (shared16 protocol 1: `models` lists the ready ones)."""
+        return [hb for hb in self.live(now_ms)
+                if sid in hb.models or (sid in hb.versions and hb.versions[sid].state in SERVING_STATES)]  # fmt: skip
+
+    def version_states(self, now_ms: int) -> dict[str, dict[str, VersionStatus]]:
+        """Per version (name@version), per live worker, the status that worker reports."""
+        out: dict[str, dict[str, VersionStatus]] = {}
+        for hb in self.live(now_ms):
+            for sid, status in hb.versions.items():
+                out.setdefault(sid, {})[hb.worker_id] = status
+        return out
+
+    def ready_versions(self, now_ms: int) -> set[str]:
+        """Every version some live worker reports ready."""
+        return {sid for sid, by_worker in self.version_states(now_ms).items()
+                if any(status.state == "ready" for status in by_worker.values())}  # fmt: skip
 
     def __len__(self) -> int:
         return len(self._latest)

@@ -17,8 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from schemas import openai_bodies
 from schemas.messages import MAX_EMBED_INPUTS, EmbedRequest, GenerateRequest, Priority, ReplyEnd, Usage
-from schemas.model_repo import ModelConfig, ModelRepository
+from schemas.model_repo import ModelConfig
 # the body types are imported from here by the gateway's other modules
+from schemas.registry import split_ref
 from schemas.openai_bodies import BodyError, ChatCompletionBody, CompletionBody, Kind, body_error
 
 DEFAULT_MAX_TOKENS = 256  # chat default when the body sets none (OpenAI's own is "up to context")
@@ -123,7 +124,7 @@ def to_generate_request(
     timeout_s = min([*timeouts, model.default_timeout_s, max_timeout_s])
     return GenerateRequest(
         request_id=request_id,
-        model=model.name,
+        model=model.served_id,  # pinned: the version is known when the response starts (docs/design.md, invariant 10)
         prompt=body.prompt if isinstance(body, CompletionBody) else None,
         messages=[m.to_wire() for m in body.messages] if isinstance(body, ChatCompletionBody) else None,
         max_tokens=max_tokens,
@@ -212,7 +213,7 @@ def to_embed_requests(
     chunks = [texts[i : i + MAX_EMBED_INPUTS] for i in range(0, len(texts), MAX_EMBED_INPUTS)]
     return [
         EmbedRequest(
-            request_id=request_id if len(chunks) == 1 else f"{request_id}-{i}", model=model.name, inputs=chunk,
+            request_id=request_id if len(chunks) == 1 else f"{request_id}-{i}", model=model.served_id, inputs=chunk,
             principal=principal, tenant=tenant, priority=priority, deadline_ms=now_ms + int(timeout_s * 1000),
             reply_to=reply_to, created_ms=now_ms,
         )  # fmt: skip
@@ -234,7 +235,7 @@ def embedding_body(model: str, ends: list[ReplyEnd], encoding_format: str | None
     return {
         "object": "list",
         "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(encoded)],
-        "model": model,
+        "model": served_version(ends[0], model) if ends else model,
         "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
     }
 
@@ -289,6 +290,7 @@ class ChunkWriter:
     def on_end(self, end: ReplyEnd) -> list[dict[str, Any]]:
         """The chunks of a finished (stop/length) terminal: the finish chunk, then usage if asked."""
         reason = end.finish_reason
+        self.model = served_version(end, self.model)
         if self.kind == "chat.completions":
             chunks = [self._chunk([self._chat_choice({}, reason)], fingerprint=end.model_version)]
         else:
@@ -338,11 +340,19 @@ def completion_body(
         "id": request_id,
         "object": obj,
         "created": created_s,
-        "model": model,
+        "model": served_version(end, model),
         "system_fingerprint": end.model_version,
         "choices": [choice],
         "usage": usage_dict(end.usage),
     }
+
+
+def served_version(end: ReplyEnd, pinned: str) -> str:
+    """The `name@version` a response names: the one the worker says served it (ReplyEnd.model_version),
+    else the one the request was pinned to. A terminal without a version (the gateway's own
+    timeout, an old worker's bare name) leaves the pinned one."""
+    reported = end.model_version
+    return reported if reported and split_ref(reported)[1] else pinned
 
 
 def usage_dict(usage: Usage) -> dict[str, int]:
@@ -352,15 +362,6 @@ def usage_dict(usage: Usage) -> dict[str, int]:
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
     }
-
-
-def models_list(repo: ModelRepository, created_s: int) -> dict[str, Any]:
-    """GET /v1/models: OpenAI's list of model objects."""
-    data = [
-        {"id": name, "object": "model", "created": created_s, "owned_by": "weir", "version": cfg.version}
-        for name, cfg in sorted(repo.models.items())
-    ]
-    return {"object": "list", "data": data}
 
 
 MIN_HEADER_SECONDS = 0.001  # the finest duration a header may give: a deadline is in whole milliseconds

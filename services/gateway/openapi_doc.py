@@ -82,15 +82,16 @@ class Completion(BaseModel):
 
 
 class ModelObject(BaseModel):
-    id: str
+    id: str = Field(description="A name (served by its default version) or name@version.")
     object: Literal["model"]
     created: int
     owned_by: str
-    version: str
+    weir_version: str = Field(description="The version that serves this id.")
+    weir_state: Literal["ready"] = Field(description="Only versions some live worker reports ready are listed.")
 
 
 class ModelList(BaseModel):
-    """The models the caller may use."""
+    """The models that are ready and the caller may use."""
 
     object: Literal["list"]
     data: list[ModelObject]
@@ -108,8 +109,39 @@ class Readiness(BaseModel):
     live_workers: dict[str, int] = Field(description="Workers with a live heartbeat, per model.")
 
 
+class RepositoryIndexBody(BaseModel):
+    ready: bool = Field(False, description="Only the versions some live worker reports ready.")
+
+
+class RepositoryEntry(BaseModel):
+    """One model version, as Triton's repository index shows it, with Weir's fields."""
+
+    name: str
+    version: str
+    state: str = Field(description="The best state a live worker reports (ready, draining, golden, loading, "
+                       "verifying, unhealthy, failed, refused), or unavailable.")
+    reason: str = Field(description="Why failed, refused or unhealthy; or why unavailable.")
+    desired: Literal["loaded", "unloaded", "retired"] = Field(description="What operators asked of it.")
+    registered: bool = Field(description="False: a models.toml entry the registry does not hold yet.")
+    default: bool = Field(description="It serves requests for the bare name.")
+    workers: dict[str, str] = Field(description="Each live worker that reports it, with its state there.")
+
+
+class RepositoryVersionBody(BaseModel):
+    version: str = Field(description="The version of the model the path names.")
+
+
+class RepositoryChange(BaseModel):
+    name: str
+    version: str
+    action: Literal["load", "unload", "promote"]
+    records: list[str] = Field(description="The registry keys written.")
+    applied: bool = Field(description="False: written, but this gateway had not read them back within 5 s.")
+
+
 _MODELS: list[type[BaseModel]] = [
     ErrorResponse, ChatCompletion, Completion, ModelList, Health, Readiness, ChatCompletionBody, CompletionBody,
+    RepositoryIndexBody, RepositoryEntry, RepositoryVersionBody, RepositoryChange,
 ]  # fmt: skip
 
 _ERRORS: dict[int, str] = {
@@ -118,12 +150,23 @@ _ERRORS: dict[int, str] = {
          "(prompt_injection_detected).",
     401: "Missing, invalid, revoked or expired API key or JWT.",
     403: "The credential may not use this model.",
-    404: "Unknown model; or (GET /v1/streams) no resumable stream of the caller with that id on this instance.",
+    404: "Unknown model, or a version of it (name@version) that is not registered or is retired; or (GET "
+         "/v1/streams) no resumable stream of the caller with that id on this instance.",
     413: "Body larger than WEIR_MAX_BODY_BYTES.",
     431: "More headers than WEIR_MAX_HEADERS, or more bytes of them than WEIR_MAX_HEADER_BYTES.",
     429: "Rate limit (per key or tenant), full in-flight lane, overloaded workers, or a retryable rejection.",
-    503: "No live worker for the model (breaker open), or Kafka did not take the request.",
+    503: "No live worker serves the model version (breaker open), or Kafka did not take the request.",
     504: "No result before the request's deadline.",
+}
+
+_ADMIN_ERRORS: dict[int, str] = {
+    400: "The body is not a JSON object of the call's fields, or the name or version is malformed.",
+    401: "Missing or invalid credentials.",
+    403: "Not the gateway's admin token (WEIR_GATEWAY_ADMIN_TOKEN); every caller when it is unset.",
+    404: "The registry does not hold that version.",
+    409: "The registry's state does not allow it (e.g. unloading the default version, promoting an unloaded one).",
+    413: "Body larger than WEIR_MAX_BODY_BYTES.",
+    431: "More headers than WEIR_MAX_HEADERS, or more bytes of them than WEIR_MAX_HEADER_BYTES.",
 }
 
 _STATUSES: dict[str, list[int]] = {"/v1/models": [401, 431], "/v1/streams/{request_id}": [400, 401, 404, 431]}
@@ -139,9 +182,9 @@ def _header(description: str, schema_type: str = "string") -> dict[str, Any]:
     return {"description": description, "schema": {"type": schema_type}}
 
 
-def _error(status: int) -> dict[str, Any]:
+def _error(status: int, descriptions: dict[int, str] = _ERRORS) -> dict[str, Any]:
     response: dict[str, Any] = {
-        "description": _ERRORS[status],
+        "description": descriptions[status],
         "content": {"application/json": {"schema": _ref("ErrorResponse")}},
         "headers": {"x-request-id": _header("Id of the request, when one was assigned.")},
     }
@@ -178,6 +221,9 @@ def _completion_operation(body: str, result: str, example: dict[str, Any], summa
                 "headers": {
                     "x-request-id": _header("Id of the request (also on Kafka and in every chunk)."),
                     "x-weir-resume-url": _header("Where a resumable stream can be read again (stream=true only)."),
+                    "x-weir-model-version": _header("name@version:<first 12 hex of the version's manifest digest> "
+                                                    "of the version that serves it ('unregistered' for a models.toml "
+                                                    "entry no registry record or worker reports a digest of)."),
                 },
                 "content": {
                     "application/json": {"schema": _ref(result)},
@@ -191,6 +237,30 @@ def _completion_operation(body: str, result: str, example: dict[str, Any], summa
 
 def _json_ok(name: str, description: str) -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {"schema": _ref(name)}}}
+
+
+def _admin_operation(summary: str, body: str, result: dict[str, Any], is_body_required: bool) -> dict[str, Any]:
+    return {
+        "summary": summary,
+        "security": [{"bearer": []}],  # the admin token, in open mode too
+        "requestBody": {"required": is_body_required, "content": {"application/json": {"schema": _ref(body)}}},
+        "responses": {"200": {"description": summary, "content": {"application/json": {"schema": result}}},
+                      **{str(status): _error(status, _ADMIN_ERRORS) for status in _ADMIN_ERRORS}},
+    }  # fmt: skip
+
+
+def _admin_operations() -> dict[tuple[str, str], dict[str, Any]]:
+    out = {("post", "/v2/repository/index"): _admin_operation(
+        "Every model version with its state on the workers", "RepositoryIndexBody",
+        {"type": "array", "items": _ref("RepositoryEntry")}, False)}
+    for action, what in (("load", "Ask workers to load a version (desired = loaded)"),
+                         ("unload", "Ask workers to drain and unload a version (desired = unloaded)"),
+                         ("promote", "Make a version the default of its name; the old default is unloaded")):
+        operation = _admin_operation(what, "RepositoryVersionBody", _ref("RepositoryChange"), True)
+        operation["parameters"] = [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"},
+                                    "description": "The model name (without @version)."}]
+        out[("post", f"/v2/repository/models/{{name}}/{action}")] = operation
+    return out  # fmt: skip
 
 
 def _operations() -> dict[tuple[str, str], dict[str, Any]]:
@@ -238,6 +308,7 @@ def _operations() -> dict[tuple[str, str], dict[str, Any]]:
             "responses": {"200": {"description": "Prometheus text format 0.0.4.",
                                   "content": {"text/plain": {"schema": {"type": "string"}}}}},
         },
+        **_admin_operations(),
     }  # fmt: skip
 
 

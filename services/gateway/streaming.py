@@ -32,6 +32,10 @@ from services.gateway.resume import RESUME_GRACE_HEADER, StreamEntry
 log = logging.getLogger(__name__)
 
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+# `name@version:<manifest digest prefix>` of the version that serves a response (catalog.py:
+# Catalog.version_tag); a WebSocket has no headers per request: its first chunk frame carries it.
+VERSION_HEADER = "x-weir-model-version"
+WS_VERSION_FIELD = "weir_model_version"
 
 
 def sse_event(seq: int, data: dict[str, Any] | str) -> bytes:
@@ -128,8 +132,11 @@ class EventStreamResponse(StreamingResponse):
             self._on_close()
 
 
-def event_stream(entry: StreamEntry, after_seq: int, output_guard: OutputGuard, gateway_id: str) -> EventStreamResponse:
-    """The SSE response of a registered stream from after `after_seq` (-1: its first reader).
+def event_stream(
+    entry: StreamEntry, after_seq: int, output_guard: OutputGuard, gateway_id: str, version_tag: str
+) -> EventStreamResponse:
+    """The SSE response of a registered stream from after `after_seq` (-1: its first reader), with
+    the x-weir-model-version `version_tag` of the version it is pinned to.
 
     The first reader counts the redactions of its text filter when it closes; every reader
     leaves the entry then (a resumable one is held for a reconnect)."""
@@ -140,7 +147,7 @@ def event_stream(entry: StreamEntry, after_seq: int, output_guard: OutputGuard, 
             output_guard.count(text_filter.num_redacted)
         entry.leave()
 
-    headers = stream_headers(entry.request_id, gateway_id, entry.is_resumable)
+    headers = {**stream_headers(entry.request_id, gateway_id, entry.is_resumable), VERSION_HEADER: version_tag}
     events = sse_events(entry.exchange, entry.new_writer(), text_filter, after_seq)
     return EventStreamResponse(events, on_close, headers)
 
@@ -235,14 +242,16 @@ class WebSocketSession:
     Client → server: {"type": "chat.completions" | "completions", "body": {...}, "resume_grace_s":
     optional}; {"type": "cancel"}; {"type": "resume", "request_id": ..., "offset": N} to read a
     resumable request again after its first N chunk frames. Server → client: the chunk objects of
-    SSE, then {"type": "done"}; {"type": "error", "error": {...}} for a refused request or an error
+    SSE (the first one sent for a request also has "weir_model_version": what the
+    x-weir-model-version header says over HTTP), then {"type": "done"}; {"type": "error", "error": {...}} for a refused request or an error
     terminal; {"type": "cancelled", "request_id"} after a cancel. The socket stays open for the
     next request.
     """
 
     def __init__(self, ws: WebSocket, prepare: Prepare, resume: Resume, output_guard: OutputGuard,
-                 check_frame: Callable[[bytes], None]) -> None:  # fmt: skip
+                 check_frame: Callable[[bytes], None], version_tag: Callable[[str], str]) -> None:  # fmt: skip
         self.ws = ws
+        self.version_tag = version_tag
         self.prepare = prepare
         self.check_frame = check_frame
         self.resume = resume
@@ -310,6 +319,7 @@ class WebSocketSession:
         # offset: the chunk frames this client already has (a resume); they are rendered, not sent.
         text_filter = self.output_guard.stream()
         num_frames = 0
+        tag: str | None = self.version_tag(entry.exchange.request.model)
         async for _, frame in frames(entry.exchange, entry.new_writer(), text_filter):
             num_frames += 1
             if num_frames <= offset:
@@ -317,6 +327,8 @@ class WebSocketSession:
             if isinstance(frame, ApiError):
                 await self.send_error(frame)
                 break
+            if tag is not None:
+                frame, tag = {**frame, WS_VERSION_FIELD: tag}, None
             await self.send(frame)
         else:
             await self.send({"type": "done"})

@@ -9,7 +9,9 @@ prompt asks for:
   (ReplyEnd(cancelled)); `generated[request_id]` counts the deltas it produced;
 - "pii": PII_DELTAS, personal data split across deltas, then ReplyEnd(stop);
 - "variants": VARIANT_DELTAS, the same in disguise (groups, full-width, zero-width, spelled out).
-It also sends a heartbeat every 0.5 s and records every Cancellation on the control topic.
+Its ReplyEnd names the version the request was pinned to (request.model, name@version). It also
+sends a heartbeat every 0.5 s, reporting `versions` (default: echo@1 ready; a test may change it)
+with the ready ones in `models`, and records every Cancellation on the control topic.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from schemas.messages import (
     ReplyDelta,
     ReplyEnd,
     Usage,
+    VersionStatus,
     WorkerHeartbeat,
 )
 from schemas.topics import Topics
@@ -56,6 +59,7 @@ class FakeWorker:
         self.requests: list[GenerateRequest] = []
         self.cancels: list[Cancellation] = []
         self.generated: dict[str, int] = {}
+        self.versions: dict[str, VersionStatus] = {"echo@1": VersionStatus(state="ready", engine="echo")}
         self._tasks: list[asyncio.Task[Any]] = []
         self._clients: list[Any] = []
 
@@ -122,7 +126,7 @@ class FakeWorker:
             return await self._stream(request, DRIP if "drip" in prompt else PII_DELTAS, 0.05 if "drip" in prompt else 0)
         for seq in (0, 1, 1, 2):  # seq 1 twice: the gateway must drop the repeat
             await self._send(request, ReplyDelta(request_id=rid, seq=seq, text=TEXT[seq]))
-        end = ReplyEnd(request_id=rid, seq=3, finish_reason="stop", model_version="echo@1",
+        end = ReplyEnd(request_id=rid, seq=3, finish_reason="stop", model_version=request.model,
                        usage=Usage(prompt_tokens=2, completion_tokens=3, total_tokens=5))
         await self._send(request, end)
 
@@ -144,8 +148,9 @@ class FakeWorker:
     async def _beat(self) -> None:
         while True:
             heartbeat = WorkerHeartbeat(
-                worker_id=self.worker_id, models=["echo"], is_ready=True, num_running=0, num_waiting=0,
-                max_num_seqs=8, free_kv_blocks=64, block_size_tokens=16,
+                worker_id=self.worker_id, models=[sid for sid, s in self.versions.items() if s.state == "ready"],
+                is_ready=True, num_running=0, num_waiting=0, max_num_seqs=8, free_kv_blocks=64, block_size_tokens=16,
+                versions=dict(self.versions),
             )
             await self.producer.send_and_wait(self.topics.workers, encode(heartbeat), key=self.worker_id.encode())
             await asyncio.sleep(0.5)

@@ -113,7 +113,7 @@ async def test_valid_body_without_kafka_is_503_not_4xx(client: httpx.AsyncClient
 
 async def test_models_and_health_need_no_kafka(client: httpx.AsyncClient) -> None:
     models = (await client.get("/v1/models")).json()
-    assert models["object"] == "list" and {m["id"] for m in models["data"]} >= {"echo", "weir-tiny-py"}
+    assert models == {"object": "list", "data": []}  # it lists what workers report ready: none without Kafka
     assert (await client.get("/healthz")).status_code == 200
     ready = await client.get("/readyz")
     assert ready.status_code == 503 and ready.json()["reason"] == "producer not started"

@@ -18,17 +18,21 @@ from services.batcher.job_core import parse_input
 from schemas.messages import BatchJob
 from services.gateway.batch_format import LineRules, check_batch_lines, check_purpose
 from services.gateway.batch_upload import receive_upload
+from services.gateway.catalog import Catalog
+from services.gateway.fleet import Fleet
+from schemas.registry import RegistryState
 from services.gateway.guard.auth import Identity
 from services.gateway.guard.validation import TokenCounter
 from services.gateway.openai_format import ApiError
 
 REPO = load_model_repo(Path(__file__).resolve().parents[2] / "models.toml")
+CATALOG = Catalog(RegistryState(REPO), Fleet())  # the registry seeded by models.toml, nothing registered yet
 ANN = Identity(principal="ann", tenant="acme", scope="key:ann")
 ECHO_ONLY = Identity(principal="ann", tenant="acme", scope="key:ann2", models=frozenset({"echo"}))
 
 
 def rules(identity: Identity = ANN) -> LineRules:
-    return LineRules(REPO, identity, TokenCounter(), None, 16, 600.0, "weir.replies.job.check")
+    return LineRules(CATALOG.resolve, identity, TokenCounter(), None, 16, 600.0, "weir.replies.job.check")
 
 
 def multipart(files: dict, data: dict) -> tuple[str, bytes]:

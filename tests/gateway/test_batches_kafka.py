@@ -156,7 +156,7 @@ async def test_every_line_of_an_upload_is_checked_and_the_first_bad_one_named(te
     t = tenants
     tiny = line("b", model="weir-tiny-py")
     cases = [
-        (t.ann_echo, jsonl(line("a"), tiny), "line 2: ann may not use the model 'weir-tiny-py'", "model_not_allowed"),
+        (t.ann_echo, jsonl(line("a"), tiny), "line 2: ann may not use the model 'weir-tiny-py@1'", "model_not_allowed"),
         (t.ann_echo, jsonl(line("a") + "\u2028".encode() + tiny), "line 1: the line is not JSON", "invalid_json"),
         (t.ann, jsonl(line("a"), line("b"), line("c", temperature=7)), "line 3: invalid value for 'temperature'",
          "invalid_value"),

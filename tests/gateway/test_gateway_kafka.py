@@ -52,7 +52,7 @@ async def test_ready_only_once_a_worker_is_live(stack: Stack) -> None:
                 break
             await asyncio.sleep(0.1)
         body = (await client.get("/readyz")).json()
-    assert body["ready"] and body["live_workers"] == {"echo": 1}
+    assert body["ready"] and body["live_workers"] == {"echo@1": 1}  # heartbeats name versions
 
 
 async def test_openai_client_streams_chat(stack: Stack) -> None:
@@ -82,11 +82,12 @@ async def test_non_streaming_bodies(stack: Stack) -> None:
     chat = await client.chat.completions.create(model="echo", messages=[{"role": "user", "content": "hi"}])
     assert chat.object == "chat.completion" and chat.choices[0].message.content == "Hello, world"
     assert chat.choices[0].finish_reason == "stop" and chat.usage is not None and chat.usage.completion_tokens == 3
-    assert chat.system_fingerprint == "echo@1"
+    assert chat.system_fingerprint == "echo@1" and chat.model == "echo@1"  # the version that served it
     completion = await client.completions.create(model="echo", prompt="hi", max_tokens=5)
     assert completion.object == "text_completion" and completion.choices[0].text == "Hello, world"
     request = next(r for r in stack.worker.requests if r.request_id == completion.id)
     assert request.max_tokens == 5 and request.prompt == "hi" and request.reply_to == stack.reply_topic
+    assert request.model == "echo@1" and completion.model == "echo@1"  # produced pinned to the default version
 
 
 async def test_sse_wire_shape(stack: Stack) -> None:

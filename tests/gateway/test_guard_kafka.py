@@ -141,7 +141,11 @@ async def test_a_model_the_key_may_not_use_is_permission_denied(guarded: Guarded
     with pytest.raises(openai.PermissionDeniedError) as denied:
         await client(guarded.a, key).chat.completions.create(model="echo", messages=HELLO)
     assert denied.value.code == "model_not_allowed"
-    assert [m.id for m in (await client(guarded.a, key).models.list()).data] == ["weir-tiny-py"]
+    # /v1/models lists what is ready (the fake worker: echo@1) and the key may use: nothing for carol
+    assert [m.id for m in (await client(guarded.a, key).models.list()).data] == []
+    pinned = await guarded.key("dora", "acme", models=["echo@1"])  # an allowlist may name one version
+    assert [m.id for m in (await client(guarded.a, pinned).models.list()).data] == ["echo", "echo@1"]
+    await client(guarded.a, pinned).chat.completions.create(model="echo@1", messages=HELLO)
 
 
 async def test_a_burst_past_rpm_is_a_rate_limit_error_with_retry_after(guarded: Guarded) -> None:
@@ -232,9 +236,9 @@ async def test_metrics_count_what_happened(guarded: Guarded) -> None:
     assert 'weir_gateway_requests_total{route="/v1/completions",status="504"} 1' in text
     assert 'weir_gateway_cancellations_total{reason="deadline"}' in text
     assert 'weir_gateway_rate_limited_total{limit="requests",scope="key"}' in text
-    assert 'weir_workers_live{model="echo"} 1' in text
+    assert 'weir_workers_live{model="echo@1"} 1' in text  # heartbeats name versions
     assert 'weir_worker_free_kv_blocks{worker="fake-worker-1"} 64' in text
-    assert 'weir_gateway_in_flight{lane="interactive",model="echo"} 0' in text
+    assert 'weir_gateway_in_flight{lane="interactive",model="echo@1"} 0' in text  # per version
     assert "# TYPE weir_gateway_requests_total counter" in text
 
 

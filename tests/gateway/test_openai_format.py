@@ -6,12 +6,11 @@ import orjson
 import pytest
 
 from schemas.messages import ErrorInfo, ReplyEnd, Usage
-from schemas.model_repo import ModelConfig, ModelRepository
+from schemas.model_repo import ModelConfig
 from services.gateway.openai_format import (
     ApiError,
     ChunkWriter,
     completion_body,
-    models_list,
     parse_body,
     terminal_error,
     to_generate_request,
@@ -146,10 +145,3 @@ def test_terminal_errors_map_to_statuses(reason: str, code: str | None, status: 
     body = api_error.body()["error"]
     assert set(body) == {"message", "type", "param", "code"} and body["code"]
     assert terminal_error(ReplyEnd(request_id="r", seq=0, finish_reason="stop")) is None
-
-
-def test_models_list() -> None:
-    repo = ModelRepository(models={"echo": ECHO})
-    listing = models_list(repo, 1700)
-    assert listing == {"object": "list", "data": [
-        {"id": "echo", "object": "model", "created": 1700, "owned_by": "weir", "version": "1"}]}

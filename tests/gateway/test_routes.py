@@ -17,7 +17,7 @@ from services.gateway.openai_format import ApiError
 from services.gateway.routes.completions import new_request_id
 from services.gateway.routes.embeddings import embedding_usage
 from services.gateway.routes.errors import known_error
-from services.gateway.routes.operations import readiness_body, visible_models
+from services.gateway.routes.operations import readiness_body
 from services.gateway.routes.streams import last_event_id
 from services.gateway.streaming import stream_headers
 
@@ -65,12 +65,6 @@ def test_embedding_usage_sums_the_prompt_tokens_of_every_part():
     assert (usage.request_id, usage.usage.prompt_tokens, usage.usage.completion_tokens) == ("embd-1", 7, 0)
 
 
-def test_a_caller_sees_only_the_models_it_may_use():
-    listed = {"object": "list", "data": [{"id": "echo"}, {"id": "big"}]}
-    assert visible_models(listed, lambda model: model == "echo") == {"object": "list", "data": [{"id": "echo"}]}
-    assert listed["data"] == [{"id": "echo"}, {"id": "big"}]  # the listing itself is left alone
-
-
 def heartbeat(worker_id: str, models: list[str]) -> WorkerHeartbeat:
     return WorkerHeartbeat(worker_id=worker_id, models=models, is_ready=True, num_running=0, num_waiting=0,
                            max_num_seqs=8, free_kv_blocks=100, block_size_tokens=16, sent_ms=0)  # fmt: skip
@@ -109,18 +103,20 @@ class Part:
         self.log.append(f"stop {self.name}")
 
 
-async def test_the_lifespan_starts_bus_guard_batches_and_stops_them_in_reverse():
+async def test_the_lifespan_starts_bus_registry_guard_batches_and_stops_them_in_reverse():
     log: list[str] = []
-    parts = SimpleNamespace(bus=Part("bus", log), guard=Part("guard", log))
+    parts = SimpleNamespace(bus=Part("bus", log), catalog=Part("registry", log), guard=Part("guard", log))
     async with running(parts, Part("batches", log)):  # type: ignore[arg-type]
         log.append("serving")
-    assert log == ["start bus", "start guard", "start batches", "serving", "stop batches", "stop guard", "stop bus"]
+    assert log == ["start bus", "start registry", "start guard", "start batches", "serving", "stop batches",
+                   "stop guard", "stop registry", "stop bus"]
 
 
 async def test_a_store_that_cannot_start_still_stops_the_guard_and_the_bus():
     log: list[str] = []
-    parts = SimpleNamespace(bus=Part("bus", log), guard=Part("guard", log))
+    parts = SimpleNamespace(bus=Part("bus", log), catalog=Part("registry", log), guard=Part("guard", log))
     with pytest.raises(ConnectionError):
         async with running(parts, Part("batches", log, fails_to_start=True)):  # type: ignore[arg-type]
             log.append("serving")
-    assert log == ["start bus", "start guard", "start batches", "stop guard", "stop bus"]
+    assert log == ["start bus", "start registry", "start guard", "start batches", "stop guard", "stop registry",
+                   "stop bus"]

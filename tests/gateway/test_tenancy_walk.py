@@ -9,7 +9,8 @@ OpenAPI document, and the WebSocket route, with A's ids:
   it answers an id that does not exist (nothing tells that A's exists); A itself gets a 2xx there,
   so the 404 is not the answer of a broken setup;
 - a route that names nothing of A's (create, list, public) may answer 2xx, but never with any of
-  A's ids or of the text of A's files in it.
+  A's ids or of the text of A's files in it; the model admin API (/v2/repository) answers none of
+  them (intruders and A hold no admin token) with 2xx.
 The routes come from the document and the app, and the walk fails on a route it has no probe for:
 a new route cannot be forgotten. Runs against the real broker (the stores are Kafka topics).
 """
@@ -168,6 +169,11 @@ def probes(base_url: str) -> dict[tuple[str, str], Probe]:
         ("GET", "/healthz"): Probe(False, one(lambda c, a, m: c.get("/healthz", headers=a))),
         ("GET", "/readyz"): Probe(False, one(lambda c, a, m: c.get("/readyz", headers=a))),
         ("GET", "/metrics"): Probe(False, one(lambda c, a, m: c.get("/metrics", headers=a))),
+        ("POST", "/v2/repository/index"): Probe(False, one(lambda c, a, m: c.post("/v2/repository/index", headers=a,
+                                                                                 json={}))),
+        **{("POST", f"/v2/repository/models/{{name}}/{action}"): Probe(False, one(
+            lambda c, a, m, action=action: c.post(f"/v2/repository/models/echo/{action}", headers=a,
+                                                  json={"version": "1"}))) for action in ("load", "unload", "promote")},
     }  # fmt: skip
 
 
@@ -304,6 +310,8 @@ async def test_no_route_answers_another_owner_with_2xx(walk: Walk) -> None:
                         refused.append(f"{route} as {who}: {status} shows A's {leaked}")
                     if probe.refers and status in SUCCESS:
                         refused.append(f"{route} as {who}: {status} on A's resource")
+                    if path.startswith("/v2/repository") and status != 403:
+                        refused.append(f"{route} as {who}: {status}, not 403 (no admin token)")
                 if probe.refers:  # the same answer as for an id nobody has: 404
                     unknown = [status_and_code(a) for a in await probe.call(client, auth, unknown_ids(made))]
                     got = [status_and_code(a) for a in answers]

@@ -20,6 +20,7 @@ import jwt
 import orjson
 
 from schemas.messages import ApiKeyRecord, now_ms
+from schemas.registry import split_ref
 from services.gateway.guard.settings import GuardSettings
 from services.gateway.openai_format import ApiError
 
@@ -67,8 +68,10 @@ class Identity:
     max_tokens_per_min: int | None = None
 
     def may_use(self, model: str) -> bool:
-        """True when this identity may call `model`."""
-        return self.models is None or model in self.models
+        """True when this identity may call `model`, a name or the `name@version` a request is
+        served by: an allowed `name` allows every version of it, an allowed `name@version` only
+        that one (also when a bare `name` resolves to it; docs/gateway.md, "Model versions")."""
+        return self.models is None or model in self.models or split_ref(model)[0] in self.models
 
     @property
     def owner(self) -> Owner:

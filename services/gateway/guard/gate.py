@@ -146,7 +146,7 @@ class Guard:
             max_input_tokens=self.settings.max_input_tokens, max_stop_sequences=self.settings.max_stop_sequences,
         )  # fmt: skip
         await self.input_guard.check(identity.principal, identity.tenant, body)
-        admitted = self.reserve(identity, model.name, lane, prompt_tokens + request.max_tokens)
+        admitted = self.reserve(identity, model.served_id, lane, prompt_tokens + request.max_tokens)
         request = request.model_copy(
             update={"principal": identity.principal, "tenant": identity.tenant, "priority": lane}
         )
@@ -162,15 +162,16 @@ class Guard:
             num_tokens = await asyncio.to_thread(self._count_inputs, model, inputs)
         else:
             num_tokens = self._count_inputs(model, inputs)
-        return lane, self.reserve(identity, model.name, lane, num_tokens)
+        return lane, self.reserve(identity, model.served_id, lane, num_tokens)
 
     def _count_inputs(self, model: ModelConfig, inputs: list[str]) -> int:
         return sum(self.counter.count(model, text) + 2 for text in inputs)  # + [CLS] and [SEP]
 
     def reserve(self, identity: Identity, model: str, lane: Priority, reserved_tokens: int) -> Admitted:
-        """Take a lane ticket and charge the rate limits for reserved_tokens; ApiError 503/429."""
+        """Take a lane ticket for version `model` (name@version) and charge the rate limits for
+        reserved_tokens; ApiError 503/429. The breaker looks at the workers that serve that version."""
         try:
-            ticket = self.admission.admit(model, lane, self.bus.fleet.live_by_model(now_ms()).get(model, []))
+            ticket = self.admission.admit(model, lane, self.bus.fleet.serving(model, now_ms()))
         except ApiError as error:
             self.metrics.admission_rejected.add(1, {"model": model, "code": error.code or "unknown"})
             raise

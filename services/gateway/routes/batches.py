@@ -145,7 +145,7 @@ def add_batch_routes(router: APIRouter, store: BatchStore, parts: GatewayParts) 
 def line_rules(parts: GatewayParts, identity: Identity) -> LineRules:
     """What the lines of a file `identity` uploads or runs are checked against."""
     s = parts.settings
-    return LineRules(parts.repo, identity, parts.guard.counter, s.max_input_tokens, s.max_stop_sequences,
+    return LineRules(parts.catalog.resolve, identity, parts.guard.counter, s.max_input_tokens, s.max_stop_sequences,
                      s.max_timeout_s, s.topics.job_replies("line-check"))  # fmt: skip
 
 

@@ -24,7 +24,7 @@ from services.gateway.openai_format import (
 )
 from services.gateway.routes.parts import GatewayParts
 from services.gateway.routes.reading import header_timeout_s, read_body
-from services.gateway.streaming import collect, event_stream
+from services.gateway.streaming import VERSION_HEADER, collect, event_stream
 
 ID_PREFIX: dict[Kind, str] = {"chat.completions": "chatcmpl-", "completions": "cmpl-"}
 
@@ -51,7 +51,8 @@ async def complete(parts: GatewayParts, kind: Kind, request: Request) -> Respons
     request.state.is_submitted = True
     if isinstance(exchange.request, GenerateRequest) and exchange.request.stream:
         entry = parts.streams.add(exchange, writer.fresh, grace_s, owner)
-        return event_stream(entry, -1, parts.output_guard, parts.bus.gateway_id)
+        tag = parts.catalog.version_tag(exchange.request.model)
+        return event_stream(entry, -1, parts.output_guard, parts.bus.gateway_id, tag)
     return await answer(parts, kind, request, exchange, writer)
 
 
@@ -67,6 +68,7 @@ async def answer(
             status = "client_gone"
             return Response(status_code=499, headers=headers)
         status = 200
+        headers[VERSION_HEADER] = parts.catalog.version_tag(body["model"])
         return JSONResponse(body, headers=headers)
     except ApiError as error:
         status = error.status
@@ -82,8 +84,8 @@ async def open_exchange(
     client got wrong or may not do. Returns the caller's Owner with it: who may resume the stream."""
     identity = parts.guard.authenticate(headers)
     body = parse_body(kind, raw)
-    model = parts.model(body.model)
-    parts.guard.authorize(identity, model.name)
+    model = parts.model(body.model)  # the version it names; the request goes out pinned to it
+    parts.guard.authorize(identity, model.served_id)
     refuse_embedding_model(model)
     max_timeout_s = parts.settings.max_timeout_s
     request = to_generate_request(
@@ -97,7 +99,7 @@ async def open_exchange(
         admitted.release(None)
         raise
     admitted.attach(exchange)
-    writer = ChunkWriter(kind, request_id, model.name, request.created_ms // 1000, body.include_usage)
+    writer = ChunkWriter(kind, request_id, model.served_id, request.created_ms // 1000, body.include_usage)
     return exchange, writer, identity.owner
 
 

@@ -14,7 +14,7 @@ from services.gateway.handlers import Exchange
 from services.gateway.openai_format import ApiError, embedding_body, parse_embedding_body, to_embed_requests
 from services.gateway.routes.parts import GatewayParts
 from services.gateway.routes.reading import header_timeout_s, read_body
-from services.gateway.streaming import collect_ends
+from services.gateway.streaming import VERSION_HEADER, collect_ends
 
 
 def add_embedding_routes(router: APIRouter, parts: GatewayParts) -> None:
@@ -32,8 +32,8 @@ async def embed(parts: GatewayParts, request: Request) -> Response:
     headers = dict(request.headers)
     identity = parts.guard.authenticate(headers)
     body = parse_embedding_body(raw)
-    model = parts.model(body.model)
-    parts.guard.authorize(identity, model.name)
+    model = parts.model(body.model)  # the version it names; the requests go out pinned to it
+    parts.guard.authorize(identity, model.served_id)
     max_timeout_s = parts.settings.max_timeout_s
     embeds = to_embed_requests(
         body, model, request_id=request_id, reply_to=parts.bus.reply_topic, now_ms=now_ms(),
@@ -44,8 +44,9 @@ async def embed(parts: GatewayParts, request: Request) -> Response:
     ends = await run_embeds(parts, request, request_id, embeds, lane, admitted)
     if ends is None:
         return Response(status_code=499, headers={"x-request-id": request_id})
-    content = orjson.dumps(embedding_body(model.name, ends, body.encoding_format))
-    return Response(content, media_type="application/json", headers={"x-request-id": request_id})
+    result = embedding_body(model.served_id, ends, body.encoding_format)
+    headers = {"x-request-id": request_id, VERSION_HEADER: parts.catalog.version_tag(result["model"])}
+    return Response(orjson.dumps(result), media_type="application/json", headers=headers)
 
 
 async def run_embeds(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -11,7 +10,6 @@ from fastapi.responses import JSONResponse, Response
 from schemas.messages import WorkerHeartbeat, now_ms
 from services.gateway.metrics import GatewayMetrics
 from weir.metrics import CONTENT_TYPE
-from services.gateway.openai_format import models_list
 from services.gateway.routes.parts import GatewayParts
 
 
@@ -24,13 +22,13 @@ def add_metrics_routes(router: APIRouter, gateway_metrics: GatewayMetrics) -> No
 
 
 def add_operation_routes(router: APIRouter, parts: GatewayParts) -> None:
-    """Add GET /v1/models (what the caller may use), /healthz (the process is up) and /readyz (it can
-    serve) to `router` (the app's)."""
+    """Add GET /v1/models (what is ready and the caller may use), /healthz (the process is up) and
+    /readyz (it can serve) to `router` (the app's)."""
 
     @router.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
         identity = parts.guard.authenticate(dict(request.headers))
-        return JSONResponse(visible_models(models_list(parts.repo, parts.started_s), identity.may_use))
+        return JSONResponse(parts.catalog.listing(parts.started_s, identity.may_use))
 
     @router.get("/healthz")
     async def healthz() -> JSONResponse:
@@ -41,11 +39,6 @@ def add_operation_routes(router: APIRouter, parts: GatewayParts) -> None:
         is_ready, reason = parts.bus.readiness()
         body = readiness_body(is_ready, reason, parts.bus.gateway_id, parts.bus.fleet.live_by_model(now_ms()))
         return JSONResponse(body, status_code=200 if is_ready else 503)
-
-
-def visible_models(listed: dict[str, Any], may_use: Callable[[str], bool]) -> dict[str, Any]:
-    """OpenAI's model list with only the models the caller may use."""
-    return {**listed, "data": [m for m in listed["data"] if may_use(m["id"])]}
 
 
 def readiness_body(

@@ -4,33 +4,31 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from schemas.model_repo import ModelConfig, ModelRepository
+from schemas.model_repo import ModelConfig
+from services.gateway.catalog import Catalog
 from services.gateway.config import GatewaySettings
 from services.gateway.guard.gate import Guard
 from services.gateway.guard.output_guard import OutputGuard
 from services.gateway.handlers import GatewayBus
-from services.gateway.openai_format import ApiError
 from services.gateway.resume import ResumableStreams, resume_grace_s
 
 
 @dataclass(frozen=True)
 class GatewayParts:
-    """The settings, model repository, Kafka bus, guards and resumable streams of one app."""
+    """The settings, model catalog (the registry followed), Kafka bus, guards and resumable streams of one app."""
 
     settings: GatewaySettings
-    repo: ModelRepository
+    catalog: Catalog
     bus: GatewayBus
     guard: Guard
     output_guard: OutputGuard
     streams: ResumableStreams
     started_s: int  # epoch seconds the app was built: the `created` of every listed model
 
-    def model(self, name: str) -> ModelConfig:
-        """The model a body names; ApiError 404 when the repository has none of that name."""
-        model = self.repo.get(name)
-        if model is None:
-            raise ApiError(404, f"The model {name!r} does not exist", param="model", code="model_not_found")
-        return model
+    def model(self, ref: str) -> ModelConfig:
+        """The version a body's `model` names (`name`: its default; `name@version`: that one);
+        ApiError 400 for no model reference, 404 for an unknown, unregistered or retired one."""
+        return self.catalog.resolve(ref)
 
     def grace_s(self, headers: dict[str, str]) -> float:
         """The resume grace a request asks for (X-Weir-Resume-Grace-S) within the deployment's bounds."""

@@ -1,0 +1,107 @@
+"""The model admin API, shaped like Triton's model repository extension (docs/gateway.md):
+
+    POST /v2/repository/index                       {"ready": bool}?  every version and its state
+    POST /v2/repository/models/{name}/load          {"version": V}    desired = loaded
+    POST /v2/repository/models/{name}/unload        {"version": V}    desired = unloaded (workers drain it)
+    POST /v2/repository/models/{name}/promote       {"version": V}    the default of `name` (weir.registry.promote)
+
+Only the gateway's admin token (WEIR_GATEWAY_ADMIN_TOKEN, a bearer token) may call them: any
+other valid credential, and every caller in open mode, gets 403; no credential, 401. The path
+names the model and the body its version (Triton's load takes the name in the path); a path that
+holds `@` is refused, as is any body field besides those above. Writes go through weir.registry's
+operations and publish() as `weir models` does (shared16 protocol 6): a RegistryError (the
+operation does not fit the registry's state) is 409 with its message; a version the registry does
+not hold, 404.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from services.gateway.guard.auth import GuardError
+from services.gateway.openai_format import ApiError
+from services.gateway.routes.parts import GatewayParts
+from services.gateway.routes.reading import read_body
+from weir.registry import RegistryError, promote, set_desired
+
+Operation = Callable[..., list[Any]]
+
+OPERATIONS: dict[str, Operation] = {
+    "load": lambda state, sid, by: set_desired(state, sid, "loaded", by),
+    "unload": lambda state, sid, by: set_desired(state, sid, "unloaded", by),
+    "promote": lambda state, sid, by: promote(state, sid, by),
+}
+
+
+def add_admin_routes(router: APIRouter, parts: GatewayParts) -> None:
+    """Add the model admin API to `router` (the app's)."""
+
+    @router.post("/v2/repository/index", tags=["admin"], summary="Every model version and its state")
+    async def repository_index(request: Request) -> JSONResponse:
+        require_admin(parts, dict(request.headers))
+        body = await admin_body(parts, request, {"ready": bool}, required=())
+        return JSONResponse(parts.catalog.index(ready_only=body.get("ready", False)))
+
+    for action in OPERATIONS:
+        add_operation(router, parts, action)
+
+
+def add_operation(router: APIRouter, parts: GatewayParts, action: str) -> None:
+    """POST /v2/repository/models/{name}/<action> with {"version": V}."""
+
+    async def operate(name: str, request: Request) -> JSONResponse:
+        by = require_admin(parts, dict(request.headers))
+        body = await admin_body(parts, request, {"version": str}, required=("version",))
+        sid = parts.catalog.registered(name, body["version"])
+        try:
+            records = OPERATIONS[action](parts.catalog.state, sid, by)
+        except RegistryError as exc:
+            raise ApiError(409, str(exc), param="version", code="registry_conflict") from None
+        applied = await parts.catalog.write(records)
+        return JSONResponse({"name": name, "version": body["version"], "action": action,
+                             "records": [record.key for record in records], "applied": applied})  # fmt: skip
+
+    router.add_api_route(f"/v2/repository/models/{{name}}/{action}", operate, methods=["POST"], tags=["admin"],
+                         summary=f"{action.capitalize()} a model version", name=f"repository_{action}")  # fmt: skip
+
+
+def require_admin(parts: GatewayParts, headers: dict[str, str]) -> str:
+    """Who writes, when the request carries the admin token; else 401 (no valid credential) or 403."""
+    token = parts.settings.gateway_admin_token
+    scheme, _, given = headers.get("authorization", "").partition(" ")
+    if token is not None and scheme.lower() == "bearer":
+        if hmac.compare_digest(given.strip().encode(), token.get_secret_value().encode()):
+            return f"gateway admin API ({parts.bus.gateway_id})"
+    identity = parts.guard.authenticate(headers)  # 401 when missing or invalid
+    parts.guard.metrics.auth_failures.add(1, {"code": "admin_required"})
+    unset = "" if token is not None else ", which this gateway does not set"
+    raise GuardError(403, f"{identity.principal} may not administer models: the admin API takes the gateway's "
+                     f"admin token (WEIR_GATEWAY_ADMIN_TOKEN{unset})", code="admin_required")  # fmt: skip
+
+
+async def admin_body(parts: GatewayParts, request: Request, fields: dict[str, type], required: tuple[str, ...]) -> dict[str, Any]:
+    """The JSON object of an admin call (empty body: {}): only `fields`, of their types; 400 for
+    anything else, naming it."""
+    raw = await read_body(request, parts.settings.max_body_bytes)
+    try:
+        body = orjson.loads(raw) if raw.strip() else {}
+    except orjson.JSONDecodeError:
+        raise ApiError(400, "the body must be a JSON object", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    for key, value in body.items():
+        if key not in fields:
+            raise ApiError(400, f"unknown field {key[:80]!r}; this call takes {sorted(fields)}", param=key[:80],
+                           code="unknown_parameter")  # fmt: skip
+        if type(value) is not fields[key]:
+            raise ApiError(400, f"{key} must be a {fields[key].__name__}", param=key, code="invalid_value")
+    for key in required:
+        if key not in body:
+            raise ApiError(400, f"{key} is required", param=key, code="missing_required_parameter")
+    return body

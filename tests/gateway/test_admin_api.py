@@ -1,0 +1,121 @@
+"""The model admin API's refusals, on the app without a broker (nothing here reaches Kafka): who
+may call it, what bodies it takes, and the registry errors it maps (services/gateway/routes/admin.py).
+Its writes are tested against the real broker in test_registry_kafka.py."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from pydantic import SecretStr
+
+from schemas.model_repo import ModelConfig
+from schemas.registry import ModelRoute, ModelVersionRecord
+from services.gateway.app import create_app
+from services.gateway.config import GatewaySettings
+from services.gateway.guard.auth import new_api_key
+from weir.models.manifest import pack
+
+REPO_TOML = Path(__file__).resolve().parents[2] / "models.toml"
+TOKEN = "admin-token-0123456789"
+ADMIN = {"authorization": f"Bearer {TOKEN}"}
+
+
+def make_app(**extra: Any) -> Any:
+    settings = GatewaySettings(model_repo=str(REPO_TOML), kafka_bootstrap="127.0.0.1:1", **extra)
+    app = create_app(settings)
+    state = app.state.catalog.state  # the follower's state, as if it had read these records
+    for v in ("1", "2"):
+        record = ModelVersionRecord(manifest=pack(ModelConfig(name="echo", engine="echo", version=v)))
+        state.apply(record.key, record)
+    route = ModelRoute(name="echo", default_version="1")
+    state.apply(route.key, route)
+    return app
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[httpx.AsyncClient]:
+    app = make_app(auth_mode="open", gateway_admin_token=SecretStr(TOKEN))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client:
+        yield client
+
+
+def error_of(response: httpx.Response) -> tuple[int, str | None]:
+    return response.status_code, response.json()["error"]["code"]
+
+
+async def test_the_index_lists_registered_and_seeded_versions_for_the_admin_token(client: httpx.AsyncClient) -> None:
+    answer = await client.post("/v2/repository/index", headers=ADMIN)
+    assert answer.status_code == 200
+    entries = {f"{e['name']}@{e['version']}": e for e in answer.json()}
+    assert {"echo@1", "echo@2", "weir-tiny-py@1", "all-MiniLM-L6-v2@1"} <= set(entries)
+    assert (entries["echo@1"]["default"], entries["echo@1"]["state"]) == (True, "unavailable")  # no worker
+    assert (await client.post("/v2/repository/index", headers=ADMIN, json={"ready": True})).json() == []
+
+
+@pytest.mark.parametrize("path", ["/v2/repository/index", "/v2/repository/models/echo/load",
+                                  "/v2/repository/models/echo/unload", "/v2/repository/models/echo/promote"])
+async def test_anyone_without_the_admin_token_is_refused(path: str) -> None:
+    body = {"version": "2"}
+    open_app = make_app(auth_mode="open", gateway_admin_token=SecretStr(TOKEN))
+    key, record = new_api_key("ann", "acme")
+    keyed_app = make_app(gateway_admin_token=SecretStr(TOKEN))
+    keyed_app.state.guard.auth.keys.observe(record)
+    unset_app = make_app(auth_mode="open")
+    cases = [
+        (open_app, {}, (403, "admin_required")),  # open mode: everyone is anonymous, not an admin
+        (open_app, {"authorization": "Bearer not-the-token"}, (403, "admin_required")),
+        (keyed_app, {}, (401, "missing_api_key")),
+        (keyed_app, {"authorization": "Bearer wrong"}, (401, "invalid_api_key")),
+        (keyed_app, {"authorization": f"Bearer {key}"}, (403, "admin_required")),  # a valid key, not the admin's
+        (unset_app, ADMIN, (403, "admin_required")),  # no token configured: nobody administers
+    ]
+    for app, headers, expected in cases:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client:
+            assert error_of(await client.post(path, headers=headers, json=body)) == expected, (headers, expected)
+
+
+@pytest.mark.parametrize(("body", "expected"), [
+    (b"{", (400, "invalid_json")), (b"[1]", (400, "invalid_json")), (b'"2"', (400, "invalid_json")),
+    (b"{}", (400, "missing_required_parameter")), (b'{"version": 2}', (400, "invalid_value")),
+    (b'{"version": "2", "force": true}', (400, "unknown_parameter")),
+    (b'{"version": ""}', (400, "invalid_value")), (b'{"version": "2 "}', (400, "invalid_value")),
+    (b'{"version": "9"}', (404, "model_not_found")),
+])  # fmt: skip
+async def test_a_bad_body_or_unknown_version_is_a_4xx(client: httpx.AsyncClient, body: bytes,
+                                                     expected: tuple[int, str]) -> None:  # fmt: skip
+    answer = await client.post("/v2/repository/models/echo/load", headers=ADMIN, content=body)
+    assert error_of(answer) == expected
+
+
+@pytest.mark.parametrize(("body", "expected"), [
+    (b'{"ready": "yes"}', (400, "invalid_value")), (b'{"all": true}', (400, "unknown_parameter")),
+    (b"nul", (400, "invalid_json")),
+])  # fmt: skip
+async def test_a_bad_index_body_is_a_400(client: httpx.AsyncClient, body: bytes, expected: tuple[int, str]) -> None:
+    assert error_of(await client.post("/v2/repository/index", headers=ADMIN, content=body)) == expected
+
+
+@pytest.mark.parametrize("path", ["/v2/repository/models/echo@2/load", "/v2/repository/models/%40/load",
+                                  "/v2/repository/models/nope/load", "/v2/repository/models/ec%20ho/load"])
+async def test_the_path_names_a_known_model_without_a_version(client: httpx.AsyncClient, path: str) -> None:
+    status, _ = error_of(await client.post(path, headers=ADMIN, json={"version": "2"}))
+    assert status in (400, 404)
+
+
+@pytest.mark.parametrize(("action", "version", "says"), [
+    ("unload", "1", "default version"), ("promote", "1", "already the default"),
+])  # fmt: skip
+async def test_an_operation_the_registry_refuses_is_a_409_with_its_reason(client: httpx.AsyncClient, action: str,
+                                                                         version: str, says: str) -> None:  # fmt: skip
+    answer = await client.post(f"/v2/repository/models/echo/{action}", headers=ADMIN, json={"version": version})
+    assert error_of(answer) == (409, "registry_conflict") and says in answer.json()["error"]["message"]
+
+
+async def test_an_oversized_admin_body_is_refused_by_the_request_limits(client: httpx.AsyncClient) -> None:
+    body = b'{"version": "' + b"1" * (2 << 20) + b'"}'
+    answer = await client.post("/v2/repository/models/echo/load", headers=ADMIN, content=body)
+    assert error_of(answer)[0] == 413
