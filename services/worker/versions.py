@@ -332,11 +332,10 @@ class VersionManager:
                 manifest = await self.port.seed_manifest(version.seed)
             except (OSError, ValueError) as exc:  # ManifestError, a GGUF or ONNX build that failed
                 raise _Stop("failed", f"models.toml entry cannot be prepared: {exc}", "load_failed") from exc
+            self._check_signature(ModelVersionRecord(manifest=manifest))  # unsigned: loads unless signatures are required
         else:
             manifest = record.manifest
-            problem = signature_problem(record, self.trusted_keys, self.settings.require_signed_models)
-            if problem is not None:
-                raise _Stop("failed", f"signature: {problem}", "load_failed")
+            self._check_signature(record)
             try:
                 await asyncio.to_thread(verify_files, manifest)
             except ManifestError as exc:
@@ -346,6 +345,11 @@ class VersionManager:
             return manifest.config()
         except ValueError as exc:  # serving settings a models.toml entry could not have
             raise _Stop("failed", f"manifest serving settings: {exc}", "load_failed") from exc
+
+    def _check_signature(self, record: ModelVersionRecord) -> None:
+        problem = signature_problem(record, self.trusted_keys, self.settings.require_signed_models)
+        if problem is not None:
+            raise _Stop("failed", f"signature: {problem}", "load_failed")
 
     async def _need(self, version: Version, config: ModelConfig) -> int:
         record = version.record

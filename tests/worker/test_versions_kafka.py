@@ -23,6 +23,7 @@ from services.worker.goldens import record_goldens
 from tests.kafka_helpers import produce, read_until, wait_committed
 from weir.kafka.admin import ensure_topics
 from weir.models.manifest import pack
+from weir.models.signing import generate_keypair, sign
 from weir.registry import promote, publish, read_registry, register
 
 from .factories import make_request
@@ -253,5 +254,29 @@ async def test_a_fresh_default_failing_its_goldens_is_rolled_back(tmp_path, llam
         assert tiny2 == ["loaded", "golden_failed", "rolled_back", "unloaded"]
     finally:
         await http.aclose()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_with_signatures_required_only_versions_signed_by_a_trusted_key_load(tmp_path):
+    trusted, untrusted = tmp_path / "trusted", tmp_path / "untrusted"
+    trusted.mkdir(), untrusted.mkdir()
+    generate_keypair(tmp_path / "ops.key", trusted / "ops.pub")
+    generate_keypair(tmp_path / "stranger.key", untrusted / "stranger.pub")
+    settings = worker_settings(tmp_path, model_trusted_keys=str(trusted), require_signed_models=True)
+    topics = settings.topics
+    signed, forged = (ModelConfig(name="echo", version=v, engine="echo", max_model_len=4096) for v in ("2", "3"))
+    service, task = await start(settings)
+    try:
+        beat = await wait_beat(topics, lambda hb: state_of(hb, "echo@1") == "failed")  # the models.toml entry: unsigned
+        assert beat.versions["echo@1"].reason == "signature: unsigned manifest, signatures are required"
+        assert beat.is_ready and beat.models == []
+        two, three = pack(signed), pack(forged)
+        await publish(settings, [ModelVersionRecord(manifest=two, signature=sign(two, tmp_path / "ops.key")),
+                                 ModelVersionRecord(manifest=three, signature=sign(three, tmp_path / "stranger.key"))])  # fmt: skip
+        beat = await wait_beat(topics, lambda hb: state_of(hb, "echo@2") == "ready" and state_of(hb, "echo@3") == "failed")
+        assert (beat.versions["echo@3"].reason or "").startswith("signature: signed by unknown key ")
+        assert beat.models == ["echo@2"]
+    finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
