@@ -24,7 +24,7 @@ from tests.kafka_helpers import produce, read_until, wait_committed
 from weir.kafka.admin import ensure_topics
 from weir.models.manifest import pack
 from weir.models.signing import generate_keypair, sign
-from weir.registry import promote, publish, read_registry, register
+from weir.registry import promote, publish, read_registry, register, set_desired
 
 from .factories import make_request
 
@@ -271,12 +271,40 @@ async def test_with_signatures_required_only_versions_signed_by_a_trusted_key_lo
         beat = await wait_beat(topics, lambda hb: state_of(hb, "echo@1") == "failed")  # the models.toml entry: unsigned
         assert beat.versions["echo@1"].reason == "signature: unsigned manifest, signatures are required"
         assert beat.is_ready and beat.models == []
+        is_ready, body = service.readiness()  # ready: a failed version does not hold readiness back
+        assert is_ready and body["versions"] == {"echo@1": "failed: signature: unsigned manifest, signatures are required"}
         two, three = pack(signed), pack(forged)
         await publish(settings, [ModelVersionRecord(manifest=two, signature=sign(two, tmp_path / "ops.key")),
                                  ModelVersionRecord(manifest=three, signature=sign(three, tmp_path / "stranger.key"))])  # fmt: skip
         beat = await wait_beat(topics, lambda hb: state_of(hb, "echo@2") == "ready" and state_of(hb, "echo@3") == "failed")
         assert (beat.versions["echo@3"].reason or "").startswith("signature: signed by unknown key ")
         assert beat.models == ["echo@2"]
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_refused_version_loads_once_an_unloaded_one_frees_its_memory(tmp_path):
+    settings = worker_settings(tmp_path, worker_memory_bytes=1_000_000)
+    topics = settings.topics
+    first, second = (ModelConfig(name="echo", version=v, engine="echo", max_model_len=4096) for v in ("2", "3"))
+    service, task = await start(settings)
+    try:
+        await wait_beat(topics, lambda hb: state_of(hb, "echo@1") == "ready")
+        await publish(settings, [ModelVersionRecord(manifest=pack(first), budget_bytes=600_000)])
+        await wait_beat(topics, lambda hb: state_of(hb, "echo@2") == "ready")
+        await publish(settings, [ModelVersionRecord(manifest=pack(second), budget_bytes=600_000)])
+        beat = await wait_beat(topics, lambda hb: state_of(hb, "echo@3") == "refused")
+        assert beat.versions["echo@3"].reason == "needs 600000 bytes, 400000 of 1000000 free on this worker"
+        assert beat.versions["echo@2"].budget_bytes == 600_000 and beat.versions["echo@3"].budget_bytes == 0
+
+        state = await read_registry(settings)
+        await publish(settings, set_desired(state, "echo@2", "unloaded", by="test"))
+        beat = await wait_beat(topics, lambda hb: "echo@2" not in hb.versions and state_of(hb, "echo@3") == "ready")
+        assert sorted(beat.models) == ["echo@1", "echo@3"] and beat.versions["echo@3"].budget_bytes == 600_000
+        metrics = service.metrics.render()
+        assert 'weir_worker_version_budget_bytes{model="echo@3"} 600000' in metrics
+        assert 'weir_worker_version_state{model="echo@3",state="ready"} 1' in metrics
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
