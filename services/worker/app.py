@@ -33,6 +33,7 @@ from services.worker.engine_factory import build_engine, warm_up
 from services.worker.fingerprints import FingerprintBatcher
 from services.worker.handlers import ModelServer, consume_cancellations, open_cancellations
 from services.worker.hardware import DeviceProbe, choose_device, cpu_device, cpu_threads
+from services.worker.loading import OnOutputs, OnStatus
 from services.worker.memory import estimate_bytes
 from services.worker.runner import EngineHost, EngineProcess, EngineRunner
 from services.worker.versions import VersionManager
@@ -221,7 +222,8 @@ class WorkerService:
         await asyncio.shield(self._fingerprinter)
         if self.fingerprints is None:
             await asyncio.Event().wait()
-        await self.fingerprints.run()
+        else:
+            await self.fingerprints.run()
 
     async def _estimate(self, config: ModelConfig) -> int:
         return await asyncio.to_thread(estimate_bytes, config, self.settings, self.device)
@@ -329,7 +331,7 @@ class WorkerService:
                       lambda: [(self.versions.budget_total if self.versions is not None else 0, {})])  # fmt: skip
         return metrics
 
-    async def open_engine(self, config: ModelConfig, on_outputs, on_status=None) -> EngineHost:
+    async def open_engine(self, config: ModelConfig, on_outputs: OnOutputs, on_status: OnStatus | None = None) -> EngineHost:
         """One engine instance of `config`, built and warmed up, in the host the settings ask for;
         `on_status` hears what an engine process is doing while it loads."""
         if self.settings.engine_isolation == "process" and config.engine != "echo":

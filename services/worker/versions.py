@@ -35,7 +35,7 @@ from schemas.model_repo import ModelConfig
 from schemas.registry import GoldenCase, ModelManifest, ModelVersionRecord, RegistryState, split_ref
 from services.worker.config import WorkerSettings
 from services.worker.handlers import ModelServer
-from services.worker.loading import EngineLoader, OpenEngine
+from services.worker.loading import EngineLoader, OnOutputs, OnStatus
 from services.worker.runner import EngineHost, EngineProcess
 from weir.models.manifest import ManifestError, verify_files
 from weir.models.signing import signature_problem
@@ -51,7 +51,9 @@ class WorkerPort(Protocol):
     """What the version manager needs of its worker (app.py): its engines, servers, Kafka writes."""
 
     worker_id: str
-    open_engine: OpenEngine
+
+    async def open_engine(self, config: ModelConfig, on_outputs: OnOutputs, on_status: OnStatus | None = None) -> EngineHost:
+        """One engine instance of `config`, built and warmed up (loading.OpenEngine)."""
 
     async def make_server(self, config: ModelConfig, hosts: list[EngineHost]) -> ModelServer:
         """A ModelServer over `hosts` (its topic created), not consuming yet."""
@@ -145,8 +147,11 @@ class VersionManager:
         for sid, wants in wanted.items():
             version = self.versions.get(sid)
             if version is None:
-                record = wants if isinstance(wants, ModelVersionRecord) else None
-                version = self.versions[sid] = Version(sid, None if record else wants, record)
+                if isinstance(wants, ModelVersionRecord):
+                    version = Version(sid, None, wants)
+                else:
+                    version = Version(sid, wants, None)
+                self.versions[sid] = version
                 version.job = self._spawn(self._bring_up(version))
             elif version.is_stopping:
                 continue  # dropped once stopped; reconcile then starts it again
@@ -465,8 +470,9 @@ class VersionManager:
 
     def _on_done(self, task: asyncio.Task) -> None:
         """A server loop that raised (its engine died): the worker stops (run() raises it)."""
-        if not task.cancelled() and task.exception() is not None and not self._fatal.done():
-            self._fatal.set_exception(task.exception())
+        failure = None if task.cancelled() else task.exception()
+        if failure is not None and not self._fatal.done():
+            self._fatal.set_exception(failure)
 
 
 def _log_failure(task: asyncio.Task) -> None:
