@@ -103,9 +103,9 @@ class WorkerService:
             cancellations = await open_cancellations(self.settings, self.worker_id)
             self.registry = RegistryFollower(self.settings, self.worker_id, self._on_registry, seed=self.repo)
             await self.registry.start()
-            self.versions.reconcile(self.wanted())
             tasks = self.loops(self.producer, cancellations)
             self.is_serving = True
+            self.versions.reconcile(self.wanted())
             self.changed()
             stopped = asyncio.create_task(stop.wait())
             done, _ = await asyncio.wait([*tasks, stopped], return_when=asyncio.FIRST_COMPLETED)
@@ -161,7 +161,9 @@ class WorkerService:
         return out
 
     def _on_registry(self) -> None:
-        if self.versions is not None:
+        """A registry change, once it was read to its end: reconciling on a partial read would load
+        what a later record unloads, or seed an entry whose record is further on."""
+        if self.versions is not None and self.is_serving:
             self.versions.reconcile(self.wanted())
 
     async def seed_manifest(self, config: ModelConfig) -> ModelManifest:
