@@ -15,7 +15,7 @@ import pytest
 from schemas.codec import decode, decode_reply, encode
 from schemas.messages import Batch, ReplyDelta, ReplyEnd, WorkerHeartbeat
 from schemas.model_repo import ModelConfig
-from schemas.registry import ModelHealthEvent, ModelVersionRecord
+from schemas.registry import ModelHealthEvent, ModelRoute, ModelVersionRecord
 from schemas.topics import Topics
 from services.worker.app import WorkerService
 from services.worker.config import WorkerSettings
@@ -305,6 +305,25 @@ async def test_a_refused_version_loads_once_an_unloaded_one_frees_its_memory(tmp
         metrics = service.metrics.render()
         assert 'weir_worker_version_budget_bytes{model="echo@3"} 600000' in metrics
         assert 'weir_worker_version_state{model="echo@3",state="ready"} 1' in metrics
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_models_toml_entry_the_registry_unloaded_is_neither_loaded_nor_seeded_again(tmp_path):
+    settings = worker_settings(tmp_path)
+    topics = settings.topics
+    one, two = (ModelConfig(name="echo", version=v, engine="echo", max_model_len=4096) for v in ("1", "2"))
+    await ensure_topics(BOOTSTRAP, topics.core_specs())
+    await publish(settings, [ModelVersionRecord(manifest=pack(one), desired="unloaded", registered_by="ops"),
+                             ModelVersionRecord(manifest=pack(two), registered_by="ops"),
+                             ModelRoute(name="echo", default_version="2")])  # fmt: skip
+    service, task = await start(settings)
+    try:
+        beat = await wait_beat(topics, lambda hb: hb.is_ready)
+        assert beat.models == ["echo@2"] and set(beat.versions) == {"echo@2"}
+        state = await read_registry(settings)
+        assert state.versions["echo@1"].desired == "unloaded" and state.versions["echo@1"].registered_by == "ops"
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
