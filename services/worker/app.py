@@ -208,7 +208,11 @@ class WorkerService:
         """A ModelServer of version `config` over its opened engines; its batch topic exists."""
         assert self.producer is not None and self._fingerprinter is not None
         await asyncio.shield(self._fingerprinter)  # its AuditEvents carry SimHashes from the first one
-        await ensure_topics(self.settings.kafka_bootstrap, self.settings.topics.model_specs(config.served_id))
+        topic = self.settings.topics.batches(config.served_id)
+        try:
+            await ensure_topics(self.settings.kafka_bootstrap, self.settings.topics.model_specs(config.served_id))
+        except KafkaError as exc:  # secure mode: only the batcher may create it; read once it exists
+            log.warning("batch topic %s not created here (%r); the consumer reads it once it exists", topic, exc)
         server = ModelServer(config, hosts, self.settings, self.producer, self.worker_id, self.audit_key,
                              self.fingerprints)  # fmt: skip
         server.on_assignment = self._assignment_changed.set
