@@ -9,8 +9,9 @@ takes each one through
 or ends it `failed` (a file that does not match its manifest, a signature the worker may not trust,
 an engine that cannot load, goldens that depart from their recorded outputs), `refused` (it does not
 fit the worker's memory budget: the others keep serving) or, once ready, `unhealthy` (a periodic
-golden check departed: out of routing at once, then reloaded from verified weights). Heartbeats report
-every version held or tried (`statuses()`); what happens goes to Topics.model_health as events.
+golden check departed: out of routing at once, then reloaded from verified weights, or rolled back
+when it is a freshly promoted default). Heartbeats report every version held or tried
+(`statuses()`); what happens goes to Topics.model_health as events.
 
 Only a ready version's ModelServer reads its batch topic (Topics.batches(name@version), in the
 version's own group), so a batch reaches a worker only for a version it verified, loaded and checked.
@@ -44,6 +45,7 @@ from weir.registry import rollback
 log = logging.getLogger(__name__)
 
 Wanted = dict[str, ModelVersionRecord | ModelConfig]  # sid -> its registry record, or a models.toml entry not registered yet
+GOLDEN_TIMEOUT_S = 120.0  # a golden check is a few greedy tokens per case, beside the running requests
 _SETTLED: frozenset[VersionState] = frozenset({"ready", "failed", "refused", "unhealthy", "draining"})
 
 
@@ -394,9 +396,11 @@ class VersionManager:
         try:
             for host in hosts:
                 try:
-                    problem = await host.check_goldens(version.goldens)
+                    problem = await asyncio.wait_for(host.check_goldens(version.goldens), GOLDEN_TIMEOUT_S)
                 except RuntimeError as exc:  # the engine died meanwhile (its server's loop stops the worker)
                     problem = f"the golden check could not run: {exc}"
+                except TimeoutError:  # an engine stopped under it (the version unloaded), or one that hangs
+                    problem = f"the golden check did not answer within {GOLDEN_TIMEOUT_S:.0f} s"
                 if problem is not None:
                     return problem
             return None
