@@ -30,6 +30,7 @@ from schemas.model_repo import ModelConfig, ModelRepoError, ModelRepository, loa
 from schemas.registry import ModelHealthEvent, ModelManifest, ModelVersionRecord, RegistryState
 from services.worker.config import WorkerSettings
 from services.worker.engine_factory import build_engine, warm_up
+from services.worker.faults import FaultHookError
 from services.worker.fingerprints import FingerprintBatcher
 from services.worker.handlers import ModelServer, consume_cancellations, open_cancellations
 from services.worker.hardware import DeviceProbe, choose_device, cpu_device, cpu_threads
@@ -282,11 +283,16 @@ class WorkerService:
         if not self.settings.fault_hooks:
             return _error(404, "fault hooks are off (WEIR_FAULT_HOOKS=false)", "not_found")
         sid = request.query_params.get("model", "")
+        if not sid:
+            return _error(400, "name the version: ?model=name@version", "missing_model")
         hosts = self.versions.hosts_of(sid) if self.versions is not None else []
         if not hosts:
             return _error(404, f"model version {sid!r} is not loaded on this worker", "model_not_found")
-        for host in hosts:
-            await host.corrupt_weights()
+        try:
+            for host in hosts:
+                await host.corrupt_weights()
+        except FaultHookError as exc:  # an engine with nothing to corrupt (echo)
+            return _error(400, f"{sid}: {exc}", "fault_hook_refused")
         return JSONResponse({"model": sid, "corrupted_instances": len(hosts)})
 
     def _metrics(self) -> ServiceMetrics:

@@ -263,7 +263,7 @@ async def test_with_signatures_required_only_versions_signed_by_a_trusted_key_lo
     trusted.mkdir(), untrusted.mkdir()
     generate_keypair(tmp_path / "ops.key", trusted / "ops.pub")
     generate_keypair(tmp_path / "stranger.key", untrusted / "stranger.pub")
-    settings = worker_settings(tmp_path, model_trusted_keys=str(trusted), require_signed_models=True)
+    settings = worker_settings(tmp_path, model_trusted_keys=str(trusted), require_signed_models=True, fault_hooks=True)
     topics = settings.topics
     signed, forged = (ModelConfig(name="echo", version=v, engine="echo", max_model_len=4096) for v in ("2", "3"))
     service, task = await start(settings)
@@ -279,6 +279,11 @@ async def test_with_signatures_required_only_versions_signed_by_a_trusted_key_lo
         beat = await wait_beat(topics, lambda hb: state_of(hb, "echo@2") == "ready" and state_of(hb, "echo@3") == "failed")
         assert (beat.versions["echo@3"].reason or "").startswith("signature: signed by unknown key ")
         assert beat.models == ["echo@2"]
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=service.http_app()), base_url="http://w") as http:
+            echo = await http.post("/faults/corrupt-weights", params={"model": "echo@2"})
+            nameless = await http.post("/faults/corrupt-weights")
+        assert echo.status_code == 400 and echo.json()["error"]["message"] == "echo@2: the echo engine has no weights to corrupt"
+        assert nameless.status_code == 400 and nameless.json()["error"]["code"] == "missing_model"
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
