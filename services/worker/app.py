@@ -30,9 +30,11 @@ from schemas.model_repo import ModelConfig, ModelRepoError, ModelRepository, loa
 from schemas.registry import ModelHealthEvent, ModelManifest, ModelVersionRecord, RegistryState
 from services.worker.config import WorkerSettings
 from services.worker.engine_factory import build_engine, warm_up
+from services.worker.faults import FaultHookError
 from services.worker.fingerprints import FingerprintBatcher
 from services.worker.handlers import ModelServer, consume_cancellations, open_cancellations
 from services.worker.hardware import DeviceProbe, choose_device, cpu_device, cpu_threads
+from services.worker.loading import OnOutputs, OnStatus
 from services.worker.memory import estimate_bytes
 from services.worker.runner import EngineHost, EngineProcess, EngineRunner
 from services.worker.versions import VersionManager
@@ -102,9 +104,9 @@ class WorkerService:
             cancellations = await open_cancellations(self.settings, self.worker_id)
             self.registry = RegistryFollower(self.settings, self.worker_id, self._on_registry, seed=self.repo)
             await self.registry.start()
-            self.versions.reconcile(self.wanted())
             tasks = self.loops(self.producer, cancellations)
             self.is_serving = True
+            self.versions.reconcile(self.wanted())
             self.changed()
             stopped = asyncio.create_task(stop.wait())
             done, _ = await asyncio.wait([*tasks, stopped], return_when=asyncio.FIRST_COMPLETED)
@@ -160,7 +162,9 @@ class WorkerService:
         return out
 
     def _on_registry(self) -> None:
-        if self.versions is not None:
+        """A registry change, once it was read to its end: reconciling on a partial read would load
+        what a later record unloads, or seed an entry whose record is further on."""
+        if self.versions is not None and self.is_serving:
             self.versions.reconcile(self.wanted())
 
     async def seed_manifest(self, config: ModelConfig) -> ModelManifest:
@@ -205,7 +209,11 @@ class WorkerService:
         """A ModelServer of version `config` over its opened engines; its batch topic exists."""
         assert self.producer is not None and self._fingerprinter is not None
         await asyncio.shield(self._fingerprinter)  # its AuditEvents carry SimHashes from the first one
-        await ensure_topics(self.settings.kafka_bootstrap, self.settings.topics.model_specs(config.served_id))
+        topic = self.settings.topics.batches(config.served_id)
+        try:
+            await ensure_topics(self.settings.kafka_bootstrap, self.settings.topics.model_specs(config.served_id))
+        except KafkaError as exc:  # secure mode: only the batcher may create it; read once it exists
+            log.warning("batch topic %s not created here (%r); the consumer reads it once it exists", topic, exc)
         server = ModelServer(config, hosts, self.settings, self.producer, self.worker_id, self.audit_key,
                              self.fingerprints)  # fmt: skip
         server.on_assignment = self._assignment_changed.set
@@ -221,7 +229,8 @@ class WorkerService:
         await asyncio.shield(self._fingerprinter)
         if self.fingerprints is None:
             await asyncio.Event().wait()
-        await self.fingerprints.run()
+        else:
+            await self.fingerprints.run()
 
     async def _estimate(self, config: ModelConfig) -> int:
         return await asyncio.to_thread(estimate_bytes, config, self.settings, self.device)
@@ -274,11 +283,16 @@ class WorkerService:
         if not self.settings.fault_hooks:
             return _error(404, "fault hooks are off (WEIR_FAULT_HOOKS=false)", "not_found")
         sid = request.query_params.get("model", "")
+        if not sid:
+            return _error(400, "name the version: ?model=name@version", "missing_model")
         hosts = self.versions.hosts_of(sid) if self.versions is not None else []
         if not hosts:
             return _error(404, f"model version {sid!r} is not loaded on this worker", "model_not_found")
-        for host in hosts:
-            await host.corrupt_weights()
+        try:
+            for host in hosts:
+                await host.corrupt_weights()
+        except FaultHookError as exc:  # an engine with nothing to corrupt (echo)
+            return _error(400, f"{sid}: {exc}", "fault_hook_refused")
         return JSONResponse({"model": sid, "corrupted_instances": len(hosts)})
 
     def _metrics(self) -> ServiceMetrics:
@@ -329,7 +343,7 @@ class WorkerService:
                       lambda: [(self.versions.budget_total if self.versions is not None else 0, {})])  # fmt: skip
         return metrics
 
-    async def open_engine(self, config: ModelConfig, on_outputs, on_status=None) -> EngineHost:
+    async def open_engine(self, config: ModelConfig, on_outputs: OnOutputs, on_status: OnStatus | None = None) -> EngineHost:
         """One engine instance of `config`, built and warmed up, in the host the settings ask for;
         `on_status` hears what an engine process is doing while it loads."""
         if self.settings.engine_isolation == "process" and config.engine != "echo":

@@ -95,7 +95,11 @@ class ModelServer:
             max_poll_records=8, session_timeout_ms=6000,
         )  # fmt: skip
         self.consumer.subscribe([self.topics.batches(self.sid)], listener=_Revoked(self))
-        await self.consumer.start()
+        try:
+            await self.consumer.start()
+        except BaseException:  # cancelled while joining (a version unloaded, the worker stopping)
+            await self.consumer.stop()
+            raise
         try:
             while True:
                 room = self.config.max_num_seqs * len(self.runners) - len(self.intake.in_flight)

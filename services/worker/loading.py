@@ -1,10 +1,10 @@
-"""Opening a worker's engines: every instance of every model at once, while the worker connects.
+"""Opening a model version's engines: every instance at once (versions.py opens each version's
+while the others load).
 
 Each engine with real work loads in a child process of its own (runner.EngineProcess): a Python
 start, a torch or onnxruntime import, the weights, the warmup. One after another they were most
 of a worker's start (a second `weir up` on the development machine: the default model's engine
-10 s, then the embedding model's 3.6 s, only after Kafka was connected). Side by side, and begun
-before the worker touches Kafka, they overlap each other and the worker's own start.
+10 s, then the embedding model's 3.6 s). Side by side they overlap each other.
 
 The loader hands each engine's outputs to the sink its model server registers later (outputs
 only come once a server submits requests, so none is lost), says which models are still loading

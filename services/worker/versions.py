@@ -9,8 +9,9 @@ takes each one through
 or ends it `failed` (a file that does not match its manifest, a signature the worker may not trust,
 an engine that cannot load, goldens that depart from their recorded outputs), `refused` (it does not
 fit the worker's memory budget: the others keep serving) or, once ready, `unhealthy` (a periodic
-golden check departed: out of routing at once, then reloaded from verified weights). Heartbeats report
-every version held or tried (`statuses()`); what happens goes to Topics.model_health as events.
+golden check departed: out of routing at once, then reloaded from verified weights, or rolled back
+when it is a freshly promoted default). Heartbeats report every version held or tried
+(`statuses()`); what happens goes to Topics.model_health as events.
 
 Only a ready version's ModelServer reads its batch topic (Topics.batches(name@version), in the
 version's own group), so a batch reaches a worker only for a version it verified, loaded and checked.
@@ -35,7 +36,7 @@ from schemas.model_repo import ModelConfig
 from schemas.registry import GoldenCase, ModelManifest, ModelVersionRecord, RegistryState, split_ref
 from services.worker.config import WorkerSettings
 from services.worker.handlers import ModelServer
-from services.worker.loading import EngineLoader, OpenEngine
+from services.worker.loading import EngineLoader, OnOutputs, OnStatus
 from services.worker.runner import EngineHost, EngineProcess
 from weir.models.manifest import ManifestError, verify_files
 from weir.models.signing import signature_problem
@@ -44,6 +45,7 @@ from weir.registry import rollback
 log = logging.getLogger(__name__)
 
 Wanted = dict[str, ModelVersionRecord | ModelConfig]  # sid -> its registry record, or a models.toml entry not registered yet
+GOLDEN_TIMEOUT_S = 120.0  # a golden check is a few greedy tokens per case, beside the running requests
 _SETTLED: frozenset[VersionState] = frozenset({"ready", "failed", "refused", "unhealthy", "draining"})
 
 
@@ -51,7 +53,9 @@ class WorkerPort(Protocol):
     """What the version manager needs of its worker (app.py): its engines, servers, Kafka writes."""
 
     worker_id: str
-    open_engine: OpenEngine
+
+    async def open_engine(self, config: ModelConfig, on_outputs: OnOutputs, on_status: OnStatus | None = None) -> EngineHost:
+        """One engine instance of `config`, built and warmed up (loading.OpenEngine)."""
 
     async def make_server(self, config: ModelConfig, hosts: list[EngineHost]) -> ModelServer:
         """A ModelServer over `hosts` (its topic created), not consuming yet."""
@@ -145,8 +149,11 @@ class VersionManager:
         for sid, wants in wanted.items():
             version = self.versions.get(sid)
             if version is None:
-                record = wants if isinstance(wants, ModelVersionRecord) else None
-                version = self.versions[sid] = Version(sid, None if record else wants, record)
+                if isinstance(wants, ModelVersionRecord):
+                    version = Version(sid, None, wants)
+                else:
+                    version = Version(sid, wants, None)
+                self.versions[sid] = version
                 version.job = self._spawn(self._bring_up(version))
             elif version.is_stopping:
                 continue  # dropped once stopped; reconcile then starts it again
@@ -332,11 +339,10 @@ class VersionManager:
                 manifest = await self.port.seed_manifest(version.seed)
             except (OSError, ValueError) as exc:  # ManifestError, a GGUF or ONNX build that failed
                 raise _Stop("failed", f"models.toml entry cannot be prepared: {exc}", "load_failed") from exc
+            self._check_signature(ModelVersionRecord(manifest=manifest))  # unsigned: loads unless signatures are required
         else:
             manifest = record.manifest
-            problem = signature_problem(record, self.trusted_keys, self.settings.require_signed_models)
-            if problem is not None:
-                raise _Stop("failed", f"signature: {problem}", "load_failed")
+            self._check_signature(record)
             try:
                 await asyncio.to_thread(verify_files, manifest)
             except ManifestError as exc:
@@ -346,6 +352,11 @@ class VersionManager:
             return manifest.config()
         except ValueError as exc:  # serving settings a models.toml entry could not have
             raise _Stop("failed", f"manifest serving settings: {exc}", "load_failed") from exc
+
+    def _check_signature(self, record: ModelVersionRecord) -> None:
+        problem = signature_problem(record, self.trusted_keys, self.settings.require_signed_models)
+        if problem is not None:
+            raise _Stop("failed", f"signature: {problem}", "load_failed")
 
     async def _need(self, version: Version, config: ModelConfig) -> int:
         record = version.record
@@ -385,9 +396,11 @@ class VersionManager:
         try:
             for host in hosts:
                 try:
-                    problem = await host.check_goldens(version.goldens)
+                    problem = await asyncio.wait_for(host.check_goldens(version.goldens), GOLDEN_TIMEOUT_S)
                 except RuntimeError as exc:  # the engine died meanwhile (its server's loop stops the worker)
                     problem = f"the golden check could not run: {exc}"
+                except TimeoutError:  # an engine stopped under it (the version unloaded), or one that hangs
+                    problem = f"the golden check did not answer within {GOLDEN_TIMEOUT_S:.0f} s"
                 if problem is not None:
                     return problem
             return None
@@ -461,8 +474,9 @@ class VersionManager:
 
     def _on_done(self, task: asyncio.Task) -> None:
         """A server loop that raised (its engine died): the worker stops (run() raises it)."""
-        if not task.cancelled() and task.exception() is not None and not self._fatal.done():
-            self._fatal.set_exception(task.exception())
+        failure = None if task.cancelled() else task.exception()
+        if failure is not None and not self._fatal.done():
+            self._fatal.set_exception(failure)
 
 
 def _log_failure(task: asyncio.Task) -> None:

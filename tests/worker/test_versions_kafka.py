@@ -15,7 +15,7 @@ import pytest
 from schemas.codec import decode, decode_reply, encode
 from schemas.messages import Batch, ReplyDelta, ReplyEnd, WorkerHeartbeat
 from schemas.model_repo import ModelConfig
-from schemas.registry import ModelHealthEvent, ModelVersionRecord
+from schemas.registry import ModelHealthEvent, ModelRoute, ModelVersionRecord
 from schemas.topics import Topics
 from services.worker.app import WorkerService
 from services.worker.config import WorkerSettings
@@ -23,7 +23,8 @@ from services.worker.goldens import record_goldens
 from tests.kafka_helpers import produce, read_until, wait_committed
 from weir.kafka.admin import ensure_topics
 from weir.models.manifest import pack
-from weir.registry import promote, publish, read_registry, register
+from weir.models.signing import generate_keypair, sign
+from weir.registry import promote, publish, read_registry, register, set_desired
 
 from .factories import make_request
 
@@ -253,5 +254,81 @@ async def test_a_fresh_default_failing_its_goldens_is_rolled_back(tmp_path, llam
         assert tiny2 == ["loaded", "golden_failed", "rolled_back", "unloaded"]
     finally:
         await http.aclose()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_with_signatures_required_only_versions_signed_by_a_trusted_key_load(tmp_path):
+    trusted, untrusted = tmp_path / "trusted", tmp_path / "untrusted"
+    trusted.mkdir(), untrusted.mkdir()
+    generate_keypair(tmp_path / "ops.key", trusted / "ops.pub")
+    generate_keypair(tmp_path / "stranger.key", untrusted / "stranger.pub")
+    settings = worker_settings(tmp_path, model_trusted_keys=str(trusted), require_signed_models=True, fault_hooks=True)
+    topics = settings.topics
+    signed, forged = (ModelConfig(name="echo", version=v, engine="echo", max_model_len=4096) for v in ("2", "3"))
+    service, task = await start(settings)
+    try:
+        beat = await wait_beat(topics, lambda hb: state_of(hb, "echo@1") == "failed")  # the models.toml entry: unsigned
+        assert beat.versions["echo@1"].reason == "signature: unsigned manifest, signatures are required"
+        assert beat.is_ready and beat.models == []
+        is_ready, body = service.readiness()  # ready: a failed version does not hold readiness back
+        assert is_ready and body["versions"] == {"echo@1": "failed: signature: unsigned manifest, signatures are required"}
+        two, three = pack(signed), pack(forged)
+        await publish(settings, [ModelVersionRecord(manifest=two, signature=sign(two, tmp_path / "ops.key")),
+                                 ModelVersionRecord(manifest=three, signature=sign(three, tmp_path / "stranger.key"))])  # fmt: skip
+        beat = await wait_beat(topics, lambda hb: state_of(hb, "echo@2") == "ready" and state_of(hb, "echo@3") == "failed")
+        assert (beat.versions["echo@3"].reason or "").startswith("signature: signed by unknown key ")
+        assert beat.models == ["echo@2"]
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=service.http_app()), base_url="http://w") as http:
+            echo = await http.post("/faults/corrupt-weights", params={"model": "echo@2"})
+            nameless = await http.post("/faults/corrupt-weights")
+        assert echo.status_code == 400 and echo.json()["error"]["message"] == "echo@2: the echo engine has no weights to corrupt"
+        assert nameless.status_code == 400 and nameless.json()["error"]["code"] == "missing_model"
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_refused_version_loads_once_an_unloaded_one_frees_its_memory(tmp_path):
+    settings = worker_settings(tmp_path, worker_memory_bytes=1_000_000)
+    topics = settings.topics
+    first, second = (ModelConfig(name="echo", version=v, engine="echo", max_model_len=4096) for v in ("2", "3"))
+    service, task = await start(settings)
+    try:
+        await wait_beat(topics, lambda hb: state_of(hb, "echo@1") == "ready")
+        await publish(settings, [ModelVersionRecord(manifest=pack(first), budget_bytes=600_000)])
+        await wait_beat(topics, lambda hb: state_of(hb, "echo@2") == "ready")
+        await publish(settings, [ModelVersionRecord(manifest=pack(second), budget_bytes=600_000)])
+        beat = await wait_beat(topics, lambda hb: state_of(hb, "echo@3") == "refused")
+        assert beat.versions["echo@3"].reason == "needs 600000 bytes, 400000 of 1000000 free on this worker"
+        assert beat.versions["echo@2"].budget_bytes == 600_000 and beat.versions["echo@3"].budget_bytes == 0
+
+        state = await read_registry(settings)
+        await publish(settings, set_desired(state, "echo@2", "unloaded", by="test"))
+        beat = await wait_beat(topics, lambda hb: "echo@2" not in hb.versions and state_of(hb, "echo@3") == "ready")
+        assert sorted(beat.models) == ["echo@1", "echo@3"] and beat.versions["echo@3"].budget_bytes == 600_000
+        metrics = service.metrics.render()
+        assert 'weir_worker_version_budget_bytes{model="echo@3"} 600000' in metrics
+        assert 'weir_worker_version_state{model="echo@3",state="ready"} 1' in metrics
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_models_toml_entry_the_registry_unloaded_is_neither_loaded_nor_seeded_again(tmp_path):
+    settings = worker_settings(tmp_path)
+    topics = settings.topics
+    one, two = (ModelConfig(name="echo", version=v, engine="echo", max_model_len=4096) for v in ("1", "2"))
+    await ensure_topics(BOOTSTRAP, topics.core_specs())
+    await publish(settings, [ModelVersionRecord(manifest=pack(one), desired="unloaded", registered_by="ops"),
+                             ModelVersionRecord(manifest=pack(two), registered_by="ops"),
+                             ModelRoute(name="echo", default_version="2")])  # fmt: skip
+    service, task = await start(settings)
+    try:
+        beat = await wait_beat(topics, lambda hb: hb.is_ready)
+        assert beat.models == ["echo@2"] and set(beat.versions) == {"echo@2"}
+        state = await read_registry(settings)
+        assert state.versions["echo@1"].desired == "unloaded" and state.versions["echo@1"].registered_by == "ops"
+    finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
