@@ -165,6 +165,9 @@ class ModelVersionRecord(_Wire):
     budget_bytes: int | None = Field(
         None, ge=0, description="Memory the version may take on a worker (weights + KV cache); None: the worker's default."
     )
+    budget_fraction: float | None = Field(
+        None, gt=0, le=1, description="Or: the share of the worker's device memory it may take (a logical slice of a GPU)."
+    )
     registered_by: str = Field("", max_length=256, description="Who registered or last changed it.")
     updated_ms: int = Field(default_factory=now_ms, description="When this record was written, epoch ms.")
 

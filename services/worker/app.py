@@ -100,7 +100,9 @@ class WorkerService:
             self._fingerprinter = asyncio.create_task(asyncio.to_thread(
                 build_fingerprinter, self.settings.audit_fingerprint_model, self.repo))  # fmt: skip
             self._fingerprinter.add_done_callback(self._on_fingerprinter)  # before make_server's await wakes
-            self.versions = VersionManager(self.settings, self, await self._budget(), self.trusted_keys, self._estimate)
+            device_bytes = await self._device_bytes()
+            budget = self.settings.worker_memory_bytes or int(device_bytes * self.settings.worker_memory_fraction)
+            self.versions = VersionManager(self.settings, self, budget, self.trusted_keys, self._estimate, device_bytes)
             cancellations = await open_cancellations(self.settings, self.worker_id)
             self.registry = RegistryFollower(self.settings, self.worker_id, self._on_registry, seed=self.repo)
             await self.registry.start()
@@ -235,17 +237,13 @@ class WorkerService:
     async def _estimate(self, config: ModelConfig) -> int:
         return await asyncio.to_thread(estimate_bytes, config, self.settings, self.device)
 
-    async def _budget(self) -> int:
-        """WEIR_WORKER_MEMORY_BYTES, else WEIR_WORKER_MEMORY_FRACTION of the memory of the device
-        the engines run on (the GPU's, else the machine's)."""
-        if self.settings.worker_memory_bytes:
-            return self.settings.worker_memory_bytes
+    async def _device_bytes(self) -> int:
+        """The memory of the device the engines run on (the GPU's, else the machine's). The worker's
+        budget is WEIR_WORKER_MEMORY_BYTES, else WEIR_WORKER_MEMORY_FRACTION of it."""
         devices = await self.devices.devices()
         kind = "cuda" if self.device.type == "cuda" else "cpu"
         total = next((d.memory_total_bytes for d in devices if d.kind == kind), 0)
-        if total <= 0:
-            total = cpu_device().memory_total_bytes
-        return int(total * self.settings.worker_memory_fraction)
+        return total if total > 0 else cpu_device().memory_total_bytes
 
     def loops(self, producer: AIOKafkaProducer, cancellations: Any) -> list[asyncio.Task]:
         """The worker's loops: heartbeats, fingerprints, cancellations, the versions' golden checks

@@ -129,10 +129,11 @@ class VersionManager:
     """Every version this worker holds or tried, moved by reconcile() and its own jobs."""
 
     def __init__(self, settings: WorkerSettings, port: WorkerPort, budget_total: int, trusted_keys: dict,
-                 estimate: Callable[[ModelConfig], Awaitable[int]]) -> None:  # fmt: skip
+                 estimate: Callable[[ModelConfig], Awaitable[int]], device_bytes: int = 0) -> None:  # fmt: skip
         self.settings = settings
         self.port = port
         self.budget_total = budget_total
+        self.device_bytes = device_bytes  # the device's memory: what a record's budget_fraction is a share of
         self.trusted_keys = trusted_keys
         self._estimate = estimate  # bytes a version takes here when its record names no budget
         self.versions: dict[str, Version] = {}
@@ -362,6 +363,8 @@ class VersionManager:
         record = version.record
         if record is not None and record.budget_bytes is not None:
             return record.budget_bytes
+        if record is not None and record.budget_fraction is not None:
+            return int(record.budget_fraction * self.device_bytes)
         try:
             return await self._estimate(config)
         except (OSError, ValueError) as exc:  # weights not where the manifest says

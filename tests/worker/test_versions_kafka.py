@@ -310,6 +310,14 @@ async def test_a_refused_version_loads_once_an_unloaded_one_frees_its_memory(tmp
         metrics = service.metrics.render()
         assert 'weir_worker_version_budget_bytes{model="echo@3"} 600000' in metrics
         assert 'weir_worker_version_state{model="echo@3",state="ready"} 1' in metrics
+
+        # A budget given as a share of the device: half of this machine's memory is far over 1 MB.
+        half = ModelConfig(name="echo", version="4", engine="echo", max_model_len=4096)
+        await publish(settings, [ModelVersionRecord(manifest=pack(half), budget_fraction=0.5)])
+        beat = await wait_beat(topics, lambda hb: state_of(hb, "echo@4") == "refused")
+        device = service.versions.device_bytes
+        assert device > 1_000_000_000
+        assert beat.versions["echo@4"].reason == f"needs {int(0.5 * device)} bytes, 400000 of 1000000 free on this worker"
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

@@ -72,6 +72,8 @@ def add_actions(actions: argparse._SubParsersAction) -> None:
     push.add_argument("--no-goldens", action="store_true", help="record no goldens")
     push.add_argument("--golden-max-tokens", type=int, default=8, help="tokens of each golden (default %(default)s)")
     push.add_argument("--budget-bytes", type=int, help="memory the version may take on a worker (default: the worker's)")
+    push.add_argument("--budget-fraction", type=float,
+                      help="or: the share (0-1] of a worker's device memory it may take (a logical slice of the GPU)")
     _kafka_args(push)
     listing = actions.add_parser("list", help="every model: default version, versions, desired and live state")
     _kafka_args(listing, live=True)
@@ -268,6 +270,10 @@ def _check_new(state: RegistryState, manifest: ModelManifest) -> None:
 async def _push(settings: BusSettings, args: argparse.Namespace, record_goldens: RecordGoldens | None) -> int:
     if args.budget_bytes is not None and args.budget_bytes < 1:
         raise ArgumentError("--budget-bytes must be >= 1")
+    if args.budget_fraction is not None and not 0 < args.budget_fraction <= 1:
+        raise ArgumentError("--budget-fraction must be in (0, 1]")
+    if args.budget_fraction is not None and args.budget_bytes is not None:
+        raise ArgumentError("give --budget-bytes or --budget-fraction, not both")
     config, manifest, signature, out = _pack(args)
     verify_files(manifest, config.path)  # the files as they are now, after packing: nothing moved under us
     state = await _bounded(args, registry.read_registry(settings))
@@ -276,7 +282,8 @@ async def _push(settings: BusSettings, args: argparse.Namespace, record_goldens:
     if goldens:  # that took a while: register against the registry as it is now
         state = await _bounded(args, registry.read_registry(settings))
     record = ModelVersionRecord(manifest=manifest, signature=signature, goldens=goldens, desired="loaded",
-                                budget_bytes=args.budget_bytes, registered_by=_by())  # fmt: skip
+                                budget_bytes=args.budget_bytes, budget_fraction=args.budget_fraction,
+                                registered_by=_by())  # fmt: skip
     records = registry.register(state, record)
     await _bounded(args, registry.publish(settings, records))
     print(_describe_pack(manifest, signature, out))
@@ -382,12 +389,21 @@ async def _list(settings: BusSettings, args: argparse.Namespace, _record: Record
     return 0
 
 
+def _budget_text(info: dict[str, Any]) -> str:
+    if info["budget_bytes"] is not None:
+        return f"{info['budget_bytes']} bytes"
+    if info["budget_fraction"] is not None:
+        return f"{info['budget_fraction']:g} of the device"
+    return "worker default"
+
+
 def _version_json(view: _View, record: ModelVersionRecord) -> dict[str, Any]:
     m = record.manifest
     return {"model": record.served_id, "format": m.format, "engine": m.serving.get("engine"), "location": m.location,
             "files": [f.model_dump(mode="json") for f in m.files], "total_bytes": m.total_bytes,
             "digest": m.digest(), "signature_key_id": record.signature.key_id if record.signature else None,
             "goldens": len(record.goldens), "desired": record.desired, "budget_bytes": record.budget_bytes,
+            "budget_fraction": record.budget_fraction,
             "registered_by": record.registered_by, "updated_ms": record.updated_ms,
             "workers": {w: s.model_dump(mode="json") for w, s in view.statuses(record.served_id).items()}}  # fmt: skip
 
@@ -397,7 +413,7 @@ def _version_text(info: dict[str, Any]) -> str:
              f"  format {info['format']}, engine {info['engine']}, {info['total_bytes']} bytes in "
              f"{len(info['files'])} files at {info['location'] or '-'}",
              f"  signature: {'key ' + info['signature_key_id'] if info['signature_key_id'] else 'unsigned'}; "
-             f"goldens: {info['goldens']}; budget: {info['budget_bytes'] or 'worker default'}; "
+             f"goldens: {info['goldens']}; budget: {_budget_text(info)}; "
              f"registered by {info['registered_by'] or '-'}"]  # fmt: skip
     lines += [f"    {f['sha256'][:16]}  {f['size_bytes']:>12}  {f['path']}" for f in info["files"]]
     for worker, s in info["workers"].items():
