@@ -11,7 +11,7 @@ from __future__ import annotations
 from schemas.messages import VersionStatus, WorkerHeartbeat
 
 # The states a worker still answers a version's requests in: ready, and draining (requests pinned
-# just before a promotion finish there; shared16 protocol 3).
+# just before a promotion finish there; docs/design.md, "The model registry": the batcher sends pinned requests to a draining version).
 SERVING_STATES = frozenset({"ready", "draining"})
 
 
@@ -46,7 +46,7 @@ class Fleet:
 
     def serving(self, sid: str, now_ms: int) -> list[WorkerHeartbeat]:
         """Live heartbeats of the workers that answer version `sid` (name@version): ready, or
-        draining it (shared16 protocol 1: `models` lists the ready ones)."""
+        draining it (WorkerHeartbeat.models lists the ready ones)."""
         return [hb for hb in self.live(now_ms)
                 if sid in hb.models or (sid in hb.versions and hb.versions[sid].state in SERVING_STATES)]  # fmt: skip
 

@@ -9,7 +9,7 @@ Only the gateway's admin token (WEIR_GATEWAY_ADMIN_TOKEN, a bearer token) may ca
 other valid credential, and every caller in open mode, gets 403; no credential, 401. The path
 names the model and the body its version (Triton's load takes the name in the path); a path that
 holds `@` is refused, as is any body field besides those above. Writes go through weir.registry's
-operations and publish() as `weir models` does (shared16 protocol 6): a RegistryError (the
+operations and publish() as `weir models` does (docs/design.md, "The model registry"): a RegistryError (the
 operation does not fit the registry's state) is 409 with its message; a version the registry does
 not hold, 404.
 """
