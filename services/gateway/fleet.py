@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from schemas.messages import VersionStatus, WorkerHeartbeat
 
-# The states a worker still answers a version's requests in: ready, and draining (requests pinned
-# just before a promotion finish there; docs/design.md, "The model registry": the batcher sends pinned requests to a draining version).
+# The states a worker still answers a version's requests in: ready, and draining (the batcher sends
+# requests pinned just before a promotion to a draining version; docs/design.md, "The model registry").
 SERVING_STATES = frozenset({"ready", "draining"})
 
 
