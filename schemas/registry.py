@@ -245,12 +245,19 @@ class RegistryState:
         return sorted((r for r in self.versions.values() if r.manifest.name == name), key=lambda r: r.updated_ms)
 
     def default_version(self, name: str) -> str | None:
-        """The version a bare `name` goes to: its route's default, else its seed entry's version."""
+        """The version a bare `name` goes to: its route's default, else its seed entry's version. A
+        route to a version neither registered nor seeded (a forged or stale record: `promote` only
+        routes to registered versions) is disregarded, as the fold cannot refuse it on arrival (a
+        compacted topic may hold a route before the newest record of its version)."""
         route = self.routes.get(name)
-        if route is not None:
-            return route.default_version
         seeded = self.seed.get(name)
+        if route is not None and self.config_of(served_id(name, route.default_version)) is not None:
+            return route.default_version
         return seeded.version if seeded is not None else None
+
+    def dangling_routes(self) -> list[ModelRoute]:
+        """Routes whose default version is neither registered nor seeded (disregarded by default_version)."""
+        return [r for r in self.routes.values() if self.config_of(served_id(r.name, r.default_version)) is None]
 
     def config_of(self, sid: str) -> ModelConfig | None:
         """How version `sid` (name@version) is served: its manifest's settings, else its seed entry's."""

@@ -151,6 +151,8 @@ def promote(state: RegistryState, sid: str, by: str, reason: str = "promote") ->
     """Make `sid` the default of its name: the route first (new requests go there at once), then
     the previous default asked to unload (workers drain it: docs/design.md, "The model registry")."""
     record = _version(state, sid)
+    if record.desired == "retired":
+        raise RegistryError(f"{sid} is retired; push it again under a new version")
     if record.desired != "loaded":
         raise RegistryError(f"{sid} is {record.desired}; load it first (weir models load {sid})")
     name, version = split_ref(sid)

@@ -103,6 +103,10 @@ def test_a_malformed_manifest_file_is_refused_naming_it(tmp_path: Path) -> None:
         (["pack", "DIR", "--name", "m"], "the following arguments are required: --version"),
         (["promote", "m@1", "--live-ms"], "--live-ms: expected one argument"),
         (["load", "m@1", "--live-ms", "5"], "unrecognized arguments: --live-ms 5"),
+        (["promote", "m"], "'m' names no version: use NAME@VERSION"),
+        (["show", "m@"], "'m@': version '' must be"),
+        (["unload", "@1"], "the model name must be non-empty"),
+        (["retire", "m@@3"], "without spaces or '@'"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(model_dir: Path, capsys, argv: list[str], message: str) -> None:

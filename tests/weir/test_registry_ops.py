@@ -71,8 +71,6 @@ def test_operations_refuse_what_would_break_serving():
     assert state.resolve("echo@2") == (None, "model version 'echo@2' is retired")
     with pytest.raises(RegistryError, match="retired"):
         set_desired(state, "echo@2", "loaded", "ops")
-    with pytest.raises(RegistryError, match="retired"):
-        promote(state, "echo@2", "ops")
 
 
 def test_a_version_is_immutable_and_a_record_under_another_key_is_ignored():
@@ -119,3 +117,19 @@ def test_bad_versions_are_refused(bad):
 def test_names_with_at_are_refused():
     with pytest.raises(ValueError, match="@"):
         ModelConfig(name="a@b", engine="echo")
+
+
+def test_a_route_to_a_version_nobody_registered_is_disregarded():
+    state = _state(_echo("2"))
+    state.apply("route:echo", ModelRoute(name="echo", default_version="doesnotexist"))
+    assert state.resolve("echo")[0].served_id == "echo@1"  # the seed's default, not a 404
+    assert [r.default_version for r in state.dangling_routes()] == ["doesnotexist"]
+    state.apply("route:echo", ModelRoute(name="echo", default_version="2"))
+    assert state.resolve("echo")[0].served_id == "echo@2" and state.dangling_routes() == []
+
+
+def test_a_retired_version_cannot_be_promoted_and_the_error_says_why():
+    state = _state(_echo("1"), _echo("2"))
+    _apply(state, set_desired(state, "echo@2", "retired", "ops"))
+    with pytest.raises(RegistryError, match="echo@2 is retired; push it again under a new version"):
+        promote(state, "echo@2", "ops")

@@ -40,7 +40,9 @@ from aiokafka.errors import KafkaError
 from schemas.codec import DecodeError, decode
 from schemas.messages import VersionStatus, WorkerHeartbeat, now_ms
 from schemas.model_repo import Engine, ModelConfig, ModelRepository, detect_engine, load_model_repo
-from schemas.registry import Desired, GoldenCase, ManifestSignature, ModelManifest, ModelVersionRecord, RegistryState, split_ref
+from schemas.registry import (
+    Desired, GoldenCase, ManifestSignature, ModelManifest, ModelVersionRecord, RegistryState, split_ref, version_problem,
+)
 from weir import registry
 from weir.bus import BusSettings, make_consumer, partitions_of
 from weir.home import served_model_dir
@@ -131,6 +133,8 @@ def run(args: argparse.Namespace, record_goldens: RecordGoldens | None = None) -
     """Run one registry action; exit status 0, or 2 with one line on stderr."""
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)  # its retries would bury the one line below
     try:
+        if getattr(args, "ref", None) is not None:  # before any Kafka: a malformed ref is the user's typo
+            _checked_ref(args.ref, need_version=args.action != "show")
         if args.action in _KAFKA_ACTIONS:
             settings = _settings(args)
             return asyncio.run(_with_deadline(settings, args, _ASYNC[args.action](settings, args, record_goldens)))
@@ -383,6 +387,8 @@ async def _list(settings: BusSettings, args: argparse.Namespace, _record: Record
             rows.append([name, f"{r.manifest.version}{mark}", r.desired, _live_text(view.statuses(r.served_id))])
         if not view.state.versions_of(name):
             rows.append([name, f"{default}*", "(not registered)", "-"])
+    for route in view.state.dangling_routes():
+        rows.append([route.name, f"{route.default_version}!", "(route to an unregistered version: disregarded)", "-"])
     print(_table(["NAME", "VERSION", "DESIRED", "LIVE WORKERS"], rows) if rows else "no models registered")
     print(f"* default version; {len(view.live)} live worker(s)"
           + (f"; {view.skipped} malformed registry record(s) skipped" if view.skipped else ""))  # fmt: skip
@@ -442,6 +448,18 @@ async def _show(settings: BusSettings, args: argparse.Namespace, _record: Record
           if route else f"{name}: no route")  # fmt: skip
     print("\n".join(_version_text(v) for v in versions))
     return 0
+
+
+def _checked_ref(ref: str, need_version: bool) -> tuple[str, str | None]:
+    """(name, version) of NAME or NAME@VERSION; ArgumentError naming what is malformed."""
+    name, version = split_ref(ref)
+    if not name or any(ch.isspace() or ch == "@" for ch in name):
+        raise ArgumentError(f"{ref!r}: the model name must be non-empty, without spaces or '@'")
+    if version is None and need_version:
+        raise ArgumentError(f"{ref!r} names no version: use NAME@VERSION")
+    if version is not None and (problem := version_problem(version)):
+        raise ArgumentError(f"{ref!r}: {problem}")
+    return name, version
 
 
 _DESIRED: dict[str, Desired] = {"load": "loaded", "unload": "unloaded", "retire": "retired"}
