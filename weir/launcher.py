@@ -199,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         wait_all_ready(board, lambda name: kafka.probe() if name == "kafka" else probe(f"{stack.url(name)}/readyz"),
                        stack.dead, stack.log_tail, deadline_s, _say)  # fmt: skip
         _print_banner(f"http://{args.host}:{args.port}", broker, Topics(args.topic_prefix),
-                      [c.served_id for c in repo.models.values()], args.auth, stack, time.monotonic() - began_s)  # fmt: skip
+                      served_versions(repo, os.environ.get("WEIR_MODELS", "")), args.auth, stack,
+                      time.monotonic() - began_s)  # fmt: skip
         return supervise(stack, supervisor)
     except KeyboardInterrupt:
         print("\nstopping ...", flush=True)
@@ -214,6 +215,12 @@ def main(argv: list[str] | None = None) -> int:
         if not was_running:
             launcher.stop(broker)
         print("stopped", flush=True)
+
+
+def served_versions(repo: Any, selection: str) -> list[str]:
+    """name@version of the models.toml entries the worker serves (WEIR_MODELS, else all)."""
+    names = [n.strip() for n in selection.split(",") if n.strip()] or list(repo.models)
+    return [repo.models[n].served_id for n in names if n in repo.models]
 
 
 def prepare_gguf_models(repo: Any, selection: str) -> None:
@@ -422,7 +429,7 @@ def _print_banner(url: str, broker: Any, topics: Topics, models: list[str], auth
 Weir is up.
   OpenAI-compatible API  {url}/v1   (e.g. OPENAI_BASE_URL={url}/v1 OPENAI_API_KEY=local)
   gateway auth           {auth_line}
-  models                 {', '.join(models)}
+  models                 {', '.join(models)}  (seeded from models.toml; `weir models list` shows the registry)
   Kafka                  {kafka_line}
   requests topic         {requests_line}
   reply topics           {topics.replies("")}<your-id>  (name yours in reply_to{"; secure: <your-id> = client.<anything>" if broker.secure else ""})
