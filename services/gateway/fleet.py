@@ -1,7 +1,8 @@
 """Fleet: the latest heartbeat of every worker, and which of them are live, per model version.
 
 Readiness asks it whether any worker is live; admission control asks it what the live workers
-offer a version (serve it, bring it up, or gave up on it: availability); GET /v1/models and the admin index ask what state each version is in on each worker
+offer a version (serve it, bring it up, or gave up on it: availability); GET /v1/models and the
+admin index ask what state each version is in on each worker
 (WorkerHeartbeat.versions, docs/design.md "The model registry"). Pure: heartbeats and `now_ms`
 come in as arguments.
 """

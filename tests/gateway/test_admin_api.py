@@ -130,7 +130,8 @@ async def test_promote_is_refused_unless_a_live_worker_has_the_version_ready() -
     app.state.bus.fleet.observe(WorkerHeartbeat(
         worker_id="w1", models=["echo@1"], is_ready=True, num_running=0, num_waiting=0, max_num_seqs=8,
         free_kv_blocks=64, block_size_tokens=16, versions={
-            "echo@1": VersionStatus(state="ready"), "echo@2": VersionStatus(state="failed", reason="model.bin differs")},
+            "echo@1": VersionStatus(state="ready"),
+            "echo@2": VersionStatus(state="failed", reason="model.bin differs")},
     ))  # fmt: skip
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client:
         answer = await client.post("/v2/repository/models/echo/promote", headers=ADMIN, json={"version": "2"})

@@ -226,7 +226,8 @@ async def reported(gateway: Gateway, versions: dict[str, VersionStatus]) -> None
 
     def seen() -> dict[str, str]:
         by_version = fleet.version_states(int(time.time() * 1000))
-        return {sid: by[gateway.worker.worker_id].state for sid, by in by_version.items() if gateway.worker.worker_id in by}
+        worker = gateway.worker.worker_id
+        return {sid: by[worker].state for sid, by in by_version.items() if worker in by}
 
     await eventually(lambda: seen() == wanted, 10)
 

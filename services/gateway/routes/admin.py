@@ -61,7 +61,7 @@ def add_operation(router: APIRouter, parts: GatewayParts, action: str) -> None:
 
     async def operate(name: str, request: Request) -> JSONResponse:
         by = require_admin(parts, dict(request.headers))
-        fields = {"version": str, "force": bool} if action == "promote" else {"version": str}
+        fields: dict[str, type] = {"version": str, "force": bool} if action == "promote" else {"version": str}
         body = await admin_body(parts, request, fields, required=("version",))
         sid = parts.catalog.registered(name, body["version"])
         try:
