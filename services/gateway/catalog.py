@@ -166,11 +166,17 @@ class Catalog:
             "name": name, "version": version,
             "state": best.state if best is not None else "unavailable",
             "reason": (best.reason or "") if best is not None else "no live worker reports it",
-            "desired": record.desired if record is not None else "loaded",
+            "desired": self.desired(sid),
             "registered": record is not None,
             "default": self.state.default_version(name) == version,
             "workers": {worker: status.state for worker, status in sorted(on_workers.items())},
         }  # fmt: skip
+
+    def desired(self, sid: str) -> str:
+        """What the registry wants of version `sid`: its record's `desired`; `loaded` for a seed
+        entry not registered yet (workers register and load it)."""
+        record = self.state.versions.get(sid)
+        return record.desired if record is not None else "loaded"
 
     def registered(self, name: str, version: object) -> str:
         """The served id of a registered version named by an admin call; 400 for a bad name or

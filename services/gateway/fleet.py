@@ -1,18 +1,38 @@
 """Fleet: the latest heartbeat of every worker, and which of them are live, per model version.
 
-Readiness asks it whether any worker is live; admission control asks it which live workers serve
-a version; GET /v1/models and the admin index ask what state each version is in on each worker
+Readiness asks it whether any worker is live; admission control asks it what the live workers
+offer a version (serve it, bring it up, or gave up on it: availability); GET /v1/models and the
+admin index ask what state each version is in on each worker
 (WorkerHeartbeat.versions, docs/design.md "The model registry"). Pure: heartbeats and `now_ms`
 come in as arguments.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from schemas.messages import VersionStatus, WorkerHeartbeat
+from schemas.registry import split_ref
 
 # The states a worker still answers a version's requests in: ready, and draining (the batcher sends
 # requests pinned just before a promotion to a draining version; docs/design.md, "The model registry").
 SERVING_STATES = frozenset({"ready", "draining"})
+# The states of a version a worker is bringing up (unhealthy: it is being reloaded from verified
+# files); a request the batcher holds for it is served once the worker reports it ready.
+COMING_STATES = frozenset({"verifying", "loading", "golden", "unhealthy"})
+# The states a worker gave up on a version in (the batcher rejects its requests at once).
+GIVEN_UP_STATES = frozenset({"failed", "refused"})
+
+
+@dataclass(frozen=True)
+class Availability:
+    """What the live fleet offers one version: the workers that serve it now; else whether one is
+    bringing it up (`coming`: admit, the batcher holds the request), else why it cannot be served
+    (`problem`: retrying cannot help). All empty: no live worker serves its name (the breaker)."""
+
+    serving: list[WorkerHeartbeat] = field(default_factory=list)
+    coming: bool = False
+    problem: str | None = None
 
 
 class Fleet:
@@ -49,6 +69,30 @@ class Fleet:
         draining it (WorkerHeartbeat.models lists the ready ones)."""
         return [hb for hb in self.live(now_ms)
                 if sid in hb.models or (sid in hb.versions and hb.versions[sid].state in SERVING_STATES)]  # fmt: skip
+
+    def availability(self, sid: str, desired: str, now_ms: int) -> Availability:
+        """What the live workers offer version `sid`, which the registry wants `desired`
+        (docs/design.md, "The model registry"): serving it; bringing it up (a transitional state,
+        or it is wanted loaded and a worker serves other versions of its name, so it will load it);
+        failed or refused on every worker reporting it (the batcher's rule: the reasons, per
+        worker); unloaded and served nowhere; or nothing (no live worker serves the name)."""
+        if serving := self.serving(sid, now_ms):
+            return Availability(serving)
+        live = self.live(now_ms)
+        reports = {hb.worker_id: hb.versions[sid] for hb in live if sid in hb.versions}
+        if any(status.state in COMING_STATES for status in reports.values()):
+            return Availability(coming=True)
+        if reports:  # every one failed or refused
+            said = "; ".join(f"{status.state} on {wid}: {status.reason or 'no reason given'}"
+                             for wid, status in sorted(reports.items()))  # fmt: skip
+            return Availability(problem=f"model version {sid!r} cannot be served: {said}")
+        name = split_ref(sid)[0]
+        if desired == "unloaded":
+            return Availability(problem=f"model version {sid!r} is unloaded and no live worker serves it; load it "
+                                f"(POST /v2/repository/models/{name}/load, or weir models load {sid}) and wait "
+                                "until it is ready")  # fmt: skip
+        holds_name = any(split_ref(other)[0] == name for hb in live for other in [*hb.versions, *hb.models])
+        return Availability(coming=desired == "loaded" and holds_name)
 
     def version_states(self, now_ms: int) -> dict[str, dict[str, VersionStatus]]:
         """Per version (name@version), per live worker, the status that worker reports."""

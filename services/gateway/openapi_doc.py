@@ -131,6 +131,11 @@ class RepositoryVersionBody(BaseModel):
     version: str = Field(description="The version of the model the path names.")
 
 
+class RepositoryPromoteBody(RepositoryVersionBody):
+    force: bool = Field(False, description="Promote even if no live worker reports the version ready "
+                        "(else 409 version_not_ready).")
+
+
 class RepositoryChange(BaseModel):
     name: str
     version: str
@@ -141,7 +146,7 @@ class RepositoryChange(BaseModel):
 
 _MODELS: list[type[BaseModel]] = [
     ErrorResponse, ChatCompletion, Completion, ModelList, Health, Readiness, ChatCompletionBody, CompletionBody,
-    RepositoryIndexBody, RepositoryEntry, RepositoryVersionBody, RepositoryChange,
+    RepositoryIndexBody, RepositoryEntry, RepositoryVersionBody, RepositoryPromoteBody, RepositoryChange,
 ]  # fmt: skip
 
 _ERRORS: dict[int, str] = {
@@ -155,7 +160,9 @@ _ERRORS: dict[int, str] = {
     413: "Body larger than WEIR_MAX_BODY_BYTES.",
     431: "More headers than WEIR_MAX_HEADERS, or more bytes of them than WEIR_MAX_HEADER_BYTES.",
     429: "Rate limit (per key or tenant), full in-flight lane, overloaded workers, or a retryable rejection.",
-    503: "No live worker serves the model version (breaker open), or Kafka did not take the request.",
+    503: "No live worker serves the model version's name (breaker open, with Retry-After); the version failed or "
+         "was refused on every live worker reporting it, or is unloaded (model_unavailable, the reason); or Kafka "
+         "did not take the request.",
     504: "No result before the request's deadline.",
 }
 
@@ -164,7 +171,8 @@ _ADMIN_ERRORS: dict[int, str] = {
     401: "Missing or invalid credentials.",
     403: "Not the gateway's admin token (WEIR_GATEWAY_ADMIN_TOKEN); every caller when it is unset.",
     404: "The registry does not hold that version.",
-    409: "The registry's state does not allow it (e.g. unloading the default version, promoting an unloaded one).",
+    409: "The registry's state does not allow it (e.g. unloading the default version, promoting an unloaded one: "
+         "registry_conflict), or promote without force of a version no live worker reports ready (version_not_ready).",
     413: "Body larger than WEIR_MAX_BODY_BYTES.",
     431: "More headers than WEIR_MAX_HEADERS, or more bytes of them than WEIR_MAX_HEADER_BYTES.",
 }
@@ -256,7 +264,8 @@ def _admin_operations() -> dict[tuple[str, str], dict[str, Any]]:
     for action, what in (("load", "Ask workers to load a version (desired = loaded)"),
                          ("unload", "Ask workers to drain and unload a version (desired = unloaded)"),
                          ("promote", "Make a version the default of its name; the old default is unloaded")):
-        operation = _admin_operation(what, "RepositoryVersionBody", _ref("RepositoryChange"), True)
+        body = "RepositoryPromoteBody" if action == "promote" else "RepositoryVersionBody"
+        operation = _admin_operation(what, body, _ref("RepositoryChange"), True)
         operation["parameters"] = [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"},
                                     "description": "The model name (without @version)."}]
         out[("post", f"/v2/repository/models/{{name}}/{action}")] = operation

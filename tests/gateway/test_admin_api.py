@@ -12,6 +12,7 @@ import httpx
 import pytest
 from pydantic import SecretStr
 
+from schemas.messages import VersionStatus, WorkerHeartbeat
 from schemas.model_repo import ModelConfig
 from schemas.registry import ModelRoute, ModelVersionRecord
 from services.gateway.app import create_app
@@ -119,3 +120,24 @@ async def test_an_oversized_admin_body_is_refused_by_the_request_limits(client: 
     body = b'{"version": "' + b"1" * (2 << 20) + b'"}'
     answer = await client.post("/v2/repository/models/echo/load", headers=ADMIN, content=body)
     assert error_of(answer)[0] == 413
+
+
+async def test_promote_is_refused_unless_a_live_worker_has_the_version_ready() -> None:
+    """As `weir models promote`: promoting a version that failed everywhere would unload the old
+    default and leave the bare name with nothing to serve it. (Forced and allowed promotes write
+    to Kafka: test_registry_kafka.py.)"""
+    app = make_app(auth_mode="open", gateway_admin_token=SecretStr(TOKEN))
+    app.state.bus.fleet.observe(WorkerHeartbeat(
+        worker_id="w1", models=["echo@1"], is_ready=True, num_running=0, num_waiting=0, max_num_seqs=8,
+        free_kv_blocks=64, block_size_tokens=16, versions={
+            "echo@1": VersionStatus(state="ready"),
+            "echo@2": VersionStatus(state="failed", reason="model.bin differs")},
+    ))  # fmt: skip
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client:
+        answer = await client.post("/v2/repository/models/echo/promote", headers=ADMIN, json={"version": "2"})
+        bad_force = await client.post("/v2/repository/models/echo/promote", headers=ADMIN,
+                                      json={"version": "2", "force": 1})  # fmt: skip
+    assert error_of(answer) == (409, "version_not_ready")
+    assert "failed on w1: model.bin differs" in answer.json()["error"]["message"]
+    assert "force" in answer.json()["error"]["message"]
+    assert error_of(bad_force) == (400, "invalid_value")

@@ -109,3 +109,11 @@ def test_overloaded_workers_refuse_fast() -> None:
     assert (overloaded.value.status, overloaded.value.code) == (429, "overloaded")
     assert overloaded.value.headers["retry-after"] == "1"
     admission.admit("echo", "interactive", [beat(num_waiting=16), beat(num_waiting=3)])  # one has room
+
+
+def test_a_version_a_live_worker_brings_up_is_admitted_and_closes_the_breaker() -> None:
+    admission = Admission({"interactive": 2, "bulk": 1}, overload_ratio=2.0, is_breaker_enabled=True)
+    with pytest.raises(GuardError):
+        admission.admit("echo@1", "interactive", [])
+    admission.admit("echo@1", "interactive", [], coming=True)  # the batcher holds it until ready
+    assert admission.open_breakers == set() and admission.in_flight["echo@1", "interactive"] == 1

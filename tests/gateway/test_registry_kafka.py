@@ -74,6 +74,10 @@ class Gateway:
         return self.app.state.catalog
 
 
+def error_of(response: httpx.Response) -> tuple[int, str]:
+    return response.status_code, response.json()["error"]["code"]
+
+
 def echo_version(version: str) -> ModelVersionRecord:
     return ModelVersionRecord(manifest=pack(ModelConfig(name="echo", engine="echo", version=version)),
                               registered_by="test")  # fmt: skip
@@ -185,7 +189,13 @@ async def test_the_admin_api_writes_records_a_follower_reads(gateway: Gateway) -
             assert answer.status_code == 200, answer.text
             return answer.json()
 
-        promoted = await call("promote", "3")
+        refused = await client.post("/v2/repository/models/echo/promote", headers=ADMIN, json={"version": "3"})
+        assert refused.status_code == 409 and refused.json()["error"]["code"] == "version_not_ready"
+        assert gateway.catalog.resolve("echo").served_id == "echo@1"  # nothing written
+        answer = await client.post("/v2/repository/models/echo/promote", headers=ADMIN,
+                                   json={"version": "3", "force": True})  # fmt: skip
+        assert answer.status_code == 200, answer.text
+        promoted = answer.json()
         assert promoted["applied"] and promoted["records"] == ["route:echo", "version:echo@1"]
         assert gateway.catalog.resolve("echo").served_id == "echo@3"  # the gateway read its own write
         state = await read_registry(gateway.settings)  # an independent follower, from the beginning
@@ -203,6 +213,52 @@ async def test_the_admin_api_writes_records_a_follower_reads(gateway: Gateway) -
             ("1", "unloaded", False), ("3", "loaded", True)}  # fmt: skip
         ready = (await client.post("/v2/repository/index", headers=ADMIN, json={"ready": True})).json()
         assert [(e["name"], e["version"], e["workers"]) for e in ready] == [("echo", "1", {"fake-worker-1": "ready"})]
+        await call("load", "1")
+        assert (await call("promote", "1"))["applied"]  # the fake worker has echo@1 ready: no force needed
+        assert gateway.catalog.resolve("echo").served_id == "echo@1"
+
+
+async def reported(gateway: Gateway, versions: dict[str, VersionStatus]) -> None:
+    """Let the fake worker report `versions` and wait until the gateway's fleet has read it."""
+    gateway.worker.versions = versions
+    fleet = gateway.app.state.bus.fleet
+    wanted = {sid: status.state for sid, status in versions.items()}
+
+    def seen() -> dict[str, str]:
+        by_version = fleet.version_states(int(time.time() * 1000))
+        worker = gateway.worker.worker_id
+        return {sid: by[worker].state for sid, by in by_version.items() if worker in by}
+
+    await eventually(lambda: seen() == wanted, 10)
+
+
+async def test_requests_for_a_version_coming_up_are_admitted_and_a_lost_one_says_why(gateway: Gateway) -> None:
+    """A version a live worker brings up (a rollback target loading again, a reload after a
+    failed golden check) is admitted, and the batcher would hold it; one failed everywhere, or
+    unloaded, is refused at once with the reason and no Retry-After; no worker of the name at
+    all is the breaker (503, try again later)."""
+    await publish(gateway.settings, [echo_version("2"), echo_version("3").model_copy(update={"desired": "unloaded"})])
+    await eventually(lambda: "echo@3" in gateway.catalog.state.versions, 5)
+    async with httpx.AsyncClient(base_url=gateway.server.base_url, timeout=30) as client:
+
+        async def ask(version: str) -> httpx.Response:
+            return await client.post("/v1/chat/completions", json={**CHAT, "model": f"echo@{version}"})
+
+        for state in ("loading", "unhealthy"):
+            await reported(gateway, {"echo@1": READY, "echo@2": VersionStatus(state=state)})
+            assert (await ask("2")).status_code == 200, state  # the fake worker answers what reaches it
+        await reported(gateway, {"echo@1": READY})  # echo@2 wanted loaded, the worker holds `echo`
+        assert (await ask("2")).status_code == 200
+        await reported(gateway, {"echo@1": READY, "echo@2": VersionStatus(state="failed", reason="model.bin changed")})
+        failed = await ask("2")
+        assert error_of(failed) == (503, "model_unavailable") and "retry-after" not in failed.headers
+        assert "failed on fake-worker-1: model.bin changed" in failed.json()["error"]["message"]
+        unloaded = await ask("3")
+        assert error_of(unloaded) == (503, "model_unavailable") and "retry-after" not in unloaded.headers
+        assert "is unloaded" in unloaded.json()["error"]["message"]
+        await reported(gateway, {})  # live, but no version of `echo`: the fleet of `echo` is down
+        down = await ask("2")
+        assert error_of(down) == (503, "model_unavailable") and down.headers["retry-after"] == "5"
 
 
 async def test_forged_registry_records_are_skipped_and_the_gateway_keeps_serving(gateway: Gateway) -> None:

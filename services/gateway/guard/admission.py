@@ -4,7 +4,8 @@
   one more is refused with 429 (queue_full) rather than queued behind them.
 - Breaker: a model none of whose workers has a live heartbeat is "open": its requests are refused
   at once with 503 (model_unavailable) instead of waiting for a deadline nobody will meet. It
-  closes by itself with the next live heartbeat.
+  closes by itself with the next live heartbeat. A version a live worker is bringing up
+  (`coming`, fleet.Availability) is admitted: the batcher holds its requests until it is ready.
 - Overload: when every live worker of the model has num_waiting >= ratio * max_num_seqs, the
   request is refused with 429 (overloaded) and a short Retry-After.
 
@@ -40,10 +41,11 @@ class Admission:
         self.in_flight: Counter[tuple[str, Priority]] = Counter()
         self.open_breakers: set[str] = set()
 
-    def admit(self, model: str, lane: Priority, live: list[WorkerHeartbeat]) -> Ticket:
-        """A Ticket, or GuardError 503 (breaker open) / 429 (lane full, workers overloaded)."""
+    def admit(self, model: str, lane: Priority, live: list[WorkerHeartbeat], coming: bool = False) -> Ticket:
+        """A Ticket, or GuardError 503 (breaker open) / 429 (lane full, workers overloaded). `live`:
+        the workers serving `model` now; `coming`: none does yet, but a live one is bringing it up."""
         if self.is_breaker_enabled:
-            if not live:
+            if not live and not coming:
                 self.open_breakers.add(model)
                 raise GuardError(503, f"no worker of {model!r} is live; try again later", param="model",
                                  code="model_unavailable", headers={"retry-after": "5"})  # fmt: skip

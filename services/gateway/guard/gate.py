@@ -85,9 +85,13 @@ class Admitted:
 class Guard:
     """Authentication, validation, admission and rate limits of one gateway instance."""
 
-    def __init__(self, settings: GatewaySettings, bus: GuardBus, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, settings: GatewaySettings, bus: GuardBus, desired: Callable[[str], str],
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+        """`desired`: what the registry wants of a version (catalog.Catalog.desired), which
+        admission asks of a version no live worker serves."""
         self.settings = settings
         self.bus = bus
+        self.desired = desired
         self.clock = clock
         self.keys = KeyStore()
         self.auth = Authenticator(settings, self.keys)
@@ -169,9 +173,14 @@ class Guard:
 
     def reserve(self, identity: Identity, model: str, lane: Priority, reserved_tokens: int) -> Admitted:
         """Take a lane ticket for version `model` (name@version) and charge the rate limits for
-        reserved_tokens; ApiError 503/429. The breaker looks at the workers that serve that version."""
+        reserved_tokens; ApiError 503/429. The breaker looks at what the live workers offer that
+        version (fleet.Availability); one that cannot be served is 503 with the reason, and no
+        Retry-After, since retrying cannot help."""
         try:
-            ticket = self.admission.admit(model, lane, self.bus.fleet.serving(model, now_ms()))
+            offer = self.bus.fleet.availability(model, self.desired(model), now_ms())
+            if offer.problem is not None:
+                raise GuardError(503, offer.problem, param="model", code="model_unavailable")
+            ticket = self.admission.admit(model, lane, offer.serving, coming=offer.coming)
         except ApiError as error:
             self.metrics.admission_rejected.add(1, {"model": model, "code": error.code or "unknown"})
             raise

@@ -3,7 +3,8 @@
     POST /v2/repository/index                       {"ready": bool}?  every version and its state
     POST /v2/repository/models/{name}/load          {"version": V}    desired = loaded
     POST /v2/repository/models/{name}/unload        {"version": V}    desired = unloaded (workers drain it)
-    POST /v2/repository/models/{name}/promote       {"version": V}    the default of `name` (weir.registry.promote)
+    POST /v2/repository/models/{name}/promote       {"version": V, "force": bool?}
+                                                    the default of `name` (weir.registry.promote)
 
 Only the gateway's admin token (WEIR_GATEWAY_ADMIN_TOKEN, a bearer token) may call them: any
 other valid credential, and every caller in open mode, gets 403; no credential, 401. The path
@@ -11,7 +12,9 @@ names the model and the body its version (Triton's load takes the name in the pa
 holds `@` is refused, as is any body field besides those above. Writes go through weir.registry's
 operations and publish() as `weir models` does (docs/design.md, "The model registry"): a RegistryError (the
 operation does not fit the registry's state) is 409 with its message; a version the registry does
-not hold, 404.
+not hold, 404. Like `weir models promote`, promote is refused (409 version_not_ready) unless a live
+worker reports the version ready, or with `"force": true`: promoting one that failed everywhere
+would unload the old default and leave the bare name with nothing to serve it.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from schemas.messages import now_ms
 from services.gateway.guard.auth import GuardError
 from services.gateway.openai_format import ApiError
 from services.gateway.routes.parts import GatewayParts
@@ -57,18 +61,34 @@ def add_operation(router: APIRouter, parts: GatewayParts, action: str) -> None:
 
     async def operate(name: str, request: Request) -> JSONResponse:
         by = require_admin(parts, dict(request.headers))
-        body = await admin_body(parts, request, {"version": str}, required=("version",))
+        fields: dict[str, type] = {"version": str, "force": bool} if action == "promote" else {"version": str}
+        body = await admin_body(parts, request, fields, required=("version",))
         sid = parts.catalog.registered(name, body["version"])
         try:
             records = OPERATIONS[action](parts.catalog.state, sid, by)
         except RegistryError as exc:
             raise ApiError(409, str(exc), param="version", code="registry_conflict") from None
+        if action == "promote" and not body.get("force", False):
+            require_ready(parts, sid)
         applied = await parts.catalog.write(records)
         return JSONResponse({"name": name, "version": body["version"], "action": action,
                              "records": [record.key for record in records], "applied": applied})  # fmt: skip
 
     router.add_api_route(f"/v2/repository/models/{{name}}/{action}", operate, methods=["POST"], tags=["admin"],
                          summary=f"{action.capitalize()} a model version", name=f"repository_{action}")  # fmt: skip
+
+
+def require_ready(parts: GatewayParts, sid: str) -> None:
+    """409 unless a live worker reports `sid` ready (the gate of `weir models promote`); the message
+    says what the live workers report, with each one's reason."""
+    if sid in parts.catalog.fleet.ready_versions(now_ms()):
+        return
+    statuses = parts.catalog.fleet.version_states(now_ms()).get(sid, {})
+    said = "; ".join(f"{status.state} on {wid}" + (f": {status.reason}" if status.reason else "")
+                     for wid, status in sorted(statuses.items()))  # fmt: skip
+    seen = f"live workers report: {said}" if said else "no live worker reports it"
+    raise ApiError(409, f"no live worker has {sid} ready ({seen}); load it and wait, or promote with "
+                   '"force": true', param="version", code="version_not_ready")  # fmt: skip
 
 
 def require_admin(parts: GatewayParts, headers: dict[str, str]) -> str:
