@@ -35,6 +35,7 @@ from schemas.messages import VersionState, VersionStatus, now_ms
 from schemas.model_repo import ModelConfig
 from schemas.registry import GoldenCase, ModelManifest, ModelVersionRecord, RegistryState, split_ref
 from services.worker.config import WorkerSettings
+from services.worker.goldens import GOLDEN_MAX_TOKENS
 from services.worker.handlers import ModelServer
 from services.worker.loading import EngineLoader, OnOutputs, OnStatus
 from services.worker.runner import EngineHost, EngineProcess
@@ -102,6 +103,7 @@ class Version:
     job: asyncio.Task | None = None  # bring-up, reload or drain in progress
     is_stopping: bool = False  # no longer wanted: being cancelled or drained
     golden_checked_ms: int | None = None
+    local_goldens: list[GoldenCase] = field(default_factory=list)  # recorded here: its record has none
     golden_failures: int = 0
     reloads: int = 0
 
@@ -115,7 +117,17 @@ class Version:
 
     @property
     def goldens(self) -> list[GoldenCase]:
-        return self.record.goldens if self.record is not None else []
+        """Its record's goldens; else those this worker recorded when it first loaded it (_record_goldens)."""
+        if self.record is not None and self.record.goldens:
+            return self.record.goldens
+        return self.local_goldens
+
+    @property
+    def golden_source(self) -> str:
+        """Where its goldens come from: "registry", "local" (recorded on this worker) or "none"."""
+        if self.record is not None and self.record.goldens:
+            return "registry"
+        return "local" if self.local_goldens else "none"
 
     def status(self) -> VersionStatus:
         engine = self.hosts[0].engine_label if self.hosts else ""
@@ -257,7 +269,8 @@ class VersionManager:
             await self._serve(version, config)
 
         if await self._attempt(version, steps()):
-            await self.port.emit(version.sid, "loaded", f"digest {version.digest[:12]}, {version.budget_bytes} bytes")
+            goldens = f"{len(version.goldens)} goldens ({version.golden_source})"
+            await self.port.emit(version.sid, "loaded", f"digest {version.digest[:12]}, {version.budget_bytes} bytes, {goldens}")
 
     async def _reload(self, version: Version) -> None:
         """An unhealthy version: finish what runs (no new batches), close its server and engines,
@@ -384,6 +397,8 @@ class VersionManager:
         for host in version.hosts:
             host.start()  # its engine loop runs now: goldens go through it (no request does before ready)
         self._set(version, "golden", None)
+        if not version.goldens:
+            await self._record_goldens(version, config)
         problem = await self._run_goldens(version, version.hosts)
         if problem is not None:
             _stop_hosts(version.hosts)
@@ -391,6 +406,22 @@ class VersionManager:
             version.golden_failures += 1
             await self._roll_back_if_fresh(version, problem)
             raise _Stop("failed", f"golden check failed: {problem}", "golden_failed")
+
+    async def _record_goldens(self, version: Version, config: ModelConfig) -> None:
+        """A version registered without goldens (a models.toml seed, a push without them): record
+        them now, from the files just verified, in its first engine's own loop (greedy, its warmup
+        prompts, as `weir models push` does). They stay on this worker (docs/design.md, "The model
+        registry"): goldens are exact tokens of one device and dtype, and another worker's may differ.
+        Kept across reloads, so a reload is checked against what the verified files produced first."""
+        prompts = list(config.warmup)
+        if not prompts:
+            log.warning("model version %s has no goldens and no warmup prompts to record them with", version.sid)
+            return
+        try:
+            version.local_goldens = await asyncio.wait_for(
+                version.hosts[0].record_goldens(prompts, GOLDEN_MAX_TOKENS), GOLDEN_TIMEOUT_S)  # fmt: skip
+        except (RuntimeError, TimeoutError) as exc:  # the engine died, or a prompt did not complete
+            raise _Stop("failed", f"goldens could not be recorded: {exc or 'timed out'}", "golden_failed") from exc
 
     async def _run_goldens(self, version: Version, hosts: list[EngineHost]) -> str | None:
         """The first departure of any engine from the version's goldens, or None."""

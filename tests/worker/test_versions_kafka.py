@@ -219,6 +219,44 @@ async def test_corrupted_weights_fail_the_periodic_goldens_and_the_version_is_re
         await asyncio.gather(task, return_exceptions=True)
 
 
+async def test_a_version_seeded_from_models_toml_records_its_goldens_here_and_is_reloaded_when_corrupted(tmp_path, llama_dir):
+    settings = worker_settings(tmp_path, models="tiny", fault_hooks=True, golden_interval_s=1.0)
+    Path(settings.model_repo).write_text(f"""
+[models.tiny]
+engine = "torch"
+path = "{llama_dir}"
+max_model_len = 128
+warmup = ["def add(a, b):"]
+""")
+    topics, replies = settings.topics, settings.topics.replies("test")
+    service, task = await start(settings)
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=service.http_app()), base_url="http://worker")
+    try:
+        ready = await wait_beat(topics, lambda hb: state_of(hb, "tiny@1") == "ready")
+        assert ready.versions["tiny@1"].golden_checked_ms is not None
+        assert (await read_registry(settings)).versions["tiny@1"].goldens == []  # seeded without: kept on the worker
+        local = service.versions.versions["tiny@1"].goldens
+        expected = await asyncio.to_thread(record_goldens, service.seeds[0], None, 8,
+                                           WorkerSettings(device="cpu"))  # fmt: skip
+        assert local == expected and local[0].expected_token_ids  # what a push would have recorded
+        assert 'weir_worker_version_goldens{model="tiny@1",source="local"} 1' in (await http.get("/metrics")).text
+        before = await serve_text(topics, "before", replies)
+
+        assert (await http.post("/faults/corrupt-weights", params={"model": "tiny@1"})).status_code == 200
+        unhealthy = await wait_beat(topics, lambda hb: state_of(hb, "tiny@1") == "unhealthy", 30)
+        assert "tiny@1" not in unhealthy.models
+        events = await health_events(topics, lambda es: any(e.event == "reloaded" for e in es))
+        assert [e.event for e in events] == ["loaded", "golden_failed", "reloaded"]
+        assert events[0].detail.endswith("1 goldens (local)")
+        await wait_beat(topics, lambda hb: hb.sent_ms > events[-1].created_ms and state_of(hb, "tiny@1") == "ready")
+        assert service.versions.versions["tiny@1"].goldens == local  # the reload is checked against the first load's
+        assert await serve_text(topics, "after", replies) == before
+    finally:
+        await http.aclose()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
 async def test_the_fault_hook_is_not_found_unless_fault_hooks_are_on(tmp_path):
     service = WorkerService(worker_settings(tmp_path))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=service.http_app()), base_url="http://w") as http:
