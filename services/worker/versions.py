@@ -33,7 +33,7 @@ from aiokafka.errors import KafkaError
 
 from schemas.messages import VersionState, VersionStatus, now_ms
 from schemas.model_repo import ModelConfig
-from schemas.registry import GoldenCase, ModelManifest, ModelVersionRecord, RegistryState, split_ref
+from schemas.registry import GoldenCase, ModelManifest, ModelVersionRecord, RegistryState, served_id, split_ref
 from services.worker.config import WorkerSettings
 from services.worker.goldens import GOLDEN_MAX_TOKENS
 from services.worker.handlers import ModelServer
@@ -237,8 +237,8 @@ class VersionManager:
             version.server.is_taking = False  # what runs finishes; nothing new starts on these weights
         self._set(version, "unhealthy", problem)
         await self.port.emit(version.sid, "golden_failed", problem)
-        if await self._roll_back_if_fresh(version, problem):
-            return  # unwanted now: it drains, out of routing, when the registry change comes back
+        if self._roll_back_if_fresh(version, problem):
+            return  # out of routing (unhealthy) until the rollback unloads it; then it drains
         if not version.is_stopping:
             version.job = self._spawn(self._reload(version))
 
@@ -404,7 +404,7 @@ class VersionManager:
             _stop_hosts(version.hosts)
             version.hosts = []
             version.golden_failures += 1
-            await self._roll_back_if_fresh(version, problem)
+            self._roll_back_if_fresh(version, problem)
             raise _Stop("failed", f"golden check failed: {problem}", "golden_failed")
 
     async def _record_goldens(self, version: Version, config: ModelConfig) -> None:
@@ -473,27 +473,60 @@ class VersionManager:
         self._set(version, stop.state, stop.reason)
         await self.port.emit(version.sid, stop.event, stop.reason)
 
-    async def _roll_back_if_fresh(self, version: Version, why: str) -> bool:
+    def _roll_back_if_fresh(self, version: Version, why: str) -> bool:
         """shared protocol 5: the default version of its name, promoted within
         WEIR_ROLLBACK_WINDOW_S, failing its goldens is rolled back (weir.registry.rollback: the
-        previous default loaded and routed to again, this one unloaded). True when it was."""
+        previous default loaded and routed to again, this one unloaded). True when a rollback
+        started: it runs as a job of its own (_roll_back), the failing version out of routing."""
         state = self.port.registry_state()
         route = state.routes.get(version.name)
-        if route is None or route.default_version != version.version:
+        if route is None or route.default_version != version.version or route.previous_version is None:
             return False
         if now_ms() - route.updated_ms > self.settings.rollback_window_s * 1000:
             return False
         records = rollback(state, version.sid, why, by=f"worker {self.port.worker_id}")
         if not records:
             return False
-        try:
-            await self.port.write_registry(records)
-        except (KafkaError, OSError, TimeoutError) as exc:  # the broker away: reloaded instead, like any departure
-            log.error("rollback of %s not written (%r)", version.sid, exc)
-            return False
-        await self.port.emit(version.sid, "rolled_back", f"default of {version.name} back to "
-                             f"{route.previous_version}: {why}")  # fmt: skip
+        self._spawn(self._roll_back(version, route.previous_version, records, why))
         return True
+
+    async def _roll_back(self, version: Version, previous: str, records: list, why: str) -> None:
+        """docs/design.md, "The model registry": the previous version wanted `loaded` first; the
+        route switched back (and the failing version unloaded) only once this worker, which serves
+        the name, has the previous one ready, or after WEIR_ROLLBACK_WARM_TIMEOUT_S anyway. So a
+        rollback leaves no gap where the previous version can load. Not written (the broker away):
+        the failing version is reloaded instead, like any departure."""
+        back = served_id(version.name, previous)
+        warm = [r for r in records if isinstance(r, ModelVersionRecord) and r.served_id == back]
+        switch = [r for r in records if not any(r is w for w in warm)]
+        try:
+            if warm:
+                await self.port.write_registry(warm)
+            late = await self._wait_ready(back)
+            await self.port.write_registry(switch)
+        except (KafkaError, OSError, TimeoutError) as exc:
+            log.error("rollback of %s not written (%r): reloaded instead", version.sid, exc)
+            if version.state == "unhealthy" and not version.is_stopping and self.versions.get(version.sid) is version:
+                version.job = self._spawn(self._reload(version))
+            return
+        note = f" ({late})" if late else f" ({back} ready here first)"
+        await self.port.emit(version.sid, "rolled_back", f"default of {version.name} back to {previous}{note}: {why}")
+
+    async def _wait_ready(self, sid: str) -> str | None:
+        """Wait until `sid` is ready on this worker: None, or why the route is switched without it
+        (not ready within WEIR_ROLLBACK_WARM_TIMEOUT_S, or it failed or was refused here)."""
+        limit = self.settings.rollback_warm_timeout_s
+        deadline = asyncio.get_running_loop().time() + limit
+        while True:
+            held = self.versions.get(sid)
+            if held is not None and not held.is_stopping:
+                if held.state == "ready":
+                    return None
+                if held.state in ("failed", "refused"):
+                    return f"switched without {sid}: it is {held.state} here: {held.reason}"
+            if asyncio.get_running_loop().time() >= deadline:
+                return f"switched without {sid}: not ready here within WEIR_ROLLBACK_WARM_TIMEOUT_S={limit:g} s"
+            await asyncio.sleep(0.05)
 
     def _set(self, version: Version, state: VersionState, reason: str | None) -> None:
         version.state, version.reason = state, reason
