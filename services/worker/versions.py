@@ -33,7 +33,7 @@ from aiokafka.errors import KafkaError
 
 from schemas.messages import VersionState, VersionStatus, now_ms
 from schemas.model_repo import ModelConfig
-from schemas.registry import GoldenCase, ModelManifest, ModelVersionRecord, RegistryState, served_id, split_ref
+from schemas.registry import GoldenCase, ModelManifest, ModelRoute, ModelVersionRecord, RegistryState, served_id, split_ref
 from services.worker.config import WorkerSettings
 from services.worker.goldens import GOLDEN_MAX_TOKENS
 from services.worker.handlers import ModelServer
@@ -498,19 +498,29 @@ class VersionManager:
         the failing version is reloaded instead, like any departure."""
         back = served_id(version.name, previous)
         warm = [r for r in records if isinstance(r, ModelVersionRecord) and r.served_id == back]
-        switch = [r for r in records if not any(r is w for w in warm)]
         try:
             if warm:
                 await self.port.write_registry(warm)
             late = await self._wait_ready(back)
+            # What the registry holds now: an operator may have routed the name elsewhere meanwhile.
+            switch = [r for r in rollback(self.port.registry_state(), version.sid, why, by=f"worker {self.port.worker_id}")
+                      if not (isinstance(r, ModelVersionRecord) and r.served_id == back)]  # fmt: skip
+            if not any(isinstance(r, ModelRoute) and r.default_version == previous for r in switch):
+                log.warning("rollback of %s not switched: the route of %s changed meanwhile", version.sid, version.name)
+                self._reload_if_unhealthy(version)
+                return
             await self.port.write_registry(switch)
         except (KafkaError, OSError, TimeoutError) as exc:
             log.error("rollback of %s not written (%r): reloaded instead", version.sid, exc)
-            if version.state == "unhealthy" and not version.is_stopping and self.versions.get(version.sid) is version:
-                version.job = self._spawn(self._reload(version))
+            self._reload_if_unhealthy(version)
             return
         note = f" ({late})" if late else f" ({back} ready here first)"
         await self.port.emit(version.sid, "rolled_back", f"default of {version.name} back to {previous}{note}: {why}")
+
+    def _reload_if_unhealthy(self, version: Version) -> None:
+        """A rollback that did not happen: the failing version is reloaded, like any departure."""
+        if version.state == "unhealthy" and not version.is_stopping and self.versions.get(version.sid) is version:
+            version.job = self._spawn(self._reload(version))
 
     async def _wait_ready(self, sid: str) -> str | None:
         """Wait until `sid` is ready on this worker: None, or why the route is switched without it

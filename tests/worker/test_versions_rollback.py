@@ -92,3 +92,20 @@ async def test_after_the_warm_timeout_the_route_is_switched_anyway_and_the_event
     assert port.events == [("echo@2", "rolled_back", "default of echo back to 1 (switched without echo@1: not ready "
                             "here within WEIR_ROLLBACK_WARM_TIMEOUT_S=0.2 s): golden departed")]  # fmt: skip
     await versions.close()
+
+
+async def test_a_route_changed_while_warming_is_not_switched_back_and_the_failing_version_is_reloaded():
+    versions, port, failing = await manager(timeout_s=30)
+    assert versions._roll_back_if_fresh(failing, "golden departed")
+    await asyncio.sleep(0.3)
+    three = ModelConfig(name="echo", version="3", engine="echo", max_model_len=4096)
+    for record in (ModelVersionRecord(manifest=pack(three)), ModelRoute(name="echo", default_version="3", previous_version="2")):
+        port.state.apply(record.key, record)  # an operator promoted echo@3 meanwhile
+    versions.versions["echo@1"] = Version("echo@1", None, port.state.versions["echo@1"], state="ready")
+    for _ in range(40):
+        if failing.reloads:
+            break
+        await asyncio.sleep(0.05)
+    assert [kinds(w) for w in port.writes] == [[("echo@1", "loaded")]]  # echo@3's route kept
+    assert failing.reloads == 1 and "rolled_back" not in [e for _, e, _ in port.events]
+    await versions.close()
