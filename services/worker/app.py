@@ -337,6 +337,10 @@ class WorkerService:
                       "outputs, since start.", per_version(lambda v: v.golden_failures))  # fmt: skip
         metrics.gauge("weir_worker_version_reloads", "Reloads of each version from verified weights after a golden "
                       "failure, since start.", per_version(lambda v: v.reloads))  # fmt: skip
+        metrics.gauge("weir_worker_version_goldens", "Golden cases each version is checked against; source: registry "
+                      "(its record), local (recorded on this worker at its first load: its record had none) or none.",
+                      lambda: [(len(v.goldens), {"model": v.sid, "source": v.golden_source})
+                               for v in (self.versions.versions.values() if self.versions is not None else [])])  # fmt: skip
         metrics.gauge("weir_worker_memory_budget_bytes", "Memory all versions of this worker may take.",
                       lambda: [(self.versions.budget_total if self.versions is not None else 0, {})])  # fmt: skip
         return metrics

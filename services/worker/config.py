@@ -71,6 +71,10 @@ class WorkerSettings(BusSettings):
     rollback_window_s: float = Field(
         600.0, ge=0, description="A default version promoted this recently is rolled back when its goldens fail.",
     )
+    rollback_warm_timeout_s: float = Field(
+        120.0, ge=0, description="A rollback switches the route back once the previous version is ready on the "
+        "worker that rolls back, or after this long anyway (docs/design.md, \"The model registry\").",
+    )
 
     def serves(self, name: str) -> bool:
         """Whether this worker serves model `name` (WEIR_MODELS, or every name when it is empty)."""

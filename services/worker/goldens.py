@@ -7,6 +7,8 @@ memory (a bit flip, a bad device, the fault hook) produces other tokens and fail
 the worker marks it unhealthy and reloads it from verified weights (docs/design.md, invariant 10).
 
     record_goldens(config)           build the engine here, run the prompts, return GoldenCases
+    GoldenChecks.record              the same inside a running engine loop (a worker recording the
+                                     goldens of a version registered without any, on its own device)
     golden_problem(case, ids, vec)   pure: why an output departs from its case, or None
     GoldenCheck                      a check in flight inside an engine loop (runner.drive):
                                      golden requests step beside the clients' and never leave it
@@ -35,6 +37,7 @@ GOLDEN_TIMEOUT_MS = 120_000
 # 1.0 to within 1e-7 (tests/test_goldens.py measures it); a corrupted session falls far below.
 # 0.999 leaves room for a CPU-recorded vector checked on the CUDA provider (float32 both).
 DEFAULT_MIN_COSINE = 0.999
+GOLDEN_MAX_TOKENS = 8  # tokens of each recorded golden (`weir models push --golden-max-tokens`' default)
 
 _ids = itertools.count()
 
@@ -141,11 +144,22 @@ class GoldenChecks:
         self._engine = engine
         self._answer = answer
         self._checks: dict[int, GoldenCheck] = {}
+        self._recording: set[int] = set()  # checks that record (answered with their cases), not compare
 
     def start(self, token: int, cases: list[GoldenCase]) -> None:
         try:
             self._checks[token] = GoldenCheck(self._engine, cases)
         except Exception as exc:  # noqa: BLE001 - a bad case is the asker's answer, not the engine's end
+            self._answer(token, False, f"{type(exc).__name__}: {exc}")
+
+    def record(self, token: int, what: tuple[list[str], int]) -> None:
+        """Record goldens of `what` (prompts, max_tokens) in this engine, as record_goldens does:
+        answered with the cases."""
+        prompts, max_tokens = what
+        try:
+            self._checks[token] = GoldenCheck(self._engine, golden_cases(self._engine, prompts, max_tokens))
+            self._recording.add(token)
+        except Exception as exc:  # noqa: BLE001 - as in start()
             self._answer(token, False, f"{type(exc).__name__}: {exc}")
 
     def take(self, outputs: list[EngineOutput]) -> list[EngineOutput]:
@@ -154,8 +168,18 @@ class GoldenChecks:
             outputs = check.take(outputs)
             if check.is_done:
                 del self._checks[token]
-                self._answer(token, True, check.problem())
+                if token in self._recording:
+                    self._recording.discard(token)
+                    self._answer_recorded(token, check)
+                else:
+                    self._answer(token, True, check.problem())
         return outputs
+
+    def _answer_recorded(self, token: int, check: GoldenCheck) -> None:
+        try:
+            self._answer(token, True, recorded_cases(check))
+        except ValueError as exc:
+            self._answer(token, False, str(exc))
 
 
 def run_goldens(
@@ -185,7 +209,7 @@ def _step_until_done(
 
 
 def record_goldens(
-    config: ModelConfig, prompts: list[str] | None = None, max_tokens: int = 8, settings: WorkerSettings | None = None
+    config: ModelConfig, prompts: list[str] | None = None, max_tokens: int = GOLDEN_MAX_TOKENS, settings: WorkerSettings | None = None
 ) -> list[GoldenCase]:
     """Build `config`'s engine in this process (on the CPU unless `settings` say otherwise), run
     each prompt greedily and return the cases: up to `max_tokens` token ids each (fewer when the
@@ -196,15 +220,26 @@ def record_goldens(
     if not prompts:
         raise ValueError(f"model {config.name!r}: no prompts to record goldens with (and no warmup prompts)")
     engine = build_engine(config, settings, choose_device(settings.device))
-    if isinstance(engine, EmbeddingEngine):  # a vector per prompt
-        cases = [GoldenCase(kind="embed", prompt=p, min_cosine=DEFAULT_MIN_COSINE) for p in prompts]
-    else:
-        cases = [GoldenCase(prompt=p, max_tokens=max_tokens) for p in prompts]
-    check = GoldenCheck(engine, cases)
+    check = GoldenCheck(engine, golden_cases(engine, prompts, max_tokens))
     _step_until_done(engine, check, None)
+    try:
+        return recorded_cases(check)
+    except ValueError as exc:
+        raise ValueError(f"model {config.name!r}: {exc}") from exc
+
+
+def golden_cases(engine: EngineLike, prompts: list[str], max_tokens: int) -> list[GoldenCase]:
+    """The cases to record for `prompts`: an embedding model's vector, else up to `max_tokens` tokens."""
+    if isinstance(engine, EmbeddingEngine):  # a vector per prompt
+        return [GoldenCase(kind="embed", prompt=p, min_cosine=DEFAULT_MIN_COSINE) for p in prompts]
+    return [GoldenCase(prompt=p, max_tokens=max_tokens) for p in prompts]
+
+
+def recorded_cases(check: GoldenCheck) -> list[GoldenCase]:
+    """A finished recording check's cases with what each produced; ValueError when one did not complete."""
     if check.failures:
-        raise ValueError(f"model {config.name!r}: a golden prompt did not complete: {next(iter(check.failures.values()))}")
-    return [_recorded(case, check.token_ids[i], check.vectors.get(i)) for i, case in enumerate(cases)]
+        raise ValueError(f"a golden prompt did not complete: {next(iter(check.failures.values()))}")
+    return [_recorded(case, check.token_ids[i], check.vectors.get(i)) for i, case in enumerate(check.cases)]
 
 
 def _recorded(case: GoldenCase, token_ids: list[int], vector: list[float] | None) -> GoldenCase:

@@ -90,6 +90,8 @@ def _apply_commands(
             out = engine.cancel(arg, now_ms())  # type: ignore[arg-type]
         elif kind == "golden":
             goldens.start(*arg)  # type: ignore[misc]  # (token, cases)
+        elif kind == "record":
+            goldens.record(*arg)  # type: ignore[misc]  # (token, (prompts, max_tokens))
         elif kind == "corrupt":
             _corrupt(engine, arg, answer)  # type: ignore[arg-type]
         if out is not None:
@@ -138,6 +140,13 @@ class _Host:
         assert problem is None or isinstance(problem, str)
         return problem
 
+    async def record_goldens(self, prompts: list[str], max_tokens: int) -> list[GoldenCase]:
+        """Record goldens of `prompts` in the engine, as `weir models push` does (greedy, between its
+        steps): for a version registered without goldens, on the device that serves it."""
+        cases = await self._ask("record", (prompts, max_tokens))
+        assert isinstance(cases, list)
+        return cases
+
     async def corrupt_weights(self) -> None:
         """The fault hook: perturb the engine's weights in memory (services/worker/faults.py).
         FaultHookError unless WorkerSettings.fault_hooks (WEIR_FAULT_HOOKS) is set."""
@@ -152,7 +161,7 @@ class _Host:
         token = next(self._tokens)
         future = asyncio.get_running_loop().create_future()
         self._questions[token] = future
-        self._send((kind, (token, arg) if kind == "golden" else token))
+        self._send((kind, token if arg is None else (token, arg)))
         try:
             ok, value = await future
         finally:

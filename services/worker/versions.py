@@ -33,8 +33,9 @@ from aiokafka.errors import KafkaError
 
 from schemas.messages import VersionState, VersionStatus, now_ms
 from schemas.model_repo import ModelConfig
-from schemas.registry import GoldenCase, ModelManifest, ModelVersionRecord, RegistryState, split_ref
+from schemas.registry import GoldenCase, ModelManifest, ModelRoute, ModelVersionRecord, RegistryState, served_id, split_ref
 from services.worker.config import WorkerSettings
+from services.worker.goldens import GOLDEN_MAX_TOKENS
 from services.worker.handlers import ModelServer
 from services.worker.loading import EngineLoader, OnOutputs, OnStatus
 from services.worker.runner import EngineHost, EngineProcess
@@ -102,6 +103,7 @@ class Version:
     job: asyncio.Task | None = None  # bring-up, reload or drain in progress
     is_stopping: bool = False  # no longer wanted: being cancelled or drained
     golden_checked_ms: int | None = None
+    local_goldens: list[GoldenCase] = field(default_factory=list)  # recorded here: its record has none
     golden_failures: int = 0
     reloads: int = 0
 
@@ -115,7 +117,17 @@ class Version:
 
     @property
     def goldens(self) -> list[GoldenCase]:
-        return self.record.goldens if self.record is not None else []
+        """Its record's goldens; else those this worker recorded when it first loaded it (_record_goldens)."""
+        if self.record is not None and self.record.goldens:
+            return self.record.goldens
+        return self.local_goldens
+
+    @property
+    def golden_source(self) -> str:
+        """Where its goldens come from: "registry", "local" (recorded on this worker) or "none"."""
+        if self.record is not None and self.record.goldens:
+            return "registry"
+        return "local" if self.local_goldens else "none"
 
     def status(self) -> VersionStatus:
         engine = self.hosts[0].engine_label if self.hosts else ""
@@ -225,8 +237,8 @@ class VersionManager:
             version.server.is_taking = False  # what runs finishes; nothing new starts on these weights
         self._set(version, "unhealthy", problem)
         await self.port.emit(version.sid, "golden_failed", problem)
-        if await self._roll_back_if_fresh(version, problem):
-            return  # unwanted now: it drains, out of routing, when the registry change comes back
+        if self._roll_back_if_fresh(version, problem):
+            return  # out of routing (unhealthy) until the rollback unloads it; then it drains
         if not version.is_stopping:
             version.job = self._spawn(self._reload(version))
 
@@ -257,7 +269,8 @@ class VersionManager:
             await self._serve(version, config)
 
         if await self._attempt(version, steps()):
-            await self.port.emit(version.sid, "loaded", f"digest {version.digest[:12]}, {version.budget_bytes} bytes")
+            goldens = f"{len(version.goldens)} goldens ({version.golden_source})"
+            await self.port.emit(version.sid, "loaded", f"digest {version.digest[:12]}, {version.budget_bytes} bytes, {goldens}")
 
     async def _reload(self, version: Version) -> None:
         """An unhealthy version: finish what runs (no new batches), close its server and engines,
@@ -384,13 +397,31 @@ class VersionManager:
         for host in version.hosts:
             host.start()  # its engine loop runs now: goldens go through it (no request does before ready)
         self._set(version, "golden", None)
+        if not version.goldens:
+            await self._record_goldens(version, config)
         problem = await self._run_goldens(version, version.hosts)
         if problem is not None:
             _stop_hosts(version.hosts)
             version.hosts = []
             version.golden_failures += 1
-            await self._roll_back_if_fresh(version, problem)
+            self._roll_back_if_fresh(version, problem)
             raise _Stop("failed", f"golden check failed: {problem}", "golden_failed")
+
+    async def _record_goldens(self, version: Version, config: ModelConfig) -> None:
+        """A version registered without goldens (a models.toml seed, a push without them): record
+        them now, from the files just verified, in its first engine's own loop (greedy, its warmup
+        prompts, as `weir models push` does). They stay on this worker (docs/design.md, "The model
+        registry"): goldens are exact tokens of one device and dtype, and another worker's may differ.
+        Kept across reloads, so a reload is checked against what the verified files produced first."""
+        prompts = list(config.warmup)
+        if not prompts:
+            log.warning("model version %s has no goldens and no warmup prompts to record them with", version.sid)
+            return
+        try:
+            version.local_goldens = await asyncio.wait_for(
+                version.hosts[0].record_goldens(prompts, GOLDEN_MAX_TOKENS), GOLDEN_TIMEOUT_S)  # fmt: skip
+        except (RuntimeError, TimeoutError) as exc:  # the engine died, or a prompt did not complete
+            raise _Stop("failed", f"goldens could not be recorded: {exc or 'timed out'}", "golden_failed") from exc
 
     async def _run_goldens(self, version: Version, hosts: list[EngineHost]) -> str | None:
         """The first departure of any engine from the version's goldens, or None."""
@@ -442,27 +473,70 @@ class VersionManager:
         self._set(version, stop.state, stop.reason)
         await self.port.emit(version.sid, stop.event, stop.reason)
 
-    async def _roll_back_if_fresh(self, version: Version, why: str) -> bool:
+    def _roll_back_if_fresh(self, version: Version, why: str) -> bool:
         """shared protocol 5: the default version of its name, promoted within
         WEIR_ROLLBACK_WINDOW_S, failing its goldens is rolled back (weir.registry.rollback: the
-        previous default loaded and routed to again, this one unloaded). True when it was."""
+        previous default loaded and routed to again, this one unloaded). True when a rollback
+        started: it runs as a job of its own (_roll_back), the failing version out of routing."""
         state = self.port.registry_state()
         route = state.routes.get(version.name)
-        if route is None or route.default_version != version.version:
+        if route is None or route.default_version != version.version or route.previous_version is None:
             return False
         if now_ms() - route.updated_ms > self.settings.rollback_window_s * 1000:
             return False
         records = rollback(state, version.sid, why, by=f"worker {self.port.worker_id}")
         if not records:
             return False
-        try:
-            await self.port.write_registry(records)
-        except (KafkaError, OSError, TimeoutError) as exc:  # the broker away: reloaded instead, like any departure
-            log.error("rollback of %s not written (%r)", version.sid, exc)
-            return False
-        await self.port.emit(version.sid, "rolled_back", f"default of {version.name} back to "
-                             f"{route.previous_version}: {why}")  # fmt: skip
+        self._spawn(self._roll_back(version, route.previous_version, records, why))
         return True
+
+    async def _roll_back(self, version: Version, previous: str, records: list, why: str) -> None:
+        """docs/design.md, "The model registry": the previous version wanted `loaded` first; the
+        route switched back (and the failing version unloaded) only once this worker, which serves
+        the name, has the previous one ready, or after WEIR_ROLLBACK_WARM_TIMEOUT_S anyway. So a
+        rollback leaves no gap where the previous version can load. Not written (the broker away):
+        the failing version is reloaded instead, like any departure."""
+        back = served_id(version.name, previous)
+        warm = [r for r in records if isinstance(r, ModelVersionRecord) and r.served_id == back]
+        try:
+            if warm:
+                await self.port.write_registry(warm)
+            late = await self._wait_ready(back)
+            # What the registry holds now: an operator may have routed the name elsewhere meanwhile.
+            switch = [r for r in rollback(self.port.registry_state(), version.sid, why, by=f"worker {self.port.worker_id}")
+                      if not (isinstance(r, ModelVersionRecord) and r.served_id == back)]  # fmt: skip
+            if not any(isinstance(r, ModelRoute) and r.default_version == previous for r in switch):
+                log.warning("rollback of %s not switched: the route of %s changed meanwhile", version.sid, version.name)
+                self._reload_if_unhealthy(version)
+                return
+            await self.port.write_registry(switch)
+        except (KafkaError, OSError, TimeoutError) as exc:
+            log.error("rollback of %s not written (%r): reloaded instead", version.sid, exc)
+            self._reload_if_unhealthy(version)
+            return
+        note = f" ({late})" if late else f" ({back} ready here first)"
+        await self.port.emit(version.sid, "rolled_back", f"default of {version.name} back to {previous}{note}: {why}")
+
+    def _reload_if_unhealthy(self, version: Version) -> None:
+        """A rollback that did not happen: the failing version is reloaded, like any departure."""
+        if version.state == "unhealthy" and not version.is_stopping and self.versions.get(version.sid) is version:
+            version.job = self._spawn(self._reload(version))
+
+    async def _wait_ready(self, sid: str) -> str | None:
+        """Wait until `sid` is ready on this worker: None, or why the route is switched without it
+        (not ready within WEIR_ROLLBACK_WARM_TIMEOUT_S, or it failed or was refused here)."""
+        limit = self.settings.rollback_warm_timeout_s
+        deadline = asyncio.get_running_loop().time() + limit
+        while True:
+            held = self.versions.get(sid)
+            if held is not None and not held.is_stopping:
+                if held.state == "ready":
+                    return None
+                if held.state in ("failed", "refused"):
+                    return f"switched without {sid}: it is {held.state} here: {held.reason}"
+            if asyncio.get_running_loop().time() >= deadline:
+                return f"switched without {sid}: not ready here within WEIR_ROLLBACK_WARM_TIMEOUT_S={limit:g} s"
+            await asyncio.sleep(0.05)
 
     def _set(self, version: Version, state: VersionState, reason: str | None) -> None:
         version.state, version.reason = state, reason

@@ -137,6 +137,8 @@ async def test_process_host_checks_goldens_then_fails_them_once_corrupted(tiny_g
     try:
         assert process.engine_label == "torch-cpu" and process.used_bytes() > 0
         assert await process.check_goldens(tiny_goldens) is None
+        # Recorded in the engine's own loop (a version registered without goldens): as record_goldens does.
+        assert await process.record_goldens(list(TINY.warmup), 6) == tiny_goldens
         await process.corrupt_weights()
         problem = await asyncio.wait_for(process.check_goldens(tiny_goldens), 60)
         assert problem is not None and "expected" in problem

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from schemas.codec import decode, decode_reply, encode
+from schemas.codec import decode, decode_registry_record, decode_reply, encode
 from schemas.messages import Batch, ReplyDelta, ReplyEnd, WorkerHeartbeat
 from schemas.model_repo import ModelConfig
 from schemas.registry import ModelHealthEvent, ModelRoute, ModelVersionRecord
@@ -219,6 +219,44 @@ async def test_corrupted_weights_fail_the_periodic_goldens_and_the_version_is_re
         await asyncio.gather(task, return_exceptions=True)
 
 
+async def test_a_version_seeded_from_models_toml_records_its_goldens_here_and_is_reloaded_when_corrupted(tmp_path, llama_dir):
+    settings = worker_settings(tmp_path, models="tiny", fault_hooks=True, golden_interval_s=1.0)
+    Path(settings.model_repo).write_text(f"""
+[models.tiny]
+engine = "torch"
+path = "{llama_dir}"
+max_model_len = 128
+warmup = ["def add(a, b):"]
+""")
+    topics, replies = settings.topics, settings.topics.replies("test")
+    service, task = await start(settings)
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=service.http_app()), base_url="http://worker")
+    try:
+        ready = await wait_beat(topics, lambda hb: state_of(hb, "tiny@1") == "ready")
+        assert ready.versions["tiny@1"].golden_checked_ms is not None
+        assert (await read_registry(settings)).versions["tiny@1"].goldens == []  # seeded without: kept on the worker
+        local = service.versions.versions["tiny@1"].goldens
+        expected = await asyncio.to_thread(record_goldens, service.seeds[0], None, 8,
+                                           WorkerSettings(device="cpu"))  # fmt: skip
+        assert local == expected and local[0].expected_token_ids  # what a push would have recorded
+        assert 'weir_worker_version_goldens{model="tiny@1",source="local"} 1' in (await http.get("/metrics")).text
+        before = await serve_text(topics, "before", replies)
+
+        assert (await http.post("/faults/corrupt-weights", params={"model": "tiny@1"})).status_code == 200
+        unhealthy = await wait_beat(topics, lambda hb: state_of(hb, "tiny@1") == "unhealthy", 30)
+        assert "tiny@1" not in unhealthy.models
+        events = await health_events(topics, lambda es: any(e.event == "reloaded" for e in es))
+        assert [e.event for e in events] == ["loaded", "golden_failed", "reloaded"]
+        assert events[0].detail.endswith("1 goldens (local)")
+        await wait_beat(topics, lambda hb: hb.sent_ms > events[-1].created_ms and state_of(hb, "tiny@1") == "ready")
+        assert service.versions.versions["tiny@1"].goldens == local  # the reload is checked against the first load's
+        assert await serve_text(topics, "after", replies) == before
+    finally:
+        await http.aclose()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
 async def test_the_fault_hook_is_not_found_unless_fault_hooks_are_on(tmp_path):
     service = WorkerService(worker_settings(tmp_path))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=service.http_app()), base_url="http://w") as http:
@@ -243,15 +281,28 @@ async def test_a_fresh_default_failing_its_goldens_is_rolled_back(tmp_path, llam
         await wait_beat(topics, lambda hb: "tiny@1" not in hb.versions and state_of(hb, "tiny@2") == "ready")
 
         assert (await http.post("/faults/corrupt-weights", params={"model": "tiny@2"})).status_code == 200
+        # No gap: tiny@1 wanted loaded and ready here while tiny@2, still the default, is out of routing.
+        warm = await wait_beat(topics, lambda hb: state_of(hb, "tiny@1") == "ready" and state_of(hb, "tiny@2") == "unhealthy", 60)
+        assert warm.models == ["tiny@1"]
         back = await wait_beat(topics, lambda hb: state_of(hb, "tiny@1") == "ready" and "tiny@2" not in hb.versions, 60)
         assert back.models == ["tiny@1"]
         state = await read_registry(settings)
         route = state.routes["tiny"]
         assert (route.default_version, route.previous_version) == ("1", "2") and route.reason.startswith("rollback of tiny@2")
         assert state.versions["tiny@2"].desired == "unloaded" and state.versions["tiny@1"].desired == "loaded"
+
+        # The order on the registry topic (one partition): tiny@1 loaded, then (once it was ready) the route.
+        records = [(r, decode_registry_record(r.value)) for r in
+                   await read_until(BOOTSTRAP, [topics.models], lambda rs: False, timeout_s=3)]  # fmt: skip
+        reloaded = [r for r, rec in records if isinstance(rec, ModelVersionRecord) and rec.served_id == "tiny@1"
+                    and rec.desired == "loaded" and rec.registered_by.startswith("worker ")]  # fmt: skip
+        switched = [r for r, rec in records if isinstance(rec, ModelRoute) and rec.reason.startswith("rollback of")]
+        assert len(reloaded) == len(switched) == 1 and reloaded[0].offset < switched[0].offset
+        assert switched[0].timestamp >= warm.sent_ms  # switched only after tiny@1 was ready here
         events = await health_events(topics, lambda es: ("tiny@2", "unloaded") in {(e.model, e.event) for e in es})
-        tiny2 = [e.event for e in events if e.model == "tiny@2"]
-        assert tiny2 == ["loaded", "golden_failed", "rolled_back", "unloaded"]
+        tiny2 = [e for e in events if e.model == "tiny@2"]
+        assert [e.event for e in tiny2] == ["loaded", "golden_failed", "rolled_back", "unloaded"]
+        assert "(tiny@1 ready here first)" in tiny2[2].detail
     finally:
         await http.aclose()
         task.cancel()

@@ -1,0 +1,111 @@
+"""The worker's staged rollback (services/worker/versions.py: VersionManager._roll_back), one handler
+with an in-memory port: the previous version wanted loaded first, the route switched only once it
+is ready here, or after WEIR_ROLLBACK_WARM_TIMEOUT_S anyway (the Kafka path: test_versions_kafka.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from schemas.messages import now_ms
+from schemas.model_repo import ModelConfig
+from schemas.registry import ModelRoute, ModelVersionRecord, RegistryState
+from services.worker.config import WorkerSettings
+from services.worker.versions import Version, VersionManager
+from weir.models.manifest import pack
+
+
+class FakePort:
+    """Records what the manager writes and emits; the registry is a state the test sets."""
+
+    worker_id = "w1"
+
+    def __init__(self, state: RegistryState) -> None:
+        self.state = state
+        self.writes: list[list] = []
+        self.events: list[tuple[str, str, str]] = []
+
+    async def write_registry(self, records: list) -> None:
+        self.writes.append(records)
+
+    async def emit(self, sid: str, event: str, detail: str) -> None:
+        self.events.append((sid, event, detail))
+
+    def registry_state(self) -> RegistryState:
+        return self.state
+
+    def changed(self) -> None:
+        pass
+
+
+def promoted_state() -> RegistryState:
+    """echo@2 promoted just now over echo@1, which promote asked to unload."""
+    state = RegistryState()
+    one, two = (ModelConfig(name="echo", version=v, engine="echo", max_model_len=4096) for v in ("1", "2"))
+    for record in (ModelVersionRecord(manifest=pack(one), desired="unloaded"), ModelVersionRecord(manifest=pack(two)),
+                   ModelRoute(name="echo", default_version="2", previous_version="1", updated_ms=now_ms())):  # fmt: skip
+        state.apply(record.key, record)
+    return state
+
+
+async def manager(timeout_s: float) -> tuple[VersionManager, FakePort, Version]:
+    port = FakePort(promoted_state())
+    settings = WorkerSettings(rollback_warm_timeout_s=timeout_s)
+
+    async def estimate(_config: ModelConfig) -> int:
+        return 0
+
+    versions = VersionManager(settings, port, budget_total=1, trusted_keys={}, estimate=estimate)  # type: ignore[arg-type]
+    failing = Version("echo@2", None, port.state.versions["echo@2"], state="unhealthy")
+    versions.versions["echo@2"] = failing
+    return versions, port, failing
+
+
+def kinds(records: list) -> list[tuple[str, str]]:
+    return [(r.served_id, r.desired) if isinstance(r, ModelVersionRecord) else ("route", r.default_version) for r in records]
+
+
+async def test_the_route_is_switched_back_only_once_the_previous_version_is_ready_here():
+    versions, port, failing = await manager(timeout_s=30)
+    assert versions._roll_back_if_fresh(failing, "golden departed")
+    await asyncio.sleep(0.5)
+    assert [kinds(w) for w in port.writes] == [[("echo@1", "loaded")]]  # warming: the route not switched yet
+    assert port.events == []
+
+    versions.versions["echo@1"] = Version("echo@1", None, port.state.versions["echo@1"], state="ready")
+    for _ in range(40):
+        if len(port.writes) == 2:
+            break
+        await asyncio.sleep(0.05)
+    assert [kinds(w) for w in port.writes] == [[("echo@1", "loaded")], [("route", "1"), ("echo@2", "unloaded")]]
+    assert port.events == [("echo@2", "rolled_back", "default of echo back to 1 (echo@1 ready here first): golden departed")]
+    await versions.close()
+
+
+async def test_after_the_warm_timeout_the_route_is_switched_anyway_and_the_event_says_so():
+    versions, port, failing = await manager(timeout_s=0.2)
+    assert versions._roll_back_if_fresh(failing, "golden departed")
+    for _ in range(40):
+        if port.events:
+            break
+        await asyncio.sleep(0.05)
+    assert [kinds(w) for w in port.writes] == [[("echo@1", "loaded")], [("route", "1"), ("echo@2", "unloaded")]]
+    assert port.events == [("echo@2", "rolled_back", "default of echo back to 1 (switched without echo@1: not ready "
+                            "here within WEIR_ROLLBACK_WARM_TIMEOUT_S=0.2 s): golden departed")]  # fmt: skip
+    await versions.close()
+
+
+async def test_a_route_changed_while_warming_is_not_switched_back_and_the_failing_version_is_reloaded():
+    versions, port, failing = await manager(timeout_s=30)
+    assert versions._roll_back_if_fresh(failing, "golden departed")
+    await asyncio.sleep(0.3)
+    three = ModelConfig(name="echo", version="3", engine="echo", max_model_len=4096)
+    for record in (ModelVersionRecord(manifest=pack(three)), ModelRoute(name="echo", default_version="3", previous_version="2")):
+        port.state.apply(record.key, record)  # an operator promoted echo@3 meanwhile
+    versions.versions["echo@1"] = Version("echo@1", None, port.state.versions["echo@1"], state="ready")
+    for _ in range(40):
+        if failing.reloads:
+            break
+        await asyncio.sleep(0.05)
+    assert [kinds(w) for w in port.writes] == [[("echo@1", "loaded")]]  # echo@3's route kept
+    assert failing.reloads == 1 and "rolled_back" not in [e for _, e, _ in port.events]
+    await versions.close()
