@@ -23,7 +23,7 @@ from aiokafka import TopicPartition
 from schemas.codec import decode_registry_record, encode
 from schemas.model_repo import ModelRepository
 from schemas.messages import now_ms
-from schemas.registry import Desired, ModelRoute, ModelVersionRecord, RegistryState, served_id, split_ref
+from schemas.registry import Desired, ModelManifest, ModelRoute, ModelVersionRecord, RegistryState, served_id, split_ref
 from weir.bus import BusSettings, make_consumer, make_producer, partitions_of
 
 log = logging.getLogger(__name__)
@@ -190,11 +190,17 @@ def rollback(state: RegistryState, sid: str, why: str, by: str) -> list[ModelVer
     return out
 
 
+def _content(manifest: ModelManifest) -> ModelManifest:
+    """The manifest without the time it was packed: what makes two packings the same version."""
+    return manifest.model_copy(update={"created_ms": 0})
+
+
 def register(state: RegistryState, record: ModelVersionRecord) -> list[ModelVersionRecord | ModelRoute]:
     """The records that register a new version: itself, and a route to it when its name has none.
-    A version is immutable: the same name@version with another manifest is refused."""
+    A version is immutable: the same name@version with other files, format, location or serving
+    settings is refused (the same ones packed again, at another time, are the same version)."""
     known = state.versions.get(record.served_id)
-    if known is not None and known.manifest.digest() != record.manifest.digest():
+    if known is not None and _content(known.manifest) != _content(record.manifest):
         raise RegistryError(f"{record.served_id} is registered with other files (manifest "
                             f"{known.manifest.digest()[:12]}); push it as a new version")  # fmt: skip
     out: list[ModelVersionRecord | ModelRoute] = [record]

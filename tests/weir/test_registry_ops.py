@@ -15,9 +15,13 @@ from weir.registry import RegistryError, promote, register, rollback, seed_recor
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _echo(version: str) -> ModelVersionRecord:
-    return ModelVersionRecord(manifest=ModelManifest(name="echo", version=version, format="echo", location="",
-                                                     serving={"engine": "echo", "max_model_len": 64}))  # fmt: skip
+def _echo(version: str, created_ms: int | None = None) -> ModelVersionRecord:
+    """An echo version's record; packed now, unless `created_ms` says when."""
+    manifest = ModelManifest(name="echo", version=version, format="echo", location="",
+                             serving={"engine": "echo", "max_model_len": 64})  # fmt: skip
+    if created_ms is not None:
+        manifest = manifest.model_copy(update={"created_ms": created_ms})
+    return ModelVersionRecord(manifest=manifest)
 
 
 def _state(*records) -> RegistryState:
@@ -78,7 +82,8 @@ def test_a_version_is_immutable_and_a_record_under_another_key_is_ignored():
     other = _echo("2").model_copy(update={"manifest": _echo("2").manifest.model_copy(update={"serving": {"engine": "echo"}})})
     with pytest.raises(RegistryError, match="registered with other files"):
         register(state, other)
-    assert [r.key for r in register(state, _echo("2"))] == ["version:echo@2"]  # the same files again: allowed
+    again = _echo("2", created_ms=state.versions["echo@2"].manifest.created_ms + 60_000)  # packed a minute later
+    assert [r.key for r in register(state, again)] == ["version:echo@2"]  # the same files again: allowed
     state.apply("version:echo@3", _echo("2"))  # forged: the key names another version
     state.apply("route:other", ModelRoute(name="echo", default_version="2"))
     assert "echo@3" not in state.versions and "other" not in state.routes
