@@ -26,7 +26,9 @@ from schemas.messages import (
     UsageRecord,
     WorkerHeartbeat,
 )
-from schemas.registry import ModelHealthEvent, ModelRoute, ModelVersionRecord, RegistryRecord
+from schemas.registry import (
+    ModelComparison, ModelHealthEvent, ModelRoute, ModelVersionRecord, RegistryRecord, ShadowLive, TrafficCounts,
+)
 from schemas.topics import Topics
 
 M = TypeVar("M", bound=BaseModel)
@@ -59,6 +61,9 @@ WIRE_TYPES: dict[str, Any] = {
     "ModelRoute": ModelRoute,
     "RegistryRecord": _REGISTRY_RECORD,
     "ModelHealthEvent": ModelHealthEvent,
+    "ShadowLive": ShadowLive,
+    "ModelComparison": ModelComparison,
+    "TrafficCounts": TrafficCounts,
 }
 
 

@@ -16,6 +16,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, WithJsonSchema, model_validator
 
+from schemas.traffic import Assignment
+
 SCHEMA_VERSION = 1
 
 Priority = Literal["interactive", "bulk"]
@@ -117,6 +119,12 @@ class GenerateRequest(_Wire):
     principal: str = Field("anonymous", description="Who asked (API key owner or JWT subject).")
     tenant: str = Field("default", description="Tenant the principal belongs to.")
     priority: Priority = Field("interactive", description="Scheduling lane.")
+    user: str | None = Field(None, max_length=256, description="OpenAI's `user`: the key that sticks a request to a "
+                             "version under a traffic policy (schemas/traffic.py), else the principal is.")
+    assignment: Assignment | None = Field(None, description="How its version was chosen: default, canary, pinned "
+                                          "(model named name@version) or mirror (a shadow copy); set where it is resolved.")
+    shadow_of: str | None = Field(None, max_length=128, description="A mirror copy: the request_id of the live "
+                                  "request it copies. Its answer goes to the comparison, never to a client.")
     deadline_ms: int = Field(description="Absolute deadline, epoch ms; expired work is dropped.")
     reply_to: str = Field(min_length=1, max_length=249, description="Topic that receives the ReplyEvents.")
     created_ms: int = Field(default_factory=now_ms, description="When the request was accepted, epoch ms.")
@@ -157,6 +165,12 @@ class EmbedRequest(_Wire):
     principal: str = Field("anonymous", description="Who asked (API key owner or JWT subject).")
     tenant: str = Field("default", description="Tenant the principal belongs to.")
     priority: Priority = Field("interactive", description="Scheduling lane.")
+    user: str | None = Field(None, max_length=256, description="OpenAI's `user`: the key that sticks a request to a "
+                             "version under a traffic policy (schemas/traffic.py), else the principal is.")
+    assignment: Assignment | None = Field(None, description="How its version was chosen: default, canary, pinned "
+                                          "(model named name@version) or mirror (a shadow copy); set where it is resolved.")
+    shadow_of: str | None = Field(None, max_length=128, description="A mirror copy: the request_id of the live "
+                                  "request it copies. Its answer goes to the comparison, never to a client.")
     deadline_ms: int = Field(description="Absolute deadline, epoch ms; expired work is dropped.")
     reply_to: str = Field(min_length=1, max_length=249, description="Topic that receives the ReplyEnd.")
     created_ms: int = Field(default_factory=now_ms, description="When the request was accepted, epoch ms.")
@@ -338,6 +352,8 @@ class AuditEvent(_Wire):
     prompt_tokens: int = Field(ge=0, description="Prompt tokens.")
     completion_tokens: int = Field(ge=0, description="Generated tokens.")
     finish_reason: FinishReason = Field(description="How it ended.")
+    assignment: Assignment | None = Field(None, description="How its version was chosen (schemas/traffic.py).")
+    shadow_of: str | None = Field(None, description="For a mirror copy: the live request it copies.")
     worker_id: str = Field(description="Worker that served it.")
     request_created_ms: int = Field(description="When the request was accepted, epoch ms.")
     received_ms: int = Field(description="When the worker received it, epoch ms.")

@@ -25,7 +25,7 @@ import hashlib
 from typing import Annotated, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from schemas.messages import VersionState, VersionStatus, _Wire, now_ms
 from schemas.model_repo import VERSION_RE, ModelConfig, ModelRepository
@@ -187,12 +187,38 @@ class ModelRoute(_Wire):
     name: str = Field(min_length=1, max_length=128, description="Model name.")
     default_version: str = Field(description="The version requests for the bare name go to.")
     previous_version: str | None = Field(None, description="The default before the last promotion (rollback target).")
+    canary: dict[str, float] = Field(
+        default_factory=dict,
+        description="Canary versions and the share of requests (percent, sticky per user) each gets; the default "
+        "gets the rest (docs/design.md, \"Traffic policies\"; schemas/traffic.py).",
+    )
+    mirror: dict[str, float] = Field(
+        default_factory=dict,
+        description="Mirror versions and the share of requests (percent) each receives a copy of; their answers "
+        "are compared, never returned.",
+    )
     reason: str = Field("", max_length=1024, description="Why it was last changed (promote, rollback: golden failed...).")
     updated_ms: int = Field(default_factory=now_ms, description="When this record was written, epoch ms.")
 
     @property
     def key(self) -> str:
         return ROUTE_KEY + self.name
+
+    @model_validator(mode="after")
+    def _policy(self) -> ModelRoute:
+        for field_name, shares in (("canary", self.canary), ("mirror", self.mirror)):
+            for version, share in shares.items():
+                if problem := version_problem(version):
+                    raise ValueError(f"{field_name}: {problem}")
+                if not 0 <= share <= 100:
+                    raise ValueError(f"{field_name}: the share of {version!r} must be 0-100 (percent), not {share}")
+            if self.default_version in shares:
+                raise ValueError(f"{field_name}: the default version {self.default_version!r} cannot be one")
+        if sum(self.canary.values()) > 100:
+            raise ValueError(f"canary shares add up to {sum(self.canary.values())}%, more than 100%")
+        if set(self.canary) & set(self.mirror):
+            raise ValueError(f"a version cannot be both canary and mirror: {sorted(set(self.canary) & set(self.mirror))}")
+        return self
 
 
 class ModelHealthEvent(_Wire):
@@ -204,6 +230,50 @@ class ModelHealthEvent(_Wire):
                    "rolled_back"] = Field(description="What happened.")  # fmt: skip
     detail: str = Field("", max_length=4096, description="The reason, for a person.")
     created_ms: int = Field(default_factory=now_ms, description="When, epoch ms.")
+
+
+class ShadowLive(_Wire):
+    """On `<prefix>.shadow.live`, from the gateway: the live answer of a request that was mirrored, so
+    the comparison can set it against the mirror's (kept an hour, like usage; raw text never goes to
+    the audit log: the comparison keeps only its measures)."""
+
+    request_id: str = Field(max_length=128, description="The live request (the mirror copy's shadow_of).")
+    model: str = Field(description="name@version that answered it.")
+    assignment: str = Field(description="How that version was chosen (default, canary, pinned).")
+    text: str = Field(max_length=1_000_000, description="The answer's text.")
+    token_ids: list[int] = Field(default_factory=list, description="The answer's tokens.")
+    finish_reason: str = Field(description="How it ended.")
+    ttft_ms: float | None = Field(None, ge=0, description="Time to first token the worker measured, ms.")
+    tokens_per_s: float | None = Field(None, ge=0, description="Decode rate, tokens per second.")
+    created_ms: int = Field(default_factory=now_ms, description="When, epoch ms.")
+
+
+class ModelComparison(_Wire):
+    """On `<prefix>.models.comparisons`, from the auditor: one mirrored request, live against mirror."""
+
+    request_id: str = Field(description="The live request.")
+    name: str = Field(description="Model name.")
+    live: str = Field(description="name@version that answered the client.")
+    mirror: str = Field(description="name@version of the mirror copy.")
+    exact_match: bool = Field(description="Same text.")
+    token_edit_distance: int = Field(ge=0, description="Levenshtein distance between the two token sequences.")
+    similarity: float | None = Field(None, description="Cosine similarity of the two texts' embeddings.")
+    live_ttft_ms: float | None = Field(None, description="Live time to first token, ms.")
+    mirror_ttft_ms: float | None = Field(None, description="Mirror time to first token, ms.")
+    live_tokens_per_s: float | None = Field(None, description="Live decode rate.")
+    mirror_tokens_per_s: float | None = Field(None, description="Mirror decode rate.")
+    mirror_error: str | None = Field(None, max_length=1024, description="Why the mirror copy did not finish, if so.")
+    created_ms: int = Field(default_factory=now_ms, description="When, epoch ms.")
+
+
+class TrafficCounts(_Wire):
+    """On the compacted `<prefix>.models.traffic`, key = name, from the auditor: what each version of
+    a name served since the auditor's ledger began, by assignment, and errors."""
+
+    name: str = Field(description="Model name.")
+    counts: dict[str, dict[str, int]] = Field(description="name@version -> assignment -> requests.")
+    errors: dict[str, int] = Field(default_factory=dict, description="name@version -> requests that ended in error.")
+    updated_ms: int = Field(default_factory=now_ms, description="When, epoch ms.")
 
 
 RegistryRecord = Annotated[ModelVersionRecord | ModelRoute, Field(discriminator="kind")]

@@ -168,6 +168,28 @@ class Topics:
         return f"{self.prefix}.models"
 
     @property
+    def shadow_replies(self) -> str:
+        """The reply topic of every mirror copy (a reply topic of the deployment): read by the
+        comparison (the auditor), never by a client (docs/design.md, "Traffic policies"). Like every
+        reply topic it is not a core topic: its reader creates it (reply_spec("shadow"))."""
+        return self.replies("shadow")
+
+    @property
+    def shadow_live(self) -> str:
+        """The live answer of each mirrored request (ShadowLive, from the gateway), for the comparison."""
+        return f"{self.prefix}.shadow.live"
+
+    @property
+    def comparisons(self) -> str:
+        """One ModelComparison per mirrored request: live against mirror, no raw text."""
+        return f"{self.prefix}.models.comparisons"
+
+    @property
+    def traffic(self) -> str:
+        """Compacted: per model name, the requests each version served by assignment (TrafficCounts)."""
+        return f"{self.prefix}.models.traffic"
+
+    @property
     def model_health(self) -> str:
         """What happened to model versions on workers: loads, failures, golden checks, rollbacks."""
         return f"{self.prefix}.models.health"
@@ -251,6 +273,9 @@ class Topics:
             TopicSpec(self.job_commands, 4, _DELETE_7D),
             TopicSpec(self.models, 1, _COMPACT),
             TopicSpec(self.model_health, 1, _DELETE_7D),
+            TopicSpec(self.shadow_live, 4, _USAGE),
+            TopicSpec(self.comparisons, 1, _DELETE_7D),
+            TopicSpec(self.traffic, 1, _COMPACT),
         ]
 
     def model_specs(self, model: str) -> list[TopicSpec]:

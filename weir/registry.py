@@ -19,6 +19,7 @@ import logging
 from collections.abc import Callable, Iterable
 
 from aiokafka import TopicPartition
+from pydantic import ValidationError
 
 from schemas.codec import decode_registry_record, encode
 from schemas.model_repo import ModelRepository
@@ -159,8 +160,13 @@ def promote(state: RegistryState, sid: str, by: str, reason: str = "promote") ->
     previous = state.default_version(name)
     if previous == version:
         raise RegistryError(f"{sid} is already the default version of {name!r}")
+    route = state.routes.get(name)
+    keep = {} if route is None else {  # the rest of the traffic policy stays; the promoted version leaves it
+        "canary": {v: s for v, s in route.canary.items() if v not in (version, previous)},
+        "mirror": {v: s for v, s in route.mirror.items() if v not in (version, previous)},
+    }
     out: list[ModelVersionRecord | ModelRoute] = [
-        ModelRoute(name=name, default_version=version, previous_version=previous, reason=f"{reason} by {by}")
+        ModelRoute(name=name, default_version=version, previous_version=previous, reason=f"{reason} by {by}", **keep)
     ]
     old = state.versions.get(served_id(name, previous)) if previous is not None else None
     if old is not None and old.desired == "loaded":
@@ -182,8 +188,10 @@ def rollback(state: RegistryState, sid: str, why: str, by: str) -> list[ModelVer
     out: list[ModelVersionRecord | ModelRoute] = []
     if previous.desired != "loaded":
         out.append(previous.model_copy(update={"desired": "loaded", "registered_by": by, "updated_ms": now_ms()}))
+    keep = {"canary": {v: s for v, s in route.canary.items() if v not in (version, route.previous_version)},
+            "mirror": {v: s for v, s in route.mirror.items() if v not in (version, route.previous_version)}}
     out.append(ModelRoute(name=name, default_version=route.previous_version, previous_version=version,
-                          reason=f"rollback of {sid}: {why}"[:1024]))  # fmt: skip
+                          reason=f"rollback of {sid}: {why}"[:1024], **keep))  # fmt: skip
     failed = state.versions.get(sid)
     if failed is not None and failed.desired == "loaded":
         out.append(failed.model_copy(update={"desired": "unloaded", "registered_by": by, "updated_ms": now_ms()}))
@@ -216,3 +224,29 @@ async def read_registry(settings: BusSettings, seed: ModelRepository | None = No
     await follower.start()
     await follower.stop()
     return follower.state
+
+
+def set_route(state: RegistryState, name: str, by: str, default: str | None = None,
+              canary: dict[str, float] | None = None, mirror: dict[str, float] | None = None,
+              reason: str = "route") -> list[ModelVersionRecord | ModelRoute]:
+    """The route record that sets `name`'s traffic policy (docs/design.md, "Traffic policies"):
+    its default (unchanged when None), canary and mirror shares (unchanged when None; {} clears).
+    Every version it names must be registered and wanted loaded."""
+    route = state.routes.get(name)
+    current = state.default_version(name)
+    default = default if default is not None else current
+    if default is None:
+        raise RegistryError(f"model {name!r} has no default version; give one")
+    canary = dict(route.canary) if canary is None and route is not None else (canary or {})
+    mirror = dict(route.mirror) if mirror is None and route is not None else (mirror or {})
+    for version in {default, *canary, *mirror}:
+        record = _version(state, served_id(name, version))
+        if record.desired != "loaded":
+            raise RegistryError(f"{record.served_id} is {record.desired}; load it first (weir models load {record.served_id})")
+    previous = route.previous_version if route is not None and default == current else current
+    try:
+        new = ModelRoute(name=name, default_version=default, previous_version=previous if previous != default else None,
+                         canary=canary, mirror=mirror, reason=f"{reason} by {by}"[:1024])  # fmt: skip
+    except ValidationError as exc:
+        raise RegistryError(exc.errors()[0]["msg"].removeprefix("Value error, ")) from None
+    return [new]
