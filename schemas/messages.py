@@ -125,6 +125,8 @@ class GenerateRequest(_Wire):
                                           "(model named name@version) or mirror (a shadow copy); set where it is resolved.")
     shadow_of: str | None = Field(None, max_length=128, description="A mirror copy: the request_id of the live "
                                   "request it copies. Its answer goes to the comparison, never to a client.")
+    mirrors: list[str] = Field(default_factory=list, max_length=8, description="The live request of mirror copies: "
+                               "the versions that got one. The worker publishes its answer (ShadowLive) for the comparison.")
     deadline_ms: int = Field(description="Absolute deadline, epoch ms; expired work is dropped.")
     reply_to: str = Field(min_length=1, max_length=249, description="Topic that receives the ReplyEvents.")
     created_ms: int = Field(default_factory=now_ms, description="When the request was accepted, epoch ms.")
@@ -171,6 +173,8 @@ class EmbedRequest(_Wire):
                                           "(model named name@version) or mirror (a shadow copy); set where it is resolved.")
     shadow_of: str | None = Field(None, max_length=128, description="A mirror copy: the request_id of the live "
                                   "request it copies. Its answer goes to the comparison, never to a client.")
+    mirrors: list[str] = Field(default_factory=list, max_length=8, description="The live request of mirror copies: "
+                               "the versions that got one. The worker publishes its answer (ShadowLive) for the comparison.")
     deadline_ms: int = Field(description="Absolute deadline, epoch ms; expired work is dropped.")
     reply_to: str = Field(min_length=1, max_length=249, description="Topic that receives the ReplyEnd.")
     created_ms: int = Field(default_factory=now_ms, description="When the request was accepted, epoch ms.")

@@ -233,7 +233,7 @@ class ModelHealthEvent(_Wire):
 
 
 class ShadowLive(_Wire):
-    """On `<prefix>.shadow.live`, from the gateway: the live answer of a request that was mirrored, so
+    """On `<prefix>.shadow.live`, from the worker: the live answer of a request that was mirrored, so
     the comparison can set it against the mirror's (kept an hour, like usage; raw text never goes to
     the audit log: the comparison keeps only its measures)."""
 
