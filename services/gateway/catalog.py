@@ -7,6 +7,10 @@ version, pinned), and is resolved here to the version's ModelConfig, whose bound
 default_timeout_s...) validate the request; the gateway then produces it with `model` =
 `name@version` (pinned), so the version is known when the response starts.
 
+A bare name under a traffic policy (docs/design.md, "Traffic policies") is assigned here: the
+route's default or one of its canaries, by schemas/traffic.py's sticky hash of the request's key
+(its `user`, else the principal, else the request id); `name@version` is `pinned`.
+
 What is *ready* is not registry state: it comes from the workers' heartbeats (fleet.py). GET
 /v1/models lists the names whose default version is ready and every ready `name@version`; the
 admin index shows every version with the states the live workers report.
@@ -21,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 from schemas.messages import VersionStatus, now_ms
 from schemas.model_repo import ModelConfig, ModelRepository
@@ -33,6 +37,7 @@ from schemas.registry import (
     split_ref,
     version_problem,
 )
+from schemas.traffic import Assignment, assign
 from services.gateway.fleet import Fleet
 from services.gateway.openai_format import ApiError
 from weir.bus import BusSettings
@@ -112,6 +117,25 @@ class Catalog:
             raise ApiError(404, f"The model {ref!r} does not exist: {reason}", param="model", code="model_not_found")
         return config
 
+    def assign(self, ref: object, key: str, may_use: Callable[[str], bool]) -> tuple[ModelConfig, Assignment]:
+        """The version a request's `model` is served by, and how it was chosen: `name@version` is
+        `pinned`; a bare name goes to its route's default or a canary (schemas/traffic.py: assign,
+        sticky per `key`). A canary the caller may not use (`may_use`, its key's allowlist) or that
+        is no longer wanted loaded gives its share back to the default: asking for the bare name
+        never fails because of an experiment. Errors as resolve()."""
+        config = self.resolve(ref)
+        name, version = split_ref(cast(str, ref))
+        if version is not None:
+            return config, "pinned"
+        route = self.state.routes.get(name)
+        if route is None or route.default_version != config.version or not route.canary:
+            return config, "default"  # no policy, or a route disregarded for a dangling default
+        chosen, how = assign(name, config.version, route.canary, key)
+        record = self.state.versions.get(served_id(name, chosen))
+        if how == "default" or record is None or record.desired != "loaded" or not may_use(record.served_id):
+            return config, "default"
+        return record.manifest.config(), "canary"
+
     def version_tag(self, sid: str) -> str:
         """`name@version:<first 12 hex of the manifest digest>` (x-weir-model-version). The digest is
         the registry record's; for a version the registry does not hold (a models.toml entry not
@@ -181,9 +205,7 @@ class Catalog:
     def registered(self, name: str, version: object) -> str:
         """The served id of a registered version named by an admin call; 400 for a bad name or
         version, 404 (model_not_found) for one the registry does not hold."""
-        name_problem = ref_problem(name) if "@" not in name else "the path names a model, without @version"
-        if name_problem is not None:
-            raise ApiError(400, f"model {name[:200]!r}: {name_problem}", param="name", code="invalid_value")
+        _check_path_name(name)
         if (problem := version_problem(version)) is not None:
             raise ApiError(400, problem, param="version", code="invalid_value")
         sid = served_id(name, str(version))
@@ -191,6 +213,13 @@ class Catalog:
             raise ApiError(404, f"model version {sid!r} is not registered (weir models push, or seed it from "
                            "models.toml)", param="version", code="model_not_found")  # fmt: skip
         return sid
+
+    def known_name(self, name: str) -> None:
+        """400 for a path that names no model (or names a version), 404 (model_not_found) for a name
+        neither the registry nor the seed knows."""
+        _check_path_name(name)
+        if name not in self.state.names():
+            raise ApiError(404, f"model {name!r} does not exist", param="name", code="model_not_found")
 
     async def write(self, records: list[Record]) -> bool:
         """Publish registry records, then wait until the follower has read them back; True when it
@@ -213,3 +242,10 @@ class Catalog:
             if held != record:
                 return False
         return True
+
+
+def _check_path_name(name: str) -> None:
+    """400 unless the `{name}` of an admin path is a model name, without @version."""
+    problem = ref_problem(name) if "@" not in name else "the path names a model, without @version"
+    if problem is not None:
+        raise ApiError(400, f"model {name[:200]!r}: {problem}", param="name", code="invalid_value")

@@ -20,6 +20,7 @@ from schemas.messages import MAX_EMBED_INPUTS, EmbedRequest, GenerateRequest, Pr
 from schemas.model_repo import ModelConfig
 # the body types are imported from here by the gateway's other modules
 from schemas.registry import split_ref
+from schemas.traffic import Assignment
 from schemas.openai_bodies import BodyError, ChatCompletionBody, CompletionBody, Kind, body_error
 
 DEFAULT_MAX_TOKENS = 256  # chat default when the body sets none (OpenAI's own is "up to context")
@@ -105,9 +106,11 @@ def to_generate_request(
     now_ms: int,
     client_timeout_s: float | None,
     max_timeout_s: float,
+    assignment: Assignment | None = None,
 ) -> GenerateRequest:
     """The GenerateRequest for a validated body. The deadline is the tightest of the client's
-    timeout (header or body), the model's default_timeout_s and the gateway's cap."""
+    timeout (header or body), the model's default_timeout_s and the gateway's cap. It records the
+    body's `user` and how `model` was chosen (`assignment`: docs/design.md, "Traffic policies")."""
     max_tokens = body.max_new_tokens
     if max_tokens is None:
         default = DEFAULT_MAX_TOKENS if kind == "chat.completions" else DEFAULT_COMPLETION_MAX_TOKENS
@@ -133,6 +136,8 @@ def to_generate_request(
         principal="anonymous",
         tenant="default",
         priority="interactive",
+        user=body.user,
+        assignment=assignment,
         deadline_ms=now_ms + int(timeout_s * 1000),
         reply_to=reply_to,
         created_ms=now_ms,
@@ -197,10 +202,12 @@ def to_embed_requests(
     principal: str = "anonymous",
     tenant: str = "default",
     priority: Priority = "interactive",
+    assignment: Assignment | None = None,
 ) -> list[EmbedRequest]:
     """The EmbedRequests of a validated body: MAX_EMBED_INPUTS inputs each (ids request_id-0, -1,
-    ... when there are several), with the deadline chosen as for completions. ApiError(400) when the
-    model does not embed or `dimensions` is not the model's."""
+    ... when there are several), with the deadline chosen as for completions, the body's `user` and
+    the `assignment` of `model`. ApiError(400) when the model does not embed or `dimensions` is not
+    the model's."""
     if model.engine != "onnx":
         raise ApiError(400, f"{model.name} is not an embedding model", param="model", code="unsupported_model")
     if body.dimensions is not None and body.dimensions != model.dimensions:
@@ -214,8 +221,8 @@ def to_embed_requests(
     return [
         EmbedRequest(
             request_id=request_id if len(chunks) == 1 else f"{request_id}-{i}", model=model.served_id, inputs=chunk,
-            principal=principal, tenant=tenant, priority=priority, deadline_ms=now_ms + int(timeout_s * 1000),
-            reply_to=reply_to, created_ms=now_ms,
+            principal=principal, tenant=tenant, priority=priority, user=body.user, assignment=assignment,
+            deadline_ms=now_ms + int(timeout_s * 1000), reply_to=reply_to, created_ms=now_ms,
         )  # fmt: skip
         for i, chunk in enumerate(chunks)
     ]

@@ -136,6 +136,25 @@ class RepositoryPromoteBody(RepositoryVersionBody):
                         "(else 409 version_not_ready).")
 
 
+class RepositoryRouteBody(BaseModel):
+    """A name's traffic policy (docs/design.md, "Traffic policies"); an omitted field stays as it is."""
+
+    default: str | None = Field(None, description="The version the bare name goes to.")
+    canary: dict[str, float] | None = Field(None, description="Canary versions and their share of requests, percent "
+                                            "(sticky per user); {} clears them.")
+    mirror: dict[str, float] | None = Field(None, description="Mirror versions and the share of requests each gets a "
+                                            "copy of, percent; {} clears them.")
+
+
+class RepositoryRoute(BaseModel):
+    name: str
+    default: str
+    canary: dict[str, float]
+    mirror: dict[str, float]
+    records: list[str] = Field(description="The registry keys written.")
+    applied: bool = Field(description="False: written, but this gateway had not read them back within 5 s.")
+
+
 class RepositoryChange(BaseModel):
     name: str
     version: str
@@ -147,6 +166,7 @@ class RepositoryChange(BaseModel):
 _MODELS: list[type[BaseModel]] = [
     ErrorResponse, ChatCompletion, Completion, ModelList, Health, Readiness, ChatCompletionBody, CompletionBody,
     RepositoryIndexBody, RepositoryEntry, RepositoryVersionBody, RepositoryPromoteBody, RepositoryChange,
+    RepositoryRouteBody, RepositoryRoute,
 ]  # fmt: skip
 
 _ERRORS: dict[int, str] = {
@@ -170,9 +190,9 @@ _ADMIN_ERRORS: dict[int, str] = {
     400: "The body is not a JSON object of the call's fields, or the name or version is malformed.",
     401: "Missing or invalid credentials.",
     403: "Not the gateway's admin token (WEIR_GATEWAY_ADMIN_TOKEN); every caller when it is unset.",
-    404: "The registry does not hold that version.",
-    409: "The registry's state does not allow it (e.g. unloading the default version, promoting an unloaded one: "
-         "registry_conflict), or promote without force of a version no live worker reports ready (version_not_ready).",
+    404: "The registry does not hold that version (route: that name).",
+    409: "The registry's state does not allow it (e.g. unloading the default version, promoting an unloaded one, "
+         "a canary of an unregistered or unloaded version, canaries over 100%: registry_conflict), or promote without force of a version no live worker reports ready (version_not_ready).",
     413: "Body larger than WEIR_MAX_BODY_BYTES.",
     431: "More headers than WEIR_MAX_HEADERS, or more bytes of them than WEIR_MAX_HEADER_BYTES.",
 }
@@ -232,6 +252,8 @@ def _completion_operation(body: str, result: str, example: dict[str, Any], summa
                     "x-weir-model-version": _header("name@version:<first 12 hex of the version's manifest digest> "
                                                     "of the version that serves it ('unregistered' for a models.toml "
                                                     "entry no registry record or worker reports a digest of)."),
+                    "x-weir-assignment": _header("How that version was chosen: default, canary (the name's traffic "
+                                                 "policy, sticky per user) or pinned (model named name@version)."),
                 },
                 "content": {
                     "application/json": {"schema": _ref(result)},
@@ -269,6 +291,10 @@ def _admin_operations() -> dict[tuple[str, str], dict[str, Any]]:
         operation["parameters"] = [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"},
                                     "description": "The model name (without @version)."}]
         out[("post", f"/v2/repository/models/{{name}}/{action}")] = operation
+    route = _admin_operation("Set the traffic policy of a name: default, canaries, mirrors", "RepositoryRouteBody",
+                             _ref("RepositoryRoute"), True)
+    route["parameters"] = operation["parameters"]
+    out[("post", "/v2/repository/models/{name}/route")] = route
     return out  # fmt: skip
 
 

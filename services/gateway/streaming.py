@@ -23,7 +23,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocket, WebSocketState
 
-from schemas.messages import ReplyDelta, ReplyEnd
+from schemas.messages import EmbedRequest, GenerateRequest, ReplyDelta, ReplyEnd
 from services.gateway.handlers import Exchange
 from services.gateway.openai_format import ApiError, ChunkWriter, Kind, completion_body, terminal_error
 from services.gateway.guard.output_guard import OutputGuard, TextFilter
@@ -36,6 +36,18 @@ SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 # Catalog.version_tag); a WebSocket has no headers per request: its first chunk frame carries it.
 VERSION_HEADER = "x-weir-model-version"
 WS_VERSION_FIELD = "weir_model_version"
+# How that version was chosen (default, canary, pinned: docs/design.md, "Traffic policies"); the
+# same first WebSocket frame carries it.
+ASSIGNMENT_HEADER = "x-weir-assignment"
+WS_ASSIGNMENT_FIELD = "weir_assignment"
+
+
+def served_headers(version_tag: str, request: GenerateRequest | EmbedRequest) -> dict[str, str]:
+    """The headers that name the version serving `request` and how it was assigned."""
+    headers = {VERSION_HEADER: version_tag}
+    if request.assignment is not None:
+        headers[ASSIGNMENT_HEADER] = request.assignment
+    return headers
 
 
 def sse_event(seq: int, data: dict[str, Any] | str) -> bytes:
@@ -136,7 +148,7 @@ def event_stream(
     entry: StreamEntry, after_seq: int, output_guard: OutputGuard, gateway_id: str, version_tag: str
 ) -> EventStreamResponse:
     """The SSE response of a registered stream from after `after_seq` (-1: its first reader), with
-    the x-weir-model-version `version_tag` of the version it is pinned to.
+    the x-weir-model-version `version_tag` of the version it is pinned to and its x-weir-assignment.
 
     The first reader counts the redactions of its text filter when it closes; every reader
     leaves the entry then (a resumable one is held for a reconnect)."""
@@ -147,7 +159,8 @@ def event_stream(
             output_guard.count(text_filter.num_redacted)
         entry.leave()
 
-    headers = {**stream_headers(entry.request_id, gateway_id, entry.is_resumable), VERSION_HEADER: version_tag}
+    headers = {**stream_headers(entry.request_id, gateway_id, entry.is_resumable),
+               **served_headers(version_tag, entry.exchange.request)}  # fmt: skip
     events = sse_events(entry.exchange, entry.new_writer(), text_filter, after_seq)
     return EventStreamResponse(events, on_close, headers)
 
@@ -242,8 +255,8 @@ class WebSocketSession:
     Client → server: {"type": "chat.completions" | "completions", "body": {...}, "resume_grace_s":
     optional}; {"type": "cancel"}; {"type": "resume", "request_id": ..., "offset": N} to read a
     resumable request again after its first N chunk frames. Server → client: the chunk objects of
-    SSE (the first one sent for a request also has "weir_model_version": what the
-    x-weir-model-version header says over HTTP), then {"type": "done"}; {"type": "error", "error": {...}} for a refused request or an error
+    SSE (the first one sent for a request also has "weir_model_version" and "weir_assignment": what
+    the x-weir-model-version and x-weir-assignment headers say over HTTP), then {"type": "done"}; {"type": "error", "error": {...}} for a refused request or an error
     terminal; {"type": "cancelled", "request_id"} after a cancel. The socket stays open for the
     next request.
     """
@@ -319,7 +332,9 @@ class WebSocketSession:
         # offset: the chunk frames this client already has (a resume); they are rendered, not sent.
         text_filter = self.output_guard.stream()
         num_frames = 0
-        tag: str | None = self.version_tag(entry.exchange.request.model)
+        request = entry.exchange.request
+        fields = {WS_VERSION_FIELD: self.version_tag(request.model), WS_ASSIGNMENT_FIELD: request.assignment}
+        first: dict[str, Any] | None = {key: value for key, value in fields.items() if value is not None}
         async for _, frame in frames(entry.exchange, entry.new_writer(), text_filter):
             num_frames += 1
             if num_frames <= offset:
@@ -327,8 +342,8 @@ class WebSocketSession:
             if isinstance(frame, ApiError):
                 await self.send_error(frame)
                 break
-            if tag is not None:
-                frame, tag = {**frame, WS_VERSION_FIELD: tag}, None
+            if first is not None:
+                frame, first = {**frame, **first}, None
             await self.send(frame)
         else:
             await self.send({"type": "done"})

@@ -58,9 +58,10 @@ async def test_the_index_lists_registered_and_seeded_versions_for_the_admin_toke
 
 
 @pytest.mark.parametrize("path", ["/v2/repository/index", "/v2/repository/models/echo/load",
-                                  "/v2/repository/models/echo/unload", "/v2/repository/models/echo/promote"])
+                                  "/v2/repository/models/echo/unload", "/v2/repository/models/echo/promote",
+                                  "/v2/repository/models/echo/route"])
 async def test_anyone_without_the_admin_token_is_refused(path: str) -> None:
-    body = {"version": "2"}
+    body = {"canary": {"2": 5}} if path.endswith("/route") else {"version": "2"}
     open_app = make_app(auth_mode="open", gateway_admin_token=SecretStr(TOKEN))
     key, record = new_api_key("ann", "acme")
     keyed_app = make_app(gateway_admin_token=SecretStr(TOKEN))
@@ -141,3 +142,41 @@ async def test_promote_is_refused_unless_a_live_worker_has_the_version_ready() -
     assert "failed on w1: model.bin differs" in answer.json()["error"]["message"]
     assert "force" in answer.json()["error"]["message"]
     assert error_of(bad_force) == (400, "invalid_value")
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    (b"{}", None), (b'{"default": 2}', "default"), (b'{"default": "1 "}', "default"), (b'{"canary": []}', "canary"),
+    (b'{"canary": {"2": "5"}}', "canary"), (b'{"canary": {"2": true}}', "canary"), (b'{"canary": {"2": 101}}', "canary"),
+    (b'{"canary": {"2": -0.5}}', "canary"), (b'{"canary": {"2 ": 5}}', "canary"), (b'{"mirror": {"": 5}}', "mirror"),
+    (b'{"mirror": {"3": null}}', "mirror"), (b'{"weights": {"2": 5}}', "weights"), (b'{"canary": {"2": 5}', None),
+])  # fmt: skip
+async def test_a_bad_route_body_is_a_400_naming_the_field(client: httpx.AsyncClient, body: bytes,
+                                                         param: str | None) -> None:  # fmt: skip
+    answer = await client.post("/v2/repository/models/echo/route", headers=ADMIN, content=body)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == param, answer.text
+
+
+@pytest.mark.parametrize(("body", "says"), [
+    ({"canary": {"9": 5}}, "not registered"), ({"canary": {"1": 5}}, "default version"),
+    ({"default": "2", "canary": {"2": 5}}, "default version"), ({"canary": {"2": 5}, "mirror": {"2": 5}}, "both"),
+    ({"default": "7"}, "not registered"),
+])  # fmt: skip
+async def test_a_policy_the_registry_refuses_is_a_409_with_its_reason(client: httpx.AsyncClient, body: dict[str, Any],
+                                                                     says: str) -> None:  # fmt: skip
+    answer = await client.post("/v2/repository/models/echo/route", headers=ADMIN, json=body)
+    assert error_of(answer) == (409, "registry_conflict") and says in answer.json()["error"]["message"], answer.text
+
+
+async def test_a_canary_of_an_unloaded_version_is_a_409() -> None:
+    app = make_app(auth_mode="open", gateway_admin_token=SecretStr(TOKEN))
+    record = ModelVersionRecord(manifest=pack(ModelConfig(name="echo", engine="echo", version="3")), desired="unloaded")
+    app.state.catalog.state.apply(record.key, record)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client:
+        answer = await client.post("/v2/repository/models/echo/route", headers=ADMIN, json={"canary": {"3": 5}})
+    assert error_of(answer) == (409, "registry_conflict") and "load it first" in answer.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(("path", "status"), [("echo@2", 400), ("nope", 404), ("ec%20ho", 400)])
+async def test_a_route_names_a_known_model_without_a_version(client: httpx.AsyncClient, path: str, status: int) -> None:
+    answer = await client.post(f"/v2/repository/models/{path}/route", headers=ADMIN, json={"canary": {"2": 5}})
+    assert answer.status_code == status, answer.text

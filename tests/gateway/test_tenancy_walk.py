@@ -174,6 +174,8 @@ def probes(base_url: str) -> dict[tuple[str, str], Probe]:
         **{("POST", f"/v2/repository/models/{{name}}/{action}"): Probe(False, one(
             lambda c, a, m, action=action: c.post(f"/v2/repository/models/echo/{action}", headers=a,
                                                   json={"version": "1"}))) for action in ("load", "unload", "promote")},
+        ("POST", "/v2/repository/models/{name}/route"): Probe(False, one(
+            lambda c, a, m: c.post("/v2/repository/models/echo/route", headers=a, json={"canary": {"1": 5}}))),
     }  # fmt: skip
 
 

@@ -5,6 +5,8 @@
     POST /v2/repository/models/{name}/unload        {"version": V}    desired = unloaded (workers drain it)
     POST /v2/repository/models/{name}/promote       {"version": V, "force": bool?}
                                                     the default of `name` (weir.registry.promote)
+    POST /v2/repository/models/{name}/route         {"default": V?, "canary": {V: pct}?, "mirror": {V: pct}?}
+                                                    the traffic policy of `name` (weir.registry.set_route)
 
 Only the gateway's admin token (WEIR_GATEWAY_ADMIN_TOKEN, a bearer token) may call them: any
 other valid credential, and every caller in open mode, gets 403; no credential, 401. The path
@@ -14,7 +16,9 @@ operations and publish() as `weir models` does (docs/design.md, "The model regis
 operation does not fit the registry's state) is 409 with its message; a version the registry does
 not hold, 404. Like `weir models promote`, promote is refused (409 version_not_ready) unless a live
 worker reports the version ready, or with `"force": true`: promoting one that failed everywhere
-would unload the old default and leave the bare name with nothing to serve it.
+would unload the old default and leave the bare name with nothing to serve it. route changes only
+what its body names (an omitted field stays; {} clears canary or mirror); a share is a number of
+percent, 0-100 (docs/design.md, "Traffic policies").
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ from services.gateway.guard.auth import GuardError
 from services.gateway.openai_format import ApiError
 from services.gateway.routes.parts import GatewayParts
 from services.gateway.routes.reading import read_body
-from weir.registry import RegistryError, promote, set_desired
+from schemas.registry import version_problem
+from weir.registry import RegistryError, promote, set_desired, set_route
 
 Operation = Callable[..., list[Any]]
 
@@ -55,6 +60,22 @@ def add_admin_routes(router: APIRouter, parts: GatewayParts) -> None:
     for action in OPERATIONS:
         add_operation(router, parts, action)
 
+    @router.post("/v2/repository/models/{name}/route", tags=["admin"], summary="Set a model's traffic policy")
+    async def repository_route(name: str, request: Request) -> JSONResponse:
+        by = require_admin(parts, dict(request.headers))
+        body = await admin_body(parts, request, {"default": str, "canary": dict, "mirror": dict}, required=())
+        policy = route_policy(body)
+        parts.catalog.known_name(name)
+        try:
+            records = set_route(parts.catalog.state, name, by, **policy)
+        except RegistryError as exc:
+            raise ApiError(409, str(exc), code="registry_conflict") from None
+        applied = await parts.catalog.write(records)
+        route = records[0]
+        return JSONResponse({"name": name, "default": route.default_version, "canary": route.canary,
+                             "mirror": route.mirror, "records": [record.key for record in records],
+                             "applied": applied})  # fmt: skip
+
 
 def add_operation(router: APIRouter, parts: GatewayParts, action: str) -> None:
     """POST /v2/repository/models/{name}/<action> with {"version": V}."""
@@ -76,6 +97,24 @@ def add_operation(router: APIRouter, parts: GatewayParts, action: str) -> None:
 
     router.add_api_route(f"/v2/repository/models/{{name}}/{action}", operate, methods=["POST"], tags=["admin"],
                          summary=f"{action.capitalize()} a model version", name=f"repository_{action}")  # fmt: skip
+
+
+def route_policy(body: dict[str, Any]) -> dict[str, Any]:
+    """set_route's arguments from a route body: at least one field; each version a version string,
+    each share a number of percent in 0-100. 400 naming what is wrong; whether the versions may
+    take traffic is set_route's question (409)."""
+    if not body:
+        raise ApiError(400, "give at least one of default, canary, mirror", code="missing_required_parameter")
+    if "default" in body and (problem := version_problem(body["default"])) is not None:
+        raise ApiError(400, f"default: {problem}", param="default", code="invalid_value")
+    for field in ("canary", "mirror"):
+        for version, share in body.get(field, {}).items():
+            if (problem := version_problem(version)) is not None:
+                raise ApiError(400, f"{field}: {problem}", param=field, code="invalid_value")
+            if type(share) not in (int, float) or not 0 <= share <= 100:
+                raise ApiError(400, f"{field}: the share of {version[:64]!r} must be a number of percent, 0-100",
+                               param=field, code="invalid_value")  # fmt: skip
+    return {"default": body.get("default"), "canary": body.get("canary"), "mirror": body.get("mirror")}
 
 
 def require_ready(parts: GatewayParts, sid: str) -> None:

@@ -24,7 +24,7 @@ from services.gateway.openai_format import (
 )
 from services.gateway.routes.parts import GatewayParts
 from services.gateway.routes.reading import header_timeout_s, read_body
-from services.gateway.streaming import VERSION_HEADER, collect, event_stream
+from services.gateway.streaming import collect, event_stream, served_headers
 
 ID_PREFIX: dict[Kind, str] = {"chat.completions": "chatcmpl-", "completions": "cmpl-"}
 
@@ -68,7 +68,7 @@ async def answer(
             status = "client_gone"
             return Response(status_code=499, headers=headers)
         status = 200
-        headers[VERSION_HEADER] = parts.catalog.version_tag(body["model"])
+        headers.update(served_headers(parts.catalog.version_tag(body["model"]), exchange.request))
         return JSONResponse(body, headers=headers)
     except ApiError as error:
         status = error.status
@@ -84,13 +84,14 @@ async def open_exchange(
     client got wrong or may not do. Returns the caller's Owner with it: who may resume the stream."""
     identity = parts.guard.authenticate(headers)
     body = parse_body(kind, raw)
-    model = parts.model(body.model)  # the version it names; the request goes out pinned to it
+    # the version it names or is assigned (a canary, sticky per user); the request goes out pinned to it
+    model, assignment = parts.model(body.model, identity, body.user, request_id)
     parts.guard.authorize(identity, model.served_id)
     refuse_embedding_model(model)
     max_timeout_s = parts.settings.max_timeout_s
     request = to_generate_request(
         kind, body, model, request_id=request_id, reply_to=parts.bus.reply_topic, now_ms=now_ms(),
-        client_timeout_s=header_timeout_s(headers, max_timeout_s), max_timeout_s=max_timeout_s,
+        client_timeout_s=header_timeout_s(headers, max_timeout_s), max_timeout_s=max_timeout_s, assignment=assignment,
     )  # fmt: skip
     request, admitted = await parts.guard.admit(identity, body, model, request, headers)
     try:

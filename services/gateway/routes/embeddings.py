@@ -14,7 +14,7 @@ from services.gateway.handlers import Exchange
 from services.gateway.openai_format import ApiError, embedding_body, parse_embedding_body, to_embed_requests
 from services.gateway.routes.parts import GatewayParts
 from services.gateway.routes.reading import header_timeout_s, read_body
-from services.gateway.streaming import VERSION_HEADER, collect_ends
+from services.gateway.streaming import collect_ends, served_headers
 
 
 def add_embedding_routes(router: APIRouter, parts: GatewayParts) -> None:
@@ -32,20 +32,21 @@ async def embed(parts: GatewayParts, request: Request) -> Response:
     headers = dict(request.headers)
     identity = parts.guard.authenticate(headers)
     body = parse_embedding_body(raw)
-    model = parts.model(body.model)  # the version it names; the requests go out pinned to it
+    # the version it names or is assigned (one for every part of the body); the requests go out pinned to it
+    model, assignment = parts.model(body.model, identity, body.user, request_id)
     parts.guard.authorize(identity, model.served_id)
     max_timeout_s = parts.settings.max_timeout_s
     embeds = to_embed_requests(
         body, model, request_id=request_id, reply_to=parts.bus.reply_topic, now_ms=now_ms(),
         client_timeout_s=header_timeout_s(headers, max_timeout_s), max_timeout_s=max_timeout_s,
-        principal=identity.principal, tenant=identity.tenant,
+        principal=identity.principal, tenant=identity.tenant, assignment=assignment,
     )  # fmt: skip
     lane, admitted = await parts.guard.admit_embedding(identity, model, body.inputs, headers)
     ends = await run_embeds(parts, request, request_id, embeds, lane, admitted)
     if ends is None:
         return Response(status_code=499, headers={"x-request-id": request_id})
     result = embedding_body(model.served_id, ends, body.encoding_format)
-    headers = {"x-request-id": request_id, VERSION_HEADER: parts.catalog.version_tag(result["model"])}
+    headers = {"x-request-id": request_id, **served_headers(parts.catalog.version_tag(result["model"]), embeds[0])}
     return Response(orjson.dumps(result), media_type="application/json", headers=headers)
 
 

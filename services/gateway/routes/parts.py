@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from schemas.model_repo import ModelConfig
+from schemas.traffic import Assignment, assignment_key
 from services.gateway.catalog import Catalog
 from services.gateway.config import GatewaySettings
+from services.gateway.guard.auth import Identity
 from services.gateway.guard.gate import Guard
 from services.gateway.guard.output_guard import OutputGuard
 from services.gateway.handlers import GatewayBus
@@ -25,10 +27,12 @@ class GatewayParts:
     streams: ResumableStreams
     started_s: int  # epoch seconds the app was built: the `created` of every listed model
 
-    def model(self, ref: str) -> ModelConfig:
-        """The version a body's `model` names (`name`: its default; `name@version`: that one);
-        ApiError 400 for no model reference, 404 for an unknown, unregistered or retired one."""
-        return self.catalog.resolve(ref)
+    def model(self, ref: str, identity: Identity, user: str | None, request_id: str) -> tuple[ModelConfig, Assignment]:
+        """The version that serves a body's `model` and how it was chosen (`name@version`: that one,
+        pinned; `name`: its default or a canary, sticky per `user`, else the principal, else the
+        request: docs/design.md, "Traffic policies"); ApiError 400 for no model reference, 404 for
+        an unknown, unregistered or retired one."""
+        return self.catalog.assign(ref, assignment_key(user, identity.principal, request_id), identity.may_use)
 
     def grace_s(self, headers: dict[str, str]) -> float:
         """The resume grace a request asks for (X-Weir-Resume-Grace-S) within the deployment's bounds."""
