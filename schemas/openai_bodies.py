@@ -112,7 +112,8 @@ class _Body(BaseModel):
     stream: bool | None = False
     stream_options: _StreamOptions | None = None
     n: int | None = Field(None, ge=1, le=1)
-    user: str | None = Field(None, max_length=256, description=_UNUSED)
+    user: str | None = Field(None, max_length=256, description="Sticks the request to one version under a traffic "
+                             "policy (docs/design.md, \"Traffic policies\"); recorded in the request.")
     timeout_s: float | None = Field(None, ge=0.001, description="Seconds; a deadline is in whole milliseconds.")
     logprobs: Any = _REFUSED
 

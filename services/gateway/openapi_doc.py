@@ -192,7 +192,8 @@ _ADMIN_ERRORS: dict[int, str] = {
     403: "Not the gateway's admin token (WEIR_GATEWAY_ADMIN_TOKEN); every caller when it is unset.",
     404: "The registry does not hold that version (route: that name).",
     409: "The registry's state does not allow it (e.g. unloading the default version, promoting an unloaded one, "
-         "a canary of an unregistered or unloaded version, canaries over 100%: registry_conflict), or promote without force of a version no live worker reports ready (version_not_ready).",
+         "a canary of an unregistered or unloaded version, canaries over 100%: registry_conflict), or promote "
+         "without force of a version no live worker reports ready (version_not_ready).",
     413: "Body larger than WEIR_MAX_BODY_BYTES.",
     431: "More headers than WEIR_MAX_HEADERS, or more bytes of them than WEIR_MAX_HEADER_BYTES.",
 }

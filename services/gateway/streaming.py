@@ -256,9 +256,9 @@ class WebSocketSession:
     optional}; {"type": "cancel"}; {"type": "resume", "request_id": ..., "offset": N} to read a
     resumable request again after its first N chunk frames. Server → client: the chunk objects of
     SSE (the first one sent for a request also has "weir_model_version" and "weir_assignment": what
-    the x-weir-model-version and x-weir-assignment headers say over HTTP), then {"type": "done"}; {"type": "error", "error": {...}} for a refused request or an error
-    terminal; {"type": "cancelled", "request_id"} after a cancel. The socket stays open for the
-    next request.
+    the x-weir-model-version and x-weir-assignment headers say over HTTP), then {"type": "done"};
+    {"type": "error", "error": {...}} for a refused request or an error terminal; {"type":
+    "cancelled", "request_id"} after a cancel. The socket stays open for the next request.
     """
 
     def __init__(self, ws: WebSocket, prepare: Prepare, resume: Resume, output_guard: OutputGuard,

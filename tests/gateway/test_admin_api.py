@@ -146,7 +146,8 @@ async def test_promote_is_refused_unless_a_live_worker_has_the_version_ready() -
 
 @pytest.mark.parametrize(("body", "param"), [
     (b"{}", None), (b'{"default": 2}', "default"), (b'{"default": "1 "}', "default"), (b'{"canary": []}', "canary"),
-    (b'{"canary": {"2": "5"}}', "canary"), (b'{"canary": {"2": true}}', "canary"), (b'{"canary": {"2": 101}}', "canary"),
+    (b'{"canary": {"2": "5"}}', "canary"), (b'{"canary": {"2": true}}', "canary"),
+    (b'{"canary": {"2": 101}}', "canary"),
     (b'{"canary": {"2": -0.5}}', "canary"), (b'{"canary": {"2 ": 5}}', "canary"), (b'{"mirror": {"": 5}}', "mirror"),
     (b'{"mirror": {"3": null}}', "mirror"), (b'{"weights": {"2": 5}}', "weights"), (b'{"canary": {"2": 5}', None),
 ])  # fmt: skip

