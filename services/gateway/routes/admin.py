@@ -36,7 +36,7 @@ from services.gateway.guard.auth import GuardError
 from services.gateway.openai_format import ApiError
 from services.gateway.routes.parts import GatewayParts
 from services.gateway.routes.reading import read_body
-from schemas.registry import version_problem
+from schemas.registry import ModelRoute, version_problem
 from weir.registry import RegistryError, promote, set_desired, set_route
 
 Operation = Callable[..., list[Any]]
@@ -71,7 +71,7 @@ def add_admin_routes(router: APIRouter, parts: GatewayParts) -> None:
         except RegistryError as exc:
             raise ApiError(409, str(exc), code="registry_conflict") from None
         applied = await parts.catalog.write(records)
-        route = records[0]
+        route = next(record for record in records if isinstance(record, ModelRoute))
         return JSONResponse({"name": name, "default": route.default_version, "canary": route.canary,
                              "mirror": route.mirror, "records": [record.key for record in records],
                              "applied": applied})  # fmt: skip
