@@ -120,9 +120,10 @@ class Catalog:
     def assign(self, ref: object, key: str, may_use: Callable[[str], bool]) -> tuple[ModelConfig, Assignment]:
         """The version a request's `model` is served by, and how it was chosen: `name@version` is
         `pinned`; a bare name goes to its route's default or a canary (schemas/traffic.py: assign,
-        sticky per `key`). A canary the caller may not use (`may_use`, its key's allowlist) or that
-        is no longer wanted loaded gives its share back to the default: asking for the bare name
-        never fails because of an experiment. Errors as resolve()."""
+        sticky per `key`). A canary the caller may not use (`may_use`, its key's allowlist), no
+        longer wanted loaded, or failed or refused on every live worker reporting it gives its
+        share back to the default: an experiment never turns a request for the bare name into a
+        refusal the default would not give. Errors as resolve()."""
         config = self.resolve(ref)
         name, version = split_ref(cast(str, ref))
         if version is not None:
@@ -133,6 +134,8 @@ class Catalog:
         chosen, how = assign(name, config.version, route.canary, key)
         record = self.state.versions.get(served_id(name, chosen))
         if how == "default" or record is None or record.desired != "loaded" or not may_use(record.served_id):
+            return config, "default"
+        if self.fleet.availability(record.served_id, record.desired, now_ms()).problem is not None:
             return config, "default"
         return record.manifest.config(), "canary"
 

@@ -10,6 +10,7 @@ from collections import Counter
 import orjson
 import pytest
 
+from schemas.messages import VersionStatus, WorkerHeartbeat, now_ms
 from schemas.model_repo import ModelConfig, ModelRepository
 from schemas.registry import ModelRoute, ModelVersionRecord, RegistryState
 from schemas.traffic import assignment_key
@@ -118,6 +119,19 @@ def test_a_canary_no_longer_wanted_loaded_gives_its_share_to_the_default(desired
     catalog = routed({"2": 100})
     record = version("2", desired)
     catalog.state.apply(record.key, record)  # unloaded after the policy was set
+    assert catalog.assign("echo", "user:u1", anyone)[0].served_id == "echo@1"
+
+
+def test_a_canary_failed_on_every_live_worker_gives_its_share_to_the_default() -> None:
+    catalog = routed({"2": 100})
+    beat = WorkerHeartbeat(worker_id="w1", models=["echo@1"], is_ready=True, num_running=0, num_waiting=0,
+                           max_num_seqs=8, free_kv_blocks=10, block_size_tokens=16, sent_ms=now_ms(), versions={
+                               "echo@1": VersionStatus(state="ready"),
+                               "echo@2": VersionStatus(state="loading")})  # fmt: skip
+    catalog.fleet.observe(beat)
+    assert catalog.assign("echo", "user:u1", anyone)[1] == "canary"  # coming up: the batcher holds it
+    failed = {**beat.versions, "echo@2": VersionStatus(state="failed", reason="model.bin differs")}
+    catalog.fleet.observe(beat.model_copy(update={"versions": failed, "sent_ms": now_ms() + 1}))
     assert catalog.assign("echo", "user:u1", anyone)[0].served_id == "echo@1"
 
 
