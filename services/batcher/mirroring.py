@@ -84,15 +84,18 @@ def with_mirrors(req: Request, models: RegistryState, shadow_reply_to: str) -> t
     return live, copies
 
 
-def forged_traffic_fields(req: Request) -> str | None:
+def forged_traffic_fields(req: Request, shadow_reply_to: str) -> str | None:
     """Why a request read from a requests topic is refused for its traffic fields, or None.
 
     Only the batcher makes mirror copies and lists them (`shadow_of`, `mirrors`, assignment
-    `mirror`), in its own queues: a record that carries them was forged (or misrouted), and
-    would put a made-up answer into the comparison.
+    `mirror`), in its own queues, and only those reply to the shadow topic: a record that carries
+    them, or names that topic, was forged (or misrouted), and would put a made-up answer into the
+    comparison.
     """
     if req.shadow_of is not None or req.assignment == "mirror":
         return "shadow_of and assignment 'mirror' are set only by the batcher, on its own mirror copies"
     if req.mirrors:
         return "mirrors is set only by the batcher, on the live request it copied"
+    if req.reply_to == shadow_reply_to:
+        return f"reply_to={shadow_reply_to!r} is the mirror copies' reply topic (the comparison's), not a client's"
     return None

@@ -87,11 +87,14 @@ def test_mirror_share_unresolvable_and_self_mirrors() -> None:
 
 
 def test_traffic_fields_only_the_batcher_sets_are_refused_on_intake() -> None:
-    assert forged_traffic_fields(make_request("a")) is None
-    assert forged_traffic_fields(make_request("a").model_copy(update={"assignment": "canary"})) is None
-    assert "shadow_of" in (forged_traffic_fields(make_request("a").model_copy(update={"shadow_of": "x"})) or "")
-    assert forged_traffic_fields(make_request("a").model_copy(update={"assignment": "mirror"})) is not None
-    assert "mirrors" in (forged_traffic_fields(make_request("a").model_copy(update={"mirrors": ["2"]})) or "")
+    def why(**fields: object) -> str | None:
+        return forged_traffic_fields(make_request("a").model_copy(update=fields), SHADOW)
+
+    assert why() is None and why(assignment="canary") is None and why(assignment="pinned") is None
+    assert "shadow_of" in (why(shadow_of="x") or "")
+    assert why(assignment="mirror") is not None
+    assert "mirrors" in (why(mirrors=["2"]) or "")
+    assert "reply topic" in (why(reply_to=SHADOW) or "")
 
 
 class _NoRoom:

@@ -111,9 +111,19 @@ async def test_live_requests_are_mirrored_in_the_bulk_lane_and_copies_dropped_fi
             assert isinstance(end, ReplyEnd) and end.finish_reason == "rejected"
             assert end.error is not None and end.error.code == "mirror_dropped"
 
-        # 4. A client never receives a mirror's answer: nothing on its reply topic names a copy.
-        replies = await read_until(bootstrap, [client], lambda recs: False, timeout_s=1)
-        assert not [r for r in replies if ".mirror." in decode_reply(r.value).request_id]
+        # 4. A request record carrying what only the batcher sets (a forged copy) is refused: its
+        # sender gets a rejection, no worker sees it, the comparison's topic gets nothing of it.
+        forged = requests(1, "f")[0].model_copy(update={"request_id": "forged.mirror.3", "shadow_of": "x"})
+        await produce(bootstrap, topics.requests, [forged])
+        replies = await read_until(bootstrap, [client],
+                                   lambda recs: any(decode_reply(r.value).request_id == forged.request_id for r in recs))  # fmt: skip
+        [refusal] = [decode_reply(r.value) for r in replies if decode_reply(r.value).request_id == forged.request_id]
+        assert isinstance(refusal, ReplyEnd) and refusal.error is not None and refusal.error.code == "invalid_request"
+        assert forged.request_id not in mirror_worker.request_ids | live_worker.request_ids
+
+        # 5. A client never receives a mirror's answer: nothing on its reply topic names a copy.
+        assert not [r for r in replies if decode_reply(r.value).request_id.endswith(".mirror.3")
+                    and decode_reply(r.value).request_id != forged.request_id]  # fmt: skip
     finally:
         stop.set()
         for task in tasks[:-1]:
