@@ -252,9 +252,14 @@ class BatcherHandlers:
     # --- planning ---------------------------------------------------------------------------
 
     async def on_tick(self, now_ms: int) -> None:
-        """Reject the requests of versions no worker can serve, publish the batches due at now_ms
-        and time out the requests that expired while held."""
+        """Reject the requests of versions no worker can serve, drop the mirror copies when live
+        requests wait for room, publish the batches due at now_ms and time out the requests that
+        expired while held."""
         await self._reject_unservable(now_ms)
+        # Mirror copies go first while live requests wait for room (as the last poll found), and
+        # before this poll may batch any of them (docs/design.md, "Traffic policies").
+        if self._copies and self.planner.is_live_blocked():
+            await self._shed_copies("interactive requests wait for worker room")
         result = self.planner.poll(now_ms, self.router)
         blocked = set(self.planner.blocked_models())
         for model in blocked - self._blocked_models:
@@ -263,8 +268,6 @@ class BatcherHandlers:
         for model in self._blocked_models - blocked:
             log.info("model %s: a worker has room again", model)
         self._blocked_models = blocked
-        if self._copies and self.planner.is_live_blocked():
-            await self._shed_copies("interactive requests wait for worker room")
         for planned in result.batches:
             records = [rec for r in planned.requests if (rec := self._take_record(r.request_id)) is not None]
             batch = Batch(
