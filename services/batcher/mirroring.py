@@ -55,8 +55,9 @@ def with_mirrors(req: Request, models: RegistryState, shadow_reply_to: str) -> t
     `shadow_of` the live id, the mirror version, the bulk lane, assignment `mirror`, and its
     replies go to `shadow_reply_to` (the comparison's topic), never to the client. Versions that do
     not resolve here, the version serving the live request itself, and copies whose id would pass
-    the request id bound get no copy and are not listed; at most 8 copies (the bound of `mirrors`). A copy is never mirrored again, and
-    only generations are mirrored (the comparison is of generated text).
+    the request id bound get no copy and are not listed; at most 8 copies (the bound of
+    `mirrors`). A copy is never mirrored again, and only generations are mirrored (the comparison
+    is of generated text).
     """
     if req.shadow_of is not None or not isinstance(req, GenerateRequest):
         return req, []
