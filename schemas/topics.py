@@ -176,7 +176,7 @@ class Topics:
 
     @property
     def shadow_live(self) -> str:
-        """The live answer of each mirrored request (ShadowLive, from the gateway), for the comparison."""
+        """The live answer of each mirrored request (ShadowLive, from the worker that served it), for the comparison."""
         return f"{self.prefix}.shadow.live"
 
     @property

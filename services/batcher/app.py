@@ -73,6 +73,7 @@ class BatcherApp:
         self.handlers = BatcherHandlers(
             topics, self.planner, self.producer, self.requests, self.batcher_id, router=self.router,
             commit_interval_ms=settings.commit_interval_ms, reply_auto_create=settings.reply_topic_auto_create,
+            mirror_max_queued=settings.mirror_max_queued,
         )
         self._started: list[Any] = []
         self.is_reading = False
@@ -260,6 +261,10 @@ def _metrics(service: BatcherService) -> ServiceMetrics:
     metrics.gauge("weir_batcher_requests_unservable", "Requests rejected since start per model version: every live "
                   "worker reporting it had it failed or refused.",
                   lambda: [] if service.app is None else [(n, {"model": sid}) for sid, n in service.app.handlers.num_unservable.items()])
+    metrics.gauge("weir_batcher_mirrors_held", "Mirror copies waiting in lanes (docs/design.md, \"Traffic policies\").",
+                  read(lambda app: app.handlers.num_mirrors_held))
+    metrics.gauge("weir_batcher_mirrors_dropped", "Mirror copies dropped under load since start (ended on the shadow "
+                  "reply topic).", read(lambda app: app.handlers.num_mirrors_dropped))
     metrics.gauge("weir_batcher_registry_versions", "Model versions the batcher may route (registered or seeded, not retired).",
                   read(lambda app: len(app.registry.state.servable())))
     metrics.gauge("weir_batcher_registry_skipped", "Registry records skipped since start: not a valid registry record.",

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from pydantic import Field
 
+from services.batcher.mirroring import DEFAULT_MIRROR_MAX_QUEUED
 from services.batcher.planner import DEFAULT_MAX_BATCH_BYTES, DEFAULT_MAX_RECENT
 from services.batcher.routing import DEFAULT_PREFIX_CHARS
 from weir.bus import BusSettings
@@ -41,4 +42,9 @@ class BatcherSettings(BusSettings):
     prefix_affinity_chars: int = Field(
         DEFAULT_PREFIX_CHARS, ge=1,
         description="Leading characters of a prompt (or a chat's system message) hashed to pick its worker.",
+    )
+    mirror_max_queued: int = Field(
+        DEFAULT_MIRROR_MAX_QUEUED, ge=0,
+        description="Most mirror copies held at once; a copy beyond it is dropped (counted, ended on the shadow "
+        "reply topic), as are all held copies while an interactive request waits for worker room.",
     )

@@ -32,7 +32,8 @@ from schemas.messages import (
 )
 from schemas.producers import ProducerBindingError, bind_to_producer
 from schemas.topics import Topics
-from services.batcher.planner import Admission, Planner, Reservation
+from services.batcher.mirroring import DEFAULT_MIRROR_MAX_QUEUED, assign_version, forged_traffic_fields, with_mirrors
+from services.batcher.planner import Admission, Planner, Request, Reservation
 from services.batcher.routing import Router
 from weir.bus import CommitPacer, OffsetTracker, send_dead_letter
 from weir.reply_topics import TopicWriter
@@ -87,6 +88,7 @@ class BatcherHandlers:
         router: Router | None = None,
         commit_interval_ms: int = 0,
         reply_auto_create: bool = True,
+        mirror_max_queued: int = DEFAULT_MIRROR_MAX_QUEUED,
     ) -> None:
         self.topics = topics
         self.planner = planner
@@ -103,6 +105,13 @@ class BatcherHandlers:
         self._tracker = OffsetTracker()
         self._commits = CommitPacer(commit_interval_ms)
         self._held_records: dict[str, ConsumerRecord] = {}  # request_id -> its record, while held
+        # Mirror copies held (docs/design.md, "Traffic policies"): copy id -> its live request's
+        # record. A copy has no record of its own and holds no offset back: it is best effort, so a
+        # batcher that stops loses the copies it held (the live record, if not yet committed, is
+        # read again and copied again by the partition's next owner).
+        self._copies: dict[str, ConsumerRecord] = {}
+        self.mirror_max_queued = mirror_max_queued
+        self.num_mirrors_dropped = 0  # mirror copies shed under load since start
         self._effects: list[_Effect] = []
         self._assigned: set[TopicPartition] = set()
         self._generation = 0  # bumped on each revocation: records fetched before it are stale
@@ -143,9 +152,17 @@ class BatcherHandlers:
             await send_dead_letter(self._producer, self.topics, record, f"{exc}; no reply was written", SERVICE)
             self._tracker.done(_tp(record), record.offset)
             return
+        if (forged := forged_traffic_fields(req, self.topics.shadow_replies)) is not None:
+            await send_dead_letter(self._producer, self.topics, record, forged, SERVICE)
+            await self._end(req, record, "rejected", ErrorInfo(code="invalid_request", message=forged))
+            return
+        # Outside producers' bare names are assigned here, like the gateway's (docs/design.md, "Traffic policies").
+        req = assign_version(req, self.planner.models)
+        req, copies = with_mirrors(req, self.planner.models, self.topics.shadow_replies)
         verdict = self.planner.add(req, now_ms, size_bytes=len(record.value or b""))
         if verdict is Admission.HELD:
             self._held_records[req.request_id] = record
+            await self._add_copies(copies, record, now_ms)
         elif verdict is Admission.DUPLICATE:
             # The first copy is held (its offset still pending) or already produced.
             self._tracker.done(_tp(record), record.offset)
@@ -159,6 +176,40 @@ class BatcherHandlers:
             await self._end(req, record, "timeout", error)
         elif verdict is Admission.CANCELLED:
             await self._end(req, record, "cancelled", None)
+
+    async def _add_copies(self, copies: list[Request], record: ConsumerRecord, now_ms: int) -> None:
+        """Hold the mirror copies of a live request in their versions' lanes (the bulk lane), or
+        drop them when more than mirror_max_queued copies wait already (the batcher is loaded)."""
+        for copy in copies:
+            if len(self._copies) >= self.mirror_max_queued:
+                await self._drop_copy(copy, f"the batcher holds {len(self._copies)} mirror copies (its bound)")
+                continue
+            verdict = self.planner.add(copy, now_ms, size_bytes=len(encode(copy)))
+            if verdict is Admission.HELD:
+                self._copies[copy.request_id] = record
+            elif verdict is Admission.EXPIRED:
+                error = ErrorInfo(code="deadline_exceeded", message=f"deadline_ms={copy.deadline_ms} passed before batching")
+                await self._end(copy, None, "timeout", error)
+            elif verdict is not Admission.DUPLICATE:  # its version stopped resolving, or it was cancelled
+                await self._end(copy, None, "rejected", ErrorInfo(code="mirror_rejected", message=f"admission: {verdict}"))
+
+    async def _shed_copies(self, why: str) -> None:
+        """Drop every held mirror copy: live requests wait for room (docs/design.md, "Traffic policies")."""
+        for copy_id in list(self._copies):
+            del self._copies[copy_id]
+            if (copy := self.planner.drop(copy_id)) is not None:
+                await self._drop_copy(copy, why)
+
+    async def _drop_copy(self, copy: Request, why: str) -> None:
+        """End a mirror copy shed under load, on its (shadow) reply topic so the comparison knows; counted."""
+        self.num_mirrors_dropped += 1
+        await self._end(copy, None, "rejected", ErrorInfo(code="mirror_dropped", message=f"dropped under load: {why}"))
+
+    def _take_record(self, request_id: str) -> ConsumerRecord | None:
+        """The record a held request's end completes: its own, or None for a mirror copy."""
+        if self._copies.pop(request_id, None) is not None:
+            return None
+        return self._held_records.pop(request_id)
 
     # --- control ----------------------------------------------------------------------------
 
@@ -181,7 +232,7 @@ class BatcherHandlers:
             return
         req = self.planner.cancel(cancel.request_id)
         if req is not None:
-            await self._end(req, self._held_records.pop(req.request_id), "cancelled", None)
+            await self._end(req, self._take_record(req.request_id), "cancelled", None)
 
     # --- heartbeats --------------------------------------------------------------------------
 
@@ -201,9 +252,14 @@ class BatcherHandlers:
     # --- planning ---------------------------------------------------------------------------
 
     async def on_tick(self, now_ms: int) -> None:
-        """Reject the requests of versions no worker can serve, publish the batches due at now_ms
-        and time out the requests that expired while held."""
+        """Reject the requests of versions no worker can serve, drop the mirror copies when live
+        requests wait for room, publish the batches due at now_ms and time out the requests that
+        expired while held."""
         await self._reject_unservable(now_ms)
+        # Mirror copies go first while live requests wait for room (as the last poll found), and
+        # before this poll may batch any of them (docs/design.md, "Traffic policies").
+        if self._copies and self.planner.is_live_blocked():
+            await self._shed_copies("interactive requests wait for worker room")
         result = self.planner.poll(now_ms, self.router)
         blocked = set(self.planner.blocked_models())
         for model in blocked - self._blocked_models:
@@ -213,7 +269,7 @@ class BatcherHandlers:
             log.info("model %s: a worker has room again", model)
         self._blocked_models = blocked
         for planned in result.batches:
-            records = [self._held_records.pop(r.request_id) for r in planned.requests]
+            records = [rec for r in planned.requests if (rec := self._take_record(r.request_id)) is not None]
             batch = Batch(
                 batch_id=uuid.uuid4().hex, model=planned.model, requests=planned.requests, batcher_id=self.batcher_id
             )
@@ -228,7 +284,7 @@ class BatcherHandlers:
             self._effects.append(_Effect(future, records, "batch", topic, planned.reservation))
         for req in result.expired:
             error = ErrorInfo(code="deadline_exceeded", message=f"deadline_ms={req.deadline_ms} passed while waiting")
-            await self._end(req, self._held_records.pop(req.request_id), "timeout", error)
+            await self._end(req, self._take_record(req.request_id), "timeout", error)
 
     async def _reject_unservable(self, now_ms: int) -> None:
         """End at once, as rejected, the held requests of each version that every live worker
@@ -245,20 +301,23 @@ class BatcherHandlers:
             self.num_unservable[sid] = self.num_unservable.get(sid, 0) + len(dropped)
             for req in dropped:
                 error = ErrorInfo(code="model_unavailable", message=problem)
-                await self._end(req, self._held_records.pop(req.request_id), "rejected", error)
+                await self._end(req, self._take_record(req.request_id), "rejected", error)
 
     async def _end(
-        self, req: GenerateRequest | EmbedRequest, record: ConsumerRecord, reason: FinishReason, error: ErrorInfo | None
+        self, req: GenerateRequest | EmbedRequest, record: ConsumerRecord | None, reason: FinishReason,
+        error: ErrorInfo | None,
     ) -> None:
-        """Produce the request's one terminal event; its record is done once that is durable."""
+        """Produce the request's one terminal event; its record (None: a mirror copy's, which has
+        none) is done once that is durable."""
         await self._end_at(req.request_id, req.reply_to, record, reason, error)
 
     async def _end_at(
-        self, request_id: str, reply_to: str, record: ConsumerRecord, reason: FinishReason, error: ErrorInfo | None
+        self, request_id: str, reply_to: str, record: ConsumerRecord | None, reason: FinishReason,
+        error: ErrorInfo | None,
     ) -> None:
         end = ReplyEnd(request_id=request_id, seq=0, finish_reason=reason, error=error)
         future = await self._send(reply_to, encode(end), request_id, via=self._replies)
-        self._effects.append(_Effect(future, [record], "reply", reply_to))
+        self._effects.append(_Effect(future, [] if record is None else [record], "reply", reply_to))
 
     async def _send(
         self, topic: str, value: bytes, key: str, partition: int | None = None, via: TopicWriter | None = None
@@ -340,6 +399,11 @@ class BatcherHandlers:
             log.warning("commit of %s failed: %r", positions, exc)
 
     @property
+    def num_mirrors_held(self) -> int:
+        """Mirror copies waiting in lanes."""
+        return len(self._copies)
+
+    @property
     def num_in_flight(self) -> int:
         """Request records taken whose effects are not durable yet (held ones included)."""
         return self._tracker.num_in_flight()
@@ -365,6 +429,10 @@ class BatcherHandlers:
             if _tp(record) in partitions:
                 self.planner.release(request_id)
                 del self._held_records[request_id]
+        for copy_id, record in list(self._copies.items()):  # their live record is read again, and copied again
+            if _tp(record) in partitions:
+                self.planner.release(copy_id)
+                del self._copies[copy_id]
 
 
 class RebalanceListener(ConsumerRebalanceListener):  # type: ignore[misc]

@@ -293,6 +293,14 @@ class Planner:
         """Versions (sids) whose requests wait because no worker had room at the last poll."""
         return [model for model, lane in self._lanes.items() if lane.is_blocked and lane.held]
 
+    def is_live_blocked(self) -> bool:
+        """Whether an interactive request waits because no worker had room at the last poll: the
+        batcher is loaded, and drops its mirror copies first (docs/design.md, "Traffic policies")."""
+        return any(
+            lane.is_blocked and any(h.request.priority == "interactive" for h in lane.held.values())
+            for lane in self._lanes.values()
+        )
+
     def held_models(self) -> list[str]:
         """Versions (sids) that have requests waiting."""
         return [model for model, lane in self._lanes.items() if lane.held]
@@ -358,6 +366,14 @@ class Planner:
             self._recent.add(request_id)
         elif request_id not in self._recent:
             self._cancelled_early.add(request_id)
+        return req
+
+    def drop(self, request_id: str) -> Request | None:
+        """Drop a held request and return it (the caller ends it: a mirror copy shed under
+        load); it counts as finished here. None when not held."""
+        req = self._remove(request_id)
+        if req is not None:
+            self._recent.add(request_id)
         return req
 
     def release(self, request_id: str) -> Request | None:

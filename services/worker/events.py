@@ -1,5 +1,6 @@
 """What an engine output becomes on the wire: reply events for the requester, an AuditEvent for
-the auditor. Pure: the time and the keys come in as arguments.
+the auditor, and for a live request that was mirrored its answer (ShadowLive) for the comparison.
+Pure: the time and the keys come in as arguments.
 """
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 from schemas.fingerprint import key_id, keyed_hmac
 from schemas.messages import AuditEvent, EmbedRequest, GenerateRequest, ReplyDelta, ReplyEnd, Usage
 from schemas.model_repo import ModelConfig
+from schemas.registry import ShadowLive
 from services.worker.engine import EngineOutput
 
 
@@ -58,8 +60,32 @@ def audit_event(
         output_hmac=keyed_hmac(audit_key, out.output_text or ""), hmac_key_id=key_id(audit_key),
         temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
         seed=seed, prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
-        finish_reason=out.finish_reason, worker_id=worker_id, request_created_ms=request.created_ms,
+        finish_reason=out.finish_reason, assignment=request.assignment, shadow_of=request.shadow_of,
+        worker_id=worker_id, request_created_ms=request.created_ms,
         received_ms=out.received_ms or now_ms, first_token_ms=out.first_token_ms,
         finished_ms=out.finished_ms or now_ms,
         mean_token_entropy=out.mean_token_entropy, watermark_z=out.watermark_z,
+    )  # fmt: skip
+
+
+_MAX_SHADOW_TEXT = 1_000_000  # ShadowLive.text's bound
+
+
+def shadow_live(
+    request: GenerateRequest | EmbedRequest, out: EngineOutput, token_ids: list[int], version: str
+) -> ShadowLive | None:
+    """The live answer of a request whose `mirrors` lists copies (docs/design.md, "Traffic
+    policies"), from its final output and the tokens of its run; None for any other request.
+    TTFT is the worker's (received to first token); tokens/s is the decode rate after it."""
+    if not request.mirrors or request.shadow_of is not None or not out.is_final:
+        return None
+    ttft_ms = tokens_per_s = None
+    if out.received_ms is not None and out.first_token_ms is not None:
+        ttft_ms = float(max(0, out.first_token_ms - out.received_ms))
+        if out.finished_ms is not None and out.finished_ms > out.first_token_ms and out.completion_tokens > 1:
+            tokens_per_s = (out.completion_tokens - 1) * 1000 / (out.finished_ms - out.first_token_ms)
+    return ShadowLive(
+        request_id=request.request_id, model=version, assignment=request.assignment or "default",
+        text=(out.output_text or "")[:_MAX_SHADOW_TEXT], token_ids=token_ids, finish_reason=out.finish_reason or "",
+        ttft_ms=ttft_ms, tokens_per_s=tokens_per_s,
     )  # fmt: skip

@@ -36,6 +36,7 @@ class InFlight:
     futures: list[asyncio.Future] = field(default_factory=list)  # every write of the current run
     failure: BaseException | None = None  # the first write of the current run that failed
     num_redos: int = 0
+    token_ids: list[int] = field(default_factory=list)  # the current run's answer, kept for a mirrored request's ShadowLive
 
 
 class Intake:

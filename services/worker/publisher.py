@@ -19,7 +19,7 @@ from schemas.messages import now_ms
 from schemas.model_repo import ModelConfig
 from services.worker.delivery import RedoPolicy, Writer, failure_of, first_failure, is_outage
 from services.worker.engine import EngineOutput
-from services.worker.events import audit_event, model_version, reply_events
+from services.worker.events import audit_event, model_version, reply_events, shadow_live
 from services.worker.fingerprints import FingerprintBatcher
 from services.worker.intake import InFlight, Intake
 from services.worker.runner import EngineHost
@@ -29,17 +29,20 @@ log = logging.getLogger(__name__)
 
 class Publisher:
     """One model server's writes: reply events to each request's reply topic, audit events to
-    the audit topic (with SimHashes when a fingerprint batcher is given)."""
+    the audit topic (with SimHashes when a fingerprint batcher is given), and the live answer of
+    each mirrored request to the shadow topic (ShadowLive, for the comparison)."""
 
     def __init__(
         self, config: ModelConfig, writer: Writer, audit_topic: str, intake: Intake, runners: list[EngineHost],
         restart: Callable[[InFlight], Awaitable[None]], *, worker_id: str, audit_key: bytes,
         fingerprints: FingerprintBatcher | None = None, redo_policy: RedoPolicy | None = None,
+        shadow_live_topic: str | None = None,
     ) -> None:  # fmt: skip
         self.config = config
         self.version = model_version(config)
         self.writer = writer
         self.audit_topic = audit_topic
+        self.shadow_live_topic = shadow_live_topic  # None: mirrored requests' answers are not published
         self.intake = intake
         self.runners = runners  # the server's engine hosts (filled in after construction)
         self._restart = restart  # runs a flight again (ModelServer.start)
@@ -60,10 +63,15 @@ class Publisher:
         key = req.request_id.encode()
         for event in reply_events(req, flight.batch_id, out, self.version):
             self._note(flight, await self.writer.send(req.reply_to, encode(event), key))
+        if req.mirrors:
+            flight.token_ids.extend(out.token_ids)
         if not out.is_final:
             return
         if out.prompt_text is not None:
             self._note(flight, await self.send_audit(flight, out, key))
+        live = shadow_live(req, out, flight.token_ids, self.version)
+        if live is not None and self.shadow_live_topic is not None:
+            self._note(flight, await self.writer.send(self.shadow_live_topic, encode(live), key))
         self._spawn(self.settle(flight))
 
     async def send_audit(self, flight: InFlight, out: EngineOutput, key: bytes) -> asyncio.Future:
@@ -140,7 +148,7 @@ class Publisher:
             await asyncio.sleep(delay_s)
             if self.intake.is_current(flight):  # not ended meanwhile (a rebalance redo here)
                 self._spawn(first_failure(flight.futures))  # collects the broken run's failures (no warnings)
-                flight.futures, flight.failure = [], None
+                flight.futures, flight.failure, flight.token_ids = [], None, []
                 await self._restart(flight)
 
         self._spawn(redo())

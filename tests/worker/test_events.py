@@ -5,7 +5,7 @@ from __future__ import annotations
 from schemas.codec import encode
 from schemas.fingerprint import key_id, keyed_hmac
 from schemas.messages import ErrorInfo, ReplyDelta, ReplyEnd
-from services.worker.events import audit_event, model_version, reply_events
+from services.worker.events import audit_event, model_version, reply_events, shadow_live
 
 from .factories import T0_MS, make_embed_request, make_model_config, make_output, make_request
 
@@ -81,3 +81,27 @@ def test_an_audit_event_takes_now_for_missing_times_and_zeros_for_an_embedding()
     assert (event.received_ms, event.finished_ms, event.first_token_ms) == (T0_MS + 5, T0_MS + 5, None)
     assert (event.temperature, event.top_p, event.top_k, event.max_tokens, event.seed) == (0.0, 1.0, 0, 0, 0)
     assert event.model_version == "minilm@1"
+
+
+def test_only_a_final_live_answer_with_mirrors_makes_a_shadow_live() -> None:
+    live = make_request(model="tiny", assignment="canary", mirrors=["4"])
+    final = make_output(live.request_id, 5, finish_reason="stop", completion_tokens=5, output_text="a b c",
+                        received_ms=T0_MS, first_token_ms=T0_MS + 40, finished_ms=T0_MS + 240)  # fmt: skip
+    published = shadow_live(live, final, [1, 2, 3, 4, 5], "tiny@3")
+    assert published is not None
+    assert (published.request_id, published.model, published.assignment, published.text, published.token_ids) == (
+        live.request_id, "tiny@3", "canary", "a b c", [1, 2, 3, 4, 5])  # fmt: skip
+    assert published.ttft_ms == 40 and published.tokens_per_s == 20.0  # 4 tokens after the first in 200 ms
+    assert shadow_live(make_request(model="tiny"), final, [1], "tiny@3") is None  # not mirrored
+    copy = make_request(model="tiny", assignment="mirror", shadow_of="x", mirrors=[])
+    assert shadow_live(copy, final, [1], "tiny@3") is None
+    assert shadow_live(live, make_output(live.request_id, 0, text="a"), [1], "tiny@3") is None  # not the end
+    no_times = shadow_live(live, make_output(live.request_id, 0, finish_reason="error"), [], "tiny@3")
+    assert no_times is not None and no_times.ttft_ms is None and no_times.tokens_per_s is None
+
+
+def test_audit_events_carry_assignment_and_shadow_of() -> None:
+    copy = make_request(model="tiny", assignment="mirror", shadow_of="live-1")
+    out = make_output(copy.request_id, 1, finish_reason="stop", prompt_text="p", output_text="o")
+    event = audit_event(copy, out, TINY, weights_sha256="0" * 64, worker_id="w", audit_key=KEY, now_ms=T0_MS)
+    assert (event.assignment, event.shadow_of) == ("mirror", "live-1")
