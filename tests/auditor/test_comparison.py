@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ from schemas.registry import ShadowLive
 from services.auditor.comparison import Forged, ShadowJoin, compare, mirror_of
 
 T0 = 1_700_000_000_000
+REPO = Path(__file__).resolve().parents[2]
 
 
 def live(rid: str = "r1", text: str = "a b c", tokens: list[int] | None = None, model: str = "m@1") -> ShadowLive:
@@ -135,3 +137,24 @@ def test_expiry_and_bound_are_counted() -> None:
     clock.now = 30
     join.expire()
     assert join.counts["expired_mirror"] == 2 and join.counts["joined"] == 0
+
+
+def test_similarity_with_the_auditors_embedding_model(fingerprinter) -> None:  # the model loads (else: skipped)
+    from services.auditor.comparison import Pair
+    from services.auditor.fingerprints import embedding_function
+
+    embed = embedding_function(REPO / "models.toml")
+
+    def similarity(live_text: str, mirror_text: str) -> float | None:
+        join = ShadowJoin()
+        join.add_live(live(text=live_text))
+        join.add_reply(deltas("r1.mirror.2", [(mirror_text, [1])])[0])
+        [pair] = join.add_reply(end("r1.mirror.2", 1))
+        assert isinstance(pair, Pair)
+        return compare(pair, embed).similarity
+
+    same = similarity("The capital of France is Paris.", "The capital of France is Paris.")
+    close = similarity("The capital of France is Paris.", "Paris is the capital city of France.")
+    far = similarity("The capital of France is Paris.", "Bake the bread for forty minutes.")
+    assert same == pytest.approx(1.0, abs=1e-5)
+    assert far is not None and close is not None and far < 0.5 < close < same
