@@ -70,7 +70,7 @@ def create_app(settings: AuditorSettings, health: HealthMetrics | None = None,
     if embed == "default":
         embed = embedding_function(settings.model_repo, settings.comparison_embedding_model) \
             if settings.comparison_embedding_model else None
-    register_comparison(broker, settings, Comparisons(settings, join, embed, publish_comparison,
+    register_comparison(broker, settings, Comparisons(join, embed, publish_comparison,
                                                       writer.add_comparison, dead_letters.send))
     timers: list[asyncio.Task[None]] = []
 

@@ -11,8 +11,10 @@ kept in the ledger (no raw text; services/auditor/comparison_log.py).
 A record that is no ReplyEvent / ShadowLive, a reply whose id names no mirror copy, a live answer
 whose id is a mirror's, or a pair whose models are not two versions of one name, is dead-lettered
 with why (docs/design.md, invariant 6) and changes nothing. The join is in memory: offsets are
-committed as records are read, and a restart loses only the pairs that were waiting (counted as
-nothing, seen as fewer samples).
+committed as records are read, and a restart loses only the pairs that were waiting (seen as fewer
+samples). The replies topic has one partition, so one auditor replica joins: with several replicas,
+the live answers on partitions another replica holds find no mirror there and expire (counted as
+expired_live): run the comparison on one replica (docs/auditor.md, "Shadow comparison").
 """
 
 from __future__ import annotations
@@ -166,7 +168,7 @@ class ShadowJoin:
         self.counts["joined"] += 1
         return Pair(found.answer, mirror_model, reply)
 
-    def _bound(self, pending: OrderedDict[str, object]) -> None:
+    def _bound(self, pending: OrderedDict[str, MirrorReply] | OrderedDict[str, _Live]) -> None:
         while len(pending) > self.max_pending:
             pending.popitem(last=False)
             self.counts["evicted"] += 1
@@ -187,8 +189,7 @@ def mirror_model_of(live_model: str, reply: MirrorReply) -> str:
     name, version = _name_version(named, "mirror copy's version")
     assert reply.end is not None
     if reply.end.model_version is not None and reply.end.model_version != named:
-        if reply.end.finish_reason not in ("rejected", "timeout"):  # refused before any worker: no version
-            raise Forged(f"mirror reply served by {reply.end.model_version!r}, its request id names {named!r}")
+        raise Forged(f"mirror reply served by {reply.end.model_version!r}, its request id names {named!r}")
     if name != live_name or version == live_version:
         raise Forged(f"mirror {named!r} is no other version of the live answer's {live_model!r}")
     return named
@@ -235,10 +236,9 @@ def _mirror_error(reply: MirrorReply) -> str | None:
 class Comparisons:
     """The comparison group's handler: records in, ModelComparisons out (topic, ledger)."""
 
-    def __init__(self, settings: AuditorSettings, join: ShadowJoin, embed: Embed | None,
-                 publish: Callable[[ModelComparison], Awaitable[None]], store: Callable[[ModelComparison], Awaitable[bool]],
+    def __init__(self, join: ShadowJoin, embed: Embed | None, publish: Callable[[ModelComparison], Awaitable[None]],
+                 store: Callable[[ModelComparison], Awaitable[bool]],
                  dead_letter: Callable[[ConsumerRecord, str], Awaitable[None]]) -> None:  # fmt: skip
-        self.settings = settings
         self.join = join
         self.embed = embed
         self.publish = publish
