@@ -158,3 +158,15 @@ def test_similarity_with_the_auditors_embedding_model(fingerprinter) -> None:  #
     far = similarity("The capital of France is Paris.", "Bake the bread for forty minutes.")
     assert same == pytest.approx(1.0, abs=1e-5)
     assert far is not None and close is not None and far < 0.5 < close < same
+
+
+def test_join_counts_are_on_metrics() -> None:
+    from services.auditor.health import HealthMetrics
+
+    health, join = HealthMetrics(), ShadowJoin(ttl_s=1, clock=Clock())
+    health.shadow_join = join.counts
+    join.add_live(live())
+    join.clock.now = 2  # type: ignore[attr-defined]
+    join.expire()
+    assert 'weir_audit_shadow_join_total{outcome="expired_live"} 1' in health.render()
+    assert 'weir_audit_shadow_join_total{outcome="joined"} 0' in health.render()

@@ -53,6 +53,7 @@ def test_compare_prints_the_summary_per_pair(prefix: str, capsys) -> None:  # no
     assert lines[1].split()[:5] == ["tiny@1", "tiny@2", "5", "1", "(20.0%)"] and "0.900" in lines[1]
     assert "2 records" in captured.err and "skipped" in captured.err
     assert weir(prefix, "compare", "other") == 0 and "other: no comparisons" in capsys.readouterr().out
+    assert weir(prefix, "compare", "tiny@2") == 2 and "compare takes a NAME" in capsys.readouterr().err
 
 
 def test_promote_refuses_unless_the_comparison_passes(prefix: str, tiny, capsys) -> None:  # noqa: F811

@@ -150,7 +150,9 @@ def run(args: argparse.Namespace, record_goldens: RecordGoldens | None = None) -
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)  # its retries would bury the one line below
     try:
         if getattr(args, "ref", None) is not None:  # before any Kafka: a malformed ref is the user's typo
-            _checked_ref(args.ref, need_version=args.action not in ("show", "compare"))
+            _, version = _checked_ref(args.ref, need_version=args.action not in ("show", "compare"))
+            if args.action == "compare" and version is not None:
+                raise ArgumentError(f"{args.ref!r}: compare takes a NAME (it prints every version pair of it)")
         if args.action == "promote":
             _thresholds(args)  # nonsense thresholds are a typo too
         if args.action in _KAFKA_ACTIONS:
