@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import math
+import random
+import time
 
 import pytest
 
@@ -22,6 +24,30 @@ from weir.models.compare import PairSummary, Thresholds, cosine, edit_distance, 
 def test_edit_distance(a: list[int], b: list[int], expected: int) -> None:
     assert edit_distance(a, b) == expected
     assert edit_distance(b, a) == expected
+
+
+def _reference(a: list[int], b: list[int]) -> int:
+    table = [[i + j if i * j == 0 else 0 for j in range(len(b) + 1)] for i in range(len(a) + 1)]
+    for i in range(1, len(a) + 1):
+        for j in range(1, len(b) + 1):
+            table[i][j] = min(table[i - 1][j] + 1, table[i][j - 1] + 1, table[i - 1][j - 1] + (a[i - 1] != b[j - 1]))
+    return table[-1][-1]
+
+
+def test_edit_distance_matches_the_textbook_table() -> None:
+    rng = random.Random(7)
+    for _ in range(300):
+        a = [rng.randrange(4) for _ in range(rng.randrange(12))]
+        b = [rng.randrange(4) for _ in range(rng.randrange(12))]
+        assert edit_distance(a, b) == _reference(a, b), (a, b)
+
+
+def test_edit_distance_of_long_answers_is_fast() -> None:
+    a = list(range(4000))
+    b = [t if t % 10 else -1 for t in a][50:]  # 400 substituted, 50 deleted
+    started = time.perf_counter()
+    assert edit_distance(a, b) == 445  # 5 of the substituted tokens were among the deleted
+    assert time.perf_counter() - started < 5.0
 
 
 def test_cosine() -> None:
