@@ -252,6 +252,11 @@ class Topics:
         """Consumer group of all auditor replicas."""
         return f"{self.prefix}.auditor"
 
+    @property
+    def comparison_group(self) -> str:
+        """Consumer group of the auditors' shadow comparison (shadow_replies and shadow_live)."""
+        return f"{self.prefix}.auditor.comparison"
+
     def worker_group(self, model: str) -> str:
         """Consumer group of the workers of one model version (`name@version`): Kafka spreads its
         batches among them."""

@@ -11,15 +11,19 @@ import contextlib
 import logging
 import sqlite3
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from faststream import FastStream
 from faststream.kafka import KafkaBroker
 from pydantic import SecretStr
 from starlette.types import ASGIApp
 
+from schemas.codec import encode
+from schemas.registry import ModelComparison
 from services.auditor.api import create_api
+from services.auditor.comparison import Comparisons, Embed, ShadowJoin, register_comparison
 from services.auditor.config import AuditorSettings
+from services.auditor.fingerprints import embedding_function
 from services.auditor.handlers import AnchorPublisher, AuditBatches, DeadLetters, LedgerWriter, register_handlers
 from services.auditor.health import HealthMetrics
 from services.auditor.ledger import Ledger, LedgerError
@@ -31,10 +35,13 @@ from weir.service import ConfigError, bus_overrides, ops_app, run_service, servi
 log = logging.getLogger(__name__)
 
 
-def create_app(settings: AuditorSettings, health: HealthMetrics | None = None) -> FastStream:
+def create_app(settings: AuditorSettings, health: HealthMetrics | None = None,
+               embed: Embed | None | Literal["default"] = "default") -> FastStream:
     """The auditor app: one consumer group on the audit topic, a ledger, dead letters and
     checkpoint anchors published through the same broker, and a timer that writes the quiet
     chains' checkpoints and publishes any anchor not yet out. New records feed `health` (the /metrics).
+    A second group makes the shadow comparison (services/auditor/comparison.py); its similarity
+    comes from `embed` ("default": settings.comparison_embedding_model, loaded on first use).
 
     Nothing connects until the app starts (`await app.start()`, or `async with app:` in tests).
     """
@@ -51,13 +58,26 @@ def create_app(settings: AuditorSettings, health: HealthMetrics | None = None) -
     )
     writer = LedgerWriter(settings)
     anchors = AnchorPublisher(settings.topics, broker, writer)
-    register_handlers(broker, settings,
-                      AuditBatches(settings, writer, DeadLetters(settings.topics, broker), health, anchors))
+    dead_letters = DeadLetters(settings.topics, broker)
+    register_handlers(broker, settings, AuditBatches(settings, writer, dead_letters, health, anchors))
+    join = ShadowJoin(settings.comparison_ttl_s, settings.comparison_max_pending)
+    if health is not None:
+        health.shadow_join = join.counts
+
+    async def publish_comparison(comparison: ModelComparison) -> None:
+        await broker.publish(encode(comparison), topic=settings.topics.comparisons, key=comparison.name.encode())
+
+    if embed == "default":
+        embed = embedding_function(settings.model_repo, settings.comparison_embedding_model) \
+            if settings.comparison_embedding_model else None
+    register_comparison(broker, settings, Comparisons(join, embed, publish_comparison,
+                                                      writer.add_comparison, dead_letters.send))
     timers: list[asyncio.Task[None]] = []
 
     async def checkpoint_quiet_chains() -> None:
         while True:
             await asyncio.sleep(min(settings.audit_checkpoint_every_s, 5.0))
+            join.expire()  # the comparison's waiting halves, also when no record comes
             try:
                 await writer.checkpoint_due()
                 await anchors.publish_new()
@@ -101,11 +121,13 @@ class AuditorService:
 
     async def start(self) -> None:
         await wait_for_cluster(self.settings)
-        # Its anchor topic (created with the others; here too for a deployment made before it
-        # existed): publishing to a missing topic would stall each batch that writes a checkpoint.
+        # Its anchor and comparison topics (created with the others; here too for a deployment made
+        # before they existed): publishing to a missing topic would stall the handler that does.
         topics = self.settings.topics
-        anchor_specs = [spec for spec in topics.core_specs() if spec.name == topics.audit_anchors]
-        await ensure_topics(self.settings.kafka_bootstrap, anchor_specs)
+        wanted = {topics.audit_anchors, topics.shadow_live, topics.comparisons}
+        specs = [spec for spec in topics.core_specs() if spec.name in wanted]
+        # The mirror copies' reply topic: like every reply topic, its reader creates it.
+        await ensure_topics(self.settings.kafka_bootstrap, [*specs, topics.reply_spec("shadow")])
         try:
             await self.app.start()
         except (LedgerError, sqlite3.Error) as exc:

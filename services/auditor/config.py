@@ -53,6 +53,17 @@ class AuditorSettings(BusSettings):
     watermark_tenants: str = Field(
         "", description='Watermark keys per tenant, JSON {tenant: {"gamma", "delta", "key"}} (as the workers).'
     )
+    comparison_ttl_s: float = Field(
+        300.0, gt=0, description="How long a mirror reply or live answer waits for its other half before it is "
+        "dropped (counted) by the shadow comparison.",
+    )
+    comparison_max_pending: int = Field(
+        10_000, ge=1, description="Most mirror replies, and most live answers, the comparison holds while they wait.",
+    )
+    comparison_embedding_model: str = Field(
+        "all-MiniLM-L6-v2", description="onnx model of the model repository whose embeddings give the comparison's "
+        "similarity (the fingerprint model); empty: no similarity is measured.",
+    )
     model_repo: str = Field("models.toml", description="Model repository: where the watermark detector finds tokenizers.")
 
     def ledger_target(self) -> str | Path:

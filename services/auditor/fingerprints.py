@@ -1,4 +1,5 @@
-"""SimHash of an asked text, for semantic lookups: the same model and projection as the workers.
+"""SimHash of an asked text, for semantic lookups: the same model and projection as the workers;
+and the embeddings of two answers, for the shadow comparison's similarity.
 
 The embedding must match the workers' bit for bit in method (same ONNX export, tokenizer,
 fragmenting and pooling), so this uses the TextFingerprinter the workers use, from the shared
@@ -25,19 +26,51 @@ def simhash_function(model_repo: str | Path = "models.toml", model_name: str = "
 
     The model loads on the first call; calls are serialised (one onnxruntime session).
     """
-    lock = threading.Lock()
-    state: dict[str, TextFingerprinter | None] = {}
+    model = _LazyModel(model_repo, model_name)
 
     def simhash_of(text: str) -> str | None:
-        with lock:
-            if "fingerprinter" not in state:
-                state["fingerprinter"] = _load(model_repo, model_name)
-            fingerprinter = state["fingerprinter"]
-            if fingerprinter is None:
-                return None
-            return fingerprinter.simhash([text])[0]
+        with model.lock:
+            fingerprinter = model.get()
+            return None if fingerprinter is None else fingerprinter.simhash([text])[0]
 
     return simhash_of
+
+
+def embedding_function(model_repo: str | Path = "models.toml",
+                       model_name: str = "all-MiniLM-L6-v2") -> Callable[[list[str]], list[list[float]] | None]:
+    """texts -> their L2-normalised embeddings with the fingerprint model (the shadow comparison's
+    similarity: the embedding model Weir already serves), or None when the model cannot load or a
+    text is longer than it takes. Loads on the first call, like simhash_function."""
+    model = _LazyModel(model_repo, model_name)
+
+    def embed(texts: list[str]) -> list[list[float]] | None:
+        with model.lock:
+            fingerprinter = model.get()
+            if fingerprinter is None:
+                return None
+            try:
+                vectors = fingerprinter.embedder.embed(texts, max_tokens=fingerprinter.max_model_len)
+            except ValueError as exc:  # a text over the model's length: no similarity for it
+                log.info("no similarity: %s", exc)
+                return None
+            return [[float(x) for x in row] for row in vectors]
+
+    return embed
+
+
+class _LazyModel:
+    """The fingerprinter, loaded on the first get() (under `lock`, which callers hold)."""
+
+    def __init__(self, model_repo: str | Path, model_name: str) -> None:
+        self.lock = threading.Lock()
+        self.model_repo = model_repo
+        self.model_name = model_name
+        self.state: dict[str, TextFingerprinter | None] = {}
+
+    def get(self) -> TextFingerprinter | None:
+        if "fingerprinter" not in self.state:
+            self.state["fingerprinter"] = _load(self.model_repo, self.model_name)
+        return self.state["fingerprinter"]
 
 
 def _load(model_repo: str | Path, model_name: str) -> TextFingerprinter | None:

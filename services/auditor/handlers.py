@@ -36,6 +36,7 @@ from faststream.kafka.annotations import KafkaMessage
 
 from schemas.codec import DecodeError, decode_audit_record
 from schemas.messages import SCHEMA_VERSION, AuditAnchor, AuditEvent, ReviewFlag
+from schemas.registry import ModelComparison
 from schemas.topics import Topics
 from services.auditor.anchors import anchor_key
 from services.auditor.config import AuditorSettings
@@ -97,6 +98,11 @@ class LedgerWriter:
         assert self._ledger is not None, "LedgerWriter.open() was not called"
         outcome: BatchOutcome = await self._run(self._ledger.append_batch, items)
         return outcome
+
+    async def add_comparison(self, comparison: ModelComparison) -> bool:
+        """Ledger.add_comparison on the ledger thread: one shadow comparison's measures."""
+        assert self._ledger is not None, "LedgerWriter.open() was not called"
+        return bool(await self._run(self._ledger.add_comparison, comparison))
 
     async def close(self) -> None:
         """Close the file and stop the thread; called once at shutdown."""

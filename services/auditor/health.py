@@ -35,6 +35,7 @@ class HealthMetrics:
         self.completion_tokens: dict[str, int] = defaultdict(int)
         self.num_events = 0
         self.review_flags: dict[tuple[str, str], int] = defaultdict(int)  # (tenant, reason) -> count
+        self.shadow_join: dict[str, int] = {}  # the comparison's ShadowJoin.counts (outcome -> count)
 
     def observe(self, event: AuditEvent) -> None:
         """Count one appended AuditEvent (called by the auditor's handler on the event loop)."""
@@ -69,6 +70,9 @@ class HealthMetrics:
                   "# TYPE weir_audit_review_flags_total counter"]
         lines += [f"weir_audit_review_flags_total{{{_labels(tenant=t, reason=r)}}} {n}"
                   for (t, r), n in sorted(self.review_flags.items())]
+        lines += ["# HELP weir_audit_shadow_join_total Shadow comparison join: pairs joined, halves expired "
+                  "unmatched or evicted, deltas after their end.", "# TYPE weir_audit_shadow_join_total counter"]
+        lines += [f"weir_audit_shadow_join_total{{{_labels(outcome=k)}}} {n}" for k, n in sorted(self.shadow_join.items())]
         for name, table, help_ in (
             ("weir_audit_output_entropy_nats", self.entropy, "Mean per-request token entropy of outputs (nats)."),
             ("weir_audit_watermark_z", self.watermark_z, "Mean watermark z-score of watermarked outputs."),

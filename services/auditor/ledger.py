@@ -4,6 +4,7 @@ SQLite by default (one file), PostgreSQL when given a DSN (postgresql://...). Bo
 same Ledger class; only the few statements that differ go through the store (`_SqliteStore`,
 `_PgStore`). See services/auditor/chain.py for how records and checkpoints are hashed and keyed,
 services/auditor/reviews.py for the review flags kept beside the records (`Ledger.review_flags`),
+services/auditor/comparison_log.py for the shadow comparisons' measures (`Ledger.add_comparison`),
 and services/auditor/anchors.py for the checkpoints' anchors in Kafka.
 """
 
@@ -21,7 +22,8 @@ from typing import Any, Literal, Self, Union, get_args, get_origin
 
 from schemas.messages import AuditAnchor, AuditEvent, ReviewFlag
 from schemas.messages import now_ms as wall_clock_ms
-from services.auditor import reviews
+from schemas.registry import ModelComparison
+from services.auditor import comparison_log, reviews
 from services.auditor.anchors import AnchorRecord, AnchorReport, ChainKey, ChainState, anchor_of, check_anchors
 from services.auditor.chain_store import (
     CHECKPOINT_COLUMNS,
@@ -184,7 +186,8 @@ class Ledger:
         try:
             if not readonly:
                 # review_flags is created in ledgers written before it existed: that is their migration.
-                for sql in [*_tables_sql(self._store.dialect), *reviews.tables_sql(self._store.dialect)]:
+                for sql in [*_tables_sql(self._store.dialect), *reviews.tables_sql(self._store.dialect),
+                            *comparison_log.tables_sql(self._store.dialect)]:
                     self._store.execute(sql)
                 add_mac_column(self._store, CHECKPOINTS)  # a ledger written before checkpoints were keyed
             self._check_columns()
@@ -348,6 +351,17 @@ class Ledger:
         return sum(checkpoint_if_due(self._store, t, chain_id, now_ms, self._policy) for t in tables)
 
     # -- reading --------------------------------------------------------------------------------
+
+    def add_comparison(self, comparison: ModelComparison) -> bool:
+        """Store one shadow comparison's measures; False when it was in already (a redelivery)."""
+        return comparison_log.insert(self._store, comparison)
+
+    def comparisons(self, name: str | None = None) -> list[ModelComparison]:
+        """The stored shadow comparisons (of `name`, or all), oldest first; none in a ledger
+        written before they existed."""
+        if not self._store.columns(comparison_log.COMPARISONS):
+            return []
+        return comparison_log.read(self._store, name)
 
     def num_records(self) -> int:
         """How many records the ledger holds, all chains together."""

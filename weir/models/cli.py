@@ -6,7 +6,7 @@
 import-gguf writes a Hugging Face directory (default $WEIR_HOME/models/NAME) and prints the
 models.toml entry that serves it; prepare imports every GGUF `source` of a model repository ahead
 of time (`weir up` does this itself before it starts the services). The registry's actions (pack,
-push, list, show, load, unload, retire, promote, seed, keygen) are weir/models/registry_cli.py's.
+push, list, show, load, unload, retire, promote, compare, seed, keygen) are weir/models/registry_cli.py's.
 Exit status 0, or 2 with one line naming the file and the problem.
 """
 

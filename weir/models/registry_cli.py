@@ -5,7 +5,10 @@
     weir models list [--json]                      every name: default, versions, desired and live state
     weir models show N | N@V [--json]              manifest, files, digest, signature, goldens, route, workers
     weir models load|unload|retire N@V             what operators want of a version
-    weir models promote N@V [--force]              make it the default (refused unless a live worker has it ready)
+    weir models promote N@V [--force] [--require-similarity S --max-latency-ratio R --max-error-rate E
+                        [--min-samples N]]         make it the default (refused unless a live worker has it ready,
+                                                   and, with --require-*/--max-*, unless its shadow comparison passes)
+    weir models compare N [--json]                 the shadow comparison's summary per (live, mirror) version pair
     weir models seed [--model-repo models.toml]    register the file's entries whose directories exist
     weir models keygen --private F --public F      an Ed25519 key pair for --sign-key and the workers' trust
 
@@ -47,12 +50,13 @@ from weir import registry
 from weir.bus import BusSettings, make_consumer, partitions_of
 from weir.home import served_model_dir
 from weir.kafka.admin import ensure_topics, wait_for_broker
+from weir.models import compare
 from weir.models.manifest import manifest_file_name, pack, verify_files, write_manifest_file
 from weir.models.signing import generate_keypair, sign
 
 RecordGoldens = Callable[[ModelConfig, list[str], int], Any]  # list[GoldenCase], or an awaitable of it
 
-REGISTRY_ACTIONS = ("pack", "push", "list", "show", "load", "unload", "retire", "promote", "seed", "keygen")
+REGISTRY_ACTIONS = ("pack", "push", "list", "show", "load", "unload", "retire", "promote", "compare", "seed", "keygen")
 _KAFKA_ACTIONS = frozenset(REGISTRY_ACTIONS) - {"pack", "keygen"}
 
 
@@ -92,7 +96,19 @@ def add_actions(actions: argparse._SubParsersAction) -> None:
     promote = actions.add_parser("promote", help="make a version its name's default (new requests go to it at once)")
     promote.add_argument("ref", help="NAME@VERSION")
     promote.add_argument("--force", action="store_true", help="promote even if no live worker has it ready")
+    promote.add_argument("--require-similarity", type=float, metavar="S",
+                         help="refuse unless the mean similarity of (default -> it) comparisons is >= S")
+    promote.add_argument("--max-latency-ratio", type=float, metavar="R",
+                         help="refuse unless its mean TTFT over the default's is <= R")
+    promote.add_argument("--max-error-rate", type=float, metavar="E",
+                         help="refuse unless the share of its mirror copies that did not finish is <= E (0-1)")
+    promote.add_argument("--min-samples", type=int, metavar="N",
+                         help="comparisons the checks need (default 20; only with a --require-*/--max-* check)")
     _kafka_args(promote, live=True)
+    compare_p = actions.add_parser("compare", help="the shadow comparison of a name's versions, per version pair")
+    compare_p.add_argument("ref", help="NAME")
+    compare_p.add_argument("--json", action="store_true", help="one JSON object")
+    _kafka_args(compare_p)
     seed = actions.add_parser("seed", help="register a models.toml's entries whose directories exist")
     seed.add_argument("--model-repo", type=Path, default=Path(os.environ.get("WEIR_MODEL_REPO", "models.toml")),
                       help="model repository TOML (env WEIR_MODEL_REPO; default %(default)s)")
@@ -134,7 +150,11 @@ def run(args: argparse.Namespace, record_goldens: RecordGoldens | None = None) -
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)  # its retries would bury the one line below
     try:
         if getattr(args, "ref", None) is not None:  # before any Kafka: a malformed ref is the user's typo
-            _checked_ref(args.ref, need_version=args.action != "show")
+            _, version = _checked_ref(args.ref, need_version=args.action not in ("show", "compare"))
+            if args.action == "compare" and version is not None:
+                raise ArgumentError(f"{args.ref!r}: compare takes a NAME (it prints every version pair of it)")
+        if args.action == "promote":
+            _thresholds(args)  # nonsense thresholds are a typo too
         if args.action in _KAFKA_ACTIONS:
             settings = _settings(args)
             return asyncio.run(_with_deadline(settings, args, _ASYNC[args.action](settings, args, record_goldens)))
@@ -157,7 +177,7 @@ async def _with_deadline(settings: BusSettings, args: argparse.Namespace, action
     bounds its Kafka steps itself: recording goldens in between may take minutes.)"""
     try:
         await wait_for_broker(settings.kafka_bootstrap, args.timeout, settings.kafka_options())
-        wanted = {settings.topics.models, settings.topics.workers}
+        wanted = {settings.topics.models, settings.topics.workers, settings.topics.comparisons}
         await ensure_topics(settings.kafka_bootstrap, [s for s in settings.topics.core_specs() if s.name in wanted],
                             options=settings.kafka_options())  # fmt: skip
         return await (action if args.action == "push" else _bounded(args, action))
@@ -473,17 +493,68 @@ async def _set_desired(settings: BusSettings, args: argparse.Namespace, _record:
     return 0
 
 
+def _thresholds(args: argparse.Namespace) -> compare.Thresholds | None:
+    """promote's comparison checks, or None when none is asked; ArgumentError for nonsense."""
+    thresholds = compare.Thresholds(args.require_similarity, args.max_latency_ratio, args.max_error_rate,
+                                    20 if args.min_samples is None else args.min_samples)  # fmt: skip
+    if not thresholds.any:
+        if args.min_samples is not None:
+            raise ArgumentError("--min-samples needs --require-similarity, --max-latency-ratio or --max-error-rate")
+        return None
+    return thresholds
+
+
+async def _check_comparison(settings: BusSettings, view: _View, ref: str, thresholds: compare.Thresholds) -> str:
+    """The comparison of (current default -> ref) against `thresholds`: a line saying it passed, or
+    RegistryError saying why not (docs/design.md, "Traffic policies")."""
+    name, _ = split_ref(ref)
+    route = view.state.routes.get(name)
+    if route is None:
+        raise registry.RegistryError(f"{name!r} has no default version: nothing to compare {ref} with")
+    live = f"{name}@{route.default_version}"
+    if live == ref:
+        raise registry.RegistryError(f"{ref} is already the default of {name!r}")
+    comparisons, _skipped = await compare.read_comparisons(settings)
+    pair = compare.summarize(comparisons, name).get((live, ref))
+    failed = thresholds.failures(pair)
+    if failed:
+        raise registry.RegistryError(f"the comparison {live} -> {ref} does not pass: " + "; ".join(failed))
+    assert pair is not None
+    return f"the comparison {live} -> {ref} passes ({pair.samples} samples)"
+
+
 async def _promote(settings: BusSettings, args: argparse.Namespace, _record: RecordGoldens | None) -> int:
+    thresholds = _thresholds(args)
     view = await _view(settings, args)
     statuses = view.statuses(args.ref)
     if not args.force and not any(s.state == "ready" for s in statuses.values()):
         seen = f" (live workers report: {_live_text(statuses)})" if statuses else " (no live worker reports it)"
         raise registry.RegistryError(f"no live worker has {args.ref} ready{seen}; load it and wait, or use --force")
+    if thresholds is not None:  # --force skips the readiness check, never a comparison asked for
+        print(await _check_comparison(settings, view, args.ref, thresholds))
     records = registry.promote(view.state, args.ref, _by())
     await registry.publish(settings, records)
     unloaded = [r.served_id for r in records if isinstance(r, ModelVersionRecord)]
     print(f"{args.ref} is the default of {split_ref(args.ref)[0]!r}"
           + "".join(f"; {sid} asked to unload (workers drain it)" for sid in unloaded))  # fmt: skip
+    return 0
+
+
+async def _compare(settings: BusSettings, args: argparse.Namespace, _record: RecordGoldens | None) -> int:
+    """`weir models compare NAME`: Topics.comparisons (the source of truth) read from its beginning,
+    summarised per (live, mirror) version pair."""
+    name, _ = split_ref(args.ref)
+    comparisons, skipped = await compare.read_comparisons(settings)
+    pairs = compare.summarize(comparisons, name)
+    if args.json:
+        print(orjson.dumps({"name": name, "pairs": compare.summary_json(pairs), "skipped": skipped}).decode())
+        return 0
+    if not pairs:
+        print(f"{name}: no comparisons (mirror a version: weir models route {name} --mirror V=100)")
+    else:
+        print(_table(*compare.summary_rows(pairs)))
+    if skipped:
+        print(f"({skipped} records on {settings.topics.comparisons} were no comparison: skipped)", file=sys.stderr)
     return 0
 
 
@@ -535,4 +606,5 @@ async def _seed(settings: BusSettings, args: argparse.Namespace, _record: Record
 _SYNC: dict[str, Callable[[argparse.Namespace], int]] = {"pack": _pack_action, "keygen": _keygen}
 _ASYNC: dict[str, Callable[..., Any]] = {"push": _push, "list": _list, "show": _show, "load": _set_desired,
                                          "unload": _set_desired, "retire": _set_desired, "promote": _promote,
+                                         "compare": _compare,
                                          "seed": _seed}  # fmt: skip
