@@ -190,6 +190,7 @@ class Ledger:
                             *comparison_log.tables_sql(self._store.dialect)]:
                     self._store.execute(sql)
                 add_mac_column(self._store, CHECKPOINTS)  # a ledger written before checkpoints were keyed
+                add_event_columns(self._store)  # a ledger written before an optional AuditEvent field existed
             self._check_columns()
             try:
                 self.review_flags = reviews.ReviewFlagLog(self._store)
@@ -482,6 +483,23 @@ class Ledger:
                     f"{self.name} was written for another AuditEvent schema (columns {differ} differ); "
                     "verify it with the auditor version that wrote it, then start a new WEIR_AUDIT_DB"
                 )
+
+
+def add_event_columns(store: Any) -> list[str]:
+    """Give an audit table written before some optional (nullable) AuditEvent fields existed their
+    columns, NULL in its old rows; returns the columns added. Old records stay verifiable: their
+    canonical JSON has no such key, which the chain check reads as null, as the column holds."""
+    found = store.columns(TABLE)
+    if not found:
+        return []
+    added = []
+    for name, py_type, nullable in EVENT_FIELDS:
+        if name not in found and nullable:
+            store.execute(f"ALTER TABLE {TABLE} ADD COLUMN {name} {_SQL_TYPES[store.dialect][py_type]}")
+            added.append(name)
+    if added:
+        log.info("audit ledger %s: added the columns %s of newer AuditEvent fields (NULL in older records)", store.name, added)
+    return added
 
 
 def _chain_row(row: dict[str, Any]) -> ChainRow:

@@ -141,8 +141,21 @@ def test_records_limit_gives_the_newest_oldest_first(db: Path) -> None:
 def test_canonical_json_is_sorted_and_compact(db: Path) -> None:
     with Ledger(db, readonly=True) as ledger:
         canonical = ledger.records(limit=1)[0]["canonical_json"]
-    assert canonical.startswith('{"event":{"completion_tokens":')
+    assert canonical.startswith('{"event":{"assignment":null,"completion_tokens":')
     assert '"ledger":{"appended_ms":' in canonical and '"chain_id":1,' in canonical and ", " not in canonical
+
+
+def test_a_ledger_from_before_an_optional_field_gets_its_column_and_stays_verifiable(db: Path, raw) -> None:
+    for name in ("assignment", "shadow_of"):  # as a ledger written before traffic policies was
+        raw.execute(f"ALTER TABLE {TABLE} DROP COLUMN {name}")
+    raw.close()
+    with pytest.raises(LedgerError, match="another AuditEvent schema"):
+        Ledger(db, readonly=True).__enter__()  # read-only: nothing is migrated, it says why
+    with open_ledger(db) as ledger:  # the auditor's open adds the columns, NULL in the old rows
+        assert ledger.append(make_event(NUM + 10), partition=0, offset=999, now_ms=T0_MS + 999)
+    report = verify(db)
+    assert report.is_ok, report.describe()
+    assert report.num_records == NUM + 4
 
 
 def test_redelivered_event_is_not_a_second_record(db: Path, caplog: pytest.LogCaptureFixture) -> None:
