@@ -23,9 +23,13 @@ from services.auditor.config import AuditorSettings
 from services.auditor.handlers import AnchorPublisher, AuditBatches, DeadLetters, LedgerWriter, register_handlers
 from services.auditor.health import HealthMetrics
 from services.auditor.ledger import Ledger, LedgerError
+from services.auditor.traffic import CanaryGuard, ErrorWindows, TrafficCounter, register_health_handler
 from services.auditor.watermark import WatermarkDetector
+from schemas.codec import encode
+from schemas.messages import AuditEvent
 from weir.bus import instance_id, wait_for_cluster
 from weir.kafka.admin import ensure_topics
+from weir.registry import RegistryFollower
 from weir.service import ConfigError, bus_overrides, ops_app, run_service, service_parser
 
 log = logging.getLogger(__name__)
@@ -51,9 +55,36 @@ def create_app(settings: AuditorSettings, health: HealthMetrics | None = None) -
     )
     writer = LedgerWriter(settings)
     anchors = AnchorPublisher(settings.topics, broker, writer)
-    register_handlers(broker, settings,
-                      AuditBatches(settings, writer, DeadLetters(settings.topics, broker), health, anchors))
+    topics = settings.topics
+    counter = TrafficCounter()
+    registry = RegistryFollower(settings, client_id=f"{client_id}-registry")
+
+    async def publish(topic: str, key: bytes, value: bytes) -> None:
+        await broker.publish(value, topic=topic, key=key)
+
+    guard = CanaryGuard(ErrorWindows(settings.canary_min_requests, settings.canary_max_error_rate),
+                        lambda: registry.state, publish, topics.models, topics.model_health, by=client_id)  # fmt: skip
+
+    def on_new_event(event: AuditEvent) -> None:
+        counter.observe(event)
+        guard.observe(event)
+
+    register_handlers(broker, settings, AuditBatches(settings, writer, DeadLetters(topics, broker), health, anchors,
+                                                     on_new_event))  # fmt: skip
+    register_health_handler(broker, topics, guard)
     timers: list[asyncio.Task[None]] = []
+
+    async def publish_traffic() -> None:
+        """Changed TrafficCounts out, due canaries stopped (docs/design.md, "Traffic policies")."""
+        while True:
+            await asyncio.sleep(settings.traffic_every_s)
+            try:
+                await guard.act()
+                for counts in counter.take_changed():
+                    await publish(topics.traffic, counts.name.encode(), encode(counts))
+            except Exception as exc:  # noqa: BLE001 - retried at the next tick
+                counter.changed.update(counter.counts)  # publish them all again then
+                log.warning("traffic counts or canary guard failed (%r); retrying at the next tick", exc)
 
     async def checkpoint_quiet_chains() -> None:
         while True:
@@ -66,7 +97,10 @@ def create_app(settings: AuditorSettings, health: HealthMetrics | None = None) -
 
     async def open_ledger() -> None:
         await writer.open()
+        counter.load(await writer.traffic_rows())  # before the first batch: since the ledger began
+        await registry.start()
         timers.append(asyncio.get_running_loop().create_task(checkpoint_quiet_chains()))
+        timers.append(asyncio.get_running_loop().create_task(publish_traffic()))
         log.info("auditor %s: ledger %s, consuming %s as group %s", client_id, writer.name,
                  settings.topics.audit, settings.topics.auditor_group)
 
@@ -77,6 +111,7 @@ def create_app(settings: AuditorSettings, health: HealthMetrics | None = None) -
             with contextlib.suppress(asyncio.CancelledError):
                 await timer
         timers.clear()
+        await registry.stop()
         await writer.close()
 
     return FastStream(broker, on_startup=[open_ledger], after_shutdown=[close_ledger])
@@ -104,7 +139,8 @@ class AuditorService:
         # Its anchor topic (created with the others; here too for a deployment made before it
         # existed): publishing to a missing topic would stall each batch that writes a checkpoint.
         topics = self.settings.topics
-        anchor_specs = [spec for spec in topics.core_specs() if spec.name == topics.audit_anchors]
+        mine = {topics.audit_anchors, topics.traffic, topics.model_health, topics.models}  # it writes these too
+        anchor_specs = [spec for spec in topics.core_specs() if spec.name in mine]
         await ensure_topics(self.settings.kafka_bootstrap, anchor_specs)
         try:
             await self.app.start()

@@ -53,6 +53,14 @@ class AuditorSettings(BusSettings):
     watermark_tenants: str = Field(
         "", description='Watermark keys per tenant, JSON {tenant: {"gamma", "delta", "key"}} (as the workers).'
     )
+    canary_max_error_rate: float = Field(
+        0.2, ge=0, lt=1, description="A canary whose live requests err more than this share of its last "
+        "WEIR_CANARY_MIN_REQUESTS is taken to 0% (docs/design.md, \"Traffic policies\").",
+    )
+    canary_min_requests: int = Field(20, ge=1, le=100_000, description="How many recent requests the error rate is over.")
+    traffic_every_s: float = Field(
+        2.0, gt=0, le=3600, description="How often changed traffic counts are published and due canaries stopped."
+    )
     model_repo: str = Field("models.toml", description="Model repository: where the watermark detector finds tokenizers.")
 
     def ledger_target(self) -> str | Path:
