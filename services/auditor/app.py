@@ -67,11 +67,13 @@ def create_app(settings: AuditorSettings, health: HealthMetrics | None = None) -
 
     def on_new_event(event: AuditEvent) -> None:
         counter.observe(event)
-        guard.observe(event)
+        if settings.canary_guard:
+            guard.observe(event)
 
     register_handlers(broker, settings, AuditBatches(settings, writer, DeadLetters(topics, broker), health, anchors,
                                                      on_new_event))  # fmt: skip
-    register_health_handler(broker, topics, guard)
+    if settings.canary_guard:
+        register_health_handler(broker, topics, guard)
     timers: list[asyncio.Task[None]] = []
 
     async def publish_traffic() -> None:
@@ -98,7 +100,8 @@ def create_app(settings: AuditorSettings, health: HealthMetrics | None = None) -
     async def open_ledger() -> None:
         await writer.open()
         counter.load(await writer.traffic_rows())  # before the first batch: since the ledger began
-        await registry.start()
+        if settings.canary_guard:
+            await registry.start()  # the models topic must exist (AuditorService.start makes sure)
         timers.append(asyncio.get_running_loop().create_task(checkpoint_quiet_chains()))
         timers.append(asyncio.get_running_loop().create_task(publish_traffic()))
         log.info("auditor %s: ledger %s, consuming %s as group %s", client_id, writer.name,

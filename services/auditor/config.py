@@ -53,6 +53,10 @@ class AuditorSettings(BusSettings):
     watermark_tenants: str = Field(
         "", description='Watermark keys per tenant, JSON {tenant: {"gamma", "delta", "key"}} (as the workers).'
     )
+    canary_guard: bool = Field(
+        True, description="Take failing canaries to 0% (docs/design.md, \"Traffic policies\"): follows the registry "
+        "and Topics.model_health, writes routes. Off: traffic counts only.",
+    )
     canary_max_error_rate: float = Field(
         0.2, ge=0, lt=1, description="A canary whose live requests err more than this share of its last "
         "WEIR_CANARY_MIN_REQUESTS is taken to 0% (docs/design.md, \"Traffic policies\").",
