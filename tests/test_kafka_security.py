@@ -141,11 +141,14 @@ def test_the_acl_plan_keeps_each_topic_to_its_writers() -> None:
                and g.resource == "topic"}  # fmt: skip
     assert readers == {"alice"}  # the worker writes replies and reads none
     # the model registry: written by the gateway's admin API (and `weir models` as gateway) and by
-    # a worker's rollback; health events by workers only (docs/design.md, "The model registry")
-    assert _writers(grants, t.models) == {"gateway", "worker"}
-    assert _writers(grants, t.model_health) == {"worker"}
-    assert _readers(grants, t.models) == {"gateway", "batcher", "worker"}
-    assert _readers(grants, t.model_health) == {"gateway", "batcher"}
+    # a worker's rollback; health events by workers (docs/design.md, "The model registry"); the
+    # auditor's canary guard writes a failing canary's route and its canary_stopped event, and the
+    # traffic counts are the auditor's alone ("Traffic policies")
+    assert _writers(grants, t.models) == {"gateway", "worker", "auditor"}
+    assert _writers(grants, t.model_health) == {"worker", "auditor"}
+    assert _readers(grants, t.models) == {"gateway", "batcher", "worker", "auditor"}
+    assert _readers(grants, t.model_health) == {"gateway", "batcher", "auditor"}
+    assert _writers(grants, t.traffic) == {"auditor"}
     assert "gateway" in _readers(grants, t.workers)  # `weir models list` reads the heartbeats
 
 
