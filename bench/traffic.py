@@ -72,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--canary-pct", type=float, default=5.0, help="the canary's weight, percent")
     parser.add_argument("--canary-requests", type=int, default=2000)
+    parser.add_argument("--http-ports", type=int, metavar="BASE",
+                        help="HTTP ports BASE (gateway), BASE+1 (auditor), BASE+2 (batcher), BASE+3 (worker); "
+                             "default: free ones")  # fmt: skip
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.concurrency < 1 or args.phase_s <= 0 or args.canary_requests < 1:
         parser.error("--rounds, --concurrency, --canary-requests must be >= 1 and --phase-s > 0")
@@ -86,7 +89,7 @@ async def _bench(args) -> Result:
     from schemas.model_repo import load_model_repo
     from weir.kafka import launcher
     from weir.kafka.admin import delete_prefixed_topics
-    from weir.launcher import Stack, free_ports, wait_http_ok
+    from weir.launcher import HTTP_PORT_ENV, Stack, free_ports, wait_http_ok
 
     broker = launcher.BrokerConfig.from_env()
     await launcher.up(broker, 120)
@@ -100,8 +103,10 @@ async def _bench(args) -> Result:
            "WEIR_AUTH_MODE": "open", "WEIR_AUDIT_DB": str(scratch / "audit.sqlite"), "WEIR_AUDIT_API_PORT": "0",
            "WEIR_AUDIT_FINGERPRINT_MODEL": "", "WEIR_HOME": str(scratch / "home"),
            "WEIR_TRAFFIC_EVERY_S": "1"}  # fmt: skip
+    port = args.http_ports if args.http_ports is not None else free_ports(1)[0]
+    if args.http_ports is not None:
+        env.update({HTTP_PORT_ENV[s]: str(port + i) for i, s in enumerate(("gateway", "auditor", "batcher", "worker"))})
     stack = Stack(env, scratch / "logs")
-    port = free_ports(1)[0]
     weir = _Weir(config.name, broker.bootstrap, topics, {**os.environ, **env})
     result = Result()
     try:
