@@ -228,7 +228,7 @@ def summarize(result: Result, name: str, canary_pct: float) -> dict:
     for a, b in rounds:
         on, off = (a, b) if a.mirror else (b, a)
         ratios.append(on.p95() / off.p95())
-    mirrored_live = sum(len(p.done) for p in result.phases if p.mirror)
+    mirrored_live = sum(len(p.outcomes) for p in result.phases if p.mirror)  # a failed live request is copied too
     copies = result.mirrored_after - result.mirrored_before
     served = [o for o in result.canary if o.error is None and o.version]
     share = 100 * sum(1 for o in served if o.version == f"{name}@3") / len(served) if served else float("nan")
@@ -253,7 +253,9 @@ def _report(result: Result, args) -> None:
     ratios = s["ratios"]
     print(f"p95 on/off: median {statistics.median(ratios):.2f}x, range {min(ratios):.2f}-{max(ratios):.2f}x over "
           f"{len(ratios)} rounds (target <= 1.2x)")  # fmt: skip
-    print(f"mirror copies completed: {s['copies_completed']} of {s['mirrored_live']} mirrored live requests "
+    for o in [o for p in result.phases for o in p.outcomes if o.error is not None][:5]:
+        print(f"  failed live request: {o.error}")
+    print(f"mirror copies completed: {s['copies_completed']} of {s['mirrored_live']} live requests of the mirror phases "
           f"({s['completed_share']:.1%}; the rest dropped under load or unfinished)")  # fmt: skip
     print(f"canary: {s['canary_share']:.2f}% of {s['canary_served']} requests ({s['canary_failed']} failed) served by "
           f"{args.model}@3 against a weight of {args.canary_pct:g}%: {s['canary_error_pts']:+.2f} points "

@@ -37,12 +37,6 @@ ERROR = "error"  # the finish_reason counted as an error
 UNASSIGNED = "unassigned"  # events of producers that record no assignment
 
 
-def name_of(event: AuditEvent) -> str:
-    """The model name an event counts under: its served version's name."""
-    name, _version = split_ref(event.model_version)
-    return name or event.model
-
-
 class TrafficCounter:
     """name -> name@version -> assignment -> requests, and name -> name@version -> errors."""
 
@@ -51,8 +45,8 @@ class TrafficCounter:
         self.errors: dict[str, dict[str, int]] = {}
         self.changed: set[str] = set()
 
-    def add(self, model_version: str, assignment: str | None, finish_reason: str, n: int = 1, name: str = "") -> None:
-        name = split_ref(model_version)[0] or name
+    def add(self, model_version: str, assignment: str | None, finish_reason: str, n: int = 1) -> None:
+        name = split_ref(model_version)[0]
         by_assignment = self.counts.setdefault(name, {}).setdefault(model_version, {})
         key = assignment or UNASSIGNED
         by_assignment[key] = by_assignment.get(key, 0) + n
@@ -68,7 +62,7 @@ class TrafficCounter:
 
     def observe(self, event: AuditEvent) -> None:
         """Count one new ledger record."""
-        self.add(event.model_version, event.assignment, event.finish_reason, name=event.model)
+        self.add(event.model_version, event.assignment, event.finish_reason)
 
     def snapshot(self, name: str) -> TrafficCounts:
         return TrafficCounts(name=name, counts={sid: dict(a) for sid, a in self.counts.get(name, {}).items()},
