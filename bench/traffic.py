@@ -49,8 +49,11 @@ class Phase:
     def done(self) -> list[Outcome]:
         return [o for o in self.outcomes if o.error is None and o.ttft_ms is not None]
 
+    def ttfts(self) -> list[float]:
+        return [o.ttft_ms for o in self.outcomes if o.error is None and o.ttft_ms is not None]
+
     def p95(self) -> float:
-        return percentile([o.ttft_ms for o in self.done], 95)  # type: ignore[misc]
+        return percentile(self.ttfts(), 95)
 
 
 @dataclass
@@ -244,7 +247,7 @@ def _report(result: Result, args) -> None:
     for n, ratio in enumerate(s["ratios"], 1):
         on, off = sorted(result.phases[2 * n - 2: 2 * n], key=lambda p: not p.mirror)
         rows.append([str(n), *(f"{len(p.done)} ({len(p.outcomes) - len(p.done)} failed)" for p in (on, off)),
-                     *(f"{percentile([o.ttft_ms for o in p.done], 50):.0f}/{p.p95():.0f}" for p in (on, off)),
+                     *(f"{percentile(p.ttfts(), 50):.0f}/{p.p95():.0f}" for p in (on, off)),
                      f"{ratio:.2f}x"])  # fmt: skip
     print(f"\nweir bench traffic: {args.model}, {args.concurrency} live streams, max_tokens {args.max_tokens}, "
           f"{args.phase_s:.0f} s per phase, {args.rounds} rounds")  # fmt: skip
