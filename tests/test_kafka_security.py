@@ -291,17 +291,21 @@ async def test_services_cannot_write_what_is_not_theirs(secure_broker: launcher.
 
 @pytest.mark.kafka
 @pytest.mark.timeout(120)
-async def test_the_model_registry_is_written_by_the_gateway_and_workers_only(secure_broker: launcher.BrokerConfig) -> None:
+async def test_the_model_registry_is_written_by_the_gateway_workers_and_the_auditor_only(
+    secure_broker: launcher.BrokerConfig,
+) -> None:
+    # The auditor writes a failing canary's route and its canary_stopped event (the canary guard).
     marker = f"registry-{uuid.uuid4().hex}".encode()
-    for writer in ("gateway", "worker"):
+    for writer in ("gateway", "worker", "auditor"):
         await _produce(secure_broker, _login(secure_broker, writer), TOPICS.models, marker)
-    for reader in ("gateway", "batcher", "worker"):
+    for reader in ("gateway", "batcher", "worker", "auditor"):
         assert marker in await _read_all(secure_broker, _login(secure_broker, reader), TOPICS.models)
-    await _produce(secure_broker, _login(secure_broker, "worker"), TOPICS.model_health, marker)
-    for reader in ("gateway", "batcher"):
+    for writer in ("worker", "auditor"):
+        await _produce(secure_broker, _login(secure_broker, writer), TOPICS.model_health, marker)
+    for reader in ("gateway", "batcher", "auditor"):
         assert marker in await _read_all(secure_broker, _login(secure_broker, reader), TOPICS.model_health)
-    for user, topic in (("batcher", TOPICS.models), ("auditor", TOPICS.models), ("gateway", TOPICS.model_health),
-                        ("batcher", TOPICS.model_health)):  # fmt: skip
+    for user, topic in (("batcher", TOPICS.models), ("gateway", TOPICS.model_health), ("batcher", TOPICS.model_health),
+                        ("gateway", TOPICS.traffic)):  # fmt: skip
         with pytest.raises(TopicAuthorizationFailedError):
             await _produce(secure_broker, _login(secure_broker, user), topic)
 

@@ -241,6 +241,7 @@ def service_grants(topics: Topics) -> list[Grant]:
     # records canary_stopped, and publishes the counts.
     grants += _grants("auditor", "topic", "literal", ("read", "write"), [t.models, t.model_health])
     grants += _grants("auditor", "topic", "literal", ("write",), [t.traffic])
+    grants += _grants("gateway", "topic", "literal", ("read",), [t.traffic])  # `weir models show` as the gateway
     grants += _grants("auditor", "group", "literal", ("read",), [f"{t.auditor_group}.canary-guard"])
     return grants
 
