@@ -203,27 +203,34 @@ async def _lane(port: int, name: str, lane: int, max_tokens: int, stop: asyncio.
             i += 1
             outcome = Outcome(time.perf_counter())
             swap.outcomes.append(outcome)
-            finished = False
-            try:
-                async for data in connection.post_events("/v1/completions", orjson.dumps(body)):
-                    if data == b"[DONE]" or data == "[DONE]":
-                        finished = True
-                        continue
-                    chunk = orjson.loads(data)
-                    if "error" in chunk:
-                        outcome.error = str(chunk["error"].get("message"))[:200]
-                        continue
-                    outcome.version = outcome.version or chunk.get("model")
-                    if outcome.ttft_ms is None and any(c.get("text") for c in chunk.get("choices", [])):
-                        outcome.ttft_ms = (time.perf_counter() - outcome.started) * 1000
-                if not finished and outcome.error is None:
-                    outcome.error = "stream ended without [DONE]"
-            except Exception as exc:  # a refused or cut connection is a failed request: counted, not raised
-                outcome.error = f"{type(exc).__name__}: {exc}"[:200]
-                await connection.close()
-                connection = SseConnection("127.0.0.1", port)
+            connection = await stream_once(connection, port, body, outcome)
     finally:
         await connection.close()
+
+
+async def stream_once(connection: SseConnection, port: int, body: dict, outcome: Outcome) -> SseConnection:
+    """One streamed completion into `outcome` (TTFT, the version that served it, or its failure);
+    returns the connection to go on with (a fresh one after a refused or cut connection)."""
+    finished = False
+    try:
+        async for data in connection.post_events("/v1/completions", orjson.dumps(body)):
+            if data == b"[DONE]" or data == "[DONE]":
+                finished = True
+                continue
+            chunk = orjson.loads(data)
+            if "error" in chunk:
+                outcome.error = str(chunk["error"].get("message"))[:200]
+                continue
+            outcome.version = outcome.version or chunk.get("model")
+            if outcome.ttft_ms is None and any(c.get("text") for c in chunk.get("choices", [])):
+                outcome.ttft_ms = (time.perf_counter() - outcome.started) * 1000
+        if not finished and outcome.error is None:
+            outcome.error = "stream ended without [DONE]"
+    except Exception as exc:  # a refused or cut connection is a failed request: counted, not raised
+        outcome.error = f"{type(exc).__name__}: {exc}"[:200]
+        await connection.close()
+        connection = SseConnection("127.0.0.1", port)
+    return connection
 
 
 def _phase(swap: Swap, o: Outcome) -> str:

@@ -227,7 +227,7 @@ class ModelHealthEvent(_Wire):
     worker_id: str = Field(description="The worker.")
     model: str = Field(description="name@version.")
     event: Literal["loaded", "load_failed", "refused", "golden_failed", "golden_passed", "reloaded", "unloaded",
-                   "rolled_back"] = Field(description="What happened.")  # fmt: skip
+                   "rolled_back", "canary_stopped"] = Field(description="What happened.")  # fmt: skip
     detail: str = Field("", max_length=4096, description="The reason, for a person.")
     created_ms: int = Field(default_factory=now_ms, description="When, epoch ms.")
 

@@ -141,11 +141,14 @@ def test_the_acl_plan_keeps_each_topic_to_its_writers() -> None:
                and g.resource == "topic"}  # fmt: skip
     assert readers == {"alice"}  # the worker writes replies and reads none
     # the model registry: written by the gateway's admin API (and `weir models` as gateway) and by
-    # a worker's rollback; health events by workers only (docs/design.md, "The model registry")
-    assert _writers(grants, t.models) == {"gateway", "worker"}
-    assert _writers(grants, t.model_health) == {"worker"}
-    assert _readers(grants, t.models) == {"gateway", "batcher", "worker"}
-    assert _readers(grants, t.model_health) == {"gateway", "batcher"}
+    # a worker's rollback; health events by workers (docs/design.md, "The model registry"); the
+    # auditor's canary guard writes a failing canary's route and its canary_stopped event, and the
+    # traffic counts are the auditor's alone ("Traffic policies")
+    assert _writers(grants, t.models) == {"gateway", "worker", "auditor"}
+    assert _writers(grants, t.model_health) == {"worker", "auditor"}
+    assert _readers(grants, t.models) == {"gateway", "batcher", "worker", "auditor"}
+    assert _readers(grants, t.model_health) == {"gateway", "batcher", "auditor"}
+    assert _writers(grants, t.traffic) == {"auditor"}
     assert "gateway" in _readers(grants, t.workers)  # `weir models list` reads the heartbeats
 
 
@@ -288,17 +291,21 @@ async def test_services_cannot_write_what_is_not_theirs(secure_broker: launcher.
 
 @pytest.mark.kafka
 @pytest.mark.timeout(120)
-async def test_the_model_registry_is_written_by_the_gateway_and_workers_only(secure_broker: launcher.BrokerConfig) -> None:
+async def test_the_model_registry_is_written_by_the_gateway_workers_and_the_auditor_only(
+    secure_broker: launcher.BrokerConfig,
+) -> None:
+    # The auditor writes a failing canary's route and its canary_stopped event (the canary guard).
     marker = f"registry-{uuid.uuid4().hex}".encode()
-    for writer in ("gateway", "worker"):
+    for writer in ("gateway", "worker", "auditor"):
         await _produce(secure_broker, _login(secure_broker, writer), TOPICS.models, marker)
-    for reader in ("gateway", "batcher", "worker"):
+    for reader in ("gateway", "batcher", "worker", "auditor"):
         assert marker in await _read_all(secure_broker, _login(secure_broker, reader), TOPICS.models)
-    await _produce(secure_broker, _login(secure_broker, "worker"), TOPICS.model_health, marker)
-    for reader in ("gateway", "batcher"):
+    for writer in ("worker", "auditor"):
+        await _produce(secure_broker, _login(secure_broker, writer), TOPICS.model_health, marker)
+    for reader in ("gateway", "batcher", "auditor"):
         assert marker in await _read_all(secure_broker, _login(secure_broker, reader), TOPICS.model_health)
-    for user, topic in (("batcher", TOPICS.models), ("auditor", TOPICS.models), ("gateway", TOPICS.model_health),
-                        ("batcher", TOPICS.model_health)):  # fmt: skip
+    for user, topic in (("batcher", TOPICS.models), ("gateway", TOPICS.model_health), ("batcher", TOPICS.model_health),
+                        ("gateway", TOPICS.traffic)):  # fmt: skip
         with pytest.raises(TopicAuthorizationFailedError):
             await _produce(secure_broker, _login(secure_broker, user), topic)
 

@@ -27,9 +27,13 @@ from services.auditor.fingerprints import embedding_function
 from services.auditor.handlers import AnchorPublisher, AuditBatches, DeadLetters, LedgerWriter, register_handlers
 from services.auditor.health import HealthMetrics
 from services.auditor.ledger import Ledger, LedgerError
+from services.auditor.traffic import CanaryGuard, ErrorWindows, TrafficCounter, register_health_handler
 from services.auditor.watermark import WatermarkDetector
+from schemas.codec import encode
+from schemas.messages import AuditEvent
 from weir.bus import instance_id, wait_for_cluster
 from weir.kafka.admin import ensure_topics
+from weir.registry import RegistryFollower
 from weir.service import ConfigError, bus_overrides, ops_app, run_service, service_parser
 
 log = logging.getLogger(__name__)
@@ -58,14 +62,31 @@ def create_app(settings: AuditorSettings, health: HealthMetrics | None = None,
     )
     writer = LedgerWriter(settings)
     anchors = AnchorPublisher(settings.topics, broker, writer)
-    dead_letters = DeadLetters(settings.topics, broker)
-    register_handlers(broker, settings, AuditBatches(settings, writer, dead_letters, health, anchors))
+    topics = settings.topics
+    dead_letters = DeadLetters(topics, broker)
+    counter = TrafficCounter()
+    registry = RegistryFollower(settings, client_id=f"{client_id}-registry")
+
+    async def publish(topic: str, key: bytes, value: bytes) -> None:
+        await broker.publish(value, topic=topic, key=key)
+
+    guard = CanaryGuard(ErrorWindows(settings.canary_min_requests, settings.canary_max_error_rate),
+                        lambda: registry.state, publish, topics.models, topics.model_health, by=client_id)  # fmt: skip
+
+    def on_new_event(event: AuditEvent) -> None:
+        counter.observe(event)
+        if settings.canary_guard:
+            guard.observe(event)
+
+    register_handlers(broker, settings, AuditBatches(settings, writer, dead_letters, health, anchors, on_new_event))
+    if settings.canary_guard:
+        register_health_handler(broker, topics, guard)
     join = ShadowJoin(settings.comparison_ttl_s, settings.comparison_max_pending)
     if health is not None:
         health.shadow_join = join.counts
 
     async def publish_comparison(comparison: ModelComparison) -> None:
-        await broker.publish(encode(comparison), topic=settings.topics.comparisons, key=comparison.name.encode())
+        await broker.publish(encode(comparison), topic=topics.comparisons, key=comparison.name.encode())
 
     if embed == "default":
         embed = embedding_function(settings.model_repo, settings.comparison_embedding_model) \
@@ -73,6 +94,18 @@ def create_app(settings: AuditorSettings, health: HealthMetrics | None = None,
     register_comparison(broker, settings, Comparisons(join, embed, publish_comparison,
                                                       writer.add_comparison, dead_letters.send))
     timers: list[asyncio.Task[None]] = []
+
+    async def publish_traffic() -> None:
+        """Changed TrafficCounts out, due canaries stopped (docs/design.md, "Traffic policies")."""
+        while True:
+            await asyncio.sleep(settings.traffic_every_s)
+            try:
+                await guard.act()
+                for counts in counter.take_changed():
+                    await publish(topics.traffic, counts.name.encode(), encode(counts))
+            except Exception as exc:  # noqa: BLE001 - retried at the next tick
+                counter.changed.update(counter.counts)  # publish them all again then
+                log.warning("traffic counts or canary guard failed (%r); retrying at the next tick", exc)
 
     async def checkpoint_quiet_chains() -> None:
         while True:
@@ -86,7 +119,11 @@ def create_app(settings: AuditorSettings, health: HealthMetrics | None = None,
 
     async def open_ledger() -> None:
         await writer.open()
+        counter.load(await writer.traffic_rows())  # before the first batch: since the ledger began
+        if settings.canary_guard:
+            await registry.start()  # the models topic must exist (AuditorService.start makes sure)
         timers.append(asyncio.get_running_loop().create_task(checkpoint_quiet_chains()))
+        timers.append(asyncio.get_running_loop().create_task(publish_traffic()))
         log.info("auditor %s: ledger %s, consuming %s as group %s", client_id, writer.name,
                  settings.topics.audit, settings.topics.auditor_group)
 
@@ -97,6 +134,7 @@ def create_app(settings: AuditorSettings, health: HealthMetrics | None = None,
             with contextlib.suppress(asyncio.CancelledError):
                 await timer
         timers.clear()
+        await registry.stop()
         await writer.close()
 
     return FastStream(broker, on_startup=[open_ledger], after_shutdown=[close_ledger])
@@ -124,7 +162,9 @@ class AuditorService:
         # Its anchor and comparison topics (created with the others; here too for a deployment made
         # before they existed): publishing to a missing topic would stall the handler that does.
         topics = self.settings.topics
-        wanted = {topics.audit_anchors, topics.shadow_live, topics.comparisons}
+        # It writes the traffic counts, the canary guard's routes and health events too.
+        wanted = {topics.audit_anchors, topics.shadow_live, topics.comparisons, topics.traffic, topics.model_health,
+                  topics.models}
         specs = [spec for spec in topics.core_specs() if spec.name in wanted]
         # The mirror copies' reply topic: like every reply topic, its reader creates it.
         await ensure_topics(self.settings.kafka_bootstrap, [*specs, topics.reply_spec("shadow")])

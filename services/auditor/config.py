@@ -64,6 +64,18 @@ class AuditorSettings(BusSettings):
         "all-MiniLM-L6-v2", description="onnx model of the model repository whose embeddings give the comparison's "
         "similarity (the fingerprint model); empty: no similarity is measured.",
     )
+    canary_guard: bool = Field(
+        True, description="Take failing canaries to 0% (docs/design.md, \"Traffic policies\"): follows the registry "
+        "and Topics.model_health, writes routes. Off: traffic counts only.",
+    )
+    canary_max_error_rate: float = Field(
+        0.2, ge=0, lt=1, description="A canary whose live requests err more than this share of its last "
+        "WEIR_CANARY_MIN_REQUESTS is taken to 0% (docs/design.md, \"Traffic policies\").",
+    )
+    canary_min_requests: int = Field(20, ge=1, le=100_000, description="How many recent requests the error rate is over.")
+    traffic_every_s: float = Field(
+        2.0, gt=0, le=3600, description="How often changed traffic counts are published and due canaries stopped."
+    )
     model_repo: str = Field("models.toml", description="Model repository: where the watermark detector finds tokenizers.")
 
     def ledger_target(self) -> str | Path:

@@ -87,6 +87,12 @@ class LedgerWriter:
         assert self._ledger is not None, "LedgerWriter.open() was not called"
         return int(await self._run(self._ledger.checkpoint_due))
 
+    async def traffic_rows(self) -> list[tuple[str, str | None, str, int]]:
+        """Ledger.traffic_rows on the ledger thread: the counts the traffic counter starts from."""
+        assert self._ledger is not None, "LedgerWriter.open() was not called"
+        rows: list[tuple[str, str | None, str, int]] = await self._run(self._ledger.traffic_rows)
+        return rows
+
     async def latest_anchors(self) -> list[AuditAnchor]:
         """Ledger.latest_anchors on the ledger thread: the newest checkpoint of every chain."""
         assert self._ledger is not None, "LedgerWriter.open() was not called"
@@ -212,8 +218,10 @@ class AuditBatches:
     """
 
     def __init__(self, settings: AuditorSettings, writer: LedgerWriter, dead_letters: DeadLetters,
-                 health: HealthMetrics | None = None, anchors: AnchorPublisher | None = None) -> None:
+                 health: HealthMetrics | None = None, anchors: AnchorPublisher | None = None,
+                 on_new_event: Callable[[AuditEvent], None] | None = None) -> None:
         self.settings = settings
+        self.on_new_event = on_new_event  # traffic counts and the canary guard (services/auditor/traffic.py)
         self.writer = writer
         self.dead_letters = dead_letters
         self.health = health
@@ -267,7 +275,10 @@ class AuditBatches:
     def _observe(self, message: AuditEvent | ReviewFlag, is_new: bool) -> None:
         if not is_new:
             log.info("%s is already in the ledger (redelivery); skipped", _name(message))
-        elif self.health is not None:
+            return
+        if self.on_new_event is not None and isinstance(message, AuditEvent):
+            self.on_new_event(message)
+        if self.health is not None:
             if isinstance(message, AuditEvent):
                 self.health.observe(message)
             else:

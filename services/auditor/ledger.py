@@ -368,6 +368,13 @@ class Ledger:
         """How many records the ledger holds, all chains together."""
         return int(self._store.execute(f"SELECT count(*) FROM {TABLE}").fetchone()[0])
 
+    def traffic_rows(self) -> list[tuple[str, str | None, str, int]]:
+        """(model_version, assignment, finish_reason, records) of every group: the traffic counts
+        since the ledger began (services/auditor/traffic.py)."""
+        rows = self._store.execute(f"SELECT model_version, assignment, finish_reason, count(*) FROM {TABLE} "
+                                   "GROUP BY model_version, assignment, finish_reason").fetchall()
+        return [(str(r[0]), r[1], str(r[2]), int(r[3])) for r in rows]
+
     def chain_ids(self) -> list[int]:
         """The chains that have records or checkpoints, ascending."""
         rows = self._store.execute(

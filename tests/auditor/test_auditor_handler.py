@@ -23,7 +23,9 @@ from tests.auditor.factories import make_event, make_flag
 
 
 def settings_for(tmp_path: Path) -> AuditorSettings:
-    return AuditorSettings(topic_prefix="unit", audit_db=tmp_path / "audit.sqlite", audit_retry_backoff_s=0.01)
+    # No canary guard: it follows the registry over a real broker (test_traffic_kafka.py).
+    return AuditorSettings(topic_prefix="unit", audit_db=tmp_path / "audit.sqlite", audit_retry_backoff_s=0.01,
+                           canary_guard=False)
 
 
 async def test_events_and_flags_are_stored_once_and_the_rest_dead_lettered(tmp_path: Path) -> None:

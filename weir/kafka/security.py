@@ -236,6 +236,13 @@ def service_grants(topics: Topics) -> list[Grant]:
     grants += _grants("worker", "topic", "literal", ("write",), [t.model_health])
     grants += _grants("gateway", "topic", "literal", ("read",), [t.model_health])
     grants += _grants("batcher", "topic", "literal", ("read",), [t.model_health])
+    # The auditor's traffic counts and canary guard (docs/design.md, "Traffic policies"): it follows
+    # the registry and writes a failing canary's route, reads golden failures in its own group and
+    # records canary_stopped, and publishes the counts.
+    grants += _grants("auditor", "topic", "literal", ("read", "write"), [t.models, t.model_health])
+    grants += _grants("auditor", "topic", "literal", ("write",), [t.traffic])
+    grants += _grants("gateway", "topic", "literal", ("read",), [t.traffic])  # `weir models show` as the gateway
+    grants += _grants("auditor", "group", "literal", ("read",), [f"{t.auditor_group}.canary-guard"])
     return grants
 
 

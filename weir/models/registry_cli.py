@@ -9,12 +9,15 @@
                         [--min-samples N]]         make it the default (refused unless a live worker has it ready,
                                                    and, with --require-*/--max-*, unless its shadow comparison passes)
     weir models compare N [--json]                 the shadow comparison's summary per (live, mirror) version pair
+    weir models route N [--default V] [--canary V=PCT ...] [--mirror V=PCT ...] [--clear-canary] [--clear-mirror]
+                                                   set its traffic policy (docs/design.md, "Traffic policies")
     weir models seed [--model-repo models.toml]    register the file's entries whose directories exist
     weir models keygen --private F --public F      an Ed25519 key pair for --sign-key and the workers' trust
 
 Every change goes through weir/registry.py's pure operations and publish() (the gateway's admin
 API does the same), and the registry is read from its topic each time: there is no other state.
-Live state comes from the workers' heartbeats (Topics.workers, read to its end): a worker whose
+`show` of a name prints its traffic policy and the auditor's live counts (Topics.traffic: requests
+per version and assignment, and errors). Live state comes from the workers' heartbeats (Topics.workers, read to its end): a worker whose
 latest heartbeat is older than --live-ms is not live. On a secure cluster run these as the admin
 principal (WEIR_KAFKA_SECURITY=sasl WEIR_KAFKA_USER=admin), as `weir keys`.
 
@@ -44,7 +47,8 @@ from schemas.codec import DecodeError, decode
 from schemas.messages import VersionStatus, WorkerHeartbeat, now_ms
 from schemas.model_repo import Engine, ModelConfig, ModelRepository, detect_engine, load_model_repo
 from schemas.registry import (
-    Desired, GoldenCase, ManifestSignature, ModelManifest, ModelVersionRecord, RegistryState, split_ref, version_problem,
+    Desired, GoldenCase, ManifestSignature, ModelManifest, ModelRoute, ModelVersionRecord, RegistryState, TrafficCounts,
+    split_ref, version_problem,
 )
 from weir import registry
 from weir.bus import BusSettings, make_consumer, partitions_of
@@ -56,7 +60,8 @@ from weir.models.signing import generate_keypair, sign
 
 RecordGoldens = Callable[[ModelConfig, list[str], int], Any]  # list[GoldenCase], or an awaitable of it
 
-REGISTRY_ACTIONS = ("pack", "push", "list", "show", "load", "unload", "retire", "promote", "compare", "seed", "keygen")
+REGISTRY_ACTIONS = ("pack", "push", "list", "show", "load", "unload", "retire", "promote", "compare", "route", "seed",
+                    "keygen")
 _KAFKA_ACTIONS = frozenset(REGISTRY_ACTIONS) - {"pack", "keygen"}
 
 
@@ -109,6 +114,18 @@ def add_actions(actions: argparse._SubParsersAction) -> None:
     compare_p.add_argument("ref", help="NAME")
     compare_p.add_argument("--json", action="store_true", help="one JSON object")
     _kafka_args(compare_p)
+    route = actions.add_parser("route", help="set a name's traffic policy: default version, canaries, mirrors")
+    route.add_argument("ref", metavar="NAME", help="the model name")
+    route.add_argument("--default", metavar="V", help="its default version (unchanged when not given)")
+    route.add_argument("--canary", action="append", metavar="V=PCT",
+                       help="a canary version and its share of requests, percent, sticky per user (repeatable; the "
+                            "ones given replace the current canaries)")  # fmt: skip
+    route.add_argument("--mirror", action="append", metavar="V=PCT",
+                       help="a mirror version and the share of requests copied to it, percent (repeatable; the ones "
+                            "given replace the current mirrors)")  # fmt: skip
+    route.add_argument("--clear-canary", action="store_true", help="remove every canary")
+    route.add_argument("--clear-mirror", action="store_true", help="remove every mirror")
+    _kafka_args(route)
     seed = actions.add_parser("seed", help="register a models.toml's entries whose directories exist")
     seed.add_argument("--model-repo", type=Path, default=Path(os.environ.get("WEIR_MODEL_REPO", "models.toml")),
                       help="model repository TOML (env WEIR_MODEL_REPO; default %(default)s)")
@@ -150,9 +167,9 @@ def run(args: argparse.Namespace, record_goldens: RecordGoldens | None = None) -
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)  # its retries would bury the one line below
     try:
         if getattr(args, "ref", None) is not None:  # before any Kafka: a malformed ref is the user's typo
-            _, version = _checked_ref(args.ref, need_version=args.action not in ("show", "compare"))
-            if args.action == "compare" and version is not None:
-                raise ArgumentError(f"{args.ref!r}: compare takes a NAME (it prints every version pair of it)")
+            _, version = _checked_ref(args.ref, need_version=args.action not in ("show", "compare", "route"))
+            if args.action in ("compare", "route") and version is not None:
+                raise ArgumentError(f"{args.ref!r}: {args.action} takes a NAME")
         if args.action == "promote":
             _thresholds(args)  # nonsense thresholds are a typo too
         if args.action in _KAFKA_ACTIONS:
@@ -177,7 +194,7 @@ async def _with_deadline(settings: BusSettings, args: argparse.Namespace, action
     bounds its Kafka steps itself: recording goldens in between may take minutes.)"""
     try:
         await wait_for_broker(settings.kafka_bootstrap, args.timeout, settings.kafka_options())
-        wanted = {settings.topics.models, settings.topics.workers, settings.topics.comparisons}
+        wanted = {settings.topics.models, settings.topics.workers, settings.topics.comparisons, settings.topics.traffic}
         await ensure_topics(settings.kafka_bootstrap, [s for s in settings.topics.core_specs() if s.name in wanted],
                             options=settings.kafka_options())  # fmt: skip
         return await (action if args.action == "push" else _bounded(args, action))
@@ -317,14 +334,11 @@ async def _push(settings: BusSettings, args: argparse.Namespace, record_goldens:
     return 0
 
 
-async def read_heartbeats(settings: BusSettings) -> tuple[dict[str, WorkerHeartbeat], int]:
-    """The latest heartbeat of every worker (Topics.workers read from its beginning to its end),
-    and how many records were not heartbeats (skipped: the topic is written by workers only)."""
-    topic = settings.topics.workers
+async def _read_topic(settings: BusSettings, topic: str) -> list[tuple[bytes | None, bytes | None]]:
+    """(key, value) of every record of `topic`, read from its beginning to its end."""
     consumer = make_consumer(settings, client_id="weir-models", group_id=None)
     await consumer.start()
-    latest: dict[str, WorkerHeartbeat] = {}
-    skipped = 0
+    out: list[tuple[bytes | None, bytes | None]] = []
     try:
         tps = [TopicPartition(topic, p) for p in sorted(await partitions_of(consumer, topic))]
         consumer.assign(tps)
@@ -332,17 +346,49 @@ async def read_heartbeats(settings: BusSettings) -> tuple[dict[str, WorkerHeartb
         ends = await consumer.end_offsets(tps)
         while any([await consumer.position(tp) < end for tp, end in ends.items()]):
             for records in (await consumer.getmany(timeout_ms=200)).values():
-                for message in records:
-                    try:
-                        hb = decode(WorkerHeartbeat, message.value)
-                    except DecodeError:
-                        skipped += 1
-                        continue
-                    known = latest.get(hb.worker_id)
-                    if known is None or hb.sent_ms >= known.sent_ms:
-                        latest[hb.worker_id] = hb
+                out += [(message.key, message.value) for message in records]
     finally:
         await consumer.stop()
+    return out
+
+
+async def read_heartbeats(settings: BusSettings) -> tuple[dict[str, WorkerHeartbeat], int]:
+    """The latest heartbeat of every worker (Topics.workers read from its beginning to its end),
+    and how many records were not heartbeats (skipped: the topic is written by workers only)."""
+    latest: dict[str, WorkerHeartbeat] = {}
+    skipped = 0
+    for _key, value in await _read_topic(settings, settings.topics.workers):
+        try:
+            hb = decode(WorkerHeartbeat, value)
+        except DecodeError:
+            skipped += 1
+            continue
+        known = latest.get(hb.worker_id)
+        if known is None or hb.sent_ms >= known.sent_ms:
+            latest[hb.worker_id] = hb
+    return latest, skipped
+
+
+async def read_traffic(settings: BusSettings, name: str) -> tuple[TrafficCounts | None, int]:
+    """The auditor's latest TrafficCounts of `name` (Topics.traffic, compacted, key = name), and how
+    many records of it were skipped (not TrafficCounts, or under another name's key: forged)."""
+    latest: TrafficCounts | None = None
+    skipped = 0
+    for key, value in await _read_topic(settings, settings.topics.traffic):
+        if key != name.encode():
+            continue
+        if value is None:  # a tombstone: the counts were deleted
+            latest = None
+            continue
+        try:
+            counts = decode(TrafficCounts, value)
+        except DecodeError:
+            skipped += 1
+            continue
+        if counts.name != name:
+            skipped += 1
+            continue
+        latest = counts
     return latest, skipped
 
 
@@ -460,13 +506,78 @@ async def _show(settings: BusSettings, args: argparse.Namespace, _record: Record
         raise registry.RegistryError(f"{args.ref!r} is not registered (weir models list)")
     route = view.state.routes.get(name)
     versions = [_version_json(view, r) for r in records]
+    traffic, bad_traffic = await read_traffic(settings, name)
     if args.json:
         route_json = route.model_dump(mode="json") if route else None
-        print(orjson.dumps({"name": name, "route": route_json, "versions": versions}).decode())
+        traffic_json = traffic.model_dump(mode="json") if traffic else None
+        print(orjson.dumps({"name": name, "route": route_json, "versions": versions, "traffic": traffic_json,
+                            "skipped_traffic_records": bad_traffic}).decode())  # fmt: skip
         return 0
-    print(f"{name}: default {route.default_version} (previous {route.previous_version or '-'}; {route.reason})"
-          if route else f"{name}: no route")  # fmt: skip
+    print(_policy_text(route) if route else f"{name}: no route")
+    print(_traffic_text(traffic, bad_traffic))
     print("\n".join(_version_text(v) for v in versions))
+    return 0
+
+
+def _shares_text(shares: dict[str, float]) -> str:
+    return ", ".join(f"{v} {s:g}%" for v, s in sorted(shares.items())) or "none"
+
+
+def _policy_text(route: ModelRoute) -> str:
+    return (f"{route.name}: default {route.default_version} (previous {route.previous_version or '-'}; {route.reason})"
+            f"\n  canary: {_shares_text(route.canary)}; mirror: {_shares_text(route.mirror)}")  # fmt: skip
+
+
+def _traffic_text(traffic: TrafficCounts | None, skipped: int) -> str:
+    """The auditor's counts per version: requests by assignment, errors."""
+    note = f" ({skipped} malformed traffic record(s) skipped)" if skipped else ""
+    if traffic is None:
+        return f"  traffic: no counts from the auditor yet{note}"
+    rows = []
+    for sid, by_assignment in sorted(traffic.counts.items()):
+        total = sum(by_assignment.values())
+        errors = traffic.errors.get(sid, 0)
+        rows.append([sid, str(total), " ".join(f"{a}={n}" for a, n in sorted(by_assignment.items())),
+                     f"{errors} ({errors / total:.1%})" if total else str(errors)])  # fmt: skip
+    table = _table(["  VERSION", "REQUESTS", "BY ASSIGNMENT", "ERRORS"], [["  " + r[0], *r[1:]] for r in rows])
+    return f"{table}\n  traffic as the auditor counted it at {traffic.updated_ms} ms{note}"
+
+
+def _shares(items: list[str] | None, flag: str) -> dict[str, float] | None:
+    """{version: percent} of repeated `--flag V=PCT`, or None when the flag was not given."""
+    if items is None:
+        return None
+    shares: dict[str, float] = {}
+    for item in items:
+        version, eq, pct = item.partition("=")
+        if not eq or (problem := version_problem(version)):
+            raise ArgumentError(f"{flag} {item!r}: give VERSION=PERCENT" + (f" ({problem})" if eq else ""))
+        try:
+            share = float(pct)
+        except ValueError:
+            raise ArgumentError(f"{flag} {item!r}: {pct!r} is not a number (percent, 0-100)") from None
+        if version in shares:
+            raise ArgumentError(f"{flag} names {version!r} twice")
+        shares[version] = share
+    return shares
+
+
+async def _route(settings: BusSettings, args: argparse.Namespace, _record: RecordGoldens | None) -> int:
+    name, version = split_ref(args.ref)
+    if version is not None:
+        raise ArgumentError(f"{args.ref!r}: give the model name alone; versions go in --default, --canary, --mirror")
+    if args.canary and args.clear_canary or args.mirror and args.clear_mirror:
+        raise ArgumentError("--canary with --clear-canary (or --mirror with --clear-mirror) contradict each other")
+    if args.default is not None and (problem := version_problem(args.default)):
+        raise ArgumentError(f"--default: {problem}")
+    canary = {} if args.clear_canary else _shares(args.canary, "--canary")
+    mirror = {} if args.clear_mirror else _shares(args.mirror, "--mirror")
+    if args.default is None and canary is None and mirror is None:
+        raise ArgumentError("nothing to change: give --default, --canary, --mirror, --clear-canary or --clear-mirror")
+    state = await registry.read_registry(settings)
+    records = registry.set_route(state, name, _by(), default=args.default, canary=canary, mirror=mirror)
+    await registry.publish(settings, records)
+    print("\n".join(_policy_text(r) for r in records if isinstance(r, ModelRoute)))
     return 0
 
 
@@ -606,5 +717,5 @@ async def _seed(settings: BusSettings, args: argparse.Namespace, _record: Record
 _SYNC: dict[str, Callable[[argparse.Namespace], int]] = {"pack": _pack_action, "keygen": _keygen}
 _ASYNC: dict[str, Callable[..., Any]] = {"push": _push, "list": _list, "show": _show, "load": _set_desired,
                                          "unload": _set_desired, "retire": _set_desired, "promote": _promote,
-                                         "compare": _compare,
+                                         "compare": _compare, "route": _route,
                                          "seed": _seed}  # fmt: skip

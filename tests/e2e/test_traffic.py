@@ -1,0 +1,82 @@
+"""Traffic policies through the whole pipeline (docs/design.md, "Traffic policies"): a canary
+share and a full mirror set with `weir models route`, requests from many users through the
+gateway, the mirror's answers compared by the auditor and never returned to a client.
+
+The echo model keeps it fast: its versions are registered with `weir models push --engine echo`,
+and their answers are the same text, so every comparison is an exact match.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import orjson
+import pytest
+
+from tests.e2e.conftest import REPO_ROOT, start_pipeline
+
+MODEL = "echo"
+
+
+@pytest.fixture(scope="module")
+def traffic_pipeline(tmp_path_factory):
+    p = start_pipeline(tmp_path_factory.mktemp("traffic"), WEIR_MODELS=MODEL)
+    yield p
+    p.stack.stop_all()
+
+
+def _weir_models(p, *args: str) -> str:
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), **p.stack.env}
+    done = subprocess.run([sys.executable, "-m", "weir.cli", "models", *args, "--bootstrap", p.bootstrap,
+                           "--topic-prefix", p.topics.prefix], env=env, capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert done.returncode == 0, f"weir models {' '.join(args)}: {done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+def _until(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while not (result := predicate()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+    return result
+
+
+def test_canary_users_stick_mirrors_are_compared_and_never_returned(traffic_pipeline):
+    p = traffic_pipeline
+    for version in ("2", "3"):
+        _weir_models(p, "push", "--engine", "echo", "--name", MODEL, "--version", version, "--no-goldens")
+    client = httpx.Client(base_url=p.base_url, timeout=60)
+    _until(lambda: {f"{MODEL}@2", f"{MODEL}@3"} <= {m["id"] for m in client.get("/v1/models").json()["data"]},
+           120, "echo@2 and echo@3 ready")  # fmt: skip
+    _weir_models(p, "route", MODEL, "--canary", "2=30", "--mirror", "3=100")
+    time.sleep(1.5)  # a policy applies to new requests within a second
+
+    seen: dict[str, set[str]] = {}
+    for i in range(40):
+        user = f"user-{i % 20}"
+        resp = client.post("/v1/completions", json={"model": MODEL, "prompt": f"hello {i}", "max_tokens": 4,
+                                                    "user": user})  # fmt: skip
+        assert resp.status_code == 200, resp.text
+        body = resp.json()
+        assert body["model"] in (f"{MODEL}@1", f"{MODEL}@2"), body["model"]  # a mirror's answer never comes back
+        assignment = resp.headers["x-weir-assignment"]
+        assert assignment == ("canary" if body["model"] == f"{MODEL}@2" else "default")
+        seen.setdefault(user, set()).add(body["model"])
+    assert all(len(versions) == 1 for versions in seen.values()), f"a user saw two versions: {seen}"
+    canary_users = sum(1 for versions in seen.values() if versions == {f"{MODEL}@2"})
+    assert 1 <= canary_users <= 15, f"{canary_users} of 20 users on a 30% canary"
+
+    def mirrored() -> list[dict]:  # every live request of the 40 was copied to echo@3
+        pairs = orjson.loads(_weir_models(p, "compare", MODEL, "--json"))["pairs"]
+        pairs = [pair for pair in pairs if pair["mirror"] == f"{MODEL}@3"]
+        return pairs if sum(pair["samples"] for pair in pairs) >= 40 else []
+
+    pairs = _until(mirrored, 120, "the auditor's comparisons of the 40 mirror copies")
+    assert {pair["live"] for pair in pairs} <= {f"{MODEL}@1", f"{MODEL}@2"}
+    assert all(pair["errors"] == 0 and pair["exact_match_rate"] == 1.0 for pair in pairs), pairs  # echo: same text
+    shown = _weir_models(p, "show", MODEL)
+    assert "canary" in shown and "mirror" in shown, shown
