@@ -47,7 +47,8 @@ def mirror(rid: str, pieces: list[tuple[str, list[int]]], served: str = "m@2") -
 @pytest.fixture
 async def topics(bootstrap: str):
     topics = Topics(prefix=f"t{uuid4().hex[:8]}")
-    wanted = {topics.audit, topics.audit_anchors, topics.dead_letter, topics.shadow_live, topics.comparisons}
+    wanted = {topics.audit, topics.audit_anchors, topics.dead_letter, topics.shadow_live, topics.comparisons,
+              topics.models, topics.model_health, topics.traffic}  # the canary guard follows the registry
     await ensure_topics(bootstrap, [*[s for s in topics.core_specs() if s.name in wanted], topics.reply_spec("shadow")])
     yield topics
     await delete_prefixed_topics(bootstrap, topics.prefix)

@@ -168,8 +168,10 @@ def run(args: argparse.Namespace, record_goldens: RecordGoldens | None = None) -
     try:
         if getattr(args, "ref", None) is not None:  # before any Kafka: a malformed ref is the user's typo
             _, version = _checked_ref(args.ref, need_version=args.action not in ("show", "compare", "route"))
-            if args.action in ("compare", "route") and version is not None:
-                raise ArgumentError(f"{args.ref!r}: {args.action} takes a NAME")
+            if args.action == "route" and version is not None:
+                raise ArgumentError(f"{args.ref!r}: give the model name alone; versions go in --default, --canary, --mirror")
+            if args.action == "compare" and version is not None:
+                raise ArgumentError(f"{args.ref!r}: compare takes a NAME (it prints every version pair of it)")
         if args.action == "promote":
             _thresholds(args)  # nonsense thresholds are a typo too
         if args.action in _KAFKA_ACTIONS:
@@ -563,9 +565,7 @@ def _shares(items: list[str] | None, flag: str) -> dict[str, float] | None:
 
 
 async def _route(settings: BusSettings, args: argparse.Namespace, _record: RecordGoldens | None) -> int:
-    name, version = split_ref(args.ref)
-    if version is not None:
-        raise ArgumentError(f"{args.ref!r}: give the model name alone; versions go in --default, --canary, --mirror")
+    name = args.ref  # a bare name: run() refused NAME@VERSION
     if args.canary and args.clear_canary or args.mirror and args.clear_mirror:
         raise ArgumentError("--canary with --clear-canary (or --mirror with --clear-mirror) contradict each other")
     if args.default is not None and (problem := version_problem(args.default)):
