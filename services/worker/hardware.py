@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from kernels.dispatch import triton_available
+
 from schemas.messages import DeviceInfo
 from schemas.model_repo import ModelConfig, detect_engine
 from services.worker.engine import EchoEngine, EmbeddingEngine, Engine, EngineLike
@@ -176,7 +178,7 @@ def resolve_engine(config: ModelConfig, device: torch.device) -> tuple[str, str]
         return engine, "echo"
     if engine == "onnx":
         return engine, "onnxruntime-cuda" if device.type == "cuda" and _ort_has_cuda() else "onnxruntime-cpu"
-    return engine, f"torch-{device.type}"
+    return engine, torch_label(device)
 
 
 def _ort_has_cuda() -> bool:
@@ -185,11 +187,19 @@ def _ort_has_cuda() -> bool:
     return "CUDAExecutionProvider" in ort.get_available_providers()
 
 
+def torch_label(device: torch.device) -> str:
+    """torch-cpu; on CUDA torch-cuda+triton when the engine's ops run as Triton kernels (kernels/:
+    rms_norm, rotary, silu_and_mul, paged attention; kernels.dispatch), else torch-cuda."""
+    if device.type == "cuda" and triton_available():
+        return "torch-cuda+triton"
+    return f"torch-{device.type}"
+
+
 def engine_label(engine: EngineLike) -> str:
-    """The runtime a built engine actually uses: torch-cpu, torch-cuda, onnxruntime-cpu,
+    """The runtime a built engine actually uses: torch-cpu, torch-cuda(+triton), onnxruntime-cpu,
     onnxruntime-cuda (the provider its session took), or echo."""
     if isinstance(engine, Engine):
-        return f"torch-{engine.device.type}"
+        return torch_label(engine.device)
     if isinstance(engine, EmbeddingEngine):
         return "onnxruntime-cuda" if engine.provider == "CUDAExecutionProvider" else "onnxruntime-cpu"
     if isinstance(engine, EchoEngine):

@@ -30,7 +30,7 @@ def test_auto_is_the_default_and_resolves_from_the_files(tmp_path: Path) -> None
     relative = ModelConfig(name="m", path=Path("models/weir-tiny-py"))
     assert relative.engine == "auto"  # relative to what? resolve_engine decides, where it runs
     assert resolve_engine(relative, CPU) == ("torch", "torch-cpu")
-    assert resolve_engine(ModelConfig(name="m", path=TINY_DIR), CUDA) == ("torch", "torch-cuda")
+    assert resolve_engine(ModelConfig(name="m", path=TINY_DIR), CUDA) == ("torch", "torch-cuda+triton")  # triton is installed here
     assert resolve_engine(ModelConfig(name="m", path=tmp_path), CPU) == ("onnx", "onnxruntime-cpu")
     assert resolve_engine(ModelConfig(name="e", engine="echo"), CPU) == ("echo", "echo")
     # explicit engines stay as they are
@@ -118,3 +118,13 @@ def test_a_gguf_source_not_imported_yet_is_estimated_from_its_tensors(tmp_path: 
     # SmolLM2-135M: 134,515,008 parameters (embeddings tied), loaded as float32 on the CPU
     assert estimate_bytes(config, settings) == 134_515_008 * 4 + (1 << 20)
     assert not any(tmp_path.iterdir())  # estimating imported nothing
+
+
+def test_a_cuda_engine_is_labelled_with_the_triton_kernels_only_when_they_run(monkeypatch):
+    from services.worker import hardware
+
+    monkeypatch.setattr(hardware, "triton_available", lambda: True)
+    assert hardware.torch_label(torch.device("cuda")) == "torch-cuda+triton"
+    assert hardware.torch_label(torch.device("cpu")) == "torch-cpu"
+    monkeypatch.setattr(hardware, "triton_available", lambda: False)
+    assert hardware.torch_label(torch.device("cuda")) == "torch-cuda"
