@@ -45,10 +45,11 @@ def _until(predicate, timeout_s: float, what: str):
     return result
 
 
-def test_canary_users_stick_mirrors_are_compared_and_never_returned(traffic_pipeline):
+def test_canary_users_stick_mirrors_are_compared_and_never_returned(traffic_pipeline, tmp_path):
     p = traffic_pipeline
     for version in ("2", "3"):
-        _weir_models(p, "push", "--engine", "echo", "--name", MODEL, "--version", version, "--no-goldens")
+        _weir_models(p, "push", "--engine", "echo", "--name", MODEL, "--version", version, "--no-goldens",
+                     "--out", str(tmp_path / f"echo@{version}.manifest.json"))  # fmt: skip
     client = httpx.Client(base_url=p.base_url, timeout=60)
     _until(lambda: {f"{MODEL}@2", f"{MODEL}@3"} <= {m["id"] for m in client.get("/v1/models").json()["data"]},
            120, "echo@2 and echo@3 ready")  # fmt: skip
