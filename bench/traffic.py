@@ -241,12 +241,23 @@ def summarize(result: Result, name: str, canary_pct: float) -> dict:
             "canary_share": share, "canary_error_pts": share - canary_pct}  # fmt: skip
 
 
+def _failed(phase: Phase) -> int:
+    """Live requests that ended in an error (shown below the table)."""
+    return sum(o.error is not None for o in phase.outcomes)
+
+
+def _textless(phase: Phase) -> int:
+    """Live requests that finished without an error but produced no text (the model's first token
+    ended it): they have no time to first token, so they are not in the TTFT columns."""
+    return sum(o.error is None and o.ttft_ms is None for o in phase.outcomes)
+
+
 def _report(result: Result, args) -> None:
     s = summarize(result, args.model, args.canary_pct)
     rows = []
     for n, ratio in enumerate(s["ratios"], 1):
         on, off = sorted(result.phases[2 * n - 2: 2 * n], key=lambda p: not p.mirror)
-        rows.append([str(n), *(f"{len(p.done)} ({len(p.outcomes) - len(p.done)} failed)" for p in (on, off)),
+        rows.append([str(n), *(f"{len(p.done)} ({_failed(p)} failed, {_textless(p)} without text)" for p in (on, off)),
                      *(f"{percentile(p.ttfts(), 50):.0f}/{p.p95():.0f}" for p in (on, off)),
                      f"{ratio:.2f}x"])  # fmt: skip
     print(f"\nweir bench traffic: {args.model}, {args.concurrency} live streams, max_tokens {args.max_tokens}, "
