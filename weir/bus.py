@@ -286,3 +286,22 @@ async def partitions_of(consumer: AIOKafkaConsumer, topic: str, wait_s: float = 
             break
         await asyncio.sleep(0.1)
     raise RuntimeError(f"topic {topic} does not exist; were the deployment's topics created? (weir up creates them)")
+
+
+async def read_topic(settings: BusSettings, topic: str, client_id: str = "weir-models") -> list[tuple[bytes | None, bytes | None]]:
+    """(key, value) of every record of `topic`, read from its beginning to its end (no group: for
+    the CLI's views of compacted or short-lived topics)."""
+    consumer = make_consumer(settings, client_id=client_id, group_id=None)
+    await consumer.start()
+    out: list[tuple[bytes | None, bytes | None]] = []
+    try:
+        tps = [TopicPartition(topic, p) for p in sorted(await partitions_of(consumer, topic))]
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        ends = await consumer.end_offsets(tps)
+        while any([await consumer.position(tp) < end for tp, end in ends.items()]):
+            for records in (await consumer.getmany(timeout_ms=200)).values():
+                out += [(message.key, message.value) for message in records]
+    finally:
+        await consumer.stop()
+    return out

@@ -17,7 +17,8 @@ from schemas.topics import Topics
 from services.auditor.app import create_app
 from services.auditor.config import AuditorSettings
 from weir.bus import BusSettings
-from weir.models.registry_cli import _read_topic, read_traffic
+from weir.bus import read_topic as _read_topic
+from weir.models.registry_cli import read_traffic
 from weir.registry import publish, read_registry
 
 from .factories import make_event

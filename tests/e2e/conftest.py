@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +63,15 @@ def start_pipeline(tmp: Path, bootstrap: str = BOOTSTRAP, **extra_env: str) -> P
         stack.stop_all()
         raise
     return pipeline
+
+
+def weir_models(p: Pipeline, *args: str) -> str:
+    """`weir models ARGS` against the pipeline's broker and topics; its output (asserts exit 0)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), **p.stack.env}
+    done = subprocess.run([sys.executable, "-m", "weir.cli", "models", *args, "--bootstrap", p.bootstrap,
+                           "--topic-prefix", p.topics.prefix], env=env, capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert done.returncode == 0, f"weir models {' '.join(args)}: {done.stdout}\n{done.stderr}"
+    return done.stdout
 
 
 @pytest.fixture(scope="module")

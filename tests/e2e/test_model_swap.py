@@ -11,10 +11,7 @@ refused with the file named, and a request pinned to it gets a clear error inste
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,7 +19,7 @@ import httpx
 import orjson
 import pytest
 
-from tests.e2e.conftest import REPO_ROOT, start_pipeline
+from tests.e2e.conftest import REPO_ROOT, start_pipeline, weir_models as _weir_models
 
 MODEL = "weir-tiny-py"
 BODY = {"model": MODEL, "prompt": "def main():\n", "max_tokens": 16, "temperature": 0, "seed": 1, "stream": True}
@@ -34,14 +31,6 @@ def swap_pipeline(tmp_path_factory):
     p = start_pipeline(tmp, WEIR_MODELS=MODEL, WEIR_AUDIT_FINGERPRINT_MODEL="", WEIR_DRAIN_QUIET_MS="1000")
     yield p, tmp
     p.stack.stop_all()
-
-
-def _weir_models(p, *args: str) -> str:
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), **p.stack.env}
-    done = subprocess.run([sys.executable, "-m", "weir.cli", "models", *args, "--bootstrap", p.bootstrap,
-                           "--topic-prefix", p.topics.prefix], env=env, capture_output=True, text=True, timeout=180)  # fmt: skip
-    assert done.returncode == 0, f"weir models {' '.join(args)}: {done.stdout}\n{done.stderr}"
-    return done.stdout
 
 
 async def _stream(client: httpx.AsyncClient, body: dict) -> dict:

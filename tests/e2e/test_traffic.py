@@ -8,16 +8,13 @@ and their answers are the same text, so every comparison is an exact match.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 
 import httpx
 import orjson
 import pytest
 
-from tests.e2e.conftest import REPO_ROOT, start_pipeline
+from tests.e2e.conftest import REPO_ROOT, start_pipeline, weir_models as _weir_models
 
 MODEL = "echo"
 
@@ -27,14 +24,6 @@ def traffic_pipeline(tmp_path_factory):
     p = start_pipeline(tmp_path_factory.mktemp("traffic"), WEIR_MODELS=MODEL)
     yield p
     p.stack.stop_all()
-
-
-def _weir_models(p, *args: str) -> str:
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), **p.stack.env}
-    done = subprocess.run([sys.executable, "-m", "weir.cli", "models", *args, "--bootstrap", p.bootstrap,
-                           "--topic-prefix", p.topics.prefix], env=env, capture_output=True, text=True, timeout=180)  # fmt: skip
-    assert done.returncode == 0, f"weir models {' '.join(args)}: {done.stdout}\n{done.stderr}"
-    return done.stdout
 
 
 def _until(predicate, timeout_s: float, what: str):

@@ -14,11 +14,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from aiokafka import TopicPartition
 
 from schemas.codec import DecodeError, decode
 from schemas.registry import ModelComparison
-from weir.bus import BusSettings, make_consumer, partitions_of
+from weir.bus import BusSettings, read_topic
 
 
 def edit_distance(a: Sequence[int], b: Sequence[int]) -> int:
@@ -187,25 +186,13 @@ class Thresholds:
 async def read_comparisons(settings: BusSettings) -> tuple[list[ModelComparison], int]:
     """Every ModelComparison on Topics.comparisons (from its beginning to its end), and how many
     records were none (skipped: a forged or malformed record changes no summary)."""
-    topic = settings.topics.comparisons
-    consumer = make_consumer(settings, client_id="weir-models", group_id=None)
-    await consumer.start()
     found: list[ModelComparison] = []
     skipped = 0
-    try:
-        tps = [TopicPartition(topic, p) for p in sorted(await partitions_of(consumer, topic))]
-        consumer.assign(tps)
-        await consumer.seek_to_beginning(*tps)
-        ends = await consumer.end_offsets(tps)
-        while any([await consumer.position(tp) < end for tp, end in ends.items()]):
-            for records in (await consumer.getmany(timeout_ms=200)).values():
-                for message in records:
-                    try:
-                        found.append(decode(ModelComparison, message.value))
-                    except DecodeError:
-                        skipped += 1
-    finally:
-        await consumer.stop()
+    for _key, value in await read_topic(settings, settings.topics.comparisons):
+        try:
+            found.append(decode(ModelComparison, value))
+        except DecodeError:
+            skipped += 1
     return found, skipped
 
 

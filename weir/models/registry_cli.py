@@ -40,7 +40,6 @@ from pathlib import Path
 from typing import Any, get_args
 
 import orjson
-from aiokafka import TopicPartition
 from aiokafka.errors import KafkaError
 
 from schemas.codec import DecodeError, decode
@@ -51,7 +50,7 @@ from schemas.registry import (
     split_ref, version_problem,
 )
 from weir import registry
-from weir.bus import BusSettings, make_consumer, partitions_of
+from weir.bus import BusSettings, read_topic
 from weir.home import served_model_dir
 from weir.kafka.admin import ensure_topics, wait_for_broker
 from weir.models import compare
@@ -336,30 +335,12 @@ async def _push(settings: BusSettings, args: argparse.Namespace, record_goldens:
     return 0
 
 
-async def _read_topic(settings: BusSettings, topic: str) -> list[tuple[bytes | None, bytes | None]]:
-    """(key, value) of every record of `topic`, read from its beginning to its end."""
-    consumer = make_consumer(settings, client_id="weir-models", group_id=None)
-    await consumer.start()
-    out: list[tuple[bytes | None, bytes | None]] = []
-    try:
-        tps = [TopicPartition(topic, p) for p in sorted(await partitions_of(consumer, topic))]
-        consumer.assign(tps)
-        await consumer.seek_to_beginning(*tps)
-        ends = await consumer.end_offsets(tps)
-        while any([await consumer.position(tp) < end for tp, end in ends.items()]):
-            for records in (await consumer.getmany(timeout_ms=200)).values():
-                out += [(message.key, message.value) for message in records]
-    finally:
-        await consumer.stop()
-    return out
-
-
 async def read_heartbeats(settings: BusSettings) -> tuple[dict[str, WorkerHeartbeat], int]:
     """The latest heartbeat of every worker (Topics.workers read from its beginning to its end),
     and how many records were not heartbeats (skipped: the topic is written by workers only)."""
     latest: dict[str, WorkerHeartbeat] = {}
     skipped = 0
-    for _key, value in await _read_topic(settings, settings.topics.workers):
+    for _key, value in await read_topic(settings, settings.topics.workers):
         try:
             hb = decode(WorkerHeartbeat, value)
         except DecodeError:
@@ -376,7 +357,7 @@ async def read_traffic(settings: BusSettings, name: str) -> tuple[TrafficCounts 
     many records of it were skipped (not TrafficCounts, or under another name's key: forged)."""
     latest: TrafficCounts | None = None
     skipped = 0
-    for key, value in await _read_topic(settings, settings.topics.traffic):
+    for key, value in await read_topic(settings, settings.topics.traffic):
         if key != name.encode():
             continue
         if value is None:  # a tombstone: the counts were deleted
