@@ -30,6 +30,7 @@ from schemas.registry import (
     ModelComparison, ModelHealthEvent, ModelRoute, ModelVersionRecord, RegistryRecord, ShadowLive, TrafficCounts,
 )
 from schemas.topics import Topics
+from schemas.telemetry import HealthAlert, RateCard, SpanRecord, UsageTotals
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -64,6 +65,10 @@ WIRE_TYPES: dict[str, Any] = {
     "ShadowLive": ShadowLive,
     "ModelComparison": ModelComparison,
     "TrafficCounts": TrafficCounts,
+    "SpanRecord": SpanRecord,
+    "UsageTotals": UsageTotals,
+    "RateCard": RateCard,
+    "HealthAlert": HealthAlert,
 }
 
 

@@ -202,6 +202,9 @@ class Usage(BaseModel):
     prompt_tokens: int = Field(0, ge=0, description="Tokens in the prompt (all inputs, for embeddings).")
     completion_tokens: int = Field(0, ge=0, description="Tokens generated.")
     total_tokens: int = Field(0, ge=0, description="prompt_tokens + completion_tokens.")
+    cached_prompt_tokens: int = Field(
+        0, ge=0, description="Prompt tokens served from the prefix cache (OpenAI's prompt_tokens_details.cached_tokens)."
+    )
 
 
 class ErrorInfo(BaseModel):
@@ -355,6 +358,7 @@ class AuditEvent(_Wire):
     seed: int = Field(description="Seed used.")
     prompt_tokens: int = Field(ge=0, description="Prompt tokens.")
     completion_tokens: int = Field(ge=0, description="Generated tokens.")
+    cached_prompt_tokens: int | None = Field(None, ge=0, description="Prompt tokens served from the prefix cache; None: not reported.")
     finish_reason: FinishReason = Field(description="How it ended.")
     assignment: Assignment | None = Field(None, description="How its version was chosen (schemas/traffic.py).")
     shadow_of: str | None = Field(None, description="For a mirror copy: the live request it copies.")

@@ -73,6 +73,8 @@ _COMPACT = {
 }
 # Usage records matter for one rate-limit window (a minute); an hour is plenty.
 _USAGE = {"cleanup.policy": "delete", "retention.ms": str(3600 * 1000)}
+# Spans: compacted (a span exported twice is kept once) and deleted after a day.
+_TRACES = {**_COMPACT, "cleanup.policy": "compact,delete", "retention.ms": str(24 * 3600 * 1000)}
 _REPLIES = {"cleanup.policy": "delete", "retention.ms": str(24 * 3600 * 1000)}
 # Batch files and job commands outlive a job's 24 h window: a week, like the requests.
 # Audit anchors are kept for good: `weir audit verify` checks the whole ledger against them.
@@ -190,6 +192,21 @@ class Topics:
         return f"{self.prefix}.models.traffic"
 
     @property
+    def traces(self) -> str:
+        """SpanRecords keyed `<request_id>/<span_id>` (schemas/telemetry.py): `weir trace` reads it."""
+        return f"{self.prefix}.traces"
+
+    @property
+    def token_usage(self) -> str:
+        """Compacted: UsageTotals and RateCards the auditor folds from the audit stream (schemas/telemetry.py)."""
+        return f"{self.prefix}.usage.tokens"
+
+    @property
+    def health(self) -> str:
+        """HealthAlerts: drift and staleness of model versions, raised and cleared (schemas/telemetry.py)."""
+        return f"{self.prefix}.health"
+
+    @property
     def model_health(self) -> str:
         """What happened to model versions on workers: loads, failures, golden checks, rollbacks."""
         return f"{self.prefix}.models.health"
@@ -281,6 +298,9 @@ class Topics:
             TopicSpec(self.shadow_live, 4, _USAGE),
             TopicSpec(self.comparisons, 1, _DELETE_7D),
             TopicSpec(self.traffic, 1, _COMPACT),
+            TopicSpec(self.traces, 4, _TRACES),
+            TopicSpec(self.token_usage, 1, _COMPACT),
+            TopicSpec(self.health, 1, _DELETE_7D),
         ]
 
     def model_specs(self, model: str) -> list[TopicSpec]:

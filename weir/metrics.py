@@ -1,34 +1,72 @@
-"""Metrics of one service: OpenTelemetry SDK instruments, scraped as Prometheus text at /metrics.
+"""Metrics of one service: OpenTelemetry SDK instruments, exported by OpenTelemetry's Prometheus
+exporter at /metrics (no hand-written exposition text).
 
 Each service holds one `ServiceMetrics`: its own MeterProvider (not the global one, so tests can
-build several apps in one process) with an in-memory pull reader; a scrape collects it and
-renders the text exposition format (CONTENT_TYPE).
+build several apps in one process) with a PrometheusMetricReader on its own CollectorRegistry; a
+scrape renders that registry (prometheus_client's text format, CONTENT_TYPE).
+
+Names tools already read (docs/design.md, "Observability"): vLLM's `vllm:*` names are not valid
+OpenTelemetry instrument names (no ':'), so an instrument is created as `vllm.<rest>` and a View
+renames it to `vllm:<rest>` (VLLM_NAMES lists them). Counters get Prometheus' `_total` suffix, as
+vLLM's do. The OpenTelemetry GenAI names (`gen_ai.server.time_to_first_token`, ...) are used as
+they are; the exporter writes them with '_' and a unit suffix (`gen_ai_server_time_to_first_token_seconds`).
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
 
-from opentelemetry.metrics import CallbackOptions, Meter, Observation
+from opentelemetry.exporter.prometheus import PrometheusMetricReader
+from opentelemetry.metrics import CallbackOptions, Counter, Histogram, Meter, Observation, UpDownCounter
 from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import Gauge, InMemoryMetricReader, Sum
+from opentelemetry.sdk.metrics.view import View
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # what /metrics answers with
+CONTENT_TYPE = CONTENT_TYPE_LATEST  # what /metrics answers with (text/plain; version=0.0.4 or 1.0.0)
 
 Observe = Callable[[CallbackOptions], Iterable[Observation]]
+Labels = dict[str, str]
+
+# vLLM's metric names (vllm/v1/metrics/loggers.py), same meanings, label `model_name`.
+VLLM_NAMES = (
+    "time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
+    "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
+    "request_prompt_tokens", "request_generation_tokens",
+    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+    "prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
+    "prompt_tokens", "generation_tokens", "request_success",
+)  # fmt: skip
+
+# vLLM's histogram buckets, so a Grafana board made for vLLM reads ours the same.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                   480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # batch sizes
+FRACTION_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+
+
+def vllm(name: str) -> str:
+    """The instrument name for vLLM's `vllm:<name>` (see the module docstring)."""
+    if name not in VLLM_NAMES:
+        raise ValueError(f"vllm:{name} is not one of vLLM's names this project exports (weir/metrics.py VLLM_NAMES)")
+    return f"vllm.{name}"
 
 
 class ServiceMetrics:
-    """A MeterProvider of one service and its Prometheus rendering."""
+    """A MeterProvider of one service and its Prometheus exposition."""
 
     def __init__(self, service: str) -> None:
-        self.reader = InMemoryMetricReader()
-        self.provider = MeterProvider(metric_readers=[self.reader])
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.reader = PrometheusMetricReader(disable_target_info=True, scope_info_enabled=False, registry=self.registry)
+        views = [View(instrument_name=f"vllm.{name}", name=f"vllm:{name}") for name in VLLM_NAMES]
+        self.provider = MeterProvider(metric_readers=[self.reader], views=views)
         self.meter: Meter = self.provider.get_meter(f"weir.{service}")
 
-    def gauge(self, name: str, description: str, observe: Callable[[], Iterable[tuple[float, dict[str, str]]]]) -> None:
+    def gauge(self, name: str, description: str, observe: Callable[[], Iterable[tuple[float, Labels]]]) -> None:
         """An observable gauge read at scrape time from `observe()`: (value, labels) pairs."""
 
         def callback(_: CallbackOptions) -> Iterable[Observation]:
@@ -36,55 +74,35 @@ class ServiceMetrics:
 
         self.meter.create_observable_gauge(name, callbacks=[callback], description=description)
 
+    def counter(self, name: str, description: str, unit: str = "") -> Counter:
+        return self.meter.create_counter(name, unit=unit, description=description)
+
+    def up_down(self, name: str, description: str, unit: str = "") -> UpDownCounter:
+        return self.meter.create_up_down_counter(name, unit=unit, description=description)
+
+    def histogram(self, name: str, description: str, buckets: Sequence[float], unit: str = "") -> Histogram:
+        """A histogram with explicit bucket bounds (the SDK's default bounds suit milliseconds, not seconds)."""
+        return self.meter.create_histogram(
+            name, unit=unit, description=description, explicit_bucket_boundaries_advisory=list(buckets)
+        )
+
     def render(self) -> str:
         """Collect every instrument and render the Prometheus text exposition format."""
-        lines: list[str] = []
-        data = self.reader.get_metrics_data()
-        for resource_metrics in data.resource_metrics if data else []:
-            for scope_metrics in resource_metrics.scope_metrics:
-                for metric in scope_metrics.metrics:
-                    lines.extend(render_metric(metric.name, metric.description or "", metric.data))
-        return "\n".join(lines) + "\n"
+        return generate_latest(self.registry).decode()
 
     def shutdown(self) -> None:
         self.provider.shutdown()
 
 
-def render_metric(name: str, description: str, data: Any) -> list[str]:
-    """The exposition lines of one collected metric (counters, up-down counters and gauges)."""
-    if isinstance(data, Sum):
-        kind = "counter" if data.is_monotonic else "gauge"
-        sample = f"{name}_total" if data.is_monotonic else name
-    elif isinstance(data, Gauge):
-        kind, sample = "gauge", name
-    else:  # histograms are not used yet
-        return []
-    lines = [f"# HELP {sample} {_escape_help(description)}", f"# TYPE {sample} {kind}"]
-    for point in data.data_points:
-        lines.append(f"{sample}{_labels(point.attributes or {})} {_number(point.value)}")
-    return lines
+def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """Parse exposition text into {(sample name, labels): value}: for tests, the dashboard and the bench."""
+    out: dict[tuple[str, frozenset[tuple[str, str]]], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, frozenset(sample.labels.items()))] = float(sample.value)
+    return out
 
 
-def _labels(attributes: Any) -> str:
-    if not attributes:
-        return ""
-    parts = [f'{key}="{_escape_label(str(value))}"' for key, value in sorted(attributes.items())]
-    return "{" + ",".join(parts) + "}"
-
-
-def _escape_label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _escape_help(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n")
-
-
-def _number(value: float) -> str:
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "NaN"
-        if math.isinf(value):
-            return "+Inf" if value > 0 else "-Inf"
-        return repr(value)
-    return str(value)
+def value(text: str, name: str, **labels: str) -> float | None:
+    """One sample's value from exposition text (None: absent); labels must match exactly."""
+    return samples(text).get((name, frozenset(labels.items())))
