@@ -319,6 +319,11 @@ class WorkerHeartbeat(_Wire):
     max_num_seqs: int = Field(ge=1, description="Most sequences the worker runs at once.")
     free_kv_blocks: int = Field(ge=0, description="Free KV-cache blocks.")
     block_size_tokens: int = Field(ge=1, description="Tokens per KV-cache block.")
+    kv_cache_usage_perc: float | None = Field(
+        None, ge=0, le=1, description="Share of KV-cache blocks in use (vLLM's kv_cache_usage_perc, 0..1); None: not reported."
+    )
+    prefix_cache_queries: int = Field(0, ge=0, description="Prompt tokens looked up in the prefix cache since start.")
+    prefix_cache_hits: int = Field(0, ge=0, description="Of those, tokens found cached since start.")
     partitions: dict[str, list[int]] = Field(
         default_factory=dict,
         description="Per model, the partitions of its batch topic this worker owns now (its consumer group's "
