@@ -11,12 +11,14 @@ contiguous offsets that are safe to commit.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, Literal
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
@@ -305,3 +307,52 @@ async def read_topic(settings: BusSettings, topic: str, client_id: str = "weir-m
     finally:
         await consumer.stop()
     return out
+
+
+class TopicFollower:
+    """Reads a topic (every partition, no group) from its beginning to its end at start(), then
+    keeps following it until stop(), handing each record's (key, value, ConsumerRecord) to
+    `on_record` on the loop. For views of compacted topics a service keeps in memory (token usage,
+    health alerts). `on_record` must not raise for bad input: it skips what it cannot read
+    (docs/design.md, invariant 6); an exception it raises is logged and the record skipped."""
+
+    def __init__(self, settings: BusSettings, topic: str, client_id: str,
+                 on_record: Callable[[bytes | None, bytes | None, ConsumerRecord], None]) -> None:  # fmt: skip
+        self.settings = settings
+        self.topic = topic
+        self.client_id = client_id
+        self.on_record = on_record
+        self._consumer: AIOKafkaConsumer | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._consumer = consumer = make_consumer(self.settings, client_id=self.client_id, group_id=None)
+        await consumer.start()
+        tps = [TopicPartition(self.topic, p) for p in sorted(await partitions_of(consumer, self.topic))]
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        ends = await consumer.end_offsets(tps)
+        while any([await consumer.position(tp) < end for tp, end in ends.items()]):
+            self._apply(await consumer.getmany(timeout_ms=200))
+        self._task = asyncio.create_task(self._follow(), name=f"follow-{self.topic}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._consumer is not None:
+            await self._consumer.stop()
+
+    async def _follow(self) -> None:
+        assert self._consumer is not None
+        while True:
+            self._apply(await self._consumer.getmany(timeout_ms=500))
+
+    def _apply(self, batches: dict[TopicPartition, list[ConsumerRecord]]) -> None:
+        for records in batches.values():
+            for message in records:
+                try:
+                    self.on_record(message.key, message.value, message)
+                except Exception:  # noqa: BLE001 - a bad record must not stop the view
+                    log.exception("record at %s/%d skipped", message.topic, message.offset)
