@@ -13,4 +13,4 @@ cleanup() { if [ "$started" = 1 ]; then weir kafka down || true; fi; }
 trap cleanup EXIT
 # The kernel tests set TRITON_INTERPRET=1 themselves when there is no GPU (Triton's interpreter
 # runs the kernels on CPU tensors); setting it here would slow a GPU machine's serving path.
-python -m pytest -q -p no:cacheprovider "$@"
+python -m pytest -q -p no:cacheprovider --durations=25 "$@"

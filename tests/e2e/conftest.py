@@ -74,8 +74,10 @@ def weir_models(p: Pipeline, *args: str) -> str:
     return done.stdout
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def pipeline(tmp_path_factory):
+    """One stack shared by every e2e module that does not need its own settings or kill its
+    processes (a stack costs about a minute of CI to start)."""
     p = start_pipeline(tmp_path_factory.mktemp("pipeline"))
     yield p
     p.stack.stop_all()

@@ -18,18 +18,11 @@ from openai import BadRequestError, OpenAI
 
 from weir.replay import replay
 
-from .conftest import REPO_ROOT, start_pipeline
+from .conftest import REPO_ROOT
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 NUM_LINES = int(os.environ.get("WEIR_TEST_BATCH_LINES", "1000"))
 TERMINAL = ("completed", "failed", "cancelled", "expired")
-
-
-@pytest.fixture(scope="module")
-def pipeline(tmp_path_factory):
-    p = start_pipeline(tmp_path_factory.mktemp("batch"))
-    yield p
-    p.stack.stop_all()
 
 
 @pytest.fixture(scope="module")
