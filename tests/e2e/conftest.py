@@ -81,3 +81,13 @@ def pipeline(tmp_path_factory):
     p = start_pipeline(tmp_path_factory.mktemp("pipeline"))
     yield p
     p.stack.stop_all()
+
+
+@pytest.fixture(scope="session")
+def lifecycle_pipeline(tmp_path_factory):
+    """One stack for the model-lifecycle modules (swap, traffic policies): weir-tiny-py and echo, a
+    short drain, no fingerprints. They register versions under different names, so they share it."""
+    tmp = tmp_path_factory.mktemp("lifecycle")
+    p = start_pipeline(tmp, WEIR_MODELS="weir-tiny-py,echo", WEIR_AUDIT_FINGERPRINT_MODEL="", WEIR_DRAIN_QUIET_MS="1000")
+    yield p
+    p.stack.stop_all()

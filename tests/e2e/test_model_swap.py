@@ -19,18 +19,15 @@ import httpx
 import orjson
 import pytest
 
-from tests.e2e.conftest import REPO_ROOT, start_pipeline, weir_models as _weir_models
+from tests.e2e.conftest import REPO_ROOT, weir_models as _weir_models
 
 MODEL = "weir-tiny-py"
 BODY = {"model": MODEL, "prompt": "def main():\n", "max_tokens": 16, "temperature": 0, "seed": 1, "stream": True}
 
 
 @pytest.fixture(scope="module")
-def swap_pipeline(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("swap")
-    p = start_pipeline(tmp, WEIR_MODELS=MODEL, WEIR_AUDIT_FINGERPRINT_MODEL="", WEIR_DRAIN_QUIET_MS="1000")
-    yield p, tmp
-    p.stack.stop_all()
+def swap_pipeline(lifecycle_pipeline, tmp_path_factory):
+    return lifecycle_pipeline, tmp_path_factory.mktemp("swap")
 
 
 async def _stream(client: httpx.AsyncClient, body: dict) -> dict:

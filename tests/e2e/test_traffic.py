@@ -14,16 +14,14 @@ import httpx
 import orjson
 import pytest
 
-from tests.e2e.conftest import REPO_ROOT, start_pipeline, weir_models as _weir_models
+from tests.e2e.conftest import REPO_ROOT, weir_models as _weir_models
 
 MODEL = "echo"
 
 
 @pytest.fixture(scope="module")
-def traffic_pipeline(tmp_path_factory):
-    p = start_pipeline(tmp_path_factory.mktemp("traffic"), WEIR_MODELS=MODEL)
-    yield p
-    p.stack.stop_all()
+def traffic_pipeline(lifecycle_pipeline):
+    return lifecycle_pipeline
 
 
 def _until(predicate, timeout_s: float, what: str):
