@@ -23,7 +23,7 @@ import contextlib
 import logging
 import os
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import orjson
@@ -42,6 +42,7 @@ from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from schemas.codec import encode
+from schemas.messages import EmbedRequest, GenerateRequest, ReplyEnd
 from schemas.telemetry import SpanEvent, SpanRecord
 from weir.bus import BusSettings
 
@@ -159,6 +160,39 @@ def messaging(operation: str, destination: str, *, offset: int | None = None, pa
     return attrs
 
 
+def request_attributes(request: GenerateRequest | EmbedRequest) -> dict[str, Any]:
+    """OpenTelemetry's GenAI request attributes of a request (no text: invariant 7)."""
+    if isinstance(request, EmbedRequest):
+        return {"gen_ai.operation.name": "embeddings", "gen_ai.request.model": request.model}
+    return {"gen_ai.operation.name": "chat" if request.messages is not None else "text_completion",
+            "gen_ai.request.model": request.model, "gen_ai.request.max_tokens": request.max_tokens,
+            "gen_ai.request.temperature": request.temperature, "gen_ai.request.top_p": request.top_p}  # fmt: skip
+
+
+def end_attributes(end: ReplyEnd) -> dict[str, Any]:
+    """The GenAI usage and outcome attributes of a request's terminal event."""
+    attrs: dict[str, Any] = {"gen_ai.usage.input_tokens": end.usage.prompt_tokens,
+                             "gen_ai.usage.output_tokens": end.usage.completion_tokens,
+                             "gen_ai.response.finish_reasons": [end.finish_reason]}  # fmt: skip
+    if end.model_version is not None:
+        attrs["gen_ai.response.model"] = end.model_version
+    if end.error is not None:
+        attrs["error.type"] = end.error.code
+    return attrs
+
+
+@contextlib.contextmanager
+def ending(span: Span) -> Iterator[Span]:
+    """Ends `span` when the block ends; an exception that leaves the block marks it an error."""
+    try:
+        yield span
+    except BaseException as exc:
+        span.set_status(StatusCode.ERROR, repr(exc)[:1024])
+        raise
+    finally:
+        span.end()
+
+
 # --- export ---------------------------------------------------------------------------------------
 
 
@@ -251,6 +285,7 @@ class Tracing:
             self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
         self._producer: AIOKafkaProducer | None = None
         self._task: asyncio.Task[None] | None = None
+        self._is_stopped = False
         self.num_publish_failures = 0
 
     @classmethod
@@ -279,7 +314,11 @@ class Tracing:
         self._task = asyncio.create_task(self._publish_every(), name=f"{self.service}-spans")
 
     async def stop(self) -> None:
-        """Publish what is queued, then close the producer and the provider (OTLP flushes too)."""
+        """Publish what is queued, then close the producer and the provider (OTLP flushes too).
+        A second call does nothing."""
+        if self._is_stopped:
+            return
+        self._is_stopped = True
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
