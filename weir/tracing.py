@@ -23,7 +23,7 @@ import contextlib
 import logging
 import os
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import orjson
@@ -58,6 +58,7 @@ _KINDS = {SpanKind.INTERNAL: "internal", SpanKind.SERVER: "server", SpanKind.CLI
 _STATUS = {StatusCode.UNSET: "unset", StatusCode.OK: "ok", StatusCode.ERROR: "error"}
 
 Headers = Sequence[tuple[str, bytes | None]]
+Send = Callable[[str, bytes, bytes], Awaitable[Any]]  # (topic, key, value): a service's own publisher
 
 
 class TraceSettings(BaseSettings):
@@ -265,7 +266,9 @@ class Tracing:
     """The tracer of one service instance and its exporters (docs/design.md, "Observability")."""
 
     def __init__(self, service: str, instance: str, settings: BusSettings, trace: TraceSettings | None = None,
-                 *, sampler: Sampler | None = None) -> None:  # fmt: skip
+                 *, sampler: Sampler | None = None, send: Send | None = None) -> None:  # fmt: skip
+        """`send`: publish spans through the service's own client (the auditor's FastStream broker)
+        instead of a span producer of this Tracing's own."""
         self.service = service
         self.instance = instance
         self.settings = settings
@@ -284,6 +287,7 @@ class Tracing:
             # The exporter reads its endpoint (and headers, timeout) from OTEL_EXPORTER_OTLP_* itself.
             self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
         self._producer: AIOKafkaProducer | None = None
+        self._send = send
         self._task: asyncio.Task[None] | None = None
         self._is_stopped = False
         self.num_publish_failures = 0
@@ -309,8 +313,14 @@ class Tracing:
         """Start publishing queued spans to the traces topic (nothing to do when that is off)."""
         if not self.trace.trace_kafka or self._task is not None:
             return
-        self._producer = make_span_producer(self.settings, f"{self.instance or self.service}-spans")
-        await self._producer.start()
+        if self._send is None:
+            self._producer = producer = make_span_producer(self.settings, f"{self.instance or self.service}-spans")
+            await producer.start()
+
+            async def send(topic: str, key: bytes, value: bytes) -> Any:
+                return await producer.send(topic, value, key=key)  # its future: waited for below
+
+            self._send = send
         self._task = asyncio.create_task(self._publish_every(), name=f"{self.service}-spans")
 
     async def stop(self) -> None:
@@ -324,9 +334,10 @@ class Tracing:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        if self._producer is not None:
+        if self._send is not None and self.trace.trace_kafka:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.publish(), 5.0)
+        if self._producer is not None:
             await self._producer.stop()
             self._producer = None
         self.provider.shutdown()
@@ -342,9 +353,9 @@ class Tracing:
 
     async def publish(self) -> int:
         """Publish every queued span to the traces topic and wait for the broker; returns how many."""
-        assert self._producer is not None
+        assert self._send is not None, "start() first"
         topic = self.settings.topics.traces
-        futures = []
+        sends = []
         for span in self.exporter.take():
             try:
                 record = span_record(span)
@@ -352,11 +363,12 @@ class Tracing:
                 self.exporter.num_dropped += 1
                 log.warning("span %s is no SpanRecord (%s); dropped", span.name, exc)
                 continue
-            futures.append(await self._producer.send(topic, encode(record), key=record.key().encode()))
-        if futures:
-            await asyncio.gather(*futures)
-            self.exporter.num_exported += len(futures)
-        return len(futures)
+            sends.append(self._send(topic, record.key().encode(), encode(record)))
+        # All at once: a producer's futures resolve as its batches are acknowledged.
+        results = await asyncio.gather(*sends)
+        await asyncio.gather(*(r for r in results if isinstance(r, asyncio.Future)))
+        self.exporter.num_exported += len(sends)
+        return len(sends)
 
 
 def _span_context(ctx: Context) -> SpanContext | None:
