@@ -89,7 +89,7 @@ def test_a_clients_trace_goes_through_every_service_as_one_tree(traced):
     assert {s["name"] for s in own if s["parent_span_id"] == run["span_id"] and s["service"] == "worker"} >= {"queue wait", "prefill"}
     (append,) = [s for s in own if s["service"] == "auditor"]
     assert append["parent_span_id"] == run["span_id"] and append["attributes"]["messaging.destination.name"] == traced.topics.audit
-    assert root["attributes"]["gen_ai.request.model"] == MODEL and root["attributes"]["gen_ai.usage.output_tokens"] >= 1
+    assert root["attributes"]["gen_ai.request.model"] == f"{MODEL}@1" and root["attributes"]["gen_ai.usage.output_tokens"] >= 1
     assert "first_byte" in [e["name"] for e in root["events"]]
     (batch,) = [s for s in spans if s["linked"]]  # the batch's publish span: linked, in a trace of its own
     assert batch["service"] == "batcher" and f"{CLIENT_TRACE}/{process['span_id']}" in batch["links"]
