@@ -329,12 +329,11 @@ class Tracing:
         if self._is_stopped:
             return
         self._is_stopped = True
-        if self._task is not None:
+        if self._task is not None:  # started: publish what is left
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        if self._send is not None and self.trace.trace_kafka:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.publish(), 5.0)
         if self._producer is not None:

@@ -139,10 +139,12 @@ def create_app(settings: AuditorSettings, health: HealthMetrics | None = None,
                 await timer
         timers.clear()
         await registry.stop()
-        await tracing.stop()
         await writer.close()
 
-    return FastStream(broker, on_startup=[open_ledger], after_shutdown=[close_ledger])
+    async def flush_spans() -> None:
+        await tracing.stop()  # before the broker stops: its last spans go out through it
+
+    return FastStream(broker, on_startup=[open_ledger], on_shutdown=[flush_spans], after_shutdown=[close_ledger])
 
 
 class AuditorService:

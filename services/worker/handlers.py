@@ -18,7 +18,8 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, ConsumerRecord, TopicPartition
+from opentelemetry.context import Context
 from aiokafka.errors import CommitFailedError, KafkaError
 
 from schemas.codec import DecodeError, decode
@@ -168,7 +169,10 @@ class ModelServer:
             await self.on_request(request, batch.batch_id, key, record, parents.get(request.request_id), batch_ctx)
 
     async def on_request(self, request: GenerateRequest | EmbedRequest, batch_id: str, key: RecordKey,
-                         record=None, parent=None, batch_ctx=None) -> None:  # fmt: skip
+                         record: ConsumerRecord | None = None, parent: Context | None = None,
+                         batch_ctx: Context | None = None) -> None:  # fmt: skip
+        """Take one request of a batch record; its span continues `parent`, the context its batch
+        carried for it (None: a new trace), linked to the batch's span (`batch_ctx`)."""
         flight = self.intake.take(request, batch_id, key)
         if flight is not None:  # None: the same request twice (a redelivered batch), one run answers both
             if record is not None:

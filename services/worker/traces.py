@@ -25,12 +25,13 @@ _MS = 1_000_000  # ns per ms
 
 
 def process_span(tracing: Tracing, record: ConsumerRecord, request: GenerateRequest | EmbedRequest, batch_id: str,
-                 parent: Context | None, batch: Context, group: str) -> Span:  # fmt: skip
+                 parent: Context | None, batch: Context | None, group: str) -> Span:  # fmt: skip
     """The request's run here, from now (its batch was read) to its final output."""
     attrs = {**messaging("process", record.topic, offset=record.offset, partition=record.partition, group=group),
              **request_attributes(request), "weir.batch_id": batch_id}  # fmt: skip
     return tracing.start_span(f"{record.topic} process", parent, kind=SpanKind.CONSUMER,
-                              request_id=request.request_id, attributes=attrs, links=[batch])  # fmt: skip
+                              request_id=request.request_id, attributes=attrs,
+                              links=[batch] if batch is not None else [])  # fmt: skip
 
 
 def reply_headers(span: Span, event: ReplyDelta | ReplyEnd) -> list[tuple[str, bytes]] | None:
