@@ -22,6 +22,7 @@ BENCHES = {
     "kernels": ("bench.triton_kernels", "CUDA: each Triton kernel against its PyTorch reference, timed and checked"),
     "swap": ("bench.swap", "a new model version pushed, loaded and promoted while 32 streams run: failures, TTFT, time to serve"),
     "traffic": ("bench.traffic", "live TTFT with a 100% mirror on vs off, mirror copies completed, canary share of 2,000 users"),
+    "tracing": ("bench.tracing", "tokens/s at concurrency 16 with trace sampling 0 vs 1, alternating rounds: what tracing costs"),
     "gpu-llama": ("bench.gpu_llama", "CUDA: the engine on a 1B-class Llama, batch-1 vs bandwidth bound, batch 64 vs HF"),
 }
 

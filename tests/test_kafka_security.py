@@ -134,6 +134,8 @@ def test_the_acl_plan_keeps_each_topic_to_its_writers() -> None:
     assert _writers(grants, t.dead_letter) == {"gateway", "batcher", "worker", "auditor"}
     assert _writers(grants, t.workers) == {"worker"}
     assert _writers(grants, t.audit_anchors) == {"auditor"}  # the anchor of the audit chain
+    assert _writers(grants, t.traces) == {"gateway", "batcher", "worker", "auditor"}  # each its own spans
+    assert _readers(grants, t.traces) == set()  # reading spans is for operators (the admin)
     assert _writers(grants, t.batches("echo")) == {"batcher"}
     # workers write replies; the batcher the terminal reply of a request it ends itself
     assert _writers(grants, t.replies("client.r1")) == _writers(grants, t.replies("gateway-1")) == {"worker", "batcher"}

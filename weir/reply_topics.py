@@ -82,7 +82,7 @@ class TopicWriter:
         self.refused_for_s = refused_for_s
         self._clock = clock
         self._refused: dict[str, tuple[TopicRefused, float]] = {}  # topic -> (why, until when)
-        self._queued: dict[str, list[tuple[bytes, bytes | None, int | None, asyncio.Future]]] = {}
+        self._queued: dict[str, list[tuple[bytes, bytes | None, int | None, list[tuple[str, bytes]] | None, asyncio.Future]]] = {}
         self._tasks: set[asyncio.Task] = set()
         self.num_refused = 0  # sends failed with TopicRefused, since start
 
@@ -100,21 +100,25 @@ class TopicWriter:
         """Whether sends to `topic` wait for its lookup now."""
         return topic in self._queued
 
-    async def send(self, topic: str, value: bytes, key: bytes | None, partition: int | None = None) -> asyncio.Future:
-        """Produce one record; returns the future of its durable write. Never waits for a topic's
-        metadata: a topic not known yet is looked up in the background, its sends queued."""
+    async def send(
+        self, topic: str, value: bytes, key: bytes | None, partition: int | None = None,
+        headers: list[tuple[str, bytes]] | None = None,
+    ) -> asyncio.Future:
+        """Produce one record (with `headers`: trace context); returns the future of its durable
+        write. Never waits for a topic's metadata: a topic not known yet is looked up in the
+        background, its sends queued."""
         refused = self.refusal(topic)
         if refused is not None:
             self.num_refused += 1
             return failed_future(refused)
         queue = self._queued.get(topic)
         if queue is None and self.producer.client.cluster.partitions_for_topic(topic):
-            return self._watched(topic, await self.producer.send(topic, value, key=key, partition=partition))
+            return self._watched(topic, await self.producer.send(topic, value, key=key, partition=partition, headers=headers))
         future: asyncio.Future = asyncio.get_running_loop().create_future()
         if queue is None:
             queue = self._queued[topic] = []
             self._spawn(self._look_up_then_send(topic))
-        queue.append((value, key, partition, future))
+        queue.append((value, key, partition, headers, future))
         return future
 
     # -- a topic not seen yet ---------------------------------------------------------------------
@@ -128,10 +132,10 @@ class TopicWriter:
         queue = self._queued[topic]
         try:
             while queue:
-                value, key, partition, future = queue.pop(0)
+                value, key, partition, headers, future = queue.pop(0)
                 if failure is None:
                     try:
-                        inner = await self.producer.send(topic, value, key=key, partition=partition)
+                        inner = await self.producer.send(topic, value, key=key, partition=partition, headers=headers)
                     except KafkaError as exc:
                         _settle(future, exc)
                         continue

@@ -35,6 +35,7 @@ from weir.bus import instance_id, wait_for_cluster
 from weir.kafka.admin import ensure_topics
 from weir.registry import RegistryFollower
 from weir.service import ConfigError, bus_overrides, ops_app, run_service, service_parser
+from weir.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,9 @@ def create_app(settings: AuditorSettings, health: HealthMetrics | None = None,
         if settings.canary_guard:
             guard.observe(event)
 
-    register_handlers(broker, settings, AuditBatches(settings, writer, dead_letters, health, anchors, on_new_event))
+    tracing = Tracing("auditor", client_id, settings, send=publish)  # spans through its own broker
+    register_handlers(broker, settings, AuditBatches(settings, writer, dead_letters, health, anchors, on_new_event,
+                                                     tracing=tracing))  # fmt: skip
     if settings.canary_guard:
         register_health_handler(broker, topics, guard)
     join = ShadowJoin(settings.comparison_ttl_s, settings.comparison_max_pending)
@@ -119,6 +122,7 @@ def create_app(settings: AuditorSettings, health: HealthMetrics | None = None,
 
     async def open_ledger() -> None:
         await writer.open()
+        await tracing.start()
         counter.load(await writer.traffic_rows())  # before the first batch: since the ledger began
         if settings.canary_guard:
             await registry.start()  # the models topic must exist (AuditorService.start makes sure)
@@ -137,7 +141,10 @@ def create_app(settings: AuditorSettings, health: HealthMetrics | None = None,
         await registry.stop()
         await writer.close()
 
-    return FastStream(broker, on_startup=[open_ledger], after_shutdown=[close_ledger])
+    async def flush_spans() -> None:
+        await tracing.stop()  # before the broker stops: its last spans go out through it
+
+    return FastStream(broker, on_startup=[open_ledger], on_shutdown=[flush_spans], after_shutdown=[close_ledger])
 
 
 class AuditorService:

@@ -33,6 +33,7 @@ from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from faststream import AckPolicy
 from faststream.kafka import KafkaBroker
 from faststream.kafka.annotations import KafkaMessage
+from opentelemetry.trace import Span, SpanKind
 
 from schemas.codec import DecodeError, decode_audit_record
 from schemas.messages import SCHEMA_VERSION, AuditAnchor, AuditEvent, ReviewFlag
@@ -44,6 +45,7 @@ from services.auditor.health import HealthMetrics
 from services.auditor.ledger import BatchOutcome, Ledger, unstorable_reason
 from schemas.codec import encode
 from weir.bus import consumer_settings, dead_letter_of
+from weir.tracing import Tracing, extract, messaging
 
 log = logging.getLogger(__name__)
 
@@ -219,8 +221,9 @@ class AuditBatches:
 
     def __init__(self, settings: AuditorSettings, writer: LedgerWriter, dead_letters: DeadLetters,
                  health: HealthMetrics | None = None, anchors: AnchorPublisher | None = None,
-                 on_new_event: Callable[[AuditEvent], None] | None = None) -> None:
+                 on_new_event: Callable[[AuditEvent], None] | None = None, tracing: Tracing | None = None) -> None:
         self.settings = settings
+        self.tracing = tracing or Tracing.off(SERVICE)
         self.on_new_event = on_new_event  # traffic counts and the canary guard (services/auditor/traffic.py)
         self.writer = writer
         self.dead_letters = dead_letters
@@ -253,7 +256,12 @@ class AuditBatches:
     async def _ingest(self, items: list[AuditItem]) -> dict[int, int]:
         """Store and dead-letter the batch; returns {partition: offset of its first record not stored}."""
         stored = [(item.message, item.record.partition, item.record.offset) for item in items if item.message is not None]
-        outcome = await self.writer.append_batch(stored)
+        spans = [self._append_span(item) for item in items if item.message is not None]
+        try:
+            outcome = await self.writer.append_batch(stored)
+        finally:
+            for span in spans:
+                span.end()
         refused_at = {}
         for partition, (index, exc) in outcome.failed.items():
             refused_at[partition] = stored[index][2]
@@ -271,6 +279,21 @@ class AuditBatches:
             except Exception as exc:  # noqa: BLE001 - the records are stored; the app's timer publishes again
                 log.warning("publishing the new checkpoints' anchors failed (%r); the timer tries again", exc)
         return refused_at
+
+    def _append_span(self, item: AuditItem) -> Span:
+        """The ledger append of one record (its batch's group commit), under the context its
+        record's headers carry: the worker's run of the request (docs/design.md, "Observability")."""
+        record, message = item.record, item.message
+        attrs = messaging("process", record.topic, offset=record.offset, partition=record.partition,
+                          group=self.settings.topics.auditor_group)  # fmt: skip
+        request_id = None
+        if isinstance(message, AuditEvent):
+            request_id = message.request_id
+            attrs.update({"gen_ai.response.model": message.model_version,
+                          "gen_ai.usage.input_tokens": message.prompt_tokens,
+                          "gen_ai.usage.output_tokens": message.completion_tokens})  # fmt: skip
+        return self.tracing.start_span("audit append", extract(record.headers), kind=SpanKind.CONSUMER,
+                                       request_id=request_id, attributes=attrs)  # fmt: skip
 
     def _observe(self, message: AuditEvent | ReviewFlag, is_new: bool) -> None:
         if not is_new:

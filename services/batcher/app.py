@@ -40,6 +40,7 @@ from weir.kafka.admin import ensure_topics
 from weir.metrics import ServiceMetrics
 from weir.registry import RegistryFollower
 from weir.service import ConfigError, bus_overrides, ops_app, run_service, service_parser
+from weir.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ class BatcherApp:
         self.handlers = BatcherHandlers(
             topics, self.planner, self.producer, self.requests, self.batcher_id, router=self.router,
             commit_interval_ms=settings.commit_interval_ms, reply_auto_create=settings.reply_topic_auto_create,
-            mirror_max_queued=settings.mirror_max_queued,
+            mirror_max_queued=settings.mirror_max_queued, tracing=Tracing("batcher", self.batcher_id, settings),
         )
         self._started: list[Any] = []
         self.is_reading = False
@@ -85,7 +86,7 @@ class BatcherApp:
         await self.registry.start()
         self._started.append(self.registry)
         await self._ensure_version_topics()
-        for client in (self.producer, self.requests, self.control, self.workers):
+        for client in (self.producer, self.requests, self.control, self.workers, self.handlers.tracing):
             await client.start()
             self._started.append(client)
         partitions = await self.producer.partitions_for(topics.control)  # waits for metadata

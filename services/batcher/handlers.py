@@ -18,6 +18,7 @@ from typing import Any, Literal
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.errors import KafkaError
+from opentelemetry.trace import Span, SpanKind, StatusCode
 
 from schemas.codec import DecodeError, decode, decode_request, encode, reply_address
 from schemas.messages import (
@@ -37,6 +38,7 @@ from services.batcher.planner import Admission, Planner, Request, Reservation
 from services.batcher.routing import Router
 from weir.bus import CommitPacer, OffsetTracker, send_dead_letter
 from weir.reply_topics import TopicWriter
+from weir.tracing import Tracing, child_context, extract, inject, inject_many, messaging, request_attributes
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +66,16 @@ def _tp(record: ConsumerRecord) -> TopicPartition:
     return TopicPartition(record.topic, record.partition)
 
 
+def _end_publish(span: Span, future: asyncio.Future[Any]) -> None:
+    """End a batch's publish span when the broker answered: its offset, or the failure."""
+    if future.cancelled() or future.exception() is not None:
+        span.set_status(StatusCode.ERROR, repr(None if future.cancelled() else future.exception())[:1024])
+    else:
+        span.set_attributes({"messaging.kafka.offset": future.result().offset,
+                             "messaging.destination.partition.id": str(future.result().partition)})  # fmt: skip
+    span.end()
+
+
 def _retrieve(future: asyncio.Future[Any]) -> None:
     """Take a forgotten produce's outcome, so asyncio does not warn that nobody did."""
     if not future.cancelled():
@@ -89,6 +101,7 @@ class BatcherHandlers:
         commit_interval_ms: int = 0,
         reply_auto_create: bool = True,
         mirror_max_queued: int = DEFAULT_MIRROR_MAX_QUEUED,
+        tracing: Tracing | None = None,
     ) -> None:
         self.topics = topics
         self.planner = planner
@@ -115,6 +128,8 @@ class BatcherHandlers:
         self._effects: list[_Effect] = []
         self._assigned: set[TopicPartition] = set()
         self._generation = 0  # bumped on each revocation: records fetched before it are stale
+        self.tracing = tracing or Tracing.off(SERVICE)
+        self._spans: dict[str, Span] = {}  # request_id -> its process span, while held
 
     # --- requests ---------------------------------------------------------------------------
 
@@ -159,11 +174,16 @@ class BatcherHandlers:
         # Outside producers' bare names are assigned here, like the gateway's (docs/design.md, "Traffic policies").
         req = assign_version(req, self.planner.models)
         req, copies = with_mirrors(req, self.planner.models, self.topics.shadow_replies)
+        span = self._process_span(record, req)
         verdict = self.planner.add(req, now_ms, size_bytes=len(record.value or b""))
         if verdict is Admission.HELD:
+            self._spans[req.request_id] = span
             self._held_records[req.request_id] = record
             await self._add_copies(copies, record, now_ms)
-        elif verdict is Admission.DUPLICATE:
+        else:  # ended here, at once
+            span.set_attribute("weir.admission", verdict.name.lower())
+            span.end()
+        if verdict is Admission.DUPLICATE:
             # The first copy is held (its offset still pending) or already produced.
             self._tracker.done(_tp(record), record.offset)
         elif verdict is Admission.UNKNOWN_MODEL:  # unknown name, unregistered or retired version, malformed ref
@@ -176,6 +196,33 @@ class BatcherHandlers:
             await self._end(req, record, "timeout", error)
         elif verdict is Admission.CANCELLED:
             await self._end(req, record, "cancelled", None)
+
+    def _process_span(self, record: ConsumerRecord, req: GenerateRequest | EmbedRequest) -> Span:
+        """The request's span here, from its record's arrival until it is batched or ended, under
+        the context its record's headers carry (docs/design.md, "Observability")."""
+        attrs = {**messaging("process", record.topic, offset=record.offset, partition=record.partition,
+                             group=self.topics.batcher_group), **request_attributes(req)}  # fmt: skip
+        return self.tracing.start_span(f"{record.topic} process", extract(record.headers), kind=SpanKind.CONSUMER,
+                                       request_id=req.request_id, attributes=attrs)  # fmt: skip
+
+    def _batch_span(self, batch: Batch, topic: str, partition: int | None) -> tuple[Span, list[tuple[str, bytes]]]:
+        """The batch's publish span, linked to its requests' spans (one batch, many traces), and the
+        headers of its record: the batch span's traceparent and each request's (weir-traceparents)."""
+        spans = {r.request_id: span for r in batch.requests if (span := self._spans.pop(r.request_id, None)) is not None}
+        contexts = {rid: child_context(span) for rid, span in spans.items()}
+        attrs = {**messaging("send", topic, partition=partition), "gen_ai.request.model": batch.model,
+                 "weir.batch_id": batch.batch_id, "messaging.batch.message_count": len(batch.requests)}  # fmt: skip
+        batch_span = self.tracing.start_span(f"{topic} publish", None, kind=SpanKind.PRODUCER, attributes=attrs,
+                                             links=contexts.values())  # fmt: skip
+        for span in spans.values():
+            span.set_attributes({"weir.batch_id": batch.batch_id, "weir.batch_topic": topic})
+            span.end()
+        return batch_span, inject(child_context(batch_span)) + inject_many(contexts)
+
+    def _end_span(self, request_id: str, reason: str) -> None:
+        if (span := self._spans.pop(request_id, None)) is not None:
+            span.set_attribute("weir.outcome", reason)
+            span.end()
 
     async def _add_copies(self, copies: list[Request], record: ConsumerRecord, now_ms: int) -> None:
         """Hold the mirror copies of a live request in their versions' lanes (the bulk lane), or
@@ -280,7 +327,9 @@ class BatcherHandlers:
                 log.warning("no worker heartbeat names model %s: its batches go keyed, unrouted", planned.model)
             elif partition is not None:
                 self._unrouted_models.discard(planned.model)
-            future = await self._send(topic, encode(batch), batch.batch_id, partition)
+            batch_span, headers = self._batch_span(batch, topic, partition)
+            future = await self._send(topic, encode(batch), batch.batch_id, partition, headers=headers)
+            future.add_done_callback(lambda f, span=batch_span: _end_publish(span, f))
             self._effects.append(_Effect(future, records, "batch", topic, planned.reservation))
         for req in result.expired:
             error = ErrorInfo(code="deadline_exceeded", message=f"deadline_ms={req.deadline_ms} passed while waiting")
@@ -315,19 +364,21 @@ class BatcherHandlers:
         self, request_id: str, reply_to: str, record: ConsumerRecord | None, reason: FinishReason,
         error: ErrorInfo | None,
     ) -> None:
+        self._end_span(request_id, reason)
         end = ReplyEnd(request_id=request_id, seq=0, finish_reason=reason, error=error)
         future = await self._send(reply_to, encode(end), request_id, via=self._replies)
         self._effects.append(_Effect(future, [] if record is None else [record], "reply", reply_to))
 
     async def _send(
-        self, topic: str, value: bytes, key: str, partition: int | None = None, via: TopicWriter | None = None
+        self, topic: str, value: bytes, key: str, partition: int | None = None, via: TopicWriter | None = None,
+        headers: list[tuple[str, bytes]] | None = None,
     ) -> asyncio.Future[Any]:
         """Produce through the producer, or `via` a TopicWriter (reply topics: one that refuses
         writes fails its own sends, never waits the loop out)."""
         try:
             if via is not None:
                 return await via.send(topic, value, key.encode(), partition)
-            return await self._producer.send(topic, value, key=key.encode(), partition=partition)
+            return await self._producer.send(topic, value, key=key.encode(), partition=partition, headers=headers)
         except KafkaError as exc:  # e.g. no metadata for the topic: reported when settled
             failed: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
             failed.set_exception(exc)
@@ -429,6 +480,7 @@ class BatcherHandlers:
             if _tp(record) in partitions:
                 self.planner.release(request_id)
                 del self._held_records[request_id]
+                self._end_span(request_id, "revoked")
         for copy_id, record in list(self._copies.items()):  # their live record is read again, and copied again
             if _tp(record) in partitions:
                 self.planner.release(copy_id)

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
+from opentelemetry.trace import INVALID_SPAN, Span, SpanKind
 
 from schemas.codec import DecodeError, decode, decode_reply, encode
 from schemas.messages import (
@@ -34,6 +35,7 @@ from services.gateway.openai_format import ApiError
 from services.gateway.replies import ReplyItem, ReplyRouter
 from weir.bus import instance_id, make_consumer, make_producer, send_dead_letter
 from weir.kafka.admin import ensure_topics, wait_for_broker
+from weir.tracing import Tracing, child_context, end_attributes, ending, from_carrier, inject, messaging, request_attributes
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +63,7 @@ class GatewayBus:
         self._exchanges: dict[str, Exchange] = {}
         self._is_started = False
         self.on_cancel: list[Callable[[CancelReason], None]] = []  # called per published cancel (metrics)
+        self.tracing = Tracing(SERVICE, self.gateway_id, settings)
 
     async def start(self) -> None:
         """Create the topics, start the clients, and return once replies can be read.
@@ -77,6 +80,7 @@ class GatewayBus:
         self._producer = make_producer(s, client_id=self.gateway_id)
         await self._producer.start()
         self.is_producer_started = True
+        await self.tracing.start()
 
         self._replies = make_consumer(s, client_id=f"{self.gateway_id}-replies", group_id=None)
         tp = TopicPartition(self.reply_topic, 0)
@@ -111,6 +115,7 @@ class GatewayBus:
                     await client.stop()
                 except Exception:  # noqa: BLE001 - closing anyway
                     log.exception("closing a Kafka client failed")
+        await self.tracing.stop()
 
     def readiness(self) -> tuple[bool, str]:
         """(ready, reason): producer started, reply consumer assigned, at least one live worker."""
@@ -124,22 +129,32 @@ class GatewayBus:
             return False, "no live worker heartbeat"
         return True, "ready"
 
-    async def submit(self, request: GenerateRequest | EmbedRequest) -> Exchange:
+    async def submit(
+        self, request: GenerateRequest | EmbedRequest, client_headers: Mapping[str, str] | None = None, route: str = ""
+    ) -> Exchange:
         """Open the request's route, then publish it (keyed by request_id) and wait until durable.
 
-        Raises ApiError(503) when Kafka does not take it; nothing is left registered then.
+        Its server span continues the client's `traceparent` (in `client_headers`) and ends when
+        the exchange closes; the record's headers carry the publish span's context
+        (docs/design.md, "Observability"). Raises ApiError(503) when Kafka does not take it;
+        nothing is left registered then.
         """
         if self._producer is None or not self.is_producer_started:
             raise ApiError(503, "the gateway is not connected to Kafka yet", code="unavailable")
         queue = self.router.register(request.request_id)
         exchange = Exchange(self, request, queue)
+        exchange.span = self._server_span(request, client_headers or {}, route)
         self._exchanges[request.request_id] = exchange
         timeout_s = min(_MAX_SEND_WAIT_S, max(0.1, (request.deadline_ms - now_ms()) / 1000))
+        topic = self.topics.requests
+        publish = self.tracing.start_span(f"{topic} publish", child_context(exchange.span), kind=SpanKind.PRODUCER,
+                                          request_id=request.request_id, attributes=messaging("send", topic))  # fmt: skip
         try:
-            await asyncio.wait_for(
-                self._producer.send_and_wait(self.topics.requests, encode(request), key=request.request_id.encode()),
-                timeout_s,
-            )
+            with ending(publish):
+                sent = await asyncio.wait_for(self._producer.send_and_wait(
+                    topic, encode(request), key=request.request_id.encode(), headers=inject(child_context(publish))
+                ), timeout_s)  # fmt: skip
+                publish.set_attributes(messaging("send", topic, offset=sent.offset, partition=sent.partition))
         except (KafkaError, TimeoutError) as exc:
             # A send that timed out may still land: cancel it so nothing runs for nobody.
             exchange.close(None if isinstance(exc, KafkaError) else "deadline", status=503)
@@ -148,6 +163,13 @@ class GatewayBus:
             exchange.close("client_disconnect", status="cancelled")
             raise
         return exchange
+
+    def _server_span(self, request: GenerateRequest | EmbedRequest, client_headers: Mapping[str, str], route: str) -> Span:
+        """The request's HTTP server span, from its acceptance (created_ms), under the client's traceparent."""
+        attrs = {"http.request.method": "POST", "http.route": route, **request_attributes(request)}
+        return self.tracing.start_span(f"POST {route}".strip(), from_carrier(client_headers), kind=SpanKind.SERVER,
+                                       request_id=request.request_id, attributes=attrs,
+                                       start_ns=request.created_ms * 1_000_000)  # fmt: skip
 
     def publish_cancel(self, request_id: str, reason: CancelReason) -> None:
         """Publish a Cancellation on the control topic without waiting (safe from cancelled code)."""
@@ -248,6 +270,7 @@ class Exchange:
         self.num_deltas = 0
         self.is_closed = False
         self.on_close: list[Callable[[Exchange], None]] = []  # called once when closed (the guard's release)
+        self.span: Span = INVALID_SPAN  # its HTTP server span (GatewayBus.submit), ended by close()
 
     @property
     def request_id(self) -> str:
@@ -314,6 +337,7 @@ class Exchange:
             self.num_deltas += 1
             if self.first_token_ms is None:
                 self.first_token_ms = now_ms()
+                self.span.add_event("first_byte")  # handed to the client's connection now
         self.history.append(event)
 
     def _expire(self) -> ReplyEnd:
@@ -344,6 +368,7 @@ class Exchange:
             except Exception:  # noqa: BLE001 - closing must finish
                 log.exception("an on_close hook of %s failed", self.request_id)
         outcome = self.end.finish_reason if self.end is not None else (abandon_reason or "abandoned")
+        self._end_span(status, outcome)
         if self.end is None and abandon_reason is not None:
             self.bus.publish_cancel(self.request_id, abandon_reason)
         created = self.request.created_ms
@@ -353,3 +378,10 @@ class Exchange:
             self.request_id, self.request.model, status, outcome, ttft, now_ms() - created, self.num_deltas,
         )
 
+    def _end_span(self, status: int | str, outcome: str) -> None:
+        if self.end is not None:
+            self.span.set_attributes(end_attributes(self.end))
+        self.span.set_attribute("weir.outcome", outcome)
+        if isinstance(status, int):  # else the client left, or the gateway stopped, before an answer
+            self.span.set_attribute("http.response.status_code", status)
+        self.span.end()

@@ -39,6 +39,7 @@ from services.worker.memory import estimate_bytes
 from services.worker.runner import EngineHost, EngineProcess, EngineRunner
 from services.worker.versions import VersionManager
 from weir.bus import instance_id, make_producer, wait_for_cluster
+from weir.tracing import Tracing
 from weir.embedding.fingerprints import build_fingerprinter
 from weir.embedding.onnx_export import ensure_export
 from weir.kafka.admin import ensure_topics
@@ -77,6 +78,7 @@ class WorkerService:
         self._fingerprinter: asyncio.Task | None = None
         self.devices = DeviceProbe()
         self.metrics = self._metrics()
+        self.tracing = Tracing("worker", self.worker_id, settings)
 
     @property
     def servers(self) -> list[ModelServer]:
@@ -88,6 +90,7 @@ class WorkerService:
         await ensure_topics(self.settings.kafka_bootstrap, self.settings.topics.core_specs())
         self.producer = make_producer(self.settings, self.worker_id)
         await self.producer.start()
+        await self.tracing.start()
 
     async def run(self, stop: asyncio.Event) -> None:
         """Read the registry, bring up the versions it wants here, then serve and follow it until
@@ -133,6 +136,7 @@ class WorkerService:
                 await asyncio.wait_for(self.send_heartbeat(self.producer), 3)
 
     async def close(self) -> None:
+        await self.tracing.stop()
         if self.producer is not None:
             await self.producer.stop()
             self.producer = None
@@ -217,7 +221,7 @@ class WorkerService:
         except KafkaError as exc:  # secure mode: only the batcher may create it; read once it exists
             log.warning("batch topic %s not created here (%r); the consumer reads it once it exists", topic, exc)
         server = ModelServer(config, hosts, self.settings, self.producer, self.worker_id, self.audit_key,
-                             self.fingerprints)  # fmt: skip
+                             self.fingerprints, tracing=self.tracing)  # fmt: skip
         server.on_assignment = self._assignment_changed.set
         return server
 

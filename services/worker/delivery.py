@@ -94,12 +94,12 @@ class Writer:
         """True since a send failed for an outage, until one succeeds."""
         return self._skip_until is not None
 
-    async def send(self, topic: str, value: bytes, key: bytes) -> asyncio.Future:
-        """Produce one record; returns the future of its durable write (failed if it cannot be)."""
+    async def send(self, topic: str, value: bytes, key: bytes, headers: list[tuple[str, bytes]] | None = None) -> asyncio.Future:
+        """Produce one record (with trace `headers`); returns the future of its durable write (failed if it cannot be)."""
         if self._skip_until is not None and self._clock() < self._skip_until:
             return failed_future(KafkaConnectionError("not tried: the broker did not take a write in the last second"))
         try:
-            future = await self.topics.send(topic, value, key)
+            future = await self.topics.send(topic, value, key, headers=headers)
         except KafkaError as exc:
             self._on_result(exc)
             return failed_future(exc)

@@ -18,7 +18,8 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, ConsumerRecord, TopicPartition
+from opentelemetry.context import Context
 from aiokafka.errors import CommitFailedError, KafkaError
 
 from schemas.codec import DecodeError, decode
@@ -32,7 +33,9 @@ from services.worker.intake import InFlight, Intake, RecordKey
 from services.worker.publisher import Publisher
 from services.worker.refusals import refusal
 from services.worker.runner import EngineHost
+from services.worker.traces import process_span
 from weir.bus import BusSettings, CommitPacer, make_consumer, partitions_of, send_dead_letter
+from weir.tracing import Tracing, extract, extract_many
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +61,10 @@ class ModelServer:
         audit_key: bytes,
         fingerprints: FingerprintBatcher | None = None,
         redo_policy: RedoPolicy | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.config = config
+        self.tracing = tracing or Tracing.off("worker")
         self.runners = runners
         self.settings = settings
         self.topics: Topics = settings.topics
@@ -70,7 +75,7 @@ class ModelServer:
         self.publisher = Publisher(
             config, writer, self.topics.audit, self.intake, runners, self.start,
             worker_id=worker_id, audit_key=audit_key, fingerprints=fingerprints, redo_policy=redo_policy,
-            shadow_live_topic=self.topics.shadow_live,
+            shadow_live_topic=self.topics.shadow_live, tracing=self.tracing,
         )  # fmt: skip
         self._commits = CommitPacer(settings.commit_interval_ms)
         self._outputs: asyncio.Queue[list[EngineOutput]] = asyncio.Queue()
@@ -159,12 +164,20 @@ class ModelServer:
             self.intake.skip_record(tp, record.offset)
             return
         self.intake.add_batch(key, len(runnable))
+        parents, batch_ctx = extract_many(record.headers), extract(record.headers)  # malformed: new traces
         for request in runnable:
-            await self.on_request(request, batch.batch_id, key)
+            await self.on_request(request, batch.batch_id, key, record, parents.get(request.request_id), batch_ctx)
 
-    async def on_request(self, request: GenerateRequest | EmbedRequest, batch_id: str, key: RecordKey) -> None:
+    async def on_request(self, request: GenerateRequest | EmbedRequest, batch_id: str, key: RecordKey,
+                         record: ConsumerRecord | None = None, parent: Context | None = None,
+                         batch_ctx: Context | None = None) -> None:  # fmt: skip
+        """Take one request of a batch record; its span continues `parent`, the context its batch
+        carried for it (None: a new trace), linked to the batch's span (`batch_ctx`)."""
         flight = self.intake.take(request, batch_id, key)
         if flight is not None:  # None: the same request twice (a redelivered batch), one run answers both
+            if record is not None:
+                group = self.topics.worker_group(self.sid)
+                flight.span = process_span(self.tracing, record, request, batch_id, parent, batch_ctx, group)
             await self.start(flight)
 
     async def start(self, flight: InFlight) -> None:

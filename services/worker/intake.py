@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from aiokafka import TopicPartition
+from opentelemetry.trace import INVALID_SPAN, Span
 
 from schemas.messages import EmbedRequest, GenerateRequest
 from weir.bus import OffsetTracker
@@ -37,6 +38,7 @@ class InFlight:
     failure: BaseException | None = None  # the first write of the current run that failed
     num_redos: int = 0
     token_ids: list[int] = field(default_factory=list)  # the current run's answer, kept for a mirrored request's ShadowLive
+    span: Span = INVALID_SPAN  # its process span here (services/worker/traces.py), ended with its final output
 
 
 class Intake:

@@ -23,6 +23,8 @@ from services.worker.events import audit_event, model_version, reply_events, sha
 from services.worker.fingerprints import FingerprintBatcher
 from services.worker.intake import InFlight, Intake
 from services.worker.runner import EngineHost
+from services.worker.traces import end_run, reply_headers
+from weir.tracing import Tracing, child_context, inject
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +38,7 @@ class Publisher:
         self, config: ModelConfig, writer: Writer, audit_topic: str, intake: Intake, runners: list[EngineHost],
         restart: Callable[[InFlight], Awaitable[None]], *, worker_id: str, audit_key: bytes,
         fingerprints: FingerprintBatcher | None = None, redo_policy: RedoPolicy | None = None,
-        shadow_live_topic: str | None = None,
+        shadow_live_topic: str | None = None, tracing: Tracing | None = None,
     ) -> None:  # fmt: skip
         self.config = config
         self.version = model_version(config)
@@ -52,6 +54,7 @@ class Publisher:
         self.redo_policy = redo_policy or RedoPolicy()
         self._tasks: set[asyncio.Task] = set()  # settles and redos in flight (the loop keeps weak references)
         self.num_dropped = 0  # requests given up on: their reply topic refused writes, or far past their deadline
+        self.tracing = tracing or Tracing.off("worker")
 
     async def send_output(self, flight: InFlight, out: EngineOutput) -> None:
         """Write the events of one engine output; on the final one, settle the run."""
@@ -62,7 +65,7 @@ class Publisher:
         req = flight.request
         key = req.request_id.encode()
         for event in reply_events(req, flight.batch_id, out, self.version):
-            self._note(flight, await self.writer.send(req.reply_to, encode(event), key))
+            self._note(flight, await self.writer.send(req.reply_to, encode(event), key, reply_headers(flight.span, event)))
         if req.mirrors:
             flight.token_ids.extend(out.token_ids)
         if not out.is_final:
@@ -72,6 +75,7 @@ class Publisher:
         live = shadow_live(req, out, flight.token_ids, self.version)
         if live is not None and self.shadow_live_topic is not None:
             self._note(flight, await self.writer.send(self.shadow_live_topic, encode(live), key))
+        end_run(self.tracing, flight.span, out, self.version)
         self._spawn(self.settle(flight))
 
     async def send_audit(self, flight: InFlight, out: EngineOutput, key: bytes) -> asyncio.Future:
@@ -84,8 +88,9 @@ class Publisher:
         event = audit_event(flight.request, out, self.config, weights_sha256=host.weights_sha256,
                             worker_id=self.worker_id, audit_key=self.audit_key, now_ms=now_ms())  # fmt: skip
         fingerprints = self.fingerprints
+        headers = inject(child_context(flight.span))  # the auditor's append continues the request's trace
         if fingerprints is None:
-            return await self.writer.send(self.audit_topic, encode(event), key)
+            return await self.writer.send(self.audit_topic, encode(event), key, headers)
 
         async def fingerprint_then_send() -> object:
             fingerprinted = event
@@ -95,7 +100,7 @@ class Publisher:
                                                          "fingerprint_model": fingerprints.model})  # fmt: skip
             except Exception as exc:  # noqa: BLE001 - the HMACs still go out
                 log.warning("fingerprinting %s failed (%r); its AuditEvent has no SimHash", flight.request.request_id, exc)
-            return await (await self.writer.send(self.audit_topic, encode(fingerprinted), key))
+            return await (await self.writer.send(self.audit_topic, encode(fingerprinted), key, headers))
 
         return asyncio.get_running_loop().create_task(fingerprint_then_send())
 

@@ -43,7 +43,8 @@ class FakeProducer:
         self.sent: list[tuple[str, bytes]] = []
         self.futures: list[asyncio.Future] = []
 
-    async def send(self, topic: str, value: bytes, key: bytes | None = None, partition: int | None = None) -> asyncio.Future:
+    async def send(self, topic: str, value: bytes, key: bytes | None = None, partition: int | None = None,
+                   headers: list[tuple[str, bytes]] | None = None) -> asyncio.Future:
         self.sent.append((topic, value))
         future = asyncio.get_running_loop().create_future()
         self.futures.append(future)

@@ -35,7 +35,8 @@ class FakeProducer:
         # The producer's metadata: every topic known (TopicWriter then sends at once).
         self.client = SimpleNamespace(cluster=SimpleNamespace(partitions_for_topic=lambda topic: {0}))
 
-    async def send(self, topic: str, value: bytes, key: bytes, partition: int | None = None) -> asyncio.Future:
+    async def send(self, topic: str, value: bytes, key: bytes, partition: int | None = None,
+                   headers: list[tuple[str, bytes]] | None = None) -> asyncio.Future:
         if self.fail_with is not None:
             raise self.fail_with
         self.sent.append((topic, value))

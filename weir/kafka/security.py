@@ -243,6 +243,12 @@ def service_grants(topics: Topics) -> list[Grant]:
     grants += _grants("auditor", "topic", "literal", ("write",), [t.traffic])
     grants += _grants("gateway", "topic", "literal", ("read",), [t.traffic])  # `weir models show` as the gateway
     grants += _grants("auditor", "group", "literal", ("read",), [f"{t.auditor_group}.canary-guard"])
+    # Spans (docs/design.md, "Observability"): every service writes its own to the traces topic;
+    # reading it (`weir trace`) is for operators (the admin super user), not for a peer.
+    grants += _grants("gateway", "topic", "literal", ("write",), [t.traces])
+    grants += _grants("batcher", "topic", "literal", ("write",), [t.traces])
+    grants += _grants("worker", "topic", "literal", ("write",), [t.traces])
+    grants += _grants("auditor", "topic", "literal", ("write",), [t.traces])
     return grants
 
 

@@ -95,7 +95,7 @@ async def open_exchange(
     )  # fmt: skip
     request, admitted = await parts.guard.admit(identity, body, model, request, headers)
     try:
-        exchange = await parts.bus.submit(request)
+        exchange = await parts.bus.submit(request, headers, f"/v1/{kind.replace('.', '/')}")
     except BaseException:
         admitted.release(None)
         raise

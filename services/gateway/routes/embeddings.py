@@ -65,7 +65,8 @@ async def run_embeds(
     usage: ReplyEnd | None = None
     try:
         for part in embeds:  # more than one when the input exceeds what one reply can carry
-            exchanges.append(await parts.bus.submit(part.model_copy(update={"priority": lane})))
+            exchanges.append(await parts.bus.submit(part.model_copy(update={"priority": lane}), dict(request.headers),
+                                                    "/v1/embeddings"))  # fmt: skip
             request.state.is_submitted = True
         ends = await collect_ends(exchanges, request.receive)
         if ends is None:
