@@ -151,7 +151,8 @@ def create_app(settings: AuditorSettings, health: HealthMetrics | None = None,
             await registry.start()  # the models topic must exist (AuditorService.start makes sure)
         if monitor is not None and alerts is not None:
             monitor.load(await writer.drift_rows(settings.health_baseline_outputs, settings.health_window_outputs))
-            await ensure_topics(settings.kafka_bootstrap, [s for s in topics.core_specs() if s.name == topics.health])
+            await ensure_topics(settings.kafka_bootstrap, [s for s in topics.core_specs() if s.name == topics.health],
+                                options=settings.kafka_options())
             await alerts.start()  # the latest alert per (version, signal): what a transition is judged from
             timers.append(asyncio.get_running_loop().create_task(judge_health(monitor)))
         timers.append(asyncio.get_running_loop().create_task(checkpoint_quiet_chains()))
