@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Self
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
 from weir.audit_key import resolve_audit_key, resolve_checkpoint_key
 from weir.home import weir_home
@@ -91,20 +91,27 @@ class AuditorSettings(BusSettings):
     health_min_window_outputs: int = Field(
         10, ge=1, le=100_000, description="Fewest outputs in the window before its drift is judged (at most M)."
     )
+    # Each bound below: empty or "off" means not checked.
     health_entropy_max_abs: float | None = Field(None, gt=0, description="Raise when |current - baseline| output "
-                                                 "entropy passes this (nats); unset: not checked.")
-    health_entropy_max_rel: float | None = Field(0.3, gt=0, description="... or this share of the baseline; unset: not checked.")
+                                                 "entropy passes this (nats).")
+    health_entropy_max_rel: float | None = Field(0.3, gt=0, description="... or this share of the baseline.")
     health_watermark_max_abs: float | None = Field(2.0, gt=0, description="Raise when |current - baseline| watermark z "
-                                                   "passes this; unset: not checked.")
+                                                   "passes this.")
     health_watermark_max_rel: float | None = Field(None, gt=0, description="... or this share of the baseline.")
     health_max_age_s: float | None = Field(
-        30 * 86400.0, gt=0, description="Raise freshness when a loaded version was pushed longer ago than this (s); "
-        "unset: not checked.",
+        30 * 86400.0, gt=0, description="Raise freshness when a loaded version was pushed longer ago than this (s).",
     )
     health_clear_ratio: float = Field(
         0.8, gt=0, le=1, description="A raised drift clears when back under this share of its bound (no flapping)."
     )
     health_every_s: float = Field(10.0, gt=0, le=3600, description="How often drift and freshness are judged.")
+
+    @field_validator("health_entropy_max_abs", "health_entropy_max_rel", "health_watermark_max_abs",
+                     "health_watermark_max_rel", "health_max_age_s", mode="before")
+    @classmethod
+    def _off(cls, value: object) -> object:
+        """A bound set to '' or 'off' is not checked (None)."""
+        return None if isinstance(value, str) and value.strip().lower() in ("", "off", "none") else value
 
     @model_validator(mode="after")
     def _health_window(self) -> Self:

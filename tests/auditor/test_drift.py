@@ -9,10 +9,12 @@ import random
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from schemas.codec import encode
 from schemas.registry import ModelManifest, ModelVersionRecord, RegistryState
 from schemas.telemetry import HealthAlert
+from services.auditor.config import AuditorSettings
 from services.auditor.drift import Bound, HealthMonitor, HealthPolicy, Series, judge_drift
 from services.auditor.health import HealthMetrics
 from services.auditor.ledger import Ledger
@@ -212,6 +214,13 @@ def test_gauges_show_baseline_current_freshness_and_the_open_alert() -> None:
     assert value(text, "weir_model_freshness_seconds", model_name=SID) == pytest.approx(40 * 86400.0)
 
 
-def test_a_policy_that_cannot_work_is_refused() -> None:
+def test_settings_make_the_policy_and_one_that_cannot_work_is_refused() -> None:
+    settings = AuditorSettings(health_entropy_max_rel="off", health_max_age_s="", health_watermark_max_abs=3,
+                               health_baseline_outputs=7)  # fmt: skip
+    policy = HealthPolicy.from_settings(settings)
+    assert (policy.entropy, policy.watermark, policy.max_age_s, policy.baseline_outputs) == (
+        Bound(None, None), Bound(3.0, None), None, 7)  # fmt: skip
+    with pytest.raises(ValidationError, match="MIN_WINDOW_OUTPUTS must not exceed"):
+        AuditorSettings(health_window_outputs=5, health_min_window_outputs=6)
     with pytest.raises(ValueError, match="min_window_outputs"):
         HealthPolicy(window_outputs=5, min_window_outputs=6)
