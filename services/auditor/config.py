@@ -101,13 +101,16 @@ class AuditorSettings(BusSettings):
     health_max_age_s: float | None = Field(
         30 * 86400.0, gt=0, description="Raise freshness when a loaded version was pushed longer ago than this (s).",
     )
+    health_max_error_rate: float | None = Field(
+        0.2, gt=0, le=1, description="Raise error_rate when more than this share of a version's window ended in an error.",
+    )
     health_clear_ratio: float = Field(
         0.8, gt=0, le=1, description="A raised drift clears when back under this share of its bound (no flapping)."
     )
     health_every_s: float = Field(10.0, gt=0, le=3600, description="How often drift and freshness are judged.")
 
     @field_validator("health_entropy_max_abs", "health_entropy_max_rel", "health_watermark_max_abs",
-                     "health_watermark_max_rel", "health_max_age_s", mode="before")
+                     "health_watermark_max_rel", "health_max_age_s", "health_max_error_rate", mode="before")
     @classmethod
     def _off(cls, value: object) -> object:
         """A bound set to '' or 'off' is not checked (None)."""

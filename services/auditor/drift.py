@@ -2,8 +2,9 @@
 
 Per version (`name@version`, the version that served: a mirror copy's outputs are its own
 version's health), two drift signals from the audit stream, output entropy (AuditEvent
-.mean_token_entropy, nats) and watermark strength (AuditEvent.watermark_z), and one from the
-registry, freshness (now - the manifest's created_ms: when the version was packed and pushed).
+.mean_token_entropy, nats) and watermark strength (AuditEvent.watermark_z); its error rate (the
+share of the window's outputs whose finish_reason is "error", against a fixed bound: no baseline);
+and from the registry, freshness (now - the manifest's created_ms: when the version was pushed).
 
 A drift signal's baseline is the mean of the version's first `baseline_outputs` values by
 finished_ms (then event_id): the outputs it gave once loaded. Its current value is the mean of its
@@ -41,7 +42,10 @@ log = logging.getLogger(__name__)
 
 DriftSignal = Literal["entropy", "watermark"]
 DRIFT_SIGNALS: tuple[DriftSignal, ...] = ("entropy", "watermark")
+WindowSignal = Literal["entropy", "watermark", "error_rate"]
+WINDOW_SIGNALS: tuple[WindowSignal, ...] = (*DRIFT_SIGNALS, "error_rate")
 _FIELD: dict[DriftSignal, str] = {"entropy": "mean_token_entropy", "watermark": "watermark_z"}
+ERROR = "error"  # the finish_reason counted by error_rate (as the canary guard's: services/auditor/traffic.py)
 _TINY = 1e-9  # a baseline this close to 0 has no relative drift
 
 Point = tuple[int, str, float]  # (finished_ms, event_id, value): the ledger's order
@@ -67,6 +71,7 @@ class HealthPolicy:
     entropy: Bound = Bound(max_abs=None, max_rel=0.3)
     watermark: Bound = Bound(max_abs=2.0, max_rel=None)
     max_age_s: float | None = 30 * 86400.0
+    max_error_rate: float | None = 0.2  # share of the window's outputs that ended in an error
     clear_ratio: float = 0.8
 
     def __post_init__(self) -> None:
@@ -84,7 +89,8 @@ class HealthPolicy:
             window_s=settings.health_window_s, min_window_outputs=settings.health_min_window_outputs,
             entropy=Bound(settings.health_entropy_max_abs, settings.health_entropy_max_rel),
             watermark=Bound(settings.health_watermark_max_abs, settings.health_watermark_max_rel),
-            max_age_s=settings.health_max_age_s, clear_ratio=settings.health_clear_ratio,
+            max_age_s=settings.health_max_age_s, max_error_rate=settings.health_max_error_rate,
+            clear_ratio=settings.health_clear_ratio,
         )  # fmt: skip
 
     def bound(self, signal: DriftSignal) -> Bound:
@@ -165,13 +171,13 @@ class HealthMonitor:
         self.policy = policy
         self.registry = registry
         self.by = by
-        self.series: dict[tuple[str, DriftSignal], Series] = {}
+        self.series: dict[tuple[str, WindowSignal], Series] = {}
         self.alerts: dict[tuple[str, HealthSignal], HealthAlert] = {}  # latest per (version, signal)
         self.num_skipped = 0  # records on the health topic that were no HealthAlert
 
     # -- input -------------------------------------------------------------------------------
 
-    def add(self, model_version: str, signal: DriftSignal, point: Point) -> None:
+    def add(self, model_version: str, signal: WindowSignal, point: Point) -> None:
         key = (model_version, signal)
         if key not in self.series:
             self.series[key] = Series(self.policy.baseline_outputs, self.policy.window_outputs)
@@ -181,7 +187,7 @@ class HealthMonitor:
         """Start from the ledger's (model_version, signal, finished_ms, event_id, value) rows
         (Ledger.drift_rows: each version's first and last values per signal)."""
         for model_version, signal, finished_ms, event_id, value in rows:
-            if signal in DRIFT_SIGNALS:
+            if signal in WINDOW_SIGNALS:
                 self.add(model_version, signal, (finished_ms, event_id, value))  # type: ignore[arg-type]
 
     def observe(self, event: AuditEvent) -> None:
@@ -190,6 +196,7 @@ class HealthMonitor:
             value = getattr(event, _FIELD[signal])
             if value is not None:
                 self.add(event.model_version, signal, (event.finished_ms, event.event_id, float(value)))
+        self.add(event.model_version, "error_rate", (event.finished_ms, event.event_id, float(event.finish_reason == ERROR)))
 
     def on_alert(self, _key: bytes | None, value: bytes | None) -> None:
         """A record of the health topic (TopicFollower): the latest alert per (version, signal);
@@ -228,6 +235,19 @@ class HealthMonitor:
                                                  self.policy.clear_ratio)  # fmt: skip
         return Reading(current, baseline, crossed, threshold, f"{signal} {detail}")
 
+    def error_rate(self, model_version: str, now_ms: int) -> Reading:
+        """The share of the window's outputs that ended in an error, against max_error_rate (no baseline)."""
+        series = self.series.get((model_version, "error_rate"))
+        if series is None:
+            return Reading(None, None, None)
+        current, count = series.current(now_ms, self.policy.window_s)
+        limit = self.policy.max_error_rate
+        if current is None or limit is None or count < self.policy.min_window_outputs:
+            return Reading(current, None, None)
+        bound = limit * (self.policy.clear_ratio if self.is_raised(model_version, "error_rate") else 1.0)
+        return Reading(current, None, current > bound, limit,
+                       f"error rate {current:.1%} of the last {count} outputs (bound {bound:.1%})")
+
     def freshness(self, model_version: str, now_ms: int) -> Reading:
         """Seconds since the version was pushed; judged only while it is wanted loaded."""
         record = self.registry().versions.get(model_version)
@@ -254,6 +274,7 @@ class HealthMonitor:
         for sid in self.versions():
             readings: list[tuple[HealthSignal, Reading]] = [("freshness", self.freshness(sid, now_ms))]
             readings += [(signal, self.drift(sid, signal, now_ms)) for signal in DRIFT_SIGNALS]
+            readings.append(("error_rate", self.error_rate(sid, now_ms)))
             for signal, reading in readings:
                 if reading.crossed is None or reading.value is None or reading.crossed == self.is_raised(sid, signal):
                     continue

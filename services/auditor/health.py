@@ -9,8 +9,8 @@ input guards, by tenant and reason; the shadow comparison's join outcomes.
 
 Read at scrape time from the health monitor (services/auditor/drift.py), per model version
 (label `model_name`, the served name@version, as vLLM's): its freshness, its output entropy and
-watermark z for the baseline and the current window, 1 per signal while an alert is raised (0 once
-cleared); and the alerts this auditor published, by signal and state.
+watermark z for the baseline and the current window, its window's error rate, 1 per signal while
+an alert is raised (0 once cleared); and the alerts this auditor published, by signal and state.
 """
 
 from __future__ import annotations
@@ -56,6 +56,8 @@ class HealthMetrics:
                       "(first outputs) and its current window.", self._drift("entropy"))  # fmt: skip
         service.gauge("weir_model_watermark_z", "Mean watermark z of a version: its baseline and its current window.",
                       self._drift("watermark"))  # fmt: skip
+        service.gauge("weir_model_error_rate", "Share of a version's current window that ended in an error.",
+                      self._error_rate)
         service.gauge("weir_model_alert", "1 while a version's health signal is raised, 0 once cleared.", self._alert_states)
 
     def observe(self, event: AuditEvent) -> None:
@@ -92,6 +94,13 @@ class HealthMetrics:
             return []
         now = self.clock()
         readings = [(sid, self.monitor.freshness(sid, now)) for sid in self.monitor.versions()]
+        return [(r.value, {"model_name": sid}) for sid, r in readings if r.value is not None]
+
+    def _error_rate(self) -> list[tuple[float, Labels]]:
+        if self.monitor is None:
+            return []
+        now = self.clock()
+        readings = [(sid, self.monitor.error_rate(sid, now)) for sid in self.monitor.versions()]
         return [(r.value, {"model_name": sid}) for sid, r in readings if r.value is not None]
 
     def _drift(self, signal: DriftSignal) -> Callable[[], list[tuple[float, Labels]]]:

@@ -15,7 +15,7 @@ from schemas.codec import encode
 from schemas.registry import ModelManifest, ModelVersionRecord, RegistryState
 from schemas.telemetry import HealthAlert
 from services.auditor.config import AuditorSettings
-from services.auditor.drift import Bound, HealthMonitor, HealthPolicy, Series, judge_drift
+from services.auditor.drift import WINDOW_SIGNALS, Bound, HealthMonitor, HealthPolicy, Series, judge_drift
 from services.auditor.health import HealthMetrics
 from services.auditor.ledger import Ledger
 from weir.metrics import value
@@ -132,6 +132,22 @@ def test_a_window_under_min_outputs_is_not_judged() -> None:
     assert mon.drift(SID, "entropy", T0_MS + 10_000).crossed is True
 
 
+def test_an_error_rate_past_its_bound_raises_and_clears_under_the_clear_ratio() -> None:
+    mon = monitor()  # max_error_rate 0.2, window 4, at least 3
+    mon.observe(event(0, finish_reason="error"))
+    mon.observe(event(1))
+    assert mon.error_rate(SID, T0_MS).crossed is None and publish(mon, T0_MS) == []  # 2 of at least 3
+    mon.observe(event(2))
+    [raised] = publish(mon, T0_MS)  # 1 of 3
+    assert (raised.signal, raised.state, raised.value, raised.baseline, raised.threshold) == (
+        "error_rate", "raised", pytest.approx(1 / 3), None, 0.2)  # fmt: skip
+    for i in range(3, 6):
+        mon.observe(event(i))  # the window: 1, 2 (stop), 3, 4, 5 -> last 4 without the error
+    [cleared] = publish(mon, T0_MS)
+    assert (cleared.signal, cleared.state, cleared.value) == ("error_rate", "cleared", 0.0)
+    assert mon.error_rate("nobody@1", T0_MS).value is None
+
+
 def test_freshness_raises_past_its_bound_and_clears_when_the_version_is_unloaded() -> None:
     now = T0_MS + 40 * DAY_MS
     state = registry(version(created_ms=T0_MS + 20 * DAY_MS))
@@ -175,7 +191,8 @@ def test_state_comes_from_the_topic_so_a_restart_neither_repeats_nor_forgets() -
 
 
 def test_the_ledger_gives_the_same_baseline_and_window_after_a_restart(tmp_path: Path) -> None:
-    events = [event(i, entropy=1.0 + i / 10, z=4.0 + i, sid=SID if i % 3 else "tiny@2") for i in range(30)]
+    events = [event(i, entropy=1.0 + i / 10, z=None if i % 4 == 0 else 4.0 + i, sid=SID if i % 3 else "tiny@2",
+                    finish_reason="error" if i % 5 == 0 else "stop") for i in range(30)]  # fmt: skip
     random.Random(5).shuffle(events)  # arrival order is not finish order
     live = monitor()
     with Ledger(tmp_path / "audit.sqlite", checkpoint_key=b"k" * 32) as ledger:
@@ -187,7 +204,7 @@ def test_the_ledger_gives_the_same_baseline_and_window_after_a_restart(tmp_path:
     restarted.load(rows)
     for key, series in live.series.items():
         assert restarted.series[key].first == series.first and restarted.series[key].last == series.last, key
-    assert set(restarted.series) == set(live.series) == {(s, g) for s in (SID, "tiny@2") for g in ("entropy", "watermark")}
+    assert set(restarted.series) == set(live.series) == {(s, g) for s in (SID, "tiny@2") for g in WINDOW_SIGNALS}
     ordered = sorted((e for e in events if e.model_version == SID), key=lambda e: e.finished_ms)
     assert live.drift(SID, "entropy", T0_MS).baseline == pytest.approx(
         sum(e.mean_token_entropy for e in ordered[:5]) / 5)  # fmt: skip
@@ -212,6 +229,7 @@ def test_gauges_show_baseline_current_freshness_and_the_open_alert() -> None:
     assert value(text, "weir_model_output_entropy_nats", model_name=SID, window="current") == pytest.approx(0.2)
     assert value(text, "weir_model_watermark_z", model_name=SID, window="current") == pytest.approx(6.0)
     assert value(text, "weir_model_freshness_seconds", model_name=SID) == pytest.approx(40 * 86400.0)
+    assert value(text, "weir_model_error_rate", model_name=SID) == 0
 
 
 def test_settings_make_the_policy_and_one_that_cannot_work_is_refused() -> None:
