@@ -19,6 +19,11 @@ around the bound). Each transition is one HealthAlert on Topics.health. The stat
 judged from is the topic's latest alert per (version, signal), which the app follows from the
 topic's beginning, so a restart neither repeats an alert nor forgets an open one. An alert_id
 derives from the previous alert's, so two auditors that see the same transition write the same id.
+A forged alert on the topic costs nothing lasting: a state it fakes differs from the judged one, so
+the next tick publishes the truth again.
+
+One auditor replica is assumed, as for the traffic counts: with several, each would judge only
+the outputs of its partitions of the audit topic.
 """
 
 from __future__ import annotations
