@@ -23,6 +23,7 @@ from schemas.registry import ModelComparison
 from services.auditor.api import create_api
 from services.auditor.comparison import Comparisons, Embed, ShadowJoin, register_comparison
 from services.auditor.config import AuditorSettings
+from services.auditor.drift import HealthMonitor, HealthPolicy
 from services.auditor.fingerprints import embedding_function
 from services.auditor.handlers import AnchorPublisher, AuditBatches, DeadLetters, LedgerWriter, register_handlers
 from services.auditor.health import HealthMetrics
@@ -30,8 +31,8 @@ from services.auditor.ledger import Ledger, LedgerError
 from services.auditor.traffic import CanaryGuard, ErrorWindows, TrafficCounter, register_health_handler
 from services.auditor.watermark import WatermarkDetector
 from schemas.codec import encode
-from schemas.messages import AuditEvent
-from weir.bus import instance_id, wait_for_cluster
+from schemas.messages import AuditEvent, now_ms
+from weir.bus import TopicFollower, instance_id, wait_for_cluster
 from weir.kafka.admin import ensure_topics
 from weir.registry import RegistryFollower
 from weir.service import ConfigError, bus_overrides, ops_app, run_service, service_parser
@@ -45,6 +46,8 @@ def create_app(settings: AuditorSettings, health: HealthMetrics | None = None,
     """The auditor app: one consumer group on the audit topic, a ledger, dead letters and
     checkpoint anchors published through the same broker, and a timer that writes the quiet
     chains' checkpoints and publishes any anchor not yet out. New records feed `health` (the /metrics).
+    With settings.health_alerts, a HealthMonitor (services/auditor/drift.py) judges each version's
+    drift and freshness every health_every_s and publishes the transitions on Topics.health.
     A second group makes the shadow comparison (services/auditor/comparison.py); its similarity
     comes from `embed` ("default": settings.comparison_embedding_model, loaded on first use).
 
@@ -74,8 +77,17 @@ def create_app(settings: AuditorSettings, health: HealthMetrics | None = None,
     guard = CanaryGuard(ErrorWindows(settings.canary_min_requests, settings.canary_max_error_rate),
                         lambda: registry.state, publish, topics.models, topics.model_health, by=client_id)  # fmt: skip
 
+    monitor = HealthMonitor(HealthPolicy.from_settings(settings), lambda: registry.state, by=client_id) \
+        if settings.health_alerts else None
+    alerts = None if monitor is None else \
+        TopicFollower(settings, topics.health, f"{client_id}-health", lambda key, value, _: monitor.on_alert(key, value))
+    if health is not None:
+        health.monitor = monitor
+
     def on_new_event(event: AuditEvent) -> None:
         counter.observe(event)
+        if monitor is not None:
+            monitor.observe(event)
         if settings.canary_guard:
             guard.observe(event)
 
@@ -110,6 +122,21 @@ def create_app(settings: AuditorSettings, health: HealthMetrics | None = None,
                 counter.changed.update(counter.counts)  # publish them all again then
                 log.warning("traffic counts or canary guard failed (%r); retrying at the next tick", exc)
 
+    async def judge_health(monitor: HealthMonitor) -> None:
+        """Each transition of a version's health out as a HealthAlert (docs/design.md, "Observability");
+        held as the latest only once published, so a failed publish is tried again at the next tick."""
+        while True:
+            await asyncio.sleep(settings.health_every_s)
+            try:
+                for alert in monitor.evaluate(now_ms()):
+                    await publish(topics.health, alert.model_version.encode(), encode(alert))
+                    monitor.hold(alert)
+                    if health is not None:
+                        health.published(alert)
+                    log.info("health alert %s: %s %s (%s)", alert.state, alert.model_version, alert.signal, alert.detail)
+            except Exception as exc:  # noqa: BLE001 - judged again at the next tick
+                log.warning("health alerts failed (%r); retrying at the next tick", exc)
+
     async def checkpoint_quiet_chains() -> None:
         while True:
             await asyncio.sleep(min(settings.audit_checkpoint_every_s, 5.0))
@@ -124,8 +151,14 @@ def create_app(settings: AuditorSettings, health: HealthMetrics | None = None,
         await writer.open()
         await tracing.start()
         counter.load(await writer.traffic_rows())  # before the first batch: since the ledger began
-        if settings.canary_guard:
+        if settings.canary_guard or settings.health_alerts:
             await registry.start()  # the models topic must exist (AuditorService.start makes sure)
+        if monitor is not None and alerts is not None:
+            monitor.load(await writer.drift_rows(settings.health_baseline_outputs, settings.health_window_outputs))
+            await ensure_topics(settings.kafka_bootstrap, [s for s in topics.core_specs() if s.name == topics.health],
+                                options=settings.kafka_options())
+            await alerts.start()  # the latest alert per (version, signal): what a transition is judged from
+            timers.append(asyncio.get_running_loop().create_task(judge_health(monitor)))
         timers.append(asyncio.get_running_loop().create_task(checkpoint_quiet_chains()))
         timers.append(asyncio.get_running_loop().create_task(publish_traffic()))
         log.info("auditor %s: ledger %s, consuming %s as group %s", client_id, writer.name,
@@ -138,6 +171,8 @@ def create_app(settings: AuditorSettings, health: HealthMetrics | None = None,
             with contextlib.suppress(asyncio.CancelledError):
                 await timer
         timers.clear()
+        if alerts is not None:
+            await alerts.stop()
         await registry.stop()
         await writer.close()
 
@@ -169,7 +204,8 @@ class AuditorService:
         # Its anchor and comparison topics (created with the others; here too for a deployment made
         # before they existed): publishing to a missing topic would stall the handler that does.
         topics = self.settings.topics
-        # It writes the traffic counts, the canary guard's routes and health events too.
+        # It writes the traffic counts, the canary guard's routes and health events too (its alerts'
+        # topic: create_app makes sure of it, as it does in tests that build the app alone).
         wanted = {topics.audit_anchors, topics.shadow_live, topics.comparisons, topics.traffic, topics.model_health,
                   topics.models}
         specs = [spec for spec in topics.core_specs() if spec.name in wanted]

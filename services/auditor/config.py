@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Self
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator, model_validator
 
 from weir.audit_key import resolve_audit_key, resolve_checkpoint_key
 from weir.home import weir_home
@@ -77,6 +78,49 @@ class AuditorSettings(BusSettings):
         2.0, gt=0, le=3600, description="How often changed traffic counts are published and due canaries stopped."
     )
     model_repo: str = Field("models.toml", description="Model repository: where the watermark detector finds tokenizers.")
+    # Health of model versions against their baseline (services/auditor/drift.py; docs/design.md, "Observability").
+    health_alerts: bool = Field(
+        True, description="Judge each version's drift and freshness and publish HealthAlerts on Topics.health "
+        "(follows the registry and that topic). Off: /metrics only has the audit counts.",
+    )
+    health_baseline_outputs: int = Field(
+        50, ge=1, le=100_000, description="A version's baseline: the mean of its first N audited outputs (by finished_ms)."
+    )
+    health_window_outputs: int = Field(50, ge=1, le=100_000, description="Current value: the mean of its last M outputs.")
+    health_window_s: float = Field(0.0, ge=0, description="... of those finished in the last T seconds (0: however old).")
+    health_min_window_outputs: int = Field(
+        10, ge=1, le=100_000, description="Fewest outputs in the window before its drift is judged (at most M)."
+    )
+    # Each bound below: empty or "off" means not checked.
+    health_entropy_max_abs: float | None = Field(None, gt=0, description="Raise when |current - baseline| output "
+                                                 "entropy passes this (nats).")
+    health_entropy_max_rel: float | None = Field(0.3, gt=0, description="... or this share of the baseline.")
+    health_watermark_max_abs: float | None = Field(2.0, gt=0, description="Raise when |current - baseline| watermark z "
+                                                   "passes this.")
+    health_watermark_max_rel: float | None = Field(None, gt=0, description="... or this share of the baseline.")
+    health_max_age_s: float | None = Field(
+        30 * 86400.0, gt=0, description="Raise freshness when a loaded version was pushed longer ago than this (s).",
+    )
+    health_max_error_rate: float | None = Field(
+        0.2, gt=0, le=1, description="Raise error_rate when more than this share of a version's window ended in an error.",
+    )
+    health_clear_ratio: float = Field(
+        0.8, gt=0, le=1, description="A raised drift clears when back under this share of its bound (no flapping)."
+    )
+    health_every_s: float = Field(10.0, gt=0, le=3600, description="How often drift and freshness are judged.")
+
+    @field_validator("health_entropy_max_abs", "health_entropy_max_rel", "health_watermark_max_abs",
+                     "health_watermark_max_rel", "health_max_age_s", "health_max_error_rate", mode="before")
+    @classmethod
+    def _off(cls, value: object) -> object:
+        """A bound set to '' or 'off' is not checked (None)."""
+        return None if isinstance(value, str) and value.strip().lower() in ("", "off", "none") else value
+
+    @model_validator(mode="after")
+    def _health_window(self) -> Self:
+        if self.health_min_window_outputs > self.health_window_outputs:
+            raise ValueError("WEIR_HEALTH_MIN_WINDOW_OUTPUTS must not exceed WEIR_HEALTH_WINDOW_OUTPUTS")
+        return self
 
     def ledger_target(self) -> str | Path:
         """Where the ledger is: the PostgreSQL DSN when set, else the SQLite file."""

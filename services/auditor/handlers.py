@@ -95,6 +95,12 @@ class LedgerWriter:
         rows: list[tuple[str, str | None, str, int]] = await self._run(self._ledger.traffic_rows)
         return rows
 
+    async def drift_rows(self, first: int, last: int) -> list[tuple[str, str, int, str, float]]:
+        """Ledger.drift_rows on the ledger thread: the values the health monitor starts from."""
+        assert self._ledger is not None, "LedgerWriter.open() was not called"
+        rows: list[tuple[str, str, int, str, float]] = await self._run(self._ledger.drift_rows, first, last)
+        return rows
+
     async def latest_anchors(self) -> list[AuditAnchor]:
         """Ledger.latest_anchors on the ledger thread: the newest checkpoint of every chain."""
         assert self._ledger is not None, "LedgerWriter.open() was not called"

@@ -1,89 +1,124 @@
-"""Health signals read off the audit stream, as Prometheus text (GET /metrics on the auditor).
+"""The auditor's /metrics: OpenTelemetry instruments (weir/metrics.py), exported by OpenTelemetry's
+Prometheus exporter (docs/design.md, "Observability"; no exposition text written here).
 
-Per model: output entropy (the workers' per-request mean token entropy), watermark strength (mean
-z-score of watermarked outputs) and the request mix (by tenant and finish reason). A model whose
-entropy collapses or whose watermark z drops shows it here first. Also the review flags raised by
-the gateways' input guards, by tenant and reason. Counted over the records this auditor appended
-since it started (a redelivered event or flag counts once).
+Counted from the audit stream: requests by model, tenant and finish reason, generated tokens, and
+the distribution of output entropy (the workers' per-request mean token entropy) and watermark
+strength (z-score of watermarked outputs) per model, over the records this auditor appended since
+it started (a redelivered event or flag counts once); the review flags raised by the gateways'
+input guards, by tenant and reason; the shadow comparison's join outcomes.
+
+Read at scrape time from the health monitor (services/auditor/drift.py), per model version
+(label `model_name`, the served name@version, as vLLM's): its freshness, its output entropy and
+watermark z for the baseline and the current window, its window's error rate, 1 per signal while
+an alert is raised (0 once cleared); and the alerts this auditor published, by signal and state.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
 
-from schemas.messages import AuditEvent, ReviewFlag
+from opentelemetry.metrics import CallbackOptions, Observation
 
+from schemas.messages import AuditEvent, ReviewFlag, now_ms
+from schemas.telemetry import HealthAlert
+from services.auditor.drift import DriftSignal, HealthMonitor
+from weir.metrics import Labels, ServiceMetrics
 
-@dataclass
-class _Mean:
-    total: float = 0.0
-    count: int = 0
-
-    def add(self, value: float) -> None:
-        self.total += value
-        self.count += 1
+ENTROPY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)  # nats
+# No negative bound: prometheus_client drops a histogram's _sum and _count when its first bound is < 0.
+WATERMARK_Z_BUCKETS = (0.0, 1.0, 2.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0)
 
 
 class HealthMetrics:
-    """Running aggregates of AuditEvents; `observe` each new record, `render` for Prometheus."""
+    """The auditor's instruments; `observe` each new record, `render` for Prometheus."""
 
-    def __init__(self) -> None:
-        self.requests: dict[tuple[str, str, str], int] = defaultdict(int)  # (model, tenant, finish) -> count
-        self.entropy: dict[str, _Mean] = defaultdict(_Mean)
-        self.watermark_z: dict[str, _Mean] = defaultdict(_Mean)
-        self.completion_tokens: dict[str, int] = defaultdict(int)
-        self.num_events = 0
-        self.review_flags: dict[tuple[str, str], int] = defaultdict(int)  # (tenant, reason) -> count
+    def __init__(self, clock: Callable[[], int] = now_ms) -> None:
+        self.service = ServiceMetrics("auditor")
+        self.clock = clock
         self.shadow_join: dict[str, int] = {}  # the comparison's ShadowJoin.counts (outcome -> count)
+        self.monitor: HealthMonitor | None = None  # the app's, read at scrape time (None: health alerts off)
+        service = self.service
+        self.events = service.counter("weir_audit_events", "Audit events appended by this auditor since it started.")
+        self.requests = service.counter("weir_audit_requests", "Audited requests by model, tenant and finish reason.")
+        self.completion_tokens = service.counter("weir_audit_completion_tokens", "Generated tokens by model.")
+        self.review_flags = service.counter("weir_audit_review_flags", "Principals flagged for review, by tenant and reason.")
+        self.entropy = service.histogram("weir_audit_output_entropy_nats", "Mean per-request token entropy of outputs "
+                                         "(nats), by model.", ENTROPY_BUCKETS)  # fmt: skip
+        self.watermark_z = service.histogram("weir_audit_watermark_z", "Watermark z-score of watermarked outputs, by model.",
+                                             WATERMARK_Z_BUCKETS)  # fmt: skip
+        self.alerts = service.counter("weir_model_alerts", "HealthAlerts this auditor published, by signal and state.")
+        service.meter.create_observable_counter(
+            "weir_audit_shadow_join", callbacks=[self._observe_join],
+            description="Shadow comparison join: pairs joined, halves expired unmatched or evicted, deltas after their end.",
+        )  # fmt: skip
+        service.gauge("weir_model_freshness_seconds", "Seconds since a registered version was pushed.", self._freshness)
+        service.gauge("weir_model_output_entropy_nats", "Mean output entropy of a version (nats): its baseline "
+                      "(first outputs) and its current window.", self._drift("entropy"))  # fmt: skip
+        service.gauge("weir_model_watermark_z", "Mean watermark z of a version: its baseline and its current window.",
+                      self._drift("watermark"))  # fmt: skip
+        service.gauge("weir_model_error_rate", "Share of a version's current window that ended in an error.",
+                      self._error_rate)
+        service.gauge("weir_model_alert", "1 while a version's health signal is raised, 0 once cleared.", self._alert_states)
 
     def observe(self, event: AuditEvent) -> None:
         """Count one appended AuditEvent (called by the auditor's handler on the event loop)."""
-        self.num_events += 1
-        self.requests[(event.model_version, event.tenant, event.finish_reason)] += 1
-        self.completion_tokens[event.model_version] += event.completion_tokens
+        model = {"model": event.model_version}
+        self.events.add(1)
+        self.requests.add(1, {**model, "tenant": event.tenant, "finish_reason": event.finish_reason})
+        self.completion_tokens.add(event.completion_tokens, model)
         if event.mean_token_entropy is not None:
-            self.entropy[event.model_version].add(event.mean_token_entropy)
+            self.entropy.record(event.mean_token_entropy, model)
         if event.watermark_z is not None:
-            self.watermark_z[event.model_version].add(event.watermark_z)
+            self.watermark_z.record(event.watermark_z, model)
 
     def observe_flag(self, flag: ReviewFlag) -> None:
         """Count one appended ReviewFlag (called by the auditor's handler on the event loop)."""
-        self.review_flags[(flag.tenant, flag.reason)] += 1
+        self.review_flags.add(1, {"tenant": flag.tenant, "reason": flag.reason})
+
+    def published(self, alert: HealthAlert) -> None:
+        """Count one HealthAlert this auditor published."""
+        self.alerts.add(1, {"signal": alert.signal, "state": alert.state})
 
     def render(self) -> str:
-        """The Prometheus text exposition (version 0.0.4) of every aggregate."""
-        lines = [
-            "# HELP weir_audit_events_total Audit events appended by this auditor since it started.",
-            "# TYPE weir_audit_events_total counter",
-            f"weir_audit_events_total {self.num_events}",
-            "# HELP weir_audit_requests_total Audited requests by model, tenant and finish reason.",
-            "# TYPE weir_audit_requests_total counter",
-        ]
-        for (model, tenant, finish), n in sorted(self.requests.items()):
-            lines.append(f"weir_audit_requests_total{{{_labels(model=model, tenant=tenant, finish_reason=finish)}}} {n}")
-        lines += ["# HELP weir_audit_completion_tokens_total Generated tokens by model.",
-                  "# TYPE weir_audit_completion_tokens_total counter"]
-        lines += [f"weir_audit_completion_tokens_total{{{_labels(model=m)}}} {n}"
-                  for m, n in sorted(self.completion_tokens.items())]
-        lines += ["# HELP weir_audit_review_flags_total Principals flagged for review, by tenant and reason.",
-                  "# TYPE weir_audit_review_flags_total counter"]
-        lines += [f"weir_audit_review_flags_total{{{_labels(tenant=t, reason=r)}}} {n}"
-                  for (t, r), n in sorted(self.review_flags.items())]
-        lines += ["# HELP weir_audit_shadow_join_total Shadow comparison join: pairs joined, halves expired "
-                  "unmatched or evicted, deltas after their end.", "# TYPE weir_audit_shadow_join_total counter"]
-        lines += [f"weir_audit_shadow_join_total{{{_labels(outcome=k)}}} {n}" for k, n in sorted(self.shadow_join.items())]
-        for name, table, help_ in (
-            ("weir_audit_output_entropy_nats", self.entropy, "Mean per-request token entropy of outputs (nats)."),
-            ("weir_audit_watermark_z", self.watermark_z, "Mean watermark z-score of watermarked outputs."),
-        ):
-            lines += [f"# HELP {name} {help_}", f"# TYPE {name} summary"]
-            for model, mean in sorted(table.items()):
-                lines.append(f"{name}_sum{{{_labels(model=model)}}} {mean.total:.6g}")
-                lines.append(f"{name}_count{{{_labels(model=model)}}} {mean.count}")
-        return "\n".join(lines) + "\n"
+        """The Prometheus text exposition of every instrument."""
+        return self.service.render()
 
+    def shutdown(self) -> None:
+        self.service.shutdown()
 
-def _labels(**labels: str) -> str:
-    escaped = {k: v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") for k, v in labels.items()}
-    return ",".join(f'{k}="{v}"' for k, v in escaped.items())
+    def _observe_join(self, _: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(n, {"outcome": outcome}) for outcome, n in sorted(self.shadow_join.items())]
+
+    def _freshness(self) -> list[tuple[float, Labels]]:
+        if self.monitor is None:
+            return []
+        now = self.clock()
+        readings = [(sid, self.monitor.freshness(sid, now)) for sid in self.monitor.versions()]
+        return [(r.value, {"model_name": sid}) for sid, r in readings if r.value is not None]
+
+    def _error_rate(self) -> list[tuple[float, Labels]]:
+        if self.monitor is None:
+            return []
+        now = self.clock()
+        readings = [(sid, self.monitor.error_rate(sid, now)) for sid in self.monitor.versions()]
+        return [(r.value, {"model_name": sid}) for sid, r in readings if r.value is not None]
+
+    def _drift(self, signal: DriftSignal) -> Callable[[], list[tuple[float, Labels]]]:
+        def observe() -> list[tuple[float, Labels]]:
+            if self.monitor is None:
+                return []
+            now, out = self.clock(), []
+            for sid in self.monitor.versions():
+                reading = self.monitor.drift(sid, signal, now)
+                for window, value in (("baseline", reading.baseline), ("current", reading.value)):
+                    if value is not None:
+                        out.append((value, {"model_name": sid, "window": window}))
+            return out
+
+        return observe
+
+    def _alert_states(self) -> list[tuple[float, Labels]]:
+        if self.monitor is None:
+            return []
+        return [(1.0 if alert.state == "raised" else 0.0, {"model_name": sid, "signal": signal})
+                for (sid, signal), alert in sorted(self.monitor.alerts.items())]  # fmt: skip

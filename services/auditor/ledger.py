@@ -375,6 +375,24 @@ class Ledger:
                                    "GROUP BY model_version, assignment, finish_reason").fetchall()
         return [(str(r[0]), r[1], str(r[2]), int(r[3])) for r in rows]
 
+    def drift_rows(self, first: int, last: int) -> list[tuple[str, str, int, str, float]]:
+        """(model_version, signal, finished_ms, event_id, value) of each version's first `first` and
+        last `last` output entropies ("entropy"), watermark z-scores ("watermark") and errors
+        ("error_rate": 1.0 for finish_reason 'error', else 0.0), by finished_ms then event_id: what
+        services/auditor/drift.py starts from, so a restart judges against the same baseline."""
+        out: list[tuple[str, str, int, str, float]] = []
+        signals = (("entropy", "mean_token_entropy"), ("watermark", "watermark_z"),
+                   ("error_rate", "CASE WHEN finish_reason = 'error' THEN 1.0 ELSE 0.0 END"))  # fmt: skip
+        for signal, column in signals:
+            for order, n in (("ASC", first), ("DESC", last)):
+                rows = self._store.execute(
+                    f"SELECT model_version, finished_ms, event_id, value FROM (SELECT model_version, finished_ms, "
+                    f"event_id, {column} AS value, ROW_NUMBER() OVER (PARTITION BY model_version ORDER BY finished_ms "
+                    f"{order}, event_id {order}) AS rn FROM {TABLE} WHERE ({column}) IS NOT NULL) ranked WHERE rn <= ?", (n,),
+                ).fetchall()  # fmt: skip
+                out += [(str(r[0]), signal, int(r[1]), str(r[2]), float(r[3])) for r in rows]
+        return out
+
     def chain_ids(self) -> list[int]:
         """The chains that have records or checkpoints, ascending."""
         rows = self._store.execute(

@@ -27,6 +27,7 @@ from services.auditor.config import AuditorSettings
 from services.auditor.ledger import Ledger, LedgerError
 from weir.kafka.admin import delete_prefixed_topics, ensure_topics, list_topic_names
 from weir.launcher import free_ports
+from weir.metrics import value
 
 from .factories import make_event, make_flag
 
@@ -305,7 +306,7 @@ async def _run_main_until_sigterm(bootstrap: str, audit_topics: Topics, tmp_path
                 text = (await client.get(f"http://127.0.0.1:{port}/metrics")).text
         except httpx.HTTPError:
             return False
-        return "weir_audit_events_total 3" in text
+        return value(text, "weir_audit_events_total") == 3
 
     try:
         await eventually(has_three_records, "3 records from `weir auditor`")

@@ -141,7 +141,7 @@ def test_records_limit_gives_the_newest_oldest_first(db: Path) -> None:
 def test_canonical_json_is_sorted_and_compact(db: Path) -> None:
     with Ledger(db, readonly=True) as ledger:
         canonical = ledger.records(limit=1)[0]["canonical_json"]
-    assert canonical.startswith('{"event":{"assignment":null,"completion_tokens":')
+    assert canonical.startswith('{"event":{"assignment":null,"cached_prompt_tokens":null,"completion_tokens":')
     assert '"ledger":{"appended_ms":' in canonical and '"chain_id":1,' in canonical and ", " not in canonical
 
 

@@ -13,6 +13,7 @@ from pydantic import SecretStr
 from schemas.watermark import WatermarkConfig, green_mask
 from services.auditor import cli
 from services.auditor.api import create_api
+from weir.metrics import value
 from weir.service import ops_app
 from services.auditor.config import AuditorSettings
 from services.auditor.health import HealthMetrics
@@ -106,10 +107,11 @@ def test_watermark_api_detects_a_green_text(client: TestClient) -> None:
 
 def test_metrics_expose_entropy_watermark_and_mix(client: TestClient) -> None:
     text = client.get("/metrics").text
-    assert "weir_audit_events_total 4" in text
-    assert 'weir_audit_requests_total{model="weir-tiny@1",tenant="default",finish_reason="stop"} 4' in text
-    assert 'weir_audit_output_entropy_nats_sum{model="weir-tiny@1"} 8' in text
-    assert 'weir_audit_watermark_z_count{model="weir-tiny@1"} 4' in text
+    assert value(text, "weir_audit_events_total") == 4
+    assert value(text, "weir_audit_requests_total", model="weir-tiny@1", tenant="default", finish_reason="stop") == 4
+    assert value(text, "weir_audit_output_entropy_nats_sum", model="weir-tiny@1") == 8
+    assert value(text, "weir_audit_output_entropy_nats_bucket", model="weir-tiny@1", le="2.0") == 4
+    assert value(text, "weir_audit_watermark_z_count", model="weir-tiny@1") == 4
 
 
 def test_cli_lookup_prints_exact_matches(db: Path, capsys: pytest.CaptureFixture[str]) -> None:

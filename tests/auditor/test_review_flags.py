@@ -17,6 +17,7 @@ from schemas.codec import DecodeError, encode
 from schemas.messages import ReviewFlag
 from services.auditor import cli
 from services.auditor.api import create_api
+from weir.metrics import value
 from weir.service import ops_app
 from services.auditor.config import AuditorSettings
 from services.auditor.handlers import decode_audit_value
@@ -215,5 +216,5 @@ def test_reviews_api_needs_the_token_and_lists_flags(db: Path, tmp_path: Path) -
     assert flags[0]["rules"] == ["ignore_previous_instructions", "role_override"]
     assert len(client.get("/v1/audit/reviews", params={"limit": 3}, headers=auth).json()["flags"]) == 3
     metrics = client.get("/metrics").text
-    assert 'weir_audit_review_flags_total{tenant="default",reason="prompt_injection"} 1' in metrics
+    assert value(metrics, "weir_audit_review_flags_total", tenant="default", reason="prompt_injection") == 1
 

@@ -9,6 +9,7 @@
                         [--min-samples N]]         make it the default (refused unless a live worker has it ready,
                                                    and, with --require-*/--max-*, unless its shadow comparison passes)
     weir models compare N [--json]                 the shadow comparison's summary per (live, mirror) version pair
+    weir models health [N] [--json]                each version's freshness, drift and open alerts (Topics.health)
     weir models route N [--default V] [--canary V=PCT ...] [--mirror V=PCT ...] [--clear-canary] [--clear-mirror]
                                                    set its traffic policy (docs/design.md, "Traffic policies")
     weir models seed [--model-repo models.toml]    register the file's entries whose directories exist
@@ -53,14 +54,14 @@ from weir import registry
 from weir.bus import BusSettings, read_topic
 from weir.home import served_model_dir
 from weir.kafka.admin import ensure_topics, wait_for_broker
-from weir.models import compare
+from weir.models import compare, health
 from weir.models.manifest import manifest_file_name, pack, verify_files, write_manifest_file
 from weir.models.signing import generate_keypair, sign
 
 RecordGoldens = Callable[[ModelConfig, list[str], int], Any]  # list[GoldenCase], or an awaitable of it
 
 REGISTRY_ACTIONS = ("pack", "push", "list", "show", "load", "unload", "retire", "promote", "compare", "route", "seed",
-                    "keygen")
+                    "keygen", "health")
 _KAFKA_ACTIONS = frozenset(REGISTRY_ACTIONS) - {"pack", "keygen"}
 
 
@@ -113,6 +114,11 @@ def add_actions(actions: argparse._SubParsersAction) -> None:
     compare_p.add_argument("ref", help="NAME")
     compare_p.add_argument("--json", action="store_true", help="one JSON object")
     _kafka_args(compare_p)
+    health_p = actions.add_parser("health", help="each version's freshness, output entropy and watermark drift, "
+                                  "and the auditor's open health alerts")  # fmt: skip
+    health_p.add_argument("ref", nargs="?", metavar="NAME", help="one model name (default: every version)")
+    health_p.add_argument("--json", action="store_true", help="one JSON object")
+    _kafka_args(health_p)
     route = actions.add_parser("route", help="set a name's traffic policy: default version, canaries, mirrors")
     route.add_argument("ref", metavar="NAME", help="the model name")
     route.add_argument("--default", metavar="V", help="its default version (unchanged when not given)")
@@ -166,11 +172,13 @@ def run(args: argparse.Namespace, record_goldens: RecordGoldens | None = None) -
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)  # its retries would bury the one line below
     try:
         if getattr(args, "ref", None) is not None:  # before any Kafka: a malformed ref is the user's typo
-            _, version = _checked_ref(args.ref, need_version=args.action not in ("show", "compare", "route"))
+            _, version = _checked_ref(args.ref, need_version=args.action not in ("show", "compare", "route", "health"))
             if args.action == "route" and version is not None:
                 raise ArgumentError(f"{args.ref!r}: give the model name alone; versions go in --default, --canary, --mirror")
             if args.action == "compare" and version is not None:
                 raise ArgumentError(f"{args.ref!r}: compare takes a NAME (it prints every version pair of it)")
+            if args.action == "health" and version is not None:
+                raise ArgumentError(f"{args.ref!r}: health takes a NAME (it prints every version of it)")
         if args.action == "promote":
             _thresholds(args)  # nonsense thresholds are a typo too
         if args.action in _KAFKA_ACTIONS:
@@ -195,7 +203,8 @@ async def _with_deadline(settings: BusSettings, args: argparse.Namespace, action
     bounds its Kafka steps itself: recording goldens in between may take minutes.)"""
     try:
         await wait_for_broker(settings.kafka_bootstrap, args.timeout, settings.kafka_options())
-        wanted = {settings.topics.models, settings.topics.workers, settings.topics.comparisons, settings.topics.traffic}
+        wanted = {settings.topics.models, settings.topics.workers, settings.topics.comparisons, settings.topics.traffic,
+                  settings.topics.health}
         await ensure_topics(settings.kafka_bootstrap, [s for s in settings.topics.core_specs() if s.name in wanted],
                             options=settings.kafka_options())  # fmt: skip
         return await (action if args.action == "push" else _bounded(args, action))
@@ -650,6 +659,20 @@ async def _compare(settings: BusSettings, args: argparse.Namespace, _record: Rec
     return 0
 
 
+async def _health(settings: BusSettings, args: argparse.Namespace, _record: RecordGoldens | None) -> int:
+    """`weir models health [NAME]`: the registry's versions with their age, and the latest health
+    alert per signal from Topics.health (weir/models/health.py)."""
+    name = split_ref(args.ref)[0] if args.ref else None
+    state = await registry.read_registry(settings)
+    alerts, skipped = await health.read_alerts(settings)
+    view = health.health_view(state, alerts, name, now_ms())
+    if args.json:
+        print(orjson.dumps({"name": name, "versions": view, "skipped": skipped}).decode())
+    else:
+        print(health.health_text(view, skipped))
+    return 0
+
+
 def _served_dir(config: ModelConfig) -> Path | None:
     """Where `config`'s files are served from: its path, else where its source is built (a GGUF
     import, weir/home.py; an ONNX export, weir/embedding/onnx_export.py). None for echo."""
@@ -698,5 +721,5 @@ async def _seed(settings: BusSettings, args: argparse.Namespace, _record: Record
 _SYNC: dict[str, Callable[[argparse.Namespace], int]] = {"pack": _pack_action, "keygen": _keygen}
 _ASYNC: dict[str, Callable[..., Any]] = {"push": _push, "list": _list, "show": _show, "load": _set_desired,
                                          "unload": _set_desired, "retire": _set_desired, "promote": _promote,
-                                         "compare": _compare, "route": _route,
+                                         "compare": _compare, "route": _route, "health": _health,
                                          "seed": _seed}  # fmt: skip

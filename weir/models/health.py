@@ -1,0 +1,94 @@
+"""`weir models health [NAME]`: each version's freshness and the auditor's health alerts
+(docs/design.md, "Observability").
+
+Topics.health (HealthAlert, from the auditor: services/auditor/drift.py) is read from its beginning
+and folded to the latest alert per (version, signal): `latest_alerts`, which any reader of that
+topic can use (a record that is no HealthAlert is skipped and counted, docs/design.md, invariant 6).
+Freshness comes from the registry (now - the manifest's created_ms). The baseline and current
+values of entropy and watermark are those of the latest alert of each signal: the auditor publishes
+them with each transition, and its /metrics (weir_model_output_entropy_nats, weir_model_watermark_z)
+has them at any time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from schemas.codec import DecodeError, decode
+from schemas.registry import RegistryState, split_ref
+from schemas.telemetry import HealthAlert
+from weir.bus import BusSettings, read_topic
+
+SIGNALS = ("freshness", "entropy", "watermark", "error_rate", "golden")
+
+
+def latest_alerts(records: Iterable[tuple[bytes | None, bytes | None]]) -> tuple[dict[tuple[str, str], HealthAlert], int]:
+    """(the latest alert per (model_version, signal), records skipped) of the health topic's records."""
+    latest: dict[tuple[str, str], HealthAlert] = {}
+    skipped = 0
+    for _key, value in records:
+        try:
+            alert = decode(HealthAlert, value)
+        except DecodeError:
+            skipped += 1
+            continue
+        held = latest.get((alert.model_version, alert.signal))
+        if held is None or alert.created_ms >= held.created_ms:
+            latest[(alert.model_version, alert.signal)] = alert
+    return latest, skipped
+
+
+async def read_alerts(settings: BusSettings) -> tuple[dict[tuple[str, str], HealthAlert], int]:
+    """latest_alerts of Topics.health, read from its beginning to its end."""
+    return latest_alerts(await read_topic(settings, settings.topics.health))
+
+
+def health_view(state: RegistryState, alerts: dict[tuple[str, str], HealthAlert], name: str | None,
+                now_ms: int) -> list[dict[str, Any]]:  # fmt: skip
+    """One entry per version (of `name`, or all) the registry or the alerts know, oldest name first."""
+    versions = {sid for sid in state.versions} | {sid for sid, _ in alerts}
+    out = []
+    for sid in sorted(v for v in versions if name is None or split_ref(v)[0] == name):
+        record = state.versions.get(sid)
+        entry: dict[str, Any] = {
+            "model_version": sid,
+            "desired": record.desired if record else None,
+            "freshness_s": (now_ms - record.manifest.created_ms) / 1000 if record else None,
+            "open_alerts": [s for s in SIGNALS if (a := alerts.get((sid, s))) is not None and a.state == "raised"],
+        }
+        for signal in ("entropy", "watermark"):
+            alert = alerts.get((sid, signal))
+            entry[signal] = None if alert is None else {"baseline": alert.baseline, "current": alert.value,
+                                                        "as_of_ms": alert.created_ms}  # fmt: skip
+        entry["alerts"] = [alerts[(sid, s)].model_dump(mode="json") for s in SIGNALS if (sid, s) in alerts]
+        out.append(entry)
+    return out
+
+
+def health_text(view: list[dict[str, Any]], skipped: int) -> str:
+    """The view as a table, then each open alert's detail."""
+    if not view:
+        return "no model versions" + (f" ({skipped} malformed health record(s) skipped)" if skipped else "")
+    headers = ["VERSION", "DESIRED", "AGE (days)", "ENTROPY base/cur", "WATERMARK Z base/cur", "OPEN ALERTS"]
+    rows = [[e["model_version"], e["desired"] or "-",
+             "-" if e["freshness_s"] is None else f"{e['freshness_s'] / 86400:.1f}",
+             _pair(e["entropy"]), _pair(e["watermark"]), ",".join(e["open_alerts"]) or "-"] for e in view]  # fmt: skip
+    widths = [max(len(str(row[i])) for row in [headers, *rows]) for i in range(len(headers))]
+    lines = ["  ".join(str(cell).ljust(widths[i]) for i, cell in enumerate(row)).rstrip() for row in [headers, *rows]]
+    for entry in view:
+        for alert in entry["alerts"]:
+            if alert["state"] == "raised":
+                lines.append(f"  {entry['model_version']} {alert['signal']} raised at {alert['created_ms']} ms: "
+                             f"value {alert['value']:.4g}, threshold {alert['threshold']:.4g}; {alert['detail']}")
+    if skipped:
+        lines.append(f"({skipped} malformed health record(s) skipped)")
+    lines.append("(base/cur: as of each signal's latest alert; the auditor's /metrics has them live)")
+    return "\n".join(lines)
+
+
+def _pair(values: dict[str, Any] | None) -> str:
+    if values is None:
+        return "-"
+    baseline = "-" if values["baseline"] is None else f"{values['baseline']:.3g}"
+    return f"{baseline}/{values['current']:.3g}"
