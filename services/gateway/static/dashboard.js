@@ -142,7 +142,7 @@ function showTenants(data) {
 function showAlerts(data) {
   const when = (ms) => new Date(ms).toISOString().slice(11, 19);
   const row = (a, open) => el("tr", {}, cell(when(a.created_ms)), cell(a.model_version), cell(a.signal),
-    cell(open ? "open" : a.state, `state-${a.state}`), cell(num(a.value)), cell(num(a.threshold)), cell(a.detail));
+    cell(open ? "open" : a.state, `state-${a.state}`), cell(num(a.value)), cell(num(a.threshold)), cell(a.detail, "detail"));
   const rows = [...data.alerts.open.map((a) => row(a, true)), ...data.alerts.recent.map((a) => row(a, false))];
   if (!rows.length) return setState("alerts", "empty", "no alerts");
   table("alerts", "table.rows", ["time", "version", "signal", "state", "value", "threshold", "detail"], rows);
