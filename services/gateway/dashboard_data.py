@@ -244,11 +244,10 @@ class UsageView:
             kind = orjson.loads(value).get("kind")
         except (orjson.JSONDecodeError, AttributeError):
             return "not a JSON object"
-        wire = {"usage": UsageTotals, "rate": RateCard}.get(kind)
-        if wire is None:
+        if kind not in ("usage", "rate"):
             return f"unknown kind {str(kind)[:40]!r}"
         try:
-            totals = decode(wire, value)
+            totals: UsageTotals | RateCard = decode(UsageTotals, value) if kind == "usage" else decode(RateCard, value)
         except DecodeError as exc:
             return str(exc)
         if totals.key() != name:
