@@ -199,7 +199,7 @@ async def shoot(bootstrap: str, out: Path, warm_s: float, port: int) -> None:
         async with Browser(binary, width=1400, height=1150) as browser:
             await browser.goto(f"http://127.0.0.1:{port}/dashboard#token={token}")
             await browser.wait_for(ALL_PANELS_OK, timeout_s=30)
-            await asyncio.sleep(6)  # a few polls, so the charts have lines
+            await asyncio.sleep(20)  # ten polls, so the charts have lines
             await browser.screenshot(out)
         stop.set()
         await asyncio.gather(*load)

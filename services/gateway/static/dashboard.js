@@ -50,7 +50,7 @@ function chart(id, labels, colors) {
   const target = document.getElementById(id);
   const series = [{}, ...labels.map((label, i) => ({ label, stroke: colors[i], width: 2, spanGaps: true }))];
   charts[id] = new uPlot({
-    width: Math.max(target.clientWidth, 300), height: 160, series,
+    width: Math.max(target.clientWidth, 300), height: 160, series, legend: { live: false },
     axes: [{ stroke: "#8a96a3", grid: { stroke: "#2c3844" } }, { stroke: "#8a96a3", grid: { stroke: "#2c3844" } }],
   }, [[], ...labels.map(() => [])], target);
   return charts[id];
