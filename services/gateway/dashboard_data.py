@@ -137,10 +137,15 @@ class MetricWindow:
             "latency": {key: self._latency(now, base, name) if base and usable else None
                         for key, name in LATENCIES.items()},  # fmt: skip
             "throughput": self._throughput(now, base, span_s) if base and usable else None,
-            "lag": [{"consumergroup": dict(labels).get("consumergroup", ""), "topic": dict(labels).get("topic", ""),
-                     "lag": value} for labels, value in sorted(_by_series(now.samples, LAG).items(), key=repr)]
-            or None,
+            "lag": self._lag(now),
         }  # fmt: skip
+
+    @staticmethod
+    def _lag(now: Snapshot) -> list[dict[str, Any]] | None:
+        """kafka_consumergroup_lag per (consumergroup, topic) as it is now; None if absent."""
+        rows = [{"consumergroup": dict(labels).get("consumergroup", ""), "topic": dict(labels).get("topic", ""),
+                 "lag": value} for labels, value in _by_series(now.samples, LAG).items()]  # fmt: skip
+        return sorted(rows, key=lambda row: (row["consumergroup"], row["topic"])) or None
 
     @staticmethod
     def _latency(now: Snapshot, base: Snapshot, name: str) -> dict[str, Any] | None:
@@ -155,10 +160,11 @@ class MetricWindow:
         every: dict[float, float] = {}  # the models' histograms summed: the same bounds, bucket by bucket
         for labels, count in grown.items():
             le = float(dict(labels).get("le", "+Inf"))
-            per_model.setdefault(_model_of(labels), {})[le] = count
+            buckets = per_model.setdefault(_model_of(labels), {})
+            buckets[le] = buckets.get(le, 0.0) + count  # summed over any other label (lane, ...)
             every[le] = every.get(le, 0.0) + count
-        return {"all": _percentiles(every), "by_model": {model: _percentiles(buckets)
-                                                         for model, buckets in sorted(per_model.items())}}
+        by_model = {model: _percentiles(model_buckets) for model, model_buckets in sorted(per_model.items())}
+        return {"all": _percentiles(every), "by_model": by_model}
 
     @staticmethod
     def _throughput(now: Snapshot, base: Snapshot, span_s: float) -> dict[str, Any] | None:

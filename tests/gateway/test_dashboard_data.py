@@ -153,3 +153,15 @@ def test_top_tenants_sum_the_latest_totals_of_the_day_and_skip_forged_keys():
     assert view.skipped == 3
     view.on_record(_usage("zeta", "z").key().encode(), None, RECORD)  # a tombstone
     assert [row["tenant"] for row in view.top_tenants("2026-12-02")] == ["acme"]
+
+
+def test_a_histogram_with_more_labels_is_summed_per_model(gateway_metrics):
+    e2e = gateway_metrics.histogram("weir_gateway_e2e_request_latency_seconds", "e2e", (1.0, 2.0, 4.0))
+    clock = Clock()
+    window = MetricWindow(gateway_metrics.render, clock=clock)
+    window.sample()
+    clock.now += 2
+    for lane, seconds in (("interactive", 0.5), ("interactive", 0.5), ("bulk", 3.0), ("bulk", 3.0)):
+        e2e.record(seconds, {"model_name": "m@1", "lane": lane})
+    model = window.report()["latency"]["e2e"]["by_model"]["m@1"]
+    assert model["count"] == 4 and model["p50"] == pytest.approx(1.0) and 2.0 < model["p99"] <= 4.0
