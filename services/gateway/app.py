@@ -3,7 +3,8 @@
 Endpoints, one routes/ module per concern: POST /v1/chat/completions, POST /v1/completions (JSON
 or SSE; completions.py), POST /v1/embeddings (embeddings.py), WS /v1/stream and GET
 /v1/streams/{id} (streams.py), OpenAI's Files and Batch APIs (batches.py), GET /v1/models,
-/healthz, /readyz, /metrics (operations.py), the model admin API under /v2/repository (admin.py). Every error leaves through one handler
+/healthz, /readyz, /metrics (operations.py), the model admin API under /v2/repository (admin.py), the
+live dashboard at /dashboard (dashboard.py). Every error leaves through one handler
 (routes/errors.py), in OpenAI's format. Kafka starts in the lifespan, before the server accepts a
 connection; create_app owns the lifespan of everything that starts and stops with the app.
 """
@@ -20,10 +21,12 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from schemas.messages import now_ms
 from schemas.model_repo import ModelRepoError, ModelRepository, load_model_repo
 from services.gateway.batch_store import BatchStore
 from services.gateway.catalog import Catalog
 from services.gateway.config import GatewaySettings
+from services.gateway.dashboard_data import DashboardData
 from services.gateway.guard.gate import Guard
 from services.gateway.guard.output_guard import OutputGuard
 from services.gateway.handlers import GatewayBus
@@ -34,6 +37,7 @@ from services.gateway.resume import ResumableStreams
 from services.gateway.routes.admin import add_admin_routes
 from services.gateway.routes.batches import add_batch_routes, add_file_routes
 from services.gateway.routes.completions import add_completion_routes
+from services.gateway.routes.dashboard import add_dashboard_routes
 from services.gateway.routes.embeddings import add_embedding_routes
 from services.gateway.routes.errors import HANDLED, on_error
 from services.gateway.routes.operations import add_metrics_routes, add_operation_routes
@@ -49,11 +53,13 @@ def create_app(settings: GatewaySettings, repo: ModelRepository | None = None) -
     seeds the registry the app follows while it runs (catalog.py)."""
     parts = build_parts(settings, repo)
     batches = BatchStore(settings)
+    dashboard = DashboardData(settings, f"{parts.bus.gateway_id}-dashboard", parts.catalog,
+                              parts.guard.metrics.render, now_ms)  # fmt: skip
     app = FastAPI(
-        title="Weir gateway", lifespan=lambda _: running(parts, batches), docs_url=None, redoc_url=None
+        title="Weir gateway", lifespan=lambda _: running(parts, batches, dashboard), docs_url=None, redoc_url=None
     )  # fmt: skip
     app.state.settings, app.state.catalog, app.state.bus, app.state.guard = settings, parts.catalog, parts.bus, parts.guard
-    app.state.batches = batches
+    app.state.batches, app.state.dashboard = batches, dashboard
     app.add_middleware(
         RequestLimits, max_headers=settings.max_headers, max_header_bytes=settings.max_header_bytes,
         max_body_bytes=settings.max_body_bytes, max_json_depth=settings.max_json_depth,
@@ -70,6 +76,7 @@ def create_app(settings: GatewaySettings, repo: ModelRepository | None = None) -
         add_routes(app.router, parts)
     for exc_class in HANDLED:
         app.add_exception_handler(exc_class, on_error)
+    add_dashboard_routes(app.router, parts, dashboard)
     install_openapi(app)
     return app
 
@@ -89,12 +96,12 @@ def build_parts(settings: GatewaySettings, repo: ModelRepository | None) -> Gate
 
 
 @asynccontextmanager
-async def running(parts: GatewayParts, batches: BatchStore) -> AsyncIterator[None]:
+async def running(parts: GatewayParts, batches: BatchStore, dashboard: DashboardData) -> AsyncIterator[None]:
     """The app's lifespan: the bus, then the registry (read to its end before a request is served),
-    the guard's peer sync, then the batch store start; they stop in reverse order, however the app
-    ends."""
+    the guard's peer sync, the batch store, then the dashboard's followers; they stop in reverse
+    order, however the app ends."""
     async with contextlib.AsyncExitStack() as started:
-        for part in (parts.bus, parts.catalog, parts.guard, batches):
+        for part in (parts.bus, parts.catalog, parts.guard, batches, dashboard):
             await part.start()
             started.push_async_callback(part.stop)
         yield

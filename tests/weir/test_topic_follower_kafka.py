@@ -1,0 +1,71 @@
+"""weir.bus.TopicFollower against the real broker: it folds what is there, then follows what comes,
+across every partition; a record its handler cannot take is skipped, not the end of the view."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+
+from schemas.topics import TopicSpec
+from tests.conftest import BOOTSTRAP
+from tests.gateway.fakes import eventually
+from tests.kafka_helpers import produce
+from weir.bus import BusSettings, TopicFollower
+from weir.kafka.admin import delete_prefixed_topics, ensure_topics
+
+pytestmark = pytest.mark.kafka
+
+
+@pytest.fixture
+async def topic():
+    prefix = f"t{uuid.uuid4().hex[:8]}"
+    name = f"{prefix}.follow"
+    await ensure_topics(BOOTSTRAP, [TopicSpec(name, 3, {})])
+    yield name
+    await delete_prefixed_topics(BOOTSTRAP, prefix)
+
+
+async def test_it_reads_what_is_there_before_start_returns_then_follows(topic):
+    await produce(BOOTSTRAP, topic, [(f"k{i}", b"%d" % i) for i in range(30)])  # keys spread over 3 partitions
+    seen: list[tuple[bytes | None, bytes | None]] = []
+    follower = TopicFollower(BusSettings(kafka_bootstrap=BOOTSTRAP), topic, "test-follow",
+                             lambda key, value, _: seen.append((key, value)))  # fmt: skip
+    await follower.start()
+    try:
+        assert sorted(int(value) for _, value in seen) == list(range(30))  # all of it, at start()
+        await produce(BOOTSTRAP, topic, [("k1", b"new"), ("k2", None)])  # type: ignore[list-item]
+        await eventually(lambda: (b"k1", b"new") in seen and (b"k2", None) in seen, timeout_s=10)
+    finally:
+        await follower.stop()
+
+
+async def test_a_record_the_handler_refuses_is_skipped_and_the_rest_read(topic):
+    await produce(BOOTSTRAP, topic, [("a", b"1"), ("a", b"boom"), ("a", b"2")])
+    seen: list[bytes | None] = []
+
+    def on_record(key: bytes | None, value: bytes | None, _: object) -> None:
+        if value == b"boom":
+            raise ValueError("bad record")
+        seen.append(value)
+
+    follower = TopicFollower(BusSettings(kafka_bootstrap=BOOTSTRAP), topic, "test-follow-bad", on_record)
+    await follower.start()
+    try:
+        assert seen == [b"1", b"2"]
+        await produce(BOOTSTRAP, topic, [("a", b"boom"), ("a", b"3")])
+        await eventually(lambda: seen[-1:] == [b"3"], timeout_s=10)
+    finally:
+        await follower.stop()
+
+
+async def test_an_empty_topic_starts_at_once_and_stop_ends_it(topic):
+    seen: list[bytes | None] = []
+    follower = TopicFollower(BusSettings(kafka_bootstrap=BOOTSTRAP), topic, "test-follow-empty",
+                             lambda _k, value, _r: seen.append(value))  # fmt: skip
+    await asyncio.wait_for(follower.start(), 20)
+    await follower.stop()
+    await produce(BOOTSTRAP, topic, [("a", b"late")])
+    await asyncio.sleep(1.0)
+    assert seen == []  # stopped: nothing more is handed over
