@@ -32,6 +32,7 @@ from services.worker.intake import InFlight, Intake, RecordKey
 from services.worker.publisher import Publisher
 from services.worker.refusals import refusal
 from services.worker.runner import EngineHost
+from services.worker.serving_metrics import Recorder
 from weir.bus import BusSettings, CommitPacer, make_consumer, partitions_of, send_dead_letter
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ class ModelServer:
         audit_key: bytes,
         fingerprints: FingerprintBatcher | None = None,
         redo_policy: RedoPolicy | None = None,
+        recorder: Recorder | None = None,
     ) -> None:
         self.config = config
         self.runners = runners
@@ -70,7 +72,7 @@ class ModelServer:
         self.publisher = Publisher(
             config, writer, self.topics.audit, self.intake, runners, self.start,
             worker_id=worker_id, audit_key=audit_key, fingerprints=fingerprints, redo_policy=redo_policy,
-            shadow_live_topic=self.topics.shadow_live,
+            shadow_live_topic=self.topics.shadow_live, recorder=recorder,
         )  # fmt: skip
         self._commits = CommitPacer(settings.commit_interval_ms)
         self._outputs: asyncio.Queue[list[EngineOutput]] = asyncio.Queue()
