@@ -37,6 +37,7 @@ from services.worker.hardware import DeviceProbe, choose_device, cpu_device, cpu
 from services.worker.loading import OnOutputs, OnStatus
 from services.worker.memory import estimate_bytes
 from services.worker.runner import EngineHost, EngineProcess, EngineRunner
+from services.worker.serving_metrics import ServingMetrics, kv_cache_usage
 from services.worker.versions import VersionManager
 from weir.bus import instance_id, make_producer, wait_for_cluster
 from weir.tracing import Tracing
@@ -79,6 +80,8 @@ class WorkerService:
         self.devices = DeviceProbe()
         self.metrics = self._metrics()
         self.tracing = Tracing("worker", self.worker_id, settings)
+        # vLLM's vllm:* and the GenAI server metrics, per version (docs/design.md, "Observability")
+        self.serving = ServingMetrics(self.metrics, lambda: [(s.sid, [r.stats for r in s.runners]) for s in self.servers])
 
     @property
     def servers(self) -> list[ModelServer]:
@@ -221,7 +224,7 @@ class WorkerService:
         except KafkaError as exc:  # secure mode: only the batcher may create it; read once it exists
             log.warning("batch topic %s not created here (%r); the consumer reads it once it exists", topic, exc)
         server = ModelServer(config, hosts, self.settings, self.producer, self.worker_id, self.audit_key,
-                             self.fingerprints, tracing=self.tracing)  # fmt: skip
+                             self.fingerprints, tracing=self.tracing, recorder=self.serving.recorder(config))  # fmt: skip
         server.on_assignment = self._assignment_changed.set
         return server
 
@@ -381,6 +384,9 @@ class WorkerService:
             num_waiting=int(sum(s.get("num_waiting", 0) for s in stats)),
             max_num_seqs=max(1, sum(v.server.config.max_num_seqs * len(v.hosts) for v in ready if v.server is not None)),
             free_kv_blocks=int(sum(s.get("free_kv_blocks", 0) for s in stats)), block_size_tokens=self.settings.block_size,
+            kv_cache_usage_perc=kv_cache_usage(stats),
+            prefix_cache_queries=int(sum(s.get("prefix_cache_queries", 0) for s in stats)),
+            prefix_cache_hits=int(sum(s.get("prefix_cache_hits", 0) for s in stats)),
             partitions={m: p for m, (p, _) in owned.items()}, next_offsets={m: o for m, (_, o) in owned.items()},
             devices=devices, versions=held.statuses() if held is not None else {},
         )  # fmt: skip

@@ -32,7 +32,8 @@ def reply_events(
         events.append(ReplyEnd(
             request_id=request.request_id, batch_id=batch_id, seq=seq, finish_reason=out.finish_reason,
             usage=Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
-                        total_tokens=out.prompt_tokens + out.completion_tokens),
+                        total_tokens=out.prompt_tokens + out.completion_tokens,
+                        cached_prompt_tokens=out.cached_prompt_tokens),
             error=out.error, model_version=version, received_ms=out.received_ms,
             first_token_ms=out.first_token_ms, embeddings=out.embeddings,
         ))  # fmt: skip
@@ -60,6 +61,7 @@ def audit_event(
         output_hmac=keyed_hmac(audit_key, out.output_text or ""), hmac_key_id=key_id(audit_key),
         temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
         seed=seed, prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
+        cached_prompt_tokens=out.cached_prompt_tokens,
         finish_reason=out.finish_reason, assignment=request.assignment, shadow_of=request.shadow_of,
         worker_id=worker_id, request_created_ms=request.created_ms,
         received_ms=out.received_ms or now_ms, first_token_ms=out.first_token_ms,

@@ -34,6 +34,7 @@ from services.worker.publisher import Publisher
 from services.worker.refusals import refusal
 from services.worker.runner import EngineHost
 from services.worker.traces import process_span
+from services.worker.serving_metrics import Recorder
 from weir.bus import BusSettings, CommitPacer, make_consumer, partitions_of, send_dead_letter
 from weir.tracing import Tracing, extract, extract_many
 
@@ -62,6 +63,7 @@ class ModelServer:
         fingerprints: FingerprintBatcher | None = None,
         redo_policy: RedoPolicy | None = None,
         tracing: Tracing | None = None,
+        recorder: Recorder | None = None,
     ) -> None:
         self.config = config
         self.tracing = tracing or Tracing.off("worker")
@@ -75,7 +77,7 @@ class ModelServer:
         self.publisher = Publisher(
             config, writer, self.topics.audit, self.intake, runners, self.start,
             worker_id=worker_id, audit_key=audit_key, fingerprints=fingerprints, redo_policy=redo_policy,
-            shadow_live_topic=self.topics.shadow_live, tracing=self.tracing,
+            shadow_live_topic=self.topics.shadow_live, tracing=self.tracing, recorder=recorder,
         )  # fmt: skip
         self._commits = CommitPacer(settings.commit_interval_ms)
         self._outputs: asyncio.Queue[list[EngineOutput]] = asyncio.Queue()

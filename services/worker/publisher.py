@@ -25,6 +25,7 @@ from services.worker.intake import InFlight, Intake
 from services.worker.runner import EngineHost
 from services.worker.traces import end_run, reply_headers
 from weir.tracing import Tracing, child_context, inject
+from services.worker.serving_metrics import Recorder
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ class Publisher:
         self, config: ModelConfig, writer: Writer, audit_topic: str, intake: Intake, runners: list[EngineHost],
         restart: Callable[[InFlight], Awaitable[None]], *, worker_id: str, audit_key: bytes,
         fingerprints: FingerprintBatcher | None = None, redo_policy: RedoPolicy | None = None,
-        shadow_live_topic: str | None = None, tracing: Tracing | None = None,
+        shadow_live_topic: str | None = None, tracing: Tracing | None = None, recorder: Recorder | None = None,
     ) -> None:  # fmt: skip
         self.config = config
         self.version = model_version(config)
@@ -51,6 +52,7 @@ class Publisher:
         self.worker_id = worker_id
         self.audit_key = audit_key
         self.fingerprints = fingerprints
+        self.recorder = recorder  # the version's serving metrics (None: not recorded, as in unit tests)
         self.redo_policy = redo_policy or RedoPolicy()
         self._tasks: set[asyncio.Task] = set()  # settles and redos in flight (the loop keeps weak references)
         self.num_dropped = 0  # requests given up on: their reply topic refused writes, or far past their deadline
@@ -63,6 +65,8 @@ class Publisher:
                 self.redo_later(flight, flight.failure)
             return
         req = flight.request
+        if self.recorder is not None:  # a run with a write that failed is recorded when it is redone
+            self.recorder.on_output(req, out)
         key = req.request_id.encode()
         for event in reply_events(req, flight.batch_id, out, self.version):
             self._note(flight, await self.writer.send(req.reply_to, encode(event), key, reply_headers(flight.span, event)))

@@ -22,6 +22,7 @@ from services.worker.config import WorkerSettings
 from services.worker.goldens import record_goldens
 from tests.kafka_helpers import produce, read_until, wait_committed
 from weir.kafka.admin import ensure_topics
+from weir.metrics import value
 from weir.models.manifest import pack
 from weir.models.signing import generate_keypair, sign
 from weir.registry import promote, publish, read_registry, register, set_desired
@@ -208,8 +209,8 @@ async def test_corrupted_weights_fail_the_periodic_goldens_and_the_version_is_re
         assert [e.event for e in events] == ["loaded", "golden_failed", "reloaded"]
         await wait_beat(topics, lambda hb: hb.sent_ms > events[-1].created_ms and state_of(hb, "tiny@1") == "ready")
         metrics = (await http.get("/metrics")).text
-        assert 'weir_worker_version_reloads{model="tiny@1"} 1' in metrics
-        assert 'weir_worker_golden_failures{model="tiny@1"} 1' in metrics
+        assert value(metrics, "weir_worker_version_reloads", model="tiny@1") == 1
+        assert value(metrics, "weir_worker_golden_failures", model="tiny@1") == 1
 
         # Served again, from verified weights: as before the corruption.
         assert await serve_text(topics, "after", replies) == before
@@ -239,7 +240,7 @@ warmup = ["def add(a, b):"]
         expected = await asyncio.to_thread(record_goldens, service.seeds[0], None, 8,
                                            WorkerSettings(device="cpu"))  # fmt: skip
         assert local == expected and local[0].expected_token_ids  # what a push would have recorded
-        assert 'weir_worker_version_goldens{model="tiny@1",source="local"} 1' in (await http.get("/metrics")).text
+        assert value((await http.get("/metrics")).text, "weir_worker_version_goldens", model="tiny@1", source="local") == 1
         before = await serve_text(topics, "before", replies)
 
         assert (await http.post("/faults/corrupt-weights", params={"model": "tiny@1"})).status_code == 200
@@ -359,8 +360,8 @@ async def test_a_refused_version_loads_once_an_unloaded_one_frees_its_memory(tmp
         beat = await wait_beat(topics, lambda hb: "echo@2" not in hb.versions and state_of(hb, "echo@3") == "ready")
         assert sorted(beat.models) == ["echo@1", "echo@3"] and beat.versions["echo@3"].budget_bytes == 600_000
         metrics = service.metrics.render()
-        assert 'weir_worker_version_budget_bytes{model="echo@3"} 600000' in metrics
-        assert 'weir_worker_version_state{model="echo@3",state="ready"} 1' in metrics
+        assert value(metrics, "weir_worker_version_budget_bytes", model="echo@3") == 600_000
+        assert value(metrics, "weir_worker_version_state", model="echo@3", state="ready") == 1
 
         # A budget given as a share of the device: half of this machine's memory is far over 1 MB.
         half = ModelConfig(name="echo", version="4", engine="echo", max_model_len=4096)

@@ -24,6 +24,7 @@ class _Echo:
         self.seq = 0
         self.received_ms = now_ms
         self.first_token_ms: int | None = None
+        self.last_token_ms = 0
 
 
 class EchoEngine:
@@ -82,8 +83,10 @@ class EchoEngine:
             else:
                 piece = echo.pieces[echo.pos]
                 echo.pos += 1
+                gaps = None if echo.first_token_ms is None else [now_ms - echo.last_token_ms]  # inter-token latency
                 echo.first_token_ms = echo.first_token_ms or now_ms
-                outputs.append(EngineOutput(req.request_id, echo.seq, text=piece, token_ids=[echo.pos - 1]))
+                echo.last_token_ms = now_ms
+                outputs.append(EngineOutput(req.request_id, echo.seq, text=piece, token_ids=[echo.pos - 1], itl_ms=gaps))
                 echo.seq += 1
         return outputs
 

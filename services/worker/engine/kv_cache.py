@@ -47,8 +47,10 @@ class BlockManager:
         # free block ids, in the order they should be reused (oldest freed first)
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._by_hash: dict[bytes, int] = {}
-        self.num_prefix_queries = 0
+        self.num_prefix_queries = 0  # in blocks, every lookup (prefix_hit_rate)
         self.num_prefix_hits = 0
+        self.prefix_cache_queries = 0  # in tokens, as vLLM v1 counts them (record_prefix_lookup)
+        self.prefix_cache_hits = 0
 
     @property
     def num_free(self) -> int:
@@ -121,6 +123,13 @@ class BlockManager:
             return
         self.blocks[block_id].content_hash = content_hash
         self._by_hash[content_hash] = block_id
+
+    def record_prefix_lookup(self, num_tokens: int, num_cached: int) -> None:
+        """Count a request's prompt lookup at its first admission, in tokens (vLLM v1's
+        prefix_cache_queries/hits); nothing when prefix caching is off, as vLLM."""
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += num_tokens
+            self.prefix_cache_hits += num_cached
 
     @property
     def prefix_hit_rate(self) -> float:

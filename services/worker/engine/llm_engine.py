@@ -164,6 +164,9 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return outputs
+        for chunk in plan.prefills:  # vLLM's queue time ends at the first step a request is in
+            if chunk.seq.scheduled_ms is None:
+                chunk.seq.scheduled_ms = now_ms
         if self.device.type == "cpu":
             # the CPU attention pads each decode to the widest block table of its group: order
             # decodes widest first so that split_by_width can group similar widths
@@ -252,6 +255,7 @@ class Engine:
         if token in self.eos_ids and not seq.request.ignore_eos:
             return [self._finish(seq, "stop", now_ms)]
         seq.token_ids.append(token)
+        seq.note_token(now_ms)
         reason = seq.append_text(self._detok[seq.request_id].step(seq.output_ids))
         if reason is None and seq.num_output_tokens >= seq.max_tokens:
             reason = "length"
@@ -271,13 +275,18 @@ class Engine:
     # -- introspection -----------------------------------------------------------------------
 
     def stats(self) -> dict[str, float]:
-        """Gauges for heartbeats and /metrics."""
+        """Gauges and running totals for heartbeats and /metrics (services/worker/serving_metrics.py)."""
+        blocks = self.blocks
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
-            "free_kv_blocks": self.blocks.num_free,
-            "num_kv_blocks": self.blocks.num_blocks,
-            "prefix_hit_rate": self.blocks.prefix_hit_rate,
+            "free_kv_blocks": blocks.num_free,
+            "num_kv_blocks": blocks.num_blocks,
+            "kv_cache_usage_perc": 1.0 - blocks.num_free / blocks.num_blocks,
+            "prefix_hit_rate": blocks.prefix_hit_rate,
+            "prefix_cache_queries": blocks.prefix_cache_queries,
+            "prefix_cache_hits": blocks.prefix_cache_hits,
+            "num_preemptions": self.scheduler.num_preemptions,
         }
 
 

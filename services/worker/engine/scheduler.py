@@ -117,6 +117,9 @@ class Scheduler:
                     break
                 budget += freed
             else:
+                if seq.num_cached_prompt_tokens is None:  # first admission: a preemption's lookups are not counted
+                    seq.num_cached_prompt_tokens = seq.num_computed
+                    self.blocks.record_prefix_lookup(len(seq.token_ids), seq.num_computed)
                 self._grow(seq, seq.num_computed + take)
                 self.waiting.popleft()
                 seq.status = Status.RUNNING

@@ -36,6 +36,9 @@ class EngineOutput:
     received_ms: int | None = None
     first_token_ms: int | None = None
     finished_ms: int | None = None
+    scheduled_ms: int | None = None  # final event: when the scheduler first ran it (None: no scheduler)
+    cached_prompt_tokens: int = 0  # final event: prompt tokens found in the prefix cache at its admission
+    itl_ms: list[int] | None = None  # gaps before each output token after the first (vLLM's inter-token latency)
     prompt_text: str | None = None  # on the final event only: for the audit HMACs
     output_text: str | None = None
     mean_token_entropy: float | None = None  # final event: mean entropy (nats) of the sampled steps
@@ -70,6 +73,10 @@ class Sequence:
         self.is_penalised = has_penalties(request)
         self.received_ms = now_ms
         self.first_token_ms: int | None = None
+        self.last_token_ms = 0
+        self.scheduled_ms: int | None = None  # set by the engine at its first step in a plan
+        self.num_cached_prompt_tokens: int | None = None  # set by the scheduler at its first admission
+        self._gaps_ms: list[int] | None = None  # inter-token gaps not yet carried by an event
         self.output_text = ""  # text accepted so far (stop strings excluded)
         self.num_emitted_chars = 0
         self.next_seq = 0
@@ -120,9 +127,25 @@ class Sequence:
         self.num_emitted_ids = self.num_output_tokens
         return ids
 
+    def note_token(self, now_ms: int) -> None:
+        """Time an output token taken in: the gap since the previous one is an inter-token latency
+        (none for the first, whose time is first_token_ms). One int per token, no other allocation:
+        this is the hot path."""
+        if self.num_output_tokens > 1:
+            if self._gaps_ms is None:
+                self._gaps_ms = [now_ms - self.last_token_ms]
+            else:
+                self._gaps_ms.append(now_ms - self.last_token_ms)
+        self.last_token_ms = now_ms
+
+    def take_gaps(self) -> list[int] | None:
+        """Inter-token gaps not yet carried by an event (None: none)."""
+        gaps, self._gaps_ms = self._gaps_ms, None
+        return gaps
+
     def event(self, text: str) -> EngineOutput:
         """A delta event with the next sequence number."""
-        out = EngineOutput(self.request_id, self.next_seq, text=text, token_ids=self.take_ids())
+        out = EngineOutput(self.request_id, self.next_seq, text=text, token_ids=self.take_ids(), itl_ms=self.take_gaps())
         self.next_seq += 1
         return out
 
@@ -141,6 +164,9 @@ class Sequence:
             received_ms=self.received_ms,
             first_token_ms=self.first_token_ms,
             finished_ms=now_ms,
+            scheduled_ms=self.scheduled_ms,
+            cached_prompt_tokens=self.num_cached_prompt_tokens or 0,
+            itl_ms=self.take_gaps(),
             prompt_text=self.prompt_text,
             output_text=self.output_text,
             mean_token_entropy=self.entropy_sum / self.num_sampled if self.num_sampled else None,

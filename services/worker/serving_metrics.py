@@ -1,0 +1,159 @@
+"""The worker's serving metrics per model version: vLLM's `vllm:*` with vLLM's names, meanings
+and buckets (vllm/v1/metrics/loggers.py; label `model_name` = the served name@version), and the
+OpenTelemetry GenAI server metrics beside them (docs/design.md, "Observability").
+
+The times are the engine's (services/worker/engine: received, first scheduled, first token, each
+later token, finished; ms of the engine's clock), carried on its outputs and recorded on the event
+loop as the publisher takes each output (Recorder). What an engine counts itself (requests running
+and waiting, KV-cache usage, prefix-cache lookups, preemptions) is read from its stats at scrape
+time: the engine may run in a child process, where no instrument of the worker's can be reached.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from opentelemetry.metrics import CallbackOptions, Observation
+
+from schemas.messages import EmbedRequest, GenerateRequest
+from schemas.model_repo import ModelConfig
+from services.worker.engine import EngineOutput
+from weir.metrics import ITL_BUCKETS, LATENCY_BUCKETS, TOKEN_BUCKETS, TTFT_BUCKETS, ServiceMetrics, vllm
+
+# The advisory buckets of gen_ai.server.request.duration (OpenTelemetry GenAI semantic conventions);
+# its TTFT and time-per-output-token advisories are within TTFT_BUCKETS and ITL_BUCKETS.
+GENAI_DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
+
+# vLLM's finished_reason for a request its client ended; the reasons vLLM lacks keep Weir's name
+# (timeout, rejected, error), so no ending is folded into another.
+_VLLM_REASONS = {"cancelled": "abort"}
+_SUCCESSFUL = ("stop", "length")  # GenAI's TTFT and time per output token are of successful responses
+
+EngineStats = Callable[[], Iterable[tuple[str, list[dict[str, float]]]]]  # (name@version, its engines' stats)
+
+
+def kv_cache_usage(stats: Iterable[dict[str, float]]) -> float | None:
+    """Share of KV-cache blocks in use over engines that have a KV cache (None: none has one)."""
+    used = total = 0.0
+    for s in stats:
+        if "kv_cache_usage_perc" in s:
+            used += s["kv_cache_usage_perc"] * s["num_kv_blocks"]
+            total += s["num_kv_blocks"]
+    return min(1.0, used / total) if total else None  # the rounding of the weighted sum stays within 0..1
+
+
+def operation(request: GenerateRequest | EmbedRequest) -> str:
+    """gen_ai.operation.name of a request."""
+    if isinstance(request, EmbedRequest):
+        return "embeddings"
+    return "chat" if request.messages is not None else "text_completion"
+
+
+class ServingMetrics:
+    """The instruments, made once per worker on its ServiceMetrics; `engine_stats` lists each served
+    version's engines' last stats (read at scrape time)."""
+
+    def __init__(self, metrics: ServiceMetrics, engine_stats: EngineStats) -> None:
+        h = metrics.histogram
+        self.ttft = h(vllm("time_to_first_token_seconds"), "Time from the worker's receipt of a request to its first token.",
+                      TTFT_BUCKETS)  # fmt: skip
+        self.itl = h(vllm("inter_token_latency_seconds"), "Time between consecutive output tokens.", ITL_BUCKETS)
+        self.e2e = h(vllm("e2e_request_latency_seconds"), "Time from receipt to the end of a request.", LATENCY_BUCKETS)
+        self.queue = h(vllm("request_queue_time_seconds"), "Time a request waited before the scheduler first ran it.",
+                       LATENCY_BUCKETS)  # fmt: skip
+        self.prefill = h(vllm("request_prefill_time_seconds"), "Time from first scheduled to the first token.",
+                         LATENCY_BUCKETS)  # fmt: skip
+        self.decode = h(vllm("request_decode_time_seconds"), "Time from the first token to the end.", LATENCY_BUCKETS)
+        self.prompt_hist = h(vllm("request_prompt_tokens"), "Prompt tokens of each finished request.", TOKEN_BUCKETS)
+        self.generation_hist = h(vllm("request_generation_tokens"), "Generated tokens of each finished request.",
+                                 TOKEN_BUCKETS)  # fmt: skip
+        self.prompt_tokens = metrics.counter(vllm("prompt_tokens"), "Prompt tokens of finished requests.")
+        self.generation_tokens = metrics.counter(vllm("generation_tokens"), "Generated tokens of finished requests.")
+        self.success = metrics.counter(vllm("request_success"), "Finished requests, by finished_reason.")
+        self.genai_ttft = h("gen_ai.server.time_to_first_token", "Time to generate first token for successful responses.",
+                            TTFT_BUCKETS, unit="s")  # fmt: skip
+        self.genai_tpot = h("gen_ai.server.time_per_output_token", "Time per output token generated after the first "
+                            "token for successful responses.", ITL_BUCKETS, unit="s")  # fmt: skip
+        self.genai_duration = h("gen_ai.server.request.duration", "Generative AI server request duration, to the last "
+                                "output token.", GENAI_DURATION_BUCKETS, unit="s")  # fmt: skip
+        self._engine_stats = engine_stats
+        for name, stat, text in (("num_requests_running", "num_running", "Requests in the engines' running batch."),
+                                 ("num_requests_waiting", "num_waiting", "Requests waiting to be scheduled.")):  # fmt: skip
+            metrics.gauge(vllm(name), text, self._summed(stat))
+        metrics.gauge(vllm("kv_cache_usage_perc"), "KV-cache usage: 1 means fully used.", self._kv_usage)
+        for name, stat, text in (
+            ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+            ("prefix_cache_hits", "prefix_cache_hits", "Of those, tokens found in the prefix cache."),
+            ("num_preemptions", "num_preemptions", "Preemptions of requests by the scheduler."),
+        ):  # fmt: skip
+            metrics.meter.create_observable_counter(vllm(name), callbacks=[self._observed(stat)], description=text)
+
+    def recorder(self, config: ModelConfig) -> Recorder:
+        return Recorder(self, config)
+
+    def _summed(self, stat: str) -> Callable[[], list[tuple[float, dict[str, str]]]]:
+        def observe() -> list[tuple[float, dict[str, str]]]:
+            return [(sum(s.get(stat, 0) for s in stats), {"model_name": sid}) for sid, stats in self._engine_stats()]
+
+        return observe
+
+    def _observed(self, stat: str) -> Callable[[CallbackOptions], list[Observation]]:
+        def callback(_: CallbackOptions) -> list[Observation]:
+            return [Observation(value, labels) for value, labels in self._summed(stat)()]
+
+        return callback
+
+    def _kv_usage(self) -> list[tuple[float, dict[str, str]]]:
+        usage = ((kv_cache_usage(stats), sid) for sid, stats in self._engine_stats())
+        return [(u, {"model_name": sid}) for u, sid in usage if u is not None]  # echo, embeddings: no KV cache
+
+
+class Recorder:
+    """Records the outputs of one version's requests as the publisher takes them."""
+
+    def __init__(self, metrics: ServingMetrics, config: ModelConfig) -> None:
+        self.m = metrics
+        self.labels = {"model_name": config.served_id}  # one dict for every record: no allocation per token
+        self.genai = {"gen_ai.provider.name": "weir", "gen_ai.request.model": config.name,
+                      "gen_ai.response.model": config.served_id}  # fmt: skip
+
+    def on_output(self, request: GenerateRequest | EmbedRequest, out: EngineOutput) -> None:
+        """An output of a run being written: its inter-token gaps, and on the final one the request."""
+        if out.itl_ms:
+            record, labels = self.m.itl.record, self.labels
+            for gap_ms in out.itl_ms:
+                record(gap_ms / 1000, labels)
+        if out.finish_reason is not None:
+            self.finished(request, out)
+
+    def finished(self, request: GenerateRequest | EmbedRequest, out: EngineOutput) -> None:
+        """A request's end: vLLM's per-request histograms and counters, and the GenAI ones. A request
+        refused before it ran counts in request_success only (vLLM never sees such a request)."""
+        m, labels, reason = self.m, self.labels, out.finish_reason or ""
+        m.success.add(1, {**labels, "finished_reason": _VLLM_REASONS.get(reason, reason)})
+        if reason == "rejected":
+            return
+        m.prompt_tokens.add(out.prompt_tokens, labels)
+        m.generation_tokens.add(out.completion_tokens, labels)
+        m.prompt_hist.record(out.prompt_tokens, labels)
+        m.generation_hist.record(out.completion_tokens, labels)
+        received, scheduled, first, end = out.received_ms, out.scheduled_ms, out.first_token_ms, out.finished_ms
+        genai = {**self.genai, "gen_ai.operation.name": operation(request)}
+        if out.error is not None and reason not in _SUCCESSFUL:
+            genai["error.type"] = out.error.code
+        if received is not None and end is not None:
+            m.e2e.record((end - received) / 1000, labels)
+            m.genai_duration.record((end - received) / 1000, genai)
+        if scheduled is not None and received is not None:
+            m.queue.record((scheduled - received) / 1000, labels)
+            if first is not None:
+                m.prefill.record((first - scheduled) / 1000, labels)
+        if first is None or received is None:
+            return
+        m.ttft.record((first - received) / 1000, labels)
+        if end is not None:
+            m.decode.record((end - first) / 1000, labels)
+        if reason in _SUCCESSFUL:
+            m.genai_ttft.record((first - received) / 1000, genai)
+            if end is not None and out.completion_tokens > 1:
+                m.genai_tpot.record((end - first) / 1000 / (out.completion_tokens - 1), genai)

@@ -1,0 +1,125 @@
+"""The worker's vllm:* and gen_ai.server.* metrics: where a request's times land (Recorder), and
+the engine's timing and prefix-cache counts they are made from."""
+
+from __future__ import annotations
+
+import pytest
+
+from schemas.messages import ErrorInfo
+from services.worker.engine import Engine, EngineConfig
+from services.worker.events import audit_event, reply_events
+from services.worker.serving_metrics import ServingMetrics, kv_cache_usage
+from weir.metrics import ServiceMetrics, value
+
+from .factories import T0_MS, make_model_config, make_output, make_request
+
+V = {"model_name": "tiny@1"}
+
+
+def recorder_and_metrics(stats=()):
+    metrics = ServiceMetrics("worker-test")
+    serving = ServingMetrics(metrics, lambda: stats)
+    return serving.recorder(make_model_config("tiny")), metrics
+
+
+def bucket(text: str, name: str, le: str, **labels: str) -> float | None:
+    return value(text, f"{name}_bucket", le=le, **{**V, **labels})
+
+
+def test_a_known_ttft_lands_in_its_bucket_and_each_phase_in_its_histogram():
+    recorder, metrics = recorder_and_metrics()
+    request = make_request("def ", model="tiny")
+    recorder.on_output(request, make_output(request.request_id, 0, text="a", token_ids=[1], itl_ms=[5, 30]))
+    recorder.on_output(request, make_output(
+        request.request_id, 1, finish_reason="length", prompt_tokens=7, completion_tokens=5, received_ms=T0_MS,
+        scheduled_ms=T0_MS + 10, first_token_ms=T0_MS + 30, finished_ms=T0_MS + 100,
+    ))  # fmt: skip
+    text = metrics.render()
+    ttft = "vllm:time_to_first_token_seconds"
+    assert bucket(text, ttft, "0.02") == 0.0 and bucket(text, ttft, "0.04") == 1.0  # 0.03 s
+    assert value(text, f"{ttft}_count", **V) == 1.0 and value(text, f"{ttft}_sum", **V) == 0.03
+    itl = "vllm:inter_token_latency_seconds"
+    assert bucket(text, itl, "0.01") == 1.0 and bucket(text, itl, "0.025") == 1.0 and bucket(text, itl, "0.05") == 2.0
+    assert value(text, "vllm:request_queue_time_seconds_sum", **V) == 0.01
+    assert value(text, "vllm:request_prefill_time_seconds_sum", **V) == 0.02
+    assert value(text, "vllm:request_decode_time_seconds_sum", **V) == 0.07
+    assert value(text, "vllm:e2e_request_latency_seconds_sum", **V) == 0.1
+    assert bucket(text, "vllm:request_prompt_tokens", "5") == 0.0
+    assert bucket(text, "vllm:request_prompt_tokens", "10") == 1.0
+    assert value(text, "vllm:prompt_tokens_total", **V) == 7.0
+    assert value(text, "vllm:generation_tokens_total", **V) == 5.0
+    assert value(text, "vllm:request_success_total", finished_reason="length", **V) == 1.0
+    genai = {"gen_ai_operation_name": "text_completion", "gen_ai_provider_name": "weir",
+             "gen_ai_request_model": "tiny", "gen_ai_response_model": "tiny@1"}  # fmt: skip
+    assert value(text, "gen_ai_server_time_to_first_token_seconds_sum", **genai) == 0.03
+    tpot = "gen_ai_server_time_per_output_token_seconds_bucket"
+    assert value(text, tpot, le="0.01", **genai) == 0.0 and value(text, tpot, le="0.025", **genai) == 1.0  # 0.07/4
+    assert value(text, "gen_ai_server_request_duration_seconds_count", **genai) == 1.0
+
+
+def test_a_cancel_is_vllms_abort_and_a_refusal_counts_only_as_finished():
+    recorder, metrics = recorder_and_metrics()
+    cancelled, refused = make_request("def "), make_request("def ")
+    recorder.on_output(cancelled, make_output(
+        cancelled.request_id, 0, finish_reason="cancelled", error=ErrorInfo(code="cancelled", message="x"),
+        prompt_tokens=2, received_ms=T0_MS, finished_ms=T0_MS + 3,
+    ))  # fmt: skip
+    recorder.on_output(refused, make_output(refused.request_id, 0, finish_reason="rejected", received_ms=T0_MS))
+    text = metrics.render()
+    assert value(text, "vllm:request_success_total", finished_reason="abort", **V) == 1.0
+    assert value(text, "vllm:request_success_total", finished_reason="rejected", **V) == 1.0
+    assert value(text, "vllm:request_prompt_tokens_count", **V) == 1.0  # the cancelled one only
+    assert value(text, "vllm:time_to_first_token_seconds_count", **V) is None  # no first token
+    failed = {"gen_ai_operation_name": "text_completion", "gen_ai_provider_name": "weir", "error_type": "cancelled",
+              "gen_ai_request_model": "tiny", "gen_ai_response_model": "tiny@1"}  # fmt: skip
+    assert value(text, "gen_ai_server_request_duration_seconds_count", **failed) == 1.0
+
+
+def test_the_engines_gauges_and_totals_are_read_per_version_at_scrape_time():
+    stats = [("tiny@1", [{"num_running": 2, "num_waiting": 1, "num_kv_blocks": 100, "kv_cache_usage_perc": 0.5,
+                          "prefix_cache_queries": 40, "prefix_cache_hits": 16, "num_preemptions": 1},
+                         {"num_running": 1, "num_waiting": 0, "num_kv_blocks": 300, "kv_cache_usage_perc": 0.1,
+                          "prefix_cache_queries": 10, "prefix_cache_hits": 0, "num_preemptions": 0}]),
+             ("echo@1", [{"num_running": 3, "num_waiting": 0, "num_kv_blocks": 8}])]  # fmt: skip
+    _, metrics = recorder_and_metrics(stats)
+    text = metrics.render()
+    assert value(text, "vllm:num_requests_running", **V) == 3.0
+    assert value(text, "vllm:num_requests_waiting", **V) == 1.0
+    assert value(text, "vllm:kv_cache_usage_perc", **V) == pytest.approx(0.2)  # (50 + 30) / 400 blocks
+    assert value(text, "vllm:kv_cache_usage_perc", model_name="echo@1") is None  # no KV cache: not reported
+    assert value(text, "vllm:prefix_cache_queries_total", **V) == 50.0
+    assert value(text, "vllm:prefix_cache_hits_total", **V) == 16.0
+    assert value(text, "vllm:num_preemptions_total", **V) == 1.0
+    assert kv_cache_usage([{"num_kv_blocks": 8}]) is None
+
+
+def test_the_engine_times_each_phase_and_counts_cached_prompt_tokens_in_tokens(llama_dir):
+    engine = Engine(llama_dir, EngineConfig(max_model_len=128, block_size=4, kv_cache_bytes=4 << 20))
+    engine.eos_ids = set()
+    shared = "class Point:\n    def __init__(self, x, y):\n        self.x = x\n"
+    finals, gaps = {}, {}
+    for i, now in ((0, T0_MS), (1, T0_MS + 1000)):
+        request = make_request(shared + "ab"[i], request_id=f"r{i}", max_tokens=4, deadline_ms=T0_MS + 60_000)
+        engine.add(request, now)
+        for step in range(1, 20):
+            for out in engine.step(now + 10 * step):
+                gaps.setdefault(out.request_id, []).extend(out.itl_ms or [])
+                if out.is_final:
+                    finals[out.request_id] = out
+            if not engine.has_work:
+                break
+    first, second = finals["r0"], finals["r1"]
+    assert first.scheduled_ms == T0_MS + 10 and first.first_token_ms == T0_MS + 10  # whole prompt in one step
+    assert first.finished_ms == T0_MS + 40 and gaps["r0"] == [10, 10, 10]  # 4 tokens, one a step
+    assert first.cached_prompt_tokens == 0 and second.cached_prompt_tokens > 0
+    assert second.cached_prompt_tokens % 4 == 0 and second.cached_prompt_tokens < second.prompt_tokens
+    blocks = engine.blocks
+    assert blocks.prefix_cache_hits == second.cached_prompt_tokens
+    assert blocks.prefix_cache_queries == first.prompt_tokens + second.prompt_tokens
+    stats = engine.stats()
+    assert stats["prefix_cache_hits"] == second.cached_prompt_tokens and stats["kv_cache_usage_perc"] == 0.0
+    end = [e for e in reply_events(make_request(request_id="r1"), "b", second, "tiny@1") if e.type == "end"][0]
+    assert end.usage.cached_prompt_tokens == second.cached_prompt_tokens
+    audit = audit_event(make_request(request_id="r1"), second, make_model_config("tiny"), weights_sha256="0" * 64,
+                        worker_id="w", audit_key=b"k" * 32, now_ms=T0_MS)  # fmt: skip
+    assert audit.cached_prompt_tokens == second.cached_prompt_tokens
