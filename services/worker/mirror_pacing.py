@@ -13,8 +13,8 @@ mirror). Two halves, one per side of the engine pipe:
   somewhere in the process, an engine whose requests are all mirror copies steps at most once per
   `yield_ms` (0: not at all), and a copy it has held for `max_wait_ms` is ended `rejected`
   (`mirror_dropped`): a terminal event on the shadow reply topic, never lost silently
-  (invariant 3). An engine that holds a live request steps as usual (its copies are bulk: its
-  scheduler runs them last).
+  (docs/design.md, invariant 3). An engine that holds a live request steps as usual (its copies
+  are bulk: its scheduler runs them last).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -51,8 +52,9 @@ class MirrorPacer:
     live pressure; decides when it may step and which copies have waited too long. Pure: time
     comes in as an argument."""
 
-    def __init__(self, pacing: Pacing) -> None:
+    def __init__(self, pacing: Pacing, is_checking: Callable[[], bool] = lambda: False) -> None:
         self.pacing = pacing
+        self._is_checking = is_checking  # golden checks run in the engine: never held back (their timeout)
         self.is_pressed = False  # live work runs somewhere in this worker process
         self.num_dropped = 0
         self._mirrors: dict[str, int] = {}  # copy id -> when this engine took it
@@ -77,8 +79,9 @@ class MirrorPacer:
 
     @property
     def is_yielding(self) -> bool:
-        """Live work runs elsewhere in the process and this engine holds only mirror copies."""
-        return self.is_pressed and bool(self._mirrors) and not self._live
+        """Live work runs elsewhere in the process and this engine holds only mirror copies (no
+        live request, no golden check)."""
+        return self.is_pressed and bool(self._mirrors) and not self._live and not self._is_checking()
 
     def wait_s(self, now_ms: int) -> float:
         """How long the loop may wait for a command before its next step or drop (0: step now)."""

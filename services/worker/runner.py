@@ -65,7 +65,7 @@ def drive(
     elsewhere in the worker, an engine holding only mirror copies steps at most every
     `pacing.yield_ms` and drops copies held too long (mirror_pacing.py)."""
     goldens = GoldenChecks(engine, answer)
-    pacer = MirrorPacer(pacing or Pacing())
+    pacer = MirrorPacer(pacing or Pacing(), lambda: goldens.is_running)
     while True:
         outputs: list[EngineOutput] = []
         pause_s = pacer.wait_s(now_ms()) if engine.has_work else None  # None: nothing to do but wait
@@ -475,7 +475,8 @@ def serve_engine(
     events.send(("ready", engine.weights_sha256, engine.stats(), engine_label(engine), engine_used_bytes(engine)))
     try:
         drive(engine, _Inbox(commands), lambda outputs, stats: events.send(("out", outputs, stats)),
-              lambda token, ok, value: events.send(("answer", token, ok, value)), Pacing.of(settings))  # fmt: skip
+              lambda token, ok, value: events.send(("answer", token, ok, value)),
+              Pacing.of(settings))  # fmt: skip
     except BaseException:  # device lost, or a bug: the worker stops rather than go on half-alive
         events.send(("error", traceback.format_exc(limit=8)))
         raise

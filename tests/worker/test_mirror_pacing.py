@@ -46,6 +46,16 @@ def test_an_engine_with_a_live_request_never_yields() -> None:
     assert pacer.is_yielding and not pacer.may_step(T0_MS + 10_000)  # yield_ms 0: no step at all
 
 
+def test_an_engine_running_a_golden_check_never_yields() -> None:
+    checking = [True]
+    pacer = MirrorPacer(Pacing(yield_ms=0), lambda: checking[0])
+    pacer.added(copy(), T0_MS)
+    pacer.is_pressed = True
+    assert not pacer.is_yielding and pacer.may_step(T0_MS)  # a check must answer within its timeout
+    checking[0] = False
+    assert pacer.is_yielding and not pacer.may_step(T0_MS + 1)
+
+
 def test_a_copy_held_back_past_the_bound_ends_rejected_mirror_dropped() -> None:
     engine = EchoEngine()
     pacer = MirrorPacer(Pacing(yield_ms=0, max_wait_ms=1_000))

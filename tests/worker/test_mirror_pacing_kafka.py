@@ -38,7 +38,8 @@ async def _serve(tmp_path: Path, **settings):  # noqa: ANN202
                          '[models.shadow]\nengine = "echo"\nmax_model_len = 4096\n')  # fmt: skip
     repo = load_model_repo(repo_file)
     topics = Topics(f"t{uuid.uuid4().hex[:8]}")
-    await ensure_topics(BOOTSTRAP, [*deployment_specs(topics, repo), topics.reply_spec("client"), topics.reply_spec("shadow")])
+    specs = [*deployment_specs(topics, repo), topics.reply_spec("client"), topics.reply_spec("shadow")]
+    await ensure_topics(BOOTSTRAP, specs)
     worker = WorkerService(WorkerSettings(
         kafka_bootstrap=BOOTSTRAP, topic_prefix=topics.prefix, model_repo=str(repo_file), audit_fingerprint_model="",
         heartbeat_interval_ms=300, echo_step_delay_ms=25, **settings))  # fmt: skip
@@ -53,11 +54,16 @@ async def _send_pair(topics: Topics, live_sid: str, shadow_sid: str) -> None:
     """A live request of 60 steps (1.5 s at least), then its copy once the live one streams."""
     client = topics.replies("client")
     live = make_request(WORDS, model=live_sid, request_id="live", max_tokens=60, reply_to=client, mirrors=["2"])
-    await produce(BOOTSTRAP, topics.batches(live_sid), [("b1", encode(Batch(batch_id="b1", model=live_sid, requests=[live], batcher_id="test")))])
+    await _produce_batch(topics, live_sid, "b1", live)
     await read_until(BOOTSTRAP, [client], lambda rs: len(rs) >= 3)
     copy = make_request(WORDS, model=shadow_sid, request_id="live.mirror.2", max_tokens=10, shadow_of="live",
                         priority="bulk", assignment="mirror", reply_to=topics.shadow_replies)  # fmt: skip
-    await produce(BOOTSTRAP, topics.batches(shadow_sid), [("b2", encode(Batch(batch_id="b2", model=shadow_sid, requests=[copy], batcher_id="test")))])
+    await _produce_batch(topics, shadow_sid, "b2", copy)
+
+
+async def _produce_batch(topics: Topics, sid: str, batch_id: str, request) -> None:  # noqa: ANN001
+    batch = Batch(batch_id=batch_id, model=sid, requests=[request], batcher_id="test")
+    await produce(BOOTSTRAP, topics.batches(sid), [(batch_id, encode(batch))])
 
 
 def _ends(records) -> dict[str, ReplyEnd]:  # noqa: ANN001
