@@ -5,13 +5,14 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 from services.worker.engine.echo_engine import EchoEngine
 from services.worker.mirror_pacing import LivePressure, MirrorPacer, Pacing
 from services.worker.runner import EngineRunner
 
 from .factories import T0_MS, make_request
-from .test_engine_process import Collector
+from .test_engine_process import Collector, echo_config, open_process
 
 WORDS = " ".join(f"w{i}" for i in range(40))
 
@@ -150,3 +151,27 @@ async def test_a_copy_held_too_long_in_a_worker_is_ended_dropped_and_counted() -
         live_host.stop()
         mirror_host.stop()
     assert pressure.num_live == 0  # a stopped engine's live requests no longer press
+
+
+async def test_engine_processes_hear_the_pressure_and_pace_as_the_settings_say() -> None:
+    """The worker's default hosts: each engine a spawned child, the pressure a command on its pipe,
+    the pacing from WorkerSettings (WEIR_MIRROR_YIELD_MS, WEIR_MIRROR_MAX_WAIT_MS)."""
+    pressure = LivePressure(idle_ms=0)
+    live_out, mirror_out = Collector(), Collector()
+    live_host = await open_process(echo_config(), live_out, echo_step_delay_ms=20)
+    mirror_host = await open_process(echo_config(), mirror_out, mirror_yield_ms=300, mirror_max_wait_ms=60_000)
+    for host in (live_host, mirror_host):
+        host.attach_pressure(pressure)
+    try:
+        began = time.monotonic()
+        live_host.submit(make_request(WORDS, request_id="live-1", max_tokens=40))
+        mirror_host.submit(copy(max_tokens=30))
+        await live_out.until(lambda: "live-1" in live_out.finals())
+        steps_meanwhile, live_s = len(mirror_out.outputs), time.monotonic() - began
+        assert "live-1.mirror.2" not in mirror_out.finals()  # unpaced, its 31 steps take milliseconds
+        assert 1 <= steps_meanwhile <= live_s / 0.3 + 2  # a step per 300 ms at most while the live one ran
+        await mirror_out.until(lambda: "live-1.mirror.2" in mirror_out.finals(), timeout_s=10)
+        assert mirror_out.finals()["live-1.mirror.2"].finish_reason == "length"
+    finally:
+        live_host.stop()
+        mirror_host.stop()
