@@ -153,6 +153,8 @@ class LivePressure:
 
     def ended(self, count: int = 1) -> None:
         """`count` live requests ended (their terminal event came, or their engine stopped)."""
+        if count <= 0:
+            return
         self.num_live = max(0, self.num_live - count)
         if self.num_live or not self.is_pressed or self._idle is not None:
             return
