@@ -36,6 +36,7 @@ from services.worker.handlers import ModelServer, consume_cancellations, open_ca
 from services.worker.hardware import DeviceProbe, choose_device, cpu_device, cpu_threads
 from services.worker.loading import OnOutputs, OnStatus
 from services.worker.memory import estimate_bytes
+from services.worker.mirror_pacing import LivePressure, Pacing
 from services.worker.runner import EngineHost, EngineProcess, EngineRunner
 from services.worker.serving_metrics import ServingMetrics, kv_cache_usage
 from services.worker.versions import VersionManager
@@ -78,6 +79,7 @@ class WorkerService:
         self.fingerprints: FingerprintBatcher | None = None
         self._fingerprinter: asyncio.Task | None = None
         self.devices = DeviceProbe()
+        self.live_pressure = LivePressure(settings.mirror_idle_ms)  # mirror copies yield to it (mirror_pacing.py)
         self.metrics = self._metrics()
         self.tracing = Tracing("worker", self.worker_id, settings)
         # vLLM's vllm:* and the GenAI server metrics, per version (docs/design.md, "Observability")
@@ -327,6 +329,11 @@ class WorkerService:
         metrics.gauge("weir_worker_requests_dropped", "Requests given up on since start: their reply topic refused "
                       "writes (or they were a minute past their deadline); none of them was answered.",
                       lambda: [(s.publisher.num_dropped, {"model": s.sid}) for s in self.servers])  # fmt: skip
+        metrics.gauge("weir_worker_mirrors_dropped", "Mirror copies ended rejected (mirror_dropped) since start: "
+                      "held back by live work for WEIR_MIRROR_MAX_WAIT_MS.",
+                      lambda: [(sum(r.num_mirrors_dropped for r in s.runners), {"model": s.sid}) for s in self.servers])  # fmt: skip
+        metrics.gauge("weir_worker_live_pressure", "1 while live requests run in this worker (engines holding only "
+                      "mirror copies then yield), else 0.", lambda: [(int(self.live_pressure.is_pressed), {})])  # fmt: skip
         metrics.gauge("weir_worker_invalid_reply_to", "Requests dead-lettered since start for a reply_to that is not "
                       "one of the deployment's reply topics.",
                       lambda: [(s.num_invalid_reply_to, {"model": s.sid}) for s in self.servers])  # fmt: skip
@@ -363,10 +370,14 @@ class WorkerService:
             except BaseException:
                 process.stop(1.0)
                 raise
+            process.attach_pressure(self.live_pressure)
             return process
         engine = await asyncio.to_thread(build_engine, config, self.settings, self.device)
         await asyncio.to_thread(warm_up, engine, config)
-        return EngineRunner(engine, asyncio.get_running_loop(), on_outputs, fault_hooks=self.settings.fault_hooks)
+        runner = EngineRunner(engine, asyncio.get_running_loop(), on_outputs, fault_hooks=self.settings.fault_hooks,
+                              pacing=Pacing.of(self.settings))  # fmt: skip
+        runner.attach_pressure(self.live_pressure)
+        return runner
 
     # -- heartbeats -----------------------------------------------------------------------------
 

@@ -75,6 +75,18 @@ class WorkerSettings(BusSettings):
         120.0, ge=0, description="A rollback switches the route back once the previous version is ready on the "
         "worker that rolls back, or after this long anyway (docs/design.md, \"The model registry\").",
     )
+    mirror_yield_ms: int = Field(
+        200, ge=0, description="While live requests run in this worker, an engine holding only mirror copies steps "
+        "at most once per this many ms; 0: not at all until live work is idle (docs/design.md, \"Traffic policies\").",
+    )
+    mirror_max_wait_ms: int = Field(
+        30_000, ge=1, description="A mirror copy held back this long by live work is ended rejected (mirror_dropped) "
+        "on the shadow reply topic.",
+    )
+    mirror_idle_ms: int = Field(
+        100, ge=0, description="Live work is idle once no live request has run in this worker for this long: "
+        "mirror-only engines step freely again.",
+    )
 
     def serves(self, name: str) -> bool:
         """Whether this worker serves model `name` (WEIR_MODELS, or every name when it is empty)."""

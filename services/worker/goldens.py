@@ -162,6 +162,11 @@ class GoldenChecks:
         except Exception as exc:  # noqa: BLE001 - as in start()
             self._answer(token, False, f"{type(exc).__name__}: {exc}")
 
+    @property
+    def is_running(self) -> bool:
+        """Some check is in flight in the engine."""
+        return bool(self._checks)
+
     def take(self, outputs: list[EngineOutput]) -> list[EngineOutput]:
         """The clients' outputs; golden ones are kept, and finished checks answered."""
         for token, check in list(self._checks.items()):

@@ -22,6 +22,7 @@ import struct
 import sys
 import threading
 import traceback
+from collections import Counter
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Protocol
@@ -33,6 +34,7 @@ from services.worker.faults import FaultHookError, corrupt
 from services.worker.goldens import GoldenChecks
 from services.worker.hardware import engine_label
 from services.worker.memory import engine_used_bytes
+from services.worker.mirror_pacing import PRESSURE, LivePressure, MirrorPacer, Pacing
 
 if TYPE_CHECKING:
     from schemas.model_repo import ModelConfig
@@ -44,7 +46,7 @@ log = logging.getLogger(__name__)
 class CommandQueue(Protocol):
     """Where an engine loop reads its commands: a queue.Queue (thread), or _Inbox (child process)."""
 
-    def get(self, block: bool = True) -> tuple[str, object]: ...
+    def get(self, block: bool = True, timeout: float | None = None) -> tuple[str, object]: ...
 
 
 Answer = Callable[[int, bool, object], None]  # (token of the question, ok, result or error message)
@@ -52,32 +54,41 @@ Answer = Callable[[int, bool, object], None]  # (token of the question, ok, resu
 
 def drive(
     engine: EngineLike, commands: CommandQueue, emit: Callable[[list[EngineOutput], dict[str, float]], None],
-    answer: Answer,
+    answer: Answer, pacing: Pacing | None = None,
 ) -> None:  # fmt: skip
     """The engine loop: apply every queued command (waiting for one while there is nothing to
     do), step, and emit the step's outputs with the engine's stats. Returns on a stop command.
 
     Golden checks step beside the clients' sequences (each sequence samples from its own
     generator, so they change no client's tokens); their outputs are taken out before emit, so
-    they never reach a reply topic, and `answer` hears each check's result."""
+    they never reach a reply topic, and `answer` hears each check's result. While live work runs
+    elsewhere in the worker, an engine holding only mirror copies steps at most every
+    `pacing.yield_ms` and drops copies held too long (mirror_pacing.py)."""
     goldens = GoldenChecks(engine, answer)
+    pacer = MirrorPacer(pacing or Pacing(), lambda: goldens.is_running)
     while True:
         outputs: list[EngineOutput] = []
-        if not _apply_commands(engine, commands, outputs, goldens, answer, wait=not engine.has_work):
+        pause_s = pacer.wait_s(now_ms()) if engine.has_work else None  # None: nothing to do but wait
+        if not _apply_commands(engine, commands, outputs, goldens, answer, pacer, pause_s):
             return
-        if engine.has_work:
-            outputs.extend(engine.step(now_ms()))
+        now = now_ms()
+        if engine.has_work and pacer.may_step(now):
+            outputs.extend(engine.step(now))
+        outputs.extend(pacer.drop_expired(engine, now))
+        pacer.ended(outputs)
         emit(goldens.take(outputs), engine.stats())
 
 
 def _apply_commands(
     engine: EngineLike, commands: CommandQueue, outputs: list[EngineOutput], goldens: GoldenChecks, answer: Answer,
-    wait: bool,
+    pacer: MirrorPacer, wait_s: float | None,
 ) -> bool:  # fmt: skip
-    """Apply every queued command; with `wait`, first block until one comes. False on stop."""
+    """Apply every queued command; first wait up to `wait_s` for one (None: until one comes).
+    False on stop."""
+    wait = wait_s is None or wait_s > 0
     while True:
         try:
-            kind, arg = commands.get(block=wait)
+            kind, arg = commands.get(block=wait, timeout=wait_s if wait else None)
         except queue.Empty:
             return True
         wait = False
@@ -85,7 +96,10 @@ def _apply_commands(
         if kind == "stop":
             return False
         if kind == "add":
+            pacer.added(arg, now_ms())  # type: ignore[arg-type]
             out = engine.add(arg, now_ms())  # type: ignore[arg-type]
+        elif kind == PRESSURE:
+            pacer.is_pressed = bool(arg)
         elif kind == "cancel":
             out = engine.cancel(arg, now_ms())  # type: ignore[arg-type]
         elif kind == "golden":
@@ -112,7 +126,9 @@ class _Host:
     of the engine's own loop and answered on the event loop.
 
     `engine_label` is the runtime actually in use ('torch-cpu', 'onnxruntime-cuda'...: what
-    heartbeats report as VersionStatus.engine), `used_bytes()` the memory the engine holds."""
+    heartbeats report as VersionStatus.engine), `used_bytes()` the memory the engine holds.
+    With a LivePressure attached (`attach_pressure`), the live requests it runs count there and
+    the engine hears when live work runs in the process (services/worker/mirror_pacing.py)."""
 
     def __init__(self, on_outputs: Callable[[list[EngineOutput]], None], weights_sha256: str,
                  stats: dict[str, float], fault_hooks: bool) -> None:  # fmt: skip
@@ -126,6 +142,25 @@ class _Host:
         self.fault_hooks = fault_hooks
         self._tokens = itertools.count()
         self._questions: dict[int, asyncio.Future[tuple[bool, object]]] = {}
+        self._pressure: LivePressure | None = None
+        self._live: Counter[str] = Counter()  # live (not mirror) requests submitted and not ended
+        self.num_mirrors_dropped = 0  # copies the engine ended as mirror_dropped (held back too long)
+
+    def attach_pressure(self, pressure: LivePressure) -> None:
+        self._pressure = pressure
+        pressure.attach(self)
+
+    def press(self, is_pressed: bool) -> None:
+        """Tell the engine whether live work runs in this worker process (LivePressure calls it)."""
+        self._send((PRESSURE, is_pressed))
+
+    def _release_pressure(self) -> None:
+        """The engine stops: what it held no longer presses, and it hears nothing more."""
+        if self._pressure is not None:
+            self._pressure.detach(self)
+            self._pressure.ended(sum(self._live.values()))
+            self._live.clear()
+            self._pressure = None
 
     def used_bytes(self) -> int:
         """Bytes the engine holds: weights as loaded plus its KV cache (services/worker/memory.py)."""
@@ -184,6 +219,9 @@ class _Host:
     def submit(self, request: GenerateRequest | EmbedRequest) -> None:
         """Queue a request for the engine."""
         self.num_pending += 1
+        if self._pressure is not None and request.shadow_of is None:
+            self._live[request.request_id] += 1
+            self._pressure.started()
         self._send(("add", request))
 
     def cancel(self, request_id: str) -> None:
@@ -195,6 +233,14 @@ class _Host:
 
     def _deliver(self, outputs: list[EngineOutput]) -> None:
         self.num_pending -= sum(1 for o in outputs if o.is_final)
+        self.num_mirrors_dropped += sum(1 for o in outputs if o.error is not None and o.error.code == "mirror_dropped")
+        ended = [o.request_id for o in outputs if o.is_final and self._live[o.request_id] > 0]
+        for rid in ended:
+            self._live[rid] -= 1
+            if not self._live[rid]:
+                del self._live[rid]
+        if ended and self._pressure is not None:
+            self._pressure.ended(len(ended))
         self._on_outputs(outputs)
 
 
@@ -207,10 +253,11 @@ class EngineRunner(_Host):
 
     def __init__(
         self, engine: EngineLike, loop: asyncio.AbstractEventLoop, on_outputs: Callable[[list[EngineOutput]], None],
-        fault_hooks: bool = False,
+        fault_hooks: bool = False, pacing: Pacing | None = None,
     ) -> None:  # fmt: skip
         super().__init__(on_outputs, engine.weights_sha256, engine.stats(), fault_hooks)
         self.engine = engine
+        self.pacing = pacing
         self.engine_label = engine_label(engine)
         self._used_bytes = engine_used_bytes(engine)
         self._loop = loop
@@ -221,6 +268,7 @@ class EngineRunner(_Host):
         self._thread.start()
 
     def stop(self, timeout_s: float = 5.0) -> None:
+        self._release_pressure()
         self._send(("stop", None))
         self._thread.join(timeout_s)
         self._fail_questions("the engine was stopped")
@@ -230,7 +278,7 @@ class EngineRunner(_Host):
 
     def _run(self) -> None:
         try:
-            drive(self.engine, self._inbox, self._emit, self._answer)
+            drive(self.engine, self._inbox, self._emit, self._answer, self.pacing)
         except BaseException as exc:  # device lost, or a bug: the process must not go on half-alive
             log.exception("engine thread died")
             self.failure = exc
@@ -310,6 +358,7 @@ class EngineProcess(_Host):
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._is_stopping = True
+        self._release_pressure()
         self._fail_questions("the engine was stopped")
         if self._process is None:
             return
@@ -389,8 +438,8 @@ class _Inbox:
     def __init__(self, connection: Connection) -> None:
         self._connection = connection
 
-    def get(self, block: bool = True) -> tuple[str, object]:
-        if not block and not self._connection.poll():
+    def get(self, block: bool = True, timeout: float | None = None) -> tuple[str, object]:
+        if (not block or timeout is not None) and not self._connection.poll(timeout if block else 0):
             raise queue.Empty
         try:
             return self._connection.recv()
@@ -426,7 +475,8 @@ def serve_engine(
     events.send(("ready", engine.weights_sha256, engine.stats(), engine_label(engine), engine_used_bytes(engine)))
     try:
         drive(engine, _Inbox(commands), lambda outputs, stats: events.send(("out", outputs, stats)),
-              lambda token, ok, value: events.send(("answer", token, ok, value)))  # fmt: skip
+              lambda token, ok, value: events.send(("answer", token, ok, value)),
+              Pacing.of(settings))  # fmt: skip
     except BaseException:  # device lost, or a bug: the worker stops rather than go on half-alive
         events.send(("error", traceback.format_exc(limit=8)))
         raise
