@@ -47,8 +47,8 @@ class LagMonitor:
     def group_prefix(self) -> str:
         return f"{self.settings.topic_prefix}."
 
-    def start(self) -> None:
-        """Start polling in the background (the first poll at once)."""
+    async def start(self) -> None:
+        """Start polling in the background (the first poll at once); returns without waiting for it."""
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="consumer-lag")
 
