@@ -16,11 +16,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterable
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
-from aiokafka.errors import KafkaError
 
 from weir.bus import BusSettings
 
@@ -42,6 +40,8 @@ class LagMonitor:
         self.num_polls = 0  # successful polls (tests wait on it)
         self._failing = False  # a failure was logged; logged again only after a success
         self._task: asyncio.Task[None] | None = None
+        self._admin: AIOKafkaAdminClient | None = None
+        self._consumer: AIOKafkaConsumer | None = None
 
     @property
     def group_prefix(self) -> str:
@@ -58,6 +58,7 @@ class LagMonitor:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        await self._disconnect()
 
     def observe(self) -> list[tuple[float, dict[str, str]]]:
         """The gauge's observations: the last values, read at scrape time without I/O."""
@@ -73,7 +74,8 @@ class LagMonitor:
         values (logged once per outage) and returns False."""
         try:
             self.lags = await asyncio.wait_for(self.poll(), timeout=max(self.interval_s, 10.0))
-        except (KafkaError, OSError, TimeoutError) as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever the broker did, /metrics keeps the last values
+            await self._disconnect()  # the next poll connects afresh
             if not self._failing:
                 log.warning("consumer lag: poll failed, keeping the last values: %r", exc)
             self._failing = True
@@ -86,31 +88,44 @@ class LagMonitor:
 
     async def poll(self) -> Lags:
         """Read every group's committed offsets and the end offsets of their partitions."""
-        options = self.settings.kafka_options()
-        admin = AIOKafkaAdminClient(bootstrap_servers=self.settings.kafka_bootstrap, request_timeout_ms=5000, **options)
-        await admin.start()
-        try:
-            groups = [g[0] for g in await admin.list_consumer_groups() if str(g[0]).startswith(self.group_prefix)]
-            committed: dict[str, dict[TopicPartition, int]] = {}
-            for group in sorted(groups):
-                offsets = await admin.list_consumer_group_offsets(group)
-                committed[group] = {tp: meta.offset for tp, meta in offsets.items() if meta.offset >= 0}
-        finally:
-            await admin.close()
-        partitions = {tp for offsets in committed.values() for tp in offsets}
-        ends = await self._end_offsets(partitions) if partitions else {}
+        admin, consumer = await self._clients()
+        groups = [g[0] for g in await admin.list_consumer_groups() if str(g[0]).startswith(self.group_prefix)]
+        committed: dict[str, dict[TopicPartition, int]] = {}
+        for group in sorted(groups):
+            offsets = await admin.list_consumer_group_offsets(group)
+            committed[group] = {tp: meta.offset for tp, meta in offsets.items() if meta.offset >= 0}
+        partitions = sorted({tp for offsets in committed.values() for tp in offsets})
+        ends = await consumer.end_offsets(partitions) if partitions else {}
         return fold_lags(committed, ends)
 
-    async def _end_offsets(self, partitions: Iterable[TopicPartition]) -> dict[TopicPartition, int]:
-        # No group, default isolation: the high watermark, as kafka_exporter reads it.
-        consumer = AIOKafkaConsumer(
-            bootstrap_servers=self.settings.kafka_bootstrap, group_id=None, request_timeout_ms=5000,
-            **self.settings.kafka_options(),
-        )  # fmt: skip
-        await consumer.start()
-        try:
-            return await consumer.end_offsets(sorted(partitions))
-        finally:
+    async def _clients(self) -> tuple[AIOKafkaAdminClient, AIOKafkaConsumer]:
+        """The admin client and the end-offset reader, connected once and kept across polls."""
+        if self._admin is None or self._consumer is None:
+            options = self.settings.kafka_options()
+            bootstrap = self.settings.kafka_bootstrap
+            admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=5000, **options)
+            # No group, default isolation: the high watermark, as kafka_exporter reads it.
+            consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None, request_timeout_ms=5000, **options)
+            try:
+                await admin.start()
+                await consumer.start()
+            except BaseException:
+                await _close(admin, consumer)
+                raise
+            self._admin, self._consumer = admin, consumer
+        return self._admin, self._consumer
+
+    async def _disconnect(self) -> None:
+        admin, consumer, self._admin, self._consumer = self._admin, self._consumer, None, None
+        await _close(admin, consumer)
+
+
+async def _close(admin: AIOKafkaAdminClient | None, consumer: AIOKafkaConsumer | None) -> None:
+    with contextlib.suppress(Exception):
+        if admin is not None:
+            await admin.close()
+    with contextlib.suppress(Exception):
+        if consumer is not None:
             await consumer.stop()
 
 
