@@ -32,10 +32,12 @@ from schemas.messages import (
 )
 from schemas.producers import ProducerBindingError, bind_to_producer
 from schemas.topics import Topics
+from services.batcher.metrics import BatcherMetrics
 from services.batcher.mirroring import DEFAULT_MIRROR_MAX_QUEUED, assign_version, forged_traffic_fields, with_mirrors
 from services.batcher.planner import Admission, Planner, Request, Reservation
 from services.batcher.routing import Router
 from weir.bus import CommitPacer, OffsetTracker, send_dead_letter
+from weir.metrics import ServiceMetrics
 from weir.reply_topics import TopicWriter
 
 log = logging.getLogger(__name__)
@@ -89,8 +91,11 @@ class BatcherHandlers:
         commit_interval_ms: int = 0,
         reply_auto_create: bool = True,
         mirror_max_queued: int = DEFAULT_MIRROR_MAX_QUEUED,
+        metrics: BatcherMetrics | None = None,
     ) -> None:
         self.topics = topics
+        # Batches, time held, expiries (metrics.py); a private provider when the caller exports none.
+        self.metrics = metrics or BatcherMetrics(ServiceMetrics("batcher"))
         self.planner = planner
         self.router = router
         self._unrouted_models: set[str] = set()  # logged once: no heartbeat names them
@@ -160,6 +165,8 @@ class BatcherHandlers:
         req = assign_version(req, self.planner.models)
         req, copies = with_mirrors(req, self.planner.models, self.topics.shadow_replies)
         verdict = self.planner.add(req, now_ms, size_bytes=len(record.value or b""))
+        if verdict in (Admission.HELD, Admission.EXPIRED):
+            self.metrics.on_admitted(req)
         if verdict is Admission.HELD:
             self._held_records[req.request_id] = record
             await self._add_copies(copies, record, now_ms)
@@ -172,6 +179,7 @@ class BatcherHandlers:
             error = ErrorInfo(code="model_not_found", message=why or f"model {req.model!r} is not served here")
             await self._end(req, record, "rejected", error)
         elif verdict is Admission.EXPIRED:
+            self.metrics.on_expired(req)
             error = ErrorInfo(code="deadline_exceeded", message=f"deadline_ms={req.deadline_ms} passed before batching")
             await self._end(req, record, "timeout", error)
         elif verdict is Admission.CANCELLED:
@@ -188,6 +196,7 @@ class BatcherHandlers:
             if verdict is Admission.HELD:
                 self._copies[copy.request_id] = record
             elif verdict is Admission.EXPIRED:
+                self.metrics.on_expired(copy)
                 error = ErrorInfo(code="deadline_exceeded", message=f"deadline_ms={copy.deadline_ms} passed before batching")
                 await self._end(copy, None, "timeout", error)
             elif verdict is not Admission.DUPLICATE:  # its version stopped resolving, or it was cancelled
@@ -269,6 +278,7 @@ class BatcherHandlers:
             log.info("model %s: a worker has room again", model)
         self._blocked_models = blocked
         for planned in result.batches:
+            self.metrics.on_batch(planned, now_ms)
             records = [rec for r in planned.requests if (rec := self._take_record(r.request_id)) is not None]
             batch = Batch(
                 batch_id=uuid.uuid4().hex, model=planned.model, requests=planned.requests, batcher_id=self.batcher_id
@@ -283,6 +293,7 @@ class BatcherHandlers:
             future = await self._send(topic, encode(batch), batch.batch_id, partition)
             self._effects.append(_Effect(future, records, "batch", topic, planned.reservation))
         for req in result.expired:
+            self.metrics.on_expired(req)
             error = ErrorInfo(code="deadline_exceeded", message=f"deadline_ms={req.deadline_ms} passed while waiting")
             await self._end(req, self._take_record(req.request_id), "timeout", error)
 
