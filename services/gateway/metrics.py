@@ -11,7 +11,7 @@ Consumer lag of the deployment's groups (weir/lag.py, polled in the background) 
 `kafka_consumergroup_lag`.
 
 Generations as the client sees them (`GenerationTimer`, label `model_name`: the served
-`name@version`): `weir_gateway_time_to_first_token_seconds` (request accepted -> first content
+`name@version`, as vLLM's names are labelled: docs/design.md, "Observability"): `weir_gateway_time_to_first_token_seconds` (request accepted -> first content
 written), `weir_gateway_inter_token_latency_seconds` (between content writes: a chunk may hold
 several tokens), both for streamed responses only (a JSON body has no first token; the GenAI
 conventions report time-to-first-chunk for streaming calls only); for every generation that
