@@ -168,10 +168,13 @@ class GatewayMetrics:
 
 
 class ResponseCounter:
-    """ASGI middleware: counts every HTTP response by route template and status.
+    """ASGI middleware: counts every HTTP response by route template, status and code.
 
     Pure ASGI (not BaseHTTPMiddleware) so streaming responses and disconnect detection pass
-    through untouched. A request that matched no route counts as route "unmatched".
+    through untouched. A request that matched no route counts as route "unmatched". `code` is
+    the OpenAI error code whoever refused the request left with `note_error_code` (the error
+    handler, the request limits), "" for a response without an error body (a success, a 499),
+    "internal_error" when no response started.
     """
 
     def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
