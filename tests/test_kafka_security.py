@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaConnectionError, KafkaError, TopicAuthorizationFailedError
+from aiokafka.structs import OffsetAndMetadata
 
 from schemas.codec import decode, decode_reply, encode
 from schemas.messages import AuditEvent, Batch, ReplyEnd
@@ -26,6 +27,7 @@ from schemas.topics import Topics
 from weir.bus import BusSettings, partitions_of
 from weir.kafka import launcher, security
 from weir.kafka.admin import add_client_user, deployment_specs, ensure_topics, grant_deployment_acls
+from weir.lag import LagMonitor
 from weir.launcher import free_ports
 
 REPO = Path(__file__).resolve().parents[1]
@@ -350,6 +352,34 @@ async def test_the_gateway_owns_the_keys_and_usage_topics(secure_broker: launche
     assert marker in await _read_all(secure_broker, gateway, TOPICS.usage)
     with pytest.raises(TopicAuthorizationFailedError):  # and nobody else reads the keys
         await _read_all(secure_broker, _login(secure_broker, "client"), TOPICS.keys)
+
+
+@pytest.mark.kafka
+@pytest.mark.timeout(120)
+async def test_the_gateway_and_the_batcher_read_the_consumer_lag_of_the_deployments_groups(
+    secure_broker: launcher.BrokerConfig,
+) -> None:
+    cfg = secure_broker
+    tp = TopicPartition(TOPICS.requests, 0)
+    await _produce(cfg, _login(cfg, "gateway"), TOPICS.requests, b"not a request: only its offset counts")
+    consumer = AIOKafkaConsumer(bootstrap_servers=cfg.bootstrap, group_id=TOPICS.batcher_group,
+                                enable_auto_commit=False, **_login(cfg, "batcher"))  # fmt: skip
+    await asyncio.wait_for(consumer.start(), STEP_S)
+    try:
+        consumer.assign([tp])
+        end = (await asyncio.wait_for(consumer.end_offsets([tp]), STEP_S))[tp]
+        await asyncio.wait_for(consumer.commit({tp: OffsetAndMetadata(0, "")}), STEP_S)
+    finally:
+        await consumer.stop()
+    for user in ("gateway", "batcher"):
+        settings = BusSettings(kafka_bootstrap=cfg.bootstrap, topic_prefix=TOPICS.prefix, kafka_security="sasl",
+                               kafka_user=user, kafka_password_file=security.password_path(user, cfg.secrets))  # fmt: skip
+        monitor = LagMonitor(settings)
+        try:
+            assert await monitor.refresh(), user
+        finally:
+            await monitor.stop()
+        assert monitor.lags[(TOPICS.batcher_group, TOPICS.requests)] >= end >= 1, (user, monitor.lags)
 
 
 @pytest.mark.kafka

@@ -33,10 +33,12 @@ from schemas.model_repo import ModelRepoError, ModelRepository, load_model_repo
 from services.batcher.config import BatcherSettings
 from services.batcher.handlers import BatcherHandlers, RebalanceListener
 from services.batcher.jobs import JobRunner
+from services.batcher.metrics import BatcherMetrics
 from services.batcher.planner import Planner
 from services.batcher.routing import Router
 from weir.bus import instance_id, make_consumer, make_producer, wait_for_cluster
 from weir.kafka.admin import ensure_topics
+from weir.lag import LAG_METRIC, LagMonitor
 from weir.metrics import ServiceMetrics
 from weir.registry import RegistryFollower
 from weir.service import ConfigError, bus_overrides, ops_app, run_service, service_parser
@@ -48,7 +50,12 @@ log = logging.getLogger(__name__)
 class BatcherApp:
     """One batcher replica: its Kafka clients, planner and handlers, built from settings."""
 
-    def __init__(self, settings: BatcherSettings, repo: ModelRepository, batcher_id: str | None = None) -> None:
+    def __init__(
+        self, settings: BatcherSettings, repo: ModelRepository, batcher_id: str | None = None,
+        metrics: ServiceMetrics | None = None,
+    ) -> None:
+        """`metrics`: the provider the loop's events are recorded on (the service's, exported at
+        /metrics); a private one when None."""
         self.settings = settings
         self.batcher_id = batcher_id or instance_id("batcher")
         topics = settings.topics
@@ -75,6 +82,7 @@ class BatcherApp:
             topics, self.planner, self.producer, self.requests, self.batcher_id, router=self.router,
             commit_interval_ms=settings.commit_interval_ms, reply_auto_create=settings.reply_topic_auto_create,
             mirror_max_queued=settings.mirror_max_queued, tracing=Tracing("batcher", self.batcher_id, settings),
+            metrics=BatcherMetrics(metrics or ServiceMetrics("batcher")),
         )
         self._started: list[Any] = []
         self.is_reading = False
@@ -208,14 +216,16 @@ class BatcherService:
         # build() runs before there is one (it raised "should be created within an async function").
         self.app: BatcherApp | None = None
         self.jobs: JobRunner | None = None
+        self.lag = LagMonitor(settings, settings.lag_interval_s)
         self.metrics = _metrics(self)
 
     async def start(self) -> None:
         await wait_for_cluster(self.settings)
+        await self.lag.start()  # polls in the background; /metrics reads its last values
         # The core topics (the registry's among them); each version's batch topic is made by the
         # app once it has read the registry.
         await ensure_topics(self.settings.kafka_bootstrap, self.settings.topics.core_specs())
-        self.app = BatcherApp(self.settings, self.repo, self.batcher_id)
+        self.app = BatcherApp(self.settings, self.repo, self.batcher_id, self.metrics)
         self.jobs = JobRunner(self.settings, self.app.registry.state, self.batcher_id)
         await self.app.start()
 
@@ -224,6 +234,7 @@ class BatcherService:
         await asyncio.gather(self.app.run(stop), self.jobs.run(stop))
 
     async def close(self) -> None:
+        await self.lag.stop()
         if self.app is not None:
             await self.app.close()
         self.metrics.shutdown()
@@ -240,7 +251,8 @@ class BatcherService:
 
 
 def _metrics(service: BatcherService) -> ServiceMetrics:
-    """Gauges read from the batcher's state at scrape time (none before it started)."""
+    """Gauges read from the batcher's state at scrape time (none before it started); the loop's
+    events (metrics.py) are recorded on the same provider once the app is built."""
     metrics = ServiceMetrics("batcher")
 
     def read(value: Callable[[BatcherApp], float]) -> Callable[[], list[tuple[float, dict[str, str]]]]:
@@ -270,6 +282,10 @@ def _metrics(service: BatcherService) -> ServiceMetrics:
                   read(lambda app: len(app.registry.state.servable())))
     metrics.gauge("weir_batcher_registry_skipped", "Registry records skipped since start: not a valid registry record.",
                   read(lambda app: app.registry.num_skipped))
+    metrics.gauge("weir_batcher_queue_depth", "Requests held per lane and tenant (the 50 busiest tenants; the rest "
+                  "are tenant=\"other\").",
+                  lambda: [] if service.app is None else service.app.handlers.metrics.observe_depth(service.app.planner))
+    metrics.gauge(LAG_METRIC, "Consumer lag per group and topic of this deployment (weir/lag.py).", service.lag.observe)
     return metrics
 
 

@@ -48,3 +48,6 @@ class BatcherSettings(BusSettings):
         description="Most mirror copies held at once; a copy beyond it is dropped (counted, ended on the shadow "
         "reply topic), as are all held copies while an interactive request waits for worker room.",
     )
+    lag_interval_s: float = Field(
+        5.0, gt=0, description="How often the consumer lag of the deployment's groups is polled for /metrics (weir/lag.py)."
+    )

@@ -33,10 +33,12 @@ from schemas.messages import (
 )
 from schemas.producers import ProducerBindingError, bind_to_producer
 from schemas.topics import Topics
+from services.batcher.metrics import BatcherMetrics
 from services.batcher.mirroring import DEFAULT_MIRROR_MAX_QUEUED, assign_version, forged_traffic_fields, with_mirrors
 from services.batcher.planner import Admission, Planner, Request, Reservation
 from services.batcher.routing import Router
 from weir.bus import CommitPacer, OffsetTracker, send_dead_letter
+from weir.metrics import ServiceMetrics
 from weir.reply_topics import TopicWriter
 from weir.tracing import Tracing, child_context, extract, inject, inject_many, messaging, request_attributes
 
@@ -102,8 +104,11 @@ class BatcherHandlers:
         reply_auto_create: bool = True,
         mirror_max_queued: int = DEFAULT_MIRROR_MAX_QUEUED,
         tracing: Tracing | None = None,
+        metrics: BatcherMetrics | None = None,
     ) -> None:
         self.topics = topics
+        # Batches, time held, expiries (metrics.py); a private provider when the caller exports none.
+        self.metrics = metrics or BatcherMetrics(ServiceMetrics("batcher"))
         self.planner = planner
         self.router = router
         self._unrouted_models: set[str] = set()  # logged once: no heartbeat names them
@@ -176,6 +181,8 @@ class BatcherHandlers:
         req, copies = with_mirrors(req, self.planner.models, self.topics.shadow_replies)
         span = self._process_span(record, req)
         verdict = self.planner.add(req, now_ms, size_bytes=len(record.value or b""))
+        if verdict in (Admission.HELD, Admission.EXPIRED):
+            self.metrics.on_admitted(req)
         if verdict is Admission.HELD:
             self._spans[req.request_id] = span
             self._held_records[req.request_id] = record
@@ -192,6 +199,7 @@ class BatcherHandlers:
             error = ErrorInfo(code="model_not_found", message=why or f"model {req.model!r} is not served here")
             await self._end(req, record, "rejected", error)
         elif verdict is Admission.EXPIRED:
+            self.metrics.on_expired(req)
             error = ErrorInfo(code="deadline_exceeded", message=f"deadline_ms={req.deadline_ms} passed before batching")
             await self._end(req, record, "timeout", error)
         elif verdict is Admission.CANCELLED:
@@ -235,6 +243,7 @@ class BatcherHandlers:
             if verdict is Admission.HELD:
                 self._copies[copy.request_id] = record
             elif verdict is Admission.EXPIRED:
+                self.metrics.on_expired(copy)
                 error = ErrorInfo(code="deadline_exceeded", message=f"deadline_ms={copy.deadline_ms} passed before batching")
                 await self._end(copy, None, "timeout", error)
             elif verdict is not Admission.DUPLICATE:  # its version stopped resolving, or it was cancelled
@@ -316,6 +325,7 @@ class BatcherHandlers:
             log.info("model %s: a worker has room again", model)
         self._blocked_models = blocked
         for planned in result.batches:
+            self.metrics.on_batch(planned, now_ms)
             records = [rec for r in planned.requests if (rec := self._take_record(r.request_id)) is not None]
             batch = Batch(
                 batch_id=uuid.uuid4().hex, model=planned.model, requests=planned.requests, batcher_id=self.batcher_id
@@ -332,6 +342,7 @@ class BatcherHandlers:
             future.add_done_callback(lambda f, span=batch_span: _end_publish(span, f))
             self._effects.append(_Effect(future, records, "batch", topic, planned.reservation))
         for req in result.expired:
+            self.metrics.on_expired(req)
             error = ErrorInfo(code="deadline_exceeded", message=f"deadline_ms={req.deadline_ms} passed while waiting")
             await self._end(req, self._take_record(req.request_id), "timeout", error)
 

@@ -145,6 +145,7 @@ class PlannedBatch:
     slot: Slot = UNBOUNDED
     num_tokens: int = 0
     reservation: Reservation | None = None
+    arrived_ms: tuple[int, ...] = ()  # when each request was held (the batcher's metrics: time held)
 
 
 @dataclass(frozen=True)
@@ -243,16 +244,16 @@ class _Lane:
         gone = [rid for rid, h in self.held.items() if h.request.deadline_ms <= now_ms]
         return [self.queue.remove(rid).request for rid in gone]  # type: ignore[union-attr]
 
-    def take_batch(self, room_tokens: int | None) -> tuple[list[Request], int]:
+    def take_batch(self, room_tokens: int | None) -> tuple[list[Held], int]:
         """Remove and return the next batch and its tokens: requests in scheduling order while
         they fit."""
-        chosen: list[Request] = []
+        chosen: list[Held] = []
         num_bytes = num_tokens = 0
         while (head := self.queue.peek()) is not None:
             if not self.policy.fits(len(chosen), num_bytes, num_tokens, head, room_tokens):
                 break
             held = self.queue.pop()
-            chosen.append(held.request)
+            chosen.append(held)
             num_bytes += held.size_bytes
             num_tokens += held.cost_tokens
         return chosen, num_tokens
@@ -300,6 +301,15 @@ class Planner:
             lane.is_blocked and any(h.request.priority == "interactive" for h in lane.held.values())
             for lane in self._lanes.values()
         )
+
+    def waiting(self) -> dict[tuple[str, str], int]:
+        """How many requests wait per (lane, tenant): the batcher's queue-depth gauge."""
+        counts: dict[tuple[str, str], int] = {}
+        for lane in self._lanes.values():
+            for held in lane.held.values():
+                key = (held.request.priority, held.request.tenant)
+                counts[key] = counts.get(key, 0) + 1
+        return counts
 
     def held_models(self) -> list[str]:
         """Versions (sids) that have requests waiting."""
@@ -425,12 +435,14 @@ class Planner:
                 break
             if not lane.is_due(now_ms, slot.room_tokens):
                 break
-            requests, num_tokens = lane.take_batch(slot.room_tokens)
-            if not requests:  # the placement offered less room than the head needs
+            taken, num_tokens = lane.take_batch(slot.room_tokens)
+            if not taken:  # the placement offered less room than the head needs
                 lane.is_blocked = True
                 break
             reservation = None if placement is None else placement.record(model, slot, num_tokens, now_ms)
-            batches.append(PlannedBatch(model, requests, slot, num_tokens, reservation))
+            requests = [held.request for held in taken]
+            arrived = tuple(held.arrived_ms for held in taken)
+            batches.append(PlannedBatch(model, requests, slot, num_tokens, reservation, arrived))
         return batches
 
     def _finish(self, request_id: str) -> None:

@@ -43,6 +43,7 @@ from services.gateway.routes.errors import HANDLED, on_error
 from services.gateway.routes.operations import add_metrics_routes, add_operation_routes
 from services.gateway.routes.parts import GatewayParts
 from services.gateway.routes.streams import add_stream_routes
+from weir.lag import LagMonitor
 from weir.service import ConfigError, bus_overrides, run_service, service_parser
 
 log = logging.getLogger(__name__)
@@ -92,16 +93,18 @@ def build_parts(settings: GatewaySettings, repo: ModelRepository | None) -> Gate
         on_redacted=lambda n: guard.metrics.redactions.add(n),
     )  # fmt: skip
     streams = ResumableStreams(settings.resume_keep_s, settings.max_resumable_streams)
-    return GatewayParts(settings, catalog, bus, guard, output_guard, streams, started_s=int(time.time()))
+    lag = LagMonitor(settings, settings.lag_interval_s)
+    guard.metrics.follow_lag(lag)
+    return GatewayParts(settings, catalog, bus, guard, output_guard, streams, started_s=int(time.time()), lag=lag)
 
 
 @asynccontextmanager
 async def running(parts: GatewayParts, batches: BatchStore, dashboard: DashboardData) -> AsyncIterator[None]:
     """The app's lifespan: the bus, then the registry (read to its end before a request is served),
-    the guard's peer sync, the batch store, then the dashboard's followers; they stop in reverse
-    order, however the app ends."""
+    the guard's peer sync, the batch store, the dashboard's followers, then the consumer-lag poller;
+    they stop in reverse order, however the app ends."""
     async with contextlib.AsyncExitStack() as started:
-        for part in (parts.bus, parts.catalog, parts.guard, batches, dashboard):
+        for part in (parts.bus, parts.catalog, parts.guard, batches, dashboard, parts.lag):
             await part.start()
             started.push_async_callback(part.stop)
         yield

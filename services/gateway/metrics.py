@@ -2,22 +2,50 @@
 
 The instruments live on this app's own MeterProvider (weir/metrics.py, shared by every service);
 a scrape collects it and renders the exposition format (text/plain; version=0.0.4).
-Counters of this gateway: requests by route and status, cancellations by reason, rate-limit and
-admission rejections, authentication failures, output redactions, input-guard detections,
-resumed streams; in flight per model and lane. Observed from the
+Counters of this gateway: requests by route, status and error code, cancellations by reason,
+rate-limit and admission rejections, authentication failures, output redactions, input-guard
+detections, resumed streams; in flight per model and lane. Observed from the
 latest worker heartbeats at scrape time: live workers per model, open breakers, and per worker
 its free KV blocks, running/waiting sequences and each device's name, memory and utilisation.
+Consumer lag of the deployment's groups (weir/lag.py, polled in the background) as
+`kafka_consumergroup_lag`.
+
+Generations as the client sees them (`GenerationTimer`, label `model_name`: the served
+`name@version`, as vLLM's names are labelled: docs/design.md, "Observability"): `weir_gateway_time_to_first_token_seconds` (request accepted -> first content
+written), `weir_gateway_inter_token_latency_seconds` (between content writes: a chunk may hold
+several tokens), both for streamed responses only (a JSON body has no first token; the GenAI
+conventions report time-to-first-chunk for streaming calls only); for every generation that
+reached its terminal, `weir_gateway_e2e_request_latency_seconds`, `weir_gateway_generation_tokens`
+(completion tokens billed), and the OpenTelemetry GenAI client metrics `gen_ai.client.token.usage`
+and `gen_ai.client.operation.duration` (with `error.type`, the OpenAI error code, when the
+terminal was an error: how a stream that answered 200 and then failed is counted).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 
 from opentelemetry.metrics import CallbackOptions, Observation
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from schemas.messages import WorkerHeartbeat
-from weir.metrics import ServiceMetrics
+from schemas.messages import ReplyEnd, WorkerHeartbeat
+from weir.lag import LAG_METRIC, LagMonitor
+from weir.metrics import ITL_BUCKETS, LATENCY_BUCKETS, TTFT_BUCKETS, ServiceMetrics
+
+# The GenAI semantic conventions' bucket advice for the client metrics (gen-ai-metrics.md).
+GEN_AI_TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864)
+GEN_AI_DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
+GEN_AI_PROVIDER = "weir"  # gen_ai.provider.name: this deployment serves the models itself
+# gen_ai.operation.name of each kind of request the gateway times.
+GEN_AI_OPERATION = {"chat.completions": "chat", "completions": "text_completion"}
+# Where a refusal leaves its OpenAI error code for ResponseCounter (the request's scope state).
+ERROR_CODE_STATE = "weir_error_code"
+
+
+def note_error_code(scope: Scope, code: str | None) -> None:
+    """Record the error code of the response being sent, for the request counter's `code` label."""
+    scope.setdefault("state", {})[ERROR_CODE_STATE] = code or "unknown"
 
 
 class GatewayMetrics:
@@ -28,7 +56,10 @@ class GatewayMetrics:
         self._open_breakers = open_breakers
         self.service = ServiceMetrics("gateway")
         meter = self.service.meter
-        self.requests = meter.create_counter("weir_gateway_requests", description="HTTP responses by route and status.")
+        self.requests = meter.create_counter(
+            "weir_gateway_requests",
+            description="HTTP responses by route, status and code (the OpenAI error code of an error body, else '').",
+        )
         self.in_flight = meter.create_up_down_counter(
             "weir_gateway_in_flight", description="Requests published and not yet ended, per model and lane."
         )
@@ -53,6 +84,7 @@ class GatewayMetrics:
         self.auth_failures = meter.create_counter(
             "weir_gateway_auth_failures", description="Requests refused with 401/403, by code."
         )
+        self._add_generation_instruments()
         gauges: list[tuple[str, str, Callable[[CallbackOptions], Iterable[Observation]]]] = [
             ("weir_workers_live", "Workers with a live heartbeat, per model.", self._observe_live),
             ("weir_gateway_breaker_open", "1 while a model's breaker is open (no live worker).", self._observe_breakers),
@@ -68,6 +100,35 @@ class GatewayMetrics:
         ]  # fmt: skip
         for name, description, callback in gauges:
             meter.create_observable_gauge(name, callbacks=[callback], description=description)
+
+    def follow_lag(self, lag: LagMonitor) -> None:
+        """Export `lag`'s last values as kafka_consumergroup_lag (read at scrape time, no I/O)."""
+        self.service.gauge(LAG_METRIC, "Consumer lag per group and topic of this deployment (weir/lag.py).", lag.observe)
+
+    def _add_generation_instruments(self) -> None:
+        """The instruments GenerationTimer records into (see the module docstring)."""
+        service = self.service
+        self.time_to_first_token = service.histogram(
+            "weir_gateway_time_to_first_token_seconds", "Request accepted to its first content written to the "
+            "client, streamed responses.", TTFT_BUCKETS,
+        )  # fmt: skip
+        self.inter_token_latency = service.histogram(
+            "weir_gateway_inter_token_latency_seconds", "Time between two content writes of a streamed response.",
+            ITL_BUCKETS,
+        )  # fmt: skip
+        self.e2e_latency = service.histogram(
+            "weir_gateway_e2e_request_latency_seconds", "Request accepted to its terminal, generations that reached one.",
+            LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.generation_tokens = service.counter(
+            "weir_gateway_generation_tokens", "Completion tokens of the generations that finished, as billed."
+        )
+        self.gen_ai_token_usage = service.histogram(
+            "gen_ai.client.token.usage", "Number of input and output tokens used.", GEN_AI_TOKEN_BUCKETS, unit="{token}"
+        )
+        self.gen_ai_duration = service.histogram(
+            "gen_ai.client.operation.duration", "GenAI operation duration.", GEN_AI_DURATION_BUCKETS, unit="s"
+        )
 
     def render(self) -> str:
         """Collect every instrument and render the Prometheus text exposition format."""
@@ -107,10 +168,13 @@ class GatewayMetrics:
 
 
 class ResponseCounter:
-    """ASGI middleware: counts every HTTP response by route template and status.
+    """ASGI middleware: counts every HTTP response by route template, status and code.
 
     Pure ASGI (not BaseHTTPMiddleware) so streaming responses and disconnect detection pass
-    through untouched. A request that matched no route counts as route "unmatched".
+    through untouched. A request that matched no route counts as route "unmatched". `code` is
+    the OpenAI error code whoever refused the request left with `note_error_code` (the error
+    handler, the request limits), "" for a response without an error body (a success, a 499),
+    "internal_error" when no response started.
     """
 
     def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
@@ -133,4 +197,50 @@ class ResponseCounter:
         finally:
             route = scope.get("route")
             path = getattr(route, "path", None) or "unmatched"
-            self.metrics.requests.add(1, {"route": path, "status": str(status[0] if status else 500)})
+            code = scope.get("state", {}).get(ERROR_CODE_STATE, "" if status else "internal_error")
+            self.metrics.requests.add(1, {"route": path, "status": str(status[0] if status else 500), "code": code})
+
+
+class GenerationTimer:
+    """Times one generation from the moment its request was accepted, as its client sees it.
+
+    `on_content` after each content write of a streamed response (the first gives the TTFT, the
+    next ones the inter-token latency); `on_end` once, when the terminal is reached. `clock`
+    (time.monotonic) is injectable so tests give known timings.
+    """
+
+    def __init__(
+        self, metrics: GatewayMetrics, model_name: str, kind: str, started_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.metrics = metrics
+        self.model_name = model_name
+        self.operation = GEN_AI_OPERATION[kind]
+        self._clock = clock
+        self.started_s = started_s  # clock() when the request was accepted
+        self._last_write_s: float | None = None
+        self.is_ended = False
+
+    def on_content(self) -> None:
+        now = self._clock()
+        labels = {"model_name": self.model_name}
+        if self._last_write_s is None:
+            self.metrics.time_to_first_token.record(now - self.started_s, labels)
+        else:
+            self.metrics.inter_token_latency.record(now - self._last_write_s, labels)
+        self._last_write_s = now
+
+    def on_end(self, end: ReplyEnd, error_code: str | None) -> None:
+        """The generation reached its terminal `end` (`error_code`: its error's, None when it finished)."""
+        if self.is_ended:
+            return
+        self.is_ended = True
+        elapsed_s = self._clock() - self.started_s
+        m = self.metrics
+        m.e2e_latency.record(elapsed_s, {"model_name": self.model_name})
+        m.generation_tokens.add(end.usage.completion_tokens, {"model_name": self.model_name})
+        common = {"gen_ai.operation.name": self.operation, "gen_ai.provider.name": GEN_AI_PROVIDER,
+                  "gen_ai.request.model": self.model_name}  # fmt: skip
+        for token_type, n in (("input", end.usage.prompt_tokens), ("output", end.usage.completion_tokens)):
+            m.gen_ai_token_usage.record(n, {**common, "gen_ai.token.type": token_type})
+        m.gen_ai_duration.record(elapsed_s, common if error_code is None else {**common, "error.type": error_code})

@@ -22,6 +22,7 @@ import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from services.gateway.metrics import note_error_code
 from services.gateway.openai_format import ApiError, error_body
 
 _BRACKETS = b"[]{}"
@@ -98,6 +99,7 @@ class RequestLimits:
             if scope["type"] == "http" and not self._is_upload(scope):
                 receive = await self._checked_body(headers, receive)
         except ApiError as error:
+            note_error_code(scope, error.code)
             if scope["type"] == "http" or "websocket.http.response" in scope.get("extensions", {}):
                 return await _send_error(send, error, scope["type"])
             # A server without the denial-response extension: refused before the handshake (HTTP 403).

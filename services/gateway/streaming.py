@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -25,6 +26,7 @@ from starlette.websockets import WebSocket, WebSocketState
 
 from schemas.messages import EmbedRequest, GenerateRequest, ReplyDelta, ReplyEnd
 from services.gateway.handlers import Exchange
+from services.gateway.metrics import GatewayMetrics, GenerationTimer
 from services.gateway.openai_format import ApiError, ChunkWriter, Kind, completion_body, terminal_error
 from services.gateway.guard.output_guard import OutputGuard, TextFilter
 from services.gateway.resume import RESUME_GRACE_HEADER, StreamEntry
@@ -59,13 +61,18 @@ def sse_event(seq: int, data: dict[str, Any] | str) -> bytes:
 Frame = dict[str, Any] | ApiError  # a chunk, or the error of an error terminal
 
 
-async def frames(exchange: Exchange, writer: ChunkWriter, text_filter: TextFilter) -> AsyncIterator[tuple[int, Frame]]:
+async def frames(
+    exchange: Exchange, writer: ChunkWriter, text_filter: TextFilter, timer: GenerationTimer | None = None
+) -> AsyncIterator[tuple[int, Frame]]:
     """The frames of a stream from its start, each with the seq of the event that released it.
 
     Deterministic in the events: a reader that reconnects renders the same frames again (fresh
     writer and filter) and skips those it already had. Text the output guard holds back goes
     out with a later delta or, at the end, before the terminal's chunks; a delta that releases
     no text gives no frame.
+
+    `timer` (the first reader's only) learns of each content frame once its reader asks for
+    the next frame, i.e. once the frame was written; of the terminal when it is reached.
     """
     index = 0
     while True:
@@ -75,10 +82,16 @@ async def frames(exchange: Exchange, writer: ChunkWriter, text_filter: TextFilte
             text = text_filter.feed(event.text)
             if text:
                 yield event.seq, writer.on_text(text)
+                if timer is not None:
+                    timer.on_content()
             continue
         if rest := text_filter.flush():
             yield event.seq, writer.on_text(rest)
+            if timer is not None:
+                timer.on_content()
         error = terminal_error(event)
+        if timer is not None:
+            timer.on_end(event, None if error is None else error.code or "unknown")
         if error is not None:
             yield event.seq, error
             return
@@ -88,13 +101,14 @@ async def frames(exchange: Exchange, writer: ChunkWriter, text_filter: TextFilte
 
 
 async def sse_events(
-    exchange: Exchange, writer: ChunkWriter, text_filter: TextFilter, after_seq: int = -1
+    exchange: Exchange, writer: ChunkWriter, text_filter: TextFilter, after_seq: int = -1,
+    timer: GenerationTimer | None = None,
 ) -> AsyncIterator[bytes]:
     """The SSE byte stream of a request, ending with `data: [DONE]`; only the events after
     `after_seq` (a reconnecting client's Last-Event-ID). An error terminal becomes a
     `data: {"error": {...}}` event (what the openai client raises as APIError) before [DONE]."""
     seq = after_seq
-    async for seq, frame in frames(exchange, writer, text_filter):
+    async for seq, frame in frames(exchange, writer, text_filter, timer):
         if seq > after_seq:
             yield sse_event(seq, frame.body() if isinstance(frame, ApiError) else frame)
     yield sse_event(max(seq, after_seq), "[DONE]")
@@ -145,13 +159,16 @@ class EventStreamResponse(StreamingResponse):
 
 
 def event_stream(
-    entry: StreamEntry, after_seq: int, output_guard: OutputGuard, gateway_id: str, version_tag: str
+    entry: StreamEntry, after_seq: int, output_guard: OutputGuard, gateway_id: str, version_tag: str,
+    timer: GenerationTimer | None = None,
 ) -> EventStreamResponse:
     """The SSE response of a registered stream from after `after_seq` (-1: its first reader), with
     the x-weir-model-version `version_tag` of the version it is pinned to and its x-weir-assignment.
 
-    The first reader counts the redactions of its text filter when it closes; every reader
-    leaves the entry then (a resumable one is held for a reconnect)."""
+    The first reader counts the redactions of its text filter when it closes, and is the one
+    `timer` times; every reader leaves the entry then (a resumable one is held for a reconnect)."""
+    if timer is not None and after_seq >= 0:
+        raise ValueError("only a stream's first reader is timed")
     text_filter = output_guard.stream()
 
     def on_close() -> None:
@@ -161,7 +178,7 @@ def event_stream(
 
     headers = {**stream_headers(entry.request_id, gateway_id, entry.is_resumable),
                **served_headers(version_tag, entry.exchange.request)}  # fmt: skip
-    events = sse_events(entry.exchange, entry.new_writer(), text_filter, after_seq)
+    events = sse_events(entry.exchange, entry.new_writer(), text_filter, after_seq, timer)
     return EventStreamResponse(events, on_close, headers)
 
 
@@ -175,11 +192,12 @@ def stream_headers(request_id: str, gateway_id: str, is_resumable: bool) -> dict
 
 
 async def collect(
-    exchange: Exchange, kind: Kind, created_s: int, receive: Receive, guard_text: Callable[[str], str]
+    exchange: Exchange, kind: Kind, created_s: int, receive: Receive, guard_text: Callable[[str], str],
+    timer: GenerationTimer | None = None,
 ) -> dict[str, Any] | None:
     """Wait for the whole result of a stream=false request; returns the OpenAI body (its text
     passed through `guard_text`), or None when the client left first (its caller then closes the
-    Exchange with client_disconnect).
+    Exchange with client_disconnect). `timer` learns of the terminal when it arrives.
 
     Raises ApiError for an error terminal.
     """
@@ -192,6 +210,8 @@ async def collect(
                 parts.append(event.text)
                 continue
             error = terminal_error(event)
+            if timer is not None:
+                timer.on_end(event, None if error is None else error.code or "unknown")
             if error is not None:
                 raise error
             text = guard_text("".join(parts))
@@ -262,8 +282,10 @@ class WebSocketSession:
     """
 
     def __init__(self, ws: WebSocket, prepare: Prepare, resume: Resume, output_guard: OutputGuard,
-                 check_frame: Callable[[bytes], None], version_tag: Callable[[str], str]) -> None:  # fmt: skip
+                 check_frame: Callable[[bytes], None], version_tag: Callable[[str], str],
+                 metrics: GatewayMetrics | None = None) -> None:  # fmt: skip
         self.ws = ws
+        self.metrics = metrics  # times each request's generation (not a resumed one's)
         self.version_tag = version_tag
         self.prepare = prepare
         self.check_frame = check_frame
@@ -288,6 +310,7 @@ class WebSocketSession:
 
     async def on_frame(self, text: str | None, data: bytes | None) -> None:
         """Handle one client frame: a request, a cancel, a resume, or something to refuse."""
+        accepted_s = time.monotonic()
         raw = text.encode() if text is not None else data or b""
         try:
             self.check_frame(raw)  # before parsing: a frame nested past orjson's limits would raise
@@ -316,7 +339,10 @@ class WebSocketSession:
         except ApiError as error:
             return await self.send_error(error)
         self._entry = entry
-        self._pump = asyncio.create_task(self._stream(entry, offset))
+        timer = None
+        if kind != "resume" and self.metrics is not None:
+            timer = GenerationTimer(self.metrics, entry.exchange.request.model, kind, accepted_s)
+        self._pump = asyncio.create_task(self._stream(entry, offset, timer))
 
     async def on_cancel(self) -> None:
         """Publish Cancellation(reason="user") for the running request and acknowledge it."""
@@ -328,14 +354,14 @@ class WebSocketSession:
         entry.cancel("user")
         await self.send({"type": "cancelled", "request_id": entry.request_id})
 
-    async def _stream(self, entry: StreamEntry, offset: int) -> None:
+    async def _stream(self, entry: StreamEntry, offset: int, timer: GenerationTimer | None) -> None:
         # offset: the chunk frames this client already has (a resume); they are rendered, not sent.
         text_filter = self.output_guard.stream()
         num_frames = 0
         request = entry.exchange.request
         fields = {WS_VERSION_FIELD: self.version_tag(request.model), WS_ASSIGNMENT_FIELD: request.assignment}
         first: dict[str, Any] | None = {key: value for key, value in fields.items() if value is not None}
-        async for _, frame in frames(entry.exchange, entry.new_writer(), text_filter):
+        async for _, frame in frames(entry.exchange, entry.new_writer(), text_filter, timer):
             num_frames += 1
             if num_frames <= offset:
                 continue

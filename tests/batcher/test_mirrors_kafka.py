@@ -19,6 +19,7 @@ from schemas.topics import Topics
 from services.batcher.app import BatcherApp, BatcherService
 from services.batcher.config import BatcherSettings
 from weir.kafka.admin import ensure_topics
+from weir.metrics import value
 from weir.registry import publish, read_registry, register, set_route
 
 from .factories import make_config, make_repo, version_specs
@@ -99,7 +100,7 @@ async def test_live_requests_are_mirrored_in_the_bulk_lane_and_copies_dropped_fi
         service.app = app
         text = service.metrics.render()
         service.metrics.shutdown()
-        assert "weir_batcher_mirrors_dropped 8" in text and "weir_batcher_mirrors_held 0" in text
+        assert value(text, "weir_batcher_mirrors_dropped") == 8 and value(text, "weir_batcher_mirrors_held") == 0
 
         dropped_ids = {f"{r.request_id}.mirror.3" for r in second + third} - mirror_worker.request_ids
         assert len(dropped_ids) == 8

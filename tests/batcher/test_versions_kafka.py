@@ -24,6 +24,7 @@ from schemas.registry import ModelManifest, ModelRoute, ModelVersionRecord
 from schemas.topics import Topics
 from services.batcher.app import BatcherApp, BatcherService
 from services.batcher.config import BatcherSettings
+from weir.metrics import value
 from weir.kafka.admin import ensure_topics, list_topic_names
 from weir.registry import promote, publish, read_registry, register
 
@@ -143,11 +144,11 @@ async def test_requests_follow_versions_promotions_and_failures(batcher_bootstra
         service.app = app
         text = service.metrics.render()
         service.metrics.shutdown()
-        for line in ('weir_batcher_requests_unservable{model="m@3"} 2', "weir_batcher_registry_skipped 3",
-                     'weir_batcher_routable_workers{model="m@2",state="ready"} 1', "weir_batcher_registry_versions 3",
-                     'weir_batcher_routable_workers{model="m@1",state="draining"} 1',
-                     'weir_batcher_routable_workers{model="m@3",state="ready"} 0'):  # fmt: skip
-            assert line in text.splitlines(), (line, text)
+        assert value(text, "weir_batcher_requests_unservable", model="m@3") == 2
+        assert value(text, "weir_batcher_registry_skipped") == 3 and value(text, "weir_batcher_registry_versions") == 3
+        assert value(text, "weir_batcher_routable_workers", model="m@2", state="ready") == 1
+        assert value(text, "weir_batcher_routable_workers", model="m@1", state="draining") == 1
+        assert value(text, "weir_batcher_routable_workers", model="m@3", state="ready") == 0
     finally:
         stop.set()
         for task in tasks:

@@ -58,7 +58,7 @@ async def stack(gateway_bootstrap: str) -> AsyncIterator[Stack]:
     await ensure_topics(gateway_bootstrap, topics.core_specs())
     settings = GatewaySettings(
         kafka_bootstrap=gateway_bootstrap, topic_prefix=topics.prefix, model_repo=str(REPO_TOML),
-        reply_grace_s=0.2, gap_timeout_s=1.0, auth_mode="open",
+        reply_grace_s=0.2, gap_timeout_s=1.0, auth_mode="open", lag_interval_s=1.0,
     )
     server = GatewayServer(create_app(settings))
     await server.start()

@@ -29,6 +29,7 @@ from services.gateway.app import create_app
 from services.gateway.config import GatewaySettings
 from services.gateway.keys_cli import create_key, main as keys_main, read_keys
 from weir.kafka.admin import delete_prefixed_topics, ensure_topics
+from weir.metrics import value
 
 from .conftest import REPO_TOML
 from .fakes import FakeWorker, GatewayServer, eventually
@@ -233,13 +234,14 @@ async def test_metrics_count_what_happened(guarded: Guarded) -> None:
         hang = await http.post("/v1/completions", json={"model": "echo", "prompt": "hang"}, headers=headers)
         assert hang.status_code == 504
         text = (await http.get("/metrics")).text
-    assert 'weir_gateway_requests_total{route="/v1/completions",status="504"} 1' in text
-    assert 'weir_gateway_cancellations_total{reason="deadline"}' in text
-    assert 'weir_gateway_rate_limited_total{limit="requests",scope="key"}' in text
-    assert 'weir_workers_live{model="echo@1"} 1' in text  # heartbeats name versions
-    assert 'weir_worker_free_kv_blocks{worker="fake-worker-1"} 64' in text
-    assert 'weir_gateway_in_flight{lane="interactive",model="echo@1"} 0' in text  # per version
-    assert "# TYPE weir_gateway_requests_total counter" in text
+    code = hang.json()["error"]["code"]
+    assert value(text, "weir_gateway_requests_total", route="/v1/completions", status="504", code=code) == 1
+    assert (value(text, "weir_gateway_cancellations_total", reason="deadline") or 0) >= 1
+    assert (value(text, "weir_gateway_rate_limited_total", limit="requests", scope="key") or 0) >= 1
+    assert value(text, "weir_workers_live", model="echo@1") == 1  # heartbeats name versions
+    assert value(text, "weir_worker_free_kv_blocks", worker="fake-worker-1") == 64
+    assert value(text, "weir_gateway_in_flight", lane="interactive", model="echo@1") == 0  # per version
+    assert "# TYPE weir_gateway_requests_total counter" in text.splitlines()
 
 
 async def test_keys_cli_creates_a_working_key_and_lists_it_without_secrets(
@@ -320,4 +322,4 @@ async def test_five_high_risk_prompts_within_the_hour_flag_the_principal_for_rev
     assert INJECTION not in flag.model_dump_json()  # rule names only, never the prompt
     async with httpx.AsyncClient(base_url=guarded.a.base_url) as http:
         metrics = (await http.get("/metrics")).text
-    assert 'weir_gateway_input_guard_total{action="flag",level="high"}' in metrics
+    assert (value(metrics, "weir_gateway_input_guard_total", action="flag", level="high") or 0) >= 1

@@ -14,7 +14,14 @@ import httpx
 import openai
 import orjson
 import pytest
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.structs import OffsetAndMetadata
 from websockets.asyncio.client import connect
+
+from schemas.topics import TopicSpec
+from tests.kafka_helpers import produce
+from weir.kafka.admin import ensure_topics
+from weir.metrics import value
 
 from .conftest import Stack
 from .fakes import DRIP, eventually
@@ -146,8 +153,7 @@ async def test_personal_data_split_across_deltas_is_redacted_streamed_or_not(sta
     assert streamed == whole.choices[0].text == chat.choices[0].message.content == PII_REDACTED
     async with httpx.AsyncClient(base_url=stack.base_url) as http:
         metrics = (await http.get("/metrics")).text
-    line = next(line for line in metrics.splitlines() if line.startswith("weir_gateway_redactions_total"))
-    assert float(line.split()[-1]) >= 12  # four spans in each of the three outputs
+    assert (value(metrics, "weir_gateway_redactions_total") or 0) >= 12  # four spans in each of the three outputs
 
 
 async def test_disguised_personal_data_is_redacted_streamed_or_not(stack: Stack) -> None:
@@ -158,3 +164,54 @@ async def test_disguised_personal_data_is_redacted_streamed_or_not(stack: Stack)
     whole = await client.completions.create(model="echo", prompt="variants")
     chat = await client.chat.completions.create(model="echo", messages=[{"role": "user", "content": "variants"}])
     assert streamed == whole.choices[0].text == chat.choices[0].message.content == VARIANTS_REDACTED
+
+
+async def test_a_streamed_generation_is_timed_per_served_version(stack: Stack) -> None:
+    """TTFT, inter-token latency and end-to-end latency of a drip (20 deltas, 50 ms apart) as the
+    client saw it, its tokens, and the GenAI client metrics, under the served name@version."""
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=20) as client:
+        before = (await client.get("/metrics")).text
+        async with client.stream("POST", "/v1/completions", json=DRIP_BODY) as response:
+            model_name = response.headers["x-weir-model-version"].split(":")[0]
+            texts, _ = await read_sse(response)
+        after = (await client.get("/metrics")).text
+    assert "".join(texts) == "".join(DRIP)
+
+    def grew(name: str, **labels: str) -> float:
+        return (value(after, name, **labels) or 0) - (value(before, name, **labels) or 0)
+
+    labels = {"model_name": model_name}
+    assert model_name == "echo@1"
+    assert grew("weir_gateway_time_to_first_token_seconds_count", **labels) == 1
+    assert grew("weir_gateway_inter_token_latency_seconds_count", **labels) >= 10  # the guard may merge deltas
+    e2e_s = grew("weir_gateway_e2e_request_latency_seconds_sum", **labels)
+    assert grew("weir_gateway_e2e_request_latency_seconds_count", **labels) == 1
+    assert 0.9 <= e2e_s < 20  # 19 pauses of 50 ms at least
+    assert grew("weir_gateway_inter_token_latency_seconds_sum", **labels) <= e2e_s
+    assert grew("weir_gateway_generation_tokens_total", **labels) == len(DRIP)
+    gen_ai = {"gen_ai_operation_name": "text_completion", "gen_ai_provider_name": "weir", "gen_ai_request_model": "echo@1"}
+    assert grew("gen_ai_client_token_usage_sum", **gen_ai, gen_ai_token_type="output") == len(DRIP)
+    assert grew("gen_ai_client_operation_duration_seconds_count", **gen_ai) == 1
+
+
+async def test_the_consumer_lag_of_the_deployments_groups_is_in_the_gateways_metrics(stack: Stack) -> None:
+    topic, group = f"{stack.topics.prefix}.lagprobe", f"{stack.topics.prefix}.probe"
+    await ensure_topics(stack.bootstrap, [TopicSpec(topic, 1, {})])
+    await produce(stack.bootstrap, topic, [("k", b"%d" % i) for i in range(4)])
+    consumer = AIOKafkaConsumer(bootstrap_servers=stack.bootstrap, group_id=group, enable_auto_commit=False)
+    await consumer.start()
+    try:
+        consumer.assign([TopicPartition(topic, 0)])
+        await consumer.commit({TopicPartition(topic, 0): OffsetAndMetadata(1, "")})
+    finally:
+        await consumer.stop()
+    async with httpx.AsyncClient(base_url=stack.base_url) as client:
+
+        async def lag() -> float | None:
+            return value((await client.get("/metrics")).text, "kafka_consumergroup_lag", consumergroup=group, topic=topic)
+
+        for _ in range(100):  # polled every lag_interval_s (1 s here), never at scrape time
+            if await lag() == 3:
+                break
+            await asyncio.sleep(0.1)
+        assert await lag() == 3

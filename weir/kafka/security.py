@@ -213,6 +213,11 @@ def service_grants(topics: Topics) -> list[Grant]:
     # ... and every outside producer's own request topic (<prefix>.requests.<user>): read by pattern.
     grants += _grants("batcher", "topic", "prefixed", ("read", "describe"), [t.producer_requests("")])
     grants += _grants("batcher", "group", "literal", ("read",), [t.batcher_group, t.job_runner_group])
+    # gateway and batcher: export the consumer lag of the deployment's groups (weir/lag.py): list
+    # the groups and read their offsets (DESCRIBE on groups), and the end offsets of their topics.
+    for user in ("gateway", "batcher"):
+        grants += _grants(user, "group", "prefixed", ("describe",), [f"{t.prefix}."])
+        grants += _grants(user, "topic", "prefixed", ("describe",), [f"{t.prefix}."])
     # worker: reads its model's batches and cancels; writes replies (to whoever reply_to names,
     # inside the reply namespace), audit events and heartbeats.
     grants += _grants("worker", "topic", "prefixed", ("read",), [t.batches("")])

@@ -6,6 +6,7 @@ whole (collect) or streamed (streaming.event_stream, resumable with a grace).
 
 from __future__ import annotations
 
+import time
 import uuid
 
 from fastapi import APIRouter, Request
@@ -14,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from schemas.messages import GenerateRequest, now_ms
 from services.gateway.guard.auth import Owner
 from services.gateway.handlers import Exchange
+from services.gateway.metrics import GenerationTimer
 from services.gateway.openai_format import (
     ApiError,
     ChunkWriter,
@@ -43,27 +45,30 @@ def add_completion_routes(router: APIRouter, parts: GatewayParts) -> None:
 
 async def complete(parts: GatewayParts, kind: Kind, request: Request) -> Response:
     """Open the request, then stream it (stream=true) or answer with the whole result."""
+    accepted_s = time.monotonic()
     request_id = request.state.request_id = new_request_id(kind)
     raw = await read_body(request, parts.settings.max_body_bytes)
     headers = dict(request.headers)
     grace_s = parts.grace_s(headers)
     exchange, writer, owner = await open_exchange(parts, kind, raw, headers, request_id)
     request.state.is_submitted = True
+    timer = GenerationTimer(parts.guard.metrics, exchange.request.model, kind, accepted_s)
     if isinstance(exchange.request, GenerateRequest) and exchange.request.stream:
         entry = parts.streams.add(exchange, writer.fresh, grace_s, owner)
         tag = parts.catalog.version_tag(exchange.request.model)
-        return event_stream(entry, -1, parts.output_guard, parts.bus.gateway_id, tag)
-    return await answer(parts, kind, request, exchange, writer)
+        return event_stream(entry, -1, parts.output_guard, parts.bus.gateway_id, tag, timer)
+    return await answer(parts, kind, request, exchange, writer, timer)
 
 
 async def answer(
-    parts: GatewayParts, kind: Kind, request: Request, exchange: Exchange, writer: ChunkWriter
+    parts: GatewayParts, kind: Kind, request: Request, exchange: Exchange, writer: ChunkWriter,
+    timer: GenerationTimer | None = None,
 ) -> Response:
     """The whole result of a stream=false request as one JSON body; 499 when the client left first."""
     headers = {"x-request-id": exchange.request_id}
     status: int | str = 500
     try:
-        body = await collect(exchange, kind, writer.created_s, request.receive, parts.output_guard.text)
+        body = await collect(exchange, kind, writer.created_s, request.receive, parts.output_guard.text, timer)
         if body is None:
             status = "client_gone"
             return Response(status_code=499, headers=headers)

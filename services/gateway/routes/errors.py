@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from services.gateway.metrics import note_error_code
 from services.gateway.openai_format import ApiError, error_body, error_type, validation_error
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ async def on_error(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
         known = 500, error_body("internal error", "server_error", None, "internal_error")
     status, body = known
+    note_error_code(request.scope, body["error"]["code"])
     headers = dict(getattr(exc, "headers", None) or {})  # Retry-After, WWW-Authenticate
     request_id = getattr(request.state, "request_id", None)
     if request_id:

@@ -13,6 +13,7 @@ from services.gateway.guard.gate import Guard
 from services.gateway.guard.output_guard import OutputGuard
 from services.gateway.handlers import GatewayBus
 from services.gateway.resume import ResumableStreams, resume_grace_s
+from weir.lag import LagMonitor
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class GatewayParts:
     output_guard: OutputGuard
     streams: ResumableStreams
     started_s: int  # epoch seconds the app was built: the `created` of every listed model
+    lag: LagMonitor  # consumer lag of the deployment's groups, for /metrics (weir/lag.py)
 
     def model(self, ref: str, identity: Identity, user: str | None, request_id: str) -> tuple[ModelConfig, Assignment]:
         """The version that serves a body's `model` and how it was chosen (`name@version`: that one,

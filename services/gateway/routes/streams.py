@@ -26,7 +26,7 @@ def add_stream_routes(router: APIRouter, parts: GatewayParts) -> None:
     @router.websocket("/v1/stream")
     async def stream(ws: WebSocket) -> None:
         await WebSocketSession(ws, partial(prepare, parts), partial(resume, parts), parts.output_guard,
-                               partial(check_frame, parts), parts.catalog.version_tag).run()  # fmt: skip
+                               partial(check_frame, parts), parts.catalog.version_tag, parts.guard.metrics).run()  # fmt: skip
 
     @router.get("/v1/streams/{request_id}")
     async def resume_stream(request_id: str, request: Request) -> Response:
