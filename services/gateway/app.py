@@ -3,7 +3,8 @@
 Endpoints, one routes/ module per concern: POST /v1/chat/completions, POST /v1/completions (JSON
 or SSE; completions.py), POST /v1/embeddings (embeddings.py), WS /v1/stream and GET
 /v1/streams/{id} (streams.py), OpenAI's Files and Batch APIs (batches.py), GET /v1/models,
-/healthz, /readyz, /metrics (operations.py), the model admin API under /v2/repository (admin.py). Every error leaves through one handler
+/healthz, /readyz, /metrics (operations.py), the model admin API under /v2/repository (admin.py),
+GET /v1/usage (usage.py). Every error leaves through one handler
 (routes/errors.py), in OpenAI's format. Kafka starts in the lifespan, before the server accepts a
 connection; create_app owns the lifespan of everything that starts and stops with the app.
 """
@@ -39,6 +40,8 @@ from services.gateway.routes.errors import HANDLED, on_error
 from services.gateway.routes.operations import add_metrics_routes, add_operation_routes
 from services.gateway.routes.parts import GatewayParts
 from services.gateway.routes.streams import add_stream_routes
+from services.gateway.routes.usage import add_usage_routes
+from services.gateway.usage import UsageView
 from weir.service import ConfigError, bus_overrides, run_service, service_parser
 
 log = logging.getLogger(__name__)
@@ -49,11 +52,12 @@ def create_app(settings: GatewaySettings, repo: ModelRepository | None = None) -
     seeds the registry the app follows while it runs (catalog.py)."""
     parts = build_parts(settings, repo)
     batches = BatchStore(settings)
+    usage = UsageView(settings, f"{parts.bus.gateway_id}-usage")
     app = FastAPI(
-        title="Weir gateway", lifespan=lambda _: running(parts, batches), docs_url=None, redoc_url=None
+        title="Weir gateway", lifespan=lambda _: running(parts, batches, usage), docs_url=None, redoc_url=None
     )  # fmt: skip
     app.state.settings, app.state.catalog, app.state.bus, app.state.guard = settings, parts.catalog, parts.bus, parts.guard
-    app.state.batches = batches
+    app.state.batches, app.state.usage = batches, usage
     app.add_middleware(
         RequestLimits, max_headers=settings.max_headers, max_header_bytes=settings.max_header_bytes,
         max_body_bytes=settings.max_body_bytes, max_json_depth=settings.max_json_depth,
@@ -68,6 +72,7 @@ def create_app(settings: GatewaySettings, repo: ModelRepository | None = None) -
     for add_routes in (add_completion_routes, add_embedding_routes, add_stream_routes, add_operation_routes,
                        add_admin_routes):
         add_routes(app.router, parts)
+    add_usage_routes(app.router, parts, usage)
     for exc_class in HANDLED:
         app.add_exception_handler(exc_class, on_error)
     install_openapi(app)
@@ -89,12 +94,12 @@ def build_parts(settings: GatewaySettings, repo: ModelRepository | None) -> Gate
 
 
 @asynccontextmanager
-async def running(parts: GatewayParts, batches: BatchStore) -> AsyncIterator[None]:
+async def running(parts: GatewayParts, batches: BatchStore, *more: UsageView) -> AsyncIterator[None]:
     """The app's lifespan: the bus, then the registry (read to its end before a request is served),
-    the guard's peer sync, then the batch store start; they stop in reverse order, however the app
-    ends."""
+    the guard's peer sync, the batch store, then `more` (the usage view) start; they stop in
+    reverse order, however the app ends."""
     async with contextlib.AsyncExitStack() as started:
-        for part in (parts.bus, parts.catalog, parts.guard, batches):
+        for part in (parts.bus, parts.catalog, parts.guard, batches, *more):
             await part.start()
             started.push_async_callback(part.stop)
         yield
