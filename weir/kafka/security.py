@@ -243,6 +243,10 @@ def service_grants(topics: Topics) -> list[Grant]:
     grants += _grants("auditor", "topic", "literal", ("write",), [t.traffic])
     grants += _grants("gateway", "topic", "literal", ("read",), [t.traffic])  # `weir models show` as the gateway
     grants += _grants("auditor", "group", "literal", ("read",), [f"{t.auditor_group}.canary-guard"])
+    # Token accounting (docs/design.md, "Observability"): the auditor alone writes the usage totals
+    # and rate cards; gateways follow them for GET /v1/usage. `weir usage` runs as the admin.
+    grants += _grants("auditor", "topic", "literal", ("write",), [t.token_usage])
+    grants += _grants("gateway", "topic", "literal", ("read",), [t.token_usage])
     return grants
 
 
