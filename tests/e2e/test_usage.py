@@ -20,7 +20,10 @@ PORTS = {"WEIR_GATEWAY_PORT": "28670", "WEIR_AUDIT_API_PORT": "28671", "WEIR_BAT
 
 @pytest.fixture(scope="module")
 def usage_pipeline(tmp_path_factory):
-    p = start_pipeline(tmp_path_factory.mktemp("usage"), WEIR_MODELS=MODEL, WEIR_USAGE_EVERY_S="0.5", **PORTS)
+    """Its own stack: the shared ones' other modules bill the same open-mode tenant, so their
+    totals would mix with the ones compared here. Echo only, no fingerprints: quick to start."""
+    p = start_pipeline(tmp_path_factory.mktemp("usage"), WEIR_MODELS=MODEL, WEIR_USAGE_EVERY_S="0.5",
+                       WEIR_AUDIT_FINGERPRINT_MODEL="", **PORTS)  # fmt: skip
     yield p
     p.stack.stop_all()
 
