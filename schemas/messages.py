@@ -590,6 +590,8 @@ class BatchJob(_Wire):
     credential: CredentialKind = Field("open", description="Kind of credential it was created with: 'key', 'jwt' "
                                        "or 'open'; with tenant and principal, the job's owner.")
     request_counts: RequestCounts = Field(default_factory=lambda: RequestCounts(), description="Progress.")
+    usage: Usage | None = Field(None, description="Token counts of its requests, summed from their ReplyEnds when "
+                                "it ended (completed, cancelled or expired); None before, or for a job that failed validation.")
     output_file_id: str | None = Field(None, description="File of successful results, once finished.")
     error_file_id: str | None = Field(None, description="File of failed requests, once finished (if any).")
     errors: list[BatchLineError] = Field(default_factory=list, description="Why validation failed.")

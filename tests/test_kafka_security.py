@@ -153,6 +153,8 @@ def test_the_acl_plan_keeps_each_topic_to_its_writers() -> None:
     assert _readers(grants, t.models) == {"gateway", "batcher", "worker", "auditor"}
     assert _readers(grants, t.model_health) == {"gateway", "batcher", "auditor"}
     assert _writers(grants, t.traffic) == {"auditor"}
+    # token usage: the auditor is the only bookkeeper; gateways read it for /v1/usage ("Observability")
+    assert _writers(grants, t.token_usage) == {"auditor"} and _readers(grants, t.token_usage) == {"gateway"}
     assert "gateway" in _readers(grants, t.workers)  # `weir models list` reads the heartbeats
 
 

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
+from aiokafka.errors import KafkaError
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -347,7 +348,13 @@ class TopicFollower:
     async def _follow(self) -> None:
         assert self._consumer is not None
         while True:
-            self._apply(await self._consumer.getmany(timeout_ms=500))
+            try:
+                fetched = await self._consumer.getmany(timeout_ms=500)
+            except KafkaError as exc:  # a fetch that failed must not end the view for good
+                log.warning("following %s: %r; fetching again in 1 s", self.topic, exc)
+                await asyncio.sleep(1.0)
+                continue
+            self._apply(fetched)
 
     def _apply(self, batches: dict[TopicPartition, list[ConsumerRecord]]) -> None:
         for records in batches.values():

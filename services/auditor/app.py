@@ -11,6 +11,7 @@ import contextlib
 import logging
 import sqlite3
 from pathlib import Path
+from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
 from faststream import FastStream
@@ -29,6 +30,7 @@ from services.auditor.handlers import AnchorPublisher, AuditBatches, DeadLetters
 from services.auditor.health import HealthMetrics
 from services.auditor.ledger import Ledger, LedgerError
 from services.auditor.traffic import CanaryGuard, ErrorWindows, TrafficCounter, register_health_handler
+from services.auditor.usage import UsageAccounts, UsageLedger, load_prices
 from services.auditor.watermark import WatermarkDetector
 from schemas.codec import encode
 from schemas.messages import AuditEvent, now_ms
@@ -83,9 +85,11 @@ def create_app(settings: AuditorSettings, health: HealthMetrics | None = None,
         TopicFollower(settings, topics.health, f"{client_id}-health", lambda key, value, _: monitor.on_alert(key, value))
     if health is not None:
         health.monitor = monitor
+    accounts = usage_accounts(settings, writer, publish)
 
     def on_new_event(event: AuditEvent) -> None:
         counter.observe(event)
+        accounts.observe(event)
         if monitor is not None:
             monitor.observe(event)
         if settings.canary_guard:
@@ -137,6 +141,23 @@ def create_app(settings: AuditorSettings, health: HealthMetrics | None = None,
             except Exception as exc:  # noqa: BLE001 - judged again at the next tick
                 log.warning("health alerts failed (%r); retrying at the next tick", exc)
 
+    async def publish_usage() -> None:
+        """The touched keys' totals out, recomputed from the ledger (services/auditor/usage.py)."""
+        while True:
+            await asyncio.sleep(settings.usage_every_s)
+            try:
+                await accounts.publish_touched()
+            except Exception as exc:  # noqa: BLE001 - the keys stay touched: retried at the next tick
+                log.warning("publishing token usage failed (%r); retrying at the next tick", exc)
+
+    async def publish_rates() -> None:
+        while True:
+            try:
+                await accounts.publish_rates()
+            except Exception as exc:  # noqa: BLE001 - measured again at the next tick
+                log.warning("publishing rate cards failed (%r); retrying at the next tick", exc)
+            await asyncio.sleep(settings.usage_rate_every_s)
+
     async def checkpoint_quiet_chains() -> None:
         while True:
             await asyncio.sleep(min(settings.audit_checkpoint_every_s, 5.0))
@@ -151,6 +172,7 @@ def create_app(settings: AuditorSettings, health: HealthMetrics | None = None,
         await writer.open()
         await tracing.start()
         counter.load(await writer.traffic_rows())  # before the first batch: since the ledger began
+        await accounts.restate()  # totals stored before a crash but not yet published go out
         if settings.canary_guard or settings.health_alerts:
             await registry.start()  # the models topic must exist (AuditorService.start makes sure)
         if monitor is not None and alerts is not None:
@@ -161,6 +183,8 @@ def create_app(settings: AuditorSettings, health: HealthMetrics | None = None,
             timers.append(asyncio.get_running_loop().create_task(judge_health(monitor)))
         timers.append(asyncio.get_running_loop().create_task(checkpoint_quiet_chains()))
         timers.append(asyncio.get_running_loop().create_task(publish_traffic()))
+        timers.append(asyncio.get_running_loop().create_task(publish_usage()))
+        timers.append(asyncio.get_running_loop().create_task(publish_rates()))
         log.info("auditor %s: ledger %s, consuming %s as group %s", client_id, writer.name,
                  settings.topics.audit, settings.topics.auditor_group)
 
@@ -180,6 +204,20 @@ def create_app(settings: AuditorSettings, health: HealthMetrics | None = None,
         await tracing.stop()  # before the broker stops: its last spans go out through it
 
     return FastStream(broker, on_startup=[open_ledger], on_shutdown=[flush_spans], after_shutdown=[close_ledger])
+
+
+def usage_accounts(settings: AuditorSettings, writer: LedgerWriter,
+                   publish: Callable[[str, bytes, bytes], Awaitable[None]]) -> UsageAccounts:  # fmt: skip
+    """The token accounts, priced from the model repository's [prices.*] (none when it has no
+    file); a malformed price table is a ConfigError."""
+    try:
+        prices = load_prices(settings.model_repo) if Path(settings.model_repo).is_file() else {}
+    except (ValueError, OSError) as exc:
+        raise ConfigError(f"token prices: {exc}") from exc
+    ledger = UsageLedger(writer.usage_of, writer.usage_keys_since, writer.tokens_served_since)
+    topic = settings.topics.token_usage
+    return UsageAccounts(ledger, prices, lambda key, value: publish(topic, key, value),
+                         settings.hardware_cost_per_hour, settings.usage_rate_window_s)
 
 
 class AuditorService:
@@ -207,7 +245,7 @@ class AuditorService:
         # It writes the traffic counts, the canary guard's routes and health events too (its alerts'
         # topic: create_app makes sure of it, as it does in tests that build the app alone).
         wanted = {topics.audit_anchors, topics.shadow_live, topics.comparisons, topics.traffic, topics.model_health,
-                  topics.models}
+                  topics.models, topics.token_usage}
         specs = [spec for spec in topics.core_specs() if spec.name in wanted]
         # The mirror copies' reply topic: like every reply topic, its reader creates it.
         await ensure_topics(self.settings.kafka_bootstrap, [*specs, topics.reply_spec("shadow")])

@@ -121,6 +121,20 @@ class AuditorSettings(BusSettings):
         if self.health_min_window_outputs > self.health_window_outputs:
             raise ValueError("WEIR_HEALTH_MIN_WINDOW_OUTPUTS must not exceed WEIR_HEALTH_WINDOW_OUTPUTS")
         return self
+    model_repo: str = Field("models.toml", description="Model repository: where the watermark detector finds "
+                            "tokenizers, and the token prices ([prices.<model>], services/auditor/usage.py).")
+    usage_every_s: float = Field(
+        2.0, gt=0, le=3600, description="How often the token totals of the keys new audit events touched are "
+        "recomputed from the ledger and published (docs/design.md, \"Observability\").",
+    )
+    usage_rate_every_s: float = Field(60.0, gt=0, le=86_400, description="How often the rate cards are published.")
+    usage_rate_window_s: float = Field(
+        3600.0, gt=0, le=30 * 86_400, description="The window a rate card's tokens per hour are measured over."
+    )
+    hardware_cost_per_hour: float | None = Field(
+        None, ge=0, description="USD per hour of the hardware serving a model version (WEIR_HARDWARE_COST_PER_HOUR): "
+        "with the measured tokens per hour, each rate card's cost per 1M tokens; unset: no such cost.",
+    )
 
     def ledger_target(self) -> str | Path:
         """Where the ledger is: the PostgreSQL DSN when set, else the SQLite file."""

@@ -42,7 +42,7 @@ from schemas.topics import Topics
 from services.auditor.anchors import anchor_key
 from services.auditor.config import AuditorSettings
 from services.auditor.health import HealthMetrics
-from services.auditor.ledger import BatchOutcome, Ledger, unstorable_reason
+from services.auditor.ledger import BatchOutcome, Ledger, UsageKey, unstorable_reason
 from schemas.codec import encode
 from weir.bus import consumer_settings, dead_letter_of
 from weir.tracing import Tracing, extract, messaging
@@ -100,6 +100,20 @@ class LedgerWriter:
         assert self._ledger is not None, "LedgerWriter.open() was not called"
         rows: list[tuple[str, str, int, str, float]] = await self._run(self._ledger.drift_rows, first, last)
         return rows
+    async def usage_of(self, key: UsageKey) -> tuple[int, int, int, int]:
+        """Ledger.usage_of on the ledger thread: one key's token totals (services/auditor/usage.py)."""
+        assert self._ledger is not None, "LedgerWriter.open() was not called"
+        return tuple(await self._run(self._ledger.usage_of, key))  # type: ignore[return-value]
+
+    async def usage_keys_since(self, since_ms: int) -> list[UsageKey]:
+        """Ledger.usage_keys_since on the ledger thread."""
+        assert self._ledger is not None, "LedgerWriter.open() was not called"
+        return list(await self._run(self._ledger.usage_keys_since, since_ms))
+
+    async def tokens_served_since(self, since_ms: int) -> dict[str, int]:
+        """Ledger.tokens_served_since on the ledger thread: what the rate cards are measured from."""
+        assert self._ledger is not None, "LedgerWriter.open() was not called"
+        return dict(await self._run(self._ledger.tokens_served_since, since_ms))
 
     async def latest_anchors(self) -> list[AuditAnchor]:
         """Ledger.latest_anchors on the ledger thread: the newest checkpoint of every chain."""

@@ -55,6 +55,8 @@ from weir.audit_key import AuditKeyError, resolve_checkpoint_key
 log = logging.getLogger(__name__)
 
 TABLE = "audit_log"
+DAY_MS = 86_400_000
+UsageKey = tuple[int, str, str, str]  # (UTC day as days since the epoch, tenant, principal, model version)
 CHECKPOINTS = "audit_checkpoints"
 _LEDGER_COLUMNS = ("chain_id", "kafka_partition", "kafka_offset", "appended_ms")
 AUDIT_TABLES = ChainTables("audit", TABLE, CHECKPOINTS)
@@ -116,6 +118,8 @@ def _tables_sql(dialect: Dialect) -> list[str]:
 def _extras_sql(dialect: Dialect) -> list[str]:
     """Indexes for lookups by fingerprint or request; triggers that make both tables append-only."""
     sql = [f"CREATE INDEX IF NOT EXISTS {TABLE}_{c} ON {TABLE}({c})" for c in ("prompt_hmac", "output_hmac", "request_id")]
+    sql += [f"CREATE INDEX IF NOT EXISTS {TABLE}_finished_ms ON {TABLE}(finished_ms)",  # usage_keys_since, rate cards
+            f"CREATE INDEX IF NOT EXISTS {TABLE}_usage ON {TABLE}(tenant, principal, model_version, finished_ms)"]
     for table in (TABLE, CHECKPOINTS):
         if dialect == "sqlite":
             sql += [f"CREATE TRIGGER IF NOT EXISTS {table}_no_{op.lower()} BEFORE {op} ON {table} "
@@ -392,6 +396,32 @@ class Ledger:
                 ).fetchall()  # fmt: skip
                 out += [(str(r[0]), signal, int(r[1]), str(r[2]), float(r[3])) for r in rows]
         return out
+    def usage_of(self, key: UsageKey) -> tuple[int, int, int, int]:
+        """(requests, prompt, completion, cached prompt tokens) of one (epoch day, tenant, principal,
+        model version), mirror copies left out (services/auditor/usage.py): from the records, so a
+        redelivered event, stored once, counts once."""
+        day, tenant, principal, model_version = key
+        row = self._store.execute(
+            f"SELECT count(*), sum(prompt_tokens), sum(completion_tokens), sum(coalesce(cached_prompt_tokens, 0)) "
+            f"FROM {TABLE} WHERE tenant = ? AND principal = ? AND model_version = ? AND finished_ms >= ? "
+            "AND finished_ms < ? AND shadow_of IS NULL",
+            (tenant, principal, model_version, day * DAY_MS, (day + 1) * DAY_MS)).fetchone()  # fmt: skip
+        return int(row[0]), int(row[1] or 0), int(row[2] or 0), int(row[3] or 0)
+
+    def usage_keys_since(self, since_ms: int) -> list[UsageKey]:
+        """Every (epoch day, tenant, principal, model version) with a billed record finished at or after `since_ms`."""
+        rows = self._store.execute(
+            f"SELECT DISTINCT finished_ms / {DAY_MS}, tenant, principal, model_version FROM {TABLE} "
+            "WHERE finished_ms >= ? AND shadow_of IS NULL", (since_ms,)).fetchall()  # fmt: skip
+        return [(int(r[0]), str(r[1]), str(r[2]), str(r[3])) for r in rows]
+
+    def tokens_served_since(self, since_ms: int) -> dict[str, int]:
+        """Prompt + completion tokens per model version finished at or after `since_ms`, mirror
+        copies included: what the hardware served, for the rate cards."""
+        rows = self._store.execute(
+            f"SELECT model_version, sum(prompt_tokens + completion_tokens) FROM {TABLE} WHERE finished_ms >= ? "
+            "GROUP BY model_version", (since_ms,)).fetchall()  # fmt: skip
+        return {str(r[0]): int(r[1] or 0) for r in rows}
 
     def chain_ids(self) -> list[int]:
         """The chains that have records or checkpoints, ascending."""

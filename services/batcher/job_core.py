@@ -32,6 +32,7 @@ from schemas.messages import (
     ReplyDelta,
     ReplyEnd,
     RequestCounts,
+    Usage,
 )
 from schemas.batch_lines import (
     MAX_BATCH_LINES,
@@ -232,6 +233,15 @@ class JobResults:
             else:
                 failed += 1
         return RequestCounts(total=len(self.lines), completed=completed, failed=failed)
+
+    def usage(self) -> Usage:
+        """The token counts of every request that ended, whatever its finish reason (what their
+        ReplyEnds billed), summed: the job's usage."""
+        ends = [result.end for result in self._results.values() if result.end is not None]
+        prompt = sum(end.usage.prompt_tokens for end in ends)
+        completion = sum(end.usage.completion_tokens for end in ends)
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     cached_prompt_tokens=sum(end.usage.cached_prompt_tokens for end in ends))
 
     def files(self, endpoint: str, unfinished_code: str | None = None) -> tuple[str, str]:
         """(output JSONL, error JSONL) in file order, one line per custom_id. Lines not ended get

@@ -309,7 +309,7 @@ class JobExecution:
         job = self.job
         assert job.planned_output_file_id is not None and job.planned_error_file_id is not None
         output, errors = results.files(job.endpoint, unfinished_code)
-        changes: dict[str, Any] = {"request_counts": results.counts()}
+        changes: dict[str, Any] = {"request_counts": results.counts(), "usage": results.usage()}
         created_ms = job.finalizing_ms or job.cancelling_ms or now_ms()
         for file_id, name, text in ((job.planned_output_file_id, "output", output),
                                     (job.planned_error_file_id, "errors", errors)):

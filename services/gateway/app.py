@@ -3,8 +3,8 @@
 Endpoints, one routes/ module per concern: POST /v1/chat/completions, POST /v1/completions (JSON
 or SSE; completions.py), POST /v1/embeddings (embeddings.py), WS /v1/stream and GET
 /v1/streams/{id} (streams.py), OpenAI's Files and Batch APIs (batches.py), GET /v1/models,
-/healthz, /readyz, /metrics (operations.py), the model admin API under /v2/repository (admin.py), the
-live dashboard at /dashboard (dashboard.py). Every error leaves through one handler
+/healthz, /readyz, /metrics (operations.py), the model admin API under /v2/repository (admin.py),
+GET /v1/usage (usage.py), the live dashboard at /dashboard (dashboard.py). Every error leaves through one handler
 (routes/errors.py), in OpenAI's format. Kafka starts in the lifespan, before the server accepts a
 connection; create_app owns the lifespan of everything that starts and stops with the app.
 """
@@ -43,6 +43,8 @@ from services.gateway.routes.errors import HANDLED, on_error
 from services.gateway.routes.operations import add_metrics_routes, add_operation_routes
 from services.gateway.routes.parts import GatewayParts
 from services.gateway.routes.streams import add_stream_routes
+from services.gateway.routes.usage import add_usage_routes
+from services.gateway.usage import UsageView
 from weir.lag import LagMonitor
 from weir.service import ConfigError, bus_overrides, run_service, service_parser
 
@@ -56,11 +58,12 @@ def create_app(settings: GatewaySettings, repo: ModelRepository | None = None) -
     batches = BatchStore(settings)
     dashboard = DashboardData(settings, f"{parts.bus.gateway_id}-dashboard", parts.catalog,
                               parts.guard.metrics.render, now_ms)  # fmt: skip
+    usage = UsageView(settings, f"{parts.bus.gateway_id}-usage")
     app = FastAPI(
-        title="Weir gateway", lifespan=lambda _: running(parts, batches, dashboard), docs_url=None, redoc_url=None
+        title="Weir gateway", lifespan=lambda _: running(parts, batches, dashboard, usage), docs_url=None, redoc_url=None
     )  # fmt: skip
     app.state.settings, app.state.catalog, app.state.bus, app.state.guard = settings, parts.catalog, parts.bus, parts.guard
-    app.state.batches, app.state.dashboard = batches, dashboard
+    app.state.batches, app.state.dashboard, app.state.usage = batches, dashboard, usage
     app.add_middleware(
         RequestLimits, max_headers=settings.max_headers, max_header_bytes=settings.max_header_bytes,
         max_body_bytes=settings.max_body_bytes, max_json_depth=settings.max_json_depth,
@@ -75,6 +78,7 @@ def create_app(settings: GatewaySettings, repo: ModelRepository | None = None) -
     for add_routes in (add_completion_routes, add_embedding_routes, add_stream_routes, add_operation_routes,
                        add_admin_routes):
         add_routes(app.router, parts)
+    add_usage_routes(app.router, parts, usage)
     for exc_class in HANDLED:
         app.add_exception_handler(exc_class, on_error)
     add_dashboard_routes(app.router, parts, dashboard)
@@ -99,12 +103,12 @@ def build_parts(settings: GatewaySettings, repo: ModelRepository | None) -> Gate
 
 
 @asynccontextmanager
-async def running(parts: GatewayParts, batches: BatchStore, dashboard: DashboardData) -> AsyncIterator[None]:
+async def running(parts: GatewayParts, batches: BatchStore, *more: DashboardData | UsageView) -> AsyncIterator[None]:
     """The app's lifespan: the bus, then the registry (read to its end before a request is served),
-    the guard's peer sync, the batch store, the dashboard's followers, then the consumer-lag poller;
-    they stop in reverse order, however the app ends."""
+    the guard's peer sync, the batch store, then `more` (the dashboard's followers, the usage view),
+    then the consumer-lag poller; they stop in reverse order, however the app ends."""
     async with contextlib.AsyncExitStack() as started:
-        for part in (parts.bus, parts.catalog, parts.guard, batches, dashboard, parts.lag):
+        for part in (parts.bus, parts.catalog, parts.guard, batches, *more, parts.lag):
             await part.start()
             started.push_async_callback(part.stop)
         yield

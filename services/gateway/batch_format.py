@@ -23,7 +23,7 @@ from schemas.batch_lines import (
     parse_envelope,
     parse_line_body,
 )
-from schemas.messages import TERMINAL_BATCH_STATUSES, BatchJob, FileChunk, RequestCounts, now_ms
+from schemas.messages import TERMINAL_BATCH_STATUSES, BatchJob, FileChunk, RequestCounts, Usage, now_ms
 from schemas.model_repo import ModelConfig
 from services.gateway.batch_upload import Upload
 from services.gateway.guard.auth import Identity, Owner
@@ -56,7 +56,18 @@ def batch_object(job: BatchJob) -> dict[str, Any]:
         "finalizing_at": s(job.finalizing_ms), "completed_at": s(job.completed_ms), "failed_at": s(job.failed_ms),
         "expired_at": s(job.expired_ms), "cancelling_at": s(job.cancelling_ms), "cancelled_at": s(job.cancelled_ms),
         "request_counts": job.request_counts.model_dump(mode="json"), "metadata": job.metadata,
+        "usage": batch_usage(job.usage),
     }  # fmt: skip
+
+
+def batch_usage(usage: Usage | None) -> dict[str, Any] | None:
+    """OpenAI's batch `usage` (BatchUsage) of a job that ended; None before. reasoning_tokens is 0:
+    Weir's workers keep no reasoning apart from the output, so every generated token is an output token."""
+    if usage is None:
+        return None
+    return {"input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": usage.cached_prompt_tokens},
+            "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens}
 
 
 def check_purpose(upload: Upload) -> None:

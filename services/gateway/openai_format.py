@@ -313,7 +313,7 @@ class ChunkWriter:
         return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
 
     def _chunk(
-        self, choices: list[dict[str, Any]], *, usage: dict[str, int] | None = None, fingerprint: str | None = None
+        self, choices: list[dict[str, Any]], *, usage: dict[str, Any] | None = None, fingerprint: str | None = None
     ) -> dict[str, Any]:
         chunk: dict[str, Any] = {
             "id": self.request_id,
@@ -362,12 +362,14 @@ def served_version(end: ReplyEnd, pinned: str) -> str:
     return reported if reported and split_ref(reported)[1] else pinned
 
 
-def usage_dict(usage: Usage) -> dict[str, int]:
-    """OpenAI's usage object (total recomputed, so it always adds up)."""
+def usage_dict(usage: Usage) -> dict[str, Any]:
+    """OpenAI's usage object (total recomputed, so it always adds up), with the prompt tokens the
+    prefix cache served in prompt_tokens_details.cached_tokens."""
     return {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens},
     }
 
 

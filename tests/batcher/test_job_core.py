@@ -221,3 +221,16 @@ def test_lines_resolve_like_requests_pinned_to_a_version_and_the_output_names_th
     results.add(ReplyEnd(request_id=lines["bare"].request_id, seq=0, finish_reason="stop", model_version="echo@1"))
     out, _ = results.files("/v1/chat/completions")
     assert orjson.loads(out.splitlines()[0])["response"]["body"]["model"] == "echo@1"
+
+
+def test_the_jobs_usage_sums_each_requests_end_once_whatever_it_finished_with():
+    parsed = parse_input("\n".join(chat_line(c, c) for c in "abc"), make_job(), REPO, "r")
+    results = JobResults(parsed.lines)
+    ra, rb, _ = (ln.request_id for ln in parsed.lines)
+    assert results.usage() == Usage()  # nothing ended yet
+    end_a = ReplyEnd(request_id=ra, seq=1, finish_reason="stop",
+                     usage=Usage(prompt_tokens=12, completion_tokens=5, total_tokens=17, cached_prompt_tokens=8))
+    end_b = ReplyEnd(request_id=rb, seq=3, finish_reason="length", usage=Usage(prompt_tokens=4, completion_tokens=9))
+    for event in (end_a, end_a, end_b, ReplyEnd(request_id=rb, seq=4, finish_reason="stop", usage=end_a.usage)):
+        results.add(event)  # a repeated end, and a second end of b: counted once, the first wins
+    assert results.usage() == Usage(prompt_tokens=16, completion_tokens=14, total_tokens=30, cached_prompt_tokens=8)

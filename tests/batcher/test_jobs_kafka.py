@@ -1,23 +1,28 @@
 """The batch job runner against the real broker: it runs only a job whose input file belongs to
 the job's owner, and writes a job's result files under random ids, recorded in the job record
-first, owned by the job's owner (docs/design.md, "Batch files")."""
+first, owned by the job's owner (docs/design.md, "Batch files"); a completed job reports the sum of
+its requests' usage."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 from pathlib import Path
 
 import orjson
 import pytest
 
-from schemas.codec import encode
-from schemas.messages import BatchJob, JobCommand, now_ms
+from aiokafka import TopicPartition
+
+from schemas.codec import decode_request, encode
+from schemas.messages import BatchJob, JobCommand, ReplyEnd, Usage, now_ms
 from schemas.model_repo import load_model_repo
 from schemas.registry import RegistryState
 from services.batcher import jobs
+from services.batcher.job_core import request_id_of
 from services.batcher.jobs import JobRunner
-from weir.bus import BusSettings, make_producer
+from weir.bus import BusSettings, make_consumer, make_producer, partitions_of
 from weir.files import FileHeader, chunk_file, read_file, write_file
 from weir.kafka.admin import delete_prefixed_topics, ensure_topics
 
@@ -76,6 +81,59 @@ async def test_a_job_runs_only_its_owners_file_and_its_results_get_random_ids(ba
         rows = [orjson.loads(x) for x in stored.content().splitlines()]
         assert [(r["custom_id"], r["error"]["code"]) for r in rows] == [(f"c{i}", "batch_cancelled") for i in range(3)]
     finally:
+        stop.set()
+        await asyncio.wait_for(running, 30)
+        await producer.stop()
+        await delete_prefixed_topics(batcher_bootstrap, topics.prefix)
+
+
+async def test_a_completed_jobs_usage_is_the_sum_of_its_requests_ends(batcher_bootstrap, fresh_topics) -> None:
+    """A worker stand-in answers each request with a ReplyEnd (twice: a redelivery) whose usage
+    grows with the line; the completed job reports their sum once, as OpenAI's batch usage."""
+    topics = fresh_topics
+    await ensure_topics(batcher_bootstrap, topics.core_specs())
+    settings = BusSettings(kafka_bootstrap=batcher_bootstrap, topic_prefix=topics.prefix)
+    runner = JobRunner(settings, RegistryState(REPO), "test-runner")
+    stop = asyncio.Event()
+    running = asyncio.create_task(runner.run(stop))
+    producer = make_producer(settings, client_id="test-gateway")
+    await producer.start()
+    requests = make_consumer(settings, client_id="test-worker", group_id=None)
+    await requests.start()
+
+    async def answer() -> None:
+        tps = [TopicPartition(topics.requests, p) for p in await partitions_of(requests, topics.requests)]
+        requests.assign(tps)
+        await requests.seek_to_beginning(*tps)
+        while True:
+            for records in (await requests.getmany(timeout_ms=200)).values():
+                for record in records:
+                    request = decode_request(record.value)
+                    n = int(request.request_id == request_id_of("batch_used", "c1")) + 1  # c1 costs twice c0, c2
+                    end = ReplyEnd(request_id=request.request_id, seq=0, finish_reason="stop", usage=Usage(
+                        prompt_tokens=10 * n, completion_tokens=3 * n, total_tokens=13 * n, cached_prompt_tokens=n))
+                    for _ in range(2):
+                        await producer.send_and_wait(request.reply_to, encode(end), key=request.request_id.encode())
+
+    worker = asyncio.create_task(answer())
+    try:
+        header = FileHeader("file-used", "in.jsonl", "batch", "acme", "key", "ann", now_ms())
+        await write_file(producer, topics.files, chunk_file(header, LINES))
+        job = BatchJob(job_id="batch_used", status="validating", endpoint="/v1/chat/completions",
+                       input_file_id="file-used", tenant="acme", credential="key", principal="ann",
+                       expires_ms=now_ms() + 86_400_000)  # fmt: skip
+        assert job.usage is None
+        await producer.send_and_wait(topics.jobs, encode(job), key=b"batch_used")
+        await producer.send_and_wait(topics.job_commands, encode(JobCommand(job_id="batch_used", action="run")),
+                                     key=b"batch_used")
+        done = await wait_for(runner, "batch_used", "completed")
+        assert done.request_counts.completed == 3
+        assert done.usage == Usage(prompt_tokens=40, completion_tokens=12, total_tokens=52, cached_prompt_tokens=4)
+    finally:
+        worker.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await worker
+        await requests.stop()
         stop.set()
         await asyncio.wait_for(running, 30)
         await producer.stop()

@@ -45,7 +45,7 @@ def start_pipeline(tmp: Path, bootstrap: str = BOOTSTRAP, **extra_env: str) -> P
     topics = Topics(f"e2e{uuid.uuid4().hex[:8]}")
     model_repo = REPO_ROOT / "models.toml"
     asyncio.run(ensure_topics(bootstrap, deployment_specs(topics, load_model_repo(model_repo))))
-    port = int(extra_env.get("WEIR_GATEWAY_PORT", 0)) or free_ports(1)[0]  # a port the caller chose, else any free one
+    port = int(extra_env.pop("WEIR_GATEWAY_PORT", 0)) or free_ports(1)[0]  # a caller's own port range
     audit_db = tmp / "audit.sqlite"
     env = {
         "WEIR_KAFKA_BOOTSTRAP": bootstrap, "WEIR_TOPIC_PREFIX": topics.prefix, "WEIR_GATEWAY_PORT": str(port),

@@ -8,7 +8,7 @@ import orjson
 import pytest
 from openai.types import Batch, FileObject
 
-from schemas.messages import BatchJob, BatchLineError, RequestCounts
+from schemas.messages import BatchJob, BatchLineError, RequestCounts, Usage
 from services.gateway.batch_format import (
     FileSummary,
     batch_object,
@@ -37,7 +37,12 @@ def test_batch_and_file_objects_validate_as_the_openai_client_types():
                    metadata={"k": "v"}, updated_ms=T0)
     batch = Batch.model_validate(batch_object(job))
     assert (batch.status, batch.failed_at, batch.errors.data[0].line) == ("failed", T0 // 1000 + 1, 2)
-    assert batch.request_counts.total == 2 and batch.metadata == {"k": "v"}
+    assert batch.request_counts.total == 2 and batch.metadata == {"k": "v"} and batch.usage is None
+    done = job.model_copy(update={"status": "completed", "completed_ms": T0 + 2000,
+                                  "usage": Usage(prompt_tokens=30, completion_tokens=12, cached_prompt_tokens=16)})
+    usage = Batch.model_validate(batch_object(done)).usage
+    assert (usage.input_tokens, usage.input_tokens_details.cached_tokens, usage.output_tokens, usage.total_tokens) == (
+        30, 16, 12, 42)  # fmt: skip
     first = chunk_file(FileHeader("file-1", "in.jsonl", "batch", "acme", "key", "ann", T0), b"x\n")[0]
     assert FileObject.model_validate(file_object(first)).bytes == 2
 

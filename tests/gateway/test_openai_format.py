@@ -105,14 +105,15 @@ def test_chat_chunks_role_first_then_finish_then_usage() -> None:
     first = writer.on_text("He")
     second = writer.on_text("llo")
     end = ReplyEnd(request_id="chatcmpl-1", seq=2, finish_reason="length", model_version="echo@1",
-                   usage=Usage(prompt_tokens=3, completion_tokens=2, total_tokens=5))
+                   usage=Usage(prompt_tokens=3, completion_tokens=2, total_tokens=5, cached_prompt_tokens=2))
     finish, usage = writer.on_end(end)
     assert first["object"] == "chat.completion.chunk" and first["id"] == "chatcmpl-1"
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": "He"}
     assert second["choices"][0]["delta"] == {"content": "llo"} and second["usage"] is None
     assert finish["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
     assert finish["system_fingerprint"] == "echo@1"
-    assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                                                         "prompt_tokens_details": {"cached_tokens": 2}}
 
 
 def test_completion_chunks_without_usage() -> None:
@@ -129,6 +130,7 @@ def test_completion_bodies() -> None:
     assert body["object"] == "chat.completion"
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "abc"}
     assert body["usage"]["total_tokens"] == 4
+    assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}  # none reported: 0, as OpenAI says
     body = completion_body("completions", "r", "echo", 1700, "abc", end)
     assert body["object"] == "text_completion" and body["choices"][0]["text"] == "abc"
 

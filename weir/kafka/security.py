@@ -254,6 +254,13 @@ def service_grants(topics: Topics) -> list[Grant]:
     grants += _grants("batcher", "topic", "literal", ("write",), [t.traces])
     grants += _grants("worker", "topic", "literal", ("write",), [t.traces])
     grants += _grants("auditor", "topic", "literal", ("write",), [t.traces])
+    # Token accounting (docs/design.md, "Observability"): the auditor alone writes the usage totals
+    # and rate cards; gateways follow them for GET /v1/usage. `weir usage` runs as the admin.
+    grants += _grants("auditor", "topic", "literal", ("write",), [t.token_usage])
+    grants += _grants("gateway", "topic", "literal", ("read",), [t.token_usage])
+    # Health alerts: the auditor judges and writes them; gateways follow them for the dashboard.
+    grants += _grants("auditor", "topic", "literal", ("read", "write"), [t.health])
+    grants += _grants("gateway", "topic", "literal", ("read",), [t.health])
     return grants
 
 

@@ -130,13 +130,21 @@ def require_ready(parts: GatewayParts, sid: str) -> None:
                    '"force": true', param="version", code="version_not_ready")  # fmt: skip
 
 
-def require_admin(parts: GatewayParts, headers: dict[str, str]) -> str:
-    """Who writes, when the request carries the admin token; else 401 (no valid credential) or 403."""
+def admin_caller(parts: GatewayParts, headers: dict[str, str]) -> str | None:
+    """Who writes, when the request carries the gateway's admin token; else None."""
     token = parts.settings.gateway_admin_token
     scheme, _, given = headers.get("authorization", "").partition(" ")
     if token is not None and scheme.lower() == "bearer":
         if hmac.compare_digest(given.strip().encode(), token.get_secret_value().encode()):
             return f"gateway admin API ({parts.bus.gateway_id})"
+    return None
+
+
+def require_admin(parts: GatewayParts, headers: dict[str, str]) -> str:
+    """Who writes, when the request carries the admin token; else 401 (no valid credential) or 403."""
+    if (by := admin_caller(parts, headers)) is not None:
+        return by
+    token = parts.settings.gateway_admin_token
     identity = parts.guard.authenticate(headers)  # 401 when missing or invalid
     parts.guard.metrics.auth_failures.add(1, {"code": "admin_required"})
     unset = "" if token is not None else ", which this gateway does not set"
