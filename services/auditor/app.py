@@ -245,7 +245,7 @@ class AuditorService:
         # It writes the traffic counts, the canary guard's routes and health events too (its alerts'
         # topic: create_app makes sure of it, as it does in tests that build the app alone).
         wanted = {topics.audit_anchors, topics.shadow_live, topics.comparisons, topics.traffic, topics.model_health,
-                  topics.models, topics.token_usage}
+                  topics.models, topics.token_usage, topics.traces}
         specs = [spec for spec in topics.core_specs() if spec.name in wanted]
         # The mirror copies' reply topic: like every reply topic, its reader creates it.
         await ensure_topics(self.settings.kafka_bootstrap, [*specs, topics.reply_spec("shadow")])
