@@ -22,7 +22,7 @@ from aiokafka import AIOKafkaProducer
 
 from schemas.codec import decode_reply, encode
 from schemas.messages import GenerateRequest, now_ms
-from tests.e2e.conftest import REPO_ROOT, Pipeline, start_pipeline
+from tests.e2e.conftest import REPO_ROOT, Pipeline
 from tests.kafka_helpers import read_until
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
@@ -30,16 +30,13 @@ MODEL = "echo"
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
 PROMPT = "a prompt that must never reach a span"
-HTTP_PORTS = {"WEIR_GATEWAY_PORT": "28640", "WEIR_AUDIT_API_PORT": "28641", "WEIR_BATCHER_HTTP_PORT": "28642",
-              "WEIR_WORKER_HTTP_PORT": "28643"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def traced(tmp_path_factory):
-    p = start_pipeline(tmp_path_factory.mktemp("traced"), WEIR_MODELS=MODEL, WEIR_TRACE_SAMPLE="1", WEIR_AUDIT_FINGERPRINT_MODEL="",
-                       WEIR_TRACE_EXPORT_INTERVAL_S="0.2", **HTTP_PORTS)  # fmt: skip
-    yield p
-    p.stack.stop_all()
+def traced(pipeline):
+    """The shared stack (tests/e2e/conftest.py): spans are keyed by request, so other modules' traffic
+    does not mix with the traces read here; sampling is 1 by default (WEIR_TRACE_SAMPLE)."""
+    return pipeline
 
 
 def weir_trace(p: Pipeline, *args: str) -> subprocess.CompletedProcess[str]:
