@@ -2,7 +2,8 @@
 
 The auditor sees every answered request once, in its ledger (a redelivered event is not new), so
 it is where a name's traffic is counted: requests per version and assignment, and errors
-(finish_reason "error"). TrafficCounter starts from the ledger (counts since the ledger began,
+(finish_reason "error" or "timeout": a version that hangs until its requests' deadlines is failing
+too). TrafficCounter starts from the ledger (counts since the ledger began,
 so a restart loses nothing) and adds each new record; the app's timer publishes the names that
 changed as TrafficCounts on the compacted Topics.traffic, key = name (`weir models show`).
 
@@ -33,7 +34,7 @@ from weir.registry import RegistryError, set_route
 
 log = logging.getLogger(__name__)
 
-ERROR = "error"  # the finish_reason counted as an error
+ERRORS = frozenset({"error", "timeout"})  # the finish_reasons counted as errors
 UNASSIGNED = "unassigned"  # events of producers that record no assignment
 
 
@@ -50,7 +51,7 @@ class TrafficCounter:
         by_assignment = self.counts.setdefault(name, {}).setdefault(model_version, {})
         key = assignment or UNASSIGNED
         by_assignment[key] = by_assignment.get(key, 0) + n
-        if finish_reason == ERROR:
+        if finish_reason in ERRORS:
             errors = self.errors.setdefault(name, {})
             errors[model_version] = errors.get(model_version, 0) + n
         self.changed.add(name)
@@ -91,7 +92,7 @@ class ErrorWindows:
         if event.shadow_of is not None or event.assignment == "mirror":
             return None
         window = self.windows.setdefault(event.model_version, deque(maxlen=self.size))
-        window.append(event.finish_reason == ERROR)
+        window.append(event.finish_reason in ERRORS)
         if len(window) < self.size:
             return None
         rate = sum(window) / len(window)

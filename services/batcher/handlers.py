@@ -172,7 +172,8 @@ class BatcherHandlers:
             await send_dead_letter(self._producer, self.topics, record, f"{exc}; no reply was written", SERVICE)
             self._tracker.done(_tp(record), record.offset)
             return
-        if (forged := forged_traffic_fields(req, self.topics.shadow_replies)) is not None:
+        from_producer = self.topics.producer_of(record.topic) is not None
+        if (forged := forged_traffic_fields(req, self.topics.shadow_replies, from_producer)) is not None:
             await send_dead_letter(self._producer, self.topics, record, forged, SERVICE)
             await self._end(req, record, "rejected", ErrorInfo(code="invalid_request", message=forged))
             return

@@ -85,14 +85,22 @@ def with_mirrors(req: Request, models: RegistryState, shadow_reply_to: str) -> t
     return live, copies
 
 
-def forged_traffic_fields(req: Request, shadow_reply_to: str) -> str | None:
+def forged_traffic_fields(req: Request, shadow_reply_to: str, from_producer: bool = False) -> str | None:
     """Why a request read from a requests topic is refused for its traffic fields, or None.
 
     Only the batcher makes mirror copies and lists them (`shadow_of`, `mirrors`, assignment
     `mirror`), in its own queues, and only those reply to the shadow topic: a record that carries
     them, or names that topic, was forged (or misrouted), and would put a made-up answer into the
-    comparison.
+    comparison. An assignment is recorded with the version it chose (the gateway sends
+    `name@version`): one on a bare name was not made by Weir, and would be counted for a version
+    that did not serve it. An outside producer (`from_producer`: read from its own request topic)
+    never assigns: the batcher does, for its bare names, and its `name@version` is `pinned`.
     """
+    if req.assignment is not None and split_ref(req.model)[1] is None:
+        return (f"assignment={req.assignment!r} on the bare name {req.model!r}: Weir assigns versions; send the "
+                "bare name without an assignment, or pin name@version")
+    if from_producer and req.assignment is not None:
+        return "assignment is set by Weir (the batcher assigns an outside producer's requests); send it without one"
     if req.shadow_of is not None or req.assignment == "mirror":
         return "shadow_of and assignment 'mirror' are set only by the batcher, on its own mirror copies"
     if req.mirrors:

@@ -55,6 +55,18 @@ def test_an_error_window_trips_only_when_full_and_past_the_bound():
     assert [windows.observe(_event(i, error=i < 2)) for i in range(10)] == [None] * 10  # 2 of 10 is the bound
 
 
+def test_a_request_that_timed_out_counts_as_an_error():
+    """A canary that hangs until its requests' deadlines fails as surely as one that errs."""
+    windows = ErrorWindows(size=2, max_error_rate=0.4)
+    counter = TrafficCounter()
+    for i in range(2):
+        event = make_event(i, model="tiny", model_version="tiny@2", assignment="canary", finish_reason="timeout")
+        verdict = windows.observe(event)
+        counter.observe(event)
+    assert verdict is not None and "100%" in verdict
+    assert [c.errors for c in counter.take_changed()] == [{"tiny@2": 2}]
+
+
 def test_mirror_copies_do_not_count_against_a_version():
     windows = ErrorWindows(size=2, max_error_rate=0.0)
     assert windows.observe(_event(1, assignment="mirror", shadow_of="req-0", error=True)) is None

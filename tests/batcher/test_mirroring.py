@@ -87,10 +87,15 @@ def test_mirror_share_unresolvable_and_self_mirrors() -> None:
 
 
 def test_traffic_fields_only_the_batcher_sets_are_refused_on_intake() -> None:
-    def why(**fields: object) -> str | None:
-        return forged_traffic_fields(make_request("a").model_copy(update=fields), SHADOW)
+    def why(model: str = "a@2", from_producer: bool = False, **fields: object) -> str | None:
+        return forged_traffic_fields(make_request(model).model_copy(update=fields), SHADOW, from_producer)
 
-    assert why() is None and why(assignment="canary") is None and why(assignment="pinned") is None
+    assert why() is None and why(assignment="canary") is None and why(assignment="pinned") is None  # the gateway's
+    assert why("a") is None  # a bare name: assigned by the batcher
+    # an assignment Weir did not make: on a bare name (it would be counted for the default that serves
+    # it), or from an outside producer (who never assigns), whatever it claims
+    assert "bare name" in (why("a", assignment="canary") or "") and why("a", assignment="default") is not None
+    assert why(from_producer=True) is None and "set by Weir" in (why(from_producer=True, assignment="canary") or "")
     assert "shadow_of" in (why(shadow_of="x") or "")
     assert why(assignment="mirror") is not None
     assert "mirrors" in (why(mirrors=["2"]) or "")
