@@ -166,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         repo = load_model_repo(args.model_repo)
         prepare_gguf_models(repo, os.environ.get("WEIR_MODELS", ""))
         print(prepare_audit_key(), flush=True)
+        print(prepare_admin_token(), flush=True)
         ports = service_ports(args.port)
     except (ModelRepoError, GGUFError, OSError, AuditKeyError, ValueError) as exc:  # a bad entry, key, GGUF source or port
         print(f"weir up: {exc}", file=sys.stderr)
@@ -251,6 +252,21 @@ def prepare_audit_key() -> str:
         read_key_file(path, what)  # unsafe or malformed: refused now, with the fix, rather than by each service
         lines.append(f"{what}: {path} ({'made now' if made else 'kept'}; {users})")
     return "\n".join(lines)
+
+
+ADMIN_TOKEN_FILE = Path("secrets") / "gateway-admin.token"  # under $WEIR_HOME
+
+
+def prepare_admin_token() -> str:
+    """The gateway's admin token (its admin API and /dashboard): WEIR_GATEWAY_ADMIN_TOKEN when set,
+    else made once into $WEIR_HOME/secrets/gateway-admin.token (0600, like the audit keys) and put
+    in the environment the services inherit; returns the line that says where it is."""
+    if os.environ.get("WEIR_GATEWAY_ADMIN_TOKEN"):
+        return "admin token: WEIR_GATEWAY_ADMIN_TOKEN, from the environment"
+    path = weir_home() / ADMIN_TOKEN_FILE
+    made = ensure_key_file(path)
+    os.environ["WEIR_GATEWAY_ADMIN_TOKEN"] = read_key_file(path, "gateway admin token").hex()
+    return f"admin token: {path} ({'made now' if made else 'kept'}; the admin API and /dashboard take it)"
 
 
 def spawn_broker(broker: Any) -> None:
@@ -437,6 +453,8 @@ Weir is up.
   audit / dead letters   {topics.audit} / {topics.dead_letter}
   model registry         {topics.models}  (weir models list | push | promote; health: {topics.model_health})
   batches                {topics.batches("")}<name>.<version>.<hash>  (one topic per model version)
+  dashboard              {url}/dashboard#token={os.environ.get("WEIR_GATEWAY_ADMIN_TOKEN", "<WEIR_GATEWAY_ADMIN_TOKEN>")}
+  traces / token usage   {topics.traces} / {topics.token_usage}  (weir trace REQUEST_ID; weir usage)
   services (pid, /healthz /readyz /metrics)
 {services}
                          (one that dies is restarted; logs in {stack.log_dir})

@@ -144,3 +144,22 @@ def test_no_default_checkpoint_key_is_left_in_the_settings(home: Path, monkeypat
     assert AuditorSettings().audit_checkpoint_key is None
     with pytest.raises(AuditKeyError, match="no checkpoint key"):
         AuditorSettings().checkpoint_key(create=False)
+
+
+def test_weir_up_makes_the_gateway_admin_token_once_and_hands_it_to_the_services(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    from services.gateway.config import GatewaySettings
+    from weir.launcher import ADMIN_TOKEN_FILE, prepare_admin_token
+
+    monkeypatch.delenv("WEIR_GATEWAY_ADMIN_TOKEN", raising=False)
+    path = home / ADMIN_TOKEN_FILE
+    assert "(made now;" in prepare_admin_token() and stat.S_IMODE(path.stat().st_mode) == 0o600
+    token = os.environ["WEIR_GATEWAY_ADMIN_TOKEN"]  # what the services inherit: the gateway's admin token
+    assert len(token) == 64 and GatewaySettings().gateway_admin_token.get_secret_value() == token
+    monkeypatch.delenv("WEIR_GATEWAY_ADMIN_TOKEN")
+    assert "(kept;" in prepare_admin_token() and os.environ["WEIR_GATEWAY_ADMIN_TOKEN"] == token  # start after start
+    monkeypatch.setenv("WEIR_GATEWAY_ADMIN_TOKEN", "mine")
+    assert prepare_admin_token() == "admin token: WEIR_GATEWAY_ADMIN_TOKEN, from the environment"
