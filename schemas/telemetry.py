@@ -95,7 +95,7 @@ class UsageTotals(_Wire):
     prompt_tokens: int = Field(0, ge=0)
     completion_tokens: int = Field(0, ge=0)
     cached_prompt_tokens: int = Field(0, ge=0, description="Prompt tokens served from the prefix cache.")
-    cost_usd: float | None = Field(None, ge=0, description="From the price table (per 1M input/output tokens); None: no price for this model.")
+    cost_usd: float | None = Field(None, allow_inf_nan=False, ge=0, description="From the price table (per 1M input/output tokens); None: no price for this model.")
     updated_ms: int = Field(default_factory=now_ms)
 
     def key(self) -> str:
@@ -112,10 +112,10 @@ class RateCard(_Wire):
 
     kind: Literal["rate"] = "rate"
     model_version: str = Field(max_length=256)
-    tokens_per_hour: float = Field(ge=0, description="Tokens (prompt + completion) per hour it served, measured over window_s.")
-    window_s: float = Field(gt=0)
-    hardware_cost_per_hour_usd: float | None = Field(None, ge=0, description="Configured cost of the hardware serving it.")
-    cost_per_1m_tokens_usd: float | None = Field(None, ge=0, description="hardware_cost_per_hour / tokens_per_hour * 1e6.")
+    tokens_per_hour: float = Field(ge=0, allow_inf_nan=False, description="Tokens (prompt + completion) per hour it served, measured over window_s.")
+    window_s: float = Field(gt=0, allow_inf_nan=False)
+    hardware_cost_per_hour_usd: float | None = Field(None, allow_inf_nan=False, ge=0, description="Configured cost of the hardware serving it.")
+    cost_per_1m_tokens_usd: float | None = Field(None, allow_inf_nan=False, ge=0, description="hardware_cost_per_hour / tokens_per_hour * 1e6.")
     updated_ms: int = Field(default_factory=now_ms)
 
     def key(self) -> str:
@@ -132,8 +132,8 @@ class HealthAlert(_Wire):
     model_version: str = Field(max_length=256)
     signal: HealthSignal
     state: Literal["raised", "cleared"]
-    value: float = Field(description="The signal's current value (seconds for freshness; nats, z, ratio otherwise).")
-    baseline: float | None = Field(None, description="The value recorded when the version was loaded; None for freshness.")
-    threshold: float = Field(description="The configured bound that was crossed.")
+    value: float = Field(allow_inf_nan=False, description="The signal's current value (seconds for freshness; nats, z, ratio otherwise).")
+    baseline: float | None = Field(None, allow_inf_nan=False, description="The value recorded when the version was loaded; None for freshness.")
+    threshold: float = Field(description="The configured bound that was crossed.", allow_inf_nan=False)
     detail: str = Field("", max_length=1024, description="For a person.")
     created_ms: int = Field(default_factory=now_ms)

@@ -104,14 +104,19 @@ def build_parser() -> argparse.ArgumentParser:
                         help="gateway URL (env WEIR_BASE_URL; default %(default)s)")
     parser.add_argument("--api-key", default=os.environ.get("WEIR_API_KEY", os.environ.get("OPENAI_API_KEY", "none")),
                         help="API key (env WEIR_API_KEY or OPENAI_API_KEY)")
+    # --base-url and --api-key also after the action (`weir batch submit F --base-url U`, as the docs
+    # show it); there SUPPRESS keeps the value given before the action, or the default.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--base-url", default=argparse.SUPPRESS, help="gateway URL (as before the action)")
+    common.add_argument("--api-key", default=argparse.SUPPRESS, help="API key (as before the action)")
     actions = parser.add_subparsers(dest="action", required=True)
-    sub = actions.add_parser("submit", help="upload, create, follow, download")
+    sub = actions.add_parser("submit", help="upload, create, follow, download", parents=[common])
     sub.add_argument("file", help="JSONL of {custom_id, method, url, body}")
     sub.add_argument("--endpoint", default="/v1/chat/completions", choices=["/v1/chat/completions", "/v1/completions"])
     sub.add_argument("--out", help="where the output goes (default FILE.output.jsonl)")
     sub.add_argument("--poll-s", type=float, default=1.0, help="seconds between status polls")
     for action in ("status", "cancel"):
-        actions.add_parser(action, help=f"{action} a batch").add_argument("batch_id")
+        actions.add_parser(action, help=f"{action} a batch", parents=[common]).add_argument("batch_id")
     return parser
 
 

@@ -106,3 +106,41 @@ def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
 def value(text: str, name: str, **labels: str) -> float | None:
     """One sample's value from exposition text (None: absent); labels must match exactly."""
     return samples(text).get((name, frozenset(labels.items())))
+
+
+MAX_TENANTS = 50  # tenants named in labels; the rest are "other"
+MAX_COUNTED = 10_000  # tenants whose requests are counted; one seen after that is "other" for good
+OTHER = "other"
+
+
+class TenantLabels:
+    """A bounded tenant label: the tenant while among the `max_named` with most requests seen so
+    far, else "other". Tenant names come from requests anyone may produce (in plaintext mode), so
+    every metric labelled by tenant goes through one of these: a forged stream of names costs a
+    few series, not one each (the batcher's queues, the auditor's counts)."""
+
+    def __init__(self, max_named: int = MAX_TENANTS, max_counted: int = MAX_COUNTED) -> None:
+        if max_named < 1 or max_counted < max_named:
+            raise ValueError(f"need 1 <= max_named <= max_counted, got {max_named}, {max_counted}")
+        self.max_named = max_named
+        self.max_counted = max_counted
+        self._counts: dict[str, int] = {}
+        self._named: set[str] = set()
+
+    def count(self, tenant: str) -> None:
+        """One more request of `tenant`; it takes the place of the least busy named tenant once it has more."""
+        if tenant not in self._counts and len(self._counts) >= self.max_counted:
+            return
+        self._counts[tenant] = n = self._counts.get(tenant, 0) + 1
+        if tenant in self._named:
+            return
+        if len(self._named) < self.max_named:
+            self._named.add(tenant)
+            return
+        least = min(self._named, key=lambda t: (self._counts[t], t))
+        if n > self._counts[least]:
+            self._named.discard(least)
+            self._named.add(tenant)
+
+    def of(self, tenant: str) -> str:
+        return tenant if tenant in self._named else OTHER

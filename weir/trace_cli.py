@@ -71,8 +71,17 @@ def tree(spans: list[SpanRecord]) -> list[tuple[int, SpanRecord, bool]]:
     return out
 
 
+def _printable(text: str) -> str:
+    """`text` with control characters escaped: a span's name comes off a topic, and must not drive
+    the reader's terminal (colours, its title)."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def render(rows: list[tuple[int, SpanRecord, bool]]) -> str:
     """The tree as text: one line per span."""
+    rows = [(depth, span.model_copy(update={"name": _printable(span.name), "service": _printable(span.service),
+                                             "status_message": _printable(span.status_message)}), linked)
+            for depth, span, linked in rows]  # fmt: skip
     origin = min(span.start_ns for _, span, _ in rows)
     width = max(len("  " * depth + span.name) for depth, span, _ in rows) + 2
     lines = [f"trace {' '.join(sorted({s.trace_id for _, s, _ in rows}))}"]

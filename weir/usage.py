@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import re
 import sys
 from collections.abc import Iterable, Sequence
@@ -116,8 +117,13 @@ def summed_rows(totals: Iterable[UsageTotals], group_by: Sequence[str] = GROUPS)
 
 def check_day(value: str | None, name: str) -> str | None:
     """`value` when it is a YYYY-MM-DD day (or None); ValueError naming `name` otherwise."""
-    if value is not None and not _DAY.fullmatch(value):
-        raise ValueError(f"{name} must be a day, YYYY-MM-DD")
+    if value is not None:
+        try:
+            if not _DAY.fullmatch(value):
+                raise ValueError
+            datetime.date.fromisoformat(value)  # a real day: not 2026-13-45
+        except ValueError:
+            raise ValueError(f"{name} must be a day, YYYY-MM-DD") from None
     return value
 
 

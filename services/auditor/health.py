@@ -22,7 +22,7 @@ from opentelemetry.metrics import CallbackOptions, Observation
 from schemas.messages import AuditEvent, ReviewFlag, now_ms
 from schemas.telemetry import HealthAlert
 from services.auditor.drift import DriftSignal, HealthMonitor
-from weir.metrics import Labels, ServiceMetrics
+from weir.metrics import Labels, ServiceMetrics, TenantLabels
 
 ENTROPY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)  # nats
 # No negative bound: prometheus_client drops a histogram's _sum and _count when its first bound is < 0.
@@ -37,6 +37,7 @@ class HealthMetrics:
         self.clock = clock
         self.shadow_join: dict[str, int] = {}  # the comparison's ShadowJoin.counts (outcome -> count)
         self.monitor: HealthMonitor | None = None  # the app's, read at scrape time (None: health alerts off)
+        self.tenants = TenantLabels()  # tenant labels bounded: the top 50 by records, the rest "other"
         service = self.service
         self.events = service.counter("weir_audit_events", "Audit events appended by this auditor since it started.")
         self.requests = service.counter("weir_audit_requests", "Audited requests by model, tenant and finish reason.")
@@ -64,7 +65,8 @@ class HealthMetrics:
         """Count one appended AuditEvent (called by the auditor's handler on the event loop)."""
         model = {"model": event.model_version}
         self.events.add(1)
-        self.requests.add(1, {**model, "tenant": event.tenant, "finish_reason": event.finish_reason})
+        self.tenants.count(event.tenant)
+        self.requests.add(1, {**model, "tenant": self.tenants.of(event.tenant), "finish_reason": event.finish_reason})
         self.completion_tokens.add(event.completion_tokens, model)
         if event.mean_token_entropy is not None:
             self.entropy.record(event.mean_token_entropy, model)
@@ -73,7 +75,8 @@ class HealthMetrics:
 
     def observe_flag(self, flag: ReviewFlag) -> None:
         """Count one appended ReviewFlag (called by the auditor's handler on the event loop)."""
-        self.review_flags.add(1, {"tenant": flag.tenant, "reason": flag.reason})
+        self.tenants.count(flag.tenant)
+        self.review_flags.add(1, {"tenant": self.tenants.of(flag.tenant), "reason": flag.reason})
 
     def published(self, alert: HealthAlert) -> None:
         """Count one HealthAlert this auditor published."""

@@ -30,6 +30,7 @@ from opentelemetry.metrics import CallbackOptions, Observation
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from schemas.messages import ReplyEnd, WorkerHeartbeat
+from schemas.registry import split_ref
 from weir.lag import LAG_METRIC, LagMonitor
 from weir.metrics import ITL_BUCKETS, LATENCY_BUCKETS, TTFT_BUCKETS, ServiceMetrics
 
@@ -240,7 +241,7 @@ class GenerationTimer:
         m.e2e_latency.record(elapsed_s, {"model_name": self.model_name})
         m.generation_tokens.add(end.usage.completion_tokens, {"model_name": self.model_name})
         common = {"gen_ai.operation.name": self.operation, "gen_ai.provider.name": GEN_AI_PROVIDER,
-                  "gen_ai.request.model": self.model_name}  # fmt: skip
+                  "gen_ai.request.model": split_ref(self.model_name)[0], "gen_ai.response.model": self.model_name}  # fmt: skip
         for token_type, n in (("input", end.usage.prompt_tokens), ("output", end.usage.completion_tokens)):
             m.gen_ai_token_usage.record(n, {**common, "gen_ai.token.type": token_type})
         m.gen_ai_duration.record(elapsed_s, common if error_code is None else {**common, "error.type": error_code})

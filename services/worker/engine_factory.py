@@ -42,7 +42,9 @@ def build_engine(config: ModelConfig, settings: WorkerSettings, device: torch.de
     )  # fmt: skip
     # A GGUF source is imported on first use (weir up has usually done it already) and reused after.
     model_dir = ensure_model_dir(config, lambda line: log.info("model %s: %s", config.name, line))
-    return Engine(model_dir, engine_config, device, Watermarker(settings.watermarks()))
+    engine = Engine(model_dir, engine_config, device, Watermarker(settings.watermarks()))
+    engine.clock = now_ms  # tokens are timed when the pass that made them ends (vllm:* times, traces)
+    return engine
 
 
 def build_step(config: ModelConfig) -> str:

@@ -111,7 +111,7 @@ def test_a_timer_puts_known_timings_in_the_right_buckets() -> None:
     assert (e2e["0.5"], e2e["0.8"], e2e["+Inf"]) == (0, 1, 1)
     assert abs(value(text, "weir_gateway_e2e_request_latency_seconds_sum", model_name="m@1") - 0.7) < 1e-9  # type: ignore[operator]
     assert value(text, "weir_gateway_generation_tokens_total", model_name="m@1") == 3
-    gen_ai = {"gen_ai_operation_name": "chat", "gen_ai_provider_name": "weir", "gen_ai_request_model": "m@1"}
+    gen_ai = {"gen_ai_operation_name": "chat", "gen_ai_provider_name": "weir", "gen_ai_request_model": "m", "gen_ai_response_model": "m@1"}
     usage = "gen_ai_client_token_usage"
     assert value(text, f"{usage}_sum", **gen_ai, gen_ai_token_type="input") == 5
     assert value(text, f"{usage}_sum", **gen_ai, gen_ai_token_type="output") == 3
@@ -128,7 +128,7 @@ def test_an_error_terminal_is_an_error_type_of_the_operation_duration() -> None:
     timer.on_end(ReplyEnd(request_id="r", seq=0, finish_reason="timeout"), "deadline_exceeded")
     text = metrics.render()
     metrics.shutdown()
-    labels = {"gen_ai_operation_name": "text_completion", "gen_ai_provider_name": "weir", "gen_ai_request_model": "m@1"}
+    labels = {"gen_ai_operation_name": "text_completion", "gen_ai_provider_name": "weir", "gen_ai_request_model": "m", "gen_ai_response_model": "m@1"}
     assert value(text, "gen_ai_client_operation_duration_seconds_count", **labels, error_type="deadline_exceeded") == 1
     assert value(text, "gen_ai_client_operation_duration_seconds_count", **labels) is None
     assert buckets(text, "weir_gateway_time_to_first_token_seconds", model_name="m@1") == {}  # no content, no TTFT

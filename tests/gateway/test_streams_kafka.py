@@ -189,7 +189,7 @@ async def test_a_streamed_generation_is_timed_per_served_version(stack: Stack) -
     assert 0.9 <= e2e_s < 20  # 19 pauses of 50 ms at least
     assert grew("weir_gateway_inter_token_latency_seconds_sum", **labels) <= e2e_s
     assert grew("weir_gateway_generation_tokens_total", **labels) == len(DRIP)
-    gen_ai = {"gen_ai_operation_name": "text_completion", "gen_ai_provider_name": "weir", "gen_ai_request_model": "echo@1"}
+    gen_ai = {"gen_ai_operation_name": "text_completion", "gen_ai_provider_name": "weir", "gen_ai_request_model": "echo", "gen_ai_response_model": "echo@1"}
     assert grew("gen_ai_client_token_usage_sum", **gen_ai, gen_ai_token_type="output") == len(DRIP)
     assert grew("gen_ai_client_operation_duration_seconds_count", **gen_ai) == 1
 

@@ -117,6 +117,7 @@ async def test_audit_events_to_v1_usage_per_tenant(gateway_bootstrap: str, topic
                 # A tenant's key: its own tenant only; another tenant's name is 403, not data.
                 own = (await get({"authorization": f"Bearer {ann_key}"})).json()
                 assert {row["tenant"] for row in own["data"]} == {"acme"} and own["tenant"] == "acme"
+                assert own["rate_cards"] == []  # measured over every tenant's traffic: the admin's only
                 refused = await get({"authorization": f"Bearer {ann_key}"}, tenant="globex")
                 assert refused.status_code == 403
                 assert refused.json()["error"]["code"] == "tenant_not_allowed" and "data" not in refused.json()
@@ -125,7 +126,7 @@ async def test_audit_events_to_v1_usage_per_tenant(gateway_bootstrap: str, topic
                 assert only == [{"tenant": "globex", "requests": 1, "prompt_tokens": 7, "completion_tokens": 1,
                                  "cached_prompt_tokens": 0, "cost_usd": pytest.approx(20 / 1e6), "total_tokens": 8}]
                 assert (await get(None)).status_code == 401
-                for bad in ({"start": "yesterday"}, {"group_by": "colour"}, {"page": "2"},
+                for bad in ({"start": "yesterday"}, {"start": "2026-13-45"}, {"group_by": "colour"}, {"page": "2"},
                             {"start": today, "end": "2000-01-01"}):  # fmt: skip
                     response = await get(ADMIN, **bad)
                     assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"

@@ -51,3 +51,9 @@ def test_weir_trace_exits_1_when_nothing_is_found_and_prints_json_otherwise(monk
     assert trace_cli.main(["r1", "--json"]) == 0
     body = orjson.loads(capsys.readouterr().out)
     assert [(row["depth"], row["service"]) for row in body][:2] == [(0, "gateway"), (1, "batcher")]
+
+
+def test_control_characters_in_a_span_are_printed_escaped_not_sent_to_the_terminal() -> None:
+    forged = span("a", None, "gateway", 0).model_copy(update={"name": "forged \x1b[31mRED\x1b]0;pwned\x07"})
+    text = trace_cli.render(trace_cli.tree([forged]))
+    assert "\x1b" not in text and "\x07" not in text and "forged \\x1b[31mRED\\x1b]0;pwned\\x07" in text

@@ -123,3 +123,18 @@ def test_the_engine_times_each_phase_and_counts_cached_prompt_tokens_in_tokens(l
     audit = audit_event(make_request(request_id="r1"), second, make_model_config("tiny"), weights_sha256="0" * 64,
                         worker_id="w", audit_key=b"k" * 32, now_ms=T0_MS)  # fmt: skip
     assert audit.cached_prompt_tokens == second.cached_prompt_tokens
+
+
+def test_a_serving_engine_times_a_token_when_the_pass_that_made_it_ends(llama_dir):
+    """The worker's engine reads its clock after the forward pass: prefill and first-token times
+    include the pass (a step's start time would make them ~0 however slow the model)."""
+    engine = Engine(llama_dir, EngineConfig(max_model_len=128, block_size=4, kv_cache_bytes=4 << 20))
+    engine.eos_ids = set()
+    ends = iter([T0_MS + 250, T0_MS + 400])  # the clock when each pass ended
+    engine.clock = lambda: next(ends)
+    engine.add(make_request("def f():", request_id="r", max_tokens=2, deadline_ms=T0_MS + 60_000), T0_MS)
+    outs = [o for step in (T0_MS + 10, T0_MS + 260) for o in engine.step(step)]
+    final = next(o for o in outs if o.is_final)
+    assert final.scheduled_ms == T0_MS + 10  # the step started: the queue time ends
+    assert final.first_token_ms == T0_MS + 250 and final.finished_ms == T0_MS + 400  # the passes ended
+    assert final.itl_ms == [150]

@@ -39,7 +39,9 @@ def add_usage_routes(router: APIRouter, parts: GatewayParts, view: UsageView) ->
         if not view.is_ready:
             raise ApiError(503, "the usage view is still reading its topic; try again shortly", code="usage_not_ready")
         rows = view.book.rows(tenant=tenant, start=query["start"], end=query["end"], group_by=query["group_by"])
-        return JSONResponse({"object": "list", "data": rows, "rate_cards": view.book.rate_cards(), "tenant": tenant,
+        # Rate cards measure every tenant's traffic on a version: the deployment's operators' business.
+        cards = view.book.rate_cards() if admin_caller(parts, dict(request.headers)) is not None else []
+        return JSONResponse({"object": "list", "data": rows, "rate_cards": cards, "tenant": tenant,
                              "start": query["start"], "end": query["end"], "group_by": query["group_by"]})  # fmt: skip
 
 

@@ -16,6 +16,7 @@ from its engine thread or child process, and tests and benchmarks call it direct
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,6 +64,10 @@ class Engine:
         self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         self.config = config
         self.watermarker = watermarker or Watermarker({})
+        # When tokens are taken: the serving worker's wall clock, read after the forward pass, so
+        # first-token, inter-token and prefill times include the pass that made them; None (tests,
+        # benches that drive the engine with their own times): the `now_ms` step() was given.
+        self.clock: Callable[[], int] | None = None
         self.model: CausalLM = load_model(model_path, self.device, self.dtype)
         self.tokenizer = ModelTokenizer(model_path)
         self.weights_sha256 = weights_sha256(Path(model_path))
@@ -180,8 +185,9 @@ class Engine:
         tokens, entropies = sample_batch(
             logits, [s.request for s in seqs], [s.generator for s in seqs], biases, histories, [s.token_bias for s in seqs]
         )
+        taken_ms = self.clock() if self.clock is not None else now_ms
         for seq, token, entropy in zip(seqs, tokens, entropies, strict=True):
-            outputs.extend(self._postprocess(seq, token, entropy, now_ms))
+            outputs.extend(self._postprocess(seq, token, entropy, taken_ms))
         return outputs
 
     def _expire(self, now_ms: int) -> list[EngineOutput]:
