@@ -91,7 +91,7 @@ def build_parts(settings: GatewaySettings, repo: ModelRepository | None) -> Gate
     repo = repo if repo is not None else load_model_repo(settings.model_repo)
     bus = GatewayBus(settings)
     catalog = Catalog.following(settings, f"{bus.gateway_id}-registry", repo, bus.fleet)
-    guard = Guard(settings, bus, catalog.desired)
+    guard = Guard(settings, bus, catalog.desired, wanted_since=catalog.wanted_since)
     output_guard = OutputGuard(
         settings.output_guard == "redact", settings.output_holdback_chars,
         on_redacted=lambda n: guard.metrics.redactions.add(n),

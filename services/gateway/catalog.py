@@ -135,7 +135,7 @@ class Catalog:
         record = self.state.versions.get(served_id(name, chosen))
         if how == "default" or record is None or record.desired != "loaded" or not may_use(record.served_id):
             return config, "default"
-        if self.fleet.availability(record.served_id, record.desired, now_ms()).problem is not None:
+        if self.fleet.availability(record.served_id, record.desired, now_ms(), record.updated_ms).problem is not None:
             return config, "default"
         return record.manifest.config(), "canary"
 
@@ -204,6 +204,12 @@ class Catalog:
         entry not registered yet (workers register and load it)."""
         record = self.state.versions.get(sid)
         return record.desired if record is not None else "loaded"
+
+    def wanted_since(self, sid: str) -> int | None:
+        """When the registry's record of version `sid` was written (None: a seed entry not
+        registered yet): how long workers have had to take it up (fleet.TAKE_UP_MS)."""
+        record = self.state.versions.get(sid)
+        return record.updated_ms if record is not None else None
 
     def registered(self, name: str, version: object) -> str:
         """The served id of a registered version named by an admin call; 400 for a bad name or

@@ -24,6 +24,9 @@ COMING_STATES = frozenset({"verifying", "loading", "golden", "unhealthy"})
 GIVEN_UP_STATES = frozenset({"failed", "refused"})
 
 
+TAKE_UP_MS = 30_000  # how long after a version is wanted loaded a worker holding its name must report it
+
+
 @dataclass(frozen=True)
 class Availability:
     """What the live fleet offers one version: the workers that serve it now; else whether one is
@@ -70,7 +73,7 @@ class Fleet:
         return [hb for hb in self.live(now_ms)
                 if sid in hb.models or (sid in hb.versions and hb.versions[sid].state in SERVING_STATES)]  # fmt: skip
 
-    def availability(self, sid: str, desired: str, now_ms: int) -> Availability:
+    def availability(self, sid: str, desired: str, now_ms: int, wanted_since_ms: int | None = None) -> Availability:
         """What the live workers offer version `sid`, which the registry wants `desired`
         (docs/design.md, "The model registry"): serving it; bringing it up (a transitional state,
         or it is wanted loaded and a worker serves other versions of its name, so it will load it);
@@ -92,6 +95,13 @@ class Fleet:
                                 f"(POST /v2/repository/models/{name}/load, or weir models load {sid}) and wait "
                                 "until it is ready")  # fmt: skip
         holds_name = any(split_ref(other)[0] == name for hb in live for other in [*hb.versions, *hb.models])
+        if desired == "loaded" and holds_name and wanted_since_ms is not None and now_ms - wanted_since_ms > TAKE_UP_MS:
+            # Workers that hold its name report a version within a heartbeat of its record (loading,
+            # then ready or failed); none has, long after: they do not know it (a record they could
+            # not read, another registry). Admitting would leave the request waiting for its deadline.
+            return Availability(problem=f"model version {sid!r} is wanted loaded since "
+                                f"{(now_ms - wanted_since_ms) // 1000} s ago, but no live worker reports it "
+                                f"(they serve other versions of {name!r}); see `weir models show {name}`")  # fmt: skip
         return Availability(coming=desired == "loaded" and holds_name)
 
     def version_states(self, now_ms: int) -> dict[str, dict[str, VersionStatus]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from schemas.messages import VersionStatus, WorkerHeartbeat
-from services.gateway.fleet import Availability, Fleet
+from services.gateway.fleet import TAKE_UP_MS, Availability, Fleet
 
 
 def heartbeat(worker_id: str, sent_ms: int, models: list[str], is_ready: bool = True) -> WorkerHeartbeat:
@@ -64,6 +64,17 @@ def test_a_wanted_version_of_a_name_a_live_worker_serves_is_coming() -> None:
     assert fleet.availability("echo@1", "loaded", 100_500).coming
     assert not fleet.availability("other@1", "loaded", 100_500).coming  # no live worker serves `other`
     assert fleet.availability("echo@1", "loaded", 200_000) == Availability()  # w1 is no longer live
+
+
+def test_a_wanted_version_no_worker_takes_up_is_a_clear_refusal_not_a_wait() -> None:
+    """Workers report a version within a heartbeat of its record: one wanted long ago and still
+    reported by none of the workers holding its name is refused with why (a request admitted for
+    it would wait for its deadline)."""
+    fleet = Fleet()
+    fleet.observe(versioned("w1", {"echo@1": VersionStatus(state="ready")}))
+    assert fleet.availability("echo@2", "loaded", 100_500, wanted_since_ms=100_000).coming  # just registered
+    late = fleet.availability("echo@2", "loaded", 100_500, wanted_since_ms=100_500 - TAKE_UP_MS - 1)
+    assert not late.coming and "no live worker reports it" in (late.problem or "")
 
 
 def test_a_served_version_lists_its_workers() -> None:

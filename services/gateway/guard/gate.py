@@ -86,12 +86,15 @@ class Guard:
     """Authentication, validation, admission and rate limits of one gateway instance."""
 
     def __init__(self, settings: GatewaySettings, bus: GuardBus, desired: Callable[[str], str],
-                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
-        """`desired`: what the registry wants of a version (catalog.Catalog.desired), which
-        admission asks of a version no live worker serves."""
+                 clock: Callable[[], float] = time.monotonic,
+                 wanted_since: Callable[[str], int | None] = lambda _: None) -> None:  # fmt: skip
+        """`desired`: what the registry wants of a version (catalog.Catalog.desired), and
+        `wanted_since`: since when (Catalog.wanted_since), which admission asks of a version no
+        live worker serves."""
         self.settings = settings
         self.bus = bus
         self.desired = desired
+        self.wanted_since = wanted_since
         self.clock = clock
         self.keys = KeyStore()
         self.auth = Authenticator(settings, self.keys)
@@ -177,7 +180,7 @@ class Guard:
         version (fleet.Availability); one that cannot be served is 503 with the reason, and no
         Retry-After, since retrying cannot help."""
         try:
-            offer = self.bus.fleet.availability(model, self.desired(model), now_ms())
+            offer = self.bus.fleet.availability(model, self.desired(model), now_ms(), self.wanted_since(model))
             if offer.problem is not None:
                 raise GuardError(503, offer.problem, param="model", code="model_unavailable")
             ticket = self.admission.admit(model, lane, offer.serving, coming=offer.coming)
