@@ -140,6 +140,9 @@ def probes(base_url: str) -> dict[tuple[str, str], Probe]:
                 for params in ({}, {"after": made.file_id}, {"purpose": "batch"}, {"purpose": "batch_output"},
                                {"order": "asc", "limit": 10_000})]  # fmt: skip
 
+    async def usages(client: httpx.AsyncClient, auth: dict[str, str], made: Resources) -> list[Any]:
+        return [await client.get("/v1/usage", headers=auth, params=params) for params in ({}, {"tenant": "acme"})]
+
     def files(suffix: str) -> Call:
         return lambda client, auth, made: file_reads(suffix, client, auth, made)
 
@@ -176,6 +179,11 @@ def probes(base_url: str) -> dict[tuple[str, str], Probe]:
                                                   json={"version": "1"}))) for action in ("load", "unload", "promote")},
         ("POST", "/v2/repository/models/{name}/route"): Probe(False, one(
             lambda c, a, m: c.post("/v2/repository/models/echo/route", headers=a, json={"canary": {"1": 5}}))),
+        ("GET", "/v1/usage"): Probe(False, usages),  # a tenant's own rows; A's tenant named by another: 403
+        ("GET", "/dashboard"): Probe(False, one(lambda c, a, m: c.get("/dashboard", headers=a))),  # no data in it
+        ("GET", "/dashboard/static/{name}"): Probe(False, one(lambda c, a, m: c.get("/dashboard/static/dashboard.js",
+                                                                                    headers=a))),
+        ("GET", "/dashboard/data"): Probe(False, one(lambda c, a, m: c.get("/dashboard/data", headers=a))),
     }  # fmt: skip
 
 
@@ -312,7 +320,7 @@ async def test_no_route_answers_another_owner_with_2xx(walk: Walk) -> None:
                         refused.append(f"{route} as {who}: {status} shows A's {leaked}")
                     if probe.refers and status in SUCCESS:
                         refused.append(f"{route} as {who}: {status} on A's resource")
-                    if path.startswith("/v2/repository") and status != 403:
+                    if (path.startswith("/v2/repository") or path == "/dashboard/data") and status != 403:
                         refused.append(f"{route} as {who}: {status}, not 403 (no admin token)")
                 if probe.refers:  # the same answer as for an id nobody has: 404
                     unknown = [status_and_code(a) for a in await probe.call(client, auth, unknown_ids(made))]

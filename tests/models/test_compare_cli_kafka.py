@@ -60,7 +60,8 @@ def test_promote_refuses_unless_the_comparison_passes(prefix: str, tiny, capsys)
     assert _push(prefix, tiny, "1") == 0 and _push(prefix, tiny, "2") == 0
     topics = Topics(prefix)
     asyncio.run(_produce(prefix, topics.workers, [_heartbeat("w1", {"tiny@1": "ready", "tiny@2": "ready"})]))
-    checks = ("--require-similarity", "0.85", "--max-latency-ratio", "1.2", "--max-error-rate", "0.1")
+    # the one heartbeat stays live for the whole test, however slow the machine (liveness is not its subject)
+    checks = ("--require-similarity", "0.85", "--max-latency-ratio", "1.2", "--max-error-rate", "0.1", "--live-ms", "600000")
     capsys.readouterr()
     assert weir(prefix, "promote", "tiny@2", *checks, "--min-samples", "5") == 2
     assert "0 comparisons, fewer than --min-samples 5" in capsys.readouterr().err
