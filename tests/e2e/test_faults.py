@@ -17,7 +17,7 @@ NUM_REQUESTS = 30
 
 
 def body_of(i: int) -> dict:
-    return {"model": MODEL, "prompt": f"def handler_{i}(request):\n", "max_tokens": 400, "temperature": 0.8,
+    return {"model": MODEL, "prompt": f"def handler_{i}(request):\n", "max_tokens": 200, "temperature": 0.8,
             "seed": 100 + i}  # fmt: skip
 
 
@@ -87,24 +87,22 @@ async def assert_each_ends_once(pipeline, log: dict) -> None:
         assert entry["text"] == again[i].json()["choices"][0]["text"], f"stream {i} differs from its rerun"
 
 
-async def test_kill_9_of_the_worker_mid_stream_loses_no_request(tmp_path):
-    pipeline = await asyncio.to_thread(start_pipeline, tmp_path)
-    try:
-        log = await run_flood_and_kill(pipeline, "worker", stagger_s=0.0)
-        assert log["in_flight_at_kill"] >= 20
-        await assert_each_ends_once(pipeline, log)
-    finally:
-        pipeline.stack.stop_all()
+# The two kills run on the shared stack (tests/e2e/conftest.py): each restarts what it killed and
+# waits for every stream to end, so the stack is whole again for the modules after this one.
 
 
-async def test_kill_9_of_the_batcher_loses_no_request(tmp_path):
-    pipeline = await asyncio.to_thread(start_pipeline, tmp_path)
-    try:
-        # requests keep arriving while the batcher dies and comes back
-        log = await run_flood_and_kill(pipeline, "batcher", stagger_s=0.15)
-        await assert_each_ends_once(pipeline, log)
-    finally:
-        pipeline.stack.stop_all()
+async def test_kill_9_of_the_worker_mid_stream_loses_no_request(pipeline):
+    log = await run_flood_and_kill(pipeline, "worker", stagger_s=0.0)
+    assert log["in_flight_at_kill"] >= 20
+    await assert_each_ends_once(pipeline, log)
+    assert pipeline.stack.dead() == []
+
+
+async def test_kill_9_of_the_batcher_loses_no_request(pipeline):
+    # requests keep arriving while the batcher dies and comes back
+    log = await run_flood_and_kill(pipeline, "batcher", stagger_s=0.15)
+    await assert_each_ends_once(pipeline, log)
+    assert pipeline.stack.dead() == []
 
 
 async def test_a_flood_of_long_requests_on_a_small_kv_cache_ends_every_request(tmp_path):
@@ -117,7 +115,7 @@ async def test_a_flood_of_long_requests_on_a_small_kv_cache_ends_every_request(t
     try:
         reply_to = pipeline.topics.replies("flood")
         requests = [
-            GenerateRequest(request_id=f"flood-{i}", model=MODEL, prompt=f"class Handler{i}:\n    def ", max_tokens=300,
+            GenerateRequest(request_id=f"flood-{i}", model=MODEL, prompt=f"class Handler{i}:\n    def ", max_tokens=200,
                             temperature=0.8, seed=i, ignore_eos=True, deadline_ms=now_ms() + 240_000, reply_to=reply_to)
             for i in range(30)
         ]  # fmt: skip
