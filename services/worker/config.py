@@ -76,8 +76,9 @@ class WorkerSettings(BusSettings):
         "worker that rolls back, or after this long anyway (docs/design.md, \"The model registry\").",
     )
     mirror_yield_ms: int = Field(
-        200, ge=0, description="While live requests run in this worker, an engine holding only mirror copies steps "
-        "at most once per this many ms; 0: not at all until live work is idle (docs/design.md, \"Traffic policies\").",
+        0, ge=0, description="While live requests run in this worker, an engine holding only mirror copies steps "
+        "at most once per this many ms; 0 (default): not at all until live work is idle (docs/design.md, "
+        "\"Traffic policies\": 200 ms still cost live TTFT p95 1.7x here, 0 cost 1.02x).",
     )
     mirror_max_wait_ms: int = Field(
         30_000, ge=1, description="A mirror copy held back this long by live work is ended rejected (mirror_dropped) "
