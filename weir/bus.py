@@ -313,16 +313,19 @@ async def read_topic(settings: BusSettings, topic: str, client_id: str = "weir-m
 class TopicFollower:
     """Reads a topic (every partition, no group) from its beginning to its end at start(), then
     keeps following it until stop(), handing each record's (key, value, ConsumerRecord) to
-    `on_record` on the loop. For views of compacted topics a service keeps in memory (token usage,
-    health alerts). `on_record` must not raise for bad input: it skips what it cannot read
-    (docs/design.md, invariant 6); an exception it raises is logged and the record skipped."""
+    `on_record` on the loop, then `on_batch` (when given) after each fetch that held records. For
+    views of compacted topics a service keeps in memory (the model registry, token usage, health
+    alerts). `on_record` must not raise for bad input: it skips what it cannot read (docs/design.md,
+    invariant 6); an exception it raises is logged and the record skipped."""
 
     def __init__(self, settings: BusSettings, topic: str, client_id: str,
-                 on_record: Callable[[bytes | None, bytes | None, ConsumerRecord], None]) -> None:  # fmt: skip
+                 on_record: Callable[[bytes | None, bytes | None, ConsumerRecord], None],
+                 on_batch: Callable[[], None] | None = None) -> None:  # fmt: skip
         self.settings = settings
         self.topic = topic
         self.client_id = client_id
         self.on_record = on_record
+        self.on_batch = on_batch
         self._consumer: AIOKafkaConsumer | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -363,3 +366,5 @@ class TopicFollower:
                     self.on_record(message.key, message.value, message)
                 except Exception:  # noqa: BLE001 - a bad record must not stop the view
                     log.exception("record at %s/%d skipped", message.topic, message.offset)
+        if self.on_batch is not None and any(batches.values()):
+            self.on_batch()

@@ -13,24 +13,24 @@ deployment's registry seeds itself from the file (docs/design.md, "The model reg
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from collections.abc import Callable, Iterable
 
-from aiokafka import TopicPartition
+from aiokafka import ConsumerRecord
 from pydantic import ValidationError
 
 from schemas.codec import decode_registry_record, encode
 from schemas.model_repo import ModelRepository
 from schemas.messages import now_ms
 from schemas.registry import Desired, ModelManifest, ModelRoute, ModelVersionRecord, RegistryState, served_id, split_ref
-from weir.bus import BusSettings, make_consumer, make_producer, partitions_of
+from weir.bus import BusSettings, TopicFollower, make_producer
 
 log = logging.getLogger(__name__)
 
+
 class RegistryFollower:
-    """The registry's state, read to the end at start() and followed until stop()."""
+    """The registry's state, read to the end at start() and followed until stop() (a
+    weir.bus.TopicFollower of the models topic)."""
 
     def __init__(
         self, settings: BusSettings, client_id: str, on_change: Callable[[], None] | None = None,
@@ -40,56 +40,39 @@ class RegistryFollower:
         self.client_id = client_id
         self.state = RegistryState(seed)
         self.on_change = on_change
-        self._consumer = None
-        self._task: asyncio.Task[None] | None = None
         self.num_skipped = 0  # records that were not registry records
+        self._changed = False
+        self._follower = TopicFollower(settings, settings.topics.models, client_id, self._record, self._fetched)
 
     async def start(self) -> None:
-        topic = self.settings.topics.models
-        self._consumer = make_consumer(self.settings, client_id=self.client_id, group_id=None)
-        await self._consumer.start()
-        tps = [TopicPartition(topic, p) for p in sorted(await partitions_of(self._consumer, topic))]
-        self._consumer.assign(tps)
-        await self._consumer.seek_to_beginning(*tps)
-        ends = await self._consumer.end_offsets(tps)
-        while any([await self._consumer.position(tp) < end for tp, end in ends.items()]):
-            self._apply(await self._consumer.getmany(timeout_ms=200))
-        self._task = asyncio.create_task(self._follow(), name="registry-follower")
+        await self._follower.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        if self._consumer is not None:
-            await self._consumer.stop()
+        await self._follower.stop()
 
-    async def _follow(self) -> None:
-        while True:
-            self._apply(await self._consumer.getmany(timeout_ms=500))
+    def _record(self, key_bytes: bytes | None, value: bytes | None, message: ConsumerRecord) -> None:
+        key = key_bytes.decode(errors="replace") if key_bytes else ""
+        if value is None:
+            self.state.apply(key, None)
+            self._changed = True
+            return
+        try:
+            record = decode_registry_record(value)
+        except ValueError as exc:
+            self.num_skipped += 1
+            log.warning("registry record at %s/%d skipped: %s", message.topic, message.offset, exc)
+            return
+        if record.key != key:
+            self.num_skipped += 1
+            log.warning("registry record at %s/%d skipped: its key %r is not %r", message.topic,
+                        message.offset, key, record.key)  # fmt: skip
+            return
+        self.state.apply(key, record)
+        self._changed = True
 
-    def _apply(self, batches: dict) -> None:
-        changed = False
-        for records in batches.values():
-            for message in records:
-                key = message.key.decode(errors="replace") if message.key else ""
-                if message.value is None:
-                    self.state.apply(key, None)
-                    changed = True
-                    continue
-                try:
-                    record = decode_registry_record(message.value)
-                except ValueError as exc:
-                    self.num_skipped += 1
-                    log.warning("registry record at %s/%d skipped: %s", message.topic, message.offset, exc)
-                    continue
-                if record.key != key:
-                    self.num_skipped += 1
-                    log.warning("registry record at %s/%d skipped: its key %r is not %r", message.topic,
-                                message.offset, key, record.key)  # fmt: skip
-                    continue
-                self.state.apply(key, record)
-                changed = True
+    def _fetched(self) -> None:
+        """After each fetch: on_change once, when it changed the state."""
+        changed, self._changed = self._changed, False
         if changed and self.on_change is not None:
             self.on_change()
 

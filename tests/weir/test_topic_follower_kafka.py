@@ -69,3 +69,18 @@ async def test_an_empty_topic_starts_at_once_and_stop_ends_it(topic):
     await produce(BOOTSTRAP, topic, [("a", b"late")])
     await asyncio.sleep(1.0)
     assert seen == []  # stopped: nothing more is handed over
+
+
+async def test_on_batch_follows_each_fetch_that_held_records(topic):
+    await produce(BOOTSTRAP, topic, [(f"k{i}", b"%d" % i) for i in range(5)])
+    seen: list[bytes | None] = []
+    batches: list[int] = []  # how many records had been handed over when on_batch ran
+    follower = TopicFollower(BusSettings(kafka_bootstrap=BOOTSTRAP), topic, "test-follow-batch",
+                             lambda _k, value, _r: seen.append(value), lambda: batches.append(len(seen)))  # fmt: skip
+    await follower.start()
+    try:
+        assert batches and batches[-1] == 5  # after the records of its fetch, never before
+        await produce(BOOTSTRAP, topic, [("k9", b"later")])
+        await eventually(lambda: batches[-1] == 6, timeout_s=10)
+    finally:
+        await follower.stop()
