@@ -73,13 +73,161 @@ class _Wire(BaseModel):
     schema_version: int = Field(SCHEMA_VERSION, description="Wire schema version of this message.")
 
 
-class ChatMessage(BaseModel):
-    """One chat turn, as in OpenAI's chat completions."""
+# -- tools (docs/design.md, "Structured output, tools and logprobs") ------------------------------
+
+MAX_TOOLS = 128
+TOOL_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for a function's name
+
+
+class ToolFunction(BaseModel):
+    """A function the model may call: OpenAI's `tools[].function`."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    role: Literal["system", "user", "assistant"] = Field(description="Who speaks this turn.")
-    content: str = Field(description="The text of the turn.")
+    name: str = Field(pattern=TOOL_NAME_PATTERN, description="The function's name.")
+    description: str | None = Field(None, max_length=8192, description="What it does, for the model.")
+    parameters: dict[str, Any] | None = Field(
+        None, description="JSON Schema of its arguments (an object schema); absent: no arguments."
+    )
+    strict: bool | None = Field(None, description="OpenAI's strict: the schema must follow strict mode's rules.")
+
+
+class ToolDef(BaseModel):
+    """One entry of `tools`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["function"] = Field("function", description="Only functions are tools.")
+    function: ToolFunction
+
+
+class _NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=TOOL_NAME_PATTERN)
+
+
+class NamedToolChoice(BaseModel):
+    """tool_choice naming one function: the model must call it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["function"] = "function"
+    function: _NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(description="The function called.")
+    arguments: str = Field(description="Its arguments, a JSON object as text (as OpenAI returns them).")
+
+
+class ToolCall(BaseModel):
+    """A call the model made: OpenAI's `tool_calls[]` of an assistant message."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: str = Field(min_length=1, max_length=128, description="The call's id; a `tool` message answers it.")
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ToolCallDelta(BaseModel):
+    """A piece of a tool call in a stream, as OpenAI streams them: the first piece of call `index`
+    carries its id and name, later pieces add to its arguments text."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    index: int = Field(ge=0, description="Which call of this reply (0, 1, ...).")
+    id: str | None = Field(None, description="Set on the call's first piece.")
+    name: str | None = Field(None, description="Set on the call's first piece.")
+    arguments: str = Field("", description="Text appended to the call's arguments.")
+
+
+class ChatMessage(BaseModel):
+    """One chat turn, as in OpenAI's chat completions.
+
+    An assistant turn that called tools carries `tool_calls` (its content may be empty); a `tool`
+    turn answers one call, naming it in `tool_call_id`. The model's chat template renders them.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    role: Literal["system", "user", "assistant", "tool"] = Field(description="Who speaks this turn.")
+    content: str = Field(description="The text of the turn (\"\" for an assistant turn with only tool calls).")
+    tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOLS, description="assistant: the calls it made.")
+    tool_call_id: str | None = Field(None, max_length=128, description="tool: the call this answers.")
+    name: str | None = Field(None, max_length=64, description="tool: the function whose result this is.")
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message carries tool_calls")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a tool message, and only a tool message, names its tool_call_id")
+        return self
+
+
+# -- structured output ---------------------------------------------------------------------------
+
+MAX_SCHEMA_BYTES = 64 * 1024  # a JSON schema's size as compact JSON
+MAX_REGEX_CHARS = 4096
+MAX_CHOICES = 256
+MAX_CHOICE_CHARS = 1024
+
+
+class StructuredOutputs(BaseModel):
+    """A constraint on the generated text, enforced token by token (vLLM's `structured_outputs`).
+
+    Exactly one of `json_schema`, `json_object`, `regex` and `choice` is set. `json_schema` is a JSON Schema the
+    text must be an instance of; `json_object` any JSON object; `regex` a regular expression the
+    whole text matches; `choice` one of the strings, exactly. A schema with a keyword Weir cannot
+    enforce is refused (schemas/structured.py), never served unconstrained.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    json_schema: dict[str, Any] | None = Field(None, description="JSON Schema of the output (vLLM's `json`).")
+    json_object: bool = Field(False, description="Any JSON object.")
+    regex: str | None = Field(None, min_length=1, max_length=MAX_REGEX_CHARS, description="Pattern the whole output matches.")
+    choice: list[Annotated[str, Field(min_length=1, max_length=MAX_CHOICE_CHARS)]] | None = Field(
+        None, min_length=1, max_length=MAX_CHOICES, description="The output is exactly one of these."
+    )
+    strict: bool = Field(False, description="json_schema: it follows OpenAI's strict rules (checked, not relaxed).")
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        given = [self.json_schema is not None, self.json_object, self.regex is not None, self.choice is not None]
+        if sum(given) != 1:
+            raise ValueError("exactly one of json_schema, json_object, regex and choice must be set")
+        return self
+
+
+# -- logprobs ------------------------------------------------------------------------------------
+
+MAX_TOP_LOGPROBS = 20
+
+
+class TopLogprob(BaseModel):
+    """A token and its log-probability under the model's raw distribution (before penalties,
+    temperature, truncation and any grammar mask; vLLM's `raw_logprobs`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    token_id: int = Field(ge=0)
+    token: str = Field(description="The token's text (invalid UTF-8 pieces as U+FFFD).")
+    bytes: list[int] = Field(description="The token's exact UTF-8 bytes.")
+    logprob: float = Field(le=0.0, allow_inf_nan=False)
+
+
+class TokenLogprob(TopLogprob):
+    """One generated token's logprob and the most likely alternatives at its step."""
+
+    top_logprobs: list[TopLogprob] = Field(default_factory=list, max_length=MAX_TOP_LOGPROBS)
 
 
 class GenerateRequest(_Wire):
@@ -115,6 +263,17 @@ class GenerateRequest(_Wire):
     stop: list[str] = Field(default_factory=list, max_length=16, description="Stop strings, not included in output.")
     seed: int | None = Field(None, description="Sampling seed; derived from request_id when absent.")
     ignore_eos: bool = Field(False, description="Keep generating past end-of-sequence (benchmarks), as in vLLM.")
+    structured: StructuredOutputs | None = Field(None, description="Constrain the output (JSON Schema, any JSON "
+                                                 "object, regex or choice); enforced by a token mask at every step.")
+    tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS, description="Functions the model may call "
+                                        "(messages only); the chat template renders them.")
+    tool_choice: ToolChoice | None = Field(None, description="none, auto (the default with tools), required or a "
+                                           "named function; required and named constrain the output to a call.")
+    parallel_tool_calls: bool = Field(True, description="With tool_choice required: more than one call may be made.")
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="Return each generated token's "
+                                 "logprob and this many most likely alternatives (0: the token's only); None: none.")
+    suffix: str | None = Field(None, max_length=1 << 20, description="prompt only: text after the insertion "
+                               "(fill-in-the-middle), for models whose tokenizer has FIM tokens; refused otherwise.")
     stream: bool = Field(True, description="Whether the client streams; workers always send deltas.")
     principal: str = Field("anonymous", description="Who asked (API key owner or JWT subject).")
     tenant: str = Field("default", description="Tenant the principal belongs to.")
@@ -135,7 +294,24 @@ class GenerateRequest(_Wire):
     def _one_input(self) -> GenerateRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("exactly one of prompt and messages must be set")
+        if self.tools is not None and self.messages is None:
+            raise ValueError("tools need messages (a chat request)")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ValueError("tool_choice other than none needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            name = self.tool_choice.function.name
+            if not any(t.function.name == name for t in self.tools or []):
+                raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
+        if self.structured is not None and self.tool_choice not in (None, "none"):
+            raise ValueError("structured and a tool_choice that calls tools are exclusive")
+        if self.suffix is not None and self.prompt is None:
+            raise ValueError("suffix needs a prompt (a completion request)")
         return self
+
+    @property
+    def calls_tools(self) -> bool:
+        """True when the model may call tools: tools given and tool_choice not none."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     @property
     def effective_seed(self) -> int:
@@ -146,6 +322,15 @@ class GenerateRequest(_Wire):
         if self.seed is not None:
             return self.seed
         return int.from_bytes(hashlib.sha256(self.request_id.encode()).digest()[:8], "big") >> 1
+
+
+def sibling_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a request asked for n > 1 choices (or best_of): choice 0
+    keeps the request's seed, each other its own, derived stably so a rerun gives the same n texts."""
+    if index == 0:
+        return seed
+    digest = hashlib.sha256(f"{seed}/{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
 
 
 class EmbedRequest(_Wire):
@@ -225,6 +410,12 @@ class ReplyDelta(_Wire):
     seq: int = Field(ge=0, description="Per-request sequence number; drop repeats, detect gaps.")
     text: str = Field(description="Text added by this event.")
     token_ids: list[int] = Field(default_factory=list, description="Token ids behind the text.")
+    logprobs: list[TokenLogprob] | None = Field(
+        None, description="The request asked for logprobs: one per token of token_ids, in order."
+    )
+    tool_calls: list[ToolCallDelta] | None = Field(
+        None, description="Pieces of tool calls; text a tool call is made of is not also in `text`."
+    )
     created_ms: int = Field(default_factory=now_ms, description="When the worker produced it, epoch ms.")
 
 
@@ -243,6 +434,15 @@ class ReplyEnd(_Wire):
     first_token_ms: int | None = Field(None, description="When the first token was produced, epoch ms.")
     embeddings: list[list[float]] | None = Field(
         None, description="EmbedRequest only: one L2-normalised vector per input, in input order."
+    )
+    cumulative_logprob: float | None = Field(
+        None, allow_inf_nan=False, description="Sum of the raw logprobs of every generated token (ranks best_of)."
+    )
+    tool_calls: list[ToolCall] | None = Field(
+        None, description="Every tool call the model made, complete (also streamed as ToolCallDelta pieces)."
+    )
+    structured_valid: bool | None = Field(
+        None, description="A constrained request: whether the output is an instance of its constraint (None: none)."
     )
     created_ms: int = Field(default_factory=now_ms, description="When this event was produced, epoch ms.")
 

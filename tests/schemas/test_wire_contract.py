@@ -31,6 +31,8 @@ TYPES = {
     "FileChunk": messages.FileChunk, "BatchJob": messages.BatchJob, "JobCommand": messages.JobCommand,
     "ReviewFlag": messages.ReviewFlag, "ModelVersionRecord": registry.ModelVersionRecord,
     "ModelRoute": registry.ModelRoute, "ModelHealthEvent": registry.ModelHealthEvent,
+    "GenerateRequestStructured": messages.GenerateRequest, "ReplyDeltaLogprobs": messages.ReplyDelta,
+    "ReplyDeltaToolCall": messages.ReplyDelta, "ReplyEndToolCall": messages.ReplyEnd,
 }  # fmt: skip
 
 
