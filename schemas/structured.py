@@ -1,0 +1,122 @@
+"""What a structured-output constraint may ask for, checked before anything is compiled.
+
+Pure. A JSON Schema is served only when every keyword in it is one Weir enforces token by token
+(docs/design.md, "Structured output, tools and logprobs": refuse, never relax). The grammar
+compiler accepts more keywords than it enforces (it silently drops some, e.g. `uniqueItems` or an
+unknown `format`), so the list here is of keywords each tested to be enforced
+(tests/worker/test_grammar.py), and anything else is refused naming the keyword and where it is.
+
+    check_structured(spec)            raise UnsupportedSchema for a spec Weir cannot enforce
+    check_strict(schema)              raise UnsupportedSchema where OpenAI's strict rules are broken
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from schemas.messages import MAX_SCHEMA_BYTES, StructuredOutputs
+
+# Keywords that constrain, by the type of node they apply to; each is enforced by the grammar.
+ENFORCED_KEYWORDS = frozenset({
+    "type", "properties", "required", "additionalProperties", "items", "enum", "const", "anyOf",
+    "$ref", "$defs", "definitions",
+    "minLength", "maxLength", "pattern", "format",
+    "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+    "minItems", "maxItems",
+})  # fmt: skip
+# Keywords that annotate and cannot change what is valid.
+ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
+                         "readOnly", "writeOnly"})  # fmt: skip
+# String formats the grammar enforces (a pattern it builds for each).
+ENFORCED_FORMATS = frozenset({"date-time", "date", "time", "email", "uuid", "ipv4", "ipv6", "hostname", "uri"})
+JSON_TYPES = frozenset({"object", "array", "string", "number", "integer", "boolean", "null"})
+MAX_SCHEMA_DEPTH = 32  # nesting of subschemas; deeper is refused before the compiler sees it
+
+
+class UnsupportedSchema(ValueError):
+    """A constraint Weir will not serve: which keyword (or rule) and where, as a JSON pointer."""
+
+    def __init__(self, message: str, *, keyword: str, pointer: str) -> None:
+        super().__init__(f"{message} (at {pointer or '/'})")
+        self.keyword = keyword
+        self.pointer = pointer
+
+
+def check_structured(spec: StructuredOutputs) -> None:
+    """Raise UnsupportedSchema unless every part of `spec` is enforced; strict specs also follow
+    OpenAI's strict rules."""
+    if spec.json_schema is None:
+        return
+    if len(orjson.dumps(spec.json_schema)) > MAX_SCHEMA_BYTES:
+        raise UnsupportedSchema(f"the schema is larger than {MAX_SCHEMA_BYTES} bytes", keyword="$size", pointer="")
+    _walk(spec.json_schema, "", 0)
+    if spec.strict:
+        check_strict(spec.json_schema)
+
+
+def _walk(node: Any, pointer: str, depth: int) -> None:
+    if isinstance(node, bool):
+        return  # true / false schemas
+    if not isinstance(node, dict):
+        raise UnsupportedSchema("a schema must be an object or a boolean", keyword="$type", pointer=pointer)
+    if depth > MAX_SCHEMA_DEPTH:
+        raise UnsupportedSchema(f"schemas nest at most {MAX_SCHEMA_DEPTH} deep", keyword="$depth", pointer=pointer)
+    for key, value in node.items():
+        where = f"{pointer}/{_escape(key)}"
+        if key in ANNOTATIONS:
+            continue
+        if key not in ENFORCED_KEYWORDS:
+            raise UnsupportedSchema(f"keyword {key!r} is not supported", keyword=key, pointer=where)
+        if key == "format" and value not in ENFORCED_FORMATS:
+            raise UnsupportedSchema(f"format {value!r} is not supported (supported: "
+                                    f"{', '.join(sorted(ENFORCED_FORMATS))})", keyword="format", pointer=where)  # fmt: skip
+        if key == "type":
+            types = value if isinstance(value, list) else [value]
+            bad = [t for t in types if t not in JSON_TYPES]
+            if bad or not types:
+                raise UnsupportedSchema(f"type {bad[0] if bad else value!r} is not a JSON type", keyword="type", pointer=where)
+        if key in ("properties", "$defs", "definitions"):
+            if not isinstance(value, dict):
+                raise UnsupportedSchema(f"{key} must be an object", keyword=key, pointer=where)
+            for name, sub in value.items():
+                _walk(sub, f"{where}/{_escape(name)}", depth + 1)
+        elif key in ("items", "additionalProperties"):
+            _walk(value, where, depth + 1)
+        elif key == "anyOf":
+            if not isinstance(value, list) or not value:
+                raise UnsupportedSchema("anyOf must be a non-empty list", keyword=key, pointer=where)
+            for i, sub in enumerate(value):
+                _walk(sub, f"{where}/{i}", depth + 1)
+        elif key == "$ref" and not (isinstance(value, str) and value.startswith("#")):
+            raise UnsupportedSchema("only local references (#/...) are supported", keyword="$ref", pointer=where)
+
+
+def check_strict(schema: Any, pointer: str = "") -> None:
+    """OpenAI's strict rules: every object schema sets `additionalProperties: false` and lists
+    every one of its properties in `required` (an optional field is a union with null)."""
+    if not isinstance(schema, dict):
+        return
+    types = schema.get("type")
+    is_object = types == "object" or (isinstance(types, list) and "object" in types) or "properties" in schema
+    if is_object:
+        if schema.get("additionalProperties") is not False:
+            raise UnsupportedSchema("strict schemas must set additionalProperties to false on every object",
+                                    keyword="additionalProperties", pointer=pointer)  # fmt: skip
+        missing = sorted(set(schema.get("properties", {})) - set(schema.get("required", [])))
+        if missing:
+            raise UnsupportedSchema(f"strict schemas must list every property in required; {missing[0]!r} is not",
+                                    keyword="required", pointer=pointer)  # fmt: skip
+    for key in ("properties", "$defs", "definitions"):
+        for name, sub in (schema.get(key) or {}).items():
+            check_strict(sub, f"{pointer}/{key}/{_escape(name)}")
+    if isinstance(schema.get("items"), dict):
+        check_strict(schema["items"], f"{pointer}/items")
+    for i, sub in enumerate(schema.get("anyOf") or []):
+        check_strict(sub, f"{pointer}/anyOf/{i}")
+
+
+def _escape(token: str) -> str:
+    """A JSON pointer's escaping of one reference token (RFC 6901)."""
+    return str(token).replace("~", "~0").replace("/", "~1")
