@@ -111,16 +111,16 @@ def test_logit_bias_plus_100_forces_a_token_at_temperature_0():
     least_likely = int(torch.argmin(logits[0]))
     forced = make_request(temperature=0.0, logit_bias={str(least_likely): 100.0})
     plain = make_request(temperature=0.0)
-    tokens, _ = sample_batch(logits, [forced, plain], [torch.Generator()] * 2, [None, None], [[], []],
-                             [TokenBias.of(forced.logit_bias), None])
+    tokens = sample_batch(logits, [forced, plain], [torch.Generator()] * 2, [None, None], [[], []],
+                          [TokenBias.of(forced.logit_bias), None]).tokens
     assert tokens == [least_likely, int(torch.argmax(logits[1]))]
 
 
 def test_greedy_rows_honour_penalties():
     logits = torch.tensor([[0.0, 5.0, 4.0, 1.0], [0.0, 5.0, 4.0, 1.0]])
     penalised, plain = make_request(temperature=0.0, frequency_penalty=2.0), make_request(temperature=0.0)
-    tokens, entropies = sample_batch(logits, [penalised, plain], [torch.Generator()] * 2, [None, None],
-                                     [[1], [1]], [None, None])
+    tokens, entropies, _, _ = sample_batch(logits, [penalised, plain], [torch.Generator()] * 2, [None, None],
+                                           [[1], [1]], [None, None])
     assert tokens == [2, 1]  # 5 - 2 < 4: the penalised row's greedy choice moves
     assert entropies[0] == pytest.approx(entropies[1])  # the entropy is the model's own, before penalties
 

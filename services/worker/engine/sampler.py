@@ -10,6 +10,7 @@ from __future__ import annotations
 import array
 import itertools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -59,24 +60,28 @@ def sample_batch(
     biases: list[torch.Tensor | None],
     output_ids: list[list[int]] | None = None,
     token_biases: list[TokenBias | None] | None = None,
-) -> tuple[list[int | None], list[float]]:
-    """Next tokens and model entropies of a step's rows: logits [rows, vocab] float32, which it
-    changes (penalties and logit_bias are added in place).
+    top_logprobs: list[int | None] | None = None,
+) -> SampledRows:
+    """Next tokens, model entropies and raw logprobs of a step's rows: logits [rows, vocab]
+    float32, which it changes (penalties and logit_bias are added in place).
 
-    Returns (tokens, entropies), one per row; a row's token is None when its logits are not
-    finite (that request fails). `output_ids` (each row's generated tokens so far) and
-    `token_biases` (each row's logit_bias) feed `adjust_logits`; the entropy is the model's own,
-    before them. The checks, the entropy, the penalties and the bias run once over the batch,
-    greedy rows without a watermark bias take one batched argmax; only rows that draw at random
-    (or carry a watermark bias) go through `sample`, each with its own generator, so a request's
-    tokens do not depend on what shares its batch.
+    A row's token is None when its logits are not finite (that request fails). `output_ids`
+    (each row's generated tokens so far) and `token_biases` (each row's logit_bias) feed
+    `adjust_logits`; `top_logprobs` (each row's request.logprobs, None: not asked) sizes the
+    alternatives `raw_logprobs` lists. The entropy and the logprobs are the model's own, from one
+    log-softmax taken before anything changes the logits (docs/design.md, "Structured output,
+    tools and logprobs"). The checks, the entropy, the penalties and the bias run once over the
+    batch, greedy rows without a watermark bias take one batched argmax; only rows that draw at
+    random (or carry a watermark bias) go through `sample`, each with its own generator, so a
+    request's tokens do not depend on what shares its batch.
     """
     # a finite row sum means every logit is finite (NaN and inf propagate): one cheap reduction,
     # and the element-wise check only for the rows it flags
     finite = torch.isfinite(logits.sum(dim=-1)).tolist()
     for row in [r for r, ok in enumerate(finite) if not ok]:
         finite[row] = bool(torch.isfinite(logits[row]).all())
-    entropies = token_entropies(logits).tolist()
+    logp = torch.log_softmax(logits.float(), dim=-1)  # a new tensor: adjust_logits' in-place changes miss it
+    entropies = entropies_of(logp).tolist()
     logits = adjust_logits(logits, requests, output_ids, token_biases)
     argmax = torch.argmax(logits, dim=-1).tolist()
     tokens: list[int | None] = []
@@ -87,7 +92,40 @@ def sample_batch(
             tokens.append(argmax[row])
         else:
             tokens.append(sample(logits[row], request, generator, bias))
-    return tokens, entropies
+    logprobs, tops = raw_logprobs(logp, tokens, top_logprobs)
+    return SampledRows(tokens, entropies, logprobs, tops)
+
+
+class SampledRows(NamedTuple):
+    """What sample_batch gives per row of a step."""
+
+    tokens: list[int | None]  # None: the row's logits were not finite
+    entropies: list[float]  # the model's token entropy (nats)
+    logprobs: list[float | None]  # the sampled token's raw logprob (None where the token is)
+    top_logprobs: list[list[tuple[int, float]] | None]  # (token id, raw logprob), most likely first; None: not asked
+
+
+# The lowest logprob reported (OpenAI's floor): keeps a vanishing probability finite on the wire.
+MIN_LOGPROB = -9999.0
+
+
+def raw_logprobs(
+    logp: torch.Tensor, tokens: list[int | None], top_logprobs: list[int | None] | None
+) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
+    """The sampled token's logprob of every row (one gather) and, for rows whose request asks k
+    alternatives, the k most likely (one topk over only those rows, with the largest k): a step
+    where nobody asks costs the gather alone. `logp` [rows, vocab] is the raw log-softmax."""
+    index = torch.tensor([t if t is not None else 0 for t in tokens], dtype=torch.long).unsqueeze(1)
+    taken = logp.gather(1, index).squeeze(1).tolist()
+    logprobs = [None if t is None else max(lp, MIN_LOGPROB) for t, lp in zip(tokens, taken, strict=True)]
+    tops: list[list[tuple[int, float]] | None] = [None] * len(tokens)
+    asking = {r: k for r, k in enumerate(top_logprobs or []) if k and tokens[r] is not None}  # row -> k
+    if asking:
+        k_max = min(max(asking.values()), logp.shape[-1])
+        values, ids = torch.topk(logp.index_select(0, torch.tensor(list(asking))), k_max, dim=-1)  # largest first
+        for (row, k), row_values, row_ids in zip(asking.items(), values.tolist(), ids.tolist(), strict=True):
+            tops[row] = [(i, max(v, MIN_LOGPROB)) for i, v in zip(row_ids[:k], row_values[:k], strict=True)]
+    return logprobs, tops
 
 
 @dataclass(frozen=True)
@@ -164,7 +202,11 @@ def segment_ids(lengths: torch.Tensor) -> torch.Tensor:
 
 def token_entropies(logits: torch.Tensor) -> torch.Tensor:
     """Entropy (nats) of softmax over the last dim of `logits` [..., vocab]: token_entropy, batched."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
+    return entropies_of(torch.log_softmax(logits.float(), dim=-1))
+
+
+def entropies_of(logp: torch.Tensor) -> torch.Tensor:
+    """Entropy (nats) of each distribution given as log-probabilities over the last dim."""
     return -(logp.exp() * logp).sum(dim=-1)
 
 
