@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Callable
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -13,6 +15,17 @@ from services.worker.engine.chat_template import ChatTemplate, ChatTemplateError
 
 class TokenizerError(ValueError):
     """A prompt the tokenizer cannot handle; ends that request only."""
+
+
+class SuffixUnsupported(ValueError):
+    """A completion with a suffix for a tokenizer without fill-in-the-middle tokens."""
+
+
+# Fill-in-the-middle special tokens (prefix, suffix, middle): StarCoder's and SmolLM's names, then Qwen's.
+FIM_TOKEN_NAMES = (
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
+)
 
 
 class ModelTokenizer:
@@ -34,6 +47,16 @@ class ModelTokenizer:
         except ChatTemplateError as exc:
             raise ChatTemplateError(f"{origin}: {exc}") from exc
         self.end_of_turn = self._end_of_turn()
+        self.fim_tokens = self._fim_tokens()
+        self._pieces: dict[int, tuple[str, list[int]]] = {}  # token id -> (text, bytes), filled as logprobs ask
+        self._piece_bytes: Callable[[str], bytes] | None = None
+
+    def _fim_tokens(self) -> tuple[str, str, str] | None:
+        """The first set of FIM_TOKEN_NAMES whose three tokens the vocabulary holds, else None."""
+        for names in FIM_TOKEN_NAMES:
+            if all(self._tok.token_to_id(n) is not None for n in names):
+                return names
+        return None
 
     def _end_of_turn(self) -> str | None:
         if self._template is None:
@@ -68,10 +91,39 @@ class ModelTokenizer:
         return self._tok.decode(ids, skip_special_tokens=True)
 
     def render(self, request: GenerateRequest) -> str:
-        """The prompt text of a request: the prompt itself, or the chat rendered by the template."""
+        """The prompt text of a request: the prompt itself (around a suffix, the fill-in-the-middle
+        form), or the chat rendered by the template. Raises SuffixUnsupported for a suffix the
+        tokenizer has no FIM tokens for (refused, never ignored: docs/design.md, invariant 6)."""
         if request.prompt is not None:
-            return request.prompt
+            return request.prompt if request.suffix is None else self.render_fim(request.prompt, request.suffix)
         return self.render_chat(request.messages or [])
+
+    def render_fim(self, prefix: str, suffix: str) -> str:
+        """prefix-suffix-middle (PSM), the order StarCoder, SmolLM and Qwen were trained on: the
+        model writes what goes between `prefix` and `suffix` after the middle token."""
+        if self.fim_tokens is None:
+            raise SuffixUnsupported("its tokenizer has no fill-in-the-middle tokens (<fim_prefix>, <fim_suffix>, "
+                                    "<fim_middle> or Qwen's <|fim_prefix|>...)")  # fmt: skip
+        pre, suf, mid = self.fim_tokens
+        return f"{pre}{prefix}{suf}{suffix}{mid}"
+
+    def token_piece(self, token_id: int) -> tuple[str, list[int]]:
+        """A token's text and exact UTF-8 bytes, as logprobs report them: a piece of a multi-byte
+        character keeps its bytes and shows as U+FFFD. Cached per id (a vocabulary is bounded)."""
+        piece = self._pieces.get(token_id)
+        if piece is None:
+            raw = self._token_bytes(token_id)
+            piece = self._pieces[token_id] = (raw.decode("utf-8", errors="replace"), list(raw))
+        return piece
+
+    def _token_bytes(self, token_id: int) -> bytes:
+        added = self._tok.get_added_tokens_decoder().get(token_id)
+        if added is not None:  # special and added tokens are kept whole, as their content
+            return added.content.encode()
+        if self._piece_bytes is None:
+            decoder = self._tok.decoder
+            self._piece_bytes = _piece_decoder(json.loads(decoder.__getstate__()) if decoder is not None else {})
+        return self._piece_bytes(self._tok.id_to_token(token_id) or "")
 
     def render_chat(self, messages: list[ChatMessage]) -> str:
         """Chat turns as text, through the model's chat template when it has one.
@@ -85,6 +137,38 @@ class ModelTokenizer:
         # No template (a base model): a plain transcript that ends where the assistant speaks.
         lines = [f"{t['role']}: {t['content']}" for t in turns]
         return "\n".join(lines) + "\nassistant:"
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet reversed: the character a byte-level BPE writes for each byte
+    (printable bytes as themselves, the rest shifted past U+0100)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(shifted)}}
+
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _decoder_types(config: dict) -> set[str]:
+    """The types of a tokenizer.json decoder, those inside a Sequence included."""
+    return {config.get("type", ""), *(t for d in config.get("decoders", []) for t in _decoder_types(d))}
+
+
+def _piece_decoder(config: dict) -> Callable[[str], bytes]:
+    """How a vocabulary piece becomes bytes under the tokenizer's decoder: byte-level BPE's
+    alphabet (GPT-2, Llama 3, Qwen, SmolLM), or SentencePiece's byte fallback (<0xE2>) and
+    metaspace (▁ for a space); otherwise the piece's own UTF-8."""
+    types = _decoder_types(config)
+    if "ByteLevel" in types:
+        table = _byte_decoder()
+        return lambda piece: bytes(table[c] for c in piece) if all(c in table for c in piece) else piece.encode()
+
+    def sentencepiece(piece: str) -> bytes:
+        byte = _BYTE_TOKEN.fullmatch(piece) if "ByteFallback" in types else None
+        return bytes([int(byte.group(1), 16)]) if byte else piece.replace("\u2581", " ").encode()
+
+    return sentencepiece
 
 
 def _read_json(file: Path) -> dict:
