@@ -6,7 +6,7 @@ One step() is:
     plan = self.scheduler.schedule()         # who runs, on which blocks
     logits = self._run(plan)                 # one model forward over every scheduled token
     self.scheduler.commit(plan)              # the plan's tokens are in the KV cache now
-    tokens = sample_batch(logits, ...)       # one token per sampling row (penalties, logit_bias, watermark)
+    rows = sample_batch(logits, ...)         # per sampling row: token (penalties, logit_bias, watermark), raw logprobs
     outputs += self._postprocess(seq, ...)   # per sequence: detokenize, stop, emit
 
 Synchronous and single-threaded: the worker's runner (services/worker/runner.py) calls step()
@@ -22,14 +22,14 @@ from pathlib import Path
 
 import torch
 
-from schemas.messages import EmbedRequest, ErrorInfo, GenerateRequest
+from schemas.messages import EmbedRequest, ErrorInfo, GenerateRequest, TokenLogprob, TopLogprob
 from services.worker.engine.chat_template import ChatTemplateError
 from services.worker.engine.kv_cache import BlockManager, allocate_kv_caches, bytes_per_block
 from services.worker.engine.model import AttentionMetadata, CausalLM, load_model, weights_sha256
 from services.worker.engine.sampler import sample_batch
 from services.worker.engine.scheduler import Scheduler, StepPlan
 from services.worker.engine.sequence import EngineOutput, Sequence, Status
-from services.worker.engine.tokenizer import IncrementalDetokenizer, ModelTokenizer, TokenizerError
+from services.worker.engine.tokenizer import IncrementalDetokenizer, ModelTokenizer, SuffixUnsupported, TokenizerError
 from services.worker.engine.watermark import Watermarker
 
 log = logging.getLogger(__name__)
@@ -116,6 +116,8 @@ class Engine:
         try:
             prompt_text = self.tokenizer.render(request)
             prompt_ids = self.tokenizer.encode(prompt_text)
+        except SuffixUnsupported as exc:  # refused, never ignored (docs/design.md, invariant 6)
+            return _refused(request, now_ms, "rejected", "suffix_unsupported", f"{request.model} cannot take a suffix: {exc}")
         except ChatTemplateError as exc:  # the template refused this chat (e.g. a role order): the client's to fix
             return _refused(request, now_ms, "rejected", "chat_template_error", str(exc))
         except TokenizerError as exc:
@@ -182,12 +184,13 @@ class Engine:
         vocab_size = logits.shape[-1]
         biases = [self.watermarker.bias(s.request.tenant, s.token_ids[-1], vocab_size) for s in seqs]
         histories = [s.output_ids if s.is_penalised else [] for s in seqs]  # only penalties read them
-        tokens, entropies = sample_batch(
-            logits, [s.request for s in seqs], [s.generator for s in seqs], biases, histories, [s.token_bias for s in seqs]
-        )
+        rows = sample_batch(
+            logits, [s.request for s in seqs], [s.generator for s in seqs], biases, histories,
+            [s.token_bias for s in seqs], [s.request.logprobs for s in seqs],
+        )  # fmt: skip
         taken_ms = self.clock() if self.clock is not None else now_ms
-        for seq, token, entropy in zip(seqs, tokens, entropies, strict=True):
-            outputs.extend(self._postprocess(seq, token, entropy, taken_ms))
+        for seq, token, entropy, logprob, top in zip(seqs, *rows, strict=True):
+            outputs.extend(self._postprocess(seq, token, entropy, logprob, top, taken_ms))
         return outputs
 
     def _expire(self, now_ms: int) -> list[EngineOutput]:
@@ -247,11 +250,15 @@ class Engine:
             return None
         return torch.tensor(lens, dtype=torch.long, device=self.device)
 
-    def _postprocess(self, seq: Sequence, token: int | None, entropy: float, now_ms: int) -> list[EngineOutput]:
-        """Take one sampled token (None: the row's logits were not finite) into `seq`."""
+    def _postprocess(
+        self, seq: Sequence, token: int | None, entropy: float, logprob: float | None,
+        top: list[tuple[int, float]] | None, now_ms: int,
+    ) -> list[EngineOutput]:  # fmt: skip
+        """Take one sampled token (None: the row's logits were not finite), its raw logprob and
+        the alternatives its request asked for into `seq`."""
         if seq.status is not Status.RUNNING:
             return []
-        if token is None:
+        if token is None or logprob is None:  # both None together: the row's logits were not finite
             info = ErrorInfo(code="non_finite_logits", message="the model produced non-finite logits")
             return [self._finish(seq, "error", now_ms, info)]
         seq.entropy_sum += entropy
@@ -262,6 +269,7 @@ class Engine:
             return [self._finish(seq, "stop", now_ms)]
         seq.token_ids.append(token)
         seq.note_token(now_ms)
+        seq.note_logprob(logprob, self._token_logprob(token, logprob, top) if seq.wants_logprobs else None)
         reason = seq.append_text(self._detok[seq.request_id].step(seq.output_ids))
         if reason is None and seq.num_output_tokens >= seq.max_tokens:
             reason = "length"
@@ -269,6 +277,13 @@ class Engine:
             return [self._finish(seq, reason, now_ms)]
         delta = seq.take_delta(is_final=False)
         return [seq.event(delta)] if delta else []
+
+    def _token_logprob(self, token: int, logprob: float, top: list[tuple[int, float]] | None) -> TokenLogprob:
+        """The wire form of an output token's logprob, with its request's alternatives."""
+        text, raw = self.tokenizer.token_piece(token)
+        alternatives = [TopLogprob(token_id=i, token=t, bytes=b, logprob=lp)
+                        for i, lp in top or [] for t, b in [self.tokenizer.token_piece(i)]]  # fmt: skip
+        return TokenLogprob(token_id=token, token=text, bytes=raw, logprob=logprob, top_logprobs=alternatives)
 
     def _finish(self, seq: Sequence, reason, now_ms: int, error: ErrorInfo | None = None) -> EngineOutput:
         self.scheduler.remove(seq)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from schemas.messages import ErrorInfo, FinishReason, GenerateRequest
+from schemas.messages import ErrorInfo, FinishReason, GenerateRequest, TokenLogprob
 from services.worker.engine.sampler import TokenBias, has_penalties
 
 
@@ -44,6 +44,10 @@ class EngineOutput:
     mean_token_entropy: float | None = None  # final event: mean entropy (nats) of the sampled steps
     watermark_z: float | None = None  # final event: the tenant's watermark z over the output, if any
     embeddings: list[list[float]] | None = None  # EmbedRequest's final event: one vector per input
+    logprobs: list[TokenLogprob] | None = None  # the request asked: one per token of token_ids, in order
+    # final event of a request that ran: sum of the raw logprobs of its output tokens (those of token_ids
+    # and completion_tokens; an end-of-sequence token that ends it is not output, so not counted)
+    cumulative_logprob: float | None = None
 
     @property
     def is_final(self) -> bool:
@@ -84,6 +88,8 @@ class Sequence:
         self.entropy_sum = 0.0  # sum over sampled steps of the model's token entropy (nats)
         self.num_sampled = 0
         self._hold_chars = max((len(s) for s in request.stop), default=1) - 1
+        self.cumulative_logprob = 0.0  # sum of the raw logprobs of the output tokens (ranks best_of)
+        self._logprobs: list[TokenLogprob] | None = [] if request.logprobs is not None else None  # not yet carried
 
     @property
     def output_ids(self) -> list[int]:
@@ -127,6 +133,28 @@ class Sequence:
         self.num_emitted_ids = self.num_output_tokens
         return ids
 
+    @property
+    def wants_logprobs(self) -> bool:
+        """True when the request asked for per-token logprobs."""
+        return self._logprobs is not None
+
+    def note_logprob(self, logprob: float, entry: TokenLogprob | None) -> None:
+        """Account the raw logprob of the output token just appended; `entry` is its wire form
+        when the request asked for logprobs. Kept per token, so they follow token_ids, not text
+        (held-back text around a stop string moves text between events, never tokens)."""
+        self.cumulative_logprob += logprob
+        if self._logprobs is not None:
+            if entry is None:
+                raise ValueError(f"{self.request_id} asked for logprobs: each output token needs its entry")
+            self._logprobs.append(entry)
+
+    def take_logprobs(self) -> list[TokenLogprob] | None:
+        """Logprobs of the output tokens not yet carried by an event (None: not asked)."""
+        if self._logprobs is None:
+            return None
+        entries, self._logprobs = self._logprobs, []
+        return entries
+
     def note_token(self, now_ms: int) -> None:
         """Time an output token taken in: the gap since the previous one is an inter-token latency
         (none for the first, whose time is first_token_ms). One int per token, no other allocation:
@@ -145,7 +173,8 @@ class Sequence:
 
     def event(self, text: str) -> EngineOutput:
         """A delta event with the next sequence number."""
-        out = EngineOutput(self.request_id, self.next_seq, text=text, token_ids=self.take_ids(), itl_ms=self.take_gaps())
+        out = EngineOutput(self.request_id, self.next_seq, text=text, token_ids=self.take_ids(), itl_ms=self.take_gaps(),
+                           logprobs=self.take_logprobs())  # fmt: skip
         self.next_seq += 1
         return out
 
@@ -170,4 +199,6 @@ class Sequence:
             prompt_text=self.prompt_text,
             output_text=self.output_text,
             mean_token_entropy=self.entropy_sum / self.num_sampled if self.num_sampled else None,
+            logprobs=self.take_logprobs(),
+            cumulative_logprob=self.cumulative_logprob,
         )
