@@ -13,6 +13,11 @@ from schemas.messages import EmbedRequest, ErrorInfo, GenerateRequest
 from services.worker.engine.sequence import EngineOutput
 
 _PIECES = re.compile(r"\s*\S+|\s+")
+# GenerateRequest fields the echo model refuses, and why.
+_UNSUPPORTED = {
+    "logprobs": "logprobs (its tokens are words, drawn from no distribution)",
+    "suffix": "suffix (it has no fill-in-the-middle; it echoes the prompt)",
+}
 
 
 class _Echo:
@@ -45,6 +50,10 @@ class EchoEngine:
             return EngineOutput(request.request_id, 0, finish_reason="rejected", error=info, received_ms=now_ms, finished_ms=now_ms)
         if request.request_id in self._active:
             return None
+        unsupported = [why for name, why in _UNSUPPORTED.items() if getattr(request, name) is not None]
+        if unsupported:  # refused, never faked (docs/design.md, invariant 6)
+            info = ErrorInfo(code="unsupported_by_model", message="the echo model cannot serve " + "; ".join(unsupported))
+            return EngineOutput(request.request_id, 0, finish_reason="rejected", error=info, received_ms=now_ms, finished_ms=now_ms)
         text = request.prompt if request.prompt is not None else "\n".join(m.content for m in request.messages or [])
         echo = _Echo(request, text, now_ms)
         if len(echo.pieces) >= self.max_model_len:
