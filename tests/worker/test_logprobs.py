@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tokenizers import Tokenizer, decoders, models, normalizers
 
 from schemas.messages import ReplyDelta, ReplyEnd
 from services.worker.engine import EchoEngine, Engine, EngineConfig
@@ -127,6 +128,22 @@ def test_token_bytes_are_exact_for_a_character_split_over_tokens() -> None:
     split = [(t, raw) for t, raw in pieces if "\ufffd" in t]
     assert split and all(bytes(raw).decode("utf-8", errors="replace") == t for t, raw in split)
     assert tokenizer.token_piece(0) == ("<|endoftext|>", list(b"<|endoftext|>"))  # a special token whole
+
+
+def test_token_bytes_of_sentencepiece_byte_fallback_and_metaspace(tmp_path) -> None:
+    """Llama-2-style pieces: <0xC3> is the byte itself, ▁ a space (the decoder's own rules)."""
+    pieces = {"▁": 257, "h": 258, "i": 259, "▁h": 260, "▁hi": 261}
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, **pieces}
+    tok = Tokenizer(models.BPE(vocab, [("▁", "h"), ("▁h", "i")], byte_fallback=True, unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])  # fmt: skip
+    tok.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = ModelTokenizer(tmp_path)
+    ids = tokenizer.encode("hi é")
+    assert ids == [261, 257, 196, 170]  # ▁hi ▁ <0xC3> <0xA9>: é is not in the vocabulary, so its bytes
+    assert [tokenizer.token_piece(i) for i in ids] == [(" hi", list(b" hi")), (" ", [32]), ("\ufffd", [0xC3]),
+                                                       ("\ufffd", [0xA9])]  # fmt: skip
 
 
 @pytest.mark.parametrize("names", [("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
