@@ -20,7 +20,8 @@ What the output is, by `tool_choice` (tools given; `none` parses nothing):
     outside the tags streams as text; a tag's inside is held back and published as one complete
     piece when `</tool_call>` closes it. An inside that is not a call (bad JSON, not an object, an
     unknown function, arguments that are not an object) is released as text, tags included, as is
-    a tag left open at the end. Whitespace that only separates calls from text is dropped.
+    a tag left open at the end. Whitespace that only separates calls from each other or from the
+    start or the end of the output is dropped.
   * A bare JSON object as the whole output (Llama 3.x): `{"name": ..., "parameters": {...}}` or
     with `arguments`. Output that starts with `{` is held back until it is known not to be one
     call (text after the object closes) or it ends; what is no call is released as text.
@@ -322,15 +323,20 @@ class CallListParser(ToolCallParser):
 
 
 class HermesParser(ToolCallParser):
-    """tool_choice auto: text with <tool_call> blocks, or one bare JSON call as the whole output."""
+    """tool_choice auto: text with <tool_call> blocks, or one bare JSON call as the whole output.
+
+    The text is the output with the calls taken out, except whitespace that only separates calls
+    from each other or from the start or the end of the output."""
 
     def __init__(self, request_id: str, functions: dict[str, ToolFunction], parallel: bool) -> None:
         super().__init__(request_id, functions)
         self.parallel = parallel
         self._mode = "start"  # start (only whitespace so far), text, call (inside a tag), bare
         self._held = ""  # read, not yet released: whitespace, a partial tag, a tag's inside, a bare object
-        self._gap = ""  # the whitespace dropped before the open tag, given back if it is no call
-        self._after_call = False  # whitespace after a call only separates it from what follows
+        self._tag_ws = ""  # the whitespace before the open tag, given back if it is no call
+        self._sep = ""  # the whitespace between the last text and the calls since
+        self._said = False  # some text was released
+        self._after_call = False  # no text released since the last call
         self._bare = _JsonDepth()
 
     def feed(self, text: str) -> Parsed:
@@ -361,8 +367,8 @@ class HermesParser(ToolCallParser):
             else:
                 parsed.text += held
         elif self._mode == "call":
-            parsed.text += self._gap + TOOL_CALL_OPEN + held  # left open: no call
-        else:
+            self._emit(self._tag_ws + TOOL_CALL_OPEN + held, parsed)  # left open: no call
+        elif held.strip() or not self._after_call:
             self._emit(held, parsed)
         return parsed
 
@@ -390,15 +396,15 @@ class HermesParser(ToolCallParser):
             may_call = self.parallel or not self.calls
             start = self._held.find(TOOL_CALL_OPEN) if may_call else -1
             if start >= 0:
-                before = self._held[:start]
-                body = before.rstrip()
+                body = self._held[:start].rstrip()
                 self._emit(body, parsed)
-                self._gap = "" if self._after_call else before[len(body) :]
+                self._tag_ws = self._held[len(body) : start]
+                if not self._after_call:
+                    self._sep = self._tag_ws
                 self._mode, self._held = "call", self._held[start + len(TOOL_CALL_OPEN) :]
                 continue
             keep = _partial_tag(self._held) if may_call else 0
-            head = self._held[: len(self._held) - keep]
-            body = head.rstrip()  # trailing whitespace may only separate this text from a call
+            body = self._held[: len(self._held) - keep].rstrip()  # trailing whitespace may only separate
             self._emit(body, parsed)
             self._held = self._held[len(body) :]
             return
@@ -406,18 +412,21 @@ class HermesParser(ToolCallParser):
     def _close(self, inside: str, parsed: Parsed) -> None:
         call = self._as_call(inside)
         if call is None:
-            parsed.text += self._gap + TOOL_CALL_OPEN + inside + TOOL_CALL_CLOSE
-            self._after_call = False
+            self._emit(self._tag_ws + TOOL_CALL_OPEN + inside + TOOL_CALL_CLOSE, parsed)
         else:
             parsed.calls.append(self._complete(*call))
             self._after_call = True
 
     def _emit(self, text: str, parsed: Parsed) -> None:
+        """Release text outside calls; after a call, the whitespace before it and the calls'
+        separators come back only between text and text."""
+        if not text:
+            return
         if self._after_call:
-            text = text.lstrip()
-        if text:
-            parsed.text += text
+            text = self._sep + text if self._said else text.lstrip()
             self._after_call = False
+        parsed.text += text
+        self._said = self._said or bool(text.strip())
 
 
 def _partial_tag(text: str) -> int:

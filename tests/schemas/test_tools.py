@@ -100,6 +100,13 @@ def test_a_tag_left_open_and_a_partial_tag_are_text():
     assert parser.feed("box>").text == " <toolbox>"
 
 
+def test_only_whitespace_that_separates_calls_from_each_other_or_the_ends_is_dropped():
+    call = '<tool_call>{"name": "now"}</tool_call>'
+    assert parse_all_ways(request(), f"Hi\n{call}\n ok \n")[0] == "Hi\n\n ok \n"
+    assert parse_all_ways(request(), f" \n{call}\n{call}\n\nDone.")[0] == "Done."
+    assert parse_all_ways(request(), f"Hi {call} {call} there")[0] == "Hi  there"
+
+
 def test_text_without_calls_is_kept_exactly():
     for output in ("  Hello,\n world \n", "", "\n\n", "{not json at all"):
         assert parse_all_ways(request(), output) == (output, [])
@@ -121,7 +128,7 @@ def test_a_bare_json_call_is_the_whole_output_or_text():
 def test_parallel_tool_calls_false_leaves_a_second_call_as_text():
     text, calls = parse_all_ways(request(parallel_tool_calls=False), HERMES)
     assert calls == [("get_weather", '{"city":"Pa<ris}"}')]
-    assert text == 'Let me check.<tool_call>{"name": "now", "parameters": {}}</tool_call>\n'
+    assert text == 'Let me check.\n\n<tool_call>{"name": "now", "parameters": {}}</tool_call>\n'
 
 
 def test_required_publishes_each_call_when_its_object_closes():

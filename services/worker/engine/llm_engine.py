@@ -268,7 +268,8 @@ class Engine:
         if reason is not None:
             return [self._finish(seq, reason, now_ms)]
         delta = seq.take_delta(is_final=False)
-        return [seq.event(delta)] if delta else []
+        out = seq.event(delta) if delta else None
+        return [out] if out is not None else []
 
     def _finish(self, seq: Sequence, reason, now_ms: int, error: ErrorInfo | None = None) -> EngineOutput:
         self.scheduler.remove(seq)

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from schemas.messages import ErrorInfo, FinishReason, GenerateRequest
+from schemas.messages import ErrorInfo, FinishReason, GenerateRequest, ToolCall, ToolCallDelta
+from schemas.tools import tool_parser
 from services.worker.engine.sampler import TokenBias, has_penalties
 
 
@@ -44,6 +45,8 @@ class EngineOutput:
     mean_token_entropy: float | None = None  # final event: mean entropy (nats) of the sampled steps
     watermark_z: float | None = None  # final event: the tenant's watermark z over the output, if any
     embeddings: list[list[float]] | None = None  # EmbedRequest's final event: one vector per input
+    tool_call_deltas: list[ToolCallDelta] | None = None  # pieces of tool calls made of this event's output
+    tool_calls: list[ToolCall] | None = None  # final event: every tool call the reply made, complete
 
     @property
     def is_final(self) -> bool:
@@ -84,6 +87,9 @@ class Sequence:
         self.entropy_sum = 0.0  # sum over sampled steps of the model's token entropy (nats)
         self.num_sampled = 0
         self._hold_chars = max((len(s) for s in request.stop), default=1) - 1
+        # tool calls are parsed from the emitted text, so its events are a function of the tokens
+        # (docs/design.md, "Structured output, tools and logprobs"); None: the request calls none
+        self.tool_parser = tool_parser(request)
 
     @property
     def output_ids(self) -> list[int]:
@@ -143,19 +149,32 @@ class Sequence:
         gaps, self._gaps_ms = self._gaps_ms, None
         return gaps
 
-    def event(self, text: str) -> EngineOutput:
-        """A delta event with the next sequence number."""
-        out = EngineOutput(self.request_id, self.next_seq, text=text, token_ids=self.take_ids(), itl_ms=self.take_gaps())
+    def event(self, text: str) -> EngineOutput | None:
+        """A delta event with the next sequence number; None when the tool call parser holds all
+        of `text` back (its tokens then go with a later event)."""
+        calls = None
+        if self.tool_parser is not None:
+            parsed = self.tool_parser.feed(text)
+            text, calls = parsed.text, parsed.calls or None
+            if not text and calls is None:
+                return None
+        out = EngineOutput(self.request_id, self.next_seq, text=text, token_ids=self.take_ids(), itl_ms=self.take_gaps(),
+                           tool_call_deltas=calls)  # fmt: skip
         self.next_seq += 1
         return out
 
     def final(self, reason: FinishReason, now_ms: int, error: ErrorInfo | None = None) -> EngineOutput:
-        """The terminal event; carries any held-back text."""
+        """The terminal event; carries any held-back text and, when the reply called tools, the calls."""
         self.status = Status.FINISHED
+        text = self.take_delta(is_final=True) if error is None else ""
+        deltas = calls = None
+        if self.tool_parser is not None and error is None:
+            parsed = self.tool_parser.finish(text)
+            text, deltas, calls = parsed.text, parsed.calls or None, self.tool_parser.calls or None
         return EngineOutput(
             self.request_id,
             self.next_seq,
-            text=self.take_delta(is_final=True) if error is None else "",
+            text=text,
             token_ids=self.take_ids(),
             finish_reason=reason,
             error=error,
@@ -170,4 +189,6 @@ class Sequence:
             prompt_text=self.prompt_text,
             output_text=self.output_text,
             mean_token_entropy=self.entropy_sum / self.num_sampled if self.num_sampled else None,
+            tool_call_deltas=deltas,
+            tool_calls=calls,
         )

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from schemas.messages import ChatMessage, GenerateRequest
-from services.worker.engine.chat_template import ChatTemplate, ChatTemplateError
+from schemas.messages import ChatMessage, GenerateRequest, ToolDef
+from services.worker.engine.chat_template import ChatTemplate, ChatTemplateError, text_turns
 
 
 class TokenizerError(ValueError):
@@ -71,15 +71,22 @@ class ModelTokenizer:
         """The prompt text of a request: the prompt itself, or the chat rendered by the template."""
         if request.prompt is not None:
             return request.prompt
-        return self.render_chat(request.messages or [])
+        return self.render_chat(request.messages or [], request.tools)
 
-    def render_chat(self, messages: list[ChatMessage]) -> str:
-        """Chat turns as text, through the model's chat template when it has one.
+    def render_chat(self, messages: list[ChatMessage], tools: list[ToolDef] | None = None) -> str:
+        """Chat turns (and the tools the model may call) as text, through the model's chat
+        template when it has one.
 
-        Raises ChatTemplateError when the template refuses the chat. Every field a message has on
-        the wire reaches the template (None fields dropped, as transformers drops them).
+        Raises ChatTemplateError when the template refuses the chat. A template that reads `tools`
+        gets every field a message has on the wire (None fields dropped, as transformers drops
+        them) and the tools as dicts; any other, and the plain transcript, get the chat as plain
+        turns with tools, calls and results written as text (chat_template.text_turns).
         """
-        turns = [m.model_dump(exclude_none=True) for m in messages]
+        if self._template is not None and self._template.knows_tools:
+            turns = [m.model_dump(exclude_none=True) for m in messages]
+            tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
+            return self._template.render(turns, add_generation_prompt=True, tools=tool_dicts)
+        turns = text_turns(messages, tools)
         if self._template is not None:
             return self._template.render(turns, add_generation_prompt=True)
         # No template (a base model): a plain transcript that ends where the assistant speaks.
