@@ -9,7 +9,8 @@ What the output is, by `tool_choice` (tools given; `none` parses nothing):
 
 - a named function: the whole output is that function's arguments (a JSON object; the constraint
   is its parameter schema). The call's first piece carries its id and name and the arguments text
-  so far; later pieces append to the arguments as they are generated. No text.
+  so far; later pieces append to the arguments as they are generated. No text. An output cut
+  short (max_tokens, a stop string) is still the call, with the arguments generated so far.
 - `required`: the whole output is a JSON array of `{"name": ..., "arguments": {...}}` objects (one
   when parallel_tool_calls is false). Each call is published, complete, when its object closes.
   No text, unless the array is cut short (max_tokens, a stop string): the unfinished rest is then
@@ -125,7 +126,7 @@ def call_text(call: ToolCall) -> str:
     object when they are JSON, else as the string they are)."""
     try:
         arguments: Any = json.loads(call.function.arguments)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past what json reads: the string as is
         arguments = call.function.arguments
     body = json.dumps({"name": call.function.name, "arguments": arguments}, ensure_ascii=False)
     return f"{TOOL_CALL_OPEN}\n{body}\n{TOOL_CALL_CLOSE}"
@@ -190,7 +191,7 @@ class ToolCallParser(abc.ABC):
     def _as_call(self, text: str, keys: frozenset[str] = _CALL_KEYS) -> tuple[str, str] | None:
         """(name, arguments as compact JSON) when `text` is one call of a known function, else None."""
         try:
-            value = json.loads(text)
+            value = _json_value(text)
         except ValueError:
             return None
         if not isinstance(value, dict) or not set(value) <= keys or value.get("name") not in self.functions:
@@ -200,12 +201,20 @@ class ToolCallParser(abc.ABC):
         arguments = value.get("arguments", value.get("parameters", {}))
         if isinstance(arguments, str):
             try:
-                arguments = json.loads(arguments)
+                arguments = _json_value(arguments)
             except ValueError:
                 return None
         if not isinstance(arguments, dict):
             return None
         return value["name"], json.dumps(arguments, ensure_ascii=False, separators=(",", ":"))
+
+
+def _json_value(text: str) -> Any:
+    """json.loads, with nesting too deep for it (a model can say `[[[[...`) a ValueError too."""
+    try:
+        return json.loads(text)
+    except RecursionError as exc:
+        raise ValueError("JSON nested too deep") from exc
 
 
 class NamedCallParser(ToolCallParser):
@@ -338,6 +347,7 @@ class HermesParser(ToolCallParser):
         self._said = False  # some text was released
         self._after_call = False  # no text released since the last call
         self._bare = _JsonDepth()
+        self._bare_opened = False  # the possible bare call's { was read
 
     def feed(self, text: str) -> Parsed:
         parsed = Parsed()
@@ -375,12 +385,13 @@ class HermesParser(ToolCallParser):
     def _read_bare(self, text: str, parsed: Parsed) -> None:
         """Hold what may be a bare call; text after its object closes makes all of it text."""
         for i, ch in enumerate(text):
-            if self._bare.depth == 0 and self._held.strip() and not ch.isspace():
+            if self._bare.depth == 0 and self._bare_opened and not ch.isspace():
                 self._mode, self._held = "text", self._held + text[i:]
                 self._scan(parsed)
                 return
             self._held += ch
             self._bare.read(ch)
+            self._bare_opened = self._bare_opened or ch == "{"
 
     def _scan(self, parsed: Parsed) -> None:
         """Release text up to a tag, read calls, hold what could still become a tag."""

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from schemas.messages import ChatMessage, GenerateRequest, ToolCallDelta, ToolDef, ToolFunction
+from schemas.messages import ChatMessage, GenerateRequest, ToolCall, ToolCallDelta, ToolCallFunction, ToolDef, ToolFunction
 from schemas.structured import check_structured, constraint_of
-from schemas.tools import NO_PARAMETERS, call_id, tool_constraint, tool_parser
+from schemas.tools import NO_PARAMETERS, call_id, call_text, tool_constraint, tool_parser
 
 WEATHER = ToolFunction(
     name="get_weather",
@@ -194,3 +194,12 @@ def test_required_constraint_accepts_calls_and_only_calls():
                 '[{"name": "get_weather", "arguments": {}}]'):  # fmt: skip
         assert not accepts(grammar[id(many)], bad), bad
     assert not one.strict  # `now` is not strict
+
+
+def test_json_nested_deeper_than_json_reads_is_no_call_and_breaks_nothing():
+    deep = "[" * 5000 + "]" * 5000
+    for output in (f'<tool_call>{{"name": "now", "arguments": {deep}}}</tool_call>', f'{{"name": "now", "arguments": {deep}}}',
+                   f'{{"name": "now", "arguments": "{deep}"}}'):  # fmt: skip
+        assert parse(request(), output, 64)[:2] == (output, [])
+    forged = ToolCall(id="c", function=ToolCallFunction(name="now", arguments=deep))
+    assert deep in call_text(forged)  # rendered as the string it is
