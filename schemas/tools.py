@@ -239,7 +239,8 @@ class NamedCallParser(ToolCallParser):
     def finish(self, text: str) -> Parsed:
         parsed = self.feed(text)
         if self._arguments is not None:
-            self.calls = [ToolCall(id=call_id(self.request_id, 0), function=ToolCallFunction(name=self.name, arguments=self._arguments))]
+            function = ToolCallFunction(name=self.name, arguments=self._arguments)
+            self.calls = [ToolCall(id=call_id(self.request_id, 0), function=function)]
         return parsed
 
 

@@ -158,8 +158,10 @@ class Sequence:
             text, calls = parsed.text, parsed.calls or None
             if not text and calls is None:
                 return None
-        out = EngineOutput(self.request_id, self.next_seq, text=text, token_ids=self.take_ids(), itl_ms=self.take_gaps(),
-                           tool_call_deltas=calls)  # fmt: skip
+        out = EngineOutput(
+            self.request_id, self.next_seq, text=text, token_ids=self.take_ids(), itl_ms=self.take_gaps(),
+            tool_call_deltas=calls,
+        )  # fmt: skip
         self.next_seq += 1
         return out
 
