@@ -6,6 +6,7 @@ compiler accepts more keywords than it enforces (it silently drops some, e.g. `u
 unknown `format`), so the list here is of keywords each tested to be enforced
 (tests/worker/test_grammar.py), and anything else is refused naming the keyword and where it is.
 
+    constraint_of(request)            the constraint a request's output follows, or None
     check_structured(spec)            raise UnsupportedSchema for a spec Weir cannot enforce
     check_strict(schema)              raise UnsupportedSchema where OpenAI's strict rules are broken
 """
@@ -16,7 +17,8 @@ from typing import Any
 
 import orjson
 
-from schemas.messages import MAX_SCHEMA_BYTES, StructuredOutputs
+from schemas.messages import MAX_SCHEMA_BYTES, GenerateRequest, StructuredOutputs
+from schemas.tools import tool_constraint
 
 # Keywords that constrain, by the type of node they apply to; each is enforced by the grammar.
 ENFORCED_KEYWORDS = frozenset({
@@ -42,6 +44,12 @@ class UnsupportedSchema(ValueError):
         super().__init__(f"{message} (at {pointer or '/'})")
         self.keyword = keyword
         self.pointer = pointer
+
+
+def constraint_of(request: GenerateRequest) -> StructuredOutputs | None:
+    """The constraint a request's output follows: its own `structured`, or the call a required or
+    named tool_choice forces (schemas/tools.py; the request keeps the two exclusive); None: none."""
+    return request.structured if request.structured is not None else tool_constraint(request)
 
 
 def check_structured(spec: StructuredOutputs) -> None:

@@ -20,14 +20,15 @@ def model_version(config: ModelConfig) -> str:
 def reply_events(
     request: GenerateRequest | EmbedRequest, batch_id: str, out: EngineOutput, version: str
 ) -> list[ReplyDelta | ReplyEnd]:
-    """The reply events of one engine output, in order: a delta when it carries text (or, before
-    the end, tokens), with the logprobs of its tokens when the request asked, then on the final
-    output the ReplyEnd, numbered after the delta, with the output's cumulative logprob."""
+    """The reply events of one engine output, in order: a delta when it carries text or tool call
+    pieces (or, before the end, tokens), with the logprobs of its tokens when the request asked,
+    then on the final output the ReplyEnd, numbered after the delta, with the output's cumulative
+    logprob and the reply's complete tool calls."""
     events: list[ReplyDelta | ReplyEnd] = []
     seq = out.seq
-    if out.text or (out.token_ids and not out.is_final):
+    if out.text or out.tool_call_deltas or (out.token_ids and not out.is_final):
         events.append(ReplyDelta(request_id=request.request_id, batch_id=batch_id, seq=seq, text=out.text,
-                                 token_ids=out.token_ids, logprobs=out.logprobs))  # fmt: skip
+                                 token_ids=out.token_ids, logprobs=out.logprobs, tool_calls=out.tool_call_deltas))  # fmt: skip
         seq += 1
     if out.is_final:
         events.append(ReplyEnd(
@@ -37,6 +38,7 @@ def reply_events(
                         cached_prompt_tokens=out.cached_prompt_tokens),
             error=out.error, model_version=version, received_ms=out.received_ms,
             first_token_ms=out.first_token_ms, embeddings=out.embeddings, cumulative_logprob=out.cumulative_logprob,
+            tool_calls=out.tool_calls,
         ))  # fmt: skip
     return events
 

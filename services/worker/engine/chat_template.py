@@ -5,9 +5,26 @@ Jinja's ImmutableSandboxedEnvironment with the options, globals and filters tran
 (transformers.utils.chat_template_utils._compile_jinja_template): trim_blocks, lstrip_blocks, the
 loopcontrols extension, `raise_exception`, `strftime_now`, a `tojson` that does not escape HTML,
 and the restricted `dict` and `namespace`. The variables are transformers' too: `messages`,
-`tools` and `documents` (None: the wire has neither), `add_generation_prompt` and every named
-special token of the tokenizer (`bos_token`, `eos_token`, ...). So Weir's prompt is the text
-`tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)` gives.
+`tools` (the request's, as `{"type": "function", "function": {...}}` dicts; None without),
+`documents` (None: the wire has none), `add_generation_prompt` and every named special token of the
+tokenizer (`bos_token`, `eos_token`, ...). So Weir's prompt is the text
+`tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)`
+gives, each message a dict of its wire fields (an assistant's `tool_calls` with their `arguments`
+as the JSON text the wire carries: the template decides what to make of them).
+
+Tools and templates that do not know them (docs/design.md, "Structured output, tools and
+logprobs"). A template that never reads `tools` (ChatML as SmolLM2 ships it, Llama 3.0's, or no
+template at all) gets the chat rewritten as plain turns in the Hermes format that schemas/tools.py
+parses back (`text_turns`):
+
+- with tools, a system turn lists them and asks for calls as `<tool_call>{"name": ..., "arguments":
+  {...}}</tool_call>` (schemas/tools.py: tools_preamble); it goes before the first system turn's
+  content (separated by a blank line), or is a system turn of its own when the chat has none;
+- an assistant turn's tool calls follow its content, one per line, each as
+  `<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>` (arguments as a JSON object when
+  they are JSON text, else as the string);
+- `tool` turns become one user turn per run of them, each result as
+  `<tool_response>\n<content>\n</tool_response>`, one per line.
 """
 
 from __future__ import annotations
@@ -18,8 +35,12 @@ from datetime import datetime
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from schemas.messages import ChatMessage, ToolDef
+from schemas.tools import call_text, response_text, tools_preamble
 
 
 class ChatTemplateError(ValueError):
@@ -118,13 +139,15 @@ class ChatTemplate:
     def __init__(self, source: str, special_tokens: dict[str, str]) -> None:
         self._template = compile_template(source)
         self.special_tokens = dict(special_tokens)  # bos_token, eos_token, ... -> text
+        # a template that reads `tools` renders them (and, we take it, tool calls and results) itself
+        self.knows_tools = "tools" in jinja2.meta.find_undeclared_variables(self._template.environment.parse(source))
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
         """The chat as prompt text. Raises ChatTemplateError when the template refuses it
         (raise_exception, e.g. a role order it does not take) or fails on it."""
         try:
             return self._template.render(
-                messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
+                messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt,
                 **self.special_tokens,
             )  # fmt: skip
         except jinja2.TemplateError as exc:
@@ -145,3 +168,28 @@ class ChatTemplate:
         after = text[end + len(_PROBE_ASSISTANT) :].lstrip()
         matches = [s for s in special_texts if s and after.startswith(s)]
         return max(matches, key=len, default=None)
+
+
+def text_turns(messages: list[ChatMessage], tools: list[ToolDef] | None) -> list[dict]:
+    """The chat as plain role/content turns, tools and tool turns written in the Hermes format, for
+    a template that does not know tools (the module docstring gives the exact rendering)."""
+    turns: list[dict] = []
+    for i, message in enumerate(messages):
+        if message.role == "tool":
+            result = response_text(message.content)
+            if i and messages[i - 1].role == "tool":  # a run of results is one user turn
+                turns[-1]["content"] += "\n" + result
+            else:
+                turns.append({"role": "user", "content": result})
+            continue
+        content = message.content
+        if message.tool_calls:
+            content = "\n".join(([content] if content else []) + [call_text(c) for c in message.tool_calls])
+        turns.append({"role": message.role, "content": content})
+    if tools:
+        preamble = tools_preamble(tools)
+        if turns and turns[0]["role"] == "system":
+            turns[0]["content"] = f"{preamble}\n\n{turns[0]['content']}"
+        else:
+            turns.insert(0, {"role": "system", "content": preamble})
+    return turns

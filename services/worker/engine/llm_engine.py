@@ -276,7 +276,8 @@ class Engine:
         if reason is not None:
             return [self._finish(seq, reason, now_ms)]
         delta = seq.take_delta(is_final=False)
-        return [seq.event(delta)] if delta else []
+        out = seq.event(delta) if delta else None
+        return [out] if out is not None else []
 
     def _token_logprob(self, token: int, logprob: float, top: list[tuple[int, float]] | None) -> TokenLogprob:
         """The wire form of an output token's logprob, with its request's alternatives."""

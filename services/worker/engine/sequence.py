@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from schemas.messages import ErrorInfo, FinishReason, GenerateRequest, TokenLogprob
+from schemas.messages import ErrorInfo, FinishReason, GenerateRequest, TokenLogprob, ToolCall, ToolCallDelta
+from schemas.tools import tool_parser
 from services.worker.engine.sampler import TokenBias, has_penalties
 
 
@@ -48,6 +49,8 @@ class EngineOutput:
     # final event of a request that ran: sum of the raw logprobs of its output tokens (those of token_ids
     # and completion_tokens; an end-of-sequence token that ends it is not output, so not counted)
     cumulative_logprob: float | None = None
+    tool_call_deltas: list[ToolCallDelta] | None = None  # pieces of tool calls made of this event's output
+    tool_calls: list[ToolCall] | None = None  # final event: every tool call the reply made, complete
 
     @property
     def is_final(self) -> bool:
@@ -90,6 +93,9 @@ class Sequence:
         self._hold_chars = max((len(s) for s in request.stop), default=1) - 1
         self.cumulative_logprob = 0.0  # sum of the raw logprobs of the output tokens (ranks best_of)
         self._logprobs: list[TokenLogprob] | None = [] if request.logprobs is not None else None  # not yet carried
+        # tool calls are parsed from the emitted text, so its events are a function of the tokens
+        # (docs/design.md, "Structured output, tools and logprobs"); None: the request calls none
+        self.tool_parser = tool_parser(request)
 
     @property
     def output_ids(self) -> list[int]:
@@ -171,20 +177,34 @@ class Sequence:
         gaps, self._gaps_ms = self._gaps_ms, None
         return gaps
 
-    def event(self, text: str) -> EngineOutput:
-        """A delta event with the next sequence number."""
-        out = EngineOutput(self.request_id, self.next_seq, text=text, token_ids=self.take_ids(), itl_ms=self.take_gaps(),
-                           logprobs=self.take_logprobs())  # fmt: skip
+    def event(self, text: str) -> EngineOutput | None:
+        """A delta event with the next sequence number; None when the tool call parser holds all
+        of `text` back (its tokens then go with a later event)."""
+        calls = None
+        if self.tool_parser is not None:
+            parsed = self.tool_parser.feed(text)
+            text, calls = parsed.text, parsed.calls or None
+            if not text and calls is None:
+                return None
+        out = EngineOutput(
+            self.request_id, self.next_seq, text=text, token_ids=self.take_ids(), itl_ms=self.take_gaps(),
+            tool_call_deltas=calls, logprobs=self.take_logprobs(),
+        )  # fmt: skip
         self.next_seq += 1
         return out
 
     def final(self, reason: FinishReason, now_ms: int, error: ErrorInfo | None = None) -> EngineOutput:
-        """The terminal event; carries any held-back text."""
+        """The terminal event; carries any held-back text and, when the reply called tools, the calls."""
         self.status = Status.FINISHED
+        text = self.take_delta(is_final=True) if error is None else ""
+        deltas = calls = None
+        if self.tool_parser is not None and error is None:
+            parsed = self.tool_parser.finish(text)
+            text, deltas, calls = parsed.text, parsed.calls or None, self.tool_parser.calls or None
         return EngineOutput(
             self.request_id,
             self.next_seq,
-            text=self.take_delta(is_final=True) if error is None else "",
+            text=text,
             token_ids=self.take_ids(),
             finish_reason=reason,
             error=error,
@@ -201,4 +221,6 @@ class Sequence:
             mean_token_entropy=self.entropy_sum / self.num_sampled if self.num_sampled else None,
             logprobs=self.take_logprobs(),
             cumulative_logprob=self.cumulative_logprob,
+            tool_call_deltas=deltas,
+            tool_calls=calls,
         )

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from schemas.messages import ChatMessage, GenerateRequest
-from services.worker.engine.chat_template import ChatTemplate, ChatTemplateError
+from schemas.messages import ChatMessage, GenerateRequest, ToolDef
+from services.worker.engine.chat_template import ChatTemplate, ChatTemplateError, text_turns
 
 
 class TokenizerError(ValueError):
@@ -96,7 +96,7 @@ class ModelTokenizer:
         tokenizer has no FIM tokens for (refused, never ignored: docs/design.md, invariant 6)."""
         if request.prompt is not None:
             return request.prompt if request.suffix is None else self.render_fim(request.prompt, request.suffix)
-        return self.render_chat(request.messages or [])
+        return self.render_chat(request.messages or [], request.tools)
 
     def render_fim(self, prefix: str, suffix: str) -> str:
         """prefix-suffix-middle (PSM), the order StarCoder, SmolLM and Qwen were trained on: the
@@ -125,13 +125,20 @@ class ModelTokenizer:
             self._piece_bytes = _piece_decoder(json.loads(decoder.__getstate__()) if decoder is not None else {})
         return self._piece_bytes(self._tok.id_to_token(token_id) or "")
 
-    def render_chat(self, messages: list[ChatMessage]) -> str:
-        """Chat turns as text, through the model's chat template when it has one.
+    def render_chat(self, messages: list[ChatMessage], tools: list[ToolDef] | None = None) -> str:
+        """Chat turns (and the tools the model may call) as text, through the model's chat
+        template when it has one.
 
-        Raises ChatTemplateError when the template refuses the chat. Every field a message has on
-        the wire reaches the template (None fields dropped, as transformers drops them).
+        Raises ChatTemplateError when the template refuses the chat. A template that reads `tools`
+        gets every field a message has on the wire (None fields dropped, as transformers drops
+        them) and the tools as dicts; any other, and the plain transcript, get the chat as plain
+        turns with tools, calls and results written as text (chat_template.text_turns).
         """
-        turns = [m.model_dump(exclude_none=True) for m in messages]
+        if self._template is not None and self._template.knows_tools:
+            turns = [m.model_dump(exclude_none=True) for m in messages]
+            tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
+            return self._template.render(turns, add_generation_prompt=True, tools=tool_dicts)
+        turns = text_turns(messages, tools)
         if self._template is not None:
             return self._template.render(turns, add_generation_prompt=True)
         # No template (a base model): a plain transcript that ends where the assistant speaks.
