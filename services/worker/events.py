@@ -59,7 +59,7 @@ def params_sha256(request: GenerateRequest) -> str:
     greedy request's seed, top_p and top_k cannot change its tokens and are left out, so greedy
     requests that differ only in them compare equal."""
     greedy = request.temperature == 0.0
-    params = request.model_dump(mode="json", include=OUTPUT_PARAMS - (_GREEDY_IGNORES if greedy else frozenset()))
+    params = request.model_dump(mode="json", include=set(OUTPUT_PARAMS - (_GREEDY_IGNORES if greedy else frozenset())))
     if not greedy:
         params["seed"] = request.effective_seed
     return hashlib.sha256(orjson.dumps(params, option=orjson.OPT_SORT_KEYS)).hexdigest()
