@@ -588,6 +588,15 @@ class AuditEvent(_Wire):
     watermark_z: float | None = Field(
         None, description="z-score of the tenant's green-list watermark over the output tokens; None: not watermarked."
     )
+    structured_valid: bool | None = Field(
+        None, description="A constrained request: whether the output is an instance of its constraint (ReplyEnd's); "
+        "None: unconstrained."
+    )
+    params_sha256: str | None = Field(
+        None, pattern="^[0-9a-f]{64}$",
+        description="sha256 of the canonical JSON of the request's parameters that can change its text (not the "
+        "prompt: prompt_hmac is); equal version, prompt, parameters and seed must give equal output_hmac.",
+    )
 
 
 class ReviewFlag(_Wire):

@@ -142,13 +142,17 @@ class ManifestSignature(BaseModel):
 
 
 class GoldenCase(BaseModel):
-    """A golden request and its expected output, recorded at push with greedy decoding."""
+    """A golden request and its expected output, recorded at push: greedy, or (temperature > 0)
+    sampled with a fixed seed, which every instance must reproduce (the determinism probe). A record
+    written before temperature and seed existed reads as greedy, as it was recorded."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     kind: Literal["generate", "embed"] = "generate"
     prompt: str = Field(min_length=1, max_length=4096, description="The prompt (or the text to embed).")
-    max_tokens: int = Field(8, ge=1, le=256, description="generate: tokens to produce (greedy).")
+    max_tokens: int = Field(8, ge=1, le=256, description="generate: tokens to produce.")
+    temperature: float = Field(0.0, ge=0.0, le=2.0, description="generate: sampling temperature; 0 is greedy.")
+    seed: int = Field(0, ge=0, lt=2**63, description="generate: the sampling seed (greedy ignores it).")
     expected_token_ids: list[int] = Field(default_factory=list, description="generate: the expected tokens.")
     expected_vector: list[float] = Field(default_factory=list, description="embed: the expected vector.")
     min_cosine: float = Field(0.999, gt=0, le=1, description="embed: least cosine similarity that passes.")

@@ -12,8 +12,8 @@ Three topics carry them; every record is JSON like every other wire type, and no
                            the audit stream (the only bookkeeping: the services keep none).
                            RateCard records (key `rate:<model_version>`) beside them: the measured
                            tokens per hour and the cost per 1M tokens derived from the hardware cost.
-    <prefix>.health        HealthAlert: a model version's drift or staleness crossed a threshold
-                           (raised) or came back (cleared). From the auditor.
+    <prefix>.health        HealthAlert: a model version's drift, staleness, structured-output SLA or
+                           determinism crossed a threshold (raised) or came back (cleared). From the auditor.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ class RateCard(_Wire):
         return f"rate:{self.model_version}"
 
 
-HealthSignal = Literal["freshness", "entropy", "watermark", "error_rate", "golden"]
+HealthSignal = Literal["freshness", "entropy", "watermark", "error_rate", "golden", "structured", "determinism"]
 
 
 class HealthAlert(_Wire):
@@ -136,4 +136,9 @@ class HealthAlert(_Wire):
     baseline: float | None = Field(None, allow_inf_nan=False, description="The value recorded when the version was loaded; None for freshness.")
     threshold: float = Field(description="The configured bound that was crossed.", allow_inf_nan=False)
     detail: str = Field("", max_length=1024, description="For a person.")
+    counts: dict[str, int] = Field(
+        default_factory=dict, max_length=8,
+        description="A signal of counted outcomes: the counts behind `value` (structured: valid, invalid; "
+        "determinism: same, differs).",
+    )
     created_ms: int = Field(default_factory=now_ms)

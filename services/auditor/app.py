@@ -91,7 +91,9 @@ def create_app(settings: AuditorSettings, health: HealthMetrics | None = None,
         counter.observe(event)
         accounts.observe(event)
         if monitor is not None:
-            monitor.observe(event)
+            result = monitor.observe(event)
+            if result is not None and health is not None:
+                health.compared(event.model_version, result)
         if settings.canary_guard:
             guard.observe(event)
 
@@ -177,6 +179,8 @@ def create_app(settings: AuditorSettings, health: HealthMetrics | None = None,
             await registry.start()  # the models topic must exist (AuditorService.start makes sure)
         if monitor is not None and alerts is not None:
             monitor.load(await writer.drift_rows(settings.health_baseline_outputs, settings.health_window_outputs))
+            for event in await writer.comparable_events(settings.health_determinism_keys):
+                monitor.compare(event)  # the recent keys again: a pair split by a restart is still compared
             await ensure_topics(settings.kafka_bootstrap, [s for s in topics.core_specs() if s.name == topics.health],
                                 options=settings.kafka_options())
             await alerts.start()  # the latest alert per (version, signal): what a transition is judged from

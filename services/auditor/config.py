@@ -108,6 +108,10 @@ class AuditorSettings(BusSettings):
         0.8, gt=0, le=1, description="A raised drift clears when back under this share of its bound (no flapping)."
     )
     health_every_s: float = Field(10.0, gt=0, le=3600, description="How often drift and freshness are judged.")
+    health_determinism_keys: int = Field(
+        10_000, ge=1, le=10_000_000, description="Recent (version, prompt, parameters, seed) keys held to compare "
+        "equal requests' outputs across workers (services/auditor/determinism.py).",
+    )
 
     @field_validator("health_entropy_max_abs", "health_entropy_max_rel", "health_watermark_max_abs",
                      "health_watermark_max_rel", "health_max_age_s", "health_max_error_rate", mode="before")

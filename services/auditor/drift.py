@@ -1,4 +1,5 @@
-"""Health of each model version against its own baseline (docs/design.md, "Observability").
+"""Health of each model version against its own baseline and its output SLA (docs/design.md,
+"Observability"; "Structured output, tools and logprobs").
 
 Per version (`name@version`, the version that served: a mirror copy's outputs are its own
 version's health), two drift signals from the audit stream, output entropy (AuditEvent
@@ -22,6 +23,18 @@ derives from the previous alert's, so two auditors that see the same transition 
 A forged alert on the topic costs nothing lasting: a state it fakes differs from the judged one, so
 the next tick publishes the truth again.
 
+Two signals count outcomes rather than drift from a baseline (docs/design.md, "Structured output,
+tools and logprobs": the output SLA is measured, not assumed). `structured`: of each constrained
+output that ended stop, whether it was valid (AuditEvent.structured_valid, the worker's check).
+`determinism`: of each comparison of equal requests served by two workers
+(services/auditor/determinism.py), whether the outputs were the same. The SLA is every one: any bad
+outcome in the window raises at once (threshold 1.0, the good share below which it is raised; not
+a setting), and it clears once the window holds at least `min_window_outputs` outcomes, none bad
+(so after `window_outputs` good ones in a row, or once the bad one is older than `window_s`). The
+alert's value is the window's good share and its counts the outcomes behind it. The structured
+outcomes come back from the ledger after a restart (Ledger.drift_rows); the comparisons are made
+again from the ledger's last comparable events (Ledger.comparable_events).
+
 One auditor replica is assumed, as for the traffic counts: with several, each would judge only
 the outputs of its partitions of the audit topic.
 """
@@ -39,6 +52,7 @@ from schemas.codec import DecodeError, decode
 from schemas.messages import AuditEvent
 from schemas.registry import RegistryState
 from schemas.telemetry import HealthAlert, HealthSignal
+from services.auditor.determinism import DeterminismProbe, Result
 
 if TYPE_CHECKING:
     from services.auditor.config import AuditorSettings
@@ -47,8 +61,11 @@ log = logging.getLogger(__name__)
 
 DriftSignal = Literal["entropy", "watermark"]
 DRIFT_SIGNALS: tuple[DriftSignal, ...] = ("entropy", "watermark")
-WindowSignal = Literal["entropy", "watermark", "error_rate"]
-WINDOW_SIGNALS: tuple[WindowSignal, ...] = (*DRIFT_SIGNALS, "error_rate")
+OutcomeSignal = Literal["structured", "determinism"]
+# Each outcome signal's point values: 1.0 for the good outcome, 0.0 for the bad; named as counted.
+OUTCOMES: dict[OutcomeSignal, tuple[str, str]] = {"structured": ("valid", "invalid"), "determinism": ("same", "differs")}
+WindowSignal = Literal["entropy", "watermark", "error_rate", "structured", "determinism"]
+WINDOW_SIGNALS: tuple[WindowSignal, ...] = (*DRIFT_SIGNALS, "error_rate", *OUTCOMES)
 _FIELD: dict[DriftSignal, str] = {"entropy": "mean_token_entropy", "watermark": "watermark_z"}
 ERROR = "error"  # the finish_reason counted by error_rate (as the canary guard's: services/auditor/traffic.py)
 _TINY = 1e-9  # a baseline this close to 0 has no relative drift
@@ -78,6 +95,7 @@ class HealthPolicy:
     max_age_s: float | None = 30 * 86400.0
     max_error_rate: float | None = 0.2  # share of the window's outputs that ended in an error
     clear_ratio: float = 0.8
+    determinism_keys: int = 10_000  # recent (version, prompt, params, seed) keys held for the comparison
 
     def __post_init__(self) -> None:
         if not 0 < self.min_window_outputs <= self.window_outputs:
@@ -95,7 +113,7 @@ class HealthPolicy:
             entropy=Bound(settings.health_entropy_max_abs, settings.health_entropy_max_rel),
             watermark=Bound(settings.health_watermark_max_abs, settings.health_watermark_max_rel),
             max_age_s=settings.health_max_age_s, max_error_rate=settings.health_max_error_rate,
-            clear_ratio=settings.health_clear_ratio,
+            clear_ratio=settings.health_clear_ratio, determinism_keys=settings.health_determinism_keys,
         )  # fmt: skip
 
     def bound(self, signal: DriftSignal) -> Bound:
@@ -121,8 +139,12 @@ class Series:
 
     def current(self, now_ms: int, window_s: float) -> tuple[float | None, int]:
         """(mean, count) of the last m values, those finished within window_s of now when window_s > 0."""
-        points = self.last if window_s <= 0 else [p for p in self.last if p[0] >= now_ms - window_s * 1000]
+        points = self.window(now_ms, window_s)
         return (_mean(points) if points else None), len(points)
+
+    def window(self, now_ms: int, window_s: float) -> list[Point]:
+        """The last m points, those finished within window_s of now when window_s > 0."""
+        return self.last if window_s <= 0 else [p for p in self.last if p[0] >= now_ms - window_s * 1000]
 
 
 def _keep(points: list[Point], point: Point, limit: int, drop_last: bool) -> None:
@@ -148,6 +170,7 @@ class Reading:
     crossed: bool | None
     threshold: float = 0.0
     detail: str = ""
+    counts: dict[str, int] | None = None  # an outcome signal's counts behind `value`
 
 
 def judge_drift(baseline: float, current: float, bound: Bound, raised: bool, clear_ratio: float) -> tuple[bool, float, str]:
@@ -179,6 +202,7 @@ class HealthMonitor:
         self.series: dict[tuple[str, WindowSignal], Series] = {}
         self.alerts: dict[tuple[str, HealthSignal], HealthAlert] = {}  # latest per (version, signal)
         self.num_skipped = 0  # records on the health topic that were no HealthAlert
+        self.determinism = DeterminismProbe(policy.determinism_keys)
 
     # -- input -------------------------------------------------------------------------------
 
@@ -195,13 +219,26 @@ class HealthMonitor:
             if signal in WINDOW_SIGNALS:
                 self.add(model_version, signal, (finished_ms, event_id, value))  # type: ignore[arg-type]
 
-    def observe(self, event: AuditEvent) -> None:
-        """One new audit event (mirror copies included: keyed by the version that served)."""
+    def observe(self, event: AuditEvent) -> Result | None:
+        """One new audit event (mirror copies included: keyed by the version that served); its
+        determinism comparison's result, if it made one (the app counts it)."""
+        point = (event.finished_ms, event.event_id)
         for signal in DRIFT_SIGNALS:
             value = getattr(event, _FIELD[signal])
             if value is not None:
-                self.add(event.model_version, signal, (event.finished_ms, event.event_id, float(value)))
-        self.add(event.model_version, "error_rate", (event.finished_ms, event.event_id, float(event.finish_reason == ERROR)))
+                self.add(event.model_version, signal, (*point, float(value)))
+        self.add(event.model_version, "error_rate", (*point, float(event.finish_reason == ERROR)))
+        if event.finish_reason == "stop" and event.structured_valid is not None:
+            self.add(event.model_version, "structured", (*point, float(event.structured_valid)))
+        return self.compare(event)
+
+    def compare(self, event: AuditEvent) -> Result | None:
+        """Feed `event` to the determinism comparison; its result joins the version's window.
+        Also how the app replays the ledger's last comparable events at start."""
+        result = self.determinism.observe(event)
+        if result is not None:
+            self.add(event.model_version, "determinism", (event.finished_ms, event.event_id, float(result == "same")))
+        return result
 
     def on_alert(self, _key: bytes | None, value: bytes | None) -> None:
         """A record of the health topic (TopicFollower): the latest alert per (version, signal);
@@ -253,6 +290,21 @@ class HealthMonitor:
         return Reading(current, None, current > bound, limit,
                        f"error rate {current:.1%} of the last {count} outputs (bound {bound:.1%})")
 
+    def outcome(self, model_version: str, signal: OutcomeSignal, now_ms: int) -> Reading:
+        """The window's good share of an outcome signal: raised by any bad outcome, cleared by a
+        window of at least min_window_outputs with none."""
+        series = self.series.get((model_version, signal))
+        points = [] if series is None else series.window(now_ms, self.policy.window_s)
+        if not points:
+            return Reading(None, None, None)
+        good_name, bad_name = OUTCOMES[signal]
+        good = sum(1 for p in points if p[2] > 0)
+        bad = len(points) - good
+        judged = bad > 0 or len(points) >= self.policy.min_window_outputs
+        return Reading(good / len(points), None, (bad > 0) if judged else None, 1.0,
+                       f"{signal}: {bad} {bad_name} of the last {len(points)} ({good} {good_name}); every one must be "
+                       f"{good_name}", {good_name: good, bad_name: bad})  # fmt: skip
+
     def freshness(self, model_version: str, now_ms: int) -> Reading:
         """Seconds since the version was pushed; judged only while it is wanted loaded."""
         record = self.registry().versions.get(model_version)
@@ -280,6 +332,7 @@ class HealthMonitor:
             readings: list[tuple[HealthSignal, Reading]] = [("freshness", self.freshness(sid, now_ms))]
             readings += [(signal, self.drift(sid, signal, now_ms)) for signal in DRIFT_SIGNALS]
             readings.append(("error_rate", self.error_rate(sid, now_ms)))
+            readings += [(signal, self.outcome(sid, signal, now_ms)) for signal in OUTCOMES]
             for signal, reading in readings:
                 if reading.crossed is None or reading.value is None or reading.crossed == self.is_raised(sid, signal):
                     continue
@@ -296,5 +349,5 @@ class HealthMonitor:
             alert_id=hashlib.sha256(seed.encode()).hexdigest()[:32], model_version=sid, signal=signal, state=state,
             value=reading.value, baseline=reading.baseline,
             threshold=previous.threshold if previous is not None and state == "cleared" else reading.threshold,
-            detail=f"{reading.detail} [{self.by}]"[:1024], created_ms=now_ms,
+            detail=f"{reading.detail} [{self.by}]"[:1024], counts=reading.counts or {}, created_ms=now_ms,
         )  # fmt: skip

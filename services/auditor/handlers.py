@@ -100,6 +100,12 @@ class LedgerWriter:
         assert self._ledger is not None, "LedgerWriter.open() was not called"
         rows: list[tuple[str, str, int, str, float]] = await self._run(self._ledger.drift_rows, first, last)
         return rows
+    async def comparable_events(self, limit: int) -> list[AuditEvent]:
+        """Ledger.comparable_events on the ledger thread: what the determinism comparison starts from."""
+        assert self._ledger is not None, "LedgerWriter.open() was not called"
+        events: list[AuditEvent] = await self._run(self._ledger.comparable_events, limit)
+        return events
+
     async def usage_of(self, key: UsageKey) -> tuple[int, int, int, int]:
         """Ledger.usage_of on the ledger thread: one key's token totals (services/auditor/usage.py)."""
         assert self._ledger is not None, "LedgerWriter.open() was not called"

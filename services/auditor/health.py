@@ -11,6 +11,9 @@ Read at scrape time from the health monitor (services/auditor/drift.py), per mod
 (label `model_name`, the served name@version, as vLLM's): its freshness, its output entropy and
 watermark z for the baseline and the current window, its window's error rate, 1 per signal while
 an alert is raised (0 once cleared); and the alerts this auditor published, by signal and state.
+The output SLA (docs/design.md, "Structured output, tools and logprobs"): the valid share of a
+version's window of constrained outputs that ended stop, and the determinism comparisons this
+auditor made since it started, by version and result (same, differs: services/auditor/determinism.py).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from opentelemetry.metrics import CallbackOptions, Observation
 
 from schemas.messages import AuditEvent, ReviewFlag, now_ms
 from schemas.telemetry import HealthAlert
+from services.auditor.determinism import Result
 from services.auditor.drift import DriftSignal, HealthMonitor
 from weir.metrics import Labels, ServiceMetrics, TenantLabels
 
@@ -48,6 +52,8 @@ class HealthMetrics:
         self.watermark_z = service.histogram("weir_audit_watermark_z", "Watermark z-score of watermarked outputs, by model.",
                                              WATERMARK_Z_BUCKETS)  # fmt: skip
         self.alerts = service.counter("weir_model_alerts", "HealthAlerts this auditor published, by signal and state.")
+        self.determinism = service.counter("weir_determinism_checks", "Outputs of equal version, prompt, parameters and "
+                                           "seed from two workers compared, by result (same, differs).")  # fmt: skip
         service.meter.create_observable_counter(
             "weir_audit_shadow_join", callbacks=[self._observe_join],
             description="Shadow comparison join: pairs joined, halves expired unmatched or evicted, deltas after their end.",
@@ -60,6 +66,8 @@ class HealthMetrics:
         service.gauge("weir_model_error_rate", "Share of a version's current window that ended in an error.",
                       self._error_rate)
         service.gauge("weir_model_alert", "1 while a version's health signal is raised, 0 once cleared.", self._alert_states)
+        service.gauge("weir_model_structured_valid_rate", "Share of a version's window of constrained outputs that "
+                      "ended stop which were valid.", self._structured)  # fmt: skip
 
     def observe(self, event: AuditEvent) -> None:
         """Count one appended AuditEvent (called by the auditor's handler on the event loop)."""
@@ -77,6 +85,10 @@ class HealthMetrics:
         """Count one appended ReviewFlag (called by the auditor's handler on the event loop)."""
         self.tenants.count(flag.tenant)
         self.review_flags.add(1, {"tenant": self.tenants.of(flag.tenant), "reason": flag.reason})
+
+    def compared(self, model_version: str, result: Result) -> None:
+        """Count one determinism comparison of the health monitor's."""
+        self.determinism.add(1, {"model_name": model_version, "result": result})
 
     def published(self, alert: HealthAlert) -> None:
         """Count one HealthAlert this auditor published."""
@@ -104,6 +116,13 @@ class HealthMetrics:
             return []
         now = self.clock()
         readings = [(sid, self.monitor.error_rate(sid, now)) for sid in self.monitor.versions()]
+        return [(r.value, {"model_name": sid}) for sid, r in readings if r.value is not None]
+
+    def _structured(self) -> list[tuple[float, Labels]]:
+        if self.monitor is None:
+            return []
+        now = self.clock()
+        readings = [(sid, self.monitor.outcome(sid, "structured", now)) for sid in self.monitor.versions()]
         return [(r.value, {"model_name": sid}) for sid, r in readings if r.value is not None]
 
     def _drift(self, signal: DriftSignal) -> Callable[[], list[tuple[float, Labels]]]:

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, Self, Union, get_args, get_origin
 
+import orjson
+
 from schemas.messages import AuditAnchor, AuditEvent, ReviewFlag
 from schemas.messages import now_ms as wall_clock_ms
 from schemas.registry import ModelComparison
@@ -381,12 +383,15 @@ class Ledger:
 
     def drift_rows(self, first: int, last: int) -> list[tuple[str, str, int, str, float]]:
         """(model_version, signal, finished_ms, event_id, value) of each version's first `first` and
-        last `last` output entropies ("entropy"), watermark z-scores ("watermark") and errors
-        ("error_rate": 1.0 for finish_reason 'error', else 0.0), by finished_ms then event_id: what
+        last `last` output entropies ("entropy"), watermark z-scores ("watermark"), errors
+        ("error_rate": 1.0 for finish_reason 'error', else 0.0) and checked constrained outputs that
+        ended stop ("structured": 1.0 valid, 0.0 invalid), by finished_ms then event_id: what
         services/auditor/drift.py starts from, so a restart judges against the same baseline."""
         out: list[tuple[str, str, int, str, float]] = []
         signals = (("entropy", "mean_token_entropy"), ("watermark", "watermark_z"),
-                   ("error_rate", "CASE WHEN finish_reason = 'error' THEN 1.0 ELSE 0.0 END"))  # fmt: skip
+                   ("error_rate", "CASE WHEN finish_reason = 'error' THEN 1.0 ELSE 0.0 END"),
+                   ("structured", "CASE WHEN finish_reason = 'stop' AND structured_valid IS NOT NULL THEN "
+                                  "(CASE WHEN structured_valid THEN 1.0 ELSE 0.0 END) END"))  # fmt: skip
         for signal, column in signals:
             for order, n in (("ASC", first), ("DESC", last)):
                 rows = self._store.execute(
@@ -396,6 +401,16 @@ class Ledger:
                 ).fetchall()  # fmt: skip
                 out += [(str(r[0]), signal, int(r[1]), str(r[2]), float(r[3])) for r in rows]
         return out
+    def comparable_events(self, limit: int) -> list[AuditEvent]:
+        """The last `limit` events the determinism comparison can use (services/auditor/determinism.py:
+        with params_sha256, not a mirror copy, ended stop or length), in the ledger's order (finished_ms,
+        event_id), as they were appended (from their canonical JSON)."""
+        rows = self._store.execute(
+            f"SELECT canonical_json FROM {TABLE} WHERE params_sha256 IS NOT NULL AND shadow_of IS NULL AND "
+            "finish_reason IN ('stop', 'length') ORDER BY finished_ms DESC, event_id DESC LIMIT ?", (limit,),
+        ).fetchall()  # fmt: skip
+        return [AuditEvent.model_validate(orjson.loads(r[0])["event"]) for r in reversed(rows)]
+
     def usage_of(self, key: UsageKey) -> tuple[int, int, int, int]:
         """(requests, prompt, completion, cached prompt tokens) of one (epoch day, tenant, principal,
         model version), mirror copies left out (services/auditor/usage.py): from the records, so a

@@ -10,7 +10,9 @@ it already holds or follows on Kafka:
 - the worker heartbeats it follows (fleet.py): queue, KV-cache usage and prefix-cache hit rate per
   live worker;
 - the registry it follows (catalog.py): every version and the states the live workers report;
-- `<prefix>.health` (HealthAlert): the last alerts and the ones still open per (version, signal);
+- `<prefix>.health` (HealthAlert): the last alerts and the ones still open per (version, signal),
+  and per version the output SLA of its latest `structured` and `determinism` alerts (the valid
+  rate with its counts, the same/differs counts: weir/models/health.py, outcome_view);
 - `<prefix>.usage.tokens` (UsageTotals, compacted): today's top tenants by tokens and cost.
 
 A metric that is absent, or a window with nothing in it, is `null` (the page says "no data yet"),
@@ -40,6 +42,7 @@ from schemas.telemetry import HealthAlert, RateCard, UsageTotals
 from services.gateway.catalog import Catalog
 from weir.bus import BusSettings, TopicFollower
 from weir.metrics import samples
+from weir.models.health import OUTCOME_SIGNALS, outcome_view
 
 log = logging.getLogger(__name__)
 
@@ -216,8 +219,15 @@ class AlertsView:
         return {
             "recent": [_alert(alert) for alert in sorted(self.recent, key=lambda a: -a.created_ms)],
             "open": [_alert(alert) for alert in sorted(opened, key=lambda a: (a.model_version, a.signal))],
+            "sla": self.sla(),
             "skipped": self.skipped,
         }
+
+    def sla(self) -> dict[str, dict[str, Any]]:
+        """Per version with an output-SLA alert: each outcome signal's view (None: no alert yet)."""
+        versions = sorted({sid for sid, signal in self.latest if signal in OUTCOME_SIGNALS})
+        return {sid: {signal: outcome_view(self.latest.get((sid, signal))) for signal in OUTCOME_SIGNALS}
+                for sid in versions}  # fmt: skip
 
 
 def _alert(alert: HealthAlert) -> dict[str, Any]:

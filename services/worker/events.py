@@ -5,6 +5,10 @@ Pure: the time and the keys come in as arguments.
 
 from __future__ import annotations
 
+import hashlib
+
+import orjson
+
 from schemas.fingerprint import key_id, keyed_hmac
 from schemas.messages import AuditEvent, EmbedRequest, GenerateRequest, ReplyDelta, ReplyEnd, Usage
 from schemas.model_repo import ModelConfig
@@ -43,6 +47,27 @@ def reply_events(
     return events
 
 
+# The GenerateRequest fields that can change its text, besides the prompt (docs/design.md, "Structured
+# output, tools and logprobs": the auditor compares outputs of equal version, prompt, parameters and
+# seed). Not logprobs (it adds numbers, not text), nor the routing and accounting fields.
+OUTPUT_PARAMS = frozenset({
+    "temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty", "logit_bias", "stop", "max_tokens",
+    "ignore_eos", "structured", "tools", "tool_choice", "parallel_tool_calls", "suffix",
+})  # fmt: skip
+_GREEDY_IGNORES = frozenset({"top_p", "top_k"})  # with temperature 0 (services/worker/engine/sampler.py)
+
+
+def params_sha256(request: GenerateRequest) -> str:
+    """sha256 (hex) of the sorted-key JSON of the request's OUTPUT_PARAMS and effective seed. A
+    greedy request's seed, top_p and top_k cannot change its tokens and are left out, so greedy
+    requests that differ only in them compare equal."""
+    greedy = request.temperature == 0.0
+    params = request.model_dump(mode="json", include=set(OUTPUT_PARAMS - (_GREEDY_IGNORES if greedy else frozenset())))
+    if not greedy:
+        params["seed"] = request.effective_seed
+    return hashlib.sha256(orjson.dumps(params, option=orjson.OPT_SORT_KEYS)).hexdigest()
+
+
 def audit_event(
     request: GenerateRequest | EmbedRequest, out: EngineOutput, config: ModelConfig, *,
     weights_sha256: str, worker_id: str, audit_key: bytes, now_ms: int,
@@ -50,10 +75,12 @@ def audit_event(
     """The AuditEvent of a request's final output: what was served, with keyed HMACs of the
     prompt and output text instead of the text. `now_ms` stands in for the times the output
     lacks (a request refused before the engine saw it). Without SimHashes (see Publisher)."""
+    params = None
     if isinstance(request, GenerateRequest):
         temperature, top_p, top_k, max_tokens, seed = (
             request.temperature, request.top_p, request.top_k, request.max_tokens, request.effective_seed
         )  # fmt: skip
+        params = params_sha256(request)
     else:  # an embedding samples nothing
         temperature, top_p, top_k, max_tokens, seed = 0.0, 1.0, 0, 0, 0
     version = model_version(config)
@@ -70,6 +97,7 @@ def audit_event(
         received_ms=out.received_ms or now_ms, first_token_ms=out.first_token_ms,
         finished_ms=out.finished_ms or now_ms,
         mean_token_entropy=out.mean_token_entropy, watermark_z=out.watermark_z,
+        structured_valid=out.structured_valid, params_sha256=params,
     )  # fmt: skip
 
 

@@ -1,10 +1,14 @@
-"""Golden canaries: greedy outputs recorded at push, checked again on every loaded instance.
+"""Golden canaries: outputs recorded at push, checked again on every loaded instance.
 
 A version's goldens (schemas/registry.py: GoldenCase) are its warmup prompts run greedily
-(temperature 0, a fixed seed) for a few tokens, with the token ids they produced; an embedding
-model's are the vectors with a least cosine similarity. An instance whose weights changed in
-memory (a bit flip, a bad device, the fault hook) produces other tokens and fails its check, so
-the worker marks it unhealthy and reloads it from verified weights (docs/design.md, invariant 10).
+(temperature 0) for a few tokens, with the token ids they produced, and one seeded sampled case
+(the first prompt at temperature 1 with GOLDEN_SAMPLED_SEED): the determinism probe, "the same
+seeded request on two instances gives identical text" (docs/design.md, "Structured output, tools
+and logprobs"); an embedding model's are the vectors with a least cosine similarity. An instance
+whose weights changed in memory (a bit flip, a bad device, the fault hook), or whose sampling no
+longer follows its seed, produces other tokens and fails its check, so the worker marks it
+unhealthy and reloads it from verified weights (docs/design.md, invariant 10). Records written
+before the sampled case existed hold greedy cases only, and are checked as they are.
 
     record_goldens(config)           build the engine here, run the prompts, return GoldenCases
     GoldenChecks.record              the same inside a running engine loop (a worker recording the
@@ -31,6 +35,8 @@ from services.worker.engine_factory import build_engine
 from services.worker.hardware import choose_device
 
 GOLDEN_SEED = 0  # greedy decoding ignores it; fixed so that nothing in a golden depends on its id
+GOLDEN_SAMPLED_SEED = 4242  # the sampled case's seed: any fixed value; recorded in the case
+GOLDEN_SAMPLED_TEMPERATURE = 1.0  # the model's own distribution: no sharpening hides a sampling difference
 GOLDEN_TENANT = "\x1fweir-golden"  # no deployment's watermark tenant: goldens are never watermarked
 GOLDEN_TIMEOUT_MS = 120_000
 # Run-to-run cosine of the same input through all-MiniLM-L6-v2 on onnxruntime's CPU provider is
@@ -43,8 +49,8 @@ _ids = itertools.count()
 
 
 def golden_requests(cases: list[GoldenCase], model: str, tag: str) -> list[GenerateRequest | EmbedRequest]:
-    """One request per case, greedy, with ids under GOLDEN_ID_PREFIX (refused from clients,
-    services/worker/refusals.py) so they cannot clash with a client's."""
+    """One request per case, at its temperature and seed, with ids under GOLDEN_ID_PREFIX (refused
+    from clients, services/worker/refusals.py) so they cannot clash with a client's."""
     deadline_ms = now_ms() + GOLDEN_TIMEOUT_MS
     common = {"model": model, "deadline_ms": deadline_ms, "reply_to": "-", "tenant": GOLDEN_TENANT}
     requests: list[GenerateRequest | EmbedRequest] = []
@@ -54,13 +60,15 @@ def golden_requests(cases: list[GoldenCase], model: str, tag: str) -> list[Gener
             requests.append(EmbedRequest(request_id=request_id, inputs=[case.prompt], **common))
         else:
             requests.append(GenerateRequest(request_id=request_id, prompt=case.prompt, max_tokens=case.max_tokens,
-                                            temperature=0.0, seed=GOLDEN_SEED, **common))  # fmt: skip
+                                            temperature=case.temperature, seed=case.seed, **common))  # fmt: skip
     return requests
 
 
 def golden_problem(case: GoldenCase, token_ids: list[int] | None, vector: list[float] | None) -> str | None:
     """Why an output departs from `case` (naming it, expected vs got), or None when it matches."""
     name = f"golden {case.prompt[:40]!r}"
+    if case.temperature > 0:
+        name += f" (temperature {case.temperature:g}, seed {case.seed})"
     if case.kind == "embed":
         if vector is None:
             return f"{name}: no vector came back"
@@ -234,10 +242,15 @@ def record_goldens(
 
 
 def golden_cases(engine: EngineLike, prompts: list[str], max_tokens: int) -> list[GoldenCase]:
-    """The cases to record for `prompts`: an embedding model's vector, else up to `max_tokens` tokens."""
+    """The cases to record for `prompts`: an embedding model's vector, else up to `max_tokens`
+    greedy tokens each, then the first prompt sampled with a fixed seed (the determinism probe)."""
     if isinstance(engine, EmbeddingEngine):  # a vector per prompt
         return [GoldenCase(kind="embed", prompt=p, min_cosine=DEFAULT_MIN_COSINE) for p in prompts]
-    return [GoldenCase(prompt=p, max_tokens=max_tokens) for p in prompts]
+    cases = [GoldenCase(prompt=p, max_tokens=max_tokens, seed=GOLDEN_SEED) for p in prompts]
+    if prompts:
+        cases.append(GoldenCase(prompt=prompts[0], max_tokens=max_tokens, temperature=GOLDEN_SAMPLED_TEMPERATURE,
+                                seed=GOLDEN_SAMPLED_SEED))  # fmt: skip
+    return cases
 
 
 def recorded_cases(check: GoldenCheck) -> list[GoldenCase]:

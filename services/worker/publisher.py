@@ -80,7 +80,7 @@ class Publisher:
         if live is not None and self.shadow_live_topic is not None:
             self._note(flight, await self.writer.send(self.shadow_live_topic, encode(live), key))
         end_run(self.tracing, flight.span, out, self.version)
-        self._spawn(self.settle(flight))
+        self._spawn(self.settle(flight, out))
 
     async def send_audit(self, flight: InFlight, out: EngineOutput, key: bytes) -> asyncio.Future:
         """Produce the request's AuditEvent; with a fingerprint batcher, once its SimHashes are in.
@@ -128,14 +128,17 @@ class Publisher:
         if flight.host is not None:
             flight.host.cancel(rid)  # its final output then comes to send_output, which redoes it
 
-    async def settle(self, flight: InFlight) -> None:
-        """Once every write of the run is durable, the request's batch offsets may be committed;
-        a run with a write that failed is run again instead (its batch stays uncommitted)."""
+    async def settle(self, flight: InFlight, end: EngineOutput | None = None) -> None:
+        """Once every write of the run is durable, the request's batch offsets may be committed
+        (and its `end` counted, once per request); a run with a write that failed is run again
+        instead (its batch stays uncommitted)."""
         failure = await first_failure(flight.futures)
         failure = flight.failure or failure
         if failure is not None:
             self.redo_later(flight, failure)
             return
+        if self.recorder is not None and end is not None:
+            self.recorder.settled(flight.request, end)
         self.intake.forget(flight)
 
     def redo_later(self, flight: InFlight, failure: BaseException) -> None:

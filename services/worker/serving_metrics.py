@@ -2,6 +2,10 @@
 and buckets (vllm/v1/metrics/loggers.py; label `model_name` = the served name@version), and the
 OpenTelemetry GenAI server metrics beside them (docs/design.md, "Observability").
 
+Structured outputs (docs/design.md, "Structured output, tools and logprobs": the output SLA) are
+counted per version as `weir_structured_outputs_total{model_name, result}`, once per request: when
+its run's writes are durable (Publisher.settle), so a run redone after a failed write counts once.
+
 The times are the engine's (services/worker/engine: received, first scheduled, first token, each
 later token, finished; ms of the engine's clock), carried on its outputs and recorded on the event
 loop as the publisher takes each output (Recorder). What an engine counts itself (requests running
@@ -12,6 +16,7 @@ time: the engine may run in a child process, where no instrument of the worker's
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Literal
 
 from opentelemetry.metrics import CallbackOptions, Observation
 
@@ -28,6 +33,8 @@ GENAI_DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 
 # (timeout, rejected, error), so no ending is folded into another.
 _VLLM_REASONS = {"cancelled": "abort"}
 _SUCCESSFUL = ("stop", "length")  # GenAI's TTFT and time per output token are of successful responses
+
+StructuredResult = Literal["valid", "invalid", "truncated"]
 
 EngineStats = Callable[[], Iterable[tuple[str, list[dict[str, float]]]]]  # (name@version, its engines' stats)
 
@@ -47,6 +54,27 @@ def operation(request: GenerateRequest | EmbedRequest) -> str:
     if isinstance(request, EmbedRequest):
         return "embeddings"
     return "chat" if request.messages is not None else "text_completion"
+
+
+def is_constrained(request: GenerateRequest | EmbedRequest) -> bool:
+    """The request's output is constrained by a token mask: a structured spec, or tool_choice
+    required or a named function (docs/design.md, "Structured output, tools and logprobs")."""
+    if isinstance(request, EmbedRequest):
+        return False
+    return request.structured is not None or (request.calls_tools and request.tool_choice not in (None, "auto"))
+
+
+def structured_result(request: GenerateRequest | EmbedRequest, out: EngineOutput) -> StructuredResult | None:
+    """How a constrained request's final output counts: `truncated` when it ran out of max_tokens
+    (never claimed valid), else on `stop` the worker's check (structured_valid). None: not counted
+    (unconstrained, another ending, or a stop the engine did not check)."""
+    if not is_constrained(request):
+        return None
+    if out.finish_reason == "length":
+        return "truncated"
+    if out.finish_reason == "stop" and out.structured_valid is not None:
+        return "valid" if out.structured_valid else "invalid"
+    return None
 
 
 class ServingMetrics:
@@ -76,6 +104,8 @@ class ServingMetrics:
                             "token for successful responses.", ITL_BUCKETS, unit="s")  # fmt: skip
         self.genai_duration = h("gen_ai.server.request.duration", "Generative AI server request duration, to the last "
                                 "output token.", GENAI_DURATION_BUCKETS, unit="s")  # fmt: skip
+        self.structured = metrics.counter("weir_structured_outputs", "Constrained outputs by result: valid or invalid "
+                                          "(ended stop, checked against the constraint), truncated (ended length).")
         self._engine_stats = engine_stats
         for name, stat, text in (("num_requests_running", "num_running", "Requests in the engines' running batch."),
                                  ("num_requests_waiting", "num_waiting", "Requests waiting to be scheduled.")):  # fmt: skip
@@ -125,6 +155,12 @@ class Recorder:
                 record(gap_ms / 1000, labels)
         if out.finish_reason is not None:
             self.finished(request, out)
+
+    def settled(self, request: GenerateRequest | EmbedRequest, out: EngineOutput) -> None:
+        """A request's end is durable (Publisher.settle): count a constrained one's result once."""
+        result = structured_result(request, out)
+        if result is not None:
+            self.m.structured.add(1, {**self.labels, "result": result})
 
     def finished(self, request: GenerateRequest | EmbedRequest, out: EngineOutput) -> None:
         """A request's end: vLLM's per-request histograms and counters, and the GenAI ones. A request

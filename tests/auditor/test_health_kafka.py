@@ -117,3 +117,39 @@ async def test_a_collapse_raises_an_alert_recovery_clears_it_and_a_restart_repea
     assert await asyncio.to_thread(weir_cli.main, argv) == 0  # as a table
     out = capsys.readouterr().out
     assert SID in out and "2 malformed health record(s) skipped" in out
+
+
+async def test_an_invalid_structured_output_and_two_workers_that_differ_raise_their_alerts(
+    bootstrap: str, audit_topics: Topics, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The output SLA through the broker (docs/design.md, "Structured output, tools and logprobs")."""
+    topics = audit_topics
+    bus = BusSettings(kafka_bootstrap=bootstrap, topic_prefix=topics.prefix)
+    constrained = [_event(i, 2.0, structured_valid=i != 2) for i in range(4)]
+    twins = [_event(10 + i, 2.0, prompt_hmac="cd" * 32, params_sha256="ab" * 32, seed=7, worker_id=f"w{i}",
+                    output_hmac=("0" if i == 0 else "1") * 64) for i in range(2)]  # fmt: skip
+    await produce(bootstrap, topics.audit, [(e.request_id.encode(), encode(e)) for e in [*constrained, *twins]])
+    health = HealthMetrics()
+
+    async def raised() -> bool:
+        return {a.signal for a in await _alerts(bus) if a.state == "raised"} == {"structured", "determinism"}
+
+    async with create_app(_settings(bootstrap, topics, tmp_path / "audit.sqlite"), health):
+        await eventually(raised, "raised structured and determinism alerts")
+        text = health.render()
+        assert value(text, "weir_determinism_checks_total", model_name=SID, result="differs") == 1
+        assert value(text, "weir_model_structured_valid_rate", model_name=SID) == pytest.approx(0.75)
+        assert value(text, "weir_model_alert", model_name=SID, signal="structured") == 1
+        assert value(text, "weir_model_alert", model_name=SID, signal="determinism") == 1
+
+    capsys.readouterr()
+    argv = ["models", "health", "tiny", "--json", "--bootstrap", bootstrap, "--topic-prefix", topics.prefix]
+    assert await asyncio.to_thread(weir_cli.main, argv) == 0
+    [entry] = orjson.loads(capsys.readouterr().out)["versions"]
+    assert entry["open_alerts"] == ["structured", "determinism"]
+    assert {k: entry["structured"][k] for k in ("rate", "valid", "invalid")} == {"rate": 0.75, "valid": 3, "invalid": 1}
+    assert {k: entry["determinism"][k] for k in ("same", "differs")} == {"same": 0, "differs": 1}
+    argv.remove("--json")
+    assert await asyncio.to_thread(weir_cli.main, argv) == 0
+    out = capsys.readouterr().out
+    assert "75% (3/4)" in out and "0/1" in out

@@ -131,6 +131,23 @@ def test_alerts_keep_the_latest_and_the_open_ones_and_skip_bad_records():
     assert report["skipped"] == 3
 
 
+def test_the_health_panel_has_each_versions_output_sla_from_its_latest_alerts():
+    view = AlertsView()
+    outcomes = [("s1", "structured", "raised", 0.75, {"valid": 3, "invalid": 1}, 1),
+                ("s2", "structured", "cleared", 1.0, {"valid": 4, "invalid": 0}, 2),
+                ("d1", "determinism", "raised", 0.5, {"same": 1, "differs": 1}, 3)]  # fmt: skip
+    for alert_id, signal, state, rate, counts, created_ms in outcomes:
+        alert = HealthAlert(alert_id=alert_id, model_version="m@1", signal=signal, state=state, value=rate,  # type: ignore[arg-type]
+                            threshold=1.0, counts=counts, created_ms=created_ms)  # fmt: skip
+        view.on_record(b"k", encode(alert), RECORD)
+    entropy_only = _alert("e1", "raised", 4).model_copy(update={"model_version": "m@2"})
+    view.on_record(b"k", encode(entropy_only), RECORD)  # no output-SLA alert: no SLA row
+    sla = view.report()["sla"]
+    assert list(sla) == ["m@1"]
+    assert sla["m@1"]["structured"] == {"rate": 1.0, "valid": 4, "invalid": 0, "state": "cleared", "as_of_ms": 2}
+    assert sla["m@1"]["determinism"] == {"rate": 0.5, "same": 1, "differs": 1, "state": "raised", "as_of_ms": 3}
+
+
 def _usage(tenant: str, principal: str, day: str = "2026-12-02", tokens: int = 100,
            cost: float | None = 0.5) -> UsageTotals:  # fmt: skip
     return UsageTotals(day=day, tenant=tenant, principal=principal, model_version="m@1", requests=2,

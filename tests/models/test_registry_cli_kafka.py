@@ -158,9 +158,10 @@ def test_push_records_real_goldens_with_the_workers_engine(prefix: str, tiny: Pa
     """The console script's push (weir/cli.py -> services/worker/models_cli.py) runs the model."""
     assert weir(prefix, "push", str(tiny), "--name", "tiny", "--version", "g", "--goldens", "def main():",
                 "--golden-max-tokens", "3", "--out", str(tiny.parent / "real.json")) == 0  # fmt: skip
-    assert "1 goldens" in capsys.readouterr().out
-    (golden,) = asyncio.run(read_registry(_settings(prefix))).versions["tiny@g"].goldens
+    assert "2 goldens" in capsys.readouterr().out  # greedy, and the seeded sampled case of the same prompt
+    (golden, sampled) = asyncio.run(read_registry(_settings(prefix))).versions["tiny@g"].goldens
     assert golden.prompt == "def main():" and golden.kind == "generate" and len(golden.expected_token_ids) == 3
+    assert sampled.prompt == "def main():" and sampled.temperature == 1.0 and len(sampled.expected_token_ids) == 3
 
 
 def test_promote_needs_a_live_worker_with_the_version_ready(prefix: str, tiny: Path, capsys) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from schemas.codec import encode
 from schemas.fingerprint import key_id, keyed_hmac
-from schemas.messages import ErrorInfo, ReplyDelta, ReplyEnd
-from services.worker.events import audit_event, model_version, reply_events, shadow_live
+from schemas.messages import ErrorInfo, ReplyDelta, ReplyEnd, StructuredOutputs
+from services.worker.events import audit_event, model_version, params_sha256, reply_events, shadow_live
 
 from .factories import T0_MS, make_embed_request, make_model_config, make_output, make_request
 
@@ -105,3 +105,29 @@ def test_audit_events_carry_assignment_and_shadow_of() -> None:
     out = make_output(copy.request_id, 1, finish_reason="stop", prompt_text="p", output_text="o")
     event = audit_event(copy, out, TINY, weights_sha256="0" * 64, worker_id="w", audit_key=KEY, now_ms=T0_MS)
     assert (event.assignment, event.shadow_of) == ("mirror", "live-1")
+
+
+def test_params_sha256_changes_with_what_changes_the_text_and_only_with_that() -> None:
+    base = dict(model="tiny", prompt="def f():", temperature=0.8, seed=5, max_tokens=8)
+    h = params_sha256(make_request(**base))
+    assert len(h) == 64 and h == params_sha256(make_request(**base, principal="bob", logprobs=3, priority="bulk"))
+    for change in ({"seed": 6}, {"temperature": 0.9}, {"max_tokens": 9}, {"stop": ["\n"]}, {"logit_bias": {"3": 1}},
+                   {"structured": StructuredOutputs(regex="[a-z]+")}, {"presence_penalty": 0.5}):
+        assert params_sha256(make_request(**{**base, **change})) != h, change
+    unseeded = {k: v for k, v in base.items() if k != "seed"}  # the effective seed: derived from request_id
+    assert params_sha256(make_request(**unseeded, request_id="a")) != params_sha256(make_request(**unseeded, request_id="b"))
+    # greedy: neither the seed nor top_p/top_k can change the tokens
+    greedy = {**unseeded, "temperature": 0.0}
+    assert params_sha256(make_request(**greedy, request_id="a")) == params_sha256(make_request(**greedy, top_k=5, request_id="b"))
+
+
+def test_the_audit_event_carries_the_structured_check_and_the_params_hash() -> None:
+    request = make_request(model="tiny", structured=StructuredOutputs(json_object=True), seed=1)
+    out = make_output(request.request_id, 0, finish_reason="stop", structured_valid=False, prompt_text="p", output_text="{")
+    event = audit_event(request, out, TINY, weights_sha256="ab" * 32, worker_id="w1", audit_key=KEY, now_ms=T0_MS)
+    assert event.structured_valid is False and event.params_sha256 == params_sha256(request)
+    assert ReplyEnd.model_fields["structured_valid"] is not None  # the same field the reply carries
+    embed = make_embed_request("a")
+    out = make_output(embed.request_id, 0, finish_reason="stop", embeddings=[[1.0]])
+    event = audit_event(embed, out, TINY, weights_sha256="ab" * 32, worker_id="w1", audit_key=KEY, now_ms=T0_MS)
+    assert event.structured_valid is None and event.params_sha256 is None

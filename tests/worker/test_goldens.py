@@ -21,7 +21,14 @@ from services.worker.engine import EmbeddingEngine
 from services.worker.engine.contract import GOLDEN_ID_PREFIX
 from services.worker.engine_factory import build_engine
 from services.worker.faults import FaultHookError, corrupt
-from services.worker.goldens import GoldenCheck, golden_problem, record_goldens, run_goldens
+from services.worker.goldens import (
+    GOLDEN_SAMPLED_SEED,
+    GoldenCheck,
+    golden_problem,
+    golden_requests,
+    record_goldens,
+    run_goldens,
+)
 from services.worker.runner import EngineProcess, EngineRunner
 
 from .factories import make_request
@@ -66,8 +73,16 @@ def test_golden_problem_of_a_vector_is_its_cosine() -> None:
 # -- record and run in one engine -----------------------------------------------------------
 
 
+def test_a_record_written_before_sampled_goldens_reads_as_greedy() -> None:
+    old = GoldenCase.model_validate_json(b'{"kind": "generate", "prompt": "def f():", "max_tokens": 4, '
+                                         b'"expected_token_ids": [1, 2, 3, 4], "expected_vector": [], "min_cosine": 0.999}')
+    assert (old.temperature, old.seed) == (0.0, 0)
+    [request] = golden_requests([old], "tiny", "t")
+    assert request.temperature == 0.0 and request.max_tokens == 4
+
+
 def test_recorded_goldens_pass_then_fail_once_the_weights_are_corrupted(tiny_goldens) -> None:
-    assert [c.prompt for c in tiny_goldens] == TINY.warmup
+    assert [c.prompt for c in tiny_goldens] == [*TINY.warmup, TINY.warmup[0]]  # the last: the sampled case
     assert all(c.kind == "generate" and len(c.expected_token_ids) == 6 for c in tiny_goldens)
     engine = build_tiny()
     assert run_goldens(engine, tiny_goldens) is None
@@ -75,6 +90,19 @@ def test_recorded_goldens_pass_then_fail_once_the_weights_are_corrupted(tiny_gol
     corrupt(engine)
     problem = run_goldens(engine, tiny_goldens)
     assert problem is not None and "expected" in problem and "got" in problem
+
+
+def test_the_seeded_sampled_golden_is_reproduced_by_another_engine_and_fails_with_another_seed(tiny_goldens) -> None:
+    sampled = [c for c in tiny_goldens if c.temperature > 0]
+    assert [(c.prompt, c.temperature, c.seed) for c in sampled] == [(TINY.warmup[0], 1.0, GOLDEN_SAMPLED_SEED)]
+    assert sampled[0].expected_token_ids != tiny_goldens[0].expected_token_ids  # sampled: not the greedy answer
+    engine = build_tiny()  # another instance than the one that recorded it
+    assert run_goldens(engine, sampled) is None
+    reseeded = sampled[0].model_copy(update={"seed": GOLDEN_SAMPLED_SEED + 1})
+    problem = run_goldens(engine, [reseeded])
+    assert problem is not None and f"seed {GOLDEN_SAMPLED_SEED + 1}): token" in problem
+    corrupt(engine)
+    assert run_goldens(engine, sampled) is not None
 
 
 def test_run_goldens_refuses_to_drop_other_requests_outputs(tiny_goldens) -> None:

@@ -3,12 +3,16 @@ the engine's timing and prefix-cache counts they are made from."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
-from schemas.messages import ErrorInfo
+from schemas.messages import ErrorInfo, NamedToolChoice, StructuredOutputs, ToolDef
 from services.worker.engine import Engine, EngineConfig
 from services.worker.events import audit_event, reply_events
-from services.worker.serving_metrics import ServingMetrics, kv_cache_usage
+from services.worker.intake import InFlight, Intake
+from services.worker.publisher import Publisher
+from services.worker.serving_metrics import ServingMetrics, kv_cache_usage, structured_result
 from weir.metrics import ServiceMetrics, value
 
 from .factories import T0_MS, make_model_config, make_output, make_request
@@ -73,6 +77,45 @@ def test_a_cancel_is_vllms_abort_and_a_refusal_counts_only_as_finished():
     failed = {"gen_ai_operation_name": "text_completion", "gen_ai_provider_name": "weir", "error_type": "cancelled",
               "gen_ai_request_model": "tiny", "gen_ai_response_model": "tiny@1"}  # fmt: skip
     assert value(text, "gen_ai_server_request_duration_seconds_count", **failed) == 1.0
+
+
+def test_structured_result_of_each_ending():
+    constrained = make_request("def ", structured=StructuredOutputs(json_object=True))
+    tools = [ToolDef(function={"name": "f", "parameters": {"type": "object"}})]
+    named = make_request(prompt=None, messages=[{"role": "user", "content": "hi"}], tools=tools,
+                         tool_choice=NamedToolChoice(function={"name": "f"}))  # fmt: skip
+    auto = named.model_copy(update={"tool_choice": "auto"})
+
+    def result(request, reason, valid=None):
+        return structured_result(request, make_output(request.request_id, 0, finish_reason=reason, structured_valid=valid))
+
+    assert (result(constrained, "stop", True), result(constrained, "stop", False)) == ("valid", "invalid")
+    assert result(constrained, "length", False) == "truncated" and result(named, "length") == "truncated"
+    assert result(named, "stop", True) == "valid"
+    assert result(constrained, "error") is None and result(constrained, "stop") is None  # not checked: not counted
+    assert result(make_request("def "), "length") is None and result(auto, "stop") is None  # unconstrained
+
+
+async def test_structured_outputs_count_once_per_request_when_its_end_is_durable():
+    recorder, metrics = recorder_and_metrics()
+    intake = Intake()
+    publisher = Publisher(make_model_config("tiny"), None, "weir.audit", intake, [], None, worker_id="w",
+                          audit_key=b"k" * 32, recorder=recorder)  # type: ignore[arg-type]  # fmt: skip
+    request = make_request("def ", structured=StructuredOutputs(json_object=True))
+    end = make_output(request.request_id, 3, finish_reason="stop", structured_valid=False)
+    broken = asyncio.get_running_loop().create_future()
+    broken.set_exception(ValueError("the reply topic refused it"))  # not an outage: given up, never redone
+    await publisher.settle(InFlight(request, "b1", futures=[broken]), end)
+    labels = {**V, "result": "invalid"}
+    assert value(metrics.render(), "weir_structured_outputs_total", **labels) is None  # its writes failed
+    written = asyncio.get_running_loop().create_future()
+    written.set_result(None)
+    flight = InFlight(request, "b1", futures=[written])
+    intake.in_flight[request.request_id] = flight
+    await publisher.settle(flight, end)
+    text = metrics.render()
+    assert value(text, "weir_structured_outputs_total", **labels) == 1.0
+    assert value(text, "weir_structured_outputs_total", **{**V, "result": "valid"}) is None
 
 
 def test_the_engines_gauges_and_totals_are_read_per_version_at_scrape_time():

@@ -240,7 +240,7 @@ warmup = ["def add(a, b):"]
         expected = await asyncio.to_thread(record_goldens, service.seeds[0], None, 8,
                                            WorkerSettings(device="cpu"))  # fmt: skip
         assert local == expected and local[0].expected_token_ids  # what a push would have recorded
-        assert value((await http.get("/metrics")).text, "weir_worker_version_goldens", model="tiny@1", source="local") == 1
+        assert value((await http.get("/metrics")).text, "weir_worker_version_goldens", model="tiny@1", source="local") == 2
         before = await serve_text(topics, "before", replies)
 
         assert (await http.post("/faults/corrupt-weights", params={"model": "tiny@1"})).status_code == 200
@@ -248,7 +248,7 @@ warmup = ["def add(a, b):"]
         assert "tiny@1" not in unhealthy.models
         events = await health_events(topics, lambda es: any(e.event == "reloaded" for e in es))
         assert [e.event for e in events] == ["loaded", "golden_failed", "reloaded"]
-        assert events[0].detail.endswith("1 goldens (local)")
+        assert events[0].detail.endswith("2 goldens (local)")  # greedy, and the seeded sampled case
         await wait_beat(topics, lambda hb: hb.sent_ms > events[-1].created_ms and state_of(hb, "tiny@1") == "ready")
         assert service.versions.versions["tiny@1"].goldens == local  # the reload is checked against the first load's
         assert await serve_text(topics, "after", replies) == before

@@ -7,7 +7,10 @@ topic can use (a record that is no HealthAlert is skipped and counted, docs/desi
 Freshness comes from the registry (now - the manifest's created_ms). The baseline and current
 values of entropy and watermark are those of the latest alert of each signal: the auditor publishes
 them with each transition, and its /metrics (weir_model_output_entropy_nats, weir_model_watermark_z)
-has them at any time.
+has them at any time. So are the output SLA's (docs/design.md, "Structured output, tools and
+logprobs"): the structured valid rate with its valid/invalid counts, and the determinism comparison's
+same/differs counts, of each signal's latest alert (`outcome_view`; live on the auditor's /metrics:
+weir_model_structured_valid_rate, weir_determinism_checks_total).
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from schemas.registry import RegistryState, split_ref
 from schemas.telemetry import HealthAlert
 from weir.bus import BusSettings, read_topic
 
-SIGNALS = ("freshness", "entropy", "watermark", "error_rate", "golden")
+SIGNALS = ("freshness", "entropy", "watermark", "error_rate", "golden", "structured", "determinism")
+OUTCOME_SIGNALS = ("structured", "determinism")  # counted outcomes: value is the good share, counts behind it
 
 
 def latest_alerts(records: Iterable[tuple[bytes | None, bytes | None]]) -> tuple[dict[tuple[str, str], HealthAlert], int]:
@@ -44,6 +48,14 @@ async def read_alerts(settings: BusSettings) -> tuple[dict[tuple[str, str], Heal
     return latest_alerts(await read_topic(settings, settings.topics.health))
 
 
+def outcome_view(alert: HealthAlert | None) -> dict[str, Any] | None:
+    """An outcome signal's latest alert as shown: the good share (`rate`), the counts behind it
+    (valid/invalid, same/differs), its state and when; None without an alert."""
+    if alert is None:
+        return None
+    return {"rate": alert.value, **alert.counts, "state": alert.state, "as_of_ms": alert.created_ms}
+
+
 def health_view(state: RegistryState, alerts: dict[tuple[str, str], HealthAlert], name: str | None,
                 now_ms: int) -> list[dict[str, Any]]:  # fmt: skip
     """One entry per version (of `name`, or all) the registry or the alerts know, oldest name first."""
@@ -61,6 +73,8 @@ def health_view(state: RegistryState, alerts: dict[tuple[str, str], HealthAlert]
             alert = alerts.get((sid, signal))
             entry[signal] = None if alert is None else {"baseline": alert.baseline, "current": alert.value,
                                                         "as_of_ms": alert.created_ms}  # fmt: skip
+        for signal in OUTCOME_SIGNALS:
+            entry[signal] = outcome_view(alerts.get((sid, signal)))
         entry["alerts"] = [alerts[(sid, s)].model_dump(mode="json") for s in SIGNALS if (sid, s) in alerts]
         out.append(entry)
     return out
@@ -70,10 +84,12 @@ def health_text(view: list[dict[str, Any]], skipped: int) -> str:
     """The view as a table, then each open alert's detail."""
     if not view:
         return "no model versions" + (f" ({skipped} malformed health record(s) skipped)" if skipped else "")
-    headers = ["VERSION", "DESIRED", "AGE (days)", "ENTROPY base/cur", "WATERMARK Z base/cur", "OPEN ALERTS"]
+    headers = ["VERSION", "DESIRED", "AGE (days)", "ENTROPY base/cur", "WATERMARK Z base/cur", "STRUCTURED valid",
+               "DETERMINISM same/differs", "OPEN ALERTS"]  # fmt: skip
     rows = [[e["model_version"], e["desired"] or "-",
              "-" if e["freshness_s"] is None else f"{e['freshness_s'] / 86400:.1f}",
-             _pair(e["entropy"]), _pair(e["watermark"]), ",".join(e["open_alerts"]) or "-"] for e in view]  # fmt: skip
+             _pair(e["entropy"]), _pair(e["watermark"]), _outcome(e["structured"], "valid", "invalid"),
+             _outcome(e["determinism"], "same", "differs"), ",".join(e["open_alerts"]) or "-"] for e in view]  # fmt: skip
     widths = [max(len(str(row[i])) for row in [headers, *rows]) for i in range(len(headers))]
     lines = ["  ".join(str(cell).ljust(widths[i]) for i, cell in enumerate(row)).rstrip() for row in [headers, *rows]]
     for entry in view:
@@ -83,7 +99,8 @@ def health_text(view: list[dict[str, Any]], skipped: int) -> str:
                              f"value {alert['value']:.4g}, threshold {alert['threshold']:.4g}; {alert['detail']}")
     if skipped:
         lines.append(f"({skipped} malformed health record(s) skipped)")
-    lines.append("(base/cur: as of each signal's latest alert; the auditor's /metrics has them live)")
+    lines.append("(base/cur, structured, determinism: as of each signal's latest alert; the auditor's /metrics has "
+                 "them live)")
     return "\n".join(lines)
 
 
@@ -92,3 +109,13 @@ def _pair(values: dict[str, Any] | None) -> str:
         return "-"
     baseline = "-" if values["baseline"] is None else f"{values['baseline']:.3g}"
     return f"{baseline}/{values['current']:.3g}"
+
+
+def _outcome(values: dict[str, Any] | None, good: str, bad: str) -> str:
+    """`structured` as "75% (3/4)" (valid of all), `determinism` as "3/1" (same/differs)."""
+    if values is None:
+        return "-"
+    n_good, n_bad = values.get(good, 0), values.get(bad, 0)
+    if good == "valid":
+        return f"{values['rate']:.0%} ({n_good}/{n_good + n_bad})"
+    return f"{n_good}/{n_bad}"

@@ -117,17 +117,28 @@ function showKv(data) {
   setState("kv", "ok");
 }
 
+// The output SLA of a version's latest structured / determinism alert ("–": none yet; the auditor's /metrics is live).
+function slaCells(sla) {
+  const s = sla && sla.structured, d = sla && sla.determinism;
+  const structured = s ? `${(s.rate * 100).toFixed(1)}% (${s.valid}/${s.valid + s.invalid})` : "–";
+  const determinism = d ? `${d.same} / ${d.differs}` : "–";
+  return [cell(structured, s ? `num state-${s.state}` : "num"), cell(determinism, d ? `num state-${d.state}` : "num")];
+}
+
 function showVersions(data) {
   const open = {};
   for (const alert of data.alerts.open) (open[alert.model_version] = open[alert.model_version] || []).push(alert.signal);
+  const sla = data.alerts.sla || {};
   const rows = data.versions.map((v) => {
     const sid = `${v.name}@${v.version}`;
     const health = open[sid] ? `alert: ${open[sid].join(", ")}` : "ok";
     return el("tr", {}, cell(sid + (v.default ? " (default)" : "")), cell(v.state, `state-${v.state}`),
-      cell(v.desired), cell(Object.keys(v.workers).length, "num"), cell(health, open[sid] ? "state-raised" : "state-ready"));
+      cell(v.desired), cell(Object.keys(v.workers).length, "num"), cell(health, open[sid] ? "state-raised" : "state-ready"),
+      ...slaCells(sla[sid]));
   });
   if (!rows.length) return setState("versions", "empty", "no data yet: no model version known");
-  table("versions", "table.rows", ["version", "state", "desired", "workers", "health"], rows);
+  table("versions", "table.rows", ["version", "state", "desired", "workers", "health", "structured valid",
+    "determinism same / differs"], rows);
   setState("versions", "ok");
 }
 

@@ -51,6 +51,7 @@ class EngineOutput:
     cumulative_logprob: float | None = None
     tool_call_deltas: list[ToolCallDelta] | None = None  # pieces of tool calls made of this event's output
     tool_calls: list[ToolCall] | None = None  # final event: every tool call the reply made, complete
+    structured_valid: bool | None = None  # final event of a constrained request: the output is an instance of it
 
     @property
     def is_final(self) -> bool:
