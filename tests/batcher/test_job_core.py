@@ -99,6 +99,7 @@ def test_lines_carry_penalties_and_logit_bias():
         ({"logit_bias": {"x": 1}}, "invalid_value", "logit_bias"),
         ({"response_format": {"type": "json_object"}}, "unsupported_parameter", "response_format"),
         ({"logprobs": True}, "unsupported_parameter", "logprobs"),
+        ({"logprobs": "yes"}, "invalid_value", "logprobs"),
         ({"tools": [{"type": "function"}]}, "unsupported_parameter", "tools"),
         ({"repetition_penalty": 1.1}, "unknown_parameter", "repetition_penalty"),
         ({"timeout_s": 5}, "unsupported_parameter", "timeout_s"),
