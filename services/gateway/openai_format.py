@@ -410,7 +410,7 @@ class ChunkWriter:
         if self.kind == "chat.completions":
             return self._chunk([self._chat_choice(index, {"content": text}, None, rendered)])
         self._has_started.add(index)
-        return self._chunk([self._completion_choice(index, text, None, rendered)])
+        return self._chunk([self._completion_choice(index, text, rendered, None)])
 
     def on_finish(self, end: ReplyEnd, index: int = 0) -> dict[str, Any]:
         """The finish chunk of choice `index` (a stop/length terminal)."""
