@@ -128,3 +128,6 @@ class SiblingGroup:
             abandon_reason = "client_disconnect"
         for exchange in self.exchanges:
             exchange.close(abandon_reason, status)
+
+
+Streamed = Exchange | SiblingGroup  # what a client reads: one request, or the siblings of a body with n > 1

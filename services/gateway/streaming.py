@@ -40,7 +40,7 @@ from services.gateway.openai_format import (
 from services.gateway.guard.output_guard import OutputGuard, TextFilter
 from services.gateway.replies import ReplyItem
 from services.gateway.resume import RESUME_GRACE_HEADER, StreamEntry
-from services.gateway.siblings import SiblingGroup
+from services.gateway.siblings import SiblingGroup, Streamed
 
 log = logging.getLogger(__name__)
 
@@ -94,9 +94,6 @@ class ChoiceFilters:
     @property
     def num_redacted(self) -> int:
         return sum(f.num_redacted for f in self._filters.values())
-
-
-Streamed = Exchange | SiblingGroup  # one request, or the siblings of a body with n > 1
 
 
 async def tagged_events(exchange: Streamed) -> AsyncIterator[tuple[int, int, ReplyItem]]:

@@ -31,8 +31,8 @@ from services.gateway.openai_format import (
 )
 from services.gateway.routes.parts import GatewayParts
 from services.gateway.routes.reading import header_timeout_s, read_body
-from services.gateway.siblings import SiblingGroup
-from services.gateway.streaming import Streamed, collect, event_stream, served_headers
+from services.gateway.siblings import SiblingGroup, Streamed
+from services.gateway.streaming import collect, event_stream, served_headers
 
 ID_PREFIX: dict[Kind, str] = {"chat.completions": "chatcmpl-", "completions": "cmpl-"}
 
