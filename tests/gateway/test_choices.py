@@ -48,7 +48,7 @@ from services.gateway.siblings import SiblingGroup
 from services.gateway.streaming import ChoiceFilters, collect, frames, sse_events
 
 from .conftest import Stack
-from .fakes import TEXT
+from .fakes import DRIP, TEXT
 
 
 def request(request_id: str = "cmpl-1", **fields: Any) -> GenerateRequest:
@@ -283,3 +283,34 @@ async def test_every_sibling_is_charged_to_the_tenants_limits(stack: Stack) -> N
     assert three.status_code == 429, three.text
     assert three.json()["error"]["type"] == "rate_limit_error"
     assert not [r for r in stack.worker.requests if r.request_id.startswith(three.headers["x-request-id"])]
+
+
+@kafka
+async def test_a_stream_of_n_choices_resumes_with_last_event_id(stack: Stack) -> None:
+    body = {"model": "echo", "prompt": "drip", "stream": True, "n": 2}
+    texts: dict[int, list[str]] = {0: [], 1: []}
+
+    async def read(response: httpx.Response, max_texts: int | None = None) -> int:
+        last_id = -1
+        async for line in response.aiter_lines():
+            if line.startswith("id: "):
+                last_id = int(line[4:])
+            elif line.startswith("data: ") and line != "data: [DONE]":
+                choice = orjson.loads(line[6:])["choices"][0]
+                texts[choice["index"]].append(choice["text"])
+                if max_texts is not None and sum(map(len, texts.values())) == max_texts:
+                    break
+        return last_id
+
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=20) as client:
+        async with client.stream("POST", "/v1/completions", json=body, headers={"x-weir-resume-grace-s": "10"}) as first:
+            request_id = first.headers["x-request-id"]
+            assert first.headers["x-weir-resume-url"] == f"/v1/streams/{request_id}"
+            last_id = await read(first, max_texts=5)
+        await asyncio.sleep(0.3)  # the siblings go on while the client is away
+        async with client.stream("GET", f"/v1/streams/{request_id}", headers={"last-event-id": str(last_id)}) as again:
+            assert again.status_code == 200
+            await read(again)
+    assert ["".join(texts[i]) for i in (0, 1)] == ["".join(DRIP)] * 2  # every token once, in order
+    assert all(stack.worker.generated[f"{request_id}/{i}"] == len(DRIP) for i in (0, 1))  # nothing regenerated
+    assert not stack.worker.cancels_of(f"{request_id}/0") and not stack.worker.cancels_of(f"{request_id}/1")
