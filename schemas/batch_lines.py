@@ -120,7 +120,7 @@ def parse_line_body(envelope: Envelope) -> ChatCompletionBody | CompletionBody:
         raise LineError(envelope.line, "invalid_value", "stream is not supported in a batch", "stream")
     if asked := _choice_parameter(parsed):
         raise LineError(envelope.line, "unsupported_parameter", f"{asked} is not supported in a batch yet: the "
-                        "batch runner makes one request per line", asked)  # fmt: skip
+                        "batch runner answers n choices of plain text", asked)  # fmt: skip
     if parsed.timeout_s is not None:
         raise LineError(envelope.line, "unsupported_parameter", "timeout_s is not supported in a batch: the batch's "
                         "completion window is every line's deadline", "timeout_s")  # fmt: skip
@@ -128,11 +128,9 @@ def parse_line_body(envelope: Envelope) -> ChatCompletionBody | CompletionBody:
 
 
 def _choice_parameter(body: ChatCompletionBody | CompletionBody) -> str | None:
-    """The first choice parameter (n, best_of, logprobs, echo, suffix) a line sets to something the
-    batch runner does not do (one request per line, plain text): refused, never ignored."""
-    if body.num_choices > 1:
-        return "n"
-    if body.num_siblings > 1:
+    """The first choice parameter (best_of, logprobs, echo, suffix) a line sets to something the
+    batch runner does not do (it answers n choices of plain text): refused, never ignored."""
+    if body.num_siblings > body.num_choices:
         return "best_of"
     if body.top_logprobs_asked is not None:
         return "logprobs"

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from schemas.messages import MAX_PENALTY, MAX_TOP_LOGPROBS, ChatMessage, LogitBias
+from schemas.messages import MAX_PENALTY, MAX_TOP_LOGPROBS, ChatMessage, GenerateRequest, LogitBias, sibling_seed
 
 Kind = Literal["chat.completions", "completions"]
 
@@ -303,3 +303,16 @@ def body_error(exc: ValidationError) -> BodyError:
                          "them per request", param=param, code="invalid_value")  # fmt: skip
     message = str(first["msg"]).removeprefix("Value error, ")
     return BodyError(f"invalid value for {param!r}: {message}", param=param, code="invalid_value")
+
+
+def sibling_requests(request: GenerateRequest, num: int) -> list[GenerateRequest]:
+    """The `num` sibling requests of a body asking for n (or best_of) > 1: ids `<request_id>/<i>`,
+    seeds sibling_seed(the request's effective seed, i) (docs/design.md, "n and best_of are sibling
+    requests"). The parent has no record of its own; its effective seed is derived from its
+    request_id when the body gave none, as GenerateRequest.effective_seed does, so a rerun of
+    the siblings gives the same texts. One request is itself. The gateway and the batch runner both use it."""
+    if num == 1:
+        return [request]
+    seed = request.effective_seed
+    return [request.model_copy(update={"request_id": f"{request.request_id}/{i}", "seed": sibling_seed(seed, i)})
+            for i in range(num)]  # fmt: skip

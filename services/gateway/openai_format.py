@@ -25,13 +25,12 @@ from schemas.messages import (
     ReplyEnd,
     TokenLogprob,
     Usage,
-    sibling_seed,
 )
 from schemas.model_repo import ModelConfig
 # the body types are imported from here by the gateway's other modules
 from schemas.registry import split_ref
 from schemas.traffic import Assignment
-from schemas.openai_bodies import BodyError, ChatCompletionBody, CompletionBody, Kind, body_error
+from schemas.openai_bodies import BodyError, ChatCompletionBody, CompletionBody, Kind, body_error, sibling_requests
 
 DEFAULT_MAX_TOKENS = 256  # chat default when the body sets none (OpenAI's own is "up to context")
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -153,19 +152,6 @@ def to_generate_request(
         reply_to=reply_to,
         created_ms=now_ms,
     )
-
-
-def sibling_requests(request: GenerateRequest, num: int) -> list[GenerateRequest]:
-    """The `num` sibling requests of a body asking for n (or best_of) > 1: ids `<request_id>/<i>`,
-    seeds sibling_seed(the request's effective seed, i) (docs/design.md, "n and best_of are sibling
-    requests"). The parent has no record of its own; its effective seed is derived from its
-    request_id when the body gave none, as GenerateRequest.effective_seed does, so a rerun of
-    the siblings gives the same texts. One request is itself."""
-    if num == 1:
-        return [request]
-    seed = request.effective_seed
-    return [request.model_copy(update={"request_id": f"{request.request_id}/{i}", "seed": sibling_seed(seed, i)})
-            for i in range(num)]  # fmt: skip
 
 
 def refuse_guarded_logprobs(body: ChatCompletionBody | CompletionBody, is_redacting: bool) -> None:

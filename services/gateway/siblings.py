@@ -1,7 +1,7 @@
 """A body with n (or best_of) > 1 at the gateway: its sibling requests read as one stream.
 
 docs/design.md, "n and best_of are sibling requests": the gateway publishes one GenerateRequest
-per choice (openai_format.sibling_requests), each an Exchange of its own (its own deadline,
+per choice (schemas/openai_bodies.py: sibling_requests), each an Exchange of its own (its own deadline,
 reply route, admission and Cancellation). A SiblingGroup stands where one Exchange does for the
 edge (streaming.py, resume.StreamEntry): the client sees one request, whose events are the
 siblings' merged as they arrive, each tagged with its choice index.
