@@ -113,10 +113,17 @@ async def test_each_unsupported_parameter_is_refused_by_name(client, endpoint, p
     ("chat", {"response_format": {"type": "text"}, "logprobs": False, "tools": [],
               "tool_choice": "none", "store": False, "service_tier": "auto", "modalities": ["text"], "n": 1}),
     ("chat", {"user": "u-1", "metadata": {"run": "7"}, "safety_identifier": "s", "prompt_cache_key": "k"}),
-    ("completions", {"echo": False, "suffix": "", "logprobs": 0, "best_of": 1, "n": 1, "user": "u-1"}),
+    ("completions", {"echo": False, "suffix": "", "best_of": 1, "n": 1, "user": "u-1"}),
 ])  # fmt: skip
 async def test_neutral_values_and_output_neutral_parameters_are_accepted(client, endpoint, fields):
     assert (await post(client, endpoint, **fields)).status_code == 503
+
+
+@pytest.mark.parametrize(("endpoint", "fields"), [("chat", {"logprobs": True}), ("completions", {"logprobs": 0})])
+async def test_logprobs_are_refused_while_the_output_guard_redacts(client, endpoint, fields):
+    response = await post(client, endpoint, **fields)  # the default WEIR_OUTPUT_GUARD=redact
+    assert_refused(response, "logprobs", "unsupported_parameter")
+    assert "WEIR_OUTPUT_GUARD" in response.json()["error"]["message"]
 
 
 async def test_response_format_json_is_refused_with_a_clear_message(client):
