@@ -23,7 +23,7 @@ Kind = Literal["chat.completions", "completions"]
 # Most choices one body may ask for (n, and best_of on /v1/completions). OpenAI allows 128; each
 # choice here is a whole generation (a sibling request: docs/design.md, "n and best_of are sibling
 # requests") holding a lane ticket and a share of the batch, so Weir bounds them lower.
-MAX_CHOICES = 16
+MAX_N = 16
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound of /v1/completions `logprobs`
 
 
@@ -113,7 +113,7 @@ class _Body(BaseModel):
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     stream: bool | None = False
     stream_options: _StreamOptions | None = None
-    n: int | None = Field(None, ge=1, le=MAX_CHOICES, description=f"Choices to generate, at most {MAX_CHOICES}: "
+    n: int | None = Field(None, ge=1, le=MAX_N, description=f"Choices to generate, at most {MAX_N}: "
                           "each is a sibling request with its own seed.")
     user: str | None = Field(None, max_length=256, description="Sticks the request to one version under a traffic "
                              "policy (docs/design.md, \"Traffic policies\"); recorded in the request.")
@@ -235,7 +235,7 @@ class CompletionBody(_Body):
     """POST /v1/completions. Only a single string prompt is served."""
 
     prompt: str
-    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES, description="Generate this many and return the n with "
+    best_of: int | None = Field(None, ge=1, le=MAX_N, description="Generate this many and return the n with "
                                 "the highest cumulative logprob.")
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS, description="Return each output token's "
                                  "logprob and this many most likely alternatives.")
@@ -299,7 +299,7 @@ def body_error(exc: ValidationError) -> BodyError:
     if first["type"] == "extra_forbidden":
         return BodyError(f"unrecognized request argument supplied: {param}", param=param, code="unknown_parameter")
     if param in {"n", "best_of"} and first["type"] == "less_than_equal":
-        return BodyError(f"{param} may be at most {MAX_CHOICES}: each choice is a whole generation, and Weir bounds "
+        return BodyError(f"{param} may be at most {MAX_N}: each choice is a whole generation, and Weir bounds "
                          "them per request", param=param, code="invalid_value")  # fmt: skip
     message = str(first["msg"]).removeprefix("Value error, ")
     return BodyError(f"invalid value for {param!r}: {message}", param=param, code="invalid_value")

@@ -27,7 +27,7 @@ from schemas.messages import (
     now_ms,
     sibling_seed,
 )
-from schemas.openai_bodies import MAX_CHOICES
+from schemas.openai_bodies import MAX_N
 from services.gateway.config import GatewaySettings
 from services.gateway.guard.settings import TenantLimits
 from services.gateway.guard.output_guard import PassThrough
@@ -86,7 +86,7 @@ COMPLETION = {"model": "echo", "prompt": "hi"}
 
 
 @pytest.mark.parametrize(("kind", "fields", "param", "code", "words"), [
-    ("chat.completions", {"n": MAX_CHOICES + 1}, "n", "invalid_value", f"at most {MAX_CHOICES}"),
+    ("chat.completions", {"n": MAX_N + 1}, "n", "invalid_value", f"at most {MAX_N}"),
     ("chat.completions", {"top_logprobs": 2}, "top_logprobs", "invalid_value", "logprobs: true"),
     ("completions", {"logprobs": 6}, "logprobs", "invalid_value", "5"),
     ("completions", {"n": 3, "best_of": 2}, "best_of", "invalid_value", "at least n"),
