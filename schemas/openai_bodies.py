@@ -8,6 +8,9 @@ as with OpenAI). Every parameter of OpenAI's API is honoured; or refused with
 structured output, ...); or, for the few that cannot change the output (`user`, `metadata`,
 `safety_identifier`, `prompt_cache_key`), accepted by design and not used. A parameter OpenAI
 does not have is refused with `unknown_parameter`, as OpenAI does: nothing is silently ignored.
+
+n (and best_of) > 1 become sibling requests (sibling_requests; docs/design.md, "n and best_of are
+sibling requests"); logprobs become GenerateRequest.logprobs; echo is the edge's to render.
 """
 
 from __future__ import annotations
