@@ -4,10 +4,13 @@ so both accept and refuse the same things.
 
 Pure. Bodies are validated strictly from raw JSON (a string where a number belongs is an error,
 as with OpenAI). Every parameter of OpenAI's API is honoured; or refused with
-`unsupported_parameter` when it asks for something Weir cannot do (UNSUPPORTED: tools, logprobs,
+`unsupported_parameter` when it asks for something Weir cannot do (UNSUPPORTED: tools,
 structured output, ...); or, for the few that cannot change the output (`user`, `metadata`,
 `safety_identifier`, `prompt_cache_key`), accepted by design and not used. A parameter OpenAI
 does not have is refused with `unknown_parameter`, as OpenAI does: nothing is silently ignored.
+
+n (and best_of) > 1 become sibling requests (sibling_requests; docs/design.md, "n and best_of are
+sibling requests"); logprobs become GenerateRequest.logprobs; echo is the edge's to render.
 """
 
 from __future__ import annotations
@@ -16,9 +19,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from schemas.messages import MAX_PENALTY, ChatMessage, LogitBias
+from schemas.messages import MAX_PENALTY, MAX_TOP_LOGPROBS, ChatMessage, GenerateRequest, LogitBias, sibling_seed
 
 Kind = Literal["chat.completions", "completions"]
+
+# Most choices one body may ask for (n, and best_of on /v1/completions). OpenAI allows 128; each
+# choice here is a whole generation (a sibling request: docs/design.md, "n and best_of are sibling
+# requests") holding a lane ticket and a share of the batch, so Weir bounds them lower.
+MAX_N = 16
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound of /v1/completions `logprobs`
 
 
 class BodyError(ValueError):
@@ -34,8 +43,6 @@ class BodyError(ValueError):
 # OpenAI parameters Weir does not serve: refused unless absent or set to a value that asks for
 # nothing (the neutral values here), e.g. `logprobs: false`, `response_format: {"type": "text"}`.
 UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "logprobs": ((None, False, 0), "logprobs are not supported"),
-    "top_logprobs": ((None, 0), "logprobs are not supported"),
     "tools": ((None, []), "tool calling is not supported"),
     "tool_choice": ((None, "none"), "tool calling is not supported"),
     "parallel_tool_calls": ((None,), "tool calling is not supported"),
@@ -50,8 +57,6 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "web_search_options": ((None,), "web search is not supported"),
     "store": ((None, False), "Weir does not store completions"),
     "service_tier": ((None, "auto", "default"), "only the default service tier exists (lanes: X-Weir-Priority)"),
-    "echo": ((None, False), "echo is not supported"),
-    "suffix": ((None, ""), "suffix is not supported"),
 }
 _REFUSED = Field(None, description="Not supported: refused (400 unsupported_parameter) unless absent or neutral.")
 _UNUSED = "Accepted by design and not used: it cannot change the output."
@@ -111,11 +116,11 @@ class _Body(BaseModel):
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     stream: bool | None = False
     stream_options: _StreamOptions | None = None
-    n: int | None = Field(None, ge=1, le=1)
+    n: int | None = Field(None, ge=1, le=MAX_N, description=f"Choices to generate, at most {MAX_N}: "
+                          "each is a sibling request with its own seed.")
     user: str | None = Field(None, max_length=256, description="Sticks the request to one version under a traffic "
                              "policy (docs/design.md, \"Traffic policies\"); recorded in the request.")
     timeout_s: float | None = Field(None, ge=0.001, description="Seconds; a deadline is in whole milliseconds.")
-    logprobs: Any = _REFUSED
 
     @field_validator("stop")
     @classmethod
@@ -159,6 +164,28 @@ class _Body(BaseModel):
             "ignore_eos": bool(self.ignore_eos),
         }
 
+    @property
+    def num_choices(self) -> int:
+        """The choices the response holds (n)."""
+        return self.n or 1
+
+    @property
+    def num_siblings(self) -> int:
+        """The sibling requests generated for it: best_of on /v1/completions, else n."""
+        return self.num_choices
+
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        """GenerateRequest.logprobs: the alternatives per token asked for, None when no logprobs are."""
+        return None
+
+    def choice_fields(self) -> dict[str, Any]:
+        """The GenerateRequest fields of the choice parameters (logprobs; suffix on completions)."""
+        return {"logprobs": self.top_logprobs_asked}
+
+    def check_choices(self) -> None:
+        """BodyError for choice parameters that contradict each other."""
+
 
 class ChatCompletionBody(_Body):
     """POST /v1/chat/completions."""
@@ -168,7 +195,9 @@ class ChatCompletionBody(_Body):
     metadata: dict[str, str] | None = Field(None, max_length=16, description=_UNUSED)
     safety_identifier: str | None = Field(None, max_length=256, description=_UNUSED)
     prompt_cache_key: str | None = Field(None, max_length=1024, description=_UNUSED)
-    top_logprobs: Any = _REFUSED
+    logprobs: bool | None = Field(None, description="Return each output token's logprob.")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="With logprobs: this many most "
+                                     "likely alternatives per token.")
     tools: Any = _REFUSED
     tool_choice: Any = _REFUSED
     parallel_tool_calls: Any = _REFUSED
@@ -196,19 +225,51 @@ class ChatCompletionBody(_Body):
         """max_completion_tokens, or max_tokens (its deprecated name); None when neither is set."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def check_choices(self) -> None:
+        if self.top_logprobs is not None and not self.logprobs:  # as OpenAI
+            raise BodyError("top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
+
 
 class CompletionBody(_Body):
     """POST /v1/completions. Only a single string prompt is served."""
 
     prompt: str
-    best_of: int | None = Field(None, ge=1, le=1)
-    echo: Any = _REFUSED
-    suffix: Any = _REFUSED
+    best_of: int | None = Field(None, ge=1, le=MAX_N, description="Generate this many and return the n with "
+                                "the highest cumulative logprob.")
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS, description="Return each output token's "
+                                 "logprob and this many most likely alternatives.")
+    echo: bool | None = Field(None, description="Put the prompt before each choice's text.")
+    suffix: str | None = Field(None, description="Text after the completion (fill-in-the-middle); models with FIM "
+                               "tokens only.")
 
     @property
     def max_new_tokens(self) -> int | None:
         """max_tokens; None when not set."""
         return self.max_tokens
+
+    @property
+    def num_siblings(self) -> int:
+        return self.best_of or self.num_choices
+
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        return self.logprobs
+
+    def choice_fields(self) -> dict[str, Any]:
+        return {**super().choice_fields(), "suffix": self.suffix or None}  # "" asks for nothing
+
+    def check_choices(self) -> None:
+        if self.best_of is not None and self.best_of < self.num_choices:  # as OpenAI
+            raise BodyError(f"best_of must be at least n ({self.num_choices})", param="best_of", code="invalid_value")
+        if self.stream and self.num_siblings > self.num_choices:  # as OpenAI: the best is known only at the end
+            raise BodyError("best_of greater than n cannot be streamed", param="best_of", code="invalid_value")
+        if self.echo and self.logprobs is not None:
+            raise BodyError("echo with logprobs needs the prompt's logprobs, which Weir does not compute",
+                            param="echo", code="unsupported_parameter")  # fmt: skip
 
 
 def parse_body(kind: Kind, raw: bytes | str) -> ChatCompletionBody | CompletionBody:
@@ -219,6 +280,7 @@ def parse_body(kind: Kind, raw: bytes | str) -> ChatCompletionBody | CompletionB
     except ValidationError as exc:
         raise body_error(exc) from None
     body.refuse_unsupported()
+    body.check_choices()
     return body
 
 
@@ -240,6 +302,20 @@ def body_error(exc: ValidationError) -> BodyError:
     if first["type"] == "extra_forbidden":
         return BodyError(f"unrecognized request argument supplied: {param}", param=param, code="unknown_parameter")
     if param in {"n", "best_of"} and first["type"] == "less_than_equal":
-        return BodyError(f"only {param}=1 is supported", param=param, code="unsupported_parameter")
+        return BodyError(f"{param} may be at most {MAX_N}: each choice is a whole generation, and Weir bounds "
+                         "them per request", param=param, code="invalid_value")  # fmt: skip
     message = str(first["msg"]).removeprefix("Value error, ")
     return BodyError(f"invalid value for {param!r}: {message}", param=param, code="invalid_value")
+
+
+def sibling_requests(request: GenerateRequest, num: int) -> list[GenerateRequest]:
+    """The `num` sibling requests of a body asking for n (or best_of) > 1: ids `<request_id>/<i>`,
+    seeds sibling_seed(the request's effective seed, i) (docs/design.md, "n and best_of are sibling
+    requests"). The parent has no record of its own; its effective seed is derived from its
+    request_id when the body gave none, as GenerateRequest.effective_seed does, so a rerun of
+    the siblings gives the same texts. One request is itself. The gateway and the batch runner both use it."""
+    if num == 1:
+        return [request]
+    seed = request.effective_seed
+    return [request.model_copy(update={"request_id": f"{request.request_id}/{i}", "seed": sibling_seed(seed, i)})
+            for i in range(num)]  # fmt: skip

@@ -43,7 +43,7 @@ from schemas.batch_lines import (
     parse_line_body,
 )
 from schemas.registry import RegistryState
-from schemas.openai_bodies import ChatCompletionBody
+from schemas.openai_bodies import ChatCompletionBody, sibling_requests
 from services.batcher.planner import resolve_ref
 MAX_VALIDATION_ERRORS = 100
 
@@ -103,6 +103,15 @@ class JobLine:
     model: str
     request: GenerateRequest | None
     error: BatchLineError | None = None
+    # a line asking for n > 1 choices is n sibling requests `<parent_id>/<choice>` (docs/design.md,
+    # "n and best_of are sibling requests"), answered together in one result line
+    choice: int = 0
+    parent_id: str | None = None
+
+    @property
+    def line_request_id(self) -> str:
+        """The request id of the line itself (its result's): its siblings' parent, else its own."""
+        return self.parent_id or self.request_id
 
 
 @dataclass
@@ -134,10 +143,20 @@ def parse_input(content: bytes, job: BatchJob, models: RegistryState, reply_to: 
             if len(parsed.errors) < MAX_VALIDATION_ERRORS:
                 parsed.errors.append(BatchLineError(code=exc.code, message=str(exc), line=exc.line, param=exc.param))
             continue
-        parsed.lines.append(_to_line(envelope, job, models, reply_to))
+        parsed.lines.extend(_to_lines(envelope, job, models, reply_to))
     if num_rows == 0:
         parsed.errors.append(BatchLineError(code="empty_file", message="the input file has no requests"))
     return parsed
+
+
+def _to_lines(envelope: Envelope, job: BatchJob, models: RegistryState, reply_to: str) -> list[JobLine]:
+    """The JobLines of one input line: one, or one per choice of a line with n > 1."""
+    line = _to_line(envelope, job, models, reply_to)
+    num_choices = envelope.body.get("n") if line.request is not None else None
+    if not isinstance(num_choices, int) or num_choices <= 1 or line.request is None:
+        return [line]
+    return [JobLine(line.line, line.custom_id, sibling.request_id, line.model, sibling, choice=i,
+                    parent_id=line.request_id) for i, sibling in enumerate(sibling_requests(line.request, num_choices))]  # fmt: skip
 
 
 def _to_line(envelope: Envelope, job: BatchJob, models: RegistryState, reply_to: str) -> JobLine:
@@ -221,49 +240,71 @@ class JobResults:
         """Lines still waiting for a terminal event, in file order."""
         return [line for line in self.lines if not self.is_ended(line.request_id)]
 
-    def counts(self) -> RequestCounts:
-        """OpenAI's request_counts: completed are responses, failed are errors."""
-        completed = failed = 0
+    def _groups(self) -> list[list[JobLine]]:
+        """The JobLines of each input line (its siblings, in choice order), in file order."""
+        groups: dict[int, list[JobLine]] = {}
         for line in self.lines:
-            if not self.is_ended(line.request_id):
-                continue
-            end = self._results[line.request_id].end if line.error is None else None
-            if end is not None and end.finish_reason in ("stop", "length"):
-                completed += 1
-            else:
+            groups.setdefault(line.line, []).append(line)
+        return list(groups.values())
+
+    def _ends(self, group: list[JobLine]) -> list[ReplyEnd] | None:
+        """The terminal of every sibling of an input line, or None while one has not ended (or it was refused)."""
+        ends = [result.end for line in group if (result := self._results.get(line.request_id)) and result.end]
+        return ends if len(ends) == len(group) else None
+
+    def counts(self) -> RequestCounts:
+        """OpenAI's request_counts, one per input line: completed are responses (every choice
+        finished), failed are errors."""
+        completed = failed = 0
+        groups = self._groups()
+        for group in groups:
+            if group[0].error is not None:
                 failed += 1
-        return RequestCounts(total=len(self.lines), completed=completed, failed=failed)
+            elif (ends := self._ends(group)) is not None:
+                if all(end.finish_reason in ("stop", "length") for end in ends):
+                    completed += 1
+                else:
+                    failed += 1
+        return RequestCounts(total=len(groups), completed=completed, failed=failed)
 
     def usage(self) -> Usage:
         """The token counts of every request that ended, whatever its finish reason (what their
-        ReplyEnds billed), summed: the job's usage."""
-        ends = [result.end for result in self._results.values() if result.end is not None]
-        prompt = sum(end.usage.prompt_tokens for end in ends)
-        completion = sum(end.usage.completion_tokens for end in ends)
+        ReplyEnds billed), summed: the job's usage. The siblings of a line count its prompt once,
+        as its result does."""
+        prompt = completion = cached = 0
+        for group in self._groups():
+            ends = [result.end for line in group if (result := self._results.get(line.request_id)) and result.end]
+            if ends:
+                prompt += ends[0].usage.prompt_tokens
+                cached += ends[0].usage.cached_prompt_tokens
+                completion += sum(end.usage.completion_tokens for end in ends)
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                     cached_prompt_tokens=sum(end.usage.cached_prompt_tokens for end in ends))
+                     cached_prompt_tokens=cached)
 
     def files(self, endpoint: str, unfinished_code: str | None = None) -> tuple[str, str]:
         """(output JSONL, error JSONL) in file order, one line per custom_id. Lines not ended get
-        an error line with `unfinished_code` (cancelled or expired jobs), or are left out."""
+        an error line with `unfinished_code` (cancelled or expired jobs), or are left out. A line
+        with n choices is a response once every sibling finished, else the first failure's error."""
         out: list[bytes] = []
         errors: list[bytes] = []
-        for line in self.lines:
-            result = self._results.get(line.request_id)
+        for group in self._groups():
+            line = group[0]
+            ends = self._ends(group)
             if line.error is not None:
                 errors.append(_error_line(line, 400, {"error": line.error.model_dump(mode="json")}))
-            elif result is None or result.end is None:
+            elif ends is None:
                 if unfinished_code is not None:
                     info = {"code": unfinished_code, "message": f"the request did not run: the batch was {unfinished_code.split('_')[-1]}"}
-                    errors.append(orjson.dumps({"id": f"batch_req_{line.request_id}", "custom_id": line.custom_id,
+                    errors.append(orjson.dumps({"id": f"batch_req_{line.line_request_id}", "custom_id": line.custom_id,
                                                 "response": None, "error": info}))
-            elif result.end.finish_reason in ("stop", "length"):
-                body = response_body(endpoint, line, "".join(result.text), result.end)
-                out.append(orjson.dumps({"id": f"batch_req_{line.request_id}", "custom_id": line.custom_id,
-                                         "response": {"status_code": 200, "request_id": line.request_id, "body": body},
-                                         "error": None}))
+            elif all(end.finish_reason in ("stop", "length") for end in ends):
+                texts = ["".join(self._results[sibling.request_id].text) for sibling in group]
+                body = choices_response_body(endpoint, line, list(zip(texts, ends, strict=True)))
+                out.append(orjson.dumps({"id": f"batch_req_{line.line_request_id}", "custom_id": line.custom_id,
+                                         "response": {"status_code": 200, "request_id": line.line_request_id,
+                                                      "body": body}, "error": None}))  # fmt: skip
             else:
-                end = result.end
+                end = next(end for end in ends if end.finish_reason not in ("stop", "length"))
                 info = end.error.model_dump(mode="json") if end.error else {"code": end.finish_reason, "message": end.finish_reason}
                 status = {"timeout": 408, "rejected": 400, "cancelled": 499}.get(end.finish_reason, 500)
                 errors.append(_error_line(line, status, {"error": {**info, "type": "invalid_request_error" if status < 500 else "server_error"}}))
@@ -271,8 +312,8 @@ class JobResults:
 
 
 def _error_line(line: JobLine, status: int, body: dict[str, Any]) -> bytes:
-    return orjson.dumps({"id": f"batch_req_{line.request_id}", "custom_id": line.custom_id,
-                         "response": {"status_code": status, "request_id": line.request_id, "body": body},
+    return orjson.dumps({"id": f"batch_req_{line.line_request_id}", "custom_id": line.custom_id,
+                         "response": {"status_code": status, "request_id": line.line_request_id, "body": body},
                          "error": None})
 
 
@@ -282,13 +323,24 @@ def _jsonl(rows: list[bytes]) -> str:
 
 def response_body(endpoint: str, line: JobLine, text: str, end: ReplyEnd) -> dict[str, Any]:
     """The body the synchronous endpoint would have answered: a chat.completion or text_completion."""
-    usage = end.usage.model_dump(mode="json")
-    created = end.created_ms // 1000
+    return choices_response_body(endpoint, line, [(text, end)])
+
+
+def choices_response_body(endpoint: str, line: JobLine, choices: list[tuple[str, ReplyEnd]]) -> dict[str, Any]:
+    """The body of a line with a choice per (text, terminal), in order; its usage counts the
+    prompt once and the completion tokens of every choice, as the synchronous endpoint's does."""
+    first = choices[0][1]
+    usage = first.usage.model_dump(mode="json")
+    completion = sum(end.usage.completion_tokens for _, end in choices)
+    usage.update(completion_tokens=completion, total_tokens=first.usage.prompt_tokens + completion)
+    created = first.created_ms // 1000
+    model = first.model_version or line.model
     if endpoint == "/v1/chat/completions":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                  "logprobs": None, "finish_reason": end.finish_reason}
-        return {"id": f"chatcmpl-{line.request_id}", "object": "chat.completion", "created": created,
-                "model": end.model_version or line.model, "choices": [choice], "usage": usage}
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": end.finish_reason}
-    return {"id": f"cmpl-{line.request_id}", "object": "text_completion", "created": created,
-            "model": end.model_version or line.model, "choices": [choice], "usage": usage}
+        rendered = [{"index": i, "message": {"role": "assistant", "content": text, "refusal": None},
+                     "logprobs": None, "finish_reason": end.finish_reason} for i, (text, end) in enumerate(choices)]  # fmt: skip
+        return {"id": f"chatcmpl-{line.line_request_id}", "object": "chat.completion", "created": created,
+                "model": model, "choices": rendered, "usage": usage}  # fmt: skip
+    texts: list[dict[str, Any]] = [{"index": i, "text": text, "logprobs": None, "finish_reason": end.finish_reason}
+                                   for i, (text, end) in enumerate(choices)]  # fmt: skip
+    return {"id": f"cmpl-{line.line_request_id}", "object": "text_completion", "created": created,
+            "model": model, "choices": texts, "usage": usage}  # fmt: skip

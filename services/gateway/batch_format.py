@@ -101,7 +101,8 @@ class LineRules:
 @dataclass(frozen=True)
 class FileSummary:
     """What a checked batch file asks for: its requests, and the tokens the online endpoint would
-    reserve for them (prompt tokens + max_tokens), which the batch quota counts."""
+    reserve for them (prompt tokens + max_tokens, for each of a line's n choices), which the batch
+    quota counts."""
 
     num_requests: int
     num_tokens: int
@@ -154,7 +155,7 @@ def _check_line(envelope: Envelope, rules: LineRules) -> int:
         first = exc.errors(include_url=False)[0]
         param = ".".join(str(part) for part in first["loc"]) or None
         raise LineError(envelope.line, "invalid_value", str(first["msg"]), param) from None
-    return prompt_tokens + request.max_tokens
+    return (prompt_tokens + request.max_tokens) * body.num_siblings  # n choices: a request each
 
 
 def check_batch_body(body: Any) -> dict[str, Any]:

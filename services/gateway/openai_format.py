@@ -11,17 +11,26 @@ import base64
 import math
 import re
 import struct
+from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from schemas import openai_bodies
-from schemas.messages import MAX_EMBED_INPUTS, EmbedRequest, GenerateRequest, Priority, ReplyEnd, Usage
+from schemas.messages import (
+    MAX_EMBED_INPUTS,
+    EmbedRequest,
+    GenerateRequest,
+    Priority,
+    ReplyEnd,
+    TokenLogprob,
+    Usage,
+)
 from schemas.model_repo import ModelConfig
 # the body types are imported from here by the gateway's other modules
 from schemas.registry import split_ref
 from schemas.traffic import Assignment
-from schemas.openai_bodies import BodyError, ChatCompletionBody, CompletionBody, Kind, body_error
+from schemas.openai_bodies import BodyError, ChatCompletionBody, CompletionBody, Kind, body_error, sibling_requests
 
 DEFAULT_MAX_TOKENS = 256  # chat default when the body sets none (OpenAI's own is "up to context")
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -33,7 +42,7 @@ RETRYABLE_REJECTIONS = frozenset(
 )
 
 # Rejection codes of a worker that name the request parameter at fault.
-PARAM_OF_REJECTION = {"invalid_logit_bias": "logit_bias"}
+PARAM_OF_REJECTION = {"invalid_logit_bias": "logit_bias", "suffix_unsupported": "suffix"}
 
 
 class ApiError(Exception):
@@ -132,6 +141,7 @@ def to_generate_request(
         messages=[m.to_wire() for m in body.messages] if isinstance(body, ChatCompletionBody) else None,
         max_tokens=max_tokens,
         **body.sampling_fields(),
+        **body.choice_fields(),
         stream=bool(body.stream),
         principal="anonymous",
         tenant="default",
@@ -142,6 +152,15 @@ def to_generate_request(
         reply_to=reply_to,
         created_ms=now_ms,
     )
+
+
+def refuse_guarded_logprobs(body: ChatCompletionBody | CompletionBody, is_redacting: bool) -> None:
+    """ApiError(400) for logprobs while an output guard redacts outputs: the token strings would
+    show what it redacted from the text (the guard works on text, not tokens)."""
+    if is_redacting and body.top_logprobs_asked is not None:
+        raise ApiError(400, "logprobs are not available on this gateway: its output guard redacts outputs "
+                       "(WEIR_OUTPUT_GUARD=redact), and token logprobs would show what it redacted",
+                       param="logprobs", code="unsupported_parameter")  # fmt: skip
 
 
 def refuse_embedding_model(model: ModelConfig) -> None:
@@ -268,49 +287,154 @@ def terminal_error(end: ReplyEnd) -> ApiError | None:
     return ApiError(500, detail or "the request failed", code=code or "internal_error")
 
 
+LogprobsFormat = Literal["chat", "legacy"]
+
+
+def logprobs_format(kind: Kind, request: GenerateRequest) -> LogprobsFormat | None:
+    """How a response renders logprobs: chat's `content` list, /v1/completions' legacy lists, or
+    not at all (the request asked for none)."""
+    if request.logprobs is None:
+        return None
+    return "chat" if kind == "chat.completions" else "legacy"
+
+
+def chat_logprobs(logprobs: list[TokenLogprob]) -> dict[str, Any]:
+    """A chat choice's (or chunk's) `logprobs`: {"content": [...], "refusal": null}."""
+    def entry(t: TokenLogprob) -> dict[str, Any]:  # noqa: E306
+        top = [{"token": a.token, "logprob": a.logprob, "bytes": a.bytes} for a in t.top_logprobs]
+        return {"token": t.token, "logprob": t.logprob, "bytes": t.bytes, "top_logprobs": top}
+    return {"content": [entry(t) for t in logprobs], "refusal": None}
+
+
+def legacy_logprobs(logprobs: list[TokenLogprob], text_offset: int) -> dict[str, Any]:
+    """A /v1/completions choice's (or chunk's) `logprobs` in OpenAI's legacy format; `text_offset`
+    is where the first token starts in the choice's text (after an echoed prompt)."""
+    offsets = []
+    for t in logprobs:
+        offsets.append(text_offset)
+        text_offset += len(t.token)
+    return {
+        "tokens": [t.token for t in logprobs],
+        "token_logprobs": [t.logprob for t in logprobs],
+        "top_logprobs": [{a.token: a.logprob for a in t.top_logprobs} for t in logprobs],
+        "text_offset": offsets,
+    }
+
+
+@dataclass
+class ChoiceResult:
+    """One choice of a whole (stream=false) response: its text, logprobs (when asked) and terminal."""
+
+    index: int
+    text: str
+    end: ReplyEnd
+    logprobs: list[TokenLogprob] | None = None
+
+
+def best_of(results: list[ChoiceResult], n: int) -> list[ChoiceResult]:
+    """The n results with the highest cumulative logprob (best first, ties in sibling order),
+    renumbered 0..n-1; all of them, in order, when n is all there are. ApiError(502) when a
+    worker did not report a cumulative logprob to rank by (docs/design.md, "n and best_of are
+    sibling requests")."""
+    if n >= len(results):
+        return results
+    if any(r.end.cumulative_logprob is None for r in results):
+        raise ApiError(502, "best_of cannot rank the choices: the worker reported no cumulative logprob",
+                       code="cumulative_logprob_missing")  # fmt: skip
+    ranked = sorted(results, key=lambda r: (-(r.end.cumulative_logprob or 0.0), r.index))[:n]
+    return [ChoiceResult(i, r.text, r.end, r.logprobs) for i, r in enumerate(ranked)]
+
+
+def choices_usage(ends: list[ReplyEnd]) -> Usage:
+    """The usage of sibling requests as OpenAI counts one request with n choices: the prompt (and
+    its cached tokens) once, the completion tokens of every sibling (best_of's discarded ones too)."""
+    completion = sum(end.usage.completion_tokens for end in ends)
+    first = ends[0].usage
+    return Usage(prompt_tokens=first.prompt_tokens, completion_tokens=completion,
+                 total_tokens=first.prompt_tokens + completion, cached_prompt_tokens=first.cached_prompt_tokens)
+
+
 class ChunkWriter:
     """Turns one request's reply events into OpenAI streaming chunks (dicts).
 
-    Chat: chat.completion.chunk objects, the first carrying delta.role="assistant". Completions:
-    text_completion objects. The terminal gives a chunk with finish_reason, then (include_usage)
-    a chunk with empty choices and the usage; with include_usage the others carry "usage": null.
+    Chat: chat.completion.chunk objects, the first of each choice carrying delta.role="assistant".
+    Completions: text_completion objects (with `echo`, each choice starts with a chunk of the
+    prompt). Each choice's terminal gives a chunk with finish_reason; after the last,
+    (include_usage) a chunk with empty choices and the usage; with include_usage the others carry
+    "usage": null. A choice's chunks carry the logprobs of their tokens when asked (`logprobs`).
     """
 
-    def __init__(self, kind: Kind, request_id: str, model: str, created_s: int, include_usage: bool) -> None:
+    def __init__(self, kind: Kind, request_id: str, model: str, created_s: int, include_usage: bool,
+                 logprobs: LogprobsFormat | None = None, echo: str | None = None) -> None:  # fmt: skip
         self.kind = kind
         self.request_id = request_id
         self.model = model
         self.created_s = created_s
         self.include_usage = include_usage
-        self._is_first = True
+        self.logprobs = logprobs
+        self.echo = echo
+        self._has_started: set[int] = set()  # choices that sent their first chunk
+        self._text_offset: dict[int, int] = {}  # legacy logprobs: where a choice's next token starts
 
     def fresh(self) -> ChunkWriter:
         """A new writer of the same stream, for a reader that renders it again from its start."""
-        return ChunkWriter(self.kind, self.request_id, self.model, self.created_s, self.include_usage)
+        return ChunkWriter(self.kind, self.request_id, self.model, self.created_s, self.include_usage,
+                           self.logprobs, self.echo)  # fmt: skip
 
-    def on_text(self, text: str) -> dict[str, Any]:
-        """The chunk of a piece of output text (one delta's, or what the output guard released)."""
+    def on_start(self, index: int = 0) -> list[dict[str, Any]]:
+        """The chunks a choice starts with before any output: its echoed prompt (completions, echo)."""
+        if self.echo is None or self.kind != "completions" or index in self._has_started:
+            return []
+        self._has_started.add(index)
+        self._text_offset[index] = len(self.echo)
+        return [self._chunk([self._completion_choice(index, self.echo, None, None)])]
+
+    def on_text(self, text: str, index: int = 0, logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
+        """The chunk of a piece of output text of choice `index` (one delta's, or what the output
+        guard released), with the logprobs of its tokens when asked."""
+        rendered = self._logprobs(index, logprobs or [])
         if self.kind == "chat.completions":
-            return self._chunk([self._chat_choice({"content": text}, None)])
-        return self._chunk([{"index": 0, "text": text, "logprobs": None, "finish_reason": None}])
+            return self._chunk([self._chat_choice(index, {"content": text}, None, rendered)])
+        self._has_started.add(index)
+        return self._chunk([self._completion_choice(index, text, rendered, None)])
 
-    def on_end(self, end: ReplyEnd) -> list[dict[str, Any]]:
-        """The chunks of a finished (stop/length) terminal: the finish chunk, then usage if asked."""
+    def on_finish(self, end: ReplyEnd, index: int = 0) -> dict[str, Any]:
+        """The finish chunk of choice `index` (a stop/length terminal)."""
         reason = end.finish_reason
         self.model = served_version(end, self.model)
         if self.kind == "chat.completions":
-            chunks = [self._chunk([self._chat_choice({}, reason)], fingerprint=end.model_version)]
-        else:
-            chunks = [self._chunk([{"index": 0, "text": "", "logprobs": None, "finish_reason": reason}])]
-        if self.include_usage:
-            chunks.append(self._chunk([], usage=usage_dict(end.usage)))
-        return chunks
+            return self._chunk([self._chat_choice(index, {}, reason, None)], fingerprint=end.model_version)
+        return self._chunk([self._completion_choice(index, "", None, reason)])
 
-    def _chat_choice(self, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
-        if self._is_first:
+    def on_usage(self, usage: Usage) -> list[dict[str, Any]]:
+        """The usage chunk at the end of the stream, if asked (include_usage)."""
+        return [self._chunk([], usage=usage_dict(usage))] if self.include_usage else []
+
+    def on_end(self, end: ReplyEnd) -> list[dict[str, Any]]:
+        """The chunks of a finished (stop/length) terminal of a one-choice stream: finish, then usage if asked."""
+        return [self.on_finish(end), *self.on_usage(end.usage)]
+
+    def _logprobs(self, index: int, logprobs: list[TokenLogprob]) -> dict[str, Any] | None:
+        if self.logprobs == "chat":
+            return chat_logprobs(logprobs)
+        if self.logprobs == "legacy":
+            offset = self._text_offset.get(index, 0)
+            self._text_offset[index] = offset + sum(len(t.token) for t in logprobs)
+            return legacy_logprobs(logprobs, offset)
+        return None
+
+    def _completion_choice(
+        self, index: int, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None
+    ) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def _chat_choice(
+        self, index: int, delta: dict[str, Any], finish_reason: str | None, logprobs: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        if index not in self._has_started:
             delta = {"role": "assistant", **delta}
-            self._is_first = False
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            self._has_started.add(index)
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def _chunk(
         self, choices: list[dict[str, Any]], *, usage: dict[str, Any] | None = None, fingerprint: str | None = None
@@ -331,26 +455,40 @@ class ChunkWriter:
 def completion_body(
     kind: Kind, request_id: str, model: str, created_s: int, text: str, end: ReplyEnd
 ) -> dict[str, Any]:
-    """The non-streaming body: chat.completion or text_completion, with usage."""
-    if kind == "chat.completions":
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": end.finish_reason,
-        }
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": end.finish_reason}
-        obj = "text_completion"
+    """The non-streaming body of one choice without logprobs: chat.completion or text_completion, with usage."""
+    return choices_body(kind, request_id, model, created_s, [ChoiceResult(0, text, end)], end.usage)
+
+
+def choices_body(
+    kind: Kind, request_id: str, model: str, created_s: int, results: list[ChoiceResult], usage: Usage,
+    logprobs: LogprobsFormat | None = None, echo: str | None = None,
+) -> dict[str, Any]:
+    """The non-streaming body: chat.completion or text_completion with a choice per result (in
+    their order), `usage`, each choice's logprobs when asked, and the prompt before each text
+    when `echo` is given (completions)."""
+    prefix = echo if kind == "completions" and echo is not None else ""
+    choices = []
+    for r in results:
+        rendered: dict[str, Any] | None = None
+        if logprobs == "chat":
+            rendered = chat_logprobs(r.logprobs or [])
+        elif logprobs == "legacy":
+            rendered = legacy_logprobs(r.logprobs or [], len(prefix))
+        if kind == "chat.completions":
+            choices.append({"index": r.index, "message": {"role": "assistant", "content": r.text},
+                            "logprobs": rendered, "finish_reason": r.end.finish_reason})  # fmt: skip
+        else:
+            choices.append({"index": r.index, "text": prefix + r.text, "logprobs": rendered,
+                            "finish_reason": r.end.finish_reason})  # fmt: skip
+    first = results[0].end
     return {
         "id": request_id,
-        "object": obj,
+        "object": "chat.completion" if kind == "chat.completions" else "text_completion",
         "created": created_s,
-        "model": served_version(end, model),
-        "system_fingerprint": end.model_version,
-        "choices": [choice],
-        "usage": usage_dict(end.usage),
+        "model": served_version(first, model),
+        "system_fingerprint": first.model_version,
+        "choices": choices,
+        "usage": usage_dict(usage),
     }
 
 

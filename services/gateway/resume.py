@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 from schemas.messages import CancelReason, now_ms
 from services.gateway.guard.auth import Owner
-from services.gateway.handlers import Exchange
 from services.gateway.openai_format import ApiError, ChunkWriter, header_seconds
+from services.gateway.siblings import Streamed
 
 RESUME_GRACE_HEADER = "x-weir-resume-grace-s"
 
@@ -43,7 +43,7 @@ class StreamEntry:
     """One registered stream: its Exchange, who may read it, how to render it again."""
 
     store: ResumableStreams
-    exchange: Exchange
+    exchange: Streamed  # one request, or the siblings of a body with n > 1 (merged in a kept order)
     new_writer: Callable[[], ChunkWriter]  # a fresh writer: a reader renders the stream from its start
     grace_s: float
     owner: Owner  # only the same owner reads it again (docs/design.md, "Ownership")
@@ -83,7 +83,7 @@ class ResumableStreams:
         return len(self._entries)
 
     def add(
-        self, exchange: Exchange, new_writer: Callable[[], ChunkWriter], grace_s: float, owner: Owner
+        self, exchange: Streamed, new_writer: Callable[[], ChunkWriter], grace_s: float, owner: Owner
     ) -> StreamEntry:
         """Register a stream of `owner` that one reader starts reading now; returns its entry."""
         entry = StreamEntry(self, exchange, new_writer, grace_s, owner)

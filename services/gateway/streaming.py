@@ -24,12 +24,23 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocket, WebSocketState
 
-from schemas.messages import EmbedRequest, GenerateRequest, ReplyDelta, ReplyEnd
+from schemas.messages import EmbedRequest, GenerateRequest, ReplyDelta, ReplyEnd, TokenLogprob
 from services.gateway.handlers import Exchange
 from services.gateway.metrics import GatewayMetrics, GenerationTimer
-from services.gateway.openai_format import ApiError, ChunkWriter, Kind, completion_body, terminal_error
+from services.gateway.openai_format import (
+    ApiError,
+    ChoiceResult,
+    ChunkWriter,
+    Kind,
+    best_of,
+    choices_body,
+    choices_usage,
+    terminal_error,
+)
 from services.gateway.guard.output_guard import OutputGuard, TextFilter
+from services.gateway.replies import ReplyItem
 from services.gateway.resume import RESUME_GRACE_HEADER, StreamEntry
+from services.gateway.siblings import SiblingGroup, Streamed
 
 log = logging.getLogger(__name__)
 
@@ -61,47 +72,107 @@ def sse_event(seq: int, data: dict[str, Any] | str) -> bytes:
 Frame = dict[str, Any] | ApiError  # a chunk, or the error of an error terminal
 
 
-async def frames(
-    exchange: Exchange, writer: ChunkWriter, text_filter: TextFilter, timer: GenerationTimer | None = None
-) -> AsyncIterator[tuple[int, Frame]]:
-    """The frames of a stream from its start, each with the seq of the event that released it.
+class ChoiceFilters:
+    """The output guard's filter of each choice of a stream: a filter holds back the text of one
+    output, so the n choices of a request (siblings) each have their own."""
 
-    Deterministic in the events: a reader that reconnects renders the same frames again (fresh
-    writer and filter) and skips those it already had. Text the output guard holds back goes
-    out with a later delta or, at the end, before the terminal's chunks; a delta that releases
-    no text gives no frame.
+    def __init__(self, first: TextFilter, new_filter: Callable[[], TextFilter] | None = None) -> None:
+        self._filters = {0: first}
+        self._new_filter = new_filter
 
-    `timer` (the first reader's only) learns of each content frame once its reader asks for
-    the next frame, i.e. once the frame was written; of the terminal when it is reached.
-    """
+    @classmethod
+    def of_guard(cls, output_guard: OutputGuard) -> ChoiceFilters:
+        return cls(output_guard.stream(), output_guard.stream)
+
+    def of(self, index: int) -> TextFilter:
+        if index not in self._filters:
+            if self._new_filter is None:
+                raise ValueError("a stream of several choices needs a filter per choice")
+            self._filters[index] = self._new_filter()
+        return self._filters[index]
+
+    @property
+    def num_redacted(self) -> int:
+        return sum(f.num_redacted for f in self._filters.values())
+
+
+async def tagged_events(exchange: Streamed) -> AsyncIterator[tuple[int, int, ReplyItem]]:
+    """(id, choice index, event) of a stream from its start: an Exchange's seq and choice 0, or a
+    SiblingGroup's position in its merged stream and the sibling's choice."""
+    if isinstance(exchange, SiblingGroup):
+        async for tagged in exchange.tagged():
+            yield tagged
+        return
     index = 0
     while True:
         event = await exchange.event_at(index)
         index += 1
+        yield event.seq, 0, event
+        if isinstance(event, ReplyEnd):
+            return
+
+
+def num_choices_of(exchange: Streamed) -> int:
+    """The sibling requests whose terminal ends the stream (1 for one request)."""
+    return exchange.size if isinstance(exchange, SiblingGroup) else 1
+
+
+async def frames(
+    exchange: Streamed, writer: ChunkWriter, text_filter: TextFilter | ChoiceFilters,
+    timer: GenerationTimer | None = None,
+) -> AsyncIterator[tuple[int, Frame]]:
+    """The frames of a stream from its start, each with the seq of the event that released it
+    (for siblings: the event's position in their merged stream).
+
+    Deterministic in the events: a reader that reconnects renders the same frames again (fresh
+    writer and filter) and skips those it already had. Text the output guard holds back goes
+    out with a later delta or, at the end of its choice, before the finish chunk; a delta that
+    releases no text (and carries no logprobs asked for) gives no frame. Each choice ends with its
+    finish chunk; after the last, the usage chunk (include_usage). An error terminal of any
+    choice ends the stream with its error.
+
+    `timer` (the first reader's only) learns of each content frame once its reader asks for
+    the next frame, i.e. once the frame was written; of the terminal when it is reached.
+    """
+    filters = text_filter if isinstance(text_filter, ChoiceFilters) else ChoiceFilters(text_filter)
+    ends: dict[int, ReplyEnd] = {}
+    num_choices = num_choices_of(exchange)
+    async for seq, choice, event in tagged_events(exchange):
+        for chunk in writer.on_start(choice):
+            yield seq, chunk
         if isinstance(event, ReplyDelta):
-            text = text_filter.feed(event.text)
-            if text:
-                yield event.seq, writer.on_text(text)
+            text = filters.of(choice).feed(event.text)
+            logprobs = event.logprobs if writer.logprobs is not None else None
+            if text or logprobs:
+                yield seq, writer.on_text(text, choice, logprobs)
                 if timer is not None:
                     timer.on_content()
             continue
-        if rest := text_filter.flush():
-            yield event.seq, writer.on_text(rest)
+        if rest := filters.of(choice).flush():
+            yield seq, writer.on_text(rest, choice)
             if timer is not None:
                 timer.on_content()
         error = terminal_error(event)
-        if timer is not None:
-            timer.on_end(event, None if error is None else error.code or "unknown")
         if error is not None:
-            yield event.seq, error
+            if timer is not None:
+                timer.on_end(event, error.code or "unknown")
+            yield seq, error
             return
-        for chunk in writer.on_end(event):
-            yield event.seq, chunk
+        ends[choice] = event
+        if len(ends) < num_choices:
+            yield seq, writer.on_finish(event, choice)
+            continue
+        usage = event.usage if num_choices == 1 else choices_usage([ends[i] for i in sorted(ends)])
+        if timer is not None:
+            timer.on_end(event if num_choices == 1 else event.model_copy(update={"usage": usage}), None)
+        yield seq, writer.on_finish(event, choice)
+        for chunk in writer.on_usage(usage):
+            yield seq, chunk
         return
 
 
 async def sse_events(
-    exchange: Exchange, writer: ChunkWriter, text_filter: TextFilter, after_seq: int = -1,
+    exchange: Streamed, writer: ChunkWriter, text_filter: TextFilter | ChoiceFilters, after_seq: int = -1,
     timer: GenerationTimer | None = None,
 ) -> AsyncIterator[bytes]:
     """The SSE byte stream of a request, ending with `data: [DONE]`; only the events after
@@ -169,7 +240,7 @@ def event_stream(
     `timer` times; every reader leaves the entry then (a resumable one is held for a reconnect)."""
     if timer is not None and after_seq >= 0:
         raise ValueError("only a stream's first reader is timed")
-    text_filter = output_guard.stream()
+    text_filter = ChoiceFilters.of_guard(output_guard)
 
     def on_close() -> None:
         if after_seq < 0:
@@ -192,32 +263,47 @@ def stream_headers(request_id: str, gateway_id: str, is_resumable: bool) -> dict
 
 
 async def collect(
-    exchange: Exchange, kind: Kind, created_s: int, receive: Receive, guard_text: Callable[[str], str],
-    timer: GenerationTimer | None = None,
+    exchange: Streamed, kind: Kind, created_s: int, receive: Receive, guard_text: Callable[[str], str],
+    timer: GenerationTimer | None = None, writer: ChunkWriter | None = None,
 ) -> dict[str, Any] | None:
-    """Wait for the whole result of a stream=false request; returns the OpenAI body (its text
-    passed through `guard_text`), or None when the client left first (its caller then closes the
-    Exchange with client_disconnect). `timer` learns of the terminal when it arrives.
+    """Wait for the whole result of a stream=false request; returns the OpenAI body (each
+    choice's text passed through `guard_text`; logprobs and echo as `writer` renders them), or
+    None when the client left first (its caller then closes the Exchange, or the siblings, with
+    client_disconnect). Siblings give a choice each; best_of keeps the group's num_choices with
+    the highest cumulative logprob. `timer` learns of the terminal when it arrives.
 
-    Raises ApiError for an error terminal.
+    Raises ApiError for an error terminal (of any sibling: the request fails as a whole).
     """
 
-    async def gather_text() -> dict[str, Any]:
-        parts: list[str] = []
-        while True:
-            event = await exchange.next_event()
+    async def gather() -> dict[str, Any]:
+        texts: dict[int, list[str]] = {}
+        logprobs: dict[int, list[TokenLogprob]] = {}
+        ends: dict[int, ReplyEnd] = {}
+        num_siblings = num_choices_of(exchange)
+        async for _, choice, event in tagged_events(exchange):
             if isinstance(event, ReplyDelta):
-                parts.append(event.text)
+                texts.setdefault(choice, []).append(event.text)
+                logprobs.setdefault(choice, []).extend(event.logprobs or [])
                 continue
             error = terminal_error(event)
-            if timer is not None:
-                timer.on_end(event, None if error is None else error.code or "unknown")
             if error is not None:
+                if timer is not None:
+                    timer.on_end(event, error.code or "unknown")
                 raise error
-            text = guard_text("".join(parts))
-            return completion_body(kind, exchange.request_id, exchange.request.model, created_s, text, event)
+            ends[choice] = event
+            if len(ends) == num_siblings:
+                break
+        usage = choices_usage([ends[i] for i in range(num_siblings)])
+        if timer is not None:
+            timer.on_end(ends[num_siblings - 1].model_copy(update={"usage": usage}), None)
+        asked = writer is not None and writer.logprobs is not None
+        results = [ChoiceResult(i, guard_text("".join(texts.get(i, []))), ends[i], logprobs.get(i, []) if asked else None)
+                   for i in range(num_siblings)]  # fmt: skip
+        keep = exchange.num_choices if isinstance(exchange, SiblingGroup) else 1
+        return choices_body(kind, exchange.request_id, exchange.request.model, created_s, best_of(results, keep), usage,
+                            writer.logprobs if writer else None, writer.echo if writer else None)  # fmt: skip
 
-    result = asyncio.ensure_future(gather_text())
+    result = asyncio.ensure_future(gather())
     gone = asyncio.ensure_future(wait_for_disconnect(receive))
     try:
         await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -356,7 +442,7 @@ class WebSocketSession:
 
     async def _stream(self, entry: StreamEntry, offset: int, timer: GenerationTimer | None) -> None:
         # offset: the chunk frames this client already has (a resume); they are rendered, not sent.
-        text_filter = self.output_guard.stream()
+        text_filter = ChoiceFilters.of_guard(self.output_guard)
         num_frames = 0
         request = entry.exchange.request
         fields = {WS_VERSION_FIELD: self.version_tag(request.model), WS_ASSIGNMENT_FIELD: request.assignment}

@@ -7,7 +7,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from schemas.messages import BatchJob, ErrorInfo, ReplyDelta, ReplyEnd, Usage
+from schemas.messages import BatchJob, ErrorInfo, ReplyDelta, ReplyEnd, Usage, sibling_seed
 from schemas.model_repo import load_model_repo
 from schemas.registry import RegistryState
 from services.batcher.job_core import (
@@ -98,11 +98,12 @@ def test_lines_carry_penalties_and_logit_bias():
         ({"frequency_penalty": "1"}, "invalid_value", "frequency_penalty"),
         ({"logit_bias": {"x": 1}}, "invalid_value", "logit_bias"),
         ({"response_format": {"type": "json_object"}}, "unsupported_parameter", "response_format"),
-        ({"logprobs": True}, "unsupported_parameter", "logprobs"),
+        ({"logprobs": "yes"}, "invalid_value", "logprobs"),
         ({"tools": [{"type": "function"}]}, "unsupported_parameter", "tools"),
         ({"repetition_penalty": 1.1}, "unknown_parameter", "repetition_penalty"),
         ({"timeout_s": 5}, "unsupported_parameter", "timeout_s"),
-        ({"n": 2}, "unsupported_parameter", "n"),
+        ({"n": 17}, "invalid_value", "n"),
+        ({"n": 2, "logprobs": True}, "unsupported_parameter", "logprobs"),
     ],
 )
 def test_a_line_refuses_what_the_gateway_refuses_naming_the_parameter(body, code, param):
@@ -234,3 +235,26 @@ def test_the_jobs_usage_sums_each_requests_end_once_whatever_it_finished_with():
     for event in (end_a, end_a, end_b, ReplyEnd(request_id=rb, seq=4, finish_reason="stop", usage=end_a.usage)):
         results.add(event)  # a repeated end, and a second end of b: counted once, the first wins
     assert results.usage() == Usage(prompt_tokens=16, completion_tokens=14, total_tokens=30, cached_prompt_tokens=8)
+
+
+def test_a_line_with_n_choices_is_n_sibling_requests_answered_in_one_result_line():
+    parsed = parse_input("\n".join([chat_line("a", n=2, seed=3), chat_line("b")]), make_job(), REPO, "r")
+    parent = request_id_of("batch_1", "a")
+    assert [(ln.request_id, ln.custom_id, ln.choice) for ln in parsed.lines[:2]] == [
+        (f"{parent}/0", "a", 0), (f"{parent}/1", "a", 1)]
+    assert [ln.request.seed for ln in parsed.lines[:2] if ln.request] == [3, sibling_seed(3, 1)]
+    results = JobResults(parsed.lines)
+    usage = Usage(prompt_tokens=4, completion_tokens=1, total_tokens=5)
+    for i, text in enumerate("xy"):
+        results.add(ReplyDelta(request_id=f"{parent}/{i}", seq=0, text=text))
+    results.add(ReplyEnd(request_id=f"{parent}/1", seq=1, finish_reason="stop", usage=usage))
+    assert results.counts().model_dump() == {"total": 2, "completed": 0, "failed": 0}  # choice 0 still runs
+    results.add(ReplyEnd(request_id=f"{parent}/0", seq=1, finish_reason="length", usage=usage))
+    assert results.counts().model_dump() == {"total": 2, "completed": 1, "failed": 0}
+    row = orjson.loads(results.files("/v1/chat/completions")[0].splitlines()[0])
+    assert (row["custom_id"], row["id"], row["response"]["request_id"]) == ("a", f"batch_req_{parent}", parent)
+    body = row["response"]["body"]
+    assert [(c["index"], c["message"]["content"], c["finish_reason"]) for c in body["choices"]] == [
+        (0, "x", "length"), (1, "y", "stop")]
+    assert (body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"]) == (4, 2)  # the prompt once
+    assert results.usage() == Usage(prompt_tokens=4, completion_tokens=2, total_tokens=6)

@@ -61,7 +61,7 @@ def assert_openai_error(response: httpx.Response, status: int, code: str | None,
         (orjson.dumps({**GOOD, "max_tokens": -5}), 400, "invalid_value", "max_tokens"),
         (orjson.dumps({**GOOD, "max_tokens": 0}), 400, "invalid_value", "max_tokens"),
         (orjson.dumps({**GOOD, "top_p": 0}), 400, "invalid_value", "top_p"),
-        (orjson.dumps({**GOOD, "n": 2}), 400, "unsupported_parameter", "n"),
+        (orjson.dumps({**GOOD, "n": 17}), 400, "invalid_value", "n"),
         (orjson.dumps({**GOOD, "stop": [1, 2]}), 400, "invalid_value", "stop"),
         (orjson.dumps({**GOOD, "max_tokens": 100_000}), 400, "invalid_value", "max_tokens"),
         (orjson.dumps({**GOOD, "max_tokens": 4000}), 400, "context_length_exceeded", "max_tokens"),
@@ -78,7 +78,7 @@ async def test_bad_completion_bodies(client: httpx.AsyncClient) -> None:
     response = await client.post("/v1/completions", json={"model": "echo", "prompt": ["a", "b"]})
     assert_openai_error(response, 400, "invalid_value", "prompt")
     assert response.headers["x-request-id"].startswith("cmpl-")
-    response = await client.post("/v1/completions", json={"model": "echo", "prompt": "x", "echo": True})
+    response = await client.post("/v1/completions", json={"model": "echo", "prompt": "x", "echo": True, "logprobs": 1})
     assert_openai_error(response, 400, "unsupported_parameter", "echo")
 
 

@@ -29,21 +29,21 @@ BODIES: dict[str, dict[str, Any]] = {
 
 # OpenAI's API reference, parameter by parameter (chat/create, completions/create), and what Weir does
 HONOURED = {"model", "max_tokens", "temperature", "top_p", "stop", "seed", "stream", "stream_options", "n",
-            "presence_penalty", "frequency_penalty", "logit_bias"}  # fmt: skip
+            "presence_penalty", "frequency_penalty", "logit_bias", "logprobs"}  # fmt: skip
 BY_DESIGN = {"user", "metadata", "safety_identifier", "prompt_cache_key"}  # cannot change the output
 OPENAI_CHAT = HONOURED | BY_DESIGN | {
-    "messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
+    "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
     "functions", "function_call", "response_format", "modalities", "audio", "prediction", "reasoning_effort",
     "verbosity", "web_search_options", "store", "service_tier",
 }  # fmt: skip
 OPENAI_COMPLETIONS = HONOURED | {"user", "prompt", "best_of", "echo", "logprobs", "suffix"}
 # a value of each refused parameter that asks for something Weir cannot do
 ASKING = {
-    "logprobs": True, "top_logprobs": 3, "tools": [{"type": "function", "function": {"name": "f"}}],
+    "tools": [{"type": "function", "function": {"name": "f"}}],
     "tool_choice": "auto", "parallel_tool_calls": False, "functions": [{"name": "f"}], "function_call": "auto",
     "response_format": {"type": "json_object"}, "modalities": ["text", "audio"], "audio": {"voice": "alloy"},
     "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low", "verbosity": "low",
-    "web_search_options": {}, "store": True, "service_tier": "flex", "echo": True, "suffix": "}",
+    "web_search_options": {}, "store": True, "service_tier": "flex",
 }  # fmt: skip
 
 
@@ -72,9 +72,8 @@ def test_every_openai_parameter_is_a_declared_field():
     assert OPENAI_COMPLETIONS <= set(CompletionBody.model_fields)
     declared = set(ChatCompletionBody.model_fields) | set(CompletionBody.model_fields)
     extensions = {"top_k", "ignore_eos", "timeout_s"}
-    assert declared - extensions - HONOURED - BY_DESIGN - {"messages", "prompt", "max_completion_tokens"} == (
-        set(UNSUPPORTED) | {"best_of"}
-    )
+    honoured_by_one = {"messages", "prompt", "max_completion_tokens", "top_logprobs", "best_of", "echo", "suffix"}
+    assert declared - extensions - HONOURED - BY_DESIGN - honoured_by_one == set(UNSUPPORTED)
 
 
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
@@ -111,13 +110,20 @@ async def test_each_unsupported_parameter_is_refused_by_name(client, endpoint, p
 
 
 @pytest.mark.parametrize(("endpoint", "fields"), [
-    ("chat", {"response_format": {"type": "text"}, "logprobs": False, "top_logprobs": 0, "tools": [],
+    ("chat", {"response_format": {"type": "text"}, "logprobs": False, "tools": [],
               "tool_choice": "none", "store": False, "service_tier": "auto", "modalities": ["text"], "n": 1}),
     ("chat", {"user": "u-1", "metadata": {"run": "7"}, "safety_identifier": "s", "prompt_cache_key": "k"}),
-    ("completions", {"echo": False, "suffix": "", "logprobs": 0, "best_of": 1, "n": 1, "user": "u-1"}),
+    ("completions", {"echo": False, "suffix": "", "best_of": 1, "n": 1, "user": "u-1"}),
 ])  # fmt: skip
 async def test_neutral_values_and_output_neutral_parameters_are_accepted(client, endpoint, fields):
     assert (await post(client, endpoint, **fields)).status_code == 503
+
+
+@pytest.mark.parametrize(("endpoint", "fields"), [("chat", {"logprobs": True}), ("completions", {"logprobs": 0})])
+async def test_logprobs_are_refused_while_the_output_guard_redacts(client, endpoint, fields):
+    response = await post(client, endpoint, **fields)  # the default WEIR_OUTPUT_GUARD=redact
+    assert_refused(response, "logprobs", "unsupported_parameter")
+    assert "WEIR_OUTPUT_GUARD" in response.json()["error"]["message"]
 
 
 async def test_response_format_json_is_refused_with_a_clear_message(client):

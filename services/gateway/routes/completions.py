@@ -13,19 +13,25 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from schemas.messages import GenerateRequest, now_ms
-from services.gateway.guard.auth import Owner
+from schemas.openai_bodies import ChatCompletionBody, CompletionBody
+from services.gateway.guard.auth import Identity, Owner
+from services.gateway.guard.gate import Admitted
 from services.gateway.handlers import Exchange
 from services.gateway.metrics import GenerationTimer
 from services.gateway.openai_format import (
     ApiError,
     ChunkWriter,
     Kind,
+    logprobs_format,
     parse_body,
     refuse_embedding_model,
+    refuse_guarded_logprobs,
+    sibling_requests,
     to_generate_request,
 )
 from services.gateway.routes.parts import GatewayParts
 from services.gateway.routes.reading import header_timeout_s, read_body
+from services.gateway.siblings import SiblingGroup, Streamed
 from services.gateway.streaming import collect, event_stream, served_headers
 
 ID_PREFIX: dict[Kind, str] = {"chat.completions": "chatcmpl-", "completions": "cmpl-"}
@@ -61,14 +67,14 @@ async def complete(parts: GatewayParts, kind: Kind, request: Request) -> Respons
 
 
 async def answer(
-    parts: GatewayParts, kind: Kind, request: Request, exchange: Exchange, writer: ChunkWriter,
+    parts: GatewayParts, kind: Kind, request: Request, exchange: Streamed, writer: ChunkWriter,
     timer: GenerationTimer | None = None,
 ) -> Response:
     """The whole result of a stream=false request as one JSON body; 499 when the client left first."""
     headers = {"x-request-id": exchange.request_id}
     status: int | str = 500
     try:
-        body = await collect(exchange, kind, writer.created_s, request.receive, parts.output_guard.text, timer)
+        body = await collect(exchange, kind, writer.created_s, request.receive, parts.output_guard.text, timer, writer)
         if body is None:
             status = "client_gone"
             return Response(status_code=499, headers=headers)
@@ -84,11 +90,13 @@ async def answer(
 
 async def open_exchange(
     parts: GatewayParts, kind: Kind, raw: bytes, headers: dict[str, str], request_id: str
-) -> tuple[Exchange, ChunkWriter, Owner]:
+) -> tuple[Streamed, ChunkWriter, Owner]:
     """Credentials → body → GenerateRequest → guard → published; raises ApiError for anything the
-    client got wrong or may not do. Returns the caller's Owner with it: who may resume the stream."""
+    client got wrong or may not do. Returns the caller's Owner with it: who may resume the stream.
+    A body with n (or best_of) > 1 is published as sibling requests, read as one SiblingGroup."""
     identity = parts.guard.authenticate(headers)
     body = parse_body(kind, raw)
+    refuse_guarded_logprobs(body, parts.output_guard.is_enabled)
     # the version it names or is assigned (a canary, sticky per user); the request goes out pinned to it
     model, assignment = parts.model(body.model, identity, body.user, request_id)
     parts.guard.authorize(identity, model.served_id)
@@ -99,14 +107,56 @@ async def open_exchange(
         client_timeout_s=header_timeout_s(headers, max_timeout_s), max_timeout_s=max_timeout_s, assignment=assignment,
     )  # fmt: skip
     request, admitted = await parts.guard.admit(identity, body, model, request, headers)
+    route = f"/v1/{kind.replace('.', '/')}"
+    exchange: Streamed
+    if body.num_siblings == 1:
+        exchange = await submit(parts, request, admitted, headers, route)
+    else:
+        exchange = await submit_siblings(parts, identity, request, admitted, body, headers, route)
+    echo = body.prompt if isinstance(body, CompletionBody) and body.echo else None
+    writer = ChunkWriter(kind, request_id, model.served_id, request.created_ms // 1000, body.include_usage,
+                         logprobs_format(kind, request), echo)  # fmt: skip
+    return exchange, writer, identity.owner
+
+
+async def submit(
+    parts: GatewayParts, request: GenerateRequest, admitted: Admitted, headers: dict[str, str], route: str
+) -> Exchange:
+    """Publish one admitted request; its admission is released when its Exchange closes (or now,
+    when it could not be published)."""
     try:
-        exchange = await parts.bus.submit(request, headers, f"/v1/{kind.replace('.', '/')}")
+        exchange = await parts.bus.submit(request, headers, route)
     except BaseException:
         admitted.release(None)
         raise
     admitted.attach(exchange)
-    writer = ChunkWriter(kind, request_id, model.served_id, request.created_ms // 1000, body.include_usage)
-    return exchange, writer, identity.owner
+    return exchange
+
+
+async def submit_siblings(
+    parts: GatewayParts, identity: Identity, request: GenerateRequest, admitted: Admitted,
+    body: ChatCompletionBody | CompletionBody, headers: dict[str, str], route: str,
+) -> SiblingGroup:
+    """Publish the sibling requests of `request`, one per choice of `body` (n, or best_of), read as
+    one SiblingGroup that keeps `n` of them (docs/design.md, "n and best_of are sibling
+    requests"). Each is admitted as a request of its own: a lane ticket, and its prompt +
+    max_tokens charged to the rate limits, so n does not get around a tenant's limits. A refusal
+    (429/503) or a failed publish withdraws the siblings already out (Cancellation)."""
+    siblings = sibling_requests(request, body.num_siblings)
+    tickets = [admitted]
+    exchanges: list[Exchange] = []
+    try:
+        for _ in siblings[1:]:
+            tickets.append(parts.guard.reserve(identity, request.model, request.priority, admitted.reserved_tokens))
+        for sibling, ticket in zip(siblings, tickets, strict=True):
+            exchanges.append(await submit(parts, sibling, ticket, headers, route))
+    except BaseException:
+        for ticket in tickets[len(exchanges):]:
+            ticket.release(None)
+        for exchange in exchanges:
+            exchange.close("client_disconnect", status="cancelled")
+        raise
+    return SiblingGroup(request, exchanges, body.num_choices)
 
 
 def new_request_id(kind: Kind) -> str:
