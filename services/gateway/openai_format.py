@@ -154,15 +154,6 @@ def to_generate_request(
     )
 
 
-def refuse_guarded_logprobs(body: ChatCompletionBody | CompletionBody, is_redacting: bool) -> None:
-    """ApiError(400) for logprobs while an output guard redacts outputs: the token strings would
-    show what it redacted from the text (the guard works on text, not tokens)."""
-    if is_redacting and body.top_logprobs_asked is not None:
-        raise ApiError(400, "logprobs are not available on this gateway: its output guard redacts outputs "
-                       "(WEIR_OUTPUT_GUARD=redact), and token logprobs would show what it redacted",
-                       param="logprobs", code="unsupported_parameter")  # fmt: skip
-
-
 def refuse_embedding_model(model: ModelConfig) -> None:
     """ApiError(400) when a completions endpoint names an embedding model."""
     if model.engine == "onnx":

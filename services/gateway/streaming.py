@@ -37,7 +37,7 @@ from services.gateway.openai_format import (
     choices_usage,
     terminal_error,
 )
-from services.gateway.guard.output_guard import OutputGuard, TextFilter
+from services.gateway.guard.output_guard import LogprobGate, OutputGuard, TextFilter
 from services.gateway.replies import ReplyItem
 from services.gateway.resume import RESUME_GRACE_HEADER, StreamEntry
 from services.gateway.siblings import SiblingGroup, Streamed
@@ -79,6 +79,7 @@ class ChoiceFilters:
     def __init__(self, first: TextFilter, new_filter: Callable[[], TextFilter] | None = None) -> None:
         self._filters = {0: first}
         self._new_filter = new_filter
+        self._gates: dict[int, LogprobGate] = {}
 
     @classmethod
     def of_guard(cls, output_guard: OutputGuard) -> ChoiceFilters:
@@ -90,6 +91,12 @@ class ChoiceFilters:
                 raise ValueError("a stream of several choices needs a filter per choice")
             self._filters[index] = self._new_filter()
         return self._filters[index]
+
+    def gate(self, index: int) -> LogprobGate:
+        """The filter of choice `index` with its logprobs released beside its text."""
+        if index not in self._gates:
+            self._gates[index] = LogprobGate(self.of(index))
+        return self._gates[index]
 
     @property
     def num_redacted(self) -> int:
@@ -141,15 +148,15 @@ async def frames(
         for chunk in writer.on_start(choice):
             yield seq, chunk
         if isinstance(event, ReplyDelta):
-            text = filters.of(choice).feed(event.text)
-            logprobs = event.logprobs if writer.logprobs is not None else None
+            text, logprobs = filters.gate(choice).feed(event.text, event.logprobs if writer.logprobs is not None else None)
             if text or logprobs:
-                yield seq, writer.on_text(text, choice, logprobs)
+                yield seq, writer.on_text(text, choice, logprobs or None)
                 if timer is not None:
                     timer.on_content()
             continue
-        if rest := filters.of(choice).flush():
-            yield seq, writer.on_text(rest, choice)
+        rest, logprobs = filters.gate(choice).flush()
+        if rest or logprobs:
+            yield seq, writer.on_text(rest, choice, logprobs or None)
             if timer is not None:
                 timer.on_content()
         error = terminal_error(event)
@@ -265,12 +272,15 @@ def stream_headers(request_id: str, gateway_id: str, is_resumable: bool) -> dict
 async def collect(
     exchange: Streamed, kind: Kind, created_s: int, receive: Receive, guard_text: Callable[[str], str],
     timer: GenerationTimer | None = None, writer: ChunkWriter | None = None,
+    new_filter: Callable[[], TextFilter] | None = None,
 ) -> dict[str, Any] | None:
     """Wait for the whole result of a stream=false request; returns the OpenAI body (each
     choice's text passed through `guard_text`; logprobs and echo as `writer` renders them), or
     None when the client left first (its caller then closes the Exchange, or the siblings, with
     client_disconnect). Siblings give a choice each; best_of keeps the group's num_choices with
-    the highest cumulative logprob. `timer` learns of the terminal when it arrives.
+    the highest cumulative logprob. `timer` learns of the terminal when it arrives. Logprobs pass
+    a LogprobGate on a fresh filter of `new_filter` (the output guard's): the tokens of what
+    `guard_text` redacts are masked as in a stream.
 
     Raises ApiError for an error terminal (of any sibling: the request fails as a whole).
     """
@@ -278,12 +288,17 @@ async def collect(
     async def gather() -> dict[str, Any]:
         texts: dict[int, list[str]] = {}
         logprobs: dict[int, list[TokenLogprob]] = {}
+        gates: dict[int, LogprobGate] = {}
         ends: dict[int, ReplyEnd] = {}
         num_siblings = num_choices_of(exchange)
         async for _, choice, event in tagged_events(exchange):
             if isinstance(event, ReplyDelta):
                 texts.setdefault(choice, []).append(event.text)
-                logprobs.setdefault(choice, []).extend(event.logprobs or [])
+                if new_filter is None:
+                    logprobs.setdefault(choice, []).extend(event.logprobs or [])
+                else:
+                    gate = gates.setdefault(choice, LogprobGate(new_filter()))
+                    logprobs.setdefault(choice, []).extend(gate.feed(event.text, event.logprobs)[1])
                 continue
             error = terminal_error(event)
             if error is not None:
@@ -293,6 +308,8 @@ async def collect(
             ends[choice] = event
             if len(ends) == num_siblings:
                 break
+        for choice, gate in gates.items():
+            logprobs[choice].extend(gate.flush()[1])
         usage = choices_usage([ends[i] for i in range(num_siblings)])
         if timer is not None:
             timer.on_end(ends[num_siblings - 1].model_copy(update={"usage": usage}), None)

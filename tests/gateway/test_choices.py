@@ -30,7 +30,7 @@ from schemas.messages import (
 from schemas.openai_bodies import MAX_N
 from services.gateway.config import GatewaySettings
 from services.gateway.guard.settings import TenantLimits
-from services.gateway.guard.output_guard import PassThrough
+from services.gateway.guard.output_guard import REDACTED_TOKEN, LogprobGate, OutputGuard, PassThrough
 from services.gateway.handlers import Exchange, GatewayBus
 from services.gateway.openai_format import (
     ApiError,
@@ -40,7 +40,6 @@ from services.gateway.openai_format import (
     choices_body,
     choices_usage,
     parse_body,
-    refuse_guarded_logprobs,
     sibling_requests,
     terminal_error,
 )
@@ -101,12 +100,32 @@ def test_choice_parameters_that_weir_cannot_serve_are_400_naming_them(kind, fiel
     assert words in info.value.message
 
 
-def test_logprobs_are_refused_where_an_output_guard_redacts() -> None:
-    body = parse_body("chat.completions", orjson.dumps({**CHAT, "logprobs": True, "top_logprobs": 1}))
-    refuse_guarded_logprobs(body, is_redacting=False)
-    with pytest.raises(ApiError) as info:
-        refuse_guarded_logprobs(body, is_redacting=True)
-    assert (info.value.status, info.value.param) == (400, "logprobs") and "redact" in info.value.message
+def _token(text: str) -> TokenLogprob:
+    alternative = TopLogprob(token_id=2, token="x", bytes=[120], logprob=-3.0)
+    return TokenLogprob(token_id=1, token=text, bytes=list(text.encode()), logprob=-0.5, top_logprobs=[alternative])
+
+
+@pytest.mark.parametrize("redacting", [True, False])
+def test_logprobs_go_out_with_their_text_and_the_redacted_ones_are_masked(redacting: bool) -> None:
+    pieces = ["Mail ", "alice", "@", "example", ".com", " today", " please", "."]
+    gate = LogprobGate(OutputGuard(redacting, 256).stream())
+    text, tokens = "", []
+    for piece in pieces:
+        out, released = gate.feed(piece, [_token(piece)])
+        text, tokens = text + out, tokens + released
+        released_text = "".join(t.token for t in tokens if t.token != REDACTED_TOKEN)
+        assert len(released_text) <= len(text) or not redacting  # never ahead of the text it stands for
+    out, released = gate.flush()
+    text, tokens = text + out, tokens + released
+    assert [t.logprob for t in tokens] == [-0.5] * len(pieces)  # every token, in order, once
+    if not redacting:
+        assert text == "".join(pieces) and [t.token for t in tokens] == pieces
+        return
+    assert "alice" not in text and "[REDACTED]" in text
+    shown = [t.token for t in tokens]
+    assert not {"alice", "@", "example", ".com"} & set(shown), shown
+    assert shown[0] == "Mail " and shown[-1] == "."
+    assert all(t.top_logprobs == [] for t in tokens if t.token == REDACTED_TOKEN)
 
 
 def test_a_worker_refusing_suffix_is_a_400_naming_suffix() -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
+from schemas.messages import TokenLogprob
 from services.gateway.guard.redaction import Redactor, redact
 
 
@@ -23,6 +24,11 @@ class TextFilter(Protocol):
     @property
     def num_redacted(self) -> int:
         """Spans replaced so far."""
+        ...
+
+    @property
+    def held(self) -> str:
+        """Text received and not sent yet."""
         ...
 
     def feed(self, text: str) -> str:
@@ -38,6 +44,7 @@ class PassThrough:
     """No output guard: every delta goes out as it came."""
 
     num_redacted = 0
+    held = ""
 
     def feed(self, text: str) -> str:
         return text
@@ -74,3 +81,63 @@ class OutputGuard:
         """Report the spans replaced in one output (once per request, not per reader)."""
         if num_redacted and self.on_redacted is not None:
             self.on_redacted(num_redacted)
+
+
+REDACTED_TOKEN = "[REDACTED]"
+
+
+class LogprobGate:
+    """The logprobs of one choice, released only with the text they stand for, and masked where
+    the output guard redacted: token strings would otherwise show what the text no longer does.
+
+    Tokens are placed on the output by their byte lengths, and a token is released once the
+    guard has released the text up to its end (`filter.held` is what it holds back). When a
+    feed redacted something, every token released with it, and the one after (it may straddle
+    the end of the redacted span), shows `[REDACTED]` with no alternatives; its logprob, a
+    number, stays. At the end of the choice every token left goes out, masked if the flush
+    redacted. Where a reply's tokens are not all in its text (a stop string cut, tool call
+    pieces), they are released by position, and all of them by the end.
+    """
+
+    def __init__(self, text_filter: TextFilter) -> None:
+        self.filter = text_filter
+        self._pending: list[TokenLogprob] = []
+        self._fed_bytes = 0  # bytes of text fed to the filter
+        self._released_bytes = 0  # bytes of tokens released so far
+        self._taint_next = False
+
+    def feed(self, text: str, logprobs: list[TokenLogprob] | None) -> tuple[str, list[TokenLogprob]]:
+        """The text the filter releases now and the logprobs that go with it."""
+        before = self.filter.num_redacted
+        out = self.filter.feed(text)
+        self._fed_bytes += len(text.encode())
+        self._queue(logprobs)
+        limit = self._fed_bytes - len(self.filter.held.encode())
+        return out, self._release(limit, self.filter.num_redacted > before)
+
+    def flush(self) -> tuple[str, list[TokenLogprob]]:
+        """The rest of the text and every token left, at the end of the choice."""
+        before = self.filter.num_redacted
+        out = self.filter.flush()
+        return out, self._release(None, self.filter.num_redacted > before)
+
+    def _queue(self, logprobs: list[TokenLogprob] | None) -> None:
+        self._pending.extend(logprobs or [])
+
+    def _release(self, limit: int | None, redacted: bool) -> list[TokenLogprob]:
+        released: list[TokenLogprob] = []
+        while self._pending and (limit is None or self._released_bytes + len(self._pending[0].bytes) <= limit):
+            token = self._pending.pop(0)
+            self._released_bytes += len(token.bytes)
+            released.append(token)
+        if redacted or self._taint_next:
+            masked = [_masked(t) for t in released]
+            if self._taint_next and not redacted and masked:
+                masked = [masked[0], *released[1:]]  # only the straddler of the earlier redaction
+            released = masked
+        self._taint_next = redacted and limit is not None
+        return released
+
+
+def _masked(token: TokenLogprob) -> TokenLogprob:
+    return token.model_copy(update={"token": REDACTED_TOKEN, "bytes": list(REDACTED_TOKEN.encode()), "top_logprobs": []})

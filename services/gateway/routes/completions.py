@@ -25,7 +25,6 @@ from services.gateway.openai_format import (
     logprobs_format,
     parse_body,
     refuse_embedding_model,
-    refuse_guarded_logprobs,
     sibling_requests,
     to_generate_request,
 )
@@ -74,7 +73,8 @@ async def answer(
     headers = {"x-request-id": exchange.request_id}
     status: int | str = 500
     try:
-        body = await collect(exchange, kind, writer.created_s, request.receive, parts.output_guard.text, timer, writer)
+        body = await collect(exchange, kind, writer.created_s, request.receive, parts.output_guard.text, timer, writer,
+                             parts.output_guard.stream)
         if body is None:
             status = "client_gone"
             return Response(status_code=499, headers=headers)
@@ -96,7 +96,6 @@ async def open_exchange(
     A body with n (or best_of) > 1 is published as sibling requests, read as one SiblingGroup."""
     identity = parts.guard.authenticate(headers)
     body = parse_body(kind, raw)
-    refuse_guarded_logprobs(body, parts.output_guard.is_enabled)
     # the version it names or is assigned (a canary, sticky per user); the request goes out pinned to it
     model, assignment = parts.model(body.model, identity, body.user, request_id)
     parts.guard.authorize(identity, model.served_id)
