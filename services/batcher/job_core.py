@@ -43,7 +43,7 @@ from schemas.batch_lines import (
     parse_line_body,
 )
 from schemas.registry import RegistryState
-from schemas.openai_bodies import ChatCompletionBody
+from schemas.openai_bodies import ChatCompletionBody, assistant_message, finish_reason
 from services.batcher.planner import resolve_ref
 MAX_VALIDATION_ERRORS = 100
 
@@ -161,6 +161,7 @@ def _to_line(envelope: Envelope, job: BatchJob, models: RegistryState, reply_to:
         "request_id": request_id, "model": model, "priority": "bulk", "deadline_ms": job.expires_ms,
         "reply_to": reply_to, "stream": False, "principal": job.principal, "tenant": job.tenant,
         "created_ms": job.created_ms, **parsed.sampling_fields(),
+        **parsed.structured_fields(), **parsed.tool_fields(),  # parse_line_body refused what they cannot take
     }  # fmt: skip
     if parsed.max_new_tokens is not None:
         fields["max_tokens"] = parsed.max_new_tokens
@@ -285,8 +286,8 @@ def response_body(endpoint: str, line: JobLine, text: str, end: ReplyEnd) -> dic
     usage = end.usage.model_dump(mode="json")
     created = end.created_ms // 1000
     if endpoint == "/v1/chat/completions":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                  "logprobs": None, "finish_reason": end.finish_reason}
+        choice = {"index": 0, "message": {**assistant_message(text, end.tool_calls), "refusal": None},
+                  "logprobs": None, "finish_reason": finish_reason(end)}
         return {"id": f"chatcmpl-{line.request_id}", "object": "chat.completion", "created": created,
                 "model": end.model_version or line.model, "choices": [choice], "usage": usage}
     choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": end.finish_reason}

@@ -11,17 +11,35 @@ import base64
 import math
 import re
 import struct
+from collections.abc import Callable
 from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from schemas import openai_bodies
-from schemas.messages import MAX_EMBED_INPUTS, EmbedRequest, GenerateRequest, Priority, ReplyEnd, Usage
+from schemas.messages import (
+    MAX_EMBED_INPUTS,
+    EmbedRequest,
+    GenerateRequest,
+    Priority,
+    ReplyEnd,
+    ToolCall,
+    ToolCallDelta,
+    Usage,
+)
 from schemas.model_repo import ModelConfig
 # the body types are imported from here by the gateway's other modules
 from schemas.registry import split_ref
 from schemas.traffic import Assignment
-from schemas.openai_bodies import BodyError, ChatCompletionBody, CompletionBody, Kind, body_error
+from schemas.openai_bodies import (
+    BodyError,
+    ChatCompletionBody,
+    CompletionBody,
+    Kind,
+    assistant_message,
+    body_error,
+    finish_reason,
+)
 
 DEFAULT_MAX_TOKENS = 256  # chat default when the body sets none (OpenAI's own is "up to context")
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -125,6 +143,10 @@ def to_generate_request(
         )
     timeouts = [t for t in (client_timeout_s, body.timeout_s) if t is not None]
     timeout_s = min([*timeouts, model.default_timeout_s, max_timeout_s])
+    try:
+        constraints = {**body.structured_fields(), **body.tool_fields()}
+    except BodyError as exc:
+        raise api_error(exc) from None
     return GenerateRequest(
         request_id=request_id,
         model=model.served_id,  # pinned: the version is known when the response starts (docs/design.md, invariant 10)
@@ -132,6 +154,7 @@ def to_generate_request(
         messages=[m.to_wire() for m in body.messages] if isinstance(body, ChatCompletionBody) else None,
         max_tokens=max_tokens,
         **body.sampling_fields(),
+        **constraints,
         stream=bool(body.stream),
         principal="anonymous",
         tenant="default",
@@ -271,9 +294,11 @@ def terminal_error(end: ReplyEnd) -> ApiError | None:
 class ChunkWriter:
     """Turns one request's reply events into OpenAI streaming chunks (dicts).
 
-    Chat: chat.completion.chunk objects, the first carrying delta.role="assistant". Completions:
-    text_completion objects. The terminal gives a chunk with finish_reason, then (include_usage)
-    a chunk with empty choices and the usage; with include_usage the others carry "usage": null.
+    Chat: chat.completion.chunk objects, the first carrying delta.role="assistant"; tool calls
+    as OpenAI streams them (delta.tool_calls, id, type and name on a call's first piece only).
+    Completions: text_completion objects. The terminal gives a chunk with finish_reason, then
+    (include_usage) a chunk with empty choices and the usage; with include_usage the others carry
+    "usage": null.
     """
 
     def __init__(self, kind: Kind, request_id: str, model: str, created_s: int, include_usage: bool) -> None:
@@ -283,6 +308,7 @@ class ChunkWriter:
         self.created_s = created_s
         self.include_usage = include_usage
         self._is_first = True
+        self._calls_begun: set[int] = set()  # indexes of the tool calls whose first piece went out
 
     def fresh(self) -> ChunkWriter:
         """A new writer of the same stream, for a reader that renders it again from its start."""
@@ -294,9 +320,23 @@ class ChunkWriter:
             return self._chunk([self._chat_choice({"content": text}, None)])
         return self._chunk([{"index": 0, "text": text, "logprobs": None, "finish_reason": None}])
 
+    def on_tool_call(self, piece: ToolCallDelta) -> dict[str, Any]:
+        """The chunk of a piece of tool call `piece.index` (its arguments as the output guard
+        released them): the call's first chunk carries its id, type and name, later ones only
+        arguments, so the openai client's accumulators rebuild the call."""
+        call: dict[str, Any] = {"index": piece.index}
+        function: dict[str, Any] = {}
+        if piece.index not in self._calls_begun:
+            self._calls_begun.add(piece.index)
+            call.update({"id": piece.id, "type": "function"})
+            function["name"] = piece.name
+        function["arguments"] = piece.arguments
+        call["function"] = function
+        return self._chunk([self._chat_choice({"tool_calls": [call]}, None)])
+
     def on_end(self, end: ReplyEnd) -> list[dict[str, Any]]:
         """The chunks of a finished (stop/length) terminal: the finish chunk, then usage if asked."""
-        reason = end.finish_reason
+        reason = finish_reason(end)
         self.model = served_version(end, self.model)
         if self.kind == "chat.completions":
             chunks = [self._chunk([self._chat_choice({}, reason)], fingerprint=end.model_version)]
@@ -329,15 +369,17 @@ class ChunkWriter:
 
 
 def completion_body(
-    kind: Kind, request_id: str, model: str, created_s: int, text: str, end: ReplyEnd
+    kind: Kind, request_id: str, model: str, created_s: int, text: str, end: ReplyEnd,
+    tool_calls: list[ToolCall] | None = None,
 ) -> dict[str, Any]:
-    """The non-streaming body: chat.completion or text_completion, with usage."""
+    """The non-streaming body: chat.completion (with the `tool_calls` the model made, their
+    arguments as the output guard released them) or text_completion, with usage."""
     if kind == "chat.completions":
         choice: dict[str, Any] = {
             "index": 0,
-            "message": {"role": "assistant", "content": text},
+            "message": assistant_message(text, tool_calls),
             "logprobs": None,
-            "finish_reason": end.finish_reason,
+            "finish_reason": finish_reason(end),
         }
         obj = "chat.completion"
     else:
@@ -352,6 +394,15 @@ def completion_body(
         "choices": [choice],
         "usage": usage_dict(end.usage),
     }
+
+
+def guarded_calls(calls: list[ToolCall] | None, guard_text: Callable[[str], str]) -> list[ToolCall] | None:
+    """The tool calls with their arguments passed through the output guard's `guard_text`, as
+    the text is: arguments are model output too."""
+    if not calls:
+        return calls
+    return [c.model_copy(update={"function": c.function.model_copy(update={"arguments": guard_text(c.function.arguments)})})
+            for c in calls]  # fmt: skip
 
 
 def served_version(end: ReplyEnd, pinned: str) -> str:

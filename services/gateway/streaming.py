@@ -24,10 +24,10 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocket, WebSocketState
 
-from schemas.messages import EmbedRequest, GenerateRequest, ReplyDelta, ReplyEnd
+from schemas.messages import EmbedRequest, GenerateRequest, ReplyDelta, ReplyEnd, ToolCallDelta
 from services.gateway.handlers import Exchange
 from services.gateway.metrics import GatewayMetrics, GenerationTimer
-from services.gateway.openai_format import ApiError, ChunkWriter, Kind, completion_body, terminal_error
+from services.gateway.openai_format import ApiError, ChunkWriter, Kind, completion_body, guarded_calls, terminal_error
 from services.gateway.guard.output_guard import OutputGuard, TextFilter
 from services.gateway.resume import RESUME_GRACE_HEADER, StreamEntry
 
@@ -67,28 +67,25 @@ async def frames(
     """The frames of a stream from its start, each with the seq of the event that released it.
 
     Deterministic in the events: a reader that reconnects renders the same frames again (fresh
-    writer and filter) and skips those it already had. Text the output guard holds back goes
-    out with a later delta or, at the end, before the terminal's chunks; a delta that releases
-    no text gives no frame.
+    writer and filter) and skips those it already had. Text (or tool-call arguments) the output
+    guard holds back goes out with a later delta or, at the end, before the terminal's chunks;
+    a delta that releases nothing gives no frame.
 
     `timer` (the first reader's only) learns of each content frame once its reader asks for
     the next frame, i.e. once the frame was written; of the terminal when it is reached.
     """
+    output = GuardedOutput(writer, text_filter)
     index = 0
     while True:
         event = await exchange.event_at(index)
         index += 1
-        if isinstance(event, ReplyDelta):
-            text = text_filter.feed(event.text)
-            if text:
-                yield event.seq, writer.on_text(text)
-                if timer is not None:
-                    timer.on_content()
-            continue
-        if rest := text_filter.flush():
-            yield event.seq, writer.on_text(rest)
+        chunks = output.on_delta(event) if isinstance(event, ReplyDelta) else output.flush()
+        for chunk in chunks:
+            yield event.seq, chunk
             if timer is not None:
                 timer.on_content()
+        if isinstance(event, ReplyDelta):
+            continue
         error = terminal_error(event)
         if timer is not None:
             timer.on_end(event, None if error is None else error.code or "unknown")
@@ -98,6 +95,48 @@ async def frames(
         for chunk in writer.on_end(event):
             yield event.seq, chunk
         return
+
+
+class GuardedOutput:
+    """A stream's model output, text and tool-call arguments alike, through its output guard
+    filter on the way to chunks: tool-call arguments are model output too, so they are redacted
+    as text is. The filter is flushed at each switch between the text and a call (or between
+    calls), so what it holds back never moves from one into another."""
+
+    def __init__(self, writer: ChunkWriter, text_filter: TextFilter) -> None:
+        self.writer = writer
+        self.text_filter = text_filter
+        self._channel: int | None = None  # what the filter holds: None the text, else a call's index
+
+    def on_delta(self, event: ReplyDelta) -> list[dict[str, Any]]:
+        """The chunks a delta releases (none while the guard holds all it brought)."""
+        chunks = []
+        if event.text:
+            chunks += self._switch(None)
+            if text := self.text_filter.feed(event.text):
+                chunks.append(self.writer.on_text(text))
+        for piece in event.tool_calls or []:
+            chunks += self._switch(piece.index)
+            arguments = self.text_filter.feed(piece.arguments)
+            if arguments or piece.id is not None or piece.name is not None:  # a call's first piece always goes out
+                chunks.append(self.writer.on_tool_call(piece.model_copy(update={"arguments": arguments})))
+        return chunks
+
+    def flush(self) -> list[dict[str, Any]]:
+        """The chunk of what the filter still holds, at the end of the stream."""
+        rest = self.text_filter.flush()
+        if not rest:
+            return []
+        if self._channel is None:
+            return [self.writer.on_text(rest)]
+        return [self.writer.on_tool_call(ToolCallDelta(index=self._channel, arguments=rest))]
+
+    def _switch(self, channel: int | None) -> list[dict[str, Any]]:
+        if channel == self._channel:
+            return []
+        chunks = self.flush()
+        self._channel = channel
+        return chunks
 
 
 async def sse_events(
@@ -196,7 +235,7 @@ async def collect(
     timer: GenerationTimer | None = None,
 ) -> dict[str, Any] | None:
     """Wait for the whole result of a stream=false request; returns the OpenAI body (its text
-    passed through `guard_text`), or None when the client left first (its caller then closes the
+    and each tool call's arguments passed through `guard_text`), or None when the client left first (its caller then closes the
     Exchange with client_disconnect). `timer` learns of the terminal when it arrives.
 
     Raises ApiError for an error terminal.
@@ -215,7 +254,8 @@ async def collect(
             if error is not None:
                 raise error
             text = guard_text("".join(parts))
-            return completion_body(kind, exchange.request_id, exchange.request.model, created_s, text, event)
+            calls = guarded_calls(event.tool_calls, guard_text)
+            return completion_body(kind, exchange.request_id, exchange.request.model, created_s, text, event, calls)
 
     result = asyncio.ensure_future(gather_text())
     gone = asyncio.ensure_future(wait_for_disconnect(receive))
