@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from schemas.messages import (
     MAX_PENALTY,
@@ -98,25 +98,46 @@ class _ToolCall(BaseModel):
 
 
 class _Message(BaseModel):
+    # fields validate in this order: content's and tool_call_id's checks read role and tool_calls
     model_config = ConfigDict(extra="forbid", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[_TextPart] | None = None
-    name: str | None = Field(None, description="Not supported: participant names are refused.")
     tool_calls: list[_ToolCall] | None = Field(None, max_length=MAX_TOOLS, description="assistant: calls it made.")
-    tool_call_id: str | None = Field(None, min_length=1, max_length=128, description="tool: the call it answers.")
+    tool_call_id: str | None = Field(None, min_length=1, max_length=128, validate_default=True,
+                                     description="tool: the call it answers.")  # fmt: skip
+    content: str | list[_TextPart] | None
+    name: str | None = Field(None, description="Not supported: participant names are refused.")
 
-    @model_validator(mode="after")
-    def _content_given(self) -> _Message:
-        # As OpenAI: content may be null or absent only in an assistant turn that made tool calls.
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError("content must be a string or a list of text parts (null only in an assistant "
-                             "message with tool_calls)")  # fmt: skip
-        if self.tool_calls and self.role != "assistant":
+    @model_validator(mode="before")
+    @classmethod
+    def _content_may_be_absent(cls, data: Any) -> Any:
+        # As OpenAI: an assistant turn that made tool calls may leave content out (or null).
+        if isinstance(data, dict) and "content" not in data and data.get("role") == "assistant" and data.get("tool_calls"):
+            return {**data, "content": None}
+        return data
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls_are_the_assistants(cls, value: list[_ToolCall] | None, info: ValidationInfo) -> list[_ToolCall] | None:
+        if value and info.data.get("role", "assistant") != "assistant":
             raise ValueError("only an assistant message carries tool_calls")
-        if (self.role == "tool") != (self.tool_call_id is not None):
+        return value
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_names_its_call(cls, value: str | None, info: ValidationInfo) -> str | None:
+        role = info.data.get("role")
+        if role is not None and (role == "tool") != (value is not None):
             raise ValueError("a tool message, and only a tool message, names the tool_call_id it answers")
-        return self
+        return value
+
+    @field_validator("content")
+    @classmethod
+    def _content_given(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is None and not (info.data.get("role") == "assistant" and info.data.get("tool_calls")):
+            raise ValueError("content must be a string or a list of text parts (null only in an assistant message "
+                             "with tool_calls)")  # fmt: skip
+        return value
 
     def to_wire(self) -> ChatMessage:
         text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
@@ -345,10 +366,11 @@ class ChatCompletionBody(_Body):
             raise BodyError(f"tool_choice names the function {named!r}, which is not in tools",
                             param="tool_choice.function.name", code="invalid_value")  # fmt: skip
         constrained = set(names) if choice == "required" else {named} if named else set()
-        if constrained and (self.response_format_is_constraint or self.structured_outputs is not None):
+        if choice != "none" and (self.response_format_is_constraint or self.structured_outputs is not None):
+            # the output is either a call or the constrained text, never both (docs/design.md, "Structured output...")
             param = "response_format" if self.response_format_is_constraint else "structured_outputs"
-            raise BodyError(f"{param} and a tool_choice that requires a tool call are exclusive", param=param,
-                            code="invalid_value")  # fmt: skip
+            raise BodyError(f"{param} and tools the model may call are exclusive (tool_choice \"none\" keeps the "
+                            "tools out of reach)", param=param, code="invalid_value")  # fmt: skip
         is_parsed = choice in (None, "auto")  # calls the model makes in its own format, unconstrained
         for i, tool in enumerate(tools):
             _check_tool(i, tool, is_constraint=tool.function.name in constrained, is_parsed=is_parsed)
