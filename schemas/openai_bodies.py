@@ -457,11 +457,10 @@ def structured_outputs_spec(raw: dict[str, Any] | None) -> StructuredOutputs | N
         spec = StructuredOutputs(json_schema=schema, regex=given.regex, choice=given.choice,
                                  json_object=bool(given.json_object))  # fmt: skip
     except ValidationError as exc:
-        first = exc.errors(include_url=False)[0]
-        key = {"json_schema": "json"}.get(str(first["loc"][0]), str(first["loc"][0])) if first["loc"] else None
+        first = exc.errors(include_url=False)[0]  # a limit of schemas/messages.py (MAX_REGEX_CHARS, MAX_CHOICES...)
+        param = ".".join(["structured_outputs", *({"json_schema": "json"}.get(str(p), str(p)) for p in first["loc"])])
         message = str(first["msg"]).removeprefix("Value error, ")
-        raise BodyError(f"invalid value for 'structured_outputs{'.' + key if key else ''}': {message}",
-                        param=f"structured_outputs.{key}" if key else "structured_outputs", code="invalid_value") from None
+        raise BodyError(f"invalid value for {param!r}: {message}", param=param, code="invalid_value") from None
     return _checked(spec, "structured_outputs.json")
 
 

@@ -151,6 +151,8 @@ def test_the_openai_clients_parse_body_is_accepted_and_its_reply_parses_back():
         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "invalid_value", "exactly one"),
         ({"structured_outputs": {"json": "{not json"}}, "structured_outputs.json", "invalid_value", "not valid JSON"),
         ({"structured_outputs": {"regex": "a" * 5000}}, "structured_outputs.regex", "invalid_value", "4096"),
+        ({"structured_outputs": {"choice": ["a"] * 257}}, "structured_outputs.choice", "invalid_value", "256"),
+        ({"structured_outputs": {"choice": ["a", ""]}}, "structured_outputs.choice.1", "invalid_value", "at least 1"),
         ({"structured_outputs": {"json_object": True}, "response_format": {"type": "json_object"}},
          "structured_outputs", "invalid_value", "exclusive"),
         ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
