@@ -221,8 +221,8 @@ class _NamedToolChoice(BaseModel):
 
 
 class _Body(BaseModel):
-    """Fields common to both endpoints. `top_k`, `ignore_eos` and `timeout_s` are Weir extensions
-    (`top_k` and `ignore_eos` as in vLLM's OpenAI server)."""
+    """Fields common to both endpoints. `top_k`, `ignore_eos`, `structured_outputs` and
+    `timeout_s` are Weir extensions (the first three as in vLLM's OpenAI server)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
