@@ -4,11 +4,15 @@ so both accept and refuse the same things.
 
 Pure. Bodies are validated strictly from raw JSON (a string where a number belongs is an error,
 as with OpenAI). Every parameter of OpenAI's API is honoured; or refused with
-`unsupported_parameter` when it asks for something Weir cannot do (UNSUPPORTED: tools,
-structured output, ...); or, for the few that cannot change the output (`user`, `metadata`,
+`unsupported_parameter` when it asks for something Weir cannot do (UNSUPPORTED: audio, the
+deprecated `functions`, ...); or, for the few that cannot change the output (`user`, `metadata`,
 `safety_identifier`, `prompt_cache_key`), accepted by design and not used. A parameter OpenAI
 does not have is refused with `unknown_parameter`, as OpenAI does: nothing is silently ignored.
 
+Structured output (`response_format`, vLLM's `structured_outputs`) and tools (`tools`,
+`tool_choice`, `parallel_tool_calls`, tool messages) become the GenerateRequest's `structured`,
+`tools`, `tool_choice` and `parallel_tool_calls` (docs/design.md, "Structured output, tools and
+logprobs"); a constraint Weir cannot enforce is refused here, naming the keyword and where it is.
 n (and best_of) > 1 become sibling requests (sibling_requests; docs/design.md, "n and best_of are
 sibling requests"); logprobs become GenerateRequest.logprobs; echo is the edge's to render.
 """
@@ -17,9 +21,26 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from schemas.messages import MAX_PENALTY, MAX_TOP_LOGPROBS, ChatMessage, GenerateRequest, LogitBias, sibling_seed
+from schemas.messages import (
+    MAX_PENALTY,
+    MAX_TOP_LOGPROBS,
+    MAX_TOOLS,
+    TOOL_NAME_PATTERN,
+    ChatMessage,
+    GenerateRequest,
+    LogitBias,
+    NamedToolChoice,
+    ReplyEnd,
+    StructuredOutputs,
+    ToolCall,
+    ToolChoice,
+    ToolDef,
+    sibling_seed,
+)
+from schemas.structured import UnsupportedSchema, check_structured
 
 Kind = Literal["chat.completions", "completions"]
 
@@ -43,12 +64,9 @@ class BodyError(ValueError):
 # OpenAI parameters Weir does not serve: refused unless absent or set to a value that asks for
 # nothing (the neutral values here), e.g. `logprobs: false`, `response_format: {"type": "text"}`.
 UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "tools": ((None, []), "tool calling is not supported"),
-    "tool_choice": ((None, "none"), "tool calling is not supported"),
-    "parallel_tool_calls": ((None,), "tool calling is not supported"),
-    "functions": ((None, []), "function calling is not supported"),
-    "function_call": ((None, "none"), "function calling is not supported"),
-    "response_format": ((None, {"type": "text"}), 'structured output is not supported; only {"type": "text"}'),
+    # deprecated by OpenAI; its answers differ too (message.function_call): use tools and tool_choice
+    "functions": ((None, []), "the deprecated functions parameter is not supported; use tools"),
+    "function_call": ((None, "none"), "the deprecated function_call parameter is not supported; use tool_choice"),
     "modalities": ((None, ["text"]), 'only text output is supported: modalities ["text"]'),
     "audio": ((None,), "audio output is not supported"),
     "prediction": ((None,), "predicted outputs are not supported"),
@@ -69,26 +87,70 @@ class _TextPart(BaseModel):
     text: str
 
 
-class _Message(BaseModel):
+class _CalledFunction(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[_TextPart]
+    name: str = Field(pattern=TOOL_NAME_PATTERN)
+    arguments: str = Field(max_length=1 << 20)
+
+
+class _ToolCall(BaseModel):
+    """A call of an earlier assistant turn, as the client sends it back."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    id: str = Field(min_length=1, max_length=128)
+    type: Literal["function"]
+    function: _CalledFunction
+
+
+class _Message(BaseModel):
+    # fields validate in this order: content's and tool_call_id's checks read role and tool_calls
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    tool_calls: list[_ToolCall] | None = Field(None, max_length=MAX_TOOLS, description="assistant: calls it made.")
+    tool_call_id: str | None = Field(None, min_length=1, max_length=128, validate_default=True,
+                                     description="tool: the call it answers.")  # fmt: skip
+    content: str | list[_TextPart] | None
     name: str | None = Field(None, description="Not supported: participant names are refused.")
 
-    @field_validator("content", mode="before")
+    @model_validator(mode="before")
     @classmethod
-    def _content_given(cls, value: Any) -> Any:
-        # OpenAI allows null content only for an assistant message with tool_calls, which Weir
-        # does not serve (tools are refused): every message carries its text.
-        if value is None:
-            raise ValueError("content must be a string or a list of text parts, not null")
+    def _content_may_be_absent(cls, data: Any) -> Any:
+        # As OpenAI: an assistant turn that made tool calls may leave content out (or null).
+        if isinstance(data, dict) and "content" not in data and data.get("role") == "assistant" and data.get("tool_calls"):
+            return {**data, "content": None}
+        return data
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls_are_the_assistants(cls, value: list[_ToolCall] | None, info: ValidationInfo) -> list[_ToolCall] | None:
+        if value and info.data.get("role", "assistant") != "assistant":
+            raise ValueError("only an assistant message carries tool_calls")
+        return value
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_names_its_call(cls, value: str | None, info: ValidationInfo) -> str | None:
+        role = info.data.get("role")
+        if role is not None and (role == "tool") != (value is not None):
+            raise ValueError("a tool message, and only a tool message, names the tool_call_id it answers")
+        return value
+
+    @field_validator("content")
+    @classmethod
+    def _content_given(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is None and not (info.data.get("role") == "assistant" and info.data.get("tool_calls")):
+            raise ValueError("content must be a string or a list of text parts (null only in an assistant message "
+                             "with tool_calls)")  # fmt: skip
         return value
 
     def to_wire(self) -> ChatMessage:
         text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
         role = "system" if self.role == "developer" else self.role
-        return ChatMessage(role=role, content=text)
+        calls = [ToolCall.model_validate(c.model_dump()) for c in self.tool_calls] if self.tool_calls else None
+        return ChatMessage(role=role, content=text, tool_calls=calls, tool_call_id=self.tool_call_id)
 
 
 class _StreamOptions(BaseModel):
@@ -97,9 +159,77 @@ class _StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class _JsonSchemaFormat(BaseModel):
+    """response_format.json_schema. `name` and `description` label the schema (as its own
+    `title` and `description` annotations do); the schema itself is what is enforced."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str = Field(pattern=TOOL_NAME_PATTERN)
+    description: str | None = Field(None, max_length=8192)
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class _ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: _JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self) -> _ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('json_schema is required with type "json_schema", and only with it')
+        return self
+
+
+# vLLM's structured_outputs: exactly one of these keys; its others (grammar, structural_tag,
+# whitespace_pattern, disable_*...) ask for what Weir does not enforce and are refused by name.
+STRUCTURED_OUTPUT_KEYS = ("json", "regex", "choice", "json_object")
+
+
+class _StructuredOutputs(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    json_object: bool | None = None
+
+
+class _FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str = Field(pattern=TOOL_NAME_PATTERN)
+    description: str | None = Field(None, max_length=8192)
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class _Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["function"]
+    function: _FunctionDef
+
+
+class _FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str = Field(pattern=TOOL_NAME_PATTERN)
+
+
+class _NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["function"]
+    function: _FunctionName
+
+
 class _Body(BaseModel):
-    """Fields common to both endpoints. `top_k`, `ignore_eos` and `timeout_s` are Weir extensions
-    (`top_k` and `ignore_eos` as in vLLM's OpenAI server)."""
+    """Fields common to both endpoints. `top_k`, `ignore_eos`, `structured_outputs` and
+    `timeout_s` are Weir extensions (the first three as in vLLM's OpenAI server)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -121,6 +251,8 @@ class _Body(BaseModel):
     user: str | None = Field(None, max_length=256, description="Sticks the request to one version under a traffic "
                              "policy (docs/design.md, \"Traffic policies\"); recorded in the request.")
     timeout_s: float | None = Field(None, ge=0.001, description="Seconds; a deadline is in whole milliseconds.")
+    structured_outputs: dict[str, Any] | None = Field(None, description="vLLM's extension: constrain the output "
+                                                      "to one of json (a schema), regex, choice or json_object.")
 
     @field_validator("stop")
     @classmethod
@@ -186,6 +318,15 @@ class _Body(BaseModel):
     def check_choices(self) -> None:
         """BodyError for choice parameters that contradict each other."""
 
+    def structured_fields(self) -> dict[str, Any]:
+        """The GenerateRequest's `structured`, from `structured_outputs`; BodyError for a
+        constraint Weir cannot enforce (docs/design.md, "Structured output...": refuse, never relax)."""
+        return {"structured": structured_outputs_spec(self.structured_outputs)}
+
+    def tool_fields(self) -> dict[str, Any]:
+        """The GenerateRequest's tool fields: none on /v1/completions (tools need messages)."""
+        return {}
+
 
 class ChatCompletionBody(_Body):
     """POST /v1/chat/completions."""
@@ -198,12 +339,12 @@ class ChatCompletionBody(_Body):
     logprobs: bool | None = Field(None, description="Return each output token's logprob.")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="With logprobs: this many most "
                                      "likely alternatives per token.")
-    tools: Any = _REFUSED
-    tool_choice: Any = _REFUSED
-    parallel_tool_calls: Any = _REFUSED
+    tools: list[_Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | _NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     functions: Any = _REFUSED
     function_call: Any = _REFUSED
-    response_format: Any = _REFUSED
+    response_format: _ResponseFormat | None = None
     modalities: Any = _REFUSED
     audio: Any = _REFUSED
     prediction: Any = _REFUSED
@@ -232,6 +373,58 @@ class ChatCompletionBody(_Body):
     def check_choices(self) -> None:
         if self.top_logprobs is not None and not self.logprobs:  # as OpenAI
             raise BodyError("top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
+
+    def structured_fields(self) -> dict[str, Any]:
+        """`structured` from response_format or structured_outputs; both at once is refused."""
+        fmt = response_format_spec(self.response_format)
+        if fmt is not None and self.structured_outputs is not None:
+            raise BodyError("structured_outputs and a response_format other than text are exclusive",
+                            param="structured_outputs", code="invalid_value")  # fmt: skip
+        return {"structured": fmt} if fmt is not None else super().structured_fields()
+
+    def tool_fields(self) -> dict[str, Any]:
+        """`tools`, `tool_choice` and `parallel_tool_calls` (docs/design.md, "Structured
+        output...": required and a named function constrain the output, so their parameter
+        schemas are checked as a structured constraint is; `auto` does not constrain, so its
+        schemas only describe the functions to the model and any schema is accepted, but a
+        `strict: true` it could not keep is refused)."""
+        tools = self.tools or []
+        if not tools:
+            for param in ("tool_choice", "parallel_tool_calls"):
+                if getattr(self, param) not in (None, "none"):
+                    raise BodyError(f"{param} is only allowed when tools are given", param=param, code="invalid_value")
+            return {}
+        names = [tool.function.name for tool in tools]
+        for i, name in enumerate(names):
+            if name in names[:i]:
+                raise BodyError(f"function names in tools must be unique; {name!r} is given twice",
+                                param=f"tools.{i}.function.name", code="invalid_value")  # fmt: skip
+        choice = self.tool_choice
+        named = choice.function.name if isinstance(choice, _NamedToolChoice) else None
+        if named is not None and named not in names:
+            raise BodyError(f"tool_choice names the function {named!r}, which is not in tools",
+                            param="tool_choice.function.name", code="invalid_value")  # fmt: skip
+        constrained = set(names) if choice == "required" else {named} if named else set()
+        if choice != "none" and (self.response_format_is_constraint or self.structured_outputs is not None):
+            # the output is either a call or the constrained text, never both (docs/design.md, "Structured output...")
+            param = "response_format" if self.response_format_is_constraint else "structured_outputs"
+            raise BodyError(f"{param} and tools the model may call are exclusive (tool_choice \"none\" keeps the "
+                            "tools out of reach)", param=param, code="invalid_value")  # fmt: skip
+        is_parsed = choice in (None, "auto")  # calls the model makes in its own format, unconstrained
+        for i, tool in enumerate(tools):
+            _check_tool(i, tool, is_constraint=tool.function.name in constrained, is_parsed=is_parsed)
+        wire_choice: ToolChoice | None = (
+            NamedToolChoice.model_validate({"function": {"name": named}}) if named else choice  # type: ignore[assignment]
+        )
+        return {
+            "tools": [ToolDef.model_validate(tool.model_dump()) for tool in tools],
+            "tool_choice": wire_choice,
+            "parallel_tool_calls": True if self.parallel_tool_calls is None else self.parallel_tool_calls,
+        }
+
+    @property
+    def response_format_is_constraint(self) -> bool:
+        return self.response_format is not None and self.response_format.type != "text"
 
 
 class CompletionBody(_Body):
@@ -281,19 +474,93 @@ def parse_body(kind: Kind, raw: bytes | str) -> ChatCompletionBody | CompletionB
         raise body_error(exc) from None
     body.refuse_unsupported()
     body.check_choices()
+    body.structured_fields()  # refused at once (and on a batch file's upload), not when it is sent
+    body.tool_fields()
     return body
 
 
+def response_format_spec(fmt: _ResponseFormat | None) -> StructuredOutputs | None:
+    """The constraint of OpenAI's response_format (None for text); BodyError naming
+    response_format.json_schema.schema for a schema Weir cannot enforce."""
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return StructuredOutputs(json_object=True)
+    assert fmt.json_schema is not None  # the model's validator
+    spec = StructuredOutputs(json_schema=fmt.json_schema.schema_, strict=bool(fmt.json_schema.strict))
+    return _checked(spec, "response_format.json_schema.schema")
+
+
+def structured_outputs_spec(raw: dict[str, Any] | None) -> StructuredOutputs | None:
+    """The constraint of vLLM's structured_outputs (exactly one of json, regex, choice and
+    json_object; `json` a schema object or its JSON text); BodyError naming the key at fault."""
+    if raw is None:
+        return None
+    for key in raw:
+        if key not in STRUCTURED_OUTPUT_KEYS:
+            raise BodyError(f"structured_outputs.{key} is not supported (supported: {', '.join(STRUCTURED_OUTPUT_KEYS)})",
+                            param=f"structured_outputs.{key}", code="unsupported_parameter")  # fmt: skip
+    try:
+        given = _StructuredOutputs.model_validate(raw)
+    except ValidationError as exc:
+        raise body_error(exc, prefix=("structured_outputs",)) from None
+    if sum([given.json_ is not None, given.regex is not None, given.choice is not None, bool(given.json_object)]) != 1:
+        raise BodyError(f"structured_outputs must set exactly one of {', '.join(STRUCTURED_OUTPUT_KEYS)}",
+                        param="structured_outputs", code="invalid_value")  # fmt: skip
+    schema = given.json_
+    if isinstance(schema, str):
+        try:
+            schema = orjson.loads(schema)
+        except orjson.JSONDecodeError as exc:
+            raise BodyError(f"structured_outputs.json is not valid JSON: {exc}", param="structured_outputs.json",
+                            code="invalid_value") from None  # fmt: skip
+        if not isinstance(schema, dict):
+            raise BodyError("structured_outputs.json must be a JSON Schema object", param="structured_outputs.json",
+                            code="invalid_value")  # fmt: skip
+    try:
+        spec = StructuredOutputs(json_schema=schema, regex=given.regex, choice=given.choice,
+                                 json_object=bool(given.json_object))  # fmt: skip
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]  # a limit of schemas/messages.py (MAX_REGEX_CHARS, MAX_CHOICES...)
+        param = ".".join(["structured_outputs", *({"json_schema": "json"}.get(str(p), str(p)) for p in first["loc"])])
+        message = str(first["msg"]).removeprefix("Value error, ")
+        raise BodyError(f"invalid value for {param!r}: {message}", param=param, code="invalid_value") from None
+    return _checked(spec, "structured_outputs.json")
+
+
+def _check_tool(i: int, tool: _Tool, *, is_constraint: bool, is_parsed: bool) -> None:
+    """A tool whose call constrains the output has a schema Weir enforces; one the model may call
+    unconstrained (auto) may not ask for `strict`, a promise Weir could not keep for it."""
+    function = tool.function
+    if is_constraint and function.parameters is not None:
+        spec = StructuredOutputs(json_schema=function.parameters, strict=bool(function.strict))
+        _checked(spec, f"tools.{i}.function.parameters")
+    elif function.strict and is_parsed:
+        raise BodyError("strict is enforced only when tool_choice is \"required\" or names this function; with "
+                        "\"auto\" the model's calls are parsed, not constrained", param=f"tools.{i}.function.strict",
+                        code="unsupported_parameter")  # fmt: skip
+
+
+def _checked(spec: StructuredOutputs, param: str) -> StructuredOutputs:
+    try:
+        check_structured(spec)
+    except UnsupportedSchema as exc:
+        raise BodyError(f"{param}: {exc}", param=param, code="unsupported_schema") from None
+    return spec
+
+
 # Union members add their type name to an error's location (e.g. stop.str): not part of the path.
-_UNION_MEMBERS = {"str", "list[str]", "list[_TextPart]", "bool", "int", "dict[str,str]"}
+_UNION_MEMBERS = {"str", "list[str]", "list[_TextPart]", "bool", "int", "dict[str,str]", "dict[str,any]",
+                  "literal['none','auto','required']", "_NamedToolChoice"}
 
 
-def body_error(exc: ValidationError) -> BodyError:
-    """The BodyError of a pydantic ValidationError of a request body: names the parameter and the problem."""
+def body_error(exc: ValidationError, prefix: tuple[str, ...] = ()) -> BodyError:
+    """The BodyError of a pydantic ValidationError of a request body (or of the part of it at
+    `prefix`): names the parameter and the problem."""
     first = exc.errors(include_url=False)[0]
     if first["type"] == "json_invalid":
         return BodyError(f"the request body is not valid JSON: {first['msg']}", code="invalid_json")
-    loc = [str(part) for part in first["loc"] if str(part) not in _UNION_MEMBERS]
+    loc = [*prefix, *(str(part) for part in first["loc"] if str(part) not in _UNION_MEMBERS)]
     param = ".".join(loc) or None
     if first["type"] == "model_type" and not loc:
         return BodyError("the request body must be a JSON object", code="invalid_body")
@@ -319,3 +586,22 @@ def sibling_requests(request: GenerateRequest, num: int) -> list[GenerateRequest
     seed = request.effective_seed
     return [request.model_copy(update={"request_id": f"{request.request_id}/{i}", "seed": sibling_seed(seed, i)})
             for i in range(num)]  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# Responses: what the gateway and the batch runner answer alike
+
+
+def assistant_message(text: str, tool_calls: list[ToolCall] | None) -> dict[str, Any]:
+    """A chat.completion's message: the text, and the tool calls the model made in OpenAI's
+    format; content is null when the reply is only calls, as OpenAI's is."""
+    message: dict[str, Any] = {"role": "assistant", "content": text if text or not tool_calls else None}
+    if tool_calls:
+        message["tool_calls"] = [call.model_dump(mode="json") for call in tool_calls]
+    return message
+
+
+def finish_reason(end: ReplyEnd) -> str:
+    """OpenAI's finish_reason of a finished reply: "tool_calls" when the model stopped after
+    calling tools, else the worker's (a call cut short by max_tokens stays "length")."""
+    return "tool_calls" if end.finish_reason == "stop" and end.tool_calls else end.finish_reason

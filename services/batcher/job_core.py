@@ -43,7 +43,7 @@ from schemas.batch_lines import (
     parse_line_body,
 )
 from schemas.registry import RegistryState
-from schemas.openai_bodies import ChatCompletionBody, sibling_requests
+from schemas.openai_bodies import ChatCompletionBody, assistant_message, finish_reason, sibling_requests
 from services.batcher.planner import resolve_ref
 MAX_VALIDATION_ERRORS = 100
 
@@ -180,6 +180,7 @@ def _to_line(envelope: Envelope, job: BatchJob, models: RegistryState, reply_to:
         "request_id": request_id, "model": model, "priority": "bulk", "deadline_ms": job.expires_ms,
         "reply_to": reply_to, "stream": False, "principal": job.principal, "tenant": job.tenant,
         "created_ms": job.created_ms, **parsed.sampling_fields(),
+        **parsed.structured_fields(), **parsed.tool_fields(),  # parse_line_body refused what they cannot take
     }  # fmt: skip
     if parsed.max_new_tokens is not None:
         fields["max_tokens"] = parsed.max_new_tokens
@@ -336,8 +337,8 @@ def choices_response_body(endpoint: str, line: JobLine, choices: list[tuple[str,
     created = first.created_ms // 1000
     model = first.model_version or line.model
     if endpoint == "/v1/chat/completions":
-        rendered = [{"index": i, "message": {"role": "assistant", "content": text, "refusal": None},
-                     "logprobs": None, "finish_reason": end.finish_reason} for i, (text, end) in enumerate(choices)]  # fmt: skip
+        rendered = [{"index": i, "message": {**assistant_message(text, end.tool_calls), "refusal": None},
+                     "logprobs": None, "finish_reason": finish_reason(end)} for i, (text, end) in enumerate(choices)]  # fmt: skip
         return {"id": f"chatcmpl-{line.line_request_id}", "object": "chat.completion", "created": created,
                 "model": model, "choices": rendered, "usage": usage}  # fmt: skip
     texts: list[dict[str, Any]] = [{"index": i, "text": text, "logprobs": None, "finish_reason": end.finish_reason}

@@ -254,8 +254,9 @@ def file_page(files: Iterable[FileChunk], identity: Identity, purpose: str | Non
 
 def redact_result_line(raw: bytes, redact: Callable[[str], str]) -> bytes:
     """One line of a batch output or error file with the model's text in its response body
-    (choices[].message.content, choices[].text) passed through `redact`, the output guard's
-    function for a whole online response; other lines, and the rest of the line, as they were."""
+    (choices[].message.content, choices[].text, and the arguments of choices[].message.tool_calls:
+    model output too) passed through `redact`, the output guard's function for a whole online
+    response; other lines, and the rest of the line, as they were."""
     try:
         row = orjson.loads(raw)
         choices = row["response"]["body"]["choices"]
@@ -269,6 +270,11 @@ def redact_result_line(raw: bytes, redact: Callable[[str], str]) -> bytes:
         message = choice.get("message")
         if isinstance(message, dict) and isinstance(message.get("content"), str):
             message["content"] = redact(message["content"])
+        if isinstance(message, dict) and isinstance(message.get("tool_calls"), list):
+            for call in message["tool_calls"]:
+                function = call.get("function") if isinstance(call, dict) else None
+                if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                    function["arguments"] = redact(function["arguments"])
         if isinstance(choice.get("text"), str):
             choice["text"] = redact(choice["text"])
     return orjson.dumps(row)

@@ -11,6 +11,7 @@ import base64
 import math
 import re
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
@@ -24,13 +25,24 @@ from schemas.messages import (
     Priority,
     ReplyEnd,
     TokenLogprob,
+    ToolCall,
+    ToolCallDelta,
     Usage,
 )
 from schemas.model_repo import ModelConfig
 # the body types are imported from here by the gateway's other modules
 from schemas.registry import split_ref
 from schemas.traffic import Assignment
-from schemas.openai_bodies import BodyError, ChatCompletionBody, CompletionBody, Kind, body_error, sibling_requests
+from schemas.openai_bodies import (
+    BodyError,
+    ChatCompletionBody,
+    CompletionBody,
+    Kind,
+    assistant_message,
+    body_error,
+    finish_reason,
+    sibling_requests,
+)
 
 DEFAULT_MAX_TOKENS = 256  # chat default when the body sets none (OpenAI's own is "up to context")
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -134,6 +146,10 @@ def to_generate_request(
         )
     timeouts = [t for t in (client_timeout_s, body.timeout_s) if t is not None]
     timeout_s = min([*timeouts, model.default_timeout_s, max_timeout_s])
+    try:
+        constraints = {**body.structured_fields(), **body.tool_fields()}
+    except BodyError as exc:
+        raise api_error(exc) from None
     return GenerateRequest(
         request_id=request_id,
         model=model.served_id,  # pinned: the version is known when the response starts (docs/design.md, invariant 10)
@@ -142,6 +158,7 @@ def to_generate_request(
         max_tokens=max_tokens,
         **body.sampling_fields(),
         **body.choice_fields(),
+        **constraints,
         stream=bool(body.stream),
         principal="anonymous",
         tenant="default",
@@ -320,6 +337,7 @@ class ChoiceResult:
     text: str
     end: ReplyEnd
     logprobs: list[TokenLogprob] | None = None
+    tool_calls: list[ToolCall] | None = None  # as the output guard released their arguments
 
 
 def best_of(results: list[ChoiceResult], n: int) -> list[ChoiceResult]:
@@ -333,7 +351,7 @@ def best_of(results: list[ChoiceResult], n: int) -> list[ChoiceResult]:
         raise ApiError(502, "best_of cannot rank the choices: the worker reported no cumulative logprob",
                        code="cumulative_logprob_missing")  # fmt: skip
     ranked = sorted(results, key=lambda r: (-(r.end.cumulative_logprob or 0.0), r.index))[:n]
-    return [ChoiceResult(i, r.text, r.end, r.logprobs) for i, r in enumerate(ranked)]
+    return [ChoiceResult(i, r.text, r.end, r.logprobs, r.tool_calls) for i, r in enumerate(ranked)]
 
 
 def choices_usage(ends: list[ReplyEnd]) -> Usage:
@@ -348,9 +366,10 @@ def choices_usage(ends: list[ReplyEnd]) -> Usage:
 class ChunkWriter:
     """Turns one request's reply events into OpenAI streaming chunks (dicts).
 
-    Chat: chat.completion.chunk objects, the first of each choice carrying delta.role="assistant".
-    Completions: text_completion objects (with `echo`, each choice starts with a chunk of the
-    prompt). Each choice's terminal gives a chunk with finish_reason; after the last,
+    Chat: chat.completion.chunk objects, the first of each choice carrying delta.role="assistant";
+    tool calls as OpenAI streams them (delta.tool_calls, id, type and name on a call's first piece
+    only). Completions: text_completion objects (with `echo`, each choice starts with a chunk of
+    the prompt). Each choice's terminal gives a chunk with finish_reason; after the last,
     (include_usage) a chunk with empty choices and the usage; with include_usage the others carry
     "usage": null. A choice's chunks carry the logprobs of their tokens when asked (`logprobs`).
     """
@@ -366,6 +385,7 @@ class ChunkWriter:
         self.echo = echo
         self._has_started: set[int] = set()  # choices that sent their first chunk
         self._text_offset: dict[int, int] = {}  # legacy logprobs: where a choice's next token starts
+        self._calls_begun: set[tuple[int, int]] = set()  # (choice, call index) whose first piece went out
 
     def fresh(self) -> ChunkWriter:
         """A new writer of the same stream, for a reader that renders it again from its start."""
@@ -389,9 +409,23 @@ class ChunkWriter:
         self._has_started.add(index)
         return self._chunk([self._completion_choice(index, text, rendered, None)])
 
+    def on_tool_call(self, piece: ToolCallDelta, index: int = 0) -> dict[str, Any]:
+        """The chunk of a piece of tool call `piece.index` of choice `index` (its arguments as the
+        output guard released them): the call's first chunk carries its id, type and name, later
+        ones only arguments, so the openai client's accumulators rebuild the call."""
+        call: dict[str, Any] = {"index": piece.index}
+        function: dict[str, Any] = {}
+        if (index, piece.index) not in self._calls_begun:
+            self._calls_begun.add((index, piece.index))
+            call.update({"id": piece.id, "type": "function"})
+            function["name"] = piece.name
+        function["arguments"] = piece.arguments
+        call["function"] = function
+        return self._chunk([self._chat_choice(index, {"tool_calls": [call]}, None, None)])
+
     def on_finish(self, end: ReplyEnd, index: int = 0) -> dict[str, Any]:
         """The finish chunk of choice `index` (a stop/length terminal)."""
-        reason = end.finish_reason
+        reason = finish_reason(end)
         self.model = served_version(end, self.model)
         if self.kind == "chat.completions":
             return self._chunk([self._chat_choice(index, {}, reason, None)], fingerprint=end.model_version)
@@ -444,10 +478,13 @@ class ChunkWriter:
 
 
 def completion_body(
-    kind: Kind, request_id: str, model: str, created_s: int, text: str, end: ReplyEnd
+    kind: Kind, request_id: str, model: str, created_s: int, text: str, end: ReplyEnd,
+    tool_calls: list[ToolCall] | None = None,
 ) -> dict[str, Any]:
-    """The non-streaming body of one choice without logprobs: chat.completion or text_completion, with usage."""
-    return choices_body(kind, request_id, model, created_s, [ChoiceResult(0, text, end)], end.usage)
+    """The non-streaming body of one choice without logprobs: chat.completion (with the
+    `tool_calls` the model made, their arguments as the output guard released them) or
+    text_completion, with usage."""
+    return choices_body(kind, request_id, model, created_s, [ChoiceResult(0, text, end, tool_calls=tool_calls)], end.usage)
 
 
 def choices_body(
@@ -455,8 +492,8 @@ def choices_body(
     logprobs: LogprobsFormat | None = None, echo: str | None = None,
 ) -> dict[str, Any]:
     """The non-streaming body: chat.completion or text_completion with a choice per result (in
-    their order), `usage`, each choice's logprobs when asked, and the prompt before each text
-    when `echo` is given (completions)."""
+    their order), `usage`, each choice's logprobs when asked, its tool calls (chat), and the
+    prompt before each text when `echo` is given (completions)."""
     prefix = echo if kind == "completions" and echo is not None else ""
     choices = []
     for r in results:
@@ -466,8 +503,8 @@ def choices_body(
         elif logprobs == "legacy":
             rendered = legacy_logprobs(r.logprobs or [], len(prefix))
         if kind == "chat.completions":
-            choices.append({"index": r.index, "message": {"role": "assistant", "content": r.text},
-                            "logprobs": rendered, "finish_reason": r.end.finish_reason})  # fmt: skip
+            choices.append({"index": r.index, "message": assistant_message(r.text, r.tool_calls),
+                            "logprobs": rendered, "finish_reason": finish_reason(r.end)})  # fmt: skip
         else:
             choices.append({"index": r.index, "text": prefix + r.text, "logprobs": rendered,
                             "finish_reason": r.end.finish_reason})  # fmt: skip
@@ -481,6 +518,15 @@ def choices_body(
         "choices": choices,
         "usage": usage_dict(usage),
     }
+
+
+def guarded_calls(calls: list[ToolCall] | None, guard_text: Callable[[str], str]) -> list[ToolCall] | None:
+    """The tool calls with their arguments passed through the output guard's `guard_text`, as
+    the text is: arguments are model output too."""
+    if not calls:
+        return calls
+    return [c.model_copy(update={"function": c.function.model_copy(update={"arguments": guard_text(c.function.arguments)})})
+            for c in calls]  # fmt: skip
 
 
 def served_version(end: ReplyEnd, pinned: str) -> str:

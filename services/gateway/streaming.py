@@ -24,7 +24,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocket, WebSocketState
 
-from schemas.messages import EmbedRequest, GenerateRequest, ReplyDelta, ReplyEnd, TokenLogprob
+from schemas.messages import EmbedRequest, GenerateRequest, ReplyDelta, ReplyEnd, TokenLogprob, ToolCallDelta
 from services.gateway.handlers import Exchange
 from services.gateway.metrics import GatewayMetrics, GenerationTimer
 from services.gateway.openai_format import (
@@ -35,6 +35,7 @@ from services.gateway.openai_format import (
     best_of,
     choices_body,
     choices_usage,
+    guarded_calls,
     terminal_error,
 )
 from services.gateway.guard.output_guard import LogprobGate, OutputGuard, TextFilter
@@ -79,7 +80,7 @@ class ChoiceFilters:
     def __init__(self, first: TextFilter, new_filter: Callable[[], TextFilter] | None = None) -> None:
         self._filters = {0: first}
         self._new_filter = new_filter
-        self._gates: dict[int, LogprobGate] = {}
+        self._outputs: dict[int, GuardedOutput] = {}
 
     @classmethod
     def of_guard(cls, output_guard: OutputGuard) -> ChoiceFilters:
@@ -92,11 +93,11 @@ class ChoiceFilters:
             self._filters[index] = self._new_filter()
         return self._filters[index]
 
-    def gate(self, index: int) -> LogprobGate:
-        """The filter of choice `index` with its logprobs released beside its text."""
-        if index not in self._gates:
-            self._gates[index] = LogprobGate(self.of(index))
-        return self._gates[index]
+    def output(self, index: int, writer: ChunkWriter) -> GuardedOutput:
+        """Choice `index`'s output through its filter on the way to `writer`'s chunks."""
+        if index not in self._outputs:
+            self._outputs[index] = GuardedOutput(writer, LogprobGate(self.of(index)), index)
+        return self._outputs[index]
 
     @property
     def num_redacted(self) -> int:
@@ -133,8 +134,8 @@ async def frames(
 
     Deterministic in the events: a reader that reconnects renders the same frames again (fresh
     writer and filter) and skips those it already had. Text the output guard holds back goes
-    out with a later delta or, at the end of its choice, before the finish chunk; a delta that
-    releases no text (and carries no logprobs asked for) gives no frame. Each choice ends with its
+    out with a later delta or, at the end of its choice, before the finish chunk (tool-call
+    arguments likewise); a delta that releases nothing gives no frame. Each choice ends with its
     finish chunk; after the last, the usage chunk (include_usage). An error terminal of any
     choice ends the stream with its error.
 
@@ -147,18 +148,13 @@ async def frames(
     async for seq, choice, event in tagged_events(exchange):
         for chunk in writer.on_start(choice):
             yield seq, chunk
-        if isinstance(event, ReplyDelta):
-            text, logprobs = filters.gate(choice).feed(event.text, event.logprobs if writer.logprobs is not None else None)
-            if text or logprobs:
-                yield seq, writer.on_text(text, choice, logprobs or None)
-                if timer is not None:
-                    timer.on_content()
-            continue
-        rest, logprobs = filters.gate(choice).flush()
-        if rest or logprobs:
-            yield seq, writer.on_text(rest, choice, logprobs or None)
+        output = filters.output(choice, writer)
+        for chunk in output.on_delta(event) if isinstance(event, ReplyDelta) else output.flush():
+            yield seq, chunk
             if timer is not None:
                 timer.on_content()
+        if isinstance(event, ReplyDelta):
+            continue
         error = terminal_error(event)
         if error is not None:
             if timer is not None:
@@ -176,6 +172,55 @@ async def frames(
         for chunk in writer.on_usage(usage):
             yield seq, chunk
         return
+
+
+class GuardedOutput:
+    """One choice's model output, text and tool-call arguments alike, through its output guard
+    filter on the way to chunks: tool-call arguments are model output too, so they are redacted
+    as text is, and the text's logprobs go out with the text they stand for (LogprobGate). The
+    filter is flushed at each switch between the text and a call (or between calls), so what it
+    holds back never moves from one into another."""
+
+    def __init__(self, writer: ChunkWriter, gate: LogprobGate, index: int = 0) -> None:
+        self.writer = writer
+        self.gate = gate
+        self.index = index  # the choice
+        self._channel: int | None = None  # what the filter holds: None the text, else a call's index
+
+    def on_delta(self, event: ReplyDelta) -> list[dict[str, Any]]:
+        """The chunks a delta releases (none while the guard holds all it brought)."""
+        chunks = []
+        logprobs = event.logprobs if self.writer.logprobs is not None else None
+        if event.text or logprobs:
+            chunks += self._switch(None)
+            text, released = self.gate.feed(event.text, logprobs)
+            if text or released:
+                chunks.append(self.writer.on_text(text, self.index, released or None))
+        for piece in event.tool_calls or []:
+            chunks += self._switch(piece.index)
+            arguments = self.gate.filter.feed(piece.arguments)
+            if arguments or piece.id is not None or piece.name is not None:  # a call's first piece always goes out
+                chunks.append(self.writer.on_tool_call(piece.model_copy(update={"arguments": arguments}), self.index))
+        return chunks
+
+    def flush(self) -> list[dict[str, Any]]:
+        """The chunks of what the filter still holds (and the logprobs not yet sent), at the end
+        of the choice or at a switch."""
+        rest, released = self.gate.flush()
+        chunks = []
+        if rest and self._channel is not None:
+            chunks.append(self.writer.on_tool_call(ToolCallDelta(index=self._channel, arguments=rest), self.index))
+            rest = ""
+        if rest or released:
+            chunks.append(self.writer.on_text(rest, self.index, released or None))
+        return chunks
+
+    def _switch(self, channel: int | None) -> list[dict[str, Any]]:
+        if channel == self._channel:
+            return []
+        chunks = self.flush()
+        self._channel = channel
+        return chunks
 
 
 async def sse_events(
@@ -275,7 +320,7 @@ async def collect(
     new_filter: Callable[[], TextFilter] | None = None,
 ) -> dict[str, Any] | None:
     """Wait for the whole result of a stream=false request; returns the OpenAI body (each
-    choice's text passed through `guard_text`; logprobs and echo as `writer` renders them), or
+    choice's text and tool-call arguments passed through `guard_text`; logprobs and echo as `writer` renders them), or
     None when the client left first (its caller then closes the Exchange, or the siblings, with
     client_disconnect). Siblings give a choice each; best_of keeps the group's num_choices with
     the highest cumulative logprob. `timer` learns of the terminal when it arrives. Logprobs pass
@@ -314,8 +359,8 @@ async def collect(
         if timer is not None:
             timer.on_end(ends[num_siblings - 1].model_copy(update={"usage": usage}), None)
         asked = writer is not None and writer.logprobs is not None
-        results = [ChoiceResult(i, guard_text("".join(texts.get(i, []))), ends[i], logprobs.get(i, []) if asked else None)
-                   for i in range(num_siblings)]  # fmt: skip
+        results = [ChoiceResult(i, guard_text("".join(texts.get(i, []))), ends[i], logprobs.get(i, []) if asked else None,
+                                guarded_calls(ends[i].tool_calls, guard_text)) for i in range(num_siblings)]  # fmt: skip
         keep = exchange.num_choices if isinstance(exchange, SiblingGroup) else 1
         return choices_body(kind, exchange.request_id, exchange.request.model, created_s, best_of(results, keep), usage,
                             writer.logprobs if writer else None, writer.echo if writer else None)  # fmt: skip

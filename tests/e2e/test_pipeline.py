@@ -101,8 +101,9 @@ def test_penalties_through_the_openai_client_change_the_output_and_bad_values_ar
         assert caught.value.param == param
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
-                                       response_format={"type": "json_object"})  # fmt: skip
-    assert (caught.value.param, caught.value.code) == ("response_format", "unsupported_parameter")
+                                       response_format={"type": "json_schema", "json_schema": {
+                                           "name": "x", "schema": {"type": "object", "not": {}}}})  # fmt: skip
+    assert (caught.value.param, caught.value.code) == ("response_format.json_schema.schema", "unsupported_schema")
 
 
 async def test_a_raw_request_with_a_bad_penalty_is_dead_lettered_with_a_readable_reason(pipeline):

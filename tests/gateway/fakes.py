@@ -8,7 +8,9 @@ prompt asks for:
 - "drip": deltas "t0 " .. "t19 " every 50 ms, then ReplyEnd(stop); a Cancellation ends it early
   (ReplyEnd(cancelled)); `generated[request_id]` counts the deltas it produced;
 - "pii": PII_DELTAS, personal data split across deltas, then ReplyEnd(stop);
-- "variants": VARIANT_DELTAS, the same in disguise (groups, full-width, zero-width, spelled out).
+- "variants": VARIANT_DELTAS, the same in disguise (groups, full-width, zero-width, spelled out);
+- a request whose model may call tools: "Checking." then a call of its first tool, whose
+  arguments (CALL_ARGUMENTS, a phone number in them) come in pieces, then ReplyEnd(stop) with the call.
 Its ReplyEnd names the version the request was pinned to (request.model, name@version). It also
 sends a heartbeat every 0.5 s, reporting `versions` (default: echo@1 ready; a test may change it)
 with the ready ones in `models`, and records every Cancellation on the control topic.
@@ -33,6 +35,8 @@ from schemas.messages import (
     GenerateRequest,
     ReplyDelta,
     ReplyEnd,
+    ToolCall,
+    ToolCallDelta,
     Usage,
     VersionStatus,
     WorkerHeartbeat,
@@ -47,6 +51,8 @@ PII_DELTAS = ["My ID is 1101", "0519491231", "002X, card 4111 ", "1111 1111", " 
 # An ID in groups, a full-width card, an e-mail with a zero-width space and one spelled out, bracketed.
 VARIANT_DELTAS = ["ID 110105 1949", "1231 002X, card ４１１１ １１", "１１ １１１１ １１１１, mail al\u200bice", " at exam",
                   "ple dot com, or bob [at] ", "example [dot] org now."]  # fmt: skip
+
+CALL_ARGUMENTS = ['{"city": "Paris", "phone": "+1 415-5', '55-0132"}']
 
 
 class FakeWorker:
@@ -106,6 +112,8 @@ class FakeWorker:
         rid = request.request_id
         if "hang" in prompt:
             return
+        if request.calls_tools:
+            return await self._call_tool(request)
         if "reject" in prompt:
             end = ReplyEnd(request_id=rid, seq=0, finish_reason="rejected",
                            error=ErrorInfo(code="queue_full", message="too busy"))
@@ -141,6 +149,17 @@ class FakeWorker:
             await asyncio.sleep(interval_s)
         usage = Usage(prompt_tokens=1, completion_tokens=len(texts), total_tokens=1 + len(texts))
         await self._send(request, ReplyEnd(request_id=rid, seq=len(texts), finish_reason="stop", usage=usage))
+
+    async def _call_tool(self, request: GenerateRequest) -> None:
+        rid, name = request.request_id, (request.tools or [])[0].function.name
+        pieces = [ToolCallDelta(index=0, id=f"call_{rid}_0", name=name), *(ToolCallDelta(index=0, arguments=a) for a in CALL_ARGUMENTS)]
+        await self._send(request, ReplyDelta(request_id=rid, seq=0, text="Checking."))
+        for seq, piece in enumerate(pieces, 1):
+            await self._send(request, ReplyDelta(request_id=rid, seq=seq, text="", tool_calls=[piece]))
+        call = ToolCall.model_validate({"id": f"call_{rid}_0", "function": {"name": name, "arguments": "".join(CALL_ARGUMENTS)}})
+        end = ReplyEnd(request_id=rid, seq=len(pieces) + 1, finish_reason="stop", model_version=request.model,
+                       tool_calls=[call], usage=Usage(prompt_tokens=4, completion_tokens=12, total_tokens=16))
+        await self._send(request, end)
 
     async def _send(self, request: GenerateRequest, event: ReplyDelta | ReplyEnd) -> None:
         await self.producer.send_and_wait(request.reply_to, encode(event), key=request.request_id.encode())

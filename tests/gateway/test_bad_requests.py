@@ -194,7 +194,7 @@ async def test_numeric_headers_in_range_are_taken(client: httpx.AsyncClient) -> 
 
 @pytest.mark.parametrize("role", ["user", "system", "developer", "assistant"])
 async def test_a_message_without_content_is_400(client: httpx.AsyncClient, role: str) -> None:
-    # OpenAI allows null content only for an assistant message with tool_calls, which Weir refuses.
+    # OpenAI allows null content only for an assistant message with tool_calls (test_structured_bodies.py).
     null = {**GOOD, "messages": [{"role": role, "content": None}, {"role": "user", "content": "hi"}]}
     assert_openai_error(await client.post(CHAT, json=null), 400, "invalid_value", "messages.0.content")
     missing = {**GOOD, "messages": [{"role": role}, {"role": "user", "content": "hi"}]}

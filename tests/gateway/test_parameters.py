@@ -30,8 +30,9 @@ BODIES: dict[str, dict[str, Any]] = {
 # OpenAI's API reference, parameter by parameter (chat/create, completions/create), and what Weir does
 HONOURED = {"model", "max_tokens", "temperature", "top_p", "stop", "seed", "stream", "stream_options", "n",
             "presence_penalty", "frequency_penalty", "logit_bias", "logprobs"}  # fmt: skip
+CHAT_HONOURED = {"response_format", "tools", "tool_choice", "parallel_tool_calls"}  # test_structured_bodies.py
 BY_DESIGN = {"user", "metadata", "safety_identifier", "prompt_cache_key"}  # cannot change the output
-OPENAI_CHAT = HONOURED | BY_DESIGN | {
+OPENAI_CHAT = HONOURED | CHAT_HONOURED | BY_DESIGN | {
     "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
     "functions", "function_call", "response_format", "modalities", "audio", "prediction", "reasoning_effort",
     "verbosity", "web_search_options", "store", "service_tier",
@@ -39,9 +40,8 @@ OPENAI_CHAT = HONOURED | BY_DESIGN | {
 OPENAI_COMPLETIONS = HONOURED | {"user", "prompt", "best_of", "echo", "logprobs", "suffix"}
 # a value of each refused parameter that asks for something Weir cannot do
 ASKING = {
-    "tools": [{"type": "function", "function": {"name": "f"}}],
-    "tool_choice": "auto", "parallel_tool_calls": False, "functions": [{"name": "f"}], "function_call": "auto",
-    "response_format": {"type": "json_object"}, "modalities": ["text", "audio"], "audio": {"voice": "alloy"},
+    "functions": [{"name": "f"}], "function_call": "auto",
+    "modalities": ["text", "audio"], "audio": {"voice": "alloy"},
     "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low", "verbosity": "low",
     "web_search_options": {}, "store": True, "service_tier": "flex",
 }  # fmt: skip
@@ -71,9 +71,9 @@ def test_every_openai_parameter_is_a_declared_field():
     assert OPENAI_CHAT <= set(ChatCompletionBody.model_fields)
     assert OPENAI_COMPLETIONS <= set(CompletionBody.model_fields)
     declared = set(ChatCompletionBody.model_fields) | set(CompletionBody.model_fields)
-    extensions = {"top_k", "ignore_eos", "timeout_s"}
+    extensions = {"top_k", "ignore_eos", "timeout_s", "structured_outputs"}
     honoured_by_one = {"messages", "prompt", "max_completion_tokens", "top_logprobs", "best_of", "echo", "suffix"}
-    assert declared - extensions - HONOURED - BY_DESIGN - honoured_by_one == set(UNSUPPORTED)
+    assert declared - extensions - HONOURED - CHAT_HONOURED - BY_DESIGN - honoured_by_one == set(UNSUPPORTED)
 
 
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
@@ -126,10 +126,10 @@ async def test_logprobs_are_served_while_the_output_guard_redacts(client, endpoi
     assert (await post(client, endpoint, **fields)).status_code == 503
 
 
-async def test_response_format_json_is_refused_with_a_clear_message(client):
-    response = await post(client, "chat", response_format={"type": "json_schema", "json_schema": {"name": "x"}})
-    assert_refused(response, "response_format", "unsupported_parameter")
-    assert "structured output" in response.json()["error"]["message"]
+async def test_deprecated_functions_are_refused_pointing_at_tools(client):
+    response = await post(client, "chat", functions=[{"name": "f", "parameters": {"type": "object"}}])
+    assert_refused(response, "functions", "unsupported_parameter")
+    assert "use tools" in response.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
@@ -142,8 +142,8 @@ async def test_a_parameter_openai_does_not_have_is_refused_by_name(client, endpo
 async def test_message_names_and_unknown_message_fields_are_refused(client):
     named = {"messages": [{"role": "user", "content": "hi", "name": "alice"}]}
     assert_refused(await post(client, "chat", **named), "messages.0.name", "unsupported_parameter")
-    calls = {"messages": [{"role": "assistant", "content": "", "tool_calls": []}]}
-    assert_refused(await post(client, "chat", **calls), "messages.0.tool_calls", "unknown_parameter")
+    unknown = {"messages": [{"role": "assistant", "content": "", "weight": 1}]}
+    assert_refused(await post(client, "chat", **unknown), "messages.0.weight", "unknown_parameter")
 
 
 async def test_embeddings_refuse_unknown_parameters(client):

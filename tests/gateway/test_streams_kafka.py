@@ -166,6 +166,20 @@ async def test_disguised_personal_data_is_redacted_streamed_or_not(stack: Stack)
     assert streamed == whole.choices[0].text == chat.choices[0].message.content == VARIANTS_REDACTED
 
 
+async def test_tool_calls_reach_the_openai_client_streamed_or_not_with_their_arguments_redacted(stack: Stack) -> None:
+    client = openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="local", max_retries=0)
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    ask = {"model": "echo", "messages": [{"role": "user", "content": "who?"}], "tools": tools}
+    whole = (await client.chat.completions.create(**ask)).choices[0]  # type: ignore[call-overload]
+    async with client.chat.completions.stream(**ask) as stream:  # type: ignore[arg-type]
+        streamed = (await stream.get_final_completion()).choices[0]
+    redacted = '{"city": "Paris", "phone": "[REDACTED]"}'
+    for choice in (whole, streamed):
+        assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking."
+        assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []] == [("lookup", redacted)]
+    assert whole.message.tool_calls[0].id.startswith("call_chatcmpl-")  # type: ignore[index]
+
+
 async def test_a_streamed_generation_is_timed_per_served_version(stack: Stack) -> None:
     """TTFT, inter-token latency and end-to-end latency of a drip (20 deltas, 50 ms apart) as the
     client saw it, its tokens, and the GenAI client metrics, under the served name@version."""

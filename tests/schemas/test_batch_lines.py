@@ -75,7 +75,10 @@ def test_an_envelope_names_its_request_and_the_batch_endpoint_is_enforced():
         ({"temperature": 9}, "invalid_value", "temperature"),
         ({"stream": True}, "invalid_value", "stream"),
         ({"timeout_s": 5}, "unsupported_parameter", "timeout_s"),
-        ({"tools": [{"type": "function"}]}, "unsupported_parameter", "tools"),
+        ({"functions": [{"name": "f"}]}, "unsupported_parameter", "functions"),
+        ({"tools": [{"type": "function"}]}, "missing_required_parameter", "tools.0.function"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}},
+         "unsupported_schema", "response_format.json_schema.schema"),
         ({"messages": []}, "invalid_value", "messages"),
     ],
 )
