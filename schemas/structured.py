@@ -8,6 +8,7 @@ unknown `format`), so the list here is of keywords each tested to be enforced
 
     check_structured(spec)            raise UnsupportedSchema for a spec Weir cannot enforce
     check_strict(schema)              raise UnsupportedSchema where OpenAI's strict rules are broken
+    constraint_of(request)            the one constraint an engine enforces for a request, or None
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 import orjson
 
-from schemas.messages import MAX_SCHEMA_BYTES, StructuredOutputs
+from schemas.messages import MAX_SCHEMA_BYTES, GenerateRequest, StructuredOutputs
 
 # Keywords that constrain, by the type of node they apply to; each is enforced by the grammar.
 ENFORCED_KEYWORDS = frozenset({
@@ -42,6 +43,12 @@ class UnsupportedSchema(ValueError):
         super().__init__(f"{message} (at {pointer or '/'})")
         self.keyword = keyword
         self.pointer = pointer
+
+
+def constraint_of(request: GenerateRequest) -> StructuredOutputs | None:
+    """The constraint an engine enforces on `request`'s output (None: none). Engines read
+    constraints only through this, so tool constraints (tool_choice required or named) join here."""
+    return request.structured
 
 
 def check_structured(spec: StructuredOutputs) -> None:

@@ -35,7 +35,7 @@ def reply_events(
                         total_tokens=out.prompt_tokens + out.completion_tokens,
                         cached_prompt_tokens=out.cached_prompt_tokens),
             error=out.error, model_version=version, received_ms=out.received_ms,
-            first_token_ms=out.first_token_ms, embeddings=out.embeddings,
+            first_token_ms=out.first_token_ms, embeddings=out.embeddings, structured_valid=out.structured_valid,
         ))  # fmt: skip
     return events
 

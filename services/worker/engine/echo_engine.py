@@ -10,6 +10,7 @@ import re
 import time
 
 from schemas.messages import EmbedRequest, ErrorInfo, GenerateRequest
+from schemas.structured import constraint_of
 from services.worker.engine.sequence import EngineOutput
 
 _PIECES = re.compile(r"\s*\S+|\s+")
@@ -45,6 +46,9 @@ class EchoEngine:
             return EngineOutput(request.request_id, 0, finish_reason="rejected", error=info, received_ms=now_ms, finished_ms=now_ms)
         if request.request_id in self._active:
             return None
+        if constraint_of(request) is not None:  # echoing the prompt cannot follow a grammar: refuse, never relax
+            info = ErrorInfo(code="unsupported_by_model", message="the echo model cannot constrain its output (structured outputs, tool choice)")
+            return EngineOutput(request.request_id, 0, finish_reason="rejected", error=info, received_ms=now_ms, finished_ms=now_ms)
         text = request.prompt if request.prompt is not None else "\n".join(m.content for m in request.messages or [])
         echo = _Echo(request, text, now_ms)
         if len(echo.pieces) >= self.max_model_len:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import array
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +32,8 @@ def sample(
     watermark's delta on green tokens) is added after the temperature, so delta is the shift in
     log-probability whatever the temperature; it is deterministic too, so tokens stay so.
     """
-    if not torch.isfinite(logits).all():
+    # -inf is a grammar mask's "never" (sample_batch checked the model's own logits before it)
+    if torch.isnan(logits).any() or torch.isposinf(logits).any():
         raise NonFiniteLogits("the model produced non-finite logits")
     if request.temperature == 0.0:
         return int(torch.argmax(logits if bias is None else logits + bias))
@@ -59,6 +61,7 @@ def sample_batch(
     biases: list[torch.Tensor | None],
     output_ids: list[list[int]] | None = None,
     token_biases: list[TokenBias | None] | None = None,
+    mask: Callable[[torch.Tensor], None] | None = None,
 ) -> tuple[list[int | None], list[float]]:
     """Next tokens and model entropies of a step's rows: logits [rows, vocab] float32, which it
     changes (penalties and logit_bias are added in place).
@@ -66,7 +69,9 @@ def sample_batch(
     Returns (tokens, entropies), one per row; a row's token is None when its logits are not
     finite (that request fails). `output_ids` (each row's generated tokens so far) and
     `token_biases` (each row's logit_bias) feed `adjust_logits`; the entropy is the model's own,
-    before them. The checks, the entropy, the penalties and the bias run once over the batch,
+    before them. `mask` (the grammar's, services/worker/engine/grammar.py) sets the logits a
+    constrained row may not take to -inf, after the penalties and bias and before temperature,
+    watermark and truncation (docs/design.md, "Structured output, tools and logprobs"). The checks, the entropy, the penalties and the bias run once over the batch,
     greedy rows without a watermark bias take one batched argmax; only rows that draw at random
     (or carry a watermark bias) go through `sample`, each with its own generator, so a request's
     tokens do not depend on what shares its batch.
@@ -78,6 +83,8 @@ def sample_batch(
         finite[row] = bool(torch.isfinite(logits[row]).all())
     entropies = token_entropies(logits).tolist()
     logits = adjust_logits(logits, requests, output_ids, token_biases)
+    if mask is not None:
+        mask(logits)
     argmax = torch.argmax(logits, dim=-1).tolist()
     tokens: list[int | None] = []
     for row, (request, generator, bias) in enumerate(zip(requests, generators, biases, strict=True)):

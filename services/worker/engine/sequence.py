@@ -44,6 +44,7 @@ class EngineOutput:
     mean_token_entropy: float | None = None  # final event: mean entropy (nats) of the sampled steps
     watermark_z: float | None = None  # final event: the tenant's watermark z over the output, if any
     embeddings: list[list[float]] | None = None  # EmbedRequest's final event: one vector per input
+    structured_valid: bool | None = None  # final event of a constrained request: the output is an instance of it
 
     @property
     def is_final(self) -> bool:
