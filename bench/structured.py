@@ -28,7 +28,7 @@ PERSON = {
         "name": {"type": "string", "maxLength": 40},
         "age": {"type": "integer", "minimum": 0, "maximum": 130},
         "role": {"enum": ["admin", "user", "guest"]},
-        "email": {"type": ["string", "null"]},
+        "email": {"type": ["string", "null"], "maxLength": 60},
         "addresses": {"type": "array", "maxItems": 3, "items": {
             "type": "object", "additionalProperties": False, "required": ["city", "zip", "kind"],
             "properties": {"city": {"type": "string", "maxLength": 30}, "zip": {"type": ["string", "null"], "maxLength": 10},
