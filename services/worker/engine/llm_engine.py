@@ -21,6 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,6 +36,9 @@ from services.worker.engine.scheduler import Scheduler, StepPlan
 from services.worker.engine.sequence import EngineOutput, Sequence, Status
 from services.worker.engine.tokenizer import IncrementalDetokenizer, ModelTokenizer, TokenizerError
 from services.worker.engine.watermark import Watermarker
+
+if TYPE_CHECKING:
+    import xgrammar as xgr  # imported by grammar.py where used: it pulls in transformers
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +107,7 @@ class Engine:
         self.model_path = Path(model_path)
         self._grammars: Grammars | None = None  # built at the first constraint (its tokenizer info takes seconds)
         self._step_mask: StepMask | None = None
-        self._matchers: dict[str, object] = {}  # request_id -> its xgrammar matcher, for constrained sequences
+        self._matchers: dict[str, xgr.GrammarMatcher] = {}  # request_id -> its matcher, for constrained sequences
         self._compiling: dict[str, tuple[Sequence, Future, float]] = {}  # waiting for their grammar: seq, future, since
         log.info("engine: %s on %s %s, %d KV blocks of %d tokens", model_path, self.device, self.dtype, num_blocks, config.block_size)
 
@@ -165,7 +169,7 @@ class Engine:
         outputs = self._admit_compiled(now_ms, only=request.request_id)
         return outputs[0] if outputs else None
 
-    def _start(self, seq: Sequence, matcher) -> None:
+    def _start(self, seq: Sequence, matcher: xgr.GrammarMatcher | None) -> None:
         self._seqs[seq.request_id] = seq
         self._detok[seq.request_id] = IncrementalDetokenizer(self.tokenizer)
         if matcher is not None:
@@ -191,30 +195,34 @@ class Engine:
         return None
 
     def _admit_compiled(self, now_ms: int, only: str | None = None) -> list[EngineOutput]:
-        """Start the sequences whose grammar compiled; refuse those whose grammar failed or took
-        longer than COMPILE_TIMEOUT_S."""
+        """Start the sequences whose grammar compiled (only `only`, when given); the refusals of
+        those whose grammar failed or took longer than COMPILE_TIMEOUT_S."""
         outputs: list[EngineOutput] = []
         for request_id, (seq, future, since) in list(self._compiling.items()):
             if only is not None and request_id != only:
                 continue
-            if not future.done():
-                if time.monotonic() - since > COMPILE_TIMEOUT_S:
-                    del self._compiling[request_id]
-                    message = f"the constraint did not compile within {COMPILE_TIMEOUT_S:.0f} s; simplify it (e.g. smaller bounded repetitions)"
-                    outputs.append(_refused(seq.request, now_ms, "rejected", "grammar_too_complex", message))
+            if not future.done() and time.monotonic() - since <= COMPILE_TIMEOUT_S:
                 continue
             del self._compiling[request_id]
-            try:
-                compiled = future.result()
-            except GrammarError as exc:
-                outputs.append(_refused(seq.request, now_ms, "rejected", exc.code, str(exc)))
-                continue
-            except Exception as exc:  # e.g. a tokenizer.json xgrammar cannot read: this request fails, the engine goes on
-                log.exception("grammar compile failed")
-                outputs.append(_refused(seq.request, now_ms, "error", "grammar_error", f"{type(exc).__name__}: {exc}"))
-                continue
-            self._start(seq, self.grammars.matcher(compiled))
+            refused = self._admit(seq, future, now_ms)
+            if refused is not None:
+                outputs.append(refused)
         return outputs
+
+    def _admit(self, seq: Sequence, future: Future, now_ms: int) -> EngineOutput | None:
+        """Start `seq` with a matcher of its compiled grammar, or its refusal."""
+        if not future.done():
+            message = f"the constraint did not compile within {COMPILE_TIMEOUT_S:.0f} s; simplify it (e.g. smaller bounded repetitions)"
+            return _refused(seq.request, now_ms, "rejected", "grammar_too_complex", message)
+        try:
+            compiled = future.result()
+        except GrammarError as exc:
+            return _refused(seq.request, now_ms, "rejected", exc.code, str(exc))
+        except Exception as exc:  # e.g. a tokenizer.json xgrammar cannot read: this request fails, the engine goes on
+            log.exception("grammar compile failed")
+            return _refused(seq.request, now_ms, "error", "grammar_error", f"{type(exc).__name__}: {exc}")
+        self._start(seq, self.grammars.matcher(compiled))
+        return None
 
     def cancel(self, request_id: str, now_ms: int) -> EngineOutput | None:
         """Abort a request and free its KV blocks. Returns its terminal event, or None if unknown."""
