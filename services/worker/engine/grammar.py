@@ -176,13 +176,14 @@ class StepMask:
 
     def apply(self, logits: torch.Tensor, matchers: list[xgr.GrammarMatcher | None]) -> None:
         """Mask `logits` [rows, width] in place: row r keeps only what matchers[r] allows (None: no constraint)."""
-        rows = [r for r, m in enumerate(matchers) if m is not None]
-        if not rows:
+        constrained = [(r, m) for r, m in enumerate(matchers) if m is not None]
+        if not constrained:
             return
         if len(matchers) > self.bitmask.shape[0]:
             self.bitmask = self.xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
-        for r in rows:
-            matchers[r].fill_next_token_bitmask(self.bitmask, r)
+        for r, matcher in constrained:
+            matcher.fill_next_token_bitmask(self.bitmask, r)
+        rows = [r for r, _ in constrained]
         bitmask = self.bitmask[: len(matchers)]
         if logits.device.type != "cpu":
             bitmask = bitmask.to(logits.device, non_blocking=True)
@@ -201,9 +202,9 @@ def is_instance(spec: StructuredOutputs, text: str) -> bool:
         value: Any = json.loads(text)
     except ValueError:
         return False
-    if spec.json_object:
+    if spec.json_object or spec.json_schema is None:
         return isinstance(value, dict)
-    import jsonschema_rs
+    import jsonschema_rs  # a runtime dependency, needed only when a constrained output ends
 
     return jsonschema_rs.validator_for(spec.json_schema, validate_formats=True).is_valid(value)
 
