@@ -24,6 +24,7 @@ BENCHES = {
     "traffic": ("bench.traffic", "live TTFT with a 100% mirror on vs off, mirror copies completed, canary share of 2,000 users"),
     "tracing": ("bench.tracing", "tokens/s at concurrency 16 with trace sampling 0 vs 1, alternating rounds: what tracing costs"),
     "gpu-llama": ("bench.gpu_llama", "CUDA: the engine on a 1B-class Llama, batch-1 vs bandwidth bound, batch 64 vs HF"),
+    "grammar-libs": ("bench.grammar_libs", "xgrammar vs llguidance vs outlines-core per vocabulary: compile cold/cached, mask fill"),
 }
 
 

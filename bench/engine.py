@@ -9,6 +9,9 @@ tokens):
 Reports tokens/s, TTFT and inter-token latency percentiles, KV-cache memory per token against
 the theoretical minimum, the ratios; then time-to-first-token with and without prefix caching
 for requests sharing a long system prompt.
+
+With --structured: constrained against unconstrained decoding instead (bench/structured.py), on
+the default chat model unless --model says otherwise.
 """
 
 from __future__ import annotations
@@ -157,7 +160,7 @@ def prefix_ttft(engine, tokenizer, model: str, system_tokens: int, n: int) -> li
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="weir bench engine", description=__doc__)
-    parser.add_argument("--model", default="weir-tiny-py")
+    parser.add_argument("--model", default=None, help="default: weir-tiny-py; with --structured smollm2-135m-instruct")
     parser.add_argument("--model-repo", default="models.toml")
     parser.add_argument("--concurrency", default="1,8,32,64")
     parser.add_argument("--system-prompt-tokens", type=int, default=512)
@@ -165,7 +168,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-prefix", action="store_true", help="skip the shared-system-prompt TTFT part")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: as the worker picks)")
+    parser.add_argument("--structured", action="store_true", help="constrained vs unconstrained tokens/s (bench/structured.py)")
+    parser.add_argument("--rounds", type=int, default=5, help="--structured: rounds per concurrency (medians and spread)")
+    parser.add_argument("--max-tokens", type=int, default=256, help="--structured: max_tokens of each request")
+    parser.add_argument("--model-dir", type=Path, default=None, help="the model's directory, instead of the repository's")
     args = parser.parse_args(argv)
+    if args.model is None:
+        args.model = "smollm2-135m-instruct" if args.structured else "weir-tiny-py"
+    if args.structured and args.concurrency == parser.get_default("concurrency"):
+        args.concurrency = "1,32"
     import transformers
 
     from services.worker.hardware import cpu_threads
@@ -179,9 +190,14 @@ def main(argv: list[str] | None = None) -> int:
     config = load_model_repo(args.model_repo).models[args.model]
     if config.engine != "torch":
         parser.error(f"model {args.model!r} has engine {config.engine!r}: benchmark a torch model with weights")
-    path = ensure_model_dir(config, progress=lambda line: print(line, flush=True))  # a GGUF source is imported once
+    path = args.model_dir or ensure_model_dir(config, progress=lambda line: print(line, flush=True))  # a GGUF source is imported once
     engine_config = EngineConfig(max_model_len=config.max_model_len, max_num_seqs=max(64, config.max_num_seqs))
     engine = Engine(path, engine_config)
+    if args.structured:
+        from bench.structured import run
+
+        print(f"model {args.model} ({path}), torch threads {torch.get_num_threads()}, device {engine.device}", flush=True)
+        return run(engine, args.model, Path(path), [int(c) for c in args.concurrency.split(",")], args.rounds, args.max_tokens)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     levels = [int(c) for c in args.concurrency.split(",")]
     systems = set(args.systems.split(","))

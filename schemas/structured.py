@@ -9,6 +9,12 @@ unknown `format`), so the list here is of keywords each tested to be enforced
     constraint_of(request)            the constraint a request's output follows, or None
     check_structured(spec)            raise UnsupportedSchema for a spec Weir cannot enforce
     check_strict(schema)              raise UnsupportedSchema where OpenAI's strict rules are broken
+    constraint_of(request)            the one constraint an engine enforces for a request, or None
+
+Beyond the size limits here, a grammar's compile time is bounded where it runs: the worker
+compiles off its step thread and refuses a constraint that takes longer than
+services/worker/engine/grammar.py's COMPILE_TIMEOUT_S (a bounded repetition of a wide class, e.g.
+`[^"]{0,300}`, measured ~12 s on a 49k vocabulary; no cheap rule on the text predicts that well).
 """
 
 from __future__ import annotations
@@ -31,8 +37,10 @@ ENFORCED_KEYWORDS = frozenset({
 # Keywords that annotate and cannot change what is valid.
 ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
                          "readOnly", "writeOnly"})  # fmt: skip
-# String formats the grammar enforces (a pattern it builds for each).
-ENFORCED_FORMATS = frozenset({"date-time", "date", "time", "email", "uuid", "ipv4", "ipv6", "hostname", "uri"})
+# String formats the grammar enforces (a pattern it builds for each). Not "date" and "date-time"
+# (xgrammar 0.2.9 takes 2024-02-31), "hostname" (labels over 63 characters) or "ipv4" (leading
+# zeros): each looser than a JSON Schema validator, so an output could be served and not valid.
+ENFORCED_FORMATS = frozenset({"time", "email", "uuid", "ipv6", "uri"})
 JSON_TYPES = frozenset({"object", "array", "string", "number", "integer", "boolean", "null"})
 MAX_SCHEMA_DEPTH = 32  # nesting of subschemas; deeper is refused before the compiler sees it
 

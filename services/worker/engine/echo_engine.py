@@ -10,6 +10,7 @@ import re
 import time
 
 from schemas.messages import EmbedRequest, ErrorInfo, GenerateRequest
+from schemas.structured import constraint_of
 from services.worker.engine.sequence import EngineOutput
 
 _PIECES = re.compile(r"\s*\S+|\s+")
@@ -51,6 +52,8 @@ class EchoEngine:
         if request.request_id in self._active:
             return None
         unsupported = [why for name, why in _UNSUPPORTED.items() if getattr(request, name) is not None]
+        if constraint_of(request) is not None:  # echoing the prompt cannot follow a grammar: refuse, never relax
+            unsupported.append("a constrained output (structured outputs, tool choice required or named)")
         if unsupported:  # refused, never faked (docs/design.md, invariant 6)
             info = ErrorInfo(code="unsupported_by_model", message="the echo model cannot serve " + "; ".join(unsupported))
             return EngineOutput(request.request_id, 0, finish_reason="rejected", error=info, received_ms=now_ms, finished_ms=now_ms)

@@ -6,7 +6,7 @@ One step() is:
     plan = self.scheduler.schedule()         # who runs, on which blocks
     logits = self._run(plan)                 # one model forward over every scheduled token
     self.scheduler.commit(plan)              # the plan's tokens are in the KV cache now
-    rows = sample_batch(logits, ...)         # per sampling row: token (penalties, logit_bias, watermark), raw logprobs
+    rows = sample_batch(logits, ...)         # per sampling row: token (penalties, logit_bias, grammar mask, watermark), raw logprobs
     outputs += self._postprocess(seq, ...)   # per sequence: detokenize, stop, emit
 
 Synchronous and single-threaded: the worker's runner (services/worker/runner.py) calls step()
@@ -16,14 +16,19 @@ from its engine thread or child process, and tests and benchmarks call it direct
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from schemas.messages import EmbedRequest, ErrorInfo, GenerateRequest, TokenLogprob, TopLogprob
+from schemas.messages import EmbedRequest, ErrorInfo, GenerateRequest, StructuredOutputs, TokenLogprob, TopLogprob
+from schemas.structured import UnsupportedSchema, check_structured, constraint_of
 from services.worker.engine.chat_template import ChatTemplateError
+from services.worker.engine.grammar import COMPILE_TIMEOUT_S, GrammarError, Grammars, StepMask, is_instance
 from services.worker.engine.kv_cache import BlockManager, allocate_kv_caches, bytes_per_block
 from services.worker.engine.model import AttentionMetadata, CausalLM, load_model, weights_sha256
 from services.worker.engine.sampler import sample_batch
@@ -31,6 +36,9 @@ from services.worker.engine.scheduler import Scheduler, StepPlan
 from services.worker.engine.sequence import EngineOutput, Sequence, Status
 from services.worker.engine.tokenizer import IncrementalDetokenizer, ModelTokenizer, SuffixUnsupported, TokenizerError
 from services.worker.engine.watermark import Watermarker
+
+if TYPE_CHECKING:
+    import xgrammar as xgr  # imported by grammar.py where used: it pulls in transformers
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +104,11 @@ class Engine:
         )
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        self.model_path = Path(model_path)
+        self._grammars: Grammars | None = None  # built at the first constraint (its tokenizer info takes seconds)
+        self._step_mask: StepMask | None = None
+        self._matchers: dict[str, xgr.GrammarMatcher] = {}  # request_id -> its matcher, for constrained sequences
+        self._compiling: dict[str, tuple[Sequence, Future, float]] = {}  # waiting for their grammar: seq, future, since
         log.info("engine: %s on %s %s, %d KV blocks of %d tokens", model_path, self.device, self.dtype, num_blocks, config.block_size)
 
     def _kv_budget_bytes(self) -> int:
@@ -111,7 +124,7 @@ class Engine:
         if not isinstance(request, GenerateRequest):
             message = "this model generates text; embeddings need an embedding model"
             return _refused(request, now_ms, "rejected", "unsupported_request_kind", message)
-        if request.request_id in self._seqs:
+        if request.request_id in self._seqs or request.request_id in self._compiling:
             return None  # already running: a redelivery, the first copy answers
         try:
             prompt_text = self.tokenizer.render(request)
@@ -144,16 +157,80 @@ class Engine:
                 f"logit_bias names token id {outside[0]}, outside the vocabulary of {request.model} "
                 f"(token ids 0 to {self.model.args.vocab_size - 1})",
             )  # fmt: skip
+        spec = constraint_of(request)
+        if spec is not None and (refused := self._refuse_constraint(request, spec, now_ms)) is not None:
+            return refused
         max_tokens = min(request.max_tokens, self.max_model_len - len(prompt_ids))
         text = prompt_text if prompt_text is not None else self.tokenizer.decode(prompt_ids)
         seq = Sequence(request, text, prompt_ids, max_tokens, now_ms)
-        self._seqs[request.request_id] = seq
-        self._detok[request.request_id] = IncrementalDetokenizer(self.tokenizer)
+        if spec is None:
+            self._start(seq, None)
+            return None
+        # compiled off the step thread (grammar.py); a cached grammar is admitted at once
+        self._compiling[request.request_id] = (seq, self.grammars.submit(spec), time.monotonic())
+        outputs = self._admit_compiled(now_ms, only=request.request_id)
+        return outputs[0] if outputs else None
+
+    def _start(self, seq: Sequence, matcher: xgr.GrammarMatcher | None) -> None:
+        self._seqs[seq.request_id] = seq
+        self._detok[seq.request_id] = IncrementalDetokenizer(self.tokenizer)
+        if matcher is not None:
+            self._matchers[seq.request_id] = matcher
         self.scheduler.add(seq)
+
+    @property
+    def grammars(self) -> Grammars:
+        """This model's grammar cache, with the engine's eos ids as the grammar's stop tokens."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.model_path, self.model.args.vocab_size, self.eos_ids)
+        return self._grammars
+
+    def _refuse_constraint(self, request: GenerateRequest, spec: StructuredOutputs, now_ms: int) -> EngineOutput | None:
+        """Refuse a constraint Weir cannot enforce (docs/design.md invariant 6: refuse, never relax)."""
+        try:
+            check_structured(spec)
+        except UnsupportedSchema as exc:
+            return _refused(request, now_ms, "rejected", "unsupported_schema", str(exc))
+        if request.ignore_eos:
+            message = "ignore_eos cannot be combined with a structured-output constraint: the output ends where the grammar does"
+            return _refused(request, now_ms, "rejected", "unsupported_parameter", message)
+        return None
+
+    def _admit_compiled(self, now_ms: int, only: str | None = None) -> list[EngineOutput]:
+        """Start the sequences whose grammar compiled (only `only`, when given); the refusals of
+        those whose grammar failed or took longer than COMPILE_TIMEOUT_S."""
+        outputs: list[EngineOutput] = []
+        for request_id, (seq, future, since) in list(self._compiling.items()):
+            if only is not None and request_id != only:
+                continue
+            if not future.done() and time.monotonic() - since <= COMPILE_TIMEOUT_S:
+                continue
+            del self._compiling[request_id]
+            refused = self._admit(seq, future, now_ms)
+            if refused is not None:
+                outputs.append(refused)
+        return outputs
+
+    def _admit(self, seq: Sequence, future: Future, now_ms: int) -> EngineOutput | None:
+        """Start `seq` with a matcher of its compiled grammar, or its refusal."""
+        if not future.done():
+            message = f"the constraint did not compile within {COMPILE_TIMEOUT_S:.0f} s; simplify it (e.g. smaller bounded repetitions)"
+            return _refused(seq.request, now_ms, "rejected", "grammar_too_complex", message)
+        try:
+            compiled = future.result()
+        except GrammarError as exc:
+            return _refused(seq.request, now_ms, "rejected", exc.code, str(exc))
+        except Exception as exc:  # e.g. a tokenizer.json xgrammar cannot read: this request fails, the engine goes on
+            log.exception("grammar compile failed")
+            return _refused(seq.request, now_ms, "error", "grammar_error", f"{type(exc).__name__}: {exc}")
+        self._start(seq, self.grammars.matcher(compiled))
         return None
 
     def cancel(self, request_id: str, now_ms: int) -> EngineOutput | None:
         """Abort a request and free its KV blocks. Returns its terminal event, or None if unknown."""
+        compiling = self._compiling.pop(request_id, None)
+        if compiling is not None:
+            return _refused(compiling[0].request, now_ms, "cancelled", "cancelled", "request was cancelled")
         seq = self._seqs.get(request_id)
         if seq is None:
             return None
@@ -163,13 +240,17 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or bool(self._compiling)
 
     def step(self, now_ms: int) -> list[EngineOutput]:
         """Run one iteration: expire, schedule, forward, sample. Returns the events it made."""
         outputs = self._expire(now_ms)
+        if self._compiling:
+            outputs += self._admit_compiled(now_ms)
         plan = self.scheduler.schedule()
         if plan.is_empty:
+            if self._compiling and not outputs:  # nothing to run but grammars compiling: wait, do not spin
+                wait([f for _, f, _ in self._compiling.values()], timeout=0.01, return_when=FIRST_COMPLETED)
             return outputs
         for chunk in plan.prefills:  # vLLM's queue time ends at the first step a request is in
             if chunk.seq.scheduled_ms is None:
@@ -186,17 +267,33 @@ class Engine:
         histories = [s.output_ids if s.is_penalised else [] for s in seqs]  # only penalties read them
         rows = sample_batch(
             logits, [s.request for s in seqs], [s.generator for s in seqs], biases, histories,
-            [s.token_bias for s in seqs], [s.request.logprobs for s in seqs],
+            [s.token_bias for s in seqs], [s.request.logprobs for s in seqs], mask=self._grammar_mask(seqs),
         )  # fmt: skip
         taken_ms = self.clock() if self.clock is not None else now_ms
         for seq, token, entropy, logprob, top in zip(seqs, *rows, strict=True):
             outputs.extend(self._postprocess(seq, token, entropy, logprob, top, taken_ms))
         return outputs
 
+    def _grammar_mask(self, seqs: list[Sequence]) -> Callable[[torch.Tensor], None] | None:
+        """The step's grammar mask over `seqs`' rows, or None when no row is constrained."""
+        if not self._matchers:
+            return None
+        matchers = [self._matchers.get(s.request_id) for s in seqs]
+        if not any(m is not None for m in matchers):
+            return None
+        if self._step_mask is None:
+            self._step_mask = StepMask(self.model.args.vocab_size, self.config.max_num_seqs)
+        step_mask = self._step_mask
+        return lambda logits: step_mask.apply(logits, matchers)
+
     def _expire(self, now_ms: int) -> list[EngineOutput]:
         expired = [s for s in self._seqs.values() if s.request.deadline_ms <= now_ms]
         info = ErrorInfo(code="deadline_exceeded", message="the request's deadline passed")
-        return [self._finish(s, "timeout", now_ms, info) for s in expired]
+        outputs = [self._finish(s, "timeout", now_ms, info) for s in expired]
+        for request_id in [r for r, (s, _, _) in self._compiling.items() if s.request.deadline_ms <= now_ms]:
+            seq, _, _ = self._compiling.pop(request_id)
+            outputs.append(_refused(seq.request, now_ms, "timeout", "deadline_exceeded", "the request's deadline passed"))
+        return outputs
 
     def _run(self, plan: StepPlan) -> torch.Tensor:
         bs = self.blocks.block_size
@@ -265,6 +362,13 @@ class Engine:
         seq.num_sampled += 1
         if seq.first_token_ms is None:
             seq.first_token_ms = now_ms
+        matcher = self._matchers.get(seq.request_id)
+        if matcher is not None:
+            if not matcher.accept_token(token):  # the mask allowed it: a grammar engine bug, never served
+                info = ErrorInfo(code="grammar_violation", message=f"token {token} broke the constraint")
+                return [self._finish(seq, "error", now_ms, info)]
+            if matcher.is_terminated():  # it took an end-of-sequence token where the grammar may end
+                return [self._finish(seq, "stop", now_ms)]
         if token in self.eos_ids and not seq.request.ignore_eos:
             return [self._finish(seq, "stop", now_ms)]
         seq.token_ids.append(token)
@@ -290,8 +394,12 @@ class Engine:
         self.scheduler.remove(seq)
         self._seqs.pop(seq.request_id, None)
         self._detok.pop(seq.request_id, None)
+        self._matchers.pop(seq.request_id, None)
         out = seq.final(reason, now_ms, error)
         out.watermark_z = self.watermarker.z_score(seq.request.tenant, seq.output_ids)
+        spec = constraint_of(seq.request)
+        if spec is not None:  # the output SLA: a truncated ("length") or failed output is not valid
+            out.structured_valid = reason == "stop" and is_instance(spec, out.output_text or "")
         return out
 
     # -- introspection -----------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import array
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -32,7 +33,8 @@ def sample(
     watermark's delta on green tokens) is added after the temperature, so delta is the shift in
     log-probability whatever the temperature; it is deterministic too, so tokens stay so.
     """
-    if not torch.isfinite(logits).all():
+    # -inf is a grammar mask's "never" (sample_batch checked the model's own logits before it)
+    if torch.isnan(logits).any() or torch.isposinf(logits).any():
         raise NonFiniteLogits("the model produced non-finite logits")
     if request.temperature == 0.0:
         return int(torch.argmax(logits if bias is None else logits + bias))
@@ -61,6 +63,7 @@ def sample_batch(
     output_ids: list[list[int]] | None = None,
     token_biases: list[TokenBias | None] | None = None,
     top_logprobs: list[int | None] | None = None,
+    mask: Callable[[torch.Tensor], None] | None = None,
 ) -> SampledRows:
     """Next tokens, model entropies and raw logprobs of a step's rows: logits [rows, vocab]
     float32, which it changes (penalties and logit_bias are added in place).
@@ -70,7 +73,9 @@ def sample_batch(
     `adjust_logits`; `top_logprobs` (each row's request.logprobs, None: not asked) sizes the
     alternatives `raw_logprobs` lists. The entropy and the logprobs are the model's own, from one
     log-softmax taken before anything changes the logits (docs/design.md, "Structured output,
-    tools and logprobs"). The checks, the entropy, the penalties and the bias run once over the
+    tools and logprobs"). `mask` (the grammar's, services/worker/engine/grammar.py) sets the
+    logits a constrained row may not take to -inf, after the penalties and bias and before
+    temperature, watermark and truncation. The checks, the entropy, the penalties and the bias run once over the
     batch, greedy rows without a watermark bias take one batched argmax; only rows that draw at
     random (or carry a watermark bias) go through `sample`, each with its own generator, so a
     request's tokens do not depend on what shares its batch.
@@ -83,6 +88,8 @@ def sample_batch(
     logp = torch.log_softmax(logits.float(), dim=-1)  # a new tensor: adjust_logits' in-place changes miss it
     entropies = entropies_of(logp).tolist()
     logits = adjust_logits(logits, requests, output_ids, token_biases)
+    if mask is not None:
+        mask(logits)
     argmax = torch.argmax(logits, dim=-1).tolist()
     tokens: list[int | None] = []
     for row, (request, generator, bias) in enumerate(zip(requests, generators, biases, strict=True)):

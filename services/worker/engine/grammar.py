@@ -1,0 +1,226 @@
+"""Structured-output constraints as token masks inside the batched step (xgrammar).
+
+docs/design.md, "Structured output, tools and logprobs": a constraint is compiled once per
+canonical spec and model, from the model's own tokenizer.json (nothing is downloaded), cached with
+a bound; each constrained row's mask is filled from its matcher and applied after logit_bias and
+penalties, before temperature, watermark, top-k and top-p; the end-of-sequence tokens are allowed
+only where the grammar may end. A matcher's state is a function of the output tokens alone, so a
+regenerated or preempted request rebuilds the same masks (invariant 3).
+
+    Grammars(model_path, vocab_size, stop_ids)   per engine: compile (off the step thread) and cache
+    StepMask(grammars)                          one reusable bitmask; fill constrained rows, apply
+    is_instance(spec, text)                     the output SLA check (ReplyEnd.structured_valid)
+
+Compilation runs on one background thread (xgrammar releases the GIL): measured on SmolLM2's 49k
+vocabulary, a bounded repetition of a wide class such as `[^"]{0,300}` compiles for ~12 s and
+`.{0,32}` for ~1.3 s, so compiling in the step would stall every other request. A compile that
+takes more than COMPILE_TIMEOUT_S refuses its request (`grammar_too_complex`); its result is still
+cached when it finishes, so a retry is served.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import orjson
+import torch
+
+from schemas.messages import StructuredOutputs
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
+# xgrammar is imported where it is used: its import pulls in transformers (~5 s), which an engine
+# that never sees a constraint should not pay.
+
+COMPILE_TIMEOUT_S = 10.0
+CACHE_SIZE = 128  # compiled grammars kept per engine, least recently used dropped first
+# JSON is generated with json.dumps' separators and no other whitespace: a model cannot run on in
+# free whitespace until max_tokens, and ", " / ": " are what chat models are trained on.
+SEPARATORS = (", ", ": ")
+
+
+class GrammarError(ValueError):
+    """A spec that does not compile: `code` (invalid_schema, invalid_regex, grammar_too_complex) and
+    a short message for the client."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def spec_key(spec: StructuredOutputs) -> str:
+    """sha256 of the spec's canonical JSON (sorted keys): equal specs share one compiled grammar."""
+    return hashlib.sha256(orjson.dumps(spec.model_dump(), option=orjson.OPT_SORT_KEYS)).hexdigest()
+
+
+class Grammars:
+    """The compiled grammars of one model: built from its local tokenizer.json on first use, compiled
+    on one background thread, cached (LRU) by spec_key. Failures are cached too, so a repeated bad
+    spec costs nothing."""
+
+    def __init__(self, model_path: str | Path, vocab_size: int, stop_ids: Iterable[int], cache_size: int = CACHE_SIZE) -> None:
+        self.model_path = Path(model_path)
+        self.vocab_size = vocab_size  # the logits' width (config vocab), may exceed the tokenizer's
+        self.stop_ids = sorted(stop_ids)
+        self.cache_size = cache_size
+        self._compiler: xgr.GrammarCompiler | None = None
+        self._cache: OrderedDict[str, Future] = OrderedDict()
+        self._lock = threading.Lock()  # the cache is read by the step thread and written by the compile thread
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+
+    def submit(self, spec: StructuredOutputs) -> Future:
+        """A future of the spec's CompiledGrammar (done at once when cached); its exception is a GrammarError."""
+        key = spec_key(spec)
+        with self._lock:
+            future = self._cache.get(key)
+            if future is not None:
+                self._cache.move_to_end(key)
+                return future
+            future = self._pool.submit(self._compile, spec)
+            self._cache[key] = future
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return future
+
+    def compile(self, spec: StructuredOutputs, timeout_s: float = COMPILE_TIMEOUT_S) -> xgr.CompiledGrammar:
+        """The spec's CompiledGrammar, waiting for it (tests, benchmarks); raises GrammarError."""
+        return self.submit(spec).result(timeout=timeout_s)
+
+    def matcher(self, compiled: xgr.CompiledGrammar) -> xgr.GrammarMatcher:
+        """A fresh matcher: one per sequence."""
+        import xgrammar as xgr
+
+        return xgr.GrammarMatcher(compiled)
+
+    @property
+    def compiler(self) -> xgr.GrammarCompiler:
+        if self._compiler is None:  # ~2 s on a 49k vocabulary: only for a model that gets a constraint
+            import xgrammar as xgr
+
+            info = xgr.TokenizerInfo.from_huggingface(
+                _hf_tokenizer(self.model_path), vocab_size=self.vocab_size, stop_token_ids=self.stop_ids
+            )
+            # our LRU is the cache (bounded by count); xgrammar's own would grow without bound
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        return self._compiler
+
+    def _compile(self, spec: StructuredOutputs) -> xgr.CompiledGrammar:
+        compiler = self.compiler
+        try:
+            if spec.json_schema is not None:
+                return compiler.compile_json_schema(json.dumps(spec.json_schema), any_whitespace=False, separators=SEPARATORS)
+            if spec.json_object:
+                # strict_mode off: any object, with any properties (strict mode would close it to `{}`)
+                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, separators=SEPARATORS,
+                                                    strict_mode=False)  # fmt: skip
+            if spec.regex is not None:
+                return compiler.compile_regex(spec.regex)
+            return compiler.compile_grammar(choice_ebnf(spec.choice or []))
+        except (RuntimeError, ValueError) as exc:
+            code = "invalid_regex" if spec.regex is not None else "invalid_schema"
+            raise GrammarError(code, _short(str(exc))) from exc
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _hf_tokenizer(model_path: Path):
+    from transformers import PreTrainedTokenizerFast  # a runtime dependency; imported only when a constraint comes
+
+    return PreTrainedTokenizerFast(tokenizer_file=str(model_path / "tokenizer.json"))
+
+
+def choice_ebnf(choices: list[str]) -> str:
+    """An EBNF grammar whose language is exactly `choices`: each string a literal, every character
+    outside printable ASCII (and `"` and `\\`) written as a \\u / \\U escape."""
+    return "root ::= " + " | ".join(f'"{_ebnf_escape(c)}"' for c in choices)
+
+
+def _ebnf_escape(text: str) -> str:
+    out = []
+    for ch in text:
+        code = ord(ch)
+        if 0x20 <= code < 0x7F and ch not in '"\\':
+            out.append(ch)
+        elif code <= 0xFFFF:
+            out.append(f"\\u{code:04x}")
+        else:
+            out.append(f"\\U{code:08x}")
+    return "".join(out)
+
+
+def _short(message: str, limit: int = 300) -> str:
+    """xgrammar's message without its C++ source location prefix, cut to `limit` characters."""
+    message = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", message.strip())
+    return message if len(message) <= limit else message[: limit - 3] + "..."
+
+
+class StepMask:
+    """One bitmask for the step's rows, allocated once and reused: only constrained rows are
+    filled and only they are masked, so unconstrained rows' logits are untouched."""
+
+    def __init__(self, vocab_size: int, max_rows: int) -> None:
+        import xgrammar as xgr
+
+        self.xgr = xgr
+        self.vocab_size = vocab_size
+        self.bitmask = xgr.allocate_token_bitmask(max_rows, vocab_size)
+
+    def apply(self, logits: torch.Tensor, matchers: list[xgr.GrammarMatcher | None]) -> None:
+        """Mask `logits` [rows, width] in place: row r keeps only what matchers[r] allows (None: no constraint)."""
+        constrained = [(r, m) for r, m in enumerate(matchers) if m is not None]
+        if not constrained:
+            return
+        if len(matchers) > self.bitmask.shape[0]:
+            self.bitmask = self.xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
+        for r, matcher in constrained:
+            matcher.fill_next_token_bitmask(self.bitmask, r)
+        rows = [r for r, _ in constrained]
+        bitmask = self.bitmask[: len(matchers)]
+        if logits.device.type != "cpu":
+            bitmask = bitmask.to(logits.device, non_blocking=True)
+        self.xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows)
+
+
+def is_instance(spec: StructuredOutputs, text: str) -> bool:
+    """Whether `text` is an instance of the constraint, checked independently of the grammar:
+    JSON parsed and validated (jsonschema_rs, formats included), a regex by Python's re.fullmatch,
+    a choice by membership."""
+    if spec.choice is not None:
+        return text in spec.choice
+    if spec.regex is not None:
+        return _regex_matches(spec.regex, text)
+    try:
+        value: Any = json.loads(text)
+    except ValueError:
+        return False
+    if spec.json_object or spec.json_schema is None:
+        return isinstance(value, dict)
+    import jsonschema_rs  # a runtime dependency, needed only when a constrained output ends
+
+    return jsonschema_rs.validator_for(spec.json_schema, validate_formats=True).is_valid(value)
+
+
+def _regex_matches(pattern: str, text: str) -> bool:
+    try:
+        compiled = re.compile(pattern)
+    except re.error:  # a dialect Python's re does not read: ask a fresh xgrammar regex matcher
+        return _xgrammar_fullmatch(pattern, text)
+    return compiled.fullmatch(text) is not None
+
+
+def _xgrammar_fullmatch(pattern: str, text: str) -> bool:
+    import xgrammar as xgr
+
+    grammar = xgr.Grammar.from_regex(pattern)
+    info = xgr.TokenizerInfo([])  # no vocabulary: the string is matched byte by byte
+    matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_grammar(grammar), terminate_without_stop_token=True)
+    return matcher.accept_string(text) and matcher.is_completed()
