@@ -37,10 +37,23 @@ ENFORCED_KEYWORDS = frozenset({
 # Keywords that annotate and cannot change what is valid.
 ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
                          "readOnly", "writeOnly"})  # fmt: skip
-# String formats the grammar enforces (a pattern it builds for each). Not "date" and "date-time"
-# (xgrammar 0.2.9 takes 2024-02-31), "hostname" (labels over 63 characters) or "ipv4" (leading
-# zeros): each looser than a JSON Schema validator, so an output could be served and not valid.
-ENFORCED_FORMATS = frozenset({"time", "email", "uuid", "ipv6", "uri"})
+# String formats the grammar enforces (a pattern it builds for each). Not "hostname" (xgrammar
+# 0.2.9 takes labels over 63 characters): looser than a JSON Schema validator, so an output could
+# be served and not valid. "date", "date-time" and "ipv4", which xgrammar also enforces loosely
+# (2024-02-31, leading zeros), are served as the exact patterns of FORMAT_PATTERNS instead.
+_DAY = (
+    "([0-9]{4}-(0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])"
+    "|[0-9]{4}-(0[469]|11)-(0[1-9]|[12][0-9]|30)"
+    "|[0-9]{4}-02-(0[1-9]|1[0-9]|2[0-8])"
+    "|([0-9]{2}(0[48]|[2468][048]|[13579][26])|([02468][048]|[13579][26])00)-02-29)"
+)  # a real Gregorian date: 30-day months, February's 28, and the 29th of leap years only
+_OCTET = "(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+FORMAT_PATTERNS = {
+    "date": _DAY,
+    "date-time": _DAY + "T([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\\.[0-9]{1,9})?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])",
+    "ipv4": f"({_OCTET}\\.){{3}}{_OCTET}",
+}  # fmt: skip
+ENFORCED_FORMATS = frozenset({"time", "email", "uuid", "ipv6", "uri", *FORMAT_PATTERNS})
 JSON_TYPES = frozenset({"object", "array", "string", "number", "integer", "boolean", "null"})
 MAX_SCHEMA_DEPTH = 32  # nesting of subschemas; deeper is refused before the compiler sees it
 
@@ -85,6 +98,9 @@ def _walk(node: Any, pointer: str, depth: int) -> None:
             continue
         if key not in ENFORCED_KEYWORDS:
             raise UnsupportedSchema(f"keyword {key!r} is not supported", keyword=key, pointer=where)
+        if key == "format" and value in FORMAT_PATTERNS and "pattern" in node:
+            raise UnsupportedSchema(f"format {value!r} is served as a pattern, so it cannot be combined with one",
+                                    keyword="format", pointer=where)  # fmt: skip
         if key == "format" and value not in ENFORCED_FORMATS:
             raise UnsupportedSchema(f"format {value!r} is not supported (supported: "
                                     f"{', '.join(sorted(ENFORCED_FORMATS))})", keyword="format", pointer=where)  # fmt: skip
@@ -131,6 +147,26 @@ def check_strict(schema: Any, pointer: str = "") -> None:
         check_strict(schema["items"], f"{pointer}/items")
     for i, sub in enumerate(schema.get("anyOf") or []):
         check_strict(sub, f"{pointer}/anyOf/{i}")
+
+
+def with_format_patterns(schema: Any) -> Any:
+    """`schema` with each `format` of FORMAT_PATTERNS replaced by its exact `pattern` (the form the
+    grammar compiler enforces exactly; check_structured refuses a node with both)."""
+    if isinstance(schema, list):
+        return [with_format_patterns(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "format" and value in FORMAT_PATTERNS:
+            out["pattern"] = FORMAT_PATTERNS[value]
+        elif key in ("enum", "const", "default", "examples"):
+            out[key] = value  # values, not schemas
+        elif key in ("properties", "$defs", "definitions"):
+            out[key] = {name: with_format_patterns(sub) for name, sub in value.items()} if isinstance(value, dict) else value
+        else:
+            out[key] = with_format_patterns(value)
+    return out
 
 
 def _escape(token: str) -> str:

@@ -57,6 +57,11 @@ FORMATS: dict[str, tuple[list[str], list[str]]] = {
     "uuid": (["123e4567-e89b-12d3-a456-426614174000"], ["123e4567e89b12d3a456426614174000", "xyz"]),
     "ipv6": (["2001:db8::1", "::1"], ["2001:db8:::1", "12345::"]),
     "uri": (["https://example.com/a?b=c"], ["not a uri", "://x"]),
+    # served as exact patterns (schemas/structured.py, FORMAT_PATTERNS): xgrammar's own are looser
+    "date": (["2024-02-29", "2023-12-31", "2000-02-29"], ["2024-02-31", "2023-02-29", "1900-02-29", "2024-4-01"]),
+    "date-time": (["2024-02-29T10:00:00Z", "2024-12-31T23:59:59.123+05:30"],
+                  ["2023-02-29T10:00:00Z", "2024-04-31T00:00:00Z", "2024-01-01T24:00:00Z", "2024-01-01 10:00:00Z"]),
+    "ipv4": (["10.0.0.255", "0.0.0.0"], ["01.2.3.4", "256.1.1.1", "1.2.3"]),
 }
 
 
@@ -98,12 +103,13 @@ def test_every_whitelisted_format_is_enforced(grammars):
         spec = StructuredOutputs(json_schema={"type": "string", "format": fmt})
         for value in good:
             assert accepts(grammars, spec, json.dumps(value)), (fmt, value)
+            assert is_instance(spec, json.dumps(value)), (fmt, value)
         for value in bad:
             assert not accepts(grammars, spec, json.dumps(value)), (fmt, value)
 
 
 # formats xgrammar enforces more loosely than a JSON Schema validator: value it takes, not an instance
-LOOSE_FORMATS = {"date": "2024-02-31", "date-time": "2023-02-29T10:00:00Z", "hostname": "a" * 64 + ".com", "ipv4": "01.2.3.4"}
+LOOSE_FORMATS = {"hostname": "a" * 64 + ".com"}
 
 
 def test_keywords_the_grammar_ignores_are_refused(grammars):
@@ -116,6 +122,7 @@ def test_keywords_the_grammar_ignores_are_refused(grammars):
         with pytest.raises(UnsupportedSchema):
             check_structured(spec)
     for schema, keyword in [(unique, "uniqueItems"), ({"type": "string", "format": "iri"}, "format"),
+                            ({"type": "string", "format": "date", "pattern": "^2"}, "format"),
                             ({"type": "object", "patternProperties": {"^a": INT}}, "patternProperties")]:  # fmt: skip
         with pytest.raises(UnsupportedSchema) as err:
             check_structured(StructuredOutputs(json_schema=schema))

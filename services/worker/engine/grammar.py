@@ -34,6 +34,7 @@ import orjson
 import torch
 
 from schemas.messages import StructuredOutputs
+from schemas.structured import with_format_patterns
 
 if TYPE_CHECKING:
     import xgrammar as xgr
@@ -116,7 +117,8 @@ class Grammars:
         compiler = self.compiler
         try:
             if spec.json_schema is not None:
-                return compiler.compile_json_schema(json.dumps(spec.json_schema), any_whitespace=False, separators=SEPARATORS)
+                schema = with_format_patterns(spec.json_schema)  # date, date-time, ipv4: exact patterns
+                return compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, separators=SEPARATORS)
             if spec.json_object:
                 # strict_mode off: any object, with any properties (strict mode would close it to `{}`)
                 return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, separators=SEPARATORS,
