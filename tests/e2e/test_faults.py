@@ -16,9 +16,18 @@ MODEL = "weir-tiny-py"
 NUM_REQUESTS = 30
 
 
+# every third request is constrained to a JSON schema: regenerated after a kill -9, its grammar
+# state is rebuilt from its tokens and it must give the same text (docs/design.md, "Structured output...")
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16}, "retries": {"type": "integer"},
+          "mode": {"enum": ["fast", "safe"]}}, "required": ["name", "retries", "mode"], "additionalProperties": False}
+
+
 def body_of(i: int) -> dict:
-    return {"model": MODEL, "prompt": f"def handler_{i}(request):\n", "max_tokens": 200, "temperature": 0.8,
+    body = {"model": MODEL, "prompt": f"def handler_{i}(request):\n", "max_tokens": 200, "temperature": 0.8,
             "seed": 100 + i}  # fmt: skip
+    if i % 3 == 0:
+        body["structured_outputs"] = {"json": SCHEMA}
+    return body
 
 
 async def stream_one(client: httpx.AsyncClient, i: int, first_token: asyncio.Event, log: dict, delay_s: float) -> None:
@@ -85,6 +94,8 @@ async def assert_each_ends_once(pipeline, log: dict) -> None:
         assert all(a < b for a, b in zip(ids[:last], ids[1:last + 1])), f"stream {i} repeated or reordered: {ids}"
         assert set(ids[last:]) == {ids[-1]}
         assert entry["text"] == again[i].json()["choices"][0]["text"], f"stream {i} differs from its rerun"
+        if i % 3 == 0 and entry["finishes"] == ["stop"]:
+            assert set(orjson.loads(entry["text"])) == set(SCHEMA["properties"]), entry["text"]
 
 
 # The two kills run on the shared stack (tests/e2e/conftest.py): each restarts what it killed and
