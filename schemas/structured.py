@@ -188,7 +188,7 @@ def with_format_patterns(schema: Any) -> Any:
         return [with_format_patterns(item) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {}
+    out: dict[str, Any] = {}
     for key, value in schema.items():
         if key == "format" and value in FORMAT_PATTERNS:
             out["pattern"] = FORMAT_PATTERNS[value]
