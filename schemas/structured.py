@@ -148,7 +148,7 @@ def _check_refs(schemas: dict[str, Any]) -> None:
             at = _target(refs[at])
             if at in seen:
                 raise UnsupportedSchema(f"$ref {refs[pointer]!r} only leads back to itself (a loop of references "
-                                        "with nothing else in it)", keyword="$ref", pointer=f"{pointer}/$ref")  # fmt: skip
+                                        "that never reaches a schema)", keyword="$ref", pointer=f"{pointer}/$ref")  # fmt: skip
             seen.add(at)
 
 

@@ -159,7 +159,8 @@ class Engine:
                 f"(token ids 0 to {self.model.args.vocab_size - 1})",
             )  # fmt: skip
         if (problem := tools_problem(request.tools)) is not None:  # a raw Kafka request the gateway would refuse
-            return _refused(request, now_ms, "rejected", "invalid_tool_parameters", f"tools[{problem[0]}]: {problem[1]}")
+            message = f"tools[{problem[0]}]: {problem[1]}"
+            return _refused(request, now_ms, "rejected", "invalid_tool_parameters", message)
         spec = constraint_of(request)
         if spec is not None and (refused := self._refuse_constraint(request, spec, now_ms)) is not None:
             return refused
