@@ -41,6 +41,7 @@ from schemas.messages import (
     sibling_seed,
 )
 from schemas.structured import UnsupportedSchema, check_structured
+from schemas.tools import tools_problem
 
 Kind = Literal["chat.completions", "completions"]
 
@@ -360,6 +361,18 @@ class ChatCompletionBody(_Body):
             if message.name is not None:
                 raise BodyError("participant names are not supported", param=f"messages.{i}.name",
                                 code="unsupported_parameter")  # fmt: skip
+        self._check_tool_turns()
+
+    def _check_tool_turns(self) -> None:
+        """As OpenAI: a tool message answers a call an earlier assistant message made (its
+        tool_call_id is one of theirs); one that answers nothing is refused, not passed on."""
+        called: set[str] = set()
+        for i, message in enumerate(self.messages):
+            called.update(call.id for call in message.tool_calls or [])
+            if message.role == "tool" and message.tool_call_id not in called:
+                raise BodyError(f"messages with role 'tool' must be a response to a preceding message with "
+                                f"'tool_calls'; no earlier call has the id {message.tool_call_id!r}",
+                                param=f"messages.{i}.tool_call_id", code="invalid_value")  # fmt: skip
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -386,7 +399,7 @@ class ChatCompletionBody(_Body):
         """`tools`, `tool_choice` and `parallel_tool_calls` (docs/design.md, "Structured
         output...": required and a named function constrain the output, so their parameter
         schemas are checked as a structured constraint is; `auto` does not constrain, so its
-        schemas only describe the functions to the model and any schema is accepted, but a
+        schemas only describe the functions to the model and any object schema is accepted, but a
         `strict: true` it could not keep is refused)."""
         tools = self.tools or []
         if not tools:
@@ -410,6 +423,10 @@ class ChatCompletionBody(_Body):
             param = "response_format" if self.response_format_is_constraint else "structured_outputs"
             raise BodyError(f"{param} and tools the model may call are exclusive (tool_choice \"none\" keeps the "
                             "tools out of reach)", param=param, code="invalid_value")  # fmt: skip
+        wire_tools = [ToolDef.model_validate(tool.model_dump()) for tool in tools]
+        if (problem := tools_problem(wire_tools)) is not None:
+            param = f"tools.{problem[0]}.function.parameters"
+            raise BodyError(f"{param}: {problem[1]}", param=param, code="invalid_value")
         is_parsed = choice in (None, "auto")  # calls the model makes in its own format, unconstrained
         for i, tool in enumerate(tools):
             _check_tool(i, tool, is_constraint=tool.function.name in constrained, is_parsed=is_parsed)
@@ -417,7 +434,7 @@ class ChatCompletionBody(_Body):
             NamedToolChoice.model_validate({"function": {"name": named}}) if named else choice  # type: ignore[assignment]
         )
         return {
-            "tools": [ToolDef.model_validate(tool.model_dump()) for tool in tools],
+            "tools": wire_tools,
             "tool_choice": wire_choice,
             "parallel_tool_calls": True if self.parallel_tool_calls is None else self.parallel_tool_calls,
         }

@@ -20,6 +20,7 @@ services/worker/engine/grammar.py's COMPILE_TIMEOUT_S (a bounded repetition of a
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import unquote
 
 import orjson
 
@@ -80,12 +81,16 @@ def check_structured(spec: StructuredOutputs) -> None:
         return
     if len(orjson.dumps(spec.json_schema)) > MAX_SCHEMA_BYTES:
         raise UnsupportedSchema(f"the schema is larger than {MAX_SCHEMA_BYTES} bytes", keyword="$size", pointer="")
-    _walk(spec.json_schema, "", 0)
+    schemas: dict[str, Any] = {}
+    _walk(spec.json_schema, "", 0, schemas)
+    _check_refs(schemas)
     if spec.strict:
         check_strict(spec.json_schema)
 
 
-def _walk(node: Any, pointer: str, depth: int) -> None:
+def _walk(node: Any, pointer: str, depth: int, schemas: dict[str, Any]) -> None:
+    """Check `node` and what it holds; `schemas` gets every (sub)schema checked, by JSON pointer."""
+    schemas[pointer] = node
     if isinstance(node, bool):
         return  # true / false schemas
     if not isinstance(node, dict):
@@ -113,16 +118,43 @@ def _walk(node: Any, pointer: str, depth: int) -> None:
             if not isinstance(value, dict):
                 raise UnsupportedSchema(f"{key} must be an object", keyword=key, pointer=where)
             for name, sub in value.items():
-                _walk(sub, f"{where}/{_escape(name)}", depth + 1)
+                _walk(sub, f"{where}/{_escape(name)}", depth + 1, schemas)
         elif key in ("items", "additionalProperties"):
-            _walk(value, where, depth + 1)
+            _walk(value, where, depth + 1, schemas)
         elif key == "anyOf":
             if not isinstance(value, list) or not value:
                 raise UnsupportedSchema("anyOf must be a non-empty list", keyword=key, pointer=where)
             for i, sub in enumerate(value):
-                _walk(sub, f"{where}/{i}", depth + 1)
-        elif key == "$ref" and not (isinstance(value, str) and value.startswith("#")):
-            raise UnsupportedSchema("only local references (#/...) are supported", keyword="$ref", pointer=where)
+                _walk(sub, f"{where}/{i}", depth + 1, schemas)
+        elif key == "$ref" and not (isinstance(value, str) and (value == "#" or value.startswith("#/"))):
+            raise UnsupportedSchema("only local references (# or #/<JSON pointer>) are supported", keyword="$ref",
+                                    pointer=where)  # fmt: skip
+
+
+def _check_refs(schemas: dict[str, Any]) -> None:
+    """Every $ref points to a subschema checked here (not to a missing one, not into something that
+    is no schema, e.g. `#/properties`), and no chain of references loops back on itself: a schema
+    recursive through properties or items is served (the grammar recurses), a reference that only
+    leads back to itself is no schema (the compiler refuses it too, whatever sits beside the $ref).
+    Checked here so the error names the reference, before any compile."""
+    refs = {pointer: node["$ref"] for pointer, node in schemas.items() if isinstance(node, dict) and "$ref" in node}
+    for pointer, ref in refs.items():
+        if _target(ref) not in schemas:
+            raise UnsupportedSchema(f"$ref {ref!r} points to no subschema of this schema", keyword="$ref",
+                                    pointer=f"{pointer}/$ref")  # fmt: skip
+    for pointer in refs:
+        seen, at = {pointer}, pointer
+        while at in refs:  # a reference to a reference...: follow it
+            at = _target(refs[at])
+            if at in seen:
+                raise UnsupportedSchema(f"$ref {refs[pointer]!r} only leads back to itself (a loop of references "
+                                        "that never reaches a schema)", keyword="$ref", pointer=f"{pointer}/$ref")  # fmt: skip
+            seen.add(at)
+
+
+def _target(ref: str) -> str:
+    """The JSON pointer a local reference names (a URI fragment, so maybe percent-encoded)."""
+    return unquote(ref[1:])
 
 
 def check_strict(schema: Any, pointer: str = "") -> None:
@@ -156,7 +188,7 @@ def with_format_patterns(schema: Any) -> Any:
         return [with_format_patterns(item) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {}
+    out: dict[str, Any] = {}
     for key, value in schema.items():
         if key == "format" and value in FORMAT_PATTERNS:
             out["pattern"] = FORMAT_PATTERNS[value]

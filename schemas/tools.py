@@ -13,8 +13,9 @@ What the output is, by `tool_choice` (tools given; `none` parses nothing):
   short (max_tokens, a stop string) is still the call, with the arguments generated so far.
 - `required`: the whole output is a JSON array of `{"name": ..., "arguments": {...}}` objects (one
   when parallel_tool_calls is false). Each call is published, complete, when its object closes.
-  No text, unless the array is cut short (max_tokens, a stop string): the unfinished rest is then
-  released as text, since it is no call.
+  Never text: the constraint's text is no answer of its own. An array cut short (max_tokens, a
+  stop string) ends with the calls it closed; its unfinished rest is dropped (finish_reason
+  `length` tells the client it was cut).
 - `auto` (or unset): the model's own format, parsed from its text. Supported:
   * Hermes (Qwen 2.5+, Hermes 2/3, and Weir's fallback prompt for templates without tools):
     `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number, among text. Text
@@ -32,6 +33,7 @@ What the output is, by `tool_choice` (tools given; `none` parses nothing):
 
 A call's id is `call_` + the first 24 hex digits of sha256("<request_id>/<index>").
 
+    tools_problem(tools)        (index, why) of the first tool whose parameters are no object schema
     tool_constraint(request)    the StructuredOutputs a required or named tool_choice implies
     tool_parser(request)        the streaming parser for a request that may call tools, or None
     call_id(request_id, index)  a call's deterministic id
@@ -70,6 +72,21 @@ def call_id(request_id: str, index: int) -> str:
 
 
 # -- constraints ---------------------------------------------------------------------------------
+
+
+def tools_problem(tools: list[ToolDef] | None) -> tuple[int, str] | None:
+    """(index, why) of the first tool whose `parameters` is not an object schema, else None.
+
+    A call's arguments are named, so its schema is of type object (OpenAI refuses any other);
+    another type would let a forced call's arguments be, say, a string: no call the parser can
+    publish. The gateway and the worker both refuse with it (a raw Kafka request too)."""
+    for i, tool in enumerate(tools or []):
+        parameters = tool.function.parameters
+        if parameters is not None and parameters.get("type") != "object":
+            return i, ('a function\'s parameters must be a JSON Schema of type "object" (its arguments are '
+                       f"named), not of type {parameters.get('type')!r}")  # fmt: skip
+    return None
+
 
 
 def tool_constraint(request: GenerateRequest) -> StructuredOutputs | None:
@@ -271,8 +288,8 @@ class _JsonDepth:
 
 class CallListParser(ToolCallParser):
     """tool_choice required: the output is a JSON array of call objects; each is published when it
-    closes. Anything that does not fit (possible only without the grammar, or when the output is
-    cut short) is released as text from there on."""
+    closes. Nothing of it is text: what does not fit (possible only without the grammar, or when
+    the output is cut short) is dropped, from there on."""
 
     def __init__(self, request_id: str, functions: dict[str, ToolFunction], parallel: bool) -> None:
         super().__init__(request_id, functions)
@@ -281,26 +298,22 @@ class CallListParser(ToolCallParser):
         self._pending = ""  # read since the last call: the array's framing and an unfinished object
         self._object_start = 0
         self._closed = False  # the array's ] was read
-        self._is_text = False  # the output stopped fitting: everything from _pending on is text
+        self._is_lost = False  # the output stopped fitting: the rest is no call
 
     def feed(self, text: str) -> Parsed:
         parsed = Parsed()
-        for i, ch in enumerate(text):
-            if self._is_text:
-                parsed.text += text[i:]
-                break
+        if self._is_lost:
+            return parsed
+        for ch in text:
             self._pending += ch
             if not self._read(ch, parsed):
-                self._is_text = True
-                parsed.text += self._pending
-                self._pending = ""
+                self._is_lost = True
+                break
         return parsed
 
     def finish(self, text: str) -> Parsed:
         parsed = self.feed(text)
-        if not self._is_text and not (self._closed and self.calls):
-            parsed.text += self._pending  # cut short (or an empty array): no call
-        self._pending = ""
+        self._pending = ""  # cut short, or no call at all: dropped
         return parsed
 
     def _read(self, ch: str, parsed: Parsed) -> bool:

@@ -53,8 +53,12 @@ RETRYABLE_REJECTIONS = frozenset(
     {"rate_limited", "rate_limit_exceeded", "overloaded", "queue_full", "no_capacity", "too_many_requests"}
 )
 
-# Rejection codes of a worker that name the request parameter at fault.
-PARAM_OF_REJECTION = {"invalid_logit_bias": "logit_bias", "suffix_unsupported": "suffix"}
+# Rejection codes of a worker that name the request parameter at fault. A regex the grammar
+# compiler refuses can only be structured_outputs.regex; a schema it refuses (invalid_schema: e.g.
+# a pattern that does not parse) may be response_format's, structured_outputs.json or a tool's
+# parameters, which the request no longer tells apart, so it names none.
+PARAM_OF_REJECTION = {"invalid_logit_bias": "logit_bias", "suffix_unsupported": "suffix",
+                      "invalid_regex": "structured_outputs.regex"}  # fmt: skip
 
 
 class ApiError(Exception):

@@ -29,7 +29,7 @@ from schemas.topics import Topics
 from services.worker.delivery import RedoPolicy, Writer
 from services.worker.engine import EngineOutput
 from services.worker.fingerprints import FingerprintBatcher
-from services.worker.intake import InFlight, Intake, RecordKey
+from services.worker.intake import ConflictingRequest, InFlight, Intake, RecordKey
 from services.worker.publisher import Publisher
 from services.worker.refusals import refusal
 from services.worker.runner import EngineHost
@@ -175,12 +175,27 @@ class ModelServer:
                          batch_ctx: Context | None = None) -> None:  # fmt: skip
         """Take one request of a batch record; its span continues `parent`, the context its batch
         carried for it (None: a new trace), linked to the batch's span (`batch_ctx`)."""
-        flight = self.intake.take(request, batch_id, key)
+        try:
+            flight = self.intake.take(request, batch_id, key)
+        except ConflictingRequest:  # never answered: its reply_to may be the running request's topic
+            await self.on_conflict(request, batch_id, record)
+            return
         if flight is not None:  # None: the same request twice (a redelivered batch), one run answers both
             if record is not None:
                 group = self.topics.worker_group(self.sid)
                 flight.span = process_span(self.tracing, record, request, batch_id, parent, batch_ctx, group)
             await self.start(flight)
+
+    async def on_conflict(self, request: GenerateRequest | EmbedRequest, batch_id: str,
+                          record: ConsumerRecord | None) -> None:  # fmt: skip
+        """Make a request that reuses a live request_id with other content visible: dead-lettered
+        (send_dead_letter logs it at WARNING), not run; the running request is untouched."""
+        reason = (f"request {request.request_id!r} of batch {batch_id!r}: duplicate request_id with different content "
+                  "(another request runs under that id); it was not run, no reply was written")  # fmt: skip
+        if record is None:
+            log.warning("%s", reason)
+            return
+        await send_dead_letter(self.producer, self.topics, record, reason, self.worker_id)
 
     async def start(self, flight: InFlight) -> None:
         """Run a request taken from a batch (again, after a run that could not be written)."""

@@ -24,6 +24,16 @@ if TYPE_CHECKING:
     from services.worker.runner import EngineHost
 
 RecordKey = tuple[TopicPartition, int]  # a batch record: (partition, offset)
+# How a request was routed, not what it asks: the batcher may route a redelivered request anew
+# (a mirror paced differently), so a redelivery may differ here and still be the same request.
+ROUTING_FIELDS = frozenset({"assignment", "mirrors"})
+
+
+class ConflictingRequest(Exception):
+    """A request reuses the request_id of one in flight here with other content: a forged record,
+    or a producer's id collision. It is neither run nor answered (its reply_to may be the running
+    request's topic: like a refused reply_to, docs/design.md "Reply topics", it is dead-lettered and
+    no reply is written anywhere); the one in flight is unaffected."""
 
 
 @dataclass
@@ -66,9 +76,15 @@ class Intake:
 
     def take(self, request: GenerateRequest | EmbedRequest, batch_id: str, key: RecordKey) -> InFlight | None:
         """The new flight of a request of the batch at `key`, to be started; None when the
-        request is in flight already (a redelivered batch): its one run then answers both."""
+        request is in flight already (a redelivered batch): its one run then answers both.
+
+        Raises ConflictingRequest when the request in flight under that id asks for something
+        else (its content differs beyond ROUTING_FIELDS); this request is then done in its batch."""
         flight = self.in_flight.get(request.request_id)
         if flight is not None:
+            if _content(flight.request) != _content(request):
+                self._close(key)
+                raise ConflictingRequest(request.request_id)
             flight.offsets.append(key)
             return None
         flight = self.in_flight[request.request_id] = InFlight(request, batch_id, [key])
@@ -85,14 +101,18 @@ class Intake:
         del self.in_flight[flight.request.request_id]
         self.num_done += 1
         for key in flight.offsets:
-            left = self._batch_left.get(key)
-            if left is None:
-                continue
-            if left <= 1:
-                del self._batch_left[key]
-                self.tracker.done(*key)
-            else:
-                self._batch_left[key] = left - 1
+            self._close(key)
+
+    def _close(self, key: RecordKey) -> None:
+        """One request of the batch record at `key` is done: the record is, once all of them are."""
+        left = self._batch_left.get(key)
+        if left is None:
+            return
+        if left <= 1:
+            del self._batch_left[key]
+            self.tracker.done(*key)
+        else:
+            self._batch_left[key] = left - 1
 
     def revoke(self, partitions: Iterable[TopicPartition]) -> None:
         """Partitions lost to a rebalance: forget their records (their new owner redoes the rest)."""
@@ -105,3 +125,8 @@ class Intake:
         """Partitions assigned now: forget the next offsets of those no longer owned."""
         for partition in set(self.next_offsets) - set(partitions):
             del self.next_offsets[partition]
+
+
+def _content(request: GenerateRequest | EmbedRequest) -> dict:
+    """What a request asks and who gets the answer: all of it but ROUTING_FIELDS."""
+    return request.model_dump(exclude=set(ROUTING_FIELDS))

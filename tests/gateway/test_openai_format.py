@@ -148,3 +148,12 @@ def test_terminal_errors_map_to_statuses(reason: str, code: str | None, status: 
     body = api_error.body()["error"]
     assert set(body) == {"message", "type", "param", "code"} and body["code"]
     assert terminal_error(ReplyEnd(request_id="r", seq=0, finish_reason="stop")) is None
+
+
+@pytest.mark.parametrize(("code", "param"), [("invalid_regex", "structured_outputs.regex"), ("invalid_logit_bias", "logit_bias"),
+                                             ("invalid_schema", None)])  # fmt: skip
+def test_a_workers_rejection_names_the_parameter_where_only_one_can_be_at_fault(code: str, param: str | None) -> None:
+    """A regex the compiler refused can only be structured_outputs.regex; a schema may be any of three."""
+    end = ReplyEnd(request_id="r", seq=0, finish_reason="rejected", error=ErrorInfo(code=code, message="bad"))
+    api_error = terminal_error(end)
+    assert api_error is not None and api_error.status == 400 and api_error.body()["error"]["param"] == param

@@ -10,7 +10,7 @@ import pytest
 
 from schemas.messages import ChatMessage, GenerateRequest, ToolCall, ToolCallDelta, ToolCallFunction, ToolDef, ToolFunction
 from schemas.structured import check_structured, constraint_of
-from schemas.tools import NO_PARAMETERS, call_id, call_text, tool_constraint, tool_parser
+from schemas.tools import NO_PARAMETERS, call_id, call_text, tool_constraint, tool_parser, tools_problem
 
 WEATHER = ToolFunction(
     name="get_weather",
@@ -140,11 +140,22 @@ def test_required_publishes_each_call_when_its_object_closes():
     assert [c.name for c in first.calls] == ["get_weather"] and first.text == ""
 
 
-def test_required_cut_short_releases_the_unfinished_rest_as_text():
+def test_required_cut_short_drops_the_unfinished_rest():
+    """The constraint's text is never content: cut short, the closed calls are the reply."""
     req = request(tool_choice="required")
     text, calls = parse_all_ways(req, '[{"name": "now", "arguments": {}}, {"name": "get_wea')
-    assert calls == [("now", "{}")] and text == ', {"name": "get_wea'
-    assert parse_all_ways(req, "[]") == ("[]", [])  # an empty array is no call
+    assert calls == [("now", "{}")] and text == ""
+    assert parse_all_ways(req, "[]") == ("", [])  # an empty array is no call, and no text
+    unfit = '[{"name": "now", "arguments": "f"}, {"name": "now", "arguments": {}}]'  # arguments no object
+    assert parse_all_ways(req, unfit) == ("", [])  # nothing after what does not fit is read as a call either
+
+
+def test_parameters_must_be_an_object_schema():
+    string = ToolDef(function=ToolFunction(name="f", parameters={"type": "string"}))
+    assert tools_problem(TOOLS) is None and tools_problem(None) is None
+    index, why = tools_problem([*TOOLS, string])
+    assert index == 2 and 'of type "object"' in why and "'string'" in why
+    assert tools_problem([ToolDef(function=ToolFunction(name="g", parameters={}))])[0] == 0  # untyped: any JSON
 
 
 def test_named_streams_the_arguments_as_they_grow():

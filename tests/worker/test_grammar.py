@@ -89,6 +89,19 @@ def test_every_whitelisted_keyword_is_enforced(grammars):
             assert not is_instance(spec, json.dumps(value)), (keyword, value)
 
 
+def test_references_that_resolve_are_served_recursion_included(grammars):
+    """What check_structured's $ref checks let through compiles and is enforced."""
+    node = {"type": "object", "properties": {"next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+            "required": ["next"], "additionalProperties": False}  # fmt: skip
+    escaped = {"$ref": "#/$defs/a%20b~1c", "$defs": {"a b/c": {"type": "integer"}}}  # percent-encoded, RFC 6901
+    chain = {"type": "array", "items": {"$ref": "#/$defs/p"}, "$defs": {"p": {"$ref": "#/$defs/q"}, "q": {"enum": ["x"]}}}
+    for schema, good, bad in [(node, '{"next": {"next": null}}', '{"next": {}}'), (escaped, "12", '"12"'),
+                              (chain, '["x"]', '["y"]')]:  # fmt: skip
+        spec = StructuredOutputs(json_schema=schema)
+        check_structured(spec)
+        assert accepts(grammars, spec, good) and not accepts(grammars, spec, bad), schema
+
+
 def test_objects_without_additional_properties_are_closed(grammars):
     """The grammar is stricter than JSON Schema here (xgrammar's strict mode, as vLLM): an object
     schema without additionalProperties takes only its listed properties; still every instance."""
@@ -212,7 +225,8 @@ def test_truncated_output_is_not_valid(tiny_py):
 
 
 def test_what_cannot_be_enforced_is_refused(tiny_py):
-    """Refuse, never relax: an unsupported keyword at add, a bad regex or schema after its compile,
+    """Refuse, never relax: an unsupported keyword at add, a bad regex or schema (a pattern that does
+    not parse) after its compile,
     ignore_eos with a constraint, and any constraint on the echo model."""
     unsupported = make_request(request_id="u", structured=StructuredOutputs(json_schema={"type": "array", "uniqueItems": True}))
     out = tiny_py.add(unsupported, 0)
@@ -221,8 +235,8 @@ def test_what_cannot_be_enforced_is_refused(tiny_py):
     ignore = make_request(request_id="i", ignore_eos=True, structured=StructuredOutputs(json_object=True))
     assert tiny_py.add(ignore, 0).error.code == "unsupported_parameter"
     bad_regex = make_request(request_id="r", structured=StructuredOutputs(regex="a{2}{3}"))
-    bad_ref = make_request(request_id="s", structured=StructuredOutputs(json_schema={"$ref": "#/$defs/missing"}))
-    events = run(tiny_py, bad_regex, bad_ref)
+    bad_schema = make_request(request_id="s", structured=StructuredOutputs(json_schema={"type": "string", "pattern": "[a"}))
+    events = run(tiny_py, bad_regex, bad_schema)
     assert [(e[-1].finish_reason, e[-1].error.code) for e in events.values()] == [
         ("rejected", "invalid_regex"), ("rejected", "invalid_schema")]  # fmt: skip
     assert "repetition" in events["r"][-1].error.message and "/project/" not in events["r"][-1].error.message

@@ -205,3 +205,21 @@ def test_a_named_tool_choice_gives_arguments_valid_for_its_schema(engine):
     assert isinstance(arguments["days"], int) and 1 <= arguments["days"] <= 3
     pieces = [p for e in events[:-1] for p in e.tool_calls or []]
     assert "".join(p.arguments for p in pieces) == call.function.arguments and pieces[0].id == call.id
+
+
+def test_a_required_call_cut_short_leaves_no_text_and_a_non_object_schema_is_refused(engine):
+    """The constraint's text is never content (a reply cut by max_tokens ends with the calls it
+    closed); a raw request whose function takes a non-object schema is refused, as the gateway does."""
+    if importlib.util.find_spec("services.worker.engine.grammar") is None:
+        pytest.skip("services/worker/engine/grammar.py (constrained decoding) is not in this tree")
+    request = tool_request(request_id="tools-cut", tool_choice="required", max_tokens=12)
+    assert engine.add(request, 0) is None
+    events = []
+    while engine.has_work:
+        for out in engine.step(0):
+            events += reply_events(request, "b1", out, "weir-tiny-py@1")
+    assert events[-1].finish_reason == "length" and "".join(e.text for e in events[:-1]) == ""
+    string = {"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}
+    refused = engine.add(tool_request(request_id="tools-string", tools=[WEATHER, string], tool_choice="required"), 0)
+    assert refused.finish_reason == "rejected" and refused.error.code == "invalid_tool_parameters"
+    assert refused.error.message.startswith("tools[1]: ") and 'of type "object"' in refused.error.message

@@ -27,6 +27,7 @@ import torch
 
 from schemas.messages import EmbedRequest, ErrorInfo, GenerateRequest, StructuredOutputs, TokenLogprob, TopLogprob
 from schemas.structured import UnsupportedSchema, check_structured, constraint_of
+from schemas.tools import tools_problem
 from services.worker.engine.chat_template import ChatTemplateError
 from services.worker.engine.grammar import COMPILE_TIMEOUT_S, GrammarError, Grammars, StepMask, is_instance
 from services.worker.engine.kv_cache import BlockManager, allocate_kv_caches, bytes_per_block
@@ -157,6 +158,9 @@ class Engine:
                 f"logit_bias names token id {outside[0]}, outside the vocabulary of {request.model} "
                 f"(token ids 0 to {self.model.args.vocab_size - 1})",
             )  # fmt: skip
+        if (problem := tools_problem(request.tools)) is not None:  # a raw Kafka request the gateway would refuse
+            message = f"tools[{problem[0]}]: {problem[1]}"
+            return _refused(request, now_ms, "rejected", "invalid_tool_parameters", message)
         spec = constraint_of(request)
         if spec is not None and (refused := self._refuse_constraint(request, spec, now_ms)) is not None:
             return refused
