@@ -104,6 +104,7 @@ class Grammars:
         self._child: CompileChild | None = None
         self._thread: threading.Thread | None = None
         self.kills = 0  # compiles killed (timeout or death), since start
+        self._is_closed = False
 
     def submit(self, spec: StructuredOutputs) -> Future:
         """A future of the spec's CompiledGrammar (done at once when cached); its exception is a
@@ -154,31 +155,43 @@ class Grammars:
         import xgrammar as xgr
 
         try:
-            info = self.info
             if self._child is None:
                 self._child = CompileChild(self.model_path, self.vocab_size, self.stop_ids, self.memory_bytes)
+            info = self.info  # built here while the child starts
+            self._child.wait_ready()
             started = time.monotonic()
             reply = self._child.compile(spec, self.timeout_s)
-        except Exception as exc:  # a tokenizer.json xgrammar cannot read, a child that cannot start
+        except Exception as exc:  # a tokenizer.json xgrammar cannot read, a child that cannot start: ours, not the client's
             log.exception("grammar compile child failed")
             self._kill_child()
-            future.set_exception(GrammarError("grammar_error", f"{type(exc).__name__}: {exc}"))
+            future.set_exception(RuntimeError(f"the grammar compile process failed: {type(exc).__name__}: {exc}"))
             return
         kind, text = reply
         if kind == "ok":
-            future.set_result(xgr.CompiledGrammar.deserialize_json(text, info))
+            try:
+                future.set_result(xgr.CompiledGrammar.deserialize_json(text, info))
+            except Exception as exc:  # noqa: BLE001 - the engine refuses this request as an error (ours)
+                future.set_exception(exc)
+            return
+        if kind == "grammar_error":  # an unexpected failure in the child (its message): ours, not the client's
+            future.set_exception(RuntimeError(text))
             return
         if kind in ("timeout", "died"):
-            seconds = time.monotonic() - started
-            log.warning("grammar compile killed (%s after %.1f s): spec %s..., %s", kind, seconds, spec_key(spec)[:12],
-                        spec_kind(spec))  # fmt: skip
-            self.kills += 1
-            self._kill_child()
-            text = (f"the constraint did not compile within {self.timeout_s:g} s" if kind == "timeout" else
-                    f"the constraint's compile ran out of memory or crashed ({text})")  # fmt: skip
-            kind = "grammar_too_complex"
-            text += "; simplify it (e.g. smaller bounded repetitions)"
+            future.set_exception(self._killed(spec, kind, text, time.monotonic() - started))
+            return
         future.set_exception(GrammarError(kind, text))
+
+    def _killed(self, spec: StructuredOutputs, kind: str, how: str, seconds: float) -> Exception:
+        """Kill the child whose compile ran too long or that died; the spec's refusal."""
+        self._kill_child()
+        if self._is_closed:
+            return RuntimeError("the grammar compiler was closed")
+        log.warning("grammar compile killed (%s after %.1f s): spec %s..., %s", kind, seconds, spec_key(spec)[:12],
+                    spec_kind(spec))  # fmt: skip
+        self.kills += 1
+        why = (f"the constraint did not compile within {self.timeout_s:g} s" if kind == "timeout" else
+               f"the constraint's compile ran out of memory or crashed ({how})")  # fmt: skip
+        return GrammarError("grammar_too_complex", f"{why}; simplify it (e.g. smaller bounded repetitions)")
 
     def _kill_child(self) -> None:
         if self._child is not None:
@@ -187,6 +200,7 @@ class Grammars:
 
     def close(self) -> None:
         """Stop the supervisor after the spec it is on and kill the child."""
+        self._is_closed = True
         self._queue.put(None)
         self._kill_child()
 
@@ -209,11 +223,18 @@ class CompileChild:
         self._out = Connection(to_child_w, readable=False)
         self._in = Connection(from_child_r, writable=False)
         self._out.send((str(model_path), vocab_size, stop_ids))
+        self._is_ready = False
+
+    def wait_ready(self) -> None:
+        """Return once the child's compiler is built; raise when it cannot start."""
+        if self._is_ready:
+            return
         if not self._in.poll(STARTUP_TIMEOUT_S):
             raise RuntimeError(f"the grammar compile process did not start within {STARTUP_TIMEOUT_S:g} s")
         kind, message = self._in.recv()  # ("ready", "") or ("error", why); EOFError: it died
         if kind != "ready":
             raise RuntimeError(message)
+        self._is_ready = True
 
     def compile(self, spec: StructuredOutputs, timeout_s: float) -> tuple[str, str]:
         """("ok", serialized), (an error code, message), ("timeout", "") or ("died", how)."""
