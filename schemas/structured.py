@@ -8,17 +8,24 @@ unknown `format`), so the list here is of keywords each tested to be enforced
 
     constraint_of(request)            the constraint a request's output follows, or None
     check_structured(spec)            raise UnsupportedSchema for a spec Weir cannot enforce
+    check_regex(pattern, ...)         raise UnsupportedSchema for an explosive regex
     check_strict(schema)              raise UnsupportedSchema where OpenAI's strict rules are broken
     constraint_of(request)            the one constraint an engine enforces for a request, or None
 
-Beyond the size limits here, a grammar's compile time is bounded where it runs: the worker
-compiles off its step thread and refuses a constraint that takes longer than
+A regex (`regex`, and every `pattern` in a schema) whose counted repetitions are obviously
+explosive is refused before any compile: the compiler copies a counted repetition's body once per
+count, so nested counts multiply (a tester's `(([^"]{0,5000}){0,5000}){0,5000}x` ran a compile out
+of memory). Below these limits a grammar's compile time is bounded where it runs: the worker
+compiles in a child process and refuses a constraint that takes longer than
 services/worker/engine/grammar.py's COMPILE_TIMEOUT_S (a bounded repetition of a wide class, e.g.
-`[^"]{0,300}`, measured ~12 s on a 49k vocabulary; no cheap rule on the text predicts that well).
+`[^"]{0,300}`, measured ~7 s on a 49k vocabulary; no cheap rule on the text predicts that well).
 """
 
 from __future__ import annotations
 
+import re
+import re._constants as sre_constants
+import re._parser as sre_parse
 from typing import Any
 from urllib.parse import unquote
 
@@ -57,6 +64,12 @@ FORMAT_PATTERNS = {
 ENFORCED_FORMATS = frozenset({"time", "email", "uuid", "ipv6", "uri", *FORMAT_PATTERNS})
 JSON_TYPES = frozenset({"object", "array", "string", "number", "integer", "boolean", "null"})
 MAX_SCHEMA_DEPTH = 32  # nesting of subschemas; deeper is refused before the compiler sees it
+# Counted repetitions a regex may ask for: one count's upper bound (`x{0,1000}`: a wide class at
+# 300 already compiles ~7 s on 49k tokens, so past 1000 is past COMPILE_TIMEOUT_S anyway), and the
+# product of nested counts' bounds (each level copies the one inside it).
+MAX_REPEAT = 1000
+MAX_NESTED_REPEAT = 10_000
+_REPEATS = (sre_constants.MAX_REPEAT, sre_constants.MIN_REPEAT, sre_constants.POSSESSIVE_REPEAT)
 
 
 class UnsupportedSchema(ValueError):
@@ -77,6 +90,8 @@ def constraint_of(request: GenerateRequest) -> StructuredOutputs | None:
 def check_structured(spec: StructuredOutputs) -> None:
     """Raise UnsupportedSchema unless every part of `spec` is enforced; strict specs also follow
     OpenAI's strict rules."""
+    if spec.regex is not None:
+        check_regex(spec.regex, keyword="regex", pointer="")
     if spec.json_schema is None:
         return
     if len(orjson.dumps(spec.json_schema)) > MAX_SCHEMA_BYTES:
@@ -109,6 +124,8 @@ def _walk(node: Any, pointer: str, depth: int, schemas: dict[str, Any]) -> None:
         if key == "format" and value not in ENFORCED_FORMATS:
             raise UnsupportedSchema(f"format {value!r} is not supported (supported: "
                                     f"{', '.join(sorted(ENFORCED_FORMATS))})", keyword="format", pointer=where)  # fmt: skip
+        if key == "pattern" and isinstance(value, str):
+            check_regex(value, keyword="pattern", pointer=where)
         if key == "type":
             types = value if isinstance(value, list) else [value]
             bad = [t for t in types if t not in JSON_TYPES]
@@ -155,6 +172,39 @@ def _check_refs(schemas: dict[str, Any]) -> None:
 def _target(ref: str) -> str:
     """The JSON pointer a local reference names (a URI fragment, so maybe percent-encoded)."""
     return unquote(ref[1:])
+
+
+def check_regex(pattern: str, *, keyword: str, pointer: str) -> None:
+    """Raise UnsupportedSchema for a regex whose counted repetitions exceed MAX_REPEAT, or whose
+    nested counts multiply past MAX_NESTED_REPEAT. A pattern Python's parser cannot read is left
+    to the grammar compiler (which reports invalid_regex)."""
+    try:
+        parsed = sre_parse.parse(pattern)
+    except (re.error, RecursionError, OverflowError, ValueError):
+        return
+    problem = _repetition_problem(parsed, 1)
+    if problem is not None:
+        raise UnsupportedSchema(f"{keyword} is too complex to compile: {problem}", keyword=keyword, pointer=pointer)
+
+
+def _repetition_problem(node: Any, outer: int) -> str | None:
+    """Why `node` (a parsed regex, or a part of one) repeats too much inside `outer` copies, or None."""
+    if isinstance(node, sre_parse.SubPattern):
+        node = node.data
+    if not isinstance(node, (list, tuple)):
+        return None
+    if len(node) == 2 and node[0] in _REPEATS:
+        low, high, body = node[1]
+        count = low if high == sre_constants.MAXREPEAT else high  # `x{n,}` copies x n times, then loops
+        if count > MAX_REPEAT:
+            return f"a counted repetition of {count} (at most {MAX_REPEAT})"
+        if outer * max(count, 1) > MAX_NESTED_REPEAT:
+            return f"nested counted repetitions multiply to {outer * count} (at most {MAX_NESTED_REPEAT})"
+        return _repetition_problem(body, outer * max(count, 1))
+    for part in node:
+        if (problem := _repetition_problem(part, outer)) is not None:
+            return problem
+    return None
 
 
 def check_strict(schema: Any, pointer: str = "") -> None:

@@ -35,6 +35,7 @@ from services.worker.goldens import GoldenChecks
 from services.worker.hardware import engine_label
 from services.worker.memory import engine_used_bytes
 from services.worker.mirror_pacing import PRESSURE, LivePressure, MirrorPacer, Pacing
+from weir.supervision import describe_exit
 
 if TYPE_CHECKING:
     from schemas.model_repo import ModelConfig
@@ -394,8 +395,10 @@ class EngineProcess(_Host):
             self._fail(RuntimeError(f"engine process of {self.name} failed: {rest[0]}"))
 
     def _on_eof(self) -> None:
+        if self._process is not None:  # its pipe closes just before it is reaped: wait for the code (was "None")
+            self._process.join(1.0)
         exitcode = self._process.exitcode if self._process is not None else None
-        message = f"engine process of {self.name} exited (code {exitcode})"
+        message = f"engine process of {self.name} exited ({describe_exit(exitcode)})"  # e.g. killed by SIGKILL
         if not self._ready.done():
             self._ready.set_result(("error", f"{message} while loading"))
         elif not self._is_stopping and self.failure is None:

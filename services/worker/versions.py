@@ -233,6 +233,8 @@ class VersionManager:
         if version.state != "ready" or problem is None:
             return
         version.golden_failures += 1
+        # an engine that hangs (e.g. stalled by a compile) fails this check and is reloaded: say so
+        log.error("model version %s failed its golden check (%s): out of routing, its engines restarted", version.sid, problem)
         if version.server is not None:
             version.server.is_taking = False  # what runs finishes; nothing new starts on these weights
         self._set(version, "unhealthy", problem)

@@ -112,7 +112,7 @@ async def test_a_dead_child_is_a_failure_the_worker_sees() -> None:
     try:
         os.kill(process._process.pid, signal.SIGKILL)
         await collector.until(lambda: process.failure is not None, timeout_s=10)
-        assert "exited" in str(process.failure)
+        assert "exited (killed by SIGKILL)" in str(process.failure)
         assert collector.num_calls >= 1  # the empty delivery that wakes publish()
         process.submit(make_request("after death"))  # ignored, never raises
     finally:

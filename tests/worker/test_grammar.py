@@ -6,7 +6,7 @@ leaves unconstrained rows alone."""
 from __future__ import annotations
 
 import json
-from concurrent.futures import Future
+import signal
 from pathlib import Path
 
 import pytest
@@ -16,7 +16,7 @@ from schemas.messages import StructuredOutputs
 from schemas.structured import ENFORCED_FORMATS, ENFORCED_KEYWORDS, UnsupportedSchema, check_structured
 from services.worker.engine import Engine, EngineConfig
 from services.worker.engine.echo_engine import EchoEngine
-from services.worker.engine.grammar import Grammars, StepMask, choice_ebnf, is_instance, spec_key
+from services.worker.engine.grammar import GrammarError, Grammars, StepMask, choice_ebnf, is_instance, spec_key
 from services.worker.events import reply_events
 
 from .factories import make_request
@@ -192,10 +192,13 @@ def test_constrained_output_is_valid_and_same_after_regeneration_and_preemption(
         assert end.finish_reason == "stop" and end.structured_valid is True, end
         assert set(json.loads(end.output_text)) == {"name", "tags", "role"}
     fresh = Engine(WEIR_TINY_PY, EngineConfig(max_model_len=256, kv_cache_bytes=32 << 20))
-    assert ids_of(run(fresh, *requests)) == ids_of(first)
     # 20 blocks of 4 tokens for three ~10-token prompts and their ~25-token outputs: some are preempted
     squeezed = Engine(WEIR_TINY_PY, EngineConfig(max_model_len=80, block_size=4,
                                                  kv_cache_bytes=fresh.kv_bytes_per_token * 4 * 20))  # fmt: skip
+    # a compiled grammar is a function of the spec and the tokenizer alone: shared, so that this
+    # test starts one compile child (seconds of imports) instead of three
+    fresh._grammars = squeezed._grammars = tiny_py.grammars
+    assert ids_of(run(fresh, *requests)) == ids_of(first)
     assert ids_of(run(squeezed, *requests)) == ids_of(first)
     assert squeezed.scheduler.num_preemptions > 0
 
@@ -277,11 +280,61 @@ def test_mask_applies_to_cuda_logits(grammars):
     assert int(torch.isfinite(logits[1]).sum()) < 4096
 
 
-def test_a_grammar_that_compiles_too_long_is_refused(tiny_py, monkeypatch):
-    """A compile past COMPILE_TIMEOUT_S refuses its request (the compile goes on off the step thread)."""
-    import services.worker.engine.llm_engine as llm_engine
+# `[^"]{0,N}` compiles for seconds even on a 4k vocabulary (~2 s at N=300 here): past SHORT_TIMEOUT_S
+SLOW = '[^"]{0,900}'
+SHORT_TIMEOUT_S = 1.0
 
-    monkeypatch.setattr(tiny_py.grammars, "submit", lambda spec: Future())  # never done
-    monkeypatch.setattr(llm_engine, "COMPILE_TIMEOUT_S", 0.0)
-    events = run(tiny_py, make_request(request_id="slow", structured=StructuredOutputs(regex="[^x]{0,300}")))
-    assert (events["slow"][-1].finish_reason, events["slow"][-1].error.code) == ("rejected", "grammar_too_complex")
+
+@pytest.fixture
+def short_grammars(grammars, monkeypatch) -> Grammars:
+    """The module's grammars (their child already up) with a short compile timeout."""
+    monkeypatch.setattr(grammars, "timeout_s", SHORT_TIMEOUT_S)
+    return grammars
+
+
+def test_a_compile_past_its_timeout_is_killed_and_the_next_spec_compiles_on_a_fresh_child(short_grammars):
+    """The child running a too-long compile is SIGKILLed, its spec refused (and the refusal cached);
+    a spec queued behind it is compiled on a fresh child, not failed."""
+    short_grammars.compile(StructuredOutputs(regex="[0-9]{3}"))  # the child is up
+    first, kills = short_grammars._child.process, short_grammars.kills
+    slow = short_grammars.submit(StructuredOutputs(regex=SLOW))
+    queued = short_grammars.submit(StructuredOutputs(regex="[a-f]{2}-[0-9]{3}"))
+    with pytest.raises(GrammarError) as err:
+        slow.result()
+    assert err.value.code == "grammar_too_complex" and f"within {SHORT_TIMEOUT_S:g} s" in str(err.value)
+    matcher = short_grammars.matcher(queued.result())
+    assert matcher.accept_string("ab-123") and not matcher.accept_string("x")
+    assert first.poll() == -signal.SIGKILL and short_grammars._child.process is not first
+    assert short_grammars.kills == kills + 1
+    assert short_grammars.submit(StructuredOutputs(regex=SLOW)) is slow  # a repeated hostile spec costs nothing
+
+
+def test_the_step_loop_runs_other_requests_while_a_grammar_compiles(tiny_py, short_grammars, monkeypatch):
+    """A plain request added after a slow constraint finishes before that constraint is refused:
+    the compile runs in the child, the step only polls its future."""
+    monkeypatch.setattr(tiny_py, "_grammars", short_grammars)
+    short_grammars.compile(StructuredOutputs(choice=["warm"]))  # a child is up: the slow one's clock runs at once
+    slow = make_request(PROMPT, request_id="slow", structured=StructuredOutputs(regex=SLOW.replace("900", "901")))
+    plain = make_request(PROMPT, request_id="plain", max_tokens=8)
+    assert tiny_py.add(slow, 0) is None and tiny_py.add(plain, 0) is None
+    ends, steps = [], 0
+    while tiny_py.has_work:
+        ends += [out for out in tiny_py.step(0) if out.finish_reason is not None]
+        steps += 1
+    assert [(e.request_id, e.finish_reason) for e in ends] == [("plain", "length"), ("slow", "rejected")]
+    assert ends[1].error.code == "grammar_too_complex" and steps > 8
+
+
+def test_explosive_regexes_are_refused_before_any_compile():
+    """The tester's nested repetition (it ran a compile out of memory) and huge counts are refused
+    by check_structured, as a regex and as a schema's pattern; ordinary ones pass."""
+    hostile = '(([^"]{0,5000}){0,5000}){0,5000}x'
+    for pattern, why in [(hostile, "5000"), ("a{1001}", "1001"), ("(a{0,200}){0,100}", "multiply to 20000")]:
+        with pytest.raises(UnsupportedSchema) as err:
+            check_structured(StructuredOutputs(regex=pattern))
+        assert err.value.keyword == "regex" and why in str(err.value)
+    with pytest.raises(UnsupportedSchema) as err:
+        check_structured(StructuredOutputs(json_schema={"type": "object", "properties": {"a": {"type": "string", "pattern": hostile}}}))
+    assert (err.value.keyword, err.value.pointer) == ("pattern", "/properties/a/pattern")
+    for pattern in ["[0-9]{4}", ".{0,100}", "(a{0,100}){0,100}", "[a-f]{2}-[0-9]{3}", "a+b*", "["]:
+        check_structured(StructuredOutputs(regex=pattern))  # "[" is the compiler's to refuse (invalid_regex)

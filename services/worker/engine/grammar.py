@@ -11,22 +11,34 @@ regenerated or preempted request rebuilds the same masks (invariant 3).
     StepMask(grammars)                          one reusable bitmask; fill constrained rows, apply
     is_instance(spec, text)                     the output SLA check (ReplyEnd.structured_valid)
 
-Compilation runs on one background thread (xgrammar releases the GIL): measured on SmolLM2's 49k
-vocabulary, a bounded repetition of a wide class such as `[^"]{0,300}` compiles for ~12 s and
-`.{0,32}` for ~1.3 s, so compiling in the step would stall every other request. A compile that
-takes more than COMPILE_TIMEOUT_S refuses its request (`grammar_too_complex`); its result is still
-cached when it finishes, so a retry is served.
+Compilation runs in a child process (grammar_child.py), never in the engine's: measured on
+SmolLM2's 49k vocabulary, a bounded repetition of a wide class such as `[^"]{0,300}` compiles for
+~7-12 s to a 12 MB grammar and nested repetitions blow up without bound, and a thread that runs
+past its timeout can be neither stopped nor bounded in memory (a tester's nested regex held the
+one compile thread and stalled every later constraint for minutes). The child is niced, its
+address space is bounded (COMPILE_MEMORY_BYTES beyond what its imports map), and a compile that
+takes longer than COMPILE_TIMEOUT_S, or kills the child, is refused (`grammar_too_complex`,
+cached like any failure); the child is SIGKILLed and a fresh one compiles what was queued behind.
+The child returns serialize_json() text, deserialized here with this side's TokenizerInfo
+(measured 48 ms + 31 ms for a 0.11 MB nested schema on 49k; a 4k vocabulary's are a few ms).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import os
+import queue
 import re
+import subprocess
+import sys
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,7 +53,14 @@ if TYPE_CHECKING:
 # xgrammar is imported where it is used: its import pulls in transformers (~5 s), which an engine
 # that never sees a constraint should not pay.
 
-COMPILE_TIMEOUT_S = 10.0
+log = logging.getLogger(__name__)
+
+COMPILE_TIMEOUT_S = 10.0  # one compile, from when the child gets it; longer is refused
+# What a compile may add to the child's address space (RLIMIT_AS, over what its imports already
+# map: ~3 GiB of mostly reserved virtual memory for torch and xgrammar). A 300-repetition regex
+# compiles to a 12 MB grammar on 49k tokens; 2 GiB is far beyond any grammar worth serving.
+COMPILE_MEMORY_BYTES = 2 << 30
+STARTUP_TIMEOUT_S = 120.0  # the child's imports (~5 s) and tokenizer info (~2 s on 49k), with margin on a loaded host
 CACHE_SIZE = 128  # compiled grammars kept per engine, least recently used dropped first
 # JSON is generated with json.dumps' separators and no other whitespace: a model cannot run on in
 # free whitespace until max_tokens, and ", " / ": " are what chat models are trained on.
@@ -63,35 +82,50 @@ def spec_key(spec: StructuredOutputs) -> str:
 
 
 class Grammars:
-    """The compiled grammars of one model: built from its local tokenizer.json on first use, compiled
-    on one background thread, cached (LRU) by spec_key. Failures are cached too, so a repeated bad
-    spec costs nothing."""
+    """The compiled grammars of one model: compiled in a child process (grammar_child.py, spawned at
+    the first spec), cached (LRU) by spec_key. Failures are cached too, so a repeated bad or hostile
+    spec costs nothing. One supervising thread feeds the child one spec at a time and kills it
+    when a compile runs past `timeout_s` or the child dies; the step thread only polls futures."""
 
-    def __init__(self, model_path: str | Path, vocab_size: int, stop_ids: Iterable[int], cache_size: int = CACHE_SIZE) -> None:
+    def __init__(
+        self, model_path: str | Path, vocab_size: int, stop_ids: Iterable[int], cache_size: int = CACHE_SIZE,
+        timeout_s: float = COMPILE_TIMEOUT_S, memory_bytes: int = COMPILE_MEMORY_BYTES,
+    ) -> None:  # fmt: skip
         self.model_path = Path(model_path)
         self.vocab_size = vocab_size  # the logits' width (config vocab), may exceed the tokenizer's
         self.stop_ids = sorted(stop_ids)
         self.cache_size = cache_size
-        self._compiler: xgr.GrammarCompiler | None = None
+        self.timeout_s = timeout_s
+        self.memory_bytes = memory_bytes
+        self._info: xgr.TokenizerInfo | None = None
         self._cache: OrderedDict[str, Future] = OrderedDict()
-        self._lock = threading.Lock()  # the cache is read by the step thread and written by the compile thread
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        self._lock = threading.Lock()  # the cache is read by the step thread and written by the supervisor
+        self._queue: queue.SimpleQueue[tuple[StructuredOutputs, Future] | None] = queue.SimpleQueue()
+        self._child: CompileChild | None = None
+        self._thread: threading.Thread | None = None
+        self.kills = 0  # compiles killed (timeout or death), since start
+        self._is_closed = False
 
     def submit(self, spec: StructuredOutputs) -> Future:
-        """A future of the spec's CompiledGrammar (done at once when cached); its exception is a GrammarError."""
+        """A future of the spec's CompiledGrammar (done at once when cached); its exception is a
+        GrammarError. It always resolves: each compile is bounded by timeout_s."""
         key = spec_key(spec)
         with self._lock:
             future = self._cache.get(key)
             if future is not None:
                 self._cache.move_to_end(key)
                 return future
-            future = self._pool.submit(self._compile, spec)
+            future = Future()
             self._cache[key] = future
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._supervise, name="grammar", daemon=True)
+                self._thread.start()
+        self._queue.put((spec, future))
         return future
 
-    def compile(self, spec: StructuredOutputs, timeout_s: float = COMPILE_TIMEOUT_S) -> xgr.CompiledGrammar:
+    def compile(self, spec: StructuredOutputs, timeout_s: float | None = None) -> xgr.CompiledGrammar:
         """The spec's CompiledGrammar, waiting for it (tests, benchmarks); raises GrammarError."""
         return self.submit(spec).result(timeout=timeout_s)
 
@@ -102,36 +136,155 @@ class Grammars:
         return xgr.GrammarMatcher(compiled)
 
     @property
-    def compiler(self) -> xgr.GrammarCompiler:
-        if self._compiler is None:  # ~2 s on a 49k vocabulary: only for a model that gets a constraint
-            import xgrammar as xgr
+    def info(self) -> xgr.TokenizerInfo:
+        """This side's TokenizerInfo (~2 s on a 49k vocabulary: only for a model that gets a
+        constraint), which the child's serialized grammars are read with."""
+        if self._info is None:
+            self._info = tokenizer_info(self.model_path, self.vocab_size, self.stop_ids)
+        return self._info
 
-            info = xgr.TokenizerInfo.from_huggingface(
-                _hf_tokenizer(self.model_path), vocab_size=self.vocab_size, stop_token_ids=self.stop_ids
-            )
-            # our LRU is the cache (bounded by count); xgrammar's own would grow without bound
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        return self._compiler
+    def _supervise(self) -> None:
+        while (item := self._queue.get()) is not None:
+            spec, future = item
+            if future.set_running_or_notify_cancel():
+                self._compile_one(spec, future)
 
-    def _compile(self, spec: StructuredOutputs) -> xgr.CompiledGrammar:
-        compiler = self.compiler
+    def _compile_one(self, spec: StructuredOutputs, future: Future) -> None:
+        """Compile `spec` on the child (a fresh one when the last was killed); a child that cannot
+        start fails this spec (`grammar_error`) and the next spec tries a fresh one."""
+        import xgrammar as xgr
+
         try:
-            if spec.json_schema is not None:
-                schema = with_format_patterns(spec.json_schema)  # date, date-time, ipv4: exact patterns
-                return compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, separators=SEPARATORS)
-            if spec.json_object:
-                # strict_mode off: any object, with any properties (strict mode would close it to `{}`)
-                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, separators=SEPARATORS,
-                                                    strict_mode=False)  # fmt: skip
-            if spec.regex is not None:
-                return compiler.compile_regex(spec.regex)
-            return compiler.compile_grammar(choice_ebnf(spec.choice or []))
-        except (RuntimeError, ValueError) as exc:
-            code = "invalid_regex" if spec.regex is not None else "invalid_schema"
-            raise GrammarError(code, _short(str(exc))) from exc
+            if self._child is None:
+                self._child = CompileChild(self.model_path, self.vocab_size, self.stop_ids, self.memory_bytes)
+            info = self.info  # built here while the child starts
+            self._child.wait_ready()
+            started = time.monotonic()
+            reply = self._child.compile(spec, self.timeout_s)
+        except Exception as exc:  # a tokenizer.json xgrammar cannot read, a child that cannot start: ours, not the client's
+            log.exception("grammar compile child failed")
+            self._kill_child()
+            future.set_exception(RuntimeError(f"the grammar compile process failed: {type(exc).__name__}: {exc}"))
+            return
+        kind, text = reply
+        if kind == "ok":
+            try:
+                future.set_result(xgr.CompiledGrammar.deserialize_json(text, info))
+            except Exception as exc:  # noqa: BLE001 - the engine refuses this request as an error (ours)
+                future.set_exception(exc)
+            return
+        if kind == "grammar_error":  # an unexpected failure in the child (its message): ours, not the client's
+            future.set_exception(RuntimeError(text))
+            return
+        if kind in ("timeout", "died"):
+            future.set_exception(self._killed(spec, kind, text, time.monotonic() - started))
+            return
+        future.set_exception(GrammarError(kind, text))
+
+    def _killed(self, spec: StructuredOutputs, kind: str, how: str, seconds: float) -> Exception:
+        """Kill the child whose compile ran too long or that died; the spec's refusal."""
+        self._kill_child()
+        if self._is_closed:
+            return RuntimeError("the grammar compiler was closed")
+        log.warning("grammar compile killed (%s after %.1f s): spec %s..., %s", kind, seconds, spec_key(spec)[:12],
+                    spec_kind(spec))  # fmt: skip
+        self.kills += 1
+        why = (f"the constraint did not compile within {self.timeout_s:g} s" if kind == "timeout" else
+               f"the constraint's compile ran out of memory or crashed ({how})")  # fmt: skip
+        return GrammarError("grammar_too_complex", f"{why}; simplify it (e.g. smaller bounded repetitions)")
+
+    def _kill_child(self) -> None:
+        if self._child is not None:
+            self._child.kill()
+            self._child = None
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Stop the supervisor after the spec it is on and kill the child."""
+        self._is_closed = True
+        self._queue.put(None)
+        self._kill_child()
+
+
+class CompileChild:
+    """One compile process (grammar_child.py): a fresh interpreter (never a fork: the engine holds
+    torch threads; and multiprocessing refuses children to the engine's own daemonic process),
+    spoken to over two pipes with multiprocessing.Connection frames."""
+
+    def __init__(self, model_path: Path, vocab_size: int, stop_ids: list[int], memory_bytes: int) -> None:
+        to_child_r, to_child_w = os.pipe()
+        from_child_r, from_child_w = os.pipe()
+        args = [sys.executable, "-m", "services.worker.engine.grammar_child", str(to_child_r), str(from_child_w),
+                str(os.getpid()), str(memory_bytes)]  # fmt: skip
+        root = Path(__file__).resolve().parents[3]  # the repository: the child imports services.* from it
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+        self.process = subprocess.Popen(args, pass_fds=(to_child_r, from_child_w), env=env, stdin=subprocess.DEVNULL)
+        os.close(to_child_r)
+        os.close(from_child_w)
+        self._out = Connection(to_child_w, readable=False)
+        self._in = Connection(from_child_r, writable=False)
+        self._out.send((str(model_path), vocab_size, stop_ids))
+        self._is_ready = False
+
+    def wait_ready(self) -> None:
+        """Return once the child's compiler is built; raise when it cannot start."""
+        if self._is_ready:
+            return
+        if not self._in.poll(STARTUP_TIMEOUT_S):
+            raise RuntimeError(f"the grammar compile process did not start within {STARTUP_TIMEOUT_S:g} s")
+        kind, message = self._in.recv()  # ("ready", "") or ("error", why); EOFError: it died
+        if kind != "ready":
+            raise RuntimeError(message)
+        self._is_ready = True
+
+    def compile(self, spec: StructuredOutputs, timeout_s: float) -> tuple[str, str]:
+        """("ok", serialized), (an error code, message), ("timeout", "") or ("died", how)."""
+        self._out.send(spec.model_dump())
+        try:
+            if not self._in.poll(timeout_s):
+                return ("timeout", "")
+            return self._in.recv()
+        except (EOFError, OSError):
+            code = self.process.wait()
+            return ("died", f"killed by signal {-code}" if code < 0 else f"exit code {code}")
+
+    def kill(self) -> None:
+        self.process.kill()  # SIGKILL: a compile in C++ does not look at signals
+        self.process.wait()
+        self._out.close()
+        self._in.close()
+
+
+def spec_kind(spec: StructuredOutputs) -> str:
+    """The kind of constraint, for logs (never its text: a client's schema may be large or private)."""
+    if spec.json_schema is not None:
+        return "json_schema"
+    return "json_object" if spec.json_object else "regex" if spec.regex is not None else "choice"
+
+
+def tokenizer_info(model_path: Path, vocab_size: int, stop_ids: list[int]) -> xgr.TokenizerInfo:
+    import xgrammar as xgr
+
+    return xgr.TokenizerInfo.from_huggingface(_hf_tokenizer(model_path), vocab_size=vocab_size, stop_token_ids=stop_ids)
+
+
+def compile_spec(compiler: xgr.GrammarCompiler, spec: StructuredOutputs) -> xgr.CompiledGrammar:
+    """The spec's grammar (run in the compile child); raises GrammarError for an invalid one."""
+    try:
+        if spec.json_schema is not None:
+            schema = with_format_patterns(spec.json_schema)  # date, date-time, ipv4: exact patterns
+            return compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, separators=SEPARATORS)
+        if spec.json_object:
+            # strict_mode off: any object, with any properties (strict mode would close it to `{}`)
+            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, separators=SEPARATORS,
+                                                strict_mode=False)  # fmt: skip
+        if spec.regex is not None:
+            return compiler.compile_regex(spec.regex)
+        return compiler.compile_grammar(choice_ebnf(spec.choice or []))
+    except (RuntimeError, ValueError) as exc:
+        if "bad_alloc" in str(exc):  # C++ out of memory (the child's RLIMIT_AS), not a bad spec
+            raise MemoryError(str(exc)) from exc
+        code = "invalid_regex" if spec.regex is not None else "invalid_schema"
+        raise GrammarError(code, _short(str(exc))) from exc
 
 
 def _hf_tokenizer(model_path: Path):

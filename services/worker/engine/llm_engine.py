@@ -16,7 +16,6 @@ from its engine thread or child process, and tests and benchmarks call it direct
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ from schemas.messages import EmbedRequest, ErrorInfo, GenerateRequest, Structure
 from schemas.structured import UnsupportedSchema, check_structured, constraint_of
 from schemas.tools import tools_problem
 from services.worker.engine.chat_template import ChatTemplateError
-from services.worker.engine.grammar import COMPILE_TIMEOUT_S, GrammarError, Grammars, StepMask, is_instance
+from services.worker.engine.grammar import GrammarError, Grammars, StepMask, is_instance
 from services.worker.engine.kv_cache import BlockManager, allocate_kv_caches, bytes_per_block
 from services.worker.engine.model import AttentionMetadata, CausalLM, load_model, weights_sha256
 from services.worker.engine.sampler import sample_batch
@@ -109,7 +108,7 @@ class Engine:
         self._grammars: Grammars | None = None  # built at the first constraint (its tokenizer info takes seconds)
         self._step_mask: StepMask | None = None
         self._matchers: dict[str, xgr.GrammarMatcher] = {}  # request_id -> its matcher, for constrained sequences
-        self._compiling: dict[str, tuple[Sequence, Future, float]] = {}  # waiting for their grammar: seq, future, since
+        self._compiling: dict[str, tuple[Sequence, Future]] = {}  # waiting for their grammar: seq, future
         log.info("engine: %s on %s %s, %d KV blocks of %d tokens", model_path, self.device, self.dtype, num_blocks, config.block_size)
 
     def _kv_budget_bytes(self) -> int:
@@ -171,7 +170,7 @@ class Engine:
             self._start(seq, None)
             return None
         # compiled off the step thread (grammar.py); a cached grammar is admitted at once
-        self._compiling[request.request_id] = (seq, self.grammars.submit(spec), time.monotonic())
+        self._compiling[request.request_id] = (seq, self.grammars.submit(spec))
         outputs = self._admit_compiled(now_ms, only=request.request_id)
         return outputs[0] if outputs else None
 
@@ -202,12 +201,13 @@ class Engine:
 
     def _admit_compiled(self, now_ms: int, only: str | None = None) -> list[EngineOutput]:
         """Start the sequences whose grammar compiled (only `only`, when given); the refusals of
-        those whose grammar failed or took longer than COMPILE_TIMEOUT_S."""
+        those whose grammar failed or took too long (grammar.py bounds each compile and resolves
+        its future; the step only polls)."""
         outputs: list[EngineOutput] = []
-        for request_id, (seq, future, since) in list(self._compiling.items()):
+        for request_id, (seq, future) in list(self._compiling.items()):
             if only is not None and request_id != only:
                 continue
-            if not future.done() and time.monotonic() - since <= COMPILE_TIMEOUT_S:
+            if not future.done():
                 continue
             del self._compiling[request_id]
             refused = self._admit(seq, future, now_ms)
@@ -217,9 +217,6 @@ class Engine:
 
     def _admit(self, seq: Sequence, future: Future, now_ms: int) -> EngineOutput | None:
         """Start `seq` with a matcher of its compiled grammar, or its refusal."""
-        if not future.done():
-            message = f"the constraint did not compile within {COMPILE_TIMEOUT_S:.0f} s; simplify it (e.g. smaller bounded repetitions)"
-            return _refused(seq.request, now_ms, "rejected", "grammar_too_complex", message)
         try:
             compiled = future.result()
         except GrammarError as exc:
@@ -254,7 +251,7 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             if self._compiling and not outputs:  # nothing to run but grammars compiling: wait, do not spin
-                wait([f for _, f, _ in self._compiling.values()], timeout=0.01, return_when=FIRST_COMPLETED)
+                wait([f for _, f in self._compiling.values()], timeout=0.01, return_when=FIRST_COMPLETED)
             return outputs
         for chunk in plan.prefills:  # vLLM's queue time ends at the first step a request is in
             if chunk.seq.scheduled_ms is None:
@@ -294,8 +291,8 @@ class Engine:
         expired = [s for s in self._seqs.values() if s.request.deadline_ms <= now_ms]
         info = ErrorInfo(code="deadline_exceeded", message="the request's deadline passed")
         outputs = [self._finish(s, "timeout", now_ms, info) for s in expired]
-        for request_id in [r for r, (s, _, _) in self._compiling.items() if s.request.deadline_ms <= now_ms]:
-            seq, _, _ = self._compiling.pop(request_id)
+        for request_id in [r for r, (s, _) in self._compiling.items() if s.request.deadline_ms <= now_ms]:
+            seq, _ = self._compiling.pop(request_id)
             outputs.append(_refused(seq.request, now_ms, "timeout", "deadline_exceeded", "the request's deadline passed"))
         return outputs
 
