@@ -12,6 +12,9 @@ import os
 import pytest
 
 BOOTSTRAP = os.environ.get("WEIR_KAFKA_BOOTSTRAP", "127.0.0.1:9092")
+# A worker's grammar compile child (structured output) costs seconds of CPU at every model load:
+# the tests' many workers start it only when a test asks for a constraint.
+os.environ.setdefault("WEIR_GRAMMAR_PREWARM", "0")
 
 
 @pytest.fixture(scope="session", autouse=True)

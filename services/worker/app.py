@@ -373,7 +373,7 @@ class WorkerService:
             process.attach_pressure(self.live_pressure)
             return process
         engine = await asyncio.to_thread(build_engine, config, self.settings, self.device)
-        await asyncio.to_thread(warm_up, engine, config)
+        await asyncio.to_thread(warm_up, engine, config, self.settings.grammar_prewarm)
         runner = EngineRunner(engine, asyncio.get_running_loop(), on_outputs, fault_hooks=self.settings.fault_hooks,
                               pacing=Pacing.of(self.settings))  # fmt: skip
         runner.attach_pressure(self.live_pressure)

@@ -27,6 +27,8 @@ class WorkerSettings(BusSettings):
         "$WEIR_HOME/secrets/audit-hmac.key, made on first start (weir/audit_key.py).",
     )
     echo_step_delay_ms: int = Field(0, ge=0, description="Pause per step of the echo model (tests of cancellation).")
+    grammar_prewarm: bool = Field(True, description="Start a text model's grammar compile child (structured output) "
+                                  "once it is loaded, so the first constrained request does not wait seconds for it.")
     audit_fingerprint_model: str = Field(
         "all-MiniLM-L6-v2", description="Onnx embedding model of the AuditEvents' SimHashes; empty: none."
     )

@@ -55,8 +55,10 @@ def build_step(config: ModelConfig) -> str:
     return "loading the weights"
 
 
-def warm_up(engine: EngineLike, config: ModelConfig) -> None:
-    """Run the model entry's warmup prompts to completion before the worker reports ready."""
+def warm_up(engine: EngineLike, config: ModelConfig, prewarm_grammars: bool = False) -> None:
+    """Run the model entry's warmup prompts to completion before the worker reports ready; with
+    `prewarm_grammars` (WEIR_GRAMMAR_PREWARM), also start the engine's grammar compile child in
+    the background, so the first constrained request does not wait for it (seconds)."""
     deadline_ms = now_ms() + 600_000
     requests: list[GenerateRequest | EmbedRequest]
     if isinstance(engine, EmbeddingEngine):  # an embedding model embeds them, in one request
@@ -74,3 +76,5 @@ def warm_up(engine: EngineLike, config: ModelConfig) -> None:
             raise ValueError(f"model {config.name!r}: warmup prompt {i} refused: {out.error}")
         while engine.has_work:
             engine.step(now_ms())
+    if prewarm_grammars and isinstance(engine, Engine):
+        engine.grammars.prewarm()

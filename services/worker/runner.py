@@ -471,7 +471,7 @@ def serve_engine(
         events.send(("status", build_step(config)))
         engine = build_engine(config, settings, torch.device(device))
         events.send(("status", "warming up"))
-        warm_up(engine, config)
+        warm_up(engine, config, settings.grammar_prewarm)
     except Exception as exc:  # noqa: BLE001 - reported to the worker, which refuses to start
         events.send(("error", f"{type(exc).__name__}: {exc}"))
         return

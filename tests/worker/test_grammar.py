@@ -110,6 +110,11 @@ def test_objects_without_additional_properties_are_closed(grammars):
     assert accepts(grammars, StructuredOutputs(json_schema={**OBJ_AB, "additionalProperties": True}), '{"c": 1}')
 
 
+def test_prewarm_starts_the_compile_child_with_a_real_compile(grammars):
+    compiled = grammars.prewarm().result(timeout=120)
+    assert accepts(grammars, StructuredOutputs(choice=["ready"]), "ready") and compiled is not None
+
+
 def test_every_whitelisted_format_is_enforced(grammars):
     assert set(FORMATS) == ENFORCED_FORMATS
     for fmt, (good, bad) in FORMATS.items():

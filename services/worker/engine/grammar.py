@@ -125,6 +125,11 @@ class Grammars:
         self._queue.put((spec, future))
         return future
 
+    def prewarm(self) -> Future:
+        """Start the compile child and this side's tokenizer info in the background by compiling
+        a trivial spec (cached like any): the first client constraint then finds them ready."""
+        return self.submit(StructuredOutputs(choice=["ready"]))
+
     def compile(self, spec: StructuredOutputs, timeout_s: float | None = None) -> xgr.CompiledGrammar:
         """The spec's CompiledGrammar, waiting for it (tests, benchmarks); raises GrammarError."""
         return self.submit(spec).result(timeout=timeout_s)
