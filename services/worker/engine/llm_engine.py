@@ -28,7 +28,7 @@ import torch
 from schemas.messages import EmbedRequest, ErrorInfo, GenerateRequest, StructuredOutputs, TokenLogprob, TopLogprob
 from schemas.structured import UnsupportedSchema, check_structured, constraint_of
 from services.worker.engine.chat_template import ChatTemplateError
-from services.worker.engine.grammar import COMPILE_TIMEOUT_S, GrammarError, Grammars, StepMask, is_instance
+from services.worker.engine.grammar import COMPILE_TIMEOUT_S, GrammarError, Grammars, JsonCloser, StepMask, is_instance
 from services.worker.engine.kv_cache import BlockManager, allocate_kv_caches, bytes_per_block
 from services.worker.engine.model import AttentionMetadata, CausalLM, load_model, weights_sha256
 from services.worker.engine.sampler import sample_batch
@@ -107,6 +107,8 @@ class Engine:
         self.model_path = Path(model_path)
         self._grammars: Grammars | None = None  # built at the first constraint (its tokenizer info takes seconds)
         self._step_mask: StepMask | None = None
+        self._closer: JsonCloser | None = None  # built with the first step mask
+        self._json_ids: set[str] = set()  # constrained to JSON (a schema, json_object, a tool call): closed near max_tokens
         self._matchers: dict[str, xgr.GrammarMatcher] = {}  # request_id -> its matcher, for constrained sequences
         self._compiling: dict[str, tuple[Sequence, Future, float]] = {}  # waiting for their grammar: seq, future, since
         log.info("engine: %s on %s %s, %d KV blocks of %d tokens", model_path, self.device, self.dtype, num_blocks, config.block_size)
@@ -176,6 +178,9 @@ class Engine:
         self._detok[seq.request_id] = IncrementalDetokenizer(self.tokenizer)
         if matcher is not None:
             self._matchers[seq.request_id] = matcher
+            spec = constraint_of(seq.request)
+            if spec is not None and (spec.json_schema is not None or spec.json_object):
+                self._json_ids.add(seq.request_id)
         self.scheduler.add(seq)
 
     @property
@@ -283,8 +288,17 @@ class Engine:
             return None
         if self._step_mask is None:
             self._step_mask = StepMask(self.model.args.vocab_size, self.config.max_num_seqs)
-        step_mask = self._step_mask
-        return lambda logits: step_mask.apply(logits, matchers)
+            self._closer = JsonCloser(self.tokenizer.vocabulary_bytes(), self.model.args.vocab_size)
+        step_mask, closer = self._step_mask, self._closer
+        assert closer is not None  # built with the step mask
+        closing = [(r, s.output_ids) for r, s in enumerate(seqs) if s.request_id in self._json_ids
+                   and JsonCloser.is_near_budget(s.num_output_tokens, s.max_tokens)]  # fmt: skip
+
+        def mask(logits: torch.Tensor) -> None:
+            step_mask.apply(logits, matchers)
+            closer.steer(logits, closing)
+
+        return mask
 
     def _expire(self, now_ms: int) -> list[EngineOutput]:
         expired = [s for s in self._seqs.values() if s.request.deadline_ms <= now_ms]
@@ -395,6 +409,7 @@ class Engine:
         self._seqs.pop(seq.request_id, None)
         self._detok.pop(seq.request_id, None)
         self._matchers.pop(seq.request_id, None)
+        self._json_ids.discard(seq.request_id)
         out = seq.final(reason, now_ms, error)
         out.watermark_z = self.watermarker.z_score(seq.request.tenant, seq.output_ids)
         spec = constraint_of(seq.request)
