@@ -108,7 +108,7 @@ class Engine:
         self._grammars: Grammars | None = None  # built at the first constraint (its tokenizer info takes seconds)
         self._step_mask: StepMask | None = None
         self._closer: JsonCloser | None = None  # built with the first step mask
-        self._json_ids: set[str] = set()  # constrained to JSON (a schema, json_object, a tool call): closed near max_tokens
+        self._json_ids: set[str] = set()  # constrained to JSON (schema, json_object, tool call): closed near max_tokens
         self._matchers: dict[str, xgr.GrammarMatcher] = {}  # request_id -> its matcher, for constrained sequences
         self._compiling: dict[str, tuple[Sequence, Future, float]] = {}  # waiting for their grammar: seq, future, since
         log.info("engine: %s on %s %s, %d KV blocks of %d tokens", model_path, self.device, self.dtype, num_blocks, config.block_size)
