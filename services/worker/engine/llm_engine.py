@@ -291,8 +291,9 @@ class Engine:
             self._closer = JsonCloser(self.tokenizer.vocabulary_bytes(), self.model.args.vocab_size)
         step_mask, closer = self._step_mask, self._closer
         assert closer is not None  # built with the step mask
-        closing = [(r, s.output_ids) for r, s in enumerate(seqs) if s.request_id in self._json_ids
-                   and JsonCloser.is_near_budget(s.num_output_tokens, s.max_tokens)]  # fmt: skip
+        weights = [JsonCloser.weight(s.num_output_tokens, s.max_tokens) if s.request_id in self._json_ids else 0.0
+                   for s in seqs]  # fmt: skip
+        closing = [(r, s.output_ids, w) for r, (s, w) in enumerate(zip(seqs, weights, strict=True)) if w > 0]
 
         def mask(logits: torch.Tensor) -> None:
             step_mask.apply(logits, matchers)
