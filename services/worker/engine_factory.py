@@ -77,4 +77,4 @@ def warm_up(engine: EngineLike, config: ModelConfig, prewarm_grammars: bool = Fa
         while engine.has_work:
             engine.step(now_ms())
     if prewarm_grammars and isinstance(engine, Engine):
-        engine.grammars.prewarm()
+        engine.prewarm_constraints()

@@ -232,6 +232,30 @@ def test_truncated_output_is_not_valid(tiny_py):
     assert reply_events(request, "b", end, "tiny@1")[-1].structured_valid is False  # ReplyEnd carries it
 
 
+def test_json_closes_before_max_tokens(tiny_py, monkeypatch):
+    """A string nothing bounds: unsteered, the sampled model runs out of max_tokens inside it;
+    steered near the budget (grammar.JsonCloser), every seed closes valid, and a fresh engine (a
+    regeneration) repeats the tokens. An escaped quote closes nothing."""
+    import services.worker.engine.grammar as grammar
+
+    assert grammar.lex(grammar.IN_STRING, b'a\\"b') == (grammar.IN_STRING, 0)
+    assert grammar.lex(grammar.IN_STRING, b'"]}') == (grammar.OUTSIDE, -3)
+    schema = {"type": "object", "additionalProperties": False, "required": ["text", "n"],
+              "properties": {"text": {"type": "string"}, "n": {"type": "integer"}}}  # fmt: skip
+    requests = [make_request(PROMPT, request_id=f"open-{seed}", max_tokens=40, temperature=1.0, seed=seed,
+                             structured=StructuredOutputs(json_schema=schema)) for seed in range(4)]  # fmt: skip
+    with monkeypatch.context() as unsteered:
+        unsteered.setattr(grammar, "CLOSE_MIN_TOKENS", 0)
+        unsteered.setattr(grammar, "CLOSE_SHARE", 0.0)
+        ends = [evs[-1] for evs in run(tiny_py, *requests).values()]
+        assert [e.finish_reason for e in ends].count("length") >= 3, ends
+    steered = run(tiny_py, *requests)
+    for events in steered.values():
+        assert events[-1].finish_reason == "stop" and events[-1].structured_valid is True, events[-1]
+    fresh = Engine(WEIR_TINY_PY, EngineConfig(max_model_len=256, kv_cache_bytes=32 << 20))
+    assert ids_of(run(fresh, *requests)) == ids_of(steered)
+
+
 def test_what_cannot_be_enforced_is_refused(tiny_py):
     """Refuse, never relax: an unsupported keyword at add, a bad regex or schema (a pattern that does
     not parse) after its compile,

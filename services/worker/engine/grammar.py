@@ -10,6 +10,14 @@ regenerated or preempted request rebuilds the same masks (invariant 3).
     Grammars(model_path, vocab_size, stop_ids)   per engine: compile (off the step thread) and cache
     StepMask(grammars)                          one reusable bitmask; fill constrained rows, apply
     is_instance(spec, text)                     the output SLA check (ReplyEnd.structured_valid)
+    JsonCloser(pieces, width)                   near max_tokens, steer a JSON row toward closing
+
+A small model can ramble inside a string nothing bounds (or write a 35-digit number) until
+max_tokens cuts its JSON short. Within max(CLOSE_MIN_TOKENS, CLOSE_SHARE x max_tokens) tokens of
+its budget, a JSON-constrained row's logits get, after the mask, a bias per nesting level
+(bracket, open string, open number) each token closes, and against each it opens, growing to where
+the row takes the allowed token that closes most, the model choosing among equals; so the output
+is still an instance of the schema and ends `stop`.
 
 Compilation runs in a child process (grammar_child.py), never in the engine's: measured on
 SmolLM2's 49k vocabulary, a bounded repetition of a wide class such as `[^"]{0,300}` compiles for
@@ -384,3 +392,112 @@ def _xgrammar_fullmatch(pattern: str, text: str) -> bool:
     info = xgr.TokenizerInfo([])  # no vocabulary: the string is matched byte by byte
     matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_grammar(grammar), terminate_without_stop_token=True)
     return matcher.accept_string(text) and matcher.is_completed()
+
+
+# -- closing JSON before max_tokens --------------------------------------------------------------
+
+# A JSON lexer's states, as far as closing cares: between values, inside a string, just after a
+# string's backslash, inside a number. Nesting levels are brackets, an open string and an open
+# number: a level is what a token must close before the JSON can end.
+OUTSIDE, IN_STRING, ESCAPED, IN_NUMBER = range(4)
+NUMBER_CHARS = b"0123456789.eE+-"
+NUMBER_BYTES = frozenset(NUMBER_CHARS)
+# How near its budget a JSON row starts closing: within max(CLOSE_MIN_TOKENS, CLOSE_SHARE *
+# max_tokens) tokens of it. Measured on SmolLM2-135M (a nested schema of 6 properties, temperature
+# 0.7, max_tokens 120, seeds 0-9): unsteered 7/10 closed; steered at full bias from a quarter of
+# the budget 9/10; from 0.4 of it 10/10, as with the graded bias below.
+CLOSE_MIN_TOKENS = 24
+CLOSE_SHARE = 0.4
+# The logit added per level a token closes (subtracted per level it opens), before temperature:
+# half a logit where the window starts, doubling every CLOSE_DOUBLING_TOKENS, up to CLOSE_BIAS,
+# where a row takes a token that closes the most levels the grammar allows and the model's own
+# preference only chooses among those. A mild start keeps what the model would have closed by
+# itself (at full bias from 0.4 of the budget, that run ended every list empty; graded, 4 of the
+# 10 kept 2-3 items).
+CLOSE_DOUBLING_TOKENS = 3
+CLOSE_BIAS = 1000.0
+
+
+def lex(state: int, data: bytes) -> tuple[int, int]:
+    """The lexer state after `data` from `state`, and the change in open levels it made."""
+    delta = 0
+    for byte in data:
+        if state == ESCAPED:
+            state = IN_STRING
+        elif state == IN_STRING:
+            if byte == 0x5C:  # backslash: the next byte is escaped, never a closing quote
+                state = ESCAPED
+            elif byte == 0x22:
+                state, delta = OUTSIDE, delta - 1
+        else:
+            if state == IN_NUMBER:
+                if byte in NUMBER_BYTES:
+                    continue
+                state, delta = OUTSIDE, delta - 1  # the number ends at the first other byte
+            if byte == 0x22:
+                state, delta = IN_STRING, delta + 1
+            elif byte in b"[{":
+                delta += 1
+            elif byte in b"]}":
+                delta -= 1
+            elif byte in b"-0123456789":
+                state, delta = IN_NUMBER, delta + 1
+    return state, delta
+
+
+LEXED_BYTES = re.compile(rb'["\\\[\]{}0-9-]')  # the bytes that open or close a level outside a number
+
+
+def _deltas(piece: bytes) -> tuple[int, int, int, int]:
+    """The change in open levels `piece` makes from each lexer state (OUTSIDE, IN_STRING, ESCAPED, IN_NUMBER). Most
+    tokens are words with none of LEXED_BYTES: they change nothing, except that one with a byte
+    outside NUMBER_CHARS ends an open number."""
+    if LEXED_BYTES.search(piece) is None:
+        return 0, 0, 0, (-1 if piece.translate(None, NUMBER_CHARS) else 0)
+    return lex(OUTSIDE, piece)[1], lex(IN_STRING, piece)[1], lex(ESCAPED, piece)[1], lex(IN_NUMBER, piece)[1]
+
+
+class JsonCloser:
+    """Steers a JSON-constrained row toward closing as it nears max_tokens, so a model that rambles
+    inside a string or a number still ends with `stop` and a valid instance (docs/design.md,
+    "Structured output, tools and logprobs").
+
+    For each lexer state, the change in open levels of every token is computed once per
+    vocabulary; near the budget, a row's logits get -weight x that change, added after the
+    grammar's mask: only tokens the grammar allows can win, so the output stays an instance. The
+    row's state is lexed from its own output tokens and the trigger is its own position, so a
+    regenerated or preempted request is steered the same way (invariant 3).
+    """
+
+    def __init__(self, pieces: list[bytes], width: int) -> None:
+        """`pieces`: each token id's bytes (special tokens as their text); `width`: the logits' width."""
+        self.pieces = pieces
+        deltas = torch.zeros(4, width, dtype=torch.float32)
+        deltas[:, : len(pieces)] = torch.tensor([_deltas(p) for p in pieces], dtype=torch.float32).T
+        self.bias = -deltas  # [state, width]: levels closed
+        self._on_device: torch.Tensor | None = None  # self.bias on the logits' device, copied once
+
+    @staticmethod
+    def weight(num_output: int, max_tokens: int) -> float:
+        """The closing bias per level for a row with `num_output` tokens of `max_tokens`; 0 outside the window."""
+        window = max(CLOSE_MIN_TOKENS, int(CLOSE_SHARE * max_tokens))
+        into = window - (max_tokens - num_output)  # tokens into the window, 0 at its first
+        return 0.0 if into < 0 else min(CLOSE_BIAS, 2.0 ** (into / CLOSE_DOUBLING_TOKENS - 1))
+
+    def state_of(self, output_ids: list[int]) -> int:
+        """The lexer state at the end of a row's output."""
+        state = OUTSIDE
+        for token in output_ids:
+            state = lex(state, self.pieces[token])[0] if token < len(self.pieces) else state
+        return state
+
+    @torch.inference_mode()  # the model's logits are inference tensors: changed in place only in this mode
+    def steer(self, logits: torch.Tensor, rows: list[tuple[int, list[int], float]]) -> None:
+        """Add the closing bias to `logits` [rows, width] in place for each (row, its output ids, weight)."""
+        bias = self.bias
+        if logits.device != bias.device:
+            if self._on_device is None or self._on_device.device != logits.device:
+                self._on_device = bias.to(logits.device)
+            bias = self._on_device
+        for row, output_ids, weight in rows:
+            logits[row] += bias[self.state_of(output_ids)] * weight

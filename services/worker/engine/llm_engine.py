@@ -16,6 +16,7 @@ from its engine thread or child process, and tests and benchmarks call it direct
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from schemas.messages import EmbedRequest, ErrorInfo, GenerateRequest, Structure
 from schemas.structured import UnsupportedSchema, check_structured, constraint_of
 from schemas.tools import tools_problem
 from services.worker.engine.chat_template import ChatTemplateError
-from services.worker.engine.grammar import GrammarError, Grammars, StepMask, is_instance
+from services.worker.engine.grammar import GrammarError, Grammars, JsonCloser, StepMask, is_instance
 from services.worker.engine.kv_cache import BlockManager, allocate_kv_caches, bytes_per_block
 from services.worker.engine.model import AttentionMetadata, CausalLM, load_model, weights_sha256
 from services.worker.engine.sampler import sample_batch
@@ -107,6 +108,10 @@ class Engine:
         self.model_path = Path(model_path)
         self._grammars: Grammars | None = None  # built at the first constraint (its tokenizer info takes seconds)
         self._step_mask: StepMask | None = None
+        # built off the step thread at the first constraint (seconds on a 49k vocabulary); a constrained
+        # sequence starts only once it is ready, so every step of it is steered alike (invariant 3)
+        self._closer: Future[JsonCloser] | None = None
+        self._json_ids: set[str] = set()  # constrained to JSON (schema, json_object, tool call): closed near max_tokens
         self._matchers: dict[str, xgr.GrammarMatcher] = {}  # request_id -> its matcher, for constrained sequences
         self._compiling: dict[str, tuple[Sequence, Future]] = {}  # waiting for their grammar: seq, future
         log.info("engine: %s on %s %s, %d KV blocks of %d tokens", model_path, self.device, self.dtype, num_blocks, config.block_size)
@@ -170,6 +175,7 @@ class Engine:
             self._start(seq, None)
             return None
         # compiled off the step thread (grammar.py); a cached grammar is admitted at once
+        self.prewarm_constraints()
         self._compiling[request.request_id] = (seq, self.grammars.submit(spec))
         outputs = self._admit_compiled(now_ms, only=request.request_id)
         return outputs[0] if outputs else None
@@ -179,7 +185,24 @@ class Engine:
         self._detok[seq.request_id] = IncrementalDetokenizer(self.tokenizer)
         if matcher is not None:
             self._matchers[seq.request_id] = matcher
+            spec = constraint_of(seq.request)
+            if spec is not None and (spec.json_schema is not None or spec.json_object):
+                self._json_ids.add(seq.request_id)
         self.scheduler.add(seq)
+
+    def prewarm_constraints(self) -> None:
+        """Start what the first constraint needs, off the step thread: the grammar compile child and
+        the JSON closer's tables (the worker calls it once the model is loaded: WEIR_GRAMMAR_PREWARM)."""
+        if self._closer is None:
+            self._closer = Future()
+            self.grammars.prewarm()
+            threading.Thread(target=self._build_closer, args=(self._closer,), name="json-closer", daemon=True).start()
+
+    def _build_closer(self, future: Future[JsonCloser]) -> None:
+        try:
+            future.set_result(JsonCloser(self.tokenizer.vocabulary_bytes(), self.model.args.vocab_size))
+        except BaseException as exc:  # noqa: BLE001 - reported to each sequence that waits for it
+            future.set_exception(exc)
 
     @property
     def grammars(self) -> Grammars:
@@ -207,7 +230,7 @@ class Engine:
         for request_id, (seq, future) in list(self._compiling.items()):
             if only is not None and request_id != only:
                 continue
-            if not future.done():
+            if not future.done() or not (self._closer is not None and self._closer.done()):
                 continue
             del self._compiling[request_id]
             refused = self._admit(seq, future, now_ms)
@@ -219,6 +242,8 @@ class Engine:
         """Start `seq` with a matcher of its compiled grammar, or its refusal."""
         try:
             compiled = future.result()
+            assert self._closer is not None
+            self._closer.result()  # built with the first constraint
         except GrammarError as exc:
             return _refused(seq.request, now_ms, "rejected", exc.code, str(exc))
         except Exception as exc:  # e.g. a tokenizer.json xgrammar cannot read: this request fails, the engine goes on
@@ -251,7 +276,10 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             if self._compiling and not outputs:  # nothing to run but grammars compiling: wait, do not spin
-                wait([f for _, f in self._compiling.values()], timeout=0.01, return_when=FIRST_COMPLETED)
+                pending = [f for _, f in self._compiling.values() if not f.done()]
+                if self._closer is not None and not self._closer.done():
+                    pending.append(self._closer)
+                wait(pending, timeout=0.01, return_when=FIRST_COMPLETED)
             return outputs
         for chunk in plan.prefills:  # vLLM's queue time ends at the first step a request is in
             if chunk.seq.scheduled_ms is None:
@@ -284,8 +312,17 @@ class Engine:
             return None
         if self._step_mask is None:
             self._step_mask = StepMask(self.model.args.vocab_size, self.config.max_num_seqs)
-        step_mask = self._step_mask
-        return lambda logits: step_mask.apply(logits, matchers)
+        assert self._closer is not None and self._closer.done()  # constrained sequences start once it is built
+        step_mask, closer = self._step_mask, self._closer.result()
+        weights = [JsonCloser.weight(s.num_output_tokens, s.max_tokens) if s.request_id in self._json_ids else 0.0
+                   for s in seqs]  # fmt: skip
+        closing = [(r, s.output_ids, w) for r, (s, w) in enumerate(zip(seqs, weights, strict=True)) if w > 0]
+
+        def mask(logits: torch.Tensor) -> None:
+            step_mask.apply(logits, matchers)
+            closer.steer(logits, closing)
+
+        return mask
 
     def _expire(self, now_ms: int) -> list[EngineOutput]:
         expired = [s for s in self._seqs.values() if s.request.deadline_ms <= now_ms]
@@ -396,6 +433,7 @@ class Engine:
         self._seqs.pop(seq.request_id, None)
         self._detok.pop(seq.request_id, None)
         self._matchers.pop(seq.request_id, None)
+        self._json_ids.discard(seq.request_id)
         out = seq.final(reason, now_ms, error)
         out.watermark_z = self.watermarker.z_score(seq.request.tenant, seq.output_ids)
         spec = constraint_of(seq.request)

@@ -116,8 +116,14 @@ class ModelTokenizer:
             piece = self._pieces[token_id] = (raw.decode("utf-8", errors="replace"), list(raw))
         return piece
 
-    def _token_bytes(self, token_id: int) -> bytes:
-        added = self._tok.get_added_tokens_decoder().get(token_id)
+    def vocabulary_bytes(self) -> list[bytes]:
+        """Every token id's bytes, as token_piece gives them, in one pass (its added-token table
+        read once: ~1 s less on a 49k vocabulary)."""
+        added = self._tok.get_added_tokens_decoder()
+        return [self._token_bytes(i, added) for i in range(self.vocab_size)]
+
+    def _token_bytes(self, token_id: int, added_tokens: dict | None = None) -> bytes:
+        added = (added_tokens if added_tokens is not None else self._tok.get_added_tokens_decoder()).get(token_id)
         if added is not None:  # special and added tokens are kept whole, as their content
             return added.content.encode()
         if self._piece_bytes is None:
