@@ -309,8 +309,10 @@ def test_mask_applies_to_cuda_logits(grammars):
     assert int(torch.isfinite(logits[1]).sum()) < 4096
 
 
-# `[^"]{0,N}` compiles for seconds even on a 4k vocabulary (~2 s at N=300 here): past SHORT_TIMEOUT_S
-SLOW = '[^"]{0,900}'
+# Twenty wide repetitions, each with its own class and an end letter, compile for ~6.5 s on
+# weir-tiny-py's 4k vocabulary on a quiet machine (a single `[^"]{0,900}` took 0.3 s): well past
+# SHORT_TIMEOUT_S however fast the machine. Within check_regex's limits (no count over 1000, none nested).
+SLOW = "".join(f'[^"{chr(97 + i)}]{{0,999}}{chr(65 + i)}' for i in range(20))
 SHORT_TIMEOUT_S = 1.0
 
 
@@ -343,7 +345,7 @@ def test_the_step_loop_runs_other_requests_while_a_grammar_compiles(tiny_py, sho
     the compile runs in the child, the step only polls its future."""
     monkeypatch.setattr(tiny_py, "_grammars", short_grammars)
     short_grammars.compile(StructuredOutputs(choice=["warm"]))  # a child is up: the slow one's clock runs at once
-    slow = make_request(PROMPT, request_id="slow", structured=StructuredOutputs(regex=SLOW.replace("900", "901")))
+    slow = make_request(PROMPT, request_id="slow", structured=StructuredOutputs(regex=SLOW.replace("999", "998", 1)))
     plain = make_request(PROMPT, request_id="plain", max_tokens=8)
     assert tiny_py.add(slow, 0) is None and tiny_py.add(plain, 0) is None
     ends, steps = [], 0
