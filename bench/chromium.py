@@ -67,7 +67,15 @@ class Browser:
             except subprocess.TimeoutExpired:
                 self._process.kill()
                 self._process.wait()
-        self._profile.cleanup()
+        # Chromium's helper processes (renderer, crashpad) may still write into the profile for a
+        # moment after the main process exits: retry, then leave what is left to the OS's /tmp
+        for _ in range(50):
+            try:
+                self._profile.cleanup()
+                return
+            except OSError:
+                await asyncio.sleep(0.1)
+        shutil.rmtree(self._profile.name, ignore_errors=True)
 
     async def _devtools_port(self, timeout_s: float = 30.0) -> int:
         """The port Chromium chose, from the DevToolsActivePort file it writes into its profile."""
