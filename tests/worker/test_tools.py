@@ -223,3 +223,7 @@ def test_a_required_call_cut_short_leaves_no_text_and_a_non_object_schema_is_ref
     refused = engine.add(tool_request(request_id="tools-string", tools=[WEATHER, string], tool_choice="required"), 0)
     assert refused.finish_reason == "rejected" and refused.error.code == "invalid_tool_parameters"
     assert refused.error.message.startswith("tools[1]: ") and 'of type "object"' in refused.error.message
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    refused = engine.add(tool_request(request_id="tools-strict-auto", tools=[strict], tool_choice="auto"), 0)
+    assert refused.finish_reason == "rejected" and refused.error.code == "unsupported_parameter"
+    assert "strict" in refused.error.message  # a Kafka record the gateway would have refused, never served unkept

@@ -165,6 +165,11 @@ class Engine:
         if (problem := tools_problem(request.tools)) is not None:  # a raw Kafka request the gateway would refuse
             message = f"tools[{problem[0]}]: {problem[1]}"
             return _refused(request, now_ms, "rejected", "invalid_tool_parameters", message)
+        strict = [i for i, t in enumerate(request.tools or []) if t.function.strict]
+        if strict and request.tool_choice in (None, "auto"):  # as the gateway: a promise auto cannot keep
+            message = (f"tools[{strict[0]}]: strict needs tool_choice required or a named function; "
+                       "calls under auto are parsed from the model's text, not constrained")
+            return _refused(request, now_ms, "rejected", "unsupported_parameter", message)
         spec = constraint_of(request)
         if spec is not None and (refused := self._refuse_constraint(request, spec, now_ms)) is not None:
             return refused
