@@ -23,6 +23,7 @@ from schemas.messages import (
     JobCommand,
     ReplyEvent,
     ReviewFlag,
+    StreamRecord,
     UsageRecord,
     WorkerHeartbeat,
 )
@@ -69,6 +70,7 @@ WIRE_TYPES: dict[str, Any] = {
     "UsageTotals": UsageTotals,
     "RateCard": RateCard,
     "HealthAlert": HealthAlert,
+    "StreamRecord": StreamRecord,
 }
 
 

@@ -540,7 +540,44 @@ class WorkerHeartbeat(_Wire):
         description="Per model version (name@version) the worker holds or tried to: its state (only 'ready' ones "
         "are routed to), memory slice and reason (docs/design.md, \"The model registry\").",
     )
+    finished_per_s: float | None = Field(
+        None, ge=0,
+        description="Requests this worker ended per second, averaged over its last minute (an exponentially "
+        "weighted rate); the gateway's admission divides the queue ahead of a request by the fleet's sum of it "
+        "(docs/design.md, \"Scale-out and failover\"). None: not measured yet.",
+    )
     sent_ms: int = Field(default_factory=now_ms, description="When it was sent, epoch ms.")
+
+
+class StreamRecord(_Wire):
+    """A resumable stream's durable entry, on the compacted `weir.streams` keyed by request_id.
+
+    The gateway that accepts a streamed request with a resume grace writes it before it publishes
+    the request; any gateway of the deployment reads the topic, so a client whose gateway died
+    resumes through another (docs/design.md, "Scale-out and failover"). It holds no prompt text:
+    only where the reply events are and what the stream's renderer needs. A later record with
+    `ended_ms` marks the request ended; a tombstone (null value) forgets it.
+    """
+
+    kind: Literal["stream"] = Field("stream", description="Message kind discriminator.")
+    request_id: str = Field(min_length=1, max_length=256, description="The stream's id (the request's, or the "
+                            "parent id of a body with n > 1).")
+    member_ids: list[str] = Field(default_factory=list, max_length=32, description="The request ids whose events "
+                                  "make the stream, in their kept order (one, or the siblings of n > 1).")
+    owner_tenant: str = Field(description="Owner: tenant (docs/design.md, \"Ownership\").")
+    owner_credential: Literal["key", "jwt", "open"] = Field(description="Owner: kind of credential.")
+    owner_principal: str = Field(description="Owner: principal.")
+    gateway_id: str = Field(description="The gateway instance that accepted it.")
+    reply_topic: str = Field(description="Where its ReplyDelta/ReplyEnd events are written (that gateway's).")
+    reply_partition: int = Field(0, ge=0, description="The partition of reply_topic its events go to.")
+    start_offset: int = Field(ge=0, description="An offset of reply_topic at or before its first event (read "
+                              "before the request was published): a reader starts there and filters by request id.")
+    grace_s: float = Field(gt=0, description="The resume grace it was asked with.")
+    deadline_ms: int = Field(description="The request's absolute deadline, epoch ms.")
+    render: dict[str, Any] = Field(default_factory=dict, description="What a gateway needs to render the stream "
+                                   "again (endpoint, model as shown, created, options); never prompt text.")
+    created_ms: int = Field(default_factory=now_ms, description="When it was registered, epoch ms.")
+    ended_ms: int | None = Field(None, description="When its terminal event was seen; None while it runs.")
 
 
 class AuditEvent(_Wire):

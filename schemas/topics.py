@@ -53,13 +53,36 @@ def topic_name_problem(name: object) -> str | None:
     return None
 
 
+MAX_REPLICATION = 3  # replicas of every topic on a cluster of 3 brokers or more
+
+
+def replication_for(num_brokers: int) -> int:
+    """The replication factor of every Weir topic on a cluster of `num_brokers`: min(3, brokers)
+    (docs/design.md, "Scale-out and failover")."""
+    if num_brokers < 1:
+        raise ValueError(f"a cluster has at least one broker, not {num_brokers}")
+    return min(MAX_REPLICATION, num_brokers)
+
+
 @dataclass(frozen=True)
 class TopicSpec:
-    """A topic the project creates, with the partition count and configs it needs."""
+    """A topic the project creates, with the partition count and configs it needs.
+
+    min_insync_replicas: how many replicas must have a record before an acks=all write of it
+    succeeds, where the cluster has that many (it is capped at the replication factor, so a
+    single broker still takes writes). 2 of 3 by default: one broker may die without losing or
+    refusing a write. A topic whose loss is cheap may say 1 and stay writable with one replica.
+    """
 
     name: str
     num_partitions: int
     configs: dict[str, str] = field(default_factory=dict)
+    min_insync_replicas: int = 2
+
+    def configs_for(self, replication_factor: int) -> dict[str, str]:
+        """The topic's configs on a cluster where it gets `replication_factor` replicas."""
+        insync = max(1, min(self.min_insync_replicas, replication_factor))
+        return {**self.configs, "min.insync.replicas": str(insync)}
 
 
 _DELETE_7D = {"cleanup.policy": "delete", "retention.ms": str(7 * 24 * 3600 * 1000)}
@@ -76,6 +99,9 @@ _USAGE = {"cleanup.policy": "delete", "retention.ms": str(3600 * 1000)}
 # Spans: compacted (a span exported twice is kept once) and deleted after a day.
 _TRACES = {**_COMPACT, "cleanup.policy": "compact,delete", "retention.ms": str(24 * 3600 * 1000)}
 _REPLIES = {"cleanup.policy": "delete", "retention.ms": str(24 * 3600 * 1000)}
+# A resumable stream's entry matters for its grace and keep time (minutes): compacted, and gone
+# after a day whatever happened to its gateway.
+_STREAMS = {**_COMPACT, "cleanup.policy": "compact,delete", "retention.ms": str(24 * 3600 * 1000)}
 # Batch files and job commands outlive a job's 24 h window: a week, like the requests.
 # Audit anchors are kept for good: `weir audit verify` checks the whole ledger against them.
 # Not compacted, so a record written over an anchor's key (a forgery, a tombstone) hides nothing.
@@ -202,6 +228,12 @@ class Topics:
         return f"{self.prefix}.usage.tokens"
 
     @property
+    def streams(self) -> str:
+        """StreamRecords: every gateway's resumable streams, compacted, keyed by request_id, so a
+        stream outlives the gateway that accepted it (docs/design.md, "Scale-out and failover")."""
+        return f"{self.prefix}.streams"
+
+    @property
     def health(self) -> str:
         """HealthAlerts: drift and staleness of model versions, raised and cleared (schemas/telemetry.py)."""
         return f"{self.prefix}.health"
@@ -301,6 +333,7 @@ class Topics:
             TopicSpec(self.traces, 4, _TRACES),
             TopicSpec(self.token_usage, 1, _COMPACT),
             TopicSpec(self.health, 1, _DELETE_7D),
+            TopicSpec(self.streams, 4, _STREAMS),
         ]
 
     def model_specs(self, model: str) -> list[TopicSpec]:
