@@ -21,7 +21,7 @@ from aiokafka.protocol.api import Request, RequestStruct, Response
 from aiokafka.protocol.types import CompactArray, CompactBytes, CompactString, Int8, Int16, Int32, Schema, TaggedFields
 
 from schemas.model_repo import ModelRepository
-from schemas.topics import Topics, TopicSpec
+from schemas.topics import Topics, TopicSpec, replication_for
 from weir.kafka.security import (
     DEFAULT_CLIENT,
     Grant,
@@ -73,13 +73,27 @@ async def wait_for_broker(bootstrap: str, timeout_s: float = 30.0, options: dict
     raise TimeoutError(f"no Kafka broker answered at {bootstrap} within {timeout_s:.0f} s ({last_error!r})")
 
 
+async def broker_ids(bootstrap: str, options: dict[str, Any] | None = None) -> list[int]:
+    """The node ids of the brokers the cluster's metadata lists now (a dead one drops out)."""
+    admin = _admin(bootstrap, options, request_timeout_ms=5000)
+    await admin.start()
+    try:
+        cluster = await admin.describe_cluster()
+    finally:
+        await admin.close()
+    return sorted(broker["node_id"] for broker in cluster.get("brokers", []))
+
+
 async def ensure_topics(
-    bootstrap: str, specs: list[TopicSpec], replication_factor: int = 1, options: dict[str, Any] | None = None
+    bootstrap: str, specs: list[TopicSpec], replication_factor: int | None = None,
+    options: dict[str, Any] | None = None,
 ) -> list[str]:
     """Create the topics of `specs` that do not exist yet; returns the names it created.
 
-    Idempotent: existing topics are left as they are (partitions and configs unchanged), and a
-    topic another process creates at the same moment counts as existing.
+    Each gets `replication_factor` replicas, by default replication_for(the brokers the cluster
+    lists), and its spec's configs for that (min.insync.replicas; docs/design.md, "Scale-out and
+    failover"). Idempotent: existing topics are left as they are (partitions and configs
+    unchanged), and a topic another process creates at the same moment counts as existing.
     """
     admin = _admin(bootstrap, options)
     await admin.start()
@@ -88,8 +102,10 @@ async def ensure_topics(
         missing = [spec for spec in specs if spec.name not in existing]
         if not missing:
             return []
-        new_topics = [NewTopic(s.name, s.num_partitions, replication_factor, topic_configs=dict(s.configs))
-                      for s in missing]
+        if replication_factor is None:
+            replication_factor = replication_for(len((await admin.describe_cluster()).get("brokers", [])))
+        new_topics = [NewTopic(s.name, s.num_partitions, replication_factor,
+                               topic_configs=s.configs_for(replication_factor)) for s in missing]
         response = await admin.create_topics(new_topics, timeout_ms=30_000)
         created = []
         for topic, code, *rest in response.topic_errors:

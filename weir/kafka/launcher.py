@@ -14,6 +14,11 @@ and is formatted with the SCRAM credentials of the deployment's principals, whos
 made once into $WEIR_HOME/secrets/kafka (weir/kafka/security.py; docs/kafka.md, "Secure mode").
 A data dir keeps the mode it was formatted with: starting it in the other mode is refused.
 
+A cluster (`cluster_configs(brokers=3)`, `weir kafka up --brokers 3`) is one such node per process,
+each a KRaft controller and a broker, with its own data dir ($WEIR_HOME/kafka/cluster-<port>/node-<i>)
+and ports (node i: client port+2(i-1), controller port+2(i-1)+1), one static voter list and one
+cluster id (cluster-<port>/cluster.id) that every node is formatted with (docs/kafka.md, "A cluster").
+
 The jars live in $WEIR_HOME/kafka/<version>/lib, resolved once with Maven from weir/kafka/pom.xml.
 """
 
@@ -34,16 +39,25 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from aiokafka.errors import KafkaError
+
+from schemas.topics import replication_for
 from weir.home import weir_home
 from weir.kafka import class_cache
 from weir.kafka import security
-from weir.kafka.admin import wait_for_broker
+from weir.kafka.admin import broker_ids, wait_for_broker
 
 KAFKA_VERSION = "4.4.0"  # keep in step with pom.xml and docker-compose.yml
 HERE = Path(__file__).resolve().parent
 POM = HERE / "pom.xml"
 LOG4J2_CONFIG = HERE / "log4j2.properties"
 HEAP_OPTS = ("-Xms256m", "-Xmx768m")
+# Each node of a cluster: three JVMs share the box, and a node's heap held the deployment's topics
+# with room to spare (docs/kafka.md, "A cluster").
+CLUSTER_HEAP_OPTS = ("-Xms128m", "-Xmx384m")
+# Node counts `cluster_configs` accepts: a static KRaft quorum of n voters survives (n - 1) // 2
+# losses, so 2 nodes survive none (no better than 1) and 4 no more than 3.
+CLUSTER_SIZES = (1, 3, 5)
 # TieredStopAtLevel=1: C1-compiled code only. C2 spent half of the broker's start compiling on a
 # 2-core box: from launch to its port open 8.9 CPU s and 8.6-11.1 s without, 4.6-4.9 CPU s and
 # 5.2-5.4 s with; and a hop a minute after start (`weir bench hop`, same box and load) was 5.1-5.9
@@ -69,6 +83,10 @@ class BrokerConfig:
     overrides: dict[str, str] = field(default_factory=dict)  # extra server.properties entries
     secure: bool = False  # SASL/SCRAM and ACLs (module docstring)
     secrets_dir: Path | None = None  # None: $WEIR_HOME/secrets/kafka
+    node_id: int = 1
+    voters: tuple[str, ...] = ()  # "<id>@<host>:<controller port>" of every node; (): this node alone
+    cluster_home: Path | None = None  # a cluster's shared dir (its cluster.id); None: a single broker
+    heap_opts: tuple[str, ...] = HEAP_OPTS
 
     def __post_init__(self) -> None:
         if not self.controller_port:
@@ -101,6 +119,16 @@ class BrokerConfig:
     @property
     def log_dir(self) -> Path:
         return self.home / "logs"
+
+    @property
+    def quorum(self) -> tuple[str, ...]:
+        """The controller quorum's voters: the cluster's, else this node alone."""
+        return self.voters or (f"{self.node_id}@{self.host}:{self.controller_port}",)
+
+    @property
+    def cluster_id_file(self) -> Path:
+        """Where the id every node of the cluster is formatted with is kept (made once)."""
+        return (self.cluster_home.resolve() if self.cluster_home else self.home) / "cluster.id"
 
     @property
     def pid_file(self) -> Path:
@@ -139,12 +167,16 @@ def broker_users(cfg: BrokerConfig) -> dict[str, str]:
 
 
 def render_server_properties(cfg: BrokerConfig, passwords: dict[str, str] | None = None) -> str:
-    """server.properties for a single node with combined broker+controller roles; a secure one
-    needs the `passwords` of security.ADMIN and security.CONTROLLER."""
+    """server.properties for one node with combined broker+controller roles (alone, or one of
+    cfg.voters); a secure one needs the `passwords` of security.ADMIN and security.CONTROLLER.
+    A cluster's replication defaults (auto-created and internal topics) follow replication_for:
+    docs/design.md, "Scale-out and failover"."""
+    replicas = replication_for(len(cfg.quorum))
+    insync = str(min(2, replicas))  # as TopicSpec's default: one replica of three may be lost
     props = {
         "process.roles": "broker,controller",
-        "node.id": "1",
-        "controller.quorum.voters": f"1@{cfg.host}:{cfg.controller_port}",
+        "node.id": str(cfg.node_id),
+        "controller.quorum.voters": ",".join(cfg.quorum),
         "listeners": f"PLAINTEXT://{cfg.host}:{cfg.port},CONTROLLER://{cfg.host}:{cfg.controller_port}",
         "advertised.listeners": f"PLAINTEXT://{cfg.host}:{cfg.port}",
         "inter.broker.listener.name": "PLAINTEXT",
@@ -154,15 +186,15 @@ def render_server_properties(cfg: BrokerConfig, passwords: dict[str, str] | None
         # Plain clients may name their own reply topic: let the broker create it on first use.
         "auto.create.topics.enable": "true",
         "num.partitions": "1",
-        "default.replication.factor": "1",
-        "min.insync.replicas": "1",
-        "offsets.topic.replication.factor": "1",
+        "default.replication.factor": str(replicas),
+        "min.insync.replicas": insync,
+        "offsets.topic.replication.factor": str(replicas),
         "offsets.topic.num.partitions": "4",
-        "transaction.state.log.replication.factor": "1",
-        "transaction.state.log.min.isr": "1",
+        "transaction.state.log.replication.factor": str(replicas),
+        "transaction.state.log.min.isr": insync,
         "transaction.state.log.num.partitions": "4",
-        "share.coordinator.state.topic.replication.factor": "1",
-        "share.coordinator.state.topic.min.isr": "1",
+        "share.coordinator.state.topic.replication.factor": str(replicas),
+        "share.coordinator.state.topic.min.isr": insync,
         # The default 3000 ms delays every first group join by 3 s.
         "group.initial.rebalance.delay.ms": "0",
         # Lets kill tests use short consumer session timeouts (default minimum 6000 ms).
@@ -289,10 +321,7 @@ def format_storage(cfg: BrokerConfig, lib: Path, scram_users: dict[str, str] | N
                               f"{mode} one (its users and ACLs would be {'lost' if formatted == 'sasl' else 'missing'}); "
                               "use another --data-dir, or delete this one")  # fmt: skip
         return
-    id_file = cfg.home / "cluster.id"
-    if not id_file.exists():
-        id_file.write_text(new_cluster_id() + "\n")
-    cluster_id = id_file.read_text().strip()
+    cluster_id = _cluster_id(cfg.cluster_id_file)
     args = ["kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(cfg.properties_file)]
     for user, password in (scram_users or {}).items():
         args += ["--add-scram", f"{security.MECHANISM}=[name={user},password={password}]"]
@@ -311,6 +340,14 @@ def format_storage(cfg: BrokerConfig, lib: Path, scram_users: dict[str, str] | N
     if proc.returncode != 0:
         raise BrokerError(f"formatting {cfg.log_dir} failed:\n{proc.stdout}{proc.stderr}")
     cfg.security_file.write_text(mode + "\n")
+
+
+def _cluster_id(id_file: Path) -> str:
+    """The id in `id_file`, chosen now if it has none (once: the nodes of a cluster may race)."""
+    with _locked(id_file.with_name(".cluster-id.lock")):
+        if not id_file.exists():
+            id_file.write_text(new_cluster_id() + "\n")
+        return id_file.read_text().strip()
 
 
 def _write_private(path: Path, text: str) -> None:
@@ -361,7 +398,7 @@ def start(cfg: BrokerConfig) -> int:
         _write_private(cfg.properties_file, render_server_properties(cfg, passwords))
         format_storage(cfg, lib, users)
         java = _java()
-        cmd = [java, *HEAP_OPTS, *JVM_OPTS, *class_cache.jvm_options(cfg.home, lib, java),
+        cmd = [java, *cfg.heap_opts, *JVM_OPTS, *class_cache.jvm_options(cfg.home, lib, java),
                f"-Dlog4j2.configurationFile={LOG4J2_CONFIG}", "-cp", f"{lib}/*", "kafka.Kafka", str(cfg.properties_file)]
         with open(cfg.log_file, "ab") as log:
             proc = subprocess.Popen(cmd, cwd=cfg.home, stdin=subprocess.DEVNULL, stdout=log,
@@ -393,25 +430,35 @@ async def wait_ready(cfg: BrokerConfig, timeout_s: float = 60.0) -> None:
 
 def stop(cfg: BrokerConfig, timeout_s: float = 30.0) -> bool:
     """SIGTERM the broker (a clean shutdown), SIGKILL it after `timeout_s`; False if none ran."""
-    pid = running_pid(cfg)
-    if pid is None:
-        cfg.pid_file.unlink(missing_ok=True)
-        return False
-    os.kill(pid, signal.SIGTERM)
+    return stop_cluster([cfg], timeout_s) == 1
+
+
+def stop_cluster(cfgs: list[BrokerConfig], timeout_s: float = 30.0) -> int:
+    """SIGTERM every running node at once, SIGKILL those still alive after `timeout_s`; returns how
+    many ran. At once: a node stopped last, after the others, has no controller quorum left to
+    acknowledge its controlled shutdown, and would wait for it."""
+    running = [(cfg, pid) for cfg in cfgs if (pid := running_pid(cfg)) is not None]
+    for cfg in cfgs:
+        if running_pid(cfg) is None:
+            cfg.pid_file.unlink(missing_ok=True)
+    for _cfg, pid in running:
+        os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
-    is_killed = False
-    while running_pid(cfg) is not None and _alive(pid):
+    killed: list[int] = []
+    while alive := [pid for cfg, pid in running if running_pid(cfg) is not None and _alive(pid)]:
         if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            is_killed = True
+            for pid in alive:
+                os.kill(pid, signal.SIGKILL)
+            killed += alive
             break
         time.sleep(0.2)
-    while _alive(pid):
-        time.sleep(0.1)
-    cfg.pid_file.unlink(missing_ok=True)
-    with contextlib.suppress(BrokerError):  # no java any more: nothing was dumped by one either
-        class_cache.keep_archive(cfg.home, lib_dir(cfg.version), _java(), is_clean_exit=not is_killed)
-    return True
+    for cfg, pid in running:
+        while _alive(pid):
+            time.sleep(0.1)
+        cfg.pid_file.unlink(missing_ok=True)
+        with contextlib.suppress(BrokerError):  # no java any more: nothing was dumped by one either
+            class_cache.keep_archive(cfg.home, lib_dir(cfg.version), _java(), is_clean_exit=pid not in killed)
+    return len(running)
 
 
 def _alive(pid: int) -> bool:
@@ -462,3 +509,79 @@ async def up(cfg: BrokerConfig, timeout_s: float = 90.0) -> BrokerStatus:
     await asyncio.to_thread(start, cfg)
     await wait_ready(cfg, timeout_s)
     return status(cfg)
+
+
+def cluster_configs(port: int = 9092, brokers: int = 1, host: str = "127.0.0.1", data_dir: Path | None = None,
+                    secure: bool = False, version: str = KAFKA_VERSION,
+                    overrides: dict[str, str] | None = None) -> list[BrokerConfig]:
+    """The nodes of a local cluster of `brokers` (CLUSTER_SIZES), each a controller and a broker.
+
+    One broker is exactly the single BrokerConfig of `weir kafka up` (data dir `data_dir`, else
+    $WEIR_HOME/kafka/broker-<port>). More: node i (1-based) listens on port+2(i-1) for clients and
+    the next port for its controller, keeps its data in <dir>/node-<i> where <dir> is `data_dir`,
+    else $WEIR_HOME/kafka/cluster-<port>, and shares <dir>/cluster.id with the others.
+    """
+    if brokers not in CLUSTER_SIZES:
+        raise BrokerError(f"--brokers {brokers}: a local cluster has {', '.join(map(str, CLUSTER_SIZES))} brokers "
+                          "(a KRaft quorum of n voters survives (n - 1) // 2 losses: 2 survive none, 4 no more "
+                          "than 3)")  # fmt: skip
+    common = {"host": host, "secure": secure, "version": version, "overrides": dict(overrides or {})}
+    if brokers == 1:
+        return [BrokerConfig(port=port, data_dir=data_dir, **common)]  # type: ignore[arg-type]
+    if secure:
+        raise BrokerError("--secure runs on a single broker only: a secure cluster (SASL between the nodes, "
+                          "the same SCRAM users formatted into each) is not built yet")
+    shared = (data_dir or weir_home() / "kafka" / f"cluster-{port}").resolve()
+    ids = range(1, brokers + 1)
+    voters = tuple(f"{i}@{host}:{port + 2 * (i - 1) + 1}" for i in ids)
+    return [BrokerConfig(port=port + 2 * (i - 1), controller_port=port + 2 * (i - 1) + 1, data_dir=shared / f"node-{i}",
+                         node_id=i, voters=voters, cluster_home=shared, heap_opts=CLUSTER_HEAP_OPTS,
+                         **common)  # type: ignore[arg-type]
+            for i in ids]  # fmt: skip
+
+
+def bootstrap_of(cfgs: list[BrokerConfig]) -> str:
+    """Every node's host:port, comma-separated: what clients of the cluster are given, so losing
+    the node a client first reached costs a metadata refresh (docs/design.md, "Scale-out and failover")."""
+    return ",".join(cfg.bootstrap for cfg in cfgs)
+
+
+def start_cluster(cfgs: list[BrokerConfig]) -> list[int]:
+    """Start every node that is not running (formatting new data dirs); returns their pids. The
+    nodes start together: a voter waits for a quorum of the others before it serves."""
+    for cfg in cfgs:
+        cfg.home.mkdir(parents=True, exist_ok=True)
+    return [start(cfg) for cfg in cfgs]
+
+
+async def wait_cluster_ready(cfgs: list[BrokerConfig], timeout_s: float = 120.0) -> None:
+    """Return once every node answers and the cluster's metadata lists them all; else BrokerError."""
+    deadline = time.monotonic() + timeout_s
+    await asyncio.gather(*(wait_ready(cfg, timeout_s) for cfg in cfgs))
+    wanted = {cfg.node_id for cfg in cfgs}
+    listed: set[int] = set()
+    while time.monotonic() < deadline:
+        with contextlib.suppress(KafkaError, OSError):
+            listed = set(await broker_ids(bootstrap_of(cfgs), cfgs[0].admin_options()))
+            if wanted <= listed:
+                return
+        await asyncio.sleep(0.3)
+    raise BrokerError(f"the cluster at {bootstrap_of(cfgs)} listed brokers {sorted(listed)}, not all of "
+                      f"{sorted(wanted)}, within {timeout_s:.0f} s")
+
+
+def cluster_status(cfgs: list[BrokerConfig]) -> list[BrokerStatus]:
+    """Each node's status."""
+    return [status(cfg) for cfg in cfgs]
+
+
+async def cluster_up(cfgs: list[BrokerConfig], timeout_s: float = 120.0) -> list[BrokerStatus]:
+    """Start the nodes that are not running and wait until the cluster lists them all."""
+    if len(cfgs) == 1:
+        return [await up(cfgs[0], timeout_s)]
+    taken = [cfg.bootstrap for cfg in cfgs if running_pid(cfg) is None and port_open(cfg.host, cfg.port)]
+    if taken:
+        raise BrokerError(f"{', '.join(taken)}: taken by a process this cluster's data dirs did not start")
+    await asyncio.to_thread(start_cluster, cfgs)
+    await wait_cluster_ready(cfgs, timeout_s)
+    return cluster_status(cfgs)
