@@ -85,6 +85,10 @@ class TopicSpec:
         return {**self.configs, "min.insync.replicas": str(insync)}
 
 
+# min.insync.replicas of a topic whose records are rewritten soon or recomputed (heartbeats, rate-limit
+# usage, spans, mirror samples, traffic counts): a write refused there would stall a live path for
+# nothing, while a lost record costs at most a moment's precision.
+_CHEAP = 1
 _DELETE_7D = {"cleanup.policy": "delete", "retention.ms": str(7 * 24 * 3600 * 1000)}
 # Compacted topics keep the latest record per key: the last cancel of a request, the last
 # heartbeat of a worker. Short segment/lag settings make compaction actually run on a dev box.
@@ -312,25 +316,26 @@ class Topics:
         return f"{self.prefix}.worker.{_served_suffix(model)}"
 
     def core_specs(self) -> list[TopicSpec]:
-        """The topics that exist independent of the model repository."""
+        """The topics that exist independent of the model repository. Those given _CHEAP stay
+        writable with one in-sync replica; why each: docs/kafka.md, "Replication per topic"."""
         return [
             TopicSpec(self.requests, 8, _DELETE_7D),
             TopicSpec(self.control, 4, _COMPACT),
-            TopicSpec(self.workers, 1, _COMPACT),
+            TopicSpec(self.workers, 1, _COMPACT, min_insync_replicas=_CHEAP),
             TopicSpec(self.audit, 4, _DELETE_7D),
             TopicSpec(self.audit_anchors, 1, _ANCHORS),
             TopicSpec(self.dead_letter, 1, _DELETE_7D),
             TopicSpec(self.keys, 1, _COMPACT),
-            TopicSpec(self.usage, 1, _USAGE),
+            TopicSpec(self.usage, 1, _USAGE, min_insync_replicas=_CHEAP),
             TopicSpec(self.files, 4, _FILES),
             TopicSpec(self.jobs, 1, _COMPACT),
             TopicSpec(self.job_commands, 4, _DELETE_7D),
             TopicSpec(self.models, 1, _COMPACT),
             TopicSpec(self.model_health, 1, _DELETE_7D),
-            TopicSpec(self.shadow_live, 4, _USAGE),
-            TopicSpec(self.comparisons, 1, _DELETE_7D),
-            TopicSpec(self.traffic, 1, _COMPACT),
-            TopicSpec(self.traces, 4, _TRACES),
+            TopicSpec(self.shadow_live, 4, _USAGE, min_insync_replicas=_CHEAP),
+            TopicSpec(self.comparisons, 1, _DELETE_7D, min_insync_replicas=_CHEAP),
+            TopicSpec(self.traffic, 1, _COMPACT, min_insync_replicas=_CHEAP),
+            TopicSpec(self.traces, 4, _TRACES, min_insync_replicas=_CHEAP),
             TopicSpec(self.token_usage, 1, _COMPACT),
             TopicSpec(self.health, 1, _DELETE_7D),
             TopicSpec(self.streams, 4, _STREAMS),

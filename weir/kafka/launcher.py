@@ -207,6 +207,11 @@ def render_server_properties(cfg: BrokerConfig, passwords: dict[str, str] | None
         "log.cleaner.threads": "1",
         "log.cleaner.dedupe.buffer.size": str(32 * 1024 * 1024),
     }
+    if len(cfg.quorum) > 1:
+        # The controller fences a broker that stopped heartbeating after this long, and only then
+        # moves its partitions' leadership: Kafka's 9 s default was the whole write stall of a
+        # broker killed under an acks=all producer here (tests/test_kafka_cluster.py).
+        props.update({"broker.heartbeat.interval.ms": "500", "broker.session.timeout.ms": "3000"})
     if cfg.secure:
         if not passwords or not {security.ADMIN, security.CONTROLLER} <= passwords.keys():
             raise ValueError("a secure broker's properties need the admin and controller passwords")
