@@ -138,3 +138,42 @@ def test_a_class_archive_is_kept_only_after_a_clean_exit(tmp_path: Path) -> None
     other = tmp_path / "java-21"
     other.write_text("another JVM")  # an archive is only valid for the JVM that made it
     assert class_cache.jvm_options(data, lib, str(other))[0].startswith("-XX:ArchiveClassesAtExit=")
+
+
+def test_one_broker_cluster_is_the_single_broker(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("WEIR_HOME", str(tmp_path))
+    (cfg,) = launcher.cluster_configs(port=9092, brokers=1)
+    assert cfg == launcher.BrokerConfig(port=9092) and cfg.home == tmp_path.resolve() / "kafka" / "broker-9092"
+    assert cfg.cluster_id_file == cfg.home / "cluster.id" and cfg.heap_opts == launcher.HEAP_OPTS
+
+
+def test_server_properties_of_a_cluster_node(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("WEIR_HOME", str(tmp_path))
+    cfgs = launcher.cluster_configs(port=19100, brokers=3)
+    shared = tmp_path.resolve() / "kafka" / "cluster-19100"
+    assert [c.home for c in cfgs] == [shared / f"node-{i}" for i in (1, 2, 3)]
+    assert {c.cluster_id_file for c in cfgs} == {shared / "cluster.id"}
+    assert launcher.bootstrap_of(cfgs) == "127.0.0.1:19100,127.0.0.1:19102,127.0.0.1:19104"
+    props = _properties(cfgs[1])
+    assert props["node.id"] == "2" and props["process.roles"] == "broker,controller"
+    assert props["controller.quorum.voters"] == "1@127.0.0.1:19101,2@127.0.0.1:19103,3@127.0.0.1:19105"
+    assert props["listeners"] == "PLAINTEXT://127.0.0.1:19102,CONTROLLER://127.0.0.1:19103"
+    assert props["log.dirs"] == str(shared / "node-2" / "logs")
+    for key in ("default.replication.factor", "offsets.topic.replication.factor",
+                "transaction.state.log.replication.factor", "share.coordinator.state.topic.replication.factor"):
+        assert props[key] == "3", key
+    for key in ("min.insync.replicas", "transaction.state.log.min.isr", "share.coordinator.state.topic.min.isr"):
+        assert props[key] == "2", key
+    assert props["broker.session.timeout.ms"] == "3000"
+    assert cfgs[1].heap_opts == launcher.CLUSTER_HEAP_OPTS
+    single = _properties(launcher.BrokerConfig(port=19092, data_dir=tmp_path))
+    assert single["min.insync.replicas"] == "1" and "broker.session.timeout.ms" not in single
+
+
+def test_cluster_configs_refuse_what_they_cannot_run(tmp_path: Path) -> None:
+    for brokers in (0, 2, 4, 6):
+        with pytest.raises(launcher.BrokerError, match="1, 3, 5 brokers"):
+            launcher.cluster_configs(brokers=brokers, data_dir=tmp_path)
+    with pytest.raises(launcher.BrokerError, match="--secure runs on a single broker"):
+        launcher.cluster_configs(brokers=3, secure=True, data_dir=tmp_path)
+    assert len(launcher.cluster_configs(port=19100, brokers=5, data_dir=tmp_path)) == 5

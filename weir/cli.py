@@ -1,6 +1,7 @@
 """The `weir` command line.
 
-    weir kafka up|down|status     the local Apache Kafka broker (weir/kafka/launcher.py); --secure:
+    weir kafka up|down|status     the local Apache Kafka broker (weir/kafka/launcher.py), or with
+                                  --brokers 3 a cluster of three (docs/kafka.md, "A cluster"); --secure:
                                   SASL/SCRAM and ACLs (weir/kafka/security.py)
     weir kafka user add NAME      an outside producer's principal on a secure broker
     weir kafka secrets            make a secure deployment's passwords (docker-compose.secure.yml)
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from schemas.model_repo import ModelRepoError, load_model_repo
-from schemas.topics import DEFAULT_PREFIX, Topics
+from schemas.topics import DEFAULT_PREFIX, Topics, replication_for
 
 if TYPE_CHECKING:
     from weir.kafka.launcher import BrokerConfig
@@ -64,7 +65,15 @@ def _add_broker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--controller-port", type=int,
                         help="KRaft controller port (env WEIR_KAFKA_CONTROLLER_PORT; default port + 1)")
     parser.add_argument("--data-dir", type=Path,
-                        help="data dir (env WEIR_KAFKA_DATA_DIR; default $WEIR_HOME/kafka/broker-<port>)")
+                        help="data dir (env WEIR_KAFKA_DATA_DIR; default $WEIR_HOME/kafka/broker-<port>, "
+                        "for a cluster $WEIR_HOME/kafka/cluster-<port>, a node-<i> dir per node)")
+
+
+def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
+    _add_broker_args(parser)
+    parser.add_argument("--brokers", type=int, default=int(os.environ.get("WEIR_KAFKA_BROKERS", "1")),
+                        help="nodes: 1, or a KRaft cluster of 3 or 5 on ports port..port+2n-1 (env "
+                        "WEIR_KAFKA_BROKERS; default %(default)s)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     kafka = commands.add_parser("kafka", help="the local Apache Kafka broker (Maven Central jars, KRaft)")
     kafka_actions = kafka.add_subparsers(dest="action", required=True, metavar="ACTION")
     kafka_up = kafka_actions.add_parser("up", help="start (if needed), wait until ready, create topics")
-    _add_broker_args(kafka_up)
+    _add_cluster_args(kafka_up)
     _add_deployment_args(kafka_up)
     kafka_up.add_argument("--timeout", type=float, default=90.0, help="seconds to wait for readiness")
     kafka_up.add_argument("--no-topics", action="store_true", help="do not create the deployment's topics")
@@ -84,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
                           help="SASL/SCRAM-SHA-512 and ACLs, deny by default (default: on when "
                           "WEIR_KAFKA_SECURITY=sasl); docs/kafka.md, 'Secure mode'")
     for action, text in (("down", "stop the broker (SIGTERM, then SIGKILL)"), ("status", "is it running?")):
-        _add_broker_args(kafka_actions.add_parser(action, help=text))
+        _add_cluster_args(kafka_actions.add_parser(action, help=text))
     kafka_actions.add_parser("secrets", help="make the passwords of a secure deployment's principals into "
                              "$WEIR_HOME/secrets/kafka (once; existing ones are kept)")
     user = kafka_actions.add_parser("user", help="principals of a secure broker")
@@ -178,6 +187,8 @@ def _kafka(args: argparse.Namespace) -> int:
         return 0
     # Users exist on a secure broker only: `user add` speaks to it as one (its admin's login).
     is_secure = args.action == "user" or (args.action == "up" and args.secure)
+    if getattr(args, "brokers", 1) != 1:
+        return _kafka_cluster(args, is_secure)
     cfg = launcher.BrokerConfig.from_env(port=args.port, controller_port=args.controller_port,
                                          data_dir=args.data_dir, secure=is_secure)
     if args.action == "user":
@@ -213,6 +224,32 @@ def _kafka(args: argparse.Namespace) -> int:
               f"bindings for prefix {args.topic_prefix!r}; passwords in {cfg.secrets}")
         print(f"connect with WEIR_KAFKA_SECURITY=sasl WEIR_KAFKA_USER=<{'|'.join(security.SERVICES)}|client|admin>")
     print(f"bootstrap servers: {cfg.bootstrap}")
+    return 0
+
+
+def _kafka_cluster(args: argparse.Namespace, is_secure: bool) -> int:
+    """`weir kafka up|down|status --brokers N` for N > 1: the nodes of launcher.cluster_configs."""
+    from weir.kafka import launcher
+
+    if args.controller_port is not None:
+        raise launcher.BrokerError("--controller-port names a single broker's; node i of a cluster has port+2(i-1)+1")
+    base = launcher.BrokerConfig.from_env(port=args.port, data_dir=args.data_dir)
+    cfgs = launcher.cluster_configs(base.port, args.brokers, host=base.host, data_dir=base.data_dir, secure=is_secure)
+    bootstrap = launcher.bootstrap_of(cfgs)
+    if args.action == "status":
+        states = launcher.cluster_status(cfgs)
+        print("\n".join(state.describe() for state in states))
+        return 0 if all(state.pid is not None or state.is_port_open for state in states) else 1
+    if args.action == "down":
+        stopped = launcher.stop_cluster(cfgs)
+        print(f"kafka cluster at {bootstrap}: {stopped} of {len(cfgs)} nodes stopped (the others were not running)")
+        return 0
+    states = asyncio.run(launcher.cluster_up(cfgs, args.timeout))
+    print("\n".join(state.describe() for state in states))
+    if not args.no_topics:
+        created = asyncio.run(create_topics(bootstrap, args.topic_prefix, args.model_repo, args.timeout))
+        print(f"topics under prefix {args.topic_prefix!r}: {len(created)} created, {replication_for(len(cfgs))} replicas each")
+    print(f"bootstrap servers: {bootstrap}")
     return 0
 
 
