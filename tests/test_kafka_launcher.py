@@ -177,3 +177,17 @@ def test_cluster_configs_refuse_what_they_cannot_run(tmp_path: Path) -> None:
     with pytest.raises(launcher.BrokerError, match="--secure runs on a single broker"):
         launcher.cluster_configs(brokers=3, secure=True, data_dir=tmp_path)
     assert len(launcher.cluster_configs(port=19100, brokers=5, data_dir=tmp_path)) == 5
+
+
+def test_weir_up_brokers_picks_the_cluster(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from weir import launcher as up
+
+    monkeypatch.setenv("WEIR_HOME", str(tmp_path))
+    monkeypatch.delenv("WEIR_KAFKA_DATA_DIR", raising=False)
+    monkeypatch.delenv("WEIR_KAFKA_BROKERS", raising=False)
+    nodes = up.broker_configs(up.build_parser().parse_args(["--brokers", "3", "--kafka-port", "19100"]))
+    assert launcher.bootstrap_of(nodes) == "127.0.0.1:19100,127.0.0.1:19102,127.0.0.1:19104"
+    assert up.broker_configs(up.build_parser().parse_args(["--kafka-port", "19100"])) == [
+        launcher.BrokerConfig(port=19100)]
+    with pytest.raises(launcher.BrokerError, match="1, 3, 5 brokers"):
+        up.broker_configs(up.build_parser().parse_args(["--brokers", "2"]))

@@ -1,4 +1,5 @@
-"""`weir up`: the local Kafka broker and all four services on one machine, as plain processes.
+"""`weir up`: the local Kafka broker (or with --brokers 3 a cluster of three, weir/kafka/launcher.py:
+cluster_configs) and all four services on one machine, as plain processes.
 
 A service that exits by itself (a kill -9, a crash) is restarted, as docker-compose.yml's
 `restart: unless-stopped` does (weir/supervision.py); Ctrl-C, SIGTERM or SIGHUP stops everything.
@@ -142,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default=os.environ.get("WEIR_GATEWAY_HOST", "127.0.0.1"))
     parser.add_argument("--port", type=int, default=int(os.environ.get("WEIR_GATEWAY_PORT", "8000")))
     parser.add_argument("--kafka-port", type=int, default=int(os.environ.get("WEIR_KAFKA_PORT", "9092")))
+    parser.add_argument("--brokers", type=int, default=int(os.environ.get("WEIR_KAFKA_BROKERS", "1")),
+                        help="Kafka nodes: 1, or a KRaft cluster of 3 or 5 from --kafka-port on (env "
+                        "WEIR_KAFKA_BROKERS; default 1); docs/kafka.md, 'A cluster'")
     parser.add_argument("--topic-prefix", default=os.environ.get("WEIR_TOPIC_PREFIX", DEFAULT_PREFIX))
     parser.add_argument("--model-repo", default=os.environ.get("WEIR_MODEL_REPO", "models.toml"))
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait until ready")
@@ -174,14 +178,16 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C during an import: its temporary directory is already removed
         print("\nstopped", flush=True)
         return 0
-    broker = launcher.BrokerConfig.from_env(port=args.kafka_port, secure=args.secure)
-    was_running = launcher.running_pid(broker) is not None or launcher.port_open(broker.host, broker.port)
     try:
-        spawn_broker(broker)
+        brokers = broker_configs(args)
+        broker = brokers[0]  # the one a secure deployment has
+        was_running = any(launcher.running_pid(b) is not None or launcher.port_open(b.host, b.port) for b in brokers)
+        for node in brokers:
+            spawn_broker(node)
     except launcher.BrokerError as exc:
         print(f"weir up: {exc}", file=sys.stderr)
         return 1
-    stack = Stack(service_env(args, broker.bootstrap, ports), Path(args.log_dir) if args.log_dir else weir_home() / "logs",
+    stack = Stack(service_env(args, launcher.bootstrap_of(brokers), ports), Path(args.log_dir) if args.log_dir else weir_home() / "logs",
                   own_env=service_principals(broker) if broker.secure else {})  # fmt: skip
     # SIGTERM (kill, systemd, docker) and SIGHUP (a closed terminal) stop everything as Ctrl-C does;
     # by default they ended this process alone and left the four services running. SIGINT too, even
@@ -191,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, _interrupt)
     try:
         deadline_s = began_s + args.timeout
-        kafka = BrokerReadiness(broker, Topics(args.topic_prefix), repo, deadline_s)
+        kafka = BrokerReadiness(brokers, Topics(args.topic_prefix), repo, deadline_s)
         if broker.secure:  # the services' ACLs must exist before they connect: no overlap here
             _say("Kafka (secure): waiting for the broker, then creating the topics and each service's ACLs ...")
             kafka.wait(deadline_s)
@@ -201,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
                        stack.dead, stack.log_tail, deadline_s, _say)  # fmt: skip
         _print_banner(f"http://{args.host}:{args.port}", broker, Topics(args.topic_prefix),
                       served_versions(repo, os.environ.get("WEIR_MODELS", "")), args.auth, stack,
-                      time.monotonic() - began_s)  # fmt: skip
+                      time.monotonic() - began_s, launcher.bootstrap_of(brokers))  # fmt: skip
         return supervise(stack, supervisor)
     except KeyboardInterrupt:
         print("\nstopping ...", flush=True)
@@ -214,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C must not orphan children
         stack.stop_all()
         if not was_running:
-            launcher.stop(broker)
+            launcher.stop_cluster(brokers)
         print("stopped", flush=True)
 
 
@@ -269,6 +275,17 @@ def prepare_admin_token() -> str:
     return f"admin token: {path} ({'made now' if made else 'kept'}; the admin API and /dashboard take it)"
 
 
+def broker_configs(args: argparse.Namespace) -> list[Any]:
+    """The local broker of `weir up`, or the nodes of its cluster (--brokers); BrokerError for a
+    count or mode that cannot run."""
+    from weir.kafka import launcher
+
+    base = launcher.BrokerConfig.from_env(port=args.kafka_port, secure=args.secure)
+    if args.brokers == 1:
+        return [base]
+    return launcher.cluster_configs(base.port, args.brokers, host=base.host, data_dir=base.data_dir, secure=args.secure)
+
+
 def spawn_broker(broker: Any) -> None:
     """Start the local broker's JVM without waiting for it (or find one running): the services
     start while it boots, and wait for it themselves (WEIR_KAFKA_WAIT_S)."""
@@ -287,12 +304,13 @@ def spawn_broker(broker: Any) -> None:
 
 
 class BrokerReadiness:
-    """Waits, on a thread of its own, until the broker answers, then creates the deployment's
-    topics (idempotent); `probe` says how far it got, as a service's /readyz would."""
+    """Waits, on a thread of its own, until the broker (every node of a cluster) answers, then
+    creates the deployment's topics (idempotent); `probe` says how far it got, as a service's
+    /readyz would."""
 
-    def __init__(self, broker: Any, topics: Topics, repo: Any, deadline_s: float) -> None:
+    def __init__(self, brokers: list[Any], topics: Topics, repo: Any, deadline_s: float) -> None:
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(broker, topics, repo, deadline_s), daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(brokers, topics, repo, deadline_s), daemon=True)
         self._thread.start()
 
     def wait(self, deadline_s: float) -> None:
@@ -309,15 +327,16 @@ class BrokerReadiness:
             raise self._error
         return Probe(True, "ready")
 
-    def _run(self, broker: Any, topics: Topics, repo: Any, deadline_s: float) -> None:
+    def _run(self, brokers: list[Any], topics: Topics, repo: Any, deadline_s: float) -> None:
         from weir.kafka import launcher
         from weir.kafka.admin import deployment_specs, ensure_topics, grant_deployment_acls
 
+        broker, bootstrap = brokers[0], launcher.bootstrap_of(brokers)
         try:
-            if launcher.running_pid(broker) is not None:
-                asyncio.run(launcher.wait_ready(broker, max(1.0, deadline_s - time.monotonic())))
+            if all(launcher.running_pid(b) is not None for b in brokers):
+                asyncio.run(launcher.wait_cluster_ready(brokers, max(1.0, deadline_s - time.monotonic())))
             options = broker.admin_options()  # {}: a plaintext broker
-            asyncio.run(ensure_topics(broker.bootstrap, deployment_specs(topics, repo), options=options))
+            asyncio.run(ensure_topics(bootstrap, deployment_specs(topics, repo), options=options))
             if broker.secure:
                 asyncio.run(grant_deployment_acls(broker.bootstrap, topics, options))
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread by probe()
@@ -428,17 +447,17 @@ def supervise(stack: Stack, supervisor: Supervisor, poll_s: float = 0.5) -> int:
 
 
 def _print_banner(url: str, broker: Any, topics: Topics, models: list[str], auth: str, stack: Stack,
-                  took_s: float) -> None:
+                  took_s: float, bootstrap: str) -> None:
     if auth == "open":
         auth_line = "OPEN: WEIR_AUTH_MODE=open, no API key needed (local use only; --auth required to change)"
     else:
         auth_line = "required: create a key with `weir keys create --principal P --tenant T`"
     services = "\n".join(f"    {name:<9} {proc.pid:<8} {stack.url(name)}" for name, proc in stack.procs.items())
     if broker.secure:
-        kafka_line = (f"{broker.bootstrap}  SASL/SCRAM-SHA-512 + ACLs; log in as `client` (WEIR_KAFKA_SECURITY=sasl "
+        kafka_line = (f"{bootstrap}  SASL/SCRAM-SHA-512 + ACLs; log in as `client` (WEIR_KAFKA_SECURITY=sasl "
                       f"WEIR_KAFKA_USER=client; passwords in {broker.secrets})")
     else:
-        kafka_line = f"{broker.bootstrap}  (no authentication: local use; --secure to change)"
+        kafka_line = f"{bootstrap}  (no authentication: local use; --secure to change)"
     # Secure: `client` writes only its own request topic, and is served as principal `client`.
     requests_line = f"{topics.producer_requests('client')}  (as client)" if broker.secure else topics.requests
     print(f"""
