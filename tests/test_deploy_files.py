@@ -13,6 +13,7 @@ from weir.kafka import launcher
 
 REPO = Path(__file__).resolve().parents[1]
 WEIR_SERVICES = ("gateway", "batcher", "worker", "auditor")
+KAFKA_NODES = ("kafka-1", "kafka-2", "kafka-3")
 
 
 def _compose() -> dict:
@@ -23,7 +24,8 @@ def test_kafka_version_is_pinned_once_everywhere() -> None:
     ns = {"m": "http://maven.apache.org/POM/4.0.0"}
     pom = ET.parse(launcher.POM).getroot()
     assert pom.findtext("m:properties/m:kafka.version", namespaces=ns) == launcher.KAFKA_VERSION
-    assert _compose()["services"]["kafka"]["image"] == f"apache/kafka:{launcher.KAFKA_VERSION}"
+    for node in KAFKA_NODES:
+        assert _compose()["services"][node]["image"] == f"apache/kafka:{launcher.KAFKA_VERSION}"
 
 
 def test_each_service_runs_its_weir_subcommand_after_topic_init() -> None:
@@ -31,8 +33,8 @@ def test_each_service_runs_its_weir_subcommand_after_topic_init() -> None:
     for name in WEIR_SERVICES:
         service = services[name]
         assert service["command"] == ["weir", name] and name in DELEGATED
-        assert service["environment"]["WEIR_KAFKA_BOOTSTRAP"] == "kafka:9092"
-        assert service["depends_on"]["kafka"]["condition"] == "service_healthy"
+        assert service["environment"]["WEIR_KAFKA_BOOTSTRAP"] == "kafka-1:9092,kafka-2:9092,kafka-3:9092"
+        assert all(service["depends_on"][node]["condition"] == "service_healthy" for node in KAFKA_NODES)
         assert service["depends_on"]["topic-init"]["condition"] == "service_completed_successfully"
         assert "healthcheck" in service
     assert services["topic-init"]["command"][:3] == ["weir", "topics", "create"]
@@ -40,8 +42,30 @@ def test_each_service_runs_its_weir_subcommand_after_topic_init() -> None:
 
 
 def test_compose_cluster_id_is_a_kafka_uuid() -> None:
-    cluster_id = _compose()["services"]["kafka"]["environment"]["CLUSTER_ID"]
+    cluster_id = _compose()["services"]["kafka-1"]["environment"]["CLUSTER_ID"]
     assert len(cluster_id) == 22 and not cluster_id.startswith("-")
+
+
+def test_compose_kafka_is_a_three_node_cluster_as_the_launcher_makes_one() -> None:
+    """The compose cluster's nodes: combined roles, one voter list and cluster id, their own data
+    volume and host port, and the replication the launcher gives a local cluster of three."""
+    services = _compose()["services"]
+    local = dict(line.split("=", 1) for line in launcher.render_server_properties(
+        launcher.cluster_configs(port=19100, brokers=3, data_dir=REPO / "var" / "unused")[0]).splitlines()[1:])
+    envs = [services[node]["environment"] for node in KAFKA_NODES]
+    assert {env["CLUSTER_ID"] for env in envs} == {envs[0]["CLUSTER_ID"]}
+    assert [env["KAFKA_NODE_ID"] for env in envs] == [1, 2, 3]
+    for i, (node, env) in enumerate(zip(KAFKA_NODES, envs, strict=True)):
+        assert env["KAFKA_PROCESS_ROLES"] == "broker,controller"
+        assert env["KAFKA_CONTROLLER_QUORUM_VOTERS"] == "1@kafka-1:9093,2@kafka-2:9093,3@kafka-3:9093"
+        assert env["KAFKA_ADVERTISED_LISTENERS"] == f"PLAINTEXT://{node}:9092,EXTERNAL://localhost:{29092 + i}"
+        assert services[node]["ports"] == [f"{29092 + i}:{29092 + i}"]
+        assert services[node]["volumes"] == [f"{node}-data:/var/lib/kafka/data"]
+        for key in ("default.replication.factor", "min.insync.replicas", "offsets.topic.replication.factor",
+                    "transaction.state.log.replication.factor", "transaction.state.log.min.isr",
+                    "share.coordinator.state.topic.replication.factor", "share.coordinator.state.topic.min.isr",
+                    "broker.session.timeout.ms", "broker.heartbeat.interval.ms"):
+            assert str(env["KAFKA_" + key.upper().replace(".", "_")]) == local[key], (node, key)
 
 
 def test_each_service_is_healthy_when_its_own_readyz_says_so() -> None:
