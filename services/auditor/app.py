@@ -57,7 +57,9 @@ def create_app(settings: AuditorSettings, health: HealthMetrics | None = None,
     """
     client_id = instance_id("auditor")
     broker = KafkaBroker(
-        settings.kafka_bootstrap,
+        # A list: FastStream wraps a string whole into one, and aiokafka splits only a string at its
+        # commas, so a cluster's "h:p,h:p,h:p" would reach it as one unknown host.
+        settings.kafka_bootstrap.split(","),
         client_id=client_id,
         acks="all",  # dead letters are durable before their record's offset is committed
         enable_idempotence=True,
