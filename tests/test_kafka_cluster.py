@@ -3,7 +3,8 @@ replicated, and a broker killed with -9 under an acks=all producer loses no ackn
 
 ONE cluster for the module (marker `cluster`, fixture `kafka_cluster`), on the consecutive ports
 from WEIR_TEST_CLUSTER_PORT (six of them), else on a free block; its data dirs are temporary. It
-costs about 20 s to start and 5 s to stop on a 2-core box; the kill test about 20 s more.
+costs 20-70 s to start (by the box's load) and 5-8 s to stop on a 2-core box; the tests
+about 40 s more.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 
 from schemas.topics import Topics, TopicSpec
+from services.auditor.app import create_app
+from services.auditor.config import AuditorSettings
 from weir.kafka import launcher
 from weir.kafka.admin import broker_ids, describe_topic_configs, ensure_topics
 from weir.launcher import free_ports
@@ -89,6 +92,17 @@ async def test_topics_get_three_replicas_and_their_min_insync(kafka_cluster: lis
     assert len((await _partitions(bootstrap, [TOPICS.replies("auto")]))[TOPICS.replies("auto")][0]["replicas"]) == 3
     assert (await describe_topic_configs(bootstrap, [TOPICS.replies("auto")]))[TOPICS.replies("auto")][
         "min.insync.replicas"] == "2"
+
+
+async def test_the_auditor_starts_on_the_whole_bootstrap_list(kafka_cluster: list[launcher.BrokerConfig],
+                                                             tmp_path: Path) -> None:
+    """FastStream (the auditor's client) takes a string as one server: given the cluster's
+    "h:p,h:p,h:p" whole, the auditor could not start (found by `weir up --brokers 3`)."""
+    bootstrap = launcher.bootstrap_of(kafka_cluster)
+    await ensure_topics(bootstrap, TOPICS.core_specs())  # made by the first test; idempotent
+    settings = AuditorSettings(kafka_bootstrap=bootstrap, topic_prefix=TOPICS.prefix, audit_db=tmp_path / "a.sqlite")
+    async with create_app(settings, embed=None):
+        pass
 
 
 async def _read_committed(bootstrap: str, tp: TopicPartition) -> list[bytes]:

@@ -191,3 +191,27 @@ def test_weir_up_brokers_picks_the_cluster(monkeypatch: pytest.MonkeyPatch, tmp_
         launcher.BrokerConfig(port=19100)]
     with pytest.raises(launcher.BrokerError, match="1, 3, 5 brokers"):
         up.broker_configs(up.build_parser().parse_args(["--brokers", "2"]))
+
+
+class _StartingCluster:
+    """describe_cluster of a cluster whose brokers register one call at a time (up to `size`)."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self.calls = size, 0
+
+    async def describe_cluster(self) -> dict:
+        self.calls += 1
+        return {"brokers": [{"node_id": i} for i in range(1, min(self.calls, self.size) + 1)]}
+
+
+async def test_topics_wait_for_every_broker_the_bootstrap_names() -> None:
+    """Topics made while a cluster registers its brokers would keep fewer replicas for good (seen:
+    RF 2 under `weir up --brokers 3`): the replication waits for as many as the bootstrap names."""
+    from weir.kafka import admin
+
+    starting = _StartingCluster(3)
+    assert await admin.cluster_replication(starting, "h:1,h:3,h:5") == 3 and starting.calls == 3
+    assert await admin.cluster_replication(_StartingCluster(3), "h:1") == 1  # one named, one listed at first
+    assert await admin.cluster_replication(_StartingCluster(5), "h:1,h:3") == 2  # up to 3: as many as listed
+    with pytest.raises(TimeoutError, match="only 2 registered"):
+        await admin.cluster_replication(_StartingCluster(2), "h:1,h:3,h:5", wait_s=0.8)

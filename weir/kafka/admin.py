@@ -84,16 +84,34 @@ async def broker_ids(bootstrap: str, options: dict[str, Any] | None = None) -> l
     return sorted(broker["node_id"] for broker in cluster.get("brokers", []))
 
 
+async def cluster_replication(admin: AIOKafkaAdminClient, bootstrap: str, wait_s: float = 60.0) -> int:
+    """replication_for(the cluster's size): the brokers its metadata lists, or the servers
+    `bootstrap` names when those are more. A starting cluster lists its brokers as they register,
+    and a topic made then would keep fewer replicas for good, so this waits up to `wait_s` for
+    that many to be listed; TimeoutError after it."""
+    named = len({server.strip() for server in bootstrap.split(",") if server.strip()})
+    deadline = time.monotonic() + wait_s
+    while True:
+        listed = len((await admin.describe_cluster()).get("brokers", []))
+        wanted = replication_for(max(listed, named, 1))
+        if listed >= wanted:
+            return wanted
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{bootstrap} names {named} brokers, and topics get {wanted} replicas, but only "
+                               f"{listed} registered within {wait_s:.0f} s; start the others (weir kafka up --brokers)")
+        await asyncio.sleep(0.5)
+
+
 async def ensure_topics(
     bootstrap: str, specs: list[TopicSpec], replication_factor: int | None = None,
     options: dict[str, Any] | None = None,
 ) -> list[str]:
     """Create the topics of `specs` that do not exist yet; returns the names it created.
 
-    Each gets `replication_factor` replicas, by default replication_for(the brokers the cluster
-    lists), and its spec's configs for that (min.insync.replicas; docs/design.md, "Scale-out and
-    failover"). Idempotent: existing topics are left as they are (partitions and configs
-    unchanged), and a topic another process creates at the same moment counts as existing.
+    Each gets `replication_factor` replicas, by default cluster_replication's, and its spec's
+    configs for that (min.insync.replicas; docs/design.md, "Scale-out and failover"). Idempotent:
+    existing topics are left as they are (partitions and configs unchanged), and a topic another
+    process creates at the same moment counts as existing.
     """
     admin = _admin(bootstrap, options)
     await admin.start()
@@ -103,7 +121,7 @@ async def ensure_topics(
         if not missing:
             return []
         if replication_factor is None:
-            replication_factor = replication_for(len((await admin.describe_cluster()).get("brokers", [])))
+            replication_factor = await cluster_replication(admin, bootstrap)
         new_topics = [NewTopic(s.name, s.num_partitions, replication_factor,
                                topic_configs=s.configs_for(replication_factor)) for s in missing]
         response = await admin.create_topics(new_topics, timeout_ms=30_000)
