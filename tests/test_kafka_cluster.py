@@ -3,7 +3,7 @@ replicated, and a broker killed with -9 under an acks=all producer loses no ackn
 
 ONE cluster for the module (marker `cluster`, fixture `kafka_cluster`), on the consecutive ports
 from WEIR_TEST_CLUSTER_PORT (six of them), else on a free block; its data dirs are temporary. It
-costs 20-70 s to start (by the box's load) and 5-8 s to stop on a 2-core box; the tests
+costs 20-90 s to start (by the box's load) and 5-8 s to stop on a 2-core box; the tests
 about 40 s more.
 """
 
