@@ -33,7 +33,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 
 from schemas.codec import DecodeError, decode
 from schemas.messages import Batch, WorkerHeartbeat, now_ms
-from schemas.topics import BATCH_PARTITIONS, Topics
+from schemas.topics import Topics
 from services.gateway.fleet import Fleet
 from weir.bus import BusSettings
 
@@ -170,12 +170,21 @@ class BatchBacklog:
         """Count the unread requests of every version a live worker serves or reads."""
         live = self.fleet.live(now)
         models = sorted({m for hb in live for m in [*hb.models, *hb.next_offsets]})
-        return {model: await self._unread(model, live) for model in models}
+        # The partitions of the topics that exist, from the metadata of all topics: asking for one
+        # by name would let a broker that auto-creates topics make a batch topic here (one
+        # partition, not its spec's). A batch topic that does not exist holds nothing unread.
+        admin = await self._admin_client()
+        partitions = {t["topic"]: [p["partition"] for p in t["partitions"]]
+                      for t in await admin.describe_topics() if t["error_code"] == 0}  # fmt: skip
+        return {model: await self._unread(model, live, partitions.get(self.topics.batches(model), []))
+                for model in models}  # fmt: skip
 
-    async def _unread(self, model: str, live: list[WorkerHeartbeat]) -> int:
+    async def _unread(self, model: str, live: list[WorkerHeartbeat], partitions: list[int]) -> int:
+        if not partitions:
+            return 0
         consumer = await self._reader()
         topic = self.topics.batches(model)
-        ends = await consumer.end_offsets([TopicPartition(topic, p) for p in range(BATCH_PARTITIONS)])
+        ends = await consumer.end_offsets([TopicPartition(topic, p) for p in sorted(partitions)])
         positions = owner_positions(model, live)
         if any(end > 0 and tp.partition not in positions for tp, end in ends.items()):
             positions = {**await self._committed(model, topic), **positions}
@@ -211,20 +220,31 @@ class BatchBacklog:
 
     async def _committed(self, model: str, topic: str) -> dict[int, int]:
         """The worker group's committed offsets in `topic` (partitions it never committed: none)."""
+        offsets = await (await self._admin_client()).list_consumer_group_offsets(self.topics.worker_group(model))
+        return {tp.partition: meta.offset for tp, meta in offsets.items() if tp.topic == topic and meta.offset >= 0}
+
+    async def _admin_client(self) -> AIOKafkaAdminClient:
         if self._admin is None:
             admin = AIOKafkaAdminClient(bootstrap_servers=self.settings.kafka_bootstrap, request_timeout_ms=5000,
                                         **self.settings.kafka_options())  # fmt: skip
-            await admin.start()
+            try:
+                await admin.start()
+            except BaseException:
+                await admin.close()
+                raise
             self._admin = admin
-        offsets = await self._admin.list_consumer_group_offsets(self.topics.worker_group(model))
-        return {tp.partition: meta.offset for tp, meta in offsets.items() if tp.topic == topic and meta.offset >= 0}
+        return self._admin
 
     async def _reader(self) -> AIOKafkaConsumer:
         if self._consumer is None:
             consumer = AIOKafkaConsumer(bootstrap_servers=self.settings.kafka_bootstrap, group_id=None,
                                         enable_auto_commit=False, request_timeout_ms=5000,
                                         **self.settings.kafka_options())  # fmt: skip
-            await consumer.start()
+            try:
+                await consumer.start()
+            except BaseException:
+                await consumer.stop()
+                raise
             self._consumer = consumer
         return self._consumer
 
