@@ -97,6 +97,15 @@ def count_requests(model: str, values: list[bytes | None]) -> int:
     return total
 
 
+def partition_requests(model: str, values: list[bytes | None], num_behind: int) -> int:
+    """The requests in a partition's `num_behind` unread records, of which `values` (the first
+    ones) were read: theirs, and the rest at their mean. None read: none counted."""
+    if not values:
+        return 0
+    counted = count_requests(model, values)
+    return counted + round(counted / len(values) * max(0, num_behind - len(values)))
+
+
 class BatchBacklog:
     """Polls, per model version some live worker serves, the requests its worker group has not read."""
 
@@ -210,13 +219,7 @@ class BatchBacklog:
                 values[tp].extend(r.value for r in records if r.offset < stops[tp])
                 if records and records[-1].offset + 1 >= stops[tp]:
                     pending.discard(tp)
-        total = 0
-        for tp, (start, end) in behind.items():
-            counted = count_requests(model, values[tp])
-            total += counted
-            if values[tp] and end - start > len(values[tp]):
-                total += round(counted / len(values[tp]) * (end - start - len(values[tp])))
-        return total
+        return sum(partition_requests(model, values[tp], end - start) for tp, (start, end) in behind.items())
 
     async def _committed(self, model: str, topic: str) -> dict[int, int]:
         """The worker group's committed offsets in `topic` (partitions it never committed: none)."""

@@ -5,11 +5,18 @@ from __future__ import annotations
 import pytest
 
 from schemas.codec import encode
-from schemas.messages import Batch, GenerateRequest, WorkerHeartbeat
+from schemas.messages import Batch, GenerateRequest, WorkerHeartbeat, now_ms
 from services.gateway.fleet import Fleet
 from services.gateway.guard.admission import Admission
 from services.gateway.guard.auth import GuardError
-from services.gateway.queue_wait import BatchBacklog, QueueWait, count_requests, estimate, owner_positions
+from services.gateway.queue_wait import (
+    BatchBacklog,
+    QueueWait,
+    count_requests,
+    estimate,
+    owner_positions,
+    partition_requests,
+)
 from weir.bus import BusSettings
 
 
@@ -76,6 +83,14 @@ def test_only_batches_a_worker_would_run_are_counted() -> None:
     assert count_requests("echo@1", [good, other, b"{not json", None, good]) == 6
 
 
+def test_records_past_those_read_count_at_their_mean() -> None:
+    three = encode(Batch(batch_id="b1", model="echo@1", requests=[request(0), request(1), request(2)], batcher_id="b"))
+    one = encode(Batch(batch_id="b2", model="echo@1", requests=[request(3)], batcher_id="b"))
+    assert partition_requests("echo@1", [three, one], num_behind=2) == 4  # all read
+    assert partition_requests("echo@1", [three, one], num_behind=1002) == 4 + 2000  # 2 a record
+    assert partition_requests("echo@1", [], num_behind=50) == 0
+
+
 def test_the_read_position_is_the_live_owners_next_offset() -> None:
     live = [beat("w1", next_offsets={0: 5, 1: 2}), beat("w2", next_offsets={1: 7, 3: 0})]  # both report 1: a rebalance
     assert owner_positions("echo@1", live) == {0: 5, 1: 7, 3: 0}
@@ -91,3 +106,13 @@ def test_stale_or_missing_backlog_is_unknown() -> None:
     assert backlog.count("echo@2", now=1_000) is None  # not polled yet
     with pytest.raises(ValueError):
         BatchBacklog(BusSettings(topic_prefix="p"), Fleet(), interval_s=0)
+
+
+async def test_a_failed_poll_keeps_the_last_values_until_they_are_stale() -> None:
+    fleet = Fleet()
+    fleet.observe(beat())
+    backlog = BatchBacklog(BusSettings(kafka_bootstrap="127.0.0.1:1", topic_prefix="p"), fleet, interval_s=1.0)
+    backlog.unread, backlog.polled_ms = {"echo@1": 4}, now_ms()
+    assert await backlog.refresh() is False  # nobody listens there
+    assert backlog.unread == {"echo@1": 4} and backlog.count("echo@1", now_ms()) == 4
+    assert backlog.count("echo@1", now_ms() + 10_001) is None
