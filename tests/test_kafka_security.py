@@ -139,6 +139,7 @@ def test_the_acl_plan_keeps_each_topic_to_its_writers() -> None:
     assert _writers(grants, t.traces) == {"gateway", "batcher", "worker", "auditor"}  # each its own spans
     assert _readers(grants, t.traces) == set()  # reading spans is for operators (the admin)
     assert _writers(grants, t.batches("echo")) == {"batcher"}
+    assert _readers(grants, t.batches("echo")) == {"worker", "gateway"}  # the gateway counts what is unread
     # workers write replies; the batcher the terminal reply of a request it ends itself
     assert _writers(grants, t.replies("client.r1")) == _writers(grants, t.replies("gateway-1")) == {"worker", "batcher"}
     readers = {g.user for g in grants if "read" in g.operations and t.replies("alice.r1").startswith(g.name)

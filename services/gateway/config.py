@@ -64,7 +64,8 @@ class GatewaySettings(BusSettings, GuardSettings):
     )
     heartbeat_live_s: float = Field(10.0, gt=0, description="A worker heartbeat younger than this is live.")
     lag_interval_s: float = Field(
-        5.0, gt=0, description="How often the consumer lag of the deployment's groups is polled for /metrics (weir/lag.py)."
+        5.0, gt=0, description="How often the consumer lag of the deployment's groups is polled for /metrics (weir/lag.py), "
+        "and the unread requests of the batch topics for admission (queue_wait.py)."
     )
     startup_timeout_s: float = Field(30.0, gt=0, description="How long startup waits for the Kafka broker.")
     log_level: str = Field("info", description="Log level of the gateway and uvicorn.")

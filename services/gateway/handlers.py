@@ -32,6 +32,7 @@ from schemas.messages import (
 from services.gateway.config import GatewaySettings
 from services.gateway.fleet import Fleet
 from services.gateway.openai_format import ApiError
+from services.gateway.queue_wait import BatchBacklog
 from services.gateway.replies import ReplyItem, ReplyRouter
 from weir.bus import instance_id, make_consumer, make_producer, send_dead_letter
 from weir.kafka.admin import ensure_topics, wait_for_broker
@@ -53,6 +54,7 @@ class GatewayBus:
         self.reply_topic = self.topics.replies(self.gateway_id)
         self.router = ReplyRouter()
         self.fleet = Fleet(live_ms=int(settings.heartbeat_live_s * 1000))
+        self.backlog = BatchBacklog(settings, self.fleet, settings.lag_interval_s)  # admission from the queue
         self.is_producer_started = False
         self.is_reply_assigned = False
         self._producer: AIOKafkaProducer | None = None
@@ -96,6 +98,7 @@ class GatewayBus:
             asyncio.create_task(self._run(self._consume_replies), name="gateway-replies"),
             asyncio.create_task(self._run(self._consume_heartbeats), name="gateway-heartbeats"),
         ]
+        await self.backlog.start()  # polls in the background; admission reads its last values
         log.info("gateway %s reads replies from %s", self.gateway_id, self.reply_topic)
 
     async def stop(self) -> None:
@@ -107,6 +110,7 @@ class GatewayBus:
         for task in self._loops:
             task.cancel()
         await asyncio.gather(*self._loops, return_exceptions=True)
+        await self.backlog.stop()
         self.is_reply_assigned = False
         self.is_producer_started = False
         for client in (self._replies, self._heartbeats, self._producer):

@@ -8,7 +8,8 @@ detections, resumed streams; in flight per model and lane. Observed from the
 latest worker heartbeats at scrape time: live workers per model, open breakers, and per worker
 its free KV blocks, running/waiting sequences and each device's name, memory and utilisation.
 Consumer lag of the deployment's groups (weir/lag.py, polled in the background) as
-`kafka_consumergroup_lag`.
+`kafka_consumergroup_lag`; the estimated wait of a new request per version (queue_wait.py, the
+estimate admission refuses by) as `weir_gateway_queue_wait_seconds{model_name}`.
 
 Generations as the client sees them (`GenerationTimer`, label `model_name`: the served
 `name@version`, as vLLM's names are labelled: docs/design.md, "Observability"): `weir_gateway_time_to_first_token_seconds` (request accepted -> first content
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from opentelemetry.metrics import CallbackOptions, Observation
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -33,6 +35,9 @@ from schemas.messages import ReplyEnd, WorkerHeartbeat
 from schemas.registry import split_ref
 from weir.lag import LAG_METRIC, LagMonitor
 from weir.metrics import ITL_BUCKETS, LATENCY_BUCKETS, TTFT_BUCKETS, ServiceMetrics
+
+if TYPE_CHECKING:
+    from services.gateway.queue_wait import BatchBacklog
 
 # The GenAI semantic conventions' bucket advice for the client metrics (gen-ai-metrics.md).
 GEN_AI_TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864)
@@ -105,6 +110,11 @@ class GatewayMetrics:
     def follow_lag(self, lag: LagMonitor) -> None:
         """Export `lag`'s last values as kafka_consumergroup_lag (read at scrape time, no I/O)."""
         self.service.gauge(LAG_METRIC, "Consumer lag per group and topic of this deployment (weir/lag.py).", lag.observe)
+
+    def follow_queue(self, backlog: BatchBacklog) -> None:
+        """Export the queue's estimated wait per version (read at scrape time, no I/O)."""
+        self.service.gauge("weir_gateway_queue_wait_seconds", "Estimated wait of a new request per model version: "
+                           "the queue ahead over the live workers' drain rate (absent: unknown).", backlog.observe)  # fmt: skip
 
     def _add_generation_instruments(self) -> None:
         """The instruments GenerationTimer records into (see the module docstring)."""

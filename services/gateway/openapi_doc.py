@@ -179,7 +179,8 @@ _ERRORS: dict[int, str] = {
          "/v1/streams) no resumable stream of the caller with that id on this instance.",
     413: "Body larger than WEIR_MAX_BODY_BYTES.",
     431: "More headers than WEIR_MAX_HEADERS, or more bytes of them than WEIR_MAX_HEADER_BYTES.",
-    429: "Rate limit (per key or tenant), full in-flight lane, overloaded workers, or a retryable rejection.",
+    429: "Rate limit (per key or tenant), full in-flight lane, overloaded workers, a queue longer than the "
+         "request's deadline (queue_too_long), or a retryable rejection.",
     503: "No live worker serves the model version's name (breaker open, with Retry-After); the version failed or "
          "was refused on every live worker reporting it, or is unloaded (model_unavailable, the reason); or Kafka "
          "did not take the request.",

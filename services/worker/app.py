@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, get_args
@@ -32,6 +33,7 @@ from services.worker.config import WorkerSettings
 from services.worker.engine_factory import build_engine, warm_up
 from services.worker.faults import FaultHookError
 from services.worker.fingerprints import FingerprintBatcher
+from services.worker.finish_rate import FinishRate
 from services.worker.handlers import ModelServer, consume_cancellations, open_cancellations
 from services.worker.hardware import DeviceProbe, choose_device, cpu_device, cpu_threads
 from services.worker.loading import OnOutputs, OnStatus
@@ -80,6 +82,8 @@ class WorkerService:
         self._fingerprinter: asyncio.Task | None = None
         self.devices = DeviceProbe()
         self.live_pressure = LivePressure(settings.mirror_idle_ms)  # mirror copies yield to it (mirror_pacing.py)
+        self.finish_rate = FinishRate()  # heartbeats' finished_per_s, sampled per heartbeat
+        self.clock: Callable[[], float] = time.monotonic
         self.metrics = self._metrics()
         self.tracing = Tracing("worker", self.worker_id, settings)
         # vLLM's vllm:* and the GenAI server metrics, per version (docs/design.md, "Observability")
@@ -383,12 +387,16 @@ class WorkerService:
 
     def heartbeat_message(self, devices: list[DeviceInfo]) -> WorkerHeartbeat:
         """shared protocol 1: `models` = the ready versions; partitions and next offsets of ready and
-        draining ones (batches still reach a draining version); every version held or tried."""
+        draining ones (batches still reach a draining version); every version held or tried; the
+        drain rate (finish_rate.py), sampled once per heartbeat."""
         held = self.versions
         ready = held.ready() if held is not None else []
         routed = held.routed() if held is not None else []
         stats = [r.stats for v in routed for r in v.hosts]
         owned = {v.sid: v.server.owned_partitions() for v in routed if v.server is not None}
+        servers = self.servers
+        self.finish_rate.sample(self.clock(), sum(s.intake.num_done for s in servers),
+                                any(s.intake.in_flight for s in servers))  # fmt: skip
         return WorkerHeartbeat(
             worker_id=self.worker_id, models=[v.sid for v in ready], is_ready=self.is_ready,
             num_running=int(sum(s.get("num_running", 0) for s in stats)),
@@ -400,6 +408,7 @@ class WorkerService:
             prefix_cache_hits=int(sum(s.get("prefix_cache_hits", 0) for s in stats)),
             partitions={m: p for m, (p, _) in owned.items()}, next_offsets={m: o for m, (_, o) in owned.items()},
             devices=devices, versions=held.statuses() if held is not None else {},
+            finished_per_s=self.finish_rate.per_s(),
         )  # fmt: skip
 
     async def send_heartbeat(self, producer: AIOKafkaProducer) -> None:

@@ -13,7 +13,8 @@ prompt asks for:
   arguments (CALL_ARGUMENTS, a phone number in them) come in pieces, then ReplyEnd(stop) with the call.
 Its ReplyEnd names the version the request was pinned to (request.model, name@version). It also
 sends a heartbeat every 0.5 s, reporting `versions` (default: echo@1 ready; a test may change it)
-with the ready ones in `models`, and records every Cancellation on the control topic.
+with the ready ones in `models`, and `num_waiting`, `finished_per_s` and `next_offsets` (a test
+may set them: a queue ahead), and records every Cancellation on the control topic.
 """
 
 from __future__ import annotations
@@ -66,6 +67,9 @@ class FakeWorker:
         self.cancels: list[Cancellation] = []
         self.generated: dict[str, int] = {}
         self.versions: dict[str, VersionStatus] = {"echo@1": VersionStatus(state="ready", engine="echo")}
+        self.num_waiting = 0
+        self.finished_per_s: float | None = None
+        self.next_offsets: dict[str, dict[int, int]] = {}
         self._tasks: list[asyncio.Task[Any]] = []
         self._clients: list[Any] = []
 
@@ -168,8 +172,9 @@ class FakeWorker:
         while True:
             heartbeat = WorkerHeartbeat(
                 worker_id=self.worker_id, models=[sid for sid, s in self.versions.items() if s.state == "ready"],
-                is_ready=True, num_running=0, num_waiting=0, max_num_seqs=8, free_kv_blocks=64, block_size_tokens=16,
-                versions=dict(self.versions),
+                is_ready=True, num_running=0, num_waiting=self.num_waiting, max_num_seqs=8, free_kv_blocks=64,
+                block_size_tokens=16, versions=dict(self.versions), finished_per_s=self.finished_per_s,
+                next_offsets=dict(self.next_offsets),
             )
             await self.producer.send_and_wait(self.topics.workers, encode(heartbeat), key=self.worker_id.encode())
             await asyncio.sleep(0.5)

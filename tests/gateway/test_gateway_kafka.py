@@ -2,7 +2,9 @@
 
 Checks what a client sees: the openai client streams and ends, stream=false returns the body,
 repeats are dropped, errors keep OpenAI's format, a client leaving mid-stream (HTTP or WebSocket)
-becomes a Cancellation on the control topic, and a finished request publishes none.
+becomes a Cancellation on the control topic, and a finished request publishes none. A queue
+ahead longer than a request's deadline (heartbeats and unread batch records) is a 429 with the
+Retry-After it would fit after, until it drains.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ import openai
 import orjson
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient
 from websockets.asyncio.client import connect
 
-from schemas.codec import decode
-from schemas.messages import DeadLetter
+from schemas.codec import decode, encode
+from schemas.messages import Batch, DeadLetter, GenerateRequest
+from weir.kafka.admin import ensure_topics
 
 from .conftest import Stack
 from .fakes import eventually
@@ -227,3 +231,57 @@ async def test_malformed_reply_is_dead_lettered_and_serving_goes_on(stack: Stack
     assert "not JSON" in letters[0].reason and letters[0].key == "junk"
     chat = await client_of(stack).chat.completions.create(model="echo", messages=[{"role": "user", "content": "hi"}])
     assert chat.choices[0].message.content == "Hello, world"
+
+
+async def test_a_queue_longer_than_the_deadline_is_refused_until_it_drains(stack: Stack) -> None:
+    """9 waiting in the worker + 12 in an unread batch record, drained at 2/s: a 10.5 s wait."""
+    topic = stack.topics.batches("echo@1")
+    admin = AIOKafkaAdminClient(bootstrap_servers=stack.bootstrap)
+    await admin.start()
+    try:  # the gateway has polled echo@1's backlog since the fake worker's first heartbeat: without creating it
+        assert topic not in await admin.list_topics()
+    finally:
+        await admin.close()
+    await ensure_topics(stack.bootstrap, stack.topics.model_specs("echo@1"))
+    queued = [GenerateRequest(request_id=f"q{i}", model="echo@1", prompt="hi", reply_to=stack.reply_topic,
+                              deadline_ms=2_000_000_000_000) for i in range(12)]  # fmt: skip
+    producer = AIOKafkaProducer(bootstrap_servers=stack.bootstrap, acks="all", enable_idempotence=True)
+    await producer.start()
+    try:
+        for _ in range(50):  # until the producer's metadata knows the new topic's partitions
+            if 3 in await producer.partitions_for(topic):
+                break
+            await asyncio.sleep(0.1)
+        sent = await producer.send_and_wait(topic, encode(Batch(batch_id="q", model="echo@1", requests=queued,
+                                                                batcher_id="test")), partition=3)  # fmt: skip
+    finally:
+        await producer.stop()
+    worker = stack.worker
+    worker.num_waiting, worker.finished_per_s, worker.next_offsets = 9, 2.0, {"echo@1": {3: sent.offset}}
+    headers = {"x-weir-timeout-s": "3"}
+    try:
+        async with httpx.AsyncClient(base_url=stack.base_url, timeout=20) as client:
+            gauge = 'weir_gateway_queue_wait_seconds{model_name="echo@1"} 10.5'
+            for _ in range(100):  # the next heartbeat, then the next poll of the batch topic
+                if gauge in (await client.get("/metrics")).text:
+                    break
+                await asyncio.sleep(0.1)
+            refused = await client.post("/v1/chat/completions", json=CHAT, headers=headers)
+            assert refused.status_code == 429 and refused.headers["retry-after"] == "8"  # ceil(10.5 - 3)
+            error = refused.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"} and error["code"] == "queue_too_long"
+            assert "'echo@1'" in error["message"] and "21 requests ahead" in error["message"]
+            assert 'code="queue_too_long"' in (await client.get("/metrics")).text
+            assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200  # its default timeout fits
+            with pytest.raises(openai.RateLimitError) as limited:
+                await client_of(stack).chat.completions.create(**CHAT, extra_headers=headers)
+            assert limited.value.code == "queue_too_long"
+            worker.num_waiting, worker.next_offsets = 0, {"echo@1": {3: sent.offset + 1}}  # the worker read it all
+            for _ in range(100):
+                answered = await client.post("/v1/chat/completions", json=CHAT, headers=headers)
+                if answered.status_code != 429:
+                    break
+                await asyncio.sleep(0.1)
+            assert answered.status_code == 200 and answered.json()["choices"][0]["message"]["content"] == "Hello, world"
+    finally:
+        worker.num_waiting, worker.finished_per_s, worker.next_offsets = 0, None, {}

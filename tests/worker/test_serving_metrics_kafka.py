@@ -1,5 +1,6 @@
 """The worker's vllm:* and gen_ai.server.* metrics against the real broker: batches in, the /metrics
-totals equal to what the replies say (services/worker/serving_metrics.py)."""
+totals equal to what the replies say (services/worker/serving_metrics.py), and the heartbeats'
+prefix-cache counts and drain rate."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from schemas.messages import AuditEvent, Batch, ReplyEnd, WorkerHeartbeat
 from schemas.topics import Topics
 from services.worker.app import WorkerService
 from services.worker.config import WorkerSettings
+from services.worker.finish_rate import FinishRate
 from tests.kafka_helpers import produce, read_until
 from weir.kafka.admin import ensure_topics
 from weir.metrics import value
@@ -48,6 +50,7 @@ async def test_metrics_count_what_the_replies_say_and_a_shared_prompt_hits_the_p
     replies = topics.replies("test")
     await ensure_topics(BOOTSTRAP, [*topics.core_specs(), topics.reply_spec("test")])
     service = WorkerService(settings)
+    service.finish_rate = FinishRate(min_busy_s=0.0)  # a rate from its first busy heartbeat on
     task = asyncio.create_task(service.serve())
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app=service.http_app()), base_url="http://worker")
     try:
@@ -91,7 +94,9 @@ async def test_metrics_count_what_the_replies_say_and_a_shared_prompt_hits_the_p
         assert by_id[again.request_id].cached_prompt_tokens == cached and by_id[first.request_id].cached_prompt_tokens == 0
 
         def counted(hb: WorkerHeartbeat) -> bool:
-            return hb.prefix_cache_hits == cached and hb.kv_cache_usage_perc is not None
+            # finished_per_s: the requests ended are in the heartbeats' drain rate (finish_rate.py)
+            rate = hb.finished_per_s
+            return hb.prefix_cache_hits == cached and hb.kv_cache_usage_perc is not None and rate is not None and rate > 0
 
         beats = await read_until(BOOTSTRAP, [topics.workers], lambda rs: any(counted(decode(WorkerHeartbeat, r.value)) for r in rs))
         assert any(counted(decode(WorkerHeartbeat, r.value)) for r in beats)

@@ -218,6 +218,9 @@ def service_grants(topics: Topics) -> list[Grant]:
     for user in ("gateway", "batcher"):
         grants += _grants(user, "group", "prefixed", ("describe",), [f"{t.prefix}."])
         grants += _grants(user, "topic", "prefixed", ("describe",), [f"{t.prefix}."])
+    # gateway: counts the requests of the batch records its workers have not read (admission from
+    # the queue, services/gateway/queue_wait.py): it reads them, assigned, with no group.
+    grants += _grants("gateway", "topic", "prefixed", ("read",), [t.batches("")])
     # worker: reads its model's batches and cancels; writes replies (to whoever reply_to names,
     # inside the reply namespace), audit events and heartbeats.
     grants += _grants("worker", "topic", "prefixed", ("read",), [t.batches("")])

@@ -2,7 +2,7 @@
 
 In order: authenticate (401), the model exists (404, in routes/), authorise the model (403),
 validate against the model (400), the input guard (400 when the tenant blocks a likely prompt
-injection; input_guard.py), admission control (503 breaker, 429 overload or full lane),
+injection; input_guard.py), admission control (503 breaker, 429 overload, queue too long or full lane),
 rate limits per credential and per tenant (429 with Retry-After). An admitted request holds an
 in-flight ticket and a token reservation; when its Exchange closes, the ticket is released and
 the reservation is corrected by the usage of the terminal event, locally and for the peers.
@@ -27,6 +27,7 @@ from services.gateway.fleet import Fleet
 from services.gateway.guard.input_guard import InputGuard
 from services.gateway.guard.limits import Charge, RateLimited, RateLimiter, ScopeLimits
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.queue_wait import BatchBacklog
 from services.gateway.openai_format import ApiError, ChatCompletionBody, CompletionBody
 from services.gateway.guard.peers import PeerSync
 from services.gateway.guard.validation import TokenCounter, check_request
@@ -42,6 +43,7 @@ class GuardBus(Protocol):
 
     gateway_id: str
     fleet: Fleet
+    backlog: BatchBacklog
     on_cancel: list[Callable[[CancelReason], None]]
 
     def publish_review_flag(self, flag: ReviewFlag) -> None:
@@ -107,6 +109,7 @@ class Guard:
         self.counter = TokenCounter()
         self.peers = PeerSync(settings, bus.gateway_id, self.keys, self.limiter, clock)
         self.metrics = GatewayMetrics(lambda: bus.fleet.live(now_ms()), lambda: self.admission.open_breakers)
+        self.metrics.follow_queue(bus.backlog)
         bus.on_cancel.append(lambda reason: self.metrics.cancellations.add(1, {"reason": reason}))
         self.input_guard = InputGuard(
             settings, bus.gateway_id, bus.publish_review_flag,
@@ -153,7 +156,8 @@ class Guard:
             max_input_tokens=self.settings.max_input_tokens, max_stop_sequences=self.settings.max_stop_sequences,
         )  # fmt: skip
         await self.input_guard.check(identity.principal, identity.tenant, body)
-        admitted = self.reserve(identity, model.served_id, lane, prompt_tokens + request.max_tokens)
+        admitted = self.reserve(identity, model.served_id, lane, prompt_tokens + request.max_tokens,
+                                deadline_ms=request.deadline_ms)  # fmt: skip
         request = request.model_copy(
             update={"principal": identity.principal, "tenant": identity.tenant, "priority": lane}
         )
@@ -174,16 +178,22 @@ class Guard:
     def _count_inputs(self, model: ModelConfig, inputs: list[str]) -> int:
         return sum(self.counter.count(model, text) + 2 for text in inputs)  # + [CLS] and [SEP]
 
-    def reserve(self, identity: Identity, model: str, lane: Priority, reserved_tokens: int) -> Admitted:
+    def reserve(self, identity: Identity, model: str, lane: Priority, reserved_tokens: int,
+                deadline_ms: int | None = None) -> Admitted:  # fmt: skip
         """Take a lane ticket for version `model` (name@version) and charge the rate limits for
         reserved_tokens; ApiError 503/429. The breaker looks at what the live workers offer that
         version (fleet.Availability); one that cannot be served is 503 with the reason, and no
-        Retry-After, since retrying cannot help."""
+        Retry-After, since retrying cannot help. A request with a `deadline_ms` is refused when
+        the queue's estimated wait (queue_wait.py, the last poll's) would not end before it."""
         try:
-            offer = self.bus.fleet.availability(model, self.desired(model), now_ms(), self.wanted_since(model))
+            now = now_ms()
+            offer = self.bus.fleet.availability(model, self.desired(model), now, self.wanted_since(model))
             if offer.problem is not None:
                 raise GuardError(503, offer.problem, param="model", code="model_unavailable")
-            ticket = self.admission.admit(model, lane, offer.serving, coming=offer.coming)
+            wait = self.bus.backlog.wait(model, offer.serving, now)
+            to_deadline_s = None if deadline_ms is None else (deadline_ms - now) / 1000
+            ticket = self.admission.admit(model, lane, offer.serving, coming=offer.coming, wait=wait,
+                                          time_to_deadline_s=to_deadline_s)  # fmt: skip
         except ApiError as error:
             self.metrics.admission_rejected.add(1, {"model": model, "code": error.code or "unknown"})
             raise

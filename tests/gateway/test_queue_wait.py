@@ -1,0 +1,118 @@
+"""Admission from the queue as pure cores: the wait estimate, its staleness, the 429 it makes."""
+
+from __future__ import annotations
+
+import pytest
+
+from schemas.codec import encode
+from schemas.messages import Batch, GenerateRequest, WorkerHeartbeat, now_ms
+from services.gateway.fleet import Fleet
+from services.gateway.guard.admission import Admission
+from services.gateway.guard.auth import GuardError
+from services.gateway.queue_wait import (
+    BatchBacklog,
+    QueueWait,
+    count_requests,
+    estimate,
+    owner_positions,
+    partition_requests,
+)
+from weir.bus import BusSettings
+
+
+def beat(worker_id: str = "w1", num_waiting: int = 0, per_s: float | None = 1.0,
+         next_offsets: dict[int, int] | None = None) -> WorkerHeartbeat:  # fmt: skip
+    return WorkerHeartbeat(worker_id=worker_id, models=["echo@1"], is_ready=True, num_running=0, num_waiting=num_waiting,
+                           max_num_seqs=8, free_kv_blocks=10, block_size_tokens=16, finished_per_s=per_s,
+                           next_offsets={"echo@1": next_offsets or {}})  # fmt: skip
+
+
+def request(i: int, priority: str = "interactive") -> GenerateRequest:
+    return GenerateRequest(request_id=f"r{i}", model="echo@1", prompt="hi", reply_to="p.replies.g", priority=priority,
+                           deadline_ms=2_000_000_000_000)  # fmt: skip
+
+
+def test_the_wait_is_the_queue_ahead_over_the_fleets_drain_rate() -> None:
+    wait = estimate("echo@1", [beat("w1", num_waiting=4, per_s=0.5), beat("w2", num_waiting=2, per_s=1.5)], unread=14)
+    assert wait == QueueWait("echo@1", queue_ahead=20, per_s=2.0) and wait.wait_s == 10.0
+
+
+def test_an_unknown_rate_or_backlog_refuses_nothing() -> None:
+    assert estimate("echo@1", [beat(per_s=1.0), beat("w2", per_s=None)], unread=0) is None  # w2 not measured yet
+    assert estimate("echo@1", [beat(per_s=0.0)], unread=50) is None  # nothing measured drains
+    assert estimate("echo@1", [beat()], unread=None) is None  # the backlog is stale or was never polled
+    assert estimate("echo@1", [], unread=3) is None  # the breaker's case, not this one's
+
+
+@pytest.mark.parametrize(("wait_s", "to_deadline_s", "retry_after"), [(40, 10, 30), (10.2, 10, 1), (30.5, 10, 21)])
+def test_retry_after_is_the_seconds_until_it_would_fit(wait_s: float, to_deadline_s: float, retry_after: int) -> None:
+    wait = QueueWait("echo@1", queue_ahead=int(wait_s * 10), per_s=10.0)
+    admission = Admission({"interactive": 9, "bulk": 9}, overload_ratio=2.0, is_breaker_enabled=True)
+    with pytest.raises(GuardError) as refused:
+        admission.admit("echo@1", "interactive", [beat()], wait=wait, time_to_deadline_s=to_deadline_s)
+    error = refused.value
+    assert (error.status, error.code, error.headers) == (429, "queue_too_long", {"retry-after": str(retry_after)})
+    assert "'echo@1'" in error.message and f"{wait.queue_ahead} requests ahead" in error.message
+    assert error.body()["error"]["type"] and admission.in_flight["echo@1", "interactive"] == 0  # nothing taken
+
+
+def test_a_wait_that_fits_the_deadline_or_an_unknown_one_is_admitted() -> None:
+    admission = Admission({"interactive": 9, "bulk": 9}, overload_ratio=2.0, is_breaker_enabled=True)
+    wait = QueueWait("echo@1", queue_ahead=10, per_s=1.0)
+    admission.admit("echo@1", "interactive", [beat()], wait=wait, time_to_deadline_s=10.0)  # 10 s fits in 10 s
+    admission.admit("echo@1", "interactive", [beat()], wait=None, time_to_deadline_s=0.5)
+    admission.admit("echo@1", "interactive", [beat()], wait=wait, time_to_deadline_s=None)  # no deadline given
+    assert admission.in_flight["echo@1", "interactive"] == 3
+
+
+def test_lanes_are_not_told_apart() -> None:
+    """The batch topic is read in order and num_waiting has no lane split: both lanes see it all."""
+    admission = Admission({"interactive": 9, "bulk": 9}, overload_ratio=2.0, is_breaker_enabled=True)
+    wait = estimate("echo@1", [beat(num_waiting=5)], unread=count_requests("echo@1", [
+        encode(Batch(batch_id="b", model="echo@1", requests=[request(0, "bulk"), request(1, "bulk")], batcher_id="b"))
+    ]))  # fmt: skip
+    assert wait is not None and wait.queue_ahead == 7
+    for lane in ("interactive", "bulk"):
+        with pytest.raises(GuardError, match="7 requests ahead"):
+            admission.admit("echo@1", lane, [beat()], wait=wait, time_to_deadline_s=3.0)
+
+
+def test_only_batches_a_worker_would_run_are_counted() -> None:
+    good = encode(Batch(batch_id="b1", model="echo@1", requests=[request(0), request(1), request(2)], batcher_id="b"))
+    other = encode(Batch(batch_id="b2", model="echo@2", requests=[request(3)], batcher_id="b"))  # another version
+    assert count_requests("echo@1", [good, other, b"{not json", None, good]) == 6
+
+
+def test_records_past_those_read_count_at_their_mean() -> None:
+    three = encode(Batch(batch_id="b1", model="echo@1", requests=[request(0), request(1), request(2)], batcher_id="b"))
+    one = encode(Batch(batch_id="b2", model="echo@1", requests=[request(3)], batcher_id="b"))
+    assert partition_requests("echo@1", [three, one], num_behind=2) == 4  # all read
+    assert partition_requests("echo@1", [three, one], num_behind=1002) == 4 + 2000  # 2 a record
+    assert partition_requests("echo@1", [], num_behind=50) == 0
+
+
+def test_the_read_position_is_the_live_owners_next_offset() -> None:
+    live = [beat("w1", next_offsets={0: 5, 1: 2}), beat("w2", next_offsets={1: 7, 3: 0})]  # both report 1: a rebalance
+    assert owner_positions("echo@1", live) == {0: 5, 1: 7, 3: 0}
+    assert owner_positions("other@1", live) == {}
+
+
+def test_stale_or_missing_backlog_is_unknown() -> None:
+    backlog = BatchBacklog(BusSettings(topic_prefix="p"), Fleet(), interval_s=1.0)
+    assert backlog.count("echo@1", now=1_000) is None  # never polled
+    backlog.unread, backlog.polled_ms = {"echo@1": 4}, 1_000
+    assert backlog.count("echo@1", now=1_000 + 10_000) == 4
+    assert backlog.count("echo@1", now=1_000 + 10_001) is None  # older than max(10 s, 3 polls)
+    assert backlog.count("echo@2", now=1_000) is None  # not polled yet
+    with pytest.raises(ValueError):
+        BatchBacklog(BusSettings(topic_prefix="p"), Fleet(), interval_s=0)
+
+
+async def test_a_failed_poll_keeps_the_last_values_until_they_are_stale() -> None:
+    fleet = Fleet()
+    fleet.observe(beat())
+    backlog = BatchBacklog(BusSettings(kafka_bootstrap="127.0.0.1:1", topic_prefix="p"), fleet, interval_s=1.0)
+    backlog.unread, backlog.polled_ms = {"echo@1": 4}, now_ms()
+    assert await backlog.refresh() is False  # nobody listens there
+    assert backlog.unread == {"echo@1": 4} and backlog.count("echo@1", now_ms()) == 4
+    assert backlog.count("echo@1", now_ms() + 10_001) is None
