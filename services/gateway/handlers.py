@@ -102,9 +102,11 @@ class GatewayBus:
         log.info("gateway %s reads replies from %s", self.gateway_id, self.reply_topic)
 
     async def stop(self) -> None:
-        """Cancel what is still in flight (reason shutdown), flush publishes, close the clients."""
+        """Cancel what is still in flight (reason shutdown), flush publishes, close the clients.
+        A stream registered on weir.streams is left running: its client resumes it through
+        another gateway (docs/design.md, "Streams outlive their gateway")."""
         for exchange in list(self._exchanges.values()):
-            exchange.close("shutdown", status="shutdown")
+            exchange.close(None if exchange.is_durable else "shutdown", status="shutdown")
         if self._publishing:
             await asyncio.wait(self._publishing, timeout=5.0)
         for task in self._loops:
@@ -151,6 +153,7 @@ class GatewayBus:
         queue = self.router.register(request.request_id)
         exchange = Exchange(self, request, queue)
         exchange.span = self._server_span(request, client_headers or {}, route)
+        exchange.is_durable = stream_record is not None
         self._exchanges[request.request_id] = exchange
         timeout_s = min(_MAX_SEND_WAIT_S, max(0.1, (request.deadline_ms - now_ms()) / 1000))
         topic = self.topics.requests
@@ -299,6 +302,7 @@ class Exchange:
         self.first_token_ms: int | None = None
         self.num_deltas = 0
         self.is_closed = False
+        self.is_durable = False  # registered on weir.streams: resumable through any gateway
         self.on_close: list[Callable[[Exchange], None]] = []  # called once when closed (the guard's release)
         self.span: Span = INVALID_SPAN  # its HTTP server span (GatewayBus.submit), ended by close()
 

@@ -130,3 +130,15 @@ def test_only_gateways_may_write_the_streams_topic() -> None:
     writers = {g.user for g in security.service_grants(topics) if "write" in g.operations and g.resource == "topic"
                and (g.name == topics.streams if g.pattern == "literal" else topics.streams.startswith(g.name))}  # fmt: skip
     assert writers == {"gateway"}
+
+
+async def test_a_gateway_that_stops_leaves_its_durable_streams_running_and_cancels_the_others() -> None:
+    bus = GatewayBus(SETTINGS)
+    cancelled: list[tuple[str, str]] = []
+    bus.publish_cancel = lambda rid, reason: cancelled.append((rid, reason))  # type: ignore[method-assign]
+    for request_id, is_durable in (("cmpl-1", True), ("cmpl-2", False)):
+        exchange = Exchange(bus, a_request(request_id), bus.router.register(request_id))
+        exchange.is_durable = is_durable
+        bus._exchanges[request_id] = exchange
+    await bus.stop()
+    assert cancelled == [("cmpl-2", "shutdown")]  # cmpl-1's client resumes it through another gateway
