@@ -64,9 +64,10 @@ def durable_record(
     request: GenerateRequest, writer: ChunkWriter, owner: Owner, grace_s: float, gateway_id: str, reply_topic: str,
     start_offset: int,
 ) -> StreamRecord | None:
-    """The StreamRecord of a streamed request asked with a resume grace, or None when another
-    gateway could not render it (echo: its first chunk is the prompt) or it is not resumable."""
-    if grace_s <= 0 or not request.stream or writer.echo is not None:
+    """The StreamRecord of a streamed request (SSE or WebSocket) asked with a resume grace, or
+    None when another gateway could not render it (echo: its first chunk is the prompt) or it is
+    not resumable."""
+    if grace_s <= 0 or writer.echo is not None:
         return None
     render = RenderSpec(kind=writer.kind, model=writer.model, pinned=request.model, created_s=writer.created_s,
                         include_usage=writer.include_usage, logprobs=writer.logprobs, assignment=request.assignment)  # fmt: skip

@@ -47,6 +47,7 @@ def test_a_record_holds_where_the_events_are_and_how_to_render_them_never_the_pr
     reply_topic = TOPICS.replies("gateway-a")
     assert durable_record(a_request(), echo, ANN, 30, "gateway-a", reply_topic, 0) is None  # its first chunk is the prompt
     assert durable_record(a_request(), writer, ANN, 0, "gateway-a", reply_topic, 0) is None  # not resumable
+    assert durable_record(a_request(), writer, ANN, 30, "gateway-a", reply_topic, 0) is not None
 
 
 @pytest.mark.parametrize(

@@ -16,12 +16,14 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from uuid import uuid4
 
 import httpx
 import orjson
 import pytest
 from fastapi import FastAPI
+from websockets.asyncio.client import connect
 
 from schemas.codec import encode
 from schemas.topics import Topics
@@ -67,7 +69,8 @@ async def pair(gateway_bootstrap: str) -> AsyncIterator[Pair]:
            "WEIR_GATEWAY_ID": "gateway-a", "WEIR_LOG_LEVEL": "WARNING"}  # fmt: skip
     a_process = subprocess.Popen([sys.executable, "-m", "weir.cli", "gateway"], cwd=ROOT, env=env)
     settings = GatewaySettings(kafka_bootstrap=gateway_bootstrap, topic_prefix=topics.prefix, model_repo=str(REPO_TOML),
-                               gateway_id="gateway-b", auth_mode="open", gap_timeout_s=1.0)  # fmt: skip
+                               gateway_id="gateway-b", auth_mode="open", gap_timeout_s=1.0,
+                               max_remote_resumes=1)  # fmt: skip
     b_app = create_app(settings)
     b = GatewayServer(b_app)
     worker = FakeWorker(gateway_bootstrap, topics)
@@ -113,7 +116,25 @@ async def read_events(response: httpx.Response, max_deltas: int | None = None) -
     return events
 
 
-async def test_a_stream_whose_gateway_is_killed_resumes_at_another_with_exactly_the_rest(pair: Pair) -> None:
+async def resume_ws(url: str, request_id: str, offset: int) -> list[dict[str, Any]]:
+    """The frames of a WebSocket resume after `offset` chunk frames, to done or an error."""
+    async with connect(url) as ws:
+        await ws.send(orjson.dumps({"type": "resume", "request_id": request_id, "offset": offset}).decode())
+        frames: list[dict[str, Any]] = []
+        while not frames or frames[-1].get("type") not in ("done", "error"):
+            frames.append(orjson.loads(await ws.recv()))
+    return frames
+
+
+async def test_streams_whose_gateway_is_killed_resume_at_another_with_exactly_the_rest(pair: Pair) -> None:
+    """An SSE stream and a WebSocket stream of A, resumed at B after A's kill -9; B reads one
+    other gateway's stream at a time here (max_remote_resumes=1): the second waits its turn."""
+    a_ws, b_ws = (url.replace("http", "ws") + "/v1/stream" for url in (pair.a_url, pair.b.base_url))
+    async with connect(a_ws) as ws:
+        await ws.send(orjson.dumps({"type": "completions", "body": {"model": "echo", "prompt": "crawl"},
+                                    "resume_grace_s": 30}).decode())  # fmt: skip
+        first = [orjson.loads(await ws.recv()) for _ in range(2)]
+    ws_id = first[0]["id"]
     async with httpx.AsyncClient(timeout=20) as client:
         headers = {"x-weir-resume-grace-s": "30"}
         async with client.stream("POST", f"{pair.a_url}/v1/completions", json=CRAWL_BODY, headers=headers) as response:
@@ -125,14 +146,20 @@ async def test_a_stream_whose_gateway_is_killed_resumes_at_another_with_exactly_
         resume_url = f"{pair.b.base_url}/v1/streams/{request_id}"
         async with client.stream("GET", resume_url, headers={"last-event-id": str(before[-1][0])}) as again:
             assert again.status_code == 200 and again.headers["x-weir-gateway"] == "gateway-b"
+            busy = await resume_ws(b_ws, ws_id, 2)
             after = await read_events(again)
     ids = [seq for seq, _ in before + after]
     assert "".join(text for _, text in before + after) == "".join(DRIP)
     assert ids == sorted(set(ids))  # no event twice
-    assert pair.worker.generated[request_id] == len(DRIP)  # it ran to its end: its gateway's death cancelled nothing
-    assert pair.worker.cancels_of(request_id) == []
+    assert busy[-1]["type"] == "error" and busy[-1]["error"]["code"] == "too_many_resumes"
     remote: RemoteResumes = pair.b_app.state.remote
     await eventually(lambda: remote.num_open == 0)  # its reader closed at the end
+    rest = await resume_ws(b_ws, ws_id, 2)
+    assert rest[-1] == {"type": "done"}
+    assert [t for frame in first + rest[:-1] if (t := frame["choices"][0]["text"])] == DRIP
+    for rid in (request_id, ws_id):  # each ran to its end: its gateway's death cancelled nothing
+        assert pair.worker.generated[rid] == len(DRIP) and pair.worker.cancels_of(rid) == []
+    await eventually(lambda: remote.num_open == 0)
 
 
 async def test_records_b_must_not_trust_get_the_404_of_an_unknown_id(pair: Pair, gateway_bootstrap: str) -> None:

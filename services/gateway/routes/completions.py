@@ -91,12 +91,14 @@ async def answer(
 
 async def open_exchange(
     parts: GatewayParts, kind: Kind, raw: bytes, headers: dict[str, str], request_id: str, grace_s: float = 0.0,
+    is_streamed: bool | None = None,
 ) -> tuple[Streamed, ChunkWriter, Owner, StreamRecord | None]:
     """Credentials → body → GenerateRequest → guard → published; raises ApiError for anything the
     client got wrong or may not do. Returns the caller's Owner with it: who may resume the stream.
     A body with n (or best_of) > 1 is published as sibling requests, read as one SiblingGroup.
-    A stream asked with `grace_s` > 0 is registered on weir.streams with its request (the
-    StreamRecord returned; stream_index.py says which streams can be)."""
+    A stream (`is_streamed`: a WebSocket's request; None: as the body's `stream` says) asked
+    with `grace_s` > 0 is registered on weir.streams with its request (the StreamRecord
+    returned; stream_index.py says which streams can be)."""
     identity = parts.guard.authenticate(headers)
     body = parse_body(kind, raw)
     # the version it names or is assigned (a canary, sticky per user); the request goes out pinned to it
@@ -115,13 +117,14 @@ async def open_exchange(
                          logprobs_format(kind, request), echo)  # fmt: skip
     exchange: Streamed
     record = None
-    if body.num_siblings == 1:
+    if body.num_siblings > 1:
+        exchange = await submit_siblings(parts, identity, request, admitted, body, headers, route)
+        return exchange, writer, identity.owner, record
+    if body.stream if is_streamed is None else is_streamed:
         bus = parts.bus  # start_offset: where this gateway reads its replies now, at or before the first event
         record = durable_record(request, writer, identity.owner, grace_s, bus.gateway_id, bus.reply_topic,
                                 bus.reply_position)  # fmt: skip
-        exchange = await submit(parts, request, admitted, headers, route, record)
-    else:
-        exchange = await submit_siblings(parts, identity, request, admitted, body, headers, route)
+    exchange = await submit(parts, request, admitted, headers, route, record)
     return exchange, writer, identity.owner, record
 
 

@@ -57,7 +57,7 @@ async def prepare(parts: GatewayParts, kind: Kind, raw: bytes, headers: dict[str
                        code="request_too_large")  # fmt: skip
     check_json_depth(raw, parts.settings.max_json_depth)
     grace_s = parts.grace_s(headers)
-    exchange, writer, owner, record = await open_exchange(parts, kind, raw, headers, new_request_id(kind), grace_s)
+    exchange, writer, owner, record = await open_exchange(parts, kind, raw, headers, new_request_id(kind), grace_s, True)
     return parts.streams.add(exchange, writer.fresh, grace_s, owner, record)
 
 
