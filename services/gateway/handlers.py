@@ -153,7 +153,6 @@ class GatewayBus:
         queue = self.router.register(request.request_id)
         exchange = Exchange(self, request, queue)
         exchange.span = self._server_span(request, client_headers or {}, route)
-        exchange.is_durable = stream_record is not None
         self._exchanges[request.request_id] = exchange
         timeout_s = min(_MAX_SEND_WAIT_S, max(0.1, (request.deadline_ms - now_ms()) / 1000))
         topic = self.topics.requests
@@ -161,7 +160,7 @@ class GatewayBus:
                                           request_id=request.request_id, attributes=messaging("send", topic))  # fmt: skip
         try:
             with ending(publish):
-                sent = await asyncio.wait_for(self._send_with_record(
+                sent, exchange.is_durable = await asyncio.wait_for(self._send_with_record(
                     topic, encode(request), request.request_id, inject(child_context(publish)), stream_record
                 ), timeout_s)  # fmt: skip
                 publish.set_attributes(messaging("send", topic, offset=sent.offset, partition=sent.partition))
@@ -178,16 +177,23 @@ class GatewayBus:
 
     async def _send_with_record(
         self, topic: str, value: bytes, key: str, headers: list[tuple[str, bytes]], stream_record: StreamRecord | None
-    ) -> RecordMetadata:
-        # Both sends are queued before either is awaited, so they leave in one produce request.
+    ) -> tuple[RecordMetadata, bool]:
+        # Both sends are queued before either is awaited, so they leave together. Returns the
+        # request's metadata and whether the record is durable: a record Kafka refused leaves a
+        # stream resumable here only, never a published request unanswered.
         assert self._producer is not None
         stored = None
         if stream_record is not None:
             stored = await self._producer.send(self.topics.streams, encode(stream_record), key=key.encode())
-        sent = await self._producer.send(topic, value, key=key.encode(), headers=headers)
-        if stored is not None:
+        sent = await (await self._producer.send(topic, value, key=key.encode(), headers=headers))
+        if stored is None:
+            return sent, False
+        try:
             await stored
-        return await sent
+        except KafkaError as exc:
+            log.warning("stream record of %s not written, resumable at this gateway only: %r", key, exc)
+            return sent, False
+        return sent, True
 
     def publish_stream(self, request_id: str, record: StreamRecord | None) -> None:
         """Publish a resumable stream's StreamRecord (an update: it ended) or, with None, its

@@ -125,7 +125,7 @@ async def open_exchange(
         record = durable_record(request, writer, identity.owner, grace_s, bus.gateway_id, bus.reply_topic,
                                 bus.reply_position)  # fmt: skip
     exchange = await submit(parts, request, admitted, headers, route, record)
-    return exchange, writer, identity.owner, record
+    return exchange, writer, identity.owner, record if exchange.is_durable else None
 
 
 async def submit(
