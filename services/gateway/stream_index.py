@@ -217,7 +217,14 @@ class ReplyReader:
     async def _read(self) -> None:
         assert self._consumer is not None
         while True:
-            for records in (await self._consumer.getmany(timeout_ms=500)).values():
+            try:
+                fetched = await self._consumer.getmany(timeout_ms=500)
+            except KafkaError as exc:  # a failed fetch must not end the stream: its deadline does
+                log.warning("reading %s for %s: %r; fetching again in 1 s", self.record.reply_topic,
+                            self.record.request_id, exc)  # fmt: skip
+                await asyncio.sleep(1.0)
+                continue
+            for records in fetched.values():
                 for message in records:
                     if self.on_value(message.value):
                         return
