@@ -44,6 +44,7 @@ from services.gateway.routes.operations import add_metrics_routes, add_operation
 from services.gateway.routes.parts import GatewayParts
 from services.gateway.routes.streams import add_stream_routes
 from services.gateway.routes.usage import add_usage_routes
+from services.gateway.stream_index import RemoteResumes, StreamIndex
 from services.gateway.usage import UsageView
 from weir.lag import LagMonitor
 from weir.service import ConfigError, bus_overrides, run_service, service_parser
@@ -64,6 +65,7 @@ def create_app(settings: GatewaySettings, repo: ModelRepository | None = None) -
     )  # fmt: skip
     app.state.settings, app.state.catalog, app.state.bus, app.state.guard = settings, parts.catalog, parts.bus, parts.guard
     app.state.batches, app.state.dashboard, app.state.usage = batches, dashboard, usage
+    app.state.streams, app.state.remote = parts.streams, parts.remote
     app.add_middleware(
         RequestLimits, max_headers=settings.max_headers, max_header_bytes=settings.max_header_bytes,
         max_body_bytes=settings.max_body_bytes, max_json_depth=settings.max_json_depth,
@@ -96,19 +98,21 @@ def build_parts(settings: GatewaySettings, repo: ModelRepository | None) -> Gate
         settings.output_guard == "redact", settings.output_holdback_chars,
         on_redacted=lambda n: guard.metrics.redactions.add(n),
     )  # fmt: skip
-    streams = ResumableStreams(settings.resume_keep_s, settings.max_resumable_streams)
+    streams = ResumableStreams(settings.resume_keep_s, settings.max_resumable_streams, journal=bus.publish_stream)
+    remote = RemoteResumes(settings, bus, StreamIndex(settings, f"{bus.gateway_id}-streams"), streams)
     lag = LagMonitor(settings, settings.lag_interval_s)
     guard.metrics.follow_lag(lag)
-    return GatewayParts(settings, catalog, bus, guard, output_guard, streams, started_s=int(time.time()), lag=lag)
+    return GatewayParts(settings, catalog, bus, guard, output_guard, streams, started_s=int(time.time()), lag=lag,
+                        remote=remote)  # fmt: skip
 
 
 @asynccontextmanager
 async def running(parts: GatewayParts, batches: BatchStore, *more: DashboardData | UsageView) -> AsyncIterator[None]:
     """The app's lifespan: the bus, then the registry (read to its end before a request is served),
-    the guard's peer sync, the batch store, then `more` (the dashboard's followers, the usage view),
+    the guard's peer sync, the index of other gateways' streams, the batch store, then `more` (the dashboard's followers, the usage view),
     then the consumer-lag poller; they stop in reverse order, however the app ends."""
     async with contextlib.AsyncExitStack() as started:
-        for part in (parts.bus, parts.catalog, parts.guard, batches, *more, parts.lag):
+        for part in (parts.bus, parts.catalog, parts.guard, parts.remote, batches, *more, parts.lag):
             await part.start()
             started.push_async_callback(part.stop)
         yield

@@ -56,6 +56,12 @@ class GatewaySettings(BusSettings, GuardSettings):
         60.0, ge=0, description="How long a finished resumable stream can still be read again (a client that missed its tail)."
     )
     max_resumable_streams: int = Field(10_000, ge=1, description="Resumable streams kept per instance; the oldest unread go first.")
+    max_indexed_streams: int = Field(
+        100_000, ge=1, description="Other gateways' resumable streams (weir.streams) known per instance; the oldest go first."
+    )
+    max_remote_resumes: int = Field(
+        64, ge=1, description="Streams of other gateways read at once by this one (one reply-topic reader each); 429 past it."
+    )
     output_guard: Literal["redact", "off"] = Field(
         "redact", description="redact: personal data in outputs (ID and bank card numbers, phones, e-mails) becomes [REDACTED]."
     )

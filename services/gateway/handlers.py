@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable, Mapping
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
+from aiokafka.structs import RecordMetadata
 from opentelemetry.trace import INVALID_SPAN, Span, SpanKind
 
 from schemas.codec import DecodeError, decode, decode_reply, encode
@@ -26,6 +27,7 @@ from schemas.messages import (
     ReplyDelta,
     ReplyEnd,
     ReviewFlag,
+    StreamRecord,
     WorkerHeartbeat,
     now_ms,
 )
@@ -57,6 +59,7 @@ class GatewayBus:
         self.backlog = BatchBacklog(settings, self.fleet, settings.lag_interval_s)  # admission from the queue
         self.is_producer_started = False
         self.is_reply_assigned = False
+        self.reply_position = 0  # the offset of the reply topic this instance reads next (a StreamRecord's start)
         self._producer: AIOKafkaProducer | None = None
         self._replies: AIOKafkaConsumer | None = None
         self._heartbeats: AIOKafkaConsumer | None = None
@@ -89,7 +92,7 @@ class GatewayBus:
         await self._replies.start()
         self._replies.assign([tp])
         await self._replies.seek_to_end(tp)
-        await self._replies.position(tp)  # resolve the end offset now, not at the first fetch
+        self.reply_position = await self._replies.position(tp)  # resolve the end offset now, not at the first fetch
         self.is_reply_assigned = True
 
         self._heartbeats = make_consumer(s, self.topics.workers, client_id=f"{self.gateway_id}-fleet", group_id=None)
@@ -102,9 +105,11 @@ class GatewayBus:
         log.info("gateway %s reads replies from %s", self.gateway_id, self.reply_topic)
 
     async def stop(self) -> None:
-        """Cancel what is still in flight (reason shutdown), flush publishes, close the clients."""
+        """Cancel what is still in flight (reason shutdown), flush publishes, close the clients.
+        A stream registered on weir.streams is left running: its client resumes it through
+        another gateway (docs/design.md, "Streams outlive their gateway")."""
         for exchange in list(self._exchanges.values()):
-            exchange.close("shutdown", status="shutdown")
+            exchange.close(None if exchange.is_durable else "shutdown", status="shutdown")
         if self._publishing:
             await asyncio.wait(self._publishing, timeout=5.0)
         for task in self._loops:
@@ -134,14 +139,18 @@ class GatewayBus:
         return True, "ready"
 
     async def submit(
-        self, request: GenerateRequest | EmbedRequest, client_headers: Mapping[str, str] | None = None, route: str = ""
+        self, request: GenerateRequest | EmbedRequest, client_headers: Mapping[str, str] | None = None, route: str = "",
+        stream_record: StreamRecord | None = None,
     ) -> Exchange:
         """Open the request's route, then publish it (keyed by request_id) and wait until durable.
 
         Its server span continues the client's `traceparent` (in `client_headers`) and ends when
         the exchange closes; the record's headers carry the publish span's context
         (docs/design.md, "Observability"). Raises ApiError(503) when Kafka does not take it;
-        nothing is left registered then.
+        nothing is left registered then. A resumable stream's `stream_record` is queued on
+        weir.streams just before the request, in the same producer batch, and both are durable
+        before this returns: the client learns the id only once another gateway could resume it
+        (docs/design.md, "Streams outlive their gateway"), at no extra round trip.
         """
         if self._producer is None or not self.is_producer_started:
             raise ApiError(503, "the gateway is not connected to Kafka yet", code="unavailable")
@@ -155,11 +164,13 @@ class GatewayBus:
                                           request_id=request.request_id, attributes=messaging("send", topic))  # fmt: skip
         try:
             with ending(publish):
-                sent = await asyncio.wait_for(self._producer.send_and_wait(
-                    topic, encode(request), key=request.request_id.encode(), headers=inject(child_context(publish))
+                sent, exchange.is_durable = await asyncio.wait_for(self._send_with_record(
+                    topic, encode(request), request.request_id, inject(child_context(publish)), stream_record
                 ), timeout_s)  # fmt: skip
                 publish.set_attributes(messaging("send", topic, offset=sent.offset, partition=sent.partition))
         except (KafkaError, TimeoutError) as exc:
+            if stream_record is not None:
+                self.publish_stream(stream_record.request_id, None)  # nothing will run: forget it
             # A send that timed out may still land: cancel it so nothing runs for nobody.
             exchange.close(None if isinstance(exc, KafkaError) else "deadline", status=503)
             raise ApiError(503, f"the request could not be queued: {exc!r}", code="unavailable") from None
@@ -167,6 +178,32 @@ class GatewayBus:
             exchange.close("client_disconnect", status="cancelled")
             raise
         return exchange
+
+    async def _send_with_record(
+        self, topic: str, value: bytes, key: str, headers: list[tuple[str, bytes]], stream_record: StreamRecord | None
+    ) -> tuple[RecordMetadata, bool]:
+        # Both sends are queued before either is awaited, so they leave together. Returns the
+        # request's metadata and whether the record is durable: a record Kafka refused leaves a
+        # stream resumable here only, never a published request unanswered.
+        assert self._producer is not None
+        stored = None
+        if stream_record is not None:
+            stored = await self._producer.send(self.topics.streams, encode(stream_record), key=key.encode())
+        sent = await (await self._producer.send(topic, value, key=key.encode(), headers=headers))
+        if stored is None:
+            return sent, False
+        try:
+            await stored
+        except KafkaError as exc:
+            log.warning("stream record of %s not written, resumable at this gateway only: %r", key, exc)
+            return sent, False
+        return sent, True
+
+    def publish_stream(self, request_id: str, record: StreamRecord | None) -> None:
+        """Publish a resumable stream's StreamRecord (an update: it ended) or, with None, its
+        tombstone (it can no longer be resumed), without waiting."""
+        value = encode(record) if record is not None else None
+        self._publish_later(self.topics.streams, value, request_id, f"stream record of {request_id}")
 
     def _server_span(self, request: GenerateRequest | EmbedRequest, client_headers: Mapping[str, str], route: str) -> Span:
         """The request's HTTP server span, from its acceptance (created_ms), under the client's traceparent."""
@@ -190,13 +227,13 @@ class GatewayBus:
             return
         self._publish_later(self.topics.audit, encode(flag), flag.principal, f"review flag of {flag.principal}")
 
-    def _publish_later(self, topic: str, value: bytes, key: str, what: str) -> None:
+    def _publish_later(self, topic: str, value: bytes | None, key: str, what: str) -> None:
         # Fire and forget, but tracked: stop() waits for what is still being published.
         task = asyncio.get_running_loop().create_task(self._send(topic, value, key, what))
         self._publishing.add(task)
         task.add_done_callback(self._publishing.discard)
 
-    async def _send(self, topic: str, value: bytes, key: str, what: str) -> None:
+    async def _send(self, topic: str, value: bytes | None, key: str, what: str) -> None:
         assert self._producer is not None
         try:
             await self._producer.send_and_wait(topic, value, key=key.encode())
@@ -225,6 +262,7 @@ class GatewayBus:
             batches = await self._replies.getmany(timeout_ms=1000)
             for records in batches.values():
                 for record in records:
+                    self.reply_position = record.offset + 1
                     try:
                         event = decode_reply(record.value)
                     except DecodeError as exc:
@@ -264,6 +302,7 @@ class Exchange:
         self, bus: GatewayBus, request: GenerateRequest | EmbedRequest, queue: asyncio.Queue[ReplyItem]
     ) -> None:
         self.bus = bus
+        self.router = bus.router  # orders and dedupes its events (a remote resume has its own: stream_index.py)
         self.request = request
         self._queue = queue
         self.end: ReplyEnd | None = None
@@ -273,6 +312,7 @@ class Exchange:
         self.first_token_ms: int | None = None
         self.num_deltas = 0
         self.is_closed = False
+        self.is_durable = False  # registered on weir.streams: resumable through any gateway
         self.on_close: list[Callable[[Exchange], None]] = []  # called once when closed (the guard's release)
         self.span: Span = INVALID_SPAN  # its HTTP server span (GatewayBus.submit), ended by close()
 
@@ -305,7 +345,7 @@ class Exchange:
         if self._getter is None and not self._queue.empty():
             return self._queue.get_nowait()  # already here: no waiter task, no timer (the hot path under load)
         s = self.bus.settings
-        router = self.bus.router
+        router = self.router
         give_up_ms = self.request.deadline_ms + int(s.reply_grace_s * 1000)
         while True:
             remaining_s = (give_up_ms - now_ms()) / 1000
@@ -347,7 +387,7 @@ class Exchange:
     def _expire(self) -> ReplyEnd:
         self.end = ReplyEnd(
             request_id=self.request_id,
-            seq=self.bus.router.next_seq(self.request_id),
+            seq=self.router.next_seq(self.request_id),
             finish_reason="timeout",
             error=ErrorInfo(code="timeout", message="no result before the request's deadline"),
         )

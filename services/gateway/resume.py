@@ -11,8 +11,9 @@ is cancelled as soon as its reader leaves, as before: a disconnect stops the wor
 
 A finished resumable stream stays readable for keep_s (a client that missed only the tail). The
 store holds at most max_streams entries; past that the oldest ones without a reader are dropped
-(a held request among them is cancelled). State is per gateway instance: a client resumes at the
-instance that served it (the x-weir-gateway response header names it for sticky routing).
+(a held request among them is cancelled). This state is per gateway instance; a stream is also
+registered on weir.streams (`journal`: its StreamRecord, updated when it ends, a tombstone when it
+is forgotten), so a client whose gateway died resumes it through any other (stream_index.py).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from schemas.messages import CancelReason, now_ms
+from schemas.messages import CancelReason, StreamRecord, now_ms
 from services.gateway.guard.auth import Owner
 from services.gateway.openai_format import ApiError, ChunkWriter, header_seconds
 from services.gateway.siblings import Streamed
@@ -38,6 +39,12 @@ def resume_grace_s(headers: dict[str, str], default_s: float, max_s: float) -> f
     return default_s if grace_s is None else grace_s
 
 
+def stream_not_found(request_id: str) -> ApiError:
+    """The one answer for a stream a reader may not resume, whatever the reason (docs/design.md, "Ownership")."""
+    return ApiError(404, f"no resumable stream {request_id!r} (unknown, not resumable, or expired)",
+                    param="request_id", code="stream_not_found")  # fmt: skip
+
+
 @dataclass
 class StreamEntry:
     """One registered stream: its Exchange, who may read it, how to render it again."""
@@ -47,6 +54,7 @@ class StreamEntry:
     new_writer: Callable[[], ChunkWriter]  # a fresh writer: a reader renders the stream from its start
     grace_s: float
     owner: Owner  # only the same owner reads it again (docs/design.md, "Ownership")
+    record: StreamRecord | None = None  # its durable entry on weir.streams, when it has one
     num_readers: int = 1
     kept_until_s: float | None = None  # set once finished: readable until then
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
@@ -72,21 +80,30 @@ class StreamEntry:
 class ResumableStreams:
     """The streams of one gateway instance that a client may read again."""
 
-    def __init__(self, keep_s: float, max_streams: int, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, keep_s: float, max_streams: int, clock: Callable[[], float] = time.monotonic,
+        journal: Callable[[str, StreamRecord | None], None] | None = None,
+    ) -> None:
         self.keep_s = keep_s
         self.max_streams = max_streams
         self.clock = clock
+        self.journal = journal  # publishes a durable stream's record update, or (None) its tombstone
         self._entries: OrderedDict[str, StreamEntry] = OrderedDict()
         self.num_resumed = 0
 
     def __len__(self) -> int:
         return len(self._entries)
 
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._entries
+
     def add(
-        self, exchange: Streamed, new_writer: Callable[[], ChunkWriter], grace_s: float, owner: Owner
+        self, exchange: Streamed, new_writer: Callable[[], ChunkWriter], grace_s: float, owner: Owner,
+        record: StreamRecord | None = None,
     ) -> StreamEntry:
-        """Register a stream of `owner` that one reader starts reading now; returns its entry."""
-        entry = StreamEntry(self, exchange, new_writer, grace_s, owner)
+        """Register a stream of `owner` that one reader starts reading now; returns its entry.
+        `record`: what was written on weir.streams for it (kept up to date from here)."""
+        entry = StreamEntry(self, exchange, new_writer, grace_s, owner, record)
         if entry.is_resumable:
             self._prune()
             self._entries[entry.request_id] = entry
@@ -102,10 +119,7 @@ class ResumableStreams:
         self._prune()
         entry = self._entries.get(request_id)
         if entry is None or entry.owner != owner or (entry.exchange.is_closed and entry.exchange.end is None):
-            raise ApiError(
-                404, f"no resumable stream {request_id!r} on this gateway (unknown, not resumable, or expired)",
-                param="request_id", code="stream_not_found",
-            )  # fmt: skip
+            raise stream_not_found(request_id)
         if entry.timer is not None:
             entry.timer.cancel()
             entry.timer = None
@@ -132,6 +146,15 @@ class ResumableStreams:
         if entry.timer is not None:
             entry.timer.cancel()
         self._entries.pop(entry.request_id, None)
+        self._write(entry, None)
+
+    def _write(self, entry: StreamEntry, record: StreamRecord | None) -> None:
+        # Keeps weir.streams in step: the record once ended (ended_ms), a tombstone once forgotten.
+        if entry.record is None or self.journal is None:
+            return
+        if record is None:
+            entry.record = None  # one tombstone
+        self.journal(entry.request_id, record)
 
     def _give_up(self, entry: StreamEntry) -> None:
         # Nobody came back within the grace: end the request like any abandoned one.
@@ -141,6 +164,7 @@ class ResumableStreams:
         is_late = now_ms() >= entry.exchange.request.deadline_ms
         entry.exchange.close("deadline" if is_late else "client_disconnect", status="client_gone")
         self._entries.pop(entry.request_id, None)
+        self._write(entry, None)
 
     def _close_if_ended(self, entry: StreamEntry) -> bool:
         # A stream nobody reads that has its terminal (maybe still queued) closes without a cancel
@@ -149,6 +173,8 @@ class ResumableStreams:
         if entry.exchange.end is None:
             return False
         entry.exchange.close(None, status="ended")
+        if entry.kept_until_s is None and entry.record is not None:
+            self._write(entry, entry.record.model_copy(update={"ended_ms": now_ms()}))
         entry.kept_until_s = self.clock() + self.keep_s
         return True
 
@@ -157,6 +183,7 @@ class ResumableStreams:
         for request_id, entry in list(self._entries.items()):
             if entry.kept_until_s is not None and entry.kept_until_s <= now_s:
                 del self._entries[request_id]
+                self._write(entry, None)
         for request_id, entry in list(self._entries.items()):
             if len(self._entries) < self.max_streams:
                 return

@@ -414,7 +414,7 @@ async def collect_ends(exchanges: list[Exchange], receive: Receive) -> list[Repl
 # WebSocket: /v1/stream
 
 Prepare = Callable[[Kind, bytes, dict[str, str]], Awaitable[StreamEntry]]
-Resume = Callable[[str, dict[str, str]], StreamEntry]
+Resume = Callable[[str, dict[str, str]], Awaitable[StreamEntry]]
 
 
 class WebSocketSession:
@@ -479,7 +479,7 @@ class WebSocketSession:
         try:
             if kind == "resume":
                 request_id, offset = _resume_frame(frame)
-                entry = self.resume(request_id, headers)
+                entry = await self.resume(request_id, headers)
             else:
                 if "resume_grace_s" in frame:
                     headers[RESUME_GRACE_HEADER] = str(frame["resume_grace_s"])

@@ -6,7 +6,8 @@ prompt asks for:
 - "slow": one delta ("Hello, "), then waits for a Cancellation and answers ReplyEnd(cancelled);
 - "hang": never answers; "reject": ReplyEnd(rejected, queue_full) at seq 0;
 - "drip": deltas "t0 " .. "t19 " every 50 ms, then ReplyEnd(stop); a Cancellation ends it early
-  (ReplyEnd(cancelled)); `generated[request_id]` counts the deltas it produced;
+  (ReplyEnd(cancelled)); `generated[request_id]` counts the deltas it produced; "crawl": the
+  same every 150 ms (a stream still running while its gateway is killed);
 - "pii": PII_DELTAS, personal data split across deltas, then ReplyEnd(stop);
 - "variants": VARIANT_DELTAS, the same in disguise (groups, full-width, zero-width, spelled out);
 - a request whose model may call tools: "Checking." then a call of its first tool, whose
@@ -134,6 +135,8 @@ class FakeWorker:
             return
         if "variants" in prompt:
             return await self._stream(request, VARIANT_DELTAS, 0)
+        if "crawl" in prompt:
+            return await self._stream(request, DRIP, 0.15)
         if "drip" in prompt or "pii" in prompt:
             return await self._stream(request, DRIP if "drip" in prompt else PII_DELTAS, 0.05 if "drip" in prompt else 0)
         for seq in (0, 1, 1, 2):  # seq 1 twice: the gateway must drop the repeat

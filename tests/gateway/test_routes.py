@@ -103,22 +103,23 @@ class Part:
         self.log.append(f"stop {self.name}")
 
 
-async def test_the_lifespan_starts_bus_registry_guard_batches_dashboard_lag_and_stops_them_in_reverse():
+async def test_the_lifespan_starts_bus_registry_guard_streams_batches_dashboard_lag_and_stops_them_in_reverse():
     log: list[str] = []
     parts = SimpleNamespace(bus=Part("bus", log), catalog=Part("registry", log), guard=Part("guard", log),
-                            lag=Part("lag", log))  # fmt: skip
+                            remote=Part("streams", log), lag=Part("lag", log))  # fmt: skip
     async with running(parts, Part("batches", log), Part("dashboard", log)):  # type: ignore[arg-type]
         log.append("serving")
-    assert log == ["start bus", "start registry", "start guard", "start batches", "start dashboard", "start lag",
-                   "serving", "stop lag", "stop dashboard", "stop batches", "stop guard", "stop registry", "stop bus"]
+    assert log == ["start bus", "start registry", "start guard", "start streams", "start batches", "start dashboard",
+                   "start lag", "serving", "stop lag", "stop dashboard", "stop batches", "stop streams", "stop guard",
+                   "stop registry", "stop bus"]  # fmt: skip
 
 
 async def test_a_store_that_cannot_start_still_stops_the_guard_and_the_bus():
     log: list[str] = []
     parts = SimpleNamespace(bus=Part("bus", log), catalog=Part("registry", log), guard=Part("guard", log),
-                            lag=Part("lag", log))  # fmt: skip
+                            remote=Part("streams", log), lag=Part("lag", log))  # fmt: skip
     with pytest.raises(ConnectionError):
         async with running(parts, Part("batches", log, fails_to_start=True), Part("dashboard", log)):  # type: ignore[arg-type]
             log.append("serving")
-    assert log == ["start bus", "start registry", "start guard", "start batches", "stop guard", "stop registry",
-                   "stop bus"]
+    assert log == ["start bus", "start registry", "start guard", "start streams", "start batches", "stop streams",
+                   "stop guard", "stop registry", "stop bus"]

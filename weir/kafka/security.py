@@ -199,6 +199,9 @@ def service_grants(topics: Topics) -> list[Grant]:
                       [t.requests, t.control, t.audit, t.keys, t.usage, t.files, t.jobs, t.job_commands, t.dead_letter])
     grants += _grants("gateway", "topic", "literal", ("read",), [t.keys, t.usage, t.workers, t.files, t.jobs])
     grants += _grants("gateway", "topic", "prefixed", ("read", "create"), [gateway_reply_prefix(t)])
+    # ... and registers its resumable streams, which every gateway follows to resume those of a
+    # gateway that died (docs/design.md, "Streams outlive their gateway"): only gateways write it.
+    grants += _grants("gateway", "topic", "literal", ("read", "write"), [t.streams])
     # batcher: reads requests, cancels, heartbeats; runs batch jobs (their commands, table, files
     # and reply topics) whose lines are requests; writes each model's batches, and the terminal
     # reply of a request it ends itself (unknown model, expired, cancelled before a batch).

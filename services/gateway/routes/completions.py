@@ -12,7 +12,7 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from schemas.messages import GenerateRequest, now_ms
+from schemas.messages import GenerateRequest, StreamRecord, now_ms
 from schemas.openai_bodies import ChatCompletionBody, CompletionBody
 from services.gateway.guard.auth import Identity, Owner
 from services.gateway.guard.gate import Admitted
@@ -31,6 +31,7 @@ from services.gateway.openai_format import (
 from services.gateway.routes.parts import GatewayParts
 from services.gateway.routes.reading import header_timeout_s, read_body
 from services.gateway.siblings import SiblingGroup, Streamed
+from services.gateway.stream_index import durable_record
 from services.gateway.streaming import collect, event_stream, served_headers
 
 ID_PREFIX: dict[Kind, str] = {"chat.completions": "chatcmpl-", "completions": "cmpl-"}
@@ -55,11 +56,11 @@ async def complete(parts: GatewayParts, kind: Kind, request: Request) -> Respons
     raw = await read_body(request, parts.settings.max_body_bytes)
     headers = dict(request.headers)
     grace_s = parts.grace_s(headers)
-    exchange, writer, owner = await open_exchange(parts, kind, raw, headers, request_id)
+    exchange, writer, owner, record = await open_exchange(parts, kind, raw, headers, request_id, grace_s)
     request.state.is_submitted = True
     timer = GenerationTimer(parts.guard.metrics, exchange.request.model, kind, accepted_s)
     if isinstance(exchange.request, GenerateRequest) and exchange.request.stream:
-        entry = parts.streams.add(exchange, writer.fresh, grace_s, owner)
+        entry = parts.streams.add(exchange, writer.fresh, grace_s, owner, record)
         tag = parts.catalog.version_tag(exchange.request.model)
         return event_stream(entry, -1, parts.output_guard, parts.bus.gateway_id, tag, timer)
     return await answer(parts, kind, request, exchange, writer, timer)
@@ -89,11 +90,15 @@ async def answer(
 
 
 async def open_exchange(
-    parts: GatewayParts, kind: Kind, raw: bytes, headers: dict[str, str], request_id: str
-) -> tuple[Streamed, ChunkWriter, Owner]:
+    parts: GatewayParts, kind: Kind, raw: bytes, headers: dict[str, str], request_id: str, grace_s: float = 0.0,
+    is_streamed: bool | None = None,
+) -> tuple[Streamed, ChunkWriter, Owner, StreamRecord | None]:
     """Credentials → body → GenerateRequest → guard → published; raises ApiError for anything the
     client got wrong or may not do. Returns the caller's Owner with it: who may resume the stream.
-    A body with n (or best_of) > 1 is published as sibling requests, read as one SiblingGroup."""
+    A body with n (or best_of) > 1 is published as sibling requests, read as one SiblingGroup.
+    A stream (`is_streamed`: a WebSocket's request; None: as the body's `stream` says) asked
+    with `grace_s` > 0 is registered on weir.streams with its request (the StreamRecord
+    returned; stream_index.py says which streams can be)."""
     identity = parts.guard.authenticate(headers)
     body = parse_body(kind, raw)
     # the version it names or is assigned (a canary, sticky per user); the request goes out pinned to it
@@ -107,24 +112,30 @@ async def open_exchange(
     )  # fmt: skip
     request, admitted = await parts.guard.admit(identity, body, model, request, headers)
     route = f"/v1/{kind.replace('.', '/')}"
-    exchange: Streamed
-    if body.num_siblings == 1:
-        exchange = await submit(parts, request, admitted, headers, route)
-    else:
-        exchange = await submit_siblings(parts, identity, request, admitted, body, headers, route)
     echo = body.prompt if isinstance(body, CompletionBody) and body.echo else None
     writer = ChunkWriter(kind, request_id, model.served_id, request.created_ms // 1000, body.include_usage,
                          logprobs_format(kind, request), echo)  # fmt: skip
-    return exchange, writer, identity.owner
+    exchange: Streamed
+    record = None
+    if body.num_siblings > 1:
+        exchange = await submit_siblings(parts, identity, request, admitted, body, headers, route)
+        return exchange, writer, identity.owner, record
+    if body.stream if is_streamed is None else is_streamed:
+        bus = parts.bus  # start_offset: where this gateway reads its replies now, at or before the first event
+        record = durable_record(request, writer, identity.owner, grace_s, bus.gateway_id, bus.reply_topic,
+                                bus.reply_position)  # fmt: skip
+    exchange = await submit(parts, request, admitted, headers, route, record)
+    return exchange, writer, identity.owner, record if exchange.is_durable else None
 
 
 async def submit(
-    parts: GatewayParts, request: GenerateRequest, admitted: Admitted, headers: dict[str, str], route: str
+    parts: GatewayParts, request: GenerateRequest, admitted: Admitted, headers: dict[str, str], route: str,
+    record: StreamRecord | None = None,
 ) -> Exchange:
-    """Publish one admitted request; its admission is released when its Exchange closes (or now,
-    when it could not be published)."""
+    """Publish one admitted request (and its StreamRecord); its admission is released when its
+    Exchange closes (or now, when it could not be published)."""
     try:
-        exchange = await parts.bus.submit(request, headers, route)
+        exchange = await parts.bus.submit(request, headers, route, record)
     except BaseException:
         admitted.release(None)
         raise

@@ -13,12 +13,14 @@ from services.gateway.guard.gate import Guard
 from services.gateway.guard.output_guard import OutputGuard
 from services.gateway.handlers import GatewayBus
 from services.gateway.resume import ResumableStreams, resume_grace_s
+from services.gateway.stream_index import RemoteResumes
 from weir.lag import LagMonitor
 
 
 @dataclass(frozen=True)
 class GatewayParts:
-    """The settings, model catalog (the registry followed), Kafka bus, guards and resumable streams of one app."""
+    """The settings, model catalog (the registry followed), Kafka bus, guards and resumable streams
+    (this gateway's, and other gateways' read from Kafka) of one app."""
 
     settings: GatewaySettings
     catalog: Catalog
@@ -28,6 +30,7 @@ class GatewayParts:
     streams: ResumableStreams
     started_s: int  # epoch seconds the app was built: the `created` of every listed model
     lag: LagMonitor  # consumer lag of the deployment's groups, for /metrics (weir/lag.py)
+    remote: RemoteResumes  # streams of other gateways, resumed from weir.streams (stream_index.py)
 
     def model(self, ref: str, identity: Identity, user: str | None, request_id: str) -> tuple[ModelConfig, Assignment]:
         """The version that serves a body's `model` and how it was chosen (`name@version`: that one,

@@ -30,7 +30,7 @@ def add_stream_routes(router: APIRouter, parts: GatewayParts) -> None:
 
     @router.get("/v1/streams/{request_id}")
     async def resume_stream(request_id: str, request: Request) -> Response:
-        entry = resume(parts, request_id, dict(request.headers))
+        entry = await resume(parts, request_id, dict(request.headers))
         try:
             value = request.headers.get("last-event-id") or request.query_params.get("last_event_id")
             after_seq = last_event_id(value)
@@ -57,14 +57,19 @@ async def prepare(parts: GatewayParts, kind: Kind, raw: bytes, headers: dict[str
                        code="request_too_large")  # fmt: skip
     check_json_depth(raw, parts.settings.max_json_depth)
     grace_s = parts.grace_s(headers)
-    exchange, writer, owner = await open_exchange(parts, kind, raw, headers, new_request_id(kind))
-    return parts.streams.add(exchange, writer.fresh, grace_s, owner)
+    exchange, writer, owner, record = await open_exchange(parts, kind, raw, headers, new_request_id(kind), grace_s, True)
+    return parts.streams.add(exchange, writer.fresh, grace_s, owner, record)
 
 
-def resume(parts: GatewayParts, request_id: str, headers: dict[str, str]) -> StreamEntry:
+async def resume(parts: GatewayParts, request_id: str, headers: dict[str, str]) -> StreamEntry:
     """A reader reconnects to a resumable stream of its own: same tenant, kind of credential and
-    principal (docs/design.md, "Ownership"); anyone else's is a 404."""
-    entry = parts.streams.attach(request_id, parts.guard.authenticate(headers).owner)
+    principal (docs/design.md, "Ownership"); anyone else's is a 404. One this gateway does not
+    hold is read from Kafka, wherever it started (stream_index.py)."""
+    owner = parts.guard.authenticate(headers).owner
+    if request_id in parts.streams:
+        entry = parts.streams.attach(request_id, owner)
+    else:
+        entry = await parts.remote.attach(request_id, owner)
     parts.guard.metrics.streams_resumed.add(1)
     return entry
 
