@@ -80,6 +80,7 @@ class Request:
     num_reconnects: int = 0
     is_interrupted: bool = False
     ended_at: float | None = None  # [DONE] received
+    is_over: bool = False  # its client is done with it, however it went
 
     @property
     def ended_once(self) -> bool:
@@ -326,7 +327,7 @@ async def _faults(chaos: Chaos, requests: list[Request], schedule: list[tuple[fl
     """Fire each fault once its share of the requests ended and the last fault of its kind is repaired."""
     faults = []
     for share, kind in schedule:
-        while sum(r.ended_at is not None or r.is_interrupted for r in requests) < share * len(requests):
+        while sum(r.is_over for r in requests) < share * len(requests):
             await asyncio.sleep(0.1)
         await chaos.settled(kind)
         fault = await chaos.inject(kind)
@@ -337,46 +338,54 @@ async def _faults(chaos: Chaos, requests: list[Request], schedule: list[tuple[fl
 
 
 async def _client(request: Request, ports: list[int], gate: asyncio.Semaphore, bound_s: float) -> None:
-    async with gate:
-        request.started = time.perf_counter()
-        deadline = request.started + bound_s
-        g = request.index % len(ports)
-        request_id: str | None = None
-        not_found = 0
-        while time.perf_counter() < deadline and request.ended_at is None:
-            connection = SseConnection("127.0.0.1", ports[g])
-            try:
-                if request_id is None:
-                    headers = {"X-Weir-Priority": request.priority, "X-Weir-Resume-Grace-S": str(RESUME_GRACE_S)}
-                    body = orjson.dumps({**request.body, "stream": True})
-                    events = connection.events("POST", "/v1/chat/completions", body, headers)
-                else:
-                    events = connection.events("GET", f"/v1/streams/{request_id}",
-                                               headers={"Last-Event-ID": str(request.last_id)})
-                async for event_id, data in events:
-                    request_id = request_id or connection.headers.get("x-request-id")
-                    _on_event(request, event_id, data)
-                not_found = 0
-            except HttpError as exc:
-                if exc.status == 404 and request_id is not None:
-                    not_found += 1
-                    if not_found >= RESUME_404S:
-                        request.is_interrupted = True
-                        return
-                elif exc.status not in (429, 502, 503):
-                    request.errors.append(str(exc)[:300])
-                    return
-                await asyncio.sleep(min(5.0, float(exc.headers.get("retry-after", "1") or 1)))
-            except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
-                # a dropped or refused connection: go on at the other gateway, by the request's id
-                # once its 200 came (it may have dropped before the first event)
+    try:
+        async with gate:
+            await _stream(request, ports, bound_s)
+    finally:
+        request.is_over = True
+
+
+async def _stream(request: Request, ports: list[int], bound_s: float) -> None:
+    """Stream `request` to its end, reconnecting at the next gateway whenever a connection drops."""
+    request.started = time.perf_counter()
+    deadline = request.started + bound_s
+    g = request.index % len(ports)
+    request_id: str | None = None
+    not_found = 0
+    while time.perf_counter() < deadline and request.ended_at is None:
+        connection = SseConnection("127.0.0.1", ports[g])
+        try:
+            if request_id is None:
+                headers = {"X-Weir-Priority": request.priority, "X-Weir-Resume-Grace-S": str(RESUME_GRACE_S)}
+                body = orjson.dumps({**request.body, "stream": True})
+                events = connection.events("POST", "/v1/chat/completions", body, headers)
+            else:
+                seen = {"Last-Event-ID": str(request.last_id)} if request.last_id >= 0 else {}  # none: from the start
+                events = connection.events("GET", f"/v1/streams/{request_id}", headers=seen)
+            async for event_id, data in events:
                 request_id = request_id or connection.headers.get("x-request-id")
-                await asyncio.sleep(0.2)
-            finally:
-                await connection.close()
-            if request.ended_at is None:
-                request.num_reconnects += 1
-                g = (g + 1) % len(ports)
+                _on_event(request, event_id, data)
+            not_found = 0
+        except HttpError as exc:
+            if exc.status == 404 and request_id is not None:
+                not_found += 1
+                if not_found >= RESUME_404S:
+                    request.is_interrupted = True
+                    return
+            elif exc.status not in (429, 502, 503):
+                request.errors.append(str(exc)[:300])
+                return
+            await asyncio.sleep(min(5.0, float(exc.headers.get("retry-after", "1") or 1)))
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
+            # a dropped or refused connection: go on at the other gateway, by the request's id
+            # once its 200 came (it may have dropped before the first event)
+            request_id = request_id or connection.headers.get("x-request-id")
+            await asyncio.sleep(0.2)
+        finally:
+            await connection.close()
+        if request.ended_at is None:
+            request.num_reconnects += 1
+            g = (g + 1) % len(ports)
 
 
 def _on_event(request: Request, event_id: bytes | None, data: bytes) -> None:
