@@ -80,7 +80,7 @@ class Request:
     num_reconnects: int = 0
     is_interrupted: bool = False
     ended_at: float | None = None  # [DONE] received
-    is_over: bool = False  # its client is done with it, however it went
+    over_at: float | None = None  # its client was done with it, however it went
 
     @property
     def ended_once(self) -> bool:
@@ -327,7 +327,7 @@ async def _faults(chaos: Chaos, requests: list[Request], schedule: list[tuple[fl
     """Fire each fault once its share of the requests ended and the last fault of its kind is repaired."""
     faults = []
     for share, kind in schedule:
-        while sum(r.is_over for r in requests) < share * len(requests):
+        while sum(r.over_at is not None for r in requests) < share * len(requests):
             await asyncio.sleep(0.1)
         await chaos.settled(kind)
         fault = await chaos.inject(kind)
@@ -342,7 +342,7 @@ async def _client(request: Request, ports: list[int], gate: asyncio.Semaphore, b
         async with gate:
             await _stream(request, ports, bound_s)
     finally:
-        request.is_over = True
+        request.over_at = time.perf_counter()
 
 
 async def _stream(request: Request, ports: list[int], bound_s: float) -> None:
@@ -437,10 +437,12 @@ async def _reruns(requests: list[Request], port: int, concurrency: int) -> dict[
 
 def stall_s(request: Request, at: float) -> float | None:
     """The longest gap between consecutive events of `request` (its start first) that ends after
-    `at` and begins within STALL_WINDOW_S of it; None when it was not in flight at `at`."""
+    `at` and begins within STALL_WINDOW_S of it (one that never ended: until its client gave up);
+    None when it was not in flight at `at`."""
     if not request.started or request.started > at or (request.ended_at is not None and request.ended_at <= at):
         return None
-    marks = [request.started, *request.times]
+    gave_up = [request.over_at] if request.ended_at is None and request.over_at is not None else []
+    marks = [request.started, *request.times, *gave_up]
     gaps = [b - a for a, b in zip(marks, marks[1:]) if b > at and a < at + STALL_WINDOW_S]
     return max(gaps, default=None)
 
