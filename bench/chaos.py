@@ -178,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         print("weir chaos: --brokers, --workers, --gateways and --concurrency must be at least 1", file=sys.stderr)
         return 2
     args.requests = args.requests or (80 if args.quick else 1000)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # as Ctrl-C: the services are stopped, not orphaned
     schedule = [(share, kind) for share, kind in (QUICK_SCHEDULE if args.quick else SCHEDULE) if kind in kinds]
     report = asyncio.run(_run(args, schedule))
     _print_report(report, args)
