@@ -24,6 +24,8 @@ BENCHES = {
     "traffic": ("bench.traffic", "live TTFT with a 100% mirror on vs off, mirror copies completed, canary share of 2,000 users"),
     "tracing": ("bench.tracing", "tokens/s at concurrency 16 with trace sampling 0 vs 1, alternating rounds: what tracing costs"),
     "gpu-llama": ("bench.gpu_llama", "CUDA: the engine on a 1B-class Llama, batch-1 vs bandwidth bound, batch 64 vs HF"),
+    "chaos": ("bench.chaos", "kill -9 workers, the batcher, a gateway, a broker under 1,000 streams: lost, duplicated, "
+              "differing from a seeded rerun, stall per fault (also `weir chaos`)"),
     "grammar-libs": ("bench.grammar_libs", "xgrammar vs llguidance vs outlines-core per vocabulary: compile cold/cached, mask fill"),
 }
 

@@ -10,6 +10,7 @@
                                   handed to the owning module's main(argv), imported on use
     weir bench NAME ...           runs `python -m bench NAME ...` as its own program (the bench/
                                   package sits above weir/, which never imports it)
+    weir chaos ...                runs `python -m bench.chaos ...` the same way (bench/chaos.py)
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ DELEGATED: dict[str, tuple[str, str]] = {
 # replaces this one, so exit status and signals are theirs; nothing here imports them.
 PROGRAMS: dict[str, tuple[str, str]] = {
     "bench": ("bench", "benchmark a running deployment"),
+    "chaos": ("bench.chaos", "kill -9 services and a broker under load on a stack of its own; exit 1 when a "
+              "request was lost, duplicated or differs from its seeded rerun"),
 }
 
 

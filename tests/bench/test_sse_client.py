@@ -62,3 +62,26 @@ async def test_an_error_status_raises_with_the_body() -> None:
         connection = SseConnection("127.0.0.1", port)
         with pytest.raises(HttpError, match="400 Bad Request.*invalid_request_error"):
             [data async for data in connection.post_events("/v1/completions", b"{}")]
+
+
+async def test_events_carry_their_ids_and_a_get_sends_its_headers() -> None:
+    head = HEAD.replace(b"\r\n\r\n", b"\r\nx-request-id: r-1\r\n\r\n")
+    body = b"id: 3\ndata: {\"a\": 1}\n\ndata: {\"b\": 2}\n\nid: 7\ndata: [DONE]\n\n"
+    server, port, seen = await serve([[head, *chunked(body, [5, 30])]])
+    async with server:
+        connection = SseConnection("127.0.0.1", port)
+        events = [e async for e in connection.events("GET", "/v1/streams/r-1", headers={"Last-Event-ID": "2"})]
+        await connection.close()
+    assert events == [(b"3", b'{"a": 1}'), (None, b'{"b": 2}'), (b"7", b"[DONE]")]
+    assert connection.headers["x-request-id"] == "r-1"
+    assert seen[0].startswith(b"GET /v1/streams/r-1 HTTP/1.1\r\n") and b"Last-Event-ID: 2\r\n" in seen[0]
+
+
+async def test_an_error_status_carries_its_code_and_headers() -> None:
+    head = b"HTTP/1.1 429 Too Many Requests\r\nretry-after: 3\r\ncontent-length: 2\r\n\r\n"
+    server, port, _ = await serve([[head, b"{}"]])
+    async with server:
+        connection = SseConnection("127.0.0.1", port)
+        with pytest.raises(HttpError) as caught:
+            [e async for e in connection.events("POST", "/v1/chat/completions", b"{}")]
+    assert caught.value.status == 429 and caught.value.headers["retry-after"] == "3"
