@@ -52,9 +52,12 @@ def test_each_instance_gets_its_own_port_next_to_the_first_where_free() -> None:
     assert len(set(ports.values())) == len(ports) and ports["gateway-3"] != gateway + 2
 
 
-def test_each_instance_has_its_own_id_and_reply_topic_and_keeps_its_service() -> None:
+def test_each_instance_has_its_own_id_and_reply_topic_and_keeps_its_service(tmp_path) -> None:
     ports = {"gateway": 28001, "gateway-2": 28002, "worker": 28003, "worker-2": 28004, "auditor": 28005}
     envs = instance_envs(ports, BrokerConfig(secure=False))
+    secure = instance_envs(ports, BrokerConfig(data_dir=tmp_path, secure=True, secrets_dir=tmp_path / "secrets"))
+    assert [secure[n]["WEIR_KAFKA_USER"] for n in ports] == ["gateway", "gateway", "worker", "worker", "auditor"]
+    assert secure["worker-2"]["WEIR_WORKER_INSTANCE"] == "worker-2"  # its principal's login and its own id
     assert [envs[n]["WEIR_GATEWAY_ID"] for n in ("gateway", "gateway-2")] == ["gateway-up-28001", "gateway-up-28002"]
     assert [envs[n]["WEIR_WORKER_INSTANCE"] for n in ("worker", "worker-2")] == ["worker-1", "worker-2"]
     assert envs["auditor"] == {}
