@@ -224,9 +224,9 @@ def main(argv: list[str] | None = None) -> int:
         board = ReadinessBoard(["kafka", *stack.services], began_s)
         wait_all_ready(board, lambda name: kafka.probe() if name == "kafka" else probe(f"{stack.url(name)}/readyz"),
                        stack.dead, stack.log_tail, deadline_s, _say)  # fmt: skip
-        _print_banner([f"http://{args.host}:{ports[name]}" for name in instance_names("gateway", args.gateways)], broker, Topics(args.topic_prefix),
-                      served_versions(repo, os.environ.get("WEIR_MODELS", "")), args.auth, stack,
-                      time.monotonic() - began_s)  # fmt: skip
+        gateway_urls = [f"http://{args.host}:{ports[name]}" for name in instance_names("gateway", args.gateways)]
+        _print_banner(gateway_urls, broker, Topics(args.topic_prefix), served_versions(repo, os.environ.get("WEIR_MODELS", "")),
+                      args.auth, stack, time.monotonic() - began_s)  # fmt: skip
         return supervise(stack, supervisor)
     except KeyboardInterrupt:
         print("\nstopping ...", flush=True)
@@ -353,13 +353,12 @@ def service_env(args: argparse.Namespace, bootstrap: str) -> dict[str, str]:
     """The environment every service of `weir up` shares (each instance's own: instance_envs and
     Stack.http_ports). They start while the broker boots, so each waits for it up to the start-up
     timeout."""
-    env = {
+    return {
         "WEIR_KAFKA_BOOTSTRAP": bootstrap, "WEIR_TOPIC_PREFIX": args.topic_prefix,
         "WEIR_MODEL_REPO": str(Path(args.model_repo).resolve()), "WEIR_GATEWAY_HOST": args.host,
         "WEIR_AUTH_MODE": args.auth, "PYTHONUNBUFFERED": "1", "WEIR_HOME": str(weir_home()),
         "WEIR_KAFKA_WAIT_S": str(args.timeout),
     }  # fmt: skip
-    return env
 
 
 def service_of(name: str) -> str:
@@ -421,9 +420,13 @@ def service_ports(gateway_port: int, env: Mapping[str, str] | None = None,
     its default where that is free and not another's, else any free port (so `weir up --port 8100`
     and a second deployment never collide); the gateway's first is `gateway_port`. The n-th instance
     takes the first's port + n-1 when that is free and no one else's, else any free port. Raises
-    ValueError for a variable that is not a port, or one that names a port another service has."""
+    ValueError for a variable that is not a port, one that names a port another service has, or a
+    count `weir up` does not run (a service not in SCALABLE, a number outside 1..MAX_INSTANCES)."""
     env = os.environ if env is None else env
     counts = counts or {}
+    for service, count in counts.items():
+        if service not in SCALABLE or not 1 <= count <= MAX_INSTANCES:
+            raise ValueError(f"weir up runs 1 to {MAX_INSTANCES} of {', '.join(SCALABLE)} each, not {count} of {service}")
     ports: dict[str, int] = {}
     for service in ("gateway", *(name for name in SERVICES if name != "gateway")):  # the gateways' ports first
         ports[service] = gateway_port if service == "gateway" else _first_port(service, env, ports)

@@ -85,3 +85,6 @@ def test_weir_up_refuses_a_count_outside_one_to_eight(value: str, capsys) -> Non
             launcher.build_parser().parse_args([flag, value])
         assert "not a number of instances from 1 to 8" in capsys.readouterr().err
     assert launcher.build_parser().parse_args(["--workers", "8", "--gateways", "2"]).workers == 8
+    for counts in ({"worker": 9}, {"gateway": 0}, {"auditor": 2}):  # nor does service_ports take them
+        with pytest.raises(ValueError, match="weir up runs 1 to 8 of worker, gateway each"):
+            service_ports(28000, {}, counts=counts)
