@@ -94,7 +94,7 @@ def weir_up(tmp_path):
         asyncio.run(delete_prefixed_topics(BOOTSTRAP, prefix))
 
 
-async def assert_two_of_each(up: Up, prefix: str) -> list[str]:
+async def assert_two_of_each(up: Up) -> list[str]:
     """Both gateways answer a chat completion, each with its own id and reply topic, and each sees
     two live workers of the test model; returns the gateways' URLs."""
     urls = [up.services()[name][1] for name in ("gateway", "gateway-2")]
@@ -111,7 +111,7 @@ async def assert_two_of_each(up: Up, prefix: str) -> list[str]:
                 await asyncio.sleep(0.5)
             ids.append(ready["gateway_id"])
     assert ids == [f"gateway-up-{url.rsplit(':', 1)[1]}" for url in urls]
-    replies = [f"{prefix}.replies.{gateway_id}" for gateway_id in ids]
+    replies = [f"{up.prefix}.replies.{gateway_id}" for gateway_id in ids]
     assert set(replies) <= set(await list_topic_names(BOOTSTRAP)) and f"the gateways': {', '.join(replies)}" in up.text()
     return urls
 
@@ -125,7 +125,7 @@ async def test_weir_up_restarts_a_killed_worker_and_every_stream_ends_once(weir_
             assert (await client.get(f"{url}/readyz")).json()["ready"] is True, name
             metrics = await client.get(f"{url}/metrics")
             assert metrics.status_code == 200 and "# TYPE" in metrics.text, name
-    gateways = await assert_two_of_each(weir_up, weir_up.prefix)
+    gateways = await assert_two_of_each(weir_up)
     log: dict = {}
     started = asyncio.Event()
     limits = httpx.Limits(max_connections=64)
