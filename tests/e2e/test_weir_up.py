@@ -1,6 +1,6 @@
 """`weir up` itself, as a user runs it, with two workers and two gateways: each gateway answers
-with its own reply topic, both workers are live, a kill -9 of a worker under load (streams on both
-gateways) is restarted and loses no request; SIGTERM stops every process it started."""
+with its own reply topic, both workers are live, a kill -9 of both workers under load (streams on
+both gateways) restarts each and loses no request; SIGTERM stops every process it started."""
 
 from __future__ import annotations
 
@@ -76,7 +76,8 @@ def weir_up(tmp_path):
     env = {**os.environ, "WEIR_AUDIT_DB": str(tmp_path / "audit.sqlite"), "PYTHONUNBUFFERED": "1", "WEIR_MODELS": f"{MODEL},echo"}
     with open(out, "wb") as handle:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "weir.cli", "up", "--port", str(port), "--topic-prefix", prefix, "--workers", "2", "--gateways", "2",
+            [sys.executable, "-m", "weir.cli", "up", "--port", str(port), "--topic-prefix", prefix,
+             "--workers", "2", "--gateways", "2",
              "--log-dir", str(tmp_path / "logs"), "--model-repo", str(REPO_ROOT / "models.toml")],
             cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL, stdout=handle, stderr=subprocess.STDOUT,
         )  # fmt: skip
@@ -116,7 +117,7 @@ async def assert_two_of_each(up: Up) -> list[str]:
     return urls
 
 
-async def test_weir_up_restarts_a_killed_worker_and_every_stream_ends_once(weir_up: Up, tmp_path: Path) -> None:
+async def test_weir_up_restarts_each_killed_worker_and_every_stream_ends_once(weir_up: Up, tmp_path: Path) -> None:
     pids = weir_up.pids()
     assert set(pids) == {"auditor", "worker", "worker-2", "batcher", "gateway", "gateway-2"}
     async with httpx.AsyncClient(timeout=10) as client:  # every service's printed URL answers
@@ -135,16 +136,21 @@ async def test_weir_up_restarts_a_killed_worker_and_every_stream_ends_once(weir_
         await asyncio.wait_for(started.wait(), 120)
         await asyncio.sleep(0.5)
         in_flight = NUM_REQUESTS - len(log)
-        os.kill(pids["worker"], signal.SIGKILL)  # nobody restarts it but weir up
+        # Both workers: each is restarted on its own (nobody restarts them but weir up). One of
+        # the two alone is the failover case (docs/design.md, "Scale-out and failover"), `weir chaos`'s.
+        for name in ("worker", "worker-2"):
+            os.kill(pids[name], signal.SIGKILL)
         await asyncio.wait_for(asyncio.gather(*tasks), 300)
     assert in_flight >= 20
-    restarted = await asyncio.to_thread(weir_up.wait_for, r"worker restarted \(pid (\d+)\)", 5)
-    assert "worker exited (killed by SIGKILL); restarting it" in weir_up.text()
+    restarted = []
+    for name in ("worker", "worker-2"):
+        restarted.append(await asyncio.to_thread(weir_up.wait_for, rf"{name} restarted \(pid (\d+)\)", 5))
+        assert f"weir up: {name} exited (killed by SIGKILL); restarting it" in weir_up.text()
     await assert_each_ends_once(weir_up, log)
-    assert weir_up.proc.poll() is None, "weir up stopped instead of restarting the worker"
+    assert weir_up.proc.poll() is None, "weir up stopped instead of restarting the workers"
 
-    # SIGTERM (what kill, systemd and docker send) stops all of it, the restarted worker too
-    services = [*pids.values(), int(restarted.group(1))]
+    # SIGTERM (what kill, systemd and docker send) stops all of it, the restarted workers too
+    services = [*pids.values(), *(int(found.group(1)) for found in restarted)]
     weir_up.proc.send_signal(signal.SIGTERM)
     assert weir_up.proc.wait(60) == 0
     assert "stopped" in weir_up.text()
