@@ -32,7 +32,8 @@ def test_each_service_runs_its_weir_subcommand_after_topic_init() -> None:
     services = _compose()["services"]
     for name in WEIR_SERVICES:
         service = services[name]
-        assert service["command"] == ["weir", name] and name in DELEGATED
+        assert service["command"][-2:] == ["weir", name] or service["command"][-1].endswith(f"exec weir {name}")
+        assert name in DELEGATED
         assert service["environment"]["WEIR_KAFKA_BOOTSTRAP"] == "kafka-1:9092,kafka-2:9092,kafka-3:9092"
         assert all(service["depends_on"][node]["condition"] == "service_healthy" for node in KAFKA_NODES)
         assert service["depends_on"]["topic-init"]["condition"] == "service_completed_successfully"
@@ -192,8 +193,14 @@ def test_prometheus_scrapes_every_service_on_its_own_port() -> None:
     from weir.launcher import DEFAULT_HTTP_PORTS
 
     config = yaml.safe_load((REPO / "deploy/prometheus.yml").read_text())
-    targets = {job["job_name"]: job["static_configs"][0]["targets"] for job in config["scrape_configs"]}
+    targets = {job["job_name"]: job["static_configs"][0]["targets"] for job in config["scrape_configs"]
+               if "static_configs" in job}  # fmt: skip
+    # a replicated service: every replica, found by the A records of its name
+    targets |= {job["job_name"]: [f"{n}:{c['port']}" for c in job["dns_sd_configs"] if c["type"] == "A" for n in c["names"]]
+                for job in config["scrape_configs"] if "dns_sd_configs" in job}  # fmt: skip
     assert targets == {name: [f"{name}:{DEFAULT_HTTP_PORTS[name]}"] for name in WEIR_SERVICES}
+    replicated = {name for name in WEIR_SERVICES if "deploy" in _compose()["services"][name]}
+    assert replicated and all("dns_sd_configs" in job for job in config["scrape_configs"] if job["job_name"] in replicated)
     services = _compose()["services"]
     assert all(services[name]["environment"]["WEIR_HTTP_HOST"] == "0.0.0.0" for name in WEIR_SERVICES)
 
@@ -212,3 +219,23 @@ def test_the_grafana_board_names_only_metrics_that_are_exported() -> None:
 def test_the_board_checker_finds_a_metric_nobody_exports() -> None:
     board = {"panels": [{"targets": [{"expr": "sum by (model_name) (rate(weir_nonexistent_total[5m]))"}]}]}
     assert _board_metrics(board) - _exported_names() == {"weir_nonexistent_total"}
+
+
+def test_gateways_and_workers_run_as_replicas_each_with_its_own_id() -> None:
+    """deploy.replicas of each: every gateway replica its own host port and reply topic, every
+    worker its own instance name, both from the container's HOSTNAME unless set (docs/design.md,
+    "Scale-out and failover")."""
+    from weir.launcher import DEFAULT_HTTP_PORTS
+
+    services = _compose()["services"]
+    for name, variable in (("gateway", "WEIR_GATEWAY_ID"), ("worker", "WEIR_WORKER_INSTANCE")):
+        service = services[name]
+        assert service["deploy"]["replicas"] >= 2 and "container_name" not in service and "hostname" not in service
+        assert variable not in service["environment"], "one id shared by every replica"
+        shell, flag, script = service["command"]
+        assert (shell, flag) == ("sh", "-c")
+        # compose turns $$ into $: the shell sees ${VAR:-name-$HOSTNAME} and execs the service
+        assert script == f"{variable}=$${{{variable}:-{name}-$$HOSTNAME}} exec weir {name}"
+    low, high = services["gateway"]["ports"][0].split(":")[0].split("-")
+    assert int(high) - int(low) + 1 == services["gateway"]["deploy"]["replicas"]  # a host port for each
+    assert services["gateway"]["ports"][0].split(":")[1] == str(DEFAULT_HTTP_PORTS["gateway"])

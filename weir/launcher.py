@@ -38,6 +38,11 @@ from weir.readiness import Probe, ReadinessBoard, probe, wait_all_ready
 from weir.supervision import Supervisor, describe_exit
 
 SERVICES = ("auditor", "worker", "batcher", "gateway")
+# Services `weir up` may run several of (--workers, --gateways; docs/design.md "Scale-out and
+# failover"). Not the auditor (its SQLite ledger and checkpoint chain are one instance's) nor the
+# batcher (one is all `weir up` has been tested with).
+SCALABLE = ("worker", "gateway")
+MAX_INSTANCES = 8
 # Each service's HTTP port (/healthz, /readyz, /metrics; the gateway's is its API) and its setting.
 HTTP_PORT_ENV = {"gateway": "WEIR_GATEWAY_PORT", "auditor": "WEIR_AUDIT_API_PORT",
                  "batcher": "WEIR_BATCHER_HTTP_PORT", "worker": "WEIR_WORKER_HTTP_PORT"}
@@ -62,22 +67,28 @@ class Stack:
     log_dir: Path
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     http_ports: dict[str, int] = field(default_factory=dict)  # name -> its HTTP port, kept across restarts
-    # name -> settings of that service alone (its Kafka principal), kept across restarts
+    # name -> settings of that instance alone (its Kafka principal, instance id), kept across restarts
     own_env: dict[str, dict[str, str]] = field(default_factory=dict)
+    services: dict[str, str] = field(default_factory=dict)  # name -> the service it runs, kept across restarts
 
     def start(self, name: str, service: str | None = None, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
-        """Start `service` (default: `name`) under `name`; its output goes to <log_dir>/<name>.log.
-        Its HTTP port is the one `env` or `extra_env` names, else a free one (see `url`)."""
+        """Start `service` (default: the one `name` ran before, else `name`) under `name`; its output
+        goes to <log_dir>/<name>.log. Its HTTP port is the one `http_ports` has for `name`, else the
+        one `env` or `extra_env` names, else a free one (see `url`)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        known = self.services.get(name)
+        if service is not None and known is not None and service != known:
+            raise ValueError(f"{name} runs {known}, not {service}")
+        service = self.services[name] = known or service or name
         env = {**os.environ, **self.env, **self.own_env.get(name, {}), **(extra_env or {})}
-        port_env = HTTP_PORT_ENV[service or name]
+        port_env = HTTP_PORT_ENV[service]
         if name not in self.http_ports:
             given = {**self.env, **(extra_env or {})}.get(port_env)
             self.http_ports[name] = int(given) if given else free_ports(1)[0]
         env[port_env] = str(self.http_ports[name])
         with open(self.log_path(name), "ab") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "weir.cli", service or name], env=env, stdin=subprocess.DEVNULL,
+                [sys.executable, "-m", "weir.cli", service], env=env, stdin=subprocess.DEVNULL,
                 stdout=log, stderr=subprocess.STDOUT,
             )  # fmt: skip
         self.procs[name] = proc
@@ -154,10 +165,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--auth", choices=("open", "required"), default="open",
                         help="gateway auth mode: open (no credentials, local use; default) or required "
                         "(API keys from `weir keys create`, or JWTs with WEIR_JWT_KEYS)")
+    parser.add_argument("--workers", type=instance_count, default=1, metavar="N",
+                        help=f"worker instances (1..{MAX_INSTANCES}; default 1): each its own HTTP port and "
+                        "instance id (WEIR_WORKER_INSTANCE=worker-<i>); they share each model's batch topic")
+    parser.add_argument("--gateways", type=instance_count, default=1, metavar="M",
+                        help=f"gateway instances (1..{MAX_INSTANCES}; default 1): the first on --port, the next "
+                        "on --port+1, ... where free (the banner lists them), each with its own reply topic")
     parser.add_argument("--secure", action="store_true", default=os.environ.get("WEIR_KAFKA_SECURITY") == "sasl",
                         help="Kafka with SASL/SCRAM and ACLs: each service logs in as its own principal "
                         "(default: on when WEIR_KAFKA_SECURITY=sasl); docs/kafka.md, 'Secure mode'")
     return parser
+
+
+def instance_count(text: str) -> int:
+    """An argparse type: a number of instances, 1..MAX_INSTANCES."""
+    if not text.strip().isdigit() or not 1 <= int(text) <= MAX_INSTANCES:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of instances from 1 to {MAX_INSTANCES}")
+    return int(text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         prepare_gguf_models(repo, os.environ.get("WEIR_MODELS", ""))
         print(prepare_audit_key(), flush=True)
         print(prepare_admin_token(), flush=True)
-        ports = service_ports(args.port)
+        ports = service_ports(args.port, counts={"worker": args.workers, "gateway": args.gateways})
     except (ModelRepoError, GGUFError, OSError, AuditKeyError, ValueError) as exc:  # a bad entry, key, GGUF source or port
         print(f"weir up: {exc}", file=sys.stderr)
         return 2
@@ -187,8 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     except launcher.BrokerError as exc:
         print(f"weir up: {exc}", file=sys.stderr)
         return 1
-    stack = Stack(service_env(args, launcher.bootstrap_of(brokers), ports), Path(args.log_dir) if args.log_dir else weir_home() / "logs",
-                  own_env=service_principals(broker) if broker.secure else {})  # fmt: skip
+    stack = Stack(service_env(args, launcher.bootstrap_of(brokers)), Path(args.log_dir) if args.log_dir else weir_home() / "logs",
+                  http_ports=dict(ports), own_env=instance_envs(ports, broker),
+                  services={name: service_of(name) for name in ports})  # fmt: skip
     # SIGTERM (kill, systemd, docker) and SIGHUP (a closed terminal) stop everything as Ctrl-C does;
     # by default they ended this process alone and left the four services running. SIGINT too, even
     # where it was inherited ignored (a shell's background job): a Ctrl-C to the process group
@@ -202,12 +227,12 @@ def main(argv: list[str] | None = None) -> int:
             _say("Kafka (secure): waiting for the broker, then creating the topics and each service's ACLs ...")
             kafka.wait(deadline_s)
         supervisor = start_stack(stack, args.auth)
-        board = ReadinessBoard(["kafka", *SERVICES], began_s)
+        board = ReadinessBoard(["kafka", *stack.services], began_s)
         wait_all_ready(board, lambda name: kafka.probe() if name == "kafka" else probe(f"{stack.url(name)}/readyz"),
                        stack.dead, stack.log_tail, deadline_s, _say)  # fmt: skip
-        _print_banner(f"http://{args.host}:{args.port}", broker, Topics(args.topic_prefix),
-                      served_versions(repo, os.environ.get("WEIR_MODELS", "")), args.auth, stack,
-                      time.monotonic() - began_s, launcher.bootstrap_of(brokers))  # fmt: skip
+        gateway_urls = [f"http://{args.host}:{ports[name]}" for name in instance_names("gateway", args.gateways)]
+        _print_banner(gateway_urls, broker, Topics(args.topic_prefix), served_versions(repo, os.environ.get("WEIR_MODELS", "")),
+                      args.auth, stack, time.monotonic() - began_s, launcher.bootstrap_of(brokers))  # fmt: skip
         return supervise(stack, supervisor)
     except KeyboardInterrupt:
         print("\nstopping ...", flush=True)
@@ -343,19 +368,40 @@ class BrokerReadiness:
             self._error = exc
 
 
-def service_env(args: argparse.Namespace, bootstrap: str, ports: dict[str, int]) -> dict[str, str]:
-    """The environment every service of `weir up` shares, each service's HTTP port included.
-    They start while the broker boots, so each waits for it up to the start-up timeout."""
-    env = {
+def service_env(args: argparse.Namespace, bootstrap: str) -> dict[str, str]:
+    """The environment every service of `weir up` shares (each instance's own: instance_envs and
+    Stack.http_ports). They start while the broker boots, so each waits for it up to the start-up
+    timeout."""
+    return {
         "WEIR_KAFKA_BOOTSTRAP": bootstrap, "WEIR_TOPIC_PREFIX": args.topic_prefix,
         "WEIR_MODEL_REPO": str(Path(args.model_repo).resolve()), "WEIR_GATEWAY_HOST": args.host,
         "WEIR_AUTH_MODE": args.auth, "PYTHONUNBUFFERED": "1", "WEIR_HOME": str(weir_home()),
         "WEIR_KAFKA_WAIT_S": str(args.timeout),
-        # One reply topic for this deployment's gateway, start after start: with a fresh id per
-        # process every `weir up` left a topic behind, and each one lengthens every broker start.
-        "WEIR_GATEWAY_ID": f"gateway-up-{args.port}",
     }  # fmt: skip
-    return env | {HTTP_PORT_ENV[name]: str(port) for name, port in ports.items()}
+
+
+def service_of(name: str) -> str:
+    """The service an instance name runs: worker-2 -> worker."""
+    return name.rsplit("-", 1)[0] if name.rsplit("-", 1)[-1].isdigit() else name
+
+
+def instance_envs(ports: Mapping[str, int], broker: Any) -> dict[str, dict[str, str]]:
+    """Each instance's own settings, kept across its restarts: its Kafka principal on a secure
+    broker (its service's), a gateway's id and a worker's instance name (docs/design.md,
+    "Scale-out and failover")."""
+    principals = service_principals(broker) if broker.secure else {}
+    envs: dict[str, dict[str, str]] = {}
+    for name, port in ports.items():
+        service = service_of(name)
+        env = dict(principals.get(service, {}))
+        if service == "gateway":
+            # Its own reply topic, the same start after start: with a fresh id per process every
+            # `weir up` left a topic behind, and each one lengthens every broker start.
+            env["WEIR_GATEWAY_ID"] = f"gateway-up-{port}"
+        elif service == "worker":  # stable across restarts: the worker's static group membership
+            env["WEIR_WORKER_INSTANCE"] = f"worker-{1 if name == service else name.rsplit('-', 1)[1]}"
+        envs[name] = env
+    return envs
 
 
 def service_principals(broker: Any) -> dict[str, dict[str, str]]:
@@ -369,38 +415,61 @@ def service_principals(broker: Any) -> dict[str, dict[str, str]]:
 
 
 def start_stack(stack: Stack, auth: str) -> Supervisor:
-    """Start the four services (their readiness is awaited by the caller; one that dies meanwhile
-    is a setup error, not restarted)."""
+    """Start every instance `stack.services` names, in SERVICES' order (their readiness is awaited
+    by the caller; one that dies meanwhile is a setup error, not restarted)."""
     supervisor = Supervisor()
-    for name in SERVICES:
+    names = sorted(stack.services, key=lambda name: SERVICES.index(stack.services[name]))
+    for name in names:
         stack.start(name)
         supervisor.on_start(name, time.monotonic())
-    _say(f"starting {', '.join(SERVICES)} (logs in {stack.log_dir}); gateway auth mode: {auth} (WEIR_AUTH_MODE={auth}) ...")
+    _say(f"starting {', '.join(names)} (logs in {stack.log_dir}); gateway auth mode: {auth} (WEIR_AUTH_MODE={auth}) ...")
     return supervisor
 
 
-def service_ports(gateway_port: int, env: Mapping[str, str] | None = None) -> dict[str, int]:
-    """The HTTP port of each service: the one its variable names (HTTP_PORT_ENV, as the README
-    says) when set, else its default where that is free and not the gateway's, else any free port
-    (so `weir up --port 8100` and a second deployment never collide). Raises ValueError for a
-    variable that is not a port, or one that names a port another service has."""
+def instance_names(service: str, count: int) -> list[str]:
+    """The names of `count` instances of `service`: the first keeps the service's own name (tests,
+    Stack.url and the banner know it by that), the others are service-2, service-3, ..."""
+    return [service if i == 1 else f"{service}-{i}" for i in range(1, count + 1)]
+
+
+def service_ports(gateway_port: int, env: Mapping[str, str] | None = None,
+                  counts: Mapping[str, int] | None = None) -> dict[str, int]:
+    """The HTTP port of each instance (`counts`: service -> instances, default 1 each). A service's
+    first instance: the port its variable names (HTTP_PORT_ENV, as the README says) when set, else
+    its default where that is free and not another's, else any free port (so `weir up --port 8100`
+    and a second deployment never collide); the gateway's first is `gateway_port`. The n-th instance
+    takes the first's port + n-1 when that is free and no one else's, else any free port. Raises
+    ValueError for a variable that is not a port, one that names a port another service has, or a
+    count `weir up` does not run (a service not in SCALABLE, a number outside 1..MAX_INSTANCES)."""
     env = os.environ if env is None else env
-    ports = {"gateway": gateway_port}
-    for name in SERVICES:
-        if name == "gateway":
-            continue
-        if chosen := env.get(HTTP_PORT_ENV[name], "").strip():
-            if not chosen.isdigit() or not 0 < int(chosen) < 65536:
-                raise ValueError(f"{HTTP_PORT_ENV[name]}={chosen!r} is not a TCP port")
-            if int(chosen) in ports.values():
-                raise ValueError(f"{HTTP_PORT_ENV[name]}={chosen} is the port of another service")
-            ports[name] = int(chosen)
-            continue
-        port = DEFAULT_HTTP_PORTS[name]
-        if port in ports.values() or port_taken(port) or port in _chosen_ports(env):
-            port = next(p for p in free_ports(4) if p not in ports.values() and p not in _chosen_ports(env))
-        ports[name] = port
+    counts = counts or {}
+    for service, count in counts.items():
+        if service not in SCALABLE or not 1 <= count <= MAX_INSTANCES:
+            raise ValueError(f"weir up runs 1 to {MAX_INSTANCES} of {', '.join(SCALABLE)} each, not {count} of {service}")
+    ports: dict[str, int] = {}
+    for service in ("gateway", *(name for name in SERVICES if name != "gateway")):  # the gateways' ports first
+        ports[service] = gateway_port if service == "gateway" else _first_port(service, env, ports)
+        for i, name in enumerate(instance_names(service, counts.get(service, 1))[1:], start=1):
+            ports[name] = _port_near(ports[service] + i, env, ports)
     return ports
+
+
+def _first_port(service: str, env: Mapping[str, str], ports: dict[str, int]) -> int:
+    if chosen := env.get(HTTP_PORT_ENV[service], "").strip():
+        if not chosen.isdigit() or not 0 < int(chosen) < 65536:
+            raise ValueError(f"{HTTP_PORT_ENV[service]}={chosen!r} is not a TCP port")
+        if int(chosen) in ports.values():
+            raise ValueError(f"{HTTP_PORT_ENV[service]}={chosen} is the port of another service")
+        return int(chosen)
+    return _port_near(DEFAULT_HTTP_PORTS[service], env, ports)
+
+
+def _port_near(wanted: int, env: Mapping[str, str], ports: dict[str, int]) -> int:
+    """`wanted` when it is a port that is free, not assigned yet and no variable names; else a free one."""
+    chosen = _chosen_ports(env)
+    if 0 < wanted < 65536 and wanted not in ports.values() and wanted not in chosen and not port_taken(wanted):
+        return wanted
+    return next(p for p in free_ports(4) if p not in ports.values() and p not in chosen)
 
 
 def _chosen_ports(env: Mapping[str, str]) -> set[int]:
@@ -446,13 +515,18 @@ def supervise(stack: Stack, supervisor: Supervisor, poll_s: float = 0.5) -> int:
         time.sleep(poll_s)
 
 
-def _print_banner(url: str, broker: Any, topics: Topics, models: list[str], auth: str, stack: Stack,
+def _print_banner(urls: list[str], broker: Any, topics: Topics, models: list[str], auth: str, stack: Stack,
                   took_s: float, bootstrap: str) -> None:
+    url = urls[0]
+    api_lines = "".join(f"\n                         {more}/v1   (gateway-{i}; any gateway serves any model)"
+                        for i, more in enumerate(urls[1:], start=2))
     if auth == "open":
         auth_line = "OPEN: WEIR_AUTH_MODE=open, no API key needed (local use only; --auth required to change)"
     else:
         auth_line = "required: create a key with `weir keys create --principal P --tenant T`"
     services = "\n".join(f"    {name:<9} {proc.pid:<8} {stack.url(name)}" for name, proc in stack.procs.items())
+    replies = ", ".join(topics.replies(stack.own_env[name]["WEIR_GATEWAY_ID"]) for name in stack.procs
+                        if "WEIR_GATEWAY_ID" in stack.own_env.get(name, {}))
     if broker.secure:
         kafka_line = (f"{bootstrap}  SASL/SCRAM-SHA-512 + ACLs; log in as `client` (WEIR_KAFKA_SECURITY=sasl "
                       f"WEIR_KAFKA_USER=client; passwords in {broker.secrets})")
@@ -462,12 +536,13 @@ def _print_banner(url: str, broker: Any, topics: Topics, models: list[str], auth
     requests_line = f"{topics.producer_requests('client')}  (as client)" if broker.secure else topics.requests
     print(f"""
 Weir is up.
-  OpenAI-compatible API  {url}/v1   (e.g. OPENAI_BASE_URL={url}/v1 OPENAI_API_KEY=local)
+  OpenAI-compatible API  {url}/v1   (e.g. OPENAI_BASE_URL={url}/v1 OPENAI_API_KEY=local){api_lines}
   gateway auth           {auth_line}
   models                 {', '.join(models)}  (seeded from models.toml; `weir models list` shows the registry)
   Kafka                  {kafka_line}
   requests topic         {requests_line}
   reply topics           {topics.replies("")}<your-id>  (name yours in reply_to{"; secure: <your-id> = client.<anything>" if broker.secure else ""})
+                         the gateways': {replies}
   control / workers      {topics.control} / {topics.workers}
   audit / dead letters   {topics.audit} / {topics.dead_letter}
   model registry         {topics.models}  (weir models list | push | promote; health: {topics.model_health})

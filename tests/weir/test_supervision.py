@@ -74,3 +74,12 @@ def test_exit_descriptions() -> None:
     assert describe_exit(-signal.SIGKILL) == "killed by SIGKILL"
     assert describe_exit(1) == "exit code 1"
     assert describe_exit(None) == "still running"
+
+
+def test_each_instance_of_a_service_is_restarted_on_its_own() -> None:
+    """`weir up --workers 2`: worker-2 in a crash loop neither delays nor counts against worker."""
+    sup = Supervisor(RestartPolicy(first_delay_s=0, base_delay_s=1, max_delay_s=4, max_restarts=2))
+    for name in ("worker", "worker-2"):
+        sup.on_start(name, 0.0)
+    assert [sup.on_exit("worker-2", t) for t in (1.0, 2.0, 3.0)] == [0, 1, None]  # gives up on worker-2
+    assert sup.on_exit("worker", 4.0) == 0 and sup.num_quick_exits("worker") == 1
