@@ -125,8 +125,8 @@ async def _run(args, scenarios: list[Scenario]) -> None:
         for name in ("auditor", "batcher"):
             stack.start(name)
         stack.start("gateway", extra_env={"WEIR_GATEWAY_PORT": str(port)})
-        for name in ("batcher", "gateway"):
-            await asyncio.to_thread(wait_http_ok, f"{stack.url(name)}/readyz", 300, stack)
+        await asyncio.to_thread(wait_http_ok, f"{stack.url('batcher')}/readyz", 300, stack)
+        await asyncio.to_thread(wait_http_ok, f"{stack.url('gateway')}/healthz", 300, stack)  # ready once a worker is
         for n, scenario in enumerate(scenarios):
             names = [f"w{n}-{k}" for k in range(scenario.workers)]
             for name in names:
@@ -136,6 +136,7 @@ async def _run(args, scenarios: list[Scenario]) -> None:
             for name in names:
                 await asyncio.to_thread(wait_http_ok, f"{stack.url(name)}/readyz", 300, stack)
             await _until_owners(broker.bootstrap, topics, args.model, names, stack)
+            await asyncio.to_thread(wait_http_ok, f"{stack.url('gateway')}/readyz", 60, stack)
             await _scenario(scenario, stack, names, port, args)
             for name in names:
                 if name in stack.procs:

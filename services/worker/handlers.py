@@ -114,7 +114,6 @@ class ModelServer:
             await self.consumer.stop()
             raise
         fence = FenceWatch(self.consumer, member) if member.instance is not None else None
-        leave = True
         try:
             while True:
                 if fence is not None:
@@ -139,7 +138,6 @@ class ModelServer:
                 if self._commits.is_due():
                     await self.commit()
         except InstanceFenced as exc:
-            leave = False  # the group is the other process's now: leaving would remove it
             log.error("%s", exc)
             raise
         finally:
@@ -147,9 +145,9 @@ class ModelServer:
                 await asyncio.wait_for(self.commit(), 3.0)
             except (TimeoutError, KafkaError):
                 pass
-            # A stop (SIGTERM, a version unloaded) leaves the group: the other workers take the
-            # partitions now rather than after the session (docs/worker.md, "Failover").
-            await stop_consumer(self.consumer, leave)
+            # A stop (SIGTERM, a version unloaded, fenced) leaves the group: the other workers take
+            # the partitions now rather than after the session (docs/worker.md, "Failover").
+            await stop_consumer(self.consumer)
 
     def owned_partitions(self) -> tuple[list[int], dict[int, int]]:
         """The batch-topic partitions this server owns now, and the next offset it reads in each:

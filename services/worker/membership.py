@@ -10,7 +10,7 @@ assignment). aiokafka puts no group.instance.id in heartbeats and commits, so th
 FENCED_INSTANCE_ID never reaches a member whose instance another process took: it only hears
 UNKNOWN_MEMBER_ID, rejoins under the same instance id and takes it back, and the two steal it
 from each other every heartbeat, both reading every partition. `FenceWatch` notices that and
-ends the consumer with `InstanceFenced`.
+ends the consumer with `InstanceFenced`, leaving the instance to the process that took it.
 """
 
 from __future__ import annotations
@@ -72,6 +72,10 @@ class FenceWatch:
             lost = before != _UNKNOWN_MEMBER and coordinator.member_id == _UNKNOWN_MEMBER
             if lost and now - self._last_ok < self._live_s:
                 self.fenced_by = f"member {before} of {coordinator.group_id} lost {now - self._last_ok:.1f} s after its last heartbeat"
+                # aiokafka rejoins at once; under the instance id that would fence the other process
+                # back (which would then stop too). As a dynamic member it only joins beside it
+                # until this consumer stops and leaves.
+                coordinator._group_instance_id = None  # noqa: SLF001
             if ok:
                 self._last_ok = now
             return ok
@@ -87,10 +91,9 @@ class FenceWatch:
             )
 
 
-async def stop_consumer(consumer: AIOKafkaConsumer, leave: bool) -> None:
-    """Stop a model server's consumer; with `leave`, its static membership leaves the group first
-    (as a dynamic one always does), so the other workers take its partitions at once instead of
-    after the session timeout. Not leaving keeps them for a restart within the session."""
-    if leave:
-        consumer._coordinator._group_instance_id = None  # noqa: SLF001 - aiokafka sends LeaveGroup only then
+async def stop_consumer(consumer: AIOKafkaConsumer) -> None:
+    """Stop a model server's consumer, leaving the group first as a static member too (aiokafka
+    leaves only as a dynamic one), so the other workers take its partitions at once instead of
+    after the session. Keeping them would pay only for a restart quicker than the session."""
+    consumer._coordinator._group_instance_id = None  # noqa: SLF001 - aiokafka sends LeaveGroup only then
     await consumer.stop()

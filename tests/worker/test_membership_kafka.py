@@ -55,12 +55,18 @@ async def test_a_second_process_with_the_same_instance_name_is_fenced_not_loopin
     await poll_until([first], lambda: len(first.assignment()) == 4, 30)
     watch.check()  # alone: not fenced
     second = await member(topic, group, MEMBERSHIP.instance)
+    second_watch = FenceWatch(second, MEMBERSHIP)
     try:
         await poll_until([first, second], lambda: watch.fenced_by is not None, 15)
         with pytest.raises(InstanceFenced, match="worker-1"):
             watch.check()
-        await stop_consumer(first, leave=False)  # as the fenced worker does: the group is the other's
+        await stop_consumer(first)  # as the fenced worker does
+        # the instance stays the second's: it is not fenced back, and it gets every partition
         await poll_until([second], lambda: len(second.assignment()) == 4, 15)
+        await asyncio.sleep(3 * MEMBERSHIP.heartbeat_interval_ms / 1000)
+        await poll_until([second], lambda: True, 1)
+        second_watch.check()
+        assert len(second.assignment()) == 4
     finally:
         await second.stop()
 
@@ -71,7 +77,7 @@ async def test_a_static_member_that_stops_leaves_the_group_at_once():
     try:
         await poll_until([stays, goes], lambda: len(stays.assignment()) == 2 and len(goes.assignment()) == 2, 30)
         started = time.monotonic()
-        await stop_consumer(goes, leave=True)
+        await stop_consumer(goes)
         await poll_until([stays], lambda: len(stays.assignment()) == 4, 30)
         # without the leave it waits out the session (2 s): measured 5 s at 6 s, 0.4 s with it
         assert time.monotonic() - started < MEMBERSHIP.session_timeout_ms / 1000
