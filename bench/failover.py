@@ -142,6 +142,10 @@ async def _run(args, scenarios: list[Scenario]) -> None:
                 if name in stack.procs:
                     stack.kill(name, signal.SIGTERM)
             print(f"{scenario.name} ({scenario.session_ms} ms): done", flush=True)
+    except BaseException:
+        for name in stack.procs:
+            print(f"--- {name} ---\n{stack.log_tail(name)}")
+        raise
     finally:
         stack.stop_all()
         await delete_prefixed_topics(broker.bootstrap, topics.prefix)
