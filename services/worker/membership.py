@@ -5,7 +5,7 @@ clean stop, and refusing to run twice under one instance name.
 
 Measured on the real broker with aiokafka 0.14 (docs/worker.md, "Failover"): a static member
 sends no LeaveGroup when it stops, so a SIGTERM would leave its partitions to the session
-timeout; `leave` makes it leave by member id, which the broker accepts (0.4 s to the survivor's
+timeout; `stop_consumer` makes it leave by member id, which the broker accepts (0.4 s to the survivor's
 assignment). aiokafka puts no group.instance.id in heartbeats and commits, so the broker's
 FENCED_INSTANCE_ID never reaches a member whose instance another process took: it only hears
 UNKNOWN_MEMBER_ID, rejoins under the same instance id and takes it back, and the two steal it
@@ -15,14 +15,11 @@ ends the consumer with `InstanceFenced`, leaving the instance to the process tha
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer
-
-log = logging.getLogger(__name__)
 
 _UNKNOWN_MEMBER = ""  # aiokafka's UNKNOWN_MEMBER_ID: what reset_generation() leaves
 
