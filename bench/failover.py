@@ -15,8 +15,9 @@ Scenarios, side by side in one run (docs/design.md, "Scale-out and failover"):
 
 Per scenario it prints: streams, in flight at the kill, ended once (one finish and [DONE], no
 error), differing from the seeded rerun, the stall (the largest gap between two consecutive
-tokens a client saw after the kill, over the streams in flight) p50/p95/max, and the time from
-the kill to the first token any client received after it.
+tokens a client saw after the kill, over the streams in flight, the survivor's own included)
+p50/p95/max, and for a restart in place the time from the kill to the first token any client
+received after it (with a survivor, its own streams go on through the kill).
 """
 
 from __future__ import annotations
@@ -235,7 +236,7 @@ def _report(scenarios: list[Scenario]) -> None:
             s.name, str(s.session_ms), str(len(s.streams)), str(len(stalls)),
             str(sum(st.ended_once() for st in s.streams)), str(s.differing),
             *(f"{percentile(stalls, q):.2f}" for q in (50, 95, 100)),
-            f"{s.first_after_kill_s:.2f}" if s.first_after_kill_s is not None else "-",
+            f"{s.first_after_kill_s:.2f}" if s.restart and s.first_after_kill_s is not None else "-",
         ])  # fmt: skip
     print_table(rows, ["scenario", "session ms", "streams", "in flight", "ended once", "differing",
                        "stall p50 s", "stall p95 s", "stall max s", "first token after kill s"])  # fmt: skip
