@@ -90,7 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--session-ms", type=int, default=2000, help="WEIR_WORKER_SESSION_TIMEOUT_MS of the workers")
     parser.add_argument("--baseline-session-ms", type=int, default=6000,
                         help="the session of the comparison failover scenario (0: skip it)")  # fmt: skip
+    parser.add_argument("--kinds", default="failover,restart", help="which scenarios: failover, restart or both")
     args = parser.parse_args(argv)
+    kinds = {k.strip() for k in args.kinds.split(",")}
+    if not kinds or not kinds <= {"failover", "restart"}:
+        parser.error(f"--kinds takes failover and/or restart, not {args.kinds!r}")
     scenarios = [
         Scenario("failover, static", 2, True, args.session_ms, restart=False),
         Scenario("failover, dynamic", 2, False, args.session_ms, restart=False),
@@ -99,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if args.baseline_session_ms:
         scenarios.insert(2, Scenario("failover, dynamic", 2, False, args.baseline_session_ms, restart=False))
+    scenarios = [s for s in scenarios if ("restart" if s.restart else "failover") in kinds]
     asyncio.run(_run(args, scenarios))
     _report(scenarios)
     return 0
@@ -142,7 +147,8 @@ async def _run(args, scenarios: list[Scenario]) -> None:
             for name in names:
                 if name in stack.procs:
                     stack.kill(name, signal.SIGTERM)
-            print(f"{scenario.name} ({scenario.session_ms} ms): done", flush=True)
+            _report([scenario])  # as it ends: a later scenario that fails loses nothing
+            print(flush=True)
     except BaseException:
         for name in stack.procs:
             print(f"--- {name} ---\n{stack.log_tail(name)}")
