@@ -20,6 +20,7 @@ BENCHES = {
     "hop": ("bench.kafka_hop", "one Kafka hop between two processes, split at the sockets, beside loopback TCP"),
     "injection": ("bench.injection", "prompt-injection detector latency: wall and thread CPU p50/p95/p99/max by length"),
     "kernels": ("bench.triton_kernels", "CUDA: each Triton kernel against its PyTorch reference, timed and checked"),
+    "failover": ("bench.failover", "a worker killed -9 under 20 seeded streams: ended once, differing, stall p50/p95/max, restart in place"),
     "swap": ("bench.swap", "a new model version pushed, loaded and promoted while 32 streams run: failures, TTFT, time to serve"),
     "traffic": ("bench.traffic", "live TTFT with a 100% mirror on vs off, mirror copies completed, canary share of 2,000 users"),
     "tracing": ("bench.tracing", "tokens/s at concurrency 16 with trace sampling 0 vs 1, alternating rounds: what tracing costs"),

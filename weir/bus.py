@@ -133,15 +133,22 @@ def make_producer(settings: BusSettings, client_id: str, linger_ms: int = 0) -> 
     )
 
 
-def consumer_settings(settings: BusSettings, max_poll_records: int = 500, session_timeout_ms: int = 10_000) -> dict[str, Any]:
+def consumer_settings(settings: BusSettings, max_poll_records: int = 500, session_timeout_ms: int = 10_000,
+                      heartbeat_interval_ms: int | None = None) -> dict[str, Any]:  # fmt: skip
     """The fetch, session and isolation settings of every consumer of Weir, aiokafka's or FastStream's
-    (the auditor's subscriber takes the same): no auto-commit, committed reads only."""
+    (the auditor's subscriber takes the same): no auto-commit, committed reads only. The heartbeat
+    defaults to a quarter of the session (at least 100 ms), so three heartbeats may be lost before
+    the coordinator gives the member up."""
+    if heartbeat_interval_ms is None:
+        heartbeat_interval_ms = max(100, session_timeout_ms // 4)
+    if not 0 < heartbeat_interval_ms < session_timeout_ms:
+        raise ValueError(f"heartbeat interval {heartbeat_interval_ms} ms must be below the session timeout {session_timeout_ms} ms")
     return {
         "enable_auto_commit": False,
         "fetch_max_wait_ms": settings.fetch_max_wait_ms,
         "max_poll_records": max_poll_records,
         "session_timeout_ms": session_timeout_ms,
-        "heartbeat_interval_ms": max(1000, session_timeout_ms // 4),
+        "heartbeat_interval_ms": heartbeat_interval_ms,
         "isolation_level": "read_committed",
     }
 
@@ -154,15 +161,21 @@ def make_consumer(
     auto_offset_reset: str = "earliest",
     max_poll_records: int = 500,
     session_timeout_ms: int = 10_000,
+    heartbeat_interval_ms: int | None = None,
+    group_instance_id: str | None = None,
 ) -> AIOKafkaConsumer:
-    """A consumer that never commits by itself; the service commits after its effects are durable."""
+    """A consumer that never commits by itself; the service commits after its effects are durable.
+    `group_instance_id` makes it a static member of `group_id` (docs/design.md, "Scale-out and failover")."""
+    if group_instance_id is not None and group_id is None:
+        raise ValueError("a static member (group_instance_id) needs a group_id")
     return AIOKafkaConsumer(
         *topics,
         bootstrap_servers=settings.kafka_bootstrap,
         client_id=client_id,
         group_id=group_id,
+        group_instance_id=group_instance_id,
         auto_offset_reset=auto_offset_reset,
-        **consumer_settings(settings, max_poll_records, session_timeout_ms),
+        **consumer_settings(settings, max_poll_records, session_timeout_ms, heartbeat_interval_ms),
         **settings.kafka_options(),
     )
 

@@ -38,6 +38,7 @@ from services.worker.handlers import ModelServer, consume_cancellations, open_ca
 from services.worker.hardware import DeviceProbe, choose_device, cpu_device, cpu_threads
 from services.worker.loading import OnOutputs, OnStatus
 from services.worker.memory import estimate_bytes
+from services.worker.membership import Membership
 from services.worker.mirror_pacing import LivePressure, Pacing
 from services.worker.runner import EngineHost, EngineProcess, EngineRunner
 from services.worker.serving_metrics import ServingMetrics, kv_cache_usage
@@ -230,7 +231,8 @@ class WorkerService:
         except KafkaError as exc:  # secure mode: only the batcher may create it; read once it exists
             log.warning("batch topic %s not created here (%r); the consumer reads it once it exists", topic, exc)
         server = ModelServer(config, hosts, self.settings, self.producer, self.worker_id, self.audit_key,
-                             self.fingerprints, tracing=self.tracing, recorder=self.serving.recorder(config))  # fmt: skip
+                             self.fingerprints, tracing=self.tracing, recorder=self.serving.recorder(config),
+                             membership=Membership.of(self.settings))  # fmt: skip
         server.on_assignment = self._assignment_changed.set
         return server
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 
 from schemas.watermark import WatermarkConfig, parse_tenants
 from weir.audit_key import resolve_audit_key
@@ -22,6 +22,23 @@ class WorkerSettings(BusSettings):
     block_size: int = Field(8, ge=1, description="Tokens per KV-cache block (8 keeps the last-block waste small).")
     max_num_batched_tokens: int = Field(512, ge=16, description="Token budget of one engine step.")
     heartbeat_interval_ms: int = Field(1000, ge=100, description="How often capacity is published.")
+    # docs/design.md, "Scale-out and failover": a worker killed -9 keeps its batch partitions until the
+    # coordinator has heard nothing from it for this long; then the survivors take them and redo them.
+    # 2000 ms measured (docs/worker.md): ~2 s from a kill to the survivor's assignment; the broker must
+    # allow it (group.min.session.timeout.ms <= it; `weir kafka up` sets 1000, Kafka's default is 6000).
+    worker_session_timeout_ms: int = Field(
+        2000, ge=1000, description="Session timeout of the worker's consumer group membership: how long a "
+        "worker that died silently (kill -9, a lost machine) keeps its batch partitions.",
+    )
+    worker_group_heartbeat_ms: int = Field(
+        0, ge=0, description="Interval of the consumer group heartbeat; 0: a quarter of the session timeout.",
+    )
+    worker_instance: str | None = Field(
+        None, min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._-]+$",
+        description="Stable name of this worker (e.g. worker-1), its static group membership "
+        "(group.instance.id): restarted under the same name it gets its partitions back at once, with no "
+        "rebalance. Unset: dynamic membership. Two live workers must never share one.",
+    )
     audit_hmac_key: SecretStr | None = Field(
         None, description="Key of the audit HMACs ('hex:<digits>' or text); unset: the deployment's key file, "
         "$WEIR_HOME/secrets/audit-hmac.key, made on first start (weir/audit_key.py).",
@@ -90,6 +107,17 @@ class WorkerSettings(BusSettings):
         100, ge=0, description="Live work is idle once no live request has run in this worker for this long: "
         "mirror-only engines step freely again.",
     )
+
+    @model_validator(mode="after")
+    def _group_heartbeat_below_session(self) -> WorkerSettings:
+        if self.worker_group_heartbeat_ms >= self.worker_session_timeout_ms:
+            raise ValueError(f"WEIR_WORKER_GROUP_HEARTBEAT_MS ({self.worker_group_heartbeat_ms}) must be below "
+                             f"WEIR_WORKER_SESSION_TIMEOUT_MS ({self.worker_session_timeout_ms})")
+        return self
+
+    def group_heartbeat_ms(self) -> int:
+        """The consumer group heartbeat interval: the setting, else a quarter of the session."""
+        return self.worker_group_heartbeat_ms or max(100, self.worker_session_timeout_ms // 4)
 
     def serves(self, name: str) -> bool:
         """Whether this worker serves model `name` (WEIR_MODELS, or every name when it is empty)."""

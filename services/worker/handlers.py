@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, ConsumerRecord, TopicPartition
 from opentelemetry.context import Context
-from aiokafka.errors import CommitFailedError, KafkaError
+from aiokafka.errors import CommitFailedError, InvalidSessionTimeoutError, KafkaError
 
 from schemas.codec import DecodeError, decode
 from schemas.messages import Batch, Cancellation, EmbedRequest, GenerateRequest, now_ms
@@ -29,6 +29,7 @@ from schemas.topics import Topics
 from services.worker.delivery import RedoPolicy, Writer
 from services.worker.engine import EngineOutput
 from services.worker.fingerprints import FingerprintBatcher
+from services.worker.membership import FenceWatch, InstanceFenced, Membership, stop_consumer
 from services.worker.intake import ConflictingRequest, InFlight, Intake, RecordKey
 from services.worker.publisher import Publisher
 from services.worker.refusals import refusal
@@ -64,8 +65,10 @@ class ModelServer:
         redo_policy: RedoPolicy | None = None,
         tracing: Tracing | None = None,
         recorder: Recorder | None = None,
+        membership: Membership | None = None,
     ) -> None:
         self.config = config
+        self.membership = membership or Membership()
         self.tracing = tracing or Tracing.off("worker")
         self.runners = runners
         self.settings = settings
@@ -98,9 +101,11 @@ class ModelServer:
 
     async def consume(self) -> None:
         """Take batches while engines have room; pause the partitions while they do not."""
+        member = self.membership
         self.consumer = make_consumer(
-            self.settings, client_id=self.worker_id, group_id=self.topics.worker_group(self.sid),
-            max_poll_records=8, session_timeout_ms=6000,
+            self.settings, client_id=self.worker_id, group_id=self.topics.worker_group(self.sid), max_poll_records=8,
+            session_timeout_ms=member.session_timeout_ms, heartbeat_interval_ms=member.heartbeat_interval_ms,
+            group_instance_id=member.instance,
         )  # fmt: skip
         self.consumer.subscribe([self.topics.batches(self.sid)], listener=_Revoked(self))
         try:
@@ -108,26 +113,41 @@ class ModelServer:
         except BaseException:  # cancelled while joining (a version unloaded, the worker stopping)
             await self.consumer.stop()
             raise
+        fence = FenceWatch(self.consumer, member) if member.instance is not None else None
         try:
             while True:
+                if fence is not None:
+                    fence.check()
                 room = self.config.max_num_seqs * len(self.runners) - len(self.intake.in_flight)
                 assigned = self.consumer.assignment()
                 if room <= 0 or not self.is_taking:
                     self.consumer.pause(*assigned)
                 else:
                     self.consumer.resume(*assigned)
-                records = await self.consumer.getmany(timeout_ms=100)
+                try:
+                    records = await self.consumer.getmany(timeout_ms=100)
+                except InvalidSessionTimeoutError as exc:
+                    raise RuntimeError(
+                        f"the broker refuses WEIR_WORKER_SESSION_TIMEOUT_MS={member.session_timeout_ms} "
+                        "(its group.min.session.timeout.ms is higher; Kafka's default is 6000): lower the broker's "
+                        "or raise the worker's"
+                    ) from exc
                 for tp, batch in records.items():
                     for record in batch:
                         await self.on_batch_record(tp, record)
                 if self._commits.is_due():
                     await self.commit()
+        except InstanceFenced as exc:
+            log.error("%s", exc)
+            raise
         finally:
             try:  # what is durable now, so a clean stop leaves nothing to redo
                 await asyncio.wait_for(self.commit(), 3.0)
             except (TimeoutError, KafkaError):
                 pass
-            await self.consumer.stop()
+            # A stop (SIGTERM, a version unloaded, fenced) leaves the group: the other workers take
+            # the partitions now rather than after the session (docs/worker.md, "Failover").
+            await stop_consumer(self.consumer)
 
     def owned_partitions(self) -> tuple[list[int], dict[int, int]]:
         """The batch-topic partitions this server owns now, and the next offset it reads in each:

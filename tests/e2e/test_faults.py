@@ -22,18 +22,19 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "mode": {"enum": ["fast", "safe"]}}, "required": ["name", "retries", "mode"], "additionalProperties": False}
 
 
-def body_of(i: int) -> dict:
-    body = {"model": MODEL, "prompt": f"def handler_{i}(request):\n", "max_tokens": 200, "temperature": 0.8,
+def body_of(i: int, max_tokens: int = 200) -> dict:
+    body = {"model": MODEL, "prompt": f"def handler_{i}(request):\n", "max_tokens": max_tokens, "temperature": 0.8,
             "seed": 100 + i}  # fmt: skip
     if i % 3 == 0:
         body["structured_outputs"] = {"json": SCHEMA}
     return body
 
 
-async def stream_one(client: httpx.AsyncClient, i: int, first_token: asyncio.Event, log: dict, delay_s: float) -> None:
+async def stream_one(client: httpx.AsyncClient, i: int, first_token: asyncio.Event, log: dict, delay_s: float,
+                     max_tokens: int = 200) -> None:  # fmt: skip
     """Stream one completion; record SSE ids, text and finish reasons as the client sees them."""
     await asyncio.sleep(delay_s)
-    body = {**body_of(i), "stream": True}
+    body = {**body_of(i, max_tokens), "stream": True}
     ids, finishes, text, errors = [], [], [], []
     async with client.stream("POST", "/v1/completions", json=body) as resp:
         assert resp.status_code == 200
@@ -76,12 +77,12 @@ async def run_flood_and_kill(pipeline, victim: str, stagger_s: float) -> dict:
     return log
 
 
-async def assert_each_ends_once(pipeline, log: dict) -> None:
+async def assert_each_ends_once(pipeline, log: dict, num_requests: int = NUM_REQUESTS, max_tokens: int = 200) -> None:
     """Every stream ended once, in order, and its text is exactly that of the same seeded request
     run again whole: nothing repeated, reordered or lost across the fault."""
     async with httpx.AsyncClient(base_url=pipeline.base_url, timeout=300) as client:
-        again = await asyncio.gather(*(client.post("/v1/completions", json=body_of(i)) for i in range(NUM_REQUESTS)))
-    for i in range(NUM_REQUESTS):
+        again = await asyncio.gather(*(client.post("/v1/completions", json=body_of(i, max_tokens)) for i in range(num_requests)))
+    for i in range(num_requests):
         entry = log[i]
         assert not entry.get("truncated"), f"stream {i} was cut: {entry}"
         assert not entry["errors"], f"stream {i} failed: {entry['errors']}"
