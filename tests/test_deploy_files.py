@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import re
+import subprocess
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+import pytest
 import yaml
 
 from weir.cli import DELEGATED
@@ -109,11 +111,80 @@ def test_secure_compose_logs_each_service_in_as_its_own_principal() -> None:
     assert init["command"][:3] == ["weir", "topics", "create"] and "--acls" in init["command"]
     assert init["environment"]["WEIR_KAFKA_USER"] == security.ADMIN
     assert secure["kafka-secrets"]["command"] == ["weir", "kafka", "secrets"]
-    assert secure["kafka"]["depends_on"]["kafka-secrets"]["condition"] == "service_completed_successfully"
-    assert "./scripts/secure-kafka.sh:/opt/weir/secure-kafka.sh:ro" in secure["kafka"]["volumes"]
-    assert secure["kafka"]["command"] == ["bash", "/opt/weir/secure-kafka.sh"]
     for text in ((REPO / "docker-compose.yml").read_text(), (REPO / "docker-compose.secure.yml").read_text()):
         assert "password=" not in text.replace(" ", "")  # passwords are made per deployment, never written here
+
+
+def test_secure_compose_runs_each_node_of_the_cluster_securely() -> None:
+    """The overlay makes every node of the base file's cluster (and no other broker) a secure node,
+    on its own data volume, after the passwords exist, healthy when it answers `admin`."""
+    base, secure = _compose()["services"], _compose_secure_services()
+    assert {name for name in secure if name.startswith("kafka") and name != "kafka-secrets"} == set(KAFKA_NODES)
+    for node in KAFKA_NODES:
+        overlay = secure[node]
+        assert overlay["user"] == "1000" and overlay["command"] == ["bash", "/opt/weir/secure-kafka.sh"]
+        assert overlay["depends_on"]["kafka-secrets"]["condition"] == "service_completed_successfully"
+        assert set(base[node]["volumes"]) < set(overlay["volumes"])  # its own data volume, as the base names it
+        script = "./scripts/secure-kafka.sh:/opt/weir/secure-kafka.sh:ro"
+        assert {"weir-home:/var/lib/weir:ro", script} < set(overlay["volumes"])
+        test = overlay["healthcheck"]["test"]
+        assert test[test.index("--command-config") + 1] == "/tmp/weir-kafka/admin.properties"
+
+
+def _secure_node_properties(tmp_path: Path, env: dict[str, str]) -> dict[str, str]:
+    """The server.properties scripts/secure-kafka.sh writes with `env`: run with a `java` that does
+    nothing (no jars needed), so its storage format and its broker are no-ops."""
+    from weir.kafka import security
+
+    stub = tmp_path / "bin" / "java"
+    stub.parent.mkdir(parents=True)
+    stub.write_text("#!/bin/sh\nexit 0\n")
+    stub.chmod(0o755)
+    for user in (security.ADMIN, security.CONTROLLER, *security.SERVICES, security.DEFAULT_CLIENT):
+        security.ensure_password(user, tmp_path / "secrets")
+    run_env = {"PATH": f"{stub.parent}:/usr/bin:/bin", "WEIR_KAFKA_SECRETS": str(tmp_path / "secrets"),
+               "KAFKA_DATA_DIR": str(tmp_path / "data"), "KAFKA_CONF_DIR": str(tmp_path / "conf"), **env}  # fmt: skip
+    subprocess.run(["bash", str(REPO / "scripts" / "secure-kafka.sh")], env=run_env, check=True, timeout=30)
+    text = (tmp_path / "conf" / "server.properties").read_text()
+    return dict(line.split("=", 1) for line in text.splitlines())
+
+
+_REPLICATION_KEYS = ("default.replication.factor", "min.insync.replicas", "offsets.topic.replication.factor",
+                     "transaction.state.log.replication.factor", "transaction.state.log.min.isr",
+                     "share.coordinator.state.topic.replication.factor", "share.coordinator.state.topic.min.isr",
+                     "broker.session.timeout.ms", "broker.heartbeat.interval.ms")  # fmt: skip
+
+
+def test_secure_broker_script_makes_each_compose_node_as_the_launcher_makes_a_cluster_node(tmp_path: Path) -> None:
+    """With kafka-2's environment (the base file's and the overlay's), the script writes node 2 of
+    the base file's voters, its own addresses, and the replication the launcher gives a node of a
+    cluster of three; with none (the defaults), the single node of before, as the launcher's one."""
+    env = {key: str(value) for key, value in _compose()["services"]["kafka-2"]["environment"].items()}
+    env.update(_compose_secure_services()["kafka-2"]["environment"])
+    props = _secure_node_properties(tmp_path / "node", env)
+    assert props["node.id"] == "2"
+    assert props["controller.quorum.voters"] == env["KAFKA_CONTROLLER_QUORUM_VOTERS"]
+    assert props["advertised.listeners"] == "SASL_PLAINTEXT://kafka-2:9092,EXTERNAL://localhost:29093"
+    assert props["listeners"] == "SASL_PLAINTEXT://:9092,EXTERNAL://:29093,CONTROLLER://:9093"
+    cluster = _properties(launcher.render_server_properties(launcher.cluster_configs(
+        port=19100, brokers=3, data_dir=REPO / "var" / "unused")[1]))
+    assert {key: props[key] for key in _REPLICATION_KEYS} == {key: cluster[key] for key in _REPLICATION_KEYS}
+    assert (tmp_path / "node" / "conf" / "format.args").exists() is False  # the passwords' argfile is gone
+
+    single = _secure_node_properties(tmp_path / "single", {"CLUSTER_ID": "i91_4w3CRKaqx55nxs7NVg"})
+    alone = _properties(launcher.render_server_properties(launcher.BrokerConfig()))
+    assert (single["node.id"], single["controller.quorum.voters"]) == ("1", "1@kafka:9093")
+    assert {key: single.get(key) for key in _REPLICATION_KEYS} == {key: alone.get(key) for key in _REPLICATION_KEYS}
+
+
+def test_secure_broker_script_refuses_a_node_outside_its_voters(tmp_path: Path) -> None:
+    with pytest.raises(subprocess.CalledProcessError):
+        _secure_node_properties(tmp_path, {"CLUSTER_ID": "i91_4w3CRKaqx55nxs7NVg", "KAFKA_NODE_ID": "4",
+                                           "KAFKA_CONTROLLER_QUORUM_VOTERS": "1@a:9093,2@b:9093,3@c:9093"})
+
+
+def _properties(text: str) -> dict[str, str]:
+    return dict(line.split("=", 1) for line in text.splitlines() if line and not line.startswith("#"))
 
 
 def test_secure_broker_script_matches_the_launchers_secure_settings() -> None:
