@@ -72,6 +72,8 @@ transaction.state.log.num.partitions=4
 share.coordinator.state.topic.replication.factor=$replicas
 share.coordinator.state.topic.min.isr=$insync
 group.initial.rebalance.delay.ms=0
+# Workers use a 2 s group session (fast failover, docs/worker.md "Failover"); Kafka's minimum is 6 s.
+group.min.session.timeout.ms=1000
 EOF
 if (( ${#voter_list[@]} > 1 )); then
   # A dead node is fenced, and its partitions led elsewhere, after 3 s (Kafka's default: 9 s).

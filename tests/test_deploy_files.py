@@ -145,14 +145,14 @@ def _secure_node_properties(tmp_path: Path, env: dict[str, str]) -> dict[str, st
     run_env = {"PATH": f"{stub.parent}:/usr/bin:/bin", "WEIR_KAFKA_SECRETS": str(tmp_path / "secrets"),
                "KAFKA_DATA_DIR": str(tmp_path / "data"), "KAFKA_CONF_DIR": str(tmp_path / "conf"), **env}  # fmt: skip
     subprocess.run(["bash", str(REPO / "scripts" / "secure-kafka.sh")], env=run_env, check=True, timeout=30)
-    text = (tmp_path / "conf" / "server.properties").read_text()
-    return dict(line.split("=", 1) for line in text.splitlines())
+    return _properties((tmp_path / "conf" / "server.properties").read_text())
 
 
-_REPLICATION_KEYS = ("default.replication.factor", "min.insync.replicas", "offsets.topic.replication.factor",
+_NODE_KEYS = ("default.replication.factor", "min.insync.replicas", "offsets.topic.replication.factor",
                      "transaction.state.log.replication.factor", "transaction.state.log.min.isr",
                      "share.coordinator.state.topic.replication.factor", "share.coordinator.state.topic.min.isr",
-                     "broker.session.timeout.ms", "broker.heartbeat.interval.ms")  # fmt: skip
+                     "broker.session.timeout.ms", "broker.heartbeat.interval.ms",
+                     "group.min.session.timeout.ms")  # fmt: skip
 
 
 def test_secure_broker_script_makes_each_compose_node_as_the_launcher_makes_a_cluster_node(tmp_path: Path) -> None:
@@ -168,13 +168,13 @@ def test_secure_broker_script_makes_each_compose_node_as_the_launcher_makes_a_cl
     assert props["listeners"] == "SASL_PLAINTEXT://:9092,EXTERNAL://:29093,CONTROLLER://:9093"
     cluster = _properties(launcher.render_server_properties(launcher.cluster_configs(
         port=19100, brokers=3, data_dir=REPO / "var" / "unused")[1]))
-    assert {key: props[key] for key in _REPLICATION_KEYS} == {key: cluster[key] for key in _REPLICATION_KEYS}
+    assert {key: props[key] for key in _NODE_KEYS} == {key: cluster[key] for key in _NODE_KEYS}
     assert (tmp_path / "node" / "conf" / "format.args").exists() is False  # the passwords' argfile is gone
 
     single = _secure_node_properties(tmp_path / "single", {"CLUSTER_ID": "i91_4w3CRKaqx55nxs7NVg"})
     alone = _properties(launcher.render_server_properties(launcher.BrokerConfig()))
     assert (single["node.id"], single["controller.quorum.voters"]) == ("1", "1@kafka:9093")
-    assert {key: single.get(key) for key in _REPLICATION_KEYS} == {key: alone.get(key) for key in _REPLICATION_KEYS}
+    assert {key: single.get(key) for key in _NODE_KEYS} == {key: alone.get(key) for key in _NODE_KEYS}
 
 
 def test_secure_broker_script_refuses_a_node_outside_its_voters(tmp_path: Path) -> None:

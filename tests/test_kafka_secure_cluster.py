@@ -102,7 +102,7 @@ async def _replication(bootstrap: str, options: dict[str, str], topic: str) -> t
     """The replica counts of `topic`'s partitions, and each node's replication defaults (what the
     script writes for Kafka's own topics and auto-created ones)."""
     keys = ("default.replication.factor", "min.insync.replicas", "offsets.topic.replication.factor",
-            "transaction.state.log.min.isr", "broker.session.timeout.ms")  # fmt: skip
+            "transaction.state.log.min.isr", "broker.session.timeout.ms", "group.min.session.timeout.ms")  # fmt: skip
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, **options)
     await admin.start()
     try:
@@ -138,7 +138,7 @@ async def test_three_secure_nodes_form_a_cluster_that_holds_each_principal_to_it
     assert counts == {3}
     assert nodes == NODES * [{"default.replication.factor": "3", "min.insync.replicas": "2",
                               "offsets.topic.replication.factor": "3", "transaction.state.log.min.isr": "2",
-                              "broker.session.timeout.ms": "3000"}]  # fmt: skip
+                              "broker.session.timeout.ms": "3000", "group.min.session.timeout.ms": "1000"}]  # fmt: skip
     configs = await describe_topic_configs(bootstrap, [TOPICS.requests], admin)
     assert configs[TOPICS.requests]["min.insync.replicas"] == "2"
 
