@@ -6,9 +6,9 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
 WORKDIR /app
-# requirements.lock pins every dependency with its sha256 (as scripts/setup.sh; docs/operations.md,
-# "Supply chain"): a file whose hash is not in the lock stops the build. torch is PyPI's build (a
-# CPU-only wheel from another index has other hashes, so the lock refuses it).
+# requirements.lock pins every runtime dependency with its sha256 (as scripts/setup.sh the test
+# lock; docs/supply-chain.md): a file whose hash is not in the lock stops the build. torch is PyPI's
+# build (a CPU-only wheel from another index has other hashes, so the lock refuses it).
 COPY pyproject.toml README.md requirements.lock requirements-nodeps.lock ./
 COPY schemas ./schemas
 COPY kernels ./kernels

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerate the hash-locked requirements (docs/operations.md, "Supply chain"):
+# Regenerate the hash-locked requirements (docs/supply-chain.md):
 #   requirements.lock          every runtime dependency of pyproject.toml (the Docker image's), resolved
 #                              at the versions constraints.txt pins, each with the sha256 of every file PyPI has
 #   requirements-test.lock     the same plus the `test` extra (scripts/setup.sh, so CI and developers)

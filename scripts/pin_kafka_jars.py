@@ -5,7 +5,7 @@
 Maven resolves weir/kafka/pom.xml's runtime dependencies (maven-dependency-plugin:list, the same
 resolution launcher.resolve_jars copies), each jar is checked against the .sha1 that Maven fetched
 from Maven Central beside it in the local repository, and only then is its sha256 pinned, with the
-Maven coordinates the SBOM's purl needs (weir/sbom.py). docs/operations.md, "Supply chain".
+Maven coordinates the SBOM's purl needs (weir/sbom.py). docs/supply-chain.md.
 """
 
 from __future__ import annotations

