@@ -139,6 +139,21 @@ def test_an_already_resolved_lib_dir_is_checked_on_start(fake_pins: Path, monkey
         launcher.resolve_jars()
 
 
+def test_a_fresh_resolution_is_checked_before_it_is_marked_complete(
+        fake_pins: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Maven (a stand-in on PATH here) copies a jar that is not the pinned one: no .complete, no lib."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "mvn").write_text('#!/bin/sh\nfor a; do case "$a" in -DoutputDirectory=*) out="${a#*=}";; esac; done\n'
+                                 f'mkdir -p "$out" && cp {fake_pins}/*.jar "$out" && echo altered >> "$out/slf4j-api-1.7.36.jar"\n')
+    (bin_dir / "mvn").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    monkeypatch.setenv("WEIR_HOME", str(tmp_path / "home"))
+    with pytest.raises(launcher.BrokerError, match=r"lib\.partial/slf4j-api-1\.7\.36\.jar: sha256 differs"):
+        launcher.resolve_jars()
+    assert not launcher.jars_resolved() and not launcher.lib_dir().exists()
+
+
 def _validator() -> jsonschema_rs.Validator:
     """The official CycloneDX 1.6 JSON schema; its $refs (SPDX ids, JSF) resolved to the vendored files."""
     def retrieve(uri: str) -> object:

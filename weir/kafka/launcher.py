@@ -257,8 +257,8 @@ def jar_pins(version: str = KAFKA_VERSION) -> dict[str, tuple[str, str]]:
 
 def verify_jars(lib: Path, version: str = KAFKA_VERSION) -> None:
     """Refuse, naming the file, a lib dir whose jars are not exactly the pinned ones: a missing,
-    extra (the class path is lib/*) or altered jar. 45 jars, 43 MB: about 0.1 CPU s, so every
-    start checks them all, with no cache to trust."""
+    extra (the class path is lib/*) or altered jar. Kafka 4.4.0's 45 jars (43 MB) take 0.05 CPU s
+    (0.12-0.15 s on a busy 2-core box), so every start checks them all, with no cache to trust."""
     pins = jar_pins(version)
     present = {p.name for p in lib.iterdir() if p.name != ".complete"}
     if extra := sorted(present - pins.keys()):
