@@ -62,9 +62,9 @@ def read_lock(path: Path) -> dict[str, tuple[str, list[str]]]:
 
 def _license(meta: importlib.metadata.PackageMetadata) -> list[dict[str, Any]]:
     """The declared license: an SPDX expression (PEP 639) when given, else its License text or classifier."""
-    if expression := meta.get("License-Expression"):
-        return [{"expression": expression.strip()}]
-    text = (meta.get("License") or "").strip()
+    if expression := meta.get_all("License-Expression"):
+        return [{"expression": expression[0].strip()}]
+    text = (meta.get_all("License") or [""])[0].strip()
     if text and "\n" not in text and len(text) <= 100:  # some packages paste the whole license here
         return [{"license": {"name": text}}]
     classifiers = [c.split(" :: ")[-1] for c in meta.get_all("Classifier") or [] if c.startswith("License ::")]
