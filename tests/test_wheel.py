@@ -71,10 +71,10 @@ def installed(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return target
 
 
-def test_the_dockerfile_installs_with_the_pinned_constraints() -> None:
+def test_the_dockerfile_installs_from_the_hash_locked_requirements() -> None:
     install = next(line for line in (REPO / "Dockerfile").read_text().splitlines() if "pip install" in line)
-    assert re.search(r"(-c|--constraint)\s+constraints\.txt", install), install
-    assert "constraints.txt" in dockerfile_build_inputs()
+    assert re.search(r"--require-hashes\s+-r\s+requirements\.lock", install), install
+    assert {"requirements.lock", "requirements-nodeps.lock"} <= set(dockerfile_build_inputs())
 
 
 def test_the_wheel_holds_every_tracked_file_of_the_packages(wheel: Path) -> None:

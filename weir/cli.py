@@ -6,7 +6,7 @@
     weir kafka user add NAME      an outside producer's principal on a secure broker
     weir kafka secrets            make a secure deployment's passwords (docker-compose.secure.yml)
     weir topics create            create a deployment's topics on any cluster
-    weir up | gateway | batcher | worker | auditor | audit | keys | batch | replay | models | trace | usage
+    weir up | gateway | batcher | worker | auditor | audit | keys | batch | replay | models | trace | usage | sbom
                                   handed to the owning module's main(argv), imported on use
     weir bench NAME ...           runs `python -m bench NAME ...` as its own program (the bench/
                                   package sits above weir/, which never imports it)
@@ -45,6 +45,7 @@ DELEGATED: dict[str, tuple[str, str]] = {
     "models": ("services.worker.models_cli", "the model registry (pack, push, list, show, load, unload, retire, "
                "promote, seed, keygen); import a GGUF file as a model directory"),
     "usage": ("weir.usage", "token usage and cost per day, tenant, principal and model version"),
+    "sbom": ("weir.sbom", "a CycloneDX SBOM of this environment (Python packages, Kafka jars), checked against the locks"),
 }
 
 # Subcommands that are separate programs: name -> (the `python -m` module, help). Their process
