@@ -65,12 +65,25 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
+_MIN_INT, _MAX_INT = -(2**63), 2**64 - 1
+
+
 class _Wire(BaseModel):
     """Base of wire types: unknown fields are refused so a typo is an error, not a silent default."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     schema_version: int = Field(SCHEMA_VERSION, description="Wire schema version of this message.")
+
+    @model_validator(mode="after")
+    def _ints_fit_a_record(self) -> _Wire:
+        # JSON has no integer bound, but a record is written again by whoever read it (orjson
+        # encodes 64-bit integers only): one out of that range, read from Kafka and re-encoded,
+        # would crash its reader on every restart (docs/design.md, invariant 6).
+        for name, value in self.__dict__.items():
+            if type(value) is int and not _MIN_INT <= value <= _MAX_INT:
+                raise ValueError(f"{name} is {value}, outside the 64-bit range a record may carry")
+        return self
 
 
 # -- tools (docs/design.md, "Structured output, tools and logprobs") ------------------------------
@@ -261,7 +274,9 @@ class GenerateRequest(_Wire):
         "300 entries; -100 bans a token, +100 all but forces it. Ids outside the model's vocabulary are rejected.",
     )
     stop: list[str] = Field(default_factory=list, max_length=16, description="Stop strings, not included in output.")
-    seed: int | None = Field(None, description="Sampling seed; derived from request_id when absent.")
+    seed: int | None = Field(
+        None, ge=-(2**63), le=2**64 - 1, description="Sampling seed (-2^63 to 2^64-1, as the gateway takes it); derived from request_id when absent."
+    )
     ignore_eos: bool = Field(False, description="Keep generating past end-of-sequence (benchmarks), as in vLLM.")
     structured: StructuredOutputs | None = Field(None, description="Constrain the output (JSON Schema, any JSON "
                                                  "object, regex or choice); enforced by a token mask at every step.")

@@ -29,7 +29,7 @@ from schemas.topics import Topics
 from services.worker.delivery import RedoPolicy, Writer
 from services.worker.engine import EngineOutput
 from services.worker.fingerprints import FingerprintBatcher
-from services.worker.membership import FenceWatch, InstanceFenced, Membership, stop_consumer
+from services.worker.membership import FenceWatch, Membership, stop_consumer
 from services.worker.intake import ConflictingRequest, InFlight, Intake, RecordKey
 from services.worker.publisher import Publisher
 from services.worker.refusals import refusal
@@ -116,8 +116,8 @@ class ModelServer:
         fence = FenceWatch(self.consumer, member) if member.instance is not None else None
         try:
             while True:
-                if fence is not None:
-                    fence.check()
+                if fence is not None and (notice := fence.notice()) is not None:
+                    log.warning("%s", notice)
                 room = self.config.max_num_seqs * len(self.runners) - len(self.intake.in_flight)
                 assigned = self.consumer.assignment()
                 if room <= 0 or not self.is_taking:
@@ -137,15 +137,12 @@ class ModelServer:
                         await self.on_batch_record(tp, record)
                 if self._commits.is_due():
                     await self.commit()
-        except InstanceFenced as exc:
-            log.error("%s", exc)
-            raise
         finally:
             try:  # what is durable now, so a clean stop leaves nothing to redo
                 await asyncio.wait_for(self.commit(), 3.0)
             except (TimeoutError, KafkaError):
                 pass
-            # A stop (SIGTERM, a version unloaded, fenced) leaves the group: the other workers take
+            # A stop (SIGTERM, a version unloaded) leaves the group: the other workers take
             # the partitions now rather than after the session (docs/worker.md, "Failover").
             await stop_consumer(self.consumer)
 

@@ -197,3 +197,12 @@ def test_the_shipped_model_repository_loads():
 )
 def test_reply_address_of_an_invalid_request(raw, address):
     assert reply_address(raw, Topics()) == address
+
+
+@pytest.mark.parametrize("field, value", [("seed", 2**80), ("seed", -(2**63) - 1), ("deadline_ms", 10**30), ("top_k", 2**70)])
+def test_a_request_whose_integer_cannot_be_written_again_is_refused(field, value):
+    # A reader re-encodes what it read (the batcher, into a Batch): an integer past 64 bits would
+    # crash it on every restart, so decoding refuses it, with the field's name.
+    raw = orjson.loads((GOLDEN / "GenerateRequest.json").read_bytes())
+    with pytest.raises(DecodeError, match=field):
+        decode_request(orjson.dumps({**raw, field: str(value)}).replace(f'"{value}"'.encode(), str(value).encode()))
