@@ -1,7 +1,7 @@
 """The wait ahead of a new request for a model version, for admission from the queue.
 
 docs/design.md, "Scale-out and failover": the queue ahead of a request is the live workers'
-`num_waiting` plus the requests in the version's batch topic that its worker group has not read;
+`num_waiting` and `num_running` plus the requests in the version's batch topic that its worker group has not read;
 the drain rate is the sum of those workers' `finished_per_s`; the wait is their quotient.
 
 Counting the batch topic: its lag is in records (Batches), each holding several requests, so the
@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 
 MAX_READ = 200  # batch records read per partition per poll; the rest counted at their mean
 MIN_STALE_S = 10.0  # last values older than max(this, 3 polls) are unknown
+# A queue measured to take longer than this is told to come back then and ask again: the rate and
+# the queue will have changed (and a forged heartbeat cannot send clients away for years).
+MAX_RETRY_AFTER_S = 60
 
 
 @dataclass(frozen=True)
@@ -58,19 +61,26 @@ class QueueWait:
     def retry_after_s(self, time_to_deadline_s: float) -> int:
         """Whole seconds until the queue has drained enough for a request with this time to its
         deadline to fit, at the measured rate (a retry gets the same time again); at least 1."""
-        return max(1, math.ceil(self.wait_s - time_to_deadline_s))
+        return min(MAX_RETRY_AFTER_S, max(1, math.ceil(self.wait_s - time_to_deadline_s)))
 
 
 def estimate(model: str, serving: list[WorkerHeartbeat], unread: int | None) -> QueueWait | None:
     """The wait for `model` served by the live `serving` workers with `unread` requests in its batch
-    topic; None (unknown) when the unread count is unknown, a serving worker has measured no rate
-    yet, or the rates sum to 0 (nothing measured drains)."""
-    if unread is None or not serving or any(hb.finished_per_s is None for hb in serving):
+    topic; None (unknown) when the unread count is unknown, no serving worker owns a partition of
+    the batch topic (none drains it; a heartbeat that claims to serve without one, a forged one
+    included, counts for nothing), one that does has measured no rate yet, or the rates sum to 0.
+
+    The queue ahead holds the running requests too: a worker batches continuously, so a new
+    request shares the steps with every one in flight, and at the measured rate it ends about
+    when the requests ahead of it have (an outside test saw 80 running requests estimated at a
+    0.7 s wait while each new one timed out: the waiting ones alone were 0)."""
+    drains = [hb for hb in serving if hb.partitions.get(model)]
+    if unread is None or not drains or any(hb.finished_per_s is None for hb in drains):
         return None
-    per_s = sum(hb.finished_per_s or 0.0 for hb in serving)
+    per_s = sum(hb.finished_per_s or 0.0 for hb in drains)
     if per_s <= 0:
         return None
-    return QueueWait(model, unread + sum(hb.num_waiting for hb in serving), per_s)
+    return QueueWait(model, unread + sum(hb.num_waiting + hb.num_running for hb in drains), per_s)
 
 
 def owner_positions(model: str, live: list[WorkerHeartbeat]) -> dict[int, int]:

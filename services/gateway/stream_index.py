@@ -45,6 +45,10 @@ from weir.bus import TopicFollower, make_consumer
 log = logging.getLogger(__name__)
 
 
+class BeyondTheEnd(ValueError):
+    """A stream record whose start_offset is past the end of its reply topic."""
+
+
 class RenderSpec(BaseModel):
     """A StreamRecord's `render`: what ChunkWriter needs to render the stream again, and the
     version it is pinned to (its x-weir-model-version); never prompt text."""
@@ -87,6 +91,8 @@ def record_problem(topics: Topics, key: str, record: StreamRecord) -> str | None
     problem = topics.reply_to_problem(record.reply_topic)
     if problem is not None:
         return problem
+    if record.reply_partition != 0:
+        return f"reply_partition is {record.reply_partition}: a reply topic has one partition, 0 (Topics.reply_spec)"
     if record.member_ids != [record.request_id]:
         return "member_ids must be [request_id]: only a stream of one request is resumed elsewhere"
     try:
@@ -211,6 +217,11 @@ class ReplyReader:
         await self._consumer.start()
         tp = TopicPartition(r.reply_topic, r.reply_partition)
         self._consumer.assign([tp])
+        # A start past the topic's end (a forged record; nothing a gateway writes) would wait for
+        # events that never come, holding a resume slot and the client until the deadline.
+        end = (await self._consumer.end_offsets([tp]))[tp]
+        if r.start_offset > end:
+            raise BeyondTheEnd(f"start_offset {r.start_offset} of {r.request_id} is past the end of {r.reply_topic} ({end})")
         self._consumer.seek(tp, r.start_offset)
         self._task = asyncio.create_task(self._read(), name=f"resume-{r.request_id}")
 
@@ -314,6 +325,11 @@ class RemoteResumes:
         reader = ReplyReader(self.settings, record, router, f"{self.bus.gateway_id}-resume")
         try:
             await reader.start()
+        except BeyondTheEnd as exc:
+            log.warning("ignoring the stream record of %s: %s", request_id, exc)
+            exchange.close(None, status=404)
+            await reader.stop()
+            raise stream_not_found(request_id) from None
         except KafkaError as exc:
             exchange.close(None, status=503)
             await reader.stop()

@@ -177,7 +177,7 @@ class FakeWorker:
                 worker_id=self.worker_id, models=[sid for sid, s in self.versions.items() if s.state == "ready"],
                 is_ready=True, num_running=0, num_waiting=self.num_waiting, max_num_seqs=8, free_kv_blocks=64,
                 block_size_tokens=16, versions=dict(self.versions), finished_per_s=self.finished_per_s,
-                next_offsets=dict(self.next_offsets),
+                next_offsets=dict(self.next_offsets), partitions={m: sorted(o) for m, o in self.next_offsets.items()},
             )
             await self.producer.send_and_wait(self.topics.workers, encode(heartbeat), key=self.worker_id.encode())
             await asyncio.sleep(0.5)

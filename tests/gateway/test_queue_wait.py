@@ -10,6 +10,7 @@ from services.gateway.fleet import Fleet
 from services.gateway.guard.admission import Admission
 from services.gateway.guard.auth import GuardError
 from services.gateway.queue_wait import (
+    MAX_RETRY_AFTER_S,
     BatchBacklog,
     QueueWait,
     count_requests,
@@ -21,10 +22,12 @@ from weir.bus import BusSettings
 
 
 def beat(worker_id: str = "w1", num_waiting: int = 0, per_s: float | None = 1.0,
-         next_offsets: dict[int, int] | None = None) -> WorkerHeartbeat:  # fmt: skip
-    return WorkerHeartbeat(worker_id=worker_id, models=["echo@1"], is_ready=True, num_running=0, num_waiting=num_waiting,
-                           max_num_seqs=8, free_kv_blocks=10, block_size_tokens=16, finished_per_s=per_s,
-                           next_offsets={"echo@1": next_offsets or {}})  # fmt: skip
+         next_offsets: dict[int, int] | None = None, num_running: int = 0, partitions: list[int] | None = None,
+         ) -> WorkerHeartbeat:  # fmt: skip
+    return WorkerHeartbeat(worker_id=worker_id, models=["echo@1"], is_ready=True, num_running=num_running,
+                           num_waiting=num_waiting, max_num_seqs=8, free_kv_blocks=10, block_size_tokens=16,
+                           finished_per_s=per_s, next_offsets={"echo@1": next_offsets or {}},
+                           partitions={"echo@1": [0] if partitions is None else partitions})  # fmt: skip
 
 
 def request(i: int, priority: str = "interactive") -> GenerateRequest:
@@ -35,6 +38,19 @@ def request(i: int, priority: str = "interactive") -> GenerateRequest:
 def test_the_wait_is_the_queue_ahead_over_the_fleets_drain_rate() -> None:
     wait = estimate("echo@1", [beat("w1", num_waiting=4, per_s=0.5), beat("w2", num_waiting=2, per_s=1.5)], unread=14)
     assert wait == QueueWait("echo@1", queue_ahead=20, per_s=2.0) and wait.wait_s == 10.0
+
+
+def test_running_requests_are_ahead_too_and_a_worker_without_partitions_counts_for_nothing() -> None:
+    # continuous batching: a new request shares every step with those in flight
+    assert estimate("echo@1", [beat(num_running=30, num_waiting=0, per_s=10.0)], unread=0).wait_s == 3.0
+    # a heartbeat claiming a huge queue at a tiny rate, owning no partition (a forged one): not counted
+    forged = beat("forger", num_waiting=10**9, per_s=1e-9, partitions=[])
+    assert estimate("echo@1", [beat(per_s=4.0), forged], unread=8).wait_s == 2.0
+    assert estimate("echo@1", [forged], unread=8) is None
+
+
+def test_retry_after_is_capped() -> None:
+    assert QueueWait("echo@1", queue_ahead=10**9, per_s=1e-9).retry_after_s(3.0) == MAX_RETRY_AFTER_S
 
 
 def test_an_unknown_rate_or_backlog_refuses_nothing() -> None:

@@ -55,7 +55,8 @@ def test_a_record_holds_where_the_events_are_and_how_to_render_them_never_the_pr
     [
         ({"request_id": "cmpl-other"}, "key"),
         ({"reply_topic": TOPICS.keys}, "reply topics"),  # not a reply topic: a forged reader of the keys
-        ({"member_ids": ["cmpl-1", "cmpl-victim"]}, "member_ids"),  # events of a request it does not name
+        ({"member_ids": ["cmpl-1", "cmpl-victim"]}, "member_ids"),
+        ({"reply_partition": 999}, "one partition"),  # a partition that is not there: a reader waiting for nothing  # events of a request it does not name
         ({"render": {"kind": "completions", "prompt": "x"}}, "render"),
     ],
 )

@@ -168,10 +168,14 @@ async def test_records_b_must_not_trust_get_the_404_of_an_unknown_id(pair: Pair,
     others = a_record("cmpl-others", reply_topic=reply_topic)  # tenant acme: not the open owner asking
     forged = a_record("cmpl-forged", reply_topic=pair.topics.keys, owner_tenant="default", owner_credential="open",
                       owner_principal="anonymous")  # fmt: skip
+    # the open owner's, but starting past the end of the topic: it would wait for nothing until its deadline
+    beyond = a_record("cmpl-beyond", reply_topic=reply_topic, owner_tenant="default", owner_credential="open",
+                      owner_principal="anonymous", start_offset=10**15)  # fmt: skip
     ignored = remote.index.num_ignored
-    await produce(gateway_bootstrap, pair.topics.streams, [(r.request_id, encode(r)) for r in (others, forged)])
-    await eventually(lambda: remote.index.lookup("cmpl-others") is not None and remote.index.num_ignored > ignored)
+    await produce(gateway_bootstrap, pair.topics.streams, [(r.request_id, encode(r)) for r in (others, forged, beyond)])
+    await eventually(lambda: remote.index.lookup("cmpl-beyond") is not None and remote.index.num_ignored > ignored)
     async with httpx.AsyncClient(base_url=pair.b.base_url, timeout=10) as client:
-        answers = [await client.get(f"/v1/streams/{rid}") for rid in ("cmpl-others", "cmpl-forged", "cmpl-unknown")]
-    assert [(a.status_code, a.json()["error"]["code"]) for a in answers] == [(404, "stream_not_found")] * 3
+        answers = [await client.get(f"/v1/streams/{rid}") for rid in ("cmpl-others", "cmpl-forged", "cmpl-unknown",
+                                                                      "cmpl-beyond")]  # fmt: skip
+    assert [(a.status_code, a.json()["error"]["code"]) for a in answers] == [(404, "stream_not_found")] * 4
     assert remote.num_open == 0
