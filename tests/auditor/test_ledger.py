@@ -171,8 +171,9 @@ def test_redelivered_event_is_not_a_second_record(db: Path, caplog: pytest.LogCa
 
 
 def test_event_past_64_bit_integers_is_refused_untouched(db: Path) -> None:
-    event = make_event(NUM + 10, seed=2**64)
-    assert unstorable_reason(event) == f"seed={2**64} does not fit a 64-bit integer"
+    # the wire takes up to 2^64 - 1 (an unsigned seed); SQLite stores signed 64-bit integers
+    event = make_event(NUM + 10, seed=2**64 - 1)
+    assert unstorable_reason(event) == f"seed={2**64 - 1} does not fit a 64-bit integer"
     assert unstorable_reason(make_event(1, seed=2**63 - 1)) is None
     with Ledger(db) as ledger:
         with pytest.raises(ValueError, match="cannot be stored"):
