@@ -28,29 +28,18 @@ LAG_METRIC = "kafka_consumergroup_lag"  # kafka_exporter's gauge name
 Lags = dict[tuple[str, str], int]  # (group, topic) -> lag
 
 
-class LagMonitor:
-    """Polls the committed offsets of every consumer group under the deployment's prefix."""
+class BackgroundPoll:
+    """A poll every `interval_s` on a task of its own (`refresh`, first at once), never at request
+    or scrape time; `stop` cancels it and closes the poll's Kafka clients (`_disconnect`)."""
 
-    def __init__(self, settings: BusSettings, interval_s: float = 5.0) -> None:
-        if interval_s <= 0:
-            raise ValueError(f"interval_s must be > 0, not {interval_s}")
-        self.settings = settings
-        self.interval_s = interval_s
-        self.lags: Lags = {}  # the last successful poll's
-        self.num_polls = 0  # successful polls (tests wait on it)
-        self._failing = False  # a failure was logged; logged again only after a success
-        self._task: asyncio.Task[None] | None = None
-        self._admin: AIOKafkaAdminClient | None = None
-        self._consumer: AIOKafkaConsumer | None = None
-
-    @property
-    def group_prefix(self) -> str:
-        return f"{self.settings.topic_prefix}."
+    interval_s: float
+    task_name = "poll"
+    _task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         """Start polling in the background (the first poll at once); returns without waiting for it."""
         if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="consumer-lag")
+            self._task = asyncio.create_task(self._run(), name=self.task_name)
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -60,14 +49,41 @@ class LagMonitor:
             self._task = None
         await self._disconnect()
 
-    def observe(self) -> list[tuple[float, dict[str, str]]]:
-        """The gauge's observations: the last values, read at scrape time without I/O."""
-        return [(lag, {"consumergroup": group, "topic": topic}) for (group, topic), lag in sorted(self.lags.items())]
-
     async def _run(self) -> None:
         while True:
             await self.refresh()
             await asyncio.sleep(self.interval_s)
+
+    async def refresh(self) -> bool:
+        raise NotImplementedError
+
+    async def _disconnect(self) -> None:
+        raise NotImplementedError
+
+
+class LagMonitor(BackgroundPoll):
+    """Polls the committed offsets of every consumer group under the deployment's prefix."""
+
+    task_name = "consumer-lag"
+
+    def __init__(self, settings: BusSettings, interval_s: float = 5.0) -> None:
+        if interval_s <= 0:
+            raise ValueError(f"interval_s must be > 0, not {interval_s}")
+        self.settings = settings
+        self.interval_s = interval_s
+        self.lags: Lags = {}  # the last successful poll's
+        self.num_polls = 0  # successful polls (tests wait on it)
+        self._failing = False  # a failure was logged; logged again only after a success
+        self._admin: AIOKafkaAdminClient | None = None
+        self._consumer: AIOKafkaConsumer | None = None
+
+    @property
+    def group_prefix(self) -> str:
+        return f"{self.settings.topic_prefix}."
+
+    def observe(self) -> list[tuple[float, dict[str, str]]]:
+        """The gauge's observations: the last values, read at scrape time without I/O."""
+        return [(lag, {"consumergroup": group, "topic": topic}) for (group, topic), lag in sorted(self.lags.items())]
 
     async def refresh(self) -> bool:
         """Poll once; on success replace the lags and return True. A failure keeps the last

@@ -36,6 +36,7 @@ from schemas.messages import Batch, WorkerHeartbeat, now_ms
 from schemas.topics import Topics
 from services.gateway.fleet import Fleet
 from weir.bus import BusSettings
+from weir.lag import BackgroundPoll
 
 log = logging.getLogger(__name__)
 
@@ -116,8 +117,10 @@ def partition_requests(model: str, values: list[bytes | None], num_behind: int) 
     return counted + round(counted / len(values) * max(0, num_behind - len(values)))
 
 
-class BatchBacklog:
+class BatchBacklog(BackgroundPoll):
     """Polls, per model version some live worker serves, the requests its worker group has not read."""
+
+    task_name = "queue-backlog"
 
     def __init__(self, settings: BusSettings, fleet: Fleet, interval_s: float) -> None:
         if interval_s <= 0:
@@ -131,7 +134,6 @@ class BatchBacklog:
         self.polled_ms: int | None = None  # when that poll started
         self.num_polls = 0
         self._failing = False
-        self._task: asyncio.Task[None] | None = None
         self._consumer: AIOKafkaConsumer | None = None
         self._admin: AIOKafkaAdminClient | None = None
 
@@ -150,24 +152,6 @@ class BatchBacklog:
         now = now_ms()
         waits = [self.wait(model, self.fleet.serving(model, now), now) for model in sorted(self.unread)]
         return [(w.wait_s, {"model_name": w.model}) for w in waits if w is not None]
-
-    async def start(self) -> None:
-        """Start polling in the background; returns at once."""
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="queue-backlog")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-        await self._disconnect()
-
-    async def _run(self) -> None:
-        while True:
-            await self.refresh()
-            await asyncio.sleep(self.interval_s)
 
     async def refresh(self) -> bool:
         """Poll once; a failure keeps the last values (logged once per outage) and returns False."""
