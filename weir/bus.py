@@ -72,6 +72,16 @@ class BusSettings(BaseSettings):
         "does not exist is dropped, unanswered, and the reply topics must be made first (weir topics create --reply).",
     )
 
+    # aiokafka forgets a topic whose metadata answer was an error (UnknownTopicOrPartition while a
+    # broker restarts, reloads or moves leaders) and asks again only after metadata_max_age_ms, by
+    # default 5 minutes; a group member then holds no partition of it for that long, and its
+    # group's work waits (docs/design.md, "Scale-out and failover"). Group consumers refresh sooner.
+    group_metadata_max_age_ms: int = Field(
+        5000, ge=500, description="How often a consumer-group member refreshes its topics' metadata: the longest a "
+        "topic lost from a metadata answer stays unassigned, and how soon a new topic matching a pattern "
+        "subscription (the batcher's requests.*) is read.",
+    )
+
     http_host: str = Field("127.0.0.1", description="Address of the service's HTTP endpoint (/healthz, /readyz, /metrics).")
 
     # Secure mode (weir/kafka/security.py): the principal this process logs in as.
@@ -175,6 +185,7 @@ def make_consumer(
         group_id=group_id,
         group_instance_id=group_instance_id,
         auto_offset_reset=auto_offset_reset,
+        **({"metadata_max_age_ms": settings.group_metadata_max_age_ms} if group_id is not None else {}),
         **consumer_settings(settings, max_poll_records, session_timeout_ms, heartbeat_interval_ms),
         **settings.kafka_options(),
     )

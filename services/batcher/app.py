@@ -102,7 +102,7 @@ class BatcherApp:
         await self._read_heartbeats_to_end()
         # The requests topic and every outside producer's own (<prefix>.requests.<user>): a topic
         # made later (`weir kafka user add`) joins at the consumer's next metadata refresh
-        # (aiokafka's metadata_max_age_ms, 5 minutes), from its earliest record.
+        # (BusSettings.group_metadata_max_age_ms, 5 s), from its earliest record.
         self.requests.subscribe(pattern=topics.requests_pattern, listener=RebalanceListener(self.handlers))
         log.info("batcher %s reading %s", self.batcher_id, topics.requests_pattern)
 
