@@ -9,6 +9,18 @@ prompts, same seeds, same max_tokens. After one unmeasured warm-up run of each p
 run in alternating order for --rounds rounds, so that drift in this machine's speed falls on all
 of them alike; the ratio is the median of the per-round ratios. Prints time-to-first-token
 p50/p95, inter-token latency and tokens/s, and the CPU each process used.
+
+At concurrency 1 the run also measures the floor under (b): one Kafka hop, measured by `weir bench
+hop`'s own code (bench/kafka_hop.py: a weir.bus producer in this process, a weir.bus consumer in
+a second one, one message at a time --hop-gap-ms apart, the first 10% dropped) through the same
+broker, as one more entry in each round's alternating order (after the paths in even rounds,
+before them in odd ones), so it sees the same drift. While it runs no request is in flight: the
+services sit idle, their consumers parked in fetches on the same broker as during (b), and the
+engine here is not stepping. The three-hop floor is 3 x that hop's p50 (three hops are what (b)
+makes before the first token: request, batch, reply), not a measured chain of three hops: a chain
+would add a third process and a relay's own code, which (b) counts as the services' work. Printed
+per round and as medians over rounds: the hop p50, the floor, the path's added p50 TTFT with the
+output guard off ((g)'s p50 TTFT - (a)'s, each round's own) and that as a multiple of the floor.
 """
 
 from __future__ import annotations
@@ -27,6 +39,7 @@ from pathlib import Path
 import httpx
 import orjson
 
+from bench.kafka_hop import measure_kafka_hop, three_hop_floor_ms
 from bench.sse_client import SseConnection
 from bench.stats import RunResult, percentile, print_table
 from bench.ttft_breakdown import ClientMark, hop_rows, read_stamps
@@ -212,17 +225,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=4, help="alternating rounds of every path per concurrency")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: as the worker picks)")
+    parser.add_argument("--hop-count", type=int, default=200,
+                        help="Kafka hop messages per round at concurrency 1, for the three-hop floor (0: not measured)")
+    parser.add_argument("--hop-gap-ms", type=float, default=15.0, help="idle time between two hop messages")
+    parser.add_argument("--hop-warmup", type=int, default=2000,
+                        help="hop messages sent back to back in the unmeasured warm-up run")  # fmt: skip
     args = parser.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
     repo = load_model_repo(args.model_repo)
     config = repo.models[args.model]
     assert config.path is not None, f"{args.model} has no path (the echo model is not benchmarked)"
-    results, cpu, ratios, (hops, num_hopped) = asyncio.run(_runs(args, levels, config))
-    _report(results, levels, cpu, ratios, args.rounds)
+    tally, (hops, num_hopped) = asyncio.run(_runs(args, levels, config))
+    _report(tally.results, levels, tally.cpu, tally.ratios, args.rounds)
     if hops:
         print(f"\nWhere TTFT goes on the Kafka path, concurrency 1, output guard off ({num_hopped} requests; "
               "Kafka record timestamps, 1 ms resolution, so means; see bench/ttft_breakdown.py):")
         print_table(hops, ["hop", "mean ms", "p50 ms"])
+    _report_floor(tally, args)
     return 0
 
 
@@ -266,24 +285,39 @@ async def _runs(args, levels: list[int], config):
                 return await asyncio.to_thread(run_inprocess, engine, args.model, c, n, args.max_tokens)
             return await run_http(bases[path], args.model, c, n, args.max_tokens, marks)
 
+        async def hop(num_warmup: int) -> list[float]:
+            """One Kafka hop through this run's broker, as `weir bench hop` measures it (ms per message)."""
+            return (await measure_kafka_hop(broker.bootstrap, args.hop_count, args.hop_gap_ms / 1000, num_warmup))["hop"]
+
         for c in levels:
-            await _run_level(one, c, max(12, c * args.requests_per_lane), args.rounds, pids, tally)
+            floor = _HopFloor(hop, args.hop_warmup) if c == 1 and args.hop_count > 0 else None
+            await _run_level(one, c, max(12, c * args.requests_per_lane), args.rounds, pids, tally, floor)
         if tally.hop_marks:
             hops = await _hop_breakdown(broker.bootstrap, topics, args.model, tally.hop_marks)
     finally:
         stack.stop_all()
         await delete_prefixed_topics(broker.bootstrap, topics.prefix)
-    return tally.results, tally.cpu, tally.ratios, hops
+    return tally, hops
 
 
 @dataclass
 class _Tally:
-    """What the rounds measured: runs and CPU per (path, concurrency), tokens/s ratios, hop marks."""
+    """What the rounds measured: runs and CPU per (path, concurrency), tokens/s ratios, hop marks,
+    and one Kafka hop's times (ms) per round at concurrency 1."""
 
     results: dict[tuple[str, int], list[RunResult]] = field(default_factory=dict)
     cpu: dict[tuple[str, int], dict[str, float]] = field(default_factory=dict)
     ratios: dict[tuple[str, int], list[float]] = field(default_factory=dict)
     hop_marks: list[ClientMark] = field(default_factory=list)
+    hop_ms: list[list[float]] = field(default_factory=list)
+
+
+@dataclass
+class _HopFloor:
+    """The Kafka hop measurement that joins the rounds at concurrency 1: `measure(num_warmup)`."""
+
+    measure: Callable[[int], Awaitable[list[float]]]
+    warmup: int
 
 
 def _stack_env(args, bootstrap: str, topics: Topics, scratch: Path) -> dict[str, str]:
@@ -320,14 +354,23 @@ def _process_groups(stack, broker) -> dict[str, list[int]]:
 
 
 async def _run_level(one: Callable[..., Awaitable[RunResult]], c: int, n: int, rounds: int,
-                     pids: dict[str, list[int]], tally: _Tally) -> None:  # fmt: skip
-    """At one concurrency: an unmeasured warm-up run of every path, then the rounds, in alternating order."""
+                     pids: dict[str, list[int]], tally: _Tally, floor: _HopFloor | None = None) -> None:  # fmt: skip
+    """At one concurrency: an unmeasured warm-up run of every path, then the rounds, in alternating
+    order; with `floor`, the Kafka hop is one more entry of that order (last, then first, ...)."""
     for path in PATHS:  # warm-up: JIT in the broker, caches everywhere
         await one(path, c, n)
+    if floor is not None:  # its warm-up: the back-to-back messages of `weir bench hop --warmup`
+        await floor.measure(floor.warmup)
     for r in range(rounds):
-        order = list(PATHS) if r % 2 == 0 else list(reversed(PATHS))
+        order = list(PATHS) + ["hop"] * (floor is not None)
+        if r % 2:
+            order.reverse()
         round_results = {}
         for path in order:
+            if path == "hop":
+                assert floor is not None
+                tally.hop_ms.append(await floor.measure(0))
+                continue
             round_results[path] = await _measured(one, path, c, n, pids, tally)
         for path in ("b", "g"):
             tally.ratios.setdefault((path, c), []).append(round_results[path].tokens_per_s / round_results["a"].tokens_per_s)
@@ -394,3 +437,44 @@ def _report(results, levels: list[int], cpu, ratios, rounds: int) -> None:
                 for name, seconds in used.items()))  # fmt: skip
     print("targets: <= +10 ms p50 TTFT at concurrency 1; >= 80% of in-process tokens/s at concurrency 16")
     print("(b) runs without audit fingerprints (see `weir bench audit` for their cost)")
+
+
+def added_ttft_by_round(inprocess: list[RunResult], path: list[RunResult]) -> list[float]:
+    """The path's added p50 TTFT in each round: its p50 minus the in-process p50 of the same round."""
+    return [percentile(b.ttft_ms, 50) - percentile(a.ttft_ms, 50) for a, b in zip(inprocess, path, strict=True)]
+
+
+FLOOR_HEADER = ["round", "one hop p50 ms", "three-hop floor ms", "added p50 TTFT ms", "added / floor"]
+
+
+def floor_table(hop_ms: list[list[float]], added_ms: list[float]) -> tuple[list[list[str]], dict[str, float]]:
+    """Rows of FLOOR_HEADER, one per round and a last one of each column's median over rounds,
+    and those medians ("hop", "floor", "added", "multiple") with the multiples' range ("low", "high")."""
+    hop_p50 = [percentile(h, 50) for h in hop_ms]
+    floors = [three_hop_floor_ms(h) for h in hop_ms]
+    multiples = [a / f for a, f in zip(added_ms, floors, strict=True)]
+    rows = [[str(r + 1), f"{h:.2f}", f"{f:.2f}", f"{a:+.1f}", f"{m:.2f}x"]
+            for r, (h, f, a, m) in enumerate(zip(hop_p50, floors, added_ms, multiples, strict=True))]  # fmt: skip
+    med = {"hop": statistics.median(hop_p50), "floor": statistics.median(floors), "added": statistics.median(added_ms),
+           "multiple": statistics.median(multiples), "low": min(multiples), "high": max(multiples)}  # fmt: skip
+    rows.append(["median", f"{med['hop']:.2f}", f"{med['floor']:.2f}", f"{med['added']:+.1f}", f"{med['multiple']:.2f}x"])
+    return rows, med
+
+
+def _report_floor(tally: _Tally, args) -> None:
+    """The three-hop floor measured in this run, against the guard-off path's added TTFT at concurrency 1."""
+    if not tally.hop_ms:
+        why = "--hop-count 0" if args.hop_count <= 0 else "no concurrency 1 in --concurrency"
+        print(f"\nthree-hop floor: not measured ({why})")
+        return
+    added = added_ttft_by_round(tally.results[("a", 1)], tally.results[("g", 1)])
+    rows, med = floor_table(tally.hop_ms, added)
+    print(f"\nThe three-hop floor, measured in this run: one Kafka hop as `weir bench hop` measures it, through "
+          f"this broker, {args.hop_count} messages {args.hop_gap_ms:.0f} ms apart in each round (the first 10% "
+          "dropped) while no request is in flight; floor = 3 x the hop's p50. Against it, the Kafka path's added "
+          "p50 TTFT at concurrency 1, output guard off (its p50 minus the in-process p50 of the same round):")
+    print_table(rows, FLOOR_HEADER)
+    print(f"concurrency   1, {PATHS['g'].strip()}: adds {med['added']:+.1f} ms to p50 TTFT, {med['multiple']:.2f}x "
+          f"the three-hop floor of {med['floor']:.2f} ms (one hop {med['hop']:.2f} ms p50); medians of "
+          f"{len(rows) - 1} rounds, multiples {med['low']:.2f}x-{med['high']:.2f}x")  # fmt: skip
+    print("target (issue 21): added p50 TTFT <= 1.3x the three-hop floor at concurrency 1, output guard off")
