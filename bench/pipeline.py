@@ -293,7 +293,7 @@ async def _runs(args, levels: list[int], config):
             floor = _HopFloor(hop, args.hop_warmup) if c == 1 and args.hop_count > 0 else None
             await _run_level(one, c, max(12, c * args.requests_per_lane), args.rounds, pids, tally, floor)
         if tally.hop_marks:
-            hops = await _hop_breakdown(broker.bootstrap, topics, args.model, tally.hop_marks)
+            hops = await _hop_breakdown(broker.bootstrap, topics, config.served_id, tally.hop_marks)
     finally:
         stack.stop_all()
         await delete_prefixed_topics(broker.bootstrap, topics.prefix)
@@ -392,11 +392,12 @@ async def _measured(one: Callable[..., Awaitable[RunResult]], path: str, c: int,
     return result
 
 
-async def _hop_breakdown(bootstrap: str, topics: Topics, model: str, marks: list[ClientMark]) -> tuple[list[list[str]], int]:
-    """Where TTFT went, hop by hop, from the records this run left on its request, batch and reply topics."""
+async def _hop_breakdown(bootstrap: str, topics: Topics, served_id: str, marks: list[ClientMark]) -> tuple[list[list[str]], int]:
+    """Where TTFT went, hop by hop, from the records this run left on its request, batch and reply
+    topics (the batch topic is the served version's, `name@version`, as the worker reads it)."""
     from weir.kafka.admin import list_topic_names
 
-    names = [topics.requests, topics.batches(model)]
+    names = [topics.requests, topics.batches(served_id)]
     names += [t for t in await list_topic_names(bootstrap) if t.startswith(f"{topics.prefix}.replies.")]
     return hop_rows(marks, await read_stamps(bootstrap, names))
 
