@@ -12,10 +12,10 @@ from bench import kafka_hop
 pytestmark = pytest.mark.kafka
 
 
-def test_bench_hop_measures_every_row(capsys) -> None:
+def test_bench_hop_measures_every_row(capsys, kafka_broker: str) -> None:
     transport = getattr(asyncio.selector_events, "_SelectorSocketTransport")
     before = (transport.write, transport._read_ready)
-    assert kafka_hop.main(["--count", "30", "--gap-ms", "2", "--warmup", "50"]) == 0
+    assert kafka_hop.main(["--bootstrap", kafka_broker, "--count", "30", "--gap-ms", "2", "--warmup", "50"]) == 0
     assert (transport.write, transport._read_ready) == before  # this process's event loop as it was
     out = capsys.readouterr().out
     rows = re.findall(r"^(.+?)\s{2,}(\d+\.\d\d)\s+(\d+\.\d\d)\s+(\d+)\s*$", out, re.M)
