@@ -69,9 +69,9 @@ class Publisher:
         if self.recorder is not None:  # a run with a write that failed is recorded when it is redone
             self.recorder.on_output(req, out)
         key = req.request_id.encode()
+        if flight.lane is None:
+            flight.lane = self._lane(flight)
         lane = flight.lane
-        if lane is None:
-            lane = flight.lane = self._lane(flight)
         for event in reply_events(req, flight.batch_id, out, self.version):
             await lane.offer(event)
         if req.mirrors:
@@ -94,7 +94,11 @@ class Publisher:
         async def send(event) -> asyncio.Future:
             return await self.writer.send(req.reply_to, encode(event), key, reply_headers(flight.span, event))
 
-        return ReplyLane(send, lambda future: self._note(flight, future), lambda: flight.failure is not None, self._spawn)
+        def is_broken() -> bool:  # a failed write, or a run redone since (this lane's records are stale)
+            return flight.failure is not None or flight.lane is not lane
+
+        lane = ReplyLane(send, lambda future: self._note(flight, future), is_broken, self._spawn)
+        return lane
 
     async def send_audit(self, flight: InFlight, out: EngineOutput, key: bytes) -> asyncio.Future:
         """Produce the request's AuditEvent; with a fingerprint batcher, once its SimHashes are in.

@@ -192,3 +192,20 @@ async def test_the_publisher_coalesces_under_a_held_produce_and_the_reader_assem
             text += part.text if isinstance(part, ReplyDelta) else ""
         assert text == "The café is open." and cursor.missing == 0
     assert not intake_a.in_flight and not intake_b.in_flight  # both settled once everything was written
+
+
+async def test_a_lane_of_a_run_redone_since_sends_nothing_more():
+    writer = HeldWriter()
+    intake = Intake()
+    publisher = _publisher(writer, intake)
+    request = make_request("p", model="tiny")
+    flight = InFlight(request, "b1", host=SimpleNamespace(weights_sha256="0" * 64, cancel=lambda rid: None))  # type: ignore[arg-type]
+    intake.in_flight[request.request_id] = flight
+    for out in _outputs(request.request_id)[:3]:
+        await publisher.send_output(flight, out)
+    old = flight.lane
+    assert old is not None and old.num_held == 1 and len(writer.records) == 1
+    flight.futures, flight.failure, flight.token_ids, flight.lane = [], None, [], None  # what a redo does before its rerun
+    writer.release()
+    await asyncio.wait_for(old.drained(), 1)
+    assert len(writer.records) == 1  # the stale run's held delta was dropped, not written beside the new run
