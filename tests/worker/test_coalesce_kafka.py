@@ -6,7 +6,10 @@ an undisturbed run (docs/wire-contract.md, "Reading replies")."""
 from __future__ import annotations
 
 import asyncio
+import shutil
+import subprocess
 import uuid
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -40,7 +43,11 @@ def outputs(rid: str) -> list:
     return outs
 
 
-async def test_a_run_coalesced_under_load_and_its_regeneration_read_as_one_undisturbed_reply():
+async def write_two_runs(loaded_first: bool = True) -> tuple[str, str]:
+    """A request's first run, dying after six tokens, its outputs faster than Kafka acknowledges
+    them, then its regeneration at low load, through the real Publisher (`loaded_first` False: the
+    first run at low load dying after three tokens, the regeneration under load); (request_id,
+    reply topic)."""
     topics = Topics(f"t{uuid.uuid4().hex[:8]}")
     reply_to = topics.replies("coalesce")
     audit_sink = topics.replies("audit-sink")  # the runs' AuditEvents land here, out of the way
@@ -66,11 +73,19 @@ async def test_a_run_coalesced_under_load_and_its_regeneration_read_as_one_undis
                 await asyncio.wait_for(flight.lane.drained(), 10)
             await asyncio.wait_for(asyncio.gather(*flight.futures), 10)
 
-        await run(outputs(request.request_id)[:6], pace=False)  # the first run dies after six tokens
-        await run(outputs(request.request_id), pace=True)  # regenerated: same seed, same tokens
+        if loaded_first:
+            await run(outputs(request.request_id)[:6], pace=False)  # the first run dies after six tokens
+            await run(outputs(request.request_id), pace=True)  # regenerated: same seed, same tokens
+        else:
+            await run(outputs(request.request_id)[:3], pace=True)
+            await run(outputs(request.request_id), pace=False)
     finally:
         await producer.stop()
+    return request.request_id, reply_to
 
+
+async def test_a_run_coalesced_under_load_and_its_regeneration_read_as_one_undisturbed_reply():
+    request_id, reply_to = await write_two_runs()
     records = await read_until(BOOTSTRAP, [reply_to], lambda rs: any(decode_reply(r.value).type == "end" for r in rs), 30)
     events = [decode_reply(r.value) for r in records]
     first_run = events[: len(events) - len(WORDS) - 1]
@@ -79,7 +94,7 @@ async def test_a_run_coalesced_under_load_and_its_regeneration_read_as_one_undis
     assert isinstance(events[-1], ReplyEnd) and events[-1].seq == len(WORDS)
 
     router = ReplyRouter()
-    queue = router.register(request.request_id)
+    queue = router.register(request_id)
     cursor = ReplyCursor()
     for event in events:
         router.on_event(event)
@@ -91,3 +106,17 @@ async def test_a_run_coalesced_under_load_and_its_regeneration_read_as_one_undis
     assert [e.seq for e in delivered] == [0, 1, 6, 7, 8, 9]  # the rerun's positions 0..5 were dropped
     assert [t for e in delivered if isinstance(e, ReplyDelta) for t in e.token_ids] == [50 + i for i in range(len(WORDS))]
     assert cursor.missing == 0 and cursor.have == len(WORDS)
+
+
+@pytest.mark.skipif(shutil.which("jq") is None, reason="jq is not installed")
+@pytest.mark.parametrize("loaded_first", [True, False])
+async def test_the_readmes_kcat_and_jq_reader_prints_the_undisturbed_text(loaded_first: bool):
+    request_id, reply_to = await write_two_runs(loaded_first)
+    records = await read_until(BOOTSTRAP, [reply_to], lambda rs: any(decode_reply(r.value).type == "end" for r in rs), 30)
+    assert any(decode_reply(r.value).count > 1 for r in records if decode_reply(r.value).type == "delta")
+    kcat_output = b"".join(r.value + b"\n" for r in records)  # what `kcat -C ... -e` prints: one value a line
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    start = readme.index("      | jq -nj")
+    jq = readme[start : readme.index("\n\n", start)].replace("      | ", "", 1).replace("--arg rid r1", f"--arg rid {request_id}")
+    done = subprocess.run(["bash", "-c", jq], input=kcat_output, capture_output=True, timeout=30, check=True)
+    assert done.stdout.decode() == "".join(WORDS) + "\n[length]\n"
