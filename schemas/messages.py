@@ -417,30 +417,73 @@ class ErrorInfo(BaseModel):
 
 
 class ReplyDelta(_Wire):
-    """A piece of generated text. `seq` counts from 0 per request; repeats carry the same seq."""
+    """Generated output of one request, covering the positions [seq, seq + count) of its reply.
+
+    A position is an output token: position i is the request's i-th generated token, with the
+    text (and tool call pieces) its step released; text a step holds back (an incomplete UTF-8
+    character, a possible stop string, a possible tool call) belongs to the later token whose step
+    releases it. Text released only at the end, with no token of its own (held back until an
+    end-of-sequence token, say), is one last position without a token, the tail. A worker may
+    coalesce consecutive positions into one delta, and a regenerated request may coalesce them
+    otherwise: a reader that holds positions up to k keeps only positions k.. of a delta that
+    overlaps them (schemas/reply_stream.py: cut). A delta of one position (count 1, the default)
+    is read whole, as deltas before coalescing were (docs/wire-contract.md).
+    """
 
     type: Literal["delta"] = Field("delta", description="Event discriminator.")
     request_id: str = Field(description="The request this belongs to.")
     batch_id: str | None = Field(None, description="Batch that carried the request.")
-    seq: int = Field(ge=0, description="Per-request sequence number; drop repeats, detect gaps.")
-    text: str = Field(description="Text added by this event.")
-    token_ids: list[int] = Field(default_factory=list, description="Token ids behind the text.")
+    seq: int = Field(ge=0, description="Position of its first token (the index of that output token, from 0); "
+                     "repeats carry the same positions.")
+    count: int = Field(1, ge=1, description="Positions it covers, [seq, seq + count): its tokens, and the tail "
+                       "(the last position, with no token) when its token_ids has count - 1 entries.")
+    text: str = Field(description="Text added by this event (all its positions' text, in order).")
+    texts: list[str] | None = Field(
+        None, description="With count > 1: the text of each position, in order (they join to `text`); "
+        "None with count 1.",
+    )
+    token_ids: list[int] = Field(default_factory=list, description="Token ids behind the text; with count > 1, "
+                                 "one per position, in order (none for a tail).")
     logprobs: list[TokenLogprob] | None = Field(
         None, description="The request asked for logprobs: one per token of token_ids, in order."
     )
     tool_calls: list[ToolCallDelta] | None = Field(
-        None, description="Pieces of tool calls; text a tool call is made of is not also in `text`."
+        None, description="Pieces of tool calls, released by its last position; text a tool call is made of is "
+        "not also in `text`.",
     )
     created_ms: int = Field(default_factory=now_ms, description="When the worker produced it, epoch ms.")
 
+    @model_validator(mode="after")
+    def _positions(self) -> ReplyDelta:
+        if self.count == 1:
+            if self.texts is not None:
+                raise ValueError("texts: only a delta of several positions (count > 1) has it")
+            return self
+        if self.logprobs is not None and len(self.logprobs) != len(self.token_ids):
+            raise ValueError(f"logprobs: {len(self.logprobs)} entries for {len(self.token_ids)} token_ids")
+        if self.texts is None or len(self.texts) != self.count:
+            raise ValueError(f"texts: a delta of {self.count} positions needs the text of each ({self.count} strings)")
+        if "".join(self.texts) != self.text:
+            raise ValueError("texts: they must join to text")
+        if len(self.token_ids) not in (self.count, self.count - 1):
+            raise ValueError(f"token_ids: a delta of {self.count} positions has one token per position "
+                             f"(a tail, last, has none), got {len(self.token_ids)}")
+        return self
+
+    @property
+    def end(self) -> int:
+        """The position after its last: what a reader holds once it has this delta."""
+        return self.seq + self.count
+
 
 class ReplyEnd(_Wire):
-    """The one terminal event of a request. Its `seq` follows the last delta's."""
+    """The one terminal event of a request. Its `seq` is the position after the last delta's last
+    (that delta's seq + count; 0 when no delta came): the same when a request is regenerated."""
 
     type: Literal["end"] = Field("end", description="Event discriminator.")
     request_id: str = Field(description="The request this ends.")
     batch_id: str | None = Field(None, description="Batch that carried the request, if it got one.")
-    seq: int = Field(ge=0, description="Per-request sequence number (last).")
+    seq: int = Field(ge=0, description="The position after the last delta's last (its seq + count; 0: no delta).")
     finish_reason: FinishReason = Field(description="Why the request ended.")
     usage: Usage = Field(default_factory=lambda: Usage(), description="Token counts.")
     error: ErrorInfo | None = Field(None, description="Set when finish_reason is error/rejected/timeout.")

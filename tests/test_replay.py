@@ -15,6 +15,15 @@ def outcome(*texts: str, finish: str = "stop") -> Outcome:
     return result
 
 
+def test_an_outcome_keeps_each_position_once_however_its_runs_coalesced():
+    result = Outcome()
+    result.add(ReplyDelta(request_id="r", seq=0, count=2, text="ab", texts=["a", "b"], token_ids=[1, 2]))
+    result.add(ReplyDelta(request_id="r", seq=0, text="a", token_ids=[1]))  # the rerun, one position a delta
+    result.add(ReplyDelta(request_id="r", seq=1, count=2, text="bc", texts=["b", "c"], token_ids=[2, 3]))
+    result.add(ReplyEnd(request_id="r", seq=3, finish_reason="stop"))
+    assert "".join(result.text) == "abc" and result.end is not None
+
+
 def test_times_are_iso_utc_or_epoch_ms():
     assert parse_time_ms("2026-01-01T00:00:00Z") == parse_time_ms("2026-01-01T00:00:00") == 1_767_225_600_000
     assert parse_time_ms("2026-01-01T01:00:00+01:00") == 1_767_225_600_000

@@ -30,6 +30,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from schemas.codec import DecodeError, decode_reply, decode_request, encode
 from schemas.messages import GenerateRequest, ReplyEnd, now_ms
+from schemas.reply_stream import ReplyCursor
 from weir.bus import BusSettings, make_consumer, make_producer
 from weir.bus import partitions_of
 from weir.kafka.admin import ensure_topics
@@ -40,17 +41,15 @@ class Outcome:
     """What a reply topic said about one request: its text and terminal event (first wins)."""
 
     text: list[str] = field(default_factory=list)
-    last_seq: int = -1
+    cursor: ReplyCursor = field(default_factory=ReplyCursor)  # the positions kept (a repeat's are dropped)
     end: ReplyEnd | None = None
 
     def add(self, event: Any) -> None:
-        if self.end is not None or event.seq <= self.last_seq:
-            return
-        self.last_seq = event.seq
-        if isinstance(event, ReplyEnd):
-            self.end = event
-        else:
-            self.text.append(event.text)
+        part = self.cursor.take(event)
+        if isinstance(part, ReplyEnd):
+            self.end = part
+        elif part is not None:
+            self.text.append(part.text)
 
 
 def parse_time_ms(text: str) -> int:

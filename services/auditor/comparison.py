@@ -33,6 +33,7 @@ from faststream.kafka.annotations import KafkaMessage
 
 from schemas.codec import DecodeError, decode, decode_reply, encode
 from schemas.messages import ReplyDelta, ReplyEnd
+from schemas.reply_stream import ReplyCursor
 from schemas.registry import ModelComparison, ShadowLive, split_ref, version_problem
 from services.auditor.config import AuditorSettings
 from services.auditor.handlers import parse_records
@@ -60,22 +61,25 @@ def mirror_of(request_id: str) -> tuple[str, str]:
 
 @dataclass
 class MirrorReply:
-    """A mirror copy's answer, gathered from its ReplyEvents (repeats of a seq dropped)."""
+    """A mirror copy's answer, gathered from its ReplyEvents (positions it has dropped from a repeat)."""
 
     live_id: str
     suffix: str  # the version in its request id: "V" or "name@V"
     seen_s: float
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
-    seqs: set[int] = field(default_factory=set)
+    cursor: ReplyCursor = field(default_factory=ReplyCursor)
     chars: int = 0
     overflow: bool = False
     end: ReplyEnd | None = None
 
     def add(self, delta: ReplyDelta) -> None:
-        if delta.seq in self.seqs or self.end is not None:
+        if self.end is not None:
             return
-        self.seqs.add(delta.seq)
+        part = self.cursor.take(delta)
+        if part is None:
+            return
+        delta = part
         self.chars += len(delta.text)
         if self.chars > MAX_REPLY_CHARS:
             self.overflow = True
@@ -228,8 +232,9 @@ def _mirror_error(reply: MirrorReply) -> str | None:
         return f"{end.finish_reason}{detail}"
     if reply.overflow:
         return f"answer longer than {MAX_REPLY_CHARS} characters"
-    if len(reply.seqs) != end.seq:
-        return f"{end.seq - len(reply.seqs)} of {end.seq} deltas missing"
+    missing = reply.cursor.missing + max(0, end.seq - reply.cursor.have)
+    if missing:
+        return f"{missing} of {end.seq} positions missing"
     return None
 
 

@@ -43,6 +43,7 @@ from schemas.batch_lines import (
     parse_line_body,
 )
 from schemas.registry import RegistryState
+from schemas.reply_stream import ReplyCursor
 from schemas.openai_bodies import ChatCompletionBody, assistant_message, finish_reason, sibling_requests
 from services.batcher.planner import resolve_ref
 MAX_VALIDATION_ERRORS = 100
@@ -199,15 +200,16 @@ def _to_line(envelope: Envelope, job: BatchJob, models: RegistryState, reply_to:
 @dataclass
 class _Result:
     text: list[str] = field(default_factory=list)
-    last_seq: int = -1
+    cursor: ReplyCursor = field(default_factory=ReplyCursor)
     end: ReplyEnd | None = None
 
 
 class JobResults:
     """What the job's reply topic says so far: text and terminal event per request.
 
-    Events may repeat (at-least-once delivery, or a request submitted again after a restart):
-    events whose seq is not above the last kept are dropped, and the first ReplyEnd wins.
+    Events may repeat (at-least-once delivery, or a request submitted again after a restart, whose
+    deltas may group positions otherwise): only the positions past those kept are taken from a
+    delta (schemas/reply_stream.py: ReplyCursor), and the first ReplyEnd wins.
     """
 
     def __init__(self, lines: list[JobLine]) -> None:
@@ -221,14 +223,14 @@ class JobResults:
         if event.request_id not in self._by_request:
             return False
         result = self._results.setdefault(event.request_id, _Result())
-        if result.end is not None or event.seq <= result.last_seq:
+        part = result.cursor.take(event)
+        if part is None:
             return False
-        result.last_seq = event.seq
-        if isinstance(event, ReplyEnd):
-            result.end = event
+        if isinstance(part, ReplyEnd):
+            result.end = part
             self.num_pending -= 1
             return True
-        result.text.append(event.text)
+        result.text.append(part.text)
         return False
 
     def is_ended(self, request_id: str) -> bool:

@@ -342,11 +342,12 @@ class JobExecution:
 
 
 def _fast_reply(value: bytes | None) -> ReplyDelta | ReplyEnd:
-    """A reply event; deltas (most of a job's reply topic) skip pydantic validation, since the runner
-    shares the batcher's event loop and needs only their request_id, seq and text."""
+    """A reply event; single-position deltas (most of a job's reply topic at low load) skip pydantic
+    validation, since the runner shares the batcher's event loop and needs only their request_id,
+    seq and text. A coalesced delta (count > 1) is validated: the runner may cut it."""
     raw = orjson.loads(value or b"")
-    if isinstance(raw, dict) and raw.get("type") == "delta":
+    if isinstance(raw, dict) and raw.get("type") == "delta" and raw.get("count", 1) == 1:
         request_id, seq, text = raw.get("request_id"), raw.get("seq"), raw.get("text")
-        if isinstance(request_id, str) and isinstance(seq, int) and isinstance(text, str):
+        if isinstance(request_id, str) and isinstance(seq, int) and seq >= 0 and isinstance(text, str):
             return ReplyDelta.model_construct(request_id=request_id, seq=seq, text=text)
     return decode_reply(value)

@@ -1,10 +1,13 @@
-"""ReplyRouter: hands each request's reply events to the one waiter of that request, in seq order.
+"""ReplyRouter: hands each request's reply events to the one waiter of that request, in position order.
 
-Delivery is at-least-once (docs/design.md, invariant 3): a worker that restarts resends seqs the reader
-already has, and a redone request can interleave with its first try. Per request the router
-keeps the next expected seq, drops any seq already delivered or buffered, buffers seqs that
-arrive early, and ends the request at the first terminal it delivers. No I/O: the reply consumer
-calls `on_event`, the request's handler reads its queue.
+Delivery is at-least-once (docs/design.md, invariant 3): a worker that restarts resends positions
+the reader already has, and a redone request can interleave with its first try, its deltas grouping
+positions otherwise (coalesced deltas: docs/wire-contract.md, "Reading replies"). Per request the
+router keeps the positions delivered (`next_seq`: all before it), cuts from a delta the positions it
+has (schemas/reply_stream.py: cut) and drops one it has whole, buffers deltas that start past it,
+and ends the request at the first terminal it delivers. So each position is delivered once, and
+the events a request's reader gets are a function of the records in topic order. No I/O: the
+reply consumer calls `on_event`, the request's handler reads its queue.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import logging
 from dataclasses import dataclass, field
 
 from schemas.messages import ReplyDelta, ReplyEnd
+from schemas.reply_stream import cut
 
 log = logging.getLogger(__name__)
 
@@ -23,8 +27,9 @@ ReplyItem = ReplyDelta | ReplyEnd
 @dataclass
 class _Route:
     queue: asyncio.Queue[ReplyItem] = field(default_factory=asyncio.Queue)
-    next_seq: int = 0
-    early: dict[int, ReplyItem] = field(default_factory=dict)  # seq -> event that arrived ahead of a gap
+    next_seq: int = 0  # the positions delivered: all before it
+    # (seq, 0 for a delta or 1 for a terminal) -> an event that starts past a gap
+    early: dict[tuple[int, int], ReplyItem] = field(default_factory=dict)
     is_ended: bool = False
     num_dropped: int = 0
 
@@ -66,13 +71,19 @@ class ReplyRouter:
             # hop that did not see the deltas (a batcher's timeout/rejection); the first one ends it.
             self._deliver(route, event)
             return True
-        if event.seq < route.next_seq or event.seq in route.early:
-            route.num_dropped += 1
-            return False
         if event.seq > route.next_seq:
-            route.early[event.seq] = event
+            slot = (event.seq, 1 if isinstance(event, ReplyEnd) else 0)
+            buffered = route.early.get(slot)
+            if buffered is not None and _reach(buffered) >= _reach(event):
+                route.num_dropped += 1  # a repeat of what waits (or less of it)
+                return False
+            route.early[slot] = event
             return False
-        self._deliver(route, event)
+        part = cut(event, route.next_seq) if isinstance(event, ReplyDelta) else None
+        if part is None:
+            route.num_dropped += 1  # every position of it was delivered
+            return False
+        self._deliver(route, part)
         self._drain(route)
         return True
 
@@ -90,7 +101,7 @@ class ReplyRouter:
         route = self._routes.get(request_id)
         if route is None or not route.early or route.is_ended:
             return 0
-        first = min(route.early)
+        first = min(route.early)[0]
         skipped = first - route.next_seq
         log.warning("request %s: seqs %d..%d never arrived; skipping", request_id, route.next_seq, first - 1)
         route.next_seq = first
@@ -108,13 +119,29 @@ class ReplyRouter:
         return route.num_dropped if route else 0
 
     def _drain(self, route: _Route) -> None:
-        while not route.is_ended and route.next_seq in route.early:
-            self._deliver(route, route.early.pop(route.next_seq))
+        while not route.is_ended and route.early:
+            first = min(route.early)
+            if first[0] > route.next_seq:
+                return
+            event = route.early.pop(first)
+            if isinstance(event, ReplyEnd):
+                self._deliver(route, event)
+                return
+            part = cut(event, route.next_seq)
+            if part is None:
+                route.num_dropped += 1
+                continue
+            self._deliver(route, part)
 
     @staticmethod
     def _deliver(route: _Route, event: ReplyItem) -> None:
         route.queue.put_nowait(event)
-        route.next_seq = max(route.next_seq, event.seq + 1)
+        route.next_seq = max(route.next_seq, _reach(event))
         if isinstance(event, ReplyEnd):
             route.is_ended = True
             route.early.clear()
+
+
+def _reach(event: ReplyItem) -> int:
+    """The positions a reader holds once it has `event`: a delta's end, a terminal's seq."""
+    return event.end if isinstance(event, ReplyDelta) else event.seq

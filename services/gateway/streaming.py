@@ -1,8 +1,12 @@
 """How an Exchange's events reach a client: SSE, one JSON body, or WebSocket frames.
 
-SSE events are `id: <seq>` + `data: <chunk JSON>`; the events after the terminal (finish chunk,
-usage chunk, `[DONE]`) repeat the terminal's seq, so Last-Event-ID always names the last reply
-event the client saw, and GET /v1/streams/{id} with it sends what came after. Text goes through
+SSE events are `id: <seq>` + `data: <chunk JSON>`: a delta's seq is the position (token index) of
+its first token as the ReplyRouter delivered it (cut to the positions not delivered before, so
+ids only grow however a worker coalesced), the terminal's the position after the last; the events
+after the terminal (finish chunk, usage chunk, `[DONE]`) repeat the terminal's seq, so
+Last-Event-ID always names the last reply event the client saw, and GET /v1/streams/{id} with it
+sends what came after. The delivered events are a function of the reply topic's records in order,
+so any gateway that renders the stream again (stream_index.py) gives the same ids. Text goes through
 the output guard (guard/output_guard.py) on its way out. A client that goes away before the
 terminal leaves the stream (resume.py): it is cancelled at once
 (Cancellation(reason="client_disconnect")) or, when asked with a resume grace, held for a

@@ -26,14 +26,21 @@ def reply_events(
 ) -> list[ReplyDelta | ReplyEnd]:
     """The reply events of one engine output, in order: a delta when it carries text or tool call
     pieces (or, before the end, tokens), with the logprobs of its tokens when the request asked,
-    then on the final output the ReplyEnd, numbered after the delta, with the output's cumulative
-    logprob and the reply's complete tool calls."""
+    then on the final output the ReplyEnd, at the position after the delta's (the output's own
+    when it has no delta), with the output's cumulative logprob and the reply's complete tool calls.
+
+    The delta covers one position per token of the output, from `out.seq`; its text and tool call
+    pieces are its last token's (the step that released them), or a tail position's when the
+    final output has no token (docs/wire-contract.md, "Reading replies")."""
     events: list[ReplyDelta | ReplyEnd] = []
     seq = out.seq
     if out.text or out.tool_call_deltas or (out.token_ids and not out.is_final):
-        events.append(ReplyDelta(request_id=request.request_id, batch_id=batch_id, seq=seq, text=out.text,
-                                 token_ids=out.token_ids, logprobs=out.logprobs, tool_calls=out.tool_call_deltas))  # fmt: skip
-        seq += 1
+        count = max(1, len(out.token_ids))
+        texts = [""] * (count - 1) + [out.text] if count > 1 else None
+        events.append(ReplyDelta(request_id=request.request_id, batch_id=batch_id, seq=seq, count=count,
+                                 text=out.text, texts=texts, token_ids=out.token_ids, logprobs=out.logprobs,
+                                 tool_calls=out.tool_call_deltas))  # fmt: skip
+        seq += count
     if out.is_final:
         events.append(ReplyEnd(
             request_id=request.request_id, batch_id=batch_id, seq=seq, finish_reason=out.finish_reason,

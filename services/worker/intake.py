@@ -21,6 +21,7 @@ from schemas.messages import EmbedRequest, GenerateRequest
 from weir.bus import OffsetTracker
 
 if TYPE_CHECKING:
+    from services.worker.coalesce import ReplyLane
     from services.worker.runner import EngineHost
 
 RecordKey = tuple[TopicPartition, int]  # a batch record: (partition, offset)
@@ -49,6 +50,7 @@ class InFlight:
     num_redos: int = 0
     token_ids: list[int] = field(default_factory=list)  # the current run's answer, kept for a mirrored request's ShadowLive
     span: Span = INVALID_SPAN  # its process span here (services/worker/traces.py), ended with its final output
+    lane: ReplyLane | None = None  # the current run's reply records, coalesced (services/worker/coalesce.py)
 
 
 class Intake:

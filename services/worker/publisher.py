@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from schemas.codec import encode
 from schemas.messages import now_ms
 from schemas.model_repo import ModelConfig
+from services.worker.coalesce import ReplyLane
 from services.worker.delivery import RedoPolicy, Writer, failure_of, first_failure, is_outage
 from services.worker.engine import EngineOutput
 from services.worker.events import audit_event, model_version, reply_events, shadow_live
@@ -68,8 +69,11 @@ class Publisher:
         if self.recorder is not None:  # a run with a write that failed is recorded when it is redone
             self.recorder.on_output(req, out)
         key = req.request_id.encode()
+        if flight.lane is None:
+            flight.lane = self._lane(flight)
+        lane = flight.lane
         for event in reply_events(req, flight.batch_id, out, self.version):
-            self._note(flight, await self.writer.send(req.reply_to, encode(event), key, reply_headers(flight.span, event)))
+            await lane.offer(event)
         if req.mirrors:
             flight.token_ids.extend(out.token_ids)
         if not out.is_final:
@@ -81,6 +85,20 @@ class Publisher:
             self._note(flight, await self.writer.send(self.shadow_live_topic, encode(live), key))
         end_run(self.tracing, flight.span, out, self.version)
         self._spawn(self.settle(flight, out))
+
+    def _lane(self, flight: InFlight) -> ReplyLane:
+        """The reply lane of the flight's current run: its deltas coalesced while one is in flight."""
+        req = flight.request
+        key = req.request_id.encode()
+
+        async def send(event) -> asyncio.Future:
+            return await self.writer.send(req.reply_to, encode(event), key, reply_headers(flight.span, event))
+
+        def is_broken() -> bool:  # a failed write, or a run redone since (this lane's records are stale)
+            return flight.failure is not None or flight.lane is not lane
+
+        lane = ReplyLane(send, lambda future: self._note(flight, future), is_broken, self._spawn)
+        return lane
 
     async def send_audit(self, flight: InFlight, out: EngineOutput, key: bytes) -> asyncio.Future:
         """Produce the request's AuditEvent; with a fingerprint batcher, once its SimHashes are in.
@@ -132,6 +150,8 @@ class Publisher:
         """Once every write of the run is durable, the request's batch offsets may be committed
         (and its `end` counted, once per request); a run with a write that failed is run again
         instead (its batch stays uncommitted)."""
+        if flight.lane is not None:
+            await flight.lane.drained()  # the end and any deltas held behind a record in flight
         failure = await first_failure(flight.futures)
         failure = flight.failure or failure
         if failure is not None:
@@ -160,7 +180,7 @@ class Publisher:
             await asyncio.sleep(delay_s)
             if self.intake.is_current(flight):  # not ended meanwhile (a rebalance redo here)
                 self._spawn(first_failure(flight.futures))  # collects the broken run's failures (no warnings)
-                flight.futures, flight.failure, flight.token_ids = [], None, []
+                flight.futures, flight.failure, flight.token_ids, flight.lane = [], None, [], None
                 await self._restart(flight)
 
         self._spawn(redo())

@@ -78,6 +78,20 @@ def test_exact_match() -> None:
     assert c.exact_match and c.token_edit_distance == 0 and c.similarity is None
 
 
+def test_a_regenerated_mirror_coalesced_otherwise_is_its_answer_once() -> None:
+    join = ShadowJoin()
+    join.add_live(live(text="a b c", tokens=[1, 2, 3]))
+    rid = "r1.mirror.m@2"
+    first = ReplyDelta(request_id=rid, seq=0, count=2, text="a b", texts=["a", " b"], token_ids=[1, 2])
+    again = deltas(rid, [("a", [1]), (" b", [2]), (" c", [3])])  # the rerun, one position a delta
+    rest = ReplyDelta(request_id=rid, seq=1, count=2, text=" b c", texts=[" b", " c"], token_ids=[2, 3])
+    for event in [first, again[0], again[1], rest]:  # what the topic holds of three runs, in order
+        join.add_reply(event)
+    [pair] = join.add_reply(end(rid, 3))
+    c = compare(pair, None)
+    assert (c.exact_match, c.mirror_error, pair.mirror.token_ids) == (True, None, [1, 2, 3])
+
+
 def test_unfinished_mirror_is_an_error() -> None:
     join = ShadowJoin()
     join.add_live(live())
@@ -87,7 +101,7 @@ def test_unfinished_mirror_is_an_error() -> None:
     join.add_live(live("r2"))
     join.add_reply(deltas("r2.mirror.2", [("a", [1]), ("b", [2])])[1])  # seq 0 never came
     [pair] = join.add_reply(end("r2.mirror.2", 2))
-    assert compare(pair, None).mirror_error == "1 of 2 deltas missing"
+    assert compare(pair, None).mirror_error == "1 of 2 positions missing"
 
 
 def test_one_live_answer_meets_every_mirror() -> None:

@@ -145,6 +145,25 @@ def test_results_drop_repeats_and_write_each_custom_id_once():
     assert out == results.files("/v1/chat/completions", unfinished_code="batch_cancelled")[0]  # deterministic
 
 
+def test_results_take_each_position_once_when_a_rerun_coalesces_otherwise():
+    from schemas.codec import encode
+    from services.batcher.jobs import _fast_reply
+
+    parsed = parse_input(chat_line("a", "a"), make_job(), REPO, "r")
+    results = JobResults(parsed.lines)
+    rid = parsed.lines[0].request_id
+    first = [ReplyDelta(request_id=rid, seq=0, count=3, text="one two", texts=["one", " two", ""], token_ids=[1, 2, 3])]
+    rerun = [ReplyDelta(request_id=rid, seq=0, text="one", token_ids=[1]),
+             ReplyDelta(request_id=rid, seq=1, count=4, text=" two three.", texts=[" two", "", " three", "."],
+                        token_ids=[2, 3, 4, 5]),
+             ReplyEnd(request_id=rid, seq=5, finish_reason="stop")]  # fmt: skip
+    # as the runner reads them: bytes off the job's reply topic (the first run broke after its first record)
+    for event in first + rerun:
+        results.add(_fast_reply(encode(event)))
+    body = orjson.loads(results.files("/v1/chat/completions")[0])["response"]["body"]
+    assert body["choices"][0]["message"]["content"] == "one two three."
+
+
 def test_completions_endpoint_takes_prompts_and_answers_text_completions():
     line = orjson.dumps({"custom_id": "p", "url": "/v1/completions", "body": {"model": "echo", "prompt": ["x y"]}}).decode()
     parsed = parse_input(line, make_job("/v1/completions"), REPO, "r")

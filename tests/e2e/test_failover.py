@@ -10,9 +10,11 @@ import time
 import httpx
 import pytest
 
-from schemas.codec import decode
-from schemas.messages import WorkerHeartbeat, now_ms
+from schemas.codec import decode, decode_reply
+from schemas.messages import ReplyDelta, WorkerHeartbeat, now_ms
+from tests.kafka_helpers import read_until
 from weir.bus import BusSettings, read_topic
+from weir.kafka.admin import list_topic_names
 from weir.launcher import wait_http_ok
 
 from .conftest import start_pipeline
@@ -81,3 +83,27 @@ async def test_kill_9_of_one_of_two_workers_moves_its_streams_to_the_other(two_w
     assert in_flight > 0, "every stream ended before the kill"
     await assert_each_ends_once(p, log, NUM_STREAMS, MAX_TOKENS)
     assert p.stack.dead() == [], "the surviving worker (or another service) died"
+    await assert_runs_are_positions(p)
+
+
+async def assert_runs_are_positions(p) -> None:
+    """Each request's deltas on the reply topics, in order, are runs of positions from 0 without a
+    gap (a run regenerated after the kill starts at 0 again, coalesced its own way), and its end
+    follows the last run's last position. Prints how many deltas were coalesced (load decides)."""
+    topics = [t for t in await list_topic_names(p.bootstrap) if t.startswith(f"{p.topics.prefix}.replies.")]
+    records = await read_until(p.bootstrap, topics, lambda rs: False, 5)
+    at: dict[str, int] = {}
+    num_deltas = num_coalesced = num_restarts = 0
+    for record in records:
+        event = decode_reply(record.value)
+        if isinstance(event, ReplyDelta):
+            num_deltas += 1
+            num_coalesced += event.count > 1
+            if event.seq != at.get(event.request_id, 0):
+                assert event.seq == 0, f"{event.request_id}: a delta at {event.seq} after position {at.get(event.request_id)}"
+                num_restarts += 1
+            at[event.request_id] = event.end
+        elif event.finish_reason in ("stop", "length"):
+            assert event.seq == at.get(event.request_id, 0), f"{event.request_id}: end at {event.seq}"
+    assert num_restarts > 0, "no request was regenerated"
+    print(f"reply deltas: {num_deltas}, coalesced: {num_coalesced}, runs restarted at 0: {num_restarts}")

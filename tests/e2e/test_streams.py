@@ -83,7 +83,11 @@ async def test_personal_data_the_model_streams_is_redacted(pipeline):
     chunks = [chunk.choices[0].text async for chunk in stream if chunk.choices]
     expected = "Card [REDACTED], ID [REDACTED], phone [REDACTED], mail [REDACTED]; order 12345 ships 2026-12-01."
     assert "".join(chunks) == expected
-    assert len(chunks) > 5  # still streamed piece by piece, not held to the end
+    # still streamed in pieces, not held to the end. The echo model makes its whole answer faster
+    # than Kafka acknowledges one record, so the worker coalesces it into a few deltas (the first
+    # alone: docs/design.md, "Coalesced reply deltas"); the guard's release across any split into
+    # deltas is tests/gateway/test_redaction.py's
+    assert len([c for c in chunks if c]) >= 2, chunks
 
 
 async def test_repeated_prompt_injections_reach_the_auditor_as_one_review_flag(pipeline):

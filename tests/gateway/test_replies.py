@@ -128,3 +128,51 @@ async def test_register_twice_is_refused() -> None:
     router.register("r1")
     with pytest.raises(ValueError):
         router.register("r1")
+
+
+def span(seq: int, count: int, rid: str = "r1") -> ReplyDelta:
+    """A coalesced delta of positions [seq, seq + count), position i's text `p<i>` and token i."""
+    texts = [f"p{i}" for i in range(seq, seq + count)]
+    return ReplyDelta(request_id=rid, seq=seq, count=count, text="".join(texts),
+                      texts=texts if count > 1 else None, token_ids=list(range(seq, seq + count)))  # fmt: skip
+
+
+def positions(events: list) -> str:
+    return "".join(e.text for e in events if isinstance(e, ReplyDelta))
+
+
+async def test_a_rerun_coalesced_otherwise_delivers_each_position_once() -> None:
+    router = ReplyRouter()
+    queue = router.register("r1")
+    # the first run sent [0,3) and [3,5), then died; the rerun groups [0,2) [2,4) [4,7) and ends at 7
+    for event in (span(0, 3), span(3, 2), span(0, 2), span(2, 2), span(4, 3), end(7)):
+        router.on_event(event)
+    events = drain(queue)
+    assert [(e.type, e.seq, getattr(e, "count", None)) for e in events] == [
+        ("delta", 0, 3), ("delta", 3, 2), ("delta", 5, 2), ("end", 7, None)]  # fmt: skip
+    assert positions(events) == "".join(f"p{i}" for i in range(7))
+    assert events[2].token_ids == [5, 6] and events[2].texts == ["p5", "p6"]
+    assert router.num_dropped("r1") == 2
+
+
+async def test_early_coalesced_deltas_wait_and_are_cut_when_the_gap_fills() -> None:
+    router = ReplyRouter()
+    queue = router.register("r1")
+    for event in (span(2, 3), span(3, 3), end(6), span(0, 1)):
+        assert not router.on_event(event) or event.seq == 0
+    assert positions(drain(queue)) == "p0"  # then nothing: the gap at 1 is still open
+    assert router.has_gap("r1")
+    router.on_event(span(1, 2))  # fills it, and overlaps the first early one
+    events = drain(queue)
+    assert [(e.type, e.seq) for e in events] == [("delta", 1), ("delta", 3), ("delta", 5), ("end", 6)]
+    assert positions(events) == "p1p2p3p4p5" and not router.has_gap("r1")
+
+
+async def test_skip_gap_with_overlapping_early_deltas_delivers_each_position_once() -> None:
+    router = ReplyRouter()
+    queue = router.register("r1")
+    for event in (span(0, 1), span(2, 2), span(3, 3), end(6)):
+        router.on_event(event)
+    assert router.skip_gap("r1") == 1
+    events = drain(queue)
+    assert positions(events) == "p0p2p3p4p5" and isinstance(events[-1], ReplyEnd) and events[-1].seq == 6

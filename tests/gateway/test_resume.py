@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
+import orjson
 import pytest
 
 from schemas.messages import GenerateRequest, ReplyDelta, ReplyEnd, now_ms
@@ -182,3 +183,52 @@ async def test_a_cancelled_reader_loses_no_event() -> None:
     waiting.cancel()  # the reader's connection went away just as the event arrived
     await asyncio.gather(waiting, return_exceptions=True)
     assert await read_texts(entry, 1) == [(0, "a")]
+
+
+def coalesced(seq: int, *texts: str) -> ReplyDelta:
+    """A delta of positions [seq, seq + len(texts)), one token each."""
+    many = len(texts) > 1
+    return ReplyDelta(request_id="r1", seq=seq, count=len(texts), text="".join(texts), texts=list(texts) if many else None,
+                      token_ids=list(range(seq, seq + len(texts))))  # fmt: skip
+
+
+# The reply topic's records of one request: a first run coalesced [0,2) [2,5) and died; its rerun
+# (same tokens) coalesced [0,1) [1,4) [4,6) [6,7) and ended at 7.
+WORDS = ["a", "b", "c", "d", "e", "f", "g"]
+RECORDS = [coalesced(0, "a", "b"), coalesced(2, "c", "d", "e"), coalesced(0, "a"), coalesced(1, "b", "c", "d"),
+           coalesced(4, "e", "f"), coalesced(6, "g"), ReplyEnd(request_id="r1", seq=7, finish_reason="stop")]  # fmt: skip
+
+
+def sse_blocks(raw: bytes) -> list[tuple[str, str]]:
+    blocks = [block.split("\n") for block in raw.decode().strip().split("\n\n")]
+    return [(b[0], b[1]) for b in blocks]
+
+
+async def test_coalesced_deltas_of_two_runs_resume_from_the_position_the_client_saw_on_any_gateway() -> None:
+    bus, _ = make_bus()
+    streams = ResumableStreams(keep_s=60, max_streams=10)
+    entry = open_stream(bus, streams, grace_s=5)
+    for record in RECORDS[:2]:
+        bus.router.on_event(record)
+    assert await read_texts(entry, 2) == [(0, "ab"), (2, "cde")]  # ids: the position of each delta's first token
+    entry.leave()
+    for record in RECORDS[2:]:
+        bus.router.on_event(record)
+    await asyncio.sleep(0)
+    again = streams.attach("r1", ANN)
+    raw = b"".join([chunk async for chunk in sse_events(again.exchange, again.new_writer(), PassThrough(), after_seq=2)])
+    again.leave()
+    rest = sse_blocks(raw)
+    assert [i for i, _ in rest] == ["id: 5", "id: 6", "id: 7", "id: 7"]  # the rerun's positions 5 and 6, cut out of [4,6)
+    assert '"text":"f"' in rest[0][1] and '"text":"g"' in rest[1][1]
+    # another gateway reads the same records with a router of its own (stream_index.py): the same ids
+    other, _ = make_bus()
+    elsewhere = open_stream(other, ResumableStreams(keep_s=60, max_streams=10), grace_s=5)
+    for record in RECORDS:
+        other.router.on_event(record)
+    raw = b"".join([c async for c in sse_events(elsewhere.exchange, elsewhere.new_writer(), PassThrough(), after_seq=2)])
+    elsewhere.leave()
+    assert sse_blocks(raw) == rest
+    everything = b"".join([c async for c in sse_events(elsewhere.exchange, elsewhere.new_writer(), PassThrough())])
+    texts = [orjson.loads(d[6:])["choices"][0]["text"] for _, d in sse_blocks(everything) if d != "data: [DONE]"]
+    assert "".join(texts) == "".join(WORDS)  # each position once

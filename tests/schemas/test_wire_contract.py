@@ -33,7 +33,7 @@ TYPES = {
     "ModelRoute": registry.ModelRoute, "ModelHealthEvent": registry.ModelHealthEvent,
     "GenerateRequestStructured": messages.GenerateRequest, "ReplyDeltaLogprobs": messages.ReplyDelta,
     "ReplyDeltaToolCall": messages.ReplyDelta, "ReplyEndToolCall": messages.ReplyEnd,
-    "StreamRecord": messages.StreamRecord,
+    "StreamRecord": messages.StreamRecord, "ReplyDeltaCoalesced": messages.ReplyDelta,
 }  # fmt: skip
 
 

@@ -43,6 +43,24 @@ def test_a_final_output_with_text_is_a_delta_then_the_end_numbered_after_it() ->
     assert (end.received_ms, end.first_token_ms) == (T0_MS, T0_MS + 10)
 
 
+def test_an_output_of_several_tokens_covers_their_positions_its_text_on_the_last() -> None:
+    # tokens 7 and 8 released nothing (an incomplete character, a possible stop string): 9's step released it all
+    request = make_request(model="tiny")
+    [delta] = reply_events(request, "b1", make_output(request.request_id, 4, text="é!", token_ids=[7, 8, 9]), "tiny@3")
+    assert (delta.seq, delta.count, delta.end, delta.texts, delta.token_ids) == (4, 3, 7, ["", "", "é!"], [7, 8, 9])
+
+
+def test_text_only_the_end_released_is_a_tail_position_and_the_end_follows_it() -> None:
+    # held back until an end-of-sequence token, which is no output token: a position with no token
+    request = make_request(model="tiny")
+    out = make_output(request.request_id, 6, text="\n", finish_reason="stop", completion_tokens=6)
+    delta, end = reply_events(request, "b1", out, "tiny@3")
+    assert (delta.seq, delta.count, delta.token_ids, delta.text, end.seq) == (6, 1, [], "\n", 7)
+    # tokens that released nothing at the end are not sent: the end follows the last delta
+    [end] = reply_events(request, "b1", make_output(request.request_id, 6, token_ids=[5, 5], finish_reason="length"), "tiny@3")
+    assert end.seq == 6
+
+
 def test_a_final_output_without_text_is_the_end_alone_with_its_error_or_vectors() -> None:
     request = make_embed_request("a", "b")
     out = make_output(request.request_id, 0, token_ids=[1], finish_reason="stop", embeddings=[[1.0], [0.0]])

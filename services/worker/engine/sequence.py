@@ -22,8 +22,12 @@ class Status(enum.Enum):
 class EngineOutput:
     """One event of one request: a text delta, the end, or both.
 
-    `seq` numbers events per request from 0, deterministically: a request regenerated after a
-    crash produces the same numbers, so a reader drops the repeats.
+    `seq` is the position of its first token: the index of that output token, so a request
+    regenerated after a crash gives the same positions and a reader drops those it has. Its
+    text and tool call pieces are the ones its last token's step released (an event is made
+    when a step releases something; tokens whose steps released nothing go with it); a final
+    event with no token holds what only the end released, the reply's tail position
+    (schemas/messages.py: ReplyDelta).
     """
 
     request_id: str
@@ -87,7 +91,6 @@ class Sequence:
         self._gaps_ms: list[int] | None = None  # inter-token gaps not yet carried by an event
         self.output_text = ""  # text accepted so far (stop strings excluded)
         self.num_emitted_chars = 0
-        self.next_seq = 0
         self.num_emitted_ids = 0
         self.entropy_sum = 0.0  # sum over sampled steps of the model's token entropy (nats)
         self.num_sampled = 0
@@ -179,20 +182,18 @@ class Sequence:
         return gaps
 
     def event(self, text: str) -> EngineOutput | None:
-        """A delta event with the next sequence number; None when the tool call parser holds all
-        of `text` back (its tokens then go with a later event)."""
+        """A delta event at the position of its first token not yet carried; None when the tool
+        call parser holds all of `text` back (its tokens then go with a later event)."""
         calls = None
         if self.tool_parser is not None:
             parsed = self.tool_parser.feed(text)
             text, calls = parsed.text, parsed.calls or None
             if not text and calls is None:
                 return None
-        out = EngineOutput(
-            self.request_id, self.next_seq, text=text, token_ids=self.take_ids(), itl_ms=self.take_gaps(),
+        return EngineOutput(
+            self.request_id, self.num_emitted_ids, text=text, token_ids=self.take_ids(), itl_ms=self.take_gaps(),
             tool_call_deltas=calls, logprobs=self.take_logprobs(),
         )  # fmt: skip
-        self.next_seq += 1
-        return out
 
     def final(self, reason: FinishReason, now_ms: int, error: ErrorInfo | None = None) -> EngineOutput:
         """The terminal event; carries any held-back text and, when the reply called tools, the calls."""
@@ -204,7 +205,7 @@ class Sequence:
             text, deltas, calls = parsed.text, parsed.calls or None, self.tool_parser.calls or None
         return EngineOutput(
             self.request_id,
-            self.next_seq,
+            self.num_emitted_ids,  # before take_ids() below moves it
             text=text,
             token_ids=self.take_ids(),
             finish_reason=reason,
