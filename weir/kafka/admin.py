@@ -18,6 +18,7 @@ from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import KafkaError, for_code
 from aiokafka.protocol.admin import CreateAclsRequest
 from aiokafka.protocol.api import Request, RequestStruct, Response
+from aiokafka.protocol.metadata import MetadataRequest
 from aiokafka.protocol.types import CompactArray, CompactBytes, CompactString, Int8, Int16, Int32, Schema, TaggedFields
 
 from schemas.model_repo import ModelRepository
@@ -133,9 +134,44 @@ async def ensure_topics(
                 message = rest[0] if rest else ""
                 raise for_code(code)(f"creating topic {topic!r} failed: {message}")
         log.info("created topics %s", created)
+        await wait_topics_visible(admin, {s.name: s.num_partitions for s in missing if s.name in created})
         return created
     finally:
         await admin.close()
+
+
+async def wait_topics_visible(admin: AIOKafkaAdminClient, partitions: dict[str, int], timeout_s: float = 30.0) -> None:
+    """Return once every broker's metadata shows each topic of `partitions` with that many
+    partitions, each with a leader; TimeoutError after `timeout_s`, naming what is missing.
+
+    A KRaft controller answers CreateTopics when the topic is committed to its log; each broker
+    learns it when it replays that log, a little later (under load, seconds). A client that asks
+    a broker in between is told the topic does not exist, and a consumer-group member then holds
+    no partition of it until its next metadata refresh (docs/design.md, "Scale-out and failover").
+    So topics are only handed over once every broker knows them, as Kafka's own tests wait."""
+    if not partitions:
+        return
+    deadline = time.monotonic() + timeout_s
+    while True:
+        cluster = await admin.describe_cluster()
+        lacking: list[str] = []
+        for broker in cluster.get("brokers", []):
+            node = broker["node_id"]
+            try:
+                response = await admin._send_request_to_node(node, MetadataRequest(list(partitions), allow_auto_topic_creation=False))  # noqa: SLF001
+            except (KafkaError, OSError, asyncio.TimeoutError) as exc:
+                lacking.append(f"node {node} ({exc!r})")
+                continue
+            for topic in response.to_object()["topics"]:
+                ready = [p for p in topic["partitions"] if p["leader"] >= 0]
+                if topic["error_code"] != 0 or len(ready) < partitions.get(topic["topic"], 1):
+                    lacking.append(f"{topic['topic']} on node {node}")
+        if not lacking:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"topics made but not visible with a leader for every partition within "
+                               f"{timeout_s:.0f} s: {', '.join(lacking[:10])}")
+        await asyncio.sleep(0.1)
 
 
 async def list_topic_names(bootstrap: str, options: dict[str, Any] | None = None) -> list[str]:

@@ -1,4 +1,6 @@
-"""A group member whose topic vanished from a metadata answer gets its partitions back within
+"""Topic metadata against the real broker. ensure_topics hands topics over only once every broker
+shows them with a leader per partition (a KRaft broker learns a new topic after the controller
+answers). A group member whose topic vanished from a metadata answer gets its partitions back within
 WEIR_GROUP_METADATA_MAX_AGE_MS, not aiokafka's default 5 minutes (docs/design.md, "Scale-out and
 failover"), against the real broker. The topic is deleted and made again under the same name: the
 member's fetch fails, its metadata then lacks the topic, and it holds no partition until it asks
@@ -17,7 +19,7 @@ import pytest
 from schemas.topics import TopicSpec
 from tests.conftest import BOOTSTRAP
 from weir.bus import BusSettings, make_consumer
-from weir.kafka.admin import delete_prefixed_topics, delete_topics, ensure_topics
+from weir.kafka.admin import _admin, delete_prefixed_topics, delete_topics, ensure_topics, list_topic_names, wait_topics_visible
 
 pytestmark = pytest.mark.kafka
 
@@ -59,3 +61,21 @@ async def test_only_group_members_get_the_shorter_refresh():
     reader = make_consumer(settings, "x", client_id="r", group_id=None)
     assert member._client._metadata_max_age_ms == 1234
     assert reader._client._metadata_max_age_ms == 300_000
+
+
+async def test_topics_are_visible_on_every_broker_when_ensure_topics_returns_and_a_wrong_count_times_out():
+    prefix = f"t{uuid.uuid4().hex[:8]}"
+    specs = [TopicSpec(f"{prefix}.a", 3, {}), TopicSpec(f"{prefix}.b", 1, {})]
+    assert sorted(await ensure_topics(BOOTSTRAP, specs)) == [f"{prefix}.a", f"{prefix}.b"]
+    admin = _admin(BOOTSTRAP, None)
+    await admin.start()
+    try:
+        await wait_topics_visible(admin, {f"{prefix}.a": 3, f"{prefix}.b": 1}, timeout_s=0.0)  # already: no wait
+        with pytest.raises(TimeoutError, match=rf"{prefix}\.a on node"):
+            await wait_topics_visible(admin, {f"{prefix}.a": 4}, timeout_s=0.5)  # it has 3, not 4
+        with pytest.raises(TimeoutError, match=rf"{prefix}\.missing on node"):
+            await wait_topics_visible(admin, {f"{prefix}.missing": 1}, timeout_s=0.5)
+    finally:
+        await admin.close()
+        await delete_prefixed_topics(BOOTSTRAP, prefix)
+    assert f"{prefix}.missing" not in await list_topic_names(BOOTSTRAP)  # asking did not create it
