@@ -10,6 +10,7 @@ load time into one matmul each.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -120,14 +121,49 @@ class AttentionMetadata:
     rope_seq_lens: torch.Tensor | None = None
 
 
+def cpu_packed_gemm_available() -> bool:
+    """Whether float32 CPU matmuls can run on prepacked oneDNN weights (WEIR_CPU_PACKED_GEMM=0: never).
+
+    On this repository's AMD EPYC development box, with one thread, torch's default float32 linear
+    (MKL sgemm) makes 16-40 GMAC/s at 32-512 rows; oneDNN on a weight reordered once into its
+    blocked layout makes 70-100 (docs/benchmarks.md, "What was tried"). The packed copy is held
+    beside the parameter, so CPU weights take twice their size (services/worker/memory.py).
+    """
+    if os.environ.get("WEIR_CPU_PACKED_GEMM", "1") == "0":
+        return False
+    mkldnn = torch.ops.mkldnn
+    return torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_reorder_linear_weight") and hasattr(
+        mkldnn, "_linear_pointwise"
+    )
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose CPU float32 matmul runs on a oneDNN copy of the weight once pack() made one.
+
+    The parameter stays the source of truth (loading, tying, faults.py's noise): pack() again
+    after changing it.
+    """
+
+    packed: torch.Tensor | None = None
+
+    def pack(self) -> None:
+        with torch.no_grad():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
         self.q_size = args.num_heads * args.head_dim
         self.kv_size = args.num_kv_heads * args.head_dim
-        self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.has_qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=False)
+        self.qkv_proj = Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.has_qkv_bias)
+        self.o_proj = Linear(self.q_size, args.hidden_size, bias=False)
         self.scale = args.head_dim**-0.5
 
     def forward(
@@ -187,8 +223,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+        self.gate_up_proj = Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
+        self.down_proj = Linear(args.intermediate_size, args.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -249,9 +285,25 @@ class CausalLM(nn.Module):
         self.args = args
         self.rotary = rotary  # cos/sin of every position, on the model's device
         self.model = DecoderStack(args)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def pack_weights(self) -> int:
+        """Give every projection its oneDNN copy (CPU float32; see cpu_packed_gemm_available).
+        Returns the bytes the copies take."""
+        total = 0
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+                total += module.weight.numel() * module.weight.element_size()
+        return total
+
+    @property
+    def packed_bytes(self) -> int:
+        """Bytes of the oneDNN weight copies pack_weights() made (0 when none)."""
+        return sum(m.weight.numel() * m.weight.element_size()
+                   for m in self.modules() if isinstance(m, Linear) and m.packed is not None)  # fmt: skip
 
     @torch.inference_mode()
     def forward(
@@ -343,4 +395,6 @@ def load_model(path: str | Path, device: torch.device, dtype: torch.dtype) -> Ca
     missing = set(params) - loaded
     if missing:
         raise ModelLoadError(f"{path} lacks weights: {sorted(missing)[:5]}")
+    if device.type == "cpu" and dtype == torch.float32 and cpu_packed_gemm_available():
+        model.pack_weights()
     return model.eval()
