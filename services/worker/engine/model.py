@@ -20,6 +20,9 @@ from safetensors import safe_open
 from torch import nn
 
 from kernels import apply_rotary, paged_attention_decode, rms_norm, silu_and_mul
+from kernels.dispatch import use_triton
+from kernels.paged_attention import DecodePlan, decode_plan
+from kernels.rotary import rotary_rows, rotate_half_rows
 from services.worker.engine.rope import RopeConfigError, RopeScaling, RotaryEmbedding
 from weir.digests import cached_sha256
 
@@ -119,6 +122,10 @@ class AttentionMetadata:
     # [tokens] int64: the sequence length each token's rotation is for; set only when the
     # model's RoPE depends on it (dynamic NTK past max_position_embeddings), see engine/rope.py
     rope_seq_lens: torch.Tensor | None = None
+    # made by the model's forward on the CPU, once per step for every layer: the (cos, sin) rows
+    # of the step's tokens (kernels.rotary.rotary_rows) and each decode group's DecodePlan
+    rotary_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+    decode_plans: list[DecodePlan] | None = None
 
 
 def cpu_packed_gemm_available() -> bool:
@@ -176,25 +183,34 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         a = self.args
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, a.num_heads, a.head_dim)
-        k = k.view(num_tokens, a.num_kv_heads, a.head_dim)
-        v = v.view(num_tokens, a.num_kv_heads, a.head_dim)
-        q, k = apply_rotary(q, k, positions, cos_sin)
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, a.num_kv_heads, a.head_dim)
+        if meta.rotary_rows is not None:  # CPU: q and k rotated together by the step's rows
+            qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, a.num_heads + a.num_kv_heads, a.head_dim)
+            qk = rotate_half_rows(qk, *meta.rotary_rows)
+            q, k = qk[:, : a.num_heads], qk[:, a.num_heads :]
+        else:
+            q = qkv[:, : self.q_size].view(num_tokens, a.num_heads, a.head_dim)
+            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(num_tokens, a.num_kv_heads, a.head_dim)
+            q, k = apply_rotary(q, k, positions, cos_sin)
         k_cache, v_cache = kv  # [num_blocks, block_size, kv_heads, dim]
         flat_k = k_cache.view(-1, a.num_kv_heads, a.head_dim)
         flat_v = v_cache.view(-1, a.num_kv_heads, a.head_dim)
         flat_k.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         flat_v.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
 
-        out = torch.empty_like(q)
+        out = q.new_empty(num_tokens, a.num_heads, a.head_dim)
         for start, end, block_table, ctx_len in meta.prefills:
             out[start:end] = self._prefill_attention(q[start:end], flat_k, flat_v, block_table, ctx_len, k_cache.shape[1])
         d0 = num_tokens - meta.num_decode_tokens
-        for start, end, block_tables, context_lens in meta.decode_groups:
+        if meta.decode_plans is None and meta.decode_groups and not use_triton(q, k_cache):
+            block_size = k_cache.shape[1]  # the same in every layer: planned by the first
+            meta.decode_plans = [decode_plan(tables, lens, block_size) for _, _, tables, lens in meta.decode_groups]
+        for i, (start, end, block_tables, context_lens) in enumerate(meta.decode_groups):
             out[d0 + start : d0 + end] = paged_attention_decode(
-                q[d0 + start : d0 + end], k_cache, v_cache, block_tables, context_lens, self.scale
-            )
+                q[d0 + start : d0 + end], k_cache, v_cache, block_tables, context_lens, self.scale,
+                meta.decode_plans[i] if meta.decode_plans is not None else None,
+            )  # fmt: skip
         return self.o_proj(out.view(num_tokens, self.q_size))
 
     def _prefill_attention(
@@ -317,6 +333,8 @@ class CausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         residual = None
         rows, cos_sin = self.rotary.select(positions, meta.rope_seq_lens)
+        if not use_triton(x):
+            meta.rotary_rows = rotary_rows(rows, cos_sin)
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, rows, cos_sin, kv, meta)
         x, _ = self.model.norm(x, residual)
