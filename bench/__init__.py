@@ -13,6 +13,7 @@ import importlib
 BENCHES = {
     "pipeline": ("bench.pipeline", "in-process engine vs gateway -> Kafka -> batcher -> worker -> gateway"),
     "engine": ("bench.engine", "Weir's engine vs transformers generate(), one at a time and static batches"),
+    "engine-step": ("bench.engine_step", "one decode step at batch c: CPU time and its shares, or an older engine's side by side"),
     "batcher": ("bench.batcher", "interactive TTFT during a bulk job, fifo vs lanes; batch fill; job throughput"),
     "gateway": ("bench.gateway", "gateway's added latency and streams held vs a bare uvicorn SSE endpoint"),
     "audit": ("bench.audit", "auditor ingestion rate, fingerprint cost vs generation time, watermark z and perplexity"),

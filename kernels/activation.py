@@ -11,7 +11,7 @@ from kernels.dispatch import use_triton
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     """x: [tokens, 2 * d] holding [gate | up]; returns silu(gate) * up: [tokens, d]."""
     d = x.shape[-1] // 2
-    return F.silu(x[..., :d]) * x[..., d:]
+    return F.silu(x[..., :d]).mul_(x[..., d:])  # silu's output is fresh: multiplied in place
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

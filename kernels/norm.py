@@ -18,9 +18,12 @@ def rms_norm_ref(
         x = x + residual
     summed = x
     xf = x.float()
-    var = xf.pow(2).mean(dim=-1, keepdim=True)
-    out = (xf * torch.rsqrt(var + eps)).to(x.dtype) * weight
-    return out, summed
+    inv = xf.pow(2).mean(dim=-1, keepdim=True).add_(eps).rsqrt_()  # in place: the same values, fewer tensors
+    product = xf * inv
+    out = product.to(x.dtype)
+    if out is product:  # float32: no cast made a copy, so the weight multiplies the fresh product in place
+        return out.mul_(weight), summed
+    return out * weight, summed
 
 
 def rms_norm(

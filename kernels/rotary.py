@@ -30,17 +30,25 @@ def apply_rotary_ref(
 
     Returns the rotated (q, k), same shapes and dtypes.
     """
-    half = q.shape[-1] // 2
+    cos, sin = rotary_rows(positions, cos_sin)
+    return rotate_half_rows(q, cos, sin), rotate_half_rows(k, cos, sin)
+
+
+def rotary_rows(positions: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin), each [tokens, 1, dim / 2] float32: the rows of cos_sin that rotate each token
+    (gathered once per step: every layer rotates by the same rows)."""
+    half = cos_sin.shape[-1] // 2
     cs = cos_sin[positions]  # [tokens, dim]
-    cos = cs[:, :half].unsqueeze(1)
-    sin = cs[:, half:].unsqueeze(1)
+    return cs[:, None, :half], cs[:, None, half:]
 
-    def rotate(x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        x1, x2 = xf[..., :half], xf[..., half:]
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
-    return rotate(q), rotate(k)
+def rotate_half_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [tokens, heads, dim] (any heads: q and k may go together); cos, sin from rotary_rows.
+    Returns x rotated (a new contiguous tensor, x's dtype), computed in float32 as HF does."""
+    half = x.shape[-1] // 2
+    xf = x.float()
+    x1, x2 = xf[..., :half], xf[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
 def apply_rotary(

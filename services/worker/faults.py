@@ -36,6 +36,8 @@ def corrupt(engine: EngineLike) -> str:
                 if param.is_floating_point() and param.numel() > 1:
                     noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
                     param.add_(noise.to(device=param.device, dtype=param.dtype) * param.float().std())
+            if engine.model.packed_bytes:  # the CPU matmuls read oneDNN copies of the weights: remake them
+                engine.model.pack_weights()
         return "added noise of each weight's own standard deviation to every torch weight"
     if isinstance(engine, EmbeddingEngine):
         generator = torch.Generator(device="cpu").manual_seed(FAULT_SEED)

@@ -19,6 +19,7 @@ import torch
 
 from schemas.model_repo import ModelConfig
 from services.worker.config import WorkerSettings
+from services.worker.engine.model import cpu_packed_gemm_available
 from services.worker.engine import EchoEngine, EmbeddingEngine, Engine, EngineConfig, EngineLike
 from services.worker.hardware import choose_device, resolve_engine
 
@@ -41,6 +42,8 @@ def estimate_bytes(config: ModelConfig, settings: WorkerSettings, device: torch.
         return _onnx_bytes(config) * config.instances
     element_bytes = _LOADED_ELEMENT_BYTES.get(device.type, 4)
     weights = _torch_elements(config) * element_bytes
+    if device.type == "cpu" and cpu_packed_gemm_available():
+        weights *= 2  # the oneDNN copies of the projections (engine/model.py); an untied embedding is counted too
     return (weights + _kv_cache_bytes(settings, device)) * config.instances
 
 
@@ -50,7 +53,7 @@ def engine_used_bytes(engine: EngineLike) -> int:
     if isinstance(engine, Engine):
         params = {p.data_ptr(): p.numel() * p.element_size() for p in engine.model.parameters()}  # tied: once
         cache = sum(t.numel() * t.element_size() for pair in engine.kv_caches for t in pair)
-        return sum(params.values()) + cache
+        return sum(params.values()) + engine.model.packed_bytes + cache
     if isinstance(engine, EmbeddingEngine):
         return sum(f.stat().st_size for f in engine.model_dir.glob("*.onnx*"))
     if isinstance(engine, EchoEngine):

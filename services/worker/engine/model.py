@@ -10,6 +10,7 @@ load time into one matmul each.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +20,9 @@ from safetensors import safe_open
 from torch import nn
 
 from kernels import apply_rotary, paged_attention_decode, rms_norm, silu_and_mul
+from kernels.dispatch import use_triton
+from kernels.paged_attention import DecodePlan, decode_plan
+from kernels.rotary import rotary_rows, rotate_half_rows
 from services.worker.engine.rope import RopeConfigError, RopeScaling, RotaryEmbedding
 from weir.digests import cached_sha256
 
@@ -118,6 +122,45 @@ class AttentionMetadata:
     # [tokens] int64: the sequence length each token's rotation is for; set only when the
     # model's RoPE depends on it (dynamic NTK past max_position_embeddings), see engine/rope.py
     rope_seq_lens: torch.Tensor | None = None
+    # made by the model's forward on the CPU, once per step for every layer: the (cos, sin) rows
+    # of the step's tokens (kernels.rotary.rotary_rows) and each decode group's DecodePlan
+    rotary_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+    decode_plans: list[DecodePlan] | None = None
+
+
+def cpu_packed_gemm_available() -> bool:
+    """Whether float32 CPU matmuls can run on prepacked oneDNN weights (WEIR_CPU_PACKED_GEMM=0: never).
+
+    On this repository's AMD EPYC development box, with one thread, torch's default float32 linear
+    (MKL sgemm) makes 16-40 GMAC/s at 32-512 rows; oneDNN on a weight reordered once into its
+    blocked layout makes 70-100 (docs/benchmarks.md, "What was tried"). The packed copy is held
+    beside the parameter, so CPU weights take twice their size (services/worker/memory.py).
+    """
+    if os.environ.get("WEIR_CPU_PACKED_GEMM", "1") == "0":
+        return False
+    mkldnn = torch.ops.mkldnn
+    return torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_reorder_linear_weight") and hasattr(
+        mkldnn, "_linear_pointwise"
+    )
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose CPU float32 matmul runs on a oneDNN copy of the weight once pack() made one.
+
+    The parameter stays the source of truth (loading, tying, faults.py's noise): pack() again
+    after changing it.
+    """
+
+    packed: torch.Tensor | None = None
+
+    def pack(self) -> None:
+        with torch.no_grad():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
 
 
 class Attention(nn.Module):
@@ -126,8 +169,8 @@ class Attention(nn.Module):
         self.args = args
         self.q_size = args.num_heads * args.head_dim
         self.kv_size = args.num_kv_heads * args.head_dim
-        self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.has_qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=False)
+        self.qkv_proj = Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.has_qkv_bias)
+        self.o_proj = Linear(self.q_size, args.hidden_size, bias=False)
         self.scale = args.head_dim**-0.5
 
     def forward(
@@ -140,25 +183,34 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         a = self.args
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, a.num_heads, a.head_dim)
-        k = k.view(num_tokens, a.num_kv_heads, a.head_dim)
-        v = v.view(num_tokens, a.num_kv_heads, a.head_dim)
-        q, k = apply_rotary(q, k, positions, cos_sin)
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, a.num_kv_heads, a.head_dim)
+        if meta.rotary_rows is not None:  # CPU: q and k rotated together by the step's rows
+            qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, a.num_heads + a.num_kv_heads, a.head_dim)
+            qk = rotate_half_rows(qk, *meta.rotary_rows)
+            q, k = qk[:, : a.num_heads], qk[:, a.num_heads :]
+        else:
+            q = qkv[:, : self.q_size].view(num_tokens, a.num_heads, a.head_dim)
+            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(num_tokens, a.num_kv_heads, a.head_dim)
+            q, k = apply_rotary(q, k, positions, cos_sin)
         k_cache, v_cache = kv  # [num_blocks, block_size, kv_heads, dim]
         flat_k = k_cache.view(-1, a.num_kv_heads, a.head_dim)
         flat_v = v_cache.view(-1, a.num_kv_heads, a.head_dim)
         flat_k.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         flat_v.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
 
-        out = torch.empty_like(q)
+        out = q.new_empty(num_tokens, a.num_heads, a.head_dim)
         for start, end, block_table, ctx_len in meta.prefills:
             out[start:end] = self._prefill_attention(q[start:end], flat_k, flat_v, block_table, ctx_len, k_cache.shape[1])
         d0 = num_tokens - meta.num_decode_tokens
-        for start, end, block_tables, context_lens in meta.decode_groups:
+        if meta.decode_plans is None and meta.decode_groups and not use_triton(q, k_cache):
+            block_size = k_cache.shape[1]  # the same in every layer: planned by the first
+            meta.decode_plans = [decode_plan(tables, lens, block_size) for _, _, tables, lens in meta.decode_groups]
+        for i, (start, end, block_tables, context_lens) in enumerate(meta.decode_groups):
             out[d0 + start : d0 + end] = paged_attention_decode(
-                q[d0 + start : d0 + end], k_cache, v_cache, block_tables, context_lens, self.scale
-            )
+                q[d0 + start : d0 + end], k_cache, v_cache, block_tables, context_lens, self.scale,
+                meta.decode_plans[i] if meta.decode_plans is not None else None,
+            )  # fmt: skip
         return self.o_proj(out.view(num_tokens, self.q_size))
 
     def _prefill_attention(
@@ -187,8 +239,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+        self.gate_up_proj = Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
+        self.down_proj = Linear(args.intermediate_size, args.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -249,9 +301,25 @@ class CausalLM(nn.Module):
         self.args = args
         self.rotary = rotary  # cos/sin of every position, on the model's device
         self.model = DecoderStack(args)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def pack_weights(self) -> int:
+        """Give every projection its oneDNN copy (CPU float32; see cpu_packed_gemm_available).
+        Returns the bytes the copies take."""
+        total = 0
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+                total += module.weight.numel() * module.weight.element_size()
+        return total
+
+    @property
+    def packed_bytes(self) -> int:
+        """Bytes of the oneDNN weight copies pack_weights() made (0 when none)."""
+        return sum(m.weight.numel() * m.weight.element_size()
+                   for m in self.modules() if isinstance(m, Linear) and m.packed is not None)  # fmt: skip
 
     @torch.inference_mode()
     def forward(
@@ -265,6 +333,8 @@ class CausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         residual = None
         rows, cos_sin = self.rotary.select(positions, meta.rope_seq_lens)
+        if not use_triton(x):
+            meta.rotary_rows = rotary_rows(rows, cos_sin)
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, rows, cos_sin, kv, meta)
         x, _ = self.model.norm(x, residual)
@@ -343,4 +413,6 @@ def load_model(path: str | Path, device: torch.device, dtype: torch.dtype) -> Ca
     missing = set(params) - loaded
     if missing:
         raise ModelLoadError(f"{path} lacks weights: {sorted(missing)[:5]}")
+    if device.type == "cpu" and dtype == torch.float32 and cpu_packed_gemm_available():
+        model.pack_weights()
     return model.eval()
