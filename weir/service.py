@@ -288,6 +288,13 @@ class HttpServer:
                                         "timeout_graceful_shutdown": 5, **options})
         self.server = uvicorn.Server(config)
         self.server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
+        # Nagle off for every connection accepted here (Linux copies the option to them). asyncio
+        # sets TCP_NODELAY only on sockets whose proto is IPPROTO_TCP, and socket.create_server
+        # makes them with proto 0: with Nagle on, each streamed response after the first on a
+        # keep-alive connection held its first SSE event until the client's delayed ACK, 27-38 ms
+        # (docs/benchmarks.md, "What was tried": the pipeline's c=1 TTFT).
+        if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock = sock
         self.task: asyncio.Task[None] | None = None
 

@@ -142,3 +142,23 @@ def test_a_service_that_ignores_stop_is_cancelled_within_the_bound() -> None:
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=20)
     assert proc.returncode == EXIT_OK and "did not stop within 1 s; cancelling" in stderr, stderr
+
+
+async def test_connections_are_accepted_with_nagle_off() -> None:
+    # socket.create_server makes proto-0 sockets, on which asyncio leaves Nagle on: every streamed
+    # response after the first on a keep-alive connection then waited for the client's delayed ACK.
+    import socket
+
+    from weir.service import HttpServer, bind
+
+    sock = bind("127.0.0.1", 0)
+    assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 0  # what create_server gives
+    HttpServer(lambda scope, receive, send: None, sock, {})  # type: ignore[arg-type,return-value]
+    try:
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+        with socket.create_connection(sock.getsockname()[:2]):
+            accepted, _ = sock.accept()
+            with accepted:  # what uvicorn's connections get
+                assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+    finally:
+        sock.close()
