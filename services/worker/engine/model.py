@@ -203,9 +203,6 @@ class Attention(nn.Module):
         for start, end, block_table, ctx_len in meta.prefills:
             out[start:end] = self._prefill_attention(q[start:end], flat_k, flat_v, block_table, ctx_len, k_cache.shape[1])
         d0 = num_tokens - meta.num_decode_tokens
-        if meta.decode_plans is None and meta.decode_groups and not use_triton(q, k_cache):
-            block_size = k_cache.shape[1]  # the same in every layer: planned by the first
-            meta.decode_plans = [decode_plan(tables, lens, block_size) for _, _, tables, lens in meta.decode_groups]
         for i, (start, end, block_tables, context_lens) in enumerate(meta.decode_groups):
             out[d0 + start : d0 + end] = paged_attention_decode(
                 q[d0 + start : d0 + end], k_cache, v_cache, block_tables, context_lens, self.scale,
@@ -305,15 +302,11 @@ class CausalLM(nn.Module):
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def pack_weights(self) -> int:
-        """Give every projection its oneDNN copy (CPU float32; see cpu_packed_gemm_available).
-        Returns the bytes the copies take."""
-        total = 0
+    def pack_weights(self) -> None:
+        """Give every projection its oneDNN copy (CPU float32; see cpu_packed_gemm_available)."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
-                total += module.weight.numel() * module.weight.element_size()
-        return total
 
     @property
     def packed_bytes(self) -> int:
@@ -333,8 +326,10 @@ class CausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         residual = None
         rows, cos_sin = self.rotary.select(positions, meta.rope_seq_lens)
-        if not use_triton(x):
+        if not use_triton(x):  # CPU: what every layer shares, made once per step
             meta.rotary_rows = rotary_rows(rows, cos_sin)
+            block_size = kv_caches[0][0].shape[1]
+            meta.decode_plans = [decode_plan(tables, lens, block_size) for _, _, tables, lens in meta.decode_groups]
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, rows, cos_sin, kv, meta)
         x, _ = self.model.norm(x, residual)
