@@ -235,12 +235,13 @@ def main(argv: list[str] | None = None) -> int:
     repo = load_model_repo(args.model_repo)
     config = repo.models[args.model]
     assert config.path is not None, f"{args.model} has no path (the echo model is not benchmarked)"
-    tally, (hops, num_hopped) = asyncio.run(_runs(args, levels, config))
+    tally, breakdowns = asyncio.run(_runs(args, levels, config))
     _report(tally.results, levels, tally.cpu, tally.ratios, args.rounds)
-    if hops:
-        print(f"\nWhere TTFT goes on the Kafka path, concurrency 1, output guard off ({num_hopped} requests; "
-              "Kafka record timestamps, 1 ms resolution, so means; see bench/ttft_breakdown.py):")
-        print_table(hops, ["hop", "mean ms", "p50 ms"])
+    for c, (hops, num_hopped) in sorted(breakdowns.items()):
+        if hops:
+            print(f"\nWhere TTFT goes on the Kafka path, concurrency {c}, output guard off ({num_hopped} requests; "
+                  "Kafka record timestamps, 1 ms resolution, so means; see bench/ttft_breakdown.py):")
+            print_table(hops, ["hop", "mean ms", "p50 ms"])
     _report_floor(tally, args)
     return 0
 
@@ -265,7 +266,7 @@ async def _runs(args, levels: list[int], config):
     scratch = Path(tempfile.mkdtemp(prefix="weir-bench-"))
     stack = Stack(_stack_env(args, broker.bootstrap, topics, scratch), scratch)
     tally = _Tally()
-    hops: tuple[list[list[str]], int] = ([], 0)
+    breakdowns: dict[int, tuple[list[list[str]], int]] = {}
     try:
         _start_services(stack, ports)
         # The worker's own engine: built by the worker's code from the same model entry and settings.
@@ -292,12 +293,12 @@ async def _runs(args, levels: list[int], config):
         for c in levels:
             floor = _HopFloor(hop, args.hop_warmup) if c == 1 and args.hop_count > 0 else None
             await _run_level(one, c, max(12, c * args.requests_per_lane), args.rounds, pids, tally, floor)
-        if tally.hop_marks:
-            hops = await _hop_breakdown(broker.bootstrap, topics, config.served_id, tally.hop_marks)
+        for c, marks in tally.hop_marks.items():
+            breakdowns[c] = await _hop_breakdown(broker.bootstrap, topics, config.served_id, marks)
     finally:
         stack.stop_all()
         await delete_prefixed_topics(broker.bootstrap, topics.prefix)
-    return tally, hops
+    return tally, breakdowns
 
 
 @dataclass
@@ -308,7 +309,7 @@ class _Tally:
     results: dict[tuple[str, int], list[RunResult]] = field(default_factory=dict)
     cpu: dict[tuple[str, int], dict[str, float]] = field(default_factory=dict)
     ratios: dict[tuple[str, int], list[float]] = field(default_factory=dict)
-    hop_marks: list[ClientMark] = field(default_factory=list)
+    hop_marks: dict[int, list[ClientMark]] = field(default_factory=dict)  # concurrency -> the guard-off path's
     hop_ms: list[list[float]] = field(default_factory=list)
 
 
@@ -380,9 +381,9 @@ async def _measured(one: Callable[..., Awaitable[RunResult]], path: str, c: int,
                     pids: dict[str, list[int]], tally: _Tally) -> RunResult:  # fmt: skip
     """One run of one path; its result and the CPU each process group used meanwhile go to the tally."""
     before = cpu_snapshot(pids)
-    # The hop breakdown follows the guard-off path at concurrency 1: there the first
+    # The hop breakdown follows the guard-off path at every concurrency: there the first
     # delta with text is the first text the client sees.
-    marks = tally.hop_marks if (path, c) == ("g", 1) else None
+    marks = tally.hop_marks.setdefault(c, []) if path == "g" else None
     result = await one(path, c, n, marks)
     after = cpu_snapshot(pids)
     tally.results.setdefault((path, c), []).append(result)

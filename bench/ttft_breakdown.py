@@ -19,7 +19,8 @@ from bench.stats import percentile
 from weir.bus import partitions_of
 
 HOPS = (
-    "client -> request produced (gateway: HTTP, validation, guards)",
+    "client -> request accepted (gateway: HTTP, parsing, auth)",
+    "accepted -> request produced (gateway: limits, guards, admission)",
     "request -> batch produced (Kafka hop, batcher)",
     "batch -> engine has it (Kafka hop, worker, pipe to the engine process)",
     "engine has it -> first delta produced (prefill step, pipe back, worker)",
@@ -37,7 +38,8 @@ class ClientMark:
 
 
 async def read_stamps(bootstrap: str, topic_names: list[str]) -> dict[str, dict[str, float]]:
-    """{request_id: {"request", "batch", "delta", "received"}: ms} from the topics' records."""
+    """{request_id: {"accepted", "request", "batch", "delta", "received"}: ms} from the topics' records
+    ("accepted": the GenerateRequest's created_ms, which the gateway sets once the body is parsed)."""
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
     await consumer.start()
     stamps: dict[str, dict[str, float]] = {}
@@ -66,6 +68,8 @@ def _take(value: dict, timestamp_ms: int, stamps: dict[str, dict[str, float]]) -
     mine = stamps.setdefault(request_id, {})
     if "reply_to" in value and "max_tokens" in value:  # a GenerateRequest
         mine.setdefault("request", timestamp_ms)
+        if isinstance(value.get("created_ms"), int):
+            mine.setdefault("accepted", value["created_ms"])
     elif "finish_reason" in value:  # the ReplyEnd
         if value.get("received_ms"):
             mine["received"] = value["received_ms"]
@@ -78,9 +82,9 @@ def hop_rows(marks: list[ClientMark], stamps: dict[str, dict[str, float]]) -> tu
     spans: list[list[float]] = [[] for _ in HOPS]
     for mark in marks:
         s = stamps.get(mark.request_id, {})
-        if not all(k in s for k in ("request", "batch", "received", "delta")):
+        if not all(k in s for k in ("accepted", "request", "batch", "received", "delta")):
             continue
-        points = [mark.sent_ms, s["request"], s["batch"], s["received"], s["delta"], mark.first_text_ms]
+        points = [mark.sent_ms, s["accepted"], s["request"], s["batch"], s["received"], s["delta"], mark.first_text_ms]
         for i, (start, end) in enumerate(zip(points, points[1:])):
             spans[i].append(end - start)
     rows = [[hop, f"{statistics.mean(v):.1f}", f"{percentile(v, 50):.1f}"] for hop, v in zip(HOPS, spans) if v]

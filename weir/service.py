@@ -39,6 +39,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.types import ASGIApp
 
+from weir.heap import freeze_heap
 from weir.metrics import CONTENT_TYPE
 
 EXIT_OK = 0  # stopped by SIGTERM/SIGINT, cleanly
@@ -206,6 +207,7 @@ async def _drive(service: Service, sock: socket.socket, stop_timeout_s: float) -
         await http.start()
         host, port = sock.getsockname()[:2]
         log.info("%s serving http://%s:%d (/healthz /readyz /metrics)", service.name, host, port)
+        freeze_heap(service.name)
         run_task = asyncio.create_task(service.run(stop))
         return await _until_done(run_task, stop, stop_timeout_s)
     except ConfigError as exc:

@@ -35,6 +35,7 @@ from services.worker.goldens import GoldenChecks
 from services.worker.hardware import engine_label
 from services.worker.memory import engine_used_bytes
 from services.worker.mirror_pacing import PRESSURE, LivePressure, MirrorPacer, Pacing
+from weir.heap import freeze_heap
 from weir.supervision import describe_exit
 
 if TYPE_CHECKING:
@@ -472,6 +473,7 @@ def serve_engine(
         engine = build_engine(config, settings, torch.device(device))
         events.send(("status", "warming up"))
         warm_up(engine, config, settings.grammar_prewarm)
+        freeze_heap(f"engine of {config.name}")
     except Exception as exc:  # noqa: BLE001 - reported to the worker, which refuses to start
         events.send(("error", f"{type(exc).__name__}: {exc}"))
         return

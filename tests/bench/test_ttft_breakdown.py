@@ -10,7 +10,8 @@ from schemas.messages import Batch, GenerateRequest, ReplyDelta, ReplyEnd, Usage
 
 
 def request(rid: str) -> GenerateRequest:
-    return GenerateRequest(request_id=rid, model="m", prompt="p", max_tokens=4, deadline_ms=10**13, reply_to="r")
+    return GenerateRequest(request_id=rid, model="m", prompt="p", max_tokens=4, deadline_ms=10**13, reply_to="r",
+                           created_ms=1001)
 
 
 def stamps_of(records: list[tuple[bytes, int]]) -> dict[str, dict[str, float]]:
@@ -34,4 +35,5 @@ def test_hops_split_ttft_at_each_record() -> None:
     rows, num = hop_rows([ClientMark("r1", 1000.0, 1021.0), ClientMark("lost", 0.0, 5.0)], stamps_of(records))
     assert num == 1  # a request with no records is left out
     assert [r[0] for r in rows] == [*HOPS, "total (client TTFT)"]
-    assert [float(r[1]) for r in rows] == [2.0, 3.0, 5.0, 8.0, 3.0, 21.0]
+    # the gateway splits at the request's created_ms (accepted at 1001, produced at 1002)
+    assert [float(r[1]) for r in rows] == [1.0, 1.0, 3.0, 5.0, 8.0, 3.0, 21.0]
