@@ -8,7 +8,9 @@ import logging
 import time
 
 log = logging.getLogger(__name__)
-_thaw_at_exit = False
+# At exit the heap is thawed, so the interpreter's last collection still finalizes what was frozen
+# (bindings such as Triton's report objects never freed as leaks). Harmless when nothing was.
+atexit.register(gc.unfreeze)
 
 
 def freeze_heap(why: str) -> None:
@@ -20,13 +22,7 @@ def freeze_heap(why: str) -> None:
     bench pipeline`, 100-480 ms stop-the-world pauses in the middle of serving, in every service.
     Frozen, they are not walked again (CPython's gc.freeze, as vLLM does after start-up); what is
     allocated later is collected as before. Called again (after a model version loads), it thaws
-    first, so what was frozen and has since become garbage is collected then, not kept. At exit
-    the heap is thawed, so the interpreter's last collection still finalizes what was frozen
-    (bindings such as Triton's report objects never freed as leaks)."""
-    global _thaw_at_exit
-    if not _thaw_at_exit:
-        atexit.register(gc.unfreeze)
-        _thaw_at_exit = True
+    first, so what was frozen and has since become garbage is collected then, not kept."""
     started = time.perf_counter()
     gc.unfreeze()
     gc.collect()
