@@ -25,6 +25,7 @@ lost, failed, duplicated, differs or could not be rerun: a chaos run is a check.
 
 from __future__ import annotations
 
+import itertools
 import argparse
 import asyncio
 import math
@@ -329,7 +330,7 @@ async def _faults(chaos: Chaos, requests: list[Request], schedule: list[tuple[fl
     """Fire each fault once its share of the requests ended and the last fault of its kind is repaired."""
     faults = []
     for share, kind in schedule:
-        while sum(r.over_at is not None for r in requests) < share * len(requests):
+        while sum(r.over_at is not None for r in requests) < share * len(requests):  # noqa: ASYNC110 - a count
             await asyncio.sleep(0.1)
         await chaos.settled(kind)
         fault = await chaos.inject(kind)
@@ -446,7 +447,7 @@ def stall_s(request: Request, at: float) -> float | None:
         return None
     gave_up = [request.over_at] if request.ended_at is None and request.over_at is not None else []
     marks = [request.started, *request.times, *gave_up]
-    gaps = [b - a for a, b in zip(marks, marks[1:]) if b > at and a < at + STALL_WINDOW_S]
+    gaps = [b - a for a, b in itertools.pairwise(marks) if b > at and a < at + STALL_WINDOW_S]
     return max(gaps, default=None)
 
 

@@ -38,7 +38,7 @@ class Browser:
         self._ids = itertools.count(1)
 
     async def __aenter__(self) -> Browser:
-        self._process = subprocess.Popen(  # noqa: S603 - our own arguments
+        self._process = subprocess.Popen(  # our own arguments
             [self.binary, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
              "--no-first-run", "--no-default-browser-check", "--remote-debugging-port=0",
              "--remote-allow-origins=*", f"--user-data-dir={self._profile.name}",
@@ -92,7 +92,7 @@ class Browser:
 
     @staticmethod
     def _page_socket(port: int) -> str:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10) as answer:  # noqa: S310
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10) as answer:
             targets = json.load(answer)
         return next(t["webSocketDebuggerUrl"] for t in targets if t.get("type") == "page")
 
@@ -135,4 +135,4 @@ class Browser:
     async def screenshot(self, path: Path) -> None:
         """The whole page as PNG."""
         shot = await self.call("Page.captureScreenshot", format="png", captureBeyondViewport=True)
-        path.write_bytes(base64.b64decode(shot["data"]))
+        await asyncio.to_thread(path.write_bytes, base64.b64decode(shot["data"]))

@@ -16,6 +16,7 @@ the default chat model unless --model says otherwise.
 
 from __future__ import annotations
 
+import itertools
 import argparse
 import random
 import time
@@ -82,7 +83,7 @@ def run_hf_sequential(hf, jobs: list[Job]) -> RunResult:
         hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=job.max_tokens,
                     min_new_tokens=job.max_tokens, do_sample=False, streamer=timer, pad_token_id=0)  # fmt: skip
         ttft.append((timer.times[0] - start) * 1000)
-        itl += [(b - a) * 1000 for a, b in zip(timer.times, timer.times[1:])]
+        itl += [(b - a) * 1000 for a, b in itertools.pairwise(timer.times)]
         tokens += job.max_tokens
     return RunResult("(a) HF generate, one at a time", len(jobs), ttft, itl, tokens, time.perf_counter() - start)
 
@@ -101,7 +102,7 @@ def run_hf_static(hf, jobs: list[Job]) -> tuple[RunResult, float]:
     hf.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest, do_sample=False,
                 streamer=timer, pad_token_id=0)  # fmt: skip
     wall = time.perf_counter() - start
-    itl = [(b - a) * 1000 for a, b in zip(timer.times, timer.times[1:])]
+    itl = [(b - a) * 1000 for a, b in itertools.pairwise(timer.times)]
     useful = sum(j.max_tokens for j in jobs)
     # every row holds width + longest positions; a request needs only its own prompt + output
     held = len(jobs) * (width + longest)

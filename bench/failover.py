@@ -225,7 +225,7 @@ async def _stream(port: int, stream: Stream, first: asyncio.Event) -> None:
                     first.set()
                 if choice.get("finish_reason"):
                     stream.finishes.append(choice["finish_reason"])
-    except Exception as exc:  # a cut connection is a failed stream: counted, not raised
+    except Exception as exc:  # noqa: BLE001 - a cut connection is a failed stream: counted, not raised
         stream.error = f"{type(exc).__name__}: {exc}"[:200]
     finally:
         await connection.close()

@@ -99,7 +99,7 @@ def bench_outlines(tok, vocab_size: int, ids: list[int]) -> list[str]:
     index, cold = timed(lambda: Index(build_regex_from_schema(json.dumps(SCHEMA)), voc))
     state, fills = index.get_initial_state(), []
     for i in ids:
-        fills.append(timed(lambda: index.get_allowed_tokens(state))[1])
+        fills.append(timed(lambda state=state: index.get_allowed_tokens(state))[1])
         state = index.get_next_state(state, i)
         if state is None:
             raise RuntimeError(f"outlines-core rejected token {i}")
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             except ImportError as exc:
                 print(f"  skipped {bench.__name__[6:]}: not installed ({exc.name})")
                 continue
-            except Exception as exc:  # a library that fails on this vocabulary is reported, the others still run
+            except Exception as exc:  # noqa: BLE001 - a library failing on this vocabulary is reported; the others run
                 print(f"  {bench.__name__[6:]} failed: {type(exc).__name__}: {str(exc)[:200]}")
                 continue
             rows.append([model_dir.name, *row])

@@ -184,7 +184,7 @@ _TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of a process so far; 0.0 once it is gone."""
     try:
-        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / _TICKS_PER_S  # utime, stime (fields 14, 15)
@@ -196,7 +196,7 @@ def children_of(pid: int) -> list[int]:
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                if int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1]) == pid:
+                if int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
                     found.append(int(entry))
             except (OSError, ValueError, IndexError):
                 continue
@@ -262,7 +262,7 @@ async def _runs(args, levels: list[int], config):
     await launcher.up(broker, 120)
     topics = Topics(f"bench{uuid.uuid4().hex[:6]}")
     await ensure_topics(broker.bootstrap, deployment_specs(topics, load_model_repo(args.model_repo)))
-    ports = dict(zip("bg", free_ports(2)))
+    ports = dict(zip("bg", free_ports(2), strict=True))
     scratch = Path(tempfile.mkdtemp(prefix="weir-bench-"))
     stack = Stack(_stack_env(args, broker.bootstrap, topics, scratch), scratch)
     tally = _Tally()

@@ -226,7 +226,7 @@ async def stream_once(connection: SseConnection, port: int, body: dict, outcome:
                 outcome.ttft_ms = (time.perf_counter() - outcome.started) * 1000
         if not finished and outcome.error is None:
             outcome.error = "stream ended without [DONE]"
-    except Exception as exc:  # a refused or cut connection is a failed request: counted, not raised
+    except Exception as exc:  # noqa: BLE001 - a refused or cut connection is a failed request: counted, not raised
         outcome.error = f"{type(exc).__name__}: {exc}"[:200]
         await connection.close()
         connection = SseConnection("127.0.0.1", port)

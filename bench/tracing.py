@@ -70,7 +70,7 @@ async def _runs(args: argparse.Namespace) -> tuple[dict[str, list[RunResult]], l
         for name in ("auditor", "worker", "batcher"):
             stack.start(name)
         bases = {}
-        for (path, sample), port in zip(PATHS.items(), ports):
+        for (path, sample), port in zip(PATHS.items(), ports[:2], strict=True):
             stack.start(f"gateway-{path}", "gateway", {"WEIR_GATEWAY_PORT": str(port), "WEIR_TRACE_SAMPLE": sample})
             bases[path] = f"http://127.0.0.1:{port}"
         for base in bases.values():
@@ -87,7 +87,7 @@ async def _runs(args: argparse.Namespace) -> tuple[dict[str, list[RunResult]], l
             ratios.append(got["on"].tokens_per_s / got["off"].tokens_per_s)
             print(f"round {r + 1}: off {got['off'].tokens_per_s:.1f} tok/s, on {got['on'].tokens_per_s:.1f} tok/s",
                   flush=True)  # fmt: skip
-        time.sleep(2)  # the last spans go out about once a second
+        await asyncio.sleep(2)  # the last spans go out about once a second
         settings = BusSettings(kafka_bootstrap=broker.bootstrap, topic_prefix=topics.prefix)
         num_spans = len(await read_topic(settings, topics.traces, client_id="bench-tracing"))
     finally:

@@ -31,7 +31,7 @@ def bench(fn: Callable[[], object]) -> float:
 
 
 def check(actual, expected) -> tuple[float, bool]:
-    pairs = list(zip(actual, expected)) if isinstance(actual, tuple) else [(actual, expected)]
+    pairs = list(zip(actual, expected, strict=True)) if isinstance(actual, tuple) else [(actual, expected)]
     err, ok = 0.0, True
     for a, e in pairs:
         err = max(err, (a.float() - e.float()).abs().max().item())
@@ -132,10 +132,10 @@ def paged_attention_cases(dtype: torch.dtype, size: int, quick: bool):
                     f"paged_attention_decode[block_n={bn}]",
                     f"seqs={seqs} ctx<={ctx} heads={heads}/{kv_heads} dim={head_dim} page={page}",
                     kv_bytes,
-                    lambda q=q, kc=kc, vc=vc, bt=bt, lens=lens, bn=bn: paged_attention_decode_triton(
+                    lambda q=q, kc=kc, vc=vc, bt=bt, lens=lens, bn=bn, scale=scale: paged_attention_decode_triton(
                         q, kc, vc, bt, lens, scale, block_n=bn
                     ),
-                    lambda q=q, kc=kc, vc=vc, bt=bt, lens=lens: paged_attention_decode_ref(q, kc, vc, bt, lens, scale),
+                    lambda q=q, kc=kc, vc=vc, bt=bt, lens=lens, scale=scale: paged_attention_decode_ref(q, kc, vc, bt, lens, scale),
                 )
             del q, kc, vc
             torch.cuda.empty_cache()

@@ -9,6 +9,7 @@ many requests (a rounding error of up to 1 ms per hop averages out; a single req
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from dataclasses import dataclass
 
@@ -85,9 +86,9 @@ def hop_rows(marks: list[ClientMark], stamps: dict[str, dict[str, float]]) -> tu
         if not all(k in s for k in ("accepted", "request", "batch", "received", "delta")):
             continue
         points = [mark.sent_ms, s["accepted"], s["request"], s["batch"], s["received"], s["delta"], mark.first_text_ms]
-        for i, (start, end) in enumerate(zip(points, points[1:])):
+        for i, (start, end) in enumerate(itertools.pairwise(points)):
             spans[i].append(end - start)
-    rows = [[hop, f"{statistics.mean(v):.1f}", f"{percentile(v, 50):.1f}"] for hop, v in zip(HOPS, spans) if v]
+    rows = [[hop, f"{statistics.mean(v):.1f}", f"{percentile(v, 50):.1f}"] for hop, v in zip(HOPS, spans, strict=True) if v]
     num = len(spans[0])
     if num:
         total = [sum(hop[i] for hop in spans) for i in range(num)]

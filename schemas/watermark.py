@@ -17,6 +17,7 @@ Changing `green_mask` changes every watermark: bump WATERMARK_VERSION when it do
 
 from __future__ import annotations
 
+import itertools
 import hashlib
 import math
 from dataclasses import dataclass
@@ -122,7 +123,7 @@ def detect(config: WatermarkConfig, token_ids: list[int]) -> Detection:
     The first token has no previous token and is not scored; a repeated (prev, token) pair is
     scored once. With fewer than 1 scored token z is 0 and p is 1.
     """
-    pairs = list(dict.fromkeys(zip(token_ids, token_ids[1:])))
+    pairs = list(dict.fromkeys(itertools.pairwise(token_ids)))
     num_green = sum(is_green(config, prev, tok) for prev, tok in pairs)
     n, g = len(pairs), config.gamma
     if n == 0:

@@ -280,7 +280,7 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(self.model.norm(x))
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        sd = {k: v for k, v in self.state_dict().items()}
+        sd = dict(self.state_dict())
         if self.args.tie_word_embeddings:
             sd.pop("lm_head.weight", None)
         return sd
@@ -400,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{time.time() - t_start:7.1f}s] {msg}", flush=True)
 
     # ---- corpus and tokenizer
-    names, texts = read_corpus(args.stdlib)
+    _names, texts = read_corpus(args.stdlib)
     val_idx = set(range(args.val_every // 2, len(texts), args.val_every)) if args.val_every > 0 else set()
     train_texts = [t for i, t in enumerate(texts) if i not in val_idx]
     val_texts = [t for i, t in enumerate(texts) if i in val_idx]

@@ -110,7 +110,7 @@ class RegistryError(ValueError):
 
 
 def _version(state: RegistryState, sid: str) -> ModelVersionRecord:
-    name, version = split_ref(sid)
+    _name, version = split_ref(sid)
     if version is None:
         raise RegistryError(f"{sid!r} names no version: use name@version")
     record = state.versions.get(sid)

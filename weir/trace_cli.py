@@ -30,7 +30,7 @@ def spans_of(request_id: str, records: Iterable[tuple[bytes | None, bytes | None
     mine: dict[str, SpanRecord] = {}
     loose: dict[str, SpanRecord] = {}
     for key, value in records:
-        if value is None or key is None or not (key.startswith(own) or key.startswith(NO_REQUEST)):
+        if value is None or key is None or not key.startswith((own, NO_REQUEST)):
             continue
         try:
             span = decode(SpanRecord, value)

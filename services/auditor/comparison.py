@@ -252,11 +252,11 @@ class Comparisons:
 
     async def on_replies(self, records: list[ConsumerRecord]) -> None:
         for record in records:
-            await self._one(record, lambda: self.join.add_reply(decode_reply(record.value)))
+            await self._one(record, lambda record=record: self.join.add_reply(decode_reply(record.value)))
 
     async def on_live(self, records: list[ConsumerRecord]) -> None:
         for record in records:
-            await self._one(record, lambda: self.join.add_live(decode(ShadowLive, record.value)))
+            await self._one(record, lambda record=record: self.join.add_live(decode(ShadowLive, record.value)))
 
     async def _one(self, record: ConsumerRecord, add: Callable[[], list[Pair]]) -> None:
         self.join.expire()

@@ -77,7 +77,6 @@ class AuditorSettings(BusSettings):
     traffic_every_s: float = Field(
         2.0, gt=0, le=3600, description="How often changed traffic counts are published and due canaries stopped."
     )
-    model_repo: str = Field("models.toml", description="Model repository: where the watermark detector finds tokenizers.")
     # Health of model versions against their baseline (services/auditor/drift.py; docs/design.md, "Observability").
     health_alerts: bool = Field(
         True, description="Judge each version's drift and freshness and publish HealthAlerts on Topics.health "

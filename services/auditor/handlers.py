@@ -273,8 +273,8 @@ class AuditBatches:
                     msg.consumer.seek(tp, offset)
             await msg.consumer.commit(ends)  # type: ignore[call-arg]  # per partition: see the module doc
         except Exception as exc:  # noqa: BLE001 - per-batch failure is data: read it again
-            log.error("audit batch of %d records failed (%r); reading it again in %.1f s",
-                      len(items), exc, self.settings.audit_retry_backoff_s, exc_info=True)
+            log.exception("audit batch of %d records failed (%r); reading it again in %.1f s",
+                          len(items), exc, self.settings.audit_retry_backoff_s)
             _rewind(msg.consumer, [item.record for item in items])  # type: ignore[arg-type]
         # A pause before the retry: no hot loop on a full disk or a broker that is away.
         await asyncio.sleep(self.settings.audit_retry_backoff_s)

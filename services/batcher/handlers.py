@@ -411,7 +411,7 @@ class BatcherHandlers:
         effects = await self._due_effects()
         outcomes = await asyncio.gather(*(e.future for e in effects), return_exceptions=True)
         failure: BaseException | None = None
-        for effect, outcome in zip(effects, outcomes):
+        for effect, outcome in zip(effects, outcomes, strict=True):
             if isinstance(outcome, BaseException):
                 if effect.kind == "batch":
                     failure = failure or outcome

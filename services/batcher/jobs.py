@@ -137,7 +137,7 @@ class JobRunner:
 
     async def _record(self, job_id: str, timeout_s: float) -> BatchJob | None:
         deadline = time.monotonic() + timeout_s
-        while job_id not in self.jobs and time.monotonic() < deadline:
+        while job_id not in self.jobs and time.monotonic() < deadline:  # noqa: ASYNC110 - bounded; no event per job
             await asyncio.sleep(0.05)
         return self.jobs.get(job_id)
 

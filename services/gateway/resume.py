@@ -184,7 +184,7 @@ class ResumableStreams:
             if entry.kept_until_s is not None and entry.kept_until_s <= now_s:
                 del self._entries[request_id]
                 self._write(entry, None)
-        for request_id, entry in list(self._entries.items()):
+        for entry in list(self._entries.values()):
             if len(self._entries) < self.max_streams:
                 return
             if entry.num_readers == 0:  # oldest first (insertion order)

@@ -82,7 +82,7 @@ def golden_problem(case: GoldenCase, token_ids: list[int] | None, vector: list[f
         return f"{name}: no tokens came back"
     if token_ids == case.expected_token_ids:
         return None
-    at = next((i for i, (a, b) in enumerate(zip(case.expected_token_ids, token_ids)) if a != b),
+    at = next((i for i, (a, b) in enumerate(zip(case.expected_token_ids, token_ids, strict=False)) if a != b),
               min(len(token_ids), len(case.expected_token_ids)))  # fmt: skip
     expected = case.expected_token_ids[at] if at < len(case.expected_token_ids) else "(end)"
     got = token_ids[at] if at < len(token_ids) else "(end)"

@@ -14,6 +14,7 @@ writes and settles each run; this module consumes batches and cancellations and 
 
 from __future__ import annotations
 
+import contextlib
 import asyncio
 import logging
 from collections.abc import Callable
@@ -138,10 +139,8 @@ class ModelServer:
                 if self._commits.is_due():
                     await self.commit()
         finally:
-            try:  # what is durable now, so a clean stop leaves nothing to redo
+            with contextlib.suppress(TimeoutError, KafkaError):  # what is durable now: a clean stop leaves nothing to redo
                 await asyncio.wait_for(self.commit(), 3.0)
-            except (TimeoutError, KafkaError):
-                pass
             # A stop (SIGTERM, a version unloaded) leaves the group: the other workers take
             # the partitions now rather than after the session (docs/worker.md, "Failover").
             await stop_consumer(self.consumer)

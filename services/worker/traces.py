@@ -52,7 +52,7 @@ def end_run(tracing: Tracing, span: Span, out: EngineOutput, model_version: str)
     marks = [start_ns, *(max(ms * _MS, start_ns) for ms in (out.received_ms, out.first_token_ms, out.finished_ms)
                          if ms is not None)]  # fmt: skip
     names = ["queue wait", "prefill", "decode"] if out.first_token_ms is not None else ["queue wait", "run"]
-    for name, begin, end in zip(names, marks, marks[1:]):
+    for name, begin, end in zip(names, marks, marks[1:], strict=False):  # a mark may be missing: fewer spans
         tracing.start_span(name, ctx, request_id=rid, start_ns=begin).end(end_time=max(end, begin))
     if out.first_token_ms is not None:
         span.add_event("first_token", timestamp=max(out.first_token_ms * _MS, start_ns))

@@ -134,7 +134,7 @@ _CARD_GAP = r"(?: ?[.-] ?| {1,2}|[/_])"  # a card's groups may also be joined by
 def _is_valid_id(span: str) -> bool:
     if len(span) != 18 or not span[:17].isdigit():
         return False
-    total = sum(int(c) * w for c, w in zip(span, _ID_WEIGHTS))
+    total = sum(int(c) * w for c, w in zip(span, _ID_WEIGHTS, strict=False))  # the 17 weighted digits of 18
     if _ID_CHECK_CHARS[total % 11] != span[17].upper():
         return False
     year, month, day = int(span[6:10]), int(span[10:12]), int(span[12:14])
@@ -394,7 +394,7 @@ def _find_spans(view: _View, pos: int, stop: int) -> list[tuple[int, int]]:
         start, end = min(candidates, key=lambda s: (s[0], -s[1]))
         end = view.snap_up(end)
         spans.append((start, end))
-        found = [s if s is None or s[0] >= end else _next_match(d, text, end, stop) for d, s in zip(_DETECTORS, found)]
+        found = [s if s is None or s[0] >= end else _next_match(d, text, end, stop) for d, s in zip(_DETECTORS, found, strict=True)]
     return spans
 
 

@@ -134,9 +134,9 @@ def admin_caller(parts: GatewayParts, headers: dict[str, str]) -> str | None:
     """Who writes, when the request carries the gateway's admin token; else None."""
     token = parts.settings.gateway_admin_token
     scheme, _, given = headers.get("authorization", "").partition(" ")
-    if token is not None and scheme.lower() == "bearer":
-        if hmac.compare_digest(given.strip().encode(), token.get_secret_value().encode()):
-            return f"gateway admin API ({parts.bus.gateway_id})"
+    if (token is not None and scheme.lower() == "bearer"
+            and hmac.compare_digest(given.strip().encode(), token.get_secret_value().encode())):
+        return f"gateway admin API ({parts.bus.gateway_id})"
     return None
 
 

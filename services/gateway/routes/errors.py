@@ -41,7 +41,7 @@ async def on_error(request: Request, exc: Exception) -> JSONResponse:
     it was published (then its Exchange does), and the traceback of an unexpected error."""
     known = known_error(exc)
     if known is None:
-        log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
         known = 500, error_body("internal error", "server_error", None, "internal_error")
     status, body = known
     note_error_code(request.scope, body["error"]["code"])

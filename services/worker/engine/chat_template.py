@@ -33,6 +33,7 @@ import json
 from collections.abc import Iterable
 from datetime import datetime
 
+from typing import ClassVar
 import jinja2
 import jinja2.ext
 import jinja2.meta
@@ -51,7 +52,7 @@ class _GenerationTag(jinja2.ext.Extension):
     """`{% generation %}...{% endgeneration %}` renders its body (transformers tracks assistant
     token indices with it for training; serving only needs the text)."""
 
-    tags = {"generation"}
+    tags: ClassVar[set[str]] = {"generation"}
 
     def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.CallBlock:
         lineno = next(parser.stream).lineno

@@ -388,7 +388,7 @@ def load_model(path: str | Path, device: torch.device, dtype: torch.dtype) -> Ca
              "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}  # fmt: skip
     for file in _weight_files(path):
         with safe_open(str(file), framework="pt") as fh:
-            for key in fh.keys():
+            for key in fh.keys():  # noqa: SIM118 - safe_open is no dict: keys() is its API
                 if "rotary_emb.inv_freq" in key or (args.tie_word_embeddings and key == "lm_head.weight"):
                     continue
                 tensor = fh.get_tensor(key)
