@@ -69,7 +69,7 @@ class Browser:
                 self._process.wait()
         # Chromium's helper processes (renderer, crashpad) may still write into the profile for a
         # moment after the main process exits: retry, then leave what is left to the OS's /tmp
-        for _ in range(50):
+        for _attempt in range(50):
             try:
                 self._profile.cleanup()
                 return

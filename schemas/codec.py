@@ -113,7 +113,7 @@ def reply_address(data: bytes | None, topics: Topics) -> tuple[str, str] | None:
     request_id, reply_to = obj.get("request_id"), obj.get("reply_to")
     if not isinstance(request_id, str) or not 1 <= len(request_id) <= 128:
         return None
-    if topics.reply_to_problem(reply_to) is not None:
+    if not isinstance(reply_to, str) or topics.reply_to_problem(reply_to) is not None:
         return None
     return request_id, reply_to
 

@@ -15,21 +15,30 @@ in secure mode) are kept as they are.
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import overload
 
 from schemas.messages import EmbedRequest, GenerateRequest
 from schemas.topics import Topics
 
 PRODUCER_TENANT = "kafka"  # the tenant of every request an outside producer writes to its own topic
 
-R = TypeVar("R", GenerateRequest, EmbedRequest)
 
 
 class ProducerBindingError(ValueError):
     """A request an outside producer may not make: its reply_to names another reader's topic."""
 
 
-def bind_to_producer(topics: Topics, topic: str, req: R) -> R:
+@overload
+def bind_to_producer(topics: Topics, topic: str, req: GenerateRequest) -> GenerateRequest: ...
+@overload
+def bind_to_producer(topics: Topics, topic: str, req: EmbedRequest) -> EmbedRequest: ...
+@overload
+def bind_to_producer(
+    topics: Topics, topic: str, req: GenerateRequest | EmbedRequest
+) -> GenerateRequest | EmbedRequest: ...
+def bind_to_producer(
+    topics: Topics, topic: str, req: GenerateRequest | EmbedRequest
+) -> GenerateRequest | EmbedRequest:
     """`req`, read from `topic`, as the deployment serves it: unchanged from the requests topic;
     from an outside producer's topic, with that producer as principal and PRODUCER_TENANT as tenant.
     ProducerBindingError (the reason) when its reply_to is not one of that producer's reply topics."""

@@ -77,7 +77,7 @@ class MirrorReply:
         if self.end is not None:
             return
         part = self.cursor.take(delta)
-        if part is None:
+        if not isinstance(part, ReplyDelta):  # nothing new in it (a delta never yields an end)
             return
         delta = part
         self.chars += len(delta.text)
@@ -252,16 +252,16 @@ class Comparisons:
 
     async def on_replies(self, records: list[ConsumerRecord]) -> None:
         for record in records:
-            await self._one(record, lambda record=record: self.join.add_reply(decode_reply(record.value)))
+            await self._one(record, lambda value: self.join.add_reply(decode_reply(value)))
 
     async def on_live(self, records: list[ConsumerRecord]) -> None:
         for record in records:
-            await self._one(record, lambda record=record: self.join.add_live(decode(ShadowLive, record.value)))
+            await self._one(record, lambda value: self.join.add_live(decode(ShadowLive, value)))
 
-    async def _one(self, record: ConsumerRecord, add: Callable[[], list[Pair]]) -> None:
+    async def _one(self, record: ConsumerRecord, add: Callable[[bytes], list[Pair]]) -> None:
         self.join.expire()
         try:
-            pairs = add()
+            pairs = add(record.value)
             comparisons = [await asyncio.to_thread(compare, pair, self.embed) for pair in pairs]
         except (DecodeError, Forged) as bad:
             await self.dead_letter(record, str(bad))

@@ -9,6 +9,7 @@ leaves it to be redone by whichever batcher owns the partition next.
 
 from __future__ import annotations
 
+import functools
 import asyncio
 import logging
 import uuid
@@ -340,7 +341,7 @@ class BatcherHandlers:
                 self._unrouted_models.discard(planned.model)
             batch_span, headers = self._batch_span(batch, topic, partition)
             future = await self._send(topic, encode(batch), batch.batch_id, partition, headers=headers)
-            future.add_done_callback(lambda f, span=batch_span: _end_publish(span, f))
+            future.add_done_callback(functools.partial(_end_publish, batch_span))
             self._effects.append(_Effect(future, records, "batch", topic, planned.reservation))
         for req in result.expired:
             self.metrics.on_expired(req)

@@ -270,7 +270,7 @@ class AlterUserScramCredentialsRequest(Request[_AlterUserScramCredentialsRequest
 
     def __init__(self, user: str, password: str, iterations: int) -> None:
         salt = new_salt()
-        self._upsertion = (user, SCRAM_SHA_512, iterations, salt, salted_password(password, salt, iterations), {})
+        self._upsertion: tuple[Any, ...] = (user, SCRAM_SHA_512, iterations, salt, salted_password(password, salt, iterations), {})
 
     def build(self, request_struct_class: type[_AlterUserScramCredentialsRequest_v0]) -> _AlterUserScramCredentialsRequest_v0:
         return request_struct_class([], [self._upsertion], {})

@@ -33,7 +33,6 @@ import json
 from collections.abc import Iterable
 from datetime import datetime
 
-from typing import ClassVar
 import jinja2
 import jinja2.ext
 import jinja2.meta
@@ -52,7 +51,7 @@ class _GenerationTag(jinja2.ext.Extension):
     """`{% generation %}...{% endgeneration %}` renders its body (transformers tracks assistant
     token indices with it for training; serving only needs the text)."""
 
-    tags: ClassVar[set[str]] = {"generation"}
+    tags = {"generation"}  # noqa: RUF012 - jinja2.ext.Extension declares tags an instance attribute, as here
 
     def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.CallBlock:
         lineno = next(parser.stream).lineno
