@@ -19,6 +19,7 @@ from faststream.kafka import KafkaBroker
 from pydantic import SecretStr
 from starlette.types import ASGIApp
 
+from schemas import access
 from schemas.codec import encode
 from schemas.registry import ModelComparison
 from services.auditor.api import create_api
@@ -245,16 +246,11 @@ class AuditorService:
 
     async def start(self) -> None:
         await wait_for_cluster(self.settings)
-        # Its anchor and comparison topics (created with the others; here too for a deployment made
-        # before they existed): publishing to a missing topic would stall the handler that does.
-        topics = self.settings.topics
-        # It writes the traffic counts, the canary guard's routes and health events too (its alerts'
-        # topic: create_app makes sure of it, as it does in tests that build the app alone).
-        wanted = {topics.audit_anchors, topics.shadow_live, topics.comparisons, topics.traffic, topics.model_health,
-                  topics.models, topics.token_usage, topics.traces}
-        specs = [spec for spec in topics.core_specs() if spec.name in wanted]
-        # The mirror copies' reply topic: like every reply topic, its reader creates it.
-        await ensure_topics(self.settings.kafka_bootstrap, [*specs, topics.reply_spec("shadow")])
+        # The topics it uses (schemas/access.py, which its ACLs come from too), created with the
+        # others; here too for a deployment made before they existed: publishing to a missing topic
+        # would stall the handler that does. The mirror copies' reply topic is among them: like
+        # every reply topic, its reader creates it.
+        await ensure_topics(self.settings.kafka_bootstrap, access.needed_specs("auditor", self.settings.topics))
         try:
             await self.app.start()
         except (LedgerError, sqlite3.Error) as exc:
