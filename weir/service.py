@@ -39,7 +39,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.types import ASGIApp
 
-from weir.heap import freeze_heap
+from weir.heap import freeze_heap, freeze_new
 from weir.metrics import CONTENT_TYPE
 
 EXIT_OK = 0  # stopped by SIGTERM/SIGINT, cleanly
@@ -200,6 +200,11 @@ async def _drive(service: Service, sock: socket.socket, stop_timeout_s: float) -
         loop.add_signal_handler(signum, on_signal, signum)
     http = HttpServer(service.http_app(), sock, getattr(service, "http_options", {}))
     try:
+        # The heap built so far (imports, settings, the service's objects) is collected and frozen
+        # before its Kafka clients start: a full collection blocks the loop for seconds on a busy
+        # box, and a consumer group's session (2 s for workers) expired under it (issue 35). What
+        # start() adds is frozen after, without walking this again (weir/heap.py).
+        freeze_heap(f"{service.name} built")
         try:
             await _start(service, stop)
         except StartAborted:
@@ -207,7 +212,7 @@ async def _drive(service: Service, sock: socket.socket, stop_timeout_s: float) -
         await http.start()
         host, port = sock.getsockname()[:2]
         log.info("%s serving http://%s:%d (/healthz /readyz /metrics)", service.name, host, port)
-        freeze_heap(service.name)
+        await freeze_new(f"{service.name} started")
         run_task = asyncio.create_task(service.run(stop))
         return await _until_done(run_task, stop, stop_timeout_s)
     except ConfigError as exc:
