@@ -33,6 +33,7 @@ from schemas.topics import DEFAULT_PREFIX, Topics
 from weir.models.gguf_file import GGUFError
 from weir.models.sources import prepare_models
 from weir.audit_key import AuditKeyError, checkpoint_key_file, ensure_key_file, key_file, read_key_file
+from weir import deployment
 from weir.home import weir_home
 from weir.readiness import Probe, ReadinessBoard, probe, wait_all_ready
 from weir.supervision import Supervisor, describe_exit
@@ -231,8 +232,11 @@ def main(argv: list[str] | None = None) -> int:
         wait_all_ready(board, lambda name: kafka.probe() if name == "kafka" else probe(f"{stack.url(name)}/readyz"),
                        stack.dead, stack.log_tail, deadline_s, _say)  # fmt: skip
         gateway_urls = [f"http://{args.host}:{ports[name]}" for name in instance_names("gateway", args.gateways)]
+        bootstrap = launcher.bootstrap_of(brokers)
+        # Other commands of this $WEIR_HOME find this deployment (weir/deployment.py) until it stops.
+        deployment.record(bootstrap, args.topic_prefix, broker.secure, gateway_urls)
         _print_banner(gateway_urls, broker, Topics(args.topic_prefix), served_versions(repo, os.environ.get("WEIR_MODELS", "")),
-                      args.auth, stack, time.monotonic() - began_s, launcher.bootstrap_of(brokers))  # fmt: skip
+                      args.auth, stack, time.monotonic() - began_s, bootstrap)  # fmt: skip
         return supervise(stack, supervisor)
     except KeyboardInterrupt:
         print("\nstopping ...", flush=True)
@@ -243,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C must not orphan children
+        deployment.forget()
         stack.stop_all()
         if not was_running:
             launcher.stop_cluster(brokers)
@@ -549,6 +554,8 @@ Weir is up.
   batches                {topics.batches("")}<name>.<version>.<hash>  (one topic per model version)
   dashboard              {url}/dashboard#token={os.environ.get("WEIR_GATEWAY_ADMIN_TOKEN", "<WEIR_GATEWAY_ADMIN_TOKEN>")}
   traces / token usage   {topics.traces} / {topics.token_usage}  (weir trace REQUEST_ID; weir usage)
+  weir commands          this $WEIR_HOME's find this deployment; elsewhere (another checkout, kcat, your code):
+                         {deployment.export_line(bootstrap, topics.prefix, broker.secure)}
   services (pid, /healthz /readyz /metrics)
 {services}
                          (one that dies is restarted; logs in {stack.log_dir})
