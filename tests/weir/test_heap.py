@@ -29,7 +29,7 @@ def test_freeze_moves_live_objects_out_of_collections_and_a_later_freeze_collect
         gc.unfreeze()
 
 
-async def test_freeze_new_walks_only_what_came_since_one_generation_at_a_time_with_the_loop_between() -> None:
+async def test_freeze_new_walks_only_the_young_generations_one_at_a_time_with_the_loop_between() -> None:
     """issue 35: a freeze while serving (a version loaded) paused the worker's loop 3.9 s and its
     consumer group's session expired. freeze_new thaws nothing and runs the loop between the steps."""
     import asyncio
@@ -63,8 +63,8 @@ async def test_freeze_new_walks_only_what_came_since_one_generation_at_a_time_wi
         finally:
             gc.callbacks.remove(on_gc)
             task.cancel()
-        assert [g for g, _ in collections] == [0, 1, 2]
-        assert collections[0][1] < collections[1][1] < collections[2][1]  # the loop ran between the steps
+        assert [g for g, _ in collections] == [0, 1]  # the young generations only: no walk of the old one
+        assert collections[0][1] < collections[1][1]  # the loop ran between the steps
         assert old() is None  # the new garbage cycle was collected
         assert gc.get_freeze_count() >= frozen + len(kept)  # nothing thawed; the new survivors frozen
         assert longest_ms >= 0
