@@ -32,7 +32,8 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import orjson
-from aiokafka.errors import KafkaConnectionError, KafkaError
+from aiokafka.errors import (ClusterAuthorizationFailedError, GroupAuthorizationFailedError, KafkaConnectionError,
+                             KafkaError, TopicAuthorizationFailedError)
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
@@ -256,6 +257,13 @@ async def _start(service: Service, stop: asyncio.Event) -> None:
         raise StartAborted
     try:
         start.result()
+    except (TopicAuthorizationFailedError, GroupAuthorizationFailedError, ClusterAuthorizationFailedError) as exc:
+        # Kafka answered, and refused this principal: its ACLs (schemas/access.py) lack a grant,
+        # which no restart gives it (issue 35: this read "Kafka did not answer").
+        user = os.environ.get("WEIR_KAFKA_USER") or "this client"
+        raise ConfigError(f"Kafka refused {user} ({exc!r}): a secure deployment's ACLs do not allow it; "
+                          "schemas/access.py declares what each service uses, `weir topics create --acls` "
+                          "grants it") from exc
     except (KafkaConnectionError, KafkaError, TimeoutError) as exc:
         raise BrokerUnreachable(f"Kafka did not answer ({exc!r}); is Kafka up (`weir kafka up`), and is "
                                 "--bootstrap / WEIR_KAFKA_BOOTSTRAP right?") from exc
