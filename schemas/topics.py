@@ -306,6 +306,11 @@ class Topics:
         return f"{self.prefix}.auditor"
 
     @property
+    def canary_guard_group(self) -> str:
+        """Consumer group of the auditors' canary guard on model_health (golden failures)."""
+        return f"{self.prefix}.auditor.canary-guard"
+
+    @property
     def comparison_group(self) -> str:
         """Consumer group of the auditors' shadow comparison (shadow_replies and shadow_live)."""
         return f"{self.prefix}.auditor.comparison"
@@ -350,6 +355,11 @@ class Topics:
     def job_reply_spec(self, job_id: str) -> TopicSpec:
         """A batch job's reply topic: one partition, kept as long as the files (a week)."""
         return TopicSpec(self.job_replies(job_id), 1, _DELETE_7D)
+
+    @property
+    def namespace(self) -> str:
+        """What every topic and group id of this deployment starts with: `<prefix>.`."""
+        return f"{self.prefix}."
 
     @property
     def reply_namespace(self) -> str:

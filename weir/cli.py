@@ -257,9 +257,31 @@ def _kafka_cluster(args: argparse.Namespace, is_secure: bool) -> int:
     return 0
 
 
+# Commands that talk to a deployment: what `weir up` recorded under $WEIR_HOME fills in the
+# bootstrap, prefix and login that no flag or variable gives (weir/deployment.py). Not the services
+# (`weir up` and compose set theirs), nor `weir up` and `weir kafka`, which make a deployment.
+FINDS_DEPLOYMENT = ("topics", "models", "keys", "usage", "trace", "audit", "replay", "batch")
+
+
+def find_deployment(argv: list[str]) -> None:
+    """Fill in the environment from the deployment `weir up` recorded for $WEIR_HOME, if any, and
+    say so on stderr (a command's target is never a silent guess). A command given a bootstrap
+    (--bootstrap, --kafka-bootstrap) names its cluster itself: nothing is filled in."""
+    if not argv or argv[0] not in FINDS_DEPLOYMENT:
+        return
+    if any(arg.split("=", 1)[0] in ("--bootstrap", "--kafka-bootstrap") for arg in argv[1:]):
+        return
+    from weir import deployment
+
+    if filled := deployment.apply():
+        print(f"weir: the deployment of `weir up` ({deployment.path()}): "
+              + " ".join(f"{name}={value}" for name, value in filled.items()), file=sys.stderr)  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `weir` console script; returns the exit code."""
     argv = sys.argv[1:] if argv is None else argv
+    find_deployment(argv)  # before any parser reads its defaults from the environment
     # Delegated commands and programs get their arguments untouched, --help included.
     if argv and argv[0] in DELEGATED:
         return run_delegated(argv[0], argv[1:])

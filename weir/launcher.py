@@ -33,6 +33,7 @@ from schemas.topics import DEFAULT_PREFIX, Topics
 from weir.models.gguf_file import GGUFError
 from weir.models.sources import prepare_models
 from weir.audit_key import AuditKeyError, checkpoint_key_file, ensure_key_file, key_file, read_key_file
+from weir import deployment
 from weir.home import weir_home
 from weir.readiness import Probe, ReadinessBoard, probe, wait_all_ready
 from weir.supervision import Supervisor, describe_exit
@@ -231,8 +232,13 @@ def main(argv: list[str] | None = None) -> int:
         wait_all_ready(board, lambda name: kafka.probe() if name == "kafka" else probe(f"{stack.url(name)}/readyz"),
                        stack.dead, stack.log_tail, deadline_s, _say)  # fmt: skip
         gateway_urls = [f"http://{args.host}:{ports[name]}" for name in instance_names("gateway", args.gateways)]
-        _print_banner(gateway_urls, broker, Topics(args.topic_prefix), served_versions(repo, os.environ.get("WEIR_MODELS", "")),
-                      args.auth, stack, time.monotonic() - began_s, launcher.bootstrap_of(brokers))  # fmt: skip
+        bootstrap = launcher.bootstrap_of(brokers)
+        # Other commands of this $WEIR_HOME find this deployment (weir/deployment.py) until it stops.
+        deployment.record(bootstrap, args.topic_prefix, broker.secure, gateway_urls)
+        models = registered_versions(bootstrap, args.topic_prefix, broker, os.environ.get("WEIR_MODELS", "")) \
+            or served_versions(repo, os.environ.get("WEIR_MODELS", ""))
+        _print_banner(gateway_urls, broker, Topics(args.topic_prefix), models, args.auth, stack,
+                      time.monotonic() - began_s, bootstrap)  # fmt: skip
         return supervise(stack, supervisor)
     except KeyboardInterrupt:
         print("\nstopping ...", flush=True)
@@ -243,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C must not orphan children
+        deployment.forget()
         stack.stop_all()
         if not was_running:
             launcher.stop_cluster(brokers)
@@ -253,6 +260,34 @@ def served_versions(repo: Any, selection: str) -> list[str]:
     """name@version of the models.toml entries the worker serves (WEIR_MODELS, else all)."""
     names = [n.strip() for n in selection.split(",") if n.strip()] or list(repo.models)
     return [repo.models[n].served_id for n in names if n in repo.models]
+
+
+def registered_versions(bootstrap: str, prefix: str, broker: Any, selection: str) -> list[str]:
+    """name@version of every version the registry holds for the names the worker serves (WEIR_MODELS,
+    else all), not retired, the default of each marked `*`: models.toml's and those pushed since
+    (`weir models push`). [] when the registry cannot be read (the banner then names models.toml's)."""
+    from weir.bus import BusSettings
+    from weir.registry import read_registry
+
+    login: dict[str, Any] = {}
+    if broker.secure:  # as the operator (the admin super user), like `weir models list`
+        from weir.kafka import security
+
+        login = {"kafka_security": "sasl", "kafka_user": security.ADMIN,
+                 "kafka_password_file": security.password_path(security.ADMIN, broker.secrets)}  # fmt: skip
+    try:
+        state = asyncio.run(asyncio.wait_for(read_registry(BusSettings(kafka_bootstrap=bootstrap, topic_prefix=prefix,
+                                                                       **login)), 20))  # fmt: skip
+    except Exception as exc:  # noqa: BLE001 - the banner names models.toml's versions instead
+        _say(f"(the model registry could not be read for the banner: {exc!r})")
+        return []
+    wanted = [n.strip() for n in selection.split(",") if n.strip()] or state.names()
+    found = []
+    for name in wanted:
+        default = state.default_version(name)
+        found += [f"{r.served_id}{'*' if r.manifest.version == default else ''}" for r in state.versions_of(name)
+                  if r.desired != "retired"]  # fmt: skip
+    return found
 
 
 def prepare_gguf_models(repo: Any, selection: str) -> None:
@@ -538,7 +573,7 @@ def _print_banner(urls: list[str], broker: Any, topics: Topics, models: list[str
 Weir is up.
   OpenAI-compatible API  {url}/v1   (e.g. OPENAI_BASE_URL={url}/v1 OPENAI_API_KEY=local){api_lines}
   gateway auth           {auth_line}
-  models                 {', '.join(models)}  (seeded from models.toml; `weir models list` shows the registry)
+  models                 {', '.join(models)}  (* default version; `weir models list` shows the registry)
   Kafka                  {kafka_line}
   requests topic         {requests_line}
   reply topics           {topics.replies("")}<your-id>  (name yours in reply_to{"; secure: <your-id> = client.<anything>" if broker.secure else ""})
@@ -549,6 +584,8 @@ Weir is up.
   batches                {topics.batches("")}<name>.<version>.<hash>  (one topic per model version)
   dashboard              {url}/dashboard#token={os.environ.get("WEIR_GATEWAY_ADMIN_TOKEN", "<WEIR_GATEWAY_ADMIN_TOKEN>")}
   traces / token usage   {topics.traces} / {topics.token_usage}  (weir trace REQUEST_ID; weir usage)
+  weir commands          those of this $WEIR_HOME find this deployment; in another shell or your own code:
+                         {deployment.export_line(bootstrap, topics.prefix, broker.secure)}
   services (pid, /healthz /readyz /metrics)
 {services}
                          (one that dies is restarted; logs in {stack.log_dir})

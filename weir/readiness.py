@@ -37,7 +37,7 @@ def probe(url: str, timeout_s: float = 1.0) -> Probe:
     except urllib.error.HTTPError as exc:
         try:
             reason = json.loads(exc.read() or b"{}").get("reason") or f"HTTP {exc.code}"
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, OSError):  # OSError: its body did not come in time
             reason = f"HTTP {exc.code}"
         return Probe(False, str(reason))
     except (urllib.error.URLError, OSError):
@@ -69,6 +69,10 @@ class ReadinessBoard:
             self.ready_at_s[name] = now_s - self.started_s
             self.reasons.pop(name, None)
             return [f"  {name} ready ({self.ready_at_s[name]:.1f} s)"]
+        if found.reason == NOT_ANSWERING and name in self.reasons:
+            # It answered before: its port is open, so a probe that got nothing this time met a busy
+            # service (a long step on its loop), not one starting over; what it last said still holds.
+            return []
         self.reasons[name] = found.reason
         return []
 

@@ -32,14 +32,15 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import orjson
-from aiokafka.errors import KafkaConnectionError, KafkaError
+from aiokafka.errors import (ClusterAuthorizationFailedError, GroupAuthorizationFailedError, KafkaConnectionError,
+                             KafkaError, TopicAuthorizationFailedError)
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.types import ASGIApp
 
-from weir.heap import freeze_heap
+from weir.heap import freeze_heap, freeze_new
 from weir.metrics import CONTENT_TYPE
 
 EXIT_OK = 0  # stopped by SIGTERM/SIGINT, cleanly
@@ -200,6 +201,11 @@ async def _drive(service: Service, sock: socket.socket, stop_timeout_s: float) -
         loop.add_signal_handler(signum, on_signal, signum)
     http = HttpServer(service.http_app(), sock, getattr(service, "http_options", {}))
     try:
+        # The heap built so far (imports, settings, the service's objects) is collected and frozen
+        # before its Kafka clients start: a full collection blocks the loop for seconds on a busy
+        # box, and a consumer group's session (2 s for workers) expired under it (issue 35). What
+        # start() adds is frozen after, without walking this again (weir/heap.py).
+        freeze_heap(f"{service.name} built")
         try:
             await _start(service, stop)
         except StartAborted:
@@ -207,7 +213,7 @@ async def _drive(service: Service, sock: socket.socket, stop_timeout_s: float) -
         await http.start()
         host, port = sock.getsockname()[:2]
         log.info("%s serving http://%s:%d (/healthz /readyz /metrics)", service.name, host, port)
-        freeze_heap(service.name)
+        await freeze_new(f"{service.name} started")
         run_task = asyncio.create_task(service.run(stop))
         return await _until_done(run_task, stop, stop_timeout_s)
     except ConfigError as exc:
@@ -251,6 +257,13 @@ async def _start(service: Service, stop: asyncio.Event) -> None:
         raise StartAborted
     try:
         start.result()
+    except (TopicAuthorizationFailedError, GroupAuthorizationFailedError, ClusterAuthorizationFailedError) as exc:
+        # Kafka answered, and refused this principal: its ACLs (schemas/access.py) lack a grant,
+        # which no restart gives it (issue 35: this read "Kafka did not answer").
+        user = os.environ.get("WEIR_KAFKA_USER") or "this client"
+        raise ConfigError(f"Kafka refused {user} ({exc!r}): a secure deployment's ACLs do not allow it; "
+                          "schemas/access.py declares what each service uses, `weir topics create --acls` "
+                          "grants it") from exc
     except (KafkaConnectionError, KafkaError, TimeoutError) as exc:
         raise BrokerUnreachable(f"Kafka did not answer ({exc!r}); is Kafka up (`weir kafka up`), and is "
                                 "--bootstrap / WEIR_KAFKA_BOOTSTRAP right?") from exc

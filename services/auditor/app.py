@@ -19,6 +19,7 @@ from faststream.kafka import KafkaBroker
 from pydantic import SecretStr
 from starlette.types import ASGIApp
 
+from schemas import access
 from schemas.codec import encode
 from schemas.registry import ModelComparison
 from services.auditor.api import create_api
@@ -186,13 +187,18 @@ def create_app(settings: AuditorSettings, health: HealthMetrics | None = None,
             await ensure_topics(settings.kafka_bootstrap, [s for s in topics.core_specs() if s.name == topics.health],
                                 options=settings.kafka_options())
             await alerts.start()  # the latest alert per (version, signal): what a transition is judged from
-            timers.append(asyncio.get_running_loop().create_task(judge_health(monitor)))
-        timers.append(asyncio.get_running_loop().create_task(checkpoint_quiet_chains()))
-        timers.append(asyncio.get_running_loop().create_task(publish_traffic()))
-        timers.append(asyncio.get_running_loop().create_task(publish_usage()))
-        timers.append(asyncio.get_running_loop().create_task(publish_rates()))
         log.info("auditor %s: ledger %s, consuming %s as group %s", client_id, writer.name,
                  settings.topics.audit, settings.topics.auditor_group)
+
+    async def start_timers() -> None:
+        # After the broker started (FastStream runs on_startup before it, after_startup once it is):
+        # a timer's first publish went to a broker not started yet. The rate cards publish at once,
+        # so every start of a ledger with tokens in its window warned "publishing rate cards failed".
+        loop = asyncio.get_running_loop()
+        if monitor is not None and alerts is not None:
+            timers.append(loop.create_task(judge_health(monitor)))
+        for timer in (checkpoint_quiet_chains, publish_traffic, publish_usage, publish_rates):
+            timers.append(loop.create_task(timer()))
 
     async def close_ledger() -> None:
         # After the broker stopped: no handler is running any more.
@@ -209,7 +215,8 @@ def create_app(settings: AuditorSettings, health: HealthMetrics | None = None,
     async def flush_spans() -> None:
         await tracing.stop()  # before the broker stops: its last spans go out through it
 
-    return FastStream(broker, on_startup=[open_ledger], on_shutdown=[flush_spans], after_shutdown=[close_ledger])
+    return FastStream(broker, on_startup=[open_ledger], after_startup=[start_timers], on_shutdown=[flush_spans],
+                      after_shutdown=[close_ledger])  # fmt: skip
 
 
 def usage_accounts(settings: AuditorSettings, writer: LedgerWriter,
@@ -245,16 +252,11 @@ class AuditorService:
 
     async def start(self) -> None:
         await wait_for_cluster(self.settings)
-        # Its anchor and comparison topics (created with the others; here too for a deployment made
-        # before they existed): publishing to a missing topic would stall the handler that does.
-        topics = self.settings.topics
-        # It writes the traffic counts, the canary guard's routes and health events too (its alerts'
-        # topic: create_app makes sure of it, as it does in tests that build the app alone).
-        wanted = {topics.audit_anchors, topics.shadow_live, topics.comparisons, topics.traffic, topics.model_health,
-                  topics.models, topics.token_usage, topics.traces}
-        specs = [spec for spec in topics.core_specs() if spec.name in wanted]
-        # The mirror copies' reply topic: like every reply topic, its reader creates it.
-        await ensure_topics(self.settings.kafka_bootstrap, [*specs, topics.reply_spec("shadow")])
+        # The topics it uses (schemas/access.py, which its ACLs come from too), created with the
+        # others; here too for a deployment made before they existed: publishing to a missing topic
+        # would stall the handler that does. The mirror copies' reply topic is among them: like
+        # every reply topic, its reader creates it.
+        await ensure_topics(self.settings.kafka_bootstrap, access.needed_specs("auditor", self.settings.topics))
         try:
             await self.app.start()
         except (LedgerError, sqlite3.Error) as exc:

@@ -182,7 +182,7 @@ def register_health_handler(broker: Any, topics: Topics, guard: CanaryGuard) -> 
     async def raw(msg: Any) -> bytes:
         return bytes(msg.body)
 
-    @broker.subscriber(topics.model_health, group_id=f"{topics.auditor_group}.canary-guard",
+    @broker.subscriber(topics.model_health, group_id=topics.canary_guard_group,
                        auto_offset_reset="latest", decoder=raw, title="auditor/canary-guard",
                        description="Golden failures of canary versions: the canary is taken to 0%.")  # fmt: skip
     async def on_model_health(body: bytes) -> None:

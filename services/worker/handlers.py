@@ -82,6 +82,7 @@ class ModelServer:
             config, writer, self.topics.audit, self.intake, runners, self.start,
             worker_id=worker_id, audit_key=audit_key, fingerprints=fingerprints, redo_policy=redo_policy,
             shadow_live_topic=self.topics.shadow_live, tracing=self.tracing, recorder=recorder,
+            dead_letter_topic=self.topics.dead_letter,
         )  # fmt: skip
         self._commits = CommitPacer(settings.commit_interval_ms)
         self._outputs: asyncio.Queue[list[EngineOutput]] = asyncio.Queue()

@@ -15,7 +15,7 @@ import logging
 from collections.abc import Awaitable, Callable, Coroutine
 
 from schemas.codec import encode
-from schemas.messages import now_ms
+from schemas.messages import DeadLetter, now_ms
 from schemas.model_repo import ModelConfig
 from services.worker.coalesce import ReplyLane
 from services.worker.delivery import RedoPolicy, Writer, failure_of, first_failure, is_outage
@@ -41,12 +41,15 @@ class Publisher:
         restart: Callable[[InFlight], Awaitable[None]], *, worker_id: str, audit_key: bytes,
         fingerprints: FingerprintBatcher | None = None, redo_policy: RedoPolicy | None = None,
         shadow_live_topic: str | None = None, tracing: Tracing | None = None, recorder: Recorder | None = None,
+        dead_letter_topic: str | None = None,
     ) -> None:  # fmt: skip
         self.config = config
         self.version = model_version(config)
         self.writer = writer
         self.audit_topic = audit_topic
         self.shadow_live_topic = shadow_live_topic  # None: mirrored requests' answers are not published
+        # Where a request whose reply topic refuses writes goes, with the reason (None: logged only)
+        self.dead_letter_topic = dead_letter_topic
         self.intake = intake
         self.runners = runners  # the server's engine hosts (filled in after construction)
         self._restart = restart  # runs a flight again (ModelServer.start)
@@ -171,7 +174,11 @@ class Publisher:
             log.error("request %s cannot be answered on %s (%r; %s); giving up on it", req.request_id, req.reply_to, failure, why)
             self.num_dropped += 1
             self._spawn(first_failure(flight.futures))  # collects its other writes' failures (no warnings)
-            self.intake.forget(flight)
+            if is_outage(failure) or self.dead_letter_topic is None:
+                self.intake.forget(flight)
+            else:  # its batch offset is committed once its dead letter is durable
+                self._spawn(self._dead_letter(flight, f"reply topic {req.reply_to} refuses writes ({failure!r}); "
+                                                      "no reply was written"))  # fmt: skip
             return
         log.info("request %s: running it again in %.1f s (redo %d)", req.request_id, delay_s, flight.num_redos + 1)
         flight.num_redos += 1
@@ -184,6 +191,26 @@ class Publisher:
                 await self._restart(flight)
 
         self._spawn(redo())
+
+    async def _dead_letter(self, flight: InFlight, reason: str) -> None:
+        """The request to the dead-letter topic with `reason` (docs/kafka.md, "Secure mode": a reply to
+        a missing topic is refused and its request dead-lettered), then done. A dead letter that cannot
+        be written either is logged: the request is done all the same, as before dead letters."""
+        req = flight.request
+        (tp, offset) = flight.offsets[0] if flight.offsets else (None, -1)
+        letter = DeadLetter(source_topic=tp.topic if tp is not None else "", partition=tp.partition if tp is not None else -1,
+                            offset=offset, key=req.request_id, value=encode(req).decode("utf-8", "replace"),
+                            reason=reason[:2000], service=self.worker_id)  # fmt: skip
+        assert self.dead_letter_topic is not None
+        try:
+            if (failure := await first_failure([await self.writer.send(self.dead_letter_topic, encode(letter),
+                                                                       req.request_id.encode())])) is not None:  # fmt: skip
+                raise failure
+            log.warning("dead-lettered request %s: %s", req.request_id, reason)
+        except Exception as exc:  # noqa: BLE001 - the request is given up on either way
+            log.error("request %s: its dead letter could not be written either (%r)", req.request_id, exc)
+        finally:
+            self.intake.forget(flight)
 
     def _spawn(self, coro: Coroutine) -> None:
         task = asyncio.get_running_loop().create_task(coro)

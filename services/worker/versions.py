@@ -39,7 +39,7 @@ from services.worker.goldens import GOLDEN_MAX_TOKENS
 from services.worker.handlers import ModelServer
 from services.worker.loading import EngineLoader, OnOutputs, OnStatus
 from services.worker.runner import EngineHost, EngineProcess
-from weir.heap import freeze_heap
+from weir.heap import freeze_new
 from weir.models.manifest import ManifestError, verify_files
 from weir.models.signing import signature_problem
 from weir.registry import rollback
@@ -274,7 +274,8 @@ class VersionManager:
         if await self._attempt(version, steps()):
             goldens = f"{len(version.goldens)} goldens ({version.golden_source})"
             await self.port.emit(version.sid, "loaded", f"digest {version.digest[:12]}, {version.budget_bytes} bytes, {goldens}")
-            freeze_heap(f"{version.sid} loaded")  # its tokenizer and config are long-lived too
+            # Its tokenizer and config are long-lived too; frozen while serving goes on (weir/heap.py).
+            await freeze_new(f"{version.sid} loaded")
 
     async def _reload(self, version: Version) -> None:
         """An unhealthy version: finish what runs (no new batches), close its server and engines,

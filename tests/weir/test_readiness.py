@@ -83,3 +83,36 @@ def test_wait_all_ready_says_each_step_and_stops_on_a_dead_service() -> None:
     with pytest.raises(TimeoutError, match=r"not ready in time: worker \(loading\)"):
         wait_all_ready(ReadinessBoard(["worker"], 0.0), lambda name: Probe(False, "loading"), lambda: [],
                        lambda name: "", 0.0, said.append, poll_s=0)  # fmt: skip
+
+
+def test_a_service_that_answered_before_and_not_now_is_busy_not_starting_over() -> None:
+    """issue 35: a worker whose loop was busy for a moment read as `starting: importing` again."""
+    board = ReadinessBoard(["worker"], started_s=T0)
+    board.update("worker", Probe(False, "bringing up the model versions: echo@1: golden"), T0 + 1)
+    assert board.waiting_line(T0 + 1) == "    1.0 s  worker: bringing up the model versions: echo@1: golden"
+    board.update("worker", Probe(False, NOT_ANSWERING), T0 + 2)
+    assert board.waiting_line(T0 + 2) is None  # nothing changed that a user should read
+
+
+def test_probe_of_a_503_whose_body_never_comes_is_an_answer_not_an_error() -> None:
+    """The headers of a 503, then nothing (a service whose loop stalled mid-answer): weir up died of
+    the read's timeout (issue 35); now it is that 503."""
+    import socket
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        port = server.getsockname()[1]
+
+        def answer_headers_only() -> None:
+            conn, _ = server.accept()
+            with conn:
+                conn.recv(4096)
+                conn.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: 100\r\n\r\n{")
+                threading.Event().wait(2.0)  # hold the connection while the probe times out
+
+        thread = threading.Thread(target=answer_headers_only, daemon=True)
+        thread.start()
+        assert probe(f"http://127.0.0.1:{port}/readyz", timeout_s=0.5) == Probe(False, "HTTP 503")
+        thread.join(5)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiokafka.errors import KafkaConnectionError
+from aiokafka.errors import KafkaConnectionError, TopicAuthorizationFailedError
 
 from weir.launcher import free_ports
 from weir.service import EXIT_BROKER, EXIT_CONFIG, EXIT_FAILED, EXIT_OK, ConfigError, ops_app, run_service, service_parser
@@ -36,6 +36,8 @@ class TinyService:
     async def start(self) -> None:
         if self.mode == "no-broker":
             raise KafkaConnectionError("Unable to bootstrap from [('127.0.0.1', 1)]")
+        if self.mode == "not-authorised":  # what a secure broker answered the auditor (issue 35)
+            raise TopicAuthorizationFailedError("creating topic 'weir.replies.shadow' failed: Authorization failed.")
 
     async def run(self, stop: asyncio.Event) -> None:
         self.is_running = True
@@ -115,6 +117,7 @@ def test_serves_ops_endpoint_then_stops_cleanly_on_a_signal(sig: signal.Signals)
     [
         (["--mode", "bad-config"], EXIT_CONFIG, "max_tokens=0 must be >= 1"),
         (["--mode", "no-broker"], EXIT_BROKER, "is Kafka up (`weir kafka up`)"),
+        (["--mode", "not-authorised"], EXIT_CONFIG, "Kafka refused this client (TopicAuthorizationFailedError"),
         (["--mode", "crash"], EXIT_FAILED, "the model's device is gone"),
         (["--log-level", "LOUD"], EXIT_CONFIG, "log level 'LOUD'"),
     ],

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from schemas import access
 from schemas.topics import Topics
 from weir.audit_key import ensure_key_file
 from weir.home import weir_home
@@ -38,7 +39,7 @@ from weir.home import weir_home
 MECHANISM = "SCRAM-SHA-512"
 ADMIN = "admin"  # super user: the launcher, topic creation, ACLs, `weir kafka user add`
 CONTROLLER = "controller"  # the broker's login to its own KRaft controller (SASL/PLAIN)
-SERVICES = ("gateway", "batcher", "worker", "auditor")
+SERVICES = access.SERVICES
 DEFAULT_CLIENT = "client"  # the outside producer every secure broker is formatted with
 # Names an outside producer may not take: the broker's and the services' principals, and `job`,
 # whose reply-topic prefix (<prefix>.replies.job.) is the batch jobs' namespace.
@@ -184,89 +185,20 @@ def client_reply_prefix(topics: Topics, user: str) -> str:
 
 
 def service_grants(topics: Topics) -> list[Grant]:
-    """Each service's ACLs: the topics it reads and writes, its consumer groups, and DESCRIBE on the
-    deployment's topics (every service checks at start that they exist). Worked out from what each
-    service's code produces and consumes; docs/kafka.md, "Secure mode", has the table."""
-    t = topics
-    core = [spec.name for spec in t.core_specs()]
+    """Each service's ACLs, exactly what it declares it uses in `schemas/access.py` (the topics and
+    prefixes it reads, writes and creates, its consumer groups), and DESCRIBE on the deployment's
+    core topics and batch topics (every service checks at start that they exist). Nothing here is
+    written by hand: a service that starts using a topic declares it there, and tests/schemas/
+    test_access.py fails when its code names one it does not declare. docs/kafka.md, "Secure mode",
+    has the table."""
+    core = [spec.name for spec in topics.core_specs()]
     grants: list[Grant] = []
     for user in SERVICES:
         grants += _grants(user, "topic", "literal", ("describe",), core)
-        grants += _grants(user, "topic", "prefixed", ("describe",), [t.batches("")])
-    # gateway: admits requests, cancels, review flags, keys, usage, batch files and jobs; reads
-    # replies to itself, heartbeats, keys, usage, files and jobs.
-    grants += _grants("gateway", "topic", "literal", ("write",),
-                      [t.requests, t.control, t.audit, t.keys, t.usage, t.files, t.jobs, t.job_commands, t.dead_letter])
-    grants += _grants("gateway", "topic", "literal", ("read",), [t.keys, t.usage, t.workers, t.files, t.jobs])
-    grants += _grants("gateway", "topic", "prefixed", ("read", "create"), [gateway_reply_prefix(t)])
-    # ... and registers its resumable streams, which every gateway follows to resume those of a
-    # gateway that died (docs/design.md, "Streams outlive their gateway"): only gateways write it.
-    grants += _grants("gateway", "topic", "literal", ("read", "write"), [t.streams])
-    # batcher: reads requests, cancels, heartbeats; runs batch jobs (their commands, table, files
-    # and reply topics) whose lines are requests; writes each model's batches, and the terminal
-    # reply of a request it ends itself (unknown model, expired, cancelled before a batch).
-    grants += _grants("batcher", "topic", "literal", ("read",),
-                      [t.requests, t.control, t.workers, t.job_commands, t.jobs, t.files])
-    grants += _grants("batcher", "topic", "literal", ("write",), [t.requests, t.control, t.jobs, t.files, t.dead_letter])
-    grants += _grants("batcher", "topic", "prefixed", ("write",), [t.batches(""), t.reply_namespace])
-    # ... follows the model registry, and makes the batch topic of each version registered.
-    grants += _grants("batcher", "topic", "literal", ("read",), [t.models])
-    grants += _grants("batcher", "topic", "prefixed", ("create",), [t.batches("")])
-    grants += _grants("batcher", "topic", "prefixed", ("read", "create"), [t.job_replies("")])
-    # ... and every outside producer's own request topic (<prefix>.requests.<user>): read by pattern.
-    grants += _grants("batcher", "topic", "prefixed", ("read", "describe"), [t.producer_requests("")])
-    grants += _grants("batcher", "group", "literal", ("read",), [t.batcher_group, t.job_runner_group])
-    # gateway and batcher: export the consumer lag of the deployment's groups (weir/lag.py): list
-    # the groups and read their offsets (DESCRIBE on groups), and the end offsets of their topics.
-    for user in ("gateway", "batcher"):
-        grants += _grants(user, "group", "prefixed", ("describe",), [f"{t.prefix}."])
-        grants += _grants(user, "topic", "prefixed", ("describe",), [f"{t.prefix}."])
-    # gateway: counts the requests of the batch records its workers have not read (admission from
-    # the queue, services/gateway/queue_wait.py): it reads them, assigned, with no group.
-    grants += _grants("gateway", "topic", "prefixed", ("read",), [t.batches("")])
-    # worker: reads its model's batches and cancels; writes replies (to whoever reply_to names,
-    # inside the reply namespace), audit events and heartbeats.
-    grants += _grants("worker", "topic", "prefixed", ("read",), [t.batches("")])
-    grants += _grants("worker", "topic", "literal", ("read",), [t.control])
-    grants += _grants("worker", "topic", "prefixed", ("write",), [t.reply_namespace])
-    grants += _grants("worker", "topic", "literal", ("write",), [t.audit, t.workers, t.dead_letter])
-    grants += _grants("worker", "group", "prefixed", ("read",), [t.worker_group("")])
-    # auditor: reads the audit topic as its group; dead-letters what it cannot use; publishes its
-    # checkpoints to the anchor topic (creating it when missing) and reads them back to verify.
-    grants += _grants("auditor", "topic", "literal", ("read",), [t.audit])
-    grants += _grants("auditor", "topic", "literal", ("read", "write", "create"), [t.audit_anchors])
-    grants += _grants("auditor", "topic", "literal", ("write",), [t.dead_letter])
-    grants += _grants("auditor", "group", "literal", ("read",), [t.auditor_group])
-    # The model registry (docs/design.md, "The model registry"): every service but the auditor
-    # follows it (assigned partitions, no group); the gateway's admin API writes it and so does a
-    # worker rolling back a promotion whose goldens fail. Workers report health events, which the
-    # gateway and the batcher read. `weir models` runs as the admin (super user), as `weir keys`.
-    grants += _grants("worker", "topic", "literal", ("read", "write"), [t.models])
-    grants += _grants("gateway", "topic", "literal", ("read", "write"), [t.models])
-    grants += _grants("batcher", "topic", "literal", ("read",), [t.models])
-    grants += _grants("worker", "topic", "literal", ("write",), [t.model_health])
-    grants += _grants("gateway", "topic", "literal", ("read",), [t.model_health])
-    grants += _grants("batcher", "topic", "literal", ("read",), [t.model_health])
-    # The auditor's traffic counts and canary guard (docs/design.md, "Traffic policies"): it follows
-    # the registry and writes a failing canary's route, reads golden failures in its own group and
-    # records canary_stopped, and publishes the counts.
-    grants += _grants("auditor", "topic", "literal", ("read", "write"), [t.models, t.model_health])
-    grants += _grants("auditor", "topic", "literal", ("write",), [t.traffic])
-    grants += _grants("gateway", "topic", "literal", ("read",), [t.traffic])  # `weir models show` as the gateway
-    grants += _grants("auditor", "group", "literal", ("read",), [f"{t.auditor_group}.canary-guard"])
-    # Spans (docs/design.md, "Observability"): every service writes its own to the traces topic;
-    # reading it (`weir trace`) is for operators (the admin super user), not for a peer.
-    grants += _grants("gateway", "topic", "literal", ("write",), [t.traces])
-    grants += _grants("batcher", "topic", "literal", ("write",), [t.traces])
-    grants += _grants("worker", "topic", "literal", ("write",), [t.traces])
-    grants += _grants("auditor", "topic", "literal", ("write",), [t.traces])
-    # Token accounting (docs/design.md, "Observability"): the auditor alone writes the usage totals
-    # and rate cards; gateways follow them for GET /v1/usage. `weir usage` runs as the admin.
-    grants += _grants("auditor", "topic", "literal", ("write",), [t.token_usage])
-    grants += _grants("gateway", "topic", "literal", ("read",), [t.token_usage])
-    # Health alerts: the auditor judges and writes them; gateways follow them for the dashboard.
-    grants += _grants("auditor", "topic", "literal", ("read", "write"), [t.health])
-    grants += _grants("gateway", "topic", "literal", ("read",), [t.health])
+        grants += _grants(user, "topic", "prefixed", ("describe",), [topics.batches("")])
+        for use in access.uses(user):
+            grants.append(Grant(user, use.resource, use.name(topics), "prefixed" if use.prefixed else "literal",
+                                use.operations))
     return grants
 
 

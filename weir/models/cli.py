@@ -13,6 +13,7 @@ Exit status 0, or 2 with one line naming the file and the problem.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -82,13 +83,16 @@ def _import(args: argparse.Namespace) -> int:
         raise ValueError(f"--name {args.name!r} must be a non-empty name without spaces or '/'")
     out = (args.out or default_model_dir(args.name)).resolve()
     import_gguf(args.file, out, source=str(args.file.resolve()), dtype=args.dtype, force=args.force, progress=_progress)
+    # The file's own context length (<arch>.context_length, max_position_embeddings of the config it
+    # became): a fixed 2048 overstated a 512-token model's (issue 35).
+    context = json.loads((out / "config.json").read_text())["max_position_embeddings"]
     print(f"""
 {out} is ready. To serve it, add to your models.toml (WEIR_MODEL_REPO):
 
 [models.{args.name}]
 path = "{out}"
 engine = "torch"
-max_model_len = 2048
+max_model_len = {context}  # the file's context length; lower it to save KV cache memory
 """)
     return 0
 

@@ -59,6 +59,9 @@ def test_weir_models_import_gguf_prints_the_entry_and_refuses_a_corrupt_file(tin
     assert weir(["models", "import-gguf", str(tiny_gguf), "--name", "tiny", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "[  6/6] final norm and output" in printed and f'[models.tiny]\npath = "{out}"\nengine = "torch"' in printed
+    context = json.loads((TINY / "config.json").read_text())["max_position_embeddings"]  # the file's context_length
+    assert context != 2048  # the value printed for every file before (issue 35)
+    assert f"\nmax_model_len = {context}  # the file's context length" in printed
     assert json.loads((out / MANIFEST).read_text())["source"] == str(tiny_gguf)
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(tiny_gguf.read_bytes()[:5000])

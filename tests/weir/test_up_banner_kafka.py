@@ -1,0 +1,106 @@
+"""`weir up`'s banner names the versions the registry holds, pushed ones included (issue 35: it
+named models.toml's only), read from the real broker; `weir up` records its deployment for the
+other commands of its $WEIR_HOME (weir/deployment.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+
+from schemas.model_repo import ModelConfig, ModelRepository
+from schemas.registry import ModelManifest, ModelVersionRecord, RegistryState
+from schemas.topics import Topics
+from tests.conftest import BOOTSTRAP
+from weir import deployment
+from weir.bus import BusSettings
+from weir.kafka.admin import delete_prefixed_topics, ensure_topics
+from weir.kafka.launcher import BrokerConfig
+from weir.launcher import registered_versions
+from weir.registry import promote, publish, register, seed_records
+
+
+def _echo(version: str) -> ModelVersionRecord:
+    manifest = ModelManifest(name="echo", version=version, format="echo", location="",
+                             serving={"engine": "echo", "max_model_len": 64})  # fmt: skip
+    return ModelVersionRecord(manifest=manifest, registered_by="test")
+
+
+@pytest.mark.kafka
+def test_the_banner_names_pushed_versions_and_the_default(tmp_path: Path) -> None:
+    topics = Topics(f"banner{uuid.uuid4().hex[:6]}")
+    settings = BusSettings(kafka_bootstrap=BOOTSTRAP, topic_prefix=topics.prefix)
+    seed = ModelRepository(models={"echo": ModelConfig(name="echo", engine="echo", version="1")})
+
+    async def setup() -> None:
+        await ensure_topics(BOOTSTRAP, [s for s in topics.core_specs() if s.name == topics.models])
+        state = RegistryState(seed)
+        records = seed_records(seed, state)
+        for record in records:
+            state.apply(record.key, record)
+        records += (pushed := register(state, _echo("2")))  # `weir models push --version 2`
+        for record in pushed:
+            state.apply(record.key, record)
+        records += promote(state, "echo@2", by="test")
+        await publish(settings, records)
+
+    try:
+        asyncio.run(setup())
+        broker = BrokerConfig(data_dir=tmp_path)  # plaintext
+        assert registered_versions(BOOTSTRAP, topics.prefix, broker, "echo") == ["echo@1", "echo@2*"]
+        assert registered_versions(BOOTSTRAP, topics.prefix, broker, "other") == []
+    finally:
+        asyncio.run(delete_prefixed_topics(BOOTSTRAP, topics.prefix))
+
+
+def test_the_recorded_deployment_fills_in_what_nothing_says_and_only_while_its_weir_up_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert deployment.apply({}, tmp_path) == {}  # no record: nothing
+    deployment.record("127.0.0.1:9292", "mine", True, ["http://127.0.0.1:8000"], tmp_path)
+    env = {"WEIR_TOPIC_PREFIX": "explicit"}
+    assert deployment.apply(env, tmp_path) == {"WEIR_KAFKA_BOOTSTRAP": "127.0.0.1:9292", "WEIR_KAFKA_SECURITY": "sasl",
+                                               "WEIR_KAFKA_USER": "admin"}  # fmt: skip
+    assert env["WEIR_TOPIC_PREFIX"] == "explicit"  # an explicit setting wins
+    assert deployment.apply({"WEIR_KAFKA_BOOTSTRAP": "b:1", "WEIR_KAFKA_SECURITY": "plaintext"}, tmp_path) == \
+        {"WEIR_TOPIC_PREFIX": "mine"}  # fmt: skip
+    assert "WEIR_KAFKA_BOOTSTRAP=127.0.0.1:9292 WEIR_TOPIC_PREFIX=mine WEIR_KAFKA_SECURITY=sasl" in \
+        deployment.export_line("127.0.0.1:9292", "mine", True, tmp_path)  # fmt: skip
+    # A record whose `weir up` is gone (killed -9) is not a deployment: ignored, and said so.
+    body = (tmp_path / deployment.FILE).read_text().replace(f'"pid": {os.getpid()}', '"pid": 999999999')
+    (tmp_path / deployment.FILE).write_text(body)
+    assert deployment.apply({}, tmp_path) == {}
+    assert "is not running" in capsys.readouterr().err
+    deployment.record("127.0.0.1:9292", "mine", False, [], tmp_path)
+    deployment.forget(tmp_path)
+    assert not (tmp_path / deployment.FILE).exists()
+
+
+def test_weir_commands_find_the_deployment_and_an_explicit_bootstrap_wins(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`weir topics create` after `weir up --kafka-port 9292` of this home targets 9292, not 9092;
+    with --bootstrap it targets what it is told. Nothing listens on either port here: the error
+    names the broker it tried."""
+    from weir import cli
+
+    for name in ("WEIR_KAFKA_BOOTSTRAP", "WEIR_TOPIC_PREFIX", "WEIR_KAFKA_SECURITY", "WEIR_KAFKA_USER"):
+        monkeypatch.setenv(name, "")  # recorded as it was, so what the command fills in is undone after
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("WEIR_HOME", str(tmp_path))
+    from weir.launcher import free_ports
+
+    recorded, explicit = free_ports(2)
+    deployment.record(f"127.0.0.1:{recorded}", "mine", False, [], tmp_path)
+    repo = Path(__file__).resolve().parents[2] / "models.toml"
+    assert cli.main(["topics", "create", "--timeout", "1", "--model-repo", str(repo)]) == 1
+    err = capsys.readouterr().err
+    assert f"WEIR_KAFKA_BOOTSTRAP=127.0.0.1:{recorded}" in err and f"127.0.0.1:{recorded}" in err.splitlines()[-1]
+    os.environ.pop("WEIR_KAFKA_BOOTSTRAP"), os.environ.pop("WEIR_TOPIC_PREFIX")  # what the first command filled in
+    assert cli.main(["topics", "create", "--bootstrap", f"127.0.0.1:{explicit}", "--timeout", "1",
+                     "--model-repo", str(repo)]) == 1  # fmt: skip
+    err = capsys.readouterr().err
+    assert "deployment" not in err and f"127.0.0.1:{explicit}" in err
