@@ -116,6 +116,11 @@ _ALNUM = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ01234567
 _SOFT_CHARS = _ALNUM | frozenset("._%+-@()[]{}<>/&#;\u3002")
 _SPACED_CHARS = _ALNUM | frozenset("._%+-@")  # the one-char tokens of "a l i c e @ e x a m p l e . c o m"  # every char but " " that a match may contain
 _SOFT_OR_SPACE = "".join(sorted(_SOFT_CHARS)) + " "
+# chars that may sit in a loose card gap (between groups: newlines, commas, filler words); each
+# may be a cut or not, like a space (_last_cut_end); ";" is soft anyway (HTML references)
+_LOOSE_SEPS = " \t\r\n,;:"
+_SOFT_OR_SEP = _SOFT_OR_SPACE + "\t\r\n,:"
+_SEP_RX = re.compile(r"[ \t\r\n,:]")  # the chars _last_cut_end decides one by one
 _BEFORE_SPACE = frozenset("0123456789)-. ")  # a space inside a number always sits between these...
 _AFTER_SPACE = frozenset("0123456789(-. ")  # ...and these
 _OPENING = frozenset("[({<")
@@ -129,6 +134,31 @@ _DIGIT_RUN = re.compile(r"[0-9]+")
 _ID_GROUP = re.compile(r"[0-9]+[Xx]?")
 _GAP = r"(?: ?[.-] ?| {1,2})"  # between two groups of digits: ".", "-", " - ", one or two spaces
 _CARD_GAP = r"(?: ?[.-] ?| {1,2}|[/_])"  # a card's groups may also be joined by "/" or "_"
+# a loose gap between two card groups: up to 4 of space, tab, newline, ",", ";", ":" around at most
+# two filler words of 1-10 Latin letters ("4111 then 1111", "4111,\n1111", "4111 and then 1111")
+_SEP_RUN = r"[ \t\r\n,;:]{1,4}"
+_FILLER = r"[A-Za-z]{1,10}"
+_LOOSE_GAP = rf"(?:{_CARD_GAP}|(?:{_SEP_RUN}{_FILLER}){{0,2}}{_SEP_RUN})"
+# is the text before a separator the end of a card group and at most two filler words?
+_LOOSE_BEHIND = re.compile(rf"[0-9]{{3}}(?:{_SEP_RUN}{_FILLER}){{0,2}}[ \t\r\n,;:]{{0,3}}\Z")
+# may the text after it still bring the next group: digits after at most two filler words...
+_LOOSE_AHEAD = re.compile(rf"[ \t\r\n,;:]{{0,3}}(?:{_FILLER}{_SEP_RUN}){{0,2}}[0-9]")
+# ...or, the text ending first, not known yet
+_LOOSE_PARTIAL = re.compile(rf"[ \t\r\n,;:]{{0,3}}(?:{_FILLER}{_SEP_RUN}){{0,2}}[A-Za-z]{{0,10}}[ \t\r\n,;:]{{0,4}}")
+_LOOSE_LOOK = 2 * (4 + 10) + 4 + 3  # the most chars _LOOSE_BEHIND spans before a separator
+# IBAN: country, 2 check digits, then 11-30 letters and digits in groups of 4 (one consistent
+# space or hyphen, or none), the last 1-4; uppercase (as printed), checked mod 97 (ISO 13616)
+_IBAN_BEHIND = re.compile(r"[A-Z]{2}[0-9]{2}(?:[ -]?[A-Z0-9]{1,4}){0,8}\Z")
+_IBAN_LOOK = 4 + 8 * 5
+_IBAN_LENGTHS = {
+    "AD": 24, "AE": 23, "AL": 28, "AT": 20, "AZ": 28, "BA": 20, "BE": 16, "BG": 22, "BH": 22, "BR": 29, "BY": 28,
+    "CH": 21, "CR": 22, "CY": 28, "CZ": 24, "DE": 22, "DK": 18, "DO": 28, "EE": 20, "EG": 29, "ES": 24, "FI": 18,
+    "FO": 18, "FR": 27, "GB": 22, "GE": 22, "GI": 23, "GL": 18, "GR": 27, "GT": 28, "HR": 21, "HU": 28, "IE": 22,
+    "IL": 23, "IQ": 23, "IS": 26, "IT": 27, "JO": 30, "KW": 30, "KZ": 20, "LB": 28, "LC": 32, "LI": 21, "LT": 20,
+    "LU": 20, "LV": 21, "MC": 27, "MD": 24, "ME": 22, "MK": 19, "MR": 27, "MT": 31, "MU": 30, "NL": 18, "NO": 15,
+    "PK": 24, "PL": 28, "PS": 29, "PT": 25, "QA": 29, "RO": 24, "RS": 22, "SA": 24, "SC": 31, "SE": 24, "SI": 19,
+    "SK": 24, "SM": 27, "ST": 25, "SV": 28, "TL": 23, "TN": 24, "TR": 26, "UA": 29, "VA": 22, "VG": 24, "XK": 20,
+}  # fmt: skip
 
 
 def _is_valid_id(span: str) -> bool:
@@ -180,6 +210,27 @@ def _card_length(span: str) -> int:
         if _is_luhn("".join(g.group() for g in groups[:k])):
             return groups[k - 1].end()
     return 0
+
+
+def _loose_card_length(span: str) -> int:
+    """A card whose groups may be split by newlines, commas or filler words: as _card_length, but
+    when a gap holds more than the plain separators, not a list of years ("2019, then 2020...")."""
+    length = _card_length(span)
+    card = span[:length]
+    if length and any(c.isalpha() or c in "\t\r\n,;:" for c in card):
+        years = sum(1 for g in _DIGIT_RUN.findall(card) if len(g) == 4 and g[:2] in ("19", "20"))
+        if years >= 2:
+            return 0
+    return length
+
+
+def _iban_length(span: str) -> int:
+    """The span, when it is an IBAN of its country's length whose check digits are right (mod 97)."""
+    compact = span.replace(" ", "").replace("-", "")
+    if _IBAN_LENGTHS.get(compact[:2]) != len(compact):
+        return 0
+    moved = compact[4:] + compact[:4]
+    return len(span) if int("".join(str(int(c, 36)) for c in moved)) % 97 == 1 else 0
 
 
 def _e164_length(span: str) -> int:
@@ -273,10 +324,19 @@ _DETECTORS = (
     _Detector(
         re.compile(
             rf"(?<![0-9])(?:[2-6][0-9]{{12,18}}"
-            rf"|[2-6][0-9]{{3}}{_CARD_GAP}[0-9]{{3,6}}(?:{_CARD_GAP}[0-9]{{3,6}}){{1,3}}"
-            rf"|[2-6][0-9]{{7}}{_CARD_GAP}[0-9]{{5,11}})(?![0-9])"  # 8-8: "41111111 11111111"
+            rf"|[2-6][0-9]{{3}}{_LOOSE_GAP}[0-9]{{3,6}}(?:{_LOOSE_GAP}[0-9]{{3,6}}){{1,3}}"
+            rf"|[2-6][0-9]{{7}}{_CARD_GAP}[0-9]{{5,11}}"  # 8-8: "41111111 11111111"
+            r"|[2-6][0-9](?P<p>[ .-])[0-9]{2}(?:(?P=p)[0-9]{2}){4,7}(?:(?P=p)[0-9]{1,3})?)(?![0-9])"  # "41 11 11..."
         ),
-        _card_length,
+        _loose_card_length,
+        _DIGIT,
+    ),
+    _Detector(
+        re.compile(
+            r"(?<![A-Za-z0-9])[A-Z]{2}[0-9]{2}(?P<i>[ -]?)[A-Z0-9]{4}(?:(?P=i)[A-Z0-9]{4}){1,6}"
+            r"(?:(?P=i)[A-Z0-9]{1,4})?(?![A-Za-z0-9])"
+        ),
+        _iban_length,
         _DIGIT,
     ),
     _Detector(  # every digit spaced: exactly 13-19 single digits, not part of a longer run
@@ -462,13 +522,27 @@ def _between_spaced_chars(text: str, b: int) -> bool:
 
 def _last_cut_end(text: str, lo: int) -> int:
     """Index just past the last char of text[lo:] that no match can contain; lo if none."""
-    hard_end = max(len(text.rstrip(_SOFT_OR_SPACE)), lo)  # just past the last char no match contains
-    b = text.rfind(" ", hard_end)
-    while b >= 0:  # spaces after it: each may or may not join what is around it
-        if not _space_may_join(text, b):
+    hard_end = max(len(text.rstrip(_SOFT_OR_SEP)), lo)  # just past the last char no match contains
+    if hard_end == len(text):
+        return hard_end
+    seps = [m.start() for m in _SEP_RX.finditer(text, hard_end)]
+    for b in reversed(seps):  # separators after it: each may or may not join what is around it
+        if not ((text[b] == " " and _space_may_join(text, b)) or _in_loose_card(text, b) or _in_iban(text, b)):
             return b + 1
-        b = text.rfind(" ", hard_end, b)
     return hard_end
+
+
+def _in_loose_card(text: str, b: int) -> bool:
+    """Whether the separator text[b] may be in a loose card gap: a group of digits before it, at
+    most two filler words between, and the next group after it (or the text not known that far)."""
+    if _LOOSE_BEHIND.search(text, max(0, b - _LOOSE_LOOK), b) is None:
+        return False
+    return _LOOSE_AHEAD.match(text, b + 1) is not None or _LOOSE_PARTIAL.fullmatch(text, b + 1) is not None
+
+
+def _in_iban(text: str, b: int) -> bool:
+    """Whether the space text[b] may be between two groups of an IBAN ("GB82 WEST 1234...")."""
+    return text[b] == " " and _IBAN_BEHIND.search(text, max(0, b - _IBAN_LOOK), b) is not None
 
 
 class Redactor:
