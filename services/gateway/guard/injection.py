@@ -165,6 +165,13 @@ _SECRETS = (r"(?:api[ _-]?keys?|secret(?: key)?s?|credentials|passwords?(?! rese
             r"access tokens?|auth tokens?|bearer tokens?|env(?:ironment)? var(?:iable)?s|private keys?|ssh keys?|"
             r"\.env file|/etc/passwd|id_rsa|aws_secret_access_key|session cookies?)")
 
+# after "developer mode": not a place or a question ("... on a Pixel phone", "... enabled?")
+_NOT_A_DEVICE = (r"(?! ?\?)(?! (?:on|in|for|of|from|via|by|a|an|the|my|your|when|if|after|before|under|through|"
+                 r"settings|options|menu|and|or|so|but)\b)")
+_NOT_A_QUESTION = "".join(f"(?<!{w} )" for w in ("how to", "how do i", "how can i", "how do you", "how do we", "can i",
+                                                "do i", "should i", "i want to", "i need to", "how would i", "way to",
+                                                "steps to", "ways to", "trying to", "tried to", "how to safely"))
+
 RULES: tuple[Rule, ...] = (
     _rule("ignore_previous_instructions", True, ("ignor", "disregard", "forget", "override", "bypass", "discard", "drop", "abandon", "cancel", "void", "revoked",
            "obsolete", "no longer", "忽略", "无视", "無視"),
@@ -224,9 +231,13 @@ RULES: tuple[Rule, ...] = (
           r"\b(?:you are|you're|act as|pretend (?:to be|you are)|become|enter|enable|activate|switch to|now in|"
           r"respond as|roleplay as) (?:now )?(?:a |an |the )?(?:dan|stan|dude|aim|"
           r"(?:unrestricted|unfiltered|uncensored|jailbroken|evil|rogue) (?:ai|assistant|model|chatbot|version|mode))\b",
-          r"\b(?:developer|dev|god|debug|admin|unrestricted|jailbreak|dan) mode (?:enabled|activated|on|engaged)\b",
-          r"\b(?:enable|activate|enter|switch to) (?:developer|dev|god|jailbreak|dan) mode\b"),
-    _rule("jailbreak_persona", True, ("developermode",), r"developermode(?:enabled|activated)", on_compact=True),
+          rf"\b(?:developer|dev|god|debug|admin|unrestricted|jailbreak|dan) mode (?:enabled|activated|on|engaged)\b{_NOT_A_DEVICE}",
+          r"\b(?:enable|activate|enter|switch to) (?:god|jailbreak|dan) mode\b",
+          # "enable developer mode" is also what phones, browsers and consoles have: an order to the
+          # model only when it is not a question about a device ("how do I enable developer mode on a Pixel?")
+          rf"{_NOT_A_QUESTION}\b(?:enable|activate|enter|switch to) (?:developer|dev) mode\b{_NOT_A_DEVICE}"),
+    _rule("jailbreak_persona", True, ("developermode",),
+          r"developermode(?:enabled|activated)(?!by|on|in|for|when|if|after|before|and|or|so|but)", on_compact=True),
     _rule("encoded_payload", True, ("decode", "decrypt"),
           r"[a-z0-9+/]{40}(?![a-z0-9+/])={0,2}+.{0,200}?\b(?:decode|decrypt)\b.{0,60}?\b(?:execute|run|follow|obey|perform|"
           r"carry out|do what it says|act on)",
@@ -254,6 +265,161 @@ RULES: tuple[Rule, ...] = (
           r"\b(?:decode|decrypt)\b.{0,60}?\b(?:execute|run|follow|obey|carry out|do what it says)\b"),
 )
 
+
+
+def _folded(text: str) -> str:
+    """A pattern or keyword written in its language's own letters, seen as normalise() sees text:
+    accents and marks out, casefolded, look-alike letters folded (Russian "предыдущие" has Cyrillic
+    letters that become Latin ones). Patterns use no upper-case escapes (casefold would change them)."""
+    return fold(unicodedata.normalize("NFKC", fold(text)).casefold())
+
+
+def _ml_rule(name: str, keywords: tuple[str, ...], *alternatives: str) -> Rule:
+    """A strong rule written in another language than English: patterns and keywords normalised first."""
+    return _rule(name, True, tuple(dict.fromkeys(_folded(k) for k in keywords)), *(_folded(a) for a in alternatives))
+
+
+def _alt(*words: str) -> str:
+    return "(?:" + "|".join(words) + ")"
+
+
+# Each language: (1) an order to drop the earlier instructions: a verb, then within a few words a
+# word for them, with a word saying which (previous, above, all, yours, the system's); (2) a request
+# for the system prompt or hidden instructions; (3) a persona without restrictions, or "developer
+# mode" switched on (not a question about a phone's or browser's developer mode).
+_FR_VERB = _alt(r"ignore[zr]?", r"oublie[zr]?", r"neglige[zr]?", "ne tiens pas compte", "ne tenez pas compte",
+                "fais abstraction", "faites abstraction", "abandonne[zr]?", "passe[zr]? outre", "ecarte[zr]?")
+_FR_ORDERS = _alt(r"instructions?", r"consignes?", r"regles?", r"directives?", "ordres", "indications", "prompt")
+_FR_WHICH = _alt(r"precedent", r"anterieur", "ci-dessus", "plus haut", r"initial", "d'origine", "toutes", "tous",
+                 "tes ", "vos ", "systeme", "d'avant", "recues", "donnees")
+_ES_VERB = _alt("ignora", "ignore", "ignoren", "ignorad", "olvida", "olvide", "olviden", "olvidad", "descarta", "descarte",
+                "omite", "omita", "no hagas caso", "no haga caso", "haz caso omiso", "pasa por alto", "desobedece")
+_ES_ORDERS = _alt("instrucciones", "reglas", "indicaciones", "directrices", "ordenes", "normas", "prompt")
+_ES_WHICH = _alt("anteriores", "previas", "de arriba", "iniciales", "originales", "todas", "todo", "tus ", "sus ",
+                 "del sistema", "que te dieron", "recibidas")
+_PT_VERB = _alt("ignore", "ignora", "ignorem", "esqueca", "esquece", "esquecam", "desconsidere", "desconsidera",
+                "descarte", "descarta", "nao siga", "deixe de lado", "desobedeca")
+_PT_ORDERS = _alt("instrucoes", "regras", "diretrizes", "orientacoes", "ordens", "comandos", "prompt")
+_PT_WHICH = _alt("anteriores", "previas", "acima", "iniciais", "originais", "todas", "todos", "suas ", "tuas ",
+                 "do sistema", "que voce recebeu", "recebidas")
+_DE_VERB = _alt("ignoriere", "ignorier", "ignorieren sie", "vergiss", "vergessen sie", "missachte", "missachten sie",
+                "verwirf", "verwerfen sie", "befolge nicht mehr", "befolgen sie nicht mehr")
+_DE_ORDERS = _alt(r"anweisung(?:en)?", "instruktionen", "regeln", "vorgaben", "befehle", "richtlinien", "prompt",
+                  "systemprompt", "systemnachricht")
+_DE_WHICH = _alt("vorherig", "vorig", "bisherig", "obig", "fruher", "alle ", "deine ", "ihre ", "ursprunglich", "oben",
+                 "erhaltenen", "system")
+_IT_VERB = _alt("ignora", "ignorate", "dimentica", "dimenticate", "trascura", "non seguire", "non rispettare")
+_IT_ORDERS = _alt("istruzioni", "regole", "indicazioni", "direttive", "ordini", "prompt")
+_IT_WHICH = _alt("precedenti", "sopra", "tutte", "iniziali", "originali", "tue ", "vostre ", "di sistema", "ricevute")
+_RU_VERB = _alt(r"проигнорируй(?:те)?", r"игнорируй(?:те)?", r"забудь(?:те)?", r"не обращай(?:те)? внимания на",
+                r"отбрось(?:те)?", r"пренебреги(?:те)?", r"не следуй(?:те)?", r"не выполняй(?:те)?")
+_RU_ORDERS = _alt(r"инструкци\w{0,6}", r"указани\w{0,6}", r"правил\w{0,6}", r"установк\w{0,6}", r"команд\w{0,6}", r"промпт\w{0,6}",
+                  r"распоряжени\w{0,6}")
+_RU_WHICH = _alt(r"предыдущ", r"прежн", "все", "всё", "твои", "ваши", r"вышеуказанн", "выше", r"системн",
+                 r"изначальн", r"исходн", "полученн")
+_ZH_VERB = _alt("忽略", "无视", "無視", "忘记", "忘記", "忘掉", "不要理会", "不要理會", "不要遵守", "不再遵守", "放弃", "放棄",
+                "丢弃", "丟棄", "抛开", "拋開", "别管", "別管")
+_ZH_WHICH = _alt("之前", "以前", "先前", "上面", "以上", "前面", "上述", "所有", "全部", "原来", "原來", "原有", "你的", "系统",
+                 "系統", "一切")
+_ZH_ORDERS = _alt("指令", "指示", "说明", "說明", "提示", "规则", "規則", "命令", "设定", "設定", "要求", "限制")
+_JA_WHICH = _alt("以前", "前の", "上記", "これまで", "今まで", "先ほど", "最初", "全て", "すべて", "あなたの", "システム", "元の",
+                 "与えられた")
+_JA_ORDERS = _alt("指示", "命令", "指令", "ルール", "規則", "設定", "プロンプト", "制約")
+_JA_DROP = _alt("無視", "忘れ", "従わな", "破棄", "取り消", "なかったことに")
+_AR_VERB = _alt("تجاهل", "تجاهلي", "تجاهلوا", "انس", "انسى", "انسي", "انسوا", "لا تلتزم", "لا تتبع", "اهمل",
+                "تخل عن", "تخلى عن", "الغ")
+_AR_ORDERS = _alt("التعليمات", "تعليمات", "الاوامر", "اوامر", "القواعد", "قواعد", "الارشادات", "التوجيهات", "توجيهات")
+_AR_WHICH = _alt("السابقة", "الماضية", "اعلاه", "الاولى", "الاصلية", "كل", "جميع", "النظام", "التي تلقيتها", "السابق")
+_KO_WHICH = _alt("이전", "위의", "모든", "기존", "앞의", "원래", "시스템")
+_KO_ORDERS = _alt("지시", "명령", "지침", "규칙", "설정", "프롬프트")
+
+
+def _override(verb: str, orders: str, which: str, gap: int = 40) -> str:
+    """verb, the orders within `gap` chars, and a word saying which within `gap` chars either side."""
+    return rf"\b{verb}\b(?=.{{0,{gap}}}?{which})(?:.{{0,{gap}}}?){orders}|\b{verb}\b.{{0,{gap}}}?{orders}(?=.{{0,{gap}}}?{which})"
+
+
+_MULTILINGUAL_RULES: tuple[Rule, ...] = (
+    _ml_rule("ignore_previous_instructions",
+             ("ignor", "oubli", "neglig", "tiens pas", "tenez pas", "abstraction", "abandonn", "outre", "ecarte",
+              "olvid", "descart", "omit", "caso", "pasa por", "desobedec", "esquec", "desconsider", "nao siga",
+              "deixe de", "vergiss", "vergessen", "missacht", "verwirf", "verwerfen", "befolge", "dimentic", "trascura",
+              "non seguire", "non rispettare", "игнорир", "забудь", "не обраща", "отбрось", "пренебреги", "не следуй",
+              "не выполняй"),
+             _override(_FR_VERB, _FR_ORDERS, _FR_WHICH), _override(_ES_VERB, _ES_ORDERS, _ES_WHICH),
+             _override(_PT_VERB, _PT_ORDERS, _PT_WHICH), _override(_DE_VERB, _DE_ORDERS, _DE_WHICH),
+             _override(_IT_VERB, _IT_ORDERS, _IT_WHICH), _override(_RU_VERB, _RU_ORDERS, _RU_WHICH),
+             r"\bsetze? (?:alle |deine |ihre )?(?:vorherigen |bisherigen )?(?:anweisungen|regeln) ausser kraft"),
+    _ml_rule("ignore_previous_instructions",
+             ("忽略", "无视", "無視", "忘", "不要理", "不要遵守", "不再遵守", "放弃", "放棄", "丢弃", "丟棄", "抛开", "拋開", "别管",
+              "別管", "指示", "命令", "指令", "ルール", "規則", "設定", "プロンプト", "制約", "تجاهل", "انس", "لا تلتزم", "لا تتبع",
+              "اهمل", "تخل", "الغ", "무시", "잊어"),
+             rf"{_ZH_VERB}.{{0,10}}?{_ZH_WHICH}.{{0,10}}?{_ZH_ORDERS}",
+             rf"{_JA_WHICH}.{{0,12}}?{_JA_ORDERS}.{{0,12}}?{_JA_DROP}",
+             rf"{_JA_ORDERS}(?:は|を)?(?:すべて|全て|全部)(?:無視|忘れ)",
+             rf"(?<!\w){_AR_VERB}\b.{{0,40}}?(?:{_AR_ORDERS}.{{0,30}}?{_AR_WHICH}|{_AR_WHICH}.{{0,30}}?{_AR_ORDERS})",
+             rf"{_KO_WHICH}.{{0,12}}?{_KO_ORDERS}.{{0,12}}?(?:무시|잊어)"),
+    _ml_rule("system_prompt_exfiltration",
+             ("prompt", "invite systeme", "message systeme", "instructions", "consignes", "mensaje del sistema",
+              "instrucciones", "mensagem do sistema", "instrucoes", "system", "anweisungen", "istruzioni", "системн",
+              "скрыт", "секретн", "исходн", "提示", "指令", "系统消息", "系統訊息", "システム", "隠", "初期指示", "秘密の指示",
+              "موجه", "تعليمات", "رسالة النظام", "البرومبت", "프롬프트", "숨겨진"),
+             r"\b(?:affiche[zr]?|montre[zr]?|revele[zr]?|donne[zr]?-moi|donne[zr]?|repete[zr]?|ecri[st]|ecrivez|divulgue[zr]?|"
+             r"imprime[zr]?|dis-moi|dites-moi|recopie[zr]?)\b.{0,30}?(?:prompt systeme|prompt du systeme|invite systeme|"
+             r"message systeme|(?:instructions|consignes) (?:cachees|secretes|initiales|systeme|du systeme|d'origine))",
+             r"\b(?:muestra(?:me)?|revela(?:me)?|dime|imprime|repite|escribe|ensename|comparte|copia)\b.{0,30}?"
+             r"(?:prompt (?:del|de) sistema|mensaje del sistema|instrucciones (?:ocultas|secretas|iniciales|del sistema|originales))",
+             r"\b(?:mostre|mostra|revele|revela|diga|me diga|imprima|repita|escreva|compartilhe|exiba|copie)\b.{0,30}?"
+             r"(?:prompt (?:do|de) sistema|mensagem do sistema|instrucoes (?:ocultas|secretas|iniciais|do sistema|originais))",
+             r"\b(?:zeig(?:e|en sie)?|gib|geben sie|verrate[n]?|nenne[n]?|wiederhole[n]?|drucke[n]?|schreib(?:e|en sie)?)\b"
+             r".{0,30}?(?:system-?prompt|systemnachricht|(?:versteckten|geheimen|ursprunglichen) (?:anweisungen|instruktionen)|"
+             r"anfangsanweisungen)",
+             r"\b(?:mostra(?:mi)?|rivela(?:mi)?|dimmi|stampa|ripeti|scrivi)\b.{0,30}?"
+             r"(?:prompt di sistema|messaggio di sistema|istruzioni (?:nascoste|segrete|iniziali|di sistema|originali))",
+             r"\b(?:покажи(?:те)?|выведи(?:те)?|раскрой(?:те)?|напиши(?:те)?|расскажи(?:те)?|повтори(?:те)?|"
+             r"распечатай(?:те)?|сообщи(?:те)?|дай(?:те)?)\b.{0,30}?"
+             r"(?:системн\w{0,6} (?:промпт|подсказк|инструкци|сообщени)|(?:скрыт|секретн|исходн)\w{0,6} инструкци)",
+             r"(?:显示|顯示|输出|輸出|告诉我|告訴我|打印|泄露|洩露|重复|重複|透露|给我看|給我看|展示|列出|发给我|發給我)"
+             r".{0,10}?(?:系统提示|系統提示|系统指令|系統指令|初始指令|隐藏指令|隱藏指令|系统消息|系統訊息|提示词|提示詞|原始指令)",
+             r"(?:システムプロンプト|システムメッセージ|隠された指示|隠し指示|初期指示|秘密の指示|内部の指示|最初の指示)"
+             r".{0,12}?(?:表示|教え|見せ|出力|明かし|開示|繰り返|書き出|公開|貼り付け)",
+             r"(?<!\w)(?:اعرض|اظهر|اكشف|اطبع|اخبرني|كرر|اكتب|شارك|ارني|انسخ)\b.{0,30}?"
+             r"(?:موجه النظام|تعليمات النظام|رسالة النظام|التعليمات المخفية|التعليمات السرية|التعليمات الاولية|البرومبت)",
+             r"(?:시스템 프롬프트|숨겨진 지시|초기 지시).{0,12}?(?:보여|알려|출력|공개)"),
+    _ml_rule("jailbreak_persona",
+             ("tu es", "vous etes", "mode developpeur", "eres", "modo desarrollador", "voce", "modo de desenvolvedor",
+              "modo desenvolvedor", "du bist", "entwicklermodus", "sei ", "modalita sviluppatore", "ты", "режим разработчика",
+              "你现在是", "你現在是", "从现在", "從現在", "开发者模式", "開發者模式", "あなたは", "開発者モード", "انت", "وضع المطور",
+              "너는", "개발자 모드"),
+             r"\b(?:tu es|vous etes) (?:desormais|maintenant|a present|dorenavant)\b.{0,40}?\bsans (?:aucune |aucun )?"
+             r"(?:restrictions?|limites?|filtres?|regles|censure)",
+             r"\bmode developpeur (?:est )?(?:active|activee|enclenche)\b(?! ?\?)(?! (?:sur|dans|par)\b)",
+             r"\b(?:ahora eres|a partir de ahora eres|eres ahora|desde ahora eres)\b.{0,40}?\bsin (?:ninguna |ningun )?"
+             r"(?:restricciones|limites|filtros|reglas|censura)",
+             r"\bmodo (?:de )?desarrollador (?:esta )?(?:activado|habilitado)\b(?! ?\?)(?! (?:en|por|de)\b)",
+             r"\b(?:agora voce e|voce agora e|a partir de agora voce e|de agora em diante voce e)\b.{0,40}?\bsem "
+             r"(?:nenhuma |nenhum )?(?:restricoes|limites|filtros|regras|censura)",
+             r"\bmodo (?:de )?desenvolvedor (?:esta )?(?:ativado|habilitado)\b(?! ?\?)(?! (?:no|na|em|por|de)\b)",
+             r"\bdu bist (?:jetzt|nun|ab sofort|ab jetzt)\b.{0,40}?\bohne (?:jegliche |alle |irgendwelche )?"
+             r"(?:einschrankungen|beschrankungen|regeln|filter|zensur|grenzen)",
+             r"\bentwicklermodus (?:ist )?(?:aktiviert|eingeschaltet)\b(?! ?\?)(?! (?:auf|in|bei|am|im)\b)",
+             r"\b(?:ora sei|adesso sei|da ora in poi sei)\b.{0,40}?\bsenza (?:alcuna |nessuna )?"
+             r"(?:restrizioni|limiti|filtri|regole|censura)",
+             r"\bmodalita (?:sviluppatore|developer) (?:e )?attivata\b(?! ?\?)",
+             r"\b(?:теперь ты|ты теперь|отныне ты)\b.{0,40}?\bбез (?:каких-либо |всяких |любых )?"
+             r"(?:ограничений|правил|фильтров|цензуры)",
+             r"\bрежим разработчика (?:включен|активирован)\b(?! ?\?)(?! (?:на|в)\b)",
+             r"(?:你现在是|你現在是|从现在起你是|從現在起你是|从现在开始你是|從現在開始你是|从现在起你|從現在起你).{0,30}?"
+             r"(?:没有任何限制|沒有任何限制|不受任何限制|没有限制|沒有限制|不受限制|无限制|無限制|不受约束|不受約束|没有任何规则|沒有任何規則)",
+             r"(?:开发者模式|開發者模式)(?:已|已经|已經)(?:启用|啟用|开启|開啟|激活)(?![吗嗎?])",
+             r"あなたは.{0,30}?(?:制限(?:の)?(?:ない|なし|を受けない)|制約(?:の)?ない|フィルターなし|何でもできる)",
+             r"開発者モード(?:が|は)?(?:有効|オン)(?:になりました|化されました|です)(?![かね?])",
+             r"(?<!\w)(?:انت الان|من الان فصاعدا انت|من الان انت|اصبحت الان)\b.{0,40}?(?:بدون|بلا|دون) (?:اي )?"
+             r"(?:قيود|حدود|قواعد|رقابة|فلاتر)",
+             r"وضع المطور (?:مفعل|تم تفعيله)(?! ?[؟?])",
+             r"(?:너는|당신은) 이제.{0,30}?(?:제한|규칙|필터)(?:이|이나|도)? ?없"),
+)
+RULES += _MULTILINGUAL_RULES
 
 @dataclass(frozen=True)
 class Detection:
