@@ -140,11 +140,16 @@ _SEP_RUN = r"[ \t\r\n,;:]{1,4}"
 _FILLER = r"[A-Za-z]{1,10}"
 _LOOSE_GAP = rf"(?:{_CARD_GAP}|(?:{_SEP_RUN}{_FILLER}){{0,2}}{_SEP_RUN})"
 # is the text before a separator the end of a card group and at most two filler words?
-_LOOSE_BEHIND = re.compile(rf"[0-9]{{3}}(?:{_SEP_RUN}{_FILLER}){{0,2}}[ \t\r\n,;:]{{0,3}}\Z")
-# may the text after it still bring the next group: digits after at most two filler words...
-_LOOSE_AHEAD = re.compile(rf"[ \t\r\n,;:]{{0,3}}(?:{_FILLER}{_SEP_RUN}){{0,2}}[0-9]")
+_LOOSE_BEHIND = re.compile(rf"(?<![0-9])[0-9]{{3,6}}(?:{_SEP_RUN}{_FILLER}){{0,2}}[ \t\r\n,;:]{{0,3}}\Z")
+# may the text after it still bring the next group, with the filler words left (2 less those behind):
+# digits after at most that many words...
+_LOOSE_AHEAD = tuple(re.compile(rf"[ \t\r\n,;:]{{0,3}}(?:{_FILLER}{_SEP_RUN}){{0,{k}}}[0-9]") for k in range(3))
 # ...or, the text ending first, not known yet
-_LOOSE_PARTIAL = re.compile(rf"[ \t\r\n,;:]{{0,3}}(?:{_FILLER}{_SEP_RUN}){{0,2}}[A-Za-z]{{0,10}}[ \t\r\n,;:]{{0,4}}")
+_LOOSE_PARTIAL = (re.compile(r"[ \t\r\n,;:]{0,3}"),) + tuple(
+    re.compile(rf"[ \t\r\n,;:]{{0,3}}(?:{_FILLER}{_SEP_RUN}){{0,{k - 1}}}[A-Za-z]{{0,10}}[ \t\r\n,;:]{{0,4}}")
+    for k in (1, 2)
+)
+_LETTERS = re.compile("[A-Za-z]+")
 _LOOSE_LOOK = 2 * (4 + 10) + 4 + 3  # the most chars _LOOSE_BEHIND spans before a separator
 # IBAN: country, 2 check digits, then 11-30 letters and digits in groups of 4 (one consistent
 # space or hyphen, or none), the last 1-4; uppercase (as printed), checked mod 97 (ISO 13616)
@@ -535,9 +540,10 @@ def _last_cut_end(text: str, lo: int) -> int:
 def _in_loose_card(text: str, b: int) -> bool:
     """Whether the separator text[b] may be in a loose card gap: a group of digits before it, at
     most two filler words between, and the next group after it (or the text not known that far)."""
-    if _LOOSE_BEHIND.search(text, max(0, b - _LOOSE_LOOK), b) is None:
+    if (behind := _LOOSE_BEHIND.search(text, max(0, b - _LOOSE_LOOK), b)) is None:
         return False
-    return _LOOSE_AHEAD.match(text, b + 1) is not None or _LOOSE_PARTIAL.fullmatch(text, b + 1) is not None
+    left = 2 - len(_LETTERS.findall(behind.group()))
+    return _LOOSE_AHEAD[left].match(text, b + 1) is not None or _LOOSE_PARTIAL[left].fullmatch(text, b + 1) is not None
 
 
 def _in_iban(text: str, b: int) -> bool:
