@@ -51,7 +51,7 @@ import re._parser as re_parser  # getwidth(): the longest match a rule can make
 import unicodedata
 import zlib
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -110,9 +110,12 @@ class Rule:
     keywords: tuple[str, ...]
     max_chars: int
     on_compact: bool = False
+    requires: tuple[str, ...] = ()  # when given, every match also contains one of these (checked first, cheaply)
 
     def search(self, text: str) -> bool:
         """Whether the pattern matches anywhere in `text`; the same answer as pattern.search(text)."""
+        if self.requires and not any(word in text for word in self.requires):
+            return False
         return _search(self.pattern, text, self.keywords, self.max_chars)
 
 
@@ -225,7 +228,8 @@ RULES: tuple[Rule, ...] = (
           r"\b(?:not|never|no longer) (?:bound|restricted|limited|constrained) by (?:any |the |your )?"
           r"(?:rules|guidelines|policies|restrictions|filters|openai|anthropic|content policy)",
           r"\bwithout (?:any )?(?:ethical|moral|content|safety) (?:restrictions|guidelines|filters|constraints|limits)",
-          r"\byou (?:have|now have) no (?:restrictions|limits|limitations|rules|filters|guidelines|boundaries)"),
+          r"\byou (?:have|now have) no (?:restrictions|limits|limitations|rules|filters|guidelines|boundaries|"
+          r"content policy|safety policy|content filter)"),
     _rule("do_anything_now", True, ("doanythingnow",), r"doanythingnow", on_compact=True),
     _rule("jailbreak_persona", True, ("dan", "stan", "dude", "aim", "unrestricted", "unfiltered", "uncensored", "jailbroken", "evil", "rogue", "mode"),
           r"\b(?:you are|you're|act as|pretend (?:to be|you are)|become|enter|enable|activate|switch to|now in|"
@@ -235,7 +239,8 @@ RULES: tuple[Rule, ...] = (
           r"\b(?:enable|activate|enter|switch to) (?:god|jailbreak|dan) mode\b",
           # "enable developer mode" is also what phones, browsers and consoles have: an order to the
           # model only when it is not a question about a device ("how do I enable developer mode on a Pixel?")
-          rf"{_NOT_A_QUESTION}\b(?:enable|activate|enter|switch to) (?:developer|dev) mode\b{_NOT_A_DEVICE}"),
+          rf"\b(?=enable|activate|enter|switch to){_NOT_A_QUESTION}(?:enable|activate|enter|switch to) (?:developer|dev) mode\b"
+          rf"{_NOT_A_DEVICE}"),
     _rule("jailbreak_persona", True, ("developermode",),
           r"developermode(?:enabled|activated)(?!by|on|in|for|when|if|after|before|and|or|so|but)", on_compact=True),
     _rule("encoded_payload", True, ("decode", "decrypt"),
@@ -274,9 +279,11 @@ def _folded(text: str) -> str:
     return fold(unicodedata.normalize("NFKC", fold(text)).casefold())
 
 
-def _ml_rule(name: str, keywords: tuple[str, ...], *alternatives: str) -> Rule:
-    """A strong rule written in another language than English: patterns and keywords normalised first."""
-    return _rule(name, True, tuple(dict.fromkeys(_folded(k) for k in keywords)), *(_folded(a) for a in alternatives))
+def _ml_rule(name: str, keywords: tuple[str, ...], *alternatives: str, requires: tuple[str, ...] = ()) -> Rule:
+    """A strong rule written in another language than English: patterns and keywords normalised first.
+    `requires`: words one of which every match also contains (the orders an override names)."""
+    rule = _rule(name, True, tuple(dict.fromkeys(_folded(k) for k in keywords)), *(_folded(a) for a in alternatives))
+    return replace(rule, requires=tuple(dict.fromkeys(_folded(k) for k in requires)))
 
 
 def _alt(*words: str) -> str:
@@ -311,11 +318,11 @@ _DE_WHICH = _alt("vorherig", "vorig", "bisherig", "obig", "fruher", "alle ", "de
 _IT_VERB = _alt("ignora", "ignorate", "dimentica", "dimenticate", "trascura", "non seguire", "non rispettare")
 _IT_ORDERS = _alt("istruzioni", "regole", "indicazioni", "direttive", "ordini", "prompt")
 _IT_WHICH = _alt("precedenti", "sopra", "tutte", "iniziali", "originali", "tue ", "vostre ", "di sistema", "ricevute")
-_RU_VERB = _alt(r"проигнорируй(?:те)?", r"игнорируй(?:те)?", r"забудь(?:те)?", r"не обращай(?:те)? внимания на",
+_RU_VERB = _alt(r"(?:про)?игнорир\w{0,5}", r"забудь(?:те)?", r"не обращай(?:те)? внимания на",
                 r"отбрось(?:те)?", r"пренебреги(?:те)?", r"не следуй(?:те)?", r"не выполняй(?:те)?")
 _RU_ORDERS = _alt(r"инструкци\w{0,6}", r"указани\w{0,6}", r"правил\w{0,6}", r"установк\w{0,6}", r"команд\w{0,6}", r"промпт\w{0,6}",
                   r"распоряжени\w{0,6}")
-_RU_WHICH = _alt(r"предыдущ", r"прежн", "все", "всё", "твои", "ваши", r"вышеуказанн", "выше", r"системн",
+_RU_WHICH = _alt(r"предыдущ", r"прежн", "все", "всё", "твои", "ваши", "свои", r"вышеуказанн", "выше", r"системн",
                  r"изначальн", r"исходн", "полученн")
 _ZH_VERB = _alt("忽略", "无视", "無視", "忘记", "忘記", "忘掉", "不要理会", "不要理會", "不要遵守", "不再遵守", "放弃", "放棄",
                 "丢弃", "丟棄", "抛开", "拋開", "别管", "別管")
@@ -339,84 +346,139 @@ def _override(verb: str, orders: str, which: str, gap: int = 40) -> str:
     return rf"\b{verb}\b(?=.{{0,{gap}}}?{which})(?:.{{0,{gap}}}?){orders}|\b{verb}\b.{{0,{gap}}}?{orders}(?=.{{0,{gap}}}?{which})"
 
 
+# One rule per language and family, each with its own keywords: a window around a keyword runs only
+# the patterns that can contain it (English text full of "prompt" or "ignored" stays cheap).
+_ML = "ignore_previous_instructions", "system_prompt_exfiltration", "jailbreak_persona"
 _MULTILINGUAL_RULES: tuple[Rule, ...] = (
-    _ml_rule("ignore_previous_instructions",
-             ("ignor", "oubli", "neglig", "tiens pas", "tenez pas", "abstraction", "abandonn", "outre", "ecarte",
-              "olvid", "descart", "omit", "caso", "pasa por", "desobedec", "esquec", "desconsider", "nao siga",
-              "deixe de", "vergiss", "vergessen", "missacht", "verwirf", "verwerfen", "befolge", "dimentic", "trascura",
-              "non seguire", "non rispettare", "игнорир", "забудь", "не обраща", "отбрось", "пренебреги", "не следуй",
-              "не выполняй"),
-             _override(_FR_VERB, _FR_ORDERS, _FR_WHICH), _override(_ES_VERB, _ES_ORDERS, _ES_WHICH),
-             _override(_PT_VERB, _PT_ORDERS, _PT_WHICH), _override(_DE_VERB, _DE_ORDERS, _DE_WHICH),
-             _override(_IT_VERB, _IT_ORDERS, _IT_WHICH), _override(_RU_VERB, _RU_ORDERS, _RU_WHICH),
-             r"\bsetze? (?:alle |deine |ihre )?(?:vorherigen |bisherigen )?(?:anweisungen|regeln) ausser kraft"),
-    _ml_rule("ignore_previous_instructions",
-             ("忽略", "无视", "無視", "忘", "不要理", "不要遵守", "不再遵守", "放弃", "放棄", "丢弃", "丟棄", "抛开", "拋開", "别管",
-              "別管", "指示", "命令", "指令", "ルール", "規則", "設定", "プロンプト", "制約", "تجاهل", "انس", "لا تلتزم", "لا تتبع",
-              "اهمل", "تخل", "الغ", "무시", "잊어"),
-             rf"{_ZH_VERB}.{{0,10}}?{_ZH_WHICH}.{{0,10}}?{_ZH_ORDERS}",
+    # drop the earlier instructions
+    _ml_rule(_ML[0], ("ignor", "oubli", "neglig", "tiens pas", "tenez pas", "abstraction", "abandonn", "outre", "ecart",
+                      "precedentes", "anterieures", "initiales"),
+             _override(_FR_VERB, _FR_ORDERS, _FR_WHICH),
+             r"\b(?:instructions|consignes|regles) (?:precedentes|anterieures|initiales) (?:sont|ont ete) "
+             r"(?:annulees|caduques|revoquees|obsoletes|nulles|abrogees)",
+             requires=("instruction", "consigne", "regle", "directive", "ordres", "indications", "prompt")),
+    _ml_rule(_ML[0], ("ignor", "olvid", "descart", "omit", "caso", "pasa por", "desobedec", "anteriores", "previas",
+                      "iniciales"),
+             _override(_ES_VERB, _ES_ORDERS, _ES_WHICH),
+             r"\b(?:instrucciones|reglas|indicaciones) (?:anteriores|previas|iniciales) (?:estan|quedan|han sido) "
+             r"(?:anuladas|canceladas|revocadas|obsoletas|sin efecto)",
+             requires=("instrucciones", "reglas", "indicaciones", "directrices", "ordenes", "normas", "prompt")),
+    _ml_rule(_ML[0], ("ignor", "esquec", "desconsider", "descart", "nao siga", "deixe de", "desobedec", "anteriores",
+                      "previas", "iniciais"),
+             _override(_PT_VERB, _PT_ORDERS, _PT_WHICH),
+             r"\b(?:instrucoes|regras|orientacoes) (?:anteriores|previas|iniciais) (?:estao|foram|ficam) "
+             r"(?:anuladas|canceladas|revogadas|obsoletas|sem efeito)",
+             requires=("instrucoes", "regras", "diretrizes", "orientacoes", "ordens", "comandos", "prompt")),
+    _ml_rule(_ML[0], ("ignorier", "vergiss", "vergessen", "missacht", "verwirf", "verwerfen", "befolge", "setze",
+                      "vorherigen", "bisherigen", "alten"),
+             _override(_DE_VERB, _DE_ORDERS, _DE_WHICH),
+             r"\bsetze? (?:alle |deine |ihre )?(?:vorherigen |bisherigen )?(?:anweisungen|regeln) ausser kraft",
+             rf"\bbefolge(?:n sie)? (?:deine |ihre |die )?(?:\w{{1,20}} )?{_DE_ORDERS} nicht mehr",
+             r"\b(?:vorherigen|bisherigen|alten) (?:anweisungen|regeln|vorgaben) (?:sind|gelten) "
+             r"(?:aufgehoben|ungultig|nicht mehr|widerrufen|annulliert)",
+             requires=("anweisung", "instruktionen", "regeln", "vorgaben", "befehle", "richtlinien", "prompt",
+                       "systemnachricht")),
+    _ml_rule(_ML[0], ("ignora", "dimentic", "trascura", "non seguire", "non rispettare"),
+             _override(_IT_VERB, _IT_ORDERS, _IT_WHICH),
+             requires=("istruzioni", "regole", "indicazioni", "direttive", "ordini", "prompt")),
+    _ml_rule(_ML[0], ("игнорир", "забудь", "не обраща", "отбрось", "пренебреги", "не следуй", "не выполняй",
+                      "предыдущие", "прежние"),
+             _override(_RU_VERB, _RU_ORDERS, _RU_WHICH),
+             r"\b(?:предыдущие|прежние) (?:инструкции|указания|правила) (?:отменены|недействительны|больше не действуют)",
+             requires=("инструкци", "указани", "правил", "установк", "команд", "промпт", "распоряжени")),
+    _ml_rule(_ML[0], ("忽略", "无视", "無視", "忘", "不要理", "不要遵守", "不再遵守", "放弃", "放棄", "丢弃", "丟棄", "抛开", "拋開",
+                      "别管", "別管"),
+             rf"{_ZH_VERB}.{{0,10}}?{_ZH_WHICH}.{{0,10}}?{_ZH_ORDERS}"),
+    _ml_rule(_ML[0], ("指示", "命令", "指令", "ルール", "規則", "設定", "プロンプト", "制約"),
              rf"{_JA_WHICH}.{{0,12}}?{_JA_ORDERS}.{{0,12}}?{_JA_DROP}",
-             rf"{_JA_ORDERS}(?:は|を)?(?:すべて|全て|全部)(?:無視|忘れ)",
-             rf"(?<!\w){_AR_VERB}\b.{{0,40}}?(?:{_AR_ORDERS}.{{0,30}}?{_AR_WHICH}|{_AR_WHICH}.{{0,30}}?{_AR_ORDERS})",
-             rf"{_KO_WHICH}.{{0,12}}?{_KO_ORDERS}.{{0,12}}?(?:무시|잊어)"),
-    _ml_rule("system_prompt_exfiltration",
-             ("prompt", "invite systeme", "message systeme", "instructions", "consignes", "mensaje del sistema",
-              "instrucciones", "mensagem do sistema", "instrucoes", "system", "anweisungen", "istruzioni", "системн",
-              "скрыт", "секретн", "исходн", "提示", "指令", "系统消息", "系統訊息", "システム", "隠", "初期指示", "秘密の指示",
-              "موجه", "تعليمات", "رسالة النظام", "البرومبت", "프롬프트", "숨겨진"),
+             rf"{_JA_ORDERS}(?:は|を)?(?:すべて|全て|全部)(?:無視|忘れ)"),
+    _ml_rule(_ML[0], ("تجاهل", "انس", "لا تلتزم", "لا تتبع", "اهمل", "تخل", "الغ"),
+             rf"(?<!\w){_AR_VERB}\b.{{0,40}}?(?:{_AR_ORDERS}.{{0,30}}?{_AR_WHICH}|{_AR_WHICH}.{{0,30}}?{_AR_ORDERS})"),
+    _ml_rule(_ML[0], ("무시", "잊어"), rf"{_KO_WHICH}.{{0,12}}?{_KO_ORDERS}.{{0,12}}?(?:무시|잊어)"),
+    # show the system prompt or the hidden instructions; repeat the text before this message
+    _ml_rule(_ML[1], ("prompt systeme", "prompt du systeme", "invite systeme", "message systeme", "cachees", "secretes",
+                      "initiales", "d'origine", "repete", "recopie", "reecri"),
              r"\b(?:affiche[zr]?|montre[zr]?|revele[zr]?|donne[zr]?-moi|donne[zr]?|repete[zr]?|ecri[st]|ecrivez|divulgue[zr]?|"
              r"imprime[zr]?|dis-moi|dites-moi|recopie[zr]?)\b.{0,30}?(?:prompt systeme|prompt du systeme|invite systeme|"
              r"message systeme|(?:instructions|consignes) (?:cachees|secretes|initiales|systeme|du systeme|d'origine))",
+             r"\b(?:repete[zr]?|recopie[zr]?|reecri[st]|reecrivez)\b.{0,30}?\btexte\b.{0,30}?\b(?:avant|precede|au-dessus)"),
+    _ml_rule(_ML[1], ("sistema", "ocultas", "secretas", "iniciales", "originales", "repite", "copia", "reescribe"),
              r"\b(?:muestra(?:me)?|revela(?:me)?|dime|imprime|repite|escribe|ensename|comparte|copia)\b.{0,30}?"
              r"(?:prompt (?:del|de) sistema|mensaje del sistema|instrucciones (?:ocultas|secretas|iniciales|del sistema|originales))",
+             r"\b(?:repite|copia|reescribe)\b.{0,30}?\btexto\b.{0,30}?\b(?:antes|precede|arriba)"),
+    _ml_rule(_ML[1], ("sistema", "ocultas", "secretas", "iniciais", "originais", "repita", "copie", "reescreva"),
              r"\b(?:mostre|mostra|revele|revela|diga|me diga|imprima|repita|escreva|compartilhe|exiba|copie)\b.{0,30}?"
              r"(?:prompt (?:do|de) sistema|mensagem do sistema|instrucoes (?:ocultas|secretas|iniciais|do sistema|originais))",
+             r"\b(?:repita|copie|reescreva)\b.{0,30}?\btexto\b.{0,30}?\b(?:antes|precede|acima)"),
+    _ml_rule(_ML[1], ("systemprompt", "system-prompt", "systemnachricht", "versteckten", "geheimen", "ursprunglichen",
+                      "anfangsanweisungen", "wiederhole", "kopiere"),
              r"\b(?:zeig(?:e|en sie)?|gib|geben sie|verrate[n]?|nenne[n]?|wiederhole[n]?|drucke[n]?|schreib(?:e|en sie)?)\b"
              r".{0,30}?(?:system-?prompt|systemnachricht|(?:versteckten|geheimen|ursprunglichen) (?:anweisungen|instruktionen)|"
              r"anfangsanweisungen)",
+             r"\b(?:wiederhole[n]?|kopiere[n]?)\b.{0,30}?\btext\b.{0,30}?\b(?:vor|oberhalb|davor)\b"),
+    _ml_rule(_ML[1], ("di sistema", "nascoste", "segrete", "iniziali", "originali", "ripeti", "copia", "riscrivi"),
              r"\b(?:mostra(?:mi)?|rivela(?:mi)?|dimmi|stampa|ripeti|scrivi)\b.{0,30}?"
              r"(?:prompt di sistema|messaggio di sistema|istruzioni (?:nascoste|segrete|iniziali|di sistema|originali))",
+             r"\b(?:ripeti|copia|riscrivi)\b.{0,30}?\btesto\b.{0,30}?\b(?:prima|sopra|precede)"),
+    _ml_rule(_ML[1], ("системн", "скрыт", "секретн", "исходн", "повтори", "скопируй", "перепиши"),
              r"\b(?:покажи(?:те)?|выведи(?:те)?|раскрой(?:те)?|напиши(?:те)?|расскажи(?:те)?|повтори(?:те)?|"
              r"распечатай(?:те)?|сообщи(?:те)?|дай(?:те)?)\b.{0,30}?"
              r"(?:системн\w{0,6} (?:промпт|подсказк|инструкци|сообщени)|(?:скрыт|секретн|исходн)\w{0,6} инструкци)",
+             r"\b(?:повтори(?:те)?|скопируй(?:те)?|перепиши(?:те)?)\b.{0,30}?\bтекст\w{0,3}\b.{0,30}?(?:перед|до |выше)"),
+    _ml_rule(_ML[1], ("系统", "系統", "初始指令", "隐藏指令", "隱藏指令", "提示词", "提示詞", "原始指令", "重复", "重複", "复述", "複述",
+                      "抄写", "抄寫"),
              r"(?:显示|顯示|输出|輸出|告诉我|告訴我|打印|泄露|洩露|重复|重複|透露|给我看|給我看|展示|列出|发给我|發給我)"
              r".{0,10}?(?:系统提示|系統提示|系统指令|系統指令|初始指令|隐藏指令|隱藏指令|系统消息|系統訊息|提示词|提示詞|原始指令)",
+             r"把.{0,6}?(?:系统提示|系統提示|系统指令|系統指令|初始指令|隐藏指令|隱藏指令|提示词|提示詞).{0,12}?"
+             r"(?:显示|顯示|输出|輸出|告诉|告訴|打印|发给|發給|贴出|貼出|列出)",
+             r"(?:重复|重複|复述|複述|抄写|抄寫).{0,12}?(?:之前|以前|上面|前面).{0,6}?(?:文字|文本|内容|內容)"),
+    _ml_rule(_ML[1], ("システム", "隠", "初期指示", "秘密の指示", "内部の指示", "最初の指示", "繰り返", "そのまま書", "出力", "書き出"),
              r"(?:システムプロンプト|システムメッセージ|隠された指示|隠し指示|初期指示|秘密の指示|内部の指示|最初の指示)"
              r".{0,12}?(?:表示|教え|見せ|出力|明かし|開示|繰り返|書き出|公開|貼り付け)",
+             r"(?:前の|以前の|上の|より前の)(?:文章|テキスト|文|内容).{0,20}?(?:繰り返|そのまま書|出力|書き出)"),
+    _ml_rule(_ML[1], ("موجه النظام", "تعليمات النظام", "رسالة النظام", "التعليمات", "البرومبت", "كرر", "انسخ", "اعد كتابة"),
              r"(?<!\w)(?:اعرض|اظهر|اكشف|اطبع|اخبرني|كرر|اكتب|شارك|ارني|انسخ)\b.{0,30}?"
              r"(?:موجه النظام|تعليمات النظام|رسالة النظام|التعليمات المخفية|التعليمات السرية|التعليمات الاولية|البرومبت)",
+             r"(?<!\w)(?:كرر|انسخ|اعد كتابة)\b.{0,20}?النص.{0,30}?(?:قبل|يسبق|اعلاه)"),
+    _ml_rule(_ML[1], ("프롬프트", "숨겨진", "초기 지시"),
              r"(?:시스템 프롬프트|숨겨진 지시|초기 지시).{0,12}?(?:보여|알려|출력|공개)"),
-    _ml_rule("jailbreak_persona",
-             ("tu es", "vous etes", "mode developpeur", "eres", "modo desarrollador", "voce", "modo de desenvolvedor",
-              "modo desenvolvedor", "du bist", "entwicklermodus", "sei ", "modalita sviluppatore", "ты", "режим разработчика",
-              "你现在是", "你現在是", "从现在", "從現在", "开发者模式", "開發者模式", "あなたは", "開発者モード", "انت", "وضع المطور",
-              "너는", "개발자 모드"),
+    # a persona without restrictions; developer mode switched on
+    _ml_rule(_ML[2], ("tu es", "vous etes", "mode developpeur"),
              r"\b(?:tu es|vous etes) (?:desormais|maintenant|a present|dorenavant)\b.{0,40}?\bsans (?:aucune |aucun )?"
              r"(?:restrictions?|limites?|filtres?|regles|censure)",
-             r"\bmode developpeur (?:est )?(?:active|activee|enclenche)\b(?! ?\?)(?! (?:sur|dans|par)\b)",
+             r"\bmode developpeur (?:est )?(?:active|activee|enclenche)\b(?! ?\?)(?! (?:sur|dans|par)\b)"),
+    _ml_rule(_ML[2], ("eres", "modo desarrollador", "modo de desarrollador"),
              r"\b(?:ahora eres|a partir de ahora eres|eres ahora|desde ahora eres)\b.{0,40}?\bsin (?:ninguna |ningun )?"
              r"(?:restricciones|limites|filtros|reglas|censura)",
-             r"\bmodo (?:de )?desarrollador (?:esta )?(?:activado|habilitado)\b(?! ?\?)(?! (?:en|por|de)\b)",
+             r"\bmodo (?:de )?desarrollador (?:esta )?(?:activado|habilitado)\b(?! ?\?)(?! (?:en|por|de)\b)"),
+    _ml_rule(_ML[2], ("voce", "modo desenvolvedor", "modo de desenvolvedor"),
              r"\b(?:agora voce e|voce agora e|a partir de agora voce e|de agora em diante voce e)\b.{0,40}?\bsem "
              r"(?:nenhuma |nenhum )?(?:restricoes|limites|filtros|regras|censura)",
-             r"\bmodo (?:de )?desenvolvedor (?:esta )?(?:ativado|habilitado)\b(?! ?\?)(?! (?:no|na|em|por|de)\b)",
+             r"\bmodo (?:de )?desenvolvedor (?:esta )?(?:ativado|habilitado)\b(?! ?\?)(?! (?:no|na|em|por|de)\b)"),
+    _ml_rule(_ML[2], ("du bist", "entwicklermodus"),
              r"\bdu bist (?:jetzt|nun|ab sofort|ab jetzt)\b.{0,40}?\bohne (?:jegliche |alle |irgendwelche )?"
              r"(?:einschrankungen|beschrankungen|regeln|filter|zensur|grenzen)",
-             r"\bentwicklermodus (?:ist )?(?:aktiviert|eingeschaltet)\b(?! ?\?)(?! (?:auf|in|bei|am|im)\b)",
+             r"\bentwicklermodus (?:ist )?(?:aktiviert|eingeschaltet)\b(?! ?\?)(?! (?:auf|in|bei|am|im)\b)"),
+    _ml_rule(_ML[2], ("sei ", "modalita sviluppatore", "modalita developer"),
              r"\b(?:ora sei|adesso sei|da ora in poi sei)\b.{0,40}?\bsenza (?:alcuna |nessuna )?"
              r"(?:restrizioni|limiti|filtri|regole|censura)",
-             r"\bmodalita (?:sviluppatore|developer) (?:e )?attivata\b(?! ?\?)",
+             r"\bmodalita (?:sviluppatore|developer) (?:e )?attivata\b(?! ?\?)"),
+    _ml_rule(_ML[2], ("ты", "режим разработчика"),
              r"\b(?:теперь ты|ты теперь|отныне ты)\b.{0,40}?\bбез (?:каких-либо |всяких |любых )?"
              r"(?:ограничений|правил|фильтров|цензуры)",
-             r"\bрежим разработчика (?:включен|активирован)\b(?! ?\?)(?! (?:на|в)\b)",
+             r"\bрежим разработчика (?:включен|активирован)\b(?! ?\?)(?! (?:на|в)\b)"),
+    _ml_rule(_ML[2], ("你现在是", "你現在是", "从现在", "從現在", "开发者模式", "開發者模式"),
              r"(?:你现在是|你現在是|从现在起你是|從現在起你是|从现在开始你是|從現在開始你是|从现在起你|從現在起你).{0,30}?"
              r"(?:没有任何限制|沒有任何限制|不受任何限制|没有限制|沒有限制|不受限制|无限制|無限制|不受约束|不受約束|没有任何规则|沒有任何規則)",
-             r"(?:开发者模式|開發者模式)(?:已|已经|已經)(?:启用|啟用|开启|開啟|激活)(?![吗嗎?])",
+             r"(?:开发者模式|開發者模式)(?:已|已经|已經)(?:启用|啟用|开启|開啟|激活)(?![吗嗎?])"),
+    _ml_rule(_ML[2], ("あなたは", "開発者モード"),
              r"あなたは.{0,30}?(?:制限(?:の)?(?:ない|なし|を受けない)|制約(?:の)?ない|フィルターなし|何でもできる)",
-             r"開発者モード(?:が|は)?(?:有効|オン)(?:になりました|化されました|です)(?![かね?])",
+             r"開発者モード(?:が|は)?(?:有効|オン)(?:になりました|化されました|です)(?![かね?])"),
+    _ml_rule(_ML[2], ("انت", "اصبحت", "وضع المطور"),
              r"(?<!\w)(?:انت الان|من الان فصاعدا انت|من الان انت|اصبحت الان)\b.{0,40}?(?:بدون|بلا|دون) (?:اي )?"
              r"(?:قيود|حدود|قواعد|رقابة|فلاتر)",
-             r"وضع المطور (?:مفعل|تم تفعيله)(?! ?[؟?])",
+             r"وضع المطور (?:مفعل|تم تفعيله)(?! ?[؟?])"),
+    _ml_rule(_ML[2], ("너는", "당신은"),
              r"(?:너는|당신은) 이제.{0,30}?(?:제한|규칙|필터)(?:이|이나|도)? ?없"),
 )
 RULES += _MULTILINGUAL_RULES

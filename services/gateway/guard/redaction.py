@@ -219,12 +219,15 @@ def _card_length(span: str) -> int:
 
 def _loose_card_length(span: str) -> int:
     """A card whose groups may be split by newlines, commas or filler words: as _card_length, but
-    when a gap holds more than the plain separators, not a list of years ("2019, then 2020...")."""
+    when a gap holds more than the plain separators, not a list of years ("2019, then 2020...") nor
+    of numbers that count up ("rooms 2101, 2102, 2103 and 2104")."""
     length = _card_length(span)
     card = span[:length]
     if length and any(c.isalpha() or c in "\t\r\n,;:" for c in card):
-        years = sum(1 for g in _DIGIT_RUN.findall(card) if len(g) == 4 and g[:2] in ("19", "20"))
-        if years >= 2:
+        groups = [int(g) for g in _DIGIT_RUN.findall(card)]
+        years = sum(1 for g in groups if 1900 <= g <= 2099)
+        ascending = all(0 < b - a <= 100 for a, b in zip(groups, groups[1:]))  # room or line numbers in a row
+        if years >= 2 or ascending:
             return 0
     return length
 
