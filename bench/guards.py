@@ -157,6 +157,14 @@ def main(argv: list[str] | None = None) -> int:
                 ["lang", "injections: high", "benign: high (FP)", "injections: >= medium", "benign: >= medium (FP)"])
     print(f"\nOutput guard, {len(outputs)} outputs ({args.split} split); cells: {arrow}")
     print_table(output_table(outputs, results), ["lang", "cards/IBANs redacted", "benign changed (FP)", "stream != whole"])
+    print("\nBy split (dev: rules were checked against it; test: written with dev, before any rule was checked against the"
+          " set; fresh: written after the last rule change)")
+    summary = []
+    for split in sorted({r["split"] for r in inputs} | {r["split"] for r in outputs}):
+        inp = [r for r in inputs if r["split"] == split]
+        outp = [r for r in outputs if r["split"] == split]
+        summary.append([split] + input_table(inp, results)[-1][1:3] + output_table(outp, results)[-1][1:3])
+    print_table(summary, ["split", "injections: high", "benign: high (FP)", "cards/IBANs redacted", "benign changed (FP)"])
     if args.misses:
         print("\nRows the current guards get wrong:")
         for r in inputs:

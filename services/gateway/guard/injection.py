@@ -91,6 +91,16 @@ def normalise(text: str) -> str:
     return _WHITESPACE.sub(" ", text).strip()
 
 
+def normalise_lowered(text: str) -> str:
+    """normalise(), but casefolded before the look-alikes are folded: the view the rules of other
+    languages read. Folding first maps a capital Cyrillic "В", "Т", "Н", "М" or "К" to a Latin
+    letter while its small form stays Cyrillic, so "Выведи" and "выведи" would differ; an English
+    look-alike trick in capitals ("ВYPASS") is still read by the English rules on normalise()."""
+    if text.isascii():
+        return normalise(text)
+    return normalise(text.casefold())
+
+
 def compact(normalised: str) -> str:
     """Letters only, after the leetspeak map: the view that undoes letter spacing and punctuation."""
     if normalised.isascii():
@@ -110,6 +120,7 @@ class Rule:
     keywords: tuple[str, ...]
     max_chars: int
     on_compact: bool = False
+    on_lowered: bool = False  # runs on normalise_lowered() (the rules of other languages)
     requires: tuple[str, ...] = ()  # when given, every match also contains one of these (checked first, cheaply)
 
     def search(self, text: str) -> bool:
@@ -235,7 +246,8 @@ RULES: tuple[Rule, ...] = (
           r"\b(?:you are|you're|act as|pretend (?:to be|you are)|become|enter|enable|activate|switch to|now in|"
           r"respond as|roleplay as) (?:now )?(?:a |an |the )?(?:dan|stan|dude|aim|"
           r"(?:unrestricted|unfiltered|uncensored|jailbroken|evil|rogue) (?:ai|assistant|model|chatbot|version|mode))\b",
-          rf"\b(?:developer|dev|god|debug|admin|unrestricted|jailbreak|dan) mode (?:enabled|activated|on|engaged)\b{_NOT_A_DEVICE}",
+          rf"\b(?:developer|dev|god|debug|admin|unrestricted|jailbreak|dan) mode "
+          rf"(?:(?:enabled|activated|engaged)\b{_NOT_A_DEVICE}|on(?= ?[.!:;,\n]|$))",
           r"\b(?:enable|activate|enter|switch to) (?:god|jailbreak|dan) mode\b",
           # "enable developer mode" is also what phones, browsers and consoles have: an order to the
           # model only when it is not a question about a device ("how do I enable developer mode on a Pixel?")
@@ -272,10 +284,11 @@ RULES: tuple[Rule, ...] = (
 
 
 
-def _folded(text: str) -> str:
+def _folded(text: str) -> str:  # normalise_lowered() of a pattern, spaces kept as they are
     """A pattern or keyword written in its language's own letters, seen as normalise() sees text:
     accents and marks out, casefolded, look-alike letters folded (Russian "предыдущие" has Cyrillic
     letters that become Latin ones). Patterns use no upper-case escapes (casefold would change them)."""
+    text = text.casefold()
     return fold(unicodedata.normalize("NFKC", fold(text)).casefold())
 
 
@@ -283,7 +296,7 @@ def _ml_rule(name: str, keywords: tuple[str, ...], *alternatives: str, requires:
     """A strong rule written in another language than English: patterns and keywords normalised first.
     `requires`: words one of which every match also contains (the orders an override names)."""
     rule = _rule(name, True, tuple(dict.fromkeys(_folded(k) for k in keywords)), *(_folded(a) for a in alternatives))
-    return replace(rule, requires=tuple(dict.fromkeys(_folded(k) for k in requires)))
+    return replace(rule, requires=tuple(dict.fromkeys(_folded(k) for k in requires)), on_lowered=True)
 
 
 def _alt(*words: str) -> str:
@@ -395,33 +408,46 @@ _MULTILINGUAL_RULES: tuple[Rule, ...] = (
     _ml_rule(_ML[0], ("تجاهل", "انس", "لا تلتزم", "لا تتبع", "اهمل", "تخل", "الغ"),
              rf"(?<!\w){_AR_VERB}\b.{{0,40}}?(?:{_AR_ORDERS}.{{0,30}}?{_AR_WHICH}|{_AR_WHICH}.{{0,30}}?{_AR_ORDERS})"),
     _ml_rule(_ML[0], ("무시", "잊어"), rf"{_KO_WHICH}.{{0,12}}?{_KO_ORDERS}.{{0,12}}?(?:무시|잊어)"),
+    # "forget everything you were told"
+    _ml_rule(_ML[0], ("oubli", "olvid", "esquec", "vergiss", "забудь", "忘", "忘れ", "انس"),
+             r"\boublie[zr]? tout ce (?:qu'on (?:t'a|vous a)|que l'on (?:t'a|vous a)|que tu as|que vous avez) "
+             r"(?:dit|donne|appris|demande|recu)",
+             r"\bolvida(?:te|d)?(?: de)? todo lo que (?:te|le|les) (?:dijeron|indicaron|ordenaron|han dicho|dieron|pidieron)",
+             r"\besque(?:ca|ce|cam)(?: de)? tudo o que (?:te|lhe|voce) (?:disseram|falaram|mandaram|ensinaram|deram|recebeu)",
+             r"\bvergiss alles,? was (?:man )?(?:dir|ihnen) (?:vorher |zuvor |bisher |davor )?"
+             r"(?:gesagt|aufgetragen|befohlen|gegeben|beigebracht)",
+             r"\bзабудь(?:те)? вс[её],? что (?:тебе|вам) (?:раньше |ранее |до этого )?(?:говорили|сказали|велели|приказали|давали)",
+             r"(?:告诉|告訴|跟)你(?:说)?的(?:一切|所有|全部).{0,6}?(?:忘掉|忘记|忘記|忘了)",
+             r"(?:忘掉|忘记|忘記|忘了)(?:别人|他人|之前|以前)?(?:告诉|告訴|跟)你(?:说)?的(?:一切|所有|全部)",
+             r"(?:言われた|教えられた|指示された)(?:こと|内容)(?:は|を)?(?:全部|すべて|全て)?忘れ",
+             r"(?<!\w)انس(?:ى|ي)? كل ما (?:قيل لك|طلب منك|اخبروك|تعلمته)"),
     # show the system prompt or the hidden instructions; repeat the text before this message
     _ml_rule(_ML[1], ("prompt systeme", "prompt du systeme", "invite systeme", "message systeme", "cachees", "secretes",
                       "initiales", "d'origine", "repete", "recopie", "reecri"),
-             r"\b(?:affiche[zr]?|montre[zr]?|revele[zr]?|donne[zr]?-moi|donne[zr]?|repete[zr]?|ecri[st]|ecrivez|divulgue[zr]?|"
+             r"\b(?:affiche[zr]?|montre[zr]?|revele[zr]?|donne[zr]?-moi|donne[zr]?|repete[zr]?|divulgue[zr]?|"
              r"imprime[zr]?|dis-moi|dites-moi|recopie[zr]?)\b.{0,30}?(?:prompt systeme|prompt du systeme|invite systeme|"
              r"message systeme|(?:instructions|consignes) (?:cachees|secretes|initiales|systeme|du systeme|d'origine))",
              r"\b(?:repete[zr]?|recopie[zr]?|reecri[st]|reecrivez)\b.{0,30}?\btexte\b.{0,30}?\b(?:avant|precede|au-dessus)"),
     _ml_rule(_ML[1], ("sistema", "ocultas", "secretas", "iniciales", "originales", "repite", "copia", "reescribe"),
-             r"\b(?:muestra(?:me)?|revela(?:me)?|dime|imprime|repite|escribe|ensename|comparte|copia)\b.{0,30}?"
+             r"\b(?:muestra(?:me)?|revela(?:me)?|dime|imprime|repite|ensename|comparte|copia)\b.{0,30}?"
              r"(?:prompt (?:del|de) sistema|mensaje del sistema|instrucciones (?:ocultas|secretas|iniciales|del sistema|originales))",
              r"\b(?:repite|copia|reescribe)\b.{0,30}?\btexto\b.{0,30}?\b(?:antes|precede|arriba)"),
     _ml_rule(_ML[1], ("sistema", "ocultas", "secretas", "iniciais", "originais", "repita", "copie", "reescreva"),
-             r"\b(?:mostre|mostra|revele|revela|diga|me diga|imprima|repita|escreva|compartilhe|exiba|copie)\b.{0,30}?"
+             r"\b(?:mostre|mostra|revele|revela|diga|me diga|imprima|repita|compartilhe|exiba|copie)\b.{0,30}?"
              r"(?:prompt (?:do|de) sistema|mensagem do sistema|instrucoes (?:ocultas|secretas|iniciais|do sistema|originais))",
              r"\b(?:repita|copie|reescreva)\b.{0,30}?\btexto\b.{0,30}?\b(?:antes|precede|acima)"),
     _ml_rule(_ML[1], ("systemprompt", "system-prompt", "systemnachricht", "versteckten", "geheimen", "ursprunglichen",
                       "anfangsanweisungen", "wiederhole", "kopiere"),
-             r"\b(?:zeig(?:e|en sie)?|gib|geben sie|verrate[n]?|nenne[n]?|wiederhole[n]?|drucke[n]?|schreib(?:e|en sie)?)\b"
+             r"\b(?:zeig(?:e|en sie)?|gib|geben sie|verrate[n]?|nenne[n]?|wiederhole[n]?|drucke[n]?)\b"
              r".{0,30}?(?:system-?prompt|systemnachricht|(?:versteckten|geheimen|ursprunglichen) (?:anweisungen|instruktionen)|"
              r"anfangsanweisungen)",
              r"\b(?:wiederhole[n]?|kopiere[n]?)\b.{0,30}?\btext\b.{0,30}?\b(?:vor|oberhalb|davor)\b"),
     _ml_rule(_ML[1], ("di sistema", "nascoste", "segrete", "iniziali", "originali", "ripeti", "copia", "riscrivi"),
-             r"\b(?:mostra(?:mi)?|rivela(?:mi)?|dimmi|stampa|ripeti|scrivi)\b.{0,30}?"
+             r"\b(?:mostra(?:mi)?|rivela(?:mi)?|dimmi|stampa|ripeti)\b.{0,30}?"
              r"(?:prompt di sistema|messaggio di sistema|istruzioni (?:nascoste|segrete|iniziali|di sistema|originali))",
              r"\b(?:ripeti|copia|riscrivi)\b.{0,30}?\btesto\b.{0,30}?\b(?:prima|sopra|precede)"),
     _ml_rule(_ML[1], ("системн", "скрыт", "секретн", "исходн", "повтори", "скопируй", "перепиши"),
-             r"\b(?:покажи(?:те)?|выведи(?:те)?|раскрой(?:те)?|напиши(?:те)?|расскажи(?:те)?|повтори(?:те)?|"
+             r"\b(?:покажи(?:те)?|выведи(?:те)?|раскрой(?:те)?|расскажи(?:те)?|повтори(?:те)?|"
              r"распечатай(?:те)?|сообщи(?:те)?|дай(?:те)?)\b.{0,30}?"
              r"(?:системн\w{0,6} (?:промпт|подсказк|инструкци|сообщени)|(?:скрыт|секретн|исходн)\w{0,6} инструкци)",
              r"\b(?:повтори(?:те)?|скопируй(?:те)?|перепиши(?:те)?)\b.{0,30}?\bтекст\w{0,3}\b.{0,30}?(?:перед|до |выше)"),
@@ -442,7 +468,32 @@ _MULTILINGUAL_RULES: tuple[Rule, ...] = (
              r"(?<!\w)(?:كرر|انسخ|اعد كتابة)\b.{0,20}?النص.{0,30}?(?:قبل|يسبق|اعلاه)"),
     _ml_rule(_ML[1], ("프롬프트", "숨겨진", "초기 지시"),
              r"(?:시스템 프롬프트|숨겨진 지시|초기 지시).{0,12}?(?:보여|알려|출력|공개)"),
+    # the secret instructions you received
+    _ml_rule(_ML[1], ("secretes", "cachees", "secretas", "ocultas", "geheimen", "versteckten", "секретн", "скрыт",
+                      "秘密", "隐藏", "隱藏", "السرية", "المخفية"),
+             r"\b(?:instructions|consignes) (?:secretes|cachees)\b.{0,40}?\b(?:recues|donnees|que tu as|qu'on t'a)",
+             r"\binstrucciones (?:secretas|ocultas)\b.{0,40}?\b(?:recibiste|te dieron|que tienes)",
+             r"\binstrucoes (?:secretas|ocultas)\b.{0,40}?\b(?:recebeu|te deram|lhe deram|que voce tem)",
+             r"\b(?:geheimen|versteckten) (?:anweisungen|instruktionen)\b.{0,40}?\b(?:bekommen|erhalten|gegeben)",
+             r"\b(?:секретн|скрыт)\w{0,4} инструкци\w{0,3}\b.{0,40}?(?:получил|дали|выдали)",
+             r"(?:收到|得到|拿到)的(?:秘密|隐藏|隱藏)(?:指令|指示|说明)",
+             r"(?:受け取った|与えられた|もらった)(?:秘密の|隠された|隠し)(?:指示|命令)",
+             r"التعليمات (?:السرية|المخفية).{0,40}?(?:تلقيتها|اعطيت|تلقيت)"),
     # a persona without restrictions; developer mode switched on
+    _ml_rule(_ML[2], ("tu es", "eres", "voce e", "bist du", "ты", "你是", "あなたは", "انت"),
+             r"\b(?:desormais|maintenant|a partir de maintenant|dorenavant),? tu es\b.{0,40}?\bsans (?:aucune |aucun )?"
+             r"(?:restrictions?|limites?|filtres?|regles|censure)",
+             r"\b(?:desde (?:este momento|ahora)|a partir de ahora|ahora),? eres\b.{0,40}?\bsin (?:ninguna |ningun )?"
+             r"(?:restricciones|limites|filtros?|reglas|censura)",
+             r"\b(?:de agora em diante|a partir de agora|agora),? voce e\b.{0,40}?\bsem (?:nenhuma |nenhum )?"
+             r"(?:restricoes|limites|filtros?|regras|censura)",
+             r"\b(?:ab jetzt|ab sofort|von nun an|jetzt|nun) bist du\b.{0,40}?\bohne (?:jegliche |alle |irgendwelche )?"
+             r"(?:einschrankungen|beschrankungen|regeln|filter|zensur|grenzen)",
+             r"\b(?:с этого момента|с этой минуты) ты\b.{0,40}?\bбез (?:каких-либо |всяких |любых )?"
+             r"(?:ограничений|правил|фильтров|цензуры)",
+             r"你是.{0,20}?(?:没有过滤|沒有過濾|没有规则|沒有規則|没有任何限制|沒有任何限制|不受任何限制|没有限制|沒有限制|无限制|無限制|没有审查|沒有審查)",
+             r"あなたは.{0,30}?(?:フィルター|ルール|制限|制約)(?:も|が)?(?:ない|なし)",
+             r"(?<!\w)(?:من هذه اللحظة|من الان|الان) انت\b.{0,40}?(?:بدون|بلا|دون) (?:اي )?(?:قيود|حدود|قواعد|رقابة|فلاتر)"),
     _ml_rule(_ML[2], ("tu es", "vous etes", "mode developpeur"),
              r"\b(?:tu es|vous etes) (?:desormais|maintenant|a present|dorenavant)\b.{0,40}?\bsans (?:aucune |aucun )?"
              r"(?:restrictions?|limites?|filtres?|regles|censure)",
@@ -579,7 +630,8 @@ class InjectionDetector:
         """The verdict on one prompt; cost linear in len(text), classifier part bounded."""
         normalised = normalise(text)
         squeezed = compact(normalised)
-        fired = [r for r in RULES if r.search(squeezed if r.on_compact else normalised)]
+        lowered = normalised if text.isascii() else normalise_lowered(text)
+        fired = [r for r in RULES if r.search(squeezed if r.on_compact else lowered if r.on_lowered else normalised)]
         names = tuple(dict.fromkeys(r.name for r in fired))
         score = self.score(normalised)
         if any(r.is_strong for r in fired) or score >= HIGH_SCORE:
