@@ -6,9 +6,12 @@ benign look-alikes ("How do I enable developer mode on a Pixel phone?", "can I i
 warning?") in English, French, Spanish, Portuguese, German, Russian, Chinese, Japanese and Arabic;
 output.jsonl holds model outputs with bank cards and IBANs (split by newlines, by filler words, in
 2-digit groups, grouped, plain) and benign numbers (dates, prices, order numbers failing Luhn,
-years, versions, phone-like numbers). Each row has a split: "dev" rows are the ones a rule change
-may be checked against, "test" rows are not to be tuned on; the tables give both together and the
-summary each apart. Nothing here trains: the classifier's weights are unchanged.
+years, versions, phone-like numbers). Each row has a split, in the order they were written: "dev"
+(rule changes were checked against it), "test" (written with dev; not tuned on, but the families
+its dev twins taught were), "fresh" (written after those changes; rules were then added for the
+families it missed) and "final" (written after every rule change, measured once, never tuned
+on: the held-out figure). The tables give all rows; the summary each split apart. Nothing here
+trains: the classifier's weights are unchanged.
 
 Input guard: a prompt counts as detected at level high (what a blocking tenant refuses) and, in the
 second column, at level medium or high (what is counted and logged); a benign prompt at that level
@@ -135,7 +138,7 @@ def output_table(rows: list[dict[str, str]], results: list[dict[str, dict[str, o
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="weir bench guards", description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", default=BASELINE, help="commit whose guards are the baseline; 'none': skip")
-    parser.add_argument("--split", choices=("all", "dev", "test"), default="all", help="rows of this split only")
+    parser.add_argument("--split", default="all", help="rows of this split only (dev, test, fresh, final) or all")
     parser.add_argument("--data", type=Path, default=DATA, help=argparse.SUPPRESS)
     parser.add_argument("--evaluate-only", action="store_true", help=argparse.SUPPRESS)  # the baseline's subprocess
     parser.add_argument("--misses", action="store_true", help="list every row the current guards get wrong")
@@ -157,8 +160,9 @@ def main(argv: list[str] | None = None) -> int:
                 ["lang", "injections: high", "benign: high (FP)", "injections: >= medium", "benign: >= medium (FP)"])
     print(f"\nOutput guard, {len(outputs)} outputs ({args.split} split); cells: {arrow}")
     print_table(output_table(outputs, results), ["lang", "cards/IBANs redacted", "benign changed (FP)", "stream != whole"])
-    print("\nBy split (dev: rules were checked against it; test: written with dev, before any rule was checked against the"
-          " set; fresh: written after the last rule change)")
+    print("\nBy split (dev: rules were checked against it; test: written with dev, not tuned on, but rules for the same"
+          " families were; fresh: written after those, then rules were added for its misses; final: written after"
+          " every rule change, never tuned on)")
     summary = []
     for split in sorted({r["split"] for r in inputs} | {r["split"] for r in outputs}):
         inp = [r for r in inputs if r["split"] == split]
