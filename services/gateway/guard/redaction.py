@@ -154,7 +154,8 @@ _LOOSE_LOOK = 2 * (4 + 10) + 4 + 3  # the most chars _LOOSE_BEHIND spans before 
 # IBAN: country, 2 check digits, then 11-30 letters and digits in groups of 4 (one consistent
 # space or hyphen, or none), the last 1-4; uppercase (as printed), checked mod 97 (ISO 13616)
 _IBAN_BEHIND = re.compile(r"[A-Z]{2}[0-9]{2}(?:[ -]?[A-Z0-9]{1,4}){0,8}\Z")
-_IBAN_LOOK = 4 + 8 * 5
+_IBAN_LOOK = 4 + 8 * 5  # the most chars _IBAN_BEHIND spans; its digits are in the first 4
+_DIGIT_LOOK = max(_LOOSE_LOOK, _IBAN_LOOK)
 _IBAN_LENGTHS = {
     "AD": 24, "AE": 23, "AL": 28, "AT": 20, "AZ": 28, "BA": 20, "BE": 16, "BG": 22, "BH": 22, "BR": 29, "BY": 28,
     "CH": 21, "CR": 22, "CY": 28, "CZ": 24, "DE": 22, "DK": 18, "DO": 28, "EE": 20, "EG": 29, "ES": 24, "FI": 18,
@@ -535,7 +536,10 @@ def _last_cut_end(text: str, lo: int) -> int:
         return hard_end
     seps = [m.start() for m in _SEP_RX.finditer(text, hard_end)]
     for b in reversed(seps):  # separators after it: each may or may not join what is around it
-        if not ((text[b] == " " and _space_may_join(text, b)) or _in_loose_card(text, b) or _in_iban(text, b)):
+        if text[b] == " " and _space_may_join(text, b):
+            continue
+        # a loose card gap or an IBAN's space has a digit at most _DIGIT_LOOK chars before it
+        if _DIGIT.search(text, max(0, b - _DIGIT_LOOK), b) is None or not (_in_loose_card(text, b) or _in_iban(text, b)):
             return b + 1
     return hard_end
 
