@@ -19,7 +19,16 @@ Detection, in order:
    where it cannot match: the whole text is still covered, so an instruction buried in the middle
    of a 100k-char document is found, and the answer is the same as searching the whole text.
    "strong" rules are phrasings with next to no innocent use; "weak" ones are signals that also
-   occur innocently (a jailbreak question, a note addressed to an AI).
+   occur innocently (a jailbreak question, a note addressed to an AI). Strong rules in French,
+   Spanish, Portuguese, German, Italian, Russian, Chinese, Japanese, Arabic and Korean
+   (``_MULTILINGUAL_RULES``, one per language and family, each with its own keywords) cover
+   dropping the earlier instructions (a verb, the instructions, and a word saying which:
+   previous, above, all, yours), "forget everything you were told", asking for the system prompt
+   or the secret instructions, repeating the text before the message, and a persona without
+   restrictions or developer mode switched on (as a statement, not a question about a phone). They
+   read ``normalise_lowered``: casefolded before look-alikes are folded, so capital Cyrillic
+   letters stay Cyrillic. "Enable developer mode" in English is strong only when it is not a
+   question ("how do I ...") nor about a device ("... on a Pixel phone").
 3. Classifier: logistic regression over signed, hashed features (2**15 buckets): word unigrams and
    bigrams and char 3-5-grams of the normalised text, L2-normalised. It sees at most the first and
    last ``_CLASSIFIER_EDGE_CHARS`` characters, so its cost is bounded whatever the input size.
@@ -39,6 +48,13 @@ this figure is the less independent one). Latency (``weir bench injection``, 3,0
 with other jobs), thread CPU: p50 0.30 ms, p95 1.5 ms, p99 2.0 ms (was p50 0.93, p99 9.7); 8k-char
 prompts p50 1.4 ms; 100k-char documents ~13 ms (classifier ~1 ms, capped; rules and normalising
 linear in the length).
+
+On the hand-written multilingual set (tests/data/guards/input.jsonl, ``weir bench guards``,
+docs/benchmarks.md "Guards"), level high: 83% of 172 injections in nine languages, no false
+positive on 166 benign look-alikes (was 12% and 2%); on its "final" split, written after the last
+rule change and never tuned on, 49% of 37 injections and none of 28 benign prompts. Since the
+multilingual rules, ``weir bench injection``: p50 0.6-0.9 ms up to 8k chars, 28-36 ms at 100k
+(+25-45%, keyword scans of the added rules).
 """
 
 from __future__ import annotations
