@@ -189,3 +189,20 @@ def test_output_guard_floors_on_the_set() -> None:
     assert sum(found[r["id"]] for r in benign) / len(benign) <= MAX_OUTPUT_FP
     for r in data:
         assert streamed(r["text"]) == redact(r["text"])[0], r["id"]
+
+
+PIECES = ["4111", "1111", "5500", "0055", "5559", "42", "11", "2024", "123", "12345", "7", " ", " ", "  ", "\n", "\r\n",
+          ",", ", ", ":", "\t", "then", "and", "next", "finally", "x", "GB82", "WEST", "DE89", "3704", "-", ".", "DE",
+          "a@b.co", "at", "dot", "Card", "é", "卡", "\u200b"]
+
+
+def test_streaming_equals_the_whole_on_random_mixes_of_groups_separators_and_words() -> None:
+    """The streamed text equals the whole text's redaction for random texts made of card groups,
+    IBAN pieces, loose separators and filler words, split at random (the guarantee in
+    redaction.py, on the shapes the loose gaps and IBANs added)."""
+    rng = random.Random(35)
+    for _ in range(400):
+        text = "".join(rng.choice(PIECES) for _ in range(rng.randint(1, 40)))
+        whole = redact(text)[0]
+        for seed in range(3):
+            assert streamed(text, seed) == whole, repr(text)

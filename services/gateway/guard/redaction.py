@@ -109,8 +109,11 @@ and spaced-out addresses (same box, same method, 5 runs each, interleaved; loade
 one-char words "s p e l l e d" 38 us (8; held up to 42 chars while an "@" may still come),
 whole-text of 340k chars of prose 105-130 ms (61-117). With loose card gaps and IBANs (issue 35,
 same method, 5 runs of 20k feeds, old code alternately): prose 7.7-11 us (5.8-8.9), card tokens
-15-18 us (10-16), tokens mixing numbers and short words 36-51 us (12-23; up to two words after a
-group are held and re-checked each feed); a separator far from any digit skips both checks.
+15-19 us (10-16), tokens mixing numbers and short words 27-51 us (12-23; up to two words after a
+group are held and re-checked each feed); a separator far from any digit skips both checks, and a
+run of groups (or an IBAN's start) is skipped whole (_chains). Worst cases seen, 4-char deltas of
+a text that keeps the window full: "4111 then " repeated ~75 us a feed (old code 22), "GB82 WEST "
+repeated ~140 us (13), "41 " repeated ~140 us (100).
 O(len(held) + len(delta)) per call, the regexes compiled once at import.
 """
 
@@ -158,7 +161,7 @@ _SEP_RUN = r"[ \t\r\n,;:]{1,4}"
 _FILLER = r"[A-Za-z]{1,10}"
 _LOOSE_GAP = rf"(?:{_CARD_GAP}|(?:{_SEP_RUN}{_FILLER}){{0,2}}{_SEP_RUN})"
 # is the text before a separator the end of a card group and at most two filler words?
-_LOOSE_BEHIND = re.compile(rf"(?<![0-9])[0-9]{{3,6}}(?:{_SEP_RUN}{_FILLER}){{0,2}}[ \t\r\n,;:]{{0,3}}\Z")
+_LOOSE_BEHIND = re.compile(rf"(?:{_SEP_RUN}{_FILLER}){{0,2}}[ \t\r\n,;:]{{0,3}}")  # digits .. separator
 # may the text after it still bring the next group, with the filler words left (2 less those behind):
 # digits after at most that many words...
 _LOOSE_AHEAD = tuple(re.compile(rf"[ \t\r\n,;:]{{0,3}}(?:{_FILLER}{_SEP_RUN}){{0,{k}}}[0-9]") for k in range(3))
@@ -168,12 +171,19 @@ _LOOSE_PARTIAL = (re.compile(r"[ \t\r\n,;:]{0,3}"),) + tuple(
     for k in (1, 2)
 )
 _LETTERS = re.compile("[A-Za-z]+")
-_LOOSE_LOOK = 2 * (4 + 10) + 4 + 3  # the most chars _LOOSE_BEHIND spans before a separator
+_LOOSE_LOOK = 2 * (4 + 10) + 3  # the most chars _LOOSE_BEHIND spans: the group's last digit is this close
 # IBAN: country, 2 check digits, then 11-30 letters and digits in groups of 4 (one consistent
 # space or hyphen, or none), the last 1-4; uppercase (as printed), checked mod 97 (ISO 13616)
-_IBAN_BEHIND = re.compile(r"[A-Z]{2}[0-9]{2}(?:[ -]?[A-Z0-9]{1,4}){0,8}\Z")
-_IBAN_LOOK = 4 + 8 * 5  # the most chars _IBAN_BEHIND spans; its digits are in the first 4
+_IBAN_START = re.compile(r"[A-Z]{2}[0-9]{2}")  # an IBAN's start before a space between its groups...
+_IBAN_BEHIND = re.compile(r"[A-Z0-9 -]{0,40}")  # ...then its groups (looser than they are: holds, never cuts)
+_IBAN_LOOK = 4 + 40  # the most chars from an IBAN's start to a space inside it
 _DIGIT_LOOK = max(_LOOSE_LOOK, _IBAN_LOOK)
+# Runs whose every separator inside joins (_in_loose_card / _in_iban would say so): a chain of card
+# groups of 3-6 digits with loose gaps, an IBAN's start and what may follow it. _last_cut_end skips
+# them whole, so a held window full of groups costs a few regex scans, not a check per separator.
+_LOOSE_CHAIN = re.compile(rf"(?<![0-9])[0-9]{{3,6}}(?:(?:{_SEP_RUN}{_FILLER}){{0,2}}{_SEP_RUN}[0-9]{{3,6}}(?![0-9]))+")
+_IBAN_CHAIN = re.compile(r"[A-Z]{2}[0-9]{2}[A-Z0-9 -]{1,40}")
+_FEW_SEPS = 4  # below this many separators to decide, no chain is looked for
 _IBAN_LENGTHS = {
     "AD": 24, "AE": 23, "AL": 28, "AT": 20, "AZ": 28, "BA": 20, "BE": 16, "BG": 22, "BH": 22, "BR": 29, "BY": 28,
     "CH": 21, "CR": 22, "CY": 28, "CZ": 24, "DE": 22, "DK": 18, "DO": 28, "EE": 20, "EG": 29, "ES": 24, "FI": 18,
@@ -553,7 +563,12 @@ def _last_cut_end(text: str, lo: int) -> int:
     if hard_end == len(text):
         return hard_end
     seps = [m.start() for m in _SEP_RX.finditer(text, hard_end)]
+    chains = _chains(text, hard_end) if len(seps) >= _FEW_SEPS else []
     for b in reversed(seps):  # separators after it: each may or may not join what is around it
+        while chains and chains[-1][0] >= b:
+            chains.pop()
+        if chains and b < chains[-1][1]:  # inside a chain: joins
+            continue
         if text[b] == " " and _space_may_join(text, b):
             continue
         # a loose card gap or an IBAN's space has a digit at most _DIGIT_LOOK chars before it
@@ -562,18 +577,36 @@ def _last_cut_end(text: str, lo: int) -> int:
     return hard_end
 
 
+def _chains(text: str, pos: int) -> list[tuple[int, int]]:
+    """Spans (start, end) from pos on whose every separator strictly inside joins, sorted by start."""
+    spans = [m.span() for m in _LOOSE_CHAIN.finditer(text, pos)]
+    spans += [(m.start() + 4, m.end()) for m in _IBAN_CHAIN.finditer(text, pos) if " " in m.group()]
+    return sorted(spans)
+
+
 def _in_loose_card(text: str, b: int) -> bool:
     """Whether the separator text[b] may be in a loose card gap: a group of digits before it, at
     most two filler words between, and the next group after it (or the text not known that far)."""
-    if (behind := _LOOSE_BEHIND.search(text, max(0, b - _LOOSE_LOOK), b)) is None:
+    lo = max(0, b - _LOOSE_LOOK - 1)
+    last = max(text.rfind(d, lo, b) for d in "0123456789")  # the group's last digit
+    if last < 0:
         return False
-    left = 2 - len(_LETTERS.findall(behind.group()))
+    first = last
+    while first > 0 and text[first - 1] in "0123456789" and last - first < 6:
+        first -= 1
+    if not 3 <= last - first + 1 <= 6 or (first > 0 and text[first - 1] in "0123456789"):
+        return False  # a card group has 3-6 digits
+    if _LOOSE_BEHIND.fullmatch(text, last + 1, b) is None:
+        return False
+    left = 2 - len(_LETTERS.findall(text, last + 1, b))
     return _LOOSE_AHEAD[left].match(text, b + 1) is not None or _LOOSE_PARTIAL[left].fullmatch(text, b + 1) is not None
 
 
 def _in_iban(text: str, b: int) -> bool:
     """Whether the space text[b] may be between two groups of an IBAN ("GB82 WEST 1234...")."""
-    return text[b] == " " and _IBAN_BEHIND.search(text, max(0, b - _IBAN_LOOK), b) is not None
+    if text[b] != " ":
+        return False
+    return any(_IBAN_BEHIND.fullmatch(text, m.end(), b) for m in _IBAN_START.finditer(text, max(0, b - _IBAN_LOOK), b))
 
 
 class Redactor:
