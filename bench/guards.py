@@ -78,17 +78,18 @@ def evaluate_at(commit: str) -> dict[str, dict[str, object]] | None:
     with tempfile.TemporaryDirectory(prefix="weir-guards-baseline-") as tmp:
         tree = Path(tmp) / "tree"
         added = subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "--quiet", str(tree), commit],
-                               capture_output=True, text=True)  # fmt: skip
+                               capture_output=True, text=True, check=False)  # fmt: skip
         if added.returncode != 0:
             print(f"baseline {commit}: no checkout ({added.stderr.strip() or added.stdout.strip()})", file=sys.stderr)
             return None
         try:
             env = {**os.environ, "PYTHONPATH": str(tree)}
-            run = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--evaluate-only", "--data", str(DATA)],
-                                 cwd=tree, env=env, capture_output=True, text=True, check=True)  # fmt: skip
+            command = [sys.executable, str(Path(__file__).resolve()), "--evaluate-only", "--data", str(DATA)]
+            run = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, check=True)
             return json.loads(run.stdout)
         finally:
-            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], capture_output=True)
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], capture_output=True,
+                           check=False)  # fmt: skip
 
 
 def _pct(hits: int, total: int) -> str:
@@ -126,7 +127,8 @@ def output_table(rows: list[dict[str, str]], results: list[dict[str, dict[str, o
         line = [lang]
         for group in (pos, neg):
             line.append(" -> ".join(
-                _pct(sum(int(res[r["id"]]["num_redacted"]) > 0 for r in group), len(group)) if res is not None else "n/a"
+                _pct(sum(int(res[r["id"]]["num_redacted"]) > 0 for r in group), len(group))
+                if res is not None else "n/a"
                 for res in results
             ))  # fmt: skip
         line.append(" -> ".join(str(sum(not res[r["id"]]["stream_ok"] for r in mine)) if res is not None else "n/a"
@@ -159,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     print_table(input_table(inputs, results),
                 ["lang", "injections: high", "benign: high (FP)", "injections: >= medium", "benign: >= medium (FP)"])
     print(f"\nOutput guard, {len(outputs)} outputs ({args.split} split); cells: {arrow}")
-    print_table(output_table(outputs, results), ["lang", "cards/IBANs redacted", "benign changed (FP)", "stream != whole"])
+    print_table(output_table(outputs, results),
+                ["lang", "cards/IBANs redacted", "benign changed (FP)", "stream != whole"])  # fmt: skip
     print("\nBy split (dev: rules were checked against it; test: written with dev, not tuned on, but rules for the same"
           " families were; fresh: written after those, then rules were added for its misses; final: written after"
           " every rule change, never tuned on)")
@@ -168,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         inp = [r for r in inputs if r["split"] == split]
         outp = [r for r in outputs if r["split"] == split]
         summary.append([split] + input_table(inp, results)[-1][1:3] + output_table(outp, results)[-1][1:3])
-    print_table(summary, ["split", "injections: high", "benign: high (FP)", "cards/IBANs redacted", "benign changed (FP)"])
+    print_table(summary, ["split", "injections: high", "benign: high (FP)", "cards/IBANs redacted",
+                          "benign changed (FP)"])  # fmt: skip
     if args.misses:
         print("\nRows the current guards get wrong:")
         for r in inputs:

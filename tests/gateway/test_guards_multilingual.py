@@ -15,7 +15,7 @@ import pytest
 from services.gateway.config import GatewaySettings
 from services.gateway.guard.injection import InjectionDetector
 from services.gateway.guard.input_guard import InputGuard
-from services.gateway.guard.redaction import REDACTED, Redactor, redact
+from services.gateway.guard.redaction import Redactor, redact
 from services.gateway.openai_format import ChatCompletionBody
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "guards"
@@ -133,7 +133,7 @@ def test_benign_mentions_are_not_high_risk(text: str) -> None:
 
 
 async def test_the_pixel_question_is_served_for_a_blocking_tenant() -> None:
-    config = GatewaySettings(kafka_bootstrap="127.0.0.1:1", input_guard_tenant_actions={"acme": "block"})  # type: ignore[call-arg]
+    config = GatewaySettings(kafka_bootstrap="127.0.0.1:1", input_guard_tenant_actions={"acme": "block"})
     guard = InputGuard(config, "gw-1", lambda flag: None)
     body = ChatCompletionBody.model_validate(
         {"model": "echo", "messages": [{"role": "user", "content": "How do I enable developer mode on a Pixel phone?"}]}

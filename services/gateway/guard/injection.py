@@ -267,7 +267,8 @@ RULES: tuple[Rule, ...] = (
           r"\b(?:enable|activate|enter|switch to) (?:god|jailbreak|dan) mode\b",
           # "enable developer mode" is also what phones, browsers and consoles have: an order to the
           # model only when it is not a question about a device ("how do I enable developer mode on a Pixel?")
-          rf"\b(?=enable|activate|enter|switch to){_NOT_A_QUESTION}(?:enable|activate|enter|switch to) (?:developer|dev) mode\b"
+          rf"\b(?=enable|activate|enter|switch to){_NOT_A_QUESTION}(?:enable|activate|enter|switch to) (?:developer|"
+          rf"dev) mode\b"
           rf"{_NOT_A_DEVICE}"),
     _rule("jailbreak_persona", True, ("developermode",),
           r"developermode(?:enabled|activated)(?!by|on|in|for|when|if|after|before|and|or|so|but)", on_compact=True),
@@ -328,7 +329,8 @@ _FR_VERB = _alt(r"ignore[zr]?", r"oublie[zr]?", r"neglige[zr]?", "ne tiens pas c
 _FR_ORDERS = _alt(r"instructions?", r"consignes?", r"regles?", r"directives?", "ordres", "indications", "prompt")
 _FR_WHICH = _alt(r"precedent", r"anterieur", "ci-dessus", "plus haut", r"initial", "d'origine", "toutes", "tous",
                  "tes ", "vos ", "systeme", "d'avant", "recues", "donnees")
-_ES_VERB = _alt("ignora", "ignore", "ignoren", "ignorad", "olvida", "olvide", "olviden", "olvidad", "descarta", "descarte",
+_ES_VERB = _alt("ignora", "ignore", "ignoren", "ignorad", "olvida", "olvide", "olviden", "olvidad", "descarta",
+                "descarte",
                 "omite", "omita", "no hagas caso", "no haga caso", "haz caso omiso", "pasa por alto", "desobedece")
 _ES_ORDERS = _alt("instrucciones", "reglas", "indicaciones", "directrices", "ordenes", "normas", "prompt")
 _ES_WHICH = _alt("anteriores", "previas", "de arriba", "iniciales", "originales", "todas", "todo", "tus ", "sus ",
@@ -349,7 +351,8 @@ _IT_ORDERS = _alt("istruzioni", "regole", "indicazioni", "direttive", "ordini", 
 _IT_WHICH = _alt("precedenti", "sopra", "tutte", "iniziali", "originali", "tue ", "vostre ", "di sistema", "ricevute")
 _RU_VERB = _alt(r"(?:про)?игнорир\w{0,5}", r"забудь(?:те)?", r"не обращай(?:те)? внимания на",
                 r"отбрось(?:те)?", r"пренебреги(?:те)?", r"не следуй(?:те)?", r"не выполняй(?:те)?")
-_RU_ORDERS = _alt(r"инструкци\w{0,6}", r"указани\w{0,6}", r"правил\w{0,6}", r"установк\w{0,6}", r"команд\w{0,6}", r"промпт\w{0,6}",
+_RU_ORDERS = _alt(r"инструкци\w{0,6}", r"указани\w{0,6}", r"правил\w{0,6}", r"установк\w{0,6}", r"команд\w{0,6}",
+                  r"промпт\w{0,6}",
                   r"распоряжени\w{0,6}")
 _RU_WHICH = _alt(r"предыдущ", r"прежн", "все", "всё", "твои", "ваши", "свои", r"вышеуказанн", "выше", r"системн",
                  r"изначальн", r"исходн", "полученн")
@@ -372,7 +375,8 @@ _KO_ORDERS = _alt("지시", "명령", "지침", "규칙", "설정", "프롬프�
 
 def _override(verb: str, orders: str, which: str, gap: int = 40) -> str:
     """verb, the orders within `gap` chars, and a word saying which within `gap` chars either side."""
-    return rf"\b{verb}\b(?=.{{0,{gap}}}?{which})(?:.{{0,{gap}}}?){orders}|\b{verb}\b.{{0,{gap}}}?{orders}(?=.{{0,{gap}}}?{which})"
+    return (rf"\b{verb}\b(?=.{{0,{gap}}}?{which})(?:.{{0,{gap}}}?){orders}"
+            rf"|\b{verb}\b.{{0,{gap}}}?{orders}(?=.{{0,{gap}}}?{which})")
 
 
 # One rule per language and family, each with its own keywords: a window around a keyword runs only
@@ -413,7 +417,8 @@ _MULTILINGUAL_RULES: tuple[Rule, ...] = (
     _ml_rule(_ML[0], ("игнорир", "забудь", "не обраща", "отбрось", "пренебреги", "не следуй", "не выполняй",
                       "предыдущие", "прежние"),
              _override(_RU_VERB, _RU_ORDERS, _RU_WHICH),
-             r"\b(?:предыдущие|прежние) (?:инструкции|указания|правила) (?:отменены|недействительны|больше не действуют)",
+             r"\b(?:предыдущие|прежние) (?:инструкции|указания|правила) (?:отменены|недействительны|"
+             r"больше не действуют)",
              requires=("инструкци", "указани", "правил", "установк", "команд", "промпт", "распоряжени")),
     _ml_rule(_ML[0], ("忽略", "无视", "無視", "忘", "不要理", "不要遵守", "不再遵守", "放弃", "放棄", "丢弃", "丟棄", "抛开", "拋開",
                       "别管", "別管"),
@@ -428,11 +433,14 @@ _MULTILINGUAL_RULES: tuple[Rule, ...] = (
     _ml_rule(_ML[0], ("oubli", "olvid", "esquec", "vergiss", "забудь", "忘", "忘れ", "انس"),
              r"\boublie[zr]? tout ce (?:qu'on (?:t'a|vous a)|que l'on (?:t'a|vous a)|que tu as|que vous avez) "
              r"(?:dit|donne|appris|demande|recu)",
-             r"\bolvida(?:te|d)?(?: de)? todo lo que (?:te|le|les) (?:dijeron|indicaron|ordenaron|han dicho|dieron|pidieron)",
-             r"\besque(?:ca|ce|cam)(?: de)? tudo o que (?:te|lhe|voce) (?:disseram|falaram|mandaram|ensinaram|deram|recebeu)",
+             r"\bolvida(?:te|d)?(?: de)? todo lo que (?:te|le|les) (?:dijeron|indicaron|ordenaron|han dicho|dieron|"
+             r"pidieron)",
+             r"\besque(?:ca|ce|cam)(?: de)? tudo o que (?:te|lhe|voce) (?:disseram|falaram|mandaram|ensinaram|deram|"
+             r"recebeu)",
              r"\bvergiss alles,? was (?:man )?(?:dir|ihnen) (?:vorher |zuvor |bisher |davor )?"
              r"(?:gesagt|aufgetragen|befohlen|gegeben|beigebracht)",
-             r"\bзабудь(?:те)? вс[её],? что (?:тебе|вам) (?:раньше |ранее |до этого )?(?:говорили|сказали|велели|приказали|давали)",
+             r"\bзабудь(?:те)? вс[её],? что (?:тебе|вам) (?:раньше |ранее |до этого )?(?:говорили|сказали|велели|"
+             r"приказали|давали)",
              r"(?:告诉|告訴|跟)你(?:说)?的(?:一切|所有|全部).{0,6}?(?:忘掉|忘记|忘記|忘了)",
              r"(?:忘掉|忘记|忘記|忘了)(?:别人|他人|之前|以前)?(?:告诉|告訴|跟)你(?:说)?的(?:一切|所有|全部)",
              r"(?:言われた|教えられた|指示された)(?:こと|内容)(?:は|を)?(?:全部|すべて|全て)?忘れ",
@@ -441,32 +449,39 @@ _MULTILINGUAL_RULES: tuple[Rule, ...] = (
     _ml_rule(_ML[1], ("prompt systeme", "prompt du systeme", "invite systeme", "message systeme", "cachees", "secretes",
                       "initiales", "d'origine", "repete", "recopie", "reecri"),
              r"\b(?:affiche[zr]?|montre[zr]?|revele[zr]?|donne[zr]?-moi|donne[zr]?|repete[zr]?|divulgue[zr]?|"
-             r"imprime[zr]?|dis-moi|dites-moi|recopie[zr]?)\b.{0,30}?(?:prompt systeme|prompt du systeme|invite systeme|"
+             r"imprime[zr]?|dis-moi|dites-moi|recopie[zr]?)\b.{0,30}?(?:prompt systeme|prompt du systeme|"
+             r"invite systeme|"
              r"message systeme|(?:instructions|consignes) (?:cachees|secretes|initiales|systeme|du systeme|d'origine))",
-             r"\b(?:repete[zr]?|recopie[zr]?|reecri[st]|reecrivez)\b.{0,30}?\btexte\b.{0,30}?\b(?:avant|precede|au-dessus)"),
+             r"\b(?:repete[zr]?|recopie[zr]?|reecri[st]|reecrivez)\b.{0,30}?\btexte\b.{0,30}?\b(?:avant|precede|"
+             r"au-dessus)"),
     _ml_rule(_ML[1], ("sistema", "ocultas", "secretas", "iniciales", "originales", "repite", "copia", "reescribe"),
              r"\b(?:muestra(?:me)?|revela(?:me)?|dime|imprime|repite|ensename|comparte|copia)\b.{0,30}?"
-             r"(?:prompt (?:del|de) sistema|mensaje del sistema|instrucciones (?:ocultas|secretas|iniciales|del sistema|originales))",
+             r"(?:prompt (?:del|de) sistema|mensaje del sistema|instrucciones (?:ocultas|secretas|iniciales|"
+             r"del sistema|originales))",
              r"\b(?:repite|copia|reescribe)\b.{0,30}?\btexto\b.{0,30}?\b(?:antes|precede|arriba)"),
     _ml_rule(_ML[1], ("sistema", "ocultas", "secretas", "iniciais", "originais", "repita", "copie", "reescreva"),
              r"\b(?:mostre|mostra|revele|revela|diga|me diga|imprima|repita|compartilhe|exiba|copie)\b.{0,30}?"
-             r"(?:prompt (?:do|de) sistema|mensagem do sistema|instrucoes (?:ocultas|secretas|iniciais|do sistema|originais))",
+             r"(?:prompt (?:do|de) sistema|mensagem do sistema|instrucoes (?:ocultas|secretas|iniciais|do sistema|"
+             r"originais))",
              r"\b(?:repita|copie|reescreva)\b.{0,30}?\btexto\b.{0,30}?\b(?:antes|precede|acima)"),
     _ml_rule(_ML[1], ("systemprompt", "system-prompt", "systemnachricht", "versteckten", "geheimen", "ursprunglichen",
                       "anfangsanweisungen", "wiederhole", "kopiere"),
              r"\b(?:zeig(?:e|en sie)?|gib|geben sie|verrate[n]?|nenne[n]?|wiederhole[n]?|drucke[n]?)\b"
-             r".{0,30}?(?:system-?prompt|systemnachricht|(?:versteckten|geheimen|ursprunglichen) (?:anweisungen|instruktionen)|"
+             r".{0,30}?(?:system-?prompt|systemnachricht|(?:versteckten|geheimen|ursprunglichen) (?:anweisungen|"
+             r"instruktionen)|"
              r"anfangsanweisungen)",
              r"\b(?:wiederhole[n]?|kopiere[n]?)\b.{0,30}?\btext\b.{0,30}?\b(?:vor|oberhalb|davor)\b"),
     _ml_rule(_ML[1], ("di sistema", "nascoste", "segrete", "iniziali", "originali", "ripeti", "copia", "riscrivi"),
              r"\b(?:mostra(?:mi)?|rivela(?:mi)?|dimmi|stampa|ripeti)\b.{0,30}?"
-             r"(?:prompt di sistema|messaggio di sistema|istruzioni (?:nascoste|segrete|iniziali|di sistema|originali))",
+             r"(?:prompt di sistema|messaggio di sistema|istruzioni (?:nascoste|segrete|iniziali|di sistema|"
+             r"originali))",
              r"\b(?:ripeti|copia|riscrivi)\b.{0,30}?\btesto\b.{0,30}?\b(?:prima|sopra|precede)"),
     _ml_rule(_ML[1], ("системн", "скрыт", "секретн", "исходн", "повтори", "скопируй", "перепиши"),
              r"\b(?:покажи(?:те)?|выведи(?:те)?|раскрой(?:те)?|расскажи(?:те)?|повтори(?:те)?|"
              r"распечатай(?:те)?|сообщи(?:те)?|дай(?:те)?)\b.{0,30}?"
              r"(?:системн\w{0,6} (?:промпт|подсказк|инструкци|сообщени)|(?:скрыт|секретн|исходн)\w{0,6} инструкци)",
-             r"\b(?:повтори(?:те)?|скопируй(?:те)?|перепиши(?:те)?)\b.{0,30}?\bтекст\w{0,3}\b.{0,30}?(?:перед|до |выше)"),
+             r"\b(?:повтори(?:те)?|скопируй(?:те)?|перепиши(?:те)?)\b.{0,30}?\bтекст\w{0,3}\b.{0,30}?(?:перед|до |"
+             r"выше)"),
     _ml_rule(_ML[1], ("系统", "系統", "初始指令", "隐藏指令", "隱藏指令", "提示词", "提示詞", "原始指令", "重复", "重複", "复述", "複述",
                       "抄写", "抄寫"),
              r"(?:显示|顯示|输出|輸出|告诉我|告訴我|打印|泄露|洩露|重复|重複|透露|给我看|給我看|展示|列出|发给我|發給我)"
@@ -478,9 +493,11 @@ _MULTILINGUAL_RULES: tuple[Rule, ...] = (
              r"(?:システムプロンプト|システムメッセージ|隠された指示|隠し指示|初期指示|秘密の指示|内部の指示|最初の指示)"
              r".{0,12}?(?:表示|教え|見せ|出力|明かし|開示|繰り返|書き出|公開|貼り付け)",
              r"(?:前の|以前の|上の|より前の)(?:文章|テキスト|文|内容).{0,20}?(?:繰り返|そのまま書|出力|書き出)"),
-    _ml_rule(_ML[1], ("موجه النظام", "تعليمات النظام", "رسالة النظام", "التعليمات", "البرومبت", "كرر", "انسخ", "اعد كتابة"),
+    _ml_rule(_ML[1], ("موجه النظام", "تعليمات النظام", "رسالة النظام", "التعليمات", "البرومبت", "كرر", "انسخ",
+                      "اعد كتابة"),
              r"(?<!\w)(?:اعرض|اظهر|اكشف|اطبع|اخبرني|كرر|اكتب|شارك|ارني|انسخ)\b.{0,30}?"
-             r"(?:موجه النظام|تعليمات النظام|رسالة النظام|التعليمات المخفية|التعليمات السرية|التعليمات الاولية|البرومبت)",
+             r"(?:موجه النظام|تعليمات النظام|رسالة النظام|التعليمات المخفية|التعليمات السرية|التعليمات الاولية|"
+             r"البرومبت)",
              r"(?<!\w)(?:كرر|انسخ|اعد كتابة)\b.{0,20}?النص.{0,30}?(?:قبل|يسبق|اعلاه)"),
     _ml_rule(_ML[1], ("프롬프트", "숨겨진", "초기 지시"),
              r"(?:시스템 프롬프트|숨겨진 지시|초기 지시).{0,12}?(?:보여|알려|출력|공개)"),
@@ -509,7 +526,8 @@ _MULTILINGUAL_RULES: tuple[Rule, ...] = (
              r"(?:ограничений|правил|фильтров|цензуры)",
              r"你是.{0,20}?(?:没有过滤|沒有過濾|没有规则|沒有規則|没有任何限制|沒有任何限制|不受任何限制|没有限制|沒有限制|无限制|無限制|没有审查|沒有審查)",
              r"あなたは.{0,30}?(?:フィルター|ルール|制限|制約)(?:も|が)?(?:ない|なし)",
-             r"(?<!\w)(?:من هذه اللحظة|من الان|الان) انت\b.{0,40}?(?:بدون|بلا|دون) (?:اي )?(?:قيود|حدود|قواعد|رقابة|فلاتر)"),
+             r"(?<!\w)(?:من هذه اللحظة|من الان|الان) انت\b.{0,40}?(?:بدون|بلا|دون) (?:اي )?(?:قيود|حدود|قواعد|رقابة|"
+             r"فلاتر)"),
     _ml_rule(_ML[2], ("tu es", "vous etes", "mode developpeur"),
              r"\b(?:tu es|vous etes) (?:desormais|maintenant|a present|dorenavant)\b.{0,40}?\bsans (?:aucune |aucun )?"
              r"(?:restrictions?|limites?|filtres?|regles|censure)",

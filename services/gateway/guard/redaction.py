@@ -123,6 +123,7 @@ import re
 import re._parser as re_parser  # getwidth(): the longest match a detector can make
 from collections.abc import Callable
 from datetime import date
+from itertools import pairwise
 from typing import NamedTuple
 
 from services.gateway.guard.normalize import FoldBuffer, fold_map
@@ -255,7 +256,7 @@ def _loose_card_length(span: str) -> int:
     if length and any(c.isalpha() or c in "\t\r\n,;:" for c in card):
         groups = [int(g) for g in _DIGIT_RUN.findall(card)]
         years = sum(1 for g in groups if 1900 <= g <= 2099)
-        ascending = all(0 < b - a <= 100 for a, b in zip(groups, groups[1:]))  # room or line numbers in a row
+        ascending = all(0 < b - a <= 100 for a, b in pairwise(groups))  # room or line numbers in a row
         if years >= 2 or ascending:
             return 0
     return length
@@ -572,7 +573,9 @@ def _last_cut_end(text: str, lo: int) -> int:
         if text[b] == " " and _space_may_join(text, b):
             continue
         # a loose card gap or an IBAN's space has a digit at most _DIGIT_LOOK chars before it
-        if _DIGIT.search(text, max(0, b - _DIGIT_LOOK), b) is None or not (_in_loose_card(text, b) or _in_iban(text, b)):
+        if _DIGIT.search(text, max(0, b - _DIGIT_LOOK), b) is None:
+            return b + 1
+        if not (_in_loose_card(text, b) or _in_iban(text, b)):
             return b + 1
     return hard_end
 
