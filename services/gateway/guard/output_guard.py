@@ -1,12 +1,12 @@
 """The output guard: personal data in a model's output never reaches the client.
 
 Streams pass through a Redactor (redaction.py) per reader: text is released as soon as no
-identity card, bank card, phone number or e-mail address could still be forming at its end, so
-a number split across token deltas is caught, and nothing is held longer than one hold-back
-window. A non-streaming body is redacted whole. Both match on the normalised view of the text
-(normalize.py: invisible characters out, NFKC, look-alike letters folded), so full-width digits,
-zero-width characters and Cyrillic letters inside a value do not hide it, and replace the
-original characters. WEIR_OUTPUT_GUARD=off turns it off.
+identity card, bank card, IBAN, phone number or e-mail address could still be forming at its
+end, so a number split across token deltas (or across lines, or by a filler word) is caught,
+and nothing is held longer than one hold-back window. A non-streaming body is redacted whole.
+Both match on the normalised view of the text (normalize.py: invisible characters out, NFKC,
+look-alike letters folded), so full-width digits, zero-width characters and Cyrillic letters
+inside a value do not hide it, and replace the original characters. WEIR_OUTPUT_GUARD=off turns it off.
 """
 
 from __future__ import annotations

@@ -24,7 +24,18 @@ no part of a longer digit run is taken; the whole span, separators included, is 
   11111111"); or every digit spaced out ("4 1 1 1 ... 1": exactly 13-19 single digits joined by one
   space, not inside a longer such run: it looks two chars behind). Luhn-valid only;
   when the groups run on ("4111 1111 1111 1111 123", a CVV after the card), the longest
-  Luhn-valid run of the first 3-5 groups is the card.
+  Luhn-valid run of the first 3-5 groups is the card. Loose gaps (issue 35): between groups of 4
+  then 3-6 digits, a gap may also be 1-4 of space, tab, newline, "," ";" ":" around at most two
+  filler words of 1-10 Latin letters ("4111\n1111\n1111\n1111", "4111 then 1111 then...",
+  "4242, then 4242, next 4242 and finally 4242"); such a card is not one when two of its groups
+  are years (1900-2099) or its groups count up by 1-100 ("rooms 2101, 2102, 2103 and 2104"). And
+  2-digit groups: 13-19 digits as pairs joined by one consistent space, dot or hyphen, the last
+  group 1-3 digits ("41 11 11 11 11 11 11 11", "37 82 82 24 63 10 00 5").
+- IBAN: two capital letters, two check digits, then groups of 4 letters or digits (2-7 of them)
+  and a last group of 1-4, joined by one consistent space or hyphen or nothing: "DE89 3704 0044
+  0532 0130 00", "GB82 WEST 1234 5698 7654 32", "NL91ABNA0417164300". Redacted only when the
+  country is one that issues IBANs, the length is that country's, and the check digits are right
+  (ISO 13616: mod 97 == 1).
 - Phone, three shapes only, so that years, counts, versions and constants pass:
   - CN mobile `1[3-9]d d{4} d{4}`, groups joined by nothing or one consistent space, dot or
     hyphen, with an optional "+86"/"0086" prefix: "13812345678", "+86 138 1234 5678",
@@ -58,15 +69,19 @@ that is final: no match could start in it and still change with text yet to come
 most MAX_PATTERN_CHARS long in the view (its look-ahead included) and its detectors look at most
 two chars behind, so whether a match starts at view position i is decided by
 view[i-2 : i+MAX_PATTERN_CHARS]. A "cut" is a view char no match can contain: anything outside
-`[A-Za-z0-9._%+@()[]{}<>/&#;。-]` and space, or a space that is neither inside a number (between
-two of digit, ")", "(", "-", ".", space) nor next to a spelled-out marker (a bracket, or the word
+`[A-Za-z0-9._%+@()[]{}<>/&#;。-]`, space, tab, newline, "," and ":", or a space, tab, newline, "," or
+":" that is not in a loose card gap (a group of 3-6 digits at most two filler words before it and,
+counting those, at most two words to the next digit after it, or the text not known that far) nor
+a space between an IBAN's groups (an IBAN's start up to it) nor, for a space, inside a number
+(between two of digit, ")", "(", "-", ".", space) nor next to a spelled-out marker (a bracket, or the word
 before or after it is "at", "dot", "@" or ".", or is the unfinished last word and may still become
 one) nor between two one-char tokens of a spaced-out address ("a l i c e", with an "@" near enough
 or the text not known far enough yet). Everything up to the
 last cut is final and is emitted at once; the trailing candidate run after it (a word that may
 become an e-mail, digits and separators that may become an ID, card or phone, a phrase around
 "at"/"dot") is held. Prose therefore flows with at most one word of delay, two or three around
-the words "at" and "dot". The view is computed char by char, so the view of the held text is the
+the words "at" and "dot", three after a number of 3-6 digits (it may be a card group with filler
+words to come). The view is computed char by char, so the view of the held text is the
 held part of the whole text's view; the redactor keeps the last two emitted view chars as look-behind
 context, and never cuts inside the view of one original char.
 
@@ -92,7 +107,13 @@ a digit and 8 invisible characters, ~45 us. With the slash/underscore/8-8/spaced
 and spaced-out addresses (same box, same method, 5 runs each, interleaved; loaded by a CI run, so
 +-40%): prose 7-12 us (old code 7-12), card tokens 13-20 us (11-16), Chinese 5-9 us (4-7),
 one-char words "s p e l l e d" 38 us (8; held up to 42 chars while an "@" may still come),
-whole-text of 340k chars of prose 105-130 ms (61-117).
+whole-text of 340k chars of prose 105-130 ms (61-117). With loose card gaps and IBANs (issue 35,
+same method, 5 runs of 20k feeds, old code alternately): prose 7.7-11 us (5.8-8.9), card tokens
+15-19 us (10-16), tokens mixing numbers and short words 27-51 us (12-23; up to two words after a
+group are held and re-checked each feed); a separator far from any digit skips both checks, and a
+run of groups (or an IBAN's start) is skipped whole (_chains). Worst cases seen, 4-char deltas of
+a text that keeps the window full: "4111 then " repeated ~75 us a feed (old code 22), "GB82 WEST "
+repeated ~140 us (13), "41 " repeated ~140 us (100).
 O(len(held) + len(delta)) per call, the regexes compiled once at import.
 """
 
@@ -102,6 +123,7 @@ import re
 import re._parser as re_parser  # getwidth(): the longest match a detector can make
 from collections.abc import Callable
 from datetime import date
+from itertools import pairwise
 from typing import NamedTuple
 
 from services.gateway.guard.normalize import FoldBuffer, fold_map
@@ -116,6 +138,11 @@ _ALNUM = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ01234567
 _SOFT_CHARS = _ALNUM | frozenset("._%+-@()[]{}<>/&#;\u3002")
 _SPACED_CHARS = _ALNUM | frozenset("._%+-@")  # the one-char tokens of "a l i c e @ e x a m p l e . c o m"  # every char but " " that a match may contain
 _SOFT_OR_SPACE = "".join(sorted(_SOFT_CHARS)) + " "
+# chars that may sit in a loose card gap (between groups: newlines, commas, filler words); each
+# may be a cut or not, like a space (_last_cut_end); ";" is soft anyway (HTML references)
+_LOOSE_SEPS = " \t\r\n,;:"
+_SOFT_OR_SEP = _SOFT_OR_SPACE + "\t\r\n,:"
+_SEP_RX = re.compile(r"[ \t\r\n,:]")  # the chars _last_cut_end decides one by one
 _BEFORE_SPACE = frozenset("0123456789)-. ")  # a space inside a number always sits between these...
 _AFTER_SPACE = frozenset("0123456789(-. ")  # ...and these
 _OPENING = frozenset("[({<")
@@ -129,6 +156,44 @@ _DIGIT_RUN = re.compile(r"[0-9]+")
 _ID_GROUP = re.compile(r"[0-9]+[Xx]?")
 _GAP = r"(?: ?[.-] ?| {1,2})"  # between two groups of digits: ".", "-", " - ", one or two spaces
 _CARD_GAP = r"(?: ?[.-] ?| {1,2}|[/_])"  # a card's groups may also be joined by "/" or "_"
+# a loose gap between two card groups: up to 4 of space, tab, newline, ",", ";", ":" around at most
+# two filler words of 1-10 Latin letters ("4111 then 1111", "4111,\n1111", "4111 and then 1111")
+_SEP_RUN = r"[ \t\r\n,;:]{1,4}"
+_FILLER = r"[A-Za-z]{1,10}"
+_LOOSE_GAP = rf"(?:{_CARD_GAP}|(?:{_SEP_RUN}{_FILLER}){{0,2}}{_SEP_RUN})"
+# is the text before a separator the end of a card group and at most two filler words?
+_LOOSE_BEHIND = re.compile(rf"(?:{_SEP_RUN}{_FILLER}){{0,2}}[ \t\r\n,;:]{{0,3}}")  # digits .. separator
+# may the text after it still bring the next group, with the filler words left (2 less those behind):
+# digits after at most that many words...
+_LOOSE_AHEAD = tuple(re.compile(rf"[ \t\r\n,;:]{{0,3}}(?:{_FILLER}{_SEP_RUN}){{0,{k}}}[0-9]") for k in range(3))
+# ...or, the text ending first, not known yet
+_LOOSE_PARTIAL = (re.compile(r"[ \t\r\n,;:]{0,3}"),) + tuple(
+    re.compile(rf"[ \t\r\n,;:]{{0,3}}(?:{_FILLER}{_SEP_RUN}){{0,{k - 1}}}[A-Za-z]{{0,10}}[ \t\r\n,;:]{{0,4}}")
+    for k in (1, 2)
+)
+_LETTERS = re.compile("[A-Za-z]+")
+_LOOSE_LOOK = 2 * (4 + 10) + 3  # the most chars _LOOSE_BEHIND spans: the group's last digit is this close
+# IBAN: country, 2 check digits, then 11-30 letters and digits in groups of 4 (one consistent
+# space or hyphen, or none), the last 1-4; uppercase (as printed), checked mod 97 (ISO 13616)
+_IBAN_START = re.compile(r"[A-Z]{2}[0-9]{2}")  # an IBAN's start before a space between its groups...
+_IBAN_BEHIND = re.compile(r"[A-Z0-9 -]{0,40}")  # ...then its groups (looser than they are: holds, never cuts)
+_IBAN_LOOK = 4 + 40  # the most chars from an IBAN's start to a space inside it
+_DIGIT_LOOK = max(_LOOSE_LOOK, _IBAN_LOOK)
+# Runs whose every separator inside joins (_in_loose_card / _in_iban would say so): a chain of card
+# groups of 3-6 digits with loose gaps, an IBAN's start and what may follow it. _last_cut_end skips
+# them whole, so a held window full of groups costs a few regex scans, not a check per separator.
+_LOOSE_CHAIN = re.compile(rf"(?<![0-9])[0-9]{{3,6}}(?:(?:{_SEP_RUN}{_FILLER}){{0,2}}{_SEP_RUN}[0-9]{{3,6}}(?![0-9]))+")
+_IBAN_CHAIN = re.compile(r"[A-Z]{2}[0-9]{2}[A-Z0-9 -]{1,40}")
+_FEW_SEPS = 4  # below this many separators to decide, no chain is looked for
+_IBAN_LENGTHS = {
+    "AD": 24, "AE": 23, "AL": 28, "AT": 20, "AZ": 28, "BA": 20, "BE": 16, "BG": 22, "BH": 22, "BR": 29, "BY": 28,
+    "CH": 21, "CR": 22, "CY": 28, "CZ": 24, "DE": 22, "DK": 18, "DO": 28, "EE": 20, "EG": 29, "ES": 24, "FI": 18,
+    "FO": 18, "FR": 27, "GB": 22, "GE": 22, "GI": 23, "GL": 18, "GR": 27, "GT": 28, "HR": 21, "HU": 28, "IE": 22,
+    "IL": 23, "IQ": 23, "IS": 26, "IT": 27, "JO": 30, "KW": 30, "KZ": 20, "LB": 28, "LC": 32, "LI": 21, "LT": 20,
+    "LU": 20, "LV": 21, "MC": 27, "MD": 24, "ME": 22, "MK": 19, "MR": 27, "MT": 31, "MU": 30, "NL": 18, "NO": 15,
+    "PK": 24, "PL": 28, "PS": 29, "PT": 25, "QA": 29, "RO": 24, "RS": 22, "SA": 24, "SC": 31, "SE": 24, "SI": 19,
+    "SK": 24, "SM": 27, "ST": 25, "SV": 28, "TL": 23, "TN": 24, "TR": 26, "UA": 29, "VA": 22, "VG": 24, "XK": 20,
+}  # fmt: skip
 
 
 def _is_valid_id(span: str) -> bool:
@@ -180,6 +245,30 @@ def _card_length(span: str) -> int:
         if _is_luhn("".join(g.group() for g in groups[:k])):
             return groups[k - 1].end()
     return 0
+
+
+def _loose_card_length(span: str) -> int:
+    """A card whose groups may be split by newlines, commas or filler words: as _card_length, but
+    when a gap holds more than the plain separators, not a list of years ("2019, then 2020...") nor
+    of numbers that count up ("rooms 2101, 2102, 2103 and 2104")."""
+    length = _card_length(span)
+    card = span[:length]
+    if length and any(c.isalpha() or c in "\t\r\n,;:" for c in card):
+        groups = [int(g) for g in _DIGIT_RUN.findall(card)]
+        years = sum(1 for g in groups if 1900 <= g <= 2099)
+        ascending = all(0 < b - a <= 100 for a, b in pairwise(groups))  # room or line numbers in a row
+        if years >= 2 or ascending:
+            return 0
+    return length
+
+
+def _iban_length(span: str) -> int:
+    """The span, when it is an IBAN of its country's length whose check digits are right (mod 97)."""
+    compact = span.replace(" ", "").replace("-", "")
+    if _IBAN_LENGTHS.get(compact[:2]) != len(compact):
+        return 0
+    moved = compact[4:] + compact[:4]
+    return len(span) if int("".join(str(int(c, 36)) for c in moved)) % 97 == 1 else 0
 
 
 def _e164_length(span: str) -> int:
@@ -273,10 +362,19 @@ _DETECTORS = (
     _Detector(
         re.compile(
             rf"(?<![0-9])(?:[2-6][0-9]{{12,18}}"
-            rf"|[2-6][0-9]{{3}}{_CARD_GAP}[0-9]{{3,6}}(?:{_CARD_GAP}[0-9]{{3,6}}){{1,3}}"
-            rf"|[2-6][0-9]{{7}}{_CARD_GAP}[0-9]{{5,11}})(?![0-9])"  # 8-8: "41111111 11111111"
+            rf"|[2-6][0-9]{{3}}{_LOOSE_GAP}[0-9]{{3,6}}(?:{_LOOSE_GAP}[0-9]{{3,6}}){{1,3}}"
+            rf"|[2-6][0-9]{{7}}{_CARD_GAP}[0-9]{{5,11}}"  # 8-8: "41111111 11111111"
+            r"|[2-6][0-9](?P<p>[ .-])[0-9]{2}(?:(?P=p)[0-9]{2}){4,7}(?:(?P=p)[0-9]{1,3})?)(?![0-9])"  # "41 11 11..."
         ),
-        _card_length,
+        _loose_card_length,
+        _DIGIT,
+    ),
+    _Detector(
+        re.compile(
+            r"(?<![A-Za-z0-9])[A-Z]{2}[0-9]{2}(?P<i>[ -]?)[A-Z0-9]{4}(?:(?P=i)[A-Z0-9]{4}){1,6}"
+            r"(?:(?P=i)[A-Z0-9]{1,4})?(?![A-Za-z0-9])"
+        ),
+        _iban_length,
         _DIGIT,
     ),
     _Detector(  # every digit spaced: exactly 13-19 single digits, not part of a longer run
@@ -462,13 +560,56 @@ def _between_spaced_chars(text: str, b: int) -> bool:
 
 def _last_cut_end(text: str, lo: int) -> int:
     """Index just past the last char of text[lo:] that no match can contain; lo if none."""
-    hard_end = max(len(text.rstrip(_SOFT_OR_SPACE)), lo)  # just past the last char no match contains
-    b = text.rfind(" ", hard_end)
-    while b >= 0:  # spaces after it: each may or may not join what is around it
-        if not _space_may_join(text, b):
+    hard_end = max(len(text.rstrip(_SOFT_OR_SEP)), lo)  # just past the last char no match contains
+    if hard_end == len(text):
+        return hard_end
+    seps = [m.start() for m in _SEP_RX.finditer(text, hard_end)]
+    chains = _chains(text, hard_end) if len(seps) >= _FEW_SEPS else []
+    for b in reversed(seps):  # separators after it: each may or may not join what is around it
+        while chains and chains[-1][0] >= b:
+            chains.pop()
+        if chains and b < chains[-1][1]:  # inside a chain: joins
+            continue
+        if text[b] == " " and _space_may_join(text, b):
+            continue
+        # a loose card gap or an IBAN's space has a digit at most _DIGIT_LOOK chars before it
+        if _DIGIT.search(text, max(0, b - _DIGIT_LOOK), b) is None:
             return b + 1
-        b = text.rfind(" ", hard_end, b)
+        if not (_in_loose_card(text, b) or _in_iban(text, b)):
+            return b + 1
     return hard_end
+
+
+def _chains(text: str, pos: int) -> list[tuple[int, int]]:
+    """Spans (start, end) from pos on whose every separator strictly inside joins, sorted by start."""
+    spans = [m.span() for m in _LOOSE_CHAIN.finditer(text, pos)]
+    spans += [(m.start() + 4, m.end()) for m in _IBAN_CHAIN.finditer(text, pos) if " " in m.group()]
+    return sorted(spans)
+
+
+def _in_loose_card(text: str, b: int) -> bool:
+    """Whether the separator text[b] may be in a loose card gap: a group of digits before it, at
+    most two filler words between, and the next group after it (or the text not known that far)."""
+    lo = max(0, b - _LOOSE_LOOK - 1)
+    last = max(text.rfind(d, lo, b) for d in "0123456789")  # the group's last digit
+    if last < 0:
+        return False
+    first = last
+    while first > 0 and text[first - 1] in "0123456789" and last - first < 6:
+        first -= 1
+    if not 3 <= last - first + 1 <= 6 or (first > 0 and text[first - 1] in "0123456789"):
+        return False  # a card group has 3-6 digits
+    if _LOOSE_BEHIND.fullmatch(text, last + 1, b) is None:
+        return False
+    left = 2 - len(_LETTERS.findall(text, last + 1, b))
+    return _LOOSE_AHEAD[left].match(text, b + 1) is not None or _LOOSE_PARTIAL[left].fullmatch(text, b + 1) is not None
+
+
+def _in_iban(text: str, b: int) -> bool:
+    """Whether the space text[b] may be between two groups of an IBAN ("GB82 WEST 1234...")."""
+    if text[b] != " ":
+        return False
+    return any(_IBAN_BEHIND.fullmatch(text, m.end(), b) for m in _IBAN_START.finditer(text, max(0, b - _IBAN_LOOK), b))
 
 
 class Redactor:
