@@ -3,7 +3,10 @@ in serving"): `python scripts/measure_freeze_stall.py none|old|new` in a process
 worker's imports and 400,000 objects allocated since its first freeze (a model version's load).
 none: this box's scheduling noise; old: thaw + full collect + freeze (what a version load did,
 issue 35); new: weir/heap.py's freeze_new."""
-import asyncio, gc, sys, time
+import asyncio
+import gc
+import sys
+import time
 
 import services.worker.app  # noqa: F401 - the worker's modules (torch, tokenizers, pydantic, ...)
 from weir.heap import freeze_heap, freeze_new

@@ -266,14 +266,25 @@ FINDS_DEPLOYMENT = ("topics", "models", "keys", "usage", "trace", "audit", "repl
 def find_deployment(argv: list[str]) -> None:
     """Fill in the environment from the deployment `weir up` recorded for $WEIR_HOME, if any, and
     say so on stderr (a command's target is never a silent guess). A command given a bootstrap
-    (--bootstrap, --kafka-bootstrap) names its cluster itself: nothing is filled in."""
-    if not argv or argv[0] not in FINDS_DEPLOYMENT:
+    (--bootstrap, --kafka-bootstrap, or --port for `weir kafka user add`) names its cluster itself:
+    nothing is filled in. `weir kafka user add` speaks to the recorded broker's port as its admin."""
+    adds_user = argv[:3] == ["kafka", "user", "add"]
+    if not argv or (argv[0] not in FINDS_DEPLOYMENT and not adds_user):
         return
-    if any(arg.split("=", 1)[0] in ("--bootstrap", "--kafka-bootstrap") for arg in argv[1:]):
+    named = ("--bootstrap", "--kafka-bootstrap", *(("--port",) if adds_user else ()))
+    if any(arg.split("=", 1)[0] in named for arg in argv[1:]):
         return
     from weir import deployment
 
-    if filled := deployment.apply():
+    recorded = deployment.load()
+    if recorded is None:
+        return
+    filled = deployment.apply(body=recorded)
+    if adds_user:
+        host, _, port = str(recorded["bootstrap"]).split(",")[0].rpartition(":")
+        if host in ("127.0.0.1", "localhost") and port.isdigit() and not os.environ.get("WEIR_KAFKA_PORT"):
+            os.environ["WEIR_KAFKA_PORT"] = filled["WEIR_KAFKA_PORT"] = port  # the local broker `weir up` runs
+    if filled:
         print(f"weir: the deployment of `weir up` ({deployment.path()}): "
               + " ".join(f"{name}={value}" for name, value in filled.items()), file=sys.stderr)  # fmt: skip
 

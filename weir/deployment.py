@@ -89,11 +89,13 @@ def load(home: Path | None = None) -> dict[str, Any] | None:
     return body
 
 
-def apply(env: MutableMapping[str, str] | None = None, home: Path | None = None) -> dict[str, str]:
-    """Fill in `env` (default os.environ) from the recorded deployment where it says nothing;
-    returns what was filled in (nothing without a record)."""
+def apply(env: MutableMapping[str, str] | None = None, home: Path | None = None,
+          body: dict[str, Any] | None = None) -> dict[str, str]:
+    """Fill in `env` (default os.environ) from the recorded deployment (`body` when the caller
+    loaded it, else `load(home)`) where it says nothing; returns what was filled in (nothing
+    without a record)."""
     env = os.environ if env is None else env
-    body = load(home)
+    body = load(home) if body is None else body
     if body is None:
         return {}
     filled = {var: str(body[key]) for key, var in VARIABLES.items() if body.get(key) and not env.get(var)}

@@ -30,11 +30,11 @@ from typing import Any
 
 from schemas.model_repo import ModelRepoError, load_model_repo
 from schemas.topics import DEFAULT_PREFIX, Topics
+from weir import deployment
+from weir.audit_key import AuditKeyError, checkpoint_key_file, ensure_key_file, key_file, read_key_file
+from weir.home import weir_home
 from weir.models.gguf_file import GGUFError
 from weir.models.sources import prepare_models
-from weir.audit_key import AuditKeyError, checkpoint_key_file, ensure_key_file, key_file, read_key_file
-from weir import deployment
-from weir.home import weir_home
 from weir.readiness import Probe, ReadinessBoard, probe, wait_all_ready
 from weir.supervision import Supervisor, describe_exit
 

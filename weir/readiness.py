@@ -10,6 +10,7 @@ passes the answers and the time; `wait_all_ready` is the loop that reads them.
 
 from __future__ import annotations
 
+import http.client
 import json
 import time
 import urllib.error
@@ -37,10 +38,10 @@ def probe(url: str, timeout_s: float = 1.0) -> Probe:
     except urllib.error.HTTPError as exc:
         try:
             reason = json.loads(exc.read() or b"{}").get("reason") or f"HTTP {exc.code}"
-        except (ValueError, AttributeError, OSError):  # OSError: its body did not come in time
+        except (ValueError, AttributeError, OSError, http.client.HTTPException):  # its body did not come (whole)
             reason = f"HTTP {exc.code}"
         return Probe(False, str(reason))
-    except (urllib.error.URLError, OSError):
+    except (urllib.error.URLError, OSError, http.client.HTTPException):  # HTTPException: a cut answer
         return Probe(False, NOT_ANSWERING)
 
 

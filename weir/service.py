@@ -32,8 +32,13 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import orjson
-from aiokafka.errors import (ClusterAuthorizationFailedError, GroupAuthorizationFailedError, KafkaConnectionError,
-                             KafkaError, TopicAuthorizationFailedError)
+from aiokafka.errors import (
+    ClusterAuthorizationFailedError,
+    GroupAuthorizationFailedError,
+    KafkaConnectionError,
+    KafkaError,
+    TopicAuthorizationFailedError,
+)
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response

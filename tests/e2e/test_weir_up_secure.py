@@ -94,6 +94,7 @@ def test_weir_up_secure_starts_on_a_fresh_home_serves_and_its_cli_finds_it(tmp_p
     try:
         up.wait_for(r"Weir is up\.", START_S)
         assert chat(up)  # served through every service, each as its own principal
+        assert re.search(r"^  models +echo@1\*  \(\* default version", up.text(), re.M), up.text()  # the registry's
         bootstrap = f"127.0.0.1:{ports[0]}"
         assert f"export WEIR_HOME={home.resolve()} WEIR_KAFKA_BOOTSTRAP={bootstrap} WEIR_TOPIC_PREFIX={prefix} " \
                "WEIR_KAFKA_SECURITY=sasl WEIR_KAFKA_USER=admin" in up.text()  # fmt: skip

@@ -104,3 +104,26 @@ def test_weir_commands_find_the_deployment_and_an_explicit_bootstrap_wins(
                      "--model-repo", str(repo)]) == 1  # fmt: skip
     err = capsys.readouterr().err
     assert "deployment" not in err and f"127.0.0.1:{explicit}" in err
+
+
+def test_weir_kafka_user_add_speaks_to_the_recorded_broker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """After `weir up --secure --kafka-port P`, `weir kafka user add NAME` is pointed at P (and the
+    deployment's prefix); `--port` still wins."""
+    from weir import cli
+    from weir.launcher import free_ports
+
+    for name in ("WEIR_KAFKA_BOOTSTRAP", "WEIR_TOPIC_PREFIX", "WEIR_KAFKA_SECURITY", "WEIR_KAFKA_USER", "WEIR_KAFKA_PORT"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("WEIR_HOME", str(tmp_path))
+    recorded, explicit = free_ports(2)
+    deployment.record(f"127.0.0.1:{recorded}", "mine", True, [], tmp_path)
+    cli.find_deployment(["kafka", "user", "add", "alice"])
+    assert os.environ["WEIR_KAFKA_PORT"] == str(recorded) and os.environ["WEIR_TOPIC_PREFIX"] == "mine"
+    assert f"WEIR_KAFKA_PORT={recorded}" in capsys.readouterr().err
+    for name in ("WEIR_KAFKA_BOOTSTRAP", "WEIR_TOPIC_PREFIX", "WEIR_KAFKA_SECURITY", "WEIR_KAFKA_USER", "WEIR_KAFKA_PORT"):
+        os.environ.pop(name, None)
+    cli.find_deployment(["kafka", "user", "add", "alice", "--port", str(explicit)])
+    assert "WEIR_KAFKA_PORT" not in os.environ and "WEIR_TOPIC_PREFIX" not in os.environ
