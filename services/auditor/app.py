@@ -26,7 +26,7 @@ from services.auditor.comparison import Comparisons, Embed, ShadowJoin, register
 from services.auditor.config import AuditorSettings
 from services.auditor.drift import HealthMonitor, HealthPolicy
 from services.auditor.fingerprints import embedding_function
-from services.auditor.handlers import AnchorPublisher, AuditBatches, DeadLetters, LedgerWriter, register_handlers
+from services.auditor.consumers import AnchorPublisher, AuditBatches, DeadLetters, LedgerWriter, register_handlers
 from services.auditor.health import HealthMetrics
 from services.auditor.ledger import Ledger, LedgerError
 from services.auditor.traffic import CanaryGuard, ErrorWindows, TrafficCounter, register_health_handler

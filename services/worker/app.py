@@ -30,18 +30,18 @@ from schemas.messages import DeviceInfo, VersionState, WorkerHeartbeat
 from schemas.model_repo import ModelConfig, ModelRepoError, ModelRepository, load_model_repo
 from schemas.registry import ModelHealthEvent, ModelManifest, ModelVersionRecord, RegistryState
 from services.worker.config import WorkerSettings
-from services.worker.engine_factory import build_engine, warm_up
-from services.worker.faults import FaultHookError
-from services.worker.fingerprints import FingerprintBatcher
-from services.worker.finish_rate import FinishRate
-from services.worker.handlers import ModelServer, consume_cancellations, open_cancellations
-from services.worker.hardware import DeviceProbe, choose_device, cpu_device, cpu_threads
+from services.worker.hosts.engine_factory import build_engine, warm_up
+from services.worker.hosts.faults import FaultHookError
+from services.worker.kafka.fingerprints import FingerprintBatcher
+from services.worker.kafka.finish_rate import FinishRate
+from services.worker.kafka.consumers import ModelServer, consume_cancellations, open_cancellations
+from services.worker.hosts.hardware import DeviceProbe, choose_device, cpu_device, cpu_threads
 from services.worker.loading import OnOutputs, OnStatus
-from services.worker.memory import estimate_bytes
-from services.worker.membership import Membership
-from services.worker.mirror_pacing import LivePressure, Pacing
-from services.worker.runner import EngineHost, EngineProcess, EngineRunner
-from services.worker.serving_metrics import ServingMetrics, kv_cache_usage
+from services.worker.hosts.memory import estimate_bytes
+from services.worker.kafka.membership import Membership
+from services.worker.hosts.mirror_pacing import LivePressure, Pacing
+from services.worker.hosts.runner import EngineHost, EngineProcess, EngineRunner
+from services.worker.kafka.serving_metrics import ServingMetrics, kv_cache_usage
 from services.worker.versions import VersionManager
 from weir.bus import instance_id, make_producer, wait_for_cluster
 from weir.tracing import Tracing

@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable
 
 from schemas.model_repo import ModelConfig
 from services.worker.engine.sequence import EngineOutput
-from services.worker.runner import EngineHost
+from services.worker.hosts.runner import EngineHost
 
 log = logging.getLogger(__name__)
 

@@ -35,10 +35,10 @@ from schemas.messages import VersionState, VersionStatus, now_ms
 from schemas.model_repo import ModelConfig
 from schemas.registry import GoldenCase, ModelManifest, ModelRoute, ModelVersionRecord, RegistryState, served_id, split_ref
 from services.worker.config import WorkerSettings
-from services.worker.goldens import GOLDEN_MAX_TOKENS
-from services.worker.handlers import ModelServer
+from services.worker.hosts.goldens import GOLDEN_MAX_TOKENS
+from services.worker.kafka.consumers import ModelServer
 from services.worker.loading import EngineLoader, OnOutputs, OnStatus
-from services.worker.runner import EngineHost, EngineProcess
+from services.worker.hosts.runner import EngineHost, EngineProcess
 from weir.heap import freeze_heap
 from weir.models.manifest import ManifestError, verify_files
 from weir.models.signing import signature_problem

@@ -1,4 +1,4 @@
-"""Adaptive coalescing of reply deltas (services/worker/coalesce.py) and the Publisher that uses
+"""Adaptive coalescing of reply deltas (services/worker/kafka/coalesce.py) and the Publisher that uses
 it: one record per output while the producer keeps up, outputs merged while a record is in
 flight, the end never before its deltas, and settling only once all is written. No broker: a
 writer whose acknowledgements the test holds and releases."""
@@ -13,9 +13,9 @@ from aiokafka.errors import KafkaConnectionError
 from schemas.codec import decode_reply
 from schemas.messages import ReplyDelta, ReplyEnd, ToolCallDelta
 from schemas.reply_stream import ReplyCursor
-from services.worker.coalesce import ReplyLane
-from services.worker.intake import Intake, InFlight
-from services.worker.publisher import Publisher
+from services.worker.kafka.coalesce import ReplyLane
+from services.worker.kafka.intake import Intake, InFlight
+from services.worker.kafka.publisher import Publisher
 
 from .factories import make_model_config, make_output, make_request
 from .positions import contiguous

@@ -19,9 +19,9 @@ from schemas.messages import ReplyDelta, ReplyEnd
 from schemas.reply_stream import ReplyCursor
 from schemas.topics import Topics
 from services.gateway.replies import ReplyRouter
-from services.worker.delivery import Writer
-from services.worker.intake import InFlight, Intake
-from services.worker.publisher import Publisher
+from services.worker.kafka.delivery import Writer
+from services.worker.kafka.intake import InFlight, Intake
+from services.worker.kafka.publisher import Publisher
 from tests.conftest import BOOTSTRAP
 from tests.kafka_helpers import read_until
 from weir.bus import BusSettings, make_producer

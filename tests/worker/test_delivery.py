@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 from aiokafka.errors import InvalidTopicError, KafkaConnectionError, KafkaTimeoutError, NotLeaderForPartitionError
 
-from services.worker.delivery import RedoPolicy, Writer, failure_of, first_failure, is_outage
+from services.worker.kafka.delivery import RedoPolicy, Writer, failure_of, first_failure, is_outage
 
 
 def test_outages_are_told_from_refusals() -> None:

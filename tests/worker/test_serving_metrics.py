@@ -9,10 +9,10 @@ import pytest
 
 from schemas.messages import ErrorInfo, NamedToolChoice, StructuredOutputs, ToolDef
 from services.worker.engine import Engine, EngineConfig
-from services.worker.events import audit_event, reply_events
-from services.worker.intake import InFlight, Intake
-from services.worker.publisher import Publisher
-from services.worker.serving_metrics import ServingMetrics, kv_cache_usage, structured_result
+from services.worker.kafka.events import audit_event, reply_events
+from services.worker.kafka.intake import InFlight, Intake
+from services.worker.kafka.publisher import Publisher
+from services.worker.kafka.serving_metrics import ServingMetrics, kv_cache_usage, structured_result
 from weir.metrics import ServiceMetrics, value
 
 from .factories import T0_MS, make_model_config, make_output, make_request

@@ -17,16 +17,16 @@ from collections.abc import Awaitable, Callable, Coroutine
 from schemas.codec import encode
 from schemas.messages import now_ms
 from schemas.model_repo import ModelConfig
-from services.worker.coalesce import ReplyLane
-from services.worker.delivery import RedoPolicy, Writer, failure_of, first_failure, is_outage
+from services.worker.kafka.coalesce import ReplyLane
+from services.worker.kafka.delivery import RedoPolicy, Writer, failure_of, first_failure, is_outage
 from services.worker.engine import EngineOutput
-from services.worker.events import audit_event, model_version, reply_events, shadow_live
-from services.worker.fingerprints import FingerprintBatcher
-from services.worker.intake import InFlight, Intake
-from services.worker.runner import EngineHost
-from services.worker.traces import end_run, reply_headers
+from services.worker.kafka.events import audit_event, model_version, reply_events, shadow_live
+from services.worker.kafka.fingerprints import FingerprintBatcher
+from services.worker.kafka.intake import InFlight, Intake
+from services.worker.hosts.runner import EngineHost
+from services.worker.kafka.traces import end_run, reply_headers
 from weir.tracing import Tracing, child_context, inject
-from services.worker.serving_metrics import Recorder
+from services.worker.kafka.serving_metrics import Recorder
 
 log = logging.getLogger(__name__)
 

@@ -26,16 +26,16 @@ from schemas.codec import DecodeError, decode
 from schemas.messages import Batch, Cancellation, EmbedRequest, GenerateRequest, now_ms
 from schemas.model_repo import ModelConfig
 from schemas.topics import Topics
-from services.worker.delivery import RedoPolicy, Writer
+from services.worker.kafka.delivery import RedoPolicy, Writer
 from services.worker.engine import EngineOutput
-from services.worker.fingerprints import FingerprintBatcher
-from services.worker.membership import FenceWatch, Membership, stop_consumer
-from services.worker.intake import ConflictingRequest, InFlight, Intake, RecordKey
-from services.worker.publisher import Publisher
-from services.worker.refusals import refusal
-from services.worker.runner import EngineHost
-from services.worker.traces import process_span
-from services.worker.serving_metrics import Recorder
+from services.worker.kafka.fingerprints import FingerprintBatcher
+from services.worker.kafka.membership import FenceWatch, Membership, stop_consumer
+from services.worker.kafka.intake import ConflictingRequest, InFlight, Intake, RecordKey
+from services.worker.kafka.publisher import Publisher
+from services.worker.kafka.refusals import refusal
+from services.worker.hosts.runner import EngineHost
+from services.worker.kafka.traces import process_span
+from services.worker.kafka.serving_metrics import Recorder
 from weir.bus import BusSettings, CommitPacer, make_consumer, partitions_of, send_dead_letter
 from weir.tracing import Tracing, extract, extract_many
 
