@@ -15,6 +15,7 @@ from schemas.messages import ReplyDelta, ReplyEnd, ToolCallDelta
 from schemas.reply_stream import ReplyCursor
 from services.worker.kafka.coalesce import ReplyLane
 from services.worker.kafka.intake import Intake, InFlight
+from services.worker.kafka.dispatch import Dispatch
 from services.worker.kafka.publisher import Publisher
 
 from .factories import make_model_config, make_output, make_request
@@ -144,7 +145,8 @@ async def test_a_failed_write_drops_what_was_held_and_the_lane_drains():
 
 
 def _publisher(writer: HeldWriter, intake: Intake) -> Publisher:
-    return Publisher(make_model_config("tiny"), writer, "weir.audit", intake, [], None, worker_id="w",  # type: ignore[arg-type]
+    config = make_model_config("tiny")
+    return Publisher(config, writer, "weir.audit", intake, Dispatch(config, []), worker_id="w",  # type: ignore[arg-type]
                      audit_key=b"k" * 32)  # fmt: skip
 
 
