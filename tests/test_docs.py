@@ -103,4 +103,5 @@ def test_the_walk_of_one_request_names_only_code_that_exists() -> None:
             if not any(_defines(REPO / p, bare) for p in here + seen[::-1] if (REPO / p).is_file()):
                 missing.append(f"{bare} (row: {row[:60]}...)")
     assert named >= 40, f"only {named} code references: the tables should name the code of every hop"
-    assert not missing, "docs/design.md, 'One request, end to end' names code that does not exist:\n" + "\n".join(missing)
+    where = "docs/design.md, 'One request, end to end'"
+    assert not missing, f"{where} names code that does not exist:\n" + "\n".join(missing)

@@ -173,7 +173,8 @@ def build_parts(settings: AuditorSettings, health: HealthMetrics | None) -> Audi
         health.shadow_join = join.counts
     return AuditorParts(
         settings, client_id, broker, publish, writer, AnchorPublisher(topics, broker, writer),
-        DeadLetters(topics, broker), TrafficCounter(), registry, guard, monitor, alerts, usage_accounts(settings, writer, publish), join,
+        DeadLetters(topics, broker), TrafficCounter(), registry, guard, monitor, alerts,
+        usage_accounts(settings, writer, publish), join,
         Tracing("auditor", client_id, settings, send=publish),  # spans through its own broker
         health,
     )  # fmt: skip
