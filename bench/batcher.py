@@ -92,7 +92,7 @@ async def deployment(repo_path: Path, model: str, env: dict[str, str]) -> AsyncI
     """Worker, batcher and gateway on a fresh topic prefix; yields (base URL, topics, bootstrap)."""
     from weir.kafka import launcher
     from weir.kafka.admin import deployment_specs, ensure_topics
-    from weir.launcher import Stack, free_ports, wait_http_ok
+    from weir.stack import Stack, free_ports, wait_http_ok
 
     broker = launcher.BrokerConfig.from_env()
     await launcher.up(broker, 120)

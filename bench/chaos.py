@@ -205,7 +205,7 @@ class Chaos:
     """The stack, its cluster, the faults done so far."""
 
     def __init__(self, args: argparse.Namespace, scratch: Path) -> None:
-        from weir.launcher import Stack, free_ports
+        from weir.stack import Stack, free_ports
 
         self.args = args
         self.cluster = None if args.bootstrap else Cluster(args.kafka_port, args.brokers, scratch / "kafka")
@@ -245,7 +245,7 @@ class Chaos:
         await self.wait_ready(list(self.services))
 
     async def wait_ready(self, names: list[str]) -> None:
-        from weir.launcher import wait_http_ok
+        from weir.stack import wait_http_ok
 
         for name in names:
             await asyncio.to_thread(wait_http_ok, f"{self.stack.url(name)}/readyz", 300, self.stack)

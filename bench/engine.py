@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         args.concurrency = "1,32"
     import transformers
 
-    from services.worker.hardware import cpu_threads
+    from services.worker.hosts.hardware import cpu_threads
 
     torch.set_num_threads(cpu_threads(args.threads))
 

@@ -112,7 +112,7 @@ async def _run(args, scenarios: list[Scenario]) -> None:
     from schemas.model_repo import load_model_repo
     from weir.kafka import launcher
     from weir.kafka.admin import delete_prefixed_topics, deployment_specs, ensure_topics
-    from weir.launcher import Stack, free_ports, wait_http_ok
+    from weir.stack import Stack, free_ports, wait_http_ok
 
     broker = launcher.BrokerConfig.from_env()
     await launcher.up(broker, 120)

@@ -405,7 +405,7 @@ def raise_open_files_limit() -> int:
 
 async def _bench(args: argparse.Namespace, open_files: int) -> int:
     from weir.kafka.admin import delete_prefixed_topics, ensure_topics, wait_for_broker
-    from weir.launcher import Stack, free_ports, wait_http_ok
+    from weir.stack import Stack, free_ports, wait_http_ok
 
     bootstrap = os.environ.get("WEIR_KAFKA_BOOTSTRAP", "127.0.0.1:9092")
     await wait_for_broker(bootstrap, timeout_s=10)

@@ -74,7 +74,7 @@ def _tcp_echo(port: int, ready) -> None:
 
 
 async def _tcp_one_way_ms(count: int, gap_s: float) -> list[float]:
-    from weir.launcher import free_ports
+    from weir.stack import free_ports
 
     (port,) = free_ports(1)
     context = multiprocessing.get_context("spawn")

@@ -250,12 +250,12 @@ async def _runs(args, levels: list[int], config):
     """Start the stack, load the engine here, then at each level warm up and run the rounds."""
     import torch
 
-    from services.worker.engine_factory import build_engine, warm_up
+    from services.worker.hosts.engine_factory import build_engine, warm_up
     from services.worker.config import WorkerSettings
-    from services.worker.hardware import choose_device, cpu_threads
+    from services.worker.hosts.hardware import choose_device, cpu_threads
     from weir.kafka import launcher
     from weir.kafka.admin import delete_prefixed_topics, deployment_specs, ensure_topics
-    from weir.launcher import Stack, free_ports, wait_http_ok
+    from weir.stack import Stack, free_ports, wait_http_ok
 
     torch.set_num_threads(cpu_threads(args.threads))
     broker = launcher.BrokerConfig.from_env()

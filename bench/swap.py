@@ -115,7 +115,7 @@ def _model_dirs(config, scratch: Path) -> tuple[Path, Path, Path]:
 
 
 async def _one_swap(args, config, bootstrap: str, topics: Topics, scratch: Path) -> Swap:
-    from weir.launcher import Stack, free_ports, wait_http_ok
+    from weir.stack import Stack, free_ports, wait_http_ok
 
     _v1, v2, repo = _model_dirs(config, scratch)
     env = {"WEIR_KAFKA_BOOTSTRAP": bootstrap, "WEIR_TOPIC_PREFIX": topics.prefix, "WEIR_MODEL_REPO": str(repo),

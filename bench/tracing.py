@@ -48,7 +48,7 @@ async def _runs(args: argparse.Namespace) -> tuple[dict[str, list[RunResult]], l
     from weir.bus import BusSettings, read_topic
     from weir.kafka import launcher
     from weir.kafka.admin import delete_prefixed_topics, deployment_specs, ensure_topics
-    from weir.launcher import Stack, free_ports, wait_http_ok
+    from weir.stack import Stack, free_ports, wait_http_ok
 
     broker = launcher.BrokerConfig.from_env()
     await launcher.up(broker, 120)

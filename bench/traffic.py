@@ -92,7 +92,7 @@ async def _bench(args) -> Result:
     from schemas.model_repo import load_model_repo
     from weir.kafka import launcher
     from weir.kafka.admin import delete_prefixed_topics
-    from weir.launcher import HTTP_PORT_ENV, Stack, free_ports, wait_http_ok
+    from weir.stack import HTTP_PORT_ENV, Stack, free_ports, wait_http_ok
 
     broker = launcher.BrokerConfig.from_env()
     await launcher.up(broker, 120)

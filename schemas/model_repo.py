@@ -20,7 +20,7 @@ model:
 
 engine = "auto" (the default) picks onnx for an ONNX model (a directory holding model.onnx, or a
 `source` package that ships a Hugging Face model rather than a .gguf file) and torch otherwise; the
-worker then picks the device (services/worker/hardware.py: resolve_engine) and reports its choice.
+worker then picks the device (services/worker/hosts/hardware.py: resolve_engine) and reports its choice.
 load_model_repo resolves it, so every entry it returns names its engine.
 
 An onnx entry with a `source` needs no `path`: the worker exports the package's model to ONNX on

@@ -72,7 +72,7 @@ def test_compose_kafka_is_a_three_node_cluster_as_the_launcher_makes_one() -> No
 
 
 def test_each_service_is_healthy_when_its_own_readyz_says_so() -> None:
-    from weir.launcher import DEFAULT_HTTP_PORTS
+    from weir.stack import DEFAULT_HTTP_PORTS
 
     services = _compose()["services"]
     for name in WEIR_SERVICES:
@@ -261,7 +261,7 @@ def test_prometheus_and_grafana_run_beside_the_services_provisioned_from_files()
 
 
 def test_prometheus_scrapes_every_service_on_its_own_port() -> None:
-    from weir.launcher import DEFAULT_HTTP_PORTS
+    from weir.stack import DEFAULT_HTTP_PORTS
 
     config = yaml.safe_load((REPO / "deploy/prometheus.yml").read_text())
     targets = {job["job_name"]: job["static_configs"][0]["targets"] for job in config["scrape_configs"]
@@ -296,7 +296,7 @@ def test_gateways_and_workers_run_as_replicas_each_with_its_own_id() -> None:
     """deploy.replicas of each: every gateway replica its own host port and reply topic, every
     worker its own instance name, both from the container's HOSTNAME unless set (docs/design.md,
     "Scale-out and failover")."""
-    from weir.launcher import DEFAULT_HTTP_PORTS
+    from weir.stack import DEFAULT_HTTP_PORTS
 
     services = _compose()["services"]
     for name, variable in (("gateway", "WEIR_GATEWAY_ID"), ("worker", "WEIR_WORKER_INSTANCE")):

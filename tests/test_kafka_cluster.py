@@ -26,7 +26,7 @@ from services.auditor.app import create_app
 from services.auditor.config import AuditorSettings
 from weir.kafka import launcher
 from weir.kafka.admin import broker_ids, describe_topic_configs, ensure_topics
-from weir.launcher import free_ports
+from weir.stack import free_ports
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 

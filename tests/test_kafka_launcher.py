@@ -11,7 +11,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from schemas.model_repo import load_model_repo
 from schemas.topics import Topics
 from weir.kafka import class_cache, launcher
-from weir.launcher import free_ports
+from weir.stack import free_ports
 from weir.kafka.admin import deployment_specs, describe_topic_configs, ensure_topics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -180,7 +180,7 @@ def test_cluster_configs_refuse_what_they_cannot_run(tmp_path: Path) -> None:
 
 
 def test_weir_up_brokers_picks_the_cluster(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from weir import launcher as up
+    from weir import stack as up
 
     monkeypatch.setenv("WEIR_HOME", str(tmp_path))
     monkeypatch.delenv("WEIR_KAFKA_DATA_DIR", raising=False)

@@ -27,7 +27,7 @@ from schemas.model_repo import load_model_repo
 from schemas.topics import Topics
 from weir.kafka import launcher, security
 from weir.kafka.admin import broker_ids, deployment_specs, describe_topic_configs, ensure_topics, grant_deployment_acls
-from weir.launcher import free_ports
+from weir.stack import free_ports
 
 pytestmark = [pytest.mark.kafka, pytest.mark.cluster]
 

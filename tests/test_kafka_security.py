@@ -28,7 +28,7 @@ from weir.bus import BusSettings, partitions_of
 from weir.kafka import launcher, security
 from weir.kafka.admin import add_client_user, deployment_specs, ensure_topics, grant_deployment_acls
 from weir.lag import LagMonitor
-from weir.launcher import free_ports
+from weir.stack import free_ports
 
 REPO = Path(__file__).resolve().parents[1]
 TOPICS = Topics(f"sec{uuid.uuid4().hex[:6]}")
@@ -527,7 +527,7 @@ async def test_a_producers_requests_are_served_as_that_producer_and_reply_only_t
 
 
 def test_weir_up_secure_gives_each_service_its_own_principal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from weir import launcher as up
+    from weir import stack as up
 
     monkeypatch.delenv("WEIR_KAFKA_SECURITY", raising=False)
     assert up.build_parser().parse_args([]).secure is False  # `weir up` stays simple by default

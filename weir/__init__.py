@@ -6,7 +6,7 @@ The floor (imported by services/, importing only schemas/ and kernels/):
   service.py      the one way to be a service: flags, logging, exit codes, signals, ops endpoint
   metrics.py      a service's OpenTelemetry meters, rendered for Prometheus
   supervision.py  when `weir up` restarts a service that died
-  launcher.py     `weir up`: the broker and the four services as supervised processes
+  stack.py        `weir up`: the broker and the four services as supervised processes
   files.py        file chunks on Kafka (OpenAI Files and Batch inputs and outputs)
   embedding/      the ONNX embedding runtime shared by the worker and the auditor
   batch_cli.py, replay.py   client commands that talk to a deployment over HTTP and Kafka

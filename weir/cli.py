@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 # Subcommands that other modules implement: name -> (module, help). Each module has main(argv) -> int.
 DELEGATED: dict[str, tuple[str, str]] = {
-    "up": ("weir.launcher", "start Kafka and all four services on this machine"),
+    "up": ("weir.stack", "start Kafka and all four services on this machine"),
     "gateway": ("services.gateway.app", "run the gateway service"),
     "batcher": ("services.batcher.app", "run the batcher service"),
     "worker": ("services.worker.app", "run the worker service"),

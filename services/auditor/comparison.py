@@ -36,7 +36,7 @@ from schemas.messages import ReplyDelta, ReplyEnd
 from schemas.reply_stream import ReplyCursor
 from schemas.registry import ModelComparison, ShadowLive, split_ref, version_problem
 from services.auditor.config import AuditorSettings
-from services.auditor.handlers import parse_records
+from services.auditor.consumers import parse_records
 from weir.bus import consumer_settings
 from weir.models.compare import cosine, edit_distance, reply_rates
 

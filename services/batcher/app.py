@@ -31,7 +31,7 @@ from starlette.types import ASGIApp
 from schemas.messages import now_ms
 from schemas.model_repo import ModelRepoError, ModelRepository, load_model_repo
 from services.batcher.config import BatcherSettings
-from services.batcher.handlers import BatcherHandlers, RebalanceListener
+from services.batcher.consumers import BatcherHandlers, RebalanceListener
 from services.batcher.jobs import JobRunner
 from services.batcher.metrics import BatcherMetrics
 from services.batcher.planner import Planner

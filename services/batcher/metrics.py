@@ -1,6 +1,6 @@
 """The batcher's event metrics: batches, time held, queue depth and expiries, per lane and tenant.
 
-Recorded as the loop decides (handlers.py) on the service's MeterProvider (weir/metrics.py);
+Recorded as the loop decides (consumers.py) on the service's MeterProvider (weir/metrics.py);
 app.py adds the gauges read from state at scrape time beside them.
 
 - `weir_batcher_batch_size{model_name}`: requests per batch (COUNT_BUCKETS).

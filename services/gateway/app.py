@@ -29,7 +29,7 @@ from services.gateway.config import GatewaySettings
 from services.gateway.dashboard_data import DashboardData
 from services.gateway.guard.gate import Guard
 from services.gateway.guard.output_guard import OutputGuard
-from services.gateway.handlers import GatewayBus
+from services.gateway.kafka_bus import GatewayBus
 from services.gateway.metrics import ResponseCounter
 from services.gateway.openapi_doc import install_openapi
 from services.gateway.request_limits import RequestLimits, head_limited_protocol

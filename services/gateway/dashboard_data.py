@@ -18,7 +18,7 @@ it already holds or follows on Kafka:
 A metric that is absent, or a window with nothing in it, is `null` (the page says "no data yet"),
 never a made-up zero. Records that do not decode are skipped and counted, not dead-lettered: every
 gateway replica reads these topics from the beginning at each start, so each would letter the same
-record again (as the heartbeat reader does, handlers.py).
+record again (as the heartbeat reader does, kafka_bus.py).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from schemas.messages import CancelReason, GenerateRequest, ReplyEnd
-from services.gateway.handlers import Exchange
+from services.gateway.kafka_bus import Exchange
 from services.gateway.openai_format import terminal_error
 from services.gateway.replies import ReplyItem
 
@@ -115,7 +115,7 @@ class SiblingGroup:
 
     def drain(self) -> None:
         """Move what each sibling has queued into its history without waiting (nobody reads the group)."""
-        self._stop_reads()  # a cancelled wait of an Exchange loses nothing (handlers.Exchange.event_at)
+        self._stop_reads()  # a cancelled wait of an Exchange loses nothing (kafka_bus.Exchange.event_at)
         for exchange in self.exchanges:
             exchange.drain()
 

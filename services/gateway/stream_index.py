@@ -2,7 +2,7 @@
 their gateway").
 
 A resumable stream of one request is registered on weir.streams (a StreamRecord, written with the
-request: handlers.GatewayBus.submit). Every gateway follows that topic (StreamIndex), so a client
+request: kafka_bus.GatewayBus.submit). Every gateway follows that topic (StreamIndex), so a client
 whose gateway died reconnects to any other with Last-Event-ID: RemoteResumes checks the owner,
 reads the dead gateway's reply topic from the record's start_offset with a group-less consumer
 (one per resumed stream, at most max_remote_resumes at once), orders and dedupes the events of
@@ -36,7 +36,7 @@ from schemas.topics import Topics
 from schemas.traffic import Assignment
 from services.gateway.config import GatewaySettings
 from services.gateway.guard.auth import Owner
-from services.gateway.handlers import Exchange, GatewayBus
+from services.gateway.kafka_bus import Exchange, GatewayBus
 from services.gateway.openai_format import ApiError, ChunkWriter, Kind, LogprobsFormat
 from services.gateway.replies import ReplyRouter
 from services.gateway.resume import ResumableStreams, StreamEntry, stream_not_found

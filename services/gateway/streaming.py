@@ -29,7 +29,7 @@ from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocket, WebSocketState
 
 from schemas.messages import EmbedRequest, GenerateRequest, ReplyDelta, ReplyEnd, TokenLogprob, ToolCallDelta
-from services.gateway.handlers import Exchange
+from services.gateway.kafka_bus import Exchange
 from services.gateway.metrics import GatewayMetrics, GenerationTimer
 from services.gateway.openai_format import (
     ApiError,

@@ -30,19 +30,19 @@ from schemas.messages import DeviceInfo, VersionState, WorkerHeartbeat
 from schemas.model_repo import ModelConfig, ModelRepoError, ModelRepository, load_model_repo
 from schemas.registry import ModelHealthEvent, ModelManifest, ModelVersionRecord, RegistryState
 from services.worker.config import WorkerSettings
-from services.worker.engine_factory import build_engine, warm_up
-from services.worker.faults import FaultHookError
-from services.worker.fingerprints import FingerprintBatcher
-from services.worker.finish_rate import FinishRate
-from services.worker.handlers import ModelServer, consume_cancellations, open_cancellations
-from services.worker.hardware import DeviceProbe, choose_device, cpu_device, cpu_threads
+from services.worker.hosts.engine_factory import build_engine, warm_up
+from services.worker.hosts.faults import FaultHookError
+from services.worker.kafka.fingerprints import FingerprintBatcher
+from services.worker.kafka.finish_rate import FinishRate
+from services.worker.kafka.consumers import ModelServer, consume_cancellations, open_cancellations
+from services.worker.hosts.hardware import DeviceProbe, choose_device, cpu_device, cpu_threads
 from services.worker.loading import OnOutputs, OnStatus
-from services.worker.memory import estimate_bytes
-from services.worker.membership import Membership
-from services.worker.mirror_pacing import LivePressure, Pacing
-from services.worker.runner import EngineHost, EngineProcess, EngineRunner
-from services.worker.serving_metrics import ServingMetrics, kv_cache_usage
-from services.worker.versions import VersionManager
+from services.worker.hosts.memory import estimate_bytes
+from services.worker.kafka.membership import Membership
+from services.worker.hosts.mirror_pacing import LivePressure, Pacing
+from services.worker.hosts.runner import EngineHost, EngineProcess, EngineRunner
+from services.worker.kafka.serving_metrics import ServingMetrics, kv_cache_usage
+from services.worker.versions import Outputs, VersionManager
 from weir.bus import instance_id, make_producer, wait_for_cluster
 from weir.tracing import Tracing
 from weir.embedding.fingerprints import build_fingerprinter
@@ -221,8 +221,9 @@ class WorkerService:
 
     # -- engines and servers --------------------------------------------------------------------
 
-    async def make_server(self, config: ModelConfig, hosts: list[EngineHost]) -> ModelServer:
-        """A ModelServer of version `config` over its opened engines; its batch topic exists."""
+    async def make_server(self, config: ModelConfig, hosts: list[EngineHost], outputs: Outputs) -> ModelServer:
+        """A ModelServer of version `config` over its opened engines, reading the queue they put their
+        outputs on; its batch topic exists."""
         assert self.producer is not None and self._fingerprinter is not None
         await asyncio.shield(self._fingerprinter)  # its AuditEvents carry SimHashes from the first one
         topic = self.settings.topics.batches(config.served_id)
@@ -230,11 +231,10 @@ class WorkerService:
             await ensure_topics(self.settings.kafka_bootstrap, self.settings.topics.model_specs(config.served_id))
         except KafkaError as exc:  # secure mode: only the batcher may create it; read once it exists
             log.warning("batch topic %s not created here (%r); the consumer reads it once it exists", topic, exc)
-        server = ModelServer(config, hosts, self.settings, self.producer, self.worker_id, self.audit_key,
-                             self.fingerprints, tracing=self.tracing, recorder=self.serving.recorder(config),
-                             membership=Membership.of(self.settings))  # fmt: skip
-        server.on_assignment = self._assignment_changed.set
-        return server
+        return ModelServer(config, hosts, self.settings, self.producer, self.worker_id, self.audit_key,
+                           self.fingerprints, tracing=self.tracing, recorder=self.serving.recorder(config),
+                           membership=Membership.of(self.settings), outputs=outputs,
+                           on_assignment=self._assignment_changed.set)  # fmt: skip
 
     def _on_fingerprinter(self, task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is None and task.result() is not None:
@@ -267,7 +267,8 @@ class WorkerService:
         return [
             asyncio.create_task(self.heartbeat(producer)),
             asyncio.create_task(self.fingerprint()),
-            asyncio.create_task(consume_cancellations(cancellations, self.settings, self.servers, producer, self.worker_id)),
+            asyncio.create_task(consume_cancellations(cancellations, self.settings, self.versions.on_cancel, producer,
+                                                      self.worker_id)),
             asyncio.create_task(self.versions.run()),
         ]  # fmt: skip
 

@@ -78,7 +78,7 @@ class WorkerSettings(BusSettings):
     worker_memory_fraction: float = Field(
         0.95, gt=0, le=1, description="With worker_memory_bytes 0: the share of the device's memory (GPU, else RAM) "
         "the model versions may take. High, because a torch engine on CUDA sizes its KV cache to 85% of the free "
-        "memory (services/worker/memory.py counts it): a lower share would refuse the first version.",
+        "memory (services/worker/hosts/memory.py counts it): a lower share would refuse the first version.",
     )
     drain_quiet_ms: int = Field(
         2000, ge=0, description="A version being unloaded keeps reading its batch topic until nothing ran and no "

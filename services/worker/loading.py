@@ -6,9 +6,10 @@ start, a torch or onnxruntime import, the weights, the warmup. One after another
 of a worker's start (a second `weir up` on the development machine: the default model's engine
 10 s, then the embedding model's 3.6 s). Side by side they overlap each other.
 
-The loader hands each engine's outputs to the sink its model server registers later (outputs
-only come once a server submits requests, so none is lost), says which models are still loading
-for /readyz, and stops what it opened when the worker gives up before serving.
+Each engine is opened with its model's sink, given to the loader at construction: the queue its
+model server reads once it is built (outputs only come once a server submits requests, and a
+queue keeps any until it reads). The loader says which models are still loading for /readyz, and
+stops what it opened when the worker gives up before serving.
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 from schemas.model_repo import ModelConfig
 from services.worker.engine.sequence import EngineOutput
-from services.worker.runner import EngineHost
+from services.worker.hosts.runner import EngineHost
 
 log = logging.getLogger(__name__)
 
@@ -32,14 +33,18 @@ STARTING = "starting its process"  # until the engine's process says more (it im
 
 
 class EngineLoader:
-    """The engines of `configs` (config.instances each), opened concurrently by `open_engine`."""
+    """The engines of `configs` (config.instances each), opened concurrently by `open_engine`, each
+    with its model's sink in `sinks` (model name -> where its engines' outputs go)."""
 
-    def __init__(self, configs: list[ModelConfig], open_engine: OpenEngine) -> None:
+    def __init__(self, configs: list[ModelConfig], open_engine: OpenEngine, sinks: Mapping[str, OnOutputs]) -> None:
+        missing = [c.name for c in configs if c.name not in sinks]
+        if missing:
+            raise ValueError(f"no sink for the outputs of {', '.join(missing)}")
         self._configs = configs
         self._open_engine = open_engine
+        self._sinks = dict(sinks)
         self.hosts: dict[str, list[EngineHost]] = {c.name: [] for c in configs}
         self.steps: dict[str, str] = {c.name: STARTING for c in configs}  # what each model's loading does now
-        self._sinks: dict[str, OnOutputs] = {}
         self._task: asyncio.Task[dict[str, list[EngineHost]]] | None = None
 
     def start(self) -> None:
@@ -51,10 +56,6 @@ class EngineLoader:
         (a model that cannot load), after the others were stopped."""
         assert self._task is not None, "start() first"
         return await asyncio.shield(self._task)
-
-    def deliver_to(self, model: str, sink: OnOutputs) -> None:
-        """Where the outputs of `model`'s engines go (its server's on_outputs)."""
-        self._sinks[model] = sink
 
     def still_loading(self) -> list[str]:
         """Models some of whose engines are not open yet, in repository order."""
@@ -87,12 +88,9 @@ class EngineLoader:
         return self.hosts
 
     async def _open(self, config: ModelConfig, started: float) -> None:
-        def deliver(outputs: list[EngineOutput], model: str = config.name) -> None:
-            self._sinks[model](outputs)
-
         def note(step: str, model: str = config.name) -> None:
             self.steps[model] = step
 
-        host = await self._open_engine(config, deliver, note)
+        host = await self._open_engine(config, self._sinks[config.name], note)
         self.hosts[config.name].append(host)
         log.info("engine of %s ready, %.1f s after the worker began loading", config.name, time.monotonic() - started)

@@ -1,7 +1,7 @@
 """`weir models`, as the CLI runs it: weir/models/cli.py with the worker's golden recorder.
 
 `weir models push` records each golden by running the model with the worker's own engines
-(services/worker/goldens.py), so that a worker checking the goldens later decodes exactly as the
+(services/worker/hosts/goldens.py), so that a worker checking the goldens later decodes exactly as the
 recording did. weir/ never imports services/ (docs/design.md, "The floors"), so weir/cli.py
 dispatches `weir models` here and this passes the recorder in.
 """
@@ -14,9 +14,9 @@ from weir.models import cli
 
 
 def record_goldens(config: ModelConfig, prompts: list[str], max_tokens: int) -> list[GoldenCase]:
-    """services/worker/goldens.py's recorder, imported when a push records goldens (it loads the
+    """services/worker/hosts/goldens.py's recorder, imported when a push records goldens (it loads the
     engines; the other actions never need them)."""
-    from services.worker import goldens
+    from services.worker.hosts import goldens
 
     return goldens.record_goldens(config, prompts, max_tokens)
 

@@ -31,14 +31,15 @@ from typing import Protocol
 
 from aiokafka.errors import KafkaError
 
-from schemas.messages import VersionState, VersionStatus, now_ms
+from schemas.messages import Cancellation, VersionState, VersionStatus, now_ms
 from schemas.model_repo import ModelConfig
 from schemas.registry import GoldenCase, ModelManifest, ModelRoute, ModelVersionRecord, RegistryState, served_id, split_ref
 from services.worker.config import WorkerSettings
-from services.worker.goldens import GOLDEN_MAX_TOKENS
-from services.worker.handlers import ModelServer
+from services.worker.engine import EngineOutput
+from services.worker.hosts.goldens import GOLDEN_MAX_TOKENS
+from services.worker.kafka.consumers import ModelServer
 from services.worker.loading import EngineLoader, OnOutputs, OnStatus
-from services.worker.runner import EngineHost, EngineProcess
+from services.worker.hosts.runner import EngineHost, EngineProcess
 from weir.heap import freeze_new
 from weir.models.manifest import ManifestError, verify_files
 from weir.models.signing import signature_problem
@@ -46,6 +47,7 @@ from weir.registry import rollback
 
 log = logging.getLogger(__name__)
 
+Outputs = asyncio.Queue[list[EngineOutput]]  # a version's engines put their outputs on it; its server reads it
 Wanted = dict[str, ModelVersionRecord | ModelConfig]  # sid -> its registry record, or a models.toml entry not registered yet
 GOLDEN_TIMEOUT_S = 120.0  # a golden check is a few greedy tokens per case, beside the running requests
 _SETTLED: frozenset[VersionState] = frozenset({"ready", "failed", "refused", "unhealthy", "draining"})
@@ -59,8 +61,9 @@ class WorkerPort(Protocol):
     async def open_engine(self, config: ModelConfig, on_outputs: OnOutputs, on_status: OnStatus | None = None) -> EngineHost:
         """One engine instance of `config`, built and warmed up (loading.OpenEngine)."""
 
-    async def make_server(self, config: ModelConfig, hosts: list[EngineHost]) -> ModelServer:
-        """A ModelServer over `hosts` (its topic created), not consuming yet."""
+    async def make_server(self, config: ModelConfig, hosts: list[EngineHost], outputs: Outputs) -> ModelServer:
+        """A ModelServer over `hosts`, reading `outputs` (the queue the hosts were opened with); its
+        topic created, not consuming yet."""
 
     async def seed_manifest(self, config: ModelConfig) -> ModelManifest:
         """The manifest of a models.toml entry not registered yet: its directory built, packed, registered."""
@@ -98,6 +101,7 @@ class Version:
     budget_bytes: int = 0  # the memory slice reserved for it (0 until it fits)
     need_bytes: int = 0  # what it asked for (a refused version is tried again once that fits)
     hosts: list[EngineHost] = field(default_factory=list)
+    outputs: Outputs | None = None  # the queue its engines were opened with (one per load)
     loader: EngineLoader | None = None
     server: ModelServer | None = None
     serving: list[asyncio.Task] = field(default_factory=list)  # the server's consume and publish loops
@@ -200,6 +204,11 @@ class VersionManager:
     def routed(self) -> list[Version]:
         """Versions whose batch partitions heartbeats advertise: ready and draining ones."""
         return [v for v in self.versions.values() if v.state in ("ready", "draining") and v.server is not None]
+
+    def on_cancel(self, cancel: Cancellation) -> None:
+        """A cancel from the control topic, for every server (the request's may be any of them)."""
+        for server in self.servers:
+            server.on_cancel(cancel)
 
     def hosts_of(self, sid: str) -> list[EngineHost]:
         version = self.versions.get(sid)
@@ -391,8 +400,8 @@ class VersionManager:
     async def _load(self, version: Version, config: ModelConfig) -> None:
         """loading: every engine instance opened and warmed up; golden: its goldens pass on each."""
         self._set(version, "loading", None)
-        loader = version.loader = EngineLoader([config], self.port.open_engine)
-        loader.deliver_to(config.name, _nowhere)  # the server's sink replaces it before any request
+        outputs = version.outputs = asyncio.Queue()  # read by the server built once the engines pass
+        loader = version.loader = EngineLoader([config], self.port.open_engine, {config.name: outputs.put_nowait})
         loader.start()
         try:
             version.hosts = (await loader.wait())[config.name]
@@ -448,9 +457,8 @@ class VersionManager:
 
     async def _serve(self, version: Version, config: ModelConfig) -> None:
         """ready: a ModelServer for the version joins its group and reads its topic."""
-        server = await self.port.make_server(config, version.hosts)
-        assert version.loader is not None
-        version.loader.deliver_to(config.name, server.on_outputs)
+        assert version.outputs is not None
+        server = await self.port.make_server(config, version.hosts, version.outputs)
         version.server = server
         self.servers.append(server)
         version.serving = [self._spawn(server.consume(), fatal=True), self._spawn(server.publish(), fatal=True)]
@@ -564,10 +572,6 @@ class VersionManager:
 def _log_failure(task: asyncio.Task) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.error("model version job failed", exc_info=task.exception())
-
-
-def _nowhere(_outputs: list) -> None:
-    """Outputs before a version's server exists: none come (no request was submitted yet)."""
 
 
 def _stop_hosts(hosts: list[EngineHost]) -> None:

@@ -7,6 +7,8 @@ run against the real broker in test_auditor_kafka.py.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from pathlib import Path
 
 import orjson
@@ -16,7 +18,7 @@ from faststream.kafka import TestKafkaBroker
 from schemas.codec import encode
 from schemas.messages import DeadLetter
 from schemas.topics import Topics
-from services.auditor.app import create_app
+from services.auditor.app import create_app, every
 from services.auditor.config import AuditorSettings
 from services.auditor.ledger import Ledger
 from tests.auditor.factories import make_event, make_flag
@@ -50,3 +52,35 @@ async def test_events_and_flags_are_stored_once_and_the_rest_dead_lettered(tmp_p
     assert [letter.reason.split(":")[0] for letter in letters] == ["not JSON", "invalid audit record"]
     assert letters[0].value == '{"event_id": ' and letters[0].service == "auditor"
     assert letters[1].reason.endswith('max_tokens: expected an integer, got "8"')
+
+
+async def test_a_timer_logs_a_failed_tick_and_ticks_again(caplog) -> None:
+    """The auditor's timers (services/auditor/app.py: every): a tick that fails is logged, the next
+    one runs; `at_once` ticks before the first interval."""
+    ticks: list[int] = []
+    third = asyncio.Event()
+
+    async def tick() -> None:
+        ticks.append(len(ticks))
+        if len(ticks) == 1:
+            raise RuntimeError("broker away")
+        if len(ticks) == 3:
+            third.set()
+
+    async def run(timer: asyncio.Task[None], until: asyncio.Event) -> None:
+        try:
+            await asyncio.wait_for(until.wait(), 10)
+        finally:
+            timer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await timer
+
+    await run(asyncio.create_task(every(0.01, tick, "publishing rate cards")), third)
+    failed = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert failed == ["publishing rate cards failed (RuntimeError('broker away')); retrying at the next tick"]
+    first = asyncio.Event()
+
+    async def once() -> None:
+        first.set()
+
+    await run(asyncio.create_task(every(3600, once, "checkpoint", at_once=True)), first)  # not an hour later

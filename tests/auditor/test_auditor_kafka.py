@@ -26,7 +26,7 @@ from services.auditor.app import create_app
 from services.auditor.config import AuditorSettings
 from services.auditor.ledger import Ledger, LedgerError
 from weir.kafka.admin import delete_prefixed_topics, ensure_topics, list_topic_names
-from weir.launcher import free_ports
+from weir.stack import free_ports
 from weir.metrics import value
 
 from .factories import make_event, make_flag

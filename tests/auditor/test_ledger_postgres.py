@@ -22,7 +22,7 @@ import pytest
 
 from services.auditor.chain import chain_hash
 from services.auditor.ledger import CHECKPOINTS, TABLE, Ledger, LedgerError
-from weir.launcher import free_ports
+from weir.stack import free_ports
 
 from .factories import T0_MS, make_event, make_flag
 

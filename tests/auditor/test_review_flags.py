@@ -20,7 +20,7 @@ from services.auditor.api import create_api
 from weir.metrics import value
 from weir.service import ops_app
 from services.auditor.config import AuditorSettings
-from services.auditor.handlers import decode_audit_value
+from services.auditor.consumers import decode_audit_value
 from services.auditor.health import HealthMetrics
 from services.auditor.ledger import Ledger, LedgerError
 from services.auditor.reviews import FLAGS

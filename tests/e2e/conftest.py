@@ -15,7 +15,7 @@ import pytest
 from schemas.model_repo import load_model_repo
 from schemas.topics import Topics
 from weir.kafka.admin import deployment_specs, ensure_topics
-from weir.launcher import SERVICES, Stack, free_ports, wait_http_ok
+from weir.stack import SERVICES, Stack, free_ports, wait_http_ok
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 from tests.conftest import BOOTSTRAP  # noqa: E402 - WEIR_KAFKA_BOOTSTRAP, else 127.0.0.1:9092

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from weir.kafka import launcher
-from weir.launcher import free_ports
+from weir.stack import free_ports
 
 from .conftest import start_pipeline
 from .test_faults import NUM_REQUESTS, assert_each_ends_once, stream_one

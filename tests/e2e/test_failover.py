@@ -15,7 +15,7 @@ from schemas.messages import ReplyDelta, WorkerHeartbeat, now_ms
 from tests.kafka_helpers import read_until
 from weir.bus import BusSettings, read_topic
 from weir.kafka.admin import list_topic_names
-from weir.launcher import wait_http_ok
+from weir.stack import wait_http_ok
 
 from .conftest import start_pipeline
 from .test_faults import MODEL, assert_each_ends_once, stream_one

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from weir.kafka.admin import delete_prefixed_topics, list_topic_names
-from weir.launcher import free_ports
+from weir.stack import free_ports
 
 from .conftest import BOOTSTRAP, REPO_ROOT
 from .test_faults import MODEL, NUM_REQUESTS, assert_each_ends_once, stream_one

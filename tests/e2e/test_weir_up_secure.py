@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from weir.kafka import launcher
-from weir.launcher import free_ports
+from weir.stack import free_ports
 
 from .conftest import REPO_ROOT
 from .test_weir_up import Up

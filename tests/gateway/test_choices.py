@@ -31,7 +31,7 @@ from schemas.openai_bodies import MAX_N
 from services.gateway.config import GatewaySettings
 from services.gateway.guard.settings import TenantLimits
 from services.gateway.guard.output_guard import REDACTED_TOKEN, LogprobGate, OutputGuard, PassThrough
-from services.gateway.handlers import Exchange, GatewayBus
+from services.gateway.kafka_bus import Exchange, GatewayBus
 from services.gateway.openai_format import (
     ApiError,
     ChoiceResult,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from schemas.messages import GenerateRequest, ReplyDelta, ReplyEnd, now_ms
 from services.gateway.config import GatewaySettings
-from services.gateway.handlers import Exchange, GatewayBus
+from services.gateway.kafka_bus import Exchange, GatewayBus
 
 
 def make_bus(**settings: float) -> tuple[GatewayBus, list[tuple[str, str]]]:

@@ -7,7 +7,7 @@ import graphlib
 from pathlib import Path
 
 GATEWAY = Path(__file__).resolve().parents[2] / "services" / "gateway"
-EDGE = ("services.gateway.app", "services.gateway.routes", "services.gateway.handlers", "services.gateway.streaming")
+EDGE = ("services.gateway.app", "services.gateway.routes", "services.gateway.kafka_bus", "services.gateway.streaming")
 
 
 def gateway_imports() -> dict[str, set[str]]:

@@ -13,7 +13,7 @@ from uuid import uuid4
 import httpx
 import pytest
 
-from weir.launcher import free_ports
+from weir.stack import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 CMD = [sys.executable, "-c", "import sys; from services.gateway.app import main; sys.exit(main(sys.argv[1:]))"]

@@ -11,7 +11,7 @@ from schemas.messages import DeviceInfo, GenerateRequest, ReplyDelta, ReplyEnd, 
 from services.gateway.app import create_app
 from services.gateway.config import GatewaySettings
 from services.gateway.guard.output_guard import PassThrough
-from services.gateway.handlers import Exchange, GatewayBus
+from services.gateway.kafka_bus import Exchange, GatewayBus
 from services.gateway.metrics import GatewayMetrics, GenerationTimer
 from services.gateway.openai_format import ApiError, ChunkWriter
 from services.gateway.streaming import frames

@@ -13,7 +13,7 @@ import pytest
 from schemas.messages import GenerateRequest, ReplyDelta, ReplyEnd, now_ms
 from services.gateway.config import GatewaySettings
 from services.gateway.guard.auth import Owner
-from services.gateway.handlers import Exchange, GatewayBus
+from services.gateway.kafka_bus import Exchange, GatewayBus
 from services.gateway.openai_format import ApiError, ChunkWriter
 from services.gateway.guard.output_guard import PassThrough
 from services.gateway.resume import ResumableStreams, StreamEntry, resume_grace_s

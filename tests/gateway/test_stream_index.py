@@ -12,7 +12,7 @@ from schemas.messages import GenerateRequest, ReplyDelta, ReplyEnd, StreamRecord
 from schemas.topics import Topics
 from services.gateway.config import GatewaySettings
 from services.gateway.guard.auth import Owner
-from services.gateway.handlers import Exchange, GatewayBus
+from services.gateway.kafka_bus import Exchange, GatewayBus
 from services.gateway.openai_format import ApiError, ChunkWriter
 from services.gateway.replies import ReplyRouter
 from services.gateway.resume import ResumableStreams

@@ -42,7 +42,7 @@ from services.gateway.batch_format import redact_result_line
 from services.gateway.config import GatewaySettings
 from services.gateway.guard.output_guard import OutputGuard
 from services.gateway.guard.redaction import MAX_PATTERN_CHARS
-from services.gateway.handlers import Exchange, GatewayBus
+from services.gateway.kafka_bus import Exchange, GatewayBus
 from services.gateway.openai_format import (
     ApiError,
     ChunkWriter,

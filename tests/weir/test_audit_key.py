@@ -124,7 +124,7 @@ def test_audit_lookup_without_a_key_says_where_it_looked(tmp_path: Path) -> None
 
 def test_weir_up_makes_both_keys_before_the_services_start(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from weir.audit_key import checkpoint_key_file
-    from weir.launcher import prepare_audit_key
+    from weir.stack import prepare_audit_key
 
     monkeypatch.delenv("WEIR_AUDIT_CHECKPOINT_KEY", raising=False)
     lines = prepare_audit_key().splitlines()
@@ -152,7 +152,7 @@ def test_weir_up_makes_the_gateway_admin_token_once_and_hands_it_to_the_services
     import os
 
     from services.gateway.config import GatewaySettings
-    from weir.launcher import ADMIN_TOKEN_FILE, prepare_admin_token
+    from weir.stack import ADMIN_TOKEN_FILE, prepare_admin_token
 
     monkeypatch.delenv("WEIR_GATEWAY_ADMIN_TOKEN", raising=False)
     path = home / ADMIN_TOKEN_FILE

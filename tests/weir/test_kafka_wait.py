@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from weir.kafka import launcher
-from weir.launcher import free_ports, wait_http_ok
+from weir.stack import free_ports, wait_http_ok
 from weir.service import EXIT_BROKER
 
 REPO = Path(__file__).resolve().parents[2]

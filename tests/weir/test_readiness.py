@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 import uvicorn
 
-from weir.launcher import free_ports
+from weir.stack import free_ports
 from weir.readiness import NOT_ANSWERING, Probe, ReadinessBoard, probe, wait_all_ready
 from weir.service import ops_app
 

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 from aiokafka.errors import KafkaConnectionError, KafkaTimeoutError
 
-from services.worker.delivery import is_outage
+from services.worker.kafka.delivery import is_outage
 from weir.reply_topics import TopicRefused, TopicWriter
 
 UNKNOWN_TOPIC, LEADER_NOT_AVAILABLE, TOPIC_AUTHORIZATION_FAILED = 3, 5, 29

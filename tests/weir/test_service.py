@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from aiokafka.errors import KafkaConnectionError, TopicAuthorizationFailedError
 
-from weir.launcher import free_ports
+from weir.stack import free_ports
 from weir.service import EXIT_BROKER, EXIT_CONFIG, EXIT_FAILED, EXIT_OK, ConfigError, ops_app, run_service, service_parser
 
 REPO = Path(__file__).resolve().parents[2]

@@ -9,9 +9,9 @@ import socket
 
 import pytest
 
-from weir import launcher
+from weir import stack as up
 from weir.kafka.launcher import BrokerConfig
-from weir.launcher import (DEFAULT_HTTP_PORTS, HTTP_PORT_ENV, free_ports, instance_envs, instance_names, port_taken,
+from weir.stack import (DEFAULT_HTTP_PORTS, HTTP_PORT_ENV, free_ports, instance_envs, instance_names, port_taken,
                            service_of, service_ports)  # fmt: skip
 
 
@@ -67,8 +67,8 @@ def test_each_instance_has_its_own_id_and_reply_topic_and_keeps_its_service(tmp_
 
 def test_a_restarted_instance_runs_its_own_service_with_its_own_settings(tmp_path, monkeypatch) -> None:
     started: list[tuple[list[str], dict[str, str]]] = []
-    monkeypatch.setattr(launcher.subprocess, "Popen", lambda argv, env, **_: started.append((argv, env)) or argv)
-    stack = launcher.Stack({"WEIR_WORKER_HTTP_PORT": "1"}, tmp_path, http_ports={"worker-2": 28004},
+    monkeypatch.setattr(up.subprocess, "Popen", lambda argv, env, **_: started.append((argv, env)) or argv)
+    stack = up.Stack({"WEIR_WORKER_HTTP_PORT": "1"}, tmp_path, http_ports={"worker-2": 28004},
                            own_env={"worker-2": {"WEIR_WORKER_INSTANCE": "worker-2"}})  # fmt: skip
     stack.start("worker-2", service="worker")
     stack.start("worker-2")  # as weir up's supervise() restarts it
@@ -82,9 +82,9 @@ def test_a_restarted_instance_runs_its_own_service_with_its_own_settings(tmp_pat
 def test_weir_up_refuses_a_count_outside_one_to_eight(value: str, capsys) -> None:
     for flag in ("--workers", "--gateways"):
         with pytest.raises(SystemExit):
-            launcher.build_parser().parse_args([flag, value])
+            up.build_parser().parse_args([flag, value])
         assert "not a number of instances from 1 to 8" in capsys.readouterr().err
-    assert launcher.build_parser().parse_args(["--workers", "8", "--gateways", "2"]).workers == 8
+    assert up.build_parser().parse_args(["--workers", "8", "--gateways", "2"]).workers == 8
     for counts in ({"worker": 9}, {"gateway": 0}, {"auditor": 2}):  # nor does service_ports take them
         with pytest.raises(ValueError, match="weir up runs 1 to 8 of worker, gateway each"):
             service_ports(28000, {}, counts=counts)

@@ -19,7 +19,7 @@ from weir import deployment
 from weir.bus import BusSettings
 from weir.kafka.admin import delete_prefixed_topics, ensure_topics
 from weir.kafka.launcher import BrokerConfig
-from weir.launcher import registered_versions
+from weir.stack import registered_versions
 from weir.registry import promote, publish, register, seed_records
 
 
@@ -91,7 +91,7 @@ def test_weir_commands_find_the_deployment_and_an_explicit_bootstrap_wins(
         monkeypatch.setenv(name, "")  # recorded as it was, so what the command fills in is undone after
         monkeypatch.delenv(name)
     monkeypatch.setenv("WEIR_HOME", str(tmp_path))
-    from weir.launcher import free_ports
+    from weir.stack import free_ports
 
     recorded, explicit = free_ports(2)
     deployment.record(f"127.0.0.1:{recorded}", "mine", False, [], tmp_path)
@@ -112,7 +112,7 @@ def test_weir_kafka_user_add_speaks_to_the_recorded_broker(
     """After `weir up --secure --kafka-port P`, `weir kafka user add NAME` is pointed at P (and the
     deployment's prefix); `--port` still wins."""
     from weir import cli
-    from weir.launcher import free_ports
+    from weir.stack import free_ports
 
     for name in ("WEIR_KAFKA_BOOTSTRAP", "WEIR_TOPIC_PREFIX", "WEIR_KAFKA_SECURITY", "WEIR_KAFKA_USER", "WEIR_KAFKA_PORT"):
         monkeypatch.setenv(name, "")

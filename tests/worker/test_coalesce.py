@@ -1,4 +1,4 @@
-"""Adaptive coalescing of reply deltas (services/worker/coalesce.py) and the Publisher that uses
+"""Adaptive coalescing of reply deltas (services/worker/kafka/coalesce.py) and the Publisher that uses
 it: one record per output while the producer keeps up, outputs merged while a record is in
 flight, the end never before its deltas, and settling only once all is written. No broker: a
 writer whose acknowledgements the test holds and releases."""
@@ -13,9 +13,10 @@ from aiokafka.errors import KafkaConnectionError
 from schemas.codec import decode_reply
 from schemas.messages import ReplyDelta, ReplyEnd, ToolCallDelta
 from schemas.reply_stream import ReplyCursor
-from services.worker.coalesce import ReplyLane
-from services.worker.intake import Intake, InFlight
-from services.worker.publisher import Publisher
+from services.worker.kafka.coalesce import ReplyLane
+from services.worker.kafka.intake import Intake, InFlight
+from services.worker.kafka.dispatch import Dispatch
+from services.worker.kafka.publisher import Publisher
 
 from .factories import make_model_config, make_output, make_request
 from .positions import contiguous
@@ -144,7 +145,8 @@ async def test_a_failed_write_drops_what_was_held_and_the_lane_drains():
 
 
 def _publisher(writer: HeldWriter, intake: Intake) -> Publisher:
-    return Publisher(make_model_config("tiny"), writer, "weir.audit", intake, [], None, worker_id="w",  # type: ignore[arg-type]
+    config = make_model_config("tiny")
+    return Publisher(config, writer, "weir.audit", intake, Dispatch(config, []), worker_id="w",  # type: ignore[arg-type]
                      audit_key=b"k" * 32)  # fmt: skip
 
 

@@ -19,9 +19,10 @@ from schemas.messages import ReplyDelta, ReplyEnd
 from schemas.reply_stream import ReplyCursor
 from schemas.topics import Topics
 from services.gateway.replies import ReplyRouter
-from services.worker.delivery import Writer
-from services.worker.intake import InFlight, Intake
-from services.worker.publisher import Publisher
+from services.worker.kafka.delivery import Writer
+from services.worker.kafka.intake import InFlight, Intake
+from services.worker.kafka.dispatch import Dispatch
+from services.worker.kafka.publisher import Publisher
 from tests.conftest import BOOTSTRAP
 from tests.kafka_helpers import read_until
 from weir.bus import BusSettings, make_producer
@@ -63,7 +64,8 @@ async def write_two_runs(loaded_first: bool = True) -> tuple[str, str]:
             intake = Intake()
             flight = InFlight(request, "b1", host=host)  # type: ignore[arg-type]
             intake.in_flight[request.request_id] = flight
-            publisher = Publisher(make_model_config("tiny"), writer, audit_sink, intake, [], None,  # type: ignore[arg-type]
+            config = make_model_config("tiny")
+            publisher = Publisher(config, writer, audit_sink, intake, Dispatch(config, []),
                                   worker_id="w", audit_key=b"k" * 32)  # fmt: skip
             for out in outs:
                 await publisher.send_output(flight, out)  # back to back: faster than any acknowledgement

@@ -1,4 +1,5 @@
-"""delivery.py: when a run that could not be written runs again, and the fail-fast writer."""
+"""delivery.py: when a run that could not be written runs again, and the fail-fast writer; and how
+it runs again (publisher.py through dispatch.py, as the model server ran it first)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,14 @@ from types import SimpleNamespace
 import pytest
 from aiokafka.errors import InvalidTopicError, KafkaConnectionError, KafkaTimeoutError, NotLeaderForPartitionError
 
-from services.worker.delivery import RedoPolicy, Writer, failure_of, first_failure, is_outage
+from schemas.codec import decode_reply
+from schemas.messages import ReplyEnd, now_ms
+from services.worker.kafka.delivery import RedoPolicy, Writer, failure_of, first_failure, is_outage
+from services.worker.kafka.dispatch import Dispatch
+from services.worker.kafka.intake import InFlight, Intake
+from services.worker.kafka.publisher import Publisher
+
+from .factories import make_model_config, make_request
 
 
 def test_outages_are_told_from_refusals() -> None:
@@ -90,3 +98,58 @@ async def test_first_failure_waits_for_every_write_and_names_the_first_that_fail
     assert late.done() and failure_of(failed) is not None
     assert await first_failure([ok]) is None
     assert failure_of(loop.create_future()) is None  # pending
+
+
+class FakeHost:
+    """An engine host as Dispatch drives it: what was submitted, an event per submission."""
+
+    num_pending = 0
+    weights_sha256 = "0" * 64
+
+    def __init__(self) -> None:
+        self.submitted: list = []
+        self.ran = asyncio.Event()
+
+    def submit(self, request) -> None:
+        self.submitted.append(request)
+        self.ran.set()
+
+    def cancel(self, request_id: str) -> None:
+        pass
+
+
+class SignallingProducer(FakeProducer):
+    """FakeProducer with an event set by each write."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wrote = asyncio.Event()
+
+    async def send(self, topic: str, value: bytes, key: bytes, partition: int | None = None,
+                   headers: list[tuple[str, bytes]] | None = None) -> asyncio.Future:
+        future = await super().send(topic, value, key, partition, headers)
+        self.wrote.set()
+        return future
+
+
+async def test_a_run_that_could_not_be_written_runs_again_through_the_dispatch_or_ends_there() -> None:
+    config, host, producer, intake = make_model_config("tiny"), FakeHost(), SignallingProducer(), Intake()
+    dispatch = Dispatch(config, [host])  # type: ignore[list-item]
+    publisher = Publisher(config, Writer(producer), "weir.audit", intake, dispatch, worker_id="w",  # type: ignore[arg-type]
+                          audit_key=b"k" * 32, redo_policy=RedoPolicy(first_delay_s=0.01))  # fmt: skip
+    request = make_request()
+    flight = InFlight(request, "b1")
+    intake.in_flight[request.request_id] = flight
+    assert dispatch.run(flight, now_ms()) is None and host.submitted == [request] and flight.host is host
+    host.ran.clear()
+    publisher.redo_later(flight, KafkaTimeoutError())  # a write of its run failed: the broker was away
+    await asyncio.wait_for(host.ran.wait(), 5)
+    assert host.submitted == [request, request] and flight.num_redos == 1 and producer.sent == []
+
+    dispatch.recent_cancels[request.request_id] = now_ms()  # cancelled before its next try
+    publisher.redo_later(flight, KafkaTimeoutError())
+    await asyncio.wait_for(producer.wrote.wait(), 5)
+    assert len(host.submitted) == 2  # not run again: ended here, its end written to its reply topic
+    [(topic, value)] = producer.sent
+    end = decode_reply(value)
+    assert topic == request.reply_to and isinstance(end, ReplyEnd) and end.finish_reason == "cancelled"

@@ -13,10 +13,10 @@ import torch
 from schemas.messages import DeviceInfo
 from schemas.model_repo import ModelConfig, ModelRepoError, load_model_repo
 from services.worker.config import WorkerSettings
-from services.worker.engine_factory import build_engine
-from services.worker.hardware import DeviceProbe, engine_label, resolve_engine
+from services.worker.hosts.engine_factory import build_engine
+from services.worker.hosts.hardware import DeviceProbe, engine_label, resolve_engine
 from services.worker.engine.model import cpu_packed_gemm_available
-from services.worker.memory import engine_used_bytes, estimate_bytes
+from services.worker.hosts.memory import engine_used_bytes, estimate_bytes
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TINY_DIR = REPO_ROOT / "models" / "weir-tiny-py"
@@ -124,7 +124,7 @@ def test_a_gguf_source_not_imported_yet_is_estimated_from_its_tensors(tmp_path: 
 
 
 def test_a_cuda_engine_is_labelled_with_the_triton_kernels_only_when_they_run(monkeypatch):
-    from services.worker import hardware
+    from services.worker.hosts import hardware
 
     monkeypatch.setattr(hardware, "triton_available", lambda: True)
     assert hardware.torch_label(torch.device("cuda")) == "torch-cuda+triton"

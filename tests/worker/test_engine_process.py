@@ -19,7 +19,7 @@ import pytest
 
 from schemas.model_repo import ModelConfig, load_model_repo
 from services.worker.config import WorkerSettings
-from services.worker.runner import EngineProcess
+from services.worker.hosts.runner import EngineProcess
 from services.worker.engine import EngineOutput
 
 from .factories import make_request
@@ -141,7 +141,7 @@ def test_the_child_dies_with_a_killed_worker(tmp_path: Path) -> None:
         import asyncio, sys
         from schemas.model_repo import ModelConfig
         from services.worker.config import WorkerSettings
-        from services.worker.runner import EngineProcess
+        from services.worker.hosts.runner import EngineProcess
 
         async def main():
             config = ModelConfig(name="tiny", engine="echo", max_model_len=64, max_num_seqs=4)

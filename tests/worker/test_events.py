@@ -5,7 +5,7 @@ from __future__ import annotations
 from schemas.codec import encode
 from schemas.fingerprint import key_id, keyed_hmac
 from schemas.messages import ErrorInfo, ReplyDelta, ReplyEnd, StructuredOutputs
-from services.worker.events import audit_event, model_version, params_sha256, reply_events, shadow_live
+from services.worker.kafka.events import audit_event, model_version, params_sha256, reply_events, shadow_live
 
 from .factories import T0_MS, make_embed_request, make_model_config, make_output, make_request
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from services.worker.fingerprints import FingerprintBatcher
+from services.worker.kafka.fingerprints import FingerprintBatcher
 from weir.embedding.fingerprints import TextFingerprinter
 
 

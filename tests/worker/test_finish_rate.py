@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.worker.finish_rate import FinishRate
+from services.worker.kafka.finish_rate import FinishRate
 
 
 def feed(rate: FinishRate, start_s: float, seconds: int, per_s: float, ended: int = 0, step_s: float = 1.0) -> int:

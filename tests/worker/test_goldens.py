@@ -19,9 +19,9 @@ from schemas.registry import GoldenCase
 from services.worker.config import WorkerSettings
 from services.worker.engine import EmbeddingEngine
 from services.worker.engine.contract import GOLDEN_ID_PREFIX
-from services.worker.engine_factory import build_engine
-from services.worker.faults import FaultHookError, corrupt
-from services.worker.goldens import (
+from services.worker.hosts.engine_factory import build_engine
+from services.worker.hosts.faults import FaultHookError, corrupt
+from services.worker.hosts.goldens import (
     GOLDEN_SAMPLED_SEED,
     GoldenCheck,
     golden_problem,
@@ -29,7 +29,7 @@ from services.worker.goldens import (
     record_goldens,
     run_goldens,
 )
-from services.worker.runner import EngineProcess, EngineRunner
+from services.worker.hosts.runner import EngineProcess, EngineRunner
 
 from .factories import make_request
 from .test_engine_process import Collector

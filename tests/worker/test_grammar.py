@@ -17,7 +17,7 @@ from schemas.structured import ENFORCED_FORMATS, ENFORCED_KEYWORDS, UnsupportedS
 from services.worker.engine import Engine, EngineConfig
 from services.worker.engine.echo_engine import EchoEngine
 from services.worker.engine.grammar import GrammarError, Grammars, StepMask, choice_ebnf, is_instance, spec_key
-from services.worker.events import reply_events
+from services.worker.kafka.events import reply_events
 
 from .factories import make_request
 

@@ -9,8 +9,8 @@ from aiokafka import ConsumerRecord, TopicPartition
 
 from schemas.codec import decode, encode
 from schemas.messages import Batch, DeadLetter
-from services.worker.handlers import ModelServer
-from services.worker.intake import ConflictingRequest, Intake
+from services.worker.kafka.consumers import ModelServer
+from services.worker.kafka.intake import ConflictingRequest, Intake
 from weir.bus import BusSettings
 
 from .factories import make_model_config, make_request

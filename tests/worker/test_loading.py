@@ -1,5 +1,6 @@
 """EngineLoader (services/worker/loading.py): every engine of every model opens at once, says what
-it is doing, hands its outputs to the server registered later, and a failure stops the rest."""
+it is doing, is opened with its model's sink (the queue its server reads later), and a failure
+stops the rest."""
 
 from __future__ import annotations
 
@@ -50,6 +51,11 @@ class Opener:
         return host
 
 
+def sinks(*names: str) -> dict:
+    """A sink per model, for engines that emit nothing in these tests."""
+    return {name: [].append for name in names}
+
+
 async def settle() -> None:
     for _ in range(10):
         await asyncio.sleep(0)
@@ -57,7 +63,8 @@ async def settle() -> None:
 
 async def test_every_engine_begins_loading_before_any_is_done() -> None:
     opener = Opener()
-    loader = EngineLoader([make_model_config("big", instances=2), make_model_config("small")], opener)  # type: ignore[arg-type]
+    loader = EngineLoader([make_model_config("big", instances=2), make_model_config("small")], opener,  # type: ignore[arg-type]
+                          sinks("big", "small"))  # fmt: skip
     loader.start()
     await settle()
     assert sorted(opener.begun) == ["big", "big", "small"]  # side by side, none released yet
@@ -75,26 +82,32 @@ async def test_every_engine_begins_loading_before_any_is_done() -> None:
     assert loader.still_loading() == [] and loader.describe() == ""
 
 
-async def test_outputs_reach_the_server_registered_after_loading() -> None:
+async def test_each_engine_is_opened_with_its_models_sink_and_outputs_wait_there() -> None:
     opener = Opener()
     for name in ("tiny", "echo"):
         opener.release[name] = asyncio.Event()
         opener.release[name].set()  # they load at once
-    loader = EngineLoader([make_model_config("tiny"), make_model_config("echo", engine="echo")], opener)  # type: ignore[arg-type]
+    queues: dict[str, asyncio.Queue] = {"tiny": asyncio.Queue(), "echo": asyncio.Queue()}
+    loader = EngineLoader([make_model_config("tiny"), make_model_config("echo", engine="echo")], opener,  # type: ignore[arg-type]
+                          {name: q.put_nowait for name, q in queues.items()})  # fmt: skip
     loader.start()
     await loader.wait()
-    got: dict[str, list] = {"tiny": [], "echo": []}
-    for name in got:
-        loader.deliver_to(name, got[name].append)
     out = make_output("r1", finish_reason="stop")
-    opener.on_outputs["echo"]([out])  # type: ignore[operator]
-    assert got == {"tiny": [], "echo": [[out]]}
+    opener.on_outputs["echo"]([out])  # type: ignore[operator]  # before any server reads: the queue keeps it
+    assert queues["tiny"].empty() and queues["echo"].get_nowait() == [out]
+
+
+def test_a_model_without_a_sink_is_refused() -> None:
+    with pytest.raises(ValueError, match="no sink for the outputs of echo"):
+        EngineLoader([make_model_config("tiny"), make_model_config("echo", engine="echo")], Opener(),  # type: ignore[arg-type]
+                     sinks("tiny"))  # fmt: skip
 
 
 async def test_a_model_that_cannot_load_stops_the_others_and_says_why() -> None:
     opener = Opener()
     opener.failures["broken"] = ValueError("model 'broken': no config.json in /models/broken")
-    loader = EngineLoader([make_model_config("ok"), make_model_config("slow"), make_model_config("broken")], opener)  # type: ignore[arg-type]
+    loader = EngineLoader([make_model_config("ok"), make_model_config("slow"), make_model_config("broken")], opener,  # type: ignore[arg-type]
+                          sinks("ok", "slow", "broken"))  # fmt: skip
     loader.start()
     await settle()
     opener.release["ok"].set()
@@ -109,7 +122,7 @@ async def test_a_model_that_cannot_load_stops_the_others_and_says_why() -> None:
 
 async def test_discard_while_loading_cancels_and_stops_what_opened() -> None:
     opener = Opener()
-    loader = EngineLoader([make_model_config("a"), make_model_config("b")], opener)  # type: ignore[arg-type]
+    loader = EngineLoader([make_model_config("a"), make_model_config("b")], opener, sinks("a", "b"))  # type: ignore[arg-type]
     loader.start()
     await settle()
     opener.release["a"].set()

@@ -15,7 +15,7 @@ from schemas.messages import ReplyDelta, ReplyEnd
 from services.worker.engine import EchoEngine, Engine, EngineConfig
 from services.worker.engine.sampler import raw_logprobs
 from services.worker.engine.tokenizer import ModelTokenizer
-from services.worker.events import reply_events
+from services.worker.kafka.events import reply_events
 
 from .factories import make_request, make_tokenizer
 from .positions import contiguous

@@ -1,4 +1,4 @@
-"""The worker's group settings (services/worker/membership.py): derived and refused as documented."""
+"""The worker's group settings (services/worker/kafka/membership.py): derived and refused as documented."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from services.worker.config import WorkerSettings
-from services.worker.membership import Membership
+from services.worker.kafka.membership import Membership
 from weir.bus import BusSettings, consumer_settings
 
 

@@ -1,4 +1,4 @@
-"""A model server's group membership on the real broker (services/worker/membership.py): a
+"""A model server's group membership on the real broker (services/worker/kafka/membership.py): a
 second process under the same instance name is noticed instead of stealing partitions forever,
 and a static member that stops leaves the group so the other worker takes over at once."""
 
@@ -12,7 +12,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer
 
 from schemas.topics import TopicSpec
-from services.worker.membership import FenceWatch, Membership, stop_consumer
+from services.worker.kafka.membership import FenceWatch, Membership, stop_consumer
 from weir.bus import BusSettings, make_consumer
 from weir.kafka.admin import ensure_topics
 

@@ -1,4 +1,4 @@
-"""Mirror copies yield to live work (services/worker/mirror_pacing.py): the pacer's decisions
+"""Mirror copies yield to live work (services/worker/hosts/mirror_pacing.py): the pacer's decisions
 (pure, time as an argument), LivePressure's count and linger, and both through real engine loops
 (EngineRunner threads over echo engines) in one event loop, as the worker wires them."""
 
@@ -8,8 +8,8 @@ import asyncio
 import time
 
 from services.worker.engine.echo_engine import EchoEngine
-from services.worker.mirror_pacing import LivePressure, MirrorPacer, Pacing
-from services.worker.runner import EngineRunner
+from services.worker.hosts.mirror_pacing import LivePressure, MirrorPacer, Pacing
+from services.worker.hosts.runner import EngineRunner
 
 from .factories import T0_MS, make_request
 from .test_engine_process import Collector, echo_config, open_process

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.worker.refusals import Refusal, refusal, unsupported_kind
+from services.worker.kafka.refusals import Refusal, refusal, unsupported_kind
 
 from .factories import T0_MS, make_embed_request, make_model_config, make_request
 

@@ -9,10 +9,11 @@ import pytest
 
 from schemas.messages import ErrorInfo, NamedToolChoice, StructuredOutputs, ToolDef
 from services.worker.engine import Engine, EngineConfig
-from services.worker.events import audit_event, reply_events
-from services.worker.intake import InFlight, Intake
-from services.worker.publisher import Publisher
-from services.worker.serving_metrics import ServingMetrics, kv_cache_usage, structured_result
+from services.worker.kafka.events import audit_event, reply_events
+from services.worker.kafka.intake import InFlight, Intake
+from services.worker.kafka.dispatch import Dispatch
+from services.worker.kafka.publisher import Publisher
+from services.worker.kafka.serving_metrics import ServingMetrics, kv_cache_usage, structured_result
 from weir.metrics import ServiceMetrics, value
 
 from .factories import T0_MS, make_model_config, make_output, make_request
@@ -99,8 +100,9 @@ def test_structured_result_of_each_ending():
 async def test_structured_outputs_count_once_per_request_when_its_end_is_durable():
     recorder, metrics = recorder_and_metrics()
     intake = Intake()
-    publisher = Publisher(make_model_config("tiny"), None, "weir.audit", intake, [], None, worker_id="w",
-                          audit_key=b"k" * 32, recorder=recorder)  # type: ignore[arg-type]  # fmt: skip
+    config = make_model_config("tiny")
+    publisher = Publisher(config, None, "weir.audit", intake, Dispatch(config, []), worker_id="w",  # type: ignore[arg-type]
+                          audit_key=b"k" * 32, recorder=recorder)  # fmt: skip
     request = make_request("def ", structured=StructuredOutputs(json_object=True))
     end = make_output(request.request_id, 3, finish_reason="stop", structured_valid=False)
     broken = asyncio.get_running_loop().create_future()

@@ -1,5 +1,5 @@
 """The worker's vllm:* and gen_ai.server.* metrics against the real broker: batches in, the /metrics
-totals equal to what the replies say (services/worker/serving_metrics.py), and the heartbeats'
+totals equal to what the replies say (services/worker/kafka/serving_metrics.py), and the heartbeats'
 prefix-cache counts and drain rate."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from schemas.messages import AuditEvent, Batch, ReplyEnd, WorkerHeartbeat
 from schemas.topics import Topics
 from services.worker.app import WorkerService
 from services.worker.config import WorkerSettings
-from services.worker.finish_rate import FinishRate
+from services.worker.kafka.finish_rate import FinishRate
 from tests.kafka_helpers import produce, read_until
 from weir.kafka.admin import ensure_topics
 from weir.metrics import value

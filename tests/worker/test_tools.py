@@ -19,7 +19,7 @@ from schemas.messages import ChatMessage, ReplyDelta, ReplyEnd, ToolDef
 from schemas.tools import call_id, tools_preamble
 from services.worker.engine import Engine, EngineConfig
 from services.worker.engine.tokenizer import ModelTokenizer
-from services.worker.events import reply_events
+from services.worker.kafka.events import reply_events
 
 transformers = pytest.importorskip("transformers")
 

@@ -19,7 +19,7 @@ from schemas.registry import ModelHealthEvent, ModelRoute, ModelVersionRecord
 from schemas.topics import Topics
 from services.worker.app import WorkerService
 from services.worker.config import WorkerSettings
-from services.worker.goldens import record_goldens
+from services.worker.hosts.goldens import record_goldens
 from tests.kafka_helpers import produce, read_until, wait_committed
 from weir.kafka.admin import ensure_topics
 from weir.metrics import value

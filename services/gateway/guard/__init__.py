@@ -13,6 +13,6 @@ its text passes on the way back.
     normalize.py     the view both guards match on: NFKC, invisible characters out, look-alikes folded
     settings.py      GuardSettings, a mixin of GatewaySettings
 
-A lower floor than the routes and the bus: nothing here imports app.py, routes/, handlers.py or
+A lower floor than the routes and the bus: nothing here imports app.py, routes/, kafka_bus.py or
 streaming.py; the bus and an Exchange come in as the small protocols gate.py names.
 """

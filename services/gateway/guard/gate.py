@@ -39,7 +39,7 @@ _THREAD_COUNT_CHARS = 32_768  # prompts longer than this are tokenized off the e
 
 
 class GuardBus(Protocol):
-    """What the guard uses of the gateway's bus (handlers.GatewayBus, a floor above the guard)."""
+    """What the guard uses of the gateway's bus (kafka_bus.GatewayBus, a floor above the guard)."""
 
     gateway_id: str
     fleet: Fleet
@@ -51,7 +51,7 @@ class GuardBus(Protocol):
 
 
 class ClosingExchange(Protocol):
-    """What Admitted.attach uses of an Exchange (handlers.Exchange): its terminal and close hooks."""
+    """What Admitted.attach uses of an Exchange (kafka_bus.Exchange): its terminal and close hooks."""
 
     end: ReplyEnd | None
     on_close: list[Callable[[Any], None]]

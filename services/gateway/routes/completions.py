@@ -16,7 +16,7 @@ from schemas.messages import GenerateRequest, StreamRecord, now_ms
 from schemas.openai_bodies import ChatCompletionBody, CompletionBody
 from services.gateway.guard.auth import Identity, Owner
 from services.gateway.guard.gate import Admitted
-from services.gateway.handlers import Exchange
+from services.gateway.kafka_bus import Exchange
 from services.gateway.metrics import GenerationTimer
 from services.gateway.openai_format import (
     ApiError,

@@ -10,7 +10,7 @@ from fastapi.responses import Response
 
 from schemas.messages import EmbedRequest, Priority, ReplyEnd, Usage, now_ms
 from services.gateway.guard.gate import Admitted
-from services.gateway.handlers import Exchange
+from services.gateway.kafka_bus import Exchange
 from services.gateway.openai_format import ApiError, embedding_body, parse_embedding_body, to_embed_requests
 from services.gateway.routes.parts import GatewayParts
 from services.gateway.routes.reading import header_timeout_s, read_body

@@ -11,7 +11,7 @@ from services.gateway.config import GatewaySettings
 from services.gateway.guard.auth import Identity
 from services.gateway.guard.gate import Guard
 from services.gateway.guard.output_guard import OutputGuard
-from services.gateway.handlers import GatewayBus
+from services.gateway.kafka_bus import GatewayBus
 from services.gateway.resume import ResumableStreams, resume_grace_s
 from services.gateway.stream_index import RemoteResumes
 from weir.lag import LagMonitor

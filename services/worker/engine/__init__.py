@@ -1,7 +1,7 @@
 """The worker's engine core: synchronous engines that take requests, step, and emit outputs.
 
 No Kafka here and no clock of its own: every call takes `now_ms`, so tests and benchmarks drive
-an engine directly. The worker's edge (services/worker/runner.py) runs one beside its event loop.
+an engine directly. The worker's edge (services/worker/hosts/runner.py) runs one beside its event loop.
 
     contract.py          EngineLike: add, cancel, step, has_work, stats, weights_sha256
     sequence.py          Sequence (one request's state) and EngineOutput (what every engine emits)

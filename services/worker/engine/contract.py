@@ -2,7 +2,7 @@
 
 Engine (llm_engine.py), EchoEngine (echo_engine.py) and EmbeddingEngine (embedding_engine.py)
 all fit it. Every method is synchronous and takes the time as an argument; the runner calls them
-from one engine thread or child process (services/worker/runner.py), never from the event loop.
+from one engine thread or child process (services/worker/hosts/runner.py), never from the event loop.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Protocol
 from schemas.messages import EmbedRequest, GenerateRequest
 from services.worker.engine.sequence import EngineOutput
 
-# Request ids the worker keeps for itself (golden canaries, services/worker/goldens.py): a client
-# request under it is refused (services/worker/refusals.py), so the two can never clash in an engine.
+# Request ids the worker keeps for itself (golden canaries, services/worker/hosts/goldens.py): a client
+# request under it is refused (services/worker/kafka/refusals.py), so the two can never clash in an engine.
 GOLDEN_ID_PREFIX = "\x1fgolden:"
 
 

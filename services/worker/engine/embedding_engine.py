@@ -5,7 +5,7 @@
                    longest), then pool: fragments -> inputs -> L2-normalised vectors
 
 Same contract as Engine and EchoEngine (contract.py: add, cancel, step, has_work, stats,
-weights_sha256), so the worker's runner (services/worker/runner.py) drives it like any engine. The
+weights_sha256), so the worker's runner (services/worker/hosts/runner.py) drives it like any engine. The
 embedding math (tokenizer, fragments, session, pooling) is weir/embedding/embedder.py's
 SentenceEmbedder, shared with the audit fingerprints; this module is what serving adds to it:
 request queue, round-robin batches, cancels and deadlines.
@@ -72,7 +72,7 @@ class EmbeddingEngine:
             raise ValueError(f"max_batch_tokens={self.max_batch_tokens} must be >= the window ({self.window} tokens)")
         self.weights_sha256 = self.embedder.weights_sha256
         self._jobs: dict[str, _Job] = {}  # insertion order = arrival order, for round-robin
-        # The fault hook (services/worker/faults.py): added to every fragment's vector when set.
+        # The fault hook (services/worker/hosts/faults.py): added to every fragment's vector when set.
         self.output_noise: np.ndarray | None = None
         log.info("embedding engine: %s on %s, %d-d, window %d", model_dir, self.provider, self.dimensions, self.window)
 

@@ -9,7 +9,7 @@ One step() is:
     rows = sample_batch(logits, ...)         # per sampling row: token (penalties, logit_bias, grammar mask, watermark), raw logprobs
     outputs += self._postprocess(seq, ...)   # per sequence: detokenize, stop, emit
 
-Synchronous and single-threaded: the worker's runner (services/worker/runner.py) calls step()
+Synchronous and single-threaded: the worker's runner (services/worker/hosts/runner.py) calls step()
 from its engine thread or child process, and tests and benchmarks call it directly.
 """
 
@@ -449,7 +449,7 @@ class Engine:
     # -- introspection -----------------------------------------------------------------------
 
     def stats(self) -> dict[str, float]:
-        """Gauges and running totals for heartbeats and /metrics (services/worker/serving_metrics.py)."""
+        """Gauges and running totals for heartbeats and /metrics (services/worker/kafka/serving_metrics.py)."""
         blocks = self.blocks
         return {
             "num_running": len(self.scheduler.running),

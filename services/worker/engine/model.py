@@ -134,7 +134,7 @@ def cpu_packed_gemm_available() -> bool:
     On this repository's AMD EPYC development box, with one thread, torch's default float32 linear
     (MKL sgemm) makes 16-40 GMAC/s at 32-512 rows; oneDNN on a weight reordered once into its
     blocked layout makes 70-100 (docs/benchmarks.md, "What was tried"). The packed copy is held
-    beside the parameter, so CPU weights take twice their size (services/worker/memory.py).
+    beside the parameter, so CPU weights take twice their size (services/worker/hosts/memory.py).
     """
     if os.environ.get("WEIR_CPU_PACKED_GEMM", "1") == "0":
         return False

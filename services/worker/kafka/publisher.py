@@ -12,21 +12,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Coroutine
 
 from schemas.codec import encode
 from schemas.messages import DeadLetter, now_ms
 from schemas.model_repo import ModelConfig
-from services.worker.coalesce import ReplyLane
-from services.worker.delivery import RedoPolicy, Writer, failure_of, first_failure, is_outage
+from services.worker.kafka.coalesce import ReplyLane
+from services.worker.kafka.delivery import RedoPolicy, Writer, failure_of, first_failure, is_outage
+from services.worker.kafka.dispatch import Dispatch
 from services.worker.engine import EngineOutput
-from services.worker.events import audit_event, model_version, reply_events, shadow_live
-from services.worker.fingerprints import FingerprintBatcher
-from services.worker.intake import InFlight, Intake
-from services.worker.runner import EngineHost
-from services.worker.traces import end_run, reply_headers
+from services.worker.kafka.events import audit_event, model_version, reply_events, shadow_live
+from services.worker.kafka.fingerprints import FingerprintBatcher
+from services.worker.kafka.intake import InFlight, Intake
+from services.worker.kafka.traces import end_run, reply_headers
 from weir.tracing import Tracing, child_context, inject
-from services.worker.serving_metrics import Recorder
+from services.worker.kafka.serving_metrics import Recorder
 
 log = logging.getLogger(__name__)
 
@@ -34,11 +34,12 @@ log = logging.getLogger(__name__)
 class Publisher:
     """One model server's writes: reply events to each request's reply topic, audit events to
     the audit topic (with SimHashes when a fingerprint batcher is given), and the live answer of
-    each mirrored request to the shadow topic (ShadowLive, for the comparison)."""
+    each mirrored request to the shadow topic (ShadowLive, for the comparison). A run that could not
+    be written goes through `dispatch` again, as the model server sent it the first time."""
 
     def __init__(
-        self, config: ModelConfig, writer: Writer, audit_topic: str, intake: Intake, runners: list[EngineHost],
-        restart: Callable[[InFlight], Awaitable[None]], *, worker_id: str, audit_key: bytes,
+        self, config: ModelConfig, writer: Writer, audit_topic: str, intake: Intake, dispatch: Dispatch,
+        *, worker_id: str, audit_key: bytes,
         fingerprints: FingerprintBatcher | None = None, redo_policy: RedoPolicy | None = None,
         shadow_live_topic: str | None = None, tracing: Tracing | None = None, recorder: Recorder | None = None,
         dead_letter_topic: str | None = None,
@@ -51,8 +52,7 @@ class Publisher:
         # Where a request whose reply topic refuses writes goes, with the reason (None: logged only)
         self.dead_letter_topic = dead_letter_topic
         self.intake = intake
-        self.runners = runners  # the server's engine hosts (filled in after construction)
-        self._restart = restart  # runs a flight again (ModelServer.start)
+        self.dispatch = dispatch  # where a run that could not be written is run again
         self.worker_id = worker_id
         self.audit_key = audit_key
         self.fingerprints = fingerprints
@@ -109,8 +109,7 @@ class Publisher:
         Returns a future of the durable write, which settle() waits for before the batch offset
         may be committed (a crash before it redoes the request, and so the AuditEvent).
         """
-        host = flight.host or self.runners[0]
-        event = audit_event(flight.request, out, self.config, weights_sha256=host.weights_sha256,
+        event = audit_event(flight.request, out, self.config, weights_sha256=self.dispatch.weights_sha256(flight),
                             worker_id=self.worker_id, audit_key=self.audit_key, now_ms=now_ms())  # fmt: skip
         fingerprints = self.fingerprints
         headers = inject(child_context(flight.span))  # the auditor's append continues the request's trace
@@ -188,7 +187,7 @@ class Publisher:
             if self.intake.is_current(flight):  # not ended meanwhile (a rebalance redo here)
                 self._spawn(first_failure(flight.futures))  # collects the broken run's failures (no warnings)
                 flight.futures, flight.failure, flight.token_ids, flight.lane = [], None, [], None
-                await self._restart(flight)
+                await self._run_again(flight)
 
         self._spawn(redo())
 
@@ -211,6 +210,13 @@ class Publisher:
             log.error("request %s: its dead letter could not be written either (%r)", req.request_id, exc)
         finally:
             self.intake.forget(flight)
+
+    async def _run_again(self, flight: InFlight) -> None:
+        """Run the request again from the start: on an engine, or ended here when it is refused now
+        (cancelled, or its deadline passed meanwhile)."""
+        refused = self.dispatch.run(flight, now_ms())
+        if refused is not None:
+            await self.send_output(flight, refused)
 
     def _spawn(self, coro: Coroutine) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -15,7 +15,7 @@ from schemas.messages import EmbedRequest, GenerateRequest, now_ms
 from schemas.model_repo import ModelConfig, detect_engine
 from services.worker.config import WorkerSettings
 from services.worker.engine import EchoEngine, EmbeddingEngine, Engine, EngineConfig, EngineLike, Watermarker
-from services.worker.hardware import cpu_threads, resolve_engine
+from services.worker.hosts.hardware import cpu_threads, resolve_engine
 from weir.embedding.onnx_export import ensure_export, needs_export
 from weir.models.sources import ensure_model_dir
 

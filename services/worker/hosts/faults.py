@@ -3,7 +3,7 @@
 For tests and `weir up` demos of invariant 10 (docs/design.md): an instance whose weights changed
 after verification must be caught by its golden check, marked unhealthy and reloaded from verified
 weights. Only reachable when WorkerSettings.fault_hooks is set (WEIR_FAULT_HOOKS); the hosts refuse
-it otherwise (services/worker/runner.py). Nothing undoes it: the cure is a new engine built from
+it otherwise (services/worker/hosts/runner.py). Nothing undoes it: the cure is a new engine built from
 the verified files.
 """
 

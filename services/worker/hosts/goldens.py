@@ -31,8 +31,8 @@ from schemas.registry import GoldenCase
 from services.worker.config import WorkerSettings
 from services.worker.engine import EmbeddingEngine, EngineLike, EngineOutput
 from services.worker.engine.contract import GOLDEN_ID_PREFIX
-from services.worker.engine_factory import build_engine
-from services.worker.hardware import choose_device
+from services.worker.hosts.engine_factory import build_engine
+from services.worker.hosts.hardware import choose_device
 
 GOLDEN_SEED = 0  # greedy decoding ignores it; fixed so that nothing in a golden depends on its id
 GOLDEN_SAMPLED_SEED = 4242  # the sampled case's seed: any fixed value; recorded in the case
@@ -50,7 +50,7 @@ _ids = itertools.count()
 
 def golden_requests(cases: list[GoldenCase], model: str, tag: str) -> list[GenerateRequest | EmbedRequest]:
     """One request per case, at its temperature and seed, with ids under GOLDEN_ID_PREFIX (refused
-    from clients, services/worker/refusals.py) so they cannot clash with a client's."""
+    from clients, services/worker/kafka/refusals.py) so they cannot clash with a client's."""
     deadline_ms = now_ms() + GOLDEN_TIMEOUT_MS
     common = {"model": model, "deadline_ms": deadline_ms, "reply_to": "-", "tenant": GOLDEN_TENANT}
     requests: list[GenerateRequest | EmbedRequest] = []

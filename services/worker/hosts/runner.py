@@ -4,7 +4,7 @@ The model step is CPU/GPU-bound and must never block the asyncio loop that keeps
 clients alive (heartbeats, fetches, commits). EngineProcess runs it in a child process (the
 default), EngineRunner on a thread of the worker (the echo engine, and WEIR_ENGINE_ISOLATION=thread).
 Both drive the engine with the same loop (drive), which also runs golden checks between steps
-(services/worker/goldens.py) and the fault hook (services/worker/faults.py) when asked.
+(services/worker/hosts/goldens.py) and the fault hook (services/worker/hosts/faults.py) when asked.
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING, Protocol
 from schemas.messages import EmbedRequest, GenerateRequest, now_ms
 from schemas.registry import GoldenCase
 from services.worker.engine import EngineLike, EngineOutput
-from services.worker.faults import FaultHookError, corrupt
-from services.worker.goldens import GoldenChecks
-from services.worker.hardware import engine_label
-from services.worker.memory import engine_used_bytes
-from services.worker.mirror_pacing import PRESSURE, LivePressure, MirrorPacer, Pacing
+from services.worker.hosts.faults import FaultHookError, corrupt
+from services.worker.hosts.goldens import GoldenChecks
+from services.worker.hosts.hardware import engine_label
+from services.worker.hosts.memory import engine_used_bytes
+from services.worker.hosts.mirror_pacing import PRESSURE, LivePressure, MirrorPacer, Pacing
 from weir.heap import freeze_heap
 from weir.supervision import describe_exit
 
@@ -130,7 +130,7 @@ class _Host:
     `engine_label` is the runtime actually in use ('torch-cpu', 'onnxruntime-cuda'...: what
     heartbeats report as VersionStatus.engine), `used_bytes()` the memory the engine holds.
     With a LivePressure attached (`attach_pressure`), the live requests it runs count there and
-    the engine hears when live work runs in the process (services/worker/mirror_pacing.py)."""
+    the engine hears when live work runs in the process (services/worker/hosts/mirror_pacing.py)."""
 
     def __init__(self, on_outputs: Callable[[list[EngineOutput]], None], weights_sha256: str,
                  stats: dict[str, float], fault_hooks: bool) -> None:  # fmt: skip
@@ -165,7 +165,7 @@ class _Host:
             self._pressure = None
 
     def used_bytes(self) -> int:
-        """Bytes the engine holds: weights as loaded plus its KV cache (services/worker/memory.py)."""
+        """Bytes the engine holds: weights as loaded plus its KV cache (services/worker/hosts/memory.py)."""
         return self._used_bytes
 
     async def check_goldens(self, cases: list[GoldenCase]) -> str | None:
@@ -185,7 +185,7 @@ class _Host:
         return cases
 
     async def corrupt_weights(self) -> None:
-        """The fault hook: perturb the engine's weights in memory (services/worker/faults.py).
+        """The fault hook: perturb the engine's weights in memory (services/worker/hosts/faults.py).
         FaultHookError unless WorkerSettings.fault_hooks (WEIR_FAULT_HOOKS) is set."""
         if not self.fault_hooks:
             raise FaultHookError("fault hooks are off: set WEIR_FAULT_HOOKS=1 to allow corrupting weights")
@@ -464,9 +464,9 @@ def serve_engine(
     try:
         import torch
 
-        from services.worker.engine_factory import build_engine, build_step, warm_up
-        from services.worker.hardware import cpu_threads, engine_label
-        from services.worker.memory import engine_used_bytes
+        from services.worker.hosts.engine_factory import build_engine, build_step, warm_up
+        from services.worker.hosts.hardware import cpu_threads, engine_label
+        from services.worker.hosts.memory import engine_used_bytes
 
         torch.set_num_threads(cpu_threads(settings.torch_threads))
         events.send(("status", build_step(config)))

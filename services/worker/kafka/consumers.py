@@ -7,9 +7,10 @@ regenerates them with the same seeds. Readers drop the repeated deltas by sequen
 whose events cannot be written (the broker is away) is stopped and run again here once writes
 may succeed (publisher.py, delivery.py), the same way.
 
-The parts: intake.py keeps the account of requests and batch offsets, refusals.py decides what
-never reaches the model, events.py builds the wire events of an engine output, publisher.py
-writes and settles each run; this module consumes batches and cancellations and wires them up.
+The parts: intake.py keeps the account of requests and batch offsets, dispatch.py sends each to an
+engine host or ends it (refusals.py: what never reaches the model), events.py builds the wire events
+of an engine output, publisher.py writes and settles each run; this module consumes batches and
+cancellations and builds the parts in that order, each handed what it needs.
 """
 
 from __future__ import annotations
@@ -27,16 +28,16 @@ from schemas.codec import DecodeError, decode
 from schemas.messages import Batch, Cancellation, EmbedRequest, GenerateRequest, now_ms
 from schemas.model_repo import ModelConfig
 from schemas.topics import Topics
-from services.worker.delivery import RedoPolicy, Writer
+from services.worker.kafka.delivery import RedoPolicy, Writer
 from services.worker.engine import EngineOutput
-from services.worker.fingerprints import FingerprintBatcher
-from services.worker.membership import FenceWatch, Membership, stop_consumer
-from services.worker.intake import ConflictingRequest, InFlight, Intake, RecordKey
-from services.worker.publisher import Publisher
-from services.worker.refusals import refusal
-from services.worker.runner import EngineHost
-from services.worker.traces import process_span
-from services.worker.serving_metrics import Recorder
+from services.worker.kafka.fingerprints import FingerprintBatcher
+from services.worker.kafka.membership import FenceWatch, Membership, stop_consumer
+from services.worker.kafka.intake import ConflictingRequest, InFlight, Intake, RecordKey
+from services.worker.kafka.publisher import Publisher
+from services.worker.kafka.dispatch import Dispatch
+from services.worker.hosts.runner import EngineHost
+from services.worker.kafka.traces import process_span
+from services.worker.kafka.serving_metrics import Recorder
 from weir.bus import BusSettings, CommitPacer, make_consumer, partitions_of, send_dead_letter
 from weir.tracing import Tracing, extract, extract_many
 
@@ -49,9 +50,9 @@ class ModelServer:
     """Serves one model version: consumes its batch topic (Topics.batches(name@version)) in the
     version's group, runs engine instances (docs/design.md, "The model registry").
 
-    Wiring: Intake keeps the account of taken requests and batch offsets, refusal() ends what
-    must not reach the model, the least busy engine host runs the rest, and Publisher writes
-    each run's events and settles it.
+    Wiring: Intake keeps the account of taken requests and batch offsets, Dispatch ends what
+    must not reach the model and gives the rest to the least busy engine host, and Publisher
+    writes each run's events and settles it (a run it could not write goes through Dispatch again).
     """
 
     def __init__(
@@ -67,8 +68,13 @@ class ModelServer:
         tracing: Tracing | None = None,
         recorder: Recorder | None = None,
         membership: Membership | None = None,
+        outputs: asyncio.Queue[list[EngineOutput]] | None = None,
+        on_assignment: Callable[[], None] | None = None,
     ) -> None:
+        """`runners` are the version's engine hosts, open; `outputs` the queue they put their outputs
+        on (given to them when they were opened; None: a new one, fed by on_outputs)."""
         self.config = config
+        self.sid = config.served_id
         self.membership = membership or Membership()
         self.tracing = tracing or Tracing.off("worker")
         self.runners = runners
@@ -76,27 +82,26 @@ class ModelServer:
         self.topics: Topics = settings.topics
         self.producer = producer
         self.worker_id = worker_id
+        self.on_assignment = on_assignment  # called when Kafka assigns partitions
+        # The parts, each built before what uses it: the account, where requests run, the writes.
         self.intake = Intake()
-        writer = Writer(producer, auto_create=settings.reply_topic_auto_create)
+        self.dispatch = Dispatch(config, runners)
         self.publisher = Publisher(
-            config, writer, self.topics.audit, self.intake, runners, self.start,
-            worker_id=worker_id, audit_key=audit_key, fingerprints=fingerprints, redo_policy=redo_policy,
-            shadow_live_topic=self.topics.shadow_live, tracing=self.tracing, recorder=recorder,
+            config, Writer(producer, auto_create=settings.reply_topic_auto_create), self.topics.audit, self.intake,
+            self.dispatch, worker_id=worker_id, audit_key=audit_key, fingerprints=fingerprints,
+            redo_policy=redo_policy, shadow_live_topic=self.topics.shadow_live, tracing=self.tracing, recorder=recorder,
             dead_letter_topic=self.topics.dead_letter,
         )  # fmt: skip
         self._commits = CommitPacer(settings.commit_interval_ms)
-        self._outputs: asyncio.Queue[list[EngineOutput]] = asyncio.Queue()
-        self.recent_cancels: dict[str, int] = {}  # request_id -> when its cancel was read
+        self._outputs: asyncio.Queue[list[EngineOutput]] = outputs if outputs is not None else asyncio.Queue()
         self.num_invalid_reply_to = 0  # requests dead-lettered for their reply_to, since start
         self.consumer: AIOKafkaConsumer | None = None
-        self.on_assignment: Callable[[], None] | None = None  # called when Kafka assigns partitions
-        self.sid = config.served_id
         self.last_read_ms = now_ms()  # when a batch record was last read (draining waits for quiet)
         self.is_taking = True  # False: take no new batches (an unhealthy version finishes what runs)
         self.num_forged = 0  # batches dead-lettered for naming another version than their topic's
 
     def on_outputs(self, outputs: list[EngineOutput]) -> None:
-        """Called on the loop by the engine threads."""
+        """Engine outputs, on the loop (the hosts were opened with the queue's put_nowait, or this)."""
         self._outputs.put_nowait(outputs)
 
     # -- consuming ----------------------------------------------------------------------------
@@ -215,20 +220,13 @@ class ModelServer:
         await send_dead_letter(self.producer, self.topics, record, reason, self.worker_id)
 
     async def start(self, flight: InFlight) -> None:
-        """Run a request taken from a batch (again, after a run that could not be written)."""
-        request = flight.request
-        now = now_ms()
-        refused = refusal(request, self.config, now, self.recent_cancels)
-        if refused is not None:  # it never reaches the engine: end it here
-            out = EngineOutput(request.request_id, 0, finish_reason=refused.finish_reason, error=refused.error,
-                               received_ms=now)  # fmt: skip
-            await self.publisher.send_output(flight, out)
-            return
-        flight.host = min(self.runners, key=lambda r: r.num_pending)
-        flight.host.submit(request)
+        """Run a request taken from a batch: on an engine, or ended here when it is refused."""
+        refused = self.dispatch.run(flight, now_ms())
+        if refused is not None:  # it never reaches the engine
+            await self.publisher.send_output(flight, refused)
 
     def on_cancel(self, cancel: Cancellation) -> None:
-        self.recent_cancels[cancel.request_id] = now_ms()
+        self.dispatch.recent_cancels[cancel.request_id] = now_ms()
         flight = self.intake.in_flight.get(cancel.request_id)
         if flight is not None and flight.host is not None:
             log.info("cancel request_id=%s reason=%s: aborting it", cancel.request_id, cancel.reason)
@@ -236,8 +234,9 @@ class ModelServer:
 
     def forget_old_cancels(self) -> None:
         cutoff = now_ms() - _CANCEL_MEMORY_MS
-        for rid in [r for r, t in self.recent_cancels.items() if t < cutoff]:
-            del self.recent_cancels[rid]
+        recent = self.dispatch.recent_cancels
+        for rid in [r for r, t in recent.items() if t < cutoff]:
+            del recent[rid]
 
     # -- producing ----------------------------------------------------------------------------
 
@@ -308,9 +307,11 @@ async def open_cancellations(settings: BusSettings, worker_id: str) -> AIOKafkaC
 
 
 async def consume_cancellations(
-    consumer: AIOKafkaConsumer, settings: BusSettings, servers: list[ModelServer], producer, worker_id: str
+    consumer: AIOKafkaConsumer, settings: BusSettings, on_cancel: Callable[[Cancellation], None], producer,
+    worker_id: str,
 ) -> None:
-    """Pass the cancels of the control topic (from open_cancellations) to the model servers."""
+    """Hand each cancel of the control topic (from open_cancellations) to `on_cancel` (the version
+    manager's: every model server hears it)."""
     topics = settings.topics
     try:
         async for record in consumer:
@@ -319,7 +320,6 @@ async def consume_cancellations(
             except DecodeError as exc:
                 await send_dead_letter(producer, topics, record, str(exc), worker_id)
                 continue
-            for server in servers:
-                server.on_cancel(cancel)
+            on_cancel(cancel)
     finally:
         await consumer.stop()

@@ -4,7 +4,7 @@ A batch's offset may be committed only once every request in it has its terminal
 written. Intake keeps that account: the requests in flight (one run answers a request that came
 twice, in a redelivered batch), how many requests of each batch record are still open, and the
 OffsetTracker that turns done records into committable positions. Pure bookkeeping: no I/O, no
-clock; the Kafka consumer (handlers.py) drives it.
+clock; the Kafka consumer (consumers.py) drives it.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from schemas.messages import EmbedRequest, GenerateRequest
 from weir.bus import OffsetTracker
 
 if TYPE_CHECKING:
-    from services.worker.coalesce import ReplyLane
-    from services.worker.runner import EngineHost
+    from services.worker.kafka.coalesce import ReplyLane
+    from services.worker.hosts.runner import EngineHost
 
 RecordKey = tuple[TopicPartition, int]  # a batch record: (partition, offset)
 # How a request was routed, not what it asks: the batcher may route a redelivered request anew
@@ -49,8 +49,8 @@ class InFlight:
     failure: BaseException | None = None  # the first write of the current run that failed
     num_redos: int = 0
     token_ids: list[int] = field(default_factory=list)  # the current run's answer, kept for a mirrored request's ShadowLive
-    span: Span = INVALID_SPAN  # its process span here (services/worker/traces.py), ended with its final output
-    lane: ReplyLane | None = None  # the current run's reply records, coalesced (services/worker/coalesce.py)
+    span: Span = INVALID_SPAN  # its process span here (services/worker/kafka/traces.py), ended with its final output
+    lane: ReplyLane | None = None  # the current run's reply records, coalesced (services/worker/kafka/coalesce.py)
 
 
 class Intake:

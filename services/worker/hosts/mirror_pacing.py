@@ -9,7 +9,7 @@ mirror). Two halves, one per side of the engine pipe:
   of this process hold. It tells every engine host "live work runs" when the count leaves 0, and
   "live work is idle" once it has stayed 0 for `idle_ms` (a gap between two requests of a steady
   load is not idleness).
-- MirrorPacer (each engine's own loop, services/worker/runner.py: drive): while live work runs
+- MirrorPacer (each engine's own loop, services/worker/hosts/runner.py: drive): while live work runs
   somewhere in the process, an engine whose requests are all mirror copies steps at most once per
   `yield_ms` (0: not at all), and a copy it has held for `max_wait_ms` is ended `rejected`
   (`mirror_dropped`): a terminal event on the shadow reply topic, never lost silently
@@ -118,7 +118,7 @@ class MirrorPacer:
 
 
 class PressureSink(Protocol):
-    """What LivePressure tells: an engine host (services/worker/runner.py: _Host.press)."""
+    """What LivePressure tells: an engine host (services/worker/hosts/runner.py: _Host.press)."""
 
     def press(self, is_pressed: bool) -> None: ...
 

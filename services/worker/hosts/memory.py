@@ -21,7 +21,7 @@ from schemas.model_repo import ModelConfig
 from services.worker.config import WorkerSettings
 from services.worker.engine.model import cpu_packed_gemm_available
 from services.worker.engine import EchoEngine, EmbeddingEngine, Engine, EngineConfig, EngineLike
-from services.worker.hardware import choose_device, resolve_engine
+from services.worker.hosts.hardware import choose_device, resolve_engine
 
 # Dtype the torch engine loads weights and KV cache in (services/worker/engine/llm_engine.py).
 _LOADED_ELEMENT_BYTES = {"cpu": 4, "cuda": 2}  # float32 on the CPU, bfloat16 on CUDA
