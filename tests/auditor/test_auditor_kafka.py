@@ -25,8 +25,8 @@ from services.auditor import cli
 from services.auditor.app import create_app
 from services.auditor.config import AuditorSettings
 from services.auditor.ledger import Ledger, LedgerError
+from tests.ports import HeldPort
 from weir.kafka.admin import delete_prefixed_topics, ensure_topics, list_topic_names
-from weir.launcher import free_ports
 from weir.metrics import value
 
 from .factories import make_event, make_flag
@@ -289,13 +289,15 @@ async def test_main_runs_until_sigterm(bootstrap: str, tmp_path: Path) -> None:
 async def _run_main_until_sigterm(bootstrap: str, audit_topics: Topics, tmp_path: Path) -> None:
     db = tmp_path / "audit.sqlite"
     await produce(bootstrap, audit_topics.audit, [(b"k", encode(make_event(i))) for i in range(1, 4)])
-    (port,) = free_ports(1)
-    env = {**os.environ, "WEIR_KAFKA_BOOTSTRAP": bootstrap, "WEIR_TOPIC_PREFIX": audit_topics.prefix,
-           "WEIR_AUDIT_API_PORT": str(port)}
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", "import sys; from services.auditor.app import main; sys.exit(main(sys.argv[1:]))",
-        "--db", str(db), env=env, cwd=REPO, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-    )
+    with HeldPort() as held:  # the auditor serves the test's socket: no pick-then-release race
+        port = held.port
+        env = {**os.environ, "WEIR_KAFKA_BOOTSTRAP": bootstrap, "WEIR_TOPIC_PREFIX": audit_topics.prefix,
+               "WEIR_AUDIT_API_PORT": str(port)}
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", "import sys; from services.auditor.app import main; sys.exit(main(sys.argv[1:]))",
+            "--db", str(db), env=held.env(env), cwd=REPO, stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE, pass_fds=held.pass_fds,
+        )
 
     async def has_three_records() -> bool:
         return num_records(db) == 3

@@ -13,7 +13,7 @@ from uuid import uuid4
 import httpx
 import pytest
 
-from weir.launcher import free_ports
+from tests.ports import DeadPort, HeldPort
 
 ROOT = Path(__file__).resolve().parents[2]
 CMD = [sys.executable, "-c", "import sys; from services.gateway.app import main; sys.exit(main(sys.argv[1:]))"]
@@ -26,8 +26,10 @@ def env(**extra: str) -> dict[str, str]:
 
 @pytest.mark.kafka
 def test_main_serves_until_sigterm() -> None:
-    (port,) = free_ports(1)
-    proc = subprocess.Popen([*CMD, "--port", str(port)], cwd=ROOT, env=env(), stderr=subprocess.PIPE, text=True)
+    with HeldPort() as held:  # the gateway serves the test's socket: no pick-then-release race
+        port = held.port
+        proc = subprocess.Popen([*CMD, "--port", str(port)], cwd=ROOT, env=held.env(env()), pass_fds=held.pass_fds,
+                                stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -48,11 +50,11 @@ def test_main_serves_until_sigterm() -> None:
 
 
 def test_main_without_kafka_exits_3_with_a_reason() -> None:
-    port, dead_port = free_ports(2)  # distinct: the gateway's, and one where no Kafka listens
-    proc = subprocess.run(
-        [*CMD, "--port", str(port), "--kafka-bootstrap", f"127.0.0.1:{dead_port}"],
-        cwd=ROOT, env=env(WEIR_STARTUP_TIMEOUT_S="1"), capture_output=True, text=True, timeout=60,
-    )
+    with DeadPort() as dead:  # bound, never listening: no Kafka can answer there while the test runs
+        proc = subprocess.run(
+            [*CMD, "--port", "0", "--kafka-bootstrap", f"127.0.0.1:{dead.port}"],
+            cwd=ROOT, env=env(WEIR_STARTUP_TIMEOUT_S="1"), capture_output=True, text=True, timeout=60,
+        )
     assert proc.returncode == 3
     assert "is Kafka up" in proc.stderr and "Traceback" not in proc.stderr
 

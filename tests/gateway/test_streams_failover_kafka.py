@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ from services.gateway.app import create_app
 from services.gateway.config import GatewaySettings
 from services.gateway.stream_index import RemoteResumes
 from tests.kafka_helpers import produce
+from tests.ports import HeldPort
 from weir.kafka.admin import delete_prefixed_topics, ensure_topics
 
 from .conftest import REPO_TOML
@@ -53,21 +53,18 @@ class Pair:
     b_app: FastAPI
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 async def pair(gateway_bootstrap: str) -> AsyncIterator[Pair]:
     topics = Topics(prefix=f"t{uuid4().hex[:8]}")
     await ensure_topics(gateway_bootstrap, topics.core_specs())
-    port = free_port()
+    held = HeldPort()  # gateway A serves the test's socket: B's port 0 can never be the same one
+    port = held.port
     env = {**os.environ, "PYTHONPATH": str(ROOT), "WEIR_KAFKA_BOOTSTRAP": gateway_bootstrap, "WEIR_TOPIC_PREFIX": topics.prefix,
            "WEIR_MODEL_REPO": str(REPO_TOML), "WEIR_AUTH_MODE": "open", "WEIR_GATEWAY_PORT": str(port),
            "WEIR_GATEWAY_ID": "gateway-a", "WEIR_LOG_LEVEL": "WARNING"}  # fmt: skip
-    a_process = subprocess.Popen([sys.executable, "-m", "weir.cli", "gateway"], cwd=ROOT, env=env)
+    a_process = subprocess.Popen([sys.executable, "-m", "weir.cli", "gateway"], cwd=ROOT, env=held.env(env),
+                                 pass_fds=held.pass_fds)  # fmt: skip
+    held.close()  # A holds it now
     settings = GatewaySettings(kafka_bootstrap=gateway_bootstrap, topic_prefix=topics.prefix, model_repo=str(REPO_TOML),
                                gateway_id="gateway-b", auth_mode="open", gap_timeout_s=1.0,
                                max_remote_resumes=1)  # fmt: skip

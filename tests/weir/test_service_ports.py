@@ -113,5 +113,6 @@ def test_a_stack_holds_each_port_from_its_pick_through_restarts_and_hands_the_so
     for port in ports.values():  # listening while no service runs: nobody else can be given the port
         assert launcher.port_taken(port)
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    stack.procs.clear()  # none really started
     stack.stop_all()
     assert stack.listeners == {}
