@@ -23,9 +23,10 @@ from weir import cli as weir_cli
 from weir.bus import BusSettings, read_topic
 from weir.metrics import value
 from weir.registry import publish
+from tests.waiting import until
 
 from .factories import T0_MS, make_event
-from .test_auditor_kafka import eventually, produce
+from .test_auditor_kafka import produce
 
 pytestmark = pytest.mark.kafka
 
@@ -72,7 +73,7 @@ async def test_a_collapse_raises_an_alert_recovery_clears_it_and_a_restart_repea
         return any(a.model_version == SID and a.state == "raised" for a in await _alerts(bus))
 
     async with create_app(settings, health):
-        await eventually(raised, "a raised entropy alert")
+        await until(raised, timeout_s=60, what="a raised entropy alert")
         text = health.render()
         assert value(text, "weir_model_alert", model_name=SID, signal="entropy") == 1
         assert value(text, "weir_model_alerts_total", signal="entropy", state="raised") == 1
@@ -96,7 +97,7 @@ async def test_a_collapse_raises_an_alert_recovery_clears_it_and_a_restart_repea
         async def cleared() -> bool:
             return [a.state for a in await _alerts(bus) if a.model_version == SID] == ["raised", "cleared"]
 
-        await eventually(cleared, "the entropy alert cleared")
+        await until(cleared, timeout_s=60, what="the entropy alert cleared")
         assert value(health.render(), "weir_model_alert", model_name=SID, signal="entropy") == 0
         assert value(health.render(), "weir_model_alerts_total", signal="entropy", state="cleared") == 1
 
@@ -135,7 +136,7 @@ async def test_an_invalid_structured_output_and_two_workers_that_differ_raise_th
         return {a.signal for a in await _alerts(bus) if a.state == "raised"} == {"structured", "determinism"}
 
     async with create_app(_settings(bootstrap, topics, tmp_path / "audit.sqlite"), health):
-        await eventually(raised, "raised structured and determinism alerts")
+        await until(raised, timeout_s=60, what="raised structured and determinism alerts")
         text = health.render()
         assert value(text, "weir_determinism_checks_total", model_name=SID, result="differs") == 1
         assert value(text, "weir_model_structured_valid_rate", model_name=SID) == pytest.approx(0.75)

@@ -20,9 +20,10 @@ from weir.bus import BusSettings
 from weir.bus import read_topic as _read_topic
 from weir.models.registry_cli import read_traffic
 from weir.registry import publish, read_registry
+from tests.waiting import until
 
 from .factories import make_event
-from .test_auditor_kafka import eventually, produce
+from .test_auditor_kafka import produce
 
 pytestmark = pytest.mark.kafka
 
@@ -87,8 +88,8 @@ async def test_counts_each_event_once_from_the_ledger_and_a_failing_canary_goes_
         return (await read_registry(bus)).routes["tiny"].canary == {"2": 0.0}
 
     async with create_app(settings):
-        await eventually(lambda: counted(expected), "the traffic counts")
-        await eventually(canary_at_zero, "the failing canary at 0%")
+        await until(lambda: counted(expected), timeout_s=60, what="the traffic counts")
+        await until(canary_at_zero, timeout_s=60, what="the failing canary at 0%")
     traffic, _ = await read_traffic(bus, "tiny")
     assert traffic.errors == {"tiny@1": 12, "tiny@2": 5}
     route = (await read_registry(bus)).routes["tiny"]
@@ -100,7 +101,8 @@ async def test_counts_each_event_once_from_the_ledger_and_a_failing_canary_goes_
     # A restart counts on from its ledger: the earlier records are not lost, nor counted twice.
     await produce(bootstrap, topics.audit, [(b"req-300", encode(_event(300, "tiny@1", "pinned")))])
     async with create_app(settings):
-        await eventually(lambda: counted({**expected, "tiny@1": {"default": 12, "pinned": 1}}), "counts after restart")
+        await until(lambda: counted({**expected, "tiny@1": {"default": 12, "pinned": 1}}),
+                    timeout_s=60, what="counts after restart")
 
 
 async def test_a_golden_failure_stops_the_canary_and_malformed_health_records_harm_nothing(

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
 
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -30,6 +29,7 @@ from weir.kafka.admin import ensure_topics
 
 from .factories import make_config, make_repo, version_specs
 from tests.kafka_helpers import produce
+from tests.waiting import until
 
 pytestmark = pytest.mark.kafka
 
@@ -115,16 +115,6 @@ def chat(system: str, user: str, model: str, topics: Topics) -> GenerateRequest:
     )  # fmt: skip
 
 
-async def until(is_true: Callable[[], bool], tasks: list[asyncio.Task[None]], timeout_s: float = 20) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not is_true():
-            for task in tasks:
-                if task.done():
-                    task.result()
-                    pytest.fail("a task stopped")
-            await asyncio.sleep(0.05)
-
-
 async def test_batches_follow_heartbeats_room_prefixes_and_liveness(batcher_bootstrap: str, fresh_topics: Topics) -> None:
     bootstrap, topics = batcher_bootstrap, fresh_topics
     config = make_config("m", max_batch_size=4, max_wait_ms=20)
@@ -141,7 +131,8 @@ async def test_batches_follow_heartbeats_room_prefixes_and_liveness(batcher_boot
     try:
         # The group settles: each worker owns some of the partitions, together all of them.
         await until(lambda: bool(w1.assignment()) and bool(w2.assignment())
-                    and len(w1.assignment()) + len(w2.assignment()) == BATCH_PARTITIONS, tasks, 40)  # fmt: skip
+                    and len(w1.assignment()) + len(w2.assignment()) == BATCH_PARTITIONS,
+                    timeout_s=40, what="both workers assigned every batch partition", watch=tasks)  # fmt: skip
         await asyncio.sleep(2 * HEARTBEAT_S)
         tasks.append(asyncio.create_task(app.serve(stop)))
 
@@ -151,7 +142,8 @@ async def test_batches_follow_heartbeats_room_prefixes_and_liveness(batcher_boot
         # 1. A shared system prompt sticks to one worker.
         shared = [chat("You are Weir's test assistant. Answer briefly.", f"q{i}", "m", topics) for i in range(8)]  # m -> m@1
         await produce(bootstrap, topics.requests, shared)
-        await until(lambda: both() >= {r.request_id for r in shared}, tasks)
+        await until(lambda: both() >= {r.request_id for r in shared},
+                    timeout_s=20, what="the shared-prefix requests batched", watch=tasks)
         owners = {w.worker_id for w in (w1, w2) for r in shared if r.request_id in w.request_ids}
         assert len(owners) == 1
 
@@ -163,7 +155,8 @@ async def test_batches_follow_heartbeats_room_prefixes_and_liveness(batcher_boot
         await asyncio.sleep(4 * HEARTBEAT_S)  # the batcher has read heartbeats with the new room
         before1, before2 = len(w1.request_ids), len(w2.request_ids)
         await produce(bootstrap, topics.requests, flood)
-        await until(lambda: len(both() & {r.request_id for r in flood}) >= 8, tasks)
+        await until(lambda: len(both() & {r.request_id for r in flood}) >= 8,
+                    timeout_s=20, what="8 of the flood batched", watch=tasks)
         await asyncio.sleep(4 * HEARTBEAT_S)  # nothing more may come: both are full
         assert (len(w1.request_ids) - before1, len(w2.request_ids) - before2) == (3, 5)
         assert w1.used_tokens <= w1.capacity_tokens and w2.used_tokens <= w2.capacity_tokens
@@ -173,7 +166,8 @@ async def test_batches_follow_heartbeats_room_prefixes_and_liveness(batcher_boot
         # even for prefixes whose affinity is w1.
         w1.capacity_tokens += 2000
         w2.capacity_tokens += 2000
-        await until(lambda: both() >= {r.request_id for r in flood}, tasks)
+        await until(lambda: both() >= {r.request_id for r in flood},
+                    timeout_s=20, what="the whole flood batched", watch=tasks)
         w1.is_beating = False
         await asyncio.sleep(TIMEOUT_MS / 1000 + 4 * HEARTBEAT_S)
         got1 = set(w1.request_ids)
@@ -183,7 +177,8 @@ async def test_batches_follow_heartbeats_room_prefixes_and_liveness(batcher_boot
             if max((w1.worker_id, w2.worker_id), key=lambda w: _score(prefix_key(req), w)) == w1.worker_id:
                 late.append(req)
         await produce(bootstrap, topics.requests, late)
-        await until(lambda: w2.request_ids >= {r.request_id for r in late}, tasks)
+        await until(lambda: w2.request_ids >= {r.request_id for r in late},
+                    timeout_s=20, what="the late requests batched to w2", watch=tasks)
         assert w1.request_ids == got1
     finally:
         stop.set()
