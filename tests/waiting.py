@@ -16,6 +16,7 @@ bound (`stays_false`), and the bound is a named constant whose comment says why 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import time
 from collections.abc import Awaitable, Callable, Iterable
@@ -57,13 +58,18 @@ async def until(
     what: str,
     interval_s: float = POLL_S,
     watch: Iterable[asyncio.Task[Any]] = (),
+    wake: asyncio.Event | None = None,
 ) -> T:
     """Await `condition` (a function or a coroutine function) until it gives something truthy, and
     return that; fail after `timeout_s` with `what`. Any task in `watch` (the service under test)
-    that ends meanwhile fails the wait at once with its error, instead of a timeout later."""
+    that ends meanwhile fails the wait at once with its error, instead of a timeout later. With
+    `wake` (an event the code under test sets when something changed), the condition is looked at
+    again when it is set, not every `interval_s`."""
     watched = list(watch)
     deadline = time.monotonic() + timeout_s
     while True:
+        if wake is not None:
+            wake.clear()
         result = condition()
         if inspect.isawaitable(result):
             result = await result
@@ -75,7 +81,11 @@ async def until(
                 pytest.fail(f"{task.get_name()} stopped while waiting for {what}")
         if time.monotonic() >= deadline:
             raise _timed_out(what, timeout_s, result)
-        await asyncio.sleep(interval_s)
+        if wake is None:
+            await asyncio.sleep(interval_s)
+        else:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), max(0.0, deadline - time.monotonic()))
 
 
 async def stays_false(

@@ -22,9 +22,9 @@ from websockets.asyncio.client import connect
 from schemas.codec import decode, encode
 from schemas.messages import Batch, DeadLetter, GenerateRequest
 from weir.kafka.admin import ensure_topics
+from tests.waiting import until
 
 from .conftest import Stack
-from .fakes import eventually
 
 pytestmark = pytest.mark.kafka
 
@@ -139,7 +139,8 @@ async def test_deadline_ends_a_request_nobody_answers(stack: Stack) -> None:
         streamed = await client.post("/v1/chat/completions", json={**body, "stream": True}, headers=headers)
     events = parse_sse(streamed.text)
     assert orjson.loads(events[0]["data"])["error"]["code"] == "timeout" and events[-1]["data"] == "[DONE]"
-    cancels = await eventually(lambda: stack.worker.cancels_of(request_id))
+    cancels = await until(lambda: stack.worker.cancels_of(request_id),
+                          timeout_s=10, what="the deadline's cancellation at the worker")
     assert cancels[0].reason == "deadline"
     request = next(r for r in stack.worker.requests if r.request_id == request_id)
     assert 400 <= request.deadline_ms - request.created_ms <= 600
@@ -154,7 +155,8 @@ async def test_disconnect_mid_stream_publishes_a_cancel(stack: Stack) -> None:
             async for line in response.aiter_lines():
                 if line.startswith("data:"):
                     break  # got the first token; now leave
-    cancels = await eventually(lambda: stack.worker.cancels_of(request_id))
+    cancels = await until(lambda: stack.worker.cancels_of(request_id),
+                          timeout_s=10, what="the disconnect's cancellation at the worker")
     assert [c.reason for c in cancels] == ["client_disconnect"]
     assert cancels[0].reply_to == stack.reply_topic
     await asyncio.sleep(0.5)
@@ -166,11 +168,12 @@ async def test_disconnect_while_waiting_for_a_body_publishes_a_cancel(stack: Sta
     body = {**CHAT, "messages": [{"role": "user", "content": "slow"}]}
     async with httpx.AsyncClient(base_url=stack.base_url, timeout=20) as client:
         post = asyncio.create_task(client.post("/v1/chat/completions", json=body))
-        await eventually(lambda: len(stack.worker.requests) > seen)
+        await until(lambda: len(stack.worker.requests) > seen, timeout_s=10, what="the request at the worker")
         post.cancel()  # the client gives up: httpx closes the connection
         await asyncio.gather(post, return_exceptions=True)
     request_id = stack.worker.requests[-1].request_id
-    cancels = await eventually(lambda: stack.worker.cancels_of(request_id))
+    cancels = await until(lambda: stack.worker.cancels_of(request_id),
+                          timeout_s=10, what="the disconnect's cancellation at the worker")
     assert [c.reason for c in cancels] == ["client_disconnect"]
 
 
@@ -192,7 +195,8 @@ async def test_websocket_streams_and_cancels(stack: Stack) -> None:
         assert first["object"] == "text_completion" and first["choices"][0]["text"] == "Hello,"
         await ws.send('{"type": "cancel"}')
         assert orjson.loads(await ws.recv()) == {"type": "cancelled", "request_id": first["id"]}
-        cancels = await eventually(lambda: stack.worker.cancels_of(first["id"]))
+        cancels = await until(lambda: stack.worker.cancels_of(first["id"]),
+                              timeout_s=10, what="the user's cancellation at the worker")
         assert cancels[0].reason == "user"
 
         await ws.send('{"type": "completions", "body": {"model": "echo", "prompt": 5}}')
@@ -201,7 +205,8 @@ async def test_websocket_streams_and_cancels(stack: Stack) -> None:
 
         await ws.send('{"type": "completions", "body": {"model": "echo", "prompt": "slow"}}')
         leaving = orjson.loads(await ws.recv())
-    cancels = await eventually(lambda: stack.worker.cancels_of(leaving["id"]))
+    cancels = await until(lambda: stack.worker.cancels_of(leaving["id"]),
+                          timeout_s=10, what="the leaving client's cancellation at the worker")
     assert cancels[0].reason == "client_disconnect"
     assert stack.worker.cancels_of(finished_id) == []
 

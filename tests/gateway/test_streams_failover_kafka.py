@@ -32,9 +32,10 @@ from services.gateway.stream_index import RemoteResumes
 from tests.kafka_helpers import produce
 from tests.ports import HeldPort
 from weir.kafka.admin import delete_prefixed_topics, ensure_topics
+from tests.waiting import until
 
 from .conftest import REPO_TOML
-from .fakes import DRIP, FakeWorker, GatewayServer, eventually
+from .fakes import DRIP, FakeWorker, GatewayServer
 from .test_stream_index import a_record
 
 pytestmark = pytest.mark.kafka
@@ -150,13 +151,14 @@ async def test_streams_whose_gateway_is_killed_resume_at_another_with_exactly_th
     assert ids == sorted(set(ids))  # no event twice
     assert busy[-1]["type"] == "error" and busy[-1]["error"]["code"] == "too_many_resumes"
     remote: RemoteResumes = pair.b_app.state.remote
-    await eventually(lambda: remote.num_open == 0)  # its reader closed at the end
+    await until(lambda: remote.num_open == 0,
+                timeout_s=10, what="B's reader of A's stream closed")  # its reader closed at the end
     rest = await resume_ws(b_ws, ws_id, 2)
     assert rest[-1] == {"type": "done"}
     assert [t for frame in first + rest[:-1] if (t := frame["choices"][0]["text"])] == DRIP
     for rid in (request_id, ws_id):  # each ran to its end: its gateway's death cancelled nothing
         assert pair.worker.generated[rid] == len(DRIP) and pair.worker.cancels_of(rid) == []
-    await eventually(lambda: remote.num_open == 0)
+    await until(lambda: remote.num_open == 0, timeout_s=10, what="B's reader of A's stream closed")
 
 
 async def test_records_b_must_not_trust_get_the_404_of_an_unknown_id(pair: Pair, gateway_bootstrap: str) -> None:
@@ -170,7 +172,8 @@ async def test_records_b_must_not_trust_get_the_404_of_an_unknown_id(pair: Pair,
                       owner_principal="anonymous", start_offset=10**15)  # fmt: skip
     ignored = remote.index.num_ignored
     await produce(gateway_bootstrap, pair.topics.streams, [(r.request_id, encode(r)) for r in (others, forged, beyond)])
-    await eventually(lambda: remote.index.lookup("cmpl-beyond") is not None and remote.index.num_ignored > ignored)
+    await until(lambda: remote.index.lookup("cmpl-beyond") is not None and remote.index.num_ignored > ignored,
+                timeout_s=10, what="B to index cmpl-beyond and ignore the records beyond it")
     async with httpx.AsyncClient(base_url=pair.b.base_url, timeout=10) as client:
         answers = [await client.get(f"/v1/streams/{rid}") for rid in ("cmpl-others", "cmpl-forged", "cmpl-unknown",
                                                                       "cmpl-beyond")]  # fmt: skip

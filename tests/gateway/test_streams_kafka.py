@@ -22,9 +22,10 @@ from schemas.topics import TopicSpec
 from tests.kafka_helpers import produce
 from weir.kafka.admin import ensure_topics
 from weir.metrics import value
+from tests.waiting import until
 
 from .conftest import Stack
-from .fakes import DRIP, eventually
+from .fakes import DRIP
 
 pytestmark = pytest.mark.kafka
 
@@ -104,7 +105,8 @@ async def test_a_stream_nobody_resumes_is_cancelled_after_its_grace(stack: Stack
         async with client.stream("POST", "/v1/completions", json=DRIP_BODY, headers=headers) as response:
             request_id = response.headers["x-request-id"]
             await read_sse(response, max_deltas=1)
-        cancels = await eventually(lambda: stack.worker.cancels_of(request_id))
+        cancels = await until(lambda: stack.worker.cancels_of(request_id),
+                              timeout_s=10, what="the disconnect's cancellation at the worker")
         assert [c.reason for c in cancels] == ["client_disconnect"]
         assert stack.worker.generated[request_id] < len(DRIP)
         gone = await client.get(f"/v1/streams/{request_id}")
@@ -117,7 +119,8 @@ async def test_without_a_grace_a_disconnect_stops_the_worker_and_cannot_be_resum
             request_id = response.headers["x-request-id"]
             assert "x-weir-resume-url" not in response.headers
             await read_sse(response, max_deltas=1)
-        cancels = await eventually(lambda: stack.worker.cancels_of(request_id))
+        cancels = await until(lambda: stack.worker.cancels_of(request_id),
+                              timeout_s=10, what="the disconnect's cancellation at the worker")
         assert [c.reason for c in cancels] == ["client_disconnect"]
         gone = await client.get(f"/v1/streams/{request_id}", headers={"last-event-id": "0"})
         bad = await client.post("/v1/completions", json=DRIP_BODY, headers={"x-weir-resume-grace-s": "forever"})

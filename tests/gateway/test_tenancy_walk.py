@@ -41,8 +41,9 @@ from services.gateway.config import GatewaySettings
 from services.gateway.guard.auth import new_api_key
 from services.gateway.keys_cli import publish_record
 from weir.kafka.admin import delete_prefixed_topics, ensure_topics
+from tests.waiting import until
 
-from .fakes import FakeWorker, GatewayServer, eventually
+from .fakes import FakeWorker, GatewayServer
 
 REPO_TOML = Path(__file__).resolve().parents[2] / "models.toml"
 SECRET = b"tenancy-walk-secret-0123456789abcdef"
@@ -234,9 +235,10 @@ async def walk(gateway_bootstrap: str) -> AsyncIterator[Walk]:
             await publish_record(settings, record)
         async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as client:
             for headers in auth.values():  # the gateway has read every key record
-                await eventually(lambda h=headers: app.state.guard.auth.keys.get(
-                    h["authorization"].split("_")[1]) is not None, 30)  # fmt: skip
-            await eventually(lambda: app.state.bus.readiness()[0], 30)
+                await until(lambda h=headers: app.state.guard.auth.keys.get(
+                    h["authorization"].split("_")[1]) is not None,
+                            timeout_s=30, what="the gateway to know the key")  # fmt: skip
+            await until(lambda: app.state.bus.readiness()[0], timeout_s=30, what="the gateway ready")
             made = await make_resources(client, auth["alice"])
         intruders = {
             "another tenant's API key": auth["bob"],
