@@ -21,6 +21,8 @@ import pytest
 
 from tests.e2e.conftest import REPO_ROOT, weir_models as _weir_models
 
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+
 MODEL = "weir-tiny-py"
 BODY = {"model": MODEL, "prompt": "def main():\n", "max_tokens": 16, "temperature": 0, "seed": 1, "stream": True}
 

@@ -17,6 +17,8 @@ from weir.metrics import samples
 
 from tests.e2e.conftest import start_pipeline
 
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+
 MODEL = "echo"
 
 

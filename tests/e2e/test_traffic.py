@@ -16,6 +16,8 @@ import pytest
 
 from tests.e2e.conftest import REPO_ROOT, weir_models as _weir_models
 
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+
 MODEL = "echo"
 
 
