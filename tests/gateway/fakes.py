@@ -202,11 +202,7 @@ class GatewayServer:
 
     async def start(self) -> None:
         self.task = asyncio.create_task(self.server.serve(sockets=[self.sock]))
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            if self.task.done() or time.monotonic() > deadline:
-                raise RuntimeError("gateway did not start")
-            await asyncio.sleep(0.05)
+        await until(lambda: self.server.started, timeout_s=60, what="the gateway's uvicorn started", watch=[self.task])
 
     async def stop(self) -> None:
         self.server.should_exit = True

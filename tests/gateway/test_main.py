@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from uuid import uuid4
 
@@ -14,6 +13,7 @@ import httpx
 import pytest
 
 from tests.ports import DeadPort, HeldPort
+from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 CMD = [sys.executable, "-c", "import sys; from services.gateway.app import main; sys.exit(main(sys.argv[1:]))"]
@@ -31,15 +31,14 @@ def test_main_serves_until_sigterm() -> None:
         proc = subprocess.Popen([*CMD, "--port", str(port)], cwd=ROOT, env=held.env(env()), pass_fds=held.pass_fds,
                                 stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
-        deadline = time.monotonic() + 60
-        while True:
+        def answered() -> httpx.Response | None:
             assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
             try:
-                response = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1)
-                break
+                return httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1)
             except httpx.TransportError:
-                assert time.monotonic() < deadline
-                time.sleep(0.2)
+                return None
+
+        response = wait_until(answered, timeout_s=60, what="the gateway's /readyz to answer")
         assert response.status_code == 503 and response.json()["reason"] == "no live worker heartbeat"
         models = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()
         assert models == {"object": "list", "data": []}  # ready versions only: no worker runs here

@@ -6,12 +6,10 @@ forged reply topic) get the 404 of an unknown id."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,10 +75,12 @@ async def pair(gateway_bootstrap: str) -> AsyncIterator[Pair]:
         await worker.start()
         a_url = f"http://127.0.0.1:{port}"
         async with httpx.AsyncClient(timeout=2) as client:
-            deadline = time.monotonic() + 60
-            while not await is_ready(client, a_url) or not await is_ready(client, b.base_url):
-                assert a_process.poll() is None and time.monotonic() < deadline, "gateway A did not start"
-                await asyncio.sleep(0.2)
+
+            async def both_ready() -> bool:
+                assert a_process.poll() is None, "gateway A exited"
+                return await is_ready(client, a_url) and await is_ready(client, b.base_url)
+
+            await until(both_ready, timeout_s=60, what="gateways A and B ready")
         yield Pair(topics, worker, a_url, a_process, b, b_app)
     finally:
         if a_process.poll() is None:

@@ -8,7 +8,6 @@ no client, streamed or not.
 
 from __future__ import annotations
 
-import asyncio
 
 import httpx
 import openai
@@ -37,11 +36,11 @@ VARIANTS_REDACTED = "ID [REDACTED], card [REDACTED], mail [REDACTED], or [REDACT
 @pytest.fixture(autouse=True)
 async def worker_is_live(stack: Stack) -> None:
     async with httpx.AsyncClient(base_url=stack.base_url) as client:
-        for _ in range(200):
-            if (await client.get("/readyz")).status_code == 200:
-                return
-            await asyncio.sleep(0.05)
-    raise AssertionError("the gateway saw no live worker within 10 s")
+
+        async def is_ready() -> bool:
+            return (await client.get("/readyz")).status_code == 200
+
+        await until(is_ready, timeout_s=10, what="the gateway to see a live worker")
 
 
 async def read_sse(response: httpx.Response, max_deltas: int | None = None) -> tuple[list[str], int]:
@@ -77,8 +76,9 @@ async def test_an_sse_client_resumes_with_last_event_id_and_nothing_is_regenerat
             request_id = response.headers["x-request-id"]
             assert response.headers["x-weir-resume-url"] == f"/v1/streams/{request_id}"
             before, last_id = await read_sse(response, max_deltas=3)
-        # The connection is gone; generation goes on while the client is away.
-        await asyncio.sleep(0.3)
+        # The connection is gone; generation goes on while the client is away (to its end here).
+        await until(lambda: stack.worker.generated.get(request_id, 0) == len(DRIP), timeout_s=10,
+                    what="the rest generated while the client is away")
         async with client.stream("GET", f"/v1/streams/{request_id}", headers={"last-event-id": str(last_id)}) as again:
             assert again.status_code == 200
             after, _ = await read_sse(again)
@@ -135,7 +135,8 @@ async def test_a_websocket_client_resumes_with_an_offset(stack: Stack) -> None:
         await ws.send(orjson.dumps(request).decode())
         first = [orjson.loads(await ws.recv()) for _ in range(4)]
     request_id = first[0]["id"]
-    await asyncio.sleep(0.3)
+    await until(lambda: stack.worker.generated.get(request_id, 0) == len(DRIP), timeout_s=10,
+                what="the rest generated while the client is away")
     async with connect(url) as ws:
         await ws.send(orjson.dumps({"type": "resume", "request_id": request_id, "offset": 4}).decode())
         rest = []
@@ -224,11 +225,9 @@ async def test_the_consumer_lag_of_the_deployments_groups_is_in_the_gateways_met
         await consumer.stop()
     async with httpx.AsyncClient(base_url=stack.base_url) as client:
 
-        async def lag() -> float | None:
-            return value((await client.get("/metrics")).text, "kafka_consumergroup_lag", consumergroup=group, topic=topic)
+        async def lag_is(expected: float) -> bool:
+            return value((await client.get("/metrics")).text, "kafka_consumergroup_lag", consumergroup=group,
+                         topic=topic) == expected  # fmt: skip
 
-        for _ in range(100):  # polled every lag_interval_s (1 s here), never at scrape time
-            if await lag() == 3:
-                break
-            await asyncio.sleep(0.1)
-        assert await lag() == 3
+        # polled every lag_interval_s (1 s here), never at scrape time
+        await until(lambda: lag_is(3), timeout_s=10, what="the consumer group's lag of 3 on /metrics")

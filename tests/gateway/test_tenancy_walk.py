@@ -274,12 +274,8 @@ async def make_resources(client: httpx.AsyncClient, auth: dict[str, str]) -> Res
         batch = (await client.get(f"/v1/batches/{made.batch_id}", headers=auth)).json()
         return batch if batch["status"] in ("completed", "failed", "expired", "cancelled") else None
 
-    batch = None
-    for _ in range(600):
-        if (batch := await finished()) is not None:
-            break
-        await asyncio.sleep(0.1)
-    assert batch is not None and batch["status"] == "completed" and batch["output_file_id"], batch
+    batch = await until(finished, timeout_s=60, what="the batch to end")
+    assert batch["status"] == "completed" and batch["output_file_id"], batch
     made.output_file_id = batch["output_file_id"]
     output = await client.get(f"/v1/files/{made.output_file_id}/content", headers=auth)
     assert output.status_code == 200 and made.secret in output.text  # the output names A's custom_id

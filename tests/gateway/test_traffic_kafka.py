@@ -79,8 +79,8 @@ class Gateway:
         records = set_route(self.catalog.state, "echo", by="test", canary=canary)
         published = time.monotonic()
         await publish(self.settings, records)
-        while self.catalog.state.routes.get("echo") != records[0]:
-            await asyncio.sleep(0.005)
+        await until(lambda: self.catalog.state.routes.get("echo") == records[0], timeout_s=10, interval_s=0.005,
+                    what="the gateway assigning by the new canaries")
         return time.monotonic() - published
 
 
