@@ -30,7 +30,7 @@ from services.gateway.config import GatewaySettings
 from services.gateway.keys_cli import create_key, main as keys_main, read_keys
 from weir.kafka.admin import delete_prefixed_topics, ensure_topics
 from weir.metrics import value
-from tests.waiting import until
+from tests.waiting import stays_false, until
 
 from .conftest import REPO_TOML
 from .fakes import FakeWorker, GatewayServer
@@ -227,7 +227,10 @@ async def test_a_flooding_tenant_is_limited_while_another_keeps_going(guarded: G
     flood_results, calm_results = await round_of(16, 8)
     assert calm_results == [200] * 8
     assert 5 <= flood_results.count(200) <= 10 and flood_results.count(429) >= 6
-    await asyncio.sleep(0.5)  # a few usage flushes: now both instances know the whole consumption
+    # a few usage flushes later both instances know the whole consumption: the tenant has no room at either
+    guards = [server.server.config.app.state.guard for server in (guarded.a, guarded.b)]  # type: ignore[attr-defined]
+    await until(lambda: all((g.limiter.level("tenant:flood", "requests", g.clock()) or 99) < 1 for g in guards),
+                timeout_s=10, what="both instances to count the whole flood")
     flood_results, calm_results = await round_of(8, 8)
     assert flood_results == [429] * 8 and calm_results == [200] * 8
 
@@ -303,6 +306,11 @@ async def test_the_input_guard_blocks_for_one_tenant_and_flags_for_another(guard
     assert served.choices[0].text == "Hello, world"
 
 
+# A second flag would be published (without waiting) by the sixth request's handling, which has
+# returned; its producer's linger and acks take milliseconds, and the reader polls every 100 ms.
+SECOND_FLAG_S = 1.0
+
+
 async def test_five_high_risk_prompts_within_the_hour_flag_the_principal_for_review(guarded: Guarded) -> None:
     key = await guarded.key("mallory", "lab")
     consumer = AIOKafkaConsumer(guarded.topics.audit, bootstrap_servers=guarded.bootstrap, auto_offset_reset="earliest")
@@ -311,13 +319,17 @@ async def test_five_high_risk_prompts_within_the_hour_flag_the_principal_for_rev
         for _ in range(6):
             await client(guarded.a, key).completions.create(model="echo", prompt=INJECTION)
         flags: list[ReviewFlag] = []
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not flags:
-            for records in (await consumer.getmany(timeout_ms=500)).values():
-                flags += [r for r in map(decode_audit_record, (rec.value for rec in records)) if isinstance(r, ReviewFlag)]
-        await asyncio.sleep(0.5)  # a second flag, if one were wrongly published, would be there by now
-        for records in (await consumer.getmany(timeout_ms=500)).values():
-            flags += [r for r in map(decode_audit_record, (rec.value for rec in records)) if isinstance(r, ReviewFlag)]
+
+        async def num_flags() -> int:
+            for records in (await consumer.getmany(timeout_ms=100)).values():
+                flags.extend(r for r in map(decode_audit_record, (rec.value for rec in records)) if isinstance(r, ReviewFlag))
+            return len(flags)
+
+        await until(num_flags, timeout_s=10, what="a review flag on the audit topic")
+
+        async def num_flags_above(n: int) -> bool:
+            return await num_flags() > n
+        await stays_false(lambda: num_flags_above(1), for_s=SECOND_FLAG_S, what="a second review flag")
     finally:
         await consumer.stop()
     mine = [f for f in flags if f.principal == "mallory"]
