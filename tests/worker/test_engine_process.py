@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from schemas.model_repo import ModelConfig, load_model_repo
 from services.worker.config import WorkerSettings
 from services.worker.runner import EngineProcess
 from services.worker.engine import EngineOutput
-from tests.waiting import until
+from tests.waiting import until, wait_until
 
 from .factories import make_request
 
@@ -165,10 +164,7 @@ def test_the_child_dies_with_a_killed_worker(tmp_path: Path) -> None:
         assert _is_running(child_pid)
         worker.kill()
         worker.wait(10)
-        deadline = time.monotonic() + 10
-        while _is_running(child_pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _is_running(child_pid), "the engine process outlived its killed worker"
+        wait_until(lambda: not _is_running(child_pid), timeout_s=10, what="the engine process to die with its worker")
     finally:
         if worker.poll() is None:
             worker.kill()

@@ -10,6 +10,7 @@ import time
 from services.worker.engine.echo_engine import EchoEngine
 from services.worker.mirror_pacing import LivePressure, MirrorPacer, Pacing
 from services.worker.runner import EngineRunner
+from tests.waiting import until
 
 from .factories import T0_MS, make_request
 from .test_engine_process import Collector, echo_config, open_process
@@ -83,6 +84,10 @@ class Sink:
         self.told.append(is_pressed)
 
 
+# Under the 50 ms linger of the test below: a gap this short between two requests is not idleness.
+WITHIN_THE_LINGER_S = 0.02
+
+
 async def test_live_pressure_is_told_at_once_and_idle_only_after_the_linger() -> None:
     pressure, sink = LivePressure(idle_ms=50), Sink()
     pressure.attach(sink)
@@ -92,13 +97,15 @@ async def test_live_pressure_is_told_at_once_and_idle_only_after_the_linger() ->
     pressure.ended()
     pressure.ended()
     assert sink.told == [True]  # not yet: a gap between requests is not idleness
-    await asyncio.sleep(0.02)
+    # What is tested is the linger itself (idle_ms=50, a timer of the event loop): the next request
+    # comes within it, and after it nothing is told until a whole linger has passed without one.
+    await asyncio.sleep(WITHIN_THE_LINGER_S)
     pressure.started()  # the next request came within the linger
     pressure.ended()
-    await asyncio.sleep(0.03)
+    await asyncio.sleep(WITHIN_THE_LINGER_S)
     assert sink.told == [True]
-    await asyncio.sleep(0.05)
-    assert sink.told == [True, False] and not pressure.is_pressed
+    await until(lambda: sink.told == [True, False], timeout_s=5, what="idle told once the linger passed")
+    assert not pressure.is_pressed
     late = Sink()
     pressure.started()
     pressure.attach(late)  # an engine opened while live work runs hears it at once
