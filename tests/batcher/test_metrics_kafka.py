@@ -59,9 +59,11 @@ async def test_metrics_after_requests(batcher_bootstrap: str, fresh_topics: Topi
                     timeout_s=20, what="the slow requests held and the expiring one gone", watch=tasks)  # fmt: skip
         await service.lag.start()  # (service.start() would; here the app was started by hand)
         key = (topics.batcher_group, topics.requests)
-        async with asyncio.timeout(20):  # until the monitor agrees with the broker read independently
-            while (expected := await broker_lag(bootstrap, topics)) is None or service.lag.lags.get(key) != expected:
-                await asyncio.sleep(0.2)
+        async def agreed() -> int | None:  # the monitor agrees with the broker read independently
+            lag = await broker_lag(bootstrap, topics)
+            return lag + 1 if lag is not None and service.lag.lags.get(key) == lag else None  # + 1: a lag of 0 holds
+
+        expected = await until(agreed, timeout_s=20, what="the lag monitor to agree with the broker") - 1
         text = service.metrics.render()
     finally:
         stop.set()

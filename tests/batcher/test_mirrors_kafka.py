@@ -14,7 +14,7 @@ import contextlib
 import pytest
 
 from schemas.codec import decode_reply
-from schemas.messages import ReplyEnd
+from schemas.messages import ReplyEnd, now_ms
 from schemas.topics import Topics
 from services.batcher.app import BatcherApp, BatcherService
 from services.batcher.config import BatcherSettings
@@ -23,7 +23,7 @@ from weir.metrics import value
 from weir.registry import publish, read_registry, register, set_route
 
 from .factories import make_config, make_repo, version_specs
-from .test_routing_kafka import HEARTBEAT_S, TIMEOUT_MS, FakeWorker, chat
+from .test_routing_kafka import TIMEOUT_MS, FakeWorker, beat_seen, chat
 from .test_versions_kafka import version
 from tests.kafka_helpers import produce, read_until
 from tests.waiting import until
@@ -84,7 +84,9 @@ async def test_live_requests_are_mirrored_in_the_bulk_lane_and_copies_dropped_fi
         # 2. The mirror version has no room: copies wait, up to the bound (4); the next are dropped,
         # ended on the shadow topic and counted. Live requests are not held back.
         mirror_worker.capacity_tokens = 0
-        await asyncio.sleep(4 * HEARTBEAT_S)
+        changed_ms = now_ms()
+        await until(lambda: beat_seen(app, mirror_worker, changed_ms), timeout_s=10,
+                    what="the batcher to read the mirror worker full", watch=tasks)
         second = requests(7, "b")
         await produce(bootstrap, topics.requests, second)
         await until(lambda: live_worker.request_ids >= {r.request_id for r in second},
@@ -95,7 +97,9 @@ async def test_live_requests_are_mirrored_in_the_bulk_lane_and_copies_dropped_fi
         # 3. The live version has no room either: an interactive request waits, so every held
         # mirror copy is dropped (its own copy too: the bound is reached).
         live_worker.capacity_tokens = 0
-        await asyncio.sleep(4 * HEARTBEAT_S)
+        changed_ms = now_ms()
+        await until(lambda: beat_seen(app, live_worker, changed_ms), timeout_s=10,
+                    what="the batcher to read the live worker full", watch=tasks)
         third = requests(1, "c")
         await produce(bootstrap, topics.requests, third)
         await until(lambda: app.handlers.num_mirrors_dropped == 8 and app.handlers.num_mirrors_held == 0,

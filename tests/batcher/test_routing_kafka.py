@@ -29,13 +29,16 @@ from weir.kafka.admin import ensure_topics
 
 from .factories import make_config, make_repo, version_specs
 from tests.kafka_helpers import produce
-from tests.waiting import until
+from tests.waiting import stays_false, until
 
 pytestmark = pytest.mark.kafka
 
 BLOCK = 1  # tokens per "KV block": room is exact in tokens
 HEARTBEAT_S = 0.25
 TIMEOUT_MS = 1500
+# A held request goes out at the first heartbeat that shows room; four heartbeats without one
+# sent show the batcher keeps it held because there is none.
+FULL_S = 4 * HEARTBEAT_S
 
 
 class FakeWorker:
@@ -107,6 +110,13 @@ class FakeWorker:
             await self.producer.stop()
 
 
+def beat_seen(app: BatcherApp, worker: FakeWorker, since_ms: int = 0) -> bool:
+    """Whether the batcher's router holds a heartbeat of `worker` sent at or after `since_ms`: what
+    the worker reported from then on (its room, its versions' states) is what the batcher routes by."""
+    known = app.router._workers.get(worker.worker_id)
+    return known is not None and known.heartbeat.sent_ms >= since_ms
+
+
 def chat(system: str, user: str, model: str, topics: Topics) -> GenerateRequest:
     return GenerateRequest(
         request_id=f"{user}-{time.monotonic_ns()}", model=model, max_tokens=10, deadline_ms=now_ms() + 120_000,
@@ -133,8 +143,9 @@ async def test_batches_follow_heartbeats_room_prefixes_and_liveness(batcher_boot
         await until(lambda: bool(w1.assignment()) and bool(w2.assignment())
                     and len(w1.assignment()) + len(w2.assignment()) == BATCH_PARTITIONS,
                     timeout_s=40, what="both workers assigned every batch partition", watch=tasks)  # fmt: skip
-        await asyncio.sleep(2 * HEARTBEAT_S)
         tasks.append(asyncio.create_task(app.serve(stop)))
+        await until(lambda: app.router.live_workers("m@1", now_ms()) == sorted([w1.worker_id, w2.worker_id]),
+                    timeout_s=20, what="the batcher routing to both workers", watch=tasks)
 
         def both() -> set[str]:
             return w1.request_ids | w2.request_ids
@@ -152,13 +163,15 @@ async def test_batches_follow_heartbeats_room_prefixes_and_liveness(batcher_boot
         cost = cost_tokens(flood[0], config)
         assert {cost_tokens(r, config) for r in flood} == {cost}
         w1.capacity_tokens, w2.capacity_tokens = w1.used_tokens + 3 * cost + cost // 2, w2.used_tokens + 5 * cost
-        await asyncio.sleep(4 * HEARTBEAT_S)  # the batcher has read heartbeats with the new room
+        changed_ms = now_ms()
+        await until(lambda: beat_seen(app, w1, changed_ms) and beat_seen(app, w2, changed_ms), timeout_s=10,
+                    what="the batcher reading heartbeats with the new room", watch=tasks)
         before1, before2 = len(w1.request_ids), len(w2.request_ids)
         await produce(bootstrap, topics.requests, flood)
         await until(lambda: len(both() & {r.request_id for r in flood}) >= 8,
                     timeout_s=20, what="8 of the flood batched", watch=tasks)
-        await asyncio.sleep(4 * HEARTBEAT_S)  # nothing more may come: both are full
-        assert (len(w1.request_ids) - before1, len(w2.request_ids) - before2) == (3, 5)
+        await stays_false(lambda: (len(w1.request_ids) - before1, len(w2.request_ids) - before2) != (3, 5),
+                          for_s=FULL_S, what="more of the flood sent to full workers")
         assert w1.used_tokens <= w1.capacity_tokens and w2.used_tokens <= w2.capacity_tokens
         assert app.planner.num_held == 12 and app.planner.blocked_models() == ["m@1"]
 
@@ -169,7 +182,8 @@ async def test_batches_follow_heartbeats_room_prefixes_and_liveness(batcher_boot
         await until(lambda: both() >= {r.request_id for r in flood},
                     timeout_s=20, what="the whole flood batched", watch=tasks)
         w1.is_beating = False
-        await asyncio.sleep(TIMEOUT_MS / 1000 + 4 * HEARTBEAT_S)
+        await until(lambda: app.router.live_workers("m@1", now_ms()) == [w2.worker_id], timeout_s=TIMEOUT_MS / 1000 + 10,
+                    what="w1 no longer live once its heartbeats stop", watch=tasks)
         got1 = set(w1.request_ids)
         late = []
         while len(late) < 6:
