@@ -22,7 +22,6 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
-import pytest
 
 T = TypeVar("T")
 
@@ -30,7 +29,8 @@ POLL_S = 0.05  # between two looks at a condition: cheap for in-memory checks, a
 
 
 class WaitTimeout(AssertionError):
-    """A condition did not hold within its timeout (an AssertionError: pytest shows it as a failure)."""
+    """A condition did not hold within its timeout, or a watched task ended first (an AssertionError:
+    pytest shows it as a failure)."""
 
 
 def _timed_out(what: str, timeout_s: float, last: Any) -> WaitTimeout:
@@ -76,9 +76,9 @@ async def until(
         if result:
             return result  # type: ignore[return-value]
         for task in watched:
-            if task.done():
-                task.result()  # its exception, if it raised one
-                pytest.fail(f"{task.get_name()} stopped while waiting for {what}")
+            if task.done():  # an AssertionError either way: a SystemExit (uvicorn's failed start) must not escape
+                error = None if task.cancelled() else task.exception()
+                raise WaitTimeout(f"{task.get_name()} ended ({error!r}) while waiting for {what}") from error
         if time.monotonic() >= deadline:
             raise _timed_out(what, timeout_s, result)
         if wake is None:

@@ -23,6 +23,7 @@ from aiokafka.errors import KafkaConnectionError
 from tests.ports import DeadPort, HeldPort
 from weir.service import (EXIT_BROKER, EXIT_CONFIG, EXIT_FAILED, EXIT_OK, HTTP_FD_ENV, ConfigError, ops_app, run_service,
                           service_parser)
+from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -82,14 +83,14 @@ def get(url: str) -> tuple[int, str]:
 
 
 def wait_for(url: str, proc: subprocess.Popen[str]) -> tuple[int, str]:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+    def answered() -> tuple[int, str] | None:
         assert proc.poll() is None, proc.communicate()[1]
         try:
             return get(url)
         except OSError:
-            time.sleep(0.1)
-    pytest.fail(f"{url} never answered")
+            return None
+
+    return wait_until(answered, timeout_s=30, interval_s=0.1, what=f"{url} to answer")
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
