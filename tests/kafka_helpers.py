@@ -79,5 +79,6 @@ async def wait_committed(bootstrap: str, group: str, topic: str, timeout_s: floa
         read[0] = await group_lag(bootstrap, group, topic)
         return all(committed == end for committed, end in read[0].values())
 
-    await until(caught_up, timeout_s=timeout_s, interval_s=0.3, what=f"group {group}'s commits to reach the end of {topic}")
+    await until(caught_up, timeout_s=timeout_s, interval_s=0.3,
+                what=f"group {group}'s commits to reach the end of {topic}")
     return read[0]

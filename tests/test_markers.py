@@ -29,7 +29,8 @@ CASES = {
     "through_a_fixture": ("def test_x(gateway_bootstrap):\n    assert gateway_bootstrap\n", True),
     "marked_in_the_module": ("import pytest\nfrom tests.conftest import BOOTSTRAP\n\npytestmark = pytest.mark.kafka\n\n"
                              "def test_x():\n    assert BOOTSTRAP\n", False),
-    "marked_as_a_cluster": ("import pytest\n\n@pytest.mark.cluster\ndef test_x(gateway_bootstrap):\n    assert 1\n", False),
+    "marked_as_a_cluster": ("import pytest\n\n@pytest.mark.cluster\ndef test_x(gateway_bootstrap):\n    assert 1\n",
+                            False),
     "no_kafka_at_all": ("def test_x():\n    assert 1\n", False),
     # the name says nothing: a *_kafka.py file without Kafka is fine, and one with Kafka is checked
     "not_kafka_kafka": ("def test_x():\n    assert 1\n", False),

@@ -175,7 +175,8 @@ def inherited_socket(host: str, port: int) -> socket.socket | None:
     try:
         sock = socket.socket(fileno=int(fd_text))
     except (ValueError, OSError) as exc:
-        raise ConfigError(f"{HTTP_FD_ENV}={fd_text!r} is not an open socket ({exc}); unset it to bind --http-port") from exc
+        raise ConfigError(f"{HTTP_FD_ENV}={fd_text!r} is not an open socket ({exc}); unset it to bind "
+                          "--http-port") from exc
     if sock.type != socket.SOCK_STREAM or not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
         sock.close()
         raise ConfigError(f"{HTTP_FD_ENV}={fd_text} is not a listening TCP socket; unset it to bind --http-port")

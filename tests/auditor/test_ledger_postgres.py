@@ -75,7 +75,8 @@ def server_dsn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         wait_until(answers, timeout_s=30, interval_s=0.2, what="postgres to accept connections")
     except AssertionError as exc:
         proc.kill()
-        raise RuntimeError(f"postgres did not start ({exc}): {proc.stderr.read().decode()[-2000:] if proc.stderr else ''}")
+        said = proc.stderr.read().decode()[-2000:] if proc.stderr else ""
+        raise RuntimeError(f"postgres did not start ({exc}): {said}") from exc
     try:
         yield dsn
     finally:

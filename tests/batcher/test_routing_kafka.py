@@ -182,8 +182,8 @@ async def test_batches_follow_heartbeats_room_prefixes_and_liveness(batcher_boot
         await until(lambda: both() >= {r.request_id for r in flood},
                     timeout_s=20, what="the whole flood batched", watch=tasks)
         w1.is_beating = False
-        await until(lambda: app.router.live_workers("m@1", now_ms()) == [w2.worker_id], timeout_s=TIMEOUT_MS / 1000 + 10,
-                    what="w1 no longer live once its heartbeats stop", watch=tasks)
+        await until(lambda: app.router.live_workers("m@1", now_ms()) == [w2.worker_id],
+                    timeout_s=TIMEOUT_MS / 1000 + 10, what="w1 no longer live once its heartbeats stop", watch=tasks)
         got1 = set(w1.request_ids)
         late = []
         while len(late) < 6:

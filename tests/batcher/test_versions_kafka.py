@@ -106,7 +106,7 @@ async def test_requests_follow_versions_promotions_and_failures(batcher_bootstra
         await produce(bootstrap, topics.requests, [*after, *pinned1])
         await until(lambda: v2.request_ids >= {r.request_id for r in after}
                     and v1.request_ids >= {r.request_id for r in pinned1},
-                    timeout_s=20, what="the requests after the promotion at v2, v1's pinned ones at v1", watch=tasks)  # fmt: skip
+                    timeout_s=20, what="after-promotion requests at v2, v1's pinned at v1", watch=tasks)  # fmt: skip
         assert not v1.request_ids & {r.request_id for r in after}
         assert not v2.request_ids & {r.request_id for r in pinned1}
         assert {b.model for _, b in v2.received} == {"m@2"} and {b.model for _, b in v1.received} == {"m@1"}

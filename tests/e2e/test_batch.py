@@ -154,7 +154,8 @@ def test_cancel_stops_a_job_and_keeps_what_finished(pipeline, client, tmp_path):
     path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
     uploaded = client.files.create(file=open(path, "rb"), purpose="batch")
     batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
-    wait_until(lambda: running_with_some_done(client, batch.id), timeout_s=120, what="the job running with some lines done")
+    wait_until(lambda: running_with_some_done(client, batch.id), timeout_s=120,
+               what="the job running with some lines done")
     assert client.batches.cancel(batch.id).status in ("cancelling", "cancelled")
     done = wait_done(client, batch.id, 120)
     assert done.status == "cancelled" and done.cancelled_at is not None

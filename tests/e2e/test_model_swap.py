@@ -94,7 +94,8 @@ async def _swap(p, v2: Path) -> None:
 
         await until(v1_gone, timeout_s=60, interval_s=0.5, what="weir-tiny-py@1 to drain out of the worker")
         served_before = len(results)
-        await until(lambda: len(results) >= served_before + 4, timeout_s=60, what="more streams from weir-tiny-py@2 alone")
+        await until(lambda: len(results) >= served_before + 4, timeout_s=60,
+                    what="more streams from weir-tiny-py@2 alone")
         stop.set()
         await asyncio.gather(*lanes)
     failed = [r for r in results if r["error"] is not None or not r["done"]]

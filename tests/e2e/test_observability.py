@@ -61,7 +61,8 @@ def test_v1_usage_is_what_the_clients_were_billed(usage_pipeline):
         rows = resp.json().get("data", []) if resp.status_code == 200 else []
         return rows if rows and {k: rows[0][k] for k in expected} == expected else None
 
-    rows = wait_until(billed_rows, timeout_s=120, interval_s=0.5, what=f"/v1/usage to say what the clients were billed, {expected}")
+    rows = wait_until(billed_rows, timeout_s=120, interval_s=0.5,
+                      what=f"/v1/usage to say what the clients were billed, {expected}")
     assert rows[0]["tenant"] == "default" and rows[0]["total_tokens"] == sum(u["total_tokens"] for u in billed)
 
 

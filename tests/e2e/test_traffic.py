@@ -63,7 +63,8 @@ def test_canary_users_stick_mirrors_are_compared_and_never_returned(traffic_pipe
         pairs = [pair for pair in pairs if pair["mirror"] == f"{MODEL}@3"]
         return pairs if sum(pair["samples"] for pair in pairs) >= 40 else []
 
-    pairs = wait_until(mirrored, timeout_s=120, interval_s=0.5, what="the auditor's comparisons of the 40 mirror copies")
+    pairs = wait_until(mirrored, timeout_s=120, interval_s=0.5,
+                       what="the auditor's comparisons of the 40 mirror copies")
     assert {pair["live"] for pair in pairs} <= {f"{MODEL}@1", f"{MODEL}@2"}
     assert all(pair["errors"] == 0 and pair["exact_match_rate"] == 1.0 for pair in pairs), pairs  # echo: same text
     shown = _weir_models(p, "show", MODEL)

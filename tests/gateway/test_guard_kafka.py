@@ -322,7 +322,8 @@ async def test_five_high_risk_prompts_within_the_hour_flag_the_principal_for_rev
 
         async def num_flags() -> int:
             for records in (await consumer.getmany(timeout_ms=100)).values():
-                flags.extend(r for r in map(decode_audit_record, (rec.value for rec in records)) if isinstance(r, ReviewFlag))
+                decoded = map(decode_audit_record, (rec.value for rec in records))
+                flags.extend(r for r in decoded if isinstance(r, ReviewFlag))
             return len(flags)
 
         await until(num_flags, timeout_s=10, what="a review flag on the audit topic")

@@ -21,8 +21,8 @@ import pytest
 from aiokafka.errors import KafkaConnectionError
 
 from tests.ports import DeadPort, HeldPort
-from weir.service import (EXIT_BROKER, EXIT_CONFIG, EXIT_FAILED, EXIT_OK, HTTP_FD_ENV, ConfigError, ops_app, run_service,
-                          service_parser)
+from weir.service import (EXIT_BROKER, EXIT_CONFIG, EXIT_FAILED, EXIT_OK, HTTP_FD_ENV, ConfigError, ops_app,
+                          run_service, service_parser)
 from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]

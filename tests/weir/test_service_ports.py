@@ -90,7 +90,8 @@ def test_weir_up_refuses_a_count_outside_one_to_eight(value: str, capsys) -> Non
             service_ports(28000, {}, counts=counts)
 
 
-def test_a_stack_holds_each_port_from_its_pick_through_restarts_and_hands_the_socket_down(tmp_path, monkeypatch) -> None:
+def test_a_stack_holds_each_port_from_its_pick_through_restarts_and_hands_the_socket_down(tmp_path,
+                                                                                         monkeypatch) -> None:
     # The pick-then-release race: a port picked free, released, then bound by the service later may
     # meanwhile be handed to another service (a `make test` lost a run to it). The stack binds each
     # port itself, keeps it while the stack lives, and passes the socket (weir/service.py: HTTP_FD_ENV).
