@@ -95,7 +95,7 @@ class FakeWorker:
             while True:
                 fetched = {} if self.consumer is None else await self.consumer.getmany(timeout_ms=50)
                 if self.consumer is None:
-                    await asyncio.sleep(0.05)
+                    await asyncio.sleep(0.05)  # the fake's loop without a consumer to wait on (its beat pace)
                 for tp, records in fetched.items():
                     self.received += [(tp.partition, decode(Batch, r.value)) for r in records]
                     self.next_offsets[tp.partition] = records[-1].offset + 1

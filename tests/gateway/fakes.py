@@ -131,7 +131,7 @@ class FakeWorker:
             await self._send(request, ReplyDelta(request_id=rid, seq=0, text="Hello, "))
             deadline = time.monotonic() + 20
             while not self.cancels_of(rid) and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(0.05)  # the fake worker's own loop: it runs until a cancel comes (at most 20 s)
             await self._send(request, ReplyEnd(request_id=rid, seq=1, finish_reason="cancelled"))
             return
         if "variants" in prompt:
@@ -154,7 +154,7 @@ class FakeWorker:
                 return
             await self._send(request, ReplyDelta(request_id=rid, seq=seq, text=text))
             self.generated[rid] = self.generated.get(rid, 0) + 1
-            await asyncio.sleep(interval_s)
+            await asyncio.sleep(interval_s)  # the fake's generation pace (DRIP, crawl): what the tests stream
         usage = Usage(prompt_tokens=1, completion_tokens=len(texts), total_tokens=1 + len(texts))
         await self._send(request, ReplyEnd(request_id=rid, seq=len(texts), finish_reason="stop", usage=usage))
 
@@ -181,7 +181,7 @@ class FakeWorker:
                 next_offsets=dict(self.next_offsets), partitions={m: sorted(o) for m, o in self.next_offsets.items()},
             )
             await self.producer.send_and_wait(self.topics.workers, encode(heartbeat), key=self.worker_id.encode())
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.5)  # the fake's heartbeat interval
 
 
 class GatewayServer:

@@ -225,7 +225,7 @@ async def test_one_failed_sibling_fails_the_request_and_cancels_the_others() -> 
 
 
 async def never_gone() -> dict[str, Any]:
-    await asyncio.sleep(3600)
+    await asyncio.sleep(3600)  # a stub that never answers: the test cancels it
     return {}
 
 

@@ -198,4 +198,4 @@ async def _requests(base_url: str, stop: asyncio.Event) -> None:
             with contextlib.suppress(httpx.HTTPError):
                 await client.post("/v1/chat/completions",
                                   json={"model": "echo", "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.1)  # the traffic's pace: about ten requests a second for the page to show

@@ -61,7 +61,7 @@ async def test_audit_events_to_v1_usage_per_tenant(gateway_bootstrap: str, topic
     bootstrap = gateway_bootstrap
     now_ms = int(datetime.now(UTC).timestamp() * 1000)
     if now_ms % 86_400_000 < 5000:  # the events would straddle midnight
-        await asyncio.sleep(5)
+        await asyncio.sleep(5)  # a clock guard, in the first 5 s of a UTC day only
         now_ms += 5000
     today = datetime.fromtimestamp(now_ms / 1000, UTC).strftime("%Y-%m-%d")
     # Before anyone reads the usage topic: a record that is no JSON, one that is no UsageTotals,

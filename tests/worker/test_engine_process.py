@@ -152,7 +152,7 @@ def test_the_child_dies_with_a_killed_worker(tmp_path: Path) -> None:
             process = EngineProcess(config, WorkerSettings(), "cpu", asyncio.get_running_loop(), lambda outputs: None)
             await process.open()
             print(process._process.pid, flush=True)
-            await asyncio.sleep(300)
+            await asyncio.sleep(300)  # a worker that stays alive until the test kills it
 
         if __name__ == "__main__":  # spawn imports this file again in the child
             asyncio.run(main())
