@@ -177,6 +177,7 @@ def inherited_socket(host: str, port: int) -> socket.socket | None:
     except (ValueError, OSError) as exc:
         raise ConfigError(f"{HTTP_FD_ENV}={fd_text!r} is not an open socket ({exc}); unset it to bind "
                           "--http-port") from exc
+    sock.set_inheritable(False)  # passed down to this process only, not to the processes it starts
     if sock.type != socket.SOCK_STREAM or not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
         sock.close()
         raise ConfigError(f"{HTTP_FD_ENV}={fd_text} is not a listening TCP socket; unset it to bind --http-port")
