@@ -7,6 +7,7 @@ import os
 import signal
 import sqlite3
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from uuid import uuid4
 
@@ -36,6 +37,12 @@ REPO = Path(__file__).resolve().parents[2]
 NOT_JSON = b"this is {not json"
 NOT_AN_EVENT = b'{"event_id": "x", "prompt": "raw text"}'
 NOT_STORABLE = encode(make_event(99, seed=2**63))  # valid AuditEvent, but past SQLite's 64 bits
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], what: str, timeout_s: float = 60.0) -> None:
+    """Deprecated: kept importable only for branches written before tests/waiting.py; new tests call
+    `until(check, timeout_s=..., what=...)`."""
+    await until(check, timeout_s=timeout_s, what=what)
 
 
 async def produce(bootstrap: str, topic: str, values: list[tuple[bytes, bytes]]) -> list[RecordMetadata]:
