@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.kafka_sessions import SharedBrokerSessions
+
 BOOTSTRAP = os.environ.get("WEIR_KAFKA_BOOTSTRAP", "127.0.0.1:9092")
 # A worker's grammar compile child (structured output) costs seconds of CPU at every model load:
 # the tests' many workers start it only when a test asks for a constraint.
@@ -119,14 +121,18 @@ def kafka_broker(request):
     cfg = launcher.BrokerConfig.from_env(port=int(port))
     started_here = not launcher.port_open(host, int(port))
     asyncio.run(launcher.up(cfg, 120))
+    sessions = SharedBrokerSessions(BOOTSTRAP)
+    sessions.join()
     before = set(asyncio.run(admin.list_topic_names(BOOTSTRAP)))
     yield BOOTSTRAP
     # Tests create their topics under private prefixes. Left behind, they pile up in a developer's
     # broker run after run (18,000 partitions after a few days here, and a broker that then took
-    # over two minutes to start), so the session deletes what it created: every topic that is new
-    # since it began, except the default deployment's and Kafka's own.
-    created = set(asyncio.run(admin.list_topic_names(BOOTSTRAP))) - before
-    asyncio.run(admin.delete_topics(BOOTSTRAP, sorted(t for t in created if not t.startswith(("weir.", "__")))))
+    # over two minutes to start), so what is new since the session began goes, except the default
+    # deployment's and Kafka's own: deleted by the last session on this broker to end, not while
+    # another one may still use it (tests/kafka_sessions.py).
+    now = set(asyncio.run(admin.list_topic_names(BOOTSTRAP)))
+    gone = sessions.leave(t for t in now - before if not t.startswith(("weir.", "__")))
+    asyncio.run(admin.delete_topics(BOOTSTRAP, sorted(set(gone) & now)))
     if started_here:
         launcher.stop(cfg)
 
