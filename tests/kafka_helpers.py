@@ -12,6 +12,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 
 from schemas.codec import encode
 from schemas.messages import GenerateRequest
+from tests.waiting import until
 
 
 async def produce(bootstrap: str, topic: str, items: Sequence[GenerateRequest | tuple[str, bytes]]) -> None:
@@ -69,10 +70,15 @@ async def group_lag(bootstrap: str, group: str, topic: str) -> dict[int, tuple[i
 
 
 async def wait_committed(bootstrap: str, group: str, topic: str, timeout_s: float = 20) -> dict[int, tuple[int, int]]:
-    """Poll until the group's committed offsets reach the end offsets; returns the last reading."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        lag = await group_lag(bootstrap, group, topic)
-        if all(committed == end for committed, end in lag.values()) or time.monotonic() > deadline:
-            return lag
-        await asyncio.sleep(0.3)
+    """Until the group's committed offsets reach the end offsets (tests/waiting.py: until); returns
+    that reading, {partition: (committed, end)}."""
+
+    read: list[dict[int, tuple[int, int]]] = [{}]
+
+    async def caught_up() -> bool:  # (an empty reading, no partition holding records, is caught up too)
+        read[0] = await group_lag(bootstrap, group, topic)
+        return all(committed == end for committed, end in read[0].values())
+
+    await until(caught_up, timeout_s=timeout_s, interval_s=0.3,
+                what=f"group {group}'s commits to reach the end of {topic}")
+    return read[0]

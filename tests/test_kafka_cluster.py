@@ -27,6 +27,7 @@ from services.auditor.config import AuditorSettings
 from weir.kafka import launcher
 from weir.kafka.admin import broker_ids, describe_topic_configs, ensure_topics
 from weir.stack import free_ports
+from tests.waiting import until
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -123,15 +124,18 @@ async def _read_committed(bootstrap: str, tp: TopicPartition) -> list[bytes]:
         await consumer.stop()
 
 
+async def in_sync(bootstrap: str, topic: str) -> dict | None:
+    """Partition 0 of `topic` when every node is in its ISR, else None."""
+    part = (await _partitions(bootstrap, [topic]))[topic][0]
+    return part if len(part["isr"]) >= NODES else None
+
+
 async def test_a_killed_leader_loses_no_acknowledged_record(kafka_cluster: list[launcher.BrokerConfig]) -> None:
     bootstrap = launcher.bootstrap_of(kafka_cluster)
     topic = f"{TOPICS.prefix}.kill"
     await ensure_topics(bootstrap, [TopicSpec(topic, 1)])
     tp = TopicPartition(topic, 0)
-    deadline = time.monotonic() + 30
-    while len((part := (await _partitions(bootstrap, [topic]))[topic][0])["isr"]) < NODES:
-        assert time.monotonic() < deadline, f"the ISR of {topic} never filled: {part}"
-        await asyncio.sleep(0.3)
+    part = await until(lambda: in_sync(bootstrap, topic), timeout_s=30, what=f"the ISR of {topic} to fill")
     victim = next(cfg for cfg in kafka_cluster if cfg.node_id == part["leader"])
 
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", enable_idempotence=True)
@@ -165,10 +169,7 @@ async def test_a_killed_leader_loses_no_acknowledged_record(kafka_cluster: list[
     # The killed node restarts on its data dir (no reformat), rejoins and catches up.
     await asyncio.to_thread(launcher.start, victim)
     await launcher.wait_cluster_ready(kafka_cluster, 120)
-    deadline = time.monotonic() + 60
-    while len((part := (await _partitions(bootstrap, [topic]))[topic][0])["isr"]) < NODES:
-        assert time.monotonic() < deadline, f"the restarted node never rejoined the ISR: {part}"
-        await asyncio.sleep(0.5)
+    await until(lambda: in_sync(bootstrap, topic), timeout_s=60, what="the restarted node to rejoin the ISR")
     assert await _read_committed(victim.bootstrap, tp) == read
     assert (victim.home / "logs" / "meta.properties").is_file()
     assert Path(victim.cluster_id_file).read_text() == Path(kafka_cluster[0].cluster_id_file).read_text()

@@ -28,6 +28,7 @@ from schemas.topics import Topics
 from weir.kafka import launcher, security
 from weir.kafka.admin import broker_ids, deployment_specs, describe_topic_configs, ensure_topics, grant_deployment_acls
 from weir.stack import free_ports
+from tests.waiting import WaitTimeout, until
 
 pytestmark = [pytest.mark.kafka, pytest.mark.cluster]
 
@@ -124,11 +125,9 @@ async def test_three_secure_nodes_form_a_cluster_that_holds_each_principal_to_it
     home, ports = secure_cluster
     bootstrap = ",".join(f"127.0.0.1:{ports[3 * n]}" for n in range(NODES))
     admin = _login(home, security.ADMIN)
-    try:
-        async with asyncio.timeout(120):  # the quorum forms over SASL/PLAIN, the brokers register over SCRAM
-            while not await _registered(bootstrap, admin):
-                await asyncio.sleep(1)
-    except TimeoutError:
+    try:  # the quorum forms over SASL/PLAIN, the brokers register over SCRAM
+        await until(lambda: _registered(bootstrap, admin), timeout_s=120, interval_s=1, what="three registered nodes")
+    except WaitTimeout:
         logs = "\n".join(f"node-{i}: {(home / f'node-{i}.log').read_text()[-1500:]}" for i in range(1, NODES + 1))
         pytest.fail(f"the three secure nodes did not all register within 120 s:\n{logs}")
     # topic-init's work, as `admin` (weir topics create --acls)

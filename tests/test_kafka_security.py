@@ -29,6 +29,7 @@ from weir.kafka import launcher, security
 from weir.kafka.admin import add_client_user, deployment_specs, ensure_topics, grant_deployment_acls
 from weir.lag import LagMonitor
 from weir.stack import free_ports
+from tests.waiting import until
 
 REPO = Path(__file__).resolve().parents[1]
 TOPICS = Topics(f"sec{uuid.uuid4().hex[:6]}")
@@ -231,11 +232,15 @@ async def _read_all(cfg: launcher.BrokerConfig, options: dict[str, str], topic: 
 async def _read_until(cfg: launcher.BrokerConfig, user: str, topic: str, task: asyncio.Task[None],
                       is_done: Callable[[list[bytes]], bool], timeout_s: float = 120) -> list[bytes]:  # fmt: skip
     """Read `topic` as `user` again and again until is_done(its records), while `task` runs."""
-    async with asyncio.timeout(timeout_s):
-        while not is_done(values := await _read_all(cfg, _login(cfg, user), topic)):
-            assert not task.done(), task.exception()
-            await asyncio.sleep(0.5)
-    return values
+    read: list[list[bytes]] = [[]]
+
+    async def done() -> bool:
+        read[0] = await _read_all(cfg, _login(cfg, user), topic)
+        return is_done(read[0])
+
+    await until(done, timeout_s=timeout_s, interval_s=0.5, what=f"the records awaited on {topic} (read as {user})",
+                watch=[task])
+    return read[0]
 
 
 PROTECTED = {  # topic -> why no outside producer may write it
@@ -513,10 +518,8 @@ async def test_a_producers_requests_are_served_as_that_producer_and_reply_only_t
             letters = [decode(DeadLetter, v) for v in await _read_all(cfg, admin, TOPICS.dead_letter)]
             return [d for d in letters if forged.request_id in d.value]
 
-        async with asyncio.timeout(60):
-            while not (dead := await dead_letters_of_forged()):
-                assert not task.done(), task.exception()
-                await asyncio.sleep(0.5)
+        dead = await until(dead_letters_of_forged, timeout_s=60, interval_s=0.5, watch=[task],
+                           what="the forged request dead-lettered")
         assert dead[0].source_topic == TOPICS.producer_requests("client")
         assert "is not a reply topic of 'client'" in dead[0].reason and "no reply was written" in dead[0].reason
         assert await _read_all(cfg, admin, TOPICS.replies("bob.x")) == []

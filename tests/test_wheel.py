@@ -13,7 +13,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 import uuid
@@ -21,6 +20,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("schemas", "kernels", "services", "weir", "bench")
@@ -103,14 +103,13 @@ def test_the_installed_wheel_is_what_runs(installed: Path, tmp_path: Path) -> No
 
 
 def _wait_for_line(log: Path, pattern: str, proc: subprocess.Popen, timeout_s: float) -> re.Match[str]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if found := re.search(pattern, log.read_text(errors="replace")):
-            return found
-        if proc.poll() is not None:
-            break
-        time.sleep(0.2)
-    raise AssertionError(f"no {pattern!r} (exit {proc.poll()}); the log:\n{log.read_text(errors='replace')[-4000:]}")
+    def found() -> re.Match[str] | None:
+        text = log.read_text(errors="replace")
+        match = re.search(pattern, text)
+        assert match or proc.poll() is None, f"no {pattern!r} (exit {proc.poll()}); the log:\n{text[-4000:]}"
+        return match
+
+    return wait_until(found, timeout_s=timeout_s, interval_s=0.2, what=f"{pattern!r} in {log.name}")
 
 
 @pytest.mark.kafka

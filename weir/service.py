@@ -5,7 +5,8 @@ factory that turns the parsed flags into a `Service`. The runner then:
 
 1. configures logging once (`configure_logging`: logger names by module, one format, or JSON lines);
 2. builds the service (a bad setting, flag or model repository: exit `EXIT_CONFIG`);
-3. binds the service's HTTP port (taken: `EXIT_CONFIG`), then `await service.start()` (the Kafka
+3. binds the service's HTTP port, or takes the listening socket its launcher passed down
+   (`HTTP_FD_ENV`; taken or not the configured one: `EXIT_CONFIG`), then `await service.start()` (the Kafka
    cluster cannot be reached: `EXIT_BROKER`);
 4. serves `service.http_app()` on that port (every service answers /healthz, /readyz, /metrics
    there) while `await service.run(stop)` does the work;
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import os
 import signal
@@ -162,8 +164,47 @@ def ops_app(
     return Starlette(routes=routes)
 
 
+# A launcher that holds the service's listening socket (weir/stack.py: Stack) passes it down by
+# file descriptor under this variable: the port then never passes through a moment where it is
+# free, so no other process can be handed it between the pick and the bind (docs/testing.md, "Ports").
+HTTP_FD_ENV = "WEIR_HTTP_FD"
+
+
+def inherited_socket(host: str, port: int) -> socket.socket | None:
+    """The listening socket a launcher passed under HTTP_FD_ENV (the variable is then removed, so the
+    service's own children do not take it for theirs), or None. It must listen on `port` (any port
+    when 0) and, when `host` is an address, on that address: a socket other than the settings say
+    is refused (ConfigError), never served in their place."""
+    fd_text = os.environ.pop(HTTP_FD_ENV, None)
+    if fd_text is None:
+        return None
+    try:
+        sock = socket.socket(fileno=int(fd_text))
+    except (ValueError, OSError) as exc:
+        raise ConfigError(f"{HTTP_FD_ENV}={fd_text!r} is not an open socket ({exc}); unset it to bind "
+                          "--http-port") from exc
+    sock.set_inheritable(False)  # passed down to this process only, not to the processes it starts
+    if sock.type != socket.SOCK_STREAM or not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+        sock.close()
+        raise ConfigError(f"{HTTP_FD_ENV}={fd_text} is not a listening TCP socket; unset it to bind --http-port")
+    got_host, got_port = sock.getsockname()[:2]
+    try:
+        wrong_host = ipaddress.ip_address(host) != ipaddress.ip_address(got_host)
+    except ValueError:  # a host name: the launcher resolved it as the service would have
+        wrong_host = False
+    if (port and got_port != port) or wrong_host:
+        sock.close()
+        raise ConfigError(f"the socket passed in {HTTP_FD_ENV} listens on {got_host}:{got_port}, not on the "
+                          f"configured {host}:{port}")
+    return sock
+
+
 def bind(host: str, port: int) -> socket.socket:
-    """The service's listening socket, bound before anything else starts (taken: ConfigError)."""
+    """The service's listening socket: the one its launcher passed down (inherited_socket), else one
+    bound here before anything else starts (taken: ConfigError)."""
+    sock = inherited_socket(host, port)
+    if sock is not None:
+        return sock
     try:
         return socket.create_server((host, port))
     except OSError as exc:

@@ -36,6 +36,7 @@ from weir.home import weir_home
 from weir.models.gguf_file import GGUFError
 from weir.models.sources import prepare_models
 from weir.readiness import Probe, ReadinessBoard, probe, wait_all_ready
+from weir.service import HTTP_FD_ENV
 from weir.supervision import Supervisor, describe_exit
 
 SERVICES = ("auditor", "worker", "batcher", "gateway")
@@ -47,6 +48,9 @@ MAX_INSTANCES = 8
 # Each service's HTTP port (/healthz, /readyz, /metrics; the gateway's is its API) and its setting.
 HTTP_PORT_ENV = {"gateway": "WEIR_GATEWAY_PORT", "auditor": "WEIR_AUDIT_API_PORT",
                  "batcher": "WEIR_BATCHER_HTTP_PORT", "worker": "WEIR_WORKER_HTTP_PORT"}
+# The address each service's HTTP endpoint listens on (weir/bus.py: http_host; the gateway's own).
+HTTP_HOST_ENV = {"gateway": "WEIR_GATEWAY_HOST", "auditor": "WEIR_HTTP_HOST", "batcher": "WEIR_HTTP_HOST",
+                 "worker": "WEIR_HTTP_HOST"}
 DEFAULT_HTTP_PORTS = {"gateway": 8000, "auditor": 8100, "batcher": 8110, "worker": 8120}
 
 
@@ -71,11 +75,19 @@ class Stack:
     # name -> settings of that instance alone (its Kafka principal, instance id), kept across restarts
     own_env: dict[str, dict[str, str]] = field(default_factory=dict)
     services: dict[str, str] = field(default_factory=dict)  # name -> the service it runs, kept across restarts
+    # name -> the listening socket of its HTTP port, held here for the stack's life and passed to
+    # each start of that name (weir/service.py: HTTP_FD_ENV). The port is never released between
+    # its pick and its bind, nor while the service restarts, so no other service of this machine
+    # can be handed it (a pick-then-release port once went to the worker while the gateway, given
+    # the same port, was still starting). Connections that arrive while the service restarts wait
+    # in the socket's backlog for the next start, as with systemd's socket activation.
+    listeners: dict[str, socket.socket] = field(default_factory=dict)
 
     def start(self, name: str, service: str | None = None, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
         """Start `service` (default: the one `name` ran before, else `name`) under `name`; its output
         goes to <log_dir>/<name>.log. Its HTTP port is the one `http_ports` has for `name`, else the
-        one `env` or `extra_env` names, else a free one (see `url`)."""
+        one `env` or `extra_env` names, else one the kernel picks (see `url`); the stack listens on
+        it and hands the socket down (`listeners`)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         known = self.services.get(name)
         if service is not None and known is not None and service != known:
@@ -85,15 +97,33 @@ class Stack:
         port_env = HTTP_PORT_ENV[service]
         if name not in self.http_ports:
             given = {**self.env, **(extra_env or {})}.get(port_env)
-            self.http_ports[name] = int(given) if given else free_ports(1)[0]
+            self.http_ports[name] = int(given) if given else 0
+        listener = self._listener(name, env.get(HTTP_HOST_ENV[service]) or "127.0.0.1")
         env[port_env] = str(self.http_ports[name])
+        env.pop(HTTP_FD_ENV, None)
+        if listener is not None:
+            env[HTTP_FD_ENV] = str(listener.fileno())
         with open(self.log_path(name), "ab") as log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "weir.cli", service], env=env, stdin=subprocess.DEVNULL,
-                stdout=log, stderr=subprocess.STDOUT,
+                stdout=log, stderr=subprocess.STDOUT, pass_fds=() if listener is None else (listener.fileno(),),
             )  # fmt: skip
         self.procs[name] = proc
         return proc
+
+    def _listener(self, name: str, host: str) -> socket.socket | None:
+        """The socket held for `name`'s HTTP port, made on first use: port 0 (none given) becomes the
+        one the kernel bound, which `http_ports` then keeps. None when a given port cannot be bound
+        here (taken): the service then binds it itself and says why it cannot (EXIT_CONFIG)."""
+        if name not in self.listeners:
+            try:
+                self.listeners[name] = socket.create_server((host, self.http_ports[name]))
+            except OSError:
+                if not self.http_ports[name]:
+                    raise
+                return None
+            self.http_ports[name] = int(self.listeners[name].getsockname()[1])
+        return self.listeners[name]
 
     def url(self, name: str) -> str:
         """http://host:port of a started service (its /healthz, /readyz, /metrics)."""
@@ -132,6 +162,9 @@ class Stack:
                 self.procs[name].kill()
                 self.procs[name].wait()
         self.procs.clear()
+        for listener in self.listeners.values():
+            listener.close()
+        self.listeners.clear()
 
 
 def wait_http_ok(url: str, timeout_s: float, stack: Stack | None = None) -> None:

@@ -20,10 +20,11 @@ from services.auditor.chain import checkpoint_mac
 from services.auditor.config import AuditorSettings
 from services.auditor.ledger import Ledger
 from weir.kafka.admin import describe_topic_configs
+from tests.waiting import until
 
 from .factories import make_event, make_flag
 from .tamper import ATTACKER_KEY, cut_tail, open_raw, rewrite_chain
-from .test_auditor_kafka import eventually, produce, read_all
+from .test_auditor_kafka import produce, read_all
 
 pytestmark = pytest.mark.kafka
 
@@ -65,7 +66,7 @@ async def ledger_with_anchors(bootstrap: str, audit_topics: Topics, tmp_path: Pa
         async def is_anchored() -> bool:
             return (await newest_anchored(bootstrap, topics)).get(log) == anchored_to
 
-        await eventually(is_anchored, f"the {log} anchor of seq {anchored_to}")
+        await until(is_anchored, timeout_s=60, what=f"the {log} anchor of seq {anchored_to}")
 
     async with create_app(settings):
         # A few at a time: a fetched batch is one group commit, and gets one checkpoint.
@@ -78,7 +79,7 @@ async def ledger_with_anchors(bootstrap: str, audit_topics: Topics, tmp_path: Pa
             with Ledger(db, readonly=True) as ledger:
                 return ledger.review_flags.num_flags() == NUM_FLAGS
 
-        await eventually(has_flag_4, "flag 4 in the ledger")
+        await until(has_flag_4, timeout_s=60, what="flag 4 in the ledger")
     return db
 
 

@@ -24,6 +24,7 @@ from tests.kafka_helpers import produce, read_until
 from tests.worker.factories import make_model_dir, make_request
 from weir.embedding.fingerprints import build_fingerprinter
 from weir.kafka.admin import ensure_topics
+from tests.waiting import until
 
 pytestmark = pytest.mark.kafka
 REPO = Path(__file__).resolve().parents[2]
@@ -82,13 +83,14 @@ async def test_worker_fingerprints_reach_the_ledger_and_lookups_find_them(bootst
 
     db = tmp_path / "audit.sqlite"
     auditor = AuditorSettings(kafka_bootstrap=bootstrap, topic_prefix=prefix, audit_db=db)
+    def has_four_records() -> bool:
+        if not db.exists():
+            return False
+        with Ledger(db, readonly=True) as ledger:
+            return ledger.num_records() == 4
+
     async with create_app(auditor):
-        for _ in range(300):
-            await asyncio.sleep(0.2)
-            if db.exists():
-                with Ledger(db, readonly=True) as ledger:
-                    if ledger.num_records() == 4:
-                        break
+        await until(has_four_records, timeout_s=60, interval_s=0.2, what="4 records in the ledger")
     key = worker.hmac_key()
     fingerprinter = build_fingerprinter("all-MiniLM-L6-v2", load_model_repo(REPO / "models.toml"))
     assert fingerprinter is not None

@@ -7,7 +7,6 @@ import os
 import signal
 import sqlite3
 import sys
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from uuid import uuid4
@@ -25,9 +24,10 @@ from services.auditor import cli
 from services.auditor.app import create_app
 from services.auditor.config import AuditorSettings
 from services.auditor.ledger import Ledger, LedgerError
+from tests.ports import HeldPort
 from weir.kafka.admin import delete_prefixed_topics, ensure_topics, list_topic_names
-from weir.stack import free_ports
 from weir.metrics import value
+from tests.waiting import until
 
 from .factories import make_event, make_flag
 
@@ -40,11 +40,9 @@ NOT_STORABLE = encode(make_event(99, seed=2**63))  # valid AuditEvent, but past 
 
 
 async def eventually(check: Callable[[], Awaitable[bool]], what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.2)
+    """Deprecated: kept importable only for branches written before tests/waiting.py; new tests call
+    `until(check, timeout_s=..., what=...)`."""
+    await until(check, timeout_s=timeout_s, what=what)
 
 
 async def produce(bootstrap: str, topic: str, values: list[tuple[bytes, bytes]]) -> list[RecordMetadata]:
@@ -128,7 +126,7 @@ async def run_until(settings: AuditorSettings, bootstrap: str, topics: Topics, e
         return num_records(settings.audit_db) == expected_records and await is_fully_committed(bootstrap, topics)
 
     async with create_app(settings):
-        await eventually(is_done, f"{expected_records} records and all offsets committed")
+        await until(is_done, timeout_s=60, what=f"{expected_records} records and all offsets committed")
 
 
 async def test_auditor_records_each_event_once_and_dead_letters_the_rest(
@@ -201,7 +199,7 @@ async def test_review_flags_on_the_audit_topic_reach_the_ledger_once(
         return stored == (3, 2) and await is_fully_committed(bootstrap, topics)
 
     async with create_app(settings):
-        await eventually(is_done, "3 records, 2 review flags and all offsets committed")
+        await until(is_done, timeout_s=60, what="3 records, 2 review flags and all offsets committed")
 
     with Ledger(db, readonly=True) as ledger:
         report = ledger.verify()
@@ -240,18 +238,18 @@ async def test_offset_is_not_committed_past_an_event_the_ledger_refused(
         return others_done and num_records(db) == num_before
 
     async with create_app(settings):
-        await eventually(is_stuck_at_ev5, "every event but ev-5 and those after it in its partition")
+        await until(is_stuck_at_ev5, timeout_s=60, what="every event but ev-5 and those after it in its partition")
 
         async def is_retried() -> bool:  # ev-5 refused, redelivered and refused again, thrice
             return caplog.text.count("ledger write of event ev-5 failed") >= 3
 
-        await eventually(is_retried, "three redeliveries of ev-5")
+        await until(is_retried, timeout_s=60, what="three redeliveries of ev-5")
         committed, _ = await committed_and_end(bootstrap, topics)
         assert committed[stuck.partition] <= stuck.offset
         assert num_records(db) == num_before
         raw.execute("DROP TRIGGER refuse_ev5")
         raw.close()
-        await eventually(lambda: is_fully_committed(bootstrap, topics), "all offsets committed")
+        await until(lambda: is_fully_committed(bootstrap, topics), timeout_s=60, what="all offsets committed")
         assert num_records(db) == 20
     with Ledger(db, readonly=True) as ledger:
         assert ledger.verify().is_ok
@@ -289,13 +287,15 @@ async def test_main_runs_until_sigterm(bootstrap: str, tmp_path: Path) -> None:
 async def _run_main_until_sigterm(bootstrap: str, audit_topics: Topics, tmp_path: Path) -> None:
     db = tmp_path / "audit.sqlite"
     await produce(bootstrap, audit_topics.audit, [(b"k", encode(make_event(i))) for i in range(1, 4)])
-    (port,) = free_ports(1)
-    env = {**os.environ, "WEIR_KAFKA_BOOTSTRAP": bootstrap, "WEIR_TOPIC_PREFIX": audit_topics.prefix,
-           "WEIR_AUDIT_API_PORT": str(port)}
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", "import sys; from services.auditor.app import main; sys.exit(main(sys.argv[1:]))",
-        "--db", str(db), env=env, cwd=REPO, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-    )
+    with HeldPort() as held:  # the auditor serves the test's socket: no pick-then-release race
+        port = held.port
+        env = {**os.environ, "WEIR_KAFKA_BOOTSTRAP": bootstrap, "WEIR_TOPIC_PREFIX": audit_topics.prefix,
+               "WEIR_AUDIT_API_PORT": str(port)}
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", "import sys; from services.auditor.app import main; sys.exit(main(sys.argv[1:]))",
+            "--db", str(db), env=held.env(env), cwd=REPO, stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE, pass_fds=held.pass_fds,
+        )
 
     async def has_three_records() -> bool:
         return num_records(db) == 3
@@ -309,8 +309,8 @@ async def _run_main_until_sigterm(bootstrap: str, audit_topics: Topics, tmp_path
         return value(text, "weir_audit_events_total") == 3
 
     try:
-        await eventually(has_three_records, "3 records from `weir auditor`")
-        await eventually(metrics_count_three, "the auditor's /metrics to count the 3 events")
+        await until(has_three_records, timeout_s=60, what="3 records from `weir auditor`")
+        await until(metrics_count_three, timeout_s=60, what="the auditor's /metrics to count the 3 events")
     finally:
         proc.send_signal(signal.SIGTERM)
         _, stderr = await asyncio.wait_for(proc.communicate(), timeout=30)

@@ -18,8 +18,9 @@ from services.auditor.app import create_app
 from services.auditor.config import AuditorSettings
 from services.auditor.ledger import Ledger
 from weir.kafka.admin import delete_prefixed_topics, ensure_topics
+from tests.waiting import until
 
-from .test_auditor_kafka import eventually, produce, read_all
+from .test_auditor_kafka import produce, read_all
 
 pytestmark = pytest.mark.kafka
 
@@ -83,7 +84,7 @@ async def test_comparisons_appear_and_forged_records_are_dead_lettered(bootstrap
         async def two_comparisons() -> bool:
             return len(await read_all(bootstrap, topics.comparisons)) == 2
 
-        await eventually(two_comparisons, "two comparisons on the topic")
+        await until(two_comparisons, timeout_s=60, what="two comparisons on the topic")
         found = {c.request_id: c for c in (decode(ModelComparison, v) for v in await read_all(bootstrap, topics.comparisons))}
         letters = [decode(DeadLetter, v) for v in await read_all(bootstrap, topics.dead_letter)]
 

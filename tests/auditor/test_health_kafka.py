@@ -23,9 +23,10 @@ from weir import cli as weir_cli
 from weir.bus import BusSettings, read_topic
 from weir.metrics import value
 from weir.registry import publish
+from tests.waiting import stays_false, until
 
 from .factories import T0_MS, make_event
-from .test_auditor_kafka import eventually, produce
+from .test_auditor_kafka import produce
 
 pytestmark = pytest.mark.kafka
 
@@ -45,6 +46,11 @@ async def _alerts(bus: BusSettings) -> list[HealthAlert]:
         with contextlib.suppress(DecodeError):
             out.append(decode(HealthAlert, record))
     return out
+
+
+# health_every_s=0.2 below: a restarted auditor judges every 0.2 s, so an alert it did not know to
+# be open would be raised again at its first tick; ten ticks without one show it read the topic.
+TEN_TICKS_S = 2.0
 
 
 def _settings(bootstrap: str, topics: Topics, db: Path) -> AuditorSettings:
@@ -72,7 +78,7 @@ async def test_a_collapse_raises_an_alert_recovery_clears_it_and_a_restart_repea
         return any(a.model_version == SID and a.state == "raised" for a in await _alerts(bus))
 
     async with create_app(settings, health):
-        await eventually(raised, "a raised entropy alert")
+        await until(raised, timeout_s=60, what="a raised entropy alert")
         text = health.render()
         assert value(text, "weir_model_alert", model_name=SID, signal="entropy") == 1
         assert value(text, "weir_model_alerts_total", signal="entropy", state="raised") == 1
@@ -88,15 +94,17 @@ async def test_a_collapse_raises_an_alert_recovery_clears_it_and_a_restart_repea
     health = HealthMetrics()
     async with create_app(settings, health):
         assert value(health.render(), "weir_model_alert", model_name=SID, signal="entropy") == 1
-        await asyncio.sleep(2.0)  # ten judging ticks
-        assert [a.state for a in await _alerts(bus) if a.model_version == SID] == ["raised"]
+        async def raised_again() -> bool:
+            return [a.state for a in await _alerts(bus) if a.model_version == SID] != ["raised"]
+
+        await stays_false(raised_again, for_s=TEN_TICKS_S, interval_s=0.5, what="the open alert raised again")
         await produce(bootstrap, topics.audit, [(e.request_id.encode(), encode(e)) for e in
                                                  [_event(i, 1.9) for i in range(9, 13)]])  # fmt: skip
 
         async def cleared() -> bool:
             return [a.state for a in await _alerts(bus) if a.model_version == SID] == ["raised", "cleared"]
 
-        await eventually(cleared, "the entropy alert cleared")
+        await until(cleared, timeout_s=60, what="the entropy alert cleared")
         assert value(health.render(), "weir_model_alert", model_name=SID, signal="entropy") == 0
         assert value(health.render(), "weir_model_alerts_total", signal="entropy", state="cleared") == 1
 
@@ -135,7 +143,7 @@ async def test_an_invalid_structured_output_and_two_workers_that_differ_raise_th
         return {a.signal for a in await _alerts(bus) if a.state == "raised"} == {"structured", "determinism"}
 
     async with create_app(_settings(bootstrap, topics, tmp_path / "audit.sqlite"), health):
-        await eventually(raised, "raised structured and determinism alerts")
+        await until(raised, timeout_s=60, what="raised structured and determinism alerts")
         text = health.render()
         assert value(text, "weir_determinism_checks_total", model_name=SID, result="differs") == 1
         assert value(text, "weir_model_structured_valid_rate", model_name=SID) == pytest.approx(0.75)

@@ -13,7 +13,6 @@ import os
 import shutil
 import subprocess
 import tempfile
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +22,7 @@ import pytest
 from services.auditor.chain import chain_hash
 from services.auditor.ledger import CHECKPOINTS, TABLE, Ledger, LedgerError
 from weir.stack import free_ports
+from tests.waiting import wait_until
 
 from .factories import T0_MS, make_event, make_flag
 
@@ -63,16 +63,20 @@ def server_dsn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     dsn = f"postgresql://weir@127.0.0.1:{port}/postgres"
     import psycopg
 
-    deadline = time.monotonic() + 30
-    while True:
+    def answers() -> bool:
+        assert proc.poll() is None, "postgres exited"
         try:
             psycopg.connect(dsn).close()
-            break
+            return True
         except psycopg.OperationalError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError(f"postgres did not start: {proc.stderr.read().decode()[-2000:] if proc.stderr else ''}")
-            time.sleep(0.2)
+            return False
+
+    try:
+        wait_until(answers, timeout_s=30, interval_s=0.2, what="postgres to accept connections")
+    except AssertionError as exc:
+        proc.kill()
+        said = proc.stderr.read().decode()[-2000:] if proc.stderr else ""
+        raise RuntimeError(f"postgres did not start ({exc}): {said}") from exc
     try:
         yield dsn
     finally:

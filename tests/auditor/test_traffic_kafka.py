@@ -5,8 +5,6 @@ fails on Topics.model_health, is taken to 0% in the registry and the event recor
 
 from __future__ import annotations
 
-import asyncio
-import time
 from pathlib import Path
 
 import pytest
@@ -20,9 +18,10 @@ from weir.bus import BusSettings
 from weir.bus import read_topic as _read_topic
 from weir.models.registry_cli import read_traffic
 from weir.registry import publish, read_registry
+from tests.waiting import until
 
 from .factories import make_event
-from .test_auditor_kafka import eventually, produce
+from .test_auditor_kafka import produce
 
 pytestmark = pytest.mark.kafka
 
@@ -87,8 +86,8 @@ async def test_counts_each_event_once_from_the_ledger_and_a_failing_canary_goes_
         return (await read_registry(bus)).routes["tiny"].canary == {"2": 0.0}
 
     async with create_app(settings):
-        await eventually(lambda: counted(expected), "the traffic counts")
-        await eventually(canary_at_zero, "the failing canary at 0%")
+        await until(lambda: counted(expected), timeout_s=60, what="the traffic counts")
+        await until(canary_at_zero, timeout_s=60, what="the failing canary at 0%")
     traffic, _ = await read_traffic(bus, "tiny")
     assert traffic.errors == {"tiny@1": 12, "tiny@2": 5}
     route = (await read_registry(bus)).routes["tiny"]
@@ -100,7 +99,8 @@ async def test_counts_each_event_once_from_the_ledger_and_a_failing_canary_goes_
     # A restart counts on from its ledger: the earlier records are not lost, nor counted twice.
     await produce(bootstrap, topics.audit, [(b"req-300", encode(_event(300, "tiny@1", "pinned")))])
     async with create_app(settings):
-        await eventually(lambda: counted({**expected, "tiny@1": {"default": 12, "pinned": 1}}), "counts after restart")
+        await until(lambda: counted({**expected, "tiny@1": {"default": 12, "pinned": 1}}),
+                    timeout_s=60, what="counts after restart")
 
 
 async def test_a_golden_failure_stops_the_canary_and_malformed_health_records_harm_nothing(
@@ -110,15 +110,17 @@ async def test_a_golden_failure_stops_the_canary_and_malformed_health_records_ha
     failed = ModelHealthEvent(worker_id="worker-9", model="tiny@2", event="golden_failed", detail="token 2 differs")
     default_failed = failed.model_copy(update={"model": "tiny@1"})
     settings = _settings(bootstrap, topics, tmp_path / "audit.sqlite")
+    async def stopped_or_sent_again() -> bool:
+        if (await read_registry(bus)).routes["tiny"].canary == {"2": 0.0}:
+            return True
+        await produce(bootstrap, topics.model_health, [(b"x", b"not json"), (b"y", b'{"event": "golden_failed"}'),
+                                                       (b"tiny@1", encode(default_failed)),
+                                                       (b"tiny@2", encode(failed))])  # fmt: skip
+        return False
+
     async with create_app(settings):
-        deadline = time.monotonic() + 60
-        # The guard reads the health topic from its end once it joins: send until it has acted.
-        while (await read_registry(bus)).routes["tiny"].canary != {"2": 0.0}:
-            assert time.monotonic() < deadline, "the canary was not stopped"
-            await produce(bootstrap, topics.model_health, [(b"x", b"not json"), (b"y", b'{"event": "golden_failed"}'),
-                                                           (b"tiny@1", encode(default_failed)),
-                                                           (b"tiny@2", encode(failed))])  # fmt: skip
-            await asyncio.sleep(1.0)
+        # The guard reads the health topic from its end once it joins: send (each second) until it has acted.
+        await until(stopped_or_sent_again, timeout_s=60, interval_s=1.0, what="the failing canary stopped")
     state = await read_registry(bus)
     assert state.routes["tiny"].default_version == "1"  # a default's golden failure is the worker's rollback, not ours
     stopped = [e for e in await _health_events(bus) if e.event == "canary_stopped"]

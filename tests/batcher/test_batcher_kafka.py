@@ -17,6 +17,7 @@ from weir.kafka.admin import ensure_topics
 
 from .factories import make_repo, make_request, version_specs
 from tests.kafka_helpers import produce, read_until, wait_committed
+from tests.waiting import until
 
 pytestmark = pytest.mark.kafka
 
@@ -27,16 +28,6 @@ def settings_for(bootstrap: str, topics: Topics) -> BatcherSettings:
 
 def batched_ids(records) -> list[str]:
     return [r.request_id for rec in records for r in decode(Batch, rec.value).requests]
-
-
-async def wait_until(is_true, task: asyncio.Task[None], timeout_s: float = 20) -> None:
-    """Wait until is_true(); fail at once if the batcher task died."""
-    async with asyncio.timeout(timeout_s):
-        while not is_true():
-            if task.done():
-                task.result()
-                pytest.fail("the batcher stopped")
-            await asyncio.sleep(0.05)
 
 
 async def start(app: BatcherApp) -> tuple[asyncio.Event, asyncio.Task[None]]:
@@ -74,7 +65,8 @@ async def test_batches_replies_dead_letters_and_commits(batcher_bootstrap: str, 
         batches = await read_until(
             bootstrap, [topics.batches("a@1"), topics.batches("b@1")], lambda rs: set(batched_ids(rs)) >= want
         )
-        await wait_until(lambda: app.planner.is_held(held.request_id), task)
+        await until(lambda: app.planner.is_held(held.request_id),
+                    timeout_s=20, what="the cancellable request held", watch=[task])
         cancel = Cancellation(request_id=held.request_id, reply_to=reply_to)
         await produce(bootstrap, topics.control, [(held.request_id, encode(cancel))])
         replies = await read_until(bootstrap, [reply_to], lambda rs: len(rs) >= 9)
@@ -131,7 +123,8 @@ async def test_requests_held_by_a_dead_batcher_are_batched_by_the_next(
 
     first = BatcherApp(settings_for(bootstrap, topics), patient)
     _, task = await start(first)
-    await wait_until(lambda: first.planner.num_held == len(reqs), task)
+    await until(lambda: first.planner.num_held == len(reqs),
+                timeout_s=20, what="the first batcher holding all six", watch=[task])
     task.cancel()  # dies holding all six, nothing committed
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -160,13 +153,16 @@ async def test_a_rebalance_releases_held_requests_to_their_new_owner(
 
     first = BatcherApp(settings_for(bootstrap, topics), patient)
     stop_first, first_task = await start(first)
-    await wait_until(lambda: first.planner.num_held == len(reqs), first_task)
+    await until(lambda: first.planner.num_held == len(reqs),
+                timeout_s=20, what="the first batcher holding all six", watch=[first_task])
     second = BatcherApp(settings_for(bootstrap, topics), eager)
     stop_second, second_task = await start(second)
     try:
         # The first keeps only what its remaining partitions hold; the second batches the rest.
-        await wait_until(lambda: len(second.requests.assignment()) > 0, second_task)
-        await wait_until(lambda: first.planner.num_held < len(reqs), first_task)
+        await until(lambda: len(second.requests.assignment()) > 0,
+                    timeout_s=20, what="the second batcher assigned partitions", watch=[second_task])
+        await until(lambda: first.planner.num_held < len(reqs),
+                    timeout_s=20, what="the first batcher handing held requests over", watch=[first_task])
         stop_first.set()  # now the second owns everything, the first's held requests included
         await first_task
         want = {r.request_id for r in reqs}

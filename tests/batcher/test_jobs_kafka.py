@@ -25,6 +25,7 @@ from services.batcher.jobs import JobRunner
 from weir.bus import BusSettings, make_consumer, make_producer, partitions_of
 from weir.files import FileHeader, chunk_file, read_file, write_file
 from weir.kafka.admin import delete_prefixed_topics, ensure_topics
+from tests.waiting import until
 
 pytestmark = pytest.mark.kafka
 
@@ -34,13 +35,11 @@ LINES = b"".join(orjson.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/
 
 
 async def wait_for(runner: JobRunner, job_id: str, status: str, timeout_s: float = 60) -> BatchJob:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while asyncio.get_running_loop().time() < deadline:
+    def in_status() -> BatchJob | None:
         job = runner.jobs.get(job_id)
-        if job is not None and job.status == status:
-            return job
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"{job_id} is {runner.jobs.get(job_id)}, not {status}")
+        return job if job is not None and job.status == status else None
+
+    return await until(in_status, timeout_s=timeout_s, what=f"job {job_id} {status}")
 
 
 async def test_a_job_runs_only_its_owners_file_and_its_results_get_random_ids(batcher_bootstrap, fresh_topics,

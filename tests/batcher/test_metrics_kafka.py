@@ -18,8 +18,9 @@ from weir.lag import LAG_METRIC
 from weir.metrics import value
 
 from .factories import make_config, make_repo, make_request, version_specs
-from .test_routing_kafka import TIMEOUT_MS, FakeWorker, until
+from .test_routing_kafka import TIMEOUT_MS, FakeWorker
 from tests.kafka_helpers import group_lag, produce
+from tests.waiting import until
 
 pytestmark = pytest.mark.kafka
 
@@ -44,20 +45,28 @@ async def test_metrics_after_requests(batcher_bootstrap: str, fresh_topics: Topi
         return req.model_copy(update={"tenant": tenant})
 
     try:
-        await until(lambda: bool(worker.assignment()) and app.is_reading and app.router.num_workers == 1, tasks, 40)
+        await until(lambda: bool(worker.assignment()) and app.is_reading and app.router.num_workers == 1,
+                    timeout_s=40, what="the worker assigned and routed to", watch=tasks)
         batched = [request("a", "acme") for _ in range(8)]
         held = [request("slow", "zed") for _ in range(3)] + [request("slow", "acme", "bulk") for _ in range(2)]
         expiring = request("slow", "zed", "bulk", deadline_in_ms=1500)  # expires while held
         expired = request("a", "acme", deadline_in_ms=-1000)  # expired on arrival
         await produce(bootstrap, topics.requests, [*batched, *held, expiring, expired])
-        await until(lambda: worker.request_ids >= {r.request_id for r in batched}, tasks)
+        await until(lambda: worker.request_ids >= {r.request_id for r in batched},
+                    timeout_s=20, what="the 8 requests batched to the worker", watch=tasks)
         await until(lambda: all(app.planner.is_held(r.request_id) for r in held)
-                    and not app.planner.is_held(expiring.request_id), tasks)  # fmt: skip
+                    and not app.planner.is_held(expiring.request_id),
+                    timeout_s=20, what="the slow requests held and the expiring one gone", watch=tasks)  # fmt: skip
         await service.lag.start()  # (service.start() would; here the app was started by hand)
         key = (topics.batcher_group, topics.requests)
-        async with asyncio.timeout(20):  # until the monitor agrees with the broker read independently
-            while (expected := await broker_lag(bootstrap, topics)) is None or service.lag.lags.get(key) != expected:
-                await asyncio.sleep(0.2)
+        read: list[int | None] = [None]
+
+        async def agreed() -> bool:  # the monitor agrees with the broker read independently
+            read[0] = await broker_lag(bootstrap, topics)
+            return read[0] is not None and service.lag.lags.get(key) == read[0]
+
+        await until(agreed, timeout_s=20, what="the lag monitor to agree with the broker")
+        expected = read[0]
         text = service.metrics.render()
     finally:
         stop.set()

@@ -14,7 +14,7 @@ import contextlib
 import pytest
 
 from schemas.codec import decode_reply
-from schemas.messages import ReplyEnd
+from schemas.messages import ReplyEnd, now_ms
 from schemas.topics import Topics
 from services.batcher.app import BatcherApp, BatcherService
 from services.batcher.config import BatcherSettings
@@ -23,9 +23,10 @@ from weir.metrics import value
 from weir.registry import publish, read_registry, register, set_route
 
 from .factories import make_config, make_repo, version_specs
-from .test_routing_kafka import HEARTBEAT_S, TIMEOUT_MS, FakeWorker, chat, until
+from .test_routing_kafka import TIMEOUT_MS, FakeWorker, beat_seen, chat
 from .test_versions_kafka import version
 from tests.kafka_helpers import produce, read_until
+from tests.waiting import until
 
 pytestmark = pytest.mark.kafka
 
@@ -57,7 +58,8 @@ async def test_live_requests_are_mirrored_in_the_bulk_lane_and_copies_dropped_fi
     try:
         await until(lambda: bool(live_worker.assignment()) and bool(mirror_worker.assignment()) and app.is_reading
                     and app.registry.state.routes.get("m") is not None
-                    and app.registry.state.routes["m"].mirror == {"3": 100}, tasks, 40)  # fmt: skip
+                    and app.registry.state.routes["m"].mirror == {"3": 100},
+                    timeout_s=40, what="the workers assigned, the mirror route read", watch=tasks)  # fmt: skip
 
         # 1. Every live request goes to the default, listing its mirror; its copy goes to m@3 in
         # the bulk lane, a request of its own whose replies go to the shadow topic.
@@ -65,7 +67,7 @@ async def test_live_requests_are_mirrored_in_the_bulk_lane_and_copies_dropped_fi
         await produce(bootstrap, topics.requests, first)
         ids = {r.request_id for r in first}
         await until(lambda: live_worker.request_ids >= ids and mirror_worker.request_ids >= {f"{i}.mirror.3" for i in ids},
-                    tasks)  # fmt: skip
+                    timeout_s=20, what="every request and its mirror copy batched", watch=tasks)  # fmt: skip
         lives = [r for _, b in live_worker.received for r in b.requests]
         assert {r.request_id for r in lives} == ids  # no copy on the live version's topic
         for r in lives:
@@ -82,19 +84,26 @@ async def test_live_requests_are_mirrored_in_the_bulk_lane_and_copies_dropped_fi
         # 2. The mirror version has no room: copies wait, up to the bound (4); the next are dropped,
         # ended on the shadow topic and counted. Live requests are not held back.
         mirror_worker.capacity_tokens = 0
-        await asyncio.sleep(4 * HEARTBEAT_S)
+        changed_ms = now_ms()
+        await until(lambda: beat_seen(app, mirror_worker, changed_ms), timeout_s=10,
+                    what="the batcher to read the mirror worker full", watch=tasks)
         second = requests(7, "b")
         await produce(bootstrap, topics.requests, second)
-        await until(lambda: live_worker.request_ids >= {r.request_id for r in second}, tasks)
-        await until(lambda: app.handlers.num_mirrors_dropped == 3 and app.handlers.num_mirrors_held == 4, tasks)
+        await until(lambda: live_worker.request_ids >= {r.request_id for r in second},
+                    timeout_s=20, what="the second round batched to the live worker", watch=tasks)
+        await until(lambda: app.handlers.num_mirrors_dropped == 3 and app.handlers.num_mirrors_held == 4,
+                    timeout_s=20, what="3 mirror copies dropped and 4 held", watch=tasks)
 
         # 3. The live version has no room either: an interactive request waits, so every held
         # mirror copy is dropped (its own copy too: the bound is reached).
         live_worker.capacity_tokens = 0
-        await asyncio.sleep(4 * HEARTBEAT_S)
+        changed_ms = now_ms()
+        await until(lambda: beat_seen(app, live_worker, changed_ms), timeout_s=10,
+                    what="the batcher to read the live worker full", watch=tasks)
         third = requests(1, "c")
         await produce(bootstrap, topics.requests, third)
-        await until(lambda: app.handlers.num_mirrors_dropped == 8 and app.handlers.num_mirrors_held == 0, tasks)
+        await until(lambda: app.handlers.num_mirrors_dropped == 8 and app.handlers.num_mirrors_held == 0,
+                    timeout_s=20, what="all 8 mirror copies dropped", watch=tasks)
         assert app.planner.is_held(third[0].request_id)  # the live request waits; it is not dropped
         service = BatcherService(settings, repo)
         service.app = app

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
 
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -30,12 +29,16 @@ from weir.kafka.admin import ensure_topics
 
 from .factories import make_config, make_repo, version_specs
 from tests.kafka_helpers import produce
+from tests.waiting import stays_false, until
 
 pytestmark = pytest.mark.kafka
 
 BLOCK = 1  # tokens per "KV block": room is exact in tokens
 HEARTBEAT_S = 0.25
 TIMEOUT_MS = 1500
+# A held request goes out at the first heartbeat that shows room; four heartbeats without one
+# sent show the batcher keeps it held because there is none.
+FULL_S = 4 * HEARTBEAT_S
 
 
 class FakeWorker:
@@ -92,7 +95,7 @@ class FakeWorker:
             while True:
                 fetched = {} if self.consumer is None else await self.consumer.getmany(timeout_ms=50)
                 if self.consumer is None:
-                    await asyncio.sleep(0.05)
+                    await asyncio.sleep(0.05)  # the fake's loop without a consumer to wait on (its beat pace)
                 for tp, records in fetched.items():
                     self.received += [(tp.partition, decode(Batch, r.value)) for r in records]
                     self.next_offsets[tp.partition] = records[-1].offset + 1
@@ -107,22 +110,19 @@ class FakeWorker:
             await self.producer.stop()
 
 
+def beat_seen(app: BatcherApp, worker: FakeWorker, since_ms: int = 0) -> bool:
+    """Whether the batcher's router holds a heartbeat of `worker` sent at or after `since_ms`: what
+    the worker reported from then on (its room, its versions' states) is what the batcher routes by."""
+    known = app.router._workers.get(worker.worker_id)
+    return known is not None and known.heartbeat.sent_ms >= since_ms
+
+
 def chat(system: str, user: str, model: str, topics: Topics) -> GenerateRequest:
     return GenerateRequest(
         request_id=f"{user}-{time.monotonic_ns()}", model=model, max_tokens=10, deadline_ms=now_ms() + 120_000,
         messages=[ChatMessage(role="system", content=system), ChatMessage(role="user", content=user)],
         reply_to=topics.replies("unused"),  # a reply topic of the deployment, or the batcher refuses it
     )  # fmt: skip
-
-
-async def until(is_true: Callable[[], bool], tasks: list[asyncio.Task[None]], timeout_s: float = 20) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not is_true():
-            for task in tasks:
-                if task.done():
-                    task.result()
-                    pytest.fail("a task stopped")
-            await asyncio.sleep(0.05)
 
 
 async def test_batches_follow_heartbeats_room_prefixes_and_liveness(batcher_bootstrap: str, fresh_topics: Topics) -> None:
@@ -141,9 +141,11 @@ async def test_batches_follow_heartbeats_room_prefixes_and_liveness(batcher_boot
     try:
         # The group settles: each worker owns some of the partitions, together all of them.
         await until(lambda: bool(w1.assignment()) and bool(w2.assignment())
-                    and len(w1.assignment()) + len(w2.assignment()) == BATCH_PARTITIONS, tasks, 40)  # fmt: skip
-        await asyncio.sleep(2 * HEARTBEAT_S)
+                    and len(w1.assignment()) + len(w2.assignment()) == BATCH_PARTITIONS,
+                    timeout_s=40, what="both workers assigned every batch partition", watch=tasks)  # fmt: skip
         tasks.append(asyncio.create_task(app.serve(stop)))
+        await until(lambda: app.router.live_workers("m@1", now_ms()) == sorted([w1.worker_id, w2.worker_id]),
+                    timeout_s=20, what="the batcher routing to both workers", watch=tasks)
 
         def both() -> set[str]:
             return w1.request_ids | w2.request_ids
@@ -151,7 +153,8 @@ async def test_batches_follow_heartbeats_room_prefixes_and_liveness(batcher_boot
         # 1. A shared system prompt sticks to one worker.
         shared = [chat("You are Weir's test assistant. Answer briefly.", f"q{i}", "m", topics) for i in range(8)]  # m -> m@1
         await produce(bootstrap, topics.requests, shared)
-        await until(lambda: both() >= {r.request_id for r in shared}, tasks)
+        await until(lambda: both() >= {r.request_id for r in shared},
+                    timeout_s=20, what="the shared-prefix requests batched", watch=tasks)
         owners = {w.worker_id for w in (w1, w2) for r in shared if r.request_id in w.request_ids}
         assert len(owners) == 1
 
@@ -160,12 +163,15 @@ async def test_batches_follow_heartbeats_room_prefixes_and_liveness(batcher_boot
         cost = cost_tokens(flood[0], config)
         assert {cost_tokens(r, config) for r in flood} == {cost}
         w1.capacity_tokens, w2.capacity_tokens = w1.used_tokens + 3 * cost + cost // 2, w2.used_tokens + 5 * cost
-        await asyncio.sleep(4 * HEARTBEAT_S)  # the batcher has read heartbeats with the new room
+        changed_ms = now_ms()
+        await until(lambda: beat_seen(app, w1, changed_ms) and beat_seen(app, w2, changed_ms), timeout_s=10,
+                    what="the batcher reading heartbeats with the new room", watch=tasks)
         before1, before2 = len(w1.request_ids), len(w2.request_ids)
         await produce(bootstrap, topics.requests, flood)
-        await until(lambda: len(both() & {r.request_id for r in flood}) >= 8, tasks)
-        await asyncio.sleep(4 * HEARTBEAT_S)  # nothing more may come: both are full
-        assert (len(w1.request_ids) - before1, len(w2.request_ids) - before2) == (3, 5)
+        await until(lambda: len(both() & {r.request_id for r in flood}) >= 8,
+                    timeout_s=20, what="8 of the flood batched", watch=tasks)
+        await stays_false(lambda: (len(w1.request_ids) - before1, len(w2.request_ids) - before2) != (3, 5),
+                          for_s=FULL_S, what="more of the flood sent to full workers")
         assert w1.used_tokens <= w1.capacity_tokens and w2.used_tokens <= w2.capacity_tokens
         assert app.planner.num_held == 12 and app.planner.blocked_models() == ["m@1"]
 
@@ -173,9 +179,11 @@ async def test_batches_follow_heartbeats_room_prefixes_and_liveness(batcher_boot
         # even for prefixes whose affinity is w1.
         w1.capacity_tokens += 2000
         w2.capacity_tokens += 2000
-        await until(lambda: both() >= {r.request_id for r in flood}, tasks)
+        await until(lambda: both() >= {r.request_id for r in flood},
+                    timeout_s=20, what="the whole flood batched", watch=tasks)
         w1.is_beating = False
-        await asyncio.sleep(TIMEOUT_MS / 1000 + 4 * HEARTBEAT_S)
+        await until(lambda: app.router.live_workers("m@1", now_ms()) == [w2.worker_id],
+                    timeout_s=TIMEOUT_MS / 1000 + 10, what="w1 no longer live once its heartbeats stop", watch=tasks)
         got1 = set(w1.request_ids)
         late = []
         while len(late) < 6:
@@ -183,7 +191,8 @@ async def test_batches_follow_heartbeats_room_prefixes_and_liveness(batcher_boot
             if max((w1.worker_id, w2.worker_id), key=lambda w: _score(prefix_key(req), w)) == w1.worker_id:
                 late.append(req)
         await produce(bootstrap, topics.requests, late)
-        await until(lambda: w2.request_ids >= {r.request_id for r in late}, tasks)
+        await until(lambda: w2.request_ids >= {r.request_id for r in late},
+                    timeout_s=20, what="the late requests batched to w2", watch=tasks)
         assert w1.request_ids == got1
     finally:
         stop.set()

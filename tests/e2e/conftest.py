@@ -15,7 +15,7 @@ import pytest
 from schemas.model_repo import load_model_repo
 from schemas.topics import Topics
 from weir.kafka.admin import deployment_specs, ensure_topics
-from weir.stack import SERVICES, Stack, free_ports, wait_http_ok
+from weir.stack import SERVICES, Stack, wait_http_ok
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 from tests.conftest import BOOTSTRAP  # noqa: E402 - WEIR_KAFKA_BOOTSTRAP, else 127.0.0.1:9092
@@ -40,22 +40,22 @@ class Pipeline:
 
 
 def start_pipeline(tmp: Path, bootstrap: str = BOOTSTRAP, **extra_env: str) -> Pipeline:
-    """A fresh topic prefix and free port (or WEIR_GATEWAY_PORT of `extra_env`), then the four services on
-    `bootstrap`; waits for /readyz."""
+    """A fresh topic prefix, then the four services on `bootstrap`; waits for /readyz. Each service's
+    HTTP port (the gateway's: WEIR_GATEWAY_PORT of `extra_env` when given) is bound by the stack and
+    passed down, never picked and released (weir/stack.py: Stack.listeners)."""
     topics = Topics(f"e2e{uuid.uuid4().hex[:8]}")
     model_repo = REPO_ROOT / "models.toml"
     asyncio.run(ensure_topics(bootstrap, deployment_specs(topics, load_model_repo(model_repo))))
-    port = int(extra_env.pop("WEIR_GATEWAY_PORT", 0)) or free_ports(1)[0]  # a caller's own port range
     audit_db = tmp / "audit.sqlite"
     env = {
-        "WEIR_KAFKA_BOOTSTRAP": bootstrap, "WEIR_TOPIC_PREFIX": topics.prefix, "WEIR_GATEWAY_PORT": str(port),
+        "WEIR_KAFKA_BOOTSTRAP": bootstrap, "WEIR_TOPIC_PREFIX": topics.prefix,
         "WEIR_MODEL_REPO": str(model_repo), "WEIR_AUDIT_DB": str(audit_db), "PYTHONUNBUFFERED": "1",
         "WEIR_AUTH_MODE": "open", "WEIR_MODELS": TEST_MODELS, **extra_env,
     }  # fmt: skip
     stack = Stack(env, tmp / "logs")
     for name in SERVICES:
         stack.start(name)
-    pipeline = Pipeline(stack, topics, f"http://127.0.0.1:{port}", audit_db, bootstrap)
+    pipeline = Pipeline(stack, topics, stack.url("gateway"), audit_db, bootstrap)
     try:
         pipeline.wait_ready()
     except BaseException:

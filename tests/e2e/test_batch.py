@@ -17,12 +17,20 @@ import pytest
 from openai import BadRequestError, OpenAI
 
 from weir.replay import replay
+from tests.waiting import wait_until
 
 from .conftest import REPO_ROOT
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 NUM_LINES = int(os.environ.get("WEIR_TEST_BATCH_LINES", "1000"))
 TERMINAL = ("completed", "failed", "cancelled", "expired")
+BATCHER_DOWN_S = 1.0  # how long the killed batcher stays down (a scenario setting, not a wait for an event)
+
+
+def running_with_some_done(client: OpenAI, batch_id: str):  # noqa: ANN201 - an openai Batch, or None
+    """The batch while it runs and has finished some of its lines (None before)."""
+    current = client.batches.retrieve(batch_id)
+    return current if current.status == "in_progress" and current.request_counts.completed > 0 else None
 
 
 @pytest.fixture(scope="module")
@@ -43,15 +51,13 @@ def write_input(path: Path, n: int, tag: str) -> Path:
 
 
 def wait_done(client: OpenAI, batch_id: str, timeout_s: float, on_poll=None):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    def ended():  # noqa: ANN202 - an openai Batch, or None
         batch = client.batches.retrieve(batch_id)
         if on_poll is not None:
             on_poll(batch)
-        if batch.status in TERMINAL:
-            return batch
-        time.sleep(0.5)
-    raise AssertionError(f"batch {batch_id} still {batch.status} after {timeout_s}s: {batch.request_counts}")
+        return batch if batch.status in TERMINAL else None
+
+    return wait_until(ended, timeout_s=timeout_s, interval_s=0.5, what=f"batch {batch_id} to end")
 
 
 def output_rows(client: OpenAI, file_id: str) -> list[dict]:
@@ -116,15 +122,11 @@ def test_kill_9_of_the_batcher_mid_job_loses_and_duplicates_nothing(pipeline, cl
     path = write_input(tmp_path / "kill.jsonl", n, "k")
     uploaded = client.files.create(file=open(path, "rb"), purpose="batch")
     batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        current = client.batches.retrieve(batch.id)
-        if current.status == "in_progress" and current.request_counts.completed > 0:
-            break
-        time.sleep(0.05)
+    current = wait_until(lambda: running_with_some_done(client, batch.id), timeout_s=120,
+                         what="the job running with some lines done")
     assert current.request_counts.completed < n, "the job ended before the kill; raise WEIR_TEST_BATCH_LINES"
     pipeline.stack.kill("batcher")
-    time.sleep(1.0)
+    time.sleep(BATCHER_DOWN_S)
     pipeline.stack.start("batcher")
     done = wait_done(client, batch.id, 300)
     assert done.status == "completed", (done, pipeline.stack.log_tail("batcher"))
@@ -152,7 +154,8 @@ def test_cancel_stops_a_job_and_keeps_what_finished(pipeline, client, tmp_path):
     path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
     uploaded = client.files.create(file=open(path, "rb"), purpose="batch")
     batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
-    time.sleep(2.0)
+    wait_until(lambda: running_with_some_done(client, batch.id), timeout_s=120,
+               what="the job running with some lines done")
     assert client.batches.cancel(batch.id).status in ("cancelling", "cancelled")
     done = wait_done(client, batch.id, 120)
     assert done.status == "cancelled" and done.cancelled_at is not None

@@ -14,9 +14,10 @@ from weir.kafka import launcher
 from weir.stack import free_ports
 
 from .conftest import start_pipeline
-from .test_faults import NUM_REQUESTS, assert_each_ends_once, stream_one
+from .test_faults import KILL_AFTER_FIRST_TOKEN_S, NUM_REQUESTS, assert_each_ends_once, stream_one
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+BROKER_DOWN_S = 2.0  # the broker stays dead this long before it is started again on its data dir
 
 
 @pytest.mark.parametrize(
@@ -40,12 +41,12 @@ async def test_a_broker_killed_and_restarted_mid_stream_loses_no_request(tmp_pat
         async with httpx.AsyncClient(base_url=pipeline.base_url, timeout=300, limits=httpx.Limits(max_connections=64)) as client:
             tasks = [asyncio.create_task(stream_one(client, i, started, log, i * 0.05)) for i in range(NUM_REQUESTS)]
             await asyncio.wait_for(started.wait(), 120)
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(KILL_AFTER_FIRST_TOKEN_S)
             in_flight = NUM_REQUESTS - len(log)
             pid = launcher.running_pid(broker)
             assert pid is not None
             os.kill(pid, signal.SIGKILL)
-            await asyncio.sleep(2.0)
+            await asyncio.sleep(BROKER_DOWN_S)  # the outage (a scenario setting, not a wait for an event)
             await launcher.up(broker, timeout_s=120)  # same data dir: what was acknowledged is there
             await asyncio.wait_for(asyncio.gather(*tasks), 300)
         assert in_flight >= 20

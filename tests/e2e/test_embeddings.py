@@ -28,10 +28,12 @@ from services.worker.app import WorkerService
 from services.worker.config import WorkerSettings
 from tests.gateway.fakes import GatewayServer
 from tests.kafka_helpers import produce, read_until
+from tests.waiting import until
 from weir.kafka.admin import deployment_specs, ensure_topics
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 from tests.conftest import BOOTSTRAP  # noqa: E402 - WEIR_KAFKA_BOOTSTRAP, else 127.0.0.1:9092
+
 REPO_TOML = Path(__file__).resolve().parents[2] / "models.toml"
 MODEL = "all-MiniLM-L6-v2"
 LONG_TEXT = "Kafka carries every message between the services of the pipeline. " * 60  # ~660 tokens
@@ -57,10 +59,10 @@ async def pipeline():
     server = GatewayServer(create_app(GatewaySettings(**common, auth_mode="open")))
     await server.start()
     async with httpx.AsyncClient(base_url=server.base_url) as http:
-        for _ in range(100):  # ready once the gateway has seen a worker heartbeat
-            if (await http.get("/readyz")).status_code == 200:
-                break
-            await asyncio.sleep(0.2)
+        async def is_ready() -> bool:  # once the gateway has seen a worker heartbeat
+            return (await http.get("/readyz")).status_code == 200
+
+        await until(is_ready, timeout_s=30, interval_s=0.2, what="the gateway ready")
     client = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=60)
     try:
         yield topics, server, client

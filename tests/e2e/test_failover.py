@@ -5,7 +5,6 @@ seeds; every stream ends once with the text of its seeded rerun. Nothing is rest
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import pytest
@@ -16,6 +15,7 @@ from tests.kafka_helpers import read_until
 from weir.bus import BusSettings, read_topic
 from weir.kafka.admin import list_topic_names
 from weir.stack import wait_http_ok
+from tests.waiting import until
 
 from .conftest import start_pipeline
 from .test_faults import MODEL, assert_each_ends_once, stream_one
@@ -45,18 +45,17 @@ async def until_both_own_partitions(p, timeout_s: float = 60) -> None:
     """Until two workers' fresh heartbeats each list partitions of the model's batch topic (the
     group rebalanced over both, and the batcher routes to both)."""
     settings = BusSettings(kafka_bootstrap=p.bootstrap, topic_prefix=p.topics.prefix)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+
+    async def both_own() -> bool:
         latest: dict[str, WorkerHeartbeat] = {}
         for _key, value in await read_topic(settings, p.topics.workers):
             hb = decode(WorkerHeartbeat, value)
             latest[hb.worker_id] = hb
         owners = [hb for hb in latest.values() if now_ms() - hb.sent_ms < 3000
                   and any(sid.startswith(f"{MODEL}@") and parts for sid, parts in hb.partitions.items())]  # fmt: skip
-        if len(owners) == 2:
-            return
-        await asyncio.sleep(0.5)
-    raise AssertionError("the two workers never both owned partitions of the batch topic")
+        return len(owners) == 2
+
+    await until(both_own, timeout_s=timeout_s, interval_s=0.5, what="both workers owning partitions of the batch topic")
 
 
 def num_running(client: httpx.Client, url: str) -> float:

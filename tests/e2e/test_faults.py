@@ -14,6 +14,11 @@ from .conftest import start_pipeline
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 MODEL = "weir-tiny-py"
 NUM_REQUESTS = 30
+# Where a fault lands and how long it lasts: scenario settings, not waits for an event. The fault
+# comes this long after the first token, so the streams started meanwhile are mid-generation (the
+# tests count them: in_flight_at_kill); the killed service stays down this long before its restart.
+KILL_AFTER_FIRST_TOKEN_S = 0.5
+DOWN_S = 1.0
 
 
 # every third request is constrained to a JSON schema: regenerated after a kill -9, its grammar
@@ -33,7 +38,7 @@ def body_of(i: int, max_tokens: int = 200) -> dict:
 async def stream_one(client: httpx.AsyncClient, i: int, first_token: asyncio.Event, log: dict, delay_s: float,
                      max_tokens: int = 200) -> None:  # fmt: skip
     """Stream one completion; record SSE ids, text and finish reasons as the client sees them."""
-    await asyncio.sleep(delay_s)
+    await asyncio.sleep(delay_s)  # the flood's stagger: request i starts i * stagger_s in (a load shape, not a wait)
     body = {**body_of(i, max_tokens), "stream": True}
     ids, finishes, text, errors = [], [], [], []
     async with client.stream("POST", "/v1/completions", json=body) as resp:
@@ -65,11 +70,11 @@ async def run_flood_and_kill(pipeline, victim: str, stagger_s: float) -> dict:
     async with httpx.AsyncClient(base_url=pipeline.base_url, timeout=300, limits=httpx.Limits(max_connections=64)) as client:
         tasks = [asyncio.create_task(stream_one(client, i, started, log, i * stagger_s)) for i in range(NUM_REQUESTS)]
         await asyncio.wait_for(started.wait(), 120)
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(KILL_AFTER_FIRST_TOKEN_S)
         in_flight = NUM_REQUESTS - len(log)
         pipeline.stack.kill(victim)  # SIGKILL: no shutdown code runs
         killed_at = time.monotonic()
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(DOWN_S)
         pipeline.stack.start(victim)
         await asyncio.wait_for(asyncio.gather(*tasks), 300)
     log["recovery_s"] = time.monotonic() - killed_at

@@ -20,6 +20,9 @@ import orjson
 import pytest
 
 from tests.e2e.conftest import REPO_ROOT, weir_models as _weir_models
+from tests.waiting import until
+
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
 MODEL = "weir-tiny-py"
 BODY = {"model": MODEL, "prompt": "def main():\n", "max_tokens": 16, "temperature": 0, "seed": 1, "stream": True}
@@ -57,13 +60,6 @@ async def _models(client: httpx.AsyncClient) -> set[str]:
     return {m["id"] for m in (await client.get("/v1/models")).json()["data"]}
 
 
-async def _until(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.5)
-
-
 def test_a_version_is_pushed_and_promoted_while_streams_run_and_none_fails(swap_pipeline):
     p, tmp = swap_pipeline
     v2 = tmp / "tiny-v2"
@@ -81,14 +77,14 @@ async def _swap(p, v2: Path) -> None:
                 results.append(await _stream(client, BODY))
 
         lanes = [asyncio.create_task(lane()) for _ in range(4)]
-        await asyncio.sleep(3)
+        await until(lambda: len(results) >= 4, timeout_s=60, what="the lanes streaming from weir-tiny-py@1")
         await asyncio.to_thread(_weir_models, p, "push", str(v2), "--name", MODEL, "--version", "2",
                                 "--from-toml", str(REPO_ROOT / "models.toml"))  # fmt: skip
 
         async def v2_ready() -> bool:
             return f"{MODEL}@2" in await _models(client)
 
-        await _until(v2_ready, 120, "weir-tiny-py@2 to be ready")
+        await until(v2_ready, timeout_s=120, interval_s=0.5, what="weir-tiny-py@2 to be ready")
         await asyncio.to_thread(_weir_models, p, "promote", f"{MODEL}@2")
         promoted = time.monotonic()
 
@@ -96,8 +92,10 @@ async def _swap(p, v2: Path) -> None:
             shown = orjson.loads(await asyncio.to_thread(_weir_models, p, "show", f"{MODEL}@1", "--json"))
             return not shown["versions"][0]["workers"]
 
-        await _until(v1_gone, 60, "weir-tiny-py@1 to drain out of the worker")
-        await asyncio.sleep(2)
+        await until(v1_gone, timeout_s=60, interval_s=0.5, what="weir-tiny-py@1 to drain out of the worker")
+        served_before = len(results)
+        await until(lambda: len(results) >= served_before + 4, timeout_s=60,
+                    what="more streams from weir-tiny-py@2 alone")
         stop.set()
         await asyncio.gather(*lanes)
     failed = [r for r in results if r["error"] is not None or not r["done"]]
@@ -126,26 +124,29 @@ async def _check_refused(p, v3: Path) -> None:
         async def ready() -> bool:
             return f"{MODEL}@3" in await _models(client)
 
-        await _until(ready, 120, "weir-tiny-py@3 to be ready")
+        await until(ready, timeout_s=120, interval_s=0.5, what="weir-tiny-py@3 to be ready")
         await asyncio.to_thread(_weir_models, p, "unload", f"{MODEL}@3")
 
         async def gone() -> bool:
             return f"{MODEL}@3" not in await _models(client)
 
-        await _until(gone, 60, "weir-tiny-py@3 to unload")
-        await asyncio.sleep(3)  # drained and its engine stopped
+        await until(gone, timeout_s=60, interval_s=0.5, what="weir-tiny-py@3 to unload")
+
+        async def no_worker_has_it() -> bool:  # drained and its engine stopped
+            shown = orjson.loads(await asyncio.to_thread(_weir_models, p, "show", f"{MODEL}@3", "--json"))
+            return not shown["versions"][0]["workers"]
+
+        await until(no_worker_has_it, timeout_s=60, interval_s=0.5, what="no worker to report weir-tiny-py@3")
         weights = v3 / "model.safetensors"
         data = bytearray(weights.read_bytes())
         data[len(data) // 2] ^= 0x01
         weights.write_bytes(bytes(data))
         await asyncio.to_thread(_weir_models, p, "load", f"{MODEL}@3")
-        deadline = time.monotonic() + 60
-        while True:
+        async def failed_shown() -> str | None:
             shown = await asyncio.to_thread(_weir_models, p, "show", f"{MODEL}@3")
-            if "failed" in shown:
-                break
-            assert time.monotonic() < deadline, f"weir-tiny-py@3 never reported failed:\n{shown}"
-            await asyncio.sleep(1)
+            return shown if "failed" in shown else None
+
+        shown = await until(failed_shown, timeout_s=60, interval_s=1.0, what="weir-tiny-py@3 to report failed")
         assert "model.safetensors" in shown, shown
         started = time.monotonic()
         resp = await client.post("/v1/completions", json={**BODY, "model": f"{MODEL}@3", "stream": False})

@@ -16,6 +16,9 @@ import pytest
 from weir.metrics import samples
 
 from tests.e2e.conftest import start_pipeline
+from tests.waiting import wait_until
+
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
 MODEL = "echo"
 
@@ -53,15 +56,13 @@ def test_v1_usage_is_what_the_clients_were_billed(usage_pipeline):
     expected = {"requests": len(billed), "prompt_tokens": sum(u["prompt_tokens"] for u in billed),
                 "completion_tokens": sum(u["completion_tokens"] for u in billed),
                 "cached_prompt_tokens": sum(u["prompt_tokens_details"]["cached_tokens"] for u in billed)}  # fmt: skip
-    deadline = time.monotonic() + 120
-    while True:
+    def billed_rows() -> list[dict] | None:
         resp = client.get("/v1/usage", params={"group_by": "tenant"})  # open mode: the default tenant's
         rows = resp.json().get("data", []) if resp.status_code == 200 else []
-        got = {k: rows[0][k] for k in expected} if rows else None
-        if got == expected:
-            break
-        assert time.monotonic() < deadline, f"/v1/usage says {got} ({resp.status_code}), clients were billed {expected}"
-        time.sleep(0.5)
+        return rows if rows and {k: rows[0][k] for k in expected} == expected else None
+
+    rows = wait_until(billed_rows, timeout_s=120, interval_s=0.5,
+                      what=f"/v1/usage to say what the clients were billed, {expected}")
     assert rows[0]["tenant"] == "default" and rows[0]["total_tokens"] == sum(u["total_tokens"] for u in billed)
 
 
@@ -101,15 +102,15 @@ def test_every_services_metrics_agree_with_what_the_openai_client_measured(usage
     def delta(service: str, name: str, **match: str) -> float:
         return _total(after[service], name, **match) - _total(before[service], name, **match)
 
-    deadline = time.monotonic() + 60
-    while True:  # the auditor appends a little after the client has its answer
-        after = {name: _scrape(p, name) for name in ("gateway", "batcher", "worker", "auditor")}
+    def settled() -> bool:  # the auditor appends a little after the client has its answer
+        after.update({name: _scrape(p, name) for name in ("gateway", "batcher", "worker", "auditor")})
         # polled every 5 s; a poll before the batcher's first commit lists other groups only
         lag_polled = any(name == "kafka_consumergroup_lag" and ("consumergroup", p.topics.batcher_group) in labels
                          for name, labels in samples(after["batcher"]))  # fmt: skip
-        if (delta("auditor", "weir_audit_events_total") >= n and lag_polled) or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
+        return delta("auditor", "weir_audit_events_total") >= n and lag_polled
+
+    after: dict = {}
+    wait_until(settled, timeout_s=60, interval_s=0.5, what="the auditor's count and the batcher's lag poll")
     # the worker, in vLLM's names and meanings
     assert delta("worker", "vllm:request_success_total", model_name=served) == n
     assert delta("worker", "vllm:prompt_tokens_total", model_name=served) == prompt

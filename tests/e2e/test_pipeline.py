@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import subprocess
 import sys
 import uuid
@@ -15,6 +14,7 @@ import pytest
 from schemas.codec import decode, decode_reply, encode
 from schemas.messages import DeadLetter, GenerateRequest, ReplyDelta, ReplyEnd, now_ms
 from tests.kafka_helpers import produce, read_until
+from tests.waiting import until
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 MODEL = "weir-tiny-py"
@@ -157,13 +157,12 @@ async def test_every_served_request_is_in_a_verifiable_audit_log_without_raw_tex
     client = openai.AsyncOpenAI(base_url=f"{pipeline.base_url}/v1", api_key="local")
     secret = f"SECRET-{uuid.uuid4().hex}"
     done = await client.completions.create(model=MODEL, prompt=f"# {secret}\n", max_tokens=4)
-    for _ in range(100):
+    def shown() -> subprocess.CompletedProcess[str] | None:
         show = subprocess.run([sys.executable, "-m", "weir.cli", "audit", "show", "--db", str(pipeline.audit_db),
                                "--limit", "1000"], capture_output=True, text=True)  # fmt: skip
-        if done.id in show.stdout:
-            break
-        await asyncio.sleep(0.2)
-    assert done.id in show.stdout
+        return show if done.id in show.stdout else None
+
+    await until(shown, timeout_s=30, interval_s=0.2, what=f"{done.id} in `weir audit show`")
     verify = subprocess.run([sys.executable, "-m", "weir.cli", "audit", "verify", "--db", str(pipeline.audit_db),
                              "--bootstrap", pipeline.bootstrap, "--topic-prefix", pipeline.topics.prefix],
                             capture_output=True, text=True)  # fmt: skip

@@ -11,7 +11,6 @@ import asyncio
 import os
 import subprocess
 import sys
-import time
 import uuid
 from typing import Any
 
@@ -24,6 +23,7 @@ from schemas.codec import decode_reply, encode
 from schemas.messages import GenerateRequest, now_ms
 from tests.e2e.conftest import REPO_ROOT, Pipeline
 from tests.kafka_helpers import read_until
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 MODEL = "echo"
@@ -47,13 +47,12 @@ def weir_trace(p: Pipeline, *args: str) -> subprocess.CompletedProcess[str]:
 
 def wait_for_spans(p: Pipeline, request_id: str, services: set[str], timeout_s: float = 60) -> list[dict[str, Any]]:
     """`weir trace --json` until spans of every one of `services` are there (spans go out about once a second)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+    def all_there() -> list[dict[str, Any]] | None:
         done = weir_trace(p, request_id, "--json")
         spans = orjson.loads(done.stdout) if done.returncode == 0 else []
-        if services <= {s["service"] for s in spans} or time.monotonic() > deadline:
-            return spans
-        time.sleep(1.0)
+        return spans if services <= {s["service"] for s in spans} else None
+
+    return wait_until(all_there, timeout_s=timeout_s, interval_s=1.0, what=f"spans of {sorted(services)}")
 
 
 def test_a_clients_trace_goes_through_every_service_as_one_tree(traced):

@@ -10,7 +10,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,11 +19,13 @@ import pytest
 
 from weir.kafka.admin import delete_prefixed_topics, list_topic_names
 from weir.stack import free_ports
+from tests.waiting import until, wait_until
 
 from .conftest import BOOTSTRAP, REPO_ROOT
 from .test_faults import MODEL, NUM_REQUESTS, assert_each_ends_once, stream_one
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+KILL_AFTER_FIRST_TOKEN_S = 0.5  # as tests/e2e/test_faults.py: where in the flood the workers' kill lands
 
 
 @dataclass
@@ -40,13 +41,12 @@ class Up:
         return self.out.read_text(errors="replace")
 
     def wait_for(self, pattern: str, timeout_s: float) -> re.Match[str]:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if found := re.search(pattern, self.text()):
-                return found
-            assert self.proc.poll() is None, f"weir up exited:\n{self.text()}"
-            time.sleep(0.3)
-        raise AssertionError(f"no {pattern!r} within {timeout_s} s:\n{self.text()}")
+        def found() -> re.Match[str] | None:
+            match = re.search(pattern, self.text())
+            assert match or self.proc.poll() is None, f"weir up exited:\n{self.text()}"
+            return match
+
+        return wait_until(found, timeout_s=timeout_s, interval_s=0.3, what=f"{pattern!r} in weir up's output")
 
     def services(self) -> dict[str, tuple[int, str]]:
         """Each instance's pid and URL, from the banner's services lines."""
@@ -106,10 +106,11 @@ async def assert_two_of_each(up: Up) -> list[str]:
             body = {"model": "echo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
             answer = await client.post(f"{url}/v1/chat/completions", json=body)
             assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"], answer.text
-            deadline = time.monotonic() + 30  # the heartbeats of both workers reach each gateway
-            while (ready := (await client.get(f"{url}/readyz")).json())["live_workers"].get(f"{MODEL}@1") != 2:
-                assert time.monotonic() < deadline, ready
-                await asyncio.sleep(0.5)
+            async def both_live(url: str = url) -> dict | None:  # the heartbeats of both workers reach each gateway
+                ready = (await client.get(f"{url}/readyz")).json()
+                return ready if ready["live_workers"].get(f"{MODEL}@1") == 2 else None
+
+            ready = await until(both_live, timeout_s=30, interval_s=0.5, what=f"both workers live at {url}")
             ids.append(ready["gateway_id"])
     assert ids == [f"gateway-up-{url.rsplit(':', 1)[1]}" for url in urls]
     replies = [f"{up.prefix}.replies.{gateway_id}" for gateway_id in ids]
@@ -134,7 +135,7 @@ async def test_weir_up_restarts_each_killed_worker_and_every_stream_ends_once(we
             httpx.AsyncClient(base_url=gateways[1], timeout=300, limits=limits) as two:  # fmt: skip
         tasks = [asyncio.create_task(stream_one((one, two)[i % 2], i, started, log, 0.0)) for i in range(NUM_REQUESTS)]
         await asyncio.wait_for(started.wait(), 120)
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(KILL_AFTER_FIRST_TOKEN_S)  # where in the flood the fault lands (not a wait for an event)
         in_flight = NUM_REQUESTS - len(log)
         # Both workers: each is restarted on its own (nobody restarts them but weir up). One of
         # the two alone is the failover case (docs/design.md, "Scale-out and failover"), `weir chaos`'s.

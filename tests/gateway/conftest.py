@@ -14,7 +14,7 @@ import pytest
 from schemas.topics import Topics
 from services.gateway.app import create_app
 from services.gateway.config import GatewaySettings
-from .fakes import FakeWorker, GatewayServer, eventually
+from .fakes import FakeWorker, GatewayServer
 from weir.kafka.admin import delete_prefixed_topics, ensure_topics, wait_for_broker
 
 REPO_TOML = Path(__file__).resolve().parents[2] / "models.toml"

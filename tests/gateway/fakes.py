@@ -44,6 +44,7 @@ from schemas.messages import (
     WorkerHeartbeat,
 )
 from schemas.topics import Topics
+from tests.waiting import until
 
 TEXT = ["Hello", ", ", "world"]
 DRIP = [f"t{i} " for i in range(20)]
@@ -130,7 +131,7 @@ class FakeWorker:
             await self._send(request, ReplyDelta(request_id=rid, seq=0, text="Hello, "))
             deadline = time.monotonic() + 20
             while not self.cancels_of(rid) and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(0.05)  # the fake worker's own loop: it runs until a cancel comes (at most 20 s)
             await self._send(request, ReplyEnd(request_id=rid, seq=1, finish_reason="cancelled"))
             return
         if "variants" in prompt:
@@ -153,7 +154,7 @@ class FakeWorker:
                 return
             await self._send(request, ReplyDelta(request_id=rid, seq=seq, text=text))
             self.generated[rid] = self.generated.get(rid, 0) + 1
-            await asyncio.sleep(interval_s)
+            await asyncio.sleep(interval_s)  # the fake's generation pace (DRIP, crawl): what the tests stream
         usage = Usage(prompt_tokens=1, completion_tokens=len(texts), total_tokens=1 + len(texts))
         await self._send(request, ReplyEnd(request_id=rid, seq=len(texts), finish_reason="stop", usage=usage))
 
@@ -180,7 +181,7 @@ class FakeWorker:
                 next_offsets=dict(self.next_offsets), partitions={m: sorted(o) for m, o in self.next_offsets.items()},
             )
             await self.producer.send_and_wait(self.topics.workers, encode(heartbeat), key=self.worker_id.encode())
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.5)  # the fake's heartbeat interval
 
 
 class GatewayServer:
@@ -201,11 +202,7 @@ class GatewayServer:
 
     async def start(self) -> None:
         self.task = asyncio.create_task(self.server.serve(sockets=[self.sock]))
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            if self.task.done() or time.monotonic() > deadline:
-                raise RuntimeError("gateway did not start")
-            await asyncio.sleep(0.05)
+        await until(lambda: self.server.started, timeout_s=60, what="the gateway's uvicorn started", watch=[self.task])
 
     async def stop(self) -> None:
         self.server.should_exit = True
@@ -216,12 +213,6 @@ class GatewayServer:
 
 
 async def eventually(check: Callable[[], Any], timeout_s: float = 10.0) -> Any:
-    """Poll `check` until it returns something truthy; returns it, or fails after timeout_s."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout_s} s")
-        await asyncio.sleep(0.05)
+    """Deprecated: kept importable only for branches written before tests/waiting.py; new tests
+    call `until(check, timeout_s=..., what=...)`, which says what it waited for."""
+    return await until(check, timeout_s=timeout_s, what="a condition (tests/gateway/fakes.py: eventually)")

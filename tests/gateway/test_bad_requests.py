@@ -19,6 +19,7 @@ import uvicorn
 
 from services.gateway.app import GatewayService, create_app
 from services.gateway.config import GatewaySettings
+from tests.waiting import until
 
 REPO_TOML = Path(__file__).resolve().parents[2] / "models.toml"
 CHAT = "/v1/chat/completions"
@@ -221,9 +222,8 @@ class Served:
 
     async def __aenter__(self) -> Served:
         self.task = asyncio.create_task(self.server.serve(sockets=[self.sock]))
-        while not self.server.started:
-            assert not self.task.done()
-            await asyncio.sleep(0.02)
+        await until(lambda: self.server.started, timeout_s=30, interval_s=0.02, what="uvicorn started",
+                    watch=[self.task])
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -25,9 +25,10 @@ from services.gateway.keys_cli import create_key
 from weir.bus import make_producer
 from weir.files import FileHeader, chunk_file, write_file
 from weir.kafka.admin import delete_prefixed_topics, ensure_topics
+from tests.waiting import until
 
 from .conftest import REPO_TOML
-from .fakes import GatewayServer, eventually
+from .fakes import GatewayServer
 
 pytestmark = pytest.mark.kafka
 
@@ -68,7 +69,8 @@ async def tenants(gateway_bootstrap: str) -> AsyncIterator[Tenants]:
                                                 ("bob", "bob", "acme", None), ("eve", "eve", "evil", None),
                                                 ("quinn", "quinn", "acme", None)]:  # fmt: skip
             key, record = await create_key(settings, principal, tenant, models)
-            await eventually(lambda r=record: server.server.config.app.state.guard.keys.get(r.key_id))  # type: ignore[attr-defined]
+            await until(lambda r=record: server.server.config.app.state.guard.keys.get(r.key_id),
+                        timeout_s=10, what="the gateway to know the new key")  # type: ignore[attr-defined]
             keys[name] = key
         yield Tenants(settings, server, **keys)
     finally:
@@ -137,7 +139,8 @@ async def test_an_output_file_is_its_batchs_owners_and_passes_the_output_guard(t
     finally:
         await producer.stop()
     files = t.server.server.config.app.state.batches.files  # type: ignore[attr-defined]
-    await eventually(lambda: files.get(file_id))  # the gateway follows the files topic
+    await until(lambda: files.get(file_id),
+                timeout_s=10, what="the gateway to follow the file record")  # the gateway follows the files topic
     async with t.http(t.ann) as http:
         response = await http.get(f"/v1/files/{file_id}/content")
         assert response.status_code == 200, response.text

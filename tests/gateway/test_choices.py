@@ -45,6 +45,7 @@ from services.gateway.openai_format import (
 )
 from services.gateway.siblings import SiblingGroup
 from services.gateway.streaming import ChoiceFilters, collect, frames, sse_events
+from tests.waiting import until
 
 from .conftest import Stack
 from .fakes import DRIP, TEXT
@@ -224,7 +225,7 @@ async def test_one_failed_sibling_fails_the_request_and_cancels_the_others() -> 
 
 
 async def never_gone() -> dict[str, Any]:
-    await asyncio.sleep(3600)
+    await asyncio.sleep(3600)  # a stub that never answers: the test cancels it
     return {}
 
 
@@ -248,10 +249,10 @@ kafka = pytest.mark.kafka
 @kafka
 async def test_n_choices_whole_and_streamed_over_sse_and_websocket(stack: Stack) -> None:
     async with httpx.AsyncClient(base_url=stack.base_url, timeout=20) as client:
-        for _ in range(200):
-            if (await client.get("/readyz")).status_code == 200:
-                break
-            await asyncio.sleep(0.05)
+        async def is_ready() -> bool:
+            return (await client.get("/readyz")).status_code == 200
+
+        await until(is_ready, timeout_s=10, what="the gateway ready")
         whole = await client.post("/v1/chat/completions", json={**CHAT, "n": 2, "seed": 7})
         assert whole.status_code == 200, whole.text
         body = whole.json()
@@ -326,7 +327,10 @@ async def test_a_stream_of_n_choices_resumes_with_last_event_id(stack: Stack) ->
             request_id = first.headers["x-request-id"]
             assert first.headers["x-weir-resume-url"] == f"/v1/streams/{request_id}"
             last_id = await read(first, max_texts=5)
-        await asyncio.sleep(0.3)  # the siblings go on while the client is away
+        # away until the worker has sent every delta of both choices: the resume must bring what
+        # was made meanwhile, in order and once
+        await until(lambda: sum(n for rid, n in stack.worker.generated.items() if rid.startswith(request_id))
+                    >= 2 * len(DRIP), timeout_s=20, what="both choices generated while the client is away")
         async with client.stream("GET", f"/v1/streams/{request_id}", headers={"last-event-id": str(last_id)}) as again:
             assert again.status_code == 200
             await read(again)

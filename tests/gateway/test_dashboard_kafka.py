@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import time
 import re
 import uuid
 from collections.abc import AsyncIterator
@@ -26,6 +27,7 @@ from schemas.topics import Topics
 from services.gateway.app import create_app
 from services.gateway.config import GatewaySettings
 from weir.kafka.admin import delete_prefixed_topics, ensure_topics
+from tests.waiting import until
 
 from .conftest import REPO_TOML
 from .fakes import FakeWorker, GatewayServer
@@ -129,13 +131,13 @@ async def test_data_comes_from_the_topics_and_the_gateways_metrics_and_bad_recor
             data = await report()
             return data if data["workers"] and data["tenants"]["top"] and data["alerts"]["open"] else None
 
-        data = None
-        for _ in range(100):
-            if data := await has_all():
-                break
-            await asyncio.sleep(0.1)
-        assert data is not None, await report()
-        await asyncio.sleep(2.5)  # the sampler's next snapshot starts a window
+        await until(has_all, timeout_s=10, what="workers, tenants and an open alert on the dashboard")
+        # The window's start is a snapshot the sampler takes (every SAMPLE_EVERY_S): wait for one
+        # taken from now on, so the 10 observations below are all inside the window.
+        window = dashboard.server.server.config.app.state.dashboard.metrics  # type: ignore[attr-defined]
+        asked_s = time.monotonic()
+        await until(lambda: window._snapshots and window._snapshots[-1].at_s >= asked_s, timeout_s=10,
+                    what="the dashboard sampler's next snapshot")
         for _ in range(10):
             observe_request(dashboard.found, rng, "echo@1")
         data = await report()
@@ -196,4 +198,4 @@ async def _requests(base_url: str, stop: asyncio.Event) -> None:
             with contextlib.suppress(httpx.HTTPError):
                 await client.post("/v1/chat/completions",
                                   json={"model": "echo", "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.1)  # the traffic's pace: about ten requests a second for the page to show

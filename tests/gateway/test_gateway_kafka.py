@@ -23,12 +23,18 @@ from schemas.codec import decode, encode
 from schemas.messages import Batch, DeadLetter, GenerateRequest
 from weir.kafka.admin import ensure_topics
 
+from tests.waiting import stays_false, until
+
 from .conftest import Stack
-from .fakes import eventually
 
 pytestmark = pytest.mark.kafka
 
 CHAT = {"model": "echo", "messages": [{"role": "user", "content": "hi"}]}
+# A wrong cancellation of a finished request would leave when its connection closed, before the
+# next request was even sent; the next one's cancellation has come through the same producer and
+# the fake worker's reader (fetch wait 10 ms, polls of 200 ms) since. Half a second more covers a
+# record on another partition of the control topic.
+NO_CANCEL_S = 0.5
 
 
 def client_of(stack: Stack) -> openai.AsyncOpenAI:
@@ -51,10 +57,7 @@ async def test_ready_only_once_a_worker_is_live(stack: Stack) -> None:
         async def is_ready() -> bool:
             return (await client.get("/readyz")).status_code == 200
 
-        for _ in range(100):
-            if await is_ready():
-                break
-            await asyncio.sleep(0.1)
+        await until(is_ready, timeout_s=10, what="the gateway ready")
         body = (await client.get("/readyz")).json()
     assert body["ready"] and body["live_workers"] == {"echo@1": 1}  # heartbeats name versions
 
@@ -139,7 +142,8 @@ async def test_deadline_ends_a_request_nobody_answers(stack: Stack) -> None:
         streamed = await client.post("/v1/chat/completions", json={**body, "stream": True}, headers=headers)
     events = parse_sse(streamed.text)
     assert orjson.loads(events[0]["data"])["error"]["code"] == "timeout" and events[-1]["data"] == "[DONE]"
-    cancels = await eventually(lambda: stack.worker.cancels_of(request_id))
+    cancels = await until(lambda: stack.worker.cancels_of(request_id),
+                          timeout_s=10, what="the deadline's cancellation at the worker")
     assert cancels[0].reason == "deadline"
     request = next(r for r in stack.worker.requests if r.request_id == request_id)
     assert 400 <= request.deadline_ms - request.created_ms <= 600
@@ -154,11 +158,12 @@ async def test_disconnect_mid_stream_publishes_a_cancel(stack: Stack) -> None:
             async for line in response.aiter_lines():
                 if line.startswith("data:"):
                     break  # got the first token; now leave
-    cancels = await eventually(lambda: stack.worker.cancels_of(request_id))
+    cancels = await until(lambda: stack.worker.cancels_of(request_id),
+                          timeout_s=10, what="the disconnect's cancellation at the worker")
     assert [c.reason for c in cancels] == ["client_disconnect"]
     assert cancels[0].reply_to == stack.reply_topic
-    await asyncio.sleep(0.5)
-    assert stack.worker.cancels_of(finished.headers["x-request-id"]) == []
+    await stays_false(lambda: stack.worker.cancels_of(finished.headers["x-request-id"]), for_s=NO_CANCEL_S,
+                      what="a cancellation of the request that finished")
 
 
 async def test_disconnect_while_waiting_for_a_body_publishes_a_cancel(stack: Stack) -> None:
@@ -166,11 +171,12 @@ async def test_disconnect_while_waiting_for_a_body_publishes_a_cancel(stack: Sta
     body = {**CHAT, "messages": [{"role": "user", "content": "slow"}]}
     async with httpx.AsyncClient(base_url=stack.base_url, timeout=20) as client:
         post = asyncio.create_task(client.post("/v1/chat/completions", json=body))
-        await eventually(lambda: len(stack.worker.requests) > seen)
+        await until(lambda: len(stack.worker.requests) > seen, timeout_s=10, what="the request at the worker")
         post.cancel()  # the client gives up: httpx closes the connection
         await asyncio.gather(post, return_exceptions=True)
     request_id = stack.worker.requests[-1].request_id
-    cancels = await eventually(lambda: stack.worker.cancels_of(request_id))
+    cancels = await until(lambda: stack.worker.cancels_of(request_id),
+                          timeout_s=10, what="the disconnect's cancellation at the worker")
     assert [c.reason for c in cancels] == ["client_disconnect"]
 
 
@@ -192,7 +198,8 @@ async def test_websocket_streams_and_cancels(stack: Stack) -> None:
         assert first["object"] == "text_completion" and first["choices"][0]["text"] == "Hello,"
         await ws.send('{"type": "cancel"}')
         assert orjson.loads(await ws.recv()) == {"type": "cancelled", "request_id": first["id"]}
-        cancels = await eventually(lambda: stack.worker.cancels_of(first["id"]))
+        cancels = await until(lambda: stack.worker.cancels_of(first["id"]),
+                              timeout_s=10, what="the user's cancellation at the worker")
         assert cancels[0].reason == "user"
 
         await ws.send('{"type": "completions", "body": {"model": "echo", "prompt": 5}}')
@@ -201,7 +208,8 @@ async def test_websocket_streams_and_cancels(stack: Stack) -> None:
 
         await ws.send('{"type": "completions", "body": {"model": "echo", "prompt": "slow"}}')
         leaving = orjson.loads(await ws.recv())
-    cancels = await eventually(lambda: stack.worker.cancels_of(leaving["id"]))
+    cancels = await until(lambda: stack.worker.cancels_of(leaving["id"]),
+                          timeout_s=10, what="the leaving client's cancellation at the worker")
     assert cancels[0].reason == "client_disconnect"
     assert stack.worker.cancels_of(finished_id) == []
 
@@ -248,10 +256,10 @@ async def test_a_queue_longer_than_the_deadline_is_refused_until_it_drains(stack
     producer = AIOKafkaProducer(bootstrap_servers=stack.bootstrap, acks="all", enable_idempotence=True)
     await producer.start()
     try:
-        for _ in range(50):  # until the producer's metadata knows the new topic's partitions
-            if 3 in await producer.partitions_for(topic):
-                break
-            await asyncio.sleep(0.1)
+        async def knows_partition_3() -> bool:
+            return 3 in await producer.partitions_for(topic)
+
+        await until(knows_partition_3, timeout_s=5, what="the producer's metadata to know the new topic's partitions")
         sent = await producer.send_and_wait(topic, encode(Batch(batch_id="q", model="echo@1", requests=queued,
                                                                 batcher_id="test")), partition=3)  # fmt: skip
     finally:
@@ -262,10 +270,10 @@ async def test_a_queue_longer_than_the_deadline_is_refused_until_it_drains(stack
     try:
         async with httpx.AsyncClient(base_url=stack.base_url, timeout=20) as client:
             gauge = 'weir_gateway_queue_wait_seconds{model_name="echo@1"} 10.5'
-            for _ in range(100):  # the next heartbeat, then the next poll of the batch topic
-                if gauge in (await client.get("/metrics")).text:
-                    break
-                await asyncio.sleep(0.1)
+            async def gauge_shown() -> bool:  # the next heartbeat, then the next poll of the batch topic
+                return gauge in (await client.get("/metrics")).text
+
+            await until(gauge_shown, timeout_s=10, what="the queue-wait gauge at 10.5 s")
             refused = await client.post("/v1/chat/completions", json=CHAT, headers=headers)
             assert refused.status_code == 429 and refused.headers["retry-after"] == "8"  # ceil(10.5 - 3)
             error = refused.json()["error"]
@@ -277,11 +285,11 @@ async def test_a_queue_longer_than_the_deadline_is_refused_until_it_drains(stack
                 await client_of(stack).chat.completions.create(**CHAT, extra_headers=headers)
             assert limited.value.code == "queue_too_long"
             worker.num_waiting, worker.next_offsets = 0, {"echo@1": {3: sent.offset + 1}}  # the worker read it all
-            for _ in range(100):
+            async def admitted() -> httpx.Response | None:
                 answered = await client.post("/v1/chat/completions", json=CHAT, headers=headers)
-                if answered.status_code != 429:
-                    break
-                await asyncio.sleep(0.1)
+                return answered if answered.status_code != 429 else None
+
+            answered = await until(admitted, timeout_s=10, what="a request admitted once the queue is read")
             assert answered.status_code == 200 and answered.json()["choices"][0]["message"]["content"] == "Hello, world"
     finally:
         worker.num_waiting, worker.finished_per_s, worker.next_offsets = 0, None, {}

@@ -30,9 +30,10 @@ from services.gateway.config import GatewaySettings
 from services.gateway.keys_cli import create_key, main as keys_main, read_keys
 from weir.kafka.admin import delete_prefixed_topics, ensure_topics
 from weir.metrics import value
+from tests.waiting import stays_false, until
 
 from .conftest import REPO_TOML
-from .fakes import FakeWorker, GatewayServer, eventually
+from .fakes import FakeWorker, GatewayServer
 
 pytestmark = pytest.mark.kafka
 
@@ -54,7 +55,8 @@ class Guarded:
         settings = GatewaySettings(kafka_bootstrap=self.bootstrap, topic_prefix=self.topics.prefix)
         key, record = await create_key(settings, principal, tenant, **kw)
         for server in (self.a, self.b):  # wait until both instances know it
-            await eventually(lambda s=server: s.server.config.app.state.guard.keys.get(record.key_id))  # type: ignore[attr-defined]
+            await until(lambda s=server: s.server.config.app.state.guard.keys.get(record.key_id),
+                        timeout_s=10, what="the gateway to know the new key")  # type: ignore[attr-defined]
         return key
 
 
@@ -90,7 +92,8 @@ async def guarded(gateway_bootstrap: str) -> AsyncIterator[Guarded]:
     try:
         async with httpx.AsyncClient() as http:
             for server in (a, b):
-                await eventually(lambda s=server: s.server.config.app.state.bus.readiness()[0])  # type: ignore[attr-defined]
+                await until(lambda s=server: s.server.config.app.state.bus.readiness()[0],
+                            timeout_s=10, what="the gateway ready")  # type: ignore[attr-defined]
         yield Guarded(gateway_bootstrap, topics, a, b, worker, rsa_key, settings)
     finally:
         await worker.stop()
@@ -129,7 +132,8 @@ async def test_a_key_revoked_with_the_cli_stops_working_on_every_instance(guarde
     argv = ["--kafka-bootstrap", guarded.bootstrap, "--topic-prefix", guarded.topics.prefix, "revoke", key_id]
     assert await asyncio.to_thread(keys_main, argv) == 0
     for server in (guarded.a, guarded.b):
-        await eventually(lambda s=server: s.server.config.app.state.guard.keys.get(key_id).is_revoked)  # type: ignore[attr-defined]
+        await until(lambda s=server: s.server.config.app.state.guard.keys.get(key_id).is_revoked,
+                    timeout_s=10, what="the revocation at the gateway")  # type: ignore[attr-defined]
         with pytest.raises(openai.AuthenticationError) as refused:
             await client(server, key).chat.completions.create(model="echo", messages=HELLO)
         assert refused.value.code == "revoked_api_key"
@@ -175,7 +179,8 @@ async def test_limits_hold_across_two_gateway_instances(guarded: Guarded) -> Non
         await client(guarded.a, key).completions.create(model="echo", prompt="hi")
     guard_b = guarded.b.server.config.app.state.guard  # type: ignore[attr-defined]
     scope = f"key:{key.split('_')[1]}"
-    await eventually(lambda: (guard_b.limiter.level(scope, "requests", guard_b.clock()) or 99) < 1)
+    await until(lambda: (guard_b.limiter.level(scope, "requests", guard_b.clock()) or 99) < 1,
+                timeout_s=10, what="gateway B to see A's requests in the shared limit")
     with pytest.raises(openai.RateLimitError):
         await client(guarded.b, key).completions.create(model="echo", prompt="hi")
     # An instance that starts now replays the last minute of usage: it hands out no fresh minute.
@@ -222,7 +227,10 @@ async def test_a_flooding_tenant_is_limited_while_another_keeps_going(guarded: G
     flood_results, calm_results = await round_of(16, 8)
     assert calm_results == [200] * 8
     assert 5 <= flood_results.count(200) <= 10 and flood_results.count(429) >= 6
-    await asyncio.sleep(0.5)  # a few usage flushes: now both instances know the whole consumption
+    # a few usage flushes later both instances know the whole consumption: the tenant has no room at either
+    guards = [server.server.config.app.state.guard for server in (guarded.a, guarded.b)]  # type: ignore[attr-defined]
+    await until(lambda: all((g.limiter.level("tenant:flood", "requests", g.clock()) or 99) < 1 for g in guards),
+                timeout_s=10, what="both instances to count the whole flood")
     flood_results, calm_results = await round_of(8, 8)
     assert flood_results == [429] * 8 and calm_results == [200] * 8
 
@@ -253,7 +261,8 @@ async def test_keys_cli_creates_a_working_key_and_lists_it_without_secrets(
     out = capsys.readouterr().out
     key = out.split("store it now): ")[1].strip()
     key_id = key.split("_")[1]
-    await eventually(lambda: guarded.a.server.config.app.state.guard.keys.get(key_id))  # type: ignore[attr-defined]
+    await until(lambda: guarded.a.server.config.app.state.guard.keys.get(key_id),
+                timeout_s=10, what="gateway A to know the key")  # type: ignore[attr-defined]
     chat = await client(guarded.a, key).chat.completions.create(model="echo", messages=HELLO)
     assert chat.choices[0].message.content == "Hello, world"
     assert await asyncio.to_thread(keys_main, [*common, "list"]) == 0
@@ -297,6 +306,11 @@ async def test_the_input_guard_blocks_for_one_tenant_and_flags_for_another(guard
     assert served.choices[0].text == "Hello, world"
 
 
+# A second flag would be published (without waiting) by the sixth request's handling, which has
+# returned; its producer's linger and acks take milliseconds, and the reader polls every 100 ms.
+SECOND_FLAG_S = 1.0
+
+
 async def test_five_high_risk_prompts_within_the_hour_flag_the_principal_for_review(guarded: Guarded) -> None:
     key = await guarded.key("mallory", "lab")
     consumer = AIOKafkaConsumer(guarded.topics.audit, bootstrap_servers=guarded.bootstrap, auto_offset_reset="earliest")
@@ -305,13 +319,18 @@ async def test_five_high_risk_prompts_within_the_hour_flag_the_principal_for_rev
         for _ in range(6):
             await client(guarded.a, key).completions.create(model="echo", prompt=INJECTION)
         flags: list[ReviewFlag] = []
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not flags:
-            for records in (await consumer.getmany(timeout_ms=500)).values():
-                flags += [r for r in map(decode_audit_record, (rec.value for rec in records)) if isinstance(r, ReviewFlag)]
-        await asyncio.sleep(0.5)  # a second flag, if one were wrongly published, would be there by now
-        for records in (await consumer.getmany(timeout_ms=500)).values():
-            flags += [r for r in map(decode_audit_record, (rec.value for rec in records)) if isinstance(r, ReviewFlag)]
+
+        async def num_flags() -> int:
+            for records in (await consumer.getmany(timeout_ms=100)).values():
+                decoded = map(decode_audit_record, (rec.value for rec in records))
+                flags.extend(r for r in decoded if isinstance(r, ReviewFlag))
+            return len(flags)
+
+        await until(num_flags, timeout_s=10, what="a review flag on the audit topic")
+
+        async def num_flags_above(n: int) -> bool:
+            return await num_flags() > n
+        await stays_false(lambda: num_flags_above(1), for_s=SECOND_FLAG_S, what="a second review flag")
     finally:
         await consumer.stop()
     mine = [f for f in flags if f.principal == "mallory"]

@@ -6,14 +6,14 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from uuid import uuid4
 
 import httpx
 import pytest
 
-from weir.stack import free_ports
+from tests.ports import DeadPort, HeldPort
+from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 CMD = [sys.executable, "-c", "import sys; from services.gateway.app import main; sys.exit(main(sys.argv[1:]))"]
@@ -26,18 +26,19 @@ def env(**extra: str) -> dict[str, str]:
 
 @pytest.mark.kafka
 def test_main_serves_until_sigterm() -> None:
-    (port,) = free_ports(1)
-    proc = subprocess.Popen([*CMD, "--port", str(port)], cwd=ROOT, env=env(), stderr=subprocess.PIPE, text=True)
+    with HeldPort() as held:  # the gateway serves the test's socket: no pick-then-release race
+        port = held.port
+        proc = subprocess.Popen([*CMD, "--port", str(port)], cwd=ROOT, env=held.env(env()), pass_fds=held.pass_fds,
+                                stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
-        deadline = time.monotonic() + 60
-        while True:
+        def answered() -> httpx.Response | None:
             assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
             try:
-                response = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1)
-                break
+                return httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1)
             except httpx.TransportError:
-                assert time.monotonic() < deadline
-                time.sleep(0.2)
+                return None
+
+        response = wait_until(answered, timeout_s=60, what="the gateway's /readyz to answer")
         assert response.status_code == 503 and response.json()["reason"] == "no live worker heartbeat"
         models = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()
         assert models == {"object": "list", "data": []}  # ready versions only: no worker runs here
@@ -48,11 +49,11 @@ def test_main_serves_until_sigterm() -> None:
 
 
 def test_main_without_kafka_exits_3_with_a_reason() -> None:
-    port, dead_port = free_ports(2)  # distinct: the gateway's, and one where no Kafka listens
-    proc = subprocess.run(
-        [*CMD, "--port", str(port), "--kafka-bootstrap", f"127.0.0.1:{dead_port}"],
-        cwd=ROOT, env=env(WEIR_STARTUP_TIMEOUT_S="1"), capture_output=True, text=True, timeout=60,
-    )
+    with DeadPort() as dead:  # bound, never listening: no Kafka can answer there while the test runs
+        proc = subprocess.run(
+            [*CMD, "--port", "0", "--kafka-bootstrap", f"127.0.0.1:{dead.port}"],
+            cwd=ROOT, env=env(WEIR_STARTUP_TIMEOUT_S="1"), capture_output=True, text=True, timeout=60,
+        )
     assert proc.returncode == 3
     assert "is Kafka up" in proc.stderr and "Traceback" not in proc.stderr
 

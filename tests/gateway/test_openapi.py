@@ -27,6 +27,7 @@ from schemas.topics import Topics
 from services.gateway.app import create_app
 from services.gateway.config import GatewaySettings
 from weir.kafka.admin import ensure_topics, wait_for_broker
+from tests.waiting import until
 
 from .fakes import FakeWorker, GatewayServer
 
@@ -115,9 +116,7 @@ class ThreadedGateway:
         await self.server.start()
         await self.worker.start()
         bus = self.server.server.config.app.state.bus  # type: ignore[attr-defined]
-        deadline = time.monotonic() + 30
-        while not bus.readiness()[0] and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
+        await until(lambda: bus.readiness()[0], timeout_s=30, what="the gateway ready")
 
     async def _stop(self) -> None:
         await self.worker.stop()

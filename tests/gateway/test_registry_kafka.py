@@ -38,8 +38,9 @@ from services.gateway.config import GatewaySettings
 from weir.kafka.admin import delete_prefixed_topics, ensure_topics
 from weir.models.manifest import pack
 from weir.registry import publish, read_registry, register
+from tests.waiting import until
 
-from .fakes import FakeWorker, GatewayServer, eventually
+from .fakes import FakeWorker, GatewayServer
 
 pytestmark = pytest.mark.kafka
 
@@ -97,7 +98,8 @@ async def gateway(gateway_bootstrap: str) -> AsyncIterator[Gateway]:
     try:
         await server.start()
         await worker.start()
-        await eventually(lambda: app.state.bus.fleet.serving("echo@1", int(time.time() * 1000)), 20)
+        await until(lambda: app.state.bus.fleet.serving("echo@1", int(time.time() * 1000)),
+                    timeout_s=20, what="echo@1 served by a live worker")
         yield Gateway(settings, app, server, worker)
     finally:
         await worker.stop()
@@ -115,14 +117,13 @@ async def publish_echo_2_as_default(gateway: Gateway) -> ModelVersionRecord:
 
 async def test_a_registry_record_changes_what_the_gateway_resolves_within_a_second(gateway: Gateway) -> None:
     assert gateway.catalog.resolve("echo").served_id == "echo@1"  # the seed: models.toml
-    published_s = time.monotonic()
     record = await publish_echo_2_as_default(gateway)
-    while gateway.catalog.resolve("echo").served_id != "echo@2":
-        assert time.monotonic() - published_s < 1.0, "the gateway did not follow the registry within 1 s"
-        await asyncio.sleep(0.01)
+    await until(lambda: gateway.catalog.resolve("echo").served_id == "echo@2", timeout_s=1.0, interval_s=0.01,
+                what="the gateway to follow the registry within 1 s")
     tag = f"echo@2:{record.manifest.digest()[:12]}"
     gateway.worker.versions = {"echo@1": READY, "echo@2": READY}
-    await eventually(lambda: gateway.app.state.bus.fleet.serving("echo@2", int(time.time() * 1000)), 10)
+    await until(lambda: gateway.app.state.bus.fleet.serving("echo@2", int(time.time() * 1000)),
+                timeout_s=10, what="echo@2 served by a live worker")
     async with httpx.AsyncClient(base_url=gateway.server.base_url, timeout=30) as client:
         answer = await client.post("/v1/chat/completions", json=CHAT)
         assert answer.status_code == 200, answer.text
@@ -153,7 +154,8 @@ async def test_a_registry_record_changes_what_the_gateway_resolves_within_a_seco
 async def test_an_embedding_names_its_version(gateway: Gateway) -> None:
     minilm = echo_version("1").manifest.model_copy(update={"name": "all-MiniLM-L6-v2"})  # only its digest matters
     gateway.worker.versions = {"echo@1": READY, "all-MiniLM-L6-v2@1": VersionStatus(state="ready", digest=minilm.digest())}
-    await eventually(lambda: gateway.app.state.bus.fleet.serving("all-MiniLM-L6-v2@1", int(time.time() * 1000)), 10)
+    await until(lambda: gateway.app.state.bus.fleet.serving("all-MiniLM-L6-v2@1", int(time.time() * 1000)),
+                timeout_s=10, what="all-MiniLM-L6-v2@1 served by a live worker")
     async with httpx.AsyncClient(base_url=gateway.server.base_url, timeout=30) as client:
         answer = await client.post("/v1/embeddings", json={"model": "all-MiniLM-L6-v2", "input": ["a", "b"]})
     assert answer.status_code == 200, answer.text
@@ -169,19 +171,16 @@ async def test_models_lists_what_the_worker_reports_ready(gateway: Gateway) -> N
         await publish_echo_2_as_default(gateway)
         gateway.worker.versions = {"echo@1": VersionStatus(state="draining"), "echo@2": READY}
 
-        async def listed() -> list[str]:
-            return [m["id"] for m in (await client.get("/v1/models")).json()["data"]]
+        async def listed_is(ids: list[str]) -> bool:
+            return [m["id"] for m in (await client.get("/v1/models")).json()["data"]] == ids
 
-        deadline = time.monotonic() + 10
-        while (ids := await listed()) != ["echo", "echo@2"]:
-            assert time.monotonic() < deadline, ids
-            await asyncio.sleep(0.1)
+        await until(lambda: listed_is(["echo", "echo@2"]), timeout_s=10, what="/v1/models to list echo and echo@2")
 
 
 async def test_the_admin_api_writes_records_a_follower_reads(gateway: Gateway) -> None:
     await publish(gateway.settings, [*register(gateway.catalog.state, echo_version("1")),
                                      ModelRoute(name="echo", default_version="1"), echo_version("3")])  # fmt: skip
-    await eventually(lambda: "echo@3" in gateway.catalog.state.versions, 5)
+    await until(lambda: "echo@3" in gateway.catalog.state.versions, timeout_s=5, what="echo@3 in the catalog")
     async with httpx.AsyncClient(base_url=gateway.server.base_url, timeout=30) as client:
 
         async def call(action: str, version: str) -> dict[str, Any]:
@@ -229,7 +228,7 @@ async def reported(gateway: Gateway, versions: dict[str, VersionStatus]) -> None
         worker = gateway.worker.worker_id
         return {sid: by[worker].state for sid, by in by_version.items() if worker in by}
 
-    await eventually(lambda: seen() == wanted, 10)
+    await until(lambda: seen() == wanted, timeout_s=10, what="the catalog's versions")
 
 
 async def test_requests_for_a_version_coming_up_are_admitted_and_a_lost_one_says_why(gateway: Gateway) -> None:
@@ -238,7 +237,7 @@ async def test_requests_for_a_version_coming_up_are_admitted_and_a_lost_one_says
     unloaded, is refused at once with the reason and no Retry-After; no worker of the name at
     all is the breaker (503, try again later)."""
     await publish(gateway.settings, [echo_version("2"), echo_version("3").model_copy(update={"desired": "unloaded"})])
-    await eventually(lambda: "echo@3" in gateway.catalog.state.versions, 5)
+    await until(lambda: "echo@3" in gateway.catalog.state.versions, timeout_s=5, what="echo@3 in the catalog")
     async with httpx.AsyncClient(base_url=gateway.server.base_url, timeout=30) as client:
 
         async def ask(version: str) -> httpx.Response:
@@ -273,7 +272,7 @@ async def test_forged_registry_records_are_skipped_and_the_gateway_keeps_serving
     finally:
         await producer.stop()
     await publish(gateway.settings, [echo_version("5")])  # a good record after them is still read
-    await eventually(lambda: "echo@5" in gateway.catalog.state.versions, 5)
+    await until(lambda: "echo@5" in gateway.catalog.state.versions, timeout_s=5, what="echo@5 in the catalog")
     assert gateway.catalog.num_skipped == 3
     assert not {"echo@7", "echo@8", "echo@9"} & set(gateway.catalog.state.versions)
     assert gateway.catalog.resolve("echo").served_id == "echo@1"  # the forged route changed nothing

@@ -6,13 +6,10 @@ forged reply topic) get the 404 of an unknown id."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,10 +28,12 @@ from services.gateway.app import create_app
 from services.gateway.config import GatewaySettings
 from services.gateway.stream_index import RemoteResumes
 from tests.kafka_helpers import produce
+from tests.ports import HeldPort
 from weir.kafka.admin import delete_prefixed_topics, ensure_topics
+from tests.waiting import until
 
 from .conftest import REPO_TOML
-from .fakes import DRIP, FakeWorker, GatewayServer, eventually
+from .fakes import DRIP, FakeWorker, GatewayServer
 from .test_stream_index import a_record
 
 pytestmark = pytest.mark.kafka
@@ -53,21 +52,18 @@ class Pair:
     b_app: FastAPI
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 async def pair(gateway_bootstrap: str) -> AsyncIterator[Pair]:
     topics = Topics(prefix=f"t{uuid4().hex[:8]}")
     await ensure_topics(gateway_bootstrap, topics.core_specs())
-    port = free_port()
+    held = HeldPort()  # gateway A serves the test's socket: B's port 0 can never be the same one
+    port = held.port
     env = {**os.environ, "PYTHONPATH": str(ROOT), "WEIR_KAFKA_BOOTSTRAP": gateway_bootstrap, "WEIR_TOPIC_PREFIX": topics.prefix,
            "WEIR_MODEL_REPO": str(REPO_TOML), "WEIR_AUTH_MODE": "open", "WEIR_GATEWAY_PORT": str(port),
            "WEIR_GATEWAY_ID": "gateway-a", "WEIR_LOG_LEVEL": "WARNING"}  # fmt: skip
-    a_process = subprocess.Popen([sys.executable, "-m", "weir.cli", "gateway"], cwd=ROOT, env=env)
+    a_process = subprocess.Popen([sys.executable, "-m", "weir.cli", "gateway"], cwd=ROOT, env=held.env(env),
+                                 pass_fds=held.pass_fds)  # fmt: skip
+    held.close()  # A holds it now
     settings = GatewaySettings(kafka_bootstrap=gateway_bootstrap, topic_prefix=topics.prefix, model_repo=str(REPO_TOML),
                                gateway_id="gateway-b", auth_mode="open", gap_timeout_s=1.0,
                                max_remote_resumes=1)  # fmt: skip
@@ -79,10 +75,12 @@ async def pair(gateway_bootstrap: str) -> AsyncIterator[Pair]:
         await worker.start()
         a_url = f"http://127.0.0.1:{port}"
         async with httpx.AsyncClient(timeout=2) as client:
-            deadline = time.monotonic() + 60
-            while not await is_ready(client, a_url) or not await is_ready(client, b.base_url):
-                assert a_process.poll() is None and time.monotonic() < deadline, "gateway A did not start"
-                await asyncio.sleep(0.2)
+
+            async def both_ready() -> bool:
+                assert a_process.poll() is None, "gateway A exited"
+                return await is_ready(client, a_url) and await is_ready(client, b.base_url)
+
+            await until(both_ready, timeout_s=60, what="gateways A and B ready")
         yield Pair(topics, worker, a_url, a_process, b, b_app)
     finally:
         if a_process.poll() is None:
@@ -153,13 +151,14 @@ async def test_streams_whose_gateway_is_killed_resume_at_another_with_exactly_th
     assert ids == sorted(set(ids))  # no event twice
     assert busy[-1]["type"] == "error" and busy[-1]["error"]["code"] == "too_many_resumes"
     remote: RemoteResumes = pair.b_app.state.remote
-    await eventually(lambda: remote.num_open == 0)  # its reader closed at the end
+    await until(lambda: remote.num_open == 0,
+                timeout_s=10, what="B's reader of A's stream closed")  # its reader closed at the end
     rest = await resume_ws(b_ws, ws_id, 2)
     assert rest[-1] == {"type": "done"}
     assert [t for frame in first + rest[:-1] if (t := frame["choices"][0]["text"])] == DRIP
     for rid in (request_id, ws_id):  # each ran to its end: its gateway's death cancelled nothing
         assert pair.worker.generated[rid] == len(DRIP) and pair.worker.cancels_of(rid) == []
-    await eventually(lambda: remote.num_open == 0)
+    await until(lambda: remote.num_open == 0, timeout_s=10, what="B's reader of A's stream closed")
 
 
 async def test_records_b_must_not_trust_get_the_404_of_an_unknown_id(pair: Pair, gateway_bootstrap: str) -> None:
@@ -173,7 +172,8 @@ async def test_records_b_must_not_trust_get_the_404_of_an_unknown_id(pair: Pair,
                       owner_principal="anonymous", start_offset=10**15)  # fmt: skip
     ignored = remote.index.num_ignored
     await produce(gateway_bootstrap, pair.topics.streams, [(r.request_id, encode(r)) for r in (others, forged, beyond)])
-    await eventually(lambda: remote.index.lookup("cmpl-beyond") is not None and remote.index.num_ignored > ignored)
+    await until(lambda: remote.index.lookup("cmpl-beyond") is not None and remote.index.num_ignored > ignored,
+                timeout_s=10, what="B to index cmpl-beyond and ignore the records beyond it")
     async with httpx.AsyncClient(base_url=pair.b.base_url, timeout=10) as client:
         answers = [await client.get(f"/v1/streams/{rid}") for rid in ("cmpl-others", "cmpl-forged", "cmpl-unknown",
                                                                       "cmpl-beyond")]  # fmt: skip

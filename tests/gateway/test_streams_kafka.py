@@ -8,7 +8,6 @@ no client, streamed or not.
 
 from __future__ import annotations
 
-import asyncio
 
 import httpx
 import openai
@@ -22,9 +21,10 @@ from schemas.topics import TopicSpec
 from tests.kafka_helpers import produce
 from weir.kafka.admin import ensure_topics
 from weir.metrics import value
+from tests.waiting import until
 
 from .conftest import Stack
-from .fakes import DRIP, eventually
+from .fakes import DRIP
 
 pytestmark = pytest.mark.kafka
 
@@ -36,11 +36,11 @@ VARIANTS_REDACTED = "ID [REDACTED], card [REDACTED], mail [REDACTED], or [REDACT
 @pytest.fixture(autouse=True)
 async def worker_is_live(stack: Stack) -> None:
     async with httpx.AsyncClient(base_url=stack.base_url) as client:
-        for _ in range(200):
-            if (await client.get("/readyz")).status_code == 200:
-                return
-            await asyncio.sleep(0.05)
-    raise AssertionError("the gateway saw no live worker within 10 s")
+
+        async def is_ready() -> bool:
+            return (await client.get("/readyz")).status_code == 200
+
+        await until(is_ready, timeout_s=10, what="the gateway to see a live worker")
 
 
 async def read_sse(response: httpx.Response, max_deltas: int | None = None) -> tuple[list[str], int]:
@@ -76,8 +76,9 @@ async def test_an_sse_client_resumes_with_last_event_id_and_nothing_is_regenerat
             request_id = response.headers["x-request-id"]
             assert response.headers["x-weir-resume-url"] == f"/v1/streams/{request_id}"
             before, last_id = await read_sse(response, max_deltas=3)
-        # The connection is gone; generation goes on while the client is away.
-        await asyncio.sleep(0.3)
+        # The connection is gone; generation goes on while the client is away (to its end here).
+        await until(lambda: stack.worker.generated.get(request_id, 0) == len(DRIP), timeout_s=10,
+                    what="the rest generated while the client is away")
         async with client.stream("GET", f"/v1/streams/{request_id}", headers={"last-event-id": str(last_id)}) as again:
             assert again.status_code == 200
             after, _ = await read_sse(again)
@@ -104,7 +105,8 @@ async def test_a_stream_nobody_resumes_is_cancelled_after_its_grace(stack: Stack
         async with client.stream("POST", "/v1/completions", json=DRIP_BODY, headers=headers) as response:
             request_id = response.headers["x-request-id"]
             await read_sse(response, max_deltas=1)
-        cancels = await eventually(lambda: stack.worker.cancels_of(request_id))
+        cancels = await until(lambda: stack.worker.cancels_of(request_id),
+                              timeout_s=10, what="the disconnect's cancellation at the worker")
         assert [c.reason for c in cancels] == ["client_disconnect"]
         assert stack.worker.generated[request_id] < len(DRIP)
         gone = await client.get(f"/v1/streams/{request_id}")
@@ -117,7 +119,8 @@ async def test_without_a_grace_a_disconnect_stops_the_worker_and_cannot_be_resum
             request_id = response.headers["x-request-id"]
             assert "x-weir-resume-url" not in response.headers
             await read_sse(response, max_deltas=1)
-        cancels = await eventually(lambda: stack.worker.cancels_of(request_id))
+        cancels = await until(lambda: stack.worker.cancels_of(request_id),
+                              timeout_s=10, what="the disconnect's cancellation at the worker")
         assert [c.reason for c in cancels] == ["client_disconnect"]
         gone = await client.get(f"/v1/streams/{request_id}", headers={"last-event-id": "0"})
         bad = await client.post("/v1/completions", json=DRIP_BODY, headers={"x-weir-resume-grace-s": "forever"})
@@ -132,7 +135,8 @@ async def test_a_websocket_client_resumes_with_an_offset(stack: Stack) -> None:
         await ws.send(orjson.dumps(request).decode())
         first = [orjson.loads(await ws.recv()) for _ in range(4)]
     request_id = first[0]["id"]
-    await asyncio.sleep(0.3)
+    await until(lambda: stack.worker.generated.get(request_id, 0) == len(DRIP), timeout_s=10,
+                what="the rest generated while the client is away")
     async with connect(url) as ws:
         await ws.send(orjson.dumps({"type": "resume", "request_id": request_id, "offset": 4}).decode())
         rest = []
@@ -221,11 +225,9 @@ async def test_the_consumer_lag_of_the_deployments_groups_is_in_the_gateways_met
         await consumer.stop()
     async with httpx.AsyncClient(base_url=stack.base_url) as client:
 
-        async def lag() -> float | None:
-            return value((await client.get("/metrics")).text, "kafka_consumergroup_lag", consumergroup=group, topic=topic)
+        async def lag_is(expected: float) -> bool:
+            return value((await client.get("/metrics")).text, "kafka_consumergroup_lag", consumergroup=group,
+                         topic=topic) == expected  # fmt: skip
 
-        for _ in range(100):  # polled every lag_interval_s (1 s here), never at scrape time
-            if await lag() == 3:
-                break
-            await asyncio.sleep(0.1)
-        assert await lag() == 3
+        # polled every lag_interval_s (1 s here), never at scrape time
+        await until(lambda: lag_is(3), timeout_s=10, what="the consumer group's lag of 3 on /metrics")

@@ -41,8 +41,9 @@ from services.gateway.config import GatewaySettings
 from services.gateway.guard.auth import new_api_key
 from services.gateway.keys_cli import publish_record
 from weir.kafka.admin import delete_prefixed_topics, ensure_topics
+from tests.waiting import until
 
-from .fakes import FakeWorker, GatewayServer, eventually
+from .fakes import FakeWorker, GatewayServer
 
 REPO_TOML = Path(__file__).resolve().parents[2] / "models.toml"
 SECRET = b"tenancy-walk-secret-0123456789abcdef"
@@ -234,9 +235,10 @@ async def walk(gateway_bootstrap: str) -> AsyncIterator[Walk]:
             await publish_record(settings, record)
         async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as client:
             for headers in auth.values():  # the gateway has read every key record
-                await eventually(lambda h=headers: app.state.guard.auth.keys.get(
-                    h["authorization"].split("_")[1]) is not None, 30)  # fmt: skip
-            await eventually(lambda: app.state.bus.readiness()[0], 30)
+                await until(lambda h=headers: app.state.guard.auth.keys.get(
+                    h["authorization"].split("_")[1]) is not None,
+                            timeout_s=30, what="the gateway to know the key")  # fmt: skip
+            await until(lambda: app.state.bus.readiness()[0], timeout_s=30, what="the gateway ready")
             made = await make_resources(client, auth["alice"])
         intruders = {
             "another tenant's API key": auth["bob"],
@@ -272,12 +274,8 @@ async def make_resources(client: httpx.AsyncClient, auth: dict[str, str]) -> Res
         batch = (await client.get(f"/v1/batches/{made.batch_id}", headers=auth)).json()
         return batch if batch["status"] in ("completed", "failed", "expired", "cancelled") else None
 
-    batch = None
-    for _ in range(600):
-        if (batch := await finished()) is not None:
-            break
-        await asyncio.sleep(0.1)
-    assert batch is not None and batch["status"] == "completed" and batch["output_file_id"], batch
+    batch = await until(finished, timeout_s=60, what="the batch to end")
+    assert batch["status"] == "completed" and batch["output_file_id"], batch
     made.output_file_id = batch["output_file_id"]
     output = await client.get(f"/v1/files/{made.output_file_id}/content", headers=auth)
     assert output.status_code == 200 and made.secret in output.text  # the output names A's custom_id

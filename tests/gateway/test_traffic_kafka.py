@@ -38,8 +38,9 @@ from services.gateway.guard.auth import new_api_key
 from weir.kafka.admin import delete_prefixed_topics, ensure_topics
 from weir.models.manifest import pack
 from weir.registry import publish, read_registry, set_route
+from tests.waiting import until
 
-from .fakes import GatewayServer, eventually
+from .fakes import GatewayServer
 from .test_registry_kafka import EmbeddingWorker
 
 pytestmark = pytest.mark.kafka
@@ -78,8 +79,8 @@ class Gateway:
         records = set_route(self.catalog.state, "echo", by="test", canary=canary)
         published = time.monotonic()
         await publish(self.settings, records)
-        while self.catalog.state.routes.get("echo") != records[0]:
-            await asyncio.sleep(0.005)
+        await until(lambda: self.catalog.state.routes.get("echo") == records[0], timeout_s=10, interval_s=0.005,
+                    what="the gateway assigning by the new canaries")
         return time.monotonic() - published
 
 
@@ -110,8 +111,9 @@ async def gateway(gateway_bootstrap: str) -> AsyncIterator[Gateway]:
             app.state.guard.auth.keys.observe(record)
         await worker.start()
         now_ms = lambda: int(time.time() * 1000)  # noqa: E731
-        await eventually(lambda: all(app.state.bus.fleet.serving(f"echo@{v}", now_ms()) for v in "123"), 20)
-        await eventually(lambda: "echo@3" in app.state.catalog.state.versions, 10)
+        await until(lambda: all(app.state.bus.fleet.serving(f"echo@{v}", now_ms()) for v in "123"),
+                    timeout_s=20, what="echo@1, @2 and @3 served by live workers")
+        await until(lambda: "echo@3" in app.state.catalog.state.versions, timeout_s=10, what="echo@3 in the catalog")
         yield Gateway(settings, app, server, worker, {"authorization": f"Bearer {wide_key}"},
                       {"authorization": f"Bearer {narrow_key}"})  # fmt: skip
     finally:

@@ -34,6 +34,7 @@ from tests.auditor.factories import make_event
 from tests.auditor.test_auditor_kafka import produce
 from weir import usage as usage_cli
 from weir.kafka.admin import delete_prefixed_topics, ensure_topics
+from tests.waiting import until
 
 from .fakes import GatewayServer
 
@@ -60,7 +61,7 @@ async def test_audit_events_to_v1_usage_per_tenant(gateway_bootstrap: str, topic
     bootstrap = gateway_bootstrap
     now_ms = int(datetime.now(UTC).timestamp() * 1000)
     if now_ms % 86_400_000 < 5000:  # the events would straddle midnight
-        await asyncio.sleep(5)
+        await asyncio.sleep(5)  # a clock guard, in the first 5 s of a UTC day only
         now_ms += 5000
     today = datetime.fromtimestamp(now_ms / 1000, UTC).strftime("%Y-%m-%d")
     # Before anyone reads the usage topic: a record that is no JSON, one that is no UsageTotals,
@@ -101,7 +102,7 @@ async def test_audit_events_to_v1_usage_per_tenant(gateway_bootstrap: str, topic
                     data = response.json().get("data", []) if response.status_code == 200 else []
                     return {row["tenant"] for row in data} == {"acme", "globex"} and bool(response.json()["rate_cards"])
 
-                await eventually_async(both_tenants, "both tenants' totals at the gateway")
+                await until(both_tenants, timeout_s=60, what="both tenants' totals at the gateway")
                 body = (await get(ADMIN, start=today, end=today)).json()
                 rows = {(row["tenant"], row["principal"]): row for row in body["data"]}
                 assert set(rows) == {("acme", "ann"), ("globex", "bob")}  # the forged record is not among them
@@ -139,7 +140,7 @@ async def test_audit_events_to_v1_usage_per_tenant(gateway_bootstrap: str, topic
                     data = (await get(ADMIN, tenant="globex")).json()["data"]
                     return data[0]["requests"] == 2
 
-                await eventually_async(bob_has_two, "the new total at the gateway")
+                await until(bob_has_two, timeout_s=60, what="the new total at the gateway")
         finally:
             await server.stop()
 
@@ -148,11 +149,3 @@ async def test_audit_events_to_v1_usage_per_tenant(gateway_bootstrap: str, topic
     out = capsys.readouterr().out
     printed = orjson.loads(out.strip().splitlines()[-1])
     assert code == 0 and [row["requests"] for row in printed["data"]] == [2] and printed["skipped"] == 3
-
-
-async def eventually_async(check, what: str, timeout_s: float = 60.0) -> None:  # noqa: ANN001
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not await check():
-        assert loop.time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.2)

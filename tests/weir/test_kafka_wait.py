@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import pytest
 from weir.kafka import launcher
 from weir.stack import free_ports, wait_http_ok
 from weir.service import EXIT_BROKER
+from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,10 +29,11 @@ def start_batcher(port: int, http_port: int, wait_s: float, log: Path) -> subpro
 
 
 def wait_for_text(log: Path, text: str, proc: subprocess.Popen, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while text not in log.read_text(errors="replace"):
-        assert proc.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")
-        time.sleep(0.2)
+    def logged() -> bool:
+        assert proc.poll() is None, log.read_text(errors="replace")
+        return text in log.read_text(errors="replace")
+
+    wait_until(logged, timeout_s=timeout_s, interval_s=0.2, what=f"{text!r} in {log.name}")
 
 
 @pytest.mark.kafka

@@ -11,26 +11,25 @@ the member must see it.)"""
 
 from __future__ import annotations
 
-import time
 import uuid
+from collections.abc import Callable
 
 import pytest
+from aiokafka import AIOKafkaConsumer
 
 from schemas.topics import TopicSpec
 from tests.conftest import BOOTSTRAP
 from weir.bus import BusSettings, make_consumer
 from weir.kafka.admin import _admin, delete_prefixed_topics, delete_topics, ensure_topics, list_topic_names, wait_topics_visible
+from tests.waiting import until
 
 pytestmark = pytest.mark.kafka
 
 
-async def _poll_until(consumer, is_done, timeout_s: float) -> float:
-    """Poll the consumer until is_done(); returns the seconds it took, or fails at the timeout."""
-    start = time.monotonic()
-    while not is_done():
-        assert time.monotonic() - start < timeout_s, f"not within {timeout_s} s; assignment {consumer.assignment()}"
-        await consumer.getmany(timeout_ms=100)
-    return time.monotonic() - start
+async def polled(consumer: AIOKafkaConsumer, is_done: Callable[[], bool]) -> bool:
+    """One poll of the consumer (its group membership moves only while it polls), then is_done()."""
+    await consumer.getmany(timeout_ms=100)
+    return is_done()
 
 
 async def test_a_member_gets_back_a_topic_that_vanished_from_its_metadata():
@@ -44,12 +43,15 @@ async def test_a_member_gets_back_a_topic_that_vanished_from_its_metadata():
     consumer.subscribe([name])
     await consumer.start()
     try:
-        await _poll_until(consumer, lambda: len(consumer.assignment()) == 2, 30)
+        await until(lambda: polled(consumer, lambda: len(consumer.assignment()) == 2), timeout_s=30,
+                    what="both partitions assigned")
         await delete_topics(BOOTSTRAP, [name])
-        await _poll_until(consumer, lambda: not consumer.assignment(), 30)
+        await until(lambda: polled(consumer, lambda: not consumer.assignment()), timeout_s=30,
+                    what="no partition assigned once the topic is gone")
         await ensure_topics(BOOTSTRAP, [spec])  # a no-op where the broker made it again already
         # Back within a refresh (1 s) and a rebalance; with aiokafka's default it stays empty 5 minutes.
-        await _poll_until(consumer, lambda: bool(consumer.assignment()), 20)
+        await until(lambda: polled(consumer, lambda: bool(consumer.assignment())), timeout_s=20,
+                    what="partitions assigned again")
     finally:
         await consumer.stop()
         await delete_prefixed_topics(BOOTSTRAP, prefix)

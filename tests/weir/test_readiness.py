@@ -3,13 +3,14 @@ one when what the others say changes, and the reasons from real /readyz answers.
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections.abc import Iterator
 
 import pytest
 import uvicorn
 
-from weir.stack import free_ports
+from tests.ports import DeadPort
 from weir.readiness import NOT_ANSWERING, Probe, ReadinessBoard, probe, wait_all_ready
 from weir.service import ops_app
 
@@ -44,15 +45,17 @@ def readyz() -> Iterator[tuple[str, dict]]:
     """A real ops endpoint (weir/service.py's) whose readiness the test sets."""
     state: dict = {"ready": False, "reason": "loading the models: tiny: warming up"}
     app = ops_app(lambda: (state["ready"], {"reason": None if state["ready"] else state["reason"]}), lambda: "")
-    (port,) = free_ports(1)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
+    sock = socket.create_server(("127.0.0.1", 0))  # bound here and served as it is: never free meanwhile
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     while not server.started:
         thread.join(0.05)
     yield f"http://127.0.0.1:{port}/readyz", state
     server.should_exit = True
     thread.join(10)
+    sock.close()
 
 
 def test_probe_reads_the_reason_of_a_503_and_the_200(readyz: tuple[str, dict]) -> None:
@@ -63,8 +66,8 @@ def test_probe_reads_the_reason_of_a_503_and_the_200(readyz: tuple[str, dict]) -
 
 
 def test_probe_of_a_port_nobody_listens_on() -> None:
-    (port,) = free_ports(1)
-    assert probe(f"http://127.0.0.1:{port}/readyz") == Probe(False, NOT_ANSWERING)
+    with DeadPort() as dead:
+        assert probe(f"http://127.0.0.1:{dead.port}/readyz") == Probe(False, NOT_ANSWERING)
 
 
 def test_wait_all_ready_says_each_step_and_stops_on_a_dead_service() -> None:

@@ -13,6 +13,7 @@ from aiokafka.errors import KafkaConnectionError, KafkaTimeoutError
 
 from services.worker.kafka.delivery import is_outage
 from weir.reply_topics import TopicRefused, TopicWriter
+from tests.waiting import until
 
 UNKNOWN_TOPIC, LEADER_NOT_AVAILABLE, TOPIC_AUTHORIZATION_FAILED = 3, 5, 29
 
@@ -107,7 +108,7 @@ async def test_a_refused_topic_fails_at_once_for_a_while_then_is_looked_up_again
     now[0] = 11.0  # made meanwhile: the next send looks it up and goes out
     producer.client.answer = 0
     future = await writer.send("weir.replies.late", b"3", b"k")
-    await asyncio.sleep(0.01)
+    await until(lambda: producer.sent, timeout_s=5, what="the send to go out")
     assert producer.sent == [("weir.replies.late", b"3")]
     producer.futures[0].set_result("ok")
     assert await future == "ok"

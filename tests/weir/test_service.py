@@ -20,8 +20,10 @@ from typing import Any
 import pytest
 from aiokafka.errors import KafkaConnectionError, TopicAuthorizationFailedError
 
-from weir.stack import free_ports
-from weir.service import EXIT_BROKER, EXIT_CONFIG, EXIT_FAILED, EXIT_OK, ConfigError, ops_app, run_service, service_parser
+from tests.ports import DeadPort, HeldPort
+from weir.service import (EXIT_BROKER, EXIT_CONFIG, EXIT_FAILED, EXIT_OK, HTTP_FD_ENV, ConfigError, ops_app,
+                          run_service, service_parser)
+from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -66,10 +68,12 @@ def main(argv: list[str]) -> int:
     return run_service("tiny", argv, parser, build, stop_timeout_s=1.0)
 
 
-def spawn(*argv: str) -> subprocess.Popen[str]:
+def spawn(*argv: str, held: HeldPort | None = None) -> subprocess.Popen[str]:
+    """The tiny service as a process; with `held`, serving on that socket (as a Stack passes it)."""
     code = "import sys; from tests.weir.test_service import main; sys.exit(main(sys.argv[1:]))"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen([sys.executable, "-c", code, *argv], cwd=REPO, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env=held.env(env) if held else env, pass_fds=held.pass_fds if held else ())
 
 
 def get(url: str) -> tuple[int, str]:
@@ -81,20 +85,21 @@ def get(url: str) -> tuple[int, str]:
 
 
 def wait_for(url: str, proc: subprocess.Popen[str]) -> tuple[int, str]:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+    def answered() -> tuple[int, str] | None:
         assert proc.poll() is None, proc.communicate()[1]
         try:
             return get(url)
         except OSError:
-            time.sleep(0.1)
-    pytest.fail(f"{url} never answered")
+            return None
+
+    return wait_until(answered, timeout_s=30, interval_s=0.1, what=f"{url} to answer")
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_serves_ops_endpoint_then_stops_cleanly_on_a_signal(sig: signal.Signals) -> None:
-    (port,) = free_ports(1)
-    proc = spawn("--http-port", str(port), "--log-format", "json")
+    with HeldPort() as held:
+        port = held.port
+        proc = spawn("--http-port", str(port), "--log-format", "json", held=held)
     base = f"http://127.0.0.1:{port}"
     status, body = wait_for(f"{base}/readyz", proc)
     while status == 503:  # served from before run() starts: not ready yet, and says so
@@ -139,12 +144,41 @@ def test_a_taken_port_is_a_configuration_error() -> None:
 
 
 def test_a_service_that_ignores_stop_is_cancelled_within_the_bound() -> None:
-    (port,) = free_ports(1)
-    proc = spawn("--mode", "stubborn", "--http-port", str(port))
+    with HeldPort() as held:
+        port = held.port
+        proc = spawn("--mode", "stubborn", "--http-port", str(port), held=held)
     wait_for(f"http://127.0.0.1:{port}/healthz", proc)
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=20)
     assert proc.returncode == EXIT_OK and "did not stop within 1 s; cancelling" in stderr, stderr
+
+
+def test_a_passed_socket_is_served_without_a_bind_of_its_own() -> None:
+    # The launcher's socket (weir/stack.py: Stack.listeners) is served as it is: the port was
+    # never free between the pick and the serve. The tiny service asks for port 0 (any) here.
+    with HeldPort() as held:
+        proc = spawn("--log-format", "json", held=held)
+        wait_for(f"http://127.0.0.1:{held.port}/healthz", proc)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=20)
+    assert proc.returncode == EXIT_OK and f"127.0.0.1:{held.port}" in stderr, stderr
+
+
+@pytest.mark.parametrize("wrong", ["another port", "not a socket", "not listening"])
+def test_a_passed_socket_that_is_not_the_configured_one_is_refused(wrong: str) -> None:
+    with HeldPort() as held, DeadPort() as dead, open(os.devnull) as devnull:
+        if wrong == "another port":
+            proc = spawn("--http-port", str(dead.port), held=held)
+        else:
+            fd = devnull.fileno() if wrong == "not a socket" else dead.sock.fileno()
+            proc = subprocess.Popen([sys.executable, "-c", "import sys; from tests.weir.test_service import main; "
+                                     "sys.exit(main(sys.argv[1:]))"], cwd=REPO, stderr=subprocess.PIPE, text=True,
+                                    env={**os.environ, HTTP_FD_ENV: str(fd)}, pass_fds=(fd,))  # fmt: skip
+        _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == EXIT_CONFIG, stderr
+    said = {"another port": f"not on the configured 127.0.0.1:{dead.port}", "not a socket": "is not an open socket",
+            "not listening": "is not a listening TCP socket"}[wrong]  # fmt: skip
+    assert said in stderr and "Traceback" not in stderr, stderr
 
 
 async def test_connections_are_accepted_with_nagle_off() -> None:

@@ -10,12 +10,15 @@ import pytest
 
 from schemas.topics import TopicSpec
 from tests.conftest import BOOTSTRAP
-from tests.gateway.fakes import eventually
 from tests.kafka_helpers import produce
 from weir.bus import BusSettings, TopicFollower
 from weir.kafka.admin import delete_prefixed_topics, ensure_topics
+from tests.waiting import stays_false, until
 
 pytestmark = pytest.mark.kafka
+# A stopped follower has closed its consumer: nothing can reach the callback any more. One second
+# is many fetch waits of a live one (which hands a produced record over within milliseconds).
+AFTER_STOP_S = 1.0
 
 
 @pytest.fixture
@@ -36,7 +39,8 @@ async def test_it_reads_what_is_there_before_start_returns_then_follows(topic):
     try:
         assert sorted(int(value) for _, value in seen) == list(range(30))  # all of it, at start()
         await produce(BOOTSTRAP, topic, [("k1", b"new"), ("k2", None)])  # type: ignore[list-item]
-        await eventually(lambda: (b"k1", b"new") in seen and (b"k2", None) in seen, timeout_s=10)
+        await until(lambda: (b"k1", b"new") in seen and (b"k2", None) in seen,
+                    timeout_s=10, what="k1's new value and k2's tombstone")
     finally:
         await follower.stop()
 
@@ -55,7 +59,7 @@ async def test_a_record_the_handler_refuses_is_skipped_and_the_rest_read(topic):
     try:
         assert seen == [b"1", b"2"]
         await produce(BOOTSTRAP, topic, [("a", b"boom"), ("a", b"3")])
-        await eventually(lambda: seen[-1:] == [b"3"], timeout_s=10)
+        await until(lambda: seen[-1:] == [b"3"], timeout_s=10, what="the last record, 3")
     finally:
         await follower.stop()
 
@@ -67,8 +71,7 @@ async def test_an_empty_topic_starts_at_once_and_stop_ends_it(topic):
     await asyncio.wait_for(follower.start(), 20)
     await follower.stop()
     await produce(BOOTSTRAP, topic, [("a", b"late")])
-    await asyncio.sleep(1.0)
-    assert seen == []  # stopped: nothing more is handed over
+    await stays_false(lambda: seen, for_s=AFTER_STOP_S, what="a record handed over after stop")
 
 
 async def test_on_batch_follows_each_fetch_that_held_records(topic):
@@ -81,6 +84,6 @@ async def test_on_batch_follows_each_fetch_that_held_records(topic):
     try:
         assert batches and batches[-1] == 5  # after the records of its fetch, never before
         await produce(BOOTSTRAP, topic, [("k9", b"later")])
-        await eventually(lambda: batches[-1] == 6, timeout_s=10)
+        await until(lambda: batches[-1] == 6, timeout_s=10, what="the last batch, of 6")
     finally:
         await follower.stop()

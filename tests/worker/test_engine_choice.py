@@ -17,6 +17,7 @@ from services.worker.hosts.engine_factory import build_engine
 from services.worker.hosts.hardware import DeviceProbe, engine_label, resolve_engine
 from services.worker.engine.model import cpu_packed_gemm_available
 from services.worker.hosts.memory import engine_used_bytes, estimate_bytes
+from tests.waiting import until
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TINY_DIR = REPO_ROOT / "models" / "weir-tiny-py"
@@ -91,8 +92,10 @@ async def test_the_device_probe_runs_at_most_once_per_interval_and_off_the_loop(
     for _ in range(10):
         assert (await devices.devices())[0].name == "probe 1"
     assert len(calls) == 1
-    await asyncio.sleep(0.5)
-    assert (await devices.devices())[0].name == "probe 2"
+    async def probed_again() -> bool:  # once interval_s (0.5 s) has passed: until then the cached answer
+        return (await devices.devices())[0].name == "probe 2"
+
+    await until(probed_again, timeout_s=10, what="a fresh probe after interval_s")
     assert len(calls) == 2 and loop_thread not in calls
 
 

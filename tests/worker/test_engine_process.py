@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -21,6 +21,7 @@ from schemas.model_repo import ModelConfig, load_model_repo
 from services.worker.config import WorkerSettings
 from services.worker.hosts.runner import EngineProcess
 from services.worker.engine import EngineOutput
+from tests.waiting import until, wait_until
 
 from .factories import make_request
 
@@ -40,11 +41,9 @@ class Collector:
         self.outputs.extend(outputs)
         self.changed.set()
 
-    async def until(self, predicate, timeout_s: float = 30.0) -> None:
-        async with asyncio.timeout(timeout_s):
-            while not predicate():
-                self.changed.clear()
-                await self.changed.wait()
+    async def until(self, predicate: Callable[[], object], *, timeout_s: float, what: str) -> None:
+        """tests/waiting.py's until, looking again at each batch of outputs rather than polling."""
+        await until(predicate, timeout_s=timeout_s, what=what, wake=self.changed)
 
     def finals(self) -> dict[str, EngineOutput]:
         return {o.request_id: o for o in self.outputs if o.is_final}
@@ -69,7 +68,8 @@ async def test_outputs_come_back_in_order_and_pending_settles() -> None:
         requests = [make_request(f"hello there number {i}", max_tokens=5) for i in range(6)]
         for request in requests:
             process.submit(request)
-        await collector.until(lambda: len(collector.finals()) == len(requests))
+        await collector.until(lambda: len(collector.finals()) == len(requests),
+                              timeout_s=30, what="every request's final output")
         assert process.num_pending == 0
         for request in requests:
             seqs = [o.seq for o in collector.outputs if o.request_id == request.request_id]
@@ -89,9 +89,11 @@ async def test_cancel_reaches_the_child() -> None:
     try:
         request = make_request("a long prompt " * 4, max_tokens=50)
         process.submit(request)
-        await collector.until(lambda: any(o.request_id == request.request_id for o in collector.outputs))
+        await collector.until(lambda: any(o.request_id == request.request_id for o in collector.outputs),
+                              timeout_s=30, what="the request's first output")
         process.cancel(request.request_id)
-        await collector.until(lambda: request.request_id in collector.finals(), timeout_s=10)
+        await collector.until(lambda: request.request_id in collector.finals(),
+                              timeout_s=10, what="the request's final output")
         assert collector.finals()[request.request_id].finish_reason == "cancelled"
     finally:
         process.stop(5.0)
@@ -111,7 +113,8 @@ async def test_a_dead_child_is_a_failure_the_worker_sees() -> None:
     process = await open_process(echo_config(), collector)
     try:
         os.kill(process._process.pid, signal.SIGKILL)
-        await collector.until(lambda: process.failure is not None, timeout_s=10)
+        await collector.until(lambda: process.failure is not None,
+                              timeout_s=10, what="the engine process's failure noticed")
         assert "exited (killed by SIGKILL)" in str(process.failure)
         assert collector.num_calls >= 1  # the empty delivery that wakes publish()
         process.submit(make_request("after death"))  # ignored, never raises
@@ -126,7 +129,8 @@ async def test_the_default_model_generates_in_the_child() -> None:
     try:
         request = make_request("def main():\n    ", model=config.name, max_tokens=12, temperature=0.0, ignore_eos=True)
         process.submit(request)
-        await collector.until(lambda: request.request_id in collector.finals(), timeout_s=60)
+        await collector.until(lambda: request.request_id in collector.finals(),
+                              timeout_s=60, what="the request's final output")
         final = collector.finals()[request.request_id]
         assert final.finish_reason == "length" and final.completion_tokens == 12
         assert "".join(o.text for o in collector.outputs if o.request_id == request.request_id).strip()
@@ -148,7 +152,7 @@ def test_the_child_dies_with_a_killed_worker(tmp_path: Path) -> None:
             process = EngineProcess(config, WorkerSettings(), "cpu", asyncio.get_running_loop(), lambda outputs: None)
             await process.open()
             print(process._process.pid, flush=True)
-            await asyncio.sleep(300)
+            await asyncio.sleep(300)  # a worker that stays alive until the test kills it
 
         if __name__ == "__main__":  # spawn imports this file again in the child
             asyncio.run(main())
@@ -160,10 +164,7 @@ def test_the_child_dies_with_a_killed_worker(tmp_path: Path) -> None:
         assert _is_running(child_pid)
         worker.kill()
         worker.wait(10)
-        deadline = time.monotonic() + 10
-        while _is_running(child_pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _is_running(child_pid), "the engine process outlived its killed worker"
+        wait_until(lambda: not _is_running(child_pid), timeout_s=10, what="the engine process to die with its worker")
     finally:
         if worker.poll() is None:
             worker.kill()

@@ -191,11 +191,13 @@ async def test_goldens_beside_a_client_sequence_change_none_of_its_tokens(tiny_g
         try:
             runner.submit(request)
             if with_goldens:  # started while the client's sequence runs, several times over
-                await collector.until(lambda: len(collector.outputs) >= 2)
+                await collector.until(lambda: len(collector.outputs) >= 2,
+                                      timeout_s=30, what="2 outputs of the client request")
                 for _ in range(3):
                     assert await runner.check_goldens(tiny_goldens) is None
                 assert "client-1" not in collector.finals()  # the checks ran while it did
-            await collector.until(lambda: "client-1" in collector.finals())
+            await collector.until(lambda: "client-1" in collector.finals(),
+                                  timeout_s=30, what="the client request's final output")
         finally:
             runner.stop(5.0)
         ids = [t for o in collector.outputs for t in o.token_ids]

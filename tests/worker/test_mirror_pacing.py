@@ -10,6 +10,7 @@ import time
 from services.worker.engine.echo_engine import EchoEngine
 from services.worker.hosts.mirror_pacing import LivePressure, MirrorPacer, Pacing
 from services.worker.hosts.runner import EngineRunner
+from tests.waiting import until
 
 from .factories import T0_MS, make_request
 from .test_engine_process import Collector, echo_config, open_process
@@ -83,6 +84,10 @@ class Sink:
         self.told.append(is_pressed)
 
 
+# Under the 50 ms linger of the test below: a gap this short between two requests is not idleness.
+WITHIN_THE_LINGER_S = 0.02
+
+
 async def test_live_pressure_is_told_at_once_and_idle_only_after_the_linger() -> None:
     pressure, sink = LivePressure(idle_ms=50), Sink()
     pressure.attach(sink)
@@ -92,13 +97,15 @@ async def test_live_pressure_is_told_at_once_and_idle_only_after_the_linger() ->
     pressure.ended()
     pressure.ended()
     assert sink.told == [True]  # not yet: a gap between requests is not idleness
-    await asyncio.sleep(0.02)
+    # What is tested is the linger itself (idle_ms=50, a timer of the event loop): the next request
+    # comes within it, and after it nothing is told until a whole linger has passed without one.
+    await asyncio.sleep(WITHIN_THE_LINGER_S)
     pressure.started()  # the next request came within the linger
     pressure.ended()
-    await asyncio.sleep(0.03)
+    await asyncio.sleep(WITHIN_THE_LINGER_S)
     assert sink.told == [True]
-    await asyncio.sleep(0.05)
-    assert sink.told == [True, False] and not pressure.is_pressed
+    await until(lambda: sink.told == [True, False], timeout_s=5, what="idle told once the linger passed")
+    assert not pressure.is_pressed
     late = Sink()
     pressure.started()
     pressure.attach(late)  # an engine opened while live work runs hears it at once
@@ -119,10 +126,12 @@ async def test_copies_wait_while_live_requests_run_and_complete_once_they_are_id
         live_host.submit(live)
         assert pressure.is_pressed
         mirror_host.submit(copy(max_tokens=30))
-        await live_out.until(lambda: len(live_out.outputs) >= 5)
+        await live_out.until(lambda: len(live_out.outputs) >= 5, timeout_s=30, what="5 outputs of the live request")
         assert mirror_out.outputs == []  # held back: not one step while the live request runs
-        await live_out.until(lambda: "live-1" in live_out.finals())
-        await mirror_out.until(lambda: "live-1.mirror.2" in mirror_out.finals(), timeout_s=5)
+        await live_out.until(lambda: "live-1" in live_out.finals(),
+                             timeout_s=30, what="the live request's final output")
+        await mirror_out.until(lambda: "live-1.mirror.2" in mirror_out.finals(),
+                               timeout_s=5, what="the mirror copy's final output")
         assert mirror_out.finals()["live-1.mirror.2"].finish_reason == "length"
         assert min(o.seq for o in mirror_out.outputs) == 0 and not pressure.is_pressed
     finally:
@@ -142,7 +151,8 @@ async def test_a_copy_held_too_long_in_a_worker_is_ended_dropped_and_counted() -
     try:
         live_host.submit(make_request(WORDS, request_id="live-1", max_tokens=40))
         mirror_host.submit(copy(max_tokens=30))
-        await mirror_out.until(lambda: "live-1.mirror.2" in mirror_out.finals(), timeout_s=5)
+        await mirror_out.until(lambda: "live-1.mirror.2" in mirror_out.finals(),
+                               timeout_s=5, what="the mirror copy's final output")
         end = mirror_out.finals()["live-1.mirror.2"]
         assert (end.finish_reason, end.error.code) == ("rejected", "mirror_dropped")
         assert "live-1" not in live_out.finals()  # it was dropped while the live request still ran
@@ -166,11 +176,13 @@ async def test_engine_processes_hear_the_pressure_and_pace_as_the_settings_say()
         began = time.monotonic()
         live_host.submit(make_request(WORDS, request_id="live-1", max_tokens=40))
         mirror_host.submit(copy(max_tokens=30))
-        await live_out.until(lambda: "live-1" in live_out.finals())
+        await live_out.until(lambda: "live-1" in live_out.finals(),
+                             timeout_s=30, what="the live request's final output")
         steps_meanwhile, live_s = len(mirror_out.outputs), time.monotonic() - began
         assert "live-1.mirror.2" not in mirror_out.finals()  # unpaced, its 31 steps take milliseconds
         assert 1 <= steps_meanwhile <= live_s / 0.3 + 2  # a step per 300 ms at most while the live one ran
-        await mirror_out.until(lambda: "live-1.mirror.2" in mirror_out.finals(), timeout_s=10)
+        await mirror_out.until(lambda: "live-1.mirror.2" in mirror_out.finals(),
+                               timeout_s=10, what="the mirror copy's final output")
         assert mirror_out.finals()["live-1.mirror.2"].finish_reason == "length"
     finally:
         live_host.stop()

@@ -26,6 +26,7 @@ from services.batcher.config import BatcherSettings
 from services.worker.app import WorkerService
 from services.worker.config import WorkerSettings
 from tests.kafka_helpers import produce, read_until, wait_committed
+from tests.waiting import until
 from weir.kafka.admin import deployment_specs, ensure_topics, list_topic_names
 
 from .factories import make_request
@@ -155,9 +156,8 @@ async def test_bad_reply_to_records_harm_nobody_else(pipeline):
     assert dropped[0] not in letters or letters[dropped[0]].service != "batcher"  # valid: the worker ran it
 
     # The worker gives up on the request whose reply topic does not exist, and never makes it.
-    deadline = time.monotonic() + 15
-    while worker.servers[0].publisher.num_dropped < 1 and time.monotonic() < deadline:
-        await asyncio.sleep(0.2)
+    await until(lambda: worker.servers[0].publisher.num_dropped >= 1, timeout_s=15,
+                what="the worker to give up on the reply to a missing topic")
     assert worker.servers[0].publisher.num_dropped == 1
     assert missing not in await list_topic_names(BOOTSTRAP)
     # ... and dead-letters it with the reason (docs/design.md, "Reply topics"; issue 35)
@@ -227,9 +227,8 @@ async def test_a_reply_topic_that_never_appears_holds_up_nobody(creating_pipelin
     letters = await read_until(BOOTSTRAP, [topics.dead_letter], lambda rs: any(r.key == end_here[0].encode() for r in rs), 30)
     [letter] = [decode(DeadLetter, r.value) for r in letters if r.key == end_here[0].encode()]
     assert "could not produce the terminal reply" in letter.reason and "refuses writes" in letter.reason
-    deadline = time.monotonic() + 20
-    while worker.servers[0].publisher.num_dropped < dropped_before + 1 and time.monotonic() < deadline:
-        await asyncio.sleep(0.2)
+    await until(lambda: worker.servers[0].publisher.num_dropped >= dropped_before + 1, timeout_s=20,
+                what="the worker to drop the terminal reply it could not produce")
     assert worker.servers[0].publisher.num_dropped == dropped_before + 1
     lag = await wait_committed(BOOTSTRAP, topics.batcher_group, topics.requests)
     assert all(c == e for c, e in lag.values()), lag

@@ -4,7 +4,6 @@ is ready here, or after WEIR_ROLLBACK_WARM_TIMEOUT_S anyway (the Kafka path: tes
 
 from __future__ import annotations
 
-import asyncio
 
 from schemas.messages import now_ms
 from schemas.model_repo import ModelConfig
@@ -12,6 +11,7 @@ from schemas.registry import ModelRoute, ModelVersionRecord, RegistryState
 from services.worker.config import WorkerSettings
 from services.worker.versions import Version, VersionManager
 from weir.models.manifest import pack
+from tests.waiting import stays_false, until
 
 
 class FakePort:
@@ -60,6 +60,11 @@ async def manager(timeout_s: float) -> tuple[VersionManager, FakePort, Version]:
     return versions, port, failing
 
 
+# The rollback looks at echo@1's state every 0.05 s while it warms (services/worker/versions.py):
+# ten looks without a switch show it waits for readiness, not for a look to happen.
+WARMING_S = 0.5
+
+
 def kinds(records: list) -> list[tuple[str, str]]:
     return [(r.served_id, r.desired) if isinstance(r, ModelVersionRecord) else ("route", r.default_version) for r in records]
 
@@ -67,15 +72,13 @@ def kinds(records: list) -> list[tuple[str, str]]:
 async def test_the_route_is_switched_back_only_once_the_previous_version_is_ready_here():
     versions, port, failing = await manager(timeout_s=30)
     assert versions._roll_back_if_fresh(failing, "golden departed")
-    await asyncio.sleep(0.5)
+    await until(lambda: port.writes, timeout_s=5, what="echo@1 asked to load")
+    await stays_false(lambda: len(port.writes) > 1 or port.events, for_s=WARMING_S,
+                      what="the route switched before echo@1 is ready here")
     assert [kinds(w) for w in port.writes] == [[("echo@1", "loaded")]]  # warming: the route not switched yet
-    assert port.events == []
 
     versions.versions["echo@1"] = Version("echo@1", None, port.state.versions["echo@1"], state="ready")
-    for _ in range(40):
-        if len(port.writes) == 2:
-            break
-        await asyncio.sleep(0.05)
+    await until(lambda: len(port.writes) == 2, timeout_s=5, what="the route switched back once echo@1 is ready")
     assert [kinds(w) for w in port.writes] == [[("echo@1", "loaded")], [("route", "1"), ("echo@2", "unloaded")]]
     assert port.events == [("echo@2", "rolled_back", "default of echo back to 1 (echo@1 ready here first): golden departed")]
     await versions.close()
@@ -84,10 +87,7 @@ async def test_the_route_is_switched_back_only_once_the_previous_version_is_read
 async def test_after_the_warm_timeout_the_route_is_switched_anyway_and_the_event_says_so():
     versions, port, failing = await manager(timeout_s=0.2)
     assert versions._roll_back_if_fresh(failing, "golden departed")
-    for _ in range(40):
-        if port.events:
-            break
-        await asyncio.sleep(0.05)
+    await until(lambda: port.events, timeout_s=5, what="the rollback event after the warm timeout")
     assert [kinds(w) for w in port.writes] == [[("echo@1", "loaded")], [("route", "1"), ("echo@2", "unloaded")]]
     assert port.events == [("echo@2", "rolled_back", "default of echo back to 1 (switched without echo@1: not ready "
                             "here within WEIR_ROLLBACK_WARM_TIMEOUT_S=0.2 s): golden departed")]  # fmt: skip
@@ -97,15 +97,12 @@ async def test_after_the_warm_timeout_the_route_is_switched_anyway_and_the_event
 async def test_a_route_changed_while_warming_is_not_switched_back_and_the_failing_version_is_reloaded():
     versions, port, failing = await manager(timeout_s=30)
     assert versions._roll_back_if_fresh(failing, "golden departed")
-    await asyncio.sleep(0.3)
+    await until(lambda: port.writes, timeout_s=5, what="echo@1 asked to load: the rollback is warming")
     three = ModelConfig(name="echo", version="3", engine="echo", max_model_len=4096)
     for record in (ModelVersionRecord(manifest=pack(three)), ModelRoute(name="echo", default_version="3", previous_version="2")):
         port.state.apply(record.key, record)  # an operator promoted echo@3 meanwhile
     versions.versions["echo@1"] = Version("echo@1", None, port.state.versions["echo@1"], state="ready")
-    for _ in range(40):
-        if failing.reloads:
-            break
-        await asyncio.sleep(0.05)
+    await until(lambda: failing.reloads, timeout_s=5, what="the failing version reloaded")
     assert [kinds(w) for w in port.writes] == [[("echo@1", "loaded")]]  # echo@3's route kept
     assert failing.reloads == 1 and "rolled_back" not in [e for _, e, _ in port.events]
     await versions.close()

@@ -69,7 +69,9 @@ async def test_worker_serves_batches_cancels_and_dead_letters(tmp_path, llama_di
         forged = Batch(batch_id="b3", model="tiny@1", requests=[make_request("x", model="tiny", reply_to=replies)],
                        batcher_id="test")  # on echo@1's topic: never run by echo@1 (invariant 10)
         await produce(BOOTSTRAP, topics.batches("echo@1"), [("b2", encode(batches[1])), ("b3", encode(forged))])
-        await asyncio.sleep(0.5)
+        # the slow request runs (its first reply is out), then its cancellation arrives
+        await read_until(BOOTSTRAP, [replies], lambda rs: any(decode_reply(r.value).request_id == slow.request_id
+                                                               for r in rs), timeout_s=60)  # fmt: skip
         await produce(BOOTSTRAP, topics.control, [(slow.request_id, encode(Cancellation(request_id=slow.request_id)))])
 
         want = {r.request_id for r in [*tiny, echo, slow]}
