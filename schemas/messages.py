@@ -815,7 +815,7 @@ class UsageRecord(_Wire):
     """
 
     gateway_id: str = Field(description="Gateway instance that admitted the consumption.")
-    scope: str = Field(description="Limited scope, e.g. 'key:<key_id>', 'tenant:<tenant>', 'sub:<principal>'.")
+    scope: str = Field(description="Limited scope, e.g. 'key:<key_id>', 'tenant:<tenant>', 'sub:<tenant>:<principal>'.")
     num_requests: int = Field(0, ge=0, description="Requests admitted since the previous record of this scope.")
     num_tokens: int = Field(
         0, description="Tokens reserved or corrected since the previous record; negative gives tokens back."
