@@ -604,6 +604,12 @@ class WorkerHeartbeat(_Wire):
         "weighted rate); the gateway's admission divides the queue ahead of a request by the fleet's sum of it "
         "(docs/design.md, \"Scale-out and failover\"). None: not measured yet.",
     )
+    service_s: float | None = Field(
+        None, gt=0,
+        description="Mean seconds a request of this worker ran, from first scheduled to its end, weighted like "
+        "finished_per_s; the gateway's admission takes K requests running at once to end K / service_s a second "
+        "(Little's law), so a rate measured at a lower load does not stand for a burst's. None: none ended yet.",
+    )
     sent_ms: int = Field(default_factory=now_ms, description="When it was sent, epoch ms.")
 
 

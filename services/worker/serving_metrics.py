@@ -81,7 +81,12 @@ class ServingMetrics:
     """The instruments, made once per worker on its ServiceMetrics; `engine_stats` lists each served
     version's engines' last stats (read at scrape time)."""
 
-    def __init__(self, metrics: ServiceMetrics, engine_stats: EngineStats) -> None:
+    def __init__(self, metrics: ServiceMetrics, engine_stats: EngineStats,
+                 on_ran: Callable[[float], None] | None = None) -> None:  # fmt: skip
+        """`on_ran`: called with the seconds each request that ran took, first scheduled (or, on an
+        engine that runs every request at once, received) to its end: the heartbeat's service
+        time (finish_rate.py)."""
+        self.on_ran = on_ran
         h = metrics.histogram
         self.ttft = h(vllm("time_to_first_token_seconds"), "Time from the worker's receipt of a request to its first token.",
                       TTFT_BUCKETS)  # fmt: skip
@@ -180,6 +185,8 @@ class Recorder:
         if received is not None and end is not None:
             m.e2e.record((end - received) / 1000, labels)
             m.genai_duration.record((end - received) / 1000, genai)
+            if m.on_ran is not None and request.shadow_of is None:  # a mirror copy yields to live work: not its pace
+                m.on_ran((end - (received if scheduled is None else scheduled)) / 1000)
         if scheduled is not None and received is not None:
             m.queue.record((scheduled - received) / 1000, labels)
             if first is not None:
