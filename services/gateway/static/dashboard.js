@@ -35,8 +35,17 @@ function table(panel, selector, head, rows) {
   node.replaceChildren(el("tr", {}, ...head.map((h) => el("th", {}, h))), ...rows);
 }
 
+// A name that may break after its separators when a column is narrow (a <wbr> adds no text: copying gives the name).
+function breakable(text) {
+  const parts = String(text).split(/(?<=[.@\-/_])/);
+  const node = el("span", {});
+  parts.forEach((part, i) => node.append(...(i ? [el("wbr", {}), part] : [part])));
+  return node;
+}
+
 function cell(value, cls) {
-  return el("td", cls ? { class: cls } : {}, value);
+  const isName = typeof value === "string" && !(cls || "").split(" ").includes("num");
+  return el("td", cls ? { class: cls } : {}, isName ? breakable(value) : value);
 }
 
 function setState(panel, state, message) {
