@@ -411,6 +411,8 @@ class WorkerService:
             prefix_cache_hits=int(sum(s.get("prefix_cache_hits", 0) for s in stats)),
             partitions={m: p for m, (p, _) in owned.items()}, next_offsets={m: o for m, (_, o) in owned.items()},
             devices=devices, versions=held.statuses() if held is not None else {},
+            latency={v.sid: v.server.publisher.recorder.latency() for v in routed
+                     if v.server is not None and v.server.publisher.recorder is not None},
             finished_per_s=self.finish_rate.per_s(), service_s=self.finish_rate.service_s(),
         )  # fmt: skip
 

@@ -20,8 +20,8 @@ from .conftest import start_pipeline
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
 STEP_MS = 50  # the echo model's pace: 20 words a second
-WORDS = 100  # each stream echoes 100 words: 5 s at that pace
-WAVE = 32  # streams started together, twice
+WORDS = 60  # each stream echoes 60 words: 3 s at that pace (slower on a loaded machine)
+WAVE = 24  # streams started together, twice
 
 
 @pytest.fixture(scope="module")
@@ -64,14 +64,14 @@ async def echo_running(p, at_least: int, timeout_s: float = 60) -> WorkerHeartbe
 async def test_streams_started_together_are_not_refused_on_a_rate_measured_one_at_a_time(paced_echo):
     p = paced_echo
     async with httpx.AsyncClient(base_url=p.base_url, timeout=120) as client:
-        # One request at a time for 10 busy seconds: the measured rate is about 0.2 ends a second.
+        # One request at a time for 6 busy seconds or more: the measured rate is at most 1/3 end a second.
         for i in range(2):
-            status, text = await stream(client, i, 60)
+            status, text = await stream(client, i, 90)
             assert status == 200 and "[DONE]" in text
-        first = [asyncio.create_task(stream(client, 100 + i, 60)) for i in range(WAVE)]
+        first = [asyncio.create_task(stream(client, 100 + i, 90)) for i in range(WAVE)]
         hb = await echo_running(p, WAVE * 3 // 4)
-        # At the measured rate alone the queue would be "32 ahead at 0.2/s", 160 s: the old estimate
-        # refused every request below with less than that to its deadline.
+        # At the measured rate alone the queue would be "24 ahead at 0.33/s", 72 s or more: the old
+        # estimate refused every request below, 45 s from its deadline.
         assert hb.finished_per_s is not None and hb.finished_per_s < 1.0, hb
         assert hb.service_s is not None and WORDS * STEP_MS / 1000 <= hb.service_s < 60, hb
         # The estimate still refuses what cannot fit: a request with half a second left (the gateway
@@ -82,8 +82,9 @@ async def test_streams_started_together_are_not_refused_on_a_rate_measured_one_a
             if probes[-1][0] == 429:
                 break
         assert probes[-1][0] == 429 and "queue_too_long" in probes[-1][1], probes
-        second = [asyncio.create_task(stream(client, 200 + i, 30)) for i in range(WAVE)]
+        second = [asyncio.create_task(stream(client, 200 + i, 45)) for i in range(WAVE)]
         results = await asyncio.gather(*first, *second)
     refused = [text for status, text in results if status != 200]
     assert refused == [], f"{len(refused)} refused, e.g. {refused[0][:300]}"
-    assert all('"finish_reason":"stop"' in text and "[DONE]" in text for _, text in results), results[0]
+    unfinished = [text for _, text in results if '"finish_reason":"stop"' not in text or "[DONE]" not in text]
+    assert unfinished == [], f"{len(unfinished)} of {len(results)} did not finish, e.g. {unfinished[0][-400:]}"

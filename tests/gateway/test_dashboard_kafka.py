@@ -94,7 +94,7 @@ async def test_the_page_is_static_self_contained_and_its_data_takes_the_admin_to
         empty = (await client.get("/dashboard/data", headers=ADMIN)).json()
     # Nothing observed yet: no data, not zeros.
     assert empty["throughput"] is None and empty["lag"] is None
-    assert empty["latency"] == {"ttft": None, "itl": None, "e2e": None}
+    assert empty["latency"] == {"ttft": None, "itl": None, "e2e": None, "worker_ttft": None, "worker_itl": None}
     assert empty["workers"] == [] and empty["tenants"]["top"] == []
     assert empty["alerts"] == {"recent": [], "open": [], "skipped": 0, "sla": {}}
     assert {v["name"] for v in empty["versions"]} >= {"echo", "smollm2-135m-instruct"}  # the seed, not ready

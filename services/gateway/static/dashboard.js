@@ -66,7 +66,9 @@ function chart(id, labels, colors) {
 }
 
 function remember(data) {
-  const all = data.latency && data.latency.ttft && data.latency.ttft.all;
+  // The gateway's TTFT (its streamed and plain requests); with none in the window (batch jobs only), the workers'.
+  const pick = (key) => data.latency && data.latency[key] && data.latency[key].all.count ? data.latency[key].all : null;
+  const all = pick("ttft") || pick("worker_ttft");
   points.t.push(data.now_ms / 1000);
   points.tps.push(data.throughput ? data.throughput.tokens_per_s : null);
   for (const q of ["p50", "p95", "p99"]) points[q].push(all ? all[q] : null);
@@ -85,7 +87,8 @@ function showThroughput(data) {
 }
 
 function showLatency(data) {
-  const kinds = { ttft: "time to first token", itl: "inter-token", e2e: "end to end" };
+  const kinds = { ttft: "time to first token", itl: "inter-token", e2e: "end to end",
+    worker_ttft: "TTFT at the workers (all, batch too)", worker_itl: "inter-token at the workers" };
   const rows = [];
   for (const [kind, title] of Object.entries(kinds)) {
     const found = data.latency && data.latency[kind];
