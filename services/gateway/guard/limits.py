@@ -174,7 +174,8 @@ class RateLimiter:
 
     def reported(self, scope: str, kind: LimitKind, now_s: float) -> float:
         """What other instances reported of a scope that has no bucket here, within the window."""
-        return sum(amount for then_s, amount in self._unbound.get((scope, kind), []) if then_s > now_s - SECONDS_PER_WINDOW)
+        entries = self._unbound.get((scope, kind), [])
+        return sum(amount for then_s, amount in entries if then_s > now_s - SECONDS_PER_WINDOW)
 
     def _bucket(self, scope: str, kind: LimitKind, limits: ScopeLimits, now_s: float) -> TokenBucket | None:
         limit = limits.of(kind)
