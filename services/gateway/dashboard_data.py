@@ -101,10 +101,18 @@ def _by_series(snap: Samples, name: str) -> dict[frozenset[tuple[str, str]], flo
 
 
 def _delta(new: dict[Any, float], old: dict[Any, float]) -> dict[Any, float]:
-    """new - old per series; a series that went down (its process restarted) counts from zero."""
-    if any(value < old.get(key, 0.0) for key, value in new.items()):
-        return dict(new)
-    return {key: value - old.get(key, 0.0) for key, value in new.items()}
+    """new - old per series; when a series went down (its process restarted), that process's series
+    count from zero: the process is the `worker` label's (the workers' histograms), else this gateway."""
+    by_process: dict[str, dict[Any, float]] = {}
+    for key, value in new.items():
+        by_process.setdefault(dict(key).get("worker", ""), {})[key] = value
+    out: dict[Any, float] = {}
+    for series in by_process.values():
+        if any(value < old.get(key, 0.0) for key, value in series.items()):
+            out.update(series)
+        else:
+            out.update({key: value - old.get(key, 0.0) for key, value in series.items()})
+    return out
 
 
 def _model_of(labels: frozenset[tuple[str, str]]) -> str:

@@ -86,6 +86,9 @@ def test_the_workers_ttft_counts_every_request_the_gateway_never_saw(gateway_met
     assert itl["all"]["count"] == 40 and itl["all"]["p50"] <= 0.05
     assert report["latency"]["ttft"] is None  # the gateway timed nothing itself
     assert heartbeat_samples([]) == {}
+    # w2 restarts (its counts begin again at 3): only its own series count from zero, w1's stay a difference
+    live = [worker_beat("w1", ttft=[50, 60, 71], itl=[130, 140]), worker_beat("w2", ttft=[3, 3, 3], itl=[0, 0])]
+    assert window.report()["latency"]["worker_ttft"]["all"]["count"] == 11 + 3
 
 
 def test_a_window_with_no_observation_has_no_percentile(gateway_metrics):
