@@ -161,6 +161,8 @@ async def traffic(found: Instruments, topics: Topics, stop: asyncio.Event, per_s
         observe_request(found, rng, rng.choice(MODELS))
         found.lag[(topics.batcher_group, topics.requests)] = float(rng.randint(0, 40))
         found.lag[(topics.auditor_group, topics.audit)] = float(rng.randint(0, 12))
+        for model in MODELS:  # the longest names a deployment shows: a version's worker group and batch topic
+            found.lag[(topics.worker_group(model), topics.batches(model))] = float(rng.randint(0, 6))
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), 1 / per_s)
 

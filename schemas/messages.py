@@ -540,6 +540,37 @@ class DeviceInfo(BaseModel):
     utilization_pct: float | None = Field(None, description="Compute utilisation, percent (NVML).")
 
 
+class LatencyHistogram(BaseModel):
+    """A latency histogram as Prometheus exposes one: cumulative counts per upper bound."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    bounds: list[float] = Field(max_length=64, description="Upper bounds in seconds, ascending (+Inf implied last).")
+    counts: list[int] = Field(max_length=65, description="Cumulative: observations at most each bound, then all "
+                              "of them (the +Inf bucket); one more entry than bounds, never decreasing.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> LatencyHistogram:
+        if len(self.counts) != len(self.bounds) + 1:
+            raise ValueError(f"{len(self.counts)} counts for {len(self.bounds)} bounds: want one more (+Inf)")
+        if any(b <= a for a, b in zip(self.bounds, self.bounds[1:])):
+            raise ValueError("bounds must ascend")
+        if any(c < 0 for c in self.counts) or any(b < a for a, b in zip(self.counts, self.counts[1:])):
+            raise ValueError("counts must be cumulative: >= 0 and never decreasing")
+        return self
+
+
+class VersionLatency(BaseModel):
+    """One version's time to first token and inter-token latency on one worker since it was loaded:
+    vLLM's vllm:time_to_first_token_seconds and vllm:inter_token_latency_seconds, of every request
+    (streamed, plain, a Batch API job's)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    ttft: LatencyHistogram = Field(description="Receipt by the worker to the first token.")
+    itl: LatencyHistogram = Field(description="Between consecutive output tokens.")
+
+
 VersionState = Literal[
     "verifying",  # checking every file against the manifest
     "loading",  # building the engine
@@ -603,6 +634,17 @@ class WorkerHeartbeat(_Wire):
         description="Requests this worker ended per second, averaged over its last minute (an exponentially "
         "weighted rate); the gateway's admission divides the queue ahead of a request by the fleet's sum of it "
         "(docs/design.md, \"Scale-out and failover\"). None: not measured yet.",
+    )
+    latency: dict[str, VersionLatency] = Field(
+        default_factory=dict,
+        description="Per model version it serves: its TTFT and inter-token histograms since loaded, every request "
+        "(the gateway's dashboard shows them beside its own, which see no Batch API job). Empty: not reported.",
+    )
+    service_s: float | None = Field(
+        None, gt=0,
+        description="Mean seconds a request of this worker ran, from first scheduled to its end, weighted like "
+        "finished_per_s; the gateway's admission takes K requests running at once to end K / service_s a second "
+        "(Little's law), so a rate measured at a lower load does not stand for a burst's. None: none ended yet.",
     )
     sent_ms: int = Field(default_factory=now_ms, description="When it was sent, epoch ms.")
 
@@ -815,7 +857,7 @@ class UsageRecord(_Wire):
     """
 
     gateway_id: str = Field(description="Gateway instance that admitted the consumption.")
-    scope: str = Field(description="Limited scope, e.g. 'key:<key_id>', 'tenant:<tenant>', 'sub:<principal>'.")
+    scope: str = Field(description="Limited scope, e.g. 'key:<key_id>', 'tenant:<tenant>', 'sub:<tenant>:<principal>'.")
     num_requests: int = Field(0, ge=0, description="Requests admitted since the previous record of this scope.")
     num_tokens: int = Field(
         0, description="Tokens reserved or corrected since the previous record; negative gives tokens back."

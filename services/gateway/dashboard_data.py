@@ -8,7 +8,8 @@ it already holds or follows on Kafka:
   `histogram_quantile(q, rate(..._bucket[w]))` and `rate(..._total[w])` would), and the consumer
   lag gauge `kafka_consumergroup_lag` as it is now;
 - the worker heartbeats it follows (fleet.py): queue, KV-cache usage and prefix-cache hit rate per
-  live worker;
+  live worker, and each version's TTFT and inter-token histograms as the workers measure them
+  (vLLM's: every request, a Batch API job's too, which no gateway sees), windowed like its own;
 - the registry it follows (catalog.py): every version and the states the live workers report;
 - `<prefix>.health` (HealthAlert): the last alerts and the ones still open per (version, signal),
   and per version the output SLA of its latest `structured` and `determinism` alerts (the valid
@@ -38,6 +39,7 @@ import orjson
 from aiokafka import ConsumerRecord
 
 from schemas.codec import DecodeError, decode
+from schemas.messages import WorkerHeartbeat
 from schemas.telemetry import HealthAlert, RateCard, UsageTotals
 from services.gateway.catalog import Catalog
 from weir.bus import BusSettings, TopicFollower
@@ -53,6 +55,9 @@ LATENCIES = {
     "ttft": "weir_gateway_time_to_first_token_seconds",
     "itl": "weir_gateway_inter_token_latency_seconds",
     "e2e": "weir_gateway_e2e_request_latency_seconds",
+    # The live workers' heartbeats (WorkerHeartbeat.latency), as samples under these names (heartbeat_samples).
+    "worker_ttft": "worker_time_to_first_token_seconds",
+    "worker_itl": "worker_inter_token_latency_seconds",
 }
 TOKENS = "weir_gateway_generation_tokens_total"
 LAG = "kafka_consumergroup_lag"
@@ -96,10 +101,18 @@ def _by_series(snap: Samples, name: str) -> dict[frozenset[tuple[str, str]], flo
 
 
 def _delta(new: dict[Any, float], old: dict[Any, float]) -> dict[Any, float]:
-    """new - old per series; a series that went down (its process restarted) counts from zero."""
-    if any(value < old.get(key, 0.0) for key, value in new.items()):
-        return dict(new)
-    return {key: value - old.get(key, 0.0) for key, value in new.items()}
+    """new - old per series; when a series went down (its process restarted), that process's series
+    count from zero: the process is the `worker` label's (the workers' histograms), else this gateway."""
+    by_process: dict[str, dict[Any, float]] = {}
+    for key, value in new.items():
+        by_process.setdefault(dict(key).get("worker", ""), {})[key] = value
+    out: dict[Any, float] = {}
+    for series in by_process.values():
+        if any(value < old.get(key, 0.0) for key, value in series.items()):
+            out.update(series)
+        else:
+            out.update({key: value - old.get(key, 0.0) for key, value in series.items()})
+    return out
 
 
 def _model_of(labels: frozenset[tuple[str, str]]) -> str:
@@ -110,17 +123,19 @@ class MetricWindow:
     """Snapshots of the gateway's own exposition over the last WINDOW_S, and what changed since."""
 
     def __init__(self, render: Callable[[], str], window_s: float = WINDOW_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+                 clock: Callable[[], float] = time.monotonic, extra: Callable[[], Samples] = dict) -> None:  # fmt: skip
+        """`extra`: samples from elsewhere than the exposition (the workers' histograms: heartbeat_samples)."""
         self._render = render
         self.window_s = window_s
         self._clock = clock
+        self._extra = extra
         self._snapshots: deque[Snapshot] = deque()
 
     def snapshot(self) -> Snapshot:
         """The exposition now, only the samples the dashboard reads (a NaN gauge is no data: JSON has no NaN)."""
         kept = {key: value for key, value in samples(self._render()).items()
                 if key[0] in _KEPT and math.isfinite(value)}  # fmt: skip
-        return Snapshot(self._clock(), kept)
+        return Snapshot(self._clock(), {**kept, **self._extra()})
 
     def sample(self) -> None:
         """Keep a snapshot; forget those older than the window, keeping one at or before its start."""
@@ -186,6 +201,21 @@ def _percentiles(buckets: dict[float, float]) -> dict[str, Any]:
     pairs = sorted(buckets.items())
     out: dict[str, Any] = {f"p{round(q * 100)}": histogram_quantile(q, pairs) for q in QUANTILES}
     out["count"] = pairs[-1][1] if pairs else 0.0
+    return out
+
+
+def heartbeat_samples(live: list[WorkerHeartbeat]) -> Samples:
+    """The live workers' latency histograms as exposition samples (`<name>_bucket` with model_name,
+    worker and le), so MetricWindow windows them like the gateway's own: a worker that restarted
+    counts from zero again (_delta), one that is gone drops out."""
+    out: Samples = {}
+    for hb in live:
+        for sid, latency in hb.latency.items():
+            for key, histogram in (("worker_ttft", latency.ttft), ("worker_itl", latency.itl)):
+                name = f"{LATENCIES[key]}_bucket"
+                for bound, count in zip([*histogram.bounds, math.inf], histogram.counts):
+                    le = "+Inf" if math.isinf(bound) else repr(float(bound))
+                    out[(name, frozenset({("model_name", sid), ("worker", hb.worker_id), ("le", le)}))] = float(count)
     return out
 
 
@@ -299,7 +329,7 @@ class DashboardData:
     def __init__(self, settings: BusSettings, client_id: str, catalog: Catalog, render: Callable[[], str],
                  clock_ms: Callable[[], int]) -> None:  # fmt: skip
         self.catalog = catalog
-        self.metrics = MetricWindow(render)
+        self.metrics = MetricWindow(render, extra=lambda: heartbeat_samples(catalog.fleet.live(clock_ms())))
         self.alerts = AlertsView()
         self.usage = UsageView()
         self._now_ms = clock_ms

@@ -11,11 +11,13 @@ Consumer lag of the deployment's groups (weir/lag.py, polled in the background) 
 `kafka_consumergroup_lag`; the estimated wait of a new request per version (queue_wait.py, the
 estimate admission refuses by) as `weir_gateway_queue_wait_seconds{model_name}`.
 
-Generations as the client sees them (`GenerationTimer`, label `model_name`: the served
+Generations as the gateway sees them (`GenerationTimer`, label `model_name`: the served
 `name@version`, as vLLM's names are labelled: docs/design.md, "Observability"): `weir_gateway_time_to_first_token_seconds` (request accepted -> first content
-written), `weir_gateway_inter_token_latency_seconds` (between content writes: a chunk may hold
-several tokens), both for streamed responses only (a JSON body has no first token; the GenAI
-conventions report time-to-first-chunk for streaming calls only); for every generation that
+written to a streamed response, or first token received for a JSON one) and
+`weir_gateway_inter_token_latency_seconds` (between those: a chunk may hold several tokens), for
+every generation as vLLM records them, with label `stream` ("true" for a streamed response, SSE
+or WebSocket; "false" for a JSON body, whose client sees only the end: its first token is the
+pipeline's, read by this gateway); for every generation that
 reached its terminal, `weir_gateway_e2e_request_latency_seconds`, `weir_gateway_generation_tokens`
 (completion tokens billed), and the OpenTelemetry GenAI client metrics `gen_ai.client.token.usage`
 and `gen_ai.client.operation.duration` (with `error.type`, the OpenAI error code, when the
@@ -120,12 +122,12 @@ class GatewayMetrics:
         """The instruments GenerationTimer records into (see the module docstring)."""
         service = self.service
         self.time_to_first_token = service.histogram(
-            "weir_gateway_time_to_first_token_seconds", "Request accepted to its first content written to the "
-            "client, streamed responses.", TTFT_BUCKETS,
+            "weir_gateway_time_to_first_token_seconds", "Request accepted to its first content: written to the "
+            "client (stream=true) or received from the worker (stream=false, a JSON body).", TTFT_BUCKETS,
         )  # fmt: skip
         self.inter_token_latency = service.histogram(
-            "weir_gateway_inter_token_latency_seconds", "Time between two content writes of a streamed response.",
-            ITL_BUCKETS,
+            "weir_gateway_inter_token_latency_seconds", "Time between two contents of a generation, written "
+            "(stream=true) or received (stream=false).", ITL_BUCKETS,
         )  # fmt: skip
         self.e2e_latency = service.histogram(
             "weir_gateway_e2e_request_latency_seconds", "Request accepted to its terminal, generations that reached one.",
@@ -215,26 +217,28 @@ class ResponseCounter:
 class GenerationTimer:
     """Times one generation from the moment its request was accepted, as its client sees it.
 
-    `on_content` after each content write of a streamed response (the first gives the TTFT, the
-    next ones the inter-token latency); `on_end` once, when the terminal is reached. `clock`
-    (time.monotonic) is injectable so tests give known timings.
+    `on_content` after each content write of a streamed response, or as each delta with tokens of
+    a JSON one (`is_streamed` False) arrives (the first gives the TTFT, the next ones the
+    inter-token latency); `on_end` once, when the terminal is reached. `clock` (time.monotonic)
+    is injectable so tests give known timings.
     """
 
     def __init__(
         self, metrics: GatewayMetrics, model_name: str, kind: str, started_s: float,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = time.monotonic, is_streamed: bool = True,
     ) -> None:
         self.metrics = metrics
         self.model_name = model_name
         self.operation = GEN_AI_OPERATION[kind]
         self._clock = clock
         self.started_s = started_s  # clock() when the request was accepted
+        self._labels = {"model_name": model_name, "stream": "true" if is_streamed else "false"}
         self._last_write_s: float | None = None
         self.is_ended = False
 
     def on_content(self) -> None:
         now = self._clock()
-        labels = {"model_name": self.model_name}
+        labels = self._labels
         if self._last_write_s is None:
             self.metrics.time_to_first_token.record(now - self.started_s, labels)
         else:

@@ -2,7 +2,16 @@
 
 docs/design.md, "Scale-out and failover": the queue ahead of a request is the live workers'
 `num_waiting` and `num_running` plus the requests in the version's batch topic that its worker group has not read;
-the drain rate is the sum of those workers' `finished_per_s`; the wait is their quotient.
+the drain rate is the sum of those workers' drain rates (drain_rate); the wait is their quotient.
+
+A worker's drain rate is the larger of two measurements, each of which lags a change the other
+sees at once: its `finished_per_s` (ends per busy second over about a minute: it lags a change of
+concurrency, and is low while a burst that started together has not ended yet), and its
+concurrency over its `service_s` (Little's law: K requests running at once for service_s each end
+K / service_s a second; it lags a change of service time, as when more sequences per step slow
+each step). K is the concurrency the queue will run at: the work it has and its share of the
+unread requests, up to max_num_seqs (or what it runs, if more). A refusal needs both to say the
+queue is too long, so a cold start or a burst after a quiet minute is not refused on a guess.
 
 Counting the batch topic: its lag is in records (Batches), each holding several requests, so the
 records between the group's read position and the end of each partition are read and their
@@ -65,20 +74,36 @@ class QueueWait:
         return min(MAX_RETRY_AFTER_S, max(1, math.ceil(self.wait_s - time_to_deadline_s)))
 
 
+def drain_rate(hb: WorkerHeartbeat, unread_share: float) -> float | None:
+    """Requests a second worker `hb` ends with `unread_share` requests on its way from the batch
+    topic: the larger of its measured finished_per_s and K / service_s at the concurrency K the
+    work ahead runs at (module docstring); None when it has neither."""
+    rates = [] if hb.finished_per_s is None else [hb.finished_per_s]
+    if hb.service_s is not None:
+        work = hb.num_running + hb.num_waiting + unread_share
+        concurrency = max(1.0, min(float(max(hb.max_num_seqs, hb.num_running)), work))
+        rates.append(concurrency / hb.service_s)
+    return max(rates) if rates else None
+
+
 def estimate(model: str, serving: list[WorkerHeartbeat], unread: int | None) -> QueueWait | None:
     """The wait for `model` served by the live `serving` workers with `unread` requests in its batch
     topic; None (unknown) when the unread count is unknown, no serving worker owns a partition of
     the batch topic (none drains it; a heartbeat that claims to serve without one, a forged one
-    included, counts for nothing), one that does has measured no rate yet, or the rates sum to 0.
+    included, counts for nothing), one that does has no drain rate yet (drain_rate), or the rates
+    sum to 0. The unread requests are shared evenly between the draining workers.
 
     The queue ahead holds the running requests too: a worker batches continuously, so a new
     request shares the steps with every one in flight, and at the measured rate it ends about
     when the requests ahead of it have (an outside test saw 80 running requests estimated at a
     0.7 s wait while each new one timed out: the waiting ones alone were 0)."""
     drains = [hb for hb in serving if hb.partitions.get(model)]
-    if unread is None or not drains or any(hb.finished_per_s is None for hb in drains):
+    if unread is None or not drains:
         return None
-    per_s = sum(hb.finished_per_s or 0.0 for hb in drains)
+    rates = [drain_rate(hb, unread / len(drains)) for hb in drains]
+    if any(rate is None for rate in rates):
+        return None
+    per_s = sum(rate or 0.0 for rate in rates)
     if per_s <= 0:
         return None
     return QueueWait(model, unread + sum(hb.num_waiting + hb.num_running for hb in drains), per_s)

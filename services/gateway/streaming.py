@@ -327,7 +327,8 @@ async def collect(
     choice's text and tool-call arguments passed through `guard_text`; logprobs and echo as `writer` renders them), or
     None when the client left first (its caller then closes the Exchange, or the siblings, with
     client_disconnect). Siblings give a choice each; best_of keeps the group's num_choices with
-    the highest cumulative logprob. `timer` learns of the terminal when it arrives. Logprobs pass
+    the highest cumulative logprob. `timer` learns of each delta with tokens and of the terminal
+    when they arrive (a JSON body's TTFT and inter-token latency: metrics.py). Logprobs pass
     a LogprobGate on a fresh filter of `new_filter` (the output guard's): the tokens of what
     `guard_text` redacts are masked as in a stream.
 
@@ -342,6 +343,8 @@ async def collect(
         num_siblings = num_choices_of(exchange)
         async for _, choice, event in tagged_events(exchange):
             if isinstance(event, ReplyDelta):
+                if timer is not None and (event.token_ids or event.text or event.tool_calls):
+                    timer.on_content()  # its first token, and the gaps after it, as they reach this gateway
                 texts.setdefault(choice, []).append(event.text)
                 if new_filter is None:
                     logprobs.setdefault(choice, []).extend(event.logprobs or [])

@@ -88,7 +88,8 @@ class WorkerService:
         self.metrics = self._metrics()
         self.tracing = Tracing("worker", self.worker_id, settings)
         # vLLM's vllm:* and the GenAI server metrics, per version (docs/design.md, "Observability")
-        self.serving = ServingMetrics(self.metrics, lambda: [(s.sid, [r.stats for r in s.runners]) for s in self.servers])
+        self.serving = ServingMetrics(self.metrics, lambda: [(s.sid, [r.stats for r in s.runners]) for s in self.servers],
+                                      on_ran=lambda seconds: self.finish_rate.ran(seconds))  # fmt: skip
 
     @property
     def servers(self) -> list[ModelServer]:
@@ -411,7 +412,9 @@ class WorkerService:
             prefix_cache_hits=int(sum(s.get("prefix_cache_hits", 0) for s in stats)),
             partitions={m: p for m, (p, _) in owned.items()}, next_offsets={m: o for m, (_, o) in owned.items()},
             devices=devices, versions=held.statuses() if held is not None else {},
-            finished_per_s=self.finish_rate.per_s(),
+            latency={v.sid: v.server.publisher.recorder.latency() for v in routed
+                     if v.server is not None and v.server.publisher.recorder is not None},
+            finished_per_s=self.finish_rate.per_s(), service_s=self.finish_rate.service_s(),
         )  # fmt: skip
 
     async def send_heartbeat(self, producer: AIOKafkaProducer) -> None:

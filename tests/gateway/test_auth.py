@@ -17,6 +17,7 @@ from services.gateway.guard.auth import (
     KeyStore,
     Owner,
     hash_secret,
+    jwt_scope,
     load_jwks,
     new_api_key,
     revoked,
@@ -116,9 +117,20 @@ def test_required_mode_needs_a_bearer_and_open_mode_ignores_it(rsa_key: rsa.RSAP
 def test_jwt_hs256_and_rs256_are_accepted(rsa_key: rsa.RSAPrivateKey) -> None:
     auth = auth_of(rsa_key)
     hs = auth.authenticate(bearer(token(HS_SECRET, "HS256", "hs", models=["echo"])))
-    assert (hs.principal, hs.tenant, hs.scope, hs.models) == ("svc-a", "acme", "sub:svc-a", frozenset({"echo"}))
+    assert (hs.principal, hs.tenant, hs.scope, hs.models) == ("svc-a", "acme", "sub:acme:svc-a", frozenset({"echo"}))
     rs = auth.authenticate(bearer(token(rsa_key, "RS256", "rs", sub="svc-b", tenant="beta", rpm=7)))
     assert (rs.principal, rs.tenant, rs.models, rs.max_requests_per_min) == ("svc-b", "beta", None, 7)
+
+
+def test_a_jwt_subjects_limit_scope_is_keyed_by_its_tenant_like_its_owner(rsa_key: rsa.RSAPrivateKey) -> None:
+    auth = auth_of(rsa_key)
+    globex = auth.authenticate(bearer(token(HS_SECRET, "HS256", "hs", sub="zed", tenant="globex")))
+    acme = auth.authenticate(bearer(token(HS_SECRET, "HS256", "hs", sub="zed", tenant="acme")))
+    assert globex.scope != acme.scope and globex.owner != acme.owner
+    assert (globex.scope, acme.scope) == ("sub:globex:zed", "sub:acme:zed")
+    # A tenant or subject with the separator in it cannot make another pair's scope.
+    assert jwt_scope("a:b", "c") != jwt_scope("a", "b:c")
+    assert jwt_scope("a%3Ab", "c") != jwt_scope("a:b", "c")
 
 
 @pytest.mark.parametrize(

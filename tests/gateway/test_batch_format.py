@@ -75,9 +75,9 @@ def test_a_new_batch_is_validating_and_due_by_the_end_of_its_window():
 
 
 def job(job_id: str, tenant: str, created_ms: int, principal: str = "ann", **fields: object) -> BatchJob:
-    fields = {"status": "validating", **fields}
+    fields = {"status": "validating", "credential": "key", **fields}
     return BatchJob(job_id=job_id, endpoint="/v1/completions", input_file_id="file-1",  # type: ignore[arg-type]
-                    tenant=tenant, credential="key", principal=principal, created_ms=created_ms,
+                    tenant=tenant, principal=principal, created_ms=created_ms,
                     expires_ms=created_ms + 86_400_000,
                     updated_ms=created_ms, **fields)
 
@@ -132,6 +132,16 @@ def test_the_batch_quota_counts_the_owners_live_batches_and_the_keys_minute_limi
     check_batch_quota([], limited, FileSummary(1, 1440), max_requests=100, max_tokens=10**9)
     with pytest.raises(ApiError):
         check_batch_quota([], limited, FileSummary(1, 1441), max_requests=100, max_tokens=10**9)
+
+
+def test_the_batch_quota_of_a_jwt_subject_is_its_own_in_each_tenant():
+    zed_globex = Identity(principal="zed", tenant="globex", scope="sub:globex:zed")
+    zed_acme = Identity(principal="zed", tenant="acme", scope="sub:acme:zed")
+    live = [job("g1", "globex", T0, principal="zed", credential="jwt", request_counts={"total": 100}),
+            job("k1", "acme", T0, principal="zed", request_counts={"total": 100})]  # an API key of principal zed
+    with pytest.raises(ApiError):
+        check_batch_quota(live, zed_globex, FileSummary(1, 1), max_requests=100, max_tokens=10_000)
+    check_batch_quota(live, zed_acme, FileSummary(100, 1), max_requests=100, max_tokens=10_000)
 
 
 def test_result_lines_pass_the_guards_function_on_the_models_text_only():

@@ -9,7 +9,8 @@ import pytest
 
 from schemas.codec import encode
 from schemas.telemetry import HealthAlert, RateCard, UsageTotals
-from services.gateway.dashboard_data import AlertsView, MetricWindow, UsageView, histogram_quantile
+from schemas.messages import LatencyHistogram, VersionLatency, WorkerHeartbeat
+from services.gateway.dashboard_data import AlertsView, MetricWindow, UsageView, heartbeat_samples, histogram_quantile
 from weir.metrics import ITL_BUCKETS, TTFT_BUCKETS, ServiceMetrics
 
 RECORD = SimpleNamespace(topic="t.health", partition=0, offset=7)
@@ -60,6 +61,34 @@ def test_percentiles_cover_only_the_window_not_what_came_before(gateway_metrics)
     assert latency["by_model"]["m@1"]["count"] == 9 and latency["by_model"]["m@2"]["count"] == 1
     assert 0.06 < latency["by_model"]["m@2"]["p99"] <= 0.08
     assert report["latency"]["itl"] is None and report["latency"]["e2e"] is None  # absent: no data, not 0
+
+
+def worker_beat(worker_id: str, ttft: list[int], itl: list[int]) -> WorkerHeartbeat:
+    latency = VersionLatency(ttft=LatencyHistogram(bounds=[0.1, 1.0], counts=ttft),
+                             itl=LatencyHistogram(bounds=[0.05], counts=itl))  # fmt: skip
+    return WorkerHeartbeat(worker_id=worker_id, models=["echo@1"], is_ready=True, num_running=0, num_waiting=0,
+                           max_num_seqs=8, free_kv_blocks=1, block_size_tokens=16, latency={"echo@1": latency})
+
+
+def test_the_workers_ttft_counts_every_request_the_gateway_never_saw(gateway_metrics):
+    """A Batch API job's requests never pass a gateway: its TTFT panel has them from the workers'
+    heartbeats (vLLM's TTFT, every request), windowed like the gateway's own histograms."""
+    clock = Clock()
+    live = [worker_beat("w1", ttft=[50, 60, 60], itl=[100, 100]), worker_beat("w2", ttft=[0, 0, 0], itl=[0, 0])]
+    window = MetricWindow(gateway_metrics.render, clock=clock, extra=lambda: heartbeat_samples(live))
+    window.sample()
+    clock.now += 10
+    live = [worker_beat("w1", ttft=[50, 60, 70], itl=[130, 140]), worker_beat("w2", ttft=[8, 10, 10], itl=[0, 0])]
+    report = window.report()
+    ttft, itl = report["latency"]["worker_ttft"], report["latency"]["worker_itl"]
+    assert ttft["all"]["count"] == 20 and ttft["by_model"]["echo@1"]["count"] == 20  # both workers, this window only
+    assert 0.1 < ttft["all"]["p95"] and ttft["all"]["p50"] <= 1.0  # w1's 10 past 1 s, w2's 8 under 0.1 s and 2 past it
+    assert itl["all"]["count"] == 40 and itl["all"]["p50"] <= 0.05
+    assert report["latency"]["ttft"] is None  # the gateway timed nothing itself
+    assert heartbeat_samples([]) == {}
+    # w2 restarts (its counts begin again at 3): only its own series count from zero, w1's stay a difference
+    live = [worker_beat("w1", ttft=[50, 60, 71], itl=[130, 140]), worker_beat("w2", ttft=[3, 3, 3], itl=[0, 0])]
+    assert window.report()["latency"]["worker_ttft"]["all"]["count"] == 11 + 3
 
 
 def test_a_window_with_no_observation_has_no_percentile(gateway_metrics):

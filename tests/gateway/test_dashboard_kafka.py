@@ -30,7 +30,7 @@ from weir.kafka.admin import delete_prefixed_topics, ensure_topics
 from tests.waiting import until
 
 from .conftest import REPO_TOML
-from .fakes import FakeWorker, GatewayServer
+from .fakes import FakeWorker, GatewayServer, eventually
 
 pytestmark = pytest.mark.kafka
 
@@ -96,7 +96,7 @@ async def test_the_page_is_static_self_contained_and_its_data_takes_the_admin_to
         empty = (await client.get("/dashboard/data", headers=ADMIN)).json()
     # Nothing observed yet: no data, not zeros.
     assert empty["throughput"] is None and empty["lag"] is None
-    assert empty["latency"] == {"ttft": None, "itl": None, "e2e": None}
+    assert empty["latency"] == {"ttft": None, "itl": None, "e2e": None, "worker_ttft": None, "worker_itl": None}
     assert empty["workers"] == [] and empty["tenants"]["top"] == []
     assert empty["alerts"] == {"recent": [], "open": [], "skipped": 0, "sla": {}}
     assert {v["name"] for v in empty["versions"]} >= {"echo", "smollm2-135m-instruct"}  # the seed, not ready
@@ -155,6 +155,32 @@ async def test_data_comes_from_the_topics_and_the_gateways_metrics_and_bad_recor
     assert next(v for v in data["versions"] if v["name"] == "echo")["state"] == "ready"
 
 
+async def test_plain_json_requests_have_a_time_to_first_token_and_inter_token_rows(dashboard):
+    """Issue 35: after plain (stream=false) chat requests the latency panel had end-to-end rows only.
+    The gateway times their first token and the gaps as they arrive (as vLLM records TTFT for every
+    request), under stream="false"."""
+    worker = FakeWorker(dashboard.bootstrap, dashboard.topics)  # deltas "Hello", ", ", "world", then the end
+    await worker.start()
+    app = dashboard.server.server.config.app  # type: ignore[attr-defined]
+    try:
+        await eventually(lambda: app.state.bus.readiness()[0], timeout_s=60)  # it reads its replies
+        async with httpx.AsyncClient(base_url=dashboard.base_url, timeout=20) as client:
+            await asyncio.sleep(2.5)  # the sampler's next snapshot starts a window
+            for _ in range(8):
+                answer = await client.post("/v1/chat/completions", json={"model": "echo", "messages": [
+                    {"role": "user", "content": "hi"}]})  # fmt: skip
+                assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"] == "Hello, world"
+            data = (await client.get("/dashboard/data", headers=ADMIN)).json()
+            metrics = (await client.get("/metrics")).text
+    finally:
+        await worker.stop()
+    latency = data["latency"]
+    assert latency["e2e"]["by_model"]["echo@1"]["count"] == 8
+    assert latency["ttft"]["by_model"]["echo@1"]["count"] == 8 and latency["ttft"]["all"]["p50"] > 0
+    assert latency["itl"]["by_model"]["echo@1"]["count"] == 16  # three deltas each: two gaps
+    assert 'weir_gateway_time_to_first_token_seconds_count{model_name="echo@1",stream="false"} 8' in metrics
+
+
 @pytest.mark.skipif(find_browser() is None, reason="no chromium on PATH (Debian: apt-get install chromium)")
 async def test_the_page_in_chromium_shows_no_data_then_every_panel_during_traffic(dashboard, tmp_path):
     async with Browser(find_browser() or "", width=1400, height=1100) as browser:  # type: ignore[arg-type]
@@ -177,6 +203,12 @@ async def test_the_page_in_chromium_shows_no_data_then_every_panel_during_traffi
                  asyncio.create_task(_requests(dashboard.base_url, stop))]  # fmt: skip
         try:
             await browser.wait_for(ALL_PANELS_OK, timeout_s=45)
+            # At 1400 px every column fits its panel (the queue's lag and the versions' last columns
+            # were cut off behind the next panel): nothing is wider than the panel it is in.
+            overflowing = await browser.evaluate(
+                "[...document.querySelectorAll('[data-panel]')].filter(p => p.scrollWidth > p.clientWidth + 1 || "
+                "[...p.querySelectorAll('table')].some(t => t.getBoundingClientRect().right > "
+                "p.getBoundingClientRect().right)).map(p => p.dataset.panel)")
             text = await browser.evaluate("document.querySelector('main').innerText")
             tokens_per_s = await browser.evaluate("document.querySelector('[data-field=tokens_per_s]').textContent")
             await browser.screenshot(tmp_path / "dashboard.png")
@@ -184,6 +216,7 @@ async def test_the_page_in_chromium_shows_no_data_then_every_panel_during_traffi
             stop.set()
             await asyncio.gather(*loops, return_exceptions=True)
             await worker.stop()
+    assert overflowing == []
     assert float(tokens_per_s) > 0
     for expected in ("worker-a", "62.0%", "63.5%", "acme", "globex", "entropy", "open", "time to first token",
                      f"{dashboard.topics.batcher_group}", "smollm2-135m-instruct@1"):

@@ -206,6 +206,29 @@ async def test_jwts_hs256_and_rs256_are_accepted_and_expired_ones_refused(guarde
     assert refused.value.code == "token_expired"
 
 
+async def test_one_jwt_subject_in_two_tenants_has_two_rate_limits_on_every_instance(guarded: Guarded) -> None:
+    """Limits are keyed like ownership: `sub=zed` of globex spending its minute leaves `sub=zed` of
+    acme alone. The rpm is a claim of the token (no WEIR_JWT_MAX_* default), so instance b learns
+    it only from zed's own request; what a admitted is remembered there and counts then."""
+    globex = jwt_for(HS_SECRET, "HS256", "hs", sub="zed", tenant="globex", rpm=3)
+    acme = jwt_for(HS_SECRET, "HS256", "hs", sub="zed", tenant="acme", rpm=3)
+    for _ in range(3):
+        await client(guarded.a, globex).completions.create(model="echo", prompt="hi")
+    with pytest.raises(openai.RateLimitError) as limited:
+        await client(guarded.a, globex).completions.create(model="echo", prompt="hi")
+    assert "sub:globex:zed" in limited.value.message
+    await client(guarded.a, acme).completions.create(model="echo", prompt="hi")
+    guard_b = guarded.b.server.config.app.state.guard  # type: ignore[attr-defined]
+    await eventually(lambda: guard_b.limiter.reported("sub:globex:zed", "requests", guard_b.clock()) >= 3)
+    with pytest.raises(openai.RateLimitError):
+        await client(guarded.b, globex).completions.create(model="echo", prompt="hi")
+    await eventually(lambda: guard_b.limiter.reported("sub:acme:zed", "requests", guard_b.clock()) >= 1)
+    for _ in range(2):  # acme's zed used one of its three on a
+        await client(guarded.b, acme).completions.create(model="echo", prompt="hi")
+    with pytest.raises(openai.RateLimitError):
+        await client(guarded.b, acme).completions.create(model="echo", prompt="hi")
+
+
 async def test_a_flooding_tenant_is_limited_while_another_keeps_going(guarded: Guarded) -> None:
     flood_keys = [await guarded.key(f"flooder-{i}", "flood") for i in range(2)]
     calm_key = await guarded.key("calm", "calm")

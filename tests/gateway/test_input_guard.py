@@ -59,6 +59,16 @@ async def test_the_fifth_high_risk_prompt_within_the_window_flags_once_with_rule
     assert flag.gateway_id == "gw-1"
 
 
+async def test_one_principal_name_in_two_tenants_is_counted_as_two() -> None:
+    guard, flags, clock = make_guard(review_threshold=3, review_window_s=3600)
+    for tenant in ("globex", "acme", "globex", "acme"):
+        await guard.check("zed", tenant, completion(INJECTION))
+        clock.now_s += 1
+    assert flags == []  # two each: neither reached three
+    await guard.check("zed", "acme", completion(INJECTION))
+    assert [(f.principal, f.tenant, f.num_detections) for f in flags] == [("zed", "acme", 3)]
+
+
 async def test_detections_spread_wider_than_the_window_never_flag() -> None:
     guard, flags, clock = make_guard(review_threshold=5, review_window_s=3600)
     for _ in range(10):

@@ -71,8 +71,40 @@ def test_what_other_instances_admitted_counts_here() -> None:
     with pytest.raises(RateLimited):
         limiter.admit(charges(), now_s=0.0)
     limiter.debit("key:unlimited-elsewhere", 0, 5, now_s=0.0)
-    limiter.debit("sub:x", 10, 0, now_s=0.0)  # a scope with no known limit is ignored
-    assert limiter.level("sub:x", "requests", 0.0) is None
+    limiter.debit("sub:t:x", 10, 0, now_s=0.0)  # a scope with no known limit has no bucket here
+    assert limiter.level("sub:t:x", "requests", 0.0) is None
+
+
+def test_one_subject_in_two_tenants_has_two_buckets() -> None:
+    limiter = RateLimiter()
+    jwt = ScopeLimits(max_requests_per_min=3)
+    for _ in range(3):
+        limiter.admit([Charge("sub:globex:zed", jwt, 10), Charge("tenant:globex", TENANT, 10)], now_s=0.0)
+    with pytest.raises(RateLimited) as limited:
+        limiter.admit([Charge("sub:globex:zed", jwt, 10), Charge("tenant:globex", TENANT, 10)], now_s=0.0)
+    assert limited.value.scope == "sub:globex:zed"
+    limiter.admit([Charge("sub:acme:zed", jwt, 10), Charge("tenant:acme", TENANT, 10)], now_s=0.0)
+
+
+def test_what_peers_spent_of_a_scope_not_yet_limited_here_counts_when_its_bucket_is_made() -> None:
+    """A JWT's rpm comes in its claims: an instance that has not seen the subject yet cannot limit
+    the peers' reports of it, but remembers them for the window."""
+    limiter = RateLimiter(lambda scope: None)
+    jwt = ScopeLimits(max_requests_per_min=3)
+    limiter.debit("sub:acme:zed", 2, 0, now_s=10.0)  # a peer admitted two
+    limiter.debit("sub:acme:zed", 1, 0, now_s=11.0)  # and one more
+    limiter.debit("sub:acme:old", 3, 0, now_s=0.0)  # long enough ago to be refilled
+    with pytest.raises(RateLimited) as limited:
+        limiter.admit([Charge("sub:acme:zed", jwt, 1)], now_s=12.0)
+    # 3/min: one every 20 s. Reports within UNBOUND_BIN_S are summed at the later one's time (11 s):
+    # the strict side, one second later than the exact 30 s.
+    assert limited.value.retry_after_s == pytest.approx(19.0)
+    limiter.admit([Charge("sub:acme:zed", jwt, 1)], now_s=31.0)
+    limiter.admit([Charge("sub:acme:old", jwt, 1)], now_s=75.0)  # its report fell out of the window
+    assert limiter.level("sub:acme:old", "requests", 75.0) == 2
+    # This instance's own corrections (limits given) of an unlimited kind are not remembered.
+    limiter.debit("key:mine", 0, 100, now_s=12.0, limits=ScopeLimits(max_requests_per_min=3))
+    limiter.admit([Charge("key:mine", ScopeLimits(max_requests_per_min=3, max_tokens_per_min=60), 60)], now_s=12.0)
 
 
 def beat(num_waiting: int = 0, max_num_seqs: int = 8) -> WorkerHeartbeat:

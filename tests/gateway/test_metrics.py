@@ -3,9 +3,11 @@ generations timed as the client sees them."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import httpx
+import pytest
 
 from schemas.messages import DeviceInfo, GenerateRequest, ReplyDelta, ReplyEnd, Usage, WorkerHeartbeat, now_ms
 from services.gateway.app import create_app
@@ -14,7 +16,7 @@ from services.gateway.guard.output_guard import PassThrough
 from services.gateway.kafka_bus import Exchange, GatewayBus
 from services.gateway.metrics import GatewayMetrics, GenerationTimer
 from services.gateway.openai_format import ApiError, ChunkWriter
-from services.gateway.streaming import frames
+from services.gateway.streaming import collect, frames
 from weir.metrics import CONTENT_TYPE, samples, value
 
 REPO_TOML = Path(__file__).resolve().parents[2] / "models.toml"
@@ -103,9 +105,9 @@ def test_a_timer_puts_known_timings_in_the_right_buckets() -> None:
     timer.on_end(ReplyEnd(request_id="r", seq=3, finish_reason="stop"), None)  # a second end counts nothing
     text = metrics.render()
     metrics.shutdown()
-    ttft = buckets(text, "weir_gateway_time_to_first_token_seconds", model_name="m@1")
+    ttft = buckets(text, "weir_gateway_time_to_first_token_seconds", model_name="m@1", stream="true")
     assert (ttft["0.02"], ttft["0.04"], ttft["+Inf"]) == (0, 1, 1)
-    itl = buckets(text, "weir_gateway_inter_token_latency_seconds", model_name="m@1")
+    itl = buckets(text, "weir_gateway_inter_token_latency_seconds", model_name="m@1", stream="true")
     assert (itl["0.05"], itl["0.075"], itl["0.15"], itl["0.2"], itl["+Inf"]) == (0, 1, 1, 2, 2)
     e2e = buckets(text, "weir_gateway_e2e_request_latency_seconds", model_name="m@1")
     assert (e2e["0.5"], e2e["0.8"], e2e["+Inf"]) == (0, 1, 1)
@@ -131,7 +133,7 @@ def test_an_error_terminal_is_an_error_type_of_the_operation_duration() -> None:
     labels = {"gen_ai_operation_name": "text_completion", "gen_ai_provider_name": "weir", "gen_ai_request_model": "m", "gen_ai_response_model": "m@1"}
     assert value(text, "gen_ai_client_operation_duration_seconds_count", **labels, error_type="deadline_exceeded") == 1
     assert value(text, "gen_ai_client_operation_duration_seconds_count", **labels) is None
-    assert buckets(text, "weir_gateway_time_to_first_token_seconds", model_name="m@1") == {}  # no content, no TTFT
+    assert buckets(text, "weir_gateway_time_to_first_token_seconds", model_name="m@1", stream="true") == {}  # no content
 
 
 async def test_frames_time_each_content_write_after_it_was_taken_and_the_terminal() -> None:
@@ -154,8 +156,43 @@ async def test_frames_time_each_content_write_after_it_was_taken_and_the_termina
     text = metrics.render()
     metrics.shutdown()
     assert len(seen) == 3  # "a", "b", the finish chunk
-    ttft = buckets(text, "weir_gateway_time_to_first_token_seconds", model_name="echo@1")
+    ttft = buckets(text, "weir_gateway_time_to_first_token_seconds", model_name="echo@1", stream="true")
     assert (ttft["0.25"], ttft["0.5"]) == (0, 1)
-    assert value(text, "weir_gateway_inter_token_latency_seconds_sum", model_name="echo@1") == 0.5
+    assert value(text, "weir_gateway_inter_token_latency_seconds_sum", model_name="echo@1", stream="true") == 0.5
     assert value(text, "weir_gateway_e2e_request_latency_seconds_sum", model_name="echo@1") == 1.0
     assert value(text, "weir_gateway_generation_tokens_total", model_name="echo@1") == 2
+
+
+async def test_a_json_answer_times_its_first_token_and_the_gaps_as_they_reach_the_gateway() -> None:
+    """stream=false: the client sees only the end, but the operator's TTFT is the pipeline's (as
+    vLLM records it for every request), under stream="false"."""
+    bus = GatewayBus(GatewaySettings(kafka_bootstrap="127.0.0.1:1"))
+    request = GenerateRequest(request_id="r2", model="echo@1", prompt="hi", deadline_ms=now_ms() + 10_000,
+                              reply_to=bus.reply_topic)  # fmt: skip
+    exchange = Exchange(bus, request, bus.router.register("r2"))
+    metrics = GatewayMetrics(list, set)
+    clock = Clock()
+    timer = GenerationTimer(metrics, "echo@1", "completions", clock(), clock, is_streamed=False)
+
+    async def never_leaves() -> dict:
+        await asyncio.Event().wait()
+        return {}
+
+    async def worker() -> None:
+        for seq, (at, text) in enumerate(((100.2, "a"), (100.3, ""), (100.5, "b"))):
+            clock.now = at
+            bus.router.on_event(ReplyDelta(request_id="r2", seq=seq, text=text, token_ids=[seq] if text else []))
+            for _ in range(20):  # the collecting tasks take it before the clock moves on (no I/O: a few turns)
+                await asyncio.sleep(0)
+        clock.now = 101.0
+        bus.router.on_event(ReplyEnd(request_id="r2", seq=3, finish_reason="stop", usage=Usage(completion_tokens=2)))
+
+    body, _ = await asyncio.gather(collect(exchange, "completions", 0, never_leaves, str, timer), worker())
+    text = metrics.render()
+    metrics.shutdown()
+    assert body is not None and body["choices"][0]["text"] == "ab"
+    labels = {"model_name": "echo@1", "stream": "false"}
+    assert value(text, "weir_gateway_time_to_first_token_seconds_sum", **labels) == pytest.approx(0.2)
+    assert value(text, "weir_gateway_inter_token_latency_seconds_count", **labels) == 1  # the empty delta has no token
+    assert value(text, "weir_gateway_inter_token_latency_seconds_sum", **labels) == pytest.approx(0.3)
+    assert value(text, "weir_gateway_time_to_first_token_seconds_count", model_name="echo@1", stream="true") is None

@@ -23,10 +23,10 @@ from weir.bus import BusSettings
 
 def beat(worker_id: str = "w1", num_waiting: int = 0, per_s: float | None = 1.0,
          next_offsets: dict[int, int] | None = None, num_running: int = 0, partitions: list[int] | None = None,
-         ) -> WorkerHeartbeat:  # fmt: skip
+         service_s: float | None = None, max_num_seqs: int = 8) -> WorkerHeartbeat:  # fmt: skip
     return WorkerHeartbeat(worker_id=worker_id, models=["echo@1"], is_ready=True, num_running=num_running,
-                           num_waiting=num_waiting, max_num_seqs=8, free_kv_blocks=10, block_size_tokens=16,
-                           finished_per_s=per_s, next_offsets={"echo@1": next_offsets or {}},
+                           num_waiting=num_waiting, max_num_seqs=max_num_seqs, free_kv_blocks=10, block_size_tokens=16,
+                           finished_per_s=per_s, service_s=service_s, next_offsets={"echo@1": next_offsets or {}},
                            partitions={"echo@1": [0] if partitions is None else partitions})  # fmt: skip
 
 
@@ -47,6 +47,47 @@ def test_running_requests_are_ahead_too_and_a_worker_without_partitions_counts_f
     forged = beat("forger", num_waiting=10**9, per_s=1e-9, partitions=[])
     assert estimate("echo@1", [beat(per_s=4.0), forged], unread=8).wait_s == 2.0
     assert estimate("echo@1", [forged], unread=8) is None
+
+
+def test_a_burst_drains_at_its_concurrency_not_at_the_rate_a_quieter_minute_measured() -> None:
+    """Issue 35's false 429: 64 echo streams (20 tokens/s, about 8 s each) running at once, 14 more
+    unread, while the last minute's light load measured 0.36 ends a second: "about 217 s long (78
+    requests ahead at 0.36/s)". 64 at once for 8 s each end 8 a second: the last of the 78 ends in
+    about 10 s, well within a 120 s deadline."""
+    old = beat(num_running=64, per_s=0.36, max_num_seqs=64)
+    assert estimate("echo@1", [old], unread=14).wait_s == pytest.approx(78 / 0.36)  # a heartbeat without service_s
+    burst = beat(num_running=64, per_s=0.36, max_num_seqs=64, service_s=8.0)
+    wait = estimate("echo@1", [burst], unread=14)
+    assert wait.queue_ahead == 78 and wait.per_s == pytest.approx(64 / 8.0) and wait.wait_s < 10
+    admission = Admission({"interactive": 999, "bulk": 9}, overload_ratio=2.0, is_breaker_enabled=True)
+    admission.admit("echo@1", "interactive", [burst], wait=wait, time_to_deadline_s=120.0)
+
+
+def test_a_cold_worker_with_a_service_time_is_estimated_and_the_measured_rate_wins_when_higher() -> None:
+    # Fewer than 5 busy seconds: no finished_per_s yet, but the first requests that ended took 2 s.
+    cold = beat(num_running=2, num_waiting=30, per_s=None, service_s=2.0, max_num_seqs=64)
+    assert estimate("echo@1", [cold], unread=0).per_s == pytest.approx(32 / 2.0)  # the waiting run beside the 2
+    # Draining a burst: fewer run now than ended a second over the last minute; the measured rate stands.
+    tail = beat(num_running=1, per_s=6.0, service_s=2.0, max_num_seqs=64)
+    assert estimate("echo@1", [tail], unread=0).per_s == 6.0
+    assert estimate("echo@1", [beat(per_s=None, service_s=None)], unread=5) is None  # neither: unknown
+
+
+def test_a_queue_past_max_num_seqs_waits_in_waves_and_is_still_refused() -> None:
+    # 8 at a time for 2 s each: 40 ahead take 5 waves, 10 s; a request with 5 s to its deadline cannot make it.
+    full = beat(num_running=8, num_waiting=20, per_s=None, service_s=2.0, max_num_seqs=8)
+    wait = estimate("echo@1", [full], unread=12)
+    assert (wait.queue_ahead, wait.per_s, wait.wait_s) == (40, 4.0, 10.0)
+    admission = Admission({"interactive": 9, "bulk": 9}, overload_ratio=99.0, is_breaker_enabled=True)
+    with pytest.raises(GuardError) as refused:
+        admission.admit("echo@1", "interactive", [full], wait=wait, time_to_deadline_s=5.0)
+    assert refused.value.code == "queue_too_long"
+    # Two such workers share the unread: each runs 8 at once.
+    pair = [beat("w1", num_running=8, per_s=None, service_s=2.0), beat("w2", num_running=0, per_s=None, service_s=2.0)]
+    assert estimate("echo@1", pair, unread=16).per_s == pytest.approx(4.0 + 4.0)
+    # An engine that runs more than its max_num_seqs says (echo runs every request at once) is taken at its word.
+    echo = beat(num_running=200, per_s=None, service_s=10.0, max_num_seqs=64)
+    assert estimate("echo@1", [echo], unread=0).per_s == pytest.approx(20.0)
 
 
 def test_retry_after_is_capped() -> None:

@@ -58,3 +58,19 @@ def test_a_restarted_count_counts_nothing_for_that_step() -> None:
 def test_refuses_a_window_that_cannot_work() -> None:
     with pytest.raises(ValueError):
         FinishRate(window_s=0)
+
+
+def test_the_service_time_is_the_weighted_mean_of_what_ended_known_from_the_first() -> None:
+    rate = FinishRate(window_s=60, min_busy_s=5)
+    rate.sample(0, 0, is_busy=True)
+    assert rate.service_s() is None
+    rate.ran(8.0)  # a burst's first request ended after running 8 s
+    rate.sample(1, 1, is_busy=True)
+    assert rate.service_s() == pytest.approx(8.0) and rate.per_s() is None  # the rate needs 5 busy seconds
+    for t in range(2, 602):  # ten minutes of 2 s requests, one a second
+        rate.ran(2.0)
+        rate.sample(t, t, is_busy=True)
+    assert rate.service_s() == pytest.approx(2.0, rel=1e-3)
+    for t in range(602, 1000):  # idle: nothing ran, nothing changes
+        rate.sample(t, 601, is_busy=False)
+    assert rate.service_s() == pytest.approx(2.0, rel=1e-3)

@@ -62,6 +62,29 @@ def test_a_known_ttft_lands_in_its_bucket_and_each_phase_in_its_histogram():
     assert value(text, "gen_ai_server_request_duration_seconds_count", **genai) == 1.0
 
 
+def test_the_heartbeats_latency_counts_are_the_histograms_and_the_service_time_goes_to_the_drain_rate():
+    metrics = ServiceMetrics("worker-test")
+    ran: list[float] = []
+    recorder = ServingMetrics(metrics, lambda: (), on_ran=ran.append).recorder(make_model_config("tiny"))
+    request = make_request("def ", model="tiny")
+    recorder.on_output(request, make_output(request.request_id, 0, text="a", token_ids=[1], itl_ms=[5, 30, 50]))
+    recorder.on_output(request, make_output(
+        request.request_id, 1, finish_reason="length", prompt_tokens=7, completion_tokens=5, received_ms=T0_MS,
+        scheduled_ms=T0_MS + 10, first_token_ms=T0_MS + 40, finished_ms=T0_MS + 1010,
+    ))  # fmt: skip
+    mirror = make_request("def ", model="tiny").model_copy(update={"shadow_of": "live-1"})
+    recorder.on_output(mirror, make_output(mirror.request_id, 0, finish_reason="stop", completion_tokens=1,
+                                           received_ms=T0_MS, first_token_ms=T0_MS + 5, finished_ms=T0_MS + 9000))
+    assert ran == [1.0]  # first scheduled to the end; a mirror copy yields to live work: not the pace
+    text, latency = metrics.render(), recorder.latency()
+    for histogram, name in ((latency.ttft, "vllm:time_to_first_token_seconds"),
+                            (latency.itl, "vllm:inter_token_latency_seconds")):  # fmt: skip
+        for bound, count in zip([*histogram.bounds, "+Inf"], histogram.counts):
+            assert bucket(text, name, str(bound)) == count, (name, bound)
+    assert (latency.ttft.counts[-1], latency.itl.counts[-1]) == (2, 3)
+    assert latency.itl.counts[latency.itl.bounds.index(0.05)] == 3  # 50 ms is in the bucket whose bound it is
+
+
 def test_a_cancel_is_vllms_abort_and_a_refusal_counts_only_as_finished():
     recorder, metrics = recorder_and_metrics()
     cancelled, refused = make_request("def "), make_request("def ")

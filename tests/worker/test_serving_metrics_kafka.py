@@ -93,10 +93,18 @@ async def test_metrics_count_what_the_replies_say_and_a_shared_prompt_hits_the_p
         by_id = {e.request_id: e for e in (decode(AuditEvent, r.value) for r in audit)}
         assert by_id[again.request_id].cached_prompt_tokens == cached and by_id[first.request_id].cached_prompt_tokens == 0
 
+        mean_e2e_s = value(text, "vllm:e2e_request_latency_seconds_sum", **V) / n
+
         def counted(hb: WorkerHeartbeat) -> bool:
-            # finished_per_s: the requests ended are in the heartbeats' drain rate (finish_rate.py)
-            rate = hb.finished_per_s
-            return hb.prefix_cache_hits == cached and hb.kv_cache_usage_perc is not None and rate is not None and rate > 0
+            # finished_per_s: the requests ended are in the heartbeats' drain rate (finish_rate.py), and
+            # service_s their mean time running: within their mean time from receipt (weights differ by < 1 %)
+            rate, service_s = hb.finished_per_s, hb.service_s
+            # latency: the version's TTFT and inter-token counts, as its vllm: histograms have them (the dashboard's)
+            latency = hb.latency.get("tiny@1")
+            return (hb.prefix_cache_hits == cached and hb.kv_cache_usage_perc is not None and rate is not None
+                    and rate > 0 and service_s is not None and 0 < service_s <= mean_e2e_s * 1.01
+                    and latency is not None and latency.ttft.counts[-1] == n
+                    and latency.itl.counts[-1] == tokens_after_first)  # fmt: skip
 
         beats = await read_until(BOOTSTRAP, [topics.workers], lambda rs: any(counted(decode(WorkerHeartbeat, r.value)) for r in rs))
         assert any(counted(decode(WorkerHeartbeat, r.value)) for r in beats)

@@ -11,7 +11,7 @@
 - Queue too long: when the estimated wait for the model (queue_wait.py: the queue ahead over the
   fleet's drain rate) exceeds the request's time to its deadline, it is refused with 429
   (queue_too_long) and Retry-After = the seconds until it would fit (docs/design.md,
-  "Scale-out and failover"). An unknown wait (no measured rate, stale data) refuses nothing.
+  "Scale-out and failover"). An unknown wait (a worker with no drain measured yet, stale data) refuses nothing.
 
 Pure: the live heartbeats and the wait estimate come in as arguments.
 """

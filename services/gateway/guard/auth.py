@@ -15,6 +15,7 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import jwt
 import orjson
@@ -56,13 +57,21 @@ class Owner:
 _CREDENTIAL_OF_SCOPE = {"key": "key", "sub": "jwt", "open": "open"}
 
 
+def jwt_scope(tenant: str, subject: str) -> str:
+    """The rate-limit scope of a JWT subject: `sub:<tenant>:<subject>`, keyed like its Owner
+    (docs/design.md, "Ownership"): the same `sub` in another tenant is another principal with its
+    own buckets. The tenant is percent-encoded (no `:` left in it), so no two (tenant, subject)
+    pairs give one scope; an API key's scope is its key_id, which names one tenant and principal."""
+    return f"sub:{quote(tenant, safe='')}:{subject}"
+
+
 @dataclass(frozen=True)
 class Identity:
     """Who a request is from, and what it may do."""
 
     principal: str
     tenant: str
-    scope: str  # rate-limit scope of the credential: "key:<key_id>", "sub:<principal>" or "open"
+    scope: str  # rate-limit scope of the credential: "key:<key_id>", "sub:<tenant>:<principal>" (jwt_scope) or "open"
     models: frozenset[str] | None = None  # None: every model
     max_requests_per_min: int | None = None
     max_tokens_per_min: int | None = None
@@ -241,7 +250,7 @@ class JwtVerifier:
             if limit is not None and not (isinstance(limit, int) and limit >= 1):
                 raise unauthorized(f"Token claim {name} must be a positive integer", "invalid_token")
         return Identity(
-            principal=subject, tenant=tenant, scope=f"sub:{subject}",
+            principal=subject, tenant=tenant, scope=jwt_scope(tenant, subject),
             models=frozenset(models) if models is not None else None,
             max_requests_per_min=rpm, max_tokens_per_min=tpm,
         )  # fmt: skip

@@ -10,7 +10,7 @@ What follows depends on the level and the tenant's action
 - high risk, action block: 400 prompt_injection_detected, nothing published;
 - high risk, action flag: served, logged and counted;
 - medium risk: served, counted (a signal, never blocked);
-- every high-risk detection counts towards the principal's review: the review_threshold-th
+- every high-risk detection counts towards the review of the principal (within its tenant): the review_threshold-th
   within review_window_s publishes one ReviewFlag to the auditor (on the audit topic), with
   the rule names seen, never the prompt.
 
@@ -26,6 +26,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
+from urllib.parse import quote
 
 from schemas.messages import ReviewFlag
 from services.gateway.guard.settings import GuardSettings, InputGuardAction
@@ -94,19 +95,20 @@ class InputGuard:
         """Count one high-risk detection; publish and return the ReviewFlag when it is the one
         that reaches the threshold within the window."""
         now_s = self.clock()
-        seen = self._rules_seen.pop(principal, set())
+        who = f"{quote(tenant, safe='')}:{principal}"  # counted per tenant: the same name elsewhere is someone else
+        seen = self._rules_seen.pop(who, set())
         seen.update(detection.rules or ("classifier",))
-        self._rules_seen[principal] = seen
+        self._rules_seen[who] = seen
         if len(self._rules_seen) > _MAX_RULE_SETS:
             self._rules_seen.popitem(last=False)
-        if not self.tracker.record(principal, now_s):
+        if not self.tracker.record(who, now_s):
             return None
-        times = self.tracker.times(principal, now_s)
+        times = self.tracker.times(who, now_s)
         flag = ReviewFlag(
             flag_id=uuid.uuid4().hex, principal=principal, tenant=tenant, reason="prompt_injection",
             num_detections=len(times), window_s=max(1, round(self.settings.review_window_s)),
             first_detection_ms=int(times[0] * 1000), last_detection_ms=int(times[-1] * 1000),
-            rules=sorted(self._rules_seen.pop(principal, set()))[:64], gateway_id=self.gateway_id,
+            rules=sorted(self._rules_seen.pop(who, set()))[:64], gateway_id=self.gateway_id,
         )  # fmt: skip
         log.warning("input_guard review_flag principal=%s tenant=%s detections=%d window_s=%d rules=%s",
                     principal, tenant, flag.num_detections, flag.window_s, ",".join(flag.rules))

@@ -7,18 +7,27 @@ from none. Later the reservation is corrected by the usage the terminal event re
 consumption other gateway instances report is debited here too: buckets may go below zero (a
 debt that refill pays back), so what others admitted delays what this instance admits.
 
+A scope is one credential's (an API key's, or a JWT subject's within its tenant: auth.jwt_scope)
+or a tenant's. What another instance reports for a scope whose limits are not known here yet
+(a JWT subject limited by its token's rpm/tpm claims, a key whose record has not arrived) is
+remembered for a window and debited when the scope's bucket is made, so the first request here
+does not find a fresh minute that the others already spent.
+
 Pure: time comes in as `now_s` (monotonic seconds); no I/O.
 """
 
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 LimitKind = Literal["requests", "tokens"]
 SECONDS_PER_WINDOW = 60.0
+MAX_UNBOUND = 10_000  # (scope, kind) pairs whose reported consumption is remembered before a bucket exists
+UNBOUND_BIN_S = 5.0  # remembered consumption within this many seconds is summed (at its latest time: strict)
 
 
 @dataclass(frozen=True)
@@ -101,6 +110,8 @@ class RateLimiter:
     def __init__(self, limits_of: Callable[[str], ScopeLimits | None] | None = None) -> None:
         self._buckets: dict[tuple[str, LimitKind], TokenBucket] = {}
         self._limits_of = limits_of or (lambda scope: None)
+        # Other instances' consumption of scopes not limited here (yet): [(time, amount)], oldest first.
+        self._unbound: OrderedDict[tuple[str, LimitKind], list[list[float]]] = OrderedDict()
 
     def admit(self, charges: list[Charge], now_s: float) -> None:
         """Take one request and `num_tokens` from every limited bucket of `charges`, or raise
@@ -123,7 +134,11 @@ class RateLimiter:
         self, scope: str, num_requests: int, num_tokens: int, now_s: float, limits: ScopeLimits | None = None
     ) -> None:
         """Apply consumption to a scope's buckets: a correction of this instance (negative tokens
-        give back) or what another instance admitted. Unlimited scopes are ignored."""
+        give back; `limits` given) or what another instance admitted (`limits` None: resolved with
+        `limits_of`). Another instance's consumption of a scope not limited here is remembered for
+        a window, and debited if a bucket of that scope is made within it (the scope's limits may
+        only be known from its next request: a JWT's claims)."""
+        is_reported = limits is None
         for kind, amount in (("requests", num_requests), ("tokens", num_tokens)):
             if not amount:
                 continue
@@ -133,6 +148,21 @@ class RateLimiter:
                 bucket = self._bucket(scope, kind, limits, now_s) if limits else None  # type: ignore[arg-type]
             if bucket is not None:
                 bucket.debit(amount, now_s)
+            elif is_reported:
+                self._remember(scope, kind, amount, now_s)  # type: ignore[arg-type]
+
+    def _remember(self, scope: str, kind: LimitKind, amount: float, now_s: float) -> None:
+        key = (scope, kind)
+        entries = self._unbound.pop(key, [])
+        self._unbound[key] = entries  # most recently reported last: the first evicted is the stalest
+        while entries and entries[0][0] <= now_s - SECONDS_PER_WINDOW:
+            entries.pop(0)
+        if entries and now_s - entries[-1][0] < UNBOUND_BIN_S and entries[-1][0] <= now_s:
+            entries[-1][0], entries[-1][1] = now_s, entries[-1][1] + amount
+        else:
+            entries.append([now_s, amount])
+        while len(self._unbound) > MAX_UNBOUND:
+            self._unbound.popitem(last=False)
 
     def level(self, scope: str, kind: LimitKind, now_s: float) -> float | None:
         """Units available now in a bucket, or None when it does not exist."""
@@ -142,13 +172,22 @@ class RateLimiter:
         bucket.refill(now_s)
         return bucket.level
 
+    def reported(self, scope: str, kind: LimitKind, now_s: float) -> float:
+        """What other instances reported of a scope that has no bucket here, within the window."""
+        entries = self._unbound.get((scope, kind), [])
+        return sum(amount for then_s, amount in entries if then_s > now_s - SECONDS_PER_WINDOW)
+
     def _bucket(self, scope: str, kind: LimitKind, limits: ScopeLimits, now_s: float) -> TokenBucket | None:
         limit = limits.of(kind)
         if limit is None:
             return None
         bucket = self._buckets.get((scope, kind))
         if bucket is None:
-            bucket = self._buckets[(scope, kind)] = TokenBucket(limit, now_s)
+            remembered = [e for e in self._unbound.pop((scope, kind), []) if e[0] > now_s - SECONDS_PER_WINDOW]
+            # Full at the first consumption reported within the window, then as if it had existed since.
+            bucket = self._buckets[(scope, kind)] = TokenBucket(limit, min([now_s, *(t for t, _ in remembered)]))
+            for then_s, amount in remembered:
+                bucket.debit(amount, then_s)
         elif bucket.capacity != limit:
             bucket.refill(now_s)
             bucket.resize(limit)

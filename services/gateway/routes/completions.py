@@ -58,8 +58,9 @@ async def complete(parts: GatewayParts, kind: Kind, request: Request) -> Respons
     grace_s = parts.grace_s(headers)
     exchange, writer, owner, record = await open_exchange(parts, kind, raw, headers, request_id, grace_s)
     request.state.is_submitted = True
-    timer = GenerationTimer(parts.guard.metrics, exchange.request.model, kind, accepted_s)
-    if isinstance(exchange.request, GenerateRequest) and exchange.request.stream:
+    is_streamed = isinstance(exchange.request, GenerateRequest) and exchange.request.stream
+    timer = GenerationTimer(parts.guard.metrics, exchange.request.model, kind, accepted_s, is_streamed=is_streamed)
+    if is_streamed:
         entry = parts.streams.add(exchange, writer.fresh, grace_s, owner, record)
         tag = parts.catalog.version_tag(exchange.request.model)
         return event_stream(entry, -1, parts.output_guard, parts.bus.gateway_id, tag, timer)

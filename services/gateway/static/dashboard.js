@@ -35,8 +35,17 @@ function table(panel, selector, head, rows) {
   node.replaceChildren(el("tr", {}, ...head.map((h) => el("th", {}, h))), ...rows);
 }
 
+// A name that may break after its separators when a column is narrow (a <wbr> adds no text: copying gives the name).
+function breakable(text) {
+  const parts = String(text).split(/(?<=[.@\-/_])/);
+  const node = el("span", {});
+  parts.forEach((part, i) => node.append(...(i ? [el("wbr", {}), part] : [part])));
+  return node;
+}
+
 function cell(value, cls) {
-  return el("td", cls ? { class: cls } : {}, value);
+  const isName = typeof value === "string" && !(cls || "").split(" ").includes("num");
+  return el("td", cls ? { class: cls } : {}, isName ? breakable(value) : value);
 }
 
 function setState(panel, state, message) {
@@ -57,7 +66,9 @@ function chart(id, labels, colors) {
 }
 
 function remember(data) {
-  const all = data.latency && data.latency.ttft && data.latency.ttft.all;
+  // The gateway's TTFT (its streamed and plain requests); with none in the window (batch jobs only), the workers'.
+  const pick = (key) => data.latency && data.latency[key] && data.latency[key].all.count ? data.latency[key].all : null;
+  const all = pick("ttft") || pick("worker_ttft");
   points.t.push(data.now_ms / 1000);
   points.tps.push(data.throughput ? data.throughput.tokens_per_s : null);
   for (const q of ["p50", "p95", "p99"]) points[q].push(all ? all[q] : null);
@@ -76,7 +87,8 @@ function showThroughput(data) {
 }
 
 function showLatency(data) {
-  const kinds = { ttft: "time to first token", itl: "inter-token", e2e: "end to end" };
+  const kinds = { ttft: "time to first token", itl: "inter-token", e2e: "end to end",
+    worker_ttft: "TTFT at the workers (all, batch too)", worker_itl: "inter-token at the workers" };
   const rows = [];
   for (const [kind, title] of Object.entries(kinds)) {
     const found = data.latency && data.latency[kind];

@@ -15,12 +15,13 @@ time: the engine may run in a child process, where no instrument of the worker's
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable, Iterable
 from typing import Literal
 
 from opentelemetry.metrics import CallbackOptions, Observation
 
-from schemas.messages import EmbedRequest, GenerateRequest
+from schemas.messages import EmbedRequest, GenerateRequest, LatencyHistogram, VersionLatency
 from schemas.model_repo import ModelConfig
 from services.worker.engine import EngineOutput
 from weir.metrics import ITL_BUCKETS, LATENCY_BUCKETS, TOKEN_BUCKETS, TTFT_BUCKETS, ServiceMetrics, vllm
@@ -81,7 +82,12 @@ class ServingMetrics:
     """The instruments, made once per worker on its ServiceMetrics; `engine_stats` lists each served
     version's engines' last stats (read at scrape time)."""
 
-    def __init__(self, metrics: ServiceMetrics, engine_stats: EngineStats) -> None:
+    def __init__(self, metrics: ServiceMetrics, engine_stats: EngineStats,
+                 on_ran: Callable[[float], None] | None = None) -> None:  # fmt: skip
+        """`on_ran`: called with the seconds each request that ran took, first scheduled (or, on an
+        engine that runs every request at once, received) to its end: the heartbeat's service
+        time (finish_rate.py)."""
+        self.on_ran = on_ran
         h = metrics.histogram
         self.ttft = h(vllm("time_to_first_token_seconds"), "Time from the worker's receipt of a request to its first token.",
                       TTFT_BUCKETS)  # fmt: skip
@@ -138,6 +144,25 @@ class ServingMetrics:
         return [(u, {"model_name": sid}) for u, sid in usage if u is not None]  # echo, embeddings: no KV cache
 
 
+class Counts:
+    """A histogram's counts kept beside the instrument, for the heartbeat (the instrument's own
+    are read only by a scrape): the same bounds, one count per bucket and +Inf."""
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self._counts = [0] * (len(bounds) + 1)
+
+    def add(self, seconds: float) -> None:
+        self._counts[bisect_left(self.bounds, seconds)] += 1  # le: a value on a bound is in that bucket
+
+    def histogram(self) -> LatencyHistogram:
+        total, cumulative = 0, []
+        for count in self._counts:
+            total += count
+            cumulative.append(total)
+        return LatencyHistogram(bounds=list(self.bounds), counts=cumulative)
+
+
 class Recorder:
     """Records the outputs of one version's requests as the publisher takes them."""
 
@@ -146,13 +171,19 @@ class Recorder:
         self.labels = {"model_name": config.served_id}  # one dict for every record: no allocation per token
         self.genai = {"gen_ai.provider.name": "weir", "gen_ai.request.model": config.name,
                       "gen_ai.response.model": config.served_id}  # fmt: skip
+        self.ttft_counts, self.itl_counts = Counts(TTFT_BUCKETS), Counts(ITL_BUCKETS)
+
+    def latency(self) -> VersionLatency:
+        """This version's TTFT and inter-token histograms since it was loaded (the heartbeat's)."""
+        return VersionLatency(ttft=self.ttft_counts.histogram(), itl=self.itl_counts.histogram())
 
     def on_output(self, request: GenerateRequest | EmbedRequest, out: EngineOutput) -> None:
         """An output of a run being written: its inter-token gaps, and on the final one the request."""
         if out.itl_ms:
-            record, labels = self.m.itl.record, self.labels
+            record, labels, count = self.m.itl.record, self.labels, self.itl_counts.add
             for gap_ms in out.itl_ms:
                 record(gap_ms / 1000, labels)
+                count(gap_ms / 1000)
         if out.finish_reason is not None:
             self.finished(request, out)
 
@@ -180,6 +211,8 @@ class Recorder:
         if received is not None and end is not None:
             m.e2e.record((end - received) / 1000, labels)
             m.genai_duration.record((end - received) / 1000, genai)
+            if m.on_ran is not None and request.shadow_of is None:  # a mirror copy yields to live work: not its pace
+                m.on_ran((end - (received if scheduled is None else scheduled)) / 1000)
         if scheduled is not None and received is not None:
             m.queue.record((scheduled - received) / 1000, labels)
             if first is not None:
@@ -187,6 +220,7 @@ class Recorder:
         if first is None or received is None:
             return
         m.ttft.record((first - received) / 1000, labels)
+        self.ttft_counts.add((first - received) / 1000)
         if end is not None:
             m.decode.record((end - first) / 1000, labels)
         if reason in _SUCCESSFUL:
