@@ -901,6 +901,8 @@ class BatchJob(_Wire):
     errors: list[BatchLineError] = Field(default_factory=list, description="Why validation failed.")
     queued_tokens: int = Field(0, ge=0, description="Tokens its requests may use (prompts + max_tokens), "
                                "counted against its owner's batch quota while it is live.")
+    queued_requests: int = Field(0, ge=0, description="Requests its lines run as (a line with n choices is n), "
+                                 "counted against its owner's batch quota while it is live; 0: as request_counts.total.")
     planned_output_file_id: str | None = Field(None, description="Random id the runner will write the output "
                                                "file under (recorded before writing, so a restart reuses it).")
     planned_error_file_id: str | None = Field(None, description="Random id of the error file (see above).")

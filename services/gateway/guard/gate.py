@@ -151,12 +151,12 @@ class Guard:
         Admitted to attach to its Exchange (or release if publishing fails)."""
         lane = priority_of(headers)
         prompt_tokens = await self._count_prompt(model, body)
-        request = check_request(
+        charge = check_request(
             body, request, model, prompt_tokens,
             max_input_tokens=self.settings.max_input_tokens, max_stop_sequences=self.settings.max_stop_sequences,
         )  # fmt: skip
         await self.input_guard.check(identity.principal, identity.tenant, body)
-        admitted = self.reserve(identity, model.served_id, lane, prompt_tokens + request.max_tokens,
+        admitted = self.reserve(identity, model.served_id, lane, charge,
                                 deadline_ms=request.deadline_ms)  # fmt: skip
         request = request.model_copy(
             update={"principal": identity.principal, "tenant": identity.tenant, "priority": lane}

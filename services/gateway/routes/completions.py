@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 
 from schemas.messages import GenerateRequest, StreamRecord, now_ms
 from schemas.openai_bodies import ChatCompletionBody, CompletionBody
+from schemas.openai_translate import ID_PREFIX
 from services.gateway.guard.auth import Identity, Owner
 from services.gateway.guard.gate import Admitted
 from services.gateway.handlers import Exchange
@@ -22,7 +23,6 @@ from services.gateway.openai_format import (
     ApiError,
     ChunkWriter,
     Kind,
-    logprobs_format,
     parse_body,
     refuse_embedding_model,
     sibling_requests,
@@ -33,9 +33,6 @@ from services.gateway.routes.reading import header_timeout_s, read_body
 from services.gateway.siblings import SiblingGroup, Streamed
 from services.gateway.stream_index import durable_record
 from services.gateway.streaming import collect, event_stream, served_headers
-
-ID_PREFIX: dict[Kind, str] = {"chat.completions": "chatcmpl-", "completions": "cmpl-"}
-
 
 def add_completion_routes(router: APIRouter, parts: GatewayParts) -> None:
     """Add the two completion endpoints to `router` (the app's)."""
@@ -112,9 +109,7 @@ async def open_exchange(
     )  # fmt: skip
     request, admitted = await parts.guard.admit(identity, body, model, request, headers)
     route = f"/v1/{kind.replace('.', '/')}"
-    echo = body.prompt if isinstance(body, CompletionBody) and body.echo else None
-    writer = ChunkWriter(kind, request_id, model.served_id, request.created_ms // 1000, body.include_usage,
-                         logprobs_format(kind, request), echo)  # fmt: skip
+    writer = ChunkWriter.of(kind, body, request)
     exchange: Streamed
     record = None
     if body.num_siblings > 1:
