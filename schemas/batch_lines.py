@@ -132,24 +132,8 @@ def parse_line_body(envelope: Envelope) -> LineBody:
         raise LineError(envelope.line, exc.code, exc.message, exc.param) from None
     if parsed.stream:
         raise LineError(envelope.line, "invalid_value", "stream is not supported in a batch", "stream")
-    if asked := _choice_parameter(parsed):
-        raise LineError(envelope.line, "unsupported_parameter", f"{asked} is not supported in a batch yet: the "
-                        "batch runner answers n choices of plain text", asked)  # fmt: skip
     if parsed.timeout_s is not None:
         raise LineError(envelope.line, "unsupported_parameter", "timeout_s is not supported in a batch: the batch's "
                         "completion window is every line's deadline", "timeout_s")  # fmt: skip
     return parsed
 
-
-def _choice_parameter(body: ChatCompletionBody | CompletionBody) -> str | None:
-    """The first choice parameter (best_of, logprobs, echo, suffix) a line sets to something the
-    batch runner does not do (it answers n choices of plain text): refused, never ignored."""
-    if body.num_siblings > body.num_choices:
-        return "best_of"
-    if body.top_logprobs_asked is not None:
-        return "logprobs"
-    if isinstance(body, CompletionBody) and body.echo:
-        return "echo"
-    if isinstance(body, CompletionBody) and body.suffix:
-        return "suffix"
-    return None

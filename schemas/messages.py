@@ -824,7 +824,7 @@ class UsageRecord(_Wire):
 
 
 BatchStatus = Literal["validating", "in_progress", "finalizing", "completed", "failed", "cancelling", "cancelled", "expired"]
-BatchEndpoint = Literal["/v1/chat/completions", "/v1/completions"]
+BatchEndpoint = Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
 
 # Statuses after which a batch job never changes again.
 TERMINAL_BATCH_STATUSES: frozenset[str] = frozenset({"completed", "failed", "cancelled", "expired"})

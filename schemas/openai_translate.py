@@ -407,11 +407,15 @@ def completion_body(
 
 
 def response_body(kind: Kind, request_id: str, request: GenerateRequest, texts: list[str], ends: list[ReplyEnd],
-                  num_choices: int, echo: str | None = None) -> dict[str, Any]:
-    """The whole body of a body's finished siblings (a text and a terminal each, in sibling order):
-    what the batch runner writes for a line, as the gateway's collect builds it online (tool
-    calls as the worker parsed them; usage as choices_usage counts n; best_of ranks)."""
-    results = [ChoiceResult(i, text, end, None, end.tool_calls) for i, (text, end) in enumerate(zip(texts, ends, strict=True))]
+                  num_choices: int, echo: str | None = None,
+                  logprobs: list[list[TokenLogprob]] | None = None) -> dict[str, Any]:
+    """The whole body of a body's finished siblings (a text, a terminal and the logprobs of its
+    tokens each, in sibling order): what the batch runner writes for a line, as the gateway's
+    collect builds it online (tool calls as the worker parsed them; usage as choices_usage counts
+    n; best_of ranks; logprobs only when the request asked). Unrankable as best_of."""
+    asked = request.logprobs is not None
+    results = [ChoiceResult(i, text, end, (logprobs[i] if logprobs else []) if asked else None, end.tool_calls)
+               for i, (text, end) in enumerate(zip(texts, ends, strict=True))]  # fmt: skip
     return choices_body(kind, request_id, request.model, request.created_ms // 1000, best_of(results, num_choices),
                         choices_usage(ends), logprobs_format(kind, request), echo)  # fmt: skip
 

@@ -32,6 +32,7 @@ from schemas.messages import (
     ReplyDelta,
     ReplyEnd,
     RequestCounts,
+    TokenLogprob,
     Usage,
 )
 from schemas.batch_lines import (
@@ -46,7 +47,16 @@ from schemas.batch_lines import (
 from schemas.registry import RegistryState
 from schemas.reply_stream import ReplyCursor
 from schemas.openai_bodies import BodyError, Kind
-from schemas.openai_translate import ID_PREFIX, EmbeddingBody, Routing, embedding_body, response_body, to_requests
+from schemas.openai_translate import (
+    ID_PREFIX,
+    EmbeddingBody,
+    Routing,
+    Unrankable,
+    echo_of,
+    embedding_body,
+    response_body,
+    to_requests,
+)
 from services.batcher.planner import resolve_ref
 MAX_VALIDATION_ERRORS = 100
 
@@ -115,6 +125,7 @@ class JobLine:
     kind: str = "chat.completions"  # the endpoint's: chat.completions, completions or embeddings
     num_choices: int = 1  # the choices the line's response holds (n)
     encoding_format: str | None = None  # an embedding line's
+    echo: str | None = None  # a completions line's prompt, to put before each choice's text (echo)
 
     @property
     def line_request_id(self) -> str:
@@ -183,15 +194,19 @@ def to_job_lines(envelope: Envelope, job: BatchJob, models: RegistryState, reply
     except BodyError as exc:
         return refused(exc.code, exc.message, exc.param)
     parent = request_id if len(requests) > 1 else None
-    encoding = body.encoding_format if isinstance(body, EmbeddingBody) else None
-    num_choices = 1 if isinstance(body, EmbeddingBody) else body.num_choices
+    if isinstance(body, EmbeddingBody):
+        encoding, num_choices, echo = body.encoding_format, 1, None
+    else:
+        encoding, num_choices, echo = None, body.num_choices, echo_of(body)
     return [JobLine(number, custom_id, r.request_id, model, r, choice=i, parent_id=parent, kind=kind,
-                    num_choices=num_choices, encoding_format=encoding) for i, r in enumerate(requests)]  # fmt: skip
+                    num_choices=num_choices, encoding_format=encoding, echo=echo)
+            for i, r in enumerate(requests)]  # fmt: skip
 
 
 @dataclass
 class _Result:
     text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     cursor: ReplyCursor = field(default_factory=ReplyCursor)
     end: ReplyEnd | None = None
 
@@ -223,6 +238,7 @@ class JobResults:
             self.num_pending -= 1
             return True
         result.text.append(part.text)
+        result.logprobs.extend(part.logprobs or [])
         return False
 
     def is_ended(self, request_id: str) -> bool:
@@ -295,8 +311,13 @@ class JobResults:
                     errors.append(orjson.dumps({"id": f"batch_req_{line.line_request_id}", "custom_id": line.custom_id,
                                                 "response": None, "error": info}))
             elif all(end.finish_reason in ("stop", "length") for end in ends):
-                texts = ["".join(self._results[sibling.request_id].text) for sibling in group]
-                body = line_response_body(line, texts, ends)
+                results = [self._results[sibling.request_id] for sibling in group]
+                try:
+                    body = line_response_body(line, ["".join(r.text) for r in results], ends, [r.logprobs for r in results])
+                except Unrankable as exc:  # as the gateway answers it: 502
+                    info = {"code": "cumulative_logprob_missing", "message": str(exc), "type": "server_error"}
+                    errors.append(_error_line(line, 502, {"error": info}))
+                    continue
                 out.append(orjson.dumps({"id": f"batch_req_{line.line_request_id}", "custom_id": line.custom_id,
                                          "response": {"status_code": 200, "request_id": line.line_request_id,
                                                       "body": body}, "error": None}))  # fmt: skip
@@ -318,7 +339,8 @@ def _jsonl(rows: list[bytes]) -> str:
     return "".join(row.decode() + "\n" for row in rows)
 
 
-def line_response_body(line: JobLine, texts: list[str], ends: list[ReplyEnd]) -> dict[str, Any]:
+def line_response_body(line: JobLine, texts: list[str], ends: list[ReplyEnd],
+                       logprobs: list[list[TokenLogprob]] | None = None) -> dict[str, Any]:
     """The body the synchronous endpoint would have answered for `line` (the translator's, as the
     gateway renders it): a chat.completion, text_completion or embedding list, from its
     requests' texts and terminals in order."""
@@ -326,4 +348,5 @@ def line_response_body(line: JobLine, texts: list[str], ends: list[ReplyEnd]) ->
     if isinstance(line.request, EmbedRequest):
         return embedding_body(line.request.model, ends, line.encoding_format)
     kind = cast(Kind, line.kind)
-    return response_body(kind, f"{ID_PREFIX[kind]}{line.line_request_id}", line.request, texts, ends, line.num_choices)
+    return response_body(kind, f"{ID_PREFIX[kind]}{line.line_request_id}", line.request, texts, ends, line.num_choices,
+                         line.echo, logprobs)  # fmt: skip
