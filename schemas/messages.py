@@ -254,9 +254,12 @@ class GenerateRequest(_Wire):
     request_id: str = Field(min_length=1, max_length=128, description="Unique id; deduplicates redeliveries.")
     model: str = Field(min_length=1, max_length=193, description="Model name, or name@version to pin one version "
                        "(a name has at most 128 characters, a version 64; docs/design.md, \"The model registry\").")
-    prompt: str | None = Field(None, description="Completion prompt (exclusive with messages).")
+    prompt: str | None = Field(None, description="Completion prompt (exclusive with messages and prompt_token_ids).")
+    prompt_token_ids: list[int] | None = Field(None, min_length=1, max_length=1 << 17, description="A completion "
+                                               "prompt given as the model's token ids (exclusive with prompt and messages).")
     messages: list[ChatMessage] | None = Field(None, description="Chat turns (exclusive with prompt).")
-    max_tokens: int = Field(64, ge=1, le=32768, description="Most tokens to generate.")
+    max_tokens: int = Field(64, ge=0, le=32768, description="Most tokens to generate; 0 (with prompt_logprobs "
+                            "only) generates none: the prompt's logprobs are the answer.")
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="Sampling temperature; 0 is greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 keeps all.")
@@ -287,6 +290,9 @@ class GenerateRequest(_Wire):
     parallel_tool_calls: bool = Field(True, description="With tool_choice required: more than one call may be made.")
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="Return each generated token's "
                                  "logprob and this many most likely alternatives (0: the token's only); None: none.")
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="Return the logprob of "
+                                        "each prompt token after the first (computed in the prefill, which then "
+                                        "reuses no prefix cache) and this many most likely alternatives; None: none.")
     suffix: str | None = Field(None, max_length=1 << 20, description="prompt only: text after the insertion "
                                "(fill-in-the-middle), for models whose tokenizer has FIM tokens; refused otherwise.")
     stream: bool = Field(True, description="Whether the client streams; workers always send deltas.")
@@ -307,8 +313,10 @@ class GenerateRequest(_Wire):
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerateRequest:
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("exactly one of prompt and messages must be set")
+        if sum(x is not None for x in (self.prompt, self.messages, self.prompt_token_ids)) != 1:
+            raise ValueError("exactly one of prompt, prompt_token_ids and messages must be set")
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            raise ValueError("max_tokens 0 generates nothing: only with prompt_logprobs")
         if self.tools is not None and self.messages is None:
             raise ValueError("tools need messages (a chat request)")
         if self.tool_choice not in (None, "none") and not self.tools:
@@ -499,6 +507,9 @@ class ReplyEnd(_Wire):
     tool_calls: list[ToolCall] | None = Field(
         None, description="Every tool call the model made, complete (also streamed as ToolCallDelta pieces)."
     )
+    prompt_logprobs: list[TokenLogprob | None] | None = Field(
+        None, description="The request asked prompt_logprobs: one per prompt token, null for the first (nothing "
+        "predicts it), each with its alternatives.")
     structured_valid: bool | None = Field(
         None, description="A constrained request: whether the output is an instance of its constraint (None: none)."
     )
