@@ -123,9 +123,6 @@ def parse_line_body(envelope: Envelope) -> LineBody:
             raise LineError(envelope.line, "unsupported_parameter", "timeout_s is not supported in a batch: the "
                             "batch's completion window is every line's deadline", "timeout_s")  # fmt: skip
         return embedding
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1:
-        body = {**body, "prompt": prompt[0]}  # a batch line may wrap its one prompt in a list
     try:
         parsed = parse_body(ENDPOINT_KINDS[envelope.url], orjson.dumps(body))  # type: ignore[arg-type]
     except BodyError as exc:

@@ -243,6 +243,14 @@ class TokenLogprob(TopLogprob):
     top_logprobs: list[TopLogprob] = Field(default_factory=list, max_length=MAX_TOP_LOGPROBS)
 
 
+class PromptLogprob(TopLogprob):
+    """A prompt token and its log-probability given the tokens before it (None for the first
+    token, which nothing predicts), with the most likely alternatives asked for."""
+
+    logprob: float | None = Field(le=0.0, allow_inf_nan=False)  # type: ignore[assignment]
+    top_logprobs: list[TopLogprob] = Field(default_factory=list, max_length=MAX_TOP_LOGPROBS)
+
+
 class GenerateRequest(_Wire):
     """A request for text generation, published to `weir.requests` keyed by request_id.
 
@@ -507,9 +515,9 @@ class ReplyEnd(_Wire):
     tool_calls: list[ToolCall] | None = Field(
         None, description="Every tool call the model made, complete (also streamed as ToolCallDelta pieces)."
     )
-    prompt_logprobs: list[TokenLogprob | None] | None = Field(
-        None, description="The request asked prompt_logprobs: one per prompt token, null for the first (nothing "
-        "predicts it), each with its alternatives.")
+    prompt_logprobs: list[PromptLogprob] | None = Field(
+        None, description="The request asked prompt_logprobs: one per prompt token, in order (the first's "
+        "logprob null: nothing predicts it), each with its alternatives.")
     structured_valid: bool | None = Field(
         None, description="A constrained request: whether the output is an instance of its constraint (None: none)."
     )

@@ -27,6 +27,7 @@ from schemas.messages import (
     EmbedRequest,
     GenerateRequest,
     Priority,
+    PromptLogprob,
     ReplyEnd,
     TokenLogprob,
     ToolCall,
@@ -53,6 +54,7 @@ MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit of inputs per /v1/embeddings reque
 ID_PREFIX: dict[str, str] = {"chat.completions": "chatcmpl-", "completions": "cmpl-", "embeddings": "embd-"}
 
 Body = ChatCompletionBody | CompletionBody
+Prompt = str | list[int]
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,7 @@ def to_generate_request(kind: Kind, body: Body, model: ModelConfig, routing: Rou
         return GenerateRequest(
             request_id=routing.request_id,
             model=model.served_id,
-            prompt=body.prompt if isinstance(body, CompletionBody) else None,
+            **(prompt_fields(body.prompts[0]) if isinstance(body, CompletionBody) else {}),
             messages=[m.to_wire() for m in body.messages] if isinstance(body, ChatCompletionBody) else None,
             max_tokens=max_tokens,
             **body.sampling_fields(),
@@ -127,12 +129,28 @@ def to_generate_request(kind: Kind, body: Body, model: ModelConfig, routing: Rou
         raise body_error(exc) from None
 
 
+def prompt_fields(prompt: Prompt) -> dict[str, Any]:
+    """The GenerateRequest fields of one prompt: its text, or its token ids."""
+    return {"prompt": prompt} if isinstance(prompt, str) else {"prompt": None, "prompt_token_ids": list(prompt)}
+
+
+def siblings_of(body: Body, request: GenerateRequest) -> list[GenerateRequest]:
+    """The requests of `body`, from the first one (to_generate_request's): one, or a sibling per
+    choice of n (or best_of) of each of its prompts, in prompt order (docs/design.md, "n and
+    best_of are sibling requests"): sibling k runs prompt k // (n or best_of), and is choice k."""
+    siblings = sibling_requests(request, body.num_siblings)
+    if not isinstance(body, CompletionBody) or body.num_prompts == 1:
+        return siblings
+    per, prompts = body.num_siblings_per_prompt, body.prompts
+    return [s.model_copy(update={"prompt": None, "prompt_token_ids": None, **prompt_fields(prompts[k // per])})
+            for k, s in enumerate(siblings)]  # fmt: skip
+
+
 def to_generate_requests(kind: Kind, body: Body, model: ModelConfig, routing: Routing) -> list[GenerateRequest]:
-    """The requests a body is published as: one, or a sibling per choice of n (or best_of)
-    (docs/design.md, "n and best_of are sibling requests"). BodyError as to_generate_request, and
+    """The requests a body is published as (siblings_of). BodyError as to_generate_request, and
     for an embedding model."""
     check_generation_model(model)
-    return sibling_requests(to_generate_request(kind, body, model, routing), body.num_siblings)
+    return siblings_of(body, to_generate_request(kind, body, model, routing))
 
 
 def check_generation_model(model: ModelConfig) -> None:
@@ -151,13 +169,16 @@ def to_requests(kind: str, body: Body | EmbeddingBody, model: ModelConfig,
     return to_generate_requests(cast(Kind, kind), body, model, routing)
 
 
-def check_context(body: Body, request: GenerateRequest, model: ModelConfig, prompt_tokens: int, *,
+def check_context(body: Body, request: GenerateRequest, model: ModelConfig, prompt_tokens: int | list[int], *,
                   max_input_tokens: int | None, max_stop_sequences: int) -> int:
     """The tokens one request of `body` is charged (its prompt + the most it may generate in the
-    room the prompt leaves: a default max_tokens is fitted there, as the worker fits it); BodyError
-    naming the field when there are too many stops, the prompt is too long, or prompt + an
-    explicit max_tokens exceeds the model's context. What a rate limit reserves online and what
-    the batch quota counts per line and choice are both this."""
+    room the prompt leaves: a default max_tokens is fitted there, as the worker fits it; of
+    several prompts, the largest); BodyError naming the field when there are too many stops, a
+    prompt is too long, or prompt + an explicit max_tokens exceeds the model's context. What a
+    rate limit reserves online and what the batch quota counts per line and choice are both this."""
+    if isinstance(prompt_tokens, list):
+        return max(check_context(body, request, model, n, max_input_tokens=max_input_tokens,
+                                 max_stop_sequences=max_stop_sequences) for n in prompt_tokens)  # fmt: skip
     prompt_param = "prompt" if isinstance(body, CompletionBody) else "messages"
     if len(request.stop) > max_stop_sequences:
         raise BodyError(f"at most {max_stop_sequences} stop sequences are allowed, got {len(request.stop)}",
@@ -285,8 +306,12 @@ def logprobs_format(kind: Kind, request: GenerateRequest) -> LogprobsFormat | No
 
 
 def echo_of(body: Body) -> str | None:
-    """The prompt a /v1/completions body asks to have put before each choice's text (echo)."""
-    return body.prompt if isinstance(body, CompletionBody) and body.echo else None
+    """The prompt a /v1/completions body of one text prompt asks to have put before each choice's
+    text (echo); a stream's (several prompts, or token ids, are echoed in whole bodies only)."""
+    if not isinstance(body, CompletionBody) or not body.echo or body.num_prompts != 1:
+        return None
+    prompt = body.prompts[0]
+    return prompt if isinstance(prompt, str) else None
 
 
 def chat_logprobs(logprobs: list[TokenLogprob]) -> dict[str, Any]:
@@ -297,19 +322,35 @@ def chat_logprobs(logprobs: list[TokenLogprob]) -> dict[str, Any]:
     return {"content": [entry(t) for t in logprobs], "refusal": None}
 
 
-def legacy_logprobs(logprobs: list[TokenLogprob], text_offset: int) -> dict[str, Any]:
+def legacy_logprobs(logprobs: list[TokenLogprob], text_offset: int,
+                    prompt: list[PromptLogprob] | None = None) -> dict[str, Any]:
     """A /v1/completions choice's (or chunk's) `logprobs` in OpenAI's legacy format; `text_offset`
-    is where the first token starts in the choice's text (after an echoed prompt)."""
-    offsets = []
+    is where the first token starts in the choice's text (after an echoed prompt). With `prompt`
+    (echo with logprobs) the prompt's tokens come first, from offset 0, the first one's logprob
+    and alternatives null, as OpenAI's."""
+    offsets: list[int] = []
+    tokens: list[str] = []
+    values: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    at = 0
+    for p in prompt or []:
+        offsets.append(at)
+        at += len(p.token)
+        tokens.append(p.token)
+        values.append(p.logprob)
+        tops.append(None if p.logprob is None else {a.token: a.logprob for a in p.top_logprobs})
     for t in logprobs:
         offsets.append(text_offset)
         text_offset += len(t.token)
-    return {
-        "tokens": [t.token for t in logprobs],
-        "token_logprobs": [t.logprob for t in logprobs],
-        "top_logprobs": [{a.token: a.logprob for a in t.top_logprobs} for t in logprobs],
-        "text_offset": offsets,
-    }
+        tokens.append(t.token)
+        values.append(t.logprob)
+        tops.append({a.token: a.logprob for a in t.top_logprobs})
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def prompt_text_of(entries: list[PromptLogprob]) -> str:
+    """The text of a prompt given as token ids, from its tokens' bytes (the worker's prompt logprobs)."""
+    return bytes(b for e in entries for b in e.bytes).decode("utf-8", errors="replace")
 
 
 @dataclass
@@ -321,6 +362,8 @@ class ChoiceResult:
     end: ReplyEnd
     logprobs: list[TokenLogprob] | None = None
     tool_calls: list[ToolCall] | None = None  # as the output guard released their arguments
+    echo: str | None = None  # the prompt put before the text (completions, echo)
+    prompt_logprobs: list[PromptLogprob] | None = None  # echo with logprobs: the prompt's, first
 
 
 def best_of(results: list[ChoiceResult], n: int) -> list[ChoiceResult]:
@@ -332,16 +375,40 @@ def best_of(results: list[ChoiceResult], n: int) -> list[ChoiceResult]:
     if any(r.end.cumulative_logprob is None for r in results):
         raise Unrankable("best_of cannot rank the choices: the worker reported no cumulative logprob")
     ranked = sorted(results, key=lambda r: (-(r.end.cumulative_logprob or 0.0), r.index))[:n]
-    return [ChoiceResult(i, r.text, r.end, r.logprobs, r.tool_calls) for i, r in enumerate(ranked)]
+    return [ChoiceResult(i, r.text, r.end, r.logprobs, r.tool_calls, r.echo, r.prompt_logprobs)
+            for i, r in enumerate(ranked)]  # fmt: skip
 
 
-def choices_usage(ends: list[ReplyEnd]) -> Usage:
-    """The usage of sibling requests as OpenAI counts one request with n choices: the prompt (and
-    its cached tokens) once, the completion tokens of every sibling (best_of's discarded ones too)."""
+def choices_usage(ends: list[ReplyEnd], num_prompts: int = 1) -> Usage:
+    """The usage of sibling requests as OpenAI counts one request with n choices of each of its
+    prompts: each prompt (and its cached tokens) once, the completion tokens of every sibling
+    (best_of's discarded ones too)."""
     completion = sum(end.usage.completion_tokens for end in ends)
-    first = ends[0].usage
-    return Usage(prompt_tokens=first.prompt_tokens, completion_tokens=completion,
-                 total_tokens=first.prompt_tokens + completion, cached_prompt_tokens=first.cached_prompt_tokens)
+    per = max(1, len(ends) // num_prompts)
+    firsts = [end.usage for end in ends[::per]]
+    prompt = sum(u.prompt_tokens for u in firsts)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 cached_prompt_tokens=sum(u.cached_prompt_tokens for u in firsts))
+
+
+def choice_results(body: Body, texts: list[str], ends: list[ReplyEnd],
+                   logprobs: list[list[TokenLogprob]] | None = None) -> list[ChoiceResult]:
+    """The choices of a body's finished siblings (a text, a terminal and the logprobs of its
+    tokens each, in sibling order), before best_of: tool calls as the worker parsed them, the
+    echoed prompt of each (a prompt of token ids: its text from the prompt's logprobs) and, with
+    echo and logprobs, the prompt's logprobs."""
+    asked = body.top_logprobs_asked is not None
+    results = []
+    per = body.num_siblings_per_prompt if isinstance(body, CompletionBody) else body.num_siblings
+    for i, (text, end) in enumerate(zip(texts, ends, strict=True)):
+        echo = prompt_lps = None
+        if isinstance(body, CompletionBody) and body.echo:
+            prompt = body.prompts[i // per]
+            echo = prompt if isinstance(prompt, str) else prompt_text_of(end.prompt_logprobs or [])
+            prompt_lps = end.prompt_logprobs if body.logprobs is not None else None
+        results.append(ChoiceResult(i, text, end, (logprobs[i] if logprobs else []) if asked else None, end.tool_calls,
+                                    echo, prompt_lps))  # fmt: skip
+    return results
 
 
 def usage_dict(usage: Usage) -> dict[str, Any]:
@@ -370,14 +437,14 @@ def choices_body(
     """The non-streaming body: chat.completion or text_completion with a choice per result (in
     their order), `usage`, each choice's logprobs when asked, its tool calls (chat), and the
     prompt before each text when `echo` is given (completions)."""
-    prefix = echo if kind == "completions" and echo is not None else ""
     choices = []
     for r in results:
+        prefix = r.echo if r.echo is not None else echo if kind == "completions" and echo is not None else ""
         rendered: dict[str, Any] | None = None
         if logprobs == "chat":
             rendered = chat_logprobs(r.logprobs or [])
         elif logprobs == "legacy":
-            rendered = legacy_logprobs(r.logprobs or [], len(prefix))
+            rendered = legacy_logprobs(r.logprobs or [], len(prefix), r.prompt_logprobs)
         if kind == "chat.completions":
             choices.append({"index": r.index, "message": assistant_message(r.text, r.tool_calls),
                             "logprobs": rendered, "finish_reason": finish_reason(r.end)})  # fmt: skip
@@ -406,18 +473,15 @@ def completion_body(
                         end.usage)  # fmt: skip
 
 
-def response_body(kind: Kind, request_id: str, request: GenerateRequest, texts: list[str], ends: list[ReplyEnd],
-                  num_choices: int, echo: str | None = None,
-                  logprobs: list[list[TokenLogprob]] | None = None) -> dict[str, Any]:
-    """The whole body of a body's finished siblings (a text, a terminal and the logprobs of its
+def response_body(kind: Kind, request_id: str, request: GenerateRequest, body: Body, texts: list[str],
+                  ends: list[ReplyEnd], logprobs: list[list[TokenLogprob]] | None = None) -> dict[str, Any]:
+    """The whole body of `body`'s finished siblings (a text, a terminal and the logprobs of its
     tokens each, in sibling order): what the batch runner writes for a line, as the gateway's
-    collect builds it online (tool calls as the worker parsed them; usage as choices_usage counts
-    n; best_of ranks; logprobs only when the request asked). Unrankable as best_of."""
-    asked = request.logprobs is not None
-    results = [ChoiceResult(i, text, end, (logprobs[i] if logprobs else []) if asked else None, end.tool_calls)
-               for i, (text, end) in enumerate(zip(texts, ends, strict=True))]  # fmt: skip
-    return choices_body(kind, request_id, request.model, request.created_ms // 1000, best_of(results, num_choices),
-                        choices_usage(ends), logprobs_format(kind, request), echo)  # fmt: skip
+    collect builds it online (choice_results; usage as choices_usage counts n and prompts;
+    best_of ranks). Unrankable as best_of."""
+    results = best_of(choice_results(body, texts, ends, logprobs), body.num_results)
+    return choices_body(kind, request_id, request.model, request.created_ms // 1000, results,
+                        choices_usage(ends, body.num_prompts), logprobs_format(kind, request))  # fmt: skip
 
 
 class ChunkWriter:
@@ -432,7 +496,8 @@ class ChunkWriter:
     """
 
     def __init__(self, kind: Kind, request_id: str, model: str, created_s: int, include_usage: bool,
-                 logprobs: LogprobsFormat | None = None, echo: str | None = None) -> None:  # fmt: skip
+                 logprobs: LogprobsFormat | None = None, echo: str | None = None, body: Body | None = None) -> None:  # fmt: skip
+        self.body = body  # the body it answers, when known: whole responses render its choices (choice_results)
         self.kind = kind
         self.request_id = request_id
         self.model = model
@@ -448,12 +513,12 @@ class ChunkWriter:
     def of(cls, kind: Kind, body: Body, request: GenerateRequest) -> ChunkWriter:
         """The writer of the stream of `request`, translated from `body`."""
         return cls(kind, request.request_id, request.model, request.created_ms // 1000, body.include_usage,
-                   logprobs_format(kind, request), echo_of(body))  # fmt: skip
+                   logprobs_format(kind, request), echo_of(body), body)  # fmt: skip
 
     def fresh(self) -> ChunkWriter:
         """A new writer of the same stream, for a reader that renders it again from its start."""
         return ChunkWriter(self.kind, self.request_id, self.model, self.created_s, self.include_usage,
-                           self.logprobs, self.echo)  # fmt: skip
+                           self.logprobs, self.echo, self.body)  # fmt: skip
 
     def on_start(self, index: int = 0) -> list[dict[str, Any]]:
         """The chunks a choice starts with before any output: its echoed prompt (completions, echo)."""

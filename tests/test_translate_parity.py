@@ -21,7 +21,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from schemas.batch_lines import Envelope, LineError, parse_envelope
-from schemas.messages import BatchJob, GenerateRequest, ReplyDelta, ReplyEnd, TokenLogprob, TopLogprob, Usage
+from schemas.messages import (
+    BatchJob,
+    GenerateRequest,
+    PromptLogprob,
+    ReplyDelta,
+    ReplyEnd,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
 from schemas.model_repo import load_model_repo
 from schemas.openai_bodies import BodyError
 from schemas.registry import RegistryState
@@ -39,10 +48,10 @@ from services.gateway.openai_format import (
     parse_body,
     parse_embedding_body,
     refuse_embedding_model,
-    sibling_requests,
     to_embed_requests,
     to_generate_request,
 )
+from schemas.openai_translate import siblings_of
 from services.gateway.siblings import SiblingGroup
 from services.gateway.streaming import collect
 
@@ -76,7 +85,9 @@ message = st.fixed_dictionaries({"role": st.sampled_from(["system", "developer",
 chat_only = {"max_completion_tokens": st.integers(1, 2100), "logprobs": st.booleans(), "top_logprobs": st.integers(0, 3),
              "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}])}  # fmt: skip
 completion_only = {"best_of": st.integers(1, 4), "logprobs": st.integers(0, 3), "echo": st.booleans(),
-                   "suffix": st.just("")}  # fmt: skip
+                   "suffix": st.just(""), "max_tokens": st.integers(0, 40)}  # fmt: skip
+token_ids = st.lists(st.integers(0, 500), min_size=1, max_size=6)
+prompts = st.one_of(words, st.lists(words, min_size=1, max_size=3), token_ids, st.lists(token_ids, min_size=1, max_size=3))
 generation_models = st.sampled_from(["echo", "weir-tiny-py", "weir-tiny-py@1", "all-MiniLM-L6-v2"])
 
 
@@ -98,7 +109,7 @@ def bodies(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
         body["messages"] = draw(st.lists(message, min_size=1, max_size=3))
         body.update(draw(optional(chat_only)))
     else:
-        body["prompt"] = draw(words)
+        body["prompt"] = draw(prompts)
         body.update(draw(optional(completion_only)))
     return kind, body
 
@@ -118,9 +129,9 @@ def online(kind: str, body: dict[str, Any]) -> tuple[list[Any], int] | tuple[str
         refuse_embedding_model(model)
         request = to_generate_request(kind, parsed, model, request_id="r", reply_to="weir.replies.g",  # type: ignore[arg-type]
                                       now_ms=T0, client_timeout_s=None, max_timeout_s=MAX_TIMEOUT_S)  # fmt: skip
-        charge = check_request(parsed, request, model, COUNTER.count_prompt(model, parsed),
+        charge = check_request(parsed, request, model, COUNTER.count_prompts(model, parsed),
                                max_input_tokens=MAX_INPUT_TOKENS, max_stop_sequences=MAX_STOPS)  # fmt: skip
-        siblings = sibling_requests(request, parsed.num_siblings)
+        siblings = siblings_of(parsed, request)
         return siblings, charge * len(siblings)  # each sibling reserves the charge (routes/completions.py)
     except ApiError as exc:
         return exc.code or "", exc.param
@@ -165,9 +176,14 @@ def replies(requests: list[Any]) -> list[ReplyDelta | ReplyEnd]:
             continue
         events.append(ReplyDelta(request_id=request.request_id, seq=0, count=2, text=f"x{i}y", texts=[f"x{i}", "y"],
                                  token_ids=[5, 6], logprobs=[logprob(f"x{i}"), logprob("y")]))  # fmt: skip
-        usage = Usage(prompt_tokens=7, completion_tokens=2, total_tokens=9, cached_prompt_tokens=3)
+        usage = Usage(prompt_tokens=7 + i, completion_tokens=2, total_tokens=9 + i, cached_prompt_tokens=3)
+        prompt = None
+        if request.prompt_logprobs is not None:  # the prompt's tokens: "p<i>" and "é" ("é" of token ids)
+            prompt = [PromptLogprob(token_id=1, token=f"p{i}", bytes=list(f"p{i}".encode()), logprob=None),
+                      PromptLogprob(token_id=2, token="é", bytes=list("é".encode()), logprob=-0.25,
+                                    top_logprobs=[TopLogprob(token_id=2, token="é", bytes=[195, 169], logprob=-0.25)])]
         events.append(ReplyEnd(request_id=request.request_id, seq=2, finish_reason="stop", usage=usage,
-                               cumulative_logprob=-1.0 - i, model_version=request.model))  # fmt: skip
+                               cumulative_logprob=-1.0 - i, model_version=request.model, prompt_logprobs=prompt))  # fmt: skip
     return events
 
 
@@ -184,7 +200,7 @@ def online_body(kind: str, body: dict[str, Any], requests: list[GenerateRequest]
     async def run() -> dict[str, Any]:
         bus = GatewayBus(GatewaySettings(kafka_bootstrap="127.0.0.1:1"))
         exchanges = [Exchange(bus, r, bus.router.register(r.request_id)) for r in requests]
-        group = SiblingGroup(parent, exchanges, parsed.num_choices) if len(requests) > 1 else exchanges[0]
+        group = SiblingGroup(parent, exchanges, parsed.num_results) if len(requests) > 1 else exchanges[0]
         for event in replies(requests):
             bus.router.on_event(event)
         writer = ChunkWriter.of(kind, parsed, parent)  # type: ignore[arg-type]

@@ -37,6 +37,7 @@ from schemas.messages import (
 )
 from schemas.batch_lines import (
     ENDPOINT_KINDS,
+    LineBody,
     MAX_BATCH_LINES,
     Envelope,
     LineError,
@@ -52,7 +53,7 @@ from schemas.openai_translate import (
     EmbeddingBody,
     Routing,
     Unrankable,
-    echo_of,
+    choices_usage,
     embedding_body,
     response_body,
     to_requests,
@@ -123,9 +124,7 @@ class JobLine:
     choice: int = 0
     parent_id: str | None = None
     kind: str = "chat.completions"  # the endpoint's: chat.completions, completions or embeddings
-    num_choices: int = 1  # the choices the line's response holds (n)
-    encoding_format: str | None = None  # an embedding line's
-    echo: str | None = None  # a completions line's prompt, to put before each choice's text (echo)
+    body: LineBody | None = None  # the line's checked body (what its response is rendered for)
 
     @property
     def line_request_id(self) -> str:
@@ -194,12 +193,7 @@ def to_job_lines(envelope: Envelope, job: BatchJob, models: RegistryState, reply
     except BodyError as exc:
         return refused(exc.code, exc.message, exc.param)
     parent = request_id if len(requests) > 1 else None
-    if isinstance(body, EmbeddingBody):
-        encoding, num_choices, echo = body.encoding_format, 1, None
-    else:
-        encoding, num_choices, echo = None, body.num_choices, echo_of(body)
-    return [JobLine(number, custom_id, r.request_id, model, r, choice=i, parent_id=parent, kind=kind,
-                    num_choices=num_choices, encoding_format=encoding, echo=echo)
+    return [JobLine(number, custom_id, r.request_id, model, r, choice=i, parent_id=parent, kind=kind, body=body)
             for i, r in enumerate(requests)]  # fmt: skip
 
 
@@ -288,9 +282,11 @@ class JobResults:
             if ends and group[0].kind == "embeddings":  # its parts embed different inputs
                 prompt += sum(end.usage.prompt_tokens for end in ends)
             elif ends:
-                prompt += ends[0].usage.prompt_tokens
-                cached += ends[0].usage.cached_prompt_tokens
-                completion += sum(end.usage.completion_tokens for end in ends)
+                body = group[0].body
+                usage = choices_usage(ends, body.num_prompts if body is not None and len(ends) == len(group) else 1)
+                prompt += usage.prompt_tokens
+                cached += usage.cached_prompt_tokens
+                completion += usage.completion_tokens
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                      cached_prompt_tokens=cached)
 
@@ -344,9 +340,9 @@ def line_response_body(line: JobLine, texts: list[str], ends: list[ReplyEnd],
     """The body the synchronous endpoint would have answered for `line` (the translator's, as the
     gateway renders it): a chat.completion, text_completion or embedding list, from its
     requests' texts and terminals in order."""
-    assert line.request is not None
-    if isinstance(line.request, EmbedRequest):
-        return embedding_body(line.request.model, ends, line.encoding_format)
+    assert line.request is not None and line.body is not None
+    if isinstance(line.body, EmbeddingBody):
+        return embedding_body(line.request.model, ends, line.body.encoding_format)
     kind = cast(Kind, line.kind)
-    return response_body(kind, f"{ID_PREFIX[kind]}{line.line_request_id}", line.request, texts, ends, line.num_choices,
-                         line.echo, logprobs)  # fmt: skip
+    return response_body(kind, f"{ID_PREFIX[kind]}{line.line_request_id}", cast(GenerateRequest, line.request),
+                         line.body, texts, ends, logprobs)  # fmt: skip

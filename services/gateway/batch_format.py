@@ -154,7 +154,7 @@ def check_line(envelope: Envelope, rules: LineRules) -> tuple[int, int]:
             return len(requests), sum(rules.counter.count(model, text) for text in body.inputs)
         request = requests[0]
         assert isinstance(request, GenerateRequest)
-        charge = check_context(body, request, model, rules.counter.count_prompt(model, body),
+        charge = check_context(body, request, model, rules.counter.count_prompts(model, body),
                                max_input_tokens=rules.max_input_tokens, max_stop_sequences=rules.max_stop_sequences)
     except BodyError as exc:
         raise LineError(envelope.line, exc.code, exc.message, exc.param) from None

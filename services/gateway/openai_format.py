@@ -42,6 +42,7 @@ from schemas.openai_translate import (  # noqa: F401
     Routing,
     Unrankable,
     chat_logprobs,
+    choice_results,
     choices_body,
     choices_usage,
     completion_body,

@@ -23,6 +23,9 @@ from schemas.model_repo import load_model_repo
 from schemas.topics import Topics
 from services.batcher.app import BatcherApp
 from services.batcher.config import BatcherSettings
+from services.batcher.jobs import JobRunner
+from schemas.registry import RegistryState
+from weir.bus import BusSettings
 from services.gateway.app import create_app
 from services.gateway.config import GatewaySettings
 from services.worker.app import WorkerService
@@ -151,6 +154,19 @@ async def wait_batch(client: openai.AsyncOpenAI, batch_id: str, timeout_s: float
     raise AssertionError(f"batch {batch_id} still {batch.status}")
 
 
+@pytest.fixture(scope="module")
+async def job_runner(pipeline):
+    """The batch job runner the batcher process runs beside its BatcherApp (services/batcher/app.py)."""
+    topics, _, _ = pipeline
+    settings = BusSettings(kafka_bootstrap=BOOTSTRAP, topic_prefix=topics.prefix)
+    runner = JobRunner(settings, RegistryState(load_model_repo(REPO_TOML)), "test-jobs")
+    stop = asyncio.Event()
+    task = asyncio.create_task(runner.run(stop))
+    yield runner
+    stop.set()
+    await asyncio.wait_for(task, 30)
+
+
 async def run_batch(client: openai.AsyncOpenAI, endpoint: str, bodies: dict[str, dict]) -> dict[str, dict]:
     """Run `bodies` (by custom_id) as one batch through the batcher's job runner; the response body of each line."""
     content = b"".join(orjson.dumps({"custom_id": cid, "method": "POST", "url": endpoint, "body": body}) + b"\n"
@@ -165,7 +181,7 @@ async def run_batch(client: openai.AsyncOpenAI, endpoint: str, bodies: dict[str,
     return {row["custom_id"]: row["response"]["body"] for row in rows}
 
 
-async def test_embeddings_lines_run_in_a_batch_and_answer_what_the_endpoint_does(pipeline):
+async def test_embeddings_lines_run_in_a_batch_and_answer_what_the_endpoint_does(pipeline, job_runner):
     """OpenAI's Batch API takes /v1/embeddings lines: each runs through the batcher's job runner as
     the endpoint's EmbedRequests (150 inputs: two of them), and its line answers the embedding list
     the endpoint answers for the same body."""
@@ -184,7 +200,7 @@ async def test_embeddings_lines_run_in_a_batch_and_answer_what_the_endpoint_does
     assert len(written["many"]["data"]) == 150
 
 
-async def test_a_chat_line_runs_with_the_endpoints_defaults_and_usage(pipeline):
+async def test_a_chat_line_runs_with_the_endpoints_defaults_and_usage(pipeline, job_runner):
     """A chat line without max_tokens runs with the endpoint's default (256, not the wire's 64),
     n=2 choices, and answers usage with prompt_tokens_details and a system_fingerprint, as the
     endpoint does for the same body (the echo model repeats the prompt: 100 words)."""

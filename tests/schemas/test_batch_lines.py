@@ -91,4 +91,4 @@ def test_a_body_is_refused_as_its_endpoint_refuses_it(body, code, param):
 
 def test_a_completions_line_may_wrap_its_one_prompt_in_a_list():
     parsed = parse_line_body(Envelope(1, "a", "/v1/completions", {"model": "echo", "prompt": ["x"]}))
-    assert parsed.prompt == "x"  # type: ignore[union-attr]
+    assert parsed.prompts == ["x"]  # type: ignore[union-attr]

@@ -59,7 +59,8 @@ def expected(hf_model, prompt_ids: list[int]) -> torch.Tensor:
 
 
 def check(entries, prompt_ids: list[int], want: torch.Tensor, k: int) -> None:
-    assert len(entries) == len(prompt_ids) and entries[0] is None  # nothing predicts the first token
+    assert len(entries) == len(prompt_ids) and entries[0].logprob is None  # nothing predicts the first token
+    assert entries[0].token_id == prompt_ids[0] and entries[0].top_logprobs == []
     for p, entry in enumerate(entries[1:], start=1):
         assert entry.token_id == prompt_ids[p]
         assert entry.logprob == pytest.approx(float(want[p - 1, prompt_ids[p]]), abs=1e-4)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 
 from tokenizers import Tokenizer
 
@@ -59,11 +60,21 @@ class TokenCounter:
         return estimate_tokens(text)
 
     def count_prompt(self, model: ModelConfig, body: ChatCompletionBody | CompletionBody) -> int:
-        """Prompt tokens of a body: the prompt, or every message plus the per-message overhead."""
+        """Prompt tokens of a body: its prompts', or every message plus the per-message overhead."""
+        return sum(self.count_prompts(model, body))
+
+    def count_prompts(self, model: ModelConfig, body: ChatCompletionBody | CompletionBody) -> list[int]:
+        """Prompt tokens of each prompt of a body (a chat is one: every message plus the
+        per-message overhead; a prompt of token ids is its length)."""
         if isinstance(body, CompletionBody):
-            return self.count(model, body.prompt)
+            return [self.count(model, p) if isinstance(p, str) else len(p) for p in body.prompts]
         texts = [m.to_wire().content for m in body.messages]
-        return sum(self.count(model, t) for t in texts) + TOKENS_PER_MESSAGE * len(texts)
+        return [sum(self.count(model, t) for t in texts) + TOKENS_PER_MESSAGE * len(texts)]
+
+    def decoder(self, model: ModelConfig) -> Callable[[list[int]], str] | None:
+        """The text of token ids for `model` (its tokenizer's), or None without a tokenizer."""
+        tokenizer = self.tokenizer(model)
+        return None if tokenizer is None else tokenizer.decode
 
 
 def estimate_tokens(text: str) -> int:
@@ -75,7 +86,7 @@ def check_request(
     body: ChatCompletionBody | CompletionBody,
     request: GenerateRequest,
     model: ModelConfig,
-    prompt_tokens: int,
+    prompt_tokens: int | list[int],
     *,
     max_input_tokens: int | None,
     max_stop_sequences: int,

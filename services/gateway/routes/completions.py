@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response
 
 from schemas.messages import GenerateRequest, StreamRecord, now_ms
 from schemas.openai_bodies import ChatCompletionBody, CompletionBody
-from schemas.openai_translate import ID_PREFIX
+from schemas.openai_translate import ID_PREFIX, siblings_of
 from services.gateway.guard.auth import Identity, Owner
 from services.gateway.guard.gate import Admitted
 from services.gateway.handlers import Exchange
@@ -25,7 +25,6 @@ from services.gateway.openai_format import (
     Kind,
     parse_body,
     refuse_embedding_model,
-    sibling_requests,
     to_generate_request,
 )
 from services.gateway.routes.parts import GatewayParts
@@ -147,7 +146,7 @@ async def submit_siblings(
     requests"). Each is admitted as a request of its own: a lane ticket, and its prompt +
     max_tokens charged to the rate limits, so n does not get around a tenant's limits. A refusal
     (429/503) or a failed publish withdraws the siblings already out (Cancellation)."""
-    siblings = sibling_requests(request, body.num_siblings)
+    siblings = siblings_of(body, request)  # a sibling per choice of each prompt (schemas/openai_translate.py)
     tickets = [admitted]
     exchanges: list[Exchange] = []
     try:
@@ -161,7 +160,7 @@ async def submit_siblings(
         for exchange in exchanges:
             exchange.close("client_disconnect", status="cancelled")
         raise
-    return SiblingGroup(request, exchanges, body.num_choices)
+    return SiblingGroup(request, exchanges, body.num_results)
 
 
 def new_request_id(kind: Kind) -> str:

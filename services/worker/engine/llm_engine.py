@@ -25,7 +25,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from schemas.messages import EmbedRequest, ErrorInfo, GenerateRequest, StructuredOutputs, TokenLogprob, TopLogprob
+from schemas.messages import (
+    EmbedRequest,
+    ErrorInfo,
+    GenerateRequest,
+    PromptLogprob,
+    StructuredOutputs,
+    TokenLogprob,
+    TopLogprob,
+)
 from schemas.structured import UnsupportedSchema, check_structured, constraint_of
 from schemas.tools import tools_problem
 from services.worker.engine.chat_template import ChatTemplateError
@@ -328,6 +336,9 @@ class Engine:
             k = seq.request.prompt_logprobs or 0
             block = logprobs[at : at + len(positions)]
             at += len(positions)
+            if positions.start == 0:  # nothing predicts the first prompt token: its text only
+                text, raw = self.tokenizer.token_piece(seq.token_ids[0])
+                seq.prompt_logprobs[0] = PromptLogprob(token_id=seq.token_ids[0], token=text, bytes=raw, logprob=None)  # type: ignore[index]
             if not len(positions):
                 continue
             targets = torch.tensor([seq.token_ids[p + 1] for p in positions], dtype=torch.long)
@@ -336,7 +347,8 @@ class Engine:
             for i, p in enumerate(positions):
                 alternatives = list(zip(top.indices[i].tolist(), top.values[i].tolist(), strict=True)) if top else None
                 token = seq.token_ids[p + 1]
-                seq.prompt_logprobs[p + 1] = self._token_logprob(token, chosen[i], alternatives)  # type: ignore[index]
+                entry = self._token_logprob(token, chosen[i], alternatives)
+                seq.prompt_logprobs[p + 1] = PromptLogprob.model_construct(**dict(entry))  # type: ignore[index]
 
     def _grammar_mask(self, seqs: list[Sequence]) -> Callable[[torch.Tensor], None] | None:
         """The step's grammar mask over `seqs`' rows, or None when no row is constrained."""
