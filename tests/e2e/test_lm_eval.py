@@ -1,0 +1,128 @@
+"""lm-eval's request shapes through the whole pipeline on the real broker, with the openai client
+and the trained default model (weir-tiny-py) on the CPU: loglikelihood (a batch of prompts, echo,
+logprobs, max_tokens 0: the prompt's own logprobs, checked against transformers), prompts of token
+ids, batched generation, and /tokenize.
+
+gateway -> weir.requests -> batcher -> worker (torch engine) -> the gateway's reply topic. The
+services run in this process, each with its own Kafka clients (as tests/e2e/test_embeddings.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+from schemas.codec import decode
+from schemas.messages import WorkerHeartbeat
+from schemas.model_repo import load_model_repo
+from schemas.topics import Topics
+from services.batcher.app import BatcherApp
+from services.batcher.config import BatcherSettings
+from services.gateway.app import create_app
+from services.gateway.config import GatewaySettings
+from services.worker.app import WorkerService
+from services.worker.config import WorkerSettings
+from tests.gateway.fakes import GatewayServer
+from tests.kafka_helpers import read_until
+from weir.kafka.admin import deployment_specs, ensure_topics
+
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+from tests.conftest import BOOTSTRAP  # noqa: E402 - WEIR_KAFKA_BOOTSTRAP, else 127.0.0.1:9092
+transformers = pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[2]
+REPO_TOML = ROOT / "models.toml"
+MODEL = "weir-tiny-py"
+CONTEXT = "def add(a, b):\n    return"
+CONTINUATIONS = [" a + b\n", " a - b\n"]
+
+
+@pytest.fixture(scope="module")
+async def pipeline():
+    topics = Topics(f"lme{uuid.uuid4().hex[:8]}")
+    await ensure_topics(BOOTSTRAP, deployment_specs(topics, load_model_repo(REPO_TOML)))
+    common = dict(kafka_bootstrap=BOOTSTRAP, topic_prefix=topics.prefix, model_repo=str(REPO_TOML))
+    worker = WorkerService(WorkerSettings(**common, models=MODEL, torch_threads=1, heartbeat_interval_ms=300))
+    tasks = [asyncio.create_task(worker.serve())]
+    beats = await read_until(BOOTSTRAP, [topics.workers], lambda rs: any(decode(WorkerHeartbeat, r.value).is_ready for r in rs), 300)
+    assert any(decode(WorkerHeartbeat, r.value).is_ready for r in beats), "the worker never became ready"
+    stop = asyncio.Event()
+    tasks.append(asyncio.create_task(BatcherApp(BatcherSettings(**common), load_model_repo(REPO_TOML)).serve(stop)))
+    server = GatewayServer(create_app(GatewaySettings(**common, auth_mode="open")))
+    await server.start()
+    async with httpx.AsyncClient(base_url=server.base_url) as http:
+        for _ in range(150):
+            if (await http.get("/readyz")).status_code == 200:
+                break
+            await asyncio.sleep(0.2)
+    client = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=120)
+    try:
+        yield server, client
+    finally:
+        await client.close()
+        await server.stop()
+        stop.set()
+        tasks[0].cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    return transformers.AutoModelForCausalLM.from_pretrained(ROOT / "models" / MODEL, dtype=torch.float32).eval()
+
+
+async def tokenize(server: GatewayServer, text: str) -> list[int]:
+    async with httpx.AsyncClient(base_url=server.base_url) as http:
+        response = await http.post("/tokenize", json={"model": MODEL, "prompt": text, "add_special_tokens": False})
+    assert response.status_code == 200, response.text
+    return response.json()["tokens"]
+
+
+async def test_loglikelihood_requests_as_lm_eval_sends_them(pipeline, hf_model) -> None:
+    """lm-eval's loglikelihood body: several prompts, max_tokens 0, echo, logprobs 1, temperature 0.
+    Each choice (in prompt order) echoes its prompt; its legacy logprobs are the prompt's tokens,
+    the first logprob null, the others transformers' log-softmax of each token given those before
+    it; text_offset indexes the text. Prompts of token ids (lm-eval's tokenized requests) answer
+    the same numbers."""
+    server, client = pipeline
+    prompts = [CONTEXT + c for c in CONTINUATIONS]
+    result = await client.completions.create(model=MODEL, prompt=prompts, max_tokens=0, echo=True, logprobs=1,
+                                             temperature=0)  # fmt: skip
+    assert [c.index for c in result.choices] == [0, 1]
+    ids = [await tokenize(server, p) for p in prompts]
+    assert result.usage.prompt_tokens == sum(map(len, ids)) and result.usage.completion_tokens == 0
+    for choice, prompt, prompt_ids in zip(result.choices, prompts, ids, strict=True):
+        assert choice.text == prompt and choice.finish_reason == "length"
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(prompt_ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert "".join(lp.tokens) == prompt and lp.text_offset[0] == 0
+        assert all(prompt[at:].startswith(t) for at, t in zip(lp.text_offset, lp.tokens, strict=True))
+        with torch.no_grad():
+            want = torch.log_softmax(hf_model(torch.tensor([prompt_ids])).logits[0].float(), dim=-1)
+        for p in range(1, len(prompt_ids)):
+            assert lp.token_logprobs[p] == pytest.approx(float(want[p - 1, prompt_ids[p]]), abs=1e-3)
+            assert len(lp.top_logprobs[p]) >= 1
+    # the continuation's loglikelihood, as lm-eval sums it, prefers the right one
+    context_len = len(await tokenize(server, CONTEXT))
+    scores = [sum(c.logprobs.token_logprobs[context_len:]) for c in result.choices]
+    tokens = await client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=1,
+                                             temperature=0)  # fmt: skip
+    assert [c.text for c in tokens.choices] == prompts
+    assert [sum(c.logprobs.token_logprobs[context_len:]) for c in tokens.choices] == pytest.approx(scores, abs=1e-4)
+
+
+async def test_batched_prompts_generate_n_choices_each_in_prompt_order(pipeline) -> None:
+    _, client = pipeline
+    prompts = ["import os\n", "def main():\n"]
+    one = [(await client.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0)).choices[0].text
+           for p in prompts]  # fmt: skip
+    both = await client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0, n=2)
+    assert [c.index for c in both.choices] == [0, 1, 2, 3]
+    assert [c.text for c in both.choices] == [one[0], one[0], one[1], one[1]]  # greedy: n alike
+    assert both.usage.completion_tokens == sum(1 for _ in both.choices) * 6 or both.usage.completion_tokens <= 24
