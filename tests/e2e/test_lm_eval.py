@@ -50,11 +50,12 @@ async def pipeline():
     common = dict(kafka_bootstrap=BOOTSTRAP, topic_prefix=topics.prefix, model_repo=str(REPO_TOML))
     worker = WorkerService(WorkerSettings(**common, models=MODEL, torch_threads=1, heartbeat_interval_ms=300))
     tasks = [asyncio.create_task(worker.serve())]
-    beats = await read_until(BOOTSTRAP, [topics.workers], lambda rs: any(decode(WorkerHeartbeat, r.value).is_ready for r in rs), 300)
+    beats = await read_until(BOOTSTRAP, [topics.workers], lambda rs: any(decode(WorkerHeartbeat, r.value).is_ready for r in rs), 200)
     assert any(decode(WorkerHeartbeat, r.value).is_ready for r in beats), "the worker never became ready"
     stop = asyncio.Event()
     tasks.append(asyncio.create_task(BatcherApp(BatcherSettings(**common), load_model_repo(REPO_TOML)).serve(stop)))
     server = GatewayServer(create_app(GatewaySettings(**common, auth_mode="open")))
+    server.topics = topics  # type: ignore[attr-defined]  # for the job runner of the batch test
     await server.start()
     async with httpx.AsyncClient(base_url=server.base_url) as http:
         for _ in range(150):
@@ -133,3 +134,64 @@ async def test_batched_prompts_generate_n_choices_each_in_prompt_order(pipeline)
     assert [c.text for c in both.choices] == [texts[0], texts[0], texts[1], texts[1]]  # greedy: n alike
     assert both.usage.prompt_tokens == sum(r.usage.prompt_tokens for r in one)  # each prompt once
     assert both.usage.completion_tokens == 2 * sum(r.usage.completion_tokens for r in one)  # every choice
+
+
+async def test_lm_evals_own_loglikelihood_payload(pipeline) -> None:
+    """lm-eval's LocalCompletionsAPI sends tokenized contexts with max_tokens 1, echo, logprobs 1 and
+    a seed, and reads token_logprobs[ctxlen:-1] and whether each token was the greedy one (the top
+    of its top_logprobs): the prompt's entries, then the generated token's."""
+    server, client = pipeline
+    ids = [await tokenize(server, CONTEXT + c) for c in CONTINUATIONS]
+    result = await client.completions.create(model=MODEL, prompt=ids, max_tokens=1, echo=True, logprobs=1,
+                                             temperature=0, seed=1234)  # fmt: skip
+    context_len = len(await tokenize(server, CONTEXT))
+    for choice, prompt_ids in zip(result.choices, ids, strict=True):
+        lp = choice.logprobs
+        generated = len(lp.tokens) - len(prompt_ids)
+        assert generated in (0, 1) and (generated == 1) == (choice.finish_reason == "length")
+        continuation = lp.token_logprobs[context_len : len(prompt_ids)]
+        assert len(continuation) == len(prompt_ids) - context_len and all(v is not None and v <= 0 for v in continuation)
+        for token, top in zip(lp.tokens[context_len:], lp.top_logprobs[context_len:], strict=True):
+            assert len(top) >= 1 and all(v <= 0 for v in top.values())  # lm-eval's is_greedy reads these
+        assert choice.text.startswith(CONTEXT)
+
+
+@pytest.fixture(scope="module")
+async def job_runner(pipeline):
+    """The batch job runner the batcher process runs beside its BatcherApp (services/batcher/app.py)."""
+    from schemas.registry import RegistryState
+    from services.batcher.jobs import JobRunner
+    from weir.bus import BusSettings
+
+    server, _ = pipeline
+    settings = BusSettings(kafka_bootstrap=BOOTSTRAP, topic_prefix=server.topics.prefix)
+    runner = JobRunner(settings, RegistryState(load_model_repo(REPO_TOML)), "test-jobs")
+    stop = asyncio.Event()
+    task = asyncio.create_task(runner.run(stop))
+    yield runner
+    stop.set()
+    await asyncio.wait_for(task, 30)
+
+
+async def test_a_loglikelihood_batch_line_answers_what_the_endpoint_does(pipeline, job_runner) -> None:
+    """The same body as a batch line runs through the batcher's job runner and the one translator:
+    its output line's body is the endpoint's, prompt logprobs included."""
+    import orjson
+
+    _, client = pipeline
+    body = {"model": MODEL, "prompt": [CONTEXT + c for c in CONTINUATIONS], "max_tokens": 0, "echo": True,
+            "logprobs": 2, "temperature": 0}  # fmt: skip
+    content = orjson.dumps({"custom_id": "ll", "method": "POST", "url": "/v1/completions", "body": body}) + b"\n"
+    uploaded = await client.files.create(file=("in.jsonl", content), purpose="batch")
+    batch = await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
+    for _ in range(600):
+        batch = await client.batches.retrieve(batch.id)
+        if batch.status in ("completed", "failed", "cancelled", "expired"):
+            break
+        await asyncio.sleep(0.3)
+    assert batch.status == "completed" and batch.output_file_id is not None, batch
+    row = orjson.loads((await client.files.content(batch.output_file_id)).text)
+    written = row["response"]["body"]
+    online = (await client.completions.create(**body)).model_dump(exclude_unset=True)
+    assert written["choices"] == online["choices"] and written["usage"] == online["usage"]
+    assert written["choices"][1]["logprobs"]["token_logprobs"][0] is None
