@@ -263,8 +263,10 @@ class GenerateRequest(_Wire):
     model: str = Field(min_length=1, max_length=193, description="Model name, or name@version to pin one version "
                        "(a name has at most 128 characters, a version 64; docs/design.md, \"The model registry\").")
     prompt: str | None = Field(None, description="Completion prompt (exclusive with messages and prompt_token_ids).")
-    prompt_token_ids: list[int] | None = Field(None, min_length=1, max_length=1 << 17, description="A completion "
-                                               "prompt given as the model's token ids (exclusive with prompt and messages).")
+    prompt_token_ids: list[int] | None = Field(
+        None, min_length=1, max_length=1 << 17,
+        description="A completion prompt given as the model's token ids (exclusive with prompt and messages).",
+    )
     messages: list[ChatMessage] | None = Field(None, description="Chat turns (exclusive with prompt).")
     max_tokens: int = Field(64, ge=0, le=32768, description="Most tokens to generate; 0 (with prompt_logprobs "
                             "only) generates none: the prompt's logprobs are the answer.")
@@ -921,7 +923,8 @@ class BatchJob(_Wire):
     queued_tokens: int = Field(0, ge=0, description="Tokens its requests may use (prompts + max_tokens), "
                                "counted against its owner's batch quota while it is live.")
     queued_requests: int = Field(0, ge=0, description="Requests its lines run as (a line with n choices is n), "
-                                 "counted against its owner's batch quota while it is live; 0: as request_counts.total.")
+                                 "counted against its owner's batch quota while it is live; 0: as "
+                                 "request_counts.total.")
     planned_output_file_id: str | None = Field(None, description="Random id the runner will write the output "
                                                "file under (recorded before writing, so a restart reuses it).")
     planned_error_file_id: str | None = Field(None, description="Random id of the error file (see above).")

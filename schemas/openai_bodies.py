@@ -547,7 +547,7 @@ class CompletionBody(_Body):
         if self.num_siblings > MAX_N * 8:
             raise BodyError(f"prompts x n (or best_of) is {self.num_siblings}; at most {MAX_N * 8} generations are "
                             "served per request", param="prompt", code="invalid_value")  # fmt: skip
-        if self.stream and self.num_siblings_per_prompt > self.num_choices:  # as OpenAI: the best is known only at the end
+        if self.stream and self.num_siblings_per_prompt > self.num_choices:  # as OpenAI: the best is known at the end
             raise BodyError("best_of greater than n cannot be streamed", param="best_of", code="invalid_value")
         if self.max_tokens == 0 and not self.echo:
             raise BodyError("max_tokens 0 generates nothing; it is served with echo (the prompt, and its logprobs, "

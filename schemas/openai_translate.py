@@ -496,7 +496,8 @@ class ChunkWriter:
     """
 
     def __init__(self, kind: Kind, request_id: str, model: str, created_s: int, include_usage: bool,
-                 logprobs: LogprobsFormat | None = None, echo: str | None = None, body: Body | None = None) -> None:  # fmt: skip
+                 logprobs: LogprobsFormat | None = None, echo: str | None = None,
+                 body: Body | None = None) -> None:  # fmt: skip
         self.body = body  # the body it answers, when known: whole responses render its choices (choice_results)
         self.kind = kind
         self.request_id = request_id

@@ -20,7 +20,7 @@ import orjson
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from schemas.batch_lines import Envelope, LineError, parse_envelope
+from schemas.batch_lines import LineError, parse_envelope
 from schemas.messages import (
     BatchJob,
     GenerateRequest,
@@ -32,7 +32,6 @@ from schemas.messages import (
     Usage,
 )
 from schemas.model_repo import load_model_repo
-from schemas.openai_bodies import BodyError
 from schemas.registry import RegistryState
 from services.batcher.job_core import JobResults, parse_input
 from services.gateway.batch_format import LineRules, check_line

@@ -309,7 +309,8 @@ class JobResults:
             elif all(end.finish_reason in ("stop", "length") for end in ends):
                 results = [self._results[sibling.request_id] for sibling in group]
                 try:
-                    body = line_response_body(line, ["".join(r.text) for r in results], ends, [r.logprobs for r in results])
+                    texts = ["".join(r.text) for r in results]
+                    body = line_response_body(line, texts, ends, [r.logprobs for r in results])
                 except Unrankable as exc:  # as the gateway answers it: 502
                     info = {"code": "cumulative_logprob_missing", "message": str(exc), "type": "server_error"}
                     errors.append(_error_line(line, 502, {"error": info}))

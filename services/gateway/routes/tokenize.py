@@ -61,7 +61,8 @@ def add_tokenize_routes(router: APIRouter, parts: GatewayParts) -> None:
             raise ApiError(400, "add_generation_prompt applies to messages", param="add_generation_prompt",
                            code="unsupported_parameter")  # fmt: skip
         if body.prompt is None:
-            raise ApiError(400, "missing required parameter: 'prompt'", param="prompt", code="missing_required_parameter")
+            raise ApiError(400, "missing required parameter: 'prompt'", param="prompt",
+                           code="missing_required_parameter")  # fmt: skip
         encoding = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         result = {"count": len(encoding.ids), "max_model_len": model.max_model_len, "tokens": encoding.ids,
                   "token_strs": encoding.tokens if body.return_token_strs else None}  # fmt: skip

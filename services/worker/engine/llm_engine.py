@@ -337,8 +337,9 @@ class Engine:
             block = logprobs[at : at + len(positions)]
             at += len(positions)
             if positions.start == 0:  # nothing predicts the first prompt token: its text only
-                text, raw = self.tokenizer.token_piece(seq.token_ids[0])
-                seq.prompt_logprobs[0] = PromptLogprob(token_id=seq.token_ids[0], token=text, bytes=raw, logprob=None)  # type: ignore[index]
+                first = seq.token_ids[0]
+                text, raw = self.tokenizer.token_piece(first)
+                seq.prompt_logprobs[0] = PromptLogprob(token_id=first, token=text, bytes=raw, logprob=None)  # type: ignore[index]
             if not len(positions):
                 continue
             targets = torch.tensor([seq.token_ids[p + 1] for p in positions], dtype=torch.long)

@@ -7,7 +7,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from schemas.messages import ErrorInfo, FinishReason, GenerateRequest, PromptLogprob, TokenLogprob, ToolCall, ToolCallDelta
+from schemas.messages import (
+    ErrorInfo,
+    FinishReason,
+    GenerateRequest,
+    PromptLogprob,
+    TokenLogprob,
+    ToolCall,
+    ToolCallDelta,
+)
 from schemas.tools import tool_parser
 from services.worker.engine.sampler import TokenBias, has_penalties
 
