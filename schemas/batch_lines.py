@@ -20,9 +20,14 @@ from typing import Any
 
 import orjson
 
-from schemas.openai_bodies import BodyError, ChatCompletionBody, CompletionBody, Kind, parse_body
+from schemas.openai_bodies import BodyError, ChatCompletionBody, CompletionBody, parse_body
+from schemas.openai_translate import EmbeddingBody, parse_embedding_body
 
-ENDPOINT_KINDS: dict[str, Kind] = {"/v1/chat/completions": "chat.completions", "/v1/completions": "completions"}
+# The endpoints a batch line may name, and the kind of body each takes (OpenAI's Batch API also
+# takes /v1/embeddings; its lines run as EmbedRequests, answered with the embedding list)
+ENDPOINT_KINDS: dict[str, str] = {"/v1/chat/completions": "chat.completions", "/v1/completions": "completions",
+                                  "/v1/embeddings": "embeddings"}  # fmt: skip
+LineBody = ChatCompletionBody | CompletionBody | EmbeddingBody
 MAX_BATCH_LINES = 50_000  # OpenAI's limit of requests per batch
 _JSON_WHITESPACE = b" \t\r"
 
@@ -104,38 +109,28 @@ def parse_envelope(number: int, raw: bytes, seen: set[str], endpoint: str | None
     return Envelope(number, custom_id, url, row["body"])
 
 
-def parse_line_body(envelope: Envelope) -> ChatCompletionBody | CompletionBody:
+def parse_line_body(envelope: Envelope) -> LineBody:
     """The body of a line, checked as its endpoint checks one over HTTP; LineError naming the
     parameter otherwise, and for `stream` and `timeout_s` (the completion window is every line's
     deadline). Whether the model exists and the caller may use it is the caller's to check."""
     body = envelope.body
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1:
-        body = {**body, "prompt": prompt[0]}  # a batch line may wrap its one prompt in a list
+    if ENDPOINT_KINDS[envelope.url] == "embeddings":
+        try:
+            embedding = parse_embedding_body(orjson.dumps(body))
+        except BodyError as exc:
+            raise LineError(envelope.line, exc.code, exc.message, exc.param) from None
+        if embedding.timeout_s is not None:
+            raise LineError(envelope.line, "unsupported_parameter", "timeout_s is not supported in a batch: the "
+                            "batch's completion window is every line's deadline", "timeout_s")  # fmt: skip
+        return embedding
     try:
-        parsed = parse_body(ENDPOINT_KINDS[envelope.url], orjson.dumps(body))
+        parsed = parse_body(ENDPOINT_KINDS[envelope.url], orjson.dumps(body))  # type: ignore[arg-type]
     except BodyError as exc:
         raise LineError(envelope.line, exc.code, exc.message, exc.param) from None
     if parsed.stream:
         raise LineError(envelope.line, "invalid_value", "stream is not supported in a batch", "stream")
-    if asked := _choice_parameter(parsed):
-        raise LineError(envelope.line, "unsupported_parameter", f"{asked} is not supported in a batch yet: the "
-                        "batch runner answers n choices of plain text", asked)  # fmt: skip
     if parsed.timeout_s is not None:
         raise LineError(envelope.line, "unsupported_parameter", "timeout_s is not supported in a batch: the batch's "
                         "completion window is every line's deadline", "timeout_s")  # fmt: skip
     return parsed
 
-
-def _choice_parameter(body: ChatCompletionBody | CompletionBody) -> str | None:
-    """The first choice parameter (best_of, logprobs, echo, suffix) a line sets to something the
-    batch runner does not do (it answers n choices of plain text): refused, never ignored."""
-    if body.num_siblings > body.num_choices:
-        return "best_of"
-    if body.top_logprobs_asked is not None:
-        return "logprobs"
-    if isinstance(body, CompletionBody) and body.echo:
-        return "echo"
-    if isinstance(body, CompletionBody) and body.suffix:
-        return "suffix"
-    return None

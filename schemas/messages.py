@@ -243,6 +243,14 @@ class TokenLogprob(TopLogprob):
     top_logprobs: list[TopLogprob] = Field(default_factory=list, max_length=MAX_TOP_LOGPROBS)
 
 
+class PromptLogprob(TopLogprob):
+    """A prompt token and its log-probability given the tokens before it (None for the first
+    token, which nothing predicts), with the most likely alternatives asked for."""
+
+    logprob: float | None = Field(le=0.0, allow_inf_nan=False)  # type: ignore[assignment]
+    top_logprobs: list[TopLogprob] = Field(default_factory=list, max_length=MAX_TOP_LOGPROBS)
+
+
 class GenerateRequest(_Wire):
     """A request for text generation, published to `weir.requests` keyed by request_id.
 
@@ -254,9 +262,14 @@ class GenerateRequest(_Wire):
     request_id: str = Field(min_length=1, max_length=128, description="Unique id; deduplicates redeliveries.")
     model: str = Field(min_length=1, max_length=193, description="Model name, or name@version to pin one version "
                        "(a name has at most 128 characters, a version 64; docs/design.md, \"The model registry\").")
-    prompt: str | None = Field(None, description="Completion prompt (exclusive with messages).")
+    prompt: str | None = Field(None, description="Completion prompt (exclusive with messages and prompt_token_ids).")
+    prompt_token_ids: list[int] | None = Field(
+        None, min_length=1, max_length=1 << 17,
+        description="A completion prompt given as the model's token ids (exclusive with prompt and messages).",
+    )
     messages: list[ChatMessage] | None = Field(None, description="Chat turns (exclusive with prompt).")
-    max_tokens: int = Field(64, ge=1, le=32768, description="Most tokens to generate.")
+    max_tokens: int = Field(64, ge=0, le=32768, description="Most tokens to generate; 0 (with prompt_logprobs "
+                            "only) generates none: the prompt's logprobs are the answer.")
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="Sampling temperature; 0 is greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 keeps all.")
@@ -287,6 +300,9 @@ class GenerateRequest(_Wire):
     parallel_tool_calls: bool = Field(True, description="With tool_choice required: more than one call may be made.")
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="Return each generated token's "
                                  "logprob and this many most likely alternatives (0: the token's only); None: none.")
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="Return the logprob of "
+                                        "each prompt token after the first (computed in the prefill, which then "
+                                        "reuses no prefix cache) and this many most likely alternatives; None: none.")
     suffix: str | None = Field(None, max_length=1 << 20, description="prompt only: text after the insertion "
                                "(fill-in-the-middle), for models whose tokenizer has FIM tokens; refused otherwise.")
     stream: bool = Field(True, description="Whether the client streams; workers always send deltas.")
@@ -307,8 +323,10 @@ class GenerateRequest(_Wire):
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerateRequest:
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("exactly one of prompt and messages must be set")
+        if sum(x is not None for x in (self.prompt, self.messages, self.prompt_token_ids)) != 1:
+            raise ValueError("exactly one of prompt, prompt_token_ids and messages must be set")
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            raise ValueError("max_tokens 0 generates nothing: only with prompt_logprobs")
         if self.tools is not None and self.messages is None:
             raise ValueError("tools need messages (a chat request)")
         if self.tool_choice not in (None, "none") and not self.tools:
@@ -499,6 +517,9 @@ class ReplyEnd(_Wire):
     tool_calls: list[ToolCall] | None = Field(
         None, description="Every tool call the model made, complete (also streamed as ToolCallDelta pieces)."
     )
+    prompt_logprobs: list[PromptLogprob] | None = Field(
+        None, description="The request asked prompt_logprobs: one per prompt token, in order (the first's "
+        "logprob null: nothing predicts it), each with its alternatives.")
     structured_valid: bool | None = Field(
         None, description="A constrained request: whether the output is an instance of its constraint (None: none)."
     )
@@ -866,7 +887,7 @@ class UsageRecord(_Wire):
 
 
 BatchStatus = Literal["validating", "in_progress", "finalizing", "completed", "failed", "cancelling", "cancelled", "expired"]
-BatchEndpoint = Literal["/v1/chat/completions", "/v1/completions"]
+BatchEndpoint = Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
 
 # Statuses after which a batch job never changes again.
 TERMINAL_BATCH_STATUSES: frozenset[str] = frozenset({"completed", "failed", "cancelled", "expired"})
@@ -943,6 +964,9 @@ class BatchJob(_Wire):
     errors: list[BatchLineError] = Field(default_factory=list, description="Why validation failed.")
     queued_tokens: int = Field(0, ge=0, description="Tokens its requests may use (prompts + max_tokens), "
                                "counted against its owner's batch quota while it is live.")
+    queued_requests: int = Field(0, ge=0, description="Requests its lines run as (a line with n choices is n), "
+                                 "counted against its owner's batch quota while it is live; 0: as "
+                                 "request_counts.total.")
     planned_output_file_id: str | None = Field(None, description="Random id the runner will write the output "
                                                "file under (recorded before writing, so a restart reuses it).")
     planned_error_file_id: str | None = Field(None, description="Random id of the error file (see above).")

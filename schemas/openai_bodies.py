@@ -304,8 +304,23 @@ class _Body(BaseModel):
 
     @property
     def num_siblings(self) -> int:
-        """The sibling requests generated for it: best_of on /v1/completions, else n."""
+        """The sibling requests generated for it: best_of on /v1/completions, else n (times the
+        prompts of a /v1/completions body)."""
         return self.num_choices
+
+    @property
+    def num_prompts(self) -> int:
+        return 1
+
+    @property
+    def num_results(self) -> int:
+        """The choices the response holds: n for each prompt."""
+        return self.num_choices * self.num_prompts
+
+    @property
+    def prompt_logprobs_asked(self) -> int | None:
+        """GenerateRequest.prompt_logprobs (None: not asked)."""
+        return None
 
     @property
     def top_logprobs_asked(self) -> int | None:
@@ -444,10 +459,18 @@ class ChatCompletionBody(_Body):
         return self.response_format is not None and self.response_format.type != "text"
 
 
-class CompletionBody(_Body):
-    """POST /v1/completions. Only a single string prompt is served."""
+Prompt = str | list[int]  # one prompt: its text, or the model's token ids (vLLM, lm-eval)
+MAX_PROMPTS = 64  # prompts one /v1/completions body may batch (each is a request of its own, times n)
 
-    prompt: str
+
+class CompletionBody(_Body):
+    """POST /v1/completions. `prompt` is a string, a list of strings, a list of token ids or a list
+    of lists of token ids, as OpenAI's (and vLLM's): several prompts are sibling requests, their
+    choices indexed in prompt order x n."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0, le=32768, description="0 (with echo) generates nothing: the "
+                                   "echoed prompt, and its logprobs when asked, are the answer.")
     best_of: int | None = Field(None, ge=1, le=MAX_N, description="Generate this many and return the n with "
                                 "the highest cumulative logprob.")
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS, description="Return each output token's "
@@ -462,24 +485,81 @@ class CompletionBody(_Body):
         return self.max_tokens
 
     @property
-    def num_siblings(self) -> int:
+    def prompts(self) -> list[Prompt]:
+        """The prompts, in order: a string or a list of token ids each."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if self.prompt and all(isinstance(p, int) for p in self.prompt):
+            return [list(self.prompt)]  # type: ignore[arg-type]
+        return list(self.prompt)  # type: ignore[arg-type]
+
+    @property
+    def has_token_prompts(self) -> bool:
+        return any(not isinstance(p, str) for p in self.prompts)
+
+    @property
+    def num_siblings_per_prompt(self) -> int:
+        """The sibling requests of one prompt: best_of, else n."""
         return self.best_of or self.num_choices
+
+    @property
+    def num_siblings(self) -> int:
+        return self.num_siblings_per_prompt * len(self.prompts)
+
+    @property
+    def num_prompts(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def prompt_logprobs_asked(self) -> int | None:
+        """GenerateRequest.prompt_logprobs: echo with logprobs (lm-eval's loglikelihood) asks the
+        prompt's own logprobs; so does echo of token ids (their text comes back with them) and
+        max_tokens 0 (the prefill is the whole answer)."""
+        if not self.echo:
+            return None
+        if self.logprobs is not None:
+            return self.logprobs
+        return 0 if self.has_token_prompts or self.max_tokens == 0 else None
 
     @property
     def top_logprobs_asked(self) -> int | None:
         return self.logprobs
 
     def choice_fields(self) -> dict[str, Any]:
-        return {**super().choice_fields(), "suffix": self.suffix or None}  # "" asks for nothing
+        return {**super().choice_fields(), "suffix": self.suffix or None,  # "" asks for nothing
+                "prompt_logprobs": self.prompt_logprobs_asked}  # fmt: skip
 
     def check_choices(self) -> None:
         if self.best_of is not None and self.best_of < self.num_choices:  # as OpenAI
             raise BodyError(f"best_of must be at least n ({self.num_choices})", param="best_of", code="invalid_value")
-        if self.stream and self.num_siblings > self.num_choices:  # as OpenAI: the best is known only at the end
+        prompts = self.prompts
+        if not prompts or any(len(p) == 0 for p in prompts if not isinstance(p, str)):
+            raise BodyError("prompt must be a string, or a non-empty list of strings or of token ids", param="prompt",
+                            code="invalid_value")  # fmt: skip
+        if len(prompts) > MAX_PROMPTS:
+            raise BodyError(f"prompt holds {len(prompts)} prompts; at most {MAX_PROMPTS} are served per request",
+                            param="prompt", code="invalid_value")  # fmt: skip
+        if any(i < 0 for p in prompts if not isinstance(p, str) for i in p):
+            raise BodyError("token ids must not be negative", param="prompt", code="invalid_value")
+        if self.num_siblings_per_prompt > self.num_choices and len(prompts) > 1:
+            raise BodyError("best_of greater than n is served for one prompt at a time", param="best_of",
+                            code="unsupported_parameter")  # fmt: skip
+        if self.num_siblings > MAX_N * 8:
+            raise BodyError(f"prompts x n (or best_of) is {self.num_siblings}; at most {MAX_N * 8} generations are "
+                            "served per request", param="prompt", code="invalid_value")  # fmt: skip
+        if self.stream and self.num_siblings_per_prompt > self.num_choices:  # as OpenAI: the best is known at the end
             raise BodyError("best_of greater than n cannot be streamed", param="best_of", code="invalid_value")
-        if self.echo and self.logprobs is not None:
-            raise BodyError("echo with logprobs needs the prompt's logprobs, which Weir does not compute",
-                            param="echo", code="unsupported_parameter")  # fmt: skip
+        if self.max_tokens == 0 and not self.echo:
+            raise BodyError("max_tokens 0 generates nothing; it is served with echo (the prompt, and its logprobs, "
+                            "are the answer)", param="max_tokens", code="invalid_value")  # fmt: skip
+        if self.suffix and self.has_token_prompts:
+            raise BodyError("suffix needs a prompt of text", param="suffix", code="unsupported_parameter")
+        if self.stream and self.echo and len(prompts) > 1:
+            raise BodyError("echo of several prompts is served with stream false", param="stream",
+                            code="unsupported_parameter")  # fmt: skip
+        if self.stream and self.prompt_logprobs_asked is not None:  # they come with the end, not the first chunk
+            raise BodyError("echo with logprobs, of token ids or with max_tokens 0 is served with stream false",
+                            param="stream", code="unsupported_parameter")  # fmt: skip
 
 
 def parse_body(kind: Kind, raw: bytes | str) -> ChatCompletionBody | CompletionBody:

@@ -63,9 +63,11 @@ def parse_time_ms(text: str) -> int:
 
 
 def prompt_text(request: GenerateRequest) -> str:
-    """The prompt, or the chat turns as role: content lines."""
+    """The prompt (token ids as their numbers), or the chat turns as role: content lines."""
     if request.prompt is not None:
         return request.prompt
+    if request.prompt_token_ids is not None:
+        return " ".join(map(str, request.prompt_token_ids))
     return "\n".join(f"{m.role}: {m.content}" for m in request.messages or [])
 
 

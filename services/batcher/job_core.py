@@ -19,22 +19,25 @@ from __future__ import annotations
 import hashlib
 import secrets
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import orjson
-from pydantic import ValidationError
 
 from schemas.messages import (
     TERMINAL_BATCH_STATUSES,
     BatchJob,
     BatchLineError,
+    EmbedRequest,
     GenerateRequest,
     ReplyDelta,
     ReplyEnd,
     RequestCounts,
+    TokenLogprob,
     Usage,
 )
 from schemas.batch_lines import (
+    ENDPOINT_KINDS,
+    LineBody,
     MAX_BATCH_LINES,
     Envelope,
     LineError,
@@ -44,7 +47,17 @@ from schemas.batch_lines import (
 )
 from schemas.registry import RegistryState
 from schemas.reply_stream import ReplyCursor
-from schemas.openai_bodies import ChatCompletionBody, assistant_message, finish_reason, sibling_requests
+from schemas.openai_bodies import BodyError, Kind
+from schemas.openai_translate import (
+    ID_PREFIX,
+    EmbeddingBody,
+    Routing,
+    Unrankable,
+    choices_usage,
+    embedding_body,
+    response_body,
+    to_requests,
+)
 from services.batcher.planner import resolve_ref
 MAX_VALIDATION_ERRORS = 100
 
@@ -96,18 +109,22 @@ def new_file_id() -> str:
 
 @dataclass(frozen=True)
 class JobLine:
-    """One usable line of the input file: its request, or why its body is refused (then error set)."""
+    """One request of a usable line of the input file, or why the line's body is refused (then
+    error set and request None)."""
 
     line: int
     custom_id: str
     request_id: str
     model: str
-    request: GenerateRequest | None
+    request: GenerateRequest | EmbedRequest | None
     error: BatchLineError | None = None
     # a line asking for n > 1 choices is n sibling requests `<parent_id>/<choice>` (docs/design.md,
-    # "n and best_of are sibling requests"), answered together in one result line
+    # "n and best_of are sibling requests"), an embedding line of more inputs than one request takes
+    # is requests `<parent_id>-<part>`: answered together in one result line
     choice: int = 0
     parent_id: str | None = None
+    kind: str = "chat.completions"  # the endpoint's: chat.completions, completions or embeddings
+    body: LineBody | None = None  # the line's checked body (what its response is rendered for)
 
     @property
     def line_request_id(self) -> str:
@@ -125,10 +142,10 @@ class ParsedInput:
 
 def parse_input(content: bytes, job: BatchJob, models: RegistryState, reply_to: str) -> ParsedInput:
     """Parse and check the JSONL input of `job` with the gateway's own splitter and parser
-    (schemas/batch_lines.py); each request goes to the bulk lane, to `reply_to`, with the job's
-    expiry as its deadline, pinned to the version its model resolves to in `models`. Pure and
-    deterministic: a restart parses the same, unless the registry changed meanwhile (then the
-    lines not answered yet go where a new request would)."""
+    (schemas/batch_lines.py) and translator (schemas/openai_translate.py); each request goes to
+    the bulk lane, to `reply_to`, with the job's expiry as its deadline, pinned to the version its
+    model resolves to in `models`. Pure and deterministic: a restart parses the same, unless the
+    registry changed meanwhile (then the lines not answered yet go where a new request would)."""
     parsed = ParsedInput()
     seen: set[str] = set()
     num_rows = 0
@@ -144,62 +161,46 @@ def parse_input(content: bytes, job: BatchJob, models: RegistryState, reply_to: 
             if len(parsed.errors) < MAX_VALIDATION_ERRORS:
                 parsed.errors.append(BatchLineError(code=exc.code, message=str(exc), line=exc.line, param=exc.param))
             continue
-        parsed.lines.extend(_to_lines(envelope, job, models, reply_to))
+        parsed.lines.extend(to_job_lines(envelope, job, models, reply_to))
     if num_rows == 0:
         parsed.errors.append(BatchLineError(code="empty_file", message="the input file has no requests"))
     return parsed
 
 
-def _to_lines(envelope: Envelope, job: BatchJob, models: RegistryState, reply_to: str) -> list[JobLine]:
-    """The JobLines of one input line: one, or one per choice of a line with n > 1."""
-    line = _to_line(envelope, job, models, reply_to)
-    num_choices = envelope.body.get("n") if line.request is not None else None
-    if not isinstance(num_choices, int) or num_choices <= 1 or line.request is None:
-        return [line]
-    return [JobLine(line.line, line.custom_id, sibling.request_id, line.model, sibling, choice=i,
-                    parent_id=line.request_id) for i, sibling in enumerate(sibling_requests(line.request, num_choices))]  # fmt: skip
-
-
-def _to_line(envelope: Envelope, job: BatchJob, models: RegistryState, reply_to: str) -> JobLine:
+def to_job_lines(envelope: Envelope, job: BatchJob, models: RegistryState, reply_to: str) -> list[JobLine]:
+    """The JobLines of one input line: a request each, as the translator makes them for the online
+    endpoint (one, a sibling per choice of n, or an embedding body's parts), or the line's refusal."""
     number, custom_id = envelope.line, envelope.custom_id
     request_id = request_id_of(job.job_id, custom_id)
+    kind = ENDPOINT_KINDS[envelope.url]
     model = envelope.body.get("model")
-    def refused(code: str, message: str, param: str | None = None) -> JobLine:  # noqa: E306
+    def refused(code: str, message: str, param: str | None = None) -> list[JobLine]:  # noqa: E306
         info = BatchLineError(code=code, message=message, line=number, param=param)
-        return JobLine(number, custom_id, request_id, str(model), None, info)
+        return [JobLine(number, custom_id, request_id, str(model), None, info, kind=kind)]
     if not isinstance(model, str):
         return refused("model_not_found", f"The model {model!r} does not exist", "model")
     config, why = resolve_ref(models, model)
     if config is None:
         return refused("model_not_found", why or f"The model {model!r} does not exist", "model")
     model = config.served_id
-    try:  # the same checks as the gateway's endpoint: every parameter honoured or refused by name
-        parsed = parse_line_body(envelope)
+    routing = Routing(request_id, reply_to, job.created_ms, job.expires_ms, job.principal, job.tenant, "bulk",
+                      stream=False)  # fmt: skip
+    try:  # the same checks and translation as the gateway's endpoint: every parameter honoured or refused by name
+        body = parse_line_body(envelope)
+        requests = to_requests(kind, body, config, routing)
     except LineError as exc:
         return refused(exc.code, exc.message, exc.param)
-    fields: dict[str, Any] = {
-        "request_id": request_id, "model": model, "priority": "bulk", "deadline_ms": job.expires_ms,
-        "reply_to": reply_to, "stream": False, "principal": job.principal, "tenant": job.tenant,
-        "created_ms": job.created_ms, **parsed.sampling_fields(),
-        **parsed.structured_fields(), **parsed.tool_fields(),  # parse_line_body refused what they cannot take
-    }  # fmt: skip
-    if parsed.max_new_tokens is not None:
-        fields["max_tokens"] = parsed.max_new_tokens
-    if isinstance(parsed, ChatCompletionBody):
-        fields["messages"] = [m.to_wire() for m in parsed.messages]
-    else:
-        fields["prompt"] = parsed.prompt
-    try:
-        return JobLine(number, custom_id, request_id, model, GenerateRequest(**fields))
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        param = ".".join(str(p) for p in first.get("loc", ())) or None
-        return refused("invalid_value", str(first.get("msg")), param)
+    except BodyError as exc:
+        return refused(exc.code, exc.message, exc.param)
+    parent = request_id if len(requests) > 1 else None
+    return [JobLine(number, custom_id, r.request_id, model, r, choice=i, parent_id=parent, kind=kind, body=body)
+            for i, r in enumerate(requests)]  # fmt: skip
 
 
 @dataclass
 class _Result:
     text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     cursor: ReplyCursor = field(default_factory=ReplyCursor)
     end: ReplyEnd | None = None
 
@@ -231,6 +232,7 @@ class JobResults:
             self.num_pending -= 1
             return True
         result.text.append(part.text)
+        result.logprobs.extend(part.logprobs or [])
         return False
 
     def is_ended(self, request_id: str) -> bool:
@@ -277,10 +279,14 @@ class JobResults:
         prompt = completion = cached = 0
         for group in self._groups():
             ends = [result.end for line in group if (result := self._results.get(line.request_id)) and result.end]
-            if ends:
-                prompt += ends[0].usage.prompt_tokens
-                cached += ends[0].usage.cached_prompt_tokens
-                completion += sum(end.usage.completion_tokens for end in ends)
+            if ends and group[0].kind == "embeddings":  # its parts embed different inputs
+                prompt += sum(end.usage.prompt_tokens for end in ends)
+            elif ends:
+                body = group[0].body
+                usage = choices_usage(ends, body.num_prompts if body is not None and len(ends) == len(group) else 1)
+                prompt += usage.prompt_tokens
+                cached += usage.cached_prompt_tokens
+                completion += usage.completion_tokens
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                      cached_prompt_tokens=cached)
 
@@ -301,8 +307,14 @@ class JobResults:
                     errors.append(orjson.dumps({"id": f"batch_req_{line.line_request_id}", "custom_id": line.custom_id,
                                                 "response": None, "error": info}))
             elif all(end.finish_reason in ("stop", "length") for end in ends):
-                texts = ["".join(self._results[sibling.request_id].text) for sibling in group]
-                body = choices_response_body(endpoint, line, list(zip(texts, ends, strict=True)))
+                results = [self._results[sibling.request_id] for sibling in group]
+                try:
+                    texts = ["".join(r.text) for r in results]
+                    body = line_response_body(line, texts, ends, [r.logprobs for r in results])
+                except Unrankable as exc:  # as the gateway answers it: 502
+                    info = {"code": "cumulative_logprob_missing", "message": str(exc), "type": "server_error"}
+                    errors.append(_error_line(line, 502, {"error": info}))
+                    continue
                 out.append(orjson.dumps({"id": f"batch_req_{line.line_request_id}", "custom_id": line.custom_id,
                                          "response": {"status_code": 200, "request_id": line.line_request_id,
                                                       "body": body}, "error": None}))  # fmt: skip
@@ -324,26 +336,14 @@ def _jsonl(rows: list[bytes]) -> str:
     return "".join(row.decode() + "\n" for row in rows)
 
 
-def response_body(endpoint: str, line: JobLine, text: str, end: ReplyEnd) -> dict[str, Any]:
-    """The body the synchronous endpoint would have answered: a chat.completion or text_completion."""
-    return choices_response_body(endpoint, line, [(text, end)])
-
-
-def choices_response_body(endpoint: str, line: JobLine, choices: list[tuple[str, ReplyEnd]]) -> dict[str, Any]:
-    """The body of a line with a choice per (text, terminal), in order; its usage counts the
-    prompt once and the completion tokens of every choice, as the synchronous endpoint's does."""
-    first = choices[0][1]
-    usage = first.usage.model_dump(mode="json")
-    completion = sum(end.usage.completion_tokens for _, end in choices)
-    usage.update(completion_tokens=completion, total_tokens=first.usage.prompt_tokens + completion)
-    created = first.created_ms // 1000
-    model = first.model_version or line.model
-    if endpoint == "/v1/chat/completions":
-        rendered = [{"index": i, "message": {**assistant_message(text, end.tool_calls), "refusal": None},
-                     "logprobs": None, "finish_reason": finish_reason(end)} for i, (text, end) in enumerate(choices)]  # fmt: skip
-        return {"id": f"chatcmpl-{line.line_request_id}", "object": "chat.completion", "created": created,
-                "model": model, "choices": rendered, "usage": usage}  # fmt: skip
-    texts: list[dict[str, Any]] = [{"index": i, "text": text, "logprobs": None, "finish_reason": end.finish_reason}
-                                   for i, (text, end) in enumerate(choices)]  # fmt: skip
-    return {"id": f"cmpl-{line.line_request_id}", "object": "text_completion", "created": created,
-            "model": model, "choices": texts, "usage": usage}  # fmt: skip
+def line_response_body(line: JobLine, texts: list[str], ends: list[ReplyEnd],
+                       logprobs: list[list[TokenLogprob]] | None = None) -> dict[str, Any]:
+    """The body the synchronous endpoint would have answered for `line` (the translator's, as the
+    gateway renders it): a chat.completion, text_completion or embedding list, from its
+    requests' texts and terminals in order."""
+    assert line.request is not None and line.body is not None
+    if isinstance(line.body, EmbeddingBody):
+        return embedding_body(line.request.model, ends, line.body.encoding_format)
+    kind = cast(Kind, line.kind)
+    return response_body(kind, f"{ID_PREFIX[kind]}{line.line_request_id}", cast(GenerateRequest, line.request),
+                         line.body, texts, ends, logprobs)  # fmt: skip

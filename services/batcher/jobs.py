@@ -344,9 +344,10 @@ class JobExecution:
 def _fast_reply(value: bytes | None) -> ReplyDelta | ReplyEnd:
     """A reply event; single-position deltas (most of a job's reply topic at low load) skip pydantic
     validation, since the runner shares the batcher's event loop and needs only their request_id,
-    seq and text. A coalesced delta (count > 1) is validated: the runner may cut it."""
+    seq and text. A coalesced delta (count > 1), or one with logprobs (a line that asked for them),
+    is validated: the runner may cut it, or keeps its logprobs."""
     raw = orjson.loads(value or b"")
-    if isinstance(raw, dict) and raw.get("type") == "delta" and raw.get("count", 1) == 1:
+    if isinstance(raw, dict) and raw.get("type") == "delta" and raw.get("count", 1) == 1 and not raw.get("logprobs"):
         request_id, seq, text = raw.get("request_id"), raw.get("seq"), raw.get("text")
         if isinstance(request_id, str) and isinstance(seq, int) and seq >= 0 and isinstance(text, str):
             return ReplyDelta.model_construct(request_id=request_id, seq=seq, text=text)

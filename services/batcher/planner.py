@@ -87,6 +87,8 @@ def cost_tokens(req: Request, config: ModelConfig) -> int:
         return SLOT_COST_TOKENS
     if req.prompt is not None:
         prompt_tokens = math.ceil(len(req.prompt) / CHARS_PER_TOKEN)
+    elif req.prompt_token_ids is not None:
+        prompt_tokens = len(req.prompt_token_ids)
     else:
         turns = req.messages or []
         prompt_tokens = sum(math.ceil(len(m.content) / CHARS_PER_TOKEN) + TOKENS_PER_TURN for m in turns)

@@ -43,6 +43,7 @@ from services.gateway.routes.errors import HANDLED, on_error
 from services.gateway.routes.operations import add_metrics_routes, add_operation_routes
 from services.gateway.routes.parts import GatewayParts
 from services.gateway.routes.streams import add_stream_routes
+from services.gateway.routes.tokenize import add_tokenize_routes
 from services.gateway.routes.usage import add_usage_routes
 from services.gateway.stream_index import RemoteResumes, StreamIndex
 from services.gateway.usage import UsageView
@@ -78,7 +79,7 @@ def create_app(settings: GatewaySettings, repo: ModelRepository | None = None) -
     add_file_routes(app.router, batches, parts)
     add_batch_routes(app.router, batches, parts)
     for add_routes in (add_completion_routes, add_embedding_routes, add_stream_routes, add_operation_routes,
-                       add_admin_routes):
+                       add_admin_routes, add_tokenize_routes):
         add_routes(app.router, parts)
     add_usage_routes(app.router, parts, usage)
     for exc_class in HANDLED:

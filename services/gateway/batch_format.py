@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from pydantic import ValidationError
 
 from schemas.batch_lines import (
     ENDPOINT_KINDS,
@@ -23,12 +22,14 @@ from schemas.batch_lines import (
     parse_envelope,
     parse_line_body,
 )
-from schemas.messages import TERMINAL_BATCH_STATUSES, BatchJob, FileChunk, RequestCounts, Usage, now_ms
+from schemas.messages import TERMINAL_BATCH_STATUSES, BatchJob, FileChunk, GenerateRequest, RequestCounts, Usage, now_ms
 from schemas.model_repo import ModelConfig
+from schemas.openai_bodies import BodyError
+from schemas.openai_translate import EmbeddingBody, Routing, check_context, to_requests
 from services.gateway.batch_upload import Upload
 from services.gateway.guard.auth import Identity, Owner
-from services.gateway.guard.validation import TokenCounter, check_request
-from services.gateway.openai_format import ApiError, refuse_embedding_model, to_generate_request
+from services.gateway.guard.validation import TokenCounter
+from services.gateway.openai_format import ApiError
 
 MAX_METADATA_PAIRS = 16
 COMPLETION_WINDOW_MS = {"24h": 24 * 3600 * 1000}
@@ -100,38 +101,43 @@ class LineRules:
 
 @dataclass(frozen=True)
 class FileSummary:
-    """What a checked batch file asks for: its requests, and the tokens the online endpoint would
-    reserve for them (prompt tokens + max_tokens, for each of a line's n choices), which the batch
-    quota counts."""
+    """What a checked batch file asks for: its lines, the requests they run as (a line with n
+    choices is n requests, as it is online), and the tokens the online endpoint would reserve for
+    them (prompt tokens + max_tokens fitted to the context, for each of a line's n choices; an
+    embedding line's input tokens), which the batch quota counts."""
 
+    num_lines: int
     num_requests: int
     num_tokens: int
 
 
 def check_batch_lines(pieces: Iterable[bytes], rules: LineRules, endpoint: str | None = None) -> FileSummary:
     """Check every line of a batch file given as byte pieces, with the batcher's own splitter and
-    parser (schemas/batch_lines.py): the envelope (and url == `endpoint` when given), the body as
-    its endpoint checks it over HTTP, the model known, allowed to the caller and not an embedding
-    model, the prompt within the context. ApiError 400 naming the first bad line; CPU-bound, so
-    a route runs it off the event loop."""
+    parser (schemas/batch_lines.py) and the one translator (schemas/openai_translate.py): the
+    envelope (and url == `endpoint` when given), the body as its endpoint checks it over HTTP, the
+    model known, allowed to the caller and of the endpoint's kind, the prompt within the context.
+    ApiError 400 naming the first bad line; CPU-bound, so a route runs it off the event loop."""
     seen: set[str] = set()
-    num_requests = num_tokens = 0
+    num_lines = num_requests = num_tokens = 0
     for number, raw in iter_lines(pieces):
-        num_requests += 1
-        if num_requests > MAX_BATCH_LINES:
+        num_lines += 1
+        if num_lines > MAX_BATCH_LINES:
             raise ApiError(400, f"the file has more than {MAX_BATCH_LINES} requests, the most a batch takes",
                            param="file", code="too_many_requests")  # fmt: skip
         try:
-            num_tokens += _check_line(parse_envelope(number, raw, seen, endpoint), rules)
+            requests, tokens = check_line(parse_envelope(number, raw, seen, endpoint), rules)
         except LineError as exc:
             raise ApiError(400, f"line {exc.line}: {exc.message}", param=exc.param, code=exc.code) from None
-    if num_requests == 0:
+        num_requests += requests
+        num_tokens += tokens
+    if num_lines == 0:
         raise ApiError(400, "the file has no requests", param="file", code="empty_file")
-    return FileSummary(num_requests, num_tokens)
+    return FileSummary(num_lines, num_requests, num_tokens)
 
 
-def _check_line(envelope: Envelope, rules: LineRules) -> int:
-    """The tokens line `envelope` reserves; LineError when the online endpoint would refuse it."""
+def check_line(envelope: Envelope, rules: LineRules) -> tuple[int, int]:
+    """(the requests line `envelope` runs as, the tokens it is charged), as the online endpoint
+    would count them; LineError when that endpoint would refuse it."""
     body = parse_line_body(envelope)
     try:
         model = rules.resolve(body.model)
@@ -140,22 +146,19 @@ def _check_line(envelope: Envelope, rules: LineRules) -> int:
     if not rules.identity.may_use(model.served_id):
         raise LineError(envelope.line, "model_not_allowed", f"{rules.identity.principal} may not use the model "
                         f"{model.served_id!r}", "model")  # fmt: skip
+    now = now_ms()
+    routing = Routing("batch-line-check", rules.reply_to, now, now + int(rules.max_timeout_s * 1000))
     try:
-        refuse_embedding_model(model)
-        request = to_generate_request(
-            ENDPOINT_KINDS[envelope.url], body, model, request_id="batch-line-check", reply_to=rules.reply_to,
-            now_ms=now_ms(), client_timeout_s=None, max_timeout_s=rules.max_timeout_s,
-        )  # fmt: skip
-        prompt_tokens = rules.counter.count_prompt(model, body)
-        request = check_request(body, request, model, prompt_tokens, max_input_tokens=rules.max_input_tokens,
-                                max_stop_sequences=rules.max_stop_sequences)  # fmt: skip
-    except ApiError as exc:
-        raise LineError(envelope.line, exc.code or "invalid_value", exc.message, exc.param) from None
-    except ValidationError as exc:  # a value the wire type refuses
-        first = exc.errors(include_url=False)[0]
-        param = ".".join(str(part) for part in first["loc"]) or None
-        raise LineError(envelope.line, "invalid_value", str(first["msg"]), param) from None
-    return (prompt_tokens + request.max_tokens) * body.num_siblings  # n choices: a request each
+        requests = to_requests(ENDPOINT_KINDS[envelope.url], body, model, routing)
+        if isinstance(body, EmbeddingBody):
+            return len(requests), sum(rules.counter.count(model, text) for text in body.inputs)
+        request = requests[0]
+        assert isinstance(request, GenerateRequest)
+        charge = check_context(body, request, model, rules.counter.count_prompts(model, body),
+                               max_input_tokens=rules.max_input_tokens, max_stop_sequences=rules.max_stop_sequences)
+    except BodyError as exc:
+        raise LineError(envelope.line, exc.code, exc.message, exc.param) from None
+    return len(requests), charge * len(requests)  # n choices: a request each
 
 
 def check_batch_body(body: Any) -> dict[str, Any]:
@@ -187,7 +190,8 @@ def new_batch_job(body: dict[str, Any], job_id: str, identity: Identity, summary
                     metadata={str(k): str(v) for k, v in metadata.items()} if metadata else None,
                     principal=identity.principal, tenant=identity.tenant, credential=identity.owner.credential,
                     created_ms=created_ms,
-                    request_counts=RequestCounts(total=summary.num_requests), queued_tokens=summary.num_tokens,
+                    request_counts=RequestCounts(total=summary.num_lines), queued_requests=summary.num_requests,
+                    queued_tokens=summary.num_tokens,
                     expires_ms=created_ms + COMPLETION_WINDOW_MS[window], updated_ms=created_ms)  # fmt: skip
 
 
@@ -208,7 +212,7 @@ def check_batch_quota(jobs: Iterable[BatchJob], identity: Identity, summary: Fil
     if identity.max_tokens_per_min is not None:
         max_tokens = min(max_tokens, identity.max_tokens_per_min * window_min)
     live = [j for j in jobs if is_owned_by(j, identity) and j.status not in TERMINAL_BATCH_STATUSES]
-    queued_requests = sum(j.request_counts.total for j in live) + summary.num_requests
+    queued_requests = sum(j.queued_requests or j.request_counts.total for j in live) + summary.num_requests
     queued_tokens = sum(j.queued_tokens for j in live) + summary.num_tokens
     for kind, queued, limit in (("requests", queued_requests, max_requests), ("tokens", queued_tokens, max_tokens)):
         if queued > limit:

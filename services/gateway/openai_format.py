@@ -1,39 +1,27 @@
-"""OpenAI's wire format at the gateway's edge: request bodies in, chunks, bodies and errors out.
+"""OpenAI's wire format at the gateway's edge: errors out, and the one translator's refusals as them.
 
-Pure: no I/O, time passed in. Request bodies are schemas/openai_bodies.py's (shared with the
-batch job runner): validated strictly from the raw JSON, every OpenAI parameter honoured or
-refused with a 400 naming it, unknown parameters refused; here their errors become ApiErrors.
+Pure: no I/O, time passed in. Request bodies are schemas/openai_bodies.py's and their translation
+to requests and back to response bodies and chunks is schemas/openai_translate.py's, shared with
+the batch job runner (the same body gives the same request, charge and response online and in a
+batch); here a refusal (BodyError) becomes an ApiError, the 400 in OpenAI's format.
 """
 
 from __future__ import annotations
 
-import base64
 import math
 import re
-import struct
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
 from schemas import openai_bodies
-from schemas.messages import (
-    MAX_EMBED_INPUTS,
-    EmbedRequest,
-    GenerateRequest,
-    Priority,
-    ReplyEnd,
-    TokenLogprob,
-    ToolCall,
-    ToolCallDelta,
-    Usage,
-)
+from schemas import openai_translate as translate
+from schemas.messages import EmbedRequest, GenerateRequest, Priority, ReplyEnd, ToolCall
 from schemas.model_repo import ModelConfig
-# the body types are imported from here by the gateway's other modules
-from schemas.registry import split_ref
 from schemas.traffic import Assignment
-from schemas.openai_bodies import (
+# the body types and the response rendering are imported from here by the gateway's other modules
+from schemas.openai_bodies import (  # noqa: F401
     BodyError,
     ChatCompletionBody,
     CompletionBody,
@@ -43,10 +31,28 @@ from schemas.openai_bodies import (
     finish_reason,
     sibling_requests,
 )
-
-DEFAULT_MAX_TOKENS = 256  # chat default when the body sets none (OpenAI's own is "up to context")
-DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit of inputs per /v1/embeddings request
+from schemas.openai_translate import (  # noqa: F401
+    DEFAULT_COMPLETION_MAX_TOKENS,
+    DEFAULT_MAX_TOKENS,
+    MAX_EMBEDDING_INPUTS,
+    ChoiceResult,
+    ChunkWriter,
+    EmbeddingBody,
+    LogprobsFormat,
+    Routing,
+    Unrankable,
+    chat_logprobs,
+    choice_results,
+    choices_body,
+    choices_usage,
+    completion_body,
+    deadline_ms,
+    embedding_body,
+    legacy_logprobs,
+    logprobs_format,
+    served_version,
+    usage_dict,
+)
 
 # Rejection codes that mean "come back later" (429) rather than "this request is wrong" (400).
 RETRYABLE_REJECTIONS = frozenset(
@@ -133,92 +139,31 @@ def to_generate_request(
     max_timeout_s: float,
     assignment: Assignment | None = None,
 ) -> GenerateRequest:
-    """The GenerateRequest for a validated body. The deadline is the tightest of the client's
-    timeout (header or body), the model's default_timeout_s and the gateway's cap. It records the
-    body's `user` and how `model` was chosen (`assignment`: docs/design.md, "Traffic policies")."""
-    max_tokens = body.max_new_tokens
-    if max_tokens is None:
-        default = DEFAULT_MAX_TOKENS if kind == "chat.completions" else DEFAULT_COMPLETION_MAX_TOKENS
-        max_tokens = min(default, model.max_model_len)
-    elif max_tokens > model.max_model_len:
-        param = "max_completion_tokens" if kind == "chat.completions" and body.max_tokens is None else "max_tokens"
-        raise ApiError(
-            400,
-            f"{param}={max_tokens} exceeds the context length of {model.name} ({model.max_model_len} tokens)",
-            param=param,
-            code="context_length_exceeded",
-        )
-    timeouts = [t for t in (client_timeout_s, body.timeout_s) if t is not None]
-    timeout_s = min([*timeouts, model.default_timeout_s, max_timeout_s])
+    """The GenerateRequest of a validated body, as the one translator makes it
+    (schemas/openai_translate.py); the deadline is the tightest of the client's timeout (header
+    or body), the model's default_timeout_s and the gateway's cap. ApiError(400) for a refusal."""
+    routing = Routing(request_id, reply_to, now_ms, deadline_ms(now_ms, model, max_timeout_s, client_timeout_s,
+                      body.timeout_s), assignment=assignment)  # fmt: skip
     try:
-        constraints = {**body.structured_fields(), **body.tool_fields()}
+        return translate.to_generate_request(kind, body, model, routing)
     except BodyError as exc:
         raise api_error(exc) from None
-    return GenerateRequest(
-        request_id=request_id,
-        model=model.served_id,  # pinned: the version is known when the response starts (docs/design.md, invariant 10)
-        prompt=body.prompt if isinstance(body, CompletionBody) else None,
-        messages=[m.to_wire() for m in body.messages] if isinstance(body, ChatCompletionBody) else None,
-        max_tokens=max_tokens,
-        **body.sampling_fields(),
-        **body.choice_fields(),
-        **constraints,
-        stream=bool(body.stream),
-        principal="anonymous",
-        tenant="default",
-        priority="interactive",
-        user=body.user,
-        assignment=assignment,
-        deadline_ms=now_ms + int(timeout_s * 1000),
-        reply_to=reply_to,
-        created_ms=now_ms,
-    )
 
 
 def refuse_embedding_model(model: ModelConfig) -> None:
     """ApiError(400) when a completions endpoint names an embedding model."""
-    if model.engine == "onnx":
-        raise ApiError(400, f"{model.name} is an embedding model; use /v1/embeddings",
-                       param="model", code="unsupported_model")  # fmt: skip
-
-
-class EmbeddingBody(BaseModel):
-    """POST /v1/embeddings. Text inputs only; `timeout_s` is a Weir extension; another parameter
-    is refused (400 unknown_parameter), not ignored."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    model: str = Field(min_length=1, max_length=128)
-    input: str | list[str] | list[int] | list[list[int]]
-    encoding_format: Literal["float", "base64"] | None = None
-    dimensions: int | None = Field(None, ge=1)
-    user: str | None = Field(None, max_length=256)
-    timeout_s: float | None = Field(None, ge=0.001)
-
-    @property
-    def inputs(self) -> list[str]:
-        """The texts, in order (a single string is a list of one)."""
-        return [self.input] if isinstance(self.input, str) else cast(list[str], self.input)
+    try:
+        translate.check_generation_model(model)
+    except BodyError as exc:
+        raise api_error(exc) from None
 
 
 def parse_embedding_body(raw: bytes | str) -> EmbeddingBody:
     """Validate a raw /v1/embeddings body; ApiError(400) naming `input` for what Weir cannot embed."""
     try:
-        body = EmbeddingBody.model_validate_json(raw)
-    except ValidationError as exc:
-        raise validation_error(exc) from None
-    texts = body.input if isinstance(body.input, list) else [body.input]
-    if any(not isinstance(t, str) for t in texts):
-        raise ApiError(400, "token-id arrays are not supported as input; send the text",
-                       param="input", code="unsupported_parameter")  # fmt: skip
-    if not texts:
-        raise ApiError(400, "input must hold at least one string", param="input", code="invalid_value")
-    if len(texts) > MAX_EMBEDDING_INPUTS:
-        raise ApiError(400, f"input holds {len(texts)} strings; at most {MAX_EMBEDDING_INPUTS} are allowed",
-                       param="input", code="invalid_value")  # fmt: skip
-    if any(not t for t in texts):
-        raise ApiError(400, "input must not contain empty strings", param="input", code="invalid_value")
-    return body
+        return translate.parse_embedding_body(raw)
+    except BodyError as exc:
+        raise api_error(exc) from None
 
 
 def to_embed_requests(
@@ -235,51 +180,19 @@ def to_embed_requests(
     priority: Priority = "interactive",
     assignment: Assignment | None = None,
 ) -> list[EmbedRequest]:
-    """The EmbedRequests of a validated body: MAX_EMBED_INPUTS inputs each (ids request_id-0, -1,
-    ... when there are several), with the deadline chosen as for completions, the body's `user` and
-    the `assignment` of `model`. ApiError(400) when the model does not embed or `dimensions` is not
+    """The EmbedRequests of a validated body (schemas/openai_translate.py), with the deadline
+    chosen as for completions. ApiError(400) when the model does not embed or `dimensions` is not
     the model's."""
-    if model.engine != "onnx":
-        raise ApiError(400, f"{model.name} is not an embedding model", param="model", code="unsupported_model")
-    if body.dimensions is not None and body.dimensions != model.dimensions:
-        made = f"{model.dimensions}-dimensional embeddings" if model.dimensions else "embeddings of a fixed size"
-        raise ApiError(400, f"{model.name} makes {made}; dimensions={body.dimensions} is not supported",
-                       param="dimensions", code="invalid_value")  # fmt: skip
-    timeouts = [t for t in (client_timeout_s, body.timeout_s) if t is not None]
-    timeout_s = min([*timeouts, model.default_timeout_s, max_timeout_s])
-    texts = body.inputs
-    chunks = [texts[i : i + MAX_EMBED_INPUTS] for i in range(0, len(texts), MAX_EMBED_INPUTS)]
-    return [
-        EmbedRequest(
-            request_id=request_id if len(chunks) == 1 else f"{request_id}-{i}", model=model.served_id, inputs=chunk,
-            principal=principal, tenant=tenant, priority=priority, user=body.user, assignment=assignment,
-            deadline_ms=now_ms + int(timeout_s * 1000), reply_to=reply_to, created_ms=now_ms,
-        )  # fmt: skip
-        for i, chunk in enumerate(chunks)
-    ]
-
-
-def embedding_body(model: str, ends: list[ReplyEnd], encoding_format: str | None) -> dict[str, Any]:
-    """OpenAI's embedding list from the terminal events of a body's EmbedRequests, in order.
-
-    base64 is the float32 little-endian bytes of each vector, as OpenAI sends it.
-    """
-    vectors = [vector for end in ends for vector in end.embeddings or []]
-    if encoding_format == "base64":
-        encoded: list[Any] = [base64.b64encode(struct.pack(f"<{len(v)}f", *v)).decode() for v in vectors]
-    else:
-        encoded = vectors
-    num_tokens = sum(end.usage.prompt_tokens for end in ends)
-    return {
-        "object": "list",
-        "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(encoded)],
-        "model": served_version(ends[0], model) if ends else model,
-        "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
-    }
+    routing = Routing(request_id, reply_to, now_ms, deadline_ms(now_ms, model, max_timeout_s, client_timeout_s,
+                      body.timeout_s), principal, tenant, priority, assignment)  # fmt: skip
+    try:
+        return translate.to_embed_requests(body, model, routing)
+    except BodyError as exc:
+        raise api_error(exc) from None
 
 
 # ---------------------------------------------------------------------------------------------
-# Responses
+# Responses (rendered by schemas/openai_translate.py; here only what becomes an HTTP error)
 
 
 def terminal_error(end: ReplyEnd) -> ApiError | None:
@@ -299,229 +212,13 @@ def terminal_error(end: ReplyEnd) -> ApiError | None:
     return ApiError(500, detail or "the request failed", code=code or "internal_error")
 
 
-LogprobsFormat = Literal["chat", "legacy"]
-
-
-def logprobs_format(kind: Kind, request: GenerateRequest) -> LogprobsFormat | None:
-    """How a response renders logprobs: chat's `content` list, /v1/completions' legacy lists, or
-    not at all (the request asked for none)."""
-    if request.logprobs is None:
-        return None
-    return "chat" if kind == "chat.completions" else "legacy"
-
-
-def chat_logprobs(logprobs: list[TokenLogprob]) -> dict[str, Any]:
-    """A chat choice's (or chunk's) `logprobs`: {"content": [...], "refusal": null}."""
-    def entry(t: TokenLogprob) -> dict[str, Any]:  # noqa: E306
-        top = [{"token": a.token, "logprob": a.logprob, "bytes": a.bytes} for a in t.top_logprobs]
-        return {"token": t.token, "logprob": t.logprob, "bytes": t.bytes, "top_logprobs": top}
-    return {"content": [entry(t) for t in logprobs], "refusal": None}
-
-
-def legacy_logprobs(logprobs: list[TokenLogprob], text_offset: int) -> dict[str, Any]:
-    """A /v1/completions choice's (or chunk's) `logprobs` in OpenAI's legacy format; `text_offset`
-    is where the first token starts in the choice's text (after an echoed prompt)."""
-    offsets = []
-    for t in logprobs:
-        offsets.append(text_offset)
-        text_offset += len(t.token)
-    return {
-        "tokens": [t.token for t in logprobs],
-        "token_logprobs": [t.logprob for t in logprobs],
-        "top_logprobs": [{a.token: a.logprob for a in t.top_logprobs} for t in logprobs],
-        "text_offset": offsets,
-    }
-
-
-@dataclass
-class ChoiceResult:
-    """One choice of a whole (stream=false) response: its text, logprobs (when asked) and terminal."""
-
-    index: int
-    text: str
-    end: ReplyEnd
-    logprobs: list[TokenLogprob] | None = None
-    tool_calls: list[ToolCall] | None = None  # as the output guard released their arguments
-
-
 def best_of(results: list[ChoiceResult], n: int) -> list[ChoiceResult]:
-    """The n results with the highest cumulative logprob (best first, ties in sibling order),
-    renumbered 0..n-1; all of them, in order, when n is all there are. ApiError(502) when a
-    worker did not report a cumulative logprob to rank by (docs/design.md, "n and best_of are
-    sibling requests")."""
-    if n >= len(results):
-        return results
-    if any(r.end.cumulative_logprob is None for r in results):
-        raise ApiError(502, "best_of cannot rank the choices: the worker reported no cumulative logprob",
-                       code="cumulative_logprob_missing")  # fmt: skip
-    ranked = sorted(results, key=lambda r: (-(r.end.cumulative_logprob or 0.0), r.index))[:n]
-    return [ChoiceResult(i, r.text, r.end, r.logprobs, r.tool_calls) for i, r in enumerate(ranked)]
-
-
-def choices_usage(ends: list[ReplyEnd]) -> Usage:
-    """The usage of sibling requests as OpenAI counts one request with n choices: the prompt (and
-    its cached tokens) once, the completion tokens of every sibling (best_of's discarded ones too)."""
-    completion = sum(end.usage.completion_tokens for end in ends)
-    first = ends[0].usage
-    return Usage(prompt_tokens=first.prompt_tokens, completion_tokens=completion,
-                 total_tokens=first.prompt_tokens + completion, cached_prompt_tokens=first.cached_prompt_tokens)
-
-
-class ChunkWriter:
-    """Turns one request's reply events into OpenAI streaming chunks (dicts).
-
-    Chat: chat.completion.chunk objects, the first of each choice carrying delta.role="assistant";
-    tool calls as OpenAI streams them (delta.tool_calls, id, type and name on a call's first piece
-    only). Completions: text_completion objects (with `echo`, each choice starts with a chunk of
-    the prompt). Each choice's terminal gives a chunk with finish_reason; after the last,
-    (include_usage) a chunk with empty choices and the usage; with include_usage the others carry
-    "usage": null. A choice's chunks carry the logprobs of their tokens when asked (`logprobs`).
-    """
-
-    def __init__(self, kind: Kind, request_id: str, model: str, created_s: int, include_usage: bool,
-                 logprobs: LogprobsFormat | None = None, echo: str | None = None) -> None:  # fmt: skip
-        self.kind = kind
-        self.request_id = request_id
-        self.model = model
-        self.created_s = created_s
-        self.include_usage = include_usage
-        self.logprobs = logprobs
-        self.echo = echo
-        self._has_started: set[int] = set()  # choices that sent their first chunk
-        self._text_offset: dict[int, int] = {}  # legacy logprobs: where a choice's next token starts
-        self._calls_begun: set[tuple[int, int]] = set()  # (choice, call index) whose first piece went out
-
-    def fresh(self) -> ChunkWriter:
-        """A new writer of the same stream, for a reader that renders it again from its start."""
-        return ChunkWriter(self.kind, self.request_id, self.model, self.created_s, self.include_usage,
-                           self.logprobs, self.echo)  # fmt: skip
-
-    def on_start(self, index: int = 0) -> list[dict[str, Any]]:
-        """The chunks a choice starts with before any output: its echoed prompt (completions, echo)."""
-        if self.echo is None or self.kind != "completions" or index in self._has_started:
-            return []
-        self._has_started.add(index)
-        self._text_offset[index] = len(self.echo)
-        return [self._chunk([self._completion_choice(index, self.echo, None, None)])]
-
-    def on_text(self, text: str, index: int = 0, logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
-        """The chunk of a piece of output text of choice `index` (one delta's, or what the output
-        guard released), with the logprobs of its tokens when asked."""
-        rendered = self._logprobs(index, logprobs or [])
-        if self.kind == "chat.completions":
-            return self._chunk([self._chat_choice(index, {"content": text}, None, rendered)])
-        self._has_started.add(index)
-        return self._chunk([self._completion_choice(index, text, rendered, None)])
-
-    def on_tool_call(self, piece: ToolCallDelta, index: int = 0) -> dict[str, Any]:
-        """The chunk of a piece of tool call `piece.index` of choice `index` (its arguments as the
-        output guard released them): the call's first chunk carries its id, type and name, later
-        ones only arguments, so the openai client's accumulators rebuild the call."""
-        call: dict[str, Any] = {"index": piece.index}
-        function: dict[str, Any] = {}
-        if (index, piece.index) not in self._calls_begun:
-            self._calls_begun.add((index, piece.index))
-            call.update({"id": piece.id, "type": "function"})
-            function["name"] = piece.name
-        function["arguments"] = piece.arguments
-        call["function"] = function
-        return self._chunk([self._chat_choice(index, {"tool_calls": [call]}, None, None)])
-
-    def on_finish(self, end: ReplyEnd, index: int = 0) -> dict[str, Any]:
-        """The finish chunk of choice `index` (a stop/length terminal)."""
-        reason = finish_reason(end)
-        self.model = served_version(end, self.model)
-        if self.kind == "chat.completions":
-            return self._chunk([self._chat_choice(index, {}, reason, None)], fingerprint=end.model_version)
-        return self._chunk([self._completion_choice(index, "", None, reason)])
-
-    def on_usage(self, usage: Usage) -> list[dict[str, Any]]:
-        """The usage chunk at the end of the stream, if asked (include_usage)."""
-        return [self._chunk([], usage=usage_dict(usage))] if self.include_usage else []
-
-    def on_end(self, end: ReplyEnd) -> list[dict[str, Any]]:
-        """The chunks of a finished (stop/length) terminal of a one-choice stream: finish, then usage if asked."""
-        return [self.on_finish(end), *self.on_usage(end.usage)]
-
-    def _logprobs(self, index: int, logprobs: list[TokenLogprob]) -> dict[str, Any] | None:
-        if self.logprobs == "chat":
-            return chat_logprobs(logprobs)
-        if self.logprobs == "legacy":
-            offset = self._text_offset.get(index, 0)
-            self._text_offset[index] = offset + sum(len(t.token) for t in logprobs)
-            return legacy_logprobs(logprobs, offset)
-        return None
-
-    def _completion_choice(
-        self, index: int, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None
-    ) -> dict[str, Any]:
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-
-    def _chat_choice(
-        self, index: int, delta: dict[str, Any], finish_reason: str | None, logprobs: dict[str, Any] | None
-    ) -> dict[str, Any]:
-        if index not in self._has_started:
-            delta = {"role": "assistant", **delta}
-            self._has_started.add(index)
-        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-
-    def _chunk(
-        self, choices: list[dict[str, Any]], *, usage: dict[str, Any] | None = None, fingerprint: str | None = None
-    ) -> dict[str, Any]:
-        chunk: dict[str, Any] = {
-            "id": self.request_id,
-            "object": "chat.completion.chunk" if self.kind == "chat.completions" else "text_completion",
-            "created": self.created_s,
-            "model": self.model,
-            "system_fingerprint": fingerprint,
-            "choices": choices,
-        }
-        if self.include_usage:
-            chunk["usage"] = usage
-        return chunk
-
-
-def completion_body(
-    kind: Kind, request_id: str, model: str, created_s: int, text: str, end: ReplyEnd,
-    tool_calls: list[ToolCall] | None = None,
-) -> dict[str, Any]:
-    """The non-streaming body of one choice without logprobs: chat.completion (with the
-    `tool_calls` the model made, their arguments as the output guard released them) or
-    text_completion, with usage."""
-    return choices_body(kind, request_id, model, created_s, [ChoiceResult(0, text, end, tool_calls=tool_calls)], end.usage)
-
-
-def choices_body(
-    kind: Kind, request_id: str, model: str, created_s: int, results: list[ChoiceResult], usage: Usage,
-    logprobs: LogprobsFormat | None = None, echo: str | None = None,
-) -> dict[str, Any]:
-    """The non-streaming body: chat.completion or text_completion with a choice per result (in
-    their order), `usage`, each choice's logprobs when asked, its tool calls (chat), and the
-    prompt before each text when `echo` is given (completions)."""
-    prefix = echo if kind == "completions" and echo is not None else ""
-    choices = []
-    for r in results:
-        rendered: dict[str, Any] | None = None
-        if logprobs == "chat":
-            rendered = chat_logprobs(r.logprobs or [])
-        elif logprobs == "legacy":
-            rendered = legacy_logprobs(r.logprobs or [], len(prefix))
-        if kind == "chat.completions":
-            choices.append({"index": r.index, "message": assistant_message(r.text, r.tool_calls),
-                            "logprobs": rendered, "finish_reason": finish_reason(r.end)})  # fmt: skip
-        else:
-            choices.append({"index": r.index, "text": prefix + r.text, "logprobs": rendered,
-                            "finish_reason": r.end.finish_reason})  # fmt: skip
-    first = results[0].end
-    return {
-        "id": request_id,
-        "object": "chat.completion" if kind == "chat.completions" else "text_completion",
-        "created": created_s,
-        "model": served_version(first, model),
-        "system_fingerprint": first.model_version,
-        "choices": choices,
-        "usage": usage_dict(usage),
-    }
+    """translate.best_of; ApiError(502) when a worker did not report a cumulative logprob to rank
+    by (docs/design.md, "n and best_of are sibling requests")."""
+    try:
+        return translate.best_of(results, n)
+    except Unrankable as exc:
+        raise ApiError(502, str(exc), code="cumulative_logprob_missing") from None
 
 
 def guarded_calls(calls: list[ToolCall] | None, guard_text: Callable[[str], str]) -> list[ToolCall] | None:
@@ -531,25 +228,6 @@ def guarded_calls(calls: list[ToolCall] | None, guard_text: Callable[[str], str]
         return calls
     return [c.model_copy(update={"function": c.function.model_copy(update={"arguments": guard_text(c.function.arguments)})})
             for c in calls]  # fmt: skip
-
-
-def served_version(end: ReplyEnd, pinned: str) -> str:
-    """The `name@version` a response names: the one the worker says served it (ReplyEnd.model_version),
-    else the one the request was pinned to. A terminal without a version (the gateway's own
-    timeout, an old worker's bare name) leaves the pinned one."""
-    reported = end.model_version
-    return reported if reported and split_ref(reported)[1] else pinned
-
-
-def usage_dict(usage: Usage) -> dict[str, Any]:
-    """OpenAI's usage object (total recomputed, so it always adds up), with the prompt tokens the
-    prefix cache served in prompt_tokens_details.cached_tokens."""
-    return {
-        "prompt_tokens": usage.prompt_tokens,
-        "completion_tokens": usage.completion_tokens,
-        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens},
-    }
 
 
 MIN_HEADER_SECONDS = 0.001  # the finest duration a header may give: a deadline is in whole milliseconds

@@ -35,6 +35,7 @@ from services.gateway.openai_format import (
     ApiError,
     ChoiceResult,
     ChunkWriter,
+    choice_results,
     Kind,
     best_of,
     choices_body,
@@ -169,7 +170,8 @@ async def frames(
         if len(ends) < num_choices:
             yield seq, writer.on_finish(event, choice)
             continue
-        usage = event.usage if num_choices == 1 else choices_usage([ends[i] for i in sorted(ends)])
+        num_prompts = writer.body.num_prompts if writer.body is not None else 1
+        usage = event.usage if num_choices == 1 else choices_usage([ends[i] for i in sorted(ends)], num_prompts)
         if timer is not None:
             timer.on_end(event if num_choices == 1 else event.model_copy(update={"usage": usage}), None)
         yield seq, writer.on_finish(event, choice)
@@ -362,12 +364,21 @@ async def collect(
                 break
         for choice, gate in gates.items():
             logprobs[choice].extend(gate.flush()[1])
-        usage = choices_usage([ends[i] for i in range(num_siblings)])
+        body = writer.body if writer is not None else None
+        ordered = [ends[i] for i in range(num_siblings)]
+        usage = choices_usage(ordered, body.num_prompts if body is not None else 1)
         if timer is not None:
             timer.on_end(ends[num_siblings - 1].model_copy(update={"usage": usage}), None)
         asked = writer is not None and writer.logprobs is not None
-        results = [ChoiceResult(i, guard_text("".join(texts.get(i, []))), ends[i], logprobs.get(i, []) if asked else None,
-                                guarded_calls(ends[i].tool_calls, guard_text)) for i in range(num_siblings)]  # fmt: skip
+        joined = ["".join(texts.get(i, [])) for i in range(num_siblings)]
+        kept = [logprobs.get(i, []) for i in range(num_siblings)] if asked else None
+        if body is not None:  # the translator's choices (schemas/openai_translate.py), as a batch line gets them
+            results = choice_results(body, joined, ordered, kept)
+        else:
+            results = [ChoiceResult(i, joined[i], ordered[i], kept[i] if kept else None, ordered[i].tool_calls)
+                       for i in range(num_siblings)]  # fmt: skip
+        for r in results:  # model output passes the output guard: text and tool-call arguments
+            r.text, r.tool_calls = guard_text(r.text), guarded_calls(r.tool_calls, guard_text)
         keep = exchange.num_choices if isinstance(exchange, SiblingGroup) else 1
         return choices_body(kind, exchange.request_id, exchange.request.model, created_s, best_of(results, keep), usage,
                             writer.logprobs if writer else None, writer.echo if writer else None)  # fmt: skip

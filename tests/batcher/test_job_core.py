@@ -104,7 +104,7 @@ def test_lines_carry_penalties_and_logit_bias():
         ({"repetition_penalty": 1.1}, "unknown_parameter", "repetition_penalty"),
         ({"timeout_s": 5}, "unsupported_parameter", "timeout_s"),
         ({"n": 17}, "invalid_value", "n"),
-        ({"n": 2, "logprobs": True}, "unsupported_parameter", "logprobs"),
+        ({"n": 2, "top_logprobs": 2}, "invalid_value", "top_logprobs"),  # logprobs themselves run (test_translate_parity.py)
     ],
 )
 def test_a_line_refuses_what_the_gateway_refuses_naming_the_parameter(body, code, param):

@@ -12,6 +12,7 @@ import uuid
 from pathlib import Path
 
 import httpx
+import orjson
 import numpy as np
 import openai
 import pytest
@@ -22,6 +23,9 @@ from schemas.model_repo import load_model_repo
 from schemas.topics import Topics
 from services.batcher.app import BatcherApp
 from services.batcher.config import BatcherSettings
+from services.batcher.jobs import JobRunner
+from schemas.registry import RegistryState
+from weir.bus import BusSettings
 from services.gateway.app import create_app
 from services.gateway.config import GatewaySettings
 from services.worker.app import WorkerService
@@ -140,3 +144,75 @@ async def test_any_kafka_client_gets_a_rejection_for_the_wrong_kind(pipeline):
             "rejected", "unsupported_request_kind",
         )  # fmt: skip
     assert got[right.request_id].finish_reason == "stop" and len(got[right.request_id].embeddings[0]) == 384
+
+
+async def wait_batch(client: openai.AsyncOpenAI, batch_id: str, timeout_s: float = 120):
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while asyncio.get_running_loop().time() < deadline:
+        batch = await client.batches.retrieve(batch_id)
+        if batch.status in ("completed", "failed", "cancelled", "expired"):
+            return batch
+        await asyncio.sleep(0.3)
+    raise AssertionError(f"batch {batch_id} still {batch.status}")
+
+
+@pytest.fixture(scope="module")
+async def job_runner(pipeline):
+    """The batch job runner the batcher process runs beside its BatcherApp (services/batcher/app.py)."""
+    topics, _, _ = pipeline
+    settings = BusSettings(kafka_bootstrap=BOOTSTRAP, topic_prefix=topics.prefix)
+    runner = JobRunner(settings, RegistryState(load_model_repo(REPO_TOML)), "test-jobs")
+    stop = asyncio.Event()
+    task = asyncio.create_task(runner.run(stop))
+    yield runner
+    stop.set()
+    await asyncio.wait_for(task, 30)
+
+
+async def run_batch(client: openai.AsyncOpenAI, endpoint: str, bodies: dict[str, dict]) -> dict[str, dict]:
+    """Run `bodies` (by custom_id) as one batch through the batcher's job runner; the response body of each line."""
+    content = b"".join(orjson.dumps({"custom_id": cid, "method": "POST", "url": endpoint, "body": body}) + b"\n"
+                       for cid, body in bodies.items())  # fmt: skip
+    uploaded = await client.files.create(file=("in.jsonl", content), purpose="batch")
+    batch = await client.batches.create(input_file_id=uploaded.id, endpoint=endpoint, completion_window="24h")  # type: ignore[arg-type]
+    batch = await wait_batch(client, batch.id)
+    assert batch.status == "completed" and batch.request_counts.completed == len(bodies), batch
+    assert batch.error_file_id is None and batch.output_file_id is not None
+    rows = [orjson.loads(line) for line in (await client.files.content(batch.output_file_id)).text.splitlines()]
+    assert all(row["response"]["status_code"] == 200 for row in rows)
+    return {row["custom_id"]: row["response"]["body"] for row in rows}
+
+
+async def test_embeddings_lines_run_in_a_batch_and_answer_what_the_endpoint_does(pipeline, job_runner):
+    """OpenAI's Batch API takes /v1/embeddings lines: each runs through the batcher's job runner as
+    the endpoint's EmbedRequests (150 inputs: two of them), and its line answers the embedding list
+    the endpoint answers for the same body."""
+    _, _, client = pipeline
+    texts = [f"sentence number {i % 7}" for i in range(150)]
+    bodies = {"one": {"model": MODEL, "input": "The cat sits on the mat.", "encoding_format": "float"},
+              "many": {"model": MODEL, "input": texts, "encoding_format": "float", "user": "u-1"}}  # fmt: skip
+    written = await run_batch(client, "/v1/embeddings", bodies)
+    for cid, body in bodies.items():
+        online = (await client.embeddings.create(**body)).model_dump()
+        line = written[cid]
+        assert (line["object"], line["model"], line["usage"]) == (online["object"], online["model"], online["usage"])
+        assert [d["index"] for d in line["data"]] == [d["index"] for d in online["data"]]
+        np.testing.assert_allclose([d["embedding"] for d in line["data"]], [d["embedding"] for d in online["data"]],
+                                   atol=1e-5)  # fmt: skip
+    assert len(written["many"]["data"]) == 150
+
+
+async def test_a_chat_line_runs_with_the_endpoints_defaults_and_usage(pipeline, job_runner):
+    """A chat line without max_tokens runs with the endpoint's default (256, not the wire's 64),
+    n=2 choices, and answers usage with prompt_tokens_details and a system_fingerprint, as the
+    endpoint does for the same body (the echo model repeats the prompt: 100 words)."""
+    _, _, client = pipeline
+    prompt = " ".join(f"w{i}" for i in range(100))
+    body = {"model": "echo", "messages": [{"role": "user", "content": prompt}], "n": 2, "seed": 7, "user": "u-2"}
+    line = (await run_batch(client, "/v1/chat/completions", {"c": body}))["c"]
+    online = (await client.chat.completions.create(**body)).model_dump(exclude_unset=True)
+    assert [c["message"]["content"] for c in line["choices"]] == [prompt, prompt]
+    assert [c["finish_reason"] for c in line["choices"]] == ["stop", "stop"]
+    assert line["usage"] == online["usage"] and "prompt_tokens_details" in line["usage"]
+    assert line["system_fingerprint"] == online["system_fingerprint"] == "echo@1"
+    assert line["choices"] == online["choices"]

@@ -76,11 +76,16 @@ async def test_bad_chat_bodies(client: httpx.AsyncClient, content: bytes, status
 
 
 async def test_bad_completion_bodies(client: httpx.AsyncClient) -> None:
-    response = await client.post("/v1/completions", json={"model": "echo", "prompt": ["a", "b"]})
+    response = await client.post("/v1/completions", json={"model": "echo", "prompt": [["a"], "b"]})
     assert_openai_error(response, 400, "invalid_value", "prompt")
     assert response.headers["x-request-id"].startswith("cmpl-")
-    response = await client.post("/v1/completions", json={"model": "echo", "prompt": "x", "echo": True, "logprobs": 1})
-    assert_openai_error(response, 400, "unsupported_parameter", "echo")
+    response = await client.post("/v1/completions", json={"model": "echo", "prompt": []})
+    assert_openai_error(response, 400, "invalid_value", "prompt")
+    response = await client.post("/v1/completions", json={"model": "echo", "prompt": "x", "echo": True, "logprobs": 1,
+                                                           "stream": True})  # fmt: skip
+    assert_openai_error(response, 400, "unsupported_parameter", "stream")
+    response = await client.post("/v1/completions", json={"model": "echo", "prompt": "x", "max_tokens": 0})
+    assert_openai_error(response, 400, "invalid_value", "max_tokens")
 
 
 async def test_oversized_body_is_413(client: httpx.AsyncClient) -> None:

@@ -54,7 +54,7 @@ GOOD_BODY = {"endpoint": "/v1/chat/completions", "input_file_id": "file-1", "com
 
 @pytest.mark.parametrize(("body", "param"), [
     ([GOOD_BODY], None),
-    ({**GOOD_BODY, "endpoint": "/v1/embeddings"}, "endpoint"),
+    ({**GOOD_BODY, "endpoint": "/v1/responses"}, "endpoint"),
     ({**GOOD_BODY, "completion_window": "1h"}, "completion_window"),
     ({**GOOD_BODY, "metadata": "k=v"}, "metadata"),
     ({**GOOD_BODY, "metadata": {str(i): "v" for i in range(17)}}, "metadata"),
@@ -67,10 +67,10 @@ def test_a_batch_body_is_refused_naming_the_field_at_fault(body, param):
 
 def test_a_new_batch_is_validating_and_due_by_the_end_of_its_window():
     body = check_batch_body({**GOOD_BODY, "metadata": {"run": 7}})
-    job = new_batch_job(body, "batch_1", ANN, FileSummary(3, 300), T0)
+    job = new_batch_job(body, "batch_1", ANN, FileSummary(3, 12, 300), T0)  # 3 lines, n=4 each
     assert (job.status, job.endpoint, job.input_file_id, job.principal, job.tenant) == (
         "validating", "/v1/chat/completions", "file-1", "ann", "acme")
-    assert (job.request_counts.total, job.queued_tokens) == (3, 300)
+    assert (job.request_counts.total, job.queued_requests, job.queued_tokens) == (3, 12, 300)
     assert (job.created_ms, job.expires_ms, job.updated_ms, job.metadata) == (T0, T0 + 86_400_000, T0, {"run": "7"})
 
 
@@ -122,16 +122,22 @@ def test_the_batch_quota_counts_the_owners_live_batches_and_the_keys_minute_limi
     live = [job("b1", "acme", T0, request_counts={"total": 60}, queued_tokens=6000),
             job("b2", "acme", T0, status="completed", request_counts={"total": 10_000}, queued_tokens=10**9),
             job("b3", "acme", T0, principal="bob", request_counts={"total": 10_000}, queued_tokens=10**9)]
-    check_batch_quota(live, ANN, FileSummary(40, 4000), max_requests=100, max_tokens=10_000)  # exactly at the quota
-    for summary, kind in ((FileSummary(41, 10), "requests"), (FileSummary(1, 4001), "tokens")):
+    check_batch_quota(live, ANN, FileSummary(40, 40, 4000), max_requests=100, max_tokens=10_000)  # exactly at the quota
+    for summary, kind in ((FileSummary(41, 41, 10), "requests"), (FileSummary(1, 1, 4001), "tokens"),
+                          (FileSummary(3, 41, 10), "requests")):  # 3 lines of n=16 (as 41 requests) pass it too
         with pytest.raises(ApiError) as caught:
             check_batch_quota(live, ANN, summary, max_requests=100, max_tokens=10_000)
         assert (caught.value.status, caught.value.code) == (429, "batch_quota_exceeded") and kind in caught.value.message
     # A key limited to 1 token a minute may queue a day's worth: 1440 tokens, whatever the deployment allows.
     limited = Identity(principal="cy", tenant="acme", scope="key:cy", max_tokens_per_min=1)
-    check_batch_quota([], limited, FileSummary(1, 1440), max_requests=100, max_tokens=10**9)
+    check_batch_quota([], limited, FileSummary(1, 1, 1440), max_requests=100, max_tokens=10**9)
     with pytest.raises(ApiError):
-        check_batch_quota([], limited, FileSummary(1, 1441), max_requests=100, max_tokens=10**9)
+        check_batch_quota([], limited, FileSummary(1, 1, 1441), max_requests=100, max_tokens=10**9)
+    # a live batch's requests are its queued requests (n per line), not its lines
+    many = [job("b4", "acme", T0, request_counts={"total": 5}, queued_requests=80, queued_tokens=1)]
+    with pytest.raises(ApiError) as caught:
+        check_batch_quota(many, ANN, FileSummary(21, 21, 1), max_requests=100, max_tokens=10**9)
+    assert "101 requests" in caught.value.message
 
 
 def test_the_batch_quota_of_a_jwt_subject_is_its_own_in_each_tenant():

@@ -176,6 +176,15 @@ def test_the_endpoint_of_a_batch_binds_every_line_and_an_empty_file_is_refused()
     assert caught.value.code == "empty_file"
 
 
+def test_a_line_of_n_choices_is_n_requests_charged_as_online():
+    """The batch quota counts what the online endpoint admits: a request per choice, each charged
+    its prompt + max_tokens."""
+    summary = check_batch_lines([line("a", max_tokens=10, n=16) + b"\n" + line("b", max_tokens=10) + b"\n"], rules())
+    assert (summary.num_lines, summary.num_requests) == (2, 17)
+    one = check_batch_lines([line("b", max_tokens=10) + b"\n"], rules()).num_tokens
+    assert summary.num_tokens == 17 * one
+
+
 def test_the_gateway_and_the_batcher_count_the_same_lines():
     odd = ["a\r\nb", "\u2028", "\u2029", "\u0085", "\x0c", "\x0b", "\x1c\x1d\x1e"]
     data = b"".join(line(f"l{i}", f"x{ch}y") + (b"\r\n" if i % 2 else b"\n") for i, ch in enumerate(odd))

@@ -91,7 +91,7 @@ COMPLETION = {"model": "echo", "prompt": "hi"}
     ("completions", {"logprobs": 6}, "logprobs", "invalid_value", "5"),
     ("completions", {"n": 3, "best_of": 2}, "best_of", "invalid_value", "at least n"),
     ("completions", {"best_of": 2, "stream": True}, "best_of", "invalid_value", "streamed"),
-    ("completions", {"echo": True, "logprobs": 0}, "echo", "unsupported_parameter", "prompt's logprobs"),
+    ("completions", {"echo": True, "logprobs": 0, "stream": True}, "stream", "unsupported_parameter", "stream false"),
     ("chat.completions", {"suffix": "x"}, "suffix", "unknown_parameter", "suffix"),
 ])  # fmt: skip
 def test_choice_parameters_that_weir_cannot_serve_are_400_naming_them(kind, fields, param, code, words) -> None:

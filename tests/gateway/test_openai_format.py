@@ -95,10 +95,13 @@ def test_max_tokens_beyond_context_is_refused() -> None:
     assert info.value.code == "context_length_exceeded" and info.value.param == "max_tokens"
 
 
-def test_completion_prompt_must_be_a_string() -> None:
-    with pytest.raises(ApiError) as info:
-        parse_body("completions", orjson.dumps({"model": "echo", "prompt": ["a", "b"]}))
-    assert info.value.param == "prompt"
+def test_completion_prompts_are_strings_or_token_ids_not_a_mix() -> None:
+    for bad in ([], [[]], ["a", [1]], [1, "a"], [-1], {"a": 1}):
+        with pytest.raises(ApiError) as info:
+            parse_body("completions", orjson.dumps({"model": "echo", "prompt": bad}))
+        assert info.value.param and info.value.param.startswith("prompt"), bad
+    for good, prompts in (("a", ["a"]), (["a", "b"], ["a", "b"]), ([1, 2], [[1, 2]]), ([[1], [2, 3]], [[1], [2, 3]])):
+        assert parse_body("completions", orjson.dumps({"model": "echo", "prompt": good})).prompts == prompts  # type: ignore[union-attr]
 
 
 def test_chat_chunks_role_first_then_finish_then_usage() -> None:

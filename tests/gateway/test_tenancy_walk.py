@@ -170,6 +170,10 @@ def probes(base_url: str) -> dict[tuple[str, str], Probe]:
         ("POST", "/v1/batches/{batch_id}/cancel"): Probe(True, one(
             lambda c, a, m: c.post(f"/v1/batches/{m.batch_id}/cancel", headers=a))),
         ("GET", "/v1/models"): Probe(False, one(lambda c, a, m: c.get("/v1/models", headers=a))),
+        ("POST", "/tokenize"): Probe(False, one(lambda c, a, m: c.post("/tokenize", headers=a,
+                                                                       json={"model": "weir-tiny-py", "prompt": "hi"}))),
+        ("POST", "/detokenize"): Probe(False, one(lambda c, a, m: c.post("/detokenize", headers=a,
+                                                                         json={"model": "weir-tiny-py", "tokens": [1]}))),
         ("GET", "/healthz"): Probe(False, one(lambda c, a, m: c.get("/healthz", headers=a))),
         ("GET", "/readyz"): Probe(False, one(lambda c, a, m: c.get("/readyz", headers=a))),
         ("GET", "/metrics"): Probe(False, one(lambda c, a, m: c.get("/metrics", headers=a))),

@@ -73,8 +73,10 @@ def test_prompt_plus_max_tokens_must_fit_and_a_default_is_fitted(word_model: Mod
     assert chat_error.value.param == "max_completion_tokens"
     default, request = request_of("completions", b'{"model": "words", "prompt": "x"}', word_model)
     assert request.max_tokens == 16
-    fitted = check_request(default, request, word_model, 20, max_input_tokens=None, max_stop_sequences=4)
-    assert fitted.max_tokens == 12
+    # the request keeps the default (the worker fits it to the room the prompt leaves, online and
+    # in a batch alike); the charge counts only what fits: 20 prompt + 12
+    assert check_request(default, request, word_model, 20, max_input_tokens=None, max_stop_sequences=4) == 32
+    assert check_request(explicit, request, word_model, 5, max_input_tokens=None, max_stop_sequences=4) == 5 + 16
 
 
 def test_too_many_stop_sequences_name_stop() -> None:

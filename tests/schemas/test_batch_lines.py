@@ -47,7 +47,7 @@ def test_pieces_may_split_lines_and_characters_anywhere():
         (b'{"method": "POST", "url": "/v1/completions", "body": {}}', "missing_custom_id", "custom_id"),
         (b'{"custom_id": "a", "url": "/v1/completions", "body": {}}', "duplicate_custom_id", "custom_id"),
         (b'{"custom_id": "z", "method": "GET", "url": "/v1/completions", "body": {}}', "invalid_method", "method"),
-        (b'{"custom_id": "z", "url": "/v1/embeddings", "body": {}}', "invalid_url", "url"),
+        (b'{"custom_id": "z", "url": "/v1/responses", "body": {}}', "invalid_url", "url"),
         (b'{"custom_id": "z", "url": "/v1/completions", "body": []}', "invalid_request", "body"),
         (b'{"custom_id": "z", "url": "/v1/completions", "body": {}, "extra": 1}', "unknown_parameter", "extra"),
     ],
@@ -91,4 +91,4 @@ def test_a_body_is_refused_as_its_endpoint_refuses_it(body, code, param):
 
 def test_a_completions_line_may_wrap_its_one_prompt_in_a_list():
     parsed = parse_line_body(Envelope(1, "a", "/v1/completions", {"model": "echo", "prompt": ["x"]}))
-    assert parsed.prompt == "x"  # type: ignore[union-attr]
+    assert parsed.prompts == ["x"]  # type: ignore[union-attr]

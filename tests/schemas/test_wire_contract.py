@@ -59,7 +59,7 @@ def test_reply_events_decode_by_type():
     [
         (b"{not json", "not JSON"),
         (b"[]", "invalid GenerateRequest"),
-        (b'{"request_id": "r", "model": "m", "deadline_ms": 1, "reply_to": "t"}', "exactly one of prompt and messages"),
+        (b'{"request_id": "r", "model": "m", "deadline_ms": 1, "reply_to": "t"}', "exactly one of prompt, prompt_token_ids and messages"),
         (b'{"request_id": "r", "model": "m", "prompt": "x", "messages": [], "deadline_ms": 1, "reply_to": "t"}', "exactly one"),
         (b'{"request_id": "r", "model": "m", "prompt": "x", "deadline_ms": 1, "reply_to": "t", "max_tokens": 0}', "max_tokens"),
         (b'{"request_id": "r", "model": "m", "prompt": "x", "deadline_ms": 1, "reply_to": "t", "temprature": 1}', "temprature"),

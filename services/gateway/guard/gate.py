@@ -150,13 +150,13 @@ class Guard:
         """Validate, admit and charge a request; returns it with identity and lane set, and the
         Admitted to attach to its Exchange (or release if publishing fails)."""
         lane = priority_of(headers)
-        prompt_tokens = await self._count_prompt(model, body)
-        request = check_request(
+        prompt_tokens = await self._count_prompts(model, body)
+        charge = check_request(
             body, request, model, prompt_tokens,
             max_input_tokens=self.settings.max_input_tokens, max_stop_sequences=self.settings.max_stop_sequences,
         )  # fmt: skip
-        await self.input_guard.check(identity.principal, identity.tenant, body)
-        admitted = self.reserve(identity, model.served_id, lane, prompt_tokens + request.max_tokens,
+        await self.input_guard.check(identity.principal, identity.tenant, body, self.counter.decoder(model))
+        admitted = self.reserve(identity, model.served_id, lane, charge,
                                 deadline_ms=request.deadline_ms)  # fmt: skip
         request = request.model_copy(
             update={"principal": identity.principal, "tenant": identity.tenant, "priority": lane}
@@ -254,13 +254,13 @@ class Guard:
             Charge(f"tenant:{identity.tenant}", self.tenant_limits(identity.tenant), reserved_tokens),
         ]
 
-    async def _count_prompt(self, model: ModelConfig, body: ChatCompletionBody | CompletionBody) -> int:
-        size = len(body.prompt) if isinstance(body, CompletionBody) else sum(
+    async def _count_prompts(self, model: ModelConfig, body: ChatCompletionBody | CompletionBody) -> list[int]:
+        size = sum(len(p) for p in body.prompts) if isinstance(body, CompletionBody) else sum(
             len(m.to_wire().content) for m in body.messages
         )
         if size > _THREAD_COUNT_CHARS:
-            return await asyncio.to_thread(self.counter.count_prompt, model, body)
-        return self.counter.count_prompt(model, body)
+            return await asyncio.to_thread(self.counter.count_prompts, model, body)
+        return self.counter.count_prompts(model, body)
 
 
 def priority_of(headers: dict[str, str]) -> Priority:

@@ -64,7 +64,8 @@ class InputGuard:
         """The tenant's action for high-risk prompts."""
         return self.settings.input_guard_tenant_actions.get(tenant, self.settings.input_guard_action)
 
-    async def check(self, principal: str, tenant: str, body: ChatCompletionBody | CompletionBody) -> Detection | None:
+    async def check(self, principal: str, tenant: str, body: ChatCompletionBody | CompletionBody,
+                    decode: Callable[[list[int]], str] | None = None) -> Detection | None:
         """Screen the body's prompt; returns the detection (None when the guard is off).
 
         Raises ApiError(400, code="prompt_injection_detected") for a high-risk prompt of a
@@ -72,7 +73,7 @@ class InputGuard:
         """
         if self.detector is None:
             return None
-        text = prompt_text(body)
+        text = prompt_text(body, decode)
         detection = await asyncio.to_thread(self.detector.detect, text) if len(text) > _THREAD_CHARS else (
             self.detector.detect(text)
         )  # fmt: skip
@@ -116,8 +117,14 @@ class InputGuard:
         return flag
 
 
-def prompt_text(body: ChatCompletionBody | CompletionBody) -> str:
-    """What the input guard screens: the prompt, or every non-assistant message's content."""
+def prompt_text(body: ChatCompletionBody | CompletionBody, decode: Callable[[list[int]], str] | None = None) -> str:
+    """What the input guard screens: the prompts (token ids as `decode`, the model's tokenizer,
+    reads them; ApiError 400 when there is none: a prompt the guard cannot read is not let past
+    it), or every non-assistant message's content."""
     if isinstance(body, CompletionBody):
-        return body.prompt
+        if body.has_token_prompts and decode is None:
+            raise ApiError(400, "prompts of token ids are screened by the input guard, which needs the model's "
+                           "tokenizer at the gateway; send the text", param="prompt",
+                           code="unsupported_parameter")  # fmt: skip
+        return "\n".join(p if isinstance(p, str) else decode(p) for p in body.prompts)  # type: ignore[misc]
     return "\n".join(m.to_wire().content for m in body.messages if m.role != "assistant")

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 
 from tokenizers import Tokenizer
 
 from schemas.messages import GenerateRequest
 from schemas.model_repo import ModelConfig
 from weir.home import served_model_dir
-from services.gateway.openai_format import ApiError, ChatCompletionBody, CompletionBody
+from schemas.openai_translate import check_context
+from services.gateway.openai_format import BodyError, ChatCompletionBody, CompletionBody, api_error
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +60,21 @@ class TokenCounter:
         return estimate_tokens(text)
 
     def count_prompt(self, model: ModelConfig, body: ChatCompletionBody | CompletionBody) -> int:
-        """Prompt tokens of a body: the prompt, or every message plus the per-message overhead."""
+        """Prompt tokens of a body: its prompts', or every message plus the per-message overhead."""
+        return sum(self.count_prompts(model, body))
+
+    def count_prompts(self, model: ModelConfig, body: ChatCompletionBody | CompletionBody) -> list[int]:
+        """Prompt tokens of each prompt of a body (a chat is one: every message plus the
+        per-message overhead; a prompt of token ids is its length)."""
         if isinstance(body, CompletionBody):
-            return self.count(model, body.prompt)
+            return [self.count(model, p) if isinstance(p, str) else len(p) for p in body.prompts]
         texts = [m.to_wire().content for m in body.messages]
-        return sum(self.count(model, t) for t in texts) + TOKENS_PER_MESSAGE * len(texts)
+        return [sum(self.count(model, t) for t in texts) + TOKENS_PER_MESSAGE * len(texts)]
+
+    def decoder(self, model: ModelConfig) -> Callable[[list[int]], str] | None:
+        """The text of token ids for `model` (its tokenizer's), or None without a tokenizer."""
+        tokenizer = self.tokenizer(model)
+        return None if tokenizer is None else tokenizer.decode
 
 
 def estimate_tokens(text: str) -> int:
@@ -74,37 +86,17 @@ def check_request(
     body: ChatCompletionBody | CompletionBody,
     request: GenerateRequest,
     model: ModelConfig,
-    prompt_tokens: int,
+    prompt_tokens: int | list[int],
     *,
     max_input_tokens: int | None,
     max_stop_sequences: int,
-) -> GenerateRequest:
-    """The request, with a defaulted max_tokens fitted into the context; 400 naming the field when
-    the prompt is too long, prompt + max_tokens exceeds max_model_len, or there are too many stops."""
-    prompt_param = "prompt" if isinstance(body, CompletionBody) else "messages"
-    if len(request.stop) > max_stop_sequences:
-        raise ApiError(400, f"at most {max_stop_sequences} stop sequences are allowed, got {len(request.stop)}",
-                       param="stop", code="invalid_value")  # fmt: skip
-    cap = model.max_model_len - 1  # at least one token must remain for the output
-    if max_input_tokens is not None:
-        cap = min(cap, max_input_tokens)
-    if prompt_tokens > cap:
-        raise ApiError(400, f"the prompt has {prompt_tokens} tokens; {model.name} accepts at most {cap}",
-                       param=prompt_param, code="context_length_exceeded")  # fmt: skip
-    room = model.max_model_len - prompt_tokens
-    if request.max_tokens <= room:
-        return request
-    is_explicit = body.max_tokens is not None or (
-        isinstance(body, ChatCompletionBody) and body.max_completion_tokens is not None
-    )
-    if not is_explicit:  # a default is fitted, not refused
-        return request.model_copy(update={"max_tokens": room})
-    is_completion_param = isinstance(body, ChatCompletionBody) and body.max_completion_tokens is not None
-    param = "max_completion_tokens" if is_completion_param else "max_tokens"
-    raise ApiError(
-        400,
-        f"prompt ({prompt_tokens} tokens) + {param} ({request.max_tokens}) exceeds the context length of "
-        f"{model.name} ({model.max_model_len} tokens)",
-        param=param,
-        code="context_length_exceeded",
-    )
+) -> int:
+    """The tokens one request of `body` is charged (schemas/openai_translate.py: check_context:
+    the prompt + max_tokens, a default fitted into the room the prompt leaves); 400 naming the
+    field when the prompt is too long, prompt + max_tokens exceeds max_model_len, or there are
+    too many stops."""
+    try:
+        return check_context(body, request, model, prompt_tokens, max_input_tokens=max_input_tokens,
+                             max_stop_sequences=max_stop_sequences)  # fmt: skip
+    except BodyError as exc:
+        raise api_error(exc) from None

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 
 from schemas.messages import GenerateRequest, StreamRecord, now_ms
 from schemas.openai_bodies import ChatCompletionBody, CompletionBody
+from schemas.openai_translate import ID_PREFIX, siblings_of
 from services.gateway.guard.auth import Identity, Owner
 from services.gateway.guard.gate import Admitted
 from services.gateway.kafka_bus import Exchange
@@ -22,10 +23,8 @@ from services.gateway.openai_format import (
     ApiError,
     ChunkWriter,
     Kind,
-    logprobs_format,
     parse_body,
     refuse_embedding_model,
-    sibling_requests,
     to_generate_request,
 )
 from services.gateway.routes.parts import GatewayParts
@@ -33,9 +32,6 @@ from services.gateway.routes.reading import header_timeout_s, read_body
 from services.gateway.siblings import SiblingGroup, Streamed
 from services.gateway.stream_index import durable_record
 from services.gateway.streaming import collect, event_stream, served_headers
-
-ID_PREFIX: dict[Kind, str] = {"chat.completions": "chatcmpl-", "completions": "cmpl-"}
-
 
 def add_completion_routes(router: APIRouter, parts: GatewayParts) -> None:
     """Add the two completion endpoints to `router` (the app's)."""
@@ -113,9 +109,7 @@ async def open_exchange(
     )  # fmt: skip
     request, admitted = await parts.guard.admit(identity, body, model, request, headers)
     route = f"/v1/{kind.replace('.', '/')}"
-    echo = body.prompt if isinstance(body, CompletionBody) and body.echo else None
-    writer = ChunkWriter(kind, request_id, model.served_id, request.created_ms // 1000, body.include_usage,
-                         logprobs_format(kind, request), echo)  # fmt: skip
+    writer = ChunkWriter.of(kind, body, request)
     exchange: Streamed
     record = None
     if body.num_siblings > 1:
@@ -153,7 +147,7 @@ async def submit_siblings(
     requests"). Each is admitted as a request of its own: a lane ticket, and its prompt +
     max_tokens charged to the rate limits, so n does not get around a tenant's limits. A refusal
     (429/503) or a failed publish withdraws the siblings already out (Cancellation)."""
-    siblings = sibling_requests(request, body.num_siblings)
+    siblings = siblings_of(body, request)  # a sibling per choice of each prompt (schemas/openai_translate.py)
     tickets = [admitted]
     exchanges: list[Exchange] = []
     try:
@@ -167,7 +161,7 @@ async def submit_siblings(
         for exchange in exchanges:
             exchange.close("client_disconnect", status="cancelled")
         raise
-    return SiblingGroup(request, exchanges, body.num_choices)
+    return SiblingGroup(request, exchanges, body.num_results)
 
 
 def new_request_id(kind: Kind) -> str:

@@ -18,6 +18,8 @@ _PIECES = re.compile(r"\s*\S+|\s+")
 _UNSUPPORTED = {
     "logprobs": "logprobs (its tokens are words, drawn from no distribution)",
     "suffix": "suffix (it has no fill-in-the-middle; it echoes the prompt)",
+    "prompt_logprobs": "prompt logprobs (it runs no model over the prompt)",
+    "prompt_token_ids": "a prompt of token ids (it has no tokenizer; send the text)",
 }
 
 

@@ -25,7 +25,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from schemas.messages import EmbedRequest, ErrorInfo, GenerateRequest, StructuredOutputs, TokenLogprob, TopLogprob
+from schemas.messages import (
+    EmbedRequest,
+    ErrorInfo,
+    GenerateRequest,
+    PromptLogprob,
+    StructuredOutputs,
+    TokenLogprob,
+    TopLogprob,
+)
 from schemas.structured import UnsupportedSchema, check_structured, constraint_of
 from schemas.tools import tools_problem
 from services.worker.engine.chat_template import ChatTemplateError
@@ -104,6 +112,8 @@ class Engine:
             self.blocks, config.max_num_seqs, config.max_num_batched_tokens, is_prioritized=config.is_prioritized
         )
         self._seqs: dict[str, Sequence] = {}
+        # the step's prompt_logprobs rows: (sequence, the prompt positions whose next token they predict)
+        self._prompt_rows: list[tuple[Sequence, range]] = []
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self.model_path = Path(model_path)
         self._grammars: Grammars | None = None  # built at the first constraint (its tokenizer info takes seconds)
@@ -131,6 +141,12 @@ class Engine:
             return _refused(request, now_ms, "rejected", "unsupported_request_kind", message)
         if request.request_id in self._seqs or request.request_id in self._compiling:
             return None  # already running: a redelivery, the first copy answers
+        if request.prompt_token_ids is not None:  # a prompt of token ids: run as given (as vLLM's)
+            vocab = self.model.args.vocab_size
+            if any(not 0 <= i < vocab for i in request.prompt_token_ids):
+                message = f"prompt token ids must be 0 to {vocab - 1}, the vocabulary of {request.model}"
+                return _refused(request, now_ms, "rejected", "invalid_prompt", message)
+            return self.add_tokens(request, request.prompt_token_ids, now_ms)
         try:
             prompt_text = self.tokenizer.render(request)
             prompt_ids = self.tokenizer.encode(prompt_text)
@@ -296,6 +312,9 @@ class Engine:
         logits = self._run(plan)
         self.scheduler.commit(plan)
         seqs = [c.seq for c in plan.prefills if c.samples] + [c.seq for c in plan.decodes]
+        if self._prompt_rows:
+            self._note_prompt_logprobs(logits[len(seqs) :])
+            logits = logits[: len(seqs)]
         vocab_size = logits.shape[-1]
         biases = [self.watermarker.bias(s.request.tenant, s.token_ids[-1], vocab_size) for s in seqs]
         histories = [s.output_ids if s.is_penalised else [] for s in seqs]  # only penalties read them
@@ -307,6 +326,30 @@ class Engine:
         for seq, token, entropy, logprob, top in zip(seqs, *rows, strict=True):
             outputs.extend(self._postprocess(seq, token, entropy, logprob, top, taken_ms))
         return outputs
+
+    def _note_prompt_logprobs(self, rows: torch.Tensor) -> None:
+        """Keep the logprob (and the asked alternatives) of each prompt token the step's prompt
+        rows predict, by position: a sequence recomputed after a preemption writes the same again."""
+        logprobs = torch.log_softmax(rows.float(), dim=-1)
+        at = 0
+        for seq, positions in self._prompt_rows:
+            k = seq.request.prompt_logprobs or 0
+            block = logprobs[at : at + len(positions)]
+            at += len(positions)
+            if positions.start == 0:  # nothing predicts the first prompt token: its text only
+                first = seq.token_ids[0]
+                text, raw = self.tokenizer.token_piece(first)
+                seq.prompt_logprobs[0] = PromptLogprob(token_id=first, token=text, bytes=raw, logprob=None)  # type: ignore[index]
+            if not len(positions):
+                continue
+            targets = torch.tensor([seq.token_ids[p + 1] for p in positions], dtype=torch.long)
+            chosen = block.gather(1, targets[:, None])[:, 0].tolist()
+            top = torch.topk(block, k, dim=-1) if k else None
+            for i, p in enumerate(positions):
+                alternatives = list(zip(top.indices[i].tolist(), top.values[i].tolist(), strict=True)) if top else None
+                token = seq.token_ids[p + 1]
+                entry = self._token_logprob(token, chosen[i], alternatives)
+                seq.prompt_logprobs[p + 1] = PromptLogprob.model_construct(**dict(entry))  # type: ignore[index]
 
     def _grammar_mask(self, seqs: list[Sequence]) -> Callable[[torch.Tensor], None] | None:
         """The step's grammar mask over `seqs`' rows, or None when no row is constrained."""
@@ -372,6 +415,15 @@ class Engine:
                     start, end, torch.tensor(tables, dtype=torch.int32, device=self.device),
                     torch.tensor(lens, dtype=torch.int32, device=self.device),
                 ))  # fmt: skip
+        # after the sampling rows: the rows of the prompt positions whose logits a request asked
+        # for (prompt_logprobs; only those requests pay for them), each predicting the next prompt token
+        self._prompt_rows = []
+        for chunk, (t0, *_rest) in zip(plan.prefills, meta.prefills, strict=True):
+            seq = chunk.seq
+            if seq.prompt_logprobs is not None:
+                positions_asked = range(chunk.start, min(chunk.end, seq.num_prompt_tokens - 1))
+                self._prompt_rows.append((seq, positions_asked))
+                logit_rows.extend(t0 + p - chunk.start for p in positions_asked)
         meta.rope_seq_lens = self._rope_seq_lens(plan)
         meta.slot_mapping = torch.tensor(slots, dtype=torch.long, device=self.device)
         meta.logits_indices = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
@@ -398,6 +450,8 @@ class Engine:
         the alternatives its request asked for into `seq`."""
         if seq.status is not Status.RUNNING:
             return []
+        if seq.max_tokens == 0:  # only the prompt's logprobs were asked: the prefill is the answer
+            return [self._finish(seq, "length", now_ms)]
         if token is None or logprob is None:  # both None together: the row's logits were not finite
             info = ErrorInfo(code="non_finite_logits", message="the model produced non-finite logits")
             return [self._finish(seq, "error", now_ms, info)]

@@ -107,7 +107,7 @@ class Scheduler:
                 if freed is None:
                     break
                 budget += freed
-            if not seq.block_table:
+            if not seq.block_table and seq.prompt_logprobs is None:  # a cached prefix has no logits to give
                 seq.block_table, seq.block_hashes = self.blocks.match_prefix(seq.token_ids)
                 seq.num_computed = len(seq.block_table) * self.blocks.block_size
             take = min(seq.num_pending, budget)

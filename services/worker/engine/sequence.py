@@ -7,7 +7,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from schemas.messages import ErrorInfo, FinishReason, GenerateRequest, TokenLogprob, ToolCall, ToolCallDelta
+from schemas.messages import (
+    ErrorInfo,
+    FinishReason,
+    GenerateRequest,
+    PromptLogprob,
+    TokenLogprob,
+    ToolCall,
+    ToolCallDelta,
+)
 from schemas.tools import tool_parser
 from services.worker.engine.sampler import TokenBias, has_penalties
 
@@ -50,6 +58,7 @@ class EngineOutput:
     watermark_z: float | None = None  # final event: the tenant's watermark z over the output, if any
     embeddings: list[list[float]] | None = None  # EmbedRequest's final event: one vector per input
     logprobs: list[TokenLogprob] | None = None  # the request asked: one per token of token_ids, in order
+    prompt_logprobs: list[PromptLogprob | None] | None = None  # final event, when asked: one per prompt token
     # final event of a request that ran: sum of the raw logprobs of its output tokens (those of token_ids
     # and completion_tokens; an end-of-sequence token that ends it is not output, so not counted)
     cumulative_logprob: float | None = None
@@ -97,6 +106,11 @@ class Sequence:
         self._hold_chars = max((len(s) for s in request.stop), default=1) - 1
         self.cumulative_logprob = 0.0  # sum of the raw logprobs of the output tokens (ranks best_of)
         self._logprobs: list[TokenLogprob] | None = [] if request.logprobs is not None else None  # not yet carried
+        # prompt_logprobs: one per prompt token by position, filled by the prefill (the engine
+        # writes the first's, whose logprob is None: nothing predicts it)
+        self.prompt_logprobs: list[PromptLogprob | None] | None = (
+            [None] * len(prompt_ids) if request.prompt_logprobs is not None else None
+        )
         # tool calls are parsed from the emitted text, so its events are a function of the tokens
         # (docs/design.md, "Structured output, tools and logprobs"); None: the request calls none
         self.tool_parser = tool_parser(request)
@@ -222,6 +236,7 @@ class Sequence:
             output_text=self.output_text,
             mean_token_entropy=self.entropy_sum / self.num_sampled if self.num_sampled else None,
             logprobs=self.take_logprobs(),
+            prompt_logprobs=self.prompt_logprobs if error is None else None,
             cumulative_logprob=self.cumulative_logprob,
             tool_call_deltas=deltas,
             tool_calls=calls,

@@ -49,7 +49,7 @@ def reply_events(
                         cached_prompt_tokens=out.cached_prompt_tokens),
             error=out.error, model_version=version, received_ms=out.received_ms,
             first_token_ms=out.first_token_ms, embeddings=out.embeddings, cumulative_logprob=out.cumulative_logprob,
-            tool_calls=out.tool_calls, structured_valid=out.structured_valid,
+            tool_calls=out.tool_calls, structured_valid=out.structured_valid, prompt_logprobs=out.prompt_logprobs,
         ))  # fmt: skip
     return events
 
