@@ -40,7 +40,7 @@ from services.gateway.config import GatewaySettings
 from services.gateway.fleet import Fleet
 from services.gateway.guard.auth import Identity
 from services.gateway.guard.validation import TokenCounter, check_request
-from services.gateway.handlers import Exchange, GatewayBus
+from services.gateway.kafka_bus import Exchange, GatewayBus
 from services.gateway.openai_format import (
     ApiError,
     ChunkWriter,

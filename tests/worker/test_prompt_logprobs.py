@@ -12,7 +12,7 @@ import torch
 
 from schemas.messages import ReplyDelta, ReplyEnd
 from services.worker.engine import Engine, EngineConfig
-from services.worker.events import reply_events
+from services.worker.kafka.events import reply_events
 
 from .factories import make_request
 
