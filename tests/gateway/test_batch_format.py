@@ -146,8 +146,8 @@ def test_the_batch_quota_of_a_jwt_subject_is_its_own_in_each_tenant():
     live = [job("g1", "globex", T0, principal="zed", credential="jwt", request_counts={"total": 100}),
             job("k1", "acme", T0, principal="zed", request_counts={"total": 100})]  # an API key of principal zed
     with pytest.raises(ApiError):
-        check_batch_quota(live, zed_globex, FileSummary(1, 1), max_requests=100, max_tokens=10_000)
-    check_batch_quota(live, zed_acme, FileSummary(100, 1), max_requests=100, max_tokens=10_000)
+        check_batch_quota(live, zed_globex, FileSummary(1, 1, 1), max_requests=100, max_tokens=10_000)
+    check_batch_quota(live, zed_acme, FileSummary(100, 100, 1), max_requests=100, max_tokens=10_000)
 
 
 def test_result_lines_pass_the_guards_function_on_the_models_text_only():
