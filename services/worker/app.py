@@ -421,7 +421,7 @@ class ServerFactory:
         self.producer = producer
         self.worker_id = worker_id
         self.audit_key = audit_key
-        self.fingerprints = fingerprints  # the SimHash batcher being built (None once built: fingerprints off)
+        self.fingerprints = fingerprints  # the SimHash batcher being built (its result None: fingerprints off)
         self.tracing = tracing
         self.serving = serving
         self.on_assignment = on_assignment  # a server's partitions changed: heartbeat now
