@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -42,7 +43,7 @@ from services.worker.kafka.membership import Membership
 from services.worker.hosts.mirror_pacing import LivePressure, Pacing
 from services.worker.hosts.runner import EngineHost, EngineProcess, EngineRunner
 from services.worker.kafka.serving_metrics import ServingMetrics, kv_cache_usage
-from services.worker.versions import Outputs, VersionManager
+from services.worker.versions import ManagerParts, Outputs, VersionManager
 from weir.bus import instance_id, make_producer, wait_for_cluster
 from weir.tracing import Tracing
 from weir.embedding.fingerprints import build_fingerprinter
@@ -73,14 +74,13 @@ class WorkerService:
         self.device = choose_device(settings.device)
         self.audit_key = settings.hmac_key()  # read (or made) now: a bad key file is a configuration error
         self.trusted_keys = load_trusted_keys(Path(settings.model_trusted_keys)) if settings.model_trusted_keys else {}
-        self.is_ready = False
+        self._ready = False  # latched by is_ready
         self.is_serving = False  # the loops run
         self._assignment_changed = asyncio.Event()  # a heartbeat goes out at once when set
         self.producer: AIOKafkaProducer | None = None
         self.registry: RegistryFollower | None = None
         self.versions: VersionManager | None = None
-        self.fingerprints: FingerprintBatcher | None = None
-        self._fingerprinter: asyncio.Task | None = None
+        self._fingerprinter: asyncio.Task[FingerprintBatcher | None] | None = None
         self.devices = DeviceProbe()
         self.live_pressure = LivePressure(settings.mirror_idle_ms)  # mirror copies yield to it (mirror_pacing.py)
         self.finish_rate = FinishRate()  # heartbeats' finished_per_s, sampled per heartbeat
@@ -90,6 +90,15 @@ class WorkerService:
         # vLLM's vllm:* and the GenAI server metrics, per version (docs/design.md, "Observability")
         self.serving = ServingMetrics(self.metrics, lambda: [(s.sid, [r.stats for r in s.runners]) for s in self.servers],
                                       on_ran=lambda seconds: self.finish_rate.ran(seconds))  # fmt: skip
+
+    @property
+    def is_ready(self) -> bool:
+        """Once serving, every version it should hold settled (ready, failed, refused or past ready);
+        latched when first seen, by whichever reader (heartbeat, /readyz, /metrics) looks first."""
+        if not self._ready and self.is_serving and self.versions is not None and self.versions.is_settled():
+            self._ready = True
+            log.info("worker %s ready: %s on %s", self.worker_id, self.versions.describe(), self.device)
+        return self._ready
 
     @property
     def servers(self) -> list[ModelServer]:
@@ -105,32 +114,42 @@ class WorkerService:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Read the registry, bring up the versions it wants here, then serve and follow it until
-        `stop` is set or a loop fails."""
-        assert self.producer is not None, "start() first"
+        `stop` is set or a loop fails. The version manager's parts are built before it, in order,
+        and none refers back to it or to this service (docs/worker.md, "Code layout")."""
+        producer = self.producer
+        assert producer is not None, "start() first"
         tasks: list[asyncio.Task] = []
         try:
             # A first start exports the fingerprint model to ONNX here: after the HTTP port opened,
-            # so /readyz can say so meanwhile. Servers wait for it (make_server), engines load meanwhile.
-            self._fingerprinter = asyncio.create_task(asyncio.to_thread(
-                build_fingerprinter, self.settings.audit_fingerprint_model, self.repo))  # fmt: skip
-            self._fingerprinter.add_done_callback(self._on_fingerprinter)  # before make_server's await wakes
+            # so /readyz can say so meanwhile. Servers wait for it (ServerFactory), engines load meanwhile.
+            self._fingerprinter = asyncio.create_task(self._fingerprints())
             device_bytes = await self._device_bytes()
             budget = self.settings.worker_memory_bytes or int(device_bytes * self.settings.worker_memory_fraction)
-            self.versions = VersionManager(self.settings, self, budget, self.trusted_keys, self._estimate, device_bytes)
-            cancellations = await open_cancellations(self.settings, self.worker_id)
             self.registry = RegistryFollower(self.settings, self.worker_id, self._on_registry, seed=self.repo)
+            parts = ManagerParts(
+                worker_id=self.worker_id,
+                open_engine=EngineOpener(self.settings, self.device, self.live_pressure),
+                make_server=ServerFactory(self.settings, producer, self.worker_id, self.audit_key, self._fingerprinter,
+                                          self.tracing, self.serving, on_assignment=self._assignment_changed.set),
+                registry=RegistryDesk(self.settings, self.worker_id, self.registry),
+                emit=HealthEvents(self.settings, producer, self.worker_id),
+                changed=self._assignment_changed.set,  # the heartbeat goes out; is_ready is read from the versions
+            )  # fmt: skip
+            estimate = functools.partial(estimate_here, settings=self.settings, device=self.device)
+            self.versions = VersionManager(self.settings, parts, budget, self.trusted_keys, estimate, device_bytes)
+            cancellations = await open_cancellations(self.settings, self.worker_id)
             await self.registry.start()
-            tasks = self.loops(self.producer, cancellations)
+            tasks = self.loops(producer, cancellations)
             self.is_serving = True
             self.versions.reconcile(self.wanted())
-            self.changed()
+            self._assignment_changed.set()
             stopped = asyncio.create_task(stop.wait())
             done, _ = await asyncio.wait([*tasks, stopped], return_when=asyncio.FIRST_COMPLETED)
             stopped.cancel()
             for task in done - {stopped}:
                 task.result()
         finally:
-            self.is_ready = self.is_serving = False
+            self._ready = self.is_serving = False
             # Stop the loops now, while the Kafka clients' own tasks still run: left to asyncio.run's
             # teardown, which cancels those too, each consumer's LeaveGroup got no answer read and
             # a SIGTERM took 44 s (the request timeout), leaving its partitions to the session timeout.
@@ -184,74 +203,21 @@ class WorkerService:
         if self.versions is not None and self.is_serving:
             self.versions.reconcile(self.wanted())
 
-    async def seed_manifest(self, config: ModelConfig) -> ModelManifest:
-        """A models.toml entry's directory built (GGUF import, ONNX export: weir/models/sources.py),
-        packed, and registered with its route when the registry still lacks them (weir.registry.
-        seed_records: several workers may do it at once; a version's files are the same for all)."""
-        assert self.registry is not None
-        built = await asyncio.to_thread(built_entry, config)
-        single = ModelRepository(models={config.name: built})
-        records = await asyncio.to_thread(seed_records, single, self.registry.state, f"models.toml ({self.worker_id})")
-        if records:
-            await publish(self.settings, records, client_id=self.worker_id)
-        packed = [r.manifest for r in records if isinstance(r, ModelVersionRecord)]
-        return packed[0] if packed else await asyncio.to_thread(pack, built)
-
-    async def write_registry(self, records: list) -> None:
-        await publish(self.settings, records, client_id=self.worker_id)
-
-    def registry_state(self) -> RegistryState:
-        assert self.registry is not None
-        return self.registry.state
-
-    async def emit(self, sid: str, event: str, detail: str) -> None:
-        """A ModelHealthEvent on Topics.model_health; lost with a log line when the broker is away."""
-        assert self.producer is not None
-        message = ModelHealthEvent(worker_id=self.worker_id, model=sid, event=event, detail=detail[:4096])
-        try:
-            await self.producer.send_and_wait(self.settings.topics.model_health, encode(message), key=sid.encode())
-        except KafkaError as exc:
-            log.warning("health event %s of %s not written (%r)", event, sid, exc)
-
-    def changed(self) -> None:
-        """A version changed state: heartbeat now; the worker is ready once all it should hold settled."""
-        if not self.is_ready and self.is_serving and self.versions is not None and self.versions.is_settled():
-            self.is_ready = True
-            log.info("worker %s ready: %s on %s", self.worker_id, self.versions.describe(), self.device)
-        self._assignment_changed.set()
-
     # -- engines and servers --------------------------------------------------------------------
 
-    async def make_server(self, config: ModelConfig, hosts: list[EngineHost], outputs: Outputs) -> ModelServer:
-        """A ModelServer of version `config` over its opened engines, reading the queue they put their
-        outputs on; its batch topic exists."""
-        assert self.producer is not None and self._fingerprinter is not None
-        await asyncio.shield(self._fingerprinter)  # its AuditEvents carry SimHashes from the first one
-        topic = self.settings.topics.batches(config.served_id)
-        try:
-            await ensure_topics(self.settings.kafka_bootstrap, self.settings.topics.model_specs(config.served_id))
-        except KafkaError as exc:  # secure mode: only the batcher may create it; read once it exists
-            log.warning("batch topic %s not created here (%r); the consumer reads it once it exists", topic, exc)
-        return ModelServer(config, hosts, self.settings, self.producer, self.worker_id, self.audit_key,
-                           self.fingerprints, tracing=self.tracing, recorder=self.serving.recorder(config),
-                           membership=Membership.of(self.settings), outputs=outputs,
-                           on_assignment=self._assignment_changed.set)  # fmt: skip
-
-    def _on_fingerprinter(self, task: asyncio.Task) -> None:
-        if not task.cancelled() and task.exception() is None and task.result() is not None:
-            self.fingerprints = FingerprintBatcher(task.result())
+    async def _fingerprints(self) -> FingerprintBatcher | None:
+        """The batcher of the AuditEvents' SimHashes, over the fingerprinter built off the loop (None: off)."""
+        fingerprinter = await asyncio.to_thread(build_fingerprinter, self.settings.audit_fingerprint_model, self.repo)
+        return FingerprintBatcher(fingerprinter) if fingerprinter is not None else None
 
     async def fingerprint(self) -> None:
         """Batch the AuditEvents' SimHashes once the fingerprinter is built (forever: off is no end)."""
         assert self._fingerprinter is not None
-        await asyncio.shield(self._fingerprinter)
-        if self.fingerprints is None:
+        fingerprints = await asyncio.shield(self._fingerprinter)
+        if fingerprints is None:
             await asyncio.Event().wait()
         else:
-            await self.fingerprints.run()
-
-    async def _estimate(self, config: ModelConfig) -> int:
-        return await asyncio.to_thread(estimate_bytes, config, self.settings, self.device)
+            await fingerprints.run()
 
     async def _device_bytes(self) -> int:
         """The memory of the device the engines run on (the GPU's, else the machine's). The worker's
@@ -367,26 +333,6 @@ class WorkerService:
                       lambda: [(self.versions.budget_total if self.versions is not None else 0, {})])  # fmt: skip
         return metrics
 
-    async def open_engine(self, config: ModelConfig, on_outputs: OnOutputs, on_status: OnStatus | None = None) -> EngineHost:
-        """One engine instance of `config`, built and warmed up, in the host the settings ask for;
-        `on_status` hears what an engine process is doing while it loads."""
-        if self.settings.engine_isolation == "process" and config.engine != "echo":
-            process = EngineProcess(config, self.settings, str(self.device), asyncio.get_running_loop(), on_outputs,
-                                    on_status)  # fmt: skip
-            try:
-                await process.open()
-            except BaseException:
-                process.stop(1.0)
-                raise
-            process.attach_pressure(self.live_pressure)
-            return process
-        engine = await asyncio.to_thread(build_engine, config, self.settings, self.device)
-        await asyncio.to_thread(warm_up, engine, config, self.settings.grammar_prewarm)
-        runner = EngineRunner(engine, asyncio.get_running_loop(), on_outputs, fault_hooks=self.settings.fault_hooks,
-                              pacing=Pacing.of(self.settings))  # fmt: skip
-        runner.attach_pressure(self.live_pressure)
-        return runner
-
     # -- heartbeats -----------------------------------------------------------------------------
 
     def heartbeat_message(self, devices: list[DeviceInfo]) -> WorkerHeartbeat:
@@ -432,6 +378,116 @@ class WorkerService:
                 server.forget_old_cancels()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._assignment_changed.wait(), self.settings.heartbeat_interval_ms / 1000)
+
+
+class EngineOpener:
+    """Opens one engine instance of a version, built and warmed up, in the host the settings ask for
+    (loading.OpenEngine, for the version manager); `on_status` hears what an engine process is doing
+    while it loads."""
+
+    def __init__(self, settings: WorkerSettings, device: torch.device, live_pressure: LivePressure) -> None:
+        self.settings = settings
+        self.device = device
+        self.live_pressure = live_pressure  # mirror copies yield to it (mirror_pacing.py)
+
+    async def __call__(self, config: ModelConfig, on_outputs: OnOutputs,
+                       on_status: OnStatus | None = None) -> EngineHost:  # fmt: skip
+        if self.settings.engine_isolation == "process" and config.engine != "echo":
+            process = EngineProcess(config, self.settings, str(self.device), asyncio.get_running_loop(), on_outputs,
+                                    on_status)  # fmt: skip
+            try:
+                await process.open()
+            except BaseException:
+                process.stop(1.0)
+                raise
+            process.attach_pressure(self.live_pressure)
+            return process
+        engine = await asyncio.to_thread(build_engine, config, self.settings, self.device)
+        await asyncio.to_thread(warm_up, engine, config, self.settings.grammar_prewarm)
+        runner = EngineRunner(engine, asyncio.get_running_loop(), on_outputs, fault_hooks=self.settings.fault_hooks,
+                              pacing=Pacing.of(self.settings))  # fmt: skip
+        runner.attach_pressure(self.live_pressure)
+        return runner
+
+
+class ServerFactory:
+    """Builds a version's ModelServer over its opened engines, reading the queue they put their outputs
+    on (for the version manager); its batch topic exists."""
+
+    def __init__(self, settings: WorkerSettings, producer: AIOKafkaProducer, worker_id: str, audit_key: bytes,
+                 fingerprints: asyncio.Task[FingerprintBatcher | None], tracing: Tracing, serving: ServingMetrics,
+                 on_assignment: Callable[[], None]) -> None:  # fmt: skip
+        self.settings = settings
+        self.producer = producer
+        self.worker_id = worker_id
+        self.audit_key = audit_key
+        self.fingerprints = fingerprints  # the SimHash batcher being built (its result None: fingerprints off)
+        self.tracing = tracing
+        self.serving = serving
+        self.on_assignment = on_assignment  # a server's partitions changed: heartbeat now
+
+    async def __call__(self, config: ModelConfig, hosts: list[EngineHost], outputs: Outputs) -> ModelServer:
+        fingerprints = await asyncio.shield(self.fingerprints)  # its AuditEvents carry SimHashes from the first one
+        topic = self.settings.topics.batches(config.served_id)
+        try:
+            await ensure_topics(self.settings.kafka_bootstrap, self.settings.topics.model_specs(config.served_id))
+        except KafkaError as exc:  # secure mode: only the batcher may create it; read once it exists
+            log.warning("batch topic %s not created here (%r); the consumer reads it once it exists", topic, exc)
+        return ModelServer(config, hosts, self.settings, self.producer, self.worker_id, self.audit_key,
+                           fingerprints, tracing=self.tracing, recorder=self.serving.recorder(config),
+                           membership=Membership.of(self.settings), outputs=outputs,
+                           on_assignment=self.on_assignment)  # fmt: skip
+
+
+class RegistryDesk:
+    """The model registry as the version manager uses it: the follower's state, models.toml entries
+    seeded, records written."""
+
+    def __init__(self, settings: WorkerSettings, worker_id: str, follower: RegistryFollower) -> None:
+        self.settings = settings
+        self.worker_id = worker_id
+        self.follower = follower
+
+    @property
+    def state(self) -> RegistryState:
+        return self.follower.state
+
+    async def seed_manifest(self, config: ModelConfig) -> ModelManifest:
+        """A models.toml entry's directory built (GGUF import, ONNX export: weir/models/sources.py),
+        packed, and registered with its route when the registry still lacks them (weir.registry.
+        seed_records: several workers may do it at once; a version's files are the same for all)."""
+        built = await asyncio.to_thread(built_entry, config)
+        single = ModelRepository(models={config.name: built})
+        records = await asyncio.to_thread(seed_records, single, self.state, f"models.toml ({self.worker_id})")
+        if records:
+            await publish(self.settings, records, client_id=self.worker_id)
+        packed = [r.manifest for r in records if isinstance(r, ModelVersionRecord)]
+        return packed[0] if packed else await asyncio.to_thread(pack, built)
+
+    async def write(self, records: list) -> None:
+        await publish(self.settings, records, client_id=self.worker_id)
+
+
+class HealthEvents:
+    """ModelHealthEvents of this worker's versions on Topics.model_health; lost with a log line when
+    the broker is away."""
+
+    def __init__(self, settings: WorkerSettings, producer: AIOKafkaProducer, worker_id: str) -> None:
+        self.settings = settings
+        self.producer = producer
+        self.worker_id = worker_id
+
+    async def __call__(self, sid: str, event: str, detail: str) -> None:
+        message = ModelHealthEvent(worker_id=self.worker_id, model=sid, event=event, detail=detail[:4096])
+        try:
+            await self.producer.send_and_wait(self.settings.topics.model_health, encode(message), key=sid.encode())
+        except KafkaError as exc:
+            log.warning("health event %s of %s not written (%r)", event, sid, exc)
+
+
+async def estimate_here(config: ModelConfig, *, settings: WorkerSettings, device: torch.device) -> int:
+    """The bytes a version takes on this worker's device when its record names no budget (memory.py)."""
+    return await asyncio.to_thread(estimate_bytes, config, settings, device)
 
 
 def _error(status: int, message: str, code: str) -> JSONResponse:

@@ -38,7 +38,7 @@ from services.worker.config import WorkerSettings
 from services.worker.engine import EngineOutput
 from services.worker.hosts.goldens import GOLDEN_MAX_TOKENS
 from services.worker.kafka.consumers import ModelServer
-from services.worker.loading import EngineLoader, OnOutputs, OnStatus
+from services.worker.loading import EngineLoader, OpenEngine
 from services.worker.hosts.runner import EngineHost, EngineProcess
 from weir.heap import freeze_new
 from weir.models.manifest import ManifestError, verify_files
@@ -53,31 +53,36 @@ GOLDEN_TIMEOUT_S = 120.0  # a golden check is a few greedy tokens per case, besi
 _SETTLED: frozenset[VersionState] = frozenset({"ready", "failed", "refused", "unhealthy", "draining"})
 
 
-class WorkerPort(Protocol):
-    """What the version manager needs of its worker (app.py): its engines, servers, Kafka writes."""
+class RegistryAccess(Protocol):
+    """The model registry as the version manager uses it (app.py's RegistryDesk): read, seed, write."""
 
-    worker_id: str
-
-    async def open_engine(self, config: ModelConfig, on_outputs: OnOutputs, on_status: OnStatus | None = None) -> EngineHost:
-        """One engine instance of `config`, built and warmed up (loading.OpenEngine)."""
-
-    async def make_server(self, config: ModelConfig, hosts: list[EngineHost], outputs: Outputs) -> ModelServer:
-        """A ModelServer over `hosts`, reading `outputs` (the queue the hosts were opened with); its
-        topic created, not consuming yet."""
+    @property
+    def state(self) -> RegistryState:
+        """The registry as read so far (weir.registry.RegistryFollower)."""
 
     async def seed_manifest(self, config: ModelConfig) -> ModelManifest:
         """The manifest of a models.toml entry not registered yet: its directory built, packed, registered."""
 
-    async def emit(self, sid: str, event: str, detail: str) -> None:
-        """A ModelHealthEvent on Topics.model_health."""
-
-    async def write_registry(self, records: list) -> None:
+    async def write(self, records: list) -> None:
         """Registry records, published (weir.registry.publish)."""
 
-    def registry_state(self) -> RegistryState: ...
 
-    def changed(self) -> None:
-        """A version's state changed: heartbeat now."""
+MakeServer = Callable[[ModelConfig, list[EngineHost], Outputs], Awaitable[ModelServer]]
+Emit = Callable[[str, str, str], Awaitable[None]]  # sid, event, detail
+
+
+@dataclass(frozen=True)
+class ManagerParts:
+    """What the version manager is handed: parts the worker (app.py) built before it, none of which
+    refers to the worker or to the manager (docs/worker.md, "Code layout")."""
+
+    worker_id: str
+    open_engine: OpenEngine  # one engine instance of a version, built and warmed up (loading.OpenEngine)
+    make_server: MakeServer  # a ModelServer over the hosts, reading `outputs` (the queue the hosts were
+    #                          opened with); its topic created, not consuming yet
+    registry: RegistryAccess
+    emit: Emit  # a ModelHealthEvent on Topics.model_health
+    changed: Callable[[], None]  # a version's state changed: heartbeat now
 
 
 class _Stop(Exception):
@@ -145,10 +150,10 @@ class Version:
 class VersionManager:
     """Every version this worker holds or tried, moved by reconcile() and its own jobs."""
 
-    def __init__(self, settings: WorkerSettings, port: WorkerPort, budget_total: int, trusted_keys: dict,
+    def __init__(self, settings: WorkerSettings, parts: ManagerParts, budget_total: int, trusted_keys: dict,
                  estimate: Callable[[ModelConfig], Awaitable[int]], device_bytes: int = 0) -> None:  # fmt: skip
         self.settings = settings
-        self.port = port
+        self.parts = parts
         self.budget_total = budget_total
         self.device_bytes = device_bytes  # the device's memory: what a record's budget_fraction is a share of
         self.trusted_keys = trusted_keys
@@ -248,7 +253,7 @@ class VersionManager:
         if version.server is not None:
             version.server.is_taking = False  # what runs finishes; nothing new starts on these weights
         self._set(version, "unhealthy", problem)
-        await self.port.emit(version.sid, "golden_failed", problem)
+        await self.parts.emit(version.sid, "golden_failed", problem)
         if self._roll_back_if_fresh(version, problem):
             return  # out of routing (unhealthy) until the rollback unloads it; then it drains
         if not version.is_stopping:
@@ -282,7 +287,7 @@ class VersionManager:
 
         if await self._attempt(version, steps()):
             goldens = f"{len(version.goldens)} goldens ({version.golden_source})"
-            await self.port.emit(version.sid, "loaded", f"digest {version.digest[:12]}, {version.budget_bytes} bytes, {goldens}")
+            await self.parts.emit(version.sid, "loaded", f"digest {version.digest[:12]}, {version.budget_bytes} bytes, {goldens}")
             # Its tokenizer and config are long-lived too; frozen while serving goes on (weir/heap.py).
             await freeze_new(f"{version.sid} loaded")
 
@@ -303,7 +308,7 @@ class VersionManager:
             await self._serve(version, config)
 
         if await self._attempt(version, steps()):
-            await self.port.emit(version.sid, "reloaded", f"reload {version.reloads}: goldens pass again")
+            await self.parts.emit(version.sid, "reloaded", f"reload {version.reloads}: goldens pass again")
 
     async def _attempt(self, version: Version, steps: Awaitable[None]) -> bool:
         """Run the steps of a (re)load; any failure ends the version failed (or refused) with its
@@ -332,9 +337,9 @@ class VersionManager:
             await version.loader.discard()
         _stop_hosts(version.hosts)
         del self.versions[version.sid]
-        self.port.changed()
+        self.parts.changed()
         if was_loaded:
-            await self.port.emit(version.sid, "unloaded", "no longer wanted by the registry")
+            await self.parts.emit(version.sid, "unloaded", "no longer wanted by the registry")
         self.reconcile(self._wanted)  # wanted again meanwhile, or a refused one that fits now
 
     async def _drain(self, version: Version) -> None:
@@ -364,7 +369,7 @@ class VersionManager:
         if record is None:
             assert version.seed is not None
             try:
-                manifest = await self.port.seed_manifest(version.seed)
+                manifest = await self.parts.registry.seed_manifest(version.seed)
             except (OSError, ValueError) as exc:  # ManifestError, a GGUF or ONNX build that failed
                 raise _Stop("failed", f"models.toml entry cannot be prepared: {exc}", "load_failed") from exc
             self._check_signature(ModelVersionRecord(manifest=manifest))  # unsigned: loads unless signatures are required
@@ -401,7 +406,7 @@ class VersionManager:
         """loading: every engine instance opened and warmed up; golden: its goldens pass on each."""
         self._set(version, "loading", None)
         outputs = version.outputs = asyncio.Queue()  # read by the server built once the engines pass
-        loader = version.loader = EngineLoader([config], self.port.open_engine, {config.name: outputs.put_nowait})
+        loader = version.loader = EngineLoader([config], self.parts.open_engine, {config.name: outputs.put_nowait})
         loader.start()
         try:
             version.hosts = (await loader.wait())[config.name]
@@ -458,7 +463,7 @@ class VersionManager:
     async def _serve(self, version: Version, config: ModelConfig) -> None:
         """ready: a ModelServer for the version joins its group and reads its topic."""
         assert version.outputs is not None
-        server = await self.port.make_server(config, version.hosts, version.outputs)
+        server = await self.parts.make_server(config, version.hosts, version.outputs)
         version.server = server
         self.servers.append(server)
         version.serving = [self._spawn(server.consume(), fatal=True), self._spawn(server.publish(), fatal=True)]
@@ -484,20 +489,20 @@ class VersionManager:
             await version.loader.discard()
         version.budget_bytes = 0
         self._set(version, stop.state, stop.reason)
-        await self.port.emit(version.sid, stop.event, stop.reason)
+        await self.parts.emit(version.sid, stop.event, stop.reason)
 
     def _roll_back_if_fresh(self, version: Version, why: str) -> bool:
         """shared protocol 5: the default version of its name, promoted within
         WEIR_ROLLBACK_WINDOW_S, failing its goldens is rolled back (weir.registry.rollback: the
         previous default loaded and routed to again, this one unloaded). True when a rollback
         started: it runs as a job of its own (_roll_back), the failing version out of routing."""
-        state = self.port.registry_state()
+        state = self.parts.registry.state
         route = state.routes.get(version.name)
         if route is None or route.default_version != version.version or route.previous_version is None:
             return False
         if now_ms() - route.updated_ms > self.settings.rollback_window_s * 1000:
             return False
-        records = rollback(state, version.sid, why, by=f"worker {self.port.worker_id}")
+        records = rollback(state, version.sid, why, by=f"worker {self.parts.worker_id}")
         if not records:
             return False
         self._spawn(self._roll_back(version, route.previous_version, records, why))
@@ -513,22 +518,22 @@ class VersionManager:
         warm = [r for r in records if isinstance(r, ModelVersionRecord) and r.served_id == back]
         try:
             if warm:
-                await self.port.write_registry(warm)
+                await self.parts.registry.write(warm)
             late = await self._wait_ready(back)
             # What the registry holds now: an operator may have routed the name elsewhere meanwhile.
-            switch = [r for r in rollback(self.port.registry_state(), version.sid, why, by=f"worker {self.port.worker_id}")
+            switch = [r for r in rollback(self.parts.registry.state, version.sid, why, by=f"worker {self.parts.worker_id}")
                       if not (isinstance(r, ModelVersionRecord) and r.served_id == back)]  # fmt: skip
             if not any(isinstance(r, ModelRoute) and r.default_version == previous for r in switch):
                 log.warning("rollback of %s not switched: the route of %s changed meanwhile", version.sid, version.name)
                 self._reload_if_unhealthy(version)
                 return
-            await self.port.write_registry(switch)
+            await self.parts.registry.write(switch)
         except (KafkaError, OSError, TimeoutError) as exc:
             log.error("rollback of %s not written (%r): reloaded instead", version.sid, exc)
             self._reload_if_unhealthy(version)
             return
         note = f" ({late})" if late else f" ({back} ready here first)"
-        await self.port.emit(version.sid, "rolled_back", f"default of {version.name} back to {previous}{note}: {why}")
+        await self.parts.emit(version.sid, "rolled_back", f"default of {version.name} back to {previous}{note}: {why}")
 
     def _reload_if_unhealthy(self, version: Version) -> None:
         """A rollback that did not happen: the failing version is reloaded, like any departure."""
@@ -553,7 +558,7 @@ class VersionManager:
 
     def _set(self, version: Version, state: VersionState, reason: str | None) -> None:
         version.state, version.reason = state, reason
-        self.port.changed()
+        self.parts.changed()
 
     def _spawn(self, coro, fatal: bool = False) -> asyncio.Task:
         task = asyncio.create_task(coro)

@@ -1,5 +1,5 @@
 """The worker's staged rollback (services/worker/versions.py: VersionManager._roll_back), one handler
-with an in-memory port: the previous version wanted loaded first, the route switched only once it
+with in-memory parts (its registry and health events): the previous version wanted loaded first, the route switched only once it
 is ready here, or after WEIR_ROLLBACK_WARM_TIMEOUT_S anyway (the Kafka path: test_versions_kafka.py)."""
 
 from __future__ import annotations
@@ -7,34 +7,52 @@ from __future__ import annotations
 
 from schemas.messages import now_ms
 from schemas.model_repo import ModelConfig
-from schemas.registry import ModelRoute, ModelVersionRecord, RegistryState
+from schemas.registry import ModelManifest, ModelRoute, ModelVersionRecord, RegistryState
 from services.worker.config import WorkerSettings
-from services.worker.versions import Version, VersionManager
+from services.worker.versions import ManagerParts, Version, VersionManager
 from weir.models.manifest import pack
 from tests.waiting import stays_false, until
 
 
-class FakePort:
-    """Records what the manager writes and emits; the registry is a state the test sets."""
-
-    worker_id = "w1"
+class FakeRegistry:
+    """The manager's registry part: a state the test sets; what the manager writes, recorded."""
 
     def __init__(self, state: RegistryState) -> None:
         self.state = state
         self.writes: list[list] = []
+
+    async def seed_manifest(self, config: ModelConfig) -> ModelManifest:
+        raise AssertionError("nothing is seeded here: every version is registered")
+
+    async def write(self, records: list) -> None:
+        self.writes.append(records)
+
+
+class FakePort:
+    """The parts the manager is handed, in memory: the registry, and the health events it emits.
+    Nothing here opens an engine or a server (the versions are put in the states the test needs)."""
+
+    def __init__(self, state: RegistryState) -> None:
+        self.registry = FakeRegistry(state)
         self.events: list[tuple[str, str, str]] = []
 
-    async def write_registry(self, records: list) -> None:
-        self.writes.append(records)
+    @property
+    def state(self) -> RegistryState:
+        return self.registry.state
+
+    @property
+    def writes(self) -> list[list]:
+        return self.registry.writes
 
     async def emit(self, sid: str, event: str, detail: str) -> None:
         self.events.append((sid, event, detail))
 
-    def registry_state(self) -> RegistryState:
-        return self.state
+    def parts(self) -> ManagerParts:
+        async def no_engine(*_args: object) -> None:
+            raise AssertionError("no engine is opened here")
 
-    def changed(self) -> None:
-        pass
+        return ManagerParts(worker_id="w1", open_engine=no_engine, make_server=no_engine,  # type: ignore[arg-type]
+                            registry=self.registry, emit=self.emit, changed=lambda: None)  # fmt: skip
 
 
 def promoted_state() -> RegistryState:
@@ -54,7 +72,7 @@ async def manager(timeout_s: float) -> tuple[VersionManager, FakePort, Version]:
     async def estimate(_config: ModelConfig) -> int:
         return 0
 
-    versions = VersionManager(settings, port, budget_total=1, trusted_keys={}, estimate=estimate)  # type: ignore[arg-type]
+    versions = VersionManager(settings, port.parts(), budget_total=1, trusted_keys={}, estimate=estimate)
     failing = Version("echo@2", None, port.state.versions["echo@2"], state="unhealthy")
     versions.versions["echo@2"] = failing
     return versions, port, failing
