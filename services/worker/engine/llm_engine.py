@@ -436,7 +436,11 @@ class Engine:
     def _finish(self, seq: Sequence, reason, now_ms: int, error: ErrorInfo | None = None) -> EngineOutput:
         self.scheduler.remove(seq)
         self._seqs.pop(seq.request_id, None)
-        self._detok.pop(seq.request_id, None)
+        detok = self._detok.pop(seq.request_id, None)
+        if detok is not None and error is None and not seq.has_stop_string:
+            # what the detokenizer still holds (an incomplete UTF-8 character: U+FFFD) is output text:
+            # its tokens were generated and counted, so their text comes out with them
+            seq.append_text(detok.flush(seq.output_ids))
         self._matchers.pop(seq.request_id, None)
         self._json_ids.discard(seq.request_id)
         out = seq.final(reason, now_ms, error)
