@@ -121,9 +121,11 @@ async def test_a_reply_cut_inside_an_emoji_keeps_every_token_streamed_or_not(smo
                                                   logprobs=True, stream=True,
                                                   stream_options={"include_usage": True}))  # fmt: skip
         streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        streamed_entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+        streamed_entries = [e for c in chunks if c.choices and c.choices[0].logprobs
+                            for e in c.choices[0].logprobs.content]  # fmt: skip
         assert streamed == content
-        assert [(e.token, e.bytes, e.logprob) for e in streamed_entries] == [(e.token, e.bytes, e.logprob) for e in entries]
+        assert [(e.token, e.bytes, e.logprob) for e in streamed_entries] == [
+            (e.token, e.bytes, e.logprob) for e in entries]  # fmt: skip
         assert chunks[-1].usage.completion_tokens == max_tokens
         ids[whole.id] = ids[chunks[0].id] = max_tokens
     on_wire = await reply_events(smollm2, gateway_replies(smollm2), set(ids))
@@ -151,7 +153,8 @@ async def test_a_plain_kafka_client_reads_every_position_and_the_readme_reader_t
     assert text and text == raw.decode("utf-8", errors="replace")
     if shutil.which("jq") is None:
         pytest.skip("jq is not installed: the README's reader is not run")
-    records = await read_until(smollm2.bootstrap, [reply_to], lambda rs: any(decode_reply(r.value).type == "end" for r in rs))
+    records = await read_until(smollm2.bootstrap, [reply_to],
+                               lambda rs: any(decode_reply(r.value).type == "end" for r in rs))  # fmt: skip
     readme = (Path(__file__).parents[2] / "README.md").read_text()
     start = readme.index("      | jq -nj")
     jq = readme[start : readme.index("\n\n", start)].replace("      | ", "", 1)
@@ -164,7 +167,8 @@ async def test_a_plain_kafka_client_reads_every_position_and_the_readme_reader_t
 @pytest.mark.parametrize("parallel", [True, False])
 async def test_tool_choice_required_gives_the_generated_calls_once(smollm2: Pipeline, parallel: bool) -> None:
     api = client(smollm2)
-    ask = dict(model=MODEL, messages=[{"role": "user", "content": "What is the weather in Paris and the time in Tokyo?"}],
+    question = "What is the weather in Paris and the time in Tokyo?"
+    ask = dict(model=MODEL, messages=[{"role": "user", "content": question}],
                tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=parallel, temperature=0,
                max_tokens=120)  # fmt: skip
     whole = api.chat.completions.create(**ask)
