@@ -17,7 +17,7 @@ from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from schemas import openai_bodies
+from schemas import context_length, openai_bodies
 from schemas.messages import (
     MAX_EMBED_INPUTS,
     EmbedRequest,
@@ -59,6 +59,9 @@ RETRYABLE_REJECTIONS = frozenset(
 # parameters, which the request no longer tells apart, so it names none.
 PARAM_OF_REJECTION = {"invalid_logit_bias": "logit_bias", "suffix_unsupported": "suffix",
                       "invalid_regex": "structured_outputs.regex"}  # fmt: skip
+# A worker's rejection codes (the wire's) that OpenAI's clients know by another: a prompt the engine
+# counted past the context is OpenAI's context_length_exceeded, which clients match (schemas/context_length.py).
+HTTP_CODE_OF_REJECTION = {"prompt_too_long": "context_length_exceeded", "input_too_long": "context_length_exceeded"}
 
 
 class ApiError(Exception):
@@ -142,12 +145,9 @@ def to_generate_request(
         max_tokens = min(default, model.max_model_len)
     elif max_tokens > model.max_model_len:
         param = "max_completion_tokens" if kind == "chat.completions" and body.max_tokens is None else "max_tokens"
-        raise ApiError(
-            400,
-            f"{param}={max_tokens} exceeds the context length of {model.name} ({model.max_model_len} tokens)",
-            param=param,
-            code="context_length_exceeded",
-        )
+        word = "messages" if kind == "chat.completions" else "prompt"
+        message = context_length.completion_too_long(model.max_model_len, max_tokens, param, word)
+        raise ApiError(400, message, param=param, code="context_length_exceeded")
     timeouts = [t for t in (client_timeout_s, body.timeout_s) if t is not None]
     timeout_s = min([*timeouts, model.default_timeout_s, max_timeout_s])
     try:
@@ -293,6 +293,7 @@ def terminal_error(end: ReplyEnd) -> ApiError | None:
     if end.finish_reason == "rejected":
         status = 429 if code in RETRYABLE_REJECTIONS else 400
         param = PARAM_OF_REJECTION.get(code or "")
+        code = HTTP_CODE_OF_REJECTION.get(code or "", code)
         return ApiError(status, detail or "the request was rejected", code=code or "rejected", param=param)
     if end.finish_reason == "cancelled":
         return ApiError(503, detail or "the request was cancelled", code=code or "cancelled")

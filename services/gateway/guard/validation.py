@@ -14,6 +14,7 @@ import math
 
 from tokenizers import Tokenizer
 
+from schemas import context_length
 from schemas.messages import GenerateRequest
 from schemas.model_repo import ModelConfig
 from weir.home import served_model_dir
@@ -85,26 +86,26 @@ def check_request(
     if len(request.stop) > max_stop_sequences:
         raise ApiError(400, f"at most {max_stop_sequences} stop sequences are allowed, got {len(request.stop)}",
                        param="stop", code="invalid_value")  # fmt: skip
-    cap = model.max_model_len - 1  # at least one token must remain for the output
-    if max_input_tokens is not None:
-        cap = min(cap, max_input_tokens)
-    if prompt_tokens > cap:
-        raise ApiError(400, f"the prompt has {prompt_tokens} tokens; {model.name} accepts at most {cap}",
-                       param=prompt_param, code="context_length_exceeded")  # fmt: skip
-    room = model.max_model_len - prompt_tokens
-    if request.max_tokens <= room:
-        return request
     is_explicit = body.max_tokens is not None or (
         isinstance(body, ChatCompletionBody) and body.max_completion_tokens is not None
     )
+    # in OpenAI's and vLLM's words, which clients match (LiteLLM's context-window fallbacks)
+    if max_input_tokens is not None and max_input_tokens < model.max_model_len - 1 and prompt_tokens > max_input_tokens:
+        message = context_length.input_over_limit(model.max_model_len, max_input_tokens, prompt_tokens, prompt_param)
+        raise ApiError(400, message, param=prompt_param, code="context_length_exceeded")
+    if prompt_tokens > model.max_model_len - 1:  # at least one token must remain for the output
+        if is_explicit:
+            message = context_length.requested_too_much(model.max_model_len, prompt_tokens, request.max_tokens,
+                                                        prompt_param)  # fmt: skip
+        else:
+            message = context_length.prompt_too_long(model.max_model_len, prompt_tokens, prompt_param)
+        raise ApiError(400, message, param=prompt_param, code="context_length_exceeded")
+    room = model.max_model_len - prompt_tokens
+    if request.max_tokens <= room:
+        return request
     if not is_explicit:  # a default is fitted, not refused
         return request.model_copy(update={"max_tokens": room})
     is_completion_param = isinstance(body, ChatCompletionBody) and body.max_completion_tokens is not None
     param = "max_completion_tokens" if is_completion_param else "max_tokens"
-    raise ApiError(
-        400,
-        f"prompt ({prompt_tokens} tokens) + {param} ({request.max_tokens}) exceeds the context length of "
-        f"{model.name} ({model.max_model_len} tokens)",
-        param=param,
-        code="context_length_exceeded",
-    )
+    message = context_length.requested_too_much(model.max_model_len, prompt_tokens, request.max_tokens, prompt_param)
+    raise ApiError(400, message, param=param, code="context_length_exceeded")

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from schemas import context_length
 from schemas.messages import EmbedRequest, ErrorInfo, GenerateRequest, StructuredOutputs, TokenLogprob, TopLogprob
 from schemas.structured import UnsupportedSchema, check_structured, constraint_of
 from schemas.tools import tools_problem
@@ -148,11 +149,10 @@ class Engine:
         """Queue a request whose prompt is already tokenized (benchmarks, tests)."""
         if not prompt_ids:
             return _refused(request, now_ms, "rejected", "empty_prompt", "the prompt encodes to no tokens")
-        if len(prompt_ids) >= self.max_model_len:
-            return _refused(
-                request, now_ms, "rejected", "prompt_too_long",
-                f"prompt has {len(prompt_ids)} tokens; this model takes at most {self.max_model_len - 1}",
-            )  # fmt: skip
+        if len(prompt_ids) >= self.max_model_len:  # in OpenAI's words, which clients match (schemas/context_length.py)
+            word = "prompt" if request.prompt is not None else "messages"
+            message = context_length.prompt_too_long(self.max_model_len, len(prompt_ids), word)
+            return _refused(request, now_ms, "rejected", "prompt_too_long", message)
         if request.deadline_ms <= now_ms:
             return _refused(request, now_ms, "timeout", "deadline_exceeded", "deadline passed before the model ran")
         outside = [k for k in request.logit_bias or {} if int(k) >= self.model.args.vocab_size]
