@@ -6,7 +6,7 @@ outside clients reported in issue 35.
   topic holds positions 0..n-1 exactly, and so does a plain Kafka client's, whose README jq reader
   prints the text.
 - tool_choice "required" (item 12): the calls a client gets are the calls the worker generated
-  (its ReplyEnd on the wire), each once, streamed or not.
+  (its ReplyEnd on the wire), each once, streamed or not, also where the model repeats its call.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ warmup = ["Hello"]
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}  # fmt: skip
+NEWS = {"type": "function", "function": {"name": "get_news", "parameters": {"type": "object", "properties": {}}}}
 TIME = {"type": "function", "function": {
     "name": "get_time", "description": "The local time in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}  # fmt: skip
@@ -164,17 +165,22 @@ async def test_a_plain_kafka_client_reads_every_position_and_the_readme_reader_t
     assert done.stdout.decode() == text + "\n[length]\n"
 
 
-@pytest.mark.parametrize("parallel", [True, False])
-async def test_tool_choice_required_gives_the_generated_calls_once(smollm2: Pipeline, parallel: bool) -> None:
+@pytest.mark.parametrize(("question", "tools", "parallel"), [
+    ("What is the weather in Paris and the time in Tokyo?", [WEATHER, TIME], True),
+    ("What is the weather in Paris and the time in Tokyo?", [WEATHER, TIME], False),
+    ("Any news?", [NEWS], True),  # SmolLM2 repeats this call until told to stop (tests/worker/test_required_calls.py)
+])  # fmt: skip
+async def test_tool_choice_required_gives_the_generated_calls_once(
+    smollm2: Pipeline, question: str, tools: list, parallel: bool
+) -> None:
     api = client(smollm2)
-    question = "What is the weather in Paris and the time in Tokyo?"
-    ask = dict(model=MODEL, messages=[{"role": "user", "content": question}],
-               tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=parallel, temperature=0,
-               max_tokens=120)  # fmt: skip
+    ask = dict(model=MODEL, messages=[{"role": "user", "content": question}], tools=tools, tool_choice="required",
+               parallel_tool_calls=parallel, temperature=0, max_tokens=120)  # fmt: skip
     whole = api.chat.completions.create(**ask)
     calls = [(c.id, c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls or []]
     assert calls and whole.choices[0].finish_reason == "tool_calls" and whole.choices[0].message.content is None
-    assert len({c[0] for c in calls}) == len(calls)  # each call once
+    assert len({c[0] for c in calls}) == len(calls)  # each call once: its own id,
+    assert len({c[1:] for c in calls}) == len(calls)  # and no two alike
     if not parallel:
         assert len(calls) == 1
     chunks = list(api.chat.completions.create(**ask, stream=True))

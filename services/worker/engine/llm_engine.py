@@ -30,7 +30,7 @@ from schemas.messages import EmbedRequest, ErrorInfo, GenerateRequest, Structure
 from schemas.structured import UnsupportedSchema, check_structured, constraint_of
 from schemas.tools import tools_problem
 from services.worker.engine.chat_template import ChatTemplateError
-from services.worker.engine.grammar import GrammarError, Grammars, JsonCloser, StepMask, is_instance
+from services.worker.engine.grammar import CLOSE_BIAS, GrammarError, Grammars, JsonCloser, StepMask, is_instance
 from services.worker.engine.kv_cache import BlockManager, allocate_kv_caches, bytes_per_block
 from services.worker.engine.model import AttentionMetadata, CausalLM, load_model, weights_sha256
 from services.worker.engine.sampler import sample_batch
@@ -319,8 +319,7 @@ class Engine:
             self._step_mask = StepMask(self.model.args.vocab_size, self.config.max_num_seqs)
         assert self._closer is not None and self._closer.done()  # constrained sequences start once it is built
         step_mask, closer = self._step_mask, self._closer.result()
-        weights = [JsonCloser.weight(s.num_output_tokens, s.max_tokens) if s.request_id in self._json_ids else 0.0
-                   for s in seqs]  # fmt: skip
+        weights = [self._close_weight(s) for s in seqs]
         closing = [(r, s.output_ids, w) for r, (s, w) in enumerate(zip(seqs, weights, strict=True)) if w > 0]
 
         def mask(logits: torch.Tensor) -> None:
@@ -328,6 +327,17 @@ class Engine:
             closer.steer(logits, closing)
 
         return mask
+
+    def _close_weight(self, seq: Sequence) -> float:
+        """How hard a JSON-constrained row is steered to close (0: not): as it nears max_tokens
+        (JsonCloser.weight), and fully once its tool calls repeat a call it made (schemas/tools.py:
+        a small model under tool_choice required repeats its call until max_tokens; the array
+        closes instead, with the calls made once). Both are functions of the row's own tokens."""
+        if seq.request_id not in self._json_ids:
+            return 0.0
+        if seq.tool_parser is not None and seq.tool_parser.is_repeating:
+            return CLOSE_BIAS
+        return JsonCloser.weight(seq.num_output_tokens, seq.max_tokens)
 
     def _expire(self, now_ms: int) -> list[EngineOutput]:
         expired = [s for s in self._seqs.values() if s.request.deadline_ms <= now_ms]
