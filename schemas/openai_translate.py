@@ -22,6 +22,7 @@ from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from schemas import context_length
 from schemas.messages import (
     MAX_EMBED_INPUTS,
     EmbedRequest,
@@ -87,6 +88,22 @@ def default_max_tokens(kind: Kind, model: ModelConfig) -> int:
     return min(DEFAULT_MAX_TOKENS if kind == "chat.completions" else DEFAULT_COMPLETION_MAX_TOKENS, model.max_model_len)
 
 
+def prompt_word(body: Body) -> context_length.PromptWord:
+    """What a body's prompt is called in errors: a chat's `messages`, a completion's `prompt`."""
+    return "prompt" if isinstance(body, CompletionBody) else "messages"
+
+
+# A worker's rejection codes (the wire's) that OpenAI's clients know by another: a prompt the engine
+# counted past the context is OpenAI's context_length_exceeded, which clients match. The gateway's
+# answers and a batch's error lines both map through this.
+CLIENT_CODE_OF_REJECTION = {"prompt_too_long": "context_length_exceeded", "input_too_long": "context_length_exceeded"}
+
+
+def client_code(code: str | None) -> str | None:
+    """The code a client is given for a worker's rejection `code`."""
+    return CLIENT_CODE_OF_REJECTION.get(code or "", code)
+
+
 def max_tokens_param(body: Body) -> str:
     """The parameter a body set its max_tokens with (for errors)."""
     return "max_completion_tokens" if isinstance(body, ChatCompletionBody) and body.max_tokens is None else "max_tokens"
@@ -102,8 +119,8 @@ def to_generate_request(kind: Kind, body: Body, model: ModelConfig, routing: Rou
         max_tokens = default_max_tokens(kind, model)
     elif max_tokens > model.max_model_len:
         param = max_tokens_param(body)
-        raise BodyError(f"{param}={max_tokens} exceeds the context length of {model.name} ({model.max_model_len} "
-                        "tokens)", param=param, code="context_length_exceeded")  # fmt: skip
+        message = context_length.completion_too_long(model.max_model_len, max_tokens, param, prompt_word(body))
+        raise BodyError(message, param=param, code="context_length_exceeded")
     constraints = {**body.structured_fields(), **body.tool_fields()}
     try:
         return GenerateRequest(
@@ -179,22 +196,27 @@ def check_context(body: Body, request: GenerateRequest, model: ModelConfig, prom
     if isinstance(prompt_tokens, list):
         return max(check_context(body, request, model, n, max_input_tokens=max_input_tokens,
                                  max_stop_sequences=max_stop_sequences) for n in prompt_tokens)  # fmt: skip
-    prompt_param = "prompt" if isinstance(body, CompletionBody) else "messages"
+    prompt_param = prompt_word(body)
     if len(request.stop) > max_stop_sequences:
         raise BodyError(f"at most {max_stop_sequences} stop sequences are allowed, got {len(request.stop)}",
                         param="stop", code="invalid_value")  # fmt: skip
-    cap = model.max_model_len - 1  # at least one token must remain for the output
-    if max_input_tokens is not None:
-        cap = min(cap, max_input_tokens)
-    if prompt_tokens > cap:
-        raise BodyError(f"the prompt has {prompt_tokens} tokens; {model.name} accepts at most {cap}",
-                        param=prompt_param, code="context_length_exceeded")  # fmt: skip
+    # The refusals in OpenAI's and vLLM's words, which clients match (schemas/context_length.py).
+    if max_input_tokens is not None and max_input_tokens < model.max_model_len - 1 and prompt_tokens > max_input_tokens:
+        message = context_length.input_over_limit(model.max_model_len, max_input_tokens, prompt_tokens, prompt_param)
+        raise BodyError(message, param=prompt_param, code="context_length_exceeded")
+    is_explicit = body.max_new_tokens is not None
+    if prompt_tokens > model.max_model_len - 1:  # at least one token must remain for the output
+        if is_explicit:
+            message = context_length.requested_too_much(model.max_model_len, prompt_tokens, request.max_tokens,
+                                                        prompt_param)  # fmt: skip
+        else:
+            message = context_length.prompt_too_long(model.max_model_len, prompt_tokens, prompt_param)
+        raise BodyError(message, param=prompt_param, code="context_length_exceeded")
     room = model.max_model_len - prompt_tokens
-    if request.max_tokens > room and body.max_new_tokens is not None:  # a default is fitted, not refused
-        param = max_tokens_param(body)
-        raise BodyError(f"prompt ({prompt_tokens} tokens) + {param} ({request.max_tokens}) exceeds the context "
-                        f"length of {model.name} ({model.max_model_len} tokens)", param=param,
-                        code="context_length_exceeded")  # fmt: skip
+    if request.max_tokens > room and is_explicit:  # a default is fitted, not refused
+        message = context_length.requested_too_much(model.max_model_len, prompt_tokens, request.max_tokens,
+                                                    prompt_param)  # fmt: skip
+        raise BodyError(message, param=max_tokens_param(body), code="context_length_exceeded")
     return prompt_tokens + min(request.max_tokens, room)
 
 

@@ -15,7 +15,11 @@ What the output is, by `tool_choice` (tools given; `none` parses nothing):
   when parallel_tool_calls is false). Each call is published, complete, when its object closes.
   Never text: the constraint's text is no answer of its own. An array cut short (max_tokens, a
   stop string) ends with the calls it closed; its unfinished rest is dropped (finish_reason
-  `length` tells the client it was cut).
+  `length` tells the client it was cut). A call identical to one the array already made (the same
+  function with equal arguments) is not a call: a small model under the array grammar repeats
+  its call until max_tokens (SmolLM2 with a function without parameters: `[{"name": "get_news",
+  "arguments": {}}, {"name": "get_news", ...`). It is dropped, and the parser says `is_repeating`,
+  on which the engine steers the array to close (services/worker/engine/llm_engine.py).
 - `auto` (or unset): the model's own format, parsed from its text. Supported:
   * Hermes (Qwen 2.5+, Hermes 2/3, and Weir's fallback prompt for templates without tools):
     `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number, among text. Text
@@ -189,6 +193,7 @@ class ToolCallParser(abc.ABC):
         self.request_id = request_id
         self.functions = functions
         self.calls: list[ToolCall] = []
+        self.is_repeating = False  # the output repeated a call it made (CallListParser): it should end
 
     @abc.abstractmethod
     def feed(self, text: str) -> Parsed:
@@ -299,6 +304,7 @@ class CallListParser(ToolCallParser):
         self._object_start = 0
         self._closed = False  # the array's ] was read
         self._is_lost = False  # the output stopped fitting: the rest is no call
+        self._made: set[tuple[str, str]] = set()  # (name, arguments as canonical JSON) of the calls made
 
     def feed(self, text: str) -> Parsed:
         parsed = Parsed()
@@ -340,7 +346,12 @@ class CallListParser(ToolCallParser):
             call = self._as_call(self._pending[self._object_start :], frozenset({"name", "arguments"}))
             if call is None:
                 return False
-            parsed.calls.append(self._complete(*call))
+            key = (call[0], json.dumps(json.loads(call[1]), sort_keys=True))  # argument order aside
+            if key in self._made:
+                self.is_repeating = True  # the same call again: the model repeats itself, no new call
+            else:
+                self._made.add(key)
+                parsed.calls.append(self._complete(*call))
             self._pending = ""
         return True
 

@@ -54,6 +54,7 @@ from schemas.openai_translate import (
     Routing,
     Unrankable,
     choices_usage,
+    client_code,
     embedding_body,
     response_body,
     to_requests,
@@ -321,6 +322,7 @@ class JobResults:
             else:
                 end = next(end for end in ends if end.finish_reason not in ("stop", "length"))
                 info = end.error.model_dump(mode="json") if end.error else {"code": end.finish_reason, "message": end.finish_reason}
+                info["code"] = client_code(info.get("code"))  # as the gateway answers it online
                 status = {"timeout": 408, "rejected": 400, "cancelled": 499}.get(end.finish_reason, 500)
                 errors.append(_error_line(line, status, {"error": {**info, "type": "invalid_request_error" if status < 500 else "server_error"}}))
         return _jsonl(out), _jsonl(errors)

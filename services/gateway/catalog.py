@@ -166,6 +166,16 @@ class Catalog:
                 if state.resolve(sid)[0] is not None and may_use(sid)]  # fmt: skip
         return {"object": "list", "data": data}
 
+    def model(self, model_id: str, created_s: int, may_use: Callable[[str], bool]) -> dict[str, Any]:
+        """GET /v1/models/{model}: the entry of listing() with that id, the same object; 404
+        (model_not_found, in OpenAI's words) for an id it does not list: unknown, not ready, or one
+        the caller may not use (a key limited to some models does not learn of the others)."""
+        found = next((m for m in self.listing(created_s, may_use)["data"] if m["id"] == model_id), None)
+        if found is None:
+            raise ApiError(404, f"The model '{model_id[:200]}' does not exist or you do not have access to it.",
+                           param="model", code="model_not_found")  # fmt: skip
+        return found
+
     def _model_object(self, ref: str, sid: str, created_s: int) -> dict[str, Any]:
         record = self.state.versions.get(sid)
         return {

@@ -206,6 +206,7 @@ def terminal_error(end: ReplyEnd) -> ApiError | None:
     if end.finish_reason == "rejected":
         status = 429 if code in RETRYABLE_REJECTIONS else 400
         param = PARAM_OF_REJECTION.get(code or "")
+        code = translate.client_code(code)  # a worker's prompt_too_long is context_length_exceeded
         return ApiError(status, detail or "the request was rejected", code=code or "rejected", param=param)
     if end.finish_reason == "cancelled":
         return ApiError(503, detail or "the request was cancelled", code=code or "cancelled")

@@ -175,8 +175,9 @@ _ERRORS: dict[int, str] = {
          "(prompt_injection_detected).",
     401: "Missing, invalid, revoked or expired API key or JWT.",
     403: "The credential may not use this model.",
-    404: "Unknown model, or a version of it (name@version) that is not registered or is retired; or (GET "
-         "/v1/streams) no resumable stream of the caller with that id on this instance.",
+    404: "Unknown model, or a version of it (name@version) that is not registered or is retired; (GET "
+         "/v1/models/{model_id}) a model that is not ready or the caller may not use; or (GET /v1/streams) no "
+         "resumable stream of the caller with that id on this instance.",
     413: "Body larger than WEIR_MAX_BODY_BYTES.",
     431: "More headers than WEIR_MAX_HEADERS, or more bytes of them than WEIR_MAX_HEADER_BYTES.",
     429: "Rate limit (per key or tenant), full in-flight lane, overloaded workers, a queue longer than the "
@@ -199,7 +200,8 @@ _ADMIN_ERRORS: dict[int, str] = {
     431: "More headers than WEIR_MAX_HEADERS, or more bytes of them than WEIR_MAX_HEADER_BYTES.",
 }
 
-_STATUSES: dict[str, list[int]] = {"/v1/models": [401, 431], "/v1/streams/{request_id}": [400, 401, 404, 431]}
+_STATUSES: dict[str, list[int]] = {"/v1/models": [401, 431], "/v1/models/{model_id}": [401, 404, 431],
+                                   "/v1/streams/{request_id}": [400, 401, 404, 431]}  # fmt: skip
 
 _SSE = "An SSE stream (stream=true): `id: <seq>` and `data: <chunk JSON>` events, ending with `data: [DONE]`."
 
@@ -328,6 +330,12 @@ def _operations() -> dict[tuple[str, str], dict[str, Any]]:
         ("get", "/v1/models"): {
             "summary": "Models the caller may use",
             "responses": {"200": _json_ok("ModelList", "OpenAI's model list.")},
+        },
+        ("get", "/v1/models/{model_id}"): {
+            "summary": "One model the caller may use",
+            "parameters": [{"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"},
+                            "description": "An id GET /v1/models lists: a name or name@version."}],
+            "responses": {"200": _json_ok("ModelObject", "The model, the object GET /v1/models lists for it.")},
         },
         ("get", "/healthz"): {
             "summary": "Liveness", "security": [],

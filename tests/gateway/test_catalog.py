@@ -132,6 +132,27 @@ def test_a_key_sees_and_uses_only_the_versions_its_allowlist_names(state: Regist
     assert [m["id"] for m in catalog.listing(0, pinned.may_use)["data"]] == ["echo", "echo@2"]
 
 
+def test_a_model_is_retrieved_as_listed_and_what_the_caller_cannot_see_is_a_404(state: RegistryState) -> None:
+    fleet = Fleet()
+    fleet.observe(beat("w1", {"echo@1": VersionStatus(state="ready"), "echo@2": VersionStatus(state="ready"),
+                              "other@7": VersionStatus(state="ready")}))
+    catalog = Catalog(state, fleet)
+    pinned = Identity("bob", "acme", "key:b", models=frozenset({"echo@2"}))
+    for model in catalog.listing(0, lambda _: True)["data"]:
+        assert catalog.model(model["id"], 0, lambda _: True) == model  # the list's own object
+    assert catalog.model("echo@2", 0, pinned.may_use)["id"] == "echo@2"
+    # not bob's (echo is served by echo@1; other), unknown, retired, not ready: all the same 404
+    fleet.observe(beat("w1", {"echo@1": VersionStatus(state="ready"), "echo@2": VersionStatus(state="ready"),
+                              "other@7": VersionStatus(state="loading")}))
+    for ref, may_use in [("echo", pinned.may_use), ("echo@1", pinned.may_use), ("other", lambda _: True),
+                         ("nope", lambda _: True), ("echo@0", lambda _: True), ("echo@9", lambda _: True),
+                         ("org/model", lambda _: True)]:  # fmt: skip
+        with pytest.raises(ApiError) as missing:
+            catalog.model(ref, 0, may_use)
+        assert (missing.value.status, missing.value.code, missing.value.param) == (404, "model_not_found", "model")
+        assert missing.value.message == f"The model '{ref}' does not exist or you do not have access to it."
+
+
 def test_the_index_shows_every_version_with_the_best_state_a_live_worker_reports(state: RegistryState) -> None:
     fleet = Fleet()
     fleet.observe(beat("w1", {"echo@2": VersionStatus(state="failed", reason="sha256 of model.safetensors")}))

@@ -153,6 +153,26 @@ async def test_a_model_the_key_may_not_use_is_permission_denied(guarded: Guarded
     await client(guarded.a, pinned).chat.completions.create(model="echo@1", messages=HELLO)
 
 
+async def test_models_retrieve_gives_the_listed_object_and_404_for_what_the_key_cannot_see(guarded: Guarded) -> None:
+    """GET /v1/models/{model} as the official client's models.retrieve reads it (issue 35, item 4)."""
+    whole = client(guarded.a, await guarded.key("gina", "acme"))
+    listed = {m.id: m for m in (await whole.models.list()).data}
+    assert {"echo", "echo@1"} <= set(listed)  # the fake worker: echo@1 ready
+    for model_id in ("echo", "echo@1"):
+        retrieved = await whole.models.retrieve(model_id)
+        assert retrieved == listed[model_id] and retrieved.object == "model" and retrieved.owned_by == "weir"
+    pinned = client(guarded.b, await guarded.key("hank", "acme", models=["weir-tiny-py"]))
+    for llm, model_id in [(pinned, "echo"), (pinned, "echo@1"), (whole, "weir-tiny-py"), (whole, "no-such-model"),
+                          (whole, "org/no-such-model")]:  # fmt: skip
+        with pytest.raises(openai.NotFoundError) as missing:  # another key's model looks like no model at all
+            await llm.models.retrieve(model_id)
+        assert missing.value.code == "model_not_found" and missing.value.param == "model"
+        assert missing.value.body["type"] == "invalid_request_error"  # type: ignore[index]
+        assert missing.value.message.endswith(f"The model '{model_id}' does not exist or you do not have access to it.")
+    async with httpx.AsyncClient(base_url=guarded.a.base_url) as http:
+        assert (await http.get("/v1/models/echo")).status_code == 401  # credentials first, as for the list
+
+
 async def test_a_burst_past_rpm_is_a_rate_limit_error_with_retry_after(guarded: Guarded) -> None:
     key = await guarded.key("dave", "acme", max_requests_per_min=3)
     for _ in range(3):

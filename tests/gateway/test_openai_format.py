@@ -153,6 +153,18 @@ def test_terminal_errors_map_to_statuses(reason: str, code: str | None, status: 
     assert terminal_error(ReplyEnd(request_id="r", seq=0, finish_reason="stop")) is None
 
 
+@pytest.mark.parametrize("code", ["prompt_too_long", "input_too_long"])
+def test_a_workers_context_length_refusal_is_openais_context_length_exceeded(code: str) -> None:
+    """The worker counts the prompt as its template renders it, so it may refuse what the gateway's
+    count let through: the client gets OpenAI's code with the worker's words (issue 35, item 5)."""
+    message = "This model's maximum context length is 2048 tokens. However, your messages resulted in 2050 tokens."
+    end = ReplyEnd(request_id="r", seq=0, finish_reason="rejected", error=ErrorInfo(code=code, message=message))
+    api_error = terminal_error(end)
+    assert api_error is not None and api_error.status == 400
+    assert api_error.body()["error"] == {"message": message, "type": "invalid_request_error", "param": None,
+                                         "code": "context_length_exceeded"}  # fmt: skip
+
+
 @pytest.mark.parametrize(("code", "param"), [("invalid_regex", "structured_outputs.regex"), ("invalid_logit_bias", "logit_bias"),
                                              ("invalid_schema", None)])  # fmt: skip
 def test_a_workers_rejection_names_the_parameter_where_only_one_can_be_at_fault(code: str, param: str | None) -> None:

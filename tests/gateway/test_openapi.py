@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -34,8 +35,8 @@ from .fakes import FakeWorker, GatewayServer
 REPO_TOML = Path(__file__).resolve().parents[2] / "models.toml"
 SECRET = b"openapi-test-secret-0123456789abcdef"
 JWKS = {"keys": [{"kty": "oct", "k": "b3BlbmFwaS10ZXN0LXNlY3JldC0wMTIzNDU2Nzg5YWJjZGVm", "kid": "t", "alg": "HS256"}]}
-FUZZED = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/streams/{request_id}", "/healthz", "/readyz",
-          "/metrics"}  # fmt: skip
+FUZZED = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model_id}", "/v1/streams/{request_id}",
+          "/healthz", "/readyz", "/metrics"}  # fmt: skip
 
 
 def settings(**extra: Any) -> GatewaySettings:
@@ -49,7 +50,8 @@ def document(**extra: Any) -> dict[str, Any]:
 def test_every_http_route_is_documented_with_auth_and_errors() -> None:
     app = create_app(settings(jwt_keys=orjson.dumps(JWKS).decode()))
     doc = app.openapi()
-    routes = {(m.lower(), r.path) for r in app.routes if hasattr(r, "methods") and r.include_in_schema  # type: ignore[attr-defined]
+    routes = {(m.lower(), re.sub(r":\w+}", "}", r.path))  # {model_id:path} is documented as {model_id}
+              for r in app.routes if hasattr(r, "methods") and r.include_in_schema  # type: ignore[attr-defined]
               for m in r.methods if m != "HEAD"}  # type: ignore[attr-defined]  # fmt: skip
     documented = {(method, path) for path, item in doc["paths"].items() for method in item}
     assert routes <= documented
@@ -65,6 +67,7 @@ def test_every_http_route_is_documented_with_auth_and_errors() -> None:
     assert "retry-after" in chat["responses"]["429"]["headers"]
     assert doc["paths"]["/healthz"]["get"]["security"] == []
     assert set(doc["paths"]["/v1/models"]["get"]["responses"]) == {"200", "401", "431"}
+    assert set(doc["paths"]["/v1/models/{model_id}"]["get"]["responses"]) == {"200", "401", "404", "431"}
     error = doc["components"]["schemas"]["ErrorObject"]
     assert set(error["required"]) == {"message", "type", "param", "code"}
 
@@ -173,5 +176,6 @@ def test_the_gateway_conforms_to_its_openapi_document(live_gateway: ThreadedGate
             case.validate_response(response, checks=checks)
 
         call()
-    assert {"POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models", "GET /metrics"} <= set(seen)
+    assert {"POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models", "GET /v1/models/{model_id}",
+            "GET /metrics"} <= set(seen)  # fmt: skip
     assert 200 in seen["POST /v1/chat/completions"] and 400 in seen["POST /v1/chat/completions"]

@@ -79,6 +79,45 @@ def test_prompt_plus_max_tokens_must_fit_and_a_default_is_fitted(word_model: Mod
     assert check_request(explicit, request, word_model, 5, max_input_tokens=None, max_stop_sequences=4) == 5 + 16
 
 
+# What LiteLLM matches to raise ContextWindowExceededError, the error its context-window fallbacks act on
+# (litellm_core_utils/exception_mapping_utils.py); other clients look for "maximum context length".
+LITELLM_CONTEXT_WINDOW = "This model's maximum context length is"
+
+
+def test_context_length_refusals_are_in_openais_words(word_model: ModelConfig) -> None:
+    """Issue 35, item 5: OpenAI's and vLLM's sentence, with the numbers of the request."""
+    chat = b'{"model": "words", "messages": [{"role": "user", "content": "x"}], "max_tokens": 20}'
+    body, request = request_of("chat.completions", chat, word_model)
+    with pytest.raises(ApiError) as both:  # prompt + max_tokens over the context
+        check_request(body, request, word_model, 20, max_input_tokens=None, max_stop_sequences=4)
+    assert both.value.message == (
+        "This model's maximum context length is 32 tokens. However, you requested 40 tokens (20 in the messages, "
+        "20 in the completion). Please reduce the length of the messages or completion.")  # fmt: skip
+    with pytest.raises(ApiError) as prompt_too:  # the prompt alone, with an explicit max_tokens
+        check_request(body, request, word_model, 5005, max_input_tokens=None, max_stop_sequences=4)
+    assert prompt_too.value.message == (
+        "This model's maximum context length is 32 tokens. However, you requested 5025 tokens (5005 in the "
+        "messages, 20 in the completion). Please reduce the length of the messages or completion.")  # fmt: skip
+    assert prompt_too.value.param == "messages"
+    completion, request = request_of("completions", b'{"model": "words", "prompt": "x"}', word_model)
+    with pytest.raises(ApiError) as alone:  # the prompt alone, max_tokens defaulted: no completion was asked
+        check_request(completion, request, word_model, 5005, max_input_tokens=None, max_stop_sequences=4)
+    assert alone.value.message == (
+        "This model's maximum context length is 32 tokens. However, your prompt resulted in 5005 tokens, which "
+        "leaves no room for the completion. Please reduce the length of the prompt.")  # fmt: skip
+    with pytest.raises(ApiError) as capped:  # a deployment's WEIR_MAX_INPUT_TOKENS below the context
+        check_request(completion, request, word_model, 10, max_input_tokens=5, max_stop_sequences=4)
+    assert capped.value.message.startswith("This model's maximum context length is 32 tokens, and this deployment "
+                                           "accepts at most 5 tokens of prompt (WEIR_MAX_INPUT_TOKENS).")  # fmt: skip
+    with pytest.raises(ApiError) as huge:  # max_tokens past the context, refused before the prompt is counted
+        request_of("chat.completions", b'{"model": "words", "messages": [{"role": "user", "content": "x"}], '
+                   b'"max_completion_tokens": 40}', word_model)  # fmt: skip
+    assert huge.value.param == "max_completion_tokens"
+    assert "you requested 40 tokens in the completion alone (max_completion_tokens)" in huge.value.message
+    for error in (both, prompt_too, alone, capped, huge):
+        assert error.value.message.startswith(LITELLM_CONTEXT_WINDOW) and error.value.code == "context_length_exceeded"
+
+
 def test_too_many_stop_sequences_name_stop() -> None:
     body, request = request_of("completions", b'{"model": "echo", "prompt": "x", "stop": ["a", "b", "c"]}', ECHO)
     with pytest.raises(ApiError) as error:

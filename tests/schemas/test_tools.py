@@ -150,6 +150,25 @@ def test_required_cut_short_drops_the_unfinished_rest():
     assert parse_all_ways(req, unfit) == ("", [])  # nothing after what does not fit is read as a call either
 
 
+def test_required_publishes_a_repeated_call_once_and_says_the_output_repeats():
+    """A small model under the array grammar repeats its call (issue 35, item 12): a call equal to
+    one already made (arguments compared as JSON, key order aside) is no new call."""
+    req = request(tool_choice="required")
+    weather = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    output = f'[{weather}, {{"name": "now", "arguments": {{}}}}, {weather}, {{"arguments": {{}}, "name": "now"}}]'
+    assert parse_all_ways(req, output) == ("", [("get_weather", '{"city":"Paris"}'), ("now", "{}")])
+    parser = tool_parser(req)
+    assert parser is not None and not parser.is_repeating
+    parsed = parser.feed(f"[{weather}, {weather[:-1]}")
+    assert [c.index for c in parsed.calls] == [0] and not parser.is_repeating
+    assert parser.feed("}").calls == [] and parser.is_repeating  # the second object closed: the same call
+    other = parse_all_ways(req, '[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                                '{"name": "get_weather", "arguments": {"city": "Lyon"}}]')  # fmt: skip
+    assert other == ("", [("get_weather", '{"city":"Paris"}'), ("get_weather", '{"city":"Lyon"}')])  # not a repeat
+    ids = [c.id for c in tool_parser(req).finish(output).calls]
+    assert ids == [call_id("req-1", 0), call_id("req-1", 1)]  # indexes count the calls made, not the objects
+
+
 def test_parameters_must_be_an_object_schema():
     string = ToolDef(function=ToolFunction(name="f", parameters={"type": "string"}))
     assert tools_problem(TOOLS) is None and tools_problem(None) is None

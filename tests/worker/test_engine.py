@@ -115,8 +115,13 @@ def test_stop_string_cuts_output(llama_dir):
 
 def test_refusals_cancel_and_timeout(llama_dir):
     engine = Engine(llama_dir, EngineConfig(max_model_len=32, kv_cache_bytes=4 << 20))
-    too_long = engine.add(make_request("def add(a, b): return a + b " * 20), 0)
+    prompt = "def add(a, b): return a + b " * 20
+    too_long = engine.add(make_request(prompt), 0)
     assert too_long.finish_reason == "rejected" and too_long.error.code == "prompt_too_long"
+    num_tokens = len(engine.tokenizer.encode(prompt))
+    assert too_long.error.message == (  # OpenAI's words, which clients match (LiteLLM's context-window fallbacks)
+        f"This model's maximum context length is 32 tokens. However, your prompt resulted in {num_tokens} tokens, "
+        "which leaves no room for the completion. Please reduce the length of the prompt.")  # fmt: skip
     expired = engine.add(make_request("x", deadline_ms=5), 10)
     assert expired.finish_reason == "timeout"
     running = make_request("x", max_tokens=20, deadline_ms=1_000)

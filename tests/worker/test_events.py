@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from schemas.codec import encode
 from schemas.fingerprint import key_id, keyed_hmac
-from schemas.messages import ErrorInfo, ReplyDelta, ReplyEnd, StructuredOutputs
+from schemas.messages import ErrorInfo, ReplyDelta, ReplyEnd, StructuredOutputs, TokenLogprob
 from services.worker.kafka.events import audit_event, model_version, params_sha256, reply_events, shadow_live
 
 from .factories import T0_MS, make_embed_request, make_model_config, make_output, make_request
@@ -56,9 +56,21 @@ def test_text_only_the_end_released_is_a_tail_position_and_the_end_follows_it() 
     out = make_output(request.request_id, 6, text="\n", finish_reason="stop", completion_tokens=6)
     delta, end = reply_events(request, "b1", out, "tiny@3")
     assert (delta.seq, delta.count, delta.token_ids, delta.text, end.seq) == (6, 1, [], "\n", 7)
-    # tokens that released nothing at the end are not sent: the end follows the last delta
-    [end] = reply_events(request, "b1", make_output(request.request_id, 6, token_ids=[5, 5], finish_reason="length"), "tiny@3")
-    assert end.seq == 6
+
+
+
+def test_the_tokens_of_a_final_output_without_text_keep_their_positions_and_logprobs() -> None:
+    # the tokens that made a stop string have no text (the stop string is cut), yet they were
+    # generated and counted: each keeps its position and its logprob entry
+    request = make_request(model="tiny", logprobs=0)
+    entries = [TokenLogprob(token_id=5, token="\ufffd", bytes=[0xF0, 0x9F], logprob=-0.5),
+               TokenLogprob(token_id=6, token="\ufffd", bytes=[0x98], logprob=-0.25)]  # fmt: skip
+    out = make_output(request.request_id, 6, token_ids=[5, 6], finish_reason="stop", completion_tokens=8,
+                      logprobs=entries)  # fmt: skip
+    delta, end = reply_events(request, "b1", out, "tiny@3")
+    assert isinstance(delta, ReplyDelta) and isinstance(end, ReplyEnd)
+    assert (delta.seq, delta.count, delta.texts, delta.token_ids, delta.logprobs) == (6, 2, ["", ""], [5, 6], entries)
+    assert end.seq == 8 == end.usage.completion_tokens
 
 
 def test_a_final_output_without_text_is_the_end_alone_with_its_error_or_vectors() -> None:

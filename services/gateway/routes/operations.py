@@ -1,4 +1,5 @@
-"""What operators and clients ask of the gateway itself: GET /v1/models, /healthz, /readyz, /metrics."""
+"""What operators and clients ask of the gateway itself: GET /v1/models (and /v1/models/{model}), /healthz,
+/readyz, /metrics."""
 
 from __future__ import annotations
 
@@ -22,13 +23,19 @@ def add_metrics_routes(router: APIRouter, gateway_metrics: GatewayMetrics) -> No
 
 
 def add_operation_routes(router: APIRouter, parts: GatewayParts) -> None:
-    """Add GET /v1/models (what is ready and the caller may use), /healthz (the process is up) and
-    /readyz (it can serve) to `router` (the app's)."""
+    """Add GET /v1/models (what is ready and the caller may use), GET /v1/models/{model} (one of
+    them, as OpenAI's models.retrieve reads it), /healthz (the process is up) and /readyz (it can
+    serve) to `router` (the app's)."""
 
     @router.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
         identity = parts.guard.authenticate(dict(request.headers))
         return JSONResponse(parts.catalog.listing(parts.started_s, identity.may_use))
+
+    @router.get("/v1/models/{model_id:path}")  # `path`: an id may hold a slash, as OpenAI's fine-tunes' do
+    async def model(model_id: str, request: Request) -> JSONResponse:
+        identity = parts.guard.authenticate(dict(request.headers))
+        return JSONResponse(parts.catalog.model(model_id, parts.started_s, identity.may_use))
 
     @router.get("/healthz")
     async def healthz() -> JSONResponse:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import time
 
+from schemas import context_length
 from schemas.messages import EmbedRequest, ErrorInfo, GenerateRequest
 from schemas.structured import constraint_of
 from services.worker.engine.sequence import EngineOutput
@@ -62,7 +63,9 @@ class EchoEngine:
         text = request.prompt if request.prompt is not None else "\n".join(m.content for m in request.messages or [])
         echo = _Echo(request, text, now_ms)
         if len(echo.pieces) >= self.max_model_len:
-            info = ErrorInfo(code="prompt_too_long", message=f"prompt has {len(echo.pieces)} tokens; max {self.max_model_len - 1}")
+            word = "prompt" if request.prompt is not None else "messages"
+            message = context_length.prompt_too_long(self.max_model_len, len(echo.pieces), word)
+            info = ErrorInfo(code="prompt_too_long", message=message)
             return EngineOutput(request.request_id, 0, finish_reason="rejected", error=info, received_ms=now_ms, finished_ms=now_ms)
         if request.deadline_ms <= now_ms:
             info = ErrorInfo(code="deadline_exceeded", message="deadline passed before the model ran")

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from schemas import context_length
 from schemas.messages import EmbedRequest, ErrorInfo, FinishReason, GenerateRequest
 from services.worker.engine.sequence import EngineOutput
 from weir.embedding.embedder import DEFAULT_MAX_BATCH_FRAGMENTS, SentenceEmbedder, as_json_floats, pool
@@ -100,7 +101,7 @@ class EmbeddingEngine:
             fragments = self.embedder.fragment(ids)  # each with [CLS] and [SEP]
             num_tokens = sum(len(fragment) for fragment in fragments)
             if num_tokens > self.max_model_len:
-                message = f"input {index} has {num_tokens} tokens; this model takes at most {self.max_model_len}"
+                message = context_length.input_too_long(self.max_model_len, index, num_tokens)
                 return _refused(rid, now_ms, "rejected", "input_too_long", message)
             job.pending.extend((index, fragment) for fragment in fragments)
             job.total_tokens += num_tokens

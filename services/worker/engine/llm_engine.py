@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from schemas import context_length
 from schemas.messages import (
     EmbedRequest,
     ErrorInfo,
@@ -37,7 +38,7 @@ from schemas.messages import (
 from schemas.structured import UnsupportedSchema, check_structured, constraint_of
 from schemas.tools import tools_problem
 from services.worker.engine.chat_template import ChatTemplateError
-from services.worker.engine.grammar import GrammarError, Grammars, JsonCloser, StepMask, is_instance
+from services.worker.engine.grammar import CLOSE_BIAS, GrammarError, Grammars, JsonCloser, StepMask, is_instance
 from services.worker.engine.kv_cache import BlockManager, allocate_kv_caches, bytes_per_block
 from services.worker.engine.model import AttentionMetadata, CausalLM, load_model, weights_sha256
 from services.worker.engine.sampler import sample_batch
@@ -164,11 +165,10 @@ class Engine:
         """Queue a request whose prompt is already tokenized (benchmarks, tests)."""
         if not prompt_ids:
             return _refused(request, now_ms, "rejected", "empty_prompt", "the prompt encodes to no tokens")
-        if len(prompt_ids) >= self.max_model_len:
-            return _refused(
-                request, now_ms, "rejected", "prompt_too_long",
-                f"prompt has {len(prompt_ids)} tokens; this model takes at most {self.max_model_len - 1}",
-            )  # fmt: skip
+        if len(prompt_ids) >= self.max_model_len:  # in OpenAI's words, which clients match (schemas/context_length.py)
+            word = "prompt" if request.prompt is not None else "messages"
+            message = context_length.prompt_too_long(self.max_model_len, len(prompt_ids), word)
+            return _refused(request, now_ms, "rejected", "prompt_too_long", message)
         if request.deadline_ms <= now_ms:
             return _refused(request, now_ms, "timeout", "deadline_exceeded", "deadline passed before the model ran")
         outside = [k for k in request.logit_bias or {} if int(k) >= self.model.args.vocab_size]
@@ -362,8 +362,7 @@ class Engine:
             self._step_mask = StepMask(self.model.args.vocab_size, self.config.max_num_seqs)
         assert self._closer is not None and self._closer.done()  # constrained sequences start once it is built
         step_mask, closer = self._step_mask, self._closer.result()
-        weights = [JsonCloser.weight(s.num_output_tokens, s.max_tokens) if s.request_id in self._json_ids else 0.0
-                   for s in seqs]  # fmt: skip
+        weights = [self._close_weight(s) for s in seqs]
         closing = [(r, s.output_ids, w) for r, (s, w) in enumerate(zip(seqs, weights, strict=True)) if w > 0]
 
         def mask(logits: torch.Tensor) -> None:
@@ -371,6 +370,17 @@ class Engine:
             closer.steer(logits, closing)
 
         return mask
+
+    def _close_weight(self, seq: Sequence) -> float:
+        """How hard a JSON-constrained row is steered to close (0: not): as it nears max_tokens
+        (JsonCloser.weight), and fully once its tool calls repeat a call it made (schemas/tools.py:
+        a small model under tool_choice required repeats its call until max_tokens; the array
+        closes instead, with the calls made once). Both are functions of the row's own tokens."""
+        if seq.request_id not in self._json_ids:
+            return 0.0
+        if seq.tool_parser is not None and seq.tool_parser.is_repeating:
+            return CLOSE_BIAS
+        return JsonCloser.weight(seq.num_output_tokens, seq.max_tokens)
 
     def _expire(self, now_ms: int) -> list[EngineOutput]:
         expired = [s for s in self._seqs.values() if s.request.deadline_ms <= now_ms]
@@ -490,7 +500,11 @@ class Engine:
     def _finish(self, seq: Sequence, reason, now_ms: int, error: ErrorInfo | None = None) -> EngineOutput:
         self.scheduler.remove(seq)
         self._seqs.pop(seq.request_id, None)
-        self._detok.pop(seq.request_id, None)
+        detok = self._detok.pop(seq.request_id, None)
+        if detok is not None and error is None and not seq.has_stop_string:
+            # what the detokenizer still holds (an incomplete UTF-8 character: U+FFFD) is output text:
+            # its tokens were generated and counted, so their text comes out with them
+            seq.append_text(detok.flush(seq.output_ids))
         self._matchers.pop(seq.request_id, None)
         self._json_ids.discard(seq.request_id)
         out = seq.final(reason, now_ms, error)

@@ -33,9 +33,10 @@ class EngineOutput:
     `seq` is the position of its first token: the index of that output token, so a request
     regenerated after a crash gives the same positions and a reader drops those it has. Its
     text and tool call pieces are the ones its last token's step released (an event is made
-    when a step releases something; tokens whose steps released nothing go with it); a final
-    event with no token holds what only the end released, the reply's tail position
-    (schemas/messages.py: ReplyDelta).
+    when a step releases something; tokens whose steps released nothing go with it). The final
+    event carries every token not carried yet, with what the end released (held text, an
+    incomplete UTF-8 character as U+FFFD); with no token, what only the end released is the
+    reply's tail position (schemas/messages.py: ReplyDelta).
     """
 
     request_id: str
@@ -104,6 +105,7 @@ class Sequence:
         self.entropy_sum = 0.0  # sum over sampled steps of the model's token entropy (nats)
         self.num_sampled = 0
         self._hold_chars = max((len(s) for s in request.stop), default=1) - 1
+        self.has_stop_string = False  # a stop string appeared: text after it, held or not, is no output
         self.cumulative_logprob = 0.0  # sum of the raw logprobs of the output tokens (ranks best_of)
         self._logprobs: list[TokenLogprob] | None = [] if request.logprobs is not None else None  # not yet carried
         # prompt_logprobs: one per prompt token by position, filled by the prefill (the engine
@@ -141,6 +143,7 @@ class Sequence:
             idx = self.output_text.find(stop, start)
             if idx != -1:
                 self.output_text = self.output_text[:idx]
+                self.has_stop_string = True
                 return "stop"
         return None
 

@@ -231,6 +231,8 @@ class IncrementalDetokenizer:
     """Turns a growing list of output ids into text deltas without splitting a UTF-8 character.
 
     Decodes a small window (vLLM's prefix/read offsets) rather than the whole output each step.
+    Text whose last character is not complete yet is held; `flush` releases what is held at the
+    end, bytes that never made a character as U+FFFD (as vLLM and OpenAI show them).
     """
 
     def __init__(self, tokenizer: ModelTokenizer) -> None:
@@ -247,3 +249,11 @@ class IncrementalDetokenizer:
             self._read_offset = len(ids)
             return new_text[len(prefix_text) :]
         return ""
+
+    def flush(self, ids: list[int]) -> str:
+        """The text `step` still holds for `ids` (the whole output), at the end of the output:
+        an incomplete UTF-8 character's bytes come out as U+FFFD. "" when nothing is held."""
+        prefix_text = self._tok.decode(ids[self._prefix_offset : self._read_offset])
+        new_text = self._tok.decode(ids[self._prefix_offset :])
+        self._prefix_offset = self._read_offset = len(ids)
+        return new_text[len(prefix_text) :]

@@ -24,17 +24,20 @@ def model_version(config: ModelConfig) -> str:
 def reply_events(
     request: GenerateRequest | EmbedRequest, batch_id: str, out: EngineOutput, version: str
 ) -> list[ReplyDelta | ReplyEnd]:
-    """The reply events of one engine output, in order: a delta when it carries text or tool call
-    pieces (or, before the end, tokens), with the logprobs of its tokens when the request asked,
-    then on the final output the ReplyEnd, at the position after the delta's (the output's own
-    when it has no delta), with the output's cumulative logprob and the reply's complete tool calls.
+    """The reply events of one engine output, in order: a delta when it carries tokens, text or
+    tool call pieces, with the logprobs of its tokens when the request asked, then on the final
+    output the ReplyEnd, at the position after the delta's (the output's own when it has no
+    delta), with the output's cumulative logprob and the reply's complete tool calls.
 
     The delta covers one position per token of the output, from `out.seq`; its text and tool call
     pieces are its last token's (the step that released them), or a tail position's when the
-    final output has no token (docs/wire-contract.md, "Reading replies")."""
+    final output has no token (docs/wire-contract.md, "Reading replies"). Every generated token
+    gets its position, those of a final output whose text is "" too (the end of a run cut by
+    max_tokens inside a character): `completion_tokens` tokens, each with its logprob entry. An
+    EmbedRequest generates none: its final output is the end alone."""
     events: list[ReplyDelta | ReplyEnd] = []
     seq = out.seq
-    if out.text or out.tool_call_deltas or (out.token_ids and not out.is_final):
+    if out.text or out.tool_call_deltas or (out.token_ids and isinstance(request, GenerateRequest)):
         count = max(1, len(out.token_ids))
         texts = [""] * (count - 1) + [out.text] if count > 1 else None
         events.append(ReplyDelta(request_id=request.request_id, batch_id=batch_id, seq=seq, count=count,
