@@ -110,7 +110,8 @@ def chat_models(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("chat-models")
     config = json.loads((ROOT / "models" / "weir-tiny-py" / "tokenizer_config.json").read_text())
     entries = []
-    for name, template in (("tiny-chatml", CHATML), ("tiny-tools", TOOLS), ("tiny-mistral", MISTRAL)):
+    templates = (("tiny-chatml", CHATML), ("tiny-tools", TOOLS), ("tiny-mistral", MISTRAL), ("tiny-broken", "{% for %}"))
+    for name, template in templates:
         shutil.copytree(ROOT / "models" / "weir-tiny-py", root / name)
         (root / name / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
         entries.append(f'[models.{name}]\npath = "{root / name}"\nengine = "torch"\nversion = "1"\n'
@@ -199,6 +200,7 @@ async def test_a_chat_with_tools_renders_them(chat_client) -> None:
          "chat_template", "unsupported_parameter"),
         ({"model": "tiny-mistral", "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]},
          400, "messages", "chat_template_error"),
+        ({"model": "tiny-broken", "messages": [{"role": "user", "content": "x"}]}, 400, "model", "chat_template_error"),
         ({"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "model", None),
     ],
 )
