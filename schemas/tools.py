@@ -127,7 +127,7 @@ def _call_schema(function: ToolFunction) -> dict[str, Any]:
     }
 
 
-# -- rendering, for chat templates that do not know tools (services/worker/engine/chat_template.py) --
+# -- rendering, for chat templates that do not know tools (weir/chat_template.py) --
 
 
 def tools_preamble(tools: list[ToolDef]) -> str:

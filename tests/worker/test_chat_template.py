@@ -15,7 +15,7 @@ from .factories import make_model_dir, make_request, write_tokenizer_config
 
 from schemas.messages import ChatMessage
 from services.worker.engine import Engine, EngineConfig
-from services.worker.engine.chat_template import ChatTemplateError
+from weir.chat_template import ChatTemplateError
 from services.worker.engine.tokenizer import ModelTokenizer
 
 transformers = pytest.importorskip("transformers")

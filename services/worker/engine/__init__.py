@@ -11,8 +11,8 @@ an engine directly. The worker's edge (services/worker/hosts/runner.py) runs one
       model.py           the Llama/Qwen2 model, loaded from a Hugging Face directory
       rope.py            RoPE variants of config.json (default, linear, dynamic, llama3)
       sampler.py         batched sampling from each request's own generator
-      tokenizer.py       encoding, incremental detokenizing, special and stop tokens
-      chat_template.py   the model's Jinja chat template, sandboxed as transformers renders it
+      tokenizer.py       encoding, incremental detokenizing, special and stop tokens (the chat template
+                         renderer is weir/chat_template.py, shared with the gateway's /tokenize)
       watermark.py       the per-tenant green-list bias and its detector
     echo_engine.py       EchoEngine: streams the prompt back (engine = "echo")
     embedding_engine.py  EmbeddingEngine: ONNX sentence embeddings (engine = "onnx")

@@ -37,7 +37,7 @@ from schemas.messages import (
 )
 from schemas.structured import UnsupportedSchema, check_structured, constraint_of
 from schemas.tools import tools_problem
-from services.worker.engine.chat_template import ChatTemplateError
+from weir.chat_template import ChatTemplateError
 from services.worker.engine.grammar import CLOSE_BIAS, GrammarError, Grammars, JsonCloser, StepMask, is_instance
 from services.worker.engine.kv_cache import BlockManager, allocate_kv_caches, bytes_per_block
 from services.worker.engine.model import AttentionMetadata, CausalLM, load_model, weights_sha256

@@ -10,7 +10,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from schemas.messages import ChatMessage, GenerateRequest, ToolDef
-from services.worker.engine.chat_template import ChatTemplate, ChatTemplateError, text_turns
+from weir.chat_template import load_chat_template, render_chat
 
 
 class TokenizerError(ValueError):
@@ -37,15 +37,9 @@ class ModelTokenizer:
         if not file.exists():
             raise FileNotFoundError(f"{path} has no tokenizer.json")
         self._tok = Tokenizer.from_file(str(file))
-        config = _read_json(path / "tokenizer_config.json")
-        self.special_tokens = _special_tokens(config, _read_json(path / "special_tokens_map.json"))
+        self._template, self.special_tokens = load_chat_template(path)
         self.bos_token = self.special_tokens.get("bos_token")
         self.eos_token = self.special_tokens.get("eos_token")
-        source, origin = _template_source(path, config)
-        try:
-            self._template = ChatTemplate(source, self.special_tokens) if source is not None else None
-        except ChatTemplateError as exc:
-            raise ChatTemplateError(f"{origin}: {exc}") from exc
         self.end_of_turn = self._end_of_turn()
         self.fim_tokens = self._fim_tokens()
         self._pieces: dict[int, tuple[str, list[int]]] = {}  # token id -> (text, bytes), filled as logprobs ask
@@ -133,23 +127,9 @@ class ModelTokenizer:
 
     def render_chat(self, messages: list[ChatMessage], tools: list[ToolDef] | None = None) -> str:
         """Chat turns (and the tools the model may call) as text, through the model's chat
-        template when it has one.
-
-        Raises ChatTemplateError when the template refuses the chat. A template that reads `tools`
-        gets every field a message has on the wire (None fields dropped, as transformers drops
-        them) and the tools as dicts; any other, and the plain transcript, get the chat as plain
-        turns with tools, calls and results written as text (chat_template.text_turns).
-        """
-        if self._template is not None and self._template.knows_tools:
-            turns = [m.model_dump(exclude_none=True) for m in messages]
-            tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
-            return self._template.render(turns, add_generation_prompt=True, tools=tool_dicts)
-        turns = text_turns(messages, tools)
-        if self._template is not None:
-            return self._template.render(turns, add_generation_prompt=True)
-        # No template (a base model): a plain transcript that ends where the assistant speaks.
-        lines = [f"{t['role']}: {t['content']}" for t in turns]
-        return "\n".join(lines) + "\nassistant:"
+        template when it has one (weir/chat_template.py: render_chat, the function the gateway's
+        /tokenize renders with). Raises ChatTemplateError when the template refuses the chat."""
+        return render_chat(self._template, messages, tools, add_generation_prompt=True)
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -182,49 +162,6 @@ def _piece_decoder(config: dict) -> Callable[[str], bytes]:
         return bytes([int(byte.group(1), 16)]) if byte else piece.replace("\u2581", " ").encode()
 
     return sentencepiece
-
-
-def _read_json(file: Path) -> dict:
-    return json.loads(file.read_text()) if file.exists() else {}
-
-
-def _special_tokens(config: dict, special_tokens_map: dict) -> dict[str, str]:
-    """The special tokens transformers passes a chat template: every `*_token` entry of
-    tokenizer_config.json (special_tokens_map.json's override them when the config has no
-    added_tokens_decoder, as transformers' legacy loading does) and extra_special_tokens given by name."""
-    entries = dict(config)
-    if "added_tokens_decoder" not in config:
-        entries.update(special_tokens_map)
-    extra = entries.get("extra_special_tokens")
-    if isinstance(extra, dict):
-        entries = {**extra, **entries}
-    tokens = {k: _token_text(v) for k, v in entries.items() if k.endswith("_token")}
-    return {k: v for k, v in tokens.items() if v is not None}
-
-
-def _template_source(path: Path, config: dict) -> tuple[str | None, str]:
-    """The chat template and where it came from: chat_template.jinja wins over tokenizer_config.json
-    (as in transformers); a list of named templates there gives the one named "default"."""
-    jinja_file = path / "chat_template.jinja"
-    if jinja_file.exists():
-        return jinja_file.read_text(encoding="utf-8"), str(jinja_file)
-    origin = str(path / "tokenizer_config.json")
-    template = config.get("chat_template")
-    if isinstance(template, list):
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        if "default" not in named:
-            raise ChatTemplateError(f"{origin}: chat templates {sorted(map(str, named))} include none named 'default'")
-        template = named["default"]
-    if template is not None and not isinstance(template, str):
-        raise ChatTemplateError(f"{origin}: chat_template must be a string, got {type(template).__name__}")
-    return template, origin
-
-
-def _token_text(value: object) -> str | None:
-    if isinstance(value, dict):
-        content = value.get("content")
-        return content if isinstance(content, str) else None
-    return value if isinstance(value, str) else None
 
 
 class IncrementalDetokenizer:

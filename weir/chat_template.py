@@ -1,5 +1,10 @@
 """A model's Jinja chat template, rendered as transformers' apply_chat_template renders it.
 
+On the shared floor (docs/design.md, "The floors"): the worker's engine renders a chat's prompt
+with it (services/worker/engine/tokenizer.py) and the gateway's POST /tokenize renders the same
+chat with the same function (`render_chat`), so the token ids /tokenize gives for a chat are the
+ones the engine runs. Pure: the jinja2 sandbox and the model directory's files, no torch.
+
 Templates come with model directories, often from the Hub: they are untrusted code. They run in
 Jinja's ImmutableSandboxedEnvironment with the options, globals and filters transformers gives them
 (transformers.utils.chat_template_utils._compile_jinja_template): trim_blocks, lstrip_blocks, the
@@ -32,6 +37,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from datetime import datetime
+from pathlib import Path
 
 import jinja2
 import jinja2.ext
@@ -193,3 +199,83 @@ def text_turns(messages: list[ChatMessage], tools: list[ToolDef] | None) -> list
         else:
             turns.insert(0, {"role": "system", "content": preamble})
     return turns
+
+
+def render_chat(template: ChatTemplate | None, messages: list[ChatMessage], tools: list[ToolDef] | None = None,
+                add_generation_prompt: bool = True) -> str:
+    """Chat turns (and the tools the model may call) as prompt text, through the model's chat
+    template when it has one: what the engine runs, and what the gateway's /tokenize counts.
+
+    Raises ChatTemplateError when the template refuses the chat. A template that reads `tools`
+    gets every field a message has on the wire (None fields dropped, as transformers drops them)
+    and the tools as dicts; any other, and the plain transcript, get the chat as plain turns with
+    tools, calls and results written as text (text_turns). Without a template (a base model) the
+    chat is a plain transcript that ends where the assistant speaks (when `add_generation_prompt`).
+    """
+    if template is not None and template.knows_tools:
+        turns = [m.model_dump(exclude_none=True) for m in messages]
+        tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
+        return template.render(turns, add_generation_prompt=add_generation_prompt, tools=tool_dicts)
+    plain = text_turns(messages, tools)
+    if template is not None:
+        return template.render(plain, add_generation_prompt=add_generation_prompt)
+    lines = [f"{t['role']}: {t['content']}" for t in plain]
+    return "\n".join(lines) + ("\nassistant:" if add_generation_prompt else "")
+
+
+def read_json(file: Path) -> dict:
+    """A model directory's JSON file, {} when it is absent."""
+    return json.loads(file.read_text()) if file.exists() else {}
+
+
+def special_tokens(config: dict, special_tokens_map: dict) -> dict[str, str]:
+    """The special tokens transformers passes a chat template: every `*_token` entry of
+    tokenizer_config.json (special_tokens_map.json's override them when the config has no
+    added_tokens_decoder, as transformers' legacy loading does) and extra_special_tokens given by name."""
+    entries = dict(config)
+    if "added_tokens_decoder" not in config:
+        entries.update(special_tokens_map)
+    extra = entries.get("extra_special_tokens")
+    if isinstance(extra, dict):
+        entries = {**extra, **entries}
+    tokens = {k: _token_text(v) for k, v in entries.items() if k.endswith("_token")}
+    return {k: v for k, v in tokens.items() if v is not None}
+
+
+def template_source(path: Path, config: dict) -> tuple[str | None, str]:
+    """The chat template and where it came from: chat_template.jinja wins over tokenizer_config.json
+    (as in transformers); a list of named templates there gives the one named "default"."""
+    jinja_file = path / "chat_template.jinja"
+    if jinja_file.exists():
+        return jinja_file.read_text(encoding="utf-8"), str(jinja_file)
+    origin = str(path / "tokenizer_config.json")
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        if "default" not in named:
+            raise ChatTemplateError(f"{origin}: chat templates {sorted(map(str, named))} include none named 'default'")
+        template = named["default"]
+    if template is not None and not isinstance(template, str):
+        raise ChatTemplateError(f"{origin}: chat_template must be a string, got {type(template).__name__}")
+    return template, origin
+
+
+def load_chat_template(path: str | Path) -> tuple[ChatTemplate | None, dict[str, str]]:
+    """A model directory's chat template (None when it has none) and its named special tokens, as
+    the engine's tokenizer and the gateway's /tokenize both load them. Raises ChatTemplateError,
+    naming the file, for a template that does not compile."""
+    path = Path(path)
+    config = read_json(path / "tokenizer_config.json")
+    specials = special_tokens(config, read_json(path / "special_tokens_map.json"))
+    source, origin = template_source(path, config)
+    try:
+        return (ChatTemplate(source, specials) if source is not None else None), specials
+    except ChatTemplateError as exc:
+        raise ChatTemplateError(f"{origin}: {exc}") from exc
+
+
+def _token_text(value: object) -> str | None:
+    if isinstance(value, dict):
+        content = value.get("content")
+        return content if isinstance(content, str) else None
+    return value if isinstance(value, str) else None
