@@ -17,6 +17,12 @@ trap cleanup EXIT
 # when they are, this only checks them against jars.sha256.
 python -c "from weir.kafka import launcher; launcher.resolve_jars()"
 weir sbom --out var/sbom.cdx.json --check
+# Lint, format and types before any test (pyproject.toml's [tool.ruff] and [tool.mypy]): code a tool
+# would reformat or flag is not done. `ruff format` rewrites what --check reports; `ruff check --fix`
+# fixes the safe findings.
+ruff check --no-cache .
+ruff format --no-cache --check .
+mypy
 # The kernel tests set TRITON_INTERPRET=1 themselves when there is no GPU (Triton's interpreter
 # runs the kernels on CPU tensors); setting it here would slow a GPU machine's serving path.
 python -m pytest -q -p no:cacheprovider --durations=25 "$@"
