@@ -111,7 +111,8 @@ class WorkerService:
             # A first start exports the fingerprint model to ONNX here: after the HTTP port opened,
             # so /readyz can say so meanwhile. Servers wait for it (make_server), engines load meanwhile.
             self._fingerprinter = asyncio.create_task(asyncio.to_thread(
-                build_fingerprinter, self.settings.audit_fingerprint_model, self.repo))  # fmt: skip
+                build_fingerprinter, self.settings.audit_fingerprint_model, self.repo,
+                precision=self.settings.audit_fingerprint_precision, use_cuda=self.device.type == "cuda"))  # fmt: skip
             self._fingerprinter.add_done_callback(self._on_fingerprinter)  # before make_server's await wakes
             device_bytes = await self._device_bytes()
             budget = self.settings.worker_memory_bytes or int(device_bytes * self.settings.worker_memory_fraction)
