@@ -74,6 +74,12 @@ class Window:
     cpu_s: dict[str, float] = field(default_factory=dict)
     wall_s: float = 0.0
     errors: int = 0
+    error_kinds: dict[str, int] = field(default_factory=dict)  # what went wrong, e.g. "HttpError 429": how often
+
+    def failed(self, exc: BaseException) -> None:
+        self.errors += 1
+        kind = f"{type(exc).__name__} {getattr(exc, 'status', '')}".strip()
+        self.error_kinds[kind] = self.error_kinds.get(kind, 0) + 1
 
 
 class Clock:
@@ -127,8 +133,8 @@ async def sse_lane(host: str, port: int, lane: int, args, clock: Clock, window: 
                     # Echo tokens are words: a chunk's tokens are its words (the output guard
                     # releases whole words).
                     marks.tokens(sum(len(c.get("text", "").split()) for c in chunk.get("choices", [])))
-            except Exception:  # noqa: BLE001 - counted and shown; the lane goes on
-                window.errors += 1
+            except Exception as exc:  # noqa: BLE001 - counted and shown; the lane goes on
+                window.failed(exc)
                 await connection.close()
                 await asyncio.sleep(0.2)
             i += 1009
@@ -154,8 +160,8 @@ class KafkaClient:
         from weir.kafka.admin import ensure_topics
 
         await ensure_topics(self.bootstrap, [self.topics.reply_spec(self.name)])
-        # Until its metadata names the new reply topic, aiokafka logs a line per fetch about it.
-        logging.getLogger("aiokafka.cluster").setLevel(logging.ERROR)
+        # Until its metadata names the new reply topic, aiokafka logs an error line per fetch about it.
+        logging.getLogger("aiokafka.cluster").setLevel(logging.CRITICAL)
         self.producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap, linger_ms=0)
         await self.producer.start()
         self.consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False, group_id=None)
@@ -217,8 +223,8 @@ async def kafka_lane(client: KafkaClient, lane: int, args, clock: Clock, window:
         try:
             await asyncio.wait_for(client.one("echo", prompt_of(i, args.tokens), args.tokens, clock, window),
                                    args.tokens / args.rate * 10 + 60)  # fmt: skip
-        except Exception:  # noqa: BLE001 - counted and shown; the lane goes on
-            window.errors += 1
+        except Exception as exc:  # noqa: BLE001 - counted and shown; the lane goes on
+            window.failed(exc)
         i += 1009
 
 
@@ -515,7 +521,7 @@ async def run_all(args) -> dict[tuple[str, str, str, int], list[dict[str, float]
                                 print(f"{ts.label:>16} {client:5} fingerprints {fp:3} {streams:>5} streams round {r + 1}: "
                                       f"{row['path us/token']:.0f} us/token, {row['delivered tok/s']:.0f} of "
                                       f"{row['offered tok/s']:.0f} tok/s, TTFT p50 {row['TTFT p50 ms']:.0f} ms, "
-                                      f"errors {window.errors}", flush=True)  # fmt: skip
+                                      f"errors {window.errors} {window.error_kinds or ''}", flush=True)  # fmt: skip
             finally:
                 for ts in stacks:
                     ts.stack.stop_all()

@@ -105,7 +105,7 @@ class SentenceEmbedder:
         self, model_dir: str | Path, *, use_cuda: bool = False, num_threads: int = 0, max_fragment_tokens: int | None = None,
         onnx_file: str = "model.onnx",
     ) -> None:
-        model_dir = Path(model_dir)
+        model_dir = self.model_dir = Path(model_dir)
         config = json.loads((model_dir / "config.json").read_text())
         # Tokens per fragment, [CLS] and [SEP] included: the model's window, or less when asked.
         self.window = min(int(config["max_position_embeddings"]), max_fragment_tokens or 1 << 30)

@@ -17,7 +17,7 @@ import onnxruntime as ort
 from schemas.fingerprint import FINGERPRINT_MODEL, simhashes
 from schemas.messages import MAX_EMBED_INPUTS
 from schemas.model_repo import ModelRepository
-from weir.embedding.embedder import SentenceEmbedder, as_json_floats
+from weir.embedding.embedder import DEFAULT_MAX_BATCH_FRAGMENTS, SentenceEmbedder, as_json_floats
 from weir.embedding.onnx_export import ensure_export, ensure_int8
 
 log = logging.getLogger(__name__)
@@ -31,9 +31,15 @@ class TextFingerprinter:
     def __init__(self, embedder: SentenceEmbedder, max_model_len: int = 8192, precision: str = "float32") -> None:
         self.embedder = embedder
         self.precision = precision  # "int8" (CPU) or "float32"; see build_fingerprinter
+        # int8 is quantized dynamically: each MatMul's input gets one scale over the whole tensor of
+        # a session call, so a text padded into a call with others would hash differently than
+        # alone (or at the auditor). One fragment per call keeps a text's SimHash its own; on the
+        # CPU a bigger call saves no CPU per token anyway (`weir bench fingerprints` shows both).
+        self.max_batch_fragments = 1 if precision == "int8" else DEFAULT_MAX_BATCH_FRAGMENTS
         self.max_model_len = max_model_len  # tokens per text, as the model entry allows on /v1/embeddings
         self.busy_s = 0.0  # seconds spent fingerprinting, for the benchmark
         self.num_texts = 0
+        self.num_calls = 0  # simhash() calls: the batches a FingerprintBatcher handed over
 
     def simhash(self, texts: list[str]) -> list[str]:
         """The SimHash of each text, in order (empty texts included).
@@ -49,12 +55,14 @@ class TextFingerprinter:
                 result[index] = value
         self.busy_s += time.perf_counter() - started
         self.num_texts += len(texts)
+        self.num_calls += 1
         return result
 
     def _simhash_group(self, texts: list[str]) -> list[str]:
         result: list[str] = []
         for start in range(0, len(texts), MAX_EMBED_INPUTS):  # the chunks /v1/embeddings would take
-            vectors = self.embedder.embed(texts[start : start + MAX_EMBED_INPUTS], max_tokens=self.max_model_len)
+            vectors = self.embedder.embed(texts[start : start + MAX_EMBED_INPUTS], max_tokens=self.max_model_len,
+                                          max_batch_fragments=self.max_batch_fragments)  # fmt: skip
             result += simhashes(as_json_floats(vectors))  # the vectors as /v1/embeddings returns them
         return result
 
