@@ -410,6 +410,24 @@ def spread_lines(results, labels: list[str]) -> list[str]:
             (a_cost, a_rate), (b_cost, b_rate) = per_tree[labels[0]], per_tree[labels[1]]
             parts.append(f"ratio {labels[0]}/{labels[1]}: CPU {a_cost / b_cost:.2f}x, tokens/s {a_rate / max(b_rate, 1e-9):.2f}x")
         lines.append(f"{client:5} fingerprints {fp:3} {n:>5} streams: " + "; ".join(parts))
+    lines += fingerprint_share_lines(results, labels)
+    return lines
+
+
+def fingerprint_share_lines(results, labels: list[str]) -> list[str]:
+    """Where both settings ran: the fingerprints' share of the path's CPU per token, taken as the
+    worker's us/token with them on minus off (medians of rounds; the worker holds all of it)."""
+    lines = []
+    for tree in labels:
+        for client, n in sorted({(c, n) for (t, c, _fp, n) in results if t == tree}):
+            on, off = results.get((tree, client, "on", n)), results.get((tree, client, "off", n))
+            if not on or not off:
+                continue
+            worker_on = statistics.median(r["worker us/token"] for r in on)
+            share = worker_on - statistics.median(r["worker us/token"] for r in off)
+            path_on = statistics.median(r["path us/token"] for r in on)
+            lines.append(f"{tree}: {client} {n} streams, fingerprints on: path {path_on:.0f} us/token, of which "
+                         f"fingerprints ~{share:.0f} us/token ({share / path_on:.0%}; worker on - off)")  # fmt: skip
     return lines
 
 
