@@ -503,8 +503,8 @@ def report(results: dict[tuple[str, str, str, int], list[dict[str, float]]], arg
 
 
 async def run_all(args) -> dict[tuple[str, str, str, int], list[dict[str, float]]]:
-    from weir.embedding.onnx_export import default_export_dir, ensure_export
     from schemas.model_repo import load_model_repo
+    from weir.embedding.onnx_export import default_export_dir, ensure_export
     from weir.kafka import launcher
 
     broker = launcher.BrokerConfig.from_env()

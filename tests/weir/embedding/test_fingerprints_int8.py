@@ -9,9 +9,9 @@ import statistics
 from bench.fingerprints import load_pairs, recall
 from schemas.fingerprint import hamming_distance
 from services.auditor.lookup import DEFAULT_MAX_DISTANCE
+from weir.digests import file_sha256
 from weir.embedding.fingerprints import TextFingerprinter
 from weir.embedding.onnx_export import INT8_FILE, INT8_MANIFEST, ensure_int8
-from weir.digests import file_sha256
 
 PAIRS = load_pairs()
 TEXTS = [text for pair in PAIRS for text in pair]
