@@ -507,6 +507,11 @@ async def run_all(args) -> dict[tuple[str, str, str, int], list[dict[str, float]
     from weir.embedding.onnx_export import default_export_dir, ensure_export
     from weir.kafka import launcher
 
+    from bench.gateway import raise_open_files_limit
+
+    # 1,024 SSE streams are 1,024 sockets here and in the gateway (which inherits the limit).
+    if raise_open_files_limit() < max(args.stream_counts) + 256:
+        print(f"(the open-files limit is below {max(args.stream_counts)} streams' sockets: expect connection errors)")
     broker = launcher.BrokerConfig.from_env()
     await launcher.up(broker, 120)
     broker_pid = find_broker_pid(broker)
