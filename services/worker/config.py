@@ -49,6 +49,10 @@ class WorkerSettings(BusSettings):
     audit_fingerprint_model: str = Field(
         "all-MiniLM-L6-v2", description="Onnx embedding model of the AuditEvents' SimHashes; empty: none."
     )
+    audit_fingerprint_precision: Literal["int8", "float32"] = Field(
+        "int8", description="int8: the fingerprint model quantized, on the CPU (about half float32's CPU; SimHashes "
+        "within a few bits of float32's, docs/worker.md); float32: the export as is. On a CUDA worker, float32 on the GPU."
+    )
     watermark_tenants: str = Field(
         "", description='Green-list watermark per tenant, JSON {tenant: {"gamma", "delta", "key"}}; empty: off.'
     )

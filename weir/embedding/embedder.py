@@ -102,9 +102,10 @@ class SentenceEmbedder:
     thread at a time (the worker's engine thread, the fingerprint thread, the auditor's lock)."""
 
     def __init__(
-        self, model_dir: str | Path, *, use_cuda: bool = False, num_threads: int = 0, max_fragment_tokens: int | None = None
+        self, model_dir: str | Path, *, use_cuda: bool = False, num_threads: int = 0, max_fragment_tokens: int | None = None,
+        onnx_file: str = "model.onnx",
     ) -> None:
-        model_dir = Path(model_dir)
+        model_dir = self.model_dir = Path(model_dir)
         config = json.loads((model_dir / "config.json").read_text())
         # Tokens per fragment, [CLS] and [SEP] included: the model's window, or less when asked.
         self.window = min(int(config["max_position_embeddings"]), max_fragment_tokens or 1 << 30)
@@ -115,10 +116,11 @@ class SentenceEmbedder:
         self.tokenizer.no_truncation()  # tokenizer.json ships truncation and padding at 128
         self.tokenizer.no_padding()
         self.cls_id, self.sep_id, self.pad_id = (self._token_id(t) for t in ("[CLS]", "[SEP]", "[PAD]"))
-        self.session = open_session(model_dir / "model.onnx", use_cuda, num_threads)
+        # onnx_file: the float32 export, or its int8 quantization beside it (onnx_export.ensure_int8)
+        self.session = open_session(model_dir / onnx_file, use_cuda, num_threads)
         self.provider = self.session.get_providers()[0]
         self.default_max_batch_tokens = DEFAULT_MAX_BATCH_TOKENS.get(self.provider, 4096)
-        self.weights_sha256 = _onnx_sha256(model_dir)
+        self.weights_sha256 = _onnx_sha256(model_dir) if onnx_file == "model.onnx" else file_sha256(model_dir / onnx_file)
         self.num_session_calls = 0
         self.num_fragments_run = 0
 

@@ -12,11 +12,13 @@ from __future__ import annotations
 import logging
 import time
 
+import onnxruntime as ort
+
 from schemas.fingerprint import FINGERPRINT_MODEL, simhashes
 from schemas.messages import MAX_EMBED_INPUTS
 from schemas.model_repo import ModelRepository
-from weir.embedding.embedder import SentenceEmbedder, as_json_floats
-from weir.embedding.onnx_export import ensure_export
+from weir.embedding.embedder import DEFAULT_MAX_BATCH_FRAGMENTS, SentenceEmbedder, as_json_floats
+from weir.embedding.onnx_export import ensure_export, ensure_int8
 
 log = logging.getLogger(__name__)
 
@@ -26,11 +28,18 @@ class TextFingerprinter:
 
     model = FINGERPRINT_MODEL
 
-    def __init__(self, embedder: SentenceEmbedder, max_model_len: int = 8192) -> None:
+    def __init__(self, embedder: SentenceEmbedder, max_model_len: int = 8192, precision: str = "float32") -> None:
         self.embedder = embedder
+        self.precision = precision  # "int8" (CPU) or "float32"; see build_fingerprinter
+        # int8 is quantized dynamically: each MatMul's input gets one scale over the whole tensor of
+        # a session call, so a text padded into a call with others would hash differently than
+        # alone (or at the auditor). One fragment per call keeps a text's SimHash its own; on the
+        # CPU a bigger call saves no CPU per token anyway (`weir bench fingerprints` shows both).
+        self.max_batch_fragments = 1 if precision == "int8" else DEFAULT_MAX_BATCH_FRAGMENTS
         self.max_model_len = max_model_len  # tokens per text, as the model entry allows on /v1/embeddings
         self.busy_s = 0.0  # seconds spent fingerprinting, for the benchmark
         self.num_texts = 0
+        self.num_calls = 0  # simhash() calls: the batches a FingerprintBatcher handed over
 
     def simhash(self, texts: list[str]) -> list[str]:
         """The SimHash of each text, in order (empty texts included).
@@ -46,12 +55,14 @@ class TextFingerprinter:
                 result[index] = value
         self.busy_s += time.perf_counter() - started
         self.num_texts += len(texts)
+        self.num_calls += 1
         return result
 
     def _simhash_group(self, texts: list[str]) -> list[str]:
         result: list[str] = []
         for start in range(0, len(texts), MAX_EMBED_INPUTS):  # the chunks /v1/embeddings would take
-            vectors = self.embedder.embed(texts[start : start + MAX_EMBED_INPUTS], max_tokens=self.max_model_len)
+            vectors = self.embedder.embed(texts[start : start + MAX_EMBED_INPUTS], max_tokens=self.max_model_len,
+                                          max_batch_fragments=self.max_batch_fragments)  # fmt: skip
             result += simhashes(as_json_floats(vectors))  # the vectors as /v1/embeddings returns them
         return result
 
@@ -67,10 +78,23 @@ def _length_groups(texts: list[str]) -> list[list[int]]:
     return groups
 
 
-def build_fingerprinter(model_name: str, repo: ModelRepository, num_threads: int = 1) -> TextFingerprinter | None:
+PRECISIONS = ("int8", "float32")
+
+
+def build_fingerprinter(model_name: str, repo: ModelRepository, num_threads: int = 1, precision: str = "int8",
+                        use_cuda: bool = False) -> TextFingerprinter | None:  # fmt: skip
     """The fingerprinter over the repository's `model_name` (an onnx embedding model), exported on
-    first use, on the CPU; or None (with one log line saying why) when it is switched off or
-    cannot load. Called once at start by the worker, and on the first lookup by the auditor."""
+    first use; or None (with one log line saying why) when it is switched off or cannot load.
+    Called once at start by the worker, and on the first lookup by the auditor.
+
+    precision "int8" (the default): on the CPU, the int8 quantization of the export (quantized once,
+    cached beside it), about half the CPU of float32 per text; its SimHashes differ from float32's by
+    a few bits of 64 (`weir bench fingerprints` measures how many, and lookup recall), well inside
+    the lookup's distance, so records of either precision match each other. "float32": the export
+    as is. With `use_cuda` and onnxruntime's CUDA provider loadable, float32 on the GPU (int8 there
+    would run MatMulInteger on the CPU)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"fingerprint precision {precision!r} is not one of {', '.join(PRECISIONS)}")
     if not model_name:
         return None
     config = repo.models.get(model_name)
@@ -78,8 +102,14 @@ def build_fingerprinter(model_name: str, repo: ModelRepository, num_threads: int
         log.warning("no onnx model %r in the model repository: AuditEvents carry no SimHash", model_name)
         return None
     try:
-        embedder = SentenceEmbedder(ensure_export(config), num_threads=num_threads)
+        export = ensure_export(config)
+        if use_cuda and "CUDAExecutionProvider" in ort.get_available_providers():
+            embedder = SentenceEmbedder(export, use_cuda=True, num_threads=num_threads)
+            if embedder.provider == "CUDAExecutionProvider":
+                return TextFingerprinter(embedder, max_model_len=config.max_model_len, precision="float32")
+        onnx_file = ensure_int8(export).name if precision == "int8" else "model.onnx"
+        embedder = SentenceEmbedder(export, num_threads=num_threads, onnx_file=onnx_file)
     except Exception as exc:  # noqa: BLE001 - fingerprints are optional; the HMACs still go out
         log.warning("fingerprint model %s cannot load (%s): AuditEvents carry no SimHash", model_name, exc)
         return None
-    return TextFingerprinter(embedder, max_model_len=config.max_model_len)
+    return TextFingerprinter(embedder, max_model_len=config.max_model_len, precision=precision)
