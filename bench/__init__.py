@@ -20,6 +20,7 @@ BENCHES = {
     "startup": ("bench.startup", "`weir up` start after start: seconds until ready, and when each phase ended"),
     "hop": ("bench.kafka_hop", "one Kafka hop between two processes, split at the sockets, beside loopback TCP"),
     "injection": ("bench.injection", "prompt-injection detector latency: wall and thread CPU p50/p95/p99/max by length"),
+    "qlinear": ("bench.qlinear", "CPU quantized linear candidates (int8/int4 kernels, torch, onnxruntime) at SmolLM2 shapes"),
     "kernels": ("bench.triton_kernels", "CUDA: each Triton kernel against its PyTorch reference, timed and checked"),
     "failover": ("bench.failover", "a worker killed -9 under 20 seeded streams: ended once, differing, stall p50/p95/max, restart in place"),
     "swap": ("bench.swap", "a new model version pushed, loaded and promoted while 32 streams run: failures, TTFT, time to serve"),

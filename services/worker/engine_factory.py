@@ -39,6 +39,7 @@ def build_engine(config: ModelConfig, settings: WorkerSettings, device: torch.de
         max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens, block_size=settings.block_size,
         kv_cache_bytes=settings.kv_cache_bytes, is_prioritized=config.lane_policy != "fifo",
+        quantization=config.quantization,
     )  # fmt: skip
     # A GGUF source is imported on first use (weir up has usually done it already) and reused after.
     model_dir = ensure_model_dir(config, lambda line: log.info("model %s: %s", config.name, line))

@@ -41,6 +41,10 @@ def estimate_bytes(config: ModelConfig, settings: WorkerSettings, device: torch.
     if engine == "onnx":
         return _onnx_bytes(config) * config.instances
     element_bytes = _LOADED_ELEMENT_BYTES.get(device.type, 4)
+    if config.quantization != "none":
+        # int8 blocks: 32 values + an f16 scale in 34 bytes; int4 ones take 20 but keep the embedding
+        # and lm_head at int8, so 34/32 bounds both (engine/model.py, QuantLinear); no oneDNN copies
+        return (math.ceil(_torch_elements(config) * 34 / 32) + _kv_cache_bytes(settings, device)) * config.instances
     weights = _torch_elements(config) * element_bytes
     if device.type == "cpu" and cpu_packed_gemm_available():
         weights *= 2  # the oneDNN copies of the projections (engine/model.py); an untied embedding is counted too
@@ -51,9 +55,8 @@ def engine_used_bytes(engine: EngineLike) -> int:
     """Bytes a built engine holds: torch parameters and KV-cache tensors (measured); an onnx
     session's model file (what onnxruntime loads; its arena is not visible from Python); 0 for echo."""
     if isinstance(engine, Engine):
-        params = {p.data_ptr(): p.numel() * p.element_size() for p in engine.model.parameters()}  # tied: once
         cache = sum(t.numel() * t.element_size() for pair in engine.kv_caches for t in pair)
-        return sum(params.values()) + engine.model.packed_bytes + cache
+        return engine.model.weight_bytes + cache  # parameters, quantized buffers (tied: once), oneDNN copies
     if isinstance(engine, EmbeddingEngine):
         return sum(f.stat().st_size for f in engine.model_dir.glob("*.onnx*"))
     if isinstance(engine, EchoEngine):
