@@ -94,15 +94,13 @@ def top1_agreement(reference: CausalLM, model: CausalLM, prompts_ids: list[list[
     return agree / total, same / total, continuations
 
 
-_greedy_cache: dict[tuple[int, tuple[int, ...], int], list[int]] = {}
-
-
 def greedy_fast(model: CausalLM, ids: list[int], n: int) -> list[int]:
-    """greedy() remembered per (model, prompt): the float32 reference is asked once per prompt."""
-    key = (id(model), tuple(ids), n)
-    if key not in _greedy_cache:
-        _greedy_cache[key] = greedy_engine(model, ids, n)
-    return _greedy_cache[key]
+    """greedy_engine() remembered on the model per prompt: the float32 reference is asked once per prompt."""
+    cache = model.__dict__.setdefault("_weir_greedy_cache", {})
+    key = (tuple(ids), n)
+    if key not in cache:
+        cache[key] = greedy_engine(model, ids, n)
+    return cache[key]
 
 
 @torch.inference_mode()
@@ -168,3 +166,31 @@ def print_quality(rows: list[dict]) -> None:
     for r in rows:
         print(f"| {r['quantization']} | {r['weights_mb']:.0f} | {100 * r['top1']:.1f}% | {100 * r['free_run']:.1f}% "
               f"| {r['perplexity']:.3f} | {100 * (r['perplexity'] / base - 1):+.2f}% | {r['facts']} |")  # fmt: skip
+
+
+def decode_speed(engine, streams: int, prompt_tokens: int = 100, max_tokens: int = 64) -> tuple[float, float]:
+    """(decode tokens/s over all streams after their first token, TTFT ms of the first stream) for
+    `streams` greedy requests of `prompt_tokens` tokens added together."""
+    import uuid
+
+    from schemas.messages import GenerateRequest, now_ms
+
+    ids = engine.tokenizer.encode(TEXT.read_text())[:prompt_tokens]
+    start = time.perf_counter()
+    for i in range(streams):
+        req = GenerateRequest(request_id=uuid.uuid4().hex, model="m", prompt="x", max_tokens=max_tokens,
+                              temperature=0.0, ignore_eos=True, deadline_ms=now_ms() + 3_600_000, reply_to="-")  # fmt: skip
+        engine.add_tokens(req, ids[i % 7 :] + ids[: i % 7], now_ms())  # rotated: no shared prefix to reuse
+    first = None
+    decode_start, decoded = None, 0
+    while engine.has_work:
+        outputs = engine.step(now_ms())
+        tokens = sum(len(o.token_ids) for o in outputs)
+        if first is None and tokens:
+            first = (time.perf_counter() - start) * 1000
+        if decode_start is None and engine.scheduler.running and all(s.num_computed >= len(ids) for s in engine.scheduler.running):
+            decode_start = time.perf_counter()
+            continue
+        if decode_start is not None:
+            decoded += tokens
+    return decoded / (time.perf_counter() - decode_start), first or 0.0

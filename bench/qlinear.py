@@ -171,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             for name, (_, size) in cands.items():
                 ms = statistics.median(times[name]) * 1e3
                 rows.append((threads, batch, name, ms, batch / ms * 1e3, size / 1e6))
+                print(f"  {threads} threads, batch {batch}: {name} {ms:.1f} ms", file=sys.stderr, flush=True)
         del cands
     print(f"\n| threads | batch | kernel | ms / step | tokens/s | weights MB |\n|---|---|---|---|---|---|")
     for threads, batch, name, ms, tps, mb in rows:

@@ -32,7 +32,7 @@ def build_engine(config: ModelConfig, settings: WorkerSettings, device: torch.de
     if config.engine == "onnx":  # an embedding model; exported from its source package on first use
         return EmbeddingEngine(
             ensure_export(config), max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
-            use_cuda=device.type == "cuda", num_threads=cpu_threads(settings.torch_threads),
+            use_cuda=device.type == "cuda", num_threads=cpu_threads(settings.threads),
             dimensions=config.dimensions,
         )  # fmt: skip
     engine_config = EngineConfig(

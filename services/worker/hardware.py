@@ -156,13 +156,18 @@ def choose_device(requested: str) -> torch.device:
 
 
 def cpu_threads(requested: int) -> int:
-    """torch intra-op threads for CPU inference: `requested`, or half the cores when 0.
+    """torch intra-op threads for CPU inference (WEIR_ENGINE_THREADS): `requested`, or when 0 the
+    cores the worker's own loop does not need: every core on a 1-2 core machine, one fewer above.
 
-    Small decode ops on an oversubscribed CPU spend more time in OpenMP barriers than in maths
-    (measured here: 7.8 ms vs 0.15 ms per attention call with 2 threads vs 1 on a busy 2-core box),
-    so the worker leaves room for the broker and the other services by default.
+    The engine used to take half the cores: its float32 steps were memory-bound and small decode
+    ops spent more in OpenMP barriers than in maths on a busy 2-core box (7.8 ms vs 0.15 ms per
+    attention call). The quantized projections (engine/model.py, QuantLinear) are compute-bound
+    kernels split by output rows, and a decode step is mostly them: the second core is worth having
+    (docs/benchmarks.md, "Quantized weights"). The worker's Kafka loop needs little, so one core is
+    kept for it only where there are cores to spare.
     """
-    return requested or max(1, (os.cpu_count() or 2) // 2)
+    cores = os.cpu_count() or 1
+    return requested or (cores if cores <= 2 else cores - 1)
 
 
 def resolve_engine(config: ModelConfig, device: torch.device) -> tuple[str, str]:
