@@ -115,9 +115,15 @@ def _cpu_flags() -> set[str]:
 
 
 def _cache_dir() -> Path:
-    from weir.home import weir_home
-
-    return weir_home() / "cache" / "ext"
+    """$WEIR_HOME/cache/ext, WEIR_HOME as weir/home.py resolves it (kernels/ may not import weir/)."""
+    repo = Path(__file__).resolve().parents[1]
+    if env := os.environ.get("WEIR_HOME"):
+        home = Path(env).expanduser().resolve()
+    elif (repo / "pyproject.toml").exists() and os.access(repo, os.W_OK):
+        home = repo / "var"
+    else:
+        home = Path.home() / ".cache" / "weir"
+    return home / "cache" / "ext"
 
 
 def _compiler() -> str:
@@ -186,4 +192,12 @@ def extension_error() -> str | None:
 
 
 if __name__ == "__main__":
-    print(build(verbose=True))
+    quiet = "--quiet" in sys.argv
+    if missing := {"avx2", "fma", "f16c"} - _cpu_flags():
+        sys.exit(f"kernels/cpu_quant: this CPU lacks {', '.join(sorted(missing))}")
+    try:
+        path = build(verbose=not quiet)
+    except RuntimeError as exc:
+        sys.exit(f"kernels/cpu_quant: {exc}")
+    if not quiet:
+        print(path)

@@ -41,10 +41,13 @@ def estimate_bytes(config: ModelConfig, settings: WorkerSettings, device: torch.
     if engine == "onnx":
         return _onnx_bytes(config) * config.instances
     element_bytes = _LOADED_ELEMENT_BYTES.get(device.type, 4)
-    if config.quantization != "none":
-        # int8 blocks: 32 values + an f16 scale in 34 bytes; int4 ones take 20 but keep the embedding
-        # and lm_head at int8, so 34/32 bounds both (engine/model.py, QuantLinear); no oneDNN copies
-        return (math.ceil(_torch_elements(config) * 34 / 32) + _kv_cache_bytes(settings, device)) * config.instances
+    if config.quantization != "none":  # no oneDNN copies: the quantized buffers only
+        from weir.models.sources import quantized_weight_bytes
+
+        weights = quantized_weight_bytes(config)
+        if weights is None:  # a GGUF source not imported yet: 34/32 bytes per element bound it
+            weights = math.ceil(_torch_elements(config) * 34 / 32)
+        return (weights + _kv_cache_bytes(settings, device)) * config.instances
     weights = _torch_elements(config) * element_bytes
     if device.type == "cpu" and cpu_packed_gemm_available():
         weights *= 2  # the oneDNN copies of the projections (engine/model.py); an untied embedding is counted too
