@@ -166,7 +166,7 @@ def cpu_threads(requested: int) -> int:
     (docs/benchmarks.md, "Quantized weights"). The worker's Kafka loop needs little, so one core is
     kept for it only where there are cores to spare.
     """
-    cores = os.cpu_count() or 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)  # owned
     return requested or (cores if cores <= 2 else cores - 1)
 
 

@@ -57,3 +57,18 @@ def test_unknown_quantization_and_non_float32_are_refused() -> None:
         load_model(TINY, CPU, torch.float32, "int3")
     with pytest.raises(ModelLoadError, match="float32"):
         load_model(TINY, CPU, torch.bfloat16, "int8")
+
+
+def test_engine_threads_setting_and_default(monkeypatch) -> None:
+    import os
+
+    from services.worker.config import WorkerSettings
+    from services.worker.hardware import cpu_threads
+
+    assert cpu_threads(3) == 3
+    owned = len(os.sched_getaffinity(0))
+    assert cpu_threads(0) == (owned if owned <= 2 else owned - 1)
+    monkeypatch.setenv("WEIR_ENGINE_THREADS", "2")
+    assert WorkerSettings().threads == 2
+    monkeypatch.delenv("WEIR_ENGINE_THREADS")
+    assert WorkerSettings(torch_threads=1).threads == 1  # the former name still counts
