@@ -174,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-dir", type=Path, default=None, help="the model's directory, instead of the repository's")
     parser.add_argument("--quantization", choices=["none", "int8", "int4"], default=None,
                         help="Weir's weights (default: the model entry's quantization)")
+    parser.add_argument("--speed", action="store_true", help="float32 vs int8 vs int4 engines in alternating rounds "
+                        "(--rounds): decode tokens/s and TTFT of a 100-token prompt at each --concurrency")
     parser.add_argument("--quality", action="store_true", help="float32 vs int8 vs int4: top-1 agreement over 20 "
                         "prompts x 64 tokens, perplexity on bench/data/quality_text.txt, plain facts (bench/engine_quality.py)")
     args = parser.parse_args(argv)
@@ -200,6 +202,12 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"model {args.model} ({path}), torch threads {torch.get_num_threads()}", flush=True)
         print_quality(quality_report(Path(path)))
+        return 0
+    if args.speed:
+        from bench.engine_quality import print_speed, speed_report
+
+        print(f"model {args.model} ({path}), torch threads {torch.get_num_threads()}", flush=True)
+        print_speed(speed_report(Path(path), [int(c) for c in args.concurrency.split(",")], args.rounds))
         return 0
     quantization = args.quantization or config.quantization
     engine_config = EngineConfig(max_model_len=config.max_model_len, max_num_seqs=max(64, config.max_num_seqs),

@@ -194,3 +194,28 @@ def decode_speed(engine, streams: int, prompt_tokens: int = 100, max_tokens: int
         if decode_start is not None:
             decoded += tokens
     return decoded / (time.perf_counter() - decode_start), first or 0.0
+
+
+def speed_report(path: Path, streams: list[int], rounds: int, quantizations=("none", "int8", "int4"),
+                 max_tokens: int = 32) -> list[dict]:
+    """decode_speed() of one engine per quantization, in alternating rounds; medians per (quantization, streams)."""
+    import statistics
+
+    from services.worker.engine import Engine, EngineConfig
+
+    engines = {q: Engine(path, EngineConfig(max_model_len=512, max_num_seqs=max(64, *streams), quantization=q))
+               for q in quantizations}  # fmt: skip
+    runs: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for _ in range(rounds):
+        for s in streams:
+            for q, engine in engines.items():
+                runs.setdefault((q, s), []).append(decode_speed(engine, s, max_tokens=max_tokens))
+    return [{"quantization": q, "streams": s, "weights_mb": engines[q].model.weight_bytes / 1e6,
+             "tokens_per_s": statistics.median(r[0] for r in v), "ttft_ms": statistics.median(r[1] for r in v)}
+            for (q, s), v in runs.items()]  # fmt: skip
+
+
+def print_speed(rows: list[dict]) -> None:
+    print("\n| weights | resident MB | streams | decode tokens/s | TTFT ms (first stream) |\n|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['quantization']} | {r['weights_mb']:.0f} | {r['streams']} | {r['tokens_per_s']:.1f} | {r['ttft_ms']:.0f} |")
