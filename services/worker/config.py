@@ -70,8 +70,9 @@ class WorkerSettings(BusSettings):
     )
     engine_threads: int = Field(
         0, ge=0, description="Threads each engine computes with on the CPU (torch intra-op threads, which the "
-        "quantized kernels share); 0: the cores the worker's own loop does not need: all of them on 1-2 cores, "
-        "one fewer above (services/worker/hardware.py: cpu_threads). Printed when the engine starts.",
+        "quantized kernels share); 0: the cores the worker owns less one for its own loop, at least one "
+        "(services/worker/hardware.py: cpu_threads); a machine whose cores are the engine's alone sets all of "
+        "them. Printed when the engine starts.",
     )
     torch_threads: int = Field(
         0, ge=0, description="The former name of engine_threads (WEIR_TORCH_THREADS), used when that is 0."

@@ -157,17 +157,16 @@ def choose_device(requested: str) -> torch.device:
 
 def cpu_threads(requested: int) -> int:
     """torch intra-op threads for CPU inference (WEIR_ENGINE_THREADS): `requested`, or when 0 the
-    cores the worker's own loop does not need: every core on a 1-2 core machine, one fewer above.
+    cores the worker owns (its CPU affinity) less one for its own loop, at least one.
 
-    The engine used to take half the cores: its float32 steps were memory-bound and small decode
-    ops spent more in OpenMP barriers than in maths on a busy 2-core box (7.8 ms vs 0.15 ms per
-    attention call). The quantized projections (engine/model.py, QuantLinear) are compute-bound
-    kernels split by output rows, and a decode step is mostly them: the second core is worth having
-    (docs/benchmarks.md, "Quantized weights"). The worker's Kafka loop needs little, so one core is
-    kept for it only where there are cores to spare.
+    An engine's step is ~120 projections and ~1,000 small ops, each an OpenMP parallel region: with
+    as many threads as cores on a box that other processes also want, every region waits for a
+    descheduled thread (docs/benchmarks.md, "Quantized weights": 2 threads on the loaded 2-core box
+    made one step's projections 13-30x slower than 1 thread). So the default keeps one core free;
+    a box whose cores are the engine's alone sets WEIR_ENGINE_THREADS to all of them.
     """
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)  # owned
-    return requested or (cores if cores <= 2 else cores - 1)
+    return requested or max(1, cores - 1)
 
 
 def resolve_engine(config: ModelConfig, device: torch.device) -> tuple[str, str]:
