@@ -78,7 +78,11 @@ class Engine:
         # first-token, inter-token and prefill times include the pass that made them; None (tests,
         # benches that drive the engine with their own times): the `now_ms` step() was given.
         self.clock: Callable[[], int] | None = None
-        self.model: CausalLM = load_model(model_path, self.device, self.dtype, config.quantization)
+        quantization = config.quantization if self.device.type == "cpu" else "none"
+        if quantization != config.quantization:  # the setting is the CPU's (schemas/model_repo.py): said, not hidden
+            log.warning("engine: quantization %s applies on the CPU; on %s the weights load in %s",
+                        config.quantization, self.device, self.dtype)  # fmt: skip
+        self.model: CausalLM = load_model(model_path, self.device, self.dtype, quantization)
         self.tokenizer = ModelTokenizer(model_path)
         self.weights_sha256 = weights_sha256(Path(model_path))
         args = self.model.args
