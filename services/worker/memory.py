@@ -41,7 +41,7 @@ def estimate_bytes(config: ModelConfig, settings: WorkerSettings, device: torch.
     if engine == "onnx":
         return _onnx_bytes(config) * config.instances
     element_bytes = _LOADED_ELEMENT_BYTES.get(device.type, 4)
-    if config.quantization != "none":  # no oneDNN copies: the quantized buffers only
+    if config.quantization != "none" and device.type == "cpu":  # no oneDNN copies: the quantized buffers only
         from weir.models.sources import quantized_weight_bytes
 
         weights = quantized_weight_bytes(config)
