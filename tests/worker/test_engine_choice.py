@@ -118,7 +118,7 @@ def test_a_gguf_source_not_imported_yet_is_estimated_from_its_tensors(tmp_path: 
     settings = WorkerSettings(device="cpu", kv_cache_bytes=1 << 20)
     # SmolLM2-135M: 134,515,008 parameters (embeddings tied). Quantized (its models.toml entry):
     # 34 bytes per 32 values bound it before the import's headers can be read
-    assert config.quantization == "int8"
+    assert config.quantization == "int4"
     assert estimate_bytes(config, settings) == -(-134_515_008 * 34 // 32) + (1 << 20)
     # float32 on the CPU, counted twice where the matmuls run on oneDNN copies (engine/model.py)
     copies = 2 if cpu_packed_gemm_available() else 1
