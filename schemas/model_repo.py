@@ -84,8 +84,8 @@ class ModelConfig(BaseModel):
         "none",
         description="engine torch on the CPU: keep the projections quantized per 32-value block, int8 (ggml's "
         "Q8_0 layout) or int4 (Q4_1; the embedding and lm_head stay int8), run by AVX2 kernels; none: float32. "
-        "Quantized at load from the model's weights (a GGUF import's Q8_0 / Q4_0 / Q4_1 values come back "
-        "exactly).",
+        "Quantized at load from the model's weights (a GGUF import's Q8_0 blocks, and its Q4_1 blocks under "
+        "int4, come back exactly).",
     )
     lane_policy: LanePolicy = Field(
         "strict",
