@@ -23,6 +23,12 @@ COPY bench ./bench
 RUN pip install --require-hashes -r requirements.lock \
  && pip install --require-hashes --no-deps -r requirements-nodeps.lock \
  && pip install --no-deps --no-build-isolation .
+# The CPU kernels of quantized weights (kernels/cpu_quant.cpp; the default model serves int4) are
+# compiled here with g++ into WEIR_KERNEL_CACHE, where the services find them; without them a
+# quantized model falls back to a slow dequantizing matmul.
+ENV WEIR_KERNEL_CACHE=/app/ext
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/* \
+ && (python -m kernels.cpu_quant --quiet || echo "kernels not built: int8/int4 models will be slow")
 
 # The model repository and its models; WEIR_MODEL_REPO points here.
 COPY models.toml ./

@@ -24,6 +24,7 @@ BENCHES = {
     "injection": ("bench.injection", "prompt-injection detector latency: wall and thread CPU p50/p95/p99/max by length"),
     "guards": ("bench.guards", ("input/output guards on the multilingual set (tests/data/guards): detection and "
                                 "false positives per language, beside an older commit")),
+    "qlinear": ("bench.qlinear", "CPU quantized linear candidates (int8/int4 kernels, torch, onnxruntime) at SmolLM2 shapes"),
     "kernels": ("bench.triton_kernels", "CUDA: each Triton kernel against its PyTorch reference, timed and checked"),
     "failover": ("bench.failover", "a worker killed -9 under 20 seeded streams: ended once, differing, stall p50/p95/max, restart in place"),
     "swap": ("bench.swap", "a new model version pushed, loaded and promoted while 32 streams run: failures, TTFT, time to serve"),

@@ -173,6 +173,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="--structured: rounds per concurrency (medians and spread)")
     parser.add_argument("--max-tokens", type=int, default=256, help="--structured: max_tokens of each request")
     parser.add_argument("--model-dir", type=Path, default=None, help="the model's directory, instead of the repository's")
+    parser.add_argument("--quantization", choices=["none", "int8", "int4"], default=None,
+                        help="Weir's weights (default: the model entry's quantization)")
+    parser.add_argument("--speed", action="store_true", help="float32 vs int8 vs int4 engines in alternating rounds "
+                        "(--rounds): decode tokens/s and TTFT of a 100-token prompt at each --concurrency")
+    parser.add_argument("--quality", action="store_true", help="float32 vs int8 vs int4: top-1 agreement over 20 "
+                        "prompts x 64 tokens, perplexity on bench/data/quality_text.txt, plain facts (bench/engine_quality.py)")
     args = parser.parse_args(argv)
     if args.model is None:
         args.model = "smollm2-135m-instruct" if args.structured else "weir-tiny-py"
@@ -192,7 +198,21 @@ def main(argv: list[str] | None = None) -> int:
     if config.engine != "torch":
         parser.error(f"model {args.model!r} has engine {config.engine!r}: benchmark a torch model with weights")
     path = args.model_dir or ensure_model_dir(config, progress=lambda line: print(line, flush=True))  # a GGUF source is imported once
-    engine_config = EngineConfig(max_model_len=config.max_model_len, max_num_seqs=max(64, config.max_num_seqs))
+    if args.quality:
+        from bench.engine_quality import print_quality, quality_report
+
+        print(f"model {args.model} ({path}), torch threads {torch.get_num_threads()}", flush=True)
+        print_quality(quality_report(Path(path)))
+        return 0
+    if args.speed:
+        from bench.engine_quality import print_speed, speed_report
+
+        print(f"model {args.model} ({path}), torch threads {torch.get_num_threads()}", flush=True)
+        print_speed(speed_report(Path(path), [int(c) for c in args.concurrency.split(",")], args.rounds))
+        return 0
+    quantization = args.quantization or config.quantization
+    engine_config = EngineConfig(max_model_len=config.max_model_len, max_num_seqs=max(64, config.max_num_seqs),
+                                 quantization=quantization)  # fmt: skip
     engine = Engine(path, engine_config)
     if args.structured:
         from bench.structured import run
@@ -203,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     levels = [int(c) for c in args.concurrency.split(",")]
     systems = set(args.systems.split(","))
     print(f"model {args.model}: {sum(p.numel() for p in hf.parameters()) / 1e6:.1f}M parameters, "
-          f"torch threads {torch.get_num_threads()}, device {engine.device}", flush=True)  # fmt: skip
+          f"torch threads {torch.get_num_threads()}, device {engine.device}, Weir weights {quantization} "
+          f"({engine.model.weight_bytes / 1e6:.0f} MB)", flush=True)  # fmt: skip
     rows, ratios = [], []
     with torch.inference_mode():
         for c in levels:

@@ -54,6 +54,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, ValidationErro
 VERSION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 Engine = Literal["auto", "torch", "onnx", "echo"]
 LanePolicy = Literal["strict", "weighted", "fifo"]
+Quantization = Literal["none", "int8", "int4"]
 
 
 class ModelConfig(BaseModel):
@@ -79,6 +80,13 @@ class ModelConfig(BaseModel):
         "that ships one) imported into `path` (default $WEIR_HOME/models/<name>) on first use.",
     )
     dimensions: int | None = Field(None, ge=1, description="engine onnx: embedding size, checked when the model loads.")
+    quantization: Quantization = Field(
+        "none",
+        description="engine torch on the CPU: keep the projections quantized per 32-value block, int8 (ggml's "
+        "Q8_0 layout) or int4 (Q4_1; the embedding and lm_head stay int8), run by AVX2 kernels; none: float32. "
+        "Quantized at load from the model's weights (a GGUF import's Q8_0 blocks, and its Q4_1 blocks under "
+        "int4, come back exactly).",
+    )
     lane_policy: LanePolicy = Field(
         "strict",
         description="How the batcher serves the interactive and bulk lanes: strict (interactive always first), "

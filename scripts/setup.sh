@@ -26,3 +26,7 @@ if [ "$stale" = 1 ]; then
   python -m pip install -q --no-deps --no-build-isolation -e .
   touch "$stamp"
 fi
+# The AVX2 kernels of quantized models (kernels/cpu_quant.cpp), compiled once with g++ into
+# $WEIR_HOME/cache/ext (a second run finds them). Without a compiler or an AVX2 CPU this says why
+# and quantized models run on the slow dequantizing fallback; nothing else needs them.
+python -m kernels.cpu_quant --quiet || echo "setup: quantized-weight kernels not built (see above); int8/int4 models will be slow" >&2

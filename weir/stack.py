@@ -290,9 +290,23 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def served_versions(repo: Any, selection: str) -> list[str]:
-    """name@version of the models.toml entries the worker serves (WEIR_MODELS, else all)."""
+    """name@version of the models.toml entries the worker serves (WEIR_MODELS, else all); a quantized
+    one with its quantization and the bytes its weights hold (services/worker/memory.py)."""
     names = [n.strip() for n in selection.split(",") if n.strip()] or list(repo.models)
-    return [repo.models[n].served_id for n in names if n in repo.models]
+    return [_served_text(repo.models[n]) for n in names if n in repo.models]
+
+
+def _served_text(config: Any) -> str:
+    if getattr(config, "quantization", "none") == "none":
+        return config.served_id
+    try:
+        from weir.models.sources import quantized_weight_bytes
+
+        size = quantized_weight_bytes(config)
+        size = f", {size / 1e6:.0f} MB resident weights" if size is not None else ""
+    except (OSError, ValueError):
+        size = ""
+    return f"{config.served_id} ({config.quantization}{size})"
 
 
 def registered_versions(bootstrap: str, prefix: str, broker: Any, selection: str) -> list[str]:

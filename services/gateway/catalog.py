@@ -182,6 +182,7 @@ class Catalog:
             "id": ref, "object": "model", "owned_by": "weir",
             "created": record.manifest.created_ms // 1000 if record is not None else created_s,
             "weir_version": split_ref(sid)[1], "weir_state": "ready",
+            "weir_quantization": record.manifest.serving.get("quantization", "none") if record is not None else "none",
         }  # fmt: skip
 
     # ---- the admin API ------------------------------------------------------------------------

@@ -88,6 +88,8 @@ class ModelObject(BaseModel):
     owned_by: str
     weir_version: str = Field(description="The version that serves this id.")
     weir_state: Literal["ready"] = Field(description="Only versions some live worker reports ready are listed.")
+    weir_quantization: Literal["none", "int8", "int4"] = Field(
+        description="How the version's weights are held on a CPU worker (models.toml `quantization`).")
 
 
 class ModelList(BaseModel):

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -521,7 +522,9 @@ def build(args: argparse.Namespace) -> tuple[WorkerService, str, int]:
                  "worker_http_port": args.http_port}
     try:
         settings = WorkerSettings(**{k: v for k, v in overrides.items() if v is not None})
-        torch.set_num_threads(cpu_threads(settings.torch_threads))
+        torch.set_num_threads(cpu_threads(settings.threads))
+        logging.getLogger(__name__).info("engine threads: %d (WEIR_ENGINE_THREADS=%s, %d cores)", torch.get_num_threads(),
+                                         settings.threads or "0: default", os.cpu_count() or 1)  # fmt: skip
         return WorkerService(settings), settings.http_host, settings.worker_http_port
     except (ModelRepoError, SigningError) as exc:  # a bad models.toml, a trusted key that is not one
         raise ConfigError(str(exc)) from exc

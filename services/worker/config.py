@@ -72,9 +72,20 @@ class WorkerSettings(BusSettings):
         False, description="Allow the fault hook that corrupts a loaded engine's weights in memory (tests and demos "
         "of the golden canaries); off in production.",
     )
-    torch_threads: int = Field(
-        0, ge=0, description="torch intra-op threads on the CPU; 0: half the cores (the other services need some)."
+    engine_threads: int = Field(
+        0, ge=0, description="Threads each engine computes with on the CPU (torch intra-op threads, which the "
+        "quantized kernels share); 0: the cores the worker owns less one for its own loop, at least one "
+        "(services/worker/hardware.py: cpu_threads); a machine whose cores are the engine's alone sets all of "
+        "them. Printed when the engine starts.",
     )
+    torch_threads: int = Field(
+        0, ge=0, description="The former name of engine_threads (WEIR_TORCH_THREADS), used when that is 0."
+    )
+
+    @property
+    def threads(self) -> int:
+        """engine_threads, else torch_threads (0: cpu_threads' default)."""
+        return self.engine_threads or self.torch_threads
     worker_memory_bytes: int = Field(
         0, ge=0, description="Memory the model versions of this worker may take in all (weights + KV caches); "
         "0: worker_memory_fraction of the device's memory. A version that does not fit is refused.",

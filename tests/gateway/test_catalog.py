@@ -109,6 +109,7 @@ def test_models_lists_names_whose_default_is_ready_and_every_ready_version(state
     assert ids == ["echo@2"]  # echo's default (1) is loading; the retired echo@0 is not listed
     entry = listed["data"][0]
     assert entry == {"id": "echo@2", "object": "model", "owned_by": "weir", "weir_version": "2", "weir_state": "ready",
+                     "weir_quantization": "none",
                      "created": state.versions["echo@2"].manifest.created_ms // 1000}  # fmt: skip
     fleet.observe(beat("w2", {"echo@1": VersionStatus(state="ready"), "other@7": VersionStatus(state="ready")}))
     ids = [m["id"] for m in catalog.listing(100, lambda _: True)["data"]]

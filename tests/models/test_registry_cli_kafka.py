@@ -87,10 +87,10 @@ def test_push_list_show_and_desired_states(prefix: str, tiny: Path, tmp_path: Pa
     assert weir(prefix, "push", str(tiny), "--name", "tiny", "--version", "1", "--no-goldens",
                 "--max-model-len", "256", "--budget-bytes", "100000000") == 0  # fmt: skip
     assert "it is the default of its name" in capsys.readouterr().out
-    assert weir(prefix, "push", str(tiny), "--name", "tiny", "--version", "2", "--no-goldens",
+    assert weir(prefix, "push", str(tiny), "--name", "tiny", "--version", "2", "--no-goldens", "--quantization", "int8",
                 "--sign-key", str(tmp_path / "k.key"), "--out", str(tmp_path / "t2.json")) == 0  # fmt: skip
     manifest, signature = read_manifest_file(tmp_path / "t2.json")
-    assert signature is not None
+    assert signature is not None and manifest.serving["quantization"] == "int8"
 
     listing = _json(capsys, prefix, "list")
     (model,) = listing["models"]
@@ -102,8 +102,12 @@ def test_push_list_show_and_desired_states(prefix: str, tiny: Path, tmp_path: Pa
     assert v2["digest"] == manifest.digest() and v2["signature_key_id"] == signature.key_id
     assert {f["path"] for f in v2["files"]} == {f.path for f in manifest.files} and "model.safetensors" in str(v2)
     assert shown["route"]["default_version"] == "1" and v2["goldens"] == 0 and v2["budget_bytes"] is None
+    assert v2["quantization"] == "int8"
     v1 = _json(capsys, prefix, "show", "tiny@1")["versions"][0]
-    assert v1["budget_bytes"] == 100000000 and v1["signature_key_id"] is None
+    assert v1["budget_bytes"] == 100000000 and v1["signature_key_id"] is None and v1["quantization"] == "none"
+    capsys.readouterr()
+    assert weir(prefix, "show", "tiny@2") == 0
+    assert "quantization int8" in capsys.readouterr().out
 
     assert weir(prefix, "unload", "tiny@1") == 2  # the default cannot be unloaded
     assert "default version of 'tiny'; promote another version first" in capsys.readouterr().err

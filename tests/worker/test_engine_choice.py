@@ -119,10 +119,14 @@ def test_a_gguf_source_not_imported_yet_is_estimated_from_its_tensors(tmp_path: 
     monkeypatch.setenv("WEIR_HOME", str(tmp_path))  # no import of it there yet
     config = load_model_repo(REPO_ROOT / "models.toml").models["smollm2-135m-instruct"]
     settings = WorkerSettings(device="cpu", kv_cache_bytes=1 << 20)
-    # SmolLM2-135M: 134,515,008 parameters (embeddings tied), loaded as float32 on the CPU, and
-    # counted twice where the CPU matmuls run on oneDNN copies of the weights (engine/model.py)
+    # SmolLM2-135M: 134,515,008 parameters (embeddings tied). Quantized (its models.toml entry):
+    # 34 bytes per 32 values bound it before the import's headers can be read
+    assert config.quantization == "int4"
+    assert estimate_bytes(config, settings) == -(-134_515_008 * 34 // 32) + (1 << 20)
+    # float32 on the CPU, counted twice where the matmuls run on oneDNN copies (engine/model.py)
     copies = 2 if cpu_packed_gemm_available() else 1
-    assert estimate_bytes(config, settings) == copies * 134_515_008 * 4 + (1 << 20)
+    plain = config.model_copy(update={"quantization": "none"})
+    assert estimate_bytes(plain, settings) == copies * 134_515_008 * 4 + (1 << 20)
     assert not any(tmp_path.iterdir())  # estimating imported nothing
 
 

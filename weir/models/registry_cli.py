@@ -45,7 +45,7 @@ from aiokafka.errors import KafkaError
 
 from schemas.codec import DecodeError, decode
 from schemas.messages import VersionStatus, WorkerHeartbeat, now_ms
-from schemas.model_repo import Engine, ModelConfig, ModelRepository, detect_engine, load_model_repo
+from schemas.model_repo import Engine, ModelConfig, ModelRepository, Quantization, detect_engine, load_model_repo
 from schemas.registry import (
     Desired, GoldenCase, ManifestSignature, ModelManifest, ModelRoute, ModelVersionRecord, RegistryState, TrafficCounts,
     split_ref, version_problem,
@@ -150,6 +150,8 @@ def _pack_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, help="longest prompt + output in tokens")
     parser.add_argument("--max-batch-size", type=int, help="most requests per batch")
     parser.add_argument("--max-num-seqs", type=int, help="most sequences running at once in one engine")
+    parser.add_argument("--quantization", choices=get_args(Quantization),
+                        help="engine torch on the CPU: int8 / int4 weights quantized at load, none: float32")
     parser.add_argument("--sign-key", type=Path, help="Ed25519 private key (PEM) to sign the manifest with")
     parser.add_argument("--out", type=Path, help="manifest file (default: DIR/../NAME@VERSION.manifest.json)")
 
@@ -235,7 +237,7 @@ def _config(args: argparse.Namespace) -> ModelConfig:
             raise ArgumentError(f"--from-toml {args.from_toml} has no entry [models.{args.name}]")
         # The files are DIR's: the entry's own path and GGUF/ONNX source do not apply.
         base = entry.model_dump(exclude={"name", "version", "path", "source"})
-    for field in ("engine", "max_model_len", "max_batch_size", "max_num_seqs"):
+    for field in ("engine", "max_model_len", "max_batch_size", "max_num_seqs", "quantization"):
         if getattr(args, field) is not None:
             base[field] = getattr(args, field)
     engine = base.get("engine", "auto")
@@ -463,7 +465,8 @@ def _budget_text(info: dict[str, Any]) -> str:
 
 def _version_json(view: _View, record: ModelVersionRecord) -> dict[str, Any]:
     m = record.manifest
-    return {"model": record.served_id, "format": m.format, "engine": m.serving.get("engine"), "location": m.location,
+    return {"model": record.served_id, "format": m.format, "engine": m.serving.get("engine"),
+            "quantization": m.serving.get("quantization", "none"), "location": m.location,
             "files": [f.model_dump(mode="json") for f in m.files], "total_bytes": m.total_bytes,
             "digest": m.digest(), "signature_key_id": record.signature.key_id if record.signature else None,
             "goldens": len(record.goldens), "desired": record.desired, "budget_bytes": record.budget_bytes,
@@ -474,7 +477,8 @@ def _version_json(view: _View, record: ModelVersionRecord) -> dict[str, Any]:
 
 def _version_text(info: dict[str, Any]) -> str:
     lines = [f"{info['model']}  desired {info['desired']}  digest {info['digest']}",
-             f"  format {info['format']}, engine {info['engine']}, {info['total_bytes']} bytes in "
+             f"  format {info['format']}, engine {info['engine']}, quantization {info['quantization']}, "
+             f"{info['total_bytes']} bytes in "
              f"{len(info['files'])} files at {info['location'] or '-'}",
              f"  signature: {'key ' + info['signature_key_id'] if info['signature_key_id'] else 'unsigned'}; "
              f"goldens: {info['goldens']}; budget: {_budget_text(info)}; "

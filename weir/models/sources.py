@@ -14,6 +14,9 @@ __init__ imports the `llm` plugin host, which Weir does not install.
 from __future__ import annotations
 
 import importlib.metadata
+import json
+import math
+import struct
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -80,6 +83,41 @@ def prepare_models(repo: ModelRepository, names: Iterable[str], progress: Callab
             progress(f"model {name}: GGUF source {config.source}")
             prepared.append(ensure_model_dir(config, lambda line: progress(f"  {line}")))
     return prepared
+
+
+def quantized_weight_bytes(config: ModelConfig) -> int | None:
+    """Bytes a torch entry's weights take as load_model(quantization=...) holds them, from the
+    safetensors headers: matrices in 32-value blocks (int8: 34 bytes; int4: 20, but the embedding and
+    lm_head stay int8; K padded to whole blocks), vectors in float32. None before a GGUF source is
+    imported (no headers to read yet)."""
+    model_dir = config.path if config.source is None else (config.path or default_model_dir(config.name))
+    files = sorted(Path(model_dir).glob("*.safetensors")) if model_dir is not None else []
+    if not files:
+        return None
+    total = 0
+    for file in files:
+        for name, shape in _safetensors_shapes(file).items():
+            if len(shape) != 2:
+                total += math.prod(shape) * 4
+                continue
+            rows, blocks = shape[0], -(-shape[1] // 32)
+            int8 = config.quantization == "int8" or "embed_tokens" in name or name.startswith("lm_head")
+            total += rows * blocks * (34 if int8 else 20)
+    return total
+
+
+def _safetensors_shapes(path: Path) -> dict[str, list[int]]:
+    with path.open("rb") as fh:
+        (size,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(size))
+    return {k: v["shape"] for k, v in header.items() if k != "__metadata__" and "rotary_emb" not in k}
+
+
+def _safetensors_shapes(path: Path) -> dict[str, list[int]]:
+    with path.open("rb") as fh:
+        (size,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(size))
+    return {k: v["shape"] for k, v in header.items() if k != "__metadata__" and "rotary_emb" not in k}
 
 
 def _quiet(_: str) -> None:

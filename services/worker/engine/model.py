@@ -163,6 +163,87 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
+QUANTIZATIONS = ("none", "int8", "int4")
+
+
+class QuantLinear(nn.Module):
+    """A projection whose weight stays quantized per 32-value block along K (kernels/cpu_quant.py).
+
+    int8: q int8 [N, K] and f16 scales [N, K/32] (ggml's Q8_0); int4: q uint8 [N, K/2], f16 scales and
+    mins [N, K/32] (ggml's Q4_1). The buffers slice by output rows, and by input columns at multiples of
+    32, so a tensor-parallel split keeps the layout. On the CPU the AVX2 kernels run it (activations
+    quantized per row to int8, as llama.cpp); elsewhere, and without the extension, each call
+    dequantizes (correct, not fast).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, quantization: str) -> None:
+        super().__init__()
+        if quantization not in ("int8", "int4"):
+            raise ValueError(f"quantization {quantization!r} is not int8 or int4")
+        self.in_features, self.out_features, self.quantization = in_features, out_features, quantization
+        # K is padded with zero columns to whole blocks (the activations too, per call); none of
+        # SmolLM2's or Llama's dimensions need it, weir-tiny-py's 688 does
+        self.padded_in = -(-in_features // 32) * 32
+        cols = self.padded_in if quantization == "int8" else self.padded_in // 2
+        self.register_buffer("qweight", torch.empty(out_features, cols, dtype=torch.int8 if quantization == "int8"
+                                                    else torch.uint8))  # fmt: skip
+        self.register_buffer("scales", torch.empty(out_features, self.padded_in // 32, dtype=torch.float16))
+        self.register_buffer("mins", torch.empty(out_features, self.padded_in // 32, dtype=torch.float16)
+                             if quantization == "int4" else None)  # fmt: skip
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def load(self, weight: torch.Tensor) -> None:
+        """Quantize a float [N, K] weight into this module's buffers."""
+        from kernels import cpu_quant
+
+        weight = F.pad(weight, (0, self.padded_in - self.in_features))
+        if self.quantization == "int8":
+            q, d = cpu_quant.quantize_int8(weight)
+        else:
+            q, d, m = cpu_quant.quantize_int4(weight)
+            self.mins = m.to(self.scales.device)
+        self.qweight, self.scales = q.to(self.qweight.device), d.to(self.scales.device)
+
+    def share(self, other: QuantEmbedding) -> None:
+        """Read the same quantized tensors as a tied embedding."""
+        self.qweight, self.scales, self.mins = other.qweight, other.scales, other.mins
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from kernels import cpu_quant
+
+        if self.padded_in != self.in_features:
+            x = F.pad(x, (0, self.padded_in - self.in_features))
+        if self.quantization == "int8":
+            return cpu_quant.q8_linear(x, self.qweight, self.scales, self.bias)
+        return cpu_quant.q4_linear(x, self.qweight, self.scales, self.mins, self.bias)
+
+
+class QuantEmbedding(QuantLinear):
+    """A token embedding kept quantized (int8 blocks): lookups dequantize only the rows they take."""
+
+    def __init__(self, num_embeddings: int, dim: int) -> None:
+        super().__init__(dim, num_embeddings, bias=False, quantization="int8")
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        rows = self.qweight[ids].float().view(*ids.shape, -1, 32)
+        return (rows * self.scales[ids].float()[..., None]).flatten(-2)[..., : self.in_features]
+
+
+def quantize_modules(model: CausalLM, quantization: str) -> None:
+    """Swap the projections (and the embedding and lm_head, int8 in both modes) for quantized ones.
+
+    int4 keeps the embedding and lm_head at int8, as llama.cpp's Q4 files do (SmolLM2's Q4_1 GGUF
+    stores token_embd as Q8_0): the vocabulary projection is the one most sensitive to it.
+    """
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, Linear):
+                mode = "int8" if child is model.lm_head else quantization
+                setattr(module, name, QuantLinear(child.in_features, child.out_features, child.bias is not None, mode))
+    embed = model.model.embed_tokens
+    model.model.embed_tokens = QuantEmbedding(embed.num_embeddings, embed.embedding_dim)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -309,6 +390,19 @@ class CausalLM(nn.Module):
                 module.pack()
 
     @property
+    def quantization(self) -> str:
+        """"int8" or "int4" when the projections are quantized (load_model's quantization), else "none"."""
+        mlp = self.model.layers[0].mlp.gate_up_proj if len(self.model.layers) else None
+        return mlp.quantization if isinstance(mlp, QuantLinear) else "none"
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes the weights hold in memory: parameters and quantized buffers once each (tied ones
+        share), plus the oneDNN copies (packed_bytes)."""
+        tensors = [*self.parameters(), *(b for b in self.buffers() if b is not None)]
+        return sum({t.data_ptr(): t.numel() * t.element_size() for t in tensors}.values()) + self.packed_bytes
+
+    @property
     def packed_bytes(self) -> int:
         """Bytes of the oneDNN weight copies pack_weights() made (0 when none)."""
         return sum(m.weight.numel() * m.weight.element_size()
@@ -355,8 +449,17 @@ def weights_sha256(path: Path) -> str:
     return cached_sha256(_weight_files(path))
 
 
-def load_model(path: str | Path, device: torch.device, dtype: torch.dtype) -> CausalLM:
-    """Build the model from a HF directory (config.json + safetensors) on `device` in `dtype`."""
+def load_model(path: str | Path, device: torch.device, dtype: torch.dtype, quantization: str = "none") -> CausalLM:
+    """Build the model from a HF directory (config.json + safetensors) on `device` in `dtype`.
+
+    quantization "int8" / "int4" quantizes each projection as it is read (QuantLinear): no float32
+    copy of the whole model is ever held, only the tensor at hand. The embedding stays a float
+    tensor of `dtype` only with "none".
+    """
+    if quantization not in QUANTIZATIONS:
+        raise ModelLoadError(f"quantization {quantization!r} is not one of {list(QUANTIZATIONS)}")
+    if quantization != "none" and dtype != torch.float32:
+        raise ModelLoadError(f"quantization {quantization!r} needs float32 activations, not {dtype}")
     path = Path(path)
     config_file = path / "config.json"
     if not config_file.exists():
@@ -367,10 +470,16 @@ def load_model(path: str | Path, device: torch.device, dtype: torch.dtype) -> Ca
     rotary = RotaryEmbedding(args.rope, args.head_dim, device)
     with torch.device("meta"):
         model = CausalLM(args, rotary)
-    model = model.to_empty(device=device).to(dtype)
-    if args.tie_word_embeddings:  # to_empty gives each module its own tensor: tie again
-        model.lm_head.weight = model.model.embed_tokens.weight
-    params = dict(model.named_parameters())
+        if quantization != "none":
+            quantize_modules(model, quantization)
+    if quantization == "none":
+        model = model.to_empty(device=device).to(dtype)
+        if args.tie_word_embeddings:  # to_empty gives each module its own tensor: tie again
+            model.lm_head.weight = model.model.embed_tokens.weight
+    else:  # .to(float32) would turn the f16 scales into float32: the buffers keep their dtypes
+        model = model.to_empty(device=device)
+    params: dict[str, torch.Tensor | QuantLinear] = dict(model.named_parameters())
+    params.update({f"{name}.weight": m for name, m in model.named_modules() if isinstance(m, QuantLinear)})
     pending: dict[str, dict[str, torch.Tensor]] = {}
     loaded: set[str] = set()
 
@@ -378,10 +487,14 @@ def load_model(path: str | Path, device: torch.device, dtype: torch.dtype) -> Ca
         if name not in params:
             raise ModelLoadError(f"unexpected weight {name!r} in {path}")
         target = params[name]
-        if target.shape != tensor.shape:
-            raise ModelLoadError(f"weight {name!r}: shape {tuple(tensor.shape)} != expected {tuple(target.shape)}")
+        shape = (target.out_features, target.in_features) if isinstance(target, QuantLinear) else target.shape
+        if tuple(shape) != tuple(tensor.shape):
+            raise ModelLoadError(f"weight {name!r}: shape {tuple(tensor.shape)} != expected {tuple(shape)}")
         with torch.no_grad():
-            target.copy_(tensor.to(device=device, dtype=dtype))
+            if isinstance(target, QuantLinear):
+                target.load(tensor)
+            else:
+                target.copy_(tensor.to(device=device, dtype=dtype))
         loaded.add(name)
 
     fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -405,9 +518,23 @@ def load_model(path: str | Path, device: torch.device, dtype: torch.dtype) -> Ca
                     put(key, tensor)
     if args.tie_word_embeddings:
         loaded.add("lm_head.weight")
+        if quantization != "none":
+            model.lm_head.share(model.model.embed_tokens)
     missing = set(params) - loaded
     if missing:
         raise ModelLoadError(f"{path} lacks weights: {sorted(missing)[:5]}")
     if device.type == "cpu" and dtype == torch.float32 and cpu_packed_gemm_available():
-        model.pack_weights()
+        model.pack_weights()  # the float32 projections left (none when quantized)
+    if quantization != "none" and device.type == "cpu":
+        _trim_heap()  # the float tensors read and quantized were freed: give their pages back
     return model.eval()
+
+
+def _trim_heap() -> None:
+    """glibc's malloc_trim(0), so resident memory shows the quantized model, not the freed reads."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -32,13 +32,14 @@ def build_engine(config: ModelConfig, settings: WorkerSettings, device: torch.de
     if config.engine == "onnx":  # an embedding model; exported from its source package on first use
         return EmbeddingEngine(
             ensure_export(config), max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
-            use_cuda=device.type == "cuda", num_threads=cpu_threads(settings.torch_threads),
+            use_cuda=device.type == "cuda", num_threads=cpu_threads(settings.threads),
             dimensions=config.dimensions,
         )  # fmt: skip
     engine_config = EngineConfig(
         max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens, block_size=settings.block_size,
         kv_cache_bytes=settings.kv_cache_bytes, is_prioritized=config.lane_policy != "fifo",
+        quantization=config.quantization,
     )  # fmt: skip
     # A GGUF source is imported on first use (weir up has usually done it already) and reused after.
     model_dir = ensure_model_dir(config, lambda line: log.info("model %s: %s", config.name, line))

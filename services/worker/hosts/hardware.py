@@ -156,13 +156,17 @@ def choose_device(requested: str) -> torch.device:
 
 
 def cpu_threads(requested: int) -> int:
-    """torch intra-op threads for CPU inference: `requested`, or half the cores when 0.
+    """torch intra-op threads for CPU inference (WEIR_ENGINE_THREADS): `requested`, or when 0 the
+    cores the worker owns (its CPU affinity) less one for its own loop, at least one.
 
-    Small decode ops on an oversubscribed CPU spend more time in OpenMP barriers than in maths
-    (measured here: 7.8 ms vs 0.15 ms per attention call with 2 threads vs 1 on a busy 2-core box),
-    so the worker leaves room for the broker and the other services by default.
+    An engine's step is ~120 projections and ~1,000 small ops, each an OpenMP parallel region: with
+    as many threads as cores on a box that other processes also want, every region waits for a
+    descheduled thread (docs/benchmarks.md, "Quantized weights": 2 threads on the loaded 2-core box
+    made one step's projections 13-30x slower than 1 thread). So the default keeps one core free;
+    a box whose cores are the engine's alone sets WEIR_ENGINE_THREADS to all of them.
     """
-    return requested or max(1, (os.cpu_count() or 2) // 2)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)  # owned
+    return requested or max(1, cores - 1)
 
 
 def resolve_engine(config: ModelConfig, device: torch.device) -> tuple[str, str]:

@@ -41,6 +41,13 @@ def estimate_bytes(config: ModelConfig, settings: WorkerSettings, device: torch.
     if engine == "onnx":
         return _onnx_bytes(config) * config.instances
     element_bytes = _LOADED_ELEMENT_BYTES.get(device.type, 4)
+    if config.quantization != "none" and device.type == "cpu":  # no oneDNN copies: the quantized buffers only
+        from weir.models.sources import quantized_weight_bytes
+
+        weights = quantized_weight_bytes(config)
+        if weights is None:  # a GGUF source not imported yet: 34/32 bytes per element bound it
+            weights = math.ceil(_torch_elements(config) * 34 / 32)
+        return (weights + _kv_cache_bytes(settings, device)) * config.instances
     weights = _torch_elements(config) * element_bytes
     if device.type == "cpu" and cpu_packed_gemm_available():
         weights *= 2  # the oneDNN copies of the projections (engine/model.py); an untied embedding is counted too
@@ -51,9 +58,8 @@ def engine_used_bytes(engine: EngineLike) -> int:
     """Bytes a built engine holds: torch parameters and KV-cache tensors (measured); an onnx
     session's model file (what onnxruntime loads; its arena is not visible from Python); 0 for echo."""
     if isinstance(engine, Engine):
-        params = {p.data_ptr(): p.numel() * p.element_size() for p in engine.model.parameters()}  # tied: once
         cache = sum(t.numel() * t.element_size() for pair in engine.kv_caches for t in pair)
-        return sum(params.values()) + engine.model.packed_bytes + cache
+        return engine.model.weight_bytes + cache  # parameters, quantized buffers (tied: once), oneDNN copies
     if isinstance(engine, EmbeddingEngine):
         return sum(f.stat().st_size for f in engine.model_dir.glob("*.onnx*"))
     if isinstance(engine, EchoEngine):

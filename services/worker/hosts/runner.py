@@ -468,7 +468,9 @@ def serve_engine(
         from services.worker.hosts.hardware import cpu_threads, engine_label
         from services.worker.hosts.memory import engine_used_bytes
 
-        torch.set_num_threads(cpu_threads(settings.torch_threads))
+        torch.set_num_threads(cpu_threads(settings.threads))
+        logging.getLogger(__name__).info("engine threads: %d (WEIR_ENGINE_THREADS=%s, %d cores)", torch.get_num_threads(),
+                                         settings.threads or "0: default", os.cpu_count() or 1)  # fmt: skip
         events.send(("status", build_step(config)))
         engine = build_engine(config, settings, torch.device(device))
         events.send(("status", "warming up"))
