@@ -262,7 +262,7 @@ class Chaos:
             i = len(self.cluster.cfgs) - 1  # not the first: the one a client most likely bootstrapped from
             fault = Fault("broker", f"broker-{i}", time.perf_counter())
             self.cluster.kill(i)
-            self._later("broker", BROKER_RESTART_S, lambda: self.cluster.restart(i), [])  # type: ignore[union-attr]
+            self._later("broker", BROKER_RESTART_S, lambda: self.cluster.restart(i), [])
             return fault
         if kind == "worker":
             self.num_worker_kills += 1
