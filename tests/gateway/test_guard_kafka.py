@@ -90,10 +90,9 @@ async def guarded(gateway_bootstrap: str) -> AsyncIterator[Guarded]:
     await b.start()
     await worker.start()
     try:
-        async with httpx.AsyncClient() as http:
-            for server in (a, b):
-                await until(lambda s=server: s.server.config.app.state.bus.readiness()[0],
-                            timeout_s=10, what="the gateway ready")  # type: ignore[attr-defined]
+        for server in (a, b):
+            await until(lambda s=server: s.server.config.app.state.bus.readiness()[0],
+                        timeout_s=10, what="the gateway ready")  # type: ignore[attr-defined]
         yield Guarded(gateway_bootstrap, topics, a, b, worker, rsa_key, settings)
     finally:
         await worker.stop()
@@ -239,10 +238,12 @@ async def test_one_jwt_subject_in_two_tenants_has_two_rate_limits_on_every_insta
     assert "sub:globex:zed" in limited.value.message
     await client(guarded.a, acme).completions.create(model="echo", prompt="hi")
     guard_b = guarded.b.server.config.app.state.guard  # type: ignore[attr-defined]
-    await eventually(lambda: guard_b.limiter.reported("sub:globex:zed", "requests", guard_b.clock()) >= 3)
+    await until(lambda: guard_b.limiter.reported("sub:globex:zed", "requests", guard_b.clock()) >= 3, timeout_s=30,
+                what="b counting globex's three requests on a")
     with pytest.raises(openai.RateLimitError):
         await client(guarded.b, globex).completions.create(model="echo", prompt="hi")
-    await eventually(lambda: guard_b.limiter.reported("sub:acme:zed", "requests", guard_b.clock()) >= 1)
+    await until(lambda: guard_b.limiter.reported("sub:acme:zed", "requests", guard_b.clock()) >= 1, timeout_s=30,
+                what="b counting acme's request on a")
     for _ in range(2):  # acme's zed used one of its three on a
         await client(guarded.b, acme).completions.create(model="echo", prompt="hi")
     with pytest.raises(openai.RateLimitError):

@@ -96,23 +96,23 @@ def test_a_stack_holds_each_port_from_its_pick_through_restarts_and_hands_the_so
     # meanwhile be handed to another service (a `make test` lost a run to it). The stack binds each
     # port itself, keeps it while the stack lives, and passes the socket (weir/service.py: HTTP_FD_ENV).
     started: list[tuple[dict[str, str], tuple[int, ...]]] = []
-    monkeypatch.setattr(launcher.subprocess, "Popen",
+    monkeypatch.setattr(up.subprocess, "Popen",
                         lambda argv, env, pass_fds=(), **_: started.append((env, pass_fds)) or argv)  # fmt: skip
     with socket.create_server(("127.0.0.1", 0)) as taken:
         taken_port = taken.getsockname()[1]
-        stack = launcher.Stack({}, tmp_path, http_ports={"batcher": taken_port})
+        stack = up.Stack({}, tmp_path, http_ports={"batcher": taken_port})
         for name in ("gateway", "worker", "worker", "batcher"):  # the worker restarted once
             stack.start(name)
         gateway, worker, worker_again, batcher = started
-        assert batcher[1] == () and launcher.HTTP_FD_ENV not in batcher[0]  # taken: the service says so itself
+        assert batcher[1] == () and up.HTTP_FD_ENV not in batcher[0]  # taken: the service says so itself
         assert batcher[0]["WEIR_BATCHER_HTTP_PORT"] == str(taken_port)
     ports = {name: stack.http_ports[name] for name in ("gateway", "worker")}
     assert len(set(ports.values())) == 2 and 0 not in ports.values()
     for (env, fds), name in ((gateway, "gateway"), (worker, "worker"), (worker_again, "worker")):
-        assert fds == (int(env[launcher.HTTP_FD_ENV]),) == (stack.listeners[name].fileno(),)
-        assert env[launcher.HTTP_PORT_ENV[name]] == str(ports[name])
+        assert fds == (int(env[up.HTTP_FD_ENV]),) == (stack.listeners[name].fileno(),)
+        assert env[up.HTTP_PORT_ENV[name]] == str(ports[name])
     for port in ports.values():  # listening while no service runs: nobody else can be given the port
-        assert launcher.port_taken(port)
+        assert up.port_taken(port)
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
     stack.procs.clear()  # none really started
     stack.stop_all()
