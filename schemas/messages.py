@@ -9,6 +9,7 @@ edges.
 
 from __future__ import annotations
 
+import itertools
 import hashlib
 import re
 import time
@@ -574,9 +575,9 @@ class LatencyHistogram(BaseModel):
     def _consistent(self) -> LatencyHistogram:
         if len(self.counts) != len(self.bounds) + 1:
             raise ValueError(f"{len(self.counts)} counts for {len(self.bounds)} bounds: want one more (+Inf)")
-        if any(b <= a for a, b in zip(self.bounds, self.bounds[1:])):
+        if any(b <= a for a, b in itertools.pairwise(self.bounds)):
             raise ValueError("bounds must ascend")
-        if any(c < 0 for c in self.counts) or any(b < a for a, b in zip(self.counts, self.counts[1:])):
+        if any(c < 0 for c in self.counts) or any(b < a for a, b in itertools.pairwise(self.counts)):
             raise ValueError("counts must be cumulative: >= 0 and never decreasing")
         return self
 

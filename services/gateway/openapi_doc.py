@@ -242,7 +242,7 @@ def _completion_operation(body: str, result: str, example: dict[str, Any], summa
                             "seconds (0, or 0.001 to WEIR_MAX_RESUME_GRACE_S), readable again at "
                             "GET /v1/streams/{request_id}; 0: cancel at once.",
              "schema": {"type": "number", "minimum": 0}},
-        ],  # fmt: skip
+        ],
         "requestBody": {
             "required": True,
             "content": {"application/json": {"schema": _ref(body), "example": example}},

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import asyncio
 
 import pytest
@@ -32,7 +33,7 @@ def chunked(body: bytes, cuts: list[int]) -> list[bytes]:
     """`body` as chunked transfer encoding, cut into chunks at `cuts`, each chunk written in two pieces."""
     edges = [0, *cuts, len(body)]
     pieces = []
-    for start, end in zip(edges, edges[1:], strict=False):
+    for start, end in itertools.pairwise(edges):
         frame = f"{end - start:x}\r\n".encode() + body[start:end] + b"\r\n"
         pieces += [frame[:3], frame[3:]]
     return pieces + [b"0\r\n\r\n"]

@@ -38,7 +38,7 @@ def luhn_complete(body: str) -> str:
 
 
 def id_complete(body: str) -> str:
-    return body + "10X98765432"[sum(int(c) * w for c, w in zip(body, ID_WEIGHTS)) % 11]
+    return body + "10X98765432"[sum(int(c) * w for c, w in zip(body, ID_WEIGHTS, strict=True)) % 11]
 
 
 @st.composite
@@ -123,7 +123,7 @@ def emails(draw: st.DrawFn) -> str:
         dots = [draw(st.sampled_from([".", " dot ", "[dot]", " . "])) for _ in labels[1:]]
         if at == "@" and set(dots) == {"."}:
             dots[-1] = " dot "
-    domain = labels[0] + "".join(d + label for d, label in zip(dots, labels[1:]))
+    domain = labels[0] + "".join(d + label for d, label in zip(dots, labels[1:], strict=True))
     address = local + at + domain
     return address.upper() if draw(st.booleans()) and form not in ("plain", "ideographic") else address
 
@@ -172,7 +172,7 @@ def test_disguised_pii_is_redacted_in_place(before: str, value: str, after: str)
 def test_disguised_pii_is_redacted_in_any_split_of_a_stream(before: str, value: str, after: str, data: st.DataObject) -> None:
     text = before + value + after
     cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=8)))
-    deltas = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)])]
+    deltas = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)], strict=True)]
     redactor = Redactor()
     out = "".join(redactor.feed(d) for d in deltas) + redactor.flush()
     assert out == before + REDACTED + after
@@ -224,7 +224,7 @@ def prose(draw: st.DrawFn) -> str:
 def test_prose_without_pii_is_left_byte_identical(text: str, data: st.DataObject) -> None:
     assert redact(text) == (text, 0)
     cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=10)))
-    deltas = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)])]
+    deltas = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)], strict=True)]
     redactor = Redactor()
     assert "".join(redactor.feed(d) for d in deltas) + redactor.flush() == text
 
@@ -360,7 +360,7 @@ TRICKY = st.sampled_from([
 def test_any_split_of_tricky_text_streams_like_whole_text(pieces: list[str], data: st.DataObject) -> None:
     text = "".join(pieces)
     cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=12)))
-    deltas = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)])]
+    deltas = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)], strict=True)]
     redactor = Redactor()
     out = "".join(redactor.feed(d) for d in deltas) + redactor.flush()
     assert out == redact(text)[0]

@@ -79,7 +79,7 @@ def test_the_heartbeats_latency_counts_are_the_histograms_and_the_service_time_g
     text, latency = metrics.render(), recorder.latency()
     for histogram, name in ((latency.ttft, "vllm:time_to_first_token_seconds"),
                             (latency.itl, "vllm:inter_token_latency_seconds")):  # fmt: skip
-        for bound, count in zip([*histogram.bounds, "+Inf"], histogram.counts):
+        for bound, count in zip([*histogram.bounds, "+Inf"], histogram.counts, strict=True):
             assert bucket(text, name, str(bound)) == count, (name, bound)
     assert (latency.ttft.counts[-1], latency.itl.counts[-1]) == (2, 3)
     assert latency.itl.counts[latency.itl.bounds.index(0.05)] == 3  # 50 ms is in the bucket whose bound it is
