@@ -61,7 +61,7 @@ async def test_an_error_status_raises_with_the_body() -> None:
     server, port, _ = await serve([[head, error]])
     async with server:
         connection = SseConnection("127.0.0.1", port)
-        with pytest.raises(HttpError, match="400 Bad Request.*invalid_request_error"):
+        with pytest.raises(HttpError, match=r"400 Bad Request.*invalid_request_error"):
             [data async for data in connection.post_events("/v1/completions", b"{}")]
 
 

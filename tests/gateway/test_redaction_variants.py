@@ -194,12 +194,12 @@ NUMBERS = st.one_of(
     st.integers(0, 99_999).map(lambda n: f"${n // 100}.{n % 100:02d}"),  # prices
     st.integers(0, 9_999_999).map(lambda n: f"{n:,}"),  # counts with thousands separators
     st.dates(date(1970, 1, 1), date(2099, 12, 31)).map(str),  # ISO dates
-    st.tuples(st.integers(0, 40), st.integers(0, 40), st.integers(0, 40)).map(lambda v: "v%d.%d.%d" % v),
-    st.tuples(st.integers(0, 23), st.integers(0, 59)).map(lambda t: "%02d:%02d" % t),
+    st.tuples(st.integers(0, 40), st.integers(0, 40), st.integers(0, 40)).map(lambda v: "v{}.{}.{}".format(*v)),
+    st.tuples(st.integers(0, 23), st.integers(0, 59)).map(lambda t: "{:02d}:{:02d}".format(*t)),
     st.integers(0, 1000).map(lambda n: f"{n}%"),
     st.integers(0, 10**6).map(lambda n: f"{n / 1000:.3f}"),
     st.dates(date(1970, 1, 1), date(2099, 12, 31)).map(lambda d: d.strftime("%Y/%m/%d")),  # slashed dates
-    st.tuples(st.integers(1, 9), st.integers(2, 16)).map(lambda f: "%d/%d" % f),  # fractions
+    st.tuples(st.integers(1, 9), st.integers(2, 16)).map(lambda f: "{}/{}".format(*f)),  # fractions
 )
 TOKEN = st.one_of(
     st.sampled_from(PROSE_WORDS),

@@ -73,7 +73,7 @@ def prompt_ids(n: int, seed: int = 0) -> list[int]:
 
 
 def test_prefill_logits_match_transformers_past_the_original_length(scaled_dir):
-    name, path = scaled_dir
+    _name, path = scaled_dir
     ids = prompt_ids(56)  # positions 0..55, past ORIGINAL_LEN
     with torch.no_grad():
         expected = hf_model(path)(torch.tensor([ids])).logits[0]
@@ -82,7 +82,7 @@ def test_prefill_logits_match_transformers_past_the_original_length(scaled_dir):
 
 def test_scaling_changes_the_logits(scaled_dir, tmp_path):
     """The same weights without rope_scaling give other logits: the comparison above means something."""
-    name, path = scaled_dir
+    _name, path = scaled_dir
     plain = tmp_path / "plain"
     plain.mkdir()
     for file in path.iterdir():

@@ -186,7 +186,7 @@ def test_the_engine_times_each_phase_and_counts_cached_prompt_tokens_in_tokens(l
     assert blocks.prefix_cache_queries == first.prompt_tokens + second.prompt_tokens
     stats = engine.stats()
     assert stats["prefix_cache_hits"] == second.cached_prompt_tokens and stats["kv_cache_usage_perc"] == 0.0
-    end = [e for e in reply_events(make_request(request_id="r1"), "b", second, "tiny@1") if e.type == "end"][0]
+    end = next(e for e in reply_events(make_request(request_id="r1"), "b", second, "tiny@1") if e.type == "end")
     assert end.usage.cached_prompt_tokens == second.cached_prompt_tokens
     audit = audit_event(make_request(request_id="r1"), second, make_model_config("tiny"), weights_sha256="0" * 64,
                         worker_id="w", audit_key=b"k" * 32, now_ms=T0_MS)  # fmt: skip
