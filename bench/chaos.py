@@ -231,7 +231,9 @@ class Chaos:
 
     @property
     def bootstrap(self) -> str:
-        return self.args.bootstrap or self.cluster.bootstrap  # type: ignore[union-attr]
+        if self.cluster is None:  # only with --bootstrap: the cluster is the caller's
+            return self.args.bootstrap
+        return self.args.bootstrap or self.cluster.bootstrap
 
     async def up(self) -> None:
         from weir.cli import create_topics

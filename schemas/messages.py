@@ -248,7 +248,7 @@ class PromptLogprob(TopLogprob):
     """A prompt token and its log-probability given the tokens before it (None for the first
     token, which nothing predicts), with the most likely alternatives asked for."""
 
-    logprob: float | None = Field(le=0.0, allow_inf_nan=False)  # type: ignore[assignment]
+    logprob: float | None = Field(le=0.0, allow_inf_nan=False)  # type: ignore[assignment]  # widens TopLogprob's: the first token has none
     top_logprobs: list[TopLogprob] = Field(default_factory=list, max_length=MAX_TOP_LOGPROBS)
 
 

@@ -408,4 +408,4 @@ def install_openapi(app: FastAPI) -> None:
             app.openapi_schema = build_openapi(app, is_open)
         return app.openapi_schema
 
-    app.openapi = openapi  # type: ignore[method-assign]
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented override

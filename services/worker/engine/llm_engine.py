@@ -339,7 +339,7 @@ class Engine:
             if positions.start == 0:  # nothing predicts the first prompt token: its text only
                 first = seq.token_ids[0]
                 text, raw = self.tokenizer.token_piece(first)
-                seq.prompt_logprobs[0] = PromptLogprob(token_id=first, token=text, bytes=raw, logprob=None)  # type: ignore[index]
+                seq.prompt_logprobs[0] = PromptLogprob(token_id=first, token=text, bytes=raw, logprob=None)  # type: ignore[index]  # a list: this row was asked for
             if not len(positions):
                 continue
             targets = torch.tensor([seq.token_ids[p + 1] for p in positions], dtype=torch.long)
@@ -349,7 +349,7 @@ class Engine:
                 alternatives = list(zip(top.indices[i].tolist(), top.values[i].tolist(), strict=True)) if top else None
                 token = seq.token_ids[p + 1]
                 entry = self._token_logprob(token, chosen[i], alternatives)
-                seq.prompt_logprobs[p + 1] = PromptLogprob.model_construct(**dict(entry))  # type: ignore[index]
+                seq.prompt_logprobs[p + 1] = PromptLogprob.model_construct(**dict(entry))  # type: ignore[index]  # a list: this row was asked for
 
     def _grammar_mask(self, seqs: list[Sequence]) -> Callable[[torch.Tensor], None] | None:
         """The step's grammar mask over `seqs`' rows, or None when no row is constrained."""
