@@ -231,7 +231,9 @@ class Chaos:
 
     @property
     def bootstrap(self) -> str:
-        return self.args.bootstrap or self.cluster.bootstrap  # type: ignore[union-attr]
+        if self.cluster is None:  # only with --bootstrap: the cluster is the caller's
+            return self.args.bootstrap
+        return self.args.bootstrap or self.cluster.bootstrap
 
     async def up(self) -> None:
         from weir.cli import create_topics
@@ -262,7 +264,7 @@ class Chaos:
             i = len(self.cluster.cfgs) - 1  # not the first: the one a client most likely bootstrapped from
             fault = Fault("broker", f"broker-{i}", time.perf_counter())
             self.cluster.kill(i)
-            self._later("broker", BROKER_RESTART_S, lambda: self.cluster.restart(i), [])  # type: ignore[union-attr]
+            self._later("broker", BROKER_RESTART_S, lambda: self.cluster.restart(i), [])
             return fault
         if kind == "worker":
             self.num_worker_kills += 1

@@ -183,7 +183,7 @@ async def shoot(bootstrap: str, out: Path, warm_s: float, port: int) -> None:
     topics, token = Topics(prefix=f"shot{uuid.uuid4().hex[:6]}"), uuid.uuid4().hex
     await ensure_topics(bootstrap, topics.core_specs())
     settings = GatewaySettings(kafka_bootstrap=bootstrap, topic_prefix=topics.prefix, model_repo=str(REPO / "models.toml"),
-                               gateway_admin_token=token, auth_mode="open")  # type: ignore[arg-type]  # fmt: skip
+                               gateway_admin_token=token, auth_mode="open")  # fmt: skip
     app = create_app(settings)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     serving = asyncio.create_task(server.serve())

@@ -32,13 +32,13 @@ def build_model(path: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     # rope_theta and torch_dtype: names every supported transformers takes (5.x maps them; its stubs do not)
-    config = transformers.LlamaConfig(  # type: ignore[call-arg]
+    config = transformers.LlamaConfig(  # type: ignore[call-arg]  # transformers' stubs lag its config keywords
         vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
         num_key_value_heads=8, max_position_embeddings=4096, rope_theta=500000.0, tie_word_embeddings=True,
         bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16",
     )  # fmt: skip
     with torch.device("cuda"):
-        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)  # type: ignore[arg-type]
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)  # type: ignore[arg-type]  # transformers' decorated .to() confuses mypy
     model.save_pretrained(path, safe_serialization=True)
     vocab = {f"<{i}>": i for i in range(32000)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<0>"))
@@ -71,7 +71,8 @@ def engine_run(engine: Engine, batch: int, prompt_len: int, max_tokens: int) -> 
 def hf_static(path: Path, batch: int, prompt_len: int, max_tokens: int) -> float:
     import transformers
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()  # type: ignore[call-arg]
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    hf = loaded.cuda().eval()  # type: ignore[call-arg]  # transformers' decorated .cuda() confuses mypy
     ids = torch.randint(3, 32000, (batch, prompt_len), device="cuda")
     hf.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
     torch.cuda.synchronize()

@@ -34,10 +34,25 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import TypedDict
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "tests" / "data" / "guards"
 BASELINE = "b62188b"  # main before the multilingual guards (issue 35, item 10)
+
+
+class RowResult(TypedDict, total=False):
+    """evaluate()'s answer for one row: the first three keys for an input row, the last three for an output row."""
+
+    level: str
+    rules: list[str]
+    score: float
+    num_redacted: int
+    stream_ok: bool
+    redacted: str
+
+
+Results = dict[str, RowResult]
 
 
 def load(name: str, data: Path = DATA) -> list[dict[str, str]]:
@@ -46,7 +61,7 @@ def load(name: str, data: Path = DATA) -> list[dict[str, str]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def evaluate(data: Path = DATA) -> dict[str, dict[str, object]]:
+def evaluate(data: Path = DATA) -> Results:
     """Per row id: the input guard's level and rules, or the output guard's count of redacted
     spans and whether streaming gave the whole text's answer. Imports only what every commit since
     the guards began has (InjectionDetector, redact, Redactor), so it also runs an older checkout."""
@@ -54,7 +69,7 @@ def evaluate(data: Path = DATA) -> dict[str, dict[str, object]]:
     from services.gateway.guard.redaction import Redactor, redact
 
     detector = InjectionDetector()
-    out: dict[str, dict[str, object]] = {}
+    out: Results = {}
     for row in load("input", data):
         detection = detector.detect(row["text"])
         out[row["id"]] = {"level": detection.level, "rules": list(detection.rules), "score": round(detection.score, 4)}
@@ -72,7 +87,7 @@ def evaluate(data: Path = DATA) -> dict[str, dict[str, object]]:
     return out
 
 
-def evaluate_at(commit: str) -> dict[str, dict[str, object]] | None:
+def evaluate_at(commit: str) -> Results | None:
     """evaluate() on the guards of `commit` (a git worktree of it, in a subprocess); None when this
     is not a git checkout or the commit is unknown."""
     with tempfile.TemporaryDirectory(prefix="weir-guards-baseline-") as tmp:
@@ -96,7 +111,7 @@ def _pct(hits: int, total: int) -> str:
     return f"{100 * hits / total:.0f}% ({hits}/{total})" if total else "-"
 
 
-def input_table(rows: list[dict[str, str]], results: list[dict[str, dict[str, object]] | None]) -> list[list[str]]:
+def input_table(rows: list[dict[str, str]], results: list[Results | None]) -> list[list[str]]:
     """Per language and in all: detection and false-positive rates at high and at medium-or-high."""
     table = []
     langs = sorted({r["lang"] for r in rows}, key=lambda lang: (lang != "en", lang))
@@ -115,7 +130,7 @@ def input_table(rows: list[dict[str, str]], results: list[dict[str, dict[str, ob
     return table
 
 
-def output_table(rows: list[dict[str, str]], results: list[dict[str, dict[str, object]] | None]) -> list[list[str]]:
+def output_table(rows: list[dict[str, str]], results: list[Results | None]) -> list[list[str]]:
     """Per language and in all: outputs with a card or IBAN redacted, benign ones changed, streaming
     mismatches."""
     table = []
@@ -153,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
 
     current = evaluate(args.data)
     base = None if args.baseline == "none" else evaluate_at(args.baseline)
-    results = [base, current] if args.baseline != "none" else [current]
+    results: list[Results | None] = [base, current] if args.baseline != "none" else [current]
     arrow = f"baseline {args.baseline} -> now" if args.baseline != "none" else "now"
     inputs = [r for r in load("input", args.data) if args.split in ("all", r["split"])]
     outputs = [r for r in load("output", args.data) if args.split in ("all", r["split"])]

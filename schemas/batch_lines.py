@@ -124,7 +124,7 @@ def parse_line_body(envelope: Envelope) -> LineBody:
                             "batch's completion window is every line's deadline", "timeout_s")  # fmt: skip
         return embedding
     try:
-        parsed = parse_body(ENDPOINT_KINDS[envelope.url], orjson.dumps(body))  # type: ignore[arg-type]
+        parsed = parse_body(ENDPOINT_KINDS[envelope.url], orjson.dumps(body))  # type: ignore[arg-type]  # embeddings left above: a generation kind
     except BodyError as exc:
         raise LineError(envelope.line, exc.code, exc.message, exc.param) from None
     if parsed.stream:

@@ -9,6 +9,7 @@ edges.
 
 from __future__ import annotations
 
+import itertools
 import hashlib
 import re
 import time
@@ -247,7 +248,7 @@ class PromptLogprob(TopLogprob):
     """A prompt token and its log-probability given the tokens before it (None for the first
     token, which nothing predicts), with the most likely alternatives asked for."""
 
-    logprob: float | None = Field(le=0.0, allow_inf_nan=False)  # type: ignore[assignment]
+    logprob: float | None = Field(le=0.0, allow_inf_nan=False)  # type: ignore[assignment]  # widens TopLogprob's: the first token has none
     top_logprobs: list[TopLogprob] = Field(default_factory=list, max_length=MAX_TOP_LOGPROBS)
 
 
@@ -574,9 +575,9 @@ class LatencyHistogram(BaseModel):
     def _consistent(self) -> LatencyHistogram:
         if len(self.counts) != len(self.bounds) + 1:
             raise ValueError(f"{len(self.counts)} counts for {len(self.bounds)} bounds: want one more (+Inf)")
-        if any(b <= a for a, b in zip(self.bounds, self.bounds[1:])):
+        if any(b <= a for a, b in itertools.pairwise(self.bounds)):
             raise ValueError("bounds must ascend")
-        if any(c < 0 for c in self.counts) or any(b < a for a, b in zip(self.counts, self.counts[1:])):
+        if any(c < 0 for c in self.counts) or any(b < a for a, b in itertools.pairwise(self.counts)):
             raise ValueError("counts must be cumulative: >= 0 and never decreasing")
         return self
 

@@ -446,7 +446,7 @@ class ChatCompletionBody(_Body):
         for i, tool in enumerate(tools):
             _check_tool(i, tool, is_constraint=tool.function.name in constrained, is_parsed=is_parsed)
         wire_choice: ToolChoice | None = (
-            NamedToolChoice.model_validate({"function": {"name": named}}) if named else choice  # type: ignore[assignment]
+            NamedToolChoice.model_validate({"function": {"name": named}}) if named else choice  # type: ignore[assignment]  # named is set only for a _NamedToolChoice
         )
         return {
             "tools": wire_tools,
@@ -490,8 +490,8 @@ class CompletionBody(_Body):
         if isinstance(self.prompt, str):
             return [self.prompt]
         if self.prompt and all(isinstance(p, int) for p in self.prompt):
-            return [list(self.prompt)]  # type: ignore[arg-type]
-        return list(self.prompt)  # type: ignore[arg-type]
+            return [list(self.prompt)]  # type: ignore[arg-type]  # all() does not narrow the element type
+        return list(self.prompt)  # type: ignore[arg-type]  # all() does not narrow the element type
 
     @property
     def has_token_prompts(self) -> bool:

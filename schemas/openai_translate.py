@@ -284,7 +284,7 @@ def to_embed_requests(body: EmbeddingBody, model: ModelConfig, routing: Routing)
             model=model.served_id, inputs=chunk, principal=routing.principal, tenant=routing.tenant,
             priority=routing.priority, user=body.user, assignment=routing.assignment,
             deadline_ms=routing.deadline_ms, reply_to=routing.reply_to, created_ms=routing.created_ms,
-        )  # fmt: skip
+        )
         for i, chunk in enumerate(chunks)
     ]
 

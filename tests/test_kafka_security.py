@@ -510,7 +510,7 @@ async def test_a_producers_requests_are_served_as_that_producer_and_reply_only_t
         assert "".join(e.text for e in map(decode_reply, replies) if e.type == "delta") == "three four"
         audit = await _read_until(cfg, "auditor", TOPICS.audit, task,
                                   lambda vs: claimed.request_id in {decode(AuditEvent, v).request_id for v in vs})  # fmt: skip
-        event = next(e for e in map(lambda v: decode(AuditEvent, v), audit) if e.request_id == claimed.request_id)
+        event = next(e for e in (decode(AuditEvent, v) for v in audit) if e.request_id == claimed.request_id)
         assert (event.principal, event.tenant) == ("client", PRODUCER_TENANT)
         admin = cfg.admin_options()
 

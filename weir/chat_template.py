@@ -66,7 +66,7 @@ class _GenerationTag(jinja2.ext.Extension):
         block.set_lineno(lineno)
         return block
 
-    def _body(self, caller) -> str:  # type: ignore[no-untyped-def]
+    def _body(self, caller) -> str:
         return caller()
 
 
@@ -86,17 +86,17 @@ def _strftime_now(format: str) -> str:
 class _TemplateDict:
     """`dict(...)` without attribute access to the type (transformers' TemplateDict)."""
 
-    def __call__(self, *args, **kwargs) -> dict:  # type: ignore[no-untyped-def]
+    def __call__(self, *args, **kwargs) -> dict:
         return dict(*args, **kwargs)
 
-    def fromkeys(self, *args, **kwargs) -> dict:  # type: ignore[no-untyped-def]
+    def fromkeys(self, *args, **kwargs) -> dict:
         return dict.fromkeys(*args, **kwargs)
 
 
 class _TemplateNamespace(jinja2.utils.Namespace):
     """`namespace(...)` that refuses underscore-prefixed names (transformers' TemplateNamespace)."""
 
-    def __init__(*args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+    def __init__(*args, **kwargs) -> None:
         self, args = args[0], args[1:]  # Jinja's signature trick, so that namespace(self=...) works
         attrs = dict(*args, **kwargs)
         for name in attrs:

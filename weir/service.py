@@ -348,7 +348,7 @@ class HttpServer:
         config = uvicorn.Config(app, **{"log_level": "warning", "access_log": False, "lifespan": "on",
                                         "timeout_graceful_shutdown": 5, **options})
         self.server = uvicorn.Server(config)
-        self.server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
+        self.server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]  # uvicorn has no option to leave signals to its caller
         # Nagle off for every connection accepted here (Linux copies the option to them). asyncio
         # sets TCP_NODELAY only on sockets whose proto is IPPROTO_TCP, and socket.create_server
         # makes them with proto 0: with Nagle on, each streamed response after the first on a

@@ -182,7 +182,7 @@ def _watermark(args: argparse.Namespace, settings: AuditorSettings) -> int:
 
 
 def _line(record: dict[str, object]) -> str:
-    appended = datetime.fromtimestamp(int(record["appended_ms"]) / 1000, UTC)  # type: ignore[call-overload]
+    appended = datetime.fromtimestamp(int(record["appended_ms"]) / 1000, UTC)  # type: ignore[call-overload]  # the ledger's JSON: an int
     return (
         f"{record['chain_id']:>3}:{record['seq']:<6} {appended:%Y-%m-%d %H:%M:%S}Z {record['event_id']} "
         f"req={record['request_id']} {record['model_version']} {record['principal']}@{record['tenant']} "
@@ -193,7 +193,7 @@ def _line(record: dict[str, object]) -> str:
 
 def _flag_line(flag: dict[str, object]) -> str:
     """One review flag: when it was raised, who, how many detections in what window, which rules."""
-    created = datetime.fromtimestamp(int(flag["created_ms"]) / 1000, UTC)  # type: ignore[call-overload]
+    created = datetime.fromtimestamp(int(flag["created_ms"]) / 1000, UTC)  # type: ignore[call-overload]  # the ledger's JSON: an int
     rules = ",".join(json.loads(str(flag["rules"]))) or "-"
     return (
         f"{created:%Y-%m-%d %H:%M:%S}Z {flag['principal']}@{flag['tenant']} {flag['reason']} "

@@ -278,7 +278,7 @@ def register_comparison(broker: KafkaBroker, settings: AuditorSettings, comparis
     fetch.pop("enable_auto_commit")  # FastStream derives it from the ack policy
 
     async def raw(msg: KafkaMessage) -> list[ConsumerRecord]:
-        return list(msg.raw_message)  # type: ignore[arg-type]
+        return list(msg.raw_message)
 
     common = {"group_id": settings.topics.comparison_group, "batch": True, "ack_policy": AckPolicy.ACK_FIRST,
               "parser": parse_records, "decoder": raw, "auto_offset_reset": "earliest", **fetch}

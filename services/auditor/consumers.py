@@ -109,7 +109,7 @@ class LedgerWriter:
     async def usage_of(self, key: UsageKey) -> tuple[int, int, int, int]:
         """Ledger.usage_of on the ledger thread: one key's token totals (services/auditor/usage.py)."""
         assert self._ledger is not None, "LedgerWriter.open() was not called"
-        return tuple(await self._run(self._ledger.usage_of, key))  # type: ignore[return-value]
+        return tuple(await self._run(self._ledger.usage_of, key))
 
     async def usage_keys_since(self, since_ms: int) -> list[UsageKey]:
         """Ledger.usage_keys_since on the ledger thread."""
@@ -203,7 +203,7 @@ class AuditItem:
 async def decode_items(msg: KafkaMessage) -> list[AuditItem]:
     """The subscriber's decoder: a fetched batch as typed AuditItems, one per record."""
     items = []
-    for record in msg.raw_message:  # type: ignore[union-attr]
+    for record in msg.raw_message:
         try:
             items.append(AuditItem(record, decode_audit_value(record.value)))
         except DecodeError as bad:
@@ -275,7 +275,7 @@ class AuditBatches:
         except Exception as exc:  # noqa: BLE001 - per-batch failure is data: read it again
             log.exception("audit batch of %d records failed (%r); reading it again in %.1f s",
                           len(items), exc, self.settings.audit_retry_backoff_s)
-            _rewind(msg.consumer, [item.record for item in items])  # type: ignore[arg-type]
+            _rewind(msg.consumer, [item.record for item in items])
         # A pause before the retry: no hot loop on a full disk or a broker that is away.
         await asyncio.sleep(self.settings.audit_retry_backoff_s)
 

@@ -217,7 +217,7 @@ class HealthMonitor:
         (Ledger.drift_rows: each version's first and last values per signal)."""
         for model_version, signal, finished_ms, event_id, value in rows:
             if signal in WINDOW_SIGNALS:
-                self.add(model_version, signal, (finished_ms, event_id, value))  # type: ignore[arg-type]
+                self.add(model_version, signal, (finished_ms, event_id, value))
 
     def observe(self, event: AuditEvent) -> Result | None:
         """One new audit event (mirror copies included: keyed by the version that served); its

@@ -16,6 +16,8 @@ from typing import Any, Literal
 from schemas.fingerprint import keyed_hmac
 from services.auditor.ledger import Ledger
 
+Side = Literal["prompt", "output"]  # the field of a record a match is in
+
 DEFAULT_MAX_DISTANCE = 10  # of 64 bits; paraphrases of one sentence land around 3-12
 
 
@@ -69,9 +71,10 @@ def lookup(
                 matches.append(_match(record, field, "exact", 0))
                 exact.add((record["chain_id"], record["seq"], field))
     if simhash is not None:
-        near: list[tuple[int, int, int, str]] = []
+        near: list[tuple[int, int, int, Side]] = []
         for chain_id, seq, prompt_sh, output_sh in ledger.iter_simhashes():
-            for field, value in (("prompt", prompt_sh), ("output", output_sh)):
+            sides: tuple[tuple[Side, str | None], ...] = (("prompt", prompt_sh), ("output", output_sh))
+            for field, value in sides:
                 if value is None or (chain_id, seq, field) in exact:
                     continue
                 distance = hamming(simhash, value)
@@ -80,7 +83,7 @@ def lookup(
         for distance, chain_id, seq, field in sorted(near)[: max(limit - len(matches), 0)]:
             found = ledger.record(chain_id, seq)
             if found is not None:
-                matches.append(_match(found, field, "semantic", distance))  # type: ignore[arg-type]
+                matches.append(_match(found, field, "semantic", distance))
     return matches[:limit]
 
 

@@ -458,7 +458,7 @@ class BatcherHandlers:
         if not positions:
             return
         try:
-            await self._consumer.commit(positions)  # type: ignore[arg-type]
+            await self._consumer.commit(positions)
         except KafkaError as exc:  # e.g. a rebalance took the partitions: their next owner redoes them
             log.warning("commit of %s failed: %r", positions, exc)
 
@@ -500,7 +500,7 @@ class BatcherHandlers:
                 del self._copies[copy_id]
 
 
-class RebalanceListener(ConsumerRebalanceListener):  # type: ignore[misc]
+class RebalanceListener(ConsumerRebalanceListener):
     """Forwards the requests consumer's rebalances to BatcherHandlers."""
 
     def __init__(self, handlers: BatcherHandlers) -> None:

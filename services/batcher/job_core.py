@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -47,7 +48,7 @@ from schemas.batch_lines import (
 )
 from schemas.registry import RegistryState
 from schemas.reply_stream import ReplyCursor
-from schemas.openai_bodies import BodyError, Kind
+from schemas.openai_bodies import BodyError, ChatCompletionBody, CompletionBody, Kind
 from schemas.openai_translate import (
     ID_PREFIX,
     EmbeddingBody,
@@ -188,7 +189,7 @@ def to_job_lines(envelope: Envelope, job: BatchJob, models: RegistryState, reply
                       stream=False)  # fmt: skip
     try:  # the same checks and translation as the gateway's endpoint: every parameter honoured or refused by name
         body = parse_line_body(envelope)
-        requests = to_requests(kind, body, config, routing)
+        requests: Sequence[GenerateRequest | EmbedRequest] = to_requests(kind, body, config, routing)
     except LineError as exc:
         return refused(exc.code, exc.message, exc.param)
     except BodyError as exc:
@@ -283,8 +284,9 @@ class JobResults:
             if ends and group[0].kind == "embeddings":  # its parts embed different inputs
                 prompt += sum(end.usage.prompt_tokens for end in ends)
             elif ends:
-                body = group[0].body
-                usage = choices_usage(ends, body.num_prompts if body is not None and len(ends) == len(group) else 1)
+                body = group[0].body  # a generation body here: embeddings are the branch above
+                prompts = body.num_prompts if isinstance(body, ChatCompletionBody | CompletionBody) else 1
+                usage = choices_usage(ends, prompts if len(ends) == len(group) else 1)
                 prompt += usage.prompt_tokens
                 cached += usage.cached_prompt_tokens
                 completion += usage.completion_tokens
@@ -304,7 +306,7 @@ class JobResults:
                 errors.append(_error_line(line, 400, {"error": line.error.model_dump(mode="json")}))
             elif ends is None:
                 if unfinished_code is not None:
-                    info = {"code": unfinished_code, "message": f"the request did not run: the batch was {unfinished_code.split('_')[-1]}"}
+                    info: dict[str, Any] = {"code": unfinished_code, "message": f"the request did not run: the batch was {unfinished_code.split('_')[-1]}"}
                     errors.append(orjson.dumps({"id": f"batch_req_{line.line_request_id}", "custom_id": line.custom_id,
                                                 "response": None, "error": info}))
             elif all(end.finish_reason in ("stop", "length") for end in ends):

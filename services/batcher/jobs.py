@@ -180,7 +180,7 @@ class JobRunner:
                     self.jobs[job.job_id] = job
 
 
-class _Revoke(ConsumerRebalanceListener):  # type: ignore[misc]
+class _Revoke(ConsumerRebalanceListener):
     def __init__(self, runner: JobRunner) -> None:
         self.runner = runner
 

@@ -244,7 +244,7 @@ class _Lane:
 
     def drop_expired(self, now_ms: int) -> list[Request]:
         gone = [rid for rid, h in self.held.items() if h.request.deadline_ms <= now_ms]
-        return [self.queue.remove(rid).request for rid in gone]  # type: ignore[union-attr]
+        return [held.request for rid in gone if (held := self.queue.remove(rid)) is not None]
 
     def take_batch(self, room_tokens: int | None) -> tuple[list[Held], int]:
         """Remove and return the next batch and its tokens: requests in scheduling order while

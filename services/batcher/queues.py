@@ -168,17 +168,17 @@ class ModelQueue:
         return choice.held
 
     def _choose(self) -> _Choice | None:
-        heads = {lane: self._head_of_lane(lane) for lane in LANES}
-        candidates = [lane for lane in LANES if heads[lane] is not None]
+        heads = {lane: head for lane in LANES if (head := self._head_of_lane(lane)) is not None}
+        candidates = [lane for lane in LANES if lane in heads]
         if not candidates:
             return None
         if self.config.lane_policy == "strict":
             lane = candidates[0]  # LANES is in priority order
-            tenant, held, t_start, t_finish = heads[lane]  # type: ignore[misc]
+            tenant, held, t_start, t_finish = heads[lane]
             return _Choice(held, lane, tenant, 0.0, 0.0, t_start, t_finish)
         best: _Choice | None = None
         for lane in candidates:
-            tenant, held, t_start, t_finish = heads[lane]  # type: ignore[misc]
+            tenant, held, t_start, t_finish = heads[lane]
             start = self._lane_share[lane].next_start
             finish = start + held.cost_tokens / self._lane_weight(lane)
             choice = _Choice(held, lane, tenant, start, finish, t_start, t_finish)

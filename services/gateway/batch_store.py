@@ -111,5 +111,5 @@ class BatchStore:
 
     async def command(self, job_id: str, action: str) -> None:
         """Send a JobCommand to the job's runner."""
-        command = JobCommand(job_id=job_id, action=action)  # type: ignore[arg-type]
+        command = JobCommand(job_id=job_id, action=action)
         await self.producer.send_and_wait(self.topics.job_commands, encode(command), key=job_id.encode())

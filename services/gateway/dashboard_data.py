@@ -153,10 +153,10 @@ class MetricWindow:
         return {
             "window_s": round(span_s, 3) if usable else None,
             "latency": {key: self._latency(now, base, name) if base and usable else None
-                        for key, name in LATENCIES.items()},  # fmt: skip
+                        for key, name in LATENCIES.items()},
             "throughput": self._throughput(now, base, span_s) if base and usable else None,
             "lag": self._lag(now),
-        }  # fmt: skip
+        }
 
     @staticmethod
     def _lag(now: Snapshot) -> list[dict[str, Any]] | None:
@@ -213,7 +213,7 @@ def heartbeat_samples(live: list[WorkerHeartbeat]) -> Samples:
         for sid, latency in hb.latency.items():
             for key, histogram in (("worker_ttft", latency.ttft), ("worker_itl", latency.itl)):
                 name = f"{LATENCIES[key]}_bucket"
-                for bound, count in zip([*histogram.bounds, math.inf], histogram.counts):
+                for bound, count in zip([*histogram.bounds, math.inf], histogram.counts, strict=True):
                     le = "+Inf" if math.isinf(bound) else repr(float(bound))
                     out[(name, frozenset({("model_name", sid), ("worker", hb.worker_id), ("le", le)}))] = float(count)
     return out

@@ -273,7 +273,7 @@ class GatewayBus:
     async def _dead_letter(self, record: object, reason: str) -> None:
         assert self._producer is not None
         try:
-            await send_dead_letter(self._producer, self.topics, record, reason, SERVICE)  # type: ignore[arg-type]
+            await send_dead_letter(self._producer, self.topics, record, reason, SERVICE)
         except KafkaError:
             log.exception("dead-lettering failed; dropping the record")
 

@@ -244,7 +244,7 @@ def _completion_operation(body: str, result: str, example: dict[str, Any], summa
                             "seconds (0, or 0.001 to WEIR_MAX_RESUME_GRACE_S), readable again at "
                             "GET /v1/streams/{request_id}; 0: cancel at once.",
              "schema": {"type": "number", "minimum": 0}},
-        ],  # fmt: skip
+        ],
         "requestBody": {
             "required": True,
             "content": {"application/json": {"schema": _ref(body), "example": example}},
@@ -410,4 +410,4 @@ def install_openapi(app: FastAPI) -> None:
             app.openapi_schema = build_openapi(app, is_open)
         return app.openapi_schema
 
-    app.openapi = openapi  # type: ignore[method-assign]
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented override

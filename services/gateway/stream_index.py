@@ -77,7 +77,7 @@ def durable_record(
                         include_usage=writer.include_usage, logprobs=writer.logprobs, assignment=request.assignment)  # fmt: skip
     return StreamRecord(
         request_id=request.request_id, member_ids=[request.request_id], owner_tenant=owner.tenant,
-        owner_credential=owner.credential, owner_principal=owner.principal, gateway_id=gateway_id,  # type: ignore[arg-type]
+        owner_credential=owner.credential, owner_principal=owner.principal, gateway_id=gateway_id,
         reply_topic=reply_topic, reply_partition=0, start_offset=start_offset, grace_s=grace_s,
         deadline_ms=request.deadline_ms, render=render.model_dump(),
     )  # fmt: skip
@@ -244,7 +244,7 @@ class ReplyReader:
         """Route one record's event when it is one of this stream's; True once its terminal is delivered.
         Not dead-lettered: the gateway that owns the topic already did that for a bad record."""
         try:
-            event = decode_reply(value)  # type: ignore[arg-type]
+            event = decode_reply(value)
         except DecodeError:
             return False
         if event.request_id not in self.members:

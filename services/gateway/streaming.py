@@ -283,7 +283,7 @@ class EventStreamResponse(StreamingResponse):
                 group.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):
-                await self._body.aclose()  # type: ignore[attr-defined]
+                await self._body.aclose()  # type: ignore[attr-defined]  # an async generator, typed as its iterator
             self._on_close()
 
 

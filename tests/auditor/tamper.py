@@ -38,7 +38,7 @@ def rewrite_chain(conn: sqlite3.Connection, log: str, chain_id: int, seq: int, f
     """Set `field` of record `seq` of the chain to `value`, then rehash that record and every one
     after it and recompute the chain's checkpoints over the same ranges, as the auditor would have
     made them, with their MACs under `mac_key` (None: keep each old MAC)."""
-    table, checkpoints = TABLES[log]
+    table, _checkpoints = TABLES[log]
     payload_key = "event" if log == "audit" else "review_flag"
     prev = None
     for row in rows(conn, table, chain_id):

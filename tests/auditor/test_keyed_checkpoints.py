@@ -207,7 +207,7 @@ def test_the_checkpoint_key_is_made_once_apart_from_the_fingerprint_key(tmp_path
     assert resolve_checkpoint_key(None, create=True, home=home) == key == resolve_checkpoint_key(None, create=False, home=home)
     assert not key_file(home).exists(), "a separate file from the fingerprint key"
     os.chmod(path, 0o644)
-    with pytest.raises(AuditKeyError, match="checkpoint key .* has mode 0644"):
+    with pytest.raises(AuditKeyError, match=r"checkpoint key .* has mode 0644"):
         resolve_checkpoint_key(None, create=False, home=home)
     assert resolve_checkpoint_key("hex:" + "11" * 32, create=False, home=home) == b"\x11" * 32
     with pytest.raises(AuditKeyError, match="shorter than 16 bytes"):

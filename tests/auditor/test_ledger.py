@@ -3,6 +3,7 @@ that verify() must name."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import sqlite3
 from collections.abc import Iterator
@@ -87,7 +88,7 @@ def test_append_builds_one_intact_chain_per_partition(db: Path) -> None:
     assert [r["event_id"] for r in zero] == [f"ev-{i}" for i in range(1, NUM + 1)]
     for chain in (zero, one):
         assert chain[0]["prev_hash"] == GENESIS_HASH
-        for before, after in zip(chain, chain[1:]):
+        for before, after in itertools.pairwise(chain):
             assert after["prev_hash"] == before["record_hash"]
     assert report.chain(0).head_hash == zero[-1]["record_hash"]
     assert report.chain(1).head_hash == one[-1]["record_hash"]

@@ -156,7 +156,7 @@ def test_flags_table_of_another_schema_is_refused(tmp_path: Path) -> None:
 
 
 def test_flag_past_64_bit_integers_is_refused_untouched(db: Path) -> None:
-    with Ledger(db) as ledger, pytest.raises(ValueError, match="window_s=.*64-bit"):
+    with Ledger(db) as ledger, pytest.raises(ValueError, match=r"window_s=.*64-bit"):
         ledger.append_flag(make_flag(9, window_s=2**63), partition=0, offset=1)
     assert verify(db).num_flags == 4
 

@@ -5,6 +5,7 @@ fails on Topics.model_health, is taken to 0% in the registry and the event recor
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -57,10 +58,8 @@ def _event(i: int, sid: str, assignment: str, error: bool = False, **extra):
 async def _health_events(bus: BusSettings) -> list[ModelHealthEvent]:
     out = []
     for _key, value in await _read_topic(bus, bus.topics.model_health):
-        try:
+        with contextlib.suppress(DecodeError):
             out.append(decode(ModelHealthEvent, value))
-        except DecodeError:
-            pass
     return out
 
 

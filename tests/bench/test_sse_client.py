@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import asyncio
 
 import pytest
@@ -32,7 +33,7 @@ def chunked(body: bytes, cuts: list[int]) -> list[bytes]:
     """`body` as chunked transfer encoding, cut into chunks at `cuts`, each chunk written in two pieces."""
     edges = [0, *cuts, len(body)]
     pieces = []
-    for start, end in zip(edges, edges[1:], strict=False):
+    for start, end in itertools.pairwise(edges):
         frame = f"{end - start:x}\r\n".encode() + body[start:end] + b"\r\n"
         pieces += [frame[:3], frame[3:]]
     return pieces + [b"0\r\n\r\n"]
@@ -60,7 +61,7 @@ async def test_an_error_status_raises_with_the_body() -> None:
     server, port, _ = await serve([[head, error]])
     async with server:
         connection = SseConnection("127.0.0.1", port)
-        with pytest.raises(HttpError, match="400 Bad Request.*invalid_request_error"):
+        with pytest.raises(HttpError, match=r"400 Bad Request.*invalid_request_error"):
             [data async for data in connection.post_events("/v1/completions", b"{}")]
 
 

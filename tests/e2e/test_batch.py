@@ -88,7 +88,7 @@ def interactive_beside(pipeline, stop: threading.Event, log: list) -> threading.
 
 def test_openai_client_runs_a_batch_beside_interactive_requests(pipeline, client, tmp_path):
     path = write_input(tmp_path / "in.jsonl", NUM_LINES, "a")
-    uploaded = client.files.create(file=open(path, "rb"), purpose="batch")
+    uploaded = client.files.create(file=path, purpose="batch")
     assert uploaded.bytes == path.stat().st_size and uploaded.purpose == "batch"
     assert client.files.retrieve(uploaded.id).filename == "in.jsonl"
     assert client.files.content(uploaded.id).content == path.read_bytes()
@@ -120,7 +120,7 @@ def test_openai_client_runs_a_batch_beside_interactive_requests(pipeline, client
 def test_kill_9_of_the_batcher_mid_job_loses_and_duplicates_nothing(pipeline, client, tmp_path):
     n = NUM_LINES
     path = write_input(tmp_path / "kill.jsonl", n, "k")
-    uploaded = client.files.create(file=open(path, "rb"), purpose="batch")
+    uploaded = client.files.create(file=path, purpose="batch")
     batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
     current = wait_until(lambda: running_with_some_done(client, batch.id), timeout_s=120,
                          what="the job running with some lines done")
@@ -140,7 +140,7 @@ def test_a_file_with_a_bad_line_is_refused_at_upload_naming_the_line(client, tmp
                          "body": {"model": "echo", "messages": [{"role": "user", "content": "hi"}]}})
     path.write_bytes(good + b"\n{oops\n" + good + b"\n")
     with pytest.raises(BadRequestError) as caught:
-        client.files.create(file=open(path, "rb"), purpose="batch")
+        client.files.create(file=path, purpose="batch")
     error = caught.value.body
     assert isinstance(error, dict) and error["code"] == "invalid_json", error
     assert error["message"].startswith("line 2: the line is not JSON"), error
@@ -152,7 +152,7 @@ def test_cancel_stops_a_job_and_keeps_what_finished(pipeline, client, tmp_path):
              "body": {"model": "weir-tiny-py", "prompt": f"def f_{i}():\n", "max_tokens": 200, "temperature": 0}}
             for i in range(64)]  # fmt: skip
     path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
-    uploaded = client.files.create(file=open(path, "rb"), purpose="batch")
+    uploaded = client.files.create(file=path, purpose="batch")
     batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
     wait_until(lambda: running_with_some_done(client, batch.id), timeout_s=120,
                what="the job running with some lines done")

@@ -11,6 +11,7 @@ outside clients reported in issue 35.
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import subprocess
 import time
@@ -160,7 +161,7 @@ async def test_a_plain_kafka_client_reads_every_position_and_the_readme_reader_t
     start = readme.index("      | jq -nj")
     jq = readme[start : readme.index("\n\n", start)].replace("      | ", "", 1)
     jq = jq.replace("--arg rid r1", f"--arg rid {request.request_id}")
-    done = subprocess.run(["bash", "-c", jq], input=b"".join(r.value + b"\n" for r in records), capture_output=True,
+    done = await asyncio.to_thread(subprocess.run, ["bash", "-c", jq], input=b"".join(r.value + b"\n" for r in records), capture_output=True,
                           timeout=30, check=True)  # fmt: skip
     assert done.stdout.decode() == text + "\n[length]\n"
 
@@ -196,7 +197,7 @@ async def test_tool_choice_required_gives_the_generated_calls_once(
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
     # what the worker generated: the complete calls of its ReplyEnd, and the call pieces of its deltas
     on_wire = await reply_events(smollm2, gateway_replies(smollm2), {whole.id, chunks[0].id})
-    for request_id, events in on_wire.items():
+    for events in on_wire.values():
         end = events[-1]
         assert isinstance(end, ReplyEnd) and contiguous(events)
         generated = [(c.function.name, c.function.arguments) for c in end.tool_calls or []]

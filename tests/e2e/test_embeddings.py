@@ -107,7 +107,7 @@ async def test_more_inputs_than_one_request_carries_come_back_in_order(pipeline)
 
 
 async def test_wrong_models_and_parameters_get_openai_errors(pipeline):
-    _, server, client = pipeline
+    _, _server, client = pipeline
     with pytest.raises(openai.BadRequestError, match="not an embedding model"):
         await client.embeddings.create(model="echo", input="x")
     with pytest.raises(openai.BadRequestError, match="dimensions"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import asyncio
 import time
 
@@ -97,7 +98,7 @@ async def assert_each_ends_once(pipeline, log: dict, num_requests: int = NUM_REQ
         # (finish, [DONE]) repeat its id
         ids = entry["ids"]
         last = ids.index(ids[-1])
-        assert all(a < b for a, b in zip(ids[:last], ids[1:last + 1])), f"stream {i} repeated or reordered: {ids}"
+        assert all(a < b for a, b in itertools.pairwise(ids[:last + 1])), f"stream {i} repeated or reordered: {ids}"
         assert set(ids[last:]) == {ids[-1]}
         assert entry["text"] == again[i].json()["choices"][0]["text"], f"stream {i} differs from its rerun"
         if i % 3 == 0 and entry["finishes"] == ["stop"]:

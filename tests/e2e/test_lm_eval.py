@@ -151,7 +151,7 @@ async def test_lm_evals_own_loglikelihood_payload(pipeline) -> None:
         assert generated in (0, 1) and (generated == 1) == (choice.finish_reason == "length")
         continuation = lp.token_logprobs[context_len : len(prompt_ids)]
         assert len(continuation) == len(prompt_ids) - context_len and all(v is not None and v <= 0 for v in continuation)
-        for token, top in zip(lp.tokens[context_len:], lp.top_logprobs[context_len:], strict=True):
+        for _token, top in zip(lp.tokens[context_len:], lp.top_logprobs[context_len:], strict=True):
             assert len(top) >= 1 and all(v <= 0 for v in top.values())  # lm-eval's is_greedy reads these
         assert choice.text.startswith(CONTEXT)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import uuid
@@ -163,7 +164,7 @@ async def test_every_served_request_is_in_a_verifiable_audit_log_without_raw_tex
         return show if done.id in show.stdout else None
 
     await until(shown, timeout_s=30, interval_s=0.2, what=f"{done.id} in `weir audit show`")
-    verify = subprocess.run([sys.executable, "-m", "weir.cli", "audit", "verify", "--db", str(pipeline.audit_db),
+    verify = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "weir.cli", "audit", "verify", "--db", str(pipeline.audit_db),
                              "--bootstrap", pipeline.bootstrap, "--topic-prefix", pipeline.topics.prefix],
                             capture_output=True, text=True)  # fmt: skip
     assert verify.returncode == 0 and verify.stdout.startswith("OK"), verify.stdout + verify.stderr

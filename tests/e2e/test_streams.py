@@ -53,10 +53,10 @@ async def texts_of(response: httpx.Response, max_texts: int | None = None) -> tu
 
 
 async def test_a_disconnect_mid_stream_stops_the_worker(pipeline):
-    async with httpx.AsyncClient(base_url=pipeline.base_url, timeout=60) as client:
-        async with client.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as response:
-            request_id = response.headers["x-request-id"]
-            await texts_of(response, max_texts=3)
+    async with (httpx.AsyncClient(base_url=pipeline.base_url, timeout=60) as client,
+                client.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as response):
+        request_id = response.headers["x-request-id"]
+        await texts_of(response, max_texts=3)
     record = await audit_record(pipeline, request_id)
     assert record["finish_reason"] == "cancelled"
     assert 3 <= record["completion_tokens"] < LONG["max_tokens"]

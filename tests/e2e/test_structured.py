@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from enum import Enum
+from enum import StrEnum
 
 import jsonschema_rs
 import openai
@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 MODEL = "weir-tiny-py"
 
 
-class Colour(str, Enum):
+class Colour(StrEnum):
     red = "red"
     green = "green"
     blue = "blue"

@@ -44,7 +44,7 @@ from schemas.messages import (
     WorkerHeartbeat,
 )
 from schemas.topics import Topics
-from tests.waiting import until
+from tests.waiting import WaitTimeout, until
 
 TEXT = ["Hello", ", ", "world"]
 DRIP = [f"t{i} " for i in range(20)]
@@ -129,9 +129,8 @@ class FakeWorker:
             # "Hello," leaves at once; the output guard holds the trailing space (and a bare trailing
             # word) until the next delta shows it does not start a spelled-out address (" at ...")
             await self._send(request, ReplyDelta(request_id=rid, seq=0, text="Hello, "))
-            deadline = time.monotonic() + 20
-            while not self.cancels_of(rid) and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)  # the fake worker's own loop: it runs until a cancel comes (at most 20 s)
+            with contextlib.suppress(WaitTimeout):  # the fake worker ends the request when a cancel comes (or at 20 s)
+                await until(lambda: self.cancels_of(rid), timeout_s=20, what=f"a cancel of {rid}")
             await self._send(request, ReplyEnd(request_id=rid, seq=1, finish_reason="cancelled"))
             return
         if "variants" in prompt:

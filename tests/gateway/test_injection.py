@@ -86,7 +86,7 @@ def test_obfuscated_variants_are_caught(detector: InjectionDetector, text: str) 
 _LOOKALIKES = str.maketrans({"a": "а", "e": "е", "o": "о", "p": "р", "c": "с", "i": "і", "x": "х", "y": "у",
                              "s": "ѕ", "j": "ј", "I": "Ι", "O": "Ο", "E": "Ε", "T": "Т", "M": "М", "A": "Α"})
 _GREEK = str.maketrans({"o": "ο", "i": "ι", "a": "α", "v": "ν", "u": "υ", "p": "ρ"})
-_SMALL_CAPITALS = str.maketrans(dict(zip("abcdefghijklmnopqrstuvwz", "ᴀʙᴄᴅᴇꜰɢʜɪᴊᴋʟᴍɴᴏᴘꞯʀꜱᴛᴜᴠᴡᴢ")))
+_SMALL_CAPITALS = str.maketrans(dict(zip("abcdefghijklmnopqrstuvwz", "ᴀʙᴄᴅᴇꜰɢʜɪᴊᴋʟᴍɴᴏᴘꞯʀꜱᴛᴜᴠᴡᴢ", strict=True)))
 _COMBINING_MARKS = str.maketrans({"a": "a\u0301", "e": "e\u0300", "i": "i\u0308", "o": "o\u0302", "u": "u\u0303"})
 
 

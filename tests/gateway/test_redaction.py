@@ -74,14 +74,14 @@ def test_non_pii_passes_unchanged(text: str) -> None:
 def test_the_id_check_digit_and_date_are_checked() -> None:
     weights = (7, 9, 10, 5, 8, 4, 2, 1, 6, 3, 7, 9, 10, 5, 8, 4, 2)
     body = "11010519491231002"
-    check = "10X98765432"[sum(int(c) * w for c, w in zip(body, weights)) % 11]
+    check = "10X98765432"[sum(int(c) * w for c, w in zip(body, weights, strict=True)) % 11]
     assert body + check == ID
     for wrong in "0123456789":
         if wrong != check:
             assert redact(body + wrong)[1] == 0
     # a right check digit over an impossible date (Feb 30) is still not an ID
     bad_date = "11010519490230001"
-    bad_check = "10X98765432"[sum(int(c) * w for c, w in zip(bad_date, weights)) % 11]
+    bad_check = "10X98765432"[sum(int(c) * w for c, w in zip(bad_date, weights, strict=True)) % 11]
     assert redact(bad_date + bad_check)[1] == 0
 
 

@@ -38,7 +38,7 @@ def luhn_complete(body: str) -> str:
 
 
 def id_complete(body: str) -> str:
-    return body + "10X98765432"[sum(int(c) * w for c, w in zip(body, ID_WEIGHTS)) % 11]
+    return body + "10X98765432"[sum(int(c) * w for c, w in zip(body, ID_WEIGHTS, strict=True)) % 11]
 
 
 @st.composite
@@ -123,7 +123,7 @@ def emails(draw: st.DrawFn) -> str:
         dots = [draw(st.sampled_from([".", " dot ", "[dot]", " . "])) for _ in labels[1:]]
         if at == "@" and set(dots) == {"."}:
             dots[-1] = " dot "
-    domain = labels[0] + "".join(d + label for d, label in zip(dots, labels[1:]))
+    domain = labels[0] + "".join(d + label for d, label in zip(dots, labels[1:], strict=True))
     address = local + at + domain
     return address.upper() if draw(st.booleans()) and form not in ("plain", "ideographic") else address
 
@@ -172,7 +172,7 @@ def test_disguised_pii_is_redacted_in_place(before: str, value: str, after: str)
 def test_disguised_pii_is_redacted_in_any_split_of_a_stream(before: str, value: str, after: str, data: st.DataObject) -> None:
     text = before + value + after
     cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=8)))
-    deltas = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)])]
+    deltas = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)], strict=True)]
     redactor = Redactor()
     out = "".join(redactor.feed(d) for d in deltas) + redactor.flush()
     assert out == before + REDACTED + after
@@ -194,12 +194,12 @@ NUMBERS = st.one_of(
     st.integers(0, 99_999).map(lambda n: f"${n // 100}.{n % 100:02d}"),  # prices
     st.integers(0, 9_999_999).map(lambda n: f"{n:,}"),  # counts with thousands separators
     st.dates(date(1970, 1, 1), date(2099, 12, 31)).map(str),  # ISO dates
-    st.tuples(st.integers(0, 40), st.integers(0, 40), st.integers(0, 40)).map(lambda v: "v%d.%d.%d" % v),
-    st.tuples(st.integers(0, 23), st.integers(0, 59)).map(lambda t: "%02d:%02d" % t),
+    st.tuples(st.integers(0, 40), st.integers(0, 40), st.integers(0, 40)).map(lambda v: "v{}.{}.{}".format(*v)),
+    st.tuples(st.integers(0, 23), st.integers(0, 59)).map(lambda t: "{:02d}:{:02d}".format(*t)),
     st.integers(0, 1000).map(lambda n: f"{n}%"),
     st.integers(0, 10**6).map(lambda n: f"{n / 1000:.3f}"),
     st.dates(date(1970, 1, 1), date(2099, 12, 31)).map(lambda d: d.strftime("%Y/%m/%d")),  # slashed dates
-    st.tuples(st.integers(1, 9), st.integers(2, 16)).map(lambda f: "%d/%d" % f),  # fractions
+    st.tuples(st.integers(1, 9), st.integers(2, 16)).map(lambda f: "{}/{}".format(*f)),  # fractions
 )
 TOKEN = st.one_of(
     st.sampled_from(PROSE_WORDS),
@@ -224,7 +224,7 @@ def prose(draw: st.DrawFn) -> str:
 def test_prose_without_pii_is_left_byte_identical(text: str, data: st.DataObject) -> None:
     assert redact(text) == (text, 0)
     cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=10)))
-    deltas = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)])]
+    deltas = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)], strict=True)]
     redactor = Redactor()
     assert "".join(redactor.feed(d) for d in deltas) + redactor.flush() == text
 
@@ -360,7 +360,7 @@ TRICKY = st.sampled_from([
 def test_any_split_of_tricky_text_streams_like_whole_text(pieces: list[str], data: st.DataObject) -> None:
     text = "".join(pieces)
     cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=12)))
-    deltas = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)])]
+    deltas = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)], strict=True)]
     redactor = Redactor()
     out = "".join(redactor.feed(d) for d in deltas) + redactor.flush()
     assert out == redact(text)[0]

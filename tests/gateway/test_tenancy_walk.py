@@ -316,7 +316,7 @@ async def test_no_route_answers_another_owner_with_2xx(walk: Walk) -> None:
             for who, auth in walk.intruders.items():
                 answers = await probe.call(client, auth, made)
                 for answer in answers:
-                    status, code = status_and_code(answer)
+                    status, _code = status_and_code(answer)
                     leaked = made.leaked_in(text_of(answer)) if status in SUCCESS else []
                     if leaked:
                         refused.append(f"{route} as {who}: {status} shows A's {leaked}")

@@ -252,12 +252,12 @@ def test_dispatchers_use_reference_on_cpu(monkeypatch):
     monkeypatch.setattr(tp, "paged_attention_decode_triton", boom)
     g = torch.Generator().manual_seed(4)
     x, r, w = (torch.randn(3, 32, generator=g) for _ in range(3))
-    for a, b in zip(kernels.rms_norm(x, w[0], 1e-6, r), rms_norm_ref(x, w[0], 1e-6, r)):
+    for a, b in zip(kernels.rms_norm(x, w[0], 1e-6, r), rms_norm_ref(x, w[0], 1e-6, r), strict=True):
         assert torch.equal(a, b)
     assert torch.equal(kernels.silu_and_mul(x), silu_and_mul_ref(x))
     cos_sin = rope_cos_sin(16, 8, 10_000.0)
     q, k, pos = torch.randn(3, 2, 16, generator=g), torch.randn(3, 1, 16, generator=g), torch.tensor([0, 5, 7])
-    for a, b in zip(kernels.apply_rotary(q, k, pos, cos_sin), apply_rotary_ref(q, k, pos, cos_sin)):
+    for a, b in zip(kernels.apply_rotary(q, k, pos, cos_sin), apply_rotary_ref(q, k, pos, cos_sin), strict=True):
         assert torch.equal(a, b)
     kc, vc = torch.randn(4, 16, 1, 16, generator=g), torch.randn(4, 16, 1, 16, generator=g)
     bt, lens = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), torch.tensor([3, 20], dtype=torch.int32)

@@ -103,7 +103,7 @@ def test_a_full_queue_drops_and_counts() -> None:
     spans = [t.start_span(str(i), None) for i in range(3)]
     for span in spans:
         span.end()
-    exporter.export([s for s in t.exporter.take()])  # type: ignore[misc]
+    exporter.export(list(t.exporter.take()))  # type: ignore[misc]
     assert (len(exporter.queue), exporter.num_dropped) == (2, 1)
 
 

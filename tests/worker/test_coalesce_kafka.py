@@ -120,5 +120,5 @@ async def test_the_readmes_kcat_and_jq_reader_prints_the_undisturbed_text(loaded
     readme = (Path(__file__).parents[2] / "README.md").read_text()
     start = readme.index("      | jq -nj")
     jq = readme[start : readme.index("\n\n", start)].replace("      | ", "", 1).replace("--arg rid r1", f"--arg rid {request_id}")
-    done = subprocess.run(["bash", "-c", jq], input=kcat_output, capture_output=True, timeout=30, check=True)
+    done = await asyncio.to_thread(subprocess.run, ["bash", "-c", jq], input=kcat_output, capture_output=True, timeout=30, check=True)
     assert done.stdout.decode() == "".join(WORDS) + "\n[length]\n"

@@ -44,7 +44,7 @@ def test_batched_greedy_matches_transformers(arch_dir, request):
     for r in reqs:
         assert engine.add(r, 0) is None
     outputs = run_all(engine)
-    for r, p in zip(reqs, PROMPTS):
+    for r, p in zip(reqs, PROMPTS, strict=True):
         events = outputs[r.request_id]
         assert events[-1].finish_reason == "length"
         # each output at the position of its first token: the tokens before it

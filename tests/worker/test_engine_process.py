@@ -102,7 +102,7 @@ async def test_cancel_reaches_the_child() -> None:
 async def test_a_model_that_cannot_load_is_refused_with_the_childs_reason(tmp_path: Path) -> None:
     config = ModelConfig(name="broken", engine="torch", path=tmp_path)  # an empty directory
     process = EngineProcess(config, WorkerSettings(), "cpu", asyncio.get_running_loop(), Collector())
-    with pytest.raises(ValueError, match="config.json|safetensors|tokenizer"):
+    with pytest.raises(ValueError, match=r"config\.json|safetensors|tokenizer"):
         await process.open()
     process.stop(1.0)
     assert not process._process.is_alive()

@@ -40,7 +40,7 @@ KEYWORDS: dict[str, tuple[dict, list, list]] = {
     "$ref": ({"$ref": "#/$defs/p", "$defs": {"p": INT}}, [4], ["4"]),
     "$defs": ({"type": "array", "items": {"$ref": "#/$defs/p"}, "$defs": {"p": {"enum": ["x"]}}}, [["x"]], [["y"]]),
     "definitions": ({"type": "array", "items": {"$ref": "#/definitions/p"}, "definitions": {"p": {"enum": ["x"]}}},
-                    [["x"]], [["y"]]),  # fmt: skip
+                    [["x"]], [["y"]]),
     "minLength": ({"type": "string", "minLength": 2}, ["ab", "abc"], ["", "a"]),
     "maxLength": ({"type": "string", "maxLength": 2}, ["", "ab"], ["abc"]),
     "pattern": ({"type": "string", "pattern": "^[a-c]+[0-9]$"}, ["ab1", "c9"], ["ad1", "ab", "1"]),
@@ -50,7 +50,7 @@ KEYWORDS: dict[str, tuple[dict, list, list]] = {
     "exclusiveMaximum": ({"type": "integer", "exclusiveMaximum": 5}, [4, -3], [5, 6]),
     "minItems": ({"type": "array", "items": INT, "minItems": 2}, [[1, 2]], [[], [1]]),
     "maxItems": ({"type": "array", "items": INT, "maxItems": 1}, [[], [1]], [[1, 2]]),
-}  # fmt: skip
+}
 FORMATS: dict[str, tuple[list[str], list[str]]] = {
     "time": (["13:45:00Z", "23:59:59+01:00"], ["25:00:00Z", "13:45"]),
     "email": (["a.b@example.com"], ["a.b.example.com", "@example.com"]),

@@ -4,6 +4,7 @@ stops the rest."""
 
 from __future__ import annotations
 
+import re
 import asyncio
 
 import pytest
@@ -113,7 +114,7 @@ async def test_a_model_that_cannot_load_stops_the_others_and_says_why() -> None:
     opener.release["ok"].set()
     await settle()
     opener.release["broken"].set()
-    with pytest.raises(ValueError, match="model 'broken': no config.json"):  # the model's own error, not a group
+    with pytest.raises(ValueError, match=re.escape("model 'broken': no config.json")):  # the model's own error, not a group
         await loader.wait()
     assert opener.cancelled == ["slow"]  # still loading: cancelled (a real process is stopped then)
     await loader.discard()

@@ -4,6 +4,7 @@ and a static member that stops leaves the group so the other worker takes over a
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections.abc import Callable
@@ -47,10 +48,8 @@ async def polled(consumers: list[AIOKafkaConsumer], done: Callable[[], object]) 
     """One poll of every consumer (as a model server's loop does; membership moves only while it
     polls), then done()."""
     for c in consumers:
-        try:
+        with contextlib.suppress(Exception):  # errors of a member being fenced; the watch decides
             await c.getmany(timeout_ms=50)
-        except Exception:  # noqa: BLE001 - errors of a member being fenced; the watch decides
-            pass
     return done()
 
 

@@ -9,6 +9,7 @@ and no reply lands in any internal topic.
 
 from __future__ import annotations
 
+import contextlib
 import asyncio
 import time
 import uuid
@@ -93,10 +94,8 @@ def replies_in(records) -> list:
     """The records that are reply events (a ReplyDelta or a ReplyEnd)."""
     found = []
     for record in records:
-        try:
+        with contextlib.suppress(DecodeError):
             found.append(decode_reply(record.value))
-        except DecodeError:
-            pass
     return found
 
 

@@ -73,7 +73,7 @@ def prompt_ids(n: int, seed: int = 0) -> list[int]:
 
 
 def test_prefill_logits_match_transformers_past_the_original_length(scaled_dir):
-    name, path = scaled_dir
+    _name, path = scaled_dir
     ids = prompt_ids(56)  # positions 0..55, past ORIGINAL_LEN
     with torch.no_grad():
         expected = hf_model(path)(torch.tensor([ids])).logits[0]
@@ -82,7 +82,7 @@ def test_prefill_logits_match_transformers_past_the_original_length(scaled_dir):
 
 def test_scaling_changes_the_logits(scaled_dir, tmp_path):
     """The same weights without rope_scaling give other logits: the comparison above means something."""
-    name, path = scaled_dir
+    _name, path = scaled_dir
     plain = tmp_path / "plain"
     plain.mkdir()
     for file in path.iterdir():
@@ -99,7 +99,7 @@ def test_scaling_changes_the_logits(scaled_dir, tmp_path):
 
 def run_greedy(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     requests = [make_request(request_id=f"r{i}", max_tokens=max_tokens, ignore_eos=True) for i in range(len(prompts))]
-    for request, ids in zip(requests, prompts):
+    for request, ids in zip(requests, prompts, strict=True):
         assert engine.add_tokens(request, ids, 0) is None
     out: dict[str, list[int]] = {r.request_id: [] for r in requests}
     while engine.has_work:
@@ -121,7 +121,7 @@ def test_greedy_decoding_matches_transformers_past_the_original_length(scaled_di
     engine = Engine(path, EngineConfig(max_model_len=64, max_num_batched_tokens=budget, kv_cache_bytes=4 << 20))
     prompts, max_tokens = [prompt_ids(20, seed=1), prompt_ids(40, seed=2)], 22  # to positions 41 and 61
     got = run_greedy(engine, prompts, max_tokens)
-    for ids, tokens in zip(prompts, got):
+    for ids, tokens in zip(prompts, got, strict=True):
         assert tokens == hf_greedy(path, ids, max_tokens), name
 
 

@@ -74,7 +74,7 @@ def test_batched_rows_with_different_penalties_do_not_interfere():
     ]
     histories = [[1, 1, 4], [1, 2, 3], [4, 4, 4, 0], [11]]
     adjusted = adjust_logits(logits.clone(), requests, histories, [TokenBias.of(r.logit_bias) for r in requests])
-    for row, (request, history) in enumerate(zip(requests, histories)):
+    for row, (request, history) in enumerate(zip(requests, histories, strict=True)):
         expected = openai_formula(logits[row], history, request.presence_penalty, request.frequency_penalty,
                                   request.logit_bias)
         torch.testing.assert_close(adjusted[row], expected)

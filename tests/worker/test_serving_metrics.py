@@ -79,7 +79,7 @@ def test_the_heartbeats_latency_counts_are_the_histograms_and_the_service_time_g
     text, latency = metrics.render(), recorder.latency()
     for histogram, name in ((latency.ttft, "vllm:time_to_first_token_seconds"),
                             (latency.itl, "vllm:inter_token_latency_seconds")):  # fmt: skip
-        for bound, count in zip([*histogram.bounds, "+Inf"], histogram.counts):
+        for bound, count in zip([*histogram.bounds, "+Inf"], histogram.counts, strict=True):
             assert bucket(text, name, str(bound)) == count, (name, bound)
     assert (latency.ttft.counts[-1], latency.itl.counts[-1]) == (2, 3)
     assert latency.itl.counts[latency.itl.bounds.index(0.05)] == 3  # 50 ms is in the bucket whose bound it is
@@ -186,7 +186,7 @@ def test_the_engine_times_each_phase_and_counts_cached_prompt_tokens_in_tokens(l
     assert blocks.prefix_cache_queries == first.prompt_tokens + second.prompt_tokens
     stats = engine.stats()
     assert stats["prefix_cache_hits"] == second.cached_prompt_tokens and stats["kv_cache_usage_perc"] == 0.0
-    end = [e for e in reply_events(make_request(request_id="r1"), "b", second, "tiny@1") if e.type == "end"][0]
+    end = next(e for e in reply_events(make_request(request_id="r1"), "b", second, "tiny@1") if e.type == "end")
     assert end.usage.cached_prompt_tokens == second.cached_prompt_tokens
     audit = audit_event(make_request(request_id="r1"), second, make_model_config("tiny"), weights_sha256="0" * 64,
                         worker_id="w", audit_key=b"k" * 32, now_ms=T0_MS)  # fmt: skip

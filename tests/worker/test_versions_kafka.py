@@ -101,7 +101,7 @@ async def start(settings: WorkerSettings) -> tuple[WorkerService, asyncio.Task]:
 async def test_a_pushed_version_is_served_and_the_old_one_drains_without_cutting_a_request(tmp_path):
     settings = worker_settings(tmp_path, echo_step_delay_ms=20)
     topics, replies = settings.topics, settings.topics.replies("test")
-    service, task = await start(settings)
+    _service, task = await start(settings)
     try:
         await wait_beat(topics, lambda hb: state_of(hb, "echo@1") == "ready" and hb.is_ready)
         state = await read_registry(settings)
@@ -127,7 +127,7 @@ async def test_a_pushed_version_is_served_and_the_old_one_drains_without_cutting
         assert "echo@1" in draining.partitions and "echo@1" not in draining.models
 
         records = await read_until(BOOTSTRAP, [replies], lambda rs: slow.request_id in ends_of(rs), 60)
-        end = [r for r in records if isinstance(e := decode_reply(r.value), ReplyEnd) and e.request_id == slow.request_id][0]
+        end = next(r for r in records if isinstance(e := decode_reply(r.value), ReplyEnd) and e.request_id == slow.request_id)
         finished = decode_reply(end.value)
         assert finished.error is None and finished.finish_reason == "stop" and finished.model_version == "echo@1"
         text = "".join(e.text for e in (decode_reply(r.value) for r in records)
@@ -157,7 +157,7 @@ async def test_a_changed_file_fails_its_version_and_one_too_big_is_refused_while
 
     settings = worker_settings(tmp_path, worker_memory_bytes=1_000_000)
     topics, replies = settings.topics, settings.topics.replies("test")
-    service, task = await start(settings)
+    _service, task = await start(settings)
     try:
         await wait_beat(topics, lambda hb: state_of(hb, "echo@1") == "ready")
         state = await read_registry(settings)
@@ -389,7 +389,7 @@ async def test_a_models_toml_entry_the_registry_unloaded_is_neither_loaded_nor_s
     await publish(settings, [ModelVersionRecord(manifest=pack(one), desired="unloaded", registered_by="ops"),
                              ModelVersionRecord(manifest=pack(two), registered_by="ops"),
                              ModelRoute(name="echo", default_version="2")])  # fmt: skip
-    service, task = await start(settings)
+    _service, task = await start(settings)
     try:
         beat = await wait_beat(topics, lambda hb: hb.is_ready)
         assert beat.models == ["echo@2"] and set(beat.versions) == {"echo@2"}

@@ -105,7 +105,7 @@ class BrokerConfig:
         if "WEIR_KAFKA_DATA_DIR" in env:
             values["data_dir"] = Path(env["WEIR_KAFKA_DATA_DIR"])
         values.update({k: v for k, v in given.items() if v is not None})
-        return cls(**values)  # type: ignore[arg-type]
+        return cls(**values)  # type: ignore[arg-type]  # values from env and arguments, of the fields' types
 
     @property
     def bootstrap(self) -> str:
@@ -571,7 +571,7 @@ def cluster_configs(port: int = 9092, brokers: int = 1, host: str = "127.0.0.1",
                           "than 3)")  # fmt: skip
     common = {"host": host, "secure": secure, "version": version, "overrides": dict(overrides or {})}
     if brokers == 1:
-        return [BrokerConfig(port=port, data_dir=data_dir, **common)]  # type: ignore[arg-type]
+        return [BrokerConfig(port=port, data_dir=data_dir, **common)]  # type: ignore[arg-type]  # common's values match the fields named
     if secure:
         raise BrokerError("--secure runs on a single broker only: a secure cluster (SASL between the nodes, "
                           "the same SCRAM users formatted into each) is not built yet")
@@ -580,7 +580,7 @@ def cluster_configs(port: int = 9092, brokers: int = 1, host: str = "127.0.0.1",
     voters = tuple(f"{i}@{host}:{port + 2 * (i - 1) + 1}" for i in ids)
     return [BrokerConfig(port=port + 2 * (i - 1), controller_port=port + 2 * (i - 1) + 1, data_dir=shared / f"node-{i}",
                          node_id=i, voters=voters, cluster_home=shared, heap_opts=CLUSTER_HEAP_OPTS,
-                         **common)  # type: ignore[arg-type]
+                         **common)  # type: ignore[arg-type]  # common's values match the fields named
             for i in ids]  # fmt: skip
 
 

@@ -126,5 +126,5 @@ def prompt_text(body: ChatCompletionBody | CompletionBody, decode: Callable[[lis
             raise ApiError(400, "prompts of token ids are screened by the input guard, which needs the model's "
                            "tokenizer at the gateway; send the text", param="prompt",
                            code="unsupported_parameter")  # fmt: skip
-        return "\n".join(p if isinstance(p, str) else decode(p) for p in body.prompts)  # type: ignore[misc]
+        return "\n".join(p if isinstance(p, str) else decode(p) for p in body.prompts)  # type: ignore[misc]  # decode is set when has_token_prompts
     return "\n".join(m.to_wire().content for m in body.messages if m.role != "assistant")

@@ -118,13 +118,14 @@ class RateLimiter:
         RateLimited for the one that must wait longest and take nothing."""
         worst: RateLimited | None = None
         for charge in charges:
-            for kind, cost in (("requests", 1), ("tokens", charge.num_tokens)):
-                bucket = self._bucket(charge.scope, kind, charge.limits, now_s)  # type: ignore[arg-type]
+            costs: tuple[tuple[LimitKind, int], ...] = (("requests", 1), ("tokens", charge.num_tokens))
+            for kind, cost in costs:
+                bucket = self._bucket(charge.scope, kind, charge.limits, now_s)
                 if bucket is None:
                     continue
                 wait_s = bucket.wait_s(cost, now_s)
                 if wait_s > 0 and (worst is None or wait_s > worst.retry_after_s):
-                    worst = RateLimited(charge.scope, kind, bucket.capacity, wait_s)  # type: ignore[arg-type]
+                    worst = RateLimited(charge.scope, kind, bucket.capacity, wait_s)
         if worst is not None:
             raise worst
         for charge in charges:
@@ -139,17 +140,18 @@ class RateLimiter:
         a window, and debited if a bucket of that scope is made within it (the scope's limits may
         only be known from its next request: a JWT's claims)."""
         is_reported = limits is None
-        for kind, amount in (("requests", num_requests), ("tokens", num_tokens)):
+        amounts: tuple[tuple[LimitKind, int], ...] = (("requests", num_requests), ("tokens", num_tokens))
+        for kind, amount in amounts:
             if not amount:
                 continue
-            bucket = self._buckets.get((scope, kind))  # type: ignore[arg-type]
+            bucket = self._buckets.get((scope, kind))
             if bucket is None:  # first news of this scope here: its limits decide whether it is limited
                 limits = limits or self._limits_of(scope)
-                bucket = self._bucket(scope, kind, limits, now_s) if limits else None  # type: ignore[arg-type]
+                bucket = self._bucket(scope, kind, limits, now_s) if limits else None
             if bucket is not None:
                 bucket.debit(amount, now_s)
             elif is_reported:
-                self._remember(scope, kind, amount, now_s)  # type: ignore[arg-type]
+                self._remember(scope, kind, amount, now_s)
 
     def _remember(self, scope: str, kind: LimitKind, amount: float, now_s: float) -> None:
         key = (scope, kind)

@@ -187,10 +187,10 @@ class PeerSync:
             except KafkaError as exc:
                 log.warning("usage records not published: %r", exc)
 
-    async def _forever(self, loop_fn: Callable[[], object]) -> None:
+    async def _forever(self, loop_fn: Callable[[], Awaitable[object]]) -> None:
         while True:
             try:
-                await loop_fn()  # type: ignore[misc]
+                await loop_fn()
                 return
             except asyncio.CancelledError:
                 raise

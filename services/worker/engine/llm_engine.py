@@ -172,7 +172,7 @@ class Engine:
         if not prompt_ids:
             return _refused(request, now_ms, "rejected", "empty_prompt", "the prompt encodes to no tokens")
         if len(prompt_ids) >= self.max_model_len:  # in OpenAI's words, which clients match (schemas/context_length.py)
-            word = "prompt" if request.prompt is not None else "messages"
+            word: context_length.PromptWord = "prompt" if request.prompt is not None else "messages"
             message = context_length.prompt_too_long(self.max_model_len, len(prompt_ids), word)
             return _refused(request, now_ms, "rejected", "prompt_too_long", message)
         if request.deadline_ms <= now_ms:
@@ -345,7 +345,7 @@ class Engine:
             if positions.start == 0:  # nothing predicts the first prompt token: its text only
                 first = seq.token_ids[0]
                 text, raw = self.tokenizer.token_piece(first)
-                seq.prompt_logprobs[0] = PromptLogprob(token_id=first, token=text, bytes=raw, logprob=None)  # type: ignore[index]
+                seq.prompt_logprobs[0] = PromptLogprob(token_id=first, token=text, bytes=raw, logprob=None)  # type: ignore[index]  # a list: this row was asked for
             if not len(positions):
                 continue
             targets = torch.tensor([seq.token_ids[p + 1] for p in positions], dtype=torch.long)
@@ -355,7 +355,7 @@ class Engine:
                 alternatives = list(zip(top.indices[i].tolist(), top.values[i].tolist(), strict=True)) if top else None
                 token = seq.token_ids[p + 1]
                 entry = self._token_logprob(token, chosen[i], alternatives)
-                seq.prompt_logprobs[p + 1] = PromptLogprob.model_construct(**dict(entry))  # type: ignore[index]
+                seq.prompt_logprobs[p + 1] = PromptLogprob.model_construct(**dict(entry))  # type: ignore[index]  # a list: this row was asked for
 
     def _grammar_mask(self, seqs: list[Sequence]) -> Callable[[torch.Tensor], None] | None:
         """The step's grammar mask over `seqs`' rows, or None when no row is constrained."""

@@ -68,7 +68,7 @@ def warm_up(engine: EngineLike, config: ModelConfig, prewarm_grammars: bool = Fa
     else:
         requests = [
             GenerateRequest(request_id=f"warmup-{i}", model=config.name, prompt=prompt, max_tokens=4,
-                            temperature=0.0, deadline_ms=deadline_ms, reply_to="-")  # fmt: skip
+                            temperature=0.0, deadline_ms=deadline_ms, reply_to="-")
             for i, prompt in enumerate(config.warmup)
         ]
     for i, request in enumerate(requests):

@@ -98,18 +98,18 @@ def _apply_commands(
         if kind == "stop":
             return False
         if kind == "add":
-            pacer.added(arg, now_ms())  # type: ignore[arg-type]
-            out = engine.add(arg, now_ms())  # type: ignore[arg-type]
+            pacer.added(arg, now_ms())  # type: ignore[arg-type]  # the command's kind types its arg
+            out = engine.add(arg, now_ms())  # type: ignore[arg-type]  # the command's kind types its arg
         elif kind == PRESSURE:
             pacer.is_pressed = bool(arg)
         elif kind == "cancel":
-            out = engine.cancel(arg, now_ms())  # type: ignore[arg-type]
+            out = engine.cancel(arg, now_ms())  # type: ignore[arg-type]  # the command's kind types its arg
         elif kind == "golden":
             goldens.start(*arg)  # type: ignore[misc]  # (token, cases)
         elif kind == "record":
             goldens.record(*arg)  # type: ignore[misc]  # (token, (prompts, max_tokens))
         elif kind == "corrupt":
-            _corrupt(engine, arg, answer)  # type: ignore[arg-type]
+            _corrupt(engine, arg, answer)  # type: ignore[arg-type]  # the command's kind types its arg
         if out is not None:
             outputs.append(out)
 
