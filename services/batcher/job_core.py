@@ -186,9 +186,10 @@ def to_job_lines(envelope: Envelope, job: BatchJob, models: RegistryState, reply
     model = config.served_id
     routing = Routing(request_id, reply_to, job.created_ms, job.expires_ms, job.principal, job.tenant, "bulk",
                       stream=False)  # fmt: skip
+    requests: list[GenerateRequest | EmbedRequest] = []  # one endpoint's kind of request, whichever it is
     try:  # the same checks and translation as the gateway's endpoint: every parameter honoured or refused by name
         body = parse_line_body(envelope)
-        requests = to_requests(kind, body, config, routing)
+        requests.extend(to_requests(kind, body, config, routing))
     except LineError as exc:
         return refused(exc.code, exc.message, exc.param)
     except BodyError as exc:
@@ -283,8 +284,11 @@ class JobResults:
             if ends and group[0].kind == "embeddings":  # its parts embed different inputs
                 prompt += sum(end.usage.prompt_tokens for end in ends)
             elif ends:
-                body = group[0].body
-                usage = choices_usage(ends, body.num_prompts if body is not None and len(ends) == len(group) else 1)
+                body = group[0].body  # a chat/completions body here: embeddings lines took the branch above
+                prompts = 1
+                if body is not None and not isinstance(body, EmbeddingBody) and len(ends) == len(group):
+                    prompts = body.num_prompts
+                usage = choices_usage(ends, prompts)
                 prompt += usage.prompt_tokens
                 cached += usage.cached_prompt_tokens
                 completion += usage.completion_tokens
@@ -304,7 +308,7 @@ class JobResults:
                 errors.append(_error_line(line, 400, {"error": line.error.model_dump(mode="json")}))
             elif ends is None:
                 if unfinished_code is not None:
-                    info = {"code": unfinished_code, "message": f"the request did not run: the batch was {unfinished_code.split('_')[-1]}"}
+                    info: dict[str, Any] = {"code": unfinished_code, "message": f"the request did not run: the batch was {unfinished_code.split('_')[-1]}"}
                     errors.append(orjson.dumps({"id": f"batch_req_{line.line_request_id}", "custom_id": line.custom_id,
                                                 "response": None, "error": info}))
             elif all(end.finish_reason in ("stop", "length") for end in ends):
