@@ -63,7 +63,7 @@ class EchoEngine:
         text = request.prompt if request.prompt is not None else "\n".join(m.content for m in request.messages or [])
         echo = _Echo(request, text, now_ms)
         if len(echo.pieces) >= self.max_model_len:
-            word = "prompt" if request.prompt is not None else "messages"
+            word: context_length.PromptWord = "prompt" if request.prompt is not None else "messages"
             message = context_length.prompt_too_long(self.max_model_len, len(echo.pieces), word)
             info = ErrorInfo(code="prompt_too_long", message=message)
             return EngineOutput(request.request_id, 0, finish_reason="rejected", error=info, received_ms=now_ms, finished_ms=now_ms)

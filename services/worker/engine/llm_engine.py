@@ -172,7 +172,7 @@ class Engine:
         if not prompt_ids:
             return _refused(request, now_ms, "rejected", "empty_prompt", "the prompt encodes to no tokens")
         if len(prompt_ids) >= self.max_model_len:  # in OpenAI's words, which clients match (schemas/context_length.py)
-            word = "prompt" if request.prompt is not None else "messages"
+            word: context_length.PromptWord = "prompt" if request.prompt is not None else "messages"
             message = context_length.prompt_too_long(self.max_model_len, len(prompt_ids), word)
             return _refused(request, now_ms, "rejected", "prompt_too_long", message)
         if request.deadline_ms <= now_ms:
