@@ -33,7 +33,22 @@ import random
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TypedDict
+
+
+class Verdict(TypedDict, total=False):
+    """One row's verdict as evaluate() gives it (and as JSON carries it from an older checkout):
+    an input row has level, rules and score; an output row num_redacted, stream_ok and redacted."""
+
+    level: str
+    rules: list[str]
+    score: float
+    num_redacted: int
+    stream_ok: bool
+    redacted: str
+
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "tests" / "data" / "guards"
@@ -46,7 +61,7 @@ def load(name: str, data: Path = DATA) -> list[dict[str, str]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def evaluate(data: Path = DATA) -> dict[str, dict[str, object]]:
+def evaluate(data: Path = DATA) -> dict[str, Verdict]:
     """Per row id: the input guard's level and rules, or the output guard's count of redacted
     spans and whether streaming gave the whole text's answer. Imports only what every commit since
     the guards began has (InjectionDetector, redact, Redactor), so it also runs an older checkout."""
@@ -54,7 +69,7 @@ def evaluate(data: Path = DATA) -> dict[str, dict[str, object]]:
     from services.gateway.guard.redaction import Redactor, redact
 
     detector = InjectionDetector()
-    out: dict[str, dict[str, object]] = {}
+    out: dict[str, Verdict] = {}
     for row in load("input", data):
         detection = detector.detect(row["text"])
         out[row["id"]] = {"level": detection.level, "rules": list(detection.rules), "score": round(detection.score, 4)}
@@ -72,7 +87,7 @@ def evaluate(data: Path = DATA) -> dict[str, dict[str, object]]:
     return out
 
 
-def evaluate_at(commit: str) -> dict[str, dict[str, object]] | None:
+def evaluate_at(commit: str) -> dict[str, Verdict] | None:
     """evaluate() on the guards of `commit` (a git worktree of it, in a subprocess); None when this
     is not a git checkout or the commit is unknown."""
     with tempfile.TemporaryDirectory(prefix="weir-guards-baseline-") as tmp:
@@ -96,7 +111,7 @@ def _pct(hits: int, total: int) -> str:
     return f"{100 * hits / total:.0f}% ({hits}/{total})" if total else "-"
 
 
-def input_table(rows: list[dict[str, str]], results: list[dict[str, dict[str, object]] | None]) -> list[list[str]]:
+def input_table(rows: list[dict[str, str]], results: Sequence[dict[str, Verdict] | None]) -> list[list[str]]:
     """Per language and in all: detection and false-positive rates at high and at medium-or-high."""
     table = []
     langs = sorted({r["lang"] for r in rows}, key=lambda lang: (lang != "en", lang))
@@ -115,7 +130,7 @@ def input_table(rows: list[dict[str, str]], results: list[dict[str, dict[str, ob
     return table
 
 
-def output_table(rows: list[dict[str, str]], results: list[dict[str, dict[str, object]] | None]) -> list[list[str]]:
+def output_table(rows: list[dict[str, str]], results: Sequence[dict[str, Verdict] | None]) -> list[list[str]]:
     """Per language and in all: outputs with a card or IBAN redacted, benign ones changed, streaming
     mismatches."""
     table = []
