@@ -181,8 +181,9 @@ def decode_speed(engine, streams: int, prompt_tokens: int = 100, max_tokens: int
         req = GenerateRequest(request_id=uuid.uuid4().hex, model="m", prompt="x", max_tokens=max_tokens,
                               temperature=0.0, ignore_eos=True, deadline_ms=now_ms() + 3_600_000, reply_to="-")  # fmt: skip
         engine.add_tokens(req, ids[i % 7 :] + ids[: i % 7], now_ms())  # rotated: no shared prefix to reuse
-    first = None
-    decode_start, decoded = None, 0
+    first: float | None = None
+    decode_start: float | None = None
+    decoded = 0
     while engine.has_work:
         outputs = engine.step(now_ms())
         tokens = sum(len(o.token_ids) for o in outputs)
@@ -193,6 +194,8 @@ def decode_speed(engine, streams: int, prompt_tokens: int = 100, max_tokens: int
             continue
         if decode_start is not None:
             decoded += tokens
+    if decode_start is None:  # every stream ended before all of them were decoding: no decode phase to time
+        raise RuntimeError(f"{streams} streams of {max_tokens} tokens finished without a decode phase to time")
     return decoded / (time.perf_counter() - decode_start), first or 0.0
 
 

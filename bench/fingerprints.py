@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     from schemas.fingerprint import hamming_distance
     from schemas.model_repo import load_model_repo
     from services.auditor.lookup import DEFAULT_MAX_DISTANCE
-    from weir.embedding.fingerprints import PRECISIONS, build_fingerprinter
+    from weir.embedding.fingerprints import PRECISIONS, TextFingerprinter, build_fingerprinter
 
     parser = argparse.ArgumentParser(prog="weir bench fingerprints", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -96,11 +96,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-distance", type=int, default=DEFAULT_MAX_DISTANCE, help="the lookup's distance")
     args = parser.parse_args(argv)
     repo = load_model_repo(args.model_repo)
-    fingerprinters = {p: build_fingerprinter(args.model, repo, precision=p) for p in PRECISIONS}
-    for precision, fp in fingerprinters.items():
+    fingerprinters: dict[str, TextFingerprinter] = {}
+    for precision in PRECISIONS:
+        fp = build_fingerprinter(args.model, repo, precision=precision)
         if fp is None or fp.precision != precision:
             print(f"the {precision} fingerprinter did not load (see the log line above)")
             return 1
+        fingerprinters[precision] = fp
     some = fingerprinters["float32"]
     requests = [(text_of_tokens(some, args.tokens, 7 * i), text_of_tokens(some, args.tokens, 7 * i + 3000))
                 for i in range(args.requests)]  # fmt: skip

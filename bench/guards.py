@@ -33,6 +33,7 @@ import random
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TypedDict
 

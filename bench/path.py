@@ -44,12 +44,19 @@ import tomllib
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import orjson
 
 from bench.pipeline import children_of, cpu_seconds
 from bench.sse_client import SseConnection
 from bench.stats import percentile, print_table
+
+if TYPE_CHECKING:  # imported where used at run time (a tree's own code may be what runs)
+    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+    from schemas.topics import Topics
+    from weir.stack import Stack
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GROUPS = ("gateway", "worker", "batcher", "auditor", "broker")
@@ -150,7 +157,8 @@ class KafkaClient:
         self.name = name
         self.reply_topic = topics.replies(name)
         self.waiting: dict[str, tuple[StreamMarks, asyncio.Event, list[int]]] = {}
-        self.producer = self.consumer = None
+        self.producer: AIOKafkaProducer | None = None
+        self.consumer: AIOKafkaConsumer | None = None
         self.reader: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -162,15 +170,16 @@ class KafkaClient:
         await ensure_topics(self.bootstrap, [self.topics.reply_spec(self.name)])
         # Until its metadata names the new reply topic, aiokafka logs an error line per fetch about it.
         logging.getLogger("aiokafka.cluster").setLevel(logging.CRITICAL)
-        self.producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap, linger_ms=0)
-        await self.producer.start()
-        self.consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False, group_id=None)
-        await self.consumer.start()
-        partitions = [TopicPartition(self.reply_topic, p) for p in sorted(await partitions_of(self.consumer, self.reply_topic))]
-        self.consumer.assign(partitions)
-        await self.consumer.seek_to_end(*partitions)
+        self.producer = producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap, linger_ms=0)
+        await producer.start()
+        self.consumer = consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False,
+                                                    group_id=None)  # fmt: skip
+        await consumer.start()
+        partitions = [TopicPartition(self.reply_topic, p) for p in sorted(await partitions_of(consumer, self.reply_topic))]
+        consumer.assign(partitions)
+        await consumer.seek_to_end(*partitions)
         for tp in partitions:
-            await self.consumer.position(tp)
+            await consumer.position(tp)
         self.reader = asyncio.create_task(self._read())
 
     async def stop(self) -> None:
@@ -251,8 +260,8 @@ class TreeStack:
 
     label: str
     tree: Path
-    stack: object
-    topics: object
+    stack: Stack
+    topics: Topics
     gateway_port: int
 
 

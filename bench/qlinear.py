@@ -22,6 +22,10 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported lazily (after _limit_isa), for annotations only here
+    from torch import Tensor
 
 K_HIDDEN, K_INTER, VOCAB, LAYERS = 576, 1536, 49152, 30
 SHAPES = [("qkv", K_HIDDEN, 960), ("o", K_HIDDEN, K_HIDDEN), ("gate_up", K_HIDDEN, 2 * K_INTER), ("down", K_INTER, K_HIDDEN)]
@@ -40,7 +44,7 @@ def model_weights(torch):
     return weights + [(K_HIDDEN, VOCAB, torch.randn(VOCAB, K_HIDDEN, generator=gen) * 0.05)]
 
 
-def candidates(torch, weights) -> dict[str, tuple[Callable[[dict[int, object]], None], int]]:
+def candidates(torch, weights) -> dict[str, tuple[Callable[[dict[int, Tensor]], object], int]]:
     """name -> (run one step on inputs {K: x}, resident bytes of its weights)."""
     import torch.nn.functional as F
 

@@ -302,8 +302,8 @@ def _served_text(config: Any) -> str:
     try:
         from weir.models.sources import quantized_weight_bytes
 
-        size = quantized_weight_bytes(config)
-        size = f", {size / 1e6:.0f} MB resident weights" if size is not None else ""
+        weight_bytes = quantized_weight_bytes(config)
+        size = f", {weight_bytes / 1e6:.0f} MB resident weights" if weight_bytes is not None else ""
     except (OSError, ValueError):
         size = ""
     return f"{config.served_id} ({config.quantization}{size})"

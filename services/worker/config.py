@@ -75,7 +75,7 @@ class WorkerSettings(BusSettings):
     engine_threads: int = Field(
         0, ge=0, description="Threads each engine computes with on the CPU (torch intra-op threads, which the "
         "quantized kernels share); 0: the cores the worker owns less one for its own loop, at least one "
-        "(services/worker/hardware.py: cpu_threads); a machine whose cores are the engine's alone sets all of "
+        "(services/worker/hosts/hardware.py: cpu_threads); a machine whose cores are the engine's alone sets all of "
         "them. Printed when the engine starts.",
     )
     torch_threads: int = Field(

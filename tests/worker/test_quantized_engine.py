@@ -63,7 +63,7 @@ def test_engine_threads_setting_and_default(monkeypatch) -> None:
     import os
 
     from services.worker.config import WorkerSettings
-    from services.worker.hardware import cpu_threads
+    from services.worker.hosts.hardware import cpu_threads
 
     assert cpu_threads(3) == 3
     owned = len(os.sched_getaffinity(0))

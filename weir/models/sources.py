@@ -107,13 +107,7 @@ def quantized_weight_bytes(config: ModelConfig) -> int | None:
 
 
 def _safetensors_shapes(path: Path) -> dict[str, list[int]]:
-    with path.open("rb") as fh:
-        (size,) = struct.unpack("<Q", fh.read(8))
-        header = json.loads(fh.read(size))
-    return {k: v["shape"] for k, v in header.items() if k != "__metadata__" and "rotary_emb" not in k}
-
-
-def _safetensors_shapes(path: Path) -> dict[str, list[int]]:
+    """Tensor name -> shape from a safetensors file's JSON header (no tensor data read)."""
     with path.open("rb") as fh:
         (size,) = struct.unpack("<Q", fh.read(8))
         header = json.loads(fh.read(size))

@@ -176,6 +176,11 @@ class QuantLinear(nn.Module):
     dequantizes (correct, not fast).
     """
 
+    # buffers (registered in __init__; assigning a tensor to one replaces the buffer)
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None  # int4 only
+
     def __init__(self, in_features: int, out_features: int, bias: bool, quantization: str) -> None:
         super().__init__()
         if quantization not in ("int8", "int4"):
@@ -215,6 +220,7 @@ class QuantLinear(nn.Module):
             x = F.pad(x, (0, self.padded_in - self.in_features))
         if self.quantization == "int8":
             return cpu_quant.q8_linear(x, self.qweight, self.scales, self.bias)
+        assert self.mins is not None  # registered for int4
         return cpu_quant.q4_linear(x, self.qweight, self.scales, self.mins, self.bias)
 
 
@@ -224,7 +230,7 @@ class QuantEmbedding(QuantLinear):
     def __init__(self, num_embeddings: int, dim: int) -> None:
         super().__init__(dim, num_embeddings, bias=False, quantization="int8")
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.qweight[ids].float().view(*ids.shape, -1, 32)
         return (rows * self.scales[ids].float()[..., None]).flatten(-2)[..., : self.in_features]
 
@@ -241,7 +247,8 @@ def quantize_modules(model: CausalLM, quantization: str) -> None:
                 mode = "int8" if child is model.lm_head else quantization
                 setattr(module, name, QuantLinear(child.in_features, child.out_features, child.bias is not None, mode))
     embed = model.model.embed_tokens
-    model.model.embed_tokens = QuantEmbedding(embed.num_embeddings, embed.embedding_dim)
+    if isinstance(embed, nn.Embedding):  # as the projections: one already quantized stays as it is
+        model.model.embed_tokens = QuantEmbedding(embed.num_embeddings, embed.embedding_dim)
 
 
 class Attention(nn.Module):
@@ -365,7 +372,7 @@ class DecoderStack(nn.Module):
         # _weight: no random init, the weights are loaded. On the meta device (load_model) that init,
         # normal_(), is a Python decomposition whose first call imports torch._dynamo: 2.5-3 CPU s
         # of every engine process's start.
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size,
+        self.embed_tokens: nn.Embedding | QuantEmbedding = nn.Embedding(args.vocab_size, args.hidden_size,
                                          _weight=torch.empty(args.vocab_size, args.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
@@ -379,9 +386,18 @@ class CausalLM(nn.Module):
         self.args = args
         self.rotary = rotary  # cos/sin of every position, on the model's device
         self.model = DecoderStack(args)
-        self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
+        # a QuantLinear once quantize_modules swapped it (and the embedding for a QuantEmbedding)
+        self.lm_head: Linear | QuantLinear = Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.tie_embeddings()
+
+    def tie_embeddings(self) -> None:
+        """Point the float lm_head at the embedding's weight (tie_word_embeddings; a quantized
+        lm_head shares the embedding's quantized tensors instead: QuantLinear.share)."""
+        lm_head, embed = self.lm_head, self.model.embed_tokens
+        if not isinstance(lm_head, Linear) or not isinstance(embed, nn.Embedding):
+            raise TypeError("tie_embeddings ties float weights; a quantized lm_head shares the embedding (share)")
+        lm_head.weight = embed.weight
 
     def pack_weights(self) -> None:
         """Give every projection its oneDNN copy (CPU float32; see cpu_packed_gemm_available)."""
@@ -392,7 +408,8 @@ class CausalLM(nn.Module):
     @property
     def quantization(self) -> str:
         """"int8" or "int4" when the projections are quantized (load_model's quantization), else "none"."""
-        mlp = self.model.layers[0].mlp.gate_up_proj if len(self.model.layers) else None
+        layer = self.model.layers[0] if len(self.model.layers) else None
+        mlp = layer.mlp.gate_up_proj if isinstance(layer, DecoderLayer) else None
         return mlp.quantization if isinstance(mlp, QuantLinear) else "none"
 
     @property
@@ -475,7 +492,7 @@ def load_model(path: str | Path, device: torch.device, dtype: torch.dtype, quant
     if quantization == "none":
         model = model.to_empty(device=device).to(dtype)
         if args.tie_word_embeddings:  # to_empty gives each module its own tensor: tie again
-            model.lm_head.weight = model.model.embed_tokens.weight
+            model.tie_embeddings()
     else:  # .to(float32) would turn the f16 scales into float32: the buffers keep their dtypes
         model = model.to_empty(device=device)
     params: dict[str, torch.Tensor | QuantLinear] = dict(model.named_parameters())
@@ -519,7 +536,9 @@ def load_model(path: str | Path, device: torch.device, dtype: torch.dtype, quant
     if args.tie_word_embeddings:
         loaded.add("lm_head.weight")
         if quantization != "none":
-            model.lm_head.share(model.model.embed_tokens)
+            lm_head, embed = model.lm_head, model.model.embed_tokens
+            assert isinstance(lm_head, QuantLinear) and isinstance(embed, QuantEmbedding)  # quantize_modules swapped them
+            lm_head.share(embed)
     missing = set(params) - loaded
     if missing:
         raise ModelLoadError(f"{path} lacks weights: {sorted(missing)[:5]}")
