@@ -29,25 +29,55 @@ from schemas.model_repo import load_model_repo
 from schemas.topics import Topics
 from schemas.watermark import WatermarkConfig, detect
 
-PROMPTS = ["def main():", "import os\n", "class Stack:\n", "# parse the arguments\n", "def add(a, b):\n",
-           "for i in range(10):\n", "with open(path) as f:\n", "try:\n"]
+PROMPTS = [
+    "def main():",
+    "import os\n",
+    "class Stack:\n",
+    "# parse the arguments\n",
+    "def add(a, b):\n",
+    "for i in range(10):\n",
+    "with open(path) as f:\n",
+    "try:\n",
+]
 
 
 def make_events(n: int):
     from schemas.fingerprint import key_id, keyed_hmac
     from schemas.messages import AuditEvent
-
     from services.auditor.config import AuditorSettings
 
     key = AuditorSettings().hmac_key()  # the deployment's key, as its workers use it
-    return [AuditEvent(
-        event_id=f"bench-{i}", request_id=f"req-{i}", model="weir-tiny-py", model_version="weir-tiny-py@1",
-        weights_sha256="ab" * 32, principal="bench", tenant="default", prompt_hmac=keyed_hmac(key, f"p{i}"),
-        output_hmac=keyed_hmac(key, f"o{i}"), hmac_key_id=key_id(key), temperature=1.0, top_p=1.0, top_k=0,
-        max_tokens=64, seed=i, prompt_tokens=5, completion_tokens=64, finish_reason="length", worker_id="bench",
-        request_created_ms=now_ms(), received_ms=now_ms(), finished_ms=now_ms(), prompt_simhash="0123456789abcdef",
-        output_simhash="fedcba9876543210", fingerprint_model="bench", mean_token_entropy=2.0,
-    ) for i in range(n)]  # fmt: skip
+    return [
+        AuditEvent(
+            event_id=f"bench-{i}",
+            request_id=f"req-{i}",
+            model="weir-tiny-py",
+            model_version="weir-tiny-py@1",
+            weights_sha256="ab" * 32,
+            principal="bench",
+            tenant="default",
+            prompt_hmac=keyed_hmac(key, f"p{i}"),
+            output_hmac=keyed_hmac(key, f"o{i}"),
+            hmac_key_id=key_id(key),
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            max_tokens=64,
+            seed=i,
+            prompt_tokens=5,
+            completion_tokens=64,
+            finish_reason="length",
+            worker_id="bench",
+            request_created_ms=now_ms(),
+            received_ms=now_ms(),
+            finished_ms=now_ms(),
+            prompt_simhash="0123456789abcdef",
+            output_simhash="fedcba9876543210",
+            fingerprint_model="bench",
+            mean_token_entropy=2.0,
+        )
+        for i in range(n)
+    ]
 
 
 def ingest_core(n: int, batch: int) -> float:
@@ -113,9 +143,17 @@ async def ingest_kafka(bootstrap: str, n: int) -> float:
 def generate(engine, tenant: str, max_tokens: int) -> dict:
     outs = {}
     for i, prompt in enumerate(PROMPTS):
-        request = GenerateRequest(request_id=f"{tenant}-{i}", model="weir-tiny-py", prompt=prompt, max_tokens=max_tokens,
-                                  ignore_eos=True, temperature=1.0, tenant=tenant, deadline_ms=now_ms() + 3_600_000,
-                                  reply_to="-")  # fmt: skip
+        request = GenerateRequest(
+            request_id=f"{tenant}-{i}",
+            model="weir-tiny-py",
+            prompt=prompt,
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            temperature=1.0,
+            tenant=tenant,
+            deadline_ms=now_ms() + 3_600_000,
+            reply_to="-",
+        )
         assert engine.add(request, now_ms()) is None
     ids: dict[str, list[int]] = {}
     while engine.has_work:
@@ -139,12 +177,15 @@ def perplexity(hf, tokenizer, prompt: str, output_ids: list[int]) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="weir bench audit", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="weir bench audit", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--events", type=int, default=2000, help="events to ingest (default %(default)s)")
     parser.add_argument("--bootstrap", default="127.0.0.1:9092", help="Kafka for the end-to-end ingestion")
     parser.add_argument("--no-kafka", action="store_true", help="skip the ingestion through Kafka")
-    parser.add_argument("--max-tokens", type=int, default=200, help="tokens per generated request (default %(default)s)")
+    parser.add_argument(
+        "--max-tokens", type=int, default=200, help="tokens per generated request (default %(default)s)"
+    )
     parser.add_argument("--model-repo", default="models.toml")
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, (torch.get_num_threads() or 2) // 2))
@@ -167,15 +208,22 @@ def main(argv: list[str] | None = None) -> int:
         print("\n(no fingerprint model: all-MiniLM-L6-v2 cannot load here; fingerprint table skipped)")
     else:
         print_fingerprint_cost(fingerprinter, list(plain.values()), args.max_tokens)
-    print_watermark_quality(config.path, engine.tokenizer, mark, {"plain": plain, "watermarked (gamma .25, delta 2)": marked},
-                            args.max_tokens)  # fmt: skip
+    print_watermark_quality(
+        config.path,
+        engine.tokenizer,
+        mark,
+        {"plain": plain, "watermarked (gamma .25, delta 2)": marked},
+        args.max_tokens,
+    )
     return 0
 
 
 def print_ingestion(num_events: int, bootstrap: str | None) -> None:
     """Events/s into the ledger: its core alone, per event and in batches, and through Kafka unless bootstrap is None."""
-    rows = [["ledger core, append per event (one fsync each)", f"{ingest_core(num_events, 1):,.0f}"],
-            ["ledger core, append_batch of 100 (one fsync per chain)", f"{ingest_core(num_events, 100):,.0f}"]]
+    rows = [
+        ["ledger core, append per event (one fsync each)", f"{ingest_core(num_events, 1):,.0f}"],
+        ["ledger core, append_batch of 100 (one fsync per chain)", f"{ingest_core(num_events, 100):,.0f}"],
+    ]
     if bootstrap is not None:
         rows.append(["Kafka -> auditor -> ledger", f"{asyncio.run(ingest_kafka(bootstrap, num_events)):,.0f}"])
     print(f"\nIngestion of {num_events} AuditEvents (4 partitions = 4 chains, checkpoint every 100 records)")
@@ -194,29 +242,45 @@ def print_fingerprint_cost(fingerprinter, finished: list, max_tokens: int) -> No
     fingerprinter.simhash([t for out in finished for t in (out.prompt_text or "", out.output_text or "")])
     batched = (time.perf_counter() - started) * 1000 / len(finished)
     gen_ms = [(out.finished_ms or 0) - (out.received_ms or 0) for out in finished]
-    print(f"\nFingerprinting vs generation ({len(finished)} requests of {max_tokens} tokens, generated together "
-          "in one continuous batch; fingerprints on one thread)")
-    print_table([
-        ["generation time per request (ms)", f"{statistics.mean(gen_ms):.0f}", "100%"],
-        ["fingerprint, one request alone (ms)", f"{statistics.mean(alone):.1f}",
-         f"{100 * statistics.mean(alone) / statistics.mean(gen_ms):.1f}%"],
-        [f"fingerprint, batched {len(finished)} (ms per request)", f"{batched:.1f}",
-         f"{100 * batched / statistics.mean(gen_ms):.1f}%"],
-    ], ["", "ms", "of generation"])  # fmt: skip
+    print(
+        f"\nFingerprinting vs generation ({len(finished)} requests of {max_tokens} tokens, generated together "
+        "in one continuous batch; fingerprints on one thread)"
+    )
+    print_table(
+        [
+            ["generation time per request (ms)", f"{statistics.mean(gen_ms):.0f}", "100%"],
+            [
+                "fingerprint, one request alone (ms)",
+                f"{statistics.mean(alone):.1f}",
+                f"{100 * statistics.mean(alone) / statistics.mean(gen_ms):.1f}%",
+            ],
+            [
+                f"fingerprint, batched {len(finished)} (ms per request)",
+                f"{batched:.1f}",
+                f"{100 * batched / statistics.mean(gen_ms):.1f}%",
+            ],
+        ],
+        ["", "ms", "of generation"],
+    )
 
 
-def print_watermark_quality(model_path: Path, tokenizer, mark: WatermarkConfig, outputs: dict[str, dict],
-                            max_tokens: int) -> None:  # fmt: skip
+def print_watermark_quality(
+    model_path: Path, tokenizer, mark: WatermarkConfig, outputs: dict[str, dict], max_tokens: int
+) -> None:
     """Per set of outputs: perplexity under the unwatermarked model, mean and least watermark z."""
     import transformers
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     table = []
     for name, outs in outputs.items():
-        ppl = [perplexity(hf, tokenizer, PROMPTS[int(rid.split("-")[1])], out.token_ids)
-               for rid, out in sorted(outs.items())]
+        ppl = [
+            perplexity(hf, tokenizer, PROMPTS[int(rid.split("-")[1])], out.token_ids)
+            for rid, out in sorted(outs.items())
+        ]
         zs = [detect(mark, tokenizer.encode(out.output_text or "")).z_score for out in outs.values()]
         table.append([name, f"{statistics.mean(ppl):.2f}", f"{statistics.mean(zs):.2f}", f"{min(zs):.2f}"])
-    print(f"\nWatermark: {len(PROMPTS)} outputs of {max_tokens} tokens each, temperature 1; perplexity under the "
-          "unwatermarked model; z of the re-tokenized text")
+    print(
+        f"\nWatermark: {len(PROMPTS)} outputs of {max_tokens} tokens each, temperature 1; perplexity under the "
+        "unwatermarked model; z of the re-tokenized text"
+    )
     print_table(table, ["outputs", "perplexity", "mean z", "min z"])

@@ -79,8 +79,9 @@ class PolicyResult:
 
 def write_repo(config: ModelConfig, lane_policy: str, max_batch_size: int, max_wait_ms: int, path: Path) -> ModelConfig:
     """A one-model repository TOML at `path`: `config` with the lane policy and batch bounds set."""
-    entry = config.model_copy(update={"lane_policy": lane_policy, "max_batch_size": max_batch_size,
-                                      "max_wait_ms": max_wait_ms})  # fmt: skip
+    entry = config.model_copy(
+        update={"lane_policy": lane_policy, "max_batch_size": max_batch_size, "max_wait_ms": max_wait_ms}
+    )
     fields = entry.model_dump(mode="json", exclude={"name", "tenant_weights"}, exclude_none=True)
     lines = [f"[models.{json.dumps(entry.name)}]"] + [f"{k} = {json.dumps(v)}" for k, v in fields.items()]
     path.write_text("\n".join(lines) + "\n")
@@ -100,9 +101,16 @@ async def deployment(repo_path: Path, model: str, env: dict[str, str]) -> AsyncI
     await ensure_topics(broker.bootstrap, deployment_specs(topics, load_model_repo(repo_path)))
     (port,) = free_ports(1)
     scratch = Path(tempfile.mkdtemp(prefix="weir-bench-batcher-"))
-    env = {"WEIR_KAFKA_BOOTSTRAP": broker.bootstrap, "WEIR_TOPIC_PREFIX": topics.prefix, "WEIR_GATEWAY_PORT": str(port),
-           "WEIR_MODEL_REPO": str(repo_path), "WEIR_MODELS": model, "WEIR_AUTH_MODE": "open",
-           "WEIR_AUDIT_FINGERPRINT_MODEL": "", **env}  # fmt: skip
+    env = {
+        "WEIR_KAFKA_BOOTSTRAP": broker.bootstrap,
+        "WEIR_TOPIC_PREFIX": topics.prefix,
+        "WEIR_GATEWAY_PORT": str(port),
+        "WEIR_MODEL_REPO": str(repo_path),
+        "WEIR_MODELS": model,
+        "WEIR_AUTH_MODE": "open",
+        "WEIR_AUDIT_FINGERPRINT_MODEL": "",
+        **env,
+    }
     stack = Stack(env, scratch)
     try:
         for name in ("worker", "batcher", "gateway"):  # no auditor: its CPU is not the batcher's
@@ -127,8 +135,9 @@ async def run_job(base: str, model: str, num_bulk: int, rate_per_s: float, max_t
         users: list[asyncio.Task[int]] = []
         while not job.done():
             prompt = PROMPTS[len(users) % len(PROMPTS)]
-            users.append(asyncio.create_task(_one_http(interactive, model, prompt, 5000 + len(users), max_tokens,
-                                                       ttft, [])))  # fmt: skip
+            users.append(
+                asyncio.create_task(_one_http(interactive, model, prompt, 5000 + len(users), max_tokens, ttft, []))
+            )
             await asyncio.wait([job], timeout=1 / rate_per_s)
         num_tokens = sum(await job)
         wall_s = time.perf_counter() - start
@@ -142,8 +151,9 @@ class BatchReader:
     def __init__(self, bootstrap: str, topic: str, config: ModelConfig) -> None:
         self.config = config
         self.parts = [TopicPartition(topic, p) for p in range(BATCH_PARTITIONS)]
-        self.consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False,
-                                         isolation_level="read_committed")  # fmt: skip
+        self.consumer = AIOKafkaConsumer(
+            bootstrap_servers=bootstrap, enable_auto_commit=False, isolation_level="read_committed"
+        )
 
     async def start(self) -> None:
         await self.consumer.start()
@@ -177,8 +187,11 @@ async def run_policy(args: argparse.Namespace, config: ModelConfig, policy: str)
     """One deployment with `policy`: warm up, phase (1), phase (2), with the batches of each."""
     scratch = Path(tempfile.mkdtemp(prefix="weir-bench-repo-"))
     entry = write_repo(config, policy, args.max_batch_size, args.max_wait_ms, scratch / "models.toml")
-    env = {"WEIR_KV_CACHE_BYTES": str(args.kv_mib << 20), "WEIR_HEARTBEAT_INTERVAL_MS": str(args.heartbeat_ms),
-           "WEIR_MAX_IN_FLIGHT_BULK": str(args.bulk + 16)}  # fmt: skip
+    env = {
+        "WEIR_KV_CACHE_BYTES": str(args.kv_mib << 20),
+        "WEIR_HEARTBEAT_INTERVAL_MS": str(args.heartbeat_ms),
+        "WEIR_MAX_IN_FLIGHT_BULK": str(args.bulk + 16),
+    }
     async with deployment(scratch / "models.toml", config.name, env) as (base, topics, bootstrap):
         reader = BatchReader(bootstrap, topics.batches(config.name), entry)
         await reader.start()
@@ -193,15 +206,19 @@ async def run_policy(args: argparse.Namespace, config: ModelConfig, policy: str)
             closed_fill = await reader.count(between, after)
         finally:
             await reader.stop()
-    print(f"{policy}: job {job.wall_s:.1f} s, {len(job.interactive_ttft_ms)} interactive during it; "
-          f"interactive closed loop {closed.wall_s:.1f} s", flush=True)  # fmt: skip
+    print(
+        f"{policy}: job {job.wall_s:.1f} s, {len(job.interactive_ttft_ms)} interactive during it; "
+        f"interactive closed loop {closed.wall_s:.1f} s",
+        flush=True,
+    )
     return PolicyResult(job, closed, job_fill, closed_fill)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run both policies one after the other and print the table."""
-    parser = argparse.ArgumentParser(prog="weir bench batcher", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="weir bench batcher", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="weir-tiny-py")
     parser.add_argument("--model-repo", default="models.toml", help="where the model's entry is taken from")
     parser.add_argument("--bulk", type=int, default=200, help="requests in the bulk job")
@@ -253,6 +270,8 @@ def _report(results: dict[str, PolicyResult], args: argparse.Namespace) -> None:
     print()
     print_table(rows, ["figure", *policies, "/".join(policies)])
     print()
-    print(f"{args.bulk} bulk + interactive at {args.rate}/s, max_tokens {args.max_tokens}; max_batch_size "
-          f"{args.max_batch_size}, max_wait_ms {args.max_wait_ms}; worker KV {args.kv_mib} MiB, heartbeat "
-          f"{args.heartbeat_ms} ms")  # fmt: skip
+    print(
+        f"{args.bulk} bulk + interactive at {args.rate}/s, max_tokens {args.max_tokens}; max_batch_size "
+        f"{args.max_batch_size}, max_wait_ms {args.max_wait_ms}; worker KV {args.kv_mib} MiB, heartbeat "
+        f"{args.heartbeat_ms} ms"
+    )

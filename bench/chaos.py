@@ -25,9 +25,9 @@ lost, failed, duplicated, differs or could not be rerun: a chaos run is a check.
 
 from __future__ import annotations
 
-import itertools
 import argparse
 import asyncio
+import itertools
 import math
 import os
 import random
@@ -49,9 +49,16 @@ from bench.stats import percentile, print_table
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL = "weir-tiny-py"
-PROMPTS = ["Write a function that parses a date.", "Explain list comprehensions.", "def fibonacci(n):",
-           "Sort a dict by value.", "class Cache:", "Read a CSV file and sum a column.", "import asyncio\n",
-           "What does `yield from` do?"]  # fmt: skip
+PROMPTS = [
+    "Write a function that parses a date.",
+    "Explain list comprehensions.",
+    "def fibonacci(n):",
+    "Sort a dict by value.",
+    "class Cache:",
+    "Read a CSV file and sum a column.",
+    "import asyncio\n",
+    "What does `yield from` do?",
+]
 RESUME_GRACE_S = 60  # X-Weir-Resume-Grace-S of every stream: far longer than any restart here
 WORKER_RESTART_S, BATCHER_RESTART_S, GATEWAY_RESTART_S, BROKER_RESTART_S = 2.0, 2.0, 2.0, 10.0
 RESUME_404S = 6  # consecutive "no such stream" answers before a client calls its stream interrupted
@@ -59,8 +66,14 @@ RERUN_CONCURRENCY = 8  # the reruns are not the load: fewer at once, each well w
 STALL_WINDOW_S = 30.0  # a stall counts for a fault when it ends within this long after it
 FAULT_KINDS = ("worker", "batcher", "gateway", "broker")
 # (share of the requests ended, fault): the full run; --quick keeps one worker kill and the gateway.
-SCHEDULE = [(0.10, "worker"), (0.25, "batcher"), (0.38, "worker"), (0.52, "gateway"), (0.66, "broker"),
-            (0.80, "worker")]  # fmt: skip
+SCHEDULE = [
+    (0.10, "worker"),
+    (0.25, "batcher"),
+    (0.38, "worker"),
+    (0.52, "gateway"),
+    (0.66, "broker"),
+    (0.80, "worker"),
+]
 QUICK_SCHEDULE = [(0.2, "worker"), (0.55, "gateway")]
 
 
@@ -148,22 +161,39 @@ def build_parser() -> argparse.ArgumentParser:
     # 3 brokers where the launcher runs a cluster (weir/kafka/launcher.py: cluster_configs), else its one broker
     has_cluster = hasattr(launcher, "cluster_configs")
     parser.add_argument("--requests", type=int, help="requests to send (default 1000; --quick: 80)")
-    parser.add_argument("--brokers", type=int, default=3 if has_cluster else 1,
-                        help="brokers of the cluster chaos starts (default %(default)s)")
+    parser.add_argument(
+        "--brokers",
+        type=int,
+        default=3 if has_cluster else 1,
+        help="brokers of the cluster chaos starts (default %(default)s)",
+    )
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--gateways", type=int, default=2)
     parser.add_argument("--concurrency", type=int, default=24, help="streams in flight at once (default 24)")
     parser.add_argument("--seed", type=int, default=20, help="seeds the load's choices and each request's seed")
-    parser.add_argument("--quick", action="store_true", help="the test suite's run: 80 requests, max_tokens 8..48, "
-                        "one worker kill and one gateway kill")  # fmt: skip
-    parser.add_argument("--faults", help=f"comma-separated kinds of the schedule to keep ({','.join(FAULT_KINDS)}; "
-                        "default all)")  # fmt: skip
-    parser.add_argument("--bootstrap", help="use this running cluster instead of starting one (its brokers are "
-                        "never killed: the broker fault is left out)")  # fmt: skip
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="the test suite's run: 80 requests, max_tokens 8..48, one worker kill and one gateway kill",
+    )
+    parser.add_argument(
+        "--faults", help=f"comma-separated kinds of the schedule to keep ({','.join(FAULT_KINDS)}; default all)"
+    )
+    parser.add_argument(
+        "--bootstrap",
+        help="use this running cluster instead of starting one (its brokers are "
+        "never killed: the broker fault is left out)",
+    )
     parser.add_argument("--kafka-port", type=int, default=39092, help="first port of the cluster chaos starts")
-    parser.add_argument("--http-port", type=int, default=0, help="first of the services' HTTP ports (default: free ports)")
-    parser.add_argument("--bound-s", type=float, default=180.0, help="a request with no terminal event this long "
-                        "after its start is lost (default %(default)s)")  # fmt: skip
+    parser.add_argument(
+        "--http-port", type=int, default=0, help="first of the services' HTTP ports (default: free ports)"
+    )
+    parser.add_argument(
+        "--bound-s",
+        type=float,
+        default=180.0,
+        help="a request with no terminal event this long after its start is lost (default %(default)s)",
+    )
     parser.add_argument("--json", type=Path, help="also write the figures and every failure here")
     parser.add_argument("--keep", action="store_true", help="keep the scratch dir (logs, broker data)")
     return parser
@@ -173,7 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     kinds = set(FAULT_KINDS if args.faults is None else (k.strip() for k in args.faults.split(",") if k.strip()))
     if unknown := kinds - set(FAULT_KINDS):
-        print(f"weir chaos: --faults: unknown kind {sorted(unknown)[0]!r} (one of {', '.join(FAULT_KINDS)})", file=sys.stderr)
+        print(
+            f"weir chaos: --faults: unknown kind {sorted(unknown)[0]!r} (one of {', '.join(FAULT_KINDS)})",
+            file=sys.stderr,
+        )
         return 2
     if min(args.workers, args.gateways, args.brokers, args.concurrency) < 1:
         print("weir chaos: --brokers, --workers, --gateways and --concurrency must be at least 1", file=sys.stderr)
@@ -194,9 +227,13 @@ def make_requests(n: int, seed: int, quick: bool) -> list[Request]:
     rng = random.Random(seed)
     requests = []
     for i in range(n):
-        body = {"model": MODEL, "messages": [{"role": "user", "content": f"{rng.choice(PROMPTS)} ({i})"}],
-                "max_tokens": rng.randint(8, 48 if quick else 128), "seed": seed * 100_000 + i,
-                "temperature": 0.8 if i % 3 == 0 else 0.0}  # fmt: skip
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": f"{rng.choice(PROMPTS)} ({i})"}],
+            "max_tokens": rng.randint(8, 48 if quick else 128),
+            "seed": seed * 100_000 + i,
+            "temperature": 0.8 if i % 3 == 0 else 0.0,
+        }
         requests.append(Request(i, body, "bulk" if rng.random() < 0.3 else "interactive"))
     return requests
 
@@ -212,11 +249,21 @@ class Chaos:
         self.prefix = f"chaos{uuid.uuid4().hex[:8]}"
         num_ports = 1 + args.workers + args.gateways
         ports = iter(range(args.http_port, args.http_port + num_ports) if args.http_port else free_ports(num_ports))
-        self.services = {"batcher": "batcher", **{f"worker-{i}": "worker" for i in range(1, args.workers + 1)},
-                         **{f"gateway-{i}": "gateway" for i in range(1, args.gateways + 1)}}  # fmt: skip
-        self.env = {"WEIR_TOPIC_PREFIX": self.prefix, "WEIR_MODEL_REPO": str(REPO_ROOT / "models.toml"),
-                    "WEIR_MODELS": MODEL, "WEIR_AUTH_MODE": "open", "WEIR_AUDIT_FINGERPRINT_MODEL": "",
-                    "WEIR_HOME": str(scratch / "home"), "PYTHONUNBUFFERED": "1", "WEIR_KAFKA_WAIT_S": "120"}  # fmt: skip
+        self.services = {
+            "batcher": "batcher",
+            **{f"worker-{i}": "worker" for i in range(1, args.workers + 1)},
+            **{f"gateway-{i}": "gateway" for i in range(1, args.gateways + 1)},
+        }
+        self.env = {
+            "WEIR_TOPIC_PREFIX": self.prefix,
+            "WEIR_MODEL_REPO": str(REPO_ROOT / "models.toml"),
+            "WEIR_MODELS": MODEL,
+            "WEIR_AUTH_MODE": "open",
+            "WEIR_AUDIT_FINGERPRINT_MODEL": "",
+            "WEIR_HOME": str(scratch / "home"),
+            "PYTHONUNBUFFERED": "1",
+            "WEIR_KAFKA_WAIT_S": "120",
+        }
         self.stack = Stack(self.env, scratch / "logs")
         for name, service in self.services.items():  # both kept across restarts by the Stack
             self.stack.http_ports[name] = next(ports)
@@ -309,8 +356,11 @@ async def _run(args: argparse.Namespace, schedule: list[tuple[float, str]]) -> d
     try:
         print(f"weir chaos: starting the cluster and services (scratch {scratch}) ...", flush=True)
         await chaos.up()
-        print(f"weir chaos: {args.requests} requests, concurrency {args.concurrency}, faults: "
-              f"{', '.join(k for _s, k in schedule) or 'none'}", flush=True)  # fmt: skip
+        print(
+            f"weir chaos: {args.requests} requests, concurrency {args.concurrency}, faults: "
+            f"{', '.join(k for _s, k in schedule) or 'none'}",
+            flush=True,
+        )
         began = time.perf_counter()
         gate = asyncio.Semaphore(args.concurrency)
         clients = [asyncio.create_task(_client(r, chaos.gateway_ports, gate, args.bound_s)) for r in requests]
@@ -426,8 +476,9 @@ async def _reruns(requests: list[Request], port: int, concurrency: int) -> dict[
     async def one(client: httpx.AsyncClient, request: Request) -> None:
         async with gate:
             for _attempt in range(5):
-                resp = await client.post("/v1/chat/completions", json=request.body,
-                                         headers={"X-Weir-Priority": request.priority})  # fmt: skip
+                resp = await client.post(
+                    "/v1/chat/completions", json=request.body, headers={"X-Weir-Priority": request.priority}
+                )
                 if resp.status_code == 200:
                     texts[request.index] = resp.json()["choices"][0]["message"]["content"] or ""
                     return
@@ -453,8 +504,14 @@ def stall_s(request: Request, at: float) -> float | None:
     return max(gaps, default=None)
 
 
-def _summary(requests: list[Request], reruns: dict[int, str], faults: list[Fault], args: argparse.Namespace,
-             load_s: float, dead: list[str]) -> dict[str, Any]:
+def _summary(
+    requests: list[Request],
+    reruns: dict[int, str],
+    faults: list[Fault],
+    args: argparse.Namespace,
+    load_s: float,
+    dead: list[str],
+) -> dict[str, Any]:
     """The figures of the run, and each request that went wrong (what its client saw)."""
     sent = [r for r in requests if r.started]
     lost = [r for r in sent if r.ended_at is None and not r.errors]
@@ -465,32 +522,105 @@ def _summary(requests: list[Request], reruns: dict[int, str], faults: list[Fault
     per_fault = []
     for fault in faults:
         stalls = [s for r in sent if not math.isnan(fault.at) and (s := stall_s(r, fault.at)) is not None]
-        per_fault.append({"kind": fault.kind, "target": fault.target, "note": fault.note, "in_flight": len(stalls),
-                          "stall_s": {"p50": percentile(stalls, 50), "p95": percentile(stalls, 95),
-                                      "max": max(stalls, default=float("nan"))}})  # fmt: skip
-    problems = [{"index": r.index, "body": r.body, "priority": r.priority, "errors": r.errors, "ends": r.num_ends,
-                 "ended": r.ended_at is not None, "interrupted": r.is_interrupted, "duplicated": r.num_duplicated,
-                 "reconnects": r.num_reconnects, "text": "".join(r.text), "rerun": reruns.get(r.index)}
-                for r in sent if r.index in wrong]  # fmt: skip
-    totals = {"sent": len(sent), "ended_once": sum(r.ended_once for r in sent), "lost": len(lost),
-              "interrupted": sum(r.is_interrupted for r in lost), "failed": len(failed),
-              "duplicated": sum(r.num_duplicated for r in sent), "differing": len(differing),
-              "compared": len(reruns), "not_rerun": len(not_rerun), "reconnected": sum(r.num_reconnects > 0 for r in sent)}  # fmt: skip
-    return {"config": {"requests": args.requests, "brokers": 0 if args.bootstrap else args.brokers,
-                       "bootstrap": args.bootstrap, "workers": args.workers, "gateways": args.gateways,
-                       "concurrency": args.concurrency, "seed": args.seed, "quick": args.quick},
-            "load_s": load_s, "totals": totals, "faults": per_fault, "dead_at_end": dead, "problems": problems}
+        per_fault.append(
+            {
+                "kind": fault.kind,
+                "target": fault.target,
+                "note": fault.note,
+                "in_flight": len(stalls),
+                "stall_s": {
+                    "p50": percentile(stalls, 50),
+                    "p95": percentile(stalls, 95),
+                    "max": max(stalls, default=float("nan")),
+                },
+            }
+        )
+    problems = [
+        {
+            "index": r.index,
+            "body": r.body,
+            "priority": r.priority,
+            "errors": r.errors,
+            "ends": r.num_ends,
+            "ended": r.ended_at is not None,
+            "interrupted": r.is_interrupted,
+            "duplicated": r.num_duplicated,
+            "reconnects": r.num_reconnects,
+            "text": "".join(r.text),
+            "rerun": reruns.get(r.index),
+        }
+        for r in sent
+        if r.index in wrong
+    ]
+    totals = {
+        "sent": len(sent),
+        "ended_once": sum(r.ended_once for r in sent),
+        "lost": len(lost),
+        "interrupted": sum(r.is_interrupted for r in lost),
+        "failed": len(failed),
+        "duplicated": sum(r.num_duplicated for r in sent),
+        "differing": len(differing),
+        "compared": len(reruns),
+        "not_rerun": len(not_rerun),
+        "reconnected": sum(r.num_reconnects > 0 for r in sent),
+    }
+    return {
+        "config": {
+            "requests": args.requests,
+            "brokers": 0 if args.bootstrap else args.brokers,
+            "bootstrap": args.bootstrap,
+            "workers": args.workers,
+            "gateways": args.gateways,
+            "concurrency": args.concurrency,
+            "seed": args.seed,
+            "quick": args.quick,
+        },
+        "load_s": load_s,
+        "totals": totals,
+        "faults": per_fault,
+        "dead_at_end": dead,
+        "problems": problems,
+    }
 
 
 def _print_report(report: dict[str, Any], args: argparse.Namespace) -> None:
     config, totals = report["config"], report["totals"]
     brokers = f"the cluster at {config['bootstrap']}" if config["bootstrap"] else f"{config['brokers']} broker(s)"
-    print(f"\nweir chaos: {brokers}, {config['workers']} workers, {config['gateways']} gateways, "
-          f"{config['requests']} requests ({config['concurrency']} at a time), load {report['load_s']:.0f} s")  # fmt: skip
-    print_table([[str(totals[k]) for k in ("sent", "ended_once", "lost", "interrupted", "failed", "duplicated",
-                                           "differing", "compared", "not_rerun", "reconnected")]],
-                ["sent", "ended once", "lost", "(interrupted)", "failed", "duplicated tokens", "differing",
-                 "(compared)", "not rerun", "(reconnected)"])  # fmt: skip
+    print(
+        f"\nweir chaos: {brokers}, {config['workers']} workers, {config['gateways']} gateways, "
+        f"{config['requests']} requests ({config['concurrency']} at a time), load {report['load_s']:.0f} s"
+    )
+    print_table(
+        [
+            [
+                str(totals[k])
+                for k in (
+                    "sent",
+                    "ended_once",
+                    "lost",
+                    "interrupted",
+                    "failed",
+                    "duplicated",
+                    "differing",
+                    "compared",
+                    "not_rerun",
+                    "reconnected",
+                )
+            ]
+        ],
+        [
+            "sent",
+            "ended once",
+            "lost",
+            "(interrupted)",
+            "failed",
+            "duplicated tokens",
+            "differing",
+            "(compared)",
+            "not rerun",
+            "(reconnected)",
+        ],
+    )
     print()
     rows = []
     for f in report["faults"]:
@@ -499,9 +629,11 @@ def _print_report(report: dict[str, Any], args: argparse.Namespace) -> None:
         rows.append([f"kill -9 {f['kind']}", f["target"], str(f["in_flight"]), *figures, f["note"]])
     print_table(rows, ["fault", "target", "streams in flight", "stall p50 s", "p95 s", "max s", "note"])
     for p in report["problems"][:10]:
-        print(f"  request {p['index']}: errors {p['errors'][:1]}, ends {p['ends']}, interrupted {p['interrupted']}, "
-              f"duplicated {p['duplicated']}, reconnects {p['reconnects']}, text {p['text'][:60]!r} / rerun "
-              f"{(p['rerun'] or '')[:60]!r}")  # fmt: skip
+        print(
+            f"  request {p['index']}: errors {p['errors'][:1]}, ends {p['ends']}, interrupted {p['interrupted']}, "
+            f"duplicated {p['duplicated']}, reconnects {p['reconnects']}, text {p['text'][:60]!r} / rerun "
+            f"{(p['rerun'] or '')[:60]!r}"
+        )
     if report["dead_at_end"]:
         print(f"  services dead at the end: {', '.join(report['dead_at_end'])}")
 

@@ -39,19 +39,35 @@ class Browser:
 
     async def __aenter__(self) -> Browser:
         self._process = subprocess.Popen(  # our own arguments
-            [self.binary, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-             "--no-first-run", "--no-default-browser-check", "--remote-debugging-port=0",
-             "--remote-allow-origins=*", f"--user-data-dir={self._profile.name}",
-             f"--window-size={self.width},{self.height}", "about:blank"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+            [
+                self.binary,
+                "--headless=new",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-dev-shm-usage",
+                "--no-first-run",
+                "--no-default-browser-check",
+                "--remote-debugging-port=0",
+                "--remote-allow-origins=*",
+                f"--user-data-dir={self._profile.name}",
+                f"--window-size={self.width},{self.height}",
+                "about:blank",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         try:
             port = await self._devtools_port()
             page = await asyncio.to_thread(self._page_socket, port)
             self._ws = await websockets.connect(page, max_size=64 << 20)
             await self.call("Page.enable")
-            await self.call("Emulation.setDeviceMetricsOverride",
-                            width=self.width, height=self.height, deviceScaleFactor=1, mobile=False)  # fmt: skip
+            await self.call(
+                "Emulation.setDeviceMetricsOverride",
+                width=self.width,
+                height=self.height,
+                deviceScaleFactor=1,
+                mobile=False,
+            )
         except BaseException:
             await self.__aexit__()
             raise

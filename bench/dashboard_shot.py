@@ -49,38 +49,97 @@ def heartbeats(sent_ms: int) -> list[WorkerHeartbeat]:
     """Two workers with queues, KV usage and prefix-cache counts, and their versions' states."""
     ready = VersionStatus(state="ready", engine="torch-cpu")
     return [
-        WorkerHeartbeat(worker_id="worker-a", models=list(MODELS), is_ready=True, num_running=6, num_waiting=3,
-                        max_num_seqs=8, free_kv_blocks=120, block_size_tokens=16, kv_cache_usage_perc=0.62,
-                        prefix_cache_queries=48_000, prefix_cache_hits=30_500,
-                        versions={MODELS[0]: ready, MODELS[1]: ready}, sent_ms=sent_ms),
-        WorkerHeartbeat(worker_id="worker-b", models=[MODELS[0]], is_ready=True, num_running=2, num_waiting=0,
-                        max_num_seqs=8, free_kv_blocks=400, block_size_tokens=16, kv_cache_usage_perc=0.18,
-                        prefix_cache_queries=9_000, prefix_cache_hits=2_100,
-                        versions={MODELS[0]: ready, "weir-tiny-py@2": VersionStatus(state="loading")},
-                        sent_ms=sent_ms),
-    ]  # fmt: skip
+        WorkerHeartbeat(
+            worker_id="worker-a",
+            models=list(MODELS),
+            is_ready=True,
+            num_running=6,
+            num_waiting=3,
+            max_num_seqs=8,
+            free_kv_blocks=120,
+            block_size_tokens=16,
+            kv_cache_usage_perc=0.62,
+            prefix_cache_queries=48_000,
+            prefix_cache_hits=30_500,
+            versions={MODELS[0]: ready, MODELS[1]: ready},
+            sent_ms=sent_ms,
+        ),
+        WorkerHeartbeat(
+            worker_id="worker-b",
+            models=[MODELS[0]],
+            is_ready=True,
+            num_running=2,
+            num_waiting=0,
+            max_num_seqs=8,
+            free_kv_blocks=400,
+            block_size_tokens=16,
+            kv_cache_usage_perc=0.18,
+            prefix_cache_queries=9_000,
+            prefix_cache_hits=2_100,
+            versions={MODELS[0]: ready, "weir-tiny-py@2": VersionStatus(state="loading")},
+            sent_ms=sent_ms,
+        ),
+    ]
 
 
 def usage(day: str) -> list[UsageTotals]:
     """Today's totals of a few tenants (one with no price)."""
-    rows = [("acme", "svc-chat", MODELS[0], 410, 182_000, 64_000, 0.92), ("acme", "alice", MODELS[1], 35, 9_000, 4_100, 0.05),
-            ("globex", "etl", MODELS[0], 120, 95_000, 22_000, 0.41), ("initech", "bob", MODELS[1], 12, 3_000, 900, None)]  # fmt: skip
-    return [UsageTotals(day=day, tenant=tenant, principal=principal, model_version=version, requests=requests,
-                        prompt_tokens=prompt, completion_tokens=completion, cost_usd=cost)
-            for tenant, principal, version, requests, prompt, completion, cost in rows]  # fmt: skip
+    rows = [
+        ("acme", "svc-chat", MODELS[0], 410, 182_000, 64_000, 0.92),
+        ("acme", "alice", MODELS[1], 35, 9_000, 4_100, 0.05),
+        ("globex", "etl", MODELS[0], 120, 95_000, 22_000, 0.41),
+        ("initech", "bob", MODELS[1], 12, 3_000, 900, None),
+    ]
+    return [
+        UsageTotals(
+            day=day,
+            tenant=tenant,
+            principal=principal,
+            model_version=version,
+            requests=requests,
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            cost_usd=cost,
+        )
+        for tenant, principal, version, requests, prompt, completion, cost in rows
+    ]
 
 
 def alerts(created_ms: int) -> list[HealthAlert]:
     """An entropy drift raised and open, a staleness raised and cleared."""
     return [
-        HealthAlert(alert_id=f"a-{uuid.uuid4().hex[:8]}", model_version=MODELS[1], signal="freshness", state="raised",
-                    value=610.0, threshold=300.0, detail="no audited request for 610 s", created_ms=created_ms - 90_000),
-        HealthAlert(alert_id=f"a-{uuid.uuid4().hex[:8]}", model_version=MODELS[1], signal="freshness", state="cleared",
-                    value=4.0, threshold=300.0, detail="audited requests again", created_ms=created_ms - 30_000),
-        HealthAlert(alert_id=f"a-{uuid.uuid4().hex[:8]}", model_version=MODELS[0], signal="entropy", state="raised",
-                    value=3.9, baseline=2.1, threshold=3.5, detail="output entropy 3.9 nats against 2.1 at load",
-                    created_ms=created_ms - 12_000),
-    ]  # fmt: skip
+        HealthAlert(
+            alert_id=f"a-{uuid.uuid4().hex[:8]}",
+            model_version=MODELS[1],
+            signal="freshness",
+            state="raised",
+            value=610.0,
+            threshold=300.0,
+            detail="no audited request for 610 s",
+            created_ms=created_ms - 90_000,
+        ),
+        HealthAlert(
+            alert_id=f"a-{uuid.uuid4().hex[:8]}",
+            model_version=MODELS[1],
+            signal="freshness",
+            state="cleared",
+            value=4.0,
+            threshold=300.0,
+            detail="audited requests again",
+            created_ms=created_ms - 30_000,
+        ),
+        HealthAlert(
+            alert_id=f"a-{uuid.uuid4().hex[:8]}",
+            model_version=MODELS[0],
+            signal="entropy",
+            state="raised",
+            value=3.9,
+            baseline=2.1,
+            threshold=3.5,
+            detail="output entropy 3.9 nats against 2.1 at load",
+            created_ms=created_ms - 12_000,
+        ),
+    ]
 
 
 async def feed(bootstrap: str, topics: Topics, stop: asyncio.Event, ready: asyncio.Event) -> None:
@@ -126,18 +185,29 @@ def instruments(service: ServiceMetrics, owner: object) -> Instruments:
         return have.get(name) or make()
 
     found = Instruments(
-        ttft=get("weir_gateway_time_to_first_token_seconds", lambda: service.histogram(
-            "weir_gateway_time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)),
-        itl=get("weir_gateway_inter_token_latency_seconds", lambda: service.histogram(
-            "weir_gateway_inter_token_latency_seconds", "Inter-token latency.", ITL_BUCKETS)),
-        e2e=get("weir_gateway_e2e_request_latency_seconds", lambda: service.histogram(
-            "weir_gateway_e2e_request_latency_seconds", "Request latency.", LATENCY_BUCKETS)),
-        tokens=get("weir_gateway_generation_tokens", lambda: service.counter(
-            "weir_gateway_generation_tokens", "Generated tokens.")),
-    )  # fmt: skip
+        ttft=get(
+            "weir_gateway_time_to_first_token_seconds",
+            lambda: service.histogram("weir_gateway_time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS),
+        ),
+        itl=get(
+            "weir_gateway_inter_token_latency_seconds",
+            lambda: service.histogram("weir_gateway_inter_token_latency_seconds", "Inter-token latency.", ITL_BUCKETS),
+        ),
+        e2e=get(
+            "weir_gateway_e2e_request_latency_seconds",
+            lambda: service.histogram("weir_gateway_e2e_request_latency_seconds", "Request latency.", LATENCY_BUCKETS),
+        ),
+        tokens=get(
+            "weir_gateway_generation_tokens",
+            lambda: service.counter("weir_gateway_generation_tokens", "Generated tokens."),
+        ),
+    )
     if "kafka_consumergroup_lag" not in have:
-        service.gauge("kafka_consumergroup_lag", "Records not yet consumed, per group and topic.",
-                      lambda: [(value, {"consumergroup": g, "topic": t}) for (g, t), value in found.lag.items()])  # fmt: skip
+        service.gauge(
+            "kafka_consumergroup_lag",
+            "Records not yet consumed, per group and topic.",
+            lambda: [(value, {"consumergroup": g, "topic": t}) for (g, t), value in found.lag.items()],
+        )
     return found
 
 
@@ -182,8 +252,13 @@ async def shoot(bootstrap: str, out: Path, warm_s: float, port: int) -> None:
         raise SystemExit("no chromium on PATH (apt-get install chromium)")
     topics, token = Topics(prefix=f"shot{uuid.uuid4().hex[:6]}"), uuid.uuid4().hex
     await ensure_topics(bootstrap, topics.core_specs())
-    settings = GatewaySettings(kafka_bootstrap=bootstrap, topic_prefix=topics.prefix, model_repo=str(REPO / "models.toml"),
-                               gateway_admin_token=token, auth_mode="open")  # fmt: skip
+    settings = GatewaySettings(
+        kafka_bootstrap=bootstrap,
+        topic_prefix=topics.prefix,
+        model_repo=str(REPO / "models.toml"),
+        gateway_admin_token=token,
+        auth_mode="open",
+    )
     app = create_app(settings)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     serving = asyncio.create_task(server.serve())
@@ -195,7 +270,10 @@ async def shoot(bootstrap: str, out: Path, warm_s: float, port: int) -> None:
             await asyncio.sleep(0.1)
         found = instruments(app.state.guard.metrics.service, app.state.guard.metrics)
         fed = asyncio.Event()
-        load = [asyncio.create_task(traffic(found, topics, stop)), asyncio.create_task(feed(bootstrap, topics, stop, fed))]
+        load = [
+            asyncio.create_task(traffic(found, topics, stop)),
+            asyncio.create_task(feed(bootstrap, topics, stop, fed)),
+        ]
         await asyncio.wait_for(fed.wait(), 30)
         await asyncio.sleep(warm_s)
         async with Browser(binary, width=1400, height=1150) as browser:

@@ -16,8 +16,8 @@ the default chat model unless --model says otherwise.
 
 from __future__ import annotations
 
-import itertools
 import argparse
+import itertools
 import random
 import time
 import uuid
@@ -80,8 +80,15 @@ def run_hf_sequential(hf, jobs: list[Job]) -> RunResult:
     for job in jobs:
         timer = _FirstTokenTimer()
         ids = torch.tensor([job.prompt_ids])
-        hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=job.max_tokens,
-                    min_new_tokens=job.max_tokens, do_sample=False, streamer=timer, pad_token_id=0)  # fmt: skip
+        hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=job.max_tokens,
+            min_new_tokens=job.max_tokens,
+            do_sample=False,
+            streamer=timer,
+            pad_token_id=0,
+        )
         ttft.append((timer.times[0] - start) * 1000)
         itl += [(b - a) * 1000 for a, b in itertools.pairwise(timer.times)]
         tokens += job.max_tokens
@@ -99,16 +106,24 @@ def run_hf_static(hf, jobs: list[Job]) -> tuple[RunResult, float]:
         mask[row, width - len(job.prompt_ids) :] = 1
     timer = _FirstTokenTimer()
     start = time.perf_counter()
-    hf.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest, do_sample=False,
-                streamer=timer, pad_token_id=0)  # fmt: skip
+    hf.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=longest,
+        min_new_tokens=longest,
+        do_sample=False,
+        streamer=timer,
+        pad_token_id=0,
+    )
     wall = time.perf_counter() - start
     itl = [(b - a) * 1000 for a, b in itertools.pairwise(timer.times)]
     useful = sum(j.max_tokens for j in jobs)
     # every row holds width + longest positions; a request needs only its own prompt + output
     held = len(jobs) * (width + longest)
     needed = sum(len(j.prompt_ids) + j.max_tokens for j in jobs)
-    result = RunResult("(b) HF generate, static batch", len(jobs), [(timer.times[0] - start) * 1000] * len(jobs),
-                       itl, useful, wall)  # fmt: skip
+    result = RunResult(
+        "(b) HF generate, static batch", len(jobs), [(timer.times[0] - start) * 1000] * len(jobs), itl, useful, wall
+    )
     return result, 100 * (1 - needed / held)
 
 
@@ -120,8 +135,16 @@ def run_engine(engine, jobs: list[Job], model: str) -> tuple[RunResult, float]:
     itl: list[float] = []
     tokens = 0
     for job in jobs:
-        req = GenerateRequest(request_id=uuid.uuid4().hex, model=model, prompt="x", max_tokens=job.max_tokens,
-                              temperature=0.0, ignore_eos=True, deadline_ms=now_ms() + 3_600_000, reply_to="-")  # fmt: skip
+        req = GenerateRequest(
+            request_id=uuid.uuid4().hex,
+            model=model,
+            prompt="x",
+            max_tokens=job.max_tokens,
+            temperature=0.0,
+            ignore_eos=True,
+            deadline_ms=now_ms() + 3_600_000,
+            reply_to="-",
+        )
         engine.add_tokens(req, job.prompt_ids, now_ms())
     held_slots = used_slots = 0
     while engine.has_work:
@@ -140,7 +163,9 @@ def run_engine(engine, jobs: list[Job], model: str) -> tuple[RunResult, float]:
             if out.is_final:
                 tokens += out.completion_tokens
     waste = 100 * (1 - used_slots / held_slots) if held_slots else 0.0
-    return RunResult("(c) Weir engine", len(jobs), list(first.values()), itl, tokens, time.perf_counter() - start), waste
+    return RunResult(
+        "(c) Weir engine", len(jobs), list(first.values()), itl, tokens, time.perf_counter() - start
+    ), waste
 
 
 def prefix_ttft(engine, tokenizer, model: str, system_tokens: int, n: int) -> list[float]:
@@ -149,8 +174,16 @@ def prefix_ttft(engine, tokenizer, model: str, system_tokens: int, n: int) -> li
     times = []
     for i in range(n):
         question = tokenizer.encode(f"\n# question {i}: what does function_{i} return?\n")
-        req = GenerateRequest(request_id=uuid.uuid4().hex, model=model, prompt="x", max_tokens=1, temperature=0.0,
-                              ignore_eos=True, deadline_ms=now_ms() + 3_600_000, reply_to="-")  # fmt: skip
+        req = GenerateRequest(
+            request_id=uuid.uuid4().hex,
+            model=model,
+            prompt="x",
+            max_tokens=1,
+            temperature=0.0,
+            ignore_eos=True,
+            deadline_ms=now_ms() + 3_600_000,
+            reply_to="-",
+        )
         start = time.perf_counter()
         engine.add_tokens(req, system + question, now_ms())
         while engine.has_work:
@@ -169,16 +202,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-prefix", action="store_true", help="skip the shared-system-prompt TTFT part")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: as the worker picks)")
-    parser.add_argument("--structured", action="store_true", help="constrained vs unconstrained tokens/s (bench/structured.py)")
-    parser.add_argument("--rounds", type=int, default=5, help="--structured: rounds per concurrency (medians and spread)")
+    parser.add_argument(
+        "--structured", action="store_true", help="constrained vs unconstrained tokens/s (bench/structured.py)"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=5, help="--structured: rounds per concurrency (medians and spread)"
+    )
     parser.add_argument("--max-tokens", type=int, default=256, help="--structured: max_tokens of each request")
-    parser.add_argument("--model-dir", type=Path, default=None, help="the model's directory, instead of the repository's")
-    parser.add_argument("--quantization", choices=["none", "int8", "int4"], default=None,
-                        help="Weir's weights (default: the model entry's quantization)")
-    parser.add_argument("--speed", action="store_true", help="float32 vs int8 vs int4 engines in alternating rounds "
-                        "(--rounds): decode tokens/s and TTFT of a 100-token prompt at each --concurrency")
-    parser.add_argument("--quality", action="store_true", help="float32 vs int8 vs int4: top-1 agreement over 20 "
-                        "prompts x 64 tokens, perplexity on bench/data/quality_text.txt, plain facts (bench/engine_quality.py)")
+    parser.add_argument(
+        "--model-dir", type=Path, default=None, help="the model's directory, instead of the repository's"
+    )
+    parser.add_argument(
+        "--quantization",
+        choices=["none", "int8", "int4"],
+        default=None,
+        help="Weir's weights (default: the model entry's quantization)",
+    )
+    parser.add_argument(
+        "--speed",
+        action="store_true",
+        help="float32 vs int8 vs int4 engines in alternating rounds "
+        "(--rounds): decode tokens/s and TTFT of a 100-token prompt at each --concurrency",
+    )
+    parser.add_argument(
+        "--quality",
+        action="store_true",
+        help="float32 vs int8 vs int4: top-1 agreement over 20 "
+        "prompts x 64 tokens, perplexity on bench/data/quality_text.txt, plain facts (bench/engine_quality.py)",
+    )
     args = parser.parse_args(argv)
     if args.model is None:
         args.model = "smollm2-135m-instruct" if args.structured else "weir-tiny-py"
@@ -191,13 +242,14 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(cpu_threads(args.threads))
 
     from services.worker.engine import Engine, EngineConfig
-
     from weir.models.sources import ensure_model_dir
 
     config = load_model_repo(args.model_repo).models[args.model]
     if config.engine != "torch":
         parser.error(f"model {args.model!r} has engine {config.engine!r}: benchmark a torch model with weights")
-    path = args.model_dir or ensure_model_dir(config, progress=lambda line: print(line, flush=True))  # a GGUF source is imported once
+    path = args.model_dir or ensure_model_dir(
+        config, progress=lambda line: print(line, flush=True)
+    )  # a GGUF source is imported once
     if args.quality:
         from bench.engine_quality import print_quality, quality_report
 
@@ -211,20 +263,28 @@ def main(argv: list[str] | None = None) -> int:
         print_speed(speed_report(Path(path), [int(c) for c in args.concurrency.split(",")], args.rounds))
         return 0
     quantization = args.quantization or config.quantization
-    engine_config = EngineConfig(max_model_len=config.max_model_len, max_num_seqs=max(64, config.max_num_seqs),
-                                 quantization=quantization)  # fmt: skip
+    engine_config = EngineConfig(
+        max_model_len=config.max_model_len, max_num_seqs=max(64, config.max_num_seqs), quantization=quantization
+    )
     engine = Engine(path, engine_config)
     if args.structured:
         from bench.structured import run
 
-        print(f"model {args.model} ({path}), torch threads {torch.get_num_threads()}, device {engine.device}", flush=True)
-        return run(engine, args.model, Path(path), [int(c) for c in args.concurrency.split(",")], args.rounds, args.max_tokens)
+        print(
+            f"model {args.model} ({path}), torch threads {torch.get_num_threads()}, device {engine.device}", flush=True
+        )
+        return run(
+            engine, args.model, Path(path), [int(c) for c in args.concurrency.split(",")], args.rounds, args.max_tokens
+        )
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     levels = [int(c) for c in args.concurrency.split(",")]
     systems = set(args.systems.split(","))
-    print(f"model {args.model}: {sum(p.numel() for p in hf.parameters()) / 1e6:.1f}M parameters, "
-          f"torch threads {torch.get_num_threads()}, device {engine.device}, Weir weights {quantization} "
-          f"({engine.model.weight_bytes / 1e6:.0f} MB)", flush=True)  # fmt: skip
+    print(
+        f"model {args.model}: {sum(p.numel() for p in hf.parameters()) / 1e6:.1f}M parameters, "
+        f"torch threads {torch.get_num_threads()}, device {engine.device}, Weir weights {quantization} "
+        f"({engine.model.weight_bytes / 1e6:.0f} MB)",
+        flush=True,
+    )
     rows, ratios = [], []
     with torch.inference_mode():
         for c in levels:
@@ -258,9 +318,18 @@ def compare_at(c: int, systems: set[str], jobs, hf, engine, model: str) -> tuple
         runs["c"] = run_engine(engine, jobs, model)
     rows = []
     for r, waste in runs.values():
-        rows.append([r.label, str(c), f"{r.tokens_per_s:.0f}", f"{percentile(r.ttft_ms, 50):.0f}",
-                     f"{percentile(r.ttft_ms, 95):.0f}", f"{percentile(r.itl_ms, 50):.1f}",
-                     f"{percentile(r.itl_ms, 95):.1f}", "-" if waste is None else f"{waste:.1f}"])  # fmt: skip
+        rows.append(
+            [
+                r.label,
+                str(c),
+                f"{r.tokens_per_s:.0f}",
+                f"{percentile(r.ttft_ms, 50):.0f}",
+                f"{percentile(r.ttft_ms, 95):.0f}",
+                f"{percentile(r.itl_ms, 50):.1f}",
+                f"{percentile(r.itl_ms, 95):.1f}",
+                "-" if waste is None else f"{waste:.1f}",
+            ]
+        )
     if "c" not in runs:
         return rows, None
     tps = {k: r.tokens_per_s for k, (r, _) in runs.items()}
@@ -272,8 +341,10 @@ def print_throughput(rows: list[list[str]], ratios: list[Ratio], engine) -> None
     header = ["system", "conc", "tokens/s", "TTFT p50 ms", "TTFT p95 ms", "ITL p50 ms", "ITL p95 ms", "KV waste %"]
     print()
     print_table(rows, header)
-    print(f"\nKV bytes per token: {engine.kv_bytes_per_token} (theoretical minimum: 2 x layers x kv_heads x head_dim x "
-          f"dtype size); block size {engine.blocks.block_size}")  # fmt: skip
+    print(
+        f"\nKV bytes per token: {engine.kv_bytes_per_token} (theoretical minimum: 2 x layers x kv_heads x head_dim x "
+        f"dtype size); block size {engine.blocks.block_size}"
+    )
     for c, ra, rb in ratios:
         vs_a = "-" if ra is None else f"{ra:.1f}x"
         vs_b = "-" if rb is None else f"{rb:.2f}x"
@@ -287,5 +358,7 @@ def print_prefix_caching(cached, uncached, model: str, system_prompt_tokens: int
     with_cache = prefix_ttft(cached, cached.tokenizer, model, system_prompt_tokens, n)
     without = prefix_ttft(uncached, uncached.tokenizer, model, system_prompt_tokens, n)
     p_with, p_without = percentile(with_cache, 50), percentile(without, 50)
-    print(f"\nshared {system_prompt_tokens}-token system prompt, TTFT p50: prefix caching on {p_with:.1f} ms, "
-          f"off {p_without:.1f} ms ({p_without / p_with:.1f}x; target >= 2x); hit rate {cached.blocks.prefix_hit_rate:.0%}")  # fmt: skip
+    print(
+        f"\nshared {system_prompt_tokens}-token system prompt, TTFT p50: prefix caching on {p_with:.1f} ms, "
+        f"off {p_without:.1f} ms ({p_without / p_with:.1f}x; target >= 2x); hit rate {cached.blocks.prefix_hit_rate:.0%}"
+    )

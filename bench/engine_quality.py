@@ -26,20 +26,37 @@ from services.worker.engine.model import AttentionMetadata, CausalLM, load_model
 
 TEXT = Path(__file__).with_name("data") / "quality_text.txt"
 PROMPTS = [
-    "The history of the printing press", "Here is a recipe for a simple tomato soup:", "def fibonacci(n):",
-    "Photosynthesis is the process by which", "The three primary colors are", "Once upon a time, in a small village,",
-    "To install Python packages, you", "The main causes of the French Revolution were", "A healthy breakfast includes",
-    "The speed of light is", "In computer science, a hash table", "Dear hiring manager,",
-    "The best way to learn a new language is", "Mount Everest is located", "import numpy as np\n\n",
-    "The water cycle describes", "Rain forests are important because", "A good night's sleep helps",
-    "The Pythagorean theorem states that", "Shakespeare wrote many plays, including",
-]  # fmt: skip
+    "The history of the printing press",
+    "Here is a recipe for a simple tomato soup:",
+    "def fibonacci(n):",
+    "Photosynthesis is the process by which",
+    "The three primary colors are",
+    "Once upon a time, in a small village,",
+    "To install Python packages, you",
+    "The main causes of the French Revolution were",
+    "A healthy breakfast includes",
+    "The speed of light is",
+    "In computer science, a hash table",
+    "Dear hiring manager,",
+    "The best way to learn a new language is",
+    "Mount Everest is located",
+    "import numpy as np\n\n",
+    "The water cycle describes",
+    "Rain forests are important because",
+    "A good night's sleep helps",
+    "The Pythagorean theorem states that",
+    "Shakespeare wrote many plays, including",
+]
 FACTS = [
-    ("The capital of France is", "Paris"), ("The capital of Japan is", "Tokyo"),
-    ("The largest planet in our solar system is", "Jupiter"), ("Water is made of hydrogen and", "oxygen"),
-    ("The first president of the United States was", "Washington"), ("The chemical symbol for gold is", "Au"),
-    ("The author of Romeo and Juliet is", "Shakespeare"), ("The opposite of hot is", "cold"),
-]  # fmt: skip
+    ("The capital of France is", "Paris"),
+    ("The capital of Japan is", "Tokyo"),
+    ("The largest planet in our solar system is", "Jupiter"),
+    ("Water is made of hydrogen and", "oxygen"),
+    ("The first president of the United States was", "Washington"),
+    ("The chemical symbol for gold is", "Au"),
+    ("The author of Romeo and Juliet is", "Shakespeare"),
+    ("The opposite of hot is", "cold"),
+]
 
 
 @torch.inference_mode()
@@ -50,9 +67,11 @@ def all_logits(model: CausalLM, ids: list[int], block_size: int = 16) -> torch.T
     blocks = -(-len(ids) // block_size)
     kv = allocate_kv_caches(a.num_layers, blocks, block_size, a.num_kv_heads, a.head_dim, torch.float32, device)
     n = len(ids)
-    meta = AttentionMetadata(slot_mapping=torch.arange(n, device=device),
-                             prefills=[(0, n, torch.arange(blocks, device=device), n)],
-                             logits_indices=torch.arange(n, device=device))  # fmt: skip
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(n, device=device),
+        prefills=[(0, n, torch.arange(blocks, device=device), n)],
+        logits_indices=torch.arange(n, device=device),
+    )
     return model(torch.tensor(ids, device=device), torch.arange(n, device=device), kv, meta)
 
 
@@ -87,10 +106,10 @@ def top1_agreement(reference: CausalLM, model: CausalLM, prompts_ids: list[list[
         continuations.append(ref)
         full = ids + ref
         top = all_logits(model, full[:-1]).argmax(-1)[len(ids) - 1 :].tolist()
-        agree += sum(int(a == b) for a, b in zip(top, ref))
+        agree += sum(int(a == b) for a, b in zip(top, ref, strict=True))
         total += len(ref)
         own = greedy_fast(model, ids, n)
-        same += sum(int(a == b) for a, b in zip(own, ref))
+        same += sum(int(a == b) for a, b in zip(own, ref, strict=False))
     return agree / total, same / total, continuations
 
 
@@ -112,22 +131,28 @@ def greedy_engine(model: CausalLM, ids: list[int], n: int, block_size: int = 16)
     kv = allocate_kv_caches(a.num_layers, blocks, block_size, a.num_kv_heads, a.head_dim, torch.float32, device)
     table = torch.arange(blocks, device=device)
     m = len(ids)
-    meta = AttentionMetadata(slot_mapping=torch.arange(m), prefills=[(0, m, table, m)],
-                             logits_indices=torch.tensor([m - 1]))  # fmt: skip
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(m), prefills=[(0, m, table, m)], logits_indices=torch.tensor([m - 1])
+    )
     token = int(model(torch.tensor(ids), torch.arange(m), kv, meta)[-1].argmax())
     out = [token]
     for pos in range(m, m + n - 1):
-        meta = AttentionMetadata(slot_mapping=torch.tensor([pos]), num_decode_tokens=1,
-                                 decode_groups=[(0, 1, table[None].int(), torch.tensor([pos + 1], dtype=torch.int32))],
-                                 logits_indices=torch.tensor([0]))  # fmt: skip
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor([pos]),
+            num_decode_tokens=1,
+            decode_groups=[(0, 1, table[None].int(), torch.tensor([pos + 1], dtype=torch.int32))],
+            logits_indices=torch.tensor([0]),
+        )
         token = int(model(torch.tensor([token]), torch.tensor([pos]), kv, meta)[-1].argmax())
         out.append(token)
     return out
 
 
 def facts_right(model: CausalLM, tokenizer, facts=FACTS) -> list[bool]:
-    return [answer.lower() in tokenizer.decode(greedy_fast(model, tokenizer.encode(prompt), 8)).lower()
-            for prompt, answer in facts]  # fmt: skip
+    return [
+        answer.lower() in tokenizer.decode(greedy_fast(model, tokenizer.encode(prompt), 8)).lower()
+        for prompt, answer in facts
+    ]
 
 
 def quality_report(path: Path, quantizations=("int8", "int4"), prompts: int = 20, tokens: int = 64) -> list[dict]:
@@ -143,9 +168,18 @@ def quality_report(path: Path, quantizations=("int8", "int4"), prompts: int = 20
     ref_load = time.monotonic() - started
     ref_ppl = perplexity(reference, text_ids)
     ref_facts = facts_right(reference, tokenizer)
-    known = [f for f, ok in zip(FACTS, ref_facts) if ok]
-    rows.append({"quantization": "none", "weights_mb": reference.weight_bytes / 1e6, "load_s": ref_load,
-                 "top1": 1.0, "free_run": 1.0, "perplexity": ref_ppl, "facts": f"{len(known)}/{len(FACTS)}"})  # fmt: skip
+    known = [f for f, ok in zip(FACTS, ref_facts, strict=True) if ok]
+    rows.append(
+        {
+            "quantization": "none",
+            "weights_mb": reference.weight_bytes / 1e6,
+            "load_s": ref_load,
+            "top1": 1.0,
+            "free_run": 1.0,
+            "perplexity": ref_ppl,
+            "facts": f"{len(known)}/{len(FACTS)}",
+        }
+    )
     for q in quantizations:
         started = time.monotonic()
         model = load_model(path, torch.device("cpu"), torch.float32, q)
@@ -153,8 +187,17 @@ def quality_report(path: Path, quantizations=("int8", "int4"), prompts: int = 20
         top1, free, _ = top1_agreement(reference, model, prompt_ids, tokens)
         ppl = perplexity(model, text_ids)
         right = sum(facts_right(model, tokenizer, known))
-        rows.append({"quantization": q, "weights_mb": model.weight_bytes / 1e6, "load_s": load_s, "top1": top1,
-                     "free_run": free, "perplexity": ppl, "facts": f"{right}/{len(known)}"})  # fmt: skip
+        rows.append(
+            {
+                "quantization": q,
+                "weights_mb": model.weight_bytes / 1e6,
+                "load_s": load_s,
+                "top1": top1,
+                "free_run": free,
+                "perplexity": ppl,
+                "facts": f"{right}/{len(known)}",
+            }
+        )
         del model
     return rows
 
@@ -164,8 +207,10 @@ def print_quality(rows: list[dict]) -> None:
     print("\n| quantization | weights MB | top-1 agreement | free-run match | perplexity | vs float32 | facts |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['quantization']} | {r['weights_mb']:.0f} | {100 * r['top1']:.1f}% | {100 * r['free_run']:.1f}% "
-              f"| {r['perplexity']:.3f} | {100 * (r['perplexity'] / base - 1):+.2f}% | {r['facts']} |")  # fmt: skip
+        print(
+            f"| {r['quantization']} | {r['weights_mb']:.0f} | {100 * r['top1']:.1f}% | {100 * r['free_run']:.1f}% "
+            f"| {r['perplexity']:.3f} | {100 * (r['perplexity'] / base - 1):+.2f}% | {r['facts']} |"
+        )
 
 
 def decode_speed(engine, streams: int, prompt_tokens: int = 100, max_tokens: int = 64) -> tuple[float, float]:
@@ -178,8 +223,16 @@ def decode_speed(engine, streams: int, prompt_tokens: int = 100, max_tokens: int
     ids = engine.tokenizer.encode(TEXT.read_text())[:prompt_tokens]
     start = time.perf_counter()
     for i in range(streams):
-        req = GenerateRequest(request_id=uuid.uuid4().hex, model="m", prompt="x", max_tokens=max_tokens,
-                              temperature=0.0, ignore_eos=True, deadline_ms=now_ms() + 3_600_000, reply_to="-")  # fmt: skip
+        req = GenerateRequest(
+            request_id=uuid.uuid4().hex,
+            model="m",
+            prompt="x",
+            max_tokens=max_tokens,
+            temperature=0.0,
+            ignore_eos=True,
+            deadline_ms=now_ms() + 3_600_000,
+            reply_to="-",
+        )
         engine.add_tokens(req, ids[i % 7 :] + ids[: i % 7], now_ms())  # rotated: no shared prefix to reuse
     first: float | None = None
     decode_start: float | None = None
@@ -189,7 +242,11 @@ def decode_speed(engine, streams: int, prompt_tokens: int = 100, max_tokens: int
         tokens = sum(len(o.token_ids) for o in outputs)
         if first is None and tokens:
             first = (time.perf_counter() - start) * 1000
-        if decode_start is None and engine.scheduler.running and all(s.num_computed >= len(ids) for s in engine.scheduler.running):
+        if (
+            decode_start is None
+            and engine.scheduler.running
+            and all(s.num_computed >= len(ids) for s in engine.scheduler.running)
+        ):
             decode_start = time.perf_counter()
             continue
         if decode_start is not None:
@@ -199,26 +256,38 @@ def decode_speed(engine, streams: int, prompt_tokens: int = 100, max_tokens: int
     return decoded / (time.perf_counter() - decode_start), first or 0.0
 
 
-def speed_report(path: Path, streams: list[int], rounds: int, quantizations=("none", "int8", "int4"),
-                 max_tokens: int = 32) -> list[dict]:
+def speed_report(
+    path: Path, streams: list[int], rounds: int, quantizations=("none", "int8", "int4"), max_tokens: int = 32
+) -> list[dict]:
     """decode_speed() of one engine per quantization, in alternating rounds; medians per (quantization, streams)."""
     import statistics
 
     from services.worker.engine import Engine, EngineConfig
 
-    engines = {q: Engine(path, EngineConfig(max_model_len=512, max_num_seqs=max(64, *streams), quantization=q))
-               for q in quantizations}  # fmt: skip
+    engines = {
+        q: Engine(path, EngineConfig(max_model_len=512, max_num_seqs=max(64, *streams), quantization=q))
+        for q in quantizations
+    }
     runs: dict[tuple[str, int], list[tuple[float, float]]] = {}
     for _ in range(rounds):
         for s in streams:
             for q, engine in engines.items():
                 runs.setdefault((q, s), []).append(decode_speed(engine, s, max_tokens=max_tokens))
-    return [{"quantization": q, "streams": s, "weights_mb": engines[q].model.weight_bytes / 1e6,
-             "tokens_per_s": statistics.median(r[0] for r in v), "ttft_ms": statistics.median(r[1] for r in v)}
-            for (q, s), v in runs.items()]  # fmt: skip
+    return [
+        {
+            "quantization": q,
+            "streams": s,
+            "weights_mb": engines[q].model.weight_bytes / 1e6,
+            "tokens_per_s": statistics.median(r[0] for r in v),
+            "ttft_ms": statistics.median(r[1] for r in v),
+        }
+        for (q, s), v in runs.items()
+    ]
 
 
 def print_speed(rows: list[dict]) -> None:
     print("\n| weights | resident MB | streams | decode tokens/s | TTFT ms (first stream) |\n|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['quantization']} | {r['weights_mb']:.0f} | {r['streams']} | {r['tokens_per_s']:.1f} | {r['ttft_ms']:.0f} |")
+        print(
+            f"| {r['quantization']} | {r['weights_mb']:.0f} | {r['streams']} | {r['tokens_per_s']:.1f} | {r['ttft_ms']:.0f} |"
+        )

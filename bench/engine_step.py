@@ -55,8 +55,16 @@ def _prefill(engine, jobs, max_tokens: int) -> float:
     from schemas.messages import GenerateRequest, now_ms
 
     for i, job in enumerate(jobs):
-        request = GenerateRequest(request_id=f"r{i}", model="m", prompt="x", max_tokens=max_tokens, temperature=0.0,
-                                  ignore_eos=True, deadline_ms=now_ms() + 3_600_000, reply_to="-")  # fmt: skip
+        request = GenerateRequest(
+            request_id=f"r{i}",
+            model="m",
+            prompt="x",
+            max_tokens=max_tokens,
+            temperature=0.0,
+            ignore_eos=True,
+            deadline_ms=now_ms() + 3_600_000,
+            reply_to="-",
+        )
         engine.add_tokens(request, job.prompt_ids, now_ms())
     start = time.process_time()
     while engine.scheduler.waiting or any(s.num_output_tokens < 1 for s in engine._seqs.values()):
@@ -89,11 +97,14 @@ def _spread(values: list[float]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="weir bench engine-step", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="weir bench engine-step", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="weir-tiny-py")
     parser.add_argument("--model-repo", default="models.toml")
-    parser.add_argument("--model-dir", type=Path, default=None, help="the model's directory, instead of the repository's")
+    parser.add_argument(
+        "--model-dir", type=Path, default=None, help="the model's directory, instead of the repository's"
+    )
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--steps", type=int, default=10, help="decode steps per round")
     parser.add_argument("--rounds", type=int, default=6)
@@ -110,13 +121,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.against is not None:
         systems = {"old": _engine_classes(args.against.resolve()), **systems}
     max_tokens = args.rounds * args.steps + 16
-    engines = {name: engine_cls(path, config_cls(max_model_len=config.max_model_len, max_num_seqs=max(64, args.concurrency),
-                                                 kv_cache_bytes=768 << 20))
-               for name, (engine_cls, config_cls) in systems.items()}  # fmt: skip
+    engines = {
+        name: engine_cls(
+            path,
+            config_cls(
+                max_model_len=config.max_model_len, max_num_seqs=max(64, args.concurrency), kv_cache_bytes=768 << 20
+            ),
+        )
+        for name, (engine_cls, config_cls) in systems.items()
+    }
     jobs = make_jobs(engines["new"].tokenizer, args.concurrency, args.concurrency, config.max_model_len)
     with torch.inference_mode():
         for name, engine in engines.items():
-            print(f"{name}: prefill of {args.concurrency} prompts {_prefill(engine, jobs, max_tokens):.2f} CPU s", flush=True)
+            print(
+                f"{name}: prefill of {args.concurrency} prompts {_prefill(engine, jobs, max_tokens):.2f} CPU s",
+                flush=True,
+            )
         cpu: dict[str, list[float]] = {name: [] for name in engines}
         for r in range(args.rounds):
             for name in list(engines) if r % 2 == 0 else list(engines)[::-1]:
@@ -136,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         label = next(label for label, test in CATEGORIES if test(event.key))
         totals[label] += event.self_cpu_time_total
     whole = sum(totals.values()) or 1.0
-    print("  new, shares of the ops' self CPU time (torch.profiler): " +
-          "; ".join(f"{label} {100 * t / whole:.0f}%" for label, t in totals.items()))  # fmt: skip
+    print(
+        "  new, shares of the ops' self CPU time (torch.profiler): "
+        + "; ".join(f"{label} {100 * t / whole:.0f}%" for label, t in totals.items())
+    )
     return 0
-

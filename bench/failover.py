@@ -41,8 +41,16 @@ from schemas.codec import decode
 from schemas.messages import WorkerHeartbeat, now_ms
 from schemas.topics import Topics
 
-PROMPTS = ["def main():\n", "import os\n", "class Parser:\n", "for key, value in ", "try:\n    import ",
-           "with open(", "async def fetch(", "    for i in range("]  # fmt: skip
+PROMPTS = [
+    "def main():\n",
+    "import os\n",
+    "class Parser:\n",
+    "for key, value in ",
+    "try:\n    import ",
+    "with open(",
+    "async def fetch(",
+    "    for i in range(",
+]
 
 
 @dataclass
@@ -87,8 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams", type=int, default=20)
     parser.add_argument("--max-tokens", type=int, default=200)
     parser.add_argument("--session-ms", type=int, default=2000, help="WEIR_WORKER_SESSION_TIMEOUT_MS of the workers")
-    parser.add_argument("--baseline-session-ms", type=int, default=6000,
-                        help="the session of the comparison failover scenario (0: skip it)")  # fmt: skip
+    parser.add_argument(
+        "--baseline-session-ms",
+        type=int,
+        default=6000,
+        help="the session of the comparison failover scenario (0: skip it)",
+    )
     parser.add_argument("--kinds", default="failover,restart", help="which scenarios: failover, restart or both")
     args = parser.parse_args(argv)
     kinds = {k.strip() for k in args.kinds.split(",")}
@@ -120,10 +132,17 @@ async def _run(args, scenarios: list[Scenario]) -> None:
     repo = load_model_repo(args.model_repo)
     await ensure_topics(broker.bootstrap, deployment_specs(topics, repo))
     scratch = Path(tempfile.mkdtemp(prefix="weir-bench-failover-"))
-    env = {"WEIR_KAFKA_BOOTSTRAP": broker.bootstrap, "WEIR_TOPIC_PREFIX": topics.prefix,
-           "WEIR_MODEL_REPO": str(Path(args.model_repo).resolve()), "WEIR_MODELS": args.model, "WEIR_AUTH_MODE": "open",
-           "WEIR_AUDIT_DB": str(scratch / "audit.sqlite"), "WEIR_AUDIT_API_PORT": "0",
-           "WEIR_AUDIT_FINGERPRINT_MODEL": "", "PYTHONUNBUFFERED": "1"}  # fmt: skip
+    env = {
+        "WEIR_KAFKA_BOOTSTRAP": broker.bootstrap,
+        "WEIR_TOPIC_PREFIX": topics.prefix,
+        "WEIR_MODEL_REPO": str(Path(args.model_repo).resolve()),
+        "WEIR_MODELS": args.model,
+        "WEIR_AUTH_MODE": "open",
+        "WEIR_AUDIT_DB": str(scratch / "audit.sqlite"),
+        "WEIR_AUDIT_API_PORT": "0",
+        "WEIR_AUDIT_FINGERPRINT_MODEL": "",
+        "PYTHONUNBUFFERED": "1",
+    }
     stack = Stack(env, scratch / "logs")
     port = free_ports(1)[0]
     try:
@@ -135,8 +154,10 @@ async def _run(args, scenarios: list[Scenario]) -> None:
         for n, scenario in enumerate(scenarios):
             names = [f"w{n}-{k}" for k in range(scenario.workers)]
             for name in names:
-                stack.own_env[name] = {"WEIR_WORKER_SESSION_TIMEOUT_MS": str(scenario.session_ms),
-                                       **({"WEIR_WORKER_INSTANCE": name} if scenario.static else {})}  # fmt: skip
+                stack.own_env[name] = {
+                    "WEIR_WORKER_SESSION_TIMEOUT_MS": str(scenario.session_ms),
+                    **({"WEIR_WORKER_INSTANCE": name} if scenario.static else {}),
+                }
                 stack.start(name, service="worker")
             for name in names:
                 await asyncio.to_thread(wait_http_ok, f"{stack.url(name)}/readyz", 300, stack)
@@ -158,7 +179,9 @@ async def _run(args, scenarios: list[Scenario]) -> None:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-async def _until_owners(bootstrap: str, topics: Topics, model: str, names: list[str], stack, timeout_s: float = 120) -> None:
+async def _until_owners(
+    bootstrap: str, topics: Topics, model: str, names: list[str], stack, timeout_s: float = 120
+) -> None:
     """Until as many fresh heartbeats as `names` list partitions of the model's batch topic, and no
     other fresh one does (the previous scenario's workers are gone): the group settled on them."""
     from weir.bus import BusSettings, read_topic
@@ -170,8 +193,12 @@ async def _until_owners(bootstrap: str, topics: Topics, model: str, names: list[
         for _key, value in await read_topic(settings, topics.workers, client_id="bench-failover"):
             hb = decode(WorkerHeartbeat, value)
             latest[hb.worker_id] = hb
-        owners = [hb for hb in latest.values() if now_ms() - hb.sent_ms < 2500
-                  and any(sid.startswith(f"{model}@") and parts for sid, parts in hb.partitions.items())]  # fmt: skip
+        owners = [
+            hb
+            for hb in latest.values()
+            if now_ms() - hb.sent_ms < 2500
+            and any(served_id.startswith(f"{model}@") and parts for served_id, parts in hb.partitions.items())
+        ]
         if len(owners) == len(names) and sum(len(p) for hb in owners for p in hb.partitions.values()) > 0:
             return
         await asyncio.sleep(0.5)
@@ -180,10 +207,18 @@ async def _until_owners(bootstrap: str, topics: Topics, model: str, names: list[
 
 async def _scenario(scenario: Scenario, stack, names: list[str], port: int, args) -> None:
     scenario.streams = [
-        Stream({"model": args.model, "prompt": PROMPTS[i % len(PROMPTS)] + f"# task {i}\n", "max_tokens": args.max_tokens,
-                "temperature": 0.8, "seed": 7000 + i, "stream": True})
+        Stream(
+            {
+                "model": args.model,
+                "prompt": PROMPTS[i % len(PROMPTS)] + f"# task {i}\n",
+                "max_tokens": args.max_tokens,
+                "temperature": 0.8,
+                "seed": 7000 + i,
+                "stream": True,
+            }
+        )
         for i in range(args.streams)
-    ]  # fmt: skip
+    ]
     first = asyncio.Event()
     tasks = [asyncio.create_task(_stream(port, s, first)) for s in scenario.streams]
     await asyncio.wait_for(first.wait(), 120)
@@ -197,14 +232,21 @@ async def _scenario(scenario: Scenario, stack, names: list[str], port: int, args
         stack.start(victim, service="worker")
     await asyncio.wait_for(asyncio.gather(*tasks), 300)
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=300) as client:
-        again = await asyncio.gather(*(client.post("/v1/completions", json={**s.body, "stream": False}) for s in scenario.streams))
-    scenario.differing = sum(1 for s, r in zip(scenario.streams, again, strict=True)
-                             if r.status_code != 200 or r.json()["choices"][0]["text"] != s.text)  # fmt: skip
+        again = await asyncio.gather(
+            *(client.post("/v1/completions", json={**s.body, "stream": False}) for s in scenario.streams)
+        )
+    scenario.differing = sum(
+        1
+        for s, r in zip(scenario.streams, again, strict=True)
+        if r.status_code != 200 or r.json()["choices"][0]["text"] != s.text
+    )
 
 
 async def _num_running(client: httpx.AsyncClient, url: str) -> float:
     text = (await client.get(f"{url}/metrics")).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("weir_worker_num_running{"))
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("weir_worker_num_running{")
+    )
 
 
 async def _stream(port: int, stream: Stream, first: asyncio.Event) -> None:
@@ -236,10 +278,30 @@ def _report(scenarios: list[Scenario]) -> None:
     for s in scenarios:
         stalls = [g for st in s.streams if (g := st.stall_after(s.killed_at)) is not None]
         gaps, resumed = [g for g, _ in stalls], [r for _, r in stalls]
-        rows.append([
-            s.name, str(s.session_ms), str(len(s.streams)), str(len(stalls)),
-            str(sum(st.ended_once() for st in s.streams)), str(s.differing),
-            *(f"{percentile(gaps, q):.2f}" for q in (50, 95, 100)), f"{percentile(resumed, 50):.2f}",
-        ])  # fmt: skip
-    print_table(rows, ["scenario", "session ms", "streams", "in flight", "ended once", "differing",
-                       "stall p50 s", "stall p95 s", "stall max s", "resumed after kill p50 s"])  # fmt: skip
+        rows.append(
+            [
+                s.name,
+                str(s.session_ms),
+                str(len(s.streams)),
+                str(len(stalls)),
+                str(sum(st.ended_once() for st in s.streams)),
+                str(s.differing),
+                *(f"{percentile(gaps, q):.2f}" for q in (50, 95, 100)),
+                f"{percentile(resumed, 50):.2f}",
+            ]
+        )
+    print_table(
+        rows,
+        [
+            "scenario",
+            "session ms",
+            "streams",
+            "in flight",
+            "ended once",
+            "differing",
+            "stall p50 s",
+            "stall p95 s",
+            "stall max s",
+            "resumed after kill p50 s",
+        ],
+    )

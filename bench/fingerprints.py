@@ -63,16 +63,40 @@ def recall(records: list[str], asked: list[str], max_distance: int) -> tuple[int
     with tempfile.TemporaryDirectory() as scratch:
         ledger = Ledger(Path(scratch) / "audit.sqlite", checkpoint_key=b"bench-checkpoint-key-0123")
         for i, simhash in enumerate(records):
-            ledger.append(AuditEvent(
-                event_id=f"ev-{i}", request_id=f"req-{i}", model="m", model_version="m@1", weights_sha256="ab" * 32,
-                principal="p", tenant="default", prompt_hmac=keyed_hmac(key, f"record {i}"),
-                output_hmac=keyed_hmac(key, f"output {i}"), hmac_key_id=key_id(key), temperature=0.0, top_p=1.0,
-                top_k=0, max_tokens=16, seed=i, prompt_tokens=1, completion_tokens=1, finish_reason="stop",
-                worker_id="w", request_created_ms=1, received_ms=1, first_token_ms=None, finished_ms=2,
-                prompt_simhash=simhash,
-            ), 0, i)  # fmt: skip
+            ledger.append(
+                AuditEvent(
+                    event_id=f"ev-{i}",
+                    request_id=f"req-{i}",
+                    model="m",
+                    model_version="m@1",
+                    weights_sha256="ab" * 32,
+                    principal="p",
+                    tenant="default",
+                    prompt_hmac=keyed_hmac(key, f"record {i}"),
+                    output_hmac=keyed_hmac(key, f"output {i}"),
+                    hmac_key_id=key_id(key),
+                    temperature=0.0,
+                    top_p=1.0,
+                    top_k=0,
+                    max_tokens=16,
+                    seed=i,
+                    prompt_tokens=1,
+                    completion_tokens=1,
+                    finish_reason="stop",
+                    worker_id="w",
+                    request_created_ms=1,
+                    received_ms=1,
+                    first_token_ms=None,
+                    finished_ms=2,
+                    prompt_simhash=simhash,
+                ),
+                0,
+                i,
+            )
         for i, simhash in enumerate(asked):
-            found = {m.request_id for m in lookup(ledger, key, f"asked {i}", simhash=simhash, max_distance=max_distance)}
+            found = {
+                m.request_id for m in lookup(ledger, key, f"asked {i}", simhash=simhash, max_distance=max_distance)
+            }
             hits += f"req-{i}" in found
             false += len(found - {f"req-{i}"})
         ledger.close()
@@ -85,8 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     from services.auditor.lookup import DEFAULT_MAX_DISTANCE
     from weir.embedding.fingerprints import PRECISIONS, TextFingerprinter, build_fingerprinter
 
-    parser = argparse.ArgumentParser(prog="weir bench fingerprints", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="weir bench fingerprints", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="all-MiniLM-L6-v2")
     parser.add_argument("--model-repo", default="models.toml")
     parser.add_argument("--tokens", type=int, default=200, help="tokens of each request's prompt and of its output")
@@ -104,8 +129,10 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         fingerprinters[precision] = fp
     some = fingerprinters["float32"]
-    requests = [(text_of_tokens(some, args.tokens, 7 * i), text_of_tokens(some, args.tokens, 7 * i + 3000))
-                for i in range(args.requests)]  # fmt: skip
+    requests = [
+        (text_of_tokens(some, args.tokens, 7 * i), text_of_tokens(some, args.tokens, 7 * i + 3000))
+        for i in range(args.requests)
+    ]
     for fp in fingerprinters.values():  # warm-up: first-call allocations
         cpu_per_request_ms(fp, requests[:2], 1)
     cpu: dict[tuple[str, int], list[float]] = {}
@@ -113,34 +140,46 @@ def main(argv: list[str] | None = None) -> int:
         order = list(PRECISIONS) if r % 2 == 0 else list(reversed(PRECISIONS))
         for precision in order:
             for per_call in (1, args.batch):
-                cpu.setdefault((precision, per_call), []).append(cpu_per_request_ms(fingerprinters[precision], requests, per_call))
-    print(f"Fingerprint CPU per request ({args.tokens}-token prompt + {args.tokens}-token output), one onnxruntime "
-          f"thread, {args.requests} requests x {args.rounds} rounds, float32 and int8 alternating:")  # fmt: skip
+                cpu.setdefault((precision, per_call), []).append(
+                    cpu_per_request_ms(fingerprinters[precision], requests, per_call)
+                )
+    print(
+        f"Fingerprint CPU per request ({args.tokens}-token prompt + {args.tokens}-token output), one onnxruntime "
+        f"thread, {args.requests} requests x {args.rounds} rounds, float32 and int8 alternating:"
+    )
     rows = []
     for per_call in (1, args.batch):
         base = statistics.median(cpu[("float32", per_call)])
         for precision in ("float32", "int8"):
             each = cpu[(precision, per_call)]
             med = statistics.median(each)
-            rows.append([precision, str(per_call), f"{med:.1f}", f"{min(each):.1f}-{max(each):.1f}", f"{med / base:.2f}x"])
+            rows.append(
+                [precision, str(per_call), f"{med:.1f}", f"{min(each):.1f}-{max(each):.1f}", f"{med / base:.2f}x"]
+            )
     print_table(rows, ["precision", "requests per call", "CPU ms/request (median)", "range", "vs float32"])
 
     pairs = load_pairs()
     texts = [t for pair in pairs for t in pair]
     hashes = {p: fp.simhash(texts) for p, fp in fingerprinters.items()}
     bits = sorted(hamming_distance(a, b) for a, b in zip(hashes["float32"], hashes["int8"], strict=True))
-    pair_bits = {p: sorted(hamming_distance(h[2 * i], h[2 * i + 1]) for i in range(len(pairs))) for p, h in hashes.items()}
-    print(f"\nSimHash bits of 64 that differ, int8 vs float32, over the {len(texts)} texts of {PARAPHRASES.name}: "
-          f"mean {statistics.mean(bits):.2f}, median {statistics.median(bits)}, max {bits[-1]}; "
-          f"{sum(b == 0 for b in bits)} texts identical")  # fmt: skip
+    pair_bits = {
+        p: sorted(hamming_distance(h[2 * i], h[2 * i + 1]) for i in range(len(pairs))) for p, h in hashes.items()
+    }
+    print(
+        f"\nSimHash bits of 64 that differ, int8 vs float32, over the {len(texts)} texts of {PARAPHRASES.name}: "
+        f"mean {statistics.mean(bits):.2f}, median {statistics.median(bits)}, max {bits[-1]}; "
+        f"{sum(b == 0 for b in bits)} texts identical"
+    )
     for p in ("float32", "int8"):
         d = pair_bits[p]
         print(f"  bits between a text and its paraphrase, {p:7}: median {statistics.median(d)}, max {d[-1]}")
     print(f"\nParaphrase recall of `weir audit lookup` (max distance {args.max_distance}) on {len(pairs)} pairs:")
     rows = []
-    for label, rec, ask in (("float32 records, float32 asked (before)", "float32", "float32"),
-                            ("int8 records, int8 asked (after)", "int8", "int8"),
-                            ("float32 records, int8 asked (old ledger)", "float32", "int8")):  # fmt: skip
+    for label, rec, ask in (
+        ("float32 records, float32 asked (before)", "float32", "float32"),
+        ("int8 records, int8 asked (after)", "int8", "int8"),
+        ("float32 records, int8 asked (old ledger)", "float32", "int8"),
+    ):
         hits, false = recall(hashes[rec][0::2], hashes[ask][1::2], args.max_distance)
         rows.append([label, f"{hits}/{len(pairs)}", f"{hits / len(pairs):.0%}", str(false)])
     print_table(rows, ["records / asked", "found", "recall", "false matches"])

@@ -40,8 +40,29 @@ from schemas.topics import Topics
 if TYPE_CHECKING:
     from schemas.messages import GenerateRequest
 
-WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing in tall green trees".split()
-ECHO_REPO = '[models.echo]\nengine = "echo"\nversion = "1"\nmax_batch_size = 32\nmax_wait_ms = 0\nmax_model_len = 2048\n'
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "while",
+    "seven",
+    "small",
+    "birds",
+    "sing",
+    "in",
+    "tall",
+    "green",
+    "trees",
+]
+ECHO_REPO = (
+    '[models.echo]\nengine = "echo"\nversion = "1"\nmax_batch_size = 32\nmax_wait_ms = 0\nmax_model_len = 2048\n'
+)
 
 
 def prompt_of(num_words: int, offset: int, hold: bool = False) -> str:
@@ -80,8 +101,13 @@ def baseline_app() -> Any:
 
         def chunk(text: str, finish: str | None) -> bytes:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-            obj = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": body["model"],
-                   "choices": [choice]}  # fmt: skip
+            obj = {
+                "id": rid,
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": body["model"],
+                "choices": [choice],
+            }
             return b"data: " + orjson.dumps(obj) + b"\n\n"
 
         async def events() -> Any:
@@ -108,8 +134,14 @@ def baseline_app() -> Any:
     async def healthz(_: Request) -> JSONResponse:
         return JSONResponse({"status": "ok"})
 
-    return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]), Route("/held", held),
-                             Route("/release", do_release, methods=["POST"]), Route("/healthz", healthz)])  # fmt: skip
+    return Starlette(
+        routes=[
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/held", held),
+            Route("/release", do_release, methods=["POST"]),
+            Route("/healthz", healthz),
+        ]
+    )
 
 
 def serve_baseline(port: int) -> int:
@@ -159,8 +191,9 @@ class ModelFreeWorker:
         self.topics = Topics(prefix)
         self.hold_target = hold_target
         self.producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", enable_idempotence=True)
-        self.consumer = AIOKafkaConsumer(self.topics.requests, bootstrap_servers=bootstrap, group_id=None,
-                                         auto_offset_reset="earliest")  # fmt: skip
+        self.consumer = AIOKafkaConsumer(
+            self.topics.requests, bootstrap_servers=bootstrap, group_id=None, auto_offset_reset="earliest"
+        )
         self.held: list[GenerateRequest] = []
         self.tasks: set[asyncio.Task[None]] = set()
 
@@ -169,9 +202,16 @@ class ModelFreeWorker:
         from schemas.messages import WorkerHeartbeat
 
         while True:
-            heartbeat = WorkerHeartbeat(worker_id="bench-responder", models=["echo"], is_ready=True, num_running=0,
-                                        num_waiting=0, max_num_seqs=self.hold_target + 64, free_kv_blocks=1 << 20,
-                                        block_size_tokens=16)  # fmt: skip
+            heartbeat = WorkerHeartbeat(
+                worker_id="bench-responder",
+                models=["echo"],
+                is_ready=True,
+                num_running=0,
+                num_waiting=0,
+                max_num_seqs=self.hold_target + 64,
+                free_kv_blocks=1 << 20,
+                block_size_tokens=16,
+            )
             await self.producer.send_and_wait(self.topics.workers, encode(heartbeat), key=b"bench-responder")
             await asyncio.sleep(0.5)
 
@@ -227,8 +267,14 @@ class StreamResult:
 
 async def one_stream(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> StreamResult:
     """POST a streaming completion and read it to [DONE]; errors are data (the kind in `error`)."""
-    body = {"model": "echo", "prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0,
-            "timeout_s": 600}  # fmt: skip
+    body = {
+        "model": "echo",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "temperature": 0,
+        "timeout_s": 600,
+    }
     result = StreamResult(start=time.perf_counter())
     try:
         async with client.stream("POST", "/v1/completions", json=body) as resp:
@@ -266,6 +312,7 @@ async def closed_loop(base_url: str, concurrency: int, num_requests: int, max_to
     queue = list(range(num_requests))
     results: list[StreamResult] = []
     async with make_client(base_url, concurrency) as client:
+
         async def lane() -> None:
             while queue:
                 i = queue.pop()
@@ -288,14 +335,17 @@ class HoldResult:
     results: list[StreamResult] = field(default_factory=list)
 
 
-async def hold_streams(base_url: str, num_streams: int, max_tokens: int, server: Any, pid: int,
-                       open_timeout_s: float) -> HoldResult:  # fmt: skip
+async def hold_streams(
+    base_url: str, num_streams: int, max_tokens: int, server: Any, pid: int, open_timeout_s: float
+) -> HoldResult:
     """Open `num_streams` held streams, wait until the server holds them all, release, read them out."""
     out = HoldResult(num_streams, idle_rss_mb=rss_mb(pid))
     async with make_client(base_url, num_streams) as client:
         start = time.perf_counter()
-        tasks = [asyncio.create_task(one_stream(client, prompt_of(max_tokens, i, hold=True), max_tokens))
-                 for i in range(num_streams)]  # fmt: skip
+        tasks = [
+            asyncio.create_task(one_stream(client, prompt_of(max_tokens, i, hold=True), max_tokens))
+            for i in range(num_streams)
+        ]
         deadline = start + open_timeout_s
         while (held := await server.held()) < num_streams and time.perf_counter() < deadline:
             if all(t.done() for t in tasks):
@@ -329,8 +379,9 @@ class BaselineServer:
 
     def __init__(self, port: int) -> None:
         self.base_url = f"http://127.0.0.1:{port}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "bench.gateway", "--role", "baseline", "--port",
-                                      str(port)], stdin=subprocess.DEVNULL)  # fmt: skip
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.gateway", "--role", "baseline", "--port", str(port)], stdin=subprocess.DEVNULL
+        )
 
     async def held(self) -> int:
         async with httpx.AsyncClient(base_url=self.base_url) as client:
@@ -349,14 +400,26 @@ class Responder:
     """The responder process; held()/release() over its stdin and stdout."""
 
     def __init__(self, bootstrap: str, prefix: str, hold_target: int) -> None:
-        self.args = [sys.executable, "-m", "bench.gateway", "--role", "responder", "--bootstrap", bootstrap,
-                     "--prefix", prefix, "--streams", str(hold_target)]  # fmt: skip
+        self.args = [
+            sys.executable,
+            "-m",
+            "bench.gateway",
+            "--role",
+            "responder",
+            "--bootstrap",
+            bootstrap,
+            "--prefix",
+            prefix,
+            "--streams",
+            str(hold_target),
+        ]
         self.num_held = 0
         self.num_released = -1
 
     async def start(self) -> None:
-        self.proc = await asyncio.create_subprocess_exec(*self.args, stdin=asyncio.subprocess.PIPE,
-                                                         stdout=asyncio.subprocess.PIPE)  # fmt: skip
+        self.proc = await asyncio.create_subprocess_exec(
+            *self.args, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
+        )
         assert self.proc.stdout is not None
         line = await asyncio.wait_for(self.proc.stdout.readline(), 60)
         if line.strip() != b"ready":
@@ -415,11 +478,19 @@ async def _bench(args: argparse.Namespace, open_files: int) -> int:
     (scratch / "models.toml").write_text(ECHO_REPO)
     max_in_flight = args.streams + 64
     gw_port, base_port = free_ports(2)
-    env = {"WEIR_KAFKA_BOOTSTRAP": bootstrap, "WEIR_TOPIC_PREFIX": topics.prefix, "WEIR_GATEWAY_PORT": str(gw_port),
-           "WEIR_MODEL_REPO": str(scratch / "models.toml"), "WEIR_AUTH_MODE": "open",
-           "WEIR_MAX_IN_FLIGHT_INTERACTIVE": str(max_in_flight)}  # fmt: skip
-    print(f"prefix {topics.prefix}; open files {open_files}; gateway WEIR_MAX_IN_FLIGHT_INTERACTIVE={max_in_flight}; "
-          f"gateway log {scratch / 'gateway.log'}", flush=True)  # fmt: skip
+    env = {
+        "WEIR_KAFKA_BOOTSTRAP": bootstrap,
+        "WEIR_TOPIC_PREFIX": topics.prefix,
+        "WEIR_GATEWAY_PORT": str(gw_port),
+        "WEIR_MODEL_REPO": str(scratch / "models.toml"),
+        "WEIR_AUTH_MODE": "open",
+        "WEIR_MAX_IN_FLIGHT_INTERACTIVE": str(max_in_flight),
+    }
+    print(
+        f"prefix {topics.prefix}; open files {open_files}; gateway WEIR_MAX_IN_FLIGHT_INTERACTIVE={max_in_flight}; "
+        f"gateway log {scratch / 'gateway.log'}",
+        flush=True,
+    )
     stack = Stack(env, scratch)
     baseline = BaselineServer(base_port)
     responder = Responder(bootstrap, topics.prefix, args.streams)
@@ -437,8 +508,10 @@ async def _bench(args: argparse.Namespace, open_files: int) -> int:
             for name, url in (("a", baseline.base_url), ("b", gw_url)):
                 latency[(name, c)] = await closed_loop(url, c, args.requests, args.max_tokens)
                 print(f"latency {name} c={c} done", flush=True)
-        for name, url, server, pid in (("a", baseline.base_url, baseline, baseline.proc.pid),
-                                       ("b", gw_url, responder, gateway.pid)):  # fmt: skip
+        for name, url, server, pid in (
+            ("a", baseline.base_url, baseline, baseline.proc.pid),
+            ("b", gw_url, responder, gateway.pid),
+        ):
             holds[name] = await hold_streams(url, args.streams, args.hold_tokens, server, pid, args.open_timeout_s)
             print(f"hold {name} done", flush=True)
     finally:
@@ -463,8 +536,9 @@ def _errors(results: list[StreamResult]) -> str:
     return ", ".join(f"{k}: {n}" for k, n in sorted(kinds.items())) or "0"
 
 
-def _report(latency: dict[tuple[str, int], list[StreamResult]], holds: dict[str, HoldResult],
-            args: argparse.Namespace) -> None:  # fmt: skip
+def _report(
+    latency: dict[tuple[str, int], list[StreamResult]], holds: dict[str, HoldResult], args: argparse.Namespace
+) -> None:
     rows: list[list[str]] = []
     for c in args.levels:
         a, b = latency[("a", c)], latency[("b", c)]
@@ -485,24 +559,31 @@ def _report(latency: dict[tuple[str, int], list[StreamResult]], holds: dict[str,
     for label, pct in (("p50", 50), ("p95", 95), ("max", 100)):
         rows.append(_row(f"release->first token {label} ms", percentile(firsts[0], pct), percentile(firsts[1], pct)))
     ends = [[r.end - h.release for r in h.results if r.end is not None] for h in (ha, hb)]
-    rows.append(_row("release->all complete s", max(ends[0], default=float("nan")), max(ends[1], default=float("nan")), 2))
+    rows.append(
+        _row("release->all complete s", max(ends[0], default=float("nan")), max(ends[1], default=float("nan")), 2)
+    )
     complete = [sum(1 for r in h.results if r.error is None) for h in (ha, hb)]
     rows.append([f"complete of {s} streams", str(complete[0]), str(complete[1]), "", ""])
-    tokens = [sum(r.num_texts for r in h.results) / max(e, default=float("nan")) for h, e in zip((ha, hb), ends, strict=True)]
+    tokens = [
+        sum(r.num_texts for r in h.results) / max(e, default=float("nan")) for h, e in zip((ha, hb), ends, strict=True)
+    ]
     rows.append(_row("tokens/s after release", tokens[0], tokens[1], 0))
     rows.append(["hold errors", _errors(ha.results), _errors(hb.results), "", ""])
     print()
     print_table(rows, ["figure", "(a) bare uvicorn SSE", "(b) weir gateway", "b - a", "b / a"])
     print()
-    print(f"(a) Starlette on uvicorn, no Kafka; (b) weir gateway + a Kafka responder with no model. "
-          f"{args.requests} requests per concurrency, {args.max_tokens} deltas each; TTFT = first chunk with text. "
-          f"{s} held streams, {args.hold_tokens} deltas each after release.")  # fmt: skip
+    print(
+        f"(a) Starlette on uvicorn, no Kafka; (b) weir gateway + a Kafka responder with no model. "
+        f"{args.requests} requests per concurrency, {args.max_tokens} deltas each; TTFT = first chunk with text. "
+        f"{s} held streams, {args.hold_tokens} deltas each after release."
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run both servers side by side and print one table; --role runs one of the helper processes."""
-    parser = argparse.ArgumentParser(prog="weir bench gateway", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="weir bench gateway", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--concurrency", default="1,16", help="closed-loop concurrencies of part 1")
     parser.add_argument("--requests", type=int, default=200, help="requests per server and concurrency")
     parser.add_argument("--max-tokens", type=int, default=16, help="deltas per request in part 1")

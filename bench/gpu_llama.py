@@ -33,10 +33,19 @@ def build_model(path: Path) -> None:
 
     # rope_theta and torch_dtype: names every supported transformers takes (5.x maps them; its stubs do not)
     config = transformers.LlamaConfig(  # type: ignore[call-arg]  # transformers' stubs lag its config keywords
-        vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-        num_key_value_heads=8, max_position_embeddings=4096, rope_theta=500000.0, tie_word_embeddings=True,
-        bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16",
-    )  # fmt: skip
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=4096,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        torch_dtype="bfloat16",
+    )
     with torch.device("cuda"):
         model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)  # type: ignore[arg-type]  # transformers' decorated .to() confuses mypy
     model.save_pretrained(path, safe_serialization=True)
@@ -48,8 +57,16 @@ def build_model(path: Path) -> None:
 
 
 def request(prompt_ids: list[int], max_tokens: int) -> GenerateRequest:
-    return GenerateRequest(request_id=uuid.uuid4().hex, model="llama-1b", prompt="x", max_tokens=max_tokens,
-                           temperature=0.0, ignore_eos=True, deadline_ms=now_ms() + 3_600_000, reply_to="-")  # fmt: skip
+    return GenerateRequest(
+        request_id=uuid.uuid4().hex,
+        model="llama-1b",
+        prompt="x",
+        max_tokens=max_tokens,
+        temperature=0.0,
+        ignore_eos=True,
+        deadline_ms=now_ms() + 3_600_000,
+        reply_to="-",
+    )
 
 
 def engine_run(engine: Engine, batch: int, prompt_len: int, max_tokens: int) -> tuple[float, float]:
@@ -92,7 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     path = Path(tempfile.mkdtemp()) / "llama-1b"
     build_model(path)
-    engine = Engine(path, EngineConfig(max_model_len=1024, max_num_seqs=128, max_num_batched_tokens=8192), torch.device("cuda"))
+    engine = Engine(
+        path, EngineConfig(max_model_len=1024, max_num_seqs=128, max_num_batched_tokens=8192), torch.device("cuda")
+    )
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     engine_run(engine, 1, args.prompt_len, 8)  # warm up kernels
     tps1, _ = engine_run(engine, 1, args.prompt_len, args.max_tokens)
@@ -104,11 +123,19 @@ def main(argv: list[str] | None = None) -> int:
     torch.cuda.empty_cache()
     hf64 = hf_static(path, 64, args.prompt_len, args.max_tokens)
     result = {
-        "device": torch.cuda.get_device_name(), "params_b": weight_bytes / 2 / 1e9, "weight_bytes": weight_bytes,
-        "batch1_tokens_per_s": tps1, "batch1_bandwidth_bound_tokens_per_s": bound, "batch1_fraction_of_bound": tps1 / bound,
-        "batch64_tokens_per_s": tps64, "hf_generate_batch64_tokens_per_s": hf64, "batch64_ratio_vs_hf": tps64 / hf64,
-        "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "torch": torch.__version__,
-    }  # fmt: skip
+        "device": torch.cuda.get_device_name(),
+        "params_b": weight_bytes / 2 / 1e9,
+        "weight_bytes": weight_bytes,
+        "batch1_tokens_per_s": tps1,
+        "batch1_bandwidth_bound_tokens_per_s": bound,
+        "batch1_fraction_of_bound": tps1 / bound,
+        "batch64_tokens_per_s": tps64,
+        "hf_generate_batch64_tokens_per_s": hf64,
+        "batch64_ratio_vs_hf": tps64 / hf64,
+        "prompt_len": args.prompt_len,
+        "max_tokens": args.max_tokens,
+        "torch": torch.__version__,
+    }
     (args.out / "gpu_bench_llama.json").write_text(json.dumps(result, indent=2))
     table = "\n".join(f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in result.items())
     (args.out / "gpu_bench_llama.md").write_text("| metric | value |\n|---|---|\n" + table + "\n")

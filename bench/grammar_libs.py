@@ -19,16 +19,31 @@ from pathlib import Path
 from bench.stats import print_table
 
 SCHEMA = {
-    "type": "object", "additionalProperties": False, "required": ["name", "age", "tags", "address", "role"],
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name", "age", "tags", "address", "role"],
     "properties": {
-        "name": {"type": "string"}, "age": {"type": "integer"}, "tags": {"type": "array", "items": {"type": "string"}},
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "tags": {"type": "array", "items": {"type": "string"}},
         "role": {"enum": ["admin", "user", "guest"]},
-        "address": {"type": "object", "additionalProperties": False, "required": ["city", "zip"],
-                    "properties": {"city": {"type": "string"}, "zip": {"type": ["string", "null"]}}},
+        "address": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["city", "zip"],
+            "properties": {"city": {"type": "string"}, "zip": {"type": ["string", "null"]}},
+        },
     },
-}  # fmt: skip
-DOC = json.dumps({"name": "Ada Lovelace", "age": 36, "tags": ["math", "poetry", "engines"], "role": "admin",
-                  "address": {"city": "London", "zip": None}})  # fmt: skip
+}
+DOC = json.dumps(
+    {
+        "name": "Ada Lovelace",
+        "age": 36,
+        "tags": ["math", "poetry", "engines"],
+        "role": "admin",
+        "address": {"city": "London", "zip": None},
+    }
+)
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -108,9 +123,13 @@ def bench_outlines(tok, vocab_size: int, ids: list[int]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="weir bench grammar-libs", description=__doc__)
-    parser.add_argument("model_dirs", nargs="*", type=Path,
-                        default=[REPO / "models" / "weir-tiny-py", REPO / "var" / "models" / "smollm2-135m-instruct"],
-                        help="Hugging Face model directories (tokenizer.json, config.json)")  # fmt: skip
+    parser.add_argument(
+        "model_dirs",
+        nargs="*",
+        type=Path,
+        default=[REPO / "models" / "weir-tiny-py", REPO / "var" / "models" / "smollm2-135m-instruct"],
+        help="Hugging Face model directories (tokenizer.json, config.json)",
+    )
     args = parser.parse_args(argv)
     from transformers import PreTrainedTokenizerFast
 
@@ -134,6 +153,16 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             rows.append([model_dir.name, *row])
     print()
-    print_table(rows, ["vocabulary", "library", "tokenizer info ms", "compile cold ms", "compile cached ms",
-                       "mask fill median us", "mask fill max us"])  # fmt: skip
+    print_table(
+        rows,
+        [
+            "vocabulary",
+            "library",
+            "tokenizer info ms",
+            "compile cold ms",
+            "compile cached ms",
+            "mask fill median us",
+            "mask fill max us",
+        ],
+    )
     return 0

@@ -33,7 +33,6 @@ import random
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
 from pathlib import Path
 from typing import TypedDict
 
@@ -93,8 +92,12 @@ def evaluate_at(commit: str) -> Results | None:
     is not a git checkout or the commit is unknown."""
     with tempfile.TemporaryDirectory(prefix="weir-guards-baseline-") as tmp:
         tree = Path(tmp) / "tree"
-        added = subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "--quiet", str(tree), commit],
-                               capture_output=True, text=True, check=False)  # fmt: skip
+        added = subprocess.run(
+            ["git", "-C", str(REPO), "worktree", "add", "--detach", "--quiet", str(tree), commit],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         if added.returncode != 0:
             print(f"baseline {commit}: no checkout ({added.stderr.strip() or added.stdout.strip()})", file=sys.stderr)
             return None
@@ -104,8 +107,9 @@ def evaluate_at(commit: str) -> Results | None:
             run = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, check=True)
             return json.loads(run.stdout)
         finally:
-            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], capture_output=True,
-                           check=False)  # fmt: skip
+            subprocess.run(
+                ["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], capture_output=True, check=False
+            )
 
 
 def _pct(hits: int, total: int) -> str:
@@ -123,10 +127,14 @@ def input_table(rows: list[dict[str, str]], results: list[Results | None]) -> li
         line = [lang]
         for wanted in (("high",), ("high", "medium")):
             for group in (pos, neg):
-                line.append(" -> ".join(
-                    _pct(sum(res[r["id"]]["level"] in wanted for r in group), len(group)) if res is not None else "n/a"
-                    for res in results
-                ))  # fmt: skip
+                line.append(
+                    " -> ".join(
+                        _pct(sum(res[r["id"]]["level"] in wanted for r in group), len(group))
+                        if res is not None
+                        else "n/a"
+                        for res in results
+                    )
+                )
         table.append(line)
     return table
 
@@ -142,13 +150,19 @@ def output_table(rows: list[dict[str, str]], results: list[Results | None]) -> l
         neg = [r for r in mine if r["label"] == "benign"]
         line = [lang]
         for group in (pos, neg):
-            line.append(" -> ".join(
-                _pct(sum(int(res[r["id"]]["num_redacted"]) > 0 for r in group), len(group))
-                if res is not None else "n/a"
-                for res in results
-            ))  # fmt: skip
-        line.append(" -> ".join(str(sum(not res[r["id"]]["stream_ok"] for r in mine)) if res is not None else "n/a"
-                                for res in results))  # fmt: skip
+            line.append(
+                " -> ".join(
+                    _pct(sum(int(res[r["id"]]["num_redacted"]) > 0 for r in group), len(group))
+                    if res is not None
+                    else "n/a"
+                    for res in results
+                )
+            )
+        line.append(
+            " -> ".join(
+                str(sum(not res[r["id"]]["stream_ok"] for r in mine)) if res is not None else "n/a" for res in results
+            )
+        )
         table.append(line)
     return table
 
@@ -174,21 +188,27 @@ def main(argv: list[str] | None = None) -> int:
     inputs = [r for r in load("input", args.data) if args.split in ("all", r["split"])]
     outputs = [r for r in load("output", args.data) if args.split in ("all", r["split"])]
     print(f"Input guard, {len(inputs)} prompts ({args.split} split); cells: {arrow}")
-    print_table(input_table(inputs, results),
-                ["lang", "injections: high", "benign: high (FP)", "injections: >= medium", "benign: >= medium (FP)"])
+    print_table(
+        input_table(inputs, results),
+        ["lang", "injections: high", "benign: high (FP)", "injections: >= medium", "benign: >= medium (FP)"],
+    )
     print(f"\nOutput guard, {len(outputs)} outputs ({args.split} split); cells: {arrow}")
-    print_table(output_table(outputs, results),
-                ["lang", "cards/IBANs redacted", "benign changed (FP)", "stream != whole"])  # fmt: skip
-    print("\nBy split (dev: rules were checked against it; test: written with dev, not tuned on, but rules for the same"
-          " families were; fresh: written after those, then rules were added for its misses; final: written after"
-          " every rule change, never tuned on)")
+    print_table(
+        output_table(outputs, results), ["lang", "cards/IBANs redacted", "benign changed (FP)", "stream != whole"]
+    )
+    print(
+        "\nBy split (dev: rules were checked against it; test: written with dev, not tuned on, but rules for the same"
+        " families were; fresh: written after those, then rules were added for its misses; final: written after"
+        " every rule change, never tuned on)"
+    )
     summary = []
     for split in sorted({r["split"] for r in inputs} | {r["split"] for r in outputs}):
         inp = [r for r in inputs if r["split"] == split]
         outp = [r for r in outputs if r["split"] == split]
         summary.append([split] + input_table(inp, results)[-1][1:3] + output_table(outp, results)[-1][1:3])
-    print_table(summary, ["split", "injections: high", "benign: high (FP)", "cards/IBANs redacted",
-                          "benign changed (FP)"])  # fmt: skip
+    print_table(
+        summary, ["split", "injections: high", "benign: high (FP)", "cards/IBANs redacted", "benign changed (FP)"]
+    )
     if args.misses:
         print("\nRows the current guards get wrong:")
         for r in inputs:

@@ -36,7 +36,7 @@ _stamps: dict[str, list[float]] = {"write": [], "read": []}
 def stamped_socket_io() -> Iterator[None]:
     """Record the time of every socket write and every readable socket in this process, until
     the block ends (then the event loop's transport is as it was, and the stamps are gone)."""
-    transport: Any = getattr(asyncio.selector_events, "_SelectorSocketTransport")  # CPython internal
+    transport: Any = getattr(asyncio.selector_events, "_SelectorSocketTransport")  # noqa: B009 - CPython internal, not in the stubs
     write, read_ready = transport.write, transport._read_ready
 
     def stamped_write(self, data) -> None:
@@ -107,8 +107,13 @@ def _kafka_sink(bootstrap: str, topic: str, ready, results) -> None:
     async def consume() -> None:
         from weir.bus import BusSettings, make_consumer
 
-        consumer = make_consumer(BusSettings(kafka_bootstrap=bootstrap), topic, client_id="bench-hop-sink", group_id=None,
-                                 auto_offset_reset="latest")  # fmt: skip
+        consumer = make_consumer(
+            BusSettings(kafka_bootstrap=bootstrap),
+            topic,
+            client_id="bench-hop-sink",
+            group_id=None,
+            auto_offset_reset="latest",
+        )
         await consumer.start()
         await consumer.seek_to_end()
         ready.set()
@@ -132,9 +137,9 @@ def _kafka_sink(bootstrap: str, topic: str, ready, results) -> None:
 
 
 async def _kafka_hops(bootstrap: str, count: int, gap_s: float, num_warmup: int) -> dict[str, list[float]]:
+    from schemas.topics import TopicSpec
     from weir.bus import BusSettings, make_producer
     from weir.kafka.admin import delete_prefixed_topics, ensure_topics
-    from schemas.topics import TopicSpec
 
     prefix = f"benchhop{uuid.uuid4().hex[:6]}"
     topic = f"{prefix}.hop"
@@ -201,8 +206,9 @@ def three_hop_floor_ms(hop_ms: list[float]) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="weir bench hop", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="weir bench hop", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--bootstrap", default="127.0.0.1:9092")
     parser.add_argument("--count", type=int, default=300, help="messages per path (the first 10%% are dropped)")
     parser.add_argument("--gap-ms", type=float, default=15.0, help="idle time between two messages")
@@ -228,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"one message at a time, {args.gap_ms:.0f} ms apart, between two processes on this machine\n")
     print_table(rows, ["path (one way)", "p50 ms", "p90 ms", "n"])
     floor = three_hop_floor_ms(hops["hop"])
-    print(f"\nthree hops, the least the gateway -> batcher -> worker -> gateway path adds to TTFT before any "
-          f"service works: {floor:.1f} ms (3 x p50)")  # fmt: skip
+    print(
+        f"\nthree hops, the least the gateway -> batcher -> worker -> gateway path adds to TTFT before any "
+        f"service works: {floor:.1f} ms (3 x p50)"
+    )
     return 0

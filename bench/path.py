@@ -61,8 +61,34 @@ if TYPE_CHECKING:  # imported where used at run time (a tree's own code may be w
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GROUPS = ("gateway", "worker", "batcher", "auditor", "broker")
 CLIENTS = ("sse", "kafka")
-WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
-         "quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()  # fmt: skip
+WORDS = [
+    "alpha",
+    "bravo",
+    "charlie",
+    "delta",
+    "echo",
+    "foxtrot",
+    "golf",
+    "hotel",
+    "india",
+    "juliet",
+    "kilo",
+    "lima",
+    "mike",
+    "november",
+    "oscar",
+    "papa",
+    "quebec",
+    "romeo",
+    "sierra",
+    "tango",
+    "uniform",
+    "victor",
+    "whiskey",
+    "xray",
+    "yankee",
+    "zulu",
+]
 FINGERPRINT_MODEL = "all-MiniLM-L6-v2"
 
 
@@ -172,10 +198,13 @@ class KafkaClient:
         logging.getLogger("aiokafka.cluster").setLevel(logging.CRITICAL)
         self.producer = producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap, linger_ms=0)
         await producer.start()
-        self.consumer = consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False,
-                                                    group_id=None)  # fmt: skip
+        self.consumer = consumer = AIOKafkaConsumer(
+            bootstrap_servers=self.bootstrap, enable_auto_commit=False, group_id=None
+        )
         await consumer.start()
-        partitions = [TopicPartition(self.reply_topic, p) for p in sorted(await partitions_of(consumer, self.reply_topic))]
+        partitions = [
+            TopicPartition(self.reply_topic, p) for p in sorted(await partitions_of(consumer, self.reply_topic))
+        ]
         consumer.assign(partitions)
         await consumer.seek_to_end(*partitions)
         for tp in partitions:
@@ -217,10 +246,18 @@ class KafkaClient:
         rid = uuid.uuid4().hex
         done = asyncio.Event()
         self.waiting[rid] = (StreamMarks(clock, window), done, [0])
-        request = GenerateRequest(request_id=rid, model=model, prompt=prompt, max_tokens=max_tokens,
-                                  deadline_ms=now_ms() + 600_000, reply_to=self.reply_topic)  # fmt: skip
+        request = GenerateRequest(
+            request_id=rid,
+            model=model,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            deadline_ms=now_ms() + 600_000,
+            reply_to=self.reply_topic,
+        )
         try:
-            await self.producer.send(self.topics.requests, request.model_dump_json(exclude_none=True).encode(), key=rid.encode())
+            await self.producer.send(
+                self.topics.requests, request.model_dump_json(exclude_none=True).encode(), key=rid.encode()
+            )
             await done.wait()
         finally:
             del self.waiting[rid]
@@ -230,8 +267,10 @@ async def kafka_lane(client: KafkaClient, lane: int, args, clock: Clock, window:
     i = lane
     while time.perf_counter() < stop_at:
         try:
-            await asyncio.wait_for(client.one("echo", prompt_of(i, args.tokens), args.tokens, clock, window),
-                                   args.tokens / args.rate * 10 + 60)  # fmt: skip
+            await asyncio.wait_for(
+                client.one("echo", prompt_of(i, args.tokens), args.tokens, clock, window),
+                args.tokens / args.rate * 10 + 60,
+            )
         except Exception as exc:  # noqa: BLE001 - counted and shown; the lane goes on
             window.failed(exc)
         i += 1009
@@ -248,9 +287,18 @@ def model_repo_text(repo_path: Path, max_num_seqs: int, fingerprint_dir: Path) -
     def value(v) -> str:
         return ("true" if v else "false") if isinstance(v, bool) else json.dumps(v)
 
-    lines = ["[models.echo]", 'engine = "echo"', 'version = "1"', "max_batch_size = 32", "max_wait_ms = 0",
-             "max_model_len = 4096", f"max_num_seqs = {max_num_seqs}", 'warmup = ["hello"]', "",
-             f"[models.{FINGERPRINT_MODEL}]"] + [f"{k} = {value(v)}" for k, v in entry.items()]  # fmt: skip
+    lines = [
+        "[models.echo]",
+        'engine = "echo"',
+        'version = "1"',
+        "max_batch_size = 32",
+        "max_wait_ms = 0",
+        "max_model_len = 4096",
+        f"max_num_seqs = {max_num_seqs}",
+        'warmup = ["hello"]',
+        "",
+        f"[models.{FINGERPRINT_MODEL}]",
+    ] + [f"{k} = {value(v)}" for k, v in entry.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -265,8 +313,9 @@ class TreeStack:
     gateway_port: int
 
 
-async def start_tree(label: str, tree: Path, bootstrap: str, repo_file: Path, fingerprints: bool, rate: float,
-                     scratch: Path) -> TreeStack:  # fmt: skip
+async def start_tree(
+    label: str, tree: Path, bootstrap: str, repo_file: Path, fingerprints: bool, rate: float, scratch: Path
+) -> TreeStack:
     from schemas.model_repo import load_model_repo
     from schemas.topics import Topics
     from weir.kafka.admin import deployment_specs, ensure_topics
@@ -276,11 +325,19 @@ async def start_tree(label: str, tree: Path, bootstrap: str, repo_file: Path, fi
     await ensure_topics(bootstrap, deployment_specs(topics, load_model_repo(repo_file)))
     home = scratch / f"home-{label}"
     home.mkdir(parents=True, exist_ok=True)
-    env = {"WEIR_KAFKA_BOOTSTRAP": bootstrap, "WEIR_TOPIC_PREFIX": topics.prefix, "WEIR_MODEL_REPO": str(repo_file),
-           "WEIR_MODELS": "echo", "WEIR_AUTH_MODE": "open", "WEIR_HOME": str(home), "PYTHONPATH": str(tree),
-           "WEIR_AUDIT_DB": str(home / "audit.sqlite"), "WEIR_AUDIT_API_PORT": "0",
-           "WEIR_AUDIT_FINGERPRINT_MODEL": FINGERPRINT_MODEL if fingerprints else "",
-           "WEIR_ECHO_STEP_DELAY_MS": str(round(1000 / rate))}  # fmt: skip
+    env = {
+        "WEIR_KAFKA_BOOTSTRAP": bootstrap,
+        "WEIR_TOPIC_PREFIX": topics.prefix,
+        "WEIR_MODEL_REPO": str(repo_file),
+        "WEIR_MODELS": "echo",
+        "WEIR_AUTH_MODE": "open",
+        "WEIR_HOME": str(home),
+        "PYTHONPATH": str(tree),
+        "WEIR_AUDIT_DB": str(home / "audit.sqlite"),
+        "WEIR_AUDIT_API_PORT": "0",
+        "WEIR_AUDIT_FINGERPRINT_MODEL": FINGERPRINT_MODEL if fingerprints else "",
+        "WEIR_ECHO_STEP_DELAY_MS": str(round(1000 / rate)),
+    }
     port = free_ports(1)[0]
     stack = Stack(env, scratch / f"logs-{label}-{'fp' if fingerprints else 'nofp'}")
     with contextlib.chdir(tree):  # `python -m` puts the cwd first on sys.path: the tree's own code runs
@@ -373,16 +430,28 @@ def figures(w: Window, offered: float) -> dict[str, float]:
     tokens = max(1, w.tokens)
     out = {f"{name} us/token": 1e6 * w.cpu_s.get(name, 0.0) / tokens for name in GROUPS}
     out["path us/token"] = sum(out[f"{name} us/token"] for name in GROUPS)
-    out |= {"delivered tok/s": w.tokens / w.wall_s if w.wall_s else 0.0, "offered tok/s": offered,
-            "TTFT p50 ms": percentile(w.ttft_ms, 50) if w.ttft_ms else float("nan"),
-            "TTFT p95 ms": percentile(w.ttft_ms, 95) if w.ttft_ms else float("nan"),
-            "ITL p50 ms": percentile(w.itl_ms, 50) if w.itl_ms else float("nan"),
-            "ITL p95 ms": percentile(w.itl_ms, 95) if w.itl_ms else float("nan"), "errors": float(w.errors)}  # fmt: skip
+    out |= {
+        "delivered tok/s": w.tokens / w.wall_s if w.wall_s else 0.0,
+        "offered tok/s": offered,
+        "TTFT p50 ms": percentile(w.ttft_ms, 50) if w.ttft_ms else float("nan"),
+        "TTFT p95 ms": percentile(w.ttft_ms, 95) if w.ttft_ms else float("nan"),
+        "ITL p50 ms": percentile(w.itl_ms, 50) if w.itl_ms else float("nan"),
+        "ITL p95 ms": percentile(w.itl_ms, 95) if w.itl_ms else float("nan"),
+        "errors": float(w.errors),
+    }
     return out
 
 
-COLUMNS = [f"{name} us/token" for name in GROUPS] + ["path us/token", "delivered tok/s", "offered tok/s",
-                                                     "TTFT p50 ms", "TTFT p95 ms", "ITL p50 ms", "ITL p95 ms", "errors"]  # fmt: skip
+COLUMNS = [f"{name} us/token" for name in GROUPS] + [
+    "path us/token",
+    "delivered tok/s",
+    "offered tok/s",
+    "TTFT p50 ms",
+    "TTFT p95 ms",
+    "ITL p50 ms",
+    "ITL p95 ms",
+    "errors",
+]
 HEADER = ["tree", "client", "fingerprints", "streams", "rounds"] + COLUMNS
 
 
@@ -413,11 +482,15 @@ def spread_lines(results, labels: list[str]) -> list[str]:
             cost = [r["path us/token"] for r in runs]
             rate = [r["delivered tok/s"] for r in runs]
             per_tree[tree] = (statistics.median(cost), statistics.median(rate))
-            parts.append(f"{tree}: {statistics.median(cost):.0f} us/token ({min(cost):.0f}-{max(cost):.0f}), "
-                         f"{statistics.median(rate):.0f} tok/s ({min(rate):.0f}-{max(rate):.0f})")  # fmt: skip
+            parts.append(
+                f"{tree}: {statistics.median(cost):.0f} us/token ({min(cost):.0f}-{max(cost):.0f}), "
+                f"{statistics.median(rate):.0f} tok/s ({min(rate):.0f}-{max(rate):.0f})"
+            )
         if len(per_tree) == 2:
             (a_cost, a_rate), (b_cost, b_rate) = per_tree[labels[0]], per_tree[labels[1]]
-            parts.append(f"ratio {labels[0]}/{labels[1]}: CPU {a_cost / b_cost:.2f}x, tokens/s {a_rate / max(b_rate, 1e-9):.2f}x")
+            parts.append(
+                f"ratio {labels[0]}/{labels[1]}: CPU {a_cost / b_cost:.2f}x, tokens/s {a_rate / max(b_rate, 1e-9):.2f}x"
+            )
         lines.append(f"{client:5} fingerprints {fp:3} {n:>5} streams: " + "; ".join(parts))
     lines += fingerprint_share_lines(results, labels)
     return lines
@@ -435,8 +508,10 @@ def fingerprint_share_lines(results, labels: list[str]) -> list[str]:
             worker_on = statistics.median(r["worker us/token"] for r in on)
             share = worker_on - statistics.median(r["worker us/token"] for r in off)
             path_on = statistics.median(r["path us/token"] for r in on)
-            lines.append(f"{tree}: {client} {n} streams, fingerprints on: path {path_on:.0f} us/token, of which "
-                         f"fingerprints ~{share:.0f} us/token ({share / path_on:.0%}; worker on - off)")  # fmt: skip
+            lines.append(
+                f"{tree}: {client} {n} streams, fingerprints on: path {path_on:.0f} us/token, of which "
+                f"fingerprints ~{share:.0f} us/token ({share / path_on:.0%}; worker on - off)"
+            )
     return lines
 
 
@@ -446,8 +521,9 @@ def fingerprint_share_lines(results, labels: list[str]) -> list[str]:
 def add_worktree(rev: str, scratch: Path) -> Path:
     """A detached `git worktree` of `rev` under `scratch` (removed by remove_worktree)."""
     where = scratch / f"baseline-{rev[:12]}"
-    subprocess.run(["git", "-C", str(REPO_ROOT), "worktree", "add", "--detach", str(where), rev], check=True,
-                   capture_output=True)  # fmt: skip
+    subprocess.run(
+        ["git", "-C", str(REPO_ROOT), "worktree", "add", "--detach", str(where), rev], check=True, capture_output=True
+    )
     return where
 
 
@@ -456,8 +532,9 @@ def remove_worktree(where: Path) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="weir bench path", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="weir bench path", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--streams", default="64,256,1024", help="comma-separated stream counts")
     parser.add_argument("--rate", type=float, default=20.0, help="tokens/s per stream (the echo model's pace)")
     parser.add_argument("--tokens", type=int, default=100, help="prompt words = max_tokens of each request")
@@ -465,8 +542,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rounds", type=int, default=2, help="rounds per configuration (trees alternate in each)")
     parser.add_argument("--fingerprints", default="off,on", help="off, on, or both")
     parser.add_argument("--clients", default="sse,kafka", help="sse (through the gateway), kafka (raw), or both")
-    parser.add_argument("--baseline", default=None, metavar="REV", help="also run a worktree of this commit, alternating")
-    parser.add_argument("--model-repo", default=str(REPO_ROOT / "models.toml"), help="where the fingerprint model's entry is read")
+    parser.add_argument(
+        "--baseline", default=None, metavar="REV", help="also run a worktree of this commit, alternating"
+    )
+    parser.add_argument(
+        "--model-repo", default=str(REPO_ROOT / "models.toml"), help="where the fingerprint model's entry is read"
+    )
     parser.add_argument("--start-timeout", type=float, default=600.0, help="seconds for the services to get ready")
     return parser
 
@@ -482,7 +563,9 @@ def parse_args(argv: list[str] | None):
     problems = [f"--fingerprints {s!r} (off or on)" for s in args.fp_settings if s not in ("off", "on")]
     problems += [f"--clients {s!r} (sse or kafka)" for s in args.client_list if s not in CLIENTS]
     problems += ["--streams must name counts >= 1" for n in args.stream_counts if n < 1][:1]
-    problems += ["--rate, --tokens, --duration, --rounds must be > 0"] * (min(args.rate, args.tokens, args.duration, args.rounds) <= 0)
+    problems += ["--rate, --tokens, --duration, --rounds must be > 0"] * (
+        min(args.rate, args.tokens, args.duration, args.rounds) <= 0
+    )
     if not args.stream_counts or not args.fp_settings or not args.client_list:
         problems.append("--streams, --fingerprints and --clients each need at least one value")
     if problems:
@@ -502,9 +585,11 @@ def run_all_sync(args) -> dict[tuple[str, str, str, int], list[dict[str, float]]
 
 def report(results: dict[tuple[str, str, str, int], list[dict[str, float]]], args) -> None:
     labels = ["this"] + ([f"base {args.baseline}"] if args.baseline else [])
-    print(f"\nweir bench path: echo model at {args.rate:g} tokens/s per stream, {args.tokens}-token requests, "
-          f"{args.duration:g} s windows, medians of {args.rounds} rounds; CPU from /proc per process "
-          "(worker with its engine children; broker: this machine's, shared with anything else using it)")  # fmt: skip
+    print(
+        f"\nweir bench path: echo model at {args.rate:g} tokens/s per stream, {args.tokens}-token requests, "
+        f"{args.duration:g} s windows, medians of {args.rounds} rounds; CPU from /proc per process "
+        "(worker with its engine children; broker: this machine's, shared with anything else using it)"
+    )
     print_table(table_rows(results), HEADER)
     print()
     for line in spread_lines(results, labels):
@@ -512,11 +597,10 @@ def report(results: dict[tuple[str, str, str, int], list[dict[str, float]]], arg
 
 
 async def run_all(args) -> dict[tuple[str, str, str, int], list[dict[str, float]]]:
+    from bench.gateway import raise_open_files_limit
     from schemas.model_repo import load_model_repo
     from weir.embedding.onnx_export import default_export_dir, ensure_export
     from weir.kafka import launcher
-
-    from bench.gateway import raise_open_files_limit
 
     # 1,024 SSE streams are 1,024 sockets here and in the gateway (which inherits the limit).
     if raise_open_files_limit() < max(args.stream_counts) + 256:
@@ -538,8 +622,10 @@ async def run_all(args) -> dict[tuple[str, str, str, int], list[dict[str, float]
         repo_file = scratch / "models.toml"
         repo_file.write_text(model_repo_text(Path(args.model_repo), max(args.stream_counts) + 16, fingerprint_dir))
         for fp in args.fp_settings:
-            stacks = [await start_tree(label, tree, broker.bootstrap, repo_file, fp == "on", args.rate, scratch)
-                      for label, tree in trees.items()]  # fmt: skip
+            stacks = [
+                await start_tree(label, tree, broker.bootstrap, repo_file, fp == "on", args.rate, scratch)
+                for label, tree in trees.items()
+            ]
             try:
                 for ts in stacks:
                     await wait_ready(ts, args.start_timeout)
@@ -550,10 +636,13 @@ async def run_all(args) -> dict[tuple[str, str, str, int], list[dict[str, float]
                                 window = await run_round(ts, client, streams, args, broker.bootstrap, broker_pid)
                                 row = figures(window, streams * args.rate)
                                 results.setdefault((ts.label, client, fp, streams), []).append(row)
-                                print(f"{ts.label:>16} {client:5} fingerprints {fp:3} {streams:>5} streams round {r + 1}: "
-                                      f"{row['path us/token']:.0f} us/token, {row['delivered tok/s']:.0f} of "
-                                      f"{row['offered tok/s']:.0f} tok/s, TTFT p50 {row['TTFT p50 ms']:.0f} ms, "
-                                      f"errors {window.errors} {window.error_kinds or ''}", flush=True)  # fmt: skip
+                                print(
+                                    f"{ts.label:>16} {client:5} fingerprints {fp:3} {streams:>5} streams round {r + 1}: "
+                                    f"{row['path us/token']:.0f} us/token, {row['delivered tok/s']:.0f} of "
+                                    f"{row['offered tok/s']:.0f} tok/s, TTFT p50 {row['TTFT p50 ms']:.0f} ms, "
+                                    f"errors {window.errors} {window.error_kinds or ''}",
+                                    flush=True,
+                                )
             finally:
                 for ts in stacks:
                     ts.stack.stop_all()
@@ -571,4 +660,3 @@ async def _delete_topics(bootstrap: str, prefix: str) -> None:
 
     with contextlib.suppress(Exception):
         await delete_prefixed_topics(bootstrap, prefix)
-

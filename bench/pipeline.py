@@ -48,11 +48,23 @@ from schemas.model_repo import load_model_repo
 from schemas.topics import Topics
 
 PROMPTS = [
-    "def main():\n", "import os\nimport sys\n", "class Parser:\n    def __init__(self", "for key, value in ",
-    "    def __repr__(self):\n", "try:\n    import ", "if __name__ == '__main__':\n", "    return self.",
-    "def read_file(path):\n", "from collections import ", "    raise ValueError(", "with open(",
-    "class Error(Exception):\n", "    @property\n    def ", "async def fetch(", "    for i in range(",
-]  # fmt: skip
+    "def main():\n",
+    "import os\nimport sys\n",
+    "class Parser:\n    def __init__(self",
+    "for key, value in ",
+    "    def __repr__(self):\n",
+    "try:\n    import ",
+    "if __name__ == '__main__':\n",
+    "    return self.",
+    "def read_file(path):\n",
+    "from collections import ",
+    "    raise ValueError(",
+    "with open(",
+    "class Error(Exception):\n",
+    "    @property\n    def ",
+    "async def fetch(",
+    "    for i in range(",
+]
 
 
 def workload(n: int) -> list[tuple[str, int]]:
@@ -74,8 +86,16 @@ def run_inprocess(engine, model: str, concurrency: int, n: int, max_tokens: int)
         while pending and len(submitted) < concurrency:
             prompt, seed = pending.pop()
             rid = uuid.uuid4().hex
-            req = GenerateRequest(request_id=rid, model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.8,
-                                  seed=seed, deadline_ms=now_ms() + 600_000, reply_to="-")  # fmt: skip
+            req = GenerateRequest(
+                request_id=rid,
+                model=model,
+                prompt=prompt,
+                max_tokens=max_tokens,
+                temperature=0.8,
+                seed=seed,
+                deadline_ms=now_ms() + 600_000,
+                reply_to="-",
+            )
             submitted[rid] = time.perf_counter()
             engine.add(req, now_ms())
         outputs = engine.step(now_ms())
@@ -123,12 +143,20 @@ class StreamTiming:
 
 
 def _stream_body(model: str, prompt: str, seed: int, max_tokens: int) -> dict:
-    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.8, "seed": seed,
-            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.8,
+        "seed": seed,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
 
 
-async def _one_http(client: httpx.AsyncClient, model: str, prompt: str, seed: int, max_tokens: int,
-                    ttft: list[float], itl: list[float]) -> int:  # fmt: skip
+async def _one_http(
+    client: httpx.AsyncClient, model: str, prompt: str, seed: int, max_tokens: int, ttft: list[float], itl: list[float]
+) -> int:
     """One streamed completion through httpx (the batcher bench's clients)."""
     timing = StreamTiming(ttft, itl)
     async with client.stream("POST", "/v1/completions", json=_stream_body(model, prompt, seed, max_tokens)) as resp:
@@ -139,17 +167,28 @@ async def _one_http(client: httpx.AsyncClient, model: str, prompt: str, seed: in
     return timing.tokens
 
 
-async def _one_sse(connection: SseConnection, model: str, prompt: str, seed: int, max_tokens: int,
-                   ttft: list[float], itl: list[float], marks: list[ClientMark] | None) -> int:  # fmt: skip
+async def _one_sse(
+    connection: SseConnection,
+    model: str,
+    prompt: str,
+    seed: int,
+    max_tokens: int,
+    ttft: list[float],
+    itl: list[float],
+    marks: list[ClientMark] | None,
+) -> int:
     """One streamed completion over a lean keep-alive connection."""
     timing = StreamTiming(ttft, itl, marks)
-    async for data in connection.post_events("/v1/completions", orjson.dumps(_stream_body(model, prompt, seed, max_tokens))):
+    async for data in connection.post_events(
+        "/v1/completions", orjson.dumps(_stream_body(model, prompt, seed, max_tokens))
+    ):
         timing.on_data(data)
     return timing.tokens
 
 
-async def run_http(base_url: str, model: str, concurrency: int, n: int, max_tokens: int,
-                   marks: list[ClientMark] | None = None) -> RunResult:
+async def run_http(
+    base_url: str, model: str, concurrency: int, n: int, max_tokens: int, marks: list[ClientMark] | None = None
+) -> RunResult:
     """Closed loop over the gateway's SSE API: one keep-alive connection per lane; each request's
     wall-clock send and first-text times go to `marks` when given."""
     queue = workload(n)
@@ -221,15 +260,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="weir-tiny-py")
     parser.add_argument("--model-repo", default="models.toml")
     parser.add_argument("--concurrency", default="1,16")
-    parser.add_argument("--requests-per-lane", type=int, default=4, help="requests per round = concurrency x this (min 12)")
+    parser.add_argument(
+        "--requests-per-lane", type=int, default=4, help="requests per round = concurrency x this (min 12)"
+    )
     parser.add_argument("--rounds", type=int, default=4, help="alternating rounds of every path per concurrency")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: as the worker picks)")
-    parser.add_argument("--hop-count", type=int, default=200,
-                        help="Kafka hop messages per round at concurrency 1, for the three-hop floor (0: not measured)")
+    parser.add_argument(
+        "--hop-count",
+        type=int,
+        default=200,
+        help="Kafka hop messages per round at concurrency 1, for the three-hop floor (0: not measured)",
+    )
     parser.add_argument("--hop-gap-ms", type=float, default=15.0, help="idle time between two hop messages")
-    parser.add_argument("--hop-warmup", type=int, default=2000,
-                        help="hop messages sent back to back in the unmeasured warm-up run")  # fmt: skip
+    parser.add_argument(
+        "--hop-warmup", type=int, default=2000, help="hop messages sent back to back in the unmeasured warm-up run"
+    )
     args = parser.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
     repo = load_model_repo(args.model_repo)
@@ -239,8 +285,10 @@ def main(argv: list[str] | None = None) -> int:
     _report(tally.results, levels, tally.cpu, tally.ratios, args.rounds)
     for c, (hops, num_hopped) in sorted(breakdowns.items()):
         if hops:
-            print(f"\nWhere TTFT goes on the Kafka path, concurrency {c}, output guard off ({num_hopped} requests; "
-                  "Kafka record timestamps, 1 ms resolution, so means; see bench/ttft_breakdown.py):")
+            print(
+                f"\nWhere TTFT goes on the Kafka path, concurrency {c}, output guard off ({num_hopped} requests; "
+                "Kafka record timestamps, 1 ms resolution, so means; see bench/ttft_breakdown.py):"
+            )
             print_table(hops, ["hop", "mean ms", "p50 ms"])
     _report_floor(tally, args)
     return 0
@@ -250,8 +298,8 @@ async def _runs(args, levels: list[int], config):
     """Start the stack, load the engine here, then at each level warm up and run the rounds."""
     import torch
 
-    from services.worker.hosts.engine_factory import build_engine, warm_up
     from services.worker.config import WorkerSettings
+    from services.worker.hosts.engine_factory import build_engine, warm_up
     from services.worker.hosts.hardware import choose_device, cpu_threads
     from weir.kafka import launcher
     from weir.kafka.admin import delete_prefixed_topics, deployment_specs, ensure_topics
@@ -277,8 +325,11 @@ async def _runs(args, levels: list[int], config):
         bases = {path: f"http://127.0.0.1:{port}" for path, port in ports.items()}
         for base in bases.values():
             await asyncio.to_thread(wait_http_ok, f"{base}/readyz", 300, stack)
-        print(f"model {args.model} on {device}, torch threads {torch.get_num_threads()}; "
-              f"{args.rounds} rounds per concurrency, paths in alternating order", flush=True)  # fmt: skip
+        print(
+            f"model {args.model} on {device}, torch threads {torch.get_num_threads()}; "
+            f"{args.rounds} rounds per concurrency, paths in alternating order",
+            flush=True,
+        )
         pids = _process_groups(stack, broker)
 
         async def one(path: str, c: int, n: int, marks: list[ClientMark] | None = None) -> RunResult:
@@ -288,7 +339,9 @@ async def _runs(args, levels: list[int], config):
 
         async def hop(num_warmup: int) -> list[float]:
             """One Kafka hop through this run's broker, as `weir bench hop` measures it (ms per message)."""
-            return (await measure_kafka_hop(broker.bootstrap, args.hop_count, args.hop_gap_ms / 1000, num_warmup))["hop"]
+            return (await measure_kafka_hop(broker.bootstrap, args.hop_count, args.hop_gap_ms / 1000, num_warmup))[
+                "hop"
+            ]
 
         for c in levels:
             floor = _HopFloor(hop, args.hop_warmup) if c == 1 and args.hop_count > 0 else None
@@ -323,14 +376,21 @@ class _HopFloor:
 
 def _stack_env(args, bootstrap: str, topics: Topics, scratch: Path) -> dict[str, str]:
     """The services' environment: this run's broker, topics and model, open auth, a scratch audit log."""
-    env = {"WEIR_KAFKA_BOOTSTRAP": bootstrap, "WEIR_TOPIC_PREFIX": topics.prefix,
-           "WEIR_MODEL_REPO": str(Path(args.model_repo).resolve()), "WEIR_MODELS": args.model,
-           "WEIR_AUTH_MODE": "open"}  # fmt: skip
+    env = {
+        "WEIR_KAFKA_BOOTSTRAP": bootstrap,
+        "WEIR_TOPIC_PREFIX": topics.prefix,
+        "WEIR_MODEL_REPO": str(Path(args.model_repo).resolve()),
+        "WEIR_MODELS": args.model,
+        "WEIR_AUTH_MODE": "open",
+    }
     # Audit fingerprints (MiniLM embeddings of every prompt and output) share the worker's CPU;
     # they are measured by `weir bench audit`, and left out here so (b) differs from (a) only by
     # the Kafka path.
-    env |= {"WEIR_AUDIT_DB": str(scratch / "audit.sqlite"), "WEIR_AUDIT_API_PORT": "0",
-            "WEIR_AUDIT_FINGERPRINT_MODEL": ""}  # fmt: skip
+    env |= {
+        "WEIR_AUDIT_DB": str(scratch / "audit.sqlite"),
+        "WEIR_AUDIT_API_PORT": "0",
+        "WEIR_AUDIT_FINGERPRINT_MODEL": "",
+    }
     return env
 
 
@@ -354,8 +414,15 @@ def _process_groups(stack, broker) -> dict[str, list[int]]:
     return pids
 
 
-async def _run_level(one: Callable[..., Awaitable[RunResult]], c: int, n: int, rounds: int,
-                     pids: dict[str, list[int]], tally: _Tally, floor: _HopFloor | None = None) -> None:  # fmt: skip
+async def _run_level(
+    one: Callable[..., Awaitable[RunResult]],
+    c: int,
+    n: int,
+    rounds: int,
+    pids: dict[str, list[int]],
+    tally: _Tally,
+    floor: _HopFloor | None = None,
+) -> None:
     """At one concurrency: an unmeasured warm-up run of every path, then the rounds, in alternating
     order; with `floor`, the Kafka hop is one more entry of that order (last, then first, ...)."""
     for path in PATHS:  # warm-up: JIT in the broker, caches everywhere
@@ -374,11 +441,14 @@ async def _run_level(one: Callable[..., Awaitable[RunResult]], c: int, n: int, r
                 continue
             round_results[path] = await _measured(one, path, c, n, pids, tally)
         for path in ("b", "g"):
-            tally.ratios.setdefault((path, c), []).append(round_results[path].tokens_per_s / round_results["a"].tokens_per_s)
+            tally.ratios.setdefault((path, c), []).append(
+                round_results[path].tokens_per_s / round_results["a"].tokens_per_s
+            )
 
 
-async def _measured(one: Callable[..., Awaitable[RunResult]], path: str, c: int, n: int,
-                    pids: dict[str, list[int]], tally: _Tally) -> RunResult:  # fmt: skip
+async def _measured(
+    one: Callable[..., Awaitable[RunResult]], path: str, c: int, n: int, pids: dict[str, list[int]], tally: _Tally
+) -> RunResult:
     """One run of one path; its result and the CPU each process group used meanwhile go to the tally."""
     before = cpu_snapshot(pids)
     # The hop breakdown follows the guard-off path at every concurrency: there the first
@@ -393,7 +463,9 @@ async def _measured(one: Callable[..., Awaitable[RunResult]], path: str, c: int,
     return result
 
 
-async def _hop_breakdown(bootstrap: str, topics: Topics, served_id: str, marks: list[ClientMark]) -> tuple[list[list[str]], int]:
+async def _hop_breakdown(
+    bootstrap: str, topics: Topics, served_id: str, marks: list[ClientMark]
+) -> tuple[list[list[str]], int]:
     """Where TTFT went, hop by hop, from the records this run left on its request, batch and reply
     topics (the batch topic is the served version's, `name@version`, as the worker reads it)."""
     from weir.kafka.admin import list_topic_names
@@ -405,8 +477,14 @@ async def _hop_breakdown(bootstrap: str, topics: Topics, served_id: str, marks: 
 
 def _pooled(runs: list[RunResult]) -> RunResult:
     first = runs[0]
-    return RunResult(first.label, first.concurrency, [x for r in runs for x in r.ttft_ms], [x for r in runs for x in r.itl_ms],
-                     sum(r.num_tokens for r in runs), sum(r.wall_s for r in runs))  # fmt: skip
+    return RunResult(
+        first.label,
+        first.concurrency,
+        [x for r in runs for x in r.ttft_ms],
+        [x for r in runs for x in r.itl_ms],
+        sum(r.num_tokens for r in runs),
+        sum(r.wall_s for r in runs),
+    )
 
 
 def _report(results, levels: list[int], cpu, ratios, rounds: int) -> None:
@@ -416,9 +494,18 @@ def _report(results, levels: list[int], cpu, ratios, rounds: int) -> None:
     for c in levels:
         for path, label in PATHS.items():
             r = pooled[(path, c)]
-            rows.append([label, str(c), f"{len(r.ttft_ms)}-{r.num_tokens}", f"{percentile(r.ttft_ms, 50):.1f}",
-                         f"{percentile(r.ttft_ms, 95):.1f}", f"{percentile(r.itl_ms, 50):.1f}",
-                         f"{percentile(r.itl_ms, 95):.1f}", f"{r.tokens_per_s:.1f}"])  # fmt: skip
+            rows.append(
+                [
+                    label,
+                    str(c),
+                    f"{len(r.ttft_ms)}-{r.num_tokens}",
+                    f"{percentile(r.ttft_ms, 50):.1f}",
+                    f"{percentile(r.ttft_ms, 95):.1f}",
+                    f"{percentile(r.itl_ms, 50):.1f}",
+                    f"{percentile(r.itl_ms, 95):.1f}",
+                    f"{r.tokens_per_s:.1f}",
+                ]
+            )
     print()
     print_table(rows, header)
     print()
@@ -428,15 +515,22 @@ def _report(results, levels: list[int], cpu, ratios, rounds: int) -> None:
             b = pooled[(path, c)]
             added = percentile(b.ttft_ms, 50) - percentile(a.ttft_ms, 50)
             each = ratios[(path, c)]
-            print(f"concurrency {c:>3}, {PATHS[path].strip()}: adds {added:+.1f} ms to p50 TTFT; keeps "
-                  f"{statistics.median(each):.0%} of in-process tokens/s (median of {rounds} rounds: "
-                  + " ".join(f"{x:.0%}" for x in each) + ")")  # fmt: skip
+            print(
+                f"concurrency {c:>3}, {PATHS[path].strip()}: adds {added:+.1f} ms to p50 TTFT; keeps "
+                f"{statistics.median(each):.0%} of in-process tokens/s (median of {rounds} rounds: "
+                + " ".join(f"{x:.0%}" for x in each)
+                + ")"
+            )
     for c in levels:
         for path in ("a", "b"):
             used, r = cpu[(path, c)], pooled[(path, c)]
-            print(f"concurrency {c:>3}, CPU during {PATHS[path].strip()}, cores (ms per token): " + ", ".join(
-                f"{name} {seconds / r.wall_s:.2f} ({1000 * seconds / max(1, r.num_tokens):.2f})"
-                for name, seconds in used.items()))  # fmt: skip
+            print(
+                f"concurrency {c:>3}, CPU during {PATHS[path].strip()}, cores (ms per token): "
+                + ", ".join(
+                    f"{name} {seconds / r.wall_s:.2f} ({1000 * seconds / max(1, r.num_tokens):.2f})"
+                    for name, seconds in used.items()
+                )
+            )
     print("targets: <= +10 ms p50 TTFT at concurrency 1; >= 80% of in-process tokens/s at concurrency 16")
     print("(b) runs without audit fingerprints (see `weir bench audit` for their cost)")
 
@@ -455,11 +549,21 @@ def floor_table(hop_ms: list[list[float]], added_ms: list[float]) -> tuple[list[
     hop_p50 = [percentile(h, 50) for h in hop_ms]
     floors = [three_hop_floor_ms(h) for h in hop_ms]
     multiples = [a / f for a, f in zip(added_ms, floors, strict=True)]
-    rows = [[str(r + 1), f"{h:.2f}", f"{f:.2f}", f"{a:+.1f}", f"{m:.2f}x"]
-            for r, (h, f, a, m) in enumerate(zip(hop_p50, floors, added_ms, multiples, strict=True))]  # fmt: skip
-    med = {"hop": statistics.median(hop_p50), "floor": statistics.median(floors), "added": statistics.median(added_ms),
-           "multiple": statistics.median(multiples), "low": min(multiples), "high": max(multiples)}  # fmt: skip
-    rows.append(["median", f"{med['hop']:.2f}", f"{med['floor']:.2f}", f"{med['added']:+.1f}", f"{med['multiple']:.2f}x"])
+    rows = [
+        [str(r + 1), f"{h:.2f}", f"{f:.2f}", f"{a:+.1f}", f"{m:.2f}x"]
+        for r, (h, f, a, m) in enumerate(zip(hop_p50, floors, added_ms, multiples, strict=True))
+    ]
+    med = {
+        "hop": statistics.median(hop_p50),
+        "floor": statistics.median(floors),
+        "added": statistics.median(added_ms),
+        "multiple": statistics.median(multiples),
+        "low": min(multiples),
+        "high": max(multiples),
+    }
+    rows.append(
+        ["median", f"{med['hop']:.2f}", f"{med['floor']:.2f}", f"{med['added']:+.1f}", f"{med['multiple']:.2f}x"]
+    )
     return rows, med
 
 
@@ -471,12 +575,16 @@ def _report_floor(tally: _Tally, args) -> None:
         return
     added = added_ttft_by_round(tally.results[("a", 1)], tally.results[("g", 1)])
     rows, med = floor_table(tally.hop_ms, added)
-    print(f"\nThe three-hop floor, measured in this run: one Kafka hop as `weir bench hop` measures it, through "
-          f"this broker, {args.hop_count} messages {args.hop_gap_ms:.0f} ms apart in each round (the first 10% "
-          "dropped) while no request is in flight; floor = 3 x the hop's p50. Against it, the Kafka path's added "
-          "p50 TTFT at concurrency 1, output guard off (its p50 minus the in-process p50 of the same round):")
+    print(
+        f"\nThe three-hop floor, measured in this run: one Kafka hop as `weir bench hop` measures it, through "
+        f"this broker, {args.hop_count} messages {args.hop_gap_ms:.0f} ms apart in each round (the first 10% "
+        "dropped) while no request is in flight; floor = 3 x the hop's p50. Against it, the Kafka path's added "
+        "p50 TTFT at concurrency 1, output guard off (its p50 minus the in-process p50 of the same round):"
+    )
     print_table(rows, FLOOR_HEADER)
-    print(f"concurrency   1, {PATHS['g'].strip()}: adds {med['added']:+.1f} ms to p50 TTFT, {med['multiple']:.2f}x "
-          f"the three-hop floor of {med['floor']:.2f} ms (one hop {med['hop']:.2f} ms p50); medians of "
-          f"{len(rows) - 1} rounds, multiples {med['low']:.2f}x-{med['high']:.2f}x")  # fmt: skip
+    print(
+        f"concurrency   1, {PATHS['g'].strip()}: adds {med['added']:+.1f} ms to p50 TTFT, {med['multiple']:.2f}x "
+        f"the three-hop floor of {med['floor']:.2f} ms (one hop {med['hop']:.2f} ms p50); medians of "
+        f"{len(rows) - 1} rounds, multiples {med['low']:.2f}x-{med['high']:.2f}x"
+    )
     print("target (issue 21): added p50 TTFT <= 1.3x the three-hop floor at concurrency 1, output guard off")

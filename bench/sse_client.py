@@ -54,7 +54,8 @@ class SseConnection:
         extra = "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
         writer.write(
             f"{method} {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json\r\n"
-            f"Accept: text/event-stream\r\n{extra}Content-Length: {len(body)}\r\n\r\n".encode() + body
+            f"Accept: text/event-stream\r\n{extra}Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
         )
         status = await reader.readuntil(b"\r\n")
         self.headers = {}
@@ -68,8 +69,11 @@ class SseConnection:
             rest = b"".join([c async for c in chunks])
             await self.close()
             code = status.split(b" ", 2)[1] if status.count(b" ") >= 1 else b"0"
-            raise HttpError(f"{status.decode('latin-1').strip()}: {rest[:500]!r}", int(code) if code.isdigit() else 0,
-                            dict(self.headers))  # fmt: skip
+            raise HttpError(
+                f"{status.decode('latin-1').strip()}: {rest[:500]!r}",
+                int(code) if code.isdigit() else 0,
+                dict(self.headers),
+            )
         pending = b""
         async for chunk in chunks:
             pending += chunk

@@ -41,8 +41,17 @@ class StartRun:
 def launch(cmd: list[str], env: dict[str, str], timeout_s: float, cwd: Path | None = None) -> StartRun:
     """Run `cmd` until it prints READY_LINE (or exits, or `timeout_s`), then stop it and wait."""
     started = time.monotonic()
-    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        cwd=cwd,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+        start_new_session=True,
+    )
     run = StartRun(ready_s=None)
     ready = threading.Event()
 
@@ -72,38 +81,61 @@ def launch(cmd: list[str], env: dict[str, str], timeout_s: float, cwd: Path | No
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="weir bench startup", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="weir bench startup", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--runs", type=int, default=3, help="timed starts after the first (default %(default)s)")
-    parser.add_argument("--kafka-port", type=int, default=19392,
-                        help="port of the broker `weir up` starts; must be free (default %(default)s)")
+    parser.add_argument(
+        "--kafka-port",
+        type=int,
+        default=19392,
+        help="port of the broker `weir up` starts; must be free (default %(default)s)",
+    )
     parser.add_argument("--port", type=int, default=18000, help="the gateway's port (default %(default)s)")
     parser.add_argument("--model-repo", default=os.environ.get("WEIR_MODEL_REPO", "models.toml"))
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds one start may take")
     parser.add_argument("--show-lines", action="store_true", help="print every start's timed output lines")
-    parser.add_argument("--checkout", type=Path,
-                        help="run the `weir up` of another checkout of Weir (a before/after comparison)")
+    parser.add_argument(
+        "--checkout", type=Path, help="run the `weir up` of another checkout of Weir (a before/after comparison)"
+    )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    cmd = [sys.executable, "-m", "weir.cli", "up", "--kafka-port", str(args.kafka_port), "--port", str(args.port),
-           "--model-repo", args.model_repo, "--timeout", str(args.timeout)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "weir.cli",
+        "up",
+        "--kafka-port",
+        str(args.kafka_port),
+        "--port",
+        str(args.port),
+        "--model-repo",
+        args.model_repo,
+        "--timeout",
+        str(args.timeout),
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if args.checkout is not None:
         env["PYTHONPATH"] = str(args.checkout.resolve())
     runs: list[StartRun] = []
     for index in range(args.runs + 1):
         if port_open("127.0.0.1", args.kafka_port):  # `weir up` would reuse it: no broker start timed
-            print(f"a broker already answers at port {args.kafka_port} (one a killed `weir up` left?): stop it "
-                  f"with `weir kafka down --port {args.kafka_port}` so that every start boots its own")  # fmt: skip
+            print(
+                f"a broker already answers at port {args.kafka_port} (one a killed `weir up` left?): stop it "
+                f"with `weir kafka down --port {args.kafka_port}` so that every start boots its own"
+            )
             return 1
         run = launch(cmd, env, args.timeout, cwd=args.checkout)
         runs.append(run)
         label = "first" if index == 0 else f"run {index}"
-        print(f"{label}: " + (f"up in {run.ready_s:.1f} s" if run.ready_s is not None
-                              else f"not up (exit {run.returncode})"), flush=True)  # fmt: skip
+        print(
+            f"{label}: "
+            + (f"up in {run.ready_s:.1f} s" if run.ready_s is not None else f"not up (exit {run.returncode})"),
+            flush=True,
+        )
         if args.show_lines or run.ready_s is None:
             for at, line in run.lines:
                 print(f"  {at:6.1f}  {line}")

@@ -23,25 +23,40 @@ from bench.stats import print_table
 from schemas.messages import ChatMessage, GenerateRequest, StructuredOutputs, now_ms
 
 PERSON = {
-    "type": "object", "additionalProperties": False, "required": ["name", "age", "role", "email", "addresses"],
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name", "age", "role", "email", "addresses"],
     "properties": {
         "name": {"type": "string", "maxLength": 40},
         "age": {"type": "integer", "minimum": 0, "maximum": 130},
         "role": {"enum": ["admin", "user", "guest"]},
         "email": {"type": ["string", "null"], "maxLength": 60},
-        "addresses": {"type": "array", "maxItems": 3, "items": {
-            "type": "object", "additionalProperties": False, "required": ["city", "zip", "kind"],
-            "properties": {"city": {"type": "string", "maxLength": 30}, "zip": {"type": ["string", "null"], "maxLength": 10},
-                           "kind": {"enum": ["home", "work"]}},
-        }},
+        "addresses": {
+            "type": "array",
+            "maxItems": 3,
+            "items": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["city", "zip", "kind"],
+                "properties": {
+                    "city": {"type": "string", "maxLength": 30},
+                    "zip": {"type": ["string", "null"], "maxLength": 10},
+                    "kind": {"enum": ["home", "work"]},
+                },
+            },
+        },
     },
-}  # fmt: skip
+}
 SCHEMAS = {
     "nested (objects in arrays, enums, nullable)": PERSON,
-    "flat (3 fields)": {"type": "object", "additionalProperties": False, "required": ["ok", "count", "label"],
-                        "properties": {"ok": {"type": "boolean"}, "count": {"type": "integer"}, "label": {"type": "string"}}},
+    "flat (3 fields)": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["ok", "count", "label"],
+        "properties": {"ok": {"type": "boolean"}, "count": {"type": "integer"}, "label": {"type": "string"}},
+    },
     "enum of 200 strings": {"enum": [f"option-{i}" for i in range(200)]},
-}  # fmt: skip
+}
 TOPICS = ["a librarian", "a ship's cook", "a chess coach", "a beekeeper", "a pilot", "a potter", "a nurse", "a farmer"]
 
 
@@ -49,13 +64,23 @@ def requests_for(model: str, c: int, max_tokens: int, structured: StructuredOutp
     """c chat requests asking for a JSON record; the same prompts and seeds whether constrained or not."""
     out = []
     for i in range(c):
-        ask = (f"Write a JSON object describing {TOPICS[i % len(TOPICS)]} with fields name, age, role "
-               f"(admin, user or guest), email and addresses (city, zip, kind). Only the JSON.")  # fmt: skip
-        out.append(GenerateRequest(
-            request_id=uuid.uuid4().hex, model=model, messages=[ChatMessage(role="user", content=ask)],
-            max_tokens=max_tokens, temperature=0.7, seed=i, structured=structured,
-            deadline_ms=now_ms() + 3_600_000, reply_to="-",
-        ))  # fmt: skip
+        ask = (
+            f"Write a JSON object describing {TOPICS[i % len(TOPICS)]} with fields name, age, role "
+            f"(admin, user or guest), email and addresses (city, zip, kind). Only the JSON."
+        )
+        out.append(
+            GenerateRequest(
+                request_id=uuid.uuid4().hex,
+                model=model,
+                messages=[ChatMessage(role="user", content=ask)],
+                max_tokens=max_tokens,
+                temperature=0.7,
+                seed=i,
+                structured=structured,
+                deadline_ms=now_ms() + 3_600_000,
+                reply_to="-",
+            )
+        )
     return out
 
 
@@ -114,9 +139,16 @@ def run(engine, model: str, model_dir: Path, levels: list[int], rounds: int, max
                     tokens[mode] += n
                     valid += ok if structured else 0
             for mode in tps:
-                rows.append([mode, str(c), f"{statistics.median(tps[mode]):.0f}",
-                             f"{min(tps[mode]):.0f}-{max(tps[mode]):.0f}", f"{tokens[mode] / (rounds * c):.0f}",
-                             f"{valid}/{rounds * c}" if mode == "constrained" else "-"])  # fmt: skip
+                rows.append(
+                    [
+                        mode,
+                        str(c),
+                        f"{statistics.median(tps[mode]):.0f}",
+                        f"{min(tps[mode]):.0f}-{max(tps[mode]):.0f}",
+                        f"{tokens[mode] / (rounds * c):.0f}",
+                        f"{valid}/{rounds * c}" if mode == "constrained" else "-",
+                    ]
+                )
             ratios.append((c, statistics.median(tps["constrained"]) / statistics.median(tps["unconstrained"])))
             print(f"  concurrency {c} done", flush=True)
     print()
@@ -125,5 +157,8 @@ def run(engine, model: str, model_dir: Path, levels: list[int], rounds: int, max
         print(f"concurrency {c:>2}: constrained / unconstrained tokens/s = {ratio:.2f}x")
     print("target at 32: >= 0.9x")
     print()
-    print_table(compile_times(model_dir, engine.model.args.vocab_size, engine.eos_ids), ["schema", "compile cold ms", "cached ms"])
+    print_table(
+        compile_times(model_dir, engine.model.args.vocab_size, engine.eos_ids),
+        ["schema", "compile cold ms", "cached ms"],
+    )
     return 0

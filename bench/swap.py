@@ -39,8 +39,16 @@ from schemas.codec import decode
 from schemas.messages import WorkerHeartbeat
 from schemas.topics import Topics
 
-PROMPTS = ["def main():\n", "import os\n", "class Parser:\n", "for key, value in ", "try:\n    import ",
-           "with open(", "async def fetch(", "    for i in range("]  # fmt: skip
+PROMPTS = [
+    "def main():\n",
+    "import os\n",
+    "class Parser:\n",
+    "for key, value in ",
+    "try:\n    import ",
+    "with open(",
+    "async def fetch(",
+    "    for i in range(",
+]
 
 
 @dataclass
@@ -66,7 +74,9 @@ class Swap:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="weir bench swap", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="weir-tiny-py", help="model entry of --model-repo to swap (default %(default)s)")
+    parser.add_argument(
+        "--model", default="weir-tiny-py", help="model entry of --model-repo to swap (default %(default)s)"
+    )
     parser.add_argument("--model-repo", default="models.toml")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=24)
@@ -108,9 +118,11 @@ def _model_dirs(config, scratch: Path) -> tuple[Path, Path, Path]:
     shutil.copytree(config.path, v1)
     shutil.copytree(config.path, v2)
     repo = scratch / "models.toml"
-    repo.write_text(f'[models.{config.name}]\npath = "{v1}"\nengine = "{config.engine}"\nversion = "1"\n'
-                    f"max_model_len = {config.max_model_len}\nmax_num_seqs = {config.max_num_seqs}\n"
-                    f"max_batch_size = {config.max_batch_size}\nmax_wait_ms = {config.max_wait_ms}\n")  # fmt: skip
+    repo.write_text(
+        f'[models.{config.name}]\npath = "{v1}"\nengine = "{config.engine}"\nversion = "1"\n'
+        f"max_model_len = {config.max_model_len}\nmax_num_seqs = {config.max_num_seqs}\n"
+        f"max_batch_size = {config.max_batch_size}\nmax_wait_ms = {config.max_wait_ms}\n"
+    )
     return v1, v2, repo
 
 
@@ -118,9 +130,16 @@ async def _one_swap(args, config, bootstrap: str, topics: Topics, scratch: Path)
     from weir.stack import Stack, free_ports, wait_http_ok
 
     _v1, v2, repo = _model_dirs(config, scratch)
-    env = {"WEIR_KAFKA_BOOTSTRAP": bootstrap, "WEIR_TOPIC_PREFIX": topics.prefix, "WEIR_MODEL_REPO": str(repo),
-           "WEIR_AUTH_MODE": "open", "WEIR_AUDIT_DB": str(scratch / "audit.sqlite"), "WEIR_AUDIT_API_PORT": "0",
-           "WEIR_AUDIT_FINGERPRINT_MODEL": "", "WEIR_HOME": str(scratch / "home")}  # fmt: skip
+    env = {
+        "WEIR_KAFKA_BOOTSTRAP": bootstrap,
+        "WEIR_TOPIC_PREFIX": topics.prefix,
+        "WEIR_MODEL_REPO": str(repo),
+        "WEIR_AUTH_MODE": "open",
+        "WEIR_AUDIT_DB": str(scratch / "audit.sqlite"),
+        "WEIR_AUDIT_API_PORT": "0",
+        "WEIR_AUDIT_FINGERPRINT_MODEL": "",
+        "WEIR_HOME": str(scratch / "home"),
+    }
     stack = Stack(env, scratch / "logs")
     port = free_ports(1)[0]
     swap = Swap()
@@ -131,8 +150,10 @@ async def _one_swap(args, config, bootstrap: str, topics: Topics, scratch: Path)
         for name in ("worker", "batcher", "gateway"):
             await asyncio.to_thread(wait_http_ok, f"{stack.url(name)}/readyz", 300, stack)
         stop = asyncio.Event()
-        clients = [asyncio.create_task(_lane(port, config.name, i, args.max_tokens, stop, swap))
-                   for i in range(args.concurrency)]  # fmt: skip
+        clients = [
+            asyncio.create_task(_lane(port, config.name, i, args.max_tokens, stop, swap))
+            for i in range(args.concurrency)
+        ]
         await asyncio.sleep(args.before_s)
         await _swap(config.name, v2, repo, bootstrap, topics, swap, {**os.environ, **env})
         await asyncio.sleep(args.after_s)
@@ -149,8 +170,11 @@ async def _swap(name: str, v2: Path, repo: Path, bootstrap: str, topics: Topics,
     where = ["--bootstrap", bootstrap, "--topic-prefix", topics.prefix]
     swap.push_at = time.perf_counter()
     await _run([*cli, "push", str(v2), "--name", name, "--version", "2", "--from-toml", str(repo), *where], env)
-    await _until_heartbeats(bootstrap, topics, lambda hbs: any(
-        (s := hb.versions.get(f"{name}@2")) is not None and s.state == "ready" for hb in hbs))  # fmt: skip
+    await _until_heartbeats(
+        bootstrap,
+        topics,
+        lambda hbs: any((s := hb.versions.get(f"{name}@2")) is not None and s.state == "ready" for hb in hbs),
+    )
     swap.ready_at = time.perf_counter()
     await _run([*cli, "promote", f"{name}@2", *where], env)
     swap.promoted_at = time.perf_counter()
@@ -198,8 +222,14 @@ async def _lane(port: int, name: str, lane: int, max_tokens: int, stop: asyncio.
     i = 0
     try:
         while not stop.is_set():
-            body = {"model": name, "prompt": PROMPTS[(lane + i) % len(PROMPTS)], "max_tokens": max_tokens,
-                    "temperature": 0.8, "seed": lane * 100_000 + i, "stream": True}  # fmt: skip
+            body = {
+                "model": name,
+                "prompt": PROMPTS[(lane + i) % len(PROMPTS)],
+                "max_tokens": max_tokens,
+                "temperature": 0.8,
+                "seed": lane * 100_000 + i,
+                "stream": True,
+            }
             i += 1
             outcome = Outcome(time.perf_counter())
             swap.outcomes.append(outcome)
@@ -244,26 +274,64 @@ def _report(swaps: list[Swap], args) -> None:
     for n, swap in enumerate(swaps, 1):
         done = [o for o in swap.outcomes if o.error is not None or o.version is not None]
         failed = [o for o in done if o.error is not None]
-        ttft = {p: [o.ttft_ms for o in done if _phase(swap, o) == p and o.ttft_ms is not None]
-                for p in ("before", "during", "after")}  # fmt: skip
+        ttft = {
+            p: [o.ttft_ms for o in done if _phase(swap, o) == p and o.ttft_ms is not None]
+            for p in ("before", "during", "after")
+        }
         by_version: dict[str, int] = {}
         for o in done:
             if o.error is None:
                 by_version[o.version or "?"] = by_version.get(o.version or "?", 0) + 1
-        first_v2 = min((o.started + o.ttft_ms / 1000 for o in done
-                        if o.version and o.version.endswith("@2") and o.ttft_ms is not None), default=float("nan"))  # fmt: skip
+        first_v2 = min(
+            (
+                o.started + o.ttft_ms / 1000
+                for o in done
+                if o.version and o.version.endswith("@2") and o.ttft_ms is not None
+            ),
+            default=float("nan"),
+        )
         ratio = percentile(ttft["during"], 95) / percentile(ttft["before"], 95)
         ratios.append(ratio)
-        rows.append([str(n), str(len(done)), str(len(failed)), ", ".join(f"{v}: {c}" for v, c in sorted(by_version.items())),
-                     *(f"{percentile(ttft[p], 50):.0f}/{percentile(ttft[p], 95):.0f}" for p in ("before", "during", "after")),
-                     f"{ratio:.2f}x", f"{first_v2 - swap.push_at:.1f}", f"{swap.ready_at - swap.push_at:.1f}",
-                     f"{swap.drained_at - swap.promoted_at:.1f}"])  # fmt: skip
+        rows.append(
+            [
+                str(n),
+                str(len(done)),
+                str(len(failed)),
+                ", ".join(f"{v}: {c}" for v, c in sorted(by_version.items())),
+                *(
+                    f"{percentile(ttft[p], 50):.0f}/{percentile(ttft[p], 95):.0f}"
+                    for p in ("before", "during", "after")
+                ),
+                f"{ratio:.2f}x",
+                f"{first_v2 - swap.push_at:.1f}",
+                f"{swap.ready_at - swap.push_at:.1f}",
+                f"{swap.drained_at - swap.promoted_at:.1f}",
+            ]
+        )
         for o in failed[:5]:
             print(f"  failed request (round {n}): {o.error}")
-    print(f"\nweir bench swap: {args.model}, {args.concurrency} streams, max_tokens {args.max_tokens}, "
-          f"{args.before_s:.0f} s before the push, {args.after_s:.0f} s after version 1 drained")  # fmt: skip
-    print_table(rows, ["round", "requests", "failed", "served by", "TTFT ms p50/p95 before", "during", "after",
-                       "p95 during/before", "push->first v2 s", "push->v2 ready s", "promote->v1 gone s"])  # fmt: skip
+    print(
+        f"\nweir bench swap: {args.model}, {args.concurrency} streams, max_tokens {args.max_tokens}, "
+        f"{args.before_s:.0f} s before the push, {args.after_s:.0f} s after version 1 drained"
+    )
+    print_table(
+        rows,
+        [
+            "round",
+            "requests",
+            "failed",
+            "served by",
+            "TTFT ms p50/p95 before",
+            "during",
+            "after",
+            "p95 during/before",
+            "push->first v2 s",
+            "push->v2 ready s",
+            "promote->v1 gone s",
+        ],
+    )
     if len(ratios) > 1:
-        print(f"p95 during/before: median {statistics.median(ratios):.2f}x, range {min(ratios):.2f}-{max(ratios):.2f}x "
-              f"over {len(ratios)} rounds (target <= 2x)")  # fmt: skip
+        print(
+            f"p95 during/before: median {statistics.median(ratios):.2f}x, range {min(ratios):.2f}-{max(ratios):.2f}x "
+            f"over {len(ratios)} rounds (target <= 2x)"
+        )

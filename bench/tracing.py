@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import statistics
 import tempfile
-import time
 import uuid
 from pathlib import Path
 
@@ -36,8 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests-per-lane", type=int, default=4, help="requests per run = concurrency x this")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=6, help="alternating rounds of both paths")
-    parser.add_argument("--ports", default="", help="5 HTTP ports: gateway off, gateway on, auditor, batcher, "
-                        "worker (default: any free ones)")
+    parser.add_argument(
+        "--ports",
+        default="",
+        help="5 HTTP ports: gateway off, gateway on, auditor, batcher, worker (default: any free ones)",
+    )
     args = parser.parse_args(argv)
     runs, ratios, spans = asyncio.run(_runs(args))
     _report(runs, ratios, spans, args)
@@ -58,11 +60,19 @@ async def _runs(args: argparse.Namespace) -> tuple[dict[str, list[RunResult]], l
     if len(ports) != 5:
         raise SystemExit("--ports takes 5 ports")
     scratch = Path(tempfile.mkdtemp(prefix="weir-bench-tracing-"))
-    env = {"WEIR_KAFKA_BOOTSTRAP": broker.bootstrap, "WEIR_TOPIC_PREFIX": topics.prefix,
-           "WEIR_MODEL_REPO": str(Path(args.model_repo).resolve()), "WEIR_MODELS": args.model, "WEIR_AUTH_MODE": "open",
-           "WEIR_AUDIT_DB": str(scratch / "audit.sqlite"), "WEIR_AUDIT_FINGERPRINT_MODEL": "", "WEIR_TRACE_SAMPLE": "1",
-           "WEIR_AUDIT_API_PORT": str(ports[2]), "WEIR_BATCHER_HTTP_PORT": str(ports[3]),
-           "WEIR_WORKER_HTTP_PORT": str(ports[4])}  # fmt: skip
+    env = {
+        "WEIR_KAFKA_BOOTSTRAP": broker.bootstrap,
+        "WEIR_TOPIC_PREFIX": topics.prefix,
+        "WEIR_MODEL_REPO": str(Path(args.model_repo).resolve()),
+        "WEIR_MODELS": args.model,
+        "WEIR_AUTH_MODE": "open",
+        "WEIR_AUDIT_DB": str(scratch / "audit.sqlite"),
+        "WEIR_AUDIT_FINGERPRINT_MODEL": "",
+        "WEIR_TRACE_SAMPLE": "1",
+        "WEIR_AUDIT_API_PORT": str(ports[2]),
+        "WEIR_BATCHER_HTTP_PORT": str(ports[3]),
+        "WEIR_WORKER_HTTP_PORT": str(ports[4]),
+    }
     stack = Stack(env, scratch)
     runs: dict[str, list[RunResult]] = {path: [] for path in PATHS}
     ratios: list[float] = []
@@ -85,8 +95,10 @@ async def _runs(args: argparse.Namespace) -> tuple[dict[str, list[RunResult]], l
             for path, result in got.items():
                 runs[path].append(result)
             ratios.append(got["on"].tokens_per_s / got["off"].tokens_per_s)
-            print(f"round {r + 1}: off {got['off'].tokens_per_s:.1f} tok/s, on {got['on'].tokens_per_s:.1f} tok/s",
-                  flush=True)  # fmt: skip
+            print(
+                f"round {r + 1}: off {got['off'].tokens_per_s:.1f} tok/s, on {got['on'].tokens_per_s:.1f} tok/s",
+                flush=True,
+            )
         await asyncio.sleep(2)  # the last spans go out about once a second
         settings = BusSettings(kafka_bootstrap=broker.bootstrap, topic_prefix=topics.prefix)
         num_spans = len(await read_topic(settings, topics.traces, client_id="bench-tracing"))
@@ -101,11 +113,19 @@ def _report(runs: dict[str, list[RunResult]], ratios: list[float], num_spans: in
     for path, results in runs.items():
         ttft = [x for r in results for x in r.ttft_ms]
         tokens, wall = sum(r.num_tokens for r in results), sum(r.wall_s for r in results)
-        rows.append([f"sampling {PATHS[path]}", f"{tokens / wall:.1f}" if wall else "-",
-                     f"{percentile(ttft, 50):.1f}" if ttft else "-", f"{percentile(ttft, 95):.1f}" if ttft else "-"])  # fmt: skip
+        rows.append(
+            [
+                f"sampling {PATHS[path]}",
+                f"{tokens / wall:.1f}" if wall else "-",
+                f"{percentile(ttft, 50):.1f}" if ttft else "-",
+                f"{percentile(ttft, 95):.1f}" if ttft else "-",
+            ]
+        )
     print()
     print_table(rows, ["path", "tokens/s", "TTFT p50 ms", "TTFT p95 ms"])
     if ratios:
         median = statistics.median(ratios)
-        print(f"\ntracing on / off, tokens/s: median {median:.3f} over {len(ratios)} rounds "
-              f"(cost {100 * (1 - median):+.1f}%; target <= 3%); {num_spans} spans on the traces topic")  # fmt: skip
+        print(
+            f"\ntracing on / off, tokens/s: median {median:.3f} over {len(ratios)} rounds "
+            f"(cost {100 * (1 - median):+.1f}%; target <= 3%); {num_spans} spans on the traces topic"
+        )

@@ -75,9 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--canary-pct", type=float, default=5.0, help="the canary's weight, percent")
     parser.add_argument("--canary-requests", type=int, default=2000)
-    parser.add_argument("--http-ports", type=int, metavar="BASE",
-                        help="HTTP ports BASE (gateway), BASE+1 (auditor), BASE+2 (batcher), BASE+3 (worker); "
-                             "default: free ones")  # fmt: skip
+    parser.add_argument(
+        "--http-ports",
+        type=int,
+        metavar="BASE",
+        help="HTTP ports BASE (gateway), BASE+1 (auditor), BASE+2 (batcher), BASE+3 (worker); default: free ones",
+    )
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.concurrency < 1 or args.phase_s <= 0 or args.canary_requests < 1:
         parser.error("--rounds, --concurrency, --canary-requests must be >= 1 and --phase-s > 0")
@@ -102,10 +105,17 @@ async def _bench(args) -> Result:
     _v1, v2, repo = _model_dirs(config, scratch)
     v3 = scratch / "v3"
     shutil.copytree(v2, v3)
-    env = {"WEIR_KAFKA_BOOTSTRAP": broker.bootstrap, "WEIR_TOPIC_PREFIX": topics.prefix, "WEIR_MODEL_REPO": str(repo),
-           "WEIR_AUTH_MODE": "open", "WEIR_AUDIT_DB": str(scratch / "audit.sqlite"), "WEIR_AUDIT_API_PORT": "0",
-           "WEIR_AUDIT_FINGERPRINT_MODEL": "", "WEIR_HOME": str(scratch / "home"),
-           "WEIR_TRAFFIC_EVERY_S": "1"}  # fmt: skip
+    env = {
+        "WEIR_KAFKA_BOOTSTRAP": broker.bootstrap,
+        "WEIR_TOPIC_PREFIX": topics.prefix,
+        "WEIR_MODEL_REPO": str(repo),
+        "WEIR_AUTH_MODE": "open",
+        "WEIR_AUDIT_DB": str(scratch / "audit.sqlite"),
+        "WEIR_AUDIT_API_PORT": "0",
+        "WEIR_AUDIT_FINGERPRINT_MODEL": "",
+        "WEIR_HOME": str(scratch / "home"),
+        "WEIR_TRAFFIC_EVERY_S": "1",
+    }
     port = args.http_ports if args.http_ports is not None else free_ports(1)[0]
     if args.http_ports is not None:
         env.update({HTTP_PORT_ENV[s]: str(port + i) for i, s in enumerate(("gateway", "auditor", "batcher", "worker"))})
@@ -119,14 +129,29 @@ async def _bench(args) -> Result:
         for name in ("worker", "batcher", "gateway"):
             await asyncio.to_thread(wait_http_ok, f"{stack.url(name)}/readyz", 300, stack)
         for version, where in (("2", v2), ("3", v3)):
-            await weir("push", str(where), "--name", config.name, "--version", version, "--from-toml", str(repo),
-                       "--no-goldens", name=False)  # fmt: skip
-        await _until_heartbeats(broker.bootstrap, topics, lambda hbs: any(all(
-            (s := hb.versions.get(f"{config.name}@{v}")) is not None and s.state == "ready" for v in ("2", "3"))
-            for hb in hbs))  # fmt: skip
+            await weir(
+                "push",
+                str(where),
+                "--name",
+                config.name,
+                "--version",
+                version,
+                "--from-toml",
+                str(repo),
+                "--no-goldens",
+                name=False,
+            )
+        await _until_heartbeats(
+            broker.bootstrap,
+            topics,
+            lambda hbs: any(
+                all((s := hb.versions.get(f"{config.name}@{v}")) is not None and s.state == "ready" for v in ("2", "3"))
+                for hb in hbs
+            ),
+        )
         result.mirrored_before = await _mirrored(broker.bootstrap, topics, config.name)
         for r in range(args.rounds):
-            for mirror in ((True, False) if r % 2 == 0 else (False, True)):
+            for mirror in (True, False) if r % 2 == 0 else (False, True):
                 await weir("route", "--mirror", "2=100") if mirror else await weir("route", "--clear-mirror")
                 await asyncio.sleep(args.settle_s)
                 result.phases.append(await _phase(port, config.name, args, mirror))
@@ -164,9 +189,15 @@ async def _phase(port: int, name: str, args, mirror: bool) -> Phase:
         i = 0
         try:
             while not stop.is_set():
-                body = {"model": name, "prompt": PROMPTS[(lane_no + i) % len(PROMPTS)], "max_tokens": args.max_tokens,
-                        "temperature": 0.8, "seed": lane_no * 100_000 + i, "stream": True,
-                        "user": f"live-{lane_no}"}  # fmt: skip
+                body = {
+                    "model": name,
+                    "prompt": PROMPTS[(lane_no + i) % len(PROMPTS)],
+                    "max_tokens": args.max_tokens,
+                    "temperature": 0.8,
+                    "seed": lane_no * 100_000 + i,
+                    "stream": True,
+                    "user": f"live-{lane_no}",
+                }
                 i += 1
                 outcome = Outcome(time.perf_counter())
                 phase.outcomes.append(outcome)
@@ -191,8 +222,14 @@ async def _canary(port: int, name: str, args) -> list[Outcome]:
         try:
             while queue:
                 user = queue.pop()
-                body = {"model": name, "prompt": "def main():\n", "max_tokens": 1, "temperature": 0.0, "stream": True,
-                        "user": f"bench-user-{user}"}  # fmt: skip
+                body = {
+                    "model": name,
+                    "prompt": "def main():\n",
+                    "max_tokens": 1,
+                    "temperature": 0.0,
+                    "stream": True,
+                    "user": f"bench-user-{user}",
+                }
                 outcome = Outcome(time.perf_counter())
                 outcomes.append(outcome)
                 connection = await stream_once(connection, port, body, outcome)
@@ -235,10 +272,16 @@ def summarize(result: Result, name: str, canary_pct: float) -> dict:
     copies = result.mirrored_after - result.mirrored_before
     served = [o for o in result.canary if o.error is None and o.version]
     share = 100 * sum(1 for o in served if o.version == f"{name}@3") / len(served) if served else float("nan")
-    return {"ratios": ratios, "mirrored_live": mirrored_live, "copies_completed": copies,
-            "completed_share": copies / mirrored_live if mirrored_live else float("nan"),
-            "canary_served": len(served), "canary_failed": len(result.canary) - len(served),
-            "canary_share": share, "canary_error_pts": share - canary_pct}  # fmt: skip
+    return {
+        "ratios": ratios,
+        "mirrored_live": mirrored_live,
+        "copies_completed": copies,
+        "completed_share": copies / mirrored_live if mirrored_live else float("nan"),
+        "canary_served": len(served),
+        "canary_failed": len(result.canary) - len(served),
+        "canary_share": share,
+        "canary_error_pts": share - canary_pct,
+    }
 
 
 def _failed(phase: Phase) -> int:
@@ -256,21 +299,36 @@ def _report(result: Result, args) -> None:
     s = summarize(result, args.model, args.canary_pct)
     rows = []
     for n, ratio in enumerate(s["ratios"], 1):
-        on, off = sorted(result.phases[2 * n - 2: 2 * n], key=lambda p: not p.mirror)
-        rows.append([str(n), *(f"{len(p.done)} ({_failed(p)} failed, {_textless(p)} without text)" for p in (on, off)),
-                     *(f"{percentile(p.ttfts(), 50):.0f}/{p.p95():.0f}" for p in (on, off)),
-                     f"{ratio:.2f}x"])  # fmt: skip
-    print(f"\nweir bench traffic: {args.model}, {args.concurrency} live streams, max_tokens {args.max_tokens}, "
-          f"{args.phase_s:.0f} s per phase, {args.rounds} rounds")  # fmt: skip
-    print_table(rows, ["round", "live requests, mirror on", "mirror off", "TTFT ms p50/p95 mirror on", "mirror off",
-                       "p95 on/off"])  # fmt: skip
+        on, off = sorted(result.phases[2 * n - 2 : 2 * n], key=lambda p: not p.mirror)
+        rows.append(
+            [
+                str(n),
+                *(f"{len(p.done)} ({_failed(p)} failed, {_textless(p)} without text)" for p in (on, off)),
+                *(f"{percentile(p.ttfts(), 50):.0f}/{p.p95():.0f}" for p in (on, off)),
+                f"{ratio:.2f}x",
+            ]
+        )
+    print(
+        f"\nweir bench traffic: {args.model}, {args.concurrency} live streams, max_tokens {args.max_tokens}, "
+        f"{args.phase_s:.0f} s per phase, {args.rounds} rounds"
+    )
+    print_table(
+        rows,
+        ["round", "live requests, mirror on", "mirror off", "TTFT ms p50/p95 mirror on", "mirror off", "p95 on/off"],
+    )
     ratios = s["ratios"]
-    print(f"p95 on/off: median {statistics.median(ratios):.2f}x, range {min(ratios):.2f}-{max(ratios):.2f}x over "
-          f"{len(ratios)} rounds (target <= 1.2x)")  # fmt: skip
+    print(
+        f"p95 on/off: median {statistics.median(ratios):.2f}x, range {min(ratios):.2f}-{max(ratios):.2f}x over "
+        f"{len(ratios)} rounds (target <= 1.2x)"
+    )
     for o in [o for p in result.phases for o in p.outcomes if o.error is not None][:5]:
         print(f"  failed live request: {o.error}")
-    print(f"mirror copies completed: {s['copies_completed']} of {s['mirrored_live']} live requests of the mirror phases "
-          f"({s['completed_share']:.1%}; the rest dropped under load or unfinished)")  # fmt: skip
-    print(f"canary: {s['canary_share']:.2f}% of {s['canary_served']} requests ({s['canary_failed']} failed) served by "
-          f"{args.model}@3 against a weight of {args.canary_pct:g}%: {s['canary_error_pts']:+.2f} points "
-          "(target within +-1)")  # fmt: skip
+    print(
+        f"mirror copies completed: {s['copies_completed']} of {s['mirrored_live']} live requests of the mirror phases "
+        f"({s['completed_share']:.1%}; the rest dropped under load or unfinished)"
+    )
+    print(
+        f"canary: {s['canary_share']:.2f}% of {s['canary_served']} requests ({s['canary_failed']} failed) served by "
+        f"{args.model}@3 against a weight of {args.canary_pct:g}%: {s['canary_error_pts']:+.2f} points "
+        "(target within +-1)"
+    )

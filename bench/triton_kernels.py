@@ -15,8 +15,8 @@ import json
 import os
 import platform
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -135,15 +135,18 @@ def paged_attention_cases(dtype: torch.dtype, size: int, quick: bool):
                     lambda q=q, kc=kc, vc=vc, bt=bt, lens=lens, bn=bn, scale=scale: paged_attention_decode_triton(
                         q, kc, vc, bt, lens, scale, block_n=bn
                     ),
-                    lambda q=q, kc=kc, vc=vc, bt=bt, lens=lens, scale=scale: paged_attention_decode_ref(q, kc, vc, bt, lens, scale),
+                    lambda q=q, kc=kc, vc=vc, bt=bt, lens=lens, scale=scale: paged_attention_decode_ref(
+                        q, kc, vc, bt, lens, scale
+                    ),
                 )
             del q, kc, vc
             torch.cuda.empty_cache()
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="weir bench kernels", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="weir bench kernels", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/weir-bench")
     ap.add_argument("--dtype", action="append", choices=["float32", "float16", "bfloat16"])
     ap.add_argument("--quick", action="store_true", help="fewer sizes")

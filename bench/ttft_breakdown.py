@@ -88,7 +88,9 @@ def hop_rows(marks: list[ClientMark], stamps: dict[str, dict[str, float]]) -> tu
         points = [mark.sent_ms, s["accepted"], s["request"], s["batch"], s["received"], s["delta"], mark.first_text_ms]
         for i, (start, end) in enumerate(itertools.pairwise(points)):
             spans[i].append(end - start)
-    rows = [[hop, f"{statistics.mean(v):.1f}", f"{percentile(v, 50):.1f}"] for hop, v in zip(HOPS, spans, strict=True) if v]
+    rows = [
+        [hop, f"{statistics.mean(v):.1f}", f"{percentile(v, 50):.1f}"] for hop, v in zip(HOPS, spans, strict=True) if v
+    ]
     num = len(spans[0])
     if num:
         total = [sum(hop[i] for hop in spans) for i in range(num)]

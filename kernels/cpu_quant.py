@@ -156,10 +156,27 @@ def build(verbose: bool = False) -> Path:
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         target = Path(tmp) / out.name
-        cmd = [compiler, "-O3", "-std=c++20", "-shared", "-fPIC", "-mavx2", "-mfma", "-mf16c", "-fopenmp",
-               f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *(f"-I{p}" for p in include_paths()),
-               f"-I{sysconfig.get_paths()['include']}", str(SOURCE), f"-L{torch_lib}", "-lc10", "-ltorch_cpu",
-               f"-Wl,-rpath,{torch_lib}", "-o", str(target)]  # fmt: skip
+        cmd = [
+            compiler,
+            "-O3",
+            "-std=c++20",
+            "-shared",
+            "-fPIC",
+            "-mavx2",
+            "-mfma",
+            "-mf16c",
+            "-fopenmp",
+            f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            *(f"-I{p}" for p in include_paths()),
+            f"-I{sysconfig.get_paths()['include']}",
+            str(SOURCE),
+            f"-L{torch_lib}",
+            "-lc10",
+            "-ltorch_cpu",
+            f"-Wl,-rpath,{torch_lib}",
+            "-o",
+            str(target),
+        ]
         if verbose:
             print(" ".join(cmd), file=sys.stderr)
         done = subprocess.run(cmd, capture_output=True, text=True)

@@ -60,8 +60,9 @@ def paged_attention_decode_ref(
     values = values.view(num_seqs, max_ctx, num_kv_heads, dim).transpose(1, 2).float()
     # GQA as a query length: the `group` query heads of kv head h are rows of one SDPA query
     # [seqs, kv_heads, group, dim], so no K/V head is repeated (query head h reads kv head h // group).
-    out = F.scaled_dot_product_attention(q.float().reshape(num_seqs, num_kv_heads, group, dim), keys, values,
-                                         attn_mask=plan.mask, scale=scale)  # fmt: skip
+    out = F.scaled_dot_product_attention(
+        q.float().reshape(num_seqs, num_kv_heads, group, dim), keys, values, attn_mask=plan.mask, scale=scale
+    )
     return out.reshape(num_seqs, num_heads, dim).to(q.dtype)
 
 

@@ -144,9 +144,7 @@ def paged_attention_decode_triton(
     # tf32) for a float32 cache, mixed dtypes, and under the interpreter, whose tl.dot multiplies
     # bfloat16 operands as their raw uint16 bits (triton 3.9).
     dot_fp32 = (
-        k_cache.dtype == torch.float32
-        or k_cache.dtype != v_cache.dtype
-        or _interpreted(_paged_attention_decode_kernel)
+        k_cache.dtype == torch.float32 or k_cache.dtype != v_cache.dtype or _interpreted(_paged_attention_decode_kernel)
     )
     _paged_attention_decode_kernel[(num_seqs, num_kv_heads)](
         out,

@@ -50,7 +50,7 @@ class Use:
 
     @property
     def resource(self) -> str:
-        """"topic" or "group": Kafka's resource type of the name."""
+        """ "topic" or "group": Kafka's resource type of the name."""
         return "group" if self.group or self.member.endswith("_group") else "topic"
 
     def name(self, topics: Topics) -> str:
@@ -67,10 +67,19 @@ RW = R + W
 # Every Weir name starts with "<prefix>." (Topics.namespace): the lag exporters' DESCRIBE on all of
 # the deployment's topics and groups (weir/lag.py).
 _LAG = (
-    Use("namespace", D, "exports every group's consumer lag (weir/lag.py): the end offsets of their topics",
-        prefixed=True),
-    Use("namespace", D, "exports every group's consumer lag: lists the groups and reads their offsets",
-        prefixed=True, group=True),
+    Use(
+        "namespace",
+        D,
+        "exports every group's consumer lag (weir/lag.py): the end offsets of their topics",
+        prefixed=True,
+    ),
+    Use(
+        "namespace",
+        D,
+        "exports every group's consumer lag: lists the groups and reads their offsets",
+        prefixed=True,
+        group=True,
+    ),
 )
 _TRACES = Use("traces", W, "its own spans (docs/design.md, 'Observability'); reading them is for operators")
 
@@ -86,11 +95,21 @@ USES: dict[str, tuple[Use, ...]] = {
         Use("job_commands", W, "runs and cancels batch jobs"),
         Use("dead_letter", W, "what it cannot use"),
         Use("workers", R, "worker heartbeats: routing, admission, `weir models list`"),
-        Use("replies", R + C, "its own reply topic, which it creates (WEIR_GATEWAY_ID starts `gateway-`)",
-            arg="gateway-", prefixed=True),
+        Use(
+            "replies",
+            R + C,
+            "its own reply topic, which it creates (WEIR_GATEWAY_ID starts `gateway-`)",
+            arg="gateway-",
+            prefixed=True,
+        ),
         Use("streams", RW, "resumable streams: registers its own, follows the others' to resume them"),
-        Use("batches", R, "counts the batch records no worker has read (admission from the queue)",
-            arg="", prefixed=True),
+        Use(
+            "batches",
+            R,
+            "counts the batch records no worker has read (admission from the queue)",
+            arg="",
+            prefixed=True,
+        ),
         Use("worker_group", D, "each model's group offsets, for the same count", arg="", prefixed=True),
         Use("models", RW, "the registry: its admin API writes it, routing follows it"),
         Use("traffic", R, "traffic counts (`weir models show`, run with the gateway's login)"),
@@ -101,18 +120,32 @@ USES: dict[str, tuple[Use, ...]] = {
     ),
     "batcher": (
         Use("requests", RW, "reads requests as its group; a batch job's lines become requests on it"),
-        Use("producer_requests", R + D, "every outside producer's own request topic, read by pattern",
-            arg="", prefixed=True),
+        Use(
+            "producer_requests",
+            R + D,
+            "every outside producer's own request topic, read by pattern",
+            arg="",
+            prefixed=True,
+        ),
         Use("control", RW, "cancellations: follows them, and cancels a cancelled batch job's requests"),
         Use("workers", R, "worker heartbeats: routing"),
         Use("job_commands", R, "batch jobs to run"),
         Use("jobs", RW, "batch jobs' state"),
         Use("files", RW, "batch input files, and the output files it writes"),
         Use("dead_letter", W, "requests it cannot use, with the reason"),
-        Use("batches", W + C, "each model version's batches; it makes the topic of each version registered",
-            arg="", prefixed=True),
-        Use("reply_namespace", W, "the terminal reply of a request it ends itself (unknown model, expired)",
-            prefixed=True),
+        Use(
+            "batches",
+            W + C,
+            "each model version's batches; it makes the topic of each version registered",
+            arg="",
+            prefixed=True,
+        ),
+        Use(
+            "reply_namespace",
+            W,
+            "the terminal reply of a request it ends itself (unknown model, expired)",
+            prefixed=True,
+        ),
         Use("job_replies", R + C, "a batch job's own reply topic, which it creates and reads", arg="", prefixed=True),
         Use("shadow_replies", W, "names it as the reply_to of mirror copies (docs/design.md, 'Traffic policies')"),
         Use("batcher_group", R, "its consumer group on the request topics"),
@@ -125,8 +158,7 @@ USES: dict[str, tuple[Use, ...]] = {
         Use("batches", R, "its model versions' batches", arg="", prefixed=True),
         Use("worker_group", R, "each model version's group of workers", arg="", prefixed=True),
         Use("control", R, "cancellations"),
-        Use("reply_namespace", W, "replies, to whichever reply topic of the deployment a request names",
-            prefixed=True),
+        Use("reply_namespace", W, "replies, to whichever reply topic of the deployment a request names", prefixed=True),
         Use("audit", W, "one audit event per request"),
         Use("workers", W, "its heartbeats"),
         Use("dead_letter", W, "batches it cannot use"),
@@ -146,8 +178,11 @@ USES: dict[str, tuple[Use, ...]] = {
         Use("traffic", W, "traffic counts per version"),
         Use("token_usage", W, "token usage totals and rate cards: it alone keeps them"),
         Use("health", RW, "health alerts: judges and writes them, reads back the latest"),
-        Use("shadow_replies", R + C + D, "the mirror copies' replies, for the comparison; like every reply "
-            "topic, its reader creates it"),
+        Use(
+            "shadow_replies",
+            R + C + D,
+            "the mirror copies' replies, for the comparison; like every reply topic, its reader creates it",
+        ),
         Use("shadow_live", R, "the live answers of mirrored requests, for the comparison"),
         Use("comparison_group", R, "its comparison's group on shadow_replies and shadow_live"),
         Use("comparisons", W, "one ModelComparison per mirrored request"),
@@ -171,7 +206,8 @@ def needed_specs(service: str, topics: Topics) -> list[TopicSpec]:
     makes sure exist at start, with the grants it has (a secure deployment's admin made them first)."""
     names = {use.name(topics) for use in USES[service] if use.resource == "topic" and not use.prefixed}
     specs = [spec for spec in topics.core_specs() if spec.name in names]
-    if topics.shadow_replies in names and any("create" in u.operations for u in USES[service]
-                                                if u.member == "shadow_replies"):  # fmt: skip
+    if topics.shadow_replies in names and any(
+        "create" in u.operations for u in USES[service] if u.member == "shadow_replies"
+    ):
         specs.append(topics.reply_spec("shadow"))
     return specs

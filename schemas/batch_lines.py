@@ -25,8 +25,11 @@ from schemas.openai_translate import EmbeddingBody, parse_embedding_body
 
 # The endpoints a batch line may name, and the kind of body each takes (OpenAI's Batch API also
 # takes /v1/embeddings; its lines run as EmbedRequests, answered with the embedding list)
-ENDPOINT_KINDS: dict[str, str] = {"/v1/chat/completions": "chat.completions", "/v1/completions": "completions",
-                                  "/v1/embeddings": "embeddings"}  # fmt: skip
+ENDPOINT_KINDS: dict[str, str] = {
+    "/v1/chat/completions": "chat.completions",
+    "/v1/completions": "completions",
+    "/v1/embeddings": "embeddings",
+}
 LineBody = ChatCompletionBody | CompletionBody | EmbeddingBody
 MAX_BATCH_LINES = 50_000  # OpenAI's limit of requests per batch
 _JSON_WHITESPACE = b" \t\r"
@@ -120,8 +123,12 @@ def parse_line_body(envelope: Envelope) -> LineBody:
         except BodyError as exc:
             raise LineError(envelope.line, exc.code, exc.message, exc.param) from None
         if embedding.timeout_s is not None:
-            raise LineError(envelope.line, "unsupported_parameter", "timeout_s is not supported in a batch: the "
-                            "batch's completion window is every line's deadline", "timeout_s")  # fmt: skip
+            raise LineError(
+                envelope.line,
+                "unsupported_parameter",
+                "timeout_s is not supported in a batch: the batch's completion window is every line's deadline",
+                "timeout_s",
+            )
         return embedding
     try:
         parsed = parse_body(ENDPOINT_KINDS[envelope.url], orjson.dumps(body))  # type: ignore[arg-type]  # embeddings left above: a generation kind
@@ -130,7 +137,10 @@ def parse_line_body(envelope: Envelope) -> LineBody:
     if parsed.stream:
         raise LineError(envelope.line, "invalid_value", "stream is not supported in a batch", "stream")
     if parsed.timeout_s is not None:
-        raise LineError(envelope.line, "unsupported_parameter", "timeout_s is not supported in a batch: the batch's "
-                        "completion window is every line's deadline", "timeout_s")  # fmt: skip
+        raise LineError(
+            envelope.line,
+            "unsupported_parameter",
+            "timeout_s is not supported in a batch: the batch's completion window is every line's deadline",
+            "timeout_s",
+        )
     return parsed
-

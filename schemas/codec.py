@@ -28,10 +28,16 @@ from schemas.messages import (
     WorkerHeartbeat,
 )
 from schemas.registry import (
-    ModelComparison, ModelHealthEvent, ModelRoute, ModelVersionRecord, RegistryRecord, ShadowLive, TrafficCounts,
+    ModelComparison,
+    ModelHealthEvent,
+    ModelRoute,
+    ModelVersionRecord,
+    RegistryRecord,
+    ShadowLive,
+    TrafficCounts,
 )
-from schemas.topics import Topics
 from schemas.telemetry import HealthAlert, RateCard, SpanRecord, UsageTotals
+from schemas.topics import Topics
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -143,12 +149,21 @@ def _validated(validate: Any, what: str, data: bytes | None) -> Any:
 
 # pydantic error type -> what the field expected, in words
 _EXPECTED = {
-    "int_type": "expected an integer", "int_parsing": "expected an integer", "int_from_float": "expected an integer",
-    "float_type": "expected a number", "float_parsing": "expected a number", "string_type": "expected a string",
-    "bool_type": "expected true or false", "bool_parsing": "expected true or false", "dict_type": "expected an object",
-    "model_type": "expected an object", "model_attributes_type": "expected an object",
-    "list_type": "expected an array", "tuple_type": "expected an array", "none_required": "expected null",
-}  # fmt: skip
+    "int_type": "expected an integer",
+    "int_parsing": "expected an integer",
+    "int_from_float": "expected an integer",
+    "float_type": "expected a number",
+    "float_parsing": "expected a number",
+    "string_type": "expected a string",
+    "bool_type": "expected true or false",
+    "bool_parsing": "expected true or false",
+    "dict_type": "expected an object",
+    "model_type": "expected an object",
+    "model_attributes_type": "expected an object",
+    "list_type": "expected an array",
+    "tuple_type": "expected an array",
+    "none_required": "expected null",
+}
 _MAX_ERRORS_SHOWN = 5
 
 

@@ -16,8 +16,9 @@ from typing import Literal
 PromptWord = Literal["messages", "prompt", "input"]
 
 
-def requested_too_much(max_model_len: int, prompt_tokens: int, completion_tokens: int,
-                       word: PromptWord = "messages") -> str:  # fmt: skip
+def requested_too_much(
+    max_model_len: int, prompt_tokens: int, completion_tokens: int, word: PromptWord = "messages"
+) -> str:
     """The prompt and the completion asked for do not fit the context together (OpenAI's and vLLM's
     sentence, word for word on a chat)."""
     return (
@@ -36,8 +37,9 @@ def prompt_too_long(max_model_len: int, prompt_tokens: int, word: PromptWord = "
     )
 
 
-def input_over_limit(max_model_len: int, max_input_tokens: int, prompt_tokens: int,
-                     word: PromptWord = "messages") -> str:  # fmt: skip
+def input_over_limit(
+    max_model_len: int, max_input_tokens: int, prompt_tokens: int, word: PromptWord = "messages"
+) -> str:
     """The prompt is over a deployment's own bound on input tokens (WEIR_MAX_INPUT_TOKENS), below
     the model's context."""
     return (
@@ -47,8 +49,9 @@ def input_over_limit(max_model_len: int, max_input_tokens: int, prompt_tokens: i
     )
 
 
-def completion_too_long(max_model_len: int, completion_tokens: int, param: str = "max_tokens",
-                        word: PromptWord = "messages") -> str:  # fmt: skip
+def completion_too_long(
+    max_model_len: int, completion_tokens: int, param: str = "max_tokens", word: PromptWord = "messages"
+) -> str:
     """The completion asked for (`param`) exceeds the context by itself, before the prompt is counted."""
     return (
         f"This model's maximum context length is {max_model_len} tokens. However, you requested "

@@ -1,7 +1,7 @@
 """Write the JSON Schema of every wire type to schemas/json/<Name>.json.
 
-    python -m schemas.export          # rewrite the files after a deliberate contract change
-    python -m schemas.export --check  # exit 1 if a file differs from the code (CI, golden test)
+python -m schemas.export          # rewrite the files after a deliberate contract change
+python -m schemas.export --check  # exit 1 if a file differs from the code (CI, golden test)
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ edges.
 
 from __future__ import annotations
 
-import itertools
 import hashlib
+import itertools
 import re
 import time
 from typing import Annotated, Any, Literal
@@ -44,7 +44,7 @@ def _check_logit_bias(bias: dict[str, float]) -> dict[str, float]:
         raise ValueError(f"at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(bias)}")
     for key, value in bias.items():
         if not _TOKEN_ID.fullmatch(key):
-            raise ValueError(f"key {key!r} is not a token id (a decimal integer such as \"1234\")")
+            raise ValueError(f'key {key!r} is not a token id (a decimal integer such as "1234")')
         if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
             raise ValueError(f"the bias of token {key} is {value:g}; biases lie in [-100, 100]")
     return bias
@@ -53,11 +53,15 @@ def _check_logit_bias(bias: dict[str, float]) -> dict[str, float]:
 LogitBias = Annotated[
     dict[str, float],
     AfterValidator(_check_logit_bias),
-    WithJsonSchema({
-        "type": "object", "maxProperties": MAX_LOGIT_BIAS_ENTRIES, "propertyNames": {"pattern": f"^({_TOKEN_ID.pattern})$"},
-        "additionalProperties": {"type": "number", "minimum": -MAX_LOGIT_BIAS, "maximum": MAX_LOGIT_BIAS},
-    }),
-]  # fmt: skip
+    WithJsonSchema(
+        {
+            "type": "object",
+            "maxProperties": MAX_LOGIT_BIAS_ENTRIES,
+            "propertyNames": {"pattern": f"^({_TOKEN_ID.pattern})$"},
+            "additionalProperties": {"type": "number", "minimum": -MAX_LOGIT_BIAS, "maximum": MAX_LOGIT_BIAS},
+        }
+    ),
+]
 """OpenAI's logit_bias: token id (a decimal string, as JSON keys are) -> bias added to its logit."""
 
 
@@ -172,7 +176,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     role: Literal["system", "user", "assistant", "tool"] = Field(description="Who speaks this turn.")
-    content: str = Field(description="The text of the turn (\"\" for an assistant turn with only tool calls).")
+    content: str = Field(description='The text of the turn ("" for an assistant turn with only tool calls).')
     tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOLS, description="assistant: the calls it made.")
     tool_call_id: str | None = Field(None, max_length=128, description="tool: the call this answers.")
     name: str | None = Field(None, max_length=64, description="tool: the function whose result this is.")
@@ -207,7 +211,9 @@ class StructuredOutputs(BaseModel):
 
     json_schema: dict[str, Any] | None = Field(None, description="JSON Schema of the output (vLLM's `json`).")
     json_object: bool = Field(False, description="Any JSON object.")
-    regex: str | None = Field(None, min_length=1, max_length=MAX_REGEX_CHARS, description="Pattern the whole output matches.")
+    regex: str | None = Field(
+        None, min_length=1, max_length=MAX_REGEX_CHARS, description="Pattern the whole output matches."
+    )
     choice: list[Annotated[str, Field(min_length=1, max_length=MAX_CHOICE_CHARS)]] | None = Field(
         None, min_length=1, max_length=MAX_CHOICES, description="The output is exactly one of these."
     )
@@ -261,25 +267,40 @@ class GenerateRequest(_Wire):
 
     kind: Literal["generate"] = Field("generate", description="Message kind discriminator.")
     request_id: str = Field(min_length=1, max_length=128, description="Unique id; deduplicates redeliveries.")
-    model: str = Field(min_length=1, max_length=193, description="Model name, or name@version to pin one version "
-                       "(a name has at most 128 characters, a version 64; docs/design.md, \"The model registry\").")
+    model: str = Field(
+        min_length=1,
+        max_length=193,
+        description="Model name, or name@version to pin one version "
+        '(a name has at most 128 characters, a version 64; docs/design.md, "The model registry").',
+    )
     prompt: str | None = Field(None, description="Completion prompt (exclusive with messages and prompt_token_ids).")
     prompt_token_ids: list[int] | None = Field(
-        None, min_length=1, max_length=1 << 17,
+        None,
+        min_length=1,
+        max_length=1 << 17,
         description="A completion prompt given as the model's token ids (exclusive with prompt and messages).",
     )
     messages: list[ChatMessage] | None = Field(None, description="Chat turns (exclusive with prompt).")
-    max_tokens: int = Field(64, ge=0, le=32768, description="Most tokens to generate; 0 (with prompt_logprobs "
-                            "only) generates none: the prompt's logprobs are the answer.")
+    max_tokens: int = Field(
+        64,
+        ge=0,
+        le=32768,
+        description="Most tokens to generate; 0 (with prompt_logprobs "
+        "only) generates none: the prompt's logprobs are the answer.",
+    )
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="Sampling temperature; 0 is greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 keeps all.")
     presence_penalty: float = Field(
-        0.0, ge=-MAX_PENALTY, le=MAX_PENALTY,
+        0.0,
+        ge=-MAX_PENALTY,
+        le=MAX_PENALTY,
         description="OpenAI's presence penalty: subtracted once from the logit of every token the output holds so far.",
     )
     frequency_penalty: float = Field(
-        0.0, ge=-MAX_PENALTY, le=MAX_PENALTY,
+        0.0,
+        ge=-MAX_PENALTY,
+        le=MAX_PENALTY,
         description="OpenAI's frequency penalty: subtracted from a token's logit once per time the output holds it.",
     )
     logit_bias: LogitBias | None = Field(
@@ -289,35 +310,76 @@ class GenerateRequest(_Wire):
     )
     stop: list[str] = Field(default_factory=list, max_length=16, description="Stop strings, not included in output.")
     seed: int | None = Field(
-        None, ge=-(2**63), le=2**64 - 1, description="Sampling seed (-2^63 to 2^64-1, as the gateway takes it); derived from request_id when absent."
+        None,
+        ge=-(2**63),
+        le=2**64 - 1,
+        description="Sampling seed (-2^63 to 2^64-1, as the gateway takes it); derived from request_id when absent.",
     )
     ignore_eos: bool = Field(False, description="Keep generating past end-of-sequence (benchmarks), as in vLLM.")
-    structured: StructuredOutputs | None = Field(None, description="Constrain the output (JSON Schema, any JSON "
-                                                 "object, regex or choice); enforced by a token mask at every step.")
-    tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS, description="Functions the model may call "
-                                        "(messages only); the chat template renders them.")
-    tool_choice: ToolChoice | None = Field(None, description="none, auto (the default with tools), required or a "
-                                           "named function; required and named constrain the output to a call.")
+    structured: StructuredOutputs | None = Field(
+        None,
+        description="Constrain the output (JSON Schema, any JSON "
+        "object, regex or choice); enforced by a token mask at every step.",
+    )
+    tools: list[ToolDef] | None = Field(
+        None,
+        max_length=MAX_TOOLS,
+        description="Functions the model may call (messages only); the chat template renders them.",
+    )
+    tool_choice: ToolChoice | None = Field(
+        None,
+        description="none, auto (the default with tools), required or a "
+        "named function; required and named constrain the output to a call.",
+    )
     parallel_tool_calls: bool = Field(True, description="With tool_choice required: more than one call may be made.")
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="Return each generated token's "
-                                 "logprob and this many most likely alternatives (0: the token's only); None: none.")
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="Return the logprob of "
-                                        "each prompt token after the first (computed in the prefill, which then "
-                                        "reuses no prefix cache) and this many most likely alternatives; None: none.")
-    suffix: str | None = Field(None, max_length=1 << 20, description="prompt only: text after the insertion "
-                               "(fill-in-the-middle), for models whose tokenizer has FIM tokens; refused otherwise.")
+    logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        description="Return each generated token's "
+        "logprob and this many most likely alternatives (0: the token's only); None: none.",
+    )
+    prompt_logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        description="Return the logprob of "
+        "each prompt token after the first (computed in the prefill, which then "
+        "reuses no prefix cache) and this many most likely alternatives; None: none.",
+    )
+    suffix: str | None = Field(
+        None,
+        max_length=1 << 20,
+        description="prompt only: text after the insertion "
+        "(fill-in-the-middle), for models whose tokenizer has FIM tokens; refused otherwise.",
+    )
     stream: bool = Field(True, description="Whether the client streams; workers always send deltas.")
     principal: str = Field("anonymous", description="Who asked (API key owner or JWT subject).")
     tenant: str = Field("default", description="Tenant the principal belongs to.")
     priority: Priority = Field("interactive", description="Scheduling lane.")
-    user: str | None = Field(None, max_length=256, description="OpenAI's `user`: the key that sticks a request to a "
-                             "version under a traffic policy (schemas/traffic.py), else the principal is.")
-    assignment: Assignment | None = Field(None, description="How its version was chosen: default, canary, pinned "
-                                          "(model named name@version) or mirror (a shadow copy); set where it is resolved.")
-    shadow_of: str | None = Field(None, max_length=128, description="A mirror copy: the request_id of the live "
-                                  "request it copies. Its answer goes to the comparison, never to a client.")
-    mirrors: list[str] = Field(default_factory=list, max_length=8, description="The live request of mirror copies: "
-                               "the versions that got one. The worker publishes its answer (ShadowLive) for the comparison.")
+    user: str | None = Field(
+        None,
+        max_length=256,
+        description="OpenAI's `user`: the key that sticks a request to a "
+        "version under a traffic policy (schemas/traffic.py), else the principal is.",
+    )
+    assignment: Assignment | None = Field(
+        None,
+        description="How its version was chosen: default, canary, pinned "
+        "(model named name@version) or mirror (a shadow copy); set where it is resolved.",
+    )
+    shadow_of: str | None = Field(
+        None,
+        max_length=128,
+        description="A mirror copy: the request_id of the live "
+        "request it copies. Its answer goes to the comparison, never to a client.",
+    )
+    mirrors: list[str] = Field(
+        default_factory=list,
+        max_length=8,
+        description="The live request of mirror copies: "
+        "the versions that got one. The worker publishes its answer (ShadowLive) for the comparison.",
+    )
     deadline_ms: int = Field(description="Absolute deadline, epoch ms; expired work is dropped.")
     reply_to: str = Field(min_length=1, max_length=249, description="Topic that receives the ReplyEvents.")
     created_ms: int = Field(default_factory=now_ms, description="When the request was accepted, epoch ms.")
@@ -381,19 +443,36 @@ class EmbedRequest(_Wire):
 
     kind: Literal["embed"] = Field("embed", description="Message kind discriminator; required on the wire.")
     request_id: str = Field(min_length=1, max_length=128, description="Unique id; deduplicates redeliveries.")
-    model: str = Field(min_length=1, max_length=193, description="Embedding model name, or name@version to pin one version.")
+    model: str = Field(
+        min_length=1, max_length=193, description="Embedding model name, or name@version to pin one version."
+    )
     inputs: list[str] = Field(min_length=1, max_length=MAX_EMBED_INPUTS, description="Texts to embed, in order.")
     principal: str = Field("anonymous", description="Who asked (API key owner or JWT subject).")
     tenant: str = Field("default", description="Tenant the principal belongs to.")
     priority: Priority = Field("interactive", description="Scheduling lane.")
-    user: str | None = Field(None, max_length=256, description="OpenAI's `user`: the key that sticks a request to a "
-                             "version under a traffic policy (schemas/traffic.py), else the principal is.")
-    assignment: Assignment | None = Field(None, description="How its version was chosen: default, canary, pinned "
-                                          "(model named name@version) or mirror (a shadow copy); set where it is resolved.")
-    shadow_of: str | None = Field(None, max_length=128, description="A mirror copy: the request_id of the live "
-                                  "request it copies. Its answer goes to the comparison, never to a client.")
-    mirrors: list[str] = Field(default_factory=list, max_length=8, description="The live request of mirror copies: "
-                               "the versions that got one. The worker publishes its answer (ShadowLive) for the comparison.")
+    user: str | None = Field(
+        None,
+        max_length=256,
+        description="OpenAI's `user`: the key that sticks a request to a "
+        "version under a traffic policy (schemas/traffic.py), else the principal is.",
+    )
+    assignment: Assignment | None = Field(
+        None,
+        description="How its version was chosen: default, canary, pinned "
+        "(model named name@version) or mirror (a shadow copy); set where it is resolved.",
+    )
+    shadow_of: str | None = Field(
+        None,
+        max_length=128,
+        description="A mirror copy: the request_id of the live "
+        "request it copies. Its answer goes to the comparison, never to a client.",
+    )
+    mirrors: list[str] = Field(
+        default_factory=list,
+        max_length=8,
+        description="The live request of mirror copies: "
+        "the versions that got one. The worker publishes its answer (ShadowLive) for the comparison.",
+    )
     deadline_ms: int = Field(description="Absolute deadline, epoch ms; expired work is dropped.")
     reply_to: str = Field(min_length=1, max_length=249, description="Topic that receives the ReplyEnd.")
     created_ms: int = Field(default_factory=now_ms, description="When the request was accepted, epoch ms.")
@@ -422,7 +501,9 @@ class Usage(BaseModel):
     completion_tokens: int = Field(0, ge=0, description="Tokens generated.")
     total_tokens: int = Field(0, ge=0, description="prompt_tokens + completion_tokens.")
     cached_prompt_tokens: int = Field(
-        0, ge=0, description="Prompt tokens served from the prefix cache (OpenAI's prompt_tokens_details.cached_tokens)."
+        0,
+        ge=0,
+        description="Prompt tokens served from the prefix cache (OpenAI's prompt_tokens_details.cached_tokens).",
     )
 
 
@@ -452,22 +533,32 @@ class ReplyDelta(_Wire):
     type: Literal["delta"] = Field("delta", description="Event discriminator.")
     request_id: str = Field(description="The request this belongs to.")
     batch_id: str | None = Field(None, description="Batch that carried the request.")
-    seq: int = Field(ge=0, description="Position of its first token (the index of that output token, from 0); "
-                     "repeats carry the same positions.")
-    count: int = Field(1, ge=1, description="Positions it covers, [seq, seq + count): its tokens, and the tail "
-                       "(the last position, with no token) when its token_ids has count - 1 entries.")
+    seq: int = Field(
+        ge=0,
+        description="Position of its first token (the index of that output token, from 0); "
+        "repeats carry the same positions.",
+    )
+    count: int = Field(
+        1,
+        ge=1,
+        description="Positions it covers, [seq, seq + count): its tokens, and the tail "
+        "(the last position, with no token) when its token_ids has count - 1 entries.",
+    )
     text: str = Field(description="Text added by this event (all its positions' text, in order).")
     texts: list[str] | None = Field(
-        None, description="With count > 1: the text of each position, in order (they join to `text`); "
-        "None with count 1.",
+        None,
+        description="With count > 1: the text of each position, in order (they join to `text`); None with count 1.",
     )
-    token_ids: list[int] = Field(default_factory=list, description="Token ids behind the text; with count > 1, "
-                                 "one per position, in order (none for a tail).")
+    token_ids: list[int] = Field(
+        default_factory=list,
+        description="Token ids behind the text; with count > 1, one per position, in order (none for a tail).",
+    )
     logprobs: list[TokenLogprob] | None = Field(
         None, description="The request asked for logprobs: one per token of token_ids, in order."
     )
     tool_calls: list[ToolCallDelta] | None = Field(
-        None, description="Pieces of tool calls, released by its last position; text a tool call is made of is "
+        None,
+        description="Pieces of tool calls, released by its last position; text a tool call is made of is "
         "not also in `text`.",
     )
     created_ms: int = Field(default_factory=now_ms, description="When the worker produced it, epoch ms.")
@@ -485,8 +576,10 @@ class ReplyDelta(_Wire):
         if "".join(self.texts) != self.text:
             raise ValueError("texts: they must join to text")
         if len(self.token_ids) not in (self.count, self.count - 1):
-            raise ValueError(f"token_ids: a delta of {self.count} positions has one token per position "
-                             f"(a tail, last, has none), got {len(self.token_ids)}")
+            raise ValueError(
+                f"token_ids: a delta of {self.count} positions has one token per position "
+                f"(a tail, last, has none), got {len(self.token_ids)}"
+            )
         return self
 
     @property
@@ -519,8 +612,10 @@ class ReplyEnd(_Wire):
         None, description="Every tool call the model made, complete (also streamed as ToolCallDelta pieces)."
     )
     prompt_logprobs: list[PromptLogprob] | None = Field(
-        None, description="The request asked prompt_logprobs: one per prompt token, in order (the first's "
-        "logprob null: nothing predicts it), each with its alternatives.")
+        None,
+        description="The request asked prompt_logprobs: one per prompt token, in order (the first's "
+        "logprob null: nothing predicts it), each with its alternatives.",
+    )
     structured_valid: bool | None = Field(
         None, description="A constrained request: whether the output is an instance of its constraint (None: none)."
     )
@@ -568,8 +663,11 @@ class LatencyHistogram(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     bounds: list[float] = Field(max_length=64, description="Upper bounds in seconds, ascending (+Inf implied last).")
-    counts: list[int] = Field(max_length=65, description="Cumulative: observations at most each bound, then all "
-                              "of them (the +Inf bucket); one more entry than bounds, never decreasing.")
+    counts: list[int] = Field(
+        max_length=65,
+        description="Cumulative: observations at most each bound, then all "
+        "of them (the +Inf bucket); one more entry than bounds, never decreasing.",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> LatencyHistogram:
@@ -613,7 +711,11 @@ class VersionStatus(BaseModel):
     state: VersionState
     reason: str | None = Field(None, max_length=2048, description="Why failed, refused or unhealthy.")
     digest: str = Field("", description="ModelManifest.digest() of the version loaded.")
-    engine: str = Field("", max_length=128, description="The runtime chosen for it, e.g. 'torch-cuda+triton', 'torch-cpu', 'onnxruntime-cpu'.")
+    engine: str = Field(
+        "",
+        max_length=128,
+        description="The runtime chosen for it, e.g. 'torch-cuda+triton', 'torch-cpu', 'onnxruntime-cpu'.",
+    )
     budget_bytes: int = Field(0, ge=0, description="The memory slice it was given.")
     used_bytes: int = Field(0, ge=0, description="Memory it takes now (weights + KV cache).")
     golden_checked_ms: int | None = Field(None, description="When its goldens last ran, epoch ms.")
@@ -631,7 +733,10 @@ class WorkerHeartbeat(_Wire):
     free_kv_blocks: int = Field(ge=0, description="Free KV-cache blocks.")
     block_size_tokens: int = Field(ge=1, description="Tokens per KV-cache block.")
     kv_cache_usage_perc: float | None = Field(
-        None, ge=0, le=1, description="Share of KV-cache blocks in use (vLLM's kv_cache_usage_perc, 0..1); None: not reported."
+        None,
+        ge=0,
+        le=1,
+        description="Share of KV-cache blocks in use (vLLM's kv_cache_usage_perc, 0..1); None: not reported.",
     )
     prefix_cache_queries: int = Field(0, ge=0, description="Prompt tokens looked up in the prefix cache since start.")
     prefix_cache_hits: int = Field(0, ge=0, description="Of those, tokens found cached since start.")
@@ -649,13 +754,14 @@ class WorkerHeartbeat(_Wire):
     versions: dict[str, VersionStatus] = Field(
         default_factory=dict,
         description="Per model version (name@version) the worker holds or tried to: its state (only 'ready' ones "
-        "are routed to), memory slice and reason (docs/design.md, \"The model registry\").",
+        'are routed to), memory slice and reason (docs/design.md, "The model registry").',
     )
     finished_per_s: float | None = Field(
-        None, ge=0,
+        None,
+        ge=0,
         description="Requests this worker ended per second, averaged over its last minute (an exponentially "
         "weighted rate); the gateway's admission divides the queue ahead of a request by the fleet's sum of it "
-        "(docs/design.md, \"Scale-out and failover\"). None: not measured yet.",
+        '(docs/design.md, "Scale-out and failover"). None: not measured yet.',
     )
     latency: dict[str, VersionLatency] = Field(
         default_factory=dict,
@@ -663,7 +769,8 @@ class WorkerHeartbeat(_Wire):
         "(the gateway's dashboard shows them beside its own, which see no Batch API job). Empty: not reported.",
     )
     service_s: float | None = Field(
-        None, gt=0,
+        None,
+        gt=0,
         description="Mean seconds a request of this worker ran, from first scheduled to its end, weighted like "
         "finished_per_s; the gateway's admission takes K requests running at once to end K / service_s a second "
         "(Little's law), so a rate measured at a lower load does not stand for a burst's. None: none ended yet.",
@@ -682,22 +789,35 @@ class StreamRecord(_Wire):
     """
 
     kind: Literal["stream"] = Field("stream", description="Message kind discriminator.")
-    request_id: str = Field(min_length=1, max_length=256, description="The stream's id (the request's, or the "
-                            "parent id of a body with n > 1).")
-    member_ids: list[str] = Field(default_factory=list, max_length=32, description="The request ids whose events "
-                                  "make the stream, in their kept order (one, or the siblings of n > 1).")
-    owner_tenant: str = Field(description="Owner: tenant (docs/design.md, \"Ownership\").")
+    request_id: str = Field(
+        min_length=1,
+        max_length=256,
+        description="The stream's id (the request's, or the parent id of a body with n > 1).",
+    )
+    member_ids: list[str] = Field(
+        default_factory=list,
+        max_length=32,
+        description="The request ids whose events "
+        "make the stream, in their kept order (one, or the siblings of n > 1).",
+    )
+    owner_tenant: str = Field(description='Owner: tenant (docs/design.md, "Ownership").')
     owner_credential: Literal["key", "jwt", "open"] = Field(description="Owner: kind of credential.")
     owner_principal: str = Field(description="Owner: principal.")
     gateway_id: str = Field(description="The gateway instance that accepted it.")
     reply_topic: str = Field(description="Where its ReplyDelta/ReplyEnd events are written (that gateway's).")
     reply_partition: int = Field(0, ge=0, description="The partition of reply_topic its events go to.")
-    start_offset: int = Field(ge=0, description="An offset of reply_topic at or before its first event (read "
-                              "before the request was published): a reader starts there and filters by request id.")
+    start_offset: int = Field(
+        ge=0,
+        description="An offset of reply_topic at or before its first event (read "
+        "before the request was published): a reader starts there and filters by request id.",
+    )
     grace_s: float = Field(gt=0, description="The resume grace it was asked with.")
     deadline_ms: int = Field(description="The request's absolute deadline, epoch ms.")
-    render: dict[str, Any] = Field(default_factory=dict, description="What a gateway needs to render the stream "
-                                   "again (endpoint, model as shown, created, options); never prompt text.")
+    render: dict[str, Any] = Field(
+        default_factory=dict,
+        description="What a gateway needs to render the stream "
+        "again (endpoint, model as shown, created, options); never prompt text.",
+    )
     created_ms: int = Field(default_factory=now_ms, description="When it was registered, epoch ms.")
     ended_ms: int | None = Field(None, description="When its terminal event was seen; None while it runs.")
 
@@ -722,7 +842,9 @@ class AuditEvent(_Wire):
     seed: int = Field(description="Seed used.")
     prompt_tokens: int = Field(ge=0, description="Prompt tokens.")
     completion_tokens: int = Field(ge=0, description="Generated tokens.")
-    cached_prompt_tokens: int | None = Field(None, ge=0, description="Prompt tokens served from the prefix cache; None: not reported.")
+    cached_prompt_tokens: int | None = Field(
+        None, ge=0, description="Prompt tokens served from the prefix cache; None: not reported."
+    )
     finish_reason: FinishReason = Field(description="How it ended.")
     assignment: Assignment | None = Field(None, description="How its version was chosen (schemas/traffic.py).")
     shadow_of: str | None = Field(None, description="For a mirror copy: the live request it copies.")
@@ -732,7 +854,8 @@ class AuditEvent(_Wire):
     first_token_ms: int | None = Field(None, description="First token, epoch ms.")
     finished_ms: int = Field(description="When it finished, epoch ms.")
     prompt_simhash: str | None = Field(
-        None, pattern="^[0-9a-f]{16}$",
+        None,
+        pattern="^[0-9a-f]{16}$",
         description="64-bit SimHash (16 hex) of the prompt's embedding: near-identical texts differ in few bits.",
     )
     output_simhash: str | None = Field(
@@ -748,11 +871,13 @@ class AuditEvent(_Wire):
         None, description="z-score of the tenant's green-list watermark over the output tokens; None: not watermarked."
     )
     structured_valid: bool | None = Field(
-        None, description="A constrained request: whether the output is an instance of its constraint (ReplyEnd's); "
-        "None: unconstrained."
+        None,
+        description="A constrained request: whether the output is an instance of its constraint (ReplyEnd's); "
+        "None: unconstrained.",
     )
     params_sha256: str | None = Field(
-        None, pattern="^[0-9a-f]{64}$",
+        None,
+        pattern="^[0-9a-f]{64}$",
         description="sha256 of the canonical JSON of the request's parameters that can change its text (not the "
         "prompt: prompt_hmac is); equal version, prompt, parameters and seed must give equal output_hmac.",
     )
@@ -780,7 +905,8 @@ class ReviewFlag(_Wire):
     first_detection_ms: int = Field(description="First detection counted, epoch ms.")
     last_detection_ms: int = Field(description="Last detection counted (the one that raised the flag), epoch ms.")
     rules: list[str] = Field(
-        default_factory=list, max_length=64,
+        default_factory=list,
+        max_length=64,
         description="Names of the detector rules that fired in the window (rule names, never prompt text).",
     )
     gateway_id: str = Field(min_length=1, description="Gateway instance that raised the flag.")
@@ -826,7 +952,9 @@ class AuditAnchor(_Wire):
     num: int = Field(ge=1, description="The checkpoint's number in its chain, from 1.")
     first_seq: int = Field(ge=1, description="First record (seq) the checkpoint covers.")
     last_seq: int = Field(ge=1, description="Last record (seq) it covers: how long the chain was when it was made.")
-    merkle_root: str = Field(pattern=_HASH, description="RFC 6962 Merkle root of the record hashes first_seq..last_seq.")
+    merkle_root: str = Field(
+        pattern=_HASH, description="RFC 6962 Merkle root of the record hashes first_seq..last_seq."
+    )
     last_record_hash: str = Field(pattern=_HASH, description="record_hash of last_seq: the chain's head.")
     created_ms: int = Field(description="When the checkpoint was made, epoch ms.")
     prev_hash: str = Field(pattern=_HASH, description="checkpoint_hash of checkpoint num-1 (64 zeros for num 1).")
@@ -887,7 +1015,9 @@ class UsageRecord(_Wire):
     sent_ms: int = Field(default_factory=now_ms, description="When it was sent, epoch ms.")
 
 
-BatchStatus = Literal["validating", "in_progress", "finalizing", "completed", "failed", "cancelling", "cancelled", "expired"]
+BatchStatus = Literal[
+    "validating", "in_progress", "finalizing", "completed", "failed", "cancelling", "cancelled", "expired"
+]
 BatchEndpoint = Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
 
 # Statuses after which a batch job never changes again.
@@ -910,10 +1040,13 @@ class FileChunk(_Wire):
     filename: str = Field(max_length=512, description="Name the file was uploaded or produced under.")
     purpose: str = Field(description="OpenAI file purpose: 'batch' (input) or 'batch_output'.")
     tenant: str = Field(min_length=1, description="Tenant of the owner: the uploader, or the batch's owner.")
-    credential: CredentialKind = Field(description="Kind of credential of the owner: 'key' (API key), 'jwt' "
-                                       "(bearer token) or 'open' (open mode).")
-    principal: str = Field(min_length=1, description="Principal of the owner; only the owner (tenant, credential "
-                           "kind, principal) may read the file.")
+    credential: CredentialKind = Field(
+        description="Kind of credential of the owner: 'key' (API key), 'jwt' (bearer token) or 'open' (open mode)."
+    )
+    principal: str = Field(
+        min_length=1,
+        description="Principal of the owner; only the owner (tenant, credential kind, principal) may read the file.",
+    )
     num_bytes: int = Field(ge=0, description="Size of the whole file in bytes.")
     data: str = Field(description="UTF-8 text of this chunk.")
     created_ms: int = Field(default_factory=now_ms, description="When the file was created, epoch ms.")
@@ -955,21 +1088,38 @@ class BatchJob(_Wire):
     metadata: dict[str, str] | None = Field(None, description="Up to 16 caller key-value pairs.")
     principal: str = Field("anonymous", description="Who created the job.")
     tenant: str = Field("default", description="Tenant of the principal.")
-    credential: CredentialKind = Field("open", description="Kind of credential it was created with: 'key', 'jwt' "
-                                       "or 'open'; with tenant and principal, the job's owner.")
+    credential: CredentialKind = Field(
+        "open",
+        description="Kind of credential it was created with: 'key', 'jwt' "
+        "or 'open'; with tenant and principal, the job's owner.",
+    )
     request_counts: RequestCounts = Field(default_factory=lambda: RequestCounts(), description="Progress.")
-    usage: Usage | None = Field(None, description="Token counts of its requests, summed from their ReplyEnds when "
-                                "it ended (completed, cancelled or expired); None before, or for a job that failed validation.")
+    usage: Usage | None = Field(
+        None,
+        description="Token counts of its requests, summed from their ReplyEnds when "
+        "it ended (completed, cancelled or expired); None before, or for a job that failed validation.",
+    )
     output_file_id: str | None = Field(None, description="File of successful results, once finished.")
     error_file_id: str | None = Field(None, description="File of failed requests, once finished (if any).")
     errors: list[BatchLineError] = Field(default_factory=list, description="Why validation failed.")
-    queued_tokens: int = Field(0, ge=0, description="Tokens its requests may use (prompts + max_tokens), "
-                               "counted against its owner's batch quota while it is live.")
-    queued_requests: int = Field(0, ge=0, description="Requests its lines run as (a line with n choices is n), "
-                                 "counted against its owner's batch quota while it is live; 0: as "
-                                 "request_counts.total.")
-    planned_output_file_id: str | None = Field(None, description="Random id the runner will write the output "
-                                               "file under (recorded before writing, so a restart reuses it).")
+    queued_tokens: int = Field(
+        0,
+        ge=0,
+        description="Tokens its requests may use (prompts + max_tokens), "
+        "counted against its owner's batch quota while it is live.",
+    )
+    queued_requests: int = Field(
+        0,
+        ge=0,
+        description="Requests its lines run as (a line with n choices is n), "
+        "counted against its owner's batch quota while it is live; 0: as "
+        "request_counts.total.",
+    )
+    planned_output_file_id: str | None = Field(
+        None,
+        description="Random id the runner will write the output "
+        "file under (recorded before writing, so a restart reuses it).",
+    )
     planned_error_file_id: str | None = Field(None, description="Random id of the error file (see above).")
     created_ms: int = Field(default_factory=now_ms, description="When the job was created, epoch ms.")
     expires_ms: int = Field(description="When the job expires (created + completion window), epoch ms.")

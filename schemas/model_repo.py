@@ -63,13 +63,17 @@ class ModelConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = Field(min_length=1, max_length=128, description="Name clients ask for.")
-    path: Path | None = Field(None, description="Model directory; required unless engine is echo, or the entry has a source.")
+    path: Path | None = Field(
+        None, description="Model directory; required unless engine is echo, or the entry has a source."
+    )
     engine: Engine = Field("auto", description="Which runtime serves it; auto: onnx for an ONNX model, else torch.")
     version: str = Field("1", description="Version string, reported as name@version.")
     max_batch_size: int = Field(16, ge=1, le=1024, description="Most requests per batch.")
     max_wait_ms: int = Field(5, ge=0, le=60_000, description="Longest a request waits for a batch to fill.")
     instances: int = Field(1, ge=1, le=64, description="Engine instances per worker process.")
-    max_model_len: int = Field(512, ge=16, description="Longest prompt + output in tokens (engine onnx: longest input).")
+    max_model_len: int = Field(
+        512, ge=16, description="Longest prompt + output in tokens (engine onnx: longest input)."
+    )
     max_num_seqs: int = Field(64, ge=1, description="Most sequences running at once in one engine.")
     default_timeout_s: float = Field(120.0, gt=0, description="Deadline applied when a request sets none.")
     warmup: list[str] = Field(default_factory=lambda: ["Hello"], description="Prompts run before ready.")
@@ -115,7 +119,9 @@ class ModelConfig(BaseModel):
     @classmethod
     def _version_chars(cls, value: str) -> str:
         if not VERSION_RE.fullmatch(value):
-            raise ValueError("must be 1-64 characters of letters, digits, '.', '_' and '-', starting with a letter or digit")
+            raise ValueError(
+                "must be 1-64 characters of letters, digits, '.', '_' and '-', starting with a letter or digit"
+            )
         return value
 
     @model_validator(mode="after")
@@ -198,8 +204,10 @@ def detect_engine(path: Path | None, source: str | None) -> Literal["torch", "on
     try:
         files = importlib.metadata.distribution(source).files or []
     except importlib.metadata.PackageNotFoundError as exc:
-        raise ValueError(f"engine=auto cannot tell what source package {source!r} holds: it is not installed "
-                         "(install it, or set engine)") from exc  # fmt: skip
+        raise ValueError(
+            f"engine=auto cannot tell what source package {source!r} holds: it is not installed "
+            "(install it, or set engine)"
+        ) from exc
     return "torch" if any(str(f).endswith(".gguf") for f in files) else "onnx"
 
 

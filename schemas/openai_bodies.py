@@ -26,8 +26,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from schemas.messages import (
     MAX_PENALTY,
-    MAX_TOP_LOGPROBS,
     MAX_TOOLS,
+    MAX_TOP_LOGPROBS,
     TOOL_NAME_PATTERN,
     ChatMessage,
     GenerateRequest,
@@ -111,8 +111,9 @@ class _Message(BaseModel):
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     tool_calls: list[_ToolCall] | None = Field(None, max_length=MAX_TOOLS, description="assistant: calls it made.")
-    tool_call_id: str | None = Field(None, min_length=1, max_length=128, validate_default=True,
-                                     description="tool: the call it answers.")  # fmt: skip
+    tool_call_id: str | None = Field(
+        None, min_length=1, max_length=128, validate_default=True, description="tool: the call it answers."
+    )
     content: str | list[_TextPart] | None
     name: str | None = Field(None, description="Not supported: participant names are refused.")
 
@@ -120,7 +121,12 @@ class _Message(BaseModel):
     @classmethod
     def _content_may_be_absent(cls, data: Any) -> Any:
         # As OpenAI: an assistant turn that made tool calls may leave content out (or null).
-        if isinstance(data, dict) and "content" not in data and data.get("role") == "assistant" and data.get("tool_calls"):
+        if (
+            isinstance(data, dict)
+            and "content" not in data
+            and data.get("role") == "assistant"
+            and data.get("tool_calls")
+        ):
             return {**data, "content": None}
         return data
 
@@ -143,8 +149,9 @@ class _Message(BaseModel):
     @classmethod
     def _content_given(cls, value: Any, info: ValidationInfo) -> Any:
         if value is None and not (info.data.get("role") == "assistant" and info.data.get("tool_calls")):
-            raise ValueError("content must be a string or a list of text parts (null only in an assistant message "
-                             "with tool_calls)")  # fmt: skip
+            raise ValueError(
+                "content must be a string or a list of text parts (null only in an assistant message with tool_calls)"
+            )
         return value
 
     def to_wire(self) -> ChatMessage:
@@ -247,13 +254,23 @@ class _Body(BaseModel):
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     stream: bool | None = False
     stream_options: _StreamOptions | None = None
-    n: int | None = Field(None, ge=1, le=MAX_N, description=f"Choices to generate, at most {MAX_N}: "
-                          "each is a sibling request with its own seed.")
-    user: str | None = Field(None, max_length=256, description="Sticks the request to one version under a traffic "
-                             "policy (docs/design.md, \"Traffic policies\"); recorded in the request.")
+    n: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_N,
+        description=f"Choices to generate, at most {MAX_N}: each is a sibling request with its own seed.",
+    )
+    user: str | None = Field(
+        None,
+        max_length=256,
+        description="Sticks the request to one version under a traffic "
+        'policy (docs/design.md, "Traffic policies"); recorded in the request.',
+    )
     timeout_s: float | None = Field(None, ge=0.001, description="Seconds; a deadline is in whole milliseconds.")
-    structured_outputs: dict[str, Any] | None = Field(None, description="vLLM's extension: constrain the output "
-                                                      "to one of json (a schema), regex, choice or json_object.")
+    structured_outputs: dict[str, Any] | None = Field(
+        None,
+        description="vLLM's extension: constrain the output to one of json (a schema), regex, choice or json_object.",
+    )
 
     @field_validator("stop")
     @classmethod
@@ -353,8 +370,9 @@ class ChatCompletionBody(_Body):
     safety_identifier: str | None = Field(None, max_length=256, description=_UNUSED)
     prompt_cache_key: str | None = Field(None, max_length=1024, description=_UNUSED)
     logprobs: bool | None = Field(None, description="Return each output token's logprob.")
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="With logprobs: this many most "
-                                     "likely alternatives per token.")
+    top_logprobs: int | None = Field(
+        None, ge=0, le=MAX_TOP_LOGPROBS, description="With logprobs: this many most likely alternatives per token."
+    )
     tools: list[_Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | _NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -374,8 +392,9 @@ class ChatCompletionBody(_Body):
         super().refuse_unsupported()
         for i, message in enumerate(self.messages):
             if message.name is not None:
-                raise BodyError("participant names are not supported", param=f"messages.{i}.name",
-                                code="unsupported_parameter")  # fmt: skip
+                raise BodyError(
+                    "participant names are not supported", param=f"messages.{i}.name", code="unsupported_parameter"
+                )
         self._check_tool_turns()
 
     def _check_tool_turns(self) -> None:
@@ -385,9 +404,12 @@ class ChatCompletionBody(_Body):
         for i, message in enumerate(self.messages):
             called.update(call.id for call in message.tool_calls or [])
             if message.role == "tool" and message.tool_call_id not in called:
-                raise BodyError(f"messages with role 'tool' must be a response to a preceding message with "
-                                f"'tool_calls'; no earlier call has the id {message.tool_call_id!r}",
-                                param=f"messages.{i}.tool_call_id", code="invalid_value")  # fmt: skip
+                raise BodyError(
+                    f"messages with role 'tool' must be a response to a preceding message with "
+                    f"'tool_calls'; no earlier call has the id {message.tool_call_id!r}",
+                    param=f"messages.{i}.tool_call_id",
+                    code="invalid_value",
+                )
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -406,8 +428,11 @@ class ChatCompletionBody(_Body):
         """`structured` from response_format or structured_outputs; both at once is refused."""
         fmt = response_format_spec(self.response_format)
         if fmt is not None and self.structured_outputs is not None:
-            raise BodyError("structured_outputs and a response_format other than text are exclusive",
-                            param="structured_outputs", code="invalid_value")  # fmt: skip
+            raise BodyError(
+                "structured_outputs and a response_format other than text are exclusive",
+                param="structured_outputs",
+                code="invalid_value",
+            )
         return {"structured": fmt} if fmt is not None else super().structured_fields()
 
     def tool_fields(self) -> dict[str, Any]:
@@ -425,19 +450,28 @@ class ChatCompletionBody(_Body):
         names = [tool.function.name for tool in tools]
         for i, name in enumerate(names):
             if name in names[:i]:
-                raise BodyError(f"function names in tools must be unique; {name!r} is given twice",
-                                param=f"tools.{i}.function.name", code="invalid_value")  # fmt: skip
+                raise BodyError(
+                    f"function names in tools must be unique; {name!r} is given twice",
+                    param=f"tools.{i}.function.name",
+                    code="invalid_value",
+                )
         choice = self.tool_choice
         named = choice.function.name if isinstance(choice, _NamedToolChoice) else None
         if named is not None and named not in names:
-            raise BodyError(f"tool_choice names the function {named!r}, which is not in tools",
-                            param="tool_choice.function.name", code="invalid_value")  # fmt: skip
+            raise BodyError(
+                f"tool_choice names the function {named!r}, which is not in tools",
+                param="tool_choice.function.name",
+                code="invalid_value",
+            )
         constrained = set(names) if choice == "required" else {named} if named else set()
         if choice != "none" and (self.response_format_is_constraint or self.structured_outputs is not None):
             # the output is either a call or the constrained text, never both (docs/design.md, "Structured output...")
             param = "response_format" if self.response_format_is_constraint else "structured_outputs"
-            raise BodyError(f"{param} and tools the model may call are exclusive (tool_choice \"none\" keeps the "
-                            "tools out of reach)", param=param, code="invalid_value")  # fmt: skip
+            raise BodyError(
+                f'{param} and tools the model may call are exclusive (tool_choice "none" keeps the tools out of reach)',
+                param=param,
+                code="invalid_value",
+            )
         wire_tools = [ToolDef.model_validate(tool.model_dump()) for tool in tools]
         if (problem := tools_problem(wire_tools)) is not None:
             param = f"tools.{problem[0]}.function.parameters"
@@ -469,15 +503,25 @@ class CompletionBody(_Body):
     choices indexed in prompt order x n."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(None, ge=0, le=32768, description="0 (with echo) generates nothing: the "
-                                   "echoed prompt, and its logprobs when asked, are the answer.")
-    best_of: int | None = Field(None, ge=1, le=MAX_N, description="Generate this many and return the n with "
-                                "the highest cumulative logprob.")
-    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS, description="Return each output token's "
-                                 "logprob and this many most likely alternatives.")
+    max_tokens: int | None = Field(
+        None,
+        ge=0,
+        le=32768,
+        description="0 (with echo) generates nothing: the echoed prompt, and its logprobs when asked, are the answer.",
+    )
+    best_of: int | None = Field(
+        None, ge=1, le=MAX_N, description="Generate this many and return the n with the highest cumulative logprob."
+    )
+    logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_COMPLETION_LOGPROBS,
+        description="Return each output token's logprob and this many most likely alternatives.",
+    )
     echo: bool | None = Field(None, description="Put the prompt before each choice's text.")
-    suffix: str | None = Field(None, description="Text after the completion (fill-in-the-middle); models with FIM "
-                               "tokens only.")
+    suffix: str | None = Field(
+        None, description="Text after the completion (fill-in-the-middle); models with FIM tokens only."
+    )
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -526,40 +570,63 @@ class CompletionBody(_Body):
         return self.logprobs
 
     def choice_fields(self) -> dict[str, Any]:
-        return {**super().choice_fields(), "suffix": self.suffix or None,  # "" asks for nothing
-                "prompt_logprobs": self.prompt_logprobs_asked}  # fmt: skip
+        return {
+            **super().choice_fields(),
+            "suffix": self.suffix or None,  # "" asks for nothing
+            "prompt_logprobs": self.prompt_logprobs_asked,
+        }
 
     def check_choices(self) -> None:
         if self.best_of is not None and self.best_of < self.num_choices:  # as OpenAI
             raise BodyError(f"best_of must be at least n ({self.num_choices})", param="best_of", code="invalid_value")
         prompts = self.prompts
         if not prompts or any(len(p) == 0 for p in prompts if not isinstance(p, str)):
-            raise BodyError("prompt must be a string, or a non-empty list of strings or of token ids", param="prompt",
-                            code="invalid_value")  # fmt: skip
+            raise BodyError(
+                "prompt must be a string, or a non-empty list of strings or of token ids",
+                param="prompt",
+                code="invalid_value",
+            )
         if len(prompts) > MAX_PROMPTS:
-            raise BodyError(f"prompt holds {len(prompts)} prompts; at most {MAX_PROMPTS} are served per request",
-                            param="prompt", code="invalid_value")  # fmt: skip
+            raise BodyError(
+                f"prompt holds {len(prompts)} prompts; at most {MAX_PROMPTS} are served per request",
+                param="prompt",
+                code="invalid_value",
+            )
         if any(i < 0 for p in prompts if not isinstance(p, str) for i in p):
             raise BodyError("token ids must not be negative", param="prompt", code="invalid_value")
         if self.num_siblings_per_prompt > self.num_choices and len(prompts) > 1:
-            raise BodyError("best_of greater than n is served for one prompt at a time", param="best_of",
-                            code="unsupported_parameter")  # fmt: skip
+            raise BodyError(
+                "best_of greater than n is served for one prompt at a time",
+                param="best_of",
+                code="unsupported_parameter",
+            )
         if self.num_siblings > MAX_N * 8:
-            raise BodyError(f"prompts x n (or best_of) is {self.num_siblings}; at most {MAX_N * 8} generations are "
-                            "served per request", param="prompt", code="invalid_value")  # fmt: skip
+            raise BodyError(
+                f"prompts x n (or best_of) is {self.num_siblings}; at most {MAX_N * 8} generations are "
+                "served per request",
+                param="prompt",
+                code="invalid_value",
+            )
         if self.stream and self.num_siblings_per_prompt > self.num_choices:  # as OpenAI: the best is known at the end
             raise BodyError("best_of greater than n cannot be streamed", param="best_of", code="invalid_value")
         if self.max_tokens == 0 and not self.echo:
-            raise BodyError("max_tokens 0 generates nothing; it is served with echo (the prompt, and its logprobs, "
-                            "are the answer)", param="max_tokens", code="invalid_value")  # fmt: skip
+            raise BodyError(
+                "max_tokens 0 generates nothing; it is served with echo (the prompt, and its logprobs, are the answer)",
+                param="max_tokens",
+                code="invalid_value",
+            )
         if self.suffix and self.has_token_prompts:
             raise BodyError("suffix needs a prompt of text", param="suffix", code="unsupported_parameter")
         if self.stream and self.echo and len(prompts) > 1:
-            raise BodyError("echo of several prompts is served with stream false", param="stream",
-                            code="unsupported_parameter")  # fmt: skip
+            raise BodyError(
+                "echo of several prompts is served with stream false", param="stream", code="unsupported_parameter"
+            )
         if self.stream and self.prompt_logprobs_asked is not None:  # they come with the end, not the first chunk
-            raise BodyError("echo with logprobs, of token ids or with max_tokens 0 is served with stream false",
-                            param="stream", code="unsupported_parameter")  # fmt: skip
+            raise BodyError(
+                "echo with logprobs, of token ids or with max_tokens 0 is served with stream false",
+                param="stream",
+                code="unsupported_parameter",
+            )
 
 
 def parse_body(kind: Kind, raw: bytes | str) -> ChatCompletionBody | CompletionBody:
@@ -595,28 +662,41 @@ def structured_outputs_spec(raw: dict[str, Any] | None) -> StructuredOutputs | N
         return None
     for key in raw:
         if key not in STRUCTURED_OUTPUT_KEYS:
-            raise BodyError(f"structured_outputs.{key} is not supported (supported: {', '.join(STRUCTURED_OUTPUT_KEYS)})",
-                            param=f"structured_outputs.{key}", code="unsupported_parameter")  # fmt: skip
+            raise BodyError(
+                f"structured_outputs.{key} is not supported (supported: {', '.join(STRUCTURED_OUTPUT_KEYS)})",
+                param=f"structured_outputs.{key}",
+                code="unsupported_parameter",
+            )
     try:
         given = _StructuredOutputs.model_validate(raw)
     except ValidationError as exc:
         raise body_error(exc, prefix=("structured_outputs",)) from None
     if sum([given.json_ is not None, given.regex is not None, given.choice is not None, bool(given.json_object)]) != 1:
-        raise BodyError(f"structured_outputs must set exactly one of {', '.join(STRUCTURED_OUTPUT_KEYS)}",
-                        param="structured_outputs", code="invalid_value")  # fmt: skip
+        raise BodyError(
+            f"structured_outputs must set exactly one of {', '.join(STRUCTURED_OUTPUT_KEYS)}",
+            param="structured_outputs",
+            code="invalid_value",
+        )
     schema = given.json_
     if isinstance(schema, str):
         try:
             schema = orjson.loads(schema)
         except orjson.JSONDecodeError as exc:
-            raise BodyError(f"structured_outputs.json is not valid JSON: {exc}", param="structured_outputs.json",
-                            code="invalid_value") from None  # fmt: skip
+            raise BodyError(
+                f"structured_outputs.json is not valid JSON: {exc}",
+                param="structured_outputs.json",
+                code="invalid_value",
+            ) from None
         if not isinstance(schema, dict):
-            raise BodyError("structured_outputs.json must be a JSON Schema object", param="structured_outputs.json",
-                            code="invalid_value")  # fmt: skip
+            raise BodyError(
+                "structured_outputs.json must be a JSON Schema object",
+                param="structured_outputs.json",
+                code="invalid_value",
+            )
     try:
-        spec = StructuredOutputs(json_schema=schema, regex=given.regex, choice=given.choice,
-                                 json_object=bool(given.json_object))  # fmt: skip
+        spec = StructuredOutputs(
+            json_schema=schema, regex=given.regex, choice=given.choice, json_object=bool(given.json_object)
+        )
     except ValidationError as exc:
         first = exc.errors(include_url=False)[0]  # a limit of schemas/messages.py (MAX_REGEX_CHARS, MAX_CHOICES...)
         param = ".".join(["structured_outputs", *({"json_schema": "json"}.get(str(p), str(p)) for p in first["loc"])])
@@ -633,9 +713,12 @@ def _check_tool(i: int, tool: _Tool, *, is_constraint: bool, is_parsed: bool) ->
         spec = StructuredOutputs(json_schema=function.parameters, strict=bool(function.strict))
         _checked(spec, f"tools.{i}.function.parameters")
     elif function.strict and is_parsed:
-        raise BodyError("strict is enforced only when tool_choice is \"required\" or names this function; with "
-                        "\"auto\" the model's calls are parsed, not constrained", param=f"tools.{i}.function.strict",
-                        code="unsupported_parameter")  # fmt: skip
+        raise BodyError(
+            'strict is enforced only when tool_choice is "required" or names this function; with '
+            '"auto" the model\'s calls are parsed, not constrained',
+            param=f"tools.{i}.function.strict",
+            code="unsupported_parameter",
+        )
 
 
 def _checked(spec: StructuredOutputs, param: str) -> StructuredOutputs:
@@ -647,8 +730,17 @@ def _checked(spec: StructuredOutputs, param: str) -> StructuredOutputs:
 
 
 # Union members add their type name to an error's location (e.g. stop.str): not part of the path.
-_UNION_MEMBERS = {"str", "list[str]", "list[_TextPart]", "bool", "int", "dict[str,str]", "dict[str,any]",
-                  "literal['none','auto','required']", "_NamedToolChoice"}
+_UNION_MEMBERS = {
+    "str",
+    "list[str]",
+    "list[_TextPart]",
+    "bool",
+    "int",
+    "dict[str,str]",
+    "dict[str,any]",
+    "literal['none','auto','required']",
+    "_NamedToolChoice",
+}
 
 
 def body_error(exc: ValidationError, prefix: tuple[str, ...] = ()) -> BodyError:
@@ -666,8 +758,11 @@ def body_error(exc: ValidationError, prefix: tuple[str, ...] = ()) -> BodyError:
     if first["type"] == "extra_forbidden":
         return BodyError(f"unrecognized request argument supplied: {param}", param=param, code="unknown_parameter")
     if param in {"n", "best_of"} and first["type"] == "less_than_equal":
-        return BodyError(f"{param} may be at most {MAX_N}: each choice is a whole generation, and Weir bounds "
-                         "them per request", param=param, code="invalid_value")  # fmt: skip
+        return BodyError(
+            f"{param} may be at most {MAX_N}: each choice is a whole generation, and Weir bounds them per request",
+            param=param,
+            code="invalid_value",
+        )
     message = str(first["msg"]).removeprefix("Value error, ")
     return BodyError(f"invalid value for {param!r}: {message}", param=param, code="invalid_value")
 
@@ -681,8 +776,10 @@ def sibling_requests(request: GenerateRequest, num: int) -> list[GenerateRequest
     if num == 1:
         return [request]
     seed = request.effective_seed
-    return [request.model_copy(update={"request_id": f"{request.request_id}/{i}", "seed": sibling_seed(seed, i)})
-            for i in range(num)]  # fmt: skip
+    return [
+        request.model_copy(update={"request_id": f"{request.request_id}/{i}", "seed": sibling_seed(seed, i)})
+        for i in range(num)
+    ]
 
 
 # ---------------------------------------------------------------------------------------------

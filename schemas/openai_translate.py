@@ -159,8 +159,10 @@ def siblings_of(body: Body, request: GenerateRequest) -> list[GenerateRequest]:
     if not isinstance(body, CompletionBody) or body.num_prompts == 1:
         return siblings
     per, prompts = body.num_siblings_per_prompt, body.prompts
-    return [s.model_copy(update={"prompt": None, "prompt_token_ids": None, **prompt_fields(prompts[k // per])})
-            for k, s in enumerate(siblings)]  # fmt: skip
+    return [
+        s.model_copy(update={"prompt": None, "prompt_token_ids": None, **prompt_fields(prompts[k // per])})
+        for k, s in enumerate(siblings)
+    ]
 
 
 def to_generate_requests(kind: Kind, body: Body, model: ModelConfig, routing: Routing) -> list[GenerateRequest]:
@@ -173,12 +175,14 @@ def to_generate_requests(kind: Kind, body: Body, model: ModelConfig, routing: Ro
 def check_generation_model(model: ModelConfig) -> None:
     """BodyError when a completions body names an embedding model."""
     if model.engine == "onnx":
-        raise BodyError(f"{model.name} is an embedding model; use /v1/embeddings", param="model",
-                        code="unsupported_model")  # fmt: skip
+        raise BodyError(
+            f"{model.name} is an embedding model; use /v1/embeddings", param="model", code="unsupported_model"
+        )
 
 
-def to_requests(kind: str, body: Body | EmbeddingBody, model: ModelConfig,
-                routing: Routing) -> list[GenerateRequest] | list[EmbedRequest]:
+def to_requests(
+    kind: str, body: Body | EmbeddingBody, model: ModelConfig, routing: Routing
+) -> list[GenerateRequest] | list[EmbedRequest]:
     """The requests of a body of endpoint kind `kind` (a batch line's: chat.completions,
     completions or embeddings); BodyError for what its endpoint refuses."""
     if isinstance(body, EmbeddingBody):
@@ -186,20 +190,34 @@ def to_requests(kind: str, body: Body | EmbeddingBody, model: ModelConfig,
     return to_generate_requests(cast(Kind, kind), body, model, routing)
 
 
-def check_context(body: Body, request: GenerateRequest, model: ModelConfig, prompt_tokens: int | list[int], *,
-                  max_input_tokens: int | None, max_stop_sequences: int) -> int:
+def check_context(
+    body: Body,
+    request: GenerateRequest,
+    model: ModelConfig,
+    prompt_tokens: int | list[int],
+    *,
+    max_input_tokens: int | None,
+    max_stop_sequences: int,
+) -> int:
     """The tokens one request of `body` is charged (its prompt + the most it may generate in the
     room the prompt leaves: a default max_tokens is fitted there, as the worker fits it; of
     several prompts, the largest); BodyError naming the field when there are too many stops, a
     prompt is too long, or prompt + an explicit max_tokens exceeds the model's context. What a
     rate limit reserves online and what the batch quota counts per line and choice are both this."""
     if isinstance(prompt_tokens, list):
-        return max(check_context(body, request, model, n, max_input_tokens=max_input_tokens,
-                                 max_stop_sequences=max_stop_sequences) for n in prompt_tokens)  # fmt: skip
+        return max(
+            check_context(
+                body, request, model, n, max_input_tokens=max_input_tokens, max_stop_sequences=max_stop_sequences
+            )
+            for n in prompt_tokens
+        )
     prompt_param = prompt_word(body)
     if len(request.stop) > max_stop_sequences:
-        raise BodyError(f"at most {max_stop_sequences} stop sequences are allowed, got {len(request.stop)}",
-                        param="stop", code="invalid_value")  # fmt: skip
+        raise BodyError(
+            f"at most {max_stop_sequences} stop sequences are allowed, got {len(request.stop)}",
+            param="stop",
+            code="invalid_value",
+        )
     # The refusals in OpenAI's and vLLM's words, which clients match (schemas/context_length.py).
     if max_input_tokens is not None and max_input_tokens < model.max_model_len - 1 and prompt_tokens > max_input_tokens:
         message = context_length.input_over_limit(model.max_model_len, max_input_tokens, prompt_tokens, prompt_param)
@@ -207,15 +225,17 @@ def check_context(body: Body, request: GenerateRequest, model: ModelConfig, prom
     is_explicit = body.max_new_tokens is not None
     if prompt_tokens > model.max_model_len - 1:  # at least one token must remain for the output
         if is_explicit:
-            message = context_length.requested_too_much(model.max_model_len, prompt_tokens, request.max_tokens,
-                                                        prompt_param)  # fmt: skip
+            message = context_length.requested_too_much(
+                model.max_model_len, prompt_tokens, request.max_tokens, prompt_param
+            )
         else:
             message = context_length.prompt_too_long(model.max_model_len, prompt_tokens, prompt_param)
         raise BodyError(message, param=prompt_param, code="context_length_exceeded")
     room = model.max_model_len - prompt_tokens
     if request.max_tokens > room and is_explicit:  # a default is fitted, not refused
-        message = context_length.requested_too_much(model.max_model_len, prompt_tokens, request.max_tokens,
-                                                    prompt_param)  # fmt: skip
+        message = context_length.requested_too_much(
+            model.max_model_len, prompt_tokens, request.max_tokens, prompt_param
+        )
         raise BodyError(message, param=max_tokens_param(body), code="context_length_exceeded")
     return prompt_tokens + min(request.max_tokens, room)
 
@@ -251,8 +271,9 @@ def parse_embedding_body(raw: bytes | str) -> EmbeddingBody:
         raise body_error(exc) from None
     texts = body.input if isinstance(body.input, list) else [body.input]
     if any(not isinstance(t, str) for t in texts):
-        raise BodyError("token-id arrays are not supported as input; send the text", param="input",
-                        code="unsupported_parameter")  # fmt: skip
+        raise BodyError(
+            "token-id arrays are not supported as input; send the text", param="input", code="unsupported_parameter"
+        )
     if not texts:
         raise BodyError("input must hold at least one string", param="input")
     if len(texts) > MAX_EMBEDDING_INPUTS:
@@ -268,8 +289,7 @@ def check_embedding_model(body: EmbeddingBody, model: ModelConfig) -> None:
         raise BodyError(f"{model.name} is not an embedding model", param="model", code="unsupported_model")
     if body.dimensions is not None and body.dimensions != model.dimensions:
         made = f"{model.dimensions}-dimensional embeddings" if model.dimensions else "embeddings of a fixed size"
-        raise BodyError(f"{model.name} makes {made}; dimensions={body.dimensions} is not supported",
-                        param="dimensions")  # fmt: skip
+        raise BodyError(f"{model.name} makes {made}; dimensions={body.dimensions} is not supported", param="dimensions")
 
 
 def to_embed_requests(body: EmbeddingBody, model: ModelConfig, routing: Routing) -> list[EmbedRequest]:
@@ -281,9 +301,16 @@ def to_embed_requests(body: EmbeddingBody, model: ModelConfig, routing: Routing)
     return [
         EmbedRequest(
             request_id=routing.request_id if len(chunks) == 1 else f"{routing.request_id}-{i}",
-            model=model.served_id, inputs=chunk, principal=routing.principal, tenant=routing.tenant,
-            priority=routing.priority, user=body.user, assignment=routing.assignment,
-            deadline_ms=routing.deadline_ms, reply_to=routing.reply_to, created_ms=routing.created_ms,
+            model=model.served_id,
+            inputs=chunk,
+            principal=routing.principal,
+            tenant=routing.tenant,
+            priority=routing.priority,
+            user=body.user,
+            assignment=routing.assignment,
+            deadline_ms=routing.deadline_ms,
+            reply_to=routing.reply_to,
+            created_ms=routing.created_ms,
         )
         for i, chunk in enumerate(chunks)
     ]
@@ -338,14 +365,17 @@ def echo_of(body: Body) -> str | None:
 
 def chat_logprobs(logprobs: list[TokenLogprob]) -> dict[str, Any]:
     """A chat choice's (or chunk's) `logprobs`: {"content": [...], "refusal": null}."""
-    def entry(t: TokenLogprob) -> dict[str, Any]:  # noqa: E306
+
+    def entry(t: TokenLogprob) -> dict[str, Any]:
         top = [{"token": a.token, "logprob": a.logprob, "bytes": a.bytes} for a in t.top_logprobs]
         return {"token": t.token, "logprob": t.logprob, "bytes": t.bytes, "top_logprobs": top}
+
     return {"content": [entry(t) for t in logprobs], "refusal": None}
 
 
-def legacy_logprobs(logprobs: list[TokenLogprob], text_offset: int,
-                    prompt: list[PromptLogprob] | None = None) -> dict[str, Any]:
+def legacy_logprobs(
+    logprobs: list[TokenLogprob], text_offset: int, prompt: list[PromptLogprob] | None = None
+) -> dict[str, Any]:
     """A /v1/completions choice's (or chunk's) `logprobs` in OpenAI's legacy format; `text_offset`
     is where the first token starts in the choice's text (after an echoed prompt). With `prompt`
     (echo with logprobs) the prompt's tokens come first, from offset 0, the first one's logprob
@@ -397,8 +427,10 @@ def best_of(results: list[ChoiceResult], n: int) -> list[ChoiceResult]:
     if any(r.end.cumulative_logprob is None for r in results):
         raise Unrankable("best_of cannot rank the choices: the worker reported no cumulative logprob")
     ranked = sorted(results, key=lambda r: (-(r.end.cumulative_logprob or 0.0), r.index))[:n]
-    return [ChoiceResult(i, r.text, r.end, r.logprobs, r.tool_calls, r.echo, r.prompt_logprobs)
-            for i, r in enumerate(ranked)]  # fmt: skip
+    return [
+        ChoiceResult(i, r.text, r.end, r.logprobs, r.tool_calls, r.echo, r.prompt_logprobs)
+        for i, r in enumerate(ranked)
+    ]
 
 
 def choices_usage(ends: list[ReplyEnd], num_prompts: int = 1) -> Usage:
@@ -409,12 +441,17 @@ def choices_usage(ends: list[ReplyEnd], num_prompts: int = 1) -> Usage:
     per = max(1, len(ends) // num_prompts)
     firsts = [end.usage for end in ends[::per]]
     prompt = sum(u.prompt_tokens for u in firsts)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                 cached_prompt_tokens=sum(u.cached_prompt_tokens for u in firsts))
+    return Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        cached_prompt_tokens=sum(u.cached_prompt_tokens for u in firsts),
+    )
 
 
-def choice_results(body: Body, texts: list[str], ends: list[ReplyEnd],
-                   logprobs: list[list[TokenLogprob]] | None = None) -> list[ChoiceResult]:
+def choice_results(
+    body: Body, texts: list[str], ends: list[ReplyEnd], logprobs: list[list[TokenLogprob]] | None = None
+) -> list[ChoiceResult]:
     """The choices of a body's finished siblings (a text, a terminal and the logprobs of its
     tokens each, in sibling order), before best_of: tool calls as the worker parsed them, the
     echoed prompt of each (a prompt of token ids: its text from the prompt's logprobs) and, with
@@ -428,8 +465,11 @@ def choice_results(body: Body, texts: list[str], ends: list[ReplyEnd],
             prompt = body.prompts[i // per]
             echo = prompt if isinstance(prompt, str) else prompt_text_of(end.prompt_logprobs or [])
             prompt_lps = end.prompt_logprobs if body.logprobs is not None else None
-        results.append(ChoiceResult(i, text, end, (logprobs[i] if logprobs else []) if asked else None, end.tool_calls,
-                                    echo, prompt_lps))  # fmt: skip
+        results.append(
+            ChoiceResult(
+                i, text, end, (logprobs[i] if logprobs else []) if asked else None, end.tool_calls, echo, prompt_lps
+            )
+        )
     return results
 
 
@@ -453,8 +493,14 @@ def served_version(end: ReplyEnd, pinned: str) -> str:
 
 
 def choices_body(
-    kind: Kind, request_id: str, model: str, created_s: int, results: list[ChoiceResult], usage: Usage,
-    logprobs: LogprobsFormat | None = None, echo: str | None = None,
+    kind: Kind,
+    request_id: str,
+    model: str,
+    created_s: int,
+    results: list[ChoiceResult],
+    usage: Usage,
+    logprobs: LogprobsFormat | None = None,
+    echo: str | None = None,
 ) -> dict[str, Any]:
     """The non-streaming body: chat.completion or text_completion with a choice per result (in
     their order), `usage`, each choice's logprobs when asked, its tool calls (chat), and the
@@ -468,11 +514,18 @@ def choices_body(
         elif logprobs == "legacy":
             rendered = legacy_logprobs(r.logprobs or [], len(prefix), r.prompt_logprobs)
         if kind == "chat.completions":
-            choices.append({"index": r.index, "message": assistant_message(r.text, r.tool_calls),
-                            "logprobs": rendered, "finish_reason": finish_reason(r.end)})  # fmt: skip
+            choices.append(
+                {
+                    "index": r.index,
+                    "message": assistant_message(r.text, r.tool_calls),
+                    "logprobs": rendered,
+                    "finish_reason": finish_reason(r.end),
+                }
+            )
         else:
-            choices.append({"index": r.index, "text": prefix + r.text, "logprobs": rendered,
-                            "finish_reason": r.end.finish_reason})  # fmt: skip
+            choices.append(
+                {"index": r.index, "text": prefix + r.text, "logprobs": rendered, "finish_reason": r.end.finish_reason}
+            )
     first = results[0].end
     return {
         "id": request_id,
@@ -486,24 +539,44 @@ def choices_body(
 
 
 def completion_body(
-    kind: Kind, request_id: str, model: str, created_s: int, text: str, end: ReplyEnd,
+    kind: Kind,
+    request_id: str,
+    model: str,
+    created_s: int,
+    text: str,
+    end: ReplyEnd,
     tool_calls: list[ToolCall] | None = None,
 ) -> dict[str, Any]:
     """The non-streaming body of one choice without logprobs: chat.completion (with the
     `tool_calls` the model made) or text_completion, with usage."""
-    return choices_body(kind, request_id, model, created_s, [ChoiceResult(0, text, end, tool_calls=tool_calls)],
-                        end.usage)  # fmt: skip
+    return choices_body(
+        kind, request_id, model, created_s, [ChoiceResult(0, text, end, tool_calls=tool_calls)], end.usage
+    )
 
 
-def response_body(kind: Kind, request_id: str, request: GenerateRequest, body: Body, texts: list[str],
-                  ends: list[ReplyEnd], logprobs: list[list[TokenLogprob]] | None = None) -> dict[str, Any]:
+def response_body(
+    kind: Kind,
+    request_id: str,
+    request: GenerateRequest,
+    body: Body,
+    texts: list[str],
+    ends: list[ReplyEnd],
+    logprobs: list[list[TokenLogprob]] | None = None,
+) -> dict[str, Any]:
     """The whole body of `body`'s finished siblings (a text, a terminal and the logprobs of its
     tokens each, in sibling order): what the batch runner writes for a line, as the gateway's
     collect builds it online (choice_results; usage as choices_usage counts n and prompts;
     best_of ranks). Unrankable as best_of."""
     results = best_of(choice_results(body, texts, ends, logprobs), body.num_results)
-    return choices_body(kind, request_id, request.model, request.created_ms // 1000, results,
-                        choices_usage(ends, body.num_prompts), logprobs_format(kind, request))  # fmt: skip
+    return choices_body(
+        kind,
+        request_id,
+        request.model,
+        request.created_ms // 1000,
+        results,
+        choices_usage(ends, body.num_prompts),
+        logprobs_format(kind, request),
+    )
 
 
 class ChunkWriter:
@@ -517,9 +590,17 @@ class ChunkWriter:
     "usage": null. A choice's chunks carry the logprobs of their tokens when asked (`logprobs`).
     """
 
-    def __init__(self, kind: Kind, request_id: str, model: str, created_s: int, include_usage: bool,
-                 logprobs: LogprobsFormat | None = None, echo: str | None = None,
-                 body: Body | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        kind: Kind,
+        request_id: str,
+        model: str,
+        created_s: int,
+        include_usage: bool,
+        logprobs: LogprobsFormat | None = None,
+        echo: str | None = None,
+        body: Body | None = None,
+    ) -> None:
         self.body = body  # the body it answers, when known: whole responses render its choices (choice_results)
         self.kind = kind
         self.request_id = request_id
@@ -535,13 +616,29 @@ class ChunkWriter:
     @classmethod
     def of(cls, kind: Kind, body: Body, request: GenerateRequest) -> ChunkWriter:
         """The writer of the stream of `request`, translated from `body`."""
-        return cls(kind, request.request_id, request.model, request.created_ms // 1000, body.include_usage,
-                   logprobs_format(kind, request), echo_of(body), body)  # fmt: skip
+        return cls(
+            kind,
+            request.request_id,
+            request.model,
+            request.created_ms // 1000,
+            body.include_usage,
+            logprobs_format(kind, request),
+            echo_of(body),
+            body,
+        )
 
     def fresh(self) -> ChunkWriter:
         """A new writer of the same stream, for a reader that renders it again from its start."""
-        return ChunkWriter(self.kind, self.request_id, self.model, self.created_s, self.include_usage,
-                           self.logprobs, self.echo, self.body)  # fmt: skip
+        return ChunkWriter(
+            self.kind,
+            self.request_id,
+            self.model,
+            self.created_s,
+            self.include_usage,
+            self.logprobs,
+            self.echo,
+            self.body,
+        )
 
     def on_start(self, index: int = 0) -> list[dict[str, Any]]:
         """The chunks a choice starts with before any output: its echoed prompt (completions, echo)."""

@@ -23,7 +23,6 @@ from schemas.topics import Topics
 PRODUCER_TENANT = "kafka"  # the tenant of every request an outside producer writes to its own topic
 
 
-
 class ProducerBindingError(ValueError):
     """A request an outside producer may not make: its reply_to names another reader's topic."""
 
@@ -36,9 +35,7 @@ def bind_to_producer(topics: Topics, topic: str, req: EmbedRequest) -> EmbedRequ
 def bind_to_producer(
     topics: Topics, topic: str, req: GenerateRequest | EmbedRequest
 ) -> GenerateRequest | EmbedRequest: ...
-def bind_to_producer(
-    topics: Topics, topic: str, req: GenerateRequest | EmbedRequest
-) -> GenerateRequest | EmbedRequest:
+def bind_to_producer(topics: Topics, topic: str, req: GenerateRequest | EmbedRequest) -> GenerateRequest | EmbedRequest:
     """`req`, read from `topic`, as the deployment serves it: unchanged from the requests topic;
     from an outside producer's topic, with that producer as principal and PRODUCER_TENANT as tenant.
     ProducerBindingError (the reason) when its reply_to is not one of that producer's reply topics."""

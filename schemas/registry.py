@@ -27,7 +27,7 @@ from typing import Annotated, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from schemas.messages import VersionState, VersionStatus, _Wire, now_ms
+from schemas.messages import _Wire, now_ms
 from schemas.model_repo import VERSION_RE, ModelConfig, ModelRepository
 
 VERSION_KEY = "version:"
@@ -36,7 +36,7 @@ ROUTE_KEY = "route:"
 Desired = Literal["loaded", "unloaded", "retired"]
 
 
-def served_id(name: str, version: str) -> str:
+def served_id_of(name: str, version: str) -> str:
     """`name@version`: how replies, heartbeats, audit records and batches name a model version."""
     return f"{name}@{version}"
 
@@ -51,8 +51,10 @@ def split_ref(ref: str) -> tuple[str, str | None]:
 def version_problem(version: object) -> str | None:
     """Why `version` cannot be a model version string, or None when it can."""
     if not isinstance(version, str) or not VERSION_RE.fullmatch(version):
-        return (f"version {version!r} must be 1-64 characters of letters, digits, '.', '_' and '-', "
-                "starting with a letter or digit")  # fmt: skip
+        return (
+            f"version {version!r} must be 1-64 characters of letters, digits, '.', '_' and '-', "
+            "starting with a letter or digit"
+        )
     return None
 
 
@@ -119,7 +121,7 @@ class ModelManifest(BaseModel):
 
     @property
     def served_id(self) -> str:
-        return served_id(self.name, self.version)
+        return served_id_of(self.name, self.version)
 
     def config(self) -> ModelConfig:
         """The model repository entry this manifest serves (path = location)."""
@@ -167,10 +169,15 @@ class ModelVersionRecord(_Wire):
     goldens: list[GoldenCase] = Field(default_factory=list, description="Golden requests with expected outputs.")
     desired: Desired = Field("loaded", description="What operators want: loaded, unloaded, or retired (never again).")
     budget_bytes: int | None = Field(
-        None, ge=0, description="Memory the version may take on a worker (weights + KV cache); None: the worker's default."
+        None,
+        ge=0,
+        description="Memory the version may take on a worker (weights + KV cache); None: the worker's default.",
     )
     budget_fraction: float | None = Field(
-        None, gt=0, le=1, description="Or: the share of the worker's device memory it may take (a logical slice of a GPU)."
+        None,
+        gt=0,
+        le=1,
+        description="Or: the share of the worker's device memory it may take (a logical slice of a GPU).",
     )
     registered_by: str = Field("", max_length=256, description="Who registered or last changed it.")
     updated_ms: int = Field(default_factory=now_ms, description="When this record was written, epoch ms.")
@@ -194,14 +201,16 @@ class ModelRoute(_Wire):
     canary: dict[str, float] = Field(
         default_factory=dict,
         description="Canary versions and the share of requests (percent, sticky per user) each gets; the default "
-        "gets the rest (docs/design.md, \"Traffic policies\"; schemas/traffic.py).",
+        'gets the rest (docs/design.md, "Traffic policies"; schemas/traffic.py).',
     )
     mirror: dict[str, float] = Field(
         default_factory=dict,
         description="Mirror versions and the share of requests (percent) each receives a copy of; their answers "
         "are compared, never returned.",
     )
-    reason: str = Field("", max_length=1024, description="Why it was last changed (promote, rollback: golden failed...).")
+    reason: str = Field(
+        "", max_length=1024, description="Why it was last changed (promote, rollback: golden failed...)."
+    )
     updated_ms: int = Field(default_factory=now_ms, description="When this record was written, epoch ms.")
 
     @property
@@ -221,7 +230,9 @@ class ModelRoute(_Wire):
         if sum(self.canary.values()) > 100:
             raise ValueError(f"canary shares add up to {sum(self.canary.values())}%, more than 100%")
         if set(self.canary) & set(self.mirror):
-            raise ValueError(f"a version cannot be both canary and mirror: {sorted(set(self.canary) & set(self.mirror))}")
+            raise ValueError(
+                f"a version cannot be both canary and mirror: {sorted(set(self.canary) & set(self.mirror))}"
+            )
         return self
 
 
@@ -230,8 +241,17 @@ class ModelHealthEvent(_Wire):
 
     worker_id: str = Field(description="The worker.")
     model: str = Field(description="name@version.")
-    event: Literal["loaded", "load_failed", "refused", "golden_failed", "golden_passed", "reloaded", "unloaded",
-                   "rolled_back", "canary_stopped"] = Field(description="What happened.")  # fmt: skip
+    event: Literal[
+        "loaded",
+        "load_failed",
+        "refused",
+        "golden_failed",
+        "golden_passed",
+        "reloaded",
+        "unloaded",
+        "rolled_back",
+        "canary_stopped",
+    ] = Field(description="What happened.")
     detail: str = Field("", max_length=4096, description="The reason, for a person.")
     created_ms: int = Field(default_factory=now_ms, description="When, epoch ms.")
 
@@ -325,20 +345,20 @@ class RegistryState:
         compacted topic may hold a route before the newest record of its version)."""
         route = self.routes.get(name)
         seeded = self.seed.get(name)
-        if route is not None and self.config_of(served_id(name, route.default_version)) is not None:
+        if route is not None and self.config_of(served_id_of(name, route.default_version)) is not None:
             return route.default_version
         return seeded.version if seeded is not None else None
 
     def dangling_routes(self) -> list[ModelRoute]:
         """Routes whose default version is neither registered nor seeded (disregarded by default_version)."""
-        return [r for r in self.routes.values() if self.config_of(served_id(r.name, r.default_version)) is None]
+        return [r for r in self.routes.values() if self.config_of(served_id_of(r.name, r.default_version)) is None]
 
-    def config_of(self, sid: str) -> ModelConfig | None:
-        """How version `sid` (name@version) is served: its manifest's settings, else its seed entry's."""
-        record = self.versions.get(sid)
+    def config_of(self, served_id: str) -> ModelConfig | None:
+        """How version `served_id` (name@version) is served: its manifest's settings, else its seed entry's."""
+        record = self.versions.get(served_id)
         if record is not None:
             return record.manifest.config()
-        name, version = split_ref(sid)
+        name, version = split_ref(served_id)
         seeded = self.seed.get(name)
         return seeded if seeded is not None and seeded.version == version else None
 
@@ -350,18 +370,18 @@ class RegistryState:
             version = self.default_version(name)
             if version is None:
                 return None, f"model {name!r} does not exist"
-        sid = served_id(name, version)
-        record = self.versions.get(sid)
+        served_id = served_id_of(name, version)
+        record = self.versions.get(served_id)
         if record is not None and record.desired == "retired":
-            return None, f"model version {sid!r} is retired"
-        config = self.config_of(sid)
+            return None, f"model version {served_id!r} is retired"
+        config = self.config_of(served_id)
         if config is None:
-            return None, f"model version {sid!r} is not registered"
+            return None, f"model version {served_id!r} is not registered"
         return config, None
 
     def servable(self) -> dict[str, ModelConfig]:
         """Every version requests may name (not retired), by served id: registered ones and the seed's."""
-        out = {sid: r.manifest.config() for sid, r in self.versions.items() if r.desired != "retired"}
+        out = {served_id: r.manifest.config() for served_id, r in self.versions.items() if r.desired != "retired"}
         for config in self.seed.values():
             out.setdefault(config.served_id, config)
         return out

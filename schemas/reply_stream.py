@@ -33,10 +33,16 @@ def cut(delta: ReplyDelta, have: int) -> ReplyDelta | None:
     drop = have - delta.seq
     texts = texts_of(delta)[drop:]
     logprobs = delta.logprobs[drop:] if delta.logprobs is not None else None
-    return delta.model_copy(update={
-        "seq": have, "count": len(texts), "text": "".join(texts), "texts": texts if len(texts) > 1 else None,
-        "token_ids": delta.token_ids[drop:], "logprobs": logprobs,
-    })  # fmt: skip
+    return delta.model_copy(
+        update={
+            "seq": have,
+            "count": len(texts),
+            "text": "".join(texts),
+            "texts": texts if len(texts) > 1 else None,
+            "token_ids": delta.token_ids[drop:],
+            "logprobs": logprobs,
+        }
+    )
 
 
 def can_merge(first: ReplyDelta, then: ReplyDelta) -> bool:
@@ -59,10 +65,17 @@ def merge(first: ReplyDelta, then: ReplyDelta) -> ReplyDelta:
         raise ValueError(f"delta at {then.seq} of {then.request_id} cannot join the one at {first.seq}")
     texts = texts_of(first) + texts_of(then)
     logprobs = first.logprobs + then.logprobs if first.logprobs is not None and then.logprobs is not None else None
-    return first.model_copy(update={
-        "count": len(texts), "text": first.text + then.text, "texts": texts, "token_ids": first.token_ids + then.token_ids,
-        "logprobs": logprobs, "tool_calls": then.tool_calls, "created_ms": then.created_ms,
-    })  # fmt: skip
+    return first.model_copy(
+        update={
+            "count": len(texts),
+            "text": first.text + then.text,
+            "texts": texts,
+            "token_ids": first.token_ids + then.token_ids,
+            "logprobs": logprobs,
+            "tool_calls": then.tool_calls,
+            "created_ms": then.created_ms,
+        }
+    )
 
 
 @dataclass

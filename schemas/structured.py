@@ -35,16 +35,35 @@ from schemas.messages import MAX_SCHEMA_BYTES, GenerateRequest, StructuredOutput
 from schemas.tools import tool_constraint
 
 # Keywords that constrain, by the type of node they apply to; each is enforced by the grammar.
-ENFORCED_KEYWORDS = frozenset({
-    "type", "properties", "required", "additionalProperties", "items", "enum", "const", "anyOf",
-    "$ref", "$defs", "definitions",
-    "minLength", "maxLength", "pattern", "format",
-    "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
-    "minItems", "maxItems",
-})  # fmt: skip
+ENFORCED_KEYWORDS = frozenset(
+    {
+        "type",
+        "properties",
+        "required",
+        "additionalProperties",
+        "items",
+        "enum",
+        "const",
+        "anyOf",
+        "$ref",
+        "$defs",
+        "definitions",
+        "minLength",
+        "maxLength",
+        "pattern",
+        "format",
+        "minimum",
+        "maximum",
+        "exclusiveMinimum",
+        "exclusiveMaximum",
+        "minItems",
+        "maxItems",
+    }
+)
 # Keywords that annotate and cannot change what is valid.
-ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
-                         "readOnly", "writeOnly"})  # fmt: skip
+ANNOTATIONS = frozenset(
+    {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated", "readOnly", "writeOnly"}
+)
 # String formats the grammar enforces (a pattern it builds for each). Not "hostname" (xgrammar
 # 0.2.9 takes labels over 63 characters): looser than a JSON Schema validator, so an output could
 # be served and not valid. "date", "date-time" and "ipv4", which xgrammar also enforces loosely
@@ -58,9 +77,10 @@ _DAY = (
 _OCTET = "(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
 FORMAT_PATTERNS = {
     "date": _DAY,
-    "date-time": _DAY + "T([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\\.[0-9]{1,9})?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])",
+    "date-time": _DAY
+    + "T([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\\.[0-9]{1,9})?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])",
     "ipv4": f"({_OCTET}\\.){{3}}{_OCTET}",
-}  # fmt: skip
+}
 ENFORCED_FORMATS = frozenset({"time", "email", "uuid", "ipv6", "uri", *FORMAT_PATTERNS})
 JSON_TYPES = frozenset({"object", "array", "string", "number", "integer", "boolean", "null"})
 MAX_SCHEMA_DEPTH = 32  # nesting of subschemas; deeper is refused before the compiler sees it
@@ -119,18 +139,26 @@ def _walk(node: Any, pointer: str, depth: int, schemas: dict[str, Any]) -> None:
         if key not in ENFORCED_KEYWORDS:
             raise UnsupportedSchema(f"keyword {key!r} is not supported", keyword=key, pointer=where)
         if key == "format" and value in FORMAT_PATTERNS and "pattern" in node:
-            raise UnsupportedSchema(f"format {value!r} is served as a pattern, so it cannot be combined with one",
-                                    keyword="format", pointer=where)  # fmt: skip
+            raise UnsupportedSchema(
+                f"format {value!r} is served as a pattern, so it cannot be combined with one",
+                keyword="format",
+                pointer=where,
+            )
         if key == "format" and value not in ENFORCED_FORMATS:
-            raise UnsupportedSchema(f"format {value!r} is not supported (supported: "
-                                    f"{', '.join(sorted(ENFORCED_FORMATS))})", keyword="format", pointer=where)  # fmt: skip
+            raise UnsupportedSchema(
+                f"format {value!r} is not supported (supported: {', '.join(sorted(ENFORCED_FORMATS))})",
+                keyword="format",
+                pointer=where,
+            )
         if key == "pattern" and isinstance(value, str):
             check_regex(value, keyword="pattern", pointer=where)
         if key == "type":
             types = value if isinstance(value, list) else [value]
             bad = [t for t in types if t not in JSON_TYPES]
             if bad or not types:
-                raise UnsupportedSchema(f"type {bad[0] if bad else value!r} is not a JSON type", keyword="type", pointer=where)
+                raise UnsupportedSchema(
+                    f"type {bad[0] if bad else value!r} is not a JSON type", keyword="type", pointer=where
+                )
         if key in ("properties", "$defs", "definitions"):
             if not isinstance(value, dict):
                 raise UnsupportedSchema(f"{key} must be an object", keyword=key, pointer=where)
@@ -144,8 +172,9 @@ def _walk(node: Any, pointer: str, depth: int, schemas: dict[str, Any]) -> None:
             for i, sub in enumerate(value):
                 _walk(sub, f"{where}/{i}", depth + 1, schemas)
         elif key == "$ref" and not (isinstance(value, str) and (value == "#" or value.startswith("#/"))):
-            raise UnsupportedSchema("only local references (# or #/<JSON pointer>) are supported", keyword="$ref",
-                                    pointer=where)  # fmt: skip
+            raise UnsupportedSchema(
+                "only local references (# or #/<JSON pointer>) are supported", keyword="$ref", pointer=where
+            )
 
 
 def _check_refs(schemas: dict[str, Any]) -> None:
@@ -157,15 +186,20 @@ def _check_refs(schemas: dict[str, Any]) -> None:
     refs = {pointer: node["$ref"] for pointer, node in schemas.items() if isinstance(node, dict) and "$ref" in node}
     for pointer, ref in refs.items():
         if _target(ref) not in schemas:
-            raise UnsupportedSchema(f"$ref {ref!r} points to no subschema of this schema", keyword="$ref",
-                                    pointer=f"{pointer}/$ref")  # fmt: skip
+            raise UnsupportedSchema(
+                f"$ref {ref!r} points to no subschema of this schema", keyword="$ref", pointer=f"{pointer}/$ref"
+            )
     for pointer in refs:
         seen, at = {pointer}, pointer
         while at in refs:  # a reference to a reference...: follow it
             at = _target(refs[at])
             if at in seen:
-                raise UnsupportedSchema(f"$ref {refs[pointer]!r} only leads back to itself (a loop of references "
-                                        "that never reaches a schema)", keyword="$ref", pointer=f"{pointer}/$ref")  # fmt: skip
+                raise UnsupportedSchema(
+                    f"$ref {refs[pointer]!r} only leads back to itself (a loop of references "
+                    "that never reaches a schema)",
+                    keyword="$ref",
+                    pointer=f"{pointer}/$ref",
+                )
             seen.add(at)
 
 
@@ -216,12 +250,18 @@ def check_strict(schema: Any, pointer: str = "") -> None:
     is_object = types == "object" or (isinstance(types, list) and "object" in types) or "properties" in schema
     if is_object:
         if schema.get("additionalProperties") is not False:
-            raise UnsupportedSchema("strict schemas must set additionalProperties to false on every object",
-                                    keyword="additionalProperties", pointer=pointer)  # fmt: skip
+            raise UnsupportedSchema(
+                "strict schemas must set additionalProperties to false on every object",
+                keyword="additionalProperties",
+                pointer=pointer,
+            )
         missing = sorted(set(schema.get("properties", {})) - set(schema.get("required", [])))
         if missing:
-            raise UnsupportedSchema(f"strict schemas must list every property in required; {missing[0]!r} is not",
-                                    keyword="required", pointer=pointer)  # fmt: skip
+            raise UnsupportedSchema(
+                f"strict schemas must list every property in required; {missing[0]!r} is not",
+                keyword="required",
+                pointer=pointer,
+            )
     for key in ("properties", "$defs", "definitions"):
         for name, sub in (schema.get(key) or {}).items():
             check_strict(sub, f"{pointer}/{key}/{_escape(name)}")
@@ -245,7 +285,9 @@ def with_format_patterns(schema: Any) -> Any:
         elif key in ("enum", "const", "default", "examples"):
             out[key] = value  # values, not schemas
         elif key in ("properties", "$defs", "definitions"):
-            out[key] = {name: with_format_patterns(sub) for name, sub in value.items()} if isinstance(value, dict) else value
+            out[key] = (
+                {name: with_format_patterns(sub) for name, sub in value.items()} if isinstance(value, dict) else value
+            )
         else:
             out[key] = with_format_patterns(value)
     return out

@@ -47,18 +47,26 @@ class SpanRecord(_Wire):
     trace_id: str = Field(description="32 lowercase hex (W3C trace-id).")
     span_id: str = Field(description="16 lowercase hex.")
     parent_span_id: str | None = Field(None, description="16 lowercase hex; None for a root span.")
-    name: str = Field(max_length=256, description="Span name, e.g. 'POST /v1/chat/completions', 'weir.batches publish'.")
+    name: str = Field(
+        max_length=256, description="Span name, e.g. 'POST /v1/chat/completions', 'weir.batches publish'."
+    )
     kind: Literal["internal", "server", "client", "producer", "consumer"] = "internal"
-    service: str = Field(max_length=64, description="service.name of the process that ended it: gateway, batcher, worker, auditor.")
+    service: str = Field(
+        max_length=64, description="service.name of the process that ended it: gateway, batcher, worker, auditor."
+    )
     instance: str = Field("", max_length=128, description="Which instance of the service (worker_id, gateway_id, ...).")
     request_id: str | None = Field(None, max_length=128, description="The request it belongs to, when one.")
     start_ns: int = Field(ge=0, description="Start, epoch ns.")
     end_ns: int = Field(ge=0, description="End, epoch ns.")
     status: Literal["unset", "ok", "error"] = "unset"
     status_message: str = Field("", max_length=1024)
-    attributes: dict[str, AttributeValue] = Field(default_factory=dict, description="OpenTelemetry attributes (messaging.*, gen_ai.*, weir.*).")
+    attributes: dict[str, AttributeValue] = Field(
+        default_factory=dict, description="OpenTelemetry attributes (messaging.*, gen_ai.*, weir.*)."
+    )
     events: list[SpanEvent] = Field(default_factory=list)
-    links: list[str] = Field(default_factory=list, description="Linked spans as '<trace_id>/<span_id>' (a batch links its requests).")
+    links: list[str] = Field(
+        default_factory=list, description="Linked spans as '<trace_id>/<span_id>' (a batch links its requests)."
+    )
 
     @field_validator("trace_id")
     @classmethod
@@ -95,7 +103,12 @@ class UsageTotals(_Wire):
     prompt_tokens: int = Field(0, ge=0)
     completion_tokens: int = Field(0, ge=0)
     cached_prompt_tokens: int = Field(0, ge=0, description="Prompt tokens served from the prefix cache.")
-    cost_usd: float | None = Field(None, allow_inf_nan=False, ge=0, description="From the price table (per 1M input/output tokens); None: no price for this model.")
+    cost_usd: float | None = Field(
+        None,
+        allow_inf_nan=False,
+        ge=0,
+        description="From the price table (per 1M input/output tokens); None: no price for this model.",
+    )
     updated_ms: int = Field(default_factory=now_ms)
 
     def key(self) -> str:
@@ -112,10 +125,18 @@ class RateCard(_Wire):
 
     kind: Literal["rate"] = "rate"
     model_version: str = Field(max_length=256)
-    tokens_per_hour: float = Field(ge=0, allow_inf_nan=False, description="Tokens (prompt + completion) per hour it served, measured over window_s.")
+    tokens_per_hour: float = Field(
+        ge=0,
+        allow_inf_nan=False,
+        description="Tokens (prompt + completion) per hour it served, measured over window_s.",
+    )
     window_s: float = Field(gt=0, allow_inf_nan=False)
-    hardware_cost_per_hour_usd: float | None = Field(None, allow_inf_nan=False, ge=0, description="Configured cost of the hardware serving it.")
-    cost_per_1m_tokens_usd: float | None = Field(None, allow_inf_nan=False, ge=0, description="hardware_cost_per_hour / tokens_per_hour * 1e6.")
+    hardware_cost_per_hour_usd: float | None = Field(
+        None, allow_inf_nan=False, ge=0, description="Configured cost of the hardware serving it."
+    )
+    cost_per_1m_tokens_usd: float | None = Field(
+        None, allow_inf_nan=False, ge=0, description="hardware_cost_per_hour / tokens_per_hour * 1e6."
+    )
     updated_ms: int = Field(default_factory=now_ms)
 
     def key(self) -> str:
@@ -132,12 +153,17 @@ class HealthAlert(_Wire):
     model_version: str = Field(max_length=256)
     signal: HealthSignal
     state: Literal["raised", "cleared"]
-    value: float = Field(allow_inf_nan=False, description="The signal's current value (seconds for freshness; nats, z, ratio otherwise).")
-    baseline: float | None = Field(None, allow_inf_nan=False, description="The value recorded when the version was loaded; None for freshness.")
+    value: float = Field(
+        allow_inf_nan=False, description="The signal's current value (seconds for freshness; nats, z, ratio otherwise)."
+    )
+    baseline: float | None = Field(
+        None, allow_inf_nan=False, description="The value recorded when the version was loaded; None for freshness."
+    )
     threshold: float = Field(description="The configured bound that was crossed.", allow_inf_nan=False)
     detail: str = Field("", max_length=1024, description="For a person.")
     counts: dict[str, int] = Field(
-        default_factory=dict, max_length=8,
+        default_factory=dict,
+        max_length=8,
         description="A signal of counted outcomes: the counts behind `value` (structured: valid, invalid; "
         "determinism: same, differs).",
     )

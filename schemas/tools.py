@@ -87,10 +87,11 @@ def tools_problem(tools: list[ToolDef] | None) -> tuple[int, str] | None:
     for i, tool in enumerate(tools or []):
         parameters = tool.function.parameters
         if parameters is not None and parameters.get("type") != "object":
-            return i, ('a function\'s parameters must be a JSON Schema of type "object" (its arguments are '
-                       f"named), not of type {parameters.get('type')!r}")  # fmt: skip
+            return i, (
+                'a function\'s parameters must be a JSON Schema of type "object" (its arguments are '
+                f"named), not of type {parameters.get('type')!r}"
+            )
     return None
-
 
 
 def tool_constraint(request: GenerateRequest) -> StructuredOutputs | None:

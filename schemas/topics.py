@@ -110,7 +110,11 @@ _STREAMS = {**_COMPACT, "cleanup.policy": "compact,delete", "retention.ms": str(
 # Audit anchors are kept for good: `weir audit verify` checks the whole ledger against them.
 # Not compacted, so a record written over an anchor's key (a forgery, a tombstone) hides nothing.
 _ANCHORS = {"cleanup.policy": "delete", "retention.ms": "-1", "retention.bytes": "-1"}
-_FILES = {"cleanup.policy": "delete", "retention.ms": str(7 * 24 * 3600 * 1000), "max.message.bytes": str(2 * 1024 * 1024)}
+_FILES = {
+    "cleanup.policy": "delete",
+    "retention.ms": str(7 * 24 * 3600 * 1000),
+    "max.message.bytes": str(2 * 1024 * 1024),
+}
 
 
 @dataclass(frozen=True)
@@ -288,8 +292,10 @@ class Topics:
         prefix = self.producer_replies(producer)
         if reply_to.startswith(prefix) and len(reply_to) > len(prefix):
             return None
-        return (f"reply_to {reply_to!r} is not a reply topic of {producer!r}, whose request topic {topic} this "
-                f"record came from: it must be {prefix}<name>")  # fmt: skip
+        return (
+            f"reply_to {reply_to!r} is not a reply topic of {producer!r}, whose request topic {topic} this "
+            f"record came from: it must be {prefix}<name>"
+        )
 
     def replies(self, instance: str) -> str:
         """The reply topic of one reader (a gateway instance, or any client that names one)."""
@@ -382,8 +388,10 @@ class Topics:
         assert isinstance(reply_to, str)
         namespace = self.reply_namespace  # no internal topic is under it (tests/schemas/test_reply_to.py)
         if not reply_to.startswith(namespace) or len(reply_to) == len(namespace):
-            return (f"reply_to {reply_to!r} is not one of this deployment's reply topics: it must be "
-                    f"{namespace}<name> (weir topics create --reply <name> makes one)")  # fmt: skip
+            return (
+                f"reply_to {reply_to!r} is not one of this deployment's reply topics: it must be "
+                f"{namespace}<name> (weir topics create --reply <name> makes one)"
+            )
         return None
 
     def reply_spec(self, instance: str) -> TopicSpec:

@@ -17,8 +17,8 @@ Changing `green_mask` changes every watermark: bump WATERMARK_VERSION when it do
 
 from __future__ import annotations
 
-import itertools
 import hashlib
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -59,7 +59,9 @@ def parse_tenants(text: str) -> dict[str, WatermarkConfig]:
     try:
         raw = orjson.loads(text)
         return {
-            str(tenant): WatermarkConfig(float(v.get("gamma", 0.25)), float(v.get("delta", 2.0)), parse_key(str(v["key"])))
+            str(tenant): WatermarkConfig(
+                float(v.get("gamma", 0.25)), float(v.get("delta", 2.0)), parse_key(str(v["key"]))
+            )
             for tenant, v in raw.items()
         }
     except (orjson.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError) as exc:
@@ -113,8 +115,13 @@ class Detection:
     p_value: float
 
     def as_dict(self) -> dict[str, float | int]:
-        return {"num_tokens": self.num_tokens, "num_scored": self.num_scored, "num_green": self.num_green,
-                "z_score": self.z_score, "p_value": self.p_value}
+        return {
+            "num_tokens": self.num_tokens,
+            "num_scored": self.num_scored,
+            "num_green": self.num_green,
+            "z_score": self.z_score,
+            "p_value": self.p_value,
+        }
 
 
 def detect(config: WatermarkConfig, token_ids: list[int]) -> Detection:

@@ -13,7 +13,6 @@ Prints the export directory and its manifest.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -21,8 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from schemas.model_repo import load_model_repo  # noqa: E402
-from weir.embedding.onnx_export import (  # noqa: E402
+from schemas.model_repo import load_model_repo
+from weir.embedding.onnx_export import (
     MANIFEST,
     default_export_dir,
     ensure_int8,

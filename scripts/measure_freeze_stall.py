@@ -3,6 +3,7 @@ in serving"): `python scripts/measure_freeze_stall.py none|old|new` in a process
 worker's imports and 400,000 objects allocated since its first freeze (a model version's load).
 none: this box's scheduling noise; old: thaw + full collect + freeze (what a version load did,
 issue 35); new: weir/heap.py's freeze_new."""
+
 import asyncio
 import gc
 import sys
@@ -38,6 +39,7 @@ async def measure(step) -> float:
 def load_something() -> list:
     """What a model version's load leaves on a worker's heap: modules imported, objects kept."""
     import transformers  # noqa: F401
+
     return [{"k": [i, str(i)]} for i in range(200_000)]
 
 
@@ -46,16 +48,20 @@ async def main() -> None:
     freeze_heap("built")  # the same start for both
     kept = load_something()
     if mode == "none":
+
         async def step() -> None:  # the noise floor: this box's scheduling under its load
             await asyncio.sleep(0.3)
     elif mode == "old":
+
         async def step() -> None:  # what versions.py did: freeze_heap while serving
             freeze_heap("version loaded")
     else:
+
         async def step() -> None:
             t = time.perf_counter()
             await freeze_new("version loaded")
             print("freeze_new itself", f"{(time.perf_counter() - t) * 1000:.1f} ms")
+
     print(mode, f"{gc.get_freeze_count()} frozen after, longest loop stall {await measure(step):.0f} ms", len(kept))
 
 

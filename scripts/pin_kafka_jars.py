@@ -28,9 +28,21 @@ def resolved_artifacts() -> list[tuple[str, Path]]:
     """(group:artifact:version, the jar in the local Maven repository) of every runtime dependency."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "deps.txt"
-        subprocess.run(["mvn", "-B", "-q", "-f", str(launcher.POM), MAVEN_LIST, "-DincludeScope=runtime",
-                        "-DoutputAbsoluteArtifactFilename=true", f"-DoutputFile={out}",
-                        f"-Dkafka.version={launcher.KAFKA_VERSION}"], check=True)  # fmt: skip
+        subprocess.run(
+            [
+                "mvn",
+                "-B",
+                "-q",
+                "-f",
+                str(launcher.POM),
+                MAVEN_LIST,
+                "-DincludeScope=runtime",
+                "-DoutputAbsoluteArtifactFilename=true",
+                f"-DoutputFile={out}",
+                f"-Dkafka.version={launcher.KAFKA_VERSION}",
+            ],
+            check=True,
+        )
         lines = out.read_text().splitlines()
     artifacts = []
     for line in lines:
@@ -50,10 +62,12 @@ def main() -> int:
             print(f"{jar}: sha1 differs from Maven Central's {published}", file=sys.stderr)
             return 1
         rows.append(f"{hashlib.sha256(data).hexdigest()}  {jar.name}  {coordinates}")
-    header = ("# The runtime jars of weir/kafka/pom.xml: sha256, file name, Maven group:artifact:version.\n"
-              "# Made by scripts/pin_kafka_jars.py (each jar's sha1 checked against Maven Central's);\n"
-              "# launcher.resolve_jars refuses a lib dir with a missing, extra or different jar.\n"
-              f"# kafka.version {launcher.KAFKA_VERSION}\n")
+    header = (
+        "# The runtime jars of weir/kafka/pom.xml: sha256, file name, Maven group:artifact:version.\n"
+        "# Made by scripts/pin_kafka_jars.py (each jar's sha1 checked against Maven Central's);\n"
+        "# launcher.resolve_jars refuses a lib dir with a missing, extra or different jar.\n"
+        f"# kafka.version {launcher.KAFKA_VERSION}\n"
+    )
     launcher.JAR_PINS.write_text(header + "\n".join(sorted(rows, key=lambda r: r.split()[1])) + "\n")
     print(f"pinned {len(rows)} jars in {launcher.JAR_PINS}")
     return 0

@@ -78,9 +78,7 @@ def stdlib_files(root: Path) -> list[Path]:
         dirnames[:] = sorted(
             d
             for d in dirnames
-            if d not in SKIP_DIRS
-            and not d.startswith("test")
-            and not (rel == Path(".") and d in SKIP_TOP)
+            if d not in SKIP_DIRS and not d.startswith("test") and not (rel == Path(".") and d in SKIP_TOP)
         )
         for name in filenames:
             if name.endswith(".py") and not name.startswith("test_"):
@@ -119,10 +117,12 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -286,11 +286,18 @@ class LlamaForCausalLM(nn.Module):
         return sd
 
     @torch.no_grad()
-    def generate(self, ids: list[int], max_new_tokens: int, temperature: float = 0.0,
-                 top_k: int = 0, eos_id: int | None = None, gen: torch.Generator | None = None) -> list[int]:
+    def generate(
+        self,
+        ids: list[int],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        eos_id: int | None = None,
+        gen: torch.Generator | None = None,
+    ) -> list[int]:
         out = list(ids)
         for _ in range(max_new_tokens):
-            ctx = torch.tensor([out[-self.args.max_position_embeddings:]])
+            ctx = torch.tensor([out[-self.args.max_position_embeddings :]])
             logits = self(ctx)[0, -1].float()
             if temperature <= 0:
                 nxt = int(logits.argmax())
@@ -341,8 +348,11 @@ def evaluate(model: LlamaForCausalLM, data: torch.Tensor, args: argparse.Namespa
         chunk = data[idx]
         with autocast(args):
             logits = model(chunk[:, :-1])
-        losses.append(F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), chunk[:, 1:].reshape(-1),
-                                      reduction="sum").item())
+        losses.append(
+            F.cross_entropy(
+                logits.float().reshape(-1, logits.shape[-1]), chunk[:, 1:].reshape(-1), reduction="sum"
+            ).item()
+        )
     model.train()
     return sum(losses) / (n_windows * seq)
 
@@ -354,11 +364,16 @@ def autocast(args: argparse.Namespace):
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output model directory")
-    p.add_argument("--stdlib", type=Path, default=Path(sysconfig.get_paths()["stdlib"]),
-                   help="standard library directory used as the corpus")
+    p.add_argument(
+        "--stdlib",
+        type=Path,
+        default=Path(sysconfig.get_paths()["stdlib"]),
+        help="standard library directory used as the corpus",
+    )
     p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument("--hidden-size", type=int, default=256)
     p.add_argument("--intermediate-size", type=int, default=688)
@@ -374,15 +389,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=60)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--grad-clip", type=float, default=1.0)
-    p.add_argument("--val-every", type=int, default=25,
-                   help="every Nth corpus file goes to the validation split")
+    p.add_argument("--val-every", type=int, default=25, help="every Nth corpus file goes to the validation split")
     p.add_argument("--eval-interval", type=int, default=200)
     p.add_argument("--eval-windows", type=int, default=64)
     p.add_argument("--log-interval", type=int, default=10)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--autocast", choices=["none", "bf16"], default="bf16",
-                   help="CPU autocast for matmuls during training (master weights stay fp32)")
+    p.add_argument(
+        "--autocast",
+        choices=["none", "bf16"],
+        default="bf16",
+        help="CPU autocast for matmuls during training (master weights stay fp32)",
+    )
     p.add_argument("--save-dtype", choices=["float16", "bfloat16", "float32"], default="float16")
     p.add_argument("--bench", type=int, default=0, help="time this many steps, write nothing, exit")
     return p.parse_args(argv)
@@ -405,8 +423,10 @@ def main(argv: list[str] | None = None) -> int:
     train_texts = [t for i, t in enumerate(texts) if i not in val_idx]
     val_texts = [t for i, t in enumerate(texts) if i in val_idx]
     n_bytes = sum(len(t.encode()) for t in texts)
-    log(f"corpus: {len(texts)} files, {n_bytes / 1e6:.2f} MB from {args.stdlib} "
-        f"({len(train_texts)} train / {len(val_texts)} val files)")
+    log(
+        f"corpus: {len(texts)} files, {n_bytes / 1e6:.2f} MB from {args.stdlib} "
+        f"({len(train_texts)} train / {len(val_texts)} val files)"
+    )
 
     tok = train_tokenizer(train_texts, args.vocab_size)
     eos_id = tok.token_to_id(EOS)
@@ -423,8 +443,10 @@ def main(argv: list[str] | None = None) -> int:
 
     train_data = encode_stream(train_texts)
     val_data = encode_stream(val_texts)
-    log(f"tokens: {train_data.numel():,} train, {val_data.numel():,} val "
-        f"({n_bytes / (train_data.numel() + val_data.numel()):.2f} bytes/token)")
+    log(
+        f"tokens: {train_data.numel():,} train, {val_data.numel():,} val "
+        f"({n_bytes / (train_data.numel() + val_data.numel()):.2f} bytes/token)"
+    )
 
     # ---- model
     margs = LlamaArgs(
@@ -446,7 +468,9 @@ def main(argv: list[str] | None = None) -> int:
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
     )
     gen = torch.Generator().manual_seed(args.seed)
     steps = args.bench or args.steps
@@ -472,12 +496,20 @@ def main(argv: list[str] | None = None) -> int:
         if step % args.log_interval == 0 or step == steps - 1:
             el = time.time() - t_train
             tps = (step + 1) * args.batch_size * args.seq_len / el
-            log(f"step {step:5d}/{steps} loss {lv:.4f} (ema {ema:.4f}) lr {lr:.2e} "
-                f"gnorm {float(gnorm):.2f} {tps:,.0f} tok/s")
+            log(
+                f"step {step:5d}/{steps} loss {lv:.4f} (ema {ema:.4f}) lr {lr:.2e} "
+                f"gnorm {float(gnorm):.2f} {tps:,.0f} tok/s"
+            )
         if not args.bench and ((step + 1) % args.eval_interval == 0 or step == steps - 1):
             vl = evaluate(model, val_data, args)
-            history.append({"step": step + 1, "train_loss_ema": round(ema, 4), "val_loss": round(vl, 4),
-                            "elapsed_s": round(time.time() - t_train, 1)})
+            history.append(
+                {
+                    "step": step + 1,
+                    "train_loss_ema": round(ema, 4),
+                    "val_loss": round(vl, 4),
+                    "elapsed_s": round(time.time() - t_train, 1),
+                }
+            )
             log(f"eval step {step + 1}: val loss {vl:.4f} (ppl {math.exp(vl):.2f})")
     train_s = time.time() - t_train
     if args.bench:
@@ -498,24 +530,44 @@ def main(argv: list[str] | None = None) -> int:
         log(f"greedy sample {prompt!r}:\n{samples[prompt]}\n---")
 
     # ---- save
-    save(args, model, margs, tok, eos_id, {
-        "corpus": {"stdlib": str(args.stdlib), "python": platform.python_version(), "files": len(texts),
-                   "train_files": len(train_texts), "val_files": len(val_texts), "bytes": n_bytes,
-                   "train_tokens": train_data.numel(), "val_tokens": val_data.numel()},
-        "parameters": n_params,
-        "train_loss": round(final_train, 4),
-        "val_loss": final_val,
-        "final_train_loss_ema": round(ema, 4),
-        "train_seconds": round(train_s, 1),
-        "total_seconds": round(time.time() - t_start, 1),
-        "tokens_seen": steps * args.batch_size * args.seq_len,
-        "history": history,
-        "greedy_samples": samples,
-        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-                     if k not in ("out", "stdlib", "bench")},
-        "versions": {"torch": torch.__version__, "tokenizers": __import__("tokenizers").__version__,
-                     "python": sys.version.split()[0]},
-    })
+    save(
+        args,
+        model,
+        margs,
+        tok,
+        eos_id,
+        {
+            "corpus": {
+                "stdlib": str(args.stdlib),
+                "python": platform.python_version(),
+                "files": len(texts),
+                "train_files": len(train_texts),
+                "val_files": len(val_texts),
+                "bytes": n_bytes,
+                "train_tokens": train_data.numel(),
+                "val_tokens": val_data.numel(),
+            },
+            "parameters": n_params,
+            "train_loss": round(final_train, 4),
+            "val_loss": final_val,
+            "final_train_loss_ema": round(ema, 4),
+            "train_seconds": round(train_s, 1),
+            "total_seconds": round(time.time() - t_start, 1),
+            "tokens_seen": steps * args.batch_size * args.seq_len,
+            "history": history,
+            "greedy_samples": samples,
+            "settings": {
+                k: (str(v) if isinstance(v, Path) else v)
+                for k, v in vars(args).items()
+                if k not in ("out", "stdlib", "bench")
+            },
+            "versions": {
+                "torch": torch.__version__,
+                "tokenizers": __import__("tokenizers").__version__,
+                "python": sys.version.split()[0],
+            },
+        },
+    )
     log(f"wrote {args.out}")
     return 0
 
@@ -560,23 +612,45 @@ def save(args, model: LlamaForCausalLM, margs: LlamaArgs, tok, eos_id: int, repo
         "dtype": args.save_dtype,
     }
     write_json(out / "config.json", config)
-    write_json(out / "generation_config.json", {
-        "bos_token_id": eos_id, "eos_token_id": eos_id, "pad_token_id": eos_id,
-        "do_sample": False,
-    })
+    write_json(
+        out / "generation_config.json",
+        {
+            "bos_token_id": eos_id,
+            "eos_token_id": eos_id,
+            "pad_token_id": eos_id,
+            "do_sample": False,
+        },
+    )
 
     tok.save(str(out / "tokenizer.json"))
-    write_json(out / "tokenizer_config.json", {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": EOS, "eos_token": EOS, "unk_token": EOS, "pad_token": EOS,
-        "add_bos_token": False, "add_eos_token": False, "add_prefix_space": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": margs.max_position_embeddings,
-        "added_tokens_decoder": {str(eos_id): {"content": EOS, "lstrip": False, "normalized": False,
-                                               "rstrip": False, "single_word": False, "special": True}},
-    })
-    write_json(out / "special_tokens_map.json",
-               {"bos_token": EOS, "eos_token": EOS, "unk_token": EOS, "pad_token": EOS})
+    write_json(
+        out / "tokenizer_config.json",
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": EOS,
+            "eos_token": EOS,
+            "unk_token": EOS,
+            "pad_token": EOS,
+            "add_bos_token": False,
+            "add_eos_token": False,
+            "add_prefix_space": False,
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": margs.max_position_embeddings,
+            "added_tokens_decoder": {
+                str(eos_id): {
+                    "content": EOS,
+                    "lstrip": False,
+                    "normalized": False,
+                    "rstrip": False,
+                    "single_word": False,
+                    "special": True,
+                }
+            },
+        },
+    )
+    write_json(
+        out / "special_tokens_map.json", {"bos_token": EOS, "eos_token": EOS, "unk_token": EOS, "pad_token": EOS}
+    )
     write_json(out / "TRAINING.json", report)
     (out / "README.md").write_text(model_card(args, margs, report, out))
 
@@ -589,13 +663,15 @@ def model_card(args, margs: LlamaArgs, r: dict, out: Path) -> str:
     sizes = {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.is_file() and p.name != "README.md"}
     c = r["corpus"]
     s = args
-    hist = "\n".join(f"| {h['step']} | {h['train_loss_ema']:.3f} | {h['val_loss']:.3f} | {h['elapsed_s']:.0f} |"
-                     for h in r["history"])
+    hist = "\n".join(
+        f"| {h['step']} | {h['train_loss_ema']:.3f} | {h['val_loss']:.3f} | {h['elapsed_s']:.0f} |"
+        for h in r["history"]
+    )
     samples = "\n\n".join(f"Prompt `{p!r}`:\n\n```python\n{t}\n```" for p, t in r["greedy_samples"].items())
     files = "\n".join(f"| `{n}` | {b:,} |" for n, b in sizes.items())
     return f"""# weir-tiny-py
 
-Weir's default model: a {r['parameters'] / 1e6:.1f}M-parameter Llama-architecture causal language model
+Weir's default model: a {r["parameters"] / 1e6:.1f}M-parameter Llama-architecture causal language model
 and its byte-level BPE tokenizer, both trained from scratch by
 [`scripts/train_default_model.py`](../../scripts/train_default_model.py) on the source code of the
 Python standard library. It writes Python-looking text (indentation, `def`, `self.`, `return`,
@@ -610,7 +686,7 @@ The directory is in Hugging Face format and loads with
 | setting | value |
 |---|---|
 | architecture | `LlamaForCausalLM` (model_type `llama`) |
-| parameters | {r['parameters']:,} (tied input/output embeddings; no `lm_head.weight` stored) |
+| parameters | {r["parameters"]:,} (tied input/output embeddings; no `lm_head.weight` stored) |
 | hidden size | {margs.hidden_size} |
 | layers | {margs.num_hidden_layers} |
 | attention heads / key-value heads | {margs.num_attention_heads} / {margs.num_key_value_heads} (GQA), head dim {margs.head_dim} |
@@ -632,22 +708,22 @@ to mean "start of a file".
 
 ## Data
 
-The `*.py` files of the standard library of Python {c['python']} (`sysconfig.get_paths()["stdlib"]`),
+The `*.py` files of the standard library of Python {c["python"]} (`sysconfig.get_paths()["stdlib"]`),
 in sorted order, leaving out `site-packages`, every `test*`/`idle_test` directory, `test_*.py`,
-the codec tables in `encodings/` and the generated `pydoc_data/`: {c['files']} files,
-{c['bytes'] / 1e6:.1f} MB, {c['train_tokens'] + c['val_tokens']:,} tokens. Every {s.val_every}th
-file ({c['val_files']} files, {c['val_tokens']:,} tokens) is held out for validation; the tokenizer
-and the model see only the other {c['train_files']}.
+the codec tables in `encodings/` and the generated `pydoc_data/`: {c["files"]} files,
+{c["bytes"] / 1e6:.1f} MB, {c["train_tokens"] + c["val_tokens"]:,} tokens. Every {s.val_every}th
+file ({c["val_files"]} files, {c["val_tokens"]:,} tokens) is held out for validation; the tokenizer
+and the model see only the other {c["train_files"]}.
 
 ## Training
 
 AdamW (betas 0.9/0.95, weight decay {s.weight_decay} on matrices), peak learning rate {s.lr:g}
 with {s.warmup} warmup steps and cosine decay to {s.min_lr_ratio:g}x, gradient clipping
 {s.grad_clip}, {s.steps} steps of {s.batch_size} random windows of {s.seq_len} tokens
-({r['tokens_seen']:,} tokens, about {r['tokens_seen'] / c['train_tokens']:.1f} epochs),
+({r["tokens_seen"]:,} tokens, about {r["tokens_seen"] / c["train_tokens"]:.1f} epochs),
 {"bf16 autocast with fp32 master weights" if s.autocast == "bf16" else "fp32"}, seed {s.seed}, on
-{s.threads} CPU threads: {r['train_seconds'] / 60:.1f} minutes of training
-({r['train_seconds'] / s.steps:.2f} s/step), {r['total_seconds'] / 60:.1f} minutes in all. Wall time
+{s.threads} CPU threads: {r["train_seconds"] / 60:.1f} minutes of training
+({r["train_seconds"] / s.steps:.2f} s/step), {r["total_seconds"] / 60:.1f} minutes in all. Wall time
 depends mostly on how busy the machine is: on two otherwise idle cores a step takes about 0.7 s,
 so the defaults take 12-20 minutes.
 
@@ -655,7 +731,7 @@ so the defaults take 12-20 minutes.
 |---|---|---|---|
 {hist}
 
-Final loss (nats/token, fp32 model): train **{r['train_loss']:.3f}**, validation **{r['val_loss']:.3f}**
+Final loss (nats/token, fp32 model): train **{r["train_loss"]:.3f}**, validation **{r["val_loss"]:.3f}**
 (see `TRAINING.json`).
 
 ## Greedy samples (48 new tokens)

@@ -25,8 +25,9 @@ os.environ.setdefault("WEIR_GRAMMAR_PREWARM", "0")
 # What marks a test as one that talks to a Kafka broker, whatever its file is called: a fixture
 # that hands it the broker or a stack on it (any fixture that asks for kafka_broker by name counts
 # too), or a module that reads the broker's address or uses the helpers that produce and read there.
-KAFKA_FIXTURES = frozenset({"bootstrap", "batcher_bootstrap", "gateway_bootstrap", "audit_topics", "stack", "pipeline",
-                            "lifecycle_pipeline"})  # fmt: skip
+KAFKA_FIXTURES = frozenset(
+    {"bootstrap", "batcher_bootstrap", "gateway_bootstrap", "audit_topics", "stack", "pipeline", "lifecycle_pipeline"}
+)
 KAFKA_MODULE_NAMES = ("BOOTSTRAP", "start_pipeline", "produce", "read_until", "group_lag", "wait_committed")
 # Markers that say so: `kafka` (the shared broker), or `cluster` (a test that starts Kafka nodes itself).
 KAFKA_MARKERS = ("kafka", "cluster")
@@ -38,7 +39,7 @@ def kafka_use(item: pytest.Item) -> str | None:
     if found := sorted(names & KAFKA_FIXTURES):
         return f"fixture {found[0]}"
     info = getattr(item, "_fixtureinfo", None)
-    for name, defs in (info.name2fixturedefs.items() if info is not None else ()):
+    for name, defs in info.name2fixturedefs.items() if info is not None else ():
         if name != "kafka_broker" and any("kafka_broker" in d.argnames for d in defs):
             return f"fixture {name} (asks for kafka_broker)"
     if info is not None and "kafka_broker" in info.argnames:
@@ -47,20 +48,29 @@ def kafka_use(item: pytest.Item) -> str | None:
     from tests.e2e.conftest import start_pipeline
     from weir.kafka import launcher as kafka_launcher
 
-    known = {"BOOTSTRAP": BOOTSTRAP, "start_pipeline": start_pipeline, **{n: getattr(kafka_helpers, n) for n in
-             ("produce", "read_until", "group_lag", "wait_committed")}}  # fmt: skip
+    known = {
+        "BOOTSTRAP": BOOTSTRAP,
+        "start_pipeline": start_pipeline,
+        **{n: getattr(kafka_helpers, n) for n in ("produce", "read_until", "group_lag", "wait_committed")},
+    }
     # the test's own code, and that of each fixture it gets (a module's own fixture may start a stack)
     functions = [("the test", getattr(item, "function", None))]
     if info is not None:
-        functions += [(f"fixture {name}", defs[-1].func) for name, defs in info.name2fixturedefs.items()
-                      if defs and name != "kafka_broker"]  # fmt: skip (every test's: it decides by the marker)
+        functions += [
+            (f"fixture {name}", defs[-1].func)
+            for name, defs in info.name2fixturedefs.items()
+            if defs and name != "kafka_broker"
+        ]  # (every test's: it decides by the marker)
     for who, function in functions:
         function = inspect.unwrap(function) if function is not None else None  # pytest-asyncio wraps coroutines
         code, ns = getattr(function, "__code__", None), getattr(function, "__globals__", None)
         if code is None or ns is None or not _is_test_code(code, item.config.rootpath):
             continue  # pytest's own fixtures and libraries: not where a test reaches for Kafka
-        kafka_names = {name for name in KAFKA_MODULE_NAMES if name in ns
-                       and (ns[name] is known[name] or (name == "BOOTSTRAP" and ns[name] == BOOTSTRAP))}  # fmt: skip
+        kafka_names = {
+            name
+            for name in KAFKA_MODULE_NAMES
+            if name in ns and (ns[name] is known[name] or (name == "BOOTSTRAP" and ns[name] == BOOTSTRAP))
+        }
         reached = _names_reached(code, ns)
         if "up" in reached and (starter := {n for n, v in ns.items() if v is kafka_launcher} & reached):
             return f"{who} starts Kafka ({sorted(starter)[0]}.up)"
@@ -100,12 +110,16 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     the marker, not a file name, is what starts the broker (kafka_broker below) and what
     `-m kafka` / `-m "not kafka"` select, so an unmarked one would run without a broker, or be
     left out of a Kafka run, and nobody would notice (docs/testing.md, "Markers")."""
-    unmarked = [f"{item.nodeid}: {why}" for item in items
-                if not any(item.get_closest_marker(m) for m in KAFKA_MARKERS) and (why := kafka_use(item))]  # fmt: skip
+    unmarked = [
+        f"{item.nodeid}: {why}"
+        for item in items
+        if not any(item.get_closest_marker(m) for m in KAFKA_MARKERS) and (why := kafka_use(item))
+    ]
     if unmarked:
-        raise pytest.UsageError("these tests use Kafka but carry no `kafka` marker (add "
-                                "`pytestmark = pytest.mark.kafka` to the module, or mark the test):\n  "
-                                + "\n  ".join(unmarked))
+        raise pytest.UsageError(
+            "these tests use Kafka but carry no `kafka` marker (add "
+            "`pytestmark = pytest.mark.kafka` to the module, or mark the test):\n  " + "\n  ".join(unmarked)
+        )
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -62,11 +62,7 @@ async def group_lag(bootstrap: str, group: str, topic: str) -> dict[int, tuple[i
     finally:
         await consumer.stop()
         await admin.close()
-    return {
-        tp.partition: (committed[tp].offset if tp in committed else -1, end)
-        for tp, end in ends.items()
-        if end > 0
-    }
+    return {tp.partition: (committed[tp].offset if tp in committed else -1, end) for tp, end in ends.items() if end > 0}
 
 
 async def wait_committed(bootstrap: str, group: str, topic: str, timeout_s: float = 20) -> dict[int, tuple[int, int]]:
@@ -79,6 +75,7 @@ async def wait_committed(bootstrap: str, group: str, topic: str, timeout_s: floa
         read[0] = await group_lag(bootstrap, group, topic)
         return all(committed == end for committed, end in read[0].values())
 
-    await until(caught_up, timeout_s=timeout_s, interval_s=0.3,
-                what=f"group {group}'s commits to reach the end of {topic}")
+    await until(
+        caught_up, timeout_s=timeout_s, interval_s=0.3, what=f"group {group}'s commits to reach the end of {topic}"
+    )
     return read[0]

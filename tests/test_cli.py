@@ -15,7 +15,7 @@ from weir import cli
 def test_delegated_command_gets_its_arguments_untouched(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[list[str]] = []
     fake = types.ModuleType("fake_gateway_app")
-    fake.main = lambda argv: seen.append(argv) or 0  # type: ignore[attr-defined]
+    fake.main = lambda argv: seen.append(argv) or 0
     monkeypatch.setitem(sys.modules, "fake_gateway_app", fake)
     monkeypatch.setitem(cli.DELEGATED, "gateway", ("fake_gateway_app", "run the gateway service"))
     assert cli.main(["gateway", "--help", "--port", "1"]) == 0
@@ -41,8 +41,9 @@ def test_weir_bench_help_lists_the_benches() -> None:
     from bench import BENCHES
 
     repo = Path(__file__).resolve().parents[1]
-    done = subprocess.run([sys.executable, "-m", "weir.cli", "bench", "--help"], cwd=repo, capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "weir.cli", "bench", "--help"], cwd=repo, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage: weir bench")
     assert all(name in done.stdout for name in BENCHES)

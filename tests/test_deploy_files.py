@@ -53,8 +53,12 @@ def test_compose_kafka_is_a_three_node_cluster_as_the_launcher_makes_one() -> No
     """The compose cluster's nodes: combined roles, one voter list and cluster id, their own data
     volume and host port, and the replication the launcher gives a local cluster of three."""
     services = _compose()["services"]
-    local = dict(line.split("=", 1) for line in launcher.render_server_properties(
-        launcher.cluster_configs(port=19100, brokers=3, data_dir=REPO / "var" / "unused")[0]).splitlines()[1:])
+    local = dict(
+        line.split("=", 1)
+        for line in launcher.render_server_properties(
+            launcher.cluster_configs(port=19100, brokers=3, data_dir=REPO / "var" / "unused")[0]
+        ).splitlines()[1:]
+    )
     envs = [services[node]["environment"] for node in KAFKA_NODES]
     assert {env["CLUSTER_ID"] for env in envs} == {envs[0]["CLUSTER_ID"]}
     assert [env["KAFKA_NODE_ID"] for env in envs] == [1, 2, 3]
@@ -64,10 +68,17 @@ def test_compose_kafka_is_a_three_node_cluster_as_the_launcher_makes_one() -> No
         assert env["KAFKA_ADVERTISED_LISTENERS"] == f"PLAINTEXT://{node}:9092,EXTERNAL://localhost:{29092 + i}"
         assert services[node]["ports"] == [f"{29092 + i}:{29092 + i}"]
         assert services[node]["volumes"] == [f"{node}-data:/var/lib/kafka/data"]
-        for key in ("default.replication.factor", "min.insync.replicas", "offsets.topic.replication.factor",
-                    "transaction.state.log.replication.factor", "transaction.state.log.min.isr",
-                    "share.coordinator.state.topic.replication.factor", "share.coordinator.state.topic.min.isr",
-                    "broker.session.timeout.ms", "broker.heartbeat.interval.ms"):
+        for key in (
+            "default.replication.factor",
+            "min.insync.replicas",
+            "offsets.topic.replication.factor",
+            "transaction.state.log.replication.factor",
+            "transaction.state.log.min.isr",
+            "share.coordinator.state.topic.replication.factor",
+            "share.coordinator.state.topic.min.isr",
+            "broker.session.timeout.ms",
+            "broker.heartbeat.interval.ms",
+        ):
             assert str(env["KAFKA_" + key.upper().replace(".", "_")]) == local[key], (node, key)
 
 
@@ -142,17 +153,29 @@ def _secure_node_properties(tmp_path: Path, env: dict[str, str]) -> dict[str, st
     stub.chmod(0o755)
     for user in (security.ADMIN, security.CONTROLLER, *security.SERVICES, security.DEFAULT_CLIENT):
         security.ensure_password(user, tmp_path / "secrets")
-    run_env = {"PATH": f"{stub.parent}:/usr/bin:/bin", "WEIR_KAFKA_SECRETS": str(tmp_path / "secrets"),
-               "KAFKA_DATA_DIR": str(tmp_path / "data"), "KAFKA_CONF_DIR": str(tmp_path / "conf"), **env}  # fmt: skip
+    run_env = {
+        "PATH": f"{stub.parent}:/usr/bin:/bin",
+        "WEIR_KAFKA_SECRETS": str(tmp_path / "secrets"),
+        "KAFKA_DATA_DIR": str(tmp_path / "data"),
+        "KAFKA_CONF_DIR": str(tmp_path / "conf"),
+        **env,
+    }
     subprocess.run(["bash", str(REPO / "scripts" / "secure-kafka.sh")], env=run_env, check=True, timeout=30)
     return _properties((tmp_path / "conf" / "server.properties").read_text())
 
 
-_NODE_KEYS = ("default.replication.factor", "min.insync.replicas", "offsets.topic.replication.factor",
-                     "transaction.state.log.replication.factor", "transaction.state.log.min.isr",
-                     "share.coordinator.state.topic.replication.factor", "share.coordinator.state.topic.min.isr",
-                     "broker.session.timeout.ms", "broker.heartbeat.interval.ms",
-                     "group.min.session.timeout.ms")  # fmt: skip
+_NODE_KEYS = (
+    "default.replication.factor",
+    "min.insync.replicas",
+    "offsets.topic.replication.factor",
+    "transaction.state.log.replication.factor",
+    "transaction.state.log.min.isr",
+    "share.coordinator.state.topic.replication.factor",
+    "share.coordinator.state.topic.min.isr",
+    "broker.session.timeout.ms",
+    "broker.heartbeat.interval.ms",
+    "group.min.session.timeout.ms",
+)
 
 
 def test_secure_broker_script_makes_each_compose_node_as_the_launcher_makes_a_cluster_node(tmp_path: Path) -> None:
@@ -166,8 +189,11 @@ def test_secure_broker_script_makes_each_compose_node_as_the_launcher_makes_a_cl
     assert props["controller.quorum.voters"] == env["KAFKA_CONTROLLER_QUORUM_VOTERS"]
     assert props["advertised.listeners"] == "SASL_PLAINTEXT://kafka-2:9092,EXTERNAL://localhost:29093"
     assert props["listeners"] == "SASL_PLAINTEXT://:9092,EXTERNAL://:29093,CONTROLLER://:9093"
-    cluster = _properties(launcher.render_server_properties(launcher.cluster_configs(
-        port=19100, brokers=3, data_dir=REPO / "var" / "unused")[1]))
+    cluster = _properties(
+        launcher.render_server_properties(
+            launcher.cluster_configs(port=19100, brokers=3, data_dir=REPO / "var" / "unused")[1]
+        )
+    )
     assert {key: props[key] for key in _NODE_KEYS} == {key: cluster[key] for key in _NODE_KEYS}
     assert (tmp_path / "node" / "conf" / "format.args").exists() is False  # the passwords' argfile is gone
 
@@ -179,8 +205,14 @@ def test_secure_broker_script_makes_each_compose_node_as_the_launcher_makes_a_cl
 
 def test_secure_broker_script_refuses_a_node_outside_its_voters(tmp_path: Path) -> None:
     with pytest.raises(subprocess.CalledProcessError):
-        _secure_node_properties(tmp_path, {"CLUSTER_ID": "i91_4w3CRKaqx55nxs7NVg", "KAFKA_NODE_ID": "4",
-                                           "KAFKA_CONTROLLER_QUORUM_VOTERS": "1@a:9093,2@b:9093,3@c:9093"})
+        _secure_node_properties(
+            tmp_path,
+            {
+                "CLUSTER_ID": "i91_4w3CRKaqx55nxs7NVg",
+                "KAFKA_NODE_ID": "4",
+                "KAFKA_CONTROLLER_QUORUM_VOTERS": "1@a:9093,2@b:9093,3@c:9093",
+            },
+        )
 
 
 def _properties(text: str) -> dict[str, str]:
@@ -235,8 +267,11 @@ def _board_metrics(board: dict) -> set[str]:
         for target in panel.get("targets", []):
             expr = re.sub(r"\b(by|without)\s*\([^)]*\)", "", target["expr"])  # grouping labels
             expr = re.sub(r"\[[^\]]*\]", "", expr)  # ranges
-            words |= {w for w in re.findall(r"[a-zA-Z_:][a-zA-Z0-9_:]*(?![a-zA-Z0-9_:]*\s*\()", expr)
-                      if w not in {"le", "sum", "max", "rate"}}  # fmt: skip
+            words |= {
+                w
+                for w in re.findall(r"[a-zA-Z_:][a-zA-Z0-9_:]*(?![a-zA-Z0-9_:]*\s*\()", expr)
+                if w not in {"le", "sum", "max", "rate"}
+            }
     return words
 
 
@@ -264,14 +299,22 @@ def test_prometheus_scrapes_every_service_on_its_own_port() -> None:
     from weir.stack import DEFAULT_HTTP_PORTS
 
     config = yaml.safe_load((REPO / "deploy/prometheus.yml").read_text())
-    targets = {job["job_name"]: job["static_configs"][0]["targets"] for job in config["scrape_configs"]
-               if "static_configs" in job}  # fmt: skip
+    targets = {
+        job["job_name"]: job["static_configs"][0]["targets"]
+        for job in config["scrape_configs"]
+        if "static_configs" in job
+    }
     # a replicated service: every replica, found by the A records of its name
-    targets |= {job["job_name"]: [f"{n}:{c['port']}" for c in job["dns_sd_configs"] if c["type"] == "A" for n in c["names"]]
-                for job in config["scrape_configs"] if "dns_sd_configs" in job}  # fmt: skip
+    targets |= {
+        job["job_name"]: [f"{n}:{c['port']}" for c in job["dns_sd_configs"] if c["type"] == "A" for n in c["names"]]
+        for job in config["scrape_configs"]
+        if "dns_sd_configs" in job
+    }
     assert targets == {name: [f"{name}:{DEFAULT_HTTP_PORTS[name]}"] for name in WEIR_SERVICES}
     replicated = {name for name in WEIR_SERVICES if "deploy" in _compose()["services"][name]}
-    assert replicated and all("dns_sd_configs" in job for job in config["scrape_configs"] if job["job_name"] in replicated)
+    assert replicated and all(
+        "dns_sd_configs" in job for job in config["scrape_configs"] if job["job_name"] in replicated
+    )
     services = _compose()["services"]
     assert all(services[name]["environment"]["WEIR_HTTP_HOST"] == "0.0.0.0" for name in WEIR_SERVICES)
 
@@ -283,8 +326,13 @@ def test_the_grafana_board_names_only_metrics_that_are_exported() -> None:
     used = _board_metrics(board)
     exported = _exported_names()
     assert used - exported == set()
-    assert {"vllm:kv_cache_usage_perc", "kafka_consumergroup_lag", "weir_gateway_time_to_first_token_seconds_bucket",
-            "weir_model_alert", "vllm:prefix_cache_hits_total"} <= used  # fmt: skip
+    assert {
+        "vllm:kv_cache_usage_perc",
+        "kafka_consumergroup_lag",
+        "weir_gateway_time_to_first_token_seconds_bucket",
+        "weir_model_alert",
+        "vllm:prefix_cache_hits_total",
+    } <= used
 
 
 def test_the_board_checker_finds_a_metric_nobody_exports() -> None:

@@ -6,8 +6,12 @@ import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SOURCES = [p for d in ("schemas", "kernels", "weir", "services", "bench", "docs", "scripts")
-           for p in (REPO / d).rglob("*") if p.suffix in (".py", ".md", ".sh")]
+SOURCES = [
+    p
+    for d in ("schemas", "kernels", "weir", "services", "bench", "docs", "scripts")
+    for p in (REPO / d).rglob("*")
+    if p.suffix in (".py", ".md", ".sh")
+]
 
 
 def stated_invariants() -> set[int]:
@@ -22,7 +26,9 @@ def test_every_cited_invariant_is_stated_in_docs_design_md() -> None:
     cited: dict[int, list[str]] = {}
     for path in SOURCES:
         text = " ".join(path.read_text(errors="replace").split())  # a citation may wrap
-        for n in re.findall(r"design\.md,? invariants? (\d+)", text) + re.findall(r"invariant (\d+) of docs/design\.md", text):
+        for n in re.findall(r"design\.md,? invariants? (\d+)", text) + re.findall(
+            r"invariant (\d+) of docs/design\.md", text
+        ):
             cited.setdefault(int(n), []).append(str(path.relative_to(REPO)))
     assert cited, "the code cites no invariant"
     assert set(cited) <= stated, {n: where for n, where in cited.items() if n not in stated}

@@ -24,10 +24,10 @@ from aiokafka.errors import KafkaError
 from schemas.topics import Topics, TopicSpec
 from services.auditor.app import create_app
 from services.auditor.config import AuditorSettings
+from tests.waiting import until
 from weir.kafka import launcher
 from weir.kafka.admin import broker_ids, describe_topic_configs, ensure_topics
 from weir.stack import free_ports
-from tests.waiting import until
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -92,11 +92,13 @@ async def test_topics_get_three_replicas_and_their_min_insync(kafka_cluster: lis
         await producer.stop()
     assert len((await _partitions(bootstrap, [TOPICS.replies("auto")]))[TOPICS.replies("auto")][0]["replicas"]) == 3
     assert (await describe_topic_configs(bootstrap, [TOPICS.replies("auto")]))[TOPICS.replies("auto")][
-        "min.insync.replicas"] == "2"
+        "min.insync.replicas"
+    ] == "2"
 
 
-async def test_the_auditor_starts_on_the_whole_bootstrap_list(kafka_cluster: list[launcher.BrokerConfig],
-                                                             tmp_path: Path) -> None:
+async def test_the_auditor_starts_on_the_whole_bootstrap_list(
+    kafka_cluster: list[launcher.BrokerConfig], tmp_path: Path
+) -> None:
     """FastStream (the auditor's client) takes a string as one server: given the cluster's
     "h:p,h:p,h:p" whole, the auditor could not start (found by `weir up --brokers 3`)."""
     bootstrap = launcher.bootstrap_of(kafka_cluster)
@@ -108,8 +110,7 @@ async def test_the_auditor_starts_on_the_whole_bootstrap_list(kafka_cluster: lis
 
 async def _read_committed(bootstrap: str, tp: TopicPartition) -> list[bytes]:
     """Every record of `tp` from its start, as a read_committed consumer sees it."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False,
-                                isolation_level="read_committed")
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, isolation_level="read_committed")
     await consumer.start()
     try:
         consumer.assign([tp])

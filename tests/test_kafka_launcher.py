@@ -11,8 +11,8 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from schemas.model_repo import load_model_repo
 from schemas.topics import Topics
 from weir.kafka import class_cache, launcher
-from weir.stack import free_ports
 from weir.kafka.admin import deployment_specs, describe_topic_configs, ensure_topics
+from weir.stack import free_ports
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -159,8 +159,12 @@ def test_server_properties_of_a_cluster_node(monkeypatch: pytest.MonkeyPatch, tm
     assert props["controller.quorum.voters"] == "1@127.0.0.1:19101,2@127.0.0.1:19103,3@127.0.0.1:19105"
     assert props["listeners"] == "PLAINTEXT://127.0.0.1:19102,CONTROLLER://127.0.0.1:19103"
     assert props["log.dirs"] == str(shared / "node-2" / "logs")
-    for key in ("default.replication.factor", "offsets.topic.replication.factor",
-                "transaction.state.log.replication.factor", "share.coordinator.state.topic.replication.factor"):
+    for key in (
+        "default.replication.factor",
+        "offsets.topic.replication.factor",
+        "transaction.state.log.replication.factor",
+        "share.coordinator.state.topic.replication.factor",
+    ):
         assert props[key] == "3", key
     for key in ("min.insync.replicas", "transaction.state.log.min.isr", "share.coordinator.state.topic.min.isr"):
         assert props[key] == "2", key
@@ -188,7 +192,8 @@ def test_weir_up_brokers_picks_the_cluster(monkeypatch: pytest.MonkeyPatch, tmp_
     nodes = up.broker_configs(up.build_parser().parse_args(["--brokers", "3", "--kafka-port", "19100"]))
     assert launcher.bootstrap_of(nodes) == "127.0.0.1:19100,127.0.0.1:19102,127.0.0.1:19104"
     assert up.broker_configs(up.build_parser().parse_args(["--kafka-port", "19100"])) == [
-        launcher.BrokerConfig(port=19100)]
+        launcher.BrokerConfig(port=19100)
+    ]
     with pytest.raises(launcher.BrokerError, match="1, 3, 5 brokers"):
         up.broker_configs(up.build_parser().parse_args(["--brokers", "2"]))
 

@@ -25,10 +25,10 @@ from aiokafka.errors import KafkaConnectionError, TopicAuthorizationFailedError
 
 from schemas.model_repo import load_model_repo
 from schemas.topics import Topics
+from tests.waiting import WaitTimeout, until
 from weir.kafka import launcher, security
 from weir.kafka.admin import broker_ids, deployment_specs, describe_topic_configs, ensure_topics, grant_deployment_acls
 from weir.stack import free_ports
-from tests.waiting import WaitTimeout, until
 
 pytestmark = [pytest.mark.kafka, pytest.mark.cluster]
 
@@ -40,15 +40,24 @@ STEP_S = 20.0
 
 def _node_env(i: int, ports: list[int], home: Path, cluster_id: str) -> dict[str, str]:
     """Node i's environment: what docker-compose.yml and the overlay give kafka-<i>, on loopback."""
-    internal, external, controller = ports[3 * (i - 1): 3 * i]
+    internal, external, controller = ports[3 * (i - 1) : 3 * i]
     voters = ",".join(f"{n}@127.0.0.1:{ports[3 * (n - 1) + 2]}" for n in range(1, NODES + 1))
-    return {**os.environ, "CLUSTER_ID": cluster_id, "KAFKA_NODE_ID": str(i), "KAFKA_CONTROLLER_QUORUM_VOTERS": voters,
-            "WEIR_KAFKA_SECRETS": str(home / "secrets"), "KAFKA_LIBS": str(launcher.lib_dir()),
-            "KAFKA_DATA_DIR": str(home / f"node-{i}" / "data"), "KAFKA_CONF_DIR": str(home / f"node-{i}" / "conf"),
-            "KAFKA_INTERNAL_LISTENER": f"127.0.0.1:{internal}", "KAFKA_INTERNAL_ADVERTISED": f"127.0.0.1:{internal}",
-            "KAFKA_EXTERNAL_LISTENER": f"127.0.0.1:{external}", "KAFKA_EXTERNAL_ADVERTISED": f"127.0.0.1:{external}",
-            "KAFKA_CONTROLLER_LISTENER": f"127.0.0.1:{controller}",
-            "KAFKA_HEAP_OPTS": " ".join([*launcher.CLUSTER_HEAP_OPTS, "-XX:TieredStopAtLevel=1"])}  # fmt: skip
+    return {
+        **os.environ,
+        "CLUSTER_ID": cluster_id,
+        "KAFKA_NODE_ID": str(i),
+        "KAFKA_CONTROLLER_QUORUM_VOTERS": voters,
+        "WEIR_KAFKA_SECRETS": str(home / "secrets"),
+        "KAFKA_LIBS": str(launcher.lib_dir()),
+        "KAFKA_DATA_DIR": str(home / f"node-{i}" / "data"),
+        "KAFKA_CONF_DIR": str(home / f"node-{i}" / "conf"),
+        "KAFKA_INTERNAL_LISTENER": f"127.0.0.1:{internal}",
+        "KAFKA_INTERNAL_ADVERTISED": f"127.0.0.1:{internal}",
+        "KAFKA_EXTERNAL_LISTENER": f"127.0.0.1:{external}",
+        "KAFKA_EXTERNAL_ADVERTISED": f"127.0.0.1:{external}",
+        "KAFKA_CONTROLLER_LISTENER": f"127.0.0.1:{controller}",
+        "KAFKA_HEAP_OPTS": " ".join([*launcher.CLUSTER_HEAP_OPTS, "-XX:TieredStopAtLevel=1"]),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -64,9 +73,15 @@ def secure_cluster(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list
     try:
         for i in range(1, NODES + 1):
             with (home / f"node-{i}.log").open("w") as log:
-                procs.append(subprocess.Popen(["bash", str(REPO / "scripts" / "secure-kafka.sh")], stdout=log,
-                                              stderr=subprocess.STDOUT, env=_node_env(i, ports, home, cluster_id),
-                                              start_new_session=True))  # fmt: skip
+                procs.append(
+                    subprocess.Popen(
+                        ["bash", str(REPO / "scripts" / "secure-kafka.sh")],
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        env=_node_env(i, ports, home, cluster_id),
+                        start_new_session=True,
+                    )
+                )
         yield home, ports
     finally:
         for proc in procs:
@@ -81,8 +96,9 @@ def _login(home: Path, user: str) -> dict[str, str]:
 
 
 async def _produce(bootstrap: str, options: dict[str, str], topic: str) -> None:
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", enable_idempotence=True,
-                                request_timeout_ms=10_000, **options)  # fmt: skip
+    producer = AIOKafkaProducer(
+        bootstrap_servers=bootstrap, acks="all", enable_idempotence=True, request_timeout_ms=10_000, **options
+    )
     try:
         await asyncio.wait_for(producer.start(), STEP_S)
         await asyncio.wait_for(producer.send_and_wait(topic, b"record", key=b"k"), STEP_S)
@@ -102,8 +118,14 @@ async def _registered(bootstrap: str, options: dict[str, str]) -> bool:
 async def _replication(bootstrap: str, options: dict[str, str], topic: str) -> tuple[set[int], list[dict[str, str]]]:
     """The replica counts of `topic`'s partitions, and each node's replication defaults (what the
     script writes for Kafka's own topics and auto-created ones)."""
-    keys = ("default.replication.factor", "min.insync.replicas", "offsets.topic.replication.factor",
-            "transaction.state.log.min.isr", "broker.session.timeout.ms", "group.min.session.timeout.ms")  # fmt: skip
+    keys = (
+        "default.replication.factor",
+        "min.insync.replicas",
+        "offsets.topic.replication.factor",
+        "transaction.state.log.min.isr",
+        "broker.session.timeout.ms",
+        "group.min.session.timeout.ms",
+    )
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, **options)
     await admin.start()
     try:
@@ -135,9 +157,16 @@ async def test_three_secure_nodes_form_a_cluster_that_holds_each_principal_to_it
     await grant_deployment_acls(bootstrap, TOPICS, admin)
     counts, nodes = await _replication(bootstrap, admin, TOPICS.requests)
     assert counts == {3}
-    assert nodes == NODES * [{"default.replication.factor": "3", "min.insync.replicas": "2",
-                              "offsets.topic.replication.factor": "3", "transaction.state.log.min.isr": "2",
-                              "broker.session.timeout.ms": "3000", "group.min.session.timeout.ms": "1000"}]  # fmt: skip
+    assert nodes == NODES * [
+        {
+            "default.replication.factor": "3",
+            "min.insync.replicas": "2",
+            "offsets.topic.replication.factor": "3",
+            "transaction.state.log.min.isr": "2",
+            "broker.session.timeout.ms": "3000",
+            "group.min.session.timeout.ms": "1000",
+        }
+    ]
     configs = await describe_topic_configs(bootstrap, [TOPICS.requests], admin)
     assert configs[TOPICS.requests]["min.insync.replicas"] == "2"
 

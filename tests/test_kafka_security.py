@@ -24,12 +24,12 @@ from schemas.codec import decode, decode_reply, encode
 from schemas.messages import AuditEvent, Batch, ReplyEnd
 from schemas.model_repo import load_model_repo
 from schemas.topics import Topics
+from tests.waiting import until
 from weir.bus import BusSettings, partitions_of
 from weir.kafka import launcher, security
 from weir.kafka.admin import add_client_user, deployment_specs, ensure_topics, grant_deployment_acls
 from weir.lag import LagMonitor
 from weir.stack import free_ports
-from tests.waiting import until
 
 REPO = Path(__file__).resolve().parents[1]
 TOPICS = Topics(f"sec{uuid.uuid4().hex[:6]}")
@@ -90,9 +90,11 @@ def test_client_settings_are_honoured_or_refused(tmp_path: Path) -> None:
     path = security.password_path("worker", folder)
     assert security.client_options_from_env({}) == {}
     assert BusSettings(kafka_security="sasl", kafka_user="worker", kafka_password_file=path).kafka_options() == {
-        "security_protocol": "SASL_PLAINTEXT", "sasl_mechanism": "SCRAM-SHA-512",
-        "sasl_plain_username": "worker", "sasl_plain_password": password,
-    }  # fmt: skip
+        "security_protocol": "SASL_PLAINTEXT",
+        "sasl_mechanism": "SCRAM-SHA-512",
+        "sasl_plain_username": "worker",
+        "sasl_plain_password": password,
+    }
     with pytest.raises(security.KafkaSecurityError, match="is not `sasl`"):
         security.client_options_from_env({"WEIR_KAFKA_USER": "worker"})  # a user alone is not ignored
     with pytest.raises(security.KafkaSecurityError, match="needs WEIR_KAFKA_USER"):
@@ -111,14 +113,24 @@ def test_outside_producers_cannot_take_a_reserved_or_ambiguous_name(name: str) -
 
 def _writers(grants: list[security.Grant], topic: str) -> set[str]:
     """Users that some grant lets write `topic`."""
-    return {g.user for g in grants if "write" in g.operations and g.resource == "topic"
-            and (g.name == topic if g.pattern == "literal" else topic.startswith(g.name))}  # fmt: skip
+    return {
+        g.user
+        for g in grants
+        if "write" in g.operations
+        and g.resource == "topic"
+        and (g.name == topic if g.pattern == "literal" else topic.startswith(g.name))
+    }
 
 
 def _readers(grants: list[security.Grant], topic: str) -> set[str]:
     """Users that some grant lets read `topic`."""
-    return {g.user for g in grants if "read" in g.operations and g.resource == "topic"
-            and (g.name == topic if g.pattern == "literal" else topic.startswith(g.name))}  # fmt: skip
+    return {
+        g.user
+        for g in grants
+        if "read" in g.operations
+        and g.resource == "topic"
+        and (g.name == topic if g.pattern == "literal" else topic.startswith(g.name))
+    }
 
 
 def test_the_acl_plan_keeps_each_topic_to_its_writers() -> None:
@@ -129,8 +141,11 @@ def test_the_acl_plan_keeps_each_topic_to_its_writers() -> None:
     assert _writers(grants, t.producer_requests("client")) == {"client"}
     assert _writers(grants, t.producer_requests("alice")) == {"alice"}
     assert _writers(grants, t.producer_requests("bob")) == set()
-    request_readers = {g.user for g in grants if "read" in g.operations and g.resource == "topic"
-                       and t.producer_requests("alice").startswith(g.name)}  # fmt: skip
+    request_readers = {
+        g.user
+        for g in grants
+        if "read" in g.operations and g.resource == "topic" and t.producer_requests("alice").startswith(g.name)
+    }
     assert request_readers == {"batcher"}
     assert _writers(grants, t.control) == {"gateway", "batcher"}
     assert _writers(grants, t.audit) == {"gateway", "worker"}
@@ -143,8 +158,11 @@ def test_the_acl_plan_keeps_each_topic_to_its_writers() -> None:
     assert _readers(grants, t.batches("echo")) == {"worker", "gateway"}  # the gateway counts what is unread
     # workers write replies; the batcher the terminal reply of a request it ends itself
     assert _writers(grants, t.replies("client.r1")) == _writers(grants, t.replies("gateway-1")) == {"worker", "batcher"}
-    readers = {g.user for g in grants if "read" in g.operations and t.replies("alice.r1").startswith(g.name)
-               and g.resource == "topic"}  # fmt: skip
+    readers = {
+        g.user
+        for g in grants
+        if "read" in g.operations and t.replies("alice.r1").startswith(g.name) and g.resource == "topic"
+    }
     assert readers == {"alice"}  # the worker writes replies and reads none
     # the model registry: written by the gateway's admin API (and `weir models` as gateway) and by
     # a worker's rollback; health events by workers (docs/design.md, "The model registry"); the
@@ -168,13 +186,16 @@ def secure_broker(tmp_path_factory: pytest.TempPathFactory) -> launcher.BrokerCo
     """One secure broker for this module, on free ports, with the deployment TOPICS and its ACLs."""
     home = tmp_path_factory.mktemp("secure-kafka")
     port, controller_port = free_ports(2)
-    cfg = launcher.BrokerConfig(port=port, controller_port=controller_port, data_dir=home / "broker",
-                                secure=True, secrets_dir=home / "secrets")  # fmt: skip
+    cfg = launcher.BrokerConfig(
+        port=port, controller_port=controller_port, data_dir=home / "broker", secure=True, secrets_dir=home / "secrets"
+    )
 
     async def setup() -> None:
         await launcher.up(cfg, timeout_s=120)
         options = cfg.admin_options()
-        await ensure_topics(cfg.bootstrap, deployment_specs(TOPICS, load_model_repo(REPO / "models.toml")), options=options)
+        await ensure_topics(
+            cfg.bootstrap, deployment_specs(TOPICS, load_model_repo(REPO / "models.toml")), options=options
+        )
         await grant_deployment_acls(cfg.bootstrap, TOPICS, options)
 
     try:
@@ -185,13 +206,16 @@ def secure_broker(tmp_path_factory: pytest.TempPathFactory) -> launcher.BrokerCo
 
 
 def _login(cfg: launcher.BrokerConfig, user: str) -> dict[str, str]:
-    return security.Credentials(user, security.read_password(security.password_path(user, cfg.secrets))).client_options()
+    return security.Credentials(
+        user, security.read_password(security.password_path(user, cfg.secrets))
+    ).client_options()
 
 
 async def _produce(cfg: launcher.BrokerConfig, options: dict[str, str], topic: str, value: bytes = b"forged") -> None:
     """One idempotent, acks=all record, as every Weir producer writes; raises what Kafka says."""
-    producer = AIOKafkaProducer(bootstrap_servers=cfg.bootstrap, acks="all", enable_idempotence=True,
-                                request_timeout_ms=10_000, **options)  # fmt: skip
+    producer = AIOKafkaProducer(
+        bootstrap_servers=cfg.bootstrap, acks="all", enable_idempotence=True, request_timeout_ms=10_000, **options
+    )
     try:
         await asyncio.wait_for(producer.start(), STEP_S)
         await asyncio.wait_for(producer.send_and_wait(topic, value, key=b"k"), STEP_S)
@@ -212,7 +236,7 @@ async def _read_all(cfg: launcher.BrokerConfig, options: dict[str, str], topic: 
         except TimeoutError:
             # aiokafka's consumer logs Kafka's refusal of the topic's metadata and retries it
             # forever: this raises the refusal instead.
-            if topic in consumer._client.cluster.unauthorized_topics:  # noqa: SLF001
+            if topic in consumer._client.cluster.unauthorized_topics:
                 raise TopicAuthorizationFailedError(topic) from None
             raise
         tps = [TopicPartition(topic, p) for p in sorted(await partitions_of(consumer, topic))]
@@ -229,8 +253,14 @@ async def _read_all(cfg: launcher.BrokerConfig, options: dict[str, str], topic: 
         await consumer.stop()
 
 
-async def _read_until(cfg: launcher.BrokerConfig, user: str, topic: str, task: asyncio.Task[None],
-                      is_done: Callable[[list[bytes]], bool], timeout_s: float = 120) -> list[bytes]:  # fmt: skip
+async def _read_until(
+    cfg: launcher.BrokerConfig,
+    user: str,
+    topic: str,
+    task: asyncio.Task[None],
+    is_done: Callable[[list[bytes]], bool],
+    timeout_s: float = 120,
+) -> list[bytes]:
     """Read `topic` as `user` again and again until is_done(its records), while `task` runs."""
     read: list[list[bytes]] = [[]]
 
@@ -238,8 +268,9 @@ async def _read_until(cfg: launcher.BrokerConfig, user: str, topic: str, task: a
         read[0] = await _read_all(cfg, _login(cfg, user), topic)
         return is_done(read[0])
 
-    await until(done, timeout_s=timeout_s, interval_s=0.5, what=f"the records awaited on {topic} (read as {user})",
-                watch=[task])
+    await until(
+        done, timeout_s=timeout_s, interval_s=0.5, what=f"the records awaited on {topic} (read as {user})", watch=[task]
+    )
     return read[0]
 
 
@@ -292,10 +323,11 @@ async def test_the_client_principal_writes_requests_only(secure_broker: launcher
 @pytest.mark.kafka
 @pytest.mark.timeout(120)
 async def test_services_cannot_write_what_is_not_theirs(secure_broker: launcher.BrokerConfig) -> None:
-    for user, topics in {"worker": [TOPICS.keys, TOPICS.usage, TOPICS.control, TOPICS.requests, TOPICS.audit_anchors],
-                         "batcher": [TOPICS.keys, TOPICS.usage, TOPICS.audit, TOPICS.workers,
-                                     TOPICS.audit_anchors],
-                         "auditor": [TOPICS.keys, TOPICS.usage, TOPICS.audit, TOPICS.control]}.items():  # fmt: skip
+    for user, topics in {
+        "worker": [TOPICS.keys, TOPICS.usage, TOPICS.control, TOPICS.requests, TOPICS.audit_anchors],
+        "batcher": [TOPICS.keys, TOPICS.usage, TOPICS.audit, TOPICS.workers, TOPICS.audit_anchors],
+        "auditor": [TOPICS.keys, TOPICS.usage, TOPICS.audit, TOPICS.control],
+    }.items():
         for topic in topics:
             with pytest.raises(TopicAuthorizationFailedError):
                 await _produce(secure_broker, _login(secure_broker, user), topic)
@@ -318,8 +350,12 @@ async def test_the_model_registry_is_written_by_the_gateway_workers_and_the_audi
     for reader in ("gateway", "batcher"):  # no code of theirs reads it (schemas/access.py)
         with pytest.raises(TopicAuthorizationFailedError):
             await _read_all(secure_broker, _login(secure_broker, reader), TOPICS.model_health)
-    for user, topic in (("batcher", TOPICS.models), ("gateway", TOPICS.model_health), ("batcher", TOPICS.model_health),
-                        ("gateway", TOPICS.traffic)):  # fmt: skip
+    for user, topic in (
+        ("batcher", TOPICS.models),
+        ("gateway", TOPICS.model_health),
+        ("batcher", TOPICS.model_health),
+        ("gateway", TOPICS.traffic),
+    ):
         with pytest.raises(TopicAuthorizationFailedError):
             await _produce(secure_broker, _login(secure_broker, user), topic)
 
@@ -372,8 +408,12 @@ async def test_the_gateway_and_the_batcher_read_the_consumer_lag_of_the_deployme
     cfg = secure_broker
     tp = TopicPartition(TOPICS.requests, 0)
     await _produce(cfg, _login(cfg, "gateway"), TOPICS.requests, b"not a request: only its offset counts")
-    consumer = AIOKafkaConsumer(bootstrap_servers=cfg.bootstrap, group_id=TOPICS.batcher_group,
-                                enable_auto_commit=False, **_login(cfg, "batcher"))  # fmt: skip
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=cfg.bootstrap,
+        group_id=TOPICS.batcher_group,
+        enable_auto_commit=False,
+        **_login(cfg, "batcher"),
+    )
     await asyncio.wait_for(consumer.start(), STEP_S)
     try:
         consumer.assign([tp])
@@ -382,8 +422,13 @@ async def test_the_gateway_and_the_batcher_read_the_consumer_lag_of_the_deployme
     finally:
         await consumer.stop()
     for user in ("gateway", "batcher"):
-        settings = BusSettings(kafka_bootstrap=cfg.bootstrap, topic_prefix=TOPICS.prefix, kafka_security="sasl",
-                               kafka_user=user, kafka_password_file=security.password_path(user, cfg.secrets))  # fmt: skip
+        settings = BusSettings(
+            kafka_bootstrap=cfg.bootstrap,
+            topic_prefix=TOPICS.prefix,
+            kafka_security="sasl",
+            kafka_user=user,
+            kafka_password_file=security.password_path(user, cfg.secrets),
+        )
         monitor = LagMonitor(settings)
         try:
             assert await monitor.refresh(), user
@@ -399,8 +444,9 @@ async def test_an_added_user_reads_its_own_replies_and_nobody_elses(secure_broke
     password = security.ensure_password("alice", cfg.secrets)
     await add_client_user(cfg.bootstrap, TOPICS, "alice", password, cfg.admin_options())
     # A reply topic is made by its reader (the worker may write replies, not create topics).
-    await ensure_topics(cfg.bootstrap, [TOPICS.reply_spec("alice.r1"), TOPICS.reply_spec("client.r1")],
-                        options=cfg.admin_options())  # fmt: skip
+    await ensure_topics(
+        cfg.bootstrap, [TOPICS.reply_spec("alice.r1"), TOPICS.reply_spec("client.r1")], options=cfg.admin_options()
+    )
     alice, client, worker = _login(cfg, "alice"), _login(cfg, "client"), _login(cfg, "worker")
     await _produce(cfg, alice, TOPICS.producer_requests("alice"), b"alice's request")  # made by `user add`
     await _produce(cfg, worker, TOPICS.replies("alice.r1"), b"alice's reply")
@@ -429,13 +475,21 @@ async def test_a_real_worker_serves_with_its_own_principal(
 
     cfg = secure_broker
     monkeypatch.setenv("WEIR_HOME", str(tmp_path))  # the worker's audit key
-    for name, value in {"WEIR_KAFKA_SECURITY": "sasl", "WEIR_KAFKA_USER": "worker",
-                        "WEIR_KAFKA_PASSWORD_FILE": str(security.password_path("worker", cfg.secrets))}.items():  # fmt: skip
+    for name, value in {
+        "WEIR_KAFKA_SECURITY": "sasl",
+        "WEIR_KAFKA_USER": "worker",
+        "WEIR_KAFKA_PASSWORD_FILE": str(security.password_path("worker", cfg.secrets)),
+    }.items():
         monkeypatch.setenv(name, value)
     repo = tmp_path / "models.toml"
     repo.write_text('[models.echo]\nengine = "echo"\nmax_model_len = 4096\n')
-    settings = WorkerSettings(kafka_bootstrap=cfg.bootstrap, topic_prefix=TOPICS.prefix, model_repo=str(repo),
-                              audit_fingerprint_model="", heartbeat_interval_ms=200)  # fmt: skip
+    settings = WorkerSettings(
+        kafka_bootstrap=cfg.bootstrap,
+        topic_prefix=TOPICS.prefix,
+        model_repo=str(repo),
+        audit_fingerprint_model="",
+        heartbeat_interval_ms=200,
+    )
     assert settings.kafka_user == "worker"
     await ensure_topics(cfg.bootstrap, [TOPICS.reply_spec("client.w1")], options=cfg.admin_options())
     service = WorkerService(settings)
@@ -445,11 +499,21 @@ async def test_a_real_worker_serves_with_its_own_principal(
         forged = make_request("four five", model="echo", reply_to=TOPICS.keys, max_tokens=50)
         batch = Batch(batch_id="b1", model="echo@1", requests=[forged, good], batcher_id="test")
         await _produce(cfg, _login(cfg, "batcher"), TOPICS.batches("echo@1"), encode(batch))
-        replies = await _read_until(cfg, "client", TOPICS.replies("client.w1"), task,
-                                    lambda vs: any(isinstance(decode_reply(v), ReplyEnd) for v in vs))  # fmt: skip
+        replies = await _read_until(
+            cfg,
+            "client",
+            TOPICS.replies("client.w1"),
+            task,
+            lambda vs: any(isinstance(decode_reply(v), ReplyEnd) for v in vs),
+        )
         assert "".join(e.text for e in map(decode_reply, replies) if e.type == "delta") == "one two three"
-        audit = await _read_until(cfg, "auditor", TOPICS.audit, task,
-                                  lambda vs: good.request_id in {decode(AuditEvent, v).request_id for v in vs})  # fmt: skip
+        audit = await _read_until(
+            cfg,
+            "auditor",
+            TOPICS.audit,
+            task,
+            lambda vs: good.request_id in {decode(AuditEvent, v).request_id for v in vs},
+        )
         assert good.request_id in {decode(AuditEvent, v).request_id for v in audit}
         keys = await _read_all(cfg, _login(cfg, "gateway"), TOPICS.keys)
         assert not [v for v in keys if forged.request_id.encode() in v]
@@ -477,21 +541,39 @@ async def test_a_producers_requests_are_served_as_that_producer_and_reply_only_t
 
     cfg = secure_broker
     monkeypatch.setenv("WEIR_HOME", str(tmp_path))  # the worker's audit key
-    for name, value in {"WEIR_KAFKA_SECURITY": "sasl", "WEIR_KAFKA_USER": "worker",
-                        "WEIR_KAFKA_PASSWORD_FILE": str(security.password_path("worker", cfg.secrets))}.items():  # fmt: skip
+    for name, value in {
+        "WEIR_KAFKA_SECURITY": "sasl",
+        "WEIR_KAFKA_USER": "worker",
+        "WEIR_KAFKA_PASSWORD_FILE": str(security.password_path("worker", cfg.secrets)),
+    }.items():
         monkeypatch.setenv(name, value)  # the worker's admin calls read the environment
     repo = tmp_path / "models.toml"
     repo.write_text('[models.echo]\nengine = "echo"\nmax_model_len = 4096\n')
     password = security.ensure_password("bob", cfg.secrets)
     await add_client_user(cfg.bootstrap, TOPICS, "bob", password, cfg.admin_options())
-    await ensure_topics(cfg.bootstrap, [TOPICS.reply_spec("client.p1"), TOPICS.reply_spec("bob.x")],
-                        options=cfg.admin_options())  # fmt: skip
-    worker = WorkerService(WorkerSettings(kafka_bootstrap=cfg.bootstrap, topic_prefix=TOPICS.prefix,
-                                          model_repo=str(repo), audit_fingerprint_model="", heartbeat_interval_ms=200))  # fmt: skip
-    batcher = BatcherApp(BatcherSettings(kafka_bootstrap=cfg.bootstrap, topic_prefix=TOPICS.prefix, model_repo=repo,
-                                         kafka_security="sasl", kafka_user="batcher",
-                                         kafka_password_file=security.password_path("batcher", cfg.secrets)),
-                         load_model_repo(repo))  # fmt: skip
+    await ensure_topics(
+        cfg.bootstrap, [TOPICS.reply_spec("client.p1"), TOPICS.reply_spec("bob.x")], options=cfg.admin_options()
+    )
+    worker = WorkerService(
+        WorkerSettings(
+            kafka_bootstrap=cfg.bootstrap,
+            topic_prefix=TOPICS.prefix,
+            model_repo=str(repo),
+            audit_fingerprint_model="",
+            heartbeat_interval_ms=200,
+        )
+    )
+    batcher = BatcherApp(
+        BatcherSettings(
+            kafka_bootstrap=cfg.bootstrap,
+            topic_prefix=TOPICS.prefix,
+            model_repo=repo,
+            kafka_security="sasl",
+            kafka_user="batcher",
+            kafka_password_file=security.password_path("batcher", cfg.secrets),
+        ),
+        load_model_repo(repo),
+    )
     stop = asyncio.Event()
 
     async def serve_both() -> None:
@@ -501,15 +583,31 @@ async def test_a_producers_requests_are_served_as_that_producer_and_reply_only_t
     client = _login(cfg, "client")
     try:
         forged = make_request("one two", model="echo", reply_to=TOPICS.replies("bob.x"), max_tokens=20)
-        claimed = make_request("three four", model="echo", reply_to=TOPICS.replies("client.p1"), max_tokens=20,
-                               principal="alice", tenant="acme")  # fmt: skip
+        claimed = make_request(
+            "three four",
+            model="echo",
+            reply_to=TOPICS.replies("client.p1"),
+            max_tokens=20,
+            principal="alice",
+            tenant="acme",
+        )
         await _produce(cfg, client, TOPICS.producer_requests("client"), encode(forged))
         await _produce(cfg, client, TOPICS.producer_requests("client"), encode(claimed))
-        replies = await _read_until(cfg, "client", TOPICS.replies("client.p1"), task,
-                                    lambda vs: any(isinstance(decode_reply(v), ReplyEnd) for v in vs))  # fmt: skip
+        replies = await _read_until(
+            cfg,
+            "client",
+            TOPICS.replies("client.p1"),
+            task,
+            lambda vs: any(isinstance(decode_reply(v), ReplyEnd) for v in vs),
+        )
         assert "".join(e.text for e in map(decode_reply, replies) if e.type == "delta") == "three four"
-        audit = await _read_until(cfg, "auditor", TOPICS.audit, task,
-                                  lambda vs: claimed.request_id in {decode(AuditEvent, v).request_id for v in vs})  # fmt: skip
+        audit = await _read_until(
+            cfg,
+            "auditor",
+            TOPICS.audit,
+            task,
+            lambda vs: claimed.request_id in {decode(AuditEvent, v).request_id for v in vs},
+        )
         event = next(e for e in (decode(AuditEvent, v) for v in audit) if e.request_id == claimed.request_id)
         assert (event.principal, event.tenant) == ("client", PRODUCER_TENANT)
         admin = cfg.admin_options()
@@ -518,8 +616,9 @@ async def test_a_producers_requests_are_served_as_that_producer_and_reply_only_t
             letters = [decode(DeadLetter, v) for v in await _read_all(cfg, admin, TOPICS.dead_letter)]
             return [d for d in letters if forged.request_id in d.value]
 
-        dead = await until(dead_letters_of_forged, timeout_s=60, interval_s=0.5, watch=[task],
-                           what="the forged request dead-lettered")
+        dead = await until(
+            dead_letters_of_forged, timeout_s=60, interval_s=0.5, watch=[task], what="the forged request dead-lettered"
+        )
         assert dead[0].source_topic == TOPICS.producer_requests("client")
         assert "is not a reply topic of 'client'" in dead[0].reason and "no reply was written" in dead[0].reason
         assert await _read_all(cfg, admin, TOPICS.replies("bob.x")) == []
@@ -541,8 +640,11 @@ def test_weir_up_secure_gives_each_service_its_own_principal(tmp_path: Path, mon
     envs = up.service_principals(broker)
     assert set(envs) == set(up.SERVICES)
     for name, env in envs.items():
-        assert env == {"WEIR_KAFKA_SECURITY": "sasl", "WEIR_KAFKA_USER": name,
-                       "WEIR_KAFKA_PASSWORD_FILE": str(tmp_path / "secrets" / f"{name}.password")}  # fmt: skip
+        assert env == {
+            "WEIR_KAFKA_SECURITY": "sasl",
+            "WEIR_KAFKA_USER": name,
+            "WEIR_KAFKA_PASSWORD_FILE": str(tmp_path / "secrets" / f"{name}.password"),
+        }
     # Each start of a service, a restart included, gets its own login on top of the shared settings.
     started: list[dict[str, str]] = []
 
@@ -558,8 +660,9 @@ def test_weir_up_secure_gives_each_service_its_own_principal(tmp_path: Path, mon
     assert all(env["WEIR_TOPIC_PREFIX"] == "shared" and env["WEIR_KAFKA_SECURITY"] == "sasl" for env in started)
 
 
-def test_weir_kafka_secrets_makes_every_principals_password_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                 capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_weir_kafka_secrets_makes_every_principals_password_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     from weir import cli
 
     monkeypatch.setenv("WEIR_HOME", str(tmp_path))

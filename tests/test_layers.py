@@ -28,7 +28,9 @@ def project_imports(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
             names = [base] + [f"{base}.{alias.name}" for alias in node.names]
         else:
             continue
@@ -70,10 +72,7 @@ def allowed(src: str, dst: str) -> bool:
 
 def test_every_import_points_down() -> None:
     wrong = sorted(
-        f"{src} imports {dst}"
-        for src, dsts in graph().items()
-        for dst in dsts
-        if not allowed(floor(src), floor(dst))
+        f"{src} imports {dst}" for src, dsts in graph().items() for dst in dsts if not allowed(floor(src), floor(dst))
     )
     assert not wrong, "\n".join(wrong)
 
@@ -89,7 +88,7 @@ def test_there_is_no_import_cycle() -> None:
         path.append(node)
         for nxt in sorted(edges.get(node, ())):
             if state.get(nxt) == 1:
-                cycles.append(path[path.index(nxt):] + [nxt])
+                cycles.append(path[path.index(nxt) :] + [nxt])
             elif nxt not in state:
                 visit(nxt)
         path.pop()

@@ -24,13 +24,21 @@ def gateway_bootstrap():
 CASES = {
     # name: (test module, refused?)
     "imports_the_address": ("from tests.conftest import BOOTSTRAP\n\ndef test_x():\n    assert BOOTSTRAP\n", True),
-    "through_a_helper": ("from tests.kafka_helpers import produce\n\ndef send():\n    return produce\n\n"
-                         "def test_x():\n    assert send()\n", True),
+    "through_a_helper": (
+        "from tests.kafka_helpers import produce\n\ndef send():\n    return produce\n\n"
+        "def test_x():\n    assert send()\n",
+        True,
+    ),
     "through_a_fixture": ("def test_x(gateway_bootstrap):\n    assert gateway_bootstrap\n", True),
-    "marked_in_the_module": ("import pytest\nfrom tests.conftest import BOOTSTRAP\n\npytestmark = pytest.mark.kafka\n\n"
-                             "def test_x():\n    assert BOOTSTRAP\n", False),
-    "marked_as_a_cluster": ("import pytest\n\n@pytest.mark.cluster\ndef test_x(gateway_bootstrap):\n    assert 1\n",
-                            False),
+    "marked_in_the_module": (
+        "import pytest\nfrom tests.conftest import BOOTSTRAP\n\npytestmark = pytest.mark.kafka\n\n"
+        "def test_x():\n    assert BOOTSTRAP\n",
+        False,
+    ),
+    "marked_as_a_cluster": (
+        "import pytest\n\n@pytest.mark.cluster\ndef test_x(gateway_bootstrap):\n    assert 1\n",
+        False,
+    ),
     "no_kafka_at_all": ("def test_x():\n    assert 1\n", False),
     # the name says nothing: a *_kafka.py file without Kafka is fine, and one with Kafka is checked
     "not_kafka_kafka": ("def test_x():\n    assert 1\n", False),
@@ -43,9 +51,27 @@ def collect(tmp_path: Path, cases: list[str]) -> tuple[int, str]:
     for case in cases:
         (tmp_path / f"test_{case}.py").write_text(textwrap.dedent(CASES[case][0]))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                           "--rootdir", str(tmp_path), "-c", os.devnull, str(tmp_path)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "--collect-only",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--rootdir",
+            str(tmp_path),
+            "-c",
+            os.devnull,
+            str(tmp_path),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     return done.returncode, done.stdout + done.stderr
 
 

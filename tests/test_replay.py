@@ -11,7 +11,7 @@ def outcome(*texts: str, finish: str = "stop") -> Outcome:
     for seq, text in enumerate(texts):
         result.add(ReplyDelta(request_id="r", seq=seq, text=text))
         result.add(ReplyDelta(request_id="r", seq=seq, text=text))  # a repeat is dropped
-    result.add(ReplyEnd(request_id="r", seq=len(texts), finish_reason=finish))  # type: ignore[arg-type]
+    result.add(ReplyEnd(request_id="r", seq=len(texts), finish_reason=finish))
     return result
 
 
@@ -31,13 +31,24 @@ def test_times_are_iso_utc_or_epoch_ms():
 
 
 def test_diff_rows_compare_texts_and_summarise():
-    requests = [GenerateRequest(request_id=f"q{i}", model="a", prompt=f"p{i}", deadline_ms=1, reply_to="t")
-                for i in range(3)]
+    requests = [
+        GenerateRequest(request_id=f"q{i}", model="a", prompt=f"p{i}", deadline_ms=1, reply_to="t") for i in range(3)
+    ]
     before = {"q0": outcome("x", "y"), "q1": outcome("x")}
     after = {"q0": outcome("xy"), "q1": outcome("z"), "q2": outcome("w")}
     rows = diff_rows(requests, before, after, "b", with_prompts=False)
     assert [(r["original_text"], r["new_text"], r["is_equal"]) for r in rows[:-1]] == [
-        ("xy", "xy", True), ("x", "z", False), (None, "w", False)]
+        ("xy", "xy", True),
+        ("x", "z", False),
+        (None, "w", False),
+    ]
     assert "prompt" not in rows[0] and len(rows[0]["prompt_sha256"]) == 64
-    assert rows[-1] == {"summary": True, "new_model": "b", "num_requests": 3, "num_equal": 1, "num_different": 1,
-                        "num_missing_original": 1, "num_missing_new": 0}
+    assert rows[-1] == {
+        "summary": True,
+        "new_model": "b",
+        "num_requests": 3,
+        "num_equal": 1,
+        "num_different": 1,
+        "num_missing_original": 1,
+        "num_missing_new": 0,
+    }

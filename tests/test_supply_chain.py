@@ -5,12 +5,12 @@ No network: the install runs with --no-index from a wheel made here."""
 
 from __future__ import annotations
 
-import re
 import base64
 import csv
 import hashlib
 import io
 import json
+import re
 import subprocess
 import sys
 import zipfile
@@ -29,9 +29,11 @@ LOCKS = [REPO / "requirements.lock", REPO / "requirements-test.lock", REPO / "re
 
 def _tiny_wheel(folder: Path) -> Path:
     """A pure-Python wheel of one module, written by hand (no build backend, no network)."""
-    files = {"tinypkg.py": b"ANSWER = 42\n",
-             "tinypkg-1.0.dist-info/METADATA": b"Metadata-Version: 2.1\nName: tinypkg\nVersion: 1.0\n",
-             "tinypkg-1.0.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files = {
+        "tinypkg.py": b"ANSWER = 42\n",
+        "tinypkg-1.0.dist-info/METADATA": b"Metadata-Version: 2.1\nName: tinypkg\nVersion: 1.0\n",
+        "tinypkg-1.0.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
     record = io.StringIO()
     writer = csv.writer(record, lineterminator="\n")
     for name, data in files.items():
@@ -50,9 +52,25 @@ def _pip_install_locked(tmp_path: Path, sha256: str) -> subprocess.CompletedProc
     wheels = tmp_path / "wheels"
     lock = tmp_path / "requirements.lock"
     lock.write_text(f"tinypkg==1.0 \\\n    --hash=sha256:{sha256}\n")
-    return subprocess.run([sys.executable, "-m", "pip", "install", "--require-hashes", "--no-index", "--find-links",
-                           str(wheels), "--target", str(tmp_path / "site"), "-r", str(lock)],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--require-hashes",
+            "--no-index",
+            "--find-links",
+            str(wheels),
+            "--target",
+            str(tmp_path / "site"),
+            "-r",
+            str(lock),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_an_install_from_a_lock_with_a_tampered_hash_is_refused(tmp_path: Path) -> None:
@@ -69,8 +87,11 @@ def test_an_install_from_a_lock_with_a_tampered_hash_is_refused(tmp_path: Path) 
 
 
 def test_the_locks_pin_every_package_with_hashes_at_the_constraints_versions() -> None:
-    constraints = {sbom.normalize(line.split("==")[0]): line.split("==")[1].strip()
-                   for line in (REPO / "constraints.txt").read_text().splitlines() if "==" in line}  # fmt: skip
+    constraints = {
+        sbom.normalize(line.split("==")[0]): line.split("==")[1].strip()
+        for line in (REPO / "constraints.txt").read_text().splitlines()
+        if "==" in line
+    }
     runtime, test, nodeps = (sbom.read_lock(lock) for lock in LOCKS)
     for name, (version, hashes) in {**test, **nodeps}.items():
         assert constraints.get(name) == version, f"{name}=={version} is not what constraints.txt pins"
@@ -83,15 +104,22 @@ def test_the_locks_pin_every_package_with_hashes_at_the_constraints_versions() -
 
 def test_setup_ci_and_the_image_install_only_with_hash_checking() -> None:
     setup = (REPO / "scripts" / "setup.sh").read_text()
-    assert "--require-hashes -r requirements-test.lock" in setup and "--require-hashes --no-deps -r requirements-nodeps.lock" in setup
-    installs = [line.strip() for line in setup.splitlines() if "pip install" in line and not line.strip().startswith("#")]
+    assert (
+        "--require-hashes -r requirements-test.lock" in setup
+        and "--require-hashes --no-deps -r requirements-nodeps.lock" in setup
+    )
+    installs = [
+        line.strip() for line in setup.splitlines() if "pip install" in line and not line.strip().startswith("#")
+    ]
     assert installs[-1] == "python -m pip install -q --no-deps --no-build-isolation -e ." and len(installs) == 3
     assert "bash scripts/setup.sh" in (REPO / "scripts" / "test.sh").read_text()
     assert "exec bash scripts/test.sh" in (REPO / ".ci" / "run").read_text()
     installs = [line for line in (REPO / "Dockerfile").read_text().splitlines() if "pip install" in line]
     assert [line.split("pip install")[1].strip(" \\") for line in installs] == [
-        "--require-hashes -r requirements.lock", "--require-hashes --no-deps -r requirements-nodeps.lock",
-        "--no-deps --no-build-isolation ."]
+        "--require-hashes -r requirements.lock",
+        "--require-hashes --no-deps -r requirements-nodeps.lock",
+        "--no-deps --no-build-isolation .",
+    ]
 
 
 @pytest.fixture
@@ -100,8 +128,10 @@ def fake_pins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     lib = tmp_path / "lib"
     lib.mkdir()
     rows = ["# kafka.version 4.4.0"]
-    for name, coordinates in [("kafka-clients-4.4.0.jar", "org.apache.kafka:kafka-clients:4.4.0"),
-                              ("slf4j-api-1.7.36.jar", "org.slf4j:slf4j-api:1.7.36")]:
+    for name, coordinates in [
+        ("kafka-clients-4.4.0.jar", "org.apache.kafka:kafka-clients:4.4.0"),
+        ("slf4j-api-1.7.36.jar", "org.slf4j:slf4j-api:1.7.36"),
+    ]:
         (lib / name).write_bytes(f"PK jar {name}".encode())
         rows.append(f"{hashlib.sha256((lib / name).read_bytes()).hexdigest()}  {name}  {coordinates}")
     pins = tmp_path / "jars.sha256"
@@ -141,12 +171,15 @@ def test_an_already_resolved_lib_dir_is_checked_on_start(fake_pins: Path, monkey
 
 
 def test_a_fresh_resolution_is_checked_before_it_is_marked_complete(
-        fake_pins: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_pins: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Maven (a stand-in on PATH here) copies a jar that is not the pinned one: no .complete, no lib."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "mvn").write_text('#!/bin/sh\nfor a; do case "$a" in -DoutputDirectory=*) out="${a#*=}";; esac; done\n'
-                                 f'mkdir -p "$out" && cp {fake_pins}/*.jar "$out" && echo altered >> "$out/slf4j-api-1.7.36.jar"\n')
+    (bin_dir / "mvn").write_text(
+        '#!/bin/sh\nfor a; do case "$a" in -DoutputDirectory=*) out="${a#*=}";; esac; done\n'
+        f'mkdir -p "$out" && cp {fake_pins}/*.jar "$out" && echo altered >> "$out/slf4j-api-1.7.36.jar"\n'
+    )
     (bin_dir / "mvn").chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
     monkeypatch.setenv("WEIR_HOME", str(tmp_path / "home"))
@@ -157,6 +190,7 @@ def test_a_fresh_resolution_is_checked_before_it_is_marked_complete(
 
 def _validator() -> jsonschema_rs.Validator:
     """The official CycloneDX 1.6 JSON schema; its $refs (SPDX ids, JSF) resolved to the vendored files."""
+
     def retrieve(uri: str) -> object:
         return json.loads((SCHEMAS / uri.rsplit("/", 1)[-1]).read_text())
 
@@ -185,15 +219,32 @@ def test_the_sbom_check_names_a_package_or_jar_that_differs(fake_pins: Path) -> 
     document["components"] = [c for c in document["components"] if c.get("group") != "org.slf4j"]
     assert sbom.check_sbom(document, LOCKS[1:], fake_pins) == [
         f"torch is 0.0.1 here, {sbom.read_lock(LOCKS[1])['torch'][0]} in requirements-test.lock",
-        "the pinned jar slf4j-api-1.7.36.jar (org.slf4j:slf4j-api:1.7.36) is not listed"]
+        "the pinned jar slf4j-api-1.7.36.jar (org.slf4j:slf4j-api:1.7.36) is not listed",
+    ]
     assert sbom.check_sbom(document, [], None) == [
-        f"the Kafka {launcher.KAFKA_VERSION} jars are not resolved (weir kafka up resolves them)"]
+        f"the Kafka {launcher.KAFKA_VERSION} jars are not resolved (weir kafka up resolves them)"
+    ]
 
 
 def test_weir_sbom_check_fails_on_a_lock_this_environment_does_not_match(tmp_path: Path) -> None:
     lock = tmp_path / "other.lock"
     lock.write_text("aiokafka==0.0.1 \\\n    --hash=sha256:" + "0" * 64 + "\n")
-    proc = subprocess.run([sys.executable, "-m", "weir.cli", "sbom", "--lock", str(lock), "--check", "--out",
-                           str(tmp_path / "sbom.json")], capture_output=True, text=True, cwd=REPO, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "weir.cli",
+            "sbom",
+            "--lock",
+            str(lock),
+            "--check",
+            "--out",
+            str(tmp_path / "sbom.json"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
     assert proc.returncode == 1 and "aiokafka is " in proc.stderr and "0.0.1 in other.lock" in proc.stderr, proc.stderr
     assert json.loads((tmp_path / "sbom.json").read_text())["bomFormat"] == "CycloneDX"

@@ -32,6 +32,7 @@ from schemas.messages import (
     Usage,
 )
 from schemas.model_repo import load_model_repo
+from schemas.openai_translate import siblings_of
 from schemas.registry import RegistryState
 from services.batcher.job_core import JobResults, parse_input
 from services.gateway.batch_format import LineRules, check_line
@@ -50,7 +51,6 @@ from services.gateway.openai_format import (
     to_embed_requests,
     to_generate_request,
 )
-from schemas.openai_translate import siblings_of
 from services.gateway.siblings import SiblingGroup
 from services.gateway.streaming import collect
 
@@ -62,8 +62,17 @@ MAX_INPUT_TOKENS, MAX_STOPS, MAX_TIMEOUT_S = None, 16, 600.0
 T0 = 1_767_225_600_000
 URLS = {"chat.completions": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings"}
 # where a request goes and for whom: set by each path, not by the body
-ROUTING_FIELDS = {"request_id", "reply_to", "created_ms", "deadline_ms", "principal", "tenant", "priority", "stream",
-                  "assignment"}
+ROUTING_FIELDS = {
+    "request_id",
+    "reply_to",
+    "created_ms",
+    "deadline_ms",
+    "principal",
+    "tenant",
+    "priority",
+    "stream",
+    "assignment",
+}
 
 words = st.text(alphabet="abcdefgh é\n", min_size=1, max_size=24).filter(str.strip)
 common = {
@@ -79,14 +88,26 @@ common = {
     "ignore_eos": st.booleans(),
     "logit_bias": st.dictionaries(st.integers(0, 200).map(str), st.integers(-100, 100), max_size=2),
 }
-message = st.fixed_dictionaries({"role": st.sampled_from(["system", "developer", "user", "assistant"]),
-                                 "content": words})  # fmt: skip
-chat_only = {"max_completion_tokens": st.integers(1, 2100), "logprobs": st.booleans(), "top_logprobs": st.integers(0, 3),
-             "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}])}  # fmt: skip
-completion_only = {"best_of": st.integers(1, 4), "logprobs": st.integers(0, 3), "echo": st.booleans(),
-                   "suffix": st.just(""), "max_tokens": st.integers(0, 40)}  # fmt: skip
+message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "developer", "user", "assistant"]), "content": words}
+)
+chat_only = {
+    "max_completion_tokens": st.integers(1, 2100),
+    "logprobs": st.booleans(),
+    "top_logprobs": st.integers(0, 3),
+    "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
+}
+completion_only = {
+    "best_of": st.integers(1, 4),
+    "logprobs": st.integers(0, 3),
+    "echo": st.booleans(),
+    "suffix": st.just(""),
+    "max_tokens": st.integers(0, 40),
+}
 token_ids = st.lists(st.integers(0, 500), min_size=1, max_size=6)
-prompts = st.one_of(words, st.lists(words, min_size=1, max_size=3), token_ids, st.lists(token_ids, min_size=1, max_size=3))
+prompts = st.one_of(
+    words, st.lists(words, min_size=1, max_size=3), token_ids, st.lists(token_ids, min_size=1, max_size=3)
+)
 generation_models = st.sampled_from(["echo", "weir-tiny-py", "weir-tiny-py@1", "all-MiniLM-L6-v2"])
 
 
@@ -98,10 +119,19 @@ def optional(fields: dict[str, st.SearchStrategy[Any]]) -> st.SearchStrategy[dic
 def bodies(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
     kind = draw(st.sampled_from(["chat.completions", "completions", "embeddings"]))
     if kind == "embeddings":
-        body = {"model": draw(st.sampled_from(["all-MiniLM-L6-v2", "echo"])),
-                "input": draw(st.one_of(words, st.lists(words, min_size=1, max_size=3))),
-                **draw(optional({"encoding_format": st.sampled_from(["float", "base64"]), "user": st.text(max_size=8),
-                                 "dimensions": st.sampled_from([384, 12])}))}  # fmt: skip
+        body = {
+            "model": draw(st.sampled_from(["all-MiniLM-L6-v2", "echo"])),
+            "input": draw(st.one_of(words, st.lists(words, min_size=1, max_size=3))),
+            **draw(
+                optional(
+                    {
+                        "encoding_format": st.sampled_from(["float", "base64"]),
+                        "user": st.text(max_size=8),
+                        "dimensions": st.sampled_from([384, 12]),
+                    }
+                )
+            ),
+        }
         return kind, body
     body = {"model": draw(generation_models), **draw(optional(common))}
     if kind == "chat.completions":
@@ -120,16 +150,37 @@ def online(kind: str, body: dict[str, Any]) -> tuple[list[Any], int] | tuple[str
         if kind == "embeddings":
             parsed_embedding = parse_embedding_body(raw)
             model = CATALOG.resolve(parsed_embedding.model)
-            embeds = to_embed_requests(parsed_embedding, model, request_id="r", reply_to="weir.replies.g",
-                                       now_ms=T0, client_timeout_s=None, max_timeout_s=MAX_TIMEOUT_S)  # fmt: skip
+            embeds = to_embed_requests(
+                parsed_embedding,
+                model,
+                request_id="r",
+                reply_to="weir.replies.g",
+                now_ms=T0,
+                client_timeout_s=None,
+                max_timeout_s=MAX_TIMEOUT_S,
+            )
             return embeds, sum(COUNTER.count(model, text) for text in parsed_embedding.inputs)
-        parsed = parse_body(kind, raw)  # type: ignore[arg-type]
+        parsed = parse_body(kind, raw)
         model = CATALOG.resolve(parsed.model)
         refuse_embedding_model(model)
-        request = to_generate_request(kind, parsed, model, request_id="r", reply_to="weir.replies.g",  # type: ignore[arg-type]
-                                      now_ms=T0, client_timeout_s=None, max_timeout_s=MAX_TIMEOUT_S)  # fmt: skip
-        charge = check_request(parsed, request, model, COUNTER.count_prompts(model, parsed),
-                               max_input_tokens=MAX_INPUT_TOKENS, max_stop_sequences=MAX_STOPS)  # fmt: skip
+        request = to_generate_request(
+            kind,
+            parsed,
+            model,
+            request_id="r",
+            reply_to="weir.replies.g",
+            now_ms=T0,
+            client_timeout_s=None,
+            max_timeout_s=MAX_TIMEOUT_S,
+        )
+        charge = check_request(
+            parsed,
+            request,
+            model,
+            COUNTER.count_prompts(model, parsed),
+            max_input_tokens=MAX_INPUT_TOKENS,
+            max_stop_sequences=MAX_STOPS,
+        )
         siblings = siblings_of(parsed, request)
         return siblings, charge * len(siblings)  # each sibling reserves the charge (routes/completions.py)
     except ApiError as exc:
@@ -150,8 +201,17 @@ def batch_check(kind: str, body: dict[str, Any]) -> tuple[int, int] | tuple[str,
 
 
 def job(kind: str) -> BatchJob:
-    return BatchJob(job_id="batch_1", status="in_progress", endpoint=URLS[kind], input_file_id="file-1",  # type: ignore[arg-type]
-                    created_ms=T0, expires_ms=T0 + 86_400_000, updated_ms=T0, principal="ann", tenant="acme")
+    return BatchJob(
+        job_id="batch_1",
+        status="in_progress",
+        endpoint=URLS[kind],
+        input_file_id="file-1",
+        created_ms=T0,
+        expires_ms=T0 + 86_400_000,
+        updated_ms=T0,
+        principal="ann",
+        tenant="acme",
+    )
 
 
 def without_routing(request: Any, ignored: set[str]) -> dict[str, Any]:
@@ -170,19 +230,52 @@ def replies(requests: list[Any]) -> list[ReplyDelta | ReplyEnd]:
         if not isinstance(request, GenerateRequest):
             usage = Usage(prompt_tokens=3, total_tokens=3)
             vectors = [[0.5, float(i)] for _ in request.inputs]
-            events.append(ReplyEnd(request_id=request.request_id, seq=0, finish_reason="stop", usage=usage,
-                                   embeddings=vectors, model_version=request.model))  # fmt: skip
+            events.append(
+                ReplyEnd(
+                    request_id=request.request_id,
+                    seq=0,
+                    finish_reason="stop",
+                    usage=usage,
+                    embeddings=vectors,
+                    model_version=request.model,
+                )
+            )
             continue
-        events.append(ReplyDelta(request_id=request.request_id, seq=0, count=2, text=f"x{i}y", texts=[f"x{i}", "y"],
-                                 token_ids=[5, 6], logprobs=[logprob(f"x{i}"), logprob("y")]))  # fmt: skip
+        events.append(
+            ReplyDelta(
+                request_id=request.request_id,
+                seq=0,
+                count=2,
+                text=f"x{i}y",
+                texts=[f"x{i}", "y"],
+                token_ids=[5, 6],
+                logprobs=[logprob(f"x{i}"), logprob("y")],
+            )
+        )
         usage = Usage(prompt_tokens=7 + i, completion_tokens=2, total_tokens=9 + i, cached_prompt_tokens=3)
         prompt = None
         if request.prompt_logprobs is not None:  # the prompt's tokens: "p<i>" and "é" ("é" of token ids)
-            prompt = [PromptLogprob(token_id=1, token=f"p{i}", bytes=list(f"p{i}".encode()), logprob=None),
-                      PromptLogprob(token_id=2, token="é", bytes=list("é".encode()), logprob=-0.25,
-                                    top_logprobs=[TopLogprob(token_id=2, token="é", bytes=[195, 169], logprob=-0.25)])]
-        events.append(ReplyEnd(request_id=request.request_id, seq=2, finish_reason="stop", usage=usage,
-                               cumulative_logprob=-1.0 - i, model_version=request.model, prompt_logprobs=prompt))  # fmt: skip
+            prompt = [
+                PromptLogprob(token_id=1, token=f"p{i}", bytes=list(f"p{i}".encode()), logprob=None),
+                PromptLogprob(
+                    token_id=2,
+                    token="é",
+                    bytes=list("é".encode()),
+                    logprob=-0.25,
+                    top_logprobs=[TopLogprob(token_id=2, token="é", bytes=[195, 169], logprob=-0.25)],
+                ),
+            ]
+        events.append(
+            ReplyEnd(
+                request_id=request.request_id,
+                seq=2,
+                finish_reason="stop",
+                usage=usage,
+                cumulative_logprob=-1.0 - i,
+                model_version=request.model,
+                prompt_logprobs=prompt,
+            )
+        )
     return events
 
 
@@ -193,7 +286,7 @@ async def _never_gone() -> dict[str, Any]:
 
 def online_body(kind: str, body: dict[str, Any], requests: list[GenerateRequest]) -> dict[str, Any]:
     """The gateway's whole (stream=false) answer: the siblings' events through collect."""
-    parsed = parse_body(kind, orjson.dumps(body))  # type: ignore[arg-type]
+    parsed = parse_body(kind, orjson.dumps(body))
     parent = requests[0] if len(requests) == 1 else requests[0].model_copy(update={"request_id": "r"})
 
     async def run() -> dict[str, Any]:
@@ -202,8 +295,8 @@ def online_body(kind: str, body: dict[str, Any], requests: list[GenerateRequest]
         group = SiblingGroup(parent, exchanges, parsed.num_results) if len(requests) > 1 else exchanges[0]
         for event in replies(requests):
             bus.router.on_event(event)
-        writer = ChunkWriter.of(kind, parsed, parent)  # type: ignore[arg-type]
-        result = await collect(group, kind, writer.created_s, _never_gone, lambda text: text, None, writer)  # type: ignore[arg-type]
+        writer = ChunkWriter.of(kind, parsed, parent)
+        result = await collect(group, kind, writer.created_s, _never_gone, lambda text: text, None, writer)
         assert result is not None
         return result
 
@@ -212,7 +305,9 @@ def online_body(kind: str, body: dict[str, Any], requests: list[GenerateRequest]
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(bodies())
-def test_a_body_gives_the_same_requests_charge_and_answer_online_and_in_a_batch(case: tuple[str, dict[str, Any]]) -> None:
+def test_a_body_gives_the_same_requests_charge_and_answer_online_and_in_a_batch(
+    case: tuple[str, dict[str, Any]],
+) -> None:
     kind, body = case
     served = online(kind, body)
     checked = batch_check(kind, body)
@@ -226,7 +321,10 @@ def test_a_body_gives_the_same_requests_charge_and_answer_online_and_in_a_batch(
             # the runner counts no prompt tokens: only a prompt (+ max_tokens) past the context,
             # which the upload check refused (above), is left to the worker
             assert served[0] == "context_length_exceeded"
-            assert lines[0].request is not None and lines[0].request.max_tokens <= CATALOG.resolve(body["model"]).max_model_len
+            assert (
+                lines[0].request is not None
+                and lines[0].request.max_tokens <= CATALOG.resolve(body["model"]).max_model_len
+            )
         else:
             assert (lines[0].error.code, lines[0].error.param) == served
         return
@@ -237,9 +335,12 @@ def test_a_body_gives_the_same_requests_charge_and_answer_online_and_in_a_batch(
     # a seed the body does not set is derived from the request id (which each path sets: routing)
     ignored = set() if "seed" in body else {"seed"}
     assert [without_routing(r, ignored) for r in ran] == [without_routing(r, ignored) for r in requests]
-    assert {(r.priority, r.principal, r.tenant, getattr(r, "stream", False)) for r in ran} == {("bulk", "ann", "acme", False)}
-    assert [r.request_id.removeprefix(lines[0].line_request_id) for r in ran] == \
-        [r.request_id.removeprefix("r") for r in requests]  # the same sibling (or part) suffixes
+    assert {(r.priority, r.principal, r.tenant, getattr(r, "stream", False)) for r in ran} == {
+        ("bulk", "ann", "acme", False)
+    }
+    assert [r.request_id.removeprefix(lines[0].line_request_id) for r in ran] == [
+        r.request_id.removeprefix("r") for r in requests
+    ]  # the same sibling (or part) suffixes
     results = JobResults(lines)
     for event in replies(ran):
         results.add(event)

@@ -20,6 +20,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+
 from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,8 +57,11 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
         else:
             shutil.copy2(source, context / name)
     out = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", str(context),
-                    "-w", str(out)], check=True, cwd=context)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", str(context), "-w", str(out)],
+        check=True,
+        cwd=context,
+    )
     (found,) = out.glob("weir-*.whl")
     return found
 
@@ -66,8 +70,9 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def installed(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The wheel installed into a folder of its own (its dependencies are this venv's)."""
     target = tmp_path_factory.mktemp("site")
-    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
-                   check=True)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)], check=True
+    )
     return target
 
 
@@ -88,15 +93,26 @@ def test_the_wheel_holds_every_tracked_file_of_the_packages(wheel: Path) -> None
 def _environment(site: Path, home: Path) -> dict[str, str]:
     """Only the installed wheel and this venv's packages importable: no checkout on the path."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("WEIR_")}
-    env.update(PYTHONPATH=str(site), WEIR_HOME=str(home), WEIR_MODEL_REPO=str(REPO / "models.toml"),
-               PYTHONUNBUFFERED="1", PYTHONDONTWRITEBYTECODE="1")  # fmt: skip
+    env.update(
+        PYTHONPATH=str(site),
+        WEIR_HOME=str(home),
+        WEIR_MODEL_REPO=str(REPO / "models.toml"),
+        PYTHONUNBUFFERED="1",
+        PYTHONDONTWRITEBYTECODE="1",
+    )
     return env
 
 
 def test_the_installed_wheel_is_what_runs(installed: Path, tmp_path: Path) -> None:
     code = "import services.gateway.guard.injection as m, weir; print(m.DEFAULT_MODEL_PATH); print(weir.__file__)"
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=_environment(installed, tmp_path),
-                         capture_output=True, text=True, check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env=_environment(installed, tmp_path),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     model_path, weir_init = out.stdout.split()
     assert Path(model_path).is_relative_to(installed) and Path(model_path).is_file()
     assert Path(weir_init).is_relative_to(installed)
@@ -115,11 +131,22 @@ def _wait_for_line(log: Path, pattern: str, proc: subprocess.Popen, timeout_s: f
 @pytest.mark.kafka
 def test_a_gateway_starts_from_the_installed_wheel(installed: Path, tmp_path: Path) -> None:
     log = tmp_path / "gateway.log"
-    cmd = [sys.executable, "-m", "weir.cli", "gateway", "--http-port", "0", "--bootstrap", BOOTSTRAP,
-           "--topic-prefix", f"wheel-{uuid.uuid4().hex[:8]}"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "weir.cli",
+        "gateway",
+        "--http-port",
+        "0",
+        "--bootstrap",
+        BOOTSTRAP,
+        "--topic-prefix",
+        f"wheel-{uuid.uuid4().hex[:8]}",
+    ]
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=tmp_path, env=_environment(installed, tmp_path), stdout=out,
-                                stderr=subprocess.STDOUT)  # fmt: skip
+        proc = subprocess.Popen(
+            cmd, cwd=tmp_path, env=_environment(installed, tmp_path), stdout=out, stderr=subprocess.STDOUT
+        )
     try:
         found = _wait_for_line(log, r"gateway serving (http://[\d.]+:\d+)", proc, 120)
         with urllib.request.urlopen(f"{found.group(1)}/healthz", timeout=5) as resp:

@@ -22,7 +22,6 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
-
 T = TypeVar("T")
 
 POLL_S = 0.05  # between two looks at a condition: cheap for in-memory checks, and Kafka reads wait on their own
@@ -74,7 +73,7 @@ async def until(
         if inspect.isawaitable(result):
             result = await result
         if result:
-            return result  # type: ignore[return-value]
+            return result
         for task in watched:
             if task.done():  # an AssertionError either way: a SystemExit (uvicorn's failed start) must not escape
                 error = None if task.cancelled() else task.exception()

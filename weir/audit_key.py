@@ -52,8 +52,9 @@ def resolve_audit_key(setting: str | None, *, create: bool, home: Path | None = 
     made first when `create` (services, `weir up`). Raises AuditKeyError."""
     if setting:
         return parse_key(setting)
-    return _key_from_file(key_file(home), create, "audit key", "WEIR_AUDIT_HMAC_KEY",
-                          "the workers of this deployment make it")  # fmt: skip
+    return _key_from_file(
+        key_file(home), create, "audit key", "WEIR_AUDIT_HMAC_KEY", "the workers of this deployment make it"
+    )
 
 
 def checkpoint_key_file(home: Path | None = None) -> Path:
@@ -67,11 +68,17 @@ def resolve_checkpoint_key(setting: str | None, *, create: bool, home: Path | No
     if setting:
         key = parse_key(setting)
         if len(key) < 16:
-            raise AuditKeyError("WEIR_AUDIT_CHECKPOINT_KEY is shorter than 16 bytes; "
-                                "use 32 random bytes as hex:<64 digits>")
+            raise AuditKeyError(
+                "WEIR_AUDIT_CHECKPOINT_KEY is shorter than 16 bytes; use 32 random bytes as hex:<64 digits>"
+            )
         return key
-    return _key_from_file(checkpoint_key_file(home), create, "checkpoint key", "WEIR_AUDIT_CHECKPOINT_KEY",
-                          "the auditor of this deployment makes it")  # fmt: skip
+    return _key_from_file(
+        checkpoint_key_file(home),
+        create,
+        "checkpoint key",
+        "WEIR_AUDIT_CHECKPOINT_KEY",
+        "the auditor of this deployment makes it",
+    )
 
 
 def _key_from_file(path: Path, create: bool, what: str, variable: str, who_makes_it: str) -> bytes:
@@ -126,16 +133,23 @@ def read_key_file(path: Path, what: str = "audit key") -> bytes:
     except (OSError, UnicodeDecodeError) as exc:
         raise AuditKeyError(f"cannot read the {what} {path}: {exc}") from exc
     if info.st_uid != os.getuid():
-        raise AuditKeyError(f"the {what} {path} belongs to uid {info.st_uid}, not to this user "
-                            f"(uid {os.getuid()}); run as its owner, or `chown` it")  # fmt: skip
+        raise AuditKeyError(
+            f"the {what} {path} belongs to uid {info.st_uid}, not to this user "
+            f"(uid {os.getuid()}); run as its owner, or `chown` it"
+        )
     if stat.S_IMODE(info.st_mode) & 0o077:
-        raise AuditKeyError(f"the {what} {path} has mode {stat.S_IMODE(info.st_mode):04o}: others can read "
-                            f"it; run `chmod 600 {path}`")  # fmt: skip
+        raise AuditKeyError(
+            f"the {what} {path} has mode {stat.S_IMODE(info.st_mode):04o}: others can read it; run `chmod 600 {path}`"
+        )
     if stat.S_IMODE(folder.st_mode) & 0o022:
-        raise AuditKeyError(f"the folder of the {what}, {path.parent}, is writable by others (mode "
-                            f"{stat.S_IMODE(folder.st_mode):04o}); run `chmod 700 {path.parent}`")  # fmt: skip
+        raise AuditKeyError(
+            f"the folder of the {what}, {path.parent}, is writable by others (mode "
+            f"{stat.S_IMODE(folder.st_mode):04o}); run `chmod 700 {path.parent}`"
+        )
     if len(text) != 2 * KEY_BYTES or any(c not in "0123456789abcdefABCDEF" for c in text):
-        raise AuditKeyError(f"the {what} {path} is not {2 * KEY_BYTES} hex digits (a {KEY_BYTES}-byte key); "
-                            "restore it from a backup (records made with a key match only that key), or "
-                            "delete it to have a new one made")  # fmt: skip
+        raise AuditKeyError(
+            f"the {what} {path} is not {2 * KEY_BYTES} hex digits (a {KEY_BYTES}-byte key); "
+            "restore it from a backup (records made with a key match only that key), or "
+            "delete it to have a new one made"
+        )
     return bytes.fromhex(text)

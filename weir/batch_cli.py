@@ -53,8 +53,10 @@ class Progress:
             return
         width = 30
         filled = width * done // total if total else 0
-        self.stream.write(f"\r{batch.status:<11} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}"
-                          f" failed={counts.failed if counts else 0}")
+        self.stream.write(
+            f"\r{batch.status:<11} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}"
+            f" failed={counts.failed if counts else 0}"
+        )
         self.stream.flush()
 
     def close(self) -> None:
@@ -68,8 +70,12 @@ def submit(args: argparse.Namespace) -> int:
     client = _client(args)
     with open(args.file, "rb") as fh:
         uploaded = client.files.create(file=fh, purpose="batch")
-    batch = client.batches.create(input_file_id=uploaded.id, endpoint=args.endpoint, completion_window="24h",
-                                  metadata={"source": Path(args.file).name})
+    batch = client.batches.create(
+        input_file_id=uploaded.id,
+        endpoint=args.endpoint,
+        completion_window="24h",
+        metadata={"source": Path(args.file).name},
+    )
     print(f"batch {batch.id} (input {uploaded.id})", file=sys.stderr)
     progress = Progress()
     try:
@@ -92,18 +98,28 @@ def submit(args: argparse.Namespace) -> int:
         for error in batch.errors.data[:10]:
             print(f"line {error.line}: {error.code}: {error.message}", file=sys.stderr)
     counts = batch.request_counts
-    print(f"{batch.id} {batch.status}: {counts.completed if counts else 0} completed, "
-          f"{counts.failed if counts else 0} failed", file=sys.stderr)
+    print(
+        f"{batch.id} {batch.status}: {counts.completed if counts else 0} completed, "
+        f"{counts.failed if counts else 0} failed",
+        file=sys.stderr,
+    )
     return 0 if batch.status == "completed" else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="weir batch", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base-url", default=os.environ.get("WEIR_BASE_URL", "http://127.0.0.1:8000"),
-                        help="gateway URL (env WEIR_BASE_URL; default %(default)s)")
-    parser.add_argument("--api-key", default=os.environ.get("WEIR_API_KEY", os.environ.get("OPENAI_API_KEY", "none")),
-                        help="API key (env WEIR_API_KEY or OPENAI_API_KEY)")
+    parser = argparse.ArgumentParser(
+        prog="weir batch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--base-url",
+        default=os.environ.get("WEIR_BASE_URL", "http://127.0.0.1:8000"),
+        help="gateway URL (env WEIR_BASE_URL; default %(default)s)",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("WEIR_API_KEY", os.environ.get("OPENAI_API_KEY", "none")),
+        help="API key (env WEIR_API_KEY or OPENAI_API_KEY)",
+    )
     # --base-url and --api-key also after the action (`weir batch submit F --base-url U`, as the docs
     # show it); there SUPPRESS keeps the value given before the action, or the default.
     common = argparse.ArgumentParser(add_help=False)
@@ -129,7 +145,9 @@ def main(argv: list[str]) -> int:
         if args.action == "submit":
             return submit(args)
         client = _client(args)
-        batch = client.batches.cancel(args.batch_id) if args.action == "cancel" else client.batches.retrieve(args.batch_id)
+        batch = (
+            client.batches.cancel(args.batch_id) if args.action == "cancel" else client.batches.retrieve(args.batch_id)
+        )
         print(batch.model_dump_json(indent=2))
         return 0
     except (openai.APIError, OSError) as exc:

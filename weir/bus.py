@@ -16,9 +16,9 @@ import logging
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any, Literal
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
@@ -61,13 +61,16 @@ class BusSettings(BaseSettings):
     # `weir up` starts the services while its broker boots (their imports and model loading
     # overlap the JVM's start) and sets this to its own start-up timeout.
     kafka_wait_s: float = Field(
-        0.0, ge=0, description="How long a service waits at start for the Kafka cluster to answer (0: not at all; "
+        0.0,
+        ge=0,
+        description="How long a service waits at start for the Kafka cluster to answer (0: not at all; "
         "it exits 3 when the first connection fails).",
     )
 
     # A reply topic is named by whoever produced the request (docs/design.md, "Reply topics").
     reply_topic_auto_create: bool = Field(
-        True, description="Whether the worker and the batcher ask the broker to create a reply topic that does not "
+        True,
+        description="Whether the worker and the batcher ask the broker to create a reply topic that does not "
         "exist yet (it does so only where auto.create.topics.enable is true); false: a request whose reply topic "
         "does not exist is dropped, unanswered, and the reply topics must be made first (weir topics create --reply).",
     )
@@ -77,20 +80,28 @@ class BusSettings(BaseSettings):
     # default 5 minutes; a group member then holds no partition of it for that long, and its
     # group's work waits (docs/design.md, "Scale-out and failover"). Group consumers refresh sooner.
     group_metadata_max_age_ms: int = Field(
-        5000, ge=500, description="How often a consumer-group member refreshes its topics' metadata: the longest a "
+        5000,
+        ge=500,
+        description="How often a consumer-group member refreshes its topics' metadata: the longest a "
         "topic lost from a metadata answer stays unassigned, and how soon a new topic matching a pattern "
         "subscription (the batcher's requests.*) is read.",
     )
 
-    http_host: str = Field("127.0.0.1", description="Address of the service's HTTP endpoint (/healthz, /readyz, /metrics).")
+    http_host: str = Field(
+        "127.0.0.1", description="Address of the service's HTTP endpoint (/healthz, /readyz, /metrics)."
+    )
 
     # Secure mode (weir/kafka/security.py): the principal this process logs in as.
     kafka_security: Literal["plaintext", "sasl"] = Field(
-        "plaintext", description="plaintext: no credentials (the default local broker); sasl: SASL/SCRAM-SHA-512 "
+        "plaintext",
+        description="plaintext: no credentials (the default local broker); sasl: SASL/SCRAM-SHA-512 "
         "as kafka_user (a secure broker: `weir kafka up --secure`).",
     )
-    kafka_user: str | None = Field(None, description="The Kafka principal with kafka_security=sasl (gateway, "
-                                   "batcher, worker, auditor, admin, or one from `weir kafka user add`).")
+    kafka_user: str | None = Field(
+        None,
+        description="The Kafka principal with kafka_security=sasl (gateway, "
+        "batcher, worker, auditor, admin, or one from `weir kafka user add`).",
+    )
     kafka_password_file: Path | None = Field(
         None, description="Its password file (mode 0600); default $WEIR_HOME/secrets/kafka/<kafka_user>.password."
     )
@@ -143,8 +154,12 @@ def make_producer(settings: BusSettings, client_id: str, linger_ms: int = 0) -> 
     )
 
 
-def consumer_settings(settings: BusSettings, max_poll_records: int = 500, session_timeout_ms: int = 10_000,
-                      heartbeat_interval_ms: int | None = None) -> dict[str, Any]:  # fmt: skip
+def consumer_settings(
+    settings: BusSettings,
+    max_poll_records: int = 500,
+    session_timeout_ms: int = 10_000,
+    heartbeat_interval_ms: int | None = None,
+) -> dict[str, Any]:
     """The fetch, session and isolation settings of every consumer of Weir, aiokafka's or FastStream's
     (the auditor's subscriber takes the same): no auto-commit, committed reads only. The heartbeat
     defaults to a quarter of the session (at least 100 ms), so three heartbeats may be lost before
@@ -152,7 +167,9 @@ def consumer_settings(settings: BusSettings, max_poll_records: int = 500, sessio
     if heartbeat_interval_ms is None:
         heartbeat_interval_ms = max(100, session_timeout_ms // 4)
     if not 0 < heartbeat_interval_ms < session_timeout_ms:
-        raise ValueError(f"heartbeat interval {heartbeat_interval_ms} ms must be below the session timeout {session_timeout_ms} ms")
+        raise ValueError(
+            f"heartbeat interval {heartbeat_interval_ms} ms must be below the session timeout {session_timeout_ms} ms"
+        )
     return {
         "enable_auto_commit": False,
         "fetch_max_wait_ms": settings.fetch_max_wait_ms,
@@ -305,7 +322,7 @@ async def partitions_of(consumer: AIOKafkaConsumer, topic: str, wait_s: float = 
     # since one round of all the metadata takes a second or more on a busy broker.
     deadline = asyncio.get_running_loop().time() + wait_s
     while True:
-        metadata = await consumer._client.fetch_all_metadata()  # noqa: SLF001 - see above
+        metadata = await consumer._client.fetch_all_metadata()  # see above
         partitions = metadata.partitions_for_topic(topic)
         if partitions:
             return set(partitions)
@@ -315,7 +332,9 @@ async def partitions_of(consumer: AIOKafkaConsumer, topic: str, wait_s: float = 
     raise RuntimeError(f"topic {topic} does not exist; were the deployment's topics created? (weir up creates them)")
 
 
-async def read_topic(settings: BusSettings, topic: str, client_id: str = "weir-models") -> list[tuple[bytes | None, bytes | None]]:
+async def read_topic(
+    settings: BusSettings, topic: str, client_id: str = "weir-models"
+) -> list[tuple[bytes | None, bytes | None]]:
     """(key, value) of every record of `topic`, read from its beginning to its end (no group: for
     the CLI's views of compacted or short-lived topics)."""
     consumer = make_consumer(settings, client_id=client_id, group_id=None)
@@ -342,9 +361,14 @@ class TopicFollower:
     alerts). `on_record` must not raise for bad input: it skips what it cannot read (docs/design.md,
     invariant 6); an exception it raises is logged and the record skipped."""
 
-    def __init__(self, settings: BusSettings, topic: str, client_id: str,
-                 on_record: Callable[[bytes | None, bytes | None, ConsumerRecord], None],
-                 on_batch: Callable[[], None] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        settings: BusSettings,
+        topic: str,
+        client_id: str,
+        on_record: Callable[[bytes | None, bytes | None, ConsumerRecord], None],
+        on_batch: Callable[[], None] | None = None,
+    ) -> None:
         self.settings = settings
         self.topic = topic
         self.client_id = client_id
@@ -388,7 +412,7 @@ class TopicFollower:
             for message in records:
                 try:
                     self.on_record(message.key, message.value, message)
-                except Exception:  # noqa: BLE001 - a bad record must not stop the view
+                except Exception:  # a bad record must not stop the view
                     log.exception("record at %s/%d skipped", message.topic, message.offset)
         if self.on_batch is not None and any(batches.values()):
             self.on_batch()

@@ -74,7 +74,9 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(x: object, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
+def _tojson(
+    x: object, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False
+) -> str:
     # transformers' override: Jinja's own tojson escapes HTML characters, and takes fewer options
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -153,13 +155,18 @@ class ChatTemplate:
         (raise_exception, e.g. a role order it does not take) or fails on it."""
         try:
             return self._template.render(
-                messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt,
+                messages=messages,
+                tools=tools,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
                 **self.special_tokens,
-            )  # fmt: skip
+            )
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"the model's chat template refused this chat: {exc}") from exc
         except Exception as exc:  # a template is code: a TypeError in it ends this request only
-            raise ChatTemplateError(f"the model's chat template failed on this chat: {type(exc).__name__}: {exc}") from exc
+            raise ChatTemplateError(
+                f"the model's chat template failed on this chat: {type(exc).__name__}: {exc}"
+            ) from exc
 
     def end_of_turn(self, special_texts: Iterable[str]) -> str | None:
         """The special token the template closes an assistant turn with (ChatML's <|im_end|>,
@@ -201,8 +208,12 @@ def text_turns(messages: list[ChatMessage], tools: list[ToolDef] | None) -> list
     return turns
 
 
-def render_chat(template: ChatTemplate | None, messages: list[ChatMessage], tools: list[ToolDef] | None = None,
-                add_generation_prompt: bool = True) -> str:
+def render_chat(
+    template: ChatTemplate | None,
+    messages: list[ChatMessage],
+    tools: list[ToolDef] | None = None,
+    add_generation_prompt: bool = True,
+) -> str:
     """Chat turns (and the tools the model may call) as prompt text, through the model's chat
     template when it has one: what the engine runs, and what the gateway's /tokenize counts.
 

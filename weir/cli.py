@@ -1,16 +1,16 @@
 """The `weir` command line.
 
-    weir kafka up|down|status     the local Apache Kafka broker (weir/kafka/launcher.py), or with
-                                  --brokers 3 a cluster of three (docs/kafka.md, "A cluster"); --secure:
-                                  SASL/SCRAM and ACLs (weir/kafka/security.py)
-    weir kafka user add NAME      an outside producer's principal on a secure broker
-    weir kafka secrets            make a secure deployment's passwords (docker-compose.secure.yml)
-    weir topics create            create a deployment's topics on any cluster
-    weir up | gateway | batcher | worker | auditor | audit | keys | batch | replay | models | trace | usage | sbom
-                                  handed to the owning module's main(argv), imported on use
-    weir bench NAME ...           runs `python -m bench NAME ...` as its own program (the bench/
-                                  package sits above weir/, which never imports it)
-    weir chaos ...                runs `python -m bench.chaos ...` the same way (bench/chaos.py)
+weir kafka up|down|status     the local Apache Kafka broker (weir/kafka/launcher.py), or with
+                              --brokers 3 a cluster of three (docs/kafka.md, "A cluster"); --secure:
+                              SASL/SCRAM and ACLs (weir/kafka/security.py)
+weir kafka user add NAME      an outside producer's principal on a secure broker
+weir kafka secrets            make a secure deployment's passwords (docker-compose.secure.yml)
+weir topics create            create a deployment's topics on any cluster
+weir up | gateway | batcher | worker | auditor | audit | keys | batch | replay | models | trace | usage | sbom
+                              handed to the owning module's main(argv), imported on use
+weir bench NAME ...           runs `python -m bench NAME ...` as its own program (the bench/
+                              package sits above weir/, which never imports it)
+weir chaos ...                runs `python -m bench.chaos ...` the same way (bench/chaos.py)
 """
 
 from __future__ import annotations
@@ -42,42 +42,66 @@ DELEGATED: dict[str, tuple[str, str]] = {
     "batch": ("weir.batch_cli", "submit an OpenAI-format batch file and download its results"),
     "replay": ("weir.replay", "rerun recorded requests on another model and diff the outputs"),
     "trace": ("weir.trace_cli", "print one request's span tree (every service's spans) from the traces topic"),
-    "models": ("services.worker.models_cli", "the model registry (pack, push, list, show, load, unload, retire, "
-               "promote, seed, keygen); import a GGUF file as a model directory"),
+    "models": (
+        "services.worker.models_cli",
+        "the model registry (pack, push, list, show, load, unload, retire, "
+        "promote, seed, keygen); import a GGUF file as a model directory",
+    ),
     "usage": ("weir.usage", "token usage and cost per day, tenant, principal and model version"),
-    "sbom": ("weir.sbom", "a CycloneDX SBOM of this environment (Python packages, Kafka jars), checked against the locks"),
+    "sbom": (
+        "weir.sbom",
+        "a CycloneDX SBOM of this environment (Python packages, Kafka jars), checked against the locks",
+    ),
 }
 
 # Subcommands that are separate programs: name -> (the `python -m` module, help). Their process
 # replaces this one, so exit status and signals are theirs; nothing here imports them.
 PROGRAMS: dict[str, tuple[str, str]] = {
     "bench": ("bench", "benchmark a running deployment"),
-    "chaos": ("bench.chaos", "kill -9 services and a broker under load on a stack of its own; exit 1 when a "
-              "request was lost, duplicated or differs from its seeded rerun"),
+    "chaos": (
+        "bench.chaos",
+        "kill -9 services and a broker under load on a stack of its own; exit 1 when a "
+        "request was lost, duplicated or differs from its seeded rerun",
+    ),
 }
 
 
 def _add_deployment_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--topic-prefix", default=os.environ.get("WEIR_TOPIC_PREFIX", DEFAULT_PREFIX),
-                        help="topic name prefix (env WEIR_TOPIC_PREFIX; default %(default)s)")
-    parser.add_argument("--model-repo", type=Path, default=Path(os.environ.get("WEIR_MODEL_REPO", "models.toml")),
-                        help="model repository TOML (env WEIR_MODEL_REPO; default %(default)s)")
+    parser.add_argument(
+        "--topic-prefix",
+        default=os.environ.get("WEIR_TOPIC_PREFIX", DEFAULT_PREFIX),
+        help="topic name prefix (env WEIR_TOPIC_PREFIX; default %(default)s)",
+    )
+    parser.add_argument(
+        "--model-repo",
+        type=Path,
+        default=Path(os.environ.get("WEIR_MODEL_REPO", "models.toml")),
+        help="model repository TOML (env WEIR_MODEL_REPO; default %(default)s)",
+    )
 
 
 def _add_broker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, help="client port (env WEIR_KAFKA_PORT; default 9092)")
-    parser.add_argument("--controller-port", type=int,
-                        help="KRaft controller port (env WEIR_KAFKA_CONTROLLER_PORT; default port + 1)")
-    parser.add_argument("--data-dir", type=Path,
-                        help="data dir (env WEIR_KAFKA_DATA_DIR; default $WEIR_HOME/kafka/broker-<port>, "
-                        "for a cluster $WEIR_HOME/kafka/cluster-<port>, a node-<i> dir per node)")
+    parser.add_argument(
+        "--controller-port", type=int, help="KRaft controller port (env WEIR_KAFKA_CONTROLLER_PORT; default port + 1)"
+    )
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        help="data dir (env WEIR_KAFKA_DATA_DIR; default $WEIR_HOME/kafka/broker-<port>, "
+        "for a cluster $WEIR_HOME/kafka/cluster-<port>, a node-<i> dir per node)",
+    )
 
 
 def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
     _add_broker_args(parser)
-    parser.add_argument("--brokers", type=int, default=int(os.environ.get("WEIR_KAFKA_BROKERS", "1")),
-                        help="nodes: 1, or a KRaft cluster of 3 or 5 on ports port..port+2n-1 (env "
-                        "WEIR_KAFKA_BROKERS; default %(default)s)")
+    parser.add_argument(
+        "--brokers",
+        type=int,
+        default=int(os.environ.get("WEIR_KAFKA_BROKERS", "1")),
+        help="nodes: 1, or a KRaft cluster of 3 or 5 on ports port..port+2n-1 (env "
+        "WEIR_KAFKA_BROKERS; default %(default)s)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,35 +117,58 @@ def build_parser() -> argparse.ArgumentParser:
     _add_deployment_args(kafka_up)
     kafka_up.add_argument("--timeout", type=float, default=90.0, help="seconds to wait for readiness")
     kafka_up.add_argument("--no-topics", action="store_true", help="do not create the deployment's topics")
-    kafka_up.add_argument("--secure", action="store_true", default=os.environ.get("WEIR_KAFKA_SECURITY") == "sasl",
-                          help="SASL/SCRAM-SHA-512 and ACLs, deny by default (default: on when "
-                          "WEIR_KAFKA_SECURITY=sasl); docs/kafka.md, 'Secure mode'")
+    kafka_up.add_argument(
+        "--secure",
+        action="store_true",
+        default=os.environ.get("WEIR_KAFKA_SECURITY") == "sasl",
+        help="SASL/SCRAM-SHA-512 and ACLs, deny by default (default: on when "
+        "WEIR_KAFKA_SECURITY=sasl); docs/kafka.md, 'Secure mode'",
+    )
     for action, text in (("down", "stop the broker (SIGTERM, then SIGKILL)"), ("status", "is it running?")):
         _add_cluster_args(kafka_actions.add_parser(action, help=text))
-    kafka_actions.add_parser("secrets", help="make the passwords of a secure deployment's principals into "
-                             "$WEIR_HOME/secrets/kafka (once; existing ones are kept)")
+    kafka_actions.add_parser(
+        "secrets",
+        help="make the passwords of a secure deployment's principals into "
+        "$WEIR_HOME/secrets/kafka (once; existing ones are kept)",
+    )
     user = kafka_actions.add_parser("user", help="principals of a secure broker")
     user_actions = user.add_subparsers(dest="user_action", required=True, metavar="ACTION")
-    user_add = user_actions.add_parser("add", help="make (or keep) NAME's password, its own request topic "
-                                       "<prefix>.requests.NAME and an outside producer's ACLs: write that topic "
-                                       "only, read its own replies. Requests there are served as principal NAME, "
-                                       "tenant `kafka`, and must name a reply topic of NAME's")
-    user_add.add_argument("name", help="the user (its requests: <prefix>.requests.NAME; its reply topics: "
-                          "<prefix>.replies.NAME.<anything>)")
+    user_add = user_actions.add_parser(
+        "add",
+        help="make (or keep) NAME's password, its own request topic "
+        "<prefix>.requests.NAME and an outside producer's ACLs: write that topic "
+        "only, read its own replies. Requests there are served as principal NAME, "
+        "tenant `kafka`, and must name a reply topic of NAME's",
+    )
+    user_add.add_argument(
+        "name",
+        help="the user (its requests: <prefix>.requests.NAME; its reply topics: <prefix>.replies.NAME.<anything>)",
+    )
     _add_broker_args(user_add)
     _add_deployment_args(user_add)
 
     topics = commands.add_parser("topics", help="Kafka topics of a deployment")
     topic_actions = topics.add_subparsers(dest="action", required=True, metavar="ACTION")
     create = topic_actions.add_parser("create", help="create the missing topics (idempotent)")
-    create.add_argument("--bootstrap", default=os.environ.get("WEIR_KAFKA_BOOTSTRAP", "127.0.0.1:9092"),
-                        help="Kafka bootstrap servers (env WEIR_KAFKA_BOOTSTRAP; default %(default)s)")
+    create.add_argument(
+        "--bootstrap",
+        default=os.environ.get("WEIR_KAFKA_BOOTSTRAP", "127.0.0.1:9092"),
+        help="Kafka bootstrap servers (env WEIR_KAFKA_BOOTSTRAP; default %(default)s)",
+    )
     create.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the broker")
-    create.add_argument("--reply", action="append", default=[], metavar="ID",
-                        help="also create the reply topic <prefix>.replies.ID for a client of your own (repeatable)")
-    create.add_argument("--acls", action="store_true",
-                        help="on a secure cluster, also give the services and `client` their ACLs for this prefix "
-                        "(log in as admin: WEIR_KAFKA_SECURITY=sasl WEIR_KAFKA_USER=admin)")
+    create.add_argument(
+        "--reply",
+        action="append",
+        default=[],
+        metavar="ID",
+        help="also create the reply topic <prefix>.replies.ID for a client of your own (repeatable)",
+    )
+    create.add_argument(
+        "--acls",
+        action="store_true",
+        help="on a secure cluster, also give the services and `client` their ACLs for this prefix "
+        "(log in as admin: WEIR_KAFKA_SECURITY=sasl WEIR_KAFKA_USER=admin)",
+    )
     _add_deployment_args(create)
 
     for name, (_module, text) in {**DELEGATED, **PROGRAMS}.items():
@@ -154,7 +201,11 @@ def exec_program(name: str, argv: list[str]) -> int:
 
 
 async def create_topics(
-    bootstrap: str, prefix: str, model_repo: Path, timeout_s: float, replies: list[str] | None = None,
+    bootstrap: str,
+    prefix: str,
+    model_repo: Path,
+    timeout_s: float,
+    replies: list[str] | None = None,
     options: dict[str, str] | None = None,
 ) -> list[str]:
     """Wait for the cluster, then create the core topics, those of every model in the repository,
@@ -193,13 +244,16 @@ def _kafka(args: argparse.Namespace) -> int:
     is_secure = args.action == "user" or (args.action == "up" and args.secure)
     if getattr(args, "brokers", 1) != 1:
         return _kafka_cluster(args, is_secure)
-    cfg = launcher.BrokerConfig.from_env(port=args.port, controller_port=args.controller_port,
-                                         data_dir=args.data_dir, secure=is_secure)
+    cfg = launcher.BrokerConfig.from_env(
+        port=args.port, controller_port=args.controller_port, data_dir=args.data_dir, secure=is_secure
+    )
     if args.action == "user":
         path = asyncio.run(add_user(cfg, args.name, args.topic_prefix))
         topics = Topics(args.topic_prefix)
-        print(f"user {args.name}: password in {path}; it may write {topics.producer_requests(args.name)} (served "
-              f"as principal {args.name}) and read {security.client_reply_prefix(topics, args.name)}*")
+        print(
+            f"user {args.name}: password in {path}; it may write {topics.producer_requests(args.name)} (served "
+            f"as principal {args.name}) and read {security.client_reply_prefix(topics, args.name)}*"
+        )
         print(f"connect with WEIR_KAFKA_SECURITY=sasl WEIR_KAFKA_USER={args.name} WEIR_KAFKA_PASSWORD_FILE={path}")
         return 0
     if args.action == "status":
@@ -217,15 +271,18 @@ def _kafka(args: argparse.Namespace) -> int:
     state = asyncio.run(launcher.up(cfg, args.timeout))
     print(state.describe())
     if not args.no_topics:
-        created = asyncio.run(create_topics(cfg.bootstrap, args.topic_prefix, args.model_repo, args.timeout,
-                                            options=cfg.admin_options()))  # fmt: skip
+        created = asyncio.run(
+            create_topics(cfg.bootstrap, args.topic_prefix, args.model_repo, args.timeout, options=cfg.admin_options())
+        )
         print(f"topics under prefix {args.topic_prefix!r}: {len(created)} created")
     if cfg.secure:
         from weir.kafka.admin import grant_deployment_acls
 
         count = asyncio.run(grant_deployment_acls(cfg.bootstrap, Topics(args.topic_prefix), cfg.admin_options()))
-        print(f"secure: SASL_PLAINTEXT/{security.MECHANISM} on {cfg.host} (no TLS), deny by default; {count} ACL "
-              f"bindings for prefix {args.topic_prefix!r}; passwords in {cfg.secrets}")
+        print(
+            f"secure: SASL_PLAINTEXT/{security.MECHANISM} on {cfg.host} (no TLS), deny by default; {count} ACL "
+            f"bindings for prefix {args.topic_prefix!r}; passwords in {cfg.secrets}"
+        )
         print(f"connect with WEIR_KAFKA_SECURITY=sasl WEIR_KAFKA_USER=<{'|'.join(security.SERVICES)}|client|admin>")
     print(f"bootstrap servers: {cfg.bootstrap}")
     return 0
@@ -252,7 +309,9 @@ def _kafka_cluster(args: argparse.Namespace, is_secure: bool) -> int:
     print("\n".join(state.describe() for state in states))
     if not args.no_topics:
         created = asyncio.run(create_topics(bootstrap, args.topic_prefix, args.model_repo, args.timeout))
-        print(f"topics under prefix {args.topic_prefix!r}: {len(created)} created, {replication_for(len(cfgs))} replicas each")
+        print(
+            f"topics under prefix {args.topic_prefix!r}: {len(created)} created, {replication_for(len(cfgs))} replicas each"
+        )
     print(f"bootstrap servers: {bootstrap}")
     return 0
 
@@ -285,8 +344,11 @@ def find_deployment(argv: list[str]) -> None:
         if host in ("127.0.0.1", "localhost") and port.isdigit() and not os.environ.get("WEIR_KAFKA_PORT"):
             os.environ["WEIR_KAFKA_PORT"] = filled["WEIR_KAFKA_PORT"] = port  # the local broker `weir up` runs
     if filled:
-        print(f"weir: the deployment of `weir up` ({deployment.path()}): "
-              + " ".join(f"{name}={value}" for name, value in filled.items()), file=sys.stderr)  # fmt: skip
+        print(
+            f"weir: the deployment of `weir up` ({deployment.path()}): "
+            + " ".join(f"{name}={value}" for name, value in filled.items()),
+            file=sys.stderr,
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -299,8 +361,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in PROGRAMS:
         return exec_program(argv[0], argv[1:])
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     from aiokafka.errors import KafkaError
 
     from weir.kafka.launcher import BrokerError
@@ -314,7 +378,9 @@ def main(argv: list[str] | None = None) -> int:
             if (problem := topics.reply_to_problem(topics.replies(reply))) is not None:
                 print(f"weir: error: --reply {reply[:40]!r}: {problem}", file=sys.stderr)
                 return 2
-        created = asyncio.run(create_topics(args.bootstrap, args.topic_prefix, args.model_repo, args.timeout, args.reply))
+        created = asyncio.run(
+            create_topics(args.bootstrap, args.topic_prefix, args.model_repo, args.timeout, args.reply)
+        )
         print(f"topics under prefix {args.topic_prefix!r} on {args.bootstrap}: {len(created)} created")
         if args.acls:
             from weir.kafka.admin import grant_deployment_acls
@@ -322,8 +388,10 @@ def main(argv: list[str] | None = None) -> int:
 
             options = client_options_from_env()
             if options.get("sasl_plain_username") != "admin":
-                print("weir: error: --acls needs the admin login (WEIR_KAFKA_SECURITY=sasl WEIR_KAFKA_USER=admin)",
-                      file=sys.stderr)  # fmt: skip
+                print(
+                    "weir: error: --acls needs the admin login (WEIR_KAFKA_SECURITY=sasl WEIR_KAFKA_USER=admin)",
+                    file=sys.stderr,
+                )
                 return 2
             count = asyncio.run(grant_deployment_acls(args.bootstrap, Topics(args.topic_prefix), options))
             print(f"ACLs for prefix {args.topic_prefix!r}: {count} bindings")

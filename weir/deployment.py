@@ -38,8 +38,13 @@ def record(bootstrap: str, topic_prefix: str, secure: bool, gateways: list[str],
     """Write this process's deployment (atomically: a reader never sees half a file); returns where."""
     target = path(home)
     target.parent.mkdir(parents=True, exist_ok=True)
-    body = {"bootstrap": bootstrap, "topic_prefix": topic_prefix, "security": "sasl" if secure else "plaintext",
-            "pid": os.getpid(), "gateways": gateways}  # fmt: skip
+    body = {
+        "bootstrap": bootstrap,
+        "topic_prefix": topic_prefix,
+        "security": "sasl" if secure else "plaintext",
+        "pid": os.getpid(),
+        "gateways": gateways,
+    }
     partial = target.with_name(f".{FILE}.{os.getpid()}")
     partial.write_text(json.dumps(body, indent=1) + "\n")
     partial.replace(target)
@@ -83,14 +88,17 @@ def load(home: Path | None = None) -> dict[str, Any] | None:
         print(f"weir: ignoring {target}: not a record of `weir up`", file=sys.stderr)
         return None
     if not _alive(body.get("pid")):
-        print(f"weir: ignoring {target}: the `weir up` that wrote it (pid {body.get('pid')}) is not running",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"weir: ignoring {target}: the `weir up` that wrote it (pid {body.get('pid')}) is not running",
+            file=sys.stderr,
+        )
         return None
     return body
 
 
-def apply(env: MutableMapping[str, str] | None = None, home: Path | None = None,
-          body: dict[str, Any] | None = None) -> dict[str, str]:
+def apply(
+    env: MutableMapping[str, str] | None = None, home: Path | None = None, body: dict[str, Any] | None = None
+) -> dict[str, str]:
     """Fill in `env` (default os.environ) from the recorded deployment (`body` when the caller
     loaded it, else `load(home)`) where it says nothing; returns what was filled in (nothing
     without a record)."""
@@ -109,6 +117,8 @@ def apply(env: MutableMapping[str, str] | None = None, home: Path | None = None,
 
 def export_line(bootstrap: str, topic_prefix: str, secure: bool, home: Path | None = None) -> str:
     """The shell line that points another terminal's commands (and any Kafka tool) at this deployment."""
-    line = f"export WEIR_HOME={home if home is not None else weir_home()} WEIR_KAFKA_BOOTSTRAP={bootstrap} " \
-           f"WEIR_TOPIC_PREFIX={topic_prefix}"
+    line = (
+        f"export WEIR_HOME={home if home is not None else weir_home()} WEIR_KAFKA_BOOTSTRAP={bootstrap} "
+        f"WEIR_TOPIC_PREFIX={topic_prefix}"
+    )
     return line + (" WEIR_KAFKA_SECURITY=sasl WEIR_KAFKA_USER=admin" if secure else "")

@@ -57,20 +57,39 @@ def chunk_spans(
 
 
 def _chunk(header: FileHeader, index: int, num_chunks: int, num_bytes: int, piece: bytes) -> FileChunk:
-    return FileChunk(file_id=header.file_id, index=index, num_chunks=num_chunks, filename=header.filename,
-                     purpose=header.purpose, tenant=header.tenant, credential=header.credential, principal=header.principal,
-                     num_bytes=num_bytes, data=piece.decode("utf-8"), created_ms=header.created_ms)  # fmt: skip
+    return FileChunk(
+        file_id=header.file_id,
+        index=index,
+        num_chunks=num_chunks,
+        filename=header.filename,
+        purpose=header.purpose,
+        tenant=header.tenant,
+        credential=header.credential,
+        principal=header.principal,
+        num_bytes=num_bytes,
+        data=piece.decode("utf-8"),
+        created_ms=header.created_ms,
+    )
 
 
-async def write_spooled(producer: AIOKafkaProducer, topic: str, header: FileHeader, file: IO[bytes], size: int,
-                        on_chunk: Callable[[FileChunk], None], max_in_flight: int = 4) -> FileChunk:
+async def write_spooled(
+    producer: AIOKafkaProducer,
+    topic: str,
+    header: FileHeader,
+    file: IO[bytes],
+    size: int,
+    on_chunk: Callable[[FileChunk], None],
+    max_in_flight: int = 4,
+) -> FileChunk:
     """Produce a `size`-byte UTF-8 file from a seekable binary file, a chunk at a time with at most
     `max_in_flight` chunks unacknowledged, so it is never whole in this function's memory; each
     chunk goes to `on_chunk` once produced. Returns the first chunk (the file's metadata). Raises
     UnicodeDecodeError for a file that is not UTF-8."""
-    def peek(at: int) -> bytes:  # noqa: E306
+
+    def peek(at: int) -> bytes:
         file.seek(at)
         return file.read(4)
+
     spans = chunk_spans(peek, size)
     pending: list[asyncio.Future[Any]] = []
     first: FileChunk | None = None
@@ -175,5 +194,3 @@ async def is_behind(consumer: AIOKafkaConsumer, ends: dict[TopicPartition, int])
         if await consumer.position(tp) < end:
             return True
     return False
-
-

@@ -21,7 +21,7 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +31,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from schemas.codec import DecodeError, decode_reply, decode_request, encode
 from schemas.messages import GenerateRequest, ReplyEnd, now_ms
 from schemas.reply_stream import ReplyCursor
-from weir.bus import BusSettings, make_consumer, make_producer
-from weir.bus import partitions_of
+from weir.bus import BusSettings, make_consumer, make_producer, partitions_of
 from weir.kafka.admin import ensure_topics
 
 
@@ -58,7 +57,7 @@ def parse_time_ms(text: str) -> int:
         return int(text)
     moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
     if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=timezone.utc)
+        moment = moment.replace(tzinfo=UTC)
     return int(moment.timestamp() * 1000)
 
 
@@ -71,11 +70,13 @@ def prompt_text(request: GenerateRequest) -> str:
     return "\n".join(f"{m.role}: {m.content}" for m in request.messages or [])
 
 
-async def _window(consumer: AIOKafkaConsumer, topic: str, since_ms: int, until_ms: int) -> dict[TopicPartition, tuple[int, int]]:
+async def _window(
+    consumer: AIOKafkaConsumer, topic: str, since_ms: int, until_ms: int
+) -> dict[TopicPartition, tuple[int, int]]:
     """Per partition of `topic`: [first offset at or after since, first offset at or after until)."""
     tps = [TopicPartition(topic, p) for p in sorted(await partitions_of(consumer, topic))]
-    starts = await consumer.offsets_for_times({tp: since_ms for tp in tps})
-    stops = await consumer.offsets_for_times({tp: until_ms for tp in tps})
+    starts = await consumer.offsets_for_times(dict.fromkeys(tps, since_ms))
+    stops = await consumer.offsets_for_times(dict.fromkeys(tps, until_ms))
     ends = await consumer.end_offsets(tps)
     spans = {}
     for tp in tps:
@@ -106,7 +107,9 @@ async def _read_spans(consumer: AIOKafkaConsumer, spans: dict[TopicPartition, tu
     return records
 
 
-async def recorded_requests(settings: BusSettings, since_ms: int, until_ms: int, job_id: str | None) -> list[GenerateRequest]:
+async def recorded_requests(
+    settings: BusSettings, since_ms: int, until_ms: int, job_id: str | None
+) -> list[GenerateRequest]:
     """The GenerateRequests recorded in the window (of one job, with job_id), first copy of each id."""
     consumer = make_consumer(settings, client_id=f"replay-{uuid.uuid4().hex[:8]}", group_id=None)
     await consumer.start()
@@ -128,7 +131,9 @@ async def recorded_requests(settings: BusSettings, since_ms: int, until_ms: int,
         await consumer.stop()
 
 
-async def original_outcomes(settings: BusSettings, requests: list[GenerateRequest], since_ms: int) -> dict[str, Outcome]:
+async def original_outcomes(
+    settings: BusSettings, requests: list[GenerateRequest], since_ms: int
+) -> dict[str, Outcome]:
     """What the original reply topics still hold about `requests`."""
     wanted = {r.request_id for r in requests}
     outcomes: dict[str, Outcome] = {}
@@ -152,7 +157,9 @@ async def original_outcomes(settings: BusSettings, requests: list[GenerateReques
     return outcomes
 
 
-async def rerun(settings: BusSettings, requests: list[GenerateRequest], model: str, timeout_s: float) -> dict[str, Outcome]:
+async def rerun(
+    settings: BusSettings, requests: list[GenerateRequest], model: str, timeout_s: float
+) -> dict[str, Outcome]:
     """Run each request again on `model`; returns outcomes by the *original* request id."""
     run = uuid.uuid4().hex[:10]
     topics = settings.topics
@@ -173,10 +180,17 @@ async def rerun(settings: BusSettings, requests: list[GenerateRequest], model: s
         for request in requests:
             new_id = f"rp-{run}-{hashlib.sha256(request.request_id.encode()).hexdigest()[:24]}"
             by_new[new_id] = request.request_id
-            again = request.model_copy(update={
-                "request_id": new_id, "model": model, "reply_to": reply_to, "seed": request.effective_seed,
-                "deadline_ms": deadline_ms, "created_ms": now_ms(), "priority": "bulk",
-            })  # fmt: skip
+            again = request.model_copy(
+                update={
+                    "request_id": new_id,
+                    "model": model,
+                    "reply_to": reply_to,
+                    "seed": request.effective_seed,
+                    "deadline_ms": deadline_ms,
+                    "created_ms": now_ms(),
+                    "priority": "bulk",
+                }
+            )
             sends.append(await producer.send(topics.requests, encode(again), key=new_id.encode()))
         await asyncio.gather(*sends)
         stop_at = time.monotonic() + timeout_s + 5
@@ -195,8 +209,13 @@ async def rerun(settings: BusSettings, requests: list[GenerateRequest], model: s
     return outcomes
 
 
-def diff_rows(requests: list[GenerateRequest], before: dict[str, Outcome], after: dict[str, Outcome],
-              model: str, with_prompts: bool) -> list[dict[str, Any]]:
+def diff_rows(
+    requests: list[GenerateRequest],
+    before: dict[str, Outcome],
+    after: dict[str, Outcome],
+    model: str,
+    with_prompts: bool,
+) -> list[dict[str, Any]]:
     """One row per request, then the summary row."""
     rows: list[dict[str, Any]] = []
     for request in requests:
@@ -205,27 +224,44 @@ def diff_rows(requests: list[GenerateRequest], before: dict[str, Outcome], after
         new_text = "".join(new.text) if new and new.end else None
         prompt = prompt_text(request)
         row: dict[str, Any] = {
-            "request_id": request.request_id, "prompt_sha256": hashlib.sha256(prompt.encode()).hexdigest(),
-            "original_model": request.model, "new_model": model,
-            "original_text": old_text, "original_finish_reason": old.end.finish_reason if old and old.end else None,
-            "new_text": new_text, "new_finish_reason": new.end.finish_reason if new and new.end else None,
+            "request_id": request.request_id,
+            "prompt_sha256": hashlib.sha256(prompt.encode()).hexdigest(),
+            "original_model": request.model,
+            "new_model": model,
+            "original_text": old_text,
+            "original_finish_reason": old.end.finish_reason if old and old.end else None,
+            "new_text": new_text,
+            "new_finish_reason": new.end.finish_reason if new and new.end else None,
             "is_equal": old_text is not None and old_text == new_text,
-        }  # fmt: skip
+        }
         if with_prompts:
             row["prompt"] = prompt
         rows.append(row)
-    rows.append({
-        "summary": True, "new_model": model, "num_requests": len(rows),
-        "num_equal": sum(r["is_equal"] for r in rows),
-        "num_different": sum(r["original_text"] is not None and r["new_text"] is not None and not r["is_equal"] for r in rows),
-        "num_missing_original": sum(r["original_text"] is None for r in rows),
-        "num_missing_new": sum(r["new_text"] is None for r in rows),
-    })  # fmt: skip
+    rows.append(
+        {
+            "summary": True,
+            "new_model": model,
+            "num_requests": len(rows),
+            "num_equal": sum(r["is_equal"] for r in rows),
+            "num_different": sum(
+                r["original_text"] is not None and r["new_text"] is not None and not r["is_equal"] for r in rows
+            ),
+            "num_missing_original": sum(r["original_text"] is None for r in rows),
+            "num_missing_new": sum(r["new_text"] is None for r in rows),
+        }
+    )
     return rows
 
 
-async def replay(settings: BusSettings, since_ms: int, until_ms: int, job_id: str | None, model: str,
-                 timeout_s: float, with_prompts: bool) -> list[dict[str, Any]]:
+async def replay(
+    settings: BusSettings,
+    since_ms: int,
+    until_ms: int,
+    job_id: str | None,
+    model: str,
+    timeout_s: float,
+    with_prompts: bool,
+) -> list[dict[str, Any]]:
     """Find, rerun and diff; returns the rows `weir replay` writes."""
     requests = await recorded_requests(settings, since_ms, until_ms, job_id)
     before = await original_outcomes(settings, requests, since_ms)
@@ -234,8 +270,9 @@ async def replay(settings: BusSettings, since_ms: int, until_ms: int, job_id: st
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="weir replay", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="weir replay", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--since", help="window start, ISO 8601 (UTC when naive) or epoch ms; default: the beginning")
     parser.add_argument("--until", help="window end (exclusive); default: now")
     parser.add_argument("--job", help="only the requests of this batch job")
@@ -261,7 +298,9 @@ def main(argv: list[str]) -> int:
     from aiokafka.errors import KafkaError
 
     try:
-        rows = asyncio.run(replay(settings, since_ms, until_ms, args.job, args.model, args.timeout_s, args.with_prompts))
+        rows = asyncio.run(
+            replay(settings, since_ms, until_ms, args.job, args.model, args.timeout_s, args.with_prompts)
+        )
     except (KafkaError, OSError, RuntimeError) as exc:
         print(f"weir replay: {exc}", file=sys.stderr)
         return 2
@@ -271,9 +310,12 @@ def main(argv: list[str]) -> int:
     else:
         sys.stdout.buffer.write(data)
     summary = rows[-1]
-    print(f"replayed {summary['num_requests']} requests on {args.model}: {summary['num_equal']} equal, "
-          f"{summary['num_different']} different, {summary['num_missing_original']} without original, "
-          f"{summary['num_missing_new']} without new output", file=sys.stderr)
+    print(
+        f"replayed {summary['num_requests']} requests on {args.model}: {summary['num_equal']} equal, "
+        f"{summary['num_different']} different, {summary['num_missing_original']} without original, "
+        f"{summary['num_missing_new']} without new output",
+        file=sys.stderr,
+    )
     return 0
 
 

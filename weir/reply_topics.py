@@ -73,16 +73,23 @@ class TopicWriter:
     """
 
     def __init__(
-        self, producer: AIOKafkaProducer, *, auto_create: bool = True, lookup_timeout_s: float = 10.0,
-        refused_for_s: float = 10.0, clock: Callable[[], float] = time.monotonic,
-    ) -> None:  # fmt: skip
+        self,
+        producer: AIOKafkaProducer,
+        *,
+        auto_create: bool = True,
+        lookup_timeout_s: float = 10.0,
+        refused_for_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.producer = producer
         self.auto_create = auto_create
         self.lookup_timeout_s = lookup_timeout_s
         self.refused_for_s = refused_for_s
         self._clock = clock
         self._refused: dict[str, tuple[TopicRefused, float]] = {}  # topic -> (why, until when)
-        self._queued: dict[str, list[tuple[bytes, bytes | None, int | None, list[tuple[str, bytes]] | None, asyncio.Future]]] = {}
+        self._queued: dict[
+            str, list[tuple[bytes, bytes | None, int | None, list[tuple[str, bytes]] | None, asyncio.Future]]
+        ] = {}
         self._tasks: set[asyncio.Task] = set()
         self.num_refused = 0  # sends failed with TopicRefused, since start
 
@@ -101,7 +108,11 @@ class TopicWriter:
         return topic in self._queued
 
     async def send(
-        self, topic: str, value: bytes, key: bytes | None, partition: int | None = None,
+        self,
+        topic: str,
+        value: bytes,
+        key: bytes | None,
+        partition: int | None = None,
         headers: list[tuple[str, bytes]] | None = None,
     ) -> asyncio.Future:
         """Produce one record (with `headers`: trace context); returns the future of its durable
@@ -113,7 +124,9 @@ class TopicWriter:
             return failed_future(refused)
         queue = self._queued.get(topic)
         if queue is None and self.producer.client.cluster.partitions_for_topic(topic):
-            return self._watched(topic, await self.producer.send(topic, value, key=key, partition=partition, headers=headers))
+            return self._watched(
+                topic, await self.producer.send(topic, value, key=key, partition=partition, headers=headers)
+            )
         future: asyncio.Future = asyncio.get_running_loop().create_future()
         if queue is None:
             queue = self._queued[topic] = []
@@ -166,7 +179,7 @@ class TopicWriter:
                 request = MetadataRequest([topic], allow_auto_topic_creation=self.auto_create)
                 # A broker that does not answer holds a request for the client's whole timeout (30 s).
                 response = await asyncio.wait_for(client.send(node_id, request), max(0.1, deadline - self._clock()))
-            except (KafkaError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, KafkaError) as exc:
                 last = exc
                 if explaining and not answered:
                     break
@@ -179,7 +192,7 @@ class TopicWriter:
                 try:  # the producer's own metadata now (the topic exists: this returns at once)
                     await asyncio.wait_for(self.producer.partitions_for(topic), remaining)
                     return None
-                except (KafkaError, asyncio.TimeoutError) as exc:
+                except (TimeoutError, KafkaError) as exc:
                     last = exc
                     continue
             # Asked to create it, a KRaft broker answers UNKNOWN_TOPIC_OR_PARTITION until it

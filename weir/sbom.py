@@ -80,8 +80,7 @@ def python_components(locked: dict[str, tuple[str, list[str]]]) -> list[dict[str
             continue
         version = dist.version
         purl = f"pkg:pypi/{name}@{version}"
-        component: dict[str, Any] = {"type": "library", "bom-ref": purl, "name": name, "version": version,
-                                     "purl": purl}  # fmt: skip
+        component: dict[str, Any] = {"type": "library", "bom-ref": purl, "name": name, "version": version, "purl": purl}
         if licenses := _license(dist.metadata):
             component["licenses"] = licenses
         lock_version, hashes = locked.get(name, ("", []))
@@ -98,8 +97,12 @@ def jar_components(lib: Path, version: str = launcher.KAFKA_VERSION) -> list[dic
     for jar in sorted(p for p in lib.iterdir() if p.name != ".complete"):
         with open(jar, "rb") as handle:
             sha256 = hashlib.file_digest(handle, "sha256").hexdigest()
-        component: dict[str, Any] = {"type": "library", "bom-ref": f"jar:{jar.name}", "name": jar.name,
-                                     "hashes": [{"alg": "SHA-256", "content": sha256}]}  # fmt: skip
+        component: dict[str, Any] = {
+            "type": "library",
+            "bom-ref": f"jar:{jar.name}",
+            "name": jar.name,
+            "hashes": [{"alg": "SHA-256", "content": sha256}],
+        }
         if jar.name in pins:
             group, artifact, jar_version = pins[jar.name][1].split(":")
             purl = f"pkg:maven/{group}/{artifact}@{jar_version}"
@@ -119,8 +122,13 @@ def build_sbom(locks: list[Path], lib: Path | None) -> dict[str, Any]:
     components = [c for c in components if c["name"] != "weir"]  # the subject, in metadata
     if lib is not None:
         components += jar_components(lib)
-    subject = {"type": "application", "bom-ref": f"pkg:pypi/weir@{weir_version}", "name": "weir",
-               "version": weir_version, "purl": f"pkg:pypi/weir@{weir_version}"}  # fmt: skip
+    subject = {
+        "type": "application",
+        "bom-ref": f"pkg:pypi/weir@{weir_version}",
+        "name": "weir",
+        "version": weir_version,
+        "purl": f"pkg:pypi/weir@{weir_version}",
+    }
     return {
         "bomFormat": "CycloneDX",
         "specVersion": SPEC_VERSION,
@@ -155,8 +163,9 @@ def check_sbom(sbom: dict[str, Any], locks: list[Path], lib: Path | None) -> lis
             problems.append(f"the pinned jar {name} ({coordinates}) is not listed")
         elif jars[name]["hashes"][0]["content"] != sha256:
             problems.append(f"the jar {name} has another sha256 than the pinned {sha256}")
-    problems += [f"the jar {name} is not pinned in {launcher.JAR_PINS.name}" for name in sorted(jars) if
-                 "purl" not in jars[name]]  # fmt: skip
+    problems += [
+        f"the jar {name} is not pinned in {launcher.JAR_PINS.name}" for name in sorted(jars) if "purl" not in jars[name]
+    ]
     return problems
 
 
@@ -168,11 +177,19 @@ def default_locks() -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="weir sbom", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="write the SBOM here (default: standard output)")
-    parser.add_argument("--lock", type=Path, action="append", metavar="FILE",
-                        help="a hash-locked requirements file (repeatable; default ./requirements*.lock)")
-    parser.add_argument("--check", action="store_true",
-                        help="exit 1 unless every locked package is installed at its version and every pinned "
-                        "Kafka jar is resolved and listed with its pinned sha256")
+    parser.add_argument(
+        "--lock",
+        type=Path,
+        action="append",
+        metavar="FILE",
+        help="a hash-locked requirements file (repeatable; default ./requirements*.lock)",
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="exit 1 unless every locked package is installed at its version and every pinned "
+        "Kafka jar is resolved and listed with its pinned sha256",
+    )
     args = parser.parse_args(argv)
     locks = args.lock if args.lock is not None else default_locks()
     if missing := [str(lock) for lock in locks if not lock.is_file()]:
@@ -197,8 +214,10 @@ def main(argv: list[str] | None = None) -> int:
         if problems := check_sbom(sbom, locks, lib):
             print("weir sbom: check failed:\n  " + "\n  ".join(problems), file=sys.stderr)
             return 1
-        print(f"weir sbom: check passed against {', '.join(lock.name for lock in locks)} and "
-              f"{launcher.JAR_PINS.name}", file=sys.stderr)  # fmt: skip
+        print(
+            f"weir sbom: check passed against {', '.join(lock.name for lock in locks)} and {launcher.JAR_PINS.name}",
+            file=sys.stderr,
+        )
     return 0
 
 

@@ -81,16 +81,32 @@ class Service(Protocol):
 def service_parser(name: str, description: str, default_http_port: int, http_port_env: str) -> argparse.ArgumentParser:
     """The flags every service takes; a service adds its own. Each flag overrides a WEIR_* setting."""
     parser = argparse.ArgumentParser(prog=f"weir {name}", description=description)
-    parser.add_argument("--bootstrap", help="Kafka bootstrap servers (env WEIR_KAFKA_BOOTSTRAP; default 127.0.0.1:9092)")
-    parser.add_argument("--topic-prefix", help="prefix of every topic and group id (env WEIR_TOPIC_PREFIX; default weir)")
-    parser.add_argument("--log-level", default=os.environ.get("WEIR_LOG_LEVEL", "INFO"),
-                        help="DEBUG, INFO, WARNING or ERROR (env WEIR_LOG_LEVEL; default %(default)s)")
-    parser.add_argument("--log-format", choices=("text", "json"), default=os.environ.get("WEIR_LOG_FORMAT", "text"),
-                        help="text lines, or one JSON object per line (env WEIR_LOG_FORMAT; default %(default)s)")
-    parser.add_argument("--http-host", help="address of the service's HTTP endpoint (env WEIR_HTTP_HOST; default 127.0.0.1)")
-    parser.add_argument("--http-port", type=int,
-                        help=f"port of /healthz, /readyz, /metrics (env {http_port_env}; default {default_http_port}; "
-                        "0: any free port, logged)")
+    parser.add_argument(
+        "--bootstrap", help="Kafka bootstrap servers (env WEIR_KAFKA_BOOTSTRAP; default 127.0.0.1:9092)"
+    )
+    parser.add_argument(
+        "--topic-prefix", help="prefix of every topic and group id (env WEIR_TOPIC_PREFIX; default weir)"
+    )
+    parser.add_argument(
+        "--log-level",
+        default=os.environ.get("WEIR_LOG_LEVEL", "INFO"),
+        help="DEBUG, INFO, WARNING or ERROR (env WEIR_LOG_LEVEL; default %(default)s)",
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default=os.environ.get("WEIR_LOG_FORMAT", "text"),
+        help="text lines, or one JSON object per line (env WEIR_LOG_FORMAT; default %(default)s)",
+    )
+    parser.add_argument(
+        "--http-host", help="address of the service's HTTP endpoint (env WEIR_HTTP_HOST; default 127.0.0.1)"
+    )
+    parser.add_argument(
+        "--http-port",
+        type=int,
+        help=f"port of /healthz, /readyz, /metrics (env {http_port_env}; default {default_http_port}; "
+        "0: any free port, logged)",
+    )
     return parser
 
 
@@ -110,8 +126,11 @@ class JsonLines(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, Any] = {
             "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
-            "level": record.levelname, "service": self.service, "logger": record.name, "msg": record.getMessage(),
-        }  # fmt: skip
+            "level": record.levelname,
+            "service": self.service,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
         return orjson.dumps(entry).decode()
@@ -156,9 +175,11 @@ def ops_app(
         return PlainTextResponse(metrics(), media_type=CONTENT_TYPE)
 
     routes: list[BaseRoute] = [
-        Route("/healthz", healthz), Route("/readyz", readyz), Route("/metrics", render_metrics),
+        Route("/healthz", healthz),
+        Route("/readyz", readyz),
+        Route("/metrics", render_metrics),
         *(extra_routes or []),
-    ]  # fmt: skip
+    ]
     if mount is not None:
         routes.append(Mount("/", app=mount))
     return Starlette(routes=routes)
@@ -181,8 +202,9 @@ def inherited_socket(host: str, port: int) -> socket.socket | None:
     try:
         sock = socket.socket(fileno=int(fd_text))
     except (ValueError, OSError) as exc:
-        raise ConfigError(f"{HTTP_FD_ENV}={fd_text!r} is not an open socket ({exc}); unset it to bind "
-                          "--http-port") from exc
+        raise ConfigError(
+            f"{HTTP_FD_ENV}={fd_text!r} is not an open socket ({exc}); unset it to bind --http-port"
+        ) from exc
     sock.set_inheritable(False)  # passed down to this process only, not to the processes it starts
     if sock.type != socket.SOCK_STREAM or not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
         sock.close()
@@ -194,8 +216,9 @@ def inherited_socket(host: str, port: int) -> socket.socket | None:
         wrong_host = False
     if (port and got_port != port) or wrong_host:
         sock.close()
-        raise ConfigError(f"the socket passed in {HTTP_FD_ENV} listens on {got_host}:{got_port}, not on the "
-                          f"configured {host}:{port}")
+        raise ConfigError(
+            f"the socket passed in {HTTP_FD_ENV} listens on {got_host}:{got_port}, not on the configured {host}:{port}"
+        )
     return sock
 
 
@@ -208,8 +231,9 @@ def bind(host: str, port: int) -> socket.socket:
     try:
         return socket.create_server((host, port))
     except OSError as exc:
-        raise ConfigError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); set --http-port "
-                          "to a free port, or 0 for any") from exc
+        raise ConfigError(
+            f"cannot listen on {host}:{port} ({exc.strerror or exc}); set --http-port to a free port, or 0 for any"
+        ) from exc
 
 
 def run_service(
@@ -268,7 +292,7 @@ async def _drive(service: Service, sock: socket.socket, stop_timeout_s: float) -
     except BrokerUnreachable as exc:
         log.error("%s cannot start: %s", service.name, exc)
         return EXIT_BROKER
-    except Exception as exc:  # noqa: BLE001 - a start that failed otherwise: one line, and a restart
+    except Exception as exc:  # a start that failed otherwise: one line, and a restart
         log.error("%s failed to start: %r", service.name, exc, exc_info=not isinstance(exc, OSError))
         return EXIT_FAILED
     finally:
@@ -307,12 +331,16 @@ async def _start(service: Service, stop: asyncio.Event) -> None:
         # Kafka answered, and refused this principal: its ACLs (schemas/access.py) lack a grant,
         # which no restart gives it (issue 35: this read "Kafka did not answer").
         user = os.environ.get("WEIR_KAFKA_USER") or "this client"
-        raise ConfigError(f"Kafka refused {user} ({exc!r}): a secure deployment's ACLs do not allow it; "
-                          "schemas/access.py declares what each service uses, `weir topics create --acls` "
-                          "grants it") from exc
+        raise ConfigError(
+            f"Kafka refused {user} ({exc!r}): a secure deployment's ACLs do not allow it; "
+            "schemas/access.py declares what each service uses, `weir topics create --acls` "
+            "grants it"
+        ) from exc
     except (KafkaConnectionError, KafkaError, TimeoutError) as exc:
-        raise BrokerUnreachable(f"Kafka did not answer ({exc!r}); is Kafka up (`weir kafka up`), and is "
-                                "--bootstrap / WEIR_KAFKA_BOOTSTRAP right?") from exc
+        raise BrokerUnreachable(
+            f"Kafka did not answer ({exc!r}); is Kafka up (`weir kafka up`), and is "
+            "--bootstrap / WEIR_KAFKA_BOOTSTRAP right?"
+        ) from exc
 
 
 async def _until_done(run_task: asyncio.Task[None], stop: asyncio.Event, stop_timeout_s: float) -> int:
@@ -331,7 +359,7 @@ async def _until_done(run_task: asyncio.Task[None], stop: asyncio.Event, stop_ti
         return EXIT_OK
     except ConfigError:
         raise
-    except Exception as exc:  # noqa: BLE001 - one actionable line, and a supervisor restarts it
+    except Exception as exc:  # one actionable line, and a supervisor restarts it
         log.error("stopped by an error: %r", exc, exc_info=not isinstance(exc, (KafkaError, OSError)))
         return EXIT_FAILED
     return EXIT_OK
@@ -345,8 +373,16 @@ class HttpServer:
 
         # A service may set other uvicorn options in its `http_options` (the gateway: its WebSocket
         # frame limit and a longer graceful shutdown for open streams).
-        config = uvicorn.Config(app, **{"log_level": "warning", "access_log": False, "lifespan": "on",
-                                        "timeout_graceful_shutdown": 5, **options})
+        config = uvicorn.Config(
+            app,
+            **{
+                "log_level": "warning",
+                "access_log": False,
+                "lifespan": "on",
+                "timeout_graceful_shutdown": 5,
+                **options,
+            },
+        )
         self.server = uvicorn.Server(config)
         self.server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]  # uvicorn has no option to leave signals to its caller
         # Nagle off for every connection accepted here (Linux copies the option to them). asyncio

@@ -46,11 +46,19 @@ SERVICES = ("auditor", "worker", "batcher", "gateway")
 SCALABLE = ("worker", "gateway")
 MAX_INSTANCES = 8
 # Each service's HTTP port (/healthz, /readyz, /metrics; the gateway's is its API) and its setting.
-HTTP_PORT_ENV = {"gateway": "WEIR_GATEWAY_PORT", "auditor": "WEIR_AUDIT_API_PORT",
-                 "batcher": "WEIR_BATCHER_HTTP_PORT", "worker": "WEIR_WORKER_HTTP_PORT"}
+HTTP_PORT_ENV = {
+    "gateway": "WEIR_GATEWAY_PORT",
+    "auditor": "WEIR_AUDIT_API_PORT",
+    "batcher": "WEIR_BATCHER_HTTP_PORT",
+    "worker": "WEIR_WORKER_HTTP_PORT",
+}
 # The address each service's HTTP endpoint listens on (weir/bus.py: http_host; the gateway's own).
-HTTP_HOST_ENV = {"gateway": "WEIR_GATEWAY_HOST", "auditor": "WEIR_HTTP_HOST", "batcher": "WEIR_HTTP_HOST",
-                 "worker": "WEIR_HTTP_HOST"}
+HTTP_HOST_ENV = {
+    "gateway": "WEIR_GATEWAY_HOST",
+    "auditor": "WEIR_HTTP_HOST",
+    "batcher": "WEIR_HTTP_HOST",
+    "worker": "WEIR_HTTP_HOST",
+}
 DEFAULT_HTTP_PORTS = {"gateway": 8000, "auditor": 8100, "batcher": 8110, "worker": 8120}
 
 
@@ -105,9 +113,13 @@ class Stack:
             env[HTTP_FD_ENV] = str(listener.fileno())
         with open(self.log_path(name), "ab") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "weir.cli", service], env=env, stdin=subprocess.DEVNULL,
-                stdout=log, stderr=subprocess.STDOUT, pass_fds=() if listener is None else (listener.fileno(),),
-            )  # fmt: skip
+                [sys.executable, "-m", "weir.cli", service],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                pass_fds=() if listener is None else (listener.fileno(),),
+            )
         self.procs[name] = proc
         return proc
 
@@ -188,26 +200,52 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default=os.environ.get("WEIR_GATEWAY_HOST", "127.0.0.1"))
     parser.add_argument("--port", type=int, default=int(os.environ.get("WEIR_GATEWAY_PORT", "8000")))
     parser.add_argument("--kafka-port", type=int, default=int(os.environ.get("WEIR_KAFKA_PORT", "9092")))
-    parser.add_argument("--brokers", type=int, default=int(os.environ.get("WEIR_KAFKA_BROKERS", "1")),
-                        help="Kafka nodes: 1, or a KRaft cluster of 3 or 5 from --kafka-port on (env "
-                        "WEIR_KAFKA_BROKERS; default 1); docs/kafka.md, 'A cluster'")
+    parser.add_argument(
+        "--brokers",
+        type=int,
+        default=int(os.environ.get("WEIR_KAFKA_BROKERS", "1")),
+        help="Kafka nodes: 1, or a KRaft cluster of 3 or 5 from --kafka-port on (env "
+        "WEIR_KAFKA_BROKERS; default 1); docs/kafka.md, 'A cluster'",
+    )
     parser.add_argument("--topic-prefix", default=os.environ.get("WEIR_TOPIC_PREFIX", DEFAULT_PREFIX))
     parser.add_argument("--model-repo", default=os.environ.get("WEIR_MODEL_REPO", "models.toml"))
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait until ready")
-    parser.add_argument("--log-dir", type=Path, default=os.environ.get("WEIR_LOG_DIR"),
-                        help="where each service's log goes (env WEIR_LOG_DIR; default $WEIR_HOME/logs)")
-    parser.add_argument("--auth", choices=("open", "required"), default="open",
-                        help="gateway auth mode: open (no credentials, local use; default) or required "
-                        "(API keys from `weir keys create`, or JWTs with WEIR_JWT_KEYS)")
-    parser.add_argument("--workers", type=instance_count, default=1, metavar="N",
-                        help=f"worker instances (1..{MAX_INSTANCES}; default 1): each its own HTTP port and "
-                        "instance id (WEIR_WORKER_INSTANCE=worker-<i>); they share each model's batch topic")
-    parser.add_argument("--gateways", type=instance_count, default=1, metavar="M",
-                        help=f"gateway instances (1..{MAX_INSTANCES}; default 1): the first on --port, the next "
-                        "on --port+1, ... where free (the banner lists them), each with its own reply topic")
-    parser.add_argument("--secure", action="store_true", default=os.environ.get("WEIR_KAFKA_SECURITY") == "sasl",
-                        help="Kafka with SASL/SCRAM and ACLs: each service logs in as its own principal "
-                        "(default: on when WEIR_KAFKA_SECURITY=sasl); docs/kafka.md, 'Secure mode'")
+    parser.add_argument(
+        "--log-dir",
+        type=Path,
+        default=os.environ.get("WEIR_LOG_DIR"),
+        help="where each service's log goes (env WEIR_LOG_DIR; default $WEIR_HOME/logs)",
+    )
+    parser.add_argument(
+        "--auth",
+        choices=("open", "required"),
+        default="open",
+        help="gateway auth mode: open (no credentials, local use; default) or required "
+        "(API keys from `weir keys create`, or JWTs with WEIR_JWT_KEYS)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=instance_count,
+        default=1,
+        metavar="N",
+        help=f"worker instances (1..{MAX_INSTANCES}; default 1): each its own HTTP port and "
+        "instance id (WEIR_WORKER_INSTANCE=worker-<i>); they share each model's batch topic",
+    )
+    parser.add_argument(
+        "--gateways",
+        type=instance_count,
+        default=1,
+        metavar="M",
+        help=f"gateway instances (1..{MAX_INSTANCES}; default 1): the first on --port, the next "
+        "on --port+1, ... where free (the banner lists them), each with its own reply topic",
+    )
+    parser.add_argument(
+        "--secure",
+        action="store_true",
+        default=os.environ.get("WEIR_KAFKA_SECURITY") == "sasl",
+        help="Kafka with SASL/SCRAM and ACLs: each service logs in as its own principal "
+        "(default: on when WEIR_KAFKA_SECURITY=sasl); docs/kafka.md, 'Secure mode'",
+    )
     return parser
 
 
@@ -230,7 +268,13 @@ def main(argv: list[str] | None = None) -> int:
         print(prepare_audit_key(), flush=True)
         print(prepare_admin_token(), flush=True)
         ports = service_ports(args.port, counts={"worker": args.workers, "gateway": args.gateways})
-    except (ModelRepoError, GGUFError, OSError, AuditKeyError, ValueError) as exc:  # a bad entry, key, GGUF source or port
+    except (
+        ModelRepoError,
+        GGUFError,
+        OSError,
+        AuditKeyError,
+        ValueError,
+    ) as exc:  # a bad entry, key, GGUF source or port
         print(f"weir up: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C during an import: its temporary directory is already removed
@@ -245,9 +289,13 @@ def main(argv: list[str] | None = None) -> int:
     except launcher.BrokerError as exc:
         print(f"weir up: {exc}", file=sys.stderr)
         return 1
-    stack = Stack(service_env(args, launcher.bootstrap_of(brokers)), Path(args.log_dir) if args.log_dir else weir_home() / "logs",
-                  http_ports=dict(ports), own_env=instance_envs(ports, broker),
-                  services={name: service_of(name) for name in ports})  # fmt: skip
+    stack = Stack(
+        service_env(args, launcher.bootstrap_of(brokers)),
+        Path(args.log_dir) if args.log_dir else weir_home() / "logs",
+        http_ports=dict(ports),
+        own_env=instance_envs(ports, broker),
+        services={name: service_of(name) for name in ports},
+    )
     # SIGTERM (kill, systemd, docker) and SIGHUP (a closed terminal) stop everything as Ctrl-C does;
     # by default they ended this process alone and left the four services running. SIGINT too, even
     # where it was inherited ignored (a shell's background job): a Ctrl-C to the process group
@@ -262,16 +310,31 @@ def main(argv: list[str] | None = None) -> int:
             kafka.wait(deadline_s)
         supervisor = start_stack(stack, args.auth)
         board = ReadinessBoard(["kafka", *stack.services], began_s)
-        wait_all_ready(board, lambda name: kafka.probe() if name == "kafka" else probe(f"{stack.url(name)}/readyz"),
-                       stack.dead, stack.log_tail, deadline_s, _say)  # fmt: skip
+        wait_all_ready(
+            board,
+            lambda name: kafka.probe() if name == "kafka" else probe(f"{stack.url(name)}/readyz"),
+            stack.dead,
+            stack.log_tail,
+            deadline_s,
+            _say,
+        )
         gateway_urls = [f"http://{args.host}:{ports[name]}" for name in instance_names("gateway", args.gateways)]
         bootstrap = launcher.bootstrap_of(brokers)
         # Other commands of this $WEIR_HOME find this deployment (weir/deployment.py) until it stops.
         deployment.record(bootstrap, args.topic_prefix, broker.secure, gateway_urls)
-        models = registered_versions(bootstrap, args.topic_prefix, broker, os.environ.get("WEIR_MODELS", "")) \
-            or served_versions(repo, os.environ.get("WEIR_MODELS", ""))
-        _print_banner(gateway_urls, broker, Topics(args.topic_prefix), models, args.auth, stack,
-                      time.monotonic() - began_s, bootstrap)  # fmt: skip
+        models = registered_versions(
+            bootstrap, args.topic_prefix, broker, os.environ.get("WEIR_MODELS", "")
+        ) or served_versions(repo, os.environ.get("WEIR_MODELS", ""))
+        _print_banner(
+            gateway_urls,
+            broker,
+            Topics(args.topic_prefix),
+            models,
+            args.auth,
+            stack,
+            time.monotonic() - began_s,
+            bootstrap,
+        )
         return supervise(stack, supervisor)
     except KeyboardInterrupt:
         print("\nstopping ...", flush=True)
@@ -320,11 +383,15 @@ def registered_versions(bootstrap: str, prefix: str, broker: Any, selection: str
     if broker.secure:  # as the operator (the admin super user), like `weir models list`
         from weir.kafka import security
 
-        login = {"kafka_security": "sasl", "kafka_user": security.ADMIN,
-                 "kafka_password_file": security.password_path(security.ADMIN, broker.secrets)}  # fmt: skip
+        login = {
+            "kafka_security": "sasl",
+            "kafka_user": security.ADMIN,
+            "kafka_password_file": security.password_path(security.ADMIN, broker.secrets),
+        }
     try:
-        state = asyncio.run(asyncio.wait_for(read_registry(BusSettings(kafka_bootstrap=bootstrap, topic_prefix=prefix,
-                                                                       **login)), 20))  # fmt: skip
+        state = asyncio.run(
+            asyncio.wait_for(read_registry(BusSettings(kafka_bootstrap=bootstrap, topic_prefix=prefix, **login)), 20)
+        )
     except Exception as exc:  # noqa: BLE001 - the banner names models.toml's versions instead
         _say(f"(the model registry could not be read for the banner: {exc!r})")
         return []
@@ -332,8 +399,11 @@ def registered_versions(bootstrap: str, prefix: str, broker: Any, selection: str
     found = []
     for name in wanted:
         default = state.default_version(name)
-        found += [f"{r.served_id}{'*' if r.manifest.version == default else ''}" for r in state.versions_of(name)
-                  if r.desired != "retired"]  # fmt: skip
+        found += [
+            f"{r.served_id}{'*' if r.manifest.version == default else ''}"
+            for r in state.versions_of(name)
+            if r.desired != "retired"
+        ]
     return found
 
 
@@ -403,8 +473,10 @@ def spawn_broker(broker: Any) -> None:
         _say(f"Kafka: using the broker that answers at {broker.bootstrap}")
         return
     if not launcher.jars_resolved(broker.version):
-        _say(f"Kafka: resolving the {broker.version} jars with Maven into {launcher.lib_dir(broker.version)} "
-             "(first start only; a minute or two) ...")  # fmt: skip
+        _say(
+            f"Kafka: resolving the {broker.version} jars with Maven into {launcher.lib_dir(broker.version)} "
+            "(first start only; a minute or two) ..."
+        )
         launcher.resolve_jars(broker.version)
     _say(f"Kafka: starting the broker at {broker.bootstrap} (data in {broker.home}) ...")
     launcher.start(broker)
@@ -455,11 +527,15 @@ def service_env(args: argparse.Namespace, bootstrap: str) -> dict[str, str]:
     Stack.http_ports). They start while the broker boots, so each waits for it up to the start-up
     timeout."""
     return {
-        "WEIR_KAFKA_BOOTSTRAP": bootstrap, "WEIR_TOPIC_PREFIX": args.topic_prefix,
-        "WEIR_MODEL_REPO": str(Path(args.model_repo).resolve()), "WEIR_GATEWAY_HOST": args.host,
-        "WEIR_AUTH_MODE": args.auth, "PYTHONUNBUFFERED": "1", "WEIR_HOME": str(weir_home()),
+        "WEIR_KAFKA_BOOTSTRAP": bootstrap,
+        "WEIR_TOPIC_PREFIX": args.topic_prefix,
+        "WEIR_MODEL_REPO": str(Path(args.model_repo).resolve()),
+        "WEIR_GATEWAY_HOST": args.host,
+        "WEIR_AUTH_MODE": args.auth,
+        "PYTHONUNBUFFERED": "1",
+        "WEIR_HOME": str(weir_home()),
         "WEIR_KAFKA_WAIT_S": str(args.timeout),
-    }  # fmt: skip
+    }
 
 
 def service_of(name: str) -> str:
@@ -491,9 +567,14 @@ def service_principals(broker: Any) -> dict[str, dict[str, str]]:
     the broker's start, weir/kafka/launcher.py)."""
     from weir.kafka import security
 
-    return {name: {"WEIR_KAFKA_SECURITY": "sasl", "WEIR_KAFKA_USER": name,
-                   "WEIR_KAFKA_PASSWORD_FILE": str(security.password_path(name, broker.secrets))}
-            for name in SERVICES}  # fmt: skip
+    return {
+        name: {
+            "WEIR_KAFKA_SECURITY": "sasl",
+            "WEIR_KAFKA_USER": name,
+            "WEIR_KAFKA_PASSWORD_FILE": str(security.password_path(name, broker.secrets)),
+        }
+        for name in SERVICES
+    }
 
 
 def start_stack(stack: Stack, auth: str) -> Supervisor:
@@ -504,7 +585,9 @@ def start_stack(stack: Stack, auth: str) -> Supervisor:
     for name in names:
         stack.start(name)
         supervisor.on_start(name, time.monotonic())
-    _say(f"starting {', '.join(names)} (logs in {stack.log_dir}); gateway auth mode: {auth} (WEIR_AUTH_MODE={auth}) ...")
+    _say(
+        f"starting {', '.join(names)} (logs in {stack.log_dir}); gateway auth mode: {auth} (WEIR_AUTH_MODE={auth}) ..."
+    )
     return supervisor
 
 
@@ -514,8 +597,9 @@ def instance_names(service: str, count: int) -> list[str]:
     return [service if i == 1 else f"{service}-{i}" for i in range(1, count + 1)]
 
 
-def service_ports(gateway_port: int, env: Mapping[str, str] | None = None,
-                  counts: Mapping[str, int] | None = None) -> dict[str, int]:
+def service_ports(
+    gateway_port: int, env: Mapping[str, str] | None = None, counts: Mapping[str, int] | None = None
+) -> dict[str, int]:
     """The HTTP port of each instance (`counts`: service -> instances, default 1 each). A service's
     first instance: the port its variable names (HTTP_PORT_ENV, as the README says) when set, else
     its default where that is free and not another's, else any free port (so `weir up --port 8100`
@@ -527,7 +611,9 @@ def service_ports(gateway_port: int, env: Mapping[str, str] | None = None,
     counts = counts or {}
     for service, count in counts.items():
         if service not in SCALABLE or not 1 <= count <= MAX_INSTANCES:
-            raise ValueError(f"weir up runs 1 to {MAX_INSTANCES} of {', '.join(SCALABLE)} each, not {count} of {service}")
+            raise ValueError(
+                f"weir up runs 1 to {MAX_INSTANCES} of {', '.join(SCALABLE)} each, not {count} of {service}"
+            )
     ports: dict[str, int] = {}
     for service in ("gateway", *(name for name in SERVICES if name != "gateway")):  # the gateways' ports first
         ports[service] = gateway_port if service == "gateway" else _first_port(service, env, ports)
@@ -555,7 +641,9 @@ def _port_near(wanted: int, env: Mapping[str, str], ports: dict[str, int]) -> in
 
 
 def _chosen_ports(env: Mapping[str, str]) -> set[int]:
-    return {int(v) for name, var in HTTP_PORT_ENV.items() if name != "gateway" and (v := env.get(var, "").strip()).isdigit()}
+    return {
+        int(v) for name, var in HTTP_PORT_ENV.items() if name != "gateway" and (v := env.get(var, "").strip()).isdigit()
+    }
 
 
 def port_taken(port: int) -> bool:
@@ -582,11 +670,17 @@ def supervise(stack: Stack, supervisor: Supervisor, poll_s: float = 0.5) -> int:
             delay = supervisor.on_exit(name, now)
             how = describe_exit(proc.returncode)
             if delay is None:
-                print(f"weir up: {name} exited ({how}), {supervisor.num_quick_exits(name)} times in a row "
-                      f"within {supervisor.policy.healthy_after_s:.0f} s of starting; giving up. Its log "
-                      f"({stack.log_path(name)}) ends:\n{stack.log_tail(name)}", file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"weir up: {name} exited ({how}), {supervisor.num_quick_exits(name)} times in a row "
+                    f"within {supervisor.policy.healthy_after_s:.0f} s of starting; giving up. Its log "
+                    f"({stack.log_path(name)}) ends:\n{stack.log_tail(name)}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return 1
-            print(f"weir up: {name} exited ({how}); restarting it" + (f" in {delay:.0f} s" if delay else ""), flush=True)
+            print(
+                f"weir up: {name} exited ({how}); restarting it" + (f" in {delay:.0f} s" if delay else ""), flush=True
+            )
             due[name] = now + delay
         for name, at in list(due.items()):
             if now >= at:
@@ -597,30 +691,46 @@ def supervise(stack: Stack, supervisor: Supervisor, poll_s: float = 0.5) -> int:
         time.sleep(poll_s)
 
 
-def _print_banner(urls: list[str], broker: Any, topics: Topics, models: list[str], auth: str, stack: Stack,
-                  took_s: float, bootstrap: str) -> None:
+def _print_banner(
+    urls: list[str],
+    broker: Any,
+    topics: Topics,
+    models: list[str],
+    auth: str,
+    stack: Stack,
+    took_s: float,
+    bootstrap: str,
+) -> None:
     url = urls[0]
-    api_lines = "".join(f"\n                         {more}/v1   (gateway-{i}; any gateway serves any model)"
-                        for i, more in enumerate(urls[1:], start=2))
+    api_lines = "".join(
+        f"\n                         {more}/v1   (gateway-{i}; any gateway serves any model)"
+        for i, more in enumerate(urls[1:], start=2)
+    )
     if auth == "open":
         auth_line = "OPEN: WEIR_AUTH_MODE=open, no API key needed (local use only; --auth required to change)"
     else:
         auth_line = "required: create a key with `weir keys create --principal P --tenant T`"
     services = "\n".join(f"    {name:<9} {proc.pid:<8} {stack.url(name)}" for name, proc in stack.procs.items())
-    replies = ", ".join(topics.replies(stack.own_env[name]["WEIR_GATEWAY_ID"]) for name in stack.procs
-                        if "WEIR_GATEWAY_ID" in stack.own_env.get(name, {}))
+    replies = ", ".join(
+        topics.replies(stack.own_env[name]["WEIR_GATEWAY_ID"])
+        for name in stack.procs
+        if "WEIR_GATEWAY_ID" in stack.own_env.get(name, {})
+    )
     if broker.secure:
-        kafka_line = (f"{bootstrap}  SASL/SCRAM-SHA-512 + ACLs; log in as `client` (WEIR_KAFKA_SECURITY=sasl "
-                      f"WEIR_KAFKA_USER=client; passwords in {broker.secrets})")
+        kafka_line = (
+            f"{bootstrap}  SASL/SCRAM-SHA-512 + ACLs; log in as `client` (WEIR_KAFKA_SECURITY=sasl "
+            f"WEIR_KAFKA_USER=client; passwords in {broker.secrets})"
+        )
     else:
         kafka_line = f"{bootstrap}  (no authentication: local use; --secure to change)"
     # Secure: `client` writes only its own request topic, and is served as principal `client`.
     requests_line = f"{topics.producer_requests('client')}  (as client)" if broker.secure else topics.requests
-    print(f"""
+    print(
+        f"""
 Weir is up.
   OpenAI-compatible API  {url}/v1   (e.g. OPENAI_BASE_URL={url}/v1 OPENAI_API_KEY=local){api_lines}
   gateway auth           {auth_line}
-  models                 {', '.join(models)}  (* default version; `weir models list` shows the registry)
+  models                 {", ".join(models)}  (* default version; `weir models list` shows the registry)
   Kafka                  {kafka_line}
   requests topic         {requests_line}
   reply topics           {topics.replies("")}<your-id>  (name yours in reply_to{"; secure: <your-id> = client.<anything>" if broker.secure else ""})
@@ -636,4 +746,6 @@ Weir is up.
   services (pid, /healthz /readyz /metrics)
 {services}
                          (one that dies is restarted; logs in {stack.log_dir})
-Started in {took_s:.1f} s. Press Ctrl-C to stop everything.""", flush=True)
+Started in {took_s:.1f} s. Press Ctrl-C to stop everything.""",
+        flush=True,
+    )

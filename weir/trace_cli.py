@@ -79,9 +79,20 @@ def _printable(text: str) -> str:
 
 def render(rows: list[tuple[int, SpanRecord, bool]]) -> str:
     """The tree as text: one line per span."""
-    rows = [(depth, span.model_copy(update={"name": _printable(span.name), "service": _printable(span.service),
-                                             "status_message": _printable(span.status_message)}), linked)
-            for depth, span, linked in rows]  # fmt: skip
+    rows = [
+        (
+            depth,
+            span.model_copy(
+                update={
+                    "name": _printable(span.name),
+                    "service": _printable(span.service),
+                    "status_message": _printable(span.status_message),
+                }
+            ),
+            linked,
+        )
+        for depth, span, linked in rows
+    ]
     origin = min(span.start_ns for _, span, _ in rows)
     width = max(len("  " * depth + span.name) for depth, span, _ in rows) + 2
     lines = [f"trace {' '.join(sorted({s.trace_id for _, s, _ in rows}))}"]
@@ -89,7 +100,9 @@ def render(rows: list[tuple[int, SpanRecord, bool]]) -> str:
         label = "  " * depth + span.name + (" (linked)" if is_linked else "")
         duration_ms = (span.end_ns - span.start_ns) / 1e6
         status = "" if span.status != "error" else f"  ERROR {span.status_message}"
-        lines.append(f"{span.service:<8} {label:<{width + 9}} {duration_ms:9.1f} ms  +{(span.start_ns - origin) / 1e6:.1f} ms{status}")
+        lines.append(
+            f"{span.service:<8} {label:<{width + 9}} {duration_ms:9.1f} ms  +{(span.start_ns - origin) / 1e6:.1f} ms{status}"
+        )
     return "\n".join(lines)
 
 
@@ -98,7 +111,9 @@ async def collect(settings: BusSettings, request_id: str) -> list[SpanRecord]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="weir trace", description="Print one request's span tree from the traces topic.")
+    parser = argparse.ArgumentParser(
+        prog="weir trace", description="Print one request's span tree from the traces topic."
+    )
     parser.add_argument("request_id", help="the request's id (x-request-id)")
     parser.add_argument("--json", action="store_true", help="the spans as JSON, in tree order, each with its depth")
     parser.add_argument("--bootstrap", default=None, help="Kafka bootstrap servers (WEIR_KAFKA_BOOTSTRAP)")
@@ -119,12 +134,17 @@ def main(argv: list[str]) -> int:
         print(f"weir trace: {exc}", file=sys.stderr)
         return 2
     if not spans:
-        print(f"weir trace: no spans of request {args.request_id!r} on {settings.topics.traces} (not sampled, "
-              "not exported yet: about a second, or past the topic's retention)", file=sys.stderr)  # fmt: skip
+        print(
+            f"weir trace: no spans of request {args.request_id!r} on {settings.topics.traces} (not sampled, "
+            "not exported yet: about a second, or past the topic's retention)",
+            file=sys.stderr,
+        )
         return 1
     rows = tree(spans)
     if args.json:
-        body = [{"depth": depth, "linked": is_linked, **span.model_dump(mode="json")} for depth, span, is_linked in rows]
+        body = [
+            {"depth": depth, "linked": is_linked, **span.model_dump(mode="json")} for depth, span, is_linked in rows
+        ]
         sys.stdout.buffer.write(orjson.dumps(body, option=orjson.OPT_INDENT_2) + b"\n")
     else:
         print(render(rows))

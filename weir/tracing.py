@@ -34,9 +34,17 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased, Sampler, TraceIdRatioBased
 from opentelemetry.trace import (
-    Link, Span, SpanContext, SpanKind, StatusCode, Tracer, format_span_id, format_trace_id, get_current_span,
+    Link,
+    Span,
+    SpanContext,
+    SpanKind,
+    StatusCode,
+    Tracer,
+    format_span_id,
+    format_trace_id,
+    get_current_span,
     set_span_in_context,
-)  # fmt: skip
+)
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -53,8 +61,13 @@ REQUEST_ID = "weir.request_id"  # the attribute that names a span's request (Spa
 _PROPAGATOR = TraceContextTextMapPropagator()
 _FIELDS = ("traceparent", "tracestate")
 _MAX_TRACEPARENTS_BYTES = 1 << 20  # a batch of a thousand requests is ~80 KB of contexts
-_KINDS = {SpanKind.INTERNAL: "internal", SpanKind.SERVER: "server", SpanKind.CLIENT: "client",
-          SpanKind.PRODUCER: "producer", SpanKind.CONSUMER: "consumer"}  # fmt: skip
+_KINDS = {
+    SpanKind.INTERNAL: "internal",
+    SpanKind.SERVER: "server",
+    SpanKind.CLIENT: "client",
+    SpanKind.PRODUCER: "producer",
+    SpanKind.CONSUMER: "consumer",
+}
 _STATUS = {StatusCode.UNSET: "unset", StatusCode.OK: "ok", StatusCode.ERROR: "error"}
 
 Headers = Sequence[tuple[str, bytes | None]]
@@ -66,9 +79,15 @@ class TraceSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="WEIR_", extra="ignore")
 
-    trace_sample: float = Field(1.0, ge=0, le=1, description="Share of new traces recorded (a record's parent decides for its own).")
-    trace_kafka: bool = Field(True, description="Whether finished spans are published to the traces topic (`weir trace` reads it).")
-    trace_queue_max: int = Field(10_000, ge=1, description="Most finished spans waiting for export; more are dropped and counted.")
+    trace_sample: float = Field(
+        1.0, ge=0, le=1, description="Share of new traces recorded (a record's parent decides for its own)."
+    )
+    trace_kafka: bool = Field(
+        True, description="Whether finished spans are published to the traces topic (`weir trace` reads it)."
+    )
+    trace_queue_max: int = Field(
+        10_000, ge=1, description="Most finished spans waiting for export; more are dropped and counted."
+    )
     trace_export_interval_s: float = Field(1.0, gt=0, description="How often queued spans are published.")
 
 
@@ -145,11 +164,21 @@ def child_context(span: Span) -> Context:
 # --- attributes ------------------------------------------------------------------------------------
 
 
-def messaging(operation: str, destination: str, *, offset: int | None = None, partition: int | None = None,
-              group: str | None = None, key: str | None = None) -> dict[str, Any]:  # fmt: skip
+def messaging(
+    operation: str,
+    destination: str,
+    *,
+    offset: int | None = None,
+    partition: int | None = None,
+    group: str | None = None,
+    key: str | None = None,
+) -> dict[str, Any]:
     """OpenTelemetry's messaging attributes of a Kafka publish or receive/process."""
-    attrs: dict[str, Any] = {"messaging.system": "kafka", "messaging.operation.type": operation,
-                             "messaging.destination.name": destination}  # fmt: skip
+    attrs: dict[str, Any] = {
+        "messaging.system": "kafka",
+        "messaging.operation.type": operation,
+        "messaging.destination.name": destination,
+    }
     if offset is not None:
         attrs["messaging.kafka.offset"] = offset
     if partition is not None:
@@ -165,16 +194,22 @@ def request_attributes(request: GenerateRequest | EmbedRequest) -> dict[str, Any
     """OpenTelemetry's GenAI request attributes of a request (no text: invariant 7)."""
     if isinstance(request, EmbedRequest):
         return {"gen_ai.operation.name": "embeddings", "gen_ai.request.model": request.model}
-    return {"gen_ai.operation.name": "chat" if request.messages is not None else "text_completion",
-            "gen_ai.request.model": request.model, "gen_ai.request.max_tokens": request.max_tokens,
-            "gen_ai.request.temperature": request.temperature, "gen_ai.request.top_p": request.top_p}  # fmt: skip
+    return {
+        "gen_ai.operation.name": "chat" if request.messages is not None else "text_completion",
+        "gen_ai.request.model": request.model,
+        "gen_ai.request.max_tokens": request.max_tokens,
+        "gen_ai.request.temperature": request.temperature,
+        "gen_ai.request.top_p": request.top_p,
+    }
 
 
 def end_attributes(end: ReplyEnd) -> dict[str, Any]:
     """The GenAI usage and outcome attributes of a request's terminal event."""
-    attrs: dict[str, Any] = {"gen_ai.usage.input_tokens": end.usage.prompt_tokens,
-                             "gen_ai.usage.output_tokens": end.usage.completion_tokens,
-                             "gen_ai.response.finish_reasons": [end.finish_reason]}  # fmt: skip
+    attrs: dict[str, Any] = {
+        "gen_ai.usage.input_tokens": end.usage.prompt_tokens,
+        "gen_ai.usage.output_tokens": end.usage.completion_tokens,
+        "gen_ai.response.finish_reasons": [end.finish_reason],
+    }
     if end.model_version is not None:
         attrs["gen_ai.response.model"] = end.model_version
     if end.error is not None:
@@ -204,19 +239,33 @@ def span_record(span: ReadableSpan) -> SpanRecord:
     attrs = {key: list(value) if isinstance(value, tuple) else value for key, value in (span.attributes or {}).items()}
     request_id = attrs.get(REQUEST_ID)
     return SpanRecord(
-        trace_id=format_trace_id(ctx.trace_id), span_id=format_span_id(ctx.span_id),
-        parent_span_id=format_span_id(span.parent.span_id) if span.parent is not None and span.parent.is_valid else None,
-        name=span.name[:256], kind=_KINDS.get(span.kind, "internal"),
-        service=str(resource.get("service.name", "")), instance=str(resource.get("service.instance.id", "")),
+        trace_id=format_trace_id(ctx.trace_id),
+        span_id=format_span_id(ctx.span_id),
+        parent_span_id=format_span_id(span.parent.span_id)
+        if span.parent is not None and span.parent.is_valid
+        else None,
+        name=span.name[:256],
+        kind=_KINDS.get(span.kind, "internal"),
+        service=str(resource.get("service.name", "")),
+        instance=str(resource.get("service.instance.id", "")),
         request_id=request_id if isinstance(request_id, str) else None,
-        start_ns=span.start_time or 0, end_ns=span.end_time or span.start_time or 0,
-        status=_STATUS.get(span.status.status_code, "unset"), status_message=(span.status.description or "")[:1024],
+        start_ns=span.start_time or 0,
+        end_ns=span.end_time or span.start_time or 0,
+        status=_STATUS.get(span.status.status_code, "unset"),
+        status_message=(span.status.description or "")[:1024],
         attributes=attrs,
-        events=[SpanEvent(name=e.name[:128], time_ns=e.timestamp,
-                          attributes={k: list(v) if isinstance(v, tuple) else v for k, v in (e.attributes or {}).items()})
-                for e in span.events],
-        links=[f"{format_trace_id(link.context.trace_id)}/{format_span_id(link.context.span_id)}" for link in span.links],
-    )  # fmt: skip
+        events=[
+            SpanEvent(
+                name=e.name[:128],
+                time_ns=e.timestamp,
+                attributes={k: list(v) if isinstance(v, tuple) else v for k, v in (e.attributes or {}).items()},
+            )
+            for e in span.events
+        ],
+        links=[
+            f"{format_trace_id(link.context.trace_id)}/{format_span_id(link.context.span_id)}" for link in span.links
+        ],
+    )
 
 
 class KafkaSpanExporter(SpanExporter):
@@ -232,7 +281,7 @@ class KafkaSpanExporter(SpanExporter):
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         room = self.max_queued - len(self.queue)
-        self.queue.extend(spans[:max(room, 0)])
+        self.queue.extend(spans[: max(room, 0)])
         self.num_dropped += max(len(spans) - max(room, 0), 0)
         return SpanExportResult.SUCCESS
 
@@ -257,16 +306,28 @@ def make_span_producer(settings: BusSettings, client_id: str) -> AIOKafkaProduce
     requests), and a span written twice is kept once (the topic is compacted by span id), so the
     request path's acks=all round trips are not worth paying for it."""
     return AIOKafkaProducer(
-        bootstrap_servers=settings.kafka_bootstrap, client_id=client_id, acks=1, linger_ms=100,
-        request_timeout_ms=settings.producer_request_timeout_ms, **settings.kafka_options(),
-    )  # fmt: skip
+        bootstrap_servers=settings.kafka_bootstrap,
+        client_id=client_id,
+        acks=1,
+        linger_ms=100,
+        request_timeout_ms=settings.producer_request_timeout_ms,
+        **settings.kafka_options(),
+    )
 
 
 class Tracing:
     """The tracer of one service instance and its exporters (docs/design.md, "Observability")."""
 
-    def __init__(self, service: str, instance: str, settings: BusSettings, trace: TraceSettings | None = None,
-                 *, sampler: Sampler | None = None, send: Send | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        service: str,
+        instance: str,
+        settings: BusSettings,
+        trace: TraceSettings | None = None,
+        *,
+        sampler: Sampler | None = None,
+        send: Send | None = None,
+    ) -> None:
         """`send`: publish spans through the service's own client (the auditor's FastStream broker)
         instead of a span producer of this Tracing's own."""
         self.service = service
@@ -298,16 +359,25 @@ class Tracing:
         contexts still propagate, every span is non-recording."""
         return cls(service, "", BusSettings(), TraceSettings(trace_kafka=False), sampler=ALWAYS_OFF)
 
-    def start_span(self, name: str, parent: Context | None, *, kind: SpanKind = SpanKind.INTERNAL,
-                   request_id: str | None = None, attributes: Mapping[str, Any] | None = None,
-                   start_ns: int | None = None, links: Iterable[Context] = ()) -> Span:  # fmt: skip
+    def start_span(
+        self,
+        name: str,
+        parent: Context | None,
+        *,
+        kind: SpanKind = SpanKind.INTERNAL,
+        request_id: str | None = None,
+        attributes: Mapping[str, Any] | None = None,
+        start_ns: int | None = None,
+        links: Iterable[Context] = (),
+    ) -> Span:
         """A span under `parent` (None or an empty Context: a new trace), tagged with its request."""
         attrs = dict(attributes or {})
         if request_id is not None:
             attrs[REQUEST_ID] = request_id
         span_links = [Link(sc) for ctx in links if (sc := _span_context(ctx)) is not None]
-        return self.tracer.start_span(name, context=parent or Context(), kind=kind, attributes=attrs,
-                                      start_time=start_ns, links=span_links)  # fmt: skip
+        return self.tracer.start_span(
+            name, context=parent or Context(), kind=kind, attributes=attrs, start_time=start_ns, links=span_links
+        )
 
     async def start(self) -> None:
         """Start publishing queued spans to the traces topic (nothing to do when that is off)."""

@@ -68,12 +68,22 @@ class UsageBook:
             self.totals[name] = record
         return None
 
-    def rows(self, tenant: str | None = None, start: str | None = None, end: str | None = None,
-             group_by: Sequence[str] = GROUPS) -> list[dict[str, Any]]:  # fmt: skip
+    def rows(
+        self,
+        tenant: str | None = None,
+        start: str | None = None,
+        end: str | None = None,
+        group_by: Sequence[str] = GROUPS,
+    ) -> list[dict[str, Any]]:
         """Rows of the totals of `tenant` (None: all) from day `start` to day `end` (inclusive, None:
         open), summed per distinct value of the `group_by` fields, sorted by them."""
-        picked = [t for t in self.totals.values() if (tenant is None or t.tenant == tenant)
-                  and (start is None or t.day >= start) and (end is None or t.day <= end)]  # fmt: skip
+        picked = [
+            t
+            for t in self.totals.values()
+            if (tenant is None or t.tenant == tenant)
+            and (start is None or t.day >= start)
+            and (end is None or t.day <= end)
+        ]
         return summed_rows(picked, group_by)
 
     def rate_cards(self) -> list[dict[str, Any]]:
@@ -104,8 +114,9 @@ def summed_rows(totals: Iterable[UsageTotals], group_by: Sequence[str] = GROUPS)
     for t in totals:
         fields = {"day": t.day, "tenant": t.tenant, "principal": t.principal, "model": t.model_version}
         group = tuple(fields[g] for g in GROUPS if g in group_by)
-        row = rows.setdefault(group, {**{g: fields[g] for g in GROUPS if g in group_by},
-                                      **dict.fromkeys(_SUMMED, 0), "cost_usd": 0.0})  # fmt: skip
+        row = rows.setdefault(
+            group, {**{g: fields[g] for g in GROUPS if g in group_by}, **dict.fromkeys(_SUMMED, 0), "cost_usd": 0.0}
+        )
         for name in _SUMMED:
             row[name] += getattr(t, name)
         row["cost_usd"] = None if row["cost_usd"] is None or t.cost_usd is None else row["cost_usd"] + t.cost_usd
@@ -131,8 +142,11 @@ def check_day(value: str | None, name: str) -> str | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="weir usage", description="Token usage and cost per day, tenant, "
-                                     "principal and model version, as the auditor counted them from the audit log.")
+    parser = argparse.ArgumentParser(
+        prog="weir usage",
+        description="Token usage and cost per day, tenant, "
+        "principal and model version, as the auditor counted them from the audit log.",
+    )
     parser.add_argument("--tenant", help="only this tenant")
     parser.add_argument("--day", help="only this UTC day, YYYY-MM-DD")
     parser.add_argument("--json", action="store_true", help='one JSON object: {"data": rows, "rate_cards": [...]}')
@@ -143,19 +157,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 def render_table(rows: list[dict[str, Any]], cards: list[dict[str, Any]]) -> str:
     """The rows and rate cards as plain-text tables."""
-    lines = [f"{'DAY':<10}  {'TENANT':<16} {'PRINCIPAL':<20} {'MODEL':<28} {'REQUESTS':>8} {'PROMPT':>10} "
-             f"{'CACHED':>8} {'COMPLETION':>10} {'COST USD':>10}"]  # fmt: skip
+    lines = [
+        f"{'DAY':<10}  {'TENANT':<16} {'PRINCIPAL':<20} {'MODEL':<28} {'REQUESTS':>8} {'PROMPT':>10} "
+        f"{'CACHED':>8} {'COMPLETION':>10} {'COST USD':>10}"
+    ]
     for row in rows:
         cost = "-" if row["cost_usd"] is None else f"{row['cost_usd']:.6f}"
-        lines.append(f"{row['day']:<10}  {row['tenant'][:16]:<16} {row['principal'][:20]:<20} {row['model'][:28]:<28} "
-                     f"{row['requests']:>8} {row['prompt_tokens']:>10} {row['cached_prompt_tokens']:>8} "
-                     f"{row['completion_tokens']:>10} {cost:>10}")  # fmt: skip
+        lines.append(
+            f"{row['day']:<10}  {row['tenant'][:16]:<16} {row['principal'][:20]:<20} {row['model'][:28]:<28} "
+            f"{row['requests']:>8} {row['prompt_tokens']:>10} {row['cached_prompt_tokens']:>8} "
+            f"{row['completion_tokens']:>10} {cost:>10}"
+        )
     if cards:
         lines += ["", f"{'MODEL':<28} {'TOKENS/HOUR':>12} {'HW USD/HOUR':>12} {'USD/1M TOKENS':>14}"]
         for card in cards:
-            hardware = "-" if card["hardware_cost_per_hour_usd"] is None else f"{card['hardware_cost_per_hour_usd']:.2f}"
+            hardware = (
+                "-" if card["hardware_cost_per_hour_usd"] is None else f"{card['hardware_cost_per_hour_usd']:.2f}"
+            )
             per_1m = "-" if card["cost_per_1m_tokens_usd"] is None else f"{card['cost_per_1m_tokens_usd']:.4f}"
-            lines.append(f"{card['model_version'][:28]:<28} {card['tokens_per_hour']:>12.0f} {hardware:>12} {per_1m:>14}")
+            lines.append(
+                f"{card['model_version'][:28]:<28} {card['tokens_per_hour']:>12.0f} {hardware:>12} {per_1m:>14}"
+            )
     return "\n".join(lines)
 
 

@@ -43,9 +43,19 @@ def anchor_of(log: Log, chain_id: int, cp: CheckpointRow) -> AuditAnchor:
     """The AuditAnchor of a stored checkpoint (it must carry its MAC)."""
     if cp.mac is None:
         raise ValueError(f"{log} chain {chain_id} checkpoint {cp.num} has no MAC: it cannot be anchored")
-    return AuditAnchor(log=log, chain_id=chain_id, num=cp.num, first_seq=cp.first_seq, last_seq=cp.last_seq,
-                       merkle_root=cp.merkle_root, last_record_hash=cp.last_record_hash, created_ms=cp.created_ms,
-                       prev_hash=cp.prev_hash, checkpoint_hash=cp.checkpoint_hash, mac=cp.mac)  # fmt: skip
+    return AuditAnchor(
+        log=log,
+        chain_id=chain_id,
+        num=cp.num,
+        first_seq=cp.first_seq,
+        last_seq=cp.last_seq,
+        merkle_root=cp.merkle_root,
+        last_record_hash=cp.last_record_hash,
+        created_ms=cp.created_ms,
+        prev_hash=cp.prev_hash,
+        checkpoint_hash=cp.checkpoint_hash,
+        mac=cp.mac,
+    )
 
 
 def anchor_key(anchor: AuditAnchor) -> bytes:
@@ -55,8 +65,15 @@ def anchor_key(anchor: AuditAnchor) -> bytes:
 
 def anchor_problem(anchor: AuditAnchor, key: bytes) -> str | None:
     """Why `anchor` is not one the checkpoint `key` made, or None when it is."""
-    canonical = canonical_checkpoint(anchor.chain_id, anchor.num, anchor.first_seq, anchor.last_seq,
-                                     anchor.merkle_root, anchor.last_record_hash, anchor.created_ms)  # fmt: skip
+    canonical = canonical_checkpoint(
+        anchor.chain_id,
+        anchor.num,
+        anchor.first_seq,
+        anchor.last_seq,
+        anchor.merkle_root,
+        anchor.last_record_hash,
+        anchor.created_ms,
+    )
     if chain_hash(anchor.prev_hash, canonical) != anchor.checkpoint_hash:
         return "its fields do not hash to its checkpoint_hash"
     if not mac_matches(key, anchor.log, anchor.chain_id, anchor.checkpoint_hash, anchor.mac):
@@ -95,9 +112,12 @@ class AnchorReport:
 
     def describe(self) -> str:
         """Lines for a person: a summary ('ANCHORS OK: ...' or 'ANCHORS BROKEN: ...'), then the details."""
-        first = (f"ANCHORS OK: the ledger matches the {self.num_anchors} anchor(s) in Kafka ({self.topic})"
-                 if self.is_ok else f"ANCHORS BROKEN: {len(self.problems)} problem(s) against the "
-                 f"{self.num_anchors} anchor(s) in Kafka ({self.topic})")  # fmt: skip
+        first = (
+            f"ANCHORS OK: the ledger matches the {self.num_anchors} anchor(s) in Kafka ({self.topic})"
+            if self.is_ok
+            else f"ANCHORS BROKEN: {len(self.problems)} problem(s) against the "
+            f"{self.num_anchors} anchor(s) in Kafka ({self.topic})"
+        )
         return "\n".join([first, *self.problems, *self.lines])
 
 
@@ -115,8 +135,10 @@ def check_anchors(
             report.problems.append(f"FORGED anchor at offset {record.offset}: it is not an AuditAnchor ({exc})")
             continue
         if (why := anchor_problem(anchor, key)) is not None:
-            report.problems.append(f"FORGED anchor at offset {record.offset} ({_LABEL[anchor.log]} {anchor.chain_id}, "
-                                   f"checkpoint {anchor.num}): {why}")  # fmt: skip
+            report.problems.append(
+                f"FORGED anchor at offset {record.offset} ({_LABEL[anchor.log]} {anchor.chain_id}, "
+                f"checkpoint {anchor.num}): {why}"
+            )
             continue
         anchored.setdefault((anchor.log, anchor.chain_id), []).append(anchor)
     for chain in sorted({*anchored, *(c for c, state in chains.items() if state.checkpoints)}):
@@ -133,36 +155,48 @@ def _check_chain(chain: ChainKey, anchors: list[AuditAnchor], state: ChainState)
     """(problem, line) of one chain: its database checkpoints against its anchors (num order)."""
     label = f"{_LABEL[chain[0]]} {chain[1]}"
     if not anchors:
-        return (f"UNANCHORED {label}: the database holds {len(state.checkpoints)} checkpoint(s) of it but Kafka has "
-                "no anchor for it (its anchors were removed, or this database is not the deployment's; if its "
-                "auditor wrote its first checkpoint just now, verify again in a few seconds)"), None
+        return (
+            f"UNANCHORED {label}: the database holds {len(state.checkpoints)} checkpoint(s) of it but Kafka has "
+            "no anchor for it (its anchors were removed, or this database is not the deployment's; if its "
+            "auditor wrote its first checkpoint just now, verify again in a few seconds)"
+        ), None
     by_num = {cp.num: cp for cp in state.checkpoints}
     db_end = state.checkpoints[-1].last_seq if state.checkpoints else 0
     for anchor in anchors:
         cp = by_num.get(anchor.num)
         if cp is None:
-            return (f"TRUNCATED {label}: Kafka's anchor of checkpoint {anchor.num} covers seq {anchor.first_seq}.."
-                    f"{anchor.last_seq} (head {anchor.last_record_hash[:16]}), but the database has "
-                    f"{len(state.checkpoints)} checkpoint(s) of it, ending at seq {db_end}, and {state.num_records} "
-                    "record(s): its newest records and checkpoints were removed"), None
+            return (
+                f"TRUNCATED {label}: Kafka's anchor of checkpoint {anchor.num} covers seq {anchor.first_seq}.."
+                f"{anchor.last_seq} (head {anchor.last_record_hash[:16]}), but the database has "
+                f"{len(state.checkpoints)} checkpoint(s) of it, ending at seq {db_end}, and {state.num_records} "
+                "record(s): its newest records and checkpoints were removed"
+            ), None
         if cp.checkpoint_hash != anchor.checkpoint_hash:
-            return (f"REWRITTEN {label}: the database's checkpoint {anchor.num} (seq {cp.first_seq}..{cp.last_seq}) "
-                    f"is not the one Kafka's anchor holds (seq {anchor.first_seq}..{anchor.last_seq}, head "
-                    f"{anchor.last_record_hash[:16]}): records up to seq {anchor.last_seq} were rewritten and the "
-                    "checkpoints recomputed"), None
+            return (
+                f"REWRITTEN {label}: the database's checkpoint {anchor.num} (seq {cp.first_seq}..{cp.last_seq}) "
+                f"is not the one Kafka's anchor holds (seq {anchor.first_seq}..{anchor.last_seq}, head "
+                f"{anchor.last_record_hash[:16]}): records up to seq {anchor.last_seq} were rewritten and the "
+                "checkpoints recomputed"
+            ), None
     last = anchors[-1]
     pending = [cp for cp in state.checkpoints if cp.num > last.num]
-    return None, (f"{label}: anchored up to checkpoint {last.num} (seq {last.last_seq}, head "
-                  f"{last.last_record_hash[:16]}); {len(pending)} checkpoint(s) and "
-                  f"{max(state.num_records - last.last_seq, 0)} record(s) after it not anchored yet")
+    return None, (
+        f"{label}: anchored up to checkpoint {last.num} (seq {last.last_seq}, head "
+        f"{last.last_record_hash[:16]}); {len(pending)} checkpoint(s) and "
+        f"{max(state.num_records - last.last_seq, 0)} record(s) after it not anchored yet"
+    )
 
 
 async def read_anchor_records(bootstrap: str, topic: str, timeout_s: float = 30.0) -> list[AnchorRecord]:
     """Every record of the anchor topic, oldest first. TimeoutError when the cluster does not
     answer in `timeout_s`; RuntimeError when the topic does not exist."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False,
-                                isolation_level="read_committed", request_timeout_ms=int(timeout_s * 1000),
-                                **client_options_from_env())  # fmt: skip  # a secure deployment's login
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap,
+        enable_auto_commit=False,
+        isolation_level="read_committed",
+        request_timeout_ms=int(timeout_s * 1000),
+        **client_options_from_env(),
+    )  # a secure deployment's login
     try:
         async with asyncio.timeout(timeout_s):
             await consumer.start()

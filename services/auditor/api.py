@@ -34,7 +34,9 @@ class LookupRequest(BaseModel):
     hmac_key: str | None = Field(
         None, description="The fingerprint key ('hex:...' or text); default: the auditor's WEIR_AUDIT_HMAC_KEY."
     )
-    max_distance: int = Field(DEFAULT_MAX_DISTANCE, ge=0, le=64, description="Most SimHash bits a semantic match may differ by.")
+    max_distance: int = Field(
+        DEFAULT_MAX_DISTANCE, ge=0, le=64, description="Most SimHash bits a semantic match may differ by."
+    )
     limit: int = Field(100, ge=1, le=1000, description="Most matches returned.")
 
 
@@ -75,8 +77,9 @@ def create_api(
         simhash = simhash_of(body.text) if simhash_of is not None else None
         try:
             with open_ledger() as ledger:
-                matches = lookup(ledger, key, body.text, simhash=simhash, max_distance=body.max_distance,
-                                 limit=body.limit)
+                matches = lookup(
+                    ledger, key, body.text, simhash=simhash, max_distance=body.max_distance, limit=body.limit
+                )
         except LedgerError as exc:
             raise HTTPException(503, str(exc)) from exc
         return {"simhash": simhash, "matches": [m.as_dict() for m in matches]}
@@ -84,8 +87,13 @@ def create_api(
     @api.post("/v1/audit/watermark", dependencies=[Depends(require_admin)])
     def post_watermark(body: WatermarkRequest) -> dict[str, Any]:
         try:
-            found = detector.detect(body.text, tenant=body.tenant, key=parse_key(body.key) if body.key else None,
-                                    gamma=body.gamma, model=body.model)
+            found = detector.detect(
+                body.text,
+                tenant=body.tenant,
+                key=parse_key(body.key) if body.key else None,
+                gamma=body.gamma,
+                model=body.model,
+            )
         except ValueError as exc:
             raise HTTPException(400, str(exc)) from exc
         return found.as_dict()
@@ -108,5 +116,10 @@ def create_api(
 def _flag_json(row: dict[str, Any]) -> dict[str, Any]:
     """A stored review flag for the API: the ReviewFlag's fields, then where the ledger holds it."""
     record = orjson.loads(row["canonical_json"])
-    return {**record["review_flag"], "chain_id": row["chain_id"], "seq": row["seq"],
-            "appended_ms": row["appended_ms"], "record_hash": row["record_hash"]}
+    return {
+        **record["review_flag"],
+        "chain_id": row["chain_id"],
+        "seq": row["seq"],
+        "appended_ms": row["appended_ms"],
+        "record_hash": row["record_hash"],
+    }

@@ -10,9 +10,9 @@ import asyncio
 import contextlib
 import logging
 import sqlite3
-from pathlib import Path
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from faststream import FastStream
@@ -22,20 +22,19 @@ from starlette.types import ASGIApp
 
 from schemas import access
 from schemas.codec import encode
+from schemas.messages import AuditEvent, now_ms
 from schemas.registry import ModelComparison
 from services.auditor.api import create_api
 from services.auditor.comparison import Comparisons, Embed, ShadowJoin, register_comparison
 from services.auditor.config import AuditorSettings
+from services.auditor.consumers import AnchorPublisher, AuditBatches, DeadLetters, LedgerWriter, register_handlers
 from services.auditor.drift import HealthMonitor, HealthPolicy
 from services.auditor.fingerprints import embedding_function
-from services.auditor.consumers import AnchorPublisher, AuditBatches, DeadLetters, LedgerWriter, register_handlers
 from services.auditor.health import HealthMetrics
 from services.auditor.ledger import Ledger, LedgerError
 from services.auditor.traffic import CanaryGuard, ErrorWindows, TrafficCounter, register_health_handler
 from services.auditor.usage import UsageAccounts, UsageLedger, load_prices
 from services.auditor.watermark import WatermarkDetector
-from schemas.codec import encode
-from schemas.messages import AuditEvent, now_ms
 from weir.bus import TopicFollower, instance_id, wait_for_cluster
 from weir.kafka.admin import ensure_topics
 from weir.registry import RegistryFollower
@@ -47,8 +46,9 @@ log = logging.getLogger(__name__)
 Publish = Callable[[str, bytes, bytes], Awaitable[None]]  # (topic, key, value)
 
 
-def create_app(settings: AuditorSettings, health: HealthMetrics | None = None,
-               embed: Embed | None | Literal["default"] = "default") -> FastStream:
+def create_app(
+    settings: AuditorSettings, health: HealthMetrics | None = None, embed: Embed | Literal["default"] | None = "default"
+) -> FastStream:
     """The auditor app: one consumer group on the audit topic, a ledger, dead letters and
     checkpoint anchors published through the same broker, and a timer that writes the quiet
     chains' checkpoints and publishes any anchor not yet out. New records feed `health` (the /metrics).
@@ -81,8 +81,9 @@ def create_app(settings: AuditorSettings, health: HealthMetrics | None = None,
     async def stop() -> None:  # after the broker stopped: no handler runs any more
         await lifespan.aclose()
 
-    return FastStream(parts.broker, on_startup=[start], after_startup=[start_timers], on_shutdown=[flush_spans],
-                      after_shutdown=[stop])  # fmt: skip
+    return FastStream(
+        parts.broker, on_startup=[start], after_startup=[start_timers], on_shutdown=[flush_spans], after_shutdown=[stop]
+    )
 
 
 @dataclass
@@ -169,31 +170,67 @@ def build_parts(settings: AuditorSettings, health: HealthMetrics | None) -> Audi
 
     writer = LedgerWriter(settings)
     registry = RegistryFollower(settings, client_id=f"{client_id}-registry")
-    guard = CanaryGuard(ErrorWindows(settings.canary_min_requests, settings.canary_max_error_rate),
-                        lambda: registry.state, publish, topics.models, topics.model_health, by=client_id)  # fmt: skip
-    monitor = HealthMonitor(HealthPolicy.from_settings(settings), lambda: registry.state, by=client_id) \
-        if settings.health_alerts else None
-    alerts = None if monitor is None else \
-        TopicFollower(settings, topics.health, f"{client_id}-health", lambda key, value, _: monitor.on_alert(key, value))
+    guard = CanaryGuard(
+        ErrorWindows(settings.canary_min_requests, settings.canary_max_error_rate),
+        lambda: registry.state,
+        publish,
+        topics.models,
+        topics.model_health,
+        by=client_id,
+    )
+    monitor = (
+        HealthMonitor(HealthPolicy.from_settings(settings), lambda: registry.state, by=client_id)
+        if settings.health_alerts
+        else None
+    )
+    alerts = (
+        None
+        if monitor is None
+        else TopicFollower(
+            settings, topics.health, f"{client_id}-health", lambda key, value, _: monitor.on_alert(key, value)
+        )
+    )
     join = ShadowJoin(settings.comparison_ttl_s, settings.comparison_max_pending)
     if health is not None:
         health.monitor = monitor
         health.shadow_join = join.counts
     return AuditorParts(
-        settings, client_id, broker, publish, writer, AnchorPublisher(topics, broker, writer),
-        DeadLetters(topics, broker), TrafficCounter(), registry, guard, monitor, alerts,
-        usage_accounts(settings, writer, publish), join,
+        settings,
+        client_id,
+        broker,
+        publish,
+        writer,
+        AnchorPublisher(topics, broker, writer),
+        DeadLetters(topics, broker),
+        TrafficCounter(),
+        registry,
+        guard,
+        monitor,
+        alerts,
+        usage_accounts(settings, writer, publish),
+        join,
         Tracing("auditor", client_id, settings, send=publish),  # spans through its own broker
         health,
-    )  # fmt: skip
+    )
 
 
-def subscribe(parts: AuditorParts, embed: Embed | None | Literal["default"]) -> None:
+def subscribe(parts: AuditorParts, embed: Embed | Literal["default"] | None) -> None:
     """The app's subscribers on its broker: the audit topic (the ledger), the model health topic (the
     canary guard, when on) and the shadow comparison's two topics."""
     settings, broker = parts.settings, parts.broker
-    register_handlers(broker, settings, AuditBatches(settings, parts.writer, parts.dead_letters, parts.health,
-                                                     parts.anchors, parts.observe, tracing=parts.tracing))  # fmt: skip
+    register_handlers(
+        broker,
+        settings,
+        AuditBatches(
+            settings,
+            parts.writer,
+            parts.dead_letters,
+            parts.health,
+            parts.anchors,
+            parts.observe,
+            tracing=parts.tracing,
+        ),
+    )
     if settings.canary_guard:
         register_health_handler(broker, settings.topics, parts.guard)
 
@@ -201,10 +238,16 @@ def subscribe(parts: AuditorParts, embed: Embed | None | Literal["default"]) -> 
         await parts.publish(settings.topics.comparisons, comparison.name.encode(), encode(comparison))
 
     if embed == "default":
-        embed = embedding_function(settings.model_repo, settings.comparison_embedding_model) \
-            if settings.comparison_embedding_model else None
-    register_comparison(broker, settings, Comparisons(parts.join, embed, publish_comparison,
-                                                      parts.writer.add_comparison, parts.dead_letters.send))
+        embed = (
+            embedding_function(settings.model_repo, settings.comparison_embedding_model)
+            if settings.comparison_embedding_model
+            else None
+        )
+    register_comparison(
+        broker,
+        settings,
+        Comparisons(parts.join, embed, publish_comparison, parts.writer.add_comparison, parts.dead_letters.send),
+    )
 
 
 @contextlib.asynccontextmanager
@@ -230,12 +273,20 @@ async def running(parts: AuditorParts) -> AsyncIterator[None]:
             monitor.load(await writer.drift_rows(settings.health_baseline_outputs, settings.health_window_outputs))
             for event in await writer.comparable_events(settings.health_determinism_keys):
                 monitor.compare(event)  # the recent keys again: a pair split by a restart is still compared
-            await ensure_topics(settings.kafka_bootstrap, [s for s in topics.core_specs() if s.name == topics.health],
-                                options=settings.kafka_options())
+            await ensure_topics(
+                settings.kafka_bootstrap,
+                [s for s in topics.core_specs() if s.name == topics.health],
+                options=settings.kafka_options(),
+            )
             await parts.alerts.start()  # the latest alert per (version, signal): what a transition is judged from
             started.push_async_callback(parts.alerts.stop)
-        log.info("auditor %s: ledger %s, consuming %s as group %s", parts.client_id, writer.name, topics.audit,
-                 topics.auditor_group)  # fmt: skip
+        log.info(
+            "auditor %s: ledger %s, consuming %s as group %s",
+            parts.client_id,
+            writer.name,
+            topics.audit,
+            topics.auditor_group,
+        )
         yield
 
 
@@ -287,8 +338,13 @@ def usage_accounts(settings: AuditorSettings, writer: LedgerWriter, publish: Pub
         raise ConfigError(f"token prices: {exc}") from exc
     ledger = UsageLedger(writer.usage_of, writer.usage_keys_since, writer.tokens_served_since)
     topic = settings.topics.token_usage
-    return UsageAccounts(ledger, prices, lambda key, value: publish(topic, key, value),
-                         settings.hardware_cost_per_hour, settings.usage_rate_window_s)
+    return UsageAccounts(
+        ledger,
+        prices,
+        lambda key, value: publish(topic, key, value),
+        settings.hardware_cost_per_hour,
+        settings.usage_rate_window_s,
+    )
 
 
 class AuditorService:
@@ -339,15 +395,21 @@ class AuditorService:
 def build_parser() -> argparse.ArgumentParser:
     """Arguments of `weir auditor`: the common service flags (weir/service.py) and its own."""
     parser = service_parser("auditor", "Run the auditor service.", 8100, "WEIR_AUDIT_API_PORT")
-    parser.add_argument("--db", type=Path, help="ledger SQLite file (env WEIR_AUDIT_DB; default $WEIR_HOME/audit.sqlite)")
+    parser.add_argument(
+        "--db", type=Path, help="ledger SQLite file (env WEIR_AUDIT_DB; default $WEIR_HOME/audit.sqlite)"
+    )
     parser.add_argument("--dsn", help="ledger PostgreSQL DSN (env WEIR_AUDIT_DSN); replaces --db")
     parser.add_argument("--port", type=int, dest="http_port", help="alias of --http-port")
     return parser
 
 
 def build(args: argparse.Namespace) -> tuple[AuditorService, str, int]:
-    updates = {**bus_overrides(args), "audit_db": args.db, "audit_dsn": SecretStr(args.dsn) if args.dsn else None,
-               "audit_api_port": args.http_port}
+    updates = {
+        **bus_overrides(args),
+        "audit_db": args.db,
+        "audit_dsn": SecretStr(args.dsn) if args.dsn else None,
+        "audit_api_port": args.http_port,
+    }
     settings = AuditorSettings(**{k: v for k, v in updates.items() if v is not None})
     return AuditorService(settings), settings.http_host, settings.audit_api_port
 

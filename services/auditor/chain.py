@@ -49,8 +49,13 @@ def canonical_record(
 
     `chain_id` defaults to the partition: one chain per audit-topic partition.
     """
-    ledger = {"chain_id": partition if chain_id is None else chain_id, "seq": seq,
-              "kafka_partition": partition, "kafka_offset": offset, "appended_ms": appended_ms}
+    ledger = {
+        "chain_id": partition if chain_id is None else chain_id,
+        "seq": seq,
+        "kafka_partition": partition,
+        "kafka_offset": offset,
+        "appended_ms": appended_ms,
+    }
     return orjson.dumps({"event": event, "ledger": ledger}, option=orjson.OPT_SORT_KEYS).decode("utf-8")
 
 
@@ -58,8 +63,15 @@ def canonical_checkpoint(
     chain_id: int, num: int, first_seq: int, last_seq: int, merkle_root: str, last_record_hash: str, created_ms: int
 ) -> str:
     """The canonical JSON text of one checkpoint of a chain (hashed like a record)."""
-    checkpoint = {"chain_id": chain_id, "num": num, "first_seq": first_seq, "last_seq": last_seq,
-                  "merkle_root": merkle_root, "last_record_hash": last_record_hash, "created_ms": created_ms}
+    checkpoint = {
+        "chain_id": chain_id,
+        "num": num,
+        "first_seq": first_seq,
+        "last_seq": last_seq,
+        "merkle_root": merkle_root,
+        "last_record_hash": last_record_hash,
+        "created_ms": created_ms,
+    }
     return orjson.dumps({"checkpoint": checkpoint}, option=orjson.OPT_SORT_KEYS).decode("utf-8")
 
 
@@ -133,14 +145,19 @@ def stored_row(
     `hashed_columns` maps the parsed canonical record to the column values it fixes; it raises
     KeyError/TypeError/ValueError/AttributeError when the JSON is not such a record (`what`).
     """
-    base = {"seq": row["seq"], "event_id": row[id_column], "prev_hash": row["prev_hash"],
-            "record_hash": row["record_hash"]}  # fmt: skip
+    base = {
+        "seq": row["seq"],
+        "event_id": row[id_column],
+        "prev_hash": row["prev_hash"],
+        "record_hash": row["record_hash"],
+    }
     canonical = row["canonical_json"]
     if not all(isinstance(row[name], str) for name in ("canonical_json", "prev_hash", "record_hash")):
         return ChainRow(hashed_seq=None, problem="its canonical_json or hashes are not text", **base)
     if chain_hash(row["prev_hash"], canonical) != row["record_hash"]:
-        return ChainRow(hashed_seq=None, problem="record_hash does not match its content (content or hash edited)",
-                        **base)  # fmt: skip
+        return ChainRow(
+            hashed_seq=None, problem="record_hash does not match its content (content or hash edited)", **base
+        )
     try:
         record = orjson.loads(canonical)
         hashed_seq = int(record["ledger"]["seq"])
@@ -149,8 +166,11 @@ def stored_row(
         return ChainRow(hashed_seq=None, problem=f"its canonical_json is not {what}", **base)
     for name, value in hashed.items():
         if row[name] != value:
-            return ChainRow(hashed_seq=hashed_seq, problem=f"column {name}={row[name]!r} differs from the "
-                            f"hashed record ({value!r})", **base)  # fmt: skip
+            return ChainRow(
+                hashed_seq=hashed_seq,
+                problem=f"column {name}={row[name]!r} differs from the hashed record ({value!r})",
+                **base,
+            )
     return ChainRow(hashed_seq=hashed_seq, **base)
 
 
@@ -183,20 +203,30 @@ class VerifyReport:
         """One line for a person: 'chain C: OK ...' or 'BROKEN chain=C at record seq=K ...'."""
         if self.log == "review_flags":
             if self.is_ok:
-                return (f"review flags chain {self.chain_id}: {self.num_records} flags, {self.num_checkpoints} "
-                        f"checkpoints, intact (head {self.head_hash})")
+                return (
+                    f"review flags chain {self.chain_id}: {self.num_records} flags, {self.num_checkpoints} "
+                    f"checkpoints, intact (head {self.head_hash})"
+                )
             if self.broken_checkpoint is not None:
-                return (f"BROKEN review flags chain={self.chain_id} at checkpoint {self.broken_checkpoint}: "
-                        f"{self.kind}: {self.reason}")
-            return (f"BROKEN review flags chain={self.chain_id} at flag seq={self.broken_seq} "
-                    f"(flag_id={self.broken_event_id}): {self.kind}: {self.reason}")
+                return (
+                    f"BROKEN review flags chain={self.chain_id} at checkpoint {self.broken_checkpoint}: "
+                    f"{self.kind}: {self.reason}"
+                )
+            return (
+                f"BROKEN review flags chain={self.chain_id} at flag seq={self.broken_seq} "
+                f"(flag_id={self.broken_event_id}): {self.kind}: {self.reason}"
+            )
         if self.is_ok:
-            return (f"chain {self.chain_id}: {self.num_records} records, {self.num_checkpoints} checkpoints, "
-                    f"intact (head {self.head_hash})")
+            return (
+                f"chain {self.chain_id}: {self.num_records} records, {self.num_checkpoints} checkpoints, "
+                f"intact (head {self.head_hash})"
+            )
         if self.broken_checkpoint is not None:
             return f"BROKEN chain={self.chain_id} at checkpoint {self.broken_checkpoint}: {self.kind}: {self.reason}"
-        return (f"BROKEN chain={self.chain_id} at record seq={self.broken_seq} (event_id={self.broken_event_id}): "
-                f"{self.kind}: {self.reason}")
+        return (
+            f"BROKEN chain={self.chain_id} at record seq={self.broken_seq} (event_id={self.broken_event_id}): "
+            f"{self.kind}: {self.reason}"
+        )
 
 
 @dataclass(frozen=True)
@@ -283,18 +313,26 @@ def _check(
         elsewhere = locate(position)
         if elsewhere is not None:
             seq, event_id = elsewhere
-            return cur, "reordered", (
-                f"it was chained as seq={hashed}; the record chained as seq={position} "
-                f"(event_id={event_id}) now sits at seq={seq}"
+            return (
+                cur,
+                "reordered",
+                (
+                    f"it was chained as seq={hashed}; the record chained as seq={position} "
+                    f"(event_id={event_id}) now sits at seq={seq}"
+                ),
             )
         missing = f"seq={position}" if hashed == position + 1 else f"seq={position}..{hashed - 1}"
         return cur, "deleted", f"the record(s) chained before it as {missing} are missing"
     if hashed < position:
         if prev is not None and cur.prev_hash == prev_prev_hash:
             # cur links straight past prev: prev is not part of the chain.
-            return prev, "inserted", (
-                f"not part of the chain: the record chained as seq={hashed} (event_id={cur.event_id}) "
-                f"links directly to the record before it"
+            return (
+                prev,
+                "inserted",
+                (
+                    f"not part of the chain: the record chained as seq={hashed} (event_id={cur.event_id}) "
+                    f"links directly to the record before it"
+                ),
             )
         return cur, "reordered", f"it was chained as seq={hashed} but sits at position {position}"
     if cur.prev_hash != expected_prev:
@@ -313,15 +351,21 @@ def _broken_link(
         if nxt is not None and nxt.prev_hash == expected_prev:
             return cur, "inserted", "forged: the next record links past it to the record before it"
         if nxt is None:
-            return cur, "inserted", (
-                "its prev_hash is not the record_hash of the record before it: it was forged, "
-                "or the record before it was rewritten and rehashed"
+            return (
+                cur,
+                "inserted",
+                (
+                    "its prev_hash is not the record_hash of the record before it: it was forged, "
+                    "or the record before it was rewritten and rehashed"
+                ),
             )
         return cur, "inserted", "forged: its prev_hash links to no record, and no record links to it"
     if prev is None:
         return cur, "edited", "the first record's prev_hash is not the genesis hash"
-    return prev, "edited", (
-        f"its record_hash is not the one seq={cur.seq} was chained to: it was rewritten and rehashed"
+    return (
+        prev,
+        "edited",
+        (f"its record_hash is not the one seq={cur.seq} was chained to: it was rewritten and rehashed"),
     )
 
 
@@ -358,8 +402,11 @@ def verify_checkpoints(
     for position, cp in enumerate(checkpoints, start=1):
         problem = _checkpoint_problem(chain_id, cp, position, expected_prev, expected_first, record_hashes)
         if problem is None and not mac_matches(key, log, chain_id, cp.checkpoint_hash, cp.mac):
-            why = "it carries no MAC (written before checkpoints were keyed, or its MAC removed)" if cp.mac is None \
+            why = (
+                "it carries no MAC (written before checkpoints were keyed, or its MAC removed)"
+                if cp.mac is None
                 else "its MAC does not match the checkpoint key: it was made or rewritten without the key"
+            )
             problem = cp.num, "forged", why, cp.first_seq
         if problem is not None:
             return problem
@@ -374,26 +421,47 @@ def _checkpoint_problem(
         return cp.num, "edited", "its canonical_json or hashes are not text", None
     if chain_hash(cp.prev_hash, cp.canonical_json) != cp.checkpoint_hash:
         return cp.num, "edited", "checkpoint_hash does not match its content (content or hash edited)", None
-    stored = canonical_checkpoint(chain_id, cp.num, cp.first_seq, cp.last_seq, cp.merkle_root, cp.last_record_hash,
-                                  cp.created_ms)
+    stored = canonical_checkpoint(
+        chain_id, cp.num, cp.first_seq, cp.last_seq, cp.merkle_root, cp.last_record_hash, cp.created_ms
+    )
     if stored != cp.canonical_json:
         return cp.num, "edited", "a column differs from the hashed checkpoint", None
     if cp.num != position:
         kind: Tamper = "deleted" if cp.num > position else "reordered"
         return cp.num, kind, f"it sits at position {position} of the chain's checkpoints", None
     if cp.prev_hash != expected_prev:
-        return cp.num, "inserted", "its prev_hash is not the hash of the checkpoint before it (forged or rewritten)", None
+        return (
+            cp.num,
+            "inserted",
+            "its prev_hash is not the hash of the checkpoint before it (forged or rewritten)",
+            None,
+        )
     if cp.first_seq != expected_first:
-        return cp.num, "edited", f"it starts at seq={cp.first_seq}; the previous checkpoint ended at seq={expected_first - 1}", None
+        return (
+            cp.num,
+            "edited",
+            f"it starts at seq={cp.first_seq}; the previous checkpoint ended at seq={expected_first - 1}",
+            None,
+        )
     if cp.last_seq > len(record_hashes):
-        return cp.num, "deleted", (
-            f"it covers seq={cp.first_seq}..{cp.last_seq} but the chain ends at seq={len(record_hashes)}: "
-            "the newest records were deleted"
-        ), len(record_hashes) + 1
+        return (
+            cp.num,
+            "deleted",
+            (
+                f"it covers seq={cp.first_seq}..{cp.last_seq} but the chain ends at seq={len(record_hashes)}: "
+                "the newest records were deleted"
+            ),
+            len(record_hashes) + 1,
+        )
     root = merkle_root(record_hashes[cp.first_seq - 1 : cp.last_seq])
     if root != cp.merkle_root or record_hashes[cp.last_seq - 1] != cp.last_record_hash:
-        return cp.num, "edited", (
-            f"the records seq={cp.first_seq}..{cp.last_seq} no longer hash to its Merkle root: one of them was "
-            "rewritten and the chain rehashed from there on"
-        ), cp.first_seq
+        return (
+            cp.num,
+            "edited",
+            (
+                f"the records seq={cp.first_seq}..{cp.last_seq} no longer hash to its Merkle root: one of them was "
+                "rewritten and the chain rehashed from there on"
+            ),
+            cp.first_seq,
+        )
     return None

@@ -64,8 +64,13 @@ def next_link(
     ).fetchone()
     if existing is not None:
         if orjson.loads(existing[2]).get(key) != payload:
-            log.warning("%s %s re-sent with different content; kept record chain=%d seq=%d",
-                        id_column, id_value, existing[0], existing[1])  # fmt: skip
+            log.warning(
+                "%s %s re-sent with different content; kept record chain=%d seq=%d",
+                id_column,
+                id_value,
+                existing[0],
+                existing[1],
+            )
         return None
     tip = store.execute(
         f"SELECT seq, record_hash FROM {table} WHERE chain_id = ? ORDER BY seq DESC LIMIT 1", (chain_id,)
@@ -73,8 +78,19 @@ def next_link(
     return (tip[0] + 1, tip[1]) if tip else (1, GENESIS_HASH)
 
 
-CHECKPOINT_COLUMNS = ("chain_id", "num", "first_seq", "last_seq", "merkle_root", "last_record_hash", "created_ms",
-                      "canonical_json", "prev_hash", "checkpoint_hash", "mac")
+CHECKPOINT_COLUMNS = (
+    "chain_id",
+    "num",
+    "first_seq",
+    "last_seq",
+    "merkle_root",
+    "last_record_hash",
+    "created_ms",
+    "canonical_json",
+    "prev_hash",
+    "checkpoint_hash",
+    "mac",
+)
 
 
 @dataclass(frozen=True)
@@ -155,8 +171,19 @@ def checkpoint_if_due(store: Store, tables: ChainTables, chain_id: int, now_ms: 
     root = merkle_root([row[1] for row in pending])
     canonical = canonical_checkpoint(chain_id, num, first_seq, end_seq, root, end_hash, now_ms)
     checkpoint_hash = chain_hash(prev_hash, canonical)
-    values = [chain_id, num, first_seq, end_seq, root, end_hash, now_ms, canonical, prev_hash, checkpoint_hash,
-              checkpoint_mac(policy.key, tables.log, chain_id, checkpoint_hash)]
+    values = [
+        chain_id,
+        num,
+        first_seq,
+        end_seq,
+        root,
+        end_hash,
+        now_ms,
+        canonical,
+        prev_hash,
+        checkpoint_hash,
+        checkpoint_mac(policy.key, tables.log, chain_id, checkpoint_hash),
+    ]
     store.execute(
         f"INSERT INTO {tables.checkpoints} ({', '.join(CHECKPOINT_COLUMNS)}) VALUES ({', '.join('?' * len(values))})",
         values,

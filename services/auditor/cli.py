@@ -37,31 +37,45 @@ def build_parser() -> argparse.ArgumentParser:
     """Arguments of `weir audit`."""
     parser = argparse.ArgumentParser(prog="weir audit", description="Check, read and search the audit ledger.")
     actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
-    verify = actions.add_parser("verify", help="walk every chain and checkpoint, check them against Kafka's "
-                                "anchors; exit 1 if one is broken")
+    verify = actions.add_parser(
+        "verify", help="walk every chain and checkpoint, check them against Kafka's anchors; exit 1 if one is broken"
+    )
     show = actions.add_parser("show", help="print the newest records")
     reviews = actions.add_parser("reviews", help="print the newest review flags (principals to review)")
     find = actions.add_parser("lookup", help="records whose prompt or output is this text, exactly or nearly")
     mark = actions.add_parser("watermark", help="z-score and p-value of a tenant's watermark in a text")
     for sub in (verify, show, reviews, find):
-        sub.add_argument("--db", type=Path, help="ledger SQLite file (env WEIR_AUDIT_DB; default $WEIR_HOME/audit.sqlite)")
+        sub.add_argument(
+            "--db", type=Path, help="ledger SQLite file (env WEIR_AUDIT_DB; default $WEIR_HOME/audit.sqlite)"
+        )
         sub.add_argument("--dsn", help="ledger PostgreSQL DSN (env WEIR_AUDIT_DSN); replaces --db")
     verify.add_argument("--bootstrap", help="Kafka bootstrap servers of the anchors (env WEIR_KAFKA_BOOTSTRAP)")
     verify.add_argument("--topic-prefix", help="the deployment's topic prefix (env WEIR_TOPIC_PREFIX)")
-    verify.add_argument("--anchor-timeout", type=float, default=30.0,
-                        help="seconds to wait for Kafka (default %(default)s)")
-    verify.add_argument("--no-anchor", action="store_true",
-                        help="check the database alone: a truncated tail, or a rewrite with the key, go unseen")
+    verify.add_argument(
+        "--anchor-timeout", type=float, default=30.0, help="seconds to wait for Kafka (default %(default)s)"
+    )
+    verify.add_argument(
+        "--no-anchor",
+        action="store_true",
+        help="check the database alone: a truncated tail, or a rewrite with the key, go unseen",
+    )
     show.add_argument("--limit", type=int, default=20, help="how many of the newest records (default %(default)s)")
     show.add_argument("--json", action="store_true", help="print each record's hashed canonical JSON")
     reviews.add_argument("--principal", help="only this principal's flags")
     reviews.add_argument("--limit", type=int, default=20, help="how many of the newest flags (default %(default)s)")
     reviews.add_argument("--json", action="store_true", help="print each flag's hashed canonical JSON")
     find.add_argument("--text", required=True, help="the text asked about")
-    find.add_argument("--key", help="fingerprint key, 'hex:...' or text (default: env WEIR_AUDIT_HMAC_KEY, else "
-                      "the deployment's $WEIR_HOME/secrets/audit-hmac.key)")
-    find.add_argument("--max-distance", type=int, default=DEFAULT_MAX_DISTANCE,
-                      help="most SimHash bits a semantic match differs by (default %(default)s)")
+    find.add_argument(
+        "--key",
+        help="fingerprint key, 'hex:...' or text (default: env WEIR_AUDIT_HMAC_KEY, else "
+        "the deployment's $WEIR_HOME/secrets/audit-hmac.key)",
+    )
+    find.add_argument(
+        "--max-distance",
+        type=int,
+        default=DEFAULT_MAX_DISTANCE,
+        help="most SimHash bits a semantic match differs by (default %(default)s)",
+    )
     find.add_argument("--exact", action="store_true", help="exact matches only (no embedding model needed)")
     find.add_argument("--json", action="store_true", help="one JSON object per match")
     mark.add_argument("--text", required=True, help="the text to test")
@@ -106,8 +120,10 @@ def _verify(args: argparse.Namespace, settings: AuditorSettings) -> int:
     """The ledger's chains and checkpoints (their MACs), then, unless --no-anchor, the ledger
     against the anchors in Kafka, read first (docs/design.md, "The audit chain")."""
     if args.no_anchor and (args.bootstrap or args.topic_prefix):
-        print("error: --bootstrap and --topic-prefix say where the anchors are, and --no-anchor skips them",
-              file=sys.stderr)
+        print(
+            "error: --bootstrap and --topic-prefix say where the anchors are, and --no-anchor skips them",
+            file=sys.stderr,
+        )
         return 2
     updates = {"kafka_bootstrap": args.bootstrap, "topic_prefix": args.topic_prefix}
     settings = settings.model_copy(update={k: v for k, v in updates.items() if v is not None})
@@ -121,15 +137,19 @@ def _verify(args: argparse.Namespace, settings: AuditorSettings) -> int:
         if args.no_anchor:
             report = ledger.verify()
             print(report.describe())
-            print("ANCHORS NOT CHECKED (--no-anchor): a truncated tail, or a rewrite by the key's holder, "
-                  "would not show")
+            print(
+                "ANCHORS NOT CHECKED (--no-anchor): a truncated tail, or a rewrite by the key's holder, would not show"
+            )
             return 0 if report.is_ok else 1
         topic = settings.topics.audit_anchors
         try:
             records = asyncio.run(read_anchor_records(settings.kafka_bootstrap, topic, args.anchor_timeout))
         except Exception as exc:  # noqa: BLE001 - any failure to read Kafka is "cannot check"
-            print(f"error: cannot read the anchors ({topic}) from Kafka at {settings.kafka_bootstrap}: "
-                  f"{exc or type(exc).__name__}; --no-anchor checks the database alone", file=sys.stderr)
+            print(
+                f"error: cannot read the anchors ({topic}) from Kafka at {settings.kafka_bootstrap}: "
+                f"{exc or type(exc).__name__}; --no-anchor checks the database alone",
+                file=sys.stderr,
+            )
             return 2
         report, anchors = ledger.verify_with_anchors(topic, records)
     print(report.describe())
@@ -156,8 +176,10 @@ def _lookup(args: argparse.Namespace, settings: AuditorSettings, ledger: Ledger)
             print(json.dumps(m.as_dict()))
         else:
             finished = datetime.fromtimestamp(m.finished_ms / 1000, UTC)
-            print(f"{m.match:<8} {m.field:<6} distance={m.distance:<2} chain={m.chain_id} seq={m.seq} "
-                  f"{finished:%Y-%m-%d %H:%M:%S}Z req={m.request_id} {m.model_version} {m.principal}@{m.tenant}")
+            print(
+                f"{m.match:<8} {m.field:<6} distance={m.distance:<2} chain={m.chain_id} seq={m.seq} "
+                f"{finished:%Y-%m-%d %H:%M:%S}Z req={m.request_id} {m.model_version} {m.principal}@{m.tenant}"
+            )
     if not args.json:
         print(f"{len(matches)} match(es)")
     return 0
@@ -168,16 +190,23 @@ def _watermark(args: argparse.Namespace, settings: AuditorSettings) -> int:
 
     try:
         detector = WatermarkDetector(settings.model_repo, parse_tenants(settings.watermark_tenants))
-        found = detector.detect(args.text, tenant=args.tenant, key=parse_key(args.key) if args.key else None,
-                                gamma=args.gamma, model=args.model)
+        found = detector.detect(
+            args.text,
+            tenant=args.tenant,
+            key=parse_key(args.key) if args.key else None,
+            gamma=args.gamma,
+            model=args.model,
+        )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(found.as_dict()))
     else:
-        print(f"z={found.z_score:.2f} p={found.p_value:.3g} green={found.num_green}/{found.num_scored} scored "
-              f"of {found.num_tokens} tokens")
+        print(
+            f"z={found.z_score:.2f} p={found.p_value:.3g} green={found.num_green}/{found.num_scored} scored "
+            f"of {found.num_tokens} tokens"
+        )
     return 0
 
 

@@ -31,10 +31,10 @@ from faststream import AckPolicy
 from faststream.kafka import KafkaBroker
 from faststream.kafka.annotations import KafkaMessage
 
-from schemas.codec import DecodeError, decode, decode_reply, encode
+from schemas.codec import DecodeError, decode, decode_reply
 from schemas.messages import ReplyDelta, ReplyEnd
-from schemas.reply_stream import ReplyCursor
 from schemas.registry import ModelComparison, ShadowLive, split_ref, version_problem
+from schemas.reply_stream import ReplyCursor
 from services.auditor.config import AuditorSettings
 from services.auditor.consumers import parse_records
 from weir.bus import consumer_settings
@@ -115,7 +115,9 @@ class ShadowJoin:
     reply no live answer met, or that never ended), evicted (dropped past max_pending), late_deltas.
     """
 
-    def __init__(self, ttl_s: float = 300.0, max_pending: int = 10_000, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, ttl_s: float = 300.0, max_pending: int = 10_000, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.ttl_s = ttl_s
         self.max_pending = max_pending
         self.clock = clock
@@ -207,21 +209,33 @@ def compare(pair: Pair, embed: Embed | None) -> ModelComparison:
     end = reply.end
     assert end is not None
     name = split_ref(live.model)[0]
-    common = {"request_id": live.request_id, "name": name, "live": live.model, "mirror": pair.mirror_model,
-              "live_ttft_ms": live.ttft_ms, "live_tokens_per_s": live.tokens_per_s}
+    common = {
+        "request_id": live.request_id,
+        "name": name,
+        "live": live.model,
+        "mirror": pair.mirror_model,
+        "live_ttft_ms": live.ttft_ms,
+        "live_tokens_per_s": live.tokens_per_s,
+    }
     error = _mirror_error(reply)
     if error is not None:
-        return ModelComparison(**common, exact_match=False, token_edit_distance=len(live.token_ids),
-                               mirror_error=error[:1024])
+        return ModelComparison(
+            **common, exact_match=False, token_edit_distance=len(live.token_ids), mirror_error=error[:1024]
+        )
     text = "".join(reply.text)
     similarity = None
     if embed is not None:
         vectors = embed([live.text, text])
         similarity = cosine(vectors[0], vectors[1]) if vectors is not None else None
     ttft, rate = reply_rates(end.received_ms, end.first_token_ms, end.created_ms, end.usage.completion_tokens)
-    return ModelComparison(**common, exact_match=text == live.text,
-                           token_edit_distance=edit_distance(live.token_ids, reply.token_ids),
-                           similarity=similarity, mirror_ttft_ms=ttft, mirror_tokens_per_s=rate)
+    return ModelComparison(
+        **common,
+        exact_match=text == live.text,
+        token_edit_distance=edit_distance(live.token_ids, reply.token_ids),
+        similarity=similarity,
+        mirror_ttft_ms=ttft,
+        mirror_tokens_per_s=rate,
+    )
 
 
 def _mirror_error(reply: MirrorReply) -> str | None:
@@ -241,9 +255,14 @@ def _mirror_error(reply: MirrorReply) -> str | None:
 class Comparisons:
     """The comparison group's handler: records in, ModelComparisons out (topic, ledger)."""
 
-    def __init__(self, join: ShadowJoin, embed: Embed | None, publish: Callable[[ModelComparison], Awaitable[None]],
-                 store: Callable[[ModelComparison], Awaitable[bool]],
-                 dead_letter: Callable[[ConsumerRecord, str], Awaitable[None]]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        join: ShadowJoin,
+        embed: Embed | None,
+        publish: Callable[[ModelComparison], Awaitable[None]],
+        store: Callable[[ModelComparison], Awaitable[bool]],
+        dead_letter: Callable[[ConsumerRecord, str], Awaitable[None]],
+    ) -> None:
         self.join = join
         self.embed = embed
         self.publish = publish
@@ -280,15 +299,30 @@ def register_comparison(broker: KafkaBroker, settings: AuditorSettings, comparis
     async def raw(msg: KafkaMessage) -> list[ConsumerRecord]:
         return list(msg.raw_message)
 
-    common = {"group_id": settings.topics.comparison_group, "batch": True, "ack_policy": AckPolicy.ACK_FIRST,
-              "parser": parse_records, "decoder": raw, "auto_offset_reset": "earliest", **fetch}
+    common = {
+        "group_id": settings.topics.comparison_group,
+        "batch": True,
+        "ack_policy": AckPolicy.ACK_FIRST,
+        "parser": parse_records,
+        "decoder": raw,
+        "auto_offset_reset": "earliest",
+        **fetch,
+    }
 
-    @broker.subscriber(settings.topics.shadow_replies, title="auditor/shadow-replies",
-                       description="Mirror copies' ReplyEvents, gathered for the comparison.", **common)
+    @broker.subscriber(
+        settings.topics.shadow_replies,
+        title="auditor/shadow-replies",
+        description="Mirror copies' ReplyEvents, gathered for the comparison.",
+        **common,
+    )
     async def on_shadow_replies(records: list[ConsumerRecord]) -> None:
         await comparisons.on_replies(records)
 
-    @broker.subscriber(settings.topics.shadow_live, title="auditor/shadow-live",
-                       description="Live answers of mirrored requests, joined with their mirrors.", **common)
+    @broker.subscriber(
+        settings.topics.shadow_live,
+        title="auditor/shadow-live",
+        description="Live answers of mirrored requests, joined with their mirrors.",
+        **common,
+    )
     async def on_shadow_live(records: list[ConsumerRecord]) -> None:
         await comparisons.on_live(records)

@@ -35,7 +35,7 @@ from faststream.kafka import KafkaBroker
 from faststream.kafka.annotations import KafkaMessage
 from opentelemetry.trace import Span, SpanKind
 
-from schemas.codec import DecodeError, decode_audit_record
+from schemas.codec import DecodeError, decode_audit_record, encode
 from schemas.messages import SCHEMA_VERSION, AuditAnchor, AuditEvent, ReviewFlag
 from schemas.registry import ModelComparison
 from schemas.topics import Topics
@@ -43,13 +43,13 @@ from services.auditor.anchors import anchor_key
 from services.auditor.config import AuditorSettings
 from services.auditor.health import HealthMetrics
 from services.auditor.ledger import BatchOutcome, Ledger, UsageKey, unstorable_reason
-from schemas.codec import encode
 from weir.bus import consumer_settings, dead_letter_of
 from weir.tracing import Tracing, extract, messaging
 
 log = logging.getLogger(__name__)
 
 SERVICE = "auditor"
+
 
 def decode_audit_value(value: bytes | None) -> AuditEvent | ReviewFlag:
     """One audit-topic record's value to an AuditEvent or ReviewFlag (by `kind`), or DecodeError
@@ -81,8 +81,14 @@ class LedgerWriter:
     async def open(self) -> None:
         """Open (creating if needed) the ledger; called once at startup."""
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger")
-        self._ledger = await self._run(lambda: Ledger(self.target, checkpoint_every_records=self._every_records,
-                                                      checkpoint_every_s=self._every_s, checkpoint_key=self._key))
+        self._ledger = await self._run(
+            lambda: Ledger(
+                self.target,
+                checkpoint_every_records=self._every_records,
+                checkpoint_every_s=self._every_s,
+                checkpoint_key=self._key,
+            )
+        )
 
     async def checkpoint_due(self) -> int:
         """Ledger.checkpoint_due on the ledger thread (called on a timer)."""
@@ -100,6 +106,7 @@ class LedgerWriter:
         assert self._ledger is not None, "LedgerWriter.open() was not called"
         rows: list[tuple[str, str, int, str, float]] = await self._run(self._ledger.drift_rows, first, last)
         return rows
+
     async def comparable_events(self, limit: int) -> list[AuditEvent]:
         """Ledger.comparable_events on the ledger thread: what the determinism comparison starts from."""
         assert self._ledger is not None, "LedgerWriter.open() was not called"
@@ -215,6 +222,7 @@ async def parse_records(records: tuple[ConsumerRecord, ...], parse_batch: Callab
     """FastStream's batch parser, fed records whose header values are UTF-8 text: it decodes them
     strictly, so one binary or null header value would fail the whole batch before the handler,
     which reads only the records' values, sees it."""
+
     def is_text(value: bytes | None) -> bool:
         if value is None:
             return False
@@ -245,9 +253,16 @@ class AuditBatches:
     committed. Anything else that fails rewinds the whole batch.
     """
 
-    def __init__(self, settings: AuditorSettings, writer: LedgerWriter, dead_letters: DeadLetters,
-                 health: HealthMetrics | None = None, anchors: AnchorPublisher | None = None,
-                 on_new_event: Callable[[AuditEvent], None] | None = None, tracing: Tracing | None = None) -> None:
+    def __init__(
+        self,
+        settings: AuditorSettings,
+        writer: LedgerWriter,
+        dead_letters: DeadLetters,
+        health: HealthMetrics | None = None,
+        anchors: AnchorPublisher | None = None,
+        on_new_event: Callable[[AuditEvent], None] | None = None,
+        tracing: Tracing | None = None,
+    ) -> None:
         self.settings = settings
         self.tracing = tracing or Tracing.off(SERVICE)
         self.on_new_event = on_new_event  # traffic counts and the canary guard (services/auditor/traffic.py)
@@ -272,16 +287,22 @@ class AuditBatches:
                 if tp.partition in refused_at:
                     msg.consumer.seek(tp, offset)
             await msg.consumer.commit(ends)  # type: ignore[call-arg]  # per partition: see the module doc
-        except Exception as exc:  # noqa: BLE001 - per-batch failure is data: read it again
-            log.exception("audit batch of %d records failed (%r); reading it again in %.1f s",
-                          len(items), exc, self.settings.audit_retry_backoff_s)
+        except Exception as exc:  # per-batch failure is data: read it again
+            log.exception(
+                "audit batch of %d records failed (%r); reading it again in %.1f s",
+                len(items),
+                exc,
+                self.settings.audit_retry_backoff_s,
+            )
             _rewind(msg.consumer, [item.record for item in items])
         # A pause before the retry: no hot loop on a full disk or a broker that is away.
         await asyncio.sleep(self.settings.audit_retry_backoff_s)
 
     async def _ingest(self, items: list[AuditItem]) -> dict[int, int]:
         """Store and dead-letter the batch; returns {partition: offset of its first record not stored}."""
-        stored = [(item.message, item.record.partition, item.record.offset) for item in items if item.message is not None]
+        stored = [
+            (item.message, item.record.partition, item.record.offset) for item in items if item.message is not None
+        ]
         spans = [self._append_span(item) for item in items if item.message is not None]
         try:
             outcome = await self.writer.append_batch(stored)
@@ -291,8 +312,13 @@ class AuditBatches:
         refused_at = {}
         for partition, (index, exc) in outcome.failed.items():
             refused_at[partition] = stored[index][2]
-            log.error("ledger write of %s failed (%r); redelivering in %.1f s", _name(stored[index][0]), exc,
-                      self.settings.audit_retry_backoff_s, exc_info=not isinstance(exc, (sqlite3.Error, ValueError)))
+            log.error(
+                "ledger write of %s failed (%r); redelivering in %.1f s",
+                _name(stored[index][0]),
+                exc,
+                self.settings.audit_retry_backoff_s,
+                exc_info=not isinstance(exc, (sqlite3.Error, ValueError)),
+            )
         for item in items:
             record = item.record
             if item.reason is not None and record.offset < refused_at.get(record.partition, record.offset + 1):
@@ -310,16 +336,26 @@ class AuditBatches:
         """The ledger append of one record (its batch's group commit), under the context its
         record's headers carry: the worker's run of the request (docs/design.md, "Observability")."""
         record, message = item.record, item.message
-        attrs = messaging("process", record.topic, offset=record.offset, partition=record.partition,
-                          group=self.settings.topics.auditor_group)  # fmt: skip
+        attrs = messaging(
+            "process",
+            record.topic,
+            offset=record.offset,
+            partition=record.partition,
+            group=self.settings.topics.auditor_group,
+        )
         request_id = None
         if isinstance(message, AuditEvent):
             request_id = message.request_id
-            attrs.update({"gen_ai.response.model": message.model_version,
-                          "gen_ai.usage.input_tokens": message.prompt_tokens,
-                          "gen_ai.usage.output_tokens": message.completion_tokens})  # fmt: skip
-        return self.tracing.start_span("audit append", extract(record.headers), kind=SpanKind.CONSUMER,
-                                       request_id=request_id, attributes=attrs)  # fmt: skip
+            attrs.update(
+                {
+                    "gen_ai.response.model": message.model_version,
+                    "gen_ai.usage.input_tokens": message.prompt_tokens,
+                    "gen_ai.usage.output_tokens": message.completion_tokens,
+                }
+            )
+        return self.tracing.start_span(
+            "audit append", extract(record.headers), kind=SpanKind.CONSUMER, request_id=request_id, attributes=attrs
+        )
 
     def _observe(self, message: AuditEvent | ReviewFlag, is_new: bool) -> None:
         if not is_new:
@@ -368,7 +404,7 @@ def register_handlers(broker: KafkaBroker, settings: AuditorSettings, batches: A
         auto_offset_reset="earliest",
         title="auditor/audit-records",
         description="AuditEvents and ReviewFlags into the hash-chained ledger, one group commit per batch; "
-                    "offsets committed after the SQLite commit.",
+        "offsets committed after the SQLite commit.",
         **fetch,
     )
     async def on_audit_records(items: list[AuditItem], msg: KafkaMessage) -> None:

@@ -63,7 +63,10 @@ DriftSignal = Literal["entropy", "watermark"]
 DRIFT_SIGNALS: tuple[DriftSignal, ...] = ("entropy", "watermark")
 OutcomeSignal = Literal["structured", "determinism"]
 # Each outcome signal's point values: 1.0 for the good outcome, 0.0 for the bad; named as counted.
-OUTCOMES: dict[OutcomeSignal, tuple[str, str]] = {"structured": ("valid", "invalid"), "determinism": ("same", "differs")}
+OUTCOMES: dict[OutcomeSignal, tuple[str, str]] = {
+    "structured": ("valid", "invalid"),
+    "determinism": ("same", "differs"),
+}
 WindowSignal = Literal["entropy", "watermark", "error_rate", "structured", "determinism"]
 WINDOW_SIGNALS: tuple[WindowSignal, ...] = (*DRIFT_SIGNALS, "error_rate", *OUTCOMES)
 _FIELD: dict[DriftSignal, str] = {"entropy": "mean_token_entropy", "watermark": "watermark_z"}
@@ -108,13 +111,17 @@ class HealthPolicy:
     @classmethod
     def from_settings(cls, settings: AuditorSettings) -> HealthPolicy:
         return cls(
-            baseline_outputs=settings.health_baseline_outputs, window_outputs=settings.health_window_outputs,
-            window_s=settings.health_window_s, min_window_outputs=settings.health_min_window_outputs,
+            baseline_outputs=settings.health_baseline_outputs,
+            window_outputs=settings.health_window_outputs,
+            window_s=settings.health_window_s,
+            min_window_outputs=settings.health_min_window_outputs,
             entropy=Bound(settings.health_entropy_max_abs, settings.health_entropy_max_rel),
             watermark=Bound(settings.health_watermark_max_abs, settings.health_watermark_max_rel),
-            max_age_s=settings.health_max_age_s, max_error_rate=settings.health_max_error_rate,
-            clear_ratio=settings.health_clear_ratio, determinism_keys=settings.health_determinism_keys,
-        )  # fmt: skip
+            max_age_s=settings.health_max_age_s,
+            max_error_rate=settings.health_max_error_rate,
+            clear_ratio=settings.health_clear_ratio,
+            determinism_keys=settings.health_determinism_keys,
+        )
 
     def bound(self, signal: DriftSignal) -> Bound:
         return self.entropy if signal == "entropy" else self.watermark
@@ -173,7 +180,9 @@ class Reading:
     counts: dict[str, int] | None = None  # an outcome signal's counts behind `value`
 
 
-def judge_drift(baseline: float, current: float, bound: Bound, raised: bool, clear_ratio: float) -> tuple[bool, float, str]:
+def judge_drift(
+    baseline: float, current: float, bound: Bound, raised: bool, clear_ratio: float
+) -> tuple[bool, float, str]:
     """(past the bound, the bound, why) of `current` against `baseline`; a raised signal stays
     raised until its drift is under clear_ratio of the bound."""
     factor = clear_ratio if raised else 1.0
@@ -183,7 +192,11 @@ def judge_drift(baseline: float, current: float, bound: Bound, raised: bool, cle
         checks.append(("relative", bound.max_rel, delta / abs(baseline)))
     for kind, limit, drift in checks:
         if limit is not None and drift > limit * factor:
-            return True, limit, f"{kind} drift {drift:.3g} > {limit * factor:.3g} (current {current:.4g}, baseline {baseline:.4g})"
+            return (
+                True,
+                limit,
+                f"{kind} drift {drift:.3g} > {limit * factor:.3g} (current {current:.4g}, baseline {baseline:.4g})",
+            )
     return False, _first_limit(bound), f"current {current:.4g}, baseline {baseline:.4g}: within bounds"
 
 
@@ -273,8 +286,9 @@ class HealthMonitor:
         if baseline is None or current is None or count < self.policy.min_window_outputs:
             return Reading(current, baseline, None)
         bound = self.policy.bound(signal)
-        crossed, threshold, detail = judge_drift(baseline, current, bound, self.is_raised(model_version, signal),
-                                                 self.policy.clear_ratio)  # fmt: skip
+        crossed, threshold, detail = judge_drift(
+            baseline, current, bound, self.is_raised(model_version, signal), self.policy.clear_ratio
+        )
         return Reading(current, baseline, crossed, threshold, f"{signal} {detail}")
 
     def error_rate(self, model_version: str, now_ms: int) -> Reading:
@@ -287,8 +301,13 @@ class HealthMonitor:
         if current is None or limit is None or count < self.policy.min_window_outputs:
             return Reading(current, None, None)
         bound = limit * (self.policy.clear_ratio if self.is_raised(model_version, "error_rate") else 1.0)
-        return Reading(current, None, current > bound, limit,
-                       f"error rate {current:.1%} of the last {count} outputs (bound {bound:.1%})")
+        return Reading(
+            current,
+            None,
+            current > bound,
+            limit,
+            f"error rate {current:.1%} of the last {count} outputs (bound {bound:.1%})",
+        )
 
     def outcome(self, model_version: str, signal: OutcomeSignal, now_ms: int) -> Reading:
         """The window's good share of an outcome signal: raised by any bad outcome, cleared by a
@@ -301,9 +320,14 @@ class HealthMonitor:
         good = sum(1 for p in points if p[2] > 0)
         bad = len(points) - good
         judged = bad > 0 or len(points) >= self.policy.min_window_outputs
-        return Reading(good / len(points), None, (bad > 0) if judged else None, 1.0,
-                       f"{signal}: {bad} {bad_name} of the last {len(points)} ({good} {good_name}); every one must be "
-                       f"{good_name}", {good_name: good, bad_name: bad})  # fmt: skip
+        return Reading(
+            good / len(points),
+            None,
+            (bad > 0) if judged else None,
+            1.0,
+            f"{signal}: {bad} {bad_name} of the last {len(points)} ({good} {good_name}); every one must be {good_name}",
+            {good_name: good, bad_name: bad},
+        )
 
     def freshness(self, model_version: str, now_ms: int) -> Reading:
         """Seconds since the version was pushed; judged only while it is wanted loaded."""
@@ -316,11 +340,13 @@ class HealthMonitor:
             return Reading(age_s, None, False, limit or 0.0, f"no longer loaded (desired {record.desired})")
         if limit is None:
             return Reading(age_s, None, None)
-        return Reading(age_s, None, age_s > limit, limit, f"pushed {age_s / 86400:.1f} days ago (bound {limit / 86400:.1f} days)")
+        return Reading(
+            age_s, None, age_s > limit, limit, f"pushed {age_s / 86400:.1f} days ago (bound {limit / 86400:.1f} days)"
+        )
 
     def versions(self) -> list[str]:
         """Every version with audit values or a registry record."""
-        return sorted({sid for sid, _ in self.series} | set(self.registry().versions))
+        return sorted({served_id for served_id, _ in self.series} | set(self.registry().versions))
 
     # -- transitions -------------------------------------------------------------------------
 
@@ -328,26 +354,36 @@ class HealthMonitor:
         """The alerts of every (version, signal) whose judged state differs from its latest alert.
         The app publishes each, then `hold`s it: until then the transition is due again."""
         out = []
-        for sid in self.versions():
-            readings: list[tuple[HealthSignal, Reading]] = [("freshness", self.freshness(sid, now_ms))]
-            readings += [(signal, self.drift(sid, signal, now_ms)) for signal in DRIFT_SIGNALS]
-            readings.append(("error_rate", self.error_rate(sid, now_ms)))
-            readings += [(signal, self.outcome(sid, signal, now_ms)) for signal in OUTCOMES]
+        for served_id in self.versions():
+            readings: list[tuple[HealthSignal, Reading]] = [("freshness", self.freshness(served_id, now_ms))]
+            readings += [(signal, self.drift(served_id, signal, now_ms)) for signal in DRIFT_SIGNALS]
+            readings.append(("error_rate", self.error_rate(served_id, now_ms)))
+            readings += [(signal, self.outcome(served_id, signal, now_ms)) for signal in OUTCOMES]
             for signal, reading in readings:
-                if reading.crossed is None or reading.value is None or reading.crossed == self.is_raised(sid, signal):
+                if (
+                    reading.crossed is None
+                    or reading.value is None
+                    or reading.crossed == self.is_raised(served_id, signal)
+                ):
                     continue
-                if not reading.crossed and (sid, signal) not in self.alerts:
+                if not reading.crossed and (served_id, signal) not in self.alerts:
                     continue  # nothing to clear
-                out.append(self._alert(sid, signal, reading, now_ms))
+                out.append(self._alert(served_id, signal, reading, now_ms))
         return out
 
-    def _alert(self, sid: str, signal: HealthSignal, reading: Reading, now_ms: int) -> HealthAlert:
+    def _alert(self, served_id: str, signal: HealthSignal, reading: Reading, now_ms: int) -> HealthAlert:
         state: Literal["raised", "cleared"] = "raised" if reading.crossed else "cleared"
-        previous = self.alerts.get((sid, signal))
-        seed = "\x1f".join((sid, signal, state, previous.alert_id if previous else ""))
+        previous = self.alerts.get((served_id, signal))
+        seed = "\x1f".join((served_id, signal, state, previous.alert_id if previous else ""))
         return HealthAlert(
-            alert_id=hashlib.sha256(seed.encode()).hexdigest()[:32], model_version=sid, signal=signal, state=state,
-            value=reading.value, baseline=reading.baseline,
+            alert_id=hashlib.sha256(seed.encode()).hexdigest()[:32],
+            model_version=served_id,
+            signal=signal,
+            state=state,
+            value=reading.value,
+            baseline=reading.baseline,
             threshold=previous.threshold if previous is not None and state == "cleared" else reading.threshold,
-            detail=f"{reading.detail} [{self.by}]"[:1024], counts=reading.counts or {}, created_ms=now_ms,
-        )  # fmt: skip
+            detail=f"{reading.detail} [{self.by}]"[:1024],
+            counts=reading.counts or {},
+            created_ms=now_ms,
+        )

@@ -21,7 +21,9 @@ if TYPE_CHECKING:  # the module itself loads on the first lookup
 log = logging.getLogger(__name__)
 
 
-def simhash_function(model_repo: str | Path = "models.toml", model_name: str = "all-MiniLM-L6-v2") -> Callable[[str], str | None]:
+def simhash_function(
+    model_repo: str | Path = "models.toml", model_name: str = "all-MiniLM-L6-v2"
+) -> Callable[[str], str | None]:
     """text -> its SimHash, or None when the fingerprint model cannot load (exact lookups still work).
 
     The model loads on the first call; calls are serialised (one onnxruntime session).
@@ -36,8 +38,9 @@ def simhash_function(model_repo: str | Path = "models.toml", model_name: str = "
     return simhash_of
 
 
-def embedding_function(model_repo: str | Path = "models.toml",
-                       model_name: str = "all-MiniLM-L6-v2") -> Callable[[list[str]], list[list[float]] | None]:
+def embedding_function(
+    model_repo: str | Path = "models.toml", model_name: str = "all-MiniLM-L6-v2"
+) -> Callable[[list[str]], list[list[float]] | None]:
     """texts -> their L2-normalised embeddings with the fingerprint model (the shadow comparison's
     similarity: the embedding model Weir already serves), or None when the model cannot load or a
     text is longer than it takes. Loads on the first call, like simhash_function."""

@@ -46,28 +46,50 @@ class HealthMetrics:
         self.events = service.counter("weir_audit_events", "Audit events appended by this auditor since it started.")
         self.requests = service.counter("weir_audit_requests", "Audited requests by model, tenant and finish reason.")
         self.completion_tokens = service.counter("weir_audit_completion_tokens", "Generated tokens by model.")
-        self.review_flags = service.counter("weir_audit_review_flags", "Principals flagged for review, by tenant and reason.")
-        self.entropy = service.histogram("weir_audit_output_entropy_nats", "Mean per-request token entropy of outputs "
-                                         "(nats), by model.", ENTROPY_BUCKETS)  # fmt: skip
-        self.watermark_z = service.histogram("weir_audit_watermark_z", "Watermark z-score of watermarked outputs, by model.",
-                                             WATERMARK_Z_BUCKETS)  # fmt: skip
+        self.review_flags = service.counter(
+            "weir_audit_review_flags", "Principals flagged for review, by tenant and reason."
+        )
+        self.entropy = service.histogram(
+            "weir_audit_output_entropy_nats",
+            "Mean per-request token entropy of outputs (nats), by model.",
+            ENTROPY_BUCKETS,
+        )
+        self.watermark_z = service.histogram(
+            "weir_audit_watermark_z", "Watermark z-score of watermarked outputs, by model.", WATERMARK_Z_BUCKETS
+        )
         self.alerts = service.counter("weir_model_alerts", "HealthAlerts this auditor published, by signal and state.")
-        self.determinism = service.counter("weir_determinism_checks", "Outputs of equal version, prompt, parameters and "
-                                           "seed from two workers compared, by result (same, differs).")  # fmt: skip
+        self.determinism = service.counter(
+            "weir_determinism_checks",
+            "Outputs of equal version, prompt, parameters and "
+            "seed from two workers compared, by result (same, differs).",
+        )
         service.meter.create_observable_counter(
-            "weir_audit_shadow_join", callbacks=[self._observe_join],
+            "weir_audit_shadow_join",
+            callbacks=[self._observe_join],
             description="Shadow comparison join: pairs joined, halves expired unmatched or evicted, deltas after their end.",
-        )  # fmt: skip
+        )
         service.gauge("weir_model_freshness_seconds", "Seconds since a registered version was pushed.", self._freshness)
-        service.gauge("weir_model_output_entropy_nats", "Mean output entropy of a version (nats): its baseline "
-                      "(first outputs) and its current window.", self._drift("entropy"))  # fmt: skip
-        service.gauge("weir_model_watermark_z", "Mean watermark z of a version: its baseline and its current window.",
-                      self._drift("watermark"))  # fmt: skip
-        service.gauge("weir_model_error_rate", "Share of a version's current window that ended in an error.",
-                      self._error_rate)
-        service.gauge("weir_model_alert", "1 while a version's health signal is raised, 0 once cleared.", self._alert_states)
-        service.gauge("weir_model_structured_valid_rate", "Share of a version's window of constrained outputs that "
-                      "ended stop which were valid.", self._structured)  # fmt: skip
+        service.gauge(
+            "weir_model_output_entropy_nats",
+            "Mean output entropy of a version (nats): its baseline (first outputs) and its current window.",
+            self._drift("entropy"),
+        )
+        service.gauge(
+            "weir_model_watermark_z",
+            "Mean watermark z of a version: its baseline and its current window.",
+            self._drift("watermark"),
+        )
+        service.gauge(
+            "weir_model_error_rate", "Share of a version's current window that ended in an error.", self._error_rate
+        )
+        service.gauge(
+            "weir_model_alert", "1 while a version's health signal is raised, 0 once cleared.", self._alert_states
+        )
+        service.gauge(
+            "weir_model_structured_valid_rate",
+            "Share of a version's window of constrained outputs that ended stop which were valid.",
+            self._structured,
+        )
 
     def observe(self, event: AuditEvent) -> None:
         """Count one appended AuditEvent (called by the auditor's handler on the event loop)."""
@@ -108,33 +130,35 @@ class HealthMetrics:
         if self.monitor is None:
             return []
         now = self.clock()
-        readings = [(sid, self.monitor.freshness(sid, now)) for sid in self.monitor.versions()]
-        return [(r.value, {"model_name": sid}) for sid, r in readings if r.value is not None]
+        readings = [(served_id, self.monitor.freshness(served_id, now)) for served_id in self.monitor.versions()]
+        return [(r.value, {"model_name": served_id}) for served_id, r in readings if r.value is not None]
 
     def _error_rate(self) -> list[tuple[float, Labels]]:
         if self.monitor is None:
             return []
         now = self.clock()
-        readings = [(sid, self.monitor.error_rate(sid, now)) for sid in self.monitor.versions()]
-        return [(r.value, {"model_name": sid}) for sid, r in readings if r.value is not None]
+        readings = [(served_id, self.monitor.error_rate(served_id, now)) for served_id in self.monitor.versions()]
+        return [(r.value, {"model_name": served_id}) for served_id, r in readings if r.value is not None]
 
     def _structured(self) -> list[tuple[float, Labels]]:
         if self.monitor is None:
             return []
         now = self.clock()
-        readings = [(sid, self.monitor.outcome(sid, "structured", now)) for sid in self.monitor.versions()]
-        return [(r.value, {"model_name": sid}) for sid, r in readings if r.value is not None]
+        readings = [
+            (served_id, self.monitor.outcome(served_id, "structured", now)) for served_id in self.monitor.versions()
+        ]
+        return [(r.value, {"model_name": served_id}) for served_id, r in readings if r.value is not None]
 
     def _drift(self, signal: DriftSignal) -> Callable[[], list[tuple[float, Labels]]]:
         def observe() -> list[tuple[float, Labels]]:
             if self.monitor is None:
                 return []
             now, out = self.clock(), []
-            for sid in self.monitor.versions():
-                reading = self.monitor.drift(sid, signal, now)
+            for served_id in self.monitor.versions():
+                reading = self.monitor.drift(served_id, signal, now)
                 for window, value in (("baseline", reading.baseline), ("current", reading.value)):
                     if value is not None:
-                        out.append((value, {"model_name": sid, "window": window}))
+                        out.append((value, {"model_name": served_id, "window": window}))
             return out
 
         return observe
@@ -142,5 +166,7 @@ class HealthMetrics:
     def _alert_states(self) -> list[tuple[float, Labels]]:
         if self.monitor is None:
             return []
-        return [(1.0 if alert.state == "raised" else 0.0, {"model_name": sid, "signal": signal})
-                for (sid, signal), alert in sorted(self.monitor.alerts.items())]  # fmt: skip
+        return [
+            (1.0 if alert.state == "raised" else 0.0, {"model_name": served_id, "signal": signal})
+            for (served_id, signal), alert in sorted(self.monitor.alerts.items())
+        ]

@@ -27,18 +27,6 @@ from schemas.messages import now_ms as wall_clock_ms
 from schemas.registry import ModelComparison
 from services.auditor import comparison_log, reviews
 from services.auditor.anchors import AnchorRecord, AnchorReport, ChainKey, ChainState, anchor_of, check_anchors
-from services.auditor.chain_store import (
-    CHECKPOINT_COLUMNS,
-    ChainTables,
-    CheckpointPolicy,
-    add_mac_column,
-    chained_table_sql,
-    checkpoint_if_due,
-    checkpoint_table_sql,
-    latest_checkpoints,
-    next_link,
-    read_checkpoints,
-)
 from services.auditor.chain import (
     ChainRow,
     CheckpointRow,
@@ -51,6 +39,18 @@ from services.auditor.chain import (
     stored_row,
     verify_chain,
     verify_checkpoints,
+)
+from services.auditor.chain_store import (
+    CHECKPOINT_COLUMNS,
+    ChainTables,
+    CheckpointPolicy,
+    add_mac_column,
+    chained_table_sql,
+    checkpoint_if_due,
+    checkpoint_table_sql,
+    latest_checkpoints,
+    next_link,
+    read_checkpoints,
 )
 from weir.audit_key import AuditKeyError, resolve_checkpoint_key
 
@@ -119,19 +119,31 @@ def _tables_sql(dialect: Dialect) -> list[str]:
 
 def _extras_sql(dialect: Dialect) -> list[str]:
     """Indexes for lookups by fingerprint or request; triggers that make both tables append-only."""
-    sql = [f"CREATE INDEX IF NOT EXISTS {TABLE}_{c} ON {TABLE}({c})" for c in ("prompt_hmac", "output_hmac", "request_id")]
-    sql += [f"CREATE INDEX IF NOT EXISTS {TABLE}_finished_ms ON {TABLE}(finished_ms)",  # usage_keys_since, rate cards
-            f"CREATE INDEX IF NOT EXISTS {TABLE}_usage ON {TABLE}(tenant, principal, model_version, finished_ms)"]
+    sql = [
+        f"CREATE INDEX IF NOT EXISTS {TABLE}_{c} ON {TABLE}({c})" for c in ("prompt_hmac", "output_hmac", "request_id")
+    ]
+    sql += [
+        f"CREATE INDEX IF NOT EXISTS {TABLE}_finished_ms ON {TABLE}(finished_ms)",  # usage_keys_since, rate cards
+        f"CREATE INDEX IF NOT EXISTS {TABLE}_usage ON {TABLE}(tenant, principal, model_version, finished_ms)",
+    ]
     for table in (TABLE, CHECKPOINTS):
         if dialect == "sqlite":
-            sql += [f"CREATE TRIGGER IF NOT EXISTS {table}_no_{op.lower()} BEFORE {op} ON {table} "
-                    f"BEGIN SELECT RAISE(ABORT, '{table} is append-only'); END" for op in ("UPDATE", "DELETE")]
+            sql += [
+                f"CREATE TRIGGER IF NOT EXISTS {table}_no_{op.lower()} BEFORE {op} ON {table} "
+                f"BEGIN SELECT RAISE(ABORT, '{table} is append-only'); END"
+                for op in ("UPDATE", "DELETE")
+            ]
         else:
-            sql.append(f"CREATE OR REPLACE TRIGGER {table}_append_only BEFORE UPDATE OR DELETE ON {table} "
-                       "FOR EACH ROW EXECUTE FUNCTION weir_append_only()")
+            sql.append(
+                f"CREATE OR REPLACE TRIGGER {table}_append_only BEFORE UPDATE OR DELETE ON {table} "
+                "FOR EACH ROW EXECUTE FUNCTION weir_append_only()"
+            )
     if dialect == "postgresql":
-        sql.insert(0, "CREATE OR REPLACE FUNCTION weir_append_only() RETURNS trigger LANGUAGE plpgsql AS "
-                      "$$ BEGIN RAISE EXCEPTION '% is append-only', TG_TABLE_NAME; END $$")
+        sql.insert(
+            0,
+            "CREATE OR REPLACE FUNCTION weir_append_only() RETURNS trigger LANGUAGE plpgsql AS "
+            "$$ BEGIN RAISE EXCEPTION '% is append-only', TG_TABLE_NAME; END $$",
+        )
     return sql
 
 
@@ -192,8 +204,11 @@ class Ledger:
         try:
             if not readonly:
                 # review_flags is created in ledgers written before it existed: that is their migration.
-                for sql in [*_tables_sql(self._store.dialect), *reviews.tables_sql(self._store.dialect),
-                            *comparison_log.tables_sql(self._store.dialect)]:
+                for sql in [
+                    *_tables_sql(self._store.dialect),
+                    *reviews.tables_sql(self._store.dialect),
+                    *comparison_log.tables_sql(self._store.dialect),
+                ]:
                     self._store.execute(sql)
                 add_mac_column(self._store, CHECKPOINTS)  # a ledger written before checkpoints were keyed
                 add_event_columns(self._store)  # a ledger written before an optional AuditEvent field existed
@@ -300,8 +315,14 @@ class Ledger:
                     break
         return outcome
 
-    def _append_group(self, items: Sequence[tuple[AuditEvent | ReviewFlag, int, int]], indexes: list[int],
-                      chain_id: int, appended_ms: int, outcome: BatchOutcome) -> None:
+    def _append_group(
+        self,
+        items: Sequence[tuple[AuditEvent | ReviewFlag, int, int]],
+        indexes: list[int],
+        chain_id: int,
+        appended_ms: int,
+        outcome: BatchOutcome,
+    ) -> None:
         """Append items[indexes] of one chain in one transaction; their is_new only once it committed."""
         is_new = {}
         with self._store.transaction(chain_id):
@@ -332,8 +353,17 @@ class Ledger:
             return False
         seq, prev_hash = link
         canonical = canonical_record(event_json, seq, partition, offset, appended_ms, chain_id)
-        values = [chain_id, seq, *(event_json[name] for name in _EVENT_NAMES), partition, offset, appended_ms,
-                  canonical, prev_hash, chain_hash(prev_hash, canonical)]
+        values = [
+            chain_id,
+            seq,
+            *(event_json[name] for name in _EVENT_NAMES),
+            partition,
+            offset,
+            appended_ms,
+            canonical,
+            prev_hash,
+            chain_hash(prev_hash, canonical),
+        ]
         marks = ", ".join("?" * len(values))
         self._store.execute(f"INSERT INTO {TABLE} ({', '.join(ALL_COLUMNS)}) VALUES ({marks})", values)
         return True
@@ -377,8 +407,10 @@ class Ledger:
     def traffic_rows(self) -> list[tuple[str, str | None, str, int]]:
         """(model_version, assignment, finish_reason, records) of every group: the traffic counts
         since the ledger began (services/auditor/traffic.py)."""
-        rows = self._store.execute(f"SELECT model_version, assignment, finish_reason, count(*) FROM {TABLE} "
-                                   "GROUP BY model_version, assignment, finish_reason").fetchall()
+        rows = self._store.execute(
+            f"SELECT model_version, assignment, finish_reason, count(*) FROM {TABLE} "
+            "GROUP BY model_version, assignment, finish_reason"
+        ).fetchall()
         return [(str(r[0]), r[1], str(r[2]), int(r[3])) for r in rows]
 
     def drift_rows(self, first: int, last: int) -> list[tuple[str, str, int, str, float]]:
@@ -388,27 +420,36 @@ class Ledger:
         ended stop ("structured": 1.0 valid, 0.0 invalid), by finished_ms then event_id: what
         services/auditor/drift.py starts from, so a restart judges against the same baseline."""
         out: list[tuple[str, str, int, str, float]] = []
-        signals = (("entropy", "mean_token_entropy"), ("watermark", "watermark_z"),
-                   ("error_rate", "CASE WHEN finish_reason = 'error' THEN 1.0 ELSE 0.0 END"),
-                   ("structured", "CASE WHEN finish_reason = 'stop' AND structured_valid IS NOT NULL THEN "
-                                  "(CASE WHEN structured_valid THEN 1.0 ELSE 0.0 END) END"))  # fmt: skip
+        signals = (
+            ("entropy", "mean_token_entropy"),
+            ("watermark", "watermark_z"),
+            ("error_rate", "CASE WHEN finish_reason = 'error' THEN 1.0 ELSE 0.0 END"),
+            (
+                "structured",
+                "CASE WHEN finish_reason = 'stop' AND structured_valid IS NOT NULL THEN "
+                "(CASE WHEN structured_valid THEN 1.0 ELSE 0.0 END) END",
+            ),
+        )
         for signal, column in signals:
             for order, n in (("ASC", first), ("DESC", last)):
                 rows = self._store.execute(
                     f"SELECT model_version, finished_ms, event_id, value FROM (SELECT model_version, finished_ms, "
                     f"event_id, {column} AS value, ROW_NUMBER() OVER (PARTITION BY model_version ORDER BY finished_ms "
-                    f"{order}, event_id {order}) AS rn FROM {TABLE} WHERE ({column}) IS NOT NULL) ranked WHERE rn <= ?", (n,),
-                ).fetchall()  # fmt: skip
+                    f"{order}, event_id {order}) AS rn FROM {TABLE} WHERE ({column}) IS NOT NULL) ranked WHERE rn <= ?",
+                    (n,),
+                ).fetchall()
                 out += [(str(r[0]), signal, int(r[1]), str(r[2]), float(r[3])) for r in rows]
         return out
+
     def comparable_events(self, limit: int) -> list[AuditEvent]:
         """The last `limit` events the determinism comparison can use (services/auditor/determinism.py:
         with params_sha256, not a mirror copy, ended stop or length), in the ledger's order (finished_ms,
         event_id), as they were appended (from their canonical JSON)."""
         rows = self._store.execute(
             f"SELECT canonical_json FROM {TABLE} WHERE params_sha256 IS NOT NULL AND shadow_of IS NULL AND "
-            "finish_reason IN ('stop', 'length') ORDER BY finished_ms DESC, event_id DESC LIMIT ?", (limit,),
-        ).fetchall()  # fmt: skip
+            "finish_reason IN ('stop', 'length') ORDER BY finished_ms DESC, event_id DESC LIMIT ?",
+            (limit,),
+        ).fetchall()
         return [AuditEvent.model_validate(orjson.loads(r[0])["event"]) for r in reversed(rows)]
 
     def usage_of(self, key: UsageKey) -> tuple[int, int, int, int]:
@@ -420,14 +461,17 @@ class Ledger:
             f"SELECT count(*), sum(prompt_tokens), sum(completion_tokens), sum(coalesce(cached_prompt_tokens, 0)) "
             f"FROM {TABLE} WHERE tenant = ? AND principal = ? AND model_version = ? AND finished_ms >= ? "
             "AND finished_ms < ? AND shadow_of IS NULL",
-            (tenant, principal, model_version, day * DAY_MS, (day + 1) * DAY_MS)).fetchone()  # fmt: skip
+            (tenant, principal, model_version, day * DAY_MS, (day + 1) * DAY_MS),
+        ).fetchone()
         return int(row[0]), int(row[1] or 0), int(row[2] or 0), int(row[3] or 0)
 
     def usage_keys_since(self, since_ms: int) -> list[UsageKey]:
         """Every (epoch day, tenant, principal, model version) with a billed record finished at or after `since_ms`."""
         rows = self._store.execute(
             f"SELECT DISTINCT finished_ms / {DAY_MS}, tenant, principal, model_version FROM {TABLE} "
-            "WHERE finished_ms >= ? AND shadow_of IS NULL", (since_ms,)).fetchall()  # fmt: skip
+            "WHERE finished_ms >= ? AND shadow_of IS NULL",
+            (since_ms,),
+        ).fetchall()
         return [(int(r[0]), str(r[1]), str(r[2]), str(r[3])) for r in rows]
 
     def tokens_served_since(self, since_ms: int) -> dict[str, int]:
@@ -435,7 +479,9 @@ class Ledger:
         copies included: what the hardware served, for the rate cards."""
         rows = self._store.execute(
             f"SELECT model_version, sum(prompt_tokens + completion_tokens) FROM {TABLE} WHERE finished_ms >= ? "
-            "GROUP BY model_version", (since_ms,)).fetchall()  # fmt: skip
+            "GROUP BY model_version",
+            (since_ms,),
+        ).fetchall()
         return {str(r[0]): int(r[1] or 0) for r in rows}
 
     def chain_ids(self) -> list[int]:
@@ -472,8 +518,12 @@ class Ledger:
         tables: list[tuple[Log, str]] = [("audit", CHECKPOINTS)]
         if self.review_flags.has_checkpoints:
             tables.append(("review_flags", reviews.FLAG_CHECKPOINTS))
-        return [anchor_of(log, chain_id, cp) for log, table in tables
-                for chain_id, cp in latest_checkpoints(self._store, table).items() if cp.mac is not None]
+        return [
+            anchor_of(log, chain_id, cp)
+            for log, table in tables
+            for chain_id, cp in latest_checkpoints(self._store, table).items()
+            if cp.mac is not None
+        ]
 
     def find_by_hmac(self, hmacs: list[str]) -> list[dict[str, Any]]:
         """Records whose prompt_hmac or output_hmac is one of `hmacs`, oldest first."""
@@ -482,8 +532,9 @@ class Ledger:
         marks = ", ".join("?" * len(hmacs))
         rows = self._store.execute(
             f"SELECT {', '.join(ALL_COLUMNS)} FROM {TABLE} WHERE prompt_hmac IN ({marks}) OR output_hmac IN ({marks}) "
-            "ORDER BY appended_ms, chain_id, seq", [*hmacs, *hmacs],
-        ).fetchall()  # fmt: skip
+            "ORDER BY appended_ms, chain_id, seq",
+            [*hmacs, *hmacs],
+        ).fetchall()
         return [dict(zip(ALL_COLUMNS, row, strict=True)) for row in rows]
 
     def iter_simhashes(self) -> Iterator[tuple[int, int, str | None, str | None]]:
@@ -509,16 +560,18 @@ class Ledger:
         chain's first broken record."""
         key = self.checkpoint_key()
         with self._store.snapshot():
-            return LedgerReport([self.verify_chain(chain_id) for chain_id in self.chain_ids()],
-                                self.review_flags.verify(key))
+            return LedgerReport(
+                [self.verify_chain(chain_id) for chain_id in self.chain_ids()], self.review_flags.verify(key)
+            )
 
     def verify_with_anchors(self, topic: str, anchors: list[AnchorRecord]) -> tuple[LedgerReport, AnchorReport]:
         """verify(), and the chains against the records of the anchor topic (read before this
         call: every anchor then names a checkpoint already committed), in one read snapshot."""
         key = self.checkpoint_key()
         with self._store.snapshot():
-            report = LedgerReport([self.verify_chain(chain_id) for chain_id in self.chain_ids()],
-                                  self.review_flags.verify(key))
+            report = LedgerReport(
+                [self.verify_chain(chain_id) for chain_id in self.chain_ids()], self.review_flags.verify(key)
+            )
             states: dict[ChainKey, ChainState] = {
                 (c.log, c.chain_id): ChainState(self.checkpoints(c.chain_id, c.log), c.num_records)
                 for c in [*report.chains, *report.flag_chains]
@@ -539,8 +592,9 @@ class Ledger:
             return report
         num, kind, reason, seq = problem
         event_id = next((r.event_id for r in rows if r.seq == seq), None)
-        return replace(report, kind=kind, reason=reason, broken_checkpoint=num, broken_seq=seq,
-                       broken_event_id=event_id)
+        return replace(
+            report, kind=kind, reason=reason, broken_checkpoint=num, broken_seq=seq, broken_event_id=event_id
+        )
 
     def _check_columns(self) -> None:
         for table, expected in ((TABLE, ALL_COLUMNS), (CHECKPOINTS, list(CHECKPOINT_COLUMNS))):
@@ -568,14 +622,21 @@ def add_event_columns(store: Any) -> list[str]:
             store.execute(f"ALTER TABLE {TABLE} ADD COLUMN {name} {_SQL_TYPES[store.dialect][py_type]}")
             added.append(name)
     if added:
-        log.info("audit ledger %s: added the columns %s of newer AuditEvent fields (NULL in older records)", store.name, added)
+        log.info(
+            "audit ledger %s: added the columns %s of newer AuditEvent fields (NULL in older records)",
+            store.name,
+            added,
+        )
     return added
 
 
 def _chain_row(row: dict[str, Any]) -> ChainRow:
     def hashed_columns(record: dict[str, Any]) -> dict[str, Any]:
         event, ledger = record["event"], record["ledger"]
-        return {**{name: event.get(name) for name in _EVENT_NAMES}, **{name: ledger.get(name) for name in _LEDGER_COLUMNS}}
+        return {
+            **{name: event.get(name) for name in _EVENT_NAMES},
+            **{name: ledger.get(name) for name in _LEDGER_COLUMNS},
+        }
 
     return stored_row(row, "event_id", "a ledger record", hashed_columns)
 
@@ -664,8 +725,9 @@ class _PgStore:
     def columns(self, table: str) -> list[str]:
         rows = self._conn.execute(
             "SELECT column_name FROM information_schema.columns WHERE table_schema = current_schema() "
-            "AND table_name = %s", (table,)
-        ).fetchall()  # fmt: skip
+            "AND table_name = %s",
+            (table,),
+        ).fetchall()
         return [r[0] for r in rows]
 
     def transaction(self, chain_id: int) -> AbstractContextManager[None]:

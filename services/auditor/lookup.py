@@ -87,11 +87,21 @@ def lookup(
     return matches[:limit]
 
 
-def _match(record: dict[str, Any], field: Literal["prompt", "output"], kind: Literal["exact", "semantic"],
-           distance: int) -> Match:
+def _match(
+    record: dict[str, Any], field: Literal["prompt", "output"], kind: Literal["exact", "semantic"], distance: int
+) -> Match:
     return Match(
-        chain_id=record["chain_id"], seq=record["seq"], event_id=record["event_id"], request_id=record["request_id"],
-        model_version=record["model_version"], weights_sha256=record["weights_sha256"], principal=record["principal"],
-        tenant=record["tenant"], finished_ms=record["finished_ms"], appended_ms=record["appended_ms"], field=field,
-        match=kind, distance=distance,
-    )  # fmt: skip
+        chain_id=record["chain_id"],
+        seq=record["seq"],
+        event_id=record["event_id"],
+        request_id=record["request_id"],
+        model_version=record["model_version"],
+        weights_sha256=record["weights_sha256"],
+        principal=record["principal"],
+        tenant=record["tenant"],
+        finished_ms=record["finished_ms"],
+        appended_ms=record["appended_ms"],
+        field=field,
+        match=kind,
+        distance=distance,
+    )

@@ -45,16 +45,25 @@ from services.auditor.chain_store import (
     read_checkpoints,
 )
 
-
 FLAGS = "review_flags"
 FLAG_CHECKPOINTS = "review_flag_checkpoints"
 FLAG_TABLES = ChainTables("review_flags", FLAGS, FLAG_CHECKPOINTS)
 # Column type of every ReviewFlag field; `rules` is stored as its JSON text.
 _FLAG_TYPES: dict[str, type] = {
-    "schema_version": int, "kind": str, "flag_id": str, "principal": str, "tenant": str, "reason": str,
-    "num_detections": int, "window_s": int, "first_detection_ms": int, "last_detection_ms": int, "rules": str,
-    "gateway_id": str, "created_ms": int,
-}  # fmt: skip
+    "schema_version": int,
+    "kind": str,
+    "flag_id": str,
+    "principal": str,
+    "tenant": str,
+    "reason": str,
+    "num_detections": int,
+    "window_s": int,
+    "first_detection_ms": int,
+    "last_detection_ms": int,
+    "rules": str,
+    "gateway_id": str,
+    "created_ms": int,
+}
 assert list(_FLAG_TYPES) == list(ReviewFlag.model_fields), "ReviewFlag changed: update the review_flags columns"
 _LEDGER_COLUMNS = ("chain_id", "seq", "kafka_partition", "kafka_offset", "appended_ms")
 FLAG_COLUMNS = ["chain_id", "seq", *_FLAG_TYPES, *_LEDGER_COLUMNS[2:], "canonical_json", "prev_hash", "record_hash"]
@@ -64,28 +73,46 @@ _SQL = {"sqlite": {int: "INTEGER", str: "TEXT"}, "postgresql": {int: "BIGINT", s
 def tables_sql(dialect: Literal["sqlite", "postgresql"]) -> list[str]:
     """CREATE statements of the flags table and its principal index (idempotent)."""
     types = _SQL[dialect]
-    cols = ",\n  ".join(f"{name} {types[py]} NOT NULL{' UNIQUE' if name == 'flag_id' else ''}"
-                        for name, py in _FLAG_TYPES.items())
-    return [chained_table_sql(FLAGS, types[int], cols),
-            f"CREATE INDEX IF NOT EXISTS {FLAGS}_principal ON {FLAGS}(principal)",
-            checkpoint_table_sql(FLAG_CHECKPOINTS, types[int])]
+    cols = ",\n  ".join(
+        f"{name} {types[py]} NOT NULL{' UNIQUE' if name == 'flag_id' else ''}" for name, py in _FLAG_TYPES.items()
+    )
+    return [
+        chained_table_sql(FLAGS, types[int], cols),
+        f"CREATE INDEX IF NOT EXISTS {FLAGS}_principal ON {FLAGS}(principal)",
+        checkpoint_table_sql(FLAG_CHECKPOINTS, types[int]),
+    ]
 
 
 def triggers_sql(dialect: Literal["sqlite", "postgresql"]) -> list[str]:
     """Triggers that make the flags and their checkpoints append-only (on PostgreSQL, the ledger's
     weir_append_only())."""
     if dialect == "sqlite":
-        return [(f"CREATE TRIGGER IF NOT EXISTS {table}_no_{op.lower()} BEFORE {op} ON {table} "
-                 f"BEGIN SELECT RAISE(ABORT, '{table} is append-only'); END")
-                for table in (FLAGS, FLAG_CHECKPOINTS) for op in ("UPDATE", "DELETE")]
-    return [(f"CREATE OR REPLACE TRIGGER {table}_append_only BEFORE UPDATE OR DELETE ON {table} "
-             "FOR EACH ROW EXECUTE FUNCTION weir_append_only()") for table in (FLAGS, FLAG_CHECKPOINTS)]
+        return [
+            (
+                f"CREATE TRIGGER IF NOT EXISTS {table}_no_{op.lower()} BEFORE {op} ON {table} "
+                f"BEGIN SELECT RAISE(ABORT, '{table} is append-only'); END"
+            )
+            for table in (FLAGS, FLAG_CHECKPOINTS)
+            for op in ("UPDATE", "DELETE")
+        ]
+    return [
+        (
+            f"CREATE OR REPLACE TRIGGER {table}_append_only BEFORE UPDATE OR DELETE ON {table} "
+            "FOR EACH ROW EXECUTE FUNCTION weir_append_only()"
+        )
+        for table in (FLAGS, FLAG_CHECKPOINTS)
+    ]
 
 
 def canonical_flag_record(flag: dict[str, Any], seq: int, partition: int, offset: int, appended_ms: int) -> str:
     """The canonical JSON text of one flag record (the bytes its hash is taken over, as str)."""
-    ledger = {"chain_id": partition, "seq": seq, "kafka_partition": partition, "kafka_offset": offset,
-              "appended_ms": appended_ms}
+    ledger = {
+        "chain_id": partition,
+        "seq": seq,
+        "kafka_partition": partition,
+        "kafka_offset": offset,
+        "appended_ms": appended_ms,
+    }
     return orjson.dumps({"review_flag": flag, "ledger": ledger}, option=orjson.OPT_SORT_KEYS).decode("utf-8")
 
 
@@ -125,23 +152,37 @@ class ReviewFlagLog:
             return False
         seq, prev_hash = link
         canonical = canonical_flag_record(flag_json, seq, partition, offset, appended_ms)
-        values = {"chain_id": partition, "seq": seq, **_columns_of(flag_json), "kafka_partition": partition,
-                  "kafka_offset": offset, "appended_ms": appended_ms, "canonical_json": canonical,
-                  "prev_hash": prev_hash, "record_hash": chain_hash(prev_hash, canonical)}
-        self._store.execute(f"INSERT INTO {FLAGS} ({', '.join(FLAG_COLUMNS)}) "
-                            f"VALUES ({', '.join('?' * len(FLAG_COLUMNS))})", [values[c] for c in FLAG_COLUMNS])
+        values = {
+            "chain_id": partition,
+            "seq": seq,
+            **_columns_of(flag_json),
+            "kafka_partition": partition,
+            "kafka_offset": offset,
+            "appended_ms": appended_ms,
+            "canonical_json": canonical,
+            "prev_hash": prev_hash,
+            "record_hash": chain_hash(prev_hash, canonical),
+        }
+        self._store.execute(
+            f"INSERT INTO {FLAGS} ({', '.join(FLAG_COLUMNS)}) VALUES ({', '.join('?' * len(FLAG_COLUMNS))})",
+            [values[c] for c in FLAG_COLUMNS],
+        )
         return True
 
-    def rows(self, limit: int | None = None, principal: str | None = None,
-             chain_id: int | None = None) -> list[dict[str, Any]]:
+    def rows(
+        self, limit: int | None = None, principal: str | None = None, chain_id: int | None = None
+    ) -> list[dict[str, Any]]:
         """The newest `limit` flag records (all when None), oldest first, as {column: value}.
 
         Filtered by principal and/or chain when given; `rules` is the stored JSON text.
         """
         if not self.is_present:
             return []
-        where = [(f"{name} = ?", value) for name, value in (("principal", principal), ("chain_id", chain_id))
-                 if value is not None]
+        where = [
+            (f"{name} = ?", value)
+            for name, value in (("principal", principal), ("chain_id", chain_id))
+            if value is not None
+        ]
         params: list[Any] = [value for _, value in where]
         sql = f"SELECT {', '.join(FLAG_COLUMNS)} FROM {FLAGS}"
         if where:
@@ -180,8 +221,12 @@ class ReviewFlagLog:
     def _verify_chain(self, chain_id: int, key: bytes) -> VerifyReport:
         rows = sorted((_chain_row(r) for r in self.rows(chain_id=chain_id)), key=lambda r: r.seq)
         checkpoints = self.checkpoints(chain_id)
-        report = replace(verify_chain(rows, len(rows), lambda hashed: locate_in(rows, hashed)), chain_id=chain_id,
-                         log="review_flags", num_checkpoints=len(checkpoints))  # fmt: skip
+        report = replace(
+            verify_chain(rows, len(rows), lambda hashed: locate_in(rows, hashed)),
+            chain_id=chain_id,
+            log="review_flags",
+            num_checkpoints=len(checkpoints),
+        )
         if not report.is_ok:
             return report
         problem = verify_checkpoints(chain_id, checkpoints, [r.record_hash for r in rows], key, "review_flags")
@@ -189,13 +234,22 @@ class ReviewFlagLog:
             return report
         num, kind, reason, seq = problem
         flag_id = next((r.event_id for r in rows if r.seq == seq), None)
-        return replace(report, kind=kind, reason=reason.replace("records", "flags"), broken_checkpoint=num,
-                       broken_seq=seq, broken_event_id=flag_id)
+        return replace(
+            report,
+            kind=kind,
+            reason=reason.replace("records", "flags"),
+            broken_checkpoint=num,
+            broken_seq=seq,
+            broken_event_id=flag_id,
+        )
 
 
 def _chain_row(row: dict[str, Any]) -> ChainRow:
     def hashed_columns(record: dict[str, Any]) -> dict[str, Any]:
         ledger = record["ledger"]
-        return {**_columns_of(record["review_flag"]), **{name: ledger.get(name) for name in _LEDGER_COLUMNS if name != "seq"}}
+        return {
+            **_columns_of(record["review_flag"]),
+            **{name: ledger.get(name) for name in _LEDGER_COLUMNS if name != "seq"},
+        }
 
     return stored_row(row, "flag_id", "a review flag record", hashed_columns)

@@ -66,8 +66,11 @@ class TrafficCounter:
         self.add(event.model_version, event.assignment, event.finish_reason)
 
     def snapshot(self, name: str) -> TrafficCounts:
-        return TrafficCounts(name=name, counts={sid: dict(a) for sid, a in self.counts.get(name, {}).items()},
-                             errors=dict(self.errors.get(name, {})))  # fmt: skip
+        return TrafficCounts(
+            name=name,
+            counts={served_id: dict(a) for served_id, a in self.counts.get(name, {}).items()},
+            errors=dict(self.errors.get(name, {})),
+        )
 
     def take_changed(self) -> list[TrafficCounts]:
         """The counts of every name that changed since the last call."""
@@ -100,18 +103,20 @@ class ErrorWindows:
             return None
         return f"error rate {rate:.0%} over its last {len(window)} requests passes the bound {self.max_error_rate:.0%}"
 
-    def reset(self, sid: str) -> None:
-        self.windows.pop(sid, None)
+    def reset(self, served_id: str) -> None:
+        self.windows.pop(served_id, None)
 
 
-def stop_canary(state: RegistryState, sid: str, why: str, by: str) -> list[ModelVersionRecord | ModelRoute]:
-    """The route record that takes canary `sid` to 0% (the rest of the policy kept), or [] when
-    `sid` is no canary with a share above 0. RegistryError when set_route refuses the policy."""
-    name, version = split_ref(sid)
+def stop_canary(state: RegistryState, served_id: str, why: str, by: str) -> list[ModelVersionRecord | ModelRoute]:
+    """The route record that takes canary `served_id` to 0% (the rest of the policy kept), or [] when
+    `served_id` is no canary with a share above 0. RegistryError when set_route refuses the policy."""
+    name, version = split_ref(served_id)
     route = state.routes.get(name)
     if version is None or route is None or route.canary.get(version, 0) <= 0:
         return []
-    return set_route(state, name, by, canary={**route.canary, version: 0.0}, reason=f"canary {sid} stopped: {why}")
+    return set_route(
+        state, name, by, canary={**route.canary, version: 0.0}, reason=f"canary {served_id} stopped: {why}"
+    )
 
 
 Publish = Callable[[str, bytes, bytes], Awaitable[None]]  # (topic, key, value)
@@ -120,15 +125,22 @@ Publish = Callable[[str, bytes, bytes], Awaitable[None]]  # (topic, key, value)
 class CanaryGuard:
     """Acts on the error windows' verdicts and on golden failures: stop_canary, then the event."""
 
-    def __init__(self, windows: ErrorWindows, state: Callable[[], RegistryState], publish: Publish,
-                 models_topic: str, health_topic: str, by: str) -> None:  # fmt: skip
+    def __init__(
+        self,
+        windows: ErrorWindows,
+        state: Callable[[], RegistryState],
+        publish: Publish,
+        models_topic: str,
+        health_topic: str,
+        by: str,
+    ) -> None:
         self.windows = windows
         self.state = state
         self.publish = publish
         self.models_topic = models_topic
         self.health_topic = health_topic
         self.by = by
-        self.pending: dict[str, str] = {}  # sid -> why, acted on by act()
+        self.pending: dict[str, str] = {}  # served_id -> why, acted on by act()
         self.num_stopped = 0
         self.num_skipped = 0  # model health records that were not ModelHealthEvents
 
@@ -142,8 +154,8 @@ class CanaryGuard:
         if event.event == "golden_failed" and self._is_canary(event.model):
             self.pending.setdefault(event.model, f"golden check failed on {event.worker_id}: {event.detail}"[:900])
 
-    def _is_canary(self, sid: str) -> bool:
-        name, version = split_ref(sid)
+    def _is_canary(self, served_id: str) -> bool:
+        name, version = split_ref(served_id)
         route = self.state().routes.get(name)
         return version is not None and route is not None and route.canary.get(version, 0) > 0
 
@@ -151,24 +163,24 @@ class CanaryGuard:
         """Stop every due canary; returns how many were stopped. A refused route is logged and dropped."""
         stopped = 0
         while self.pending:
-            sid, why = self.pending.popitem()
+            served_id, why = self.pending.popitem()
             try:
-                records = stop_canary(self.state(), sid, why, self.by)
+                records = stop_canary(self.state(), served_id, why, self.by)
             except RegistryError as exc:
-                log.error("canary guard: cannot stop %s (%s): %s", sid, why, exc)
+                log.error("canary guard: cannot stop %s (%s): %s", served_id, why, exc)
                 continue
             if not records:
                 continue
-            event = ModelHealthEvent(worker_id=self.by, model=sid, event="canary_stopped", detail=why)
+            event = ModelHealthEvent(worker_id=self.by, model=served_id, event="canary_stopped", detail=why)
             try:
                 for record in records:
                     await self.publish(self.models_topic, record.key.encode(), encode(record))
-                await self.publish(self.health_topic, sid.encode(), encode(event))
+                await self.publish(self.health_topic, served_id.encode(), encode(event))
             except Exception:
-                self.pending.setdefault(sid, why)  # the next act() tries again
+                self.pending.setdefault(served_id, why)  # the next act() tries again
                 raise
-            self.windows.reset(sid)
-            log.warning("canary guard: %s set to 0%%: %s", sid, why)
+            self.windows.reset(served_id)
+            log.warning("canary guard: %s set to 0%%: %s", served_id, why)
             stopped += 1
         self.num_stopped += stopped
         return stopped
@@ -182,9 +194,14 @@ def register_health_handler(broker: Any, topics: Topics, guard: CanaryGuard) -> 
     async def raw(msg: Any) -> bytes:
         return bytes(msg.body)
 
-    @broker.subscriber(topics.model_health, group_id=topics.canary_guard_group,
-                       auto_offset_reset="latest", decoder=raw, title="auditor/canary-guard",
-                       description="Golden failures of canary versions: the canary is taken to 0%.")  # fmt: skip
+    @broker.subscriber(
+        topics.model_health,
+        group_id=topics.canary_guard_group,
+        auto_offset_reset="latest",
+        decoder=raw,
+        title="auditor/canary-guard",
+        description="Golden failures of canary versions: the canary is taken to 0%.",
+    )
     async def on_model_health(body: bytes) -> None:
         try:
             event = decode(ModelHealthEvent, body)

@@ -66,8 +66,10 @@ def load_prices(repo: str | Path) -> dict[str, Price]:
         try:
             prices[name] = Price.model_validate(table)
         except ValidationError as exc:
-            raise ValueError(f"{repo}: [prices.{name}] is invalid: {exc.errors()[0]['msg']} "
-                             f"({'.'.join(map(str, exc.errors()[0]['loc'])) or 'table'})") from exc  # fmt: skip
+            raise ValueError(
+                f"{repo}: [prices.{name}] is invalid: {exc.errors()[0]['msg']} "
+                f"({'.'.join(map(str, exc.errors()[0]['loc'])) or 'table'})"
+            ) from exc
     return prices
 
 
@@ -93,9 +95,17 @@ def totals_of(key: UsageKey, counts: tuple[int, int, int, int], prices: dict[str
     epoch_day, tenant, principal, model_version = key
     requests, prompt, completion, cached = counts
     price = price_of(prices, model_version)
-    return UsageTotals(day=day_of(epoch_day), tenant=tenant, principal=principal, model_version=model_version,
-                       requests=requests, prompt_tokens=prompt, completion_tokens=completion,
-                       cached_prompt_tokens=cached, cost_usd=None if price is None else price.cost(prompt, completion))
+    return UsageTotals(
+        day=day_of(epoch_day),
+        tenant=tenant,
+        principal=principal,
+        model_version=model_version,
+        requests=requests,
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        cached_prompt_tokens=cached,
+        cost_usd=None if price is None else price.cost(prompt, completion),
+    )
 
 
 def rate_card(model_version: str, tokens: int, window_s: float, hardware_cost_per_hour: float | None) -> RateCard:
@@ -103,8 +113,13 @@ def rate_card(model_version: str, tokens: int, window_s: float, hardware_cost_pe
     without a hardware cost or when it served none."""
     per_hour = tokens * 3600 / window_s
     per_1m = None if hardware_cost_per_hour is None or per_hour == 0 else hardware_cost_per_hour / per_hour * 1e6
-    return RateCard(model_version=model_version, tokens_per_hour=per_hour, window_s=window_s,
-                    hardware_cost_per_hour_usd=hardware_cost_per_hour, cost_per_1m_tokens_usd=per_1m)
+    return RateCard(
+        model_version=model_version,
+        tokens_per_hour=per_hour,
+        window_s=window_s,
+        hardware_cost_per_hour_usd=hardware_cost_per_hour,
+        cost_per_1m_tokens_usd=per_1m,
+    )
 
 
 @dataclass
@@ -120,8 +135,14 @@ class UsageAccounts:
     """The touched keys and what is published for them; the app's timers call publish_touched and
     publish_rates (services/auditor/app.py)."""
 
-    def __init__(self, ledger: UsageLedger, prices: dict[str, Price], publish: Publish,
-                 hardware_cost_per_hour: float | None, rate_window_s: float) -> None:  # fmt: skip
+    def __init__(
+        self,
+        ledger: UsageLedger,
+        prices: dict[str, Price],
+        publish: Publish,
+        hardware_cost_per_hour: float | None,
+        rate_window_s: float,
+    ) -> None:
         self.ledger = ledger
         self.prices = prices
         self.publish = publish
@@ -158,10 +179,11 @@ class UsageAccounts:
         """Publish every recently active version's RateCard (and a last one for a version gone quiet)."""
         since = (now_ms() if now is None else now) - int(self.rate_window_s * 1000)
         served = await self.ledger.tokens_served_since(since)
-        cards = [rate_card(sid, served.get(sid, 0), self.rate_window_s, self.hardware_cost_per_hour)
-                 for sid in sorted({*served, *self._carded})]  # fmt: skip
+        cards = [
+            rate_card(served_id, served.get(served_id, 0), self.rate_window_s, self.hardware_cost_per_hour)
+            for served_id in sorted({*served, *self._carded})
+        ]
         for card in cards:
             await self.publish(card.key().encode(), encode(card))
         self._carded = set(served)
         return cards
-

@@ -51,8 +51,15 @@ class WatermarkDetector:
             raise ValueError(f"tenant {tenant!r} has no watermark in WEIR_WATERMARK_TENANTS")
         return config
 
-    def detect(self, text: str, *, tenant: str | None = None, key: bytes | None = None,
-               gamma: float | None = None, model: str | None = None) -> Detection:
+    def detect(
+        self,
+        text: str,
+        *,
+        tenant: str | None = None,
+        key: bytes | None = None,
+        gamma: float | None = None,
+        model: str | None = None,
+    ) -> Detection:
         """z-score and p-value of the watermark in `text`. ValueError when it cannot be tested."""
         config = self.config(tenant, key, gamma)
         ids = self.tokenizer(model).encode(text, add_special_tokens=False).ids

@@ -51,7 +51,10 @@ class BatcherApp:
     """One batcher replica: its Kafka clients, planner and handlers, built from settings."""
 
     def __init__(
-        self, settings: BatcherSettings, repo: ModelRepository, batcher_id: str | None = None,
+        self,
+        settings: BatcherSettings,
+        repo: ModelRepository,
+        batcher_id: str | None = None,
         metrics: ServiceMetrics | None = None,
     ) -> None:
         """`metrics`: the provider the loop's events are recorded on (the service's, exported at
@@ -74,14 +77,23 @@ class BatcherApp:
             settings, client_id=f"{self.batcher_id}-workers", group_id=None, auto_offset_reset="earliest"
         )
         self.registry = RegistryFollower(settings, f"{self.batcher_id}-registry", self._on_registry_change, seed=repo)
-        self._version_topics: set[str] = set()  # sids whose batch topic exists or is being made
+        self._version_topics: set[str] = set()  # served_ids whose batch topic exists or is being made
         self._topic_tasks: set[asyncio.Task[None]] = set()
-        self.planner = Planner(self.registry.state, max_recent=settings.max_recent_ids, max_batch_bytes=settings.max_batch_bytes)
+        self.planner = Planner(
+            self.registry.state, max_recent=settings.max_recent_ids, max_batch_bytes=settings.max_batch_bytes
+        )
         self.router = Router(worker_timeout_ms=settings.worker_timeout_ms, prefix_chars=settings.prefix_affinity_chars)
         self.handlers = BatcherHandlers(
-            topics, self.planner, self.producer, self.requests, self.batcher_id, router=self.router,
-            commit_interval_ms=settings.commit_interval_ms, reply_auto_create=settings.reply_topic_auto_create,
-            mirror_max_queued=settings.mirror_max_queued, tracing=Tracing("batcher", self.batcher_id, settings),
+            topics,
+            self.planner,
+            self.producer,
+            self.requests,
+            self.batcher_id,
+            router=self.router,
+            commit_interval_ms=settings.commit_interval_ms,
+            reply_auto_create=settings.reply_topic_auto_create,
+            mirror_max_queued=settings.mirror_max_queued,
+            tracing=Tracing("batcher", self.batcher_id, settings),
             metrics=BatcherMetrics(metrics or ServiceMetrics("batcher")),
         )
         self._started: list[Any] = []
@@ -167,7 +179,9 @@ class BatcherApp:
         self._version_topics.update(new)
         topics = self.settings.topics
         try:
-            made = await ensure_topics(self.settings.kafka_bootstrap, [s for sid in new for s in topics.model_specs(sid)])
+            made = await ensure_topics(
+                self.settings.kafka_bootstrap, [s for served_id in new for s in topics.model_specs(served_id)]
+            )
         except (KafkaError, OSError) as exc:  # the broker is down or refuses: the next change retries
             self._version_topics.difference_update(new)
             log.warning("could not create the batch topics of %s: %r", new, exc)
@@ -258,41 +272,82 @@ def _metrics(service: BatcherService) -> ServiceMetrics:
     def read(value: Callable[[BatcherApp], float]) -> Callable[[], list[tuple[float, dict[str, str]]]]:
         return lambda: [] if service.app is None else [(value(service.app), {})]
 
-    metrics.gauge("weir_batcher_requests_held", "Requests held by the planner, waiting for their batch.",
-                  read(lambda app: app.planner.num_held))
-    metrics.gauge("weir_batcher_requests_uncommitted", "Request records whose effect is not yet durable.",
-                  read(lambda app: app.handlers.num_in_flight))
-    metrics.gauge("weir_batcher_live_workers", "Workers with a live heartbeat in the router's table.",
-                  read(lambda app: app.router.num_workers))
-    metrics.gauge("weir_batcher_models_blocked", "1 per model version held back because no live worker has room.",
-                  lambda: [] if service.app is None else [(1, {"model": m}) for m in service.app.planner.blocked_models()])
-    metrics.gauge("weir_batcher_routable_workers", "Live workers per model version with it ready, or draining.",
-                  lambda: [] if service.app is None else _routable(service.app))
-    metrics.gauge("weir_batcher_requests_unresolved", "Requests rejected since start: their model did not resolve "
-                  "to a servable version (unknown, unregistered, retired, malformed).",
-                  read(lambda app: app.handlers.num_unresolved))
-    metrics.gauge("weir_batcher_requests_unservable", "Requests rejected since start per model version: every live "
-                  "worker reporting it had it failed or refused.",
-                  lambda: [] if service.app is None else [(n, {"model": sid}) for sid, n in service.app.handlers.num_unservable.items()])
-    metrics.gauge("weir_batcher_mirrors_held", "Mirror copies waiting in lanes (docs/design.md, \"Traffic policies\").",
-                  read(lambda app: app.handlers.num_mirrors_held))
-    metrics.gauge("weir_batcher_mirrors_dropped", "Mirror copies dropped under load since start (ended on the shadow "
-                  "reply topic).", read(lambda app: app.handlers.num_mirrors_dropped))
-    metrics.gauge("weir_batcher_registry_versions", "Model versions the batcher may route (registered or seeded, not retired).",
-                  read(lambda app: len(app.registry.state.servable())))
-    metrics.gauge("weir_batcher_registry_skipped", "Registry records skipped since start: not a valid registry record.",
-                  read(lambda app: app.registry.num_skipped))
-    metrics.gauge("weir_batcher_queue_depth", "Requests held per lane and tenant (the 50 busiest tenants; the rest "
-                  "are tenant=\"other\").",
-                  lambda: [] if service.app is None else service.app.handlers.metrics.observe_depth(service.app.planner))
+    metrics.gauge(
+        "weir_batcher_requests_held",
+        "Requests held by the planner, waiting for their batch.",
+        read(lambda app: app.planner.num_held),
+    )
+    metrics.gauge(
+        "weir_batcher_requests_uncommitted",
+        "Request records whose effect is not yet durable.",
+        read(lambda app: app.handlers.num_in_flight),
+    )
+    metrics.gauge(
+        "weir_batcher_live_workers",
+        "Workers with a live heartbeat in the router's table.",
+        read(lambda app: app.router.num_workers),
+    )
+    metrics.gauge(
+        "weir_batcher_models_blocked",
+        "1 per model version held back because no live worker has room.",
+        lambda: [] if service.app is None else [(1, {"model": m}) for m in service.app.planner.blocked_models()],
+    )
+    metrics.gauge(
+        "weir_batcher_routable_workers",
+        "Live workers per model version with it ready, or draining.",
+        lambda: [] if service.app is None else _routable(service.app),
+    )
+    metrics.gauge(
+        "weir_batcher_requests_unresolved",
+        "Requests rejected since start: their model did not resolve "
+        "to a servable version (unknown, unregistered, retired, malformed).",
+        read(lambda app: app.handlers.num_unresolved),
+    )
+    metrics.gauge(
+        "weir_batcher_requests_unservable",
+        "Requests rejected since start per model version: every live worker reporting it had it failed or refused.",
+        lambda: (
+            []
+            if service.app is None
+            else [(n, {"model": served_id}) for served_id, n in service.app.handlers.num_unservable.items()]
+        ),
+    )
+    metrics.gauge(
+        "weir_batcher_mirrors_held",
+        'Mirror copies waiting in lanes (docs/design.md, "Traffic policies").',
+        read(lambda app: app.handlers.num_mirrors_held),
+    )
+    metrics.gauge(
+        "weir_batcher_mirrors_dropped",
+        "Mirror copies dropped under load since start (ended on the shadow reply topic).",
+        read(lambda app: app.handlers.num_mirrors_dropped),
+    )
+    metrics.gauge(
+        "weir_batcher_registry_versions",
+        "Model versions the batcher may route (registered or seeded, not retired).",
+        read(lambda app: len(app.registry.state.servable())),
+    )
+    metrics.gauge(
+        "weir_batcher_registry_skipped",
+        "Registry records skipped since start: not a valid registry record.",
+        read(lambda app: app.registry.num_skipped),
+    )
+    metrics.gauge(
+        "weir_batcher_queue_depth",
+        'Requests held per lane and tenant (the 50 busiest tenants; the rest are tenant="other").',
+        lambda: [] if service.app is None else service.app.handlers.metrics.observe_depth(service.app.planner),
+    )
     metrics.gauge(LAG_METRIC, "Consumer lag per group and topic of this deployment (weir/lag.py).", service.lag.observe)
     return metrics
 
 
 def _routable(app: BatcherApp) -> list[tuple[float, dict[str, str]]]:
     now = now_ms()
-    return [(len(app.router.live_workers(sid, now, state)), {"model": sid, "state": state})
-            for sid in app.registry.state.servable() for state in ("ready", "draining")]  # fmt: skip
+    return [
+        (len(app.router.live_workers(served_id, now, state)), {"model": served_id, "state": state})
+        for served_id in app.registry.state.servable()
+        for state in ("ready", "draining")
+    ]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,8 +9,8 @@ leaves it to be redone by whichever batcher owns the partition next.
 
 from __future__ import annotations
 
-import functools
 import asyncio
+import functools
 import logging
 import uuid
 from dataclasses import dataclass
@@ -74,8 +74,12 @@ def _end_publish(span: Span, future: asyncio.Future[Any]) -> None:
     if future.cancelled() or future.exception() is not None:
         span.set_status(StatusCode.ERROR, repr(None if future.cancelled() else future.exception())[:1024])
     else:
-        span.set_attributes({"messaging.kafka.offset": future.result().offset,
-                             "messaging.destination.partition.id": str(future.result().partition)})  # fmt: skip
+        span.set_attributes(
+            {
+                "messaging.kafka.offset": future.result().offset,
+                "messaging.destination.partition.id": str(future.result().partition),
+            }
+        )
     span.end()
 
 
@@ -115,7 +119,9 @@ class BatcherHandlers:
         self._unrouted_models: set[str] = set()  # logged once: no heartbeat names them
         self._blocked_models: set[str] = set()  # held for lack of room, logged on change
         self.num_unresolved = 0  # requests rejected since start: their model did not resolve
-        self.num_unservable: dict[str, int] = {}  # per sid: requests rejected since start, version failed everywhere
+        self.num_unservable: dict[
+            str, int
+        ] = {}  # per served_id: requests rejected since start, version failed everywhere
         self.batcher_id = batcher_id
         self._producer = producer
         # Reply topics are named by clients and may refuse writes (BusSettings.reply_topic_auto_create).
@@ -210,20 +216,40 @@ class BatcherHandlers:
     def _process_span(self, record: ConsumerRecord, req: GenerateRequest | EmbedRequest) -> Span:
         """The request's span here, from its record's arrival until it is batched or ended, under
         the context its record's headers carry (docs/design.md, "Observability")."""
-        attrs = {**messaging("process", record.topic, offset=record.offset, partition=record.partition,
-                             group=self.topics.batcher_group), **request_attributes(req)}  # fmt: skip
-        return self.tracing.start_span(f"{record.topic} process", extract(record.headers), kind=SpanKind.CONSUMER,
-                                       request_id=req.request_id, attributes=attrs)  # fmt: skip
+        attrs = {
+            **messaging(
+                "process",
+                record.topic,
+                offset=record.offset,
+                partition=record.partition,
+                group=self.topics.batcher_group,
+            ),
+            **request_attributes(req),
+        }
+        return self.tracing.start_span(
+            f"{record.topic} process",
+            extract(record.headers),
+            kind=SpanKind.CONSUMER,
+            request_id=req.request_id,
+            attributes=attrs,
+        )
 
     def _batch_span(self, batch: Batch, topic: str, partition: int | None) -> tuple[Span, list[tuple[str, bytes]]]:
         """The batch's publish span, linked to its requests' spans (one batch, many traces), and the
         headers of its record: the batch span's traceparent and each request's (weir-traceparents)."""
-        spans = {r.request_id: span for r in batch.requests if (span := self._spans.pop(r.request_id, None)) is not None}
+        spans = {
+            r.request_id: span for r in batch.requests if (span := self._spans.pop(r.request_id, None)) is not None
+        }
         contexts = {rid: child_context(span) for rid, span in spans.items()}
-        attrs = {**messaging("send", topic, partition=partition), "gen_ai.request.model": batch.model,
-                 "weir.batch_id": batch.batch_id, "messaging.batch.message_count": len(batch.requests)}  # fmt: skip
-        batch_span = self.tracing.start_span(f"{topic} publish", None, kind=SpanKind.PRODUCER, attributes=attrs,
-                                             links=contexts.values())  # fmt: skip
+        attrs = {
+            **messaging("send", topic, partition=partition),
+            "gen_ai.request.model": batch.model,
+            "weir.batch_id": batch.batch_id,
+            "messaging.batch.message_count": len(batch.requests),
+        }
+        batch_span = self.tracing.start_span(
+            f"{topic} publish", None, kind=SpanKind.PRODUCER, attributes=attrs, links=contexts.values()
+        )
         for span in spans.values():
             span.set_attributes({"weir.batch_id": batch.batch_id, "weir.batch_topic": topic})
             span.end()
@@ -246,10 +272,14 @@ class BatcherHandlers:
                 self._copies[copy.request_id] = record
             elif verdict is Admission.EXPIRED:
                 self.metrics.on_expired(copy)
-                error = ErrorInfo(code="deadline_exceeded", message=f"deadline_ms={copy.deadline_ms} passed before batching")
+                error = ErrorInfo(
+                    code="deadline_exceeded", message=f"deadline_ms={copy.deadline_ms} passed before batching"
+                )
                 await self._end(copy, None, "timeout", error)
             elif verdict is not Admission.DUPLICATE:  # its version stopped resolving, or it was cancelled
-                await self._end(copy, None, "rejected", ErrorInfo(code="mirror_rejected", message=f"admission: {verdict}"))
+                await self._end(
+                    copy, None, "rejected", ErrorInfo(code="mirror_rejected", message=f"admission: {verdict}")
+                )
 
     async def _shed_copies(self, why: str) -> None:
         """Drop every held mirror copy: live requests wait for room (docs/design.md, "Traffic policies")."""
@@ -354,19 +384,22 @@ class BatcherHandlers:
         before its deadline, and the client learns why (e.g. a file that did not verify)."""
         if self.router is None:
             return
-        for sid in self.planner.held_models():
-            problem = self.router.version_problem(sid, now_ms)
+        for served_id in self.planner.held_models():
+            problem = self.router.version_problem(served_id, now_ms)
             if problem is None:
                 continue
-            dropped = self.planner.drop_model(sid)
-            log.warning("rejecting %d held requests of %s: %s", len(dropped), sid, problem)
-            self.num_unservable[sid] = self.num_unservable.get(sid, 0) + len(dropped)
+            dropped = self.planner.drop_model(served_id)
+            log.warning("rejecting %d held requests of %s: %s", len(dropped), served_id, problem)
+            self.num_unservable[served_id] = self.num_unservable.get(served_id, 0) + len(dropped)
             for req in dropped:
                 error = ErrorInfo(code="model_unavailable", message=problem)
                 await self._end(req, self._take_record(req.request_id), "rejected", error)
 
     async def _end(
-        self, req: GenerateRequest | EmbedRequest, record: ConsumerRecord | None, reason: FinishReason,
+        self,
+        req: GenerateRequest | EmbedRequest,
+        record: ConsumerRecord | None,
+        reason: FinishReason,
         error: ErrorInfo | None,
     ) -> None:
         """Produce the request's one terminal event; its record (None: a mirror copy's, which has
@@ -374,7 +407,11 @@ class BatcherHandlers:
         await self._end_at(req.request_id, req.reply_to, record, reason, error)
 
     async def _end_at(
-        self, request_id: str, reply_to: str, record: ConsumerRecord | None, reason: FinishReason,
+        self,
+        request_id: str,
+        reply_to: str,
+        record: ConsumerRecord | None,
+        reason: FinishReason,
         error: ErrorInfo | None,
     ) -> None:
         self._end_span(request_id, reason)
@@ -383,7 +420,12 @@ class BatcherHandlers:
         self._effects.append(_Effect(future, [] if record is None else [record], "reply", reply_to))
 
     async def _send(
-        self, topic: str, value: bytes, key: str, partition: int | None = None, via: TopicWriter | None = None,
+        self,
+        topic: str,
+        value: bytes,
+        key: str,
+        partition: int | None = None,
+        via: TopicWriter | None = None,
         headers: list[tuple[str, bytes]] | None = None,
     ) -> asyncio.Future[Any]:
         """Produce through the producer, or `via` a TopicWriter (reply topics: one that refuses
@@ -440,7 +482,9 @@ class BatcherHandlers:
         only collected when done, in a later round.
         """
         effects, self._effects = self._effects, []
-        fresh = [e.future for e in effects if e.kind == "reply" and not e.waited and not self._replies.is_looking_up(e.topic)]
+        fresh = [
+            e.future for e in effects if e.kind == "reply" and not e.waited and not self._replies.is_looking_up(e.topic)
+        ]
         if pending := [f for f in fresh if not f.done()]:
             await asyncio.wait(pending, timeout=_REPLY_WAIT_S)
         due: list[_Effect] = []

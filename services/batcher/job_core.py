@@ -24,6 +24,16 @@ from typing import Any, cast
 
 import orjson
 
+from schemas.batch_lines import (
+    ENDPOINT_KINDS,
+    MAX_BATCH_LINES,
+    Envelope,
+    LineBody,
+    LineError,
+    iter_lines,
+    parse_envelope,
+    parse_line_body,
+)
 from schemas.messages import (
     TERMINAL_BATCH_STATUSES,
     BatchJob,
@@ -36,18 +46,6 @@ from schemas.messages import (
     TokenLogprob,
     Usage,
 )
-from schemas.batch_lines import (
-    ENDPOINT_KINDS,
-    LineBody,
-    MAX_BATCH_LINES,
-    Envelope,
-    LineError,
-    iter_lines,
-    parse_envelope,
-    parse_line_body,
-)
-from schemas.registry import RegistryState
-from schemas.reply_stream import ReplyCursor
 from schemas.openai_bodies import BodyError, ChatCompletionBody, CompletionBody, Kind
 from schemas.openai_translate import (
     ID_PREFIX,
@@ -60,7 +58,10 @@ from schemas.openai_translate import (
     response_body,
     to_requests,
 )
+from schemas.registry import RegistryState
+from schemas.reply_stream import ReplyCursor
 from services.batcher.planner import resolve_ref
+
 MAX_VALIDATION_ERRORS = 100
 
 # Legal moves of a job's status; anything else is a bug in the runner.
@@ -71,9 +72,14 @@ TRANSITIONS: dict[str, frozenset[str]] = {
     "cancelling": frozenset({"cancelled"}),
 }
 _STAMP = {
-    "in_progress": "in_progress_ms", "finalizing": "finalizing_ms", "completed": "completed_ms",
-    "failed": "failed_ms", "cancelling": "cancelling_ms", "cancelled": "cancelled_ms", "expired": "expired_ms",
-}  # fmt: skip
+    "in_progress": "in_progress_ms",
+    "finalizing": "finalizing_ms",
+    "completed": "completed_ms",
+    "failed": "failed_ms",
+    "cancelling": "cancelling_ms",
+    "cancelled": "cancelled_ms",
+    "expired": "expired_ms",
+}
 
 
 class IllegalTransition(ValueError):
@@ -176,17 +182,20 @@ def to_job_lines(envelope: Envelope, job: BatchJob, models: RegistryState, reply
     request_id = request_id_of(job.job_id, custom_id)
     kind = ENDPOINT_KINDS[envelope.url]
     model = envelope.body.get("model")
-    def refused(code: str, message: str, param: str | None = None) -> list[JobLine]:  # noqa: E306
+
+    def refused(code: str, message: str, param: str | None = None) -> list[JobLine]:
         info = BatchLineError(code=code, message=message, line=number, param=param)
         return [JobLine(number, custom_id, request_id, str(model), None, info, kind=kind)]
+
     if not isinstance(model, str):
         return refused("model_not_found", f"The model {model!r} does not exist", "model")
     config, why = resolve_ref(models, model)
     if config is None:
         return refused("model_not_found", why or f"The model {model!r} does not exist", "model")
     model = config.served_id
-    routing = Routing(request_id, reply_to, job.created_ms, job.expires_ms, job.principal, job.tenant, "bulk",
-                      stream=False)  # fmt: skip
+    routing = Routing(
+        request_id, reply_to, job.created_ms, job.expires_ms, job.principal, job.tenant, "bulk", stream=False
+    )
     try:  # the same checks and translation as the gateway's endpoint: every parameter honoured or refused by name
         body = parse_line_body(envelope)
         requests: Sequence[GenerateRequest | EmbedRequest] = to_requests(kind, body, config, routing)
@@ -195,8 +204,10 @@ def to_job_lines(envelope: Envelope, job: BatchJob, models: RegistryState, reply
     except BodyError as exc:
         return refused(exc.code, exc.message, exc.param)
     parent = request_id if len(requests) > 1 else None
-    return [JobLine(number, custom_id, r.request_id, model, r, choice=i, parent_id=parent, kind=kind, body=body)
-            for i, r in enumerate(requests)]  # fmt: skip
+    return [
+        JobLine(number, custom_id, r.request_id, model, r, choice=i, parent_id=parent, kind=kind, body=body)
+        for i, r in enumerate(requests)
+    ]
 
 
 @dataclass
@@ -290,8 +301,12 @@ class JobResults:
                 prompt += usage.prompt_tokens
                 cached += usage.cached_prompt_tokens
                 completion += usage.completion_tokens
-        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                     cached_prompt_tokens=cached)
+        return Usage(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            cached_prompt_tokens=cached,
+        )
 
     def files(self, endpoint: str, unfinished_code: str | None = None) -> tuple[str, str]:
         """(output JSONL, error JSONL) in file order, one line per custom_id. Lines not ended get
@@ -306,9 +321,20 @@ class JobResults:
                 errors.append(_error_line(line, 400, {"error": line.error.model_dump(mode="json")}))
             elif ends is None:
                 if unfinished_code is not None:
-                    info: dict[str, Any] = {"code": unfinished_code, "message": f"the request did not run: the batch was {unfinished_code.split('_')[-1]}"}
-                    errors.append(orjson.dumps({"id": f"batch_req_{line.line_request_id}", "custom_id": line.custom_id,
-                                                "response": None, "error": info}))
+                    info: dict[str, Any] = {
+                        "code": unfinished_code,
+                        "message": f"the request did not run: the batch was {unfinished_code.split('_')[-1]}",
+                    }
+                    errors.append(
+                        orjson.dumps(
+                            {
+                                "id": f"batch_req_{line.line_request_id}",
+                                "custom_id": line.custom_id,
+                                "response": None,
+                                "error": info,
+                            }
+                        )
+                    )
             elif all(end.finish_reason in ("stop", "length") for end in ends):
                 results = [self._results[sibling.request_id] for sibling in group]
                 try:
@@ -318,30 +344,53 @@ class JobResults:
                     info = {"code": "cumulative_logprob_missing", "message": str(exc), "type": "server_error"}
                     errors.append(_error_line(line, 502, {"error": info}))
                     continue
-                out.append(orjson.dumps({"id": f"batch_req_{line.line_request_id}", "custom_id": line.custom_id,
-                                         "response": {"status_code": 200, "request_id": line.line_request_id,
-                                                      "body": body}, "error": None}))  # fmt: skip
+                out.append(
+                    orjson.dumps(
+                        {
+                            "id": f"batch_req_{line.line_request_id}",
+                            "custom_id": line.custom_id,
+                            "response": {"status_code": 200, "request_id": line.line_request_id, "body": body},
+                            "error": None,
+                        }
+                    )
+                )
             else:
                 end = next(end for end in ends if end.finish_reason not in ("stop", "length"))
-                info = end.error.model_dump(mode="json") if end.error else {"code": end.finish_reason, "message": end.finish_reason}
+                info = (
+                    end.error.model_dump(mode="json")
+                    if end.error
+                    else {"code": end.finish_reason, "message": end.finish_reason}
+                )
                 info["code"] = client_code(info.get("code"))  # as the gateway answers it online
                 status = {"timeout": 408, "rejected": 400, "cancelled": 499}.get(end.finish_reason, 500)
-                errors.append(_error_line(line, status, {"error": {**info, "type": "invalid_request_error" if status < 500 else "server_error"}}))
+                errors.append(
+                    _error_line(
+                        line,
+                        status,
+                        {"error": {**info, "type": "invalid_request_error" if status < 500 else "server_error"}},
+                    )
+                )
         return _jsonl(out), _jsonl(errors)
 
 
 def _error_line(line: JobLine, status: int, body: dict[str, Any]) -> bytes:
-    return orjson.dumps({"id": f"batch_req_{line.line_request_id}", "custom_id": line.custom_id,
-                         "response": {"status_code": status, "request_id": line.line_request_id, "body": body},
-                         "error": None})
+    return orjson.dumps(
+        {
+            "id": f"batch_req_{line.line_request_id}",
+            "custom_id": line.custom_id,
+            "response": {"status_code": status, "request_id": line.line_request_id, "body": body},
+            "error": None,
+        }
+    )
 
 
 def _jsonl(rows: list[bytes]) -> str:
     return "".join(row.decode() + "\n" for row in rows)
 
 
-def line_response_body(line: JobLine, texts: list[str], ends: list[ReplyEnd],
-                       logprobs: list[list[TokenLogprob]] | None = None) -> dict[str, Any]:
+def line_response_body(
+    line: JobLine, texts: list[str], ends: list[ReplyEnd], logprobs: list[list[TokenLogprob]] | None = None
+) -> dict[str, Any]:
     """The body the synchronous endpoint would have answered for `line` (the translator's, as the
     gateway renders it): a chat.completion, text_completion or embedding list, from its
     requests' texts and terminals in order."""
@@ -349,5 +398,12 @@ def line_response_body(line: JobLine, texts: list[str], ends: list[ReplyEnd],
     if isinstance(line.body, EmbeddingBody):
         return embedding_body(line.request.model, ends, line.body.encoding_format)
     kind = cast(Kind, line.kind)
-    return response_body(kind, f"{ID_PREFIX[kind]}{line.line_request_id}", cast(GenerateRequest, line.request),
-                         line.body, texts, ends, logprobs)  # fmt: skip
+    return response_body(
+        kind,
+        f"{ID_PREFIX[kind]}{line.line_request_id}",
+        cast(GenerateRequest, line.request),
+        line.body,
+        texts,
+        ends,
+        logprobs,
+    )

@@ -34,8 +34,7 @@ from services.batcher.job_core import (
     parse_input,
     transition,
 )
-from weir.bus import BusSettings, OffsetTracker, make_consumer, make_producer
-from weir.bus import partitions_of
+from weir.bus import BusSettings, OffsetTracker, make_consumer, make_producer, partitions_of
 from weir.files import FileHeader, chunk_file, is_behind, read_file, write_file
 from weir.kafka.admin import ensure_topics
 
@@ -51,8 +50,9 @@ CANCEL_GRACE_S = 10.0
 class JobRunner:
     """Runs the batch jobs whose job_commands partitions this process owns."""
 
-    def __init__(self, settings: BusSettings, models: RegistryState, runner_id: str,
-                 max_in_flight: int = MAX_IN_FLIGHT) -> None:
+    def __init__(
+        self, settings: BusSettings, models: RegistryState, runner_id: str, max_in_flight: int = MAX_IN_FLIGHT
+    ) -> None:
         # The batcher's followed registry state: job lines resolve as its requests do.
         self.settings, self.models, self.runner_id = settings, models, runner_id
         self.max_in_flight = max_in_flight
@@ -127,7 +127,9 @@ class JobRunner:
             if job is not None and not is_terminal(job):
                 errors = [BatchLineError(code="internal_error", message="the job runner failed; see its log")]
                 try:
-                    await self.save(job.model_copy(update={"status": "failed", "failed_ms": now_ms(), "errors": errors}))
+                    await self.save(
+                        job.model_copy(update={"status": "failed", "failed_ms": now_ms(), "errors": errors})
+                    )
                 except Exception:
                     log.exception("batch %s: cannot record the failure", job_id)
         finally:
@@ -210,7 +212,11 @@ class JobExecution:
         stored = await read_file(self.runner.settings, job.input_file_id, 30.0, f"{self.runner.runner_id}-files")
         # Another owner's file does not exist for this job (docs/design.md, "Batch files"): the
         # gateway checked it, and a job record written straight to Kafka is checked here again.
-        if stored is None or not stored.is_owned_by(job.tenant, job.credential, job.principal) or stored.first.purpose != "batch":
+        if (
+            stored is None
+            or not stored.is_owned_by(job.tenant, job.credential, job.principal)
+            or stored.first.purpose != "batch"
+        ):
             return await self._fail(BatchLineError(code="file_not_found", message=f"no file {job.input_file_id!r}"))
         parsed = parse_input(stored.content(), job, self.runner.models, self.reply_topic)
         if parsed.errors:
@@ -236,7 +242,9 @@ class JobExecution:
             elif outcome == "expire":
                 await self._finish(results, "expired", "batch_expired")
             else:
-                self.job = await self.runner.save(transition(self.job, "finalizing", now_ms(), request_counts=results.counts()))
+                self.job = await self.runner.save(
+                    transition(self.job, "finalizing", now_ms(), request_counts=results.counts())
+                )
                 await self._finish(results, "completed", None)
         finally:
             await replies.stop()
@@ -263,8 +271,9 @@ class JobExecution:
                 next_index += 1
                 if line.request is None or results.is_ended(line.request_id):
                     continue
-                sends.append(await self.producer.send(self.topics.requests, encode(line.request),
-                                                      key=line.request_id.encode()))
+                sends.append(
+                    await self.producer.send(self.topics.requests, encode(line.request), key=line.request_id.encode())
+                )
                 self.submitted.add(line.request_id)
                 in_flight.add(line.request_id)
             if sends:
@@ -274,16 +283,17 @@ class JobExecution:
                 last_progress = time.monotonic()
                 if results.counts() != counts:
                     counts = results.counts()
-                    self.job = await self.runner.save(self.job.model_copy(update={"request_counts": counts,
-                                                                                  "updated_ms": now_ms()}))
+                    self.job = await self.runner.save(
+                        self.job.model_copy(update={"request_counts": counts, "updated_ms": now_ms()})
+                    )
 
     def _window(self, results: JobResults) -> int:
         """Most requests in flight: MAX_IN_FLIGHT, and at most half the sequences the job's models
         run at once, so a bulk job leaves the workers room for interactive requests (workers have
         no lanes: what they hold, they run in arrival order)."""
         window = self.runner.max_in_flight
-        for sid in {line.model for line in results.lines if line.request is not None}:
-            model = self.runner.models.config_of(sid)
+        for served_id in {line.model for line in results.lines if line.request is not None}:
+            model = self.runner.models.config_of(served_id)
             if model is not None:
                 window = min(window, max(1, model.max_num_seqs * model.instances // 2))
         return window
@@ -311,17 +321,33 @@ class JobExecution:
         output, errors = results.files(job.endpoint, unfinished_code)
         changes: dict[str, Any] = {"request_counts": results.counts(), "usage": results.usage()}
         created_ms = job.finalizing_ms or job.cancelling_ms or now_ms()
-        for file_id, name, text in ((job.planned_output_file_id, "output", output),
-                                    (job.planned_error_file_id, "errors", errors)):
+        for file_id, name, text in (
+            (job.planned_output_file_id, "output", output),
+            (job.planned_error_file_id, "errors", errors),
+        ):
             if not text:
                 continue
-            header = FileHeader(file_id, f"{job.job_id}_{name}.jsonl", "batch_output", job.tenant, job.credential,
-                                job.principal, created_ms)  # the batch's owner owns its results
+            header = FileHeader(
+                file_id,
+                f"{job.job_id}_{name}.jsonl",
+                "batch_output",
+                job.tenant,
+                job.credential,
+                job.principal,
+                created_ms,
+            )  # the batch's owner owns its results
             await write_file(self.producer, self.topics.files, chunk_file(header, text.encode()))
             changes["output_file_id" if name == "output" else "error_file_id"] = file_id
         self.job = await self.runner.save(transition(job, status, now_ms(), **changes))
         counts = self.job.request_counts
-        log.info("batch %s %s: %d completed, %d failed of %d", job.job_id, status, counts.completed, counts.failed, counts.total)
+        log.info(
+            "batch %s %s: %d completed, %d failed of %d",
+            job.job_id,
+            status,
+            counts.completed,
+            counts.failed,
+            counts.total,
+        )
 
     async def _fail(self, *errors: BatchLineError) -> None:
         if self.job.status == "validating":

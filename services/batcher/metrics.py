@@ -21,9 +21,10 @@ from __future__ import annotations
 
 from schemas.messages import EmbedRequest, GenerateRequest
 from services.batcher.planner import PlannedBatch, Planner
-from weir.metrics import COUNT_BUCKETS, FRACTION_BUCKETS, OTHER, TTFT_BUCKETS, ServiceMetrics, TenantLabels
+from weir.metrics import COUNT_BUCKETS, FRACTION_BUCKETS, TTFT_BUCKETS, ServiceMetrics, TenantLabels
 
 Request = GenerateRequest | EmbedRequest
+
 
 class BatcherMetrics:
     """Instruments the batcher's loop records into; see the module docstring."""
@@ -33,12 +34,15 @@ class BatcherMetrics:
         self.tenants = tenants or TenantLabels()
         self.batch_size = service.histogram("weir_batcher_batch_size", "Requests per batch.", COUNT_BUCKETS)
         self.batch_fill = service.histogram(
-            "weir_batcher_batch_fill", "A batch's tokens over the token room of the worker it was routed to.",
+            "weir_batcher_batch_fill",
+            "A batch's tokens over the token room of the worker it was routed to.",
             FRACTION_BUCKETS,
-        )  # fmt: skip
+        )
         self.queue_wait = service.histogram(
-            "weir_batcher_queue_wait_seconds", "Time a request was held before it left in a batch.", TTFT_BUCKETS,
-        )  # fmt: skip
+            "weir_batcher_queue_wait_seconds",
+            "Time a request was held before it left in a batch.",
+            TTFT_BUCKETS,
+        )
         self.expired = service.counter(
             "weir_batcher_requests_expired", "Requests timed out before batching (on arrival or while held)."
         )

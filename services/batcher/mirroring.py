@@ -7,7 +7,7 @@ gateway, so a request is assigned alike wherever it is resolved.
 from __future__ import annotations
 
 from schemas.messages import EmbedRequest, GenerateRequest
-from schemas.registry import RegistryState, served_id, split_ref
+from schemas.registry import RegistryState, served_id_of, split_ref
 from schemas.traffic import assign, assignment_key, mirrors
 
 Request = GenerateRequest | EmbedRequest
@@ -38,9 +38,9 @@ def assign_version(req: Request, models: RegistryState) -> Request:
     route = models.routes.get(name)
     canary = route.canary if route is not None else {}
     chosen, how = assign(name, default, canary, assignment_key(req.user, req.principal, req.request_id))
-    if how == "canary" and models.resolve(served_id(name, chosen))[0] is None:
+    if how == "canary" and models.resolve(served_id_of(name, chosen))[0] is None:
         chosen, how = default, "default"
-    return req.model_copy(update={"model": served_id(name, chosen), "assignment": how})
+    return req.model_copy(update={"model": served_id_of(name, chosen), "assignment": how})
 
 
 def mirror_id(request_id: str, version: str) -> str:
@@ -70,15 +70,24 @@ def with_mirrors(req: Request, models: RegistryState, shadow_reply_to: str) -> t
     copies: list[Request] = []
     for version in mirrors(name, route.mirror, req.request_id):
         copy_id = mirror_id(req.request_id, version)
-        sid = served_id(name, version)
-        if version == live_version or len(copy_id) > _MAX_REQUEST_ID or models.resolve(sid)[0] is None:
+        served_id = served_id_of(name, version)
+        if version == live_version or len(copy_id) > _MAX_REQUEST_ID or models.resolve(served_id)[0] is None:
             continue
         if len(copies) == _MAX_MIRRORS:
             break
-        copies.append(req.model_copy(update={
-            "request_id": copy_id, "shadow_of": req.request_id, "model": sid, "priority": "bulk",
-            "assignment": "mirror", "reply_to": shadow_reply_to, "mirrors": [],
-        }))  # fmt: skip
+        copies.append(
+            req.model_copy(
+                update={
+                    "request_id": copy_id,
+                    "shadow_of": req.request_id,
+                    "model": served_id,
+                    "priority": "bulk",
+                    "assignment": "mirror",
+                    "reply_to": shadow_reply_to,
+                    "mirrors": [],
+                }
+            )
+        )
     if not copies:
         return req, []
     live = req.model_copy(update={"mirrors": [split_ref(c.model)[1] for c in copies]})
@@ -97,8 +106,10 @@ def forged_traffic_fields(req: Request, shadow_reply_to: str, from_producer: boo
     never assigns: the batcher does, for its bare names, and its `name@version` is `pinned`.
     """
     if req.assignment is not None and split_ref(req.model)[1] is None:
-        return (f"assignment={req.assignment!r} on the bare name {req.model!r}: Weir assigns versions; send the "
-                "bare name without an assignment, or pin name@version")
+        return (
+            f"assignment={req.assignment!r} on the bare name {req.model!r}: Weir assigns versions; send the "
+            "bare name without an assignment, or pin name@version"
+        )
     if from_producer and req.assignment is not None:
         return "assignment is set by Weir (the batcher assigns an outside producer's requests); send it without one"
     if req.shadow_of is not None or req.assignment == "mirror":

@@ -6,7 +6,7 @@ planner is tested with explicit time and driven by the batcher's Kafka loop in p
 
 Models are planned by version: a request's `model` (a bare name or `name@version`) is resolved
 against the model registry (schemas/registry.py: RegistryState, followed by the batcher) when it
-is admitted, and the request is pinned to that version (its `model` becomes the sid,
+is admitted, and the request is pinned to that version (its `model` becomes the served_id,
 `name@version`), so it keeps that version whatever is promoted while it waits, and one request is
 never served by a mix of versions (docs/design.md, invariant 10). A version's batch bounds are its
 manifest's.
@@ -278,7 +278,7 @@ class Planner:
         self.models = models  # followed by the caller: versions registered later resolve too
         self._max_batch_bytes = max_batch_bytes
         self._lanes: dict[str, _Lane] = {}
-        self._lane_of: dict[str, str] = {}  # request_id -> sid, for held requests
+        self._lane_of: dict[str, str] = {}  # request_id -> served_id, for held requests
         self._recent = _RecentIds(max_recent)  # finished here: batched, expired, rejected, cancelled
         self._cancelled_early = _RecentIds(max_recent)  # cancels that arrived before their request
         self._num_arrivals = 0
@@ -293,7 +293,7 @@ class Planner:
         return request_id in self._lane_of
 
     def blocked_models(self) -> list[str]:
-        """Versions (sids) whose requests wait because no worker had room at the last poll."""
+        """Versions (served_ids) whose requests wait because no worker had room at the last poll."""
         return [model for model, lane in self._lanes.items() if lane.is_blocked and lane.held]
 
     def is_live_blocked(self) -> bool:
@@ -314,7 +314,7 @@ class Planner:
         return counts
 
     def held_models(self) -> list[str]:
-        """Versions (sids) that have requests waiting."""
+        """Versions (served_ids) that have requests waiting."""
         return [model for model, lane in self._lanes.items() if lane.held]
 
     def resolve(self, ref: str) -> tuple[ModelConfig | None, str | None]:
@@ -323,7 +323,7 @@ class Planner:
 
     def add(self, req: Request, now_ms: int, *, size_bytes: int = 0) -> Admission:
         """Admit a request that arrived at now_ms; returns the verdict (see Admission). A held
-        request is pinned: it waits, and leaves, with `model` set to the sid it resolved to.
+        request is pinned: it waits, and leaves, with `model` set to the served_id it resolved to.
 
         size_bytes is its encoded size, counted against the batch byte budget.
         """
@@ -335,15 +335,15 @@ class Planner:
             self._recent.add(rid)
             return verdict
         assert config is not None  # _verdict resolved it
-        sid = config.served_id
-        if req.model != sid:
-            req = req.model_copy(update={"model": sid})
-        lane = self._lanes.get(sid)
+        served_id = config.served_id
+        if req.model != served_id:
+            req = req.model_copy(update={"model": served_id})
+        lane = self._lanes.get(served_id)
         if lane is None:
-            lane = self._lanes[sid] = _Lane(config, BatchPolicy.of(config, self._max_batch_bytes))
+            lane = self._lanes[served_id] = _Lane(config, BatchPolicy.of(config, self._max_batch_bytes))
         self._num_arrivals += 1
         lane.queue.add(Held(req, now_ms, self._num_arrivals, size_bytes, cost_tokens(req, config)))
-        self._lane_of[rid] = sid
+        self._lane_of[rid] = served_id
         return Admission.HELD
 
     def _verdict(self, req: Request, now_ms: int) -> tuple[Admission, ModelConfig | None]:
@@ -357,10 +357,10 @@ class Planner:
             return Admission.EXPIRED, config
         return Admission.HELD, config
 
-    def drop_model(self, sid: str) -> list[Request]:
-        """Remove every held request of version `sid` and return them: the caller ends them
+    def drop_model(self, served_id: str) -> list[Request]:
+        """Remove every held request of version `served_id` and return them: the caller ends them
         (its version cannot be served). They count as finished here, like batched ones."""
-        lane = self._lanes.get(sid)
+        lane = self._lanes.get(served_id)
         gone = [] if lane is None else list(lane.held)
         out = [self._remove(rid) for rid in gone]
         for rid in gone:

@@ -106,7 +106,7 @@ class ModelQueue:
         self.num_tokens = 0  # sum of cost_tokens of held requests
         self._tenants: dict[str, dict[str, _TenantQueue]] = {lane: {} for lane in LANES}
         self._lane_share = {lane: _FairShare() for lane in LANES}
-        self._vtime = {lane: 0.0 for lane in LANES}  # per lane: tenants' virtual time
+        self._vtime = dict.fromkeys(LANES, 0.0)  # per lane: tenants' virtual time
         self._model_vtime = 0.0  # lanes' virtual time (weighted policy)
 
     def add(self, held: Held) -> None:
@@ -183,8 +183,10 @@ class ModelQueue:
             finish = start + held.cost_tokens / self._lane_weight(lane)
             choice = _Choice(held, lane, tenant, start, finish, t_start, t_finish)
             if best is None or (finish, held.request.deadline_ms, held.arrival) < (
-                best.lane_finish, best.held.request.deadline_ms, best.held.arrival,
-            ):  # fmt: skip
+                best.lane_finish,
+                best.held.request.deadline_ms,
+                best.held.arrival,
+            ):
                 best = choice
         return best
 
@@ -198,8 +200,10 @@ class ModelQueue:
             start = queue.share.next_start
             finish = start + held.cost_tokens / self.config.tenant_weights.get(tenant, 1.0)
             if best is None or (finish, held.request.deadline_ms, held.arrival) < (
-                best[3], best[1].request.deadline_ms, best[1].arrival,
-            ):  # fmt: skip
+                best[3],
+                best[1].request.deadline_ms,
+                best[1].arrival,
+            ):
                 best = (tenant, held, start, finish)
         return best
 

@@ -1,14 +1,14 @@
 """Routing: which worker, and which of its partitions, a batch goes to. Pure; time passed in.
 
 The batcher reads every WorkerHeartbeat (the compacted workers topic, from the beginning) into a
-`Router`. Models are routed by version, `name@version` (a "sid"; docs/design.md, invariant 10):
-a worker is routable for a sid when its latest heartbeat reports `versions[sid].state == "ready"`,
-lists partitions of the sid's batch topic that it owns, and is younger than `worker_timeout_ms`
-(by its `sent_ms`). When no worker has the sid ready, one that has it "draining" (its version was
+`Router`. Models are routed by version, `name@version` (a "served_id"; docs/design.md, invariant 10):
+a worker is routable for a served_id when its latest heartbeat reports `versions[served_id].state == "ready"`,
+lists partitions of the served_id's batch topic that it owns, and is younger than `worker_timeout_ms`
+(by its `sent_ms`). When no worker has the served_id ready, one that has it "draining" (its version was
 unloaded or replaced by a promotion, and it still reads its topic) takes the requests pinned to
-it. A heartbeat without `versions` (a worker from before the registry) is routable for no sid:
+it. A heartbeat without `versions` (a worker from before the registry) is routable for no served_id:
 such a worker reads a bare-name topic the batcher no longer writes. `version_problem` says when a
-sid cannot be served at all (failed or refused on every live worker that reports it); the
+served_id cannot be served at all (failed or refused on every live worker that reports it); the
 batcher rejects its requests instead of holding them to their deadline. Its room is what the heartbeat advertises
 (free_kv_blocks x block_size_tokens) less the tokens of the batches planned for it that the
 worker had not read when it sent the heartbeat: a reservation is dropped once a heartbeat's
@@ -90,15 +90,19 @@ class _Worker:
     def is_fresh(self, now_ms: int, timeout_ms: int) -> bool:
         return now_ms - self.heartbeat.sent_ms <= timeout_ms
 
-    def state_of(self, sid: str) -> str | None:
-        """What the heartbeat says version `sid` does on this worker (None: it does not report it)."""
-        status = self.heartbeat.versions.get(sid)
+    def state_of(self, served_id: str) -> str | None:
+        """What the heartbeat says version `served_id` does on this worker (None: it does not report it)."""
+        status = self.heartbeat.versions.get(served_id)
         return None if status is None else status.state
 
-    def is_live(self, sid: str, now_ms: int, timeout_ms: int, state: str = "ready") -> bool:
-        """Fresh, reports `sid` in `state`, and owns partitions of its topic."""
+    def is_live(self, served_id: str, now_ms: int, timeout_ms: int, state: str = "ready") -> bool:
+        """Fresh, reports `served_id` in `state`, and owns partitions of its topic."""
         hb = self.heartbeat
-        return self.state_of(sid) == state and bool(hb.partitions.get(sid)) and self.is_fresh(now_ms, timeout_ms)
+        return (
+            self.state_of(served_id) == state
+            and bool(hb.partitions.get(served_id))
+            and self.is_fresh(now_ms, timeout_ms)
+        )
 
 
 class Router:
@@ -128,43 +132,43 @@ class Router:
         """Workers with a heartbeat in the table, live or not."""
         return len(self._workers)
 
-    def knows(self, sid: str) -> bool:
-        """Whether heartbeats decide where `sid` goes: one (live or not) names it, or one reports
+    def knows(self, served_id: str) -> bool:
+        """Whether heartbeats decide where `served_id` goes: one (live or not) names it, or one reports
         `versions` at all. Workers that report versions announce each one they serve, so a
         version none of them reports ready is held (by the batcher, until its deadline), never
         sent to a topic that nobody may read again (a version drained everywhere)."""
-        return any(w.heartbeat.versions or sid in w.heartbeat.models for w in self._workers.values())
+        return any(w.heartbeat.versions or served_id in w.heartbeat.models for w in self._workers.values())
 
-    def live_workers(self, sid: str, now_ms: int, state: str = "ready") -> list[str]:
-        """Ids of the workers whose fresh heartbeat has `sid` in `state` and owns partitions of it."""
+    def live_workers(self, served_id: str, now_ms: int, state: str = "ready") -> list[str]:
+        """Ids of the workers whose fresh heartbeat has `served_id` in `state` and owns partitions of it."""
         timeout = self.worker_timeout_ms
-        return sorted(wid for wid, w in self._workers.items() if w.is_live(sid, now_ms, timeout, state))
+        return sorted(wid for wid, w in self._workers.items() if w.is_live(served_id, now_ms, timeout, state))
 
-    def routable_workers(self, sid: str, now_ms: int) -> list[str]:
-        """The workers batches of `sid` may go to now: those that have it ready, else those
+    def routable_workers(self, served_id: str, now_ms: int) -> list[str]:
+        """The workers batches of `served_id` may go to now: those that have it ready, else those
         draining it (requests pinned to a version just before a promotion moved its name on)."""
-        return self.live_workers(sid, now_ms) or self.live_workers(sid, now_ms, "draining")
+        return self.live_workers(served_id, now_ms) or self.live_workers(served_id, now_ms, "draining")
 
-    def version_problem(self, sid: str, now_ms: int) -> str | None:
-        """Why `sid` cannot be served, or None: every fresh heartbeat that reports it says failed
+    def version_problem(self, served_id: str, now_ms: int) -> str | None:
+        """Why `served_id` cannot be served, or None: every fresh heartbeat that reports it says failed
         or refused (at least one does), and none has it ready or draining. The reason names each
         worker and what it said, so the client learns why (e.g. a file that did not verify)."""
         said: list[str] = []
         for wid, worker in sorted(self._workers.items()):
-            state = worker.state_of(sid)
+            state = worker.state_of(served_id)
             if state is None or not worker.is_fresh(now_ms, self.worker_timeout_ms):
                 continue
             if state not in ("failed", "refused"):
                 return None  # loading, ready, draining...: it may yet be served
-            said.append(f"{state} on {wid}: {worker.heartbeat.versions[sid].reason or 'no reason given'}")
-        return f"model version {sid!r} cannot be served: " + "; ".join(said) if said else None
+            said.append(f"{state} on {wid}: {worker.heartbeat.versions[served_id].reason or 'no reason given'}")
+        return f"model version {served_id!r} cannot be served: " + "; ".join(said) if said else None
 
     def room_tokens(self, worker_id: str) -> int:
         """The room left on a worker, in tokens (may be negative after a stale heartbeat)."""
         return self._workers[worker_id].room_tokens()
 
     def place(self, model: str, head: Request, cost_tokens: int, now_ms: int) -> Slot | None:
-        """The slot for a batch of version `model` (a sid) led by `head`: its prefix's worker when
+        """The slot for a batch of version `model` (a served_id) led by `head`: its prefix's worker when
         it has room for the head, else the routable worker with the most room; None when none has
         room (the batch waits)."""
         if not self.knows(model):

@@ -58,28 +58,46 @@ def create_app(settings: GatewaySettings, repo: ModelRepository | None = None) -
     seeds the registry the app follows while it runs (catalog.py)."""
     parts = build_parts(settings, repo)
     batches = BatchStore(settings)
-    dashboard = DashboardData(settings, f"{parts.bus.gateway_id}-dashboard", parts.catalog,
-                              parts.guard.metrics.render, now_ms)  # fmt: skip
+    dashboard = DashboardData(
+        settings, f"{parts.bus.gateway_id}-dashboard", parts.catalog, parts.guard.metrics.render, now_ms
+    )
     usage = UsageView(settings, f"{parts.bus.gateway_id}-usage")
     app = FastAPI(
-        title="Weir gateway", lifespan=lambda _: running(parts, batches, dashboard, usage), docs_url=None, redoc_url=None
-    )  # fmt: skip
-    app.state.settings, app.state.catalog, app.state.bus, app.state.guard = settings, parts.catalog, parts.bus, parts.guard
+        title="Weir gateway",
+        lifespan=lambda _: running(parts, batches, dashboard, usage),
+        docs_url=None,
+        redoc_url=None,
+    )
+    app.state.settings, app.state.catalog, app.state.bus, app.state.guard = (
+        settings,
+        parts.catalog,
+        parts.bus,
+        parts.guard,
+    )
     app.state.batches, app.state.dashboard, app.state.usage = batches, dashboard, usage
     app.state.streams, app.state.remote = parts.streams, parts.remote
     app.add_middleware(
-        RequestLimits, max_headers=settings.max_headers, max_header_bytes=settings.max_header_bytes,
-        max_body_bytes=settings.max_body_bytes, max_json_depth=settings.max_json_depth,
+        RequestLimits,
+        max_headers=settings.max_headers,
+        max_header_bytes=settings.max_header_bytes,
+        max_body_bytes=settings.max_body_bytes,
+        max_json_depth=settings.max_json_depth,
         upload_paths=frozenset({"/v1/files"}),  # multipart, up to batch_format.MAX_FILE_BYTES
-    )  # fmt: skip
+    )
     app.add_middleware(ResponseCounter, metrics=parts.guard.metrics)  # outermost: counts the limits' refusals too
     # Routes go on the app's own router, not include_router: in FastAPI 0.165 an included router
     # is one lazy entry of app.routes, and tests/gateway/test_openapi.py walks app.routes.
     add_metrics_routes(app.router, parts.guard.metrics)
     add_file_routes(app.router, batches, parts)
     add_batch_routes(app.router, batches, parts)
-    for add_routes in (add_completion_routes, add_embedding_routes, add_stream_routes, add_operation_routes,
-                       add_admin_routes, add_tokenize_routes):
+    for add_routes in (
+        add_completion_routes,
+        add_embedding_routes,
+        add_stream_routes,
+        add_operation_routes,
+        add_admin_routes,
+        add_tokenize_routes,
+    ):
         add_routes(app.router, parts)
     add_usage_routes(app.router, parts, usage)
     for exc_class in HANDLED:
@@ -96,15 +114,17 @@ def build_parts(settings: GatewaySettings, repo: ModelRepository | None) -> Gate
     catalog = Catalog.following(settings, f"{bus.gateway_id}-registry", repo, bus.fleet)
     guard = Guard(settings, bus, catalog.desired, wanted_since=catalog.wanted_since)
     output_guard = OutputGuard(
-        settings.output_guard == "redact", settings.output_holdback_chars,
+        settings.output_guard == "redact",
+        settings.output_holdback_chars,
         on_redacted=lambda n: guard.metrics.redactions.add(n),
-    )  # fmt: skip
+    )
     streams = ResumableStreams(settings.resume_keep_s, settings.max_resumable_streams, journal=bus.publish_stream)
     remote = RemoteResumes(settings, bus, StreamIndex(settings, f"{bus.gateway_id}-streams"), streams)
     lag = LagMonitor(settings, settings.lag_interval_s)
     guard.metrics.follow_lag(lag)
-    return GatewayParts(settings, catalog, bus, guard, output_guard, streams, started_s=int(time.time()), lag=lag,
-                        remote=remote)  # fmt: skip
+    return GatewayParts(
+        settings, catalog, bus, guard, output_guard, streams, started_s=int(time.time()), lag=lag, remote=remote
+    )
 
 
 @asynccontextmanager
@@ -132,9 +152,10 @@ class GatewayService:
         # request head is refused (431) once past what the header limits allow with room for the
         # request line (request_limits.py).
         self.http_options = {
-            "timeout_graceful_shutdown": 10, "ws_max_size": settings.max_body_bytes + 1024,
+            "timeout_graceful_shutdown": 10,
+            "ws_max_size": settings.max_body_bytes + 1024,
             "http": head_limited_protocol(max_head_bytes(settings)),
-        }  # fmt: skip
+        }
 
     async def start(self) -> None:
         await self.bus.start()
@@ -168,9 +189,14 @@ def build_parser() -> argparse.ArgumentParser:
 def build(args: argparse.Namespace) -> tuple[GatewayService, str, int]:
     """The service from flags over WEIR_* settings; a bad model repository is a ConfigError."""
     given = bus_overrides(args)
-    overrides = {"kafka_bootstrap": given.get("kafka_bootstrap"), "topic_prefix": given.get("topic_prefix"),
-                 "gateway_host": given.get("http_host"), "gateway_port": args.http_port,
-                 "model_repo": args.model_repo, "log_level": args.log_level.lower()}
+    overrides = {
+        "kafka_bootstrap": given.get("kafka_bootstrap"),
+        "topic_prefix": given.get("topic_prefix"),
+        "gateway_host": given.get("http_host"),
+        "gateway_port": args.http_port,
+        "model_repo": args.model_repo,
+        "log_level": args.log_level.lower(),
+    }
     settings = GatewaySettings(**{k: v for k, v in overrides.items() if v is not None})
     try:
         return GatewayService(settings), settings.gateway_host, settings.gateway_port

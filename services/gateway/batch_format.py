@@ -39,26 +39,49 @@ CANCELLABLE = ("validating", "in_progress", "finalizing")  # statuses a cancel c
 
 def file_object(first: FileChunk) -> dict[str, Any]:
     """OpenAI's file object."""
-    return {"id": first.file_id, "object": "file", "bytes": first.num_bytes, "created_at": first.created_ms // 1000,
-            "filename": first.filename, "purpose": first.purpose, "status": "processed", "expires_at": None,
-            "status_details": None}
+    return {
+        "id": first.file_id,
+        "object": "file",
+        "bytes": first.num_bytes,
+        "created_at": first.created_ms // 1000,
+        "filename": first.filename,
+        "purpose": first.purpose,
+        "status": "processed",
+        "expires_at": None,
+        "status_details": None,
+    }
 
 
 def batch_object(job: BatchJob) -> dict[str, Any]:
     """OpenAI's batch object; times in epoch seconds."""
-    def s(ms: int | None) -> int | None:  # noqa: E306
+
+    def s(ms: int | None) -> int | None:
         return None if ms is None else ms // 1000
+
     errors = {"object": "list", "data": [e.model_dump(mode="json") for e in job.errors]} if job.errors else None
     return {
-        "id": job.job_id, "object": "batch", "endpoint": job.endpoint, "errors": errors,
-        "input_file_id": job.input_file_id, "completion_window": job.completion_window, "status": job.status,
-        "output_file_id": job.output_file_id, "error_file_id": job.error_file_id,
-        "created_at": s(job.created_ms), "in_progress_at": s(job.in_progress_ms), "expires_at": s(job.expires_ms),
-        "finalizing_at": s(job.finalizing_ms), "completed_at": s(job.completed_ms), "failed_at": s(job.failed_ms),
-        "expired_at": s(job.expired_ms), "cancelling_at": s(job.cancelling_ms), "cancelled_at": s(job.cancelled_ms),
-        "request_counts": job.request_counts.model_dump(mode="json"), "metadata": job.metadata,
+        "id": job.job_id,
+        "object": "batch",
+        "endpoint": job.endpoint,
+        "errors": errors,
+        "input_file_id": job.input_file_id,
+        "completion_window": job.completion_window,
+        "status": job.status,
+        "output_file_id": job.output_file_id,
+        "error_file_id": job.error_file_id,
+        "created_at": s(job.created_ms),
+        "in_progress_at": s(job.in_progress_ms),
+        "expires_at": s(job.expires_ms),
+        "finalizing_at": s(job.finalizing_ms),
+        "completed_at": s(job.completed_ms),
+        "failed_at": s(job.failed_ms),
+        "expired_at": s(job.expired_ms),
+        "cancelling_at": s(job.cancelling_ms),
+        "cancelled_at": s(job.cancelled_ms),
+        "request_counts": job.request_counts.model_dump(mode="json"),
+        "metadata": job.metadata,
         "usage": batch_usage(job.usage),
-    }  # fmt: skip
+    }
 
 
 def batch_usage(usage: Usage | None) -> dict[str, Any] | None:
@@ -66,9 +89,13 @@ def batch_usage(usage: Usage | None) -> dict[str, Any] | None:
     Weir's workers keep no reasoning apart from the output, so every generated token is an output token."""
     if usage is None:
         return None
-    return {"input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": usage.cached_prompt_tokens},
-            "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": usage.prompt_tokens + usage.completion_tokens}
+    return {
+        "input_tokens": usage.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": usage.cached_prompt_tokens},
+        "output_tokens": usage.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+    }
 
 
 def check_purpose(upload: Upload) -> None:
@@ -76,11 +103,19 @@ def check_purpose(upload: Upload) -> None:
     Weir stores) and a `file` part."""
     purpose = upload.fields.get("purpose")
     if purpose is None:
-        raise ApiError(400, "purpose is required; Weir stores batch input files: purpose 'batch'", param="purpose",
-                       code="missing_required_parameter")  # fmt: skip
+        raise ApiError(
+            400,
+            "purpose is required; Weir stores batch input files: purpose 'batch'",
+            param="purpose",
+            code="missing_required_parameter",
+        )
     if purpose != "batch":
-        raise ApiError(400, f"purpose {purpose!r} is not supported; Weir stores batch input files only (purpose "
-                       "'batch')", param="purpose", code="invalid_value")  # fmt: skip
+        raise ApiError(
+            400,
+            f"purpose {purpose!r} is not supported; Weir stores batch input files only (purpose 'batch')",
+            param="purpose",
+            code="invalid_value",
+        )
     if upload.file is None:
         raise ApiError(400, "a 'file' part is required", param="file", code="invalid_value")
 
@@ -122,8 +157,12 @@ def check_batch_lines(pieces: Iterable[bytes], rules: LineRules, endpoint: str |
     for number, raw in iter_lines(pieces):
         num_lines += 1
         if num_lines > MAX_BATCH_LINES:
-            raise ApiError(400, f"the file has more than {MAX_BATCH_LINES} requests, the most a batch takes",
-                           param="file", code="too_many_requests")  # fmt: skip
+            raise ApiError(
+                400,
+                f"the file has more than {MAX_BATCH_LINES} requests, the most a batch takes",
+                param="file",
+                code="too_many_requests",
+            )
         try:
             requests, tokens = check_line(parse_envelope(number, raw, seen, endpoint), rules)
         except LineError as exc:
@@ -144,8 +183,12 @@ def check_line(envelope: Envelope, rules: LineRules) -> tuple[int, int]:
     except ApiError as exc:
         raise LineError(envelope.line, exc.code or "model_not_found", exc.message, "model") from None
     if not rules.identity.may_use(model.served_id):
-        raise LineError(envelope.line, "model_not_allowed", f"{rules.identity.principal} may not use the model "
-                        f"{model.served_id!r}", "model")  # fmt: skip
+        raise LineError(
+            envelope.line,
+            "model_not_allowed",
+            f"{rules.identity.principal} may not use the model {model.served_id!r}",
+            "model",
+        )
     now = now_ms()
     routing = Routing("batch-line-check", rules.reply_to, now, now + int(rules.max_timeout_s * 1000))
     try:
@@ -154,8 +197,14 @@ def check_line(envelope: Envelope, rules: LineRules) -> tuple[int, int]:
             return len(requests), sum(rules.counter.count(model, text) for text in body.inputs)
         request = requests[0]
         assert isinstance(request, GenerateRequest)
-        charge = check_context(body, request, model, rules.counter.count_prompts(model, body),
-                               max_input_tokens=rules.max_input_tokens, max_stop_sequences=rules.max_stop_sequences)
+        charge = check_context(
+            body,
+            request,
+            model,
+            rules.counter.count_prompts(model, body),
+            max_input_tokens=rules.max_input_tokens,
+            max_stop_sequences=rules.max_stop_sequences,
+        )
     except BodyError as exc:
         raise LineError(envelope.line, exc.code, exc.message, exc.param) from None
     return len(requests), charge * len(requests)  # n choices: a request each
@@ -179,20 +228,30 @@ def check_batch_body(body: Any) -> dict[str, Any]:
     return body
 
 
-def new_batch_job(body: dict[str, Any], job_id: str, identity: Identity, summary: FileSummary,
-                  created_ms: int) -> BatchJob:
+def new_batch_job(
+    body: dict[str, Any], job_id: str, identity: Identity, summary: FileSummary, created_ms: int
+) -> BatchJob:
     """The first record of a batch from a body check_batch_body accepted, owned by `identity`:
     validating, due by the end of its completion window, its requests and tokens counted."""
     window = body["completion_window"]
     metadata = body.get("metadata")
-    return BatchJob(job_id=job_id, status="validating", endpoint=body["endpoint"],
-                    input_file_id=body["input_file_id"], completion_window=window,
-                    metadata={str(k): str(v) for k, v in metadata.items()} if metadata else None,
-                    principal=identity.principal, tenant=identity.tenant, credential=identity.owner.credential,
-                    created_ms=created_ms,
-                    request_counts=RequestCounts(total=summary.num_lines), queued_requests=summary.num_requests,
-                    queued_tokens=summary.num_tokens,
-                    expires_ms=created_ms + COMPLETION_WINDOW_MS[window], updated_ms=created_ms)  # fmt: skip
+    return BatchJob(
+        job_id=job_id,
+        status="validating",
+        endpoint=body["endpoint"],
+        input_file_id=body["input_file_id"],
+        completion_window=window,
+        metadata={str(k): str(v) for k, v in metadata.items()} if metadata else None,
+        principal=identity.principal,
+        tenant=identity.tenant,
+        credential=identity.owner.credential,
+        created_ms=created_ms,
+        request_counts=RequestCounts(total=summary.num_lines),
+        queued_requests=summary.num_requests,
+        queued_tokens=summary.num_tokens,
+        expires_ms=created_ms + COMPLETION_WINDOW_MS[window],
+        updated_ms=created_ms,
+    )
 
 
 def is_owned_by(job: BatchJob, identity: Identity) -> bool:
@@ -201,8 +260,9 @@ def is_owned_by(job: BatchJob, identity: Identity) -> bool:
     return Owner(job.tenant, job.credential, job.principal) == identity.owner
 
 
-def check_batch_quota(jobs: Iterable[BatchJob], identity: Identity, summary: FileSummary,
-                      max_requests: int, max_tokens: int) -> None:
+def check_batch_quota(
+    jobs: Iterable[BatchJob], identity: Identity, summary: FileSummary, max_requests: int, max_tokens: int
+) -> None:
     """ApiError 429 when the new batch `summary` would take its owner's live batches past the
     batch quota: `max_requests` and `max_tokens`, and for a credential with per-minute limits at
     most what those allow over a completion window (docs/batch.md, "Batch quota")."""
@@ -216,9 +276,12 @@ def check_batch_quota(jobs: Iterable[BatchJob], identity: Identity, summary: Fil
     queued_tokens = sum(j.queued_tokens for j in live) + summary.num_tokens
     for kind, queued, limit in (("requests", queued_requests, max_requests), ("tokens", queued_tokens, max_tokens)):
         if queued > limit:
-            raise ApiError(429, f"Batch quota exceeded for {identity.principal}: live batches would hold {queued} "
-                           f"{kind}, the quota is {limit}; wait for a batch to finish or split the file",
-                           code="batch_quota_exceeded")  # fmt: skip
+            raise ApiError(
+                429,
+                f"Batch quota exceeded for {identity.principal}: live batches would hold {queued} "
+                f"{kind}, the quota is {limit}; wait for a batch to finish or split the file",
+                code="batch_quota_exceeded",
+            )
 
 
 def batch_page(jobs: Iterable[BatchJob], identity: Identity, limit: int, after: str | None) -> dict[str, Any]:
@@ -229,31 +292,47 @@ def batch_page(jobs: Iterable[BatchJob], identity: Identity, limit: int, after: 
     mine = sorted((j for j in jobs if is_owned_by(j, identity)), key=lambda j: (j.created_ms, j.job_id), reverse=True)
     if after is not None:
         ids = [j.job_id for j in mine]
-        mine = mine[ids.index(after) + 1:] if after in ids else []
+        mine = mine[ids.index(after) + 1 :] if after in ids else []
     page = mine[:limit]
-    return {"object": "list", "data": [batch_object(j) for j in page],
-            "first_id": page[0].job_id if page else None,
-            "last_id": page[-1].job_id if page else None, "has_more": len(mine) > limit}  # fmt: skip
+    return {
+        "object": "list",
+        "data": [batch_object(j) for j in page],
+        "first_id": page[0].job_id if page else None,
+        "last_id": page[-1].job_id if page else None,
+        "has_more": len(mine) > limit,
+    }
 
 
-def file_page(files: Iterable[FileChunk], identity: Identity, purpose: str | None, limit: int, order: str,
-              after: str | None) -> dict[str, Any]:
+def file_page(
+    files: Iterable[FileChunk], identity: Identity, purpose: str | None, limit: int, order: str, after: str | None
+) -> dict[str, Any]:
     """GET /v1/files: the caller's own files (of `purpose` when given), by created_at in `order`,
     `limit` of them after the file `after`; ApiError 400 for a limit outside 1..10000 or another order."""
     if not 1 <= limit <= 10_000:
         raise ApiError(400, "limit must be between 1 and 10000", param="limit", code="invalid_value")
     if order not in ("asc", "desc"):
         raise ApiError(400, "order must be 'asc' or 'desc'", param="order", code="invalid_value")
-    mine = sorted((f for f in files if Owner(f.tenant, f.credential, f.principal) == identity.owner
-                   and (purpose is None or f.purpose == purpose)),
-                  key=lambda f: (f.created_ms, f.file_id), reverse=order == "desc")  # fmt: skip
+    mine = sorted(
+        (
+            f
+            for f in files
+            if Owner(f.tenant, f.credential, f.principal) == identity.owner
+            and (purpose is None or f.purpose == purpose)
+        ),
+        key=lambda f: (f.created_ms, f.file_id),
+        reverse=order == "desc",
+    )
     if after is not None:
         ids = [f.file_id for f in mine]
         mine = mine[ids.index(after) + 1 :] if after in ids else []
     page = mine[:limit]
-    return {"object": "list", "data": [file_object(f) for f in page],
-            "first_id": page[0].file_id if page else None,
-            "last_id": page[-1].file_id if page else None, "has_more": len(mine) > limit}  # fmt: skip
+    return {
+        "object": "list",
+        "data": [file_object(f) for f in page],
+        "first_id": page[0].file_id if page else None,
+        "last_id": page[-1].file_id if page else None,
+        "has_more": len(mine) > limit,
+    }
 
 
 def redact_result_line(raw: bytes, redact: Callable[[str], str]) -> bytes:

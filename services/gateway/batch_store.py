@@ -22,8 +22,7 @@ from schemas.messages import BatchJob, FileChunk, JobCommand, now_ms
 from services.gateway.batch_upload import Upload
 from services.gateway.config import GatewaySettings
 from services.gateway.guard.auth import Identity
-from weir.bus import instance_id, make_consumer, make_producer
-from weir.bus import partitions_of
+from weir.bus import instance_id, make_consumer, make_producer, partitions_of
 from weir.files import FileHeader, FileIndex, is_behind, write_spooled
 
 log = logging.getLogger(__name__)
@@ -55,8 +54,11 @@ class BatchStore:
         self.follower = make_consumer(self.settings, client_id=client_id, group_id=None)
         await self.producer.start()
         await self.follower.start()
-        tps = [TopicPartition(topic, p) for topic in (self.topics.files, self.topics.jobs)
-               for p in sorted(await partitions_of(self.follower, topic))]
+        tps = [
+            TopicPartition(topic, p)
+            for topic in (self.topics.files, self.topics.jobs)
+            for p in sorted(await partitions_of(self.follower, topic))
+        ]
         self.follower.assign(tps)
         await self.follower.seek_to_beginning(*tps)
         ends = await self.follower.end_offsets(tps)
@@ -99,8 +101,9 @@ class BatchStore:
         id, a chunk at a time from its spooled file; returns its first chunk (the file's metadata)."""
         assert upload.file is not None
         owner = identity.owner
-        header = FileHeader(new_id("file-"), upload.filename, "batch", owner.tenant, owner.credential, owner.principal,
-                            now_ms())  # fmt: skip
+        header = FileHeader(
+            new_id("file-"), upload.filename, "batch", owner.tenant, owner.credential, owner.principal, now_ms()
+        )
         return await write_spooled(self.producer, self.topics.files, header, upload.file, upload.size, self.files.add)
 
     async def create_job(self, job: BatchJob) -> None:

@@ -172,8 +172,12 @@ class _Parser:
             if filename:
                 self.upload.filename = filename[:512]
         elif name not in FIELDS:
-            raise ApiError(400, f"unknown form field {name!r}: POST /v1/files takes 'file' and 'purpose'",
-                           param=name, code="unknown_parameter")  # fmt: skip
+            raise ApiError(
+                400,
+                f"unknown form field {name!r}: POST /v1/files takes 'file' and 'purpose'",
+                param=name,
+                code="unknown_parameter",
+            )
         elif name in self.upload.fields:
             raise ApiError(400, f"the form field {name!r} is repeated", param=name, code="invalid_value")
         self.part_name = name
@@ -191,14 +195,16 @@ class _Parser:
             return
         self.field_value += data
         if len(self.field_value) > MAX_FIELD_BYTES:
-            raise ApiError(400, f"the form field {self.part_name!r} is too long", param=self.part_name,
-                           code="invalid_value")  # fmt: skip
+            raise ApiError(
+                400, f"the form field {self.part_name!r} is too long", param=self.part_name, code="invalid_value"
+            )
 
     def _end_part(self) -> None:
         if self.part_name != "file" and self.part_name is not None:
             try:
                 self.upload.fields[self.part_name] = self.field_value.decode("utf-8")
             except UnicodeDecodeError:
-                raise ApiError(400, f"the form field {self.part_name!r} is not UTF-8", param=self.part_name,
-                               code="invalid_value") from None  # fmt: skip
+                raise ApiError(
+                    400, f"the form field {self.part_name!r} is not UTF-8", param=self.part_name, code="invalid_value"
+                ) from None
         self.part_name = None

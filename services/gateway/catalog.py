@@ -33,7 +33,7 @@ from schemas.registry import (
     ModelRoute,
     ModelVersionRecord,
     RegistryState,
-    served_id,
+    served_id_of,
     split_ref,
     version_problem,
 )
@@ -67,8 +67,13 @@ def ref_problem(ref: str) -> str | None:
 class Catalog:
     """The registry state (followed, or given for a unit test) and the fleet's version states."""
 
-    def __init__(self, state: RegistryState, fleet: Fleet, publisher: Publisher | None = None,
-                 follower: RegistryFollower | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        state: RegistryState,
+        fleet: Fleet,
+        publisher: Publisher | None = None,
+        follower: RegistryFollower | None = None,
+    ) -> None:
         self._state = state
         self.fleet = fleet
         self._publisher = publisher
@@ -109,9 +114,13 @@ class Catalog:
         404 (model_not_found) when the name, or that version, is unknown, unregistered or retired."""
         if not isinstance(ref, str) or (problem := ref_problem(ref)) is not None:
             shown = ref[:200] if isinstance(ref, str) else ref
-            raise ApiError(400, f"model {shown!r} is not a model reference: "
-                           f"{problem if isinstance(ref, str) else 'it must be a string'}",
-                           param="model", code="invalid_value")  # fmt: skip
+            raise ApiError(
+                400,
+                f"model {shown!r} is not a model reference: "
+                f"{problem if isinstance(ref, str) else 'it must be a string'}",
+                param="model",
+                code="invalid_value",
+            )
         config, reason = self.state.resolve(ref)
         if config is None:
             raise ApiError(404, f"The model {ref!r} does not exist: {reason}", param="model", code="model_not_found")
@@ -132,22 +141,22 @@ class Catalog:
         if route is None or route.default_version != config.version or not route.canary:
             return config, "default"  # no policy, or a route disregarded for a dangling default
         chosen, how = assign(name, config.version, route.canary, key)
-        record = self.state.versions.get(served_id(name, chosen))
+        record = self.state.versions.get(served_id_of(name, chosen))
         if how == "default" or record is None or record.desired != "loaded" or not may_use(record.served_id):
             return config, "default"
         if self.fleet.availability(record.served_id, record.desired, now_ms(), record.updated_ms).problem is not None:
             return config, "default"
         return record.manifest.config(), "canary"
 
-    def version_tag(self, sid: str) -> str:
+    def version_tag(self, served_id: str) -> str:
         """`name@version:<first 12 hex of the manifest digest>` (x-weir-model-version). The digest is
         the registry record's; for a version the registry does not hold (a models.toml entry not
         seeded yet) the one a live worker reports for what it loaded; else `name@version:unregistered`."""
-        record = self.state.versions.get(sid)
+        record = self.state.versions.get(served_id)
         if record is not None:
-            return f"{sid}:{record.manifest.digest()[:12]}"
-        reported = [s.digest for s in self.fleet.version_states(now_ms()).get(sid, {}).values() if s.digest]
-        return f"{sid}:{min(reported)[:12]}" if reported else f"{sid}:{UNREGISTERED}"
+            return f"{served_id}:{record.manifest.digest()[:12]}"
+        reported = [s.digest for s in self.fleet.version_states(now_ms()).get(served_id, {}).values() if s.digest]
+        return f"{served_id}:{min(reported)[:12]}" if reported else f"{served_id}:{UNREGISTERED}"
 
     # ---- GET /v1/models ---------------------------------------------------------------------
 
@@ -159,11 +168,14 @@ class Catalog:
         entries: list[tuple[str, str]] = []  # (id, served version)
         for name in state.names():
             default = state.default_version(name)
-            if default is not None and served_id(name, default) in ready:
-                entries.append((name, served_id(name, default)))
-        entries += [(sid, sid) for sid in sorted(ready)]
-        data = [self._model_object(ref, sid, created_s) for ref, sid in entries
-                if state.resolve(sid)[0] is not None and may_use(sid)]  # fmt: skip
+            if default is not None and served_id_of(name, default) in ready:
+                entries.append((name, served_id_of(name, default)))
+        entries += [(served_id, served_id) for served_id in sorted(ready)]
+        data = [
+            self._model_object(ref, served_id, created_s)
+            for ref, served_id in entries
+            if state.resolve(served_id)[0] is not None and may_use(served_id)
+        ]
         return {"object": "list", "data": data}
 
     def model(self, model_id: str, created_s: int, may_use: Callable[[str], bool]) -> dict[str, Any]:
@@ -172,18 +184,25 @@ class Catalog:
         the caller may not use (a key limited to some models does not learn of the others)."""
         found = next((m for m in self.listing(created_s, may_use)["data"] if m["id"] == model_id), None)
         if found is None:
-            raise ApiError(404, f"The model '{model_id[:200]}' does not exist or you do not have access to it.",
-                           param="model", code="model_not_found")  # fmt: skip
+            raise ApiError(
+                404,
+                f"The model '{model_id[:200]}' does not exist or you do not have access to it.",
+                param="model",
+                code="model_not_found",
+            )
         return found
 
-    def _model_object(self, ref: str, sid: str, created_s: int) -> dict[str, Any]:
-        record = self.state.versions.get(sid)
+    def _model_object(self, ref: str, served_id: str, created_s: int) -> dict[str, Any]:
+        record = self.state.versions.get(served_id)
         return {
-            "id": ref, "object": "model", "owned_by": "weir",
+            "id": ref,
+            "object": "model",
+            "owned_by": "weir",
             "created": record.manifest.created_ms // 1000 if record is not None else created_s,
-            "weir_version": split_ref(sid)[1], "weir_state": "ready",
+            "weir_version": split_ref(served_id)[1],
+            "weir_state": "ready",
             "weir_quantization": record.manifest.serving.get("quantization", "none") if record is not None else "none",
-        }  # fmt: skip
+        }
 
     # ---- the admin API ------------------------------------------------------------------------
 
@@ -192,34 +211,35 @@ class Catalog:
         state a live worker reports, `unavailable` when none reports it; `workers` has each's."""
         state = self.state
         by_version = self.fleet.version_states(now_ms())
-        sids = sorted(set(state.versions) | set(state.servable()))
-        out = [self._index_entry(sid, by_version.get(sid, {})) for sid in sids]
+        served_ids = sorted(set(state.versions) | set(state.servable()))
+        out = [self._index_entry(served_id, by_version.get(served_id, {})) for served_id in served_ids]
         return [entry for entry in out if entry["state"] == "ready"] if ready_only else out
 
-    def _index_entry(self, sid: str, on_workers: dict[str, VersionStatus]) -> dict[str, Any]:
-        name, version = split_ref(sid)
-        record = self.state.versions.get(sid)
+    def _index_entry(self, served_id: str, on_workers: dict[str, VersionStatus]) -> dict[str, Any]:
+        name, version = split_ref(served_id)
+        record = self.state.versions.get(served_id)
         best = min(on_workers.values(), key=lambda s: _STATE_RANK.index(s.state), default=None)
         return {
-            "name": name, "version": version,
+            "name": name,
+            "version": version,
             "state": best.state if best is not None else "unavailable",
             "reason": (best.reason or "") if best is not None else "no live worker reports it",
-            "desired": self.desired(sid),
+            "desired": self.desired(served_id),
             "registered": record is not None,
             "default": self.state.default_version(name) == version,
             "workers": {worker: status.state for worker, status in sorted(on_workers.items())},
-        }  # fmt: skip
+        }
 
-    def desired(self, sid: str) -> str:
-        """What the registry wants of version `sid`: its record's `desired`; `loaded` for a seed
+    def desired(self, served_id: str) -> str:
+        """What the registry wants of version `served_id`: its record's `desired`; `loaded` for a seed
         entry not registered yet (workers register and load it)."""
-        record = self.state.versions.get(sid)
+        record = self.state.versions.get(served_id)
         return record.desired if record is not None else "loaded"
 
-    def wanted_since(self, sid: str) -> int | None:
-        """When the registry's record of version `sid` was written (None: a seed entry not
+    def wanted_since(self, served_id: str) -> int | None:
+        """When the registry's record of version `served_id` was written (None: a seed entry not
         registered yet): how long workers have had to take it up (fleet.TAKE_UP_MS)."""
-        record = self.state.versions.get(sid)
+        record = self.state.versions.get(served_id)
         return record.updated_ms if record is not None else None
 
     def registered(self, name: str, version: object) -> str:
@@ -228,11 +248,15 @@ class Catalog:
         _check_path_name(name)
         if (problem := version_problem(version)) is not None:
             raise ApiError(400, problem, param="version", code="invalid_value")
-        sid = served_id(name, str(version))
-        if sid not in self.state.versions:
-            raise ApiError(404, f"model version {sid!r} is not registered (weir models push, or seed it from "
-                           "models.toml)", param="version", code="model_not_found")  # fmt: skip
-        return sid
+        served_id = served_id_of(name, str(version))
+        if served_id not in self.state.versions:
+            raise ApiError(
+                404,
+                f"model version {served_id!r} is not registered (weir models push, or seed it from models.toml)",
+                param="version",
+                code="model_not_found",
+            )
+        return served_id
 
     def known_name(self, name: str) -> None:
         """400 for a path that names no model (or names a version), 404 (model_not_found) for a name
@@ -257,8 +281,11 @@ class Catalog:
     def _holds(self, records: Iterable[Record]) -> bool:
         state = self.state
         for record in records:
-            held = (state.versions.get(record.served_id) if isinstance(record, ModelVersionRecord)
-                    else state.routes.get(record.name))  # fmt: skip
+            held = (
+                state.versions.get(record.served_id)
+                if isinstance(record, ModelVersionRecord)
+                else state.routes.get(record.name)
+            )
             if held != record:
                 return False
         return True

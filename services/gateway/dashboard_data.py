@@ -122,8 +122,13 @@ def _model_of(labels: frozenset[tuple[str, str]]) -> str:
 class MetricWindow:
     """Snapshots of the gateway's own exposition over the last WINDOW_S, and what changed since."""
 
-    def __init__(self, render: Callable[[], str], window_s: float = WINDOW_S,
-                 clock: Callable[[], float] = time.monotonic, extra: Callable[[], Samples] = dict) -> None:  # fmt: skip
+    def __init__(
+        self,
+        render: Callable[[], str],
+        window_s: float = WINDOW_S,
+        clock: Callable[[], float] = time.monotonic,
+        extra: Callable[[], Samples] = dict,
+    ) -> None:
         """`extra`: samples from elsewhere than the exposition (the workers' histograms: heartbeat_samples)."""
         self._render = render
         self.window_s = window_s
@@ -133,8 +138,9 @@ class MetricWindow:
 
     def snapshot(self) -> Snapshot:
         """The exposition now, only the samples the dashboard reads (a NaN gauge is no data: JSON has no NaN)."""
-        kept = {key: value for key, value in samples(self._render()).items()
-                if key[0] in _KEPT and math.isfinite(value)}  # fmt: skip
+        kept = {
+            key: value for key, value in samples(self._render()).items() if key[0] in _KEPT and math.isfinite(value)
+        }
         return Snapshot(self._clock(), {**kept, **self._extra()})
 
     def sample(self) -> None:
@@ -152,8 +158,9 @@ class MetricWindow:
         usable = base is not None and span_s >= MIN_SPAN_S
         return {
             "window_s": round(span_s, 3) if usable else None,
-            "latency": {key: self._latency(now, base, name) if base and usable else None
-                        for key, name in LATENCIES.items()},
+            "latency": {
+                key: self._latency(now, base, name) if base and usable else None for key, name in LATENCIES.items()
+            },
             "throughput": self._throughput(now, base, span_s) if base and usable else None,
             "lag": self._lag(now),
         }
@@ -161,8 +168,14 @@ class MetricWindow:
     @staticmethod
     def _lag(now: Snapshot) -> list[dict[str, Any]] | None:
         """kafka_consumergroup_lag per (consumergroup, topic) as it is now; None if absent."""
-        rows = [{"consumergroup": dict(labels).get("consumergroup", ""), "topic": dict(labels).get("topic", ""),
-                 "lag": value} for labels, value in _by_series(now.samples, LAG).items()]  # fmt: skip
+        rows = [
+            {
+                "consumergroup": dict(labels).get("consumergroup", ""),
+                "topic": dict(labels).get("topic", ""),
+                "lag": value,
+            }
+            for labels, value in _by_series(now.samples, LAG).items()
+        ]
         return sorted(rows, key=lambda row: (row["consumergroup"], row["topic"])) or None
 
     @staticmethod
@@ -210,12 +223,14 @@ def heartbeat_samples(live: list[WorkerHeartbeat]) -> Samples:
     counts from zero again (_delta), one that is gone drops out."""
     out: Samples = {}
     for hb in live:
-        for sid, latency in hb.latency.items():
+        for served_id, latency in hb.latency.items():
             for key, histogram in (("worker_ttft", latency.ttft), ("worker_itl", latency.itl)):
                 name = f"{LATENCIES[key]}_bucket"
                 for bound, count in zip([*histogram.bounds, math.inf], histogram.counts, strict=True):
                     le = "+Inf" if math.isinf(bound) else repr(float(bound))
-                    out[(name, frozenset({("model_name", sid), ("worker", hb.worker_id), ("le", le)}))] = float(count)
+                    out[(name, frozenset({("model_name", served_id), ("worker", hb.worker_id), ("le", le)}))] = float(
+                        count
+                    )
     return out
 
 
@@ -255,9 +270,11 @@ class AlertsView:
 
     def sla(self) -> dict[str, dict[str, Any]]:
         """Per version with an output-SLA alert: each outcome signal's view (None: no alert yet)."""
-        versions = sorted({sid for sid, signal in self.latest if signal in OUTCOME_SIGNALS})
-        return {sid: {signal: outcome_view(self.latest.get((sid, signal))) for signal in OUTCOME_SIGNALS}
-                for sid in versions}  # fmt: skip
+        versions = sorted({served_id for served_id, signal in self.latest if signal in OUTCOME_SIGNALS})
+        return {
+            served_id: {signal: outcome_view(self.latest.get((served_id, signal))) for signal in OUTCOME_SIGNALS}
+            for served_id in versions
+        }
 
 
 def _alert(alert: HealthAlert) -> dict[str, Any]:
@@ -309,8 +326,17 @@ class UsageView:
         for totals in self.totals.values():
             if totals.day != day:
                 continue
-            row = tenants.setdefault(totals.tenant, {"tenant": totals.tenant, "requests": 0, "prompt_tokens": 0,
-                                                     "completion_tokens": 0, "cost_usd": None, "unpriced": False})
+            row = tenants.setdefault(
+                totals.tenant,
+                {
+                    "tenant": totals.tenant,
+                    "requests": 0,
+                    "prompt_tokens": 0,
+                    "completion_tokens": 0,
+                    "cost_usd": None,
+                    "unpriced": False,
+                },
+            )
             row["requests"] += totals.requests
             row["prompt_tokens"] += totals.prompt_tokens
             row["completion_tokens"] += totals.completion_tokens
@@ -320,14 +346,20 @@ class UsageView:
                 row["cost_usd"] = (row["cost_usd"] or 0.0) + totals.cost_usd
         for row in tenants.values():
             row["tokens"] = row["prompt_tokens"] + row["completion_tokens"]
-        return sorted(tenants.values(), key=lambda row: (-row["tokens"], row["tenant"]))[:n]  # fmt: skip
+        return sorted(tenants.values(), key=lambda row: (-row["tokens"], row["tenant"]))[:n]
 
 
 class DashboardData:
     """The dashboard's sources in one gateway: started and stopped with the app (app.py)."""
 
-    def __init__(self, settings: BusSettings, client_id: str, catalog: Catalog, render: Callable[[], str],
-                 clock_ms: Callable[[], int]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        settings: BusSettings,
+        client_id: str,
+        catalog: Catalog,
+        render: Callable[[], str],
+        clock_ms: Callable[[], int],
+    ) -> None:
         self.catalog = catalog
         self.metrics = MetricWindow(render, extra=lambda: heartbeat_samples(catalog.fleet.live(clock_ms())))
         self.alerts = AlertsView()
@@ -359,7 +391,7 @@ class DashboardData:
             await asyncio.sleep(SAMPLE_EVERY_S)
             try:
                 self.metrics.sample()
-            except Exception:  # noqa: BLE001 - a failed scrape must not end the sampling
+            except Exception:  # a failed scrape must not end the sampling
                 log.exception("dashboard: sampling the gateway's metrics failed")
 
     def report(self) -> dict[str, Any]:
@@ -382,11 +414,17 @@ def workers(catalog: Catalog, now_ms: int) -> list[dict[str, Any]]:
     rows = []
     for hb in sorted(catalog.fleet.live(now_ms), key=lambda hb: hb.worker_id):
         queries = hb.prefix_cache_queries
-        rows.append({
-            "worker_id": hb.worker_id, "num_running": hb.num_running, "num_waiting": hb.num_waiting,
-            "max_num_seqs": hb.max_num_seqs, "kv_cache_usage_perc": hb.kv_cache_usage_perc,
-            "prefix_cache_hit_rate": hb.prefix_cache_hits / queries if queries else None,
-            "prefix_cache_queries": queries, "versions": {sid: status.state for sid, status in hb.versions.items()},
-            "age_ms": now_ms - hb.sent_ms,
-        })  # fmt: skip
+        rows.append(
+            {
+                "worker_id": hb.worker_id,
+                "num_running": hb.num_running,
+                "num_waiting": hb.num_waiting,
+                "max_num_seqs": hb.max_num_seqs,
+                "kv_cache_usage_perc": hb.kv_cache_usage_perc,
+                "prefix_cache_hit_rate": hb.prefix_cache_hits / queries if queries else None,
+                "prefix_cache_queries": queries,
+                "versions": {served_id: status.state for served_id, status in hb.versions.items()},
+                "age_ms": now_ms - hb.sent_ms,
+            }
+        )
     return rows

@@ -67,55 +67,69 @@ class Fleet:
                 out.setdefault(model, []).append(hb)
         return out
 
-    def serving(self, sid: str, now_ms: int) -> list[WorkerHeartbeat]:
-        """Live heartbeats of the workers that answer version `sid` (name@version): ready, or
+    def serving(self, served_id: str, now_ms: int) -> list[WorkerHeartbeat]:
+        """Live heartbeats of the workers that answer version `served_id` (name@version): ready, or
         draining it (WorkerHeartbeat.models lists the ready ones)."""
-        return [hb for hb in self.live(now_ms)
-                if sid in hb.models or (sid in hb.versions and hb.versions[sid].state in SERVING_STATES)]  # fmt: skip
+        return [
+            hb
+            for hb in self.live(now_ms)
+            if served_id in hb.models or (served_id in hb.versions and hb.versions[served_id].state in SERVING_STATES)
+        ]
 
-    def availability(self, sid: str, desired: str, now_ms: int, wanted_since_ms: int | None = None) -> Availability:
-        """What the live workers offer version `sid`, which the registry wants `desired`
+    def availability(
+        self, served_id: str, desired: str, now_ms: int, wanted_since_ms: int | None = None
+    ) -> Availability:
+        """What the live workers offer version `served_id`, which the registry wants `desired`
         (docs/design.md, "The model registry"): serving it; bringing it up (a transitional state,
         or it is wanted loaded and a worker serves other versions of its name, so it will load it);
         failed or refused on every worker reporting it (the batcher's rule: the reasons, per
         worker); unloaded and served nowhere; or nothing (no live worker serves the name)."""
-        if serving := self.serving(sid, now_ms):
+        if serving := self.serving(served_id, now_ms):
             return Availability(serving)
         live = self.live(now_ms)
-        reports = {hb.worker_id: hb.versions[sid] for hb in live if sid in hb.versions}
+        reports = {hb.worker_id: hb.versions[served_id] for hb in live if served_id in hb.versions}
         if any(status.state in COMING_STATES for status in reports.values()):
             return Availability(coming=True)
         if reports:  # every one failed or refused
-            said = "; ".join(f"{status.state} on {wid}: {status.reason or 'no reason given'}"
-                             for wid, status in sorted(reports.items()))  # fmt: skip
-            return Availability(problem=f"model version {sid!r} cannot be served: {said}")
-        name = split_ref(sid)[0]
+            said = "; ".join(
+                f"{status.state} on {wid}: {status.reason or 'no reason given'}"
+                for wid, status in sorted(reports.items())
+            )
+            return Availability(problem=f"model version {served_id!r} cannot be served: {said}")
+        name = split_ref(served_id)[0]
         if desired == "unloaded":
-            return Availability(problem=f"model version {sid!r} is unloaded and no live worker serves it; load it "
-                                f"(POST /v2/repository/models/{name}/load, or weir models load {sid}) and wait "
-                                "until it is ready")  # fmt: skip
+            return Availability(
+                problem=f"model version {served_id!r} is unloaded and no live worker serves it; load it "
+                f"(POST /v2/repository/models/{name}/load, or weir models load {served_id}) and wait "
+                "until it is ready"
+            )
         holds_name = any(split_ref(other)[0] == name for hb in live for other in [*hb.versions, *hb.models])
         if desired == "loaded" and holds_name and wanted_since_ms is not None and now_ms - wanted_since_ms > TAKE_UP_MS:
             # Workers that hold its name report a version within a heartbeat of its record (loading,
             # then ready or failed); none has, long after: they do not know it (a record they could
             # not read, another registry). Admitting would leave the request waiting for its deadline.
-            return Availability(problem=f"model version {sid!r} is wanted loaded since "
-                                f"{(now_ms - wanted_since_ms) // 1000} s ago, but no live worker reports it "
-                                f"(they serve other versions of {name!r}); see `weir models show {name}`")  # fmt: skip
+            return Availability(
+                problem=f"model version {served_id!r} is wanted loaded since "
+                f"{(now_ms - wanted_since_ms) // 1000} s ago, but no live worker reports it "
+                f"(they serve other versions of {name!r}); see `weir models show {name}`"
+            )
         return Availability(coming=desired == "loaded" and holds_name)
 
     def version_states(self, now_ms: int) -> dict[str, dict[str, VersionStatus]]:
         """Per version (name@version), per live worker, the status that worker reports."""
         out: dict[str, dict[str, VersionStatus]] = {}
         for hb in self.live(now_ms):
-            for sid, status in hb.versions.items():
-                out.setdefault(sid, {})[hb.worker_id] = status
+            for served_id, status in hb.versions.items():
+                out.setdefault(served_id, {})[hb.worker_id] = status
         return out
 
     def ready_versions(self, now_ms: int) -> set[str]:
         """Every version some live worker reports ready."""
-        return {sid for sid, by_worker in self.version_states(now_ms).items()
-                if any(status.state == "ready" for status in by_worker.values())}  # fmt: skip
+        return {
+            served_id
+            for served_id, by_worker in self.version_states(now_ms).items()
+            if any(status.state == "ready" for status in by_worker.values())
+        }
 
     def __len__(self) -> int:
         return len(self._latest)

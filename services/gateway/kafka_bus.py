@@ -19,12 +19,11 @@ from opentelemetry.trace import INVALID_SPAN, Span, SpanKind
 
 from schemas.codec import DecodeError, decode, decode_reply, encode
 from schemas.messages import (
-    CancelReason,
     Cancellation,
+    CancelReason,
     EmbedRequest,
     ErrorInfo,
     GenerateRequest,
-    ReplyDelta,
     ReplyEnd,
     ReviewFlag,
     StreamRecord,
@@ -38,7 +37,16 @@ from services.gateway.queue_wait import BatchBacklog
 from services.gateway.replies import ReplyItem, ReplyRouter
 from weir.bus import instance_id, make_consumer, make_producer, send_dead_letter
 from weir.kafka.admin import ensure_topics, wait_for_broker
-from weir.tracing import Tracing, child_context, end_attributes, ending, from_carrier, inject, messaging, request_attributes
+from weir.tracing import (
+    Tracing,
+    child_context,
+    end_attributes,
+    ending,
+    from_carrier,
+    inject,
+    messaging,
+    request_attributes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +130,7 @@ class GatewayBus:
             if client is not None:
                 try:
                     await client.stop()
-                except Exception:  # noqa: BLE001 - closing anyway
+                except Exception:  # closing anyway
                     log.exception("closing a Kafka client failed")
         await self.tracing.stop()
 
@@ -139,7 +147,10 @@ class GatewayBus:
         return True, "ready"
 
     async def submit(
-        self, request: GenerateRequest | EmbedRequest, client_headers: Mapping[str, str] | None = None, route: str = "",
+        self,
+        request: GenerateRequest | EmbedRequest,
+        client_headers: Mapping[str, str] | None = None,
+        route: str = "",
         stream_record: StreamRecord | None = None,
     ) -> Exchange:
         """Open the request's route, then publish it (keyed by request_id) and wait until durable.
@@ -160,13 +171,21 @@ class GatewayBus:
         self._exchanges[request.request_id] = exchange
         timeout_s = min(_MAX_SEND_WAIT_S, max(0.1, (request.deadline_ms - now_ms()) / 1000))
         topic = self.topics.requests
-        publish = self.tracing.start_span(f"{topic} publish", child_context(exchange.span), kind=SpanKind.PRODUCER,
-                                          request_id=request.request_id, attributes=messaging("send", topic))  # fmt: skip
+        publish = self.tracing.start_span(
+            f"{topic} publish",
+            child_context(exchange.span),
+            kind=SpanKind.PRODUCER,
+            request_id=request.request_id,
+            attributes=messaging("send", topic),
+        )
         try:
             with ending(publish):
-                sent, exchange.is_durable = await asyncio.wait_for(self._send_with_record(
-                    topic, encode(request), request.request_id, inject(child_context(publish)), stream_record
-                ), timeout_s)  # fmt: skip
+                sent, exchange.is_durable = await asyncio.wait_for(
+                    self._send_with_record(
+                        topic, encode(request), request.request_id, inject(child_context(publish)), stream_record
+                    ),
+                    timeout_s,
+                )
                 publish.set_attributes(messaging("send", topic, offset=sent.offset, partition=sent.partition))
         except (KafkaError, TimeoutError) as exc:
             if stream_record is not None:
@@ -205,12 +224,19 @@ class GatewayBus:
         value = encode(record) if record is not None else None
         self._publish_later(self.topics.streams, value, request_id, f"stream record of {request_id}")
 
-    def _server_span(self, request: GenerateRequest | EmbedRequest, client_headers: Mapping[str, str], route: str) -> Span:
+    def _server_span(
+        self, request: GenerateRequest | EmbedRequest, client_headers: Mapping[str, str], route: str
+    ) -> Span:
         """The request's HTTP server span, from its acceptance (created_ms), under the client's traceparent."""
         attrs = {"http.request.method": "POST", "http.route": route, **request_attributes(request)}
-        return self.tracing.start_span(f"POST {route}".strip(), from_carrier(client_headers), kind=SpanKind.SERVER,
-                                       request_id=request.request_id, attributes=attrs,
-                                       start_ns=request.created_ms * 1_000_000)  # fmt: skip
+        return self.tracing.start_span(
+            f"POST {route}".strip(),
+            from_carrier(client_headers),
+            kind=SpanKind.SERVER,
+            request_id=request.request_id,
+            attributes=attrs,
+            start_ns=request.created_ms * 1_000_000,
+        )
 
     def publish_cancel(self, request_id: str, reason: CancelReason) -> None:
         """Publish a Cancellation on the control topic without waiting (safe from cancelled code)."""
@@ -252,7 +278,7 @@ class GatewayBus:
                 return
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001 - the loop must go on (STYLE: per-message failure is data)
+            except Exception:  # the loop must go on (STYLE: per-message failure is data)
                 log.exception("gateway consumer loop failed; restarting in 1 s")
                 await asyncio.sleep(1.0)
 
@@ -292,7 +318,9 @@ class GatewayBus:
                     try:
                         self.fleet.observe(decode(WorkerHeartbeat, record.value))
                     except DecodeError as exc:
-                        log.warning("ignoring heartbeat %s[%d]@%d: %s", record.topic, record.partition, record.offset, exc)
+                        log.warning(
+                            "ignoring heartbeat %s[%d]@%d: %s", record.topic, record.partition, record.offset, exc
+                        )
 
 
 class Exchange:
@@ -409,7 +437,7 @@ class Exchange:
         for hook in self.on_close:
             try:
                 hook(self)
-            except Exception:  # noqa: BLE001 - closing must finish
+            except Exception:  # closing must finish
                 log.exception("an on_close hook of %s failed", self.request_id)
         outcome = self.end.finish_reason if self.end is not None else (abandon_reason or "abandoned")
         self._end_span(status, outcome)
@@ -419,7 +447,13 @@ class Exchange:
         ttft = f"{self.first_token_ms - created}" if self.first_token_ms is not None else "-"
         log.info(
             "request_end request_id=%s model=%s status=%s outcome=%s ttft_ms=%s total_ms=%d deltas=%d",
-            self.request_id, self.request.model, status, outcome, ttft, now_ms() - created, self.num_deltas,
+            self.request_id,
+            self.request.model,
+            status,
+            outcome,
+            ttft,
+            now_ms() - created,
+            self.num_deltas,
         )
 
     def _end_span(self, status: int | str, outcome: str) -> None:

@@ -45,14 +45,17 @@ async def publish_record(settings: BusSettings, record: ApiKeyRecord) -> None:
 async def read_keys(settings: BusSettings) -> dict[str, ApiKeyRecord]:
     """The latest record of every key_id: the keys topic read from its beginning to its end."""
     await wait_for_broker(settings.kafka_bootstrap, timeout_s=15)
-    consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap, group_id=None, enable_auto_commit=False,
-                                **settings.kafka_options())
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=settings.kafka_bootstrap, group_id=None, enable_auto_commit=False, **settings.kafka_options()
+    )
     await consumer.start()
     store = KeyStore()
     try:
         if settings.topics.keys not in await consumer.topics():  # also refreshes the metadata
             return {}
-        tps = [TopicPartition(settings.topics.keys, p) for p in sorted(await partitions_of(consumer, settings.topics.keys))]
+        tps = [
+            TopicPartition(settings.topics.keys, p) for p in sorted(await partitions_of(consumer, settings.topics.keys))
+        ]
         consumer.assign(tps)
         await consumer.seek_to_beginning(*tps)
         ends = await consumer.end_offsets(tps)
@@ -125,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     try:
         if args.action == "create":
-            key, record = asyncio.run(create_key(settings, args.principal, args.tenant, args.models, args.rpm, args.tpm))
+            key, record = asyncio.run(
+                create_key(settings, args.principal, args.tenant, args.models, args.rpm, args.tpm)
+            )
             print(f"key_id: {record.key_id}\nprincipal: {record.principal}  tenant: {record.tenant}")
             print(f"api key (shown once, store it now): {key}")
         elif args.action == "revoke":

@@ -59,7 +59,9 @@ def note_error_code(scope: Scope, code: str | None) -> None:
 class GatewayMetrics:
     """Instruments of one gateway app; `render` returns the Prometheus text."""
 
-    def __init__(self, live_workers: Callable[[], list[WorkerHeartbeat]], open_breakers: Callable[[], set[str]]) -> None:
+    def __init__(
+        self, live_workers: Callable[[], list[WorkerHeartbeat]], open_breakers: Callable[[], set[str]]
+    ) -> None:
         self._live_workers = live_workers
         self._open_breakers = open_breakers
         self.service = ServiceMetrics("gateway")
@@ -78,7 +80,8 @@ class GatewayMetrics:
             "weir_gateway_redactions", description="Spans of personal data the output guard replaced."
         )
         self.input_guard = meter.create_counter(
-            "weir_gateway_input_guard", description="Prompts the input guard rated medium or high risk, by level and action."
+            "weir_gateway_input_guard",
+            description="Prompts the input guard rated medium or high risk, by level and action.",
         )
         self.streams_resumed = meter.create_counter(
             "weir_gateway_streams_resumed", description="Readers that reconnected to a resumable stream."
@@ -95,44 +98,71 @@ class GatewayMetrics:
         self._add_generation_instruments()
         gauges: list[tuple[str, str, Callable[[CallbackOptions], Iterable[Observation]]]] = [
             ("weir_workers_live", "Workers with a live heartbeat, per model.", self._observe_live),
-            ("weir_gateway_breaker_open", "1 while a model's breaker is open (no live worker).", self._observe_breakers),
-            ("weir_worker_free_kv_blocks", "Free KV-cache blocks per live worker.", self._worker_field("free_kv_blocks")),
+            (
+                "weir_gateway_breaker_open",
+                "1 while a model's breaker is open (no live worker).",
+                self._observe_breakers,
+            ),
+            (
+                "weir_worker_free_kv_blocks",
+                "Free KV-cache blocks per live worker.",
+                self._worker_field("free_kv_blocks"),
+            ),
             ("weir_worker_num_running", "Sequences in a live worker's decode loop.", self._worker_field("num_running")),
             ("weir_worker_num_waiting", "Sequences queued in a live worker.", self._worker_field("num_waiting")),
-            ("weir_worker_device_memory_total_bytes", "Device memory of a live worker.",
-             self._device_field("memory_total_bytes")),
-            ("weir_worker_device_memory_free_bytes", "Free device memory of a live worker.",
-             self._device_field("memory_free_bytes")),
-            ("weir_worker_device_utilization_pct", "Device utilisation of a live worker, percent.",
-             self._device_field("utilization_pct")),
-        ]  # fmt: skip
+            (
+                "weir_worker_device_memory_total_bytes",
+                "Device memory of a live worker.",
+                self._device_field("memory_total_bytes"),
+            ),
+            (
+                "weir_worker_device_memory_free_bytes",
+                "Free device memory of a live worker.",
+                self._device_field("memory_free_bytes"),
+            ),
+            (
+                "weir_worker_device_utilization_pct",
+                "Device utilisation of a live worker, percent.",
+                self._device_field("utilization_pct"),
+            ),
+        ]
         for name, description, callback in gauges:
             meter.create_observable_gauge(name, callbacks=[callback], description=description)
 
     def follow_lag(self, lag: LagMonitor) -> None:
         """Export `lag`'s last values as kafka_consumergroup_lag (read at scrape time, no I/O)."""
-        self.service.gauge(LAG_METRIC, "Consumer lag per group and topic of this deployment (weir/lag.py).", lag.observe)
+        self.service.gauge(
+            LAG_METRIC, "Consumer lag per group and topic of this deployment (weir/lag.py).", lag.observe
+        )
 
     def follow_queue(self, backlog: BatchBacklog) -> None:
         """Export the queue's estimated wait per version (read at scrape time, no I/O)."""
-        self.service.gauge("weir_gateway_queue_wait_seconds", "Estimated wait of a new request per model version: "
-                           "the queue ahead over the live workers' drain rate (absent: unknown).", backlog.observe)  # fmt: skip
+        self.service.gauge(
+            "weir_gateway_queue_wait_seconds",
+            "Estimated wait of a new request per model version: "
+            "the queue ahead over the live workers' drain rate (absent: unknown).",
+            backlog.observe,
+        )
 
     def _add_generation_instruments(self) -> None:
         """The instruments GenerationTimer records into (see the module docstring)."""
         service = self.service
         self.time_to_first_token = service.histogram(
-            "weir_gateway_time_to_first_token_seconds", "Request accepted to its first content: written to the "
-            "client (stream=true) or received from the worker (stream=false, a JSON body).", TTFT_BUCKETS,
-        )  # fmt: skip
+            "weir_gateway_time_to_first_token_seconds",
+            "Request accepted to its first content: written to the "
+            "client (stream=true) or received from the worker (stream=false, a JSON body).",
+            TTFT_BUCKETS,
+        )
         self.inter_token_latency = service.histogram(
-            "weir_gateway_inter_token_latency_seconds", "Time between two contents of a generation, written "
-            "(stream=true) or received (stream=false).", ITL_BUCKETS,
-        )  # fmt: skip
+            "weir_gateway_inter_token_latency_seconds",
+            "Time between two contents of a generation, written (stream=true) or received (stream=false).",
+            ITL_BUCKETS,
+        )
         self.e2e_latency = service.histogram(
-            "weir_gateway_e2e_request_latency_seconds", "Request accepted to its terminal, generations that reached one.",
+            "weir_gateway_e2e_request_latency_seconds",
+            "Request accepted to its terminal, generations that reached one.",
             LATENCY_BUCKETS,
-        )  # fmt: skip
+        )
         self.generation_tokens = service.counter(
             "weir_gateway_generation_tokens", "Completion tokens of the generations that finished, as billed."
         )
@@ -173,7 +203,12 @@ class GatewayMetrics:
                 for index, device in enumerate(hb.devices):
                     value = getattr(device, field)
                     if value is not None:
-                        labels = {"worker": hb.worker_id, "device": str(index), "kind": device.kind, "name": device.name}
+                        labels = {
+                            "worker": hb.worker_id,
+                            "device": str(index),
+                            "kind": device.kind,
+                            "name": device.name,
+                        }
                         out.append(Observation(value, labels))
             return out
 
@@ -224,8 +259,13 @@ class GenerationTimer:
     """
 
     def __init__(
-        self, metrics: GatewayMetrics, model_name: str, kind: str, started_s: float,
-        clock: Callable[[], float] = time.monotonic, is_streamed: bool = True,
+        self,
+        metrics: GatewayMetrics,
+        model_name: str,
+        kind: str,
+        started_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        is_streamed: bool = True,
     ) -> None:
         self.metrics = metrics
         self.model_name = model_name
@@ -254,8 +294,12 @@ class GenerationTimer:
         m = self.metrics
         m.e2e_latency.record(elapsed_s, {"model_name": self.model_name})
         m.generation_tokens.add(end.usage.completion_tokens, {"model_name": self.model_name})
-        common = {"gen_ai.operation.name": self.operation, "gen_ai.provider.name": GEN_AI_PROVIDER,
-                  "gen_ai.request.model": split_ref(self.model_name)[0], "gen_ai.response.model": self.model_name}  # fmt: skip
+        common = {
+            "gen_ai.operation.name": self.operation,
+            "gen_ai.provider.name": GEN_AI_PROVIDER,
+            "gen_ai.request.model": split_ref(self.model_name)[0],
+            "gen_ai.response.model": self.model_name,
+        }
         for token_type, n in (("input", end.usage.prompt_tokens), ("output", end.usage.completion_tokens)):
             m.gen_ai_token_usage.record(n, {**common, "gen_ai.token.type": token_type})
         m.gen_ai_duration.record(elapsed_s, common if error_code is None else {**common, "error.type": error_code})

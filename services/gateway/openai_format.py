@@ -19,7 +19,7 @@ from schemas import openai_bodies
 from schemas import openai_translate as translate
 from schemas.messages import EmbedRequest, GenerateRequest, Priority, ReplyEnd, ToolCall
 from schemas.model_repo import ModelConfig
-from schemas.traffic import Assignment
+
 # the body types and the response rendering are imported from here by the gateway's other modules
 from schemas.openai_bodies import (  # noqa: F401
     BodyError,
@@ -53,6 +53,7 @@ from schemas.openai_translate import (  # noqa: F401
     served_version,
     usage_dict,
 )
+from schemas.traffic import Assignment
 
 # Rejection codes that mean "come back later" (429) rather than "this request is wrong" (400).
 RETRYABLE_REJECTIONS = frozenset(
@@ -63,8 +64,11 @@ RETRYABLE_REJECTIONS = frozenset(
 # compiler refuses can only be structured_outputs.regex; a schema it refuses (invalid_schema: e.g.
 # a pattern that does not parse) may be response_format's, structured_outputs.json or a tool's
 # parameters, which the request no longer tells apart, so it names none.
-PARAM_OF_REJECTION = {"invalid_logit_bias": "logit_bias", "suffix_unsupported": "suffix",
-                      "invalid_regex": "structured_outputs.regex"}  # fmt: skip
+PARAM_OF_REJECTION = {
+    "invalid_logit_bias": "logit_bias",
+    "suffix_unsupported": "suffix",
+    "invalid_regex": "structured_outputs.regex",
+}
 
 
 class ApiError(Exception):
@@ -142,8 +146,13 @@ def to_generate_request(
     """The GenerateRequest of a validated body, as the one translator makes it
     (schemas/openai_translate.py); the deadline is the tightest of the client's timeout (header
     or body), the model's default_timeout_s and the gateway's cap. ApiError(400) for a refusal."""
-    routing = Routing(request_id, reply_to, now_ms, deadline_ms(now_ms, model, max_timeout_s, client_timeout_s,
-                      body.timeout_s), assignment=assignment)  # fmt: skip
+    routing = Routing(
+        request_id,
+        reply_to,
+        now_ms,
+        deadline_ms(now_ms, model, max_timeout_s, client_timeout_s, body.timeout_s),
+        assignment=assignment,
+    )
     try:
         return translate.to_generate_request(kind, body, model, routing)
     except BodyError as exc:
@@ -183,8 +192,16 @@ def to_embed_requests(
     """The EmbedRequests of a validated body (schemas/openai_translate.py), with the deadline
     chosen as for completions. ApiError(400) when the model does not embed or `dimensions` is not
     the model's."""
-    routing = Routing(request_id, reply_to, now_ms, deadline_ms(now_ms, model, max_timeout_s, client_timeout_s,
-                      body.timeout_s), principal, tenant, priority, assignment)  # fmt: skip
+    routing = Routing(
+        request_id,
+        reply_to,
+        now_ms,
+        deadline_ms(now_ms, model, max_timeout_s, client_timeout_s, body.timeout_s),
+        principal,
+        tenant,
+        priority,
+        assignment,
+    )
     try:
         return translate.to_embed_requests(body, model, routing)
     except BodyError as exc:
@@ -227,8 +244,10 @@ def guarded_calls(calls: list[ToolCall] | None, guard_text: Callable[[str], str]
     the text is: arguments are model output too."""
     if not calls:
         return calls
-    return [c.model_copy(update={"function": c.function.model_copy(update={"arguments": guard_text(c.function.arguments)})})
-            for c in calls]  # fmt: skip
+    return [
+        c.model_copy(update={"function": c.function.model_copy(update={"arguments": guard_text(c.function.arguments)})})
+        for c in calls
+    ]
 
 
 MIN_HEADER_SECONDS = 0.001  # the finest duration a header may give: a deadline is in whole milliseconds
@@ -247,6 +266,10 @@ def header_seconds(headers: dict[str, str], name: str, max_s: float, *, may_be_z
     is_zero = may_be_zero and seconds == 0
     if not (is_zero or MIN_HEADER_SECONDS <= seconds <= max_s):  # NaN compares false: refused too
         lowest = "0 or from 0.001" if may_be_zero else "from 0.001"
-        raise ApiError(400, f"{name} must be a number of seconds {lowest} to {max_s:g}, got {value[:40]!r}",
-                       param=name, code="invalid_value")  # fmt: skip
+        raise ApiError(
+            400,
+            f"{name} must be a number of seconds {lowest} to {max_s:g}, got {value[:40]!r}",
+            param=name,
+            code="invalid_value",
+        )
     return seconds

@@ -89,7 +89,8 @@ class ModelObject(BaseModel):
     weir_version: str = Field(description="The version that serves this id.")
     weir_state: Literal["ready"] = Field(description="Only versions some live worker reports ready are listed.")
     weir_quantization: Literal["none", "int8", "int4"] = Field(
-        description="How the version's weights are held on a CPU worker (models.toml `quantization`).")
+        description="How the version's weights are held on a CPU worker (models.toml `quantization`)."
+    )
 
 
 class ModelList(BaseModel):
@@ -120,8 +121,10 @@ class RepositoryEntry(BaseModel):
 
     name: str
     version: str
-    state: str = Field(description="The best state a live worker reports (ready, draining, golden, loading, "
-                       "verifying, unhealthy, failed, refused), or unavailable.")
+    state: str = Field(
+        description="The best state a live worker reports (ready, draining, golden, loading, "
+        "verifying, unhealthy, failed, refused), or unavailable."
+    )
     reason: str = Field(description="Why failed, refused or unhealthy; or why unavailable.")
     desired: Literal["loaded", "unloaded", "retired"] = Field(description="What operators asked of it.")
     registered: bool = Field(description="False: a models.toml entry the registry does not hold yet.")
@@ -134,18 +137,21 @@ class RepositoryVersionBody(BaseModel):
 
 
 class RepositoryPromoteBody(RepositoryVersionBody):
-    force: bool = Field(False, description="Promote even if no live worker reports the version ready "
-                        "(else 409 version_not_ready).")
+    force: bool = Field(
+        False, description="Promote even if no live worker reports the version ready (else 409 version_not_ready)."
+    )
 
 
 class RepositoryRouteBody(BaseModel):
     """A name's traffic policy (docs/design.md, "Traffic policies"); an omitted field stays as it is."""
 
     default: str | None = Field(None, description="The version the bare name goes to.")
-    canary: dict[str, float] | None = Field(None, description="Canary versions and their share of requests, percent "
-                                            "(sticky per user); {} clears them.")
-    mirror: dict[str, float] | None = Field(None, description="Mirror versions and the share of requests each gets a "
-                                            "copy of, percent; {} clears them.")
+    canary: dict[str, float] | None = Field(
+        None, description="Canary versions and their share of requests, percent (sticky per user); {} clears them."
+    )
+    mirror: dict[str, float] | None = Field(
+        None, description="Mirror versions and the share of requests each gets a copy of, percent; {} clears them."
+    )
 
 
 class RepositoryRoute(BaseModel):
@@ -166,27 +172,39 @@ class RepositoryChange(BaseModel):
 
 
 _MODELS: list[type[BaseModel]] = [
-    ErrorResponse, ChatCompletion, Completion, ModelList, Health, Readiness, ChatCompletionBody, CompletionBody,
-    RepositoryIndexBody, RepositoryEntry, RepositoryVersionBody, RepositoryPromoteBody, RepositoryChange,
-    RepositoryRouteBody, RepositoryRoute,
-]  # fmt: skip
+    ErrorResponse,
+    ChatCompletion,
+    Completion,
+    ModelList,
+    Health,
+    Readiness,
+    ChatCompletionBody,
+    CompletionBody,
+    RepositoryIndexBody,
+    RepositoryEntry,
+    RepositoryVersionBody,
+    RepositoryPromoteBody,
+    RepositoryChange,
+    RepositoryRouteBody,
+    RepositoryRoute,
+]
 
 _ERRORS: dict[int, str] = {
     400: "Invalid body, parameter or header (param names it); JSON nested deeper than WEIR_MAX_JSON_DEPTH "
-         "(json_too_deep); context length exceeded; a prompt the input guard blocks for its tenant "
-         "(prompt_injection_detected).",
+    "(json_too_deep); context length exceeded; a prompt the input guard blocks for its tenant "
+    "(prompt_injection_detected).",
     401: "Missing, invalid, revoked or expired API key or JWT.",
     403: "The credential may not use this model.",
     404: "Unknown model, or a version of it (name@version) that is not registered or is retired; (GET "
-         "/v1/models/{model_id}) a model that is not ready or the caller may not use; or (GET /v1/streams) no "
-         "resumable stream of the caller with that id on this instance.",
+    "/v1/models/{model_id}) a model that is not ready or the caller may not use; or (GET /v1/streams) no "
+    "resumable stream of the caller with that id on this instance.",
     413: "Body larger than WEIR_MAX_BODY_BYTES.",
     431: "More headers than WEIR_MAX_HEADERS, or more bytes of them than WEIR_MAX_HEADER_BYTES.",
     429: "Rate limit (per key or tenant), full in-flight lane, overloaded workers, a queue longer than the "
-         "request's deadline (queue_too_long), or a retryable rejection.",
+    "request's deadline (queue_too_long), or a retryable rejection.",
     503: "No live worker serves the model version's name (breaker open, with Retry-After); the version failed or "
-         "was refused on every live worker reporting it, or is unloaded (model_unavailable, the reason); or Kafka "
-         "did not take the request.",
+    "was refused on every live worker reporting it, or is unloaded (model_unavailable, the reason); or Kafka "
+    "did not take the request.",
     504: "No result before the request's deadline.",
 }
 
@@ -196,14 +214,17 @@ _ADMIN_ERRORS: dict[int, str] = {
     403: "Not the gateway's admin token (WEIR_GATEWAY_ADMIN_TOKEN); every caller when it is unset.",
     404: "The registry does not hold that version (route: that name).",
     409: "The registry's state does not allow it (e.g. unloading the default version, promoting an unloaded one, "
-         "a canary of an unregistered or unloaded version, canaries over 100%: registry_conflict), or promote "
-         "without force of a version no live worker reports ready (version_not_ready).",
+    "a canary of an unregistered or unloaded version, canaries over 100%: registry_conflict), or promote "
+    "without force of a version no live worker reports ready (version_not_ready).",
     413: "Body larger than WEIR_MAX_BODY_BYTES.",
     431: "More headers than WEIR_MAX_HEADERS, or more bytes of them than WEIR_MAX_HEADER_BYTES.",
 }
 
-_STATUSES: dict[str, list[int]] = {"/v1/models": [401, 431], "/v1/models/{model_id}": [401, 404, 431],
-                                   "/v1/streams/{request_id}": [400, 401, 404, 431]}  # fmt: skip
+_STATUSES: dict[str, list[int]] = {
+    "/v1/models": [401, 431],
+    "/v1/models/{model_id}": [401, 404, 431],
+    "/v1/streams/{request_id}": [400, 401, 404, 431],
+}
 
 _SSE = "An SSE stream (stream=true): `id: <seq>` and `data: <chunk JSON>` events, ending with `data: [DONE]`."
 
@@ -233,17 +254,30 @@ def _completion_operation(body: str, result: str, example: dict[str, Any], summa
     return {
         "summary": summary,
         "parameters": [
-            {"name": "X-Weir-Timeout-S", "in": "header", "required": False,
-             "description": "Timeout in seconds, from 0.001 to WEIR_MAX_TIMEOUT_S (600 by default); lowers the "
-                            "model's default_timeout_s, never raises it.",
-             "schema": {"type": "number", "minimum": 0.001}},
-            {"name": "X-Weir-Priority", "in": "header", "required": False,
-             "description": "Scheduling lane.", "schema": {"type": "string", "enum": ["interactive", "bulk"]}},
-            {"name": "X-Weir-Resume-Grace-S", "in": "header", "required": False,
-             "description": "Makes a stream resumable: after a dropped connection it runs on for this many "
-                            "seconds (0, or 0.001 to WEIR_MAX_RESUME_GRACE_S), readable again at "
-                            "GET /v1/streams/{request_id}; 0: cancel at once.",
-             "schema": {"type": "number", "minimum": 0}},
+            {
+                "name": "X-Weir-Timeout-S",
+                "in": "header",
+                "required": False,
+                "description": "Timeout in seconds, from 0.001 to WEIR_MAX_TIMEOUT_S (600 by default); lowers the "
+                "model's default_timeout_s, never raises it.",
+                "schema": {"type": "number", "minimum": 0.001},
+            },
+            {
+                "name": "X-Weir-Priority",
+                "in": "header",
+                "required": False,
+                "description": "Scheduling lane.",
+                "schema": {"type": "string", "enum": ["interactive", "bulk"]},
+            },
+            {
+                "name": "X-Weir-Resume-Grace-S",
+                "in": "header",
+                "required": False,
+                "description": "Makes a stream resumable: after a dropped connection it runs on for this many "
+                "seconds (0, or 0.001 to WEIR_MAX_RESUME_GRACE_S), readable again at "
+                "GET /v1/streams/{request_id}; 0: cancel at once.",
+                "schema": {"type": "number", "minimum": 0},
+            },
         ],
         "requestBody": {
             "required": True,
@@ -255,11 +289,15 @@ def _completion_operation(body: str, result: str, example: dict[str, Any], summa
                 "headers": {
                     "x-request-id": _header("Id of the request (also on Kafka and in every chunk)."),
                     "x-weir-resume-url": _header("Where a resumable stream can be read again (stream=true only)."),
-                    "x-weir-model-version": _header("name@version:<first 12 hex of the version's manifest digest> "
-                                                    "of the version that serves it ('unregistered' for a models.toml "
-                                                    "entry no registry record or worker reports a digest of)."),
-                    "x-weir-assignment": _header("How that version was chosen: default, canary (the name's traffic "
-                                                 "policy, sticky per user) or pinned (model named name@version)."),
+                    "x-weir-model-version": _header(
+                        "name@version:<first 12 hex of the version's manifest digest> "
+                        "of the version that serves it ('unregistered' for a models.toml "
+                        "entry no registry record or worker reports a digest of)."
+                    ),
+                    "x-weir-assignment": _header(
+                        "How that version was chosen: default, canary (the name's traffic "
+                        "policy, sticky per user) or pinned (model named name@version)."
+                    ),
                 },
                 "content": {
                     "application/json": {"schema": _ref(result)},
@@ -280,28 +318,48 @@ def _admin_operation(summary: str, body: str, result: dict[str, Any], is_body_re
         "summary": summary,
         "security": [{"bearer": []}],  # the admin token, in open mode too
         "requestBody": {"required": is_body_required, "content": {"application/json": {"schema": _ref(body)}}},
-        "responses": {"200": {"description": summary, "content": {"application/json": {"schema": result}}},
-                      **{str(status): _error(status, _ADMIN_ERRORS) for status in _ADMIN_ERRORS}},
-    }  # fmt: skip
+        "responses": {
+            "200": {"description": summary, "content": {"application/json": {"schema": result}}},
+            **{str(status): _error(status, _ADMIN_ERRORS) for status in _ADMIN_ERRORS},
+        },
+    }
 
 
 def _admin_operations() -> dict[tuple[str, str], dict[str, Any]]:
-    out = {("post", "/v2/repository/index"): _admin_operation(
-        "Every model version with its state on the workers", "RepositoryIndexBody",
-        {"type": "array", "items": _ref("RepositoryEntry")}, False)}
-    for action, what in (("load", "Ask workers to load a version (desired = loaded)"),
-                         ("unload", "Ask workers to drain and unload a version (desired = unloaded)"),
-                         ("promote", "Make a version the default of its name; the old default is unloaded")):
+    out = {
+        ("post", "/v2/repository/index"): _admin_operation(
+            "Every model version with its state on the workers",
+            "RepositoryIndexBody",
+            {"type": "array", "items": _ref("RepositoryEntry")},
+            False,
+        )
+    }
+    for action, what in (
+        ("load", "Ask workers to load a version (desired = loaded)"),
+        ("unload", "Ask workers to drain and unload a version (desired = unloaded)"),
+        ("promote", "Make a version the default of its name; the old default is unloaded"),
+    ):
         body = "RepositoryPromoteBody" if action == "promote" else "RepositoryVersionBody"
         operation = _admin_operation(what, body, _ref("RepositoryChange"), True)
-        operation["parameters"] = [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"},
-                                    "description": "The model name (without @version)."}]
+        operation["parameters"] = [
+            {
+                "name": "name",
+                "in": "path",
+                "required": True,
+                "schema": {"type": "string"},
+                "description": "The model name (without @version).",
+            }
+        ]
         out[("post", f"/v2/repository/models/{{name}}/{action}")] = operation
-    route = _admin_operation("Set the traffic policy of a name: default, canaries, mirrors", "RepositoryRouteBody",
-                             _ref("RepositoryRoute"), True)
+    route = _admin_operation(
+        "Set the traffic policy of a name: default, canaries, mirrors",
+        "RepositoryRouteBody",
+        _ref("RepositoryRoute"),
+        True,
+    )
     route["parameters"] = operation["parameters"]
     out[("post", "/v2/repository/models/{name}/route")] = route
-    return out  # fmt: skip
+    return out
 
 
 def _operations() -> dict[tuple[str, str], dict[str, Any]]:
@@ -317,16 +375,33 @@ def _operations() -> dict[tuple[str, str], dict[str, Any]]:
         ("get", "/v1/streams/{request_id}"): {
             "summary": "Read a resumable stream again (SSE reconnect)",
             "parameters": [
-                {"name": "request_id", "in": "path", "required": True, "schema": {"type": "string"},
-                 "description": "x-request-id of a stream asked with X-Weir-Resume-Grace-S."},
-                {"name": "Last-Event-ID", "in": "header", "required": False, "schema": {"type": "string"},
-                 "description": "The id of the last event received; the stream goes on after it."},
-                {"name": "last_event_id", "in": "query", "required": False, "schema": {"type": "string"},
-                 "description": "Same as Last-Event-ID, for clients that cannot set headers."},
+                {
+                    "name": "request_id",
+                    "in": "path",
+                    "required": True,
+                    "schema": {"type": "string"},
+                    "description": "x-request-id of a stream asked with X-Weir-Resume-Grace-S.",
+                },
+                {
+                    "name": "Last-Event-ID",
+                    "in": "header",
+                    "required": False,
+                    "schema": {"type": "string"},
+                    "description": "The id of the last event received; the stream goes on after it.",
+                },
+                {
+                    "name": "last_event_id",
+                    "in": "query",
+                    "required": False,
+                    "schema": {"type": "string"},
+                    "description": "Same as Last-Event-ID, for clients that cannot set headers.",
+                },
             ],
             "responses": {
-                "200": {"description": "The events after Last-Event-ID, live until `data: [DONE]`.",
-                        "content": {"text/event-stream": {"schema": {"type": "string", "description": _SSE}}}},
+                "200": {
+                    "description": "The events after Last-Event-ID, live until `data: [DONE]`.",
+                    "content": {"text/event-stream": {"schema": {"type": "string", "description": _SSE}}},
+                },
             },
         },
         ("get", "/v1/models"): {
@@ -335,28 +410,42 @@ def _operations() -> dict[tuple[str, str], dict[str, Any]]:
         },
         ("get", "/v1/models/{model_id}"): {
             "summary": "One model the caller may use",
-            "parameters": [{"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"},
-                            "description": "An id GET /v1/models lists: a name or name@version."}],
+            "parameters": [
+                {
+                    "name": "model_id",
+                    "in": "path",
+                    "required": True,
+                    "schema": {"type": "string"},
+                    "description": "An id GET /v1/models lists: a name or name@version.",
+                }
+            ],
             "responses": {"200": _json_ok("ModelObject", "The model, the object GET /v1/models lists for it.")},
         },
         ("get", "/healthz"): {
-            "summary": "Liveness", "security": [],
+            "summary": "Liveness",
+            "security": [],
             "responses": {"200": _json_ok("Health", "The process runs.")},
         },
         ("get", "/readyz"): {
-            "summary": "Readiness", "security": [],
+            "summary": "Readiness",
+            "security": [],
             "responses": {
                 "200": _json_ok("Readiness", "Kafka connected and a worker live."),
                 "503": _json_ok("Readiness", "Not ready; reason says why."),
             },
         },
         ("get", "/metrics"): {
-            "summary": "Prometheus metrics", "security": [],
-            "responses": {"200": {"description": "Prometheus text format 0.0.4.",
-                                  "content": {"text/plain": {"schema": {"type": "string"}}}}},
+            "summary": "Prometheus metrics",
+            "security": [],
+            "responses": {
+                "200": {
+                    "description": "Prometheus text format 0.0.4.",
+                    "content": {"text/plain": {"schema": {"type": "string"}}},
+                }
+            },
         },
         **_admin_operations(),
-    }  # fmt: skip
+    }
 
 
 def build_openapi(app: FastAPI, is_open: bool) -> dict[str, Any]:

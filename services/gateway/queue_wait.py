@@ -202,10 +202,14 @@ class BatchBacklog(BackgroundPoll):
         # by name would let a broker that auto-creates topics make a batch topic here (one
         # partition, not its spec's). A batch topic that does not exist holds nothing unread.
         admin = await self._admin_client()
-        partitions = {t["topic"]: [p["partition"] for p in t["partitions"]]
-                      for t in await admin.describe_topics() if t["error_code"] == 0}  # fmt: skip
-        return {model: await self._unread(model, live, partitions.get(self.topics.batches(model), []))
-                for model in models}  # fmt: skip
+        partitions = {
+            t["topic"]: [p["partition"] for p in t["partitions"]]
+            for t in await admin.describe_topics()
+            if t["error_code"] == 0
+        }
+        return {
+            model: await self._unread(model, live, partitions.get(self.topics.batches(model), [])) for model in models
+        }
 
     async def _unread(self, model: str, live: list[WorkerHeartbeat], partitions: list[int]) -> int:
         if not partitions:
@@ -216,12 +220,16 @@ class BatchBacklog(BackgroundPoll):
         positions = owner_positions(model, live)
         if any(end > 0 and tp.partition not in positions for tp, end in ends.items()):
             positions = {**await self._committed(model, topic), **positions}
-        behind = {tp: (positions[tp.partition], end) for tp, end in ends.items()
-                  if tp.partition in positions and end > positions[tp.partition]}  # fmt: skip
+        behind = {
+            tp: (positions[tp.partition], end)
+            for tp, end in ends.items()
+            if tp.partition in positions and end > positions[tp.partition]
+        }
         return await self._read_counts(consumer, model, behind) if behind else 0
 
-    async def _read_counts(self, consumer: AIOKafkaConsumer, model: str,
-                           behind: dict[TopicPartition, tuple[int, int]]) -> int:  # fmt: skip
+    async def _read_counts(
+        self, consumer: AIOKafkaConsumer, model: str, behind: dict[TopicPartition, tuple[int, int]]
+    ) -> int:
         """Read up to MAX_READ records of each partition from its position; count their requests
         and the rest of each partition at the mean of its records read."""
         consumer.assign(list(behind))
@@ -247,8 +255,11 @@ class BatchBacklog(BackgroundPoll):
 
     async def _admin_client(self) -> AIOKafkaAdminClient:
         if self._admin is None:
-            admin = AIOKafkaAdminClient(bootstrap_servers=self.settings.kafka_bootstrap, request_timeout_ms=5000,
-                                        **self.settings.kafka_options())  # fmt: skip
+            admin = AIOKafkaAdminClient(
+                bootstrap_servers=self.settings.kafka_bootstrap,
+                request_timeout_ms=5000,
+                **self.settings.kafka_options(),
+            )
             try:
                 await admin.start()
             except BaseException:
@@ -259,9 +270,13 @@ class BatchBacklog(BackgroundPoll):
 
     async def _reader(self) -> AIOKafkaConsumer:
         if self._consumer is None:
-            consumer = AIOKafkaConsumer(bootstrap_servers=self.settings.kafka_bootstrap, group_id=None,
-                                        enable_auto_commit=False, request_timeout_ms=5000,
-                                        **self.settings.kafka_options())  # fmt: skip
+            consumer = AIOKafkaConsumer(
+                bootstrap_servers=self.settings.kafka_bootstrap,
+                group_id=None,
+                enable_auto_commit=False,
+                request_timeout_ms=5000,
+                **self.settings.kafka_options(),
+            )
             try:
                 await consumer.start()
             except BaseException:

@@ -51,20 +51,25 @@ def check_json_depth(raw: bytes, max_depth: int) -> None:
         return
     depth = json_depth(raw)
     if depth > max_depth:
-        raise ApiError(400, f"the JSON body nests {depth} levels deep; at most {max_depth} are allowed",
-                       code="json_too_deep")  # fmt: skip
+        raise ApiError(
+            400, f"the JSON body nests {depth} levels deep; at most {max_depth} are allowed", code="json_too_deep"
+        )
 
 
 def check_headers(headers: list[tuple[bytes, bytes]], max_headers: int, max_header_bytes: int) -> None:
     """ApiError(431) when there are more than max_headers headers or more than max_header_bytes
     of names and values."""
     if len(headers) > max_headers:
-        raise ApiError(431, f"the request has {len(headers)} headers; at most {max_headers} are allowed",
-                       code=_HEADERS_TOO_LARGE)  # fmt: skip
+        raise ApiError(
+            431, f"the request has {len(headers)} headers; at most {max_headers} are allowed", code=_HEADERS_TOO_LARGE
+        )
     size = sum(len(name) + len(value) for name, value in headers)
     if size > max_header_bytes:
-        raise ApiError(431, f"the request's headers hold {size} bytes; at most {max_header_bytes} are allowed",
-                       code=_HEADERS_TOO_LARGE)  # fmt: skip
+        raise ApiError(
+            431,
+            f"the request's headers hold {size} bytes; at most {max_header_bytes} are allowed",
+            code=_HEADERS_TOO_LARGE,
+        )
 
 
 def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
@@ -82,7 +87,13 @@ class RequestLimits:
     """The ASGI middleware of the header, body size and JSON depth limits (module docstring)."""
 
     def __init__(
-        self, app: ASGIApp, *, max_headers: int, max_header_bytes: int, max_body_bytes: int, max_json_depth: int,
+        self,
+        app: ASGIApp,
+        *,
+        max_headers: int,
+        max_header_bytes: int,
+        max_body_bytes: int,
+        max_json_depth: int,
         upload_paths: frozenset[str],
     ) -> None:
         self.app = app
@@ -200,8 +211,10 @@ def head_limited_protocol(max_head_bytes: int) -> type[HttpToolsProtocol]:
             self._is_refused = True
             message = f"the request head exceeds {max_head_bytes} bytes"
             content = orjson.dumps(error_body(message, "invalid_request_error", None, _HEADERS_TOO_LARGE))
-            head = (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
-                    b"content-length: %d\r\nconnection: close\r\n\r\n" % len(content))  # fmt: skip
+            head = (
+                b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\nconnection: close\r\n\r\n" % len(content)
+            )
             self.transport.write(head + content)
             if self.transport.can_write_eof():
                 self.transport.write_eof()

@@ -41,8 +41,12 @@ def resume_grace_s(headers: dict[str, str], default_s: float, max_s: float) -> f
 
 def stream_not_found(request_id: str) -> ApiError:
     """The one answer for a stream a reader may not resume, whatever the reason (docs/design.md, "Ownership")."""
-    return ApiError(404, f"no resumable stream {request_id!r} (unknown, not resumable, or expired)",
-                    param="request_id", code="stream_not_found")  # fmt: skip
+    return ApiError(
+        404,
+        f"no resumable stream {request_id!r} (unknown, not resumable, or expired)",
+        param="request_id",
+        code="stream_not_found",
+    )
 
 
 @dataclass
@@ -81,7 +85,10 @@ class ResumableStreams:
     """The streams of one gateway instance that a client may read again."""
 
     def __init__(
-        self, keep_s: float, max_streams: int, clock: Callable[[], float] = time.monotonic,
+        self,
+        keep_s: float,
+        max_streams: int,
+        clock: Callable[[], float] = time.monotonic,
         journal: Callable[[str, StreamRecord | None], None] | None = None,
     ) -> None:
         self.keep_s = keep_s
@@ -98,7 +105,11 @@ class ResumableStreams:
         return request_id in self._entries
 
     def add(
-        self, exchange: Streamed, new_writer: Callable[[], ChunkWriter], grace_s: float, owner: Owner,
+        self,
+        exchange: Streamed,
+        new_writer: Callable[[], ChunkWriter],
+        grace_s: float,
+        owner: Owner,
         record: StreamRecord | None = None,
     ) -> StreamEntry:
         """Register a stream of `owner` that one reader starts reading now; returns its entry.

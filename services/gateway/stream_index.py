@@ -24,7 +24,6 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from aiokafka.errors import KafkaError
@@ -65,7 +64,12 @@ class RenderSpec(BaseModel):
 
 
 def durable_record(
-    request: GenerateRequest, writer: ChunkWriter, owner: Owner, grace_s: float, gateway_id: str, reply_topic: str,
+    request: GenerateRequest,
+    writer: ChunkWriter,
+    owner: Owner,
+    grace_s: float,
+    gateway_id: str,
+    reply_topic: str,
     start_offset: int,
 ) -> StreamRecord | None:
     """The StreamRecord of a streamed request (SSE or WebSocket) asked with a resume grace, or
@@ -73,14 +77,29 @@ def durable_record(
     not resumable."""
     if grace_s <= 0 or writer.echo is not None:
         return None
-    render = RenderSpec(kind=writer.kind, model=writer.model, pinned=request.model, created_s=writer.created_s,
-                        include_usage=writer.include_usage, logprobs=writer.logprobs, assignment=request.assignment)  # fmt: skip
+    render = RenderSpec(
+        kind=writer.kind,
+        model=writer.model,
+        pinned=request.model,
+        created_s=writer.created_s,
+        include_usage=writer.include_usage,
+        logprobs=writer.logprobs,
+        assignment=request.assignment,
+    )
     return StreamRecord(
-        request_id=request.request_id, member_ids=[request.request_id], owner_tenant=owner.tenant,
-        owner_credential=owner.credential, owner_principal=owner.principal, gateway_id=gateway_id,
-        reply_topic=reply_topic, reply_partition=0, start_offset=start_offset, grace_s=grace_s,
-        deadline_ms=request.deadline_ms, render=render.model_dump(),
-    )  # fmt: skip
+        request_id=request.request_id,
+        member_ids=[request.request_id],
+        owner_tenant=owner.tenant,
+        owner_credential=owner.credential,
+        owner_principal=owner.principal,
+        gateway_id=gateway_id,
+        reply_topic=reply_topic,
+        reply_partition=0,
+        start_offset=start_offset,
+        grace_s=grace_s,
+        deadline_ms=request.deadline_ms,
+        render=render.model_dump(),
+    )
 
 
 def record_problem(topics: Topics, key: str, record: StreamRecord) -> str | None:
@@ -221,7 +240,9 @@ class ReplyReader:
         # events that never come, holding a resume slot and the client until the deadline.
         end = (await self._consumer.end_offsets([tp]))[tp]
         if r.start_offset > end:
-            raise BeyondTheEnd(f"start_offset {r.start_offset} of {r.request_id} is past the end of {r.reply_topic} ({end})")
+            raise BeyondTheEnd(
+                f"start_offset {r.start_offset} of {r.request_id} is past the end of {r.reply_topic} ({end})"
+            )
         self._consumer.seek(tp, r.start_offset)
         self._task = asyncio.create_task(self._read(), name=f"resume-{r.request_id}")
 
@@ -231,8 +252,9 @@ class ReplyReader:
             try:
                 fetched = await self._consumer.getmany(timeout_ms=500)
             except KafkaError as exc:  # a failed fetch must not end the stream: its deadline does
-                log.warning("reading %s for %s: %r; fetching again in 1 s", self.record.reply_topic,
-                            self.record.request_id, exc)  # fmt: skip
+                log.warning(
+                    "reading %s for %s: %r; fetching again in 1 s", self.record.reply_topic, self.record.request_id, exc
+                )
                 await asyncio.sleep(1.0)
                 continue
             for records in fetched.values():
@@ -316,8 +338,11 @@ class RemoteResumes:
         if record is None or owner_of(record) != owner:
             raise stream_not_found(request_id)
         if self.num_open >= self.settings.max_remote_resumes:
-            raise ApiError(429, f"this gateway already serves {self.num_open} resumed streams of other gateways; "
-                           "retry shortly", code="too_many_resumes")  # fmt: skip
+            raise ApiError(
+                429,
+                f"this gateway already serves {self.num_open} resumed streams of other gateways; retry shortly",
+                code="too_many_resumes",
+            )
         render = RenderSpec.model_validate(record.render)
         router = ReplyRouter()
         facts = StreamFacts(request_id, render.pinned, record.created_ms, record.deadline_ms, render.assignment)
@@ -336,8 +361,9 @@ class RemoteResumes:
             raise ApiError(503, f"the stream's replies cannot be read now: {exc!r}", code="unavailable") from None
 
         def new_writer() -> ChunkWriter:
-            return ChunkWriter(render.kind, request_id, render.model, render.created_s, render.include_usage,
-                               render.logprobs)  # fmt: skip
+            return ChunkWriter(
+                render.kind, request_id, render.model, render.created_s, render.include_usage, render.logprobs
+            )
 
         entry = RemoteEntry(self.local, exchange, new_writer, record.grace_s, owner, record)
         entry.remotes, entry.reader = self, reader

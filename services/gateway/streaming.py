@@ -29,21 +29,21 @@ from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocket, WebSocketState
 
 from schemas.messages import EmbedRequest, GenerateRequest, ReplyDelta, ReplyEnd, TokenLogprob, ToolCallDelta
+from services.gateway.guard.output_guard import LogprobGate, OutputGuard, TextFilter
 from services.gateway.kafka_bus import Exchange
 from services.gateway.metrics import GatewayMetrics, GenerationTimer
 from services.gateway.openai_format import (
     ApiError,
     ChoiceResult,
     ChunkWriter,
-    choice_results,
     Kind,
     best_of,
+    choice_results,
     choices_body,
     choices_usage,
     guarded_calls,
     terminal_error,
 )
-from services.gateway.guard.output_guard import LogprobGate, OutputGuard, TextFilter
 from services.gateway.replies import ReplyItem
 from services.gateway.resume import RESUME_GRACE_HEADER, StreamEntry
 from services.gateway.siblings import SiblingGroup, Streamed
@@ -131,7 +131,9 @@ def num_choices_of(exchange: Streamed) -> int:
 
 
 async def frames(
-    exchange: Streamed, writer: ChunkWriter, text_filter: TextFilter | ChoiceFilters,
+    exchange: Streamed,
+    writer: ChunkWriter,
+    text_filter: TextFilter | ChoiceFilters,
     timer: GenerationTimer | None = None,
 ) -> AsyncIterator[tuple[int, Frame]]:
     """The frames of a stream from its start, each with the seq of the event that released it
@@ -230,7 +232,10 @@ class GuardedOutput:
 
 
 async def sse_events(
-    exchange: Streamed, writer: ChunkWriter, text_filter: TextFilter | ChoiceFilters, after_seq: int = -1,
+    exchange: Streamed,
+    writer: ChunkWriter,
+    text_filter: TextFilter | ChoiceFilters,
+    after_seq: int = -1,
     timer: GenerationTimer | None = None,
 ) -> AsyncIterator[bytes]:
     """The SSE byte stream of a request, ending with `data: [DONE]`; only the events after
@@ -288,7 +293,11 @@ class EventStreamResponse(StreamingResponse):
 
 
 def event_stream(
-    entry: StreamEntry, after_seq: int, output_guard: OutputGuard, gateway_id: str, version_tag: str,
+    entry: StreamEntry,
+    after_seq: int,
+    output_guard: OutputGuard,
+    gateway_id: str,
+    version_tag: str,
     timer: GenerationTimer | None = None,
 ) -> EventStreamResponse:
     """The SSE response of a registered stream from after `after_seq` (-1: its first reader), with
@@ -305,8 +314,10 @@ def event_stream(
             output_guard.count(text_filter.num_redacted)
         entry.leave()
 
-    headers = {**stream_headers(entry.request_id, gateway_id, entry.is_resumable),
-               **served_headers(version_tag, entry.exchange.request)}  # fmt: skip
+    headers = {
+        **stream_headers(entry.request_id, gateway_id, entry.is_resumable),
+        **served_headers(version_tag, entry.exchange.request),
+    }
     events = sse_events(entry.exchange, entry.new_writer(), text_filter, after_seq, timer)
     return EventStreamResponse(events, on_close, headers)
 
@@ -321,8 +332,13 @@ def stream_headers(request_id: str, gateway_id: str, is_resumable: bool) -> dict
 
 
 async def collect(
-    exchange: Streamed, kind: Kind, created_s: int, receive: Receive, guard_text: Callable[[str], str],
-    timer: GenerationTimer | None = None, writer: ChunkWriter | None = None,
+    exchange: Streamed,
+    kind: Kind,
+    created_s: int,
+    receive: Receive,
+    guard_text: Callable[[str], str],
+    timer: GenerationTimer | None = None,
+    writer: ChunkWriter | None = None,
     new_filter: Callable[[], TextFilter] | None = None,
 ) -> dict[str, Any] | None:
     """Wait for the whole result of a stream=false request; returns the OpenAI body (each
@@ -375,13 +391,23 @@ async def collect(
         if body is not None:  # the translator's choices (schemas/openai_translate.py), as a batch line gets them
             results = choice_results(body, joined, ordered, kept)
         else:
-            results = [ChoiceResult(i, joined[i], ordered[i], kept[i] if kept else None, ordered[i].tool_calls)
-                       for i in range(num_siblings)]  # fmt: skip
+            results = [
+                ChoiceResult(i, joined[i], ordered[i], kept[i] if kept else None, ordered[i].tool_calls)
+                for i in range(num_siblings)
+            ]
         for r in results:  # model output passes the output guard: text and tool-call arguments
             r.text, r.tool_calls = guard_text(r.text), guarded_calls(r.tool_calls, guard_text)
         keep = exchange.num_choices if isinstance(exchange, SiblingGroup) else 1
-        return choices_body(kind, exchange.request_id, exchange.request.model, created_s, best_of(results, keep), usage,
-                            writer.logprobs if writer else None, writer.echo if writer else None)  # fmt: skip
+        return choices_body(
+            kind,
+            exchange.request_id,
+            exchange.request.model,
+            created_s,
+            best_of(results, keep),
+            usage,
+            writer.logprobs if writer else None,
+            writer.echo if writer else None,
+        )
 
     result = asyncio.ensure_future(gather())
     gone = asyncio.ensure_future(wait_for_disconnect(receive))
@@ -447,9 +473,16 @@ class WebSocketSession:
     "cancelled", "request_id"} after a cancel. The socket stays open for the next request.
     """
 
-    def __init__(self, ws: WebSocket, prepare: Prepare, resume: Resume, output_guard: OutputGuard,
-                 check_frame: Callable[[bytes], None], version_tag: Callable[[str], str],
-                 metrics: GatewayMetrics | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        ws: WebSocket,
+        prepare: Prepare,
+        resume: Resume,
+        output_guard: OutputGuard,
+        check_frame: Callable[[bytes], None],
+        version_tag: Callable[[str], str],
+        metrics: GatewayMetrics | None = None,
+    ) -> None:
         self.ws = ws
         self.metrics = metrics  # times each request's generation (not a resumed one's)
         self.version_tag = version_tag
@@ -568,8 +601,14 @@ class WebSocketSession:
 def _resume_frame(frame: dict[str, Any]) -> tuple[str, int]:
     request_id, offset = frame.get("request_id"), frame.get("offset", 0)
     if not isinstance(request_id, str) or not request_id:
-        raise ApiError(400, "a resume frame needs the request_id of the stream", param="request_id", code="invalid_value")
+        raise ApiError(
+            400, "a resume frame needs the request_id of the stream", param="request_id", code="invalid_value"
+        )
     if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
-        raise ApiError(400, "offset must be the number of chunk frames already received (>= 0)",
-                       param="offset", code="invalid_value")
+        raise ApiError(
+            400,
+            "offset must be the number of chunk frames already received (>= 0)",
+            param="offset",
+            code="invalid_value",
+        )
     return request_id, offset

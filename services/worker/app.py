@@ -34,19 +34,18 @@ from schemas.registry import ModelHealthEvent, ModelManifest, ModelVersionRecord
 from services.worker.config import WorkerSettings
 from services.worker.hosts.engine_factory import build_engine, warm_up
 from services.worker.hosts.faults import FaultHookError
-from services.worker.kafka.fingerprints import FingerprintBatcher
-from services.worker.kafka.finish_rate import FinishRate
-from services.worker.kafka.consumers import ModelServer, consume_cancellations, open_cancellations
 from services.worker.hosts.hardware import DeviceProbe, choose_device, cpu_device, cpu_threads
-from services.worker.loading import OnOutputs, OnStatus
 from services.worker.hosts.memory import estimate_bytes
-from services.worker.kafka.membership import Membership
 from services.worker.hosts.mirror_pacing import LivePressure, Pacing
 from services.worker.hosts.runner import EngineHost, EngineProcess, EngineRunner
+from services.worker.kafka.consumers import ModelServer, consume_cancellations, open_cancellations
+from services.worker.kafka.fingerprints import FingerprintBatcher
+from services.worker.kafka.finish_rate import FinishRate
+from services.worker.kafka.membership import Membership
 from services.worker.kafka.serving_metrics import ServingMetrics, kv_cache_usage
+from services.worker.loading import OnOutputs, OnStatus
 from services.worker.versions import ManagerParts, Outputs, VersionManager
 from weir.bus import instance_id, make_producer, wait_for_cluster
-from weir.tracing import Tracing
 from weir.embedding.fingerprints import build_fingerprinter
 from weir.embedding.onnx_export import ensure_export
 from weir.kafka.admin import ensure_topics
@@ -56,6 +55,7 @@ from weir.models.signing import SigningError, load_trusted_keys
 from weir.models.sources import ensure_model_dir
 from weir.registry import RegistryFollower, publish, seed_records
 from weir.service import ConfigError, bus_overrides, ops_app, run_service, service_parser
+from weir.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +89,11 @@ class WorkerService:
         self.metrics = self._metrics()
         self.tracing = Tracing("worker", self.worker_id, settings)
         # vLLM's vllm:* and the GenAI server metrics, per version (docs/design.md, "Observability")
-        self.serving = ServingMetrics(self.metrics, lambda: [(s.sid, [r.stats for r in s.runners]) for s in self.servers],
-                                      on_ran=lambda seconds: self.finish_rate.ran(seconds))  # fmt: skip
+        self.serving = ServingMetrics(
+            self.metrics,
+            lambda: [(s.served_id, [r.stats for r in s.runners]) for s in self.servers],
+            on_ran=lambda seconds: self.finish_rate.ran(seconds),
+        )
 
     @property
     def is_ready(self) -> bool:
@@ -130,12 +133,20 @@ class WorkerService:
             parts = ManagerParts(
                 worker_id=self.worker_id,
                 open_engine=EngineOpener(self.settings, self.device, self.live_pressure),
-                make_server=ServerFactory(self.settings, producer, self.worker_id, self.audit_key, self._fingerprinter,
-                                          self.tracing, self.serving, on_assignment=self._assignment_changed.set),
+                make_server=ServerFactory(
+                    self.settings,
+                    producer,
+                    self.worker_id,
+                    self.audit_key,
+                    self._fingerprinter,
+                    self.tracing,
+                    self.serving,
+                    on_assignment=self._assignment_changed.set,
+                ),
                 registry=RegistryDesk(self.settings, self.worker_id, self.registry),
                 emit=HealthEvents(self.settings, producer, self.worker_id),
                 changed=self._assignment_changed.set,  # the heartbeat goes out; is_ready is read from the versions
-            )  # fmt: skip
+            )
             estimate = functools.partial(estimate_here, settings=self.settings, device=self.device)
             self.versions = VersionManager(self.settings, parts, budget, self.trusted_keys, estimate, device_bytes)
             cancellations = await open_cancellations(self.settings, self.worker_id)
@@ -209,8 +220,12 @@ class WorkerService:
     async def _fingerprints(self) -> FingerprintBatcher | None:
         """The batcher of the AuditEvents' SimHashes, over the fingerprinter built off the loop (None: off)."""
         fingerprinter = await asyncio.to_thread(
-            build_fingerprinter, self.settings.audit_fingerprint_model, self.repo,
-            precision=self.settings.audit_fingerprint_precision, use_cuda=self.device.type == "cuda")  # fmt: skip
+            build_fingerprinter,
+            self.settings.audit_fingerprint_model,
+            self.repo,
+            precision=self.settings.audit_fingerprint_precision,
+            use_cuda=self.device.type == "cuda",
+        )
         return FingerprintBatcher(fingerprinter) if fingerprinter is not None else None
 
     async def fingerprint(self) -> None:
@@ -237,10 +252,11 @@ class WorkerService:
         return [
             asyncio.create_task(self.heartbeat(producer)),
             asyncio.create_task(self.fingerprint()),
-            asyncio.create_task(consume_cancellations(cancellations, self.settings, self.versions.on_cancel, producer,
-                                                      self.worker_id)),
+            asyncio.create_task(
+                consume_cancellations(cancellations, self.settings, self.versions.on_cancel, producer, self.worker_id)
+            ),
             asyncio.create_task(self.versions.run()),
-        ]  # fmt: skip
+        ]
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
         """Ready once every version it should hold is ready, failed or refused (the body says which)."""
@@ -257,8 +273,11 @@ class WorkerService:
         return False, {**body, "reason": reason}
 
     def http_app(self) -> ASGIApp:
-        return ops_app(self.readiness, self.metrics.render, [Route("/faults/corrupt-weights", self.corrupt_weights,
-                                                                   methods=["POST"])])  # fmt: skip
+        return ops_app(
+            self.readiness,
+            self.metrics.render,
+            [Route("/faults/corrupt-weights", self.corrupt_weights, methods=["POST"])],
+        )
 
     async def corrupt_weights(self, request: Request) -> Response:
         """POST /faults/corrupt-weights?model=<name@version>: the fault hook (WEIR_FAULT_HOOKS only)
@@ -266,18 +285,18 @@ class WorkerService:
         golden checks. 404 when the hooks are off or the version is not loaded here."""
         if not self.settings.fault_hooks:
             return _error(404, "fault hooks are off (WEIR_FAULT_HOOKS=false)", "not_found")
-        sid = request.query_params.get("model", "")
-        if not sid:
+        served_id = request.query_params.get("model", "")
+        if not served_id:
             return _error(400, "name the version: ?model=name@version", "missing_model")
-        hosts = self.versions.hosts_of(sid) if self.versions is not None else []
+        hosts = self.versions.hosts_of(served_id) if self.versions is not None else []
         if not hosts:
-            return _error(404, f"model version {sid!r} is not loaded on this worker", "model_not_found")
+            return _error(404, f"model version {served_id!r} is not loaded on this worker", "model_not_found")
         try:
             for host in hosts:
                 await host.corrupt_weights()
         except FaultHookError as exc:  # an engine with nothing to corrupt (echo)
-            return _error(400, f"{sid}: {exc}", "fault_hook_refused")
-        return JSONResponse({"model": sid, "corrupted_instances": len(hosts)})
+            return _error(400, f"{served_id}: {exc}", "fault_hook_refused")
+        return JSONResponse({"model": served_id, "corrupted_instances": len(hosts)})
 
     def _metrics(self) -> ServiceMetrics:
         """Per version (label model=name@version), summed over its engine instances, read at scrape
@@ -286,54 +305,92 @@ class WorkerService:
 
         def per_model(stat: str) -> Any:
             def observe() -> list[tuple[float, dict[str, str]]]:
-                return [(sum(r.stats.get(stat, 0) for r in s.runners), {"model": s.sid}) for s in self.servers]
+                return [(sum(r.stats.get(stat, 0) for r in s.runners), {"model": s.served_id}) for s in self.servers]
 
             return observe
 
         def per_version(read: Callable[[Any], float]) -> Any:
             def observe() -> list[tuple[float, dict[str, str]]]:
                 held = self.versions.versions.values() if self.versions is not None else []
-                return [(read(v), {"model": v.sid}) for v in held]
+                return [(read(v), {"model": v.served_id}) for v in held]
 
             return observe
 
-        metrics.gauge("weir_worker_ready", "1 once every version it should hold is ready, failed or refused.",
-                      lambda: [(int(self.is_ready), {})])  # fmt: skip
-        for stat, text in (("num_running", "Sequences in the engines' decode loop."),
-                           ("num_waiting", "Sequences queued in the engines."),
-                           ("free_kv_blocks", "Free KV-cache blocks.")):  # fmt: skip
+        metrics.gauge(
+            "weir_worker_ready",
+            "1 once every version it should hold is ready, failed or refused.",
+            lambda: [(int(self.is_ready), {})],
+        )
+        for stat, text in (
+            ("num_running", "Sequences in the engines' decode loop."),
+            ("num_waiting", "Sequences queued in the engines."),
+            ("free_kv_blocks", "Free KV-cache blocks."),
+        ):
             metrics.gauge(f"weir_worker_{stat}", text, per_model(stat))
-        metrics.gauge("weir_worker_requests_dropped", "Requests given up on since start: their reply topic refused "
-                      "writes (or they were a minute past their deadline); none of them was answered.",
-                      lambda: [(s.publisher.num_dropped, {"model": s.sid}) for s in self.servers])  # fmt: skip
-        metrics.gauge("weir_worker_mirrors_dropped", "Mirror copies ended rejected (mirror_dropped) since start: "
-                      "held back by live work for WEIR_MIRROR_MAX_WAIT_MS.",
-                      lambda: [(sum(r.num_mirrors_dropped for r in s.runners), {"model": s.sid}) for s in self.servers])  # fmt: skip
-        metrics.gauge("weir_worker_live_pressure", "1 while live requests run in this worker (engines holding only "
-                      "mirror copies then yield), else 0.", lambda: [(int(self.live_pressure.is_pressed), {})])  # fmt: skip
-        metrics.gauge("weir_worker_invalid_reply_to", "Requests dead-lettered since start for a reply_to that is not "
-                      "one of the deployment's reply topics.",
-                      lambda: [(s.num_invalid_reply_to, {"model": s.sid}) for s in self.servers])  # fmt: skip
-        metrics.gauge("weir_worker_forged_batches", "Batches dead-lettered since start for naming another version "
-                      "than their topic's.", lambda: [(s.num_forged, {"model": s.sid}) for s in self.servers])  # fmt: skip
+        metrics.gauge(
+            "weir_worker_requests_dropped",
+            "Requests given up on since start: their reply topic refused "
+            "writes (or they were a minute past their deadline); none of them was answered.",
+            lambda: [(s.publisher.num_dropped, {"model": s.served_id}) for s in self.servers],
+        )
+        metrics.gauge(
+            "weir_worker_mirrors_dropped",
+            "Mirror copies ended rejected (mirror_dropped) since start: "
+            "held back by live work for WEIR_MIRROR_MAX_WAIT_MS.",
+            lambda: [(sum(r.num_mirrors_dropped for r in s.runners), {"model": s.served_id}) for s in self.servers],
+        )
+        metrics.gauge(
+            "weir_worker_live_pressure",
+            "1 while live requests run in this worker (engines holding only mirror copies then yield), else 0.",
+            lambda: [(int(self.live_pressure.is_pressed), {})],
+        )
+        metrics.gauge(
+            "weir_worker_invalid_reply_to",
+            "Requests dead-lettered since start for a reply_to that is not one of the deployment's reply topics.",
+            lambda: [(s.num_invalid_reply_to, {"model": s.served_id}) for s in self.servers],
+        )
+        metrics.gauge(
+            "weir_worker_forged_batches",
+            "Batches dead-lettered since start for naming another version than their topic's.",
+            lambda: [(s.num_forged, {"model": s.served_id}) for s in self.servers],
+        )
 
         def states() -> list[tuple[float, dict[str, str]]]:
             held = self.versions.versions.values() if self.versions is not None else []
-            return [(int(v.state == s), {"model": v.sid, "state": s}) for v in held for s in get_args(VersionState)]
+            return [
+                (int(v.state == s), {"model": v.served_id, "state": s}) for v in held for s in get_args(VersionState)
+            ]
 
         metrics.gauge("weir_worker_version_state", "1 for the state each version is in on this worker.", states)
-        metrics.gauge("weir_worker_version_budget_bytes", "Memory slice given to each version (0: none yet, or refused).",
-                      per_version(lambda v: v.budget_bytes))  # fmt: skip
-        metrics.gauge("weir_worker_golden_failures", "Golden checks of each version that departed from the recorded "
-                      "outputs, since start.", per_version(lambda v: v.golden_failures))  # fmt: skip
-        metrics.gauge("weir_worker_version_reloads", "Reloads of each version from verified weights after a golden "
-                      "failure, since start.", per_version(lambda v: v.reloads))  # fmt: skip
-        metrics.gauge("weir_worker_version_goldens", "Golden cases each version is checked against; source: registry "
-                      "(its record), local (recorded on this worker at its first load: its record had none) or none.",
-                      lambda: [(len(v.goldens), {"model": v.sid, "source": v.golden_source})
-                               for v in (self.versions.versions.values() if self.versions is not None else [])])  # fmt: skip
-        metrics.gauge("weir_worker_memory_budget_bytes", "Memory all versions of this worker may take.",
-                      lambda: [(self.versions.budget_total if self.versions is not None else 0, {})])  # fmt: skip
+        metrics.gauge(
+            "weir_worker_version_budget_bytes",
+            "Memory slice given to each version (0: none yet, or refused).",
+            per_version(lambda v: v.budget_bytes),
+        )
+        metrics.gauge(
+            "weir_worker_golden_failures",
+            "Golden checks of each version that departed from the recorded outputs, since start.",
+            per_version(lambda v: v.golden_failures),
+        )
+        metrics.gauge(
+            "weir_worker_version_reloads",
+            "Reloads of each version from verified weights after a golden failure, since start.",
+            per_version(lambda v: v.reloads),
+        )
+        metrics.gauge(
+            "weir_worker_version_goldens",
+            "Golden cases each version is checked against; source: registry "
+            "(its record), local (recorded on this worker at its first load: its record had none) or none.",
+            lambda: [
+                (len(v.goldens), {"model": v.served_id, "source": v.golden_source})
+                for v in (self.versions.versions.values() if self.versions is not None else [])
+            ],
+        )
+        metrics.gauge(
+            "weir_worker_memory_budget_bytes",
+            "Memory all versions of this worker may take.",
+            lambda: [(self.versions.budget_total if self.versions is not None else 0, {})],
+        )
         return metrics
 
     # -- heartbeats -----------------------------------------------------------------------------
@@ -346,25 +403,37 @@ class WorkerService:
         ready = held.ready() if held is not None else []
         routed = held.routed() if held is not None else []
         stats = [r.stats for v in routed for r in v.hosts]
-        owned = {v.sid: v.server.owned_partitions() for v in routed if v.server is not None}
+        owned = {v.served_id: v.server.owned_partitions() for v in routed if v.server is not None}
         servers = self.servers
-        self.finish_rate.sample(self.clock(), sum(s.intake.num_done for s in servers),
-                                any(s.intake.in_flight for s in servers))  # fmt: skip
+        self.finish_rate.sample(
+            self.clock(), sum(s.intake.num_done for s in servers), any(s.intake.in_flight for s in servers)
+        )
         return WorkerHeartbeat(
-            worker_id=self.worker_id, models=[v.sid for v in ready], is_ready=self.is_ready,
+            worker_id=self.worker_id,
+            models=[v.served_id for v in ready],
+            is_ready=self.is_ready,
             num_running=int(sum(s.get("num_running", 0) for s in stats)),
             num_waiting=int(sum(s.get("num_waiting", 0) for s in stats)),
-            max_num_seqs=max(1, sum(v.server.config.max_num_seqs * len(v.hosts) for v in ready if v.server is not None)),
-            free_kv_blocks=int(sum(s.get("free_kv_blocks", 0) for s in stats)), block_size_tokens=self.settings.block_size,
+            max_num_seqs=max(
+                1, sum(v.server.config.max_num_seqs * len(v.hosts) for v in ready if v.server is not None)
+            ),
+            free_kv_blocks=int(sum(s.get("free_kv_blocks", 0) for s in stats)),
+            block_size_tokens=self.settings.block_size,
             kv_cache_usage_perc=kv_cache_usage(stats),
             prefix_cache_queries=int(sum(s.get("prefix_cache_queries", 0) for s in stats)),
             prefix_cache_hits=int(sum(s.get("prefix_cache_hits", 0) for s in stats)),
-            partitions={m: p for m, (p, _) in owned.items()}, next_offsets={m: o for m, (_, o) in owned.items()},
-            devices=devices, versions=held.statuses() if held is not None else {},
-            latency={v.sid: v.server.publisher.recorder.latency() for v in routed
-                     if v.server is not None and v.server.publisher.recorder is not None},
-            finished_per_s=self.finish_rate.per_s(), service_s=self.finish_rate.service_s(),
-        )  # fmt: skip
+            partitions={m: p for m, (p, _) in owned.items()},
+            next_offsets={m: o for m, (_, o) in owned.items()},
+            devices=devices,
+            versions=held.statuses() if held is not None else {},
+            latency={
+                v.served_id: v.server.publisher.recorder.latency()
+                for v in routed
+                if v.server is not None and v.server.publisher.recorder is not None
+            },
+            finished_per_s=self.finish_rate.per_s(),
+            service_s=self.finish_rate.service_s(),
+        )
 
     async def send_heartbeat(self, producer: AIOKafkaProducer) -> None:
         message = self.heartbeat_message(await self.devices.devices())
@@ -393,11 +462,13 @@ class EngineOpener:
         self.device = device
         self.live_pressure = live_pressure  # mirror copies yield to it (mirror_pacing.py)
 
-    async def __call__(self, config: ModelConfig, on_outputs: OnOutputs,
-                       on_status: OnStatus | None = None) -> EngineHost:  # fmt: skip
+    async def __call__(
+        self, config: ModelConfig, on_outputs: OnOutputs, on_status: OnStatus | None = None
+    ) -> EngineHost:
         if self.settings.engine_isolation == "process" and config.engine != "echo":
-            process = EngineProcess(config, self.settings, str(self.device), asyncio.get_running_loop(), on_outputs,
-                                    on_status)  # fmt: skip
+            process = EngineProcess(
+                config, self.settings, str(self.device), asyncio.get_running_loop(), on_outputs, on_status
+            )
             try:
                 await process.open()
             except BaseException:
@@ -407,8 +478,13 @@ class EngineOpener:
             return process
         engine = await asyncio.to_thread(build_engine, config, self.settings, self.device)
         await asyncio.to_thread(warm_up, engine, config, self.settings.grammar_prewarm)
-        runner = EngineRunner(engine, asyncio.get_running_loop(), on_outputs, fault_hooks=self.settings.fault_hooks,
-                              pacing=Pacing.of(self.settings))  # fmt: skip
+        runner = EngineRunner(
+            engine,
+            asyncio.get_running_loop(),
+            on_outputs,
+            fault_hooks=self.settings.fault_hooks,
+            pacing=Pacing.of(self.settings),
+        )
         runner.attach_pressure(self.live_pressure)
         return runner
 
@@ -417,9 +493,17 @@ class ServerFactory:
     """Builds a version's ModelServer over its opened engines, reading the queue they put their outputs
     on (for the version manager); its batch topic exists."""
 
-    def __init__(self, settings: WorkerSettings, producer: AIOKafkaProducer, worker_id: str, audit_key: bytes,
-                 fingerprints: asyncio.Task[FingerprintBatcher | None], tracing: Tracing, serving: ServingMetrics,
-                 on_assignment: Callable[[], None]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        producer: AIOKafkaProducer,
+        worker_id: str,
+        audit_key: bytes,
+        fingerprints: asyncio.Task[FingerprintBatcher | None],
+        tracing: Tracing,
+        serving: ServingMetrics,
+        on_assignment: Callable[[], None],
+    ) -> None:
         self.settings = settings
         self.producer = producer
         self.worker_id = worker_id
@@ -436,10 +520,20 @@ class ServerFactory:
             await ensure_topics(self.settings.kafka_bootstrap, self.settings.topics.model_specs(config.served_id))
         except KafkaError as exc:  # secure mode: only the batcher may create it; read once it exists
             log.warning("batch topic %s not created here (%r); the consumer reads it once it exists", topic, exc)
-        return ModelServer(config, hosts, self.settings, self.producer, self.worker_id, self.audit_key,
-                           fingerprints, tracing=self.tracing, recorder=self.serving.recorder(config),
-                           membership=Membership.of(self.settings), outputs=outputs,
-                           on_assignment=self.on_assignment)  # fmt: skip
+        return ModelServer(
+            config,
+            hosts,
+            self.settings,
+            self.producer,
+            self.worker_id,
+            self.audit_key,
+            fingerprints,
+            tracing=self.tracing,
+            recorder=self.serving.recorder(config),
+            membership=Membership.of(self.settings),
+            outputs=outputs,
+            on_assignment=self.on_assignment,
+        )
 
 
 class RegistryDesk:
@@ -480,12 +574,14 @@ class HealthEvents:
         self.producer = producer
         self.worker_id = worker_id
 
-    async def __call__(self, sid: str, event: str, detail: str) -> None:
-        message = ModelHealthEvent(worker_id=self.worker_id, model=sid, event=event, detail=detail[:4096])
+    async def __call__(self, served_id: str, event: str, detail: str) -> None:
+        message = ModelHealthEvent(worker_id=self.worker_id, model=served_id, event=event, detail=detail[:4096])
         try:
-            await self.producer.send_and_wait(self.settings.topics.model_health, encode(message), key=sid.encode())
+            await self.producer.send_and_wait(
+                self.settings.topics.model_health, encode(message), key=served_id.encode()
+            )
         except KafkaError as exc:
-            log.warning("health event %s of %s not written (%r)", event, sid, exc)
+            log.warning("health event %s of %s not written (%r)", event, served_id, exc)
 
 
 async def estimate_here(config: ModelConfig, *, settings: WorkerSettings, device: torch.device) -> int:
@@ -495,7 +591,9 @@ async def estimate_here(config: ModelConfig, *, settings: WorkerSettings, device
 
 def _error(status: int, message: str, code: str) -> JSONResponse:
     """An error body in OpenAI's format."""
-    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "code": code}}, status_code=status)
+    return JSONResponse(
+        {"error": {"message": message, "type": "invalid_request_error", "code": code}}, status_code=status
+    )
 
 
 def built_entry(config: ModelConfig) -> ModelConfig:
@@ -518,13 +616,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 def build(args: argparse.Namespace) -> tuple[WorkerService, str, int]:
     """The service from flags over WEIR_* settings; a bad setting or model entry is a ConfigError."""
-    overrides = {**bus_overrides(args), "models": args.models, "model_repo": args.model_repo,
-                 "worker_http_port": args.http_port}
+    overrides = {
+        **bus_overrides(args),
+        "models": args.models,
+        "model_repo": args.model_repo,
+        "worker_http_port": args.http_port,
+    }
     try:
         settings = WorkerSettings(**{k: v for k, v in overrides.items() if v is not None})
         torch.set_num_threads(cpu_threads(settings.threads))
-        logging.getLogger(__name__).info("engine threads: %d (WEIR_ENGINE_THREADS=%s, %d cores)", torch.get_num_threads(),
-                                         settings.threads or "0: default", os.cpu_count() or 1)  # fmt: skip
+        logging.getLogger(__name__).info(
+            "engine threads: %d (WEIR_ENGINE_THREADS=%s, %d cores)",
+            torch.get_num_threads(),
+            settings.threads or "0: default",
+            os.cpu_count() or 1,
+        )
         return WorkerService(settings), settings.http_host, settings.worker_http_port
     except (ModelRepoError, SigningError) as exc:  # a bad models.toml, a trusted key that is not one
         raise ConfigError(str(exc)) from exc

@@ -33,13 +33,21 @@ from aiokafka.errors import KafkaError
 
 from schemas.messages import Cancellation, VersionState, VersionStatus, now_ms
 from schemas.model_repo import ModelConfig
-from schemas.registry import GoldenCase, ModelManifest, ModelRoute, ModelVersionRecord, RegistryState, served_id, split_ref
+from schemas.registry import (
+    GoldenCase,
+    ModelManifest,
+    ModelRoute,
+    ModelVersionRecord,
+    RegistryState,
+    served_id_of,
+    split_ref,
+)
 from services.worker.config import WorkerSettings
 from services.worker.engine import EngineOutput
 from services.worker.hosts.goldens import GOLDEN_MAX_TOKENS
+from services.worker.hosts.runner import EngineHost, EngineProcess
 from services.worker.kafka.consumers import ModelServer
 from services.worker.loading import EngineLoader, OpenEngine
-from services.worker.hosts.runner import EngineHost, EngineProcess
 from weir.heap import freeze_new
 from weir.models.manifest import ManifestError, verify_files
 from weir.models.signing import signature_problem
@@ -48,7 +56,9 @@ from weir.registry import rollback
 log = logging.getLogger(__name__)
 
 Outputs = asyncio.Queue[list[EngineOutput]]  # a version's engines put their outputs on it; its server reads it
-Wanted = dict[str, ModelVersionRecord | ModelConfig]  # sid -> its registry record, or a models.toml entry not registered yet
+Wanted = dict[
+    str, ModelVersionRecord | ModelConfig
+]  # served_id -> its registry record, or a models.toml entry not registered yet
 GOLDEN_TIMEOUT_S = 120.0  # a golden check is a few greedy tokens per case, beside the running requests
 _SETTLED: frozenset[VersionState] = frozenset({"ready", "failed", "refused", "unhealthy", "draining"})
 
@@ -68,7 +78,7 @@ class RegistryAccess(Protocol):
 
 
 MakeServer = Callable[[ModelConfig, list[EngineHost], Outputs], Awaitable[ModelServer]]
-Emit = Callable[[str, str, str], Awaitable[None]]  # sid, event, detail
+Emit = Callable[[str, str, str], Awaitable[None]]  # served_id, event, detail
 
 
 @dataclass(frozen=True)
@@ -97,7 +107,7 @@ class _Stop(Exception):
 class Version:
     """One version on this worker: where it is in its life, and what serves it."""
 
-    sid: str
+    served_id: str
     seed: ModelConfig | None  # a models.toml entry the registry did not hold when it was wanted
     record: ModelVersionRecord | None  # else its registry record
     state: VersionState = "verifying"
@@ -119,11 +129,11 @@ class Version:
 
     @property
     def name(self) -> str:
-        return split_ref(self.sid)[0]
+        return split_ref(self.served_id)[0]
 
     @property
     def version(self) -> str | None:
-        return split_ref(self.sid)[1]
+        return split_ref(self.served_id)[1]
 
     @property
     def goldens(self) -> list[GoldenCase]:
@@ -142,16 +152,29 @@ class Version:
     def status(self) -> VersionStatus:
         engine = self.hosts[0].engine_label if self.hosts else ""
         used = sum(h.used_bytes() for h in self.hosts)
-        return VersionStatus(state=self.state, reason=self.reason, digest=self.digest, engine=engine,
-                             budget_bytes=self.budget_bytes, used_bytes=used,
-                             golden_checked_ms=self.golden_checked_ms)  # fmt: skip
+        return VersionStatus(
+            state=self.state,
+            reason=self.reason,
+            digest=self.digest,
+            engine=engine,
+            budget_bytes=self.budget_bytes,
+            used_bytes=used,
+            golden_checked_ms=self.golden_checked_ms,
+        )
 
 
 class VersionManager:
     """Every version this worker holds or tried, moved by reconcile() and its own jobs."""
 
-    def __init__(self, settings: WorkerSettings, parts: ManagerParts, budget_total: int, trusted_keys: dict,
-                 estimate: Callable[[ModelConfig], Awaitable[int]], device_bytes: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        parts: ManagerParts,
+        budget_total: int,
+        trusted_keys: dict,
+        estimate: Callable[[ModelConfig], Awaitable[int]],
+        device_bytes: int = 0,
+    ) -> None:
         self.settings = settings
         self.parts = parts
         self.budget_total = budget_total
@@ -169,14 +192,14 @@ class VersionManager:
     def reconcile(self, wanted: Wanted) -> None:
         """Start what is wanted and not held; drain or drop what is held and no longer wanted."""
         self._wanted = wanted
-        for sid, wants in wanted.items():
-            version = self.versions.get(sid)
+        for served_id, wants in wanted.items():
+            version = self.versions.get(served_id)
             if version is None:
                 if isinstance(wants, ModelVersionRecord):
-                    version = Version(sid, None, wants)
+                    version = Version(served_id, None, wants)
                 else:
-                    version = Version(sid, wants, None)
-                self.versions[sid] = version
+                    version = Version(served_id, wants, None)
+                self.versions[served_id] = version
                 version.job = self._spawn(self._bring_up(version))
             elif version.is_stopping:
                 continue  # dropped once stopped; reconcile then starts it again
@@ -184,24 +207,24 @@ class VersionManager:
                 version.state, version.reason = "verifying", None
                 version.job = self._spawn(self._bring_up(version))
         for version in list(self.versions.values()):
-            if version.sid not in wanted and not version.is_stopping:
+            if version.served_id not in wanted and not version.is_stopping:
                 version.is_stopping = True
                 self._spawn(self._unwant(version))
 
     def is_settled(self) -> bool:
         """Every wanted version is ready, failed or refused (or past ready): what /readyz waits for."""
-        return all(v.state in _SETTLED for v in self.versions.values() if v.sid in self._wanted)
+        return all(v.state in _SETTLED for v in self.versions.values() if v.served_id in self._wanted)
 
     def describe(self) -> dict[str, str]:
-        """sid -> its state, and for a loading one what its engines are doing (for /readyz)."""
+        """served_id -> its state, and for a loading one what its engines are doing (for /readyz)."""
         out = {}
-        for sid, v in sorted(self.versions.items()):
+        for served_id, v in sorted(self.versions.items()):
             doing = v.loader.describe() if v.state == "loading" and v.loader is not None else ""
-            out[sid] = f"{v.state}: {v.reason}" if v.reason else f"{v.state}{': ' + doing if doing else ''}"
+            out[served_id] = f"{v.state}: {v.reason}" if v.reason else f"{v.state}{': ' + doing if doing else ''}"
         return out
 
     def statuses(self) -> dict[str, VersionStatus]:
-        return {sid: v.status() for sid, v in self.versions.items()}
+        return {served_id: v.status() for served_id, v in self.versions.items()}
 
     def ready(self) -> list[Version]:
         return [v for v in self.versions.values() if v.state == "ready"]
@@ -215,8 +238,8 @@ class VersionManager:
         for server in self.servers:
             server.on_cancel(cancel)
 
-    def hosts_of(self, sid: str) -> list[EngineHost]:
-        version = self.versions.get(sid)
+    def hosts_of(self, served_id: str) -> list[EngineHost]:
+        version = self.versions.get(served_id)
         return list(version.hosts) if version is not None else []
 
     def reserved_bytes(self) -> int:
@@ -249,11 +272,15 @@ class VersionManager:
             return
         version.golden_failures += 1
         # an engine that hangs (e.g. stalled by a compile) fails this check and is reloaded: say so
-        log.error("model version %s failed its golden check (%s): out of routing, its engines restarted", version.sid, problem)
+        log.error(
+            "model version %s failed its golden check (%s): out of routing, its engines restarted",
+            version.served_id,
+            problem,
+        )
         if version.server is not None:
             version.server.is_taking = False  # what runs finishes; nothing new starts on these weights
         self._set(version, "unhealthy", problem)
-        await self.parts.emit(version.sid, "golden_failed", problem)
+        await self.parts.emit(version.served_id, "golden_failed", problem)
         if self._roll_back_if_fresh(version, problem):
             return  # out of routing (unhealthy) until the rollback unloads it; then it drains
         if not version.is_stopping:
@@ -280,16 +307,20 @@ class VersionManager:
             need = version.need_bytes = await self._need(version, config)
             if not self.fits(need):
                 free = max(0, self.budget_total - self.reserved_bytes())
-                raise _Stop("refused", f"needs {need} bytes, {free} of {self.budget_total} free on this worker", "refused")
+                raise _Stop(
+                    "refused", f"needs {need} bytes, {free} of {self.budget_total} free on this worker", "refused"
+                )
             version.budget_bytes = need
             await self._load(version, config)
             await self._serve(version, config)
 
         if await self._attempt(version, steps()):
             goldens = f"{len(version.goldens)} goldens ({version.golden_source})"
-            await self.parts.emit(version.sid, "loaded", f"digest {version.digest[:12]}, {version.budget_bytes} bytes, {goldens}")
+            await self.parts.emit(
+                version.served_id, "loaded", f"digest {version.digest[:12]}, {version.budget_bytes} bytes, {goldens}"
+            )
             # Its tokenizer and config are long-lived too; frozen while serving goes on (weir/heap.py).
-            await freeze_new(f"{version.sid} loaded")
+            await freeze_new(f"{version.served_id} loaded")
 
     async def _reload(self, version: Version) -> None:
         """An unhealthy version: finish what runs (no new batches), close its server and engines,
@@ -308,7 +339,7 @@ class VersionManager:
             await self._serve(version, config)
 
         if await self._attempt(version, steps()):
-            await self.parts.emit(version.sid, "reloaded", f"reload {version.reloads}: goldens pass again")
+            await self.parts.emit(version.served_id, "reloaded", f"reload {version.reloads}: goldens pass again")
 
     async def _attempt(self, version: Version, steps: Awaitable[None]) -> bool:
         """Run the steps of a (re)load; any failure ends the version failed (or refused) with its
@@ -318,8 +349,8 @@ class VersionManager:
             return True
         except _Stop as stop:
             await self._fail(version, stop)
-        except Exception as exc:  # noqa: BLE001 - the broker away while making its server, a bug
-            log.exception("model version %s could not be brought up", version.sid)
+        except Exception as exc:  # the broker away while making its server, a bug
+            log.exception("model version %s could not be brought up", version.served_id)
             await self._fail(version, _Stop("failed", f"{type(exc).__name__}: {exc}", "load_failed"))
         return False
 
@@ -336,10 +367,10 @@ class VersionManager:
         if version.loader is not None:
             await version.loader.discard()
         _stop_hosts(version.hosts)
-        del self.versions[version.sid]
+        del self.versions[version.served_id]
         self.parts.changed()
         if was_loaded:
-            await self.parts.emit(version.sid, "unloaded", "no longer wanted by the registry")
+            await self.parts.emit(version.served_id, "unloaded", "no longer wanted by the registry")
         self.reconcile(self._wanted)  # wanted again meanwhile, or a refused one that fits now
 
     async def _drain(self, version: Version) -> None:
@@ -372,7 +403,9 @@ class VersionManager:
                 manifest = await self.parts.registry.seed_manifest(version.seed)
             except (OSError, ValueError) as exc:  # ManifestError, a GGUF or ONNX build that failed
                 raise _Stop("failed", f"models.toml entry cannot be prepared: {exc}", "load_failed") from exc
-            self._check_signature(ModelVersionRecord(manifest=manifest))  # unsigned: loads unless signatures are required
+            self._check_signature(
+                ModelVersionRecord(manifest=manifest)
+            )  # unsigned: loads unless signatures are required
         else:
             manifest = record.manifest
             self._check_signature(record)
@@ -410,7 +443,7 @@ class VersionManager:
         loader.start()
         try:
             version.hosts = (await loader.wait())[config.name]
-        except Exception as exc:  # noqa: BLE001 - whatever the engine raised while it loaded, in its words
+        except Exception as exc:  # whatever the engine raised while it loaded, in its words
             await loader.discard()
             raise _Stop("failed", f"cannot load: {exc}", "load_failed") from exc
         for host in version.hosts:
@@ -434,11 +467,12 @@ class VersionManager:
         Kept across reloads, so a reload is checked against what the verified files produced first."""
         prompts = list(config.warmup)
         if not prompts:
-            log.warning("model version %s has no goldens and no warmup prompts to record them with", version.sid)
+            log.warning("model version %s has no goldens and no warmup prompts to record them with", version.served_id)
             return
         try:
             version.local_goldens = await asyncio.wait_for(
-                version.hosts[0].record_goldens(prompts, GOLDEN_MAX_TOKENS), GOLDEN_TIMEOUT_S)  # fmt: skip
+                version.hosts[0].record_goldens(prompts, GOLDEN_MAX_TOKENS), GOLDEN_TIMEOUT_S
+            )
         except (RuntimeError, TimeoutError) as exc:  # the engine died, or a prompt did not complete
             raise _Stop("failed", f"goldens could not be recorded: {exc or 'timed out'}", "golden_failed") from exc
 
@@ -483,13 +517,13 @@ class VersionManager:
         version.hosts = []
 
     async def _fail(self, version: Version, stop: _Stop) -> None:
-        log.warning("model version %s %s: %s", version.sid, stop.state, stop.reason)
+        log.warning("model version %s %s: %s", version.served_id, stop.state, stop.reason)
         await self._close_server(version)
         if version.loader is not None:
             await version.loader.discard()
         version.budget_bytes = 0
         self._set(version, stop.state, stop.reason)
-        await self.parts.emit(version.sid, stop.event, stop.reason)
+        await self.parts.emit(version.served_id, stop.event, stop.reason)
 
     def _roll_back_if_fresh(self, version: Version, why: str) -> bool:
         """shared protocol 5: the default version of its name, promoted within
@@ -502,7 +536,7 @@ class VersionManager:
             return False
         if now_ms() - route.updated_ms > self.settings.rollback_window_s * 1000:
             return False
-        records = rollback(state, version.sid, why, by=f"worker {self.parts.worker_id}")
+        records = rollback(state, version.served_id, why, by=f"worker {self.parts.worker_id}")
         if not records:
             return False
         self._spawn(self._roll_back(version, route.previous_version, records, why))
@@ -514,46 +548,55 @@ class VersionManager:
         the name, has the previous one ready, or after WEIR_ROLLBACK_WARM_TIMEOUT_S anyway. So a
         rollback leaves no gap where the previous version can load. Not written (the broker away):
         the failing version is reloaded instead, like any departure."""
-        back = served_id(version.name, previous)
+        back = served_id_of(version.name, previous)
         warm = [r for r in records if isinstance(r, ModelVersionRecord) and r.served_id == back]
         try:
             if warm:
                 await self.parts.registry.write(warm)
             late = await self._wait_ready(back)
             # What the registry holds now: an operator may have routed the name elsewhere meanwhile.
-            switch = [r for r in rollback(self.parts.registry.state, version.sid, why, by=f"worker {self.parts.worker_id}")
-                      if not (isinstance(r, ModelVersionRecord) and r.served_id == back)]  # fmt: skip
+            switch = [
+                r
+                for r in rollback(
+                    self.parts.registry.state, version.served_id, why, by=f"worker {self.parts.worker_id}"
+                )
+                if not (isinstance(r, ModelVersionRecord) and r.served_id == back)
+            ]
             if not any(isinstance(r, ModelRoute) and r.default_version == previous for r in switch):
-                log.warning("rollback of %s not switched: the route of %s changed meanwhile", version.sid, version.name)
+                log.warning(
+                    "rollback of %s not switched: the route of %s changed meanwhile", version.served_id, version.name
+                )
                 self._reload_if_unhealthy(version)
                 return
             await self.parts.registry.write(switch)
         except (KafkaError, OSError, TimeoutError) as exc:
-            log.error("rollback of %s not written (%r): reloaded instead", version.sid, exc)
+            log.error("rollback of %s not written (%r): reloaded instead", version.served_id, exc)
             self._reload_if_unhealthy(version)
             return
         note = f" ({late})" if late else f" ({back} ready here first)"
-        await self.parts.emit(version.sid, "rolled_back", f"default of {version.name} back to {previous}{note}: {why}")
+        await self.parts.emit(
+            version.served_id, "rolled_back", f"default of {version.name} back to {previous}{note}: {why}"
+        )
 
     def _reload_if_unhealthy(self, version: Version) -> None:
         """A rollback that did not happen: the failing version is reloaded, like any departure."""
-        if version.state == "unhealthy" and not version.is_stopping and self.versions.get(version.sid) is version:
+        if version.state == "unhealthy" and not version.is_stopping and self.versions.get(version.served_id) is version:
             version.job = self._spawn(self._reload(version))
 
-    async def _wait_ready(self, sid: str) -> str | None:
-        """Wait until `sid` is ready on this worker: None, or why the route is switched without it
+    async def _wait_ready(self, served_id: str) -> str | None:
+        """Wait until `served_id` is ready on this worker: None, or why the route is switched without it
         (not ready within WEIR_ROLLBACK_WARM_TIMEOUT_S, or it failed or was refused here)."""
         limit = self.settings.rollback_warm_timeout_s
         deadline = asyncio.get_running_loop().time() + limit
         while True:
-            held = self.versions.get(sid)
+            held = self.versions.get(served_id)
             if held is not None and not held.is_stopping:
                 if held.state == "ready":
                     return None
                 if held.state in ("failed", "refused"):
-                    return f"switched without {sid}: it is {held.state} here: {held.reason}"
+                    return f"switched without {served_id}: it is {held.state} here: {held.reason}"
             if asyncio.get_running_loop().time() >= deadline:
-                return f"switched without {sid}: not ready here within WEIR_ROLLBACK_WARM_TIMEOUT_S={limit:g} s"
+                return f"switched without {served_id}: not ready here within WEIR_ROLLBACK_WARM_TIMEOUT_S={limit:g} s"
             await asyncio.sleep(0.05)
 
     def _set(self, version: Version, state: VersionState, reason: str | None) -> None:

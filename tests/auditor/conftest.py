@@ -22,8 +22,16 @@ async def audit_topics(bootstrap: str) -> AsyncIterator[Topics]:
     """A fresh prefix whose audit, anchor and dead-letter topics exist, and those of the traffic
     counts and canary guard (registry, model health, traffic), the health alerts and the token usage; deleted after the test."""
     topics = Topics(prefix=f"t{uuid4().hex[:8]}")
-    names = (topics.audit, topics.audit_anchors, topics.dead_letter, topics.models, topics.model_health, topics.traffic,
-             topics.health, topics.token_usage)
+    names = (
+        topics.audit,
+        topics.audit_anchors,
+        topics.dead_letter,
+        topics.models,
+        topics.model_health,
+        topics.traffic,
+        topics.health,
+        topics.token_usage,
+    )
     specs = [spec for spec in topics.core_specs() if spec.name in names]
     await ensure_topics(bootstrap, specs)
     yield topics

@@ -33,8 +33,15 @@ def rows(conn: sqlite3.Connection, table: str, chain_id: int, order: str = "seq"
     return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
 
 
-def rewrite_chain(conn: sqlite3.Connection, log: str, chain_id: int, seq: int, field: str, value: Any,
-                  mac_key: bytes | None = ATTACKER_KEY) -> None:
+def rewrite_chain(
+    conn: sqlite3.Connection,
+    log: str,
+    chain_id: int,
+    seq: int,
+    field: str,
+    value: Any,
+    mac_key: bytes | None = ATTACKER_KEY,
+) -> None:
     """Set `field` of record `seq` of the chain to `value`, then rehash that record and every one
     after it and recompute the chain's checkpoints over the same ranges, as the auditor would have
     made them, with their MACs under `mac_key` (None: keep each old MAC)."""
@@ -53,8 +60,10 @@ def rewrite_chain(conn: sqlite3.Connection, log: str, chain_id: int, seq: int, f
         prev = chain_hash(prev_hash, canonical)
         column = {field: value} if row["seq"] == seq else {}
         sets = ", ".join(f"{c} = ?" for c in [*column, "canonical_json", "prev_hash", "record_hash"])
-        conn.execute(f"UPDATE {table} SET {sets} WHERE chain_id = ? AND seq = ?",
-                     [*column.values(), canonical, prev_hash, prev, chain_id, row["seq"]])
+        conn.execute(
+            f"UPDATE {table} SET {sets} WHERE chain_id = ? AND seq = ?",
+            [*column.values(), canonical, prev_hash, prev, chain_id, row["seq"]],
+        )
     recompute_checkpoints(conn, log, chain_id, mac_key)
 
 
@@ -66,13 +75,16 @@ def recompute_checkpoints(conn: sqlite3.Connection, log: str, chain_id: int, mac
     for cp in rows(conn, checkpoints, chain_id, order="num"):
         covered = hashes[cp["first_seq"] - 1 : cp["last_seq"]]
         root, head = merkle_root(covered), covered[-1]
-        canonical = canonical_checkpoint(chain_id, cp["num"], cp["first_seq"], cp["last_seq"], root, head,
-                                         cp["created_ms"])
+        canonical = canonical_checkpoint(
+            chain_id, cp["num"], cp["first_seq"], cp["last_seq"], root, head, cp["created_ms"]
+        )
         checkpoint_hash = chain_hash(prev, canonical)
-        mac = cp["mac"] if mac_key is None else checkpoint_mac(mac_key, log, chain_id, checkpoint_hash)  # type: ignore[arg-type]
-        conn.execute(f"UPDATE {checkpoints} SET merkle_root = ?, last_record_hash = ?, canonical_json = ?, "
-                     "prev_hash = ?, checkpoint_hash = ?, mac = ? WHERE chain_id = ? AND num = ?",
-                     (root, head, canonical, prev, checkpoint_hash, mac, chain_id, cp["num"]))
+        mac = cp["mac"] if mac_key is None else checkpoint_mac(mac_key, log, chain_id, checkpoint_hash)
+        conn.execute(
+            f"UPDATE {checkpoints} SET merkle_root = ?, last_record_hash = ?, canonical_json = ?, "
+            "prev_hash = ?, checkpoint_hash = ?, mac = ? WHERE chain_id = ? AND num = ?",
+            (root, head, canonical, prev, checkpoint_hash, mac, chain_id, cp["num"]),
+        )
         prev = checkpoint_hash
 
 

@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+
 from schemas.codec import decode, encode
 from schemas.messages import AuditAnchor
 from schemas.topics import Topics
@@ -19,8 +20,8 @@ from services.auditor.app import create_app
 from services.auditor.chain import checkpoint_mac
 from services.auditor.config import AuditorSettings
 from services.auditor.ledger import Ledger
-from weir.kafka.admin import describe_topic_configs
 from tests.waiting import until
+from weir.kafka.admin import describe_topic_configs
 
 from .factories import make_event, make_flag
 from .tamper import ATTACKER_KEY, cut_tail, open_raw, rewrite_chain
@@ -35,8 +36,9 @@ NUM_EVENTS, NUM_FLAGS = 12, 4
 async def verify(db: Path, bootstrap: str, topics: Topics, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
     """`weir audit verify` (a program with its own event loop: run from a thread here)."""
     capsys.readouterr()
-    status = await asyncio.to_thread(cli.main, ["verify", "--db", str(db), "--bootstrap", bootstrap,
-                                                "--topic-prefix", topics.prefix])
+    status = await asyncio.to_thread(
+        cli.main, ["verify", "--db", str(db), "--bootstrap", bootstrap, "--topic-prefix", topics.prefix]
+    )
     return status, capsys.readouterr().out
 
 
@@ -50,15 +52,21 @@ async def newest_anchored(bootstrap: str, topics: Topics) -> dict[str, int]:
 
 
 @pytest.fixture
-async def ledger_with_anchors(bootstrap: str, audit_topics: Topics, tmp_path: Path,
-                              monkeypatch: pytest.MonkeyPatch) -> Path:
+async def ledger_with_anchors(
+    bootstrap: str, audit_topics: Topics, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Path:
     """A ledger the auditor wrote from the real audit topic: records 1..12 in checkpoints of three,
     flags 1..3 in one checkpoint and flag 4 after it, every checkpoint anchored."""
     monkeypatch.setenv("WEIR_AUDIT_CHECKPOINT_KEY", KEY)
     topics = audit_topics
     db = tmp_path / "audit.sqlite"
-    settings = AuditorSettings(kafka_bootstrap=bootstrap, topic_prefix=topics.prefix, audit_db=db,
-                               audit_checkpoint_every_records=3, audit_checkpoint_every_s=3600)
+    settings = AuditorSettings(
+        kafka_bootstrap=bootstrap,
+        topic_prefix=topics.prefix,
+        audit_db=db,
+        audit_checkpoint_every_records=3,
+        audit_checkpoint_every_s=3600,
+    )
 
     async def feed(messages: list[bytes], log: str, anchored_to: int) -> None:
         await produce(bootstrap, topics.audit, [(b"one", m) for m in messages])  # one key: one chain of each
@@ -101,7 +109,7 @@ async def test_verify_checks_the_ledger_against_its_kafka_anchors(
     status, out = await verify(db, bootstrap, topics, capsys)
     assert status == 0, out
     assert out.startswith(f"OK: {NUM_EVENTS} records in 1 chains, 4 checkpoints, all intact; {NUM_FLAGS} review flags")
-    assert f"ANCHORS OK: the ledger matches the " in out
+    assert "ANCHORS OK: the ledger matches the " in out
     assert f"audit chain {partition}: anchored up to checkpoint 4 (seq 12" in out
     assert f"review flags chain {partition}: anchored up to checkpoint 1 (seq 3" in out
     assert "1 record(s) after it not anchored yet" in out  # flag 4: after the last flag checkpoint
@@ -112,7 +120,7 @@ async def test_verify_checks_the_ledger_against_its_kafka_anchors(
         assert cut_tail(conn, "audit", partition, keep_checkpoints=2) == 6
     status, out = await verify(cut, bootstrap, topics, capsys)
     assert status == 1 and out.startswith("OK: 6 records in 1 chains, 2 checkpoints, all intact"), out
-    assert (f"TRUNCATED audit chain {partition}: Kafka's anchor of checkpoint 3 covers seq 7..9" in out), out
+    assert f"TRUNCATED audit chain {partition}: Kafka's anchor of checkpoint 3 covers seq 7..9" in out, out
 
     # A record rewritten, every record hash after it and every checkpoint recomputed (without the key).
     rewritten = copy_of(db, "rewritten.sqlite")
@@ -126,8 +134,15 @@ async def test_verify_checks_the_ledger_against_its_kafka_anchors(
     # The same rewrite by someone who holds the checkpoint key: only the anchor shows it.
     with_key = copy_of(db, "with-key.sqlite")
     with open_raw(with_key) as conn:
-        rewrite_chain(conn, "audit", partition, 5, "principal", "someone-innocent",
-                      mac_key=bytes.fromhex(KEY.removeprefix("hex:")))
+        rewrite_chain(
+            conn,
+            "audit",
+            partition,
+            5,
+            "principal",
+            "someone-innocent",
+            mac_key=bytes.fromhex(KEY.removeprefix("hex:")),
+        )
     status, out = await verify(with_key, bootstrap, topics, capsys)
     assert status == 1 and out.startswith("OK: "), out
     assert f"REWRITTEN audit chain {partition}" in out
@@ -151,21 +166,27 @@ async def test_verify_checks_the_ledger_against_its_kafka_anchors(
 
     # A forged anchor on the topic (a Kafka client without the key): named, and verify fails.
     anchor = decode(AuditAnchor, (await read_all(bootstrap, topics.audit_anchors))[-1])
-    forged = anchor.model_copy(update={"last_seq": 99, "mac": checkpoint_mac(ATTACKER_KEY, anchor.log,
-                                                                              anchor.chain_id, anchor.checkpoint_hash)})
+    forged = anchor.model_copy(
+        update={
+            "last_seq": 99,
+            "mac": checkpoint_mac(ATTACKER_KEY, anchor.log, anchor.chain_id, anchor.checkpoint_hash),
+        }
+    )
     await produce(bootstrap, topics.audit_anchors, [(b"audit/0", encode(forged))])
     status, out = await verify(db, bootstrap, topics, capsys)
     assert status == 1, out
     assert "ANCHORS BROKEN: 1 problem(s)" in out and "FORGED anchor at offset" in out
 
 
-async def test_verify_without_kafka_exits_2_and_says_how_to_skip(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_verify_without_kafka_exits_2_and_says_how_to_skip(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("WEIR_AUDIT_CHECKPOINT_KEY", KEY)
     db = tmp_path / "audit.sqlite"
     Ledger(db).close()
-    status = await asyncio.to_thread(cli.main, ["verify", "--db", str(db), "--bootstrap", "127.0.0.1:1",
-                                                "--anchor-timeout", "3"])
+    status = await asyncio.to_thread(
+        cli.main, ["verify", "--db", str(db), "--bootstrap", "127.0.0.1:1", "--anchor-timeout", "3"]
+    )
     assert status == 2
     assert "cannot read the anchors" in capsys.readouterr().err
     assert cli.main(["verify", "--db", str(db), "--no-anchor"]) == 0
@@ -174,12 +195,25 @@ async def test_verify_without_kafka_exits_2_and_says_how_to_skip(tmp_path: Path,
     assert "--no-anchor skips them" in capsys.readouterr().err
 
 
-async def test_verify_refuses_a_missing_anchor_topic(bootstrap: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                     capsys: pytest.CaptureFixture[str]) -> None:
+async def test_verify_refuses_a_missing_anchor_topic(
+    bootstrap: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setenv("WEIR_AUDIT_CHECKPOINT_KEY", KEY)
     db = tmp_path / "audit.sqlite"
     Ledger(db).close()
-    status = await asyncio.to_thread(cli.main, ["verify", "--db", str(db), "--bootstrap", bootstrap,
-                                                "--topic-prefix", "no-such-prefix-x1", "--anchor-timeout", "10"])
+    status = await asyncio.to_thread(
+        cli.main,
+        [
+            "verify",
+            "--db",
+            str(db),
+            "--bootstrap",
+            bootstrap,
+            "--topic-prefix",
+            "no-such-prefix-x1",
+            "--anchor-timeout",
+            "10",
+        ],
+    )
     assert status == 2
     assert "no-such-prefix-x1.audit.anchors does not exist" in capsys.readouterr().err

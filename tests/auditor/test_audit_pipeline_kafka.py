@@ -21,10 +21,10 @@ from services.auditor.lookup import lookup
 from services.worker.app import WorkerService
 from services.worker.config import WorkerSettings
 from tests.kafka_helpers import produce, read_until
+from tests.waiting import until
 from tests.worker.factories import make_model_dir, make_request
 from weir.embedding.fingerprints import build_fingerprinter
 from weir.kafka.admin import ensure_topics
-from tests.waiting import until
 
 pytestmark = pytest.mark.kafka
 REPO = Path(__file__).resolve().parents[2]
@@ -53,18 +53,37 @@ async def test_worker_fingerprints_reach_the_ledger_and_lookups_find_them(bootst
         pytest.skip("all-MiniLM-L6-v2 cannot be exported or loaded here")
     model_dir = make_model_dir(tmp_path / "tiny", "llama")
     prefix = f"t{uuid.uuid4().hex[:8]}"
-    worker = WorkerSettings(kafka_bootstrap=bootstrap, topic_prefix=prefix, model_repo=str(write_repo(tmp_path, model_dir)),
-                            models="tiny", watermark_tenants=WATERMARKS, heartbeat_interval_ms=200)  # fmt: skip
+    worker = WorkerSettings(
+        kafka_bootstrap=bootstrap,
+        topic_prefix=prefix,
+        model_repo=str(write_repo(tmp_path, model_dir)),
+        models="tiny",
+        watermark_tenants=WATERMARKS,
+        heartbeat_interval_ms=200,
+    )
     topics = worker.topics
     replies = topics.replies("test")
     await ensure_topics(bootstrap, [*topics.core_specs(), *topics.model_specs("tiny@1"), topics.reply_spec("test")])
-    requests = [make_request(f"def f{i}(x):", model="tiny", reply_to=replies, max_tokens=48, temperature=1.0,
-                             ignore_eos=True, tenant="acme" if i % 2 else "default") for i in range(4)]  # fmt: skip
+    requests = [
+        make_request(
+            f"def f{i}(x):",
+            model="tiny",
+            reply_to=replies,
+            max_tokens=48,
+            temperature=1.0,
+            ignore_eos=True,
+            tenant="acme" if i % 2 else "default",
+        )
+        for i in range(4)
+    ]
     service = WorkerService(worker)
     task = asyncio.create_task(service.serve())
     try:
-        await produce(bootstrap, topics.batches("tiny@1"),
-                      [("b1", encode(Batch(batch_id="b1", model="tiny@1", requests=requests, batcher_id="t")))])
+        await produce(
+            bootstrap,
+            topics.batches("tiny@1"),
+            [("b1", encode(Batch(batch_id="b1", model="tiny@1", requests=requests, batcher_id="t")))],
+        )
         records = await read_until(bootstrap, [topics.audit], lambda rs: len(rs) >= 4, timeout_s=120)
     finally:
         task.cancel()
@@ -83,6 +102,7 @@ async def test_worker_fingerprints_reach_the_ledger_and_lookups_find_them(bootst
 
     db = tmp_path / "audit.sqlite"
     auditor = AuditorSettings(kafka_bootstrap=bootstrap, topic_prefix=prefix, audit_db=db)
+
     def has_four_records() -> bool:
         if not db.exists():
             return False

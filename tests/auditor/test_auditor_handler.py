@@ -27,8 +27,13 @@ from tests.auditor.factories import make_event, make_flag
 def settings_for(tmp_path: Path) -> AuditorSettings:
     # No canary guard nor health alerts: they follow the registry (and the health topic) over a real
     # broker (test_traffic_kafka.py, test_health_kafka.py).
-    return AuditorSettings(topic_prefix="unit", audit_db=tmp_path / "audit.sqlite", audit_retry_backoff_s=0.01,
-                           canary_guard=False, health_alerts=False)
+    return AuditorSettings(
+        topic_prefix="unit",
+        audit_db=tmp_path / "audit.sqlite",
+        audit_retry_backoff_s=0.01,
+        canary_guard=False,
+        health_alerts=False,
+    )
 
 
 async def test_events_and_flags_are_stored_once_and_the_rest_dead_lettered(tmp_path: Path) -> None:

@@ -25,9 +25,9 @@ from services.auditor.app import create_app
 from services.auditor.config import AuditorSettings
 from services.auditor.ledger import Ledger, LedgerError
 from tests.ports import HeldPort
+from tests.waiting import until
 from weir.kafka.admin import delete_prefixed_topics, ensure_topics, list_topic_names
 from weir.metrics import value
-from tests.waiting import until
 
 from .factories import make_event, make_flag
 
@@ -83,8 +83,10 @@ async def committed_and_end(bootstrap: str, topics: Topics) -> tuple[dict[int, i
         committed = await admin.list_consumer_group_offsets(topics.auditor_group)
         tps = [TopicPartition(topics.audit, p) for p in range(4)]
         end = await consumer.end_offsets(tps)
-        return ({tp.partition: committed[tp].offset if tp in committed else -1 for tp in tps},
-                {tp.partition: end[tp] for tp in tps})
+        return (
+            {tp.partition: committed[tp].offset if tp in committed else -1 for tp in tps},
+            {tp.partition: end[tp] for tp in tps},
+        )
     finally:
         await consumer.stop()
         await admin.close()
@@ -98,13 +100,12 @@ async def is_fully_committed(bootstrap: str, topics: Topics) -> bool:
 
 async def rewind_group(bootstrap: str, topics: Topics) -> None:
     """Commit offset 0 on every audit partition: the next auditor reads everything again."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=topics.auditor_group,
-                                enable_auto_commit=False)
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=topics.auditor_group, enable_auto_commit=False)
     await consumer.start()
     try:
         tps = [TopicPartition(topics.audit, p) for p in range(4)]
         consumer.assign(tps)
-        await consumer.commit({tp: 0 for tp in tps})
+        await consumer.commit(dict.fromkeys(tps, 0))
     finally:
         await consumer.stop()
 
@@ -122,6 +123,7 @@ def num_records(db: Path) -> int:
 
 async def run_until(settings: AuditorSettings, bootstrap: str, topics: Topics, expected_records: int) -> None:
     """Run the auditor app until it holds `expected_records` and committed everything it read."""
+
     async def is_done() -> bool:
         return num_records(settings.audit_db) == expected_records and await is_fully_committed(bootstrap, topics)
 
@@ -158,7 +160,12 @@ async def test_auditor_records_each_event_once_and_dead_letters_the_rest(
     assert {letter.key for letter in letters} == {"bad-1", "bad-2", "bad-3"}
 
     capsys.readouterr()  # drop FastStream's log lines
-    assert await asyncio.to_thread(cli.main, ["verify", "--db", str(db), "--bootstrap", bootstrap, "--topic-prefix", topics.prefix]) == 0
+    assert (
+        await asyncio.to_thread(
+            cli.main, ["verify", "--db", str(db), "--bootstrap", bootstrap, "--topic-prefix", topics.prefix]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     num_chains = len({r["kafka_partition"] for r in records})
     assert out.startswith(f"OK: 20 records in {num_chains} chains, "), out
@@ -173,7 +180,12 @@ async def test_auditor_records_each_event_once_and_dead_letters_the_rest(
     await produce(bootstrap, topics.audit, [(e.request_id.encode(), encode(e)) for e in more])
     await run_until(settings, bootstrap, topics, expected_records=23)
     capsys.readouterr()
-    assert await asyncio.to_thread(cli.main, ["verify", "--db", str(db), "--bootstrap", bootstrap, "--topic-prefix", topics.prefix]) == 0
+    assert (
+        await asyncio.to_thread(
+            cli.main, ["verify", "--db", str(db), "--bootstrap", bootstrap, "--topic-prefix", topics.prefix]
+        )
+        == 0
+    )
     assert capsys.readouterr().out.startswith("OK: 23 records in ")
     assert len(await read_all(bootstrap, topics.dead_letter)) == 6  # redelivered, dead-lettered again
 
@@ -219,13 +231,16 @@ async def test_offset_is_not_committed_past_an_event_the_ledger_refused(
 ) -> None:
     topics = audit_topics
     db = tmp_path / "audit.sqlite"
-    settings = AuditorSettings(kafka_bootstrap=bootstrap, topic_prefix=topics.prefix, audit_db=db,
-                               audit_retry_backoff_s=0.1)
+    settings = AuditorSettings(
+        kafka_bootstrap=bootstrap, topic_prefix=topics.prefix, audit_db=db, audit_retry_backoff_s=0.1
+    )
     Ledger(db).close()
     # The ledger file refuses ev-5 until the trigger goes: a disk-level failure, no mock.
     raw = sqlite3.connect(db, isolation_level=None, timeout=10)
-    raw.execute("CREATE TRIGGER refuse_ev5 BEFORE INSERT ON audit_log WHEN NEW.event_id = 'ev-5' "
-                "BEGIN SELECT RAISE(ABORT, 'injected failure'); END")
+    raw.execute(
+        "CREATE TRIGGER refuse_ev5 BEFORE INSERT ON audit_log WHEN NEW.event_id = 'ev-5' "
+        "BEGIN SELECT RAISE(ABORT, 'injected failure'); END"
+    )
     events = [make_event(i) for i in range(1, 21)]
     landed = await produce(bootstrap, topics.audit, [(e.request_id.encode(), encode(e)) for e in events])
     stuck = landed[4]  # where ev-5 is
@@ -255,7 +270,9 @@ async def test_offset_is_not_committed_past_an_event_the_ledger_refused(
         assert ledger.verify().is_ok
 
 
-async def test_binary_and_null_headers_do_not_hold_back_their_batch(bootstrap: str, audit_topics: Topics, tmp_path: Path) -> None:
+async def test_binary_and_null_headers_do_not_hold_back_their_batch(
+    bootstrap: str, audit_topics: Topics, tmp_path: Path
+) -> None:
     # FastStream decodes header values as UTF-8; one that is not (or null) must not fail its batch.
     topics = audit_topics
     settings = AuditorSettings(kafka_bootstrap=bootstrap, topic_prefix=topics.prefix, audit_db=tmp_path / "a.sqlite")
@@ -275,8 +292,9 @@ async def test_binary_and_null_headers_do_not_hold_back_their_batch(bootstrap: s
 async def test_main_runs_until_sigterm(bootstrap: str, tmp_path: Path) -> None:
     # A deployment made before the anchor topic existed: `weir auditor` creates it.
     audit_topics = Topics(prefix=f"t{uuid4().hex[:8]}")
-    await ensure_topics(bootstrap, [s for s in audit_topics.core_specs() if s.name in (audit_topics.audit,
-                                                                                       audit_topics.dead_letter)])
+    await ensure_topics(
+        bootstrap, [s for s in audit_topics.core_specs() if s.name in (audit_topics.audit, audit_topics.dead_letter)]
+    )
     try:
         await _run_main_until_sigterm(bootstrap, audit_topics, tmp_path)
         assert audit_topics.audit_anchors in await list_topic_names(bootstrap)
@@ -289,12 +307,23 @@ async def _run_main_until_sigterm(bootstrap: str, audit_topics: Topics, tmp_path
     await produce(bootstrap, audit_topics.audit, [(b"k", encode(make_event(i))) for i in range(1, 4)])
     with HeldPort() as held:  # the auditor serves the test's socket: no pick-then-release race
         port = held.port
-        env = {**os.environ, "WEIR_KAFKA_BOOTSTRAP": bootstrap, "WEIR_TOPIC_PREFIX": audit_topics.prefix,
-               "WEIR_AUDIT_API_PORT": str(port)}
+        env = {
+            **os.environ,
+            "WEIR_KAFKA_BOOTSTRAP": bootstrap,
+            "WEIR_TOPIC_PREFIX": audit_topics.prefix,
+            "WEIR_AUDIT_API_PORT": str(port),
+        }
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", "import sys; from services.auditor.app import main; sys.exit(main(sys.argv[1:]))",
-            "--db", str(db), env=held.env(env), cwd=REPO, stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE, pass_fds=held.pass_fds,
+            sys.executable,
+            "-c",
+            "import sys; from services.auditor.app import main; sys.exit(main(sys.argv[1:]))",
+            "--db",
+            str(db),
+            env=held.env(env),
+            cwd=REPO,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+            pass_fds=held.pass_fds,
         )
 
     async def has_three_records() -> bool:

@@ -50,8 +50,13 @@ async def test_a_restarted_auditor_publishes_its_rate_cards_at_once_without_a_fa
     with Ledger(db) as ledger:  # what a first start served, a minute ago
         ledger.append(make_event(1, finished_ms=now_ms() - 60_000, prompt_tokens=10, completion_tokens=30), 0, 0)
     # The next card only after an hour: a card now is the one published at start.
-    settings = AuditorSettings(kafka_bootstrap=bootstrap, topic_prefix=audit_topics.prefix, audit_db=db,
-                               usage_rate_every_s=3600, comparison_embedding_model="")  # fmt: skip
+    settings = AuditorSettings(
+        kafka_bootstrap=bootstrap,
+        topic_prefix=audit_topics.prefix,
+        audit_db=db,
+        usage_rate_every_s=3600,
+        comparison_embedding_model="",
+    )
     caplog.set_level(logging.WARNING, logger="services.auditor.app")
     async with create_app(settings):
         deadline = time.monotonic() + 60

@@ -17,9 +17,16 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def live(rid: str = "r1", text: str = "a b c", tokens: list[int] | None = None, model: str = "m@1") -> ShadowLive:
-    return ShadowLive(request_id=rid, model=model, assignment="default", text=text,
-                      token_ids=[1, 2, 3] if tokens is None else tokens, finish_reason="stop", ttft_ms=20.0,
-                      tokens_per_s=50.0)
+    return ShadowLive(
+        request_id=rid,
+        model=model,
+        assignment="default",
+        text=text,
+        token_ids=[1, 2, 3] if tokens is None else tokens,
+        finish_reason="stop",
+        ttft_ms=20.0,
+        tokens_per_s=50.0,
+    )
 
 
 def deltas(rid: str, pieces: list[tuple[str, list[int]]]) -> list[ReplyDelta]:
@@ -27,8 +34,17 @@ def deltas(rid: str, pieces: list[tuple[str, list[int]]]) -> list[ReplyDelta]:
 
 
 def end(rid: str, seq: int, finish: str = "stop", model: str | None = "m@2", **kw: Any) -> ReplyEnd:
-    return ReplyEnd(request_id=rid, seq=seq, finish_reason=finish, model_version=model, received_ms=T0,
-                    first_token_ms=T0 + 30, created_ms=T0 + 130, usage=Usage(completion_tokens=3), **kw)
+    return ReplyEnd(
+        request_id=rid,
+        seq=seq,
+        finish_reason=finish,
+        model_version=model,
+        received_ms=T0,
+        first_token_ms=T0 + 30,
+        created_ms=T0 + 130,
+        usage=Usage(completion_tokens=3),
+        **kw,
+    )
 
 
 class Clock:
@@ -113,12 +129,15 @@ def test_one_live_answer_meets_every_mirror() -> None:
     assert join.add_live(live()) == []  # a redelivery
 
 
-@pytest.mark.parametrize(("live_model", "rid", "served", "why"), [
-    ("m@1", "r1.mirror.other@2", "other@2", "no other version"),
-    ("m@1", "r1.mirror.1", "m@1", "no other version"),
-    ("m@1", "r1.mirror.2", "m@7", "served by 'm@7'"),
-    ("m", "r1.mirror.2", "m@2", "no name@version"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("live_model", "rid", "served", "why"),
+    [
+        ("m@1", "r1.mirror.other@2", "other@2", "no other version"),
+        ("m@1", "r1.mirror.1", "m@1", "no other version"),
+        ("m@1", "r1.mirror.2", "m@7", "served by 'm@7'"),
+        ("m", "r1.mirror.2", "m@2", "no name@version"),
+    ],
+)
 def test_forged_pairs(live_model: str, rid: str, served: str, why: str) -> None:
     join = ShadowJoin()
     join.add_live(live(model=live_model)) if live_model != "m" else None
@@ -181,7 +200,7 @@ def test_join_counts_are_on_metrics() -> None:
     health, join = HealthMetrics(), ShadowJoin(ttl_s=1, clock=Clock())
     health.shadow_join = join.counts
     join.add_live(live())
-    join.clock.now = 2  # type: ignore[attr-defined]
+    join.clock.now = 2
     join.expire()
     text = health.render()
     assert value(text, "weir_audit_shadow_join_total", outcome="expired_live") == 1

@@ -17,8 +17,8 @@ from schemas.topics import Topics
 from services.auditor.app import create_app
 from services.auditor.config import AuditorSettings
 from services.auditor.ledger import Ledger
-from weir.kafka.admin import delete_prefixed_topics, ensure_topics
 from tests.waiting import until
+from weir.kafka.admin import delete_prefixed_topics, ensure_topics
 
 from .test_auditor_kafka import produce, read_all
 
@@ -34,58 +34,106 @@ def fake_embed(texts: list[str]) -> list[list[float]]:
 
 
 def live(rid: str, text: str, tokens: list[int], model: str = "m@1") -> bytes:
-    return encode(ShadowLive(request_id=rid, model=model, assignment="canary", text=text, token_ids=tokens,
-                             finish_reason="stop", ttft_ms=25.0, tokens_per_s=40.0))
+    return encode(
+        ShadowLive(
+            request_id=rid,
+            model=model,
+            assignment="canary",
+            text=text,
+            token_ids=tokens,
+            finish_reason="stop",
+            ttft_ms=25.0,
+            tokens_per_s=40.0,
+        )
+    )
 
 
 def mirror(rid: str, pieces: list[tuple[str, list[int]]], served: str = "m@2") -> list[bytes]:
     events = [encode(ReplyDelta(request_id=rid, seq=i, text=t, token_ids=ids)) for i, (t, ids) in enumerate(pieces)]
-    return [*events, encode(ReplyEnd(request_id=rid, seq=len(pieces), finish_reason="stop", model_version=served,
-                                     received_ms=T0, first_token_ms=T0 + 50, created_ms=T0 + 250,
-                                     usage=Usage(completion_tokens=sum(len(ids) for _, ids in pieces))))]
+    return [
+        *events,
+        encode(
+            ReplyEnd(
+                request_id=rid,
+                seq=len(pieces),
+                finish_reason="stop",
+                model_version=served,
+                received_ms=T0,
+                first_token_ms=T0 + 50,
+                created_ms=T0 + 250,
+                usage=Usage(completion_tokens=sum(len(ids) for _, ids in pieces)),
+            )
+        ),
+    ]
 
 
 @pytest.fixture
 async def topics(bootstrap: str):
     topics = Topics(prefix=f"t{uuid4().hex[:8]}")
-    wanted = {topics.audit, topics.audit_anchors, topics.dead_letter, topics.shadow_live, topics.comparisons,
-              topics.models, topics.model_health, topics.traffic}  # the canary guard follows the registry
+    wanted = {
+        topics.audit,
+        topics.audit_anchors,
+        topics.dead_letter,
+        topics.shadow_live,
+        topics.comparisons,
+        topics.models,
+        topics.model_health,
+        topics.traffic,
+    }  # the canary guard follows the registry
     await ensure_topics(bootstrap, [*[s for s in topics.core_specs() if s.name in wanted], topics.reply_spec("shadow")])
     yield topics
     await delete_prefixed_topics(bootstrap, topics.prefix)
 
 
-async def test_comparisons_appear_and_forged_records_are_dead_lettered(bootstrap: str, topics: Topics,
-                                                                      tmp_path: Path) -> None:
+async def test_comparisons_appear_and_forged_records_are_dead_lettered(
+    bootstrap: str, topics: Topics, tmp_path: Path
+) -> None:
     db = tmp_path / "audit.sqlite"
-    settings = AuditorSettings(kafka_bootstrap=bootstrap, topic_prefix=topics.prefix, audit_db=db,
-                               audit_checkpoint_key="hex:" + "ab" * 16)
+    settings = AuditorSettings(
+        kafka_bootstrap=bootstrap, topic_prefix=topics.prefix, audit_db=db, audit_checkpoint_key="hex:" + "ab" * 16
+    )
     replies, shadow_live = topics.shadow_replies, topics.shadow_live
     async with create_app(settings, embed=fake_embed):
         # Bad records first, on both topics: none may stop what follows.
-        await produce(bootstrap, replies, [
-            (b"k", b"not json"),
-            (b"k", orjson.dumps({"type": "end", "request_id": "x"})),  # no seq, no finish_reason
-            (b"k", mirror("r0", [("hi", [1])])[0]),  # no mirror copy's id
-        ])  # fmt: skip
-        await produce(bootstrap, shadow_live, [
-            (b"k", b"{}"),
-            (b"k", live("r9.mirror.2", "a b c", [1, 2, 3])),  # a mirror's id as a live answer
-            (b"k", live("r3", "a b c", [1, 2, 3])),
-        ])  # fmt: skip
+        await produce(
+            bootstrap,
+            replies,
+            [
+                (b"k", b"not json"),
+                (b"k", orjson.dumps({"type": "end", "request_id": "x"})),  # no seq, no finish_reason
+                (b"k", mirror("r0", [("hi", [1])])[0]),  # no mirror copy's id
+            ],
+        )
+        await produce(
+            bootstrap,
+            shadow_live,
+            [
+                (b"k", b"{}"),
+                (b"k", live("r9.mirror.2", "a b c", [1, 2, 3])),  # a mirror's id as a live answer
+                (b"k", live("r3", "a b c", [1, 2, 3])),
+            ],
+        )
         await produce(bootstrap, replies, [(b"k", v) for v in mirror("r3.mirror.2", [("a b x", [1])], served="evil@2")])
         # Two good pairs: live first for r1, mirror first for r2.
         await produce(bootstrap, shadow_live, [(b"r1", live("r1", "a b c", [1, 2, 3]))])
-        await produce(bootstrap, replies, [(b"k", v) for v in
-                                           mirror("r1.mirror.2", [("a b", [1, 2]), (" x", [9])])
-                                           + mirror("r2.mirror.m@2", [("sa", [7]), ("me", [8])])])
+        await produce(
+            bootstrap,
+            replies,
+            [
+                (b"k", v)
+                for v in mirror("r1.mirror.2", [("a b", [1, 2]), (" x", [9])])
+                + mirror("r2.mirror.m@2", [("sa", [7]), ("me", [8])])
+            ],
+        )
         await produce(bootstrap, shadow_live, [(b"r2", live("r2", "same", [7, 8]))])
 
         async def two_comparisons() -> bool:
             return len(await read_all(bootstrap, topics.comparisons)) == 2
 
         await until(two_comparisons, timeout_s=60, what="two comparisons on the topic")
-        found = {c.request_id: c for c in (decode(ModelComparison, v) for v in await read_all(bootstrap, topics.comparisons))}
+        found = {
+            c.request_id: c for c in (decode(ModelComparison, v) for v in await read_all(bootstrap, topics.comparisons))
+        }
         letters = [decode(DeadLetter, v) for v in await read_all(bootstrap, topics.dead_letter)]
 
     one, two = found["r1"], found["r2"]

@@ -24,13 +24,21 @@ from .factories import T0_MS, make_event
 
 SID = "tiny@1"
 DAY_MS = 86400 * 1000
-POLICY = HealthPolicy(baseline_outputs=5, window_outputs=4, min_window_outputs=3,
-                      entropy=Bound(max_abs=None, max_rel=0.3), watermark=Bound(max_abs=2.0, max_rel=None),
-                      max_age_s=30 * 86400.0, clear_ratio=0.8)  # fmt: skip
+POLICY = HealthPolicy(
+    baseline_outputs=5,
+    window_outputs=4,
+    min_window_outputs=3,
+    entropy=Bound(max_abs=None, max_rel=0.3),
+    watermark=Bound(max_abs=2.0, max_rel=None),
+    max_age_s=30 * 86400.0,
+    clear_ratio=0.8,
+)
 
 
-def event(i: int, entropy: float | None = 2.0, z: float | None = None, sid: str = SID, **extra):
-    return make_event(i, model_version=sid, mean_token_entropy=entropy, watermark_z=z, finished_ms=T0_MS + i * 1000, **extra)
+def event(i: int, entropy: float | None = 2.0, z: float | None = None, served_id: str = SID, **extra):
+    return make_event(
+        i, model_version=served_id, mean_token_entropy=entropy, watermark_z=z, finished_ms=T0_MS + i * 1000, **extra
+    )
 
 
 def registry(*records: ModelVersionRecord) -> RegistryState:
@@ -42,7 +50,7 @@ def registry(*records: ModelVersionRecord) -> RegistryState:
 
 def version(created_ms: int, desired: str = "loaded") -> ModelVersionRecord:
     manifest = ModelManifest(name="tiny", version="1", format="echo", location="", created_ms=created_ms)
-    return ModelVersionRecord(manifest=manifest, desired=desired)  # type: ignore[arg-type]
+    return ModelVersionRecord(manifest=manifest, desired=desired)
 
 
 def monitor(state: RegistryState | None = None, policy: HealthPolicy = POLICY) -> HealthMonitor:
@@ -87,7 +95,7 @@ def test_no_alert_before_the_baseline_is_complete() -> None:
     for i, entropy in enumerate((2.0, 2.0, 0.1, 0.1)):  # a wild start, and a window of 4 >= min 3
         mon.observe(event(i, entropy=entropy))
     for i in range(4, 12):
-        mon.observe(event(i, entropy=0.1, sid="other@1"))  # another version's outputs are not this one's
+        mon.observe(event(i, entropy=0.1, served_id="other@1"))  # another version's outputs are not this one's
     assert mon.drift(SID, "entropy", T0_MS).baseline is None
     assert publish(mon, T0_MS) == []  # 4 of 5 baseline outputs: nothing is judged
     assert [(a.model_version, a.state) for a in publish(monitor(), T0_MS)] == []
@@ -140,7 +148,12 @@ def test_an_error_rate_past_its_bound_raises_and_clears_under_the_clear_ratio() 
     mon.observe(event(2))
     [raised] = publish(mon, T0_MS)  # 1 of 3
     assert (raised.signal, raised.state, raised.value, raised.baseline, raised.threshold) == (
-        "error_rate", "raised", pytest.approx(1 / 3), None, 0.2)  # fmt: skip
+        "error_rate",
+        "raised",
+        pytest.approx(1 / 3),
+        None,
+        0.2,
+    )
     for i in range(3, 6):
         mon.observe(event(i))  # the window: 1, 2 (stop), 3, 4, 5 -> last 4 without the error
     [cleared] = publish(mon, T0_MS)
@@ -155,7 +168,12 @@ def test_freshness_raises_past_its_bound_and_clears_when_the_version_is_unloaded
     assert publish(mon, now) == []  # 20 days old
     state.apply(version(T0_MS).key, version(created_ms=T0_MS))  # re-pushed record of 40 days ago
     [raised] = publish(mon, now)
-    assert (raised.signal, raised.state, raised.threshold, raised.baseline) == ("freshness", "raised", 30 * 86400.0, None)
+    assert (raised.signal, raised.state, raised.threshold, raised.baseline) == (
+        "freshness",
+        "raised",
+        30 * 86400.0,
+        None,
+    )
     assert raised.value == pytest.approx(40 * 86400.0)
     state.apply(version(T0_MS).key, version(created_ms=T0_MS, desired="unloaded"))
     [cleared] = publish(mon, now)
@@ -191,9 +209,17 @@ def test_state_comes_from_the_topic_so_a_restart_neither_repeats_nor_forgets() -
 
 
 def test_the_ledger_gives_the_same_baseline_and_window_after_a_restart(tmp_path: Path) -> None:
-    events = [event(i, entropy=1.0 + i / 10, z=None if i % 4 == 0 else 4.0 + i, sid=SID if i % 3 else "tiny@2",
-                    finish_reason="error" if i % 5 == 0 else "stop",
-                    structured_valid=(i % 7 != 0) if i % 2 else None) for i in range(30)]  # fmt: skip
+    events = [
+        event(
+            i,
+            entropy=1.0 + i / 10,
+            z=None if i % 4 == 0 else 4.0 + i,
+            served_id=SID if i % 3 else "tiny@2",
+            finish_reason="error" if i % 5 == 0 else "stop",
+            structured_valid=(i % 7 != 0) if i % 2 else None,
+        )
+        for i in range(30)
+    ]
     random.Random(5).shuffle(events)  # arrival order is not finish order
     live = monitor()
     with Ledger(tmp_path / "audit.sqlite", checkpoint_key=b"k" * 32) as ledger:
@@ -210,7 +236,8 @@ def test_the_ledger_gives_the_same_baseline_and_window_after_a_restart(tmp_path:
     assert set(restarted.series) == set(live.series) == {(s, g) for s in (SID, "tiny@2") for g in signals}
     ordered = sorted((e for e in events if e.model_version == SID), key=lambda e: e.finished_ms)
     assert live.drift(SID, "entropy", T0_MS).baseline == pytest.approx(
-        sum(e.mean_token_entropy for e in ordered[:5]) / 5)  # fmt: skip
+        sum(e.mean_token_entropy for e in ordered[:5]) / 5
+    )
 
 
 def test_gauges_show_baseline_current_freshness_and_the_open_alert() -> None:
@@ -236,11 +263,16 @@ def test_gauges_show_baseline_current_freshness_and_the_open_alert() -> None:
 
 
 def test_settings_make_the_policy_and_one_that_cannot_work_is_refused() -> None:
-    settings = AuditorSettings(health_entropy_max_rel="off", health_max_age_s="", health_watermark_max_abs=3,
-                               health_baseline_outputs=7)  # fmt: skip
+    settings = AuditorSettings(
+        health_entropy_max_rel="off", health_max_age_s="", health_watermark_max_abs=3, health_baseline_outputs=7
+    )
     policy = HealthPolicy.from_settings(settings)
     assert (policy.entropy, policy.watermark, policy.max_age_s, policy.baseline_outputs) == (
-        Bound(None, None), Bound(3.0, None), None, 7)  # fmt: skip
+        Bound(None, None),
+        Bound(3.0, None),
+        None,
+        7,
+    )
     with pytest.raises(ValidationError, match="MIN_WINDOW_OUTPUTS must not exceed"):
         AuditorSettings(health_window_outputs=5, health_min_window_outputs=6)
     with pytest.raises(ValueError, match="min_window_outputs"):

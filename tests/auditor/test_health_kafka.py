@@ -19,11 +19,11 @@ from schemas.topics import Topics
 from services.auditor.app import create_app
 from services.auditor.config import AuditorSettings
 from services.auditor.health import HealthMetrics
+from tests.waiting import stays_false, until
 from weir import cli as weir_cli
 from weir.bus import BusSettings, read_topic
 from weir.metrics import value
 from weir.registry import publish
-from tests.waiting import stays_false, until
 
 from .factories import T0_MS, make_event
 from .test_auditor_kafka import produce
@@ -33,10 +33,17 @@ pytestmark = pytest.mark.kafka
 SID = "tiny@1"
 
 
-def _event(i: int, entropy: float, sid: str = SID, **extra):
+def _event(i: int, entropy: float, served_id: str = SID, **extra):
     # tiny@2 is a mirror: its outputs are its own health, keyed by the version that served
-    return make_event(i, model="tiny", model_version=sid, mean_token_entropy=entropy, watermark_z=6.0,
-                      finished_ms=T0_MS + i * 1000, **extra)  # fmt: skip
+    return make_event(
+        i,
+        model="tiny",
+        model_version=served_id,
+        mean_token_entropy=entropy,
+        watermark_z=6.0,
+        finished_ms=T0_MS + i * 1000,
+        **extra,
+    )
 
 
 async def _alerts(bus: BusSettings) -> list[HealthAlert]:
@@ -54,9 +61,17 @@ TEN_TICKS_S = 2.0
 
 
 def _settings(bootstrap: str, topics: Topics, db: Path) -> AuditorSettings:
-    return AuditorSettings(kafka_bootstrap=bootstrap, topic_prefix=topics.prefix, audit_db=db, health_every_s=0.2,
-                           health_baseline_outputs=5, health_window_outputs=4, health_min_window_outputs=4,
-                           health_entropy_max_rel=0.3, canary_guard=False)  # fmt: skip
+    return AuditorSettings(
+        kafka_bootstrap=bootstrap,
+        topic_prefix=topics.prefix,
+        audit_db=db,
+        health_every_s=0.2,
+        health_baseline_outputs=5,
+        health_window_outputs=4,
+        health_min_window_outputs=4,
+        health_entropy_max_rel=0.3,
+        canary_guard=False,
+    )
 
 
 async def test_a_collapse_raises_an_alert_recovery_clears_it_and_a_restart_repeats_nothing(
@@ -69,7 +84,7 @@ async def test_a_collapse_raises_an_alert_recovery_clears_it_and_a_restart_repea
     await produce(bootstrap, topics.health, [(b"x", b"not json"), (SID.encode(), b'{"signal": "entropy"}')])
     normal = [_event(i, 2.0) for i in range(5)]
     collapsed = [_event(i, 0.2) for i in range(5, 9)]
-    mirror = [_event(100 + i, 0.2, sid="tiny@2", shadow_of=f"req-{i}") for i in range(9)]  # low, but steady
+    mirror = [_event(100 + i, 0.2, served_id="tiny@2", shadow_of=f"req-{i}") for i in range(9)]  # low, but steady
     await produce(bootstrap, topics.audit, [(e.request_id.encode(), encode(e)) for e in [*normal, *collapsed, *mirror]])
     settings = _settings(bootstrap, topics, tmp_path / "audit.sqlite")
     health = HealthMetrics()
@@ -86,7 +101,9 @@ async def test_a_collapse_raises_an_alert_recovery_clears_it_and_a_restart_repea
         assert value(text, "weir_model_output_entropy_nats", model_name=SID, window="current") == pytest.approx(0.2)
         assert value(text, "weir_model_freshness_seconds", model_name=SID) is not None
         # the mirror version's outputs: its own baseline (0.2) and no drift from it
-        assert value(text, "weir_model_output_entropy_nats", model_name="tiny@2", window="baseline") == pytest.approx(0.2)
+        assert value(text, "weir_model_output_entropy_nats", model_name="tiny@2", window="baseline") == pytest.approx(
+            0.2
+        )
         assert value(text, "weir_model_alert", model_name="tiny@2", signal="entropy") is None
 
     # A restart while raised: the same baseline from the ledger, the open alert from the topic, so
@@ -94,12 +111,16 @@ async def test_a_collapse_raises_an_alert_recovery_clears_it_and_a_restart_repea
     health = HealthMetrics()
     async with create_app(settings, health):
         assert value(health.render(), "weir_model_alert", model_name=SID, signal="entropy") == 1
+
         async def raised_again() -> bool:
             return [a.state for a in await _alerts(bus) if a.model_version == SID] != ["raised"]
 
         await stays_false(raised_again, for_s=TEN_TICKS_S, interval_s=0.5, what="the open alert raised again")
-        await produce(bootstrap, topics.audit, [(e.request_id.encode(), encode(e)) for e in
-                                                 [_event(i, 1.9) for i in range(9, 13)]])  # fmt: skip
+        await produce(
+            bootstrap,
+            topics.audit,
+            [(e.request_id.encode(), encode(e)) for e in [_event(i, 1.9) for i in range(9, 13)]],
+        )
 
         async def cleared() -> bool:
             return [a.state for a in await _alerts(bus) if a.model_version == SID] == ["raised", "cleared"]
@@ -134,8 +155,18 @@ async def test_an_invalid_structured_output_and_two_workers_that_differ_raise_th
     topics = audit_topics
     bus = BusSettings(kafka_bootstrap=bootstrap, topic_prefix=topics.prefix)
     constrained = [_event(i, 2.0, structured_valid=i != 2) for i in range(4)]
-    twins = [_event(10 + i, 2.0, prompt_hmac="cd" * 32, params_sha256="ab" * 32, seed=7, worker_id=f"w{i}",
-                    output_hmac=("0" if i == 0 else "1") * 64) for i in range(2)]  # fmt: skip
+    twins = [
+        _event(
+            10 + i,
+            2.0,
+            prompt_hmac="cd" * 32,
+            params_sha256="ab" * 32,
+            seed=7,
+            worker_id=f"w{i}",
+            output_hmac=("0" if i == 0 else "1") * 64,
+        )
+        for i in range(2)
+    ]
     await produce(bootstrap, topics.audit, [(e.request_id.encode(), encode(e)) for e in [*constrained, *twins]])
     health = HealthMetrics()
 

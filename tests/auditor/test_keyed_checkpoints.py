@@ -60,10 +60,15 @@ def test_every_checkpoint_carries_its_mac_under_the_key(db: Path) -> None:
     assert report.is_ok, report.describe()
     with Ledger(db, readonly=True, checkpoint_key=KEY) as ledger:
         for log in ("audit", "review_flags"):
-            cps = ledger.checkpoints(0, log)  # type: ignore[arg-type]
-            assert [(cp.first_seq, cp.last_seq) for cp in cps] == ([(1, 4), (5, 8)] if log == "audit" else [(1, 2), (3, 4)])
-            assert all(cp.mac == checkpoint_mac(KEY, log, 0, cp.checkpoint_hash) for cp in cps)  # type: ignore[arg-type]
-        assert sorted((a.log, a.num, a.last_seq) for a in ledger.latest_anchors()) == [("audit", 2, 8), ("review_flags", 2, 4)]
+            cps = ledger.checkpoints(0, log)
+            assert [(cp.first_seq, cp.last_seq) for cp in cps] == (
+                [(1, 4), (5, 8)] if log == "audit" else [(1, 2), (3, 4)]
+            )
+            assert all(cp.mac == checkpoint_mac(KEY, log, 0, cp.checkpoint_hash) for cp in cps)
+        assert sorted((a.log, a.num, a.last_seq) for a in ledger.latest_anchors()) == [
+            ("audit", 2, 8),
+            ("review_flags", 2, 4),
+        ]
     assert "review flags chain 0: 5 flags, 2 checkpoints, intact" in report.describe()
 
 
@@ -79,7 +84,10 @@ def test_the_mac_binds_the_log_chain_and_key() -> None:
 def test_another_key_does_not_verify(db: Path) -> None:
     report = verify(db, key=ATTACKER_KEY)
     assert not report.is_ok
-    assert {(b.log, b.broken_checkpoint, b.kind) for b in report.broken} == {("audit", 1, "forged"), ("review_flags", 1, "forged")}
+    assert {(b.log, b.broken_checkpoint, b.kind) for b in report.broken} == {
+        ("audit", 1, "forged"),
+        ("review_flags", 1, "forged"),
+    }
     assert "MAC does not match the checkpoint key" in report.describe()
 
 
@@ -89,7 +97,9 @@ def test_rewrite_with_recomputed_hashes_and_checkpoints_fails_on_their_macs(db: 
     report = verify(db)
     [broken] = report.broken
     assert (broken.broken_checkpoint, broken.kind) == (1, "forged"), report.describe()
-    assert report.describe().splitlines()[1].startswith("BROKEN chain=0 at checkpoint 1: forged: its MAC does not match")
+    assert (
+        report.describe().splitlines()[1].startswith("BROKEN chain=0 at checkpoint 1: forged: its MAC does not match")
+    )
 
 
 def test_rewrite_keeping_the_old_macs_fails_too(db: Path) -> None:
@@ -164,8 +174,9 @@ def test_forged_and_malformed_anchors_are_named(db: Path) -> None:
     records = [*genuine, AnchorRecord(7, encode(forged)), AnchorRecord(8, encode(edited)), AnchorRecord(9, b"{}")]
     report, anchored = against(db, records)
     assert report.is_ok and not anchored.is_ok
-    assert anchored.problems[0] == ("FORGED anchor at offset 7 (audit chain 0, checkpoint 2): its MAC does not "
-                                    "match the checkpoint key")
+    assert anchored.problems[0] == (
+        "FORGED anchor at offset 7 (audit chain 0, checkpoint 2): its MAC does not match the checkpoint key"
+    )
     assert anchored.problems[1].endswith("its fields do not hash to its checkpoint_hash")
     assert anchored.problems[2].startswith("FORGED anchor at offset 9: it is not an AuditAnchor")
     assert anchor_problem(anchor, KEY) is None and anchor_problem(anchor, ATTACKER_KEY) is not None
@@ -174,7 +185,10 @@ def test_forged_and_malformed_anchors_are_named(db: Path) -> None:
 def test_a_chain_without_any_anchor_is_unanchored(db: Path) -> None:
     report, anchored = against(db, [])
     assert report.is_ok
-    assert [p.split(":")[0] for p in anchored.problems] == ["UNANCHORED audit chain 0", "UNANCHORED review flags chain 0"]
+    assert [p.split(":")[0] for p in anchored.problems] == [
+        "UNANCHORED audit chain 0",
+        "UNANCHORED review flags chain 0",
+    ]
 
 
 def test_a_ledger_whose_checkpoints_predate_macs_is_migrated_and_named(tmp_path: Path) -> None:
@@ -204,7 +218,11 @@ def test_the_checkpoint_key_is_made_once_apart_from_the_fingerprint_key(tmp_path
     key = resolve_checkpoint_key(None, create=True, home=home)
     path = checkpoint_key_file(home)
     assert len(key) == 32 and stat.S_IMODE(path.stat().st_mode) == 0o600
-    assert resolve_checkpoint_key(None, create=True, home=home) == key == resolve_checkpoint_key(None, create=False, home=home)
+    assert (
+        resolve_checkpoint_key(None, create=True, home=home)
+        == key
+        == resolve_checkpoint_key(None, create=False, home=home)
+    )
     assert not key_file(home).exists(), "a separate file from the fingerprint key"
     os.chmod(path, 0o644)
     with pytest.raises(AuditKeyError, match=r"checkpoint key .* has mode 0644"):
@@ -214,7 +232,9 @@ def test_the_checkpoint_key_is_made_once_apart_from_the_fingerprint_key(tmp_path
         resolve_checkpoint_key("short", create=False, home=home)
 
 
-def test_a_readonly_ledger_without_a_key_cannot_verify(db: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_readonly_ledger_without_a_key_cannot_verify(
+    db: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("WEIR_HOME", str(tmp_path / "empty-home"))
     with Ledger(db, readonly=True) as ledger, pytest.raises(LedgerError, match="no checkpoint key"):
         ledger.verify()

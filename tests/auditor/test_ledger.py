@@ -60,10 +60,21 @@ def insert_forged(conn: sqlite3.Connection, seq: int, prev_hash: str, event_id: 
     """Insert a well-formed record for a made-up event at `seq`, chained after `prev_hash`."""
     event = make_event(99, event_id=event_id, principal="mallory").model_dump(mode="json")
     canonical = canonical_record(event, seq, 0, 999, T0_MS + 99)
-    values = {"chain_id": 0, "seq": seq, **event, "kafka_partition": 0, "kafka_offset": 999, "appended_ms": T0_MS + 99,
-              "canonical_json": canonical, "prev_hash": prev_hash, "record_hash": chain_hash(prev_hash, canonical)}
-    conn.execute(f"INSERT INTO {TABLE} ({', '.join(ALL_COLUMNS)}) VALUES ({', '.join('?' * len(ALL_COLUMNS))})",
-                 [values[c] for c in ALL_COLUMNS])
+    values = {
+        "chain_id": 0,
+        "seq": seq,
+        **event,
+        "kafka_partition": 0,
+        "kafka_offset": 999,
+        "appended_ms": T0_MS + 99,
+        "canonical_json": canonical,
+        "prev_hash": prev_hash,
+        "record_hash": chain_hash(prev_hash, canonical),
+    }
+    conn.execute(
+        f"INSERT INTO {TABLE} ({', '.join(ALL_COLUMNS)}) VALUES ({', '.join('?' * len(ALL_COLUMNS))})",
+        [values[c] for c in ALL_COLUMNS],
+    )
 
 
 def shift_up(conn: sqlite3.Connection, from_seq: int) -> None:
@@ -93,7 +104,12 @@ def test_append_builds_one_intact_chain_per_partition(db: Path) -> None:
     assert report.chain(0).head_hash == zero[-1]["record_hash"]
     assert report.chain(1).head_hash == one[-1]["record_hash"]
     first = zero[0]
-    assert (first["chain_id"], first["kafka_partition"], first["kafka_offset"], first["appended_ms"]) == (0, 0, 101, T0_MS + 1)
+    assert (first["chain_id"], first["kafka_partition"], first["kafka_offset"], first["appended_ms"]) == (
+        0,
+        0,
+        101,
+        T0_MS + 1,
+    )
     assert first["first_token_ms"] == T0_MS + 21 and zero[1]["first_token_ms"] is None
 
 
@@ -256,8 +272,9 @@ def test_record_moved_to_another_chain_is_found(db: Path, raw: sqlite3.Connectio
 def test_edited_column_and_json_are_found(db: Path, raw: sqlite3.Connection) -> None:
     old = row(raw, 5)
     new_json = old["canonical_json"].replace(old["output_hmac"], "0" * 64)
-    raw.execute(f"UPDATE {TABLE} SET output_hmac = ?, canonical_json = ? WHERE chain_id = 0 AND seq = 5",
-                ("0" * 64, new_json))
+    raw.execute(
+        f"UPDATE {TABLE} SET output_hmac = ?, canonical_json = ? WHERE chain_id = 0 AND seq = 5", ("0" * 64, new_json)
+    )
     assert "record_hash does not match" in assert_broken(db, 5, "ev-5", "edited")
 
 
@@ -265,8 +282,10 @@ def test_edited_and_rehashed_record_is_found(db: Path, raw: sqlite3.Connection) 
     old = row(raw, 5)
     new_json = old["canonical_json"].replace('"principal":"user-2"', '"principal":"mallory"')
     assert new_json != old["canonical_json"]
-    raw.execute(f"UPDATE {TABLE} SET principal = 'mallory', canonical_json = ?, record_hash = ? "
-                "WHERE chain_id = 0 AND seq = 5", (new_json, chain_hash(old["prev_hash"], new_json)))
+    raw.execute(
+        f"UPDATE {TABLE} SET principal = 'mallory', canonical_json = ?, record_hash = ? WHERE chain_id = 0 AND seq = 5",
+        (new_json, chain_hash(old["prev_hash"], new_json)),
+    )
     assert "rewritten and rehashed" in assert_broken(db, 5, "ev-5", "edited")
 
 
@@ -279,16 +298,22 @@ def rehash_from(conn: sqlite3.Connection, seq: int) -> None:
         if s == seq:
             canonical = canonical.replace(f'"principal":"{old["principal"]}"', '"principal":"mallory"')
         new_hash = chain_hash(prev, canonical)
-        conn.execute(f"UPDATE {TABLE} SET principal = ?, canonical_json = ?, prev_hash = ?, record_hash = ? "
-                     "WHERE chain_id = 0 AND seq = ?",
-                     ("mallory" if s == seq else old["principal"], canonical, prev, new_hash, s))
+        conn.execute(
+            f"UPDATE {TABLE} SET principal = ?, canonical_json = ?, prev_hash = ?, record_hash = ? "
+            "WHERE chain_id = 0 AND seq = ?",
+            ("mallory" if s == seq else old["principal"], canonical, prev, new_hash, s),
+        )
         prev = new_hash
 
 
-def test_record_rewritten_with_the_chain_rehashed_is_caught_by_its_checkpoint(db: Path, raw: sqlite3.Connection) -> None:
+def test_record_rewritten_with_the_chain_rehashed_is_caught_by_its_checkpoint(
+    db: Path, raw: sqlite3.Connection
+) -> None:
     rehash_from(raw, 6)
     line = assert_broken(db, 5, "ev-5", "edited")
-    assert line.startswith("BROKEN chain=0 at checkpoint 2: edited: the records seq=5..8 no longer hash to its Merkle root")
+    assert line.startswith(
+        "BROKEN chain=0 at checkpoint 2: edited: the records seq=5..8 no longer hash to its Merkle root"
+    )
 
 
 def test_rewrite_after_the_last_checkpoint_is_not_caught_without_an_anchor(db: Path, raw: sqlite3.Connection) -> None:
@@ -375,7 +400,7 @@ def test_append_batch_is_one_commit_per_chain(tmp_path: Path) -> None:
     items.append((make_event(3), 1, 300))  # a redelivery within the batch
     with open_ledger(path) as ledger:
         statements: list[str] = []
-        ledger._store._conn.set_trace_callback(statements.append)  # type: ignore[union-attr]
+        ledger._store._conn.set_trace_callback(statements.append)
         outcome = ledger.append_batch(items, now_ms=T0_MS)
         assert statements.count("COMMIT") == 2  # one fsync per chain, not per record
         assert outcome.failed == {}
@@ -391,8 +416,10 @@ def test_append_batch_stops_a_chain_at_its_refused_record(tmp_path: Path) -> Non
     path = tmp_path / "audit.sqlite"
     open_ledger(path).close()
     raw = sqlite3.connect(path, isolation_level=None)
-    raw.execute(f"CREATE TRIGGER refuse_ev6 BEFORE INSERT ON {TABLE} WHEN NEW.event_id = 'ev-6' "
-                "BEGIN SELECT RAISE(ABORT, 'injected failure'); END")
+    raw.execute(
+        f"CREATE TRIGGER refuse_ev6 BEFORE INSERT ON {TABLE} WHEN NEW.event_id = 'ev-6' "
+        "BEGIN SELECT RAISE(ABORT, 'injected failure'); END"
+    )
     items = [(make_event(i), i % 2, 100 + i) for i in range(1, 9)] + [(make_flag(1), 0, 200)]
     with open_ledger(path) as ledger:
         outcome = ledger.append_batch(items, now_ms=T0_MS)

@@ -8,9 +8,9 @@ server instead (a scratch database: the test creates and drops its own schema).
 
 from __future__ import annotations
 
-import re
 import glob
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -22,8 +22,8 @@ import pytest
 
 from services.auditor.chain import chain_hash
 from services.auditor.ledger import CHECKPOINTS, TABLE, Ledger, LedgerError
-from weir.stack import free_ports
 from tests.waiting import wait_until
+from weir.stack import free_ports
 
 from .factories import T0_MS, make_event, make_flag
 
@@ -50,17 +50,38 @@ def server_dsn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     # Not under pytest's tmp dir: as root that is 0700 root, and the server runs as another user.
     root = Path(tempfile.mkdtemp(prefix="weir-pg-"))
     if os.geteuid() == 0:  # PostgreSQL refuses to run as root
-        if shutil.which("runuser") is None or subprocess.run(["id", "postgres"], capture_output=True, check=False).returncode:
+        if (
+            shutil.which("runuser") is None
+            or subprocess.run(["id", "postgres"], capture_output=True, check=False).returncode
+        ):
             pytest.skip("running as root and there is no 'postgres' user to run PostgreSQL as")
         prefix = ["runuser", "-u", "postgres", "--"]
         shutil.chown(root, "postgres")
     data = root / "data"
-    subprocess.run([*prefix, initdb, "-D", str(data), "-U", "weir", "--auth=trust", "-E", "UTF8", "--no-sync"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [*prefix, initdb, "-D", str(data), "-U", "weir", "--auth=trust", "-E", "UTF8", "--no-sync"],
+        check=True,
+        capture_output=True,
+    )
     (port,) = free_ports(1)
-    proc = subprocess.Popen([*prefix, postgres, "-D", str(data), "-k", str(root), "-p", str(port),
-                             "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [
+            *prefix,
+            postgres,
+            "-D",
+            str(data),
+            "-k",
+            str(root),
+            "-p",
+            str(port),
+            "-c",
+            "listen_addresses=127.0.0.1",
+            "-c",
+            "fsync=off",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     dsn = f"postgresql://weir@127.0.0.1:{port}/postgres"
     import psycopg
 
@@ -129,8 +150,10 @@ def test_postgres_ledger_refuses_updates_and_verify_names_tampering(dsn: str) ->
         conn.execute(f"ALTER TABLE {TABLE} DISABLE TRIGGER USER")
         row = conn.execute(f"SELECT prev_hash, canonical_json FROM {TABLE} WHERE seq = 4").fetchone()
         forged = row[1].replace('"principal":"user-1"', '"principal":"mallory"')
-        conn.execute(f"UPDATE {TABLE} SET principal = 'mallory', canonical_json = %s, record_hash = %s WHERE seq = 4",
-                     (forged, chain_hash(row[0], forged)))
+        conn.execute(
+            f"UPDATE {TABLE} SET principal = 'mallory', canonical_json = %s, record_hash = %s WHERE seq = 4",
+            (forged, chain_hash(row[0], forged)),
+        )
     with Ledger(dsn, readonly=True) as ledger:
         broken = ledger.verify().chain(0)
     assert (broken.broken_seq, broken.broken_event_id, broken.kind) == (4, "ev-4", "edited"), broken.describe()
@@ -164,7 +187,12 @@ def test_postgres_ledger_stores_review_flags_once_and_verify_names_tampering(dsn
         conn.execute("UPDATE review_flags SET tenant = 'other' WHERE flag_id = 'flag-2'")
     with Ledger(dsn, readonly=True) as ledger:
         [broken] = ledger.verify().broken
-    assert (broken.log, broken.broken_seq, broken.broken_event_id, broken.kind) == ("review_flags", 2, "flag-2", "edited")
+    assert (broken.log, broken.broken_seq, broken.broken_event_id, broken.kind) == (
+        "review_flags",
+        2,
+        "flag-2",
+        "edited",
+    )
 
 
 def test_postgres_checkpoints_are_keyed_anchored_and_migrated(dsn: str) -> None:
@@ -182,7 +210,9 @@ def test_postgres_checkpoints_are_keyed_anchored_and_migrated(dsn: str) -> None:
             ledger.append_flag(make_flag(i), partition=0, offset=10 + i, now_ms=T0_MS + i)
         anchors = [AnchorRecord(n, encode(a)) for n, a in enumerate(ledger.latest_anchors())]
         assert sorted((a.log, a.num, a.last_seq) for a in ledger.latest_anchors()) == [
-            ("audit", 2, 4), ("review_flags", 2, 4)]
+            ("audit", 2, 4),
+            ("review_flags", 2, 4),
+        ]
     with Ledger(dsn, readonly=True, checkpoint_key=key) as ledger:
         report, anchored = ledger.verify_with_anchors("t.audit.anchors", anchors)
     assert report.is_ok and anchored.is_ok, report.describe() + anchored.describe()

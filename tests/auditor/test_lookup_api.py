@@ -13,13 +13,13 @@ from pydantic import SecretStr
 from schemas.watermark import WatermarkConfig, green_mask
 from services.auditor import cli
 from services.auditor.api import create_api
-from weir.metrics import value
-from weir.service import ops_app
 from services.auditor.config import AuditorSettings
 from services.auditor.health import HealthMetrics
 from services.auditor.ledger import Ledger
 from services.auditor.lookup import lookup
 from services.auditor.watermark import WatermarkDetector
+from weir.metrics import value
+from weir.service import ops_app
 
 from .factories import KEY, T0_MS, make_event
 
@@ -34,7 +34,9 @@ ASKED = "00000000000000ff"
 def db(tmp_path: Path) -> Path:
     path = tmp_path / "audit.sqlite"
     with Ledger(path) as ledger:
-        ledger.append(make_event(1, prompt_simhash="ffffffffffffffff", output_simhash="ffffffffffffff00"), 0, 1, now_ms=T0_MS)
+        ledger.append(
+            make_event(1, prompt_simhash="ffffffffffffffff", output_simhash="ffffffffffffff00"), 0, 1, now_ms=T0_MS
+        )
         ledger.append(make_event(2, output_simhash="00000000000000f8", fingerprint_model="m"), 1, 1, now_ms=T0_MS + 1)
         ledger.append(make_event(3, prompt_simhash="00000000000fffff"), 0, 2, now_ms=T0_MS + 2)
         ledger.append(make_event(4, output_hmac=make_event(1).prompt_hmac), 2, 1, now_ms=T0_MS + 3)  # "prompt 1" again
@@ -45,7 +47,9 @@ def test_exact_lookup_finds_prompt_and_output_by_keyed_hmac(db: Path) -> None:
     with Ledger(db, readonly=True) as ledger:
         found = lookup(ledger, KEY, "  prompt   1 ")  # normalised like the worker does
         assert [(m.event_id, m.field, m.match, m.distance) for m in found] == [
-            ("ev-1", "prompt", "exact", 0), ("ev-4", "output", "exact", 0)]
+            ("ev-1", "prompt", "exact", 0),
+            ("ev-4", "output", "exact", 0),
+        ]
         assert found[0].model_version == "weir-tiny@1" and found[0].principal == "user-1"
         assert lookup(ledger, b"another key", "prompt 1") == []
 
@@ -60,8 +64,12 @@ def test_semantic_lookup_ranks_by_hamming_distance(db: Path) -> None:
 
 @pytest.fixture
 def client(db: Path) -> TestClient:
-    settings = AuditorSettings(audit_db=db, audit_admin_token=SecretStr(TOKEN), audit_hmac_key=SecretStr(KEY.decode()),
-                               model_repo=str(REPO / "models.toml"))
+    settings = AuditorSettings(
+        audit_db=db,
+        audit_admin_token=SecretStr(TOKEN),
+        audit_hmac_key=SecretStr(KEY.decode()),
+        model_repo=str(REPO / "models.toml"),
+    )
     health = HealthMetrics()
     with Ledger(db, readonly=True) as ledger:
         for record in ledger.records():
@@ -82,9 +90,13 @@ def test_lookup_api_answers_exact_and_semantic_matches(client: TestClient) -> No
     body = client.post("/v1/audit/lookup", json={"text": "prompt 1"}, headers=auth).json()
     assert body["simhash"] == ASKED
     assert [(m["event_id"], m["field"], m["match"], m["distance"]) for m in body["matches"]] == [
-        ("ev-1", "prompt", "exact", 0), ("ev-4", "output", "exact", 0), ("ev-2", "output", "semantic", 3)]
-    other_key = client.post("/v1/audit/lookup", json={"text": "prompt 1", "hmac_key": "wrong", "max_distance": 0},
-                            headers=auth).json()
+        ("ev-1", "prompt", "exact", 0),
+        ("ev-4", "output", "exact", 0),
+        ("ev-2", "output", "semantic", 3),
+    ]
+    other_key = client.post(
+        "/v1/audit/lookup", json={"text": "prompt 1", "hmac_key": "wrong", "max_distance": 0}, headers=auth
+    ).json()
     assert other_key["matches"] == []
 
 
@@ -96,11 +108,17 @@ def test_watermark_api_detects_a_green_text(client: TestClient) -> None:
     while len(ids) < 120:  # a random green token whose text re-encodes to the same ids
         candidates = np.flatnonzero(green_mask(WATERMARK, ids[-1], vocab))
         rng.shuffle(candidates)
-        ids.append(next(int(t) for t in candidates if tokenizer.encode(tokenizer.decode(ids + [int(t)])).ids == ids + [int(t)]))
+        ids.append(
+            next(int(t) for t in candidates if tokenizer.encode(tokenizer.decode(ids + [int(t)])).ids == ids + [int(t)])
+        )
     auth = {"Authorization": f"Bearer {TOKEN}"}
-    marked = client.post("/v1/audit/watermark", json={"text": tokenizer.decode(ids), "tenant": "acme"}, headers=auth).json()
+    marked = client.post(
+        "/v1/audit/watermark", json={"text": tokenizer.decode(ids), "tenant": "acme"}, headers=auth
+    ).json()
     assert marked["z_score"] > 4 and marked["p_value"] < 1e-4
-    by_key = client.post("/v1/audit/watermark", json={"text": tokenizer.decode(ids), "key": "other"}, headers=auth).json()
+    by_key = client.post(
+        "/v1/audit/watermark", json={"text": tokenizer.decode(ids), "key": "other"}, headers=auth
+    ).json()
     assert by_key["z_score"] < 4
     assert client.post("/v1/audit/watermark", json={"text": "x", "tenant": "nobody"}, headers=auth).status_code == 400
 

@@ -28,8 +28,15 @@ def constrained(i: int, valid: bool | None, finish_reason: str = "stop"):
 
 def twin(i: int, worker: str, output: str = "same", **extra):
     """The i-th event of one key (prompt 0, PARAMS, seed 7) from `worker`."""
-    fields = dict(model_version=SID, prompt_hmac="cd" * 32, params_sha256=PARAMS, seed=7, worker_id=worker,
-                  output_hmac=(output * 64)[:64], finished_ms=T0_MS + i)  # fmt: skip
+    fields = dict(
+        model_version=SID,
+        prompt_hmac="cd" * 32,
+        params_sha256=PARAMS,
+        seed=7,
+        worker_id=worker,
+        output_hmac=(output * 64)[:64],
+        finished_ms=T0_MS + i,
+    )
     return make_event(i, **{**fields, **extra})
 
 
@@ -64,8 +71,15 @@ def test_the_probe_compares_only_equal_requests_of_two_workers() -> None:
     assert probe.observe(twin(5, "w2", temperature=0.0, seed=2)) == "same"
     # not compared: another seed of a sampled request, another HMAC key, another watermarked tenant,
     # a mirror copy, an output cut by an error, an event without params_sha256
-    for i, extra in enumerate([{"seed": 8}, {"hmac_key_id": "f" * 16}, {"shadow_of": "req-0"},
-                               {"finish_reason": "error"}, {"params_sha256": None}]):  # fmt: skip
+    for i, extra in enumerate(
+        [
+            {"seed": 8},
+            {"hmac_key_id": "f" * 16},
+            {"shadow_of": "req-0"},
+            {"finish_reason": "error"},
+            {"params_sha256": None},
+        ]
+    ):
         assert probe.observe(twin(10 + i, "w9", "other", **extra)) is None, extra
     assert probe.observe(twin(20, "w1", watermark_z=5.0, tenant="a")) is None
     assert probe.observe(twin(21, "w2", "other", watermark_z=5.0, tenant="b")) is None
@@ -95,8 +109,12 @@ def test_a_difference_raises_determinism_is_counted_and_is_compared_again_after_
                 metrics.compared(event.model_version, result)
         replay = ledger.comparable_events(POLICY.determinism_keys)
     [raised] = publish(mon, T0_MS)
-    assert (raised.signal, raised.state, raised.value, raised.counts) == ("determinism", "raised", 0.0,
-                                                                        {"same": 0, "differs": 1})  # fmt: skip
+    assert (raised.signal, raised.state, raised.value, raised.counts) == (
+        "determinism",
+        "raised",
+        0.0,
+        {"same": 0, "differs": 1},
+    )
     assert value(metrics.render(), "weir_determinism_checks_total", model_name=SID, result="differs") == 1
     assert replay == events  # as appended, in the ledger's order
     restarted = monitor()

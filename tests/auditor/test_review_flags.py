@@ -17,14 +17,14 @@ from schemas.codec import DecodeError, encode
 from schemas.messages import ReviewFlag
 from services.auditor import cli
 from services.auditor.api import create_api
-from weir.metrics import value
-from weir.service import ops_app
 from services.auditor.config import AuditorSettings
 from services.auditor.consumers import decode_audit_value
 from services.auditor.health import HealthMetrics
 from services.auditor.ledger import Ledger, LedgerError
 from services.auditor.reviews import FLAGS
 from services.auditor.watermark import WatermarkDetector
+from weir.metrics import value
+from weir.service import ops_app
 
 from .factories import T0_MS, make_event, make_flag
 
@@ -74,8 +74,13 @@ def test_flags_form_intact_chains_beside_the_records(db: Path) -> None:
     assert flags[1]["prev_hash"] == flags[0]["record_hash"]
     stored = orjson.loads(flags[0]["canonical_json"])
     assert ReviewFlag.model_validate(stored["review_flag"]) == make_flag(1)
-    assert stored["ledger"] == {"chain_id": 0, "seq": 1, "kafka_partition": 0, "kafka_offset": 11,
-                                "appended_ms": T0_MS + 11}
+    assert stored["ledger"] == {
+        "chain_id": 0,
+        "seq": 1,
+        "kafka_partition": 0,
+        "kafka_offset": 11,
+        "appended_ms": T0_MS + 11,
+    }
     assert json.loads(flags[0]["rules"]) == ["ignore_previous_instructions", "role_override"]
 
 
@@ -103,7 +108,12 @@ def assert_flag_broken(path: Path, seq: int, flag_id: str, kind: str) -> str:
     assert all(c.is_ok for c in report.chains), "only the flag chain is broken"
     [broken] = report.broken
     assert (broken.log, broken.chain_id, broken.broken_seq, broken.broken_event_id, broken.kind) == (
-        "review_flags", 0, seq, flag_id, kind), report.describe()
+        "review_flags",
+        0,
+        seq,
+        flag_id,
+        kind,
+    ), report.describe()
     line = broken.describe()
     assert line.startswith(f"BROKEN review flags chain=0 at flag seq={seq} (flag_id={flag_id}): {kind}: ")
     assert line in report.describe().splitlines()
@@ -120,8 +130,10 @@ def test_edited_and_rehashed_flag_is_found(db: Path, raw: sqlite3.Connection) ->
 
     row = raw.execute(f"SELECT canonical_json, prev_hash FROM {FLAGS} WHERE flag_id = 'flag-1'").fetchone()
     forged = row[0].replace('"num_detections":5', '"num_detections":1')
-    raw.execute(f"UPDATE {FLAGS} SET canonical_json = ?, num_detections = 1, record_hash = ? WHERE flag_id = 'flag-1'",
-                (forged, chain_hash(row[1], forged)))
+    raw.execute(
+        f"UPDATE {FLAGS} SET canonical_json = ?, num_detections = 1, record_hash = ? WHERE flag_id = 'flag-1'",
+        (forged, chain_hash(row[1], forged)),
+    )
     assert "rewritten and rehashed" in assert_flag_broken(db, 1, "flag-1", "edited")
 
 
@@ -193,8 +205,9 @@ def test_cli_reviews_lists_the_newest_flags(db: Path, capsys: pytest.CaptureFixt
     assert orjson.loads(only)["review_flag"]["flag_id"] == "flag-2"
 
 
-def test_cli_verify_names_a_broken_flag_chain(db: Path, raw: sqlite3.Connection,
-                                              capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_verify_names_a_broken_flag_chain(
+    db: Path, raw: sqlite3.Connection, capsys: pytest.CaptureFixture[str]
+) -> None:
     raw.execute(f"UPDATE {FLAGS} SET rules = '[]' WHERE flag_id = 'flag-4'")
     assert cli.main(["verify", "--db", str(db), "--no-anchor"]) == 1
     out = capsys.readouterr().out
@@ -202,8 +215,11 @@ def test_cli_verify_names_a_broken_flag_chain(db: Path, raw: sqlite3.Connection,
 
 
 def test_reviews_api_needs_the_token_and_lists_flags(db: Path, tmp_path: Path) -> None:
-    settings = AuditorSettings(audit_db=db, audit_admin_token=SecretStr(TOKEN),
-                               model_repo=str(Path(__file__).resolve().parents[2] / "models.toml"))
+    settings = AuditorSettings(
+        audit_db=db,
+        audit_admin_token=SecretStr(TOKEN),
+        model_repo=str(Path(__file__).resolve().parents[2] / "models.toml"),
+    )
     health = HealthMetrics()
     health.observe_flag(make_flag(1))
     api = create_api(settings, lambda: Ledger(db, readonly=True), WatermarkDetector(settings.model_repo, {}))
@@ -212,9 +228,10 @@ def test_reviews_api_needs_the_token_and_lists_flags(db: Path, tmp_path: Path) -
     auth = {"authorization": f"Bearer {TOKEN}"}
     flags = client.get("/v1/audit/reviews", params={"principal": "user-1"}, headers=auth).json()["flags"]
     assert [(f["flag_id"], f["principal"], f["num_detections"], f["chain_id"], f["seq"]) for f in flags] == [
-        ("flag-1", "user-1", 5, 0, 1), ("flag-4", "user-1", 5, 0, 3)]
+        ("flag-1", "user-1", 5, 0, 1),
+        ("flag-4", "user-1", 5, 0, 3),
+    ]
     assert flags[0]["rules"] == ["ignore_previous_instructions", "role_override"]
     assert len(client.get("/v1/audit/reviews", params={"limit": 3}, headers=auth).json()["flags"]) == 3
     metrics = client.get("/metrics").text
     assert value(metrics, "weir_audit_review_flags_total", tenant="default", reason="prompt_injection") == 1
-

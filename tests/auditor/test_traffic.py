@@ -19,15 +19,25 @@ def _version(version: str, desired: str = "loaded") -> ModelVersionRecord:
 
 def _state(canary: dict[str, float], mirror: dict[str, float] | None = None) -> RegistryState:
     state = RegistryState()
-    for record in (_version("1"), _version("2"), _version("3"),
-                   ModelRoute(name="tiny", default_version="1", canary=canary, mirror=mirror or {})):  # fmt: skip
+    for record in (
+        _version("1"),
+        _version("2"),
+        _version("3"),
+        ModelRoute(name="tiny", default_version="1", canary=canary, mirror=mirror or {}),
+    ):
         state.apply(record.key, record)
     return state
 
 
-def _event(i: int, sid: str = "tiny@2", assignment: str | None = "canary", error: bool = False, **extra):
-    return make_event(i, model="tiny", model_version=sid, assignment=assignment,
-                      finish_reason="error" if error else "stop", **extra)  # fmt: skip
+def _event(i: int, served_id: str = "tiny@2", assignment: str | None = "canary", error: bool = False, **extra):
+    return make_event(
+        i,
+        model="tiny",
+        model_version=served_id,
+        assignment=assignment,
+        finish_reason="error" if error else "stop",
+        **extra,
+    )
 
 
 def test_counts_by_version_assignment_and_errors_start_from_the_ledger_rows():
@@ -35,14 +45,14 @@ def test_counts_by_version_assignment_and_errors_start_from_the_ledger_rows():
     counter.load([("tiny@1", "default", "stop", 7), ("tiny@1", "default", "error", 2), ("other@1", None, "stop", 1)])
     counter.observe(_event(1))
     counter.observe(_event(2, error=True))
-    counter.observe(_event(3, sid="tiny@1", assignment="pinned"))
+    counter.observe(_event(3, served_id="tiny@1", assignment="pinned"))
     changed = {c.name: c for c in counter.take_changed()}
     assert set(changed) == {"tiny", "other"}
     assert changed["tiny"].counts == {"tiny@1": {"default": 9, "pinned": 1}, "tiny@2": {"canary": 2}}
     assert changed["tiny"].errors == {"tiny@1": 2, "tiny@2": 1}
     assert changed["other"].counts == {"other@1": {"unassigned": 1}} and changed["other"].errors == {}
     assert counter.take_changed() == []  # nothing new: nothing to publish
-    counter.observe(_event(4, sid="tiny@3", assignment="mirror", shadow_of="req-1"))
+    counter.observe(_event(4, served_id="tiny@3", assignment="mirror", shadow_of="req-1"))
     assert [c.counts["tiny@3"] for c in counter.take_changed()] == [{"mirror": 1}]
 
 
@@ -107,7 +117,9 @@ async def test_the_guard_stops_a_failing_canary_once_and_records_why():
     guard = CanaryGuard(ErrorWindows(4, 0.2), lambda: state, bus.publish, "p.models", "p.health", by="auditor-1")
     for i in range(4):
         guard.observe(_event(i, error=i % 2 == 0))  # 2 of 4 err
-        guard.observe(_event(100 + i, sid="tiny@1", assignment="default", error=True))  # the default: never stopped
+        guard.observe(
+            _event(100 + i, served_id="tiny@1", assignment="default", error=True)
+        )  # the default: never stopped
     assert await guard.act() == 1
     assert [(t, k) for t, k, _ in bus.sent] == [("p.models", b"route:tiny"), ("p.health", b"tiny@2")]
     health = decode(ModelHealthEvent, bus.sent[1][2])

@@ -15,11 +15,11 @@ from schemas.registry import ModelHealthEvent, ModelManifest, ModelRoute, ModelV
 from schemas.topics import Topics
 from services.auditor.app import create_app
 from services.auditor.config import AuditorSettings
+from tests.waiting import until
 from weir.bus import BusSettings
 from weir.bus import read_topic as _read_topic
 from weir.models.registry_cli import read_traffic
 from weir.registry import publish, read_registry
-from tests.waiting import until
 
 from .factories import make_event
 from .test_auditor_kafka import produce
@@ -40,19 +40,39 @@ def _version(version: str) -> ModelVersionRecord:
 
 async def _register(bootstrap: str, topics: Topics, canary: dict[str, float]) -> BusSettings:
     bus = BusSettings(kafka_bootstrap=bootstrap, topic_prefix=topics.prefix)
-    await publish(bus, [_version("1"), _version("2"), _version("3"),
-                        ModelRoute(name="tiny", default_version="1", canary=canary, mirror={"3": 100.0})])  # fmt: skip
+    await publish(
+        bus,
+        [
+            _version("1"),
+            _version("2"),
+            _version("3"),
+            ModelRoute(name="tiny", default_version="1", canary=canary, mirror={"3": 100.0}),
+        ],
+    )
     return bus
 
 
 def _settings(bootstrap: str, topics: Topics, db: Path, **extra) -> AuditorSettings:
-    return AuditorSettings(kafka_bootstrap=bootstrap, topic_prefix=topics.prefix, audit_db=db, traffic_every_s=0.2,
-                           canary_min_requests=10, canary_max_error_rate=0.2, **extra)  # fmt: skip
+    return AuditorSettings(
+        kafka_bootstrap=bootstrap,
+        topic_prefix=topics.prefix,
+        audit_db=db,
+        traffic_every_s=0.2,
+        canary_min_requests=10,
+        canary_max_error_rate=0.2,
+        **extra,
+    )
 
 
-def _event(i: int, sid: str, assignment: str, error: bool = False, **extra):
-    return make_event(i, model="tiny", model_version=sid, assignment=assignment,
-                      finish_reason="error" if error else "stop", **extra)  # fmt: skip
+def _event(i: int, served_id: str, assignment: str, error: bool = False, **extra):
+    return make_event(
+        i,
+        model="tiny",
+        model_version=served_id,
+        assignment=assignment,
+        finish_reason="error" if error else "stop",
+        **extra,
+    )
 
 
 async def _health_events(bus: BusSettings) -> list[ModelHealthEvent]:
@@ -98,8 +118,11 @@ async def test_counts_each_event_once_from_the_ledger_and_a_failing_canary_goes_
     # A restart counts on from its ledger: the earlier records are not lost, nor counted twice.
     await produce(bootstrap, topics.audit, [(b"req-300", encode(_event(300, "tiny@1", "pinned")))])
     async with create_app(settings):
-        await until(lambda: counted({**expected, "tiny@1": {"default": 12, "pinned": 1}}),
-                    timeout_s=60, what="counts after restart")
+        await until(
+            lambda: counted({**expected, "tiny@1": {"default": 12, "pinned": 1}}),
+            timeout_s=60,
+            what="counts after restart",
+        )
 
 
 async def test_a_golden_failure_stops_the_canary_and_malformed_health_records_harm_nothing(
@@ -109,12 +132,20 @@ async def test_a_golden_failure_stops_the_canary_and_malformed_health_records_ha
     failed = ModelHealthEvent(worker_id="worker-9", model="tiny@2", event="golden_failed", detail="token 2 differs")
     default_failed = failed.model_copy(update={"model": "tiny@1"})
     settings = _settings(bootstrap, topics, tmp_path / "audit.sqlite")
+
     async def stopped_or_sent_again() -> bool:
         if (await read_registry(bus)).routes["tiny"].canary == {"2": 0.0}:
             return True
-        await produce(bootstrap, topics.model_health, [(b"x", b"not json"), (b"y", b'{"event": "golden_failed"}'),
-                                                       (b"tiny@1", encode(default_failed)),
-                                                       (b"tiny@2", encode(failed))])  # fmt: skip
+        await produce(
+            bootstrap,
+            topics.model_health,
+            [
+                (b"x", b"not json"),
+                (b"y", b'{"event": "golden_failed"}'),
+                (b"tiny@1", encode(default_failed)),
+                (b"tiny@2", encode(failed)),
+            ],
+        )
         return False
 
     async with create_app(settings):

@@ -19,20 +19,23 @@ from .factories import make_event
 
 KEY = b"usage-checkpoint-key-0123456789ab"
 MIDNIGHT_MS = 1_700_006_400_000  # 2023-11-15T00:00:00Z
-PRICES = {"weir-tiny": Price(input_per_1m=1.0, output_per_1m=3.0), "weir-tiny@2": Price(input_per_1m=0.5, output_per_1m=0.5)}
+PRICES = {
+    "weir-tiny": Price(input_per_1m=1.0, output_per_1m=3.0),
+    "weir-tiny@2": Price(input_per_1m=0.5, output_per_1m=0.5),
+}
 
 
 class Sync(UsageLedger):
     """The UsageLedger protocol over a Ledger in this thread (the app runs it on the ledger thread)."""
 
     def __init__(self, ledger: Ledger) -> None:
-        async def usage_of(key):  # noqa: ANN001, ANN202
+        async def usage_of(key):
             return ledger.usage_of(key)
 
-        async def keys_since(ms):  # noqa: ANN001, ANN202
+        async def keys_since(ms):
             return ledger.usage_keys_since(ms)
 
-        async def served(ms):  # noqa: ANN001, ANN202
+        async def served(ms):
             return ledger.tokens_served_since(ms)
 
         super().__init__(usage_of, keys_since, served)
@@ -48,8 +51,13 @@ def accounts_of(ledger: Ledger, sent: dict[bytes, bytes], **kwargs) -> UsageAcco
     async def publish(key: bytes, value: bytes) -> None:
         sent[key] = value  # a compacted topic: the latest per key
 
-    return UsageAccounts(Sync(ledger), kwargs.pop("prices", PRICES), publish,
-                         kwargs.pop("hardware", None), kwargs.pop("window_s", 3600.0))  # fmt: skip
+    return UsageAccounts(
+        Sync(ledger),
+        kwargs.pop("prices", PRICES),
+        publish,
+        kwargs.pop("hardware", None),
+        kwargs.pop("window_s", 3600.0),
+    )
 
 
 def totals(sent: dict[bytes, bytes]) -> dict[tuple[str, str, str], UsageTotals]:
@@ -66,21 +74,38 @@ async def test_each_event_counts_once_mirrors_are_not_billed_and_days_are_utc(le
     accounts = accounts_of(ledger, sent)
     events = [
         make_event(1, principal="ann", finished_ms=MIDNIGHT_MS - 1, prompt_tokens=10, completion_tokens=20),
-        make_event(2, principal="ann", finished_ms=MIDNIGHT_MS, prompt_tokens=7, completion_tokens=3,
-                   cached_prompt_tokens=4),
+        make_event(
+            2, principal="ann", finished_ms=MIDNIGHT_MS, prompt_tokens=7, completion_tokens=3, cached_prompt_tokens=4
+        ),
         make_event(3, principal="ann", finished_ms=MIDNIGHT_MS + 5, prompt_tokens=1, completion_tokens=1),
-        make_event(4, principal="ann", finished_ms=MIDNIGHT_MS + 6, shadow_of="req-3", prompt_tokens=99,
-                   completion_tokens=99, model_version="weir-tiny@2"),
-        make_event(5, principal="bob", finished_ms=MIDNIGHT_MS + 7, model_version="weir-tiny@2",
-                   prompt_tokens=1_000_000, completion_tokens=1_000_000),
+        make_event(
+            4,
+            principal="ann",
+            finished_ms=MIDNIGHT_MS + 6,
+            shadow_of="req-3",
+            prompt_tokens=99,
+            completion_tokens=99,
+            model_version="weir-tiny@2",
+        ),
+        make_event(
+            5,
+            principal="bob",
+            finished_ms=MIDNIGHT_MS + 7,
+            model_version="weir-tiny@2",
+            prompt_tokens=1_000_000,
+            completion_tokens=1_000_000,
+        ),
     ]
     for offset, event in enumerate([*events, events[1]]):  # the last: a redelivery
         ledger.append(event, partition=0, offset=offset)
         accounts.observe(event)  # the app observes new events only; a stray repeat must not count either
     assert await accounts.publish_touched() == 3
     got = totals(sent)
-    assert set(got) == {("2023-11-14", "ann", "weir-tiny@1"), ("2023-11-15", "ann", "weir-tiny@1"),
-                        ("2023-11-15", "bob", "weir-tiny@2")}  # fmt: skip  # no key of the mirror copy
+    assert set(got) == {
+        ("2023-11-14", "ann", "weir-tiny@1"),
+        ("2023-11-15", "ann", "weir-tiny@1"),
+        ("2023-11-15", "bob", "weir-tiny@2"),
+    }  # no key of the mirror copy
     before, after = got[("2023-11-14", "ann", "weir-tiny@1")], got[("2023-11-15", "ann", "weir-tiny@1")]
     assert (before.requests, before.prompt_tokens, before.completion_tokens) == (1, 10, 20)
     assert (after.requests, after.prompt_tokens, after.completion_tokens, after.cached_prompt_tokens) == (2, 8, 4, 4)
@@ -131,8 +156,18 @@ async def test_rate_cards_from_tokens_served_over_the_window(ledger: Ledger) -> 
     now = MIDNIGHT_MS + 7200_000
     accounts = accounts_of(ledger, sent, hardware=2.0, window_s=3600.0)
     ledger.append(make_event(1, finished_ms=now - 10, prompt_tokens=300, completion_tokens=700), 0, 0)
-    ledger.append(make_event(2, finished_ms=now - 20, prompt_tokens=0, completion_tokens=1000,
-                             shadow_of="req-9", model_version="weir-tiny@2"), 0, 1)  # fmt: skip  # hardware ran it
+    ledger.append(
+        make_event(
+            2,
+            finished_ms=now - 20,
+            prompt_tokens=0,
+            completion_tokens=1000,
+            shadow_of="req-9",
+            model_version="weir-tiny@2",
+        ),
+        0,
+        1,
+    )  # hardware ran it
     ledger.append(make_event(3, finished_ms=now - 3600_001, prompt_tokens=5, completion_tokens=5), 0, 2)  # too old
     cards = {card.model_version: card for card in await accounts.publish_rates(now)}
     assert cards["weir-tiny@1"].tokens_per_hour == 1000 and cards["weir-tiny@2"].tokens_per_hour == 1000
@@ -146,12 +181,17 @@ async def test_rate_cards_from_tokens_served_over_the_window(ledger: Ledger) -> 
 
 def test_prices_come_from_the_model_repository(tmp_path: Path) -> None:
     repo = tmp_path / "models.toml"
-    repo.write_text('[models.a]\nengine = "echo"\n\n[prices.a]\ninput_per_1m = 0.1\noutput_per_1m = 0.4\n\n'
-                    '[prices."a@2"]\ninput_per_1m = 1\noutput_per_1m = 2\n')  # fmt: skip
-    assert load_prices(repo) == {"a": Price(input_per_1m=0.1, output_per_1m=0.4), "a@2": Price(input_per_1m=1, output_per_1m=2)}
-    repo.write_text('[prices.a]\ninput_per_1m = -1\noutput_per_1m = 0\n')
+    repo.write_text(
+        '[models.a]\nengine = "echo"\n\n[prices.a]\ninput_per_1m = 0.1\noutput_per_1m = 0.4\n\n'
+        '[prices."a@2"]\ninput_per_1m = 1\noutput_per_1m = 2\n'
+    )
+    assert load_prices(repo) == {
+        "a": Price(input_per_1m=0.1, output_per_1m=0.4),
+        "a@2": Price(input_per_1m=1, output_per_1m=2),
+    }
+    repo.write_text("[prices.a]\ninput_per_1m = -1\noutput_per_1m = 0\n")
     with pytest.raises(ValueError, match=r"\[prices.a\] is invalid"):
         load_prices(repo)
-    repo.write_text('[prices.a]\ninput_per_1m = 1\noutput_per_1m = 0\nper_request = 2\n')
+    repo.write_text("[prices.a]\ninput_per_1m = 1\noutput_per_1m = 0\nper_request = 2\n")
     with pytest.raises(ValueError, match="per_request"):
         load_prices(repo)

@@ -49,7 +49,7 @@ def make_request(
         model=model,
         prompt=prompt,
         deadline_ms=deadline_ms,
-        priority=priority,  # type: ignore[arg-type]
+        priority=priority,
         reply_to=reply_to,
         created_ms=T0_MS,
     )
@@ -59,7 +59,7 @@ def make_config(name: str = "a", **fields: object) -> ModelConfig:
     """A model entry with any fields set, e.g. make_config(lane_policy="weighted")."""
     fields.setdefault("engine", "torch")
     fields.setdefault("path", "/models/none")
-    return ModelConfig(name=name, **fields)  # type: ignore[arg-type]
+    return ModelConfig(name=name, **fields)
 
 
 def make_tenant_request(
@@ -73,9 +73,16 @@ def make_tenant_request(
 ) -> GenerateRequest:
     """A request of one tenant; with the defaults it costs 20 tokens (40 chars / 4 + 10)."""
     return GenerateRequest(
-        request_id=f"{tenant}-{next(_ids)}", model=model, prompt=prompt, max_tokens=max_tokens, tenant=tenant,
-        priority=priority, deadline_ms=deadline_ms, reply_to="weir.replies.test", created_ms=T0_MS,  # type: ignore[arg-type]
-    )  # fmt: skip
+        request_id=f"{tenant}-{next(_ids)}",
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        tenant=tenant,
+        priority=priority,
+        deadline_ms=deadline_ms,
+        reply_to="weir.replies.test",
+        created_ms=T0_MS,
+    )
 
 
 def make_heartbeat(
@@ -90,15 +97,25 @@ def make_heartbeat(
     states: dict[str, str] | None = None,
     reasons: dict[str, str] | None = None,
 ) -> WorkerHeartbeat:
-    """A worker's heartbeat: `partitions` keyed by sid (name@version), each version "ready"
+    """A worker's heartbeat: `partitions` keyed by served_id (name@version), each version "ready"
     unless `states` says otherwise (only ready ones are in `models`, as workers report them).
     Room is free_kv_blocks x block_size_tokens tokens. Without next_offsets the router counts
     batches planned after sent_ms against it."""
-    states = {**{sid: "ready" for sid in partitions}, **(states or {})}
+    states = {**dict.fromkeys(partitions, "ready"), **(states or {})}
     reasons = reasons or {}
     return WorkerHeartbeat(
-        worker_id=worker_id, models=[sid for sid, state in states.items() if state == "ready"], is_ready=is_ready,
-        num_running=0, num_waiting=0, max_num_seqs=64, free_kv_blocks=free_kv_blocks,
-        block_size_tokens=block_size_tokens, partitions=partitions, sent_ms=sent_ms, next_offsets=next_offsets or {},
-        versions={sid: VersionStatus(state=state, reason=reasons.get(sid)) for sid, state in states.items()},  # type: ignore[arg-type]
-    )  # fmt: skip
+        worker_id=worker_id,
+        models=[served_id for served_id, state in states.items() if state == "ready"],
+        is_ready=is_ready,
+        num_running=0,
+        num_waiting=0,
+        max_num_seqs=64,
+        free_kv_blocks=free_kv_blocks,
+        block_size_tokens=block_size_tokens,
+        partitions=partitions,
+        sent_ms=sent_ms,
+        next_offsets=next_offsets or {},
+        versions={
+            served_id: VersionStatus(state=state, reason=reasons.get(served_id)) for served_id, state in states.items()
+        },
+    )

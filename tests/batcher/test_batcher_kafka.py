@@ -9,15 +9,15 @@ import orjson
 import pytest
 
 from schemas.codec import decode, decode_reply, encode
-from schemas.messages import Batch, Cancellation, DeadLetter, GenerateRequest, now_ms
+from schemas.messages import Batch, Cancellation, DeadLetter, now_ms
 from schemas.topics import Topics
 from services.batcher.app import BatcherApp
 from services.batcher.config import BatcherSettings
+from tests.kafka_helpers import produce, read_until, wait_committed
+from tests.waiting import until
 from weir.kafka.admin import ensure_topics
 
 from .factories import make_repo, make_request, version_specs
-from tests.kafka_helpers import produce, read_until, wait_committed
-from tests.waiting import until
 
 pytestmark = pytest.mark.kafka
 
@@ -46,17 +46,27 @@ async def test_batches_replies_dead_letters_and_commits(batcher_bootstrap: str, 
     b_reqs = [make_request("b", reply_to=reply_to, deadline_ms=now + 60_000, priority="bulk") for _ in range(7)]
     unknown = make_request("nope", reply_to=reply_to, deadline_ms=now + 60_000)
     # refs that are not name@version: each rejected with the reason, the loop carries on
-    malformed = [make_request(ref, reply_to=reply_to, deadline_ms=now + 60_000) for ref in ("a@", "@1", "a@bad version!", "a@9")]
+    malformed = [
+        make_request(ref, reply_to=reply_to, deadline_ms=now + 60_000) for ref in ("a@", "@1", "a@bad version!", "a@9")
+    ]
     expired = make_request("a", reply_to=reply_to, deadline_ms=now - 1_000)
     held = make_request("slow", reply_to=reply_to, deadline_ms=now + 60_000)  # waits 60 s: cancelled first
     await produce(bootstrap, topics.requests, [*a_reqs, a_reqs[0], *malformed, *b_reqs, unknown, expired, held])
     await produce(bootstrap, topics.requests, [("bad-1", b'{"request_id": "bad-1", "model": ')])
     # valid JSON, invalid request, but it says where its producer waits: answered there too
-    invalid = {"request_id": "bad-2", "model": "a", "prompt": "x", "max_tokens": -5, "deadline_ms": now + 60_000,
-               "reply_to": reply_to}  # fmt: skip
+    invalid = {
+        "request_id": "bad-2",
+        "model": "a",
+        "prompt": "x",
+        "max_tokens": -5,
+        "deadline_ms": now + 60_000,
+        "reply_to": reply_to,
+    }
     await produce(bootstrap, topics.requests, [("bad-2", orjson.dumps(invalid))])
     # the JSON Schema says integer: a string is refused, not coerced (strict validation at the edge)
-    await produce(bootstrap, topics.requests, [("bad-3", orjson.dumps({**invalid, "request_id": "bad-3", "max_tokens": "8"}))])
+    await produce(
+        bootstrap, topics.requests, [("bad-3", orjson.dumps({**invalid, "request_id": "bad-3", "max_tokens": "8"}))]
+    )
 
     app = BatcherApp(settings_for(bootstrap, topics), repo)
     stop, task = await start(app)
@@ -65,8 +75,12 @@ async def test_batches_replies_dead_letters_and_commits(batcher_bootstrap: str, 
         batches = await read_until(
             bootstrap, [topics.batches("a@1"), topics.batches("b@1")], lambda rs: set(batched_ids(rs)) >= want
         )
-        await until(lambda: app.planner.is_held(held.request_id),
-                    timeout_s=20, what="the cancellable request held", watch=[task])
+        await until(
+            lambda: app.planner.is_held(held.request_id),
+            timeout_s=20,
+            what="the cancellable request held",
+            watch=[task],
+        )
         cancel = Cancellation(request_id=held.request_id, reply_to=reply_to)
         await produce(bootstrap, topics.control, [(held.request_id, encode(cancel))])
         replies = await read_until(bootstrap, [reply_to], lambda rs: len(rs) >= 9)
@@ -87,11 +101,13 @@ async def test_batches_replies_dead_letters_and_commits(batcher_bootstrap: str, 
         assert batch.model in ("a@1", "b@1") and all(r.model == batch.model for r in batch.requests)  # pinned
 
     ends = {e.request_id: e for e in map(decode_reply, (r.value for r in replies))}
-    assert set(ends) == {unknown.request_id, expired.request_id, held.request_id, "bad-2", "bad-3"} | {r.request_id for r in malformed}
+    assert set(ends) == {unknown.request_id, expired.request_id, held.request_id, "bad-2", "bad-3"} | {
+        r.request_id for r in malformed
+    }
     why = {r.model: ends[r.request_id].error for r in malformed}
     assert all(e is not None and e.code == "model_not_found" for e in why.values())
-    assert "is not 'name@version'" in why["a@"].message and "names no model" in why["@1"].message  # type: ignore[union-attr]
-    assert "is not 'name@version'" in why["a@bad version!"].message and "'a@9' is not registered" in why["a@9"].message  # type: ignore[union-attr]
+    assert "is not 'name@version'" in why["a@"].message and "names no model" in why["@1"].message
+    assert "is not 'name@version'" in why["a@bad version!"].message and "'a@9' is not registered" in why["a@9"].message
     rejected, timed_out = ends[unknown.request_id], ends[expired.request_id]
     assert (rejected.finish_reason, rejected.error.code) == ("rejected", "model_not_found")
     assert (timed_out.finish_reason, timed_out.error.code) == ("timeout", "deadline_exceeded")
@@ -123,8 +139,12 @@ async def test_requests_held_by_a_dead_batcher_are_batched_by_the_next(
 
     first = BatcherApp(settings_for(bootstrap, topics), patient)
     _, task = await start(first)
-    await until(lambda: first.planner.num_held == len(reqs),
-                timeout_s=20, what="the first batcher holding all six", watch=[task])
+    await until(
+        lambda: first.planner.num_held == len(reqs),
+        timeout_s=20,
+        what="the first batcher holding all six",
+        watch=[task],
+    )
     task.cancel()  # dies holding all six, nothing committed
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -153,16 +173,28 @@ async def test_a_rebalance_releases_held_requests_to_their_new_owner(
 
     first = BatcherApp(settings_for(bootstrap, topics), patient)
     stop_first, first_task = await start(first)
-    await until(lambda: first.planner.num_held == len(reqs),
-                timeout_s=20, what="the first batcher holding all six", watch=[first_task])
+    await until(
+        lambda: first.planner.num_held == len(reqs),
+        timeout_s=20,
+        what="the first batcher holding all six",
+        watch=[first_task],
+    )
     second = BatcherApp(settings_for(bootstrap, topics), eager)
     stop_second, second_task = await start(second)
     try:
         # The first keeps only what its remaining partitions hold; the second batches the rest.
-        await until(lambda: len(second.requests.assignment()) > 0,
-                    timeout_s=20, what="the second batcher assigned partitions", watch=[second_task])
-        await until(lambda: first.planner.num_held < len(reqs),
-                    timeout_s=20, what="the first batcher handing held requests over", watch=[first_task])
+        await until(
+            lambda: len(second.requests.assignment()) > 0,
+            timeout_s=20,
+            what="the second batcher assigned partitions",
+            watch=[second_task],
+        )
+        await until(
+            lambda: first.planner.num_held < len(reqs),
+            timeout_s=20,
+            what="the first batcher handing held requests over",
+            watch=[first_task],
+        )
         stop_first.set()  # now the second owns everything, the first's held requests included
         await first_task
         want = {r.request_id for r in reqs}

@@ -14,10 +14,10 @@ import pytest
 from schemas.codec import decode, decode_reply
 from schemas.messages import Batch, now_ms
 from schemas.topics import Topics, TopicSpec
+from tests.kafka_helpers import produce, read_until, wait_committed
 from weir.kafka.admin import ensure_topics
 
 from .factories import make_request
-from tests.kafka_helpers import produce, read_until, wait_committed
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -33,7 +33,13 @@ async def spawn_batcher(bootstrap: str, topics: Topics, repo: Path, log: Path) -
     argv = ["-m", "services.batcher.app", "--bootstrap", bootstrap, "--topic-prefix", topics.prefix]
     with log.open("ab") as out:
         return await asyncio.create_subprocess_exec(
-            sys.executable, *argv, "--model-repo", str(repo), cwd=REPO_ROOT, stdout=out, stderr=out,
+            sys.executable,
+            *argv,
+            "--model-repo",
+            str(repo),
+            cwd=REPO_ROOT,
+            stdout=out,
+            stderr=out,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
 
@@ -42,8 +48,13 @@ async def test_kill_9_while_holding_loses_nothing(batcher_bootstrap: str, fresh_
     bootstrap, topics = batcher_bootstrap, fresh_topics
     reply_to = topics.replies("test")
     # One request partition, so the reply to the last record proves every earlier one was read.
-    specs = [TopicSpec(topics.requests, 1), TopicSpec(topics.control, 1), TopicSpec(topics.dead_letter, 1),
-             TopicSpec(topics.batches("a@1"), 1), topics.reply_spec("test")]
+    specs = [
+        TopicSpec(topics.requests, 1),
+        TopicSpec(topics.control, 1),
+        TopicSpec(topics.dead_letter, 1),
+        TopicSpec(topics.batches("a@1"), 1),
+        topics.reply_spec("test"),
+    ]
     await ensure_topics(bootstrap, specs)
     reqs = [make_request("a", reply_to=reply_to, deadline_ms=now_ms() + 120_000) for _ in range(6)]
     marker = make_request("not-served", reply_to=reply_to, deadline_ms=now_ms() + 120_000)

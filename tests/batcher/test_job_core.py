@@ -25,17 +25,30 @@ T0 = 1_767_225_600_000
 
 
 def parse_input(text: str, *args: object):  # the runner parses the file's bytes
-    return parse_input_bytes(text.encode(), *args)  # type: ignore[arg-type]
+    return parse_input_bytes(text.encode(), *args)
 
 
 def make_job(endpoint: str = "/v1/chat/completions", status: str = "validating") -> BatchJob:
-    return BatchJob(job_id="batch_1", status=status, endpoint=endpoint, input_file_id="file-1",  # type: ignore[arg-type]
-                    created_ms=T0, expires_ms=T0 + 86_400_000, updated_ms=T0)
+    return BatchJob(
+        job_id="batch_1",
+        status=status,
+        endpoint=endpoint,
+        input_file_id="file-1",
+        created_ms=T0,
+        expires_ms=T0 + 86_400_000,
+        updated_ms=T0,
+    )
 
 
 def chat_line(custom_id: str, content: str = "hello", **body: object) -> str:
-    return orjson.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
-                         "body": {"model": "echo", "messages": [{"role": "user", "content": content}], **body}}).decode()
+    return orjson.dumps(
+        {
+            "custom_id": custom_id,
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": "echo", "messages": [{"role": "user", "content": content}], **body},
+        }
+    ).decode()
 
 
 def test_lines_become_bulk_requests_with_deterministic_ids():
@@ -73,7 +86,10 @@ def test_bad_bodies_go_to_the_error_file_and_the_job_goes_on():
     parsed = parse_input(text, make_job(), REPO, "r")
     assert parsed.errors == []
     assert [(ln.custom_id, ln.error.code if ln.error else None) for ln in parsed.lines] == [
-        ("ok", None), ("m", "model_not_found"), ("t", "invalid_value")]
+        ("ok", None),
+        ("m", "model_not_found"),
+        ("t", "invalid_value"),
+    ]
     results = JobResults(parsed.lines)
     assert [ln.custom_id for ln in results.pending()] == ["ok"]
     assert results.counts().model_dump() == {"total": 3, "completed": 0, "failed": 2}
@@ -84,8 +100,9 @@ def test_bad_bodies_go_to_the_error_file_and_the_job_goes_on():
 
 
 def test_lines_carry_penalties_and_logit_bias():
-    parsed = parse_input(chat_line("p", presence_penalty=0.5, frequency_penalty=-1, logit_bias={"3": -100}),
-                         make_job(), REPO, "r")  # fmt: skip
+    parsed = parse_input(
+        chat_line("p", presence_penalty=0.5, frequency_penalty=-1, logit_bias={"3": -100}), make_job(), REPO, "r"
+    )
     request = parsed.lines[0].request
     assert request is not None
     assert (request.presence_penalty, request.frequency_penalty, request.logit_bias) == (0.5, -1.0, {"3": -100.0})
@@ -104,7 +121,11 @@ def test_lines_carry_penalties_and_logit_bias():
         ({"repetition_penalty": 1.1}, "unknown_parameter", "repetition_penalty"),
         ({"timeout_s": 5}, "unsupported_parameter", "timeout_s"),
         ({"n": 17}, "invalid_value", "n"),
-        ({"n": 2, "top_logprobs": 2}, "invalid_value", "top_logprobs"),  # logprobs themselves run (test_translate_parity.py)
+        (
+            {"n": 2, "top_logprobs": 2},
+            "invalid_value",
+            "top_logprobs",
+        ),  # logprobs themselves run (test_translate_parity.py)
     ],
 )
 def test_a_line_refuses_what_the_gateway_refuses_naming_the_parameter(body, code, param):
@@ -115,8 +136,14 @@ def test_a_line_refuses_what_the_gateway_refuses_naming_the_parameter(body, code
 
 
 def test_a_completions_line_may_wrap_its_prompt_in_a_list():
-    line = orjson.dumps({"custom_id": "c", "method": "POST", "url": "/v1/completions",
-                         "body": {"model": "echo", "prompt": ["x"], "user": "u"}}).decode()
+    line = orjson.dumps(
+        {
+            "custom_id": "c",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": "echo", "prompt": ["x"], "user": "u"},
+        }
+    ).decode()
     request = parse_input(line, make_job("/v1/completions"), REPO, "r").lines[0].request
     assert request is not None and request.prompt == "x"
 
@@ -125,12 +152,20 @@ def test_results_drop_repeats_and_write_each_custom_id_once():
     parsed = parse_input("\n".join(chat_line(c, c) for c in "abc"), make_job(), REPO, "r")
     results = JobResults(parsed.lines)
     ra, rb, rc = (ln.request_id for ln in parsed.lines)
-    events = [ReplyDelta(request_id=ra, seq=0, text="a"), ReplyEnd(request_id=ra, seq=1, finish_reason="stop",
-              usage=Usage(prompt_tokens=1, completion_tokens=1, total_tokens=2)),
-              # regenerated after a crash: the same events again, and a second end
-              ReplyDelta(request_id=ra, seq=0, text="a"), ReplyEnd(request_id=ra, seq=1, finish_reason="stop"),
-              ReplyEnd(request_id=rb, seq=0, finish_reason="rejected", error=ErrorInfo(code="x", message="y")),
-              ReplyEnd(request_id="someone-else", seq=0, finish_reason="stop")]  # fmt: skip
+    events = [
+        ReplyDelta(request_id=ra, seq=0, text="a"),
+        ReplyEnd(
+            request_id=ra,
+            seq=1,
+            finish_reason="stop",
+            usage=Usage(prompt_tokens=1, completion_tokens=1, total_tokens=2),
+        ),
+        # regenerated after a crash: the same events again, and a second end
+        ReplyDelta(request_id=ra, seq=0, text="a"),
+        ReplyEnd(request_id=ra, seq=1, finish_reason="stop"),
+        ReplyEnd(request_id=rb, seq=0, finish_reason="rejected", error=ErrorInfo(code="x", message="y")),
+        ReplyEnd(request_id="someone-else", seq=0, finish_reason="stop"),
+    ]
     assert [results.add(e) for e in events] == [False, True, False, False, True, False]
     assert [ln.request_id for ln in results.pending()] == [rc] and results.num_pending == 1
     assert results.counts().model_dump() == {"total": 3, "completed": 1, "failed": 1}
@@ -141,7 +176,10 @@ def test_results_drop_repeats_and_write_each_custom_id_once():
     assert body["object"] == "chat.completion" and body["choices"][0]["message"]["content"] == "a"
     assert body["usage"]["total_tokens"] == 2 and out_rows[0]["response"]["status_code"] == 200
     err_rows = [orjson.loads(r) for r in errors.splitlines()]
-    assert [(r["custom_id"], (r["error"] or {}).get("code")) for r in err_rows] == [("b", None), ("c", "batch_cancelled")]
+    assert [(r["custom_id"], (r["error"] or {}).get("code")) for r in err_rows] == [
+        ("b", None),
+        ("c", "batch_cancelled"),
+    ]
     assert out == results.files("/v1/chat/completions", unfinished_code="batch_cancelled")[0]  # deterministic
 
 
@@ -153,10 +191,18 @@ def test_results_take_each_position_once_when_a_rerun_coalesces_otherwise():
     results = JobResults(parsed.lines)
     rid = parsed.lines[0].request_id
     first = [ReplyDelta(request_id=rid, seq=0, count=3, text="one two", texts=["one", " two", ""], token_ids=[1, 2, 3])]
-    rerun = [ReplyDelta(request_id=rid, seq=0, text="one", token_ids=[1]),
-             ReplyDelta(request_id=rid, seq=1, count=4, text=" two three.", texts=[" two", "", " three", "."],
-                        token_ids=[2, 3, 4, 5]),
-             ReplyEnd(request_id=rid, seq=5, finish_reason="stop")]  # fmt: skip
+    rerun = [
+        ReplyDelta(request_id=rid, seq=0, text="one", token_ids=[1]),
+        ReplyDelta(
+            request_id=rid,
+            seq=1,
+            count=4,
+            text=" two three.",
+            texts=[" two", "", " three", "."],
+            token_ids=[2, 3, 4, 5],
+        ),
+        ReplyEnd(request_id=rid, seq=5, finish_reason="stop"),
+    ]
     # as the runner reads them: bytes off the job's reply topic (the first run broke after its first record)
     for event in first + rerun:
         results.add(_fast_reply(encode(event)))
@@ -165,7 +211,9 @@ def test_results_take_each_position_once_when_a_rerun_coalesces_otherwise():
 
 
 def test_completions_endpoint_takes_prompts_and_answers_text_completions():
-    line = orjson.dumps({"custom_id": "p", "url": "/v1/completions", "body": {"model": "echo", "prompt": ["x y"]}}).decode()
+    line = orjson.dumps(
+        {"custom_id": "p", "url": "/v1/completions", "body": {"model": "echo", "prompt": ["x y"]}}
+    ).decode()
     parsed = parse_input(line, make_job("/v1/completions"), REPO, "r")
     assert parsed.lines[0].request is not None and parsed.lines[0].request.prompt == "x y"
     results = JobResults(parsed.lines)
@@ -226,15 +274,26 @@ def test_lines_are_split_at_newline_only_and_other_separators_stay_in_the_line()
 
 
 def test_lines_resolve_like_requests_pinned_to_a_version_and_the_output_names_the_one_that_answered():
-    text = "\n".join([chat_line("bare"), chat_line("pin", model="echo@1"), chat_line("unreg", model="echo@9"),
-                      chat_line("empty", model="echo@"), chat_line("noname", model="@1"),
-                      chat_line("spaces", model="echo@bad version!")])  # fmt: skip
+    text = "\n".join(
+        [
+            chat_line("bare"),
+            chat_line("pin", model="echo@1"),
+            chat_line("unreg", model="echo@9"),
+            chat_line("empty", model="echo@"),
+            chat_line("noname", model="@1"),
+            chat_line("spaces", model="echo@bad version!"),
+        ]
+    )
     parsed = parse_input(text, make_job(), REPO, "r")
     assert parsed.errors == []
     lines = {ln.custom_id: ln for ln in parsed.lines}
     assert lines["bare"].request is not None and lines["bare"].request.model == lines["bare"].model == "echo@1"
     assert lines["pin"].request is not None and lines["pin"].request.model == "echo@1"
-    refused = {cid: ln.error.message for cid, ln in lines.items() if ln.error is not None and ln.error.code == "model_not_found"}
+    refused = {
+        cid: ln.error.message
+        for cid, ln in lines.items()
+        if ln.error is not None and ln.error.code == "model_not_found"
+    }
     assert set(refused) == {"unreg", "empty", "noname", "spaces"}
     assert "'echo@9' is not registered" in refused["unreg"] and "names no model" in refused["noname"]
     assert "is not 'name@version'" in refused["empty"] and "is not 'name@version'" in refused["spaces"]
@@ -249,8 +308,12 @@ def test_the_jobs_usage_sums_each_requests_end_once_whatever_it_finished_with():
     results = JobResults(parsed.lines)
     ra, rb, _ = (ln.request_id for ln in parsed.lines)
     assert results.usage() == Usage()  # nothing ended yet
-    end_a = ReplyEnd(request_id=ra, seq=1, finish_reason="stop",
-                     usage=Usage(prompt_tokens=12, completion_tokens=5, total_tokens=17, cached_prompt_tokens=8))
+    end_a = ReplyEnd(
+        request_id=ra,
+        seq=1,
+        finish_reason="stop",
+        usage=Usage(prompt_tokens=12, completion_tokens=5, total_tokens=17, cached_prompt_tokens=8),
+    )
     end_b = ReplyEnd(request_id=rb, seq=3, finish_reason="length", usage=Usage(prompt_tokens=4, completion_tokens=9))
     for event in (end_a, end_a, end_b, ReplyEnd(request_id=rb, seq=4, finish_reason="stop", usage=end_a.usage)):
         results.add(event)  # a repeated end, and a second end of b: counted once, the first wins
@@ -261,7 +324,9 @@ def test_a_line_with_n_choices_is_n_sibling_requests_answered_in_one_result_line
     parsed = parse_input("\n".join([chat_line("a", n=2, seed=3), chat_line("b")]), make_job(), REPO, "r")
     parent = request_id_of("batch_1", "a")
     assert [(ln.request_id, ln.custom_id, ln.choice) for ln in parsed.lines[:2]] == [
-        (f"{parent}/0", "a", 0), (f"{parent}/1", "a", 1)]
+        (f"{parent}/0", "a", 0),
+        (f"{parent}/1", "a", 1),
+    ]
     assert [ln.request.seed for ln in parsed.lines[:2] if ln.request] == [3, sibling_seed(3, 1)]
     results = JobResults(parsed.lines)
     usage = Usage(prompt_tokens=4, completion_tokens=1, total_tokens=5)
@@ -275,6 +340,8 @@ def test_a_line_with_n_choices_is_n_sibling_requests_answered_in_one_result_line
     assert (row["custom_id"], row["id"], row["response"]["request_id"]) == ("a", f"batch_req_{parent}", parent)
     body = row["response"]["body"]
     assert [(c["index"], c["message"]["content"], c["finish_reason"]) for c in body["choices"]] == [
-        (0, "x", "length"), (1, "y", "stop")]
+        (0, "x", "length"),
+        (1, "y", "stop"),
+    ]
     assert (body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"]) == (4, 2)  # the prompt once
     assert results.usage() == Usage(prompt_tokens=4, completion_tokens=2, total_tokens=6)

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import orjson
 import pytest
-
 from aiokafka import TopicPartition
 
 from schemas.codec import decode_request, encode
@@ -22,16 +21,26 @@ from schemas.registry import RegistryState
 from services.batcher import jobs
 from services.batcher.job_core import request_id_of
 from services.batcher.jobs import JobRunner
+from tests.waiting import until
 from weir.bus import BusSettings, make_consumer, make_producer, partitions_of
 from weir.files import FileHeader, chunk_file, read_file, write_file
 from weir.kafka.admin import delete_prefixed_topics, ensure_topics
-from tests.waiting import until
 
 pytestmark = pytest.mark.kafka
 
 REPO = load_model_repo(Path(__file__).parents[2] / "models.toml")
-LINES = b"".join(orjson.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions", "body": {
-    "model": "echo", "messages": [{"role": "user", "content": "hi"}]}}) + b"\n" for i in range(3))  # fmt: skip
+LINES = b"".join(
+    orjson.dumps(
+        {
+            "custom_id": f"c{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": "echo", "messages": [{"role": "user", "content": "hi"}]},
+        }
+    )
+    + b"\n"
+    for i in range(3)
+)
 
 
 async def wait_for(runner: JobRunner, job_id: str, status: str, timeout_s: float = 60) -> BatchJob:
@@ -42,8 +51,9 @@ async def wait_for(runner: JobRunner, job_id: str, status: str, timeout_s: float
     return await until(in_status, timeout_s=timeout_s, what=f"job {job_id} {status}")
 
 
-async def test_a_job_runs_only_its_owners_file_and_its_results_get_random_ids(batcher_bootstrap, fresh_topics,
-                                                                               monkeypatch) -> None:  # fmt: skip
+async def test_a_job_runs_only_its_owners_file_and_its_results_get_random_ids(
+    batcher_bootstrap, fresh_topics, monkeypatch
+) -> None:
     monkeypatch.setattr(jobs, "CANCEL_GRACE_S", 0.5)  # no worker answers here: do not wait for one
     topics = fresh_topics
     await ensure_topics(batcher_bootstrap, topics.core_specs())
@@ -54,14 +64,24 @@ async def test_a_job_runs_only_its_owners_file_and_its_results_get_random_ids(ba
     producer = make_producer(settings, client_id="test-gateway")
     await producer.start()
     try:
+
         async def submit(job_id: str, file_id: str, owner: tuple[str, str, str]) -> None:
             header = FileHeader(file_id, "in.jsonl", "batch", *owner, now_ms())
             await write_file(producer, topics.files, chunk_file(header, LINES))
-            job = BatchJob(job_id=job_id, status="validating", endpoint="/v1/chat/completions", input_file_id=file_id,
-                           tenant="acme", credential="key", principal="ann", expires_ms=now_ms() + 86_400_000)  # fmt: skip
+            job = BatchJob(
+                job_id=job_id,
+                status="validating",
+                endpoint="/v1/chat/completions",
+                input_file_id=file_id,
+                tenant="acme",
+                credential="key",
+                principal="ann",
+                expires_ms=now_ms() + 86_400_000,
+            )
             await producer.send_and_wait(topics.jobs, encode(job), key=job_id.encode())
-            await producer.send_and_wait(topics.job_commands, encode(JobCommand(job_id=job_id, action="run")),
-                                         key=job_id.encode())
+            await producer.send_and_wait(
+                topics.job_commands, encode(JobCommand(job_id=job_id, action="run")), key=job_id.encode()
+            )
 
         await submit("batch_theirs", "file-theirs", ("evil", "key", "eve"))  # a job record naming another's file
         failed = await wait_for(runner, "batch_theirs", "failed")
@@ -69,14 +89,17 @@ async def test_a_job_runs_only_its_owners_file_and_its_results_get_random_ids(ba
 
         await submit("batch_mine", "file-mine", ("acme", "key", "ann"))
         await wait_for(runner, "batch_mine", "in_progress")
-        await producer.send_and_wait(topics.job_commands, encode(JobCommand(job_id="batch_mine", action="cancel")),
-                                     key=b"batch_mine")
+        await producer.send_and_wait(
+            topics.job_commands, encode(JobCommand(job_id="batch_mine", action="cancel")), key=b"batch_mine"
+        )
         done = await wait_for(runner, "batch_mine", "cancelled")
         assert done.error_file_id is not None and done.error_file_id == done.planned_error_file_id
         assert re.fullmatch(r"file-[0-9a-f]{32}", done.error_file_id) and "mine" not in done.error_file_id
         assert done.planned_output_file_id != done.planned_error_file_id and done.output_file_id is None
         stored = await read_file(settings, done.error_file_id, 30, "test-reader")
-        assert stored is not None and stored.is_owned_by("acme", "key", "ann") and stored.first.purpose == "batch_output"
+        assert (
+            stored is not None and stored.is_owned_by("acme", "key", "ann") and stored.first.purpose == "batch_output"
+        )
         rows = [orjson.loads(x) for x in stored.content().splitlines()]
         assert [(r["custom_id"], r["error"]["code"]) for r in rows] == [(f"c{i}", "batch_cancelled") for i in range(3)]
     finally:
@@ -109,8 +132,14 @@ async def test_a_completed_jobs_usage_is_the_sum_of_its_requests_ends(batcher_bo
                 for record in records:
                     request = decode_request(record.value)
                     n = int(request.request_id == request_id_of("batch_used", "c1")) + 1  # c1 costs twice c0, c2
-                    end = ReplyEnd(request_id=request.request_id, seq=0, finish_reason="stop", usage=Usage(
-                        prompt_tokens=10 * n, completion_tokens=3 * n, total_tokens=13 * n, cached_prompt_tokens=n))
+                    end = ReplyEnd(
+                        request_id=request.request_id,
+                        seq=0,
+                        finish_reason="stop",
+                        usage=Usage(
+                            prompt_tokens=10 * n, completion_tokens=3 * n, total_tokens=13 * n, cached_prompt_tokens=n
+                        ),
+                    )
                     for _ in range(2):
                         await producer.send_and_wait(request.reply_to, encode(end), key=request.request_id.encode())
 
@@ -118,13 +147,21 @@ async def test_a_completed_jobs_usage_is_the_sum_of_its_requests_ends(batcher_bo
     try:
         header = FileHeader("file-used", "in.jsonl", "batch", "acme", "key", "ann", now_ms())
         await write_file(producer, topics.files, chunk_file(header, LINES))
-        job = BatchJob(job_id="batch_used", status="validating", endpoint="/v1/chat/completions",
-                       input_file_id="file-used", tenant="acme", credential="key", principal="ann",
-                       expires_ms=now_ms() + 86_400_000)  # fmt: skip
+        job = BatchJob(
+            job_id="batch_used",
+            status="validating",
+            endpoint="/v1/chat/completions",
+            input_file_id="file-used",
+            tenant="acme",
+            credential="key",
+            principal="ann",
+            expires_ms=now_ms() + 86_400_000,
+        )
         assert job.usage is None
         await producer.send_and_wait(topics.jobs, encode(job), key=b"batch_used")
-        await producer.send_and_wait(topics.job_commands, encode(JobCommand(job_id="batch_used", action="run")),
-                                     key=b"batch_used")
+        await producer.send_and_wait(
+            topics.job_commands, encode(JobCommand(job_id="batch_used", action="run")), key=b"batch_used"
+        )
         done = await wait_for(runner, "batch_used", "completed")
         assert done.request_counts.completed == 3
         assert done.usage == Usage(prompt_tokens=40, completion_tokens=12, total_tokens=52, cached_prompt_tokens=4)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.batcher.metrics import OTHER, BatcherMetrics, TenantLabels
+from services.batcher.metrics import BatcherMetrics
 from services.batcher.planner import Planner, Slot
-from weir.metrics import ServiceMetrics, samples, value
+from weir.metrics import OTHER, ServiceMetrics, TenantLabels, samples, value
 
 from .factories import T0_MS, make_models, make_request
 
@@ -27,10 +27,10 @@ class Room:
     def __init__(self, room_tokens: int) -> None:
         self.room_tokens = room_tokens
 
-    def place(self, model, head, cost_tokens, now_ms):  # noqa: ANN001, ANN201
+    def place(self, model, head, cost_tokens, now_ms):
         return Slot("w1", 0, self.room_tokens)
 
-    def record(self, model, slot, num_tokens, now_ms):  # noqa: ANN001, ANN201
+    def record(self, model, slot, num_tokens, now_ms):
         return None
 
 
@@ -62,16 +62,23 @@ def test_an_unrouted_batch_has_no_fill_and_depth_and_expiries_go_by_lane_and_ten
     planner = Planner(make_models(a=(8, 50)))
     service = ServiceMetrics("batcher")
     metrics = BatcherMetrics(service)
-    reqs = [make_request("a", priority=lane, deadline_ms=T0_MS + deadline).model_copy(update={"tenant": tenant})
-            for lane, tenant, deadline in (("interactive", "acme", 10), ("bulk", "acme", 60_000),
-                                           ("bulk", "zed", 60_000), ("bulk", "zed", 60_000))]  # fmt: skip
+    reqs = [
+        make_request("a", priority=lane, deadline_ms=T0_MS + deadline).model_copy(update={"tenant": tenant})
+        for lane, tenant, deadline in (
+            ("interactive", "acme", 10),
+            ("bulk", "acme", 60_000),
+            ("bulk", "zed", 60_000),
+            ("bulk", "zed", 60_000),
+        )
+    ]
     for req in reqs:
         metrics.on_admitted(req)
         planner.add(req, T0_MS)
     assert metrics.observe_depth(planner) == [
-        (1, {"lane": "bulk", "tenant": "acme"}), (2, {"lane": "bulk", "tenant": "zed"}),
+        (1, {"lane": "bulk", "tenant": "acme"}),
+        (2, {"lane": "bulk", "tenant": "zed"}),
         (1, {"lane": "interactive", "tenant": "acme"}),
-    ]  # fmt: skip
+    ]
     result = planner.poll(T0_MS + 50)  # no placement: unbounded, unrouted
     for req in result.expired:
         metrics.on_expired(req)

@@ -19,7 +19,9 @@ def models_with(route: ModelRoute | None, *versions: str, retired: tuple[str, ..
     models = make_models(a=(4, 10))
     for v in versions:
         manifest = ModelManifest(name="a", version=v, format="echo", location="", serving={"engine": "echo"})
-        record = ModelVersionRecord(manifest=manifest, registered_by="t", desired="retired" if v in retired else "loaded")
+        record = ModelVersionRecord(
+            manifest=manifest, registered_by="t", desired="retired" if v in retired else "loaded"
+        )
         models.apply(record.key, record)
     if route is not None:
         models.apply(route.key, route)
@@ -64,7 +66,12 @@ def test_mirror_copies_are_bulk_requests_of_their_own_to_the_shadow_topic() -> N
     [copy] = copies
     assert copy.request_id == mirror_id("L1", "3") == "L1.mirror.3"
     assert (copy.shadow_of, copy.model, copy.priority, copy.assignment, copy.reply_to) == (
-        "L1", "a@3", "bulk", "mirror", SHADOW)  # fmt: skip
+        "L1",
+        "a@3",
+        "bulk",
+        "mirror",
+        SHADOW,
+    )
     assert copy.mirrors == [] and copy.prompt == live.prompt and copy.user == "u"
     assert with_mirrors(copy, models, SHADOW) == (copy, [])  # a copy is never mirrored again
 
@@ -77,11 +84,13 @@ def test_mirror_share_unresolvable_and_self_mirrors() -> None:
     req = make_request("a@1")
     assert with_mirrors(req, unregistered, SHADOW) == (req, [])  # no copy, none listed
     self_pinned = make_request("a@3")
-    assert with_mirrors(self_pinned, models_with(ModelRoute(name="a", default_version="1", mirror={"3": 100}), "3"),
-                        SHADOW) == (self_pinned, [])  # fmt: skip
+    assert with_mirrors(
+        self_pinned, models_with(ModelRoute(name="a", default_version="1", mirror={"3": 100}), "3"), SHADOW
+    ) == (self_pinned, [])
     long_id = make_request("a@1", request_id="x" * 125)
-    assert with_mirrors(long_id, models_with(ModelRoute(name="a", default_version="1", mirror={"3": 100}), "3"),
-                        SHADOW) == (long_id, [])  # fmt: skip
+    assert with_mirrors(
+        long_id, models_with(ModelRoute(name="a", default_version="1", mirror={"3": 100}), "3"), SHADOW
+    ) == (long_id, [])
     embed = EmbedRequest(request_id="e", model="a@1", inputs=["x"], deadline_ms=T0_MS + 1000, reply_to="t.replies.x")
     assert with_mirrors(embed, models, SHADOW) == (embed, [])
 
@@ -103,10 +112,10 @@ def test_traffic_fields_only_the_batcher_sets_are_refused_on_intake() -> None:
 
 
 class _NoRoom:
-    def place(self, model, head, cost_tokens, now_ms):  # noqa: ANN001, ANN201
+    def place(self, model, head, cost_tokens, now_ms):
         return None
 
-    def record(self, model, slot, num_tokens, now_ms):  # noqa: ANN001, ANN201
+    def record(self, model, slot, num_tokens, now_ms):
         return None
 
 

@@ -176,8 +176,11 @@ def test_embed_requests_are_planned_like_generate_requests() -> None:
     embed = EmbedRequest(request_id="e1", model="a", inputs=["x", "y"], deadline_ms=T0_MS + 60_000, reply_to="t")
     late = EmbedRequest(request_id="e2", model="a", inputs=["z"], deadline_ms=T0_MS + 10, reply_to="t")
     assert [planner.add(r, T0_MS) for r in (generate, embed, embed, late)] == [
-        Admission.HELD, Admission.HELD, Admission.DUPLICATE, Admission.HELD,
-    ]  # fmt: skip
+        Admission.HELD,
+        Admission.HELD,
+        Admission.DUPLICATE,
+        Admission.HELD,
+    ]
     result = planner.poll(T0_MS + 10)
     assert [r.request_id for r in result.expired] == ["e2"] and result.batches == []
     assert [ids(b) for b in planner.poll(T0_MS + 1000).batches] == [[generate.request_id, "e1"]]
@@ -189,8 +192,11 @@ def test_a_request_is_pinned_on_arrival_to_the_version_its_model_resolves_to() -
     bare, pinned = make_request("a"), make_request("a@1")
     assert planner.add(bare, T0_MS) is Admission.HELD and planner.add(pinned, T0_MS) is Admission.HELD
     # A promotion while they wait moves new requests only (the route now names version 2).
-    v2 = ModelVersionRecord(manifest=ModelManifest(name="a", version="2", format="echo", location="",
-                                                   serving={"engine": "echo", "max_batch_size": 1}))  # fmt: skip
+    v2 = ModelVersionRecord(
+        manifest=ModelManifest(
+            name="a", version="2", format="echo", location="", serving={"engine": "echo", "max_batch_size": 1}
+        )
+    )
     for record in register(models, v2):
         models.apply(record.key, record)
     for record in promote(models, "a@2", by="test"):
@@ -224,8 +230,9 @@ def test_a_model_that_does_not_resolve_is_refused_with_the_reason(ref: str, why:
 def test_a_retired_version_no_longer_resolves_but_its_held_requests_stay_pinned() -> None:
     models = make_models(a=(10, 0))
     planner = Planner(models)
-    v2 = ModelVersionRecord(manifest=ModelManifest(name="a", version="2", format="echo", location="",
-                                                   serving={"engine": "echo"}))  # fmt: skip
+    v2 = ModelVersionRecord(
+        manifest=ModelManifest(name="a", version="2", format="echo", location="", serving={"engine": "echo"})
+    )
     for record in register(models, v2):
         models.apply(record.key, record)
     held = make_request("a@2")

@@ -20,9 +20,12 @@ def router_with(*heartbeats) -> Router:
 
 def chat(system: str, user: str) -> GenerateRequest:
     return GenerateRequest(
-        request_id=f"c-{user}", model="a", messages=[ChatMessage(role="system", content=system), ChatMessage(role="user", content=user)],
-        deadline_ms=T0_MS + 60_000, reply_to="t",
-    )  # fmt: skip
+        request_id=f"c-{user}",
+        model="a",
+        messages=[ChatMessage(role="system", content=system), ChatMessage(role="user", content=user)],
+        deadline_ms=T0_MS + 60_000,
+        reply_to="t",
+    )
 
 
 def test_prefix_key_is_the_system_message_or_the_first_chars() -> None:
@@ -71,7 +74,7 @@ def test_room_is_advertised_blocks_less_what_was_planned_since_the_heartbeat() -
 
 def test_with_read_offsets_a_batch_counts_until_the_worker_has_read_it() -> None:
     def beat(sent_ms: int, next_offset: int, partitions: tuple[int, ...] = (0, 1)):
-        offsets = {"a@1": {p: next_offset for p in partitions}}
+        offsets = {"a@1": dict.fromkeys(partitions, next_offset)}
         return make_heartbeat("w1", {"a@1": list(partitions)}, free_kv_blocks=10, sent_ms=sent_ms, next_offsets=offsets)
 
     router = router_with(beat(T0_MS, 7))
@@ -97,17 +100,17 @@ def test_with_read_offsets_a_batch_counts_until_the_worker_has_read_it() -> None
 def test_shared_prefixes_stick_to_one_worker_and_spread_across_workers() -> None:
     router = router_with(*(make_heartbeat(f"w{i}", {"a@1": [i, 10 + i]}, sent_ms=T0_MS) for i in range(4)))
     system = "You are a helpful assistant that answers in French."
-    places = {router.place("a@1", chat(system, f"q{i}"), 20, T0_MS).worker_id for i in range(20)}  # type: ignore[union-attr]
+    places = {router.place("a@1", chat(system, f"q{i}"), 20, T0_MS).worker_id for i in range(20)}
     assert len(places) == 1
-    spread = {router.place("a@1", chat(f"system {i}", "q"), 20, T0_MS).worker_id for i in range(40)}  # type: ignore[union-attr]
+    spread = {router.place("a@1", chat(f"system {i}", "q"), 20, T0_MS).worker_id for i in range(40)}
     assert len(spread) == 4
 
 
 def test_a_leaving_worker_moves_only_its_own_prefixes() -> None:
     beats = [make_heartbeat(f"w{i}", {"a@1": [i]}, sent_ms=T0_MS) for i in range(4)]
     heads = [chat(f"system {i}", "q") for i in range(60)]
-    before = {h.request_id: router_with(*beats).place("a@1", h, 20, T0_MS).worker_id for h in heads}  # type: ignore[union-attr]
-    after = {h.request_id: router_with(*beats[1:]).place("a@1", h, 20, T0_MS).worker_id for h in heads}  # type: ignore[union-attr]
+    before = {h.request_id: router_with(*beats).place("a@1", h, 20, T0_MS).worker_id for h in heads}
+    after = {h.request_id: router_with(*beats[1:]).place("a@1", h, 20, T0_MS).worker_id for h in heads}
     moved = {rid for rid in before if before[rid] != after[rid]}
     assert moved == {rid for rid, wid in before.items() if wid == "w0"}
 
@@ -125,7 +128,9 @@ def test_a_full_preferred_worker_gives_way_to_the_one_with_most_room() -> None:
 
 
 def test_a_head_larger_than_any_room_goes_alone_to_an_idle_worker() -> None:
-    router = router_with(make_heartbeat("w1", {"a@1": [0]}, free_kv_blocks=2), make_heartbeat("w2", {"a@1": [1]}, free_kv_blocks=3))
+    router = router_with(
+        make_heartbeat("w1", {"a@1": [0]}, free_kv_blocks=2), make_heartbeat("w2", {"a@1": [1]}, free_kv_blocks=3)
+    )
     slot = router.place("a@1", make_tenant_request("t"), 500, T0_MS)  # more than either advertises
     assert slot is not None and slot.room_tokens == 500  # room for the head only
     router.record("a@1", slot, 500, T0_MS)
@@ -137,8 +142,11 @@ def test_a_head_larger_than_any_room_goes_alone_to_an_idle_worker() -> None:
 
 def test_a_worker_is_routable_for_a_version_only_when_its_heartbeat_says_ready() -> None:
     old = make_heartbeat("old", {"a@1": [0]}).model_copy(update={"versions": {}})  # a worker from before the registry
-    router = router_with(old, make_heartbeat("v2", {"a@2": [0]}, states={"a@2": "ready"}),
-                         make_heartbeat("loading", {"a@1": [1]}, states={"a@1": "loading"}))  # fmt: skip
+    router = router_with(
+        old,
+        make_heartbeat("v2", {"a@2": [0]}, states={"a@2": "ready"}),
+        make_heartbeat("loading", {"a@1": [1]}, states={"a@1": "loading"}),
+    )
     assert router.live_workers("a@1", T0_MS) == [] and router.place("a@1", make_tenant_request("t"), 20, T0_MS) is None
     assert router.live_workers("a@2", T0_MS) == ["v2"]
 
@@ -149,11 +157,15 @@ def test_a_draining_worker_takes_a_version_only_when_none_has_it_ready() -> None
     slot = router.place("a@1", make_tenant_request("t"), 20, T0_MS)
     assert slot is not None and (slot.worker_id, slot.partition) == ("d", 3)
     router.on_heartbeat(make_heartbeat("r", {"a@1": [5]}))
-    assert {router.place("a@1", make_tenant_request("t", prompt=f"p{i}"), 20, T0_MS).worker_id for i in range(10)} == {"r"}  # type: ignore[union-attr]
+    assert {router.place("a@1", make_tenant_request("t", prompt=f"p{i}"), 20, T0_MS).worker_id for i in range(10)} == {
+        "r"
+    }
 
 
 def test_a_version_failed_or_refused_on_every_live_worker_that_reports_it_has_a_problem() -> None:
-    failed = make_heartbeat("w1", {"a@2": []}, states={"a@2": "failed"}, reasons={"a@2": "weights.bin: sha256 mismatch"})
+    failed = make_heartbeat(
+        "w1", {"a@2": []}, states={"a@2": "failed"}, reasons={"a@2": "weights.bin: sha256 mismatch"}
+    )
     refused = make_heartbeat("w2", {"a@2": []}, states={"a@2": "refused"}, reasons={"a@2": "needs 9 GiB, budget 4 GiB"})
     router = router_with(failed, refused, make_heartbeat("w3", {"a@1": [0]}))
     problem = router.version_problem("a@2", T0_MS)

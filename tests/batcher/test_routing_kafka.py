@@ -25,11 +25,11 @@ from services.batcher.app import BatcherApp
 from services.batcher.config import BatcherSettings
 from services.batcher.planner import cost_tokens
 from services.batcher.routing import _score, prefix_key
+from tests.kafka_helpers import produce
+from tests.waiting import stays_false, until
 from weir.kafka.admin import ensure_topics
 
 from .factories import make_config, make_repo, version_specs
-from tests.kafka_helpers import produce
-from tests.waiting import stays_false, until
 
 pytestmark = pytest.mark.kafka
 
@@ -46,20 +46,38 @@ class FakeWorker:
     `state` (and `reason`) and its remaining room. With consume=False it only reports (a worker
     whose load failed or was refused never joins the version's group)."""
 
-    def __init__(self, bootstrap: str, topics: Topics, config: ModelConfig, worker_id: str, capacity_tokens: int,
-                 *, state: str = "ready", reason: str | None = None, consume: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        bootstrap: str,
+        topics: Topics,
+        config: ModelConfig,
+        worker_id: str,
+        capacity_tokens: int,
+        *,
+        state: str = "ready",
+        reason: str | None = None,
+        consume: bool = True,
+    ) -> None:
         self.topics, self.config, self.worker_id = topics, config, worker_id
-        self.sid = config.served_id
+        self.served_id = config.served_id
         self.capacity_tokens = capacity_tokens
         self.state, self.reason = state, reason
         self.is_beating = True
         self.received: list[tuple[int, Batch]] = []  # (partition, batch)
         self.advertised: set[int] = set()  # every partition it ever advertised
         self.next_offsets: dict[int, int] = {}  # partition -> next offset it reads
-        self.consumer = AIOKafkaConsumer(
-            topics.batches(self.sid), bootstrap_servers=bootstrap, group_id=topics.worker_group(self.sid),
-            auto_offset_reset="earliest", client_id=worker_id, fetch_max_wait_ms=50,
-        ) if consume else None  # fmt: skip
+        self.consumer = (
+            AIOKafkaConsumer(
+                topics.batches(self.served_id),
+                bootstrap_servers=bootstrap,
+                group_id=topics.worker_group(self.served_id),
+                auto_offset_reset="earliest",
+                client_id=worker_id,
+                fetch_max_wait_ms=50,
+            )
+            if consume
+            else None
+        )
         self.producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", enable_idempotence=True)
 
     @property
@@ -79,12 +97,20 @@ class FakeWorker:
         self.advertised |= set(partitions)
         serving = self.state in ("ready", "draining")  # heartbeats list partitions of these only
         return WorkerHeartbeat(
-            worker_id=self.worker_id, models=[self.sid] if self.state == "ready" else [], is_ready=True,
-            num_running=len(self.request_ids), num_waiting=0, max_num_seqs=64, free_kv_blocks=free_blocks,
-            block_size_tokens=BLOCK, partitions={self.sid: partitions} if serving else {},
-            next_offsets={self.sid: {p: o for p, o in self.next_offsets.items() if p in partitions}} if serving else {},
-            versions={self.sid: VersionStatus(state=self.state, reason=self.reason)},  # type: ignore[arg-type]
-        )  # fmt: skip
+            worker_id=self.worker_id,
+            models=[self.served_id] if self.state == "ready" else [],
+            is_ready=True,
+            num_running=len(self.request_ids),
+            num_waiting=0,
+            max_num_seqs=64,
+            free_kv_blocks=free_blocks,
+            block_size_tokens=BLOCK,
+            partitions={self.served_id: partitions} if serving else {},
+            next_offsets={self.served_id: {p: o for p, o in self.next_offsets.items() if p in partitions}}
+            if serving
+            else {},
+            versions={self.served_id: VersionStatus(state=self.state, reason=self.reason)},
+        )
 
     async def run(self) -> None:
         if self.consumer is not None:
@@ -119,13 +145,18 @@ def beat_seen(app: BatcherApp, worker: FakeWorker, since_ms: int = 0) -> bool:
 
 def chat(system: str, user: str, model: str, topics: Topics) -> GenerateRequest:
     return GenerateRequest(
-        request_id=f"{user}-{time.monotonic_ns()}", model=model, max_tokens=10, deadline_ms=now_ms() + 120_000,
+        request_id=f"{user}-{time.monotonic_ns()}",
+        model=model,
+        max_tokens=10,
+        deadline_ms=now_ms() + 120_000,
         messages=[ChatMessage(role="system", content=system), ChatMessage(role="user", content=user)],
         reply_to=topics.replies("unused"),  # a reply topic of the deployment, or the batcher refuses it
-    )  # fmt: skip
+    )
 
 
-async def test_batches_follow_heartbeats_room_prefixes_and_liveness(batcher_bootstrap: str, fresh_topics: Topics) -> None:
+async def test_batches_follow_heartbeats_room_prefixes_and_liveness(
+    batcher_bootstrap: str, fresh_topics: Topics
+) -> None:
     bootstrap, topics = batcher_bootstrap, fresh_topics
     config = make_config("m", max_batch_size=4, max_wait_ms=20)
     repo = make_repo(config)
@@ -140,21 +171,38 @@ async def test_batches_follow_heartbeats_room_prefixes_and_liveness(batcher_boot
     tasks = [asyncio.create_task(w1.run()), asyncio.create_task(w2.run())]
     try:
         # The group settles: each worker owns some of the partitions, together all of them.
-        await until(lambda: bool(w1.assignment()) and bool(w2.assignment())
-                    and len(w1.assignment()) + len(w2.assignment()) == BATCH_PARTITIONS,
-                    timeout_s=40, what="both workers assigned every batch partition", watch=tasks)  # fmt: skip
+        await until(
+            lambda: (
+                bool(w1.assignment())
+                and bool(w2.assignment())
+                and len(w1.assignment()) + len(w2.assignment()) == BATCH_PARTITIONS
+            ),
+            timeout_s=40,
+            what="both workers assigned every batch partition",
+            watch=tasks,
+        )
         tasks.append(asyncio.create_task(app.serve(stop)))
-        await until(lambda: app.router.live_workers("m@1", now_ms()) == sorted([w1.worker_id, w2.worker_id]),
-                    timeout_s=20, what="the batcher routing to both workers", watch=tasks)
+        await until(
+            lambda: app.router.live_workers("m@1", now_ms()) == sorted([w1.worker_id, w2.worker_id]),
+            timeout_s=20,
+            what="the batcher routing to both workers",
+            watch=tasks,
+        )
 
         def both() -> set[str]:
             return w1.request_ids | w2.request_ids
 
         # 1. A shared system prompt sticks to one worker.
-        shared = [chat("You are Weir's test assistant. Answer briefly.", f"q{i}", "m", topics) for i in range(8)]  # m -> m@1
+        shared = [
+            chat("You are Weir's test assistant. Answer briefly.", f"q{i}", "m", topics) for i in range(8)
+        ]  # m -> m@1
         await produce(bootstrap, topics.requests, shared)
-        await until(lambda: both() >= {r.request_id for r in shared},
-                    timeout_s=20, what="the shared-prefix requests batched", watch=tasks)
+        await until(
+            lambda: both() >= {r.request_id for r in shared},
+            timeout_s=20,
+            what="the shared-prefix requests batched",
+            watch=tasks,
+        )
         owners = {w.worker_id for w in (w1, w2) for r in shared if r.request_id in w.request_ids}
         assert len(owners) == 1
 
@@ -164,14 +212,25 @@ async def test_batches_follow_heartbeats_room_prefixes_and_liveness(batcher_boot
         assert {cost_tokens(r, config) for r in flood} == {cost}
         w1.capacity_tokens, w2.capacity_tokens = w1.used_tokens + 3 * cost + cost // 2, w2.used_tokens + 5 * cost
         changed_ms = now_ms()
-        await until(lambda: beat_seen(app, w1, changed_ms) and beat_seen(app, w2, changed_ms), timeout_s=10,
-                    what="the batcher reading heartbeats with the new room", watch=tasks)
+        await until(
+            lambda: beat_seen(app, w1, changed_ms) and beat_seen(app, w2, changed_ms),
+            timeout_s=10,
+            what="the batcher reading heartbeats with the new room",
+            watch=tasks,
+        )
         before1, before2 = len(w1.request_ids), len(w2.request_ids)
         await produce(bootstrap, topics.requests, flood)
-        await until(lambda: len(both() & {r.request_id for r in flood}) >= 8,
-                    timeout_s=20, what="8 of the flood batched", watch=tasks)
-        await stays_false(lambda: (len(w1.request_ids) - before1, len(w2.request_ids) - before2) != (3, 5),
-                          for_s=FULL_S, what="more of the flood sent to full workers")
+        await until(
+            lambda: len(both() & {r.request_id for r in flood}) >= 8,
+            timeout_s=20,
+            what="8 of the flood batched",
+            watch=tasks,
+        )
+        await stays_false(
+            lambda: (len(w1.request_ids) - before1, len(w2.request_ids) - before2) != (3, 5),
+            for_s=FULL_S,
+            what="more of the flood sent to full workers",
+        )
         assert w1.used_tokens <= w1.capacity_tokens and w2.used_tokens <= w2.capacity_tokens
         assert app.planner.num_held == 12 and app.planner.blocked_models() == ["m@1"]
 
@@ -179,11 +238,16 @@ async def test_batches_follow_heartbeats_room_prefixes_and_liveness(batcher_boot
         # even for prefixes whose affinity is w1.
         w1.capacity_tokens += 2000
         w2.capacity_tokens += 2000
-        await until(lambda: both() >= {r.request_id for r in flood},
-                    timeout_s=20, what="the whole flood batched", watch=tasks)
+        await until(
+            lambda: both() >= {r.request_id for r in flood}, timeout_s=20, what="the whole flood batched", watch=tasks
+        )
         w1.is_beating = False
-        await until(lambda: app.router.live_workers("m@1", now_ms()) == [w2.worker_id],
-                    timeout_s=TIMEOUT_MS / 1000 + 10, what="w1 no longer live once its heartbeats stop", watch=tasks)
+        await until(
+            lambda: app.router.live_workers("m@1", now_ms()) == [w2.worker_id],
+            timeout_s=TIMEOUT_MS / 1000 + 10,
+            what="w1 no longer live once its heartbeats stop",
+            watch=tasks,
+        )
         got1 = set(w1.request_ids)
         late = []
         while len(late) < 6:
@@ -191,8 +255,12 @@ async def test_batches_follow_heartbeats_room_prefixes_and_liveness(batcher_boot
             if max((w1.worker_id, w2.worker_id), key=lambda w: _score(prefix_key(req), w)) == w1.worker_id:
                 late.append(req)
         await produce(bootstrap, topics.requests, late)
-        await until(lambda: w2.request_ids >= {r.request_id for r in late},
-                    timeout_s=20, what="the late requests batched to w2", watch=tasks)
+        await until(
+            lambda: w2.request_ids >= {r.request_id for r in late},
+            timeout_s=20,
+            what="the late requests batched to w2",
+            watch=tasks,
+        )
         assert w1.request_ids == got1
     finally:
         stop.set()

@@ -44,9 +44,13 @@ def test_cost_is_prompt_estimate_plus_max_tokens_capped_at_max_model_len() -> No
     torch = make_config(max_model_len=512)
     assert cost_tokens(make_tenant_request("t", prompt="x" * 41, max_tokens=10), torch) == 11 + 10
     chat = GenerateRequest(
-        request_id="c", model="a", messages=[ChatMessage(role="system", content="s" * 8), ChatMessage(role="user", content="hi")],
-        max_tokens=5, deadline_ms=T0_MS + 1, reply_to="t",
-    )  # fmt: skip
+        request_id="c",
+        model="a",
+        messages=[ChatMessage(role="system", content="s" * 8), ChatMessage(role="user", content="hi")],
+        max_tokens=5,
+        deadline_ms=T0_MS + 1,
+        reply_to="t",
+    )
     assert cost_tokens(chat, torch) == (2 + 4) + (1 + 4) + 5
     assert cost_tokens(make_tenant_request("t", prompt="x" * 10_000, max_tokens=100), torch) == 512
     embed = EmbedRequest(request_id="e", model="a", inputs=["x" * 4000], deadline_ms=T0_MS + 1, reply_to="t")

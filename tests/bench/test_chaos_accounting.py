@@ -14,8 +14,14 @@ def chunk(content: str | None = None, finish: str | None = None) -> bytes:
 
 def test_a_content_event_of_a_seq_seen_before_is_a_duplicate_and_the_terminal_counts_once() -> None:
     r = Request(0, {}, "interactive", started=1.0)
-    for event_id, data in [(b"0", chunk("def")), (b"1", chunk(" f")), (b"1", chunk(" f")),  # a resume that repeats seq 1
-                           (b"2", chunk("()")), (b"3", chunk(finish="length")), (b"3", b"[DONE]")]:  # fmt: skip
+    for event_id, data in [
+        (b"0", chunk("def")),
+        (b"1", chunk(" f")),
+        (b"1", chunk(" f")),  # a resume that repeats seq 1
+        (b"2", chunk("()")),
+        (b"3", chunk(finish="length")),
+        (b"3", b"[DONE]"),
+    ]:
         _on_event(r, event_id, data)
     assert r.num_duplicated == 1 and "".join(r.text) == "def f f()"
     assert r.num_ends == 1 and r.last_id == 3 and r.ended_at is not None and r.ended_once

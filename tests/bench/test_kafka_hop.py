@@ -13,7 +13,7 @@ pytestmark = pytest.mark.kafka
 
 
 def test_bench_hop_measures_every_row(capsys, kafka_broker: str) -> None:
-    transport = getattr(asyncio.selector_events, "_SelectorSocketTransport")
+    transport = asyncio.selector_events._SelectorSocketTransport
     before = (transport.write, transport._read_ready)
     assert kafka_hop.main(["--bootstrap", kafka_broker, "--count", "30", "--gap-ms", "2", "--warmup", "50"]) == 0
     assert (transport.write, transport._read_ready) == before  # this process's event loop as it was

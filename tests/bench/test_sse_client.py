@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import itertools
 import asyncio
+import itertools
 
 import pytest
 
@@ -17,7 +17,9 @@ async def serve(responses: list[list[bytes]]):
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         for pieces in responses:
             head = await reader.readuntil(b"\r\n\r\n")
-            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+            length = int(
+                next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+            )
             seen.append(head + await reader.readexactly(length))
             for piece in pieces:
                 writer.write(piece)
@@ -67,7 +69,7 @@ async def test_an_error_status_raises_with_the_body() -> None:
 
 async def test_events_carry_their_ids_and_a_get_sends_its_headers() -> None:
     head = HEAD.replace(b"\r\n\r\n", b"\r\nx-request-id: r-1\r\n\r\n")
-    body = b"id: 3\ndata: {\"a\": 1}\n\ndata: {\"b\": 2}\n\nid: 7\ndata: [DONE]\n\n"
+    body = b'id: 3\ndata: {"a": 1}\n\ndata: {"b": 2}\n\nid: 7\ndata: [DONE]\n\n'
     server, port, seen = await serve([[head, *chunked(body, [5, 30])]])
     async with server:
         connection = SseConnection("127.0.0.1", port)

@@ -15,11 +15,21 @@ def _phase(mirror: bool, ttfts: list[float], failed: int = 0) -> Phase:
 
 
 def test_ratios_pair_on_with_off_whatever_the_order_and_shares_count_only_served_requests() -> None:
-    result = Result(phases=[_phase(True, [10.0] * 18 + [60.0] * 2, failed=2), _phase(False, [10.0] * 18 + [50.0] * 2),
-                            _phase(False, [10.0] * 20), _phase(True, [12.0] * 20)],
-                    mirrored_before=5, mirrored_after=5 + 38)
-    result.canary = ([Outcome(0.0, ttft_ms=1.0, version="m@3") for _ in range(6)]
-                     + [Outcome(0.0, ttft_ms=1.0, version="m@1") for _ in range(94)] + [Outcome(0.0, error="x")])
+    result = Result(
+        phases=[
+            _phase(True, [10.0] * 18 + [60.0] * 2, failed=2),
+            _phase(False, [10.0] * 18 + [50.0] * 2),
+            _phase(False, [10.0] * 20),
+            _phase(True, [12.0] * 20),
+        ],
+        mirrored_before=5,
+        mirrored_after=5 + 38,
+    )
+    result.canary = (
+        [Outcome(0.0, ttft_ms=1.0, version="m@3") for _ in range(6)]
+        + [Outcome(0.0, ttft_ms=1.0, version="m@1") for _ in range(94)]
+        + [Outcome(0.0, error="x")]
+    )
     s = summarize(result, "m", canary_pct=5.0)
     assert s["ratios"] == [60.0 / 50.0, 12.0 / 10.0]
     assert (s["mirrored_live"], s["copies_completed"]) == (42, 38)  # the 2 failed live requests were copied too

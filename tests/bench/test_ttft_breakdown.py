@@ -10,8 +10,9 @@ from schemas.messages import Batch, GenerateRequest, ReplyDelta, ReplyEnd, Usage
 
 
 def request(rid: str) -> GenerateRequest:
-    return GenerateRequest(request_id=rid, model="m", prompt="p", max_tokens=4, deadline_ms=10**13, reply_to="r",
-                           created_ms=1001)
+    return GenerateRequest(
+        request_id=rid, model="m", prompt="p", max_tokens=4, deadline_ms=10**13, reply_to="r", created_ms=1001
+    )
 
 
 def stamps_of(records: list[tuple[bytes, int]]) -> dict[str, dict[str, float]]:
@@ -22,8 +23,13 @@ def stamps_of(records: list[tuple[bytes, int]]) -> dict[str, dict[str, float]]:
 
 
 def test_hops_split_ttft_at_each_record() -> None:
-    end = ReplyEnd(request_id="r1", seq=3, finish_reason="stop", received_ms=1010,
-                   usage=Usage(prompt_tokens=1, completion_tokens=2, total_tokens=3))
+    end = ReplyEnd(
+        request_id="r1",
+        seq=3,
+        finish_reason="stop",
+        received_ms=1010,
+        usage=Usage(prompt_tokens=1, completion_tokens=2, total_tokens=3),
+    )
     records = [
         (encode(request("r1")), 1002),
         (encode(Batch(batch_id="b", model="m", requests=[request("r1")], batcher_id="x")), 1005),

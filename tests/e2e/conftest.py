@@ -23,7 +23,9 @@ from tests.conftest import BOOTSTRAP  # noqa: E402 - WEIR_KAFKA_BOOTSTRAP, else 
 # The worker of these tests serves every model of models.toml but those imported from a GGUF file
 # (SmolLM2: a 540 MB import and a slower model); weir-tiny-py is the fast model of the suite.
 TEST_MODELS = ",".join(
-    name for name, c in load_model_repo(REPO_ROOT / "models.toml").models.items() if not (c.engine == "torch" and c.source)
+    name
+    for name, c in load_model_repo(REPO_ROOT / "models.toml").models.items()
+    if not (c.engine == "torch" and c.source)
 )
 
 
@@ -48,10 +50,15 @@ def start_pipeline(tmp: Path, bootstrap: str = BOOTSTRAP, **extra_env: str) -> P
     asyncio.run(ensure_topics(bootstrap, deployment_specs(topics, load_model_repo(model_repo))))
     audit_db = tmp / "audit.sqlite"
     env = {
-        "WEIR_KAFKA_BOOTSTRAP": bootstrap, "WEIR_TOPIC_PREFIX": topics.prefix,
-        "WEIR_MODEL_REPO": str(model_repo), "WEIR_AUDIT_DB": str(audit_db), "PYTHONUNBUFFERED": "1",
-        "WEIR_AUTH_MODE": "open", "WEIR_MODELS": TEST_MODELS, **extra_env,
-    }  # fmt: skip
+        "WEIR_KAFKA_BOOTSTRAP": bootstrap,
+        "WEIR_TOPIC_PREFIX": topics.prefix,
+        "WEIR_MODEL_REPO": str(model_repo),
+        "WEIR_AUDIT_DB": str(audit_db),
+        "PYTHONUNBUFFERED": "1",
+        "WEIR_AUTH_MODE": "open",
+        "WEIR_MODELS": TEST_MODELS,
+        **extra_env,
+    }
     stack = Stack(env, tmp / "logs")
     for name in SERVICES:
         stack.start(name)
@@ -69,8 +76,23 @@ def start_pipeline(tmp: Path, bootstrap: str = BOOTSTRAP, **extra_env: str) -> P
 def weir_models(p: Pipeline, *args: str) -> str:
     """`weir models ARGS` against the pipeline's broker and topics; its output (asserts exit 0)."""
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), **p.stack.env}
-    done = subprocess.run([sys.executable, "-m", "weir.cli", "models", *args, "--bootstrap", p.bootstrap,
-                           "--topic-prefix", p.topics.prefix], env=env, capture_output=True, text=True, timeout=180)  # fmt: skip
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "weir.cli",
+            "models",
+            *args,
+            "--bootstrap",
+            p.bootstrap,
+            "--topic-prefix",
+            p.topics.prefix,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert done.returncode == 0, f"weir models {' '.join(args)}: {done.stdout}\n{done.stderr}"
     return done.stdout
 
@@ -89,6 +111,8 @@ def lifecycle_pipeline(tmp_path_factory):
     """One stack for the model-lifecycle modules (swap, traffic policies): weir-tiny-py and echo, a
     short drain, no fingerprints. They register versions under different names, so they share it."""
     tmp = tmp_path_factory.mktemp("lifecycle")
-    p = start_pipeline(tmp, WEIR_MODELS="weir-tiny-py,echo", WEIR_AUDIT_FINGERPRINT_MODEL="", WEIR_DRAIN_QUIET_MS="1000")
+    p = start_pipeline(
+        tmp, WEIR_MODELS="weir-tiny-py,echo", WEIR_AUDIT_FINGERPRINT_MODEL="", WEIR_DRAIN_QUIET_MS="1000"
+    )
     yield p
     p.stack.stop_all()

@@ -16,8 +16,8 @@ import orjson
 import pytest
 from openai import BadRequestError, OpenAI
 
-from weir.replay import replay
 from tests.waiting import wait_until
+from weir.replay import replay
 
 from .conftest import REPO_ROOT
 
@@ -27,7 +27,7 @@ TERMINAL = ("completed", "failed", "cancelled", "expired")
 BATCHER_DOWN_S = 1.0  # how long the killed batcher stays down (a scenario setting, not a wait for an event)
 
 
-def running_with_some_done(client: OpenAI, batch_id: str):  # noqa: ANN201 - an openai Batch, or None
+def running_with_some_done(client: OpenAI, batch_id: str):  # an openai Batch, or None
     """The batch while it runs and has finished some of its lines (None before)."""
     current = client.batches.retrieve(batch_id)
     return current if current.status == "in_progress" and current.request_counts.completed > 0 else None
@@ -43,15 +43,21 @@ def prompt_of(i: int) -> str:
 
 
 def write_input(path: Path, n: int, tag: str) -> Path:
-    rows = [{"custom_id": f"{tag}-{i}", "method": "POST", "url": "/v1/chat/completions",
-             "body": {"model": "echo", "messages": [{"role": "user", "content": prompt_of(i)}], "max_tokens": 64}}
-            for i in range(n)]  # fmt: skip
+    rows = [
+        {
+            "custom_id": f"{tag}-{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": "echo", "messages": [{"role": "user", "content": prompt_of(i)}], "max_tokens": 64},
+        }
+        for i in range(n)
+    ]
     path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
     return path
 
 
 def wait_done(client: OpenAI, batch_id: str, timeout_s: float, on_poll=None):
-    def ended():  # noqa: ANN202 - an openai Batch, or None
+    def ended():  # an openai Batch, or None
         batch = client.batches.retrieve(batch_id)
         if on_poll is not None:
             on_poll(batch)
@@ -81,6 +87,7 @@ def interactive_beside(pipeline, stop: threading.Event, log: list) -> threading.
             started = time.monotonic()
             reply = client.chat.completions.create(model="echo", messages=[{"role": "user", "content": "ping pong"}])
             log.append((reply.choices[0].message.content, time.monotonic() - started))
+
     thread = threading.Thread(target=loop, daemon=True)
     thread.start()
     return thread
@@ -95,8 +102,9 @@ def test_openai_client_runs_a_batch_beside_interactive_requests(pipeline, client
     stop, interactive = threading.Event(), []
     thread = interactive_beside(pipeline, stop, interactive)
     started = time.monotonic()
-    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
-                                  completion_window="24h", metadata={"suite": "e2e"})
+    batch = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h", metadata={"suite": "e2e"}
+    )
     assert batch.status == "validating" and batch.metadata == {"suite": "e2e"}
     seen = set()
     batch = wait_done(client, batch.id, 300, lambda b: seen.add(b.status))
@@ -104,8 +112,12 @@ def test_openai_client_runs_a_batch_beside_interactive_requests(pipeline, client
     stop.set()
     thread.join(60)
     latencies = sorted(s for _text, s in interactive)
-    print(f"batch of {NUM_LINES} echo requests: {elapsed:.1f}s; {len(interactive)} interactive requests beside it,"
-          f" latency p50 {latencies[len(latencies) // 2]:.2f}s max {latencies[-1]:.2f}s" if latencies else "")
+    print(
+        f"batch of {NUM_LINES} echo requests: {elapsed:.1f}s; {len(interactive)} interactive requests beside it,"
+        f" latency p50 {latencies[len(latencies) // 2]:.2f}s max {latencies[-1]:.2f}s"
+        if latencies
+        else ""
+    )
     assert batch.status == "completed", batch
     assert "in_progress" in seen
     assert batch.request_counts.total == batch.request_counts.completed == NUM_LINES
@@ -122,8 +134,9 @@ def test_kill_9_of_the_batcher_mid_job_loses_and_duplicates_nothing(pipeline, cl
     path = write_input(tmp_path / "kill.jsonl", n, "k")
     uploaded = client.files.create(file=path, purpose="batch")
     batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
-    current = wait_until(lambda: running_with_some_done(client, batch.id), timeout_s=120,
-                         what="the job running with some lines done")
+    current = wait_until(
+        lambda: running_with_some_done(client, batch.id), timeout_s=120, what="the job running with some lines done"
+    )
     assert current.request_counts.completed < n, "the job ended before the kill; raise WEIR_TEST_BATCH_LINES"
     pipeline.stack.kill("batcher")
     time.sleep(BATCHER_DOWN_S)
@@ -136,8 +149,14 @@ def test_kill_9_of_the_batcher_mid_job_loses_and_duplicates_nothing(pipeline, cl
 
 def test_a_file_with_a_bad_line_is_refused_at_upload_naming_the_line(client, tmp_path):
     path = tmp_path / "bad.jsonl"
-    good = orjson.dumps({"custom_id": "x", "method": "POST", "url": "/v1/chat/completions",
-                         "body": {"model": "echo", "messages": [{"role": "user", "content": "hi"}]}})
+    good = orjson.dumps(
+        {
+            "custom_id": "x",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": "echo", "messages": [{"role": "user", "content": "hi"}]},
+        }
+    )
     path.write_bytes(good + b"\n{oops\n" + good + b"\n")
     with pytest.raises(BadRequestError) as caught:
         client.files.create(file=path, purpose="batch")
@@ -148,14 +167,21 @@ def test_a_file_with_a_bad_line_is_refused_at_upload_naming_the_line(client, tmp
 
 def test_cancel_stops_a_job_and_keeps_what_finished(pipeline, client, tmp_path):
     path = tmp_path / "slow.jsonl"  # the tiny model is slower than echo: the job is still running when cancelled
-    rows = [{"custom_id": f"c-{i}", "method": "POST", "url": "/v1/completions",
-             "body": {"model": "weir-tiny-py", "prompt": f"def f_{i}():\n", "max_tokens": 200, "temperature": 0}}
-            for i in range(64)]  # fmt: skip
+    rows = [
+        {
+            "custom_id": f"c-{i}",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": "weir-tiny-py", "prompt": f"def f_{i}():\n", "max_tokens": 200, "temperature": 0},
+        }
+        for i in range(64)
+    ]
     path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
     uploaded = client.files.create(file=path, purpose="batch")
     batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
-    wait_until(lambda: running_with_some_done(client, batch.id), timeout_s=120,
-               what="the job running with some lines done")
+    wait_until(
+        lambda: running_with_some_done(client, batch.id), timeout_s=120, what="the job running with some lines done"
+    )
     assert client.batches.cancel(batch.id).status in ("cancelling", "cancelled")
     done = wait_done(client, batch.id, 120)
     assert done.status == "cancelled" and done.cancelled_at is not None
@@ -188,7 +214,11 @@ def test_a_restarted_gateway_rebuilds_files_and_batches_from_kafka(pipeline, cli
     pipeline.stack.start("gateway")
     pipeline.wait_ready()
     again = client.batches.retrieve(job.id)
-    assert (again.status, again.request_counts, again.output_file_id) == ("completed", job.request_counts, job.output_file_id)
+    assert (again.status, again.request_counts, again.output_file_id) == (
+        "completed",
+        job.request_counts,
+        job.output_file_id,
+    )
     assert client.files.content(job.output_file_id).content == before
     assert client.files.retrieve(job.input_file_id).bytes > 0
 
@@ -198,15 +228,55 @@ def test_weir_batch_submit_and_weir_replay_by_time_window(pipeline, tmp_path):
     since = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(time.time() - 1))
     out = tmp_path / "out.jsonl"
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    done = subprocess.run([sys.executable, "-m", "weir.cli", "batch", "--base-url", pipeline.base_url, "submit",
-                           str(path), "--endpoint", "/v1/chat/completions", "--out", str(out), "--poll-s", "0.3"],
-                          capture_output=True, text=True, timeout=180, env=env, cwd=REPO_ROOT)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "weir.cli",
+            "batch",
+            "--base-url",
+            pipeline.base_url,
+            "submit",
+            str(path),
+            "--endpoint",
+            "/v1/chat/completions",
+            "--out",
+            str(out),
+            "--poll-s",
+            "0.3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+        cwd=REPO_ROOT,
+    )
     assert done.returncode == 0, done.stderr
     assert_all_echoed([orjson.loads(x) for x in out.read_text().splitlines()], 20, "cli")
     diff = tmp_path / "diff.jsonl"
-    replayed = subprocess.run([sys.executable, "-m", "weir.cli", "replay", "--since", since, "--model", "echo",
-                               "--out", str(diff), "--topic-prefix", pipeline.topics.prefix, "--timeout-s", "60"],
-                              capture_output=True, text=True, timeout=180, env=env, cwd=REPO_ROOT)
+    replayed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "weir.cli",
+            "replay",
+            "--since",
+            since,
+            "--model",
+            "echo",
+            "--out",
+            str(diff),
+            "--topic-prefix",
+            pipeline.topics.prefix,
+            "--timeout-s",
+            "60",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+        cwd=REPO_ROOT,
+    )
     assert replayed.returncode == 0, replayed.stderr
     rows = [orjson.loads(x) for x in diff.read_text().splitlines()]
     assert rows[-1]["summary"] and rows[-1]["num_requests"] == 20 == rows[-1]["num_equal"]

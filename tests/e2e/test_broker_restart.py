@@ -38,7 +38,9 @@ async def test_a_broker_killed_and_restarted_mid_stream_loses_no_request(tmp_pat
         )
         log: dict = {}
         started = asyncio.Event()
-        async with httpx.AsyncClient(base_url=pipeline.base_url, timeout=300, limits=httpx.Limits(max_connections=64)) as client:
+        async with httpx.AsyncClient(
+            base_url=pipeline.base_url, timeout=300, limits=httpx.Limits(max_connections=64)
+        ) as client:
             tasks = [asyncio.create_task(stream_one(client, i, started, log, i * 0.05)) for i in range(NUM_REQUESTS)]
             await asyncio.wait_for(started.wait(), 120)
             await asyncio.sleep(KILL_AFTER_FIRST_TOKEN_S)

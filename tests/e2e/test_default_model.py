@@ -48,21 +48,36 @@ max_num_seqs = 32
 default_timeout_s = 600
 warmup = ["Hello"]
 """
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}  # fmt: skip
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 NEWS = {"type": "function", "function": {"name": "get_news", "parameters": {"type": "object", "properties": {}}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "description": "The local time in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}  # fmt: skip
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The local time in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 
 
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory) -> Pipeline:
     tmp = tmp_path_factory.mktemp("smollm2")
     (tmp / "models.toml").write_text(REPO_TOML)
-    p = start_pipeline(tmp, WEIR_MODEL_REPO=str(tmp / "models.toml"), WEIR_MODELS=MODEL,
-                       WEIR_AUDIT_FINGERPRINT_MODEL="", WEIR_GRAMMAR_PREWARM="1")  # fmt: skip
+    p = start_pipeline(
+        tmp,
+        WEIR_MODEL_REPO=str(tmp / "models.toml"),
+        WEIR_MODELS=MODEL,
+        WEIR_AUDIT_FINGERPRINT_MODEL="",
+        WEIR_GRAMMAR_PREWARM="1",
+    )
     try:
         deadline = time.monotonic() + 300
         with httpx.Client(base_url=p.base_url, timeout=10) as http:  # served once its worker reports it ready
@@ -111,23 +126,34 @@ async def test_a_reply_cut_inside_an_emoji_keeps_every_token_streamed_or_not(smo
     api = client(smollm2)
     ids: dict[str, int] = {}
     for max_tokens in (1, 2, 3):
-        whole = api.chat.completions.create(model=MODEL, messages=EMOJI, max_tokens=max_tokens, temperature=0,
-                                            logprobs=True)  # fmt: skip
+        whole = api.chat.completions.create(
+            model=MODEL, messages=EMOJI, max_tokens=max_tokens, temperature=0, logprobs=True
+        )
         entries = whole.choices[0].logprobs.content
         content = whole.choices[0].message.content
         assert whole.usage.completion_tokens == max_tokens == len(entries)
         assert whole.choices[0].finish_reason == "length"
         raw = b"".join(bytes(e.bytes) for e in entries)
         assert content and content == raw.decode("utf-8", errors="replace"), (content, raw)
-        chunks = list(api.chat.completions.create(model=MODEL, messages=EMOJI, max_tokens=max_tokens, temperature=0,
-                                                  logprobs=True, stream=True,
-                                                  stream_options={"include_usage": True}))  # fmt: skip
+        chunks = list(
+            api.chat.completions.create(
+                model=MODEL,
+                messages=EMOJI,
+                max_tokens=max_tokens,
+                temperature=0,
+                logprobs=True,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
         streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        streamed_entries = [e for c in chunks if c.choices and c.choices[0].logprobs
-                            for e in c.choices[0].logprobs.content]  # fmt: skip
+        streamed_entries = [
+            e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content
+        ]
         assert streamed == content
         assert [(e.token, e.bytes, e.logprob) for e in streamed_entries] == [
-            (e.token, e.bytes, e.logprob) for e in entries]  # fmt: skip
+            (e.token, e.bytes, e.logprob) for e in entries
+        ]
         assert chunks[-1].usage.completion_tokens == max_tokens
         ids[whole.id] = ids[chunks[0].id] = max_tokens
     on_wire = await reply_events(smollm2, gateway_replies(smollm2), set(ids))
@@ -143,9 +169,15 @@ async def test_a_plain_kafka_client_reads_every_position_and_the_readme_reader_t
     reply_to = smollm2.topics.replies(name)
     await ensure_topics(smollm2.bootstrap, [smollm2.topics.reply_spec(name)])  # as `weir topics create --reply`
     request = GenerateRequest(
-        request_id=f"mb-{uuid.uuid4().hex}", model=MODEL, messages=[ChatMessage.model_validate(EMOJI[0])],
-        max_tokens=max_tokens, temperature=0.0, logprobs=0, deadline_ms=now_ms() + 600_000, reply_to=reply_to,
-    )  # fmt: skip
+        request_id=f"mb-{uuid.uuid4().hex}",
+        model=MODEL,
+        messages=[ChatMessage.model_validate(EMOJI[0])],
+        max_tokens=max_tokens,
+        temperature=0.0,
+        logprobs=0,
+        deadline_ms=now_ms() + 600_000,
+        reply_to=reply_to,
+    )
     await produce(smollm2.bootstrap, smollm2.topics.requests, [request])
     events = (await reply_events(smollm2, reply_to, {request.request_id}))[request.request_id]
     assert_every_token_has_its_position(events, max_tokens)
@@ -155,28 +187,49 @@ async def test_a_plain_kafka_client_reads_every_position_and_the_readme_reader_t
     assert text and text == raw.decode("utf-8", errors="replace")
     if shutil.which("jq") is None:
         pytest.skip("jq is not installed: the README's reader is not run")
-    records = await read_until(smollm2.bootstrap, [reply_to],
-                               lambda rs: any(decode_reply(r.value).type == "end" for r in rs))  # fmt: skip
+    records = await read_until(
+        smollm2.bootstrap, [reply_to], lambda rs: any(decode_reply(r.value).type == "end" for r in rs)
+    )
     readme = (Path(__file__).parents[2] / "README.md").read_text()
     start = readme.index("      | jq -nj")
     jq = readme[start : readme.index("\n\n", start)].replace("      | ", "", 1)
     jq = jq.replace("--arg rid r1", f"--arg rid {request.request_id}")
-    done = await asyncio.to_thread(subprocess.run, ["bash", "-c", jq], input=b"".join(r.value + b"\n" for r in records), capture_output=True,
-                          timeout=30, check=True)  # fmt: skip
+    done = await asyncio.to_thread(
+        subprocess.run,
+        ["bash", "-c", jq],
+        input=b"".join(r.value + b"\n" for r in records),
+        capture_output=True,
+        timeout=30,
+        check=True,
+    )
     assert done.stdout.decode() == text + "\n[length]\n"
 
 
-@pytest.mark.parametrize(("question", "tools", "parallel"), [
-    ("What is the weather in Paris and the time in Tokyo?", [WEATHER, TIME], True),
-    ("What is the weather in Paris and the time in Tokyo?", [WEATHER, TIME], False),
-    ("Any news?", [NEWS], True),  # SmolLM2 repeats this call until told to stop (tests/worker/test_required_calls.py)
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("question", "tools", "parallel"),
+    [
+        ("What is the weather in Paris and the time in Tokyo?", [WEATHER, TIME], True),
+        ("What is the weather in Paris and the time in Tokyo?", [WEATHER, TIME], False),
+        (
+            "Any news?",
+            [NEWS],
+            True,
+        ),  # SmolLM2 repeats this call until told to stop (tests/worker/test_required_calls.py)
+    ],
+)
 async def test_tool_choice_required_gives_the_generated_calls_once(
     smollm2: Pipeline, question: str, tools: list, parallel: bool
 ) -> None:
     api = client(smollm2)
-    ask = dict(model=MODEL, messages=[{"role": "user", "content": question}], tools=tools, tool_choice="required",
-               parallel_tool_calls=parallel, temperature=0, max_tokens=120)  # fmt: skip
+    ask = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": question}],
+        tools=tools,
+        tool_choice="required",
+        parallel_tool_calls=parallel,
+        temperature=0,
+        max_tokens=120,
+    )
     whole = api.chat.completions.create(**ask)
     calls = [(c.id, c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls or []]
     assert calls and whole.choices[0].finish_reason == "tool_calls" and whole.choices[0].message.content is None

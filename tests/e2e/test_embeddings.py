@@ -12,20 +12,19 @@ import uuid
 from pathlib import Path
 
 import httpx
-import orjson
 import numpy as np
 import openai
+import orjson
 import pytest
 
 from schemas.codec import decode, decode_reply, encode
 from schemas.messages import EmbedRequest, GenerateRequest, ReplyEnd, WorkerHeartbeat, now_ms
 from schemas.model_repo import load_model_repo
+from schemas.registry import RegistryState
 from schemas.topics import Topics
 from services.batcher.app import BatcherApp
 from services.batcher.config import BatcherSettings
 from services.batcher.jobs import JobRunner
-from schemas.registry import RegistryState
-from weir.bus import BusSettings
 from services.gateway.app import create_app
 from services.gateway.config import GatewaySettings
 from services.worker.app import WorkerService
@@ -33,6 +32,7 @@ from services.worker.config import WorkerSettings
 from tests.gateway.fakes import GatewayServer
 from tests.kafka_helpers import produce, read_until
 from tests.waiting import until
+from weir.bus import BusSettings
 from weir.kafka.admin import deployment_specs, ensure_topics
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
@@ -55,7 +55,9 @@ async def pipeline():
     common = dict(kafka_bootstrap=BOOTSTRAP, topic_prefix=topics.prefix, model_repo=str(REPO_TOML))
     worker = WorkerService(WorkerSettings(**common, models=f"{MODEL},echo", torch_threads=1, heartbeat_interval_ms=300))
     tasks = [asyncio.create_task(worker.serve())]
-    beats = await read_until(BOOTSTRAP, [topics.workers], lambda rs: any(decode(WorkerHeartbeat, r.value).is_ready for r in rs), 120)
+    beats = await read_until(
+        BOOTSTRAP, [topics.workers], lambda rs: any(decode(WorkerHeartbeat, r.value).is_ready for r in rs), 120
+    )
     assert any(decode(WorkerHeartbeat, r.value).is_ready for r in beats), "the worker never became ready"
     stop = asyncio.Event()
     batcher_settings = BatcherSettings(**common)
@@ -63,6 +65,7 @@ async def pipeline():
     server = GatewayServer(create_app(GatewaySettings(**common, auth_mode="open")))
     await server.start()
     async with httpx.AsyncClient(base_url=server.base_url) as http:
+
         async def is_ready() -> bool:  # once the gateway has seen a worker heartbeat
             return (await http.get("/readyz")).status_code == 200
 
@@ -127,10 +130,16 @@ async def test_any_kafka_client_gets_a_rejection_for_the_wrong_kind(pipeline):
     await ensure_topics(BOOTSTRAP, [topics.reply_spec(reader)])
     deadline = now_ms() + 60_000
     wrong = [
-        GenerateRequest(request_id=f"g-{uuid.uuid4().hex}", model=MODEL, prompt="hi", deadline_ms=deadline, reply_to=reply_to),
-        EmbedRequest(request_id=f"e-{uuid.uuid4().hex}", model="echo", inputs=["hi"], deadline_ms=deadline, reply_to=reply_to),
+        GenerateRequest(
+            request_id=f"g-{uuid.uuid4().hex}", model=MODEL, prompt="hi", deadline_ms=deadline, reply_to=reply_to
+        ),
+        EmbedRequest(
+            request_id=f"e-{uuid.uuid4().hex}", model="echo", inputs=["hi"], deadline_ms=deadline, reply_to=reply_to
+        ),
     ]
-    right = EmbedRequest(request_id=f"e-{uuid.uuid4().hex}", model=MODEL, inputs=["hi"], deadline_ms=deadline, reply_to=reply_to)
+    right = EmbedRequest(
+        request_id=f"e-{uuid.uuid4().hex}", model=MODEL, inputs=["hi"], deadline_ms=deadline, reply_to=reply_to
+    )
     await produce(BOOTSTRAP, topics.requests, [(r.request_id, encode(r)) for r in [*wrong, right]])
     want = {r.request_id for r in [*wrong, right]}
 
@@ -141,8 +150,9 @@ async def test_any_kafka_client_gets_a_rejection_for_the_wrong_kind(pipeline):
     got = ends(await read_until(BOOTSTRAP, [reply_to], lambda rs: want <= set(ends(rs)), 60))
     for request in wrong:
         assert (got[request.request_id].finish_reason, got[request.request_id].error.code) == (
-            "rejected", "unsupported_request_kind",
-        )  # fmt: skip
+            "rejected",
+            "unsupported_request_kind",
+        )
     assert got[right.request_id].finish_reason == "stop" and len(got[right.request_id].embeddings[0]) == 384
 
 
@@ -171,10 +181,12 @@ async def job_runner(pipeline):
 
 async def run_batch(client: openai.AsyncOpenAI, endpoint: str, bodies: dict[str, dict]) -> dict[str, dict]:
     """Run `bodies` (by custom_id) as one batch through the batcher's job runner; the response body of each line."""
-    content = b"".join(orjson.dumps({"custom_id": cid, "method": "POST", "url": endpoint, "body": body}) + b"\n"
-                       for cid, body in bodies.items())  # fmt: skip
+    content = b"".join(
+        orjson.dumps({"custom_id": cid, "method": "POST", "url": endpoint, "body": body}) + b"\n"
+        for cid, body in bodies.items()
+    )
     uploaded = await client.files.create(file=("in.jsonl", content), purpose="batch")
-    batch = await client.batches.create(input_file_id=uploaded.id, endpoint=endpoint, completion_window="24h")  # type: ignore[arg-type]
+    batch = await client.batches.create(input_file_id=uploaded.id, endpoint=endpoint, completion_window="24h")
     batch = await wait_batch(client, batch.id)
     assert batch.status == "completed" and batch.request_counts.completed == len(bodies), batch
     assert batch.error_file_id is None and batch.output_file_id is not None
@@ -189,16 +201,19 @@ async def test_embeddings_lines_run_in_a_batch_and_answer_what_the_endpoint_does
     the endpoint answers for the same body."""
     _, _, client = pipeline
     texts = [f"sentence number {i % 7}" for i in range(150)]
-    bodies = {"one": {"model": MODEL, "input": "The cat sits on the mat.", "encoding_format": "float"},
-              "many": {"model": MODEL, "input": texts, "encoding_format": "float", "user": "u-1"}}  # fmt: skip
+    bodies = {
+        "one": {"model": MODEL, "input": "The cat sits on the mat.", "encoding_format": "float"},
+        "many": {"model": MODEL, "input": texts, "encoding_format": "float", "user": "u-1"},
+    }
     written = await run_batch(client, "/v1/embeddings", bodies)
     for cid, body in bodies.items():
         online = (await client.embeddings.create(**body)).model_dump()
         line = written[cid]
         assert (line["object"], line["model"], line["usage"]) == (online["object"], online["model"], online["usage"])
         assert [d["index"] for d in line["data"]] == [d["index"] for d in online["data"]]
-        np.testing.assert_allclose([d["embedding"] for d in line["data"]], [d["embedding"] for d in online["data"]],
-                                   atol=1e-5)  # fmt: skip
+        np.testing.assert_allclose(
+            [d["embedding"] for d in line["data"]], [d["embedding"] for d in online["data"]], atol=1e-5
+        )
     assert len(written["many"]["data"]) == 150
 
 

@@ -12,10 +12,10 @@ import pytest
 from schemas.codec import decode, decode_reply
 from schemas.messages import ReplyDelta, WorkerHeartbeat, now_ms
 from tests.kafka_helpers import read_until
+from tests.waiting import until
 from weir.bus import BusSettings, read_topic
 from weir.kafka.admin import list_topic_names
 from weir.stack import wait_http_ok
-from tests.waiting import until
 
 from .conftest import start_pipeline
 from .test_faults import MODEL, assert_each_ends_once, stream_one
@@ -29,8 +29,12 @@ WORKERS = ("worker", "worker-2")
 @pytest.fixture(scope="module")
 def two_workers(tmp_path_factory):
     """A stack whose model has two workers, each a static member under its own instance name."""
-    p = start_pipeline(tmp_path_factory.mktemp("failover"), WEIR_MODELS=MODEL, WEIR_AUDIT_FINGERPRINT_MODEL="",
-                       WEIR_WORKER_INSTANCE="worker-1")  # fmt: skip
+    p = start_pipeline(
+        tmp_path_factory.mktemp("failover"),
+        WEIR_MODELS=MODEL,
+        WEIR_AUDIT_FINGERPRINT_MODEL="",
+        WEIR_WORKER_INSTANCE="worker-1",
+    )
     try:
         p.stack.own_env["worker-2"] = {"WEIR_WORKER_INSTANCE": "worker-2"}
         p.stack.start("worker-2", service="worker")
@@ -51,8 +55,12 @@ async def until_both_own_partitions(p, timeout_s: float = 60) -> None:
         for _key, value in await read_topic(settings, p.topics.workers):
             hb = decode(WorkerHeartbeat, value)
             latest[hb.worker_id] = hb
-        owners = [hb for hb in latest.values() if now_ms() - hb.sent_ms < 3000
-                  and any(sid.startswith(f"{MODEL}@") and parts for sid, parts in hb.partitions.items())]  # fmt: skip
+        owners = [
+            hb
+            for hb in latest.values()
+            if now_ms() - hb.sent_ms < 3000
+            and any(served_id.startswith(f"{MODEL}@") and parts for served_id, parts in hb.partitions.items())
+        ]
         return len(owners) == 2
 
     await until(both_own, timeout_s=timeout_s, interval_s=0.5, what="both workers owning partitions of the batch topic")
@@ -61,7 +69,9 @@ async def until_both_own_partitions(p, timeout_s: float = 60) -> None:
 def num_running(client: httpx.Client, url: str) -> float:
     """The worker's weir_worker_num_running (its /metrics)."""
     text = client.get(f"{url}/metrics").text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("weir_worker_num_running{"))
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("weir_worker_num_running{")
+    )
 
 
 @pytest.mark.timeout(600)  # the two workers' start is counted: about a minute in CI, minutes on a loaded machine
@@ -99,7 +109,9 @@ async def assert_runs_are_positions(p) -> None:
             num_deltas += 1
             num_coalesced += event.count > 1
             if event.seq != at.get(event.request_id, 0):
-                assert event.seq == 0, f"{event.request_id}: a delta at {event.seq} after position {at.get(event.request_id)}"
+                assert event.seq == 0, (
+                    f"{event.request_id}: a delta at {event.seq} after position {at.get(event.request_id)}"
+                )
                 num_restarts += 1
             at[event.request_id] = event.end
         elif event.finish_reason in ("stop", "length"):

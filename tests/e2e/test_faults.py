@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import itertools
 import asyncio
+import itertools
 import time
 
 import httpx
@@ -24,20 +24,34 @@ DOWN_S = 1.0
 
 # every third request is constrained to a JSON schema: regenerated after a kill -9, its grammar
 # state is rebuilt from its tokens and it must give the same text (docs/design.md, "Structured output...")
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16}, "retries": {"type": "integer"},
-          "mode": {"enum": ["fast", "safe"]}}, "required": ["name", "retries", "mode"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "retries": {"type": "integer"},
+        "mode": {"enum": ["fast", "safe"]},
+    },
+    "required": ["name", "retries", "mode"],
+    "additionalProperties": False,
+}
 
 
 def body_of(i: int, max_tokens: int = 200) -> dict:
-    body = {"model": MODEL, "prompt": f"def handler_{i}(request):\n", "max_tokens": max_tokens, "temperature": 0.8,
-            "seed": 100 + i}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "prompt": f"def handler_{i}(request):\n",
+        "max_tokens": max_tokens,
+        "temperature": 0.8,
+        "seed": 100 + i,
+    }
     if i % 3 == 0:
         body["structured_outputs"] = {"json": SCHEMA}
     return body
 
 
-async def stream_one(client: httpx.AsyncClient, i: int, first_token: asyncio.Event, log: dict, delay_s: float,
-                     max_tokens: int = 200) -> None:  # fmt: skip
+async def stream_one(
+    client: httpx.AsyncClient, i: int, first_token: asyncio.Event, log: dict, delay_s: float, max_tokens: int = 200
+) -> None:
     """Stream one completion; record SSE ids, text and finish reasons as the client sees them."""
     await asyncio.sleep(delay_s)  # the flood's stagger: request i starts i * stagger_s in (a load shape, not a wait)
     body = {**body_of(i, max_tokens), "stream": True}
@@ -68,7 +82,9 @@ async def run_flood_and_kill(pipeline, victim: str, stagger_s: float) -> dict:
     after the first token, restart it a second later, and wait for every stream to end."""
     log: dict = {}
     started = asyncio.Event()
-    async with httpx.AsyncClient(base_url=pipeline.base_url, timeout=300, limits=httpx.Limits(max_connections=64)) as client:
+    async with httpx.AsyncClient(
+        base_url=pipeline.base_url, timeout=300, limits=httpx.Limits(max_connections=64)
+    ) as client:
         tasks = [asyncio.create_task(stream_one(client, i, started, log, i * stagger_s)) for i in range(NUM_REQUESTS)]
         await asyncio.wait_for(started.wait(), 120)
         await asyncio.sleep(KILL_AFTER_FIRST_TOKEN_S)
@@ -87,7 +103,9 @@ async def assert_each_ends_once(pipeline, log: dict, num_requests: int = NUM_REQ
     """Every stream ended once, in order, and its text is exactly that of the same seeded request
     run again whole: nothing repeated, reordered or lost across the fault."""
     async with httpx.AsyncClient(base_url=pipeline.base_url, timeout=300) as client:
-        again = await asyncio.gather(*(client.post("/v1/completions", json=body_of(i, max_tokens)) for i in range(num_requests)))
+        again = await asyncio.gather(
+            *(client.post("/v1/completions", json=body_of(i, max_tokens)) for i in range(num_requests))
+        )
     for i in range(num_requests):
         entry = log[i]
         assert not entry.get("truncated"), f"stream {i} was cut: {entry}"
@@ -98,7 +116,7 @@ async def assert_each_ends_once(pipeline, log: dict, num_requests: int = NUM_REQ
         # (finish, [DONE]) repeat its id
         ids = entry["ids"]
         last = ids.index(ids[-1])
-        assert all(a < b for a, b in itertools.pairwise(ids[:last + 1])), f"stream {i} repeated or reordered: {ids}"
+        assert all(a < b for a, b in itertools.pairwise(ids[: last + 1])), f"stream {i} repeated or reordered: {ids}"
         assert set(ids[last:]) == {ids[-1]}
         assert entry["text"] == again[i].json()["choices"][0]["text"], f"stream {i} differs from its rerun"
         if i % 3 == 0 and entry["finishes"] == ["stop"]:
@@ -129,10 +147,19 @@ async def test_a_flood_of_long_requests_on_a_small_kv_cache_ends_every_request(t
     try:
         reply_to = pipeline.topics.replies("flood")
         requests = [
-            GenerateRequest(request_id=f"flood-{i}", model=MODEL, prompt=f"class Handler{i}:\n    def ", max_tokens=200,
-                            temperature=0.8, seed=i, ignore_eos=True, deadline_ms=now_ms() + 240_000, reply_to=reply_to)
+            GenerateRequest(
+                request_id=f"flood-{i}",
+                model=MODEL,
+                prompt=f"class Handler{i}:\n    def ",
+                max_tokens=200,
+                temperature=0.8,
+                seed=i,
+                ignore_eos=True,
+                deadline_ms=now_ms() + 240_000,
+                reply_to=reply_to,
+            )
             for i in range(30)
-        ]  # fmt: skip
+        ]
         await produce(pipeline.bootstrap, pipeline.topics.requests, requests)
 
         def ends(records) -> dict[str, ReplyEnd]:

@@ -34,6 +34,7 @@ from weir.kafka.admin import deployment_specs, ensure_topics
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 from tests.conftest import BOOTSTRAP  # noqa: E402 - WEIR_KAFKA_BOOTSTRAP, else 127.0.0.1:9092
+
 transformers = pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,12 +51,14 @@ async def pipeline():
     common = dict(kafka_bootstrap=BOOTSTRAP, topic_prefix=topics.prefix, model_repo=str(REPO_TOML))
     worker = WorkerService(WorkerSettings(**common, models=MODEL, torch_threads=1, heartbeat_interval_ms=300))
     tasks = [asyncio.create_task(worker.serve())]
-    beats = await read_until(BOOTSTRAP, [topics.workers], lambda rs: any(decode(WorkerHeartbeat, r.value).is_ready for r in rs), 200)
+    beats = await read_until(
+        BOOTSTRAP, [topics.workers], lambda rs: any(decode(WorkerHeartbeat, r.value).is_ready for r in rs), 200
+    )
     assert any(decode(WorkerHeartbeat, r.value).is_ready for r in beats), "the worker never became ready"
     stop = asyncio.Event()
     tasks.append(asyncio.create_task(BatcherApp(BatcherSettings(**common), load_model_repo(REPO_TOML)).serve(stop)))
     server = GatewayServer(create_app(GatewaySettings(**common, auth_mode="open")))
-    server.topics = topics  # type: ignore[attr-defined]  # for the job runner of the batch test
+    server.topics = topics  # for the job runner of the batch test
     await server.start()
     async with httpx.AsyncClient(base_url=server.base_url) as http:
         for _ in range(150):
@@ -99,8 +102,9 @@ async def test_loglikelihood_requests_as_lm_eval_sends_them(pipeline, hf_model) 
     the same numbers."""
     server, client = pipeline
     prompts = [CONTEXT + c for c in CONTINUATIONS]
-    result = await client.completions.create(model=MODEL, prompt=prompts, max_tokens=0, echo=True, logprobs=1,
-                                             temperature=0)  # fmt: skip
+    result = await client.completions.create(
+        model=MODEL, prompt=prompts, max_tokens=0, echo=True, logprobs=1, temperature=0
+    )
     assert [c.index for c in result.choices] == [0, 1]
     ids = [await tokenize(server, p) for p in prompts]
     assert result.usage.prompt_tokens == sum(map(len, ids)) and result.usage.completion_tokens == 0
@@ -118,8 +122,9 @@ async def test_loglikelihood_requests_as_lm_eval_sends_them(pipeline, hf_model) 
     # the continuation's loglikelihood, as lm-eval sums it, prefers the right one
     context_len = len(await tokenize(server, CONTEXT))
     scores = [sum(c.logprobs.token_logprobs[context_len:]) for c in result.choices]
-    tokens = await client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=1,
-                                             temperature=0)  # fmt: skip
+    tokens = await client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=1, temperature=0
+    )
     assert [c.text for c in tokens.choices] == prompts
     assert [sum(c.logprobs.token_logprobs[context_len:]) for c in tokens.choices] == pytest.approx(scores, abs=1e-4)
 
@@ -142,15 +147,18 @@ async def test_lm_evals_own_loglikelihood_payload(pipeline) -> None:
     of its top_logprobs): the prompt's entries, then the generated token's."""
     server, client = pipeline
     ids = [await tokenize(server, CONTEXT + c) for c in CONTINUATIONS]
-    result = await client.completions.create(model=MODEL, prompt=ids, max_tokens=1, echo=True, logprobs=1,
-                                             temperature=0, seed=1234)  # fmt: skip
+    result = await client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=1, echo=True, logprobs=1, temperature=0, seed=1234
+    )
     context_len = len(await tokenize(server, CONTEXT))
     for choice, prompt_ids in zip(result.choices, ids, strict=True):
         lp = choice.logprobs
         generated = len(lp.tokens) - len(prompt_ids)
         assert generated in (0, 1) and (generated == 1) == (choice.finish_reason == "length")
         continuation = lp.token_logprobs[context_len : len(prompt_ids)]
-        assert len(continuation) == len(prompt_ids) - context_len and all(v is not None and v <= 0 for v in continuation)
+        assert len(continuation) == len(prompt_ids) - context_len and all(
+            v is not None and v <= 0 for v in continuation
+        )
         for _token, top in zip(lp.tokens[context_len:], lp.top_logprobs[context_len:], strict=True):
             assert len(top) >= 1 and all(v <= 0 for v in top.values())  # lm-eval's is_greedy reads these
         assert choice.text.startswith(CONTEXT)
@@ -179,8 +187,14 @@ async def test_a_loglikelihood_batch_line_answers_what_the_endpoint_does(pipelin
     import orjson
 
     _, client = pipeline
-    body = {"model": MODEL, "prompt": [CONTEXT + c for c in CONTINUATIONS], "max_tokens": 0, "echo": True,
-            "logprobs": 2, "temperature": 0}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "prompt": [CONTEXT + c for c in CONTINUATIONS],
+        "max_tokens": 0,
+        "echo": True,
+        "logprobs": 2,
+        "temperature": 0,
+    }
     content = orjson.dumps({"custom_id": "ll", "method": "POST", "url": "/v1/completions", "body": body}) + b"\n"
     uploaded = await client.files.create(file=("in.jsonl", content), purpose="batch")
     batch = await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")

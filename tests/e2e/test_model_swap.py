@@ -19,7 +19,8 @@ import httpx
 import orjson
 import pytest
 
-from tests.e2e.conftest import REPO_ROOT, weir_models as _weir_models
+from tests.e2e.conftest import REPO_ROOT
+from tests.e2e.conftest import weir_models as _weir_models
 from tests.waiting import until
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
@@ -78,8 +79,18 @@ async def _swap(p, v2: Path) -> None:
 
         lanes = [asyncio.create_task(lane()) for _ in range(4)]
         await until(lambda: len(results) >= 4, timeout_s=60, what="the lanes streaming from weir-tiny-py@1")
-        await asyncio.to_thread(_weir_models, p, "push", str(v2), "--name", MODEL, "--version", "2",
-                                "--from-toml", str(REPO_ROOT / "models.toml"))  # fmt: skip
+        await asyncio.to_thread(
+            _weir_models,
+            p,
+            "push",
+            str(v2),
+            "--name",
+            MODEL,
+            "--version",
+            "2",
+            "--from-toml",
+            str(REPO_ROOT / "models.toml"),
+        )
 
         async def v2_ready() -> bool:
             return f"{MODEL}@2" in await _models(client)
@@ -94,8 +105,9 @@ async def _swap(p, v2: Path) -> None:
 
         await until(v1_gone, timeout_s=60, interval_s=0.5, what="weir-tiny-py@1 to drain out of the worker")
         served_before = len(results)
-        await until(lambda: len(results) >= served_before + 4, timeout_s=60,
-                    what="more streams from weir-tiny-py@2 alone")
+        await until(
+            lambda: len(results) >= served_before + 4, timeout_s=60, what="more streams from weir-tiny-py@2 alone"
+        )
         stop.set()
         await asyncio.gather(*lanes)
     failed = [r for r in results if r["error"] is not None or not r["done"]]
@@ -113,8 +125,18 @@ def test_a_changed_weights_file_is_refused_by_name_and_a_pinned_request_gets_a_c
     p, tmp = swap_pipeline
     v3 = tmp / "tiny-v3"
     shutil.copytree(REPO_ROOT / "models" / MODEL, v3)
-    _weir_models(p, "push", str(v3), "--name", MODEL, "--version", "3", "--from-toml", str(REPO_ROOT / "models.toml"),
-                 "--no-goldens")  # fmt: skip
+    _weir_models(
+        p,
+        "push",
+        str(v3),
+        "--name",
+        MODEL,
+        "--version",
+        "3",
+        "--from-toml",
+        str(REPO_ROOT / "models.toml"),
+        "--no-goldens",
+    )
     asyncio.run(_check_refused(p, v3))
 
 
@@ -142,6 +164,7 @@ async def _check_refused(p, v3: Path) -> None:
         data[len(data) // 2] ^= 0x01
         weights.write_bytes(bytes(data))
         await asyncio.to_thread(_weir_models, p, "load", f"{MODEL}@3")
+
         async def failed_shown() -> str | None:
             shown = await asyncio.to_thread(_weir_models, p, "show", f"{MODEL}@3")
             return shown if "failed" in shown else None

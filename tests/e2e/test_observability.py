@@ -13,10 +13,9 @@ import openai
 import orjson
 import pytest
 
-from weir.metrics import samples
-
 from tests.e2e.conftest import start_pipeline
 from tests.waiting import wait_until
+from weir.metrics import samples
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -27,15 +26,17 @@ MODEL = "echo"
 def usage_pipeline(tmp_path_factory):
     """Its own stack: the shared ones' other modules bill the same open-mode tenant, so their
     totals would mix with the ones compared here. Echo only, no fingerprints: quick to start."""
-    p = start_pipeline(tmp_path_factory.mktemp("usage"), WEIR_MODELS=MODEL, WEIR_USAGE_EVERY_S="0.5",
-                       WEIR_AUDIT_FINGERPRINT_MODEL="")
+    p = start_pipeline(
+        tmp_path_factory.mktemp("usage"), WEIR_MODELS=MODEL, WEIR_USAGE_EVERY_S="0.5", WEIR_AUDIT_FINGERPRINT_MODEL=""
+    )
     yield p
     p.stack.stop_all()
 
 
 def _streamed_usage(client: httpx.Client, body: dict) -> dict:
-    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True,
-                                                             "stream_options": {"include_usage": True}}) as resp:
+    with client.stream(
+        "POST", "/v1/chat/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}}
+    ) as resp:
         assert resp.status_code == 200
         chunks = [orjson.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
     return chunks[-1]["usage"]
@@ -45,24 +46,32 @@ def test_v1_usage_is_what_the_clients_were_billed(usage_pipeline):
     client = httpx.Client(base_url=usage_pipeline.base_url, timeout=60)
     billed = []
     for i in range(4):
-        body = {"model": MODEL, "messages": [{"role": "user", "content": f"count the words of prompt {i} " * (i + 1)}],
-                "max_tokens": 8 + i}  # fmt: skip
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": f"count the words of prompt {i} " * (i + 1)}],
+            "max_tokens": 8 + i,
+        }
         resp = client.post("/v1/chat/completions", json=body)
         assert resp.status_code == 200, resp.text
         billed.append(resp.json()["usage"])
     billed.append(_streamed_usage(client, {"model": MODEL, "messages": [{"role": "user", "content": "stream me"}]}))
     assert all("cached_tokens" in u["prompt_tokens_details"] for u in billed)
 
-    expected = {"requests": len(billed), "prompt_tokens": sum(u["prompt_tokens"] for u in billed),
-                "completion_tokens": sum(u["completion_tokens"] for u in billed),
-                "cached_prompt_tokens": sum(u["prompt_tokens_details"]["cached_tokens"] for u in billed)}  # fmt: skip
+    expected = {
+        "requests": len(billed),
+        "prompt_tokens": sum(u["prompt_tokens"] for u in billed),
+        "completion_tokens": sum(u["completion_tokens"] for u in billed),
+        "cached_prompt_tokens": sum(u["prompt_tokens_details"]["cached_tokens"] for u in billed),
+    }
+
     def billed_rows() -> list[dict] | None:
         resp = client.get("/v1/usage", params={"group_by": "tenant"})  # open mode: the default tenant's
         rows = resp.json().get("data", []) if resp.status_code == 200 else []
         return rows if rows and {k: rows[0][k] for k in expected} == expected else None
 
-    rows = wait_until(billed_rows, timeout_s=120, interval_s=0.5,
-                      what=f"/v1/usage to say what the clients were billed, {expected}")
+    rows = wait_until(
+        billed_rows, timeout_s=120, interval_s=0.5, what=f"/v1/usage to say what the clients were billed, {expected}"
+    )
     assert rows[0]["tenant"] == "default" and rows[0]["total_tokens"] == sum(u["total_tokens"] for u in billed)
 
 
@@ -86,9 +95,12 @@ def test_every_services_metrics_agree_with_what_the_openai_client_measured(usage
     for i in range(6):
         started = time.monotonic()
         stream = client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": f"tell me about metric number {i} " * (i + 1)}],
-            max_tokens=6 + i, stream=True, stream_options={"include_usage": True},
-        )  # fmt: skip
+            model=MODEL,
+            messages=[{"role": "user", "content": f"tell me about metric number {i} " * (i + 1)}],
+            max_tokens=6 + i,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         first = None
         for chunk in stream:
             if first is None and chunk.choices and chunk.choices[0].delta.content:
@@ -105,8 +117,10 @@ def test_every_services_metrics_agree_with_what_the_openai_client_measured(usage
     def settled() -> bool:  # the auditor appends a little after the client has its answer
         after.update({name: _scrape(p, name) for name in ("gateway", "batcher", "worker", "auditor")})
         # polled every 5 s; a poll before the batcher's first commit lists other groups only
-        lag_polled = any(name == "kafka_consumergroup_lag" and ("consumergroup", p.topics.batcher_group) in labels
-                         for name, labels in samples(after["batcher"]))  # fmt: skip
+        lag_polled = any(
+            name == "kafka_consumergroup_lag" and ("consumergroup", p.topics.batcher_group) in labels
+            for name, labels in samples(after["batcher"])
+        )
         return delta("auditor", "weir_audit_events_total") >= n and lag_polled
 
     after: dict = {}
@@ -116,8 +130,11 @@ def test_every_services_metrics_agree_with_what_the_openai_client_measured(usage
     assert delta("worker", "vllm:prompt_tokens_total", model_name=served) == prompt
     assert delta("worker", "vllm:generation_tokens_total", model_name=served) == completion
     # (queue and prefill times need a scheduler, which echo has not: tests/worker/test_serving_metrics*.py)
-    for name in ("vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds_count",
-                 "gen_ai_server_time_to_first_token_seconds_count"):
+    for name in (
+        "vllm:time_to_first_token_seconds_count",
+        "vllm:e2e_request_latency_seconds_count",
+        "gen_ai_server_time_to_first_token_seconds_count",
+    ):
         assert delta("worker", name) == n, name
     # the worker's TTFT starts when it read the request: within what the client waited for
     assert 0 <= delta("worker", "vllm:time_to_first_token_seconds_sum", model_name=served) <= sum(ttfts)  # echo: ~0 ms
@@ -127,12 +144,14 @@ def test_every_services_metrics_agree_with_what_the_openai_client_measured(usage
     assert 0 < delta("gateway", "weir_gateway_time_to_first_token_seconds_sum", model_name=served) <= sum(ttfts)
     assert delta("gateway", "weir_gateway_e2e_request_latency_seconds_count", model_name=served) == n
     assert delta("gateway", "weir_gateway_generation_tokens_total", model_name=served) == completion
-    assert delta("gateway", "gen_ai_client_token_usage_sum", **{"gen_ai_token_type": "input"}) == prompt
-    assert delta("gateway", "gen_ai_client_token_usage_sum", **{"gen_ai_token_type": "output"}) == completion
+    assert delta("gateway", "gen_ai_client_token_usage_sum", gen_ai_token_type="input") == prompt
+    assert delta("gateway", "gen_ai_client_token_usage_sum", gen_ai_token_type="output") == completion
     assert delta("gateway", "weir_gateway_requests_total", route="/v1/chat/completions", status="200") == n
     # the batcher batched each request once; lag is reported per group and topic
     assert delta("batcher", "weir_batcher_batch_size_sum", model_name=served) == n
-    assert any(name == "kafka_consumergroup_lag" and ("consumergroup", p.topics.batcher_group) in labels
-               for name, labels in samples(after["batcher"]))
+    assert any(
+        name == "kafka_consumergroup_lag" and ("consumergroup", p.topics.batcher_group) in labels
+        for name, labels in samples(after["batcher"])
+    )
     # the auditor appended each once
     assert delta("auditor", "weir_audit_events_total") == n

@@ -26,15 +26,24 @@ WAVE = 24  # streams started together, twice
 
 @pytest.fixture(scope="module")
 def paced_echo(tmp_path_factory):
-    p = start_pipeline(tmp_path_factory.mktemp("queue"), WEIR_MODELS="echo", WEIR_AUDIT_FINGERPRINT_MODEL="",
-                       WEIR_ECHO_STEP_DELAY_MS=str(STEP_MS), WEIR_LAG_INTERVAL_S="1")  # fmt: skip
+    p = start_pipeline(
+        tmp_path_factory.mktemp("queue"),
+        WEIR_MODELS="echo",
+        WEIR_AUDIT_FINGERPRINT_MODEL="",
+        WEIR_ECHO_STEP_DELAY_MS=str(STEP_MS),
+        WEIR_LAG_INTERVAL_S="1",
+    )
     yield p
     p.stack.stop_all()
 
 
 def body(i: int) -> dict:
-    return {"model": "echo", "prompt": " ".join(f"w{i}-{n}" for n in range(WORDS)), "max_tokens": WORDS + 1,
-            "stream": True}  # fmt: skip
+    return {
+        "model": "echo",
+        "prompt": " ".join(f"w{i}-{n}" for n in range(WORDS)),
+        "max_tokens": WORDS + 1,
+        "stream": True,
+    }
 
 
 async def stream(client: httpx.AsyncClient, i: int, timeout_s: float) -> tuple[int, str]:

@@ -48,9 +48,13 @@ def test_openai_client_parses_a_pydantic_model_every_time(pipeline):
     client = client_of(pipeline)
     for seed in range(4):
         completion = client.chat.completions.parse(
-            model=MODEL, messages=[{"role": "user", "content": "An order as JSON:"}], response_format=Order,
-            temperature=1.0, seed=seed, max_tokens=400,
-        )  # fmt: skip
+            model=MODEL,
+            messages=[{"role": "user", "content": "An order as JSON:"}],
+            response_format=Order,
+            temperature=1.0,
+            seed=seed,
+            max_tokens=400,
+        )
         choice = completion.choices[0]
         assert choice.finish_reason == "stop", choice
         assert isinstance(choice.message.parsed, Order)  # the client's own validation passed
@@ -59,25 +63,38 @@ def test_openai_client_parses_a_pydantic_model_every_time(pipeline):
 
 def test_an_unsupported_schema_keyword_gets_a_400_naming_it(pipeline):
     client = client_of(pipeline)
-    schema = {"type": "object", "properties": {"ids": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}},
-              "required": ["ids"], "additionalProperties": False}  # fmt: skip
+    schema = {
+        "type": "object",
+        "properties": {"ids": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}},
+        "required": ["ids"],
+        "additionalProperties": False,
+    }
     with pytest.raises(openai.BadRequestError, match="uniqueItems"):
         client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "ids"}], max_tokens=16,
+            model=MODEL,
+            messages=[{"role": "user", "content": "ids"}],
+            max_tokens=16,
             response_format={"type": "json_schema", "json_schema": {"name": "ids", "schema": schema, "strict": True}},
-        )  # fmt: skip
+        )
 
 
 def test_a_named_tool_call_returns_arguments_that_validate(pipeline):
     client = client_of(pipeline)
-    parameters = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                                   "days": {"type": "integer"}},
-                  "required": ["city", "days"], "additionalProperties": False}  # fmt: skip
+    parameters = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer"}},
+        "required": ["city", "days"],
+        "additionalProperties": False,
+    }
     tools = [{"type": "function", "function": {"name": "forecast", "parameters": parameters, "strict": True}}]
     completion = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Weather in Oslo for 3 days?"}], tools=tools,
-        tool_choice={"type": "function", "function": {"name": "forecast"}}, max_tokens=200, seed=5,
-    )  # fmt: skip
+        model=MODEL,
+        messages=[{"role": "user", "content": "Weather in Oslo for 3 days?"}],
+        tools=tools,
+        tool_choice={"type": "function", "function": {"name": "forecast"}},
+        max_tokens=200,
+        seed=5,
+    )
     choice = completion.choices[0]
     assert choice.finish_reason == "tool_calls"
     (call,) = choice.message.tool_calls
@@ -85,9 +102,14 @@ def test_a_named_tool_call_returns_arguments_that_validate(pipeline):
     jsonschema_rs.validate(parameters, json.loads(call.function.arguments))
     # streamed, the pieces add up to the same arguments (same seed: same tokens); the id is the stream's own
     stream = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Weather in Oslo for 3 days?"}], tools=tools,
-        tool_choice={"type": "function", "function": {"name": "forecast"}}, max_tokens=200, seed=5, stream=True,
-    )  # fmt: skip
+        model=MODEL,
+        messages=[{"role": "user", "content": "Weather in Oslo for 3 days?"}],
+        tools=tools,
+        tool_choice={"type": "function", "function": {"name": "forecast"}},
+        max_tokens=200,
+        seed=5,
+        stream=True,
+    )
     arguments, ids = "", set()
     for chunk in stream:
         for piece in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
@@ -99,9 +121,14 @@ def test_a_named_tool_call_returns_arguments_that_validate(pipeline):
 def test_n_choices_and_logprobs(pipeline):
     client = client_of(pipeline)
     completion = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "def main():"}], n=3, max_tokens=12, seed=9,
-        logprobs=True, top_logprobs=2,
-    )  # fmt: skip
+        model=MODEL,
+        messages=[{"role": "user", "content": "def main():"}],
+        n=3,
+        max_tokens=12,
+        seed=9,
+        logprobs=True,
+        top_logprobs=2,
+    )
     assert [c.index for c in completion.choices] == [0, 1, 2]
     texts = [c.message.content for c in completion.choices]
     assert len(set(texts)) > 1, "three seeds derived from one gave one text"

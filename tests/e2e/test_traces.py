@@ -41,12 +41,28 @@ def traced(pipeline):
 
 def weir_trace(p: Pipeline, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), **p.stack.env}
-    return subprocess.run([sys.executable, "-m", "weir.cli", "trace", *args, "--bootstrap", p.bootstrap,
-                           "--topic-prefix", p.topics.prefix], env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "weir.cli",
+            "trace",
+            *args,
+            "--bootstrap",
+            p.bootstrap,
+            "--topic-prefix",
+            p.topics.prefix,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def wait_for_spans(p: Pipeline, request_id: str, services: set[str], timeout_s: float = 60) -> list[dict[str, Any]]:
     """`weir trace --json` until spans of every one of `services` are there (spans go out about once a second)."""
+
     def all_there() -> list[dict[str, Any]] | None:
         done = weir_trace(p, request_id, "--json")
         spans = orjson.loads(done.stdout) if done.returncode == 0 else []
@@ -57,10 +73,11 @@ def wait_for_spans(p: Pipeline, request_id: str, services: set[str], timeout_s: 
 
 def test_a_clients_trace_goes_through_every_service_as_one_tree(traced):
     response = httpx.post(
-        f"{traced.base_url}/v1/chat/completions", timeout=60,
+        f"{traced.base_url}/v1/chat/completions",
+        timeout=60,
         json={"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 8},
         headers={"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"},
-    )  # fmt: skip
+    )
     assert response.status_code == 200, response.text
     request_id = response.headers["x-request-id"]
     spans = wait_for_spans(traced, request_id, {"gateway", "batcher", "worker", "auditor"})
@@ -82,10 +99,19 @@ def test_a_clients_trace_goes_through_every_service_as_one_tree(traced):
     (run,) = [s for s in own if s["service"] == "worker" and s["kind"] == "consumer"]
     assert run["parent_span_id"] == process["span_id"]
     assert run["attributes"]["gen_ai.usage.output_tokens"] >= 1 and "first_token" in [e["name"] for e in run["events"]]
-    assert {s["name"] for s in own if s["parent_span_id"] == run["span_id"] and s["service"] == "worker"} >= {"queue wait", "prefill"}
+    assert {s["name"] for s in own if s["parent_span_id"] == run["span_id"] and s["service"] == "worker"} >= {
+        "queue wait",
+        "prefill",
+    }
     (append,) = [s for s in own if s["service"] == "auditor"]
-    assert append["parent_span_id"] == run["span_id"] and append["attributes"]["messaging.destination.name"] == traced.topics.audit
-    assert root["attributes"]["gen_ai.request.model"] == f"{MODEL}@1" and root["attributes"]["gen_ai.usage.output_tokens"] >= 1
+    assert (
+        append["parent_span_id"] == run["span_id"]
+        and append["attributes"]["messaging.destination.name"] == traced.topics.audit
+    )
+    assert (
+        root["attributes"]["gen_ai.request.model"] == f"{MODEL}@1"
+        and root["attributes"]["gen_ai.usage.output_tokens"] >= 1
+    )
     assert "first_byte" in [e["name"] for e in root["events"]]
     (batch,) = [s for s in spans if s["linked"]]  # the batch's publish span: linked, in a trace of its own
     assert batch["service"] == "batcher" and f"{CLIENT_TRACE}/{process['span_id']}" in batch["links"]
@@ -98,16 +124,28 @@ def test_a_clients_trace_goes_through_every_service_as_one_tree(traced):
 async def test_a_forged_traceparent_on_a_raw_request_is_served_in_a_new_trace(traced):
     topics = traced.topics
     reply_to = topics.replies(f"raw-{uuid.uuid4().hex[:6]}")
-    request = GenerateRequest(request_id=f"forged-{uuid.uuid4().hex}", model=MODEL, prompt="hello there",
-                              max_tokens=4, deadline_ms=now_ms() + 60_000, reply_to=reply_to)  # fmt: skip
+    request = GenerateRequest(
+        request_id=f"forged-{uuid.uuid4().hex}",
+        model=MODEL,
+        prompt="hello there",
+        max_tokens=4,
+        deadline_ms=now_ms() + 60_000,
+        reply_to=reply_to,
+    )
     producer = AIOKafkaProducer(bootstrap_servers=traced.bootstrap, acks="all")
     await producer.start()
     try:
-        forged = [("traceparent", b"00-" + b"f" * 40 + b"-zz"), ("tracestate", b"\xff\xfe"), ("weir-traceparents", b"{")]
+        forged = [
+            ("traceparent", b"00-" + b"f" * 40 + b"-zz"),
+            ("tracestate", b"\xff\xfe"),
+            ("weir-traceparents", b"{"),
+        ]
         await (await producer.send(topics.requests, encode(request), key=request.request_id.encode(), headers=forged))
     finally:
         await producer.stop()
-    records = await read_until(traced.bootstrap, [reply_to], lambda rs: any(decode_reply(r.value).type == "end" for r in rs), 60)
+    records = await read_until(
+        traced.bootstrap, [reply_to], lambda rs: any(decode_reply(r.value).type == "end" for r in rs), 60
+    )
     (end,) = [e for e in (decode_reply(r.value) for r in records) if e.type == "end"]
     assert end.finish_reason in ("length", "stop")  # served normally
     spans = await asyncio.to_thread(wait_for_spans, traced, request.request_id, {"batcher", "worker"})

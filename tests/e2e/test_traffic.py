@@ -14,7 +14,7 @@ import httpx
 import orjson
 import pytest
 
-from tests.e2e.conftest import REPO_ROOT, weir_models as _weir_models
+from tests.e2e.conftest import weir_models as _weir_models
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
@@ -35,19 +35,35 @@ POLICY_APPLIES_S = 1.5
 def test_canary_users_stick_mirrors_are_compared_and_never_returned(traffic_pipeline, tmp_path):
     p = traffic_pipeline
     for version in ("2", "3"):
-        _weir_models(p, "push", "--engine", "echo", "--name", MODEL, "--version", version, "--no-goldens",
-                     "--out", str(tmp_path / f"echo@{version}.manifest.json"))  # fmt: skip
+        _weir_models(
+            p,
+            "push",
+            "--engine",
+            "echo",
+            "--name",
+            MODEL,
+            "--version",
+            version,
+            "--no-goldens",
+            "--out",
+            str(tmp_path / f"echo@{version}.manifest.json"),
+        )
     client = httpx.Client(base_url=p.base_url, timeout=60)
-    wait_until(lambda: {f"{MODEL}@2", f"{MODEL}@3"} <= {m["id"] for m in client.get("/v1/models").json()["data"]},
-               timeout_s=120, interval_s=0.5, what="echo@2 and echo@3 ready")  # fmt: skip
+    wait_until(
+        lambda: {f"{MODEL}@2", f"{MODEL}@3"} <= {m["id"] for m in client.get("/v1/models").json()["data"]},
+        timeout_s=120,
+        interval_s=0.5,
+        what="echo@2 and echo@3 ready",
+    )
     _weir_models(p, "route", MODEL, "--canary", "2=30", "--mirror", "3=100")
     time.sleep(POLICY_APPLIES_S)  # a policy applies to new requests within a second
 
     seen: dict[str, set[str]] = {}
     for i in range(40):
         user = f"user-{i % 20}"
-        resp = client.post("/v1/completions", json={"model": MODEL, "prompt": f"hello {i}", "max_tokens": 4,
-                                                    "user": user})  # fmt: skip
+        resp = client.post(
+            "/v1/completions", json={"model": MODEL, "prompt": f"hello {i}", "max_tokens": 4, "user": user}
+        )
         assert resp.status_code == 200, resp.text
         body = resp.json()
         assert body["model"] in (f"{MODEL}@1", f"{MODEL}@2"), body["model"]  # a mirror's answer never comes back
@@ -63,8 +79,9 @@ def test_canary_users_stick_mirrors_are_compared_and_never_returned(traffic_pipe
         pairs = [pair for pair in pairs if pair["mirror"] == f"{MODEL}@3"]
         return pairs if sum(pair["samples"] for pair in pairs) >= 40 else []
 
-    pairs = wait_until(mirrored, timeout_s=120, interval_s=0.5,
-                       what="the auditor's comparisons of the 40 mirror copies")
+    pairs = wait_until(
+        mirrored, timeout_s=120, interval_s=0.5, what="the auditor's comparisons of the 40 mirror copies"
+    )
     assert {pair["live"] for pair in pairs} <= {f"{MODEL}@1", f"{MODEL}@2"}
     assert all(pair["errors"] == 0 and pair["exact_match_rate"] == 1.0 for pair in pairs), pairs  # echo: same text
     shown = _weir_models(p, "show", MODEL)

@@ -17,9 +17,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.waiting import until, wait_until
 from weir.kafka.admin import delete_prefixed_topics, list_topic_names
 from weir.stack import free_ports
-from tests.waiting import until, wait_until
 
 from .conftest import BOOTSTRAP, REPO_ROOT
 from .test_faults import MODEL, NUM_REQUESTS, assert_each_ends_once, stream_one
@@ -73,14 +73,38 @@ def weir_up(tmp_path):
     out = tmp_path / "weir-up.out"
     # Only the two models this test asks for: each of the two workers loads them (the embedding
     # model of TEST_MODELS would cost both workers' start-up and nothing here uses it).
-    env = {**os.environ, "WEIR_AUDIT_DB": str(tmp_path / "audit.sqlite"), "PYTHONUNBUFFERED": "1", "WEIR_MODELS": f"{MODEL},echo"}
+    env = {
+        **os.environ,
+        "WEIR_AUDIT_DB": str(tmp_path / "audit.sqlite"),
+        "PYTHONUNBUFFERED": "1",
+        "WEIR_MODELS": f"{MODEL},echo",
+    }
     with open(out, "wb") as handle:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "weir.cli", "up", "--port", str(port), "--topic-prefix", prefix,
-             "--workers", "2", "--gateways", "2",
-             "--log-dir", str(tmp_path / "logs"), "--model-repo", str(REPO_ROOT / "models.toml")],
-            cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL, stdout=handle, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "weir.cli",
+                "up",
+                "--port",
+                str(port),
+                "--topic-prefix",
+                prefix,
+                "--workers",
+                "2",
+                "--gateways",
+                "2",
+                "--log-dir",
+                str(tmp_path / "logs"),
+                "--model-repo",
+                str(REPO_ROOT / "models.toml"),
+            ],
+            cwd=REPO_ROOT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+        )
     up = Up(proc, out, f"http://127.0.0.1:{port}", prefix)
     try:
         up.wait_for(r"Weir is up\.", 300)
@@ -106,6 +130,7 @@ async def assert_two_of_each(up: Up) -> list[str]:
             body = {"model": "echo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
             answer = await client.post(f"{url}/v1/chat/completions", json=body)
             assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"], answer.text
+
             async def both_live(url: str = url) -> dict | None:  # the heartbeats of both workers reach each gateway
                 ready = (await client.get(f"{url}/readyz")).json()
                 return ready if ready["live_workers"].get(f"{MODEL}@1") == 2 else None
@@ -114,7 +139,9 @@ async def assert_two_of_each(up: Up) -> list[str]:
             ids.append(ready["gateway_id"])
     assert ids == [f"gateway-up-{url.rsplit(':', 1)[1]}" for url in urls]
     replies = [f"{up.prefix}.replies.{gateway_id}" for gateway_id in ids]
-    assert set(replies) <= set(await list_topic_names(BOOTSTRAP)) and f"the gateways': {', '.join(replies)}" in up.text()
+    assert (
+        set(replies) <= set(await list_topic_names(BOOTSTRAP)) and f"the gateways': {', '.join(replies)}" in up.text()
+    )
     return urls
 
 
@@ -131,8 +158,10 @@ async def test_weir_up_restarts_each_killed_worker_and_every_stream_ends_once(we
     log: dict = {}
     started = asyncio.Event()
     limits = httpx.Limits(max_connections=64)
-    async with httpx.AsyncClient(base_url=gateways[0], timeout=300, limits=limits) as one, \
-            httpx.AsyncClient(base_url=gateways[1], timeout=300, limits=limits) as two:  # fmt: skip
+    async with (
+        httpx.AsyncClient(base_url=gateways[0], timeout=300, limits=limits) as one,
+        httpx.AsyncClient(base_url=gateways[1], timeout=300, limits=limits) as two,
+    ):
         tasks = [asyncio.create_task(stream_one((one, two)[i % 2], i, started, log, 0.0)) for i in range(NUM_REQUESTS)]
         await asyncio.wait_for(started.wait(), 120)
         await asyncio.sleep(KILL_AFTER_FIRST_TOKEN_S)  # where in the flood the fault lands (not a wait for an event)

@@ -29,9 +29,19 @@ pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
 START_S = 300  # a secure broker's first start, then four services, on a busy 2-core box
 # What a fresh home must not inherit from the test run: where it would find another deployment.
-FOREIGN = ("WEIR_KAFKA_BOOTSTRAP", "WEIR_TOPIC_PREFIX", "WEIR_KAFKA_SECURITY", "WEIR_KAFKA_USER",
-           "WEIR_KAFKA_PASSWORD_FILE", "WEIR_KAFKA_PORT", "WEIR_KAFKA_DATA_DIR", "WEIR_AUDIT_DB",
-           "WEIR_GATEWAY_ADMIN_TOKEN", "WEIR_AUDIT_HMAC_KEY", "WEIR_AUDIT_CHECKPOINT_KEY")  # fmt: skip
+FOREIGN = (
+    "WEIR_KAFKA_BOOTSTRAP",
+    "WEIR_TOPIC_PREFIX",
+    "WEIR_KAFKA_SECURITY",
+    "WEIR_KAFKA_USER",
+    "WEIR_KAFKA_PASSWORD_FILE",
+    "WEIR_KAFKA_PORT",
+    "WEIR_KAFKA_DATA_DIR",
+    "WEIR_AUDIT_DB",
+    "WEIR_GATEWAY_ADMIN_TOKEN",
+    "WEIR_AUDIT_HMAC_KEY",
+    "WEIR_AUDIT_CHECKPOINT_KEY",
+)
 
 
 def fresh_home(tmp_path: Path) -> Path:
@@ -48,15 +58,39 @@ def start(home: Path, out: Path, ports: list[int], prefix: str) -> Up:
     """`weir up --secure` of `home`; ports: Kafka's, the gateway's, then the auditor's, batcher's and
     worker's (free ones: other stacks on this machine take the defaults)."""
     env = {k: v for k, v in os.environ.items() if k not in FOREIGN}
-    env.update({"WEIR_HOME": str(home), "PYTHONUNBUFFERED": "1", "WEIR_MODELS": "echo",
-                "WEIR_AUDIT_API_PORT": str(ports[2]), "WEIR_BATCHER_HTTP_PORT": str(ports[3]),
-                "WEIR_WORKER_HTTP_PORT": str(ports[4])})  # fmt: skip
+    env.update(
+        {
+            "WEIR_HOME": str(home),
+            "PYTHONUNBUFFERED": "1",
+            "WEIR_MODELS": "echo",
+            "WEIR_AUDIT_API_PORT": str(ports[2]),
+            "WEIR_BATCHER_HTTP_PORT": str(ports[3]),
+            "WEIR_WORKER_HTTP_PORT": str(ports[4]),
+        }
+    )
     with open(out, "ab") as handle:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "weir.cli", "up", "--secure", "--kafka-port", str(ports[0]), "--port", str(ports[1]),
-             "--topic-prefix", prefix, "--model-repo", str(REPO_ROOT / "models.toml")],
-            cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL, stdout=handle, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "weir.cli",
+                "up",
+                "--secure",
+                "--kafka-port",
+                str(ports[0]),
+                "--port",
+                str(ports[1]),
+                "--topic-prefix",
+                prefix,
+                "--model-repo",
+                str(REPO_ROOT / "models.toml"),
+            ],
+            cwd=REPO_ROOT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+        )
     return Up(proc, out, f"http://127.0.0.1:{ports[1]}", prefix)
 
 
@@ -74,8 +108,9 @@ def cli(home: Path, *argv: str) -> subprocess.CompletedProcess[str]:
     """A `weir` command of that home, in a shell that knows nothing but $WEIR_HOME."""
     env = {k: v for k, v in os.environ.items() if k not in FOREIGN}
     env["WEIR_HOME"] = str(home)
-    return subprocess.run([sys.executable, "-m", "weir.cli", *argv], cwd=REPO_ROOT, env=env, capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "weir.cli", *argv], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def chat(up: Up) -> str:
@@ -96,8 +131,10 @@ def test_weir_up_secure_starts_on_a_fresh_home_serves_and_its_cli_finds_it(tmp_p
         assert chat(up)  # served through every service, each as its own principal
         assert re.search(r"^  models +echo@1\*  \(\* default version", up.text(), re.M), up.text()  # the registry's
         bootstrap = f"127.0.0.1:{ports[0]}"
-        assert f"export WEIR_HOME={home.resolve()} WEIR_KAFKA_BOOTSTRAP={bootstrap} WEIR_TOPIC_PREFIX={prefix} " \
-               "WEIR_KAFKA_SECURITY=sasl WEIR_KAFKA_USER=admin" in up.text()  # fmt: skip
+        assert (
+            f"export WEIR_HOME={home.resolve()} WEIR_KAFKA_BOOTSTRAP={bootstrap} WEIR_TOPIC_PREFIX={prefix} "
+            "WEIR_KAFKA_SECURITY=sasl WEIR_KAFKA_USER=admin" in up.text()
+        )
         record = json.loads((home / "deployment.json").read_text())
         assert (record["bootstrap"], record["topic_prefix"], record["security"]) == (bootstrap, prefix, "sasl")
 
@@ -112,7 +149,9 @@ def test_weir_up_secure_starts_on_a_fresh_home_serves_and_its_cli_finds_it(tmp_p
         logs = {p.stem: p.read_text(errors="replace") for p in (home / "logs").glob("*.log")}
         for name, text in logs.items():
             assert "Heartbeat session expired" not in text, f"{name}: {text[-3000:]}"
-            assert "TopicAuthorizationFailed" not in text and "Authorization failed" not in text, f"{name}: {text[-3000:]}"
+            assert "TopicAuthorizationFailed" not in text and "Authorization failed" not in text, (
+                f"{name}: {text[-3000:]}"
+            )
     finally:
         assert stop(up) == 0, up.text()[-3000:]
     assert not (home / "deployment.json").exists()  # a stopped deployment is not found

@@ -14,8 +14,9 @@ import pytest
 from schemas.topics import Topics
 from services.gateway.app import create_app
 from services.gateway.config import GatewaySettings
-from .fakes import FakeWorker, GatewayServer
 from weir.kafka.admin import delete_prefixed_topics, ensure_topics, wait_for_broker
+
+from .fakes import FakeWorker, GatewayServer
 
 REPO_TOML = Path(__file__).resolve().parents[2] / "models.toml"
 
@@ -57,8 +58,13 @@ async def stack(gateway_bootstrap: str) -> AsyncIterator[Stack]:
     topics = Topics(prefix=f"t{uuid4().hex[:8]}")
     await ensure_topics(gateway_bootstrap, topics.core_specs())
     settings = GatewaySettings(
-        kafka_bootstrap=gateway_bootstrap, topic_prefix=topics.prefix, model_repo=str(REPO_TOML),
-        reply_grace_s=0.2, gap_timeout_s=1.0, auth_mode="open", lag_interval_s=1.0,
+        kafka_bootstrap=gateway_bootstrap,
+        topic_prefix=topics.prefix,
+        model_repo=str(REPO_TOML),
+        reply_grace_s=0.2,
+        gap_timeout_s=1.0,
+        auth_mode="open",
+        lag_interval_s=1.0,
     )
     server = GatewayServer(create_app(settings))
     await server.start()

@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -49,11 +48,25 @@ from tests.waiting import WaitTimeout, until
 TEXT = ["Hello", ", ", "world"]
 DRIP = [f"t{i} " for i in range(20)]
 # An identity number (check digit X), a Luhn-valid card, a phone and an e-mail, cut mid-number.
-PII_DELTAS = ["My ID is 1101", "0519491231", "002X, card 4111 ", "1111 1111", " 1111, call +86 138", "1234 5678 or mail li.wei",
-              "@example", ".com now."]  # fmt: skip
+PII_DELTAS = [
+    "My ID is 1101",
+    "0519491231",
+    "002X, card 4111 ",
+    "1111 1111",
+    " 1111, call +86 138",
+    "1234 5678 or mail li.wei",
+    "@example",
+    ".com now.",
+]
 # An ID in groups, a full-width card, an e-mail with a zero-width space and one spelled out, bracketed.
-VARIANT_DELTAS = ["ID 110105 1949", "1231 002X, card ４１１１ １１", "１１ １１１１ １１１１, mail al\u200bice", " at exam",
-                  "ple dot com, or bob [at] ", "example [dot] org now."]  # fmt: skip
+VARIANT_DELTAS = [
+    "ID 110105 1949",
+    "1231 002X, card ４１１１ １１",
+    "１１ １１１１ １１１１, mail al\u200bice",
+    " at exam",
+    "ple dot com, or bob [at] ",
+    "example [dot] org now.",
+]
 
 CALL_ARGUMENTS = ['{"city": "Paris", "phone": "+1 415-5', '55-0132"}']
 
@@ -81,7 +94,10 @@ class FakeWorker:
         self._clients.append(self.producer)
         for topic, on_record in ((self.topics.requests, self._on_request), (self.topics.control, self._on_cancel)):
             consumer = AIOKafkaConsumer(
-                topic, bootstrap_servers=self.bootstrap, group_id=None, auto_offset_reset="earliest",
+                topic,
+                bootstrap_servers=self.bootstrap,
+                group_id=None,
+                auto_offset_reset="earliest",
                 fetch_max_wait_ms=10,
             )
             await consumer.start()
@@ -121,8 +137,9 @@ class FakeWorker:
         if request.calls_tools:
             return await self._call_tool(request)
         if "reject" in prompt:
-            end = ReplyEnd(request_id=rid, seq=0, finish_reason="rejected",
-                           error=ErrorInfo(code="queue_full", message="too busy"))
+            end = ReplyEnd(
+                request_id=rid, seq=0, finish_reason="rejected", error=ErrorInfo(code="queue_full", message="too busy")
+            )
             await self._send(request, end)
             return
         if "slow" in prompt:
@@ -138,11 +155,18 @@ class FakeWorker:
         if "crawl" in prompt:
             return await self._stream(request, DRIP, 0.15)
         if "drip" in prompt or "pii" in prompt:
-            return await self._stream(request, DRIP if "drip" in prompt else PII_DELTAS, 0.05 if "drip" in prompt else 0)
+            return await self._stream(
+                request, DRIP if "drip" in prompt else PII_DELTAS, 0.05 if "drip" in prompt else 0
+            )
         for seq in (0, 1, 1, 2):  # seq 1 twice: the gateway must drop the repeat
             await self._send(request, ReplyDelta(request_id=rid, seq=seq, text=TEXT[seq]))
-        end = ReplyEnd(request_id=rid, seq=3, finish_reason="stop", model_version=request.model,
-                       usage=Usage(prompt_tokens=2, completion_tokens=3, total_tokens=5))
+        end = ReplyEnd(
+            request_id=rid,
+            seq=3,
+            finish_reason="stop",
+            model_version=request.model,
+            usage=Usage(prompt_tokens=2, completion_tokens=3, total_tokens=5),
+        )
         await self._send(request, end)
 
     async def _stream(self, request: GenerateRequest, texts: list[str], interval_s: float) -> None:
@@ -159,13 +183,24 @@ class FakeWorker:
 
     async def _call_tool(self, request: GenerateRequest) -> None:
         rid, name = request.request_id, (request.tools or [])[0].function.name
-        pieces = [ToolCallDelta(index=0, id=f"call_{rid}_0", name=name), *(ToolCallDelta(index=0, arguments=a) for a in CALL_ARGUMENTS)]
+        pieces = [
+            ToolCallDelta(index=0, id=f"call_{rid}_0", name=name),
+            *(ToolCallDelta(index=0, arguments=a) for a in CALL_ARGUMENTS),
+        ]
         await self._send(request, ReplyDelta(request_id=rid, seq=0, text="Checking."))
         for seq, piece in enumerate(pieces, 1):
             await self._send(request, ReplyDelta(request_id=rid, seq=seq, text="", tool_calls=[piece]))
-        call = ToolCall.model_validate({"id": f"call_{rid}_0", "function": {"name": name, "arguments": "".join(CALL_ARGUMENTS)}})
-        end = ReplyEnd(request_id=rid, seq=len(pieces) + 1, finish_reason="stop", model_version=request.model,
-                       tool_calls=[call], usage=Usage(prompt_tokens=4, completion_tokens=12, total_tokens=16))
+        call = ToolCall.model_validate(
+            {"id": f"call_{rid}_0", "function": {"name": name, "arguments": "".join(CALL_ARGUMENTS)}}
+        )
+        end = ReplyEnd(
+            request_id=rid,
+            seq=len(pieces) + 1,
+            finish_reason="stop",
+            model_version=request.model,
+            tool_calls=[call],
+            usage=Usage(prompt_tokens=4, completion_tokens=12, total_tokens=16),
+        )
         await self._send(request, end)
 
     async def _send(self, request: GenerateRequest, event: ReplyDelta | ReplyEnd) -> None:
@@ -174,10 +209,18 @@ class FakeWorker:
     async def _beat(self) -> None:
         while True:
             heartbeat = WorkerHeartbeat(
-                worker_id=self.worker_id, models=[sid for sid, s in self.versions.items() if s.state == "ready"],
-                is_ready=True, num_running=0, num_waiting=self.num_waiting, max_num_seqs=8, free_kv_blocks=64,
-                block_size_tokens=16, versions=dict(self.versions), finished_per_s=self.finished_per_s,
-                next_offsets=dict(self.next_offsets), partitions={m: sorted(o) for m, o in self.next_offsets.items()},
+                worker_id=self.worker_id,
+                models=[served_id for served_id, s in self.versions.items() if s.state == "ready"],
+                is_ready=True,
+                num_running=0,
+                num_waiting=self.num_waiting,
+                max_num_seqs=8,
+                free_kv_blocks=64,
+                block_size_tokens=16,
+                versions=dict(self.versions),
+                finished_per_s=self.finished_per_s,
+                next_offsets=dict(self.next_offsets),
+                partitions={m: sorted(o) for m, o in self.next_offsets.items()},
             )
             await self.producer.send_and_wait(self.topics.workers, encode(heartbeat), key=self.worker_id.encode())
             await asyncio.sleep(0.5)  # the fake's heartbeat interval
@@ -192,7 +235,7 @@ class GatewayServer:
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-        self.server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]  # leave Ctrl-C to pytest
+        self.server.capture_signals = contextlib.nullcontext  # leave Ctrl-C to pytest
         self.task: asyncio.Task[None] | None = None
 
     @property

@@ -39,15 +39,18 @@ def rsa_key() -> rsa.RSAPrivateKey:
 
 def jwks_of(rsa_key: rsa.RSAPrivateKey) -> dict[str, Any]:
     public = jwt.algorithms.RSAAlgorithm.to_jwk(rsa_key.public_key(), as_dict=True)
-    return {"keys": [
-        {"kty": "oct", "k": b64url(HS_SECRET), "kid": "hs", "alg": "HS256"},
-        {**public, "kid": "rs", "alg": "RS256", "use": "sig"},
-    ]}  # fmt: skip
+    return {
+        "keys": [
+            {"kty": "oct", "k": b64url(HS_SECRET), "kid": "hs", "alg": "HS256"},
+            {**public, "kid": "rs", "alg": "RS256", "use": "sig"},
+        ]
+    }
 
 
 def auth_of(rsa_key: rsa.RSAPrivateKey, keys: KeyStore | None = None, **settings: Any) -> Authenticator:
-    s = GuardSettings(jwt_keys=orjson.dumps(jwks_of(rsa_key)).decode(), jwt_issuer="weir-tests",
-                      jwt_audience="weir", **settings)  # fmt: skip
+    s = GuardSettings(
+        jwt_keys=orjson.dumps(jwks_of(rsa_key)).decode(), jwt_issuer="weir-tests", jwt_audience="weir", **settings
+    )
     return Authenticator(s, keys or KeyStore())
 
 
@@ -79,8 +82,15 @@ def test_a_new_key_is_stored_only_hashed_and_verifies() -> None:
     assert (unknown.value.status, unknown.value.code) == (401, "invalid_api_key")
 
 
-@pytest.mark.parametrize("mangle", [lambda k: k[:-1] + ("A" if k[-1] != "A" else "B"), lambda k: k + "x",
-                                    lambda k: k.replace("weir_", "weir-"), lambda k: "weir_short_x"])
+@pytest.mark.parametrize(
+    "mangle",
+    [
+        lambda k: k[:-1] + ("A" if k[-1] != "A" else "B"),
+        lambda k: k + "x",
+        lambda k: k.replace("weir_", "weir-"),
+        lambda k: "weir_short_x",
+    ],
+)
 def test_a_tampered_key_is_refused(mangle: Any) -> None:
     key, record = new_api_key("alice", "acme")
     store = KeyStore()

@@ -51,9 +51,9 @@ def assert_openai_error(response: httpx.Response, status: int, code: str | None,
 @pytest.mark.parametrize(
     ("content", "status", "code", "param"),
     [
-        (b"{\"model\": ", 400, "invalid_json", None),
+        (b'{"model": ', 400, "invalid_json", None),
         (b"", 400, "invalid_json", None),
-        (b"\"just a string\"", 400, "invalid_body", None),
+        (b'"just a string"', 400, "invalid_body", None),
         (orjson.dumps({"messages": GOOD["messages"]}), 400, "missing_required_parameter", "model"),
         (orjson.dumps({"model": "echo"}), 400, "missing_required_parameter", "messages"),
         (orjson.dumps({**GOOD, "model": 42}), 400, "invalid_value", "model"),
@@ -81,8 +81,9 @@ async def test_bad_completion_bodies(client: httpx.AsyncClient) -> None:
     assert response.headers["x-request-id"].startswith("cmpl-")
     response = await client.post("/v1/completions", json={"model": "echo", "prompt": []})
     assert_openai_error(response, 400, "invalid_value", "prompt")
-    response = await client.post("/v1/completions", json={"model": "echo", "prompt": "x", "echo": True, "logprobs": 1,
-                                                           "stream": True})  # fmt: skip
+    response = await client.post(
+        "/v1/completions", json={"model": "echo", "prompt": "x", "echo": True, "logprobs": 1, "stream": True}
+    )
     assert_openai_error(response, 400, "unsupported_parameter", "stream")
     response = await client.post("/v1/completions", json={"model": "echo", "prompt": "x", "max_tokens": 0})
     assert_openai_error(response, 400, "invalid_value", "max_tokens")
@@ -157,17 +158,21 @@ async def test_json_as_deep_as_the_limit_reaches_the_route(client: httpx.AsyncCl
 
 
 async def test_the_body_limit_holds_on_every_json_route(client: httpx.AsyncClient) -> None:
-    big = orjson.dumps({"input_file_id": "file-x", "endpoint": CHAT, "completion_window": "24h",
-                        "metadata": {"k": "x" * 5000}})  # fmt: skip
+    big = orjson.dumps(
+        {"input_file_id": "file-x", "endpoint": CHAT, "completion_window": "24h", "metadata": {"k": "x" * 5000}}
+    )
     assert_openai_error(await client.post("/v1/batches", content=big), 413, "request_too_large")
 
 
-@pytest.mark.parametrize("headers", [
-    {f"x-h{i}": "v" for i in range(5000)},  # too many
-    {f"x-h{i}": "v" for i in range(101)},
-    {"x-big": "v" * (1 << 20)},  # too large
-    {"x-big": "v" * (33 << 10)},
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {f"x-h{i}": "v" for i in range(5000)},  # too many
+        {f"x-h{i}": "v" for i in range(101)},
+        {"x-big": "v" * (1 << 20)},  # too large
+        {"x-big": "v" * (33 << 10)},
+    ],
+)
 async def test_too_many_or_too_large_headers_are_431(client: httpx.AsyncClient, headers: dict[str, str]) -> None:
     for method, path in (("GET", "/v1/models"), ("POST", CHAT), ("GET", "/healthz")):
         response = await client.request(method, path, json=GOOD, headers=headers)
@@ -175,9 +180,33 @@ async def test_too_many_or_too_large_headers_are_431(client: httpx.AsyncClient, 
 
 
 @pytest.mark.parametrize(
-    "value", ["5e-324", "0.0009", "0", "-0", "-1", "nan", "NaN", "inf", "-inf", "Infinity", "1e309", "601", "1e300",
-              "0x10", "", "1" * 40, "５".encode(), "1_0", " 5", "5 ", "+5", "1e1", "5,5"],
-)  # fmt: skip
+    "value",
+    [
+        "5e-324",
+        "0.0009",
+        "0",
+        "-0",
+        "-1",
+        "nan",
+        "NaN",
+        "inf",
+        "-inf",
+        "Infinity",
+        "1e309",
+        "601",
+        "1e300",
+        "0x10",
+        "",
+        "1" * 40,
+        "５".encode(),
+        "1_0",
+        " 5",
+        "5 ",
+        "+5",
+        "1e1",
+        "5,5",
+    ],
+)
 async def test_a_timeout_header_out_of_range_is_400_naming_it(client: httpx.AsyncClient, value: str | bytes) -> None:
     response = await client.post(CHAT, json=GOOD, headers={"x-weir-timeout-s": value})
     assert_openai_error(response, 400, "invalid_value", "X-Weir-Timeout-S")
@@ -223,12 +252,13 @@ class Served:
         self.port = self.sock.getsockname()[1]
         config = uvicorn.Config(service.app, log_level="warning", lifespan="off", **service.http_options)
         self.server = uvicorn.Server(config)
-        self.server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
+        self.server.capture_signals = contextlib.nullcontext
 
     async def __aenter__(self) -> Served:
         self.task = asyncio.create_task(self.server.serve(sockets=[self.sock]))
-        await until(lambda: self.server.started, timeout_s=30, interval_s=0.02, what="uvicorn started",
-                    watch=[self.task])
+        await until(
+            lambda: self.server.started, timeout_s=30, interval_s=0.02, what="uvicorn started", watch=[self.task]
+        )
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -265,15 +295,20 @@ async def test_the_server_refuses_heads_too_large_to_buffer_over_a_real_socket()
         # ~60 KiB, likely read in one chunk (which the server does not count): then the middleware's
         many = head(*[b"x-h%d: v" % i for i in range(5000)])
         some = head(*[b"x-h%d: v" % i for i in range(200)])  # a small head, refused by the middleware
-        for raw, refused_by in ((huge, "the request head exceeds"), (many, "the request h"),
-                                (some, "the request has 201 headers")):  # fmt: skip
+        for raw, refused_by in (
+            (huge, "the request head exceeds"),
+            (many, "the request h"),
+            (some, "the request has 201 headers"),
+        ):
             status, body = await served.exchange(raw)
             error = orjson.loads(body)["error"]
             assert (status, error["code"]) == (431, "request_header_fields_too_large")
             assert error["message"].startswith(refused_by)
         assert (await served.exchange(head(b"x-ok: " + b"v" * 20_000)))[0] == 200  # under the limits
-        upgrade = (b"GET /v1/stream HTTP/1.1\r\nhost: gw\r\nupgrade: websocket\r\nconnection: Upgrade\r\n"
-                   b"sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\nsec-websocket-version: 13\r\n")  # fmt: skip
+        upgrade = (
+            b"GET /v1/stream HTTP/1.1\r\nhost: gw\r\nupgrade: websocket\r\nconnection: Upgrade\r\n"
+            b"sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\nsec-websocket-version: 13\r\n"
+        )
         status, body = await served.exchange(upgrade + b"".join(b"x-h%d: v\r\n" % i for i in range(110)) + b"\r\n")
         assert (status, orjson.loads(body)["error"]["code"]) == (431, "request_header_fields_too_large")
 
@@ -281,8 +316,9 @@ async def test_the_server_refuses_heads_too_large_to_buffer_over_a_real_socket()
 def test_a_websocket_request_frame_meets_the_body_limits() -> None:
     from starlette.testclient import TestClient
 
-    settings = GatewaySettings(model_repo=str(REPO_TOML), max_body_bytes=4096, kafka_bootstrap="127.0.0.1:1",
-                               auth_mode="open")  # fmt: skip
+    settings = GatewaySettings(
+        model_repo=str(REPO_TOML), max_body_bytes=4096, kafka_bootstrap="127.0.0.1:1", auth_mode="open"
+    )
     client = TestClient(create_app(settings))  # no lifespan: refused before anything is published
     with client.websocket_connect("/v1/stream") as ws:
         too_deep = orjson.loads(b'{"model": "echo", "messages": ' + deep(200) + b"}")
@@ -291,8 +327,7 @@ def test_a_websocket_request_frame_meets_the_body_limits() -> None:
         too_large = {**GOOD, "messages": [{"role": "user", "content": "x" * 5000}]}
         ws.send_text(orjson.dumps({"type": "chat.completions", "body": too_large}).decode())
         assert ws.receive_json()["error"]["code"] == "request_too_large"
-        ws.send_text(orjson.dumps({"type": "chat.completions", "body": GOOD,
-                                   "resume_grace_s": "5e-324"}).decode())  # fmt: skip
+        ws.send_text(orjson.dumps({"type": "chat.completions", "body": GOOD, "resume_grace_s": "5e-324"}).decode())
         error = ws.receive_json()["error"]
         assert (error["code"], error["param"]) == ("invalid_value", "X-Weir-Resume-Grace-S")
         # Deeper than orjson re-encodes (254 levels) or decodes (1024): refused before parsing, and

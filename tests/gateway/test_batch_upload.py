@@ -12,15 +12,14 @@ import httpx
 import orjson
 import pytest
 
+from schemas.messages import BatchJob
 from schemas.model_repo import load_model_repo
 from schemas.registry import RegistryState
 from services.batcher.job_core import parse_input
-from schemas.messages import BatchJob
 from services.gateway.batch_format import LineRules, check_batch_lines, check_purpose
 from services.gateway.batch_upload import receive_upload
 from services.gateway.catalog import Catalog
 from services.gateway.fleet import Fleet
-from schemas.registry import RegistryState
 from services.gateway.guard.auth import Identity
 from services.gateway.guard.validation import TokenCounter
 from services.gateway.openai_format import ApiError
@@ -71,8 +70,12 @@ async def test_an_upload_as_the_openai_client_sends_it_in_any_pieces(piece_size)
         ("application/json", b"{}", None, 400),
         (*multipart({"file": ("a.jsonl", b"x")}, {"purpose": "fine-tune"}), "purpose", 400),
         (*multipart({"file": ("a.jsonl", b"x")}, {}), "purpose", 400),
-        ("multipart/form-data; boundary=b", b'--b\r\nContent-Disposition: form-data; name="purpose"\r\n\r\n'
-         b"batch\r\n--b--\r\n", "file", 400),
+        (
+            "multipart/form-data; boundary=b",
+            b'--b\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--b--\r\n',
+            "file",
+            400,
+        ),
         (*multipart({"file": ("a.jsonl", b"x")}, {"purpose": "batch", "expires_after": "1"}), "expires_after", 400),
     ],
 )
@@ -190,8 +193,15 @@ def test_the_gateway_and_the_batcher_count_the_same_lines():
     data = b"".join(line(f"l{i}", f"x{ch}y") + (b"\r\n" if i % 2 else b"\n") for i, ch in enumerate(odd))
     data += b"\n" + line("last", "\u2028")  # a blank line, and no newline at the end
     summary = check_batch_lines([data], rules())
-    job = BatchJob(job_id="batch_1", status="validating", endpoint="/v1/chat/completions", input_file_id="f",
-                   created_ms=0, expires_ms=86_400_000, updated_ms=0)  # fmt: skip
+    job = BatchJob(
+        job_id="batch_1",
+        status="validating",
+        endpoint="/v1/chat/completions",
+        input_file_id="f",
+        created_ms=0,
+        expires_ms=86_400_000,
+        updated_ms=0,
+    )
     parsed = parse_input(data, job, RegistryState(REPO), "r")
     assert parsed.errors == [] and all(ln.error is None for ln in parsed.lines)
     assert summary.num_requests == len(parsed.lines) == len(odd) + 1

@@ -22,10 +22,10 @@ from schemas.topics import Topics
 from services.gateway.app import create_app
 from services.gateway.config import GatewaySettings
 from services.gateway.keys_cli import create_key
+from tests.waiting import until
 from weir.bus import make_producer
 from weir.files import FileHeader, chunk_file, write_file
 from weir.kafka.admin import delete_prefixed_topics, ensure_topics
-from tests.waiting import until
 
 from .conftest import REPO_TOML
 from .fakes import GatewayServer
@@ -58,19 +58,30 @@ async def tenants(gateway_bootstrap: str) -> AsyncIterator[Tenants]:
     topics = Topics(prefix=f"t{uuid4().hex[:8]}")
     await ensure_topics(gateway_bootstrap, topics.core_specs())
     settings = GatewaySettings(
-        kafka_bootstrap=gateway_bootstrap, topic_prefix=topics.prefix, model_repo=str(REPO_TOML), auth_mode="required",
-        batch_max_file_bytes=MAX_FILE_BYTES, batch_max_queued_requests=MAX_QUEUED_REQUESTS,
-    )  # fmt: skip
+        kafka_bootstrap=gateway_bootstrap,
+        topic_prefix=topics.prefix,
+        model_repo=str(REPO_TOML),
+        auth_mode="required",
+        batch_max_file_bytes=MAX_FILE_BYTES,
+        batch_max_queued_requests=MAX_QUEUED_REQUESTS,
+    )
     server = GatewayServer(create_app(settings))
     await server.start()
     try:
         keys = {}
-        for name, principal, tenant, models in [("ann", "ann", "acme", None), ("ann_echo", "ann", "acme", ["echo"]),
-                                                ("bob", "bob", "acme", None), ("eve", "eve", "evil", None),
-                                                ("quinn", "quinn", "acme", None)]:  # fmt: skip
+        for name, principal, tenant, models in [
+            ("ann", "ann", "acme", None),
+            ("ann_echo", "ann", "acme", ["echo"]),
+            ("bob", "bob", "acme", None),
+            ("eve", "eve", "evil", None),
+            ("quinn", "quinn", "acme", None),
+        ]:
             key, record = await create_key(settings, principal, tenant, models)
-            await until(lambda r=record: server.server.config.app.state.guard.keys.get(r.key_id),
-                        timeout_s=10, what="the gateway to know the new key")  # type: ignore[attr-defined]
+            await until(
+                lambda r=record: server.server.config.app.state.guard.keys.get(r.key_id),
+                timeout_s=10,
+                what="the gateway to know the new key",
+            )
             keys[name] = key
         yield Tenants(settings, server, **keys)
     finally:
@@ -79,8 +90,14 @@ async def tenants(gateway_bootstrap: str) -> AsyncIterator[Tenants]:
 
 
 def line(custom_id: str, content: str = "hi", model: str = "echo", **body: object) -> bytes:
-    return orjson.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
-                         "body": {"model": model, "messages": [{"role": "user", "content": content}], **body}})
+    return orjson.dumps(
+        {
+            "custom_id": custom_id,
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": model, "messages": [{"role": "user", "content": content}], **body},
+        }
+    )
 
 
 def jsonl(*lines: bytes) -> bytes:
@@ -99,17 +116,26 @@ async def test_files_and_batches_are_their_owners_alone(tenants: Tenants) -> Non
     uploaded = await ann.files.create(file=("in.jsonl", content), purpose="batch")
     assert re.fullmatch(r"file-[0-9a-f]{32}", uploaded.id) and uploaded.bytes == len(content)
     assert (await ann.files.content(uploaded.id)).content == content
-    batch = await ann.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    batch = await ann.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
     assert re.fullmatch(r"batch_[0-9a-f]{32}", batch.id) and batch.request_counts.total == 2
     assert (await ann.batches.retrieve(batch.id)).id == batch.id
     assert uploaded.id in [f.id for f in (await ann.files.list()).data]
     assert batch.id in [b.id for b in (await ann.batches.list()).data]
     assert uploaded.id in [f.id for f in (await t.openai(t.ann_echo).files.list()).data]  # the same principal
 
-    routes = [("GET", f"/v1/files/{uploaded.id}", None), ("GET", f"/v1/files/{uploaded.id}/content", None),
-              ("GET", f"/v1/batches/{batch.id}", None), ("POST", f"/v1/batches/{batch.id}/cancel", None),
-              ("POST", "/v1/batches", {"input_file_id": uploaded.id, "endpoint": "/v1/chat/completions",
-                                       "completion_window": "24h"})]  # fmt: skip
+    routes = [
+        ("GET", f"/v1/files/{uploaded.id}", None),
+        ("GET", f"/v1/files/{uploaded.id}/content", None),
+        ("GET", f"/v1/batches/{batch.id}", None),
+        ("POST", f"/v1/batches/{batch.id}/cancel", None),
+        (
+            "POST",
+            "/v1/batches",
+            {"input_file_id": uploaded.id, "endpoint": "/v1/chat/completions", "completion_window": "24h"},
+        ),
+    ]
     for other in (t.eve, t.bob):  # another tenant, and another principal of the same tenant
         async with t.http(other) as http:
             for method, path, body in routes:
@@ -129,8 +155,12 @@ async def test_an_output_file_is_its_batchs_owners_and_passes_the_output_guard(t
     t = tenants
     file_id = f"file-{uuid4().hex}"
     body = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "write to ann@example.com"}}]}
-    row = {"id": "batch_req_1", "custom_id": "a", "response": {"status_code": 200, "request_id": "r", "body": body},
-           "error": None}  # fmt: skip
+    row = {
+        "id": "batch_req_1",
+        "custom_id": "a",
+        "response": {"status_code": 200, "request_id": "r", "body": body},
+        "error": None,
+    }
     header = FileHeader(file_id, "b_output.jsonl", "batch_output", "acme", "key", "ann", now_ms())
     producer = make_producer(t.settings, client_id="test-runner")
     await producer.start()
@@ -138,9 +168,10 @@ async def test_an_output_file_is_its_batchs_owners_and_passes_the_output_guard(t
         await write_file(producer, t.settings.topics.files, chunk_file(header, orjson.dumps(row) + b"\n"))
     finally:
         await producer.stop()
-    files = t.server.server.config.app.state.batches.files  # type: ignore[attr-defined]
-    await until(lambda: files.get(file_id),
-                timeout_s=10, what="the gateway to follow the file record")  # the gateway follows the files topic
+    files = t.server.server.config.app.state.batches.files
+    await until(
+        lambda: files.get(file_id), timeout_s=10, what="the gateway to follow the file record"
+    )  # the gateway follows the files topic
     async with t.http(t.ann) as http:
         response = await http.get(f"/v1/files/{file_id}/content")
         assert response.status_code == 200, response.text
@@ -148,8 +179,10 @@ async def test_an_output_file_is_its_batchs_owners_and_passes_the_output_guard(t
         assert served["response"]["body"]["choices"][0]["message"]["content"] == "write to [REDACTED]"
         assert served["custom_id"] == "a"
         # an output file is no batch input
-        refused = await http.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/chat/completions",
-                                                        "completion_window": "24h"})  # fmt: skip
+        refused = await http.post(
+            "/v1/batches",
+            json={"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"},
+        )
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "input_file_id"
     async with t.http(t.eve) as http:
         assert (await http.get(f"/v1/files/{file_id}/content")).status_code == 404
@@ -161,11 +194,15 @@ async def test_every_line_of_an_upload_is_checked_and_the_first_bad_one_named(te
     cases = [
         (t.ann_echo, jsonl(line("a"), tiny), "line 2: ann may not use the model 'weir-tiny-py@1'", "model_not_allowed"),
         (t.ann_echo, jsonl(line("a") + "\u2028".encode() + tiny), "line 1: the line is not JSON", "invalid_json"),
-        (t.ann, jsonl(line("a"), line("b"), line("c", temperature=7)), "line 3: invalid value for 'temperature'",
-         "invalid_value"),
+        (
+            t.ann,
+            jsonl(line("a"), line("b"), line("c", temperature=7)),
+            "line 3: invalid value for 'temperature'",
+            "invalid_value",
+        ),
         (t.ann, jsonl(line("a"), line("a")), "line 2: custom_id 'a' repeats an earlier line", "duplicate_custom_id"),
         (t.ann, b"\n\n", "the file has no requests", "empty_file"),
-    ]  # fmt: skip
+    ]
     for key, content, message, code in cases:
         response = await upload(t, key, content)
         assert response.status_code == 400, response.text
@@ -181,12 +218,15 @@ async def test_a_batch_is_checked_again_with_its_creators_key_and_endpoint(tenan
     t = tenants
     file_id = (await upload(t, t.ann, jsonl(line("a"), line("b", model="weir-tiny-py")))).json()["id"]
     async with t.http(t.ann_echo) as http:  # the same principal, a key limited to echo
-        response = await http.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/chat/completions",
-                                                         "completion_window": "24h"})  # fmt: skip
+        response = await http.post(
+            "/v1/batches",
+            json={"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"},
+        )
     assert response.status_code == 400 and response.json()["error"]["message"].startswith("line 2: ann may not use")
     async with t.http(t.ann) as http:
-        response = await http.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/completions",
-                                                         "completion_window": "24h"})  # fmt: skip
+        response = await http.post(
+            "/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/completions", "completion_window": "24h"}
+        )
     assert response.status_code == 400 and response.json()["error"]["code"] == "mismatched_url"
 
 
@@ -197,10 +237,14 @@ async def test_an_upload_over_the_limit_is_a_413_while_it_streams(tenants: Tenan
     host, port = t.server.base_url.removeprefix("http://").split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
     boundary = "b0undary"
-    writer.write(f"POST /v1/files HTTP/1.1\r\nhost: {host}\r\nauthorization: Bearer {t.ann}\r\n"
-                 f"content-type: multipart/form-data; boundary={boundary}\r\ntransfer-encoding: chunked\r\n\r\n".encode())
-    head = (f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--{boundary}\r\n'
-            'Content-Disposition: form-data; name="file"; filename="big.jsonl"\r\n\r\n').encode()
+    writer.write(
+        f"POST /v1/files HTTP/1.1\r\nhost: {host}\r\nauthorization: Bearer {t.ann}\r\n"
+        f"content-type: multipart/form-data; boundary={boundary}\r\ntransfer-encoding: chunked\r\n\r\n".encode()
+    )
+    head = (
+        f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--{boundary}\r\n'
+        'Content-Disposition: form-data; name="file"; filename="big.jsonl"\r\n\r\n'
+    ).encode()
     block = jsonl(line("x")) * 200
     status = asyncio.create_task(reader.readline())
     sent, cap = 0, 400 * MAX_FILE_BYTES

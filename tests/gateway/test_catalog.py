@@ -17,15 +17,17 @@ from services.gateway.openai_format import ApiError, served_version
 from weir.models.manifest import pack
 from weir.registry import promote, register
 
-SEED = ModelRepository(models={
-    "echo": ModelConfig(name="echo", engine="echo", version="1", max_model_len=2048),
-    "other": ModelConfig(name="other", engine="echo", version="7"),
-})  # fmt: skip
+SEED = ModelRepository(
+    models={
+        "echo": ModelConfig(name="echo", engine="echo", version="1", max_model_len=2048),
+        "other": ModelConfig(name="other", engine="echo", version="7"),
+    }
+)
 
 
 def version(name: str, v: str, desired: str = "loaded", **serving: object) -> ModelVersionRecord:
-    config = ModelConfig(name=name, engine="echo", version=v, **serving)  # type: ignore[arg-type]
-    return ModelVersionRecord(manifest=pack(config), desired=desired)  # type: ignore[arg-type]
+    config = ModelConfig(name=name, engine="echo", version=v, **serving)
+    return ModelVersionRecord(manifest=pack(config), desired=desired)
 
 
 def apply(state: RegistryState, records: list[Record]) -> None:
@@ -34,10 +36,19 @@ def apply(state: RegistryState, records: list[Record]) -> None:
 
 
 def beat(worker_id: str, versions: dict[str, VersionStatus]) -> WorkerHeartbeat:
-    ready = [sid for sid, status in versions.items() if status.state == "ready"]
-    return WorkerHeartbeat(worker_id=worker_id, models=ready, is_ready=True, num_running=0, num_waiting=0,
-                           max_num_seqs=8, free_kv_blocks=10, block_size_tokens=16, versions=versions,
-                           sent_ms=now_ms())  # fmt: skip
+    ready = [served_id for served_id, status in versions.items() if status.state == "ready"]
+    return WorkerHeartbeat(
+        worker_id=worker_id,
+        models=ready,
+        is_ready=True,
+        num_running=0,
+        num_waiting=0,
+        max_num_seqs=8,
+        free_kv_blocks=10,
+        block_size_tokens=16,
+        versions=versions,
+        sent_ms=now_ms(),
+    )
 
 
 @pytest.fixture
@@ -63,11 +74,18 @@ def test_a_route_record_moves_a_bare_name_at_once(state: RegistryState) -> None:
     assert catalog.resolve("echo").served_id == "echo@2"
 
 
-@pytest.mark.parametrize(("ref", "says"), [
-    ("nope", "does not exist"), ("echo@9", "not registered"), ("echo@0", "retired"), ("other@1", "not registered"),
-])  # fmt: skip
-def test_an_unknown_unregistered_or_retired_model_is_a_404_model_not_found(state: RegistryState, ref: str,
-                                                                          says: str) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    ("ref", "says"),
+    [
+        ("nope", "does not exist"),
+        ("echo@9", "not registered"),
+        ("echo@0", "retired"),
+        ("other@1", "not registered"),
+    ],
+)
+def test_an_unknown_unregistered_or_retired_model_is_a_404_model_not_found(
+    state: RegistryState, ref: str, says: str
+) -> None:
     with pytest.raises(ApiError) as caught:
         Catalog(state, Fleet()).resolve(ref)
     error = caught.value
@@ -75,7 +93,9 @@ def test_an_unknown_unregistered_or_retired_model_is_a_404_model_not_found(state
     assert ref in error.message and says in error.message
 
 
-@pytest.mark.parametrize("ref", ["echo@", "@1", "ec ho", "echo@ 1", "echo@1 ", "a@b@1", "echo@-1", "echo@" + "9" * 65, 7, None])
+@pytest.mark.parametrize(
+    "ref", ["echo@", "@1", "ec ho", "echo@ 1", "echo@1 ", "a@b@1", "echo@-1", "echo@" + "9" * 65, 7, None]
+)
 def test_a_malformed_model_reference_is_a_400(state: RegistryState, ref: object) -> None:
     with pytest.raises(ApiError) as caught:
         Catalog(state, Fleet()).resolve(ref)
@@ -102,15 +122,30 @@ def test_models_lists_names_whose_default_is_ready_and_every_ready_version(state
     fleet = Fleet()
     catalog = Catalog(state, fleet)
     assert catalog.listing(100, lambda _: True)["data"] == []  # nothing is ready: nothing is listed
-    fleet.observe(beat("w1", {"echo@2": VersionStatus(state="ready"), "echo@1": VersionStatus(state="loading"),
-                              "echo@0": VersionStatus(state="ready"), "other@7": VersionStatus(state="failed")}))
+    fleet.observe(
+        beat(
+            "w1",
+            {
+                "echo@2": VersionStatus(state="ready"),
+                "echo@1": VersionStatus(state="loading"),
+                "echo@0": VersionStatus(state="ready"),
+                "other@7": VersionStatus(state="failed"),
+            },
+        )
+    )
     listed = catalog.listing(100, lambda _: True)
     ids = [m["id"] for m in listed["data"]]
     assert ids == ["echo@2"]  # echo's default (1) is loading; the retired echo@0 is not listed
     entry = listed["data"][0]
-    assert entry == {"id": "echo@2", "object": "model", "owned_by": "weir", "weir_version": "2", "weir_state": "ready",
-                     "weir_quantization": "none",
-                     "created": state.versions["echo@2"].manifest.created_ms // 1000}  # fmt: skip
+    assert entry == {
+        "id": "echo@2",
+        "object": "model",
+        "owned_by": "weir",
+        "weir_version": "2",
+        "weir_state": "ready",
+        "weir_quantization": "none",
+        "created": state.versions["echo@2"].manifest.created_ms // 1000,
+    }
     fleet.observe(beat("w2", {"echo@1": VersionStatus(state="ready"), "other@7": VersionStatus(state="ready")}))
     ids = [m["id"] for m in catalog.listing(100, lambda _: True)["data"]]
     assert ids == ["echo", "other", "echo@1", "echo@2", "other@7"]
@@ -120,8 +155,16 @@ def test_models_lists_names_whose_default_is_ready_and_every_ready_version(state
 
 def test_a_key_sees_and_uses_only_the_versions_its_allowlist_names(state: RegistryState) -> None:
     fleet = Fleet()
-    fleet.observe(beat("w1", {"echo@1": VersionStatus(state="ready"), "echo@2": VersionStatus(state="ready"),
-                              "other@7": VersionStatus(state="ready")}))
+    fleet.observe(
+        beat(
+            "w1",
+            {
+                "echo@1": VersionStatus(state="ready"),
+                "echo@2": VersionStatus(state="ready"),
+                "other@7": VersionStatus(state="ready"),
+            },
+        )
+    )
     catalog = Catalog(state, fleet)
     whole = Identity("ann", "acme", "key:a", models=frozenset({"echo"}))
     pinned = Identity("bob", "acme", "key:b", models=frozenset({"echo@2"}))
@@ -135,19 +178,41 @@ def test_a_key_sees_and_uses_only_the_versions_its_allowlist_names(state: Regist
 
 def test_a_model_is_retrieved_as_listed_and_what_the_caller_cannot_see_is_a_404(state: RegistryState) -> None:
     fleet = Fleet()
-    fleet.observe(beat("w1", {"echo@1": VersionStatus(state="ready"), "echo@2": VersionStatus(state="ready"),
-                              "other@7": VersionStatus(state="ready")}))
+    fleet.observe(
+        beat(
+            "w1",
+            {
+                "echo@1": VersionStatus(state="ready"),
+                "echo@2": VersionStatus(state="ready"),
+                "other@7": VersionStatus(state="ready"),
+            },
+        )
+    )
     catalog = Catalog(state, fleet)
     pinned = Identity("bob", "acme", "key:b", models=frozenset({"echo@2"}))
     for model in catalog.listing(0, lambda _: True)["data"]:
         assert catalog.model(model["id"], 0, lambda _: True) == model  # the list's own object
     assert catalog.model("echo@2", 0, pinned.may_use)["id"] == "echo@2"
     # not bob's (echo is served by echo@1; other), unknown, retired, not ready: all the same 404
-    fleet.observe(beat("w1", {"echo@1": VersionStatus(state="ready"), "echo@2": VersionStatus(state="ready"),
-                              "other@7": VersionStatus(state="loading")}))
-    for ref, may_use in [("echo", pinned.may_use), ("echo@1", pinned.may_use), ("other", lambda _: True),
-                         ("nope", lambda _: True), ("echo@0", lambda _: True), ("echo@9", lambda _: True),
-                         ("org/model", lambda _: True)]:  # fmt: skip
+    fleet.observe(
+        beat(
+            "w1",
+            {
+                "echo@1": VersionStatus(state="ready"),
+                "echo@2": VersionStatus(state="ready"),
+                "other@7": VersionStatus(state="loading"),
+            },
+        )
+    )
+    for ref, may_use in [
+        ("echo", pinned.may_use),
+        ("echo@1", pinned.may_use),
+        ("other", lambda _: True),
+        ("nope", lambda _: True),
+        ("echo@0", lambda _: True),
+        ("echo@9", lambda _: True),
+        ("org/model", lambda _: True),
+    ]:
         with pytest.raises(ApiError) as missing:
             catalog.model(ref, 0, may_use)
         assert (missing.value.status, missing.value.code, missing.value.param) == (404, "model_not_found", "model")
@@ -160,19 +225,38 @@ def test_the_index_shows_every_version_with_the_best_state_a_live_worker_reports
     fleet.observe(beat("w2", {"echo@2": VersionStatus(state="loading"), "echo@1": VersionStatus(state="ready")}))
     index = {f"{e['name']}@{e['version']}": e for e in Catalog(state, fleet).index()}
     assert set(index) == {"echo@0", "echo@1", "echo@2", "other@7"}
-    assert index["echo@2"] == {"name": "echo", "version": "2", "state": "loading", "reason": "", "desired": "loaded",
-                               "registered": True, "default": False, "workers": {"w1": "failed", "w2": "loading"}}
+    assert index["echo@2"] == {
+        "name": "echo",
+        "version": "2",
+        "state": "loading",
+        "reason": "",
+        "desired": "loaded",
+        "registered": True,
+        "default": False,
+        "workers": {"w1": "failed", "w2": "loading"},
+    }
     assert (index["echo@1"]["state"], index["echo@1"]["default"]) == ("ready", True)
     assert (index["echo@0"]["desired"], index["echo@0"]["state"]) == ("retired", "unavailable")
     assert (index["other@7"]["registered"], index["other@7"]["reason"]) == (False, "no live worker reports it")
     assert [e["version"] for e in Catalog(state, fleet).index(ready_only=True)] == ["1"]
 
 
-@pytest.mark.parametrize(("name", "v", "status"), [
-    ("echo", "2", None), ("echo", "9", 404), ("other", "7", 404), ("echo", "", 400), ("echo", " 2", 400),
-    ("echo@2", "2", 400), ("", "2", 400), ("echo", 2, 400),
-])  # fmt: skip
-def test_an_admin_call_names_a_registered_version(state: RegistryState, name: str, v: object, status: int | None) -> None:
+@pytest.mark.parametrize(
+    ("name", "v", "status"),
+    [
+        ("echo", "2", None),
+        ("echo", "9", 404),
+        ("other", "7", 404),
+        ("echo", "", 400),
+        ("echo", " 2", 400),
+        ("echo@2", "2", 400),
+        ("", "2", 400),
+        ("echo", 2, 400),
+    ],
+)
+def test_an_admin_call_names_a_registered_version(
+    state: RegistryState, name: str, v: object, status: int | None
+) -> None:
     catalog = Catalog(state, Fleet())
     if status is None:
         assert catalog.registered(name, v) == "echo@2"

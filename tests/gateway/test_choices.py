@@ -29,8 +29,8 @@ from schemas.messages import (
 )
 from schemas.openai_bodies import MAX_N
 from services.gateway.config import GatewaySettings
-from services.gateway.guard.settings import TenantLimits
 from services.gateway.guard.output_guard import REDACTED_TOKEN, LogprobGate, OutputGuard, PassThrough
+from services.gateway.guard.settings import TenantLimits
 from services.gateway.kafka_bus import Exchange, GatewayBus
 from services.gateway.openai_format import (
     ApiError,
@@ -52,8 +52,9 @@ from .fakes import DRIP, TEXT
 
 
 def request(request_id: str = "cmpl-1", **fields: Any) -> GenerateRequest:
-    return GenerateRequest(request_id=request_id, model="echo@1", prompt="hi", deadline_ms=now_ms() + 10_000,
-                           reply_to="replies", **fields)  # fmt: skip
+    return GenerateRequest(
+        request_id=request_id, model="echo@1", prompt="hi", deadline_ms=now_ms() + 10_000, reply_to="replies", **fields
+    )
 
 
 def lp(token: str, logprob: float, *alternatives: tuple[str, float]) -> TokenLogprob:
@@ -63,8 +64,15 @@ def lp(token: str, logprob: float, *alternatives: tuple[str, float]) -> TokenLog
 
 def end(request_id: str, seq: int, completion: int = 1, cumulative: float | None = None, **fields: Any) -> ReplyEnd:
     usage = Usage(prompt_tokens=4, completion_tokens=completion, total_tokens=4 + completion, cached_prompt_tokens=2)
-    return ReplyEnd(request_id=request_id, seq=seq, finish_reason="stop", usage=usage, cumulative_logprob=cumulative,
-                    model_version="echo@1", **fields)  # fmt: skip
+    return ReplyEnd(
+        request_id=request_id,
+        seq=seq,
+        finish_reason="stop",
+        usage=usage,
+        cumulative_logprob=cumulative,
+        model_version="echo@1",
+        **fields,
+    )
 
 
 # -- bodies and pure formatting --------------------------------------------------------------------
@@ -85,15 +93,24 @@ CHAT = {"model": "echo", "messages": [{"role": "user", "content": "hi"}]}
 COMPLETION = {"model": "echo", "prompt": "hi"}
 
 
-@pytest.mark.parametrize(("kind", "fields", "param", "code", "words"), [
-    ("chat.completions", {"n": MAX_N + 1}, "n", "invalid_value", f"at most {MAX_N}"),
-    ("chat.completions", {"top_logprobs": 2}, "top_logprobs", "invalid_value", "logprobs: true"),
-    ("completions", {"logprobs": 6}, "logprobs", "invalid_value", "5"),
-    ("completions", {"n": 3, "best_of": 2}, "best_of", "invalid_value", "at least n"),
-    ("completions", {"best_of": 2, "stream": True}, "best_of", "invalid_value", "streamed"),
-    ("completions", {"echo": True, "logprobs": 0, "stream": True}, "stream", "unsupported_parameter", "stream false"),
-    ("chat.completions", {"suffix": "x"}, "suffix", "unknown_parameter", "suffix"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("kind", "fields", "param", "code", "words"),
+    [
+        ("chat.completions", {"n": MAX_N + 1}, "n", "invalid_value", f"at most {MAX_N}"),
+        ("chat.completions", {"top_logprobs": 2}, "top_logprobs", "invalid_value", "logprobs: true"),
+        ("completions", {"logprobs": 6}, "logprobs", "invalid_value", "5"),
+        ("completions", {"n": 3, "best_of": 2}, "best_of", "invalid_value", "at least n"),
+        ("completions", {"best_of": 2, "stream": True}, "best_of", "invalid_value", "streamed"),
+        (
+            "completions",
+            {"echo": True, "logprobs": 0, "stream": True},
+            "stream",
+            "unsupported_parameter",
+            "stream false",
+        ),
+        ("chat.completions", {"suffix": "x"}, "suffix", "unknown_parameter", "suffix"),
+    ],
+)
 def test_choice_parameters_that_weir_cannot_serve_are_400_naming_them(kind, fields, param, code, words) -> None:
     with pytest.raises(ApiError) as info:
         parse_body(kind, orjson.dumps({**(CHAT if kind == "chat.completions" else COMPLETION), **fields}))
@@ -130,35 +147,62 @@ def test_logprobs_go_out_with_their_text_and_the_redacted_ones_are_masked(redact
 
 
 def test_a_worker_refusing_suffix_is_a_400_naming_suffix() -> None:
-    rejected = ReplyEnd(request_id="r", seq=0, finish_reason="rejected",
-                        error=ErrorInfo(code="suffix_unsupported", message="echo@1 has no FIM tokens"))  # fmt: skip
+    rejected = ReplyEnd(
+        request_id="r",
+        seq=0,
+        finish_reason="rejected",
+        error=ErrorInfo(code="suffix_unsupported", message="echo@1 has no FIM tokens"),
+    )
     error = terminal_error(rejected)
     assert error is not None and (error.status, error.param, error.code) == (400, "suffix", "suffix_unsupported")
 
 
 def test_whole_bodies_render_both_logprobs_formats_echo_and_usage() -> None:
-    results = [ChoiceResult(0, "ab", end("r/0", 2, 2), [lp("a", -0.5, ("a", -0.5), ("x", -1.0)), lp("b", -0.25)]),
-               ChoiceResult(1, "c", end("r/1", 1, 1), [lp("c", -2.0)])]  # fmt: skip
+    results = [
+        ChoiceResult(0, "ab", end("r/0", 2, 2), [lp("a", -0.5, ("a", -0.5), ("x", -1.0)), lp("b", -0.25)]),
+        ChoiceResult(1, "c", end("r/1", 1, 1), [lp("c", -2.0)]),
+    ]
     usage = choices_usage([r.end for r in results])
     assert (usage.prompt_tokens, usage.completion_tokens, usage.cached_prompt_tokens) == (4, 3, 2)  # prompt once
     chat = choices_body("chat.completions", "r", "echo@1", 0, results, usage, "chat")
     assert [c["index"] for c in chat["choices"]] == [0, 1]
-    assert chat["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7,
-                             "prompt_tokens_details": {"cached_tokens": 2}}  # fmt: skip
-    assert chat["choices"][0]["logprobs"] == {"content": [
-        {"token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": [
-            {"token": "a", "logprob": -0.5, "bytes": [97]}, {"token": "x", "logprob": -1.0, "bytes": [120]}]},
-        {"token": "b", "logprob": -0.25, "bytes": [98], "top_logprobs": []}], "refusal": None}  # fmt: skip
+    assert chat["usage"] == {
+        "prompt_tokens": 4,
+        "completion_tokens": 3,
+        "total_tokens": 7,
+        "prompt_tokens_details": {"cached_tokens": 2},
+    }
+    assert chat["choices"][0]["logprobs"] == {
+        "content": [
+            {
+                "token": "a",
+                "logprob": -0.5,
+                "bytes": [97],
+                "top_logprobs": [
+                    {"token": "a", "logprob": -0.5, "bytes": [97]},
+                    {"token": "x", "logprob": -1.0, "bytes": [120]},
+                ],
+            },
+            {"token": "b", "logprob": -0.25, "bytes": [98], "top_logprobs": []},
+        ],
+        "refusal": None,
+    }
     legacy = choices_body("completions", "r", "echo@1", 0, results, usage, "legacy", echo="hi ")
     assert legacy["choices"][0]["text"] == "hi ab" and legacy["choices"][1]["text"] == "hi c"
-    assert legacy["choices"][0]["logprobs"] == {"tokens": ["a", "b"], "token_logprobs": [-0.5, -0.25],
-                                                "top_logprobs": [{"a": -0.5, "x": -1.0}, {}], "text_offset": [3, 4]}  # fmt: skip
+    assert legacy["choices"][0]["logprobs"] == {
+        "tokens": ["a", "b"],
+        "token_logprobs": [-0.5, -0.25],
+        "top_logprobs": [{"a": -0.5, "x": -1.0}, {}],
+        "text_offset": [3, 4],
+    }
     assert choices_body("completions", "r", "echo@1", 0, results, usage)["choices"][0]["logprobs"] is None
 
 
 def test_best_of_keeps_the_n_highest_cumulative_logprobs_renumbered() -> None:
-    results = [ChoiceResult(i, t, end(f"r/{i}", 1, cumulative=c)) for i, (t, c) in enumerate(
-        [("a", -3.0), ("b", -1.0), ("c", -2.0), ("d", -1.0)])]  # fmt: skip
+    results = [
+        ChoiceResult(i, t, end(f"r/{i}", 1, cumulative=c))
+        for i, (t, c) in enumerate([("a", -3.0), ("b", -1.0), ("c", -2.0), ("d", -1.0)])
+    ]
     assert [(r.index, r.text) for r in best_of(results, 2)] == [(0, "b"), (1, "d")]  # ties: sibling order
     assert best_of(results, 4) == results
     unranked = [*results[:3], ChoiceResult(3, "d", end("r/3", 1))]
@@ -173,7 +217,7 @@ def test_best_of_keeps_the_n_highest_cumulative_logprobs_renumbered() -> None:
 def group_of(num: int, keep: int | None = None) -> tuple[GatewayBus, SiblingGroup, list[tuple[str, str]]]:
     bus = GatewayBus(GatewaySettings(kafka_bootstrap="127.0.0.1:1"))
     cancels: list[tuple[str, str]] = []
-    bus.publish_cancel = lambda request_id, reason: cancels.append((request_id, reason))  # type: ignore[method-assign]
+    bus.publish_cancel = lambda request_id, reason: cancels.append((request_id, reason))
     parent = request("cmpl-g", stream=True)
     exchanges = [Exchange(bus, r, bus.router.register(r.request_id)) for r in sibling_requests(parent, num)]
     return bus, SiblingGroup(parent, exchanges, keep or num), cancels
@@ -202,8 +246,18 @@ async def test_a_stream_of_siblings_interleaves_choices_with_a_finish_each_and_o
     a = next(c for c in chunks if c["choices"] and c["choices"][0]["text"] == "A")
     assert a["choices"][0]["logprobs"]["text_offset"] == [2]  # after the echoed "hi"
     usage = [c["usage"] for c in chunks if not c["choices"]]
-    assert usage == [{"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6,
-                      "prompt_tokens_details": {"cached_tokens": 2}}] and chunks[-1]["usage"] == usage[0]  # fmt: skip
+    assert (
+        usage
+        == [
+            {
+                "prompt_tokens": 4,
+                "completion_tokens": 2,
+                "total_tokens": 6,
+                "prompt_tokens_details": {"cached_tokens": 2},
+            }
+        ]
+        and chunks[-1]["usage"] == usage[0]
+    )
     # the merged order is kept: a reader that comes back renders the same frames again (resume)
     again = [(seq, frame) async for seq, frame in frames(group, writer.fresh(), passing())]
     assert again == seen
@@ -215,8 +269,14 @@ async def test_a_stream_of_siblings_interleaves_choices_with_a_finish_each_and_o
 async def test_one_failed_sibling_fails_the_request_and_cancels_the_others() -> None:
     bus, group, cancels = group_of(3)
     bus.router.on_event(ReplyDelta(request_id="cmpl-g/0", seq=0, text="A"))
-    bus.router.on_event(ReplyEnd(request_id="cmpl-g/1", seq=0, finish_reason="rejected",
-                                 error=ErrorInfo(code="queue_full", message="too busy")))  # fmt: skip
+    bus.router.on_event(
+        ReplyEnd(
+            request_id="cmpl-g/1",
+            seq=0,
+            finish_reason="rejected",
+            error=ErrorInfo(code="queue_full", message="too busy"),
+        )
+    )
     writer = ChunkWriter("chat.completions", "cmpl-g", "echo@1", 0, include_usage=False)
     chunks = [frame async for _, frame in frames(group, writer, passing())]
     assert isinstance(chunks[-1], ApiError) and chunks[-1].status == 429
@@ -249,6 +309,7 @@ kafka = pytest.mark.kafka
 @kafka
 async def test_n_choices_whole_and_streamed_over_sse_and_websocket(stack: Stack) -> None:
     async with httpx.AsyncClient(base_url=stack.base_url, timeout=20) as client:
+
         async def is_ready() -> bool:
             return (await client.get("/readyz")).status_code == 200
 
@@ -257,7 +318,8 @@ async def test_n_choices_whole_and_streamed_over_sse_and_websocket(stack: Stack)
         assert whole.status_code == 200, whole.text
         body = whole.json()
         assert [(c["index"], c["message"]["content"]) for c in body["choices"]] == [(0, "".join(TEXT))] * 1 + [
-            (1, "".join(TEXT))]
+            (1, "".join(TEXT))
+        ]
         assert (body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"]) == (2, 6)  # prompt once
         sent = {r.request_id: r for r in stack.worker.requests if r.request_id.startswith(body["id"])}
         assert sorted(sent) == [f"{body['id']}/0", f"{body['id']}/1"]
@@ -265,8 +327,11 @@ async def test_n_choices_whole_and_streamed_over_sse_and_websocket(stack: Stack)
 
         stream = {**COMPLETION, "n": 2, "stream": True, "stream_options": {"include_usage": True}}
         raw = (await client.post("/v1/completions", json=stream)).content
-    events = [orjson.loads(line[6:]) for line in raw.decode().splitlines()
-              if line.startswith("data: ") and line != "data: [DONE]"]  # fmt: skip
+    events = [
+        orjson.loads(line[6:])
+        for line in raw.decode().splitlines()
+        if line.startswith("data: ") and line != "data: [DONE]"
+    ]
     for index in (0, 1):
         of_choice = [e["choices"][0] for e in events if e["choices"] and e["choices"][0]["index"] == index]
         assert "".join(c["text"] for c in of_choice) == "".join(TEXT)
@@ -283,8 +348,9 @@ async def test_n_choices_whole_and_streamed_over_sse_and_websocket(stack: Stack)
     roles = [f["choices"][0]["index"] for f in frames_[:-1] if f["choices"][0]["delta"].get("role")]
     assert sorted(roles) == [0, 1, 2]  # each choice opens with the assistant role
     for index in range(3):
-        text = "".join(f["choices"][0]["delta"].get("content", "") for f in frames_[:-1]
-                       if f["choices"][0]["index"] == index)  # fmt: skip
+        text = "".join(
+            f["choices"][0]["delta"].get("content", "") for f in frames_[:-1] if f["choices"][0]["index"] == index
+        )
         assert text == "".join(TEXT)
 
 
@@ -323,14 +389,19 @@ async def test_a_stream_of_n_choices_resumes_with_last_event_id(stack: Stack) ->
         return last_id
 
     async with httpx.AsyncClient(base_url=stack.base_url, timeout=20) as client:
-        async with client.stream("POST", "/v1/completions", json=body, headers={"x-weir-resume-grace-s": "10"}) as first:
+        async with client.stream(
+            "POST", "/v1/completions", json=body, headers={"x-weir-resume-grace-s": "10"}
+        ) as first:
             request_id = first.headers["x-request-id"]
             assert first.headers["x-weir-resume-url"] == f"/v1/streams/{request_id}"
             last_id = await read(first, max_texts=5)
         # away until the worker has sent every delta of both choices: the resume must bring what
         # was made meanwhile, in order and once
-        await until(lambda: sum(n for rid, n in stack.worker.generated.items() if rid.startswith(request_id))
-                    >= 2 * len(DRIP), timeout_s=20, what="both choices generated while the client is away")
+        await until(
+            lambda: sum(n for rid, n in stack.worker.generated.items() if rid.startswith(request_id)) >= 2 * len(DRIP),
+            timeout_s=20,
+            what="both choices generated while the client is away",
+        )
         async with client.stream("GET", f"/v1/streams/{request_id}", headers={"last-event-id": str(last_id)}) as again:
             assert again.status_code == 200
             await read(again)

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from schemas.codec import encode
-from schemas.telemetry import HealthAlert, RateCard, UsageTotals
 from schemas.messages import LatencyHistogram, VersionLatency, WorkerHeartbeat
+from schemas.telemetry import HealthAlert, RateCard, UsageTotals
 from services.gateway.dashboard_data import AlertsView, MetricWindow, UsageView, heartbeat_samples, histogram_quantile
 from weir.metrics import ITL_BUCKETS, TTFT_BUCKETS, ServiceMetrics
 
@@ -64,10 +64,20 @@ def test_percentiles_cover_only_the_window_not_what_came_before(gateway_metrics)
 
 
 def worker_beat(worker_id: str, ttft: list[int], itl: list[int]) -> WorkerHeartbeat:
-    latency = VersionLatency(ttft=LatencyHistogram(bounds=[0.1, 1.0], counts=ttft),
-                             itl=LatencyHistogram(bounds=[0.05], counts=itl))  # fmt: skip
-    return WorkerHeartbeat(worker_id=worker_id, models=["echo@1"], is_ready=True, num_running=0, num_waiting=0,
-                           max_num_seqs=8, free_kv_blocks=1, block_size_tokens=16, latency={"echo@1": latency})
+    latency = VersionLatency(
+        ttft=LatencyHistogram(bounds=[0.1, 1.0], counts=ttft), itl=LatencyHistogram(bounds=[0.05], counts=itl)
+    )
+    return WorkerHeartbeat(
+        worker_id=worker_id,
+        models=["echo@1"],
+        is_ready=True,
+        num_running=0,
+        num_waiting=0,
+        max_num_seqs=8,
+        free_kv_blocks=1,
+        block_size_tokens=16,
+        latency={"echo@1": latency},
+    )
 
 
 def test_the_workers_ttft_counts_every_request_the_gateway_never_saw(gateway_metrics):
@@ -82,7 +92,7 @@ def test_the_workers_ttft_counts_every_request_the_gateway_never_saw(gateway_met
     report = window.report()
     ttft, itl = report["latency"]["worker_ttft"], report["latency"]["worker_itl"]
     assert ttft["all"]["count"] == 20 and ttft["by_model"]["echo@1"]["count"] == 20  # both workers, this window only
-    assert 0.1 < ttft["all"]["p95"] and ttft["all"]["p50"] <= 1.0  # w1's 10 past 1 s, w2's 8 under 0.1 s and 2 past it
+    assert ttft["all"]["p95"] > 0.1 and ttft["all"]["p50"] <= 1.0  # w1's 10 past 1 s, w2's 8 under 0.1 s and 2 past it
     assert itl["all"]["count"] == 40 and itl["all"]["p50"] <= 0.05
     assert report["latency"]["ttft"] is None  # the gateway timed nothing itself
     assert heartbeat_samples([]) == {}
@@ -135,14 +145,23 @@ def test_an_absent_metric_is_no_data_and_lag_is_read_as_it_is_now(gateway_metric
     report = window.report()
     assert report["lag"] is None and report["throughput"] is None and report["window_s"] is None
     lags = {("weir.batcher", "weir.requests"): 12.0}
-    gateway_metrics.gauge("kafka_consumergroup_lag", "lag", lambda: [(v, {"consumergroup": g, "topic": t})
-                                                                       for (g, t), v in lags.items()])  # fmt: skip
+    gateway_metrics.gauge(
+        "kafka_consumergroup_lag", "lag", lambda: [(v, {"consumergroup": g, "topic": t}) for (g, t), v in lags.items()]
+    )
     assert window.report()["lag"] == [{"consumergroup": "weir.batcher", "topic": "weir.requests", "lag": 12.0}]
 
 
 def _alert(alert_id: str, state: str, created_ms: int, signal: str = "entropy") -> HealthAlert:
-    return HealthAlert(alert_id=alert_id, model_version="m@1", signal=signal, state=state, value=2.5,  # type: ignore[arg-type]
-                       baseline=1.0, threshold=2.0, created_ms=created_ms)  # fmt: skip
+    return HealthAlert(
+        alert_id=alert_id,
+        model_version="m@1",
+        signal=signal,
+        state=state,
+        value=2.5,
+        baseline=1.0,
+        threshold=2.0,
+        created_ms=created_ms,
+    )
 
 
 def test_alerts_keep_the_latest_and_the_open_ones_and_skip_bad_records():
@@ -162,12 +181,22 @@ def test_alerts_keep_the_latest_and_the_open_ones_and_skip_bad_records():
 
 def test_the_health_panel_has_each_versions_output_sla_from_its_latest_alerts():
     view = AlertsView()
-    outcomes = [("s1", "structured", "raised", 0.75, {"valid": 3, "invalid": 1}, 1),
-                ("s2", "structured", "cleared", 1.0, {"valid": 4, "invalid": 0}, 2),
-                ("d1", "determinism", "raised", 0.5, {"same": 1, "differs": 1}, 3)]  # fmt: skip
+    outcomes = [
+        ("s1", "structured", "raised", 0.75, {"valid": 3, "invalid": 1}, 1),
+        ("s2", "structured", "cleared", 1.0, {"valid": 4, "invalid": 0}, 2),
+        ("d1", "determinism", "raised", 0.5, {"same": 1, "differs": 1}, 3),
+    ]
     for alert_id, signal, state, rate, counts, created_ms in outcomes:
-        alert = HealthAlert(alert_id=alert_id, model_version="m@1", signal=signal, state=state, value=rate,  # type: ignore[arg-type]
-                            threshold=1.0, counts=counts, created_ms=created_ms)  # fmt: skip
+        alert = HealthAlert(
+            alert_id=alert_id,
+            model_version="m@1",
+            signal=signal,
+            state=state,
+            value=rate,
+            threshold=1.0,
+            counts=counts,
+            created_ms=created_ms,
+        )
         view.on_record(b"k", encode(alert), RECORD)
     entropy_only = _alert("e1", "raised", 4).model_copy(update={"model_version": "m@2"})
     view.on_record(b"k", encode(entropy_only), RECORD)  # no output-SLA alert: no SLA row
@@ -177,16 +206,30 @@ def test_the_health_panel_has_each_versions_output_sla_from_its_latest_alerts():
     assert sla["m@1"]["determinism"] == {"rate": 0.5, "same": 1, "differs": 1, "state": "raised", "as_of_ms": 3}
 
 
-def _usage(tenant: str, principal: str, day: str = "2026-12-02", tokens: int = 100,
-           cost: float | None = 0.5) -> UsageTotals:  # fmt: skip
-    return UsageTotals(day=day, tenant=tenant, principal=principal, model_version="m@1", requests=2,
-                       prompt_tokens=tokens, completion_tokens=tokens, cost_usd=cost)  # fmt: skip
+def _usage(
+    tenant: str, principal: str, day: str = "2026-12-02", tokens: int = 100, cost: float | None = 0.5
+) -> UsageTotals:
+    return UsageTotals(
+        day=day,
+        tenant=tenant,
+        principal=principal,
+        model_version="m@1",
+        requests=2,
+        prompt_tokens=tokens,
+        completion_tokens=tokens,
+        cost_usd=cost,
+    )
 
 
 def test_top_tenants_sum_the_latest_totals_of_the_day_and_skip_forged_keys():
     view = UsageView()
-    for totals in [_usage("acme", "a", tokens=10), _usage("acme", "a", tokens=300), _usage("acme", "b", cost=None),
-                   _usage("zeta", "z", tokens=50), _usage("old", "o", day="2026-12-01", tokens=10_000)]:
+    for totals in [
+        _usage("acme", "a", tokens=10),
+        _usage("acme", "a", tokens=300),
+        _usage("acme", "b", cost=None),
+        _usage("zeta", "z", tokens=50),
+        _usage("old", "o", day="2026-12-01", tokens=10_000),
+    ]:
         view.on_record(totals.key().encode(), encode(totals), RECORD)
     rate = RateCard(model_version="m@1", tokens_per_hour=1e6, window_s=60)
     view.on_record(rate.key().encode(), encode(rate), RECORD)

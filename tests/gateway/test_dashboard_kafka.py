@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-import time
 import re
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -26,8 +26,8 @@ from schemas.telemetry import HealthAlert, UsageTotals
 from schemas.topics import Topics
 from services.gateway.app import create_app
 from services.gateway.config import GatewaySettings
-from weir.kafka.admin import delete_prefixed_topics, ensure_topics
 from tests.waiting import until
+from weir.kafka.admin import delete_prefixed_topics, ensure_topics
 
 from .conftest import REPO_TOML
 from .fakes import FakeWorker, GatewayServer, eventually
@@ -55,8 +55,13 @@ async def dashboard(gateway_bootstrap: str) -> AsyncIterator[Dashboard]:
     """A gateway with an admin token on a fresh prefix (its own, so every test starts with no data)."""
     topics = Topics(prefix=f"t{uuid.uuid4().hex[:8]}")
     await ensure_topics(gateway_bootstrap, topics.core_specs())
-    settings = GatewaySettings(kafka_bootstrap=gateway_bootstrap, topic_prefix=topics.prefix, model_repo=str(REPO_TOML),
-                               auth_mode="open", gateway_admin_token=TOKEN)  # type: ignore[arg-type]  # fmt: skip
+    settings = GatewaySettings(
+        kafka_bootstrap=gateway_bootstrap,
+        topic_prefix=topics.prefix,
+        model_repo=str(REPO_TOML),
+        auth_mode="open",
+        gateway_admin_token=TOKEN,
+    )
     app = create_app(settings)
     server = GatewayServer(app)
     await server.start()
@@ -105,21 +110,50 @@ async def test_the_page_is_static_self_contained_and_its_data_takes_the_admin_to
 async def test_data_comes_from_the_topics_and_the_gateways_metrics_and_bad_records_are_skipped(dashboard):
     topics, sent = dashboard.topics, now_ms()
     day = datetime.fromtimestamp(sent / 1000, UTC).strftime("%Y-%m-%d")
-    heartbeat = WorkerHeartbeat(worker_id="w1", models=["echo@1"], is_ready=True, num_running=3, num_waiting=5,
-                                max_num_seqs=8, free_kv_blocks=10, block_size_tokens=16, kv_cache_usage_perc=0.75,
-                                prefix_cache_queries=400, prefix_cache_hits=100,
-                                versions={"echo@1": VersionStatus(state="ready")}, sent_ms=sent)  # fmt: skip
-    totals = UsageTotals(day=day, tenant="acme", principal="p", model_version="echo@1", requests=3, prompt_tokens=30,
-                         completion_tokens=12, cost_usd=0.25)  # fmt: skip
-    alert = HealthAlert(alert_id="al-1", model_version="echo@1", signal="watermark", state="raised", value=0.2,
-                        threshold=0.5, created_ms=sent)  # fmt: skip
-    await _send(dashboard.bootstrap, [
-        (topics.workers, b"w1", encode(heartbeat)),
-        (topics.token_usage, totals.key().encode(), encode(totals)),
-        (topics.token_usage, b"usage\x1fnot-its-key", encode(totals)),  # forged key: skipped
-        (topics.health, b"echo@1", encode(alert)),
-        (topics.health, b"echo@1", b'{"alert_id": 5}'),  # not a HealthAlert: skipped
-    ])  # fmt: skip
+    heartbeat = WorkerHeartbeat(
+        worker_id="w1",
+        models=["echo@1"],
+        is_ready=True,
+        num_running=3,
+        num_waiting=5,
+        max_num_seqs=8,
+        free_kv_blocks=10,
+        block_size_tokens=16,
+        kv_cache_usage_perc=0.75,
+        prefix_cache_queries=400,
+        prefix_cache_hits=100,
+        versions={"echo@1": VersionStatus(state="ready")},
+        sent_ms=sent,
+    )
+    totals = UsageTotals(
+        day=day,
+        tenant="acme",
+        principal="p",
+        model_version="echo@1",
+        requests=3,
+        prompt_tokens=30,
+        completion_tokens=12,
+        cost_usd=0.25,
+    )
+    alert = HealthAlert(
+        alert_id="al-1",
+        model_version="echo@1",
+        signal="watermark",
+        state="raised",
+        value=0.2,
+        threshold=0.5,
+        created_ms=sent,
+    )
+    await _send(
+        dashboard.bootstrap,
+        [
+            (topics.workers, b"w1", encode(heartbeat)),
+            (topics.token_usage, totals.key().encode(), encode(totals)),
+            (topics.token_usage, b"usage\x1fnot-its-key", encode(totals)),  # forged key: skipped
+            (topics.health, b"echo@1", encode(alert)),
+            (topics.health, b"echo@1", b'{"alert_id": 5}'),  # not a HealthAlert: skipped
+        ],
+    )
     dashboard.found.lag[("g1", topics.requests)] = 7.0
     rng = random.Random(1)
     async with httpx.AsyncClient(base_url=dashboard.base_url, headers=ADMIN) as client:
@@ -134,19 +168,40 @@ async def test_data_comes_from_the_topics_and_the_gateways_metrics_and_bad_recor
         await until(has_all, timeout_s=10, what="workers, tenants and an open alert on the dashboard")
         # The window's start is a snapshot the sampler takes (every SAMPLE_EVERY_S): wait for one
         # taken from now on, so the 10 observations below are all inside the window.
-        window = dashboard.server.server.config.app.state.dashboard.metrics  # type: ignore[attr-defined]
+        window = dashboard.server.server.config.app.state.dashboard.metrics
         asked_s = time.monotonic()
-        await until(lambda: window._snapshots and window._snapshots[-1].at_s >= asked_s, timeout_s=10,
-                    what="the dashboard sampler's next snapshot")
+        await until(
+            lambda: window._snapshots and window._snapshots[-1].at_s >= asked_s,
+            timeout_s=10,
+            what="the dashboard sampler's next snapshot",
+        )
         for _ in range(10):
             observe_request(dashboard.found, rng, "echo@1")
         data = await report()
-    assert data["workers"] == [{"worker_id": "w1", "num_running": 3, "num_waiting": 5, "max_num_seqs": 8,
-                                "kv_cache_usage_perc": 0.75, "prefix_cache_hit_rate": 0.25,
-                                "prefix_cache_queries": 400, "versions": {"echo@1": "ready"},
-                                "age_ms": data["workers"][0]["age_ms"]}]  # fmt: skip
-    assert data["tenants"]["top"] == [{"tenant": "acme", "requests": 3, "prompt_tokens": 30, "completion_tokens": 12,
-                                       "tokens": 42, "cost_usd": 0.25, "unpriced": False}]  # fmt: skip
+    assert data["workers"] == [
+        {
+            "worker_id": "w1",
+            "num_running": 3,
+            "num_waiting": 5,
+            "max_num_seqs": 8,
+            "kv_cache_usage_perc": 0.75,
+            "prefix_cache_hit_rate": 0.25,
+            "prefix_cache_queries": 400,
+            "versions": {"echo@1": "ready"},
+            "age_ms": data["workers"][0]["age_ms"],
+        }
+    ]
+    assert data["tenants"]["top"] == [
+        {
+            "tenant": "acme",
+            "requests": 3,
+            "prompt_tokens": 30,
+            "completion_tokens": 12,
+            "tokens": 42,
+            "cost_usd": 0.25,
+            "unpriced": False,
+        }
+    ]
     assert data["tenants"]["skipped"] == 1 and data["alerts"]["skipped"] == 1
     assert [a["alert_id"] for a in data["alerts"]["open"]] == ["al-1"]
     assert data["lag"] == [{"consumergroup": "g1", "topic": topics.requests, "lag": 7.0}]
@@ -161,14 +216,15 @@ async def test_plain_json_requests_have_a_time_to_first_token_and_inter_token_ro
     request), under stream="false"."""
     worker = FakeWorker(dashboard.bootstrap, dashboard.topics)  # deltas "Hello", ", ", "world", then the end
     await worker.start()
-    app = dashboard.server.server.config.app  # type: ignore[attr-defined]
+    app = dashboard.server.server.config.app
     try:
         await eventually(lambda: app.state.bus.readiness()[0], timeout_s=60)  # it reads its replies
         async with httpx.AsyncClient(base_url=dashboard.base_url, timeout=20) as client:
             await asyncio.sleep(2.5)  # the sampler's next snapshot starts a window
             for _ in range(8):
-                answer = await client.post("/v1/chat/completions", json={"model": "echo", "messages": [
-                    {"role": "user", "content": "hi"}]})  # fmt: skip
+                answer = await client.post(
+                    "/v1/chat/completions", json={"model": "echo", "messages": [{"role": "user", "content": "hi"}]}
+                )
                 assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"] == "Hello, world"
             data = (await client.get("/dashboard/data", headers=ADMIN)).json()
             metrics = (await client.get("/metrics")).text
@@ -183,12 +239,13 @@ async def test_plain_json_requests_have_a_time_to_first_token_and_inter_token_ro
 
 @pytest.mark.skipif(find_browser() is None, reason="no chromium on PATH (Debian: apt-get install chromium)")
 async def test_the_page_in_chromium_shows_no_data_then_every_panel_during_traffic(dashboard, tmp_path):
-    async with Browser(find_browser() or "", width=1400, height=1100) as browser:  # type: ignore[arg-type]
+    async with Browser(find_browser() or "", width=1400, height=1100) as browser:
         await browser.goto(f"{dashboard.base_url}/dashboard#token={TOKEN}")
         await browser.wait_for("document.getElementById('status').dataset.state === 'ok'", timeout_s=30)
         states = await browser.evaluate(
             "Object.fromEntries([...document.querySelectorAll('[data-panel]')].map("
-            "p => [p.dataset.panel, [p.dataset.state, p.querySelector('.empty').textContent]]))")
+            "p => [p.dataset.panel, [p.dataset.state, p.querySelector('.empty').textContent]]))"
+        )
         assert await browser.evaluate("location.hash") == ""  # the token left the address bar
         for panel in PANELS:
             if panel != "versions":  # the seeded versions are known from the start
@@ -198,9 +255,11 @@ async def test_the_page_in_chromium_shows_no_data_then_every_panel_during_traffi
         stop, fed = asyncio.Event(), asyncio.Event()
         worker = FakeWorker(dashboard.bootstrap, dashboard.topics)  # answers the requests below
         await worker.start()
-        loops = [asyncio.create_task(feed(dashboard.bootstrap, dashboard.topics, stop, fed)),
-                 asyncio.create_task(traffic(dashboard.found, dashboard.topics, stop)),
-                 asyncio.create_task(_requests(dashboard.base_url, stop))]  # fmt: skip
+        loops = [
+            asyncio.create_task(feed(dashboard.bootstrap, dashboard.topics, stop, fed)),
+            asyncio.create_task(traffic(dashboard.found, dashboard.topics, stop)),
+            asyncio.create_task(_requests(dashboard.base_url, stop)),
+        ]
         try:
             await browser.wait_for(ALL_PANELS_OK, timeout_s=45)
             # At 1400 px every column fits its panel (the queue's lag and the versions' last columns
@@ -208,7 +267,8 @@ async def test_the_page_in_chromium_shows_no_data_then_every_panel_during_traffi
             overflowing = await browser.evaluate(
                 "[...document.querySelectorAll('[data-panel]')].filter(p => p.scrollWidth > p.clientWidth + 1 || "
                 "[...p.querySelectorAll('table')].some(t => t.getBoundingClientRect().right > "
-                "p.getBoundingClientRect().right)).map(p => p.dataset.panel)")
+                "p.getBoundingClientRect().right)).map(p => p.dataset.panel)"
+            )
             text = await browser.evaluate("document.querySelector('main').innerText")
             tokens_per_s = await browser.evaluate("document.querySelector('[data-field=tokens_per_s]').textContent")
             await browser.screenshot(tmp_path / "dashboard.png")
@@ -218,8 +278,18 @@ async def test_the_page_in_chromium_shows_no_data_then_every_panel_during_traffi
             await worker.stop()
     assert overflowing == []
     assert float(tokens_per_s) > 0
-    for expected in ("worker-a", "62.0%", "63.5%", "acme", "globex", "entropy", "open", "time to first token",
-                     f"{dashboard.topics.batcher_group}", "smollm2-135m-instruct@1"):
+    for expected in (
+        "worker-a",
+        "62.0%",
+        "63.5%",
+        "acme",
+        "globex",
+        "entropy",
+        "open",
+        "time to first token",
+        f"{dashboard.topics.batcher_group}",
+        "smollm2-135m-instruct@1",
+    ):
         assert expected in text, expected
     assert (tmp_path / "dashboard.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -229,6 +299,7 @@ async def _requests(base_url: str, stop: asyncio.Event) -> None:
     async with httpx.AsyncClient(base_url=base_url, timeout=10) as client:
         while not stop.is_set():
             with contextlib.suppress(httpx.HTTPError):
-                await client.post("/v1/chat/completions",
-                                  json={"model": "echo", "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
+                await client.post(
+                    "/v1/chat/completions", json={"model": "echo", "messages": [{"role": "user", "content": "hi"}]}
+                )
             await asyncio.sleep(0.1)  # the traffic's pace: about ten requests a second for the page to show

@@ -24,9 +24,14 @@ TINY = ModelConfig(name="tiny", engine="echo")
 
 def requests_of(body: dict, model: ModelConfig = MINILM, **kw):
     return to_embed_requests(
-        parse_embedding_body(orjson.dumps(body)), model, request_id="embd-1", reply_to="weir.replies.g",
-        now_ms=1_000_000, client_timeout_s=kw.get("client_timeout_s"), max_timeout_s=600,
-    )  # fmt: skip
+        parse_embedding_body(orjson.dumps(body)),
+        model,
+        request_id="embd-1",
+        reply_to="weir.replies.g",
+        now_ms=1_000_000,
+        client_timeout_s=kw.get("client_timeout_s"),
+        max_timeout_s=600,
+    )
 
 
 def test_a_string_or_a_list_becomes_embed_requests_with_the_tightest_deadline():
@@ -74,11 +79,21 @@ def test_generation_models_and_embedding_models_are_kept_apart():
 
 def test_the_body_lists_vectors_by_index_as_floats_or_base64():
     ends = [
-        ReplyEnd(request_id="embd-1-0", seq=0, finish_reason="stop", usage=Usage(prompt_tokens=5),
-                 embeddings=[[0.6, 0.8, 0.0]]),
-        ReplyEnd(request_id="embd-1-1", seq=0, finish_reason="stop", usage=Usage(prompt_tokens=4),
-                 embeddings=[[0.0, -1.0, 0.0], [1.0, 0.0, 0.0]]),
-    ]  # fmt: skip
+        ReplyEnd(
+            request_id="embd-1-0",
+            seq=0,
+            finish_reason="stop",
+            usage=Usage(prompt_tokens=5),
+            embeddings=[[0.6, 0.8, 0.0]],
+        ),
+        ReplyEnd(
+            request_id="embd-1-1",
+            seq=0,
+            finish_reason="stop",
+            usage=Usage(prompt_tokens=4),
+            embeddings=[[0.0, -1.0, 0.0], [1.0, 0.0, 0.0]],
+        ),
+    ]
     body = embedding_body("minilm", ends, None)
     assert body["object"] == "list" and body["model"] == "minilm"
     assert body["usage"] == {"prompt_tokens": 9, "total_tokens": 9}

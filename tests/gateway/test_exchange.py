@@ -13,13 +13,14 @@ from services.gateway.kafka_bus import Exchange, GatewayBus
 def make_bus(**settings: float) -> tuple[GatewayBus, list[tuple[str, str]]]:
     bus = GatewayBus(GatewaySettings(kafka_bootstrap="127.0.0.1:1", **settings))
     published: list[tuple[str, str]] = []
-    bus.publish_cancel = lambda rid, reason: published.append((rid, reason))  # type: ignore[method-assign]
+    bus.publish_cancel = lambda rid, reason: published.append((rid, reason))
     return bus, published
 
 
 def open_exchange(bus: GatewayBus, timeout_ms: int = 10_000) -> Exchange:
-    request = GenerateRequest(request_id="r1", model="echo", prompt="hi", deadline_ms=now_ms() + timeout_ms,
-                              reply_to=bus.reply_topic)
+    request = GenerateRequest(
+        request_id="r1", model="echo", prompt="hi", deadline_ms=now_ms() + timeout_ms, reply_to=bus.reply_topic
+    )
     queue = bus.router.register("r1")
     exchange = Exchange(bus, request, queue)
     bus._exchanges["r1"] = exchange
@@ -29,8 +30,11 @@ def open_exchange(bus: GatewayBus, timeout_ms: int = 10_000) -> Exchange:
 async def test_events_come_in_order_and_a_finished_request_publishes_nothing() -> None:
     bus, published = make_bus()
     exchange = open_exchange(bus)
-    for event in (ReplyDelta(request_id="r1", seq=1, text="b"), ReplyDelta(request_id="r1", seq=0, text="a"),
-                  ReplyEnd(request_id="r1", seq=2, finish_reason="stop")):
+    for event in (
+        ReplyDelta(request_id="r1", seq=1, text="b"),
+        ReplyDelta(request_id="r1", seq=0, text="a"),
+        ReplyEnd(request_id="r1", seq=2, finish_reason="stop"),
+    ):
         bus.router.on_event(event)
     got = [await exchange.next_event() for _ in range(3)]
     assert [(e.type, e.seq) for e in got] == [("delta", 0), ("delta", 1), ("end", 2)]

@@ -10,8 +10,15 @@ from services.gateway.fleet import TAKE_UP_MS, Availability, Fleet
 
 def heartbeat(worker_id: str, sent_ms: int, models: list[str], is_ready: bool = True) -> WorkerHeartbeat:
     return WorkerHeartbeat(
-        worker_id=worker_id, models=models, is_ready=is_ready, num_running=0, num_waiting=0,
-        max_num_seqs=8, free_kv_blocks=100, block_size_tokens=16, sent_ms=sent_ms,
+        worker_id=worker_id,
+        models=models,
+        is_ready=is_ready,
+        num_running=0,
+        num_waiting=0,
+        max_num_seqs=8,
+        free_kv_blocks=100,
+        block_size_tokens=16,
+        sent_ms=sent_ms,
     )
 
 
@@ -43,7 +50,7 @@ def test_live_by_model_groups_workers() -> None:
 
 
 def versioned(worker_id: str, versions: dict[str, VersionStatus], sent_ms: int = 100_000) -> WorkerHeartbeat:
-    ready = [sid for sid, status in versions.items() if status.state == "ready"]
+    ready = [served_id for served_id, status in versions.items() if status.state == "ready"]
     return heartbeat(worker_id, sent_ms, ready).model_copy(update={"versions": versions})
 
 
@@ -91,8 +98,10 @@ def test_a_version_failed_or_refused_everywhere_names_each_workers_reason() -> N
     fleet.observe(versioned("w2", {"echo@2": VersionStatus(state="refused", reason="needs 9 GiB, 2 free")}))
     fleet.observe(versioned("w3", {"echo@1": VersionStatus(state="ready")}))  # holds the name: still failed
     offer = fleet.availability("echo@2", "loaded", 100_500)
-    assert not offer.coming and offer.problem == ("model version 'echo@2' cannot be served: failed on w1: "
-                                                   "weights.bin: sha256 differs; refused on w2: needs 9 GiB, 2 free")
+    assert not offer.coming and offer.problem == (
+        "model version 'echo@2' cannot be served: failed on w1: "
+        "weights.bin: sha256 differs; refused on w2: needs 9 GiB, 2 free"
+    )
 
 
 def test_an_unloaded_version_no_worker_serves_says_how_to_load_it() -> None:

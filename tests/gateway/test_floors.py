@@ -30,13 +30,18 @@ def test_the_gateway_modules_import_each_other_without_a_cycle() -> None:
 
 
 def test_the_guard_imports_nothing_of_the_edge() -> None:
-    up = {m: sorted(d for d in deps if d.startswith(EDGE))
-          for m, deps in gateway_imports().items() if m.startswith("services.gateway.guard")}  # fmt: skip
+    up = {
+        m: sorted(d for d in deps if d.startswith(EDGE))
+        for m, deps in gateway_imports().items()
+        if m.startswith("services.gateway.guard")
+    }
     assert {m: deps for m, deps in up.items() if deps} == {}
 
 
 def test_only_the_app_imports_the_routes() -> None:
-    up = {m: sorted(d for d in deps if d.startswith(("services.gateway.routes", "services.gateway.app")))
-          for m, deps in gateway_imports().items()
-          if not m.startswith("services.gateway.routes") and m != "services.gateway.app"}  # fmt: skip
+    up = {
+        m: sorted(d for d in deps if d.startswith(("services.gateway.routes", "services.gateway.app")))
+        for m, deps in gateway_imports().items()
+        if not m.startswith("services.gateway.routes") and m != "services.gateway.app"
+    }
     assert {m: deps for m, deps in up.items() if deps} == {}

@@ -21,9 +21,8 @@ from websockets.asyncio.client import connect
 
 from schemas.codec import decode, encode
 from schemas.messages import Batch, DeadLetter, GenerateRequest
-from weir.kafka.admin import ensure_topics
-
 from tests.waiting import stays_false, until
+from weir.kafka.admin import ensure_topics
 
 from .conftest import Stack
 
@@ -65,7 +64,9 @@ async def test_ready_only_once_a_worker_is_live(stack: Stack) -> None:
 async def test_openai_client_streams_chat(stack: Stack) -> None:
     client = client_of(stack)
     stream = await client.chat.completions.create(
-        model="echo", messages=[{"role": "user", "content": "hi"}], stream=True,
+        model="echo",
+        messages=[{"role": "user", "content": "hi"}],
+        stream=True,
         stream_options={"include_usage": True},
     )
     chunks = [chunk async for chunk in stream]
@@ -111,8 +112,10 @@ async def test_sse_wire_shape(stack: Stack) -> None:
     assert events[-1]["data"] == "[DONE]"
     first = orjson.loads(events[0]["data"])
     assert first["id"] == request_id and first["choices"][0]["delta"] == {"role": "assistant", "content": "Hello,"}
-    assert [orjson.loads(e["data"])["choices"][0]["delta"] for e in events[1:3]] == [{"content": " "},
-                                                                                     {"content": "world"}]
+    assert [orjson.loads(e["data"])["choices"][0]["delta"] for e in events[1:3]] == [
+        {"content": " "},
+        {"content": "world"},
+    ]
 
 
 async def test_errors_keep_openai_format(stack: Stack) -> None:
@@ -142,8 +145,9 @@ async def test_deadline_ends_a_request_nobody_answers(stack: Stack) -> None:
         streamed = await client.post("/v1/chat/completions", json={**body, "stream": True}, headers=headers)
     events = parse_sse(streamed.text)
     assert orjson.loads(events[0]["data"])["error"]["code"] == "timeout" and events[-1]["data"] == "[DONE]"
-    cancels = await until(lambda: stack.worker.cancels_of(request_id),
-                          timeout_s=10, what="the deadline's cancellation at the worker")
+    cancels = await until(
+        lambda: stack.worker.cancels_of(request_id), timeout_s=10, what="the deadline's cancellation at the worker"
+    )
     assert cancels[0].reason == "deadline"
     request = next(r for r in stack.worker.requests if r.request_id == request_id)
     assert 400 <= request.deadline_ms - request.created_ms <= 600
@@ -158,12 +162,16 @@ async def test_disconnect_mid_stream_publishes_a_cancel(stack: Stack) -> None:
             async for line in response.aiter_lines():
                 if line.startswith("data:"):
                     break  # got the first token; now leave
-    cancels = await until(lambda: stack.worker.cancels_of(request_id),
-                          timeout_s=10, what="the disconnect's cancellation at the worker")
+    cancels = await until(
+        lambda: stack.worker.cancels_of(request_id), timeout_s=10, what="the disconnect's cancellation at the worker"
+    )
     assert [c.reason for c in cancels] == ["client_disconnect"]
     assert cancels[0].reply_to == stack.reply_topic
-    await stays_false(lambda: stack.worker.cancels_of(finished.headers["x-request-id"]), for_s=NO_CANCEL_S,
-                      what="a cancellation of the request that finished")
+    await stays_false(
+        lambda: stack.worker.cancels_of(finished.headers["x-request-id"]),
+        for_s=NO_CANCEL_S,
+        what="a cancellation of the request that finished",
+    )
 
 
 async def test_disconnect_while_waiting_for_a_body_publishes_a_cancel(stack: Stack) -> None:
@@ -175,15 +183,20 @@ async def test_disconnect_while_waiting_for_a_body_publishes_a_cancel(stack: Sta
         post.cancel()  # the client gives up: httpx closes the connection
         await asyncio.gather(post, return_exceptions=True)
     request_id = stack.worker.requests[-1].request_id
-    cancels = await until(lambda: stack.worker.cancels_of(request_id),
-                          timeout_s=10, what="the disconnect's cancellation at the worker")
+    cancels = await until(
+        lambda: stack.worker.cancels_of(request_id), timeout_s=10, what="the disconnect's cancellation at the worker"
+    )
     assert [c.reason for c in cancels] == ["client_disconnect"]
 
 
 async def test_websocket_streams_and_cancels(stack: Stack) -> None:
     url = stack.base_url.replace("http", "ws") + "/v1/stream"
     async with connect(url) as ws:
-        await ws.send(orjson.dumps({"type": "chat.completions", "body": {**CHAT, "stream_options": {"include_usage": True}}}).decode())
+        await ws.send(
+            orjson.dumps(
+                {"type": "chat.completions", "body": {**CHAT, "stream_options": {"include_usage": True}}}
+            ).decode()
+        )
         frames = []
         while not frames or frames[-1].get("type") not in ("done", "error"):
             frames.append(orjson.loads(await ws.recv()))
@@ -198,8 +211,9 @@ async def test_websocket_streams_and_cancels(stack: Stack) -> None:
         assert first["object"] == "text_completion" and first["choices"][0]["text"] == "Hello,"
         await ws.send('{"type": "cancel"}')
         assert orjson.loads(await ws.recv()) == {"type": "cancelled", "request_id": first["id"]}
-        cancels = await until(lambda: stack.worker.cancels_of(first["id"]),
-                              timeout_s=10, what="the user's cancellation at the worker")
+        cancels = await until(
+            lambda: stack.worker.cancels_of(first["id"]), timeout_s=10, what="the user's cancellation at the worker"
+        )
         assert cancels[0].reason == "user"
 
         await ws.send('{"type": "completions", "body": {"model": "echo", "prompt": 5}}')
@@ -208,8 +222,11 @@ async def test_websocket_streams_and_cancels(stack: Stack) -> None:
 
         await ws.send('{"type": "completions", "body": {"model": "echo", "prompt": "slow"}}')
         leaving = orjson.loads(await ws.recv())
-    cancels = await until(lambda: stack.worker.cancels_of(leaving["id"]),
-                          timeout_s=10, what="the leaving client's cancellation at the worker")
+    cancels = await until(
+        lambda: stack.worker.cancels_of(leaving["id"]),
+        timeout_s=10,
+        what="the leaving client's cancellation at the worker",
+    )
     assert cancels[0].reason == "client_disconnect"
     assert stack.worker.cancels_of(finished_id) == []
 
@@ -222,8 +239,11 @@ async def test_malformed_reply_is_dead_lettered_and_serving_goes_on(stack: Stack
     finally:
         await producer.stop()
     consumer = AIOKafkaConsumer(
-        stack.topics.dead_letter, bootstrap_servers=stack.bootstrap, group_id=None,
-        auto_offset_reset="earliest", fetch_max_wait_ms=50,
+        stack.topics.dead_letter,
+        bootstrap_servers=stack.bootstrap,
+        group_id=None,
+        auto_offset_reset="earliest",
+        fetch_max_wait_ms=50,
     )
     await consumer.start()
     letters: list[DeadLetter] = []
@@ -251,17 +271,23 @@ async def test_a_queue_longer_than_the_deadline_is_refused_until_it_drains(stack
     finally:
         await admin.close()
     await ensure_topics(stack.bootstrap, stack.topics.model_specs("echo@1"))
-    queued = [GenerateRequest(request_id=f"q{i}", model="echo@1", prompt="hi", reply_to=stack.reply_topic,
-                              deadline_ms=2_000_000_000_000) for i in range(12)]  # fmt: skip
+    queued = [
+        GenerateRequest(
+            request_id=f"q{i}", model="echo@1", prompt="hi", reply_to=stack.reply_topic, deadline_ms=2_000_000_000_000
+        )
+        for i in range(12)
+    ]
     producer = AIOKafkaProducer(bootstrap_servers=stack.bootstrap, acks="all", enable_idempotence=True)
     await producer.start()
     try:
+
         async def knows_partition_3() -> bool:
             return 3 in await producer.partitions_for(topic)
 
         await until(knows_partition_3, timeout_s=5, what="the producer's metadata to know the new topic's partitions")
-        sent = await producer.send_and_wait(topic, encode(Batch(batch_id="q", model="echo@1", requests=queued,
-                                                                batcher_id="test")), partition=3)  # fmt: skip
+        sent = await producer.send_and_wait(
+            topic, encode(Batch(batch_id="q", model="echo@1", requests=queued, batcher_id="test")), partition=3
+        )
     finally:
         await producer.stop()
     worker = stack.worker
@@ -270,6 +296,7 @@ async def test_a_queue_longer_than_the_deadline_is_refused_until_it_drains(stack
     try:
         async with httpx.AsyncClient(base_url=stack.base_url, timeout=20) as client:
             gauge = 'weir_gateway_queue_wait_seconds{model_name="echo@1"} 10.5'
+
             async def gauge_shown() -> bool:  # the next heartbeat, then the next poll of the batch topic
                 return gauge in (await client.get("/metrics")).text
 
@@ -285,6 +312,7 @@ async def test_a_queue_longer_than_the_deadline_is_refused_until_it_drains(stack
                 await client_of(stack).chat.completions.create(**CHAT, extra_headers=headers)
             assert limited.value.code == "queue_too_long"
             worker.num_waiting, worker.next_offsets = 0, {"echo@1": {3: sent.offset + 1}}  # the worker read it all
+
             async def admitted() -> httpx.Response | None:
                 answered = await client.post("/v1/chat/completions", json=CHAT, headers=headers)
                 return answered if answered.status_code != 429 else None

@@ -27,10 +27,11 @@ from schemas.messages import ReviewFlag
 from schemas.topics import Topics
 from services.gateway.app import create_app
 from services.gateway.config import GatewaySettings
-from services.gateway.keys_cli import create_key, main as keys_main, read_keys
+from services.gateway.keys_cli import create_key, read_keys
+from services.gateway.keys_cli import main as keys_main
+from tests.waiting import stays_false, until
 from weir.kafka.admin import delete_prefixed_topics, ensure_topics
 from weir.metrics import value
-from tests.waiting import stays_false, until
 
 from .conftest import REPO_TOML
 from .fakes import FakeWorker, GatewayServer
@@ -55,8 +56,11 @@ class Guarded:
         settings = GatewaySettings(kafka_bootstrap=self.bootstrap, topic_prefix=self.topics.prefix)
         key, record = await create_key(settings, principal, tenant, **kw)
         for server in (self.a, self.b):  # wait until both instances know it
-            await until(lambda s=server: s.server.config.app.state.guard.keys.get(record.key_id),
-                        timeout_s=10, what="the gateway to know the new key")  # type: ignore[attr-defined]
+            await until(
+                lambda s=server: s.server.config.app.state.guard.keys.get(record.key_id),
+                timeout_s=10,
+                what="the gateway to know the new key",
+            )
         return key
 
 
@@ -78,21 +82,29 @@ async def guarded(gateway_bootstrap: str) -> AsyncIterator[Guarded]:
     k = base64.urlsafe_b64encode(HS_SECRET).rstrip(b"=").decode()
     jwks = {"keys": [{"kty": "oct", "k": k, "kid": "hs", "alg": "HS256"}, {**public, "kid": "rs", "alg": "RS256"}]}
     settings = dict(
-        kafka_bootstrap=gateway_bootstrap, topic_prefix=topics.prefix, model_repo=str(REPO_TOML),
-        reply_grace_s=0.2, gap_timeout_s=1.0, auth_mode="required", jwt_keys=orjson.dumps(jwks).decode(),
-        jwt_issuer="weir-tests", tenant_limits={"flood": {"max_requests_per_min": 5}}, usage_flush_ms=50,
+        kafka_bootstrap=gateway_bootstrap,
+        topic_prefix=topics.prefix,
+        model_repo=str(REPO_TOML),
+        reply_grace_s=0.2,
+        gap_timeout_s=1.0,
+        auth_mode="required",
+        jwt_keys=orjson.dumps(jwks).decode(),
+        jwt_issuer="weir-tests",
+        tenant_limits={"flood": {"max_requests_per_min": 5}},
+        usage_flush_ms=50,
         input_guard_tenant_actions={"strict": "block"},
-    )  # fmt: skip
-    a = GatewayServer(create_app(GatewaySettings(**settings)))  # type: ignore[arg-type]
-    b = GatewayServer(create_app(GatewaySettings(**settings)))  # type: ignore[arg-type]
+    )
+    a = GatewayServer(create_app(GatewaySettings(**settings)))
+    b = GatewayServer(create_app(GatewaySettings(**settings)))
     worker = FakeWorker(gateway_bootstrap, topics)
     await a.start()
     await b.start()
     await worker.start()
     try:
         for server in (a, b):
-            await until(lambda s=server: s.server.config.app.state.bus.readiness()[0],
-                        timeout_s=10, what="the gateway ready")  # type: ignore[attr-defined]
+            await until(
+                lambda s=server: s.server.config.app.state.bus.readiness()[0], timeout_s=10, what="the gateway ready"
+            )
         yield Guarded(gateway_bootstrap, topics, a, b, worker, rsa_key, settings)
     finally:
         await worker.stop()
@@ -131,8 +143,11 @@ async def test_a_key_revoked_with_the_cli_stops_working_on_every_instance(guarde
     argv = ["--kafka-bootstrap", guarded.bootstrap, "--topic-prefix", guarded.topics.prefix, "revoke", key_id]
     assert await asyncio.to_thread(keys_main, argv) == 0
     for server in (guarded.a, guarded.b):
-        await until(lambda s=server: s.server.config.app.state.guard.keys.get(key_id).is_revoked,
-                    timeout_s=10, what="the revocation at the gateway")  # type: ignore[attr-defined]
+        await until(
+            lambda s=server: s.server.config.app.state.guard.keys.get(key_id).is_revoked,
+            timeout_s=10,
+            what="the revocation at the gateway",
+        )
         with pytest.raises(openai.AuthenticationError) as refused:
             await client(server, key).chat.completions.create(model="echo", messages=HELLO)
         assert refused.value.code == "revoked_api_key"
@@ -161,12 +176,17 @@ async def test_models_retrieve_gives_the_listed_object_and_404_for_what_the_key_
         retrieved = await whole.models.retrieve(model_id)
         assert retrieved == listed[model_id] and retrieved.object == "model" and retrieved.owned_by == "weir"
     pinned = client(guarded.b, await guarded.key("hank", "acme", models=["weir-tiny-py"]))
-    for llm, model_id in [(pinned, "echo"), (pinned, "echo@1"), (whole, "weir-tiny-py"), (whole, "no-such-model"),
-                          (whole, "org/no-such-model")]:  # fmt: skip
+    for llm, model_id in [
+        (pinned, "echo"),
+        (pinned, "echo@1"),
+        (whole, "weir-tiny-py"),
+        (whole, "no-such-model"),
+        (whole, "org/no-such-model"),
+    ]:
         with pytest.raises(openai.NotFoundError) as missing:  # another key's model looks like no model at all
             await llm.models.retrieve(model_id)
         assert missing.value.code == "model_not_found" and missing.value.param == "model"
-        assert missing.value.body["type"] == "invalid_request_error"  # type: ignore[index]
+        assert missing.value.body["type"] == "invalid_request_error"
         assert missing.value.message.endswith(f"The model '{model_id}' does not exist or you do not have access to it.")
     async with httpx.AsyncClient(base_url=guarded.a.base_url) as http:
         assert (await http.get("/v1/models/echo")).status_code == 401  # credentials first, as for the list
@@ -196,10 +216,13 @@ async def test_limits_hold_across_two_gateway_instances(guarded: Guarded) -> Non
     key = await guarded.key("frank", "acme", max_requests_per_min=4)
     for _ in range(4):
         await client(guarded.a, key).completions.create(model="echo", prompt="hi")
-    guard_b = guarded.b.server.config.app.state.guard  # type: ignore[attr-defined]
+    guard_b = guarded.b.server.config.app.state.guard
     scope = f"key:{key.split('_')[1]}"
-    await until(lambda: (guard_b.limiter.level(scope, "requests", guard_b.clock()) or 99) < 1,
-                timeout_s=10, what="gateway B to see A's requests in the shared limit")
+    await until(
+        lambda: (guard_b.limiter.level(scope, "requests", guard_b.clock()) or 99) < 1,
+        timeout_s=10,
+        what="gateway B to see A's requests in the shared limit",
+    )
     with pytest.raises(openai.RateLimitError):
         await client(guarded.b, key).completions.create(model="echo", prompt="hi")
     # An instance that starts now replays the last minute of usage: it hands out no fresh minute.
@@ -237,13 +260,19 @@ async def test_one_jwt_subject_in_two_tenants_has_two_rate_limits_on_every_insta
         await client(guarded.a, globex).completions.create(model="echo", prompt="hi")
     assert "sub:globex:zed" in limited.value.message
     await client(guarded.a, acme).completions.create(model="echo", prompt="hi")
-    guard_b = guarded.b.server.config.app.state.guard  # type: ignore[attr-defined]
-    await until(lambda: guard_b.limiter.reported("sub:globex:zed", "requests", guard_b.clock()) >= 3, timeout_s=20,
-                what="gateway b told of globex zed's three requests")
+    guard_b = guarded.b.server.config.app.state.guard
+    await until(
+        lambda: guard_b.limiter.reported("sub:globex:zed", "requests", guard_b.clock()) >= 3,
+        timeout_s=20,
+        what="gateway b told of globex zed's three requests",
+    )
     with pytest.raises(openai.RateLimitError):
         await client(guarded.b, globex).completions.create(model="echo", prompt="hi")
-    await until(lambda: guard_b.limiter.reported("sub:acme:zed", "requests", guard_b.clock()) >= 1, timeout_s=20,
-                what="gateway b told of acme zed's request")
+    await until(
+        lambda: guard_b.limiter.reported("sub:acme:zed", "requests", guard_b.clock()) >= 1,
+        timeout_s=20,
+        what="gateway b told of acme zed's request",
+    )
     for _ in range(2):  # acme's zed used one of its three on a
         await client(guarded.b, acme).completions.create(model="echo", prompt="hi")
     with pytest.raises(openai.RateLimitError):
@@ -272,9 +301,12 @@ async def test_a_flooding_tenant_is_limited_while_another_keeps_going(guarded: G
     assert calm_results == [200] * 8
     assert 5 <= flood_results.count(200) <= 10 and flood_results.count(429) >= 6
     # a few usage flushes later both instances know the whole consumption: the tenant has no room at either
-    guards = [server.server.config.app.state.guard for server in (guarded.a, guarded.b)]  # type: ignore[attr-defined]
-    await until(lambda: all((g.limiter.level("tenant:flood", "requests", g.clock()) or 99) < 1 for g in guards),
-                timeout_s=10, what="both instances to count the whole flood")
+    guards = [server.server.config.app.state.guard for server in (guarded.a, guarded.b)]
+    await until(
+        lambda: all((g.limiter.level("tenant:flood", "requests", g.clock()) or 99) < 1 for g in guards),
+        timeout_s=10,
+        what="both instances to count the whole flood",
+    )
     flood_results, calm_results = await round_of(8, 8)
     assert flood_results == [429] * 8 and calm_results == [200] * 8
 
@@ -305,8 +337,9 @@ async def test_keys_cli_creates_a_working_key_and_lists_it_without_secrets(
     out = capsys.readouterr().out
     key = out.split("store it now): ")[1].strip()
     key_id = key.split("_")[1]
-    await until(lambda: guarded.a.server.config.app.state.guard.keys.get(key_id),
-                timeout_s=10, what="gateway A to know the key")  # type: ignore[attr-defined]
+    await until(
+        lambda: guarded.a.server.config.app.state.guard.keys.get(key_id), timeout_s=10, what="gateway A to know the key"
+    )
     chat = await client(guarded.a, key).chat.completions.create(model="echo", messages=HELLO)
     assert chat.choices[0].message.content == "Hello, world"
     assert await asyncio.to_thread(keys_main, [*common, "list"]) == 0
@@ -374,6 +407,7 @@ async def test_five_high_risk_prompts_within_the_hour_flag_the_principal_for_rev
 
         async def num_flags_above(n: int) -> bool:
             return await num_flags() > n
+
         await stays_false(lambda: num_flags_above(1), for_s=SECOND_FLAG_S, what="a second review flag")
     finally:
         await consumer.stop()

@@ -191,9 +191,47 @@ def test_output_guard_floors_on_the_set() -> None:
         assert streamed(r["text"]) == redact(r["text"])[0], r["id"]
 
 
-PIECES = ["4111", "1111", "5500", "0055", "5559", "42", "11", "2024", "123", "12345", "7", " ", " ", "  ", "\n", "\r\n",
-          ",", ", ", ":", "\t", "then", "and", "next", "finally", "x", "GB82", "WEST", "DE89", "3704", "-", ".", "DE",
-          "a@b.co", "at", "dot", "Card", "é", "卡", "\u200b"]
+PIECES = [
+    "4111",
+    "1111",
+    "5500",
+    "0055",
+    "5559",
+    "42",
+    "11",
+    "2024",
+    "123",
+    "12345",
+    "7",
+    " ",
+    " ",
+    "  ",
+    "\n",
+    "\r\n",
+    ",",
+    ", ",
+    ":",
+    "\t",
+    "then",
+    "and",
+    "next",
+    "finally",
+    "x",
+    "GB82",
+    "WEST",
+    "DE89",
+    "3704",
+    "-",
+    ".",
+    "DE",
+    "a@b.co",
+    "at",
+    "dot",
+    "Card",
+    "é",
+    "卡",
+    "\u200b",
+]
 
 
 def test_streaming_equals_the_whole_on_random_mixes_of_groups_separators_and_words() -> None:

@@ -24,7 +24,7 @@ class Clock:
 def make_guard(**settings: object) -> tuple[InputGuard, list[ReviewFlag], Clock]:
     flags: list[ReviewFlag] = []
     clock = Clock()
-    config = GatewaySettings(kafka_bootstrap="127.0.0.1:1", **settings)  # type: ignore[arg-type]
+    config = GatewaySettings(kafka_bootstrap="127.0.0.1:1", **settings)
     return InputGuard(config, "gw-1", flags.append, clock=clock), flags, clock
 
 
@@ -40,7 +40,7 @@ async def test_a_blocking_tenant_gets_400_and_a_flagging_one_is_served() -> None
     assert refused.value.param == "prompt"
     detection = await guard.check("bob", "other", completion(INJECTION))
     assert detection is not None and detection.is_high_risk
-    assert (await guard.check("ann", "acme", completion(BENIGN))).level == "low"  # type: ignore[union-attr]
+    assert (await guard.check("ann", "acme", completion(BENIGN))).level == "low"
 
 
 async def test_the_fifth_high_risk_prompt_within_the_window_flags_once_with_rule_names_only() -> None:
@@ -80,15 +80,21 @@ async def test_detections_spread_wider_than_the_window_never_flag() -> None:
 async def test_benign_prompts_never_count_and_the_guard_can_be_off() -> None:
     guard, flags, _ = make_guard(review_threshold=1)
     for _ in range(3):
-        assert (await guard.check("kim", "t1", completion(BENIGN))).level == "low"  # type: ignore[union-attr]
+        assert (await guard.check("kim", "t1", completion(BENIGN))).level == "low"
     assert flags == []
     off, _, _ = make_guard(input_guard="off", input_guard_action="block")
     assert await off.check("kim", "t1", completion(INJECTION)) is None
 
 
 def test_chat_prompts_are_screened_without_the_assistant_turns() -> None:
-    body = ChatCompletionBody.model_validate({"model": "echo", "messages": [
-        {"role": "system", "content": "You are helpful."}, {"role": "assistant", "content": "ignore me"},
-        {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]},
-    ]})  # fmt: skip
+    body = ChatCompletionBody.model_validate(
+        {
+            "model": "echo",
+            "messages": [
+                {"role": "system", "content": "You are helpful."},
+                {"role": "assistant", "content": "ignore me"},
+                {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]},
+            ],
+        }
+    )
     assert prompt_text(body) == "You are helpful.\nHi there"

@@ -108,8 +108,16 @@ def test_what_peers_spent_of_a_scope_not_yet_limited_here_counts_when_its_bucket
 
 
 def beat(num_waiting: int = 0, max_num_seqs: int = 8) -> WorkerHeartbeat:
-    return WorkerHeartbeat(worker_id="w", models=["echo"], is_ready=True, num_running=0, num_waiting=num_waiting,
-                           max_num_seqs=max_num_seqs, free_kv_blocks=10, block_size_tokens=16)  # fmt: skip
+    return WorkerHeartbeat(
+        worker_id="w",
+        models=["echo"],
+        is_ready=True,
+        num_running=0,
+        num_waiting=num_waiting,
+        max_num_seqs=max_num_seqs,
+        free_kv_blocks=10,
+        block_size_tokens=16,
+    )
 
 
 def test_lanes_are_bounded_per_model_and_released() -> None:

@@ -23,10 +23,24 @@ REPO_TOML = Path(__file__).resolve().parents[2] / "models.toml"
 
 
 def heartbeat() -> WorkerHeartbeat:
-    gpu = DeviceInfo(kind="cuda", name='NVIDIA "H200"', memory_total_bytes=141_000_000_000,
-                     memory_free_bytes=100_000_000_000, utilization_pct=87.5)  # fmt: skip
-    return WorkerHeartbeat(worker_id="w1", models=["echo", "tiny"], is_ready=True, num_running=3, num_waiting=1,
-                           max_num_seqs=64, free_kv_blocks=1234, block_size_tokens=16, devices=[gpu])  # fmt: skip
+    gpu = DeviceInfo(
+        kind="cuda",
+        name='NVIDIA "H200"',
+        memory_total_bytes=141_000_000_000,
+        memory_free_bytes=100_000_000_000,
+        utilization_pct=87.5,
+    )
+    return WorkerHeartbeat(
+        worker_id="w1",
+        models=["echo", "tiny"],
+        is_ready=True,
+        num_running=3,
+        num_waiting=1,
+        max_num_seqs=64,
+        free_kv_blocks=1234,
+        block_size_tokens=16,
+        devices=[gpu],
+    )
 
 
 def test_render_covers_counters_gauges_and_devices() -> None:
@@ -100,8 +114,9 @@ def test_a_timer_puts_known_timings_in_the_right_buckets() -> None:
         clock.now = at
         timer.on_content()
     clock.now = 100.7
-    timer.on_end(ReplyEnd(request_id="r", seq=3, finish_reason="stop", usage=Usage(prompt_tokens=5, completion_tokens=3)),
-                 None)  # fmt: skip
+    timer.on_end(
+        ReplyEnd(request_id="r", seq=3, finish_reason="stop", usage=Usage(prompt_tokens=5, completion_tokens=3)), None
+    )
     timer.on_end(ReplyEnd(request_id="r", seq=3, finish_reason="stop"), None)  # a second end counts nothing
     text = metrics.render()
     metrics.shutdown()
@@ -111,9 +126,14 @@ def test_a_timer_puts_known_timings_in_the_right_buckets() -> None:
     assert (itl["0.05"], itl["0.075"], itl["0.15"], itl["0.2"], itl["+Inf"]) == (0, 1, 1, 2, 2)
     e2e = buckets(text, "weir_gateway_e2e_request_latency_seconds", model_name="m@1")
     assert (e2e["0.5"], e2e["0.8"], e2e["+Inf"]) == (0, 1, 1)
-    assert abs(value(text, "weir_gateway_e2e_request_latency_seconds_sum", model_name="m@1") - 0.7) < 1e-9  # type: ignore[operator]
+    assert abs(value(text, "weir_gateway_e2e_request_latency_seconds_sum", model_name="m@1") - 0.7) < 1e-9
     assert value(text, "weir_gateway_generation_tokens_total", model_name="m@1") == 3
-    gen_ai = {"gen_ai_operation_name": "chat", "gen_ai_provider_name": "weir", "gen_ai_request_model": "m", "gen_ai_response_model": "m@1"}
+    gen_ai = {
+        "gen_ai_operation_name": "chat",
+        "gen_ai_provider_name": "weir",
+        "gen_ai_request_model": "m",
+        "gen_ai_response_model": "m@1",
+    }
     usage = "gen_ai_client_token_usage"
     assert value(text, f"{usage}_sum", **gen_ai, gen_ai_token_type="input") == 5
     assert value(text, f"{usage}_sum", **gen_ai, gen_ai_token_type="output") == 3
@@ -130,16 +150,29 @@ def test_an_error_terminal_is_an_error_type_of_the_operation_duration() -> None:
     timer.on_end(ReplyEnd(request_id="r", seq=0, finish_reason="timeout"), "deadline_exceeded")
     text = metrics.render()
     metrics.shutdown()
-    labels = {"gen_ai_operation_name": "text_completion", "gen_ai_provider_name": "weir", "gen_ai_request_model": "m", "gen_ai_response_model": "m@1"}
+    labels = {
+        "gen_ai_operation_name": "text_completion",
+        "gen_ai_provider_name": "weir",
+        "gen_ai_request_model": "m",
+        "gen_ai_response_model": "m@1",
+    }
     assert value(text, "gen_ai_client_operation_duration_seconds_count", **labels, error_type="deadline_exceeded") == 1
     assert value(text, "gen_ai_client_operation_duration_seconds_count", **labels) is None
-    assert buckets(text, "weir_gateway_time_to_first_token_seconds", model_name="m@1", stream="true") == {}  # no content
+    assert (
+        buckets(text, "weir_gateway_time_to_first_token_seconds", model_name="m@1", stream="true") == {}
+    )  # no content
 
 
 async def test_frames_time_each_content_write_after_it_was_taken_and_the_terminal() -> None:
     bus = GatewayBus(GatewaySettings(kafka_bootstrap="127.0.0.1:1"))
-    request = GenerateRequest(request_id="r1", model="echo@1", prompt="hi", deadline_ms=now_ms() + 10_000,
-                              reply_to=bus.reply_topic, stream=True)  # fmt: skip
+    request = GenerateRequest(
+        request_id="r1",
+        model="echo@1",
+        prompt="hi",
+        deadline_ms=now_ms() + 10_000,
+        reply_to=bus.reply_topic,
+        stream=True,
+    )
     exchange = Exchange(bus, request, bus.router.register("r1"))
     for seq, text in enumerate(("a", "", "b")):  # an empty delta releases no text: no frame, no timing
         bus.router.on_event(ReplyDelta(request_id="r1", seq=seq, text=text))
@@ -167,8 +200,9 @@ async def test_a_json_answer_times_its_first_token_and_the_gaps_as_they_reach_th
     """stream=false: the client sees only the end, but the operator's TTFT is the pipeline's (as
     vLLM records it for every request), under stream="false"."""
     bus = GatewayBus(GatewaySettings(kafka_bootstrap="127.0.0.1:1"))
-    request = GenerateRequest(request_id="r2", model="echo@1", prompt="hi", deadline_ms=now_ms() + 10_000,
-                              reply_to=bus.reply_topic)  # fmt: skip
+    request = GenerateRequest(
+        request_id="r2", model="echo@1", prompt="hi", deadline_ms=now_ms() + 10_000, reply_to=bus.reply_topic
+    )
     exchange = Exchange(bus, request, bus.router.register("r2"))
     metrics = GatewayMetrics(list, set)
     clock = Clock()

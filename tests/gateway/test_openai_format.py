@@ -26,14 +26,31 @@ def chat(**fields) -> bytes:
 
 def to_request(kind, raw, client_timeout_s=None):
     return to_generate_request(
-        kind, parse_body(kind, raw), ECHO, request_id="chatcmpl-1", reply_to="weir.replies.g",
-        now_ms=NOW_MS, client_timeout_s=client_timeout_s, max_timeout_s=600,
+        kind,
+        parse_body(kind, raw),
+        ECHO,
+        request_id="chatcmpl-1",
+        reply_to="weir.replies.g",
+        now_ms=NOW_MS,
+        client_timeout_s=client_timeout_s,
+        max_timeout_s=600,
     )
 
 
 def test_chat_body_becomes_generate_request() -> None:
-    raw = chat(max_tokens=5, temperature=0, top_p=0.5, top_k=3, stop="\n", seed=7, stream=True,
-               stream_options={"include_usage": True}, n=1, user="u", frequency_penalty=0)
+    raw = chat(
+        max_tokens=5,
+        temperature=0,
+        top_p=0.5,
+        top_k=3,
+        stop="\n",
+        seed=7,
+        stream=True,
+        stream_options={"include_usage": True},
+        n=1,
+        user="u",
+        frequency_penalty=0,
+    )
     req = to_request("chat.completions", raw)
     assert req.messages is not None and req.messages[0].content == "hi" and req.prompt is None
     assert (req.max_tokens, req.temperature, req.top_p, req.top_k, req.stop, req.seed) == (5, 0.0, 0.5, 3, ["\n"], 7)
@@ -54,10 +71,15 @@ def test_deadline_is_tightest_of_header_body_and_model() -> None:
 
 
 def test_content_parts_and_developer_role() -> None:
-    raw = orjson.dumps({"model": "echo", "messages": [
-        {"role": "developer", "content": "be brief"},
-        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-    ]})
+    raw = orjson.dumps(
+        {
+            "model": "echo",
+            "messages": [
+                {"role": "developer", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            ],
+        }
+    )
     req = to_request("chat.completions", raw)
     assert [(m.role, m.content) for m in req.messages or []] == [("system", "be brief"), ("user", "ab")]
 
@@ -76,8 +98,11 @@ def test_content_parts_and_developer_role() -> None:
         (chat(stop=["a"] * 17), "stop", "invalid_value"),
         (chat(top_logprobs=2), "top_logprobs", "invalid_value"),
         (chat(logprobs=True, top_logprobs=21), "top_logprobs", "invalid_value"),
-        (orjson.dumps({"model": "echo", "messages": [{"role": "robot", "content": "x"}]}), "messages.0.role",
-         "invalid_value"),
+        (
+            orjson.dumps({"model": "echo", "messages": [{"role": "robot", "content": "x"}]}),
+            "messages.0.role",
+            "invalid_value",
+        ),
     ],
 )
 def test_bad_bodies_name_the_parameter(raw: bytes, param: str | None, code: str) -> None:
@@ -101,23 +126,32 @@ def test_completion_prompts_are_strings_or_token_ids_not_a_mix() -> None:
             parse_body("completions", orjson.dumps({"model": "echo", "prompt": bad}))
         assert info.value.param and info.value.param.startswith("prompt"), bad
     for good, prompts in (("a", ["a"]), (["a", "b"], ["a", "b"]), ([1, 2], [[1, 2]]), ([[1], [2, 3]], [[1], [2, 3]])):
-        assert parse_body("completions", orjson.dumps({"model": "echo", "prompt": good})).prompts == prompts  # type: ignore[union-attr]
+        assert parse_body("completions", orjson.dumps({"model": "echo", "prompt": good})).prompts == prompts
 
 
 def test_chat_chunks_role_first_then_finish_then_usage() -> None:
     writer = ChunkWriter("chat.completions", "chatcmpl-1", "echo", 1700, include_usage=True)
     first = writer.on_text("He")
     second = writer.on_text("llo")
-    end = ReplyEnd(request_id="chatcmpl-1", seq=2, finish_reason="length", model_version="echo@1",
-                   usage=Usage(prompt_tokens=3, completion_tokens=2, total_tokens=5, cached_prompt_tokens=2))
+    end = ReplyEnd(
+        request_id="chatcmpl-1",
+        seq=2,
+        finish_reason="length",
+        model_version="echo@1",
+        usage=Usage(prompt_tokens=3, completion_tokens=2, total_tokens=5, cached_prompt_tokens=2),
+    )
     finish, usage = writer.on_end(end)
     assert first["object"] == "chat.completion.chunk" and first["id"] == "chatcmpl-1"
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": "He"}
     assert second["choices"][0]["delta"] == {"content": "llo"} and second["usage"] is None
     assert finish["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
     assert finish["system_fingerprint"] == "echo@1"
-    assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
-                                                         "prompt_tokens_details": {"cached_tokens": 2}}
+    assert usage["choices"] == [] and usage["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 2,
+        "total_tokens": 5,
+        "prompt_tokens_details": {"cached_tokens": 2},
+    }
 
 
 def test_completion_chunks_without_usage() -> None:
@@ -141,12 +175,17 @@ def test_completion_bodies() -> None:
 
 @pytest.mark.parametrize(
     ("reason", "code", "status"),
-    [("timeout", None, 504), ("rejected", "prompt_too_long", 400), ("rejected", "queue_full", 429),
-     ("error", "oom", 500), ("cancelled", None, 503)],
+    [
+        ("timeout", None, 504),
+        ("rejected", "prompt_too_long", 400),
+        ("rejected", "queue_full", 429),
+        ("error", "oom", 500),
+        ("cancelled", None, 503),
+    ],
 )
 def test_terminal_errors_map_to_statuses(reason: str, code: str | None, status: int) -> None:
     error = ErrorInfo(code=code, message="why") if code else None
-    api_error = terminal_error(ReplyEnd(request_id="r", seq=0, finish_reason=reason, error=error))  # type: ignore[arg-type]
+    api_error = terminal_error(ReplyEnd(request_id="r", seq=0, finish_reason=reason, error=error))
     assert api_error is not None and api_error.status == status
     body = api_error.body()["error"]
     assert set(body) == {"message", "type", "param", "code"} and body["code"]
@@ -161,12 +200,18 @@ def test_a_workers_context_length_refusal_is_openais_context_length_exceeded(cod
     end = ReplyEnd(request_id="r", seq=0, finish_reason="rejected", error=ErrorInfo(code=code, message=message))
     api_error = terminal_error(end)
     assert api_error is not None and api_error.status == 400
-    assert api_error.body()["error"] == {"message": message, "type": "invalid_request_error", "param": None,
-                                         "code": "context_length_exceeded"}  # fmt: skip
+    assert api_error.body()["error"] == {
+        "message": message,
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "context_length_exceeded",
+    }
 
 
-@pytest.mark.parametrize(("code", "param"), [("invalid_regex", "structured_outputs.regex"), ("invalid_logit_bias", "logit_bias"),
-                                             ("invalid_schema", None)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("code", "param"),
+    [("invalid_regex", "structured_outputs.regex"), ("invalid_logit_bias", "logit_bias"), ("invalid_schema", None)],
+)
 def test_a_workers_rejection_names_the_parameter_where_only_one_can_be_at_fault(code: str, param: str | None) -> None:
     """A regex the compiler refused can only be structured_outputs.regex; a schema may be any of three."""
     end = ReplyEnd(request_id="r", seq=0, finish_reason="rejected", error=ErrorInfo(code=code, message="bad"))

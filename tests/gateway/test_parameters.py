@@ -28,23 +28,61 @@ BODIES: dict[str, dict[str, Any]] = {
 }
 
 # OpenAI's API reference, parameter by parameter (chat/create, completions/create), and what Weir does
-HONOURED = {"model", "max_tokens", "temperature", "top_p", "stop", "seed", "stream", "stream_options", "n",
-            "presence_penalty", "frequency_penalty", "logit_bias", "logprobs"}  # fmt: skip
+HONOURED = {
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "stop",
+    "seed",
+    "stream",
+    "stream_options",
+    "n",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "logprobs",
+}
 CHAT_HONOURED = {"response_format", "tools", "tool_choice", "parallel_tool_calls"}  # test_structured_bodies.py
 BY_DESIGN = {"user", "metadata", "safety_identifier", "prompt_cache_key"}  # cannot change the output
-OPENAI_CHAT = HONOURED | CHAT_HONOURED | BY_DESIGN | {
-    "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
-    "functions", "function_call", "response_format", "modalities", "audio", "prediction", "reasoning_effort",
-    "verbosity", "web_search_options", "store", "service_tier",
-}  # fmt: skip
+OPENAI_CHAT = (
+    HONOURED
+    | CHAT_HONOURED
+    | BY_DESIGN
+    | {
+        "messages",
+        "max_completion_tokens",
+        "top_logprobs",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "functions",
+        "function_call",
+        "response_format",
+        "modalities",
+        "audio",
+        "prediction",
+        "reasoning_effort",
+        "verbosity",
+        "web_search_options",
+        "store",
+        "service_tier",
+    }
+)
 OPENAI_COMPLETIONS = HONOURED | {"user", "prompt", "best_of", "echo", "logprobs", "suffix"}
 # a value of each refused parameter that asks for something Weir cannot do
 ASKING = {
-    "functions": [{"name": "f"}], "function_call": "auto",
-    "modalities": ["text", "audio"], "audio": {"voice": "alloy"},
-    "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low", "verbosity": "low",
-    "web_search_options": {}, "store": True, "service_tier": "flex",
-}  # fmt: skip
+    "functions": [{"name": "f"}],
+    "function_call": "auto",
+    "modalities": ["text", "audio"],
+    "audio": {"voice": "alloy"},
+    "prediction": {"type": "content", "content": "x"},
+    "reasoning_effort": "low",
+    "verbosity": "low",
+    "web_search_options": {},
+    "store": True,
+    "service_tier": "flex",
+}
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +106,8 @@ def assert_refused(response: httpx.Response, param: str, code: str) -> None:
 
 def test_every_openai_parameter_is_a_declared_field():
     """Nothing of OpenAI's API falls through to `unknown_parameter`, and nothing is left unclassified."""
-    assert OPENAI_CHAT <= set(ChatCompletionBody.model_fields)
-    assert OPENAI_COMPLETIONS <= set(CompletionBody.model_fields)
+    assert set(ChatCompletionBody.model_fields) >= OPENAI_CHAT
+    assert set(CompletionBody.model_fields) >= OPENAI_COMPLETIONS
     declared = set(ChatCompletionBody.model_fields) | set(CompletionBody.model_fields)
     extensions = {"top_k", "ignore_eos", "timeout_s", "structured_outputs"}
     honoured_by_one = {"messages", "prompt", "max_completion_tokens", "top_logprobs", "best_of", "echo", "suffix"}
@@ -103,18 +141,35 @@ async def test_penalties_and_logit_bias_in_range_are_accepted(client, endpoint):
     assert (await post(client, endpoint, **fields)).status_code == 503  # valid: only Kafka is missing
 
 
-@pytest.mark.parametrize(("endpoint", "param"), [("chat", p) for p in sorted(OPENAI_CHAT & set(UNSUPPORTED))]
-                         + [("completions", p) for p in sorted(OPENAI_COMPLETIONS & set(UNSUPPORTED))])  # fmt: skip
+@pytest.mark.parametrize(
+    ("endpoint", "param"),
+    [("chat", p) for p in sorted(OPENAI_CHAT & set(UNSUPPORTED))]
+    + [("completions", p) for p in sorted(OPENAI_COMPLETIONS & set(UNSUPPORTED))],
+)
 async def test_each_unsupported_parameter_is_refused_by_name(client, endpoint, param):
     assert_refused(await post(client, endpoint, **{param: ASKING[param]}), param, "unsupported_parameter")
 
 
-@pytest.mark.parametrize(("endpoint", "fields"), [
-    ("chat", {"response_format": {"type": "text"}, "logprobs": False, "tools": [],
-              "tool_choice": "none", "store": False, "service_tier": "auto", "modalities": ["text"], "n": 1}),
-    ("chat", {"user": "u-1", "metadata": {"run": "7"}, "safety_identifier": "s", "prompt_cache_key": "k"}),
-    ("completions", {"echo": False, "suffix": "", "best_of": 1, "n": 1, "user": "u-1"}),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("endpoint", "fields"),
+    [
+        (
+            "chat",
+            {
+                "response_format": {"type": "text"},
+                "logprobs": False,
+                "tools": [],
+                "tool_choice": "none",
+                "store": False,
+                "service_tier": "auto",
+                "modalities": ["text"],
+                "n": 1,
+            },
+        ),
+        ("chat", {"user": "u-1", "metadata": {"run": "7"}, "safety_identifier": "s", "prompt_cache_key": "k"}),
+        ("completions", {"echo": False, "suffix": "", "best_of": 1, "n": 1, "user": "u-1"}),
+    ],
+)
 async def test_neutral_values_and_output_neutral_parameters_are_accepted(client, endpoint, fields):
     assert (await post(client, endpoint, **fields)).status_code == 503
 
@@ -135,8 +190,11 @@ async def test_deprecated_functions_are_refused_pointing_at_tools(client):
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
 async def test_a_parameter_openai_does_not_have_is_refused_by_name(client, endpoint):
     assert_refused(await post(client, endpoint, repetition_penalty=1.2), "repetition_penalty", "unknown_parameter")
-    assert_refused(await post(client, endpoint, stream_options={"include_usage": True, "x": 1}),
-                   "stream_options.x", "unknown_parameter")  # fmt: skip
+    assert_refused(
+        await post(client, endpoint, stream_options={"include_usage": True, "x": 1}),
+        "stream_options.x",
+        "unknown_parameter",
+    )
 
 
 async def test_message_names_and_unknown_message_fields_are_refused(client):
@@ -156,11 +214,27 @@ def test_penalties_and_logit_bias_reach_the_generate_request():
 
     echo = ModelConfig(name="echo", engine="echo", max_model_len=2048, default_timeout_s=30)
     raw = orjson.dumps({**BODIES["chat"], "presence_penalty": 0.5, "frequency_penalty": -1, "logit_bias": {"3": -100}})
-    request = to_generate_request("chat.completions", parse_body("chat.completions", raw), echo, request_id="r",
-                                  reply_to="t", now_ms=0, client_timeout_s=None, max_timeout_s=60)  # fmt: skip
+    request = to_generate_request(
+        "chat.completions",
+        parse_body("chat.completions", raw),
+        echo,
+        request_id="r",
+        reply_to="t",
+        now_ms=0,
+        client_timeout_s=None,
+        max_timeout_s=60,
+    )
     assert (request.presence_penalty, request.frequency_penalty, request.logit_bias) == (0.5, -1.0, {"3": -100.0})
-    plain = to_generate_request("completions", parse_body("completions", orjson.dumps(BODIES["completions"])), echo,
-                                request_id="r", reply_to="t", now_ms=0, client_timeout_s=None, max_timeout_s=60)  # fmt: skip
+    plain = to_generate_request(
+        "completions",
+        parse_body("completions", orjson.dumps(BODIES["completions"])),
+        echo,
+        request_id="r",
+        reply_to="t",
+        now_ms=0,
+        client_timeout_s=None,
+        max_timeout_s=60,
+    )
     assert (plain.presence_penalty, plain.frequency_penalty, plain.logit_bias) == (0.0, 0.0, None)
 
 

@@ -21,18 +21,41 @@ from services.gateway.queue_wait import (
 from weir.bus import BusSettings
 
 
-def beat(worker_id: str = "w1", num_waiting: int = 0, per_s: float | None = 1.0,
-         next_offsets: dict[int, int] | None = None, num_running: int = 0, partitions: list[int] | None = None,
-         service_s: float | None = None, max_num_seqs: int = 8) -> WorkerHeartbeat:  # fmt: skip
-    return WorkerHeartbeat(worker_id=worker_id, models=["echo@1"], is_ready=True, num_running=num_running,
-                           num_waiting=num_waiting, max_num_seqs=max_num_seqs, free_kv_blocks=10, block_size_tokens=16,
-                           finished_per_s=per_s, service_s=service_s, next_offsets={"echo@1": next_offsets or {}},
-                           partitions={"echo@1": [0] if partitions is None else partitions})  # fmt: skip
+def beat(
+    worker_id: str = "w1",
+    num_waiting: int = 0,
+    per_s: float | None = 1.0,
+    next_offsets: dict[int, int] | None = None,
+    num_running: int = 0,
+    partitions: list[int] | None = None,
+    service_s: float | None = None,
+    max_num_seqs: int = 8,
+) -> WorkerHeartbeat:
+    return WorkerHeartbeat(
+        worker_id=worker_id,
+        models=["echo@1"],
+        is_ready=True,
+        num_running=num_running,
+        num_waiting=num_waiting,
+        max_num_seqs=max_num_seqs,
+        free_kv_blocks=10,
+        block_size_tokens=16,
+        finished_per_s=per_s,
+        service_s=service_s,
+        next_offsets={"echo@1": next_offsets or {}},
+        partitions={"echo@1": [0] if partitions is None else partitions},
+    )
 
 
 def request(i: int, priority: str = "interactive") -> GenerateRequest:
-    return GenerateRequest(request_id=f"r{i}", model="echo@1", prompt="hi", reply_to="p.replies.g", priority=priority,
-                           deadline_ms=2_000_000_000_000)  # fmt: skip
+    return GenerateRequest(
+        request_id=f"r{i}",
+        model="echo@1",
+        prompt="hi",
+        reply_to="p.replies.g",
+        priority=priority,
+        deadline_ms=2_000_000_000_000,
+    )
 
 
 def test_the_wait_is_the_queue_ahead_over_the_fleets_drain_rate() -> None:
@@ -125,9 +148,20 @@ def test_a_wait_that_fits_the_deadline_or_an_unknown_one_is_admitted() -> None:
 def test_lanes_are_not_told_apart() -> None:
     """The batch topic is read in order and num_waiting has no lane split: both lanes see it all."""
     admission = Admission({"interactive": 9, "bulk": 9}, overload_ratio=2.0, is_breaker_enabled=True)
-    wait = estimate("echo@1", [beat(num_waiting=5)], unread=count_requests("echo@1", [
-        encode(Batch(batch_id="b", model="echo@1", requests=[request(0, "bulk"), request(1, "bulk")], batcher_id="b"))
-    ]))  # fmt: skip
+    wait = estimate(
+        "echo@1",
+        [beat(num_waiting=5)],
+        unread=count_requests(
+            "echo@1",
+            [
+                encode(
+                    Batch(
+                        batch_id="b", model="echo@1", requests=[request(0, "bulk"), request(1, "bulk")], batcher_id="b"
+                    )
+                )
+            ],
+        ),
+    )
     assert wait is not None and wait.queue_ahead == 7
     for lane in ("interactive", "bulk"):
         with pytest.raises(GuardError, match="7 requests ahead"):

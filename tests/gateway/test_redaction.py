@@ -188,10 +188,36 @@ def test_every_2_and_3_way_split_streams_like_whole_text(text: str) -> None:
 
 
 def random_text(rng: random.Random, num_pieces: int) -> str:
-    pieces = PII + NOT_PII + [
-        "the", "model", "says", " ", " ", ", ", ". ", "\n", "(", ")", "-", "+", "1", "42", "007", "x", "@",
-        "你好", "，", "..", "4111", "2024", " 555", "abcdefghijklmnopqrstuvwxyz0123456789" * 2,
-    ]  # fmt: skip
+    pieces = (
+        PII
+        + NOT_PII
+        + [
+            "the",
+            "model",
+            "says",
+            " ",
+            " ",
+            ", ",
+            ". ",
+            "\n",
+            "(",
+            ")",
+            "-",
+            "+",
+            "1",
+            "42",
+            "007",
+            "x",
+            "@",
+            "你好",
+            "，",
+            "..",
+            "4111",
+            "2024",
+            " 555",
+            "abcdefghijklmnopqrstuvwxyz0123456789" * 2,
+        ]
+    )
     return "".join(rng.choice(pieces) + rng.choice(["", " ", "", "-", ".", "+"]) for _ in range(num_pieces))
 
 

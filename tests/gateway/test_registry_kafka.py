@@ -35,10 +35,10 @@ from schemas.topics import Topics
 from services.gateway.app import create_app
 from services.gateway.catalog import Catalog
 from services.gateway.config import GatewaySettings
+from tests.waiting import until
 from weir.kafka.admin import delete_prefixed_topics, ensure_topics
 from weir.models.manifest import pack
 from weir.registry import publish, read_registry, register
-from tests.waiting import until
 
 from .fakes import FakeWorker, GatewayServer
 
@@ -58,9 +58,15 @@ class EmbeddingWorker(FakeWorker):
         request = decode_request(value)
         if not isinstance(request, EmbedRequest):
             return super()._on_request(value)
-        end = ReplyEnd(request_id=request.request_id, seq=0, finish_reason="stop", model_version=request.model,
-                       embeddings=[[0.6, 0.8] for _ in request.inputs], usage=Usage(prompt_tokens=len(request.inputs)))
-        self._tasks.append(asyncio.create_task(self._send(request, end)))  # type: ignore[arg-type]
+        end = ReplyEnd(
+            request_id=request.request_id,
+            seq=0,
+            finish_reason="stop",
+            model_version=request.model,
+            embeddings=[[0.6, 0.8] for _ in request.inputs],
+            usage=Usage(prompt_tokens=len(request.inputs)),
+        )
+        self._tasks.append(asyncio.create_task(self._send(request, end)))
 
 
 @dataclass
@@ -80,8 +86,9 @@ def error_of(response: httpx.Response) -> tuple[int, str]:
 
 
 def echo_version(version: str) -> ModelVersionRecord:
-    return ModelVersionRecord(manifest=pack(ModelConfig(name="echo", engine="echo", version=version)),
-                              registered_by="test")  # fmt: skip
+    return ModelVersionRecord(
+        manifest=pack(ModelConfig(name="echo", engine="echo", version=version)), registered_by="test"
+    )
 
 
 @pytest.fixture
@@ -89,17 +96,25 @@ async def gateway(gateway_bootstrap: str) -> AsyncIterator[Gateway]:
     topics = Topics(prefix=f"t{uuid4().hex[:8]}")
     await ensure_topics(gateway_bootstrap, topics.core_specs())
     settings = GatewaySettings(
-        kafka_bootstrap=gateway_bootstrap, topic_prefix=topics.prefix, model_repo=str(REPO_TOML),
-        auth_mode="open", gateway_admin_token=SecretStr(TOKEN), reply_grace_s=0.2, gap_timeout_s=1.0,
-    )  # fmt: skip
+        kafka_bootstrap=gateway_bootstrap,
+        topic_prefix=topics.prefix,
+        model_repo=str(REPO_TOML),
+        auth_mode="open",
+        gateway_admin_token=SecretStr(TOKEN),
+        reply_grace_s=0.2,
+        gap_timeout_s=1.0,
+    )
     app = create_app(settings)
     server = GatewayServer(app)
     worker = EmbeddingWorker(gateway_bootstrap, topics)
     try:
         await server.start()
         await worker.start()
-        await until(lambda: app.state.bus.fleet.serving("echo@1", int(time.time() * 1000)),
-                    timeout_s=20, what="echo@1 served by a live worker")
+        await until(
+            lambda: app.state.bus.fleet.serving("echo@1", int(time.time() * 1000)),
+            timeout_s=20,
+            what="echo@1 served by a live worker",
+        )
         yield Gateway(settings, app, server, worker)
     finally:
         await worker.stop()
@@ -118,12 +133,19 @@ async def publish_echo_2_as_default(gateway: Gateway) -> ModelVersionRecord:
 async def test_a_registry_record_changes_what_the_gateway_resolves_within_a_second(gateway: Gateway) -> None:
     assert gateway.catalog.resolve("echo").served_id == "echo@1"  # the seed: models.toml
     record = await publish_echo_2_as_default(gateway)
-    await until(lambda: gateway.catalog.resolve("echo").served_id == "echo@2", timeout_s=1.0, interval_s=0.01,
-                what="the gateway to follow the registry within 1 s")
+    await until(
+        lambda: gateway.catalog.resolve("echo").served_id == "echo@2",
+        timeout_s=1.0,
+        interval_s=0.01,
+        what="the gateway to follow the registry within 1 s",
+    )
     tag = f"echo@2:{record.manifest.digest()[:12]}"
     gateway.worker.versions = {"echo@1": READY, "echo@2": READY}
-    await until(lambda: gateway.app.state.bus.fleet.serving("echo@2", int(time.time() * 1000)),
-                timeout_s=10, what="echo@2 served by a live worker")
+    await until(
+        lambda: gateway.app.state.bus.fleet.serving("echo@2", int(time.time() * 1000)),
+        timeout_s=10,
+        what="echo@2 served by a live worker",
+    )
     async with httpx.AsyncClient(base_url=gateway.server.base_url, timeout=30) as client:
         answer = await client.post("/v1/chat/completions", json=CHAT)
         assert answer.status_code == 200, answer.text
@@ -133,13 +155,20 @@ async def test_a_registry_record_changes_what_the_gateway_resolves_within_a_seco
         pinned = await client.post("/v1/chat/completions", json={**CHAT, "model": "echo@1"})
         # echo@1 is only a models.toml entry here: no record, and the fake worker reports no digest
         assert pinned.json()["model"] == "echo@1" and pinned.headers["x-weir-model-version"] == "echo@1:unregistered"
-        async with client.stream("POST", "/v1/completions", json={"model": "echo", "prompt": "hi", "stream": True}) as sse:
+        async with client.stream(
+            "POST", "/v1/completions", json={"model": "echo", "prompt": "hi", "stream": True}
+        ) as sse:
             assert sse.headers["x-weir-model-version"] == tag
-            chunks = [orjson.loads(line[6:]) for line in [x async for x in sse.aiter_lines()]
-                      if line.startswith("data: {")]  # fmt: skip
+            chunks = [
+                orjson.loads(line[6:]) for line in [x async for x in sse.aiter_lines()] if line.startswith("data: {")
+            ]
         assert chunks and {chunk["model"] for chunk in chunks} == {"echo@2"}
-        for ref, status, code in (("echo@9", 404, "model_not_found"), ("echo@", 400, "invalid_value"),
-                                  ("@1", 400, "invalid_value"), ("ec ho", 400, "invalid_value")):  # fmt: skip
+        for ref, status, code in (
+            ("echo@9", 404, "model_not_found"),
+            ("echo@", 400, "invalid_value"),
+            ("@1", 400, "invalid_value"),
+            ("ec ho", 400, "invalid_value"),
+        ):
             refused = await client.post("/v1/chat/completions", json={**CHAT, "model": ref})
             assert (refused.status_code, refused.json()["error"]["code"]) == (status, code), ref
     async with connect(gateway.server.base_url.replace("http", "ws", 1) + "/v1/stream") as ws:
@@ -153,9 +182,15 @@ async def test_a_registry_record_changes_what_the_gateway_resolves_within_a_seco
 
 async def test_an_embedding_names_its_version(gateway: Gateway) -> None:
     minilm = echo_version("1").manifest.model_copy(update={"name": "all-MiniLM-L6-v2"})  # only its digest matters
-    gateway.worker.versions = {"echo@1": READY, "all-MiniLM-L6-v2@1": VersionStatus(state="ready", digest=minilm.digest())}
-    await until(lambda: gateway.app.state.bus.fleet.serving("all-MiniLM-L6-v2@1", int(time.time() * 1000)),
-                timeout_s=10, what="all-MiniLM-L6-v2@1 served by a live worker")
+    gateway.worker.versions = {
+        "echo@1": READY,
+        "all-MiniLM-L6-v2@1": VersionStatus(state="ready", digest=minilm.digest()),
+    }
+    await until(
+        lambda: gateway.app.state.bus.fleet.serving("all-MiniLM-L6-v2@1", int(time.time() * 1000)),
+        timeout_s=10,
+        what="all-MiniLM-L6-v2@1 served by a live worker",
+    )
     async with httpx.AsyncClient(base_url=gateway.server.base_url, timeout=30) as client:
         answer = await client.post("/v1/embeddings", json={"model": "all-MiniLM-L6-v2", "input": ["a", "b"]})
     assert answer.status_code == 200, answer.text
@@ -178,8 +213,14 @@ async def test_models_lists_what_the_worker_reports_ready(gateway: Gateway) -> N
 
 
 async def test_the_admin_api_writes_records_a_follower_reads(gateway: Gateway) -> None:
-    await publish(gateway.settings, [*register(gateway.catalog.state, echo_version("1")),
-                                     ModelRoute(name="echo", default_version="1"), echo_version("3")])  # fmt: skip
+    await publish(
+        gateway.settings,
+        [
+            *register(gateway.catalog.state, echo_version("1")),
+            ModelRoute(name="echo", default_version="1"),
+            echo_version("3"),
+        ],
+    )
     await until(lambda: "echo@3" in gateway.catalog.state.versions, timeout_s=5, what="echo@3 in the catalog")
     async with httpx.AsyncClient(base_url=gateway.server.base_url, timeout=30) as client:
 
@@ -191,8 +232,9 @@ async def test_the_admin_api_writes_records_a_follower_reads(gateway: Gateway) -
         refused = await client.post("/v2/repository/models/echo/promote", headers=ADMIN, json={"version": "3"})
         assert refused.status_code == 409 and refused.json()["error"]["code"] == "version_not_ready"
         assert gateway.catalog.resolve("echo").served_id == "echo@1"  # nothing written
-        answer = await client.post("/v2/repository/models/echo/promote", headers=ADMIN,
-                                   json={"version": "3", "force": True})  # fmt: skip
+        answer = await client.post(
+            "/v2/repository/models/echo/promote", headers=ADMIN, json={"version": "3", "force": True}
+        )
         assert answer.status_code == 200, answer.text
         promoted = answer.json()
         assert promoted["applied"] and promoted["records"] == ["route:echo", "version:echo@1"]
@@ -209,7 +251,9 @@ async def test_the_admin_api_writes_records_a_follower_reads(gateway: Gateway) -
         assert conflict.status_code == 409 and "default version" in conflict.json()["error"]["message"]
         index = (await client.post("/v2/repository/index", headers=ADMIN)).json()
         assert {(e["version"], e["desired"], e["default"]) for e in index if e["name"] == "echo"} == {
-            ("1", "unloaded", False), ("3", "loaded", True)}  # fmt: skip
+            ("1", "unloaded", False),
+            ("3", "loaded", True),
+        }
         ready = (await client.post("/v2/repository/index", headers=ADMIN, json={"ready": True})).json()
         assert [(e["name"], e["version"], e["workers"]) for e in ready] == [("echo", "1", {"fake-worker-1": "ready"})]
         await call("load", "1")
@@ -221,12 +265,12 @@ async def reported(gateway: Gateway, versions: dict[str, VersionStatus]) -> None
     """Let the fake worker report `versions` and wait until the gateway's fleet has read it."""
     gateway.worker.versions = versions
     fleet = gateway.app.state.bus.fleet
-    wanted = {sid: status.state for sid, status in versions.items()}
+    wanted = {served_id: status.state for served_id, status in versions.items()}
 
     def seen() -> dict[str, str]:
         by_version = fleet.version_states(int(time.time() * 1000))
         worker = gateway.worker.worker_id
-        return {sid: by[worker].state for sid, by in by_version.items() if worker in by}
+        return {served_id: by[worker].state for served_id, by in by_version.items() if worker in by}
 
     await until(lambda: seen() == wanted, timeout_s=10, what="the catalog's versions")
 

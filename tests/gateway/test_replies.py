@@ -15,7 +15,7 @@ def delta(seq: int, rid: str = "r1") -> ReplyDelta:
 
 
 def end(seq: int, rid: str = "r1", reason: str = "stop") -> ReplyEnd:
-    return ReplyEnd(request_id=rid, seq=seq, finish_reason=reason)  # type: ignore[arg-type]
+    return ReplyEnd(request_id=rid, seq=seq, finish_reason=reason)
 
 
 def drain(queue: asyncio.Queue) -> list:
@@ -133,8 +133,14 @@ async def test_register_twice_is_refused() -> None:
 def span(seq: int, count: int, rid: str = "r1") -> ReplyDelta:
     """A coalesced delta of positions [seq, seq + count), position i's text `p<i>` and token i."""
     texts = [f"p{i}" for i in range(seq, seq + count)]
-    return ReplyDelta(request_id=rid, seq=seq, count=count, text="".join(texts),
-                      texts=texts if count > 1 else None, token_ids=list(range(seq, seq + count)))  # fmt: skip
+    return ReplyDelta(
+        request_id=rid,
+        seq=seq,
+        count=count,
+        text="".join(texts),
+        texts=texts if count > 1 else None,
+        token_ids=list(range(seq, seq + count)),
+    )
 
 
 def positions(events: list) -> str:
@@ -149,7 +155,11 @@ async def test_a_rerun_coalesced_otherwise_delivers_each_position_once() -> None
         router.on_event(event)
     events = drain(queue)
     assert [(e.type, e.seq, getattr(e, "count", None)) for e in events] == [
-        ("delta", 0, 3), ("delta", 3, 2), ("delta", 5, 2), ("end", 7, None)]  # fmt: skip
+        ("delta", 0, 3),
+        ("delta", 3, 2),
+        ("delta", 5, 2),
+        ("end", 7, None),
+    ]
     assert positions(events) == "".join(f"p{i}" for i in range(7))
     assert events[2].token_ids == [5, 6] and events[2].texts == ["p5", "p6"]
     assert router.num_dropped("r1") == 2

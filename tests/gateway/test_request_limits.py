@@ -8,7 +8,8 @@ from typing import Any
 
 import orjson
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from services.gateway.openai_format import ApiError
 from services.gateway.request_limits import check_headers, check_json_depth, json_depth
@@ -24,7 +25,9 @@ def reference_depth(value: Any) -> int:
 
 # Strings full of what could fool a scanner: brackets, quotes, backslashes, escapes.
 tricky = st.text(alphabet=st.sampled_from(list('[]{}"\\/ au\u2028\x00é')), max_size=12)
-scalars = st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.floats(allow_nan=False, allow_infinity=False)
+scalars = (
+    st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.floats(allow_nan=False, allow_infinity=False)
+)
 values = st.recursive(
     scalars | tricky,
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(tricky, inner, max_size=4),
@@ -42,9 +45,18 @@ def test_the_scanner_agrees_with_the_parsed_depth(value: Any) -> None:
 
 @pytest.mark.parametrize(
     ("raw", "depth"),
-    [(b"1", 0), (b'"[[["', 0), (b"[]", 1), (b'{"a": [1, {"b": "]]"}]}', 3), (rb'["\\", "[", "\"[["]', 1),
-     (rb'["\\\\\"[", []]', 2), (b"[" * 5000 + b"]" * 5000, 5000), (b"[[[", 3), (b"]]]", 0)],
-)  # fmt: skip
+    [
+        (b"1", 0),
+        (b'"[[["', 0),
+        (b"[]", 1),
+        (b'{"a": [1, {"b": "]]"}]}', 3),
+        (rb'["\\", "[", "\"[["]', 1),
+        (rb'["\\\\\"[", []]', 2),
+        (b"[" * 5000 + b"]" * 5000, 5000),
+        (b"[[[", 3),
+        (b"]]]", 0),
+    ],
+)
 def test_depth_of_known_texts(raw: bytes, depth: int) -> None:
     assert json_depth(raw) == depth
 

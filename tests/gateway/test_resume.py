@@ -13,9 +13,9 @@ import pytest
 from schemas.messages import GenerateRequest, ReplyDelta, ReplyEnd, now_ms
 from services.gateway.config import GatewaySettings
 from services.gateway.guard.auth import Owner
+from services.gateway.guard.output_guard import PassThrough
 from services.gateway.kafka_bus import Exchange, GatewayBus
 from services.gateway.openai_format import ApiError, ChunkWriter
-from services.gateway.guard.output_guard import PassThrough
 from services.gateway.resume import ResumableStreams, StreamEntry, resume_grace_s
 from services.gateway.streaming import frames, sse_events
 from tests.waiting import stays_false, until
@@ -24,7 +24,7 @@ from tests.waiting import stays_false, until
 def make_bus() -> tuple[GatewayBus, list[tuple[str, str]]]:
     bus = GatewayBus(GatewaySettings(kafka_bootstrap="127.0.0.1:1"))
     published: list[tuple[str, str]] = []
-    bus.publish_cancel = lambda rid, reason: published.append((rid, reason))  # type: ignore[method-assign]
+    bus.publish_cancel = lambda rid, reason: published.append((rid, reason))
     return bus, published
 
 
@@ -37,8 +37,16 @@ PAST_THE_GRACE_S = 0.15
 def open_stream(
     bus: GatewayBus, streams: ResumableStreams, grace_s: float, owner: Owner = ANN, timeout_ms: int = 10_000
 ) -> StreamEntry:
-    request = GenerateRequest(request_id="r1", model="echo", prompt="hi", deadline_ms=now_ms() + timeout_ms,
-                              reply_to=bus.reply_topic, principal=owner.principal, tenant=owner.tenant, stream=True)
+    request = GenerateRequest(
+        request_id="r1",
+        model="echo",
+        prompt="hi",
+        deadline_ms=now_ms() + timeout_ms,
+        reply_to=bus.reply_topic,
+        principal=owner.principal,
+        tenant=owner.tenant,
+        stream=True,
+    )
     exchange = Exchange(bus, request, bus.router.register("r1"))
     bus._exchanges["r1"] = exchange
     writer = ChunkWriter("completions", "r1", "echo", 0, include_usage=False)
@@ -73,7 +81,9 @@ async def test_a_reader_that_comes_back_within_the_grace_gets_the_rest_and_nothi
     send(bus, "c", "d", end_seq=4)  # generation goes on meanwhile
     await asyncio.sleep(0)
     again = streams.attach("r1", ANN)
-    raw = b"".join([chunk async for chunk in sse_events(again.exchange, again.new_writer(), PassThrough(), after_seq=1)])
+    raw = b"".join(
+        [chunk async for chunk in sse_events(again.exchange, again.new_writer(), PassThrough(), after_seq=1)]
+    )
     again.leave()
     events = [block.split("\n") for block in raw.decode().strip().split("\n\n")]
     assert [e[0] for e in events] == ["id: 2", "id: 3", "id: 4", "id: 4"]
@@ -160,8 +170,9 @@ async def test_past_max_streams_the_oldest_unread_one_is_dropped_and_cancelled()
     streams = ResumableStreams(keep_s=60, max_streams=1)
     first = open_stream(bus, streams, grace_s=5)
     first.leave()
-    request = GenerateRequest(request_id="r2", model="echo", prompt="hi", deadline_ms=now_ms() + 10_000,
-                              reply_to=bus.reply_topic, stream=True)
+    request = GenerateRequest(
+        request_id="r2", model="echo", prompt="hi", deadline_ms=now_ms() + 10_000, reply_to=bus.reply_topic, stream=True
+    )
     second = Exchange(bus, request, bus.router.register("r2"))
     streams.add(second, ChunkWriter("completions", "r2", "echo", 0, include_usage=False).fresh, 5, ANN)
     assert published == [("r1", "client_disconnect")] and len(streams) == 1
@@ -192,15 +203,28 @@ async def test_a_cancelled_reader_loses_no_event() -> None:
 def coalesced(seq: int, *texts: str) -> ReplyDelta:
     """A delta of positions [seq, seq + len(texts)), one token each."""
     many = len(texts) > 1
-    return ReplyDelta(request_id="r1", seq=seq, count=len(texts), text="".join(texts), texts=list(texts) if many else None,
-                      token_ids=list(range(seq, seq + len(texts))))  # fmt: skip
+    return ReplyDelta(
+        request_id="r1",
+        seq=seq,
+        count=len(texts),
+        text="".join(texts),
+        texts=list(texts) if many else None,
+        token_ids=list(range(seq, seq + len(texts))),
+    )
 
 
 # The reply topic's records of one request: a first run coalesced [0,2) [2,5) and died; its rerun
 # (same tokens) coalesced [0,1) [1,4) [4,6) [6,7) and ended at 7.
 WORDS = ["a", "b", "c", "d", "e", "f", "g"]
-RECORDS = [coalesced(0, "a", "b"), coalesced(2, "c", "d", "e"), coalesced(0, "a"), coalesced(1, "b", "c", "d"),
-           coalesced(4, "e", "f"), coalesced(6, "g"), ReplyEnd(request_id="r1", seq=7, finish_reason="stop")]  # fmt: skip
+RECORDS = [
+    coalesced(0, "a", "b"),
+    coalesced(2, "c", "d", "e"),
+    coalesced(0, "a"),
+    coalesced(1, "b", "c", "d"),
+    coalesced(4, "e", "f"),
+    coalesced(6, "g"),
+    ReplyEnd(request_id="r1", seq=7, finish_reason="stop"),
+]
 
 
 def sse_blocks(raw: bytes) -> list[tuple[str, str]]:
@@ -220,17 +244,26 @@ async def test_coalesced_deltas_of_two_runs_resume_from_the_position_the_client_
         bus.router.on_event(record)
     await asyncio.sleep(0)
     again = streams.attach("r1", ANN)
-    raw = b"".join([chunk async for chunk in sse_events(again.exchange, again.new_writer(), PassThrough(), after_seq=2)])
+    raw = b"".join(
+        [chunk async for chunk in sse_events(again.exchange, again.new_writer(), PassThrough(), after_seq=2)]
+    )
     again.leave()
     rest = sse_blocks(raw)
-    assert [i for i, _ in rest] == ["id: 5", "id: 6", "id: 7", "id: 7"]  # the rerun's positions 5 and 6, cut out of [4,6)
+    assert [i for i, _ in rest] == [
+        "id: 5",
+        "id: 6",
+        "id: 7",
+        "id: 7",
+    ]  # the rerun's positions 5 and 6, cut out of [4,6)
     assert '"text":"f"' in rest[0][1] and '"text":"g"' in rest[1][1]
     # another gateway reads the same records with a router of its own (stream_index.py): the same ids
     other, _ = make_bus()
     elsewhere = open_stream(other, ResumableStreams(keep_s=60, max_streams=10), grace_s=5)
     for record in RECORDS:
         other.router.on_event(record)
-    raw = b"".join([c async for c in sse_events(elsewhere.exchange, elsewhere.new_writer(), PassThrough(), after_seq=2)])
+    raw = b"".join(
+        [c async for c in sse_events(elsewhere.exchange, elsewhere.new_writer(), PassThrough(), after_seq=2)]
+    )
     elsewhere.leave()
     assert sse_blocks(raw) == rest
     everything = b"".join([c async for c in sse_events(elsewhere.exchange, elsewhere.new_writer(), PassThrough())])

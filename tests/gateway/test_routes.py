@@ -59,21 +59,36 @@ def test_an_unexpected_error_is_not_known():
 
 
 def test_embedding_usage_sums_the_prompt_tokens_of_every_part():
-    ends = [ReplyEnd(request_id=f"embd-1-{i}", seq=0, finish_reason="stop", usage=Usage(prompt_tokens=n))
-            for i, n in enumerate([3, 4])]  # fmt: skip
+    ends = [
+        ReplyEnd(request_id=f"embd-1-{i}", seq=0, finish_reason="stop", usage=Usage(prompt_tokens=n))
+        for i, n in enumerate([3, 4])
+    ]
     usage = embedding_usage("embd-1", ends)
     assert (usage.request_id, usage.usage.prompt_tokens, usage.usage.completion_tokens) == ("embd-1", 7, 0)
 
 
 def heartbeat(worker_id: str, models: list[str]) -> WorkerHeartbeat:
-    return WorkerHeartbeat(worker_id=worker_id, models=models, is_ready=True, num_running=0, num_waiting=0,
-                           max_num_seqs=8, free_kv_blocks=100, block_size_tokens=16, sent_ms=0)  # fmt: skip
+    return WorkerHeartbeat(
+        worker_id=worker_id,
+        models=models,
+        is_ready=True,
+        num_running=0,
+        num_waiting=0,
+        max_num_seqs=8,
+        free_kv_blocks=100,
+        block_size_tokens=16,
+        sent_ms=0,
+    )
 
 
 def test_readiness_counts_live_workers_per_model():
     live = {"echo": [heartbeat("w1", ["echo"]), heartbeat("w2", ["echo"])]}
     assert readiness_body(True, "ready", "gw-1", live) == {
-        "ready": True, "reason": "ready", "gateway_id": "gw-1", "live_workers": {"echo": 2}}
+        "ready": True,
+        "reason": "ready",
+        "gateway_id": "gw-1",
+        "live_workers": {"echo": 2},
+    }
     assert readiness_body(False, "no live worker heartbeat", "gw-1", {})["live_workers"] == {}
 
 
@@ -105,21 +120,54 @@ class Part:
 
 async def test_the_lifespan_starts_bus_registry_guard_streams_batches_dashboard_lag_and_stops_them_in_reverse():
     log: list[str] = []
-    parts = SimpleNamespace(bus=Part("bus", log), catalog=Part("registry", log), guard=Part("guard", log),
-                            remote=Part("streams", log), lag=Part("lag", log))  # fmt: skip
-    async with running(parts, Part("batches", log), Part("dashboard", log)):  # type: ignore[arg-type]
+    parts = SimpleNamespace(
+        bus=Part("bus", log),
+        catalog=Part("registry", log),
+        guard=Part("guard", log),
+        remote=Part("streams", log),
+        lag=Part("lag", log),
+    )
+    async with running(parts, Part("batches", log), Part("dashboard", log)):
         log.append("serving")
-    assert log == ["start bus", "start registry", "start guard", "start streams", "start batches", "start dashboard",
-                   "start lag", "serving", "stop lag", "stop dashboard", "stop batches", "stop streams", "stop guard",
-                   "stop registry", "stop bus"]  # fmt: skip
+    assert log == [
+        "start bus",
+        "start registry",
+        "start guard",
+        "start streams",
+        "start batches",
+        "start dashboard",
+        "start lag",
+        "serving",
+        "stop lag",
+        "stop dashboard",
+        "stop batches",
+        "stop streams",
+        "stop guard",
+        "stop registry",
+        "stop bus",
+    ]
 
 
 async def test_a_store_that_cannot_start_still_stops_the_guard_and_the_bus():
     log: list[str] = []
-    parts = SimpleNamespace(bus=Part("bus", log), catalog=Part("registry", log), guard=Part("guard", log),
-                            remote=Part("streams", log), lag=Part("lag", log))  # fmt: skip
+    parts = SimpleNamespace(
+        bus=Part("bus", log),
+        catalog=Part("registry", log),
+        guard=Part("guard", log),
+        remote=Part("streams", log),
+        lag=Part("lag", log),
+    )
     with pytest.raises(ConnectionError):
-        async with running(parts, Part("batches", log, fails_to_start=True), Part("dashboard", log)):  # type: ignore[arg-type]
+        async with running(parts, Part("batches", log, fails_to_start=True), Part("dashboard", log)):
             log.append("serving")
-    assert log == ["start bus", "start registry", "start guard", "start streams", "start batches", "stop streams",
-                   "stop guard", "stop registry", "stop bus"]
+    assert log == [
+        "start bus",
+        "start registry",
+        "start guard",
+        "start streams",
+        "start batches",
+        "stop streams",
+        "stop guard",
+        "stop registry",
+        "stop bus",
+    ]

@@ -25,8 +25,16 @@ TOPICS = SETTINGS.topics
 
 
 def a_request(request_id: str = "cmpl-1", prompt: str = "a secret prompt") -> GenerateRequest:
-    return GenerateRequest(request_id=request_id, model="echo@1", prompt=prompt, deadline_ms=now_ms() + 60_000,
-                           reply_to=TOPICS.replies("gateway-a"), principal="ann", tenant="acme", stream=True)
+    return GenerateRequest(
+        request_id=request_id,
+        model="echo@1",
+        prompt=prompt,
+        deadline_ms=now_ms() + 60_000,
+        reply_to=TOPICS.replies("gateway-a"),
+        principal="ann",
+        tenant="acme",
+        stream=True,
+    )
 
 
 def a_record(request_id: str = "cmpl-1", **changes: object) -> StreamRecord:
@@ -45,7 +53,9 @@ def test_a_record_holds_where_the_events_are_and_how_to_render_them_never_the_pr
     writer = ChunkWriter("completions", "cmpl-1", "echo", 0, include_usage=False)
     echo = ChunkWriter("completions", "cmpl-1", "echo", 0, include_usage=False, echo="a secret prompt")
     reply_topic = TOPICS.replies("gateway-a")
-    assert durable_record(a_request(), echo, ANN, 30, "gateway-a", reply_topic, 0) is None  # its first chunk is the prompt
+    assert (
+        durable_record(a_request(), echo, ANN, 30, "gateway-a", reply_topic, 0) is None
+    )  # its first chunk is the prompt
     assert durable_record(a_request(), writer, ANN, 0, "gateway-a", reply_topic, 0) is None  # not resumable
     assert durable_record(a_request(), writer, ANN, 30, "gateway-a", reply_topic, 0) is not None
 
@@ -56,7 +66,10 @@ def test_a_record_holds_where_the_events_are_and_how_to_render_them_never_the_pr
         ({"request_id": "cmpl-other"}, "key"),
         ({"reply_topic": TOPICS.keys}, "reply topics"),  # not a reply topic: a forged reader of the keys
         ({"member_ids": ["cmpl-1", "cmpl-victim"]}, "member_ids"),
-        ({"reply_partition": 999}, "one partition"),  # a partition that is not there: a reader waiting for nothing  # events of a request it does not name
+        (
+            {"reply_partition": 999},
+            "one partition",
+        ),  # a partition that is not there: a reader waiting for nothing  # events of a request it does not name
         ({"render": {"kind": "completions", "prompt": "x"}}, "render"),
     ],
 )
@@ -92,8 +105,11 @@ async def test_another_owner_gets_the_same_404_as_an_unknown_id() -> None:
     index.on_record(b"cmpl-1", encode(a_record()), None)
     remote = RemoteResumes(SETTINGS, bus, index, ResumableStreams(60, 10))
     answers = []
-    for request_id, owner in (("cmpl-1", Owner("acme", "jwt", "ann")), ("cmpl-1", Owner("other", "key", "ann")),
-                              ("cmpl-unknown", ANN)):  # fmt: skip
+    for request_id, owner in (
+        ("cmpl-1", Owner("acme", "jwt", "ann")),
+        ("cmpl-1", Owner("other", "key", "ann")),
+        ("cmpl-unknown", ANN),
+    ):
         with pytest.raises(ApiError) as caught:
             await remote.attach(request_id, owner)
         answers.append((caught.value.status, caught.value.code))
@@ -104,8 +120,12 @@ def test_the_reader_renders_only_the_events_of_the_requests_its_record_names() -
     router = ReplyRouter()
     queue = router.register("cmpl-1")
     reader = ReplyReader(SETTINGS, a_record(), router, "test")
-    events = [ReplyDelta(request_id="cmpl-victim", seq=0, text="not yours"), ReplyDelta(request_id="cmpl-1", seq=0, text="a"),
-              ReplyDelta(request_id="cmpl-1", seq=0, text="a"), ReplyDelta(request_id="cmpl-1", seq=1, text="b")]  # fmt: skip
+    events = [
+        ReplyDelta(request_id="cmpl-victim", seq=0, text="not yours"),
+        ReplyDelta(request_id="cmpl-1", seq=0, text="a"),
+        ReplyDelta(request_id="cmpl-1", seq=0, text="a"),
+        ReplyDelta(request_id="cmpl-1", seq=1, text="b"),
+    ]
     assert [reader.on_value(encode(e)) for e in events] == [False] * 4
     assert reader.on_value(b"garbage") is False
     assert reader.on_value(encode(ReplyEnd(request_id="cmpl-1", seq=2, finish_reason="stop"))) is True  # the end
@@ -129,15 +149,20 @@ async def test_the_local_store_writes_the_end_and_the_tombstone_of_a_durable_str
 
 def test_only_gateways_may_write_the_streams_topic() -> None:
     topics = Topics(prefix="weir")
-    writers = {g.user for g in security.service_grants(topics) if "write" in g.operations and g.resource == "topic"
-               and (g.name == topics.streams if g.pattern == "literal" else topics.streams.startswith(g.name))}  # fmt: skip
+    writers = {
+        g.user
+        for g in security.service_grants(topics)
+        if "write" in g.operations
+        and g.resource == "topic"
+        and (g.name == topics.streams if g.pattern == "literal" else topics.streams.startswith(g.name))
+    }
     assert writers == {"gateway"}
 
 
 async def test_a_gateway_that_stops_leaves_its_durable_streams_running_and_cancels_the_others() -> None:
     bus = GatewayBus(SETTINGS)
     cancelled: list[tuple[str, str]] = []
-    bus.publish_cancel = lambda rid, reason: cancelled.append((rid, reason))  # type: ignore[method-assign]
+    bus.publish_cancel = lambda rid, reason: cancelled.append((rid, reason))
     for request_id, is_durable in (("cmpl-1", True), ("cmpl-2", False)):
         exchange = Exchange(bus, a_request(request_id), bus.router.register(request_id))
         exchange.is_durable = is_durable

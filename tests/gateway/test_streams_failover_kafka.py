@@ -29,8 +29,8 @@ from services.gateway.config import GatewaySettings
 from services.gateway.stream_index import RemoteResumes
 from tests.kafka_helpers import produce
 from tests.ports import HeldPort
-from weir.kafka.admin import delete_prefixed_topics, ensure_topics
 from tests.waiting import until
+from weir.kafka.admin import delete_prefixed_topics, ensure_topics
 
 from .conftest import REPO_TOML
 from .fakes import DRIP, FakeWorker, GatewayServer
@@ -58,15 +58,30 @@ async def pair(gateway_bootstrap: str) -> AsyncIterator[Pair]:
     await ensure_topics(gateway_bootstrap, topics.core_specs())
     held = HeldPort()  # gateway A serves the test's socket: B's port 0 can never be the same one
     port = held.port
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "WEIR_KAFKA_BOOTSTRAP": gateway_bootstrap, "WEIR_TOPIC_PREFIX": topics.prefix,
-           "WEIR_MODEL_REPO": str(REPO_TOML), "WEIR_AUTH_MODE": "open", "WEIR_GATEWAY_PORT": str(port),
-           "WEIR_GATEWAY_ID": "gateway-a", "WEIR_LOG_LEVEL": "WARNING"}  # fmt: skip
-    a_process = subprocess.Popen([sys.executable, "-m", "weir.cli", "gateway"], cwd=ROOT, env=held.env(env),
-                                 pass_fds=held.pass_fds)  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "WEIR_KAFKA_BOOTSTRAP": gateway_bootstrap,
+        "WEIR_TOPIC_PREFIX": topics.prefix,
+        "WEIR_MODEL_REPO": str(REPO_TOML),
+        "WEIR_AUTH_MODE": "open",
+        "WEIR_GATEWAY_PORT": str(port),
+        "WEIR_GATEWAY_ID": "gateway-a",
+        "WEIR_LOG_LEVEL": "WARNING",
+    }
+    a_process = subprocess.Popen(
+        [sys.executable, "-m", "weir.cli", "gateway"], cwd=ROOT, env=held.env(env), pass_fds=held.pass_fds
+    )
     held.close()  # A holds it now
-    settings = GatewaySettings(kafka_bootstrap=gateway_bootstrap, topic_prefix=topics.prefix, model_repo=str(REPO_TOML),
-                               gateway_id="gateway-b", auth_mode="open", gap_timeout_s=1.0,
-                               max_remote_resumes=1)  # fmt: skip
+    settings = GatewaySettings(
+        kafka_bootstrap=gateway_bootstrap,
+        topic_prefix=topics.prefix,
+        model_repo=str(REPO_TOML),
+        gateway_id="gateway-b",
+        auth_mode="open",
+        gap_timeout_s=1.0,
+        max_remote_resumes=1,
+    )
     b_app = create_app(settings)
     b = GatewayServer(b_app)
     worker = FakeWorker(gateway_bootstrap, topics)
@@ -129,8 +144,11 @@ async def test_streams_whose_gateway_is_killed_resume_at_another_with_exactly_th
     other gateway's stream at a time here (max_remote_resumes=1): the second waits its turn."""
     a_ws, b_ws = (url.replace("http", "ws") + "/v1/stream" for url in (pair.a_url, pair.b.base_url))
     async with connect(a_ws) as ws:
-        await ws.send(orjson.dumps({"type": "completions", "body": {"model": "echo", "prompt": "crawl"},
-                                    "resume_grace_s": 30}).decode())  # fmt: skip
+        await ws.send(
+            orjson.dumps(
+                {"type": "completions", "body": {"model": "echo", "prompt": "crawl"}, "resume_grace_s": 30}
+            ).decode()
+        )
         first = [orjson.loads(await ws.recv()) for _ in range(2)]
     ws_id = first[0]["id"]
     async with httpx.AsyncClient(timeout=20) as client:
@@ -151,8 +169,9 @@ async def test_streams_whose_gateway_is_killed_resume_at_another_with_exactly_th
     assert ids == sorted(set(ids))  # no event twice
     assert busy[-1]["type"] == "error" and busy[-1]["error"]["code"] == "too_many_resumes"
     remote: RemoteResumes = pair.b_app.state.remote
-    await until(lambda: remote.num_open == 0,
-                timeout_s=10, what="B's reader of A's stream closed")  # its reader closed at the end
+    await until(
+        lambda: remote.num_open == 0, timeout_s=10, what="B's reader of A's stream closed"
+    )  # its reader closed at the end
     rest = await resume_ws(b_ws, ws_id, 2)
     assert rest[-1] == {"type": "done"}
     assert [t for frame in first + rest[:-1] if (t := frame["choices"][0]["text"])] == DRIP
@@ -165,17 +184,33 @@ async def test_records_b_must_not_trust_get_the_404_of_an_unknown_id(pair: Pair,
     remote: RemoteResumes = pair.b_app.state.remote
     reply_topic = pair.topics.replies("gateway-a")
     others = a_record("cmpl-others", reply_topic=reply_topic)  # tenant acme: not the open owner asking
-    forged = a_record("cmpl-forged", reply_topic=pair.topics.keys, owner_tenant="default", owner_credential="open",
-                      owner_principal="anonymous")  # fmt: skip
+    forged = a_record(
+        "cmpl-forged",
+        reply_topic=pair.topics.keys,
+        owner_tenant="default",
+        owner_credential="open",
+        owner_principal="anonymous",
+    )
     # the open owner's, but starting past the end of the topic: it would wait for nothing until its deadline
-    beyond = a_record("cmpl-beyond", reply_topic=reply_topic, owner_tenant="default", owner_credential="open",
-                      owner_principal="anonymous", start_offset=10**15)  # fmt: skip
+    beyond = a_record(
+        "cmpl-beyond",
+        reply_topic=reply_topic,
+        owner_tenant="default",
+        owner_credential="open",
+        owner_principal="anonymous",
+        start_offset=10**15,
+    )
     ignored = remote.index.num_ignored
     await produce(gateway_bootstrap, pair.topics.streams, [(r.request_id, encode(r)) for r in (others, forged, beyond)])
-    await until(lambda: remote.index.lookup("cmpl-beyond") is not None and remote.index.num_ignored > ignored,
-                timeout_s=10, what="B to index cmpl-beyond and ignore the records beyond it")
+    await until(
+        lambda: remote.index.lookup("cmpl-beyond") is not None and remote.index.num_ignored > ignored,
+        timeout_s=10,
+        what="B to index cmpl-beyond and ignore the records beyond it",
+    )
     async with httpx.AsyncClient(base_url=pair.b.base_url, timeout=10) as client:
-        answers = [await client.get(f"/v1/streams/{rid}") for rid in ("cmpl-others", "cmpl-forged", "cmpl-unknown",
-                                                                      "cmpl-beyond")]  # fmt: skip
+        answers = [
+            await client.get(f"/v1/streams/{rid}")
+            for rid in ("cmpl-others", "cmpl-forged", "cmpl-unknown", "cmpl-beyond")
+        ]
     assert [(a.status_code, a.json()["error"]["code"]) for a in answers] == [(404, "stream_not_found")] * 4
     assert remote.num_open == 0

@@ -8,7 +8,6 @@ no client, streamed or not.
 
 from __future__ import annotations
 
-
 import httpx
 import openai
 import orjson
@@ -19,9 +18,9 @@ from websockets.asyncio.client import connect
 
 from schemas.topics import TopicSpec
 from tests.kafka_helpers import produce
+from tests.waiting import until
 from weir.kafka.admin import ensure_topics
 from weir.metrics import value
-from tests.waiting import until
 
 from .conftest import Stack
 from .fakes import DRIP
@@ -77,8 +76,11 @@ async def test_an_sse_client_resumes_with_last_event_id_and_nothing_is_regenerat
             assert response.headers["x-weir-resume-url"] == f"/v1/streams/{request_id}"
             before, last_id = await read_sse(response, max_deltas=3)
         # The connection is gone; generation goes on while the client is away (to its end here).
-        await until(lambda: stack.worker.generated.get(request_id, 0) == len(DRIP), timeout_s=10,
-                    what="the rest generated while the client is away")
+        await until(
+            lambda: stack.worker.generated.get(request_id, 0) == len(DRIP),
+            timeout_s=10,
+            what="the rest generated while the client is away",
+        )
         async with client.stream("GET", f"/v1/streams/{request_id}", headers={"last-event-id": str(last_id)}) as again:
             assert again.status_code == 200
             after, _ = await read_sse(again)
@@ -105,8 +107,11 @@ async def test_a_stream_nobody_resumes_is_cancelled_after_its_grace(stack: Stack
         async with client.stream("POST", "/v1/completions", json=DRIP_BODY, headers=headers) as response:
             request_id = response.headers["x-request-id"]
             await read_sse(response, max_deltas=1)
-        cancels = await until(lambda: stack.worker.cancels_of(request_id),
-                              timeout_s=10, what="the disconnect's cancellation at the worker")
+        cancels = await until(
+            lambda: stack.worker.cancels_of(request_id),
+            timeout_s=10,
+            what="the disconnect's cancellation at the worker",
+        )
         assert [c.reason for c in cancels] == ["client_disconnect"]
         assert stack.worker.generated[request_id] < len(DRIP)
         gone = await client.get(f"/v1/streams/{request_id}")
@@ -119,8 +124,11 @@ async def test_without_a_grace_a_disconnect_stops_the_worker_and_cannot_be_resum
             request_id = response.headers["x-request-id"]
             assert "x-weir-resume-url" not in response.headers
             await read_sse(response, max_deltas=1)
-        cancels = await until(lambda: stack.worker.cancels_of(request_id),
-                              timeout_s=10, what="the disconnect's cancellation at the worker")
+        cancels = await until(
+            lambda: stack.worker.cancels_of(request_id),
+            timeout_s=10,
+            what="the disconnect's cancellation at the worker",
+        )
         assert [c.reason for c in cancels] == ["client_disconnect"]
         gone = await client.get(f"/v1/streams/{request_id}", headers={"last-event-id": "0"})
         bad = await client.post("/v1/completions", json=DRIP_BODY, headers={"x-weir-resume-grace-s": "forever"})
@@ -135,8 +143,11 @@ async def test_a_websocket_client_resumes_with_an_offset(stack: Stack) -> None:
         await ws.send(orjson.dumps(request).decode())
         first = [orjson.loads(await ws.recv()) for _ in range(4)]
     request_id = first[0]["id"]
-    await until(lambda: stack.worker.generated.get(request_id, 0) == len(DRIP), timeout_s=10,
-                what="the rest generated while the client is away")
+    await until(
+        lambda: stack.worker.generated.get(request_id, 0) == len(DRIP),
+        timeout_s=10,
+        what="the rest generated while the client is away",
+    )
     async with connect(url) as ws:
         await ws.send(orjson.dumps({"type": "resume", "request_id": request_id, "offset": 4}).decode())
         rest = []
@@ -174,14 +185,16 @@ async def test_tool_calls_reach_the_openai_client_streamed_or_not_with_their_arg
     client = openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="local", max_retries=0)
     tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
     ask = {"model": "echo", "messages": [{"role": "user", "content": "who?"}], "tools": tools}
-    whole = (await client.chat.completions.create(**ask)).choices[0]  # type: ignore[call-overload]
-    async with client.chat.completions.stream(**ask) as stream:  # type: ignore[arg-type]
+    whole = (await client.chat.completions.create(**ask)).choices[0]
+    async with client.chat.completions.stream(**ask) as stream:
         streamed = (await stream.get_final_completion()).choices[0]
     redacted = '{"city": "Paris", "phone": "[REDACTED]"}'
     for choice in (whole, streamed):
         assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking."
-        assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []] == [("lookup", redacted)]
-    assert whole.message.tool_calls[0].id.startswith("call_chatcmpl-")  # type: ignore[index]
+        assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []] == [
+            ("lookup", redacted)
+        ]
+    assert whole.message.tool_calls[0].id.startswith("call_chatcmpl-")
 
 
 async def test_a_streamed_generation_is_timed_per_served_version(stack: Stack) -> None:
@@ -207,7 +220,12 @@ async def test_a_streamed_generation_is_timed_per_served_version(stack: Stack) -
     assert 0.9 <= e2e_s < 20  # 19 pauses of 50 ms at least
     assert grew("weir_gateway_inter_token_latency_seconds_sum", **streamed) <= e2e_s
     assert grew("weir_gateway_generation_tokens_total", **labels) == len(DRIP)
-    gen_ai = {"gen_ai_operation_name": "text_completion", "gen_ai_provider_name": "weir", "gen_ai_request_model": "echo", "gen_ai_response_model": "echo@1"}
+    gen_ai = {
+        "gen_ai_operation_name": "text_completion",
+        "gen_ai_provider_name": "weir",
+        "gen_ai_request_model": "echo",
+        "gen_ai_response_model": "echo@1",
+    }
     assert grew("gen_ai_client_token_usage_sum", **gen_ai, gen_ai_token_type="output") == len(DRIP)
     assert grew("gen_ai_client_operation_duration_seconds_count", **gen_ai) == 1
 
@@ -226,8 +244,10 @@ async def test_the_consumer_lag_of_the_deployments_groups_is_in_the_gateways_met
     async with httpx.AsyncClient(base_url=stack.base_url) as client:
 
         async def lag_is(expected: float) -> bool:
-            return value((await client.get("/metrics")).text, "kafka_consumergroup_lag", consumergroup=group,
-                         topic=topic) == expected  # fmt: skip
+            return (
+                value((await client.get("/metrics")).text, "kafka_consumergroup_lag", consumergroup=group, topic=topic)
+                == expected
+            )
 
         # polled every lag_interval_s (1 s here), never at scrape time
         await until(lambda: lag_is(3), timeout_s=10, what="the consumer group's lag of 3 on /metrics")

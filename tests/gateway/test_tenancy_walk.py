@@ -40,8 +40,8 @@ from services.gateway.app import create_app
 from services.gateway.config import GatewaySettings
 from services.gateway.guard.auth import new_api_key
 from services.gateway.keys_cli import publish_record
-from weir.kafka.admin import delete_prefixed_topics, ensure_topics
 from tests.waiting import until
+from weir.kafka.admin import delete_prefixed_topics, ensure_topics
 
 from .fakes import FakeWorker, GatewayServer
 
@@ -97,8 +97,12 @@ class Probe:
 
 
 def jsonl(made: Resources) -> bytes:
-    line = {"custom_id": made.secret, "method": "POST", "url": "/v1/chat/completions",
-            "body": {**CHAT, "messages": [{"role": "user", "content": made.secret}]}}  # fmt: skip
+    line = {
+        "custom_id": made.secret,
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {**CHAT, "messages": [{"role": "user", "content": made.secret}]},
+    }
     return orjson.dumps(line) + b"\n"
 
 
@@ -129,17 +133,28 @@ def probes(base_url: str) -> dict[tuple[str, str], Probe]:
         return calls
 
     async def file_reads(suffix: str, client: httpx.AsyncClient, auth: dict[str, str], made: Resources) -> list[Any]:
-        return [await client.get(f"/v1/files/{file_id}{suffix}", headers=auth)
-                for file_id in (made.file_id, made.output_file_id)]  # fmt: skip
+        return [
+            await client.get(f"/v1/files/{file_id}{suffix}", headers=auth)
+            for file_id in (made.file_id, made.output_file_id)
+        ]
 
     async def batch_lists(client: httpx.AsyncClient, auth: dict[str, str], made: Resources) -> list[Any]:
-        return [await client.get("/v1/batches", headers=auth, params=params)
-                for params in ({}, {"after": made.batch_id}, {"limit": 100})]  # fmt: skip
+        return [
+            await client.get("/v1/batches", headers=auth, params=params)
+            for params in ({}, {"after": made.batch_id}, {"limit": 100})
+        ]
 
     async def file_lists(client: httpx.AsyncClient, auth: dict[str, str], made: Resources) -> list[Any]:
-        return [await client.get("/v1/files", headers=auth, params=params)
-                for params in ({}, {"after": made.file_id}, {"purpose": "batch"}, {"purpose": "batch_output"},
-                               {"order": "asc", "limit": 10_000})]  # fmt: skip
+        return [
+            await client.get("/v1/files", headers=auth, params=params)
+            for params in (
+                {},
+                {"after": made.file_id},
+                {"purpose": "batch"},
+                {"purpose": "batch_output"},
+                {"order": "asc", "limit": 10_000},
+            )
+        ]
 
     async def usages(client: httpx.AsyncClient, auth: dict[str, str], made: Resources) -> list[Any]:
         return [await client.get("/v1/usage", headers=auth, params=params) for params in ({}, {"tenant": "acme"})]
@@ -150,14 +165,18 @@ def probes(base_url: str) -> dict[tuple[str, str], Probe]:
     completion = {"model": "echo", "prompt": "hi", "max_tokens": 8}
     embedding = {"model": "all-MiniLM-L6-v2", "input": "hi"}
     return {
-        ("POST", "/v1/chat/completions"): Probe(False, one(lambda c, a, m: c.post("/v1/chat/completions", headers=a,
-                                                                                  json=CHAT))),
-        ("POST", "/v1/completions"): Probe(False, one(lambda c, a, m: c.post("/v1/completions", headers=a,
-                                                                             json=completion))),
-        ("POST", "/v1/embeddings"): Probe(False, one(lambda c, a, m: c.post("/v1/embeddings", headers=a,
-                                                                            json=embedding))),
-        ("GET", "/v1/streams/{request_id}"): Probe(True, one(lambda c, a, m: c.get(f"/v1/streams/{m.stream_id}",
-                                                                                   headers=a))),
+        ("POST", "/v1/chat/completions"): Probe(
+            False, one(lambda c, a, m: c.post("/v1/chat/completions", headers=a, json=CHAT))
+        ),
+        ("POST", "/v1/completions"): Probe(
+            False, one(lambda c, a, m: c.post("/v1/completions", headers=a, json=completion))
+        ),
+        ("POST", "/v1/embeddings"): Probe(
+            False, one(lambda c, a, m: c.post("/v1/embeddings", headers=a, json=embedding))
+        ),
+        ("GET", "/v1/streams/{request_id}"): Probe(
+            True, one(lambda c, a, m: c.get(f"/v1/streams/{m.stream_id}", headers=a))
+        ),
         ("WS", "/v1/stream"): Probe(True, one(lambda c, a, m: ws_resume(base_url, a, m.stream_id))),
         ("POST", "/v1/files"): Probe(False, one(lambda c, a, m: upload(c, a, b'{"custom_id": "mine"}\n'))),
         ("GET", "/v1/files"): Probe(False, file_lists),
@@ -165,31 +184,47 @@ def probes(base_url: str) -> dict[tuple[str, str], Probe]:
         ("GET", "/v1/files/{file_id}/content"): Probe(True, files("/content")),
         ("POST", "/v1/batches"): Probe(True, one(lambda c, a, m: new_batch(c, a, m.file_id))),
         ("GET", "/v1/batches"): Probe(False, batch_lists),
-        ("GET", "/v1/batches/{batch_id}"): Probe(True, one(lambda c, a, m: c.get(f"/v1/batches/{m.batch_id}",
-                                                                                 headers=a))),
-        ("POST", "/v1/batches/{batch_id}/cancel"): Probe(True, one(
-            lambda c, a, m: c.post(f"/v1/batches/{m.batch_id}/cancel", headers=a))),
+        ("GET", "/v1/batches/{batch_id}"): Probe(
+            True, one(lambda c, a, m: c.get(f"/v1/batches/{m.batch_id}", headers=a))
+        ),
+        ("POST", "/v1/batches/{batch_id}/cancel"): Probe(
+            True, one(lambda c, a, m: c.post(f"/v1/batches/{m.batch_id}/cancel", headers=a))
+        ),
         ("GET", "/v1/models"): Probe(False, one(lambda c, a, m: c.get("/v1/models", headers=a))),
-        ("POST", "/tokenize"): Probe(False, one(lambda c, a, m: c.post("/tokenize", headers=a,
-                                                                       json={"model": "weir-tiny-py", "prompt": "hi"}))),
-        ("POST", "/detokenize"): Probe(False, one(lambda c, a, m: c.post("/detokenize", headers=a,
-                                                                         json={"model": "weir-tiny-py", "tokens": [1]}))),
+        ("GET", "/v1/models/{model_id}"): Probe(False, one(lambda c, a, m: c.get("/v1/models/echo", headers=a))),
+        ("POST", "/tokenize"): Probe(
+            False, one(lambda c, a, m: c.post("/tokenize", headers=a, json={"model": "weir-tiny-py", "prompt": "hi"}))
+        ),
+        ("POST", "/detokenize"): Probe(
+            False, one(lambda c, a, m: c.post("/detokenize", headers=a, json={"model": "weir-tiny-py", "tokens": [1]}))
+        ),
         ("GET", "/healthz"): Probe(False, one(lambda c, a, m: c.get("/healthz", headers=a))),
         ("GET", "/readyz"): Probe(False, one(lambda c, a, m: c.get("/readyz", headers=a))),
         ("GET", "/metrics"): Probe(False, one(lambda c, a, m: c.get("/metrics", headers=a))),
-        ("POST", "/v2/repository/index"): Probe(False, one(lambda c, a, m: c.post("/v2/repository/index", headers=a,
-                                                                                 json={}))),
-        **{("POST", f"/v2/repository/models/{{name}}/{action}"): Probe(False, one(
-            lambda c, a, m, action=action: c.post(f"/v2/repository/models/echo/{action}", headers=a,
-                                                  json={"version": "1"}))) for action in ("load", "unload", "promote")},
-        ("POST", "/v2/repository/models/{name}/route"): Probe(False, one(
-            lambda c, a, m: c.post("/v2/repository/models/echo/route", headers=a, json={"canary": {"1": 5}}))),
+        ("POST", "/v2/repository/index"): Probe(
+            False, one(lambda c, a, m: c.post("/v2/repository/index", headers=a, json={}))
+        ),
+        **{
+            ("POST", f"/v2/repository/models/{{name}}/{action}"): Probe(
+                False,
+                one(
+                    lambda c, a, m, action=action: c.post(
+                        f"/v2/repository/models/echo/{action}", headers=a, json={"version": "1"}
+                    )
+                ),
+            )
+            for action in ("load", "unload", "promote")
+        },
+        ("POST", "/v2/repository/models/{name}/route"): Probe(
+            False, one(lambda c, a, m: c.post("/v2/repository/models/echo/route", headers=a, json={"canary": {"1": 5}}))
+        ),
         ("GET", "/v1/usage"): Probe(False, usages),  # a tenant's own rows; A's tenant named by another: 403
         ("GET", "/dashboard"): Probe(False, one(lambda c, a, m: c.get("/dashboard", headers=a))),  # no data in it
-        ("GET", "/dashboard/static/{name}"): Probe(False, one(lambda c, a, m: c.get("/dashboard/static/dashboard.js",
-                                                                                    headers=a))),
+        ("GET", "/dashboard/static/{name}"): Probe(
+            False, one(lambda c, a, m: c.get("/dashboard/static/dashboard.js", headers=a))
+        ),
         ("GET", "/dashboard/data"): Probe(False, one(lambda c, a, m: c.get("/dashboard/data", headers=a))),
-    }  # fmt: skip
+    }
 
 
 def unknown_ids(made: Resources) -> Resources:
@@ -218,9 +253,14 @@ async def walk(gateway_bootstrap: str) -> AsyncIterator[Walk]:
     topics = Topics(prefix=f"t{uuid.uuid4().hex[:8]}")
     await ensure_topics(gateway_bootstrap, topics.core_specs())
     settings = GatewaySettings(
-        kafka_bootstrap=gateway_bootstrap, topic_prefix=topics.prefix, model_repo=str(REPO_TOML),
-        jwt_keys=orjson.dumps(JWKS).decode(), reply_grace_s=0.5, gap_timeout_s=1.0, resume_keep_s=600,
-    )  # fmt: skip
+        kafka_bootstrap=gateway_bootstrap,
+        topic_prefix=topics.prefix,
+        model_repo=str(REPO_TOML),
+        jwt_keys=orjson.dumps(JWKS).decode(),
+        reply_grace_s=0.5,
+        gap_timeout_s=1.0,
+        resume_keep_s=600,
+    )
     app = create_app(settings)
     assert routes_of(app) == set(probes("http://gw"))  # the walk below covers every route
     server = GatewayServer(app)
@@ -228,8 +268,14 @@ async def walk(gateway_bootstrap: str) -> AsyncIterator[Walk]:
     runner = JobRunner(settings, RegistryState(load_model_repo(str(REPO_TOML))), "walk-runner")
     stop = asyncio.Event()
     running = None
-    keys = {name: new_api_key(principal, tenant) for name, principal, tenant in
-            (("alice", "alice", "acme"), ("bob", "bob", "globex"), ("carol", "carol", "acme"))}  # fmt: skip
+    keys = {
+        name: new_api_key(principal, tenant)
+        for name, principal, tenant in (
+            ("alice", "alice", "acme"),
+            ("bob", "bob", "globex"),
+            ("carol", "carol", "acme"),
+        )
+    }
     auth = {name: {"authorization": f"Bearer {key}"} for name, (key, _) in keys.items()}
     try:
         await server.start()
@@ -239,9 +285,11 @@ async def walk(gateway_bootstrap: str) -> AsyncIterator[Walk]:
             await publish_record(settings, record)
         async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as client:
             for headers in auth.values():  # the gateway has read every key record
-                await until(lambda h=headers: app.state.guard.auth.keys.get(
-                    h["authorization"].split("_")[1]) is not None,
-                            timeout_s=30, what="the gateway to know the key")  # fmt: skip
+                await until(
+                    lambda h=headers: app.state.guard.auth.keys.get(h["authorization"].split("_")[1]) is not None,
+                    timeout_s=30,
+                    what="the gateway to know the key",
+                )
             await until(lambda: app.state.bus.readiness()[0], timeout_s=30, what="the gateway ready")
             made = await make_resources(client, auth["alice"])
         intruders = {
@@ -297,8 +345,9 @@ def routes_of(app: Any) -> set[tuple[str, str]]:
 
 def test_every_route_has_a_probe() -> None:
     # No broker needed: a route added to the gateway without a probe here fails in every run.
-    app = create_app(GatewaySettings(model_repo=str(REPO_TOML), kafka_bootstrap="127.0.0.1:1",
-                                     jwt_keys=orjson.dumps(JWKS).decode()))  # fmt: skip
+    app = create_app(
+        GatewaySettings(model_repo=str(REPO_TOML), kafka_bootstrap="127.0.0.1:1", jwt_keys=orjson.dumps(JWKS).decode())
+    )
     routes = routes_of(app)
     walked = set(probes("http://gw"))
     assert routes - walked == set(), f"routes without a cross-tenant probe here: {sorted(routes - walked)}"

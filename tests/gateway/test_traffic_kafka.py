@@ -35,10 +35,10 @@ from services.gateway.app import create_app
 from services.gateway.catalog import Catalog
 from services.gateway.config import GatewaySettings
 from services.gateway.guard.auth import new_api_key
+from tests.waiting import until
 from weir.kafka.admin import delete_prefixed_topics, ensure_topics
 from weir.models.manifest import pack
 from weir.registry import publish, read_registry, set_route
-from tests.waiting import until
 
 from .fakes import GatewayServer
 from .test_registry_kafka import EmbeddingWorker
@@ -79,8 +79,12 @@ class Gateway:
         records = set_route(self.catalog.state, "echo", by="test", canary=canary)
         published = time.monotonic()
         await publish(self.settings, records)
-        await until(lambda: self.catalog.state.routes.get("echo") == records[0], timeout_s=10, interval_s=0.005,
-                    what="the gateway assigning by the new canaries")
+        await until(
+            lambda: self.catalog.state.routes.get("echo") == records[0],
+            timeout_s=10,
+            interval_s=0.005,
+            what="the gateway assigning by the new canaries",
+        )
         return time.monotonic() - published
 
 
@@ -93,16 +97,24 @@ async def gateway(gateway_bootstrap: str) -> AsyncIterator[Gateway]:
     topics = Topics(prefix=f"t{uuid4().hex[:8]}")
     await ensure_topics(gateway_bootstrap, topics.core_specs())
     settings = GatewaySettings(
-        kafka_bootstrap=gateway_bootstrap, topic_prefix=topics.prefix, model_repo=str(REPO_TOML),
-        gateway_admin_token=SecretStr(TOKEN), reply_grace_s=0.2, gap_timeout_s=1.0,
-    )  # fmt: skip
+        kafka_bootstrap=gateway_bootstrap,
+        topic_prefix=topics.prefix,
+        model_repo=str(REPO_TOML),
+        gateway_admin_token=SecretStr(TOKEN),
+        reply_grace_s=0.2,
+        gap_timeout_s=1.0,
+    )
     # registered (as workers seed models.toml), so set_route may name each; echo@1 the default
     await publish(settings, [*map(echo_version, "123"), ModelRoute(name="echo", default_version="1")])
     app = create_app(settings)
     server = GatewayServer(app)
     worker = EmbeddingWorker(gateway_bootstrap, topics)
-    worker.versions = {"echo@1": READY, "echo@2": READY, "echo@3": READY,
-                       "all-MiniLM-L6-v2@1": VersionStatus(state="ready")}  # fmt: skip
+    worker.versions = {
+        "echo@1": READY,
+        "echo@2": READY,
+        "echo@3": READY,
+        "all-MiniLM-L6-v2@1": VersionStatus(state="ready"),
+    }
     wide_key, wide = new_api_key("ann", "acme", models=["echo", "all-MiniLM-L6-v2"])
     narrow_key, narrow = new_api_key("bob", "acme", models=["echo@1"])
     try:
@@ -111,11 +123,20 @@ async def gateway(gateway_bootstrap: str) -> AsyncIterator[Gateway]:
             app.state.guard.auth.keys.observe(record)
         await worker.start()
         now_ms = lambda: int(time.time() * 1000)  # noqa: E731
-        await until(lambda: all(app.state.bus.fleet.serving(f"echo@{v}", now_ms()) for v in "123"),
-                    timeout_s=20, what="echo@1, @2 and @3 served by live workers")
+        await until(
+            lambda: all(app.state.bus.fleet.serving(f"echo@{v}", now_ms()) for v in "123"),
+            timeout_s=20,
+            what="echo@1, @2 and @3 served by live workers",
+        )
         await until(lambda: "echo@3" in app.state.catalog.state.versions, timeout_s=10, what="echo@3 in the catalog")
-        yield Gateway(settings, app, server, worker, {"authorization": f"Bearer {wide_key}"},
-                      {"authorization": f"Bearer {narrow_key}"})  # fmt: skip
+        yield Gateway(
+            settings,
+            app,
+            server,
+            worker,
+            {"authorization": f"Bearer {wide_key}"},
+            {"authorization": f"Bearer {narrow_key}"},
+        )
     finally:
         await worker.stop()
         await server.stop()
@@ -149,11 +170,16 @@ async def test_assignment_is_sticky_per_user_and_every_response_says_it(gateway:
             answer = await client.post("/v1/chat/completions", json=chat(user))
             assert answer.status_code == 200, answer.text
             sent = gateway.sent(answer.json()["id"])
-            assert (sent.model, sent.assignment, sent.user) == (answer.json()["model"],
-                                                               answer.headers["x-weir-assignment"], user)  # fmt: skip
+            assert (sent.model, sent.assignment, sent.user) == (
+                answer.json()["model"],
+                answer.headers["x-weir-assignment"],
+                user,
+            )
             body = {"model": "echo", "prompt": "hi", "max_tokens": 8, "stream": True, "user": user}
             async with client.stream("POST", "/v1/completions", json=body) as sse:
-                models = {orjson.loads(line[6:])["model"] async for line in sse.aiter_lines() if line.startswith("data: {")}
+                models = {
+                    orjson.loads(line[6:])["model"] async for line in sse.aiter_lines() if line.startswith("data: {")
+                }
                 streamed = (models.pop(), sse.headers["x-weir-assignment"])
             assert not models
             seen[user] = {(sent.model, sent.assignment), streamed}
@@ -180,19 +206,22 @@ async def test_a_key_pins_the_versions_it_may_use_and_keeps_out_of_canaries_it_m
         async def ask(auth: dict[str, str], model: str) -> httpx.Response:
             return await client.post("/v1/chat/completions", headers=auth, json=chat("dave", model=model))
 
-        for auth, model, expected in ((gateway.wide, "echo@3", ("echo@3", "pinned")),
-                                      (gateway.wide, "echo@1", ("echo@1", "pinned")),  # the default, named
-                                      (gateway.wide, "echo", ("echo@2", "canary")),
-                                      (gateway.narrow, "echo@1", ("echo@1", "pinned")),
-                                      (gateway.narrow, "echo", ("echo@1", "default"))):  # fmt: skip
+        for auth, model, expected in (
+            (gateway.wide, "echo@3", ("echo@3", "pinned")),
+            (gateway.wide, "echo@1", ("echo@1", "pinned")),  # the default, named
+            (gateway.wide, "echo", ("echo@2", "canary")),
+            (gateway.narrow, "echo@1", ("echo@1", "pinned")),
+            (gateway.narrow, "echo", ("echo@1", "default")),
+        ):
             answer = await ask(auth, model)
             assert answer.status_code == 200, (model, answer.text)
             assert (answer.json()["model"], answer.headers["x-weir-assignment"]) == expected, model
             assert (gateway.sent(answer.json()["id"]).model, gateway.sent(answer.json()["id"]).assignment) == expected
         refused = await ask(gateway.narrow, "echo@2")
         assert (refused.status_code, refused.json()["error"]["code"]) == (403, "model_not_allowed")
-        embedded = await client.post("/v1/embeddings", headers=gateway.wide,
-                                     json={"model": "all-MiniLM-L6-v2", "input": "hi", "user": "dave"})  # fmt: skip
+        embedded = await client.post(
+            "/v1/embeddings", headers=gateway.wide, json={"model": "all-MiniLM-L6-v2", "input": "hi", "user": "dave"}
+        )
         assert embedded.status_code == 200, embedded.text
         assert embedded.headers["x-weir-assignment"] == "default"
 
@@ -205,8 +234,14 @@ async def test_the_admin_route_endpoint_writes_a_policy_a_follower_reads(gateway
 
         answer = await route({"canary": {"2": 10}, "mirror": {"3": 100}})
         assert answer.status_code == 200, answer.text
-        assert answer.json() == {"name": "echo", "default": "1", "canary": {"2": 10}, "mirror": {"3": 100},
-                                 "records": ["route:echo"], "applied": True}  # fmt: skip
+        assert answer.json() == {
+            "name": "echo",
+            "default": "1",
+            "canary": {"2": 10},
+            "mirror": {"3": 100},
+            "records": ["route:echo"],
+            "applied": True,
+        }
         state = await read_registry(gateway.settings)  # an independent follower, from the beginning
         assert (state.routes["echo"].canary, state.routes["echo"].mirror) == ({"2": 10}, {"3": 100})
         assert "gateway admin API" in state.routes["echo"].reason

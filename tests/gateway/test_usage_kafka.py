@@ -32,9 +32,9 @@ from services.gateway.config import GatewaySettings
 from services.gateway.guard.auth import new_api_key
 from tests.auditor.factories import make_event
 from tests.auditor.test_auditor_kafka import produce
+from tests.waiting import until
 from weir import usage as usage_cli
 from weir.kafka.admin import delete_prefixed_topics, ensure_topics
-from tests.waiting import until
 
 from .fakes import GatewayServer
 
@@ -57,7 +57,9 @@ def _event(i: int, now_ms: int, **fields: Any):
     return make_event(i, finished_ms=now_ms - 1000 + i, **fields)
 
 
-async def test_audit_events_to_v1_usage_per_tenant(gateway_bootstrap: str, topics: Topics, tmp_path: Path, capsys) -> None:
+async def test_audit_events_to_v1_usage_per_tenant(
+    gateway_bootstrap: str, topics: Topics, tmp_path: Path, capsys
+) -> None:
     bootstrap = gateway_bootstrap
     now_ms = int(datetime.now(UTC).timestamp() * 1000)
     if now_ms % 86_400_000 < 5000:  # the events would straddle midnight
@@ -67,22 +69,39 @@ async def test_audit_events_to_v1_usage_per_tenant(gateway_bootstrap: str, topic
     # Before anyone reads the usage topic: a record that is no JSON, one that is no UsageTotals,
     # and a forged total for acme under a key of its own choosing.
     forged = UsageTotals(day=today, tenant="acme", principal="ann", model_version="weir-tiny@1", requests=999)
-    await produce(bootstrap, topics.token_usage, [(b"junk", b"not json"), (b"x", b'{"kind": "usage", "day": 1}'),
-                                                  (b"usage\x1fforged", encode(forged))])  # fmt: skip
-    events = [_event(1, now_ms, principal="ann", tenant="acme", prompt_tokens=10, completion_tokens=5,
-                     cached_prompt_tokens=4),
-              _event(2, now_ms, principal="ann", tenant="acme", prompt_tokens=20, completion_tokens=15),
-              _event(3, now_ms, principal="ann", tenant="acme", shadow_of="req-2", prompt_tokens=500),
-              _event(4, now_ms, principal="bob", tenant="globex", prompt_tokens=7, completion_tokens=1)]  # fmt: skip
+    await produce(
+        bootstrap,
+        topics.token_usage,
+        [(b"junk", b"not json"), (b"x", b'{"kind": "usage", "day": 1}'), (b"usage\x1fforged", encode(forged))],
+    )
+    events = [
+        _event(
+            1, now_ms, principal="ann", tenant="acme", prompt_tokens=10, completion_tokens=5, cached_prompt_tokens=4
+        ),
+        _event(2, now_ms, principal="ann", tenant="acme", prompt_tokens=20, completion_tokens=15),
+        _event(3, now_ms, principal="ann", tenant="acme", shadow_of="req-2", prompt_tokens=500),
+        _event(4, now_ms, principal="bob", tenant="globex", prompt_tokens=7, completion_tokens=1),
+    ]
     await produce(bootstrap, topics.audit, [(e.request_id.encode(), encode(e)) for e in [*events, events[1]]])
 
     repo = tmp_path / "models.toml"
-    repo.write_text(REPO_TOML.read_text() + '\n[prices.weir-tiny]\ninput_per_1m = 2.0\noutput_per_1m = 6.0\n')
-    auditor = AuditorSettings(kafka_bootstrap=bootstrap, topic_prefix=topics.prefix, audit_db=tmp_path / "a.sqlite",
-                              model_repo=str(repo), usage_every_s=0.2, usage_rate_every_s=0.5,
-                              hardware_cost_per_hour=3.0, canary_guard=False)  # fmt: skip
-    settings = GatewaySettings(kafka_bootstrap=bootstrap, topic_prefix=topics.prefix, model_repo=str(REPO_TOML),
-                               gateway_admin_token=SecretStr(TOKEN))  # fmt: skip
+    repo.write_text(REPO_TOML.read_text() + "\n[prices.weir-tiny]\ninput_per_1m = 2.0\noutput_per_1m = 6.0\n")
+    auditor = AuditorSettings(
+        kafka_bootstrap=bootstrap,
+        topic_prefix=topics.prefix,
+        audit_db=tmp_path / "a.sqlite",
+        model_repo=str(repo),
+        usage_every_s=0.2,
+        usage_rate_every_s=0.5,
+        hardware_cost_per_hour=3.0,
+        canary_guard=False,
+    )
+    settings = GatewaySettings(
+        kafka_bootstrap=bootstrap,
+        topic_prefix=topics.prefix,
+        model_repo=str(REPO_TOML),
+        gateway_admin_token=SecretStr(TOKEN),
+    )
     app = create_app(settings)
     server = GatewayServer(app)
     ann_key, ann = new_api_key("ann", "acme")
@@ -107,8 +126,13 @@ async def test_audit_events_to_v1_usage_per_tenant(gateway_bootstrap: str, topic
                 rows = {(row["tenant"], row["principal"]): row for row in body["data"]}
                 assert set(rows) == {("acme", "ann"), ("globex", "bob")}  # the forged record is not among them
                 ann_row = rows[("acme", "ann")]
-                assert (ann_row["requests"], ann_row["prompt_tokens"], ann_row["completion_tokens"],
-                        ann_row["cached_prompt_tokens"], ann_row["total_tokens"]) == (2, 30, 20, 4, 50)  # fmt: skip
+                assert (
+                    ann_row["requests"],
+                    ann_row["prompt_tokens"],
+                    ann_row["completion_tokens"],
+                    ann_row["cached_prompt_tokens"],
+                    ann_row["total_tokens"],
+                ) == (2, 30, 20, 4, 50)
                 assert ann_row["day"] == today and ann_row["model"] == "weir-tiny@1"
                 assert ann_row["cost_usd"] == pytest.approx((30 * 2.0 + 20 * 6.0) / 1e6)
                 card = next(c for c in body["rate_cards"] if c["model_version"] == "weir-tiny@1")
@@ -122,19 +146,47 @@ async def test_audit_events_to_v1_usage_per_tenant(gateway_bootstrap: str, topic
                 refused = await get({"authorization": f"Bearer {ann_key}"}, tenant="globex")
                 assert refused.status_code == 403
                 assert refused.json()["error"]["code"] == "tenant_not_allowed" and "data" not in refused.json()
-                assert (await get({"authorization": f"Bearer {bob_key}"}, tenant="globex")).json()["data"][0]["requests"] == 1
+                assert (await get({"authorization": f"Bearer {bob_key}"}, tenant="globex")).json()["data"][0][
+                    "requests"
+                ] == 1
                 only = (await get(ADMIN, tenant="globex", group_by="tenant")).json()["data"]
-                assert only == [{"tenant": "globex", "requests": 1, "prompt_tokens": 7, "completion_tokens": 1,
-                                 "cached_prompt_tokens": 0, "cost_usd": pytest.approx(20 / 1e6), "total_tokens": 8}]
+                assert only == [
+                    {
+                        "tenant": "globex",
+                        "requests": 1,
+                        "prompt_tokens": 7,
+                        "completion_tokens": 1,
+                        "cached_prompt_tokens": 0,
+                        "cost_usd": pytest.approx(20 / 1e6),
+                        "total_tokens": 8,
+                    }
+                ]
                 assert (await get(None)).status_code == 401
-                for bad in ({"start": "yesterday"}, {"start": "2026-13-45"}, {"group_by": "colour"}, {"page": "2"},
-                            {"start": today, "end": "2000-01-01"}):  # fmt: skip
+                for bad in (
+                    {"start": "yesterday"},
+                    {"start": "2026-13-45"},
+                    {"group_by": "colour"},
+                    {"page": "2"},
+                    {"start": today, "end": "2000-01-01"},
+                ):
                     response = await get(ADMIN, **bad)
                     assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
 
                 # A total published after the gateway started is followed.
-                await produce(bootstrap, topics.audit, [(b"req-5", encode(_event(5, now_ms, principal="bob", tenant="globex",
-                                                                                   prompt_tokens=1, completion_tokens=1)))])
+                await produce(
+                    bootstrap,
+                    topics.audit,
+                    [
+                        (
+                            b"req-5",
+                            encode(
+                                _event(
+                                    5, now_ms, principal="bob", tenant="globex", prompt_tokens=1, completion_tokens=1
+                                )
+                            ),
+                        )
+                    ],
+                )
 
                 async def bob_has_two() -> bool:
                     data = (await get(ADMIN, tenant="globex")).json()["data"]
@@ -144,8 +196,9 @@ async def test_audit_events_to_v1_usage_per_tenant(gateway_bootstrap: str, topic
         finally:
             await server.stop()
 
-    code = await asyncio.to_thread(usage_cli.main, ["--bootstrap", bootstrap, "--topic-prefix", topics.prefix,
-                                                    "--tenant", "acme", "--json"])  # fmt: skip
+    code = await asyncio.to_thread(
+        usage_cli.main, ["--bootstrap", bootstrap, "--topic-prefix", topics.prefix, "--tenant", "acme", "--json"]
+    )
     out = capsys.readouterr().out
     printed = orjson.loads(out.strip().splitlines()[-1])
     assert code == 0 and [row["requests"] for row in printed["data"]] == [2] and printed["skipped"] == 3

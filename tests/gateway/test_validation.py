@@ -8,15 +8,15 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from schemas.model_repo import ModelConfig
-from services.gateway.openai_format import ApiError, parse_body, to_generate_request
 from services.gateway.guard.validation import TOKENS_PER_MESSAGE, TokenCounter, check_request, estimate_tokens
+from services.gateway.openai_format import ApiError, parse_body, to_generate_request
 
 
 @pytest.fixture(scope="module")
 def word_model(tmp_path_factory: pytest.TempPathFactory) -> ModelConfig:
     """A model directory whose tokenizer.json splits on whitespace: one token per word."""
     path = tmp_path_factory.mktemp("wordmodel")
-    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate("hello world one two three".split())}}
+    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(["hello", "world", "one", "two", "three"])}}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer.save(str(path / "tokenizer.json"))
@@ -26,10 +26,11 @@ def word_model(tmp_path_factory: pytest.TempPathFactory) -> ModelConfig:
 ECHO = ModelConfig(name="echo", engine="echo", max_model_len=64, default_timeout_s=120)
 
 
-def request_of(kind: str, body: bytes, model: ModelConfig, timeout_s: float | None = None):  # type: ignore[no-untyped-def]
-    parsed = parse_body(kind, body)  # type: ignore[arg-type]
-    request = to_generate_request(kind, parsed, model, request_id="r", reply_to="t", now_ms=1_000,  # type: ignore[arg-type]
-                                  client_timeout_s=timeout_s, max_timeout_s=600)  # fmt: skip
+def request_of(kind: str, body: bytes, model: ModelConfig, timeout_s: float | None = None):
+    parsed = parse_body(kind, body)
+    request = to_generate_request(
+        kind, parsed, model, request_id="r", reply_to="t", now_ms=1_000, client_timeout_s=timeout_s, max_timeout_s=600
+    )
     return parsed, request
 
 
@@ -37,8 +38,9 @@ def test_counts_with_the_models_tokenizer(word_model: ModelConfig) -> None:
     counter = TokenCounter()
     assert counter.tokenizer(word_model) is not None
     assert counter.count(word_model, "hello world one") == 3
-    body, _ = request_of("chat.completions", b'{"model": "words", "messages": [{"role": "user", "content": "one two"}]}',
-                         word_model)  # fmt: skip
+    body, _ = request_of(
+        "chat.completions", b'{"model": "words", "messages": [{"role": "user", "content": "one two"}]}', word_model
+    )
     assert counter.count_prompt(word_model, body) == 2 + TOKENS_PER_MESSAGE
 
 
@@ -52,8 +54,14 @@ def test_prompt_too_long_names_the_prompt(word_model: ModelConfig) -> None:
     prompt = " ".join(["hello"] * 40)
     body, request = request_of("completions", f'{{"model": "words", "prompt": "{prompt}"}}'.encode(), word_model)
     with pytest.raises(ApiError) as error:
-        check_request(body, request, word_model, TokenCounter().count_prompt(word_model, body),
-                      max_input_tokens=None, max_stop_sequences=4)  # fmt: skip
+        check_request(
+            body,
+            request,
+            word_model,
+            TokenCounter().count_prompt(word_model, body),
+            max_input_tokens=None,
+            max_stop_sequences=4,
+        )
     assert (error.value.status, error.value.param, error.value.code) == (400, "prompt", "context_length_exceeded")
     with pytest.raises(ApiError) as capped:
         check_request(body, request, word_model, 10, max_input_tokens=5, max_stop_sequences=4)
@@ -66,8 +74,10 @@ def test_prompt_plus_max_tokens_must_fit_and_a_default_is_fitted(word_model: Mod
         check_request(explicit, request, word_model, 10, max_input_tokens=None, max_stop_sequences=4)
     assert (error.value.param, error.value.code) == ("max_tokens", "context_length_exceeded")
     chat, request = request_of(
-        "chat.completions", b'{"model": "words", "messages": [{"role": "user", "content": "x"}], '
-        b'"max_completion_tokens": 30}', word_model)  # fmt: skip
+        "chat.completions",
+        b'{"model": "words", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 30}',
+        word_model,
+    )
     with pytest.raises(ApiError) as chat_error:
         check_request(chat, request, word_model, 10, max_input_tokens=None, max_stop_sequences=4)
     assert chat_error.value.param == "max_completion_tokens"
@@ -92,26 +102,34 @@ def test_context_length_refusals_are_in_openais_words(word_model: ModelConfig) -
         check_request(body, request, word_model, 20, max_input_tokens=None, max_stop_sequences=4)
     assert both.value.message == (
         "This model's maximum context length is 32 tokens. However, you requested 40 tokens (20 in the messages, "
-        "20 in the completion). Please reduce the length of the messages or completion.")  # fmt: skip
+        "20 in the completion). Please reduce the length of the messages or completion."
+    )
     with pytest.raises(ApiError) as prompt_too:  # the prompt alone, with an explicit max_tokens
         check_request(body, request, word_model, 5005, max_input_tokens=None, max_stop_sequences=4)
     assert prompt_too.value.message == (
         "This model's maximum context length is 32 tokens. However, you requested 5025 tokens (5005 in the "
-        "messages, 20 in the completion). Please reduce the length of the messages or completion.")  # fmt: skip
+        "messages, 20 in the completion). Please reduce the length of the messages or completion."
+    )
     assert prompt_too.value.param == "messages"
     completion, request = request_of("completions", b'{"model": "words", "prompt": "x"}', word_model)
     with pytest.raises(ApiError) as alone:  # the prompt alone, max_tokens defaulted: no completion was asked
         check_request(completion, request, word_model, 5005, max_input_tokens=None, max_stop_sequences=4)
     assert alone.value.message == (
         "This model's maximum context length is 32 tokens. However, your prompt resulted in 5005 tokens, which "
-        "leaves no room for the completion. Please reduce the length of the prompt.")  # fmt: skip
+        "leaves no room for the completion. Please reduce the length of the prompt."
+    )
     with pytest.raises(ApiError) as capped:  # a deployment's WEIR_MAX_INPUT_TOKENS below the context
         check_request(completion, request, word_model, 10, max_input_tokens=5, max_stop_sequences=4)
-    assert capped.value.message.startswith("This model's maximum context length is 32 tokens, and this deployment "
-                                           "accepts at most 5 tokens of prompt (WEIR_MAX_INPUT_TOKENS).")  # fmt: skip
+    assert capped.value.message.startswith(
+        "This model's maximum context length is 32 tokens, and this deployment "
+        "accepts at most 5 tokens of prompt (WEIR_MAX_INPUT_TOKENS)."
+    )
     with pytest.raises(ApiError) as huge:  # max_tokens past the context, refused before the prompt is counted
-        request_of("chat.completions", b'{"model": "words", "messages": [{"role": "user", "content": "x"}], '
-                   b'"max_completion_tokens": 40}', word_model)  # fmt: skip
+        request_of(
+            "chat.completions",
+            b'{"model": "words", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 40}',
+            word_model,
+        )
     assert huge.value.param == "max_completion_tokens"
     assert "you requested 40 tokens in the completion alone (max_completion_tokens)" in huge.value.message
     for error in (both, prompt_too, alone, capped, huge):

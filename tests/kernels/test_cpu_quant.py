@@ -39,7 +39,11 @@ def kernels_or_skip() -> None:
 def test_int8_kernel_matches_the_reference(b, k, n) -> None:
     kernels_or_skip()
     gen = torch.Generator().manual_seed(b * 1000 + n)
-    x, w, bias = torch.randn(b, k, generator=gen), torch.randn(n, k, generator=gen) * 0.05, torch.randn(n, generator=gen)
+    x, w, bias = (
+        torch.randn(b, k, generator=gen),
+        torch.randn(n, k, generator=gen) * 0.05,
+        torch.randn(n, generator=gen),
+    )
     q, d = cq.quantize_int8(w)
     out = torch.ops.weir_quant.q8_linear(x, q, d, bias)
     expected = F.linear(quantize_activations_ref(x).double(), cq.dequantize_int8(q, d).double(), bias.double())
@@ -100,14 +104,21 @@ def test_the_layouts_slice_by_output_rows_and_input_columns() -> None:
     full8, full4 = cq.dequantize_int8(q, d), cq.dequantize_int4(q4, d4, m4)
     torch.testing.assert_close(cq.dequantize_int8(q[32:64].contiguous(), d[32:64].contiguous()), full8[32:64])
     torch.testing.assert_close(cq.dequantize_int8(q[:, 64:].contiguous(), d[:, 2:].contiguous()), full8[:, 64:])
-    torch.testing.assert_close(cq.dequantize_int4(q4[:, 32:].contiguous(), d4[:, 2:].contiguous(), m4[:, 2:].contiguous()),
-                               full4[:, 64:])  # fmt: skip
+    torch.testing.assert_close(
+        cq.dequantize_int4(q4[:, 32:].contiguous(), d4[:, 2:].contiguous(), m4[:, 2:].contiguous()), full4[:, 64:]
+    )
     if cq.extension_available():  # two column halves add up to the whole (tensor-parallel row split of K)
         x = torch.randn(3, 128)
-        halves = sum(torch.ops.weir_quant.q4_linear(x[:, i * 64 : (i + 1) * 64].contiguous(),
-                                                    q4[:, i * 32 : (i + 1) * 32].contiguous(),
-                                                    d4[:, i * 2 : (i + 1) * 2].contiguous(),
-                                                    m4[:, i * 2 : (i + 1) * 2].contiguous(), None) for i in range(2))  # fmt: skip
+        halves = sum(
+            torch.ops.weir_quant.q4_linear(
+                x[:, i * 64 : (i + 1) * 64].contiguous(),
+                q4[:, i * 32 : (i + 1) * 32].contiguous(),
+                d4[:, i * 2 : (i + 1) * 2].contiguous(),
+                m4[:, i * 2 : (i + 1) * 2].contiguous(),
+                None,
+            )
+            for i in range(2)
+        )
         torch.testing.assert_close(halves, torch.ops.weir_quant.q4_linear(x, q4, d4, m4, None), rtol=1e-5, atol=1e-5)
 
 

@@ -157,10 +157,15 @@ def test_rotary_int32_positions():
 
 SCALINGS = {
     "linear": {"type": "linear", "factor": 2.0},
-    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 16},
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    },
     "dynamic": {"rope_type": "dynamic", "factor": 2.0},
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("rope_type", sorted(SCALINGS))

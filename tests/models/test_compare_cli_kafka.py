@@ -36,7 +36,7 @@ def test_compare_prints_the_summary_per_pair(prefix: str, capsys) -> None:  # no
         comparison(5, mirror="tiny@3", similarity=0.5),
         (b"x", b"forged: not a comparison"),
         (b"x", orjson.dumps({"request_id": "r", "name": "tiny"})),
-    ]))  # fmt: skip
+    ]))
     assert weir(prefix, "compare", "tiny", "--json") == 0
     out = orjson.loads(capsys.readouterr().out)
     assert out["name"] == "tiny" and out["skipped"] == 2

@@ -12,18 +12,18 @@ T0 = 1_700_000_000_000
 DAY_MS = 86400 * 1000
 
 
-def alert(sid: str, signal: str, state: str, created_ms: int, **extra) -> tuple[bytes, bytes]:
-    fields = {"alert_id": f"{sid}-{signal}-{created_ms}", "model_version": sid, "signal": signal, "state": state,
+def alert(served_id: str, signal: str, state: str, created_ms: int, **extra) -> tuple[bytes, bytes]:
+    fields = {"alert_id": f"{served_id}-{signal}-{created_ms}", "model_version": served_id, "signal": signal, "state": state,
               "value": 0.2, "baseline": 2.0, "threshold": 0.3, "detail": "entropy relative drift 0.9 > 0.3",
-              "created_ms": created_ms, **extra}  # fmt: skip
-    return sid.encode(), encode(HealthAlert(**fields))
+              "created_ms": created_ms, **extra}
+    return served_id.encode(), encode(HealthAlert(**fields))
 
 
 def test_the_latest_alert_per_version_and_signal_and_malformed_records_skipped() -> None:
     records = [alert("tiny@1", "entropy", "raised", T0), alert("tiny@1", "entropy", "cleared", T0 + 5, value=1.9),
                alert("tiny@2", "entropy", "raised", T0 + 3), (b"x", b"not json"), (b"y", b'{"signal": "entropy"}'),
                alert("tiny@1", "freshness", "raised", T0 + 1, baseline=None, value=40 * 86400.0, threshold=30 * 86400.0),
-               alert("other@1", "watermark", "raised", T0)]  # fmt: skip
+               alert("other@1", "watermark", "raised", T0)]
     latest, skipped = latest_alerts(records)
     assert skipped == 2 and latest[("tiny@1", "entropy")].state == "cleared"
     state = RegistryState()

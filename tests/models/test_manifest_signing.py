@@ -66,7 +66,7 @@ def test_a_manifest_file_inside_the_directory_changes_nothing(model_dir: Path, c
 def test_pack_writes_next_to_the_directory_by_default_and_signs(model_dir: Path, tmp_path: Path) -> None:
     generate_keypair(tmp_path / "k.key", tmp_path / "k.pub")
     assert cli.main(["pack", str(model_dir), "--name", "m", "--version", "2", "--engine", "onnx",
-                     "--max-model-len", "64", "--sign-key", str(tmp_path / "k.key")]) == 0  # fmt: skip
+                     "--max-model-len", "64", "--sign-key", str(tmp_path / "k.key")]) == 0
     manifest, signature = read_manifest_file(tmp_path / "m@2.manifest.json")
     assert manifest.format == "onnx" and manifest.serving["max_model_len"] == 64
     record = ModelVersionRecord(manifest=manifest, signature=signature)

@@ -71,12 +71,12 @@ def _heartbeat(worker: str, versions: dict[str, str], sent_ms: int | None = None
     hb = WorkerHeartbeat(worker_id=worker, models=[s for s, v in versions.items() if v == "ready"], is_ready=True,
                          num_running=0, num_waiting=0, max_num_seqs=4, free_kv_blocks=10, block_size_tokens=8,
                          versions={s: VersionStatus(state=v) for s, v in versions.items()},
-                         sent_ms=sent_ms if sent_ms is not None else now_ms())  # fmt: skip
+                         sent_ms=sent_ms if sent_ms is not None else now_ms())
     return worker.encode(), encode(hb)
 
 
 def _push(prefix: str, tiny: Path, version: str, *extra: str) -> int:
-    return weir(prefix, "push", str(tiny), "--name", "tiny", "--version", version, "--no-goldens", "--out", str(tiny.parent / f"tiny@{version}.manifest.json"), *extra)  # fmt: skip
+    return weir(prefix, "push", str(tiny), "--name", "tiny", "--version", version, "--no-goldens", "--out", str(tiny.parent / f"tiny@{version}.manifest.json"), *extra)
 
 
 def test_push_list_show_and_desired_states(prefix: str, tiny: Path, tmp_path: Path, capsys) -> None:
@@ -85,10 +85,10 @@ def test_push_list_show_and_desired_states(prefix: str, tiny: Path, tmp_path: Pa
     assert weir(prefix, "push", str(tiny), "--name", "tiny", "--version", "1", "--from-toml", "models.toml") == 2
     assert "has no entry [models.tiny]" in capsys.readouterr().err
     assert weir(prefix, "push", str(tiny), "--name", "tiny", "--version", "1", "--no-goldens",
-                "--max-model-len", "256", "--budget-bytes", "100000000") == 0  # fmt: skip
+                "--max-model-len", "256", "--budget-bytes", "100000000") == 0
     assert "it is the default of its name" in capsys.readouterr().out
     assert weir(prefix, "push", str(tiny), "--name", "tiny", "--version", "2", "--no-goldens", "--quantization", "int8",
-                "--sign-key", str(tmp_path / "k.key"), "--out", str(tmp_path / "t2.json")) == 0  # fmt: skip
+                "--sign-key", str(tmp_path / "k.key"), "--out", str(tmp_path / "t2.json")) == 0
     manifest, signature = read_manifest_file(tmp_path / "t2.json")
     assert signature is not None and manifest.serving["quantization"] == "int8"
 
@@ -144,7 +144,7 @@ def test_push_records_the_goldens_it_is_given(prefix: str, tiny: Path, capsys) -
 
     argv = ["push", str(tiny), "--name", "tiny", "--version", "3", "--goldens", "def f():", "--goldens", "x = ",
             "--golden-max-tokens", "4", "--out", str(tiny.parent / "g.json"), "--bootstrap", BOOTSTRAP,
-            "--topic-prefix", prefix]  # fmt: skip
+            "--topic-prefix", prefix]
     assert models_cli.main(argv, record_goldens=recorder) == 0
     ((config, prompts, max_tokens),) = calls
     assert config.served_id == "tiny@3" and config.path == tiny.resolve()
@@ -161,7 +161,7 @@ def test_push_records_the_goldens_it_is_given(prefix: str, tiny: Path, capsys) -
 def test_push_records_real_goldens_with_the_workers_engine(prefix: str, tiny: Path, capsys) -> None:
     """The console script's push (weir/cli.py -> services/worker/models_cli.py) runs the model."""
     assert weir(prefix, "push", str(tiny), "--name", "tiny", "--version", "g", "--goldens", "def main():",
-                "--golden-max-tokens", "3", "--out", str(tiny.parent / "real.json")) == 0  # fmt: skip
+                "--golden-max-tokens", "3", "--out", str(tiny.parent / "real.json")) == 0
     assert "2 goldens" in capsys.readouterr().out  # greedy, and the seeded sampled case of the same prompt
     (golden, sampled) = asyncio.run(read_registry(_settings(prefix))).versions["tiny@g"].goldens
     assert golden.prompt == "def main():" and golden.kind == "generate" and len(golden.expected_token_ids) == 3
@@ -176,7 +176,7 @@ def test_promote_needs_a_live_worker_with_the_version_ready(prefix: str, tiny: P
     stale = now_ms() - 60_000
     asyncio.run(_produce(prefix, workers, [_heartbeat("w-old", {"tiny@2": "ready"}, sent_ms=stale),
                                            _heartbeat("w1", {"tiny@1": "ready", "tiny@2": "loading"}),
-                                           (b"junk", b"not a heartbeat")]))  # fmt: skip
+                                           (b"junk", b"not a heartbeat")]))
     assert weir(prefix, "promote", "tiny@2") == 2  # w-old is not live; w1 is still loading it
     assert "live workers report: w1:loading" in capsys.readouterr().err
 
@@ -206,7 +206,7 @@ def test_forged_registry_records_are_skipped_by_list(prefix: str, tiny: Path, ca
         (b"route:other", encode(forged_route)),      # a route under another name's key
         (b"version:tiny@1", b"{not json"),
         (b"version:tiny@1", b'{"kind": "version", "manifest": {}}'),
-    ]))  # fmt: skip
+    ]))
     listing = _json(capsys, prefix, "list")
     assert [m["name"] for m in listing["models"]] == ["tiny"]
     assert listing["models"][0]["default_version"] == "1" and listing["skipped_records"] == 4
@@ -222,7 +222,7 @@ def test_seed_registers_entries_whose_directories_exist(
     repo = tmp_path / "models.toml"
     repo.write_text(f'[models.tiny]\npath = "{tiny}"\nversion = "5"\n\n[models.echo]\nengine = "echo"\n\n'
                     f'[models.gone]\npath = "{tmp_path / "nowhere"}"\n\n'
-                    f'[models.gguf]\nengine = "torch"\nsource = "{tmp_path / "x.gguf"}"\n')  # fmt: skip
+                    f'[models.gguf]\nengine = "torch"\nsource = "{tmp_path / "x.gguf"}"\n')
     assert weir(prefix, "seed", "--model-repo", str(repo)) == 0
     out = capsys.readouterr().out
     assert "registered tiny@5" in out and "registered echo@1" in out

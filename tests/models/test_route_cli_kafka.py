@@ -84,7 +84,7 @@ def test_route_sets_canary_and_mirror_keeps_what_is_not_given_and_clears(prefix:
     (["--mirror", "9=5"], "'tiny@9' is not registered"),
     (["--mirror", "3=5"], "tiny@3 is unloaded"),
     ([], "nothing to change"),
-])  # fmt: skip
+])
 def test_route_refuses_a_bad_policy_and_writes_nothing(prefix: str, capsys, argv: list[str], message: str) -> None:
     _registered(prefix, "1", "2", "3", "4", unloaded="3")
     before = _route(prefix)
@@ -108,7 +108,7 @@ def test_show_prints_the_policy_and_the_auditors_counts_skipping_forged_ones(pre
     assert "canary: 2 5%; mirror: none" in out and "no counts from the auditor yet" in out
 
     counts = TrafficCounts(name="tiny", counts={"tiny@1": {"default": 95}, "tiny@2": {"canary": 5, "pinned": 1}},
-                           errors={"tiny@2": 2})  # fmt: skip
+                           errors={"tiny@2": 2})
     forged = TrafficCounts(name="other", counts={"other@1": {"default": 1}})
 
     async def send() -> None:

@@ -23,14 +23,21 @@ TOPICS = Topics("acc")
 # Members of Topics that name nothing a service reads or writes (spec lists, checks), or that stand
 # for another member's names.
 NOT_NAMES = {"prefix", "core_specs", "reply_to_problem", "request_source_problem", "producer_of"}
-STANDS_FOR = {"reply_spec": "replies", "job_reply_spec": "job_replies", "model_specs": "batches",
-              "producer_requests_spec": "producer_requests", "requests_pattern": "producer_requests"}  # fmt: skip
+STANDS_FOR = {
+    "reply_spec": "replies",
+    "job_reply_spec": "job_replies",
+    "model_specs": "batches",
+    "producer_requests_spec": "producer_requests",
+    "requests_pattern": "producer_requests",
+}
 MEMBERS = {name for name, _ in inspect.getmembers(Topics) if not name.startswith("_")}
 # The reply topics a service writes through the reply namespace: naming one of those members is
 # covered by a use of reply_namespace (a request names its reply topic; the worker writes it).
 UNDER_REPLIES = {"replies", "shadow_replies", "job_replies", "producer_replies"}
 # Where a service names a topic it never touches on Kafka, and why.
-NAMED_ONLY = {("gateway", "job_replies"): "routes/batches.py: a placeholder reply_to to check a batch line; never written"}
+NAMED_ONLY = {
+    ("gateway", "job_replies"): "routes/batches.py: a placeholder reply_to to check a batch line; never written"
+}
 # Shared modules that name topics only for the super user: weir/kafka/admin.py's grant_deployment_acls and
 # add_client_user run as `admin` (`weir kafka up`, `weir topics create --acls`); the functions a service
 # calls there take the topics they are given.
@@ -78,14 +85,21 @@ def test_every_topic_and_group_a_service_names_is_declared_and_so_granted(servic
         for member in topics_members_named(path.read_text(), str(path)):
             named.setdefault(member, []).append(str(path.relative_to(REPO)))
     missing = undeclared(service, set(named))
-    assert not missing, (f"{service} names {sorted(missing)} ({ {m: named[m] for m in missing} }) but "
-                         f"schemas/access.py declares no use of them: add one (its ACL follows)")
+    assert not missing, (
+        f"{service} names {sorted(missing)} ({ {m: named[m] for m in missing} }) but "
+        f"schemas/access.py declares no use of them: add one (its ACL follows)"
+    )
 
 
 # Uses a service declares that its own code does not name: the lag exporter's prefixes (weir/lag.py
 # builds them from the prefix), and what a command run with the service's login reads.
-UNNAMED = {("gateway", "namespace"), ("batcher", "namespace"), ("batcher", "reply_namespace"),
-           ("worker", "reply_namespace"), ("gateway", "traffic")}  # fmt: skip
+UNNAMED = {
+    ("gateway", "namespace"),
+    ("batcher", "namespace"),
+    ("batcher", "reply_namespace"),
+    ("worker", "reply_namespace"),
+    ("gateway", "traffic"),
+}
 
 
 @pytest.mark.parametrize("service", access.SERVICES)
@@ -99,9 +113,11 @@ def test_a_service_declares_no_use_its_code_does_not_have(service: str) -> None:
 def test_the_check_finds_a_use_nobody_declared() -> None:
     """The check above is able to fail: the auditor's comparison code, as it was before its uses
     were declared, is caught."""
-    source = ("broker.subscriber(settings.topics.shadow_replies, group_id=settings.topics.comparison_group)\n"
-              "await broker.publish(value, topic=self.topics.comparisons)\n"
-              "ensure_topics(bootstrap, [topics.reply_spec('shadow'), *topics.core_specs()])\n")
+    source = (
+        "broker.subscriber(settings.topics.shadow_replies, group_id=settings.topics.comparison_group)\n"
+        "await broker.publish(value, topic=self.topics.comparisons)\n"
+        "ensure_topics(bootstrap, [topics.reply_spec('shadow'), *topics.core_specs()])\n"
+    )
     assert topics_members_named(source) == {"shadow_replies", "comparison_group", "comparisons", "replies"}
     assert undeclared("auditor", {"shadow_replies", "comparison_group", "comparisons"}) == set()
     assert undeclared("gateway", {"comparison_group", "comparisons", "keys"}) == {"comparison_group", "comparisons"}
@@ -110,7 +126,9 @@ def test_the_check_finds_a_use_nobody_declared() -> None:
 
 
 def _covers(grant: security.Grant, resource: str, name: str) -> bool:
-    return grant.resource == resource and (grant.name == name if grant.pattern == "literal" else name.startswith(grant.name))
+    return grant.resource == resource and (
+        grant.name == name if grant.pattern == "literal" else name.startswith(grant.name)
+    )
 
 
 @pytest.mark.parametrize("service", access.SERVICES)
@@ -121,9 +139,15 @@ def test_each_declared_use_is_exactly_a_grant(service: str) -> None:
         allowed = {op for g in grants if _covers(g, use.resource, name) for op in g.operations}
         assert set(use.operations) <= allowed, (service, use)
     # nothing but the declared uses and DESCRIBE on the deployment's core and batch topics
-    extra = [g for g in grants if g.operations != ("describe",) and not any(
-        g.resource == u.resource and g.name == u.name(TOPICS) and g.operations == u.operations
-        for u in access.uses(service))]  # fmt: skip
+    extra = [
+        g
+        for g in grants
+        if g.operations != ("describe",)
+        and not any(
+            g.resource == u.resource and g.name == u.name(TOPICS) and g.operations == u.operations
+            for u in access.uses(service)
+        )
+    ]
     assert extra == []
 
 
@@ -147,8 +171,17 @@ def test_the_mirror_comparison_is_granted_to_the_auditor_and_the_worker() -> Non
 
 def test_the_auditor_makes_sure_of_the_topics_it_uses() -> None:
     names = {spec.name for spec in access.needed_specs("auditor", TOPICS)}
-    assert {TOPICS.shadow_replies, TOPICS.shadow_live, TOPICS.comparisons, TOPICS.audit_anchors, TOPICS.traffic,
-            TOPICS.token_usage, TOPICS.traces, TOPICS.models, TOPICS.model_health} <= names  # fmt: skip
+    assert {
+        TOPICS.shadow_replies,
+        TOPICS.shadow_live,
+        TOPICS.comparisons,
+        TOPICS.audit_anchors,
+        TOPICS.traffic,
+        TOPICS.token_usage,
+        TOPICS.traces,
+        TOPICS.models,
+        TOPICS.model_health,
+    } <= names
     assert TOPICS.keys not in names  # not the auditor's
 
 

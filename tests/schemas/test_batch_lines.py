@@ -12,8 +12,14 @@ SEPARATORS = ["\u2028", "\u2029", "\u0085", "\x0c", "\x0b", "\x1c", "\r"]
 
 
 def line(custom_id: str, content: str = "hi", **body: object) -> bytes:
-    return orjson.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
-                         "body": {"model": "echo", "messages": [{"role": "user", "content": content}], **body}})
+    return orjson.dumps(
+        {
+            "custom_id": custom_id,
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": "echo", "messages": [{"role": "user", "content": content}], **body},
+        }
+    )
 
 
 def test_lines_end_at_newline_only_with_an_optional_carriage_return():
@@ -77,13 +83,18 @@ def test_an_envelope_names_its_request_and_the_batch_endpoint_is_enforced():
         ({"timeout_s": 5}, "unsupported_parameter", "timeout_s"),
         ({"functions": [{"name": "f"}]}, "unsupported_parameter", "functions"),
         ({"tools": [{"type": "function"}]}, "missing_required_parameter", "tools.0.function"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}},
-         "unsupported_schema", "response_format.json_schema.schema"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}},
+            "unsupported_schema",
+            "response_format.json_schema.schema",
+        ),
         ({"messages": []}, "invalid_value", "messages"),
     ],
 )
 def test_a_body_is_refused_as_its_endpoint_refuses_it(body, code, param):
-    envelope = Envelope(3, "a", "/v1/chat/completions", {"model": "echo", "messages": [{"role": "user", "content": "x"}], **body})
+    envelope = Envelope(
+        3, "a", "/v1/chat/completions", {"model": "echo", "messages": [{"role": "user", "content": "x"}], **body}
+    )
     with pytest.raises(LineError) as caught:
         parse_line_body(envelope)
     assert (caught.value.line, caught.value.code, caught.value.param) == (3, code, param)
@@ -91,4 +102,4 @@ def test_a_body_is_refused_as_its_endpoint_refuses_it(body, code, param):
 
 def test_a_completions_line_may_wrap_its_one_prompt_in_a_list():
     parsed = parse_line_body(Envelope(1, "a", "/v1/completions", {"model": "echo", "prompt": ["x"]}))
-    assert parsed.prompts == ["x"]  # type: ignore[union-attr]
+    assert parsed.prompts == ["x"]

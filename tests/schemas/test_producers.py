@@ -14,8 +14,15 @@ WEIR = Topics("weir")
 
 
 def _generate(reply_to: str, principal: str = "alice", tenant: str = "acme") -> GenerateRequest:
-    return GenerateRequest(request_id="r1", model="echo", prompt="hi", principal=principal, tenant=tenant,
-                           deadline_ms=2_000_000_000_000, reply_to=reply_to)  # fmt: skip
+    return GenerateRequest(
+        request_id="r1",
+        model="echo",
+        prompt="hi",
+        principal=principal,
+        tenant=tenant,
+        deadline_ms=2_000_000_000_000,
+        reply_to=reply_to,
+    )
 
 
 def test_the_request_topics_are_the_shared_one_and_one_per_producer() -> None:
@@ -27,8 +34,16 @@ def test_the_request_topics_are_the_shared_one_and_one_per_producer() -> None:
     pattern = re.compile(WEIR.requests_pattern)
     for topic in ("weir.requests", "weir.requests.client", "weir.requests.a_b-9"):
         assert pattern.fullmatch(topic), topic
-    for topic in ("weir.requestsX", "weir.requests.", "weir.requests.a.b", "weir.requests.Bob", "xweir.requests",
-                  "weir.replies.client", "weir.requests.-x", "weirXrequests"):  # fmt: skip
+    for topic in (
+        "weir.requestsX",
+        "weir.requests.",
+        "weir.requests.a.b",
+        "weir.requests.Bob",
+        "xweir.requests",
+        "weir.replies.client",
+        "weir.requests.-x",
+        "weirXrequests",
+    ):
         assert not pattern.search(topic), topic
     assert WEIR.producer_of("weir.requests") is None
     assert WEIR.producer_of("weir.requests.bob") == "bob"
@@ -47,8 +62,15 @@ def test_the_shared_requests_topic_keeps_what_the_request_says() -> None:
 def test_a_producers_request_is_served_as_that_producer(reply_to: str) -> None:
     bound = bind_to_producer(WEIR, "weir.requests.client", _generate(reply_to))
     assert (bound.principal, bound.tenant, bound.reply_to) == ("client", PRODUCER_TENANT, reply_to)
-    embed = EmbedRequest(request_id="e1", model="minilm", inputs=["x"], principal="alice", tenant="acme",
-                         deadline_ms=2_000_000_000_000, reply_to=reply_to)  # fmt: skip
+    embed = EmbedRequest(
+        request_id="e1",
+        model="minilm",
+        inputs=["x"],
+        principal="alice",
+        tenant="acme",
+        deadline_ms=2_000_000_000_000,
+        reply_to=reply_to,
+    )
     assert (bind_to_producer(WEIR, "weir.requests.client", embed).principal, PRODUCER_TENANT) == ("client", "kafka")
 
 

@@ -29,7 +29,9 @@ POSITIONS = [(10, "The"), (11, " caf"), (12, ""), (13, "é is"), (14, " open"), 
 def _single(i: int, logprobs: bool = False) -> ReplyDelta:
     token, text = POSITIONS[i]
     ids = [] if token is None else [token]
-    return ReplyDelta(request_id="r", seq=i, text=text, token_ids=ids, logprobs=[_lp(t) for t in ids] if logprobs else None)
+    return ReplyDelta(
+        request_id="r", seq=i, text=text, token_ids=ids, logprobs=[_lp(t) for t in ids] if logprobs else None
+    )
 
 
 def _grouped(sizes: list[int], logprobs: bool = False) -> list[ReplyDelta]:
@@ -71,7 +73,9 @@ def test_a_delta_before_coalescing_is_still_valid_and_reads_as_one_position():
     assert isinstance(delta, ReplyDelta) and delta.count == 1 and delta.texts is None and delta.end == delta.seq + 1
     # A reader of old single-position deltas keeps exactly what `seq > last kept` kept.
     old = [ReplyDelta(request_id="r", seq=i, text=t, token_ids=[i, i + 100]) for i, t in enumerate(["a", "b", "c"])]
-    text, *_ , cursor = _assemble([old[0], old[1], old[0], old[1], old[2], ReplyEnd(request_id="r", seq=3, finish_reason="stop")])
+    text, *_, cursor = _assemble(
+        [old[0], old[1], old[0], old[1], old[2], ReplyEnd(request_id="r", seq=3, finish_reason="stop")]
+    )
     assert text == "abc" and cursor.is_ended and cursor.missing == 0
 
 
@@ -82,16 +86,19 @@ def test_a_coalesced_delta_round_trips_and_states_each_positions_text():
     assert orjson.loads(encode(delta))["count"] == 4
 
 
-@pytest.mark.parametrize("change, why", [
-    ({"texts": None}, "needs the text of each"),
-    ({"texts": ["a", "b"]}, "needs the text of each"),
-    ({"texts": [" Paris", ":", "", " cafe"]}, "join to text"),
-    ({"token_ids": [1, 2]}, "one token per position"),
-    ({"token_ids": [1, 2, 3, 4, 5]}, "one token per position"),
-    ({"count": 1}, "only a delta of several positions"),
-    ({"count": 0}, "greater than or equal to 1"),
-    ({"logprobs": [{"token_id": 1, "token": "a", "bytes": [97], "logprob": -1.0}]}, "logprobs: 1 entries for 4"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "change, why",
+    [
+        ({"texts": None}, "needs the text of each"),
+        ({"texts": ["a", "b"]}, "needs the text of each"),
+        ({"texts": [" Paris", ":", "", " cafe"]}, "join to text"),
+        ({"token_ids": [1, 2]}, "one token per position"),
+        ({"token_ids": [1, 2, 3, 4, 5]}, "one token per position"),
+        ({"count": 1}, "only a delta of several positions"),
+        ({"count": 0}, "greater than or equal to 1"),
+        ({"logprobs": [{"token_id": 1, "token": "a", "bytes": [97], "logprob": -1.0}]}, "logprobs: 1 entries for 4"),
+    ],
+)
 def test_a_coalesced_delta_that_does_not_state_its_positions_is_refused(change, why):
     raw = orjson.loads((HERE / "golden" / "ReplyDeltaCoalesced.json").read_bytes())
     with pytest.raises(DecodeError, match=why):
@@ -101,7 +108,7 @@ def test_a_coalesced_delta_that_does_not_state_its_positions_is_refused(change, 
 def test_a_reader_holding_k_positions_keeps_exactly_the_rest_of_an_overlapping_delta():
     delta = _grouped([1, 6], logprobs=True)[1]  # positions 1..6, the tail last
     assert (delta.seq, delta.count, len(delta.token_ids)) == (1, 6, 5)
-    for k in range(0, 9):
+    for k in range(9):
         part = cut(delta, k)
         if k >= 7:
             assert part is None
@@ -111,7 +118,7 @@ def test_a_reader_holding_k_positions_keeps_exactly_the_rest_of_an_overlapping_d
         assert part.text == "".join(t for _, t in POSITIONS[first:])
         assert part.token_ids == [t for t, _ in POSITIONS[first:] if t is not None]
         assert [e.token_id for e in part.logprobs] == part.token_ids
-        assert part.count == 1 and part.texts is None or part.texts == [t for _, t in POSITIONS[first:]]
+        assert (part.count == 1 and part.texts is None) or part.texts == [t for _, t in POSITIONS[first:]]
         decode(ReplyDelta, encode(part))  # still a valid delta
 
 

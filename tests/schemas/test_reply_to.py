@@ -36,7 +36,10 @@ def test_names_made_by_topics_are_accepted():
     [
         ("bad topic!", "not a legal Kafka topic name"),
         ("weir.replies.bad topic!", "not ' !'"),
-        ("weir.replies." + "x" * (MAX_TOPIC_CHARS + 1 - len("weir.replies.")), "at most 249 characters, this one has 250"),
+        (
+            "weir.replies." + "x" * (MAX_TOPIC_CHARS + 1 - len("weir.replies.")),
+            "at most 249 characters, this one has 250",
+        ),
         ("", "cannot be empty"),
         (".", "not a legal topic name"),
         ("..", "not a legal topic name"),
@@ -78,7 +81,9 @@ def test_another_deployments_reply_topic_is_refused():
 def test_no_internal_topic_is_a_reply_topic(prefix):
     topics = Topics(prefix)
     internal = [spec.name for spec in topics.core_specs()] + [spec.name for spec in topics.model_specs("weir-tiny-py")]
-    assert {topics.requests, topics.keys, topics.usage, topics.audit, topics.control, topics.dead_letter} <= set(internal)
+    assert {topics.requests, topics.keys, topics.usage, topics.audit, topics.control, topics.dead_letter} <= set(
+        internal
+    )
     for name in internal:
         assert topics.reply_to_problem(name) is not None, name
 
@@ -88,4 +93,3 @@ def test_topic_name_rule_matches_kafkas():
     assert topic_name_problem("a" * 250) is not None
     assert topic_name_problem("...") is None  # only "." and ".." are reserved
     assert topic_name_problem("_-.") is None
-

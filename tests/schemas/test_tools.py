@@ -8,16 +8,28 @@ import json
 
 import pytest
 
-from schemas.messages import ChatMessage, GenerateRequest, ToolCall, ToolCallDelta, ToolCallFunction, ToolDef, ToolFunction
+from schemas.messages import (
+    ChatMessage,
+    GenerateRequest,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallFunction,
+    ToolDef,
+    ToolFunction,
+)
 from schemas.structured import check_structured, constraint_of
 from schemas.tools import NO_PARAMETERS, call_id, call_text, tool_constraint, tool_parser, tools_problem
 
 WEATHER = ToolFunction(
     name="get_weather",
-    parameters={"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
-                "additionalProperties": False},
+    parameters={
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
     strict=True,
-)  # fmt: skip
+)
 NOW = ToolFunction(name="now")
 TOOLS = [ToolDef(function=WEATHER), ToolDef(function=NOW)]
 
@@ -25,9 +37,13 @@ TOOLS = [ToolDef(function=WEATHER), ToolDef(function=NOW)]
 def request(request_id: str = "req-1", **fields) -> GenerateRequest:
     fields.setdefault("tools", TOOLS)
     return GenerateRequest(
-        request_id=request_id, model="m", messages=[ChatMessage(role="user", content="hi")], deadline_ms=1,
-        reply_to="weir.replies.t", **fields,
-    )  # fmt: skip
+        request_id=request_id,
+        model="m",
+        messages=[ChatMessage(role="user", content="hi")],
+        deadline_ms=1,
+        reply_to="weir.replies.t",
+        **fields,
+    )
 
 
 def parse(req: GenerateRequest, text: str, size: int) -> tuple[str, list[ToolCallDelta], list]:
@@ -81,19 +97,22 @@ def test_hermes_calls_are_parsed_out_of_the_text():
     assert calls == [("get_weather", '{"city":"Pa<ris}"}'), ("now", "{}")]
 
 
-@pytest.mark.parametrize("inside", [
-    '{"name": "get_weather", "arguments": {"city": "Paris"}',  # bad JSON
-    '{"name": "launch", "arguments": {}}',  # no such function
-    '{"name": "get_weather", "arguments": [1]}',  # arguments not an object
-    '["get_weather"]',
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "inside",
+    [
+        '{"name": "get_weather", "arguments": {"city": "Paris"}',  # bad JSON
+        '{"name": "launch", "arguments": {}}',  # no such function
+        '{"name": "get_weather", "arguments": [1]}',  # arguments not an object
+        '["get_weather"]',
+    ],
+)
 def test_an_inside_that_is_no_call_is_released_as_text(inside):
     output = f"A\n<tool_call>{inside}</tool_call> B"
     assert parse_all_ways(request(), output) == (output, [])
 
 
 def test_a_tag_left_open_and_a_partial_tag_are_text():
-    assert parse_all_ways(request(), "x <tool_call>{\"name\": \"now\"") == ("x <tool_call>{\"name\": \"now\"", [])
+    assert parse_all_ways(request(), 'x <tool_call>{"name": "now"') == ('x <tool_call>{"name": "now"', [])
     assert parse_all_ways(request(), "a <tool_ca") == ("a <tool_ca", [])
     parser = tool_parser(request())
     assert parser.feed("Hello <tool").text == "Hello"  # held back: it may become a tag
@@ -116,7 +135,8 @@ def test_a_bare_json_call_is_the_whole_output_or_text():
     call = ' {"name": "get_weather", "parameters": {"city": "P}aris"}}\n'
     assert parse_all_ways(request(), call) == ("", [("get_weather", '{"city":"P}aris"}')])
     assert parse_all_ways(request(), '{"name": "get_weather", "arguments": "{\\"city\\": \\"X\\"}"}')[1] == [
-        ("get_weather", '{"city":"X"}')]  # fmt: skip
+        ("get_weather", '{"city":"X"}')
+    ]
     followed = call + "and then text"
     assert parse_all_ways(request(), followed) == (followed, [])
     other = '{"city": "Paris"}'  # JSON, but no call
@@ -162,8 +182,11 @@ def test_required_publishes_a_repeated_call_once_and_says_the_output_repeats():
     parsed = parser.feed(f"[{weather}, {weather[:-1]}")
     assert [c.index for c in parsed.calls] == [0] and not parser.is_repeating
     assert parser.feed("}").calls == [] and parser.is_repeating  # the second object closed: the same call
-    other = parse_all_ways(req, '[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
-                                '{"name": "get_weather", "arguments": {"city": "Lyon"}}]')  # fmt: skip
+    other = parse_all_ways(
+        req,
+        '[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+        '{"name": "get_weather", "arguments": {"city": "Lyon"}}]',
+    )
     assert other == ("", [("get_weather", '{"city":"Paris"}'), ("get_weather", '{"city":"Lyon"}')])  # not a repeat
     ids = [c.id for c in tool_parser(req).finish(output).calls]
     assert ids == [call_id("req-1", 0), call_id("req-1", 1)]  # indexes count the calls made, not the objects
@@ -220,16 +243,23 @@ def test_required_constraint_accepts_calls_and_only_calls():
     grammar = {id(s): xgr.Grammar.from_json_schema(json.dumps(s.json_schema)) for s in (one, many)}
     assert accepts(grammar[id(one)], f"[{call}]") and not accepts(grammar[id(one)], two)
     assert accepts(grammar[id(many)], two)
-    for bad in ("[]", '[{"name": "launch", "arguments": {}}]', '[{"name": "now", "arguments": {"x": 1}}]',
-                '[{"name": "get_weather", "arguments": {}}]'):  # fmt: skip
+    for bad in (
+        "[]",
+        '[{"name": "launch", "arguments": {}}]',
+        '[{"name": "now", "arguments": {"x": 1}}]',
+        '[{"name": "get_weather", "arguments": {}}]',
+    ):
         assert not accepts(grammar[id(many)], bad), bad
     assert not one.strict  # `now` is not strict
 
 
 def test_json_nested_deeper_than_json_reads_is_no_call_and_breaks_nothing():
     deep = "[" * 5000 + "]" * 5000
-    for output in (f'<tool_call>{{"name": "now", "arguments": {deep}}}</tool_call>', f'{{"name": "now", "arguments": {deep}}}',
-                   f'{{"name": "now", "arguments": "{deep}"}}'):  # fmt: skip
+    for output in (
+        f'<tool_call>{{"name": "now", "arguments": {deep}}}</tool_call>',
+        f'{{"name": "now", "arguments": {deep}}}',
+        f'{{"name": "now", "arguments": "{deep}"}}',
+    ):
         assert parse(request(), output, 64)[:2] == (output, [])
     forged = ToolCall(id="c", function=ToolCallFunction(name="now", arguments=deep))
     assert deep in call_text(forged)  # rendered as the string it is

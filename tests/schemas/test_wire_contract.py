@@ -23,18 +23,32 @@ from schemas.topics import Topics
 
 GOLDEN = Path(__file__).parent / "golden"
 TYPES = {
-    "GenerateRequest": messages.GenerateRequest, "ReplyDelta": messages.ReplyDelta, "ReplyEnd": messages.ReplyEnd,
-    "Cancellation": messages.Cancellation, "Batch": messages.Batch, "WorkerHeartbeat": messages.WorkerHeartbeat,
-    "AuditEvent": messages.AuditEvent, "DeadLetter": messages.DeadLetter,
-    "ApiKeyRecord": messages.ApiKeyRecord, "UsageRecord": messages.UsageRecord,
-    "EmbedRequest": messages.EmbedRequest, "ReplyEndEmbeddings": messages.ReplyEnd,
-    "FileChunk": messages.FileChunk, "BatchJob": messages.BatchJob, "JobCommand": messages.JobCommand,
-    "ReviewFlag": messages.ReviewFlag, "ModelVersionRecord": registry.ModelVersionRecord,
-    "ModelRoute": registry.ModelRoute, "ModelHealthEvent": registry.ModelHealthEvent,
-    "GenerateRequestStructured": messages.GenerateRequest, "ReplyDeltaLogprobs": messages.ReplyDelta,
-    "ReplyDeltaToolCall": messages.ReplyDelta, "ReplyEndToolCall": messages.ReplyEnd,
-    "StreamRecord": messages.StreamRecord, "ReplyDeltaCoalesced": messages.ReplyDelta,
-}  # fmt: skip
+    "GenerateRequest": messages.GenerateRequest,
+    "ReplyDelta": messages.ReplyDelta,
+    "ReplyEnd": messages.ReplyEnd,
+    "Cancellation": messages.Cancellation,
+    "Batch": messages.Batch,
+    "WorkerHeartbeat": messages.WorkerHeartbeat,
+    "AuditEvent": messages.AuditEvent,
+    "DeadLetter": messages.DeadLetter,
+    "ApiKeyRecord": messages.ApiKeyRecord,
+    "UsageRecord": messages.UsageRecord,
+    "EmbedRequest": messages.EmbedRequest,
+    "ReplyEndEmbeddings": messages.ReplyEnd,
+    "FileChunk": messages.FileChunk,
+    "BatchJob": messages.BatchJob,
+    "JobCommand": messages.JobCommand,
+    "ReviewFlag": messages.ReviewFlag,
+    "ModelVersionRecord": registry.ModelVersionRecord,
+    "ModelRoute": registry.ModelRoute,
+    "ModelHealthEvent": registry.ModelHealthEvent,
+    "GenerateRequestStructured": messages.GenerateRequest,
+    "ReplyDeltaLogprobs": messages.ReplyDelta,
+    "ReplyDeltaToolCall": messages.ReplyDelta,
+    "ReplyEndToolCall": messages.ReplyEnd,
+    "StreamRecord": messages.StreamRecord,
+    "ReplyDeltaCoalesced": messages.ReplyDelta,
+}
 
 
 def test_exported_json_schemas_match_the_code():
@@ -59,10 +73,22 @@ def test_reply_events_decode_by_type():
     [
         (b"{not json", "not JSON"),
         (b"[]", "invalid GenerateRequest"),
-        (b'{"request_id": "r", "model": "m", "deadline_ms": 1, "reply_to": "t"}', "exactly one of prompt, prompt_token_ids and messages"),
-        (b'{"request_id": "r", "model": "m", "prompt": "x", "messages": [], "deadline_ms": 1, "reply_to": "t"}', "exactly one"),
-        (b'{"request_id": "r", "model": "m", "prompt": "x", "deadline_ms": 1, "reply_to": "t", "max_tokens": 0}', "max_tokens"),
-        (b'{"request_id": "r", "model": "m", "prompt": "x", "deadline_ms": 1, "reply_to": "t", "temprature": 1}', "temprature"),
+        (
+            b'{"request_id": "r", "model": "m", "deadline_ms": 1, "reply_to": "t"}',
+            "exactly one of prompt, prompt_token_ids and messages",
+        ),
+        (
+            b'{"request_id": "r", "model": "m", "prompt": "x", "messages": [], "deadline_ms": 1, "reply_to": "t"}',
+            "exactly one",
+        ),
+        (
+            b'{"request_id": "r", "model": "m", "prompt": "x", "deadline_ms": 1, "reply_to": "t", "max_tokens": 0}',
+            "max_tokens",
+        ),
+        (
+            b'{"request_id": "r", "model": "m", "prompt": "x", "deadline_ms": 1, "reply_to": "t", "temprature": 1}',
+            "temprature",
+        ),
     ],
 )
 def test_malformed_requests_are_refused_with_a_reason(raw, why):
@@ -106,7 +132,10 @@ def test_requests_decode_by_kind_and_kind_defaults_to_generate():
     del generate["kind"]  # clients written before EmbedRequest existed send no kind
     assert isinstance(decode_request(orjson.dumps(generate)), messages.GenerateRequest)
     embed = decode_request((GOLDEN / "EmbedRequest.json").read_bytes())
-    assert isinstance(embed, messages.EmbedRequest) and embed.inputs == ["The quick brown fox", "jumps over the lazy dog"]
+    assert isinstance(embed, messages.EmbedRequest) and embed.inputs == [
+        "The quick brown fox",
+        "jumps over the lazy dog",
+    ]
     batch = decode(messages.Batch, (GOLDEN / "Batch.json").read_bytes())
     assert [r.kind for r in batch.requests] == ["generate", "embed"]
 
@@ -153,7 +182,9 @@ def test_malformed_review_flags_are_refused_with_a_reason(change, why):
 
 
 def test_seed_is_derived_stably_from_request_id():
-    a = decode(messages.GenerateRequest, (GOLDEN / "GenerateRequest.json").read_bytes()).model_copy(update={"seed": None})
+    a = decode(messages.GenerateRequest, (GOLDEN / "GenerateRequest.json").read_bytes()).model_copy(
+        update={"seed": None}
+    )
     assert a.effective_seed == a.model_copy().effective_seed
     assert a.effective_seed != a.model_copy(update={"request_id": "other"}).effective_seed
 
@@ -199,7 +230,9 @@ def test_reply_address_of_an_invalid_request(raw, address):
     assert reply_address(raw, Topics()) == address
 
 
-@pytest.mark.parametrize("field, value", [("seed", 2**80), ("seed", -(2**63) - 1), ("deadline_ms", 10**30), ("top_k", 2**70)])
+@pytest.mark.parametrize(
+    "field, value", [("seed", 2**80), ("seed", -(2**63) - 1), ("deadline_ms", 10**30), ("top_k", 2**70)]
+)
 def test_a_request_whose_integer_cannot_be_written_again_is_refused(field, value):
     # A reader re-encodes what it read (the batcher, into a Batch): an integer past 64 bits would
     # crash it on every restart, so decoding refuses it, with the field's name.

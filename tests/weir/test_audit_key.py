@@ -94,15 +94,23 @@ def test_a_key_file_that_is_not_a_32_byte_hex_key_is_refused(home: Path, content
 def _weir(*args: str, home: Path, cwd: Path) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "WEIR_AUDIT_HMAC_KEY"}
     env.update(WEIR_HOME=str(home), PYTHONPATH=str(REPO))
-    return subprocess.run([sys.executable, "-m", "weir.cli", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "weir.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_audit_lookup_works_with_no_setup(home: Path, tmp_path: Path) -> None:
     key = WorkerSettings().hmac_key()  # what a worker of this deployment keys its events with
     db = tmp_path / "audit.sqlite"
-    events = [make_event(i, prompt_hmac=keyed_hmac(key, f"prompt {i}"), output_hmac=keyed_hmac(key, f"output {i}"),
-                         hmac_key_id=key_id(key)) for i in range(3)]  # fmt: skip
+    events = [
+        make_event(
+            i,
+            prompt_hmac=keyed_hmac(key, f"prompt {i}"),
+            output_hmac=keyed_hmac(key, f"output {i}"),
+            hmac_key_id=key_id(key),
+        )
+        for i in range(3)
+    ]
     with Ledger(db) as ledger:
         for offset, event in enumerate(events):
             ledger.append(event, partition=0, offset=offset)
@@ -128,8 +136,10 @@ def test_weir_up_makes_both_keys_before_the_services_start(home: Path, monkeypat
 
     monkeypatch.delenv("WEIR_AUDIT_CHECKPOINT_KEY", raising=False)
     lines = prepare_audit_key().splitlines()
-    assert lines == [f"audit key: {key_file()} (made now; workers, auditor and `weir audit lookup` use it)",
-                     f"checkpoint key: {checkpoint_key_file()} (made now; the auditor and `weir audit verify` use it)"]
+    assert lines == [
+        f"audit key: {key_file()} (made now; workers, auditor and `weir audit lookup` use it)",
+        f"checkpoint key: {checkpoint_key_file()} (made now; the auditor and `weir audit verify` use it)",
+    ]
     assert stat.S_IMODE(checkpoint_key_file().stat().st_mode) == 0o600
     assert checkpoint_key_file().read_text() != key_file().read_text()
     assert AuditorSettings().checkpoint_key(create=False) == bytes.fromhex(checkpoint_key_file().read_text())

@@ -13,14 +13,20 @@ from schemas.registry import ModelComparison
 from weir.models.compare import PairSummary, Thresholds, cosine, edit_distance, reply_rates, summarize, summary_rows
 
 
-@pytest.mark.parametrize(("a", "b", "expected"), [
-    ([], [], 0), ([1, 2, 3], [], 3), ([], [4], 1), ([1, 2, 3], [1, 2, 3], 0),
-    ([1, 2, 3], [1, 9, 3], 1),  # substitute
-    ([1, 2, 3], [1, 3], 1),  # delete
-    ([1, 3], [1, 2, 3], 1),  # insert
-    ([5, 6, 7, 8], [6, 7, 8, 5], 2),  # rotate: delete one end, insert the other
-    (list(b"kitten"), list(b"sitting"), 3),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("a", "b", "expected"),
+    [
+        ([], [], 0),
+        ([1, 2, 3], [], 3),
+        ([], [4], 1),
+        ([1, 2, 3], [1, 2, 3], 0),
+        ([1, 2, 3], [1, 9, 3], 1),  # substitute
+        ([1, 2, 3], [1, 3], 1),  # delete
+        ([1, 3], [1, 2, 3], 1),  # insert
+        ([5, 6, 7, 8], [6, 7, 8, 5], 2),  # rotate: delete one end, insert the other
+        (list(b"kitten"), list(b"sitting"), 3),
+    ],
+)
 def test_edit_distance(a: list[int], b: list[int], expected: int) -> None:
     assert edit_distance(a, b) == expected
     assert edit_distance(b, a) == expected
@@ -67,23 +73,46 @@ def test_reply_rates() -> None:
     assert reply_rates(1000, None, 1540, 0) == (None, None)
 
 
-def _c(rid: str, *, live: str = "m@1", mirror: str = "m@2", exact: bool = True, edit: int = 0,
-       similarity: float | None = 1.0, lt: float | None = 100.0, mt: float | None = 100.0,
-       error: str | None = None, name: str = "m") -> ModelComparison:
-    return ModelComparison(request_id=rid, name=name, live=live, mirror=mirror, exact_match=exact,
-                           token_edit_distance=edit, similarity=similarity, live_ttft_ms=lt, mirror_ttft_ms=mt,
-                           live_tokens_per_s=50.0, mirror_tokens_per_s=40.0 if error is None else None,
-                           mirror_error=error)
+def _c(
+    rid: str,
+    *,
+    live: str = "m@1",
+    mirror: str = "m@2",
+    exact: bool = True,
+    edit: int = 0,
+    similarity: float | None = 1.0,
+    lt: float | None = 100.0,
+    mt: float | None = 100.0,
+    error: str | None = None,
+    name: str = "m",
+) -> ModelComparison:
+    return ModelComparison(
+        request_id=rid,
+        name=name,
+        live=live,
+        mirror=mirror,
+        exact_match=exact,
+        token_edit_distance=edit,
+        similarity=similarity,
+        live_ttft_ms=lt,
+        mirror_ttft_ms=mt,
+        live_tokens_per_s=50.0,
+        mirror_tokens_per_s=40.0 if error is None else None,
+        mirror_error=error,
+    )
 
 
 def test_summary_per_pair() -> None:
-    pairs = summarize([
-        _c("a", exact=True, edit=0, similarity=1.0, lt=100, mt=150),
-        _c("b", exact=False, edit=4, similarity=0.8, lt=100, mt=250),
-        _c("c", error="timeout"),
-        _c("d", mirror="m@3", similarity=None, lt=None),
-        _c("e", name="other", live="other@1", mirror="other@2"),
-    ], name="m")
+    pairs = summarize(
+        [
+            _c("a", exact=True, edit=0, similarity=1.0, lt=100, mt=150),
+            _c("b", exact=False, edit=4, similarity=0.8, lt=100, mt=250),
+            _c("c", error="timeout"),
+            _c("d", mirror="m@3", similarity=None, lt=None),
+            _c("e", name="other", live="other@1", mirror="other@2"),
+        ],
+        name="m",
+    )
     assert set(pairs) == {("m@1", "m@2"), ("m@1", "m@3")}
     info = pairs[("m@1", "m@2")].to_json()
     assert info["samples"] == 3 and info["errors"] == 1
@@ -119,8 +148,10 @@ def test_thresholds_pass_and_fail() -> None:
     assert "no similarity" in failed[0] and "no latency ratio" in failed[1]
 
 
-@pytest.mark.parametrize("kwargs", [{"similarity": 1.5}, {"latency_ratio": 0}, {"error_rate": -0.1},
-                                    {"error_rate": math.nan}, {"min_samples": 0}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"similarity": 1.5}, {"latency_ratio": 0}, {"error_rate": -0.1}, {"error_rate": math.nan}, {"min_samples": 0}],
+)
 def test_thresholds_refuse_nonsense(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         Thresholds(**kwargs)

@@ -11,21 +11,28 @@ from pathlib import Path
 
 import pytest
 
-from weir.kafka import launcher
-from weir.stack import free_ports, wait_http_ok
-from weir.service import EXIT_BROKER
 from tests.waiting import wait_until
+from weir.kafka import launcher
+from weir.service import EXIT_BROKER
+from weir.stack import free_ports, wait_http_ok
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def start_batcher(port: int, http_port: int, wait_s: float, log: Path) -> subprocess.Popen:
-    env = {**os.environ, "WEIR_KAFKA_BOOTSTRAP": f"127.0.0.1:{port}", "WEIR_KAFKA_WAIT_S": str(wait_s),
-           "WEIR_BATCHER_HTTP_PORT": str(http_port), "WEIR_TOPIC_PREFIX": f"wait{uuid.uuid4().hex[:8]}",
-           "WEIR_MODEL_REPO": str(REPO / "models.toml"), "PYTHONPATH": str(REPO)}  # fmt: skip
+    env = {
+        **os.environ,
+        "WEIR_KAFKA_BOOTSTRAP": f"127.0.0.1:{port}",
+        "WEIR_KAFKA_WAIT_S": str(wait_s),
+        "WEIR_BATCHER_HTTP_PORT": str(http_port),
+        "WEIR_TOPIC_PREFIX": f"wait{uuid.uuid4().hex[:8]}",
+        "WEIR_MODEL_REPO": str(REPO / "models.toml"),
+        "PYTHONPATH": str(REPO),
+    }
     with open(log, "wb") as out:
-        return subprocess.Popen([sys.executable, "-m", "weir.cli", "batcher"], env=env, stdout=out,
-                                stderr=subprocess.STDOUT)  # fmt: skip
+        return subprocess.Popen(
+            [sys.executable, "-m", "weir.cli", "batcher"], env=env, stdout=out, stderr=subprocess.STDOUT
+        )
 
 
 def wait_for_text(log: Path, text: str, proc: subprocess.Popen, timeout_s: float = 120) -> None:

@@ -56,8 +56,10 @@ async def test_lag_is_end_minus_committed_per_group_and_topic_of_this_prefix_onl
         await idle.stop()
         await monitor.stop()
     assert monitor.lags == {
-        (f"{prefix}.batcher", topic): 3, (f"{prefix}.batcher", other_topic): 0, (f"{prefix}.auditor", topic): 0,
-    }  # fmt: skip
+        (f"{prefix}.batcher", topic): 3,
+        (f"{prefix}.batcher", other_topic): 0,
+        (f"{prefix}.auditor", topic): 0,
+    }
 
     # Exported under kafka_exporter's name and labels.
     metrics = ServiceMetrics("test")

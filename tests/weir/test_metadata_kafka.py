@@ -19,9 +19,16 @@ from aiokafka import AIOKafkaConsumer
 
 from schemas.topics import TopicSpec
 from tests.conftest import BOOTSTRAP
-from weir.bus import BusSettings, make_consumer
-from weir.kafka.admin import _admin, delete_prefixed_topics, delete_topics, ensure_topics, list_topic_names, wait_topics_visible
 from tests.waiting import until
+from weir.bus import BusSettings, make_consumer
+from weir.kafka.admin import (
+    _admin,
+    delete_prefixed_topics,
+    delete_topics,
+    ensure_topics,
+    list_topic_names,
+    wait_topics_visible,
+)
 
 pytestmark = pytest.mark.kafka
 
@@ -38,20 +45,30 @@ async def test_a_member_gets_back_a_topic_that_vanished_from_its_metadata():
     spec = TopicSpec(name, 2, {})
     await ensure_topics(BOOTSTRAP, [spec])
     settings = BusSettings(kafka_bootstrap=BOOTSTRAP, group_metadata_max_age_ms=1000)
-    consumer = make_consumer(settings, client_id=f"{prefix}-member", group_id=f"{prefix}-group",
-                             session_timeout_ms=6000)  # fmt: skip
+    consumer = make_consumer(
+        settings, client_id=f"{prefix}-member", group_id=f"{prefix}-group", session_timeout_ms=6000
+    )
     consumer.subscribe([name])
     await consumer.start()
     try:
-        await until(lambda: polled(consumer, lambda: len(consumer.assignment()) == 2), timeout_s=30,
-                    what="both partitions assigned")
+        await until(
+            lambda: polled(consumer, lambda: len(consumer.assignment()) == 2),
+            timeout_s=30,
+            what="both partitions assigned",
+        )
         await delete_topics(BOOTSTRAP, [name])
-        await until(lambda: polled(consumer, lambda: not consumer.assignment()), timeout_s=30,
-                    what="no partition assigned once the topic is gone")
+        await until(
+            lambda: polled(consumer, lambda: not consumer.assignment()),
+            timeout_s=30,
+            what="no partition assigned once the topic is gone",
+        )
         await ensure_topics(BOOTSTRAP, [spec])  # a no-op where the broker made it again already
         # Back within a refresh (1 s) and a rebalance; with aiokafka's default it stays empty 5 minutes.
-        await until(lambda: polled(consumer, lambda: bool(consumer.assignment())), timeout_s=20,
-                    what="partitions assigned again")
+        await until(
+            lambda: polled(consumer, lambda: bool(consumer.assignment())),
+            timeout_s=20,
+            what="partitions assigned again",
+        )
     finally:
         await consumer.stop()
         await delete_prefixed_topics(BOOTSTRAP, prefix)

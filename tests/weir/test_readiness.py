@@ -33,8 +33,9 @@ def test_a_waiting_line_only_when_what_the_services_say_changes() -> None:
     assert board.waiting_line(T0 + 2) is None
     board.update("worker", Probe(False, "loading the models: tiny: warming up"), T0 + 3)
     board.update("gateway", Probe(False, "no live worker heartbeat"), T0 + 3)
-    assert board.waiting_line(T0 + 3) == ("    3.0 s  worker: loading the models: tiny: warming up; "
-                                          "gateway: no live worker heartbeat")  # fmt: skip
+    assert board.waiting_line(T0 + 3) == (
+        "    3.0 s  worker: loading the models: tiny: warming up; gateway: no live worker heartbeat"
+    )
     assert board.waiting_line(T0 + 4) is None
     board.update("worker", Probe(True, "ready"), T0 + 5)
     assert board.waiting_line(T0 + 5) == "    5.0 s  gateway: no live worker heartbeat"
@@ -71,21 +72,39 @@ def test_probe_of_a_port_nobody_listens_on() -> None:
 
 
 def test_wait_all_ready_says_each_step_and_stops_on_a_dead_service() -> None:
-    answers = {"kafka": iter([Probe(False, "booting"), Probe(True, "ready")]),
-               "worker": iter([Probe(False, "loading"), Probe(False, "loading"), Probe(True, "ready")])}  # fmt: skip
+    answers = {
+        "kafka": iter([Probe(False, "booting"), Probe(True, "ready")]),
+        "worker": iter([Probe(False, "loading"), Probe(False, "loading"), Probe(True, "ready")]),
+    }
     said: list[str] = []
     board = ReadinessBoard(["kafka", "worker"], started_s=0.0)
-    wait_all_ready(board, lambda name: next(answers[name]), lambda: [], lambda name: "", 1e12, said.append, poll_s=0)
-    assert [line.split(" s  ", 1)[-1] for line in said if " s  " in line] == ["kafka: booting; worker: loading",
-                                                                             "worker: loading"]  # fmt: skip
+    wait_all_ready(board, lambda name: next(answers[name]), list, lambda name: "", 1e12, said.append, poll_s=0)
+    assert [line.split(" s  ", 1)[-1] for line in said if " s  " in line] == [
+        "kafka: booting; worker: loading",
+        "worker: loading",
+    ]
     assert [line.split(" (")[0] for line in said if "ready (" in line] == ["  kafka ready", "  worker ready"]
 
     with pytest.raises(RuntimeError, match="worker exited during startup:\nTraceback"):
-        wait_all_ready(ReadinessBoard(["worker"], 0.0), lambda name: Probe(False, "loading"), lambda: ["worker"],
-                       lambda name: "Traceback ...", 1e12, said.append, poll_s=0)  # fmt: skip
+        wait_all_ready(
+            ReadinessBoard(["worker"], 0.0),
+            lambda name: Probe(False, "loading"),
+            lambda: ["worker"],
+            lambda name: "Traceback ...",
+            1e12,
+            said.append,
+            poll_s=0,
+        )
     with pytest.raises(TimeoutError, match=r"not ready in time: worker \(loading\)"):
-        wait_all_ready(ReadinessBoard(["worker"], 0.0), lambda name: Probe(False, "loading"), lambda: [],
-                       lambda name: "", 0.0, said.append, poll_s=0)  # fmt: skip
+        wait_all_ready(
+            ReadinessBoard(["worker"], 0.0),
+            lambda name: Probe(False, "loading"),
+            list,
+            lambda name: "",
+            0.0,
+            said.append,
+            poll_s=0,
+        )
 
 
 def test_a_service_that_answered_before_and_not_now_is_busy_not_starting_over() -> None:
@@ -111,8 +130,10 @@ def test_probe_of_a_503_whose_body_never_comes_is_an_answer_not_an_error() -> No
             conn, _ = server.accept()
             with conn:
                 conn.recv(4096)
-                conn.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                             b"Content-Length: 100\r\n\r\n{")
+                conn.sendall(
+                    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: 100\r\n\r\n{"
+                )
                 threading.Event().wait(2.0)  # hold the connection while the probe times out
 
         thread = threading.Thread(target=answer_headers_only, daemon=True)

@@ -17,8 +17,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _echo(version: str, created_ms: int | None = None) -> ModelVersionRecord:
     """An echo version's record; packed now, unless `created_ms` says when."""
-    manifest = ModelManifest(name="echo", version=version, format="echo", location="",
-                             serving={"engine": "echo", "max_model_len": 64})  # fmt: skip
+    manifest = ModelManifest(
+        name="echo", version=version, format="echo", location="", serving={"engine": "echo", "max_model_len": 64}
+    )
     if created_ms is not None:
         manifest = manifest.model_copy(update={"created_ms": created_ms})
     return ModelVersionRecord(manifest=manifest)
@@ -79,7 +80,9 @@ def test_operations_refuse_what_would_break_serving():
 
 def test_a_version_is_immutable_and_a_record_under_another_key_is_ignored():
     state = _state(_echo("2"))
-    other = _echo("2").model_copy(update={"manifest": _echo("2").manifest.model_copy(update={"serving": {"engine": "echo"}})})
+    other = _echo("2").model_copy(
+        update={"manifest": _echo("2").manifest.model_copy(update={"serving": {"engine": "echo"}})}
+    )
     with pytest.raises(RegistryError, match="registered with other files"):
         register(state, other)
     again = _echo("2", created_ms=state.versions["echo@2"].manifest.created_ms + 60_000)  # packed a minute later

@@ -12,8 +12,8 @@ import pytest
 from aiokafka.errors import KafkaConnectionError, KafkaTimeoutError
 
 from services.worker.kafka.delivery import is_outage
-from weir.reply_topics import TopicRefused, TopicWriter
 from tests.waiting import until
+from weir.reply_topics import TopicRefused, TopicWriter
 
 UNKNOWN_TOPIC, LEADER_NOT_AVAILABLE, TOPIC_AUTHORIZATION_FAILED = 3, 5, 29
 
@@ -44,8 +44,14 @@ class FakeProducer:
         self.sent: list[tuple[str, bytes]] = []
         self.futures: list[asyncio.Future] = []
 
-    async def send(self, topic: str, value: bytes, key: bytes | None = None, partition: int | None = None,
-                   headers: list[tuple[str, bytes]] | None = None) -> asyncio.Future:
+    async def send(
+        self,
+        topic: str,
+        value: bytes,
+        key: bytes | None = None,
+        partition: int | None = None,
+        headers: list[tuple[str, bytes]] | None = None,
+    ) -> asyncio.Future:
         self.sent.append((topic, value))
         future = asyncio.get_running_loop().create_future()
         self.futures.append(future)
@@ -57,7 +63,7 @@ class FakeProducer:
 
 
 def writer_of(producer: FakeProducer, **kw) -> TopicWriter:
-    return TopicWriter(producer, lookup_timeout_s=0.5, **kw)  # type: ignore[arg-type]
+    return TopicWriter(producer, lookup_timeout_s=0.5, **kw)
 
 
 async def test_a_topic_the_broker_does_not_know_is_refused_without_an_outage() -> None:
@@ -98,7 +104,7 @@ async def test_a_refused_topic_fails_at_once_for_a_while_then_is_looked_up_again
     now = [0.0]
     producer = FakeProducer()
     producer.client.answer = UNKNOWN_TOPIC
-    writer = TopicWriter(producer, auto_create=False, refused_for_s=10, clock=lambda: now[0])  # type: ignore[arg-type]
+    writer = TopicWriter(producer, auto_create=False, refused_for_s=10, clock=lambda: now[0])
     with pytest.raises(TopicRefused):
         await (await writer.send("weir.replies.late", b"1", b"k"))
     lookups = producer.client.num_lookups

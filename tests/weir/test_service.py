@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -21,9 +20,18 @@ import pytest
 from aiokafka.errors import KafkaConnectionError, TopicAuthorizationFailedError
 
 from tests.ports import DeadPort, HeldPort
-from weir.service import (EXIT_BROKER, EXIT_CONFIG, EXIT_FAILED, EXIT_OK, HTTP_FD_ENV, ConfigError, ops_app,
-                          run_service, service_parser)
 from tests.waiting import wait_until
+from weir.service import (
+    EXIT_BROKER,
+    EXIT_CONFIG,
+    EXIT_FAILED,
+    EXIT_OK,
+    HTTP_FD_ENV,
+    ConfigError,
+    ops_app,
+    run_service,
+    service_parser,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -72,8 +80,14 @@ def spawn(*argv: str, held: HeldPort | None = None) -> subprocess.Popen[str]:
     """The tiny service as a process; with `held`, serving on that socket (as a Stack passes it)."""
     code = "import sys; from tests.weir.test_service import main; sys.exit(main(sys.argv[1:]))"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-c", code, *argv], cwd=REPO, stderr=subprocess.PIPE, text=True,
-                            env=held.env(env) if held else env, pass_fds=held.pass_fds if held else ())
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *argv],
+        cwd=REPO,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=held.env(env) if held else env,
+        pass_fds=held.pass_fds if held else (),
+    )
 
 
 def get(url: str) -> tuple[int, str]:
@@ -171,13 +185,25 @@ def test_a_passed_socket_that_is_not_the_configured_one_is_refused(wrong: str) -
             proc = spawn("--http-port", str(dead.port), held=held)
         else:
             fd = devnull.fileno() if wrong == "not a socket" else dead.sock.fileno()
-            proc = subprocess.Popen([sys.executable, "-c", "import sys; from tests.weir.test_service import main; "
-                                     "sys.exit(main(sys.argv[1:]))"], cwd=REPO, stderr=subprocess.PIPE, text=True,
-                                    env={**os.environ, HTTP_FD_ENV: str(fd)}, pass_fds=(fd,))  # fmt: skip
+            proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    "import sys; from tests.weir.test_service import main; sys.exit(main(sys.argv[1:]))",
+                ],
+                cwd=REPO,
+                stderr=subprocess.PIPE,
+                text=True,
+                env={**os.environ, HTTP_FD_ENV: str(fd)},
+                pass_fds=(fd,),
+            )
         _, stderr = proc.communicate(timeout=30)
     assert proc.returncode == EXIT_CONFIG, stderr
-    said = {"another port": f"not on the configured 127.0.0.1:{dead.port}", "not a socket": "is not an open socket",
-            "not listening": "is not a listening TCP socket"}[wrong]  # fmt: skip
+    said = {
+        "another port": f"not on the configured 127.0.0.1:{dead.port}",
+        "not a socket": "is not an open socket",
+        "not listening": "is not a listening TCP socket",
+    }[wrong]
     assert said in stderr and "Traceback" not in stderr, stderr
 
 
@@ -190,7 +216,7 @@ async def test_connections_are_accepted_with_nagle_off() -> None:
 
     sock = bind("127.0.0.1", 0)
     assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 0  # what create_server gives
-    HttpServer(lambda scope, receive, send: None, sock, {})  # type: ignore[arg-type,return-value]
+    HttpServer(lambda scope, receive, send: None, sock, {})
     try:
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
         with socket.create_connection(sock.getsockname()[:2]):

@@ -11,14 +11,25 @@ import pytest
 
 from weir import stack as up
 from weir.kafka.launcher import BrokerConfig
-from weir.stack import (DEFAULT_HTTP_PORTS, HTTP_PORT_ENV, free_ports, instance_envs, instance_names, port_taken,
-                           service_of, service_ports)  # fmt: skip
+from weir.stack import (
+    DEFAULT_HTTP_PORTS,
+    HTTP_PORT_ENV,
+    free_ports,
+    instance_envs,
+    instance_names,
+    port_taken,
+    service_of,
+    service_ports,
+)
 
 
 def test_a_port_variable_is_honoured() -> None:
     audit, batcher, worker = free_ports(3)
-    env = {"WEIR_AUDIT_API_PORT": str(audit), "WEIR_BATCHER_HTTP_PORT": str(batcher),
-           "WEIR_WORKER_HTTP_PORT": str(worker)}  # fmt: skip
+    env = {
+        "WEIR_AUDIT_API_PORT": str(audit),
+        "WEIR_BATCHER_HTTP_PORT": str(batcher),
+        "WEIR_WORKER_HTTP_PORT": str(worker),
+    }
     assert service_ports(28000, env) == {"gateway": 28000, "auditor": audit, "batcher": batcher, "worker": worker}
 
 
@@ -43,12 +54,23 @@ def test_each_instance_gets_its_own_port_next_to_the_first_where_free() -> None:
     gateway = next(p for p in free_ports(8) if not port_taken(p + 1) and not port_taken(p + 2))
     worker = next(p for p in free_ports(8) if not port_taken(p + 1) and abs(p - gateway) > 2)
     audit, batcher = [p for p in free_ports(8) if p not in {gateway + 1, gateway + 2, worker, worker + 1}][:2]
-    env = {"WEIR_WORKER_HTTP_PORT": str(worker), "WEIR_AUDIT_API_PORT": str(audit), "WEIR_BATCHER_HTTP_PORT": str(batcher)}
+    env = {
+        "WEIR_WORKER_HTTP_PORT": str(worker),
+        "WEIR_AUDIT_API_PORT": str(audit),
+        "WEIR_BATCHER_HTTP_PORT": str(batcher),
+    }
     with socket.socket() as held:  # gateway+2 is taken: gateway-3 moves to a free port instead
         held.bind(("127.0.0.1", gateway + 2))
         ports = service_ports(gateway, env, counts={"gateway": 3, "worker": 2})
-    assert ports == {"gateway": gateway, "gateway-2": gateway + 1, "gateway-3": ports["gateway-3"], "auditor": audit,
-                     "worker": worker, "worker-2": worker + 1, "batcher": batcher}  # fmt: skip
+    assert ports == {
+        "gateway": gateway,
+        "gateway-2": gateway + 1,
+        "gateway-3": ports["gateway-3"],
+        "auditor": audit,
+        "worker": worker,
+        "worker-2": worker + 1,
+        "batcher": batcher,
+    }
     assert len(set(ports.values())) == len(ports) and ports["gateway-3"] != gateway + 2
 
 
@@ -68,12 +90,20 @@ def test_each_instance_has_its_own_id_and_reply_topic_and_keeps_its_service(tmp_
 def test_a_restarted_instance_runs_its_own_service_with_its_own_settings(tmp_path, monkeypatch) -> None:
     started: list[tuple[list[str], dict[str, str]]] = []
     monkeypatch.setattr(up.subprocess, "Popen", lambda argv, env, **_: started.append((argv, env)) or argv)
-    stack = up.Stack({"WEIR_WORKER_HTTP_PORT": "1"}, tmp_path, http_ports={"worker-2": 28004},
-                           own_env={"worker-2": {"WEIR_WORKER_INSTANCE": "worker-2"}})  # fmt: skip
+    stack = up.Stack(
+        {"WEIR_WORKER_HTTP_PORT": "1"},
+        tmp_path,
+        http_ports={"worker-2": 28004},
+        own_env={"worker-2": {"WEIR_WORKER_INSTANCE": "worker-2"}},
+    )
     stack.start("worker-2", service="worker")
     stack.start("worker-2")  # as weir up's supervise() restarts it
     for argv, env in started:
-        assert argv[-1] == "worker" and env["WEIR_WORKER_HTTP_PORT"] == "28004" and env["WEIR_WORKER_INSTANCE"] == "worker-2"
+        assert (
+            argv[-1] == "worker"
+            and env["WEIR_WORKER_HTTP_PORT"] == "28004"
+            and env["WEIR_WORKER_INSTANCE"] == "worker-2"
+        )
     with pytest.raises(ValueError, match="worker-2 runs worker, not gateway"):
         stack.start("worker-2", service="gateway")
 
@@ -90,14 +120,16 @@ def test_weir_up_refuses_a_count_outside_one_to_eight(value: str, capsys) -> Non
             service_ports(28000, {}, counts=counts)
 
 
-def test_a_stack_holds_each_port_from_its_pick_through_restarts_and_hands_the_socket_down(tmp_path,
-                                                                                         monkeypatch) -> None:
+def test_a_stack_holds_each_port_from_its_pick_through_restarts_and_hands_the_socket_down(
+    tmp_path, monkeypatch
+) -> None:
     # The pick-then-release race: a port picked free, released, then bound by the service later may
     # meanwhile be handed to another service (a `make test` lost a run to it). The stack binds each
     # port itself, keeps it while the stack lives, and passes the socket (weir/service.py: HTTP_FD_ENV).
     started: list[tuple[dict[str, str], tuple[int, ...]]] = []
-    monkeypatch.setattr(up.subprocess, "Popen",
-                        lambda argv, env, pass_fds=(), **_: started.append((env, pass_fds)) or argv)  # fmt: skip
+    monkeypatch.setattr(
+        up.subprocess, "Popen", lambda argv, env, pass_fds=(), **_: started.append((env, pass_fds)) or argv
+    )
     with socket.create_server(("127.0.0.1", 0)) as taken:
         taken_port = taken.getsockname()[1]
         stack = up.Stack({}, tmp_path, http_ports={"batcher": taken_port})

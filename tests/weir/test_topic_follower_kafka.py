@@ -11,9 +11,9 @@ import pytest
 from schemas.topics import TopicSpec
 from tests.conftest import BOOTSTRAP
 from tests.kafka_helpers import produce
+from tests.waiting import stays_false, until
 from weir.bus import BusSettings, TopicFollower
 from weir.kafka.admin import delete_prefixed_topics, ensure_topics
-from tests.waiting import stays_false, until
 
 pytestmark = pytest.mark.kafka
 # A stopped follower has closed its consumer: nothing can reach the callback any more. One second
@@ -33,14 +33,18 @@ async def topic():
 async def test_it_reads_what_is_there_before_start_returns_then_follows(topic):
     await produce(BOOTSTRAP, topic, [(f"k{i}", b"%d" % i) for i in range(30)])  # keys spread over 3 partitions
     seen: list[tuple[bytes | None, bytes | None]] = []
-    follower = TopicFollower(BusSettings(kafka_bootstrap=BOOTSTRAP), topic, "test-follow",
-                             lambda key, value, _: seen.append((key, value)))  # fmt: skip
+    follower = TopicFollower(
+        BusSettings(kafka_bootstrap=BOOTSTRAP), topic, "test-follow", lambda key, value, _: seen.append((key, value))
+    )
     await follower.start()
     try:
         assert sorted(int(value) for _, value in seen) == list(range(30))  # all of it, at start()
-        await produce(BOOTSTRAP, topic, [("k1", b"new"), ("k2", None)])  # type: ignore[list-item]
-        await until(lambda: (b"k1", b"new") in seen and (b"k2", None) in seen,
-                    timeout_s=10, what="k1's new value and k2's tombstone")
+        await produce(BOOTSTRAP, topic, [("k1", b"new"), ("k2", None)])
+        await until(
+            lambda: (b"k1", b"new") in seen and (b"k2", None) in seen,
+            timeout_s=10,
+            what="k1's new value and k2's tombstone",
+        )
     finally:
         await follower.stop()
 
@@ -66,8 +70,9 @@ async def test_a_record_the_handler_refuses_is_skipped_and_the_rest_read(topic):
 
 async def test_an_empty_topic_starts_at_once_and_stop_ends_it(topic):
     seen: list[bytes | None] = []
-    follower = TopicFollower(BusSettings(kafka_bootstrap=BOOTSTRAP), topic, "test-follow-empty",
-                             lambda _k, value, _r: seen.append(value))  # fmt: skip
+    follower = TopicFollower(
+        BusSettings(kafka_bootstrap=BOOTSTRAP), topic, "test-follow-empty", lambda _k, value, _r: seen.append(value)
+    )
     await asyncio.wait_for(follower.start(), 20)
     await follower.stop()
     await produce(BOOTSTRAP, topic, [("a", b"late")])
@@ -78,8 +83,13 @@ async def test_on_batch_follows_each_fetch_that_held_records(topic):
     await produce(BOOTSTRAP, topic, [(f"k{i}", b"%d" % i) for i in range(5)])
     seen: list[bytes | None] = []
     batches: list[int] = []  # how many records had been handed over when on_batch ran
-    follower = TopicFollower(BusSettings(kafka_bootstrap=BOOTSTRAP), topic, "test-follow-batch",
-                             lambda _k, value, _r: seen.append(value), lambda: batches.append(len(seen)))  # fmt: skip
+    follower = TopicFollower(
+        BusSettings(kafka_bootstrap=BOOTSTRAP),
+        topic,
+        "test-follow-batch",
+        lambda _k, value, _r: seen.append(value),
+        lambda: batches.append(len(seen)),
+    )
     await follower.start()
     try:
         assert batches and batches[-1] == 5  # after the records of its fetch, never before

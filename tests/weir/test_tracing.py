@@ -50,11 +50,18 @@ def test_inject_then_extract_gives_back_the_span_context() -> None:
     assert traceparent(child_context(span)) == headers[0][1].decode()
 
 
-@pytest.mark.parametrize("value", [
-    b"garbage", b"00-00000000000000000000000000000000-b7ad6b7169203331-01",  # all-zero trace id
-    b"00-0af7651916cd43dd8448eb211c80319c-0000000000000000-01", b"ff-" + PARENT[3:].encode(),
-    b"\xff\xfe", PARENT.encode() + b"x" * 10_000, None,
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "value",
+    [
+        b"garbage",
+        b"00-00000000000000000000000000000000-b7ad6b7169203331-01",  # all-zero trace id
+        b"00-0af7651916cd43dd8448eb211c80319c-0000000000000000-01",
+        b"ff-" + PARENT[3:].encode(),
+        b"\xff\xfe",
+        PARENT.encode() + b"x" * 10_000,
+        None,
+    ],
+)
 def test_a_malformed_traceparent_starts_a_new_trace(value: bytes | None) -> None:
     ctx = extract([("traceparent", value), ("other", b"\x00")])
     assert not get_current_span(ctx).get_span_context().is_valid
@@ -80,7 +87,12 @@ def test_a_child_continues_the_trace_of_its_header() -> None:
     (finished,) = t.exporter.take()
     record = span_record(finished)
     assert (record.trace_id, record.parent_span_id) == ("0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331")
-    assert (record.request_id, record.kind, record.service, record.instance) == ("r1", "consumer", "gateway", "gateway-1")
+    assert (record.request_id, record.kind, record.service, record.instance) == (
+        "r1",
+        "consumer",
+        "gateway",
+        "gateway-1",
+    )
     assert record.key() == f"r1/{record.span_id}"
 
 
@@ -90,7 +102,9 @@ def test_a_batch_carries_each_requests_context() -> None:
     ((key, value),) = inject_many({rid: child_context(span) for rid, span in spans.items()})
     assert key == TRACEPARENTS_HEADER
     back = extract_many([(key, value)])
-    assert {rid: span_ids(ctx)[1] for rid, ctx in back.items()} == {rid: s.get_span_context().span_id for rid, s in spans.items()}
+    assert {rid: span_ids(ctx)[1] for rid, ctx in back.items()} == {
+        rid: s.get_span_context().span_id for rid, s in spans.items()
+    }
     forged = orjson.dumps({"a": "nonsense", "b": PARENT, "c": 3})
     assert list(extract_many([(TRACEPARENTS_HEADER, forged)])) == ["b"]
     for bad in (b"[1]", b"{", b"\xff", b"null"):
@@ -103,14 +117,18 @@ def test_a_full_queue_drops_and_counts() -> None:
     spans = [t.start_span(str(i), None) for i in range(3)]
     for span in spans:
         span.end()
-    exporter.export(list(t.exporter.take()))  # type: ignore[misc]
+    exporter.export(list(t.exporter.take()))
     assert (len(exporter.queue), exporter.num_dropped) == (2, 1)
 
 
 def test_span_records_hold_messaging_attributes_and_events() -> None:
     t = tracing()
-    span = t.start_span("weir.requests publish", None, kind=SpanKind.PRODUCER,
-                        attributes=messaging("send", "weir.requests", offset=7, partition=1, group="g"))
+    span = t.start_span(
+        "weir.requests publish",
+        None,
+        kind=SpanKind.PRODUCER,
+        attributes=messaging("send", "weir.requests", offset=7, partition=1, group="g"),
+    )
     span.add_event("first_token", {"gen_ai.usage.output_tokens": 1})
     span.end()
     record = span_record(t.exporter.take()[0])
@@ -125,7 +143,7 @@ def test_spans_go_over_otlp_when_an_endpoint_is_set(monkeypatch: pytest.MonkeyPa
     received: list[bytes] = []
 
     class Collector(http.server.BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        def do_POST(self) -> None:  # http.server's name
             received.append(self.rfile.read(int(self.headers["content-length"])))
             self.send_response(200)
             self.send_header("content-type", "application/x-protobuf")

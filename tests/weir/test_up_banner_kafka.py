@@ -19,13 +19,14 @@ from weir import deployment
 from weir.bus import BusSettings
 from weir.kafka.admin import delete_prefixed_topics, ensure_topics
 from weir.kafka.launcher import BrokerConfig
-from weir.stack import registered_versions
 from weir.registry import promote, publish, register, seed_records
+from weir.stack import registered_versions
 
 
 def _echo(version: str) -> ModelVersionRecord:
-    manifest = ModelManifest(name="echo", version=version, format="echo", location="",
-                             serving={"engine": "echo", "max_model_len": 64})  # fmt: skip
+    manifest = ModelManifest(
+        name="echo", version=version, format="echo", location="", serving={"engine": "echo", "max_model_len": 64}
+    )
     return ModelVersionRecord(manifest=manifest, registered_by="test")
 
 
@@ -62,13 +63,19 @@ def test_the_recorded_deployment_fills_in_what_nothing_says_and_only_while_its_w
     assert deployment.apply({}, tmp_path) == {}  # no record: nothing
     deployment.record("127.0.0.1:9292", "mine", True, ["http://127.0.0.1:8000"], tmp_path)
     env = {"WEIR_TOPIC_PREFIX": "explicit"}
-    assert deployment.apply(env, tmp_path) == {"WEIR_KAFKA_BOOTSTRAP": "127.0.0.1:9292", "WEIR_KAFKA_SECURITY": "sasl",
-                                               "WEIR_KAFKA_USER": "admin"}  # fmt: skip
+    assert deployment.apply(env, tmp_path) == {
+        "WEIR_KAFKA_BOOTSTRAP": "127.0.0.1:9292",
+        "WEIR_KAFKA_SECURITY": "sasl",
+        "WEIR_KAFKA_USER": "admin",
+    }
     assert env["WEIR_TOPIC_PREFIX"] == "explicit"  # an explicit setting wins
-    assert deployment.apply({"WEIR_KAFKA_BOOTSTRAP": "b:1", "WEIR_KAFKA_SECURITY": "plaintext"}, tmp_path) == \
-        {"WEIR_TOPIC_PREFIX": "mine"}  # fmt: skip
-    assert "WEIR_KAFKA_BOOTSTRAP=127.0.0.1:9292 WEIR_TOPIC_PREFIX=mine WEIR_KAFKA_SECURITY=sasl" in \
-        deployment.export_line("127.0.0.1:9292", "mine", True, tmp_path)  # fmt: skip
+    assert deployment.apply({"WEIR_KAFKA_BOOTSTRAP": "b:1", "WEIR_KAFKA_SECURITY": "plaintext"}, tmp_path) == {
+        "WEIR_TOPIC_PREFIX": "mine"
+    }
+    assert (
+        "WEIR_KAFKA_BOOTSTRAP=127.0.0.1:9292 WEIR_TOPIC_PREFIX=mine WEIR_KAFKA_SECURITY=sasl"
+        in deployment.export_line("127.0.0.1:9292", "mine", True, tmp_path)
+    )
     # A record whose `weir up` is gone (killed -9) is not a deployment: ignored, and said so.
     body = (tmp_path / deployment.FILE).read_text().replace(f'"pid": {os.getpid()}', '"pid": 999999999')
     (tmp_path / deployment.FILE).write_text(body)
@@ -100,8 +107,12 @@ def test_weir_commands_find_the_deployment_and_an_explicit_bootstrap_wins(
     err = capsys.readouterr().err
     assert f"WEIR_KAFKA_BOOTSTRAP=127.0.0.1:{recorded}" in err and f"127.0.0.1:{recorded}" in err.splitlines()[-1]
     os.environ.pop("WEIR_KAFKA_BOOTSTRAP"), os.environ.pop("WEIR_TOPIC_PREFIX")  # what the first command filled in
-    assert cli.main(["topics", "create", "--bootstrap", f"127.0.0.1:{explicit}", "--timeout", "1",
-                     "--model-repo", str(repo)]) == 1  # fmt: skip
+    assert (
+        cli.main(
+            ["topics", "create", "--bootstrap", f"127.0.0.1:{explicit}", "--timeout", "1", "--model-repo", str(repo)]
+        )
+        == 1
+    )
     err = capsys.readouterr().err
     assert "deployment" not in err and f"127.0.0.1:{explicit}" in err
 
@@ -114,7 +125,13 @@ def test_weir_kafka_user_add_speaks_to_the_recorded_broker(
     from weir import cli
     from weir.stack import free_ports
 
-    for name in ("WEIR_KAFKA_BOOTSTRAP", "WEIR_TOPIC_PREFIX", "WEIR_KAFKA_SECURITY", "WEIR_KAFKA_USER", "WEIR_KAFKA_PORT"):
+    for name in (
+        "WEIR_KAFKA_BOOTSTRAP",
+        "WEIR_TOPIC_PREFIX",
+        "WEIR_KAFKA_SECURITY",
+        "WEIR_KAFKA_USER",
+        "WEIR_KAFKA_PORT",
+    ):
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
     monkeypatch.setenv("WEIR_HOME", str(tmp_path))
@@ -123,7 +140,13 @@ def test_weir_kafka_user_add_speaks_to_the_recorded_broker(
     cli.find_deployment(["kafka", "user", "add", "alice"])
     assert os.environ["WEIR_KAFKA_PORT"] == str(recorded) and os.environ["WEIR_TOPIC_PREFIX"] == "mine"
     assert f"WEIR_KAFKA_PORT={recorded}" in capsys.readouterr().err
-    for name in ("WEIR_KAFKA_BOOTSTRAP", "WEIR_TOPIC_PREFIX", "WEIR_KAFKA_SECURITY", "WEIR_KAFKA_USER", "WEIR_KAFKA_PORT"):
+    for name in (
+        "WEIR_KAFKA_BOOTSTRAP",
+        "WEIR_TOPIC_PREFIX",
+        "WEIR_KAFKA_SECURITY",
+        "WEIR_KAFKA_USER",
+        "WEIR_KAFKA_PORT",
+    ):
         os.environ.pop(name, None)
     cli.find_deployment(["kafka", "user", "add", "alice", "--port", str(explicit)])
     assert "WEIR_KAFKA_PORT" not in os.environ and "WEIR_TOPIC_PREFIX" not in os.environ

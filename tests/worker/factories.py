@@ -41,9 +41,13 @@ def make_tokenizer(path: Path, vocab_size: int = 300, special_tokens: tuple[str,
 
 
 def make_model_dir(
-    path: Path, arch: str = "llama", seed: int = 0, num_kv_heads: int = 2, special_tokens: tuple[str, ...] = (),
+    path: Path,
+    arch: str = "llama",
+    seed: int = 0,
+    num_kv_heads: int = 2,
+    special_tokens: tuple[str, ...] = (),
     **config_overrides,
-) -> Path:  # fmt: skip
+) -> Path:
     """A random-weight Llama or Qwen2 directory (config.json, model.safetensors, tokenizer.json).
 
     config_overrides replace LlamaConfig/Qwen2Config arguments (rope_scaling, max_position_embeddings...).
@@ -54,10 +58,18 @@ def make_model_dir(
     tok = make_tokenizer(path, special_tokens=special_tokens)
     torch.manual_seed(seed)
     common = dict(
-        vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=num_kv_heads, max_position_embeddings=256,
-        bos_token_id=0, eos_token_id=0, rms_norm_eps=1e-5, rope_theta=10000.0,
-    )  # fmt: skip
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=256,
+        bos_token_id=0,
+        eos_token_id=0,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+    )
     common.update(config_overrides)
     if arch == "llama":
         config = transformers.LlamaConfig(**common, tie_word_embeddings=False)
@@ -82,9 +94,14 @@ def write_tokenizer_config(path: Path, chat_template: str | None = None, **speci
 def make_request(prompt: str = "def ", **overrides) -> GenerateRequest:
     """A GenerateRequest with sane defaults; overrides replace any field."""
     fields = dict(
-        request_id=f"req-{next(_ids)}", model="tiny", prompt=prompt, max_tokens=8, temperature=0.0,
-        deadline_ms=now_ms() + 60_000, reply_to="weir.replies.test",
-    )  # fmt: skip
+        request_id=f"req-{next(_ids)}",
+        model="tiny",
+        prompt=prompt,
+        max_tokens=8,
+        temperature=0.0,
+        deadline_ms=now_ms() + 60_000,
+        reply_to="weir.replies.test",
+    )
     fields.update(overrides)
     return GenerateRequest(**fields)
 
@@ -92,9 +109,13 @@ def make_request(prompt: str = "def ", **overrides) -> GenerateRequest:
 def make_embed_request(*inputs: str, **overrides) -> EmbedRequest:
     """An EmbedRequest for the model "minilm"; overrides replace any field."""
     fields = dict(
-        request_id=f"emb-{next(_ids)}", model="minilm", inputs=list(inputs) or ["hello"],
-        deadline_ms=T0_MS + 60_000, reply_to="weir.replies.test", created_ms=T0_MS,
-    )  # fmt: skip
+        request_id=f"emb-{next(_ids)}",
+        model="minilm",
+        inputs=list(inputs) or ["hello"],
+        deadline_ms=T0_MS + 60_000,
+        reply_to="weir.replies.test",
+        created_ms=T0_MS,
+    )
     fields.update(overrides)
     return EmbedRequest(**fields)
 

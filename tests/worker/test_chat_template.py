@@ -3,8 +3,8 @@ template's end-of-turn token, and a template that refuses a chat ends only that 
 
 from __future__ import annotations
 
-import re
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -12,12 +12,12 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from .factories import make_model_dir, make_request, write_tokenizer_config
-
 from schemas.messages import ChatMessage
 from services.worker.engine import Engine, EngineConfig
-from weir.chat_template import ChatTemplateError
 from services.worker.engine.tokenizer import ModelTokenizer
+from weir.chat_template import ChatTemplateError
+
+from .factories import make_model_dir, make_request, write_tokenizer_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -69,7 +69,7 @@ MISTRAL_TOKENS = ("<s>", "</s>")
 
 CHATS = [
     [("user", "What is the capital of France?")],
-    [("system", "  Be brief.  "), ("user", "Hi <b>there</b> & \"you\"")],
+    [("system", "  Be brief.  "), ("user", 'Hi <b>there</b> & "you"')],
     [("user", "def add(a, b):"), ("assistant", "  return a + b\n"), ("user", "Und auf Deutsch? Grüße, 東京 🚀")],
     [("system", "s"), ("user", "1"), ("assistant", "2"), ("user", "3"), ("assistant", "4"), ("user", "5")],
 ]
@@ -85,7 +85,7 @@ def tokenizer_dir(path: Path, template: str | None, special: tuple[str, ...], **
 
 
 def messages(chat: list[tuple[str, str]]) -> list[ChatMessage]:
-    return [ChatMessage(role=role, content=content) for role, content in chat]  # type: ignore[arg-type]
+    return [ChatMessage(role=role, content=content) for role, content in chat]
 
 
 def hf_render(path: Path, chat: list[ChatMessage]) -> str:
@@ -97,9 +97,17 @@ def hf_render(path: Path, chat: list[ChatMessage]) -> str:
 TEMPLATES = {
     "smollm2-chatml": (SMOLLM2, CHATML_TOKENS, {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}),
     "llama3": (LLAMA3, LLAMA3_TOKENS, {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}),
-    "features": (FEATURES, CHATML_TOKENS, {"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>",
-                                           "unk_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}),
-}  # fmt: skip
+    "features": (
+        FEATURES,
+        CHATML_TOKENS,
+        {
+            "bos_token": "<|endoftext|>",
+            "eos_token": "<|im_end|>",
+            "unk_token": "<|endoftext|>",
+            "pad_token": "<|endoftext|>",
+        },
+    ),
+}
 
 
 @pytest.mark.parametrize("name", sorted(TEMPLATES))
@@ -118,8 +126,10 @@ def test_mistral_template_renders_alternating_chats_and_refuses_others_as_transf
     path = tokenizer_dir(tmp_path, MISTRAL, MISTRAL_TOKENS, bos_token="<s>", eos_token="</s>")
     tok = ModelTokenizer(path)
     good = messages(CHATS[2])
-    assert tok.render_chat(good) == hf_render(path, good) == (
-        "<s>[INST] def add(a, b): [/INST]  return a + b\n</s>[INST] Und auf Deutsch? Grüße, 東京 🚀 [/INST]"
+    assert (
+        tok.render_chat(good)
+        == hf_render(path, good)
+        == ("<s>[INST] def add(a, b): [/INST]  return a + b\n</s>[INST] Und auf Deutsch? Grüße, 東京 🚀 [/INST]")
     )
     bad = messages([("user", "a"), ("user", "b")])
     with pytest.raises(Exception, match="Conversation roles must alternate") as hf_error:

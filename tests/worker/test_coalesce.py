@@ -14,8 +14,8 @@ from schemas.codec import decode_reply
 from schemas.messages import ReplyDelta, ReplyEnd, ToolCallDelta
 from schemas.reply_stream import ReplyCursor
 from services.worker.kafka.coalesce import ReplyLane
-from services.worker.kafka.intake import Intake, InFlight
 from services.worker.kafka.dispatch import Dispatch
+from services.worker.kafka.intake import InFlight, Intake
 from services.worker.kafka.publisher import Publisher
 
 from .factories import make_model_config, make_output, make_request
@@ -146,16 +146,28 @@ async def test_a_failed_write_drops_what_was_held_and_the_lane_drains():
 
 def _publisher(writer: HeldWriter, intake: Intake) -> Publisher:
     config = make_model_config("tiny")
-    return Publisher(config, writer, "weir.audit", intake, Dispatch(config, []), worker_id="w",  # type: ignore[arg-type]
-                     audit_key=b"k" * 32)  # fmt: skip
+    return Publisher(config, writer, "weir.audit", intake, Dispatch(config, []), worker_id="w", audit_key=b"k" * 32)
 
 
 def _outputs(rid: str) -> list:
     """A reply's engine outputs: one token each, the third's text released with the fourth's."""
-    return [make_output(rid, 0, text="The", token_ids=[1]), make_output(rid, 1, text=" caf", token_ids=[2]),
-            make_output(rid, 2, text="é is", token_ids=[3, 4]), make_output(rid, 4, text=" open", token_ids=[5]),
-            make_output(rid, 5, text=".", token_ids=[6], finish_reason="stop", prompt_tokens=2, completion_tokens=6,
-                        prompt_text="p", output_text="The café is open.")]  # fmt: skip
+    return [
+        make_output(rid, 0, text="The", token_ids=[1]),
+        make_output(rid, 1, text=" caf", token_ids=[2]),
+        make_output(rid, 2, text="é is", token_ids=[3, 4]),
+        make_output(rid, 4, text=" open", token_ids=[5]),
+        make_output(
+            rid,
+            5,
+            text=".",
+            token_ids=[6],
+            finish_reason="stop",
+            prompt_tokens=2,
+            completion_tokens=6,
+            prompt_text="p",
+            output_text="The café is open.",
+        ),
+    ]
 
 
 async def _run(hold: bool) -> tuple[list, Intake, InFlight]:
@@ -163,7 +175,7 @@ async def _run(hold: bool) -> tuple[list, Intake, InFlight]:
     intake = Intake()
     publisher = _publisher(writer, intake)
     request = make_request("p", model="tiny")
-    flight = InFlight(request, "b1", host=SimpleNamespace(weights_sha256="0" * 64, cancel=lambda rid: None))  # type: ignore[arg-type]
+    flight = InFlight(request, "b1", host=SimpleNamespace(weights_sha256="0" * 64, cancel=lambda rid: None))
     intake.in_flight[request.request_id] = flight
     for out in _outputs(request.request_id):
         await publisher.send_output(flight, out)
@@ -183,7 +195,14 @@ async def _run(hold: bool) -> tuple[list, Intake, InFlight]:
 async def test_the_publisher_coalesces_under_a_held_produce_and_the_reader_assembles_the_same_reply():
     quick, intake_a, _ = await _run(hold=False)
     held, intake_b, _ = await _run(hold=True)
-    assert [(e.type, e.seq) for e in quick] == [("delta", 0), ("delta", 1), ("delta", 2), ("delta", 4), ("delta", 5), ("end", 6)]
+    assert [(e.type, e.seq) for e in quick] == [
+        ("delta", 0),
+        ("delta", 1),
+        ("delta", 2),
+        ("delta", 4),
+        ("delta", 5),
+        ("end", 6),
+    ]
     assert [(e.type, e.seq) for e in held] == [("delta", 0), ("delta", 1), ("end", 6)]
     assert held[1].count == 5 and held[1].texts == [" caf", "", "é is", " open", "."]
     assert contiguous(quick) and contiguous(held)
@@ -201,13 +220,18 @@ async def test_a_lane_of_a_run_redone_since_sends_nothing_more():
     intake = Intake()
     publisher = _publisher(writer, intake)
     request = make_request("p", model="tiny")
-    flight = InFlight(request, "b1", host=SimpleNamespace(weights_sha256="0" * 64, cancel=lambda rid: None))  # type: ignore[arg-type]
+    flight = InFlight(request, "b1", host=SimpleNamespace(weights_sha256="0" * 64, cancel=lambda rid: None))
     intake.in_flight[request.request_id] = flight
     for out in _outputs(request.request_id)[:3]:
         await publisher.send_output(flight, out)
     old = flight.lane
     assert old is not None and old.num_held == 1 and len(writer.records) == 1
-    flight.futures, flight.failure, flight.token_ids, flight.lane = [], None, [], None  # what a redo does before its rerun
+    flight.futures, flight.failure, flight.token_ids, flight.lane = (
+        [],
+        None,
+        [],
+        None,
+    )  # what a redo does before its rerun
     writer.release()
     await asyncio.wait_for(old.drained(), 1)
     assert len(writer.records) == 1  # the stale run's held delta was dropped, not written beside the new run

@@ -52,10 +52,19 @@ def test_config_has_the_llama_keys():
     assert cfg["architectures"] == ["LlamaForCausalLM"]
     assert cfg["model_type"] == "llama"
     for key, kind in {
-        "vocab_size": int, "hidden_size": int, "intermediate_size": int, "num_hidden_layers": int,
-        "num_attention_heads": int, "num_key_value_heads": int, "max_position_embeddings": int,
-        "rms_norm_eps": float, "rope_theta": float, "tie_word_embeddings": bool,
-        "bos_token_id": int, "eos_token_id": int, "torch_dtype": str,
+        "vocab_size": int,
+        "hidden_size": int,
+        "intermediate_size": int,
+        "num_hidden_layers": int,
+        "num_attention_heads": int,
+        "num_key_value_heads": int,
+        "max_position_embeddings": int,
+        "rms_norm_eps": float,
+        "rope_theta": float,
+        "tie_word_embeddings": bool,
+        "bos_token_id": int,
+        "eos_token_id": int,
+        "torch_dtype": str,
     }.items():
         assert isinstance(cfg.get(key), kind), f"config.json {key}={cfg.get(key)!r}, want {kind.__name__}"
     assert cfg["hidden_act"] == "silu"
@@ -83,11 +92,15 @@ def test_safetensors_names_shapes_and_dtype():
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         expected |= {
-            p + "self_attn.q_proj.weight": (h, h), p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, h),
-            p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+            p + "self_attn.q_proj.weight": (h, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, h),
+            p + "mlp.gate_proj.weight": (inter, h),
+            p + "mlp.up_proj.weight": (inter, h),
             p + "mlp.down_proj.weight": (h, inter),
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
         }
     if not cfg["tie_word_embeddings"]:
         expected["lm_head.weight"] = (cfg["vocab_size"], h)
@@ -149,23 +162,29 @@ def test_transformers_loads_and_greedy_generates_deterministically(hf_model):
     import torch
 
     model, tok = hf_model
-    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr() or not _config()[
-        "tie_word_embeddings"
-    ]
+    assert (
+        model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+        or not _config()["tie_word_embeddings"]
+    )
     for prompt in ("def ", "import os\n"):
         enc = tok(prompt, return_tensors="pt")
         outs = []
         for _ in range(2):
             with torch.no_grad():
-                out = model.generate(**enc, do_sample=False, max_new_tokens=16, min_new_tokens=16,
-                                     pad_token_id=tok.convert_tokens_to_ids(EOS))
+                out = model.generate(
+                    **enc,
+                    do_sample=False,
+                    max_new_tokens=16,
+                    min_new_tokens=16,
+                    pad_token_id=tok.convert_tokens_to_ids(EOS),
+                )
             outs.append(out[0].tolist())
         assert outs[0] == outs[1]
-        new = outs[0][enc["input_ids"].shape[1]:]
+        new = outs[0][enc["input_ids"].shape[1] :]
         assert len(new) >= 10
         text = tok.decode(outs[0])
         assert text.startswith(prompt)
-        assert text[len(prompt):].strip(), f"no visible text generated from {prompt!r}: {text!r}"
+        assert text[len(prompt) :].strip(), f"no visible text generated from {prompt!r}: {text!r}"
 
 
 def test_training_script_model_matches_transformers_logits(hf_model):
@@ -179,12 +198,20 @@ def test_training_script_model_matches_transformers_logits(hf_model):
     sys.modules[name] = mod  # dataclasses look their module up while the class is created
     spec.loader.exec_module(mod)
     cfg = _config()
-    mine = mod.LlamaForCausalLM(mod.LlamaArgs(
-        vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
-        num_hidden_layers=cfg["num_hidden_layers"], num_attention_heads=cfg["num_attention_heads"],
-        num_key_value_heads=cfg["num_key_value_heads"], max_position_embeddings=cfg["max_position_embeddings"],
-        rms_norm_eps=cfg["rms_norm_eps"], rope_theta=cfg["rope_theta"], tie_word_embeddings=cfg["tie_word_embeddings"],
-    ))
+    mine = mod.LlamaForCausalLM(
+        mod.LlamaArgs(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=cfg["num_attention_heads"],
+            num_key_value_heads=cfg["num_key_value_heads"],
+            max_position_embeddings=cfg["max_position_embeddings"],
+            rms_norm_eps=cfg["rms_norm_eps"],
+            rope_theta=cfg["rope_theta"],
+            tie_word_embeddings=cfg["tie_word_embeddings"],
+        )
+    )
     state = {k: v.float() for k, v in load_file(str(MODEL_DIR / "model.safetensors")).items()}
     missing, unexpected = mine.load_state_dict(state, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}

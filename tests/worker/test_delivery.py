@@ -20,7 +20,9 @@ from .factories import make_model_config, make_request
 
 
 def test_outages_are_told_from_refusals() -> None:
-    assert is_outage(KafkaTimeoutError()) and is_outage(KafkaConnectionError()) and is_outage(NotLeaderForPartitionError())
+    assert (
+        is_outage(KafkaTimeoutError()) and is_outage(KafkaConnectionError()) and is_outage(NotLeaderForPartitionError())
+    )
     assert not is_outage(InvalidTopicError()) and not is_outage(ValueError())
 
 
@@ -43,8 +45,14 @@ class FakeProducer:
         # The producer's metadata: every topic known (TopicWriter then sends at once).
         self.client = SimpleNamespace(cluster=SimpleNamespace(partitions_for_topic=lambda topic: {0}))
 
-    async def send(self, topic: str, value: bytes, key: bytes, partition: int | None = None,
-                   headers: list[tuple[str, bytes]] | None = None) -> asyncio.Future:
+    async def send(
+        self,
+        topic: str,
+        value: bytes,
+        key: bytes,
+        partition: int | None = None,
+        headers: list[tuple[str, bytes]] | None = None,
+    ) -> asyncio.Future:
         if self.fail_with is not None:
             raise self.fail_with
         self.sent.append((topic, value))
@@ -56,7 +64,7 @@ class FakeProducer:
 async def test_writer_fails_fast_during_an_outage_and_probes_once_a_second() -> None:
     now = [0.0]
     producer = FakeProducer()
-    writer = Writer(producer, probe_interval_s=1.0, clock=lambda: now[0])  # type: ignore[arg-type]
+    writer = Writer(producer, probe_interval_s=1.0, clock=lambda: now[0])
     producer.fail_with = KafkaTimeoutError()
     with pytest.raises(KafkaTimeoutError):
         await (await writer.send("t", b"1", b"k"))
@@ -77,7 +85,7 @@ async def test_writer_fails_fast_during_an_outage_and_probes_once_a_second() -> 
 
 async def test_a_refused_topic_does_not_stop_the_writes_to_others() -> None:
     producer = FakeProducer()
-    writer = Writer(producer)  # type: ignore[arg-type]
+    writer = Writer(producer)
     producer.fail_with = InvalidTopicError()
     with pytest.raises(InvalidTopicError):
         await (await writer.send("bad topic", b"1", b"k"))
@@ -125,8 +133,14 @@ class SignallingProducer(FakeProducer):
         super().__init__()
         self.wrote = asyncio.Event()
 
-    async def send(self, topic: str, value: bytes, key: bytes, partition: int | None = None,
-                   headers: list[tuple[str, bytes]] | None = None) -> asyncio.Future:
+    async def send(
+        self,
+        topic: str,
+        value: bytes,
+        key: bytes,
+        partition: int | None = None,
+        headers: list[tuple[str, bytes]] | None = None,
+    ) -> asyncio.Future:
         future = await super().send(topic, value, key, partition, headers)
         self.wrote.set()
         return future
@@ -134,9 +148,17 @@ class SignallingProducer(FakeProducer):
 
 async def test_a_run_that_could_not_be_written_runs_again_through_the_dispatch_or_ends_there() -> None:
     config, host, producer, intake = make_model_config("tiny"), FakeHost(), SignallingProducer(), Intake()
-    dispatch = Dispatch(config, [host])  # type: ignore[list-item]
-    publisher = Publisher(config, Writer(producer), "weir.audit", intake, dispatch, worker_id="w",  # type: ignore[arg-type]
-                          audit_key=b"k" * 32, redo_policy=RedoPolicy(first_delay_s=0.01))  # fmt: skip
+    dispatch = Dispatch(config, [host])
+    publisher = Publisher(
+        config,
+        Writer(producer),
+        "weir.audit",
+        intake,
+        dispatch,
+        worker_id="w",
+        audit_key=b"k" * 32,
+        redo_policy=RedoPolicy(first_delay_s=0.01),
+    )
     request = make_request()
     flight = InFlight(request, "b1")
     intake.in_flight[request.request_id] = flight

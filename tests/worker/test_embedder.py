@@ -55,13 +55,19 @@ def engine(minilm_dir: Path) -> EmbeddingEngine:
 
 
 def test_the_engine_returns_the_shared_embedders_vectors(engine, minilm_dir):
-    inputs = [*SHORT, "hello " * 510, "the quick brown fox jumps over the lazy dog. " * 120]  # 1, 1, 1, 1, 1, 3 fragments
+    inputs = [
+        *SHORT,
+        "hello " * 510,
+        "the quick brown fox jumps over the lazy dog. " * 120,
+    ]  # 1, 1, 1, 1, 1, 3 fragments
     request = embed_request(inputs)
     out = run(engine, request)[request.request_id]
     want = as_json_floats(SentenceEmbedder(minilm_dir, num_threads=1).embed(inputs))
     assert out.embeddings == want  # the same session calls, pooling and float32 decimals, bit for bit
     assert len(want) == 6 and len(want[0]) == 384
-    assert out.prompt_tokens == sum(len(f) for ids in engine.embedder.encode(inputs) for f in engine.embedder.fragment(ids))
+    assert out.prompt_tokens == sum(
+        len(f) for ids in engine.embedder.encode(inputs) for f in engine.embedder.fragment(ids)
+    )
     assert np.allclose(np.linalg.norm(out.embeddings, axis=1), 1.0, atol=1e-6)
 
 
@@ -116,8 +122,10 @@ def test_cancel_deadline_and_refusals(engine, minilm_dir):
     small = EmbeddingEngine(minilm_dir, num_threads=1, max_model_len=64)
     too_long = small.add(embed_request(["fine", "word " * 100]), T0)
     assert (too_long.finish_reason, too_long.error.code) == ("rejected", "input_too_long")
-    assert too_long.error.message == ("This model's maximum context length is 64 tokens. However, input 1 resulted "
-                                      "in 102 tokens. Please reduce the length of the input.")  # OpenAI's words
+    assert too_long.error.message == (
+        "This model's maximum context length is 64 tokens. However, input 1 resulted "
+        "in 102 tokens. Please reduce the length of the input."
+    )  # OpenAI's words
     assert not small.has_work
     with pytest.raises(ValueError, match="dimensions=768"):
         EmbeddingEngine(minilm_dir, dimensions=768)

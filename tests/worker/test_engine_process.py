@@ -19,8 +19,8 @@ import pytest
 
 from schemas.model_repo import ModelConfig, load_model_repo
 from services.worker.config import WorkerSettings
-from services.worker.hosts.runner import EngineProcess
 from services.worker.engine import EngineOutput
+from services.worker.hosts.runner import EngineProcess
 from tests.waiting import until, wait_until
 
 from .factories import make_request
@@ -68,8 +68,9 @@ async def test_outputs_come_back_in_order_and_pending_settles() -> None:
         requests = [make_request(f"hello there number {i}", max_tokens=5) for i in range(6)]
         for request in requests:
             process.submit(request)
-        await collector.until(lambda: len(collector.finals()) == len(requests),
-                              timeout_s=30, what="every request's final output")
+        await collector.until(
+            lambda: len(collector.finals()) == len(requests), timeout_s=30, what="every request's final output"
+        )
         assert process.num_pending == 0
         for request in requests:
             seqs = [o.seq for o in collector.outputs if o.request_id == request.request_id]
@@ -89,11 +90,15 @@ async def test_cancel_reaches_the_child() -> None:
     try:
         request = make_request("a long prompt " * 4, max_tokens=50)
         process.submit(request)
-        await collector.until(lambda: any(o.request_id == request.request_id for o in collector.outputs),
-                              timeout_s=30, what="the request's first output")
+        await collector.until(
+            lambda: any(o.request_id == request.request_id for o in collector.outputs),
+            timeout_s=30,
+            what="the request's first output",
+        )
         process.cancel(request.request_id)
-        await collector.until(lambda: request.request_id in collector.finals(),
-                              timeout_s=10, what="the request's final output")
+        await collector.until(
+            lambda: request.request_id in collector.finals(), timeout_s=10, what="the request's final output"
+        )
         assert collector.finals()[request.request_id].finish_reason == "cancelled"
     finally:
         process.stop(5.0)
@@ -113,8 +118,9 @@ async def test_a_dead_child_is_a_failure_the_worker_sees() -> None:
     process = await open_process(echo_config(), collector)
     try:
         os.kill(process._process.pid, signal.SIGKILL)
-        await collector.until(lambda: process.failure is not None,
-                              timeout_s=10, what="the engine process's failure noticed")
+        await collector.until(
+            lambda: process.failure is not None, timeout_s=10, what="the engine process's failure noticed"
+        )
         assert "exited (killed by SIGKILL)" in str(process.failure)
         assert collector.num_calls >= 1  # the empty delivery that wakes publish()
         process.submit(make_request("after death"))  # ignored, never raises
@@ -129,8 +135,9 @@ async def test_the_default_model_generates_in_the_child() -> None:
     try:
         request = make_request("def main():\n    ", model=config.name, max_tokens=12, temperature=0.0, ignore_eos=True)
         process.submit(request)
-        await collector.until(lambda: request.request_id in collector.finals(),
-                              timeout_s=60, what="the request's final output")
+        await collector.until(
+            lambda: request.request_id in collector.finals(), timeout_s=60, what="the request's final output"
+        )
         final = collector.finals()[request.request_id]
         assert final.finish_reason == "length" and final.completion_tokens == 12
         assert "".join(o.text for o in collector.outputs if o.request_id == request.request_id).strip()
@@ -141,7 +148,8 @@ async def test_the_default_model_generates_in_the_child() -> None:
 def test_the_child_dies_with_a_killed_worker(tmp_path: Path) -> None:
     # A stand-in worker: opens an EngineProcess, prints the child's pid, then waits to be killed -9.
     script = tmp_path / "worker.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import asyncio, sys
         from schemas.model_repo import ModelConfig
         from services.worker.config import WorkerSettings
@@ -156,9 +164,15 @@ def test_the_child_dies_with_a_killed_worker(tmp_path: Path) -> None:
 
         if __name__ == "__main__":  # spawn imports this file again in the child
             asyncio.run(main())
-    """))
-    worker = subprocess.Popen([sys.executable, str(script)], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})  # fmt: skip
+    """)
+    )
+    worker = subprocess.Popen(
+        [sys.executable, str(script)],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
     try:
         child_pid = int(worker.stdout.readline())
         assert _is_running(child_pid)

@@ -12,8 +12,12 @@ from weir.embedding.fingerprints import TextFingerprinter
 
 
 @pytest.mark.parametrize("precision", ["int8", "float32"])
-async def test_batcher_fingerprints_concurrent_requests_together(precision: str, request: pytest.FixtureRequest) -> None:
-    fingerprinter: TextFingerprinter = request.getfixturevalue("fingerprinter" if precision == "int8" else "fingerprinter_float32")
+async def test_batcher_fingerprints_concurrent_requests_together(
+    precision: str, request: pytest.FixtureRequest
+) -> None:
+    fingerprinter: TextFingerprinter = request.getfixturevalue(
+        "fingerprinter" if precision == "int8" else "fingerprinter_float32"
+    )
     batcher = FingerprintBatcher(fingerprinter, max_texts=64, max_wait_ms=50)
     calls_before = fingerprinter.num_calls
     session_calls_before = fingerprinter.embedder.num_session_calls

@@ -53,8 +53,7 @@ def test_every_import_between_the_worker_rooms_points_down() -> None:
         f"{src} imports {dst}"
         for src, deps in worker_imports().items()
         for dst in deps
-        if floor(src) is not None and floor(dst) is not None
-        and FLOORS.index(floor(dst)) < FLOORS.index(floor(src))  # type: ignore[arg-type]
+        if floor(src) is not None and floor(dst) is not None and FLOORS.index(floor(dst)) < FLOORS.index(floor(src))
     )
     assert up == []
 

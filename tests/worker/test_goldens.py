@@ -74,8 +74,10 @@ def test_golden_problem_of_a_vector_is_its_cosine() -> None:
 
 
 def test_a_record_written_before_sampled_goldens_reads_as_greedy() -> None:
-    old = GoldenCase.model_validate_json(b'{"kind": "generate", "prompt": "def f():", "max_tokens": 4, '
-                                         b'"expected_token_ids": [1, 2, 3, 4], "expected_vector": [], "min_cosine": 0.999}')
+    old = GoldenCase.model_validate_json(
+        b'{"kind": "generate", "prompt": "def f():", "max_tokens": 4, '
+        b'"expected_token_ids": [1, 2, 3, 4], "expected_vector": [], "min_cosine": 0.999}'
+    )
     assert (old.temperature, old.seed) == (0.0, 0)
     [request] = golden_requests([old], "tiny", "t")
     assert request.temperature == 0.0 and request.max_tokens == 4
@@ -186,18 +188,27 @@ async def test_goldens_beside_a_client_sequence_change_none_of_its_tokens(tiny_g
         collector = Collector()
         runner = EngineRunner(build_tiny(), asyncio.get_running_loop(), collector)
         runner.start()
-        request = make_request("import sys\n", model=TINY.name, max_tokens=64, temperature=0.9, seed=7,
-                               ignore_eos=True, request_id="client-1")  # fmt: skip
+        request = make_request(
+            "import sys\n",
+            model=TINY.name,
+            max_tokens=64,
+            temperature=0.9,
+            seed=7,
+            ignore_eos=True,
+            request_id="client-1",
+        )
         try:
             runner.submit(request)
             if with_goldens:  # started while the client's sequence runs, several times over
-                await collector.until(lambda: len(collector.outputs) >= 2,
-                                      timeout_s=30, what="2 outputs of the client request")
+                await collector.until(
+                    lambda: len(collector.outputs) >= 2, timeout_s=30, what="2 outputs of the client request"
+                )
                 for _ in range(3):
                     assert await runner.check_goldens(tiny_goldens) is None
                 assert "client-1" not in collector.finals()  # the checks ran while it did
-            await collector.until(lambda: "client-1" in collector.finals(),
-                                  timeout_s=30, what="the client request's final output")
+            await collector.until(
+                lambda: "client-1" in collector.finals(), timeout_s=30, what="the client request's final output"
+            )
         finally:
             runner.stop(5.0)
         ids = [t for o in collector.outputs for t in o.token_ids]

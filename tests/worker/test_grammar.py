@@ -39,8 +39,11 @@ KEYWORDS: dict[str, tuple[dict, list, list]] = {
     "anyOf": ({"anyOf": [INT, {"type": "string", "maxLength": 1}]}, [5, "a"], ["ab", None]),
     "$ref": ({"$ref": "#/$defs/p", "$defs": {"p": INT}}, [4], ["4"]),
     "$defs": ({"type": "array", "items": {"$ref": "#/$defs/p"}, "$defs": {"p": {"enum": ["x"]}}}, [["x"]], [["y"]]),
-    "definitions": ({"type": "array", "items": {"$ref": "#/definitions/p"}, "definitions": {"p": {"enum": ["x"]}}},
-                    [["x"]], [["y"]]),
+    "definitions": (
+        {"type": "array", "items": {"$ref": "#/definitions/p"}, "definitions": {"p": {"enum": ["x"]}}},
+        [["x"]],
+        [["y"]],
+    ),
     "minLength": ({"type": "string", "minLength": 2}, ["ab", "abc"], ["", "a"]),
     "maxLength": ({"type": "string", "maxLength": 2}, ["", "ab"], ["abc"]),
     "pattern": ({"type": "string", "pattern": "^[a-c]+[0-9]$"}, ["ab1", "c9"], ["ad1", "ab", "1"]),
@@ -59,8 +62,10 @@ FORMATS: dict[str, tuple[list[str], list[str]]] = {
     "uri": (["https://example.com/a?b=c"], ["not a uri", "://x"]),
     # served as exact patterns (schemas/structured.py, FORMAT_PATTERNS): xgrammar's own are looser
     "date": (["2024-02-29", "2023-12-31", "2000-02-29"], ["2024-02-31", "2023-02-29", "1900-02-29", "2024-4-01"]),
-    "date-time": (["2024-02-29T10:00:00Z", "2024-12-31T23:59:59.123+05:30"],
-                  ["2023-02-29T10:00:00Z", "2024-04-31T00:00:00Z", "2024-01-01T24:00:00Z", "2024-01-01 10:00:00Z"]),
+    "date-time": (
+        ["2024-02-29T10:00:00Z", "2024-12-31T23:59:59.123+05:30"],
+        ["2023-02-29T10:00:00Z", "2024-04-31T00:00:00Z", "2024-01-01T24:00:00Z", "2024-01-01 10:00:00Z"],
+    ),
     "ipv4": (["10.0.0.255", "0.0.0.0"], ["01.2.3.4", "256.1.1.1", "1.2.3"]),
 }
 
@@ -91,12 +96,23 @@ def test_every_whitelisted_keyword_is_enforced(grammars):
 
 def test_references_that_resolve_are_served_recursion_included(grammars):
     """What check_structured's $ref checks let through compiles and is enforced."""
-    node = {"type": "object", "properties": {"next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
-            "required": ["next"], "additionalProperties": False}  # fmt: skip
+    node = {
+        "type": "object",
+        "properties": {"next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+        "required": ["next"],
+        "additionalProperties": False,
+    }
     escaped = {"$ref": "#/$defs/a%20b~1c", "$defs": {"a b/c": {"type": "integer"}}}  # percent-encoded, RFC 6901
-    chain = {"type": "array", "items": {"$ref": "#/$defs/p"}, "$defs": {"p": {"$ref": "#/$defs/q"}, "q": {"enum": ["x"]}}}
-    for schema, good, bad in [(node, '{"next": {"next": null}}', '{"next": {}}'), (escaped, "12", '"12"'),
-                              (chain, '["x"]', '["y"]')]:  # fmt: skip
+    chain = {
+        "type": "array",
+        "items": {"$ref": "#/$defs/p"},
+        "$defs": {"p": {"$ref": "#/$defs/q"}, "q": {"enum": ["x"]}},
+    }
+    for schema, good, bad in [
+        (node, '{"next": {"next": null}}', '{"next": {}}'),
+        (escaped, "12", '"12"'),
+        (chain, '["x"]', '["y"]'),
+    ]:
         spec = StructuredOutputs(json_schema=schema)
         check_structured(spec)
         assert accepts(grammars, spec, good) and not accepts(grammars, spec, bad), schema
@@ -139,9 +155,12 @@ def test_keywords_the_grammar_ignores_are_refused(grammars):
         assert accepts(grammars, spec, json.dumps(value)) and not is_instance(spec, json.dumps(value)), fmt
         with pytest.raises(UnsupportedSchema):
             check_structured(spec)
-    for schema, keyword in [(unique, "uniqueItems"), ({"type": "string", "format": "iri"}, "format"),
-                            ({"type": "string", "format": "date", "pattern": "^2"}, "format"),
-                            ({"type": "object", "patternProperties": {"^a": INT}}, "patternProperties")]:  # fmt: skip
+    for schema, keyword in [
+        (unique, "uniqueItems"),
+        ({"type": "string", "format": "iri"}, "format"),
+        ({"type": "string", "format": "date", "pattern": "^2"}, "format"),
+        ({"type": "object", "patternProperties": {"^a": INT}}, "patternProperties"),
+    ]:
         with pytest.raises(UnsupportedSchema) as err:
             check_structured(StructuredOutputs(json_schema=schema))
         assert err.value.keyword == keyword
@@ -150,19 +169,27 @@ def test_keywords_the_grammar_ignores_are_refused(grammars):
 # -- the engine ------------------------------------------------------------------------------
 
 SCHEMA = {
-    "type": "object", "additionalProperties": False, "required": ["name", "tags", "role"],
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name", "tags", "role"],
     "properties": {
         "name": {"type": "string", "maxLength": 6},
         "tags": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "maxItems": 2},
         "role": {"enum": ["admin", "user", None]},
     },
-}  # fmt: skip
+}
 PROMPT = "def parse_args(argv):\n    "
 
 
 def json_request(seed: int, max_tokens: int = 48):
-    return make_request(PROMPT, request_id=f"json-{seed}", max_tokens=max_tokens, temperature=1.0, seed=seed,
-                        structured=StructuredOutputs(json_schema=SCHEMA))  # fmt: skip
+    return make_request(
+        PROMPT,
+        request_id=f"json-{seed}",
+        max_tokens=max_tokens,
+        temperature=1.0,
+        seed=seed,
+        structured=StructuredOutputs(json_schema=SCHEMA),
+    )
 
 
 def run(engine: Engine, *requests) -> dict[str, list]:
@@ -198,8 +225,9 @@ def test_constrained_output_is_valid_and_same_after_regeneration_and_preemption(
         assert set(json.loads(end.output_text)) == {"name", "tags", "role"}
     fresh = Engine(WEIR_TINY_PY, EngineConfig(max_model_len=256, kv_cache_bytes=32 << 20))
     # 20 blocks of 4 tokens for three ~10-token prompts and their ~25-token outputs: some are preempted
-    squeezed = Engine(WEIR_TINY_PY, EngineConfig(max_model_len=80, block_size=4,
-                                                 kv_cache_bytes=fresh.kv_bytes_per_token * 4 * 20))  # fmt: skip
+    squeezed = Engine(
+        WEIR_TINY_PY, EngineConfig(max_model_len=80, block_size=4, kv_cache_bytes=fresh.kv_bytes_per_token * 4 * 20)
+    )
     # a compiled grammar is a function of the spec and the tokenizer alone: shared, so that this
     # test starts one compile child (seconds of imports) instead of three
     fresh._grammars = squeezed._grammars = tiny_py.grammars
@@ -211,13 +239,22 @@ def test_constrained_output_is_valid_and_same_after_regeneration_and_preemption(
 def test_mask_leaves_unconstrained_rows_alone(tiny_py):
     """In a batch mixing constrained and unconstrained rows, the unconstrained rows' tokens are those
     of an unconstrained-only run; the constrained rows' outputs are valid."""
-    plain = [make_request(PROMPT, request_id=f"plain-{i}", max_tokens=16, temperature=t, seed=i)
-             for i, t in enumerate([0.0, 1.0])]  # fmt: skip
+    plain = [
+        make_request(PROMPT, request_id=f"plain-{i}", max_tokens=16, temperature=t, seed=i)
+        for i, t in enumerate([0.0, 1.0])
+    ]
     alone = ids_of(run(tiny_py, *plain))
     assert all(len(ids) > 4 for ids in alone.values())  # they run alongside the constrained rows
-    choice = make_request(PROMPT, request_id="choice", max_tokens=10, structured=StructuredOutputs(choice=["yes", "no"]))
-    regex = make_request(PROMPT, request_id="regex", max_tokens=8, temperature=1.0,
-                         structured=StructuredOutputs(regex=r"[a-f]{2}-[0-9]{3}"))  # fmt: skip
+    choice = make_request(
+        PROMPT, request_id="choice", max_tokens=10, structured=StructuredOutputs(choice=["yes", "no"])
+    )
+    regex = make_request(
+        PROMPT,
+        request_id="regex",
+        max_tokens=8,
+        temperature=1.0,
+        structured=StructuredOutputs(regex=r"[a-f]{2}-[0-9]{3}"),
+    )
     mixed = run(tiny_py, *plain, json_request(7), choice, regex)
     assert {rid: ids_of(mixed)[rid] for rid in alone} == alone
     for rid in ("json-7", "choice", "regex"):
@@ -240,10 +277,23 @@ def test_json_closes_before_max_tokens(tiny_py, monkeypatch):
 
     assert grammar.lex(grammar.IN_STRING, b'a\\"b') == (grammar.IN_STRING, 0)
     assert grammar.lex(grammar.IN_STRING, b'"]}') == (grammar.OUTSIDE, -3)
-    schema = {"type": "object", "additionalProperties": False, "required": ["text", "n"],
-              "properties": {"text": {"type": "string"}, "n": {"type": "integer"}}}  # fmt: skip
-    requests = [make_request(PROMPT, request_id=f"open-{seed}", max_tokens=40, temperature=1.0, seed=seed,
-                             structured=StructuredOutputs(json_schema=schema)) for seed in range(4)]  # fmt: skip
+    schema = {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["text", "n"],
+        "properties": {"text": {"type": "string"}, "n": {"type": "integer"}},
+    }
+    requests = [
+        make_request(
+            PROMPT,
+            request_id=f"open-{seed}",
+            max_tokens=40,
+            temperature=1.0,
+            seed=seed,
+            structured=StructuredOutputs(json_schema=schema),
+        )
+        for seed in range(4)
+    ]
     with monkeypatch.context() as unsteered:
         unsteered.setattr(grammar, "CLOSE_MIN_TOKENS", 0)
         unsteered.setattr(grammar, "CLOSE_SHARE", 0.0)
@@ -260,17 +310,23 @@ def test_what_cannot_be_enforced_is_refused(tiny_py):
     """Refuse, never relax: an unsupported keyword at add, a bad regex or schema (a pattern that does
     not parse) after its compile,
     ignore_eos with a constraint, and any constraint on the echo model."""
-    unsupported = make_request(request_id="u", structured=StructuredOutputs(json_schema={"type": "array", "uniqueItems": True}))
+    unsupported = make_request(
+        request_id="u", structured=StructuredOutputs(json_schema={"type": "array", "uniqueItems": True})
+    )
     out = tiny_py.add(unsupported, 0)
     assert out.finish_reason == "rejected" and out.error.code == "unsupported_schema"
     assert "uniqueItems" in out.error.message and "/uniqueItems" in out.error.message
     ignore = make_request(request_id="i", ignore_eos=True, structured=StructuredOutputs(json_object=True))
     assert tiny_py.add(ignore, 0).error.code == "unsupported_parameter"
     bad_regex = make_request(request_id="r", structured=StructuredOutputs(regex="a{2}{3}"))
-    bad_schema = make_request(request_id="s", structured=StructuredOutputs(json_schema={"type": "string", "pattern": "[a"}))
+    bad_schema = make_request(
+        request_id="s", structured=StructuredOutputs(json_schema={"type": "string", "pattern": "[a"})
+    )
     events = run(tiny_py, bad_regex, bad_schema)
     assert [(e[-1].finish_reason, e[-1].error.code) for e in events.values()] == [
-        ("rejected", "invalid_regex"), ("rejected", "invalid_schema")]  # fmt: skip
+        ("rejected", "invalid_regex"),
+        ("rejected", "invalid_schema"),
+    ]
     assert "repetition" in events["r"][-1].error.message and "/project/" not in events["r"][-1].error.message
     echo = EchoEngine().add(make_request(request_id="e", structured=StructuredOutputs(choice=["a"])), 0)
     assert echo.finish_reason == "rejected" and echo.error.code == "unsupported_by_model"
@@ -293,11 +349,13 @@ def test_is_instance_and_choice_grammar(grammars):
         assert accepts(grammars, spec, text) and is_instance(spec, text)
     for text in ["ye", "no", 'say "hi"']:
         assert not accepts(grammars, spec, text) and not is_instance(spec, text)
-    assert choice_ebnf(["a\"b"]) == 'root ::= "a\\u0022b"'
+    assert choice_ebnf(['a"b']) == 'root ::= "a\\u0022b"'
     obj = StructuredOutputs(json_object=True)
     assert accepts(grammars, obj, '{"a": [1, {"b": null}]}') and not accepts(grammars, obj, "[1]")
     assert is_instance(obj, "{}") and not is_instance(obj, "[]") and not is_instance(obj, "{")
-    assert is_instance(StructuredOutputs(regex=r"\d{3}"), "123") and not is_instance(StructuredOutputs(regex=r"\d{3}"), "12")
+    assert is_instance(StructuredOutputs(regex=r"\d{3}"), "123") and not is_instance(
+        StructuredOutputs(regex=r"\d{3}"), "12"
+    )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -365,7 +423,11 @@ def test_explosive_regexes_are_refused_before_any_compile():
             check_structured(StructuredOutputs(regex=pattern))
         assert err.value.keyword == "regex" and why in str(err.value)
     with pytest.raises(UnsupportedSchema) as err:
-        check_structured(StructuredOutputs(json_schema={"type": "object", "properties": {"a": {"type": "string", "pattern": hostile}}}))
+        check_structured(
+            StructuredOutputs(
+                json_schema={"type": "object", "properties": {"a": {"type": "string", "pattern": hostile}}}
+            )
+        )
     assert (err.value.keyword, err.value.pointer) == ("pattern", "/properties/a/pattern")
     for pattern in ["[0-9]{4}", ".{0,100}", "(a{0,100}){0,100}", "[a-f]{2}-[0-9]{3}", "a+b*", "["]:
         check_structured(StructuredOutputs(regex=pattern))  # "[" is the compiler's to refuse (invalid_regex)

@@ -121,11 +121,11 @@ class _Host:
 
 async def test_the_model_server_dead_letters_the_conflicting_record_and_runs_only_the_victim(caplog) -> None:
     producer, host = _Producer(), _Host()
-    server = ModelServer(make_model_config("tiny", engine="torch"), [host], BusSettings(), producer, "w1", b"k")  # type: ignore[list-item, arg-type]
-    victim = make_request(model=server.sid, reply_to="weir.replies.victim")
+    server = ModelServer(make_model_config("tiny", engine="torch"), [host], BusSettings(), producer, "w1", b"k")
+    victim = make_request(model=server.served_id, reply_to="weir.replies.victim")
     forged = victim.model_copy(update={"prompt": "another prompt", "tenant": "mallory"})
     for offset, request in ((10, victim), (11, forged), (12, victim)):  # the victim's redelivery stays silent
-        batch = Batch(batch_id=f"b{offset}", batcher_id="bt", model=server.sid, requests=[request])
+        batch = Batch(batch_id=f"b{offset}", batcher_id="bt", model=server.served_id, requests=[request])
         record = ConsumerRecord(TP0.topic, 0, offset, 0, 0, None, encode(batch), None, 0, 0, [])
         await server.on_batch_record(TP0, record)
     assert host.submitted == [victim]  # one run, the victim's

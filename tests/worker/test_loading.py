@@ -4,8 +4,8 @@ stops the rest."""
 
 from __future__ import annotations
 
-import re
 import asyncio
+import re
 
 import pytest
 
@@ -64,14 +64,15 @@ async def settle() -> None:
 
 async def test_every_engine_begins_loading_before_any_is_done() -> None:
     opener = Opener()
-    loader = EngineLoader([make_model_config("big", instances=2), make_model_config("small")], opener,  # type: ignore[arg-type]
-                          sinks("big", "small"))  # fmt: skip
+    loader = EngineLoader(
+        [make_model_config("big", instances=2), make_model_config("small")], opener, sinks("big", "small")
+    )
     loader.start()
     await settle()
     assert sorted(opener.begun) == ["big", "big", "small"]  # side by side, none released yet
     assert loader.still_loading() == ["big", "small"]
     assert loader.describe() == f"big: {STARTING}; small: {STARTING}"
-    opener.on_status["big"]("warming up")  # type: ignore[operator]
+    opener.on_status["big"]("warming up")
     assert loader.describe() == f"big: warming up; small: {STARTING}"
 
     opener.release["small"].set()
@@ -79,7 +80,10 @@ async def test_every_engine_begins_loading_before_any_is_done() -> None:
     assert loader.still_loading() == ["big"] and loader.describe() == "big: warming up"
     opener.release["big"].set()
     hosts = await loader.wait()
-    assert {name: [h.name for h in found] for name, found in hosts.items()} == {"big": ["big", "big"], "small": ["small"]}
+    assert {name: [h.name for h in found] for name, found in hosts.items()} == {
+        "big": ["big", "big"],
+        "small": ["small"],
+    }
     assert loader.still_loading() == [] and loader.describe() == ""
 
 
@@ -89,32 +93,39 @@ async def test_each_engine_is_opened_with_its_models_sink_and_outputs_wait_there
         opener.release[name] = asyncio.Event()
         opener.release[name].set()  # they load at once
     queues: dict[str, asyncio.Queue] = {"tiny": asyncio.Queue(), "echo": asyncio.Queue()}
-    loader = EngineLoader([make_model_config("tiny"), make_model_config("echo", engine="echo")], opener,  # type: ignore[arg-type]
-                          {name: q.put_nowait for name, q in queues.items()})  # fmt: skip
+    loader = EngineLoader(
+        [make_model_config("tiny"), make_model_config("echo", engine="echo")],
+        opener,
+        {name: q.put_nowait for name, q in queues.items()},
+    )
     loader.start()
     await loader.wait()
     out = make_output("r1", finish_reason="stop")
-    opener.on_outputs["echo"]([out])  # type: ignore[operator]  # before any server reads: the queue keeps it
+    opener.on_outputs["echo"]([out])  # before any server reads: the queue keeps it
     assert queues["tiny"].empty() and queues["echo"].get_nowait() == [out]
 
 
 def test_a_model_without_a_sink_is_refused() -> None:
     with pytest.raises(ValueError, match="no sink for the outputs of echo"):
-        EngineLoader([make_model_config("tiny"), make_model_config("echo", engine="echo")], Opener(),  # type: ignore[arg-type]
-                     sinks("tiny"))  # fmt: skip
+        EngineLoader([make_model_config("tiny"), make_model_config("echo", engine="echo")], Opener(), sinks("tiny"))
 
 
 async def test_a_model_that_cannot_load_stops_the_others_and_says_why() -> None:
     opener = Opener()
     opener.failures["broken"] = ValueError("model 'broken': no config.json in /models/broken")
-    loader = EngineLoader([make_model_config("ok"), make_model_config("slow"), make_model_config("broken")], opener,  # type: ignore[arg-type]
-                          sinks("ok", "slow", "broken"))  # fmt: skip
+    loader = EngineLoader(
+        [make_model_config("ok"), make_model_config("slow"), make_model_config("broken")],
+        opener,
+        sinks("ok", "slow", "broken"),
+    )
     loader.start()
     await settle()
     opener.release["ok"].set()
     await settle()
     opener.release["broken"].set()
-    with pytest.raises(ValueError, match=re.escape("model 'broken': no config.json")):  # the model's own error, not a group
+    with pytest.raises(
+        ValueError, match=re.escape("model 'broken': no config.json")
+    ):  # the model's own error, not a group
         await loader.wait()
     assert opener.cancelled == ["slow"]  # still loading: cancelled (a real process is stopped then)
     await loader.discard()
@@ -123,7 +134,7 @@ async def test_a_model_that_cannot_load_stops_the_others_and_says_why() -> None:
 
 async def test_discard_while_loading_cancels_and_stops_what_opened() -> None:
     opener = Opener()
-    loader = EngineLoader([make_model_config("a"), make_model_config("b")], opener, sinks("a", "b"))  # type: ignore[arg-type]
+    loader = EngineLoader([make_model_config("a"), make_model_config("b")], opener, sinks("a", "b"))
     loader.start()
     await settle()
     opener.release["a"].set()

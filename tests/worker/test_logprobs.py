@@ -60,8 +60,9 @@ def test_logprobs_are_the_models_raw_distribution_whatever_the_sampling(tiny_py,
     sorted and holds the sampled token's own entry when it ranks; the cumulative logprob is their
     sum, and the same greedy request without logprobs gets the same sum and no per-token entries."""
     greedy = make_request(PROMPT, max_tokens=12, logprobs=5, ignore_eos=True)
-    sampled = make_request(PROMPT, max_tokens=12, logprobs=3, temperature=0.7, frequency_penalty=1.5, seed=3,
-                           ignore_eos=True)  # fmt: skip
+    sampled = make_request(
+        PROMPT, max_tokens=12, logprobs=3, temperature=0.7, frequency_penalty=1.5, seed=3, ignore_eos=True
+    )
     silent = make_request(PROMPT, max_tokens=12, ignore_eos=True)
     outputs = run(tiny_py, greedy, sampled, silent)
     prompt_ids = tiny_py.tokenizer.encode(PROMPT)
@@ -137,18 +138,24 @@ def test_token_bytes_of_sentencepiece_byte_fallback_and_metaspace(tmp_path) -> N
     vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, **pieces}
     tok = Tokenizer(models.BPE(vocab, [("▁", "h"), ("▁h", "i")], byte_fallback=True, unk_token="<unk>"))
     tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(" ", 1, 0)])  # fmt: skip
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
     tok.save(str(tmp_path / "tokenizer.json"))
     tokenizer = ModelTokenizer(tmp_path)
     ids = tokenizer.encode("hi é")
     assert ids == [261, 257, 196, 170]  # ▁hi ▁ <0xC3> <0xA9>: é is not in the vocabulary, so its bytes
-    assert [tokenizer.token_piece(i) for i in ids] == [(" hi", list(b" hi")), (" ", [32]), ("\ufffd", [0xC3]),
-                                                       ("\ufffd", [0xA9])]  # fmt: skip
+    assert [tokenizer.token_piece(i) for i in ids] == [
+        (" hi", list(b" hi")),
+        (" ", [32]),
+        ("\ufffd", [0xC3]),
+        ("\ufffd", [0xA9]),
+    ]
 
 
-@pytest.mark.parametrize("names", [("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
-                                   ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")])  # fmt: skip
+@pytest.mark.parametrize(
+    "names", [("<fim_prefix>", "<fim_suffix>", "<fim_middle>"), ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")]
+)
 def test_a_suffix_renders_prefix_suffix_middle_with_the_tokenizers_fim_tokens(tmp_path, names) -> None:
     make_tokenizer(tmp_path, special_tokens=names)
     tokenizer = ModelTokenizer(tmp_path)

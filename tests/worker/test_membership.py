@@ -13,7 +13,10 @@ from weir.bus import BusSettings, consumer_settings
 def test_the_group_heartbeat_is_a_quarter_of_the_session_unless_set_and_never_reaches_it(monkeypatch):
     monkeypatch.delenv("WEIR_WORKER_INSTANCE", raising=False)
     assert Membership.of(WorkerSettings(worker_session_timeout_ms=2000)) == Membership(2000, 500, None)
-    assert Membership.of(WorkerSettings(worker_group_heartbeat_ms=300, worker_instance="worker-1")).heartbeat_interval_ms == 300
+    assert (
+        Membership.of(WorkerSettings(worker_group_heartbeat_ms=300, worker_instance="worker-1")).heartbeat_interval_ms
+        == 300
+    )
     with pytest.raises(ValidationError, match="WEIR_WORKER_GROUP_HEARTBEAT_MS"):
         WorkerSettings(worker_session_timeout_ms=2000, worker_group_heartbeat_ms=2000)
     with pytest.raises(ValidationError):

@@ -14,8 +14,8 @@ from aiokafka import AIOKafkaConsumer
 
 from schemas.topics import TopicSpec
 from services.worker.kafka.membership import FenceWatch, Membership, stop_consumer
-from weir.bus import BusSettings, make_consumer
 from tests.waiting import stays_false, until
+from weir.bus import BusSettings, make_consumer
 from weir.kafka.admin import ensure_topics
 
 pytestmark = pytest.mark.kafka
@@ -31,9 +31,15 @@ async def topic_and_group() -> tuple[str, str]:
 
 
 async def member(topic: str, group: str, instance: str | None) -> AIOKafkaConsumer:
-    consumer = make_consumer(BusSettings(kafka_bootstrap=BOOTSTRAP), topic, client_id=f"c-{instance}", group_id=group,
-                             session_timeout_ms=MEMBERSHIP.session_timeout_ms,
-                             heartbeat_interval_ms=MEMBERSHIP.heartbeat_interval_ms, group_instance_id=instance)  # fmt: skip
+    consumer = make_consumer(
+        BusSettings(kafka_bootstrap=BOOTSTRAP),
+        topic,
+        client_id=f"c-{instance}",
+        group_id=group,
+        session_timeout_ms=MEMBERSHIP.session_timeout_ms,
+        heartbeat_interval_ms=MEMBERSHIP.heartbeat_interval_ms,
+        group_instance_id=instance,
+    )
     await consumer.start()
     return consumer
 
@@ -57,23 +63,34 @@ async def test_a_second_process_with_the_same_instance_name_turns_the_first_dyna
     topic, group = await topic_and_group()
     first = await member(topic, group, MEMBERSHIP.instance)
     watch = FenceWatch(first, MEMBERSHIP)
-    await until(lambda: polled([first], lambda: len(first.assignment()) == 4), timeout_s=30,
-                what="the first member assigned all 4 partitions")
+    await until(
+        lambda: polled([first], lambda: len(first.assignment()) == 4),
+        timeout_s=30,
+        what="the first member assigned all 4 partitions",
+    )
     assert watch.notice() is None  # alone: not fenced
     second = await member(topic, group, MEMBERSHIP.instance)
     second_watch = FenceWatch(second, MEMBERSHIP)
     try:
-        await until(lambda: polled([first, second], lambda: watch.fenced_by is not None), timeout_s=15,
-                    what="the first member noticing it was fenced")
+        await until(
+            lambda: polled([first, second], lambda: watch.fenced_by is not None),
+            timeout_s=15,
+            what="the first member noticing it was fenced",
+        )
         assert "worker-1" in watch.notice() and watch.notice() is None  # said once
+
         # the first carries on as a dynamic member: the instance stays the second's (it is not
         # fenced back), and the two share the partitions instead of stealing them every heartbeat
         def shared() -> bool:
             a, b = first.assignment(), second.assignment()
             return bool(a) and bool(b) and not a & b and len(a | b) == 4
+
         await until(lambda: polled([first, second], shared), timeout_s=20, what="the two sharing the partitions")
-        await stays_false(lambda: polled([first, second], lambda: second_watch.fenced_by is not None or not shared()),
-                          for_s=SETTLED_S, what="the second fenced back, or the partitions taken again")
+        await stays_false(
+            lambda: polled([first, second], lambda: second_watch.fenced_by is not None or not shared()),
+            for_s=SETTLED_S,
+            what="the second fenced back, or the partitions taken again",
+        )
     finally:
         await stop_consumer(first)
         await second.stop()
@@ -83,12 +100,18 @@ async def test_a_static_member_that_stops_leaves_the_group_at_once():
     topic, group = await topic_and_group()
     stays, goes = await member(topic, group, "worker-a"), await member(topic, group, "worker-b")
     try:
-        await until(lambda: polled([stays, goes], lambda: len(stays.assignment()) == 2 == len(goes.assignment())),
-                    timeout_s=30, what="two members with 2 partitions each")
+        await until(
+            lambda: polled([stays, goes], lambda: len(stays.assignment()) == 2 == len(goes.assignment())),
+            timeout_s=30,
+            what="two members with 2 partitions each",
+        )
         started = time.monotonic()
         await stop_consumer(goes)
-        await until(lambda: polled([stays], lambda: len(stays.assignment()) == 4), timeout_s=30,
-                    what="the staying member assigned all 4 partitions")
+        await until(
+            lambda: polled([stays], lambda: len(stays.assignment()) == 4),
+            timeout_s=30,
+            what="the staying member assigned all 4 partitions",
+        )
         # without the leave it waits out the session (2 s): measured 5 s at 6 s, 0.4 s with it
         assert time.monotonic() - started < MEMBERSHIP.session_timeout_ms / 1000
     finally:

@@ -18,7 +18,7 @@ from .test_engine_process import Collector, echo_config, open_process
 WORDS = " ".join(f"w{i}" for i in range(40))
 
 
-def copy(rid: str = "live-1.mirror.2", **fields):  # noqa: ANN201
+def copy(rid: str = "live-1.mirror.2", **fields):
     return make_request(WORDS, request_id=rid, shadow_of="live-1", priority="bulk", assignment="mirror", **fields)
 
 
@@ -128,10 +128,12 @@ async def test_copies_wait_while_live_requests_run_and_complete_once_they_are_id
         mirror_host.submit(copy(max_tokens=30))
         await live_out.until(lambda: len(live_out.outputs) >= 5, timeout_s=30, what="5 outputs of the live request")
         assert mirror_out.outputs == []  # held back: not one step while the live request runs
-        await live_out.until(lambda: "live-1" in live_out.finals(),
-                             timeout_s=30, what="the live request's final output")
-        await mirror_out.until(lambda: "live-1.mirror.2" in mirror_out.finals(),
-                               timeout_s=5, what="the mirror copy's final output")
+        await live_out.until(
+            lambda: "live-1" in live_out.finals(), timeout_s=30, what="the live request's final output"
+        )
+        await mirror_out.until(
+            lambda: "live-1.mirror.2" in mirror_out.finals(), timeout_s=5, what="the mirror copy's final output"
+        )
         assert mirror_out.finals()["live-1.mirror.2"].finish_reason == "length"
         assert min(o.seq for o in mirror_out.outputs) == 0 and not pressure.is_pressed
     finally:
@@ -151,8 +153,9 @@ async def test_a_copy_held_too_long_in_a_worker_is_ended_dropped_and_counted() -
     try:
         live_host.submit(make_request(WORDS, request_id="live-1", max_tokens=40))
         mirror_host.submit(copy(max_tokens=30))
-        await mirror_out.until(lambda: "live-1.mirror.2" in mirror_out.finals(),
-                               timeout_s=5, what="the mirror copy's final output")
+        await mirror_out.until(
+            lambda: "live-1.mirror.2" in mirror_out.finals(), timeout_s=5, what="the mirror copy's final output"
+        )
         end = mirror_out.finals()["live-1.mirror.2"]
         assert (end.finish_reason, end.error.code) == ("rejected", "mirror_dropped")
         assert "live-1" not in live_out.finals()  # it was dropped while the live request still ran
@@ -176,13 +179,15 @@ async def test_engine_processes_hear_the_pressure_and_pace_as_the_settings_say()
         began = time.monotonic()
         live_host.submit(make_request(WORDS, request_id="live-1", max_tokens=40))
         mirror_host.submit(copy(max_tokens=30))
-        await live_out.until(lambda: "live-1" in live_out.finals(),
-                             timeout_s=30, what="the live request's final output")
+        await live_out.until(
+            lambda: "live-1" in live_out.finals(), timeout_s=30, what="the live request's final output"
+        )
         steps_meanwhile, live_s = len(mirror_out.outputs), time.monotonic() - began
         assert "live-1.mirror.2" not in mirror_out.finals()  # unpaced, its 31 steps take milliseconds
         assert 1 <= steps_meanwhile <= live_s / 0.3 + 2  # a step per 300 ms at most while the live one ran
-        await mirror_out.until(lambda: "live-1.mirror.2" in mirror_out.finals(),
-                               timeout_s=10, what="the mirror copy's final output")
+        await mirror_out.until(
+            lambda: "live-1.mirror.2" in mirror_out.finals(), timeout_s=10, what="the mirror copy's final output"
+        )
         assert mirror_out.finals()["live-1.mirror.2"].finish_reason == "length"
     finally:
         live_host.stop()

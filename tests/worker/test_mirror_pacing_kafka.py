@@ -31,49 +31,68 @@ pytestmark = pytest.mark.kafka
 WORDS = " ".join(f"w{i}" for i in range(80))
 
 
-async def _serve(tmp_path: Path, **settings):  # noqa: ANN202
-    """A worker of models `live` and `shadow` (echo, 25 ms a step), ready; (worker task, topics, sids)."""
+async def _serve(tmp_path: Path, **settings):
+    """A worker of models `live` and `shadow` (echo, 25 ms a step), ready; (worker task, topics, served_ids)."""
     repo_file = tmp_path / "models.toml"
-    repo_file.write_text('[models.live]\nengine = "echo"\nmax_model_len = 4096\n\n'
-                         '[models.shadow]\nengine = "echo"\nmax_model_len = 4096\n')  # fmt: skip
+    repo_file.write_text(
+        '[models.live]\nengine = "echo"\nmax_model_len = 4096\n\n'
+        '[models.shadow]\nengine = "echo"\nmax_model_len = 4096\n'
+    )
     repo = load_model_repo(repo_file)
     topics = Topics(f"t{uuid.uuid4().hex[:8]}")
     specs = [*deployment_specs(topics, repo), topics.reply_spec("client"), topics.reply_spec("shadow")]
     await ensure_topics(BOOTSTRAP, specs)
-    worker = WorkerService(WorkerSettings(
-        kafka_bootstrap=BOOTSTRAP, topic_prefix=topics.prefix, model_repo=str(repo_file), audit_fingerprint_model="",
-        heartbeat_interval_ms=300, echo_step_delay_ms=25, **settings))  # fmt: skip
+    worker = WorkerService(
+        WorkerSettings(
+            kafka_bootstrap=BOOTSTRAP,
+            topic_prefix=topics.prefix,
+            model_repo=str(repo_file),
+            audit_fingerprint_model="",
+            heartbeat_interval_ms=300,
+            echo_step_delay_ms=25,
+            **settings,
+        )
+    )
     task = asyncio.create_task(worker.serve())
-    beats = await read_until(BOOTSTRAP, [topics.workers],
-                             lambda rs: any(decode(WorkerHeartbeat, r.value).is_ready for r in rs), 60)  # fmt: skip
+    beats = await read_until(
+        BOOTSTRAP, [topics.workers], lambda rs: any(decode(WorkerHeartbeat, r.value).is_ready for r in rs), 60
+    )
     assert any(decode(WorkerHeartbeat, r.value).is_ready for r in beats), "the worker never became ready"
     return task, topics, repo.models["live"].served_id, repo.models["shadow"].served_id
 
 
-async def _send_pair(topics: Topics, live_sid: str, shadow_sid: str) -> None:
+async def _send_pair(topics: Topics, live_served_id: str, shadow_served_id: str) -> None:
     """A live request of 60 steps (1.5 s at least), then its copy once the live one streams."""
     client = topics.replies("client")
-    live = make_request(WORDS, model=live_sid, request_id="live", max_tokens=60, reply_to=client, mirrors=["2"])
-    await _produce_batch(topics, live_sid, "b1", live)
+    live = make_request(WORDS, model=live_served_id, request_id="live", max_tokens=60, reply_to=client, mirrors=["2"])
+    await _produce_batch(topics, live_served_id, "b1", live)
     await read_until(BOOTSTRAP, [client], lambda rs: len(rs) >= 3)
-    copy = make_request(WORDS, model=shadow_sid, request_id="live.mirror.2", max_tokens=10, shadow_of="live",
-                        priority="bulk", assignment="mirror", reply_to=topics.shadow_replies)  # fmt: skip
-    await _produce_batch(topics, shadow_sid, "b2", copy)
+    copy = make_request(
+        WORDS,
+        model=shadow_served_id,
+        request_id="live.mirror.2",
+        max_tokens=10,
+        shadow_of="live",
+        priority="bulk",
+        assignment="mirror",
+        reply_to=topics.shadow_replies,
+    )
+    await _produce_batch(topics, shadow_served_id, "b2", copy)
 
 
-async def _produce_batch(topics: Topics, sid: str, batch_id: str, request) -> None:  # noqa: ANN001
-    batch = Batch(batch_id=batch_id, model=sid, requests=[request], batcher_id="test")
-    await produce(BOOTSTRAP, topics.batches(sid), [(batch_id, encode(batch))])
+async def _produce_batch(topics: Topics, served_id: str, batch_id: str, request) -> None:
+    batch = Batch(batch_id=batch_id, model=served_id, requests=[request], batcher_id="test")
+    await produce(BOOTSTRAP, topics.batches(served_id), [(batch_id, encode(batch))])
 
 
-def _ends(records) -> dict[str, ReplyEnd]:  # noqa: ANN001
+def _ends(records) -> dict[str, ReplyEnd]:
     return {e.request_id: e for e in (decode_reply(r.value) for r in records) if isinstance(e, ReplyEnd)}
 
 
 async def test_a_copy_waits_while_live_work_runs_and_completes_once_it_is_idle(tmp_path: Path) -> None:
-    task, topics, live_sid, shadow_sid = await _serve(tmp_path, mirror_yield_ms=0, mirror_idle_ms=0)
+    task, topics, live_served_id, shadow_served_id = await _serve(tmp_path, mirror_yield_ms=0, mirror_idle_ms=0)
     try:
-        await _send_pair(topics, live_sid, shadow_sid)
+        await _send_pair(topics, live_served_id, shadow_served_id)
         client = await read_until(BOOTSTRAP, [topics.replies("client")], lambda rs: "live" in _ends(rs))
         shadow = await read_until(BOOTSTRAP, [topics.shadow_replies], lambda rs: "live.mirror.2" in _ends(rs))
         live_end, copy_end = _ends(client)["live"], _ends(shadow)["live.mirror.2"]
@@ -89,9 +108,9 @@ async def test_a_copy_waits_while_live_work_runs_and_completes_once_it_is_idle(t
 
 
 async def test_a_copy_held_past_the_bound_ends_mirror_dropped_on_the_shadow_topic(tmp_path: Path) -> None:
-    task, topics, live_sid, shadow_sid = await _serve(tmp_path, mirror_yield_ms=0, mirror_max_wait_ms=300)
+    task, topics, live_served_id, shadow_served_id = await _serve(tmp_path, mirror_yield_ms=0, mirror_max_wait_ms=300)
     try:
-        await _send_pair(topics, live_sid, shadow_sid)
+        await _send_pair(topics, live_served_id, shadow_served_id)
         shadow = await read_until(BOOTSTRAP, [topics.shadow_replies], lambda rs: "live.mirror.2" in _ends(rs))
         client = await read_until(BOOTSTRAP, [topics.replies("client")], lambda rs: "live" in _ends(rs))
         copy_end, live_end = _ends(shadow)["live.mirror.2"], _ends(client)["live"]

@@ -113,8 +113,10 @@ def test_max_tokens_zero_answers_only_the_prompt_and_rides_beside_other_requests
     assert (final.finish_reason, final.completion_tokens, final.token_ids, final.text) == ("length", 0, [], "")
     prompt_ids = tiny_py.tokenizer.encode(PROMPT)
     check(final.prompt_logprobs, prompt_ids, expected(hf_model, prompt_ids), 1)
-    def lps(outs):  # noqa: E306
+
+    def lps(outs):
         return [(lp.token_id, round(lp.logprob, 4)) for o in outs for lp in o.logprobs or []]
+
     assert lps(outputs[beside.request_id]) == lps(by_itself)
     events = [ev for out in outputs[only.request_id] for ev in reply_events(only, "b-1", out, "weir-tiny-py@1")]
     assert len(events) == 1 and isinstance(events[0], ReplyEnd) and not any(isinstance(e, ReplyDelta) for e in events)
@@ -128,8 +130,10 @@ def test_a_prompt_of_token_ids_runs_as_its_text_does(tiny_py) -> None:
     text = make_request(PROMPT, max_tokens=6, ignore_eos=True)
     tokens = make_request(None, prompt_token_ids=ids, max_tokens=6, ignore_eos=True)
     outputs = run(tiny_py, text, tokens)
-    def ids_of(outs):  # noqa: E306
+
+    def ids_of(outs):
         return [t for o in outs for t in o.token_ids]
+
     assert ids_of(outputs[tokens.request_id]) == ids_of(outputs[text.request_id]) and ids_of(outputs[text.request_id])
     assert outputs[tokens.request_id][-1].prompt_tokens == len(ids)
     refused = tiny_py.add(make_request(None, prompt_token_ids=[1, 10**7]), 0)

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from .factories import make_request
-
 from bench.engine_quality import PROMPTS, greedy_engine, top1_agreement
 from services.worker.engine import Engine, EngineConfig
 from services.worker.engine.model import ModelLoadError, QuantLinear, load_model
+
+from .factories import make_request
 
 TINY = Path(__file__).resolve().parents[2] / "models" / "weir-tiny-py"
 CPU = torch.device("cpu")

@@ -9,8 +9,8 @@ and no reply lands in any internal topic.
 
 from __future__ import annotations
 
-import contextlib
 import asyncio
+import contextlib
 import time
 import uuid
 from pathlib import Path
@@ -44,13 +44,16 @@ async def start_pipeline(tmp: Path, auto_create: bool):
     repo.write_text('[models.echo]\nengine = "echo"\nmax_model_len = 4096\n')
     topics = Topics(f"t{uuid.uuid4().hex[:8]}")
     await ensure_topics(BOOTSTRAP, [*deployment_specs(topics, load_model_repo(repo)), topics.reply_spec("good")])
-    common = dict(kafka_bootstrap=BOOTSTRAP, topic_prefix=topics.prefix, model_repo=str(repo),
-                  reply_topic_auto_create=auto_create)  # fmt: skip
+    common = dict(
+        kafka_bootstrap=BOOTSTRAP, topic_prefix=topics.prefix, model_repo=str(repo), reply_topic_auto_create=auto_create
+    )
     worker = WorkerService(WorkerSettings(**common, audit_fingerprint_model="", heartbeat_interval_ms=300))
     tasks = [asyncio.create_task(worker.serve())]
     stop = asyncio.Event()
     try:
-        beats = await read_until(BOOTSTRAP, [topics.workers], lambda rs: any(decode(WorkerHeartbeat, r.value).is_ready for r in rs), 60)
+        beats = await read_until(
+            BOOTSTRAP, [topics.workers], lambda rs: any(decode(WorkerHeartbeat, r.value).is_ready for r in rs), 60
+        )
         assert any(decode(WorkerHeartbeat, r.value).is_ready for r in beats), "the worker never became ready"
         tasks.append(asyncio.create_task(BatcherApp(BatcherSettings(**common), load_model_repo(repo)).serve(stop)))
         yield topics, worker
@@ -76,8 +79,15 @@ async def creating_pipeline(tmp_path_factory):
 
 def raw_request(request_id: str, reply_to: str, model: str = "echo") -> tuple[str, bytes]:
     """A request record as any Kafka client may produce it (not built through the wire types)."""
-    body = {"request_id": request_id, "model": model, "prompt": "one two three four", "max_tokens": 16,
-            "temperature": 0.0, "deadline_ms": now_ms() + 60_000, "reply_to": reply_to}  # fmt: skip
+    body = {
+        "request_id": request_id,
+        "model": model,
+        "prompt": "one two three four",
+        "max_tokens": 16,
+        "temperature": 0.0,
+        "deadline_ms": now_ms() + 60_000,
+        "reply_to": reply_to,
+    }
     return request_id, orjson.dumps(body)
 
 
@@ -86,8 +96,19 @@ def ends_of(records) -> dict[str, ReplyEnd]:
 
 
 def internal_topics(topics: Topics) -> list[str]:
-    return [topics.requests, topics.keys, topics.usage, topics.audit, topics.control, topics.dead_letter,
-            topics.workers, topics.files, topics.jobs, topics.job_commands, topics.batches("echo@1")]  # fmt: skip
+    return [
+        topics.requests,
+        topics.keys,
+        topics.usage,
+        topics.audit,
+        topics.control,
+        topics.dead_letter,
+        topics.workers,
+        topics.files,
+        topics.jobs,
+        topics.job_commands,
+        topics.batches("echo@1"),
+    ]
 
 
 def replies_in(records) -> list:
@@ -115,11 +136,16 @@ async def produce_and_time(topic: str, records, reply_topic: str, want: set[str]
     assert want <= set(arrivals), f"normal requests unanswered: {sorted(want - set(arrivals))}"
     return replies, arrivals
 
+
 async def test_bad_reply_to_records_harm_nobody_else(pipeline):
     topics, worker = pipeline
     good, missing = topics.replies("good"), topics.replies(f"nobody-{uuid.uuid4().hex[:6]}")
-    refused_names = {"bad-name": "bad topic!", "unicode": f"{topics.prefix}.replies.café", "look-alike":
-                     f"{topics.prefix}.repliesX", "other-deployment": "other.replies.x"}  # fmt: skip
+    refused_names = {
+        "bad-name": "bad topic!",
+        "unicode": f"{topics.prefix}.replies.café",
+        "look-alike": f"{topics.prefix}.repliesX",
+        "other-deployment": "other.replies.x",
+    }
     refused_names |= {f"internal-{t}": t for t in internal_topics(topics)}
     bad = [raw_request(f"{why}-{uuid.uuid4().hex[:6]}", name) for why, name in refused_names.items()]
     dropped = raw_request(f"missing-{uuid.uuid4().hex[:6]}", missing)  # valid, but its topic does not exist
@@ -155,12 +181,17 @@ async def test_bad_reply_to_records_harm_nobody_else(pipeline):
     assert dropped[0] not in letters or letters[dropped[0]].service != "batcher"  # valid: the worker ran it
 
     # The worker gives up on the request whose reply topic does not exist, and never makes it.
-    await until(lambda: worker.servers[0].publisher.num_dropped >= 1, timeout_s=15,
-                what="the worker to give up on the reply to a missing topic")
+    await until(
+        lambda: worker.servers[0].publisher.num_dropped >= 1,
+        timeout_s=15,
+        what="the worker to give up on the reply to a missing topic",
+    )
     assert worker.servers[0].publisher.num_dropped == 1
     assert missing not in await list_topic_names(BOOTSTRAP)
     # ... and dead-letters it with the reason (docs/design.md, "Reply topics"; issue 35)
-    found = await read_until(BOOTSTRAP, [topics.dead_letter], lambda rs: any(r.key == dropped[0].encode() for r in rs), 15)
+    found = await read_until(
+        BOOTSTRAP, [topics.dead_letter], lambda rs: any(r.key == dropped[0].encode() for r in rs), 15
+    )
     [letter] = [decode(DeadLetter, r.value) for r in found if r.key == dropped[0].encode()]
     assert letter.source_topic == topics.batches("echo@1") and letter.service.startswith("worker")
     assert f"reply topic {missing} refuses writes" in letter.reason and "no reply was written" in letter.reason
@@ -185,14 +216,20 @@ async def test_worker_dead_letters_a_batch_request_with_a_refused_reply_to(pipel
     ok = make_request("a b c", model="echo", reply_to=good, max_tokens=8)
     to_keys = make_request("a b c", model="echo", reply_to=topics.keys, max_tokens=8)
     illegal = make_request("a b c", model="echo", reply_to="bad topic!", max_tokens=8)
-    batch = Batch(batch_id=f"b-{uuid.uuid4().hex[:6]}", model="echo@1", requests=[to_keys, ok, illegal], batcher_id="test")
+    batch = Batch(
+        batch_id=f"b-{uuid.uuid4().hex[:6]}", model="echo@1", requests=[to_keys, ok, illegal], batcher_id="test"
+    )
     before = worker.servers[0].num_invalid_reply_to
     await produce(BOOTSTRAP, topics.batches("echo@1"), [(batch.batch_id, encode(batch))])
 
     replies = await read_until(BOOTSTRAP, [good], lambda rs: ok.request_id in ends_of(rs), timeout_s=PROMPTLY_S)
     assert ok.request_id in ends_of(replies)
-    dead = await read_until(BOOTSTRAP, [topics.dead_letter], lambda rs: sum(batch.batch_id in decode(DeadLetter, r.value).reason
-                                                                           for r in rs) >= 2, timeout_s=15)  # fmt: skip
+    dead = await read_until(
+        BOOTSTRAP,
+        [topics.dead_letter],
+        lambda rs: sum(batch.batch_id in decode(DeadLetter, r.value).reason for r in rs) >= 2,
+        timeout_s=15,
+    )
     reasons = [d.reason for d in (decode(DeadLetter, r.value) for r in dead) if batch.batch_id in d.reason]
     assert sorted(r.split("'")[1] for r in reasons) == sorted([to_keys.request_id, illegal.request_id]), reasons
     assert all(d.startswith("request ") and "it was not run, no reply was written" in d for d in reasons)
@@ -223,11 +260,16 @@ async def test_a_reply_topic_that_never_appears_holds_up_nobody(creating_pipelin
     slowest = max(arrivals[rid] for rid in want)
     assert slowest < 6, f"a normal request took {slowest:.1f} s, behind the 10 s wait for {never}: {arrivals}"
 
-    letters = await read_until(BOOTSTRAP, [topics.dead_letter], lambda rs: any(r.key == end_here[0].encode() for r in rs), 30)
+    letters = await read_until(
+        BOOTSTRAP, [topics.dead_letter], lambda rs: any(r.key == end_here[0].encode() for r in rs), 30
+    )
     [letter] = [decode(DeadLetter, r.value) for r in letters if r.key == end_here[0].encode()]
     assert "could not produce the terminal reply" in letter.reason and "refuses writes" in letter.reason
-    await until(lambda: worker.servers[0].publisher.num_dropped >= dropped_before + 1, timeout_s=20,
-                what="the worker to drop the terminal reply it could not produce")
+    await until(
+        lambda: worker.servers[0].publisher.num_dropped >= dropped_before + 1,
+        timeout_s=20,
+        what="the worker to drop the terminal reply it could not produce",
+    )
     assert worker.servers[0].publisher.num_dropped == dropped_before + 1
     lag = await wait_committed(BOOTSTRAP, topics.batcher_group, topics.requests)
     assert all(c == e for c, e in lag.values()), lag

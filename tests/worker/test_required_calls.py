@@ -24,8 +24,9 @@ from .positions import contiguous
 pytestmark = pytest.mark.slow  # a grammar compile on a 49k vocabulary: about a minute of CPU
 
 REPO = Path(__file__).resolve().parents[2]
-NEWS = ToolDef.model_validate({"type": "function", "function": {"name": "get_news", "parameters": {
-    "type": "object", "properties": {}}}})  # fmt: skip
+NEWS = ToolDef.model_validate(
+    {"type": "function", "function": {"name": "get_news", "parameters": {"type": "object", "properties": {}}}}
+)
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +41,16 @@ def smollm2() -> Engine:
 @pytest.mark.parametrize("question", ["Any news?", "Hi!"])
 def test_a_repeated_call_is_made_once_and_the_array_closes(smollm2: Engine, question: str) -> None:
     request = GenerateRequest(
-        request_id=f"news-{question}", model="smollm2-135m-instruct@1", tools=[NEWS], tool_choice="required",
-        messages=[ChatMessage(role="user", content=question)], max_tokens=120, temperature=0.0,
-        deadline_ms=now_ms() + 900_000, reply_to="weir.replies.test",
-    )  # fmt: skip
+        request_id=f"news-{question}",
+        model="smollm2-135m-instruct@1",
+        tools=[NEWS],
+        tool_choice="required",
+        messages=[ChatMessage(role="user", content=question)],
+        max_tokens=120,
+        temperature=0.0,
+        deadline_ms=now_ms() + 900_000,
+        reply_to="weir.replies.test",
+    )
     assert smollm2.add(request, now_ms()) is None
     outputs = []
     while smollm2.has_work:

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from .factories import make_model_dir, make_request
-
 from services.worker.engine import Engine, EngineConfig
 from services.worker.engine.kv_cache import allocate_kv_caches
 from services.worker.engine.model import AttentionMetadata, ModelLoadError, load_model
+
+from .factories import make_model_dir, make_request
 
 transformers = pytest.importorskip("transformers")
 
@@ -22,9 +22,18 @@ ORIGINAL_LEN = 32  # positions the (pretend) pretraining saw; every test goes pa
 SCALINGS = {
     "linear": ("rope_scaling", {"type": "linear", "factor": 2.0}, ORIGINAL_LEN),  # the older `type` key
     "dynamic": ("rope_scaling", {"rope_type": "dynamic", "factor": 2.0}, ORIGINAL_LEN),
-    "llama3": ("rope_parameters", {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
-                                   "high_freq_factor": 4.0, "original_max_position_embeddings": ORIGINAL_LEN}, 96),
-}  # fmt: skip
+    "llama3": (
+        "rope_parameters",
+        {
+            "rope_type": "llama3",
+            "factor": 4.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": ORIGINAL_LEN,
+        },
+        96,
+    ),
+}
 
 
 def scaled_model_dir(path: Path, name: str) -> Path:
@@ -34,9 +43,14 @@ def scaled_model_dir(path: Path, name: str) -> Path:
     # initializer_range 0.2, not 0.02: attention sharp enough that positions change greedy tokens;
     # no eos: both sides generate every token (transformers' min_new_tokens would mask eos instead)
     path = make_model_dir(
-        path, "llama", seed=1, max_position_embeddings=max_pos, rope_scaling=dict(scaling), initializer_range=0.2,
+        path,
+        "llama",
+        seed=1,
+        max_position_embeddings=max_pos,
+        rope_scaling=dict(scaling),
+        initializer_range=0.2,
         eos_token_id=None,
-    )  # fmt: skip
+    )
     config = json.loads((path / "config.json").read_text())
     config.pop("rope_parameters", None)
     config[key] = {**scaling, "rope_theta": 10000.0} if key == "rope_parameters" else dict(scaling)
@@ -58,8 +72,9 @@ def weir_prefill_logits(path: Path, ids: list[int]) -> torch.Tensor:
     """Logits [len(ids), vocab] of one prefill of `ids` through Weir's model and paged KV cache."""
     model = load_model(path, torch.device("cpu"), torch.float32)
     a, block_size, n = model.args, 8, len(ids)
-    kv = allocate_kv_caches(a.num_layers, -(-n // block_size), block_size, a.num_kv_heads, a.head_dim,
-                            torch.float32, torch.device("cpu"))  # fmt: skip
+    kv = allocate_kv_caches(
+        a.num_layers, -(-n // block_size), block_size, a.num_kv_heads, a.head_dim, torch.float32, torch.device("cpu")
+    )
     meta = AttentionMetadata(slot_mapping=torch.arange(n))
     meta.prefills.append((0, n, torch.arange(-(-n // block_size)), n))
     meta.logits_indices = torch.arange(n)
@@ -128,14 +143,19 @@ def test_greedy_decoding_matches_transformers_past_the_original_length(scaled_di
 @pytest.mark.parametrize(
     "scaling, message",
     [
-        ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
-         "rope type 'yarn' is not supported; supported: default, linear, dynamic, llama3"),
+        (
+            {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+            "rope type 'yarn' is not supported; supported: default, linear, dynamic, llama3",
+        ),
         ({"type": "su", "factor": 2.0}, "rope type 'su' is not supported"),
-        ({"type": "linear", "factor": 2.0, "finetuned": True}, r"keys \['finetuned'\] are not used by rope type 'linear'"),
+        (
+            {"type": "linear", "factor": 2.0, "finetuned": True},
+            r"keys \['finetuned'\] are not used by rope type 'linear'",
+        ),
         ({"rope_type": "llama3", "factor": 8.0}, "needs \\['high_freq_factor', 'low_freq_factor'\\]"),
         ({"rope_type": "dynamic", "factor": 0.5}, "factor=0.5 must be >= 1"),
     ],
-)  # fmt: skip
+)
 def test_unsupported_rope_scaling_is_refused_at_load(scaling, message, tmp_path):
     path = make_model_dir(tmp_path / "m", "llama", max_position_embeddings=32)
     config = json.loads((path / "config.json").read_text())

@@ -19,8 +19,9 @@ def hand_logits(rows: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed))
 
 
-def openai_formula(row: torch.Tensor, output_ids: list[int], presence: float, frequency: float,
-                   bias: dict[str, float] | None = None) -> torch.Tensor:
+def openai_formula(
+    row: torch.Tensor, output_ids: list[int], presence: float, frequency: float, bias: dict[str, float] | None = None
+) -> torch.Tensor:
     """OpenAI's definition, token by token: mu[j] - c[j] * frequency - (c[j] > 0) * presence + bias[j]."""
     counts = collections.Counter(output_ids)
     expected = row.clone()
@@ -75,8 +76,9 @@ def test_batched_rows_with_different_penalties_do_not_interfere():
     histories = [[1, 1, 4], [1, 2, 3], [4, 4, 4, 0], [11]]
     adjusted = adjust_logits(logits.clone(), requests, histories, [TokenBias.of(r.logit_bias) for r in requests])
     for row, (request, history) in enumerate(zip(requests, histories, strict=True)):
-        expected = openai_formula(logits[row], history, request.presence_penalty, request.frequency_penalty,
-                                  request.logit_bias)
+        expected = openai_formula(
+            logits[row], history, request.presence_penalty, request.frequency_penalty, request.logit_bias
+        )
         torch.testing.assert_close(adjusted[row], expected)
         alone = adjust_logits(logits[row : row + 1].clone(), [request], [history], [TokenBias.of(request.logit_bias)])
         torch.testing.assert_close(adjusted[row], alone[0])
@@ -111,16 +113,23 @@ def test_logit_bias_plus_100_forces_a_token_at_temperature_0():
     least_likely = int(torch.argmin(logits[0]))
     forced = make_request(temperature=0.0, logit_bias={str(least_likely): 100.0})
     plain = make_request(temperature=0.0)
-    tokens = sample_batch(logits, [forced, plain], [torch.Generator()] * 2, [None, None], [[], []],
-                          [TokenBias.of(forced.logit_bias), None]).tokens
+    tokens = sample_batch(
+        logits,
+        [forced, plain],
+        [torch.Generator()] * 2,
+        [None, None],
+        [[], []],
+        [TokenBias.of(forced.logit_bias), None],
+    ).tokens
     assert tokens == [least_likely, int(torch.argmax(logits[1]))]
 
 
 def test_greedy_rows_honour_penalties():
     logits = torch.tensor([[0.0, 5.0, 4.0, 1.0], [0.0, 5.0, 4.0, 1.0]])
     penalised, plain = make_request(temperature=0.0, frequency_penalty=2.0), make_request(temperature=0.0)
-    tokens, entropies, _, _ = sample_batch(logits, [penalised, plain], [torch.Generator()] * 2, [None, None],
-                                           [[1], [1]], [None, None])
+    tokens, entropies, _, _ = sample_batch(
+        logits, [penalised, plain], [torch.Generator()] * 2, [None, None], [[1], [1]], [None, None]
+    )
     assert tokens == [2, 1]  # 5 - 2 < 4: the penalised row's greedy choice moves
     assert entropies[0] == pytest.approx(entropies[1])  # the entropy is the model's own, before penalties
 
@@ -132,8 +141,14 @@ def test_random_rows_honour_penalties_and_bias_with_a_watermark():
     request = make_request(temperature=1.0, presence_penalty=2.0, logit_bias={"2": -20.0})
     watermark = torch.zeros(VOCAB)
     draws = [
-        sample_batch(logits.clone(), [request], [torch.Generator().manual_seed(s)], [watermark], [[2]],
-                     [TokenBias.of(request.logit_bias)])[0][0]
+        sample_batch(
+            logits.clone(),
+            [request],
+            [torch.Generator().manual_seed(s)],
+            [watermark],
+            [[2]],
+            [TokenBias.of(request.logit_bias)],
+        )[0][0]
         for s in range(100)
     ]
     assert 2 not in draws

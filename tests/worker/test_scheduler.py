@@ -59,8 +59,13 @@ def step(scheduler: Scheduler) -> None:
 
 def test_interactive_sequences_wait_ahead_of_bulk_ones() -> None:
     scheduler = Scheduler(BlockManager(64, 8), max_num_seqs=8, max_num_batched_tokens=512)
-    for seq in (seq_of("b1", "bulk"), seq_of("b2", "bulk"), seq_of("i1", "interactive"), seq_of("b3", "bulk"),
-                seq_of("i2", "interactive")):  # fmt: skip
+    for seq in (
+        seq_of("b1", "bulk"),
+        seq_of("b2", "bulk"),
+        seq_of("i1", "interactive"),
+        seq_of("b3", "bulk"),
+        seq_of("i2", "interactive"),
+    ):
         scheduler.add(seq)
     assert [s.request_id for s in scheduler.waiting] == ["i1", "i2", "b1", "b2", "b3"]
 
@@ -99,8 +104,10 @@ def test_an_interactive_newcomer_preempts_bulk_for_blocks_but_bulk_never_preempt
 
 def test_a_mixed_flood_on_a_small_cache_ends_every_sequence() -> None:
     scheduler = Scheduler(BlockManager(128, 8), max_num_seqs=16, max_num_batched_tokens=256)
-    arrivals = [(i * 3, seq_of(f"s{i}", "interactive" if i % 3 == 0 else "bulk", prompt_len=8 + i % 5, max_tokens=200))
-                for i in range(40)]  # fmt: skip
+    arrivals = [
+        (i * 3, seq_of(f"s{i}", "interactive" if i % 3 == 0 else "bulk", prompt_len=8 + i % 5, max_tokens=200))
+        for i in range(40)
+    ]
     assert drive(scheduler, arrivals) == 40
 
 

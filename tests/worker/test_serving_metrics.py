@@ -9,9 +9,9 @@ import pytest
 
 from schemas.messages import ErrorInfo, NamedToolChoice, StructuredOutputs, ToolDef
 from services.worker.engine import Engine, EngineConfig
+from services.worker.kafka.dispatch import Dispatch
 from services.worker.kafka.events import audit_event, reply_events
 from services.worker.kafka.intake import InFlight, Intake
-from services.worker.kafka.dispatch import Dispatch
 from services.worker.kafka.publisher import Publisher
 from services.worker.kafka.serving_metrics import ServingMetrics, kv_cache_usage, structured_result
 from weir.metrics import ServiceMetrics, value
@@ -35,10 +35,20 @@ def test_a_known_ttft_lands_in_its_bucket_and_each_phase_in_its_histogram():
     recorder, metrics = recorder_and_metrics()
     request = make_request("def ", model="tiny")
     recorder.on_output(request, make_output(request.request_id, 0, text="a", token_ids=[1], itl_ms=[5, 30]))
-    recorder.on_output(request, make_output(
-        request.request_id, 1, finish_reason="length", prompt_tokens=7, completion_tokens=5, received_ms=T0_MS,
-        scheduled_ms=T0_MS + 10, first_token_ms=T0_MS + 30, finished_ms=T0_MS + 100,
-    ))  # fmt: skip
+    recorder.on_output(
+        request,
+        make_output(
+            request.request_id,
+            1,
+            finish_reason="length",
+            prompt_tokens=7,
+            completion_tokens=5,
+            received_ms=T0_MS,
+            scheduled_ms=T0_MS + 10,
+            first_token_ms=T0_MS + 30,
+            finished_ms=T0_MS + 100,
+        ),
+    )
     text = metrics.render()
     ttft = "vllm:time_to_first_token_seconds"
     assert bucket(text, ttft, "0.02") == 0.0 and bucket(text, ttft, "0.04") == 1.0  # 0.03 s
@@ -54,8 +64,12 @@ def test_a_known_ttft_lands_in_its_bucket_and_each_phase_in_its_histogram():
     assert value(text, "vllm:prompt_tokens_total", **V) == 7.0
     assert value(text, "vllm:generation_tokens_total", **V) == 5.0
     assert value(text, "vllm:request_success_total", finished_reason="length", **V) == 1.0
-    genai = {"gen_ai_operation_name": "text_completion", "gen_ai_provider_name": "weir",
-             "gen_ai_request_model": "tiny", "gen_ai_response_model": "tiny@1"}  # fmt: skip
+    genai = {
+        "gen_ai_operation_name": "text_completion",
+        "gen_ai_provider_name": "weir",
+        "gen_ai_request_model": "tiny",
+        "gen_ai_response_model": "tiny@1",
+    }
     assert value(text, "gen_ai_server_time_to_first_token_seconds_sum", **genai) == 0.03
     tpot = "gen_ai_server_time_per_output_token_seconds_bucket"
     assert value(text, tpot, le="0.01", **genai) == 0.0 and value(text, tpot, le="0.025", **genai) == 1.0  # 0.07/4
@@ -68,17 +82,39 @@ def test_the_heartbeats_latency_counts_are_the_histograms_and_the_service_time_g
     recorder = ServingMetrics(metrics, lambda: (), on_ran=ran.append).recorder(make_model_config("tiny"))
     request = make_request("def ", model="tiny")
     recorder.on_output(request, make_output(request.request_id, 0, text="a", token_ids=[1], itl_ms=[5, 30, 50]))
-    recorder.on_output(request, make_output(
-        request.request_id, 1, finish_reason="length", prompt_tokens=7, completion_tokens=5, received_ms=T0_MS,
-        scheduled_ms=T0_MS + 10, first_token_ms=T0_MS + 40, finished_ms=T0_MS + 1010,
-    ))  # fmt: skip
+    recorder.on_output(
+        request,
+        make_output(
+            request.request_id,
+            1,
+            finish_reason="length",
+            prompt_tokens=7,
+            completion_tokens=5,
+            received_ms=T0_MS,
+            scheduled_ms=T0_MS + 10,
+            first_token_ms=T0_MS + 40,
+            finished_ms=T0_MS + 1010,
+        ),
+    )
     mirror = make_request("def ", model="tiny").model_copy(update={"shadow_of": "live-1"})
-    recorder.on_output(mirror, make_output(mirror.request_id, 0, finish_reason="stop", completion_tokens=1,
-                                           received_ms=T0_MS, first_token_ms=T0_MS + 5, finished_ms=T0_MS + 9000))
+    recorder.on_output(
+        mirror,
+        make_output(
+            mirror.request_id,
+            0,
+            finish_reason="stop",
+            completion_tokens=1,
+            received_ms=T0_MS,
+            first_token_ms=T0_MS + 5,
+            finished_ms=T0_MS + 9000,
+        ),
+    )
     assert ran == [1.0]  # first scheduled to the end; a mirror copy yields to live work: not the pace
     text, latency = metrics.render(), recorder.latency()
-    for histogram, name in ((latency.ttft, "vllm:time_to_first_token_seconds"),
-                            (latency.itl, "vllm:inter_token_latency_seconds")):  # fmt: skip
+    for histogram, name in (
+        (latency.ttft, "vllm:time_to_first_token_seconds"),
+        (latency.itl, "vllm:inter_token_latency_seconds"),
+    ):
         for bound, count in zip([*histogram.bounds, "+Inf"], histogram.counts, strict=True):
             assert bucket(text, name, str(bound)) == count, (name, bound)
     assert (latency.ttft.counts[-1], latency.itl.counts[-1]) == (2, 3)
@@ -88,30 +124,49 @@ def test_the_heartbeats_latency_counts_are_the_histograms_and_the_service_time_g
 def test_a_cancel_is_vllms_abort_and_a_refusal_counts_only_as_finished():
     recorder, metrics = recorder_and_metrics()
     cancelled, refused = make_request("def "), make_request("def ")
-    recorder.on_output(cancelled, make_output(
-        cancelled.request_id, 0, finish_reason="cancelled", error=ErrorInfo(code="cancelled", message="x"),
-        prompt_tokens=2, received_ms=T0_MS, finished_ms=T0_MS + 3,
-    ))  # fmt: skip
+    recorder.on_output(
+        cancelled,
+        make_output(
+            cancelled.request_id,
+            0,
+            finish_reason="cancelled",
+            error=ErrorInfo(code="cancelled", message="x"),
+            prompt_tokens=2,
+            received_ms=T0_MS,
+            finished_ms=T0_MS + 3,
+        ),
+    )
     recorder.on_output(refused, make_output(refused.request_id, 0, finish_reason="rejected", received_ms=T0_MS))
     text = metrics.render()
     assert value(text, "vllm:request_success_total", finished_reason="abort", **V) == 1.0
     assert value(text, "vllm:request_success_total", finished_reason="rejected", **V) == 1.0
     assert value(text, "vllm:request_prompt_tokens_count", **V) == 1.0  # the cancelled one only
     assert value(text, "vllm:time_to_first_token_seconds_count", **V) is None  # no first token
-    failed = {"gen_ai_operation_name": "text_completion", "gen_ai_provider_name": "weir", "error_type": "cancelled",
-              "gen_ai_request_model": "tiny", "gen_ai_response_model": "tiny@1"}  # fmt: skip
+    failed = {
+        "gen_ai_operation_name": "text_completion",
+        "gen_ai_provider_name": "weir",
+        "error_type": "cancelled",
+        "gen_ai_request_model": "tiny",
+        "gen_ai_response_model": "tiny@1",
+    }
     assert value(text, "gen_ai_server_request_duration_seconds_count", **failed) == 1.0
 
 
 def test_structured_result_of_each_ending():
     constrained = make_request("def ", structured=StructuredOutputs(json_object=True))
     tools = [ToolDef(function={"name": "f", "parameters": {"type": "object"}})]
-    named = make_request(prompt=None, messages=[{"role": "user", "content": "hi"}], tools=tools,
-                         tool_choice=NamedToolChoice(function={"name": "f"}))  # fmt: skip
+    named = make_request(
+        prompt=None,
+        messages=[{"role": "user", "content": "hi"}],
+        tools=tools,
+        tool_choice=NamedToolChoice(function={"name": "f"}),
+    )
     auto = named.model_copy(update={"tool_choice": "auto"})
 
     def result(request, reason, valid=None):
-        return structured_result(request, make_output(request.request_id, 0, finish_reason=reason, structured_valid=valid))
+        return structured_result(
+            request, make_output(request.request_id, 0, finish_reason=reason, structured_valid=valid)
+        )
 
     assert (result(constrained, "stop", True), result(constrained, "stop", False)) == ("valid", "invalid")
     assert result(constrained, "length", False) == "truncated" and result(named, "length") == "truncated"
@@ -124,8 +179,9 @@ async def test_structured_outputs_count_once_per_request_when_its_end_is_durable
     recorder, metrics = recorder_and_metrics()
     intake = Intake()
     config = make_model_config("tiny")
-    publisher = Publisher(config, None, "weir.audit", intake, Dispatch(config, []), worker_id="w",  # type: ignore[arg-type]
-                          audit_key=b"k" * 32, recorder=recorder)  # fmt: skip
+    publisher = Publisher(
+        config, None, "weir.audit", intake, Dispatch(config, []), worker_id="w", audit_key=b"k" * 32, recorder=recorder
+    )
     request = make_request("def ", structured=StructuredOutputs(json_object=True))
     end = make_output(request.request_id, 3, finish_reason="stop", structured_valid=False)
     broken = asyncio.get_running_loop().create_future()
@@ -144,11 +200,32 @@ async def test_structured_outputs_count_once_per_request_when_its_end_is_durable
 
 
 def test_the_engines_gauges_and_totals_are_read_per_version_at_scrape_time():
-    stats = [("tiny@1", [{"num_running": 2, "num_waiting": 1, "num_kv_blocks": 100, "kv_cache_usage_perc": 0.5,
-                          "prefix_cache_queries": 40, "prefix_cache_hits": 16, "num_preemptions": 1},
-                         {"num_running": 1, "num_waiting": 0, "num_kv_blocks": 300, "kv_cache_usage_perc": 0.1,
-                          "prefix_cache_queries": 10, "prefix_cache_hits": 0, "num_preemptions": 0}]),
-             ("echo@1", [{"num_running": 3, "num_waiting": 0, "num_kv_blocks": 8}])]  # fmt: skip
+    stats = [
+        (
+            "tiny@1",
+            [
+                {
+                    "num_running": 2,
+                    "num_waiting": 1,
+                    "num_kv_blocks": 100,
+                    "kv_cache_usage_perc": 0.5,
+                    "prefix_cache_queries": 40,
+                    "prefix_cache_hits": 16,
+                    "num_preemptions": 1,
+                },
+                {
+                    "num_running": 1,
+                    "num_waiting": 0,
+                    "num_kv_blocks": 300,
+                    "kv_cache_usage_perc": 0.1,
+                    "prefix_cache_queries": 10,
+                    "prefix_cache_hits": 0,
+                    "num_preemptions": 0,
+                },
+            ],
+        ),
+        ("echo@1", [{"num_running": 3, "num_waiting": 0, "num_kv_blocks": 8}]),
+    ]
     _, metrics = recorder_and_metrics(stats)
     text = metrics.render()
     assert value(text, "vllm:num_requests_running", **V) == 3.0
@@ -188,8 +265,15 @@ def test_the_engine_times_each_phase_and_counts_cached_prompt_tokens_in_tokens(l
     assert stats["prefix_cache_hits"] == second.cached_prompt_tokens and stats["kv_cache_usage_perc"] == 0.0
     end = next(e for e in reply_events(make_request(request_id="r1"), "b", second, "tiny@1") if e.type == "end")
     assert end.usage.cached_prompt_tokens == second.cached_prompt_tokens
-    audit = audit_event(make_request(request_id="r1"), second, make_model_config("tiny"), weights_sha256="0" * 64,
-                        worker_id="w", audit_key=b"k" * 32, now_ms=T0_MS)  # fmt: skip
+    audit = audit_event(
+        make_request(request_id="r1"),
+        second,
+        make_model_config("tiny"),
+        weights_sha256="0" * 64,
+        worker_id="w",
+        audit_key=b"k" * 32,
+        now_ms=T0_MS,
+    )
     assert audit.cached_prompt_tokens == second.cached_prompt_tokens
 
 

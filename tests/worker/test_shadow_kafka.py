@@ -33,39 +33,55 @@ async def test_a_mirrored_live_answer_is_published_and_audit_events_say_how(tmp_
     repo_file = tmp_path / "models.toml"
     repo_file.write_text('[models.echo]\nengine = "echo"\nmax_model_len = 4096\n')
     repo = load_model_repo(repo_file)
-    sid = repo.models["echo"].served_id
+    served_id = repo.models["echo"].served_id
     topics = Topics(f"t{uuid.uuid4().hex[:8]}")
-    await ensure_topics(BOOTSTRAP, [*deployment_specs(topics, repo), topics.reply_spec("client"), topics.reply_spec("shadow")])
-    worker = WorkerService(WorkerSettings(kafka_bootstrap=BOOTSTRAP, topic_prefix=topics.prefix, model_repo=str(repo_file),
-                                          audit_fingerprint_model="", heartbeat_interval_ms=300))  # fmt: skip
+    await ensure_topics(
+        BOOTSTRAP, [*deployment_specs(topics, repo), topics.reply_spec("client"), topics.reply_spec("shadow")]
+    )
+    worker = WorkerService(
+        WorkerSettings(
+            kafka_bootstrap=BOOTSTRAP,
+            topic_prefix=topics.prefix,
+            model_repo=str(repo_file),
+            audit_fingerprint_model="",
+            heartbeat_interval_ms=300,
+        )
+    )
     task = asyncio.create_task(worker.serve())
     try:
-        beats = await read_until(BOOTSTRAP, [topics.workers],
-                                 lambda rs: any(decode(WorkerHeartbeat, r.value).is_ready for r in rs), 60)  # fmt: skip
+        beats = await read_until(
+            BOOTSTRAP, [topics.workers], lambda rs: any(decode(WorkerHeartbeat, r.value).is_ready for r in rs), 60
+        )
         assert any(decode(WorkerHeartbeat, r.value).is_ready for r in beats), "the worker never became ready"
         client = topics.replies("client")
 
-        def req(rid: str, **fields: object):  # noqa: ANN202
-            return make_request(model=sid, request_id=rid, prompt="one two three four", reply_to=client).model_copy(
-                update=fields)
+        def req(rid: str, **fields: object):
+            return make_request(
+                model=served_id, request_id=rid, prompt="one two three four", reply_to=client
+            ).model_copy(update=fields)
 
         live = req("live", assignment="canary", mirrors=["2"])
         plain = req("plain", assignment="default")
-        copy = req("live.mirror.2", assignment="mirror", shadow_of="live", priority="bulk", reply_to=topics.shadow_replies)
-        batch = Batch(batch_id="b1", model=sid, requests=[live, plain, copy], batcher_id="test")
-        await produce(BOOTSTRAP, topics.batches(sid), [("b1", encode(batch))])
+        copy = req(
+            "live.mirror.2", assignment="mirror", shadow_of="live", priority="bulk", reply_to=topics.shadow_replies
+        )
+        batch = Batch(batch_id="b1", model=served_id, requests=[live, plain, copy], batcher_id="test")
+        await produce(BOOTSTRAP, topics.batches(served_id), [("b1", encode(batch))])
 
         shadow = await read_until(BOOTSTRAP, [topics.shadow_live], lambda rs: len(rs) >= 1)
-        replies = await read_until(BOOTSTRAP, [client], lambda rs: sum(isinstance(decode_reply(r.value), ReplyEnd) for r in rs) >= 2)
+        replies = await read_until(
+            BOOTSTRAP, [client], lambda rs: sum(isinstance(decode_reply(r.value), ReplyEnd) for r in rs) >= 2
+        )
         audits = await read_until(BOOTSTRAP, [topics.audit], lambda rs: len(rs) >= 3)
-        copy_replies = await read_until(BOOTSTRAP, [topics.shadow_replies],
-                                        lambda rs: any(isinstance(decode_reply(r.value), ReplyEnd) for r in rs))  # fmt: skip
+        copy_replies = await read_until(
+            BOOTSTRAP, [topics.shadow_replies], lambda rs: any(isinstance(decode_reply(r.value), ReplyEnd) for r in rs)
+        )
 
         # Only the live request with mirrors has its answer published, matching what its client got.
         [published] = [decode(ShadowLive, r.value) for r in shadow]
         events = [decode_reply(r.value) for r in replies]
         deltas = [e for e in events if isinstance(e, ReplyDelta) and e.request_id == "live"]
-        assert published.request_id == "live" and published.model == sid and published.assignment == "canary"
+        assert published.request_id == "live" and published.model == served_id and published.assignment == "canary"
         assert published.text == "".join(d.text for d in deltas) and published.text
         assert published.token_ids == [t for d in deltas for t in d.token_ids] and published.token_ids
         [end] = [e for e in events if isinstance(e, ReplyEnd) and e.request_id == "live"]

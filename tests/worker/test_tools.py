@@ -11,15 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from .factories import make_request
-from .positions import contiguous
-from .test_chat_template import CHATML_TOKENS, SMOLLM2, tokenizer_dir
-
 from schemas.messages import ChatMessage, ReplyDelta, ReplyEnd, ToolDef
 from schemas.tools import call_id, tools_preamble
 from services.worker.engine import Engine, EngineConfig
 from services.worker.engine.tokenizer import ModelTokenizer
 from services.worker.kafka.events import reply_events
+
+from .factories import make_request
+from .positions import contiguous
+from .test_chat_template import CHATML_TOKENS, SMOLLM2, tokenizer_dir
 
 transformers = pytest.importorskip("transformers")
 
@@ -61,24 +61,43 @@ QWEN_TOOLS = """{%- if tools %}
 WEATHER = {
     "type": "function",
     "function": {
-        "name": "get_weather", "description": "Today's weather in a city.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]},
-                                                        "days": {"type": "integer", "minimum": 1, "maximum": 3}},
-                       "required": ["city", "days"], "additionalProperties": False},
+        "name": "get_weather",
+        "description": "Today's weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "enum": ["Paris", "Oslo"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 3},
+            },
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
     },
-}  # fmt: skip
+}
 NOW = {"type": "function", "function": {"name": "now"}}
 CHAT = [
     {"role": "system", "content": "You are terse."},
     {"role": "user", "content": "Weather in Paris and Oslo?"},
-    {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "call_a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'}},
-        {"id": "call_b", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 1}'}},
-    ]},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "id": "call_a",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'},
+            },
+            {
+                "id": "call_b",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 1}'},
+            },
+        ],
+    },
     {"role": "tool", "tool_call_id": "call_a", "name": "get_weather", "content": '{"temp": 21}'},
     {"role": "tool", "tool_call_id": "call_b", "content": "18C"},
     {"role": "user", "content": "Thanks. And the time?"},
-]  # fmt: skip
+]
 
 
 def wire(chat: list[dict]) -> list[ChatMessage]:
@@ -106,12 +125,18 @@ def test_a_template_without_tools_gets_them_as_hermes_text_turns(tmp_path):
     turns = [  # the rendering chat_template.py documents, written out
         {"role": "system", "content": tools_preamble(tools) + "\n\nYou are terse."},
         {"role": "user", "content": "Weather in Paris and Oslo?"},
-        {"role": "assistant", "content": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 1}}\n'
-                                         '</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", '
-                                         '"days": 1}}\n</tool_call>'},
-        {"role": "user", "content": '<tool_response>\n{"temp": 21}\n</tool_response>\n<tool_response>\n18C\n</tool_response>'},
+        {
+            "role": "assistant",
+            "content": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 1}}\n'
+            '</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", '
+            '"days": 1}}\n</tool_call>',
+        },
+        {
+            "role": "user",
+            "content": '<tool_response>\n{"temp": 21}\n</tool_response>\n<tool_response>\n18C\n</tool_response>',
+        },
         {"role": "user", "content": "Thanks. And the time?"},
-    ]  # fmt: skip
+    ]
     assert ModelTokenizer(path).render_chat(wire(CHAT), tools) == hf_render(path, turns, None)
     preamble = tools_preamble(tools)
     assert json.dumps(WEATHER) in preamble and '{"name": <function-name>, "arguments": <args-json-object>}' in preamble
@@ -169,9 +194,11 @@ def test_the_engine_streams_calls_out_of_the_text_and_ends_with_them(engine, mon
     assert "".join(d.text for d in deltas) == "Sure.  ok "  # the call is not text; the stop string still cuts
     pieces = [p for d in deltas for p in d.tool_calls or []]
     assert [(p.index, p.id, p.name, p.arguments) for p in pieces] == [
-        (0, call_id("tools-1", 0), "get_weather", '{"city":"Oslo","days":2}')]  # fmt: skip
+        (0, call_id("tools-1", 0), "get_weather", '{"city":"Oslo","days":2}')
+    ]
     assert [(c.id, c.function.name, c.function.arguments) for c in end.tool_calls] == [
-        (pieces[0].id, "get_weather", '{"city":"Oslo","days":2}')]  # fmt: skip
+        (pieces[0].id, "get_weather", '{"city":"Oslo","days":2}')
+    ]
     assert sum(len(e.token_ids) for e in deltas) == len(engine.tokenizer.encode(CALLING[: CALLING.index("STOP") + 4]))
     again = run_scripted(engine, monkeypatch, request, CALLING)  # a regenerated request: the same events
     times = {"created_ms": True, "received_ms": True, "first_token_ms": True, "usage": {"cached_prompt_tokens"}}
@@ -184,14 +211,18 @@ def test_tool_choice_none_renders_the_tools_but_parses_no_call(engine, monkeypat
     assert all(e.tool_calls is None for e in events)
     auto, none = tool_request(), tool_request(tool_choice="none")
     assert engine.tokenizer.render(auto) == engine.tokenizer.render(none)
-    assert engine.tokenizer.render(auto).startswith("system: " + tools_preamble(auto.tools))  # no template: a transcript
+    assert engine.tokenizer.render(auto).startswith(
+        "system: " + tools_preamble(auto.tools)
+    )  # no template: a transcript
 
 
 def test_a_named_tool_choice_gives_arguments_valid_for_its_schema(engine):
     """Needs the grammar (services/worker/engine/grammar.py) to constrain the output."""
     if importlib.util.find_spec("services.worker.engine.grammar") is None:
         pytest.skip("services/worker/engine/grammar.py (constrained decoding) is not in this tree")
-    request = tool_request(request_id="tools-named", tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    request = tool_request(
+        request_id="tools-named", tool_choice={"type": "function", "function": {"name": "get_weather"}}
+    )
     assert engine.add(request, 0) is None
     events = []
     while engine.has_work:

@@ -46,8 +46,15 @@ max_model_len = 4096
 def worker_settings(tmp_path: Path, **overrides) -> WorkerSettings:
     repo = tmp_path / "models.toml"
     repo.write_text(ECHO_REPO)
-    fields = dict(kafka_bootstrap=BOOTSTRAP, topic_prefix=f"t{uuid.uuid4().hex[:8]}", model_repo=str(repo),
-                  heartbeat_interval_ms=200, audit_fingerprint_model="", engine_isolation="thread", drain_quiet_ms=500)  # fmt: skip
+    fields = dict(
+        kafka_bootstrap=BOOTSTRAP,
+        topic_prefix=f"t{uuid.uuid4().hex[:8]}",
+        model_repo=str(repo),
+        heartbeat_interval_ms=200,
+        audit_fingerprint_model="",
+        engine_isolation="thread",
+        drain_quiet_ms=500,
+    )
     fields.update(overrides)
     return WorkerSettings(**fields)
 
@@ -64,8 +71,8 @@ async def wait_beat(topics: Topics, is_it: Callable[[WorkerHeartbeat], bool], ti
     return found[0]
 
 
-def state_of(hb: WorkerHeartbeat, sid: str) -> str | None:
-    status = hb.versions.get(sid)
+def state_of(hb: WorkerHeartbeat, served_id: str) -> str | None:
+    status = hb.versions.get(served_id)
     return status.state if status is not None else None
 
 
@@ -88,8 +95,11 @@ async def serve_text(topics: Topics, batch_id: str, replies: str) -> str:
     records = await read_until(BOOTSTRAP, [replies], lambda rs: request.request_id in ends_of(rs), 60)
     end = ends_of(records)[request.request_id]
     assert end.model_version == "tiny@1" and end.error is None and end.usage.completion_tokens > 0
-    return "".join(e.text for e in (decode_reply(r.value) for r in records)
-                   if isinstance(e, ReplyDelta) and e.request_id == request.request_id)  # fmt: skip
+    return "".join(
+        e.text
+        for e in (decode_reply(r.value) for r in records)
+        if isinstance(e, ReplyDelta) and e.request_id == request.request_id
+    )
 
 
 async def start(settings: WorkerSettings) -> tuple[WorkerService, asyncio.Task]:
@@ -112,26 +122,39 @@ async def test_a_pushed_version_is_served_and_the_old_one_drains_without_cutting
         beat = await wait_beat(topics, lambda hb: state_of(hb, "echo@2") == "ready")
         assert sorted(beat.models) == ["echo@1", "echo@2"] and "echo@2" in beat.partitions
         quick = make_request("one two", model="echo@2", reply_to=replies, max_tokens=8)
-        await produce(BOOTSTRAP, topics.batches("echo@2"),
-                      [("b2", encode(Batch(batch_id="b2", model="echo@2", requests=[quick], batcher_id="test")))])  # fmt: skip
+        await produce(
+            BOOTSTRAP,
+            topics.batches("echo@2"),
+            [("b2", encode(Batch(batch_id="b2", model="echo@2", requests=[quick], batcher_id="test")))],
+        )
         records = await read_until(BOOTSTRAP, [replies], lambda rs: quick.request_id in ends_of(rs))
         assert ends_of(records)[quick.request_id].model_version == "echo@2"
 
         # A long request runs on echo@1 when echo@2 is promoted (echo@1 asked to unload): it finishes.
         slow = make_request("word " * 150, model="echo", reply_to=replies, max_tokens=400)  # ~3 s at 20 ms a step
-        await produce(BOOTSTRAP, topics.batches("echo@1"),
-                      [("b1", encode(Batch(batch_id="b1", model="echo@1", requests=[slow], batcher_id="test")))])  # fmt: skip
-        await read_until(BOOTSTRAP, [replies], lambda rs: any(decode_reply(r.value).request_id == slow.request_id for r in rs))
+        await produce(
+            BOOTSTRAP,
+            topics.batches("echo@1"),
+            [("b1", encode(Batch(batch_id="b1", model="echo@1", requests=[slow], batcher_id="test")))],
+        )
+        await read_until(
+            BOOTSTRAP, [replies], lambda rs: any(decode_reply(r.value).request_id == slow.request_id for r in rs)
+        )
         await publish(settings, promote(await read_registry(settings), "echo@2", by="test"))
         draining = await wait_beat(topics, lambda hb: state_of(hb, "echo@1") == "draining", 30)
         assert "echo@1" in draining.partitions and "echo@1" not in draining.models
 
         records = await read_until(BOOTSTRAP, [replies], lambda rs: slow.request_id in ends_of(rs), 60)
-        end = next(r for r in records if isinstance(e := decode_reply(r.value), ReplyEnd) and e.request_id == slow.request_id)
+        end = next(
+            r for r in records if isinstance(e := decode_reply(r.value), ReplyEnd) and e.request_id == slow.request_id
+        )
         finished = decode_reply(end.value)
         assert finished.error is None and finished.finish_reason == "stop" and finished.model_version == "echo@1"
-        text = "".join(e.text for e in (decode_reply(r.value) for r in records)
-                       if isinstance(e, ReplyDelta) and e.request_id == slow.request_id)  # fmt: skip
+        text = "".join(
+            e.text
+            for e in (decode_reply(r.value) for r in records)
+            if isinstance(e, ReplyDelta) and e.request_id == slow.request_id
+        )
         assert text.split() == ["word"] * 150  # not cut
 
         gone = await wait_beat(topics, lambda hb: "echo@1" not in hb.versions and state_of(hb, "echo@2") == "ready", 30)
@@ -139,7 +162,11 @@ async def test_a_pushed_version_is_served_and_the_old_one_drains_without_cutting
         lag = await wait_committed(BOOTSTRAP, topics.worker_group("echo@1"), topics.batches("echo@1"))
         assert all(c == e for c, e in lag.values()), lag
         events = await health_events(topics, lambda es: any(e.event == "unloaded" for e in es))
-        assert [(e.model, e.event) for e in events] == [("echo@1", "loaded"), ("echo@2", "loaded"), ("echo@1", "unloaded")]
+        assert [(e.model, e.event) for e in events] == [
+            ("echo@1", "loaded"),
+            ("echo@2", "loaded"),
+            ("echo@1", "unloaded"),
+        ]
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -161,11 +188,20 @@ async def test_a_changed_file_fails_its_version_and_one_too_big_is_refused_while
     try:
         await wait_beat(topics, lambda hb: state_of(hb, "echo@1") == "ready")
         state = await read_registry(settings)
-        await publish(settings, [*register(state, ModelVersionRecord(manifest=manifest)),
-                                 ModelVersionRecord(manifest=pack(big), budget_bytes=5_000_000)])  # fmt: skip
-        beat = await wait_beat(topics, lambda hb: state_of(hb, "tiny@2") == "failed" and state_of(hb, "echo@3") == "refused")
+        await publish(
+            settings,
+            [
+                *register(state, ModelVersionRecord(manifest=manifest)),
+                ModelVersionRecord(manifest=pack(big), budget_bytes=5_000_000),
+            ],
+        )
+        beat = await wait_beat(
+            topics, lambda hb: state_of(hb, "tiny@2") == "failed" and state_of(hb, "echo@3") == "refused"
+        )
         failed, refused = beat.versions["tiny@2"], beat.versions["echo@3"]
-        assert "model.safetensors" in (failed.reason or "") and "changed since the version was packed" in (failed.reason or "")
+        assert "model.safetensors" in (failed.reason or "") and "changed since the version was packed" in (
+            failed.reason or ""
+        )
         assert refused.reason == "needs 5000000 bytes, 1000000 of 1000000 free on this worker"
         assert beat.models == ["echo@1"] and set(beat.partitions) == {"echo@1"} and beat.is_ready
 
@@ -173,15 +209,22 @@ async def test_a_changed_file_fails_its_version_and_one_too_big_is_refused_while
         await ensure_topics(BOOTSTRAP, topics.model_specs("tiny@2"))
         never = make_request("def ", model="tiny@2", reply_to=replies, max_tokens=4)
         served = make_request("still here", model="echo@1", reply_to=replies, max_tokens=8)
-        await produce(BOOTSTRAP, topics.batches("tiny@2"),
-                      [("t", encode(Batch(batch_id="t", model="tiny@2", requests=[never], batcher_id="test")))])  # fmt: skip
-        await produce(BOOTSTRAP, topics.batches("echo@1"),
-                      [("e", encode(Batch(batch_id="e", model="echo@1", requests=[served], batcher_id="test")))])  # fmt: skip
+        await produce(
+            BOOTSTRAP,
+            topics.batches("tiny@2"),
+            [("t", encode(Batch(batch_id="t", model="tiny@2", requests=[never], batcher_id="test")))],
+        )
+        await produce(
+            BOOTSTRAP,
+            topics.batches("echo@1"),
+            [("e", encode(Batch(batch_id="e", model="echo@1", requests=[served], batcher_id="test")))],
+        )
         await read_until(BOOTSTRAP, [replies], lambda rs: served.request_id in ends_of(rs))
         # the worker polls every batch topic it serves in one loop: the request it does serve has
         # been answered, so one for tiny@2, if it were read, would be answered within this bound too
-        assert never.request_id not in ends_of(await read_until(BOOTSTRAP, [replies], lambda rs: never.request_id
-                                                                in ends_of(rs), timeout_s=NEVER_SERVED_S))  # fmt: skip
+        assert never.request_id not in ends_of(
+            await read_until(BOOTSTRAP, [replies], lambda rs: never.request_id in ends_of(rs), timeout_s=NEVER_SERVED_S)
+        )
         events = await health_events(topics, lambda es: {"load_failed", "refused"} <= {e.event for e in es})
         assert {(e.model, e.event) for e in events} >= {("tiny@2", "load_failed"), ("echo@3", "refused")}
     finally:
@@ -226,7 +269,9 @@ async def test_corrupted_weights_fail_the_periodic_goldens_and_the_version_is_re
         await asyncio.gather(task, return_exceptions=True)
 
 
-async def test_a_version_seeded_from_models_toml_records_its_goldens_here_and_is_reloaded_when_corrupted(tmp_path, llama_dir):
+async def test_a_version_seeded_from_models_toml_records_its_goldens_here_and_is_reloaded_when_corrupted(
+    tmp_path, llama_dir
+):
     settings = worker_settings(tmp_path, models="tiny", fault_hooks=True, golden_interval_s=1.0)
     Path(settings.model_repo).write_text(f"""
 [models.tiny]
@@ -243,10 +288,11 @@ warmup = ["def add(a, b):"]
         assert ready.versions["tiny@1"].golden_checked_ms is not None
         assert (await read_registry(settings)).versions["tiny@1"].goldens == []  # seeded without: kept on the worker
         local = service.versions.versions["tiny@1"].goldens
-        expected = await asyncio.to_thread(record_goldens, service.seeds[0], None, 8,
-                                           WorkerSettings(device="cpu"))  # fmt: skip
+        expected = await asyncio.to_thread(record_goldens, service.seeds[0], None, 8, WorkerSettings(device="cpu"))
         assert local == expected and local[0].expected_token_ids  # what a push would have recorded
-        assert value((await http.get("/metrics")).text, "weir_worker_version_goldens", model="tiny@1", source="local") == 2
+        assert (
+            value((await http.get("/metrics")).text, "weir_worker_version_goldens", model="tiny@1", source="local") == 2
+        )
         before = await serve_text(topics, "before", replies)
 
         assert (await http.post("/faults/corrupt-weights", params={"model": "tiny@1"})).status_code == 200
@@ -289,20 +335,32 @@ async def test_a_fresh_default_failing_its_goldens_is_rolled_back(tmp_path, llam
 
         assert (await http.post("/faults/corrupt-weights", params={"model": "tiny@2"})).status_code == 200
         # No gap: tiny@1 wanted loaded and ready here while tiny@2, still the default, is out of routing.
-        warm = await wait_beat(topics, lambda hb: state_of(hb, "tiny@1") == "ready" and state_of(hb, "tiny@2") == "unhealthy", 60)
+        warm = await wait_beat(
+            topics, lambda hb: state_of(hb, "tiny@1") == "ready" and state_of(hb, "tiny@2") == "unhealthy", 60
+        )
         assert warm.models == ["tiny@1"]
         back = await wait_beat(topics, lambda hb: state_of(hb, "tiny@1") == "ready" and "tiny@2" not in hb.versions, 60)
         assert back.models == ["tiny@1"]
         state = await read_registry(settings)
         route = state.routes["tiny"]
-        assert (route.default_version, route.previous_version) == ("1", "2") and route.reason.startswith("rollback of tiny@2")
+        assert (route.default_version, route.previous_version) == ("1", "2") and route.reason.startswith(
+            "rollback of tiny@2"
+        )
         assert state.versions["tiny@2"].desired == "unloaded" and state.versions["tiny@1"].desired == "loaded"
 
         # The order on the registry topic (one partition): tiny@1 loaded, then (once it was ready) the route.
-        records = [(r, decode_registry_record(r.value)) for r in
-                   await read_until(BOOTSTRAP, [topics.models], lambda rs: False, timeout_s=3)]  # fmt: skip
-        reloaded = [r for r, rec in records if isinstance(rec, ModelVersionRecord) and rec.served_id == "tiny@1"
-                    and rec.desired == "loaded" and rec.registered_by.startswith("worker ")]  # fmt: skip
+        records = [
+            (r, decode_registry_record(r.value))
+            for r in await read_until(BOOTSTRAP, [topics.models], lambda rs: False, timeout_s=3)
+        ]
+        reloaded = [
+            r
+            for r, rec in records
+            if isinstance(rec, ModelVersionRecord)
+            and rec.served_id == "tiny@1"
+            and rec.desired == "loaded"
+            and rec.registered_by.startswith("worker ")
+        ]
         switched = [r for r, rec in records if isinstance(rec, ModelRoute) and rec.reason.startswith("rollback of")]
         assert len(reloaded) == len(switched) == 1 and reloaded[0].offset < switched[0].offset
         assert switched[0].timestamp >= warm.sent_ms  # switched only after tiny@1 was ready here
@@ -330,17 +388,31 @@ async def test_with_signatures_required_only_versions_signed_by_a_trusted_key_lo
         assert beat.versions["echo@1"].reason == "signature: unsigned manifest, signatures are required"
         assert beat.is_ready and beat.models == []
         is_ready, body = service.readiness()  # ready: a failed version does not hold readiness back
-        assert is_ready and body["versions"] == {"echo@1": "failed: signature: unsigned manifest, signatures are required"}
+        assert is_ready and body["versions"] == {
+            "echo@1": "failed: signature: unsigned manifest, signatures are required"
+        }
         two, three = pack(signed), pack(forged)
-        await publish(settings, [ModelVersionRecord(manifest=two, signature=sign(two, tmp_path / "ops.key")),
-                                 ModelVersionRecord(manifest=three, signature=sign(three, tmp_path / "stranger.key"))])  # fmt: skip
-        beat = await wait_beat(topics, lambda hb: state_of(hb, "echo@2") == "ready" and state_of(hb, "echo@3") == "failed")
+        await publish(
+            settings,
+            [
+                ModelVersionRecord(manifest=two, signature=sign(two, tmp_path / "ops.key")),
+                ModelVersionRecord(manifest=three, signature=sign(three, tmp_path / "stranger.key")),
+            ],
+        )
+        beat = await wait_beat(
+            topics, lambda hb: state_of(hb, "echo@2") == "ready" and state_of(hb, "echo@3") == "failed"
+        )
         assert (beat.versions["echo@3"].reason or "").startswith("signature: signed by unknown key ")
         assert beat.models == ["echo@2"]
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=service.http_app()), base_url="http://w") as http:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=service.http_app()), base_url="http://w"
+        ) as http:
             echo = await http.post("/faults/corrupt-weights", params={"model": "echo@2"})
             nameless = await http.post("/faults/corrupt-weights")
-        assert echo.status_code == 400 and echo.json()["error"]["message"] == "echo@2: the echo engine has no weights to corrupt"
+        assert (
+            echo.status_code == 400
+            and echo.json()["error"]["message"] == "echo@2: the echo engine has no weights to corrupt"
+        )
         assert nameless.status_code == 400 and nameless.json()["error"]["code"] == "missing_model"
     finally:
         task.cancel()
@@ -375,7 +447,9 @@ async def test_a_refused_version_loads_once_an_unloaded_one_frees_its_memory(tmp
         beat = await wait_beat(topics, lambda hb: state_of(hb, "echo@4") == "refused")
         device = service.versions.device_bytes
         assert device > 1_000_000_000
-        assert beat.versions["echo@4"].reason == f"needs {int(0.5 * device)} bytes, 400000 of 1000000 free on this worker"
+        assert (
+            beat.versions["echo@4"].reason == f"needs {int(0.5 * device)} bytes, 400000 of 1000000 free on this worker"
+        )
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -386,9 +460,14 @@ async def test_a_models_toml_entry_the_registry_unloaded_is_neither_loaded_nor_s
     topics = settings.topics
     one, two = (ModelConfig(name="echo", version=v, engine="echo", max_model_len=4096) for v in ("1", "2"))
     await ensure_topics(BOOTSTRAP, topics.core_specs())
-    await publish(settings, [ModelVersionRecord(manifest=pack(one), desired="unloaded", registered_by="ops"),
-                             ModelVersionRecord(manifest=pack(two), registered_by="ops"),
-                             ModelRoute(name="echo", default_version="2")])  # fmt: skip
+    await publish(
+        settings,
+        [
+            ModelVersionRecord(manifest=pack(one), desired="unloaded", registered_by="ops"),
+            ModelVersionRecord(manifest=pack(two), registered_by="ops"),
+            ModelRoute(name="echo", default_version="2"),
+        ],
+    )
     _service, task = await start(settings)
     try:
         beat = await wait_beat(topics, lambda hb: hb.is_ready)

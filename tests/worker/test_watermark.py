@@ -23,15 +23,32 @@ from services.worker.engine.watermark import Watermarker
 
 MODEL = Path(__file__).resolve().parents[2] / "models" / "weir-tiny-py"
 CONFIG = WatermarkConfig(gamma=0.25, delta=2.0, key=b"acme-watermark-key")
-PROMPTS = ["def main():", "import os\n", "class Stack:\n", "# parse the arguments\n",
-           "def add(a, b):\n", "for i in range(10):\n", "with open(path) as f:\n", "try:\n"]
+PROMPTS = [
+    "def main():",
+    "import os\n",
+    "class Stack:\n",
+    "# parse the arguments\n",
+    "def add(a, b):\n",
+    "for i in range(10):\n",
+    "with open(path) as f:\n",
+    "try:\n",
+]
 
 
 def generate(engine: Engine, tenant: str, **overrides) -> dict[str, list[int]]:
     """Output token ids per request id, for every prompt, 200 tokens each."""
     for i, prompt in enumerate(PROMPTS):
-        fields = dict(request_id=f"{tenant}-{i}", model="weir-tiny-py", prompt=prompt, max_tokens=200, ignore_eos=True,
-                      temperature=1.0, tenant=tenant, deadline_ms=now_ms() + 600_000, reply_to="-")
+        fields = dict(
+            request_id=f"{tenant}-{i}",
+            model="weir-tiny-py",
+            prompt=prompt,
+            max_tokens=200,
+            ignore_eos=True,
+            temperature=1.0,
+            tenant=tenant,
+            deadline_ms=now_ms() + 600_000,
+            reply_to="-",
+        )
         fields.update(overrides)
         assert engine.add(GenerateRequest(**fields), now_ms()) is None
     outs = {}

@@ -48,7 +48,9 @@ def open_session(onnx_path: Path, use_cuda: bool, num_threads: int = 0) -> ort.I
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if use_cuda and "CUDAExecutionProvider" in ort.get_available_providers():
         try:
-            session = ort.InferenceSession(str(onnx_path), options, providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
+            session = ort.InferenceSession(
+                str(onnx_path), options, providers=["CUDAExecutionProvider", "CPUExecutionProvider"]
+            )
             if session.get_providers()[0] == "CUDAExecutionProvider":
                 return session
             log.warning("onnxruntime did not take the CUDA provider; embedding on the CPU")
@@ -102,7 +104,12 @@ class SentenceEmbedder:
     thread at a time (the worker's engine thread, the fingerprint thread, the auditor's lock)."""
 
     def __init__(
-        self, model_dir: str | Path, *, use_cuda: bool = False, num_threads: int = 0, max_fragment_tokens: int | None = None,
+        self,
+        model_dir: str | Path,
+        *,
+        use_cuda: bool = False,
+        num_threads: int = 0,
+        max_fragment_tokens: int | None = None,
         onnx_file: str = "model.onnx",
     ) -> None:
         model_dir = self.model_dir = Path(model_dir)
@@ -120,7 +127,9 @@ class SentenceEmbedder:
         self.session = open_session(model_dir / onnx_file, use_cuda, num_threads)
         self.provider = self.session.get_providers()[0]
         self.default_max_batch_tokens = DEFAULT_MAX_BATCH_TOKENS.get(self.provider, 4096)
-        self.weights_sha256 = _onnx_sha256(model_dir) if onnx_file == "model.onnx" else file_sha256(model_dir / onnx_file)
+        self.weights_sha256 = (
+            _onnx_sha256(model_dir) if onnx_file == "model.onnx" else file_sha256(model_dir / onnx_file)
+        )
         self.num_session_calls = 0
         self.num_fragments_run = 0
 

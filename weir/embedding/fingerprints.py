@@ -61,8 +61,11 @@ class TextFingerprinter:
     def _simhash_group(self, texts: list[str]) -> list[str]:
         result: list[str] = []
         for start in range(0, len(texts), MAX_EMBED_INPUTS):  # the chunks /v1/embeddings would take
-            vectors = self.embedder.embed(texts[start : start + MAX_EMBED_INPUTS], max_tokens=self.max_model_len,
-                                          max_batch_fragments=self.max_batch_fragments)  # fmt: skip
+            vectors = self.embedder.embed(
+                texts[start : start + MAX_EMBED_INPUTS],
+                max_tokens=self.max_model_len,
+                max_batch_fragments=self.max_batch_fragments,
+            )
             result += simhashes(as_json_floats(vectors))  # the vectors as /v1/embeddings returns them
         return result
 
@@ -81,8 +84,9 @@ def _length_groups(texts: list[str]) -> list[list[int]]:
 PRECISIONS = ("int8", "float32")
 
 
-def build_fingerprinter(model_name: str, repo: ModelRepository, num_threads: int = 1, precision: str = "int8",
-                        use_cuda: bool = False) -> TextFingerprinter | None:  # fmt: skip
+def build_fingerprinter(
+    model_name: str, repo: ModelRepository, num_threads: int = 1, precision: str = "int8", use_cuda: bool = False
+) -> TextFingerprinter | None:
     """The fingerprinter over the repository's `model_name` (an onnx embedding model), exported on
     first use; or None (with one log line saying why) when it is switched off or cannot load.
     Called once at start by the worker, and on the first lookup by the auditor.

@@ -101,7 +101,9 @@ def export_onnx(src: Path, out: Path, *, source: str | None = None, opset: int =
     with exclusive(out):  # one export per target at a time (weir/built_dirs.py)
         if not force and _is_current(out, digest):
             return out
-        build_into(out, lambda tmp: _export_into(src, tmp, source, digest, opset), lambda done: _is_current(done, digest))
+        build_into(
+            out, lambda tmp: _export_into(src, tmp, source, digest, opset), lambda done: _is_current(done, digest)
+        )
     return out
 
 
@@ -116,11 +118,15 @@ def _export_into(src: Path, tmp: Path, source: str | None, digest: str, opset: i
     for name in _COPIED:
         shutil.copyfile(src / name, tmp / name)
     record = {
-        "source": source or str(src), "source_sha256": digest, "onnx_sha256": file_sha256(tmp / "model.onnx"),
-        "opset": opset, "torch": torch.__version__, "pooling": "mean", "normalised": False,
-    }  # fmt: skip
+        "source": source or str(src),
+        "source_sha256": digest,
+        "onnx_sha256": file_sha256(tmp / "model.onnx"),
+        "opset": opset,
+        "torch": torch.__version__,
+        "pooling": "mean",
+        "normalised": False,
+    }
     (tmp / MANIFEST).write_text(json.dumps(record, indent=2) + "\n")
-
 
 
 def _export_graph(src: Path, onnx_path: Path, opset: int) -> None:
@@ -136,10 +142,15 @@ def _export_graph(src: Path, onnx_path: Path, opset: int) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # tracer and deprecation chatter of the TorchScript exporter
         torch.onnx.export(
-            model, (ids, mask), str(onnx_path), input_names=["input_ids", "attention_mask"],
-            output_names=["sentence_embedding"], opset_version=opset, dynamo=False,
+            model,
+            (ids, mask),
+            str(onnx_path),
+            input_names=["input_ids", "attention_mask"],
+            output_names=["sentence_embedding"],
+            opset_version=opset,
+            dynamo=False,
             dynamic_axes={"input_ids": axes, "attention_mask": axes, "sentence_embedding": {0: "batch"}},
-        )  # fmt: skip
+        )
     _check_export(model, onnx_path)
 
 
@@ -168,7 +179,9 @@ def needs_export(config: ModelConfig) -> bool:
     """True when ensure_export(config) would export (no current export of its source yet)."""
     if config.source is None:
         return False
-    return not _is_current(config.path or default_export_dir(config.name), source_sha256(package_model_dir(config.source)))
+    return not _is_current(
+        config.path or default_export_dir(config.name), source_sha256(package_model_dir(config.source))
+    )
 
 
 def ensure_export(config: ModelConfig) -> Path:
@@ -203,8 +216,11 @@ def _int8_is_current(export_dir: Path) -> bool:
         record = json.loads((export_dir / INT8_MANIFEST).read_text())
     except (OSError, ValueError):
         return False
-    return (export_dir / INT8_FILE).is_file() and record.get("from_onnx_sha256") == file_sha256(export_dir / "model.onnx") \
+    return (
+        (export_dir / INT8_FILE).is_file()
+        and record.get("from_onnx_sha256") == file_sha256(export_dir / "model.onnx")
         and record.get("options") == INT8_OPTIONS
+    )
 
 
 def ensure_int8(export_dir: Path) -> Path:
@@ -221,11 +237,19 @@ def ensure_int8(export_dir: Path) -> Path:
         tmp = export_dir / f".{INT8_FILE}.{os.getpid()}.tmp"
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            quantize_dynamic(str(export_dir / "model.onnx"), str(tmp), weight_type=QuantType.QInt8,
-                             per_channel=INT8_OPTIONS["per_channel"], reduce_range=INT8_OPTIONS["reduce_range"])  # fmt: skip
+            quantize_dynamic(
+                str(export_dir / "model.onnx"),
+                str(tmp),
+                weight_type=QuantType.QInt8,
+                per_channel=INT8_OPTIONS["per_channel"],
+                reduce_range=INT8_OPTIONS["reduce_range"],
+            )
         os.replace(tmp, out)
-        record = {"from_onnx_sha256": file_sha256(export_dir / "model.onnx"), "int8_sha256": file_sha256(out),
-                  "options": INT8_OPTIONS}  # fmt: skip
+        record = {
+            "from_onnx_sha256": file_sha256(export_dir / "model.onnx"),
+            "int8_sha256": file_sha256(out),
+            "options": INT8_OPTIONS,
+        }
         (export_dir / f".{INT8_MANIFEST}.tmp").write_text(json.dumps(record, indent=2) + "\n")
         os.replace(export_dir / f".{INT8_MANIFEST}.tmp", export_dir / INT8_MANIFEST)
     return out

@@ -98,13 +98,17 @@ async def cluster_replication(admin: AIOKafkaAdminClient, bootstrap: str, wait_s
         if listed >= wanted:
             return wanted
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{bootstrap} names {named} brokers, and topics get {wanted} replicas, but only "
-                               f"{listed} registered within {wait_s:.0f} s; start the others (weir kafka up --brokers)")
+            raise TimeoutError(
+                f"{bootstrap} names {named} brokers, and topics get {wanted} replicas, but only "
+                f"{listed} registered within {wait_s:.0f} s; start the others (weir kafka up --brokers)"
+            )
         await asyncio.sleep(0.5)
 
 
 async def ensure_topics(
-    bootstrap: str, specs: list[TopicSpec], replication_factor: int | None = None,
+    bootstrap: str,
+    specs: list[TopicSpec],
+    replication_factor: int | None = None,
     options: dict[str, Any] | None = None,
 ) -> list[str]:
     """Create the topics of `specs` that do not exist yet; returns the names it created.
@@ -123,8 +127,10 @@ async def ensure_topics(
             return []
         if replication_factor is None:
             replication_factor = await cluster_replication(admin, bootstrap)
-        new_topics = [NewTopic(s.name, s.num_partitions, replication_factor,
-                               topic_configs=s.configs_for(replication_factor)) for s in missing]
+        new_topics = [
+            NewTopic(s.name, s.num_partitions, replication_factor, topic_configs=s.configs_for(replication_factor))
+            for s in missing
+        ]
         response = await admin.create_topics(new_topics, timeout_ms=30_000)
         created = []
         for topic, code, *rest in response.topic_errors:
@@ -158,8 +164,10 @@ async def wait_topics_visible(admin: AIOKafkaAdminClient, partitions: dict[str, 
         for broker in cluster.get("brokers", []):
             node = broker["node_id"]
             try:
-                response = await admin._send_request_to_node(node, MetadataRequest(list(partitions), allow_auto_topic_creation=False))  # noqa: SLF001
-            except (KafkaError, OSError, asyncio.TimeoutError) as exc:
+                response = await admin._send_request_to_node(
+                    node, MetadataRequest(list(partitions), allow_auto_topic_creation=False)
+                )
+            except (TimeoutError, KafkaError, OSError) as exc:
                 lacking.append(f"node {node} ({exc!r})")
                 continue
             for topic in response.to_object()["topics"]:
@@ -169,8 +177,10 @@ async def wait_topics_visible(admin: AIOKafkaAdminClient, partitions: dict[str, 
         if not lacking:
             return
         if time.monotonic() > deadline:
-            raise TimeoutError(f"topics made but not visible with a leader for every partition within "
-                               f"{timeout_s:.0f} s: {', '.join(lacking[:10])}")
+            raise TimeoutError(
+                f"topics made but not visible with a leader for every partition within "
+                f"{timeout_s:.0f} s: {', '.join(lacking[:10])}"
+            )
         await asyncio.sleep(0.1)
 
 
@@ -229,7 +239,7 @@ async def create_acls(bootstrap: str, grants: list[Grant], options: dict[str, An
     await admin.start()
     try:
         for creation in creations:
-            response = await admin._send_request(CreateAclsRequest(*creation))  # noqa: SLF001 - aiokafka has no create_acls
+            response = await admin._send_request(CreateAclsRequest(*creation))  # aiokafka has no create_acls
             for code, message in response.creation_responses:
                 if code != 0:
                     raise for_code(code)(f"creating the ACL {creation} failed: {message}")
@@ -243,10 +253,17 @@ class _AlterUserScramCredentialsResponse_v0(Response):
     API_VERSION = 0
     SCHEMA = Schema(
         ("throttle_time_ms", Int32),
-        ("results", CompactArray(("user", CompactString("utf-8")), ("error_code", Int16),
-                                 ("error_message", CompactString("utf-8")), ("tags", TaggedFields))),
+        (
+            "results",
+            CompactArray(
+                ("user", CompactString("utf-8")),
+                ("error_code", Int16),
+                ("error_message", CompactString("utf-8")),
+                ("tags", TaggedFields),
+            ),
+        ),
         ("tags", TaggedFields),
-    )  # fmt: skip
+    )
 
 
 class _AlterUserScramCredentialsRequest_v0(RequestStruct):
@@ -256,10 +273,19 @@ class _AlterUserScramCredentialsRequest_v0(RequestStruct):
     RESPONSE_TYPE = _AlterUserScramCredentialsResponse_v0
     SCHEMA = Schema(
         ("deletions", CompactArray(("name", CompactString("utf-8")), ("mechanism", Int8), ("tags", TaggedFields))),
-        ("upsertions", CompactArray(("name", CompactString("utf-8")), ("mechanism", Int8), ("iterations", Int32),
-                                    ("salt", CompactBytes), ("salted_password", CompactBytes), ("tags", TaggedFields))),
+        (
+            "upsertions",
+            CompactArray(
+                ("name", CompactString("utf-8")),
+                ("mechanism", Int8),
+                ("iterations", Int32),
+                ("salt", CompactBytes),
+                ("salted_password", CompactBytes),
+                ("tags", TaggedFields),
+            ),
+        ),
         ("tags", TaggedFields),
-    )  # fmt: skip
+    )
 
 
 class AlterUserScramCredentialsRequest(Request[_AlterUserScramCredentialsRequest_v0]):
@@ -270,9 +296,18 @@ class AlterUserScramCredentialsRequest(Request[_AlterUserScramCredentialsRequest
 
     def __init__(self, user: str, password: str, iterations: int) -> None:
         salt = new_salt()
-        self._upsertion: tuple[Any, ...] = (user, SCRAM_SHA_512, iterations, salt, salted_password(password, salt, iterations), {})
+        self._upsertion: tuple[Any, ...] = (
+            user,
+            SCRAM_SHA_512,
+            iterations,
+            salt,
+            salted_password(password, salt, iterations),
+            {},
+        )
 
-    def build(self, request_struct_class: type[_AlterUserScramCredentialsRequest_v0]) -> _AlterUserScramCredentialsRequest_v0:
+    def build(
+        self, request_struct_class: type[_AlterUserScramCredentialsRequest_v0]
+    ) -> _AlterUserScramCredentialsRequest_v0:
         return request_struct_class([], [self._upsertion], {})
 
 
@@ -283,7 +318,7 @@ async def upsert_scram_user(
     admin = _admin(bootstrap, options)
     await admin.start()
     try:
-        response = await admin._send_to_controller(AlterUserScramCredentialsRequest(user, password, iterations))  # noqa: SLF001
+        response = await admin._send_to_controller(AlterUserScramCredentialsRequest(user, password, iterations))
         for name, code, message, _tags in response.results:
             if code != 0:
                 raise for_code(code)(f"setting the SCRAM credential of {name!r} failed: {message}")

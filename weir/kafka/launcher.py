@@ -44,8 +44,7 @@ from aiokafka.errors import KafkaError
 
 from schemas.topics import replication_for
 from weir.home import weir_home
-from weir.kafka import class_cache
-from weir.kafka import security
+from weir.kafka import class_cache, security
 from weir.kafka.admin import broker_ids, wait_for_broker
 
 KAFKA_VERSION = "4.4.0"  # keep in step with pom.xml and docker-compose.yml
@@ -63,8 +62,13 @@ CLUSTER_SIZES = (1, 3, 5)
 # 2-core box: from launch to its port open 8.9 CPU s and 8.6-11.1 s without, 4.6-4.9 CPU s and
 # 5.2-5.4 s with; and a hop a minute after start (`weir bench hop`, same box and load) was 5.1-5.9
 # ms p50 without (C2 still compiling), 4.2 ms with. docs/kafka.md, "Start-up".
-JVM_OPTS = ("-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20", "-XX:+ExplicitGCInvokesConcurrent",
-            "-XX:TieredStopAtLevel=1", "-Djava.awt.headless=true")
+JVM_OPTS = (
+    "-XX:+UseG1GC",
+    "-XX:MaxGCPauseMillis=20",
+    "-XX:+ExplicitGCInvokesConcurrent",
+    "-XX:TieredStopAtLevel=1",
+    "-Djava.awt.headless=true",
+)
 MAVEN_COPY = "org.apache.maven.plugins:maven-dependency-plugin:3.8.1:copy-dependencies"
 
 
@@ -239,17 +243,15 @@ def _secure_properties(cfg: BrokerConfig, passwords: dict[str, str]) -> dict[str
         "listener.security.protocol.map": "CONTROLLER:SASL_PLAINTEXT,SASL_PLAINTEXT:SASL_PLAINTEXT",
         "sasl.enabled.mechanisms": security.MECHANISM,
         "sasl.mechanism.inter.broker.protocol": security.MECHANISM,
-        "listener.name.sasl_plaintext.scram-sha-512.sasl.jaas.config":
-            f'{scram} required username="{security.ADMIN}" password="{admin}";',
+        "listener.name.sasl_plaintext.scram-sha-512.sasl.jaas.config": f'{scram} required username="{security.ADMIN}" password="{admin}";',
         "sasl.mechanism.controller.protocol": "PLAIN",
         "listener.name.controller.sasl.enabled.mechanisms": "PLAIN",
-        "listener.name.controller.plain.sasl.jaas.config":
-            f'{plain} required username="{security.CONTROLLER}" password="{controller}" '
-            f'user_{security.CONTROLLER}="{controller}";',
+        "listener.name.controller.plain.sasl.jaas.config": f'{plain} required username="{security.CONTROLLER}" password="{controller}" '
+        f'user_{security.CONTROLLER}="{controller}";',
         "authorizer.class.name": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
         "allow.everyone.if.no.acl.found": "false",
         "super.users": f"User:{security.ADMIN};User:{security.CONTROLLER}",
-    }  # fmt: skip
+    }
 
 
 @contextlib.contextmanager
@@ -287,8 +289,10 @@ def jar_pins(version: str = KAFKA_VERSION) -> dict[str, tuple[str, str]]:
             sha256, name, coordinates = line.split()
             pins[name] = (sha256, coordinates)
     if pinned_version != version:
-        raise BrokerError(f"{JAR_PINS} pins the jars of Kafka {pinned_version}, not {version}: "
-                          "pin that version's with scripts/pin_kafka_jars.py first")
+        raise BrokerError(
+            f"{JAR_PINS} pins the jars of Kafka {pinned_version}, not {version}: "
+            "pin that version's with scripts/pin_kafka_jars.py first"
+        )
     return pins
 
 
@@ -325,8 +329,17 @@ def resolve_jars(version: str = KAFKA_VERSION) -> Path:
             return lib
         staging = lib.parent / "lib.partial"
         shutil.rmtree(staging, ignore_errors=True)
-        cmd = [mvn, "-B", "-q", "-f", str(POM), MAVEN_COPY, "-DincludeScope=runtime",
-               f"-DoutputDirectory={staging}", f"-Dkafka.version={version}"]
+        cmd = [
+            mvn,
+            "-B",
+            "-q",
+            "-f",
+            str(POM),
+            MAVEN_COPY,
+            "-DincludeScope=runtime",
+            f"-DoutputDirectory={staging}",
+            f"-Dkafka.version={version}",
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise BrokerError(f"resolving Kafka {version} jars failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
@@ -361,9 +374,11 @@ def format_storage(cfg: BrokerConfig, lib: Path, scram_users: dict[str, str] | N
     if (cfg.log_dir / "meta.properties").exists():
         formatted = cfg.security_file.read_text().strip() if cfg.security_file.exists() else "plaintext"
         if formatted != mode:
-            raise BrokerError(f"{cfg.home} was formatted as a {formatted} broker, and cannot be started as a "
-                              f"{mode} one (its users and ACLs would be {'lost' if formatted == 'sasl' else 'missing'}); "
-                              "use another --data-dir, or delete this one")  # fmt: skip
+            raise BrokerError(
+                f"{cfg.home} was formatted as a {formatted} broker, and cannot be started as a "
+                f"{mode} one (its users and ACLs would be {'lost' if formatted == 'sasl' else 'missing'}); "
+                "use another --data-dir, or delete this one"
+            )
         return
     cluster_id = _cluster_id(cfg.cluster_id_file)
     args = ["kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(cfg.properties_file)]
@@ -432,8 +447,10 @@ def start(cfg: BrokerConfig) -> int:
         if (pid := running_pid(cfg)) is not None:
             return pid
         if port_open(cfg.host, cfg.port) or port_open(cfg.host, cfg.controller_port):
-            raise BrokerError(f"port {cfg.port} or {cfg.controller_port} on {cfg.host} is taken by "
-                              f"another process; stop it or pick other ports")
+            raise BrokerError(
+                f"port {cfg.port} or {cfg.controller_port} on {cfg.host} is taken by "
+                f"another process; stop it or pick other ports"
+            )
         lib = resolve_jars(cfg.version)
         users, passwords = {}, {}  # a secure broker's principals, and its own logins besides
         if cfg.secure:
@@ -442,11 +459,26 @@ def start(cfg: BrokerConfig) -> int:
         _write_private(cfg.properties_file, render_server_properties(cfg, passwords))
         format_storage(cfg, lib, users)
         java = _java()
-        cmd = [java, *cfg.heap_opts, *JVM_OPTS, *class_cache.jvm_options(cfg.home, lib, java),
-               f"-Dlog4j2.configurationFile={LOG4J2_CONFIG}", "-cp", f"{lib}/*", "kafka.Kafka", str(cfg.properties_file)]
+        cmd = [
+            java,
+            *cfg.heap_opts,
+            *JVM_OPTS,
+            *class_cache.jvm_options(cfg.home, lib, java),
+            f"-Dlog4j2.configurationFile={LOG4J2_CONFIG}",
+            "-cp",
+            f"{lib}/*",
+            "kafka.Kafka",
+            str(cfg.properties_file),
+        ]
         with open(cfg.log_file, "ab") as log:
-            proc = subprocess.Popen(cmd, cwd=cfg.home, stdin=subprocess.DEVNULL, stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(
+                cmd,
+                cwd=cfg.home,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         cfg.pid_file.write_text(f"{proc.pid}\n")
         return proc.pid
 
@@ -539,8 +571,7 @@ class BrokerStatus:
 
 def status(cfg: BrokerConfig) -> BrokerStatus:
     """Whether this data dir's broker runs and its port answers."""
-    return BrokerStatus(cfg.bootstrap, cfg.home, cfg.version, running_pid(cfg),
-                        port_open(cfg.host, cfg.port))
+    return BrokerStatus(cfg.bootstrap, cfg.home, cfg.version, running_pid(cfg), port_open(cfg.host, cfg.port))
 
 
 async def up(cfg: BrokerConfig, timeout_s: float = 90.0) -> BrokerStatus:
@@ -555,9 +586,15 @@ async def up(cfg: BrokerConfig, timeout_s: float = 90.0) -> BrokerStatus:
     return status(cfg)
 
 
-def cluster_configs(port: int = 9092, brokers: int = 1, host: str = "127.0.0.1", data_dir: Path | None = None,
-                    secure: bool = False, version: str = KAFKA_VERSION,
-                    overrides: dict[str, str] | None = None) -> list[BrokerConfig]:
+def cluster_configs(
+    port: int = 9092,
+    brokers: int = 1,
+    host: str = "127.0.0.1",
+    data_dir: Path | None = None,
+    secure: bool = False,
+    version: str = KAFKA_VERSION,
+    overrides: dict[str, str] | None = None,
+) -> list[BrokerConfig]:
     """The nodes of a local cluster of `brokers` (CLUSTER_SIZES), each a controller and a broker.
 
     One broker is exactly the single BrokerConfig of `weir kafka up` (data dir `data_dir`, else
@@ -566,22 +603,35 @@ def cluster_configs(port: int = 9092, brokers: int = 1, host: str = "127.0.0.1",
     else $WEIR_HOME/kafka/cluster-<port>, and shares <dir>/cluster.id with the others.
     """
     if brokers not in CLUSTER_SIZES:
-        raise BrokerError(f"--brokers {brokers}: a local cluster has {', '.join(map(str, CLUSTER_SIZES))} brokers "
-                          "(a KRaft quorum of n voters survives (n - 1) // 2 losses: 2 survive none, 4 no more "
-                          "than 3)")  # fmt: skip
+        raise BrokerError(
+            f"--brokers {brokers}: a local cluster has {', '.join(map(str, CLUSTER_SIZES))} brokers "
+            "(a KRaft quorum of n voters survives (n - 1) // 2 losses: 2 survive none, 4 no more "
+            "than 3)"
+        )
     common = {"host": host, "secure": secure, "version": version, "overrides": dict(overrides or {})}
     if brokers == 1:
         return [BrokerConfig(port=port, data_dir=data_dir, **common)]  # type: ignore[arg-type]  # common's values match the fields named
     if secure:
-        raise BrokerError("--secure runs on a single broker only: a secure cluster (SASL between the nodes, "
-                          "the same SCRAM users formatted into each) is not built yet")
+        raise BrokerError(
+            "--secure runs on a single broker only: a secure cluster (SASL between the nodes, "
+            "the same SCRAM users formatted into each) is not built yet"
+        )
     shared = (data_dir or weir_home() / "kafka" / f"cluster-{port}").resolve()
     ids = range(1, brokers + 1)
     voters = tuple(f"{i}@{host}:{port + 2 * (i - 1) + 1}" for i in ids)
-    return [BrokerConfig(port=port + 2 * (i - 1), controller_port=port + 2 * (i - 1) + 1, data_dir=shared / f"node-{i}",
-                         node_id=i, voters=voters, cluster_home=shared, heap_opts=CLUSTER_HEAP_OPTS,
-                         **common)  # type: ignore[arg-type]  # common's values match the fields named
-            for i in ids]  # fmt: skip
+    return [
+        BrokerConfig(
+            port=port + 2 * (i - 1),
+            controller_port=port + 2 * (i - 1) + 1,
+            data_dir=shared / f"node-{i}",
+            node_id=i,
+            voters=voters,
+            cluster_home=shared,
+            heap_opts=CLUSTER_HEAP_OPTS,
+            **common,  # type: ignore[arg-type]  # common's values match the fields named
+        )
+        for i in ids
+    ]
 
 
 def bootstrap_of(cfgs: list[BrokerConfig]) -> str:
@@ -610,8 +660,10 @@ async def wait_cluster_ready(cfgs: list[BrokerConfig], timeout_s: float = 120.0)
             if wanted <= listed:
                 return
         await asyncio.sleep(0.3)
-    raise BrokerError(f"the cluster at {bootstrap_of(cfgs)} listed brokers {sorted(listed)}, not all of "
-                      f"{sorted(wanted)}, within {timeout_s:.0f} s")
+    raise BrokerError(
+        f"the cluster at {bootstrap_of(cfgs)} listed brokers {sorted(listed)}, not all of "
+        f"{sorted(wanted)}, within {timeout_s:.0f} s"
+    )
 
 
 def cluster_status(cfgs: list[BrokerConfig]) -> list[BrokerStatus]:

@@ -67,8 +67,10 @@ def password_path(user: str, folder: Path) -> Path:
 def check_user_name(name: str) -> str:
     """`name` when an outside producer may have it; else KafkaSecurityError."""
     if not _USER_NAME.fullmatch(name):
-        raise KafkaSecurityError(f"{name!r} is not a Kafka user name Weir makes: 1-63 of a-z 0-9 _ -, "
-                                 "starting with a letter or digit (no dots: a dot ends the reply-topic prefix)")
+        raise KafkaSecurityError(
+            f"{name!r} is not a Kafka user name Weir makes: 1-63 of a-z 0-9 _ -, "
+            "starting with a letter or digit (no dots: a dot ends the reply-topic prefix)"
+        )
     if name in RESERVED_USERS:
         raise KafkaSecurityError(f"{name!r} is reserved (one of {', '.join(sorted(RESERVED_USERS))})")
     return name
@@ -92,8 +94,10 @@ def read_password(path: Path) -> str:
     if info.st_uid != os.getuid():
         raise KafkaSecurityError(f"the Kafka password file {path} belongs to uid {info.st_uid}, not to this user")
     if stat.S_IMODE(info.st_mode) & 0o077:
-        raise KafkaSecurityError(f"the Kafka password file {path} has mode {stat.S_IMODE(info.st_mode):04o}: "
-                                 f"others can read it; run `chmod 600 {path}`")  # fmt: skip
+        raise KafkaSecurityError(
+            f"the Kafka password file {path} has mode {stat.S_IMODE(info.st_mode):04o}: "
+            f"others can read it; run `chmod 600 {path}`"
+        )
     if not text or any(c.isspace() or c in "\"'\\;" for c in text):
         raise KafkaSecurityError(f"the Kafka password file {path} is empty or holds a space, quote or ';'")
     return text
@@ -108,24 +112,33 @@ class Credentials:
 
     def client_options(self) -> dict[str, Any]:
         """aiokafka producer/consumer/admin keyword arguments (SASL without TLS: loopback only)."""
-        return {"security_protocol": "SASL_PLAINTEXT", "sasl_mechanism": MECHANISM,
-                "sasl_plain_username": self.user, "sasl_plain_password": self.password}  # fmt: skip
+        return {
+            "security_protocol": "SASL_PLAINTEXT",
+            "sasl_mechanism": MECHANISM,
+            "sasl_plain_username": self.user,
+            "sasl_plain_password": self.password,
+        }
 
 
-def client_credentials(mode: str, user: str | None, password_file: Path | str | None,
-                       home: Path | None = None) -> Credentials | None:  # fmt: skip
+def client_credentials(
+    mode: str, user: str | None, password_file: Path | str | None, home: Path | None = None
+) -> Credentials | None:
     """The credentials these settings name; None for `plaintext`. KafkaSecurityError when they
     are inconsistent (a user without `sasl`, `sasl` without a user) or the file is unusable."""
     if mode not in SECURITY_MODES:
         raise KafkaSecurityError(f"WEIR_KAFKA_SECURITY={mode!r}: use one of {', '.join(SECURITY_MODES)}")
     if mode == "plaintext":
         if user or password_file:
-            raise KafkaSecurityError("WEIR_KAFKA_USER or WEIR_KAFKA_PASSWORD_FILE is set but WEIR_KAFKA_SECURITY "
-                                     "is not `sasl`: set WEIR_KAFKA_SECURITY=sasl, or unset them")  # fmt: skip
+            raise KafkaSecurityError(
+                "WEIR_KAFKA_USER or WEIR_KAFKA_PASSWORD_FILE is set but WEIR_KAFKA_SECURITY "
+                "is not `sasl`: set WEIR_KAFKA_SECURITY=sasl, or unset them"
+            )
         return None
     if not user:
-        raise KafkaSecurityError("WEIR_KAFKA_SECURITY=sasl needs WEIR_KAFKA_USER (gateway, batcher, worker, "
-                                 "auditor, admin, or a user from `weir kafka user add`)")  # fmt: skip
+        raise KafkaSecurityError(
+            "WEIR_KAFKA_SECURITY=sasl needs WEIR_KAFKA_USER (gateway, batcher, worker, "
+            "auditor, admin, or a user from `weir kafka user add`)"
+        )
     path = Path(password_file) if password_file else password_path(user, secrets_dir(home))
     return Credentials(user, read_password(path))
 
@@ -134,8 +147,11 @@ def client_options_from_env(env: Mapping[str, str] | None = None) -> dict[str, A
     """aiokafka keyword arguments from WEIR_KAFKA_SECURITY, WEIR_KAFKA_USER, WEIR_KAFKA_PASSWORD_FILE
     ({} for a plaintext deployment)."""
     env = os.environ if env is None else env
-    creds = client_credentials(env.get("WEIR_KAFKA_SECURITY", "plaintext") or "plaintext",
-                               env.get("WEIR_KAFKA_USER") or None, env.get("WEIR_KAFKA_PASSWORD_FILE") or None)  # fmt: skip
+    creds = client_credentials(
+        env.get("WEIR_KAFKA_SECURITY", "plaintext") or "plaintext",
+        env.get("WEIR_KAFKA_USER") or None,
+        env.get("WEIR_KAFKA_PASSWORD_FILE") or None,
+    )
     return creds.client_options() if creds else {}
 
 
@@ -197,8 +213,9 @@ def service_grants(topics: Topics) -> list[Grant]:
         grants += _grants(user, "topic", "literal", ("describe",), core)
         grants += _grants(user, "topic", "prefixed", ("describe",), [topics.batches("")])
         for use in access.uses(user):
-            grants.append(Grant(user, use.resource, use.name(topics), "prefixed" if use.prefixed else "literal",
-                                use.operations))
+            grants.append(
+                Grant(user, use.resource, use.name(topics), "prefixed" if use.prefixed else "literal", use.operations)
+            )
     return grants
 
 
@@ -218,5 +235,8 @@ def client_grants(topics: Topics, user: str) -> list[Grant]:
 
 def acl_creations(grants: list[Grant]) -> list[tuple[int, str, int, str, str, int, int]]:
     """CreateAcls v1 entries: (resource type, name, pattern type, principal, host, operation, permission)."""
-    return [(RESOURCE_TYPES[g.resource], g.name, PATTERN_TYPES[g.pattern], f"User:{g.user}", "*", OPERATIONS[op], ALLOW)
-            for g in grants for op in g.operations]  # fmt: skip
+    return [
+        (RESOURCE_TYPES[g.resource], g.name, PATTERN_TYPES[g.pattern], f"User:{g.user}", "*", OPERATIONS[op], ALLOW)
+        for g in grants
+        for op in g.operations
+    ]

@@ -123,7 +123,7 @@ class PairSummary:
             "live_ttft_ms": _mean(self.live_ttft), "mirror_ttft_ms": _mean(self.mirror_ttft),
             "latency_ratio": self.latency_ratio,
             "live_tokens_per_s": _mean(self.live_rate), "mirror_tokens_per_s": _mean(self.mirror_rate),
-        }  # fmt: skip
+        }
 
 
 def summarize(comparisons: Iterable[ModelComparison], name: str | None = None) -> dict[tuple[str, str], PairSummary]:
@@ -206,7 +206,7 @@ def summary_rows(pairs: dict[tuple[str, str], PairSummary]) -> tuple[list[str], 
         return "-" if value is None else format(value, spec)
 
     headers = ["LIVE", "MIRROR", "N", "ERRORS", "EXACT", "EDIT", "SIMILARITY", "TTFT LIVE/MIRROR ms", "RATIO",
-               "TOK/S LIVE/MIRROR"]  # fmt: skip
+               "TOK/S LIVE/MIRROR"]
     rows = []
     for info in summary_json(pairs):
         rows.append([
@@ -216,6 +216,6 @@ def summary_rows(pairs: dict[tuple[str, str], PairSummary]) -> tuple[list[str], 
             f"{num(info['live_ttft_ms'], '.0f')}/{num(info['mirror_ttft_ms'], '.0f')}",
             num(info["latency_ratio"], ".2f"),
             f"{num(info['live_tokens_per_s'], '.0f')}/{num(info['mirror_tokens_per_s'], '.0f')}",
-        ])  # fmt: skip
+        ])
     return headers, rows
 

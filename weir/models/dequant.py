@@ -29,7 +29,7 @@ GGML_TYPES: dict[int, tuple[str, int, int]] = {
     0: ("F32", 1, 4), 1: ("F16", 1, 2), 30: ("BF16", 1, 2),
     2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34),
     12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210),
-}  # fmt: skip
+}
 
 
 class UnsupportedQuantization(ValueError):
@@ -168,4 +168,4 @@ _FLOATS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
 _BLOCKS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1,
     "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k,
-}  # fmt: skip
+}

@@ -83,7 +83,7 @@ def hf_config(gguf: GGUFFile, spec: ArchSpec, dtype: str) -> dict[str, Any]:
         "bos_token_id": gguf.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
         "torch_dtype": dtype,
-    }  # fmt: skip
+    }
     if spec.model_type == "qwen2":
         config["use_sliding_window"] = False
     return config
@@ -131,5 +131,5 @@ def _llama3_scaling(gguf: GGUFFile, head_dim: int) -> dict[str, Any]:
         want = llama3_factors(head_dim, theta, factor, low, high, old_len)
         if want.shape == stored.shape and np.allclose(want, stored, rtol=1e-4):
             return {"rope_type": "llama3", "factor": _f32(factor), "low_freq_factor": low, "high_freq_factor": high,
-                    "original_max_position_embeddings": old_len}  # fmt: skip
+                    "original_max_position_embeddings": old_len}
     raise GGUFError(f"{gguf.path}: its rope_freqs tensor matches no known llama3 RoPE scaling; not imported")

@@ -84,7 +84,7 @@ def read_manifest(out: Path) -> dict[str, Any] | None:
 def import_gguf(
     src: str | Path, out: str | Path, *, source: str | None = None, dtype: str = "float32",
     force: bool = False, progress: Progress = _quiet,
-) -> Path:  # fmt: skip
+) -> Path:
     """Import `src` into the directory `out` (reused when it already holds this import); returns `out`.
 
     Raises GGUFError naming the file and the problem for a file that cannot be imported, and
@@ -105,7 +105,7 @@ def import_gguf(
             progress(f"{out} was imported meanwhile by another process; reused")
             return out
         build_into(out, lambda tmp: _write_import(src, tmp, source or str(src), digest, dtype, progress),
-                   lambda done: _is_current(done, digest, dtype))  # fmt: skip
+                   lambda done: _is_current(done, digest, dtype))
     return out
 
 
@@ -129,7 +129,7 @@ def _write_import(src: Path, tmp: Path, source: str, digest: str, dtype: str, pr
     plans = plan_tensors(gguf, spec, config)
     counts = Counter(type_name(p.source.ggml_type) for p in plans)
     progress(f"importing {src.name}: {spec.hf_architecture}, {config['num_hidden_layers']} layers, "
-             f"{len(plans)} tensors ({', '.join(f'{n} {t}' for t, n in counts.most_common())}) -> {dtype}")  # fmt: skip
+             f"{len(plans)} tensors ({', '.join(f'{n} {t}' for t, n in counts.most_common())}) -> {dtype}")
     tokenizer = build_tokenizer(gguf)  # before the weights: a bad vocabulary fails fast
     write_weights(plans, tmp / "model.safetensors", dtype, progress)
     tokenizer.save(str(tmp / "tokenizer.json"))
@@ -142,7 +142,7 @@ def _write_import(src: Path, tmp: Path, source: str, digest: str, dtype: str, pr
         "format": MANIFEST_FORMAT, "source": source, "source_file": src.name, "source_sha256": digest,
         "source_bytes": src.stat().st_size, "dtype": dtype, "architecture": spec.gguf_architecture,
         "gguf_name": gguf.get("general.name"), "quantizations": dict(counts), "files": files,
-    })  # fmt: skip
+    })
     progress(f"imported {src.name} in {time.monotonic() - started:.1f} s")
 
 
@@ -175,12 +175,12 @@ def plan_tensors(gguf: GGUFFile, spec: ArchSpec, config: dict[str, Any]) -> list
 
 
 TOP_TENSORS = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-               "output.weight": "lm_head.weight"}  # fmt: skip
+               "output.weight": "lm_head.weight"}
 LAYER_TENSORS = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-}  # fmt: skip
+}
 
 
 def write_weights(plans: list[TensorPlan], path: Path, dtype: str, progress: Progress) -> None:

@@ -27,9 +27,9 @@ TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TO
 
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-           r"|\s*[\r\n]+|\s+(?!\S)|\s+")  # fmt: skip
+           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-          r"|\s*[\r\n]+|\s+(?!\S)|\s+")  # fmt: skip
+          r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 # tokenizer.ggml.pre -> the regexes llama.cpp splits with, applied in turn (llama-vocab.cpp).
 SPLITS: dict[str, list[str]] = {
     "default": [_GPT2], "gpt-2": [_GPT2], "gpt2": [_GPT2], "mpt": [_GPT2], "olmo": [_GPT2], "jais": [_GPT2],
@@ -38,7 +38,7 @@ SPLITS: dict[str, list[str]] = {
     "llama3": [_LLAMA3], "llama-v3": [_LLAMA3], "llama-bpe": [_LLAMA3], "falcon3": [_LLAMA3],
     "dbrx": [_LLAMA3], "smaug-bpe": [_LLAMA3], "pixtral": [_LLAMA3],
     "qwen2": [_QWEN2], "deepseek-r1-qwen": [_QWEN2], "stablelm2": [_QWEN2], "megrez": [_QWEN2],
-}  # fmt: skip
+}
 _NFC_PRE = {"qwen2", "deepseek-r1-qwen", "stablelm2", "megrez"}  # their tokenizer.json normalizes to NFC
 
 
@@ -63,7 +63,7 @@ def _byte_level_bpe(gguf: GGUFFile, tokens: list[str]) -> Tokenizer:
     pre = gguf.get("tokenizer.ggml.pre") or "default"  # llama.cpp too falls back to GPT-2's regex
     if pre not in SPLITS:
         raise GGUFError(f"{gguf.path}: pre-tokenizer tokenizer.ggml.pre={pre!r} is not supported "
-                        f"(supported: {', '.join(sorted(SPLITS))})")  # fmt: skip
+                        f"(supported: {', '.join(sorted(SPLITS))})")
     merges = [_merge(gguf, m) for m in gguf.require("tokenizer.ggml.merges")]
     tokenizer = Tokenizer(models.BPE(_vocab(tokens), merges, fuse_unk=False, byte_fallback=False))
     splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in SPLITS[pre]]
@@ -94,7 +94,7 @@ def _sentencepiece_bpe(gguf: GGUFFile, tokens: list[str], types: list[int]) -> T
     vocab = _vocab(tokens)
     mergeable = [(t, s) for t, s, k in zip(tokens, scores, types, strict=True) if k in (TOKEN_NORMAL, TOKEN_USER_DEFINED)]
     bpe = models.BPE(vocab, _merges_from_scores(vocab, mergeable), unk_token=tokens[unk_id] if unk_id is not None else None,
-                     fuse_unk=True, byte_fallback=True)  # fmt: skip
+                     fuse_unk=True, byte_fallback=True)
     tokenizer = Tokenizer(bpe)
     add_prefix = gguf.get("tokenizer.ggml.add_space_prefix", True)
     replace = normalizers.Replace(" ", "\u2581")

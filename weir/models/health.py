@@ -57,25 +57,25 @@ def outcome_view(alert: HealthAlert | None) -> dict[str, Any] | None:
 
 
 def health_view(state: RegistryState, alerts: dict[tuple[str, str], HealthAlert], name: str | None,
-                now_ms: int) -> list[dict[str, Any]]:  # fmt: skip
+                now_ms: int) -> list[dict[str, Any]]:
     """One entry per version (of `name`, or all) the registry or the alerts know, oldest name first."""
-    versions = {sid for sid in state.versions} | {sid for sid, _ in alerts}
+    versions = {served_id for served_id in state.versions} | {served_id for served_id, _ in alerts}
     out = []
-    for sid in sorted(v for v in versions if name is None or split_ref(v)[0] == name):
-        record = state.versions.get(sid)
+    for served_id in sorted(v for v in versions if name is None or split_ref(v)[0] == name):
+        record = state.versions.get(served_id)
         entry: dict[str, Any] = {
-            "model_version": sid,
+            "model_version": served_id,
             "desired": record.desired if record else None,
             "freshness_s": (now_ms - record.manifest.created_ms) / 1000 if record else None,
-            "open_alerts": [s for s in SIGNALS if (a := alerts.get((sid, s))) is not None and a.state == "raised"],
+            "open_alerts": [s for s in SIGNALS if (a := alerts.get((served_id, s))) is not None and a.state == "raised"],
         }
         for signal in ("entropy", "watermark"):
-            alert = alerts.get((sid, signal))
+            alert = alerts.get((served_id, signal))
             entry[signal] = None if alert is None else {"baseline": alert.baseline, "current": alert.value,
-                                                        "as_of_ms": alert.created_ms}  # fmt: skip
+                                                        "as_of_ms": alert.created_ms}
         for signal in OUTCOME_SIGNALS:
-            entry[signal] = outcome_view(alerts.get((sid, signal)))
-        entry["alerts"] = [alerts[(sid, s)].model_dump(mode="json") for s in SIGNALS if (sid, s) in alerts]
+            entry[signal] = outcome_view(alerts.get((served_id, signal)))
+        entry["alerts"] = [alerts[(served_id, s)].model_dump(mode="json") for s in SIGNALS if (served_id, s) in alerts]
         out.append(entry)
     return out
 
@@ -85,11 +85,11 @@ def health_text(view: list[dict[str, Any]], skipped: int) -> str:
     if not view:
         return "no model versions" + (f" ({skipped} malformed health record(s) skipped)" if skipped else "")
     headers = ["VERSION", "DESIRED", "AGE (days)", "ENTROPY base/cur", "WATERMARK Z base/cur", "STRUCTURED valid",
-               "DETERMINISM same/differs", "OPEN ALERTS"]  # fmt: skip
+               "DETERMINISM same/differs", "OPEN ALERTS"]
     rows = [[e["model_version"], e["desired"] or "-",
              "-" if e["freshness_s"] is None else f"{e['freshness_s'] / 86400:.1f}",
              _pair(e["entropy"]), _pair(e["watermark"]), _outcome(e["structured"], "valid", "invalid"),
-             _outcome(e["determinism"], "same", "differs"), ",".join(e["open_alerts"]) or "-"] for e in view]  # fmt: skip
+             _outcome(e["determinism"], "same", "differs"), ",".join(e["open_alerts"]) or "-"] for e in view]
     widths = [max(len(str(row[i])) for row in [headers, *rows]) for i in range(len(headers))]
     lines = ["  ".join(str(cell).ljust(widths[i]) for i, cell in enumerate(row)).rstrip() for row in [headers, *rows]]
     for entry in view:

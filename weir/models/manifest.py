@@ -76,7 +76,7 @@ def pack(config: ModelConfig, directory: Path | None = None) -> ModelManifest:
     if not files:
         raise ManifestError(f"model {config.served_id}: {where} holds no files")
     return ModelManifest(name=config.name, version=config.version, format=_format(config),
-                         location=str(where.resolve()), files=files, serving=serving)  # fmt: skip
+                         location=str(where.resolve()), files=files, serving=serving)
 
 
 def verify_files(manifest: ModelManifest, directory: Path | None = None) -> None:
@@ -98,7 +98,7 @@ def verify_files(manifest: ModelManifest, directory: Path | None = None) -> None
         digest = file_sha256(path)
         if digest != entry.sha256:
             raise ManifestError(f"{manifest.served_id}: {entry.path} has sha256 {digest[:16]}..., the manifest says "
-                                f"{entry.sha256[:16]}...: the file changed since the version was packed")  # fmt: skip
+                                f"{entry.sha256[:16]}...: the file changed since the version was packed")
     extra = [p.relative_to(where).as_posix() for p in model_files(where) if p.relative_to(where).as_posix() not in listed]
     if extra:
         raise ManifestError(f"{manifest.served_id}: {extra[0]} in {where} is not in the manifest")

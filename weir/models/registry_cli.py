@@ -94,7 +94,7 @@ def add_actions(actions: argparse._SubParsersAction) -> None:
     show.add_argument("--json", action="store_true", help="one JSON object")
     _kafka_args(show, live=True)
     for action, text in (("load", "ask the workers to load a version"), ("unload", "ask the workers to drain and "
-                         "unload a version"), ("retire", "unload a version for good (requests for it are refused)")):  # fmt: skip
+                         "unload a version"), ("retire", "unload a version for good (requests for it are refused)")):
         parser = actions.add_parser(action, help=text)
         parser.add_argument("ref", help="NAME@VERSION")
         _kafka_args(parser)
@@ -115,7 +115,7 @@ def add_actions(actions: argparse._SubParsersAction) -> None:
     compare_p.add_argument("--json", action="store_true", help="one JSON object")
     _kafka_args(compare_p)
     health_p = actions.add_parser("health", help="each version's freshness, output entropy and watermark drift, "
-                                  "and the auditor's open health alerts")  # fmt: skip
+                                  "and the auditor's open health alerts")
     health_p.add_argument("ref", nargs="?", metavar="NAME", help="one model name (default: every version)")
     health_p.add_argument("--json", action="store_true", help="one JSON object")
     _kafka_args(health_p)
@@ -124,10 +124,10 @@ def add_actions(actions: argparse._SubParsersAction) -> None:
     route.add_argument("--default", metavar="V", help="its default version (unchanged when not given)")
     route.add_argument("--canary", action="append", metavar="V=PCT",
                        help="a canary version and its share of requests, percent, sticky per user (repeatable; the "
-                            "ones given replace the current canaries)")  # fmt: skip
+                            "ones given replace the current canaries)")
     route.add_argument("--mirror", action="append", metavar="V=PCT",
                        help="a mirror version and the share of requests copied to it, percent (repeatable; the ones "
-                            "given replace the current mirrors)")  # fmt: skip
+                            "given replace the current mirrors)")
     route.add_argument("--clear-canary", action="store_true", help="remove every canary")
     route.add_argument("--clear-mirror", action="store_true", help="remove every mirror")
     _kafka_args(route)
@@ -208,7 +208,7 @@ async def _with_deadline(settings: BusSettings, args: argparse.Namespace, action
         wanted = {settings.topics.models, settings.topics.workers, settings.topics.comparisons, settings.topics.traffic,
                   settings.topics.health}
         await ensure_topics(settings.kafka_bootstrap, [s for s in settings.topics.core_specs() if s.name in wanted],
-                            options=settings.kafka_options())  # fmt: skip
+                            options=settings.kafka_options())
         return await (action if args.action == "push" else _bounded(args, action))
     finally:
         if inspect.iscoroutine(action) and inspect.getcoroutinestate(action) == inspect.CORO_CREATED:
@@ -278,7 +278,7 @@ def _pack(args: argparse.Namespace) -> tuple[ModelConfig, ModelManifest, Manifes
 def _describe_pack(manifest: ModelManifest, signature: ManifestSignature | None, out: Path) -> str:
     signed = f"signed by key {signature.key_id}" if signature else "unsigned"
     return (f"{manifest.served_id}: {len(manifest.files)} files, {manifest.total_bytes} bytes, "
-            f"digest {manifest.digest()[:16]}, {signed}; manifest in {out}")  # fmt: skip
+            f"digest {manifest.digest()[:16]}, {signed}; manifest in {out}")
 
 
 def _pack_action(args: argparse.Namespace) -> int:
@@ -290,7 +290,7 @@ def _pack_action(args: argparse.Namespace) -> int:
 def _keygen(args: argparse.Namespace) -> int:
     kid = generate_keypair(args.private, args.public)
     print(f"key {kid}: private key in {args.private} (0600, keep it secret), public key in {args.public} "
-          "(copy it into the workers' WEIR_MODEL_TRUSTED_KEYS directory)")  # fmt: skip
+          "(copy it into the workers' WEIR_MODEL_TRUSTED_KEYS directory)")
     return 0
 
 
@@ -336,13 +336,13 @@ async def _push(settings: BusSettings, args: argparse.Namespace, record_goldens:
         state = await _bounded(args, registry.read_registry(settings))
     record = ModelVersionRecord(manifest=manifest, signature=signature, goldens=goldens, desired="loaded",
                                 budget_bytes=args.budget_bytes, budget_fraction=args.budget_fraction,
-                                registered_by=_by())  # fmt: skip
+                                registered_by=_by())
     records = registry.register(state, record)
     await _bounded(args, registry.publish(settings, records))
     print(_describe_pack(manifest, signature, out))
     print(f"registered {manifest.served_id} (desired loaded, {len(goldens)} goldens)"
           + ("; it is the default of its name" if len(records) > 1 else f"; promote it with `weir models promote "
-             f"{manifest.served_id}`"))  # fmt: skip
+             f"{manifest.served_id}`"))
     return 0
 
 
@@ -390,16 +390,16 @@ class _View:
     """The registry and the live workers, read once."""
 
     def __init__(self, state: RegistryState, skipped: int, heartbeats: dict[str, WorkerHeartbeat],
-                 bad_heartbeats: int, live_ms: int) -> None:  # fmt: skip
+                 bad_heartbeats: int, live_ms: int) -> None:
         self.state = state
         self.skipped = skipped
         self.bad_heartbeats = bad_heartbeats
         now = now_ms()
         self.live = {w: hb for w, hb in sorted(heartbeats.items()) if now - hb.sent_ms <= live_ms}
 
-    def statuses(self, sid: str) -> dict[str, VersionStatus]:
-        """What each live worker reports of `sid`."""
-        return {w: hb.versions[sid] for w, hb in self.live.items() if sid in hb.versions}
+    def statuses(self, served_id: str) -> dict[str, VersionStatus]:
+        """What each live worker reports of `served_id`."""
+        return {w: hb.versions[served_id] for w, hb in self.live.items() if served_id in hb.versions}
 
 
 async def _view(settings: BusSettings, args: argparse.Namespace) -> _View:
@@ -415,7 +415,7 @@ async def _view(settings: BusSettings, args: argparse.Namespace) -> _View:
 def _table(headers: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(str(c)) for c in column) for column in zip(headers, *rows, strict=False)]
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=False)).rstrip()
-                     for row in [headers, *rows])  # fmt: skip
+                     for row in [headers, *rows])
 
 
 def _live_text(statuses: dict[str, VersionStatus]) -> str:
@@ -428,7 +428,7 @@ def _list_json(view: _View) -> dict[str, Any]:
         versions = [{"version": r.manifest.version, "model": r.served_id, "desired": r.desired,
                      "digest": r.manifest.digest(), "workers": {w: s.model_dump(mode="json") for w, s in
                                                                 view.statuses(r.served_id).items()}}
-                    for r in view.state.versions_of(name)]  # fmt: skip
+                    for r in view.state.versions_of(name)]
         models.append({"name": name, "default_version": view.state.default_version(name), "versions": versions})
     return {"models": models, "live_workers": list(view.live), "skipped_records": view.skipped,
             "skipped_heartbeats": view.bad_heartbeats}
@@ -451,7 +451,7 @@ async def _list(settings: BusSettings, args: argparse.Namespace, _record: Record
         rows.append([route.name, f"{route.default_version}!", "(route to an unregistered version: disregarded)", "-"])
     print(_table(["NAME", "VERSION", "DESIRED", "LIVE WORKERS"], rows) if rows else "no models registered")
     print(f"* default version; {len(view.live)} live worker(s)"
-          + (f"; {view.skipped} malformed registry record(s) skipped" if view.skipped else ""))  # fmt: skip
+          + (f"; {view.skipped} malformed registry record(s) skipped" if view.skipped else ""))
     return 0
 
 
@@ -472,7 +472,7 @@ def _version_json(view: _View, record: ModelVersionRecord) -> dict[str, Any]:
             "goldens": len(record.goldens), "desired": record.desired, "budget_bytes": record.budget_bytes,
             "budget_fraction": record.budget_fraction,
             "registered_by": record.registered_by, "updated_ms": record.updated_ms,
-            "workers": {w: s.model_dump(mode="json") for w, s in view.statuses(record.served_id).items()}}  # fmt: skip
+            "workers": {w: s.model_dump(mode="json") for w, s in view.statuses(record.served_id).items()}}
 
 
 def _version_text(info: dict[str, Any]) -> str:
@@ -482,11 +482,11 @@ def _version_text(info: dict[str, Any]) -> str:
              f"{len(info['files'])} files at {info['location'] or '-'}",
              f"  signature: {'key ' + info['signature_key_id'] if info['signature_key_id'] else 'unsigned'}; "
              f"goldens: {info['goldens']}; budget: {_budget_text(info)}; "
-             f"registered by {info['registered_by'] or '-'}"]  # fmt: skip
+             f"registered by {info['registered_by'] or '-'}"]
     lines += [f"    {f['sha256'][:16]}  {f['size_bytes']:>12}  {f['path']}" for f in info["files"]]
     for worker, s in info["workers"].items():
         lines.append(f"  worker {worker}: {s['state']}" + (f" ({s['reason']})" if s["reason"] else "")
-                     + f", engine {s['engine'] or '-'}, used {s['used_bytes']} of {s['budget_bytes']} bytes")  # fmt: skip
+                     + f", engine {s['engine'] or '-'}, used {s['used_bytes']} of {s['budget_bytes']} bytes")
     if not info["workers"]:
         lines.append("  no live worker reports it")
     return "\n".join(lines)
@@ -507,7 +507,7 @@ async def _show(settings: BusSettings, args: argparse.Namespace, _record: Record
         route_json = route.model_dump(mode="json") if route else None
         traffic_json = traffic.model_dump(mode="json") if traffic else None
         print(orjson.dumps({"name": name, "route": route_json, "versions": versions, "traffic": traffic_json,
-                            "skipped_traffic_records": bad_traffic}).decode())  # fmt: skip
+                            "skipped_traffic_records": bad_traffic}).decode())
         return 0
     print(_policy_text(route) if route else f"{name}: no route")
     print(_traffic_text(traffic, bad_traffic))
@@ -521,7 +521,7 @@ def _shares_text(shares: dict[str, float]) -> str:
 
 def _policy_text(route: ModelRoute) -> str:
     return (f"{route.name}: default {route.default_version} (previous {route.previous_version or '-'}; {route.reason})"
-            f"\n  canary: {_shares_text(route.canary)}; mirror: {_shares_text(route.mirror)}")  # fmt: skip
+            f"\n  canary: {_shares_text(route.canary)}; mirror: {_shares_text(route.mirror)}")
 
 
 def _traffic_text(traffic: TrafficCounts | None, skipped: int) -> str:
@@ -530,11 +530,11 @@ def _traffic_text(traffic: TrafficCounts | None, skipped: int) -> str:
     if traffic is None:
         return f"  traffic: no counts from the auditor yet{note}"
     rows = []
-    for sid, by_assignment in sorted(traffic.counts.items()):
+    for served_id, by_assignment in sorted(traffic.counts.items()):
         total = sum(by_assignment.values())
-        errors = traffic.errors.get(sid, 0)
-        rows.append([sid, str(total), " ".join(f"{a}={n}" for a, n in sorted(by_assignment.items())),
-                     f"{errors} ({errors / total:.1%})" if total else str(errors)])  # fmt: skip
+        errors = traffic.errors.get(served_id, 0)
+        rows.append([served_id, str(total), " ".join(f"{a}={n}" for a, n in sorted(by_assignment.items())),
+                     f"{errors} ({errors / total:.1%})" if total else str(errors)])
     table = _table(["  VERSION", "REQUESTS", "BY ASSIGNMENT", "ERRORS"], [["  " + r[0], *r[1:]] for r in rows])
     return f"{table}\n  traffic as the auditor counted it at {traffic.updated_ms} ms{note}"
 
@@ -601,7 +601,7 @@ async def _set_desired(settings: BusSettings, args: argparse.Namespace, _record:
 def _thresholds(args: argparse.Namespace) -> compare.Thresholds | None:
     """promote's comparison checks, or None when none is asked; ArgumentError for nonsense."""
     thresholds = compare.Thresholds(args.require_similarity, args.max_latency_ratio, args.max_error_rate,
-                                    20 if args.min_samples is None else args.min_samples)  # fmt: skip
+                                    20 if args.min_samples is None else args.min_samples)
     if not thresholds.any:
         if args.min_samples is not None:
             raise ArgumentError("--min-samples needs --require-similarity, --max-latency-ratio or --max-error-rate")
@@ -641,7 +641,7 @@ async def _promote(settings: BusSettings, args: argparse.Namespace, _record: Rec
     await registry.publish(settings, records)
     unloaded = [r.served_id for r in records if isinstance(r, ModelVersionRecord)]
     print(f"{args.ref} is the default of {split_ref(args.ref)[0]!r}"
-          + "".join(f"; {sid} asked to unload (workers drain it)" for sid in unloaded))  # fmt: skip
+          + "".join(f"; {served_id} asked to unload (workers drain it)" for served_id in unloaded))
     return 0
 
 
@@ -726,4 +726,4 @@ _SYNC: dict[str, Callable[[argparse.Namespace], int]] = {"pack": _pack_action, "
 _ASYNC: dict[str, Callable[..., Any]] = {"push": _push, "list": _list, "show": _show, "load": _set_desired,
                                          "unload": _set_desired, "retire": _set_desired, "promote": _promote,
                                          "compare": _compare, "route": _route, "health": _health,
-                                         "seed": _seed}  # fmt: skip
+                                         "seed": _seed}

@@ -57,7 +57,7 @@ def generate_keypair(private_path: Path, public_path: Path) -> str:
     private = Ed25519PrivateKey.generate()
     public = private.public_key()
     pem_private = private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                        serialization.NoEncryption())  # fmt: skip
+                                        serialization.NoEncryption())
     pem_public = public.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
     try:
         _write_new(private_path, pem_private, 0o600)

@@ -35,7 +35,7 @@ def gguf_in_distribution(name: str) -> Path:
     if len(files) != 1:
         found = ", ".join(files) or "none"
         raise FileNotFoundError(f"package {name!r} must ship exactly one .gguf file (it has: {found}); "
-                                "name the file itself as source = \"/path/to/model.gguf\"")  # fmt: skip
+                                "name the file itself as source = \"/path/to/model.gguf\"")
     path = Path(str(dist.locate_file(files[0])))
     if not path.is_file():
         raise FileNotFoundError(f"package {name!r} lists {files[0]}, but {path} is missing; reinstall it")

@@ -49,8 +49,15 @@ class Admission:
         self.in_flight: Counter[tuple[str, Priority]] = Counter()
         self.open_breakers: set[str] = set()
 
-    def admit(self, model: str, lane: Priority, live: list[WorkerHeartbeat], coming: bool = False,
-              wait: QueueWait | None = None, time_to_deadline_s: float | None = None) -> Ticket:  # fmt: skip
+    def admit(
+        self,
+        model: str,
+        lane: Priority,
+        live: list[WorkerHeartbeat],
+        coming: bool = False,
+        wait: QueueWait | None = None,
+        time_to_deadline_s: float | None = None,
+    ) -> Ticket:
         """A Ticket, or GuardError 503 (breaker open) / 429 (lane full, workers overloaded, queue too
         long). `live`: the workers serving `model` now; `coming`: none does yet, but a live one is
         bringing it up; `wait`: the estimated wait for `model` (None: unknown), against the request's
@@ -58,18 +65,31 @@ class Admission:
         if self.is_breaker_enabled:
             if not live and not coming:
                 self.open_breakers.add(model)
-                raise GuardError(503, f"no worker of {model!r} is live; try again later", param="model",
-                                 code="model_unavailable", headers={"retry-after": "5"})  # fmt: skip
+                raise GuardError(
+                    503,
+                    f"no worker of {model!r} is live; try again later",
+                    param="model",
+                    code="model_unavailable",
+                    headers={"retry-after": "5"},
+                )
             self.open_breakers.discard(model)
         if live and all(hb.num_waiting >= self.overload_ratio * hb.max_num_seqs for hb in live):
-            raise GuardError(429, f"every worker of {model!r} is overloaded; retry shortly", code="overloaded",
-                             headers={"retry-after": str(OVERLOAD_RETRY_AFTER_S)})  # fmt: skip
+            raise GuardError(
+                429,
+                f"every worker of {model!r} is overloaded; retry shortly",
+                code="overloaded",
+                headers={"retry-after": str(OVERLOAD_RETRY_AFTER_S)},
+            )
         if wait is not None and time_to_deadline_s is not None and wait.wait_s > time_to_deadline_s:
             raise queue_too_long(wait, time_to_deadline_s)
         limit = self.max_in_flight[lane]
         if self.in_flight[(model, lane)] >= limit:
-            raise GuardError(429, f"{limit} {lane} requests for {model!r} are already in flight at this gateway",
-                             code="queue_full", headers={"retry-after": "1"})  # fmt: skip
+            raise GuardError(
+                429,
+                f"{limit} {lane} requests for {model!r} are already in flight at this gateway",
+                code="queue_full",
+                headers={"retry-after": "1"},
+            )
         self.in_flight[(model, lane)] += 1
         return Ticket(model, lane)
 
@@ -82,7 +102,11 @@ class Admission:
 def queue_too_long(wait: QueueWait, time_to_deadline_s: float) -> GuardError:
     """429 queue_too_long naming the model and the estimate, with the Retry-After it would fit after."""
     retry_after = wait.retry_after_s(time_to_deadline_s)
-    return GuardError(429, f"the queue for {wait.model!r} is about {wait.wait_s:.0f} s long ({wait.queue_ahead} "
-                      f"requests ahead at {wait.per_s:.2f}/s), more than the {max(0.0, time_to_deadline_s):.0f} s "
-                      f"to this request's deadline; retry in {retry_after} s",
-                      code="queue_too_long", headers={"retry-after": str(retry_after)})  # fmt: skip
+    return GuardError(
+        429,
+        f"the queue for {wait.model!r} is about {wait.wait_s:.0f} s long ({wait.queue_ahead} "
+        f"requests ahead at {wait.per_s:.2f}/s), more than the {max(0.0, time_to_deadline_s):.0f} s "
+        f"to this request's deadline; retry in {retry_after} s",
+        code="queue_too_long",
+        headers={"retry-after": str(retry_after)},
+    )

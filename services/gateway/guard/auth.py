@@ -105,10 +105,15 @@ def new_api_key(
     secret = secrets.token_urlsafe(32)
     salt_hex = secrets.token_hex(16)
     record = ApiKeyRecord(
-        key_id=key_id, principal=principal, tenant=tenant, models=sorted(set(models or [])),
-        max_requests_per_min=max_requests_per_min, max_tokens_per_min=max_tokens_per_min,
-        salt_hex=salt_hex, secret_sha256=hash_secret(salt_hex, secret),
-    )  # fmt: skip
+        key_id=key_id,
+        principal=principal,
+        tenant=tenant,
+        models=sorted(set(models or [])),
+        max_requests_per_min=max_requests_per_min,
+        max_tokens_per_min=max_tokens_per_min,
+        salt_hex=salt_hex,
+        secret_sha256=hash_secret(salt_hex, secret),
+    )
     return f"{KEY_PREFIX}{key_id}_{secret}", record
 
 
@@ -168,10 +173,13 @@ class KeyStore:
         if record.is_revoked:
             raise unauthorized(f"API key {key_id} has been revoked", "revoked_api_key")
         return Identity(
-            principal=record.principal, tenant=record.tenant, scope=f"key:{key_id}",
+            principal=record.principal,
+            tenant=record.tenant,
+            scope=f"key:{key_id}",
             models=frozenset(record.models) if record.models else None,
-            max_requests_per_min=record.max_requests_per_min, max_tokens_per_min=record.max_tokens_per_min,
-        )  # fmt: skip
+            max_requests_per_min=record.max_requests_per_min,
+            max_tokens_per_min=record.max_tokens_per_min,
+        )
 
 
 def load_jwks(value: str) -> dict[str, Any]:
@@ -218,9 +226,14 @@ class JwtVerifier:
         s = self.settings
         try:
             claims = jwt.decode(
-                token, key.key, algorithms=[key.algorithm_name], audience=s.jwt_audience, issuer=s.jwt_issuer,
-                leeway=s.jwt_leeway_s, options={"require": ["exp", "sub"]},
-            )  # fmt: skip
+                token,
+                key.key,
+                algorithms=[key.algorithm_name],
+                audience=s.jwt_audience,
+                issuer=s.jwt_issuer,
+                leeway=s.jwt_leeway_s,
+                options={"require": ["exp", "sub"]},
+            )
         except jwt.ExpiredSignatureError:
             raise unauthorized("The token has expired", "token_expired") from None
         except jwt.ImmatureSignatureError:
@@ -250,10 +263,13 @@ class JwtVerifier:
             if limit is not None and not (isinstance(limit, int) and limit >= 1):
                 raise unauthorized(f"Token claim {name} must be a positive integer", "invalid_token")
         return Identity(
-            principal=subject, tenant=tenant, scope=jwt_scope(tenant, subject),
+            principal=subject,
+            tenant=tenant,
+            scope=jwt_scope(tenant, subject),
             models=frozenset(models) if models is not None else None,
-            max_requests_per_min=rpm, max_tokens_per_min=tpm,
-        )  # fmt: skip
+            max_requests_per_min=rpm,
+            max_tokens_per_min=tpm,
+        )
 
 
 class Authenticator:
@@ -293,5 +309,6 @@ class Authenticator:
     def authorize(identity: Identity, model: str) -> None:
         """403 (PermissionDeniedError in the openai client) when `identity` may not use `model`."""
         if not identity.may_use(model):
-            raise GuardError(403, f"{identity.principal} may not use the model {model!r}", param="model",
-                             code="model_not_allowed")  # fmt: skip
+            raise GuardError(
+                403, f"{identity.principal} may not use the model {model!r}", param="model", code="model_not_allowed"
+            )

@@ -20,17 +20,17 @@ from typing import Any, Protocol, cast
 
 from schemas.messages import CancelReason, GenerateRequest, Priority, ReplyEnd, ReviewFlag, now_ms
 from schemas.model_repo import ModelConfig
-from services.gateway.guard.admission import Admission, Ticket
-from services.gateway.guard.auth import Authenticator, GuardError, Identity, KeyStore
 from services.gateway.config import GatewaySettings
 from services.gateway.fleet import Fleet
+from services.gateway.guard.admission import Admission, Ticket
+from services.gateway.guard.auth import Authenticator, GuardError, Identity, KeyStore
 from services.gateway.guard.input_guard import InputGuard
 from services.gateway.guard.limits import Charge, RateLimited, RateLimiter, ScopeLimits
-from services.gateway.metrics import GatewayMetrics
-from services.gateway.queue_wait import BatchBacklog
-from services.gateway.openai_format import ApiError, ChatCompletionBody, CompletionBody
 from services.gateway.guard.peers import PeerSync
 from services.gateway.guard.validation import TokenCounter, check_request
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.openai_format import ApiError, ChatCompletionBody, CompletionBody
+from services.gateway.queue_wait import BatchBacklog
 
 log = logging.getLogger(__name__)
 
@@ -87,9 +87,14 @@ class Admitted:
 class Guard:
     """Authentication, validation, admission and rate limits of one gateway instance."""
 
-    def __init__(self, settings: GatewaySettings, bus: GuardBus, desired: Callable[[str], str],
-                 clock: Callable[[], float] = time.monotonic,
-                 wanted_since: Callable[[str], int | None] = lambda _: None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        bus: GuardBus,
+        desired: Callable[[str], str],
+        clock: Callable[[], float] = time.monotonic,
+        wanted_since: Callable[[str], int | None] = lambda _: None,
+    ) -> None:
         """`desired`: what the registry wants of a version (catalog.Catalog.desired), and
         `wanted_since`: since when (Catalog.wanted_since), which admission asks of a version no
         live worker serves."""
@@ -112,9 +117,11 @@ class Guard:
         self.metrics.follow_queue(bus.backlog)
         bus.on_cancel.append(lambda reason: self.metrics.cancellations.add(1, {"reason": reason}))
         self.input_guard = InputGuard(
-            settings, bus.gateway_id, bus.publish_review_flag,
+            settings,
+            bus.gateway_id,
+            bus.publish_review_flag,
             on_detection=lambda d, action: self.metrics.input_guard.add(1, {"level": d.level, "action": action}),
-        )  # fmt: skip
+        )
 
     async def start(self) -> None:
         """Start sharing keys and usage with the other instances (after the bus has started)."""
@@ -152,12 +159,15 @@ class Guard:
         lane = priority_of(headers)
         prompt_tokens = await self._count_prompts(model, body)
         charge = check_request(
-            body, request, model, prompt_tokens,
-            max_input_tokens=self.settings.max_input_tokens, max_stop_sequences=self.settings.max_stop_sequences,
-        )  # fmt: skip
+            body,
+            request,
+            model,
+            prompt_tokens,
+            max_input_tokens=self.settings.max_input_tokens,
+            max_stop_sequences=self.settings.max_stop_sequences,
+        )
         await self.input_guard.check(identity.principal, identity.tenant, body, self.counter.decoder(model))
-        admitted = self.reserve(identity, model.served_id, lane, charge,
-                                deadline_ms=request.deadline_ms)  # fmt: skip
+        admitted = self.reserve(identity, model.served_id, lane, charge, deadline_ms=request.deadline_ms)
         request = request.model_copy(
             update={"principal": identity.principal, "tenant": identity.tenant, "priority": lane}
         )
@@ -178,8 +188,9 @@ class Guard:
     def _count_inputs(self, model: ModelConfig, inputs: list[str]) -> int:
         return sum(self.counter.count(model, text) + 2 for text in inputs)  # + [CLS] and [SEP]
 
-    def reserve(self, identity: Identity, model: str, lane: Priority, reserved_tokens: int,
-                deadline_ms: int | None = None) -> Admitted:  # fmt: skip
+    def reserve(
+        self, identity: Identity, model: str, lane: Priority, reserved_tokens: int, deadline_ms: int | None = None
+    ) -> Admitted:
         """Take a lane ticket for version `model` (name@version) and charge the rate limits for
         reserved_tokens; ApiError 503/429. The breaker looks at what the live workers offer that
         version (fleet.Availability); one that cannot be served is 503 with the reason, and no
@@ -192,8 +203,9 @@ class Guard:
                 raise GuardError(503, offer.problem, param="model", code="model_unavailable")
             wait = self.bus.backlog.wait(model, offer.serving, now)
             to_deadline_s = None if deadline_ms is None else (deadline_ms - now) / 1000
-            ticket = self.admission.admit(model, lane, offer.serving, coming=offer.coming, wait=wait,
-                                          time_to_deadline_s=to_deadline_s)  # fmt: skip
+            ticket = self.admission.admit(
+                model, lane, offer.serving, coming=offer.coming, wait=wait, time_to_deadline_s=to_deadline_s
+            )
         except ApiError as error:
             self.metrics.admission_rejected.add(1, {"model": model, "code": error.code or "unknown"})
             raise
@@ -255,8 +267,10 @@ class Guard:
         ]
 
     async def _count_prompts(self, model: ModelConfig, body: ChatCompletionBody | CompletionBody) -> list[int]:
-        size = sum(len(p) for p in body.prompts) if isinstance(body, CompletionBody) else sum(
-            len(m.to_wire().content) for m in body.messages
+        size = (
+            sum(len(p) for p in body.prompts)
+            if isinstance(body, CompletionBody)
+            else sum(len(m.to_wire().content) for m in body.messages)
         )
         if size > _THREAD_COUNT_CHARS:
             return await asyncio.to_thread(self.counter.count_prompts, model, body)
@@ -267,19 +281,27 @@ def priority_of(headers: dict[str, str]) -> Priority:
     """The lane from X-Weir-Priority (interactive by default); 400 for anything else."""
     value = headers.get(PRIORITY_HEADER, "interactive").strip().lower()
     if value not in ("interactive", "bulk"):
-        raise ApiError(400, f"X-Weir-Priority must be interactive or bulk, got {value!r}",
-                       param="X-Weir-Priority", code="invalid_value")  # fmt: skip
+        raise ApiError(
+            400,
+            f"X-Weir-Priority must be interactive or bulk, got {value!r}",
+            param="X-Weir-Priority",
+            code="invalid_value",
+        )
     return cast(Priority, value)
 
 
 def rate_limit_error(limited: RateLimited) -> GuardError:
     """429 in OpenAI's format with Retry-After in whole seconds (the openai client: RateLimitError)."""
     if limited.is_too_large:
-        message = (f"Request too large for {limited.scope}: it needs more than the {limited.limit} "
-                   f"{limited.kind} per minute allowed; lower max_tokens or the prompt")  # fmt: skip
+        message = (
+            f"Request too large for {limited.scope}: it needs more than the {limited.limit} "
+            f"{limited.kind} per minute allowed; lower max_tokens or the prompt"
+        )
         retry_after = 60
     else:
         retry_after = max(1, math.ceil(limited.retry_after_s))
-        message = (f"Rate limit reached for {limited.scope}: {limited.limit} {limited.kind} per minute. "
-                   f"Please try again in {retry_after} s.")  # fmt: skip
+        message = (
+            f"Rate limit reached for {limited.scope}: {limited.limit} {limited.kind} per minute. "
+            f"Please try again in {retry_after} s."
+        )
     return GuardError(429, message, code="rate_limit_exceeded", headers={"retry-after": str(retry_after)})

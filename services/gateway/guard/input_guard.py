@@ -29,8 +29,8 @@ from collections.abc import Callable
 from urllib.parse import quote
 
 from schemas.messages import ReviewFlag
-from services.gateway.guard.settings import GuardSettings, InputGuardAction
 from services.gateway.guard.injection import Detection, InjectionDetector, RiskTracker
+from services.gateway.guard.settings import GuardSettings, InputGuardAction
 from services.gateway.openai_format import ApiError, ChatCompletionBody, CompletionBody
 
 log = logging.getLogger(__name__)
@@ -64,8 +64,13 @@ class InputGuard:
         """The tenant's action for high-risk prompts."""
         return self.settings.input_guard_tenant_actions.get(tenant, self.settings.input_guard_action)
 
-    async def check(self, principal: str, tenant: str, body: ChatCompletionBody | CompletionBody,
-                    decode: Callable[[list[int]], str] | None = None) -> Detection | None:
+    async def check(
+        self,
+        principal: str,
+        tenant: str,
+        body: ChatCompletionBody | CompletionBody,
+        decode: Callable[[list[int]], str] | None = None,
+    ) -> Detection | None:
         """Screen the body's prompt; returns the detection (None when the guard is off).
 
         Raises ApiError(400, code="prompt_injection_detected") for a high-risk prompt of a
@@ -74,22 +79,33 @@ class InputGuard:
         if self.detector is None:
             return None
         text = prompt_text(body, decode)
-        detection = await asyncio.to_thread(self.detector.detect, text) if len(text) > _THREAD_CHARS else (
-            self.detector.detect(text)
-        )  # fmt: skip
+        detection = (
+            await asyncio.to_thread(self.detector.detect, text)
+            if len(text) > _THREAD_CHARS
+            else (self.detector.detect(text))
+        )
         if detection.level == "low":
             return detection
         action = self.action_of(tenant)
         if self.on_detection is not None:
             self.on_detection(detection, action)
         if detection.is_high_risk:
-            log.warning("input_guard principal=%s tenant=%s level=high score=%.3f rules=%s action=%s",
-                        principal, tenant, detection.score, ",".join(detection.rules) or "-", action)
+            log.warning(
+                "input_guard principal=%s tenant=%s level=high score=%.3f rules=%s action=%s",
+                principal,
+                tenant,
+                detection.score,
+                ",".join(detection.rules) or "-",
+                action,
+            )
             self.record(principal, tenant, detection)
             if action == "block":
-                raise ApiError(400, "the prompt was refused by the input guard as a likely prompt injection",
-                               param="prompt" if isinstance(body, CompletionBody) else "messages",
-                               code="prompt_injection_detected")  # fmt: skip
+                raise ApiError(
+                    400,
+                    "the prompt was refused by the input guard as a likely prompt injection",
+                    param="prompt" if isinstance(body, CompletionBody) else "messages",
+                    code="prompt_injection_detected",
+                )
         return detection
 
     def record(self, principal: str, tenant: str, detection: Detection) -> ReviewFlag | None:
@@ -106,13 +122,25 @@ class InputGuard:
             return None
         times = self.tracker.times(who, now_s)
         flag = ReviewFlag(
-            flag_id=uuid.uuid4().hex, principal=principal, tenant=tenant, reason="prompt_injection",
-            num_detections=len(times), window_s=max(1, round(self.settings.review_window_s)),
-            first_detection_ms=int(times[0] * 1000), last_detection_ms=int(times[-1] * 1000),
-            rules=sorted(self._rules_seen.pop(who, set()))[:64], gateway_id=self.gateway_id,
-        )  # fmt: skip
-        log.warning("input_guard review_flag principal=%s tenant=%s detections=%d window_s=%d rules=%s",
-                    principal, tenant, flag.num_detections, flag.window_s, ",".join(flag.rules))
+            flag_id=uuid.uuid4().hex,
+            principal=principal,
+            tenant=tenant,
+            reason="prompt_injection",
+            num_detections=len(times),
+            window_s=max(1, round(self.settings.review_window_s)),
+            first_detection_ms=int(times[0] * 1000),
+            last_detection_ms=int(times[-1] * 1000),
+            rules=sorted(self._rules_seen.pop(who, set()))[:64],
+            gateway_id=self.gateway_id,
+        )
+        log.warning(
+            "input_guard review_flag principal=%s tenant=%s detections=%d window_s=%d rules=%s",
+            principal,
+            tenant,
+            flag.num_detections,
+            flag.window_s,
+            ",".join(flag.rules),
+        )
         self.publish_flag(flag)
         return flag
 
@@ -123,8 +151,12 @@ def prompt_text(body: ChatCompletionBody | CompletionBody, decode: Callable[[lis
     it), or every non-assistant message's content."""
     if isinstance(body, CompletionBody):
         if body.has_token_prompts and decode is None:
-            raise ApiError(400, "prompts of token ids are screened by the input guard, which needs the model's "
-                           "tokenizer at the gateway; send the text", param="prompt",
-                           code="unsupported_parameter")  # fmt: skip
+            raise ApiError(
+                400,
+                "prompts of token ids are screened by the input guard, which needs the model's "
+                "tokenizer at the gateway; send the text",
+                param="prompt",
+                code="unsupported_parameter",
+            )
         return "\n".join(p if isinstance(p, str) else decode(p) for p in body.prompts)  # type: ignore[misc]  # decode is set when has_token_prompts
     return "\n".join(m.to_wire().content for m in body.messages if m.role != "assistant")

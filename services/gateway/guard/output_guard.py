@@ -140,4 +140,6 @@ class LogprobGate:
 
 
 def _masked(token: TokenLogprob) -> TokenLogprob:
-    return token.model_copy(update={"token": REDACTED_TOKEN, "bytes": list(REDACTED_TOKEN.encode()), "top_logprobs": []})
+    return token.model_copy(
+        update={"token": REDACTED_TOKEN, "bytes": list(REDACTED_TOKEN.encode()), "top_logprobs": []}
+    )

@@ -21,8 +21,8 @@ from aiokafka.errors import KafkaError
 
 from schemas.codec import DecodeError, decode, encode
 from schemas.messages import ApiKeyRecord, UsageRecord, now_ms
-from services.gateway.guard.auth import KeyStore
 from services.gateway.config import GatewaySettings
+from services.gateway.guard.auth import KeyStore
 from services.gateway.guard.limits import RateLimiter
 from weir.bus import make_consumer, make_producer, partitions_of
 
@@ -107,7 +107,7 @@ class PeerSync:
             if client is not None:
                 try:
                     await client.stop()
-                except Exception:  # noqa: BLE001 - closing anyway
+                except Exception:  # closing anyway
                     log.exception("closing a Kafka client failed")
 
     @property
@@ -140,7 +140,9 @@ class PeerSync:
         deadline = self.clock() + self.settings.keys_catch_up_s
         while [tp for tp, end in ends.items() if await consumer.position(tp) < end]:
             if self.clock() > deadline:
-                log.warning("%s not read to its end within %.0f s; going on", tps[0].topic, self.settings.keys_catch_up_s)
+                log.warning(
+                    "%s not read to its end within %.0f s; going on", tps[0].topic, self.settings.keys_catch_up_s
+                )
                 return
             await read(200)
 
@@ -194,6 +196,6 @@ class PeerSync:
                 return
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001 - the loop must go on
+            except Exception:  # the loop must go on
                 log.exception("gateway peer loop failed; restarting in 1 s")
                 await asyncio.sleep(1.0)

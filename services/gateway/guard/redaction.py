@@ -136,7 +136,9 @@ _FEW_STARTS = 8  # below this many start positions, _next_match tries each inste
 _EMAIL_CHARS = r"A-Za-z0-9._%+\-"
 _ALNUM = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789")
 _SOFT_CHARS = _ALNUM | frozenset("._%+-@()[]{}<>/&#;\u3002")
-_SPACED_CHARS = _ALNUM | frozenset("._%+-@")  # the one-char tokens of "a l i c e @ e x a m p l e . c o m"  # every char but " " that a match may contain
+_SPACED_CHARS = _ALNUM | frozenset(
+    "._%+-@"
+)  # the one-char tokens of "a l i c e @ e x a m p l e . c o m"  # every char but " " that a match may contain
 _SOFT_OR_SPACE = "".join(sorted(_SOFT_CHARS)) + " "
 # chars that may sit in a loose card gap (between groups: newlines, commas, filler words); each
 # may be a cut or not, like a space (_last_cut_end); ";" is soft anyway (HTML references)
@@ -186,14 +188,84 @@ _LOOSE_CHAIN = re.compile(rf"(?<![0-9])[0-9]{{3,6}}(?:(?:{_SEP_RUN}{_FILLER}){{0
 _IBAN_CHAIN = re.compile(r"[A-Z]{2}[0-9]{2}[A-Z0-9 -]{1,40}")
 _FEW_SEPS = 4  # below this many separators to decide, no chain is looked for
 _IBAN_LENGTHS = {
-    "AD": 24, "AE": 23, "AL": 28, "AT": 20, "AZ": 28, "BA": 20, "BE": 16, "BG": 22, "BH": 22, "BR": 29, "BY": 28,
-    "CH": 21, "CR": 22, "CY": 28, "CZ": 24, "DE": 22, "DK": 18, "DO": 28, "EE": 20, "EG": 29, "ES": 24, "FI": 18,
-    "FO": 18, "FR": 27, "GB": 22, "GE": 22, "GI": 23, "GL": 18, "GR": 27, "GT": 28, "HR": 21, "HU": 28, "IE": 22,
-    "IL": 23, "IQ": 23, "IS": 26, "IT": 27, "JO": 30, "KW": 30, "KZ": 20, "LB": 28, "LC": 32, "LI": 21, "LT": 20,
-    "LU": 20, "LV": 21, "MC": 27, "MD": 24, "ME": 22, "MK": 19, "MR": 27, "MT": 31, "MU": 30, "NL": 18, "NO": 15,
-    "PK": 24, "PL": 28, "PS": 29, "PT": 25, "QA": 29, "RO": 24, "RS": 22, "SA": 24, "SC": 31, "SE": 24, "SI": 19,
-    "SK": 24, "SM": 27, "ST": 25, "SV": 28, "TL": 23, "TN": 24, "TR": 26, "UA": 29, "VA": 22, "VG": 24, "XK": 20,
-}  # fmt: skip
+    "AD": 24,
+    "AE": 23,
+    "AL": 28,
+    "AT": 20,
+    "AZ": 28,
+    "BA": 20,
+    "BE": 16,
+    "BG": 22,
+    "BH": 22,
+    "BR": 29,
+    "BY": 28,
+    "CH": 21,
+    "CR": 22,
+    "CY": 28,
+    "CZ": 24,
+    "DE": 22,
+    "DK": 18,
+    "DO": 28,
+    "EE": 20,
+    "EG": 29,
+    "ES": 24,
+    "FI": 18,
+    "FO": 18,
+    "FR": 27,
+    "GB": 22,
+    "GE": 22,
+    "GI": 23,
+    "GL": 18,
+    "GR": 27,
+    "GT": 28,
+    "HR": 21,
+    "HU": 28,
+    "IE": 22,
+    "IL": 23,
+    "IQ": 23,
+    "IS": 26,
+    "IT": 27,
+    "JO": 30,
+    "KW": 30,
+    "KZ": 20,
+    "LB": 28,
+    "LC": 32,
+    "LI": 21,
+    "LT": 20,
+    "LU": 20,
+    "LV": 21,
+    "MC": 27,
+    "MD": 24,
+    "ME": 22,
+    "MK": 19,
+    "MR": 27,
+    "MT": 31,
+    "MU": 30,
+    "NL": 18,
+    "NO": 15,
+    "PK": 24,
+    "PL": 28,
+    "PS": 29,
+    "PT": 25,
+    "QA": 29,
+    "RO": 24,
+    "RS": 22,
+    "SA": 24,
+    "SC": 31,
+    "SE": 24,
+    "SI": 19,
+    "SK": 24,
+    "SM": 27,
+    "ST": 25,
+    "SV": 28,
+    "TL": 23,
+    "TN": 24,
+    "TR": 26,
+    "UA": 29,
+    "VA": 22,
+    "VG": 24,
+    "XK": 20,
+}
 
 
 def _is_valid_id(span: str) -> bool:
@@ -353,9 +425,7 @@ _ANY_HINT = re.compile(r"[0-9+@\[({<&]| at |%2e", re.IGNORECASE | re.ASCII)  # o
 # Every pattern looks at most 2 chars behind its start and `lookahead` chars past its end.
 _DETECTORS = (
     _Detector(
-        re.compile(
-            rf"(?<![0-9])[1-9](?:[0-9]{{16}}[0-9Xx]|[0-9]{{0,7}}(?:{_GAP}[0-9]{{1,8}}){{1,8}}[Xx]?)(?![0-9])"
-        ),
+        re.compile(rf"(?<![0-9])[1-9](?:[0-9]{{16}}[0-9Xx]|[0-9]{{0,7}}(?:{_GAP}[0-9]{{1,8}}){{1,8}}[Xx]?)(?![0-9])"),
         _id_length,
         _DIGIT,
     ),
@@ -492,7 +562,10 @@ def _find_spans(view: _View, pos: int, stop: int) -> list[tuple[int, int]]:
         start, end = min(candidates, key=lambda s: (s[0], -s[1]))
         end = view.snap_up(end)
         spans.append((start, end))
-        found = [s if s is None or s[0] >= end else _next_match(d, text, end, stop) for d, s in zip(_DETECTORS, found, strict=True)]
+        found = [
+            s if s is None or s[0] >= end else _next_match(d, text, end, stop)
+            for d, s in zip(_DETECTORS, found, strict=True)
+        ]
     return spans
 
 

@@ -74,13 +74,16 @@ class GuardSettings(BaseSettings):
     overload_waiting_ratio: float = Field(
         2.0, gt=0, description="A worker is overloaded when num_waiting >= ratio * max_num_seqs; all overloaded → 429."
     )
-    max_input_tokens: int | None = Field(None, ge=1, description="Cap on prompt tokens below the model's max_model_len.")
+    max_input_tokens: int | None = Field(
+        None, ge=1, description="Cap on prompt tokens below the model's max_model_len."
+    )
     max_stop_sequences: int = Field(16, ge=0, le=16, description="Most stop strings a request may set.")
     input_guard: Literal["on", "off"] = Field(
         "on", description="on: every prompt is screened for prompt injection (rules + classifier) before Kafka."
     )
     input_guard_action: InputGuardAction = Field(
-        "flag", description="What a high-risk prompt gets, for tenants not in input_guard_tenant_actions: "
+        "flag",
+        description="What a high-risk prompt gets, for tenants not in input_guard_tenant_actions: "
         "block (400 prompt_injection_detected) or flag (served; counted, logged, and towards a review).",
     )
     input_guard_tenant_actions: dict[str, InputGuardAction] = Field(

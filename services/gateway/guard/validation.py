@@ -17,9 +17,9 @@ from tokenizers import Tokenizer
 
 from schemas.messages import GenerateRequest
 from schemas.model_repo import ModelConfig
-from weir.home import served_model_dir
 from schemas.openai_translate import check_context
 from services.gateway.openai_format import BodyError, ChatCompletionBody, CompletionBody, api_error
+from weir.home import served_model_dir
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,13 @@ def check_request(
     field when the prompt is too long, prompt + max_tokens exceeds max_model_len, or there are
     too many stops."""
     try:
-        return check_context(body, request, model, prompt_tokens, max_input_tokens=max_input_tokens,
-                             max_stop_sequences=max_stop_sequences)  # fmt: skip
+        return check_context(
+            body,
+            request,
+            model,
+            prompt_tokens,
+            max_input_tokens=max_input_tokens,
+            max_stop_sequences=max_stop_sequences,
+        )
     except BodyError as exc:
         raise api_error(exc) from None

@@ -32,19 +32,19 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from schemas.messages import now_ms
+from schemas.registry import ModelRoute, version_problem
 from services.gateway.guard.auth import GuardError
 from services.gateway.openai_format import ApiError
 from services.gateway.routes.parts import GatewayParts
 from services.gateway.routes.reading import read_body
-from schemas.registry import ModelRoute, version_problem
 from weir.registry import RegistryError, promote, set_desired, set_route
 
 Operation = Callable[..., list[Any]]
 
 OPERATIONS: dict[str, Operation] = {
-    "load": lambda state, sid, by: set_desired(state, sid, "loaded", by),
-    "unload": lambda state, sid, by: set_desired(state, sid, "unloaded", by),
-    "promote": lambda state, sid, by: promote(state, sid, by),
+    "load": lambda state, served_id, by: set_desired(state, served_id, "loaded", by),
+    "unload": lambda state, served_id, by: set_desired(state, served_id, "unloaded", by),
+    "promote": lambda state, served_id, by: promote(state, served_id, by),
 }
 
 
@@ -72,9 +72,16 @@ def add_admin_routes(router: APIRouter, parts: GatewayParts) -> None:
             raise ApiError(409, str(exc), code="registry_conflict") from None
         applied = await parts.catalog.write(records)
         route = next(record for record in records if isinstance(record, ModelRoute))
-        return JSONResponse({"name": name, "default": route.default_version, "canary": route.canary,
-                             "mirror": route.mirror, "records": [record.key for record in records],
-                             "applied": applied})  # fmt: skip
+        return JSONResponse(
+            {
+                "name": name,
+                "default": route.default_version,
+                "canary": route.canary,
+                "mirror": route.mirror,
+                "records": [record.key for record in records],
+                "applied": applied,
+            }
+        )
 
 
 def add_operation(router: APIRouter, parts: GatewayParts, action: str) -> None:
@@ -84,19 +91,32 @@ def add_operation(router: APIRouter, parts: GatewayParts, action: str) -> None:
         by = require_admin(parts, dict(request.headers))
         fields: dict[str, type] = {"version": str, "force": bool} if action == "promote" else {"version": str}
         body = await admin_body(parts, request, fields, required=("version",))
-        sid = parts.catalog.registered(name, body["version"])
+        served_id = parts.catalog.registered(name, body["version"])
         try:
-            records = OPERATIONS[action](parts.catalog.state, sid, by)
+            records = OPERATIONS[action](parts.catalog.state, served_id, by)
         except RegistryError as exc:
             raise ApiError(409, str(exc), param="version", code="registry_conflict") from None
         if action == "promote" and not body.get("force", False):
-            require_ready(parts, sid)
+            require_ready(parts, served_id)
         applied = await parts.catalog.write(records)
-        return JSONResponse({"name": name, "version": body["version"], "action": action,
-                             "records": [record.key for record in records], "applied": applied})  # fmt: skip
+        return JSONResponse(
+            {
+                "name": name,
+                "version": body["version"],
+                "action": action,
+                "records": [record.key for record in records],
+                "applied": applied,
+            }
+        )
 
-    router.add_api_route(f"/v2/repository/models/{{name}}/{action}", operate, methods=["POST"], tags=["admin"],
-                         summary=f"{action.capitalize()} a model version", name=f"repository_{action}")  # fmt: skip
+    router.add_api_route(
+        f"/v2/repository/models/{{name}}/{action}",
+        operate,
+        methods=["POST"],
+        tags=["admin"],
+        summary=f"{action.capitalize()} a model version",
+        name=f"repository_{action}",
+    )
 
 
 def route_policy(body: dict[str, Any]) -> dict[str, Any]:
@@ -112,30 +132,43 @@ def route_policy(body: dict[str, Any]) -> dict[str, Any]:
             if (problem := version_problem(version)) is not None:
                 raise ApiError(400, f"{field}: {problem}", param=field, code="invalid_value")
             if type(share) not in (int, float) or not 0 <= share <= 100:
-                raise ApiError(400, f"{field}: the share of {version[:64]!r} must be a number of percent, 0-100",
-                               param=field, code="invalid_value")  # fmt: skip
+                raise ApiError(
+                    400,
+                    f"{field}: the share of {version[:64]!r} must be a number of percent, 0-100",
+                    param=field,
+                    code="invalid_value",
+                )
     return {"default": body.get("default"), "canary": body.get("canary"), "mirror": body.get("mirror")}
 
 
-def require_ready(parts: GatewayParts, sid: str) -> None:
-    """409 unless a live worker reports `sid` ready (the gate of `weir models promote`); the message
+def require_ready(parts: GatewayParts, served_id: str) -> None:
+    """409 unless a live worker reports `served_id` ready (the gate of `weir models promote`); the message
     says what the live workers report, with each one's reason."""
-    if sid in parts.catalog.fleet.ready_versions(now_ms()):
+    if served_id in parts.catalog.fleet.ready_versions(now_ms()):
         return
-    statuses = parts.catalog.fleet.version_states(now_ms()).get(sid, {})
-    said = "; ".join(f"{status.state} on {wid}" + (f": {status.reason}" if status.reason else "")
-                     for wid, status in sorted(statuses.items()))  # fmt: skip
+    statuses = parts.catalog.fleet.version_states(now_ms()).get(served_id, {})
+    said = "; ".join(
+        f"{status.state} on {wid}" + (f": {status.reason}" if status.reason else "")
+        for wid, status in sorted(statuses.items())
+    )
     seen = f"live workers report: {said}" if said else "no live worker reports it"
-    raise ApiError(409, f"no live worker has {sid} ready ({seen}); load it and wait, or promote with "
-                   '"force": true', param="version", code="version_not_ready")  # fmt: skip
+    raise ApiError(
+        409,
+        f'no live worker has {served_id} ready ({seen}); load it and wait, or promote with "force": true',
+        param="version",
+        code="version_not_ready",
+    )
 
 
 def admin_caller(parts: GatewayParts, headers: dict[str, str]) -> str | None:
     """Who writes, when the request carries the gateway's admin token; else None."""
     token = parts.settings.gateway_admin_token
     scheme, _, given = headers.get("authorization", "").partition(" ")
-    if (token is not None and scheme.lower() == "bearer"
-            and hmac.compare_digest(given.strip().encode(), token.get_secret_value().encode())):
+    if (
+        token is not None
+        and scheme.lower() == "bearer"
+        and hmac.compare_digest(given.strip().encode(), token.get_secret_value().encode())
+    ):
         return f"gateway admin API ({parts.bus.gateway_id})"
     return None
 
@@ -148,11 +181,17 @@ def require_admin(parts: GatewayParts, headers: dict[str, str]) -> str:
     identity = parts.guard.authenticate(headers)  # 401 when missing or invalid
     parts.guard.metrics.auth_failures.add(1, {"code": "admin_required"})
     unset = "" if token is not None else ", which this gateway does not set"
-    raise GuardError(403, f"{identity.principal} may not administer models: the admin API takes the gateway's "
-                     f"admin token (WEIR_GATEWAY_ADMIN_TOKEN{unset})", code="admin_required")  # fmt: skip
+    raise GuardError(
+        403,
+        f"{identity.principal} may not administer models: the admin API takes the gateway's "
+        f"admin token (WEIR_GATEWAY_ADMIN_TOKEN{unset})",
+        code="admin_required",
+    )
 
 
-async def admin_body(parts: GatewayParts, request: Request, fields: dict[str, type], required: tuple[str, ...]) -> dict[str, Any]:
+async def admin_body(
+    parts: GatewayParts, request: Request, fields: dict[str, type], required: tuple[str, ...]
+) -> dict[str, Any]:
     """The JSON object of an admin call (empty body: {}): only `fields`, of their types; 400 for
     anything else, naming it."""
     raw = await read_body(request, parts.settings.max_body_bytes)
@@ -164,8 +203,12 @@ async def admin_body(parts: GatewayParts, request: Request, fields: dict[str, ty
         raise ApiError(400, "the body must be a JSON object", code="invalid_json")
     for key, value in body.items():
         if key not in fields:
-            raise ApiError(400, f"unknown field {key[:80]!r}; this call takes {sorted(fields)}", param=key[:80],
-                           code="unknown_parameter")  # fmt: skip
+            raise ApiError(
+                400,
+                f"unknown field {key[:80]!r}; this call takes {sorted(fields)}",
+                param=key[:80],
+                code="unknown_parameter",
+            )
         if type(value) is not fields[key]:
             raise ApiError(400, f"{key} must be a {fields[key].__name__}", param=key, code="invalid_value")
     for key in required:

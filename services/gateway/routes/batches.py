@@ -57,8 +57,12 @@ def add_file_routes(router: APIRouter, store: BatchStore, parts: GatewayParts) -
     @router.post("/v1/files", tags=["batch"], summary="Upload a batch input file")
     async def create_file(request: Request) -> JSONResponse:
         identity = guard.authenticate(dict(request.headers))
-        upload = await receive_upload(request.headers.get("content-type", ""), request.headers.get("content-length"),
-                                      request.stream(), parts.settings.batch_max_file_bytes)  # fmt: skip
+        upload = await receive_upload(
+            request.headers.get("content-type", ""),
+            request.headers.get("content-length"),
+            request.stream(),
+            parts.settings.batch_max_file_bytes,
+        )
         try:
             check_purpose(upload)
             assert upload.file is not None
@@ -72,8 +76,9 @@ def add_file_routes(router: APIRouter, store: BatchStore, parts: GatewayParts) -
         return JSONResponse(file_object(first))
 
     @router.get("/v1/files", tags=["batch"], summary="List the caller's files")
-    async def list_files(request: Request, purpose: str | None = None, limit: int = 10_000, order: str = "desc",
-                         after: str | None = None) -> JSONResponse:  # fmt: skip
+    async def list_files(
+        request: Request, purpose: str | None = None, limit: int = 10_000, order: str = "desc", after: str | None = None
+    ) -> JSONResponse:
         identity = guard.authenticate(dict(request.headers))
         files = (stored.first for stored in store.files.complete())
         return JSONResponse(file_page(files, identity, purpose, limit, order, after))
@@ -108,12 +113,14 @@ def add_batch_routes(router: APIRouter, store: BatchStore, parts: GatewayParts) 
         body = check_batch_body(parsed)
         stored = owned_file(store, body["input_file_id"], identity)
         if stored.first.purpose != "batch":
-            raise ApiError(400, f"{body['input_file_id']} is not a batch input file", param="input_file_id",
-                           code="invalid_value")  # fmt: skip
+            raise ApiError(
+                400, f"{body['input_file_id']} is not a batch input file", param="input_file_id", code="invalid_value"
+            )
         # Checked again: the creator's key may allow other models than the uploader's, and every
         # line's url must be the batch's endpoint.
-        summary = await asyncio.to_thread(check_batch_lines, stored.pieces(), line_rules(parts, identity),
-                                          body["endpoint"])  # fmt: skip
+        summary = await asyncio.to_thread(
+            check_batch_lines, stored.pieces(), line_rules(parts, identity), body["endpoint"]
+        )
         s = parts.settings
         quota = (s.batch_max_queued_requests, s.batch_max_queued_tokens)
         check_batch_quota(store.jobs.values(), identity, summary, *quota)
@@ -145,8 +152,15 @@ def add_batch_routes(router: APIRouter, store: BatchStore, parts: GatewayParts) 
 def line_rules(parts: GatewayParts, identity: Identity) -> LineRules:
     """What the lines of a file `identity` uploads or runs are checked against."""
     s = parts.settings
-    return LineRules(parts.catalog.resolve, identity, parts.guard.counter, s.max_input_tokens, s.max_stop_sequences,
-                     s.max_timeout_s, s.topics.job_replies("line-check"))  # fmt: skip
+    return LineRules(
+        parts.catalog.resolve,
+        identity,
+        parts.guard.counter,
+        s.max_input_tokens,
+        s.max_stop_sequences,
+        s.max_timeout_s,
+        s.topics.job_replies("line-check"),
+    )
 
 
 def owned_file(store: BatchStore, file_id: str, identity: Identity) -> StoredFile:

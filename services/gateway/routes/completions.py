@@ -33,6 +33,7 @@ from services.gateway.siblings import SiblingGroup, Streamed
 from services.gateway.stream_index import durable_record
 from services.gateway.streaming import collect, event_stream, served_headers
 
+
 def add_completion_routes(router: APIRouter, parts: GatewayParts) -> None:
     """Add the two completion endpoints to `router` (the app's)."""
 
@@ -64,15 +65,27 @@ async def complete(parts: GatewayParts, kind: Kind, request: Request) -> Respons
 
 
 async def answer(
-    parts: GatewayParts, kind: Kind, request: Request, exchange: Streamed, writer: ChunkWriter,
+    parts: GatewayParts,
+    kind: Kind,
+    request: Request,
+    exchange: Streamed,
+    writer: ChunkWriter,
     timer: GenerationTimer | None = None,
 ) -> Response:
     """The whole result of a stream=false request as one JSON body; 499 when the client left first."""
     headers = {"x-request-id": exchange.request_id}
     status: int | str = 500
     try:
-        body = await collect(exchange, kind, writer.created_s, request.receive, parts.output_guard.text, timer, writer,
-                             parts.output_guard.stream)
+        body = await collect(
+            exchange,
+            kind,
+            writer.created_s,
+            request.receive,
+            parts.output_guard.text,
+            timer,
+            writer,
+            parts.output_guard.stream,
+        )
         if body is None:
             status = "client_gone"
             return Response(status_code=499, headers=headers)
@@ -87,7 +100,12 @@ async def answer(
 
 
 async def open_exchange(
-    parts: GatewayParts, kind: Kind, raw: bytes, headers: dict[str, str], request_id: str, grace_s: float = 0.0,
+    parts: GatewayParts,
+    kind: Kind,
+    raw: bytes,
+    headers: dict[str, str],
+    request_id: str,
+    grace_s: float = 0.0,
     is_streamed: bool | None = None,
 ) -> tuple[Streamed, ChunkWriter, Owner, StreamRecord | None]:
     """Credentials → body → GenerateRequest → guard → published; raises ApiError for anything the
@@ -104,9 +122,16 @@ async def open_exchange(
     refuse_embedding_model(model)
     max_timeout_s = parts.settings.max_timeout_s
     request = to_generate_request(
-        kind, body, model, request_id=request_id, reply_to=parts.bus.reply_topic, now_ms=now_ms(),
-        client_timeout_s=header_timeout_s(headers, max_timeout_s), max_timeout_s=max_timeout_s, assignment=assignment,
-    )  # fmt: skip
+        kind,
+        body,
+        model,
+        request_id=request_id,
+        reply_to=parts.bus.reply_topic,
+        now_ms=now_ms(),
+        client_timeout_s=header_timeout_s(headers, max_timeout_s),
+        max_timeout_s=max_timeout_s,
+        assignment=assignment,
+    )
     request, admitted = await parts.guard.admit(identity, body, model, request, headers)
     route = f"/v1/{kind.replace('.', '/')}"
     writer = ChunkWriter.of(kind, body, request)
@@ -117,14 +142,19 @@ async def open_exchange(
         return exchange, writer, identity.owner, record
     if body.stream if is_streamed is None else is_streamed:
         bus = parts.bus  # start_offset: where this gateway reads its replies now, at or before the first event
-        record = durable_record(request, writer, identity.owner, grace_s, bus.gateway_id, bus.reply_topic,
-                                bus.reply_position)  # fmt: skip
+        record = durable_record(
+            request, writer, identity.owner, grace_s, bus.gateway_id, bus.reply_topic, bus.reply_position
+        )
     exchange = await submit(parts, request, admitted, headers, route, record)
     return exchange, writer, identity.owner, record if exchange.is_durable else None
 
 
 async def submit(
-    parts: GatewayParts, request: GenerateRequest, admitted: Admitted, headers: dict[str, str], route: str,
+    parts: GatewayParts,
+    request: GenerateRequest,
+    admitted: Admitted,
+    headers: dict[str, str],
+    route: str,
     record: StreamRecord | None = None,
 ) -> Exchange:
     """Publish one admitted request (and its StreamRecord); its admission is released when its
@@ -139,8 +169,13 @@ async def submit(
 
 
 async def submit_siblings(
-    parts: GatewayParts, identity: Identity, request: GenerateRequest, admitted: Admitted,
-    body: ChatCompletionBody | CompletionBody, headers: dict[str, str], route: str,
+    parts: GatewayParts,
+    identity: Identity,
+    request: GenerateRequest,
+    admitted: Admitted,
+    body: ChatCompletionBody | CompletionBody,
+    headers: dict[str, str],
+    route: str,
 ) -> SiblingGroup:
     """Publish the sibling requests of `request`, one per choice of `body` (n, or best_of), read as
     one SiblingGroup that keeps `n` of them (docs/design.md, "n and best_of are sibling
@@ -156,7 +191,7 @@ async def submit_siblings(
         for sibling, ticket in zip(siblings, tickets, strict=True):
             exchanges.append(await submit(parts, sibling, ticket, headers, route))
     except BaseException:
-        for ticket in tickets[len(exchanges):]:
+        for ticket in tickets[len(exchanges) :]:
             ticket.release(None)
         for exchange in exchanges:
             exchange.close("client_disconnect", status="cancelled")

@@ -37,10 +37,17 @@ async def embed(parts: GatewayParts, request: Request) -> Response:
     parts.guard.authorize(identity, model.served_id)
     max_timeout_s = parts.settings.max_timeout_s
     embeds = to_embed_requests(
-        body, model, request_id=request_id, reply_to=parts.bus.reply_topic, now_ms=now_ms(),
-        client_timeout_s=header_timeout_s(headers, max_timeout_s), max_timeout_s=max_timeout_s,
-        principal=identity.principal, tenant=identity.tenant, assignment=assignment,
-    )  # fmt: skip
+        body,
+        model,
+        request_id=request_id,
+        reply_to=parts.bus.reply_topic,
+        now_ms=now_ms(),
+        client_timeout_s=header_timeout_s(headers, max_timeout_s),
+        max_timeout_s=max_timeout_s,
+        principal=identity.principal,
+        tenant=identity.tenant,
+        assignment=assignment,
+    )
     lane, admitted = await parts.guard.admit_embedding(identity, model, body.inputs, headers)
     ends = await run_embeds(parts, request, request_id, embeds, lane, admitted)
     if ends is None:
@@ -65,8 +72,11 @@ async def run_embeds(
     usage: ReplyEnd | None = None
     try:
         for part in embeds:  # more than one when the input exceeds what one reply can carry
-            exchanges.append(await parts.bus.submit(part.model_copy(update={"priority": lane}), dict(request.headers),
-                                                    "/v1/embeddings"))  # fmt: skip
+            exchanges.append(
+                await parts.bus.submit(
+                    part.model_copy(update={"priority": lane}), dict(request.headers), "/v1/embeddings"
+                )
+            )
             request.state.is_submitted = True
         ends = await collect_ends(exchanges, request.receive)
         if ends is None:

@@ -50,6 +50,11 @@ async def on_error(request: Request, exc: Exception) -> JSONResponse:
     if request_id:
         headers["x-request-id"] = request_id
     if not getattr(request.state, "is_submitted", False):  # else the Exchange logs the request's end
-        log.info("request_end request_id=%s path=%s status=%d code=%s",
-                 request_id or "-", request.url.path, status, body["error"]["code"])
+        log.info(
+            "request_end request_id=%s path=%s status=%d code=%s",
+            request_id or "-",
+            request.url.path,
+            status,
+            body["error"]["code"],
+        )
     return JSONResponse(body, status_code=status, headers=headers)

@@ -10,8 +10,8 @@ from fastapi.responses import JSONResponse, Response
 
 from schemas.messages import WorkerHeartbeat, now_ms
 from services.gateway.metrics import GatewayMetrics
-from weir.metrics import CONTENT_TYPE
 from services.gateway.routes.parts import GatewayParts
+from weir.metrics import CONTENT_TYPE
 
 
 def add_metrics_routes(router: APIRouter, gateway_metrics: GatewayMetrics) -> None:

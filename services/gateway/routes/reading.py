@@ -11,8 +11,9 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
     """The request body, or ApiError(413) as soon as it is known to exceed max_bytes."""
     length = request.headers.get("content-length", "")
     if length.isascii() and length.isdigit() and int(length) > max_bytes:
-        raise ApiError(413, f"request body of {length} bytes exceeds the limit of {max_bytes} bytes",
-                       code="request_too_large")
+        raise ApiError(
+            413, f"request body of {length} bytes exceeds the limit of {max_bytes} bytes", code="request_too_large"
+        )
     chunks: list[bytes] = []
     size = 0
     async for chunk in request.stream():

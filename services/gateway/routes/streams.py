@@ -16,7 +16,6 @@ from services.gateway.routes.completions import new_request_id, open_exchange
 from services.gateway.routes.parts import GatewayParts
 from services.gateway.streaming import WebSocketSession, event_stream
 
-
 _EVENT_ID = re.compile(r"-1|[0-9]{1,18}")
 
 
@@ -25,8 +24,15 @@ def add_stream_routes(router: APIRouter, parts: GatewayParts) -> None:
 
     @router.websocket("/v1/stream")
     async def stream(ws: WebSocket) -> None:
-        await WebSocketSession(ws, partial(prepare, parts), partial(resume, parts), parts.output_guard,
-                               partial(check_frame, parts), parts.catalog.version_tag, parts.guard.metrics).run()  # fmt: skip
+        await WebSocketSession(
+            ws,
+            partial(prepare, parts),
+            partial(resume, parts),
+            parts.output_guard,
+            partial(check_frame, parts),
+            parts.catalog.version_tag,
+            parts.guard.metrics,
+        ).run()
 
     @router.get("/v1/streams/{request_id}")
     async def resume_stream(request_id: str, request: Request) -> Response:
@@ -45,7 +51,9 @@ def check_frame(parts: GatewayParts, raw: bytes) -> None:
     """ApiError unless a WebSocket frame meets an HTTP body's limits (request_limits.py); its body
     sits one level inside the frame object."""
     if len(raw) > parts.settings.max_body_bytes:
-        raise ApiError(413, f"frame exceeds the limit of {parts.settings.max_body_bytes} bytes", code="request_too_large")
+        raise ApiError(
+            413, f"frame exceeds the limit of {parts.settings.max_body_bytes} bytes", code="request_too_large"
+        )
     check_json_depth(raw, parts.settings.max_json_depth + 1)
 
 
@@ -53,11 +61,14 @@ async def prepare(parts: GatewayParts, kind: Kind, raw: bytes, headers: dict[str
     """Validate a body, publish its GenerateRequest, and register the stream (WebSocket). The
     body meets the limits of an HTTP body (request_limits.py)."""
     if len(raw) > parts.settings.max_body_bytes:
-        raise ApiError(413, f"request body exceeds the limit of {parts.settings.max_body_bytes} bytes",
-                       code="request_too_large")  # fmt: skip
+        raise ApiError(
+            413, f"request body exceeds the limit of {parts.settings.max_body_bytes} bytes", code="request_too_large"
+        )
     check_json_depth(raw, parts.settings.max_json_depth)
     grace_s = parts.grace_s(headers)
-    exchange, writer, owner, record = await open_exchange(parts, kind, raw, headers, new_request_id(kind), grace_s, True)
+    exchange, writer, owner, record = await open_exchange(
+        parts, kind, raw, headers, new_request_id(kind), grace_s, True
+    )
     return parts.streams.add(exchange, writer.fresh, grace_s, owner, record)
 
 
@@ -79,6 +90,10 @@ def last_event_id(value: str | None) -> int:
     if value is None or value == "":
         return -1
     if not _EVENT_ID.fullmatch(value):  # ASCII digits only, and few enough for a seq (int64)
-        raise ApiError(400, f"Last-Event-ID must be the id of an event of this stream, got {value[:40]!r}",
-                       param="Last-Event-ID", code="invalid_value")
+        raise ApiError(
+            400,
+            f"Last-Event-ID must be the id of an event of this stream, got {value[:40]!r}",
+            param="Last-Event-ID",
+            code="invalid_value",
+        )
     return int(value)

@@ -41,8 +41,10 @@ MAX_TOKENS_PER_CALL = 1 << 17  # token ids one /detokenize takes (a prompt's wor
 # vLLM's TokenizeChatRequest fields Weir's chats cannot honour: /v1/chat/completions takes none of
 # them, so a count with them would be of a prompt no request can run. Refused unless neutral.
 _CHAT_ONLY_NEUTRAL: dict[str, tuple[object, str]] = {
-    "continue_final_message": (False, "continuing the final message is not supported (chat completions always "
-                               "start a new assistant turn)"),
+    "continue_final_message": (
+        False,
+        "continuing the final message is not supported (chat completions always start a new assistant turn)",
+    ),
     "chat_template": (None, "a chat template of the request's own is not supported; the model's is used"),
     "chat_template_kwargs": ({}, "chat template arguments are not supported (chat completions take none)"),
     "mm_processor_kwargs": ({}, "multimodal inputs are not supported"),
@@ -78,8 +80,11 @@ def add_tokenize_routes(router: APIRouter, parts: GatewayParts) -> None:
     """Add /tokenize and /detokenize to `router` (the app's)."""
     templates = _ChatTemplates()
 
-    @router.post("/tokenize", tags=["tokenizer"],
-                 summary="The token ids of a prompt, or of a chat as its chat template renders it (vLLM's)")  # fmt: skip
+    @router.post(
+        "/tokenize",
+        tags=["tokenizer"],
+        summary="The token ids of a prompt, or of a chat as its chat template renders it (vLLM's)",
+    )
     async def tokenize(request: Request) -> Response:
         body = _parse(TokenizeBody, await read_body(request, parts.settings.max_body_bytes))
         model, tokenizer = _tokenizer(parts, request, body.model)
@@ -89,13 +94,21 @@ def add_tokenize_routes(router: APIRouter, parts: GatewayParts) -> None:
         else:
             _refuse_chat_fields(body)
             if body.prompt is None:
-                raise ApiError(400, "missing required parameter: 'prompt' (or 'messages')", param="prompt",
-                               code="missing_required_parameter")  # fmt: skip
+                raise ApiError(
+                    400,
+                    "missing required parameter: 'prompt' (or 'messages')",
+                    param="prompt",
+                    code="missing_required_parameter",
+                )
             text = body.prompt
             add_special_tokens = True if body.add_special_tokens is None else body.add_special_tokens
         encoding = tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        result = {"count": len(encoding.ids), "max_model_len": model.max_model_len, "tokens": encoding.ids,
-                  "token_strs": encoding.tokens if body.return_token_strs else None}  # fmt: skip
+        result = {
+            "count": len(encoding.ids),
+            "max_model_len": model.max_model_len,
+            "tokens": encoding.ids,
+            "token_strs": encoding.tokens if body.return_token_strs else None,
+        }
         return Response(orjson.dumps(result), media_type="application/json")
 
     @router.post("/detokenize", tags=["tokenizer"], summary="The text of token ids with the model's tokenizer (vLLM's)")
@@ -104,10 +117,16 @@ def add_tokenize_routes(router: APIRouter, parts: GatewayParts) -> None:
         _model, tokenizer = _tokenizer(parts, request, body.model)
         vocab = tokenizer.get_vocab_size(with_added_tokens=True)
         if any(not 0 <= t < vocab for t in body.tokens):
-            raise ApiError(400, f"token ids must be 0 to {vocab - 1}, the vocabulary of {body.model}", param="tokens",
-                           code="invalid_value")  # fmt: skip
-        return Response(orjson.dumps({"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}),
-                        media_type="application/json")
+            raise ApiError(
+                400,
+                f"token ids must be 0 to {vocab - 1}, the vocabulary of {body.model}",
+                param="tokens",
+                code="invalid_value",
+            )
+        return Response(
+            orjson.dumps({"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}),
+            media_type="application/json",
+        )
 
 
 def _parse(model: type[BaseModel], raw: bytes) -> Any:
@@ -124,8 +143,12 @@ def _tokenizer(parts: GatewayParts, request: Request, ref: str) -> tuple[ModelCo
     parts.guard.authorize(identity, model.served_id)
     tokenizer = parts.guard.counter.tokenizer(model)
     if tokenizer is None:
-        raise ApiError(400, f"{model.name} has no tokenizer the gateway can read (tokenizer.json)", param="model",
-                       code="unsupported_model")  # fmt: skip
+        raise ApiError(
+            400,
+            f"{model.name} has no tokenizer the gateway can read (tokenizer.json)",
+            param="model",
+            code="unsupported_model",
+        )
     return model, tokenizer
 
 
@@ -143,12 +166,20 @@ class _ChatTemplates:
             self._loaded[model.name] = _load_template(served) if served is not None else None
         template = self._loaded[model.name]
         if isinstance(template, ChatTemplateError):
-            raise ApiError(400, f"{model.name}'s chat template cannot be used: {template}", param="model",
-                           code="chat_template_error")  # fmt: skip
+            raise ApiError(
+                400,
+                f"{model.name}'s chat template cannot be used: {template}",
+                param="model",
+                code="chat_template_error",
+            )
         if template is None:
-            raise ApiError(400, f"{model.name} has no chat template (chat_template.jinja, or chat_template in "
-                           "tokenizer_config.json), so a chat has no token ids to give; send prompt",
-                           param="messages", code="chat_template_missing")  # fmt: skip
+            raise ApiError(
+                400,
+                f"{model.name} has no chat template (chat_template.jinja, or chat_template in "
+                "tokenizer_config.json), so a chat has no token ids to give; send prompt",
+                param="messages",
+                code="chat_template_missing",
+            )
         return template
 
 

@@ -41,16 +41,29 @@ def add_usage_routes(router: APIRouter, parts: GatewayParts, view: UsageView) ->
         rows = view.book.rows(tenant=tenant, start=query["start"], end=query["end"], group_by=query["group_by"])
         # Rate cards measure every tenant's traffic on a version: the deployment's operators' business.
         cards = view.book.rate_cards() if admin_caller(parts, dict(request.headers)) is not None else []
-        return JSONResponse({"object": "list", "data": rows, "rate_cards": cards, "tenant": tenant,
-                             "start": query["start"], "end": query["end"], "group_by": query["group_by"]})  # fmt: skip
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": rows,
+                "rate_cards": cards,
+                "tenant": tenant,
+                "start": query["start"],
+                "end": query["end"],
+                "group_by": query["group_by"],
+            }
+        )
 
 
 def usage_query(params: QueryParams) -> dict[str, Any]:
     """The query's start, end, group_by (a list) and tenant; 400 naming an unknown, repeated or bad one."""
     for name in params:
         if name not in PARAMS:
-            raise ApiError(400, f"unknown parameter {name[:80]!r}; this call takes {', '.join(PARAMS)}",
-                           param=name[:80], code="unknown_parameter")  # fmt: skip
+            raise ApiError(
+                400,
+                f"unknown parameter {name[:80]!r}; this call takes {', '.join(PARAMS)}",
+                param=name[:80],
+                code="unknown_parameter",
+            )
         if len(params.getlist(name)) > 1:
             raise ApiError(400, f"{name} is given more than once", param=name, code="invalid_value")
     try:
@@ -62,9 +75,15 @@ def usage_query(params: QueryParams) -> dict[str, Any]:
     group_by = [g.strip() for g in params.get("group_by", ",".join(GROUPS)).split(",") if g.strip()]
     bad = [g for g in group_by if g not in GROUPS]
     if bad or not group_by:
-        raise ApiError(400, f"group_by takes a comma-separated list of {', '.join(GROUPS)}", param="group_by",
-                       code="invalid_value")  # fmt: skip
-    return {"start": start, "end": end, "group_by": [g for g in GROUPS if g in group_by], "tenant": params.get("tenant")}
+        raise ApiError(
+            400, f"group_by takes a comma-separated list of {', '.join(GROUPS)}", param="group_by", code="invalid_value"
+        )
+    return {
+        "start": start,
+        "end": end,
+        "group_by": [g for g in GROUPS if g in group_by],
+        "tenant": params.get("tenant"),
+    }
 
 
 def visible_tenant(parts: GatewayParts, headers: dict[str, str], asked: str | None) -> str | None:
@@ -75,6 +94,10 @@ def visible_tenant(parts: GatewayParts, headers: dict[str, str], asked: str | No
     identity = parts.guard.authenticate(headers)
     if asked is not None and asked != identity.tenant:
         parts.guard.metrics.auth_failures.add(1, {"code": "tenant_not_allowed"})
-        raise ApiError(403, f"{identity.principal} may read the usage of its own tenant only", param="tenant",
-                       code="tenant_not_allowed")  # fmt: skip
+        raise ApiError(
+            403,
+            f"{identity.principal} may read the usage of its own tenant only",
+            param="tenant",
+            code="tenant_not_allowed",
+        )
     return identity.tenant

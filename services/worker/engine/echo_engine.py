@@ -51,25 +51,35 @@ class EchoEngine:
         """Queue a request; returns a terminal event at once if it is refused."""
         if not isinstance(request, GenerateRequest):
             info = ErrorInfo(code="unsupported_request_kind", message="the echo model generates text, not embeddings")
-            return EngineOutput(request.request_id, 0, finish_reason="rejected", error=info, received_ms=now_ms, finished_ms=now_ms)
+            return EngineOutput(
+                request.request_id, 0, finish_reason="rejected", error=info, received_ms=now_ms, finished_ms=now_ms
+            )
         if request.request_id in self._active:
             return None
         unsupported = [why for name, why in _UNSUPPORTED.items() if getattr(request, name) is not None]
         if constraint_of(request) is not None:  # echoing the prompt cannot follow a grammar: refuse, never relax
             unsupported.append("a constrained output (structured outputs, tool choice required or named)")
         if unsupported:  # refused, never faked (docs/design.md, invariant 6)
-            info = ErrorInfo(code="unsupported_by_model", message="the echo model cannot serve " + "; ".join(unsupported))
-            return EngineOutput(request.request_id, 0, finish_reason="rejected", error=info, received_ms=now_ms, finished_ms=now_ms)
+            info = ErrorInfo(
+                code="unsupported_by_model", message="the echo model cannot serve " + "; ".join(unsupported)
+            )
+            return EngineOutput(
+                request.request_id, 0, finish_reason="rejected", error=info, received_ms=now_ms, finished_ms=now_ms
+            )
         text = request.prompt if request.prompt is not None else "\n".join(m.content for m in request.messages or [])
         echo = _Echo(request, text, now_ms)
         if len(echo.pieces) >= self.max_model_len:
             word: context_length.PromptWord = "prompt" if request.prompt is not None else "messages"
             message = context_length.prompt_too_long(self.max_model_len, len(echo.pieces), word)
             info = ErrorInfo(code="prompt_too_long", message=message)
-            return EngineOutput(request.request_id, 0, finish_reason="rejected", error=info, received_ms=now_ms, finished_ms=now_ms)
+            return EngineOutput(
+                request.request_id, 0, finish_reason="rejected", error=info, received_ms=now_ms, finished_ms=now_ms
+            )
         if request.deadline_ms <= now_ms:
             info = ErrorInfo(code="deadline_exceeded", message="deadline passed before the model ran")
-            return EngineOutput(request.request_id, 0, finish_reason="timeout", error=info, received_ms=now_ms, finished_ms=now_ms)
+            return EngineOutput(
+                request.request_id, 0, finish_reason="timeout", error=info, received_ms=now_ms, finished_ms=now_ms
+            )
         self._active[request.request_id] = echo
         return None
 
@@ -92,7 +102,9 @@ class EchoEngine:
         for echo in list(self._active.values()):
             req = echo.request
             if req.deadline_ms <= now_ms:
-                outputs.append(self._end(echo, "timeout", now_ms, ErrorInfo(code="deadline_exceeded", message="deadline passed")))
+                outputs.append(
+                    self._end(echo, "timeout", now_ms, ErrorInfo(code="deadline_exceeded", message="deadline passed"))
+                )
             elif echo.pos >= len(echo.pieces):
                 outputs.append(self._end(echo, "stop", now_ms))
             elif echo.pos >= req.max_tokens:
@@ -103,7 +115,9 @@ class EchoEngine:
                 gaps = None if echo.first_token_ms is None else [now_ms - echo.last_token_ms]  # inter-token latency
                 echo.first_token_ms = echo.first_token_ms or now_ms
                 echo.last_token_ms = now_ms
-                outputs.append(EngineOutput(req.request_id, echo.seq, text=piece, token_ids=[echo.pos - 1], itl_ms=gaps))
+                outputs.append(
+                    EngineOutput(req.request_id, echo.seq, text=piece, token_ids=[echo.pos - 1], itl_ms=gaps)
+                )
                 echo.seq += 1
         return outputs
 
@@ -113,12 +127,24 @@ class EchoEngine:
 
     def _final(self, echo: _Echo, reason, now_ms: int, error: ErrorInfo | None) -> EngineOutput:
         return EngineOutput(
-            echo.request.request_id, echo.seq, finish_reason=reason, error=error,
-            prompt_tokens=len(echo.pieces), completion_tokens=echo.pos, received_ms=echo.received_ms,
-            first_token_ms=echo.first_token_ms, finished_ms=now_ms, prompt_text=echo.text,
+            echo.request.request_id,
+            echo.seq,
+            finish_reason=reason,
+            error=error,
+            prompt_tokens=len(echo.pieces),
+            completion_tokens=echo.pos,
+            received_ms=echo.received_ms,
+            first_token_ms=echo.first_token_ms,
+            finished_ms=now_ms,
+            prompt_text=echo.text,
             output_text="".join(echo.pieces[: echo.pos]),
-        )  # fmt: skip
+        )
 
     def stats(self) -> dict[str, float]:
-        return {"num_running": len(self._active), "num_waiting": 0, "free_kv_blocks": self.max_num_seqs - len(self._active),
-                "num_kv_blocks": self.max_num_seqs, "prefix_hit_rate": 0.0}  # fmt: skip
+        return {
+            "num_running": len(self._active),
+            "num_waiting": 0,
+            "free_kv_blocks": self.max_num_seqs - len(self._active),
+            "num_kv_blocks": self.max_num_seqs,
+            "prefix_hit_rate": 0.0,
+        }

@@ -57,12 +57,15 @@ class EmbeddingEngine:
         max_fragment_tokens: int | None = None,
     ) -> None:
         self.model_dir = Path(model_dir)
-        self.embedder = SentenceEmbedder(model_dir, use_cuda=use_cuda, num_threads=num_threads,
-                                         max_fragment_tokens=max_fragment_tokens)  # fmt: skip
+        self.embedder = SentenceEmbedder(
+            model_dir, use_cuda=use_cuda, num_threads=num_threads, max_fragment_tokens=max_fragment_tokens
+        )
         self.window = self.embedder.window
         self.dimensions = self.embedder.dimensions
         if dimensions is not None and dimensions != self.dimensions:
-            raise ValueError(f"{dimensions=} in the model repository, but {model_dir} makes {self.dimensions}-d vectors")
+            raise ValueError(
+                f"{dimensions=} in the model repository, but {model_dir} makes {self.dimensions}-d vectors"
+            )
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_batch_fragments = max_batch_fragments
@@ -96,7 +99,9 @@ class EmbeddingEngine:
             return None  # a redelivery while the first copy runs: that one answers
         if request.deadline_ms <= now_ms:
             return _refused(rid, now_ms, "timeout", "deadline_exceeded", "deadline passed before the model ran")
-        job = _Job(request, now_ms, deque(), np.zeros((len(request.inputs), self.dimensions)), np.zeros(len(request.inputs)))
+        job = _Job(
+            request, now_ms, deque(), np.zeros((len(request.inputs), self.dimensions)), np.zeros(len(request.inputs))
+        )
         for index, ids in enumerate(self.embedder.encode(request.inputs)):
             fragments = self.embedder.fragment(ids)  # each with [CLS] and [SEP]
             num_tokens = sum(len(fragment) for fragment in fragments)
@@ -171,25 +176,39 @@ class EmbeddingEngine:
         if reason == "stop":
             vectors = as_json_floats(pool(job.sums, job.num_tokens))
         return EngineOutput(
-            job.request.request_id, 0, finish_reason=reason, error=error, prompt_tokens=job.total_tokens,
-            received_ms=job.received_ms, finished_ms=now_ms, prompt_text="\n".join(job.request.inputs),
-            output_text="", embeddings=vectors,
-        )  # fmt: skip
+            job.request.request_id,
+            0,
+            finish_reason=reason,
+            error=error,
+            prompt_tokens=job.total_tokens,
+            received_ms=job.received_ms,
+            finished_ms=now_ms,
+            prompt_text="\n".join(job.request.inputs),
+            output_text="",
+            embeddings=vectors,
+        )
 
     # -- introspection -----------------------------------------------------------------------
 
     def stats(self) -> dict[str, float]:
         """Gauges for heartbeats; 'KV blocks' are request slots here, as in EchoEngine."""
         return {
-            "num_running": len(self._jobs), "num_waiting": 0,
-            "free_kv_blocks": max(0, self.max_num_seqs - len(self._jobs)), "num_kv_blocks": self.max_num_seqs,
-            "prefix_hit_rate": 0.0, "num_session_calls": self.num_session_calls,
+            "num_running": len(self._jobs),
+            "num_waiting": 0,
+            "free_kv_blocks": max(0, self.max_num_seqs - len(self._jobs)),
+            "num_kv_blocks": self.max_num_seqs,
+            "prefix_hit_rate": 0.0,
+            "num_session_calls": self.num_session_calls,
             "num_fragments_run": self.num_fragments_run,
-        }  # fmt: skip
+        }
 
 
 def _refused(request_id: str, now_ms: int, reason: FinishReason, code: str, message: str) -> EngineOutput:
     return EngineOutput(
-        request_id, 0, finish_reason=reason, error=ErrorInfo(code=code, message=message),
-        received_ms=now_ms, finished_ms=now_ms,
-    )  # fmt: skip
+        request_id,
+        0,
+        finish_reason=reason,
+        error=ErrorInfo(code=code, message=message),
+        received_ms=now_ms,
+        finished_ms=now_ms,
+    )

@@ -96,9 +96,14 @@ class Grammars:
     when a compile runs past `timeout_s` or the child dies; the step thread only polls futures."""
 
     def __init__(
-        self, model_path: str | Path, vocab_size: int, stop_ids: Iterable[int], cache_size: int = CACHE_SIZE,
-        timeout_s: float = COMPILE_TIMEOUT_S, memory_bytes: int = COMPILE_MEMORY_BYTES,
-    ) -> None:  # fmt: skip
+        self,
+        model_path: str | Path,
+        vocab_size: int,
+        stop_ids: Iterable[int],
+        cache_size: int = CACHE_SIZE,
+        timeout_s: float = COMPILE_TIMEOUT_S,
+        memory_bytes: int = COMPILE_MEMORY_BYTES,
+    ) -> None:
         self.model_path = Path(model_path)
         self.vocab_size = vocab_size  # the logits' width (config vocab), may exceed the tokenizer's
         self.stop_ids = sorted(stop_ids)
@@ -174,7 +179,9 @@ class Grammars:
             self._child.wait_ready()
             started = time.monotonic()
             reply = self._child.compile(spec, self.timeout_s)
-        except Exception as exc:  # a tokenizer.json xgrammar cannot read, a child that cannot start: ours, not the client's
+        except (
+            Exception
+        ) as exc:  # a tokenizer.json xgrammar cannot read, a child that cannot start: ours, not the client's
             log.exception("grammar compile child failed")
             self._kill_child()
             future.set_exception(RuntimeError(f"the grammar compile process failed: {type(exc).__name__}: {exc}"))
@@ -199,11 +206,19 @@ class Grammars:
         self._kill_child()
         if self._is_closed:
             return RuntimeError("the grammar compiler was closed")
-        log.warning("grammar compile killed (%s after %.1f s): spec %s..., %s", kind, seconds, spec_key(spec)[:12],
-                    spec_kind(spec))  # fmt: skip
+        log.warning(
+            "grammar compile killed (%s after %.1f s): spec %s..., %s",
+            kind,
+            seconds,
+            spec_key(spec)[:12],
+            spec_kind(spec),
+        )
         self.kills += 1
-        why = (f"the constraint did not compile within {self.timeout_s:g} s" if kind == "timeout" else
-               f"the constraint's compile ran out of memory or crashed ({how})")  # fmt: skip
+        why = (
+            f"the constraint did not compile within {self.timeout_s:g} s"
+            if kind == "timeout"
+            else f"the constraint's compile ran out of memory or crashed ({how})"
+        )
         return GrammarError("grammar_too_complex", f"{why}; simplify it (e.g. smaller bounded repetitions)")
 
     def _kill_child(self) -> None:
@@ -226,8 +241,15 @@ class CompileChild:
     def __init__(self, model_path: Path, vocab_size: int, stop_ids: list[int], memory_bytes: int) -> None:
         to_child_r, to_child_w = os.pipe()
         from_child_r, from_child_w = os.pipe()
-        args = [sys.executable, "-m", "services.worker.engine.grammar_child", str(to_child_r), str(from_child_w),
-                str(os.getpid()), str(memory_bytes)]  # fmt: skip
+        args = [
+            sys.executable,
+            "-m",
+            "services.worker.engine.grammar_child",
+            str(to_child_r),
+            str(from_child_w),
+            str(os.getpid()),
+            str(memory_bytes),
+        ]
         root = Path(__file__).resolve().parents[3]  # the repository: the child imports services.* from it
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
         self.process = subprocess.Popen(args, pass_fds=(to_child_r, from_child_w), env=env, stdin=subprocess.DEVNULL)
@@ -288,8 +310,9 @@ def compile_spec(compiler: xgr.GrammarCompiler, spec: StructuredOutputs) -> xgr.
             return compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, separators=SEPARATORS)
         if spec.json_object:
             # strict_mode off: any object, with any properties (strict mode would close it to `{}`)
-            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, separators=SEPARATORS,
-                                                strict_mode=False)  # fmt: skip
+            return compiler.compile_json_schema(
+                '{"type": "object"}', any_whitespace=False, separators=SEPARATORS, strict_mode=False
+            )
         if spec.regex is not None:
             return compiler.compile_regex(spec.regex)
         return compiler.compile_grammar(choice_ebnf(spec.choice or []))

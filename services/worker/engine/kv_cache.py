@@ -148,8 +148,10 @@ def allocate_kv_caches(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One (k, v) pair per layer, each [num_blocks, block_size, kv_heads, head_dim]."""
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(num_layers)]  # fmt: skip
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(num_layers)
+    ]
 
 
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

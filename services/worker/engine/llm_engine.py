@@ -37,7 +37,6 @@ from schemas.messages import (
 )
 from schemas.structured import UnsupportedSchema, check_structured, constraint_of
 from schemas.tools import tools_problem
-from weir.chat_template import ChatTemplateError
 from services.worker.engine.grammar import CLOSE_BIAS, GrammarError, Grammars, JsonCloser, StepMask, is_instance
 from services.worker.engine.kv_cache import BlockManager, allocate_kv_caches, bytes_per_block
 from services.worker.engine.model import AttentionMetadata, CausalLM, load_model, weights_sha256
@@ -46,6 +45,7 @@ from services.worker.engine.scheduler import Scheduler, StepPlan
 from services.worker.engine.sequence import EngineOutput, Sequence, Status
 from services.worker.engine.tokenizer import IncrementalDetokenizer, ModelTokenizer, SuffixUnsupported, TokenizerError
 from services.worker.engine.watermark import Watermarker
+from weir.chat_template import ChatTemplateError
 
 if TYPE_CHECKING:
     import xgrammar as xgr  # imported by grammar.py where used: it pulls in transformers
@@ -76,9 +76,12 @@ class Engine:
     """Serves one model: add requests, step, read outputs."""
 
     def __init__(
-        self, model_path: str | Path, config: EngineConfig, device: torch.device | None = None,
+        self,
+        model_path: str | Path,
+        config: EngineConfig,
+        device: torch.device | None = None,
         watermarker: Watermarker | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         self.config = config
@@ -89,8 +92,12 @@ class Engine:
         self.clock: Callable[[], int] | None = None
         quantization = config.quantization if self.device.type == "cpu" else "none"
         if quantization != config.quantization:  # the setting is the CPU's (schemas/model_repo.py): said, not hidden
-            log.warning("engine: quantization %s applies on the CPU; on %s the weights load in %s",
-                        config.quantization, self.device, self.dtype)  # fmt: skip
+            log.warning(
+                "engine: quantization %s applies on the CPU; on %s the weights load in %s",
+                config.quantization,
+                self.device,
+                self.dtype,
+            )
         self.model: CausalLM = load_model(model_path, self.device, self.dtype, quantization)
         self.tokenizer = ModelTokenizer(model_path)
         self.weights_sha256 = weights_sha256(Path(model_path))
@@ -130,8 +137,16 @@ class Engine:
         self._json_ids: set[str] = set()  # constrained to JSON (schema, json_object, tool call): closed near max_tokens
         self._matchers: dict[str, xgr.GrammarMatcher] = {}  # request_id -> its matcher, for constrained sequences
         self._compiling: dict[str, tuple[Sequence, Future]] = {}  # waiting for their grammar: seq, future
-        log.info("engine: %s on %s %s, weights %s %.0f MB, %d KV blocks of %d tokens", model_path, self.device,
-                 self.dtype, self.model.quantization, self.model.weight_bytes / 1e6, num_blocks, config.block_size)
+        log.info(
+            "engine: %s on %s %s, weights %s %.0f MB, %d KV blocks of %d tokens",
+            model_path,
+            self.device,
+            self.dtype,
+            self.model.quantization,
+            self.model.weight_bytes / 1e6,
+            num_blocks,
+            config.block_size,
+        )
 
     def _kv_budget_bytes(self) -> int:
         if self.device.type == "cuda":
@@ -158,7 +173,9 @@ class Engine:
             prompt_text = self.tokenizer.render(request)
             prompt_ids = self.tokenizer.encode(prompt_text)
         except SuffixUnsupported as exc:  # refused, never ignored (docs/design.md, invariant 6)
-            return _refused(request, now_ms, "rejected", "suffix_unsupported", f"{request.model} cannot take a suffix: {exc}")
+            return _refused(
+                request, now_ms, "rejected", "suffix_unsupported", f"{request.model} cannot take a suffix: {exc}"
+            )
         except ChatTemplateError as exc:  # the template refused this chat (e.g. a role order): the client's to fix
             return _refused(request, now_ms, "rejected", "chat_template_error", str(exc))
         except TokenizerError as exc:
@@ -180,17 +197,22 @@ class Engine:
         outside = [k for k in request.logit_bias or {} if int(k) >= self.model.args.vocab_size]
         if outside:
             return _refused(
-                request, now_ms, "rejected", "invalid_logit_bias",
+                request,
+                now_ms,
+                "rejected",
+                "invalid_logit_bias",
                 f"logit_bias names token id {outside[0]}, outside the vocabulary of {request.model} "
                 f"(token ids 0 to {self.model.args.vocab_size - 1})",
-            )  # fmt: skip
+            )
         if (problem := tools_problem(request.tools)) is not None:  # a raw Kafka request the gateway would refuse
             message = f"tools[{problem[0]}]: {problem[1]}"
             return _refused(request, now_ms, "rejected", "invalid_tool_parameters", message)
         strict = [i for i, t in enumerate(request.tools or []) if t.function.strict]
         if strict and request.tool_choice in (None, "auto"):  # as the gateway: a promise auto cannot keep
-            message = (f"tools[{strict[0]}]: strict needs tool_choice required or a named function; "
-                       "calls under auto are parsed from the model's text, not constrained")
+            message = (
+                f"tools[{strict[0]}]: strict needs tool_choice required or a named function; "
+                "calls under auto are parsed from the model's text, not constrained"
+            )
             return _refused(request, now_ms, "rejected", "unsupported_parameter", message)
         spec = constraint_of(request)
         if spec is not None and (refused := self._refuse_constraint(request, spec, now_ms)) is not None:
@@ -325,9 +347,15 @@ class Engine:
         biases = [self.watermarker.bias(s.request.tenant, s.token_ids[-1], vocab_size) for s in seqs]
         histories = [s.output_ids if s.is_penalised else [] for s in seqs]  # only penalties read them
         rows = sample_batch(
-            logits, [s.request for s in seqs], [s.generator for s in seqs], biases, histories,
-            [s.token_bias for s in seqs], [s.request.logprobs for s in seqs], mask=self._grammar_mask(seqs),
-        )  # fmt: skip
+            logits,
+            [s.request for s in seqs],
+            [s.generator for s in seqs],
+            biases,
+            histories,
+            [s.token_bias for s in seqs],
+            [s.request.logprobs for s in seqs],
+            mask=self._grammar_mask(seqs),
+        )
         taken_ms = self.clock() if self.clock is not None else now_ms
         for seq, token, entropy, logprob, top in zip(seqs, *rows, strict=True):
             outputs.extend(self._postprocess(seq, token, entropy, logprob, top, taken_ms))
@@ -394,7 +422,9 @@ class Engine:
         outputs = [self._finish(s, "timeout", now_ms, info) for s in expired]
         for request_id in [r for r, (s, _) in self._compiling.items() if s.request.deadline_ms <= now_ms]:
             seq, _ = self._compiling.pop(request_id)
-            outputs.append(_refused(seq.request, now_ms, "timeout", "deadline_exceeded", "the request's deadline passed"))
+            outputs.append(
+                _refused(seq.request, now_ms, "timeout", "deadline_exceeded", "the request's deadline passed")
+            )
         return outputs
 
     def _run(self, plan: StepPlan) -> torch.Tensor:
@@ -427,10 +457,14 @@ class Engine:
                 width = max(widths[start:end])
                 tables = [c.seq.block_table + [0] * (width - len(c.seq.block_table)) for c in plan.decodes[start:end]]
                 lens = [c.end for c in plan.decodes[start:end]]
-                meta.decode_groups.append((
-                    start, end, torch.tensor(tables, dtype=torch.int32, device=self.device),
-                    torch.tensor(lens, dtype=torch.int32, device=self.device),
-                ))  # fmt: skip
+                meta.decode_groups.append(
+                    (
+                        start,
+                        end,
+                        torch.tensor(tables, dtype=torch.int32, device=self.device),
+                        torch.tensor(lens, dtype=torch.int32, device=self.device),
+                    )
+                )
         # after the sampling rows: the rows of the prompt positions whose logits a request asked
         # for (prompt_logprobs; only those requests pay for them), each predicting the next prompt token
         self._prompt_rows = []
@@ -459,9 +493,14 @@ class Engine:
         return torch.tensor(lens, dtype=torch.long, device=self.device)
 
     def _postprocess(
-        self, seq: Sequence, token: int | None, entropy: float, logprob: float | None,
-        top: list[tuple[int, float]] | None, now_ms: int,
-    ) -> list[EngineOutput]:  # fmt: skip
+        self,
+        seq: Sequence,
+        token: int | None,
+        entropy: float,
+        logprob: float | None,
+        top: list[tuple[int, float]] | None,
+        now_ms: int,
+    ) -> list[EngineOutput]:
         """Take one sampled token (None: the row's logits were not finite), its raw logprob and
         the alternatives its request asked for into `seq`."""
         if seq.status is not Status.RUNNING:
@@ -499,8 +538,11 @@ class Engine:
     def _token_logprob(self, token: int, logprob: float, top: list[tuple[int, float]] | None) -> TokenLogprob:
         """The wire form of an output token's logprob, with its request's alternatives."""
         text, raw = self.tokenizer.token_piece(token)
-        alternatives = [TopLogprob(token_id=i, token=t, bytes=b, logprob=lp)
-                        for i, lp in top or [] for t, b in [self.tokenizer.token_piece(i)]]  # fmt: skip
+        alternatives = [
+            TopLogprob(token_id=i, token=t, bytes=b, logprob=lp)
+            for i, lp in top or []
+            for t, b in [self.tokenizer.token_piece(i)]
+        ]
         return TokenLogprob(token_id=token, token=text, bytes=raw, logprob=logprob, top_logprobs=alternatives)
 
     def _finish(self, seq: Sequence, reason, now_ms: int, error: ErrorInfo | None = None) -> EngineOutput:
@@ -561,6 +603,10 @@ def split_by_width(widths: list[int], min_saving: int) -> list[tuple[int, int]]:
 
 def _refused(request: GenerateRequest | EmbedRequest, now_ms: int, reason, code: str, message: str) -> EngineOutput:
     return EngineOutput(
-        request.request_id, 0, finish_reason=reason, error=ErrorInfo(code=code, message=message),
-        received_ms=now_ms, finished_ms=now_ms,
-    )  # fmt: skip
+        request.request_id,
+        0,
+        finish_reason=reason,
+        error=ErrorInfo(code=code, message=message),
+        received_ms=now_ms,
+        finished_ms=now_ms,
+    )

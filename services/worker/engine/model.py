@@ -63,7 +63,9 @@ class ModelArgs:
         archs = config.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
-            raise ModelLoadError(f"architectures={archs} unsupported; expected one of {sorted(SUPPORTED_ARCHITECTURES)}")
+            raise ModelLoadError(
+                f"architectures={archs} unsupported; expected one of {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
         try:
             hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
             eos_ids = _token_ids(config.get("eos_token_id")) + _token_ids((generation_config or {}).get("eos_token_id"))
@@ -139,8 +141,10 @@ def cpu_packed_gemm_available() -> bool:
     if os.environ.get("WEIR_CPU_PACKED_GEMM", "1") == "0":
         return False
     mkldnn = torch.ops.mkldnn
-    return torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_reorder_linear_weight") and hasattr(
-        mkldnn, "_linear_pointwise"
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(mkldnn, "_reorder_linear_weight")
+        and hasattr(mkldnn, "_linear_pointwise")
     )
 
 
@@ -190,11 +194,14 @@ class QuantLinear(nn.Module):
         # SmolLM2's or Llama's dimensions need it, weir-tiny-py's 688 does
         self.padded_in = -(-in_features // 32) * 32
         cols = self.padded_in if quantization == "int8" else self.padded_in // 2
-        self.register_buffer("qweight", torch.empty(out_features, cols, dtype=torch.int8 if quantization == "int8"
-                                                    else torch.uint8))  # fmt: skip
+        self.register_buffer(
+            "qweight", torch.empty(out_features, cols, dtype=torch.int8 if quantization == "int8" else torch.uint8)
+        )
         self.register_buffer("scales", torch.empty(out_features, self.padded_in // 32, dtype=torch.float16))
-        self.register_buffer("mins", torch.empty(out_features, self.padded_in // 32, dtype=torch.float16)
-                             if quantization == "int4" else None)  # fmt: skip
+        self.register_buffer(
+            "mins",
+            torch.empty(out_features, self.padded_in // 32, dtype=torch.float16) if quantization == "int4" else None,
+        )
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def load(self, weight: torch.Tensor) -> None:
@@ -289,13 +296,20 @@ class Attention(nn.Module):
 
         out = q.new_empty(num_tokens, a.num_heads, a.head_dim)
         for start, end, block_table, ctx_len in meta.prefills:
-            out[start:end] = self._prefill_attention(q[start:end], flat_k, flat_v, block_table, ctx_len, k_cache.shape[1])
+            out[start:end] = self._prefill_attention(
+                q[start:end], flat_k, flat_v, block_table, ctx_len, k_cache.shape[1]
+            )
         d0 = num_tokens - meta.num_decode_tokens
         for i, (start, end, block_tables, context_lens) in enumerate(meta.decode_groups):
             out[d0 + start : d0 + end] = paged_attention_decode(
-                q[d0 + start : d0 + end], k_cache, v_cache, block_tables, context_lens, self.scale,
+                q[d0 + start : d0 + end],
+                k_cache,
+                v_cache,
+                block_tables,
+                context_lens,
+                self.scale,
                 meta.decode_plans[i] if meta.decode_plans is not None else None,
-            )  # fmt: skip
+            )
         return self.o_proj(out.view(num_tokens, self.q_size))
 
     def _prefill_attention(
@@ -372,8 +386,9 @@ class DecoderStack(nn.Module):
         # _weight: no random init, the weights are loaded. On the meta device (load_model) that init,
         # normal_(), is a Python decomposition whose first call imports torch._dynamo: 2.5-3 CPU s
         # of every engine process's start.
-        self.embed_tokens: nn.Embedding | QuantEmbedding = nn.Embedding(args.vocab_size, args.hidden_size,
-                                         _weight=torch.empty(args.vocab_size, args.hidden_size))
+        self.embed_tokens: nn.Embedding | QuantEmbedding = nn.Embedding(
+            args.vocab_size, args.hidden_size, _weight=torch.empty(args.vocab_size, args.hidden_size)
+        )
         self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
@@ -407,7 +422,7 @@ class CausalLM(nn.Module):
 
     @property
     def quantization(self) -> str:
-        """"int8" or "int4" when the projections are quantized (load_model's quantization), else "none"."""
+        """ "int8" or "int4" when the projections are quantized (load_model's quantization), else "none"."""
         layer = self.model.layers[0] if len(self.model.layers) else None
         mlp = layer.mlp.gate_up_proj if isinstance(layer, DecoderLayer) else None
         return mlp.quantization if isinstance(mlp, QuantLinear) else "none"
@@ -422,8 +437,11 @@ class CausalLM(nn.Module):
     @property
     def packed_bytes(self) -> int:
         """Bytes of the oneDNN weight copies pack_weights() made (0 when none)."""
-        return sum(m.weight.numel() * m.weight.element_size()
-                   for m in self.modules() if isinstance(m, Linear) and m.packed is not None)  # fmt: skip
+        return sum(
+            m.weight.numel() * m.weight.element_size()
+            for m in self.modules()
+            if isinstance(m, Linear) and m.packed is not None
+        )
 
     @torch.inference_mode()
     def forward(
@@ -514,8 +532,13 @@ def load_model(path: str | Path, device: torch.device, dtype: torch.dtype, quant
                 target.copy_(tensor.to(device=device, dtype=dtype))
         loaded.add(name)
 
-    fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-             "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}  # fmt: skip
+    fused = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
     for file in _weight_files(path):
         with safe_open(str(file), framework="pt") as fh:
             for key in fh.keys():  # noqa: SIM118 - safe_open is no dict: keys() is its API
@@ -537,7 +560,9 @@ def load_model(path: str | Path, device: torch.device, dtype: torch.dtype, quant
         loaded.add("lm_head.weight")
         if quantization != "none":
             lm_head, embed = model.lm_head, model.model.embed_tokens
-            assert isinstance(lm_head, QuantLinear) and isinstance(embed, QuantEmbedding)  # quantize_modules swapped them
+            assert isinstance(lm_head, QuantLinear) and isinstance(
+                embed, QuantEmbedding
+            )  # quantize_modules swapped them
             lm_head.share(embed)
     missing = set(params) - loaded
     if missing:

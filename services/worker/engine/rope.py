@@ -62,7 +62,9 @@ class RopeScaling:
             raise RopeConfigError(f"rope_scaling must be an object, got {params!r}")
         rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise RopeConfigError(f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+            raise RopeConfigError(
+                f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
         unknown = set(params) - _COMMON_KEYS - _KEYS[rope_type]
         if unknown:
             raise RopeConfigError(f"rope_scaling keys {sorted(unknown)} are not used by rope type {rope_type!r}")

@@ -179,8 +179,9 @@ def adjust_logits(
     penalised = [r for r, req in enumerate(requests) if output_ids and output_ids[r] and has_penalties(req)]
     if output_ids and penalised:
         lengths = torch.tensor([len(output_ids[r]) for r in penalised])
-        flat = torch.frombuffer(array.array("q", itertools.chain.from_iterable(output_ids[r] for r in penalised)),
-                                dtype=torch.long)  # fmt: skip
+        flat = torch.frombuffer(
+            array.array("q", itertools.chain.from_iterable(output_ids[r] for r in penalised)), dtype=torch.long
+        )
         keys = torch.tensor(penalised).index_select(0, segment_ids(lengths)) * vocab_size + flat
         keys, counts = torch.unique(keys, return_counts=True)  # each generated (row, token) once, c[j] times
         row = keys // vocab_size

@@ -111,7 +111,9 @@ class Scheduler:
                 seq.block_table, seq.block_hashes = self.blocks.match_prefix(seq.token_ids)
                 seq.num_computed = len(seq.block_table) * self.blocks.block_size
             take = min(seq.num_pending, budget)
-            while not self.blocks.can_allocate(self.blocks.blocks_needed(seq.num_computed + take) - len(seq.block_table)):
+            while not self.blocks.can_allocate(
+                self.blocks.blocks_needed(seq.num_computed + take) - len(seq.block_table)
+            ):
                 freed = self._preempt_lower(seq, plan)
                 if freed is None:
                     break

@@ -149,7 +149,9 @@ class Sequence:
 
     def take_delta(self, is_final: bool) -> str:
         """Text not yet emitted, holding back what could still become a stop string."""
-        end = len(self.output_text) if is_final else max(self.num_emitted_chars, len(self.output_text) - self._hold_chars)
+        end = (
+            len(self.output_text) if is_final else max(self.num_emitted_chars, len(self.output_text) - self._hold_chars)
+        )
         delta = self.output_text[self.num_emitted_chars : end]
         self.num_emitted_chars = end
         return delta
@@ -208,9 +210,14 @@ class Sequence:
             if not text and calls is None:
                 return None
         return EngineOutput(
-            self.request_id, self.num_emitted_ids, text=text, token_ids=self.take_ids(), itl_ms=self.take_gaps(),
-            tool_call_deltas=calls, logprobs=self.take_logprobs(),
-        )  # fmt: skip
+            self.request_id,
+            self.num_emitted_ids,
+            text=text,
+            token_ids=self.take_ids(),
+            itl_ms=self.take_gaps(),
+            tool_call_deltas=calls,
+            logprobs=self.take_logprobs(),
+        )
 
     def final(self, reason: FinishReason, now_ms: int, error: ErrorInfo | None = None) -> EngineOutput:
         """The terminal event; carries any held-back text and, when the reply called tools, the calls."""

@@ -96,8 +96,10 @@ class ModelTokenizer:
         """prefix-suffix-middle (PSM), the order StarCoder, SmolLM and Qwen were trained on: the
         model writes what goes between `prefix` and `suffix` after the middle token."""
         if self.fim_tokens is None:
-            raise SuffixUnsupported("its tokenizer has no fill-in-the-middle tokens (<fim_prefix>, <fim_suffix>, "
-                                    "<fim_middle> or Qwen's <|fim_prefix|>...)")  # fmt: skip
+            raise SuffixUnsupported(
+                "its tokenizer has no fill-in-the-middle tokens (<fim_prefix>, <fim_suffix>, "
+                "<fim_middle> or Qwen's <|fim_prefix|>...)"
+            )
         pre, suf, mid = self.fim_tokens
         return f"{pre}{prefix}{suf}{suffix}{mid}"
 

@@ -31,16 +31,22 @@ def build_engine(config: ModelConfig, settings: WorkerSettings, device: torch.de
         return EchoEngine(config.max_model_len, config.max_num_seqs, settings.echo_step_delay_ms / 1000)
     if config.engine == "onnx":  # an embedding model; exported from its source package on first use
         return EmbeddingEngine(
-            ensure_export(config), max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
-            use_cuda=device.type == "cuda", num_threads=cpu_threads(settings.threads),
+            ensure_export(config),
+            max_model_len=config.max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            use_cuda=device.type == "cuda",
+            num_threads=cpu_threads(settings.threads),
             dimensions=config.dimensions,
-        )  # fmt: skip
+        )
     engine_config = EngineConfig(
-        max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=settings.max_num_batched_tokens, block_size=settings.block_size,
-        kv_cache_bytes=settings.kv_cache_bytes, is_prioritized=config.lane_policy != "fifo",
+        max_model_len=config.max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        block_size=settings.block_size,
+        kv_cache_bytes=settings.kv_cache_bytes,
+        is_prioritized=config.lane_policy != "fifo",
         quantization=config.quantization,
-    )  # fmt: skip
+    )
     # A GGUF source is imported on first use (weir up has usually done it already) and reused after.
     model_dir = ensure_model_dir(config, lambda line: log.info("model %s: %s", config.name, line))
     engine = Engine(model_dir, engine_config, device, Watermarker(settings.watermarks()))
@@ -63,12 +69,30 @@ def warm_up(engine: EngineLike, config: ModelConfig, prewarm_grammars: bool = Fa
     deadline_ms = now_ms() + 600_000
     requests: list[GenerateRequest | EmbedRequest]
     if isinstance(engine, EmbeddingEngine):  # an embedding model embeds them, in one request
-        requests = [EmbedRequest(request_id="warmup-0", model=config.name, inputs=config.warmup,
-                                 deadline_ms=deadline_ms, reply_to="-")] if config.warmup else []  # fmt: skip
+        requests = (
+            [
+                EmbedRequest(
+                    request_id="warmup-0",
+                    model=config.name,
+                    inputs=config.warmup,
+                    deadline_ms=deadline_ms,
+                    reply_to="-",
+                )
+            ]
+            if config.warmup
+            else []
+        )
     else:
         requests = [
-            GenerateRequest(request_id=f"warmup-{i}", model=config.name, prompt=prompt, max_tokens=4,
-                            temperature=0.0, deadline_ms=deadline_ms, reply_to="-")
+            GenerateRequest(
+                request_id=f"warmup-{i}",
+                model=config.name,
+                prompt=prompt,
+                max_tokens=4,
+                temperature=0.0,
+                deadline_ms=deadline_ms,
+                reply_to="-",
+            )
             for i, prompt in enumerate(config.warmup)
         ]
     for i, request in enumerate(requests):

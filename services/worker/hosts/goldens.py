@@ -59,8 +59,16 @@ def golden_requests(cases: list[GoldenCase], model: str, tag: str) -> list[Gener
         if case.kind == "embed":
             requests.append(EmbedRequest(request_id=request_id, inputs=[case.prompt], **common))
         else:
-            requests.append(GenerateRequest(request_id=request_id, prompt=case.prompt, max_tokens=case.max_tokens,
-                                            temperature=case.temperature, seed=case.seed, **common))  # fmt: skip
+            requests.append(
+                GenerateRequest(
+                    request_id=request_id,
+                    prompt=case.prompt,
+                    max_tokens=case.max_tokens,
+                    temperature=case.temperature,
+                    seed=case.seed,
+                    **common,
+                )
+            )
     return requests
 
 
@@ -82,12 +90,13 @@ def golden_problem(case: GoldenCase, token_ids: list[int] | None, vector: list[f
         return f"{name}: no tokens came back"
     if token_ids == case.expected_token_ids:
         return None
-    at = next((i for i, (a, b) in enumerate(zip(case.expected_token_ids, token_ids, strict=False)) if a != b),
-              min(len(token_ids), len(case.expected_token_ids)))  # fmt: skip
+    at = next(
+        (i for i, (a, b) in enumerate(zip(case.expected_token_ids, token_ids, strict=False)) if a != b),
+        min(len(token_ids), len(case.expected_token_ids)),
+    )
     expected = case.expected_token_ids[at] if at < len(case.expected_token_ids) else "(end)"
     got = token_ids[at] if at < len(token_ids) else "(end)"
-    return (f"{name}: token {at} expected {expected}, got {got} "
-            f"(expected {case.expected_token_ids}, got {token_ids})")  # fmt: skip
+    return f"{name}: token {at} expected {expected}, got {got} (expected {case.expected_token_ids}, got {token_ids})"
 
 
 def _cosine(a: list[float], b: list[float]) -> float:
@@ -212,7 +221,7 @@ def run_goldens(
 
 def _step_until_done(
     engine: EngineLike, check: GoldenCheck, on_other: Callable[[list[EngineOutput]], None] | None
-) -> None:  # fmt: skip
+) -> None:
     while not check.is_done:
         if not engine.has_work:
             raise RuntimeError("the engine went idle before the golden requests finished")
@@ -222,7 +231,10 @@ def _step_until_done(
 
 
 def record_goldens(
-    config: ModelConfig, prompts: list[str] | None = None, max_tokens: int = GOLDEN_MAX_TOKENS, settings: WorkerSettings | None = None
+    config: ModelConfig,
+    prompts: list[str] | None = None,
+    max_tokens: int = GOLDEN_MAX_TOKENS,
+    settings: WorkerSettings | None = None,
 ) -> list[GoldenCase]:
     """Build `config`'s engine in this process (on the CPU unless `settings` say otherwise), run
     each prompt greedily and return the cases: up to `max_tokens` token ids each (fewer when the
@@ -248,8 +260,14 @@ def golden_cases(engine: EngineLike, prompts: list[str], max_tokens: int) -> lis
         return [GoldenCase(kind="embed", prompt=p, min_cosine=DEFAULT_MIN_COSINE) for p in prompts]
     cases = [GoldenCase(prompt=p, max_tokens=max_tokens, seed=GOLDEN_SEED) for p in prompts]
     if prompts:
-        cases.append(GoldenCase(prompt=prompts[0], max_tokens=max_tokens, temperature=GOLDEN_SAMPLED_TEMPERATURE,
-                                seed=GOLDEN_SAMPLED_SEED))  # fmt: skip
+        cases.append(
+            GoldenCase(
+                prompt=prompts[0],
+                max_tokens=max_tokens,
+                temperature=GOLDEN_SAMPLED_TEMPERATURE,
+                seed=GOLDEN_SAMPLED_SEED,
+            )
+        )
     return cases
 
 

@@ -1,10 +1,10 @@
 """Device discovery (NVIDIA GPUs through NVML, the CPU otherwise) and the engine each model runs on.
 
-    detect_devices()            one probe, NVML opened and closed (the CLI, one-off checks)
-    DeviceProbe                 the worker's: NVML opened once, probed on a thread at most every
-                                interval, the last answer cached (heartbeats ask every second)
-    resolve_engine(config, d)   engine="auto" made concrete, and the runtime's label
-    engine_label(engine)        the runtime a built engine actually uses (heartbeats report it)
+detect_devices()            one probe, NVML opened and closed (the CLI, one-off checks)
+DeviceProbe                 the worker's: NVML opened once, probed on a thread at most every
+                            interval, the last answer cached (heartbeats ask every second)
+resolve_engine(config, d)   engine="auto" made concrete, and the runtime's label
+engine_label(engine)        the runtime a built engine actually uses (heartbeats report it)
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from typing import Any
 import torch
 
 from kernels.dispatch import triton_available
-
 from schemas.messages import DeviceInfo
 from schemas.model_repo import ModelConfig, detect_engine
 from services.worker.engine import EchoEngine, EmbeddingEngine, Engine, EngineLike
@@ -48,7 +47,9 @@ def cpu_device() -> DeviceInfo:
         total = pages * page_size
     except (ValueError, OSError):
         total = avail = 0
-    return DeviceInfo(kind="cpu", name=f"{_cpu_name()} x{os.cpu_count()}", memory_total_bytes=total, memory_free_bytes=avail)
+    return DeviceInfo(
+        kind="cpu", name=f"{_cpu_name()} x{os.cpu_count()}", memory_total_bytes=total, memory_free_bytes=avail
+    )
 
 
 def _nvml_init() -> Any | None:
@@ -75,10 +76,15 @@ def _nvml_read(pynvml: Any) -> list[DeviceInfo]:
         mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
         name = pynvml.nvmlDeviceGetName(handle)
         util = pynvml.nvmlDeviceGetUtilizationRates(handle).gpu
-        devices.append(DeviceInfo(
-            kind="cuda", name=name.decode() if isinstance(name, bytes) else name,
-            memory_total_bytes=int(mem.total), memory_free_bytes=int(mem.free), utilization_pct=float(util),
-        ))  # fmt: skip
+        devices.append(
+            DeviceInfo(
+                kind="cuda",
+                name=name.decode() if isinstance(name, bytes) else name,
+                memory_total_bytes=int(mem.total),
+                memory_free_bytes=int(mem.free),
+                utilization_pct=float(util),
+            )
+        )
     return devices
 
 

@@ -1,11 +1,11 @@
 """How much memory a model version takes on this worker: estimated before loading, measured after.
 
-    estimate_bytes(config, settings)   before loading: the weights as they will be loaded (element
-                                       counts from the files' headers times the dtype the engine
-                                       loads in) plus the KV cache the settings give each instance,
-                                       times instances; the worker refuses a version that does not
-                                       fit its budget (docs/design.md, invariant 10)
-    engine_used_bytes(engine)          after: what a built engine holds
+estimate_bytes(config, settings)   before loading: the weights as they will be loaded (element
+                                   counts from the files' headers times the dtype the engine
+                                   loads in) plus the KV cache the settings give each instance,
+                                   times instances; the worker refuses a version that does not
+                                   fit its budget (docs/design.md, invariant 10)
+engine_used_bytes(engine)          after: what a built engine holds
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import torch
 
 from schemas.model_repo import ModelConfig
 from services.worker.config import WorkerSettings
-from services.worker.engine.model import cpu_packed_gemm_available
 from services.worker.engine import EchoEngine, EmbeddingEngine, Engine, EngineConfig, EngineLike
+from services.worker.engine.model import cpu_packed_gemm_available
 from services.worker.hosts.hardware import choose_device, resolve_engine
 
 # Dtype the torch engine loads weights and KV cache in (services/worker/engine/llm_engine.py).

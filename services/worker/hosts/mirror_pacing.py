@@ -112,8 +112,11 @@ class MirrorPacer:
                 continue
             self.num_dropped += 1
             why = f"mirror copy held {limit} ms (WEIR_MIRROR_MAX_WAIT_MS) while live work ran in its worker"
-            outputs.append(dataclasses.replace(cancelled, finish_reason="rejected",
-                                               error=ErrorInfo(code="mirror_dropped", message=why)))  # fmt: skip
+            outputs.append(
+                dataclasses.replace(
+                    cancelled, finish_reason="rejected", error=ErrorInfo(code="mirror_dropped", message=why)
+                )
+            )
         return outputs
 
 

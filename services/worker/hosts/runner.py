@@ -55,9 +55,12 @@ Answer = Callable[[int, bool, object], None]  # (token of the question, ok, resu
 
 
 def drive(
-    engine: EngineLike, commands: CommandQueue, emit: Callable[[list[EngineOutput], dict[str, float]], None],
-    answer: Answer, pacing: Pacing | None = None,
-) -> None:  # fmt: skip
+    engine: EngineLike,
+    commands: CommandQueue,
+    emit: Callable[[list[EngineOutput], dict[str, float]], None],
+    answer: Answer,
+    pacing: Pacing | None = None,
+) -> None:
     """The engine loop: apply every queued command (waiting for one while there is nothing to
     do), step, and emit the step's outputs with the engine's stats. Returns on a stop command.
 
@@ -82,9 +85,14 @@ def drive(
 
 
 def _apply_commands(
-    engine: EngineLike, commands: CommandQueue, outputs: list[EngineOutput], goldens: GoldenChecks, answer: Answer,
-    pacer: MirrorPacer, wait_s: float | None,
-) -> bool:  # fmt: skip
+    engine: EngineLike,
+    commands: CommandQueue,
+    outputs: list[EngineOutput],
+    goldens: GoldenChecks,
+    answer: Answer,
+    pacer: MirrorPacer,
+    wait_s: float | None,
+) -> bool:
     """Apply every queued command; first wait up to `wait_s` for one (None: until one comes).
     False on stop."""
     wait = wait_s is None or wait_s > 0
@@ -132,8 +140,13 @@ class _Host:
     With a LivePressure attached (`attach_pressure`), the live requests it runs count there and
     the engine hears when live work runs in the process (services/worker/hosts/mirror_pacing.py)."""
 
-    def __init__(self, on_outputs: Callable[[list[EngineOutput]], None], weights_sha256: str,
-                 stats: dict[str, float], fault_hooks: bool) -> None:  # fmt: skip
+    def __init__(
+        self,
+        on_outputs: Callable[[list[EngineOutput]], None],
+        weights_sha256: str,
+        stats: dict[str, float],
+        fault_hooks: bool,
+    ) -> None:
         self._on_outputs = on_outputs
         self.weights_sha256 = weights_sha256
         self.stats = stats
@@ -254,9 +267,13 @@ class EngineRunner(_Host):
     """
 
     def __init__(
-        self, engine: EngineLike, loop: asyncio.AbstractEventLoop, on_outputs: Callable[[list[EngineOutput]], None],
-        fault_hooks: bool = False, pacing: Pacing | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        engine: EngineLike,
+        loop: asyncio.AbstractEventLoop,
+        on_outputs: Callable[[list[EngineOutput]], None],
+        fault_hooks: bool = False,
+        pacing: Pacing | None = None,
+    ) -> None:
         super().__init__(on_outputs, engine.weights_sha256, engine.stats(), fault_hooks)
         self.engine = engine
         self.pacing = pacing
@@ -316,9 +333,14 @@ class EngineProcess(_Host):
     """
 
     def __init__(
-        self, config: ModelConfig, settings: WorkerSettings, device: str, loop: asyncio.AbstractEventLoop,
-        on_outputs: Callable[[list[EngineOutput]], None], on_status: Callable[[str], None] | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        config: ModelConfig,
+        settings: WorkerSettings,
+        device: str,
+        loop: asyncio.AbstractEventLoop,
+        on_outputs: Callable[[list[EngineOutput]], None],
+        on_status: Callable[[str], None] | None = None,
+    ) -> None:
         super().__init__(on_outputs, "", {}, settings.fault_hooks)  # the rest comes with the child's "ready"
         self._on_status = on_status  # what the child is doing while it loads (the worker's /readyz)
         self._config = config
@@ -343,8 +365,9 @@ class EngineProcess(_Host):
         self._process = context.Process(
             target=serve_engine,
             args=(self._config, self._settings, self._device, os.getpid(), commands_in, events_out),
-            name=f"weir-engine-{self.name}", daemon=True,
-        )  # fmt: skip
+            name=f"weir-engine-{self.name}",
+            daemon=True,
+        )
         self._process.start()  # from the loop's thread: PR_SET_PDEATHSIG follows the creating thread
         commands_in.close()  # the child's ends: closing ours lets each side see the other's EOF
         events_out.close()
@@ -452,15 +475,21 @@ class _Inbox:
 
 
 def serve_engine(
-    config: ModelConfig, settings: WorkerSettings, device: str, parent_pid: int,
-    commands: Connection, events: Connection,
-) -> None:  # fmt: skip
+    config: ModelConfig,
+    settings: WorkerSettings,
+    device: str,
+    parent_pid: int,
+    commands: Connection,
+    events: Connection,
+) -> None:
     """The engine child's main: build, warm up, say ready, then drive the engine until stopped."""
     _die_with_parent(parent_pid)
     # A Ctrl-C in a terminal reaches the whole process group: the worker stops this child through
     # the pipe, so the child ignores it rather than die with a KeyboardInterrupt traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s engine[{config.name}] %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s engine[{config.name}] %(levelname)s %(name)s: %(message)s"
+    )
     try:
         import torch
 
@@ -469,8 +498,12 @@ def serve_engine(
         from services.worker.hosts.memory import engine_used_bytes
 
         torch.set_num_threads(cpu_threads(settings.threads))
-        logging.getLogger(__name__).info("engine threads: %d (WEIR_ENGINE_THREADS=%s, %d cores)", torch.get_num_threads(),
-                                         settings.threads or "0: default", os.cpu_count() or 1)  # fmt: skip
+        logging.getLogger(__name__).info(
+            "engine threads: %d (WEIR_ENGINE_THREADS=%s, %d cores)",
+            torch.get_num_threads(),
+            settings.threads or "0: default",
+            os.cpu_count() or 1,
+        )
         events.send(("status", build_step(config)))
         engine = build_engine(config, settings, torch.device(device))
         events.send(("status", "warming up"))
@@ -481,9 +514,13 @@ def serve_engine(
         return
     events.send(("ready", engine.weights_sha256, engine.stats(), engine_label(engine), engine_used_bytes(engine)))
     try:
-        drive(engine, _Inbox(commands), lambda outputs, stats: events.send(("out", outputs, stats)),
-              lambda token, ok, value: events.send(("answer", token, ok, value)),
-              Pacing.of(settings))  # fmt: skip
+        drive(
+            engine,
+            _Inbox(commands),
+            lambda outputs, stats: events.send(("out", outputs, stats)),
+            lambda token, ok, value: events.send(("answer", token, ok, value)),
+            Pacing.of(settings),
+        )
     except BaseException:  # device lost, or a bug: the worker stops rather than go on half-alive
         events.send(("error", traceback.format_exc(limit=8)))
         raise

@@ -30,9 +30,12 @@ class ReplyLane:
     """
 
     def __init__(
-        self, send: Callable[[ReplyItem], Awaitable[asyncio.Future]], note: Callable[[asyncio.Future], None],
-        is_broken: Callable[[], bool], spawn: Callable[[Coroutine], object],
-    ) -> None:  # fmt: skip
+        self,
+        send: Callable[[ReplyItem], Awaitable[asyncio.Future]],
+        note: Callable[[asyncio.Future], None],
+        is_broken: Callable[[], bool],
+        spawn: Callable[[Coroutine], object],
+    ) -> None:
         self._send = send
         self._note = note
         self._is_broken = is_broken

@@ -15,29 +15,29 @@ cancellations and builds the parts in that order, each handed what it needs.
 
 from __future__ import annotations
 
-import contextlib
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, ConsumerRecord, TopicPartition
-from opentelemetry.context import Context
 from aiokafka.errors import CommitFailedError, InvalidSessionTimeoutError, KafkaError
+from opentelemetry.context import Context
 
 from schemas.codec import DecodeError, decode
 from schemas.messages import Batch, Cancellation, EmbedRequest, GenerateRequest, now_ms
 from schemas.model_repo import ModelConfig
 from schemas.topics import Topics
-from services.worker.kafka.delivery import RedoPolicy, Writer
 from services.worker.engine import EngineOutput
-from services.worker.kafka.fingerprints import FingerprintBatcher
-from services.worker.kafka.membership import FenceWatch, Membership, stop_consumer
-from services.worker.kafka.intake import ConflictingRequest, InFlight, Intake, RecordKey
-from services.worker.kafka.publisher import Publisher
-from services.worker.kafka.dispatch import Dispatch
 from services.worker.hosts.runner import EngineHost
-from services.worker.kafka.traces import process_span
+from services.worker.kafka.delivery import RedoPolicy, Writer
+from services.worker.kafka.dispatch import Dispatch
+from services.worker.kafka.fingerprints import FingerprintBatcher
+from services.worker.kafka.intake import ConflictingRequest, InFlight, Intake, RecordKey
+from services.worker.kafka.membership import FenceWatch, Membership, stop_consumer
+from services.worker.kafka.publisher import Publisher
 from services.worker.kafka.serving_metrics import Recorder
+from services.worker.kafka.traces import process_span
 from weir.bus import BusSettings, CommitPacer, make_consumer, partitions_of, send_dead_letter
 from weir.tracing import Tracing, extract, extract_many
 
@@ -74,7 +74,7 @@ class ModelServer:
         """`runners` are the version's engine hosts, open; `outputs` the queue they put their outputs
         on (given to them when they were opened; None: a new one, fed by on_outputs)."""
         self.config = config
-        self.sid = config.served_id
+        self.served_id = config.served_id
         self.membership = membership or Membership()
         self.tracing = tracing or Tracing.off("worker")
         self.runners = runners
@@ -87,11 +87,20 @@ class ModelServer:
         self.intake = Intake()
         self.dispatch = Dispatch(config, runners)
         self.publisher = Publisher(
-            config, Writer(producer, auto_create=settings.reply_topic_auto_create), self.topics.audit, self.intake,
-            self.dispatch, worker_id=worker_id, audit_key=audit_key, fingerprints=fingerprints,
-            redo_policy=redo_policy, shadow_live_topic=self.topics.shadow_live, tracing=self.tracing, recorder=recorder,
+            config,
+            Writer(producer, auto_create=settings.reply_topic_auto_create),
+            self.topics.audit,
+            self.intake,
+            self.dispatch,
+            worker_id=worker_id,
+            audit_key=audit_key,
+            fingerprints=fingerprints,
+            redo_policy=redo_policy,
+            shadow_live_topic=self.topics.shadow_live,
+            tracing=self.tracing,
+            recorder=recorder,
             dead_letter_topic=self.topics.dead_letter,
-        )  # fmt: skip
+        )
         self._commits = CommitPacer(settings.commit_interval_ms)
         self._outputs: asyncio.Queue[list[EngineOutput]] = outputs if outputs is not None else asyncio.Queue()
         self.num_invalid_reply_to = 0  # requests dead-lettered for their reply_to, since start
@@ -110,11 +119,15 @@ class ModelServer:
         """Take batches while engines have room; pause the partitions while they do not."""
         member = self.membership
         self.consumer = make_consumer(
-            self.settings, client_id=self.worker_id, group_id=self.topics.worker_group(self.sid), max_poll_records=8,
-            session_timeout_ms=member.session_timeout_ms, heartbeat_interval_ms=member.heartbeat_interval_ms,
+            self.settings,
+            client_id=self.worker_id,
+            group_id=self.topics.worker_group(self.served_id),
+            max_poll_records=8,
+            session_timeout_ms=member.session_timeout_ms,
+            heartbeat_interval_ms=member.heartbeat_interval_ms,
             group_instance_id=member.instance,
-        )  # fmt: skip
-        self.consumer.subscribe([self.topics.batches(self.sid)], listener=_Revoked(self))
+        )
+        self.consumer.subscribe([self.topics.batches(self.served_id)], listener=_Revoked(self))
         try:
             await self.consumer.start()
         except BaseException:  # cancelled while joining (a version unloaded, the worker stopping)
@@ -145,7 +158,9 @@ class ModelServer:
                 if self._commits.is_due():
                     await self.commit()
         finally:
-            with contextlib.suppress(TimeoutError, KafkaError):  # what is durable now: a clean stop leaves nothing to redo
+            with contextlib.suppress(
+                TimeoutError, KafkaError
+            ):  # what is durable now: a clean stop leaves nothing to redo
                 await asyncio.wait_for(self.commit(), 3.0)
             # A stop (SIGTERM, a version unloaded) leaves the group: the other workers take
             # the partitions now rather than after the session (docs/worker.md, "Failover").
@@ -167,9 +182,11 @@ class ModelServer:
             await send_dead_letter(self.producer, self.topics, record, str(exc), self.worker_id)
             self.intake.skip_record(tp, record.offset)
             return
-        if batch.model != self.sid:  # forged, or misrouted: never served by another version (invariant 10)
+        if batch.model != self.served_id:  # forged, or misrouted: never served by another version (invariant 10)
             self.num_forged += 1
-            reason = f"batch {batch.batch_id!r} names model {batch.model!r} on the batch topic of {self.sid}; not run"
+            reason = (
+                f"batch {batch.batch_id!r} names model {batch.model!r} on the batch topic of {self.served_id}; not run"
+            )
             await send_dead_letter(self.producer, self.topics, record, reason, self.worker_id)
             self.intake.skip_record(tp, record.offset)
             return
@@ -192,9 +209,15 @@ class ModelServer:
         for request in runnable:
             await self.on_request(request, batch.batch_id, key, record, parents.get(request.request_id), batch_ctx)
 
-    async def on_request(self, request: GenerateRequest | EmbedRequest, batch_id: str, key: RecordKey,
-                         record: ConsumerRecord | None = None, parent: Context | None = None,
-                         batch_ctx: Context | None = None) -> None:  # fmt: skip
+    async def on_request(
+        self,
+        request: GenerateRequest | EmbedRequest,
+        batch_id: str,
+        key: RecordKey,
+        record: ConsumerRecord | None = None,
+        parent: Context | None = None,
+        batch_ctx: Context | None = None,
+    ) -> None:
         """Take one request of a batch record; its span continues `parent`, the context its batch
         carried for it (None: a new trace), linked to the batch's span (`batch_ctx`)."""
         try:
@@ -204,16 +227,19 @@ class ModelServer:
             return
         if flight is not None:  # None: the same request twice (a redelivered batch), one run answers both
             if record is not None:
-                group = self.topics.worker_group(self.sid)
+                group = self.topics.worker_group(self.served_id)
                 flight.span = process_span(self.tracing, record, request, batch_id, parent, batch_ctx, group)
             await self.start(flight)
 
-    async def on_conflict(self, request: GenerateRequest | EmbedRequest, batch_id: str,
-                          record: ConsumerRecord | None) -> None:  # fmt: skip
+    async def on_conflict(
+        self, request: GenerateRequest | EmbedRequest, batch_id: str, record: ConsumerRecord | None
+    ) -> None:
         """Make a request that reuses a live request_id with other content visible: dead-lettered
         (send_dead_letter logs it at WARNING), not run; the running request is untouched."""
-        reason = (f"request {request.request_id!r} of batch {batch_id!r}: duplicate request_id with different content "
-                  "(another request runs under that id); it was not run, no reply was written")  # fmt: skip
+        reason = (
+            f"request {request.request_id!r} of batch {batch_id!r}: duplicate request_id with different content "
+            "(another request runs under that id); it was not run, no reply was written"
+        )
         if record is None:
             log.warning("%s", reason)
             return
@@ -246,7 +272,7 @@ class ModelServer:
             outputs = await self._outputs.get()
             for runner in self.runners:
                 if runner.failure is not None:
-                    raise RuntimeError(f"engine of {self.sid} failed: {runner.failure!r}")
+                    raise RuntimeError(f"engine of {self.served_id} failed: {runner.failure!r}")
             for out in outputs:
                 flight = self.intake.in_flight.get(out.request_id)
                 if flight is None:
@@ -307,7 +333,10 @@ async def open_cancellations(settings: BusSettings, worker_id: str) -> AIOKafkaC
 
 
 async def consume_cancellations(
-    consumer: AIOKafkaConsumer, settings: BusSettings, on_cancel: Callable[[Cancellation], None], producer,
+    consumer: AIOKafkaConsumer,
+    settings: BusSettings,
+    on_cancel: Callable[[Cancellation], None],
+    producer,
     worker_id: str,
 ) -> None:
     """Hand each cancel of the control topic (from open_cancellations) to `on_cancel` (the version

@@ -78,9 +78,13 @@ class Writer:
     """
 
     def __init__(
-        self, producer: AIOKafkaProducer, probe_interval_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
-        *, auto_create: bool = True,
-    ) -> None:  # fmt: skip
+        self,
+        producer: AIOKafkaProducer,
+        probe_interval_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        auto_create: bool = True,
+    ) -> None:
         self.producer = producer
         # A reply topic that refuses writes fails only its own sends; `auto_create`: whether a
         # reply topic that does not exist is created (BusSettings.reply_topic_auto_create).
@@ -94,7 +98,9 @@ class Writer:
         """True since a send failed for an outage, until one succeeds."""
         return self._skip_until is not None
 
-    async def send(self, topic: str, value: bytes, key: bytes, headers: list[tuple[str, bytes]] | None = None) -> asyncio.Future:
+    async def send(
+        self, topic: str, value: bytes, key: bytes, headers: list[tuple[str, bytes]] | None = None
+    ) -> asyncio.Future:
         """Produce one record (with trace `headers`); returns the future of its durable write (failed if it cannot be)."""
         if self._skip_until is not None and self._clock() < self._skip_until:
             return failed_future(KafkaConnectionError("not tried: the broker did not take a write in the last second"))

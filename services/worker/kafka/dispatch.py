@@ -30,8 +30,9 @@ class Dispatch:
         request = flight.request
         refused = refusal(request, self.config, now_ms, self.recent_cancels)
         if refused is not None:
-            return EngineOutput(request.request_id, 0, finish_reason=refused.finish_reason, error=refused.error,
-                                received_ms=now_ms)  # fmt: skip
+            return EngineOutput(
+                request.request_id, 0, finish_reason=refused.finish_reason, error=refused.error, received_ms=now_ms
+            )
         flight.host = min(self.hosts, key=lambda h: h.num_pending)
         flight.host.submit(request)
         return None

@@ -40,30 +40,68 @@ def reply_events(
     if out.text or out.tool_call_deltas or (out.token_ids and isinstance(request, GenerateRequest)):
         count = max(1, len(out.token_ids))
         texts = [""] * (count - 1) + [out.text] if count > 1 else None
-        events.append(ReplyDelta(request_id=request.request_id, batch_id=batch_id, seq=seq, count=count,
-                                 text=out.text, texts=texts, token_ids=out.token_ids, logprobs=out.logprobs,
-                                 tool_calls=out.tool_call_deltas))  # fmt: skip
+        events.append(
+            ReplyDelta(
+                request_id=request.request_id,
+                batch_id=batch_id,
+                seq=seq,
+                count=count,
+                text=out.text,
+                texts=texts,
+                token_ids=out.token_ids,
+                logprobs=out.logprobs,
+                tool_calls=out.tool_call_deltas,
+            )
+        )
         seq += count
     if out.is_final:
-        events.append(ReplyEnd(
-            request_id=request.request_id, batch_id=batch_id, seq=seq, finish_reason=out.finish_reason,
-            usage=Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
-                        total_tokens=out.prompt_tokens + out.completion_tokens,
-                        cached_prompt_tokens=out.cached_prompt_tokens),
-            error=out.error, model_version=version, received_ms=out.received_ms,
-            first_token_ms=out.first_token_ms, embeddings=out.embeddings, cumulative_logprob=out.cumulative_logprob,
-            tool_calls=out.tool_calls, structured_valid=out.structured_valid, prompt_logprobs=out.prompt_logprobs,
-        ))  # fmt: skip
+        events.append(
+            ReplyEnd(
+                request_id=request.request_id,
+                batch_id=batch_id,
+                seq=seq,
+                finish_reason=out.finish_reason,
+                usage=Usage(
+                    prompt_tokens=out.prompt_tokens,
+                    completion_tokens=out.completion_tokens,
+                    total_tokens=out.prompt_tokens + out.completion_tokens,
+                    cached_prompt_tokens=out.cached_prompt_tokens,
+                ),
+                error=out.error,
+                model_version=version,
+                received_ms=out.received_ms,
+                first_token_ms=out.first_token_ms,
+                embeddings=out.embeddings,
+                cumulative_logprob=out.cumulative_logprob,
+                tool_calls=out.tool_calls,
+                structured_valid=out.structured_valid,
+                prompt_logprobs=out.prompt_logprobs,
+            )
+        )
     return events
 
 
 # The GenerateRequest fields that can change its text, besides the prompt (docs/design.md, "Structured
 # output, tools and logprobs": the auditor compares outputs of equal version, prompt, parameters and
 # seed). Not logprobs (it adds numbers, not text), nor the routing and accounting fields.
-OUTPUT_PARAMS = frozenset({
-    "temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty", "logit_bias", "stop", "max_tokens",
-    "ignore_eos", "structured", "tools", "tool_choice", "parallel_tool_calls", "suffix",
-})  # fmt: skip
+OUTPUT_PARAMS = frozenset(
+    {
+        "temperature",
+        "top_p",
+        "top_k",
+        "presence_penalty",
+        "frequency_penalty",
+        "logit_bias",
+        "stop",
+        "max_tokens",
+        "ignore_eos",
+        "structured",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "suffix",
+    }
+)
 _GREEDY_IGNORES = frozenset({"top_p", "top_k"})  # with temperature 0 (services/worker/engine/sampler.py)
 
 
@@ -79,36 +117,63 @@ def params_sha256(request: GenerateRequest) -> str:
 
 
 def audit_event(
-    request: GenerateRequest | EmbedRequest, out: EngineOutput, config: ModelConfig, *,
-    weights_sha256: str, worker_id: str, audit_key: bytes, now_ms: int,
-) -> AuditEvent:  # fmt: skip
+    request: GenerateRequest | EmbedRequest,
+    out: EngineOutput,
+    config: ModelConfig,
+    *,
+    weights_sha256: str,
+    worker_id: str,
+    audit_key: bytes,
+    now_ms: int,
+) -> AuditEvent:
     """The AuditEvent of a request's final output: what was served, with keyed HMACs of the
     prompt and output text instead of the text. `now_ms` stands in for the times the output
     lacks (a request refused before the engine saw it). Without SimHashes (see Publisher)."""
     params = None
     if isinstance(request, GenerateRequest):
         temperature, top_p, top_k, max_tokens, seed = (
-            request.temperature, request.top_p, request.top_k, request.max_tokens, request.effective_seed
-        )  # fmt: skip
+            request.temperature,
+            request.top_p,
+            request.top_k,
+            request.max_tokens,
+            request.effective_seed,
+        )
         params = params_sha256(request)
     else:  # an embedding samples nothing
         temperature, top_p, top_k, max_tokens, seed = 0.0, 1.0, 0, 0, 0
     version = model_version(config)
     return AuditEvent(
-        event_id=f"{request.request_id}:{version}", request_id=request.request_id, model=request.model,
-        model_version=version, weights_sha256=weights_sha256, principal=request.principal, tenant=request.tenant,
+        event_id=f"{request.request_id}:{version}",
+        request_id=request.request_id,
+        model=request.model,
+        model_version=version,
+        weights_sha256=weights_sha256,
+        principal=request.principal,
+        tenant=request.tenant,
         prompt_hmac=keyed_hmac(audit_key, out.prompt_text or ""),
-        output_hmac=keyed_hmac(audit_key, out.output_text or ""), hmac_key_id=key_id(audit_key),
-        temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
-        seed=seed, prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
+        output_hmac=keyed_hmac(audit_key, out.output_text or ""),
+        hmac_key_id=key_id(audit_key),
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        max_tokens=max_tokens,
+        seed=seed,
+        prompt_tokens=out.prompt_tokens,
+        completion_tokens=out.completion_tokens,
         cached_prompt_tokens=out.cached_prompt_tokens,
-        finish_reason=out.finish_reason, assignment=request.assignment, shadow_of=request.shadow_of,
-        worker_id=worker_id, request_created_ms=request.created_ms,
-        received_ms=out.received_ms or now_ms, first_token_ms=out.first_token_ms,
+        finish_reason=out.finish_reason,
+        assignment=request.assignment,
+        shadow_of=request.shadow_of,
+        worker_id=worker_id,
+        request_created_ms=request.created_ms,
+        received_ms=out.received_ms or now_ms,
+        first_token_ms=out.first_token_ms,
         finished_ms=out.finished_ms or now_ms,
-        mean_token_entropy=out.mean_token_entropy, watermark_z=out.watermark_z,
-        structured_valid=out.structured_valid, params_sha256=params,
-    )  # fmt: skip
+        mean_token_entropy=out.mean_token_entropy,
+        watermark_z=out.watermark_z,
+        structured_valid=out.structured_valid,
+        params_sha256=params,
+    )
 
 
 _MAX_SHADOW_TEXT = 1_000_000  # ShadowLive.text's bound
@@ -128,7 +193,12 @@ def shadow_live(
         if out.finished_ms is not None and out.finished_ms > out.first_token_ms and out.completion_tokens > 1:
             tokens_per_s = (out.completion_tokens - 1) * 1000 / (out.finished_ms - out.first_token_ms)
     return ShadowLive(
-        request_id=request.request_id, model=version, assignment=request.assignment or "default",
-        text=(out.output_text or "")[:_MAX_SHADOW_TEXT], token_ids=token_ids, finish_reason=out.finish_reason or "",
-        ttft_ms=ttft_ms, tokens_per_s=tokens_per_s,
-    )  # fmt: skip
+        request_id=request.request_id,
+        model=version,
+        assignment=request.assignment or "default",
+        text=(out.output_text or "")[:_MAX_SHADOW_TEXT],
+        token_ids=token_ids,
+        finish_reason=out.finish_reason or "",
+        ttft_ms=ttft_ms,
+        tokens_per_s=tokens_per_s,
+    )

@@ -21,8 +21,8 @@ from schemas.messages import EmbedRequest, GenerateRequest
 from weir.bus import OffsetTracker
 
 if TYPE_CHECKING:
-    from services.worker.kafka.coalesce import ReplyLane
     from services.worker.hosts.runner import EngineHost
+    from services.worker.kafka.coalesce import ReplyLane
 
 RecordKey = tuple[TopicPartition, int]  # a batch record: (partition, offset)
 # How a request was routed, not what it asks: the batcher may route a redelivered request anew
@@ -48,7 +48,9 @@ class InFlight:
     futures: list[asyncio.Future] = field(default_factory=list)  # every write of the current run
     failure: BaseException | None = None  # the first write of the current run that failed
     num_redos: int = 0
-    token_ids: list[int] = field(default_factory=list)  # the current run's answer, kept for a mirrored request's ShadowLive
+    token_ids: list[int] = field(
+        default_factory=list
+    )  # the current run's answer, kept for a mirrored request's ShadowLive
     span: Span = INVALID_SPAN  # its process span here (services/worker/kafka/traces.py), ended with its final output
     lane: ReplyLane | None = None  # the current run's reply records, coalesced (services/worker/kafka/coalesce.py)
 

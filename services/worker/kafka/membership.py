@@ -59,8 +59,8 @@ class FenceWatch:
         # the coordinator counts from when it got the last heartbeat, a round trip before we heard back
         self._live_s = 0.75 * membership.session_timeout_ms / 1000
         self._last_ok = time.monotonic()
-        coordinator = consumer._coordinator  # noqa: SLF001 - see the class docstring
-        beat = coordinator._do_heartbeat  # noqa: SLF001
+        coordinator = consumer._coordinator  # see the class docstring
+        beat = coordinator._do_heartbeat
 
         async def watched_heartbeat() -> bool:
             before = coordinator.member_id
@@ -72,26 +72,28 @@ class FenceWatch:
                 # aiokafka rejoins at once; under the instance id that would fence the other process
                 # back (which would then stop too). As a dynamic member it only joins beside it
                 # until this consumer stops and leaves.
-                coordinator._group_instance_id = None  # noqa: SLF001
+                coordinator._group_instance_id = None
             if ok:
                 self._last_ok = now
             return ok
 
-        coordinator._do_heartbeat = watched_heartbeat  # noqa: SLF001
+        coordinator._do_heartbeat = watched_heartbeat
 
     def notice(self) -> str | None:
         """Once, after the membership was lost while live: what happened, for the log; else None."""
         if self.fenced_by is None or self._told:
             return None
         self._told = True
-        return (f"{self.fenced_by} under group.instance.id {self.membership.instance!r}: another worker joined "
-                "under the same WEIR_WORKER_INSTANCE (give each its own), or the group's coordinator moved (a "
-                "broker died); this worker carries on as a dynamic member")
+        return (
+            f"{self.fenced_by} under group.instance.id {self.membership.instance!r}: another worker joined "
+            "under the same WEIR_WORKER_INSTANCE (give each its own), or the group's coordinator moved (a "
+            "broker died); this worker carries on as a dynamic member"
+        )
 
 
 async def stop_consumer(consumer: AIOKafkaConsumer) -> None:
     """Stop a model server's consumer, leaving the group first as a static member too (aiokafka
     leaves only as a dynamic one), so the other workers take its partitions at once instead of
     after the session. Keeping them would pay only for a restart quicker than the session."""
-    consumer._coordinator._group_instance_id = None  # noqa: SLF001 - aiokafka sends LeaveGroup only then
+    consumer._coordinator._group_instance_id = None  # aiokafka sends LeaveGroup only then
     await consumer.stop()

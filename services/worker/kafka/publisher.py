@@ -17,16 +17,16 @@ from collections.abc import Coroutine
 from schemas.codec import encode
 from schemas.messages import DeadLetter, now_ms
 from schemas.model_repo import ModelConfig
+from services.worker.engine import EngineOutput
 from services.worker.kafka.coalesce import ReplyLane
 from services.worker.kafka.delivery import RedoPolicy, Writer, failure_of, first_failure, is_outage
 from services.worker.kafka.dispatch import Dispatch
-from services.worker.engine import EngineOutput
 from services.worker.kafka.events import audit_event, model_version, reply_events, shadow_live
 from services.worker.kafka.fingerprints import FingerprintBatcher
 from services.worker.kafka.intake import InFlight, Intake
+from services.worker.kafka.serving_metrics import Recorder
 from services.worker.kafka.traces import end_run, reply_headers
 from weir.tracing import Tracing, child_context, inject
-from services.worker.kafka.serving_metrics import Recorder
 
 log = logging.getLogger(__name__)
 
@@ -38,12 +38,22 @@ class Publisher:
     be written goes through `dispatch` again, as the model server sent it the first time."""
 
     def __init__(
-        self, config: ModelConfig, writer: Writer, audit_topic: str, intake: Intake, dispatch: Dispatch,
-        *, worker_id: str, audit_key: bytes,
-        fingerprints: FingerprintBatcher | None = None, redo_policy: RedoPolicy | None = None,
-        shadow_live_topic: str | None = None, tracing: Tracing | None = None, recorder: Recorder | None = None,
+        self,
+        config: ModelConfig,
+        writer: Writer,
+        audit_topic: str,
+        intake: Intake,
+        dispatch: Dispatch,
+        *,
+        worker_id: str,
+        audit_key: bytes,
+        fingerprints: FingerprintBatcher | None = None,
+        redo_policy: RedoPolicy | None = None,
+        shadow_live_topic: str | None = None,
+        tracing: Tracing | None = None,
+        recorder: Recorder | None = None,
         dead_letter_topic: str | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.config = config
         self.version = model_version(config)
         self.writer = writer
@@ -109,8 +119,15 @@ class Publisher:
         Returns a future of the durable write, which settle() waits for before the batch offset
         may be committed (a crash before it redoes the request, and so the AuditEvent).
         """
-        event = audit_event(flight.request, out, self.config, weights_sha256=self.dispatch.weights_sha256(flight),
-                            worker_id=self.worker_id, audit_key=self.audit_key, now_ms=now_ms())  # fmt: skip
+        event = audit_event(
+            flight.request,
+            out,
+            self.config,
+            weights_sha256=self.dispatch.weights_sha256(flight),
+            worker_id=self.worker_id,
+            audit_key=self.audit_key,
+            now_ms=now_ms(),
+        )
         fingerprints = self.fingerprints
         headers = inject(child_context(flight.span))  # the auditor's append continues the request's trace
         if fingerprints is None:
@@ -120,10 +137,17 @@ class Publisher:
             fingerprinted = event
             try:
                 prompt_sh, output_sh = await fingerprints.simhash(out.prompt_text or "", out.output_text or "")
-                fingerprinted = event.model_copy(update={"prompt_simhash": prompt_sh, "output_simhash": output_sh,
-                                                         "fingerprint_model": fingerprints.model})  # fmt: skip
+                fingerprinted = event.model_copy(
+                    update={
+                        "prompt_simhash": prompt_sh,
+                        "output_simhash": output_sh,
+                        "fingerprint_model": fingerprints.model,
+                    }
+                )
             except Exception as exc:  # noqa: BLE001 - the HMACs still go out
-                log.warning("fingerprinting %s failed (%r); its AuditEvent has no SimHash", flight.request.request_id, exc)
+                log.warning(
+                    "fingerprinting %s failed (%r); its AuditEvent has no SimHash", flight.request.request_id, exc
+                )
             return await (await self.writer.send(self.audit_topic, encode(fingerprinted), key, headers))
 
         return asyncio.get_running_loop().create_task(fingerprint_then_send())
@@ -170,14 +194,23 @@ class Publisher:
         delay_s = self.redo_policy.next_try_s(failure, flight.num_redos, req.deadline_ms, now_ms())
         if delay_s is None:
             why = "its deadline passed long ago" if is_outage(failure) else "its reply topic refuses it"
-            log.error("request %s cannot be answered on %s (%r; %s); giving up on it", req.request_id, req.reply_to, failure, why)
+            log.error(
+                "request %s cannot be answered on %s (%r; %s); giving up on it",
+                req.request_id,
+                req.reply_to,
+                failure,
+                why,
+            )
             self.num_dropped += 1
             self._spawn(first_failure(flight.futures))  # collects its other writes' failures (no warnings)
             if is_outage(failure) or self.dead_letter_topic is None:
                 self.intake.forget(flight)
             else:  # its batch offset is committed once its dead letter is durable
-                self._spawn(self._dead_letter(flight, f"reply topic {req.reply_to} refuses writes ({failure!r}); "
-                                                      "no reply was written"))  # fmt: skip
+                self._spawn(
+                    self._dead_letter(
+                        flight, f"reply topic {req.reply_to} refuses writes ({failure!r}); no reply was written"
+                    )
+                )
             return
         log.info("request %s: running it again in %.1f s (redo %d)", req.request_id, delay_s, flight.num_redos + 1)
         flight.num_redos += 1
@@ -197,13 +230,22 @@ class Publisher:
         be written either is logged: the request is done all the same, as before dead letters."""
         req = flight.request
         (tp, offset) = flight.offsets[0] if flight.offsets else (None, -1)
-        letter = DeadLetter(source_topic=tp.topic if tp is not None else "", partition=tp.partition if tp is not None else -1,
-                            offset=offset, key=req.request_id, value=encode(req).decode("utf-8", "replace"),
-                            reason=reason[:2000], service=self.worker_id)  # fmt: skip
+        letter = DeadLetter(
+            source_topic=tp.topic if tp is not None else "",
+            partition=tp.partition if tp is not None else -1,
+            offset=offset,
+            key=req.request_id,
+            value=encode(req).decode("utf-8", "replace"),
+            reason=reason[:2000],
+            service=self.worker_id,
+        )
         assert self.dead_letter_topic is not None
         try:
-            if (failure := await first_failure([await self.writer.send(self.dead_letter_topic, encode(letter),
-                                                                       req.request_id.encode())])) is not None:  # fmt: skip
+            if (
+                failure := await first_failure(
+                    [await self.writer.send(self.dead_letter_topic, encode(letter), req.request_id.encode())]
+                )
+            ) is not None:
                 raise failure
             log.warning("dead-lettered request %s: %s", req.request_id, reason)
         except Exception as exc:  # noqa: BLE001 - the request is given up on either way

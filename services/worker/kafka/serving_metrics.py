@@ -82,46 +82,72 @@ class ServingMetrics:
     """The instruments, made once per worker on its ServiceMetrics; `engine_stats` lists each served
     version's engines' last stats (read at scrape time)."""
 
-    def __init__(self, metrics: ServiceMetrics, engine_stats: EngineStats,
-                 on_ran: Callable[[float], None] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, metrics: ServiceMetrics, engine_stats: EngineStats, on_ran: Callable[[float], None] | None = None
+    ) -> None:
         """`on_ran`: called with the seconds each request that ran took, first scheduled (or, on an
         engine that runs every request at once, received) to its end: the heartbeat's service
         time (finish_rate.py)."""
         self.on_ran = on_ran
         h = metrics.histogram
-        self.ttft = h(vllm("time_to_first_token_seconds"), "Time from the worker's receipt of a request to its first token.",
-                      TTFT_BUCKETS)  # fmt: skip
+        self.ttft = h(
+            vllm("time_to_first_token_seconds"),
+            "Time from the worker's receipt of a request to its first token.",
+            TTFT_BUCKETS,
+        )
         self.itl = h(vllm("inter_token_latency_seconds"), "Time between consecutive output tokens.", ITL_BUCKETS)
         self.e2e = h(vllm("e2e_request_latency_seconds"), "Time from receipt to the end of a request.", LATENCY_BUCKETS)
-        self.queue = h(vllm("request_queue_time_seconds"), "Time a request waited before the scheduler first ran it.",
-                       LATENCY_BUCKETS)  # fmt: skip
-        self.prefill = h(vllm("request_prefill_time_seconds"), "Time from first scheduled to the first token.",
-                         LATENCY_BUCKETS)  # fmt: skip
+        self.queue = h(
+            vllm("request_queue_time_seconds"),
+            "Time a request waited before the scheduler first ran it.",
+            LATENCY_BUCKETS,
+        )
+        self.prefill = h(
+            vllm("request_prefill_time_seconds"), "Time from first scheduled to the first token.", LATENCY_BUCKETS
+        )
         self.decode = h(vllm("request_decode_time_seconds"), "Time from the first token to the end.", LATENCY_BUCKETS)
         self.prompt_hist = h(vllm("request_prompt_tokens"), "Prompt tokens of each finished request.", TOKEN_BUCKETS)
-        self.generation_hist = h(vllm("request_generation_tokens"), "Generated tokens of each finished request.",
-                                 TOKEN_BUCKETS)  # fmt: skip
+        self.generation_hist = h(
+            vllm("request_generation_tokens"), "Generated tokens of each finished request.", TOKEN_BUCKETS
+        )
         self.prompt_tokens = metrics.counter(vllm("prompt_tokens"), "Prompt tokens of finished requests.")
         self.generation_tokens = metrics.counter(vllm("generation_tokens"), "Generated tokens of finished requests.")
         self.success = metrics.counter(vllm("request_success"), "Finished requests, by finished_reason.")
-        self.genai_ttft = h("gen_ai.server.time_to_first_token", "Time to generate first token for successful responses.",
-                            TTFT_BUCKETS, unit="s")  # fmt: skip
-        self.genai_tpot = h("gen_ai.server.time_per_output_token", "Time per output token generated after the first "
-                            "token for successful responses.", ITL_BUCKETS, unit="s")  # fmt: skip
-        self.genai_duration = h("gen_ai.server.request.duration", "Generative AI server request duration, to the last "
-                                "output token.", GENAI_DURATION_BUCKETS, unit="s")  # fmt: skip
-        self.structured = metrics.counter("weir_structured_outputs", "Constrained outputs by result: valid or invalid "
-                                          "(ended stop, checked against the constraint), truncated (ended length).")
+        self.genai_ttft = h(
+            "gen_ai.server.time_to_first_token",
+            "Time to generate first token for successful responses.",
+            TTFT_BUCKETS,
+            unit="s",
+        )
+        self.genai_tpot = h(
+            "gen_ai.server.time_per_output_token",
+            "Time per output token generated after the first token for successful responses.",
+            ITL_BUCKETS,
+            unit="s",
+        )
+        self.genai_duration = h(
+            "gen_ai.server.request.duration",
+            "Generative AI server request duration, to the last output token.",
+            GENAI_DURATION_BUCKETS,
+            unit="s",
+        )
+        self.structured = metrics.counter(
+            "weir_structured_outputs",
+            "Constrained outputs by result: valid or invalid "
+            "(ended stop, checked against the constraint), truncated (ended length).",
+        )
         self._engine_stats = engine_stats
-        for name, stat, text in (("num_requests_running", "num_running", "Requests in the engines' running batch."),
-                                 ("num_requests_waiting", "num_waiting", "Requests waiting to be scheduled.")):  # fmt: skip
+        for name, stat, text in (
+            ("num_requests_running", "num_running", "Requests in the engines' running batch."),
+            ("num_requests_waiting", "num_waiting", "Requests waiting to be scheduled."),
+        ):
             metrics.gauge(vllm(name), text, self._summed(stat))
         metrics.gauge(vllm("kv_cache_usage_perc"), "KV-cache usage: 1 means fully used.", self._kv_usage)
         for name, stat, text in (
             ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
             ("prefix_cache_hits", "prefix_cache_hits", "Of those, tokens found in the prefix cache."),
             ("num_preemptions", "num_preemptions", "Preemptions of requests by the scheduler."),
-        ):  # fmt: skip
+        ):
             metrics.meter.create_observable_counter(vllm(name), callbacks=[self._observed(stat)], description=text)
 
     def recorder(self, config: ModelConfig) -> Recorder:
@@ -129,7 +155,10 @@ class ServingMetrics:
 
     def _summed(self, stat: str) -> Callable[[], list[tuple[float, dict[str, str]]]]:
         def observe() -> list[tuple[float, dict[str, str]]]:
-            return [(sum(s.get(stat, 0) for s in stats), {"model_name": sid}) for sid, stats in self._engine_stats()]
+            return [
+                (sum(s.get(stat, 0) for s in stats), {"model_name": served_id})
+                for served_id, stats in self._engine_stats()
+            ]
 
         return observe
 
@@ -140,8 +169,10 @@ class ServingMetrics:
         return callback
 
     def _kv_usage(self) -> list[tuple[float, dict[str, str]]]:
-        usage = ((kv_cache_usage(stats), sid) for sid, stats in self._engine_stats())
-        return [(u, {"model_name": sid}) for u, sid in usage if u is not None]  # echo, embeddings: no KV cache
+        usage = ((kv_cache_usage(stats), served_id) for served_id, stats in self._engine_stats())
+        return [
+            (u, {"model_name": served_id}) for u, served_id in usage if u is not None
+        ]  # echo, embeddings: no KV cache
 
 
 class Counts:
@@ -169,8 +200,11 @@ class Recorder:
     def __init__(self, metrics: ServingMetrics, config: ModelConfig) -> None:
         self.m = metrics
         self.labels = {"model_name": config.served_id}  # one dict for every record: no allocation per token
-        self.genai = {"gen_ai.provider.name": "weir", "gen_ai.request.model": config.name,
-                      "gen_ai.response.model": config.served_id}  # fmt: skip
+        self.genai = {
+            "gen_ai.provider.name": "weir",
+            "gen_ai.request.model": config.name,
+            "gen_ai.response.model": config.served_id,
+        }
         self.ttft_counts, self.itl_counts = Counts(TTFT_BUCKETS), Counts(ITL_BUCKETS)
 
     def latency(self) -> VersionLatency:

@@ -24,14 +24,29 @@ from weir.tracing import Tracing, child_context, inject, messaging, request_attr
 _MS = 1_000_000  # ns per ms
 
 
-def process_span(tracing: Tracing, record: ConsumerRecord, request: GenerateRequest | EmbedRequest, batch_id: str,
-                 parent: Context | None, batch: Context | None, group: str) -> Span:  # fmt: skip
+def process_span(
+    tracing: Tracing,
+    record: ConsumerRecord,
+    request: GenerateRequest | EmbedRequest,
+    batch_id: str,
+    parent: Context | None,
+    batch: Context | None,
+    group: str,
+) -> Span:
     """The request's run here, from now (its batch was read) to its final output."""
-    attrs = {**messaging("process", record.topic, offset=record.offset, partition=record.partition, group=group),
-             **request_attributes(request), "weir.batch_id": batch_id}  # fmt: skip
-    return tracing.start_span(f"{record.topic} process", parent, kind=SpanKind.CONSUMER,
-                              request_id=request.request_id, attributes=attrs,
-                              links=[batch] if batch is not None else [])  # fmt: skip
+    attrs = {
+        **messaging("process", record.topic, offset=record.offset, partition=record.partition, group=group),
+        **request_attributes(request),
+        "weir.batch_id": batch_id,
+    }
+    return tracing.start_span(
+        f"{record.topic} process",
+        parent,
+        kind=SpanKind.CONSUMER,
+        request_id=request.request_id,
+        attributes=attrs,
+        links=[batch] if batch is not None else [],
+    )
 
 
 def reply_headers(span: Span, event: ReplyDelta | ReplyEnd) -> list[tuple[str, bytes]] | None:
@@ -49,16 +64,23 @@ def end_run(tracing: Tracing, span: Span, out: EngineOutput, model_version: str)
     start_ns = getattr(span, "start_time", None) or 0
     ctx = child_context(span)
     rid = out.request_id
-    marks = [start_ns, *(max(ms * _MS, start_ns) for ms in (out.received_ms, out.first_token_ms, out.finished_ms)
-                         if ms is not None)]  # fmt: skip
+    marks = [
+        start_ns,
+        *(max(ms * _MS, start_ns) for ms in (out.received_ms, out.first_token_ms, out.finished_ms) if ms is not None),
+    ]
     names = ["queue wait", "prefill", "decode"] if out.first_token_ms is not None else ["queue wait", "run"]
     for name, begin, end in zip(names, marks, marks[1:], strict=False):  # a mark may be missing: fewer spans
         tracing.start_span(name, ctx, request_id=rid, start_ns=begin).end(end_time=max(end, begin))
     if out.first_token_ms is not None:
         span.add_event("first_token", timestamp=max(out.first_token_ms * _MS, start_ns))
-    span.set_attributes({"gen_ai.usage.input_tokens": out.prompt_tokens, "gen_ai.usage.output_tokens": out.completion_tokens,
-                         "gen_ai.response.model": model_version,
-                         "gen_ai.response.finish_reasons": [out.finish_reason or "error"]})  # fmt: skip
+    span.set_attributes(
+        {
+            "gen_ai.usage.input_tokens": out.prompt_tokens,
+            "gen_ai.usage.output_tokens": out.completion_tokens,
+            "gen_ai.response.model": model_version,
+            "gen_ai.response.finish_reasons": [out.finish_reason or "error"],
+        }
+    )
     if out.error is not None:
         span.set_attribute("error.type", out.error.code)
     span.end()

@@ -23,13 +23,15 @@ def test_near_identical_texts_land_close_and_unrelated_ones_far(fingerprinter_fl
     # (this pair's "near" from 8 to 11); its quality is checked on the fixed paraphrase set in
     # test_fingerprints_int8.py, against float32's.
     fingerprinter = fingerprinter_float32
-    base, near, paraphrase, code, finance = fingerprinter.simhash([
-        "The quick brown fox jumps over the lazy dog.",
-        "The quick brown fox jumped over the lazy dog!",
-        "A fast brown fox leaps over a lazy dog.",
-        "def main():\n    print(42)",
-        "Quarterly revenue grew by ten percent in Europe.",
-    ])  # fmt: skip
+    base, near, paraphrase, code, finance = fingerprinter.simhash(
+        [
+            "The quick brown fox jumps over the lazy dog.",
+            "The quick brown fox jumped over the lazy dog!",
+            "A fast brown fox leaps over a lazy dog.",
+            "def main():\n    print(42)",
+            "Quarterly revenue grew by ten percent in Europe.",
+        ]
+    )
     assert all(len(h) == 16 for h in (base, near, paraphrase, code, finance))
     assert hamming_distance(base, near) <= 10 and hamming_distance(base, paraphrase) <= 10
     assert hamming_distance(base, code) > 16 and hamming_distance(base, finance) > 16

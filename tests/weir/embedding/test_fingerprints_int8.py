@@ -17,24 +17,29 @@ PAIRS = load_pairs()
 TEXTS = [text for pair in PAIRS for text in pair]
 
 
-def test_the_fingerprinters_are_what_they_say(fingerprinter: TextFingerprinter,
-                                               fingerprinter_float32: TextFingerprinter) -> None:  # fmt: skip
+def test_the_fingerprinters_are_what_they_say(
+    fingerprinter: TextFingerprinter, fingerprinter_float32: TextFingerprinter
+) -> None:
     assert fingerprinter.precision == "int8" and fingerprinter_float32.precision == "float32"
     assert fingerprinter.embedder.weights_sha256 != fingerprinter_float32.embedder.weights_sha256
     assert fingerprinter.model == fingerprinter_float32.model  # one SimHash space: either matches the other
 
 
-def test_int8_simhashes_stay_within_a_few_bits_of_float32(fingerprinter: TextFingerprinter,
-                                                          fingerprinter_float32: TextFingerprinter) -> None:  # fmt: skip
-    bits = [hamming_distance(a, b) for a, b in zip(fingerprinter.simhash(TEXTS), fingerprinter_float32.simhash(TEXTS),
-                                                   strict=True)]  # fmt: skip
+def test_int8_simhashes_stay_within_a_few_bits_of_float32(
+    fingerprinter: TextFingerprinter, fingerprinter_float32: TextFingerprinter
+) -> None:
+    bits = [
+        hamming_distance(a, b)
+        for a, b in zip(fingerprinter.simhash(TEXTS), fingerprinter_float32.simhash(TEXTS), strict=True)
+    ]
     # Measured 2.2 mean, 6 max over the 84 texts; the bound leaves room for another CPU's kernels,
     # and stays well inside the lookup's distance of 10.
     assert statistics.mean(bits) <= 3.5 and max(bits) <= 9, bits
 
 
-def test_int8_lookup_recall_is_no_worse_than_float32(fingerprinter: TextFingerprinter,
-                                                     fingerprinter_float32: TextFingerprinter) -> None:  # fmt: skip
+def test_int8_lookup_recall_is_no_worse_than_float32(
+    fingerprinter: TextFingerprinter, fingerprinter_float32: TextFingerprinter
+) -> None:
     int8, f32 = fingerprinter.simhash(TEXTS), fingerprinter_float32.simhash(TEXTS)
     before, before_false = recall(f32[0::2], f32[1::2], DEFAULT_MAX_DISTANCE)
     after, after_false = recall(int8[0::2], int8[1::2], DEFAULT_MAX_DISTANCE)

@@ -63,14 +63,14 @@ def byte_level_tokenizer_meta(tokenizer_json: Path = TINY / "tokenizer.json", pr
     types = [3 if t.startswith("<|") else 1 for t in tokens]
     return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": tokens,
             "tokenizer.ggml.token_type": types, "tokenizer.ggml.merges": merges,
-            "tokenizer.ggml.bos_token_id": 0, "tokenizer.ggml.eos_token_id": 0}  # fmt: skip
+            "tokenizer.ggml.bos_token_id": 0, "tokenizer.ggml.eos_token_id": 0}
 
 
 _LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
           "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}  # fmt: skip
+          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 _TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-        "lm_head.weight": "output.weight"}  # fmt: skip
+        "lm_head.weight": "output.weight"}
 
 
 def gguf_name(hf_name: str) -> str:
@@ -81,7 +81,7 @@ def gguf_name(hf_name: str) -> str:
 
 
 def hf_to_gguf(model_dir: Path, path: Path, arch: str = "llama", qtype: GGMLQuantizationType = F16,
-               tokenizer_meta: dict[str, Any] | None = None) -> Path:  # fmt: skip
+               tokenizer_meta: dict[str, Any] | None = None) -> Path:
     """The HF model in `model_dir` as a GGUF file: matrices as `qtype`, vectors (norms, biases) F32."""
     config = json.loads((model_dir / "config.json").read_text())
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
@@ -100,5 +100,5 @@ def hf_to_gguf(model_dir: Path, path: Path, arch: str = "llama", qtype: GGMLQuan
         f"{arch}.rope.freq_base": float(config.get("rope_theta") or config["rope_parameters"]["rope_theta"]),
         f"{arch}.attention.layer_norm_rms_epsilon": float(config["rms_norm_eps"]),
         **(tokenizer_meta if tokenizer_meta is not None else byte_level_tokenizer_meta()),
-    }  # fmt: skip
+    }
     return write_gguf(path, arch, meta, tensors)

@@ -16,13 +16,13 @@ from weir.models.gguf_import import import_gguf
 from .factories import byte_level_tokenizer_meta, write_gguf
 
 LLAMA3 = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 8192}  # fmt: skip
+          "original_max_position_embeddings": 8192}
 
 
 def _base_meta(**extra: object) -> dict[str, object]:
     return {"llama.block_count": 0, "llama.embedding_length": 256, "llama.feed_forward_length": 128,
             "llama.attention.head_count": 4, "llama.attention.layer_norm_rms_epsilon": 1e-5,
-            "llama.rope.freq_base": 500000.0, **extra}  # fmt: skip
+            "llama.rope.freq_base": 500000.0, **extra}
 
 
 def test_llama3_factors_are_the_ones_transformers_divides_its_frequencies_by() -> None:
@@ -53,7 +53,7 @@ def _sentencepiece_meta() -> dict[str, object]:
     scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))]
     return {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.scores": scores,
             "tokenizer.ggml.token_type": types, "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
-            "tokenizer.ggml.unknown_token_id": 0}  # fmt: skip
+            "tokenizer.ggml.unknown_token_id": 0}
 
 
 def test_a_sentencepiece_vocabulary_encodes_as_transformers_gguf_loader_does(tmp_path: Path) -> None:
@@ -61,7 +61,7 @@ def test_a_sentencepiece_vocabulary_encodes_as_transformers_gguf_loader_does(tmp
     from transformers import AutoTokenizer
 
     meta = _sentencepiece_meta()
-    tensors = [("token_embd.weight", np.ones((len(meta["tokenizer.ggml.tokens"]), 256), np.float32), Q.F16)]  # type: ignore[arg-type]
+    tensors = [("token_embd.weight", np.ones((len(meta["tokenizer.ggml.tokens"]), 256), np.float32), Q.F16)]
     src = write_gguf(tmp_path / "spm.gguf", "llama", {**_base_meta(), **meta}, tensors)
     out = import_gguf(src, tmp_path / "out")
     ours = Tokenizer.from_file(str(out / "tokenizer.json"))

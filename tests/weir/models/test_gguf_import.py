@@ -65,7 +65,7 @@ def test_a_random_qwen2_keeps_its_biases_and_computes_as_before(tmp_path: Path) 
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         rope_theta=50000.0, tie_word_embeddings=False, rms_norm_eps=1e-6)  # fmt: skip
+                         rope_theta=50000.0, tie_word_embeddings=False, rms_norm_eps=1e-6)
     model = Qwen2ForCausalLM(config).eval()
     with torch.no_grad():
         for layer in model.model.layers:  # random biases, so a lost one shows
@@ -82,10 +82,10 @@ def test_a_random_qwen2_keeps_its_biases_and_computes_as_before(tmp_path: Path) 
 
 def _small_llama(path: Path, **extra: object) -> Path:
     tensors = [("token_embd.weight", np.ones((4096, 64), np.float32), Q.Q8_0),
-               ("output_norm.weight", np.ones(64, np.float32), Q.F32)]  # fmt: skip
+               ("output_norm.weight", np.ones(64, np.float32), Q.F32)]
     meta = {"llama.block_count": 0, "llama.embedding_length": 64, "llama.feed_forward_length": 128,
             "llama.attention.head_count": 4, "llama.attention.layer_norm_rms_epsilon": 1e-5,
-            **byte_level_tokenizer_meta(), **extra}  # fmt: skip
+            **byte_level_tokenizer_meta(), **extra}
     return write_gguf(path, str(extra.pop("arch", "llama")), meta, tensors)
 
 
@@ -105,7 +105,7 @@ def _corrupt(good: Path, how: str) -> Path:
     ("flipped-magic", r"not a GGUF file \(it starts with b'FUGG'"),
     ("cut-header", r"truncated: the header ends at byte \d+, the file has 200 bytes"),
     ("cut-data", r"truncated: the data of tensor 'token_embd.weight' ends at byte \d+, the file has \d+ bytes"),
-])  # fmt: skip
+])
 def test_a_corrupt_file_is_refused_by_name_and_leaves_nothing(tmp_path: Path, how: str, message: str) -> None:
     bad = _corrupt(_small_llama(tmp_path / "good.gguf"), how)
     out = tmp_path / "models" / "m"
@@ -135,7 +135,7 @@ def test_what_weir_cannot_serve_is_refused_before_writing(tmp_path: Path) -> Non
 
 def test_linear_rope_scaling_and_an_end_of_turn_token_reach_config_json(tmp_path: Path) -> None:
     src = _small_llama(tmp_path / "s.gguf", **{"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0,
-                                                "tokenizer.ggml.eot_token_id": 1})  # fmt: skip
+                                                "tokenizer.ggml.eot_token_id": 1})
     config = json.loads((import_gguf(src, tmp_path / "out") / "config.json").read_text())
     assert config["rope_scaling"] == {"rope_type": "linear", "factor": 4.0}
     assert config["eos_token_id"] == [0, 1] and config["tie_word_embeddings"] is True

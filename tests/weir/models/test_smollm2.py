@@ -29,7 +29,7 @@ def transformers_model(smollm2_dir: Path):
 def test_the_import_is_the_llama_of_the_issue_with_its_chat_template(smollm2_dir: Path, smollm2_gguf: Path) -> None:
     config = json.loads((smollm2_dir / "config.json").read_text())
     assert (config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"],
-            config["num_key_value_heads"], config["vocab_size"]) == (30, 576, 9, 3, 49152)  # fmt: skip
+            config["num_key_value_heads"], config["vocab_size"]) == (30, 576, 9, 3, 49152)
     assert config["tie_word_embeddings"] is True and config["rope_theta"] == 100000.0
     tokenizer_config = json.loads((smollm2_dir / "tokenizer_config.json").read_text())
     assert tokenizer_config["eos_token"] == "<|im_end|>" and "<|im_start|>" in tokenizer_config["chat_template"]
@@ -50,7 +50,7 @@ def test_weir_and_transformers_pick_the_same_tokens_greedy(smollm2_dir: Path, tr
         with torch.no_grad():
             want = model.generate(torch.tensor([prompt]), max_new_tokens=NUM_TOKENS, do_sample=False)[0, len(prompt):]
         request = GenerateRequest(request_id=f"q{i}", model="smollm2", messages=[ChatMessage(role="user", content=question)],
-                                  max_tokens=NUM_TOKENS, temperature=0.0, deadline_ms=now_ms() + 600_000, reply_to="-")  # fmt: skip
+                                  max_tokens=NUM_TOKENS, temperature=0.0, deadline_ms=now_ms() + 600_000, reply_to="-")
         assert engine.add(request, now_ms()) is None
         got: list[int] = []
         while engine.has_work:
@@ -65,7 +65,7 @@ def test_weir_and_transformers_pick_the_same_tokens_greedy(smollm2_dir: Path, tr
 
 
 STRINGS = ["What is the capital of France?", "In 2024, 12345 apples cost $3.50.", "<|im_start|>user\nHi<|im_end|>\n",
-           "  indented\n\tcode  ", "naïve café 東京 🙂", "don't you're I'll", "x=1+2; print(x**2)\r\n"]  # fmt: skip
+           "  indented\n\tcode  ", "naïve café 東京 🙂", "don't you're I'll", "x=1+2; print(x**2)\r\n"]
 
 
 def test_the_tokenizer_encodes_as_transformers_gguf_loader_does(smollm2_dir: Path, smollm2_gguf: Path) -> None:
