@@ -494,6 +494,7 @@ class ChatCompletionBody(_Body):
 
 
 Prompt = str | list[int]  # one prompt: its text, or the model's token ids (vLLM, lm-eval)
+MAX_TOKEN_ID = 2**31  # token ids are below this (int32, as tokenizers and the engine hold them)
 MAX_PROMPTS = 64  # prompts one /v1/completions body may batch (each is a request of its own, times n)
 
 
@@ -594,6 +595,10 @@ class CompletionBody(_Body):
             )
         if any(i < 0 for p in prompts if not isinstance(p, str) for i in p):
             raise BodyError("token ids must not be negative", param="prompt", code="invalid_value")
+        # No vocabulary is near 2^31 ids; the model's own bound is checked where its tokenizer is (a larger
+        # number would not even fit the tokenizer's integer type).
+        if any(i >= MAX_TOKEN_ID for p in prompts if not isinstance(p, str) for i in p):
+            raise BodyError(f"token ids must be below {MAX_TOKEN_ID}", param="prompt", code="invalid_value")
         if self.num_siblings_per_prompt > self.num_choices and len(prompts) > 1:
             raise BodyError(
                 "best_of greater than n is served for one prompt at a time",

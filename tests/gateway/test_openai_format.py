@@ -121,7 +121,8 @@ def test_max_tokens_beyond_context_is_refused() -> None:
 
 
 def test_completion_prompts_are_strings_or_token_ids_not_a_mix() -> None:
-    for bad in ([], [[]], ["a", [1]], [1, "a"], [-1], {"a": 1}):
+    # token ids past 2^31 (2^32, 2^63) reached the input guard's decode and answered 500
+    for bad in ([], [[]], ["a", [1]], [1, "a"], [-1], {"a": 1}, [2**31], [2**32], [[1, 2**63 - 1]]):
         with pytest.raises(ApiError) as info:
             parse_body("completions", orjson.dumps({"model": "echo", "prompt": bad}))
         assert info.value.param and info.value.param.startswith("prompt"), bad

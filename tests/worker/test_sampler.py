@@ -170,3 +170,15 @@ def test_same_seed_and_history_give_the_same_tokens():
 
     first = draw()
     assert draw() == first and len(set(first)) > 1
+
+
+@pytest.mark.parametrize("params", [{"temperature": 1e-300}, {"top_p": 1e-300}, {"temperature": 1e-300, "top_p": 1e-300}])
+def test_vanishing_temperature_or_top_p_picks_the_most_likely_token(params):
+    # 1e-300 overflows logits / temperature to inf, and rounds to 0 in float32 (every token dropped by
+    # top_p): either crashed the engine, and a redelivered request crashed every worker that took it.
+    logits = torch.tensor([0.5, 3.0, -1.0, 2.9])
+    request = make_request("x", **params)
+    picks = {sample(logits.clone(), request, torch.Generator().manual_seed(s)) for s in range(20)}
+    assert picks == {1}
+    rows = sample_batch(logits.clone()[None], [request], [torch.Generator().manual_seed(0)], [None])
+    assert rows.tokens == [1]

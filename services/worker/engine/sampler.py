@@ -38,7 +38,10 @@ def sample(
         raise NonFiniteLogits("the model produced non-finite logits")
     if request.temperature == 0.0:
         return int(torch.argmax(logits if bias is None else logits + bias))
-    logits = logits / request.temperature
+    scaled = logits / request.temperature
+    if bool(torch.isposinf(scaled).any()):  # a temperature so small (1e-300) that it overflows: its limit, greedy
+        return int(torch.argmax(logits if bias is None else logits + bias))
+    logits = scaled
     if bias is not None:
         logits = logits + bias
     if request.top_k > 0 and request.top_k < logits.shape[-1]:
@@ -48,8 +51,10 @@ def sample(
     if request.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         cumulative = torch.cumsum(sorted_probs, dim=-1)
-        # drop tokens once the mass before them already reaches top_p (the first always stays)
+        # drop tokens once the mass before them already reaches top_p; the first always stays, also for a
+        # top_p that float32 rounds to 0 (1e-300: every token would be dropped)
         drop = (cumulative - sorted_probs) >= request.top_p
+        drop[..., 0] = False
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=generator))
