@@ -349,6 +349,12 @@ def find_deployment(argv: list[str]) -> None:
             + " ".join(f"{name}={value}" for name, value in filled.items()),
             file=sys.stderr,
         )
+    if recorded["state"] == deployment.STARTING:  # its broker may not answer yet, its registry may be empty
+        print(
+            f"weir: the deployment of `weir up` (pid {recorded.get('pid')}) is still starting; "
+            "retry once its banner says it is up if this command finds nothing",
+            file=sys.stderr,
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,9 +2,12 @@
 it (issue 35: after `weir up --kafka-port 9292`, `weir models list` used 127.0.0.1:9092, another
 stack's broker if any).
 
-    $WEIR_HOME/deployment.json   {"bootstrap", "topic_prefix", "security", "pid", "gateways"}
+    $WEIR_HOME/deployment.json   {"bootstrap", "topic_prefix", "security", "pid", "gateways", "state"}
 
-`weir up` writes it once Kafka and its services are up and removes it when it stops. A command
+`weir up` writes it as soon as it has chosen its broker, prefix and security, before any service
+starts (`state: "starting"`: a start takes a minute or more, and a command run meanwhile must not
+go to 127.0.0.1:9092, another stack's broker, and say "no models registered"), rewrites it with
+`state: "up"` once Kafka and its services are ready, and removes it when it stops. A command
 that talks to a deployment (`weir models`, `weir topics create`, `weir keys`, `weir usage`, ...)
 reads it for what neither a flag nor the environment says: WEIR_KAFKA_BOOTSTRAP, WEIR_TOPIC_PREFIX
 and, on a secure deployment, WEIR_KAFKA_SECURITY=sasl with WEIR_KAFKA_USER=admin (the operator's
@@ -28,14 +31,26 @@ from weir.home import weir_home
 FILE = "deployment.json"
 # The settings a recorded deployment supplies, as the variables every command already reads.
 VARIABLES = {"bootstrap": "WEIR_KAFKA_BOOTSTRAP", "topic_prefix": "WEIR_TOPIC_PREFIX"}
+# A record's `state`: written "starting" before the services start, "up" once they are ready.
+STARTING, UP = "starting", "up"
+STATES = (STARTING, UP)
 
 
 def path(home: Path | None = None) -> Path:
     return (home if home is not None else weir_home()) / FILE
 
 
-def record(bootstrap: str, topic_prefix: str, secure: bool, gateways: list[str], home: Path | None = None) -> Path:
-    """Write this process's deployment (atomically: a reader never sees half a file); returns where."""
+def record(
+    bootstrap: str,
+    topic_prefix: str,
+    secure: bool,
+    gateways: list[str],
+    home: Path | None = None,
+    state: str = UP,
+) -> Path:
+    """Write this process's deployment in `state` (atomically: a reader never sees half a file); returns where."""
+    if state not in STATES:
+        raise ValueError(f"a deployment's state is one of {STATES}, not {state!r}")
     target = path(home)
     target.parent.mkdir(parents=True, exist_ok=True)
     body = {
@@ -44,6 +59,7 @@ def record(bootstrap: str, topic_prefix: str, secure: bool, gateways: list[str],
         "security": "sasl" if secure else "plaintext",
         "pid": os.getpid(),
         "gateways": gateways,
+        "state": state,
     }
     partial = target.with_name(f".{FILE}.{os.getpid()}")
     partial.write_text(json.dumps(body, indent=1) + "\n")
@@ -74,8 +90,9 @@ def _alive(pid: object) -> bool:
 
 
 def load(home: Path | None = None) -> dict[str, Any] | None:
-    """The recorded deployment, or None when there is none, it is unreadable, or its `weir up` is
-    gone (then a line on stderr says so)."""
+    """The recorded deployment, starting or up, or None when there is none, it is unreadable, or its
+    `weir up` is gone (then a line on stderr says so). A record without `state` (written before it
+    existed) is one that is up."""
     target = path(home)
     try:
         body = json.loads(target.read_text())
@@ -86,6 +103,10 @@ def load(home: Path | None = None) -> dict[str, Any] | None:
         return None
     if not isinstance(body, dict) or not isinstance(body.get("bootstrap"), str):
         print(f"weir: ignoring {target}: not a record of `weir up`", file=sys.stderr)
+        return None
+    body.setdefault("state", UP)
+    if body["state"] not in STATES:
+        print(f"weir: ignoring {target}: unknown state {body['state']!r}", file=sys.stderr)
         return None
     if not _alive(body.get("pid")):
         print(

@@ -302,7 +302,12 @@ def main(argv: list[str] | None = None) -> int:
     # stops the services themselves, and this process must stop with them, not restart them.
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _interrupt)
+    gateway_urls = [f"http://{args.host}:{ports[name]}" for name in instance_names("gateway", args.gateways)]
+    bootstrap = launcher.bootstrap_of(brokers)
     try:
+        # Other commands of this $WEIR_HOME find this deployment (weir/deployment.py) from now until it
+        # stops: "starting" before any service starts (a start takes a minute or more), "up" once ready.
+        deployment.record(bootstrap, args.topic_prefix, broker.secure, gateway_urls, state=deployment.STARTING)
         deadline_s = began_s + args.timeout
         kafka = BrokerReadiness(brokers, Topics(args.topic_prefix), repo, deadline_s)
         if broker.secure:  # the services' ACLs must exist before they connect: no overlap here
@@ -318,10 +323,7 @@ def main(argv: list[str] | None = None) -> int:
             deadline_s,
             _say,
         )
-        gateway_urls = [f"http://{args.host}:{ports[name]}" for name in instance_names("gateway", args.gateways)]
-        bootstrap = launcher.bootstrap_of(brokers)
-        # Other commands of this $WEIR_HOME find this deployment (weir/deployment.py) until it stops.
-        deployment.record(bootstrap, args.topic_prefix, broker.secure, gateway_urls)
+        deployment.record(bootstrap, args.topic_prefix, broker.secure, gateway_urls, state=deployment.UP)
         models = registered_versions(
             bootstrap, args.topic_prefix, broker, os.environ.get("WEIR_MODELS", "")
         ) or served_versions(repo, os.environ.get("WEIR_MODELS", ""))

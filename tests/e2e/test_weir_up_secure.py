@@ -136,7 +136,12 @@ def test_weir_up_secure_starts_on_a_fresh_home_serves_and_its_cli_finds_it(tmp_p
             "WEIR_KAFKA_SECURITY=sasl WEIR_KAFKA_USER=admin" in up.text()
         )
         record = json.loads((home / "deployment.json").read_text())
-        assert (record["bootstrap"], record["topic_prefix"], record["security"]) == (bootstrap, prefix, "sasl")
+        assert (record["bootstrap"], record["topic_prefix"], record["security"], record["state"]) == (
+            bootstrap,
+            prefix,
+            "sasl",
+            "up",
+        )
 
         # The CLI of this home, with no flag nor variable: this deployment, not 127.0.0.1:9092's.
         listed = cli(home, "models", "list", "--timeout", "30")

@@ -69,6 +69,7 @@ def test_the_recorded_deployment_fills_in_what_nothing_says_and_only_while_its_w
         "WEIR_KAFKA_USER": "admin",
     }
     assert env["WEIR_TOPIC_PREFIX"] == "explicit"  # an explicit setting wins
+    assert deployment.load(tmp_path)["state"] == deployment.UP  # what `weir up` writes once ready
     assert deployment.apply({"WEIR_KAFKA_BOOTSTRAP": "b:1", "WEIR_KAFKA_SECURITY": "plaintext"}, tmp_path) == {
         "WEIR_TOPIC_PREFIX": "mine"
     }
@@ -81,6 +82,21 @@ def test_the_recorded_deployment_fills_in_what_nothing_says_and_only_while_its_w
     (tmp_path / deployment.FILE).write_text(body)
     assert deployment.apply({}, tmp_path) == {}
     assert "is not running" in capsys.readouterr().err
+    # A starting record whose `weir up` is gone is ignored the same way.
+    deployment.record("127.0.0.1:9292", "mine", False, [], tmp_path, state=deployment.STARTING)
+    body = (tmp_path / deployment.FILE).read_text().replace(f'"pid": {os.getpid()}', '"pid": 999999999')
+    (tmp_path / deployment.FILE).write_text(body)
+    assert deployment.load(tmp_path) is None and "is not running" in capsys.readouterr().err
+    # A record written before `state` existed is one that is up; an unknown state is refused.
+    deployment.record("127.0.0.1:9292", "mine", False, [], tmp_path)
+    body = (tmp_path / deployment.FILE).read_text().replace('"state": "up"', '"state": "gone"')
+    (tmp_path / deployment.FILE).write_text(body)
+    assert deployment.load(tmp_path) is None and "unknown state 'gone'" in capsys.readouterr().err
+    (tmp_path / deployment.FILE).write_text(body.replace(',\n "state": "gone"', ""))
+    assert "state" not in (tmp_path / deployment.FILE).read_text()
+    assert deployment.load(tmp_path)["state"] == deployment.UP
+    with pytest.raises(ValueError):
+        deployment.record("127.0.0.1:9292", "mine", False, [], tmp_path, state="ready")
     deployment.record("127.0.0.1:9292", "mine", False, [], tmp_path)
     deployment.forget(tmp_path)
     assert not (tmp_path / deployment.FILE).exists()
@@ -115,6 +131,44 @@ def test_weir_commands_find_the_deployment_and_an_explicit_bootstrap_wins(
     )
     err = capsys.readouterr().err
     assert "deployment" not in err and f"127.0.0.1:{explicit}" in err
+
+
+def test_weir_commands_find_a_deployment_that_is_still_starting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Between `weir up --kafka-port P`'s choice of broker and its readiness (67-165 s), the commands
+    of its home already target P, not 127.0.0.1:9092 (another stack's broker, whose empty registry
+    read "no models registered"), and say on stderr that the stack is still starting. Nothing
+    listens on P here: the error names the broker tried."""
+    from weir import cli
+    from weir.stack import free_ports
+
+    for name in ("WEIR_KAFKA_BOOTSTRAP", "WEIR_TOPIC_PREFIX", "WEIR_KAFKA_SECURITY", "WEIR_KAFKA_USER"):
+        monkeypatch.setenv(name, "")  # recorded as it was, so what the commands fill in is undone after
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("WEIR_HOME", str(tmp_path))
+    (recorded,) = free_ports(1)
+    # What `weir up` writes before its services start (weir/stack.py: main).
+    deployment.record(f"127.0.0.1:{recorded}", "mine", True, [], tmp_path, state=deployment.STARTING)
+    cli.find_deployment(["models", "list"])
+    assert os.environ["WEIR_KAFKA_BOOTSTRAP"] == f"127.0.0.1:{recorded}" and os.environ["WEIR_TOPIC_PREFIX"] == "mine"
+    assert os.environ["WEIR_KAFKA_SECURITY"] == "sasl" and os.environ["WEIR_KAFKA_USER"] == "admin"
+    err = capsys.readouterr().err
+    assert f"WEIR_KAFKA_BOOTSTRAP=127.0.0.1:{recorded}" in err and "is still starting" in err
+    for name in ("WEIR_KAFKA_BOOTSTRAP", "WEIR_TOPIC_PREFIX", "WEIR_KAFKA_SECURITY", "WEIR_KAFKA_USER"):
+        os.environ.pop(name)
+    deployment.record(f"127.0.0.1:{recorded}", "mine", False, [], tmp_path, state=deployment.STARTING)
+    repo = Path(__file__).resolve().parents[2] / "models.toml"
+    assert cli.main(["topics", "create", "--timeout", "1", "--model-repo", str(repo)]) == 1
+    err = capsys.readouterr().err
+    assert "is still starting" in err and f"127.0.0.1:{recorded}" in err.splitlines()[-1]
+    # Once up, the same lookup without the starting line.
+    for name in ("WEIR_KAFKA_BOOTSTRAP", "WEIR_TOPIC_PREFIX"):
+        os.environ.pop(name)
+    deployment.record(f"127.0.0.1:{recorded}", "mine", False, [], tmp_path, state=deployment.UP)
+    cli.find_deployment(["models", "list"])
+    err = capsys.readouterr().err
+    assert f"WEIR_KAFKA_BOOTSTRAP=127.0.0.1:{recorded}" in err and "starting" not in err
 
 
 def test_weir_kafka_user_add_speaks_to_the_recorded_broker(
