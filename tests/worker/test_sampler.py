@@ -172,7 +172,9 @@ def test_same_seed_and_history_give_the_same_tokens():
     assert draw() == first and len(set(first)) > 1
 
 
-@pytest.mark.parametrize("params", [{"temperature": 1e-300}, {"top_p": 1e-300}, {"temperature": 1e-300, "top_p": 1e-300}])
+@pytest.mark.parametrize(
+    "params", [{"temperature": 1e-300}, {"top_p": 1e-300}, {"temperature": 1e-300, "top_p": 1e-300}]
+)
 def test_vanishing_temperature_or_top_p_picks_the_most_likely_token(params):
     # 1e-300 overflows logits / temperature to inf, and rounds to 0 in float32 (every token dropped by
     # top_p): either crashed the engine, and a redelivered request crashed every worker that took it.
