@@ -120,7 +120,8 @@ async def test_batches_replies_dead_letters_and_commits(batcher_bootstrap: str, 
     assert set(letters) == {"bad-1", "bad-2", "bad-3"}
     assert (letters["bad-1"].source_topic, letters["bad-1"].service) == (topics.requests, "batcher")
     assert "not JSON" in letters["bad-1"].reason
-    assert letters["bad-2"].reason == "invalid request: max_tokens: must be greater than or equal to 1, got -5"
+    # 0 is a valid max_tokens on the wire since prompt logprobs (echo with max_tokens 0)
+    assert letters["bad-2"].reason == "invalid request: max_tokens: must be greater than or equal to 0, got -5"
     assert letters["bad-3"].reason == 'invalid request: max_tokens: expected an integer, got "8"'
     assert ends["bad-3"].error.message == letters["bad-3"].reason
 
