@@ -7,7 +7,9 @@ Exports into the directory the worker loads: the model entry's `path`, else
 $WEIR_HOME/models/<name>-onnx (WEIR_HOME defaults to <repo>/var in a checkout). Idempotent: an
 export of the same source (same sha256) is kept. The worker runs the same export on first use, so
 this script is only needed to do it ahead of time (an image build, a read-only deployment).
-Prints the export directory and its manifest.
+Also quantizes the audit fingerprints' int8 model into its own directory beside the export
+(<export>-int8/, never inside the served export). Prints the export directory, the int8 model's
+path and the export's manifest.
 """
 
 from __future__ import annotations
@@ -44,8 +46,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = args.out or config.path or default_export_dir(config.name)
     export_onnx(package_model_dir(config.source), out, source=config.source, force=args.force)
-    ensure_int8(out)  # the audit fingerprints' int8 model (docs/worker.md, "Fingerprints"), made ahead too
+    int8 = ensure_int8(out)  # the audit fingerprints' int8 model (docs/worker.md, "Fingerprints"), made ahead too
     print(out)
+    print(int8)
     print((out / MANIFEST).read_text(), end="")
     return 0
 

@@ -123,7 +123,8 @@ class SentenceEmbedder:
         self.tokenizer.no_truncation()  # tokenizer.json ships truncation and padding at 128
         self.tokenizer.no_padding()
         self.cls_id, self.sep_id, self.pad_id = (self._token_id(t) for t in ("[CLS]", "[SEP]", "[PAD]"))
-        # onnx_file: the float32 export, or its int8 quantization beside it (onnx_export.ensure_int8)
+        # onnx_file: the float32 export, or (an absolute path) its int8 quantization, kept outside the
+        # export (onnx_export.ensure_int8): model_dir / an absolute path is that path
         self.session = open_session(model_dir / onnx_file, use_cuda, num_threads)
         self.provider = self.session.get_providers()[0]
         self.default_max_batch_tokens = DEFAULT_MAX_BATCH_TOKENS.get(self.provider, 4096)

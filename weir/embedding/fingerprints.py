@@ -92,8 +92,8 @@ def build_fingerprinter(
     Called once at start by the worker, and on the first lookup by the auditor.
 
     precision "int8" (the default): on the CPU, the int8 quantization of the export (quantized once,
-    cached beside it), about half the CPU of float32 per text; its SimHashes differ from float32's by
-    a few bits of 64 (`weir bench fingerprints` measures how many, and lookup recall), well inside
+    cached in its own directory beside it, onnx_export.int8_dir: never inside the served export),
+    about half the CPU of float32 per text; its SimHashes differ from float32's by a few bits of 64 (`weir bench fingerprints` measures how many, and lookup recall), well inside
     the lookup's distance, so records of either precision match each other. "float32": the export
     as is. With `use_cuda` and onnxruntime's CUDA provider loadable, float32 on the GPU (int8 there
     would run MatMulInteger on the CPU)."""
@@ -111,7 +111,7 @@ def build_fingerprinter(
             embedder = SentenceEmbedder(export, use_cuda=True, num_threads=num_threads)
             if embedder.provider == "CUDAExecutionProvider":
                 return TextFingerprinter(embedder, max_model_len=config.max_model_len, precision="float32")
-        onnx_file = ensure_int8(export).name if precision == "int8" else "model.onnx"
+        onnx_file = str(ensure_int8(export)) if precision == "int8" else "model.onnx"  # int8: its own dir
         embedder = SentenceEmbedder(export, num_threads=num_threads, onnx_file=onnx_file)
     except Exception as exc:  # noqa: BLE001 - fingerprints are optional; the HMACs still go out
         log.warning("fingerprint model %s cannot load (%s): AuditEvents carry no SimHash", model_name, exc)

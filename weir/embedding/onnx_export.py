@@ -22,7 +22,6 @@ import hashlib
 import importlib
 import json
 import logging
-import os
 import shutil
 import warnings
 from pathlib import Path
@@ -203,53 +202,74 @@ def ensure_export(config: ModelConfig) -> Path:
 # The audit fingerprints run on the CPU beside the serving path (docs/worker.md, "Fingerprints"):
 # onnxruntime's dynamic quantization of the float32 export halves their CPU per request. Weights
 # are int8 per output channel (per tensor moved SimHashes by ~9 bits of 64 on MiniLM; per channel
-# moves them by ~1-2), activations are quantized per call. Written beside the float32 export it
-# was made from, with a record of that export's sha256: a new float32 export makes a new int8 one.
+# moves them by ~1-2), activations are quantized per call. Written to its own directory beside the
+# float32 export (`<export>-int8/`), with a record of that export's sha256: a new float32 export makes
+# a new int8 one. Never inside the export: that directory is also a served model version's, whose
+# files are verified against its manifest at every load (weir/models/manifest.py), so a file added
+# there after the version was registered would refuse every later load of it.
 
 INT8_FILE = "model.int8.onnx"
 INT8_MANIFEST = "weir-int8.json"
 INT8_OPTIONS = {"weight_type": "QInt8", "per_channel": True, "reduce_range": False}
 
 
-def _int8_is_current(export_dir: Path) -> bool:
+def int8_dir(export_dir: Path) -> Path:
+    """Where the int8 model of the export in `export_dir` is kept: `<export_dir>-int8`, beside it."""
+    export_dir = Path(export_dir)
+    return export_dir.with_name(f"{export_dir.name}-int8")
+
+
+def _int8_is_current(out: Path, onnx_sha256: str) -> bool:
     try:
-        record = json.loads((export_dir / INT8_MANIFEST).read_text())
+        record = json.loads((out / INT8_MANIFEST).read_text())
     except (OSError, ValueError):
         return False
     return (
-        (export_dir / INT8_FILE).is_file()
-        and record.get("from_onnx_sha256") == file_sha256(export_dir / "model.onnx")
+        (out / INT8_FILE).is_file()
+        and record.get("from_onnx_sha256") == onnx_sha256
         and record.get("options") == INT8_OPTIONS
     )
 
 
-def ensure_int8(export_dir: Path) -> Path:
-    """The int8 model of the float32 export in `export_dir` (quantized once, then reused): its path."""
-    out = export_dir / INT8_FILE
-    if _int8_is_current(export_dir):
-        return out
-    with exclusive(out):  # a worker and an auditor starting together quantize once
-        if _int8_is_current(export_dir):
-            return out
-        from onnxruntime.quantization import QuantType, quantize_dynamic
+def _drop_int8_inside(export_dir: Path) -> None:
+    """Remove an int8 model an earlier Weir wrote inside the export (stamped by its weir-int8.json):
+    the served version's manifest, packed before it was made, refuses it as an extra file."""
+    if (export_dir / INT8_MANIFEST).is_file():
+        log.info("removing the int8 model inside %s (now kept in %s)", export_dir, int8_dir(export_dir))
+        (export_dir / INT8_FILE).unlink(missing_ok=True)
+        (export_dir / INT8_MANIFEST).unlink(missing_ok=True)
 
-        log.info("quantizing %s to int8", export_dir / "model.onnx")
-        tmp = export_dir / f".{INT8_FILE}.{os.getpid()}.tmp"
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            quantize_dynamic(
-                str(export_dir / "model.onnx"),
-                str(tmp),
-                weight_type=QuantType.QInt8,
-                per_channel=INT8_OPTIONS["per_channel"],
-                reduce_range=INT8_OPTIONS["reduce_range"],
-            )
-        os.replace(tmp, out)
-        record = {
-            "from_onnx_sha256": file_sha256(export_dir / "model.onnx"),
-            "int8_sha256": file_sha256(out),
-            "options": INT8_OPTIONS,
-        }
-        (export_dir / f".{INT8_MANIFEST}.tmp").write_text(json.dumps(record, indent=2) + "\n")
-        os.replace(export_dir / f".{INT8_MANIFEST}.tmp", export_dir / INT8_MANIFEST)
-    return out
+
+def ensure_int8(export_dir: Path) -> Path:
+    """The int8 model of the float32 export in `export_dir` (quantized once into int8_dir(export_dir),
+    then reused): its path."""
+    export_dir = Path(export_dir)
+    _drop_int8_inside(export_dir)
+    out = int8_dir(export_dir)
+    onnx_sha256 = file_sha256(export_dir / "model.onnx")
+    if not _int8_is_current(out, onnx_sha256):
+        with exclusive(out):  # a worker and an auditor starting together quantize once
+            if not _int8_is_current(out, onnx_sha256):
+                build_into(
+                    out,
+                    lambda tmp: _quantize_into(export_dir, tmp, onnx_sha256),
+                    lambda done: _int8_is_current(done, onnx_sha256),
+                )
+    return out / INT8_FILE
+
+
+def _quantize_into(export_dir: Path, tmp: Path, onnx_sha256: str) -> None:
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    log.info("quantizing %s to int8", export_dir / "model.onnx")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantize_dynamic(
+            str(export_dir / "model.onnx"),
+            str(tmp / INT8_FILE),
+            weight_type=QuantType.QInt8,
+            per_channel=INT8_OPTIONS["per_channel"],
+            reduce_range=INT8_OPTIONS["reduce_range"],
+        )
+    record = {"from_onnx_sha256": onnx_sha256, "int8_sha256": file_sha256(tmp / INT8_FILE), "options": INT8_OPTIONS}
+    (tmp / INT8_MANIFEST).write_text(json.dumps(record, indent=2) + "\n")

@@ -4,14 +4,20 @@ tests/data/fingerprints/paraphrases.jsonl: SimHash bits moved, lookup recall, ba
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
+from pathlib import Path
+
+import pytest
 
 from bench.fingerprints import load_pairs, recall
 from schemas.fingerprint import hamming_distance
+from schemas.model_repo import ModelConfig
 from services.auditor.lookup import DEFAULT_MAX_DISTANCE
 from weir.digests import file_sha256
 from weir.embedding.fingerprints import TextFingerprinter
-from weir.embedding.onnx_export import INT8_FILE, INT8_MANIFEST, ensure_int8
+from weir.embedding.onnx_export import INT8_FILE, INT8_MANIFEST, ensure_int8, int8_dir
+from weir.models.manifest import ManifestError, pack, verify_files
 
 PAIRS = load_pairs()
 TEXTS = [text for pair in PAIRS for text in pair]
@@ -61,9 +67,36 @@ def test_int8_batched_equals_one_at_a_time(fingerprinter: TextFingerprinter) -> 
 
 def test_int8_model_is_made_once_beside_its_export(fingerprinter: TextFingerprinter) -> None:
     export_dir = fingerprinter.embedder.model_dir
-    int8 = export_dir / INT8_FILE
+    int8 = int8_dir(export_dir) / INT8_FILE
+    assert int8.parent == export_dir.parent / f"{export_dir.name}-int8"
     made = int8.stat().st_mtime_ns
     assert ensure_int8(export_dir) == int8 and int8.stat().st_mtime_ns == made  # reused, not quantized again
-    record = json.loads((export_dir / INT8_MANIFEST).read_text())
+    record = json.loads((int8.parent / INT8_MANIFEST).read_text())
     assert record["from_onnx_sha256"] == file_sha256(export_dir / "model.onnx")
     assert record["int8_sha256"] == file_sha256(int8) == fingerprinter.embedder.weights_sha256
+    assert not (export_dir / INT8_FILE).exists() and not (export_dir / INT8_MANIFEST).exists()
+
+
+def test_int8_model_leaves_the_served_export_verifiable(fingerprinter: TextFingerprinter, tmp_path: Path) -> None:
+    # The export is also the served embedding version's directory: its manifest is packed when the
+    # version is registered (the first `weir up`), before any fingerprinter ran, and every later load
+    # verifies the directory against it. Quantizing must not add a file there (it did: every load
+    # after the first answered 503 "model.int8.onnx ... is not in the manifest"); an int8 model an
+    # earlier Weir left inside is removed.
+    export = tmp_path / "all-MiniLM-L6-v2-onnx"
+    shutil.copytree(
+        fingerprinter.embedder.model_dir, export, ignore=shutil.ignore_patterns(".*", "model.int8.onnx", INT8_MANIFEST)
+    )
+    manifest = pack(ModelConfig(name="all-MiniLM-L6-v2", engine="onnx", version="1", path=export))
+    assert {f.path for f in manifest.files} == {"model.onnx", "tokenizer.json", "config.json", "weir-export.json"}
+    # as an earlier Weir left it: the int8 model inside the export, after the manifest was packed
+    shutil.copyfile(int8_dir(fingerprinter.embedder.model_dir) / INT8_FILE, export / INT8_FILE)
+    (export / INT8_MANIFEST).write_text("{}\n")
+    with pytest.raises(ManifestError, match="not in the manifest"):
+        verify_files(manifest)
+
+    int8 = ensure_int8(export)
+    verify_files(manifest)  # the served version loads again, now and after every later start
+    assert int8 == tmp_path / "all-MiniLM-L6-v2-onnx-int8" / INT8_FILE and int8.is_file()
+    assert ensure_int8(export) == int8  # reused: the second start adds nothing either
+    verify_files(manifest)
